@@ -4,3 +4,4 @@
 pub mod error;
 
 pub use error::{EngineError, Result};
+pub mod gguf;
