@@ -38,7 +38,9 @@ pub enum EngineError {
     Sampling(String),
     #[error("unknown sequence {0}")]
     UnknownSequence(u64),
-    #[error("sequence {seq} would need {needed} positions but the context window is {window} tokens")]
+    #[error(
+        "sequence {seq} would need {needed} positions but the context window is {window} tokens"
+    )]
     ContextOverflow {
         seq: u64,
         needed: usize,

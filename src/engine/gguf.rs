@@ -165,10 +165,12 @@ impl<R: Read> HeaderReader<R> {
             )));
         }
         let mut buf = vec![0u8; n as usize];
-        self.inner.read_exact(&mut buf).map_err(|e| EngineError::Io {
-            path: self.path.clone(),
-            source: e,
-        })?;
+        self.inner
+            .read_exact(&mut buf)
+            .map_err(|e| EngineError::Io {
+                path: self.path.clone(),
+                source: e,
+            })?;
         self.pos += n;
         Ok(buf)
     }
@@ -307,10 +309,11 @@ impl GgufSource {
         let data_start = r.pos.div_ceil(alignment) * alignment;
         let mut tensors = HashMap::new();
         for (name, dims, type_id, offset) in directory {
-            let dtype = dtype_from_id(type_id).ok_or_else(|| EngineError::UnsupportedTensorType {
-                name: name.clone(),
-                dtype: ggml_type_name(type_id),
-            })?;
+            let dtype =
+                dtype_from_id(type_id).ok_or_else(|| EngineError::UnsupportedTensorType {
+                    name: name.clone(),
+                    dtype: ggml_type_name(type_id),
+                })?;
             let elems: usize = dims.iter().product();
             let block = dtype.block_size();
             if elems % block != 0 {
@@ -391,10 +394,11 @@ impl GgufSource {
                 let mut f = File::open(&*path).map_err(io_err)?;
                 f.seek(SeekFrom::Start(entry.offset)).map_err(io_err)?;
                 let mut buf = AlignedBytes::zeroed(entry.n_bytes);
-                f.read_exact(buf.as_mut_slice()).map_err(|e| EngineError::Corrupt {
-                    path: path.clone(),
-                    detail: format!("tensor `{name}` cannot be read: {e}"),
-                })?;
+                f.read_exact(buf.as_mut_slice())
+                    .map_err(|e| EngineError::Corrupt {
+                        path: path.clone(),
+                        detail: format!("tensor `{name}` cannot be read: {e}"),
+                    })?;
                 buf
             }
             Backing::Memory(map) => map

@@ -5,3 +5,4 @@ pub mod error;
 
 pub use error::{EngineError, Result};
 pub mod gguf;
+pub mod quant;
