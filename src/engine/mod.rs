@@ -4,5 +4,13 @@
 pub mod error;
 
 pub use error::{EngineError, Result};
+pub mod config;
 pub mod gguf;
+pub mod kv_cache;
+pub mod model;
 pub mod quant;
+pub mod step;
+
+pub use config::{Architecture, ModelConfig};
+pub use model::{LogitsMode, Model};
+pub use step::{Engine, EngineStats, SeqId, SeqStep};

@@ -199,7 +199,16 @@ fn matmul_typed<B: GgmlType>(w: &QMatrix, x: &[f32], n_tokens: usize, out: &mut 
     let mut xq: Vec<B::VecDotType> =
         vec![<B::VecDotType as GgmlType>::zeros(); n_tokens * dot_blocks_per_row];
     for (t, chunk) in xq.chunks_mut(dot_blocks_per_row).enumerate() {
-        <B::VecDotType as GgmlType>::from_float(&x[t * cols..(t + 1) * cols], chunk);
+        let xr = &x[t * cols..(t + 1) * cols];
+        if <B::VecDotType as GgmlType>::DTYPE == GgmlDType::Q8_1 {
+            // SAFETY: same layout as candle's BlockQ8_1.
+            let blocks = unsafe {
+                std::slice::from_raw_parts_mut(chunk.as_mut_ptr() as *mut Q8_1Block, chunk.len())
+            };
+            quantize_q8_1_ggml(xr, blocks);
+        } else {
+            <B::VecDotType as GgmlType>::from_float(xr, chunk);
+        }
     }
     let weights: &[B] = as_blocks::<B>(w.data.as_slice());
     // Compute into a row-major [rows, tokens] buffer so each task owns a contiguous slice, then
@@ -222,6 +231,30 @@ fn matmul_typed<B: GgmlType>(w: &QMatrix, x: &[f32], n_tokens: usize, out: &mut 
         for t in 0..n_tokens {
             out[t * w.rows + r] = tmp[r * n_tokens + t];
         }
+    }
+}
+
+#[repr(C)]
+struct Q8_1Block {
+    d: f16,
+    s: f16,
+    qs: [i8; 32],
+}
+
+/// ggml's x86 `quantize_row_q8_1`: scale 127/amax, round half to even, `s = d * Σq`.
+fn quantize_q8_1_ggml(x: &[f32], out: &mut [Q8_1Block]) {
+    for (xb, yb) in x.chunks(32).zip(out.iter_mut()) {
+        let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let d = amax / 127.0;
+        let id = if amax != 0.0 { 127.0 / amax } else { 0.0 };
+        let mut sum = 0i32;
+        for (q, &v) in yb.qs.iter_mut().zip(xb) {
+            let r = (v * id).round_ties_even() as i32;
+            *q = r as i8;
+            sum += r;
+        }
+        yb.d = f16::from_f32(d);
+        yb.s = f16::from_f32(d * sum as f32);
     }
 }
 

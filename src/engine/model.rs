@@ -1,0 +1,524 @@
+//! The Llama-family transformer that serves both SmolLM2 (`llama`) and SmolLM3 (`smollm3`, which is
+//! Llama with RoPE left out of every fourth layer).
+//!
+//! One forward pass serves many sequences: the new tokens of every sequence (a prefill chunk or a
+//! single decode token) are concatenated, each linear layer runs once over all of them, and
+//! attention runs per sequence and head against that sequence's own KV cache at its own positions.
+//! Logits are computed only for the rows that are asked for.
+
+use rayon::prelude::*;
+use tracing::trace_span;
+
+use super::config::{Architecture, ModelConfig, YarnScaling};
+use super::error::{EngineError, Result};
+use super::gguf::{GgmlDType, GgufSource};
+use super::kv_cache::KvCache;
+use super::quant::QMatrix;
+
+/// Which logits a sequence wants from a step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LogitsMode {
+    /// None (a prefill chunk that is not the prompt's last).
+    None,
+    /// The last position only (what sampling needs).
+    Last,
+    /// Every position of the chunk (for `smolchat logits` and teacher-forced checks).
+    All,
+}
+
+/// One sequence's part of a forward step.
+pub struct BatchItem<'a> {
+    pub cache: &'a mut KvCache,
+    pub tokens: &'a [u32],
+    pub logits: LogitsMode,
+}
+
+struct Layer {
+    attn_norm: Vec<f32>,
+    wq: QMatrix,
+    wk: QMatrix,
+    wv: QMatrix,
+    wo: QMatrix,
+    ffn_norm: Vec<f32>,
+    w_gate: QMatrix,
+    w_up: QMatrix,
+    w_down: QMatrix,
+}
+
+pub struct Model {
+    pub config: ModelConfig,
+    token_embd: QMatrix,
+    /// `None` when the embeddings are tied (the LM head is `token_embd`).
+    output: Option<QMatrix>,
+    output_norm: Vec<f32>,
+    layers: Vec<Layer>,
+}
+
+/// Progress of a load, in bytes of tensor data.
+pub type LoadProgress<'a> = &'a mut dyn FnMut(u64, u64);
+
+impl Model {
+    /// Builds the model from a GGUF source, reading one tensor at a time (weights stay quantized).
+    pub fn load(src: &mut GgufSource, progress: LoadProgress<'_>) -> Result<Self> {
+        let config = ModelConfig::from_gguf(src)?;
+        let total: u64 = src.tensors.values().map(|t| t.n_bytes as u64).sum();
+        let mut done = 0u64;
+        let c = &config;
+        let q_dim = c.n_heads * c.head_dim;
+        let kv_dim = c.n_kv_heads * c.head_dim;
+
+        let mut matrix = |src: &mut GgufSource, name: &str, rows: usize, cols: usize| {
+            let raw = src.take_tensor(name)?;
+            done += raw.data.len() as u64;
+            progress(done, total);
+            if raw.dims != [rows, cols] {
+                return Err(EngineError::BadShape {
+                    name: name.to_string(),
+                    actual: raw.dims,
+                    expected: vec![rows, cols],
+                });
+            }
+            QMatrix::from_raw(raw)
+        };
+        let token_embd = matrix(src, "token_embd.weight", c.vocab_size, c.hidden)?;
+        let output = if src.tensors.contains_key("output.weight") {
+            Some(matrix(src, "output.weight", c.vocab_size, c.hidden)?)
+        } else {
+            None
+        };
+        let mut layers = Vec::with_capacity(c.n_layers);
+        for i in 0..c.n_layers {
+            let n = |s: &str| format!("blk.{i}.{s}.weight");
+            layers.push(Layer {
+                attn_norm: Vec::new(),
+                wq: matrix(src, &n("attn_q"), q_dim, c.hidden)?,
+                wk: matrix(src, &n("attn_k"), kv_dim, c.hidden)?,
+                wv: matrix(src, &n("attn_v"), kv_dim, c.hidden)?,
+                wo: matrix(src, &n("attn_output"), c.hidden, q_dim)?,
+                ffn_norm: Vec::new(),
+                w_gate: matrix(src, &n("ffn_gate"), c.ffn, c.hidden)?,
+                w_up: matrix(src, &n("ffn_up"), c.ffn, c.hidden)?,
+                w_down: matrix(src, &n("ffn_down"), c.hidden, c.ffn)?,
+            });
+        }
+        for (i, layer) in layers.iter_mut().enumerate() {
+            layer.attn_norm = norm_vector(src, &format!("blk.{i}.attn_norm.weight"), c.hidden)?;
+            layer.ffn_norm = norm_vector(src, &format!("blk.{i}.ffn_norm.weight"), c.hidden)?;
+        }
+        let output_norm = norm_vector(src, "output_norm.weight", c.hidden)?;
+        progress(total, total);
+        Ok(Self {
+            config,
+            token_embd,
+            output,
+            output_norm,
+            layers,
+        })
+    }
+
+    /// A fresh, empty KV cache shaped for this model.
+    pub fn new_cache(&self) -> KvCache {
+        KvCache::new(
+            self.config.n_layers,
+            self.config.n_kv_heads,
+            self.config.head_dim,
+        )
+    }
+
+    /// Bytes of weights held.
+    pub fn weight_bytes(&self) -> usize {
+        let mut n = self.token_embd.size_in_bytes()
+            + self.output.as_ref().map_or(0, |o| o.size_in_bytes())
+            + self.output_norm.len() * 4;
+        for l in &self.layers {
+            n += [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down]
+                .iter()
+                .map(|m| m.size_in_bytes())
+                .sum::<usize>()
+                + (l.attn_norm.len() + l.ffn_norm.len()) * 4;
+        }
+        n
+    }
+
+    /// Checks a batch before anything is computed, so a bad request never leaves caches half-updated.
+    pub fn validate(&self, items: &[BatchItem<'_>]) -> Result<()> {
+        let c = &self.config;
+        if items.is_empty() {
+            return Err(EngineError::InvalidStep(
+                "a step needs at least one sequence".into(),
+            ));
+        }
+        for (i, item) in items.iter().enumerate() {
+            if item.tokens.is_empty() {
+                return Err(EngineError::InvalidStep(format!(
+                    "sequence #{i} of the step has no tokens"
+                )));
+            }
+            if let Some(&id) = item.tokens.iter().find(|&&t| t as usize >= c.vocab_size) {
+                return Err(EngineError::BadToken {
+                    id,
+                    vocab: c.vocab_size,
+                });
+            }
+            let needed = item.cache.len() + item.tokens.len();
+            if needed > c.context_length {
+                return Err(EngineError::ContextOverflow {
+                    seq: i as u64,
+                    needed,
+                    window: c.context_length,
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Runs one step. Returns, per item, `None`, the last row of logits (`vocab` floats) or every
+    /// row (`tokens.len() * vocab` floats), as each item asked.
+    pub fn forward(&self, items: &mut [BatchItem<'_>]) -> Result<Vec<Option<Vec<f32>>>> {
+        self.validate(items)?;
+        let _span = trace_span!("forward", seqs = items.len()).entered();
+        let c = &self.config;
+        let hidden = c.hidden;
+        let hd = c.head_dim;
+        let q_dim = c.n_heads * hd;
+        let kv_dim = c.n_kv_heads * hd;
+
+        // Row layout of the concatenated batch.
+        let mut offsets = Vec::with_capacity(items.len() + 1);
+        let mut positions = Vec::new();
+        offsets.push(0usize);
+        for item in items.iter() {
+            let start = item.cache.len();
+            positions.extend(start..start + item.tokens.len());
+            offsets.push(offsets[offsets.len() - 1] + item.tokens.len());
+        }
+        let n = positions.len();
+        for item in items.iter_mut() {
+            item.cache.reserve(item.tokens.len());
+        }
+
+        let mut x = vec![0f32; n * hidden];
+        for (row, &tok) in items.iter().flat_map(|i| i.tokens.iter()).enumerate() {
+            self.token_embd
+                .dequantize_row(tok as usize, &mut x[row * hidden..(row + 1) * hidden])?;
+        }
+        let rope = RopeTable::new(c, &positions);
+
+        let mut h = vec![0f32; n * hidden];
+        let mut q = vec![0f32; n * q_dim];
+        let mut k = vec![0f32; n * kv_dim];
+        let mut v = vec![0f32; n * kv_dim];
+        let mut attn = vec![0f32; n * q_dim];
+        let mut proj = vec![0f32; n * hidden];
+        let mut gate = vec![0f32; n * c.ffn];
+        let mut up = vec![0f32; n * c.ffn];
+
+        for (li, layer) in self.layers.iter().enumerate() {
+            let _span = trace_span!("layer", li).entered();
+            rms_norm(&x, &layer.attn_norm, c.rms_eps, &mut h);
+            layer.wq.matmul(&h, n, &mut q);
+            layer.wk.matmul(&h, n, &mut k);
+            layer.wv.matmul(&h, n, &mut v);
+            if c.uses_rope[li] {
+                rope.apply(&mut q, c.n_heads, hd);
+                rope.apply(&mut k, c.n_kv_heads, hd);
+            }
+            for (si, item) in items.iter_mut().enumerate() {
+                let lc = &mut item.cache.layers[li];
+                for row in offsets[si]..offsets[si + 1] {
+                    for kh in 0..c.n_kv_heads {
+                        let src = row * kv_dim + kh * hd;
+                        lc.k[kh].extend_from_slice(&k[src..src + hd]);
+                        lc.v[kh].extend_from_slice(&v[src..src + hd]);
+                    }
+                }
+            }
+            self.attention(li, items, &offsets, &q, &mut attn);
+            layer.wo.matmul(&attn, n, &mut proj);
+            add_in_place(&mut x, &proj);
+
+            rms_norm(&x, &layer.ffn_norm, c.rms_eps, &mut h);
+            layer.w_gate.matmul(&h, n, &mut gate);
+            layer.w_up.matmul(&h, n, &mut up);
+            swiglu_in_place(&mut gate, &up);
+            layer.w_down.matmul(&gate, n, &mut proj);
+            add_in_place(&mut x, &proj);
+        }
+        for item in items.iter_mut() {
+            item.cache.commit_tokens(item.tokens);
+        }
+
+        // Only the rows somebody asked for go through the final norm and the LM head.
+        let mut rows = Vec::new();
+        for (si, item) in items.iter().enumerate() {
+            match item.logits {
+                LogitsMode::None => {}
+                LogitsMode::Last => rows.push(offsets[si + 1] - 1),
+                LogitsMode::All => rows.extend(offsets[si]..offsets[si + 1]),
+            }
+        }
+        let vocab = c.vocab_size;
+        let mut logits = vec![0f32; rows.len() * vocab];
+        if !rows.is_empty() {
+            let _span = trace_span!("lm_head", rows = rows.len()).entered();
+            let mut sel = vec![0f32; rows.len() * hidden];
+            for (i, &r) in rows.iter().enumerate() {
+                sel[i * hidden..(i + 1) * hidden].copy_from_slice(&x[r * hidden..(r + 1) * hidden]);
+            }
+            let mut normed = vec![0f32; sel.len()];
+            rms_norm(&sel, &self.output_norm, c.rms_eps, &mut normed);
+            let head = self.output.as_ref().unwrap_or(&self.token_embd);
+            head.matmul(&normed, rows.len(), &mut logits);
+        }
+        let mut out = Vec::with_capacity(items.len());
+        let mut cursor = 0usize;
+        for item in items.iter() {
+            let take = match item.logits {
+                LogitsMode::None => 0,
+                LogitsMode::Last => 1,
+                LogitsMode::All => item.tokens.len(),
+            };
+            if take == 0 {
+                out.push(None);
+            } else {
+                out.push(Some(
+                    logits[cursor * vocab..(cursor + take) * vocab].to_vec(),
+                ));
+                cursor += take;
+            }
+        }
+        Ok(out)
+    }
+
+    /// Causal attention of every new row against its own sequence's cache (which already holds the
+    /// new rows' K/V). Work is split per (sequence, query head) across the rayon pool.
+    fn attention(
+        &self,
+        layer: usize,
+        items: &[BatchItem<'_>],
+        offsets: &[usize],
+        q: &[f32],
+        out: &mut [f32],
+    ) {
+        let c = &self.config;
+        let hd = c.head_dim;
+        let q_dim = c.n_heads * hd;
+        let group = c.n_heads / c.n_kv_heads;
+        let scale = 1.0 / (hd as f32).sqrt();
+        let tasks: Vec<(usize, usize)> = (0..items.len())
+            .flat_map(|s| (0..c.n_heads).map(move |h| (s, h)))
+            .collect();
+        let results: Vec<Vec<f32>> = tasks
+            .par_iter()
+            .map(|&(s, head)| {
+                let lc = &items[s].cache.layers[layer];
+                let keys = &lc.k[head / group];
+                let values = &lc.v[head / group];
+                let n_new = offsets[s + 1] - offsets[s];
+                let total = keys.len() / hd;
+                let past = total - n_new;
+                let mut res = vec![0f32; n_new * hd];
+                let mut scores = vec![0f32; total];
+                for i in 0..n_new {
+                    let row = offsets[s] + i;
+                    let qv = &q[row * q_dim + head * hd..row * q_dim + (head + 1) * hd];
+                    let visible = past + i + 1;
+                    let mut max = f32::NEG_INFINITY;
+                    for (j, sc) in scores[..visible].iter_mut().enumerate() {
+                        *sc = dot(qv, &keys[j * hd..(j + 1) * hd]) * scale;
+                        max = max.max(*sc);
+                    }
+                    let mut sum = 0f32;
+                    for sc in scores[..visible].iter_mut() {
+                        *sc = (*sc - max).exp();
+                        sum += *sc;
+                    }
+                    let inv = 1.0 / sum;
+                    let o = &mut res[i * hd..(i + 1) * hd];
+                    for (j, &p) in scores[..visible].iter().enumerate() {
+                        axpy(p * inv, &values[j * hd..(j + 1) * hd], o);
+                    }
+                }
+                res
+            })
+            .collect();
+        for (&(s, head), res) in tasks.iter().zip(results) {
+            for i in 0..offsets[s + 1] - offsets[s] {
+                let row = offsets[s] + i;
+                out[row * q_dim + head * hd..row * q_dim + (head + 1) * hd]
+                    .copy_from_slice(&res[i * hd..(i + 1) * hd]);
+            }
+        }
+    }
+
+    pub fn architecture(&self) -> Architecture {
+        self.config.arch
+    }
+}
+
+fn norm_vector(src: &mut GgufSource, name: &str, len: usize) -> Result<Vec<f32>> {
+    let raw = src.take_tensor(name)?;
+    if raw.dims.iter().product::<usize>() != len {
+        return Err(EngineError::BadShape {
+            name: name.to_string(),
+            actual: raw.dims,
+            expected: vec![len],
+        });
+    }
+    match raw.dtype {
+        GgmlDType::F32 | GgmlDType::F16 => {
+            let m = QMatrix::from_raw(super::gguf::RawTensor {
+                dims: vec![1, len],
+                ..raw
+            })?;
+            let mut out = vec![0f32; len];
+            m.dequantize_row(0, &mut out)?;
+            Ok(out)
+        }
+        other => Err(EngineError::UnsupportedTensorType {
+            name: name.to_string(),
+            dtype: format!("{other:?} (norm weights must be F32 or F16)"),
+        }),
+    }
+}
+
+/// cos/sin of every (row, frequency) pair of a step, shared by all RoPE layers.
+struct RopeTable {
+    rope_dim: usize,
+    /// `[row][rope_dim / 2]`
+    cos: Vec<f32>,
+    sin: Vec<f32>,
+}
+
+impl RopeTable {
+    fn new(c: &ModelConfig, positions: &[usize]) -> Self {
+        let half = c.rope_dim / 2;
+        let mut cos = Vec::with_capacity(positions.len() * half);
+        let mut sin = Vec::with_capacity(positions.len() * half);
+        let theta_scale = c.rope_theta.powf(-2.0 / c.rope_dim as f32);
+        let yarn = c
+            .yarn
+            .map(|y| YarnParams::new(&y, c.rope_dim, c.rope_theta));
+        for &p in positions {
+            let mut theta = p as f32;
+            for i in 0..half {
+                let (cs, sn) = match &yarn {
+                    None => (theta.cos(), theta.sin()),
+                    Some(y) => y.cos_sin(theta, i),
+                };
+                cos.push(cs);
+                sin.push(sn);
+                theta *= theta_scale;
+            }
+        }
+        Self {
+            rope_dim: c.rope_dim,
+            cos,
+            sin,
+        }
+    }
+
+    /// Rotates adjacent pairs `(x[2i], x[2i+1])` of each head (GGML's "normal" RoPE, which is what
+    /// llama.cpp's converters prepare llama and smollm3 weights for).
+    fn apply(&self, data: &mut [f32], n_heads: usize, head_dim: usize) {
+        let half = self.rope_dim / 2;
+        let width = n_heads * head_dim;
+        for (row, chunk) in data.chunks_mut(width).enumerate() {
+            let cos = &self.cos[row * half..(row + 1) * half];
+            let sin = &self.sin[row * half..(row + 1) * half];
+            for head in chunk.chunks_mut(head_dim) {
+                for i in 0..half {
+                    let (a, b) = (head[2 * i], head[2 * i + 1]);
+                    head[2 * i] = a * cos[i] - b * sin[i];
+                    head[2 * i + 1] = a * sin[i] + b * cos[i];
+                }
+            }
+        }
+    }
+}
+
+/// YaRN as computed by ggml's `rope_yarn`: interpolate low frequencies, extrapolate high ones,
+/// with a linear ramp between the correction dimensions, and scale magnitudes by `mscale`.
+struct YarnParams {
+    freq_scale: f32,
+    low: f32,
+    high: f32,
+    mscale: f32,
+}
+
+impl YarnParams {
+    fn new(y: &YarnScaling, rope_dim: usize, base: f32) -> Self {
+        let corr_dim = |beta: f32| {
+            rope_dim as f32 * (y.original_context as f32 / (beta * 2.0 * std::f32::consts::PI)).ln()
+                / (2.0 * base.ln())
+        };
+        let low = corr_dim(y.beta_fast).floor().max(0.0);
+        let high = corr_dim(y.beta_slow).ceil().min(rope_dim as f32 - 1.0);
+        let freq_scale = 1.0 / y.factor;
+        Self {
+            freq_scale,
+            low,
+            high,
+            mscale: y.attn_factor * (1.0 + 0.1 * (1.0 / freq_scale).ln()),
+        }
+    }
+
+    fn cos_sin(&self, theta_extrap: f32, pair: usize) -> (f32, f32) {
+        let theta_interp = self.freq_scale * theta_extrap;
+        let ramp = {
+            let y = (pair as f32 - self.low) / (self.high - self.low).max(0.001);
+            1.0 - y.clamp(0.0, 1.0)
+        };
+        let theta = theta_interp * (1.0 - ramp) + theta_extrap * ramp;
+        (theta.cos() * self.mscale, theta.sin() * self.mscale)
+    }
+}
+
+/// `out[r] = x[r] / rms(x[r]) * weight` for every row (sum in f64, as ggml does).
+fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
+    let d = weight.len();
+    for (xr, or) in x.chunks(d).zip(out.chunks_mut(d)) {
+        let ss: f64 = xr.iter().map(|&v| (v as f64) * (v as f64)).sum();
+        let scale = (1.0 / ((ss / d as f64) as f32 + eps).sqrt()) as f32;
+        for ((o, &v), &w) in or.iter_mut().zip(xr).zip(weight) {
+            *o = v * scale * w;
+        }
+    }
+}
+
+fn add_in_place(x: &mut [f32], y: &[f32]) {
+    for (a, &b) in x.iter_mut().zip(y) {
+        *a += b;
+    }
+}
+
+/// `gate = silu(gate) * up`
+fn swiglu_in_place(gate: &mut [f32], up: &[f32]) {
+    for (g, &u) in gate.iter_mut().zip(up) {
+        *g = *g / (1.0 + (-*g).exp()) * u;
+    }
+}
+
+/// Dot product with eight independent accumulators so the compiler vectorises it.
+#[inline]
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0f32; 8];
+    let chunks = a.len() / 8;
+    for c in 0..chunks {
+        for l in 0..8 {
+            acc[l] += a[c * 8 + l] * b[c * 8 + l];
+        }
+    }
+    let mut s: f32 = acc.iter().sum();
+    for i in chunks * 8..a.len() {
+        s += a[i] * b[i];
+    }
+    s
+}
+
+#[inline]
+fn axpy(alpha: f32, x: &[f32], y: &mut [f32]) {
+    for (o, &v) in y.iter_mut().zip(x) {
+        *o += alpha * v;
+    }
+}
