@@ -1,0 +1,607 @@
+//! Chat template rendering against the Hugging Face reference renders and the shipped models.
+
+use std::path::{Path, PathBuf};
+
+use chrono::NaiveDate;
+use serde_json::json;
+use smolchat::engine::gguf::{GgufSource, Value as GgufValue};
+use smolchat::engine::template::{
+    prompt_ends_in_open_think, ChatMessage, ChatTemplate, RenderOptions, SMOLLM3_TEMPLATE,
+};
+use smolchat::engine::EngineError;
+
+/// `/work/shared/reference/smollm3-template-cases.json`, copied byte for byte so the test runs
+/// without the shared reference directory (`embedded_cases_match_reference` checks the copy).
+const CASES: &str = r#"[
+ {
+  "name": "user_only_think_default",
+  "context": {
+   "messages": [
+    {
+     "role": "user",
+     "content": "Hi there!"
+    }
+   ],
+   "add_generation_prompt": true
+  },
+  "rendered": "<|im_start|>system\n## Metadata\n\nKnowledge Cutoff Date: June 2025\nToday Date: 21 November 2026\nReasoning Mode: /think\n\n## Custom Instructions\n\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face. Your role as an assistant involves thoroughly exploring questions through a systematic thinking process before providing the final precise and accurate solutions. This requires engaging in a comprehensive cycle of analysis, summarizing, exploration, reassessment, reflection, backtracking, and iteration to develop well-considered thinking process. Please structure your response into two main sections: Thought and Solution using the specified format: <think> Thought section </think> Solution section. In the Thought section, detail your reasoning process in steps. Each step should include detailed considerations such as analysing questions, summarizing relevant findings, brainstorming new ideas, verifying the accuracy of the current steps, refining any errors, and revisiting previous steps. In the Solution section, based on various attempts, explorations, and reflections from the Thought section, systematically present the final solution that you deem correct. The Solution section should be logical, accurate, and concise and detail necessary steps needed to reach the conclusion.\n\n<|im_start|>user\nHi there!<|im_end|>\n<|im_start|>assistant\n"
+ },
+ {
+  "name": "user_only_no_think_flag",
+  "context": {
+   "messages": [
+    {
+     "role": "user",
+     "content": "Hi there!"
+    }
+   ],
+   "add_generation_prompt": true,
+   "enable_thinking": false
+  },
+  "rendered": "<|im_start|>system\n## Metadata\n\nKnowledge Cutoff Date: June 2025\nToday Date: 21 November 2026\nReasoning Mode: /no_think\n\n## Custom Instructions\n\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face.\n\n<|im_start|>user\nHi there!<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n"
+ },
+ {
+  "name": "system_custom",
+  "context": {
+   "messages": [
+    {
+     "role": "system",
+     "content": "You are a pirate."
+    },
+    {
+     "role": "user",
+     "content": "Hello"
+    }
+   ],
+   "add_generation_prompt": true
+  },
+  "rendered": "<|im_start|>system\n## Metadata\n\nKnowledge Cutoff Date: June 2025\nToday Date: 21 November 2026\nReasoning Mode: /think\n\n## Custom Instructions\n\nYou are a pirate.\n\n<|im_start|>user\nHello<|im_end|>\n<|im_start|>assistant\n"
+ },
+ {
+  "name": "system_no_think",
+  "context": {
+   "messages": [
+    {
+     "role": "system",
+     "content": "Be brief. /no_think"
+    },
+    {
+     "role": "user",
+     "content": "What is 2+2?"
+    }
+   ],
+   "add_generation_prompt": true
+  },
+  "rendered": "<|im_start|>system\n## Metadata\n\nKnowledge Cutoff Date: June 2025\nToday Date: 21 November 2026\nReasoning Mode: /no_think\n\n## Custom Instructions\n\nBe brief.\n\n<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n"
+ },
+ {
+  "name": "system_think_multi_turn",
+  "context": {
+   "messages": [
+    {
+     "role": "system",
+     "content": "/think"
+    },
+    {
+     "role": "user",
+     "content": "What is 2+2?"
+    },
+    {
+     "role": "assistant",
+     "content": "<think>\nTwo plus two.\n</think>\n4"
+    },
+    {
+     "role": "user",
+     "content": "And 3+3?"
+    }
+   ],
+   "add_generation_prompt": true
+  },
+  "rendered": "<|im_start|>system\n## Metadata\n\nKnowledge Cutoff Date: June 2025\nToday Date: 21 November 2026\nReasoning Mode: /think\n\n## Custom Instructions\n\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face. Your role as an assistant involves thoroughly exploring questions through a systematic thinking process before providing the final precise and accurate solutions. This requires engaging in a comprehensive cycle of analysis, summarizing, exploration, reassessment, reflection, backtracking, and iteration to develop well-considered thinking process. Please structure your response into two main sections: Thought and Solution using the specified format: <think> Thought section </think> Solution section. In the Thought section, detail your reasoning process in steps. Each step should include detailed considerations such as analysing questions, summarizing relevant findings, brainstorming new ideas, verifying the accuracy of the current steps, refining any errors, and revisiting previous steps. In the Solution section, based on various attempts, explorations, and reflections from the Thought section, systematically present the final solution that you deem correct. The Solution section should be logical, accurate, and concise and detail necessary steps needed to reach the conclusion.\n\n<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n<think>\nTwo plus two.\n</think>\n4<|im_end|>\n<|im_start|>user\nAnd 3+3?<|im_end|>\n<|im_start|>assistant\n"
+ },
+ {
+  "name": "no_think_multi_turn",
+  "context": {
+   "messages": [
+    {
+     "role": "system",
+     "content": "/no_think"
+    },
+    {
+     "role": "user",
+     "content": "Name a color."
+    },
+    {
+     "role": "assistant",
+     "content": "\nBlue."
+    },
+    {
+     "role": "user",
+     "content": "Another?"
+    }
+   ],
+   "add_generation_prompt": true
+  },
+  "rendered": "<|im_start|>system\n## Metadata\n\nKnowledge Cutoff Date: June 2025\nToday Date: 21 November 2026\nReasoning Mode: /no_think\n\n## Custom Instructions\n\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face.\n\n<|im_start|>user\nName a color.<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\nBlue.<|im_end|>\n<|im_start|>user\nAnother?<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n"
+ },
+ {
+  "name": "system_override",
+  "context": {
+   "messages": [
+    {
+     "role": "system",
+     "content": "Just answer. /system_override"
+    },
+    {
+     "role": "user",
+     "content": "Ping"
+    }
+   ],
+   "add_generation_prompt": true
+  },
+  "rendered": "<|im_start|>system\nJust answer.<|im_end|>\n<|im_start|>user\nPing<|im_end|>\n<|im_start|>assistant\n"
+ },
+ {
+  "name": "xml_tools_and_tool_role",
+  "context": {
+   "messages": [
+    {
+     "role": "user",
+     "content": "Weather in Paris?"
+    },
+    {
+     "role": "assistant",
+     "content": "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>"
+    },
+    {
+     "role": "tool",
+     "content": "{\"temp_c\": 18}"
+    }
+   ],
+   "add_generation_prompt": true,
+   "enable_thinking": false,
+   "xml_tools": [
+    "{\"type\": \"function\", \"function\": {\"name\": \"get_weather\", \"description\": \"Get the weather for a city\", \"parameters\": {\"type\": \"object\", \"properties\": {\"city\": {\"type\": \"string\"}}, \"required\": [\"city\"]}}}"
+   ]
+  },
+  "rendered": "<|im_start|>system\n## Metadata\n\nKnowledge Cutoff Date: June 2025\nToday Date: 21 November 2026\nReasoning Mode: /no_think\n\n## Custom Instructions\n\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face.\n\n### Tools\n\nYou may call one or more functions to assist with the user query.\nYou are provided with function signatures within <tools></tools> XML tags:\n\n<tools>\n{\"type\": \"function\", \"function\": {\"name\": \"get_weather\", \"description\": \"Get the weather for a city\", \"parameters\": {\"type\": \"object\", \"properties\": {\"city\": {\"type\": \"string\"}}, \"required\": [\"city\"]}}}\n</tools>\n\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call>\n\n<|im_end|>\n<|im_start|>user\nWeather in Paris?<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call><|im_end|>\n<|im_start|>user\n{\"temp_c\": 18}<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n"
+ },
+ {
+  "name": "no_generation_prompt",
+  "context": {
+   "messages": [
+    {
+     "role": "user",
+     "content": "Hi"
+    },
+    {
+     "role": "assistant",
+     "content": "Hello!"
+    }
+   ],
+   "add_generation_prompt": false,
+   "enable_thinking": false
+  },
+  "rendered": "<|im_start|>system\n## Metadata\n\nKnowledge Cutoff Date: June 2025\nToday Date: 21 November 2026\nReasoning Mode: /no_think\n\n## Custom Instructions\n\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face.\n\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\nHello!<|im_end|>\n"
+ },
+ {
+  "name": "unicode_content",
+  "context": {
+   "messages": [
+    {
+     "role": "user",
+     "content": "Ünïcödé — 🚀🦀 漢字 <b>tags</b> & \"quotes\""
+    }
+   ],
+   "add_generation_prompt": true,
+   "enable_thinking": false
+  },
+  "rendered": "<|im_start|>system\n## Metadata\n\nKnowledge Cutoff Date: June 2025\nToday Date: 21 November 2026\nReasoning Mode: /no_think\n\n## Custom Instructions\n\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face.\n\n<|im_start|>user\nÜnïcödé — 🚀🦀 漢字 <b>tags</b> & \"quotes\"<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n"
+ }
+]"#;
+
+/// The date the reference cases were rendered with (`strftime_now` gave `21 November 2026`).
+fn reference_date() -> NaiveDate {
+    NaiveDate::from_ymd_opt(2026, 11, 21).expect("valid date")
+}
+
+fn reference_dir() -> PathBuf {
+    PathBuf::from("/work/shared/reference")
+}
+
+fn cases() -> Vec<serde_json::Value> {
+    let cases: serde_json::Value = serde_json::from_str(CASES.trim()).expect("cases parse");
+    cases.as_array().expect("cases are a list").clone()
+}
+
+fn template_message(result: Result<impl std::fmt::Debug, EngineError>) -> String {
+    match result {
+        Err(EngineError::Template(msg)) => msg,
+        other => panic!("expected a template error, got {other:?}"),
+    }
+}
+
+#[test]
+fn reference_cases_render_byte_for_byte() {
+    let template = ChatTemplate::smollm3_default().expect("SmolLM3 template parses");
+    let cases = cases();
+    assert_eq!(cases.len(), 10);
+    for case in cases {
+        let name = case["name"].as_str().expect("name");
+        let want = case["rendered"].as_str().expect("rendered");
+        let got = template
+            .render_value(&case["context"], reference_date())
+            .unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert_eq!(got, want, "case {name}");
+    }
+}
+
+#[test]
+fn embedded_cases_match_reference() {
+    let dir = reference_dir();
+    let Ok(on_disk) = std::fs::read_to_string(dir.join("smollm3-template-cases.json")) else {
+        eprintln!("skipped: {} is not available", dir.display());
+        return;
+    };
+    assert_eq!(CASES.trim(), on_disk.trim());
+    let template = std::fs::read_to_string(dir.join("smollm3-chat-template.jinja"))
+        .expect("reference template");
+    assert_eq!(SMOLLM3_TEMPLATE, template);
+}
+
+/// Turns a reference context into typed messages and options.
+fn typed(context: &serde_json::Value) -> (Vec<ChatMessage>, RenderOptions) {
+    let messages = context["messages"]
+        .as_array()
+        .expect("messages")
+        .iter()
+        .map(|m| {
+            ChatMessage::new(
+                m["role"].as_str().expect("role"),
+                m["content"].as_str().expect("content"),
+            )
+        })
+        .collect();
+    let mut opts = RenderOptions::new(reference_date());
+    opts.add_generation_prompt = context["add_generation_prompt"].as_bool().unwrap_or(false);
+    opts.enable_thinking = context["enable_thinking"].as_bool();
+    if let Some(tools) = context["xml_tools"].as_array() {
+        opts.tools = Some(
+            tools
+                .iter()
+                .map(|t| serde_json::from_str(t.as_str().expect("tool string")).expect("tool"))
+                .collect(),
+        );
+    }
+    (messages, opts)
+}
+
+#[test]
+fn typed_render_matches_reference_cases() {
+    let template = ChatTemplate::smollm3_default().expect("parses");
+    for case in cases() {
+        let name = case["name"].as_str().expect("name");
+        let (messages, opts) = typed(&case["context"]);
+        let got = template
+            .render(&messages, &opts)
+            .unwrap_or_else(|e| panic!("{name}: {e}"));
+        let mut want = case["rendered"].as_str().expect("rendered").to_string();
+        if let Some(tools) = case["context"]["xml_tools"].as_array() {
+            for tool in tools {
+                let original = tool.as_str().expect("tool string");
+                let value: serde_json::Value = serde_json::from_str(original).expect("tool");
+                // Without serde_json's `preserve_order` the schema reaches the template with
+                // sorted keys; this is the Python `json.dumps(tool, sort_keys=True)` of the tool.
+                if !serde_json::to_string(&value)
+                    .expect("serializes")
+                    .starts_with("{\"type\"")
+                {
+                    let sorted = "{\"function\": {\"description\": \"Get the weather for a city\", \"name\": \"get_weather\", \"parameters\": {\"properties\": {\"city\": {\"type\": \"string\"}}, \"required\": [\"city\"], \"type\": \"object\"}}, \"type\": \"function\"}";
+                    want = want.replace(original, sorted);
+                }
+            }
+        }
+        assert_eq!(got, want, "case {name}");
+    }
+}
+
+#[test]
+fn tools_reach_the_template_as_objects_and_json_strings() {
+    let template = ChatTemplate::new(
+        "{% for t in tools %}{{ t.function.name }};{% endfor %}{{ xml_tools[0] }}",
+    )
+    .expect("parses");
+    let mut opts = RenderOptions::new(reference_date());
+    opts.tools = Some(vec![json!({
+        "type": "function",
+        "function": {"name": "météo", "parameters": {"n": [1, 2.0, null]}}
+    })]);
+    let got = template.render(&[], &opts).expect("renders");
+    // Non-ASCII stays as is (ensure_ascii=False); separators are Python's `", "` and `": "`.
+    assert_eq!(
+        got,
+        "météo;{\"function\": {\"name\": \"météo\", \"parameters\": {\"n\": [1, 2.0, null]}}, \"type\": \"function\"}"
+    );
+}
+
+#[test]
+fn smollm2_gguf_template_renders_chatml() {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("models/SmolLM2-135M-Instruct.Q4_1.gguf");
+    if !path.exists() {
+        eprintln!("skipped: {} is not available", path.display());
+        return;
+    }
+    let gguf = GgufSource::open(&path).expect("opens");
+    let template = ChatTemplate::from_gguf(&gguf).expect("template");
+    let opts = RenderOptions::new(reference_date());
+    let got = template
+        .render(
+            &[
+                ChatMessage::system("You are terse."),
+                ChatMessage::user("Hi!"),
+                ChatMessage::assistant("Hello."),
+                ChatMessage::user("Bye 👋"),
+            ],
+            &opts,
+        )
+        .expect("renders");
+    assert_eq!(
+        got,
+        "<|im_start|>system\nYou are terse.<|im_end|>\n<|im_start|>user\nHi!<|im_end|>\n\
+         <|im_start|>assistant\nHello.<|im_end|>\n<|im_start|>user\nBye 👋<|im_end|>\n\
+         <|im_start|>assistant\n"
+    );
+    // Without a system message the template inserts its own.
+    let mut opts = RenderOptions::new(reference_date());
+    opts.add_generation_prompt = false;
+    let got = template
+        .render(&[ChatMessage::user("Hi")], &opts)
+        .expect("renders");
+    assert_eq!(
+        got,
+        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n\
+         <|im_start|>user\nHi<|im_end|>\n"
+    );
+}
+
+fn gguf_with(arch: &str, template: Option<GgufValue>) -> GgufSource {
+    let mut metadata = std::collections::HashMap::new();
+    metadata.insert(
+        "general.architecture".to_string(),
+        GgufValue::String(arch.to_string()),
+    );
+    if let Some(t) = template {
+        metadata.insert("tokenizer.chat_template".to_string(), t);
+    }
+    GgufSource::in_memory(metadata, Vec::new())
+}
+
+#[test]
+fn from_gguf_fallbacks() {
+    let own = ChatTemplate::from_gguf(&gguf_with(
+        "llama",
+        Some(GgufValue::String("[{{ messages[0].content }}]".into())),
+    ))
+    .expect("own template");
+    assert_eq!(
+        own.render(
+            &[ChatMessage::user("x")],
+            &RenderOptions::new(reference_date())
+        )
+        .expect("renders"),
+        "[x]"
+    );
+
+    let smollm3 = ChatTemplate::from_gguf(&gguf_with("smollm3", None)).expect("fallback");
+    assert_eq!(smollm3.source(), SMOLLM3_TEMPLATE);
+
+    let msg = template_message(ChatTemplate::from_gguf(&gguf_with("llama", None)));
+    assert!(msg.contains("tokenizer.chat_template"), "{msg}");
+
+    match ChatTemplate::from_gguf(&gguf_with("llama", Some(GgufValue::U32(3)))) {
+        Err(EngineError::BadKey { key, .. }) => assert_eq!(key, "tokenizer.chat_template"),
+        other => panic!("expected BadKey, got {other:?}"),
+    }
+}
+
+#[test]
+fn tiny_smollm3_reference_model_template() {
+    let path = reference_dir().join("smollm3-tiny-q8_0.gguf");
+    if !path.exists() {
+        eprintln!("skipped: {} is not available", path.display());
+        return;
+    }
+    let gguf = GgufSource::open(&path).expect("opens");
+    let template = ChatTemplate::from_gguf(&gguf).expect("template");
+    // The reference README says this file has no template, but it carries Unsloth's SmolLM3
+    // template (no date line); the GGUF's own template takes precedence over the fallback.
+    match gguf.opt_string("tokenizer.chat_template") {
+        Some(own) => assert_eq!(template.source(), own),
+        None => assert_eq!(template.source(), SMOLLM3_TEMPLATE),
+    }
+    let got = template
+        .render(
+            &[
+                ChatMessage::system("Be brief /no_think"),
+                ChatMessage::user("Hi"),
+            ],
+            &RenderOptions::new(reference_date()),
+        )
+        .expect("renders");
+    assert!(
+        got.starts_with("<|im_start|>system\n## Metadata\n"),
+        "{got}"
+    );
+    assert!(got.contains("Reasoning Mode: /no_think\n"), "{got}");
+    assert!(
+        got.contains("Be brief\n\n<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"),
+        "{got}"
+    );
+    assert!(
+        got.ends_with("<|im_start|>assistant\n<think>\n\n</think>\n"),
+        "{got}"
+    );
+}
+
+#[test]
+fn broken_templates_are_errors_not_panics() {
+    let msg = template_message(ChatTemplate::new("{% if messages %}never closed"));
+    assert!(msg.contains("cannot parse"), "{msg}");
+    let msg = template_message(ChatTemplate::new("{{ 1 + }}"));
+    assert!(msg.contains("syntax"), "{msg}");
+
+    let opts = RenderOptions::new(reference_date());
+    let raising = ChatTemplate::new(
+        "{% if messages[0].role != 'system' %}{{ raise_exception('System first!') }}{% endif %}",
+    )
+    .expect("parses");
+    let msg = template_message(raising.render(&[ChatMessage::user("x")], &opts));
+    assert!(msg.contains("System first!"), "{msg}");
+
+    let unknown = ChatTemplate::new("{{ messages | no_such_filter }}").expect("parses lazily");
+    template_message(unknown.render(&[], &opts));
+
+    let bad_date = ChatTemplate::new("{{ strftime_now('%Q %Z') }}").expect("parses");
+    template_message(bad_date.render(&[], &opts));
+
+    let template = ChatTemplate::smollm3_default().expect("parses");
+    template_message(template.render_value(&json!([1, 2]), reference_date()));
+    // The SmolLM3 template needs at least one message (jinja2 fails the same way).
+    template_message(template.render(&[], &opts));
+}
+
+#[test]
+fn pinned_dates_render_in_the_header() {
+    let template = ChatTemplate::smollm3_default().expect("parses");
+    let messages = [ChatMessage::user("Hi")];
+    let date = NaiveDate::from_ymd_opt(2025, 1, 2).expect("date");
+    let opts = RenderOptions::new(date);
+    let first = template.render(&messages, &opts).expect("renders");
+    assert!(first.contains("Today Date: 02 January 2025\n"), "{first}");
+    // A resumed conversation re-renders the same prefix, whatever the wall clock says.
+    assert_eq!(first, template.render(&messages, &opts).expect("renders"));
+    let other = RenderOptions::new(NaiveDate::from_ymd_opt(2030, 12, 31).expect("date"));
+    let later = template.render(&messages, &other).expect("renders");
+    assert!(later.contains("Today Date: 31 December 2030\n"), "{later}");
+
+    let clock = ChatTemplate::new("{{ strftime_now('%Y-%m-%d %H:%M') }}").expect("parses");
+    assert_eq!(
+        clock.render(&[], &opts).expect("renders"),
+        "2025-01-02 00:00"
+    );
+}
+
+#[test]
+fn thinking_modes() {
+    let template = ChatTemplate::smollm3_default().expect("parses");
+    let mut opts = RenderOptions::new(reference_date());
+    let think = template
+        .render(&[ChatMessage::user("Hi")], &opts)
+        .expect("renders");
+    assert!(think.contains("Reasoning Mode: /think\n"));
+    assert!(think.ends_with("<|im_start|>assistant\n"));
+    assert!(!prompt_ends_in_open_think(&think));
+
+    opts.enable_thinking = Some(false);
+    let no_think = template
+        .render(&[ChatMessage::user("Hi")], &opts)
+        .expect("renders");
+    assert!(no_think.contains("Reasoning Mode: /no_think\n"));
+    assert!(no_think.ends_with("<|im_start|>assistant\n<think>\n\n</think>\n"));
+    assert!(!prompt_ends_in_open_think(&no_think));
+
+    // `/no_think` in the system prompt wins over the default and is removed from the text.
+    opts.enable_thinking = None;
+    let sys = template
+        .render(
+            &[
+                ChatMessage::system("Be brief /no_think"),
+                ChatMessage::user("Hi"),
+            ],
+            &opts,
+        )
+        .expect("renders");
+    assert!(sys.contains("Reasoning Mode: /no_think\n\n## Custom Instructions\n\nBe brief\n\n"));
+
+    assert!(prompt_ends_in_open_think(
+        "<|im_start|>assistant\n<think>\n"
+    ));
+}
+
+#[test]
+fn generation_blocks_render_like_jinja2() {
+    // Expected output from jinja2 with transformers' `{% generation %}` extension.
+    let source = "{% for m in messages %}\n  {% generation %}\n  [{{ m.content }}]\n  {% endgeneration %}\n  {%- generation -%}\n  <{{ m.content }}>\n  {%- endgeneration %}\n\n{% endfor %}\nend\n";
+    let template = ChatTemplate::new(source).expect("parses");
+    let got = template
+        .render(
+            &[ChatMessage::user("a"), ChatMessage::user("b")],
+            &RenderOptions::new(reference_date()),
+        )
+        .expect("renders");
+    assert_eq!(got, "  [a]\n<a>\n  [b]\n<b>\nend");
+    assert_eq!(template.source(), source);
+}
+
+#[test]
+fn tojson_matches_transformers() {
+    // Expected output from transformers' tojson (json.dumps, ensure_ascii=False by default).
+    let template = ChatTemplate::new(
+        "{{ x | tojson }}|{{ x | tojson(indent=2) }}|{{ x | tojson(sort_keys=true, separators=(',', ':')) }}|{{ x.b | tojson(ensure_ascii=true) }}|{{ x.b[7] | tojson(indent='\\t') }}",
+    )
+    .expect("parses");
+    let x: serde_json::Value = serde_json::from_str(
+        r#"{"a": {}, "b": [1, 2.5, 1e20, -0.001, 1e-5, true, null, "é<>&'\"\n🚀"], "c": []}"#,
+    )
+    .expect("json");
+    let mut opts = RenderOptions::new(reference_date());
+    opts.extra.insert("x".into(), x);
+    let got = template.render(&[], &opts).expect("renders");
+    let want = "{\"a\": {}, \"b\": [1, 2.5, 1e+20, -0.001, 1e-05, true, null, \"\u{e9}<>&'\\\"\\n\u{1f680}\"], \"c\": []}|{\n  \"a\": {},\n  \"b\": [\n    1,\n    2.5,\n    1e+20,\n    -0.001,\n    1e-05,\n    true,\n    null,\n    \"\u{e9}<>&'\\\"\\n\u{1f680}\"\n  ],\n  \"c\": []\n}|{\"a\":{},\"b\":[1,2.5,1e+20,-0.001,1e-05,true,null,\"\u{e9}<>&'\\\"\\n\u{1f680}\"],\"c\":[]}|[1, 2.5, 1e+20, -0.001, 1e-05, true, null, \"\\u00e9<>&'\\\"\\n\\ud83d\\ude80\"]|\"\u{e9}<>&'\\\"\\n\u{1f680}\"";
+    assert_eq!(got, want);
+}
+
+#[test]
+fn python_string_methods_and_loop_controls() {
+    let template = ChatTemplate::new(
+        "{% for m in messages %}{% if loop.index > 2 %}{% break %}{% endif %}{{ m.content.strip().upper().replace('A', '4') }},{% endfor %}{{ 'x\\n\\n'.rstrip() }}{{ '\\nY'.lstrip('\\n') }}",
+    )
+    .expect("parses");
+    let got = template
+        .render(
+            &[
+                ChatMessage::user("  abc "),
+                ChatMessage::user("banana"),
+                ChatMessage::user("never"),
+            ],
+            &RenderOptions::new(reference_date()),
+        )
+        .expect("renders");
+    assert_eq!(got, "4BC,B4N4N4,xY");
+}
+
+#[test]
+fn message_fields_reach_the_template() {
+    let template = ChatTemplate::new(
+        "{% for m in messages %}{{ m.role }}:{{ m.content }}{% if m.reasoning_content is defined %}[r={{ m.reasoning_content }}]{% endif %}{% if m.tool_calls %}[c={{ m.tool_calls[0].function.name }}]{% endif %}{% if m.tool_call_id is defined %}[id={{ m.tool_call_id }}]{% endif %}\n{% endfor %}{{ bos_token }}{{ eos_token }}{{ custom }}",
+    )
+    .expect("parses");
+    let mut assistant = ChatMessage::assistant("ok");
+    assistant.reasoning_content = Some("hmm".into());
+    assistant.tool_calls =
+        Some(json!([{"type": "function", "function": {"name": "f", "arguments": {}}}]));
+    let mut tool = ChatMessage::tool("42");
+    tool.tool_call_id = Some("call_1".into());
+    let mut opts = RenderOptions::new(reference_date());
+    opts.bos_token = "<s>".into();
+    opts.eos_token = "</s>".into();
+    opts.extra.insert("custom".into(), json!("!"));
+    let got = template
+        .render(&[ChatMessage::user("q"), assistant, tool], &opts)
+        .expect("renders");
+    assert_eq!(
+        got,
+        // trim_blocks eats the newline after each `{% endif %}`, as in jinja2.
+        "user:qassistant:ok[r=hmm][c=f]tool:42[id=call_1]<s></s>!"
+    );
+}
