@@ -1,1 +1,27 @@
-fn main() {}
+use anyhow::Result;
+use clap::Parser;
+use smolchat::cli::{self, Cli, Command};
+
+fn main() {
+    if let Err(e) = run() {
+        eprintln!("error: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+fn run() -> Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("SMOLCHAT_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let args = Cli::parse();
+    cli::init_threads(args.threads)?;
+    match &args.command {
+        Command::Inspect(a) => cli::inspect::run(a),
+        Command::Logits(a) => cli::logits::run(a),
+        Command::Bench(a) => cli::bench::run(a),
+    }
+}

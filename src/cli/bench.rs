@@ -1,0 +1,192 @@
+//! `smolchat bench`: load time, prefill and decode throughput, batched decode through the step API,
+//! and peak RSS, as JSON on stdout. Figures are for comparing side by side on one machine.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::{Context, Result};
+use clap::Args;
+use serde_json::json;
+
+use crate::engine::{Engine, LogitsMode, SeqStep};
+
+#[derive(Args, Debug)]
+pub struct BenchArgs {
+    /// The GGUF model to measure (default: the embedded SmolLM2-135M-Instruct).
+    #[arg(long, env = "SMOLCHAT_MODEL", conflicts_with = "synthetic")]
+    pub model: Option<PathBuf>,
+    /// Measure a random-weight model of a known shape instead of a file: `smollm3-3b` (the
+    /// SmolLM3-3B shape with llama.cpp's Q4_K_M type mix).
+    #[arg(long)]
+    pub synthetic: Option<String>,
+    /// Prompt length for the prefill measurement.
+    #[arg(long, default_value_t = 512)]
+    pub prompt_tokens: usize,
+    /// Tokens generated for the decode measurements.
+    #[arg(long, default_value_t = 64)]
+    pub gen_tokens: usize,
+    /// Sequences decoding together for the batched measurement.
+    #[arg(long, default_value_t = 8)]
+    pub batch: usize,
+}
+
+pub fn run(args: &BenchArgs) -> Result<()> {
+    anyhow::ensure!(args.prompt_tokens > 0, "--prompt-tokens must be at least 1");
+    anyhow::ensure!(args.gen_tokens > 0, "--gen-tokens must be at least 1");
+    anyhow::ensure!(args.batch > 0, "--batch must be at least 1");
+    let load_start = Instant::now();
+    let (mut engine, model_name) = match &args.synthetic {
+        Some(name) => {
+            // SYNTHETIC-PENDING: wired to engine::synthetic once it lands.
+            anyhow::bail!("--synthetic {name}: synthetic models are not available yet")
+        }
+        None => {
+            let path = super::model_path(args.model.as_deref())?;
+            let (engine, _) = super::load_engine(&path)?;
+            (engine, path.display().to_string())
+        }
+    };
+    let load_s = load_start.elapsed().as_secs_f64();
+    let cfg = engine.model().config.clone();
+    anyhow::ensure!(
+        args.prompt_tokens + args.gen_tokens <= cfg.context_length,
+        "--prompt-tokens + --gen-tokens exceed the model's context of {}",
+        cfg.context_length
+    );
+    let prompt = pseudo_random_tokens(args.prompt_tokens, cfg.vocab_size, 1);
+
+    // Prefill: the whole prompt in one step, logits for the last position only.
+    let seq = engine.create_sequence();
+    let t = Instant::now();
+    let logits = engine.step(&[SeqStep {
+        seq,
+        tokens: &prompt,
+        logits: LogitsMode::Last,
+    }])?;
+    let prefill_s = t.elapsed().as_secs_f64();
+    let mut next = argmax(
+        logits
+            .first()
+            .and_then(|l| l.as_deref())
+            .context("no logits")?,
+    );
+
+    // Single-stream decode, greedy.
+    let t = Instant::now();
+    for _ in 0..args.gen_tokens {
+        let out = engine.step(&[SeqStep {
+            seq,
+            tokens: &[next],
+            logits: LogitsMode::Last,
+        }])?;
+        next = argmax(
+            out.first()
+                .and_then(|l| l.as_deref())
+                .context("no logits")?,
+        );
+    }
+    let decode_s = t.elapsed().as_secs_f64();
+    engine.free_sequence(seq);
+
+    // Batched decode: N sequences with short distinct prompts, then G steps of N decode tokens.
+    let batched = batched_decode(&mut engine, args.batch, args.gen_tokens, cfg.vocab_size)?;
+
+    let out = json!({
+        "model": model_name,
+        "architecture": cfg.arch.gguf_name(),
+        "threads": rayon::current_num_threads(),
+        "weight_bytes": engine.model().weight_bytes(),
+        "load_s": load_s,
+        "prefill": {
+            "prompt_tokens": args.prompt_tokens,
+            "seconds": prefill_s,
+            "tokens_per_s": args.prompt_tokens as f64 / prefill_s,
+        },
+        "decode": {
+            "tokens": args.gen_tokens,
+            "seconds": decode_s,
+            "tokens_per_s": args.gen_tokens as f64 / decode_s,
+        },
+        "batched_decode": batched,
+        "peak_rss_bytes": super::peak_rss_bytes(),
+    });
+    println!("{}", serde_json::to_string_pretty(&out)?);
+    Ok(())
+}
+
+fn batched_decode(
+    engine: &mut Engine,
+    n: usize,
+    gen: usize,
+    vocab: usize,
+) -> Result<serde_json::Value> {
+    let seqs: Vec<u64> = (0..n).map(|_| engine.create_sequence()).collect();
+    let prompts: Vec<Vec<u32>> = (0..n)
+        .map(|i| pseudo_random_tokens(16, vocab, 100 + i as u64))
+        .collect();
+    let steps: Vec<SeqStep<'_>> = seqs
+        .iter()
+        .zip(&prompts)
+        .map(|(&seq, p)| SeqStep {
+            seq,
+            tokens: p,
+            logits: LogitsMode::Last,
+        })
+        .collect();
+    let out = engine.step(&steps)?;
+    let mut next: Vec<[u32; 1]> = out
+        .iter()
+        .map(|l| l.as_deref().map(|l| [argmax(l)]).context("no logits"))
+        .collect::<Result<_>>()?;
+    let t = Instant::now();
+    for _ in 0..gen {
+        let steps: Vec<SeqStep<'_>> = seqs
+            .iter()
+            .zip(&next)
+            .map(|(&seq, tok)| SeqStep {
+                seq,
+                tokens: tok,
+                logits: LogitsMode::Last,
+            })
+            .collect();
+        let out = engine.step(&steps)?;
+        next = out
+            .iter()
+            .map(|l| l.as_deref().map(|l| [argmax(l)]).context("no logits"))
+            .collect::<Result<_>>()?;
+    }
+    let secs = t.elapsed().as_secs_f64();
+    for s in seqs {
+        engine.free_sequence(s);
+    }
+    Ok(json!({
+        "sequences": n,
+        "tokens_each": gen,
+        "seconds": secs,
+        "aggregate_tokens_per_s": (n * gen) as f64 / secs,
+        "per_sequence_tokens_per_s": gen as f64 / secs,
+    }))
+}
+
+/// Deterministic token ids spread over the vocabulary (a xorshift stream).
+fn pseudo_random_tokens(n: usize, vocab: usize, seed: u64) -> Vec<u32> {
+    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            (s % vocab as u64) as u32
+        })
+        .collect()
+}
+
+fn argmax(row: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &v) in row.iter().enumerate() {
+        if v > row[best] {
+            best = i;
+        }
+    }
+    best as u32
+}

@@ -1,0 +1,115 @@
+//! `smolchat inspect FILE`
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+use anyhow::Result;
+use clap::Args;
+
+use crate::engine::gguf::{summarize_value, GgufSource};
+use crate::engine::ModelConfig;
+
+#[derive(Args, Debug)]
+pub struct InspectArgs {
+    /// The GGUF file.
+    pub file: PathBuf,
+    /// Print JSON instead of text.
+    #[arg(long)]
+    pub json: bool,
+}
+
+pub fn run(args: &InspectArgs) -> Result<()> {
+    let src = GgufSource::open(&args.file)?;
+    let mut by_type: BTreeMap<String, (usize, u64, u64)> = BTreeMap::new();
+    let mut params = 0u64;
+    for t in src.tensors.values() {
+        let e = by_type.entry(format!("{:?}", t.dtype)).or_default();
+        e.0 += 1;
+        e.1 += t.elem_count() as u64;
+        e.2 += t.n_bytes as u64;
+        params += t.elem_count() as u64;
+    }
+    let metadata: BTreeMap<&String, String> = src
+        .metadata
+        .iter()
+        .map(|(k, v)| (k, summarize_value(v)))
+        .collect();
+    let config = ModelConfig::from_gguf(&src);
+    if args.json {
+        let cfg = match &config {
+            Ok(c) => serde_json::json!({
+                "architecture": c.arch.gguf_name(),
+                "layers": c.n_layers, "hidden": c.hidden, "ffn": c.ffn,
+                "heads": c.n_heads, "kv_heads": c.n_kv_heads, "head_dim": c.head_dim,
+                "rope_theta": c.rope_theta, "context_length": c.context_length,
+                "vocab_size": c.vocab_size,
+                "nope_layers": c.uses_rope.iter().enumerate().filter(|(_, r)| !**r).map(|(i, _)| i).collect::<Vec<_>>(),
+                "kv_bytes_per_token_f32": c.kv_bytes_per_token(),
+            }),
+            Err(e) => serde_json::json!({ "error": e.to_string() }),
+        };
+        let types: BTreeMap<&String, serde_json::Value> = by_type
+            .iter()
+            .map(|(k, (n, el, b))| {
+                (
+                    k,
+                    serde_json::json!({"tensors": n, "elements": el, "bytes": b}),
+                )
+            })
+            .collect();
+        let out = serde_json::json!({
+            "file": args.file,
+            "metadata": metadata,
+            "tensor_types": types,
+            "tensors": src.tensors.len(),
+            "parameters": params,
+            "model": cfg,
+        });
+        println!("{}", serde_json::to_string_pretty(&out)?);
+        return Ok(());
+    }
+    println!("file: {}", args.file.display());
+    println!("\nmetadata:");
+    for (k, v) in &metadata {
+        println!("  {k} = {v}");
+    }
+    println!("\ntensors: {} ({} parameters)", src.tensors.len(), params);
+    for (ty, (n, el, b)) in &by_type {
+        println!(
+            "  {ty:<6} {n:>5} tensors {el:>14} elements {:>10.1} MiB",
+            *b as f64 / (1 << 20) as f64
+        );
+    }
+    match config {
+        Ok(c) => {
+            let nope: Vec<usize> = c
+                .uses_rope
+                .iter()
+                .enumerate()
+                .filter(|(_, r)| !**r)
+                .map(|(i, _)| i)
+                .collect();
+            println!(
+                "\nmodel: {} ({}), {} layers, hidden {}, FFN {}, {} heads / {} KV heads × {}, context {}, vocab {}",
+                c.name,
+                c.arch.gguf_name(),
+                c.n_layers,
+                c.hidden,
+                c.ffn,
+                c.n_heads,
+                c.n_kv_heads,
+                c.head_dim,
+                c.context_length,
+                c.vocab_size
+            );
+            println!("NoPE layers: {nope:?}");
+            println!(
+                "KV cache: {} bytes per token at f32 ({:.1} KiB)",
+                c.kv_bytes_per_token(),
+                c.kv_bytes_per_token() as f64 / 1024.0
+            );
+        }
+        Err(e) => println!("\nmodel: cannot run this file: {e}"),
+    }
+    Ok(())
+}

@@ -1,0 +1,122 @@
+//! The `smolchat` command line: argument types and one module per subcommand.
+//! This is the only library code (with `main.rs`) that prints to stdout.
+
+pub mod bench;
+pub mod inspect;
+pub mod logits;
+
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use anyhow::{Context, Result};
+use clap::{Parser, Subcommand};
+use indicatif::{ProgressBar, ProgressStyle};
+
+use crate::engine::gguf::GgufSource;
+use crate::engine::{Engine, Model};
+
+/// The embedded default model (SmolLM2-135M-Instruct, Q4_1), fetched by `scripts/fetch-model.sh`.
+pub const DEFAULT_MODEL: &str = "models/SmolLM2-135M-Instruct.Q4_1.gguf";
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "smolchat",
+    version,
+    about = "Multi-user chat serving SmolLM3 GGUF models"
+)]
+pub struct Cli {
+    /// Threads for the model's compute (default: all cores).
+    #[arg(long, global = true, env = "SMOLCHAT_THREADS")]
+    pub threads: Option<usize>,
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum Command {
+    /// GGUF metadata (without the huge arrays), tensor counts by type, parameters, KV bytes/token.
+    Inspect(inspect::InspectArgs),
+    /// Dump logits of every position for given token ids (one prefill) as float32 .npy.
+    Logits(logits::LogitsArgs),
+    /// Measure load, prefill, decode and batched decode throughput; JSON on stdout.
+    Bench(bench::BenchArgs),
+}
+
+/// Sets the size of the global rayon pool that the engine's kernels run on.
+pub fn init_threads(threads: Option<usize>) -> Result<()> {
+    let n = threads.unwrap_or_else(|| {
+        std::thread::available_parallelism()
+            .map(|n| n.get())
+            .unwrap_or(1)
+    });
+    rayon::ThreadPoolBuilder::new()
+        .num_threads(n.max(1))
+        .build_global()
+        .context("configuring the compute thread pool")?;
+    Ok(())
+}
+
+/// Resolves `--model`, defaulting to the embedded model, with a message that says how to fix a
+/// missing file.
+pub fn model_path(arg: Option<&Path>) -> Result<PathBuf> {
+    let path = arg
+        .map(Path::to_path_buf)
+        .unwrap_or_else(|| PathBuf::from(DEFAULT_MODEL));
+    if !path.exists() {
+        if arg.is_none() {
+            anyhow::bail!(
+                "the default model {} is missing; run ./scripts/fetch-model.sh (or `make setup`) to fetch it, or pass --model PATH",
+                path.display()
+            );
+        }
+        anyhow::bail!("model file {} does not exist", path.display());
+    }
+    Ok(path)
+}
+
+/// Opens and loads a model with a progress bar on stderr.
+pub fn load_engine(path: &Path) -> Result<(Engine, f64)> {
+    let start = Instant::now();
+    let mut src = GgufSource::open(path)?;
+    let model = load_with_progress(&mut src)?;
+    Ok((Engine::new(model), start.elapsed().as_secs_f64()))
+}
+
+pub fn load_with_progress(src: &mut GgufSource) -> Result<Model> {
+    let bar = ProgressBar::new(0);
+    bar.set_style(
+        ProgressStyle::with_template("loading {bar:40} {bytes}/{total_bytes} {elapsed}")
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+    let model = Model::load(src, &mut |done, total| {
+        bar.set_length(total);
+        bar.set_position(done);
+    });
+    bar.finish_and_clear();
+    Ok(model?)
+}
+
+/// Parses "1,2,3" into token ids.
+pub fn parse_ids(s: &str) -> Result<Vec<u32>> {
+    s.split(',')
+        .map(|p| p.trim())
+        .filter(|p| !p.is_empty())
+        .map(|p| {
+            p.parse::<u32>()
+                .with_context(|| format!("`{p}` is not a token id (expected e.g. 1,2,3)"))
+        })
+        .collect()
+}
+
+/// Peak resident set size of this process in bytes (Linux; 0 elsewhere).
+pub fn peak_rss_bytes() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmHWM:"))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|kb| kb.parse::<u64>().ok())
+        })
+        .map_or(0, |kb| kb * 1024)
+}
