@@ -20,6 +20,9 @@ fn run() -> Result<()> {
     let args = Cli::parse();
     cli::init_threads(args.threads)?;
     match &args.command {
+        Command::Generate(a) => cli::generate::run(a),
+        Command::Chat(a) => cli::chat::run(a),
+        Command::Tokenize(a) => cli::tokenize::run(a),
         Command::Inspect(a) => cli::inspect::run(a),
         Command::Logits(a) => cli::logits::run(a),
         Command::Bench(a) => cli::bench::run(a),

@@ -2,8 +2,11 @@
 //! This is the only library code (with `main.rs`) that prints to stdout.
 
 pub mod bench;
+pub mod chat;
+pub mod generate;
 pub mod inspect;
 pub mod logits;
+pub mod tokenize;
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -34,6 +37,12 @@ pub struct Cli {
 
 #[derive(Subcommand, Debug)]
 pub enum Command {
+    /// One prompt, streamed to stdout (logs go to stderr).
+    Generate(generate::GenerateArgs),
+    /// A terminal conversation with streaming.
+    Chat(chat::ChatArgs),
+    /// Text to token ids (a JSON array).
+    Tokenize(tokenize::TokenizeArgs),
     /// GGUF metadata (without the huge arrays), tensor counts by type, parameters, KV bytes/token.
     Inspect(inspect::InspectArgs),
     /// Dump logits of every position for given token ids (one prefill) as float32 .npy.

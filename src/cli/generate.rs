@@ -1,0 +1,238 @@
+//! `smolchat generate`: one prompt, streamed to stdout. Also the shared single-sequence decode loop
+//! used by `chat`.
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::{Context, Result};
+use clap::Args;
+
+use crate::engine::generation::{FinishReason, Generation};
+use crate::engine::gguf::GgufSource;
+use crate::engine::sampling::SamplingParams;
+use crate::engine::template::{ChatMessage, ChatTemplate, RenderOptions};
+use crate::engine::tokenizer::Tokenizer;
+use crate::engine::{Engine, LogitsMode, SeqId, SeqStep};
+
+#[derive(Args, Debug, Clone)]
+pub struct SamplingArgs {
+    /// Sampling temperature; 0 is greedy.
+    #[arg(long, default_value_t = 0.8)]
+    pub temperature: f32,
+    #[arg(long, default_value_t = 40)]
+    pub top_k: usize,
+    #[arg(long, default_value_t = 0.95)]
+    pub top_p: f32,
+    #[arg(long, default_value_t = 0.05)]
+    pub min_p: f32,
+    #[arg(long, default_value_t = 1.0)]
+    pub repeat_penalty: f32,
+    /// Maximum new tokens.
+    #[arg(long, default_value_t = 512)]
+    pub max_tokens: usize,
+    #[arg(long)]
+    pub seed: Option<u64>,
+    /// Keep generating past end-of-generation tokens.
+    #[arg(long)]
+    pub ignore_eos: bool,
+    /// Stop before this string (repeatable).
+    #[arg(long = "stop")]
+    pub stop: Vec<String>,
+}
+
+impl SamplingArgs {
+    pub fn params(&self) -> SamplingParams {
+        SamplingParams {
+            temperature: self.temperature,
+            top_k: self.top_k,
+            top_p: self.top_p,
+            min_p: self.min_p,
+            repetition_penalty: self.repeat_penalty,
+            seed: self.seed,
+            max_new_tokens: self.max_tokens,
+            stop_strings: self.stop.clone(),
+            ignore_eos: self.ignore_eos,
+            ..SamplingParams::default()
+        }
+    }
+}
+
+#[derive(Args, Debug)]
+pub struct GenerateArgs {
+    /// The GGUF model (default: the embedded SmolLM2-135M-Instruct).
+    #[arg(long, env = "SMOLCHAT_MODEL")]
+    pub model: Option<PathBuf>,
+    /// Feed PROMPT as is, without the chat template.
+    #[arg(long)]
+    pub raw: bool,
+    /// A system prompt (chat template mode).
+    #[arg(long)]
+    pub system: Option<String>,
+    /// Turn thinking off (`enable_thinking = false`, SmolLM3's `/no_think`).
+    #[arg(long)]
+    pub no_think: bool,
+    #[command(flatten)]
+    pub sampling: SamplingArgs,
+    /// The prompt.
+    pub prompt: String,
+}
+
+/// Everything a terminal generation needs, loaded from one GGUF file.
+pub struct Loaded {
+    pub engine: Engine,
+    pub tokenizer: Tokenizer,
+    pub template: Option<ChatTemplate>,
+}
+
+pub fn load_all(model: Option<&std::path::Path>) -> Result<Loaded> {
+    let path = super::model_path(model)?;
+    let mut src = GgufSource::open(&path)?;
+    let tokenizer = Tokenizer::from_gguf(&src)?;
+    let template = match ChatTemplate::from_gguf(&src) {
+        Ok(t) => Some(t),
+        Err(e) => {
+            tracing::warn!("no usable chat template: {e}");
+            None
+        }
+    };
+    let model = super::load_with_progress(&mut src)?;
+    Ok(Loaded {
+        engine: Engine::new(model),
+        tokenizer,
+        template,
+    })
+}
+
+/// Renders a conversation with the file's template and tokenizes it (special tokens parsed).
+pub fn chat_prompt(
+    loaded: &Loaded,
+    messages: &[ChatMessage],
+    enable_thinking: Option<bool>,
+) -> Result<Vec<u32>> {
+    let template = loaded.template.as_ref().context(
+        "this model has no chat template; use --raw to feed the prompt without one",
+    )?;
+    let mut opts = RenderOptions::new(chrono::Local::now().date_naive());
+    opts.enable_thinking = enable_thinking;
+    let text = template.render(messages, &opts)?;
+    tracing::debug!(prompt = %text, "rendered prompt");
+    let mut ids = Vec::new();
+    if loaded.tokenizer.add_bos() {
+        ids.extend(loaded.tokenizer.bos_id());
+    }
+    ids.extend(loaded.tokenizer.encode(&text, true)?);
+    Ok(ids)
+}
+
+/// Result of one streamed generation.
+pub struct Streamed {
+    pub prompt_tokens: usize,
+    pub reused_tokens: usize,
+    pub generated: Vec<u32>,
+    pub finish: Option<FinishReason>,
+    pub prefill_s: f64,
+    pub decode_s: f64,
+}
+
+/// Runs `prompt` on `seq`, reusing the longest cached prefix, and streams text to `on_text`.
+pub fn stream(
+    engine: &mut Engine,
+    seq: SeqId,
+    prompt: &[u32],
+    mut generation: Generation,
+    on_text: &mut dyn FnMut(&str) -> Result<()>,
+) -> Result<Streamed> {
+    let window = engine.model().config.context_length;
+    anyhow::ensure!(
+        prompt.len() < window,
+        "the prompt has {} tokens but the context window is {window}",
+        prompt.len()
+    );
+    // Reuse the cached prefix; always recompute at least the last prompt token for its logits.
+    let cached = engine.cached_tokens(seq)?;
+    let reuse = cached
+        .iter()
+        .zip(prompt)
+        .take_while(|(a, b)| a == b)
+        .count()
+        .min(prompt.len() - 1);
+    engine.truncate(seq, reuse)?;
+    let t = Instant::now();
+    let out = engine.step(&[SeqStep {
+        seq,
+        tokens: &prompt[reuse..],
+        logits: LogitsMode::Last,
+    }])?;
+    let prefill_s = t.elapsed().as_secs_f64();
+    let mut logits = out.into_iter().next().flatten().context("no logits")?;
+    let t = Instant::now();
+    loop {
+        let outcome = generation.next_token(&mut logits)?;
+        if !outcome.text.is_empty() {
+            on_text(&outcome.text)?;
+        }
+        if outcome.finished.is_some() {
+            break;
+        }
+        if engine.cached_tokens(seq)?.len() + 1 >= window {
+            let rest = generation.finish_early();
+            on_text(&rest)?;
+            break;
+        }
+        let out = engine.step(&[SeqStep {
+            seq,
+            tokens: &[outcome.token],
+            logits: LogitsMode::Last,
+        }])?;
+        logits = out.into_iter().next().flatten().context("no logits")?;
+    }
+    Ok(Streamed {
+        prompt_tokens: prompt.len(),
+        reused_tokens: reuse,
+        generated: generation.generated().to_vec(),
+        finish: generation.finished().cloned(),
+        prefill_s,
+        decode_s: t.elapsed().as_secs_f64(),
+    })
+}
+
+pub fn run(args: &GenerateArgs) -> Result<()> {
+    let mut loaded = load_all(args.model.as_deref())?;
+    let prompt = if args.raw {
+        let mut ids = Vec::new();
+        if loaded.tokenizer.add_bos() {
+            ids.extend(loaded.tokenizer.bos_id());
+        }
+        ids.extend(loaded.tokenizer.encode(&args.prompt, true)?);
+        ids
+    } else {
+        let mut messages = Vec::new();
+        if let Some(s) = &args.system {
+            messages.push(ChatMessage::system(s));
+        }
+        messages.push(ChatMessage::user(&args.prompt));
+        chat_prompt(&loaded, &messages, args.no_think.then_some(false))?
+    };
+    anyhow::ensure!(!prompt.is_empty(), "the prompt is empty");
+    let params = args.sampling.params();
+    params.validate()?;
+    let generation = Generation::new(&loaded.tokenizer, params, &prompt)?;
+    let seq = loaded.engine.create_sequence();
+    let mut stdout = std::io::stdout().lock();
+    let result = stream(&mut loaded.engine, seq, &prompt, generation, &mut |text| {
+        stdout.write_all(text.as_bytes())?;
+        stdout.flush()?;
+        Ok(())
+    })?;
+    writeln!(stdout)?;
+    tracing::info!(
+        prompt_tokens = result.prompt_tokens,
+        generated = result.generated.len(),
+        prefill_tok_s = result.prompt_tokens as f64 / result.prefill_s,
+        decode_tok_s = result.generated.len() as f64 / result.decode_s,
+        finish = ?result.finish,
+        "done"
+    );
+    Ok(())
+}
