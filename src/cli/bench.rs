@@ -8,6 +8,7 @@ use anyhow::{Context, Result};
 use clap::Args;
 use serde_json::json;
 
+use crate::engine::synthetic::{self, SyntheticSpec};
 use crate::engine::{Engine, LogitsMode, SeqStep};
 
 #[derive(Args, Debug)]
@@ -37,8 +38,13 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     let load_start = Instant::now();
     let (mut engine, model_name) = match &args.synthetic {
         Some(name) => {
-            // SYNTHETIC-PENDING: wired to engine::synthetic once it lands.
-            anyhow::bail!("--synthetic {name}: synthetic models are not available yet")
+            let spec = match name.as_str() {
+                "smollm3-3b" => SyntheticSpec::smollm3_3b(),
+                other => anyhow::bail!("unknown --synthetic shape `{other}`; known: smollm3-3b"),
+            };
+            let mut src = synthetic::build(&spec)?;
+            let model = super::load_with_progress(&mut src)?;
+            (Engine::new(model), format!("synthetic:{name}"))
         }
         None => {
             let path = super::model_path(args.model.as_deref())?;

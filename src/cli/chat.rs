@@ -84,12 +84,14 @@ pub fn run(args: &ChatArgs) -> Result<()> {
         let generation = Generation::new(&loaded.tokenizer, params.clone(), &prompt)?;
         let mut splitter = Splitter::new(false);
         let mut raw = String::new();
-        let mut show = |events: Vec<SplitEvent>, out: &mut std::io::Stdout| -> Result<()> {
+        let show = |events: Vec<SplitEvent>, out: &mut std::io::Stdout| -> Result<()> {
             for ev in events {
                 match ev {
                     SplitEvent::Reasoning(t) => write!(out, "{dim}{t}{reset}")?,
                     SplitEvent::Answer(t) => write!(out, "{t}")?,
-                    SplitEvent::ToolCall(c) => write!(out, "[tool call {} {}]", c.name, c.arguments)?,
+                    SplitEvent::ToolCall(c) => {
+                        write!(out, "[tool call {} {}]", c.name, c.arguments)?
+                    }
                     SplitEvent::InvalidToolCall { raw, .. } => write!(out, "{raw}")?,
                 }
             }

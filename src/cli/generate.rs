@@ -110,9 +110,10 @@ pub fn chat_prompt(
     messages: &[ChatMessage],
     enable_thinking: Option<bool>,
 ) -> Result<Vec<u32>> {
-    let template = loaded.template.as_ref().context(
-        "this model has no chat template; use --raw to feed the prompt without one",
-    )?;
+    let template = loaded
+        .template
+        .as_ref()
+        .context("this model has no chat template; use --raw to feed the prompt without one")?;
     let mut opts = RenderOptions::new(chrono::Local::now().date_naive());
     opts.enable_thinking = enable_thinking;
     let text = template.render(messages, &opts)?;

@@ -316,7 +316,7 @@ impl GgufSource {
                 })?;
             let elems: usize = dims.iter().product();
             let block = dtype.block_size();
-            if elems % block != 0 {
+            if !elems.is_multiple_of(block) {
                 return Err(r.corrupt(format!(
                     "tensor `{name}` has {elems} elements, not a multiple of its block size {block}"
                 )));

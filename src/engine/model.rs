@@ -479,7 +479,7 @@ fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
     let d = weight.len();
     for (xr, or) in x.chunks(d).zip(out.chunks_mut(d)) {
         let ss: f64 = xr.iter().map(|&v| (v as f64) * (v as f64)).sum();
-        let scale = (1.0 / ((ss / d as f64) as f32 + eps).sqrt()) as f32;
+        let scale = 1.0 / ((ss / d as f64) as f32 + eps).sqrt();
         for ((o, &v), &w) in or.iter_mut().zip(xr).zip(weight) {
             *o = v * scale * w;
         }

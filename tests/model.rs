@@ -1,0 +1,359 @@
+//! The engine's model on tiny random-weight GGUF files written by the tests themselves.
+
+mod common;
+
+use smolchat::engine::gguf::{AlignedBytes, GgmlDType, GgufSource, RawTensor};
+use smolchat::engine::synthetic::{SyntheticModel, SyntheticSpec, TypeMix};
+use smolchat::engine::{Engine, LogitsMode, Model, SeqStep};
+
+fn engine_from(model: SyntheticModel) -> Engine {
+    let mut src = model.into_source();
+    Engine::new(Model::load(&mut src, &mut |_, _| {}).expect("load"))
+}
+
+fn tiny(arch: &str, mix: TypeMix) -> SyntheticModel {
+    SyntheticModel::generate(&SyntheticSpec::tiny(arch).with_type_mix(mix)).expect("generate")
+}
+
+fn tokens(n: usize, seed: u32) -> Vec<u32> {
+    (0..n as u32)
+        .map(|i| (i * 97 + seed * 31 + 7) % 512)
+        .collect()
+}
+
+fn last_logits(engine: &mut Engine, toks: &[u32]) -> Vec<f32> {
+    let seq = engine.create_sequence();
+    let out = engine
+        .step(&[SeqStep {
+            seq,
+            tokens: toks,
+            logits: LogitsMode::Last,
+        }])
+        .expect("step");
+    engine.free_sequence(seq);
+    out.into_iter().next().flatten().expect("logits")
+}
+
+fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
+}
+
+const MIXES: [TypeMix; 4] = [
+    TypeMix::Uniform(GgmlDType::F32),
+    TypeMix::Uniform(GgmlDType::Q8_0),
+    TypeMix::Uniform(GgmlDType::Q4K),
+    TypeMix::Q4KM,
+];
+
+#[test]
+fn tiny_files_written_by_the_test_load_and_run() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    for arch in ["llama", "smollm3"] {
+        for mix in MIXES {
+            let path = dir.path().join(format!("{arch}-{mix:?}.gguf"));
+            tiny(arch, mix).write_gguf(&path).expect("write");
+            let mut src = GgufSource::open(&path).expect("open");
+            let model = Model::load(&mut src, &mut |_, _| {}).expect("load");
+            assert_eq!(model.config.arch.gguf_name(), arch);
+            let mut engine = Engine::new(model);
+            let logits = last_logits(&mut engine, &tokens(9, 1));
+            assert_eq!(logits.len(), 512);
+            assert!(logits.iter().all(|v| v.is_finite()), "{arch} {mix:?}");
+            let spread = logits.iter().cloned().fold(f32::MIN, f32::max)
+                - logits.iter().cloned().fold(f32::MAX, f32::min);
+            assert!(spread > 1e-3, "{arch} {mix:?}: logits are flat");
+        }
+    }
+}
+
+/// A sequence's logits do not depend on the other sequences in its step. Tolerance: 1e-4 absolute
+/// on logits of magnitude ~1 (the kernels may tile rows differently for different batch sizes,
+/// which only reorders float sums).
+#[test]
+fn batched_equals_alone() {
+    for arch in ["llama", "smollm3"] {
+        for mix in [TypeMix::Uniform(GgmlDType::F32), TypeMix::Q4KM] {
+            let mut engine = engine_from(tiny(arch, mix));
+            // Sequences at different positions: A has a 20-token history, B 5, C none.
+            let hist_a = tokens(20, 2);
+            let hist_b = tokens(5, 3);
+            let chunk_a = [11u32];
+            let chunk_b = tokens(7, 4);
+            let chunk_c = tokens(13, 5);
+
+            // Alone: each sequence on its own.
+            let mut alone = Vec::new();
+            for (hist, chunk) in [
+                (&hist_a[..], &chunk_a[..]),
+                (&hist_b[..], &chunk_b[..]),
+                (&[][..], &chunk_c[..]),
+            ] {
+                let seq = engine.create_sequence();
+                if !hist.is_empty() {
+                    engine
+                        .step(&[SeqStep {
+                            seq,
+                            tokens: hist,
+                            logits: LogitsMode::None,
+                        }])
+                        .expect("hist");
+                }
+                let out = engine
+                    .step(&[SeqStep {
+                        seq,
+                        tokens: chunk,
+                        logits: LogitsMode::All,
+                    }])
+                    .expect("step");
+                alone.push(out.into_iter().next().flatten().expect("logits"));
+                engine.free_sequence(seq);
+            }
+
+            // Together: histories first (also batched), then one step with a decode token and two
+            // prefill chunks of different lengths.
+            let a = engine.create_sequence();
+            let b = engine.create_sequence();
+            let c = engine.create_sequence();
+            engine
+                .step(&[
+                    SeqStep {
+                        seq: a,
+                        tokens: &hist_a,
+                        logits: LogitsMode::None,
+                    },
+                    SeqStep {
+                        seq: b,
+                        tokens: &hist_b,
+                        logits: LogitsMode::None,
+                    },
+                ])
+                .expect("histories");
+            let together = engine
+                .step(&[
+                    SeqStep {
+                        seq: b,
+                        tokens: &chunk_b,
+                        logits: LogitsMode::All,
+                    },
+                    SeqStep {
+                        seq: a,
+                        tokens: &chunk_a,
+                        logits: LogitsMode::All,
+                    },
+                    SeqStep {
+                        seq: c,
+                        tokens: &chunk_c,
+                        logits: LogitsMode::All,
+                    },
+                ])
+                .expect("batched step");
+            let order = [1usize, 0, 2];
+            for (slot, &i) in order.iter().enumerate() {
+                let got = together[slot].as_ref().expect("logits");
+                let d = max_abs_diff(got, &alone[i]);
+                assert!(d <= 1e-4, "{arch} {mix:?} sequence {i}: max diff {d}");
+            }
+        }
+    }
+}
+
+/// Decoding token by token with the cache gives the logits of one full prefill; truncating the
+/// cache and prefilling again gives them once more.
+#[test]
+fn incremental_equals_full_and_truncate_recomputes() {
+    for arch in ["llama", "smollm3"] {
+        for mix in [
+            TypeMix::Uniform(GgmlDType::F32),
+            TypeMix::Uniform(GgmlDType::Q8_0),
+        ] {
+            let mut engine = engine_from(tiny(arch, mix));
+            let toks = tokens(24, 9);
+            let seq = engine.create_sequence();
+            let full = engine
+                .step(&[SeqStep {
+                    seq,
+                    tokens: &toks,
+                    logits: LogitsMode::All,
+                }])
+                .expect("full")
+                .remove(0)
+                .expect("logits");
+            let vocab = full.len() / toks.len();
+
+            let inc = engine.create_sequence();
+            for (i, t) in toks.iter().enumerate() {
+                let out = engine
+                    .step(&[SeqStep {
+                        seq: inc,
+                        tokens: &[*t],
+                        logits: LogitsMode::Last,
+                    }])
+                    .expect("decode")
+                    .remove(0)
+                    .expect("logits");
+                let d = max_abs_diff(&out, &full[i * vocab..(i + 1) * vocab]);
+                assert!(d <= 1e-4, "{arch} {mix:?} position {i}: {d}");
+            }
+            assert_eq!(engine.cached_tokens(inc).expect("tokens"), &toks[..]);
+
+            // Truncate to 10 and prefill the rest in one chunk.
+            engine.truncate(inc, 10).expect("truncate");
+            assert_eq!(engine.cached_tokens(inc).expect("tokens").len(), 10);
+            let again = engine
+                .step(&[SeqStep {
+                    seq: inc,
+                    tokens: &toks[10..],
+                    logits: LogitsMode::All,
+                }])
+                .expect("re-prefill")
+                .remove(0)
+                .expect("logits");
+            let d = max_abs_diff(&again, &full[10 * vocab..]);
+            assert!(d <= 1e-4, "{arch} {mix:?} after truncate: {d}");
+        }
+    }
+}
+
+fn zero_attention_output(model: &mut SyntheticModel, layers: &[usize]) {
+    for t in model.tensors.iter_mut() {
+        if layers
+            .iter()
+            .any(|l| t.name == format!("blk.{l}.attn_output.weight"))
+        {
+            *t = RawTensor {
+                name: t.name.clone(),
+                dtype: GgmlDType::F32,
+                dims: t.dims.clone(),
+                data: AlignedBytes::zeroed(t.dims.iter().product::<usize>() * 4),
+            };
+        }
+    }
+}
+
+/// On a smollm3 file the NoPE layers' attention ignores positions while the RoPE layers' does not;
+/// the same weights read as `llama` give different logits.
+///
+/// With the attention output of the RoPE layers (0, 1, 2) zeroed, the only attention left is the
+/// NoPE layer 3, which without position encoding is blind to the order of earlier tokens: the last
+/// position's logits for [a, b, c, d] and [b, a, c, d] are equal. Read as `llama`, layer 3 applies
+/// RoPE and the order shows.
+#[test]
+fn nope_layers_ignore_position_and_rope_layers_do_not() {
+    let order1 = [5u32, 77, 300, 42];
+    let order2 = [77u32, 5, 300, 42];
+
+    let mut nope_only = tiny("smollm3", TypeMix::Uniform(GgmlDType::F32));
+    zero_attention_output(&mut nope_only, &[0, 1, 2]);
+    let mut as_llama = tiny("smollm3", TypeMix::Uniform(GgmlDType::F32));
+    zero_attention_output(&mut as_llama, &[0, 1, 2]);
+    as_llama.set_architecture("llama");
+
+    let mut e = engine_from(nope_only);
+    let d_nope = max_abs_diff(&last_logits(&mut e, &order1), &last_logits(&mut e, &order2));
+    assert!(d_nope < 1e-5, "NoPE layer depends on token order: {d_nope}");
+
+    let mut e = engine_from(as_llama);
+    let d_rope = max_abs_diff(&last_logits(&mut e, &order1), &last_logits(&mut e, &order2));
+    assert!(
+        d_rope > 1e-3,
+        "RoPE layer is blind to token order: {d_rope}"
+    );
+
+    // Unmodified weights: smollm3 and llama readings differ (layer 3 with and without RoPE)...
+    let toks = tokens(12, 4);
+    let mut s = engine_from(tiny("smollm3", TypeMix::Uniform(GgmlDType::F32)));
+    let mut l_model = tiny("smollm3", TypeMix::Uniform(GgmlDType::F32));
+    l_model.set_architecture("llama");
+    let mut l = engine_from(l_model);
+    let d = max_abs_diff(&last_logits(&mut s, &toks), &last_logits(&mut l, &toks));
+    assert!(d > 1e-3, "smollm3 and llama readings agree: {d}");
+    // ...but not at position 0, where every rotation is the identity.
+    let d0 = max_abs_diff(
+        &last_logits(&mut s, &toks[..1]),
+        &last_logits(&mut l, &toks[..1]),
+    );
+    assert!(d0 < 1e-5, "position 0 should not depend on RoPE: {d0}");
+}
+
+#[test]
+fn kv_cache_bytes_are_accounted_and_freed() {
+    let mut engine = engine_from(tiny("smollm3", TypeMix::Uniform(GgmlDType::Q8_0)));
+    let cfg = engine.model().config.clone();
+    let seq = engine.create_sequence();
+    assert_eq!(engine.kv_bytes(seq).expect("bytes"), 0);
+    engine
+        .step(&[SeqStep {
+            seq,
+            tokens: &tokens(100, 1),
+            logits: LogitsMode::None,
+        }])
+        .expect("step");
+    let bytes = engine.kv_bytes(seq).expect("bytes");
+    assert!(bytes >= 100 * cfg.kv_bytes_per_token(), "{bytes}");
+    assert_eq!(engine.total_kv_bytes(), bytes);
+    assert!(engine.free_sequence(seq));
+    assert_eq!(engine.total_kv_bytes(), 0);
+}
+
+#[test]
+fn bad_steps_are_errors_and_leave_caches_untouched() {
+    let mut engine = engine_from(tiny("llama", TypeMix::Uniform(GgmlDType::F32)));
+    let seq = engine.create_sequence();
+    engine
+        .step(&[SeqStep {
+            seq,
+            tokens: &[1, 2, 3],
+            logits: LogitsMode::None,
+        }])
+        .expect("step");
+    // Out-of-vocabulary token, empty chunk, unknown sequence, duplicate sequence, overflow.
+    assert!(engine
+        .step(&[SeqStep {
+            seq,
+            tokens: &[4, 9999],
+            logits: LogitsMode::Last
+        }])
+        .is_err());
+    assert!(engine
+        .step(&[SeqStep {
+            seq,
+            tokens: &[],
+            logits: LogitsMode::Last
+        }])
+        .is_err());
+    assert!(engine
+        .step(&[SeqStep {
+            seq: 12345,
+            tokens: &[1],
+            logits: LogitsMode::Last
+        }])
+        .is_err());
+    assert!(engine
+        .step(&[
+            SeqStep {
+                seq,
+                tokens: &[1],
+                logits: LogitsMode::Last
+            },
+            SeqStep {
+                seq,
+                tokens: &[2],
+                logits: LogitsMode::Last
+            },
+        ])
+        .is_err());
+    let long = vec![1u32; 2048];
+    let err = engine
+        .step(&[SeqStep {
+            seq,
+            tokens: &long,
+            logits: LogitsMode::Last,
+        }])
+        .expect_err("overflow");
+    assert!(err.to_string().contains("context window"), "{err}");
+    assert_eq!(engine.cached_tokens(seq).expect("tokens"), &[1, 2, 3]);
+}
