@@ -468,10 +468,11 @@ fn tokenizer_metadata_is_copied_and_sets_the_vocabulary() {
 fn smollm2_tokenizer_gives_vocab_49152() {
     let model =
         Path::new(env!("CARGO_MANIFEST_DIR")).join("models/SmolLM2-135M-Instruct.Q4_1.gguf");
-    if !model.exists() {
-        eprintln!("skipped: {} is not downloaded", model.display());
-        return;
-    }
+    assert!(
+        model.exists(),
+        "{} is missing: run ./scripts/fetch-model.sh (models) or check ../shared/reference",
+        model.display()
+    );
     let real = GgufSource::open(&model).unwrap();
     let spec = SyntheticSpec::tiny("smollm3")
         .with_tokenizer_from(&real)
