@@ -24,7 +24,10 @@ fn tiny() -> SyntheticModel {
 #[test]
 fn not_a_gguf_file() {
     let dir = tempfile::tempdir().expect("tempdir");
-    for (name, bytes) in [("text.gguf", &b"hello, this is not a model"[..]), ("empty.gguf", &b""[..])] {
+    for (name, bytes) in [
+        ("text.gguf", &b"hello, this is not a model"[..]),
+        ("empty.gguf", &b""[..]),
+    ] {
         let p = dir.path().join(name);
         std::fs::write(&p, bytes).expect("write");
         match load(&p) {
@@ -146,11 +149,16 @@ fn unsupported_tensor_type() {
     b.extend(std::iter::repeat_n(0u8, 4096));
     let dir = tempfile::tempdir().expect("tempdir");
     let p = dir.path().join("iq2.gguf");
-    std::fs::File::create(&p).and_then(|mut f| f.write_all(&b)).expect("write");
+    std::fs::File::create(&p)
+        .and_then(|mut f| f.write_all(&b))
+        .expect("write");
     match GgufSource::open(&p) {
         Err(e @ EngineError::UnsupportedTensorType { .. }) => {
             let msg = e.to_string();
-            assert!(msg.contains("token_embd.weight") && msg.contains("IQ2_XXS"), "{msg}");
+            assert!(
+                msg.contains("token_embd.weight") && msg.contains("IQ2_XXS"),
+                "{msg}"
+            );
         }
         other => panic!("wrong result: {:?}", other.err()),
     }
