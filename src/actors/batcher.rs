@@ -1,0 +1,402 @@
+//! The scheduler's state machine, free of actors and of the model so it can be tested directly.
+//!
+//! Continuous batching: every step carries one decode token for each generating sequence, then
+//! prefill chunks of admitted sequences up to the step's token budget (chunked prefill, so a long
+//! prompt never holds running streams back for more than one step), then admits waiting requests in
+//! FIFO order while there is room. The model worker reports back after each step.
+
+use std::collections::VecDeque;
+use std::time::Instant;
+
+use super::types::{RequestId, SequenceState, SubmitError};
+
+#[derive(Debug, Clone)]
+pub struct BatcherConfig {
+    /// Sequences prefilling or generating at once.
+    pub max_running: usize,
+    /// Requests waiting for a slot; beyond this, submissions are refused as overload.
+    pub queue_capacity: usize,
+    /// Tokens per step (decode tokens plus prefill chunks).
+    pub step_token_budget: usize,
+    /// The model's context window.
+    pub context_window: usize,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    Waiting,
+    Prefilling,
+    Decoding,
+}
+
+#[derive(Debug, Clone)]
+struct Entry {
+    id: RequestId,
+    cache_key: Option<String>,
+    /// Prompt tokens still to prefill. Starts at the prompt length (an upper bound: the worker
+    /// may find a cached prefix) and is corrected by the worker's reports.
+    remaining_prefill: usize,
+    phase: Phase,
+    deadline: Option<Instant>,
+}
+
+/// The work of one step, as the scheduler decides it.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct StepPlan {
+    /// Requests to end before the step (stopped, timed out, or cancelled while queued).
+    pub cancel: Vec<RequestId>,
+    /// Generating requests: one decode token each.
+    pub decode: Vec<RequestId>,
+    /// Prefilling requests and the most prompt tokens each may process in this step.
+    pub prefill: Vec<(RequestId, usize)>,
+}
+
+impl StepPlan {
+    pub fn is_empty(&self) -> bool {
+        self.cancel.is_empty() && self.decode.is_empty() && self.prefill.is_empty()
+    }
+}
+
+/// The worker's account of one request after a step.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ItemReport {
+    pub id: RequestId,
+    /// Prompt tokens still to prefill (0 once generating).
+    pub remaining_prefill: usize,
+    /// The request ended (finished, cancelled, failed); its slot is free.
+    pub finished: bool,
+}
+
+#[derive(Debug)]
+pub struct Batcher {
+    cfg: BatcherConfig,
+    waiting: VecDeque<Entry>,
+    running: Vec<Entry>,
+    /// Running requests to cancel at the next step.
+    to_cancel: Vec<RequestId>,
+    next_id: RequestId,
+}
+
+/// What a cancellation did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CancelOutcome {
+    NotFound,
+    /// It was still queued; it is gone (the worker is told in the next plan).
+    Dequeued,
+    /// It is running; it ends at the next step.
+    Pending,
+}
+
+impl Batcher {
+    pub fn new(cfg: BatcherConfig) -> Self {
+        Self {
+            cfg,
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            to_cancel: Vec::new(),
+            next_id: 1,
+        }
+    }
+
+    pub fn config(&self) -> &BatcherConfig {
+        &self.cfg
+    }
+
+    /// Accepts a request into the queue, or refuses it at once.
+    pub fn submit(
+        &mut self,
+        cache_key: Option<String>,
+        prompt_len: usize,
+        deadline: Option<Instant>,
+    ) -> Result<RequestId, SubmitError> {
+        if prompt_len == 0 {
+            return Err(SubmitError::Invalid("the prompt is empty".into()));
+        }
+        if prompt_len >= self.cfg.context_window {
+            return Err(SubmitError::ContextOverflow {
+                prompt_tokens: prompt_len,
+                window: self.cfg.context_window,
+            });
+        }
+        if self.waiting.len() >= self.cfg.queue_capacity {
+            return Err(SubmitError::Overloaded {
+                queued: self.waiting.len(),
+                retry_after_s: 1 + self.waiting.len() as u64 / self.cfg.max_running.max(1) as u64,
+            });
+        }
+        let id = self.next_id;
+        self.next_id += 1;
+        self.waiting.push_back(Entry {
+            id,
+            cache_key,
+            remaining_prefill: prompt_len,
+            phase: Phase::Waiting,
+            deadline,
+        });
+        Ok(id)
+    }
+
+    pub fn cancel(&mut self, id: RequestId) -> CancelOutcome {
+        if let Some(pos) = self.waiting.iter().position(|e| e.id == id) {
+            self.waiting.remove(pos);
+            self.to_cancel.push(id);
+            return CancelOutcome::Dequeued;
+        }
+        if self.running.iter().any(|e| e.id == id) {
+            if !self.to_cancel.contains(&id) {
+                self.to_cancel.push(id);
+            }
+            return CancelOutcome::Pending;
+        }
+        CancelOutcome::NotFound
+    }
+
+    /// Cancels every request whose deadline has passed; returns their ids.
+    pub fn expire(&mut self, now: Instant) -> Vec<RequestId> {
+        let expired: Vec<RequestId> = self
+            .waiting
+            .iter()
+            .chain(self.running.iter())
+            .filter(|e| e.deadline.is_some_and(|d| d <= now))
+            .map(|e| e.id)
+            .collect();
+        for &id in &expired {
+            self.cancel(id);
+        }
+        expired
+    }
+
+    /// Decides the next step, or `None` when there is nothing to do.
+    pub fn plan(&mut self) -> Option<StepPlan> {
+        let mut plan = StepPlan {
+            cancel: std::mem::take(&mut self.to_cancel),
+            ..StepPlan::default()
+        };
+        // Cancelled running requests take no part in the step; their slots free when reported.
+        let cancelled = plan.cancel.clone();
+        let mut budget = self.cfg.step_token_budget;
+        for e in self.running.iter().filter(|e| !cancelled.contains(&e.id)) {
+            if e.phase == Phase::Decoding {
+                plan.decode.push(e.id);
+                budget = budget.saturating_sub(1);
+            }
+        }
+        // Keep prefill moving even when decode tokens fill the budget: a starved prompt would
+        // otherwise wait as long as the longest running reply.
+        let mut budget = budget.max(self.cfg.step_token_budget / 4).max(1);
+        for e in self.running.iter().filter(|e| !cancelled.contains(&e.id)) {
+            if e.phase == Phase::Prefilling && budget > 0 {
+                let n = e.remaining_prefill.clamp(1, budget);
+                plan.prefill.push((e.id, n));
+                budget -= n.min(budget);
+            }
+        }
+        while budget > 0 && self.running.len() < self.cfg.max_running {
+            let Some(mut e) = self.waiting.pop_front() else {
+                break;
+            };
+            e.phase = Phase::Prefilling;
+            let n = e.remaining_prefill.clamp(1, budget);
+            plan.prefill.push((e.id, n));
+            budget -= n.min(budget);
+            self.running.push(e);
+        }
+        (!plan.is_empty()).then_some(plan)
+    }
+
+    /// Applies the worker's report of a step.
+    pub fn apply(&mut self, reports: &[ItemReport]) {
+        for r in reports {
+            if r.finished {
+                self.running.retain(|e| e.id != r.id);
+                self.waiting.retain(|e| e.id != r.id);
+                self.to_cancel.retain(|&id| id != r.id);
+                continue;
+            }
+            if let Some(e) = self.running.iter_mut().find(|e| e.id == r.id) {
+                e.remaining_prefill = r.remaining_prefill;
+                if r.remaining_prefill == 0 {
+                    e.phase = Phase::Decoding;
+                }
+            }
+        }
+    }
+
+    pub fn queued(&self) -> usize {
+        self.waiting.len()
+    }
+
+    pub fn running(&self) -> usize {
+        self.running.len()
+    }
+
+    pub fn is_idle(&self) -> bool {
+        self.waiting.is_empty() && self.running.is_empty() && self.to_cancel.is_empty()
+    }
+
+    /// The state of the request holding `cache_key`, if any.
+    pub fn state_of(&self, cache_key: &str) -> SequenceState {
+        let key = Some(cache_key);
+        if let Some(e) = self.running.iter().find(|e| e.cache_key.as_deref() == key) {
+            return match e.phase {
+                Phase::Decoding => SequenceState::Generating,
+                Phase::Prefilling | Phase::Waiting => SequenceState::Prefilling,
+            };
+        }
+        if self.waiting.iter().any(|e| e.cache_key.as_deref() == key) {
+            return SequenceState::Queued;
+        }
+        SequenceState::Idle
+    }
+
+    /// Cache keys in use by queued or running requests (their caches must not be evicted).
+    pub fn busy_keys(&self) -> Vec<String> {
+        self.waiting
+            .iter()
+            .chain(self.running.iter())
+            .filter_map(|e| e.cache_key.clone())
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn batcher(max_running: usize, queue: usize, budget: usize) -> Batcher {
+        Batcher::new(BatcherConfig {
+            max_running,
+            queue_capacity: queue,
+            step_token_budget: budget,
+            context_window: 4096,
+        })
+    }
+
+    fn report(id: RequestId, remaining: usize, finished: bool) -> ItemReport {
+        ItemReport {
+            id,
+            remaining_prefill: remaining,
+            finished,
+        }
+    }
+
+    #[test]
+    fn long_prompt_is_chunked_and_decodes_keep_going() {
+        let mut b = batcher(4, 8, 64);
+        let a = b.submit(Some("a".into()), 10, None).unwrap();
+        let plan = b.plan().unwrap();
+        assert_eq!(plan.prefill, vec![(a, 10)]);
+        b.apply(&[report(a, 0, false)]);
+        assert_eq!(b.state_of("a"), SequenceState::Generating);
+
+        // A 200-token prompt arrives: it is prefilled in chunks while `a` decodes every step.
+        let long = b.submit(Some("long".into()), 200, None).unwrap();
+        let mut remaining = 200;
+        let mut steps = 0;
+        while remaining > 0 {
+            let plan = b.plan().unwrap();
+            assert_eq!(
+                plan.decode,
+                vec![a],
+                "the running stream decodes every step"
+            );
+            let (id, n) = plan.prefill[0];
+            assert_eq!(id, long);
+            assert!(n + plan.decode.len() <= 64);
+            remaining -= n;
+            b.apply(&[report(a, 0, false), report(long, remaining, false)]);
+            steps += 1;
+        }
+        assert_eq!(steps, 4);
+        assert_eq!(b.plan().unwrap().decode, vec![a, long]);
+    }
+
+    #[test]
+    fn fifo_admission_with_a_cap_on_running() {
+        let mut b = batcher(2, 8, 512);
+        let ids: Vec<_> = (0..4).map(|_| b.submit(None, 5, None).unwrap()).collect();
+        let plan = b.plan().unwrap();
+        assert_eq!(plan.prefill, vec![(ids[0], 5), (ids[1], 5)]);
+        assert_eq!(b.running(), 2);
+        assert_eq!(b.queued(), 2);
+        b.apply(&[report(ids[0], 0, true), report(ids[1], 0, false)]);
+        let plan = b.plan().unwrap();
+        assert_eq!(plan.decode, vec![ids[1]]);
+        assert_eq!(
+            plan.prefill,
+            vec![(ids[2], 5)],
+            "the oldest waiting request is admitted"
+        );
+    }
+
+    #[test]
+    fn full_queue_refuses_at_once_and_keeps_what_was_queued() {
+        let mut b = batcher(1, 2, 512);
+        let first = b.submit(None, 5, None).unwrap();
+        let second = b.submit(None, 5, None).unwrap();
+        match b.submit(None, 5, None) {
+            Err(SubmitError::Overloaded { queued, .. }) => assert_eq!(queued, 2),
+            other => panic!("{other:?}"),
+        }
+        let plan = b.plan().unwrap();
+        assert_eq!(plan.prefill, vec![(first, 5)]);
+        b.apply(&[report(first, 0, true)]);
+        assert_eq!(b.plan().unwrap().prefill, vec![(second, 5)]);
+    }
+
+    #[test]
+    fn cancellation_of_queued_and_running_requests() {
+        let mut b = batcher(1, 4, 512);
+        let run = b.submit(Some("r".into()), 5, None).unwrap();
+        let queued = b.submit(Some("q".into()), 5, None).unwrap();
+        b.plan().unwrap();
+        b.apply(&[report(run, 0, false)]);
+        assert_eq!(b.state_of("q"), SequenceState::Queued);
+        assert_eq!(b.cancel(queued), CancelOutcome::Dequeued);
+        assert_eq!(b.state_of("q"), SequenceState::Idle);
+        assert_eq!(b.cancel(run), CancelOutcome::Pending);
+        let plan = b.plan().unwrap();
+        assert_eq!(plan.cancel, vec![queued, run]);
+        assert!(plan.decode.is_empty(), "a cancelled request is not stepped");
+        b.apply(&[report(run, 0, true), report(queued, 0, true)]);
+        assert!(b.is_idle());
+        assert_eq!(b.cancel(run), CancelOutcome::NotFound);
+    }
+
+    #[test]
+    fn deadlines_expire_requests() {
+        let mut b = batcher(1, 4, 512);
+        let now = Instant::now();
+        let a = b.submit(None, 5, Some(now)).unwrap();
+        let c = b.submit(None, 5, None).unwrap();
+        assert_eq!(b.expire(now), vec![a]);
+        let plan = b.plan().unwrap();
+        assert_eq!(plan.cancel, vec![a]);
+        assert_eq!(plan.prefill, vec![(c, 5)]);
+    }
+
+    #[test]
+    fn prompts_beyond_the_window_are_refused() {
+        let mut b = batcher(1, 4, 512);
+        assert!(matches!(
+            b.submit(None, 4096, None),
+            Err(SubmitError::ContextOverflow { .. })
+        ));
+        assert!(matches!(
+            b.submit(None, 0, None),
+            Err(SubmitError::Invalid(_))
+        ));
+    }
+
+    #[test]
+    fn prefill_gets_a_share_even_when_decodes_fill_the_budget() {
+        let mut b = batcher(16, 16, 8);
+        let ids: Vec<_> = (0..8).map(|_| b.submit(None, 1, None).unwrap()).collect();
+        b.plan().unwrap();
+        b.apply(&ids.iter().map(|&i| report(i, 0, false)).collect::<Vec<_>>());
+        let late = b.submit(None, 100, None).unwrap();
+        let plan = b.plan().unwrap();
+        assert_eq!(plan.decode.len(), 8);
+        assert_eq!(plan.prefill, vec![(late, 2)]);
+    }
+}

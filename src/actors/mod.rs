@@ -1,0 +1,13 @@
+//! The actor system: a session actor per conversation, the scheduler actor that batches every
+//! session's work, and the model worker thread that owns the engine and the KV caches.
+//! Messages are plain Rust types; nothing here knows HTTP.
+
+pub mod batcher;
+pub mod model;
+pub mod scheduler;
+pub mod session;
+pub mod types;
+
+pub use scheduler::{SchedulerActor, SchedulerConfig};
+pub use session::{SessionActor, SessionConfig, SessionShared, Sessions};
+pub use types::*;

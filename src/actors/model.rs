@@ -1,0 +1,472 @@
+//! The model actor: owns the engine and every KV cache on its own OS thread, so the heavy compute
+//! never blocks the actix event loop. It executes the scheduler's step plans, samples tokens and
+//! sends them straight to each request's listener, and keeps each conversation's cache between
+//! turns (the next turn prefills only what is new), evicting least-recently-used idle caches to
+//! stay within the KV budget.
+
+use std::collections::HashMap;
+use std::sync::mpsc as std_mpsc;
+use std::sync::Arc;
+use std::time::Instant;
+
+use tokio::sync::oneshot;
+
+use super::batcher::{ItemReport, StepPlan};
+use super::types::{GenEvent, GenSummary, GenerationRequest, RequestId, StopReason};
+use crate::engine::generation::Generation;
+use crate::engine::tokenizer::Tokenizer;
+use crate::engine::{Engine, LogitsMode, SeqId, SeqStep};
+
+/// Commands to the model thread.
+pub enum WorkerCommand {
+    /// A new request (kept until the scheduler plans it).
+    Register {
+        id: RequestId,
+        request: GenerationRequest,
+        submitted: Instant,
+    },
+    /// Run one step and report back.
+    Step(StepPlan),
+    /// Drop an idle conversation's cache (admin "evict", or its conversation was deleted).
+    Evict {
+        cache_key: String,
+        done: oneshot::Sender<bool>,
+    },
+    /// Per-conversation cache sizes.
+    CacheInfo(oneshot::Sender<Vec<CacheEntryInfo>>),
+}
+
+#[derive(Debug, Clone)]
+pub struct CacheEntryInfo {
+    pub cache_key: String,
+    pub tokens: usize,
+    pub bytes: usize,
+}
+
+/// What the worker tells the scheduler after each step.
+#[derive(Debug, Clone, Default)]
+pub struct StepReport {
+    pub items: Vec<ItemReport>,
+    pub step_ms: f64,
+    pub generated_tokens: u64,
+    pub prefilled_tokens: u64,
+    pub reused_tokens: u64,
+    pub kv_bytes: usize,
+    pub cached_sequences: usize,
+    pub evictions: u64,
+}
+
+struct Active {
+    request: GenerationRequest,
+    generation: Option<Generation>,
+    seq: Option<SeqId>,
+    /// Whether `seq` is a conversation cache (kept afterwards) or a temporary one.
+    keyed: bool,
+    /// Prompt tokens not yet in the cache.
+    pending_prompt: Vec<u32>,
+    /// The token sampled last, to feed at the next decode.
+    last_token: Option<u32>,
+    cached_tokens: usize,
+    submitted: Instant,
+    admitted: Option<Instant>,
+    first_token: Option<Instant>,
+    completion_tokens: usize,
+}
+
+struct CacheSlot {
+    seq: SeqId,
+    last_used: Instant,
+}
+
+pub struct ModelWorker {
+    engine: Engine,
+    tokenizer: Arc<Tokenizer>,
+    kv_budget_bytes: usize,
+    active: HashMap<RequestId, Active>,
+    caches: HashMap<String, CacheSlot>,
+    evictions: u64,
+}
+
+impl ModelWorker {
+    pub fn new(engine: Engine, tokenizer: Arc<Tokenizer>, kv_budget_bytes: usize) -> Self {
+        Self {
+            engine,
+            tokenizer,
+            kv_budget_bytes,
+            active: HashMap::new(),
+            caches: HashMap::new(),
+            evictions: 0,
+        }
+    }
+
+    /// Runs the command loop until every sender is gone. `report` carries step reports back to the
+    /// scheduler.
+    pub fn run(mut self, commands: std_mpsc::Receiver<WorkerCommand>, report: impl Fn(StepReport)) {
+        while let Ok(cmd) = commands.recv() {
+            match cmd {
+                WorkerCommand::Register {
+                    id,
+                    request,
+                    submitted,
+                } => {
+                    self.active.insert(
+                        id,
+                        Active {
+                            request,
+                            generation: None,
+                            seq: None,
+                            keyed: false,
+                            pending_prompt: Vec::new(),
+                            last_token: None,
+                            cached_tokens: 0,
+                            submitted,
+                            admitted: None,
+                            first_token: None,
+                            completion_tokens: 0,
+                        },
+                    );
+                }
+                WorkerCommand::Step(plan) => report(self.step(plan)),
+                WorkerCommand::Evict { cache_key, done } => {
+                    let _ = done.send(self.evict_key(&cache_key));
+                }
+                WorkerCommand::CacheInfo(reply) => {
+                    let info = self
+                        .caches
+                        .iter()
+                        .map(|(k, slot)| CacheEntryInfo {
+                            cache_key: k.clone(),
+                            tokens: self.engine.cached_tokens(slot.seq).map_or(0, |t| t.len()),
+                            bytes: self.engine.kv_bytes(slot.seq).unwrap_or(0),
+                        })
+                        .collect();
+                    let _ = reply.send(info);
+                }
+            }
+        }
+        tracing::info!("model worker stopped");
+    }
+
+    fn busy(&self, key: &str) -> bool {
+        self.active
+            .values()
+            .any(|a| a.keyed && a.request.cache_key.as_deref() == Some(key))
+    }
+
+    fn evict_key(&mut self, key: &str) -> bool {
+        if self.busy(key) {
+            return false;
+        }
+        match self.caches.remove(key) {
+            Some(slot) => {
+                self.engine.free_sequence(slot.seq);
+                self.evictions += 1;
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Evicts least-recently-used idle caches until `extra` more bytes fit in the budget.
+    fn make_room(&mut self, extra: usize) {
+        while self.engine.total_kv_bytes() + extra > self.kv_budget_bytes {
+            let victim = self
+                .caches
+                .iter()
+                .filter(|(k, _)| !self.busy(k))
+                .min_by_key(|(_, s)| s.last_used)
+                .map(|(k, _)| k.clone());
+            match victim {
+                Some(k) => {
+                    tracing::debug!(cache_key = %k, "evicting idle KV cache");
+                    self.evict_key(&k);
+                }
+                None => break,
+            }
+        }
+    }
+
+    /// First time a request is planned: find or make its sequence and work out what of the prompt
+    /// is already cached.
+    fn admit(&mut self, id: RequestId) {
+        let Some(a) = self.active.get(&id) else {
+            return;
+        };
+        let key = a.request.cache_key.clone();
+        let reusable = key
+            .as_deref()
+            .filter(|k| !self.busy(k))
+            .and_then(|k| self.caches.get(k).map(|s| s.seq));
+        let (seq, keyed) = match (reusable, key) {
+            (Some(seq), Some(_)) => (seq, true),
+            (None, Some(k)) if !self.busy(&k) => {
+                let seq = self.engine.create_sequence();
+                self.caches.insert(
+                    k,
+                    CacheSlot {
+                        seq,
+                        last_used: Instant::now(),
+                    },
+                );
+                (seq, true)
+            }
+            _ => (self.engine.create_sequence(), false),
+        };
+        let Some(a) = self.active.get_mut(&id) else {
+            return;
+        };
+        let prompt = &a.request.prompt;
+        let cached = self.engine.cached_tokens(seq).map_or(0, |t| {
+            t.iter()
+                .zip(prompt.iter())
+                .take_while(|(x, y)| x == y)
+                .count()
+        });
+        // Recompute at least the last prompt token: its logits give the first reply token.
+        let reuse = cached.min(prompt.len().saturating_sub(1));
+        if self.engine.truncate(seq, reuse).is_err() {
+            tracing::warn!(seq, "truncating a fresh sequence failed");
+        }
+        a.seq = Some(seq);
+        a.keyed = keyed;
+        a.cached_tokens = reuse;
+        a.pending_prompt = prompt[reuse..].to_vec();
+        a.admitted = Some(Instant::now());
+        let generation = Generation::new(&self.tokenizer, a.request.params.clone(), prompt);
+        match generation {
+            Ok(g) => a.generation = Some(g),
+            Err(e) => tracing::warn!("bad sampling parameters reached the worker: {e}"),
+        }
+        let _ = a.request.events.send(GenEvent::Admitted {
+            prompt_tokens: prompt.len(),
+            cached_tokens: reuse,
+        });
+    }
+
+    /// Ends a request: sends its summary, frees a temporary sequence, keeps a keyed one.
+    fn finish(&mut self, id: RequestId, reason: StopReason) {
+        let Some(a) = self.active.remove(&id) else {
+            return;
+        };
+        let now = Instant::now();
+        if let Some(seq) = a.seq {
+            if a.keyed {
+                if let Some(slot) = a
+                    .request
+                    .cache_key
+                    .as_deref()
+                    .and_then(|k| self.caches.get_mut(k))
+                {
+                    slot.last_used = now;
+                }
+            } else {
+                self.engine.free_sequence(seq);
+            }
+        }
+        let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
+        let admitted = a.admitted.unwrap_or(now);
+        let summary = GenSummary {
+            reason,
+            prompt_tokens: a.request.prompt.len(),
+            cached_tokens: a.cached_tokens,
+            completion_tokens: a.completion_tokens,
+            queue_ms: ms(admitted.duration_since(a.submitted)),
+            prefill_ms: a
+                .first_token
+                .map_or(0.0, |f| ms(f.duration_since(admitted))),
+            ttft_ms: a
+                .first_token
+                .map_or(0.0, |f| ms(f.duration_since(a.submitted))),
+            generation_ms: a.first_token.map_or(0.0, |f| ms(now.duration_since(f))),
+        };
+        let _ = a.request.events.send(GenEvent::Finished(summary));
+    }
+
+    fn step(&mut self, plan: StepPlan) -> StepReport {
+        let start = Instant::now();
+        let mut report = StepReport::default();
+        for &id in &plan.cancel {
+            if self.active.contains_key(&id) {
+                self.finish(id, StopReason::Cancelled);
+            }
+            report.items.push(ItemReport {
+                id,
+                remaining_prefill: 0,
+                finished: true,
+            });
+        }
+        // Listeners that went away cancel their request now.
+        let gone: Vec<RequestId> = self
+            .active
+            .iter()
+            .filter(|(_, a)| a.request.events.is_closed())
+            .map(|(&id, _)| id)
+            .collect();
+        for id in gone {
+            self.finish(id, StopReason::Cancelled);
+            report.items.push(ItemReport {
+                id,
+                remaining_prefill: 0,
+                finished: true,
+            });
+        }
+        for &(id, _) in &plan.prefill {
+            if self.active.get(&id).is_some_and(|a| a.seq.is_none()) {
+                self.admit(id);
+                if let Some(a) = self.active.get(&id) {
+                    report.reused_tokens += a.cached_tokens as u64;
+                }
+            }
+        }
+
+        // Build the engine step. Token buffers are owned here so the step can borrow them.
+        let mut work: Vec<(RequestId, SeqId, Vec<u32>, bool)> = Vec::new();
+        for &id in &plan.decode {
+            if let Some(a) = self.active.get(&id) {
+                if let (Some(seq), Some(tok)) = (a.seq, a.last_token) {
+                    work.push((id, seq, vec![tok], true));
+                }
+            }
+        }
+        for &(id, max) in &plan.prefill {
+            if let Some(a) = self.active.get_mut(&id) {
+                let Some(seq) = a.seq else { continue };
+                if a.generation.is_none() {
+                    continue;
+                }
+                let n = max.min(a.pending_prompt.len());
+                if n == 0 {
+                    continue;
+                }
+                let chunk: Vec<u32> = a.pending_prompt.drain(..n).collect();
+                let last = a.pending_prompt.is_empty();
+                report.prefilled_tokens += chunk.len() as u64;
+                work.push((id, seq, chunk, last));
+            }
+        }
+        let extra_tokens: usize = work.iter().map(|w| w.2.len()).sum();
+        let per_token = self.engine.model().config.kv_bytes_per_token();
+        self.make_room(extra_tokens * per_token);
+
+        let mut failed: Vec<(RequestId, String)> = Vec::new();
+        if !work.is_empty() {
+            let steps: Vec<SeqStep<'_>> = work
+                .iter()
+                .map(|(_, seq, toks, want)| SeqStep {
+                    seq: *seq,
+                    tokens: toks,
+                    logits: if *want {
+                        LogitsMode::Last
+                    } else {
+                        LogitsMode::None
+                    },
+                })
+                .collect();
+            let window = self.engine.model().config.context_length;
+            match self.engine.step(&steps) {
+                Ok(outputs) => {
+                    for ((id, seq, _, _), logits) in work.iter().zip(outputs) {
+                        let Some(mut logits) = logits else { continue };
+                        let at_window = self
+                            .engine
+                            .cached_tokens(*seq)
+                            .map_or(true, |t| t.len() + 1 >= window);
+                        let Some(a) = self.active.get_mut(id) else {
+                            continue;
+                        };
+                        let Some(generation) = a.generation.as_mut() else {
+                            continue;
+                        };
+                        match generation.next_token(&mut logits) {
+                            Ok(outcome) => {
+                                a.first_token.get_or_insert_with(Instant::now);
+                                if outcome.finished
+                                    != Some(
+                                        crate::engine::generation::FinishReason::EndOfGeneration,
+                                    )
+                                {
+                                    a.completion_tokens += 1;
+                                    report.generated_tokens += 1;
+                                }
+                                a.last_token = Some(outcome.token);
+                                let mut text = outcome.text;
+                                let mut finished = outcome.finished.map(StopReason::from);
+                                if finished.is_none() && at_window {
+                                    text.push_str(&generation.finish_early());
+                                    finished = Some(StopReason::Length);
+                                }
+                                let deliver = GenEvent::Token {
+                                    token: outcome.token,
+                                    text,
+                                };
+                                if finished != Some(StopReason::EndOfGeneration)
+                                    || matches!(&deliver, GenEvent::Token { text, .. } if !text.is_empty())
+                                {
+                                    let _ = a.request.events.send(deliver);
+                                }
+                                if let Some(reason) = finished {
+                                    let id = *id;
+                                    self.finish(id, reason);
+                                    report.items.push(ItemReport {
+                                        id,
+                                        remaining_prefill: 0,
+                                        finished: true,
+                                    });
+                                }
+                            }
+                            Err(e) => failed.push((*id, e.to_string())),
+                        }
+                    }
+                }
+                Err(e) => {
+                    tracing::error!("engine step failed: {e}");
+                    failed.extend(work.iter().map(|w| (w.0, e.to_string())));
+                }
+            }
+        }
+        // Requests that never got sampling state (bad parameters) fail too.
+        for &(id, _) in &plan.prefill {
+            if self.active.get(&id).is_some_and(|a| a.generation.is_none()) {
+                failed.push((id, "invalid sampling parameters".into()));
+            }
+        }
+        for (id, msg) in failed {
+            if self.active.contains_key(&id) {
+                self.finish(id, StopReason::Error(msg));
+                report.items.push(ItemReport {
+                    id,
+                    remaining_prefill: 0,
+                    finished: true,
+                });
+            }
+        }
+        // Everyone still active reports where it stands.
+        let planned = plan
+            .decode
+            .iter()
+            .copied()
+            .chain(plan.prefill.iter().map(|p| p.0));
+        for id in planned {
+            if report.items.iter().any(|r| r.id == id) {
+                continue;
+            }
+            match self.active.get(&id) {
+                Some(a) => report.items.push(ItemReport {
+                    id,
+                    remaining_prefill: a.pending_prompt.len(),
+                    finished: false,
+                }),
+                None => report.items.push(ItemReport {
+                    id,
+                    remaining_prefill: 0,
+                    finished: true,
+                }),
+            }
+        }
+        report.step_ms = start.elapsed().as_secs_f64() * 1e3;
+        report.kv_bytes = self.engine.total_kv_bytes();
+        report.cached_sequences = self.caches.len();
+        report.evictions = self.evictions;
+        report
+    }
+}

@@ -1,0 +1,667 @@
+//! Session actors: one per conversation, started on demand and stopped when idle.
+//!
+//! A session persists the user's message before acknowledging it, renders the conversation with
+//! its settings (system prompt, thinking, pinned template date), asks the scheduler for a reply,
+//! fans the reply's events out to every subscriber (several tabs), keeps a replay buffer so a tab
+//! that joins mid-reply catches up, and persists the reply when it completes, is stopped or fails.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, Weak};
+use std::time::{Duration, Instant};
+
+use actix::prelude::*;
+use serde::Serialize;
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::UnboundedReceiverStream;
+use uuid::Uuid;
+
+use super::scheduler::{Cancel, SchedulerActor, Submit};
+use super::types::{GenEvent, GenSummary, GenerationRequest, RequestId, StopReason, SubmitError};
+use crate::engine::sampling::SamplingParams;
+use crate::engine::splitter::{SplitEvent, Splitter, ToolCall};
+use crate::engine::template::{
+    prompt_ends_in_open_think, ChatMessage, ChatTemplate, RenderOptions,
+};
+use crate::engine::tokenizer::Tokenizer;
+use crate::store::{
+    Conversation, FinishedReply, Message, MessageStatus, Role, Store, StoreError, Timings,
+};
+
+#[derive(Debug, Clone)]
+pub struct SessionConfig {
+    /// Longest accepted user message, in characters.
+    pub max_message_chars: usize,
+    /// A session with no reply running and no subscriber stops after this long.
+    pub idle_timeout: Duration,
+    /// When the last subscriber of a running reply goes away, the reply is cancelled after this
+    /// long unless a subscriber comes back (a page reload should not kill the reply).
+    pub disconnect_grace: Duration,
+}
+
+impl Default for SessionConfig {
+    fn default() -> Self {
+        Self {
+            max_message_chars: 32_000,
+            idle_timeout: Duration::from_secs(300),
+            disconnect_grace: Duration::from_secs(5),
+        }
+    }
+}
+
+/// What every session shares: the store, the scheduler and the model's text side.
+pub struct SessionShared {
+    pub store: Store,
+    pub scheduler: Addr<SchedulerActor>,
+    pub tokenizer: Arc<Tokenizer>,
+    pub template: Arc<ChatTemplate>,
+    pub context_window: usize,
+    pub cfg: SessionConfig,
+}
+
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum SessionError {
+    #[error("the message is empty")]
+    EmptyMessage,
+    #[error("the message has {chars} characters; the limit is {limit}")]
+    MessageTooLong { chars: usize, limit: usize },
+    #[error("a reply is already being generated in this conversation; wait for it or stop it")]
+    Busy,
+    #[error("conversation not found")]
+    NotFound,
+    #[error(transparent)]
+    Submit(#[from] SubmitError),
+    #[error("storage failed: {0}")]
+    Store(String),
+    #[error("cannot build the prompt: {0}")]
+    Prompt(String),
+}
+
+impl From<StoreError> for SessionError {
+    fn from(e: StoreError) -> Self {
+        SessionError::Store(e.to_string())
+    }
+}
+
+/// Events of a reply, as subscribers see them.
+#[derive(Debug, Clone, Serialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum ReplyEvent {
+    /// A reply began (after the user message was stored).
+    Started {
+        user_message: Message,
+        assistant_message_id: Uuid,
+    },
+    /// The prompt left the queue and is being prefilled.
+    Prefilling {
+        prompt_tokens: usize,
+        cached_tokens: usize,
+    },
+    Reasoning {
+        text: String,
+    },
+    Answer {
+        text: String,
+    },
+    ToolCall {
+        call: ToolCall,
+    },
+    /// The reply ended and is stored.
+    Done {
+        message: Message,
+        summary: GenSummary,
+    },
+    Error {
+        message: String,
+    },
+}
+
+/// A live subscription: what was missed of the current reply, then the events as they come.
+/// Dropping it unsubscribes.
+pub struct Subscription {
+    pub replay: Vec<ReplyEvent>,
+    pub events: mpsc::UnboundedReceiver<ReplyEvent>,
+    pub guard: SubscriptionGuard,
+}
+
+pub struct SubscriptionGuard {
+    session: Addr<SessionActor>,
+    id: u64,
+}
+
+impl Drop for SubscriptionGuard {
+    fn drop(&mut self) {
+        self.session.do_send(Unsubscribe(self.id));
+    }
+}
+
+struct RunningReply {
+    request_id: Option<RequestId>,
+    assistant_message_id: Uuid,
+    splitter: Splitter,
+    raw: String,
+    content: String,
+    reasoning: String,
+    tool_calls: Vec<ToolCall>,
+    prompt_tokens: usize,
+    cached_tokens: usize,
+    /// Stop was asked before the scheduler gave an id.
+    stop_requested: bool,
+}
+
+pub struct SessionActor {
+    id: Uuid,
+    shared: Arc<SessionShared>,
+    registry: Weak<Sessions>,
+    subscribers: HashMap<u64, mpsc::UnboundedSender<ReplyEvent>>,
+    next_subscriber: u64,
+    replay: Vec<ReplyEvent>,
+    reply: Option<RunningReply>,
+    /// A send is between its checks and the scheduler's acceptance.
+    sending: bool,
+    last_activity: Instant,
+}
+
+impl SessionActor {
+    fn broadcast(&mut self, event: ReplyEvent) {
+        self.subscribers
+            .retain(|_, tx| tx.send(event.clone()).is_ok());
+        self.replay.push(event);
+    }
+
+    fn is_busy(&self) -> bool {
+        self.sending || self.reply.is_some()
+    }
+
+    fn on_split_events(&mut self, events: Vec<SplitEvent>) {
+        for ev in events {
+            let out = {
+                let Some(reply) = self.reply.as_mut() else {
+                    return;
+                };
+                match ev {
+                    SplitEvent::Reasoning(t) => {
+                        reply.reasoning.push_str(&t);
+                        ReplyEvent::Reasoning { text: t }
+                    }
+                    SplitEvent::Answer(t) => {
+                        reply.content.push_str(&t);
+                        ReplyEvent::Answer { text: t }
+                    }
+                    SplitEvent::ToolCall(call) => {
+                        reply.tool_calls.push(call.clone());
+                        ReplyEvent::ToolCall { call }
+                    }
+                    SplitEvent::InvalidToolCall { raw, .. } => {
+                        let text = format!("<tool_call>{raw}</tool_call>");
+                        reply.content.push_str(&text);
+                        ReplyEvent::Answer { text }
+                    }
+                }
+            };
+            self.broadcast(out);
+        }
+    }
+
+    fn finish_reply(&mut self, summary: GenSummary, ctx: &mut Context<Self>) {
+        let Some(mut reply) = self.reply.take() else {
+            return;
+        };
+        // Keep the session marked busy until the reply is stored.
+        self.sending = true;
+        let tail = reply.splitter.finish();
+        self.reply = Some(reply);
+        self.on_split_events(tail);
+        let Some(reply) = self.reply.take() else {
+            return;
+        };
+        let (status, error) = match &summary.reason {
+            StopReason::EndOfGeneration | StopReason::StopString(_) | StopReason::Length => {
+                (MessageStatus::Complete, None)
+            }
+            StopReason::Cancelled | StopReason::TimeLimit => (MessageStatus::Stopped, None),
+            StopReason::Error(e) => (MessageStatus::Error, Some(e.clone())),
+        };
+        let tokens_per_s = if summary.generation_ms > 0.0 {
+            summary.completion_tokens.saturating_sub(1) as f64 / (summary.generation_ms / 1e3)
+        } else {
+            0.0
+        };
+        let finished = FinishedReply {
+            content: reply.content,
+            reasoning: (!reply.reasoning.is_empty()).then_some(reply.reasoning),
+            raw: reply.raw,
+            status,
+            error,
+            prompt_tokens: reply.prompt_tokens as i64,
+            completion_tokens: summary.completion_tokens as i64,
+            cached_tokens: reply.cached_tokens as i64,
+            timings: Timings {
+                queue_ms: summary.queue_ms,
+                prefill_ms: summary.prefill_ms,
+                ttft_ms: summary.ttft_ms,
+                generation_ms: summary.generation_ms,
+                tokens_per_s,
+            },
+        };
+        let store = self.shared.store.clone();
+        let id = reply.assistant_message_id;
+        async move { store.finish_assistant_message(id, &finished).await }
+            .into_actor(self)
+            .map(move |result, act, _| {
+                act.sending = false;
+                act.last_activity = Instant::now();
+                match result {
+                    Ok(message) => act.broadcast(ReplyEvent::Done { message, summary }),
+                    Err(e) => {
+                        tracing::error!(conversation = %act.id, "storing the reply failed: {e}");
+                        act.broadcast(ReplyEvent::Error {
+                            message: format!("the reply could not be stored: {e}"),
+                        });
+                    }
+                }
+                act.replay.clear();
+            })
+            .wait(ctx);
+    }
+
+    fn cancel_running(&mut self) -> bool {
+        match self.reply.as_mut() {
+            Some(reply) => {
+                match reply.request_id {
+                    Some(id) => self.shared.scheduler.do_send(Cancel(id)),
+                    None => reply.stop_requested = true,
+                }
+                true
+            }
+            None => false,
+        }
+    }
+}
+
+impl Actor for SessionActor {
+    type Context = Context<Self>;
+
+    fn started(&mut self, ctx: &mut Self::Context) {
+        let tick = (self.shared.cfg.idle_timeout / 4)
+            .clamp(Duration::from_millis(50), Duration::from_secs(5));
+        ctx.run_interval(tick, |act, ctx| {
+            let idle = !act.is_busy() && act.subscribers.is_empty();
+            if idle && act.last_activity.elapsed() >= act.shared.cfg.idle_timeout {
+                tracing::debug!(conversation = %act.id, "session idle; stopping");
+                ctx.stop();
+            }
+        });
+    }
+
+    fn stopped(&mut self, ctx: &mut Self::Context) {
+        if let Some(registry) = self.registry.upgrade() {
+            registry.forget(self.id, &ctx.address());
+        }
+    }
+}
+
+/// Send a user message; resolves once it is stored and the reply is queued.
+#[derive(Message)]
+#[rtype(result = "Result<Accepted, SessionError>")]
+pub struct SendMessage {
+    pub content: String,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Accepted {
+    pub user_message: Message,
+    pub assistant_message_id: Uuid,
+}
+
+struct Prepared {
+    prompt: Vec<u32>,
+    starts_in_reasoning: bool,
+    params: SamplingParams,
+}
+
+/// Renders the conversation plus the new user message into prompt tokens.
+fn prepare(
+    shared: &SessionShared,
+    conversation: &Conversation,
+    history: &[Message],
+    new_user: &str,
+) -> Result<Prepared, SessionError> {
+    let s = &conversation.settings;
+    let mut messages = Vec::new();
+    if let Some(system) = s.system_prompt.as_deref().filter(|p| !p.trim().is_empty()) {
+        messages.push(ChatMessage::system(system));
+    }
+    for m in history {
+        match m.role {
+            Role::User => messages.push(ChatMessage::user(&m.content)),
+            // The exact generated text, so the re-rendered prompt matches the cached tokens.
+            Role::Assistant if m.status != MessageStatus::Error => messages.push(
+                ChatMessage::assistant(m.raw.as_deref().unwrap_or(&m.content)),
+            ),
+            Role::System => messages.push(ChatMessage::system(&m.content)),
+            _ => {}
+        }
+    }
+    messages.push(ChatMessage::user(new_user));
+    let mut opts = RenderOptions::new(s.pinned_date);
+    opts.enable_thinking = Some(s.thinking);
+    let text = shared
+        .template
+        .render(&messages, &opts)
+        .map_err(|e| SessionError::Prompt(e.to_string()))?;
+    let mut prompt = Vec::new();
+    if shared.tokenizer.add_bos() {
+        prompt.extend(shared.tokenizer.bos_id());
+    }
+    prompt.extend(
+        shared
+            .tokenizer
+            .encode(&text, true)
+            .map_err(|e| SessionError::Prompt(e.to_string()))?,
+    );
+    let params = SamplingParams {
+        temperature: s.temperature,
+        top_p: s.top_p,
+        top_k: s.top_k,
+        max_new_tokens: s.max_tokens,
+        seed: s.seed,
+        ..SamplingParams::default()
+    };
+    Ok(Prepared {
+        prompt,
+        starts_in_reasoning: prompt_ends_in_open_think(&text),
+        params,
+    })
+}
+
+impl Handler<SendMessage> for SessionActor {
+    type Result = ResponseActFuture<Self, Result<Accepted, SessionError>>;
+
+    fn handle(&mut self, msg: SendMessage, _: &mut Context<Self>) -> Self::Result {
+        let content = msg.content;
+        let check = || {
+            if content.trim().is_empty() {
+                return Err(SessionError::EmptyMessage);
+            }
+            let chars = content.chars().count();
+            let limit = self.shared.cfg.max_message_chars;
+            if chars > limit {
+                return Err(SessionError::MessageTooLong { chars, limit });
+            }
+            if self.is_busy() {
+                return Err(SessionError::Busy);
+            }
+            Ok(())
+        };
+        if let Err(e) = check() {
+            return Box::pin(fut::ready(Err(e)));
+        }
+        self.sending = true;
+        self.last_activity = Instant::now();
+        let shared = Arc::clone(&self.shared);
+        let id = self.id;
+        let (tx, rx) = mpsc::unbounded_channel();
+        let work = async move {
+            let conversation = shared
+                .store
+                .get_conversation(id)
+                .await?
+                .ok_or(SessionError::NotFound)?;
+            let history = shared.store.messages(id).await?;
+            let prepared = prepare(&shared, &conversation, &history, &content)?;
+            let request = GenerationRequest {
+                cache_key: Some(id.to_string()),
+                prompt: prepared.prompt.clone(),
+                params: prepared.params.clone(),
+                max_time: None,
+                events: tx,
+            };
+            // Ask the scheduler first: an overloaded server refuses before anything is stored.
+            let request_id = shared
+                .scheduler
+                .send(Submit(request))
+                .await
+                .map_err(|e| SessionError::Submit(SubmitError::Unavailable(e.to_string())))??;
+            let stored = async {
+                let user = shared.store.insert_user_message(id, &content).await?;
+                let assistant = shared.store.start_assistant_message(id).await?;
+                Ok::<_, StoreError>((user, assistant))
+            }
+            .await;
+            match stored {
+                Ok((user, assistant)) => Ok((request_id, user, assistant, prepared)),
+                Err(e) => {
+                    shared.scheduler.do_send(Cancel(request_id));
+                    Err(SessionError::from(e))
+                }
+            }
+        };
+        Box::pin(work.into_actor(self).map(move |result, act, ctx| {
+            act.sending = false;
+            let (request_id, user, assistant, prepared) = result?;
+            act.replay.clear();
+            act.reply = Some(RunningReply {
+                request_id: Some(request_id),
+                assistant_message_id: assistant.id,
+                splitter: Splitter::new(prepared.starts_in_reasoning),
+                raw: String::new(),
+                content: String::new(),
+                reasoning: String::new(),
+                tool_calls: Vec::new(),
+                prompt_tokens: prepared.prompt.len(),
+                cached_tokens: 0,
+                stop_requested: false,
+            });
+            ctx.add_stream(UnboundedReceiverStream::new(rx));
+            act.broadcast(ReplyEvent::Started {
+                user_message: user.clone(),
+                assistant_message_id: assistant.id,
+            });
+            Ok(Accepted {
+                user_message: user,
+                assistant_message_id: assistant.id,
+            })
+        }))
+    }
+}
+
+impl StreamHandler<GenEvent> for SessionActor {
+    fn handle(&mut self, event: GenEvent, ctx: &mut Context<Self>) {
+        self.last_activity = Instant::now();
+        match event {
+            GenEvent::Admitted {
+                prompt_tokens,
+                cached_tokens,
+            } => {
+                if let Some(r) = self.reply.as_mut() {
+                    r.cached_tokens = cached_tokens;
+                    if r.stop_requested {
+                        self.cancel_running();
+                    }
+                }
+                self.broadcast(ReplyEvent::Prefilling {
+                    prompt_tokens,
+                    cached_tokens,
+                });
+            }
+            GenEvent::Token { text, .. } => {
+                let events = match self.reply.as_mut() {
+                    Some(r) => {
+                        r.raw.push_str(&text);
+                        r.splitter.push(&text)
+                    }
+                    None => return,
+                };
+                self.on_split_events(events);
+            }
+            GenEvent::Finished(summary) => self.finish_reply(summary, ctx),
+        }
+    }
+
+    /// The event stream ends after `Finished`; the session lives on.
+    fn finished(&mut self, _: &mut Context<Self>) {}
+}
+
+/// Stop the running reply. Resolves to whether one was running.
+#[derive(Message)]
+#[rtype(result = "bool")]
+pub struct Stop;
+
+impl Handler<Stop> for SessionActor {
+    type Result = bool;
+
+    fn handle(&mut self, _: Stop, _: &mut Context<Self>) -> bool {
+        self.cancel_running()
+    }
+}
+
+/// Join the conversation's live events.
+#[derive(Message)]
+#[rtype(result = "Subscription")]
+pub struct Subscribe;
+
+impl Handler<Subscribe> for SessionActor {
+    type Result = MessageResult<Subscribe>;
+
+    fn handle(&mut self, _: Subscribe, ctx: &mut Context<Self>) -> Self::Result {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let id = self.next_subscriber;
+        self.next_subscriber += 1;
+        self.subscribers.insert(id, tx);
+        self.last_activity = Instant::now();
+        MessageResult(Subscription {
+            replay: self.replay.clone(),
+            events: rx,
+            guard: SubscriptionGuard {
+                session: ctx.address(),
+                id,
+            },
+        })
+    }
+}
+
+#[derive(Message)]
+#[rtype(result = "()")]
+struct Unsubscribe(u64);
+
+impl Handler<Unsubscribe> for SessionActor {
+    type Result = ();
+
+    fn handle(&mut self, msg: Unsubscribe, ctx: &mut Context<Self>) {
+        self.subscribers.remove(&msg.0);
+        self.last_activity = Instant::now();
+        if self.subscribers.is_empty() && self.reply.is_some() {
+            let grace = self.shared.cfg.disconnect_grace;
+            let reply_id = self.reply.as_ref().map(|r| r.assistant_message_id);
+            ctx.run_later(grace, move |act, _| {
+                let same_reply = act.reply.as_ref().map(|r| r.assistant_message_id) == reply_id;
+                if same_reply && act.subscribers.is_empty() {
+                    tracing::debug!(conversation = %act.id, "every listener left; stopping the reply");
+                    act.cancel_running();
+                }
+            });
+        }
+    }
+}
+
+/// What the admin page shows of a live session.
+#[derive(Debug, Clone, Serialize)]
+pub struct SessionInfo {
+    pub subscribers: usize,
+    pub replying: bool,
+    pub idle_s: f64,
+}
+
+#[derive(Message)]
+#[rtype(result = "SessionInfo")]
+pub struct GetInfo;
+
+impl Handler<GetInfo> for SessionActor {
+    type Result = MessageResult<GetInfo>;
+
+    fn handle(&mut self, _: GetInfo, _: &mut Context<Self>) -> Self::Result {
+        MessageResult(SessionInfo {
+            subscribers: self.subscribers.len(),
+            replying: self.is_busy(),
+            idle_s: self.last_activity.elapsed().as_secs_f64(),
+        })
+    }
+}
+
+/// Stop the session now (its conversation was deleted): the reply is cancelled.
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct Shutdown;
+
+impl Handler<Shutdown> for SessionActor {
+    type Result = ();
+
+    fn handle(&mut self, _: Shutdown, ctx: &mut Context<Self>) {
+        self.cancel_running();
+        ctx.stop();
+    }
+}
+
+/// The live sessions, by conversation id.
+pub struct Sessions {
+    shared: Arc<SessionShared>,
+    live: Mutex<HashMap<Uuid, Addr<SessionActor>>>,
+}
+
+impl Sessions {
+    pub fn new(shared: SessionShared) -> Arc<Self> {
+        Arc::new(Self {
+            shared: Arc::new(shared),
+            live: Mutex::new(HashMap::new()),
+        })
+    }
+
+    pub fn shared(&self) -> &Arc<SessionShared> {
+        &self.shared
+    }
+
+    /// The session of a conversation, started if it is not running. The caller has checked
+    /// that the conversation exists and belongs to the user.
+    pub fn get_or_start(self: &Arc<Self>, id: Uuid) -> Addr<SessionActor> {
+        let mut live = self.live.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(addr) = live.get(&id).filter(|a| a.connected()) {
+            return addr.clone();
+        }
+        let addr = SessionActor {
+            id,
+            shared: Arc::clone(&self.shared),
+            registry: Arc::downgrade(self),
+            subscribers: HashMap::new(),
+            next_subscriber: 0,
+            replay: Vec::new(),
+            reply: None,
+            sending: false,
+            last_activity: Instant::now(),
+        }
+        .start();
+        live.insert(id, addr.clone());
+        addr
+    }
+
+    /// The session of a conversation if it is running.
+    pub fn get(&self, id: Uuid) -> Option<Addr<SessionActor>> {
+        let live = self.live.lock().unwrap_or_else(|p| p.into_inner());
+        live.get(&id).filter(|a| a.connected()).cloned()
+    }
+
+    /// Every running session.
+    pub fn all(&self) -> Vec<(Uuid, Addr<SessionActor>)> {
+        let live = self.live.lock().unwrap_or_else(|p| p.into_inner());
+        live.iter()
+            .filter(|(_, a)| a.connected())
+            .map(|(k, a)| (*k, a.clone()))
+            .collect()
+    }
+
+    fn forget(&self, id: Uuid, addr: &Addr<SessionActor>) {
+        let mut live = self.live.lock().unwrap_or_else(|p| p.into_inner());
+        if live.get(&id).is_some_and(|a| a == addr) {
+            live.remove(&id);
+        }
+    }
+}

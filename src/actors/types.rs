@@ -1,0 +1,131 @@
+//! Plain message types shared by the actors and their callers (the web layer, tests).
+
+use std::time::Duration;
+
+use serde::Serialize;
+use tokio::sync::mpsc;
+
+use crate::engine::generation::FinishReason;
+use crate::engine::sampling::SamplingParams;
+
+/// Identifies one generation request inside the scheduler and the model worker.
+pub type RequestId = u64;
+
+/// A request for one reply: the full prompt (the worker reuses whatever prefix of it is cached under
+/// `cache_key`), how to sample, and where to send the tokens.
+pub struct GenerationRequest {
+    /// The KV cache to keep this sequence under between requests (a conversation id). `None` for
+    /// stateless requests, whose cache is dropped when they finish.
+    pub cache_key: Option<String>,
+    pub prompt: Vec<u32>,
+    pub params: SamplingParams,
+    /// Wall-clock limit for the whole request (queueing included).
+    pub max_time: Option<Duration>,
+    /// Receives the request's events. Dropping the receiver cancels the request at the next step.
+    pub events: mpsc::UnboundedSender<GenEvent>,
+}
+
+/// What happens to a request, in order: `Admitted` once, `Token` per generated token, `Finished`
+/// exactly once (also after a cancellation or an error).
+#[derive(Debug, Clone)]
+pub enum GenEvent {
+    /// The request left the queue and its prompt is being prefilled.
+    Admitted {
+        prompt_tokens: usize,
+        cached_tokens: usize,
+    },
+    /// One generated token and the text it completes (possibly empty).
+    Token {
+        token: u32,
+        text: String,
+    },
+    Finished(GenSummary),
+}
+
+/// Why a request ended, as the platform sees it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case", tag = "kind", content = "detail")]
+pub enum StopReason {
+    /// End-of-generation token.
+    EndOfGeneration,
+    /// A stop string was produced.
+    StopString(String),
+    /// The new-token limit or the context window was reached.
+    Length,
+    /// Stopped by a user or because every listener went away.
+    Cancelled,
+    /// The request's wall-clock limit passed.
+    TimeLimit,
+    /// The engine failed.
+    Error(String),
+}
+
+impl From<FinishReason> for StopReason {
+    fn from(r: FinishReason) -> Self {
+        match r {
+            FinishReason::EndOfGeneration => StopReason::EndOfGeneration,
+            FinishReason::StopString(s) => StopReason::StopString(s),
+            FinishReason::Length => StopReason::Length,
+        }
+    }
+}
+
+/// Counts and timings of a finished request.
+#[derive(Debug, Clone, Serialize)]
+pub struct GenSummary {
+    pub reason: StopReason,
+    pub prompt_tokens: usize,
+    /// Prompt tokens whose KV came from the cache (not recomputed).
+    pub cached_tokens: usize,
+    pub completion_tokens: usize,
+    pub queue_ms: f64,
+    pub prefill_ms: f64,
+    /// From submission to the first generated token.
+    pub ttft_ms: f64,
+    /// From the first generated token to the end.
+    pub generation_ms: f64,
+}
+
+/// Why the scheduler refused a request.
+#[derive(Debug, Clone, thiserror::Error, PartialEq, Eq)]
+pub enum SubmitError {
+    #[error("the server is busy ({queued} requests are waiting); retry in {retry_after_s} s")]
+    Overloaded { queued: usize, retry_after_s: u64 },
+    #[error("the prompt has {prompt_tokens} tokens but the context window is {window}; shorten the conversation or start a new one")]
+    ContextOverflow { prompt_tokens: usize, window: usize },
+    #[error("invalid request: {0}")]
+    Invalid(String),
+    #[error("the model is not available: {0}")]
+    Unavailable(String),
+}
+
+/// A snapshot of the scheduler for `/metrics`, `/admin` and tests.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct SchedulerStats {
+    pub queued: usize,
+    pub running: usize,
+    pub max_running: usize,
+    pub queue_capacity: usize,
+    pub steps: u64,
+    pub generated_tokens: u64,
+    pub prefilled_tokens: u64,
+    /// Prompt tokens served from caches instead of being recomputed.
+    pub reused_tokens: u64,
+    /// Generated tokens per second over the last few seconds.
+    pub tokens_per_s: f64,
+    pub kv_bytes: usize,
+    pub kv_budget_bytes: usize,
+    pub cached_sequences: usize,
+    pub evictions: u64,
+    pub last_step_ms: f64,
+}
+
+/// What a cache key (a conversation) is doing right now, for the admin page.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum SequenceState {
+    Idle,
+    Queued,
+    Prefilling,
+    Generating,
+}

@@ -1,0 +1,175 @@
+//! Wiring: loads the model and opens the store from a [`Config`], then starts the scheduler (with
+//! its model thread) and the session registry. The web layer serves a [`Platform`].
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use actix::Addr;
+
+use crate::actors::batcher::BatcherConfig;
+use crate::actors::{SchedulerActor, SchedulerConfig, SessionConfig, SessionShared, Sessions};
+use crate::config::Config;
+use crate::engine::gguf::GgufSource;
+use crate::engine::template::ChatTemplate;
+use crate::engine::tokenizer::Tokenizer;
+use crate::engine::{Engine, EngineError, Model};
+use crate::store::{Store, StoreError};
+
+#[derive(Debug, thiserror::Error)]
+pub enum PlatformError {
+    #[error("model {path}: {source}")]
+    Model {
+        path: String,
+        #[source]
+        source: EngineError,
+    },
+    #[error("{0}")]
+    MissingModel(String),
+    #[error("database {url}: {source}")]
+    Store {
+        url: String,
+        #[source]
+        source: StoreError,
+    },
+    #[error("device `{0}` is not supported by this build: smolchat computes on the CPU (use device = \"cpu\" or \"auto\")")]
+    Device(String),
+}
+
+/// Facts about the loaded model that the web layer shows.
+#[derive(Debug, Clone)]
+pub struct ModelInfo {
+    /// The model's id in the API (the GGUF's name, or the file stem).
+    pub id: String,
+    pub path: String,
+    pub architecture: String,
+    pub context_window: usize,
+    pub vocab_size: usize,
+    pub weight_bytes: usize,
+    pub load_s: f64,
+}
+
+pub struct Platform {
+    pub config: Config,
+    pub store: Store,
+    pub scheduler: Addr<SchedulerActor>,
+    pub sessions: Arc<Sessions>,
+    pub tokenizer: Arc<Tokenizer>,
+    pub template: Arc<ChatTemplate>,
+    pub model: ModelInfo,
+}
+
+/// Loads the model with its tokenizer and chat template (blocking: call off the event loop).
+pub fn load_model(
+    config: &Config,
+) -> Result<(Engine, Tokenizer, ChatTemplate, ModelInfo), PlatformError> {
+    let device = config.model.device.as_str();
+    if device != "auto" && device != "cpu" {
+        return Err(PlatformError::Device(device.to_string()));
+    }
+    let path = &config.model.path;
+    if !path.exists() {
+        let hint = if path == Path::new(crate::cli::DEFAULT_MODEL) {
+            "; run ./scripts/fetch-model.sh (or `make setup`) to fetch the default model"
+        } else {
+            ""
+        };
+        return Err(PlatformError::MissingModel(format!(
+            "model file {} does not exist{hint}",
+            path.display()
+        )));
+    }
+    let err = |source| PlatformError::Model {
+        path: path.display().to_string(),
+        source,
+    };
+    let start = Instant::now();
+    let mut src = GgufSource::open(path).map_err(err)?;
+    let tokenizer = match &config.model.tokenizer {
+        Some(json) => Tokenizer::from_json_file(json, &src),
+        None => Tokenizer::from_gguf(&src),
+    }
+    .map_err(err)?;
+    let template = ChatTemplate::from_gguf(&src).map_err(err)?;
+    let model = Model::load(&mut src, &mut |_, _| {}).map_err(err)?;
+    let cfg = &model.config;
+    let id = path
+        .file_stem()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_else(|| cfg.name.clone());
+    let context_window = config
+        .limits
+        .context
+        .map_or(cfg.context_length, |c| c.min(cfg.context_length));
+    let info = ModelInfo {
+        id,
+        path: path.display().to_string(),
+        architecture: cfg.arch.gguf_name().to_string(),
+        context_window,
+        vocab_size: cfg.vocab_size,
+        weight_bytes: model.weight_bytes(),
+        load_s: start.elapsed().as_secs_f64(),
+    };
+    tracing::info!(model = %info.id, arch = %info.architecture, window = context_window, load_s = info.load_s, "model loaded");
+    Ok((Engine::new(model), tokenizer, template, info))
+}
+
+impl Platform {
+    /// Opens the store and starts the actors around an already loaded model. Must run inside an
+    /// actix system.
+    pub async fn start(
+        config: Config,
+        engine: Engine,
+        tokenizer: Tokenizer,
+        template: ChatTemplate,
+        model: ModelInfo,
+    ) -> Result<Self, PlatformError> {
+        let store =
+            Store::open(&config.database.url)
+                .await
+                .map_err(|source| PlatformError::Store {
+                    url: config.database.url.clone(),
+                    source,
+                })?;
+        let tokenizer = Arc::new(tokenizer);
+        let template = Arc::new(template);
+        let s = &config.scheduler;
+        let scheduler = SchedulerActor::start(
+            engine,
+            Arc::clone(&tokenizer),
+            SchedulerConfig {
+                batcher: BatcherConfig {
+                    max_running: s.max_running,
+                    queue_capacity: s.queue_size,
+                    step_token_budget: s.batch_token_budget,
+                    context_window: model.context_window,
+                },
+                kv_budget_bytes: s.kv_budget_mib << 20,
+                max_new_tokens: config.limits.max_new_tokens,
+                request_timeout: (s.request_timeout_s > 0)
+                    .then(|| Duration::from_secs(s.request_timeout_s)),
+            },
+        );
+        let sessions = Sessions::new(SessionShared {
+            store: store.clone(),
+            scheduler: scheduler.clone(),
+            tokenizer: Arc::clone(&tokenizer),
+            template: Arc::clone(&template),
+            context_window: model.context_window,
+            cfg: SessionConfig {
+                max_message_chars: config.limits.max_message_chars,
+                idle_timeout: Duration::from_secs(config.session.idle_timeout_s),
+                disconnect_grace: Duration::from_millis(config.session.disconnect_grace_ms),
+            },
+        });
+        Ok(Self {
+            config,
+            store,
+            scheduler,
+            sessions,
+            tokenizer,
+            template,
+            model,
+        })
+    }
+}
