@@ -1,0 +1,60 @@
+//! `StoreError`, the one error type of the persistence layer.
+
+use std::path::PathBuf;
+
+use uuid::Uuid;
+
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("invalid database URL {url:?}: {reason} (expected e.g. \"sqlite://data/smolchat.db\" or \"sqlite::memory:\")")]
+    Url { url: String, reason: String },
+
+    #[error("cannot create the database directory {}: {source}", path.display())]
+    CreateDir {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+
+    #[error("cannot open the database {url:?}: {source}")]
+    Open {
+        url: String,
+        #[source]
+        source: sqlx::Error,
+    },
+
+    #[error("cannot apply the database migrations: {0} (is the database from a newer smolchat?)")]
+    Migrate(#[from] sqlx::migrate::MigrateError),
+
+    #[error("database error: {0}")]
+    Database(#[from] sqlx::Error),
+
+    #[error("conversation {0} does not exist")]
+    ConversationNotFound(Uuid),
+
+    #[error("there is no assistant message {0}")]
+    MessageNotFound(Uuid),
+
+    #[error("invalid conversation settings: {0}")]
+    InvalidSettings(String),
+
+    #[error(
+        "a finished reply cannot have status `{0}`; use complete, stopped, interrupted or error"
+    )]
+    InvalidStatus(&'static str),
+
+    /// A row the store cannot read back: written by something else, or a damaged file.
+    #[error("corrupt {table} row {id:?}: {detail}")]
+    Corrupt {
+        table: &'static str,
+        id: String,
+        detail: String,
+    },
+
+    #[error("cannot encode {what} as JSON: {source}")]
+    Encode {
+        what: &'static str,
+        #[source]
+        source: serde_json::Error,
+    },
+}

@@ -1,0 +1,685 @@
+//! The persistence layer: conversations and messages in SQLite (WAL mode) through sqlx.
+//!
+//! This module is the only code in smolchat that writes SQL. The schema lives in `migrations/`
+//! and is applied by [`Store::open`].
+//!
+//! # Durability
+//!
+//! The database runs in WAL mode with `synchronous = FULL`. With `NORMAL`, WAL commits survive a
+//! crash of the process but the last ones can be lost on power failure or an OS crash, because
+//! the WAL is only synced at checkpoints. The product promise is that an acknowledged message is
+//! never lost, and the store writes only a few rows per turn (the user message, the start and the
+//! end of the reply, never per token), so one WAL fsync per commit costs nothing measurable next
+//! to generation. Every method returns only after its transaction has committed.
+//!
+//! # Storage conventions
+//!
+//! Ids are UUIDv7 stored as lowercase hyphenated TEXT; timestamps are INTEGER microseconds since
+//! the Unix epoch (UTC); settings and timings are JSON TEXT. Message order is the per-conversation
+//! `position`, never a timestamp.
+//!
+//! # Concurrency
+//!
+//! Writes that touch more than one row run in `BEGIN IMMEDIATE` transactions: they take SQLite's
+//! write lock up front (waiting up to the busy timeout) instead of upgrading a read transaction
+//! later, which in WAL mode fails with `SQLITE_BUSY` without waiting.
+
+mod error;
+mod types;
+
+use std::path::Path;
+use std::str::FromStr;
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use sqlx::sqlite::{
+    SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteSynchronous,
+};
+use uuid::Uuid;
+
+pub use error::StoreError;
+pub use types::{
+    derive_title, Conversation, ConversationSettings, ConversationSummary, FinishedReply, Message,
+    MessageStatus, Role, Timings, TITLE_MAX_CHARS,
+};
+
+/// How long a statement waits for another connection's write lock before failing.
+const BUSY_TIMEOUT: Duration = Duration::from_secs(10);
+/// Connections to a file database. SQLite has one writer at a time anyway; more connections only
+/// help concurrent readers (page loads while replies are being saved).
+const MAX_CONNECTIONS: u32 = 8;
+
+/// The error text of replies found `streaming` at start-up.
+const INTERRUPTED_BY_RESTART: &str = "the server stopped before this reply was finished";
+
+// Column lists as macros so `concat!` can build `&'static str` queries (sqlx only accepts
+// static strings without an explicit "this is safe" wrapper, which keeps user text out of SQL).
+macro_rules! conversation_columns {
+    () => {
+        "id, owner, title, settings, created_at, updated_at"
+    };
+}
+macro_rules! summary_columns {
+    () => {
+        "c.id, c.owner, c.title, c.created_at, c.updated_at, \
+         (SELECT COUNT(*) FROM messages m WHERE m.conversation_id = c.id) AS message_count"
+    };
+}
+macro_rules! message_columns {
+    () => {
+        "id, conversation_id, position, role, content, reasoning, raw, status, error, \
+         prompt_tokens, completion_tokens, cached_tokens, timings, created_at"
+    };
+}
+
+/// Handle on the database. Cloning is cheap (the pool is reference-counted inside).
+#[derive(Clone, Debug)]
+pub struct Store {
+    pool: SqlitePool,
+    interrupted_on_open: u64,
+}
+
+impl Store {
+    /// Opens the database at `url` (e.g. `sqlite://data/smolchat.db`, `sqlite::memory:`), creating
+    /// the file and its parent directory when missing; sets WAL, `synchronous = FULL`, foreign
+    /// keys and a busy timeout on every connection; applies the migrations; then marks every
+    /// assistant reply left `streaming` by a previous run as `interrupted`
+    /// (see [`Store::interrupted_on_open`]).
+    ///
+    /// Only one server process may use a database file: the start-up recovery assumes nobody
+    /// else is generating into it.
+    pub async fn open(url: &str) -> Result<Store, StoreError> {
+        // sqlx strips an optional `sqlite:` prefix and takes whatever is left as a file name, so
+        // "postgres://host/db" would silently become a local file path: insist on the scheme.
+        if !url.starts_with("sqlite:") {
+            return Err(StoreError::Url {
+                url: url.to_string(),
+                reason: "only sqlite: URLs are supported".to_string(),
+            });
+        }
+        let options = SqliteConnectOptions::from_str(url)
+            .map_err(|e| StoreError::Url {
+                url: url.to_string(),
+                reason: e.to_string(),
+            })?
+            .create_if_missing(true)
+            .journal_mode(SqliteJournalMode::Wal)
+            .synchronous(SqliteSynchronous::Full)
+            .foreign_keys(true)
+            .busy_timeout(BUSY_TIMEOUT);
+
+        // sqlx does not expose whether the parsed URL is in-memory; these are the spellings its
+        // parser maps to an in-memory database.
+        let in_memory = url.contains(":memory:") || url.contains("mode=memory");
+        let pool_options = if in_memory {
+            // An in-memory database lives as long as one connection to it: keep exactly one,
+            // forever (several would also fight over shared-cache table locks, which ignore the
+            // busy timeout).
+            SqlitePoolOptions::new()
+                .max_connections(1)
+                .min_connections(1)
+                .idle_timeout(None)
+                .max_lifetime(None)
+        } else {
+            create_parent_dir(options.get_filename())?;
+            SqlitePoolOptions::new().max_connections(MAX_CONNECTIONS)
+        };
+
+        let pool = pool_options
+            .connect_with(options)
+            .await
+            .map_err(|source| StoreError::Open {
+                url: url.to_string(),
+                source,
+            })?;
+
+        sqlx::migrate!("./migrations").run(&pool).await?;
+
+        let mut store = Store {
+            pool,
+            interrupted_on_open: 0,
+        };
+        store.interrupted_on_open = store.mark_streaming_interrupted().await?;
+        if store.interrupted_on_open > 0 {
+            tracing::warn!(
+                count = store.interrupted_on_open,
+                "replies left streaming by the previous run marked interrupted"
+            );
+        }
+        tracing::info!(url, "store opened");
+        Ok(store)
+    }
+
+    /// How many replies [`Store::open`] found left `streaming` and marked `interrupted`.
+    pub fn interrupted_on_open(&self) -> u64 {
+        self.interrupted_on_open
+    }
+
+    /// Marks every `streaming` assistant message `interrupted` (keeping its partial content) and
+    /// returns how many there were. Run by [`Store::open`]; only call it when no reply is being
+    /// generated.
+    pub async fn mark_streaming_interrupted(&self) -> Result<u64, StoreError> {
+        let result = sqlx::query(
+            "UPDATE messages SET status = 'interrupted', error = COALESCE(error, ?1) \
+             WHERE status = 'streaming'",
+        )
+        .bind(INTERRUPTED_BY_RESTART)
+        .execute(&self.pool)
+        .await?;
+        Ok(result.rows_affected())
+    }
+
+    pub async fn create_conversation(
+        &self,
+        owner: &str,
+        settings: &ConversationSettings,
+    ) -> Result<Conversation, StoreError> {
+        settings.validate().map_err(StoreError::InvalidSettings)?;
+        let settings_json = encode_json("settings", settings)?;
+        let id = Uuid::now_v7();
+        let now = now_micros();
+        let row: ConversationRow = sqlx::query_as(concat!(
+            "INSERT INTO conversations (id, owner, title, settings, created_at, updated_at) \
+             VALUES (?1, ?2, '', ?3, ?4, ?4) RETURNING ",
+            conversation_columns!()
+        ))
+        .bind(id.to_string())
+        .bind(owner)
+        .bind(settings_json)
+        .bind(now)
+        .fetch_one(&self.pool)
+        .await?;
+        let conversation = row.into_conversation()?;
+        tracing::debug!(conversation = %conversation.id, owner, "conversation created");
+        Ok(conversation)
+    }
+
+    pub async fn get_conversation(&self, id: Uuid) -> Result<Option<Conversation>, StoreError> {
+        let row: Option<ConversationRow> = sqlx::query_as(concat!(
+            "SELECT ",
+            conversation_columns!(),
+            " FROM conversations WHERE id = ?1"
+        ))
+        .bind(id.to_string())
+        .fetch_optional(&self.pool)
+        .await?;
+        row.map(ConversationRow::into_conversation).transpose()
+    }
+
+    /// The conversations of `owner`, most recently active first. `search` keeps those whose title
+    /// or any message contains it, ignoring case (ASCII case only: SQLite's `lower()` does not fold
+    /// other scripts); a blank `search` is no filter.
+    pub async fn list_conversations(
+        &self,
+        owner: &str,
+        search: Option<&str>,
+    ) -> Result<Vec<ConversationSummary>, StoreError> {
+        let search = search.map(str::trim).filter(|s| !s.is_empty());
+        // `instr`, not LIKE: the needle is plain text, so `%` and `_` typed by a user match
+        // themselves without escaping.
+        let rows: Vec<SummaryRow> = sqlx::query_as(concat!(
+            "SELECT ",
+            summary_columns!(),
+            " FROM conversations c WHERE c.owner = ?1 AND (?2 IS NULL \
+               OR instr(lower(c.title), lower(?2)) > 0 \
+               OR EXISTS (SELECT 1 FROM messages m WHERE m.conversation_id = c.id \
+                          AND instr(lower(m.content), lower(?2)) > 0)) \
+             ORDER BY c.updated_at DESC, c.id DESC"
+        ))
+        .bind(owner)
+        .bind(search)
+        .fetch_all(&self.pool)
+        .await?;
+        rows.into_iter().map(SummaryRow::into_summary).collect()
+    }
+
+    /// Every conversation of every owner, most recently active first (the admin page).
+    pub async fn list_all_conversations(&self) -> Result<Vec<ConversationSummary>, StoreError> {
+        let rows: Vec<SummaryRow> = sqlx::query_as(concat!(
+            "SELECT ",
+            summary_columns!(),
+            " FROM conversations c ORDER BY c.updated_at DESC, c.id DESC"
+        ))
+        .fetch_all(&self.pool)
+        .await?;
+        rows.into_iter().map(SummaryRow::into_summary).collect()
+    }
+
+    /// Sets the title as given (the caller trims and limits it). `false` when there is no such
+    /// conversation.
+    pub async fn rename_conversation(&self, id: Uuid, title: &str) -> Result<bool, StoreError> {
+        let result =
+            sqlx::query("UPDATE conversations SET title = ?1, updated_at = ?2 WHERE id = ?3")
+                .bind(title)
+                .bind(now_micros())
+                .bind(id.to_string())
+                .execute(&self.pool)
+                .await?;
+        Ok(result.rows_affected() > 0)
+    }
+
+    /// Replaces the settings. `false` when there is no such conversation.
+    pub async fn update_settings(
+        &self,
+        id: Uuid,
+        settings: &ConversationSettings,
+    ) -> Result<bool, StoreError> {
+        settings.validate().map_err(StoreError::InvalidSettings)?;
+        let settings_json = encode_json("settings", settings)?;
+        let result =
+            sqlx::query("UPDATE conversations SET settings = ?1, updated_at = ?2 WHERE id = ?3")
+                .bind(settings_json)
+                .bind(now_micros())
+                .bind(id.to_string())
+                .execute(&self.pool)
+                .await?;
+        Ok(result.rows_affected() > 0)
+    }
+
+    /// Deletes the conversation and (ON DELETE CASCADE) its messages. `false` when there is no
+    /// such conversation.
+    pub async fn delete_conversation(&self, id: Uuid) -> Result<bool, StoreError> {
+        let result = sqlx::query("DELETE FROM conversations WHERE id = ?1")
+            .bind(id.to_string())
+            .execute(&self.pool)
+            .await?;
+        let deleted = result.rows_affected() > 0;
+        if deleted {
+            tracing::debug!(conversation = %id, "conversation deleted");
+        }
+        Ok(deleted)
+    }
+
+    /// The messages of a conversation in order (empty for an unknown conversation).
+    pub async fn messages(&self, conversation: Uuid) -> Result<Vec<Message>, StoreError> {
+        let rows: Vec<MessageRow> = sqlx::query_as(concat!(
+            "SELECT ",
+            message_columns!(),
+            " FROM messages WHERE conversation_id = ?1 ORDER BY position"
+        ))
+        .bind(conversation.to_string())
+        .fetch_all(&self.pool)
+        .await?;
+        rows.into_iter().map(MessageRow::into_message).collect()
+    }
+
+    pub async fn get_message(&self, id: Uuid) -> Result<Option<Message>, StoreError> {
+        let row: Option<MessageRow> = sqlx::query_as(concat!(
+            "SELECT ",
+            message_columns!(),
+            " FROM messages WHERE id = ?1"
+        ))
+        .bind(id.to_string())
+        .fetch_optional(&self.pool)
+        .await?;
+        row.map(MessageRow::into_message).transpose()
+    }
+
+    /// Commits the user's message (durably, before returning) and bumps `updated_at`. When the
+    /// conversation has no title yet, derives one from this message ([`derive_title`]).
+    /// [`StoreError::ConversationNotFound`] when the conversation does not exist.
+    pub async fn insert_user_message(
+        &self,
+        conversation: Uuid,
+        content: &str,
+    ) -> Result<Message, StoreError> {
+        let now = now_micros();
+        let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await?;
+        let touched = sqlx::query(
+            "UPDATE conversations SET updated_at = ?1, \
+             title = CASE WHEN title = '' THEN ?2 ELSE title END WHERE id = ?3",
+        )
+        .bind(now)
+        .bind(derive_title(content))
+        .bind(conversation.to_string())
+        .execute(&mut *tx)
+        .await?;
+        if touched.rows_affected() == 0 {
+            return Err(StoreError::ConversationNotFound(conversation));
+        }
+        let row = insert_message(
+            &mut tx,
+            conversation,
+            Role::User,
+            content,
+            MessageStatus::Complete,
+            now,
+        )
+        .await?;
+        tx.commit().await?;
+        row.into_message()
+    }
+
+    /// Inserts an assistant message with status `streaming` and empty content: the reply being
+    /// generated. [`StoreError::ConversationNotFound`] when the conversation does not exist.
+    pub async fn start_assistant_message(&self, conversation: Uuid) -> Result<Message, StoreError> {
+        let now = now_micros();
+        let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await?;
+        let touched = sqlx::query("UPDATE conversations SET updated_at = ?1 WHERE id = ?2")
+            .bind(now)
+            .bind(conversation.to_string())
+            .execute(&mut *tx)
+            .await?;
+        if touched.rows_affected() == 0 {
+            return Err(StoreError::ConversationNotFound(conversation));
+        }
+        let row = insert_message(
+            &mut tx,
+            conversation,
+            Role::Assistant,
+            "",
+            MessageStatus::Streaming,
+            now,
+        )
+        .await?;
+        tx.commit().await?;
+        row.into_message()
+    }
+
+    /// Stores a reply's final state (content, reasoning, raw text, status, error, token counts,
+    /// timings) and bumps the conversation's `updated_at`. The status must not be `streaming`.
+    /// [`StoreError::MessageNotFound`] when `id` is not an assistant message.
+    pub async fn finish_assistant_message(
+        &self,
+        id: Uuid,
+        reply: &FinishedReply,
+    ) -> Result<Message, StoreError> {
+        if reply.status == MessageStatus::Streaming {
+            return Err(StoreError::InvalidStatus(reply.status.as_str()));
+        }
+        let timings = encode_json("timings", &reply.timings.sanitized())?;
+        let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await?;
+        let row: Option<MessageRow> = sqlx::query_as(concat!(
+            "UPDATE messages SET content = ?1, reasoning = ?2, raw = ?3, status = ?4, error = ?5, \
+             prompt_tokens = ?6, completion_tokens = ?7, cached_tokens = ?8, timings = ?9 \
+             WHERE id = ?10 AND role = 'assistant' RETURNING ",
+            message_columns!()
+        ))
+        .bind(&reply.content)
+        .bind(reply.reasoning.as_deref())
+        .bind(&reply.raw)
+        .bind(reply.status.as_str())
+        .bind(reply.error.as_deref())
+        .bind(reply.prompt_tokens)
+        .bind(reply.completion_tokens)
+        .bind(reply.cached_tokens)
+        .bind(timings)
+        .bind(id.to_string())
+        .fetch_optional(&mut *tx)
+        .await?;
+        let Some(row) = row else {
+            return Err(StoreError::MessageNotFound(id));
+        };
+        sqlx::query("UPDATE conversations SET updated_at = ?1 WHERE id = ?2")
+            .bind(now_micros())
+            .bind(&row.conversation_id)
+            .execute(&mut *tx)
+            .await?;
+        tx.commit().await?;
+        row.into_message()
+    }
+
+    /// Deletes the messages of `conversation` from `from_message` (inclusive) on, for regenerate
+    /// and edit-and-resend; returns how many went. 0 when either id is unknown or the message
+    /// belongs to another conversation.
+    pub async fn delete_messages_from(
+        &self,
+        conversation: Uuid,
+        from_message: Uuid,
+    ) -> Result<u64, StoreError> {
+        let conversation_id = conversation.to_string();
+        let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await?;
+        // The sub-select is NULL for an unknown message, and `position >= NULL` matches nothing.
+        let deleted = sqlx::query(
+            "DELETE FROM messages WHERE conversation_id = ?1 AND position >= \
+             (SELECT position FROM messages WHERE id = ?2 AND conversation_id = ?1)",
+        )
+        .bind(&conversation_id)
+        .bind(from_message.to_string())
+        .execute(&mut *tx)
+        .await?
+        .rows_affected();
+        if deleted > 0 {
+            sqlx::query("UPDATE conversations SET updated_at = ?1 WHERE id = ?2")
+                .bind(now_micros())
+                .bind(&conversation_id)
+                .execute(&mut *tx)
+                .await?;
+        }
+        tx.commit().await?;
+        Ok(deleted)
+    }
+
+    /// `PRAGMA integrity_check`: "ok" for a sound database, else SQLite's findings, one a line.
+    pub async fn integrity_check(&self) -> Result<String, StoreError> {
+        let lines: Vec<String> = sqlx::query_scalar("PRAGMA integrity_check")
+            .fetch_all(&self.pool)
+            .await?;
+        Ok(lines.join("\n"))
+    }
+
+    /// The journal mode in effect: "wal" for a file database ("memory" for an in-memory one,
+    /// which cannot use WAL).
+    pub async fn journal_mode(&self) -> Result<String, StoreError> {
+        let mode: String = sqlx::query_scalar("PRAGMA journal_mode")
+            .fetch_one(&self.pool)
+            .await?;
+        Ok(mode)
+    }
+
+    /// Closes every connection, waiting for those in use to be returned. Later calls fail.
+    pub async fn close(&self) {
+        self.pool.close().await;
+        tracing::info!("store closed");
+    }
+}
+
+/// Appends a message after the conversation's last one. Runs inside the caller's write
+/// transaction, so the `MAX(position) + 1` read and the insert cannot interleave with another
+/// writer.
+async fn insert_message(
+    tx: &mut sqlx::Transaction<'static, sqlx::Sqlite>,
+    conversation: Uuid,
+    role: Role,
+    content: &str,
+    status: MessageStatus,
+    created_at: i64,
+) -> Result<MessageRow, StoreError> {
+    let row: MessageRow = sqlx::query_as(concat!(
+        "INSERT INTO messages (id, conversation_id, position, role, content, status, created_at) \
+         SELECT ?1, ?2, COALESCE(MAX(position), 0) + 1, ?3, ?4, ?5, ?6 \
+         FROM messages WHERE conversation_id = ?2 RETURNING ",
+        message_columns!()
+    ))
+    .bind(Uuid::now_v7().to_string())
+    .bind(conversation.to_string())
+    .bind(role.as_str())
+    .bind(content)
+    .bind(status.as_str())
+    .bind(created_at)
+    .fetch_one(&mut **tx)
+    .await?;
+    Ok(row)
+}
+
+fn create_parent_dir(file: &Path) -> Result<(), StoreError> {
+    match file.parent() {
+        Some(dir) if !dir.as_os_str().is_empty() && !dir.exists() => std::fs::create_dir_all(dir)
+            .map_err(|source| StoreError::CreateDir {
+                path: dir.to_path_buf(),
+                source,
+            }),
+        _ => Ok(()),
+    }
+}
+
+fn now_micros() -> i64 {
+    Utc::now().timestamp_micros()
+}
+
+fn encode_json<T: serde::Serialize>(what: &'static str, value: &T) -> Result<String, StoreError> {
+    serde_json::to_string(value).map_err(|source| StoreError::Encode { what, source })
+}
+
+fn corrupt(table: &'static str, id: &str, detail: impl Into<String>) -> StoreError {
+    StoreError::Corrupt {
+        table,
+        id: id.to_string(),
+        detail: detail.into(),
+    }
+}
+
+fn parse_uuid(table: &'static str, row_id: &str, value: &str) -> Result<Uuid, StoreError> {
+    Uuid::parse_str(value).map_err(|e| corrupt(table, row_id, format!("bad id {value:?}: {e}")))
+}
+
+fn parse_time(table: &'static str, row_id: &str, micros: i64) -> Result<DateTime<Utc>, StoreError> {
+    DateTime::from_timestamp_micros(micros)
+        .ok_or_else(|| corrupt(table, row_id, format!("timestamp {micros} out of range")))
+}
+
+#[derive(sqlx::FromRow)]
+struct ConversationRow {
+    id: String,
+    owner: String,
+    title: String,
+    settings: String,
+    created_at: i64,
+    updated_at: i64,
+}
+
+impl ConversationRow {
+    fn into_conversation(self) -> Result<Conversation, StoreError> {
+        const T: &str = "conversations";
+        let settings = serde_json::from_str(&self.settings)
+            .map_err(|e| corrupt(T, &self.id, format!("bad settings JSON: {e}")))?;
+        Ok(Conversation {
+            id: parse_uuid(T, &self.id, &self.id)?,
+            created_at: parse_time(T, &self.id, self.created_at)?,
+            updated_at: parse_time(T, &self.id, self.updated_at)?,
+            owner: self.owner,
+            title: self.title,
+            settings,
+        })
+    }
+}
+
+#[derive(sqlx::FromRow)]
+struct SummaryRow {
+    id: String,
+    owner: String,
+    title: String,
+    message_count: i64,
+    created_at: i64,
+    updated_at: i64,
+}
+
+impl SummaryRow {
+    fn into_summary(self) -> Result<ConversationSummary, StoreError> {
+        const T: &str = "conversations";
+        Ok(ConversationSummary {
+            id: parse_uuid(T, &self.id, &self.id)?,
+            created_at: parse_time(T, &self.id, self.created_at)?,
+            updated_at: parse_time(T, &self.id, self.updated_at)?,
+            owner: self.owner,
+            title: self.title,
+            message_count: self.message_count,
+        })
+    }
+}
+
+#[derive(sqlx::FromRow)]
+struct MessageRow {
+    id: String,
+    conversation_id: String,
+    position: i64,
+    role: String,
+    content: String,
+    reasoning: Option<String>,
+    raw: Option<String>,
+    status: String,
+    error: Option<String>,
+    prompt_tokens: Option<i64>,
+    completion_tokens: Option<i64>,
+    cached_tokens: Option<i64>,
+    timings: Option<String>,
+    created_at: i64,
+}
+
+impl MessageRow {
+    fn into_message(self) -> Result<Message, StoreError> {
+        const T: &str = "messages";
+        let timings = self
+            .timings
+            .as_deref()
+            .map(serde_json::from_str::<Timings>)
+            .transpose()
+            .map_err(|e| corrupt(T, &self.id, format!("bad timings JSON: {e}")))?;
+        Ok(Message {
+            id: parse_uuid(T, &self.id, &self.id)?,
+            conversation_id: parse_uuid(T, &self.id, &self.conversation_id)?,
+            position: self.position,
+            role: self
+                .role
+                .parse()
+                .map_err(|e: String| corrupt(T, &self.id, e))?,
+            status: self
+                .status
+                .parse()
+                .map_err(|e: String| corrupt(T, &self.id, e))?,
+            created_at: parse_time(T, &self.id, self.created_at)?,
+            content: self.content,
+            reasoning: self.reasoning,
+            raw: self.raw,
+            error: self.error,
+            prompt_tokens: self.prompt_tokens,
+            completion_tokens: self.completion_tokens,
+            cached_tokens: self.cached_tokens,
+            timings,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn short_titles_are_kept() {
+        assert_eq!(derive_title("  Hello there  \nsecond line"), "Hello there");
+        assert_eq!(derive_title("\n\n  \n  first real line"), "first real line");
+        assert_eq!(derive_title("   \n\t"), "");
+        assert_eq!(derive_title("a\t\tb   c"), "a b c");
+    }
+
+    #[test]
+    fn long_titles_are_cut_on_char_boundaries() {
+        let cjk = "日本語のテキスト".repeat(20);
+        let title = derive_title(&cjk);
+        assert!(title.ends_with('…'));
+        assert_eq!(title.chars().count(), TITLE_MAX_CHARS);
+
+        let words = "word ".repeat(40);
+        let title = derive_title(&words);
+        assert!(title.ends_with("word…"), "{title}");
+        assert!(title.chars().count() <= TITLE_MAX_CHARS);
+    }
+
+    #[test]
+    fn settings_json_round_trips_and_fills_defaults() {
+        let s = ConversationSettings {
+            seed: Some(u64::MAX),
+            pinned_date: chrono::NaiveDate::from_ymd_opt(2025, 7, 8).unwrap(),
+            ..Default::default()
+        };
+        let json = serde_json::to_string(&s).unwrap();
+        assert!(json.contains("\"pinned_date\":\"2025-07-08\""), "{json}");
+        assert_eq!(
+            serde_json::from_str::<ConversationSettings>(&json).unwrap(),
+            s
+        );
+        let partial: ConversationSettings = serde_json::from_str(r#"{"top_k": 5}"#).unwrap();
+        assert_eq!(partial.top_k, 5);
+        assert!(partial.thinking);
+    }
+}

@@ -1,0 +1,780 @@
+//! The store against real SQLite files: every test opens a fresh database in its own temp dir.
+
+use chrono::NaiveDate;
+use smolchat::store::{
+    ConversationSettings, FinishedReply, MessageStatus, Role, Store, StoreError, Timings,
+    TITLE_MAX_CHARS,
+};
+use tempfile::TempDir;
+use uuid::Uuid;
+
+/// A temp dir (removed on drop) and the URL of a database file inside a not-yet-existing
+/// subdirectory, so every test also checks that `open` creates it.
+fn temp_db() -> (TempDir, String) {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("nested").join("smolchat.db");
+    let url = format!("sqlite://{}", path.display());
+    (dir, url)
+}
+
+async fn fresh() -> (TempDir, String, Store) {
+    let (dir, url) = temp_db();
+    let store = Store::open(&url).await.unwrap();
+    (dir, url, store)
+}
+
+fn settings() -> ConversationSettings {
+    ConversationSettings::default()
+}
+
+fn reply(status: MessageStatus) -> FinishedReply {
+    FinishedReply {
+        content: "The answer is 4.".into(),
+        reasoning: Some("2 + 2 = 4".into()),
+        raw: "<think>\n2 + 2 = 4\n</think>\nThe answer is 4.".into(),
+        status,
+        error: None,
+        prompt_tokens: 42,
+        completion_tokens: 17,
+        cached_tokens: 30,
+        timings: Timings {
+            queue_ms: 1.5,
+            prefill_ms: 20.25,
+            ttft_ms: 22.0,
+            generation_ms: 340.125,
+            tokens_per_s: 50.0,
+        },
+    }
+}
+
+#[tokio::test]
+async fn create_get_and_list_newest_first() {
+    let (_dir, _url, store) = fresh().await;
+    let a = store
+        .create_conversation("alice", &settings())
+        .await
+        .unwrap();
+    let b = store
+        .create_conversation("alice", &settings())
+        .await
+        .unwrap();
+    assert_eq!(a.owner, "alice");
+    assert_eq!(a.title, "");
+    assert!(a.updated_at >= a.created_at);
+    assert_ne!(a.id, b.id);
+    assert_eq!(a.id.get_version_num(), 7);
+
+    let got = store.get_conversation(a.id).await.unwrap().unwrap();
+    assert_eq!(got.id, a.id);
+    assert_eq!(got.owner, "alice");
+    assert_eq!(got.settings, a.settings);
+    assert_eq!(got.created_at, a.created_at);
+
+    let list = store.list_conversations("alice", None).await.unwrap();
+    let ids: Vec<Uuid> = list.iter().map(|c| c.id).collect();
+    assert_eq!(ids, vec![b.id, a.id], "newest first");
+
+    // Activity in `a` moves it to the top.
+    store.insert_user_message(a.id, "hello").await.unwrap();
+    let list = store.list_conversations("alice", None).await.unwrap();
+    assert_eq!(list[0].id, a.id);
+    assert_eq!(list[0].message_count, 1);
+    assert_eq!(list[1].message_count, 0);
+    assert_eq!(list[0].title, "hello");
+}
+
+#[tokio::test]
+async fn owners_only_see_their_own_conversations() {
+    let (_dir, _url, store) = fresh().await;
+    let a = store
+        .create_conversation("owner-a", &settings())
+        .await
+        .unwrap();
+    let b = store
+        .create_conversation("owner-b", &settings())
+        .await
+        .unwrap();
+
+    let list_b = store.list_conversations("owner-b", None).await.unwrap();
+    assert_eq!(list_b.len(), 1);
+    assert_eq!(list_b[0].id, b.id);
+    let list_a = store.list_conversations("owner-a", None).await.unwrap();
+    assert_eq!(list_a.len(), 1);
+    assert_eq!(list_a[0].id, a.id);
+    assert!(store
+        .list_conversations("nobody", None)
+        .await
+        .unwrap()
+        .is_empty());
+
+    let all = store.list_all_conversations().await.unwrap();
+    let ids: Vec<Uuid> = all.iter().map(|c| c.id).collect();
+    assert_eq!(ids, vec![b.id, a.id]);
+    assert_eq!(all[0].owner, "owner-b");
+}
+
+#[tokio::test]
+async fn search_matches_title_and_message_content_ignoring_case() {
+    let (_dir, _url, store) = fresh().await;
+    let rust = store.create_conversation("u", &settings()).await.unwrap();
+    store
+        .rename_conversation(rust.id, "Learning Rust")
+        .await
+        .unwrap();
+    let cooking = store.create_conversation("u", &settings()).await.unwrap();
+    store
+        .insert_user_message(cooking.id, "Dinner ideas")
+        .await
+        .unwrap();
+    let a = store.start_assistant_message(cooking.id).await.unwrap();
+    store
+        .finish_assistant_message(
+            a.id,
+            &FinishedReply {
+                content: "Try a Mushroom RISOTTO with 100% arborio_rice.".into(),
+                ..reply(MessageStatus::Complete)
+            },
+        )
+        .await
+        .unwrap();
+    // Another owner's matching conversation must never show up.
+    let other = store.create_conversation("v", &settings()).await.unwrap();
+    store
+        .rename_conversation(other.id, "rust too")
+        .await
+        .unwrap();
+
+    let ids = |v: Vec<smolchat::store::ConversationSummary>| -> Vec<Uuid> {
+        v.into_iter().map(|c| c.id).collect()
+    };
+    assert_eq!(
+        ids(store.list_conversations("u", Some("rUsT")).await.unwrap()),
+        vec![rust.id]
+    );
+    assert_eq!(
+        ids(store
+            .list_conversations("u", Some("risotto"))
+            .await
+            .unwrap()),
+        vec![cooking.id]
+    );
+    // `%` and `_` are literal characters, not LIKE wildcards.
+    assert_eq!(
+        ids(store.list_conversations("u", Some("100%")).await.unwrap()),
+        vec![cooking.id]
+    );
+    assert!(store
+        .list_conversations("u", Some("m_shroom"))
+        .await
+        .unwrap()
+        .is_empty());
+    assert!(store
+        .list_conversations("u", Some("%"))
+        .await
+        .unwrap()
+        .iter()
+        .all(|c| c.id == cooking.id));
+    assert!(store
+        .list_conversations("u", Some("no such text"))
+        .await
+        .unwrap()
+        .is_empty());
+    // A blank search is no filter.
+    assert_eq!(
+        store
+            .list_conversations("u", Some("  "))
+            .await
+            .unwrap()
+            .len(),
+        2
+    );
+}
+
+#[tokio::test]
+async fn rename() {
+    let (_dir, _url, store) = fresh().await;
+    let c = store.create_conversation("u", &settings()).await.unwrap();
+    assert!(store
+        .rename_conversation(c.id, "Ünïcödé ✓ title")
+        .await
+        .unwrap());
+    let got = store.get_conversation(c.id).await.unwrap().unwrap();
+    assert_eq!(got.title, "Ünïcödé ✓ title");
+    assert!(got.updated_at >= c.updated_at);
+    // A renamed conversation keeps its title when the first message arrives.
+    store
+        .insert_user_message(c.id, "something else")
+        .await
+        .unwrap();
+    let got = store.get_conversation(c.id).await.unwrap().unwrap();
+    assert_eq!(got.title, "Ünïcödé ✓ title");
+}
+
+#[tokio::test]
+async fn settings_round_trip() {
+    let (_dir, _url, store) = fresh().await;
+    let defaults = ConversationSettings::default();
+    assert!(defaults.thinking);
+    assert_eq!(defaults.top_k, 40);
+    assert_eq!(defaults.max_tokens, 1024);
+    assert_eq!(defaults.pinned_date, chrono::Local::now().date_naive());
+
+    let custom = ConversationSettings {
+        system_prompt: Some("You are terse.\n/no_think".into()),
+        thinking: false,
+        temperature: 0.0,
+        top_p: 0.5,
+        top_k: 1,
+        max_tokens: 77,
+        seed: Some(u64::MAX),
+        pinned_date: NaiveDate::from_ymd_opt(2024, 2, 29).unwrap(),
+    };
+    let c = store.create_conversation("u", &custom).await.unwrap();
+    assert_eq!(c.settings, custom);
+    assert_eq!(
+        store
+            .get_conversation(c.id)
+            .await
+            .unwrap()
+            .unwrap()
+            .settings,
+        custom
+    );
+
+    let changed = ConversationSettings {
+        seed: None,
+        system_prompt: None,
+        temperature: 1.25,
+        ..custom.clone()
+    };
+    assert!(store.update_settings(c.id, &changed).await.unwrap());
+    let got = store
+        .get_conversation(c.id)
+        .await
+        .unwrap()
+        .unwrap()
+        .settings;
+    assert_eq!(got, changed);
+    assert_eq!(got.pinned_date, custom.pinned_date);
+
+    // Values that could not be read back are refused, and nothing changes.
+    let bad = ConversationSettings {
+        temperature: f32::NAN,
+        ..changed.clone()
+    };
+    assert!(matches!(
+        store.update_settings(c.id, &bad).await,
+        Err(StoreError::InvalidSettings(_))
+    ));
+    assert!(matches!(
+        store.create_conversation("u", &bad).await,
+        Err(StoreError::InvalidSettings(_))
+    ));
+    assert_eq!(
+        store
+            .get_conversation(c.id)
+            .await
+            .unwrap()
+            .unwrap()
+            .settings,
+        changed
+    );
+}
+
+#[tokio::test]
+async fn delete_cascades_to_messages() {
+    let (_dir, _url, store) = fresh().await;
+    let keep = store.create_conversation("u", &settings()).await.unwrap();
+    let gone = store.create_conversation("u", &settings()).await.unwrap();
+    store.insert_user_message(keep.id, "keep me").await.unwrap();
+    let m1 = store.insert_user_message(gone.id, "one").await.unwrap();
+    let m2 = store.start_assistant_message(gone.id).await.unwrap();
+
+    assert!(store.delete_conversation(gone.id).await.unwrap());
+    assert!(store.get_conversation(gone.id).await.unwrap().is_none());
+    assert!(store.messages(gone.id).await.unwrap().is_empty());
+    assert!(store.get_message(m1.id).await.unwrap().is_none());
+    assert!(store.get_message(m2.id).await.unwrap().is_none());
+    assert!(!store.delete_conversation(gone.id).await.unwrap());
+    assert_eq!(store.messages(keep.id).await.unwrap().len(), 1);
+    assert_eq!(store.list_conversations("u", None).await.unwrap().len(), 1);
+}
+
+#[tokio::test]
+async fn messages_come_back_in_order_with_their_statuses() {
+    let (_dir, _url, store) = fresh().await;
+    let c = store.create_conversation("u", &settings()).await.unwrap();
+    let mut expected = Vec::new();
+    for turn in 0..5 {
+        let u = store
+            .insert_user_message(c.id, &format!("question {turn}"))
+            .await
+            .unwrap();
+        assert_eq!(u.role, Role::User);
+        assert_eq!(u.status, MessageStatus::Complete);
+        expected.push((u.id, Role::User, MessageStatus::Complete));
+        let a = store.start_assistant_message(c.id).await.unwrap();
+        let status = match turn {
+            0 | 1 => MessageStatus::Complete,
+            2 => MessageStatus::Stopped,
+            3 => MessageStatus::Error,
+            _ => MessageStatus::Streaming,
+        };
+        if status != MessageStatus::Streaming {
+            store
+                .finish_assistant_message(a.id, &reply(status))
+                .await
+                .unwrap();
+        }
+        expected.push((a.id, Role::Assistant, status));
+    }
+    let messages = store.messages(c.id).await.unwrap();
+    let got: Vec<_> = messages.iter().map(|m| (m.id, m.role, m.status)).collect();
+    assert_eq!(got, expected);
+    let positions: Vec<i64> = messages.iter().map(|m| m.position).collect();
+    assert_eq!(positions, (1..=10).collect::<Vec<_>>());
+    assert!(messages.iter().all(|m| m.conversation_id == c.id));
+    assert_eq!(messages[4].content, "question 2");
+    let summary = &store.list_conversations("u", None).await.unwrap()[0];
+    assert_eq!(summary.message_count, 10);
+}
+
+#[tokio::test]
+async fn title_is_derived_from_the_first_user_message() {
+    let (_dir, _url, store) = fresh().await;
+
+    let short = store.create_conversation("u", &settings()).await.unwrap();
+    store
+        .insert_user_message(short.id, "\n   What is NoPE?   \nIt is a thing in SmolLM3.")
+        .await
+        .unwrap();
+    store
+        .insert_user_message(short.id, "A second message does not rename")
+        .await
+        .unwrap();
+    let got = store.get_conversation(short.id).await.unwrap().unwrap();
+    assert_eq!(got.title, "What is NoPE?");
+
+    let long = store.create_conversation("u", &settings()).await.unwrap();
+    let text = format!(
+        "{}\nsecond line",
+        "Explain the attention mechanism ".repeat(10)
+    );
+    store.insert_user_message(long.id, &text).await.unwrap();
+    let title = store
+        .get_conversation(long.id)
+        .await
+        .unwrap()
+        .unwrap()
+        .title;
+    assert!(title.ends_with('…'), "{title}");
+    assert!(title.chars().count() <= TITLE_MAX_CHARS, "{title}");
+    assert!(title.starts_with("Explain the attention mechanism Explain"));
+    assert!(!title.contains('\n'));
+
+    // Multibyte text without spaces: cut on a char boundary, never inside a code point.
+    let cjk = store.create_conversation("u", &settings()).await.unwrap();
+    let text = "🦀日本語のテキストをたくさん書きます".repeat(8);
+    store.insert_user_message(cjk.id, &text).await.unwrap();
+    let title = store.get_conversation(cjk.id).await.unwrap().unwrap().title;
+    assert_eq!(title.chars().count(), TITLE_MAX_CHARS);
+    assert!(title.ends_with('…'));
+    let prefix: String = text.chars().take(TITLE_MAX_CHARS - 1).collect();
+    assert_eq!(title, format!("{prefix}…"));
+
+    // A message with no visible text leaves the title empty; the next one names it.
+    let blank = store.create_conversation("u", &settings()).await.unwrap();
+    store
+        .insert_user_message(blank.id, " \n\t\n")
+        .await
+        .unwrap();
+    assert_eq!(
+        store
+            .get_conversation(blank.id)
+            .await
+            .unwrap()
+            .unwrap()
+            .title,
+        ""
+    );
+    store
+        .insert_user_message(blank.id, "Real question")
+        .await
+        .unwrap();
+    assert_eq!(
+        store
+            .get_conversation(blank.id)
+            .await
+            .unwrap()
+            .unwrap()
+            .title,
+        "Real question"
+    );
+}
+
+#[tokio::test]
+async fn assistant_message_start_and_finish_store_every_field() {
+    let (_dir, _url, store) = fresh().await;
+    let c = store.create_conversation("u", &settings()).await.unwrap();
+    store.insert_user_message(c.id, "2 + 2?").await.unwrap();
+
+    let started = store.start_assistant_message(c.id).await.unwrap();
+    assert_eq!(started.role, Role::Assistant);
+    assert_eq!(started.status, MessageStatus::Streaming);
+    assert_eq!(started.content, "");
+    assert_eq!(started.position, 2);
+    assert!(started.reasoning.is_none() && started.raw.is_none() && started.timings.is_none());
+    assert!(started.prompt_tokens.is_none());
+
+    let r = reply(MessageStatus::Complete);
+    let finished = store
+        .finish_assistant_message(started.id, &r)
+        .await
+        .unwrap();
+    let stored = store.get_message(started.id).await.unwrap().unwrap();
+    for m in [&finished, &stored] {
+        assert_eq!(m.id, started.id);
+        assert_eq!(m.position, 2);
+        assert_eq!(m.status, MessageStatus::Complete);
+        assert_eq!(m.content, r.content);
+        assert_eq!(m.reasoning, r.reasoning);
+        assert_eq!(m.raw.as_deref(), Some(r.raw.as_str()));
+        assert_eq!(m.error, None);
+        assert_eq!(m.prompt_tokens, Some(42));
+        assert_eq!(m.completion_tokens, Some(17));
+        assert_eq!(m.cached_tokens, Some(30));
+        assert_eq!(m.timings.as_ref(), Some(&r.timings));
+        assert_eq!(m.created_at, started.created_at);
+    }
+
+    // An error reply keeps its partial text and the error.
+    let second = store.start_assistant_message(c.id).await.unwrap();
+    let err = FinishedReply {
+        content: "partial".into(),
+        reasoning: None,
+        raw: "partial".into(),
+        status: MessageStatus::Error,
+        error: Some("model failed: out of memory".into()),
+        timings: Timings {
+            tokens_per_s: f64::NAN,
+            ..Timings::default()
+        },
+        ..reply(MessageStatus::Error)
+    };
+    let m = store
+        .finish_assistant_message(second.id, &err)
+        .await
+        .unwrap();
+    assert_eq!(m.status, MessageStatus::Error);
+    assert_eq!(m.content, "partial");
+    assert_eq!(m.reasoning, None);
+    assert_eq!(m.error.as_deref(), Some("model failed: out of memory"));
+    // NaN cannot be stored as JSON; it is kept as 0 so the row stays readable.
+    assert_eq!(m.timings.unwrap().tokens_per_s, 0.0);
+
+    // `streaming` is not a final state; user messages and unknown ids are not replies.
+    assert!(matches!(
+        store
+            .finish_assistant_message(second.id, &reply(MessageStatus::Streaming))
+            .await,
+        Err(StoreError::InvalidStatus(_))
+    ));
+    let user = store.insert_user_message(c.id, "next").await.unwrap();
+    assert!(matches!(
+        store
+            .finish_assistant_message(user.id, &reply(MessageStatus::Complete))
+            .await,
+        Err(StoreError::MessageNotFound(_))
+    ));
+    assert_eq!(
+        store.get_message(user.id).await.unwrap().unwrap().content,
+        "next"
+    );
+}
+
+#[tokio::test]
+async fn delete_messages_from_truncates_the_conversation() {
+    let (_dir, _url, store) = fresh().await;
+    let c = store.create_conversation("u", &settings()).await.unwrap();
+    let other = store.create_conversation("u", &settings()).await.unwrap();
+    let other_msg = store
+        .insert_user_message(other.id, "elsewhere")
+        .await
+        .unwrap();
+    let mut ids = Vec::new();
+    for i in 0..3 {
+        ids.push(
+            store
+                .insert_user_message(c.id, &format!("q{i}"))
+                .await
+                .unwrap()
+                .id,
+        );
+        let a = store.start_assistant_message(c.id).await.unwrap();
+        store
+            .finish_assistant_message(a.id, &reply(MessageStatus::Complete))
+            .await
+            .unwrap();
+        ids.push(a.id);
+    }
+
+    // Regenerate the last reply: delete it alone.
+    assert_eq!(store.delete_messages_from(c.id, ids[5]).await.unwrap(), 1);
+    // Edit-and-resend the second question: it and everything after go.
+    assert_eq!(store.delete_messages_from(c.id, ids[2]).await.unwrap(), 3);
+    let left: Vec<Uuid> = store
+        .messages(c.id)
+        .await
+        .unwrap()
+        .iter()
+        .map(|m| m.id)
+        .collect();
+    assert_eq!(left, ids[..2].to_vec());
+
+    // New messages continue after the last remaining one.
+    let resent = store.insert_user_message(c.id, "q1 edited").await.unwrap();
+    assert_eq!(resent.position, 3);
+
+    // Unknown message, message of another conversation, unknown conversation: nothing happens.
+    assert_eq!(
+        store
+            .delete_messages_from(c.id, Uuid::now_v7())
+            .await
+            .unwrap(),
+        0
+    );
+    assert_eq!(
+        store
+            .delete_messages_from(c.id, other_msg.id)
+            .await
+            .unwrap(),
+        0
+    );
+    assert_eq!(
+        store
+            .delete_messages_from(Uuid::now_v7(), ids[0])
+            .await
+            .unwrap(),
+        0
+    );
+    assert_eq!(store.messages(c.id).await.unwrap().len(), 3);
+    assert_eq!(store.messages(other.id).await.unwrap().len(), 1);
+}
+
+#[tokio::test]
+async fn reopening_the_file_finds_everything() {
+    let (_dir, url, store) = fresh().await;
+    let custom = ConversationSettings {
+        seed: Some(7),
+        pinned_date: NaiveDate::from_ymd_opt(2025, 1, 31).unwrap(),
+        ..settings()
+    };
+    let c = store.create_conversation("persist", &custom).await.unwrap();
+    let u = store
+        .insert_user_message(c.id, "remember me")
+        .await
+        .unwrap();
+    let a = store.start_assistant_message(c.id).await.unwrap();
+    store
+        .finish_assistant_message(a.id, &reply(MessageStatus::Stopped))
+        .await
+        .unwrap();
+    let before = store.messages(c.id).await.unwrap();
+    store.close().await;
+
+    let store = Store::open(&url).await.unwrap();
+    assert_eq!(store.interrupted_on_open(), 0);
+    let got = store.get_conversation(c.id).await.unwrap().unwrap();
+    assert_eq!(got.title, "remember me");
+    assert_eq!(got.settings, custom);
+    assert_eq!(got.created_at, c.created_at);
+    let after = store.messages(c.id).await.unwrap();
+    assert_eq!(after.len(), 2);
+    assert_eq!(after[0].id, u.id);
+    assert_eq!(after[1].id, a.id);
+    assert_eq!(after[1].status, MessageStatus::Stopped);
+    assert_eq!(after[1].timings, before[1].timings);
+    assert_eq!(after[1].raw, before[1].raw);
+    assert_eq!(
+        store
+            .list_conversations("persist", None)
+            .await
+            .unwrap()
+            .len(),
+        1
+    );
+    store.close().await;
+}
+
+#[tokio::test]
+async fn streaming_replies_become_interrupted_after_a_crash() {
+    let (_dir, url, store) = fresh().await;
+    let c = store.create_conversation("u", &settings()).await.unwrap();
+    store
+        .insert_user_message(c.id, "tell me a story")
+        .await
+        .unwrap();
+    let done = store.start_assistant_message(c.id).await.unwrap();
+    store
+        .finish_assistant_message(done.id, &reply(MessageStatus::Complete))
+        .await
+        .unwrap();
+    store.insert_user_message(c.id, "another").await.unwrap();
+    let cut = store.start_assistant_message(c.id).await.unwrap();
+    // The "crash": the store goes away without finishing the reply or closing.
+    drop(store);
+
+    let store = Store::open(&url).await.unwrap();
+    assert_eq!(store.interrupted_on_open(), 1);
+    let m = store.get_message(cut.id).await.unwrap().unwrap();
+    assert_eq!(m.status, MessageStatus::Interrupted);
+    assert!(m.error.is_some());
+    let untouched = store.get_message(done.id).await.unwrap().unwrap();
+    assert_eq!(untouched.status, MessageStatus::Complete);
+    assert_eq!(untouched.error, None);
+    drop(store);
+
+    // Recovery happens once: the next start finds nothing to do.
+    let store = Store::open(&url).await.unwrap();
+    assert_eq!(store.interrupted_on_open(), 0);
+    store.close().await;
+}
+
+#[tokio::test]
+async fn journal_mode_is_wal_and_integrity_is_ok() {
+    let (dir, _url, store) = fresh().await;
+    assert_eq!(store.journal_mode().await.unwrap(), "wal");
+    let c = store.create_conversation("u", &settings()).await.unwrap();
+    store.insert_user_message(c.id, "hi").await.unwrap();
+    assert!(dir.path().join("nested").join("smolchat.db-wal").exists());
+    assert_eq!(store.integrity_check().await.unwrap(), "ok");
+    store.close().await;
+}
+
+#[tokio::test]
+async fn in_memory_databases_work() {
+    let store = Store::open("sqlite::memory:").await.unwrap();
+    let c = store.create_conversation("u", &settings()).await.unwrap();
+    store.insert_user_message(c.id, "in memory").await.unwrap();
+    // A clone shares the same (single) connection and so the same database.
+    let clone = store.clone();
+    assert_eq!(clone.messages(c.id).await.unwrap().len(), 1);
+    assert_eq!(store.integrity_check().await.unwrap(), "ok");
+}
+
+#[tokio::test]
+async fn unknown_ids_are_not_errors() {
+    let (_dir, _url, store) = fresh().await;
+    let nobody = Uuid::now_v7();
+    assert!(store.get_conversation(nobody).await.unwrap().is_none());
+    assert!(store.get_message(nobody).await.unwrap().is_none());
+    assert!(!store.rename_conversation(nobody, "x").await.unwrap());
+    assert!(!store.update_settings(nobody, &settings()).await.unwrap());
+    assert!(!store.delete_conversation(nobody).await.unwrap());
+    assert!(store.messages(nobody).await.unwrap().is_empty());
+    assert_eq!(store.delete_messages_from(nobody, nobody).await.unwrap(), 0);
+    // Writes into a conversation that does not exist are reported, and write nothing.
+    assert!(matches!(
+        store.insert_user_message(nobody, "hi").await,
+        Err(StoreError::ConversationNotFound(id)) if id == nobody
+    ));
+    assert!(matches!(
+        store.start_assistant_message(nobody).await,
+        Err(StoreError::ConversationNotFound(id)) if id == nobody
+    ));
+    assert!(matches!(
+        store
+            .finish_assistant_message(nobody, &reply(MessageStatus::Complete))
+            .await,
+        Err(StoreError::MessageNotFound(id)) if id == nobody
+    ));
+    assert!(store.list_all_conversations().await.unwrap().is_empty());
+}
+
+#[tokio::test]
+async fn sql_looking_input_is_stored_verbatim() {
+    let (_dir, _url, store) = fresh().await;
+    let evil = "'; DROP TABLE messages; --";
+    let owner = "x' OR '1'='1";
+    let c = store.create_conversation(owner, &settings()).await.unwrap();
+    let m = store.insert_user_message(c.id, evil).await.unwrap();
+    assert_eq!(m.content, evil);
+    assert!(store.rename_conversation(c.id, evil).await.unwrap());
+    let s = ConversationSettings {
+        system_prompt: Some(format!("{evil} \"quoted\" \\ {{json}}")),
+        ..settings()
+    };
+    assert!(store.update_settings(c.id, &s).await.unwrap());
+
+    let got = store.get_conversation(c.id).await.unwrap().unwrap();
+    assert_eq!(got.owner, owner);
+    assert_eq!(got.title, evil);
+    assert_eq!(got.settings, s);
+    assert_eq!(store.messages(c.id).await.unwrap()[0].content, evil);
+    // The owner string is a value, not a predicate: another owner sees nothing.
+    assert!(store
+        .list_conversations("x", None)
+        .await
+        .unwrap()
+        .is_empty());
+    assert_eq!(
+        store
+            .list_conversations(owner, Some(evil))
+            .await
+            .unwrap()
+            .len(),
+        1
+    );
+    assert_eq!(store.integrity_check().await.unwrap(), "ok");
+}
+
+#[tokio::test]
+async fn concurrent_writers_keep_positions_unique() {
+    let (_dir, _url, store) = fresh().await;
+    let c = store.create_conversation("u", &settings()).await.unwrap();
+    let tasks: Vec<_> = (0..16)
+        .map(|i| {
+            let store = store.clone();
+            tokio::spawn(async move {
+                store
+                    .insert_user_message(c.id, &format!("m{i}"))
+                    .await
+                    .unwrap()
+            })
+        })
+        .collect();
+    for t in tasks {
+        t.await.unwrap();
+    }
+    let positions: Vec<i64> = store
+        .messages(c.id)
+        .await
+        .unwrap()
+        .iter()
+        .map(|m| m.position)
+        .collect();
+    assert_eq!(positions, (1..=16).collect::<Vec<_>>());
+}
+
+#[tokio::test]
+async fn bad_urls_and_unwritable_paths_are_errors() {
+    assert!(matches!(
+        Store::open("postgres://localhost/x").await,
+        Err(StoreError::Url { .. })
+    ));
+    assert!(matches!(
+        Store::open("sqlite://x.db?mode=bogus").await,
+        Err(StoreError::Url { .. })
+    ));
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("a-file");
+    std::fs::write(&file, b"not a directory").unwrap();
+    let url = format!("sqlite://{}/db.sqlite", file.display());
+    assert!(Store::open(&url).await.is_err());
+    // A file that is not a database is reported, not a panic.
+    let junk = dir.path().join("junk.db");
+    std::fs::write(&junk, vec![0x42u8; 8192]).unwrap();
+    assert!(Store::open(&format!("sqlite://{}", junk.display()))
+        .await
+        .is_err());
+}
