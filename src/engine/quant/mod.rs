@@ -1,28 +1,52 @@
 //! Quantized weight matrices and the matrix products the model runs on them.
 //!
-//! A [`QMatrix`] keeps a weight matrix in its GGML block format (it is never dequantized as a
-//! whole). [`QMatrix::matmul`] computes `out[t, r] = Σ_c x[t, c] · W[r, c]` for a batch of token
-//! rows: activations are quantized once to the weight type's dot-product partner (Q8_0, Q8_1 or
-//! Q8_K, as llama.cpp does), then output rows are split across the rayon pool.
+//! A [`QMatrix`] keeps a weight matrix quantized (it is never dequantized as a whole).
+//! [`QMatrix::matmul`] computes `out[t, r] = Σ_c x[t, c] · W[r, c]` for a batch of token rows:
+//! activations are quantized once to the weight type's dot-product partner (Q8_0, Q8_1 or Q8_K,
+//! exactly as ggml's x86 build does, see [`act`]), then output rows are split across the rayon pool.
+//!
+//! Q4_0, Q4_1, Q8_0, Q4_K and Q6_K matrices are repacked at load into a row-interleaved layout
+//! ([`layout`]) that SIMD kernels chosen at run time ([`gemm::Isa`]: AVX-512 VNNI, AVX-VNNI, AVX2,
+//! scalar) multiply sixteen rows by several tokens at a time. The other types keep GGML's layout
+//! and candle's `vec_dot` ([`generic`]).
 
-use candle_core::quantized::k_quants::{
-    BlockQ2K, BlockQ3K, BlockQ4K, BlockQ4_0, BlockQ4_1, BlockQ5K, BlockQ5_0, BlockQ5_1, BlockQ6K,
-    BlockQ8_0, GgmlType,
-};
+pub mod act;
+#[cfg(target_arch = "x86_64")]
+mod avx2;
+#[cfg(target_arch = "x86_64")]
+mod avx512;
+pub mod gemm;
+pub mod generic;
+#[cfg(test)]
+mod kernel_tests;
+pub mod layout;
+pub mod scalar;
+
+use std::borrow::Cow;
+
 use candle_core::quantized::GgmlDType;
-use half::f16;
-use rayon::prelude::*;
 
+use self::act::Acts;
+use self::gemm::Isa;
+use self::layout::{Format, Packed};
 use super::error::{EngineError, Result};
 use super::gguf::{AlignedBytes, RawTensor};
 
-/// A 2-D weight matrix `[rows (outputs), cols (inputs)]` in GGML block format.
+/// How the bytes are held.
+enum Storage {
+    /// GGML block layout (types without SIMD kernels).
+    Native(AlignedBytes),
+    /// Row-interleaved layout for the SIMD kernels.
+    Packed(Packed),
+}
+
+/// A 2-D weight matrix `[rows (outputs), cols (inputs)]`, quantized.
 pub struct QMatrix {
     pub name: String,
     pub dtype: GgmlDType,
     pub rows: usize,
     pub cols: usize,
-    data: AlignedBytes,
+    storage: Storage,
 }
 
 impl std::fmt::Debug for QMatrix {
@@ -35,12 +59,21 @@ impl std::fmt::Debug for QMatrix {
     }
 }
 
-fn supported(dtype: GgmlDType) -> bool {
-    !matches!(dtype, GgmlDType::Q8_1 | GgmlDType::Q8K | GgmlDType::BF16)
-}
-
 impl QMatrix {
+    /// Takes a GGUF tensor, repacking it for the SIMD kernels when its type has them.
     pub fn from_raw(raw: RawTensor) -> Result<Self> {
+        let mut m = Self::from_raw_native(raw)?;
+        if let (Some(format), Storage::Native(bytes)) = (Format::from_dtype(m.dtype), &m.storage) {
+            let packed = Packed::from_native(format, m.rows, m.cols, bytes.as_slice());
+            m.storage = Storage::Packed(packed);
+        }
+        Ok(m)
+    }
+
+    /// Takes a GGUF tensor and keeps GGML's layout: products go through candle's `vec_dot`. For
+    /// benchmarks and cross-checks; the model uses [`QMatrix::from_raw`].
+    #[doc(hidden)]
+    pub fn from_raw_native(raw: RawTensor) -> Result<Self> {
         let (rows, cols) = match raw.dims.as_slice() {
             [r, c] => (*r, *c),
             [c] => (1, *c),
@@ -52,7 +85,7 @@ impl QMatrix {
                 })
             }
         };
-        if !supported(raw.dtype) {
+        if !generic::supported(raw.dtype) {
             return Err(EngineError::UnsupportedTensorType {
                 name: raw.name,
                 dtype: format!("{:?}", raw.dtype),
@@ -65,27 +98,54 @@ impl QMatrix {
                 expected: vec![rows, cols.next_multiple_of(raw.dtype.block_size())],
             });
         }
+        let expected = rows * (cols / raw.dtype.block_size()) * raw.dtype.type_size();
+        if raw.data.len() != expected {
+            return Err(EngineError::BadShape {
+                name: raw.name,
+                actual: vec![raw.data.len()],
+                expected: vec![expected],
+            });
+        }
         Ok(Self {
             name: raw.name,
             dtype: raw.dtype,
             rows,
             cols,
-            data: raw.data,
+            storage: Storage::Native(raw.data),
         })
     }
 
-    /// Bytes of one row.
+    /// Bytes of one row in GGML layout.
     pub fn row_bytes(&self) -> usize {
         self.cols / self.dtype.block_size() * self.dtype.type_size()
     }
 
     /// Bytes held by the matrix.
     pub fn size_in_bytes(&self) -> usize {
-        self.data.len()
+        self.raw_bytes().len()
     }
 
+    /// The bytes as held: GGML's layout for types without SIMD kernels, the interleaved layout of
+    /// [`layout`] otherwise (see [`QMatrix::is_repacked`]; [`QMatrix::native_bytes`] gives GGML's
+    /// layout always).
     pub fn raw_bytes(&self) -> &[u8] {
-        self.data.as_slice()
+        match &self.storage {
+            Storage::Native(b) => b.as_slice(),
+            Storage::Packed(p) => p.bytes(),
+        }
+    }
+
+    /// Whether the matrix was repacked for the SIMD kernels.
+    pub fn is_repacked(&self) -> bool {
+        matches!(self.storage, Storage::Packed(_))
+    }
+
+    /// The matrix in GGML's block layout (rebuilt when repacked).
+    pub fn native_bytes(&self) -> Cow<'_, [u8]> {
+        match &self.storage {
+            Storage::Native(b) => Cow::Borrowed(b.as_slice()),
+            Storage::Packed(p) => Cow::Owned(p.to_native()),
+        }
     }
 
     /// Dequantizes one row into `out` (`cols` floats): used for embedding lookups.
@@ -100,161 +160,82 @@ impl QMatrix {
             )));
         }
         let rb = self.row_bytes();
-        let bytes = &self.data.as_slice()[row * rb..(row + 1) * rb];
-        dispatch!(self.dtype, B => to_float_bytes::<B>(bytes, out));
+        match &self.storage {
+            Storage::Native(b) => {
+                generic::to_float(self.dtype, &b.as_slice()[row * rb..(row + 1) * rb], out)
+            }
+            Storage::Packed(p) => {
+                let mut native = vec![0u8; rb];
+                p.native_row(row, &mut native);
+                generic::to_float(self.dtype, &native, out);
+            }
+        }
         Ok(())
     }
 
     /// `out[t * rows + r] = Σ_c x[t * cols + c] · W[r, c]` for `t` in `0..n_tokens`.
     pub fn matmul(&self, x: &[f32], n_tokens: usize, out: &mut [f32]) {
-        debug_assert_eq!(x.len(), n_tokens * self.cols);
-        debug_assert_eq!(out.len(), n_tokens * self.rows);
-        dispatch!(self.dtype, B => matmul_typed::<B>(self, x, n_tokens, out));
+        self.matmul_isa(Isa::best(), x, n_tokens, out);
     }
-}
 
-/// Calls `$body` with `$b` bound to the candle block type of `$dtype`.
-macro_rules! dispatch {
-    ($dtype:expr, $b:ident => $body:expr) => {
-        match $dtype {
-            GgmlDType::F32 => {
-                type $b = f32;
-                $body
-            }
-            GgmlDType::F16 => {
-                type $b = f16;
-                $body
-            }
-            GgmlDType::Q4_0 => {
-                type $b = BlockQ4_0;
-                $body
-            }
-            GgmlDType::Q4_1 => {
-                type $b = BlockQ4_1;
-                $body
-            }
-            GgmlDType::Q5_0 => {
-                type $b = BlockQ5_0;
-                $body
-            }
-            GgmlDType::Q5_1 => {
-                type $b = BlockQ5_1;
-                $body
-            }
-            GgmlDType::Q8_0 => {
-                type $b = BlockQ8_0;
-                $body
-            }
-            GgmlDType::Q2K => {
-                type $b = BlockQ2K;
-                $body
-            }
-            GgmlDType::Q3K => {
-                type $b = BlockQ3K;
-                $body
-            }
-            GgmlDType::Q4K => {
-                type $b = BlockQ4K;
-                $body
-            }
-            GgmlDType::Q5K => {
-                type $b = BlockQ5K;
-                $body
-            }
-            GgmlDType::Q6K => {
-                type $b = BlockQ6K;
-                $body
-            }
-            // Rejected in `from_raw`.
-            GgmlDType::Q8_1 | GgmlDType::Q8K | GgmlDType::BF16 => {}
-        }
-    };
-}
-use dispatch;
-
-/// Views bytes as blocks. The buffers come from `AlignedBytes` (64-byte aligned) and rows are whole
-/// blocks, so alignment holds for every block type (at most 4-byte aligned).
-fn as_blocks<B: GgmlType>(bytes: &[u8]) -> &[B] {
-    let size = std::mem::size_of::<B>();
-    debug_assert_eq!(bytes.len() % size, 0);
-    debug_assert_eq!(bytes.as_ptr() as usize % std::mem::align_of::<B>(), 0);
-    // SAFETY: candle's block types are `repr(C)` plain data valid for any bit pattern, the length
-    // is a whole number of blocks and the pointer is aligned (see above).
-    unsafe { std::slice::from_raw_parts(bytes.as_ptr() as *const B, bytes.len() / size) }
-}
-
-fn to_float_bytes<B: GgmlType>(bytes: &[u8], out: &mut [f32]) {
-    B::to_float(as_blocks::<B>(bytes), out);
-}
-
-/// Rows of output computed per rayon task: small enough to balance 2-16 threads, large enough
-/// that task overhead stays negligible.
-const ROWS_PER_TASK: usize = 16;
-
-fn matmul_typed<B: GgmlType>(w: &QMatrix, x: &[f32], n_tokens: usize, out: &mut [f32]) {
-    let cols = w.cols;
-    let blocks_per_row = cols / B::BLCK_SIZE;
-    let dot_blocks_per_row = cols / <B::VecDotType as GgmlType>::BLCK_SIZE;
-    // Quantize each activation row once.
-    let mut xq: Vec<B::VecDotType> =
-        vec![<B::VecDotType as GgmlType>::zeros(); n_tokens * dot_blocks_per_row];
-    for (t, chunk) in xq.chunks_mut(dot_blocks_per_row).enumerate() {
-        let xr = &x[t * cols..(t + 1) * cols];
-        if <B::VecDotType as GgmlType>::DTYPE == GgmlDType::Q8_1 {
-            // SAFETY: same layout as candle's BlockQ8_1.
-            let blocks = unsafe {
-                std::slice::from_raw_parts_mut(chunk.as_mut_ptr() as *mut Q8_1Block, chunk.len())
-            };
-            quantize_q8_1_ggml(xr, blocks);
-        } else {
-            <B::VecDotType as GgmlType>::from_float(xr, chunk);
-        }
+    /// [`QMatrix::matmul`] with the kernels of `isa` (the scalar ones when `isa` is not available
+    /// on this CPU). For tests and benchmarks.
+    #[doc(hidden)]
+    pub fn matmul_isa(&self, isa: Isa, x: &[f32], n_tokens: usize, out: &mut [f32]) {
+        Self::matmul_many_isa(isa, &[self], x, n_tokens, &mut [out]);
     }
-    let weights: &[B] = as_blocks::<B>(w.data.as_slice());
-    // Compute into a row-major [rows, tokens] buffer so each task owns a contiguous slice, then
-    // transpose into `out` ([tokens, rows]).
-    let mut tmp = vec![0f32; w.rows * n_tokens];
-    tmp.par_chunks_mut(ROWS_PER_TASK * n_tokens)
-        .enumerate()
-        .for_each(|(task, chunk)| {
-            let r0 = task * ROWS_PER_TASK;
-            for (i, row_out) in chunk.chunks_mut(n_tokens).enumerate() {
-                let r = r0 + i;
-                let wrow = &weights[r * blocks_per_row..(r + 1) * blocks_per_row];
-                for (t, o) in row_out.iter_mut().enumerate() {
-                    let xrow = &xq[t * dot_blocks_per_row..(t + 1) * dot_blocks_per_row];
-                    *o = B::vec_dot(cols, wrow, xrow);
+
+    /// Several products with the same input: `outs[i][t * rows_i + r] = Σ_c x[t * cols + c] ·
+    /// mats[i][r, c]` (e.g. Q, K and V, or gate and up). The input is quantized once per activation
+    /// kind and every matrix runs in one parallel region, which saves a thread wake-up per matrix
+    /// (a large share of a small matrix's decode time).
+    pub fn matmul_many(mats: &[&QMatrix], x: &[f32], n_tokens: usize, outs: &mut [&mut [f32]]) {
+        Self::matmul_many_isa(Isa::best(), mats, x, n_tokens, outs);
+    }
+
+    /// [`QMatrix::matmul_many`] with the kernels of `isa`.
+    #[doc(hidden)]
+    pub fn matmul_many_isa(
+        isa: Isa,
+        mats: &[&QMatrix],
+        x: &[f32],
+        n_tokens: usize,
+        outs: &mut [&mut [f32]],
+    ) {
+        assert_eq!(mats.len(), outs.len(), "one output per matrix");
+        for (m, out) in mats.iter().zip(outs.iter()) {
+            assert_eq!(x.len(), n_tokens * m.cols, "{}: input size", m.name);
+            assert_eq!(out.len(), n_tokens * m.rows, "{}: output size", m.name);
+        }
+        // Quantize once per activation kind.
+        let mut acts: Vec<Acts> = Vec::new();
+        for m in mats {
+            if let Storage::Packed(p) = &m.storage {
+                let kind = p.format.act_kind();
+                if !acts.iter().any(|a| a.kind == kind) {
+                    acts.push(Acts::quantize(kind, x, n_tokens, m.cols));
                 }
             }
-        });
-    for r in 0..w.rows {
-        for t in 0..n_tokens {
-            out[t * w.rows + r] = tmp[r * n_tokens + t];
         }
-    }
-}
-
-#[repr(C)]
-struct Q8_1Block {
-    d: f16,
-    s: f16,
-    qs: [i8; 32],
-}
-
-/// ggml's x86 `quantize_row_q8_1`: scale 127/amax, round half to even, `s = d * Σq`.
-fn quantize_q8_1_ggml(x: &[f32], out: &mut [Q8_1Block]) {
-    for (xb, yb) in x.chunks(32).zip(out.iter_mut()) {
-        let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
-        let d = amax / 127.0;
-        let id = if amax != 0.0 { 127.0 / amax } else { 0.0 };
-        let mut sum = 0i32;
-        for (q, &v) in yb.qs.iter_mut().zip(xb) {
-            let r = (v * id).round_ties_even() as i32;
-            *q = r as i8;
-            sum += r;
+        let mut jobs = Vec::with_capacity(mats.len());
+        for (m, out) in mats.iter().zip(outs.iter_mut()) {
+            match &m.storage {
+                Storage::Native(b) => {
+                    generic::matmul(m.dtype, b.as_slice(), m.rows, m.cols, x, n_tokens, out)
+                }
+                Storage::Packed(p) => {
+                    let choice = gemm::kernel(p.format, isa)
+                        .or_else(|| gemm::kernel(p.format, Isa::Scalar))
+                        .unwrap_or_else(|| unreachable!("scalar kernels always exist"));
+                    let kind = p.format.act_kind();
+                    let Some(a) = acts.iter().find(|a| a.kind == kind) else {
+                        unreachable!("quantized above for every packed matrix")
+                    };
+                    jobs.push(gemm::Job::new(p, choice, a, out));
+                }
+            }
         }
-        yb.d = f16::from_f32(d);
-        yb.s = f16::from_f32(d * sum as f32);
+        gemm::run(&jobs);
     }
 }
 

@@ -1,0 +1,404 @@
+//! AVX2 kernels (with or without AVX-VNNI) on the packed layout (see [`super::layout`]).
+//!
+//! The same scheme as [`super::avx512`] on 256-bit registers: each 64-byte chunk of a group is
+//! taken as two halves (rows 0-7, then rows 8-15), one lane per row. Without VNNI the u8×i8 dot of
+//! four bytes is `vpmaddubsw` + `vpmaddwd`; that is exact here because `vpmaddubsw` cannot saturate
+//! when the unsigned operand is at most 63 (2·63·128 < 32768). Q8_0's unsigned quants reach 255, so
+//! its kernel splits them into nibbles. With VNNI, `vpdpbusd` (VEX-encoded, emitted with inline
+//! assembly so that one generic body serves both variants) does it in one instruction.
+//!
+//! Every function here is `unsafe` for the reasons stated in [`super::avx512`]: the CPU must have
+//! AVX2, FMA and F16C (and AVX-VNNI for `VNNI = true`), checked by `Isa::available` before a
+//! kernel is handed out, and the pointer arithmetic relies on the [`super::gemm::Kernel`] contract.
+
+// Index loops mirror the layout arithmetic (chunk j feeds lanes j and j+4, and so on).
+#![allow(clippy::needless_range_loop)]
+
+use std::arch::x86_64::*;
+
+use super::act::Acts;
+use super::gemm::{Kernel, KernelChoice};
+use super::layout::Format;
+
+/// Tokens per kernel call (the register tiles of `tiled!` below walk them).
+const TILE: usize = 4;
+
+pub fn kernel(format: Format, vnni: bool) -> KernelChoice {
+    let kernel: Kernel = match (format, vnni) {
+        (Format::Q4_0, false) => q4_0::<false>,
+        (Format::Q4_0, true) => q4_0::<true>,
+        (Format::Q4_1, false) => q4_1::<false>,
+        (Format::Q4_1, true) => q4_1::<true>,
+        (Format::Q8_0, false) => q8_0::<false>,
+        (Format::Q8_0, true) => q8_0::<true>,
+        (Format::Q4K, false) => q4k::<false>,
+        (Format::Q4K, true) => q4k::<true>,
+        (Format::Q6K, false) => q6k::<false>,
+        (Format::Q6K, true) => q6k::<true>,
+    };
+    KernelChoice { kernel, tile: TILE }
+}
+
+/// Expands to a [`Kernel`] that walks both halves of the group and `nt` tokens in register tiles
+/// of the listed sizes (`1..max`, then `max`).
+macro_rules! tiled {
+    ($name:ident, $tile:ident, [$($n:literal),*], $max:literal) => {
+        unsafe fn $name<const VNNI: bool>(
+            g: &[u8],
+            acts: &Acts,
+            t0: usize,
+            nt: usize,
+            out: *mut f32,
+            stride: usize,
+        ) {
+            for half in 0..2 {
+                let mut t = 0;
+                while t < nt {
+                    let o = out.add(t * stride + 8 * half);
+                    let n = (nt - t).min($max);
+                    match n {
+                        $($n => $tile::<$n, VNNI>(g, half, acts, t0 + t, o, stride),)*
+                        _ => $tile::<$max, VNNI>(g, half, acts, t0 + t, o, stride),
+                    }
+                    t += n;
+                }
+            }
+        }
+    };
+}
+
+tiled!(q4_0, q4_0_tile, [1, 2, 3], 4);
+// The ggml-order kernels hold eight accumulators per token: one token fits sixteen registers.
+tiled!(q4_1, q4_1_tile, [], 1);
+tiled!(q8_0, q8_0_tile, [], 1);
+tiled!(q4k, q4k_tile, [1, 2, 3], 4);
+tiled!(q6k, q6k_tile, [1, 2, 3], 4);
+
+/// `acc + Σ_{i<4} u[4k+i]·s[4k+i]` per 32-bit lane, for unsigned `u` at most 63.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dp<const VNNI: bool>(mut acc: __m256i, u: __m256i, s: __m256i) -> __m256i {
+    if VNNI {
+        // SAFETY: `VNNI` kernels are only handed out when the CPU has AVX-VNNI; the instruction
+        // reads and writes registers only.
+        std::arch::asm!(
+            "{{vex}} vpdpbusd {acc}, {u}, {s}",
+            acc = inout(ymm_reg) acc,
+            u = in(ymm_reg) u,
+            s = in(ymm_reg) s,
+            options(pure, nomem, nostack, preserves_flags)
+        );
+        acc
+    } else {
+        let p = _mm256_maddubs_epi16(u, s);
+        _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(1)))
+    }
+}
+
+/// [`dp`] for unsigned `u` up to 255 (Q8_0's offset quants).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dp_u8<const VNNI: bool>(acc: __m256i, u: __m256i, s: __m256i) -> __m256i {
+    if VNNI {
+        dp::<true>(acc, u, s)
+    } else {
+        // u = 16·hi + lo with both nibbles at most 15, so neither vpmaddubsw saturates.
+        let m4 = _mm256_set1_epi8(0x0F);
+        let lo = _mm256_maddubs_epi16(_mm256_and_si256(u, m4), s);
+        let hi = _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16::<4>(u), m4), s);
+        let lo = _mm256_madd_epi16(lo, _mm256_set1_epi16(1));
+        let hi = _mm256_madd_epi16(hi, _mm256_set1_epi16(16));
+        _mm256_add_epi32(acc, _mm256_add_epi32(lo, hi))
+    }
+}
+
+#[inline]
+#[target_feature(enable = "avx2")]
+unsafe fn bcast4(p: *const i8) -> __m256i {
+    _mm256_set1_epi32((p as *const i32).read_unaligned())
+}
+
+#[inline]
+#[target_feature(enable = "avx2,f16c")]
+unsafe fn f16x8(p: *const u8) -> __m256 {
+    _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i))
+}
+
+#[inline]
+#[target_feature(enable = "avx2")]
+unsafe fn load(p: *const u8) -> __m256i {
+    _mm256_loadu_si256(p as *const __m256i)
+}
+
+/// ggml's `hsum_float_8` tree per lane: `((a0+a4)+(a2+a6)) + ((a1+a5)+(a3+a7))`.
+#[inline]
+#[target_feature(enable = "avx2")]
+unsafe fn hsum8(a: &[__m256; 8]) -> __m256 {
+    let s04 = _mm256_add_ps(a[0], a[4]);
+    let s26 = _mm256_add_ps(a[2], a[6]);
+    let s15 = _mm256_add_ps(a[1], a[5]);
+    let s37 = _mm256_add_ps(a[3], a[7]);
+    _mm256_add_ps(_mm256_add_ps(s04, s26), _mm256_add_ps(s15, s37))
+}
+
+/// Q4_1 in ggml's float order (see [`super::scalar`]): one accumulator per 4-value lane.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q4_1_tile<const T: usize, const VNNI: bool>(
+    g: &[u8],
+    half: usize,
+    acts: &Acts,
+    t0: usize,
+    out: *mut f32,
+    stride: usize,
+) {
+    let (nblk, cols) = (acts.nblk, acts.cols);
+    debug_assert!(g.len() >= nblk * 320 && t0 + T <= acts.n_tokens);
+    let gp = g.as_ptr().add(32 * half);
+    let xq = acts.qs.as_ptr().add(t0 * cols);
+    let dx = acts.d.as_ptr().add(t0 * nblk);
+    let sx = acts.s.as_ptr().add(t0 * nblk);
+    let m4 = _mm256_set1_epi8(0x0F);
+    let zero = _mm256_setzero_si256();
+    let mut acc = [[_mm256_setzero_ps(); 8]; T];
+    let mut summs = [_mm256_setzero_ps(); T];
+    for b in 0..nblk {
+        let blk = gp.add(b * 320);
+        let dw = f16x8(blk.add(256 - 16 * half));
+        let dd: [__m256; T] =
+            std::array::from_fn(|t| _mm256_mul_ps(dw, _mm256_set1_ps(*dx.add(t * nblk + b))));
+        for j in 0..4 {
+            let p = load(blk.add(64 * j));
+            let lo = _mm256_and_si256(p, m4);
+            let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(p), m4);
+            for t in 0..T {
+                let x = xq.add(t * cols + b * 32 + 4 * j);
+                let il = dp::<VNNI>(zero, lo, bcast4(x));
+                let ih = dp::<VNNI>(zero, hi, bcast4(x.add(16)));
+                acc[t][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(il), dd[t], acc[t][j]);
+                acc[t][j + 4] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ih), dd[t], acc[t][j + 4]);
+            }
+        }
+        let mw = f16x8(blk.add(288 - 16 * half));
+        for (t, s) in summs.iter_mut().enumerate() {
+            *s = _mm256_fmadd_ps(mw, _mm256_set1_ps(*sx.add(t * nblk + b)), *s);
+        }
+    }
+    for t in 0..T {
+        _mm256_storeu_ps(out.add(t * stride), _mm256_add_ps(hsum8(&acc[t]), summs[t]));
+    }
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q4_0_tile<const T: usize, const VNNI: bool>(
+    g: &[u8],
+    half: usize,
+    acts: &Acts,
+    t0: usize,
+    out: *mut f32,
+    stride: usize,
+) {
+    let (nblk, cols) = (acts.nblk, acts.cols);
+    debug_assert!(g.len() >= nblk * 288 && t0 + T <= acts.n_tokens);
+    let gp = g.as_ptr().add(32 * half);
+    let xq = acts.qs.as_ptr().add(t0 * cols);
+    let dx = acts.d.as_ptr().add(t0 * nblk);
+    let bias = acts.bias.as_ptr().add(t0 * nblk);
+    let m4 = _mm256_set1_epi8(0x0F);
+    let mut f = [_mm256_setzero_ps(); T];
+    for b in 0..nblk {
+        let blk = gp.add(b * 288);
+        let mut a = [_mm256_setzero_si256(); T];
+        for (t, a) in a.iter_mut().enumerate() {
+            *a = _mm256_set1_epi32(*bias.add(t * nblk + b));
+        }
+        for j in 0..4 {
+            let p = load(blk.add(64 * j));
+            let lo = _mm256_and_si256(p, m4);
+            let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(p), m4);
+            for (t, a) in a.iter_mut().enumerate() {
+                let x = xq.add(t * cols + b * 32 + 4 * j);
+                *a = dp::<VNNI>(*a, lo, bcast4(x));
+                *a = dp::<VNNI>(*a, hi, bcast4(x.add(16)));
+            }
+        }
+        let dw = f16x8(blk.add(256 - 16 * half));
+        for t in 0..T {
+            let dd = _mm256_mul_ps(dw, _mm256_set1_ps(*dx.add(t * nblk + b)));
+            f[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a[t]), dd, f[t]);
+        }
+    }
+    for (t, f) in f.iter().enumerate() {
+        _mm256_storeu_ps(out.add(t * stride), *f);
+    }
+}
+
+/// Q8_0 in ggml's float order (see [`super::scalar`]): one accumulator per 4-value lane, each lane
+/// sum starting from its own `-128·Σx` correction.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q8_0_tile<const T: usize, const VNNI: bool>(
+    g: &[u8],
+    half: usize,
+    acts: &Acts,
+    t0: usize,
+    out: *mut f32,
+    stride: usize,
+) {
+    let (nblk, cols) = (acts.nblk, acts.cols);
+    debug_assert!(g.len() >= nblk * 544 && t0 + T <= acts.n_tokens);
+    let gp = g.as_ptr().add(32 * half);
+    let xq = acts.qs.as_ptr().add(t0 * cols);
+    let dx = acts.d.as_ptr().add(t0 * nblk);
+    let bias = acts.bias.as_ptr().add(t0 * nblk * 8);
+    let mut acc = [[_mm256_setzero_ps(); 8]; T];
+    for b in 0..nblk {
+        let blk = gp.add(b * 544);
+        let dw = f16x8(blk.add(512 - 16 * half));
+        let dd: [__m256; T] =
+            std::array::from_fn(|t| _mm256_mul_ps(dw, _mm256_set1_ps(*dx.add(t * nblk + b))));
+        for k in 0..8 {
+            let p = load(blk.add(64 * k));
+            for t in 0..T {
+                let c = _mm256_set1_epi32(*bias.add((t * nblk + b) * 8 + k));
+                let i = dp_u8::<VNNI>(c, p, bcast4(xq.add(t * cols + b * 32 + 4 * k)));
+                acc[t][k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i), dd[t], acc[t][k]);
+            }
+        }
+    }
+    for (t, acc) in acc.iter().enumerate() {
+        _mm256_storeu_ps(out.add(t * stride), hsum8(acc));
+    }
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q4k_tile<const T: usize, const VNNI: bool>(
+    g: &[u8],
+    half: usize,
+    acts: &Acts,
+    t0: usize,
+    out: *mut f32,
+    stride: usize,
+) {
+    let (nblk, cols) = (acts.nblk, acts.cols);
+    debug_assert!(g.len() >= nblk * 2368 && t0 + T <= acts.n_tokens);
+    let gp = g.as_ptr();
+    let xq = acts.qs.as_ptr().add(t0 * cols);
+    let dx = acts.d.as_ptr().add(t0 * nblk);
+    let bsum = acts.bsum32.as_ptr().add(t0 * nblk * 8);
+    let m4 = _mm256_set1_epi8(0x0F);
+    let mut f = [_mm256_setzero_ps(); T];
+    for b in 0..nblk {
+        let blk = gp.add(b * 2368);
+        let mut sup = [_mm256_setzero_si256(); T];
+        for sb in 0..8 {
+            let scv = _mm256_cvtepu8_epi32(_mm_loadl_epi64(
+                blk.add(2048 + 16 * sb + 8 * half) as *const _
+            ));
+            let mut acc = [_mm256_setzero_si256(); T];
+            for kg in 0..8 {
+                let p = load(blk.add(64 * (8 * (sb / 2) + kg) + 32 * half));
+                let w = if sb % 2 == 0 {
+                    _mm256_and_si256(p, m4)
+                } else {
+                    _mm256_and_si256(_mm256_srli_epi16::<4>(p), m4)
+                };
+                for (t, a) in acc.iter_mut().enumerate() {
+                    *a = dp::<VNNI>(*a, w, bcast4(xq.add(t * cols + b * 256 + 32 * sb + 4 * kg)));
+                }
+            }
+            for t in 0..T {
+                sup[t] = _mm256_add_epi32(sup[t], _mm256_mullo_epi32(acc[t], scv));
+            }
+        }
+        let mut min = [_mm256_setzero_si256(); T];
+        for p in 0..4 {
+            let mv = _mm256_cvtepu8_epi16(_mm_loadu_si128(
+                blk.add(2176 + 32 * p + 16 * half) as *const _
+            ));
+            for (t, m) in min.iter_mut().enumerate() {
+                let pair = (bsum.add((t * nblk + b) * 8 + 2 * p) as *const i32).read_unaligned();
+                *m = _mm256_add_epi32(*m, _mm256_madd_epi16(mv, _mm256_set1_epi32(pair)));
+            }
+        }
+        let dw = f16x8(blk.add(2304 + 16 * half));
+        let dm = f16x8(blk.add(2336 + 16 * half));
+        for t in 0..T {
+            let d = _mm256_set1_ps(*dx.add(t * nblk + b));
+            f[t] = _mm256_fmadd_ps(_mm256_mul_ps(dw, d), _mm256_cvtepi32_ps(sup[t]), f[t]);
+            f[t] = _mm256_fnmadd_ps(_mm256_mul_ps(dm, d), _mm256_cvtepi32_ps(min[t]), f[t]);
+        }
+    }
+    for (t, f) in f.iter().enumerate() {
+        _mm256_storeu_ps(out.add(t * stride), *f);
+    }
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q6k_tile<const T: usize, const VNNI: bool>(
+    g: &[u8],
+    half: usize,
+    acts: &Acts,
+    t0: usize,
+    out: *mut f32,
+    stride: usize,
+) {
+    let (nblk, cols) = (acts.nblk, acts.cols);
+    debug_assert!(g.len() >= nblk * 3360 && t0 + T <= acts.n_tokens);
+    let gp = g.as_ptr();
+    let xq = acts.qs.as_ptr().add(t0 * cols);
+    let dx = acts.d.as_ptr().add(t0 * nblk);
+    let bias = acts.bias.as_ptr().add(t0 * nblk * 16);
+    let m4 = _mm256_set1_epi8(0x0F);
+    let m30 = _mm256_set1_epi8(0x30);
+    let mut f = [_mm256_setzero_ps(); T];
+    for b in 0..nblk {
+        let blk = gp.add(b * 3360);
+        let mut sup = [_mm256_setzero_si256(); T];
+        for gi in 0..16 {
+            let cc = gi / 2;
+            let pairs = _mm256_cvtepi8_epi16(_mm_loadu_si128(
+                blk.add(3072 + 32 * cc + 16 * half) as *const _
+            ));
+            let scv = if gi % 2 == 0 {
+                _mm256_srai_epi32::<16>(_mm256_slli_epi32::<16>(pairs))
+            } else {
+                _mm256_srai_epi32::<16>(pairs)
+            };
+            let hd = load(blk.add(2048 + 64 * gi + 32 * half));
+            let mut acc = [_mm256_setzero_si256(); T];
+            for (t, a) in acc.iter_mut().enumerate() {
+                *a = _mm256_set1_epi32(*bias.add((t * nblk + b) * 16 + gi));
+            }
+            for kq in 0..4 {
+                let kg = 4 * (gi % 2) + kq;
+                let p = load(blk.add(64 * (8 * (cc / 2) + kg) + 32 * half));
+                let lo = if cc % 2 == 0 {
+                    _mm256_and_si256(p, m4)
+                } else {
+                    _mm256_and_si256(_mm256_srli_epi16::<4>(p), m4)
+                };
+                // Bits 2kq..2kq+2 of each byte moved to bits 4..6 (see the AVX-512 kernel).
+                let h = match kq {
+                    0 => _mm256_slli_epi16::<4>(hd),
+                    1 => _mm256_slli_epi16::<2>(hd),
+                    2 => hd,
+                    _ => _mm256_srli_epi16::<2>(hd),
+                };
+                let w = _mm256_or_si256(lo, _mm256_and_si256(h, m30));
+                for (t, a) in acc.iter_mut().enumerate() {
+                    *a = dp::<VNNI>(*a, w, bcast4(xq.add(t * cols + b * 256 + 32 * cc + 4 * kg)));
+                }
+            }
+            for t in 0..T {
+                sup[t] = _mm256_add_epi32(sup[t], _mm256_mullo_epi32(acc[t], scv));
+            }
+        }
+        let dw = f16x8(blk.add(3328 + 16 * half));
+        for t in 0..T {
+            let d = _mm256_set1_ps(*dx.add(t * nblk + b));
+            f[t] = _mm256_fmadd_ps(_mm256_mul_ps(dw, d), _mm256_cvtepi32_ps(sup[t]), f[t]);
+        }
+    }
+    for (t, f) in f.iter().enumerate() {
+        _mm256_storeu_ps(out.add(t * stride), *f);
+    }
+}

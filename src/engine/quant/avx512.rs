@@ -1,0 +1,344 @@
+//! AVX-512 VNNI kernels on the packed layout (see [`super::layout`]).
+//!
+//! One 64-byte chunk holds four quants of each of sixteen rows; `vpdpbusd` multiplies them (as
+//! unsigned bytes) with four activation bytes broadcast to every lane, so each 32-bit lane collects
+//! one row's partial sum and no horizontal reductions are needed. `T` tokens share every weight
+//! load: the kernel keeps `T` sets of accumulators in registers, so weights are fetched once per
+//! `T` tokens and prefill becomes compute-bound. Per lane, the operations and their order are those
+//! of [`super::scalar`], so results agree with it bit for bit.
+//!
+//! Every function here is `unsafe` for two reasons stated once: the CPU must support
+//! AVX512F/BW/VL/VNNI (guaranteed by `Isa::available` before a kernel is handed out), and the
+//! pointer arithmetic relies on the [`super::gemm::Kernel`] contract (a whole packed group of
+//! `acts.nblk` blocks, tokens `t0..t0+nt` present in `acts`, 16 writable floats per token at
+//! `out + t * stride`).
+
+// Index loops mirror the layout arithmetic (chunk j feeds lanes j and j+4, and so on).
+#![allow(clippy::needless_range_loop)]
+
+use std::arch::x86_64::*;
+
+use super::act::Acts;
+use super::gemm::KernelChoice;
+use super::layout::Format;
+
+pub fn kernel(format: Format) -> KernelChoice {
+    // Tiles: tokens per call (a multiple of the register tile of `tiled!` below). The ggml-order
+    // kernels hold eight accumulators per token, so their register tile is two tokens.
+    let (kernel, tile): (super::gemm::Kernel, usize) = match format {
+        Format::Q4_0 => (q4_0, 4),
+        Format::Q4_1 => (q4_1, 4),
+        Format::Q8_0 => (q8_0, 4),
+        Format::Q4K => (q4k, 4),
+        Format::Q6K => (q6k, 4),
+    };
+    KernelChoice { kernel, tile }
+}
+
+/// Expands to a [`super::gemm::Kernel`] that walks `nt` tokens in register tiles of the listed
+/// sizes (`1..max`, then `max`).
+macro_rules! tiled {
+    ($name:ident, $tile:ident, [$($n:literal),*], $max:literal) => {
+        unsafe fn $name(g: &[u8], acts: &Acts, t0: usize, nt: usize, out: *mut f32, stride: usize) {
+            let mut t = 0;
+            while t < nt {
+                let o = out.add(t * stride);
+                let n = (nt - t).min($max);
+                match n {
+                    $($n => $tile::<$n>(g, acts, t0 + t, o, stride),)*
+                    _ => $tile::<$max>(g, acts, t0 + t, o, stride),
+                }
+                t += n;
+            }
+        }
+    };
+}
+
+tiled!(q4_0, q4_0_tile, [1, 2, 3], 4);
+tiled!(q4_1, q4_1_tile, [1], 2);
+tiled!(q8_0, q8_0_tile, [1], 2);
+tiled!(q4k, q4k_tile, [1, 2, 3], 4);
+tiled!(q6k, q6k_tile, [1, 2, 3], 4);
+
+/// Four activation bytes at `p`, broadcast to every lane (folds into `vpdpbusd`'s `{1to16}`).
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn bcast4(p: *const i8) -> __m512i {
+    _mm512_set1_epi32((p as *const i32).read_unaligned())
+}
+
+/// Sixteen f16 at `p` as f32.
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn f16x16(p: *const u8) -> __m512 {
+    _mm512_cvtph_ps(_mm256_loadu_si256(p as *const __m256i))
+}
+
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn load(p: *const u8) -> __m512i {
+    _mm512_loadu_si512(p as *const __m512i)
+}
+
+/// ggml's `hsum_float_8` tree per lane: `((a0+a4)+(a2+a6)) + ((a1+a5)+(a3+a7))`.
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn hsum8(a: &[__m512; 8]) -> __m512 {
+    let s04 = _mm512_add_ps(a[0], a[4]);
+    let s26 = _mm512_add_ps(a[2], a[6]);
+    let s15 = _mm512_add_ps(a[1], a[5]);
+    let s37 = _mm512_add_ps(a[3], a[7]);
+    _mm512_add_ps(_mm512_add_ps(s04, s26), _mm512_add_ps(s15, s37))
+}
+
+/// Q4_1 in ggml's float order (see [`super::scalar`]): one accumulator per 4-value lane.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn q4_1_tile<const T: usize>(
+    g: &[u8],
+    acts: &Acts,
+    t0: usize,
+    out: *mut f32,
+    stride: usize,
+) {
+    let (nblk, cols) = (acts.nblk, acts.cols);
+    debug_assert!(g.len() >= nblk * 320 && t0 + T <= acts.n_tokens);
+    let gp = g.as_ptr();
+    let xq = acts.qs.as_ptr().add(t0 * cols);
+    let dx = acts.d.as_ptr().add(t0 * nblk);
+    let sx = acts.s.as_ptr().add(t0 * nblk);
+    let m4 = _mm512_set1_epi8(0x0F);
+    let zero = _mm512_setzero_si512();
+    let mut acc = [[_mm512_setzero_ps(); 8]; T];
+    let mut summs = [_mm512_setzero_ps(); T];
+    for b in 0..nblk {
+        let blk = gp.add(b * 320);
+        let dw = f16x16(blk.add(256));
+        let dd: [__m512; T] =
+            std::array::from_fn(|t| _mm512_mul_ps(dw, _mm512_set1_ps(*dx.add(t * nblk + b))));
+        for j in 0..4 {
+            let p = load(blk.add(64 * j));
+            let lo = _mm512_and_si512(p, m4);
+            let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(p), m4);
+            for t in 0..T {
+                let x = xq.add(t * cols + b * 32 + 4 * j);
+                let il = _mm512_dpbusd_epi32(zero, lo, bcast4(x));
+                let ih = _mm512_dpbusd_epi32(zero, hi, bcast4(x.add(16)));
+                acc[t][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(il), dd[t], acc[t][j]);
+                acc[t][j + 4] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ih), dd[t], acc[t][j + 4]);
+            }
+        }
+        let mw = f16x16(blk.add(288));
+        for (t, s) in summs.iter_mut().enumerate() {
+            *s = _mm512_fmadd_ps(mw, _mm512_set1_ps(*sx.add(t * nblk + b)), *s);
+        }
+    }
+    for t in 0..T {
+        _mm512_storeu_ps(out.add(t * stride), _mm512_add_ps(hsum8(&acc[t]), summs[t]));
+    }
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn q4_0_tile<const T: usize>(
+    g: &[u8],
+    acts: &Acts,
+    t0: usize,
+    out: *mut f32,
+    stride: usize,
+) {
+    let (nblk, cols) = (acts.nblk, acts.cols);
+    debug_assert!(g.len() >= nblk * 288 && t0 + T <= acts.n_tokens);
+    let gp = g.as_ptr();
+    let xq = acts.qs.as_ptr().add(t0 * cols);
+    let dx = acts.d.as_ptr().add(t0 * nblk);
+    let bias = acts.bias.as_ptr().add(t0 * nblk);
+    let m4 = _mm512_set1_epi8(0x0F);
+    let mut f = [_mm512_setzero_ps(); T];
+    for b in 0..nblk {
+        let blk = gp.add(b * 288);
+        let mut a0 = [_mm512_setzero_si512(); T];
+        let mut a1 = [_mm512_setzero_si512(); T];
+        for (t, a) in a0.iter_mut().enumerate() {
+            *a = _mm512_set1_epi32(*bias.add(t * nblk + b));
+        }
+        for j in 0..4 {
+            let p = load(blk.add(64 * j));
+            let lo = _mm512_and_si512(p, m4);
+            let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(p), m4);
+            for t in 0..T {
+                let x = xq.add(t * cols + b * 32 + 4 * j);
+                a0[t] = _mm512_dpbusd_epi32(a0[t], lo, bcast4(x));
+                a1[t] = _mm512_dpbusd_epi32(a1[t], hi, bcast4(x.add(16)));
+            }
+        }
+        let dw = f16x16(blk.add(256));
+        for t in 0..T {
+            let i = _mm512_add_epi32(a0[t], a1[t]);
+            let dd = _mm512_mul_ps(dw, _mm512_set1_ps(*dx.add(t * nblk + b)));
+            f[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i), dd, f[t]);
+        }
+    }
+    for (t, f) in f.iter().enumerate() {
+        _mm512_storeu_ps(out.add(t * stride), *f);
+    }
+}
+
+/// Q8_0 in ggml's float order (see [`super::scalar`]): one accumulator per 4-value lane, each lane
+/// sum starting from its own `-128·Σx` correction.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn q8_0_tile<const T: usize>(
+    g: &[u8],
+    acts: &Acts,
+    t0: usize,
+    out: *mut f32,
+    stride: usize,
+) {
+    let (nblk, cols) = (acts.nblk, acts.cols);
+    debug_assert!(g.len() >= nblk * 544 && t0 + T <= acts.n_tokens);
+    let gp = g.as_ptr();
+    let xq = acts.qs.as_ptr().add(t0 * cols);
+    let dx = acts.d.as_ptr().add(t0 * nblk);
+    let bias = acts.bias.as_ptr().add(t0 * nblk * 8);
+    let mut acc = [[_mm512_setzero_ps(); 8]; T];
+    for b in 0..nblk {
+        let blk = gp.add(b * 544);
+        let dw = f16x16(blk.add(512));
+        let dd: [__m512; T] =
+            std::array::from_fn(|t| _mm512_mul_ps(dw, _mm512_set1_ps(*dx.add(t * nblk + b))));
+        for k in 0..8 {
+            let p = load(blk.add(64 * k));
+            for t in 0..T {
+                let c = _mm512_set1_epi32(*bias.add((t * nblk + b) * 8 + k));
+                let i = _mm512_dpbusd_epi32(c, p, bcast4(xq.add(t * cols + b * 32 + 4 * k)));
+                acc[t][k] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i), dd[t], acc[t][k]);
+            }
+        }
+    }
+    for (t, acc) in acc.iter().enumerate() {
+        _mm512_storeu_ps(out.add(t * stride), hsum8(acc));
+    }
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn q4k_tile<const T: usize>(g: &[u8], acts: &Acts, t0: usize, out: *mut f32, stride: usize) {
+    let (nblk, cols) = (acts.nblk, acts.cols);
+    debug_assert!(g.len() >= nblk * 2368 && t0 + T <= acts.n_tokens);
+    let gp = g.as_ptr();
+    let xq = acts.qs.as_ptr().add(t0 * cols);
+    let dx = acts.d.as_ptr().add(t0 * nblk);
+    let bsum = acts.bsum32.as_ptr().add(t0 * nblk * 8);
+    let m4 = _mm512_set1_epi8(0x0F);
+    let mut f = [_mm512_setzero_ps(); T];
+    for b in 0..nblk {
+        let blk = gp.add(b * 2368);
+        let mut sup = [_mm512_setzero_si512(); T];
+        for sb in 0..8 {
+            let scv = _mm512_cvtepu8_epi32(_mm_loadu_si128(blk.add(2048 + 16 * sb) as *const _));
+            let mut acc = [_mm512_setzero_si512(); T];
+            for kg in 0..8 {
+                let p = load(blk.add(64 * (8 * (sb / 2) + kg)));
+                let w = if sb % 2 == 0 {
+                    _mm512_and_si512(p, m4)
+                } else {
+                    _mm512_and_si512(_mm512_srli_epi16::<4>(p), m4)
+                };
+                for (t, a) in acc.iter_mut().enumerate() {
+                    *a = _mm512_dpbusd_epi32(
+                        *a,
+                        w,
+                        bcast4(xq.add(t * cols + b * 256 + 32 * sb + 4 * kg)),
+                    );
+                }
+            }
+            for t in 0..T {
+                sup[t] = _mm512_add_epi32(sup[t], _mm512_mullo_epi32(acc[t], scv));
+            }
+        }
+        let mut min = [_mm512_setzero_si512(); T];
+        for p in 0..4 {
+            let mv = _mm512_cvtepu8_epi16(_mm256_loadu_si256(blk.add(2176 + 32 * p) as *const _));
+            for (t, m) in min.iter_mut().enumerate() {
+                let pair = (bsum.add((t * nblk + b) * 8 + 2 * p) as *const i32).read_unaligned();
+                *m = _mm512_dpwssd_epi32(*m, mv, _mm512_set1_epi32(pair));
+            }
+        }
+        let dw = f16x16(blk.add(2304));
+        let dm = f16x16(blk.add(2336));
+        for t in 0..T {
+            let d = _mm512_set1_ps(*dx.add(t * nblk + b));
+            f[t] = _mm512_fmadd_ps(_mm512_mul_ps(dw, d), _mm512_cvtepi32_ps(sup[t]), f[t]);
+            f[t] = _mm512_fnmadd_ps(_mm512_mul_ps(dm, d), _mm512_cvtepi32_ps(min[t]), f[t]);
+        }
+    }
+    for (t, f) in f.iter().enumerate() {
+        _mm512_storeu_ps(out.add(t * stride), *f);
+    }
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn q6k_tile<const T: usize>(g: &[u8], acts: &Acts, t0: usize, out: *mut f32, stride: usize) {
+    let (nblk, cols) = (acts.nblk, acts.cols);
+    debug_assert!(g.len() >= nblk * 3360 && t0 + T <= acts.n_tokens);
+    let gp = g.as_ptr();
+    let xq = acts.qs.as_ptr().add(t0 * cols);
+    let dx = acts.d.as_ptr().add(t0 * nblk);
+    let bias = acts.bias.as_ptr().add(t0 * nblk * 16);
+    let m4 = _mm512_set1_epi8(0x0F);
+    let m30 = _mm512_set1_epi8(0x30);
+    let mut f = [_mm512_setzero_ps(); T];
+    for b in 0..nblk {
+        let blk = gp.add(b * 3360);
+        let mut sup = [_mm512_setzero_si512(); T];
+        for gi in 0..16 {
+            let cc = gi / 2;
+            let pairs =
+                _mm512_cvtepi8_epi16(_mm256_loadu_si256(blk.add(3072 + 32 * cc) as *const _));
+            let scv = if gi % 2 == 0 {
+                _mm512_srai_epi32::<16>(_mm512_slli_epi32::<16>(pairs))
+            } else {
+                _mm512_srai_epi32::<16>(pairs)
+            };
+            let hd = load(blk.add(2048 + 64 * gi));
+            let mut acc = [_mm512_setzero_si512(); T];
+            for (t, a) in acc.iter_mut().enumerate() {
+                *a = _mm512_set1_epi32(*bias.add((t * nblk + b) * 16 + gi));
+            }
+            for kq in 0..4 {
+                let kg = 4 * (gi % 2) + kq;
+                let p = load(blk.add(64 * (8 * (cc / 2) + kg)));
+                let lo = if cc % 2 == 0 {
+                    _mm512_and_si512(p, m4)
+                } else {
+                    _mm512_and_si512(_mm512_srli_epi16::<4>(p), m4)
+                };
+                // Bits 2kq..2kq+2 of each byte moved to bits 4..6 (16-bit shifts are fine: the
+                // mask drops whatever crosses a byte boundary).
+                let h = match kq {
+                    0 => _mm512_slli_epi16::<4>(hd),
+                    1 => _mm512_slli_epi16::<2>(hd),
+                    2 => hd,
+                    _ => _mm512_srli_epi16::<2>(hd),
+                };
+                // lo | (h & 0x30)
+                let w = _mm512_ternarylogic_epi32::<0xF8>(lo, h, m30);
+                for (t, a) in acc.iter_mut().enumerate() {
+                    *a = _mm512_dpbusd_epi32(
+                        *a,
+                        w,
+                        bcast4(xq.add(t * cols + b * 256 + 32 * cc + 4 * kg)),
+                    );
+                }
+            }
+            for t in 0..T {
+                sup[t] = _mm512_add_epi32(sup[t], _mm512_mullo_epi32(acc[t], scv));
+            }
+        }
+        let dw = f16x16(blk.add(3328));
+        for t in 0..T {
+            let d = _mm512_set1_ps(*dx.add(t * nblk + b));
+            f[t] = _mm512_fmadd_ps(_mm512_mul_ps(dw, d), _mm512_cvtepi32_ps(sup[t]), f[t]);
+        }
+    }
+    for (t, f) in f.iter().enumerate() {
+        _mm512_storeu_ps(out.add(t * stride), *f);
+    }
+}

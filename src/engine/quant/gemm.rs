@@ -1,0 +1,266 @@
+//! The matrix-product driver for packed weights: picks the kernel for the CPU, tiles the work
+//! (row groups × token tiles, weights kept cache-resident) and splits it over the rayon pool.
+
+use std::sync::OnceLock;
+
+use rayon::prelude::*;
+
+use super::act::Acts;
+use super::layout::{Format, Packed, GROUP};
+use super::scalar;
+
+/// Instruction sets with kernels, best last.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Isa {
+    Scalar,
+    /// AVX2 with `vpmaddubsw`/`vpmaddwd` dot products.
+    Avx2,
+    /// AVX2 plus AVX-VNNI (`vpdpbusd` on 256-bit registers).
+    AvxVnni,
+    /// AVX-512 (F, BW, VL) plus AVX512-VNNI.
+    Avx512Vnni,
+}
+
+impl Isa {
+    /// Whether this CPU can run the kernels of `self`.
+    pub fn available(self) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        {
+            let avx2 = is_x86_feature_detected!("avx2")
+                && is_x86_feature_detected!("fma")
+                && is_x86_feature_detected!("f16c");
+            match self {
+                Isa::Scalar => true,
+                Isa::Avx2 => avx2,
+                Isa::AvxVnni => avx2 && is_x86_feature_detected!("avxvnni"),
+                Isa::Avx512Vnni => {
+                    avx2 && is_x86_feature_detected!("avx512f")
+                        && is_x86_feature_detected!("avx512bw")
+                        && is_x86_feature_detected!("avx512vl")
+                        && is_x86_feature_detected!("avx512vnni")
+                }
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            self == Isa::Scalar
+        }
+    }
+
+    /// The best instruction set this CPU has (detected once).
+    pub fn best() -> Isa {
+        static BEST: OnceLock<Isa> = OnceLock::new();
+        *BEST.get_or_init(|| {
+            let isa = [Isa::Avx512Vnni, Isa::AvxVnni, Isa::Avx2]
+                .into_iter()
+                .find(|i| i.available())
+                .unwrap_or(Isa::Scalar);
+            tracing::debug!(?isa, "quantized matmul kernels");
+            isa
+        })
+    }
+}
+
+/// Computes the sixteen rows of one packed group against tokens `t0..t0 + nt` of `acts`, writing
+/// row `l` of token `t0 + t` to `out.add(t * stride + l)`.
+///
+/// # Safety
+/// `g` is a whole packed group of the format the kernel was chosen for, with `acts.nblk` blocks
+/// and activations of the matching kind; `t0 + nt <= acts.n_tokens`; `out.add(t * stride + l)`
+/// is valid for writes for all `t < nt`, `l < 16`, and nothing else accesses those floats during
+/// the call. The CPU supports the kernel's instruction set.
+pub type Kernel =
+    unsafe fn(g: &[u8], acts: &Acts, t0: usize, nt: usize, out: *mut f32, stride: usize);
+
+/// A kernel and the number of tokens it wants per call (its register tile).
+#[derive(Clone, Copy)]
+pub struct KernelChoice {
+    pub kernel: Kernel,
+    pub tile: usize,
+}
+
+macro_rules! scalar_kernel {
+    ($name:ident, $format:expr) => {
+        /// # Safety
+        /// See [`Kernel`].
+        unsafe fn $name(g: &[u8], acts: &Acts, t0: usize, nt: usize, out: *mut f32, stride: usize) {
+            let mut tmp = vec![0f32; nt * GROUP];
+            scalar::group($format, g, acts, t0, nt, &mut tmp, GROUP);
+            for (t, row) in tmp.chunks_exact(GROUP).enumerate() {
+                // SAFETY: the caller guarantees these sixteen floats are ours to write.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(row.as_ptr(), out.add(t * stride), GROUP);
+                }
+            }
+        }
+    };
+}
+scalar_kernel!(scalar_q4_0, Format::Q4_0);
+scalar_kernel!(scalar_q4_1, Format::Q4_1);
+scalar_kernel!(scalar_q8_0, Format::Q8_0);
+scalar_kernel!(scalar_q4k, Format::Q4K);
+scalar_kernel!(scalar_q6k, Format::Q6K);
+
+/// The kernel for `format` on `isa`, if `isa` is available on this CPU.
+pub fn kernel(format: Format, isa: Isa) -> Option<KernelChoice> {
+    if !isa.available() {
+        return None;
+    }
+    let scalar = |kernel: Kernel| KernelChoice { kernel, tile: 4 };
+    match isa {
+        Isa::Scalar => Some(scalar(match format {
+            Format::Q4_0 => scalar_q4_0,
+            Format::Q4_1 => scalar_q4_1,
+            Format::Q8_0 => scalar_q8_0,
+            Format::Q4K => scalar_q4k,
+            Format::Q6K => scalar_q6k,
+        })),
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512Vnni => Some(super::avx512::kernel(format)),
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => Some(super::avx2::kernel(format, false)),
+        #[cfg(target_arch = "x86_64")]
+        Isa::AvxVnni => Some(super::avx2::kernel(format, true)),
+        #[cfg(not(target_arch = "x86_64"))]
+        _ => None,
+    }
+}
+
+/// Multiply-accumulates below which a product runs on the calling thread alone: waking a second
+/// thread costs a few microseconds, as much as this much work.
+const SERIAL_MACS: usize = 1 << 19;
+
+/// Target bytes of weights a task walks per token tile (they stay in L2 while the tile's
+/// activations sit in L1).
+const CHUNK_BYTES: usize = 192 << 10;
+
+/// Raw output pointer shared by the tasks of one product.
+#[derive(Clone, Copy)]
+pub struct OutPtr(*mut f32);
+// SAFETY: tasks write disjoint row ranges of the outputs (see `run`), and the buffers outlive the
+// parallel loop, which joins before `run` returns.
+unsafe impl Send for OutPtr {}
+unsafe impl Sync for OutPtr {}
+
+/// One product: `out[t * w.rows + r] = Σ_c W[r, c] · x[t, c]`.
+pub struct Job<'a> {
+    pub w: &'a Packed,
+    pub choice: KernelChoice,
+    pub acts: &'a Acts,
+    out: OutPtr,
+}
+
+impl<'a> Job<'a> {
+    /// Checks the shapes; the job keeps a pointer to `out`, which must not be touched until the
+    /// job has run (`run` takes the jobs, and the borrow of `out` lasts as long as the job).
+    pub fn new(w: &'a Packed, choice: KernelChoice, acts: &'a Acts, out: &'a mut [f32]) -> Self {
+        assert_eq!(out.len(), acts.n_tokens * w.rows, "output buffer size");
+        assert_eq!(acts.cols, w.cols, "activation width");
+        assert_eq!(acts.kind, w.format.act_kind(), "activation kind");
+        Self {
+            w,
+            choice,
+            acts,
+            out: OutPtr(out.as_mut_ptr()),
+        }
+    }
+
+    /// Multiply-accumulates per row group.
+    fn group_cost(&self) -> usize {
+        GROUP * self.w.cols * self.acts.n_tokens
+    }
+}
+
+/// `out[t * rows + r] = Σ_c W[r, c] · x[t, c]` for the packed `w` and quantized `acts`.
+pub fn gemm(w: &Packed, choice: KernelChoice, acts: &Acts, out: &mut [f32]) {
+    run(&[Job::new(w, choice, acts, out)]);
+}
+
+/// Runs several products in one parallel region (one thread wake-up instead of one per matrix).
+pub fn run(jobs: &[Job<'_>]) {
+    let costs: Vec<usize> = jobs.iter().map(|j| j.group_cost() * j.w.groups).collect();
+    let total: usize = costs.iter().sum();
+    if total == 0 {
+        return;
+    }
+    let threads = rayon::current_num_threads();
+    let max_tokens = jobs.iter().map(|j| j.acts.n_tokens).max().unwrap_or(0);
+    if total <= SERIAL_MACS || threads == 1 {
+        for j in jobs {
+            run_groups(j, 0..j.w.groups);
+        }
+        return;
+    }
+    // Decode streams weights once: one contiguous share per thread. Prefill is compute-bound and
+    // tasks finish unevenly (the other thread may be busy elsewhere), so cut finer.
+    let tasks = if max_tokens < 4 { threads } else { threads * 4 };
+    // Cut the concatenated row groups of all jobs into `tasks` runs of about equal cost.
+    let share = total.div_ceil(tasks);
+    let mut pieces: Vec<Vec<(usize, std::ops::Range<usize>)>> = vec![Vec::new(); tasks];
+    let (mut task, mut filled) = (0usize, 0usize);
+    for (ji, j) in jobs.iter().enumerate() {
+        let gc = j.group_cost();
+        let mut g = 0;
+        while g < j.w.groups {
+            let room = share.saturating_sub(filled);
+            let take = (room / gc).max(1).min(j.w.groups - g);
+            pieces[task].push((ji, g..g + take));
+            filled += take * gc;
+            g += take;
+            if filled >= share && task + 1 < tasks {
+                task += 1;
+                filled = 0;
+            }
+        }
+    }
+    pieces.into_par_iter().for_each(|p| {
+        for (ji, range) in p {
+            run_groups(&jobs[ji], range);
+        }
+    });
+}
+
+/// Computes row groups `range` of a job for every token.
+fn run_groups(job: &Job<'_>, range: std::ops::Range<usize>) {
+    let (w, choice, acts, out) = (job.w, job.choice, job.acts, job.out);
+    let n = acts.n_tokens;
+    let rows = w.rows;
+    let group_bytes = w.nblk * w.format.packed_bytes();
+    let chunk = (CHUNK_BYTES / group_bytes).max(1);
+    let mut tail = [0f32; 16 * GROUP];
+    let mut g0 = range.start;
+    while g0 < range.end {
+        let g1 = (g0 + chunk).min(range.end);
+        let mut t0 = 0;
+        while t0 < n {
+            let nt = choice.tile.min(n - t0).min(16);
+            for g in g0..g1 {
+                let grp = w.group(g);
+                let r0 = g * GROUP;
+                if r0 + GROUP <= rows {
+                    // SAFETY: the group matches the kernel's format (`Packed` and the choice were
+                    // made for the same format), `t0 + nt <= n`, and rows r0..r0+16 of tokens
+                    // t0..t0+nt lie inside `out` (length n * rows) and belong to this task alone.
+                    unsafe {
+                        (choice.kernel)(grp, acts, t0, nt, out.0.add(t0 * rows + r0), rows);
+                    }
+                } else {
+                    // A padded last group: compute into a scratch tile, copy the real rows.
+                    // SAFETY: as above, with `tail` (16 tokens × 16 lanes) as the output.
+                    unsafe {
+                        (choice.kernel)(grp, acts, t0, nt, tail.as_mut_ptr(), GROUP);
+                    }
+                    for t in 0..nt {
+                        for l in 0..rows - r0 {
+                            // SAFETY: row r0 + l < rows of token t0 + t < n lies inside `out`,
+                            // and this task owns it.
+                            unsafe { *out.0.add((t0 + t) * rows + r0 + l) = tail[t * GROUP + l] };
+                        }
+                    }
+                }
+            }
+            t0 += nt;
+        }
+        g0 = g1;
+    }
+}
