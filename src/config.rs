@@ -16,7 +16,7 @@ pub enum ConfigError {
     MissingFile(PathBuf),
 }
 
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
 #[serde(default, deny_unknown_fields)]
 pub struct Config {
     pub model: ModelConfig,
@@ -104,20 +104,6 @@ pub struct SamplingDefaults {
     pub max_tokens: usize,
     pub thinking: bool,
     pub system_prompt: Option<String>,
-}
-
-impl Default for Config {
-    fn default() -> Self {
-        Self {
-            model: ModelConfig::default(),
-            server: ServerConfig::default(),
-            database: DatabaseConfig::default(),
-            scheduler: SchedulerSection::default(),
-            limits: LimitsConfig::default(),
-            session: SessionSection::default(),
-            sampling: SamplingDefaults::default(),
-        }
-    }
 }
 
 impl Default for ModelConfig {

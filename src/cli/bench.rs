@@ -26,6 +26,10 @@ pub struct BenchArgs {
     /// Tokens generated for the decode measurements.
     #[arg(long, default_value_t = 64)]
     pub gen_tokens: usize,
+    /// With --synthetic: write the model as a GGUF file (with a placeholder vocabulary, so
+    /// llama.cpp can load it) and exit, to measure other engines on the same weights.
+    #[arg(long, requires = "synthetic")]
+    pub save_gguf: Option<PathBuf>,
     /// Sequences decoding together for the batched measurement.
     #[arg(long, default_value_t = 8)]
     pub batch: usize,
@@ -42,6 +46,11 @@ pub fn run(args: &BenchArgs) -> Result<()> {
                 "smollm3-3b" => SyntheticSpec::smollm3_3b(),
                 other => anyhow::bail!("unknown --synthetic shape `{other}`; known: smollm3-3b"),
             };
+            if let Some(path) = &args.save_gguf {
+                synthetic::write_gguf(&spec.with_placeholder_tokenizer(), path)?;
+                tracing::info!(path = %path.display(), "wrote the synthetic model");
+                return Ok(());
+            }
             let mut src = synthetic::build(&spec)?;
             let model = super::load_with_progress(&mut src)?;
             (Engine::new(model), format!("synthetic:{name}"))

@@ -178,6 +178,37 @@ impl SyntheticSpec {
         Ok(self)
     }
 
+    /// Gives the model a placeholder byte-level BPE vocabulary of `vocab_size` tokens (the 256
+    /// byte tokens, then `<|synthetic_N|>` fillers; no merges) so other engines that insist on a
+    /// tokenizer, such as llama.cpp, can load the file. Used to measure llama.cpp on the same
+    /// synthetic weights; the text it would produce is meaningless.
+    pub fn with_placeholder_tokenizer(mut self) -> Self {
+        let bytes = byte_level_alphabet();
+        let mut tokens: Vec<Value> = bytes.iter().map(|c| Value::String(c.to_string())).collect();
+        for i in tokens.len()..self.vocab_size {
+            tokens.push(Value::String(format!("<|synthetic_{i}|>")));
+        }
+        tokens.truncate(self.vocab_size);
+        let types: Vec<Value> = (0..tokens.len())
+            .map(|i| Value::I32(if i < 256 { 1 } else { 3 }))
+            .collect();
+        let last = self.vocab_size.saturating_sub(1) as u32;
+        self.tokenizer = TokenizerMetadata(vec![
+            ("tokenizer.ggml.model".into(), Value::String("gpt2".into())),
+            (
+                "tokenizer.ggml.pre".into(),
+                Value::String("smaug-bpe".into()),
+            ),
+            ("tokenizer.ggml.tokens".into(), Value::Array(tokens)),
+            ("tokenizer.ggml.token_type".into(), Value::Array(types)),
+            ("tokenizer.ggml.merges".into(), Value::Array(Vec::new())),
+            ("tokenizer.ggml.bos_token_id".into(), Value::U32(last)),
+            ("tokenizer.ggml.eos_token_id".into(), Value::U32(last)),
+            ("tokenizer.ggml.add_bos_token".into(), Value::Bool(false)),
+        ]);
+        self
+    }
+
     pub fn head_dim(&self) -> usize {
         self.hidden / self.n_heads.max(1)
     }
@@ -976,4 +1007,28 @@ fn write_gguf_file(
     }
     w.flush().map_err(io)?;
     Ok(())
+}
+
+/// GPT-2's byte-to-character table: the 256 characters byte-level BPE uses for raw bytes.
+fn byte_level_alphabet() -> Vec<char> {
+    let mut printable: Vec<u32> = (b'!' as u32..=b'~' as u32)
+        .chain(0xA1..=0xAC)
+        .chain(0xAE..=0xFF)
+        .collect();
+    let mut chars: Vec<(u32, char)> = printable
+        .iter()
+        .filter_map(|&b| char::from_u32(b).map(|c| (b, c)))
+        .collect();
+    let mut extra = 0u32;
+    for b in 0..256u32 {
+        if !printable.contains(&b) {
+            if let Some(c) = char::from_u32(256 + extra) {
+                chars.push((b, c));
+            }
+            extra += 1;
+            printable.push(b);
+        }
+    }
+    chars.sort_by_key(|(b, _)| *b);
+    chars.into_iter().map(|(_, c)| c).collect()
 }
