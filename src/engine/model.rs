@@ -305,24 +305,37 @@ impl Model {
         let q_dim = c.n_heads * hd;
         let group = c.n_heads / c.n_kv_heads;
         let scale = 1.0 / (hd as f32).sqrt();
-        let tasks: Vec<(usize, usize)> = (0..items.len())
-            .flat_map(|s| (0..c.n_heads).map(move |h| (s, h)))
-            .collect();
+        // Tasks are (sequence, head, first query row, rows): long prefill chunks are split so
+        // that every thread gets work even when a step holds a single sequence.
+        const QUERY_ROWS_PER_TASK: usize = 32;
+        let mut tasks: Vec<(usize, usize, usize, usize)> = Vec::new();
+        for s in 0..items.len() {
+            let n_new = offsets[s + 1] - offsets[s];
+            for head in 0..c.n_heads {
+                let mut start = 0;
+                while start < n_new {
+                    let rows = QUERY_ROWS_PER_TASK.min(n_new - start);
+                    tasks.push((s, head, start, rows));
+                    start += rows;
+                }
+            }
+        }
         let results: Vec<Vec<f32>> = tasks
             .par_iter()
-            .map(|&(s, head)| {
+            .map(|&(s, head, first, rows)| {
                 let lc = &items[s].cache.layers[layer];
                 let keys = &lc.k[head / group];
                 let values = &lc.v[head / group];
                 let n_new = offsets[s + 1] - offsets[s];
                 let total = keys.len() / hd;
                 let past = total - n_new;
-                let mut res = vec![0f32; n_new * hd];
-                let mut scores = vec![0f32; total];
-                for i in 0..n_new {
-                    let row = offsets[s] + i;
+                let mut res = vec![0f32; rows * hd];
+                let mut scores = vec![0f32; past + first + rows];
+                for i in 0..rows {
+                    let q_index = first + i;
+                    let row = offsets[s] + q_index;
                     let qv = &q[row * q_dim + head * hd..row * q_dim + (head + 1) * hd];
-                    let visible = past + i + 1;
+                    let visible = past + q_index + 1;
                     let mut max = f32::NEG_INFINITY;
                     for (j, sc) in scores[..visible].iter_mut().enumerate() {
                         *sc = dot(qv, &keys[j * hd..(j + 1) * hd]) * scale;
@@ -342,9 +355,9 @@ impl Model {
                 res
             })
             .collect();
-        for (&(s, head), res) in tasks.iter().zip(results) {
-            for i in 0..offsets[s + 1] - offsets[s] {
-                let row = offsets[s] + i;
+        for (&(s, head, first, rows), res) in tasks.iter().zip(results) {
+            for i in 0..rows {
+                let row = offsets[s] + first + i;
                 out[row * q_dim + head * hd..row * q_dim + (head + 1) * hd]
                     .copy_from_slice(&res[i * hd..(i + 1) * hd]);
             }
