@@ -13,7 +13,7 @@ model:
 setup: model
 
 run: setup
-	$(CARGO) run --release -- chat
+	$(CARGO) run --release -- serve
 
 lint:
 	$(CARGO) fmt --all -- --check

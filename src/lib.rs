@@ -4,3 +4,4 @@ pub mod store;
 pub mod actors;
 pub mod config;
 pub mod platform;
+pub mod web;

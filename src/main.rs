@@ -20,6 +20,7 @@ fn run() -> Result<()> {
     let args = Cli::parse();
     cli::init_threads(args.threads)?;
     match &args.command {
+        Command::Serve(a) => cli::serve::run(a),
         Command::Generate(a) => cli::generate::run(a),
         Command::Chat(a) => cli::chat::run(a),
         Command::Tokenize(a) => cli::tokenize::run(a),

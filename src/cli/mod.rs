@@ -6,6 +6,7 @@ pub mod chat;
 pub mod generate;
 pub mod inspect;
 pub mod logits;
+pub mod serve;
 pub mod tokenize;
 
 use std::path::{Path, PathBuf};
@@ -37,6 +38,8 @@ pub struct Cli {
 
 #[derive(Subcommand, Debug)]
 pub enum Command {
+    /// Serve the chat web app and its API (until SIGINT or SIGTERM).
+    Serve(serve::ServeArgs),
     /// One prompt, streamed to stdout (logs go to stderr).
     Generate(generate::GenerateArgs),
     /// A terminal conversation with streaming.

@@ -1,0 +1,164 @@
+//! `WebError`, the one error type of the web layer. Every refusal the HTTP surface makes goes
+//! through it, so every error a client sees has the same shape:
+//! `{"error": {"message": "...", "type": "..."}}` with a status code that says who is at fault.
+
+use actix_web::http::header::{self, HeaderValue};
+use actix_web::http::StatusCode;
+use actix_web::{HttpResponse, ResponseError};
+use serde_json::json;
+
+use crate::actors::session::SessionError;
+use crate::actors::SubmitError;
+use crate::store::StoreError;
+
+#[derive(Debug, thiserror::Error)]
+pub enum WebError {
+    /// The request is well-formed HTTP but its content is wrong (bad field, empty message, ...).
+    #[error("{0}")]
+    BadRequest(String),
+    /// The body is not the JSON the endpoint takes.
+    #[error("{0}")]
+    InvalidJson(String),
+    #[error("{0}")]
+    UnsupportedMediaType(String),
+    #[error("{0}")]
+    PayloadTooLarge(String),
+    /// Unknown ids and other owners' conversations alike (so ids cannot be probed).
+    #[error("{0}")]
+    NotFound(String),
+    #[error("{0}")]
+    MethodNotAllowed(String),
+    #[error("{0}")]
+    Conflict(String),
+    /// The prompt does not fit the model's context window.
+    #[error("{0}")]
+    ContextOverflow(String),
+    /// The admission queue is full; the client should retry after `retry_after_s`.
+    #[error("{message}")]
+    Overloaded { message: String, retry_after_s: u64 },
+    /// The platform cannot serve right now (an actor is gone, the server is shutting down).
+    #[error("{0}")]
+    Unavailable(String),
+    /// A fault on our side; the detail is logged, the client gets a short message.
+    #[error("{0}")]
+    Internal(String),
+}
+
+impl WebError {
+    /// The `type` field of the JSON body: a stable, machine-readable category.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            WebError::BadRequest(_) => "invalid_request",
+            WebError::InvalidJson(_) => "invalid_json",
+            WebError::UnsupportedMediaType(_) => "unsupported_media_type",
+            WebError::PayloadTooLarge(_) => "payload_too_large",
+            WebError::NotFound(_) => "not_found",
+            WebError::MethodNotAllowed(_) => "method_not_allowed",
+            WebError::Conflict(_) => "conflict",
+            WebError::ContextOverflow(_) => "context_overflow",
+            WebError::Overloaded { .. } => "overloaded",
+            WebError::Unavailable(_) => "unavailable",
+            WebError::Internal(_) => "internal_error",
+        }
+    }
+
+    pub fn conversation_not_found() -> Self {
+        WebError::NotFound("conversation not found".into())
+    }
+}
+
+impl ResponseError for WebError {
+    fn status_code(&self) -> StatusCode {
+        match self {
+            WebError::BadRequest(_) | WebError::InvalidJson(_) | WebError::ContextOverflow(_) => {
+                StatusCode::BAD_REQUEST
+            }
+            WebError::UnsupportedMediaType(_) => StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            WebError::PayloadTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
+            WebError::NotFound(_) => StatusCode::NOT_FOUND,
+            WebError::MethodNotAllowed(_) => StatusCode::METHOD_NOT_ALLOWED,
+            WebError::Conflict(_) => StatusCode::CONFLICT,
+            WebError::Overloaded { .. } | WebError::Unavailable(_) => {
+                StatusCode::SERVICE_UNAVAILABLE
+            }
+            WebError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
+        }
+    }
+
+    fn error_response(&self) -> HttpResponse {
+        let status = self.status_code();
+        let message = match self {
+            // The detail may name files or SQL; it is in the log, not in the response.
+            WebError::Internal(detail) => {
+                tracing::error!(error = %detail, "request failed");
+                "internal server error; see the server log".to_string()
+            }
+            other => {
+                if status.is_server_error() {
+                    tracing::warn!(status = status.as_u16(), error = %other, "request refused");
+                } else {
+                    tracing::debug!(status = status.as_u16(), error = %other, "request refused");
+                }
+                other.to_string()
+            }
+        };
+        let mut response = HttpResponse::build(status);
+        if let WebError::Overloaded { retry_after_s, .. } = self {
+            response.insert_header((
+                header::RETRY_AFTER,
+                HeaderValue::from((*retry_after_s).max(1)),
+            ));
+        }
+        response.json(json!({
+            "error": { "message": message, "type": self.kind() }
+        }))
+    }
+}
+
+impl From<SessionError> for WebError {
+    fn from(e: SessionError) -> Self {
+        match e {
+            SessionError::EmptyMessage => WebError::BadRequest(e.to_string()),
+            SessionError::MessageTooLong { .. } => WebError::PayloadTooLarge(e.to_string()),
+            SessionError::Busy => WebError::Conflict(e.to_string()),
+            SessionError::NotFound => WebError::conversation_not_found(),
+            SessionError::Submit(s) => s.into(),
+            SessionError::Store(detail) => WebError::Internal(format!("storage: {detail}")),
+            SessionError::Prompt(detail) => WebError::Internal(format!("prompt: {detail}")),
+        }
+    }
+}
+
+impl From<SubmitError> for WebError {
+    fn from(e: SubmitError) -> Self {
+        match e {
+            SubmitError::Overloaded { retry_after_s, .. } => WebError::Overloaded {
+                message: e.to_string(),
+                retry_after_s,
+            },
+            SubmitError::ContextOverflow { .. } => WebError::ContextOverflow(e.to_string()),
+            SubmitError::Invalid(_) => WebError::BadRequest(e.to_string()),
+            SubmitError::Unavailable(_) => WebError::Unavailable(e.to_string()),
+        }
+    }
+}
+
+impl From<StoreError> for WebError {
+    fn from(e: StoreError) -> Self {
+        match e {
+            StoreError::ConversationNotFound(_) | StoreError::MessageNotFound(_) => {
+                WebError::conversation_not_found()
+            }
+            StoreError::InvalidSettings(m) => WebError::BadRequest(m),
+            other => WebError::Internal(format!("storage: {other}")),
+        }
+    }
+}
+
+impl From<actix::MailboxError> for WebError {
+    fn from(e: actix::MailboxError) -> Self {
+        WebError::Unavailable(format!(
+            "the conversation's session is not available ({e}); retry"
+        ))
+    }
+}

@@ -1,0 +1,134 @@
+//! JSON request bodies. actix-web's own `Json` extractor answers bad bodies in plain text and
+//! cannot take an optional body, so the API reads bodies itself: the size limit is enforced while
+//! reading (413 before the whole body is buffered), the content type must be JSON (415), the bytes
+//! must be UTF-8 and the JSON must match the endpoint's type exactly, unknown fields included
+//! (400). Every refusal is a [`WebError`], so it has the API's JSON error shape.
+
+use std::future::Future;
+use std::pin::Pin;
+
+use actix_web::dev::Payload;
+use actix_web::http::header;
+use actix_web::web::{Bytes, BytesMut};
+use actix_web::{FromRequest, HttpRequest};
+use futures_util::StreamExt;
+use serde::de::DeserializeOwned;
+
+use super::error::WebError;
+
+/// The largest JSON body accepted, in bytes (app data; a default applies when it is missing).
+#[derive(Debug, Clone, Copy)]
+pub struct BodyLimit(pub usize);
+
+impl Default for BodyLimit {
+    fn default() -> Self {
+        BodyLimit(1 << 20)
+    }
+}
+
+/// A required JSON body.
+pub struct JsonBody<T>(pub T);
+
+/// A JSON body that may be left out entirely (no bytes at all, or only whitespace).
+pub struct OptionalJsonBody<T>(pub Option<T>);
+
+type BodyFuture<T> = Pin<Box<dyn Future<Output = Result<T, WebError>>>>;
+
+impl<T: DeserializeOwned + 'static> FromRequest for JsonBody<T> {
+    type Error = WebError;
+    type Future = BodyFuture<Self>;
+
+    fn from_request(req: &HttpRequest, payload: &mut Payload) -> Self::Future {
+        let read = read_json::<T>(req.clone(), payload.take());
+        Box::pin(async move {
+            match read.await? {
+                Some(value) => Ok(JsonBody(value)),
+                None => Err(WebError::InvalidJson(
+                    "this endpoint needs a JSON body (Content-Type: application/json)".into(),
+                )),
+            }
+        })
+    }
+}
+
+impl<T: DeserializeOwned + 'static> FromRequest for OptionalJsonBody<T> {
+    type Error = WebError;
+    type Future = BodyFuture<Self>;
+
+    fn from_request(req: &HttpRequest, payload: &mut Payload) -> Self::Future {
+        let read = read_json::<T>(req.clone(), payload.take());
+        Box::pin(async move { Ok(OptionalJsonBody(read.await?)) })
+    }
+}
+
+/// Whether the request says its body is JSON (`application/json` or any `…+json`).
+fn content_type_is_json(req: &HttpRequest) -> Option<bool> {
+    let value = req.headers().get(header::CONTENT_TYPE)?;
+    let Ok(text) = value.to_str() else {
+        return Some(false);
+    };
+    let essence = text
+        .split(';')
+        .next()
+        .unwrap_or("")
+        .trim()
+        .to_ascii_lowercase();
+    Some(essence == "application/json" || essence.ends_with("+json"))
+}
+
+/// Reads and parses the body; `None` when there is no body at all.
+async fn read_json<T: DeserializeOwned>(
+    req: HttpRequest,
+    mut payload: Payload,
+) -> Result<Option<T>, WebError> {
+    let limit = req.app_data::<BodyLimit>().copied().unwrap_or_default().0;
+    let too_large =
+        || WebError::PayloadTooLarge(format!("the request body is larger than {limit} bytes"));
+    let declared = req
+        .headers()
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<usize>().ok());
+    if declared.is_some_and(|n| n > limit) {
+        return Err(too_large());
+    }
+    // A declared non-JSON type is refused before reading anything.
+    let is_json = content_type_is_json(&req);
+    if is_json == Some(false) {
+        return Err(WebError::UnsupportedMediaType(
+            "the request body must be JSON (Content-Type: application/json)".into(),
+        ));
+    }
+    let mut body = BytesMut::new();
+    while let Some(chunk) = payload.next().await {
+        let chunk: Bytes = chunk.map_err(|e| {
+            WebError::BadRequest(format!("the request body could not be read: {e}"))
+        })?;
+        if body.len() + chunk.len() > limit {
+            return Err(too_large());
+        }
+        body.extend_from_slice(&chunk);
+    }
+    let text = std::str::from_utf8(&body).map_err(|e| {
+        WebError::InvalidJson(format!(
+            "the request body is not valid UTF-8 (bad byte at offset {})",
+            e.valid_up_to()
+        ))
+    })?;
+    if text.trim().is_empty() {
+        return Ok(None);
+    }
+    if is_json.is_none() {
+        return Err(WebError::UnsupportedMediaType(
+            "the request body must be JSON (Content-Type: application/json)".into(),
+        ));
+    }
+    serde_json::from_str(text).map(Some).map_err(|e| {
+        let what = if e.is_data() {
+            "the JSON body does not fit this endpoint"
+        } else {
+            "the request body is not valid JSON"
+        };
+        WebError::InvalidJson(format!("{what}: {e}"))
+    })
+}

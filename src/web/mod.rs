@@ -1,0 +1,253 @@
+//! The web layer: actix-web handlers over the [`Platform`]. This is the only code that knows
+//! HTTP, SSE and (later) HTML; the actors and the store below it deal in plain Rust types.
+//!
+//! Routes (JSON unless said otherwise; errors are `{"error": {"message", "type"}}`):
+//!
+//! | route | |
+//! |---|---|
+//! | `GET /healthz`, `GET /readyz`, `GET /metrics` | operations (see [`ops`]) |
+//! | `POST /api/conversations` | create (optional settings body) → 201 |
+//! | `GET /api/conversations?q=` | the caller's conversations, most recent first |
+//! | `GET`, `PATCH`, `DELETE /api/conversations/{id}` | one conversation with its messages |
+//! | `POST /api/conversations/{id}/messages` | send `{"content"}` → 202; the reply streams on… |
+//! | `GET /api/conversations/{id}/events` | …this SSE stream (see [`events`]) |
+//! | `POST /api/conversations/{id}/stop` | stop the running reply → `{"stopped": bool}` |
+//!
+//! Everything under `/api` is scoped to the caller's owner id (a signed cookie, see [`owner`]).
+
+pub mod api;
+pub mod error;
+pub mod events;
+pub mod json;
+pub mod ops;
+pub mod owner;
+
+use std::io;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use actix_web::cookie::Key;
+use actix_web::middleware::from_fn;
+use actix_web::{web, App, HttpRequest, HttpResponse, HttpServer};
+use metrics_exporter_prometheus::PrometheusHandle;
+
+use crate::actors::session::{GetInfo, Shutdown, Stop};
+use crate::platform::Platform;
+pub use error::WebError;
+use json::BodyLimit;
+
+/// How long a graceful shutdown waits for running replies to stop and be stored.
+const DRAIN_REPLIES: Duration = Duration::from_secs(5);
+/// How long a graceful shutdown waits for open connections after the replies are stored.
+const SHUTDOWN_TIMEOUT_S: u64 = 3;
+
+/// What every handler shares.
+pub struct AppState {
+    pub platform: Platform,
+    pub cookie_key: Key,
+    /// False once shutdown began (`/readyz` then answers 503).
+    pub ready: AtomicBool,
+    pub metrics: Option<PrometheusHandle>,
+    /// `server.admin_token`: guards `/admin` and `/api/admin` (next issue).
+    pub admin_token: Option<String>,
+}
+
+/// The largest JSON body: a message at the character limit written entirely in the most
+/// expensive JSON escapes (`\uXXXX\uXXXX`, 12 bytes per char), plus room for the other fields.
+pub fn json_limit(max_message_chars: usize) -> usize {
+    max_message_chars
+        .saturating_mul(12)
+        .saturating_add(64 << 10)
+}
+
+/// Checks the web layer's part of the configuration, so a bad value fails at start-up before
+/// the model is loaded.
+pub fn check_config(config: &crate::config::Config) -> Result<(), String> {
+    if let Some(secret) = &config.server.cookie_secret {
+        owner::cookie_key(Some(secret))?;
+    }
+    Ok(())
+}
+
+/// Registers every route on an app whose data holds a `web::Data<AppState>`.
+pub fn routes(cfg: &mut web::ServiceConfig) {
+    cfg.route("/healthz", web::get().to(ops::healthz))
+        .route("/readyz", web::get().to(ops::readyz))
+        .route("/metrics", web::get().to(ops::metrics))
+        .service(
+            web::scope("/api")
+                .wrap(from_fn(owner::owner_cookie))
+                .service(
+                    web::resource("/conversations")
+                        .route(web::get().to(api::list))
+                        .route(web::post().to(api::create))
+                        .default_service(web::to(method_not_allowed)),
+                )
+                .service(
+                    web::resource("/conversations/{id}")
+                        .route(web::get().to(api::get))
+                        .route(web::patch().to(api::patch))
+                        .route(web::delete().to(api::delete))
+                        .default_service(web::to(method_not_allowed)),
+                )
+                .service(
+                    web::resource("/conversations/{id}/messages")
+                        .route(web::post().to(api::send_message))
+                        .default_service(web::to(method_not_allowed)),
+                )
+                .service(
+                    web::resource("/conversations/{id}/stop")
+                        .route(web::post().to(api::stop))
+                        .default_service(web::to(method_not_allowed)),
+                )
+                .service(
+                    web::resource("/conversations/{id}/events")
+                        .route(web::get().to(events::events))
+                        .default_service(web::to(method_not_allowed)),
+                )
+                .default_service(web::to(not_found)),
+        );
+}
+
+async fn not_found(req: HttpRequest) -> Result<HttpResponse, WebError> {
+    Err(WebError::NotFound(format!(
+        "no route for {} {}",
+        req.method(),
+        req.path()
+    )))
+}
+
+async fn method_not_allowed(req: HttpRequest) -> Result<HttpResponse, WebError> {
+    Err(WebError::MethodNotAllowed(format!(
+        "{} is not allowed on {}",
+        req.method(),
+        req.path()
+    )))
+}
+
+/// Serves `platform` until SIGINT or SIGTERM, then shuts down gracefully: `/readyz` turns 503,
+/// running replies are stopped and stored as `stopped`, sessions end (closing their event
+/// streams), and the server waits briefly for open requests. Must run inside an actix system.
+pub async fn run(platform: Platform) -> io::Result<()> {
+    let metrics = ops::install_metrics();
+    let cookie_key = owner::cookie_key(platform.config.server.cookie_secret.as_deref())
+        .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
+    let bind = platform.config.server.bind.clone();
+    let limit = BodyLimit(json_limit(platform.config.limits.max_message_chars));
+    let admin_token = platform
+        .config
+        .server
+        .admin_token
+        .clone()
+        .filter(|t| !t.is_empty());
+    let state = web::Data::new(AppState {
+        platform,
+        cookie_key,
+        ready: AtomicBool::new(true),
+        metrics: metrics.clone(),
+        admin_token,
+    });
+
+    if let Some(handle) = metrics {
+        // Histograms are drained into their buckets by upkeep; without it they grow unbounded.
+        actix_web::rt::spawn(async move {
+            let mut tick = actix_web::rt::time::interval(Duration::from_secs(5));
+            loop {
+                tick.tick().await;
+                handle.run_upkeep();
+            }
+        });
+    }
+
+    let app_state = state.clone();
+    let http = HttpServer::new(move || {
+        App::new()
+            .app_data(app_state.clone())
+            .app_data(limit)
+            .configure(routes)
+            .default_service(web::to(not_found))
+    })
+    // Signals are handled below, so replies can be stopped and stored before the server stops.
+    .disable_signals()
+    .shutdown_timeout(SHUTDOWN_TIMEOUT_S)
+    .bind(&bind)
+    .map_err(|e| io::Error::new(e.kind(), format!("cannot listen on {bind}: {e}")))?;
+    for addr in http.addrs() {
+        tracing::info!("smolchat is listening on http://{addr}");
+    }
+    let server = http.run();
+    let handle = server.handle();
+    let stopping = state.clone();
+    actix_web::rt::spawn(async move {
+        let signal = shutdown_signal().await;
+        tracing::info!("{signal} received; shutting down");
+        stopping.ready.store(false, Ordering::Release);
+        drain(&stopping).await;
+        handle.stop(true).await;
+    });
+    server.await?;
+    state.platform.store.close().await;
+    tracing::info!("smolchat stopped");
+    Ok(())
+}
+
+/// Stops every running reply, waits (bounded) until each is stored, then ends the sessions.
+async fn drain(state: &AppState) {
+    let sessions = state.platform.sessions.all();
+    let mut stopped = 0;
+    for (_, session) in &sessions {
+        if session.send(Stop).await.unwrap_or(false) {
+            stopped += 1;
+        }
+    }
+    if stopped > 0 {
+        tracing::info!(replies = stopped, "stopping running replies");
+    }
+    let deadline = Instant::now() + DRAIN_REPLIES;
+    loop {
+        let mut busy = 0;
+        for (_, session) in &sessions {
+            if session.send(GetInfo).await.is_ok_and(|i| i.replying) {
+                busy += 1;
+            }
+        }
+        if busy == 0 {
+            break;
+        }
+        if Instant::now() >= deadline {
+            tracing::warn!(
+                replies = busy,
+                "replies still running at shutdown; they will read as interrupted"
+            );
+            break;
+        }
+        actix_web::rt::time::sleep(Duration::from_millis(50)).await;
+    }
+    for (_, session) in &sessions {
+        let _ = session.send(Shutdown).await;
+    }
+}
+
+/// Resolves with the signal's name on SIGINT (Ctrl-C) or SIGTERM.
+async fn shutdown_signal() -> &'static str {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{signal, SignalKind};
+        match signal(SignalKind::terminate()) {
+            Ok(mut term) => tokio::select! {
+                Ok(()) = tokio::signal::ctrl_c() => "SIGINT",
+                _ = term.recv() => "SIGTERM",
+            },
+            Err(e) => {
+                tracing::warn!("cannot watch SIGTERM ({e}); only Ctrl-C stops the server");
+                let _ = tokio::signal::ctrl_c().await;
+                "SIGINT"
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = tokio::signal::ctrl_c().await;
+        "Ctrl-C"
+    }
+}

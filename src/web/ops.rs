@@ -1,0 +1,131 @@
+//! Operations endpoints: `/healthz` (the process answers), `/readyz` (the platform serves) and
+//! `/metrics` (Prometheus text).
+
+use std::sync::atomic::Ordering;
+use std::sync::OnceLock;
+
+use actix_web::{web, HttpResponse};
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+use serde_json::json;
+
+use super::AppState;
+use crate::actors::scheduler::GetStats;
+
+static RECORDER: OnceLock<Option<PrometheusHandle>> = OnceLock::new();
+
+/// Step latencies from 1 ms to 10 s: a decode step of a small model takes milliseconds, a large
+/// prefill chunk of a 3B model seconds.
+const STEP_BUCKETS: &[f64] = &[
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+];
+
+/// Installs the process-wide Prometheus recorder (once; later calls return the same handle).
+/// Call it before the platform starts, or the first metrics it records are lost.
+/// `None` when another recorder was installed first (`/metrics` then says so).
+pub fn install_metrics() -> Option<PrometheusHandle> {
+    RECORDER
+        .get_or_init(|| {
+            let builder = PrometheusBuilder::new()
+                .set_buckets_for_metric(Matcher::Full("smolchat_step_seconds".into()), STEP_BUCKETS)
+                .unwrap_or_else(|_| PrometheusBuilder::new());
+            match builder.install_recorder() {
+                Ok(handle) => {
+                    describe();
+                    Some(handle)
+                }
+                Err(e) => {
+                    tracing::warn!("metrics are disabled: {e}");
+                    None
+                }
+            }
+        })
+        .clone()
+}
+
+fn describe() {
+    use metrics::{describe_counter, describe_gauge, describe_histogram, Unit};
+    describe_gauge!("smolchat_queue_depth", "Requests waiting for a slot");
+    describe_gauge!(
+        "smolchat_running_sequences",
+        "Sequences being prefilled or decoded"
+    );
+    describe_counter!("smolchat_requests_total", "Generation requests accepted");
+    describe_counter!(
+        "smolchat_generated_tokens_total",
+        "Tokens generated (all sequences)"
+    );
+    describe_counter!(
+        "smolchat_prefilled_tokens_total",
+        "Prompt tokens computed (cached prefixes excluded)"
+    );
+    describe_gauge!("smolchat_kv_bytes", Unit::Bytes, "KV cache memory in use");
+    describe_gauge!(
+        "smolchat_kv_budget_bytes",
+        Unit::Bytes,
+        "KV cache memory budget"
+    );
+    describe_gauge!(
+        "smolchat_kv_evictions",
+        "Conversation caches evicted to stay within the budget (since start)"
+    );
+    describe_gauge!(
+        "smolchat_tokens_per_second",
+        "Generated tokens per second over the last seconds"
+    );
+    describe_gauge!(
+        "smolchat_live_sessions",
+        "Conversation session actors alive"
+    );
+    describe_histogram!(
+        "smolchat_step_seconds",
+        Unit::Seconds,
+        "Duration of one batched model step"
+    );
+}
+
+/// `GET /healthz`: 200 while the process answers at all.
+pub async fn healthz() -> HttpResponse {
+    HttpResponse::Ok().json(json!({ "status": "ok" }))
+}
+
+/// `GET /readyz`: 200 while the platform can take requests (the model loads before the server
+/// binds, so that is from the start until shutdown begins), else 503.
+pub async fn readyz(state: web::Data<AppState>) -> HttpResponse {
+    let ready = state.ready.load(Ordering::Acquire) && state.platform.scheduler.connected();
+    if ready {
+        HttpResponse::Ok().json(json!({
+            "status": "ready",
+            "model": state.platform.model.id,
+            "context_window": state.platform.model.context_window,
+        }))
+    } else {
+        HttpResponse::ServiceUnavailable().json(json!({
+            "status": "not ready",
+            "error": { "message": "the server is shutting down", "type": "unavailable" },
+        }))
+    }
+}
+
+/// `GET /metrics`: Prometheus text exposition.
+pub async fn metrics(state: web::Data<AppState>) -> HttpResponse {
+    let Some(handle) = &state.metrics else {
+        return HttpResponse::NotFound().json(json!({
+            "error": {
+                "message": "metrics are disabled in this process (another metrics recorder was installed)",
+                "type": "not_found",
+            }
+        }));
+    };
+    // The scheduler updates its gauges at each step; refresh them so an idle server reports
+    // current values too.
+    if let Ok(s) = state.platform.scheduler.send(GetStats).await {
+        metrics::gauge!("smolchat_kv_bytes").set(s.kv_bytes as f64);
+        metrics::gauge!("smolchat_kv_budget_bytes").set(s.kv_budget_bytes as f64);
+        metrics::gauge!("smolchat_kv_evictions").set(s.evictions as f64);
+        metrics::gauge!("smolchat_tokens_per_second").set(s.tokens_per_s);
+    }
+    metrics::gauge!("smolchat_live_sessions").set(state.platform.sessions.all().len() as f64);
+    HttpResponse::Ok()
+        .content_type("text/plain; version=0.0.4; charset=utf-8")
+        .body(handle.render())
+}
