@@ -13,13 +13,21 @@ fn run() -> Result<()> {
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_env("SMOLCHAT_LOG")
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn,smolchat=info")),
         )
         .with_writer(std::io::stderr)
         .init();
     let args = Cli::parse();
     cli::init_threads(args.threads)?;
-    match &args.command {
+    // `serve` is the default subcommand: parse again with it appended (global flags stay valid).
+    let command = match args.command {
+        Some(c) => c,
+        None => match Cli::parse_from(std::env::args().chain(["serve".to_string()])).command {
+            Some(c) => c,
+            None => anyhow::bail!("no subcommand"),
+        },
+    };
+    match &command {
         Command::Serve(a) => cli::serve::run(a),
         Command::Generate(a) => cli::generate::run(a),
         Command::Chat(a) => cli::chat::run(a),

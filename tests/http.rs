@@ -790,6 +790,8 @@ async fn a_crash_mid_reply_loses_no_acknowledged_message() {
     let rb = c.send(&b, PROMPTS[0]).await;
     assert_eq!(rb.status, StatusCode::ACCEPTED, "{}", rb.text);
     read_texts(&mut events, 3).await;
+    // Partial replies are saved every second: let one save happen before the crash.
+    tokio::time::sleep(std::time::Duration::from_millis(1500)).await;
     server.kill();
     drop(events);
 
@@ -820,6 +822,12 @@ async fn a_crash_mid_reply_loses_no_acknowledged_message() {
     assert_eq!(messages[2]["id"], ra.json["user_message"]["id"]);
     assert_eq!(messages[2]["content"], LONG_PROMPT);
     assert_eq!(messages[3]["id"], ra.json["assistant_message_id"]);
+    // The interrupted reply keeps the text generated before the crash.
+    assert!(
+        !messages[3]["raw"].as_str().unwrap_or("").is_empty(),
+        "partial text lost: {}",
+        messages[3]
+    );
     let messages = c.messages(&b).await;
     assert_eq!(messages.len(), 2);
     assert_eq!(messages[0]["id"], rb.json["user_message"]["id"]);

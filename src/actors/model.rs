@@ -85,11 +85,23 @@ pub struct ModelWorker {
     active: HashMap<RequestId, Active>,
     caches: HashMap<String, CacheSlot>,
     evictions: u64,
+    /// The usable context window (the model's, or less when configured).
+    context_window: usize,
+    /// Caches to drop as soon as their running request ends (their conversation was deleted).
+    doomed: Vec<String>,
 }
 
 impl ModelWorker {
-    pub fn new(engine: Engine, tokenizer: Arc<Tokenizer>, kv_budget_bytes: usize) -> Self {
+    pub fn new(
+        engine: Engine,
+        tokenizer: Arc<Tokenizer>,
+        kv_budget_bytes: usize,
+        context_window: usize,
+    ) -> Self {
+        let context_window = context_window.min(engine.model().config.context_length);
         Self {
+            context_window,
+            doomed: Vec::new(),
             engine,
             tokenizer,
             kv_budget_bytes,
@@ -128,7 +140,7 @@ impl ModelWorker {
                 }
                 WorkerCommand::Step(plan) => report(self.step(plan)),
                 WorkerCommand::Evict { cache_key, done } => {
-                    let _ = done.send(self.evict_key(&cache_key));
+                    let _ = done.send(self.forget_key(&cache_key));
                 }
                 WorkerCommand::CacheInfo(reply) => {
                     let info = self
@@ -151,6 +163,18 @@ impl ModelWorker {
         self.active
             .values()
             .any(|a| a.keyed && a.request.cache_key.as_deref() == Some(key))
+    }
+
+    /// Drops `key`'s cache now, or when its running request ends. Returns whether a cache was
+    /// (or will be) dropped.
+    fn forget_key(&mut self, key: &str) -> bool {
+        if self.busy(key) {
+            if !self.doomed.iter().any(|k| k == key) {
+                self.doomed.push(key.to_string());
+            }
+            return true;
+        }
+        self.evict_key(key)
     }
 
     fn evict_key(&mut self, key: &str) -> bool {
@@ -280,6 +304,12 @@ impl ModelWorker {
             generation_ms: a.first_token.map_or(0.0, |f| ms(now.duration_since(f))),
         };
         let _ = a.request.events.send(GenEvent::Finished(summary));
+        if let Some(key) = a.request.cache_key.filter(|_| a.keyed) {
+            if let Some(pos) = self.doomed.iter().position(|k| *k == key) {
+                self.doomed.remove(pos);
+                self.evict_key(&key);
+            }
+        }
     }
 
     fn step(&mut self, plan: StepPlan) -> StepReport {
@@ -362,7 +392,7 @@ impl ModelWorker {
                     },
                 })
                 .collect();
-            let window = self.engine.model().config.context_length;
+            let window = self.context_window;
             match self.engine.step(&steps) {
                 Ok(outputs) => {
                     for ((id, seq, _, _), logits) in work.iter().zip(outputs) {

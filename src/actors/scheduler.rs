@@ -42,9 +42,10 @@ impl SchedulerActor {
     pub fn start(engine: Engine, tokenizer: Arc<Tokenizer>, cfg: SchedulerConfig) -> Addr<Self> {
         let (tx, rx) = std_mpsc::channel::<WorkerCommand>();
         let kv_budget = cfg.kv_budget_bytes;
+        let window = cfg.batcher.context_window;
         SchedulerActor::create(move |ctx| {
             let addr = ctx.address();
-            let worker = ModelWorker::new(engine, tokenizer, kv_budget);
+            let worker = ModelWorker::new(engine, tokenizer, kv_budget, window);
             let spawned = std::thread::Builder::new()
                 .name("smolchat-model".into())
                 .spawn(move || worker.run(rx, move |report| addr.do_send(StepDone(report))));

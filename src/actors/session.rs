@@ -48,6 +48,9 @@ impl Default for SessionConfig {
     }
 }
 
+/// How often a streaming reply's partial text is saved (what a crash can lose at most).
+const PARTIAL_SAVE_INTERVAL: Duration = Duration::from_secs(1);
+
 /// What every session shares: the store, the scheduler and the model's text side.
 pub struct SessionShared {
     pub store: Store,
@@ -146,6 +149,8 @@ struct RunningReply {
     cached_tokens: usize,
     /// Stop was asked before the scheduler gave an id.
     stop_requested: bool,
+    /// Length of `raw` at the last partial save.
+    saved_len: usize,
 }
 
 pub struct SessionActor {
@@ -264,6 +269,35 @@ impl SessionActor {
             .wait(ctx);
     }
 
+    /// Saves the partial reply so a crash keeps what was generated (at most one write per tick).
+    fn save_partial(&mut self, ctx: &mut Context<Self>) {
+        let Some(reply) = self.reply.as_mut() else {
+            return;
+        };
+        if reply.raw.len() == reply.saved_len {
+            return;
+        }
+        reply.saved_len = reply.raw.len();
+        let store = self.shared.store.clone();
+        let (id, content, raw) = (
+            reply.assistant_message_id,
+            reply.content.clone(),
+            reply.raw.clone(),
+        );
+        let reasoning = (!reply.reasoning.is_empty()).then(|| reply.reasoning.clone());
+        ctx.spawn(
+            async move {
+                if let Err(e) = store
+                    .save_partial_reply(id, &content, reasoning.as_deref(), &raw)
+                    .await
+                {
+                    tracing::warn!("saving a partial reply failed: {e}");
+                }
+            }
+            .into_actor(self),
+        );
+    }
+
     fn cancel_running(&mut self) -> bool {
         match self.reply.as_mut() {
             Some(reply) => {
@@ -282,6 +316,7 @@ impl Actor for SessionActor {
     type Context = Context<Self>;
 
     fn started(&mut self, ctx: &mut Self::Context) {
+        ctx.run_interval(PARTIAL_SAVE_INTERVAL, |act, ctx| act.save_partial(ctx));
         let tick = (self.shared.cfg.idle_timeout / 4)
             .clamp(Duration::from_millis(50), Duration::from_secs(5));
         ctx.run_interval(tick, |act, ctx| {
@@ -365,6 +400,7 @@ fn prepare(
         top_k: s.top_k,
         max_new_tokens: s.max_tokens,
         seed: s.seed,
+        ignore_eos: s.ignore_eos,
         ..SamplingParams::default()
     };
     Ok(Prepared {
@@ -451,6 +487,7 @@ impl Handler<SendMessage> for SessionActor {
                 prompt_tokens: prepared.prompt.len(),
                 cached_tokens: 0,
                 stop_requested: false,
+                saved_len: 0,
             });
             ctx.add_stream(UnboundedReceiverStream::new(rx));
             act.broadcast(ReplyEvent::Started {

@@ -32,8 +32,9 @@ pub struct Cli {
     /// Threads for the model's compute (default: all cores).
     #[arg(long, global = true, env = "SMOLCHAT_THREADS")]
     pub threads: Option<usize>,
+    /// What to do; `serve` when left out.
     #[command(subcommand)]
-    pub command: Command,
+    pub command: Option<Command>,
 }
 
 #[derive(Subcommand, Debug)]

@@ -419,6 +419,29 @@ impl Store {
         row.into_message()
     }
 
+    /// Saves the text generated so far of a reply that is still `streaming`, so a crash keeps it
+    /// (start-up marks it `interrupted` with this text). Returns whether a row was updated.
+    pub async fn save_partial_reply(
+        &self,
+        id: Uuid,
+        content: &str,
+        reasoning: Option<&str>,
+        raw: &str,
+    ) -> Result<bool, StoreError> {
+        let updated = sqlx::query(
+            "UPDATE messages SET content = ?1, reasoning = ?2, raw = ?3 \
+             WHERE id = ?4 AND role = 'assistant' AND status = 'streaming'",
+        )
+        .bind(content)
+        .bind(reasoning)
+        .bind(raw)
+        .bind(id.to_string())
+        .execute(&self.pool)
+        .await?
+        .rows_affected();
+        Ok(updated > 0)
+    }
+
     /// Deletes the messages of `conversation` from `from_message` (inclusive) on, for regenerate
     /// and edit-and-resend; returns how many went. 0 when either id is unknown or the message
     /// belongs to another conversation.

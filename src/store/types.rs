@@ -19,6 +19,9 @@ pub struct ConversationSettings {
     pub top_k: usize,
     pub max_tokens: usize,
     pub seed: Option<u64>,
+    /// Keep generating past end-of-generation tokens (benchmarks; not shown in the UI).
+    #[serde(default)]
+    pub ignore_eos: bool,
     /// The date the chat template's `strftime_now` renders for this conversation, fixed at creation
     /// so a resumed conversation renders the same prompt prefix (and its cached KV stays valid).
     #[serde(with = "naive_date")]
@@ -35,6 +38,7 @@ impl Default for ConversationSettings {
             top_k: 40,
             max_tokens: 1024,
             seed: None,
+            ignore_eos: false,
             // Local, not UTC: Hugging Face's `strftime_now` renders the server's local date, and a
             // user expects "today" where the server runs.
             pinned_date: chrono::Local::now().date_naive(),

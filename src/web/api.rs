@@ -34,6 +34,7 @@ pub struct ConversationInput {
     pub top_k: Option<usize>,
     pub max_tokens: Option<usize>,
     pub seed: Option<u64>,
+    pub ignore_eos: Option<bool>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -107,6 +108,9 @@ fn apply_settings(
     }
     if input.seed.is_some() {
         settings.seed = input.seed;
+    }
+    if let Some(v) = input.ignore_eos {
+        settings.ignore_eos = v;
     }
     let limit = config.limits.max_new_tokens;
     if settings.max_tokens == 0 || settings.max_tokens > limit {
@@ -242,7 +246,8 @@ pub async fn patch(
         || input.top_p.is_some()
         || input.top_k.is_some()
         || input.max_tokens.is_some()
-        || input.seed.is_some();
+        || input.seed.is_some()
+        || input.ignore_eos.is_some();
     // Validate everything before writing anything.
     let settings = if changes_settings {
         Some(apply_settings(
@@ -279,30 +284,15 @@ pub async fn delete(
 ) -> Result<HttpResponse, WebError> {
     let conversation = owned(&state, &path, &owner).await?;
     let id = conversation.id;
-    let mut was_running = false;
     if let Some(session) = state.platform.sessions.get(id) {
-        was_running = session.send(GetInfo).await.is_ok_and(|i| i.replying);
         // The session may already be stopping; then there is nothing to shut down.
         let _ = session.send(Shutdown).await;
     }
     if !state.platform.store.delete_conversation(id).await? {
         return Err(WebError::conversation_not_found());
     }
-    let scheduler = state.platform.scheduler.clone();
-    let key = id.to_string();
-    let evicted = scheduler.send(Evict(key.clone())).await.unwrap_or(false);
-    if !evicted && was_running {
-        // A cancelled reply still holds its cache until the scheduler's next step; try again
-        // shortly instead of making the client wait.
-        actix_web::rt::spawn(async move {
-            for _ in 0..10 {
-                actix_web::rt::time::sleep(std::time::Duration::from_millis(200)).await;
-                if scheduler.send(Evict(key.clone())).await.unwrap_or(true) {
-                    break;
-                }
-            }
-        });
-    }
+    // The worker drops the cache now, or as soon as a cancelled reply releases it.
+    let _ = state.platform.scheduler.send(Evict(id.to_string())).await;
     tracing::info!(conversation = %id, "conversation deleted");
     Ok(HttpResponse::NoContent().finish())
 }
