@@ -18,7 +18,9 @@ use std::time::{Duration, Instant};
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
 use smolchat::engine::gguf::{AlignedBytes, RawTensor};
+use smolchat::engine::quant::act::Acts;
 use smolchat::engine::quant::gemm::Isa;
+use smolchat::engine::quant::layout::Format;
 use smolchat::engine::quant::QMatrix;
 
 struct Case {
@@ -173,6 +175,22 @@ fn main() {
                 .map(|i| ((i * 7919) % 2003) as f32 / 1001.0 - 1.0)
                 .collect();
             let mut out = vec![0f32; n * c.rows];
+            if let Some(kind) = Format::from_dtype(c.dtype).map(|f| f.act_kind()) {
+                let d = time(secs / 4.0, || {
+                    std::hint::black_box(Acts::quantize(kind, &x, n, c.cols));
+                });
+                println!(
+                    "{:<32} {:>4} {:>3} {:<18} {:>10.3}",
+                    c.label,
+                    n,
+                    1,
+                    format!("quantize {kind:?}")
+                        .chars()
+                        .take(18)
+                        .collect::<String>(),
+                    d.as_secs_f64() * 1e3
+                );
+            }
             for (nt, pool) in &pools {
                 let mut runs: Vec<(String, &QMatrix, Isa)> = isas
                     .iter()
