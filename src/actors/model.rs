@@ -73,6 +73,11 @@ struct Active {
     completion_tokens: usize,
 }
 
+/// Keys of caches kept from stateless requests (no conversation id can start with it).
+const ANONYMOUS_PREFIX: &str = "~anonymous-";
+/// At most this many stateless caches are kept.
+const MAX_ANONYMOUS_CACHES: usize = 16;
+
 struct CacheSlot {
     seq: SeqId,
     last_used: Instant,
@@ -210,6 +215,55 @@ impl ModelWorker {
         }
     }
 
+    /// A sequence for a request without a cache key: the kept anonymous cache sharing the longest
+    /// prefix with its prompt (a stateless API client resending its conversation), or a new one.
+    fn adopt_anonymous(&mut self, id: RequestId) -> SeqId {
+        let Some(prompt) = self.active.get(&id).map(|a| &a.request.prompt) else {
+            return self.engine.create_sequence();
+        };
+        let best = self
+            .caches
+            .iter()
+            .filter(|(k, _)| k.starts_with(ANONYMOUS_PREFIX))
+            .map(|(k, slot)| {
+                let shared = self.engine.cached_tokens(slot.seq).map_or(0, |t| {
+                    t.iter()
+                        .zip(prompt.iter())
+                        .take_while(|(x, y)| x == y)
+                        .count()
+                });
+                (shared, k.clone())
+            })
+            .filter(|(shared, _)| *shared > 0)
+            .max_by_key(|(shared, _)| *shared);
+        match best.and_then(|(_, k)| self.caches.remove(&k)) {
+            Some(slot) => slot.seq,
+            None => self.engine.create_sequence(),
+        }
+    }
+
+    /// Keeps a finished anonymous sequence for reuse (bounded; oldest dropped first).
+    fn keep_anonymous(&mut self, seq: SeqId, now: Instant) {
+        let anonymous: Vec<(String, Instant)> = self
+            .caches
+            .iter()
+            .filter(|(k, _)| k.starts_with(ANONYMOUS_PREFIX))
+            .map(|(k, s)| (k.clone(), s.last_used))
+            .collect();
+        if anonymous.len() >= MAX_ANONYMOUS_CACHES {
+            if let Some((oldest, _)) = anonymous.iter().min_by_key(|(_, t)| *t) {
+                self.evict_key(oldest);
+            }
+        }
+        self.caches.insert(
+            format!("{ANONYMOUS_PREFIX}{seq}"),
+            CacheSlot {
+                seq,
+                last_used: now,
+            },
+        );
+    }
+
     /// First time a request is planned: find or make its sequence and work out what of the prompt
     /// is already cached.
     fn admit(&mut self, id: RequestId) {
@@ -234,7 +288,7 @@ impl ModelWorker {
                 );
                 (seq, true)
             }
-            _ => (self.engine.create_sequence(), false),
+            _ => (self.adopt_anonymous(id), false),
         };
         let Some(a) = self.active.get_mut(&id) else {
             return;
@@ -284,7 +338,7 @@ impl ModelWorker {
                     slot.last_used = now;
                 }
             } else {
-                self.engine.free_sequence(seq);
+                self.keep_anonymous(seq, now);
             }
         }
         let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
@@ -498,5 +552,118 @@ impl ModelWorker {
         report.cached_sequences = self.caches.len();
         report.evictions = self.evictions;
         report
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::gguf::GgufSource;
+    use crate::engine::sampling::SamplingParams;
+    use crate::engine::synthetic::{self, SyntheticSpec};
+    use crate::engine::Model;
+    use tokio::sync::mpsc;
+
+    fn worker() -> ModelWorker {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("models/SmolLM2-135M-Instruct.Q4_1.gguf");
+        let real = GgufSource::open(&path).expect("run ./scripts/fetch-model.sh");
+        let tokenizer = Tokenizer::from_gguf(&real).expect("tokenizer");
+        let spec = SyntheticSpec::tiny("llama")
+            .with_tokenizer_from(&real)
+            .expect("spec");
+        let mut src = synthetic::build(&spec).expect("build");
+        let model = Model::load(&mut src, &mut |_, _| {}).expect("load");
+        ModelWorker::new(Engine::new(model), Arc::new(tokenizer), 1 << 30, 2048)
+    }
+
+    /// Runs one request to the end; returns its events.
+    fn run(
+        w: &mut ModelWorker,
+        id: RequestId,
+        key: Option<&str>,
+        prompt: Vec<u32>,
+    ) -> Vec<GenEvent> {
+        let (tx, mut rx) = mpsc::unbounded_channel();
+        let params = SamplingParams {
+            max_new_tokens: 3,
+            ignore_eos: true,
+            ..SamplingParams::greedy()
+        };
+        w.active.insert(
+            id,
+            Active {
+                request: GenerationRequest {
+                    cache_key: key.map(str::to_string),
+                    prompt,
+                    params,
+                    max_time: None,
+                    events: tx,
+                },
+                generation: None,
+                seq: None,
+                keyed: false,
+                pending_prompt: Vec::new(),
+                last_token: None,
+                cached_tokens: 0,
+                submitted: Instant::now(),
+                admitted: None,
+                first_token: None,
+                completion_tokens: 0,
+            },
+        );
+        let mut plan = StepPlan {
+            prefill: vec![(id, 1000)],
+            ..StepPlan::default()
+        };
+        for _ in 0..10 {
+            let report = w.step(plan);
+            if report.items.iter().any(|r| r.id == id && r.finished) {
+                break;
+            }
+            plan = StepPlan {
+                decode: vec![id],
+                ..StepPlan::default()
+            };
+        }
+        let mut events = Vec::new();
+        while let Ok(e) = rx.try_recv() {
+            events.push(e);
+        }
+        events
+    }
+
+    fn cached(events: &[GenEvent]) -> usize {
+        events
+            .iter()
+            .find_map(|e| match e {
+                GenEvent::Admitted { cached_tokens, .. } => Some(*cached_tokens),
+                _ => None,
+            })
+            .expect("admitted")
+    }
+
+    #[test]
+    fn caches_are_kept_per_conversation_and_for_stateless_prefixes() {
+        let mut w = worker();
+        let prompt: Vec<u32> = (100..120).collect();
+        let first = run(&mut w, 1, None, prompt.clone());
+        assert_eq!(cached(&first), 0);
+        assert!(matches!(first.last(), Some(GenEvent::Finished(s)) if s.completion_tokens == 3));
+
+        // A stateless request resending the same conversation plus more reuses the kept prefix.
+        let mut longer = prompt.clone();
+        longer.extend(200..205);
+        assert_eq!(cached(&run(&mut w, 2, None, longer)), 20);
+
+        // A conversation's cache survives between its turns.
+        assert_eq!(cached(&run(&mut w, 3, Some("conv"), prompt.clone())), 0);
+        let mut turn2 = prompt.clone();
+        turn2.extend(300..304);
+        assert_eq!(cached(&run(&mut w, 4, Some("conv"), turn2)), 20);
+
+        // Evicting it forces a full prefill.
+        assert!(w.forget_key("conv"));
+        assert_eq!(cached(&run(&mut w, 5, Some("conv"), prompt)), 0);
     }
 }
