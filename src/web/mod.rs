@@ -19,6 +19,7 @@ pub mod api;
 pub mod error;
 pub mod events;
 pub mod json;
+pub mod openai;
 pub mod ops;
 pub mod owner;
 
@@ -74,6 +75,8 @@ pub fn routes(cfg: &mut web::ServiceConfig) {
     cfg.route("/healthz", web::get().to(ops::healthz))
         .route("/readyz", web::get().to(ops::readyz))
         .route("/metrics", web::get().to(ops::metrics))
+        // Early, so that a catch-all scope registered later cannot shadow `/v1`.
+        .configure(openai::routes)
         .service(
             web::scope("/api")
                 .wrap(from_fn(owner::owner_cookie))

@@ -1,0 +1,699 @@
+//! The OpenAI-compatible API under `/v1`, for programs that talk to smolchat the way they talk
+//! to llama-server, vLLM or Ollama:
+//!
+//! | route | |
+//! |---|---|
+//! | `GET /v1/models`, `GET /v1/models/{id}` | the loaded model, with its context length |
+//! | `POST /v1/chat/completions` | chat (stream or not), `reasoning_content`, `tools` → `tool_calls` |
+//! | `POST /v1/completions` | raw prompt completion (stream or not) |
+//!
+//! API requests are stateless: each one is rendered, tokenized and submitted straight to the
+//! scheduler (no session actor, no cache key), so API and browser users are batched together.
+//! When `server.api_key` is set, every `/v1` request needs `Authorization: Bearer <key>`.
+//! Errors use OpenAI's shape (see [`error`]).
+//!
+//! Streams are `data: {chunk}` server-sent events ending with `data: [DONE]`. The request's event
+//! receiver lives inside the response stream: a client that goes away drops the stream, which
+//! cancels the request at once (and the closed channel would stop it at the next step anyway).
+
+mod assemble;
+pub mod error;
+pub mod request;
+
+use std::collections::VecDeque;
+use std::convert::Infallible;
+use std::pin::Pin;
+use std::sync::atomic::Ordering;
+use std::sync::OnceLock;
+use std::task::{Context, Poll};
+use std::time::Instant;
+
+use actix::Addr;
+use actix_web::body::MessageBody;
+use actix_web::dev::{ServiceRequest, ServiceResponse};
+use actix_web::http::header;
+use actix_web::middleware::{from_fn, Next};
+use actix_web::web::{self, Bytes};
+use actix_web::{HttpRequest, HttpResponse};
+use futures_util::Stream;
+use serde_json::{json, Value};
+use tokio::sync::mpsc;
+
+pub use assemble::{Assembler, ChatAssembler, TextAssembler};
+use error::ApiError;
+use request::{Common, Defaults, PromptIn};
+
+use super::json::JsonBody;
+use super::{AppState, WebError};
+use crate::actors::scheduler::{Cancel, Submit};
+use crate::actors::{
+    GenEvent, GenSummary, GenerationRequest, RequestId, SchedulerActor, StopReason,
+};
+use crate::engine::template::{prompt_ends_in_open_think, ChatTemplate, RenderOptions};
+use crate::platform::Platform;
+
+/// When the API started answering (`created` of the model object).
+static STARTED: OnceLock<u64> = OnceLock::new();
+
+fn unix_now() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+/// Registers the `/v1` routes (called from [`super::routes`]).
+pub fn routes(cfg: &mut web::ServiceConfig) {
+    STARTED.get_or_init(unix_now);
+    cfg.service(
+        web::scope("/v1")
+            .wrap(from_fn(require_api_key))
+            .service(
+                web::resource("/models")
+                    .route(web::get().to(models))
+                    .default_service(web::to(method_not_allowed)),
+            )
+            .service(
+                web::resource("/models/{id:.*}")
+                    .route(web::get().to(model))
+                    .default_service(web::to(method_not_allowed)),
+            )
+            .service(
+                web::resource("/chat/completions")
+                    .route(web::post().to(chat_completions))
+                    .default_service(web::to(method_not_allowed)),
+            )
+            .service(
+                web::resource("/completions")
+                    .route(web::post().to(completions))
+                    .default_service(web::to(method_not_allowed)),
+            )
+            .default_service(web::to(not_found)),
+    );
+}
+
+async fn not_found(req: HttpRequest) -> Result<HttpResponse, ApiError> {
+    Err(ApiError::not_found(format!(
+        "no route for {} {}",
+        req.method(),
+        req.path()
+    )))
+}
+
+async fn method_not_allowed(req: HttpRequest) -> Result<HttpResponse, ApiError> {
+    Err(ApiError::method_not_allowed(format!(
+        "{} is not allowed on {}",
+        req.method(),
+        req.path()
+    )))
+}
+
+/// Compares without an early exit, so response timing does not reveal how much of a guessed
+/// key was right.
+fn same_key(given: &[u8], key: &[u8]) -> bool {
+    given.len() == key.len() && given.iter().zip(key).fold(0u8, |acc, (a, b)| acc | (a ^ b)) == 0
+}
+
+/// Checks `Authorization: Bearer <server.api_key>` when a key is configured.
+async fn require_api_key(
+    req: ServiceRequest,
+    next: Next<impl MessageBody>,
+) -> Result<ServiceResponse<impl MessageBody>, actix_web::Error> {
+    let Some(state) = req.app_data::<web::Data<AppState>>().cloned() else {
+        return Err(ApiError::internal("application state missing").into());
+    };
+    if let Some(key) = state
+        .platform
+        .config
+        .server
+        .api_key
+        .as_deref()
+        .filter(|k| !k.is_empty())
+    {
+        let given = req
+            .headers()
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| {
+                let (scheme, token) = v.trim().split_once(' ')?;
+                scheme.eq_ignore_ascii_case("bearer").then(|| token.trim())
+            });
+        match given {
+            None => {
+                return Err(ApiError::unauthorized(
+                    "missing API key: send `Authorization: Bearer <key>`",
+                )
+                .into())
+            }
+            Some(token) if !same_key(token.as_bytes(), key.as_bytes()) => {
+                return Err(ApiError::unauthorized("invalid API key").into())
+            }
+            Some(_) => {}
+        }
+    }
+    next.call(req).await
+}
+
+fn model_object(p: &Platform) -> Value {
+    let m = &p.model;
+    json!({
+        "id": m.id,
+        "object": "model",
+        "created": STARTED.get().copied().unwrap_or(0),
+        "owned_by": "smolchat",
+        // vLLM's name and llama-server/LM Studio's name for the same number.
+        "max_model_len": m.context_window,
+        "context_length": m.context_window,
+        "meta": {
+            "architecture": m.architecture,
+            "vocab_size": m.vocab_size,
+            "weight_bytes": m.weight_bytes,
+        },
+    })
+}
+
+/// Whether `name` designates the loaded model: its id, or its file name.
+fn is_served_model(p: &Platform, name: &str) -> bool {
+    let path = std::path::Path::new(&p.model.path);
+    name == p.model.id
+        || name == p.model.path
+        || path
+            .file_name()
+            .is_some_and(|f| f.to_string_lossy() == name)
+}
+
+async fn models(state: web::Data<AppState>) -> HttpResponse {
+    HttpResponse::Ok().json(json!({"object": "list", "data": [model_object(&state.platform)]}))
+}
+
+async fn model(
+    state: web::Data<AppState>,
+    path: web::Path<String>,
+) -> Result<HttpResponse, ApiError> {
+    let p = &state.platform;
+    if !is_served_model(p, &path) {
+        return Err(ApiError::model_not_found(&path, &p.model.id));
+    }
+    Ok(HttpResponse::Ok().json(model_object(p)))
+}
+
+fn defaults(p: &Platform) -> Defaults {
+    let s = &p.config.sampling;
+    Defaults {
+        temperature: s.temperature,
+        top_p: s.top_p,
+        top_k: s.top_k,
+    }
+}
+
+fn check_model(p: &Platform, common: &Common) -> Result<(), ApiError> {
+    match common.model.as_deref() {
+        // Lenient like llama-server: a missing or empty model means the loaded one.
+        None | Some("") => Ok(()),
+        Some(name) if is_served_model(p, name) => Ok(()),
+        Some(name) => Err(ApiError::model_not_found(name, &p.model.id)),
+    }
+}
+
+/// Prepends BOS when the tokenizer asks for it and encodes with special tokens parsed (the
+/// template writes them as text), exactly as the chat sessions and `smolchat generate` do.
+fn encode(p: &Platform, text: &str) -> Result<Vec<u32>, ApiError> {
+    let mut ids = Vec::new();
+    if p.tokenizer.add_bos() {
+        ids.extend(p.tokenizer.bos_id());
+    }
+    ids.extend(
+        p.tokenizer
+            .encode(text, true)
+            .map_err(|e| ApiError::internal(format!("tokenizer: {e}")))?,
+    );
+    Ok(ids)
+}
+
+async fn chat_completions(
+    state: web::Data<AppState>,
+    body: Result<JsonBody<Value>, WebError>,
+) -> Result<HttpResponse, ApiError> {
+    let JsonBody(body) = body?;
+    let p = &state.platform;
+    let req = request::parse_chat(&body, &defaults(p))?;
+    check_model(p, &req.common)?;
+    let parse_tool_calls = req.parse_tool_calls();
+    // Rendering and tokenizing a long conversation takes a while; keep it off the event loop.
+    let state2 = state.clone();
+    let render = req.clone();
+    let (text, prompt) = web::block(move || -> Result<(String, Vec<u32>), ApiError> {
+        let p = &state2.platform;
+        let text = render_chat(&p.template, &render, chrono::Local::now().date_naive())?;
+        let prompt = encode(p, &text)?;
+        Ok((text, prompt))
+    })
+    .await
+    .map_err(|e| ApiError::internal(format!("prompt task: {e}")))??;
+    tracing::debug!(prompt = %text, tokens = prompt.len(), "chat completion prompt");
+    let assembler = ChatAssembler::new(prompt_ends_in_open_think(&text), parse_tool_calls);
+    generate(state, req.common, prompt, "messages", assembler).await
+}
+
+/// Renders a chat request with the model's template: messages shaped for it (see
+/// [`request::template_messages`]), the thinking switch, the offered tools and any other
+/// `chat_template_kwargs`. A template that refuses the messages (wrong role order, …) is the
+/// client's error.
+pub fn render_chat(
+    template: &ChatTemplate,
+    req: &request::ChatRequest,
+    date: chrono::NaiveDate,
+) -> Result<String, ApiError> {
+    let reads_tool_calls = template.source().contains("tool_calls");
+    let messages = request::template_messages(&req.messages, reads_tool_calls);
+    let mut opts = RenderOptions::new(date);
+    opts.enable_thinking = req.enable_thinking;
+    opts.tools = req.tools.clone();
+    opts.extra = req.template_kwargs.clone();
+    template.render(&messages, &opts).map_err(|e| {
+        ApiError::invalid(
+            "messages",
+            format!("the chat template refused the messages: {e}"),
+        )
+    })
+}
+
+async fn completions(
+    state: web::Data<AppState>,
+    body: Result<JsonBody<Value>, WebError>,
+) -> Result<HttpResponse, ApiError> {
+    let JsonBody(body) = body?;
+    let p = &state.platform;
+    let mut req = request::parse_completion(&body, &defaults(p))?;
+    check_model(p, &req.common)?;
+    let prompt = match &req.prompt {
+        PromptIn::Text(text) => {
+            let state2 = state.clone();
+            let text = text.clone();
+            web::block(move || encode(&state2.platform, &text))
+                .await
+                .map_err(|e| ApiError::internal(format!("prompt task: {e}")))??
+        }
+        PromptIn::Tokens(ids) => {
+            let vocab = p.model.vocab_size;
+            if let Some(bad) = ids.iter().find(|&&id| id as usize >= vocab) {
+                return Err(ApiError::invalid(
+                    "prompt",
+                    format!("token id {bad} is outside the vocabulary (size {vocab})"),
+                ));
+            }
+            ids.clone()
+        }
+    };
+    req.common.max_tokens = req
+        .common
+        .max_tokens
+        .or(Some(request::COMPLETION_DEFAULT_MAX_TOKENS));
+    generate(state, req.common, prompt, "prompt", TextAssembler::new()).await
+}
+
+/// Cancels the request when dropped before it finished (the client went away).
+struct CancelGuard {
+    scheduler: Addr<SchedulerActor>,
+    id: RequestId,
+    finished: bool,
+}
+
+impl Drop for CancelGuard {
+    fn drop(&mut self) {
+        if !self.finished {
+            tracing::debug!(
+                request = self.id,
+                "API client went away; cancelling its request"
+            );
+            self.scheduler.do_send(Cancel(self.id));
+        }
+    }
+}
+
+/// Metadata every response and chunk carries.
+#[derive(Clone)]
+struct Envelope {
+    id: String,
+    created: u64,
+    model: String,
+}
+
+impl Envelope {
+    fn new(prefix: &str, model: &str) -> Self {
+        Self {
+            id: format!("{prefix}-{}", uuid::Uuid::now_v7().simple()),
+            created: unix_now(),
+            model: model.to_string(),
+        }
+    }
+
+    fn wrap(&self, object: &str, choices: Vec<Value>) -> Value {
+        json!({
+            "id": self.id,
+            "object": object,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        })
+    }
+}
+
+fn usage(s: &GenSummary) -> Value {
+    json!({
+        "prompt_tokens": s.prompt_tokens,
+        "completion_tokens": s.completion_tokens,
+        "total_tokens": s.prompt_tokens + s.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": s.cached_tokens},
+    })
+}
+
+/// Checks the prompt against the context window, submits it and answers (streamed or whole).
+async fn generate<A: Assembler>(
+    state: web::Data<AppState>,
+    common: Common,
+    prompt: Vec<u32>,
+    prompt_param: &str,
+    mut assembler: A,
+) -> Result<HttpResponse, ApiError> {
+    let p = &state.platform;
+    if !state.ready.load(Ordering::Acquire) {
+        return Err(ApiError::unavailable("the server is shutting down"));
+    }
+    if prompt.is_empty() {
+        return Err(ApiError::invalid(
+            prompt_param,
+            format!("`{prompt_param}` is empty"),
+        ));
+    }
+    let window = p.model.context_window;
+    if prompt.len() >= window {
+        return Err(ApiError::context_exceeded(
+            prompt.len(),
+            window,
+            prompt_param,
+        ));
+    }
+    let mut params = common.params;
+    // Without a limit, the reply may fill the context (the scheduler clamps to its own limit).
+    params.max_new_tokens = common.max_tokens.unwrap_or(window - prompt.len());
+    let prompt_tokens = prompt.len();
+    let (tx, rx) = mpsc::unbounded_channel();
+    let id = p
+        .scheduler
+        .send(Submit(GenerationRequest {
+            cache_key: None,
+            prompt,
+            params,
+            max_time: None,
+            events: tx,
+        }))
+        .await
+        .map_err(|e| ApiError::unavailable(format!("the scheduler is not available ({e})")))?
+        .map_err(|e| match e {
+            crate::actors::SubmitError::ContextOverflow {
+                prompt_tokens,
+                window,
+            } => ApiError::context_exceeded(prompt_tokens, window, prompt_param),
+            other => ApiError::from(other),
+        })?;
+    let guard = CancelGuard {
+        scheduler: p.scheduler.clone(),
+        id,
+        finished: false,
+    };
+    let envelope = Envelope::new(
+        if A::OBJECT == "text_completion" {
+            "cmpl"
+        } else {
+            "chatcmpl"
+        },
+        &p.model.id,
+    );
+    tracing::debug!(
+        request = id,
+        prompt_tokens,
+        stream = common.stream,
+        "API request submitted"
+    );
+
+    if common.stream {
+        let mut out = VecDeque::new();
+        let first = assembler.start();
+        if !first.is_empty() {
+            out.push_back(sse(
+                &envelope.wrap(A::CHUNK_OBJECT, first),
+                common.include_usage,
+            ));
+        }
+        let stream = ApiStream {
+            events: rx,
+            guard,
+            assembler,
+            envelope,
+            include_usage: common.include_usage,
+            out,
+            done: false,
+            started: Instant::now(),
+        };
+        return Ok(HttpResponse::Ok()
+            .content_type("text/event-stream")
+            .insert_header((header::CACHE_CONTROL, "no-cache"))
+            // Reverse proxies must not buffer the stream.
+            .insert_header(("X-Accel-Buffering", "no"))
+            .streaming(stream));
+    }
+
+    let (summary, assembler) = collect(rx, guard, assembler).await?;
+    let mut body = envelope.wrap(A::OBJECT, vec![assembler.choice()]);
+    body["usage"] = usage(&summary);
+    log_finished(id, &summary);
+    Ok(HttpResponse::Ok().json(body))
+}
+
+/// Reads a request's events to the end (non-streamed responses).
+async fn collect<A: Assembler>(
+    mut rx: mpsc::UnboundedReceiver<GenEvent>,
+    mut guard: CancelGuard,
+    mut assembler: A,
+) -> Result<(GenSummary, A), ApiError> {
+    while let Some(event) = rx.recv().await {
+        match event {
+            GenEvent::Admitted { .. } => {}
+            GenEvent::Token { text, .. } => {
+                if !text.is_empty() {
+                    assembler.push(&text);
+                }
+            }
+            GenEvent::Finished(summary) => {
+                guard.finished = true;
+                if let StopReason::Error(e) = &summary.reason {
+                    return Err(ApiError::internal(format!("generation failed: {e}")));
+                }
+                assembler.finish(&summary.reason);
+                return Ok((summary, assembler));
+            }
+        }
+    }
+    guard.finished = true;
+    Err(ApiError::unavailable(
+        "the model worker stopped before the reply was finished",
+    ))
+}
+
+fn log_finished(id: RequestId, s: &GenSummary) {
+    tracing::info!(
+        request = id,
+        reason = ?s.reason,
+        prompt_tokens = s.prompt_tokens,
+        cached_tokens = s.cached_tokens,
+        completion_tokens = s.completion_tokens,
+        ttft_ms = s.ttft_ms,
+        generation_ms = s.generation_ms,
+        "API completion finished"
+    );
+}
+
+/// One `data:` event. With `include_usage`, every chunk has `"usage": null` as OpenAI's do.
+fn sse(chunk: &Value, include_usage: bool) -> Bytes {
+    let mut chunk = chunk.clone();
+    if include_usage {
+        chunk["usage"] = Value::Null;
+    }
+    Bytes::from(format!("data: {chunk}\n\n"))
+}
+
+const DONE: &[u8] = b"data: [DONE]\n\n";
+
+/// The streamed response: owns the request's receiver and its cancel guard (see module docs).
+struct ApiStream<A: Assembler> {
+    events: mpsc::UnboundedReceiver<GenEvent>,
+    guard: CancelGuard,
+    assembler: A,
+    envelope: Envelope,
+    include_usage: bool,
+    out: VecDeque<Bytes>,
+    done: bool,
+    started: Instant,
+}
+
+impl<A: Assembler> ApiStream<A> {
+    fn on_event(&mut self, event: GenEvent) {
+        match event {
+            GenEvent::Admitted { .. } => {}
+            GenEvent::Token { text, .. } => {
+                if text.is_empty() {
+                    return;
+                }
+                let choices = self.assembler.push(&text);
+                self.chunks(choices);
+            }
+            GenEvent::Finished(summary) => {
+                self.guard.finished = true;
+                if let StopReason::Error(e) = &summary.reason {
+                    let err = ApiError::internal(format!("generation failed: {e}"));
+                    self.out
+                        .push_back(Bytes::from(format!("data: {}\n\n", err.body())));
+                } else {
+                    let choices = self.assembler.finish(&summary.reason);
+                    self.chunks(choices);
+                    if self.include_usage {
+                        let mut last = self.envelope.wrap(A::CHUNK_OBJECT, Vec::new());
+                        last["usage"] = usage(&summary);
+                        self.out.push_back(Bytes::from(format!("data: {last}\n\n")));
+                    }
+                }
+                log_finished(self.guard.id, &summary);
+                tracing::debug!(
+                    request = self.guard.id,
+                    stream_s = self.started.elapsed().as_secs_f64(),
+                    "API stream finished"
+                );
+                self.out.push_back(Bytes::from_static(DONE));
+                self.done = true;
+            }
+        }
+    }
+
+    fn chunks(&mut self, choices: Vec<Value>) {
+        for choice in choices {
+            let chunk = self.envelope.wrap(A::CHUNK_OBJECT, vec![choice]);
+            self.out.push_back(sse(&chunk, self.include_usage));
+        }
+    }
+}
+
+impl<A: Assembler> Stream for ApiStream<A> {
+    type Item = Result<Bytes, Infallible>;
+
+    fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        let this = self.get_mut();
+        loop {
+            if let Some(bytes) = this.out.pop_front() {
+                return Poll::Ready(Some(Ok(bytes)));
+            }
+            if this.done {
+                return Poll::Ready(None);
+            }
+            match this.events.poll_recv(cx) {
+                Poll::Ready(Some(event)) => this.on_event(event),
+                Poll::Ready(None) => {
+                    // The worker dropped the request without a summary (it stopped).
+                    this.guard.finished = true;
+                    let err = ApiError::unavailable(
+                        "the model worker stopped before the reply was finished",
+                    );
+                    this.out
+                        .push_back(Bytes::from(format!("data: {}\n\n", err.body())));
+                    this.out.push_back(Bytes::from_static(DONE));
+                    this.done = true;
+                }
+                Poll::Pending => return Poll::Pending,
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn render(body: Value) -> String {
+        let template = ChatTemplate::smollm3_default().unwrap();
+        let defaults = Defaults {
+            temperature: 0.6,
+            top_p: 0.95,
+            top_k: 20,
+        };
+        let req = request::parse_chat(&body, &defaults).unwrap();
+        let date = chrono::NaiveDate::from_ymd_opt(2025, 7, 8).unwrap();
+        render_chat(&template, &req, date).unwrap()
+    }
+
+    fn weather_tool() -> Value {
+        json!({"type": "function", "function": {"name": "get_weather",
+            "description": "Current weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                "required": ["city"]}}})
+    }
+
+    #[test]
+    fn tools_reach_the_smollm3_template() {
+        let user = json!([{"role": "user", "content": "Weather in Paris?"}]);
+        let text = render(json!({"messages": user, "tools": [weather_tool()]}));
+        assert!(text.contains("<tools>"), "{text}");
+        // Each tool as Python's json.dumps writes it, keys in the client's order.
+        assert!(
+            text.contains(
+                "{\"type\": \"function\", \"function\": {\"name\": \"get_weather\", \
+                 \"description\": \"Current weather\", \"parameters\": {\"type\": \"object\", \
+                 \"properties\": {\"city\": {\"type\": \"string\"}}, \"required\": [\"city\"]}}}"
+            ),
+            "{text}"
+        );
+        // tool_choice "none": the template gets no tools.
+        let text =
+            render(json!({"messages": user, "tools": [weather_tool()], "tool_choice": "none"}));
+        assert!(!text.contains("get_weather"), "{text}");
+    }
+
+    #[test]
+    fn tool_history_and_results_reach_the_template() {
+        let text = render(json!({"tools": [weather_tool()], "messages": [
+            {"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": null, "tool_calls": [{"id": "call_1",
+                "type": "function", "function": {"name": "get_weather",
+                "arguments": "{\"city\": \"Paris\"}"}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "18 C and sunny"},
+        ]}));
+        assert!(
+            text.contains(
+                "<|im_start|>assistant\n<tool_call>\n{\"name\": \"get_weather\", \
+                 \"arguments\": {\"city\": \"Paris\"}}\n</tool_call><|im_end|>"
+            ),
+            "{text}"
+        );
+        // SmolLM3 shows tool results as a user turn.
+        assert!(
+            text.contains("<|im_start|>user\n18 C and sunny<|im_end|>"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn thinking_switches_reach_the_template() {
+        let user = json!({"role": "user", "content": "Hi"});
+        let text = render(json!({"messages": [user]}));
+        assert!(text.contains("Reasoning Mode: /think"), "{text}");
+        assert!(text.ends_with("<|im_start|>assistant\n"), "{text}");
+        assert!(!prompt_ends_in_open_think(&text));
+        let off =
+            render(json!({"messages": [user], "chat_template_kwargs": {"enable_thinking": false}}));
+        assert!(off.contains("Reasoning Mode: /no_think"), "{off}");
+        assert!(off.ends_with("<think>\n\n</think>\n"), "{off}");
+        let system = render(json!({"messages": [
+            {"role": "system", "content": "Be brief. /no_think"}, user]}));
+        assert!(system.contains("Reasoning Mode: /no_think"), "{system}");
+        assert!(system.contains("Be brief."), "{system}");
+    }
+}

@@ -1,0 +1,352 @@
+"""Drives a running smolchat server with the official `openai` Python client.
+
+Run by tests/openai.rs, which starts the server and passes:
+  SMOLCHAT_BASE_URL   http://127.0.0.1:PORT/v1
+  SMOLCHAT_API_KEY    the key the server was started with
+  SMOLCHAT_BIN        the smolchat binary (for `generate` and `tokenize`)
+  SMOLCHAT_MODEL_PATH the GGUF file the server serves
+
+Prints one line per check and `N passed, M failed`; exits non-zero when a check failed.
+"""
+
+import os
+import subprocess
+import sys
+import traceback
+
+import openai
+
+BASE = os.environ["SMOLCHAT_BASE_URL"]
+KEY = os.environ["SMOLCHAT_API_KEY"]
+BIN = os.environ["SMOLCHAT_BIN"]
+MODEL_PATH = os.environ["SMOLCHAT_MODEL_PATH"]
+
+SYSTEM = "You are a concise assistant."
+USER = "What is the capital of France?"
+MAX_TOKENS = 24
+
+# No retries: a refusal must surface as the exception the client maps it to.
+client = openai.OpenAI(base_url=BASE, api_key=KEY, max_retries=0, timeout=120)
+results = {"passed": 0, "failed": 0}
+state = {}
+
+
+def check(name):
+    def run(fn):
+        try:
+            fn()
+            results["passed"] += 1
+            print(f"ok   {name}", flush=True)
+        except Exception:  # noqa: BLE001 - every failure is reported, then the next check runs
+            results["failed"] += 1
+            print(f"FAIL {name}", flush=True)
+            traceback.print_exc()
+        return fn
+
+    return run
+
+
+def smolchat(*args):
+    out = subprocess.run(
+        [BIN, *args, "--model", MODEL_PATH],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    return out.stdout
+
+
+def messages():
+    return [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": USER},
+    ]
+
+
+def expect_error(exc_type, status, fn, code=None, param=None):
+    try:
+        fn()
+    except exc_type as e:
+        assert e.status_code == status, (e.status_code, e)
+        body = e.body or {}
+        assert body.get("message"), body
+        if code is not None:
+            assert body.get("code") == code, body
+        if param is not None:
+            assert body.get("param") == param, body
+        return e
+    raise AssertionError(f"no {exc_type.__name__} raised")
+
+
+@check("models.list and retrieve")
+def _():
+    models = client.models.list().data
+    assert len(models) == 1, models
+    m = models[0]
+    assert m.id == os.path.splitext(os.path.basename(MODEL_PATH))[0], m.id
+    extra = m.model_extra or {}
+    assert extra.get("context_length") == 8192, extra
+    assert extra.get("max_model_len") == 8192, extra
+    assert client.models.retrieve(m.id).id == m.id
+    state["model"] = m.id
+
+
+MODEL = client.models.list().data[0].id
+
+
+@check("chat non-streaming, greedy")
+def _():
+    r = client.chat.completions.create(
+        model=MODEL, messages=messages(), temperature=0, max_tokens=MAX_TOKENS
+    )
+    assert r.object == "chat.completion"
+    assert r.model == MODEL
+    c = r.choices[0]
+    assert c.message.role == "assistant"
+    assert c.message.content, r
+    assert c.finish_reason in ("stop", "length"), c.finish_reason
+    u = r.usage
+    assert u.completion_tokens <= MAX_TOKENS and u.completion_tokens > 0, u
+    assert u.total_tokens == u.prompt_tokens + u.completion_tokens, u
+    assert u.prompt_tokens_details.cached_tokens <= u.prompt_tokens, u
+    state["reply"] = c.message.content
+    state["usage"] = u
+    state["finish"] = c.finish_reason
+
+
+@check("chat streaming equals non-streaming, with usage")
+def _():
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=messages(),
+        temperature=0,
+        max_tokens=MAX_TOKENS,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    text, finish, usage, roles, ids = "", None, None, [], set()
+    for chunk in stream:
+        ids.add(chunk.id)
+        assert chunk.object == "chat.completion.chunk"
+        if chunk.usage is not None:
+            assert chunk.choices == [], chunk
+            usage = chunk.usage
+            continue
+        delta = chunk.choices[0].delta
+        if delta.role:
+            roles.append(delta.role)
+        text += delta.content or ""
+        finish = chunk.choices[0].finish_reason or finish
+    assert roles == ["assistant"], roles
+    assert len(ids) == 1, ids
+    assert text == state["reply"], (text, state["reply"])
+    assert finish == state["finish"], finish
+    assert usage is not None
+    assert usage.prompt_tokens == state["usage"].prompt_tokens
+    assert usage.completion_tokens == state["usage"].completion_tokens
+    # The same conversation again: its prompt prefix comes from the kept KV cache.
+    assert usage.prompt_tokens_details.cached_tokens > 0, usage
+
+
+@check("greedy reply equals `smolchat generate`")
+def _():
+    out = smolchat(
+        "generate",
+        "--temperature",
+        "0",
+        "--max-tokens",
+        str(MAX_TOKENS),
+        "--system",
+        SYSTEM,
+        USER,
+    )
+    # `generate` ends its output with one newline of its own.
+    assert out.endswith("\n")
+    assert out[:-1] == state["reply"], (out, state["reply"])
+
+
+# SmolLM2's template is ChatML; the rendered prompt, written out by hand.
+RENDERED = (
+    f"<|im_start|>system\n{SYSTEM}<|im_end|>\n"
+    f"<|im_start|>user\n{USER}<|im_end|>\n"
+    "<|im_start|>assistant\n"
+)
+
+
+@check("usage.prompt_tokens equals `smolchat tokenize --special` of the rendered prompt")
+def _():
+    import json
+
+    ids = json.loads(smolchat("tokenize", "--special", "--add-bos", RENDERED))
+    assert state["usage"].prompt_tokens == len(ids), (state["usage"], len(ids))
+
+
+@check("completions (raw prompt) non-streaming and streaming equal the chat reply")
+def _():
+    r = client.completions.create(
+        model=MODEL, prompt=RENDERED, temperature=0, max_tokens=MAX_TOKENS
+    )
+    assert r.object == "text_completion"
+    assert r.choices[0].text == state["reply"], (r.choices[0].text, state["reply"])
+    assert r.choices[0].finish_reason == state["finish"]
+    assert r.usage.prompt_tokens == state["usage"].prompt_tokens
+    assert r.usage.completion_tokens == state["usage"].completion_tokens
+    stream = client.completions.create(
+        model=MODEL,
+        prompt=RENDERED,
+        temperature=0,
+        max_tokens=MAX_TOKENS,
+        stream=True,
+    )
+    text = "".join(c.choices[0].text for c in stream if c.choices)
+    assert text == state["reply"], (text, state["reply"])
+
+
+@check("prompt_tokens grow by the tokens of added text")
+def _():
+    extra = " Answer in one word."
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=[messages()[0], {"role": "user", "content": USER + extra}],
+        temperature=0,
+        max_tokens=1,
+    )
+    import json
+
+    longer = RENDERED.replace(USER, USER + extra)
+    ids = json.loads(smolchat("tokenize", "--special", "--add-bos", longer))
+    assert r.usage.prompt_tokens == len(ids), (r.usage, len(ids))
+    assert r.usage.prompt_tokens > state["usage"].prompt_tokens
+
+
+@check("stop string, seed and penalties are accepted; stop cuts the greedy reply")
+def _():
+    reply = state["reply"]
+    cut = next((ch for ch in [" ", ",", "."] if ch in reply.strip()), None)
+    assert cut is not None, reply
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=messages(),
+        temperature=0,
+        max_completion_tokens=MAX_TOKENS,
+        stop=[cut],
+        seed=7,
+        presence_penalty=0.0,
+        frequency_penalty=0.0,
+    )
+    assert r.choices[0].message.content == reply[: reply.index(cut)], (r, reply)
+    assert r.choices[0].finish_reason == "stop"
+    # Sampled replies are reproducible with a seed.
+    a, b = (
+        client.chat.completions.create(
+            model=MODEL,
+            messages=messages(),
+            temperature=1.0,
+            seed=1234,
+            max_tokens=8,
+            presence_penalty=0.5,
+            frequency_penalty=0.5,
+        ).choices[0].message.content
+        for _ in range(2)
+    )
+    assert a == b, (a, b)
+
+
+@check("n=2 and wrong field types raise BadRequestError naming the field")
+def _():
+    expect_error(
+        openai.BadRequestError,
+        400,
+        lambda: client.chat.completions.create(
+            model=MODEL, messages=messages(), n=2, max_tokens=4
+        ),
+        param="n",
+    )
+    expect_error(
+        openai.BadRequestError,
+        400,
+        lambda: client.chat.completions.create(
+            model=MODEL, messages=messages(), max_tokens=4, extra_body={"temperature": "hot"}
+        ),
+        param="temperature",
+    )
+    expect_error(
+        openai.BadRequestError,
+        400,
+        lambda: client.chat.completions.create(model=MODEL, messages=[], max_tokens=4),
+        param="messages",
+    )
+
+
+@check("a prompt beyond the context raises BadRequestError context_length_exceeded")
+def _():
+    e = expect_error(
+        openai.BadRequestError,
+        400,
+        lambda: client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "hello " * 9000}],
+            max_tokens=4,
+        ),
+        code="context_length_exceeded",
+    )
+    assert "8192" in e.body["message"], e.body
+
+
+@check("an unknown model raises NotFoundError")
+def _():
+    expect_error(
+        openai.NotFoundError,
+        404,
+        lambda: client.chat.completions.create(
+            model="gpt-4o", messages=messages(), max_tokens=4
+        ),
+        code="model_not_found",
+        param="model",
+    )
+
+
+@check("a wrong or missing key raises AuthenticationError")
+def _():
+    bad = openai.OpenAI(base_url=BASE, api_key="sk-wrong", max_retries=0)
+    expect_error(openai.AuthenticationError, 401, lambda: bad.models.list())
+    expect_error(
+        openai.AuthenticationError,
+        401,
+        lambda: bad.chat.completions.create(model=MODEL, messages=messages(), max_tokens=4),
+    )
+    none = openai.OpenAI(
+        base_url=BASE, api_key="unused", max_retries=0, default_headers={"Authorization": ""}
+    )
+    expect_error(openai.AuthenticationError, 401, lambda: none.models.list())
+
+
+@check("tools are accepted (this model's template has no tool section)")
+def _():
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=messages(),
+        temperature=0,
+        max_tokens=MAX_TOKENS,
+        tools=[
+            {
+                "type": "function",
+                "function": {
+                    "name": "get_capital",
+                    "description": "Capital of a country",
+                    "parameters": {
+                        "type": "object",
+                        "properties": {"country": {"type": "string"}},
+                        "required": ["country"],
+                    },
+                },
+            }
+        ],
+        tool_choice="auto",
+    )
+    assert r.choices[0].message.content == state["reply"]
+
+
+print(f"{results['passed']} passed, {results['failed']} failed", flush=True)
+sys.exit(1 if results["failed"] else 0)
