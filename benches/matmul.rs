@@ -8,7 +8,10 @@
 //! - `BENCH_THREADS=2` sets the pool sizes (default 1,2);
 //! - `BENCH_CANDLE=0` skips the candle path (it takes minutes on the big shapes);
 //! - `BENCH_ISA=all` also runs the AVX-VNNI, AVX2 and scalar kernels;
-//! - `BENCH_SECS=0.5` is the time spent per measurement.
+//! - `BENCH_SECS=0.5` is the time spent per measurement;
+//! - `BENCH_OUTSIDE=1` adds rows ("thr" shown as `2o`) where the 2-thread global pool is called
+//!   from the main thread, which is not one of its workers (every parallel region then pays a
+//!   cross-thread injection and wake-up, as when a model runs outside `ThreadPool::install`).
 //!
 //! Columns: milliseconds per call; GB/s of weight bytes streamed (bytes held / time: what decode is
 //! bound by); rows·tokens per second (outputs produced); GMAC/s (multiply-accumulates per second).
@@ -160,6 +163,13 @@ fn main() {
             (n, pool)
         })
         .collect();
+    let outside = std::env::var("BENCH_OUTSIDE").is_ok_and(|v| v == "1");
+    if outside {
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(2)
+            .build_global()
+            .expect("global pool");
+    }
     println!("best ISA: {:?}", Isa::best());
     println!(
         "{:<32} {:>4} {:>3} {:<18} {:>10} {:>8} {:>10} {:>8}",
@@ -201,14 +211,32 @@ fn main() {
                 if candle && (macs as f64) < 3e10 {
                     runs.push(("candle".into(), &plain, Isa::Scalar));
                 }
-                for (name, m, isa) in runs {
-                    let d = pool.install(|| time(secs, || m.matmul_isa(isa, &x, n, &mut out)));
+                let mut runs: Vec<(String, &QMatrix, Isa, bool)> =
+                    runs.into_iter().map(|(a, b, c)| (a, b, c, false)).collect();
+                if outside && *nt == 2 {
+                    runs.push((
+                        format!("packed {:?}", Isa::best()),
+                        &packed,
+                        Isa::best(),
+                        true,
+                    ));
+                }
+                for (name, m, isa, global) in runs {
+                    let d = if global {
+                        time(secs, || m.matmul_isa(isa, &x, n, &mut out))
+                    } else {
+                        pool.install(|| time(secs, || m.matmul_isa(isa, &x, n, &mut out)))
+                    };
                     let s = d.as_secs_f64();
                     println!(
                         "{:<32} {:>4} {:>3} {:<18} {:>10.3} {:>8.2} {:>10.2} {:>8.2}",
                         c.label,
                         n,
-                        nt,
+                        if global {
+                            "2o".to_string()
+                        } else {
+                            nt.to_string()
+                        },
                         name,
                         s * 1e3,
                         wbytes / s / 1e9,

@@ -126,8 +126,9 @@ pub fn kernel(format: Format, isa: Isa) -> Option<KernelChoice> {
     }
 }
 
-/// Multiply-accumulates below which a product runs on the calling thread alone: waking a second
-/// thread costs a few microseconds, as much as this much work.
+/// Multiply-accumulates below which a product runs on the calling thread alone when that thread is
+/// a pool worker: handing half to a second thread costs about a microsecond there, as much as this
+/// much work saves (about 6 µs of it on one core).
 const SERIAL_MACS: usize = 1 << 19;
 
 /// Target bytes of weights a task walks per token tile (they stay in L2 while the tile's
@@ -185,7 +186,14 @@ pub fn run(jobs: &[Job<'_>]) {
     }
     let threads = rayon::current_num_threads();
     let max_tokens = jobs.iter().map(|j| j.acts.n_tokens).max().unwrap_or(0);
-    if total <= SERIAL_MACS || threads == 1 {
+    // From outside the pool a parallel region costs an injection and a worker wake-up (5-8 µs,
+    // measured), from a worker a few hundred nanoseconds; splitting must save more than that.
+    let serial = if rayon::current_thread_index().is_some() {
+        SERIAL_MACS
+    } else {
+        4 * SERIAL_MACS
+    };
+    if total <= serial || threads == 1 {
         for j in jobs {
             run_groups(j, 0..j.w.groups);
         }

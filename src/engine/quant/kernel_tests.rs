@@ -193,7 +193,7 @@ fn simd_kernels_equal_scalar_bit_for_bit() {
         let (rows, cols) = (37, 3 * format.block().max(128));
         let native = random_native(format, rows, cols, &mut rng);
         let p = Packed::from_native(format, rows, cols, &native);
-        for n in [1, 2, 3, 4, 5, 7, 9, 17] {
+        for n in [1, 2, 3, 4, 5, 6, 7, 8, 9, 17] {
             let acts = random_acts(format.act_kind(), n, cols, &mut rng);
             let Some(want) = run(&p, Isa::Scalar, &acts) else {
                 unreachable!()
