@@ -212,6 +212,20 @@ impl ApiStream {
     }
 }
 
+/// The system prompt of the concurrency test's API requests and browser conversations alike, so
+/// their prompts are the same whatever the configured default system prompt is.
+const SYSTEM: &str = "You are a helpful assistant.";
+
+/// A greedy chat request with [`SYSTEM`].
+fn system_chat(prompt: &str, max_tokens: usize, stream: bool) -> Value {
+    let mut body = chat_body(prompt, max_tokens, stream);
+    body["messages"] = json!([
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": prompt},
+    ]);
+    body
+}
+
 fn chat_body(prompt: &str, max_tokens: usize, stream: bool) -> Value {
     json!({
         "messages": [{"role": "user", "content": prompt}],
@@ -257,7 +271,7 @@ async fn eight_api_streams_and_two_browser_sessions_match_solo_runs() {
             &server,
             None,
             "/v1/chat/completions",
-            Some(&chat_body(p, MAX, false)),
+            Some(&system_chat(p, MAX, false)),
         )
         .await;
         assert_eq!(r.status, StatusCode::OK, "{}", r.text);
@@ -273,7 +287,9 @@ async fn eight_api_streams_and_two_browser_sessions_match_solo_runs() {
     let browser = server.client();
     let mut conversations = Vec::new();
     for _ in 0..2 {
-        let id = browser.create_greedy(MAX).await;
+        let id = browser
+            .create(json!({"temperature": 0, "max_tokens": MAX, "system_prompt": SYSTEM}))
+            .await;
         let events = browser.events(&id).await;
         conversations.push((id, events));
     }
@@ -284,7 +300,7 @@ async fn eight_api_streams_and_two_browser_sessions_match_solo_runs() {
         let base = server.base.clone();
         let prompt = PROMPTS[i % PROMPTS.len()];
         tokio::spawn(async move {
-            let s = ApiStream::open_at(&base, &chat_body(prompt, MAX, true)).await;
+            let s = ApiStream::open_at(&base, &system_chat(prompt, MAX, true)).await;
             s.read_all().await
         })
     });
