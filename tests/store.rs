@@ -227,6 +227,7 @@ async fn settings_round_trip() {
         top_k: 1,
         max_tokens: 77,
         seed: Some(u64::MAX),
+        ignore_eos: true,
         pinned_date: NaiveDate::from_ymd_opt(2024, 2, 29).unwrap(),
     };
     let c = store.create_conversation("u", &custom).await.unwrap();
