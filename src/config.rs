@@ -40,6 +40,11 @@ pub struct ModelConfig {
     pub device: String,
     /// Compute threads (default: all cores).
     pub threads: Option<usize>,
+    /// YaRN context extension factor (SmolLM3: 2 extends its 64k training context to 128k).
+    /// Unset: whatever the GGUF says (usually no scaling).
+    pub yarn_factor: Option<f32>,
+    /// The context the model was trained on, for YaRN (default: the GGUF's context length).
+    pub yarn_original_context: Option<usize>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -113,6 +118,8 @@ impl Default for ModelConfig {
             tokenizer: None,
             device: "auto".into(),
             threads: None,
+            yarn_factor: None,
+            yarn_original_context: None,
         }
     }
 }
@@ -222,6 +229,11 @@ impl Config {
             return bad(
                 "limits.max_new_tokens and limits.max_message_chars must be at least 1".into(),
             );
+        }
+        if let Some(f) = self.model.yarn_factor {
+            if !(f.is_finite() && f >= 1.0) {
+                return bad(format!("model.yarn_factor must be at least 1, got {f}"));
+            }
         }
         if !matches!(self.model.device.as_str(), "auto" | "cpu" | "metal")
             && !self.model.device.starts_with("cuda")

@@ -91,7 +91,10 @@ pub fn load_model(
     }
     .map_err(err)?;
     let template = ChatTemplate::from_gguf(&src).map_err(err)?;
-    let model = Model::load(&mut src, &mut |_, _| {}).map_err(err)?;
+    let mut model = Model::load(&mut src, &mut |_, _| {}).map_err(err)?;
+    if let Some(factor) = config.model.yarn_factor {
+        model.apply_yarn(factor, config.model.yarn_original_context);
+    }
     let cfg = &model.config;
     let id = path
         .file_stem()

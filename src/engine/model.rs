@@ -116,6 +116,16 @@ impl Model {
         })
     }
 
+    /// Turns on YaRN context extension (when the file does not already ask for it): RoPE
+    /// frequencies are rescaled for `factor` times the original context, and the usable context
+    /// grows by that factor.
+    pub fn apply_yarn(&mut self, factor: f32, original_context: Option<usize>) {
+        let c = &mut self.config;
+        let original = original_context.unwrap_or(c.context_length);
+        c.yarn = Some(YarnScaling::new(factor, original));
+        c.context_length = (original as f32 * factor) as usize;
+    }
+
     /// A fresh, empty KV cache shaped for this model.
     pub fn new_cache(&self) -> KvCache {
         KvCache::new(
@@ -533,5 +543,36 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
 fn axpy(alpha: f32, x: &[f32], y: &mut [f32]) {
     for (o, &v) in y.iter_mut().zip(x) {
         *o += alpha * v;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// YaRN keeps the fastest-turning pairs as they are (extrapolation), divides the slowest by
+    /// the factor (interpolation), ramps in between, and scales every cos/sin by
+    /// `1 + 0.1 ln(factor)`, as ggml's `rope_yarn` does.
+    #[test]
+    fn yarn_interpolates_slow_frequencies_and_keeps_fast_ones() {
+        let rope_dim = 128;
+        let base = 5_000_000f32;
+        let y = YarnParams::new(&YarnScaling::new(2.0, 65_536), rope_dim, base);
+        let mscale = 1.0 + 0.1 * 2f32.ln();
+        assert!((y.mscale - mscale).abs() < 1e-6);
+        assert!(y.low < y.high && y.high < rope_dim as f32);
+        let theta_scale = base.powf(-2.0 / rope_dim as f32);
+        let pos = 1000f32;
+        for pair in [0usize, (y.high as usize + 1).min(63)] {
+            let theta = pos * theta_scale.powi(pair as i32);
+            let (c, s) = y.cos_sin(theta, pair);
+            let expected = if (pair as f32) < y.low {
+                theta
+            } else {
+                theta / 2.0
+            };
+            assert!((c - expected.cos() * mscale).abs() < 1e-4, "pair {pair}");
+            assert!((s - expected.sin() * mscale).abs() < 1e-4, "pair {pair}");
+        }
     }
 }
