@@ -9,6 +9,9 @@
 //! - `BENCH_CANDLE=0` skips the candle path (it takes minutes on the big shapes);
 //! - `BENCH_ISA=all` also runs the AVX-VNNI, AVX2 and scalar kernels;
 //! - `BENCH_SECS=0.5` is the time spent per measurement;
+//! - `BENCH_COLD=1` rotates through enough copies of the matrix (512 MB) that every call streams
+//!   its weights from memory, as decode does in a real model (otherwise a small matrix stays in
+//!   cache between calls and decode looks faster than it is);
 //! - `BENCH_OUTSIDE=1` adds rows ("thr" shown as `2o`) where the 2-thread global pool is called
 //!   from the main thread, which is not one of its workers (every parallel region then pays a
 //!   cross-thread injection and wake-up, as when a model runs outside `ThreadPool::install`).
@@ -164,6 +167,7 @@ fn main() {
         })
         .collect();
     let outside = std::env::var("BENCH_OUTSIDE").is_ok_and(|v| v == "1");
+    let cold = std::env::var("BENCH_COLD").is_ok_and(|v| v == "1");
     if outside {
         rayon::ThreadPoolBuilder::new()
             .num_threads(2)
@@ -177,9 +181,18 @@ fn main() {
     );
     for c in CASES.iter().filter(|c| c.label.contains(filter.as_str())) {
         let bytes = weights(c);
-        let packed = QMatrix::from_raw(raw(c, &bytes)).expect("packed matrix");
-        let plain = QMatrix::from_raw_native(raw(c, &bytes)).expect("native matrix");
-        let wbytes = packed.size_in_bytes() as f64;
+        let copies = if cold {
+            (512usize << 20).div_ceil(bytes.len())
+        } else {
+            1
+        };
+        let packed: Vec<QMatrix> = (0..copies)
+            .map(|_| QMatrix::from_raw(raw(c, &bytes)).expect("packed matrix"))
+            .collect();
+        let plain: Vec<QMatrix> = (0..copies.min(4))
+            .map(|_| QMatrix::from_raw_native(raw(c, &bytes)).expect("native matrix"))
+            .collect();
+        let wbytes = packed[0].size_in_bytes() as f64;
         for &n in &tokens {
             let x: Vec<f32> = (0..n * c.cols)
                 .map(|i| ((i * 7919) % 2003) as f32 / 1001.0 - 1.0)
@@ -202,16 +215,16 @@ fn main() {
                 );
             }
             for (nt, pool) in &pools {
-                let mut runs: Vec<(String, &QMatrix, Isa)> = isas
+                let mut runs: Vec<(String, &[QMatrix], Isa)> = isas
                     .iter()
-                    .map(|&i| (format!("packed {i:?}"), &packed, i))
+                    .map(|&i| (format!("packed {i:?}"), &packed[..], i))
                     .collect();
                 // The candle path at 512 tokens on the big shapes takes minutes per call.
                 let macs = c.rows * c.cols * n;
                 if candle && (macs as f64) < 3e10 {
-                    runs.push(("candle".into(), &plain, Isa::Scalar));
+                    runs.push(("candle".into(), &plain[..], Isa::Scalar));
                 }
-                let mut runs: Vec<(String, &QMatrix, Isa, bool)> =
+                let mut runs: Vec<(String, &[QMatrix], Isa, bool)> =
                     runs.into_iter().map(|(a, b, c)| (a, b, c, false)).collect();
                 if outside && *nt == 2 {
                     runs.push((
@@ -221,11 +234,16 @@ fn main() {
                         true,
                     ));
                 }
-                for (name, m, isa, global) in runs {
+                for (name, ms, isa, global) in runs {
+                    let mut i = 0;
+                    let mut call = || {
+                        i = (i + 1) % ms.len();
+                        ms[i].matmul_isa(isa, &x, n, &mut out)
+                    };
                     let d = if global {
-                        time(secs, || m.matmul_isa(isa, &x, n, &mut out))
+                        time(secs, call)
                     } else {
-                        pool.install(|| time(secs, || m.matmul_isa(isa, &x, n, &mut out)))
+                        pool.install(|| time(secs, call))
                     };
                     let s = d.as_secs_f64();
                     println!(

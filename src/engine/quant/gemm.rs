@@ -131,6 +131,10 @@ pub fn kernel(format: Format, isa: Isa) -> Option<KernelChoice> {
 /// much work saves (about 6 µs of it on one core).
 const SERIAL_MACS: usize = 1 << 19;
 
+/// Weight bytes below which a product runs on the calling thread alone when that thread is a pool
+/// worker (about 4 µs of streaming from memory on one core).
+const SERIAL_BYTES: usize = 48 << 10;
+
 /// Target bytes of weights a task walks per token tile (they stay in L2 while the tile's
 /// activations sit in L1).
 const CHUNK_BYTES: usize = 192 << 10;
@@ -186,14 +190,20 @@ pub fn run(jobs: &[Job<'_>]) {
     }
     let threads = rayon::current_num_threads();
     let max_tokens = jobs.iter().map(|j| j.acts.n_tokens).max().unwrap_or(0);
-    // From outside the pool a parallel region costs an injection and a worker wake-up (5-8 µs,
-    // measured), from a worker a few hundred nanoseconds; splitting must save more than that.
-    let serial = if rayon::current_thread_index().is_some() {
-        SERIAL_MACS
+    // Split only when it saves more than it costs. A parallel region costs about a microsecond
+    // when called from a pool worker, 5-8 µs from outside the pool (an injection and a wake-up,
+    // measured). A product takes at least its multiply-accumulates at ~80 GMAC/s and, in a real
+    // model's decode, its weight bytes at ~11 GB/s per thread (the weights of a whole model do not
+    // stay cached between tokens, and two threads stream about twice as fast as one).
+    let bytes: usize = jobs.iter().map(|j| j.w.bytes().len()).sum();
+    let inside = rayon::current_thread_index().is_some();
+    let (serial_macs, serial_bytes) = if inside {
+        (SERIAL_MACS, SERIAL_BYTES)
     } else {
-        4 * SERIAL_MACS
+        (4 * SERIAL_MACS, 4 * SERIAL_BYTES)
     };
-    if total <= serial || threads == 1 {
+    let serial = total <= serial_macs && bytes <= serial_bytes;
+    if serial || threads == 1 {
         for j in jobs {
             run_groups(j, 0..j.w.groups);
         }
