@@ -236,7 +236,7 @@ fn main() {
                 }
                 for (name, ms, isa, global) in runs {
                     let mut i = 0;
-                    let mut call = || {
+                    let call = || {
                         i = (i + 1) % ms.len();
                         ms[i].matmul_isa(isa, &x, n, &mut out)
                     };
