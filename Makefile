@@ -4,7 +4,7 @@
 
 CARGO ?= cargo
 
-.PHONY: run test setup model lint bench
+.PHONY: run test setup model lint bench test-deps
 
 ## Fetch the default model (idempotent, sha256-verified).
 model:
@@ -19,8 +19,12 @@ lint:
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --all-targets -- -D warnings
 
-test: setup lint
-	$(CARGO) test --all-targets
+## Chromium + chromedriver for the browser tests (tests/browser.rs); apt-get when missing.
+test-deps:
+	./scripts/install-test-deps.sh
+
+test: setup test-deps lint
+	$(CARGO) test
 
 bench: setup
 	$(CARGO) run --release -- --threads 2 bench --prompt-tokens 512 --gen-tokens 64 --batch 8

@@ -1,5 +1,5 @@
 //! The web layer: actix-web handlers over the [`Platform`]. This is the only code that knows
-//! HTTP, SSE and (later) HTML; the actors and the store below it deal in plain Rust types.
+//! HTTP, SSE and HTML; the actors and the store below it deal in plain Rust types.
 //!
 //! Routes (JSON unless said otherwise; errors are `{"error": {"message", "type"}}`):
 //!
@@ -13,15 +13,21 @@
 //! | `GET /api/conversations/{id}/events` | …this SSE stream (see [`events`]) |
 //! | `POST /api/conversations/{id}/stop` | stop the running reply → `{"stopped": bool}` |
 //!
+//! | `GET /`, `/c/…`, `/conversations`, `/admin…`, `/static/…` | HTML pages (see [`pages`], [`admin`]; CSRF in [`csrf`]) |
+//!
 //! Everything under `/api` is scoped to the caller's owner id (a signed cookie, see [`owner`]).
 
+pub mod admin;
 pub mod api;
+pub mod csrf;
 pub mod error;
 pub mod events;
 pub mod json;
+pub mod markdown;
 pub mod openai;
 pub mod ops;
 pub mod owner;
+pub mod pages;
 
 use std::io;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -109,6 +115,49 @@ pub fn routes(cfg: &mut web::ServiceConfig) {
                         .default_service(web::to(method_not_allowed)),
                 )
                 .default_service(web::to(not_found)),
+        )
+        .route("/static/{path:.*}", web::get().to(pages::static_file))
+        // The HTML pages (see [`pages`], [`admin`]), CSRF-checked inside the owner cookie. Scopes
+        // with real prefixes, not `""`, so routes registered after these still match.
+        .service(
+            web::resource("/")
+                .wrap(from_fn(csrf::require_token))
+                .wrap(from_fn(owner::owner_cookie))
+                .route(web::get().to(pages::index)),
+        )
+        .service(
+            web::resource("/conversations")
+                .wrap(from_fn(csrf::require_token))
+                .wrap(from_fn(owner::owner_cookie))
+                .route(web::get().to(pages::list)),
+        )
+        .service(
+            web::scope("/c")
+                .wrap(from_fn(csrf::require_token))
+                .wrap(from_fn(owner::owner_cookie))
+                .route("", web::post().to(pages::create))
+                .route("/{id}", web::get().to(pages::conversation))
+                .route("/{id}", web::delete().to(pages::delete))
+                .route("/{id}/m/{mid}", web::get().to(pages::message))
+                .route("/{id}/messages", web::post().to(pages::send))
+                .route("/{id}/stop", web::post().to(pages::stop))
+                .route("/{id}/regenerate", web::post().to(pages::regenerate))
+                .route("/{id}/edit", web::post().to(pages::edit))
+                .route("/{id}/rename", web::post().to(pages::rename))
+                .route("/{id}/settings", web::post().to(pages::settings))
+                .route("/{id}/thinking", web::post().to(pages::thinking)),
+        )
+        .service(
+            web::scope("/admin")
+                .wrap(from_fn(csrf::require_token))
+                .wrap(from_fn(owner::owner_cookie))
+                .route("", web::get().to(admin::page))
+                .route("/login", web::post().to(admin::login))
+                .route("/logout", web::post().to(admin::logout))
+                .route("/live", web::get().to(admin::live))
+                .route("/c/{id}/stop", web::post().to(admin::stop))
+                .route("/c/{id}/evict", web::post().to(admin::evict))
+                .route("/c/{id}", web::delete().to(admin::delete)),
         );
 }
 

@@ -1,0 +1,311 @@
+//! `/admin`: every conversation of every owner and the engine, live, for whoever holds the
+//! configured `server.admin_token`.
+//!
+//! | route | |
+//! |---|---|
+//! | `GET /admin` | the dashboard; the login form without a session; a "disabled" page (404) without a token |
+//! | `POST /admin/login` (form `token`) | a wrong token → 401; right → admin session cookie + `HX-Redirect` |
+//! | `POST /admin/logout` | drops the session cookie |
+//! | `GET /admin/live` | the tables (fragment), polled by HTMX every 2 s |
+//! | `POST /admin/c/{id}/stop`, `/evict`; `DELETE /admin/c/{id}` | actions |
+//!
+//! The session is a signed, HttpOnly, SameSite=Strict cookie; like the owner cookie it is signed
+//! with the cookie key, so a restart with a random key logs admins out. The admin routes sit in
+//! the same scope as the pages, so their unsafe methods need the CSRF token too.
+
+use std::collections::HashMap;
+
+use actix_web::cookie::time::Duration as CookieDuration;
+use actix_web::cookie::{Cookie, CookieJar, SameSite};
+use actix_web::http::StatusCode;
+use actix_web::{web, HttpRequest, HttpResponse};
+use askama::Template;
+use serde::Deserialize;
+
+use super::api::parse_id;
+use super::csrf;
+use super::error::WebError;
+use super::owner::Owner;
+use super::pages::{delete_conversation, html, read_form, with_security_headers, PageError};
+use super::AppState;
+use crate::actors::scheduler::{Evict, GetCacheInfo, GetStats, StatesOf};
+use crate::actors::session::Stop;
+use crate::actors::types::SequenceState;
+
+const SESSION_COOKIE: &str = "smolchat_admin";
+/// The value the signed cookie carries; the signature is what proves the login.
+const SESSION_VALUE: &str = "admin-v1";
+const SESSION_HOURS: i64 = 12;
+
+#[derive(Template)]
+#[template(path = "admin_disabled.html")]
+struct DisabledPage {
+    csrf: String,
+}
+
+#[derive(Template)]
+#[template(path = "admin_login.html")]
+struct LoginPage {
+    csrf: String,
+}
+
+pub struct EngineView {
+    pub queued: usize,
+    pub queue_capacity: usize,
+    pub running: usize,
+    pub max_running: usize,
+    pub tokens_per_s: String,
+    pub kv_used: String,
+    pub kv_budget: String,
+    pub kv_percent: String,
+    pub cached_sequences: usize,
+    pub evictions: u64,
+    pub generated_tokens: u64,
+}
+
+pub struct AdminRow {
+    pub id: String,
+    pub owner: String,
+    pub title: String,
+    pub message_count: i64,
+    pub last_activity: String,
+    pub state: &'static str,
+    pub kv: String,
+    pub active: bool,
+}
+
+pub struct LiveView {
+    pub engine: EngineView,
+    pub rows: Vec<AdminRow>,
+    pub updated: String,
+}
+
+#[derive(Template)]
+#[template(path = "admin.html")]
+struct AdminPage {
+    csrf: String,
+    live: LiveView,
+}
+
+#[derive(Template)]
+#[template(path = "admin_live.html")]
+struct LiveFragment {
+    live: LiveView,
+}
+
+fn mib(bytes: usize) -> String {
+    format!("{:.1} MiB", bytes as f64 / (1024.0 * 1024.0))
+}
+
+fn logged_in(state: &AppState, req: &HttpRequest) -> bool {
+    let Some(cookie) = req.cookie(SESSION_COOKIE) else {
+        return false;
+    };
+    let jar = CookieJar::new();
+    jar.signed(&state.cookie_key)
+        .verify(cookie)
+        .is_some_and(|c| c.value() == SESSION_VALUE)
+}
+
+/// Refuses a request without a token configured (404) or without an admin session (401).
+fn require_admin(state: &AppState, req: &HttpRequest) -> Result<(), PageError> {
+    if state.admin_token.is_none() {
+        return Err(WebError::NotFound("the admin page is disabled".into()).into());
+    }
+    if !logged_in(state, req) {
+        return Err(PageError::Unauthorized(
+            "log in at /admin with the admin token".into(),
+        ));
+    }
+    Ok(())
+}
+
+async fn live_view(state: &AppState) -> Result<LiveView, PageError> {
+    let p = &state.platform;
+    let list = p.store.list_all_conversations().await?;
+    let keys: Vec<String> = list.iter().map(|c| c.id.to_string()).collect();
+    let states = p.scheduler.send(StatesOf(keys)).await?;
+    let caches: HashMap<String, usize> = p
+        .scheduler
+        .send(GetCacheInfo)
+        .await?
+        .into_iter()
+        .map(|c| (c.cache_key, c.bytes))
+        .collect();
+    let stats = p.scheduler.send(GetStats).await?;
+    let rows = list
+        .iter()
+        .zip(states.iter().chain(std::iter::repeat(&SequenceState::Idle)))
+        .map(|(c, s)| {
+            let key = c.id.to_string();
+            AdminRow {
+                kv: caches
+                    .get(&key)
+                    .map(|b| mib(*b))
+                    .unwrap_or_else(|| "—".into()),
+                id: key,
+                // Enough of the owner id to tell owners apart without a wide column.
+                owner: c.owner.chars().take(8).collect(),
+                title: if c.title.is_empty() {
+                    "(untitled)".into()
+                } else {
+                    c.title.clone()
+                },
+                message_count: c.message_count,
+                last_activity: c.updated_at.format("%Y-%m-%d %H:%M:%S").to_string(),
+                state: match s {
+                    SequenceState::Idle => "idle",
+                    SequenceState::Queued => "queued",
+                    SequenceState::Prefilling => "prefilling",
+                    SequenceState::Generating => "generating",
+                },
+                active: !matches!(s, SequenceState::Idle),
+            }
+        })
+        .collect();
+    let percent = if stats.kv_budget_bytes > 0 {
+        100.0 * stats.kv_bytes as f64 / stats.kv_budget_bytes as f64
+    } else {
+        0.0
+    };
+    Ok(LiveView {
+        engine: EngineView {
+            queued: stats.queued,
+            queue_capacity: stats.queue_capacity,
+            running: stats.running,
+            max_running: stats.max_running,
+            tokens_per_s: format!("{:.1}", stats.tokens_per_s),
+            kv_used: mib(stats.kv_bytes),
+            kv_budget: mib(stats.kv_budget_bytes),
+            kv_percent: format!("{percent:.0}"),
+            cached_sequences: stats.cached_sequences,
+            evictions: stats.evictions,
+            generated_tokens: stats.generated_tokens,
+        },
+        rows,
+        updated: chrono::Utc::now().format("%H:%M:%S UTC").to_string(),
+    })
+}
+
+/// `GET /admin`
+pub async fn page(
+    state: web::Data<AppState>,
+    owner: Owner,
+    req: HttpRequest,
+) -> Result<HttpResponse, PageError> {
+    let csrf = csrf::token_for(&state.cookie_key, owner.as_str());
+    if state.admin_token.is_none() {
+        let body = DisabledPage { csrf }
+            .render()
+            .map_err(|e| WebError::Internal(format!("template: {e}")))?;
+        let mut res = HttpResponse::NotFound();
+        with_security_headers(&mut res);
+        return Ok(res.content_type("text/html; charset=utf-8").body(body));
+    }
+    if !logged_in(&state, &req) {
+        return html(&LoginPage { csrf });
+    }
+    html(&AdminPage {
+        csrf,
+        live: live_view(&state).await?,
+    })
+}
+
+/// `GET /admin/live`
+pub async fn live(state: web::Data<AppState>, req: HttpRequest) -> Result<HttpResponse, PageError> {
+    require_admin(&state, &req)?;
+    html(&LiveFragment {
+        live: live_view(&state).await?,
+    })
+}
+
+#[derive(Deserialize)]
+pub struct LoginForm {
+    #[serde(default)]
+    token: String,
+}
+
+/// `POST /admin/login`
+pub async fn login(
+    state: web::Data<AppState>,
+    req: HttpRequest,
+    payload: web::Payload,
+) -> Result<HttpResponse, PageError> {
+    let Some(expected) = state.admin_token.as_deref() else {
+        return Err(WebError::NotFound("the admin page is disabled".into()).into());
+    };
+    let form: LoginForm = read_form(&state, payload).await?;
+    if !csrf::constant_time_eq(form.token.as_bytes(), expected.as_bytes()) {
+        tracing::warn!(peer = ?req.peer_addr(), "admin login with a wrong token");
+        return Err(PageError::Unauthorized("wrong admin token".into()));
+    }
+    let mut jar = CookieJar::new();
+    jar.signed_mut(&state.cookie_key).add(
+        Cookie::build(SESSION_COOKIE, SESSION_VALUE)
+            .path("/admin")
+            .http_only(true)
+            .same_site(SameSite::Strict)
+            .secure(req.connection_info().scheme() == "https")
+            .max_age(CookieDuration::hours(SESSION_HOURS))
+            .finish(),
+    );
+    let mut res = HttpResponse::build(StatusCode::NO_CONTENT);
+    res.insert_header(("HX-Redirect", "/admin"));
+    for cookie in jar.delta() {
+        res.cookie(cookie.clone());
+    }
+    tracing::info!("admin logged in");
+    Ok(res.finish())
+}
+
+/// `POST /admin/logout`
+pub async fn logout() -> HttpResponse {
+    let mut gone = Cookie::build(SESSION_COOKIE, "").path("/admin").finish();
+    gone.make_removal();
+    HttpResponse::NoContent()
+        .cookie(gone)
+        .insert_header(("HX-Redirect", "/admin"))
+        .finish()
+}
+
+/// `POST /admin/c/{id}/stop`
+pub async fn stop(
+    state: web::Data<AppState>,
+    req: HttpRequest,
+    path: web::Path<String>,
+) -> Result<HttpResponse, PageError> {
+    require_admin(&state, &req)?;
+    let id = parse_id(&path)?;
+    let stopped = match state.platform.sessions.get(id) {
+        Some(session) => session.send(Stop).await?,
+        None => false,
+    };
+    tracing::info!(conversation = %id, stopped, "admin stop");
+    Ok(HttpResponse::NoContent().finish())
+}
+
+/// `POST /admin/c/{id}/evict`
+pub async fn evict(
+    state: web::Data<AppState>,
+    req: HttpRequest,
+    path: web::Path<String>,
+) -> Result<HttpResponse, PageError> {
+    require_admin(&state, &req)?;
+    let id = parse_id(&path)?;
+    let dropped = state.platform.scheduler.send(Evict(id.to_string())).await?;
+    tracing::info!(conversation = %id, dropped, "admin evict");
+    Ok(HttpResponse::NoContent().finish())
+}
+
+/// `DELETE /admin/c/{id}`
+pub async fn delete(
+    state: web::Data<AppState>,
+    req: HttpRequest,
+    path: web::Path<String>,
+) -> Result<HttpResponse, PageError> {
+    require_admin(&state, &req)?;
+    let id = parse_id(&path)?;
+    delete_conversation(&state, id).await?;
+    tracing::info!(conversation = %id, "admin delete");
+    Ok(HttpResponse::NoContent().finish())
+}

@@ -1,0 +1,103 @@
+//! CSRF protection for the pages: every state-changing request (anything but GET/HEAD/OPTIONS)
+//! under the page routes must carry `X-CSRF-Token`, a per-owner token the page embeds.
+//!
+//! The token is an HMAC of the owner id under the cookie key (computed with the cookie crate's
+//! signing, under a name of its own so it never equals the owner cookie's signature). It needs no
+//! server-side storage, survives reloads and tabs, and a page on another site cannot read it (the
+//! owner cookie is HttpOnly and the token only appears inside our own pages). HTMX sends it from
+//! `hx-headers` on `<body>`; `static/chat.js` sends it with `fetch`. A header, not a form field,
+//! because a cross-site `<form>` cannot set headers at all.
+
+use actix_web::body::{EitherBody, MessageBody};
+use actix_web::cookie::{Cookie, CookieJar, Key};
+use actix_web::dev::{ServiceRequest, ServiceResponse};
+use actix_web::http::Method;
+use actix_web::middleware::Next;
+use actix_web::{web, HttpMessage};
+
+use super::owner::Owner;
+use super::pages::PageError;
+use super::AppState;
+
+pub const HEADER: &str = "X-CSRF-Token";
+/// The name the HMAC is bound to (the cookie crate signs name and value together).
+const PURPOSE: &str = "smolchat_csrf";
+
+/// The CSRF token of `owner` under `key`.
+pub fn token_for(key: &Key, owner_id: &str) -> String {
+    let mut jar = CookieJar::new();
+    jar.signed_mut(key)
+        .add(Cookie::new(PURPOSE, owner_id.to_string()));
+    // A signed value is `base64(mac) + value`; the mac alone is the token.
+    jar.get(PURPOSE)
+        .map(|c| {
+            let v = c.value();
+            v[..v.len().saturating_sub(owner_id.len())].to_string()
+        })
+        .unwrap_or_default()
+}
+
+/// Compares without an early exit, so timing does not tell how much of a guess was right.
+pub fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    if a.len() != b.len() {
+        return false;
+    }
+    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+/// Middleware (inside [`super::owner::owner_cookie`]): 403 for an unsafe method without the
+/// owner's token.
+pub async fn require_token(
+    req: ServiceRequest,
+    next: Next<impl MessageBody>,
+) -> Result<ServiceResponse<EitherBody<impl MessageBody>>, actix_web::Error> {
+    let safe = matches!(*req.method(), Method::GET | Method::HEAD | Method::OPTIONS);
+    if !safe {
+        let state = req.app_data::<web::Data<AppState>>().cloned();
+        let owner = req.extensions().get::<Owner>().cloned();
+        let valid = match (state, owner) {
+            (Some(state), Some(owner)) => {
+                let expected = token_for(&state.cookie_key, owner.as_str());
+                req.headers()
+                    .get(HEADER)
+                    .map(|v| constant_time_eq(v.as_bytes(), expected.as_bytes()))
+                    .unwrap_or(false)
+            }
+            _ => false,
+        };
+        if !valid {
+            tracing::warn!(method = %req.method(), path = req.path(), "request without a valid CSRF token refused");
+            let response = PageError::Forbidden(
+                "this request lacks a valid CSRF token; reload the page and try again".into(),
+            )
+            .response();
+            return Ok(req.into_response(response).map_into_right_body());
+        }
+    }
+    Ok(next.call(req).await?.map_into_left_body())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn token_depends_on_owner_and_key() {
+        let key = Key::generate();
+        let a = "0b5c1d36-7f59-4a61-9b5e-2f4f1c7d9e01";
+        let b = "0b5c1d36-7f59-4a61-9b5e-2f4f1c7d9e02";
+        let ta = token_for(&key, a);
+        assert!(ta.len() >= 40, "{ta}");
+        assert_eq!(ta, token_for(&key, a));
+        assert_ne!(ta, token_for(&key, b));
+        assert_ne!(ta, token_for(&Key::generate(), a));
+        assert!(!ta.contains(a));
+    }
+
+    #[test]
+    fn constant_time_eq_compares() {
+        assert!(constant_time_eq(b"abc", b"abc"));
+        assert!(!constant_time_eq(b"abc", b"abd"));
+        assert!(!constant_time_eq(b"abc", b"ab"));
+    }
+}

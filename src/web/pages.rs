@@ -1,0 +1,761 @@
+//! The chat pages: server-rendered askama templates, made live by HTMX (sidebar, settings,
+//! rename, delete) and by `static/chat.js` (the composer and the reply stream, which arrives as
+//! JSON on `/api/conversations/{id}/events` and is shown as plain text until the `done` event,
+//! when the stored reply is fetched again as server-rendered, sanitized markdown).
+//!
+//! | route | |
+//! |---|---|
+//! | `GET /` | the chat page with no conversation (the first message creates one) |
+//! | `POST /c` | create a conversation (form `content` optional: sent as its first message) → `HX-Redirect` |
+//! | `GET /c/{id}` | the chat page of one conversation |
+//! | `GET /conversations?q=` | the sidebar list (fragment), filtered by title and content |
+//! | `GET /c/{id}/m/{mid}` | one message (fragment) |
+//! | `POST /c/{id}/messages` | send (form `content`) → 202; the reply streams on the events API |
+//! | `POST /c/{id}/stop`, `/regenerate`, `/edit` (form `content`) | reply controls |
+//! | `POST /c/{id}/rename` (form `title`), `/settings` (form), `/thinking` (form `thinking`) | |
+//! | `DELETE /c/{id}` | delete → `HX-Redirect: /` |
+//! | `GET /static/...` | CSS, JS and the vendored HTMX, compiled into the binary (works offline) |
+//!
+//! Every route here runs inside the owner cookie and CSRF middlewares ([`super::csrf`]); errors are
+//! small HTML documents with an `.alert` element and the status code of the [`WebError`].
+
+use std::fmt;
+
+use actix_web::http::header::{self, HeaderValue};
+use actix_web::http::StatusCode;
+use actix_web::{web, HttpResponse, ResponseError};
+use askama::Template;
+use futures_util::StreamExt;
+use serde::de::DeserializeOwned;
+use serde::Deserialize;
+use uuid::Uuid;
+
+use super::api::{default_settings, owned, parse_id, TITLE_LIMIT};
+use super::error::WebError;
+use super::owner::Owner;
+use super::{csrf, json_limit, markdown, AppState};
+use crate::actors::scheduler::Evict;
+use crate::actors::session::{GetInfo, SendMessage, Shutdown, Stop};
+use crate::store::{Conversation, ConversationSummary, Message, MessageStatus, Role};
+
+/// An error of a page route: the web layer's error, shown as HTML.
+#[derive(Debug)]
+pub enum PageError {
+    Web(WebError),
+    /// A missing or wrong CSRF token.
+    Forbidden(String),
+    /// Admin routes without a valid admin session or with a wrong token.
+    Unauthorized(String),
+}
+
+impl fmt::Display for PageError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            PageError::Web(e) => write!(f, "{e}"),
+            PageError::Forbidden(m) | PageError::Unauthorized(m) => f.write_str(m),
+        }
+    }
+}
+
+impl From<WebError> for PageError {
+    fn from(e: WebError) -> Self {
+        PageError::Web(e)
+    }
+}
+
+impl From<crate::store::StoreError> for PageError {
+    fn from(e: crate::store::StoreError) -> Self {
+        PageError::Web(e.into())
+    }
+}
+
+impl From<crate::actors::session::SessionError> for PageError {
+    fn from(e: crate::actors::session::SessionError) -> Self {
+        PageError::Web(e.into())
+    }
+}
+
+impl From<actix::MailboxError> for PageError {
+    fn from(e: actix::MailboxError) -> Self {
+        PageError::Web(e.into())
+    }
+}
+
+#[derive(Template)]
+#[template(path = "error.html")]
+struct ErrorPage<'a> {
+    status: u16,
+    reason: &'a str,
+    message: &'a str,
+}
+
+impl PageError {
+    pub fn status(&self) -> StatusCode {
+        match self {
+            PageError::Web(e) => e.status_code(),
+            PageError::Forbidden(_) => StatusCode::FORBIDDEN,
+            PageError::Unauthorized(_) => StatusCode::UNAUTHORIZED,
+        }
+    }
+
+    /// The error as a small HTML document; HTMX and `chat.js` read its `.alert`.
+    pub fn response(&self) -> HttpResponse {
+        let status = self.status();
+        let message = match self {
+            PageError::Web(WebError::Internal(detail)) => {
+                tracing::error!(error = %detail, "page request failed");
+                "internal server error; see the server log".to_string()
+            }
+            other => {
+                tracing::debug!(status = status.as_u16(), error = %other, "page request refused");
+                other.to_string()
+            }
+        };
+        let page = ErrorPage {
+            status: status.as_u16(),
+            reason: status.canonical_reason().unwrap_or("Error"),
+            message: &message,
+        };
+        let body = page.render().unwrap_or_else(|e| {
+            tracing::error!("cannot render the error page: {e}");
+            "error".to_string()
+        });
+        let mut res = HttpResponse::build(status);
+        if let PageError::Web(WebError::Overloaded { retry_after_s, .. }) = self {
+            res.insert_header((
+                header::RETRY_AFTER,
+                HeaderValue::from((*retry_after_s).max(1)),
+            ));
+        }
+        with_security_headers(&mut res);
+        res.content_type("text/html; charset=utf-8").body(body)
+    }
+}
+
+impl ResponseError for PageError {
+    fn status_code(&self) -> StatusCode {
+        self.status()
+    }
+    fn error_response(&self) -> HttpResponse {
+        self.response()
+    }
+}
+
+/// Headers every page gets. The CSP allows only our own scripts (no inline script, no eval), so
+/// even markup that slipped past the sanitizer could not run.
+pub fn with_security_headers(res: &mut actix_web::HttpResponseBuilder) {
+    res.insert_header((
+        header::CONTENT_SECURITY_POLICY,
+        "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; \
+         connect-src 'self'; object-src 'none'; base-uri 'none'; form-action 'self'; \
+         frame-ancestors 'none'",
+    ))
+    .insert_header((header::X_CONTENT_TYPE_OPTIONS, "nosniff"))
+    .insert_header((header::REFERRER_POLICY, "same-origin"))
+    .insert_header((header::CACHE_CONTROL, "no-store"));
+}
+
+/// A rendered template as a 200 HTML response.
+pub fn html<T: Template>(t: &T) -> Result<HttpResponse, PageError> {
+    let body = t
+        .render()
+        .map_err(|e| WebError::Internal(format!("template: {e}")))?;
+    let mut res = HttpResponse::Ok();
+    with_security_headers(&mut res);
+    Ok(res.content_type("text/html; charset=utf-8").body(body))
+}
+
+/// Reads an `application/x-www-form-urlencoded` body of at most the JSON API's limit (a
+/// message at the character limit, fully percent-encoded, fits).
+pub async fn read_form<T: DeserializeOwned>(
+    state: &AppState,
+    mut payload: web::Payload,
+) -> Result<T, PageError> {
+    let limit = json_limit(state.platform.config.limits.max_message_chars);
+    let mut body = web::BytesMut::new();
+    while let Some(chunk) = payload.next().await {
+        let chunk =
+            chunk.map_err(|e| WebError::BadRequest(format!("cannot read the body: {e}")))?;
+        if body.len() + chunk.len() > limit {
+            return Err(WebError::PayloadTooLarge(format!(
+                "the request body is larger than {limit} bytes"
+            ))
+            .into());
+        }
+        body.extend_from_slice(&chunk);
+    }
+    let text = std::str::from_utf8(&body)
+        .map_err(|_| WebError::BadRequest("the form is not UTF-8".into()))?;
+    web::Query::<T>::from_query(text)
+        .map(web::Query::into_inner)
+        .map_err(|e| WebError::BadRequest(format!("bad form: {e}")).into())
+}
+
+// ---------------------------------------------------------------------------------------------
+// View models: plain strings and numbers, so the templates hold no logic beyond loops and ifs.
+
+pub struct ConversationItem {
+    pub id: String,
+    pub title: String,
+    pub when: String,
+    pub active: bool,
+}
+
+fn title_or_default(title: &str) -> String {
+    if title.trim().is_empty() {
+        "New chat".to_string()
+    } else {
+        title.to_string()
+    }
+}
+
+fn items(list: &[ConversationSummary], active: Option<Uuid>) -> Vec<ConversationItem> {
+    list.iter()
+        .map(|c| ConversationItem {
+            id: c.id.to_string(),
+            title: title_or_default(&c.title),
+            when: c.updated_at.format("%b %d, %H:%M").to_string(),
+            active: Some(c.id) == active,
+        })
+        .collect()
+}
+
+pub struct MessageView {
+    pub id: String,
+    pub role: &'static str,
+    /// A user message's text (escaped by the template).
+    pub text: String,
+    /// An assistant message's answer as sanitized HTML.
+    pub html: String,
+    pub reasoning: String,
+    pub streaming: bool,
+    pub status: &'static str,
+    pub error: String,
+    pub stats: String,
+}
+
+impl MessageView {
+    pub fn from_message(m: &Message, replying: bool) -> MessageView {
+        let assistant = m.role == Role::Assistant;
+        let streaming = m.status == MessageStatus::Streaming && replying;
+        let mut stats = Vec::new();
+        if assistant && !streaming {
+            if let Some(n) = m.completion_tokens {
+                stats.push(format!("{n} tokens"));
+            }
+            if let Some(t) = m.timings.as_ref().filter(|t| t.tokens_per_s > 0.0) {
+                stats.push(format!("{:.1} tok/s", t.tokens_per_s));
+            }
+            if let Some(p) = m.prompt_tokens {
+                let cached = m.cached_tokens.unwrap_or(0);
+                stats.push(format!("prompt {p} ({cached} cached)"));
+            }
+            match m.status {
+                MessageStatus::Stopped => stats.push("stopped".into()),
+                MessageStatus::Interrupted => stats.push("interrupted".into()),
+                MessageStatus::Error => stats.push("failed".into()),
+                _ => {}
+            }
+        }
+        MessageView {
+            id: m.id.to_string(),
+            role: if assistant { "assistant" } else { "user" },
+            text: m.content.clone(),
+            // While streaming, the page shows the text as it arrives (chat.js replays it).
+            html: if assistant && !streaming {
+                markdown::render(&m.content)
+            } else {
+                String::new()
+            },
+            reasoning: m.reasoning.clone().unwrap_or_default(),
+            streaming,
+            status: m.status.as_str(),
+            error: m.error.clone().unwrap_or_default(),
+            stats: stats.join(" · "),
+        }
+    }
+}
+
+pub struct SettingsView {
+    pub system_prompt: String,
+    pub thinking: bool,
+    pub temperature: String,
+    pub top_p: String,
+    pub max_tokens: usize,
+    pub max_tokens_limit: usize,
+}
+
+#[derive(Template)]
+#[template(path = "chat.html")]
+pub struct ChatPage {
+    pub csrf: String,
+    pub conversations: Vec<ConversationItem>,
+    /// Empty on `/` (no conversation yet).
+    pub conv_id: String,
+    pub title: String,
+    pub messages: Vec<MessageView>,
+    pub replying: bool,
+    pub context_used: i64,
+    pub context_window: usize,
+    pub max_chars: usize,
+    pub settings: SettingsView,
+}
+
+#[derive(Template)]
+#[template(path = "conv_list.html")]
+pub struct ConversationList {
+    pub conversations: Vec<ConversationItem>,
+}
+
+#[derive(Template)]
+#[template(path = "message.html")]
+pub struct MessageFragment {
+    pub m: MessageView,
+}
+
+fn csrf_token(state: &AppState, owner: &Owner) -> String {
+    csrf::token_for(&state.cookie_key, owner.as_str())
+}
+
+async fn is_replying(state: &AppState, id: Uuid) -> bool {
+    match state.platform.sessions.get(id) {
+        Some(session) => session.send(GetInfo).await.is_ok_and(|i| i.replying),
+        None => false,
+    }
+}
+
+async fn chat_page(
+    state: &AppState,
+    owner: &Owner,
+    conversation: Option<Conversation>,
+) -> Result<HttpResponse, PageError> {
+    let store = &state.platform.store;
+    let config = &state.platform.config;
+    let list = store.list_conversations(owner.as_str(), None).await?;
+    let (messages, replying) = match &conversation {
+        Some(c) => (store.messages(c.id).await?, is_replying(state, c.id).await),
+        None => (Vec::new(), false),
+    };
+    // Tokens in use: the last reply's prompt plus what it generated.
+    let context_used = messages
+        .iter()
+        .rev()
+        .find_map(|m| Some(m.prompt_tokens? + m.completion_tokens.unwrap_or(0)))
+        .unwrap_or(0);
+    let settings = conversation
+        .as_ref()
+        .map(|c| c.settings.clone())
+        .unwrap_or_else(|| default_settings(config));
+    let page = ChatPage {
+        csrf: csrf_token(state, owner),
+        conversations: items(&list, conversation.as_ref().map(|c| c.id)),
+        conv_id: conversation
+            .as_ref()
+            .map(|c| c.id.to_string())
+            .unwrap_or_default(),
+        title: conversation
+            .as_ref()
+            .map(|c| title_or_default(&c.title))
+            .unwrap_or_else(|| "New chat".into()),
+        messages: messages
+            .iter()
+            .filter(|m| matches!(m.role, Role::User | Role::Assistant))
+            .map(|m| MessageView::from_message(m, replying))
+            .collect(),
+        replying,
+        context_used,
+        context_window: state.platform.model.context_window,
+        max_chars: config.limits.max_message_chars,
+        settings: SettingsView {
+            system_prompt: settings.system_prompt.clone().unwrap_or_default(),
+            thinking: settings.thinking,
+            temperature: format!("{}", settings.temperature),
+            top_p: format!("{}", settings.top_p),
+            max_tokens: settings.max_tokens,
+            max_tokens_limit: config.limits.max_new_tokens,
+        },
+    };
+    html(&page)
+}
+
+/// `GET /`
+pub async fn index(state: web::Data<AppState>, owner: Owner) -> Result<HttpResponse, PageError> {
+    chat_page(&state, &owner, None).await
+}
+
+/// `GET /c/{id}`
+pub async fn conversation(
+    state: web::Data<AppState>,
+    owner: Owner,
+    path: web::Path<String>,
+) -> Result<HttpResponse, PageError> {
+    let c = owned(&state, &path, &owner).await?;
+    chat_page(&state, &owner, Some(c)).await
+}
+
+#[derive(Deserialize)]
+pub struct SearchQuery {
+    #[serde(default)]
+    q: String,
+    #[serde(default)]
+    active: String,
+}
+
+/// `GET /conversations?q=`
+pub async fn list(
+    state: web::Data<AppState>,
+    owner: Owner,
+    query: web::Query<SearchQuery>,
+) -> Result<HttpResponse, PageError> {
+    if query.q.chars().count() > TITLE_LIMIT {
+        return Err(WebError::BadRequest(format!(
+            "the search text is longer than {TITLE_LIMIT} characters"
+        ))
+        .into());
+    }
+    let list = state
+        .platform
+        .store
+        .list_conversations(owner.as_str(), Some(&query.q))
+        .await?;
+    let active = Uuid::parse_str(&query.active).ok();
+    html(&ConversationList {
+        conversations: items(&list, active),
+    })
+}
+
+/// `GET /c/{id}/m/{mid}`
+pub async fn message(
+    state: web::Data<AppState>,
+    owner: Owner,
+    path: web::Path<(String, String)>,
+) -> Result<HttpResponse, PageError> {
+    let (cid, mid) = path.into_inner();
+    let c = owned(&state, &cid, &owner).await?;
+    let mid = parse_id(&mid)?;
+    let m = state
+        .platform
+        .store
+        .get_message(mid)
+        .await?
+        .filter(|m| m.conversation_id == c.id)
+        .ok_or_else(|| WebError::NotFound("message not found".into()))?;
+    let replying = is_replying(&state, c.id).await;
+    html(&MessageFragment {
+        m: MessageView::from_message(&m, replying),
+    })
+}
+
+#[derive(Deserialize)]
+pub struct ContentForm {
+    #[serde(default)]
+    content: String,
+}
+
+/// An HTMX redirect (a full page load of `to`), with `Location` for other clients.
+fn hx_redirect(status: StatusCode, to: &str) -> HttpResponse {
+    HttpResponse::build(status)
+        .insert_header(("HX-Redirect", to.to_string()))
+        .insert_header((header::LOCATION, to.to_string()))
+        .finish()
+}
+
+/// `POST /c`: a new conversation, with its first message if the form has one.
+pub async fn create(
+    state: web::Data<AppState>,
+    owner: Owner,
+    payload: web::Payload,
+) -> Result<HttpResponse, PageError> {
+    let form: ContentForm = read_form(&state, payload).await?;
+    let content = form.content;
+    let limit = state.platform.config.limits.max_message_chars;
+    let chars = content.chars().count();
+    // Check before creating, so a refused message leaves no empty conversation behind.
+    if chars > limit {
+        return Err(WebError::PayloadTooLarge(format!(
+            "the message has {chars} characters; the limit is {limit}"
+        ))
+        .into());
+    }
+    let store = &state.platform.store;
+    let settings = default_settings(&state.platform.config);
+    let c = store.create_conversation(owner.as_str(), &settings).await?;
+    tracing::info!(conversation = %c.id, owner = owner.as_str(), "conversation created from the page");
+    if !content.trim().is_empty() {
+        let session = state.platform.sessions.get_or_start(c.id);
+        if let Err(e) = session.send(SendMessage { content }).await? {
+            // The conversation would stay empty; remove it so the sidebar does not fill up.
+            let _ = session.send(Shutdown).await;
+            let _ = store.delete_conversation(c.id).await;
+            return Err(e.into());
+        }
+    }
+    Ok(hx_redirect(StatusCode::CREATED, &format!("/c/{}", c.id)))
+}
+
+/// `POST /c/{id}/messages`
+pub async fn send(
+    state: web::Data<AppState>,
+    owner: Owner,
+    path: web::Path<String>,
+    payload: web::Payload,
+) -> Result<HttpResponse, PageError> {
+    let c = owned(&state, &path, &owner).await?;
+    let form: ContentForm = read_form(&state, payload).await?;
+    let session = state.platform.sessions.get_or_start(c.id);
+    let accepted = session
+        .send(SendMessage {
+            content: form.content,
+        })
+        .await??;
+    tracing::debug!(conversation = %c.id, message = %accepted.user_message.id, "message sent from the page");
+    Ok(HttpResponse::Accepted().finish())
+}
+
+/// `POST /c/{id}/stop`
+pub async fn stop(
+    state: web::Data<AppState>,
+    owner: Owner,
+    path: web::Path<String>,
+) -> Result<HttpResponse, PageError> {
+    let c = owned(&state, &path, &owner).await?;
+    if let Some(session) = state.platform.sessions.get(c.id) {
+        let stopped = session.send(Stop).await?;
+        tracing::debug!(conversation = %c.id, stopped, "stop from the page");
+    }
+    Ok(HttpResponse::NoContent().finish())
+}
+
+/// Deletes the last user message and everything after it, then sends `content` (or the same
+/// text again): regenerate and edit-and-resend.
+async fn resend(
+    state: &AppState,
+    c: &Conversation,
+    content: Option<String>,
+) -> Result<HttpResponse, PageError> {
+    let session = state.platform.sessions.get_or_start(c.id);
+    if session.send(GetInfo).await?.replying {
+        return Err(WebError::Conflict("a reply is being generated; stop it first".into()).into());
+    }
+    let store = &state.platform.store;
+    let messages = store.messages(c.id).await?;
+    let last_user = messages
+        .iter()
+        .rev()
+        .find(|m| m.role == Role::User)
+        .ok_or_else(|| WebError::BadRequest("there is no message to resend".into()))?;
+    let content = content.unwrap_or_else(|| last_user.content.clone());
+    // Validate before deleting, so a refused edit keeps the conversation as it was.
+    let limit = state.platform.config.limits.max_message_chars;
+    let chars = content.chars().count();
+    if content.trim().is_empty() {
+        return Err(WebError::BadRequest("the message is empty".into()).into());
+    }
+    if chars > limit {
+        return Err(WebError::PayloadTooLarge(format!(
+            "the message has {chars} characters; the limit is {limit}"
+        ))
+        .into());
+    }
+    let deleted = store.delete_messages_from(c.id, last_user.id).await?;
+    tracing::info!(conversation = %c.id, deleted, "resending the last message");
+    session.send(SendMessage { content }).await??;
+    Ok(HttpResponse::Accepted().finish())
+}
+
+/// `POST /c/{id}/regenerate`
+pub async fn regenerate(
+    state: web::Data<AppState>,
+    owner: Owner,
+    path: web::Path<String>,
+) -> Result<HttpResponse, PageError> {
+    let c = owned(&state, &path, &owner).await?;
+    resend(&state, &c, None).await
+}
+
+/// `POST /c/{id}/edit`
+pub async fn edit(
+    state: web::Data<AppState>,
+    owner: Owner,
+    path: web::Path<String>,
+    payload: web::Payload,
+) -> Result<HttpResponse, PageError> {
+    let c = owned(&state, &path, &owner).await?;
+    let form: ContentForm = read_form(&state, payload).await?;
+    resend(&state, &c, Some(form.content)).await
+}
+
+#[derive(Deserialize)]
+pub struct TitleForm {
+    title: String,
+}
+
+/// `POST /c/{id}/rename`
+pub async fn rename(
+    state: web::Data<AppState>,
+    owner: Owner,
+    path: web::Path<String>,
+    payload: web::Payload,
+) -> Result<HttpResponse, PageError> {
+    let c = owned(&state, &path, &owner).await?;
+    let form: TitleForm = read_form(&state, payload).await?;
+    let title = form.title.trim();
+    let chars = title.chars().count();
+    if chars > TITLE_LIMIT {
+        return Err(WebError::BadRequest(format!(
+            "the title has {chars} characters; the limit is {TITLE_LIMIT}"
+        ))
+        .into());
+    }
+    state
+        .platform
+        .store
+        .rename_conversation(c.id, title)
+        .await?;
+    Ok(HttpResponse::NoContent()
+        .insert_header(("HX-Refresh", "true"))
+        .finish())
+}
+
+#[derive(Deserialize)]
+pub struct SettingsForm {
+    #[serde(default)]
+    system_prompt: String,
+    temperature: f32,
+    top_p: f32,
+    max_tokens: usize,
+    /// A checkbox: present ("on") when checked.
+    thinking: Option<String>,
+}
+
+/// `POST /c/{id}/settings`: the settings panel (used from the next message on).
+pub async fn settings(
+    state: web::Data<AppState>,
+    owner: Owner,
+    path: web::Path<String>,
+    payload: web::Payload,
+) -> Result<HttpResponse, PageError> {
+    let c = owned(&state, &path, &owner).await?;
+    let form: SettingsForm = read_form(&state, payload).await?;
+    let limits = &state.platform.config.limits;
+    let prompt_chars = form.system_prompt.chars().count();
+    if prompt_chars > limits.max_message_chars {
+        return Err(WebError::PayloadTooLarge(format!(
+            "the system prompt has {prompt_chars} characters; the limit is {}",
+            limits.max_message_chars
+        ))
+        .into());
+    }
+    if form.max_tokens == 0 || form.max_tokens > limits.max_new_tokens {
+        return Err(WebError::BadRequest(format!(
+            "max tokens must be between 1 and {}",
+            limits.max_new_tokens
+        ))
+        .into());
+    }
+    if !(0.0..=2.0).contains(&form.temperature) {
+        return Err(WebError::BadRequest("temperature must be between 0 and 2".into()).into());
+    }
+    let mut s = c.settings.clone();
+    s.system_prompt = Some(form.system_prompt).filter(|p| !p.trim().is_empty());
+    s.temperature = form.temperature;
+    s.top_p = form.top_p;
+    s.max_tokens = form.max_tokens;
+    s.thinking = form.thinking.is_some();
+    s.validate().map_err(WebError::BadRequest)?;
+    state.platform.store.update_settings(c.id, &s).await?;
+    Ok(HttpResponse::Ok()
+        .content_type("text/html; charset=utf-8")
+        .body("<span class=\"saved\">Saved</span>"))
+}
+
+#[derive(Deserialize)]
+pub struct ThinkingForm {
+    thinking: Option<String>,
+}
+
+/// `POST /c/{id}/thinking`: the quick switch in the header.
+pub async fn thinking(
+    state: web::Data<AppState>,
+    owner: Owner,
+    path: web::Path<String>,
+    payload: web::Payload,
+) -> Result<HttpResponse, PageError> {
+    let c = owned(&state, &path, &owner).await?;
+    let form: ThinkingForm = read_form(&state, payload).await?;
+    let mut s = c.settings.clone();
+    s.thinking = form.thinking.is_some();
+    state.platform.store.update_settings(c.id, &s).await?;
+    Ok(HttpResponse::NoContent().finish())
+}
+
+/// `DELETE /c/{id}`
+pub async fn delete(
+    state: web::Data<AppState>,
+    owner: Owner,
+    path: web::Path<String>,
+) -> Result<HttpResponse, PageError> {
+    let c = owned(&state, &path, &owner).await?;
+    delete_conversation(&state, c.id).await?;
+    Ok(hx_redirect(StatusCode::OK, "/"))
+}
+
+/// Stops the session (and its reply), deletes the conversation and drops its KV cache.
+pub async fn delete_conversation(state: &AppState, id: Uuid) -> Result<(), PageError> {
+    if let Some(session) = state.platform.sessions.get(id) {
+        // It may already be stopping; then there is nothing to shut down.
+        let _ = session.send(Shutdown).await;
+    }
+    if !state.platform.store.delete_conversation(id).await? {
+        return Err(WebError::conversation_not_found().into());
+    }
+    let _ = state.platform.scheduler.send(Evict(id.to_string())).await;
+    tracing::info!(conversation = %id, "conversation deleted");
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------------
+// Static files, compiled in.
+
+const STATIC_FILES: &[(&str, &str, &[u8])] = &[
+    (
+        "app.css",
+        "text/css; charset=utf-8",
+        include_bytes!("../../static/app.css"),
+    ),
+    (
+        "chat.js",
+        "text/javascript; charset=utf-8",
+        include_bytes!("../../static/chat.js"),
+    ),
+    (
+        "vendor/htmx-2.0.11.min.js",
+        "text/javascript; charset=utf-8",
+        include_bytes!("../../static/vendor/htmx-2.0.11.min.js"),
+    ),
+    (
+        "vendor/htmx-ext-sse-2.2.4.min.js",
+        "text/javascript; charset=utf-8",
+        include_bytes!("../../static/vendor/htmx-ext-sse-2.2.4.min.js"),
+    ),
+    (
+        "favicon.svg",
+        "image/svg+xml",
+        include_bytes!("../../static/favicon.svg"),
+    ),
+];
+
+/// `GET /static/{path}`
+pub async fn static_file(path: web::Path<String>) -> Result<HttpResponse, WebError> {
+    let name = path.into_inner();
+    let (_, mime, bytes) = STATIC_FILES
+        .iter()
+        .find(|(n, _, _)| *n == name)
+        .ok_or_else(|| WebError::NotFound(format!("no static file {name:?}")))?;
+    Ok(HttpResponse::Ok()
+        .content_type(*mime)
+        .insert_header((header::X_CONTENT_TYPE_OPTIONS, "nosniff"))
+        // Short: our own files change with the binary and have no version in their names.
+        .insert_header((header::CACHE_CONTROL, "public, max-age=300"))
+        .body(*bytes))
+}

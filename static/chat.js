@@ -1,0 +1,328 @@
+// smolchat's page script: the composer, the live reply stream, copy buttons and error toasts.
+// No framework: the server renders everything; this only streams text in and swaps in the
+// server-rendered (sanitized) message when a reply is done. Text from the server is only ever
+// inserted with textContent, never as HTML, except the server-rendered fragments.
+(function () {
+  "use strict";
+  const csrf = document.body.dataset.csrf || "";
+
+  function toast(text, kind) {
+    const box = document.getElementById("toasts");
+    if (!box) return;
+    const t = document.createElement("div");
+    t.className = "toast" + (kind ? " " + kind : "");
+    t.setAttribute("role", "alert");
+    t.textContent = text;
+    box.appendChild(t);
+    // Kept after the toast fades, for whoever looks later (the browser tests do).
+    document.body.dataset.lastError = text;
+    setTimeout(() => t.remove(), 8000);
+  }
+
+  // Error responses are small HTML documents with an `.alert` (see pages.rs).
+  function errorText(status, body) {
+    try {
+      const doc = new DOMParser().parseFromString(body, "text/html");
+      const alert = doc.querySelector(".alert");
+      if (alert && alert.textContent.trim()) return alert.textContent.trim();
+    } catch (_) { /* fall through */ }
+    return "request failed (" + status + ")";
+  }
+
+  async function post(url, fields, method) {
+    const body = new URLSearchParams(fields || {});
+    const res = await fetch(url, {
+      method: method || "POST",
+      headers: { "X-CSRF-Token": csrf, "Content-Type": "application/x-www-form-urlencoded" },
+      body: body,
+      credentials: "same-origin",
+    });
+    if (!res.ok) {
+      const text = errorText(res.status, await res.text());
+      const err = new Error(text);
+      err.status = res.status;
+      throw err;
+    }
+    return res;
+  }
+
+  function explain(err) {
+    if (err.status === 503) toast("The server is busy right now: " + err.message, "");
+    else toast(err.message, "");
+  }
+
+  document.addEventListener("htmx:responseError", (e) => {
+    const xhr = e.detail.xhr;
+    toast(errorText(xhr.status, xhr.responseText));
+  });
+  document.addEventListener("htmx:sendError", () => toast("The server cannot be reached."));
+
+  // Copy buttons on code blocks (added client-side: the sanitized HTML carries no buttons).
+  function enhance(root) {
+    root.querySelectorAll(".md pre").forEach((pre) => {
+      if (pre.querySelector(".copy-btn")) return;
+      const b = document.createElement("button");
+      b.type = "button";
+      b.className = "copy-btn";
+      b.textContent = "Copy";
+      pre.appendChild(b);
+    });
+  }
+  document.addEventListener("click", async (e) => {
+    const b = e.target.closest(".copy-btn");
+    if (!b) return;
+    const code = b.parentElement.querySelector("code") || b.parentElement;
+    const text = code.textContent;
+    try {
+      await navigator.clipboard.writeText(text);
+    } catch (_) {
+      const ta = document.createElement("textarea");
+      ta.value = text;
+      document.body.appendChild(ta);
+      ta.select();
+      document.execCommand("copy");
+      ta.remove();
+    }
+    b.textContent = "Copied";
+    setTimeout(() => (b.textContent = "Copy"), 1500);
+  });
+  enhance(document);
+
+  const app = document.getElementById("app");
+  if (!app) return; // admin and error pages
+  const convId = app.dataset.conversation;
+  const messages = document.getElementById("messages");
+  const form = document.getElementById("composer");
+  const input = document.getElementById("input");
+  const sendBtn = document.getElementById("send-btn");
+  const stopBtn = document.getElementById("stop-btn");
+  const status = document.getElementById("live-status");
+  const ctxUsed = document.getElementById("ctx-used");
+  let busy = false;
+  let editing = false;
+
+  function setBusy(b, text) {
+    busy = b;
+    stopBtn.hidden = !b;
+    sendBtn.hidden = b;
+    messages.classList.toggle("idle", !b);
+    status.textContent = text || "";
+  }
+  function scrollDown() {
+    const near = messages.scrollHeight - messages.scrollTop - messages.clientHeight < 160;
+    if (near) messages.scrollTop = messages.scrollHeight;
+  }
+
+  // Sidebar drawer at phone width.
+  const menu = document.getElementById("menu-btn");
+  const backdrop = document.getElementById("backdrop");
+  if (menu) menu.addEventListener("click", () => app.classList.toggle("nav-open"));
+  if (backdrop) backdrop.addEventListener("click", () => app.classList.remove("nav-open"));
+
+  const settingsBtn = document.getElementById("settings-btn");
+  if (settingsBtn) settingsBtn.addEventListener("click", () => {
+    const s = document.getElementById("settings");
+    s.hidden = !s.hidden;
+    settingsBtn.setAttribute("aria-expanded", String(!s.hidden));
+  });
+  const renameBtn = document.getElementById("rename-btn");
+  if (renameBtn) renameBtn.addEventListener("click", async () => {
+    const title = window.prompt("Rename conversation", renameBtn.dataset.title || "");
+    if (title === null) return;
+    try {
+      await post("/c/" + convId + "/rename", { title: title });
+      location.reload();
+    } catch (err) { explain(err); }
+  });
+
+  // Enter sends, Shift+Enter is a new line; the box grows with its text.
+  function autosize() {
+    input.style.height = "auto";
+    input.style.height = Math.min(input.scrollHeight, window.innerHeight * 0.4) + "px";
+  }
+  input.addEventListener("input", autosize);
+  input.addEventListener("keydown", (e) => {
+    if (e.key === "Enter" && !e.shiftKey && !e.isComposing) {
+      e.preventDefault();
+      form.requestSubmit();
+    }
+  });
+
+  function lastOf(role) {
+    const all = messages.querySelectorAll(".msg." + role);
+    return all.length ? all[all.length - 1] : null;
+  }
+  // The last user message and everything after it (what regenerate and edit replace).
+  function lastExchange() {
+    const u = lastOf("user");
+    if (!u) return [];
+    const out = [u];
+    for (let n = u.nextElementSibling; n; n = n.nextElementSibling) out.push(n);
+    return out;
+  }
+  const editBar = document.getElementById("editing");
+  function setEditing(on) {
+    editing = on;
+    editBar.hidden = !on;
+  }
+  document.getElementById("cancel-edit").addEventListener("click", () => { setEditing(false); input.value = ""; autosize(); });
+
+  messages.addEventListener("click", async (e) => {
+    if (e.target.closest(".regen-btn")) {
+      // The server deletes the last exchange and `started` brings a new one, possibly before
+      // the POST answers: so the old bubbles are picked (and hidden) first.
+      const old = lastExchange();
+      old.forEach((el) => (el.hidden = true));
+      try {
+        await post("/c/" + convId + "/regenerate");
+        old.forEach((el) => el.remove());
+      } catch (err) {
+        old.forEach((el) => (el.hidden = false));
+        explain(err);
+      }
+    } else if (e.target.closest(".edit-btn")) {
+      const u = lastOf("user");
+      if (!u) return;
+      input.value = u.querySelector(".text").textContent;
+      setEditing(true);
+      autosize();
+      input.focus();
+    }
+  });
+
+  form.addEventListener("submit", async (e) => {
+    e.preventDefault();
+    const content = input.value;
+    if (!content.trim() || busy) return;
+    sendBtn.disabled = true;
+    try {
+      if (!convId) {
+        const res = await post("/c", { content: content });
+        location.href = res.headers.get("HX-Redirect") || "/";
+        return;
+      }
+      if (editing) {
+        const old = lastExchange();
+        old.forEach((el) => (el.hidden = true));
+        try {
+          await post("/c/" + convId + "/edit", { content: content });
+        } catch (err) {
+          old.forEach((el) => (el.hidden = false));
+          throw err;
+        }
+        old.forEach((el) => el.remove());
+        setEditing(false);
+      } else {
+        await post("/c/" + convId + "/messages", { content: content });
+      }
+      input.value = "";
+      autosize();
+    } catch (err) {
+      explain(err);
+    } finally {
+      sendBtn.disabled = false;
+    }
+  });
+
+  stopBtn.addEventListener("click", async () => {
+    try { await post("/c/" + convId + "/stop"); } catch (err) { explain(err); }
+  });
+
+  if (!convId) { setBusy(false); return; }
+
+  // The live stream. `started` may be a replay of a reply this page already shows (after a
+  // reload): then the bubble is reset and refilled by the replayed events.
+  function ensureUser(m) {
+    if (document.getElementById("msg-" + m.id)) return;
+    const empty = document.getElementById("empty");
+    if (empty) empty.remove();
+    const el = document.createElement("article");
+    el.className = "msg user";
+    el.id = "msg-" + m.id;
+    el.dataset.id = m.id;
+    el.innerHTML = '<div class="bubble"><div class="text"></div></div><div class="actions"><button type="button" class="link-btn edit-btn" title="Edit and resend">Edit</button></div>';
+    el.querySelector(".text").textContent = m.content;
+    messages.appendChild(el);
+  }
+  function ensureAssistant(id) {
+    let el = document.getElementById("msg-" + id);
+    if (!el) {
+      el = document.createElement("article");
+      el.id = "msg-" + id;
+      el.dataset.id = id;
+      el.innerHTML = '<div class="avatar" aria-hidden="true">✦</div><div class="bubble"><details class="thinking" hidden open><summary>Thinking</summary><div class="thinking-text"></div></details><div class="md"><span class="stream"></span></div><div class="meta"><span class="stats"></span><button type="button" class="link-btn regen-btn">Regenerate</button></div></div>';
+      messages.appendChild(el);
+    }
+    el.className = "msg assistant streaming";
+    el.querySelector(".thinking-text").textContent = "";
+    el.querySelector(".thinking").hidden = true;
+    const md = el.querySelector(".md");
+    md.textContent = "";
+    const s = document.createElement("span");
+    s.className = "stream";
+    md.appendChild(s);
+    return el;
+  }
+  let current = null;
+
+  const events = new EventSource("/api/conversations/" + convId + "/events");
+  function on(name, fn) {
+    events.addEventListener(name, (e) => {
+      let data;
+      try { data = JSON.parse(e.data); } catch (_) { return; }
+      fn(data);
+    });
+  }
+  on("started", (d) => {
+    ensureUser(d.user_message);
+    current = ensureAssistant(d.assistant_message_id);
+    setBusy(true, "Waiting in the queue…");
+    messages.scrollTop = messages.scrollHeight;
+  });
+  on("prefilling", (d) => {
+    setBusy(true, "Reading " + d.prompt_tokens + " prompt tokens (" + d.cached_tokens + " cached)…");
+  });
+  on("reasoning", (d) => {
+    if (!current) return;
+    const t = current.querySelector(".thinking");
+    t.hidden = false;
+    t.querySelector(".thinking-text").append(d.text);
+    status.textContent = "Thinking…";
+    scrollDown();
+  });
+  on("answer", (d) => {
+    if (!current) return;
+    const t = current.querySelector(".thinking");
+    if (!t.hidden && t.open && status.textContent === "Thinking…") t.open = false;
+    current.querySelector(".stream").append(d.text);
+    status.textContent = "Writing…";
+    scrollDown();
+  });
+  on("done", async (d) => {
+    const m = d.message;
+    const el = current || document.getElementById("msg-" + m.id);
+    current = null;
+    setBusy(false);
+    if (m.prompt_tokens != null) ctxUsed.textContent = String((m.prompt_tokens || 0) + (m.completion_tokens || 0));
+    if (m.status === "stopped") status.textContent = "Stopped.";
+    if (d.summary && d.summary.reason === "length") status.textContent = "The reply hit its token limit or the context is full.";
+    try {
+      const res = await fetch("/c/" + convId + "/m/" + m.id, { credentials: "same-origin" });
+      if (res.ok && el) {
+        const tpl = document.createElement("template");
+        tpl.innerHTML = (await res.text()).trim();
+        const fresh = tpl.content.firstElementChild;
+        if (fresh) { el.replaceWith(fresh); enhance(fresh); }
+      }
+    } catch (_) { /* the streamed text stays */ }
+    if (window.htmx) htmx.ajax("GET", "/conversations?active=" + convId, { target: "#conv-list", swap: "innerHTML" });
+    scrollDown();
+  });
+  on("error", (d) => {
+    if (d && d.message) toast(d.message);
+    setBusy(false);
+  });
+
+  setBusy(app.dataset.replying === "true", app.dataset.replying === "true" ? "Joining the reply…" : "");
+  messages.scrollTop = messages.scrollHeight;
+})();

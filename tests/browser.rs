@@ -1,0 +1,638 @@
+//! The chat and admin pages in a real headless Chromium (Debian `chromium` + `chromium-driver`,
+//! installed by `scripts/install-test-deps.sh`), driven over WebDriver with fantoccini, against a
+//! real `smolchat serve` with the real default model.
+//!
+//! One test, in steps, so the model loads once: stream a reply, reload and find it restored,
+//! stop a reply, rejoin a streaming reply after a reload, two browsers at once that never see each
+//! other's conversations, an XSS payload shown as text, and the admin page (wrong token refused,
+//! both browsers' conversations listed and updated live). Screenshots go to
+//! `target/screenshots/` (copies are committed under `docs/screenshots/`).
+//!
+//! Chromium missing is a failure, not a skip: run `scripts/install-test-deps.sh` (or `make test`).
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::server::Server;
+use fantoccini::{Client, ClientBuilder, Locator};
+use serde_json::{json, Value};
+
+const CHROMIUM: &str = "/usr/bin/chromium";
+const CHROMEDRIVER: &str = "/usr/bin/chromedriver";
+const ADMIN_TOKEN: &str = "browser-test-admin-token";
+const WAIT: Duration = Duration::from_secs(90);
+
+/// `chromedriver --port=…`, killed on drop.
+struct Driver {
+    child: Child,
+    url: String,
+}
+
+impl Drop for Driver {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn free_port() -> u16 {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    l.local_addr().expect("addr").port()
+}
+
+async fn start_driver(dir: &Path) -> Driver {
+    for tool in [CHROMIUM, CHROMEDRIVER] {
+        assert!(
+            Path::new(tool).exists(),
+            "{tool} is missing: the browser tests need Debian's `chromium` and `chromium-driver`. \
+             Run `sudo scripts/install-test-deps.sh` (make test does) and try again."
+        );
+    }
+    let port = free_port();
+    let log = std::fs::File::create(dir.join("chromedriver.log")).expect("log");
+    let child = Command::new(CHROMEDRIVER)
+        .arg(format!("--port={port}"))
+        .stdout(Stdio::null())
+        .stderr(log)
+        .spawn()
+        .expect("start chromedriver");
+    let driver = Driver {
+        child,
+        url: format!("http://127.0.0.1:{port}"),
+    };
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(Instant::now() < deadline, "chromedriver did not start");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    driver
+}
+
+/// One browser (its own Chromium and profile, so its own cookies).
+async fn browser(driver: &Driver, profile: &Path, opts: BrowserOpts) -> Client {
+    std::fs::create_dir_all(profile).expect("profile dir");
+    let mut args = vec![
+        "--headless".to_string(),
+        "--no-sandbox".into(),
+        "--disable-gpu".into(),
+        "--disable-dev-shm-usage".into(),
+        "--disable-background-networking".into(),
+        "--disable-component-update".into(),
+        "--no-first-run".into(),
+        "--disable-sync".into(),
+        "--disable-quic".into(),
+        "--hide-scrollbars".into(),
+        format!("--user-data-dir={}", profile.display()),
+        format!("--window-size={},{}", opts.width, opts.height),
+    ];
+    if opts.dark {
+        args.push("--force-dark-mode".into());
+        args.push("--blink-settings=preferredColorScheme=0".into());
+    } else {
+        args.push("--blink-settings=preferredColorScheme=1".into());
+    }
+    let mut chrome = json!({ "binary": CHROMIUM, "args": args });
+    if opts.phone {
+        chrome["mobileEmulation"] = json!({
+            "deviceMetrics": { "width": opts.width, "height": opts.height, "pixelRatio": 2.0, "touch": true },
+            "userAgent": "Mozilla/5.0 (Linux; Android 14; Pixel 8) AppleWebKit/537.36 (KHTML, like Gecko) Chrome/156.0 Mobile Safari/537.36"
+        });
+    }
+    let mut caps = serde_json::Map::new();
+    caps.insert("goog:chromeOptions".into(), chrome);
+    caps.insert("unhandledPromptBehavior".into(), json!("ignore"));
+    let connector = hyper_util::client::legacy::connect::HttpConnector::new();
+    ClientBuilder::new(connector)
+        .capabilities(caps)
+        .connect(&driver.url)
+        .await
+        .expect("start a Chromium session")
+}
+
+#[derive(Clone, Copy)]
+struct BrowserOpts {
+    width: u32,
+    height: u32,
+    dark: bool,
+    phone: bool,
+}
+
+const DESKTOP: BrowserOpts = BrowserOpts {
+    width: 1280,
+    height: 800,
+    dark: false,
+    phone: false,
+};
+
+async fn js(c: &Client, script: &str) -> Value {
+    c.execute(script, vec![])
+        .await
+        .unwrap_or_else(|e| panic!("script failed: {e}\n{script}"))
+}
+
+/// Polls `script` (which returns a value) until `ok` holds; panics with `what` after [`WAIT`].
+async fn wait_js(c: &Client, script: &str, what: &str, ok: impl Fn(&Value) -> bool) -> Value {
+    let deadline = Instant::now() + WAIT;
+    loop {
+        let v = js(c, script).await;
+        if ok(&v) {
+            return v;
+        }
+        if Instant::now() > deadline {
+            let body = js(c, "return document.body.innerText").await;
+            let error = js(c, "return document.body.dataset.lastError || ''").await;
+            panic!("timed out waiting for {what}; last value {v}\nlast error shown: {error}\n--- page text ---\n{body}");
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Clicks the element `css` from script (a WebDriver click can be intercepted while the
+/// message list scrolls).
+async fn click(c: &Client, css: &str) {
+    let found = js(
+        c,
+        &format!(
+            "const e = document.querySelector({}); if (e) e.click(); return !!e",
+            json!(css)
+        ),
+    )
+    .await;
+    assert_eq!(found, json!(true), "no element {css}");
+}
+
+/// Types `text` in the composer and presses Enter.
+async fn send(c: &Client, text: &str) {
+    let input = c
+        .wait()
+        .at_most(WAIT)
+        .for_element(Locator::Css("#input"))
+        .await
+        .expect("composer");
+    input.send_keys(text).await.expect("type");
+    input.send_keys("\u{E007}").await.expect("Enter");
+}
+
+const STREAM_LEN: &str = "const s = document.querySelector('.msg.assistant.streaming .stream'); \
+     return s ? s.textContent.length : -1;";
+const IDLE: &str = "return document.querySelector('.msg.assistant.streaming') === null \
+     && document.getElementById('stop-btn').hidden && document.querySelectorAll('.msg.assistant').length";
+
+/// Waits for the reply to stream (text growing over several looks) and to finish.
+async fn watch_stream(c: &Client) -> Vec<i64> {
+    let mut seen: Vec<i64> = Vec::new();
+    let deadline = Instant::now() + WAIT;
+    loop {
+        let n = js(c, STREAM_LEN).await.as_i64().unwrap_or(-1);
+        if n > 0 && seen.last() != Some(&n) {
+            seen.push(n);
+        }
+        let done = js(
+            c,
+            "return document.querySelector('.msg.assistant.streaming') === null && \
+             document.querySelectorAll('.msg.assistant .stats').length > 0 && \
+             document.getElementById('stop-btn').hidden",
+        )
+        .await;
+        if done == json!(true) && !seen.is_empty() {
+            return seen;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the reply did not finish; lengths {seen:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(15)).await;
+    }
+}
+
+async fn screenshot(c: &Client, name: &str) {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target/screenshots");
+    std::fs::create_dir_all(&dir).expect("screenshot dir");
+    // Let transitions and fonts settle.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let png = c.screenshot().await.expect("screenshot");
+    std::fs::write(dir.join(format!("{name}.png")), png).expect("write screenshot");
+}
+
+async fn conversation_id(c: &Client) -> String {
+    let url = c.current_url().await.expect("url");
+    url.path()
+        .strip_prefix("/c/")
+        .unwrap_or_else(|| panic!("not a conversation page: {url}"))
+        .to_string()
+}
+
+/// A second browser showing the same owner's page (cookies copied over WebDriver).
+async fn same_owner(
+    driver: &Driver,
+    from: &Client,
+    profile: &Path,
+    opts: BrowserOpts,
+    url: &str,
+) -> Client {
+    let c = browser(driver, profile, opts).await;
+    let base = url.split("/c/").next().unwrap_or(url);
+    c.goto(&format!("{base}/static/favicon.svg"))
+        .await
+        .expect("goto");
+    for cookie in from.get_all_cookies().await.expect("cookies") {
+        c.add_cookie(cookie).await.expect("add cookie");
+    }
+    c.goto(url).await.expect("goto");
+    c
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chat_and_admin_in_a_real_browser() {
+    let started = Instant::now();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let server = Server::start(
+        dir.path(),
+        &[
+            ("SMOLCHAT_SERVER__ADMIN_TOKEN", ADMIN_TOKEN),
+            ("SMOLCHAT_SAMPLING__MAX_TOKENS", "160"),
+            ("SMOLCHAT_SAMPLING__TEMPERATURE", "0.7"),
+        ],
+    )
+    .await;
+    let base = server.base.clone();
+    let driver = start_driver(dir.path()).await;
+    let alice = browser(&driver, &dir.path().join("alice"), DESKTOP).await;
+
+    // 1. Send a message from the empty page and watch the reply stream in.
+    alice.goto(&base).await.expect("open");
+    let light = js(
+        &alice,
+        "return matchMedia('(prefers-color-scheme: dark)').matches",
+    )
+    .await;
+    assert_eq!(light, json!(false));
+    send(&alice, "Write a short poem about the sea.").await;
+    wait_js(
+        &alice,
+        "return location.pathname",
+        "the conversation page",
+        |v| v.as_str().is_some_and(|p| p.starts_with("/c/")),
+    )
+    .await;
+    let alice_url = alice.current_url().await.expect("url").to_string();
+    let alice_conv = conversation_id(&alice).await;
+    let lengths = watch_stream(&alice).await;
+    assert!(
+        lengths.len() >= 3,
+        "the text should grow token by token: {lengths:?}"
+    );
+    let user_text = js(
+        &alice,
+        "return document.querySelector('.msg.user .text').textContent",
+    )
+    .await;
+    assert_eq!(user_text, json!("Write a short poem about the sea."));
+    let stats = js(
+        &alice,
+        "return document.querySelector('.msg.assistant .stats').textContent",
+    )
+    .await;
+    assert!(
+        stats
+            .as_str()
+            .is_some_and(|s| s.contains("tokens") && s.contains("tok/s")),
+        "{stats}"
+    );
+    let ctx = js(
+        &alice,
+        "return Number(document.getElementById('ctx-used').textContent)",
+    )
+    .await;
+    assert!(ctx.as_f64().unwrap_or(0.0) > 10.0, "context usage {ctx}");
+    let answer = js(
+        &alice,
+        "return document.querySelector('.msg.assistant .md').innerText",
+    )
+    .await;
+    let answer = answer.as_str().unwrap_or_default().to_string();
+    assert!(!answer.trim().is_empty());
+    screenshot(&alice, "chat-light-desktop").await;
+
+    // 2. Reload: the conversation is restored.
+    alice.refresh().await.expect("reload");
+    let restored = wait_js(
+        &alice,
+        "return [document.querySelectorAll('.msg.user').length, document.querySelectorAll('.msg.assistant').length, document.querySelector('.msg.assistant .md').innerText]",
+        "the restored conversation",
+        |v| v[0] == json!(1) && v[1] == json!(1),
+    )
+    .await;
+    assert_eq!(
+        restored[2].as_str().unwrap_or_default().trim(),
+        answer.trim()
+    );
+    let in_sidebar = js(
+        &alice,
+        &format!("return !!document.querySelector('#conv-list a[data-id=\"{alice_conv}\"]')"),
+    )
+    .await;
+    assert_eq!(in_sidebar, json!(true));
+
+    // 3. Stop a reply: the server stops it and stores it as stopped.
+    send(
+        &alice,
+        "Tell me a very long story about a dragon who learns to bake bread.",
+    )
+    .await;
+    wait_js(&alice, STREAM_LEN, "streaming text", |v| {
+        v.as_i64().unwrap_or(-1) > 0
+    })
+    .await;
+    alice
+        .find(Locator::Css("#stop-btn"))
+        .await
+        .expect("stop")
+        .click()
+        .await
+        .expect("click stop");
+    wait_js(&alice, IDLE, "the stopped reply", |v| v == &json!(2)).await;
+    let last_stats = wait_js(
+        &alice,
+        "const s = document.querySelectorAll('.msg.assistant .stats'); return s.length ? s[s.length-1].textContent : ''",
+        "stats of the stopped reply",
+        |v| v.as_str().is_some_and(|s| !s.is_empty()),
+    )
+    .await;
+    assert!(
+        last_stats.as_str().unwrap_or_default().contains("stopped"),
+        "{last_stats}"
+    );
+
+    // 4. Reload while a reply streams: the page joins it live (replay, then live tokens).
+    send(&alice, "List five facts about the moon.").await;
+    wait_js(&alice, STREAM_LEN, "streaming text", |v| {
+        v.as_i64().unwrap_or(-1) > 0
+    })
+    .await;
+    alice.refresh().await.expect("reload mid-reply");
+    let rejoined = watch_stream(&alice).await;
+    assert!(
+        !rejoined.is_empty(),
+        "the reloaded page showed the streaming reply"
+    );
+    wait_js(&alice, IDLE, "three replies", |v| v == &json!(3)).await;
+
+    // Regenerate the last reply, then edit-and-resend the last message: still three exchanges.
+    let last_id =
+        "const a = document.querySelectorAll('.msg.assistant'); return a[a.length-1].dataset.id";
+    let before = js(&alice, last_id).await;
+    click(
+        &alice,
+        ".messages.idle > .msg.assistant:last-child .regen-btn",
+    )
+    .await;
+    wait_js(
+        &alice,
+        &format!("{IDLE} && Array.from(document.querySelectorAll('.msg.assistant')).pop().dataset.id !== {before}"),
+        "a regenerated reply",
+        |v| v == &json!(true),
+    )
+    .await;
+    wait_js(&alice, IDLE, "three replies after regenerate", |v| {
+        v == &json!(3)
+    })
+    .await;
+    click(
+        &alice,
+        ".messages.idle > .msg.user:nth-last-child(2) .edit-btn",
+    )
+    .await;
+    let editing = js(&alice, "return [document.getElementById('input').value, document.getElementById('editing').hidden]").await;
+    assert_eq!(editing, json!(["List five facts about the moon.", false]));
+    let input = alice.find(Locator::Css("#input")).await.expect("input");
+    input.clear().await.expect("clear");
+    send(&alice, "List two facts about Mars.").await;
+    wait_js(
+        &alice,
+        "const u = document.querySelectorAll('.msg.user'); return [u.length, u[u.length-1].querySelector('.text').textContent]",
+        "the edited message",
+        |v| v == &json!([3, "List two facts about Mars."]),
+    )
+    .await;
+    wait_js(&alice, IDLE, "three replies after the edit", |v| {
+        v == &json!(3)
+    })
+    .await;
+
+    // 5. A second browser: an XSS payload is text, and the two never see each other's chats.
+    let bob = browser(&driver, &dir.path().join("bob"), DESKTOP).await;
+    bob.goto(&base).await.expect("open");
+    let payload = "<img src=x onerror=\"document.body.dataset.pwned='img'\"><script>document.body.dataset.pwned='script'</script> [link](javascript:document.body.dataset.pwned='link') <b>bold?</b>";
+    send(&bob, payload).await;
+    wait_js(
+        &bob,
+        "return location.pathname",
+        "bob's conversation",
+        |v| v.as_str().is_some_and(|p| p.starts_with("/c/")),
+    )
+    .await;
+    let bob_conv = conversation_id(&bob).await;
+    // Both chat at once.
+    send(&alice, "Say hello in French.").await;
+    let (a, b) = tokio::join!(watch_stream(&alice), watch_stream(&bob));
+    assert!(!a.is_empty() && !b.is_empty());
+    let shown = js(
+        &bob,
+        "return document.querySelector('.msg.user .text').textContent",
+    )
+    .await;
+    assert_eq!(shown, json!(payload), "the payload is shown as typed");
+    let injected = js(
+        &bob,
+        "return [document.body.dataset.pwned || null, document.querySelectorAll('.messages img, .messages script, .messages b, .messages a[href^=\"javascript\"]').length, document.querySelectorAll('#conv-list img').length]",
+    )
+    .await;
+    assert_eq!(
+        injected,
+        json!([null, 0, 0]),
+        "markup from a message became elements"
+    );
+    assert!(bob.get_alert_text().await.is_err(), "an alert opened");
+    let alice_list = js(
+        &alice,
+        "return document.getElementById('conv-list').innerHTML",
+    )
+    .await;
+    let bob_list = js(
+        &bob,
+        "return document.getElementById('conv-list').innerHTML",
+    )
+    .await;
+    assert!(!alice_list.as_str().unwrap_or_default().contains(&bob_conv));
+    assert!(!bob_list.as_str().unwrap_or_default().contains(&alice_conv));
+    assert!(bob_list.as_str().unwrap_or_default().contains(&bob_conv));
+    bob.goto(&alice_url).await.expect("open alice's url");
+    let title = js(&bob, "return document.body.innerText").await;
+    assert!(
+        title
+            .as_str()
+            .is_some_and(|t| t.contains("404") && t.contains("conversation not found")),
+        "{title}"
+    );
+    assert_eq!(
+        js(&bob, "return document.querySelectorAll('.msg').length").await,
+        json!(0)
+    );
+
+    // 6. Admin: a wrong token is refused; the right one shows both browsers' conversations live.
+    let admin = browser(&driver, &dir.path().join("admin"), DESKTOP).await;
+    admin.goto(&format!("{base}/admin")).await.expect("admin");
+    let token = admin
+        .wait()
+        .at_most(WAIT)
+        .for_element(Locator::Css("#admin-token"))
+        .await
+        .expect("login form");
+    token.send_keys("not-the-token").await.expect("type");
+    admin
+        .find(Locator::Css("#login-btn"))
+        .await
+        .expect("login")
+        .click()
+        .await
+        .expect("click");
+    wait_js(
+        &admin,
+        "const t = document.querySelector('.toast'); return t ? t.textContent : ''",
+        "the refusal",
+        |v| v.as_str().is_some_and(|s| s.contains("wrong admin token")),
+    )
+    .await;
+    assert_eq!(
+        js(&admin, "return !!document.getElementById('sessions')").await,
+        json!(false)
+    );
+    let token = admin
+        .find(Locator::Css("#admin-token"))
+        .await
+        .expect("login form");
+    token.clear().await.expect("clear");
+    token.send_keys(ADMIN_TOKEN).await.expect("type");
+    admin
+        .find(Locator::Css("#login-btn"))
+        .await
+        .expect("login")
+        .click()
+        .await
+        .expect("click");
+    let rows_js = format!(
+        "const a = document.querySelector('#sessions tr[data-id=\"{alice_conv}\"]'); const b = document.querySelector('#sessions tr[data-id=\"{bob_conv}\"]'); \
+         return [!!a, !!b, a ? a.querySelector('.pill').textContent : '', a ? Number(a.children[2].textContent) : 0]"
+    );
+    let rows = wait_js(
+        &admin,
+        &rows_js,
+        "both conversations on the admin page",
+        |v| v[0] == json!(true) && v[1] == json!(true),
+    )
+    .await;
+    let count_before = rows[3].as_i64().unwrap_or(0);
+    // Live: a new message from alice shows up without reloading the admin page.
+    send(&alice, "Name three colors.").await;
+    wait_js(
+        &admin,
+        &rows_js,
+        "alice's new message on the admin page",
+        |v| v[3].as_i64().unwrap_or(0) > count_before,
+    )
+    .await;
+    // (The reply may be over by now: only its end is awaited.)
+    wait_js(&alice, IDLE, "alice's fifth reply", |v| v == &json!(5)).await;
+    wait_js(&admin, &rows_js, "alice's state back to idle", |v| {
+        v[2] == json!("idle")
+    })
+    .await;
+    let engine = js(&admin, "return document.getElementById('engine').innerText").await;
+    assert!(
+        engine
+            .as_str()
+            .is_some_and(|t| t.contains("tokens/s") && t.contains("KV")),
+        "{engine}"
+    );
+    screenshot(&admin, "admin").await;
+
+    // 7. Screenshots of alice's conversation: dark desktop, light and dark phone.
+    let dark = BrowserOpts {
+        dark: true,
+        ..DESKTOP
+    };
+    let phone = BrowserOpts {
+        width: 390,
+        height: 844,
+        dark: false,
+        phone: true,
+    };
+    let phone_dark = BrowserOpts {
+        dark: true,
+        ..phone
+    };
+    for (name, opts) in [
+        ("chat-dark-desktop", dark),
+        ("chat-light-phone", phone),
+        ("chat-dark-phone", phone_dark),
+    ] {
+        let c = same_owner(&driver, &alice, &dir.path().join(name), opts, &alice_url).await;
+        wait_js(
+            &c,
+            "return document.querySelectorAll('.msg.assistant').length",
+            "alice's conversation",
+            |v| v.as_i64().unwrap_or(0) >= 4,
+        )
+        .await;
+        let is_dark = js(
+            &c,
+            "return matchMedia('(prefers-color-scheme: dark)').matches",
+        )
+        .await;
+        assert_eq!(is_dark, json!(opts.dark), "{name}");
+        if opts.phone {
+            // The sidebar is a drawer at phone width; the page does not scroll sideways.
+            let fits = js(
+                &c,
+                "return [innerWidth, document.documentElement.scrollWidth <= innerWidth]",
+            )
+            .await;
+            assert_eq!(fits, json!([390, true]), "{name}");
+        }
+        screenshot(&c, name).await;
+        c.close().await.expect("close");
+    }
+    // The phone drawer opens.
+    let c = same_owner(
+        &driver,
+        &alice,
+        &dir.path().join("drawer"),
+        phone,
+        &alice_url,
+    )
+    .await;
+    c.find(Locator::Css("#menu-btn"))
+        .await
+        .expect("menu")
+        .click()
+        .await
+        .expect("open drawer");
+    wait_js(
+        &c,
+        "return document.getElementById('app').classList.contains('nav-open')",
+        "the drawer",
+        |v| v == &json!(true),
+    )
+    .await;
+    screenshot(&c, "chat-light-phone-sidebar").await;
+    c.close().await.expect("close");
+
+    for c in [alice, bob, admin] {
+        c.close().await.expect("close");
+    }
+    eprintln!("browser test took {:.1} s", started.elapsed().as_secs_f64());
+}
