@@ -202,6 +202,54 @@ async fn page_routes_refuse_bad_requests() {
     assert_eq!(alice.post("/c", &[]).await.status, StatusCode::FORBIDDEN);
     alice.csrf = alices;
 
+    // The JSON API: no token is fine for non-browser clients, but a browser's cross-site
+    // request (Sec-Fetch-Site, Origin) or a wrong token is refused.
+    let api = format!("{}/api/conversations", server.base);
+    let cookie = format!("smolchat_owner={}", alice.cookies["smolchat_owner"]);
+    let http = reqwest::Client::new();
+    let api_post = |headers: &[(&str, &str)]| {
+        let mut req = http
+            .post(&api)
+            .header(COOKIE, &cookie)
+            .header(CONTENT_TYPE, "application/json")
+            .body("{}");
+        for (k, v) in headers {
+            req = req.header(*k, *v);
+        }
+        req.send()
+    };
+    let token = alice.csrf.clone().expect("token");
+    let host = server.base.trim_start_matches("http://").to_string();
+    let same_origin = format!("http://{host}");
+    for (headers, want) in [
+        (vec![], StatusCode::CREATED),
+        (vec![("X-CSRF-Token", token.as_str())], StatusCode::CREATED),
+        (
+            vec![
+                ("Sec-Fetch-Site", "same-origin"),
+                ("Origin", same_origin.as_str()),
+            ],
+            StatusCode::CREATED,
+        ),
+        (vec![("X-CSRF-Token", "nope")], StatusCode::FORBIDDEN),
+        (
+            vec![("Sec-Fetch-Site", "cross-site")],
+            StatusCode::FORBIDDEN,
+        ),
+        (vec![("Sec-Fetch-Site", "same-site")], StatusCode::FORBIDDEN),
+        (
+            vec![("Origin", "http://evil.example")],
+            StatusCode::FORBIDDEN,
+        ),
+    ] {
+        let res = api_post(&headers).await.expect("api");
+        assert_eq!(res.status(), want, "{headers:?}");
+        if want == StatusCode::FORBIDDEN {
+            let body: serde_json::Value = res.json().await.expect("json");
+            assert_eq!(body["error"]["type"], "forbidden");
+        }
+    }
+
     // Bad ids → 400; unknown ids and other owners' conversations → 404.
     assert_eq!(
         alice.get("/c/not-a-uuid").await.status,

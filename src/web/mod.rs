@@ -85,6 +85,7 @@ pub fn routes(cfg: &mut web::ServiceConfig) {
         .configure(openai::routes)
         .service(
             web::scope("/api")
+                .wrap(from_fn(csrf::check_api_origin))
                 .wrap(from_fn(owner::owner_cookie))
                 .service(
                     web::resource("/conversations")
