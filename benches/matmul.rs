@@ -11,7 +11,7 @@
 //! - `BENCH_SECS=0.5` is the time spent per measurement;
 //! - `BENCH_COLD=1` rotates through enough copies of the matrix (512 MB) that every call streams
 //!   its weights from memory, as decode does in a real model (otherwise a small matrix stays in
-//!   cache between calls and decode looks faster than it is);
+//!   cache between calls and decode looks faster than it is; `BENCH_COLD_MB` sets the size);
 //! - `BENCH_OUTSIDE=1` adds rows ("thr" shown as `2o`) where the 2-thread global pool is called
 //!   from the main thread, which is not one of its workers (every parallel region then pays a
 //!   cross-thread injection and wake-up, as when a model runs outside `ThreadPool::install`).
@@ -182,7 +182,12 @@ fn main() {
     for c in CASES.iter().filter(|c| c.label.contains(filter.as_str())) {
         let bytes = weights(c);
         let copies = if cold {
-            (512usize << 20).div_ceil(bytes.len())
+            (std::env::var("BENCH_COLD_MB")
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(512usize)
+                << 20)
+                .div_ceil(bytes.len())
         } else {
             1
         };

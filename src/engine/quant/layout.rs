@@ -191,11 +191,12 @@ fn f16_bytes(src: &[u8], at: usize) -> [u8; 2] {
 
 /// Copies dword `i` of every lane's source slice (at byte offset `src_at + 4i`) into chunk `i`.
 fn interleave_dwords(blocks: &[&[u8]; GROUP], src_at: usize, n: usize, xor: u8, out: &mut [u8]) {
-    for i in 0..n {
-        for (l, blk) in blocks.iter().enumerate() {
-            for k in 0..4 {
-                out[64 * i + 4 * l + k] = blk[src_at + 4 * i + k] ^ xor;
-            }
+    let mask = u32::from_ne_bytes([xor; 4]);
+    for (l, blk) in blocks.iter().enumerate() {
+        let src = &blk[src_at..src_at + 4 * n];
+        for (i, d) in src.chunks_exact(4).enumerate() {
+            let v = u32::from_ne_bytes([d[0], d[1], d[2], d[3]]) ^ mask;
+            out[64 * i + 4 * l..64 * i + 4 * l + 4].copy_from_slice(&v.to_ne_bytes());
         }
     }
 }

@@ -236,6 +236,10 @@ impl QMatrix {
             }
         }
         gemm::run(&jobs);
+        drop(jobs);
+        for a in acts {
+            a.recycle();
+        }
     }
 }
 
