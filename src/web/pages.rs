@@ -759,3 +759,57 @@ pub async fn static_file(path: web::Path<String>) -> Result<HttpResponse, WebErr
         .insert_header((header::CACHE_CONTROL, "public, max-age=300"))
         .body(*bytes))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn view(role: &'static str, text: &str, html: &str, reasoning: &str) -> MessageView {
+        MessageView {
+            id: "m1".into(),
+            role,
+            text: text.into(),
+            html: html.into(),
+            reasoning: reasoning.into(),
+            streaming: false,
+            status: "complete",
+            error: String::new(),
+            stats: "3 tokens".into(),
+        }
+    }
+
+    #[test]
+    fn assistant_fragment_shows_thinking_escaped_and_markdown_as_is() {
+        let html = markdown::render("```sh\nls <dir>\n```\n");
+        let out = MessageFragment {
+            m: view("assistant", "", &html, "<b>hmm</b>"),
+        }
+        .render()
+        .expect("render");
+        assert!(out.contains("<details class=\"thinking\">"), "{out}");
+        assert!(out.contains("&#60;b&#62;hmm&#60;/b&#62;"), "{out}");
+        assert!(
+            out.contains("<pre><code class=\"language-sh\">ls &lt;dir&gt;"),
+            "{out}"
+        );
+        assert!(out.contains("regen-btn"));
+        // No reasoning: the block is there (for streaming) but hidden.
+        let out = MessageFragment {
+            m: view("assistant", "", "<p>hi</p>", ""),
+        }
+        .render()
+        .expect("render");
+        assert!(out.contains("<details class=\"thinking\" hidden>"), "{out}");
+    }
+
+    #[test]
+    fn user_fragment_escapes_text() {
+        let out = MessageFragment {
+            m: view("user", "<script>x</script>", "", ""),
+        }
+        .render()
+        .expect("render");
+        assert!(!out.contains("<script>"), "{out}");
+        assert!(out.contains("&#60;script&#62;x&#60;/script&#62;"), "{out}");
+    }
+}
