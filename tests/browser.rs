@@ -151,17 +151,25 @@ async fn wait_js(c: &Client, script: &str, what: &str, ok: impl Fn(&Value) -> bo
 }
 
 /// Clicks the element `css` from script (a WebDriver click can be intercepted while the
-/// message list scrolls).
+/// message list scrolls), after the script returns (so a dialog it opens does not fail it).
 async fn click(c: &Client, css: &str) {
     let found = js(
         c,
         &format!(
-            "const e = document.querySelector({}); if (e) e.click(); return !!e",
+            "const e = document.querySelector({}); if (e) setTimeout(() => e.click(), 0); return !!e",
             json!(css)
         ),
     )
     .await;
-    assert_eq!(found, json!(true), "no element {css}");
+    if found != json!(true) {
+        let url = c
+            .current_url()
+            .await
+            .map(|u| u.to_string())
+            .unwrap_or_default();
+        let body = js(c, "return document.body.innerText").await;
+        panic!("no element {css} on {url}\n{body}");
+    }
 }
 
 /// Types `text` in the composer and presses Enter.
@@ -423,6 +431,45 @@ async fn chat_and_admin_in_a_real_browser() {
     })
     .await;
 
+    // Search the sidebar (title and content), and save settings from the panel.
+    let search = alice
+        .find(Locator::Css("input.search"))
+        .await
+        .expect("search box");
+    search.send_keys("zzzz-no-match").await.expect("type");
+    wait_js(
+        &alice,
+        "return document.querySelectorAll('#conv-list a.conv').length",
+        "an empty search result",
+        |v| v == &json!(0),
+    )
+    .await;
+    search.clear().await.expect("clear");
+    search.send_keys("Mars").await.expect("type");
+    wait_js(
+        &alice,
+        "return document.querySelectorAll('#conv-list a.conv').length",
+        "a content match",
+        |v| v == &json!(1),
+    )
+    .await;
+    click(&alice, "#settings-btn").await;
+    let temp = alice
+        .find(Locator::Css("#settings input[name=temperature]"))
+        .await
+        .expect("temperature");
+    temp.clear().await.expect("clear");
+    temp.send_keys("0.4").await.expect("type");
+    click(&alice, "#settings button[type=submit]").await;
+    wait_js(
+        &alice,
+        "return document.getElementById('settings-status').textContent",
+        "saved settings",
+        |v| v == &json!("Saved"),
+    )
+    .await;
+    click(&alice, "#settings-btn").await;
+
     // 5. A second browser: an XSS payload is text, and the two never see each other's chats.
     let bob = browser(&driver, &dir.path().join("bob"), DESKTOP).await;
     bob.goto(&base).await.expect("open");
@@ -482,6 +529,39 @@ async fn chat_and_admin_in_a_real_browser() {
         js(&bob, "return document.querySelectorAll('.msg').length").await,
         json!(0)
     );
+
+    // Bob deletes his conversation (after confirming) and lands on an empty page.
+    bob.goto(&format!("{base}/c/{bob_conv}"))
+        .await
+        .expect("open");
+    click(&bob, "#delete-btn").await;
+    let deadline = Instant::now() + WAIT;
+    let confirm = loop {
+        match bob.get_alert_text().await {
+            Ok(text) => break text,
+            Err(e) => assert!(Instant::now() < deadline, "no confirmation dialog: {e}"),
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert!(confirm.contains("Delete this conversation"), "{confirm}");
+    bob.accept_alert().await.expect("confirm");
+    wait_js(
+        &bob,
+        "return [location.pathname, document.querySelectorAll('#conv-list a.conv').length]",
+        "the deletion",
+        |v| v == &json!(["/", 0]),
+    )
+    .await;
+    send(&bob, "Hi!").await;
+    wait_js(
+        &bob,
+        "return location.pathname",
+        "bob's new conversation",
+        |v| v.as_str().is_some_and(|p| p.starts_with("/c/")),
+    )
+    .await;
+    let bob_conv = conversation_id(&bob).await;
+    watch_stream(&bob).await;
 
     // 6. Admin: a wrong token is refused; the right one shows both browsers' conversations live.
     let admin = browser(&driver, &dir.path().join("admin"), DESKTOP).await;
