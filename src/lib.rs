@@ -1,7 +1,7 @@
-pub mod cli;
-pub mod engine;
-pub mod store;
 pub mod actors;
+pub mod cli;
 pub mod config;
+pub mod engine;
 pub mod platform;
+pub mod store;
 pub mod web;
