@@ -75,9 +75,10 @@ unsafe fn f16x16(p: *const u8) -> __m512 {
     _mm512_cvtph_ps(_mm256_loadu_si256(p as *const __m256i))
 }
 
-/// Decode (one token) streams weights from memory once: prefetch `lines` cache lines starting at
-/// `p` (a few kilobytes ahead of the loads; addresses past the matrix are harmless, a prefetch
-/// never faults).
+/// Decode (one token, or a few sequences' tokens) streams weights from memory once: prefetch
+/// `lines` cache lines starting at `p`, a few kilobytes ahead of the loads, so that the stream
+/// overlaps the arithmetic (cold Q4_K 11008x2048 with 8 tokens, one thread: 2.31 -> 1.32 ms). Addresses
+/// past the matrix are harmless: a prefetch never faults.
 #[inline]
 #[target_feature(enable = "avx512f")]
 unsafe fn prefetch(p: *const u8, lines: usize) {
@@ -124,9 +125,7 @@ unsafe fn q4_1_tile<const T: usize>(
     let mut summs = [_mm512_setzero_ps(); T];
     for b in 0..nblk {
         let blk = gp.add(b * 320);
-        if T == 1 {
-            prefetch(blk.wrapping_add(8 * 320), 5);
-        }
+        prefetch(blk.wrapping_add(8 * 320), 5);
         let dw = f16x16(blk.add(256));
         let dd: [__m512; T] =
             std::array::from_fn(|t| _mm512_mul_ps(dw, _mm512_set1_ps(*dx.add(t * nblk + b))));
@@ -170,9 +169,7 @@ unsafe fn q4_0_tile<const T: usize>(
     let mut f = [_mm512_setzero_ps(); T];
     for b in 0..nblk {
         let blk = gp.add(b * 288);
-        if T == 1 {
-            prefetch(blk.wrapping_add(8 * 288), 5);
-        }
+        prefetch(blk.wrapping_add(8 * 288), 5);
         let mut a0 = [_mm512_setzero_si512(); T];
         let mut a1 = [_mm512_setzero_si512(); T];
         for (t, a) in a0.iter_mut().enumerate() {
@@ -219,9 +216,7 @@ unsafe fn q8_0_tile<const T: usize>(
     let mut acc = [[_mm512_setzero_ps(); 8]; T];
     for b in 0..nblk {
         let blk = gp.add(b * 544);
-        if T == 1 {
-            prefetch(blk.wrapping_add(6 * 544), 9);
-        }
+        prefetch(blk.wrapping_add(6 * 544), 9);
         let dw = f16x16(blk.add(512));
         let dd: [__m512; T] =
             std::array::from_fn(|t| _mm512_mul_ps(dw, _mm512_set1_ps(*dx.add(t * nblk + b))));
@@ -253,9 +248,7 @@ unsafe fn q4k_tile<const T: usize>(g: &[u8], acts: &Acts, t0: usize, out: *mut f
         let blk = gp.add(b * 2368);
         let mut sup = [_mm512_setzero_si512(); T];
         for sb in 0..8 {
-            if T == 1 {
-                prefetch(blk.wrapping_add(2 * 2368 + 320 * sb), 5);
-            }
+            prefetch(blk.wrapping_add(2 * 2368 + 320 * sb), 5);
             let scv = _mm512_cvtepu8_epi32(_mm_loadu_si128(blk.add(2048 + 16 * sb) as *const _));
             let mut acc = [_mm512_setzero_si512(); T];
             for kg in 0..8 {
@@ -313,9 +306,7 @@ unsafe fn q6k_tile<const T: usize>(g: &[u8], acts: &Acts, t0: usize, out: *mut f
         let blk = gp.add(b * 3360);
         let mut sup = [_mm512_setzero_si512(); T];
         for gi in 0..16 {
-            if T == 1 {
-                prefetch(blk.wrapping_add(2 * 3360 + 256 * gi), 4);
-            }
+            prefetch(blk.wrapping_add(2 * 3360 + 256 * gi), 4);
             let cc = gi / 2;
             let pairs =
                 _mm512_cvtepi8_epi16(_mm256_loadu_si256(blk.add(3072 + 32 * cc) as *const _));

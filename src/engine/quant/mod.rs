@@ -9,6 +9,17 @@
 //! ([`layout`]) that SIMD kernels chosen at run time ([`gemm::Isa`]: AVX-512 VNNI, AVX-VNNI, AVX2,
 //! scalar) multiply sixteen rows by several tokens at a time. The other types keep GGML's layout
 //! and candle's `vec_dot` ([`generic`]).
+//!
+//! Q4_1 and Q8_0 products are bit-identical to llama.cpp's (same integer sums, same float order;
+//! see [`scalar`]); activation re-quantization amplifies any rounding difference, so this is what
+//! keeps our logits on llama.cpp's side of near-ties. The K-quant kernels have exact integer parts
+//! and their own float order.
+//!
+//! Threading ([`gemm::run`]): a product splits across the rayon pool when its work or its weight
+//! bytes are large enough to pay for the hand-off. Callers get the most from two threads when they
+//! (a) run the whole forward pass inside the pool (`ThreadPool::install`), so each parallel region
+//! costs about a microsecond instead of an injection and a wake-up, and (b) use
+//! [`QMatrix::matmul_many`] for matrices that share an input (Q/K/V, gate/up).
 
 pub mod act;
 #[cfg(target_arch = "x86_64")]
