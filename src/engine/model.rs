@@ -226,9 +226,12 @@ impl Model {
         for (li, layer) in self.layers.iter().enumerate() {
             let _span = trace_span!("layer", li).entered();
             rms_norm(&x, &layer.attn_norm, c.rms_eps, &mut h);
-            layer.wq.matmul(&h, n, &mut q);
-            layer.wk.matmul(&h, n, &mut k);
-            layer.wv.matmul(&h, n, &mut v);
+            QMatrix::matmul_many(
+                &[&layer.wq, &layer.wk, &layer.wv],
+                &h,
+                n,
+                &mut [&mut q[..], &mut k[..], &mut v[..]],
+            );
             if c.uses_rope[li] {
                 rope.apply(&mut q, c.n_heads, hd);
                 rope.apply(&mut k, c.n_kv_heads, hd);
@@ -248,8 +251,12 @@ impl Model {
             add_in_place(&mut x, &proj);
 
             rms_norm(&x, &layer.ffn_norm, c.rms_eps, &mut h);
-            layer.w_gate.matmul(&h, n, &mut gate);
-            layer.w_up.matmul(&h, n, &mut up);
+            QMatrix::matmul_many(
+                &[&layer.w_gate, &layer.w_up],
+                &h,
+                n,
+                &mut [&mut gate[..], &mut up[..]],
+            );
             swiglu_in_place(&mut gate, &up);
             layer.w_down.matmul(&gate, n, &mut proj);
             add_in_place(&mut x, &proj);

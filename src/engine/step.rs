@@ -129,7 +129,16 @@ impl Engine {
                     logits: s.logits,
                 })
                 .collect();
-            self.model.forward(&mut items)
+            // Run the pass on a worker of the compute pool: parallel regions started from inside
+            // the pool are much cheaper than ones injected from an outside thread.
+            let model = &self.model;
+            let mut result = None;
+            rayon::scope(|_| result = Some(model.forward(&mut items)));
+            result.unwrap_or_else(|| {
+                Err(EngineError::InvalidStep(
+                    "the compute pool did not run the step".into(),
+                ))
+            })
         };
         for (id, cache) in taken {
             self.caches.insert(id, cache);
