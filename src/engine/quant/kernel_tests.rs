@@ -200,7 +200,7 @@ fn simd_kernels_equal_scalar_bit_for_bit() {
             };
             for isa in [Isa::Avx2, Isa::AvxVnni, Isa::Avx512Vnni] {
                 let Some(got) = run(&p, isa, &acts) else {
-                    eprintln!("{isa:?} not available: skipped");
+                    tracing::warn!("{isa:?} not available: skipped");
                     continue;
                 };
                 for (i, (g, w)) in got.iter().zip(&want).enumerate() {
