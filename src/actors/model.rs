@@ -226,12 +226,7 @@ impl ModelWorker {
             .iter()
             .filter(|(k, _)| k.starts_with(ANONYMOUS_PREFIX))
             .map(|(k, slot)| {
-                let shared = self.engine.cached_tokens(slot.seq).map_or(0, |t| {
-                    t.iter()
-                        .zip(prompt.iter())
-                        .take_while(|(x, y)| x == y)
-                        .count()
-                });
+                let shared = self.engine.common_prefix(slot.seq, prompt).unwrap_or(0);
                 (shared, k.clone())
             })
             .filter(|(shared, _)| *shared > 0)
@@ -294,17 +289,10 @@ impl ModelWorker {
             return;
         };
         let prompt = &a.request.prompt;
-        let cached = self.engine.cached_tokens(seq).map_or(0, |t| {
-            t.iter()
-                .zip(prompt.iter())
-                .take_while(|(x, y)| x == y)
-                .count()
+        let reuse = self.engine.reuse_prefix(seq, prompt).unwrap_or_else(|e| {
+            tracing::warn!(seq, "preparing the sequence's cache failed: {e}");
+            0
         });
-        // Recompute at least the last prompt token: its logits give the first reply token.
-        let reuse = cached.min(prompt.len().saturating_sub(1));
-        if self.engine.truncate(seq, reuse).is_err() {
-            tracing::warn!(seq, "truncating a fresh sequence failed");
-        }
         a.seq = Some(seq);
         a.keyed = keyed;
         a.cached_tokens = reuse;
@@ -479,14 +467,14 @@ impl ModelWorker {
                                     text.push_str(&generation.finish_early());
                                     finished = Some(StopReason::Length);
                                 }
-                                let deliver = GenEvent::Token {
-                                    token: outcome.token,
-                                    text,
-                                };
-                                if finished != Some(StopReason::EndOfGeneration)
-                                    || matches!(&deliver, GenEvent::Token { text, .. } if !text.is_empty())
-                                {
-                                    let _ = a.request.events.send(deliver);
+                                // An end-of-generation token is not output; only text it
+                                // flushed (a held-back character or stop-string prefix) is.
+                                let is_eog = finished == Some(StopReason::EndOfGeneration);
+                                if !is_eog || !text.is_empty() {
+                                    let _ = a.request.events.send(GenEvent::Token {
+                                        token: outcome.token,
+                                        text,
+                                    });
                                 }
                                 if let Some(reason) = finished {
                                     let id = *id;

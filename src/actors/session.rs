@@ -384,16 +384,10 @@ fn prepare(
         .template
         .render(&messages, &opts)
         .map_err(|e| SessionError::Prompt(e.to_string()))?;
-    let mut prompt = Vec::new();
-    if shared.tokenizer.add_bos() {
-        prompt.extend(shared.tokenizer.bos_id());
-    }
-    prompt.extend(
-        shared
-            .tokenizer
-            .encode(&text, true)
-            .map_err(|e| SessionError::Prompt(e.to_string()))?,
-    );
+    let prompt = shared
+        .tokenizer
+        .encode_prompt(&text)
+        .map_err(|e| SessionError::Prompt(e.to_string()))?;
     let params = SamplingParams {
         temperature: s.temperature,
         top_p: s.top_p,

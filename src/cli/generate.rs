@@ -118,12 +118,7 @@ pub fn chat_prompt(
     opts.enable_thinking = enable_thinking;
     let text = template.render(messages, &opts)?;
     tracing::debug!(prompt = %text, "rendered prompt");
-    let mut ids = Vec::new();
-    if loaded.tokenizer.add_bos() {
-        ids.extend(loaded.tokenizer.bos_id());
-    }
-    ids.extend(loaded.tokenizer.encode(&text, true)?);
-    Ok(ids)
+    Ok(loaded.tokenizer.encode_prompt(&text)?)
 }
 
 /// Result of one streamed generation.
@@ -150,15 +145,7 @@ pub fn stream(
         "the prompt has {} tokens but the context window is {window}",
         prompt.len()
     );
-    // Reuse the cached prefix; always recompute at least the last prompt token for its logits.
-    let cached = engine.cached_tokens(seq)?;
-    let reuse = cached
-        .iter()
-        .zip(prompt)
-        .take_while(|(a, b)| a == b)
-        .count()
-        .min(prompt.len() - 1);
-    engine.truncate(seq, reuse)?;
+    let reuse = engine.reuse_prefix(seq, prompt)?;
     let t = Instant::now();
     let out = engine.step(&[SeqStep {
         seq,
@@ -201,12 +188,7 @@ pub fn stream(
 pub fn run(args: &GenerateArgs) -> Result<()> {
     let mut loaded = load_all(args.model.as_deref())?;
     let prompt = if args.raw {
-        let mut ids = Vec::new();
-        if loaded.tokenizer.add_bos() {
-            ids.extend(loaded.tokenizer.bos_id());
-        }
-        ids.extend(loaded.tokenizer.encode(&args.prompt, true)?);
-        ids
+        loaded.tokenizer.encode_prompt(&args.prompt)?
     } else {
         let mut messages = Vec::new();
         if let Some(s) = &args.system {

@@ -90,6 +90,21 @@ impl Engine {
         Ok(self.cache(seq)?.tokens())
     }
 
+    /// Prepares `seq` to run `prompt`: keeps the longest cached prefix shared with it (but never the
+    /// whole prompt, since the last prompt token must be computed for its logits), drops the rest,
+    /// and returns how many prompt tokens were kept. The caller then steps `prompt[kept..]`.
+    pub fn reuse_prefix(&mut self, seq: SeqId, prompt: &[u32]) -> Result<usize> {
+        let shared = self.common_prefix(seq, prompt)?;
+        let kept = shared.min(prompt.len().saturating_sub(1));
+        self.truncate(seq, kept)?;
+        Ok(kept)
+    }
+
+    /// Length of the longest common prefix of `seq`'s cached tokens and `tokens`.
+    pub fn common_prefix(&self, seq: SeqId, tokens: &[u32]) -> Result<usize> {
+        Ok(self.cache(seq)?.common_prefix(tokens))
+    }
+
     /// Bytes allocated by `seq`'s cache.
     pub fn kv_bytes(&self, seq: SeqId) -> Result<usize> {
         Ok(self.cache(seq)?.allocated_bytes())

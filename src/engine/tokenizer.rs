@@ -988,6 +988,18 @@ impl Tokenizer {
 
     /// Whether prompts should start with BOS (`tokenizer.ggml.add_bos_token`, else llama.cpp's
     /// default for the pre-tokenizer). False for SmolLM2 and SmolLM3.
+    /// Encodes a model prompt: BOS first when the model asks for it, special tokens parsed (a
+    /// rendered chat template writes them as text). Every caller that feeds text to the model
+    /// uses this, so the API, the sessions and the CLI tokenize prompts identically.
+    pub fn encode_prompt(&self, text: &str) -> Result<Vec<u32>> {
+        let mut ids = Vec::new();
+        if self.add_bos() {
+            ids.extend(self.bos_id());
+        }
+        ids.extend(self.encode(text, true)?);
+        Ok(ids)
+    }
+
     pub fn add_bos(&self) -> bool {
         self.add_bos
     }

@@ -217,16 +217,9 @@ fn check_model(p: &Platform, common: &Common) -> Result<(), ApiError> {
 /// Prepends BOS when the tokenizer asks for it and encodes with special tokens parsed (the
 /// template writes them as text), exactly as the chat sessions and `smolchat generate` do.
 fn encode(p: &Platform, text: &str) -> Result<Vec<u32>, ApiError> {
-    let mut ids = Vec::new();
-    if p.tokenizer.add_bos() {
-        ids.extend(p.tokenizer.bos_id());
-    }
-    ids.extend(
-        p.tokenizer
-            .encode(text, true)
-            .map_err(|e| ApiError::internal(format!("tokenizer: {e}")))?,
-    );
-    Ok(ids)
+    p.tokenizer
+        .encode_prompt(text)
+        .map_err(|e| ApiError::internal(format!("tokenizer: {e}")))
 }
 
 async fn chat_completions(
