@@ -1,4 +1,4 @@
-//! Agreement with llama.cpp, using the outputs in ../shared/reference (see its README).
+//! Agreement with llama.cpp, using the outputs in tests/data (see its README).
 
 mod common;
 

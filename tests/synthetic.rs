@@ -470,7 +470,7 @@ fn smollm2_tokenizer_gives_vocab_49152() {
         Path::new(env!("CARGO_MANIFEST_DIR")).join("models/SmolLM2-135M-Instruct.Q4_1.gguf");
     assert!(
         model.exists(),
-        "{} is missing: run ./scripts/fetch-model.sh (models) or check ../shared/reference",
+        "{} is missing: run ./scripts/fetch-model.sh (models) or check tests/data",
         model.display()
     );
     let real = GgufSource::open(&model).unwrap();

@@ -10,207 +10,21 @@ use smolchat::engine::template::{
 };
 use smolchat::engine::EngineError;
 
-/// `/work/shared/reference/smollm3-template-cases.json`, copied byte for byte so the test runs
-/// without the shared reference directory (`embedded_cases_match_reference` checks the copy).
-const CASES: &str = r#"[
- {
-  "name": "user_only_think_default",
-  "context": {
-   "messages": [
-    {
-     "role": "user",
-     "content": "Hi there!"
-    }
-   ],
-   "add_generation_prompt": true
-  },
-  "rendered": "<|im_start|>system\n## Metadata\n\nKnowledge Cutoff Date: June 2025\nToday Date: 21 November 2026\nReasoning Mode: /think\n\n## Custom Instructions\n\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face. Your role as an assistant involves thoroughly exploring questions through a systematic thinking process before providing the final precise and accurate solutions. This requires engaging in a comprehensive cycle of analysis, summarizing, exploration, reassessment, reflection, backtracking, and iteration to develop well-considered thinking process. Please structure your response into two main sections: Thought and Solution using the specified format: <think> Thought section </think> Solution section. In the Thought section, detail your reasoning process in steps. Each step should include detailed considerations such as analysing questions, summarizing relevant findings, brainstorming new ideas, verifying the accuracy of the current steps, refining any errors, and revisiting previous steps. In the Solution section, based on various attempts, explorations, and reflections from the Thought section, systematically present the final solution that you deem correct. The Solution section should be logical, accurate, and concise and detail necessary steps needed to reach the conclusion.\n\n<|im_start|>user\nHi there!<|im_end|>\n<|im_start|>assistant\n"
- },
- {
-  "name": "user_only_no_think_flag",
-  "context": {
-   "messages": [
-    {
-     "role": "user",
-     "content": "Hi there!"
-    }
-   ],
-   "add_generation_prompt": true,
-   "enable_thinking": false
-  },
-  "rendered": "<|im_start|>system\n## Metadata\n\nKnowledge Cutoff Date: June 2025\nToday Date: 21 November 2026\nReasoning Mode: /no_think\n\n## Custom Instructions\n\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face.\n\n<|im_start|>user\nHi there!<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n"
- },
- {
-  "name": "system_custom",
-  "context": {
-   "messages": [
-    {
-     "role": "system",
-     "content": "You are a pirate."
-    },
-    {
-     "role": "user",
-     "content": "Hello"
-    }
-   ],
-   "add_generation_prompt": true
-  },
-  "rendered": "<|im_start|>system\n## Metadata\n\nKnowledge Cutoff Date: June 2025\nToday Date: 21 November 2026\nReasoning Mode: /think\n\n## Custom Instructions\n\nYou are a pirate.\n\n<|im_start|>user\nHello<|im_end|>\n<|im_start|>assistant\n"
- },
- {
-  "name": "system_no_think",
-  "context": {
-   "messages": [
-    {
-     "role": "system",
-     "content": "Be brief. /no_think"
-    },
-    {
-     "role": "user",
-     "content": "What is 2+2?"
-    }
-   ],
-   "add_generation_prompt": true
-  },
-  "rendered": "<|im_start|>system\n## Metadata\n\nKnowledge Cutoff Date: June 2025\nToday Date: 21 November 2026\nReasoning Mode: /no_think\n\n## Custom Instructions\n\nBe brief.\n\n<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n"
- },
- {
-  "name": "system_think_multi_turn",
-  "context": {
-   "messages": [
-    {
-     "role": "system",
-     "content": "/think"
-    },
-    {
-     "role": "user",
-     "content": "What is 2+2?"
-    },
-    {
-     "role": "assistant",
-     "content": "<think>\nTwo plus two.\n</think>\n4"
-    },
-    {
-     "role": "user",
-     "content": "And 3+3?"
-    }
-   ],
-   "add_generation_prompt": true
-  },
-  "rendered": "<|im_start|>system\n## Metadata\n\nKnowledge Cutoff Date: June 2025\nToday Date: 21 November 2026\nReasoning Mode: /think\n\n## Custom Instructions\n\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face. Your role as an assistant involves thoroughly exploring questions through a systematic thinking process before providing the final precise and accurate solutions. This requires engaging in a comprehensive cycle of analysis, summarizing, exploration, reassessment, reflection, backtracking, and iteration to develop well-considered thinking process. Please structure your response into two main sections: Thought and Solution using the specified format: <think> Thought section </think> Solution section. In the Thought section, detail your reasoning process in steps. Each step should include detailed considerations such as analysing questions, summarizing relevant findings, brainstorming new ideas, verifying the accuracy of the current steps, refining any errors, and revisiting previous steps. In the Solution section, based on various attempts, explorations, and reflections from the Thought section, systematically present the final solution that you deem correct. The Solution section should be logical, accurate, and concise and detail necessary steps needed to reach the conclusion.\n\n<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n<think>\nTwo plus two.\n</think>\n4<|im_end|>\n<|im_start|>user\nAnd 3+3?<|im_end|>\n<|im_start|>assistant\n"
- },
- {
-  "name": "no_think_multi_turn",
-  "context": {
-   "messages": [
-    {
-     "role": "system",
-     "content": "/no_think"
-    },
-    {
-     "role": "user",
-     "content": "Name a color."
-    },
-    {
-     "role": "assistant",
-     "content": "\nBlue."
-    },
-    {
-     "role": "user",
-     "content": "Another?"
-    }
-   ],
-   "add_generation_prompt": true
-  },
-  "rendered": "<|im_start|>system\n## Metadata\n\nKnowledge Cutoff Date: June 2025\nToday Date: 21 November 2026\nReasoning Mode: /no_think\n\n## Custom Instructions\n\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face.\n\n<|im_start|>user\nName a color.<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\nBlue.<|im_end|>\n<|im_start|>user\nAnother?<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n"
- },
- {
-  "name": "system_override",
-  "context": {
-   "messages": [
-    {
-     "role": "system",
-     "content": "Just answer. /system_override"
-    },
-    {
-     "role": "user",
-     "content": "Ping"
-    }
-   ],
-   "add_generation_prompt": true
-  },
-  "rendered": "<|im_start|>system\nJust answer.<|im_end|>\n<|im_start|>user\nPing<|im_end|>\n<|im_start|>assistant\n"
- },
- {
-  "name": "xml_tools_and_tool_role",
-  "context": {
-   "messages": [
-    {
-     "role": "user",
-     "content": "Weather in Paris?"
-    },
-    {
-     "role": "assistant",
-     "content": "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>"
-    },
-    {
-     "role": "tool",
-     "content": "{\"temp_c\": 18}"
-    }
-   ],
-   "add_generation_prompt": true,
-   "enable_thinking": false,
-   "xml_tools": [
-    "{\"type\": \"function\", \"function\": {\"name\": \"get_weather\", \"description\": \"Get the weather for a city\", \"parameters\": {\"type\": \"object\", \"properties\": {\"city\": {\"type\": \"string\"}}, \"required\": [\"city\"]}}}"
-   ]
-  },
-  "rendered": "<|im_start|>system\n## Metadata\n\nKnowledge Cutoff Date: June 2025\nToday Date: 21 November 2026\nReasoning Mode: /no_think\n\n## Custom Instructions\n\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face.\n\n### Tools\n\nYou may call one or more functions to assist with the user query.\nYou are provided with function signatures within <tools></tools> XML tags:\n\n<tools>\n{\"type\": \"function\", \"function\": {\"name\": \"get_weather\", \"description\": \"Get the weather for a city\", \"parameters\": {\"type\": \"object\", \"properties\": {\"city\": {\"type\": \"string\"}}, \"required\": [\"city\"]}}}\n</tools>\n\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call>\n\n<|im_end|>\n<|im_start|>user\nWeather in Paris?<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call><|im_end|>\n<|im_start|>user\n{\"temp_c\": 18}<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n"
- },
- {
-  "name": "no_generation_prompt",
-  "context": {
-   "messages": [
-    {
-     "role": "user",
-     "content": "Hi"
-    },
-    {
-     "role": "assistant",
-     "content": "Hello!"
-    }
-   ],
-   "add_generation_prompt": false,
-   "enable_thinking": false
-  },
-  "rendered": "<|im_start|>system\n## Metadata\n\nKnowledge Cutoff Date: June 2025\nToday Date: 21 November 2026\nReasoning Mode: /no_think\n\n## Custom Instructions\n\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face.\n\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\nHello!<|im_end|>\n"
- },
- {
-  "name": "unicode_content",
-  "context": {
-   "messages": [
-    {
-     "role": "user",
-     "content": "Ünïcödé — 🚀🦀 漢字 <b>tags</b> & \"quotes\""
-    }
-   ],
-   "add_generation_prompt": true,
-   "enable_thinking": false
-  },
-  "rendered": "<|im_start|>system\n## Metadata\n\nKnowledge Cutoff Date: June 2025\nToday Date: 21 November 2026\nReasoning Mode: /no_think\n\n## Custom Instructions\n\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face.\n\n<|im_start|>user\nÜnïcödé — 🚀🦀 漢字 <b>tags</b> & \"quotes\"<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n"
- }
-]"#;
-
 /// The date the reference cases were rendered with (`strftime_now` gave `21 November 2026`).
 fn reference_date() -> NaiveDate {
     NaiveDate::from_ymd_opt(2026, 11, 21).expect("valid date")
 }
 
+/// The llama.cpp / Hugging Face reference outputs kept in the repository (see its README).
 fn reference_dir() -> PathBuf {
-    PathBuf::from("/work/shared/reference")
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data")
 }
 
+/// The Hugging Face renders of the SmolLM3 template (`tests/data/smollm3-template-cases.json`).
 fn cases() -> Vec<serde_json::Value> {
-    let cases: serde_json::Value = serde_json::from_str(CASES.trim()).expect("cases parse");
+    let path = reference_dir().join("smollm3-template-cases.json");
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let cases: serde_json::Value = serde_json::from_str(&text).expect("cases parse");
     cases.as_array().expect("cases are a list").clone()
 }
 
@@ -236,12 +50,11 @@ fn reference_cases_render_byte_for_byte() {
     }
 }
 
+/// The template compiled into the binary (the fallback for smollm3 files without one) is the
+/// reference template, byte for byte.
 #[test]
-fn embedded_cases_match_reference() {
+fn embedded_template_matches_reference() {
     let dir = reference_dir();
-    let on_disk = std::fs::read_to_string(dir.join("smollm3-template-cases.json"))
-        .unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
-    assert_eq!(CASES.trim(), on_disk.trim());
     let template = std::fs::read_to_string(dir.join("smollm3-chat-template.jinja"))
         .expect("reference template");
     assert_eq!(SMOLLM3_TEMPLATE, template);
@@ -312,7 +125,7 @@ fn smollm2_gguf_template_renders_chatml() {
     let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("models/SmolLM2-135M-Instruct.Q4_1.gguf");
     assert!(
         path.exists(),
-        "{} is missing: run ./scripts/fetch-model.sh (models) or check ../shared/reference",
+        "{} is missing: run ./scripts/fetch-model.sh (models) or check tests/data",
         path.display()
     );
     let gguf = GgufSource::open(&path).expect("opens");
@@ -393,7 +206,7 @@ fn tiny_smollm3_reference_model_template() {
     let path = reference_dir().join("smollm3-tiny-q8_0.gguf");
     assert!(
         path.exists(),
-        "{} is missing: run ./scripts/fetch-model.sh (models) or check ../shared/reference",
+        "{} is missing: run ./scripts/fetch-model.sh (models) or check tests/data",
         path.display()
     );
     let gguf = GgufSource::open(&path).expect("opens");

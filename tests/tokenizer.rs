@@ -14,7 +14,7 @@ fn model_path() -> PathBuf {
 }
 
 fn reference(name: &str) -> Json {
-    let path = Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/../shared/reference/")).join(name);
+    let path = Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/")).join(name);
     let text = std::fs::read_to_string(&path)
         .unwrap_or_else(|e| panic!("cannot read {}: {e}", path.display()));
     serde_json::from_str(&text).unwrap()

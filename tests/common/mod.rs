@@ -12,9 +12,9 @@ pub fn crate_root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
 }
 
-/// `../shared/reference/<name>` (beside the repository, as CI lays it out).
+/// `tests/data/<name>`: llama.cpp's reference outputs kept in the repository (see its README).
 pub fn reference(name: &str) -> PathBuf {
-    crate_root().join("../shared/reference").join(name)
+    crate_root().join("tests/data").join(name)
 }
 
 /// The embedded default model, fetched by `scripts/fetch-model.sh`.
