@@ -4,7 +4,7 @@
 
 CARGO ?= cargo
 
-.PHONY: run test setup model lint bench test-deps
+.PHONY: run test setup model lint bench test-deps fuzz soak
 
 ## Fetch the default model (idempotent, sha256-verified).
 model:
@@ -28,3 +28,15 @@ test: setup test-deps lint
 
 bench: setup
 	$(CARGO) run --release -- --threads 2 bench --prompt-tokens 512 --gen-tokens 64 --batch 8
+
+## Long fuzzing run of every parser of outside input (tests/fuzz.rs; `make test` runs 256 cases
+## per property). FUZZ_CASES sets the number of cases per property.
+FUZZ_CASES ?= 20000
+fuzz: setup
+	PROPTEST_CASES=$(FUZZ_CASES) $(CARGO) test --test fuzz -- --test-threads 2
+
+## Long crash soak: SOAK_KILLS random SIGKILLs of the server under writers (tests/reliability.rs;
+## `make test` runs 5).
+SOAK_KILLS ?= 40
+soak: setup
+	SMOLCHAT_SOAK_KILLS=$(SOAK_KILLS) $(CARGO) test --test reliability -- --nocapture

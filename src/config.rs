@@ -55,8 +55,9 @@ pub struct ServerConfig {
     pub admin_token: Option<String>,
     /// Bearer key for `/v1/…`; open when unset.
     pub api_key: Option<String>,
-    /// Secret for signing cookies (at least 64 bytes once decoded; generated per start when
-    /// unset, which logs everyone out on restart).
+    /// Secret for signing cookies (at least 64 bytes). When unset, one is generated on first
+    /// start and kept in the database's folder (`cookie_secret`, mode 0600), so restarts keep
+    /// everyone's cookies valid.
     pub cookie_secret: Option<String>,
 }
 

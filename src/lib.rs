@@ -3,5 +3,6 @@ pub mod cli;
 pub mod config;
 pub mod engine;
 pub mod platform;
+pub mod secrets;
 pub mod store;
 pub mod web;

@@ -35,5 +35,6 @@ fn run() -> Result<()> {
         Command::Inspect(a) => cli::inspect::run(a),
         Command::Logits(a) => cli::logits::run(a),
         Command::Bench(a) => cli::bench::run(a),
+        Command::Backup(a) => cli::backup::run(a),
     }
 }

@@ -32,6 +32,8 @@ pub enum PlatformError {
         #[source]
         source: StoreError,
     },
+    #[error("server.cookie_secret: {0}")]
+    Secret(#[from] crate::secrets::SecretError),
     #[error("device `{0}` is not supported by this build: smolchat computes on the CPU (use device = \"cpu\" or \"auto\")")]
     Device(String),
 }
@@ -121,7 +123,7 @@ impl Platform {
     /// Opens the store and starts the actors around an already loaded model. Must run inside an
     /// actix system.
     pub async fn start(
-        config: Config,
+        mut config: Config,
         engine: Engine,
         tokenizer: Tokenizer,
         template: ChatTemplate,
@@ -134,6 +136,16 @@ impl Platform {
                     url: config.database.url.clone(),
                     source,
                 })?;
+        // Without a configured secret, one generated on first start and kept beside the
+        // database signs the owner cookies, so a restart never orphans anyone's conversations.
+        if config.server.cookie_secret.is_none() {
+            if let Some(dir) = store.data_dir() {
+                config.server.cookie_secret = Some(crate::secrets::load_or_create(
+                    dir,
+                    crate::secrets::COOKIE_SECRET_FILE,
+                )?);
+            }
+        }
         let tokenizer = Arc::new(tokenizer);
         let template = Arc::new(template);
         let s = &config.scheduler;

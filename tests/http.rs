@@ -762,10 +762,26 @@ async fn a_full_queue_refuses_at_once_and_loses_nothing() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_crash_mid_reply_loses_no_acknowledged_message() {
     let dir = tempdir();
-    let secret = "s".repeat(64);
-    let env = [("SMOLCHAT_SERVER__COOKIE_SECRET", secret.as_str())];
+    // The default configuration: no cookie secret is configured, so the server generates one
+    // and keeps it beside the database.
+    let env: [(&str, &str); 0] = [];
     let mut server = Server::start(dir.path(), &env).await;
     let c = server.client();
+    let secret_file = dir.path().join("cookie_secret");
+    let secret = std::fs::read_to_string(&secret_file).expect("generated cookie secret");
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        let mode = std::fs::metadata(&secret_file)
+            .unwrap()
+            .permissions()
+            .mode();
+        assert_eq!(
+            mode & 0o777,
+            0o600,
+            "the secret must be readable by its owner only"
+        );
+    }
 
     let a = c.create_greedy(2000).await;
     let b = c.create_greedy(2000).await;
@@ -795,8 +811,10 @@ async fn a_crash_mid_reply_loses_no_acknowledged_message() {
     server.kill();
     drop(events);
 
-    // Restart on the same database (and cookie secret: the same browser keeps its conversations).
+    // Restart on the same database: the kept secret still verifies the browser's cookie, so the
+    // same browser keeps its conversations.
     let mut server = Server::start(dir.path(), &env).await;
+    assert_eq!(std::fs::read_to_string(&secret_file).unwrap(), secret);
     let c = Client::with_cookie(&server.base, c.cookie());
     assert!(
         server.log_text().contains("marked interrupted"),

@@ -2,7 +2,7 @@
 
 use chrono::NaiveDate;
 use smolchat::store::{
-    ConversationSettings, FinishedReply, MessageStatus, Role, Store, StoreError, Timings,
+    backup, ConversationSettings, FinishedReply, MessageStatus, Role, Store, StoreError, Timings,
     TITLE_MAX_CHARS,
 };
 use tempfile::TempDir;
@@ -778,4 +778,108 @@ async fn bad_urls_and_unwritable_paths_are_errors() {
     assert!(Store::open(&format!("sqlite://{}", junk.display()))
         .await
         .is_err());
+}
+
+/// A backup taken while a writer keeps inserting holds a consistent snapshot: every message the
+/// writer had committed before the backup started, a streaming reply still `streaming` (the live
+/// server's business, not the copy's), and it opens as a store with the same rows.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn backup_of_a_live_database_restores_the_same_rows() {
+    let (dir, url, store) = fresh().await;
+    let c = store.create_conversation("u", &settings()).await.unwrap();
+    for i in 0..20 {
+        store
+            .insert_user_message(c.id, &format!("before {i}"))
+            .await
+            .unwrap();
+    }
+    let streaming = store.start_assistant_message(c.id).await.unwrap();
+    // A writer that keeps going while the backup runs.
+    let writer = {
+        let store = store.clone();
+        tokio::spawn(async move {
+            for i in 0..200 {
+                store
+                    .insert_user_message(c.id, &format!("during {i}"))
+                    .await
+                    .unwrap();
+            }
+        })
+    };
+    let dest = dir.path().join("backup.db");
+    let report = backup(&url, &dest).await.unwrap();
+    writer.await.unwrap();
+    assert!(report.bytes > 0);
+    assert_eq!(report.conversations, 1);
+    // The 20 messages before, the streaming reply, and whatever prefix of the writer's
+    // messages had committed: positions have no gaps.
+    assert!(
+        report.messages >= 21 && report.messages <= 221,
+        "{report:?}"
+    );
+
+    // The live database was not touched: its reply is still streaming.
+    assert_eq!(
+        store
+            .get_message(streaming.id)
+            .await
+            .unwrap()
+            .unwrap()
+            .status,
+        MessageStatus::Streaming
+    );
+    let live = store.messages(c.id).await.unwrap();
+    store.close().await;
+
+    let restored_url = format!("sqlite://{}", dest.display());
+    let restored = Store::open(&restored_url).await.unwrap();
+    assert_eq!(restored.integrity_check().await.unwrap(), "ok");
+    let copied = restored.messages(c.id).await.unwrap();
+    assert_eq!(copied.len() as i64, report.messages);
+    // The copy is a prefix of the live conversation, row for row.
+    for (a, b) in copied.iter().zip(&live) {
+        assert_eq!(
+            (a.id, a.position, &a.content),
+            (b.id, b.position, &b.content)
+        );
+    }
+    let positions: Vec<i64> = copied.iter().map(|m| m.position).collect();
+    assert_eq!(positions, (1..=copied.len() as i64).collect::<Vec<_>>());
+    // Opening the copy as a server would marks its streaming reply interrupted, as after a crash.
+    assert_eq!(restored.interrupted_on_open(), 1);
+    restored.close().await;
+}
+
+#[tokio::test]
+async fn backup_refuses_what_it_cannot_do_clearly() {
+    let (dir, url, store) = fresh().await;
+    store.close().await;
+    let existing = dir.path().join("exists.db");
+    std::fs::write(&existing, b"x").unwrap();
+    let err = backup(&url, &existing).await.unwrap_err().to_string();
+    assert!(err.contains("already exists"), "{err}");
+    assert_eq!(std::fs::read(&existing).unwrap(), b"x", "never overwritten");
+
+    let err = backup(&url, &dir.path().join("no/such/dir/b.db"))
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("folder does not exist"), "{err}");
+
+    let err = backup("sqlite::memory:", &dir.path().join("m.db"))
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("only a sqlite: database file"), "{err}");
+
+    let missing = format!("sqlite://{}", dir.path().join("missing.db").display());
+    let err = backup(&missing, &dir.path().join("b.db"))
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("does not exist"), "{err}");
+    assert!(
+        !dir.path().join("missing.db").exists(),
+        "no database was created"
+    );
 }

@@ -1,6 +1,7 @@
 //! The `smolchat` command line: argument types and one module per subcommand.
 //! This is the only library code (with `main.rs`) that prints to stdout.
 
+pub mod backup;
 pub mod bench;
 pub mod chat;
 pub mod generate;
@@ -53,6 +54,8 @@ pub enum Command {
     Logits(logits::LogitsArgs),
     /// Measure load, prefill, decode and batched decode throughput; JSON on stdout.
     Bench(bench::BenchArgs),
+    /// Write a consistent, checked copy of the database (safe while the server runs).
+    Backup(backup::BackupArgs),
 }
 
 /// Sets the size of the global rayon pool that the engine's kernels run on.

@@ -158,7 +158,11 @@ impl<R: Read> HeaderReader<R> {
         }
     }
     fn bytes(&mut self, n: u64, what: &str) -> Result<Vec<u8>> {
-        if self.pos + n > self.file_len {
+        if self
+            .pos
+            .checked_add(n)
+            .is_none_or(|end| end > self.file_len)
+        {
             return Err(self.corrupt(format!(
                 "the header ends early while reading {what} at byte {}",
                 self.pos
@@ -314,19 +318,31 @@ impl GgufSource {
                     name: name.clone(),
                     dtype: ggml_type_name(type_id),
                 })?;
-            let elems: usize = dims.iter().product();
+            // Sizes and offsets come from the file: checked arithmetic, so a hostile header is
+            // an error, not an overflow.
+            let too_big = || {
+                r.corrupt(format!(
+                    "tensor `{name}` claims dimensions {dims:?} or offset {offset} beyond any file"
+                ))
+            };
+            let elems = dims
+                .iter()
+                .try_fold(1usize, |acc, &d| acc.checked_mul(d))
+                .ok_or_else(too_big)?;
             let block = dtype.block_size();
             if !elems.is_multiple_of(block) {
                 return Err(r.corrupt(format!(
                     "tensor `{name}` has {elems} elements, not a multiple of its block size {block}"
                 )));
             }
-            let n_bytes = elems / block * dtype.type_size();
-            let start = data_start + offset;
-            if start + n_bytes as u64 > file_len {
+            let n_bytes = (elems / block)
+                .checked_mul(dtype.type_size())
+                .ok_or_else(too_big)?;
+            let start = data_start.checked_add(offset).ok_or_else(too_big)?;
+            let end = start.checked_add(n_bytes as u64).ok_or_else(too_big)?;
+            if end > file_len {
                 return Err(r.corrupt(format!(
-                    "tensor `{name}` needs bytes {start}..{} but the file has only {file_len} bytes",
-                    start + n_bytes as u64
+                    "tensor `{name}` needs bytes {start}..{end} but the file has only {file_len} bytes"
                 )));
             }
             tensors.insert(

@@ -51,6 +51,12 @@ pub enum StoreError {
         detail: String,
     },
 
+    #[error("backup target {}: {reason}", path.display())]
+    BackupTarget { path: PathBuf, reason: String },
+
+    #[error("the backup {} failed its integrity check: {findings}", path.display())]
+    BackupDamaged { path: PathBuf, findings: String },
+
     #[error("cannot encode {what} as JSON: {source}")]
     Encode {
         what: &'static str,

@@ -72,11 +72,113 @@ macro_rules! message_columns {
     };
 }
 
+/// What [`backup`] wrote.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BackupReport {
+    pub bytes: u64,
+    pub conversations: i64,
+    pub messages: i64,
+}
+
+/// Writes a consistent copy of the SQLite database at `url` to the new file `dest` while the
+/// database may be in use (`VACUUM INTO` reads one snapshot inside a read transaction, so writers
+/// carry on and the copy holds every committed message up to that instant), then checks the copy
+/// with `PRAGMA integrity_check`.
+///
+/// Unlike [`Store::open`] this neither migrates nor marks streaming replies interrupted: a live
+/// server's replies are its own business, and the copy keeps them exactly as they were.
+pub async fn backup(url: &str, dest: &Path) -> Result<BackupReport, StoreError> {
+    if !url.starts_with("sqlite:") || url.contains(":memory:") || url.contains("mode=memory") {
+        return Err(StoreError::Url {
+            url: url.to_string(),
+            reason: "only a sqlite: database file can be backed up".to_string(),
+        });
+    }
+    let target = |reason: &str| StoreError::BackupTarget {
+        path: dest.to_path_buf(),
+        reason: reason.to_string(),
+    };
+    if dest.exists() {
+        return Err(target(
+            "already exists; name a new file (a backup never overwrites)",
+        ));
+    }
+    match dest.parent() {
+        Some(dir) if !dir.as_os_str().is_empty() && !dir.is_dir() => {
+            return Err(target("its folder does not exist"));
+        }
+        _ => {}
+    }
+    let dest_text = dest
+        .to_str()
+        .ok_or_else(|| target("the path is not valid UTF-8"))?;
+    let source_options = SqliteConnectOptions::from_str(url)
+        .map_err(|e| StoreError::Url {
+            url: url.to_string(),
+            reason: e.to_string(),
+        })?
+        .read_only(true)
+        .busy_timeout(BUSY_TIMEOUT);
+    if !source_options.get_filename().exists() {
+        return Err(StoreError::Url {
+            url: url.to_string(),
+            reason: "the database file does not exist".to_string(),
+        });
+    }
+    let source = SqlitePoolOptions::new()
+        .max_connections(1)
+        .connect_with(source_options)
+        .await
+        .map_err(|source| StoreError::Open {
+            url: url.to_string(),
+            source,
+        })?;
+    sqlx::query("VACUUM INTO ?1")
+        .bind(dest_text)
+        .execute(&source)
+        .await?;
+    source.close().await;
+
+    let copy = SqlitePoolOptions::new()
+        .max_connections(1)
+        .connect_with(SqliteConnectOptions::new().filename(dest).read_only(true))
+        .await
+        .map_err(|source| StoreError::Open {
+            url: dest_text.to_string(),
+            source,
+        })?;
+    let findings: Vec<String> = sqlx::query_scalar("PRAGMA integrity_check")
+        .fetch_all(&copy)
+        .await?;
+    if findings != ["ok"] {
+        copy.close().await;
+        return Err(StoreError::BackupDamaged {
+            path: dest.to_path_buf(),
+            findings: findings.join("; "),
+        });
+    }
+    let conversations: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM conversations")
+        .fetch_one(&copy)
+        .await?;
+    let messages: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM messages")
+        .fetch_one(&copy)
+        .await?;
+    copy.close().await;
+    let bytes = std::fs::metadata(dest).map(|m| m.len()).unwrap_or(0);
+    Ok(BackupReport {
+        bytes,
+        conversations,
+        messages,
+    })
+}
+
 /// Handle on the database. Cloning is cheap (the pool is reference-counted inside).
 #[derive(Clone, Debug)]
 pub struct Store {
     pool: SqlitePool,
     interrupted_on_open: u64,
+    /// The folder holding the database file (`None` for an in-memory database).
+    data_dir: Option<std::path::PathBuf>,
 }
 
 impl Store {
@@ -111,6 +213,13 @@ impl Store {
         // sqlx does not expose whether the parsed URL is in-memory; these are the spellings its
         // parser maps to an in-memory database.
         let in_memory = url.contains(":memory:") || url.contains("mode=memory");
+        let data_dir = (!in_memory).then(|| {
+            options
+                .get_filename()
+                .parent()
+                .filter(|dir| !dir.as_os_str().is_empty())
+                .map_or_else(|| Path::new(".").to_path_buf(), Path::to_path_buf)
+        });
         let pool_options = if in_memory {
             // An in-memory database lives as long as one connection to it: keep exactly one,
             // forever (several would also fight over shared-cache table locks, which ignore the
@@ -138,6 +247,7 @@ impl Store {
         let mut store = Store {
             pool,
             interrupted_on_open: 0,
+            data_dir,
         };
         store.interrupted_on_open = store.mark_streaming_interrupted().await?;
         if store.interrupted_on_open > 0 {
@@ -148,6 +258,12 @@ impl Store {
         }
         tracing::info!(url, "store opened");
         Ok(store)
+    }
+
+    /// The folder holding the database file, where the server keeps its other state (the
+    /// generated cookie secret); `None` for an in-memory database.
+    pub fn data_dir(&self) -> Option<&Path> {
+        self.data_dir.as_deref()
     }
 
     /// How many replies [`Store::open`] found left `streaming` and marked `interrupted`.

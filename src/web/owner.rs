@@ -8,8 +8,9 @@
 //! needs to change for that.
 //!
 //! The cookie is signed (HMAC) with a key from `server.cookie_secret`, so a client cannot pick
-//! someone else's id; without a configured secret a random key is made per start, which makes
-//! every browser a new owner after a restart.
+//! someone else's id. Without a configured secret the platform generates one on first start and
+//! keeps it beside the database (`secrets.rs`), so owners survive restarts; only an in-memory
+//! database gets a key per start.
 
 use std::future::{ready, Ready};
 
@@ -56,7 +57,7 @@ pub fn cookie_key(secret: Option<&str>) -> Result<Key, String> {
         }),
         None => {
             tracing::info!(
-                "server.cookie_secret is not set: owner cookies are signed with a random key, so browsers lose their conversations when the server restarts"
+                "server.cookie_secret is not set and the database is in memory: owner cookies are signed with a random key, so browsers lose their conversations when the server restarts"
             );
             Key::try_generate().ok_or_else(|| "no randomness to make a cookie key".to_string())
         }

@@ -355,6 +355,36 @@ impl Client {
             req = req.body(body);
         }
         let resp = req.send().await.expect("request");
+        self.keep_cookie(&resp);
+        resp
+    }
+
+    /// Like [`Client::call`], but a connection failure (a server that is down) is an `Err`
+    /// instead of a panic.
+    pub async fn try_post(&self, path: &str, body: &Value) -> Result<Reply, reqwest::Error> {
+        let mut req = self
+            .http
+            .post(format!("{}{path}", self.base))
+            .timeout(Duration::from_secs(30))
+            .json(body);
+        if let Some(cookie) = self.cookie() {
+            req = req.header(COOKIE, cookie);
+        }
+        let resp = req.send().await?;
+        self.keep_cookie(&resp);
+        let status = resp.status();
+        let headers = resp.headers().clone();
+        let text = resp.text().await?;
+        let json = serde_json::from_str(&text).unwrap_or(Value::Null);
+        Ok(Reply {
+            status,
+            headers,
+            json,
+            text,
+        })
+    }
+
+    fn keep_cookie(&self, resp: &reqwest::Response) {
         if let Some(set) = resp.headers().get(SET_COOKIE) {
             let pair = set
                 .to_str()
@@ -365,7 +395,6 @@ impl Client {
                 .to_string();
             *self.cookie.lock().unwrap() = Some(pair);
         }
-        resp
     }
 
     pub async fn call(
