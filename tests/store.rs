@@ -663,6 +663,32 @@ async fn in_memory_databases_work() {
     assert_eq!(store.integrity_check().await.unwrap(), "ok");
 }
 
+/// A write to an unknown conversation is refused without losing anything: an in-memory database
+/// lives in its single connection, which must survive the refused transaction.
+#[tokio::test]
+async fn a_refused_write_keeps_an_in_memory_database() {
+    let store = Store::open("sqlite::memory:").await.unwrap();
+    let c = store.create_conversation("u", &settings()).await.unwrap();
+    store.insert_user_message(c.id, "kept").await.unwrap();
+    assert!(matches!(
+        store.insert_user_message(Uuid::now_v7(), "lost").await,
+        Err(StoreError::ConversationNotFound(_))
+    ));
+    assert!(matches!(
+        store.start_assistant_message(Uuid::now_v7()).await,
+        Err(StoreError::ConversationNotFound(_))
+    ));
+    assert!(matches!(
+        store
+            .finish_assistant_message(Uuid::now_v7(), &reply(MessageStatus::Complete))
+            .await,
+        Err(StoreError::MessageNotFound(_))
+    ));
+    let messages = store.messages(c.id).await.unwrap();
+    assert_eq!(messages.len(), 1);
+    assert_eq!(messages[0].content, "kept");
+}
+
 #[tokio::test]
 async fn unknown_ids_are_not_errors() {
     let (_dir, _url, store) = fresh().await;

@@ -61,6 +61,9 @@ pub struct SessionShared {
     pub cfg: SessionConfig,
 }
 
+/// What a user is told when the store cannot be written (the detail is in the log).
+pub const STORAGE_UNAVAILABLE: &str = "the server cannot save anything right now (its storage is full, read-only or busy); nothing was saved, so please try again in a moment";
+
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum SessionError {
     #[error("the message is empty")]
@@ -75,13 +78,21 @@ pub enum SessionError {
     Submit(#[from] SubmitError),
     #[error("storage failed: {0}")]
     Store(String),
+    /// The store cannot be written right now (disk full, read-only, locked): nothing was saved.
+    #[error("{0}")]
+    StoreUnavailable(String),
     #[error("cannot build the prompt: {0}")]
     Prompt(String),
 }
 
 impl From<StoreError> for SessionError {
     fn from(e: StoreError) -> Self {
-        SessionError::Store(e.to_string())
+        if e.is_unavailable() {
+            tracing::warn!(error = %e, "storage unavailable");
+            SessionError::StoreUnavailable(STORAGE_UNAVAILABLE.to_string())
+        } else {
+            SessionError::Store(e.to_string())
+        }
     }
 }
 

@@ -64,3 +64,45 @@ pub enum StoreError {
         source: serde_json::Error,
     },
 }
+
+impl StoreError {
+    /// The database cannot be written or reached right now for a reason outside the request:
+    /// the disk is full, the file or its file system is read-only, another process held the
+    /// write lock past the busy timeout, an I/O error. Nothing was stored; the same request may
+    /// succeed once the fault is gone, so callers answer "try again later" rather than "bug".
+    pub fn is_unavailable(&self) -> bool {
+        match self {
+            StoreError::Database(e) | StoreError::Open { source: e, .. } => sqlx_unavailable(e),
+            _ => false,
+        }
+    }
+}
+
+fn sqlx_unavailable(e: &sqlx::Error) -> bool {
+    // SQLite's primary result codes (the low byte of an extended code).
+    const SQLITE_BUSY: i64 = 5;
+    const SQLITE_LOCKED: i64 = 6;
+    const SQLITE_READONLY: i64 = 8;
+    const SQLITE_IOERR: i64 = 10;
+    const SQLITE_FULL: i64 = 13;
+    const SQLITE_CANTOPEN: i64 = 14;
+    match e {
+        sqlx::Error::Database(db) => {
+            db.code()
+                .and_then(|c| c.parse::<i64>().ok())
+                .is_some_and(|c| {
+                    matches!(
+                        c & 0xff,
+                        SQLITE_BUSY
+                            | SQLITE_LOCKED
+                            | SQLITE_READONLY
+                            | SQLITE_IOERR
+                            | SQLITE_FULL
+                            | SQLITE_CANTOPEN
+                    )
+                })
+        }
+        sqlx::Error::Io(_) | sqlx::Error::PoolTimedOut | sqlx::Error::PoolClosed => true,
+        _ => false,
+    }
+}

@@ -440,7 +440,7 @@ impl Store {
         content: &str,
     ) -> Result<Message, StoreError> {
         let now = now_micros();
-        let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await?;
+        let mut tx = WriteTx::begin(&self.pool).await?;
         let touched = sqlx::query(
             "UPDATE conversations SET updated_at = ?1, \
              title = CASE WHEN title = '' THEN ?2 ELSE title END WHERE id = ?3",
@@ -451,6 +451,7 @@ impl Store {
         .execute(&mut *tx)
         .await?;
         if touched.rows_affected() == 0 {
+            tx.rollback().await?;
             return Err(StoreError::ConversationNotFound(conversation));
         }
         let row = insert_message(
@@ -470,13 +471,14 @@ impl Store {
     /// generated. [`StoreError::ConversationNotFound`] when the conversation does not exist.
     pub async fn start_assistant_message(&self, conversation: Uuid) -> Result<Message, StoreError> {
         let now = now_micros();
-        let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await?;
+        let mut tx = WriteTx::begin(&self.pool).await?;
         let touched = sqlx::query("UPDATE conversations SET updated_at = ?1 WHERE id = ?2")
             .bind(now)
             .bind(conversation.to_string())
             .execute(&mut *tx)
             .await?;
         if touched.rows_affected() == 0 {
+            tx.rollback().await?;
             return Err(StoreError::ConversationNotFound(conversation));
         }
         let row = insert_message(
@@ -504,7 +506,7 @@ impl Store {
             return Err(StoreError::InvalidStatus(reply.status.as_str()));
         }
         let timings = encode_json("timings", &reply.timings.sanitized())?;
-        let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await?;
+        let mut tx = WriteTx::begin(&self.pool).await?;
         let row: Option<MessageRow> = sqlx::query_as(concat!(
             "UPDATE messages SET content = ?1, reasoning = ?2, raw = ?3, status = ?4, error = ?5, \
              prompt_tokens = ?6, completion_tokens = ?7, cached_tokens = ?8, timings = ?9 \
@@ -524,6 +526,7 @@ impl Store {
         .fetch_optional(&mut *tx)
         .await?;
         let Some(row) = row else {
+            tx.rollback().await?;
             return Err(StoreError::MessageNotFound(id));
         };
         sqlx::query("UPDATE conversations SET updated_at = ?1 WHERE id = ?2")
@@ -567,7 +570,7 @@ impl Store {
         from_message: Uuid,
     ) -> Result<u64, StoreError> {
         let conversation_id = conversation.to_string();
-        let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await?;
+        let mut tx = WriteTx::begin(&self.pool).await?;
         // The sub-select is NULL for an unknown message, and `position >= NULL` matches nothing.
         let deleted = sqlx::query(
             "DELETE FROM messages WHERE conversation_id = ?1 AND position >= \
@@ -616,8 +619,73 @@ impl Store {
 /// Appends a message after the conversation's last one. Runs inside the caller's write
 /// transaction, so the `MAX(position) + 1` read and the insert cannot interleave with another
 /// writer.
+/// A write transaction (`BEGIN IMMEDIATE … COMMIT`) on one pooled connection.
+///
+/// Managed here rather than with sqlx's `Transaction`: when a statement or the commit fails for
+/// a storage fault (disk full, read-only file, I/O error), SQLite may already have rolled the
+/// transaction back itself; sqlx's rollback-on-drop then fails and the connection goes back to
+/// the pool still marked as inside a transaction, so every later write on it fails too (found by
+/// `tests/faults.rs`). Here a transaction that did not commit closes its connection instead of
+/// returning it: closing makes SQLite discard whatever was left of the transaction, and the pool
+/// opens a fresh connection when it needs one, so one fault never outlives its request.
+struct WriteTx {
+    conn: sqlx::pool::PoolConnection<sqlx::Sqlite>,
+    /// Ended cleanly (committed or rolled back on purpose): the connection may be reused.
+    committed: bool,
+}
+
+impl WriteTx {
+    async fn begin(pool: &SqlitePool) -> Result<WriteTx, StoreError> {
+        let mut conn = pool.acquire().await?;
+        if let Err(e) = sqlx::query("BEGIN IMMEDIATE").execute(&mut *conn).await {
+            conn.close_on_drop();
+            return Err(e.into());
+        }
+        Ok(WriteTx {
+            conn,
+            committed: false,
+        })
+    }
+
+    async fn commit(mut self) -> Result<(), StoreError> {
+        sqlx::query("COMMIT").execute(&mut *self.conn).await?;
+        self.committed = true;
+        Ok(())
+    }
+
+    /// Ends a transaction that changed nothing worth keeping (an unknown id) and keeps the
+    /// connection: an in-memory database lives in its one connection, so that one must not be
+    /// closed for an ordinary "not found".
+    async fn rollback(mut self) -> Result<(), StoreError> {
+        sqlx::query("ROLLBACK").execute(&mut *self.conn).await?;
+        self.committed = true;
+        Ok(())
+    }
+}
+
+impl std::ops::Deref for WriteTx {
+    type Target = sqlx::SqliteConnection;
+    fn deref(&self) -> &Self::Target {
+        &self.conn
+    }
+}
+
+impl std::ops::DerefMut for WriteTx {
+    fn deref_mut(&mut self) -> &mut Self::Target {
+        &mut self.conn
+    }
+}
+
+impl Drop for WriteTx {
+    fn drop(&mut self) {
+        if !self.committed {
+            self.conn.close_on_drop();
+        }
+    }
+}
+
 async fn insert_message(
-    tx: &mut sqlx::Transaction<'static, sqlx::Sqlite>,
+    tx: &mut WriteTx,
     conversation: Uuid,
     role: Role,
     content: &str,

@@ -7,9 +7,12 @@ use actix_web::http::StatusCode;
 use actix_web::{HttpResponse, ResponseError};
 use serde_json::json;
 
-use crate::actors::session::SessionError;
+use crate::actors::session::{SessionError, STORAGE_UNAVAILABLE};
 use crate::actors::SubmitError;
 use crate::store::StoreError;
+
+/// Seconds a client is asked to wait before retrying after a storage fault.
+const STORAGE_RETRY_AFTER_S: u64 = 5;
 
 #[derive(Debug, thiserror::Error)]
 pub enum WebError {
@@ -39,6 +42,10 @@ pub enum WebError {
     /// The platform cannot serve right now (an actor is gone, the server is shutting down).
     #[error("{0}")]
     Unavailable(String),
+    /// The store cannot be written right now (disk full, read-only, locked); nothing was saved
+    /// and the client may retry.
+    #[error("{0}")]
+    StorageUnavailable(String),
     /// A fault on our side; the detail is logged, the client gets a short message.
     #[error("{0}")]
     Internal(String),
@@ -58,6 +65,7 @@ impl WebError {
             WebError::ContextOverflow(_) => "context_overflow",
             WebError::Overloaded { .. } => "overloaded",
             WebError::Unavailable(_) => "unavailable",
+            WebError::StorageUnavailable(_) => "storage_unavailable",
             WebError::Internal(_) => "internal_error",
         }
     }
@@ -78,9 +86,9 @@ impl ResponseError for WebError {
             WebError::NotFound(_) => StatusCode::NOT_FOUND,
             WebError::MethodNotAllowed(_) => StatusCode::METHOD_NOT_ALLOWED,
             WebError::Conflict(_) => StatusCode::CONFLICT,
-            WebError::Overloaded { .. } | WebError::Unavailable(_) => {
-                StatusCode::SERVICE_UNAVAILABLE
-            }
+            WebError::Overloaded { .. }
+            | WebError::Unavailable(_)
+            | WebError::StorageUnavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
             WebError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
@@ -103,11 +111,13 @@ impl ResponseError for WebError {
             }
         };
         let mut response = HttpResponse::build(status);
-        if let WebError::Overloaded { retry_after_s, .. } = self {
-            response.insert_header((
-                header::RETRY_AFTER,
-                HeaderValue::from((*retry_after_s).max(1)),
-            ));
+        let retry_after_s = match self {
+            WebError::Overloaded { retry_after_s, .. } => Some((*retry_after_s).max(1)),
+            WebError::StorageUnavailable(_) => Some(STORAGE_RETRY_AFTER_S),
+            _ => None,
+        };
+        if let Some(s) = retry_after_s {
+            response.insert_header((header::RETRY_AFTER, HeaderValue::from(s)));
         }
         response.json(json!({
             "error": { "message": message, "type": self.kind() }
@@ -124,6 +134,7 @@ impl From<SessionError> for WebError {
             SessionError::NotFound => WebError::conversation_not_found(),
             SessionError::Submit(s) => s.into(),
             SessionError::Store(detail) => WebError::Internal(format!("storage: {detail}")),
+            SessionError::StoreUnavailable(message) => WebError::StorageUnavailable(message),
             SessionError::Prompt(detail) => WebError::Internal(format!("prompt: {detail}")),
         }
     }
@@ -150,6 +161,10 @@ impl From<StoreError> for WebError {
                 WebError::conversation_not_found()
             }
             StoreError::InvalidSettings(m) => WebError::BadRequest(m),
+            other if other.is_unavailable() => {
+                tracing::warn!(error = %other, "storage unavailable");
+                WebError::StorageUnavailable(STORAGE_UNAVAILABLE.to_string())
+            }
             other => WebError::Internal(format!("storage: {other}")),
         }
     }
