@@ -110,6 +110,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         "model": model_name,
         "architecture": cfg.arch.gguf_name(),
         "threads": rayon::current_num_threads(),
+        "isa": crate::engine::quant::gemm::Isa::best().name(),
         "weight_bytes": engine.model().weight_bytes(),
         "load_s": load_s,
         "prefill": {

@@ -180,7 +180,10 @@ fn refill<T: Copy + Default>(v: &mut Vec<T>, len: usize) {
 fn simd_available() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")
+        // A forced scalar path (`SMOLCHAT_ISA=scalar`) covers the quantizers too.
+        super::gemm::Isa::best() != super::gemm::Isa::Scalar
+            && is_x86_feature_detected!("avx2")
+            && is_x86_feature_detected!("fma")
     }
     #[cfg(not(target_arch = "x86_64"))]
     {

@@ -47,19 +47,76 @@ impl Isa {
         }
     }
 
-    /// The best instruction set this CPU has (detected once).
+    /// The instruction set the kernels use (decided once): the best this CPU has, or at most
+    /// the one named by `SMOLCHAT_ISA` (`avx512`, `avxvnni`, `avx2`, `scalar`), so that one
+    /// machine can compare the paths. A forced set the CPU lacks falls back to the best one
+    /// below it, with a warning; an unknown name is ignored with a warning.
     pub fn best() -> Isa {
         static BEST: OnceLock<Isa> = OnceLock::new();
         *BEST.get_or_init(|| {
-            let isa = [Isa::Avx512Vnni, Isa::AvxVnni, Isa::Avx2]
-                .into_iter()
-                .find(|i| i.available())
-                .unwrap_or(Isa::Scalar);
-            tracing::debug!(?isa, "quantized matmul kernels");
+            let cap = match std::env::var(ISA_VARIABLE) {
+                Ok(name) => match Isa::parse(&name) {
+                    Some(isa) => Some(isa),
+                    None => {
+                        tracing::warn!(
+                            value = %name,
+                            "{ISA_VARIABLE} is not one of avx512, avxvnni, avx2, scalar; ignored"
+                        );
+                        None
+                    }
+                },
+                Err(_) => None,
+            };
+            let isa = Isa::best_up_to(cap.unwrap_or(Isa::Avx512Vnni));
+            match cap {
+                Some(wanted) if wanted != isa => tracing::warn!(
+                    wanted = wanted.name(),
+                    using = isa.name(),
+                    "{ISA_VARIABLE} asks for an instruction set this CPU lacks"
+                ),
+                _ => {}
+            }
+            tracing::info!(
+                isa = isa.name(),
+                forced = cap.is_some(),
+                "quantized matmul kernels"
+            );
             isa
         })
     }
+
+    /// The best available instruction set no better than `cap`.
+    pub fn best_up_to(cap: Isa) -> Isa {
+        [Isa::Avx512Vnni, Isa::AvxVnni, Isa::Avx2]
+            .into_iter()
+            .filter(|&i| i <= cap)
+            .find(|i| i.available())
+            .unwrap_or(Isa::Scalar)
+    }
+
+    /// `SMOLCHAT_ISA`'s spelling of an instruction set.
+    pub fn parse(name: &str) -> Option<Isa> {
+        match name.trim().to_ascii_lowercase().as_str() {
+            "avx512" | "avx512vnni" | "avx512-vnni" => Some(Isa::Avx512Vnni),
+            "avxvnni" | "avx-vnni" => Some(Isa::AvxVnni),
+            "avx2" => Some(Isa::Avx2),
+            "scalar" => Some(Isa::Scalar),
+            _ => None,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Isa::Scalar => "scalar",
+            Isa::Avx2 => "avx2",
+            Isa::AvxVnni => "avxvnni",
+            Isa::Avx512Vnni => "avx512",
+        }
+    }
 }
+
+/// The environment variable that caps the kernels' instruction set.
+pub const ISA_VARIABLE: &str = "SMOLCHAT_ISA";
 
 /// Computes the sixteen rows of one packed group against tokens `t0..t0 + nt` of `acts`, writing
 /// row `l` of token `t0 + t` to `out.add(t * stride + l)`.
@@ -280,5 +337,22 @@ fn run_groups(job: &Job<'_>, range: std::ops::Range<usize>) {
             t0 += nt;
         }
         g0 = g1;
+    }
+}
+
+#[cfg(test)]
+mod isa_tests {
+    use super::Isa;
+
+    #[test]
+    fn isa_names_parse_and_caps_never_exceed_the_request() {
+        for isa in [Isa::Scalar, Isa::Avx2, Isa::AvxVnni, Isa::Avx512Vnni] {
+            assert_eq!(Isa::parse(isa.name()), Some(isa));
+            let chosen = Isa::best_up_to(isa);
+            assert!(chosen <= isa && chosen.available(), "{isa:?} -> {chosen:?}");
+        }
+        assert_eq!(Isa::parse(" AVX2 "), Some(Isa::Avx2));
+        assert_eq!(Isa::parse("sse4"), None);
+        assert_eq!(Isa::best_up_to(Isa::Scalar), Isa::Scalar);
     }
 }
