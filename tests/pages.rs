@@ -451,6 +451,107 @@ async fn page_routes_refuse_bad_requests() {
     assert_eq!(alice.get("/admin/live").await.status, StatusCode::NOT_FOUND);
 }
 
+/// The conversation's messages through the JSON API (same cookies), once no reply is running.
+async fn settled_messages(b: &mut Browser, id: &str) -> Vec<serde_json::Value> {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    loop {
+        let page = b.get(&format!("/api/conversations/{id}")).await;
+        assert_eq!(page.status, StatusCode::OK, "{}", page.text);
+        let v: serde_json::Value = serde_json::from_str(&page.text).expect("json");
+        let messages = v["messages"].as_array().expect("messages").clone();
+        if messages.iter().all(|m| m["status"] != "streaming") {
+            return messages;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "a reply never finished"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+}
+
+fn ids(messages: &[serde_json::Value]) -> Vec<String> {
+    messages.iter().map(|m| m["id"].to_string()).collect()
+}
+
+/// Regenerate and edit replace the last exchange only once the new request is accepted: refused
+/// for a context overflow or because a reply is running, they change nothing.
+#[tokio::test]
+async fn refused_regenerate_and_edit_lose_nothing() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let server = Server::start(dir.path(), &[("SMOLCHAT_LIMITS__CONTEXT", "256")]).await;
+    let mut alice = Browser::new(&server.base);
+    alice.get("/").await;
+    let id = alice.new_conversation().await;
+    let settings = [
+        ("system_prompt", "Be brief."),
+        ("temperature", "0"),
+        ("top_p", "0.9"),
+        ("max_tokens", "6"),
+    ];
+    let page = alice.post(&format!("/c/{id}/settings"), &settings).await;
+    assert_eq!(page.status, StatusCode::OK, "{}", page.text);
+    for text in ["Hi!", "Name a colour."] {
+        let page = alice
+            .post(&format!("/c/{id}/messages"), &[("content", text)])
+            .await;
+        assert_eq!(page.status, StatusCode::ACCEPTED, "{}", page.text);
+        settled_messages(&mut alice, &id).await;
+    }
+    let before = settled_messages(&mut alice, &id).await;
+    assert_eq!(before.len(), 4);
+
+    // An edit whose prompt overflows the context is refused and the exchange stays.
+    let long = "word ".repeat(300);
+    let page = alice
+        .post(&format!("/c/{id}/edit"), &[("content", &long)])
+        .await;
+    assert_eq!(page.status, StatusCode::BAD_REQUEST, "{}", page.text);
+    assert!(page.text.contains("context"), "{}", page.text);
+    assert_eq!(ids(&settled_messages(&mut alice, &id).await), ids(&before));
+
+    // While a reply runs, regenerate and edit are refused and nothing is deleted.
+    let page = alice
+        .post(
+            &format!("/c/{id}/settings"),
+            &[
+                ("system_prompt", "Be brief."),
+                ("temperature", "0"),
+                ("top_p", "0.9"),
+                ("max_tokens", "64"),
+            ],
+        )
+        .await;
+    assert_eq!(page.status, StatusCode::OK, "{}", page.text);
+    let page = alice
+        .post(
+            &format!("/c/{id}/messages"),
+            &[("content", "Count to twenty.")],
+        )
+        .await;
+    assert_eq!(page.status, StatusCode::ACCEPTED, "{}", page.text);
+    let racing = alice.post(&format!("/c/{id}/regenerate"), &[]).await;
+    assert_eq!(racing.status, StatusCode::CONFLICT, "{}", racing.text);
+    let racing = alice
+        .post(&format!("/c/{id}/edit"), &[("content", "Count to ten.")])
+        .await;
+    assert_eq!(racing.status, StatusCode::CONFLICT, "{}", racing.text);
+    let after_race = settled_messages(&mut alice, &id).await;
+    assert_eq!(after_race.len(), 6);
+    assert_eq!(ids(&after_race[..4]), ids(&before));
+    assert_eq!(after_race[4]["content"], "Count to twenty.");
+
+    // An accepted regenerate replaces the last exchange: same question, a new reply.
+    let page = alice.post(&format!("/c/{id}/regenerate"), &[]).await;
+    assert_eq!(page.status, StatusCode::ACCEPTED, "{}", page.text);
+    let regenerated = settled_messages(&mut alice, &id).await;
+    assert_eq!(regenerated.len(), 6);
+    assert_eq!(ids(&regenerated[..4]), ids(&before));
+    assert_eq!(regenerated[4]["content"], "Count to twenty.");
+    assert_ne!(regenerated[4]["id"], after_race[4]["id"]);
+    assert_ne!(regenerated[5]["id"], after_race[5]["id"]);
+}
+
 #[tokio::test]
 async fn messages_render_escaped_and_sanitized() {
     let dir = tempfile::tempdir().expect("tempdir");

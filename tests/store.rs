@@ -909,3 +909,57 @@ async fn backup_refuses_what_it_cannot_do_clearly() {
         "no database was created"
     );
 }
+
+/// One exchange is one transaction; replacing the last exchange either happens whole or not at
+/// all (an unknown or non-user message to replace changes nothing).
+#[tokio::test]
+async fn insert_exchange_replaces_atomically() {
+    let (_dir, _url, store) = fresh().await;
+    let c = store.create_conversation("u", &settings()).await.unwrap();
+    let (u1, a1) = store.insert_exchange(c.id, "first", None).await.unwrap();
+    assert_eq!((u1.position, a1.position), (1, 2));
+    assert_eq!(a1.status, MessageStatus::Streaming);
+    store
+        .finish_assistant_message(a1.id, &reply(MessageStatus::Complete))
+        .await
+        .unwrap();
+    let (u2, a2) = store.insert_exchange(c.id, "second", None).await.unwrap();
+    let before = store.messages(c.id).await.unwrap();
+
+    for bad in [Uuid::now_v7(), a2.id] {
+        assert!(matches!(
+            store.insert_exchange(c.id, "never", Some(bad)).await,
+            Err(StoreError::MessageNotFound(_))
+        ));
+        let now = store.messages(c.id).await.unwrap();
+        let key = |m: &smolchat::store::Message| (m.id, m.position, m.content.clone());
+        assert_eq!(
+            now.iter().map(key).collect::<Vec<_>>(),
+            before.iter().map(key).collect::<Vec<_>>()
+        );
+    }
+    assert!(matches!(
+        store.insert_exchange(Uuid::now_v7(), "x", None).await,
+        Err(StoreError::ConversationNotFound(_))
+    ));
+
+    let (u3, a3) = store
+        .insert_exchange(c.id, "second, edited", Some(u2.id))
+        .await
+        .unwrap();
+    let after = store.messages(c.id).await.unwrap();
+    let summary: Vec<(i64, &str)> = after
+        .iter()
+        .map(|m| (m.position, m.content.as_str()))
+        .collect();
+    assert_eq!(
+        summary,
+        [
+            (1, "first"),
+            (2, "The answer is 4."),
+            (3, "second, edited"),
+            (4, "")
+        ]
+    );
+    assert_eq!((after[2].id, after[3].id), (u3.id, a3.id));
+}

@@ -74,6 +74,8 @@ pub enum SessionError {
     Busy,
     #[error("conversation not found")]
     NotFound,
+    #[error("there is no message to resend")]
+    NothingToResend,
     #[error(transparent)]
     Submit(#[from] SubmitError),
     #[error("storage failed: {0}")]
@@ -87,6 +89,12 @@ pub enum SessionError {
 
 impl From<StoreError> for SessionError {
     fn from(e: StoreError) -> Self {
+        if let StoreError::ConversationNotFound(_) = e {
+            return SessionError::NotFound;
+        }
+        if let StoreError::MessageNotFound(_) = e {
+            return SessionError::NothingToResend;
+        }
         if e.is_unavailable() {
             tracing::warn!(error = %e, "storage unavailable");
             SessionError::StoreUnavailable(STORAGE_UNAVAILABLE.to_string())
@@ -351,6 +359,19 @@ impl Actor for SessionActor {
 #[rtype(result = "Result<Accepted, SessionError>")]
 pub struct SendMessage {
     pub content: String,
+    /// Regenerate / edit-and-resend: the user message this one replaces, with everything after
+    /// it. The old messages stay until the new request has been accepted and stored, in one
+    /// transaction, so a refusal (busy, overloaded, context overflow, storage) changes nothing.
+    pub replacing: Option<Uuid>,
+}
+
+impl SendMessage {
+    pub fn new(content: String) -> Self {
+        SendMessage {
+            content,
+            replacing: None,
+        }
+    }
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -419,7 +440,7 @@ impl Handler<SendMessage> for SessionActor {
     type Result = ResponseActFuture<Self, Result<Accepted, SessionError>>;
 
     fn handle(&mut self, msg: SendMessage, _: &mut Context<Self>) -> Self::Result {
-        let content = msg.content;
+        let SendMessage { content, replacing } = msg;
         let check = || {
             if content.trim().is_empty() {
                 return Err(SessionError::EmptyMessage);
@@ -448,7 +469,15 @@ impl Handler<SendMessage> for SessionActor {
                 .get_conversation(id)
                 .await?
                 .ok_or(SessionError::NotFound)?;
-            let history = shared.store.messages(id).await?;
+            let mut history = shared.store.messages(id).await?;
+            if let Some(from) = replacing {
+                // The prompt is the conversation before the replaced message.
+                let at = history
+                    .iter()
+                    .position(|m| m.id == from && m.role == Role::User)
+                    .ok_or(SessionError::NothingToResend)?;
+                history.truncate(at);
+            }
             let prepared = prepare(&shared, &conversation, &history, &content)?;
             let request = GenerationRequest {
                 cache_key: Some(id.to_string()),
@@ -463,12 +492,7 @@ impl Handler<SendMessage> for SessionActor {
                 .send(Submit(request))
                 .await
                 .map_err(|e| SessionError::Submit(SubmitError::Unavailable(e.to_string())))??;
-            let stored = async {
-                let user = shared.store.insert_user_message(id, &content).await?;
-                let assistant = shared.store.start_assistant_message(id).await?;
-                Ok::<_, StoreError>((user, assistant))
-            }
-            .await;
+            let stored = shared.store.insert_exchange(id, &content, replacing).await;
             match stored {
                 Ok((user, assistant)) => Ok((request_id, user, assistant, prepared)),
                 Err(e) => {

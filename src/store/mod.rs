@@ -538,6 +538,72 @@ impl Store {
         row.into_message()
     }
 
+    /// Stores one exchange in a single transaction: the user message and the assistant reply
+    /// that starts `streaming` for it. With `replacing`, the messages from that user message
+    /// (inclusive) on are deleted in the same transaction (regenerate, edit-and-resend), so a
+    /// failure at any point changes nothing. [`StoreError::ConversationNotFound`] for an unknown
+    /// conversation, [`StoreError::MessageNotFound`] when `replacing` is not a user message of
+    /// it.
+    pub async fn insert_exchange(
+        &self,
+        conversation: Uuid,
+        content: &str,
+        replacing: Option<Uuid>,
+    ) -> Result<(Message, Message), StoreError> {
+        let now = now_micros();
+        let conversation_id = conversation.to_string();
+        let mut tx = WriteTx::begin(&self.pool).await?;
+        let touched = sqlx::query(
+            "UPDATE conversations SET updated_at = ?1, \
+             title = CASE WHEN title = '' THEN ?2 ELSE title END WHERE id = ?3",
+        )
+        .bind(now)
+        .bind(derive_title(content))
+        .bind(&conversation_id)
+        .execute(&mut *tx)
+        .await?;
+        if touched.rows_affected() == 0 {
+            tx.rollback().await?;
+            return Err(StoreError::ConversationNotFound(conversation));
+        }
+        if let Some(from) = replacing {
+            let deleted = sqlx::query(
+                "DELETE FROM messages WHERE conversation_id = ?1 AND position >= \
+                 (SELECT position FROM messages WHERE id = ?2 AND conversation_id = ?1 \
+                  AND role = 'user')",
+            )
+            .bind(&conversation_id)
+            .bind(from.to_string())
+            .execute(&mut *tx)
+            .await?
+            .rows_affected();
+            if deleted == 0 {
+                tx.rollback().await?;
+                return Err(StoreError::MessageNotFound(from));
+            }
+        }
+        let user = insert_message(
+            &mut tx,
+            conversation,
+            Role::User,
+            content,
+            MessageStatus::Complete,
+            now,
+        )
+        .await?;
+        let assistant = insert_message(
+            &mut tx,
+            conversation,
+            Role::Assistant,
+            "",
+            MessageStatus::Streaming,
+            now,
+        )
+        .await?;
+        tx.commit().await?;
+        Ok((user.into_message()?, assistant.into_message()?))
+    }
+
     /// Saves the text generated so far of a reply that is still `streaming`, so a crash keeps it
     /// (start-up marks it `interrupted` with this text). Returns whether a row was updated.
     pub async fn save_partial_reply(

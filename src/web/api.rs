@@ -307,11 +307,7 @@ pub async fn send_message(
 ) -> Result<HttpResponse, WebError> {
     let conversation = owned(&state, &path, &owner).await?;
     let session = state.platform.sessions.get_or_start(conversation.id);
-    let accepted = session
-        .send(SendMessage {
-            content: body.0.content,
-        })
-        .await??;
+    let accepted = session.send(SendMessage::new(body.0.content)).await??;
     tracing::debug!(conversation = %conversation.id, message = %accepted.user_message.id, "message accepted");
     Ok(HttpResponse::Accepted().json(json!({
         "user_message": accepted.user_message,

@@ -132,6 +132,7 @@ impl From<SessionError> for WebError {
             SessionError::MessageTooLong { .. } => WebError::PayloadTooLarge(e.to_string()),
             SessionError::Busy => WebError::Conflict(e.to_string()),
             SessionError::NotFound => WebError::conversation_not_found(),
+            SessionError::NothingToResend => WebError::BadRequest(e.to_string()),
             SessionError::Submit(s) => s.into(),
             SessionError::Store(detail) => WebError::Internal(format!("storage: {detail}")),
             SessionError::StoreUnavailable(message) => WebError::StorageUnavailable(message),

@@ -483,7 +483,7 @@ pub async fn create(
     tracing::info!(conversation = %c.id, owner = owner.as_str(), "conversation created from the page");
     if !content.trim().is_empty() {
         let session = state.platform.sessions.get_or_start(c.id);
-        if let Err(e) = session.send(SendMessage { content }).await? {
+        if let Err(e) = session.send(SendMessage::new(content)).await? {
             // The conversation would stay empty; remove it so the sidebar does not fill up.
             let _ = session.send(Shutdown).await;
             let _ = store.delete_conversation(c.id).await;
@@ -503,11 +503,7 @@ pub async fn send(
     let c = owned(&state, &path, &owner).await?;
     let form: ContentForm = read_form(&state, payload).await?;
     let session = state.platform.sessions.get_or_start(c.id);
-    let accepted = session
-        .send(SendMessage {
-            content: form.content,
-        })
-        .await??;
+    let accepted = session.send(SendMessage::new(form.content)).await??;
     tracing::debug!(conversation = %c.id, message = %accepted.user_message.id, "message sent from the page");
     Ok(HttpResponse::Accepted().finish())
 }
@@ -526,40 +522,29 @@ pub async fn stop(
     Ok(HttpResponse::NoContent().finish())
 }
 
-/// Deletes the last user message and everything after it, then sends `content` (or the same
-/// text again): regenerate and edit-and-resend.
+/// Replaces the last user message and everything after it with `content` (or the same text
+/// again): regenerate and edit-and-resend. The session does it atomically: the old messages stay
+/// until the new request is accepted and stored, so a refusal changes nothing.
 async fn resend(
     state: &AppState,
     c: &Conversation,
     content: Option<String>,
 ) -> Result<HttpResponse, PageError> {
-    let session = state.platform.sessions.get_or_start(c.id);
-    if session.send(GetInfo).await?.replying {
-        return Err(WebError::Conflict("a reply is being generated; stop it first".into()).into());
-    }
-    let store = &state.platform.store;
-    let messages = store.messages(c.id).await?;
+    let messages = state.platform.store.messages(c.id).await?;
     let last_user = messages
         .iter()
         .rev()
         .find(|m| m.role == Role::User)
         .ok_or_else(|| WebError::BadRequest("there is no message to resend".into()))?;
     let content = content.unwrap_or_else(|| last_user.content.clone());
-    // Validate before deleting, so a refused edit keeps the conversation as it was.
-    let limit = state.platform.config.limits.max_message_chars;
-    let chars = content.chars().count();
-    if content.trim().is_empty() {
-        return Err(WebError::BadRequest("the message is empty".into()).into());
-    }
-    if chars > limit {
-        return Err(WebError::PayloadTooLarge(format!(
-            "the message has {chars} characters; the limit is {limit}"
-        ))
-        .into());
-    }
-    let deleted = store.delete_messages_from(c.id, last_user.id).await?;
-    tracing::info!(conversation = %c.id, deleted, "resending the last message");
-    session.send(SendMessage { content }).await??;
+    tracing::info!(conversation = %c.id, "resending the last message");
+    let session = state.platform.sessions.get_or_start(c.id);
+    session
+        .send(SendMessage {
+            content,
+            replacing: Some(last_user.id),
+        })
+        .await??;
     Ok(HttpResponse::Accepted().finish())
 }
 
