@@ -77,6 +77,12 @@ pub struct SchedulerSection {
     pub max_running: usize,
     /// Requests allowed to wait; beyond this, 503 with Retry-After.
     pub queue_size: usize,
+    /// Requests one user (owner, account or API client) may have waiting; beyond this, 429 with
+    /// Retry-After. 0: no per-user cap.
+    pub max_queued_per_user: usize,
+    /// Sequences one user may have running at once (0: no per-user cap). Admission is
+    /// round-robin by user either way.
+    pub max_running_per_user: usize,
     /// Wall-clock limit per request, in seconds (0: none).
     pub request_timeout_s: u64,
 }
@@ -151,6 +157,8 @@ impl Default for SchedulerSection {
             batch_token_budget: 512,
             max_running: 16,
             queue_size: 64,
+            max_queued_per_user: 16,
+            max_running_per_user: 8,
             request_timeout_s: 600,
         }
     }

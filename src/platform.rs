@@ -158,6 +158,8 @@ impl Platform {
                     queue_capacity: s.queue_size,
                     step_token_budget: s.batch_token_budget,
                     context_window: model.context_window,
+                    max_queued_per_user: s.max_queued_per_user,
+                    max_running_per_user: s.max_running_per_user,
                 },
                 kv_budget_bytes: s.kv_budget_mib << 20,
                 max_new_tokens: config.limits.max_new_tokens,

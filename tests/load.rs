@@ -227,3 +227,73 @@ async fn browsers_and_api_clients_at_once_lose_nothing_and_overload_is_a_clear_5
     // happened, or the test did not test it.
     assert!(overloads > 0, "no request was ever refused as overloaded");
 }
+
+/// One user flooding the JSON API gets 429 with `Retry-After` once it holds its share; another
+/// user arriving later is admitted ahead of the flooder's queued work (round-robin by user).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flooding_user_gets_429_and_others_go_first() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let env = [
+        ("SMOLCHAT_SCHEDULER__MAX_RUNNING", "2"),
+        ("SMOLCHAT_SCHEDULER__QUEUE_SIZE", "16"),
+        ("SMOLCHAT_SCHEDULER__MAX_QUEUED_PER_USER", "2"),
+        ("SMOLCHAT_SCHEDULER__MAX_RUNNING_PER_USER", "1"),
+    ];
+    let server = Server::start(dir.path(), &env).await;
+    let flooder = server.client();
+    let mut accepted = Vec::new();
+    let mut limited = 0;
+    for i in 0..8 {
+        let id = flooder
+            .create(json!({"temperature": 0, "max_tokens": 48, "ignore_eos": true}))
+            .await;
+        let events = flooder.events(&id).await;
+        let sent_at = Instant::now();
+        let r = flooder
+            .send(&id, &format!("Flood {i}: tell a long story."))
+            .await;
+        match r.status {
+            StatusCode::ACCEPTED => accepted.push((r.json, sent_at, events)),
+            StatusCode::TOO_MANY_REQUESTS => {
+                limited += 1;
+                assert!(
+                    r.headers.get("retry-after").is_some(),
+                    "429 without Retry-After"
+                );
+                assert_eq!(r.json["error"]["type"], "rate_limited", "{}", r.text);
+                let message = r.json["error"]["message"].as_str().unwrap_or("");
+                assert!(message.contains("limit per user"), "{message}");
+            }
+            other => panic!("flood send answered {other}: {}", r.text),
+        }
+    }
+    // One running and two queued are the flooder's share; the rest were refused.
+    assert_eq!(
+        accepted.len(),
+        3,
+        "accepted {}, limited {limited}",
+        accepted.len()
+    );
+    assert_eq!(limited, 5);
+
+    // Another user comes later and is served before the flooder's queued requests.
+    let other = server.client();
+    let id = other
+        .create(json!({"temperature": 0, "max_tokens": 4}))
+        .await;
+    let turn = other.chat(&id, "Hello!").await;
+    assert_eq!(turn.message()["status"], "complete");
+    let other_first = turn.first_text_at.unwrap_or(turn.done_at);
+
+    let mut flood_starts = Vec::new();
+    for (json, sent_at, mut events) in accepted {
+        let turn = turn_from(json, sent_at, events.until("done").await);
+        assert_eq!(turn.message()["status"], "complete");
+        flood_starts.push(turn.first_text_at.unwrap_or(turn.done_at));
+    }
+    flood_starts.sort();
+    assert!(
+        other_first < flood_starts[2],
+        "the later user waited for the flooder's whole queue"
+    );
+}

@@ -2,8 +2,15 @@
 //!
 //! Continuous batching: every step carries one decode token for each generating sequence, then
 //! prefill chunks of admitted sequences up to the step's token budget (chunked prefill, so a long
-//! prompt never holds running streams back for more than one step), then admits waiting requests in
-//! FIFO order while there is room. The model worker reports back after each step.
+//! prompt never holds running streams back for more than one step), then admits waiting requests
+//! while there is room. The model worker reports back after each step.
+//!
+//! Fair sharing: a request carries the user it is for (an account, a guest, an API key; opaque
+//! here). Admission takes the waiting request of the user with the fewest running sequences
+//! (first come first within a tie), so one user with a hundred requests queued cannot hold every
+//! batch slot while another waits; per-user caps on queued and running requests bound what one
+//! user can hold at all, and a user over the queued cap is refused with [`SubmitError::UserLimit`]
+//! (429) while the global queue being full stays [`SubmitError::Overloaded`] (503).
 
 use std::collections::VecDeque;
 use std::time::Instant;
@@ -20,6 +27,10 @@ pub struct BatcherConfig {
     pub step_token_budget: usize,
     /// The model's context window.
     pub context_window: usize,
+    /// Requests one user may have waiting (0: no per-user cap).
+    pub max_queued_per_user: usize,
+    /// Sequences one user may have running (0: no per-user cap).
+    pub max_running_per_user: usize,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -33,6 +44,8 @@ enum Phase {
 struct Entry {
     id: RequestId,
     cache_key: Option<String>,
+    /// Who the work is for; `None` (tools, tests) counts as one anonymous user without caps.
+    user: Option<String>,
     /// Prompt tokens still to prefill. Starts at the prompt length (an upper bound: the worker
     /// may find a cached prefix) and is corrected by the worker's reports.
     remaining_prefill: usize,
@@ -102,9 +115,20 @@ impl Batcher {
         &self.cfg
     }
 
-    /// Accepts a request into the queue, or refuses it at once.
+    /// Accepts an anonymous request into the queue, or refuses it at once.
     pub fn submit(
         &mut self,
+        cache_key: Option<String>,
+        prompt_len: usize,
+        deadline: Option<Instant>,
+    ) -> Result<RequestId, SubmitError> {
+        self.submit_for(None, cache_key, prompt_len, deadline)
+    }
+
+    /// Accepts `user`'s request into the queue, or refuses it at once.
+    pub fn submit_for(
+        &mut self,
+        user: Option<String>,
         cache_key: Option<String>,
         prompt_len: usize,
         deadline: Option<Instant>,
@@ -118,10 +142,22 @@ impl Batcher {
                 window: self.cfg.context_window,
             });
         }
+        let retry_after_s = |queued: usize| 1 + queued as u64 / self.cfg.max_running.max(1) as u64;
+        if let Some(u) = user.as_deref() {
+            let queued = self.count(&self.waiting, u);
+            let cap = self.cfg.max_queued_per_user;
+            if cap > 0 && queued >= cap {
+                return Err(SubmitError::UserLimit {
+                    queued,
+                    limit: cap,
+                    retry_after_s: retry_after_s(queued),
+                });
+            }
+        }
         if self.waiting.len() >= self.cfg.queue_capacity {
             return Err(SubmitError::Overloaded {
                 queued: self.waiting.len(),
-                retry_after_s: 1 + self.waiting.len() as u64 / self.cfg.max_running.max(1) as u64,
+                retry_after_s: retry_after_s(self.waiting.len()),
             });
         }
         let id = self.next_id;
@@ -129,11 +165,37 @@ impl Batcher {
         self.waiting.push_back(Entry {
             id,
             cache_key,
+            user,
             remaining_prefill: prompt_len,
             phase: Phase::Waiting,
             deadline,
         });
         Ok(id)
+    }
+
+    /// How many of `entries` belong to `user`.
+    fn count<'a>(&self, entries: impl IntoIterator<Item = &'a Entry>, user: &str) -> usize {
+        entries
+            .into_iter()
+            .filter(|e| e.user.as_deref() == Some(user))
+            .count()
+    }
+
+    /// The waiting request to admit next: the one whose user has the fewest running sequences,
+    /// oldest first within a tie, skipping users at their running cap.
+    fn next_admission(&self) -> Option<usize> {
+        let cap = self.cfg.max_running_per_user;
+        let mut best: Option<(usize, usize)> = None; // (running of its user, index)
+        for (i, e) in self.waiting.iter().enumerate() {
+            let running = self.running.iter().filter(|r| r.user == e.user).count();
+            if cap > 0 && e.user.is_some() && running >= cap {
+                continue;
+            }
+            if best.is_none_or(|(b, _)| running < b) {
+                best = Some((running, i));
+            }
+        }
+        best.map(|(_, i)| i)
     }
 
     pub fn cancel(&mut self, id: RequestId) -> CancelOutcome {
@@ -192,7 +254,7 @@ impl Batcher {
             }
         }
         while budget > 0 && self.running.len() < self.cfg.max_running {
-            let Some(mut e) = self.waiting.pop_front() else {
+            let Some(mut e) = self.next_admission().and_then(|i| self.waiting.remove(i)) else {
                 break;
             };
             e.phase = Phase::Prefilling;
@@ -269,7 +331,80 @@ mod tests {
             queue_capacity: queue,
             step_token_budget: budget,
             context_window: 4096,
+            max_queued_per_user: 0,
+            max_running_per_user: 0,
         })
+    }
+
+    fn user(name: &str) -> Option<String> {
+        Some(name.to_string())
+    }
+
+    #[test]
+    fn admission_is_round_robin_by_user_not_first_come() {
+        let mut b = batcher(2, 64, 512);
+        // A floods the queue first; B and C come later with one request each.
+        let a: Vec<_> = (0..10)
+            .map(|_| b.submit_for(user("a"), None, 5, None).unwrap())
+            .collect();
+        let bee = b.submit_for(user("b"), None, 5, None).unwrap();
+        let c = b.submit_for(user("c"), None, 5, None).unwrap();
+        let plan = b.plan().unwrap();
+        // One of A's, then B's (A already has one running), not A's second.
+        assert_eq!(plan.prefill, vec![(a[0], 5), (bee, 5)]);
+        b.apply(&[report(a[0], 0, true), report(bee, 0, false)]);
+        // A and C both have none running now: first come first within a tie (A's second).
+        let plan = b.plan().unwrap();
+        assert_eq!(plan.prefill, vec![(a[1], 5)]);
+        b.apply(&[report(bee, 0, true), report(a[1], 0, false)]);
+        // B left, A has one running, C none: C goes before A's third.
+        let plan = b.plan().unwrap();
+        assert_eq!(plan.prefill, vec![(c, 5)]);
+    }
+
+    #[test]
+    fn per_user_caps_refuse_with_a_user_limit_and_leave_room_for_others() {
+        let mut b = Batcher::new(BatcherConfig {
+            max_running: 4,
+            queue_capacity: 8,
+            step_token_budget: 512,
+            context_window: 4096,
+            max_queued_per_user: 3,
+            max_running_per_user: 2,
+        });
+        for _ in 0..3 {
+            b.submit_for(user("a"), None, 5, None).unwrap();
+        }
+        match b.submit_for(user("a"), None, 5, None) {
+            Err(SubmitError::UserLimit {
+                queued,
+                limit,
+                retry_after_s,
+            }) => {
+                assert_eq!((queued, limit), (3, 3));
+                assert!(retry_after_s >= 1);
+            }
+            other => panic!("{other:?}"),
+        }
+        // Another user is not affected by A's cap.
+        let bee = b.submit_for(user("b"), None, 5, None).unwrap();
+        let plan = b.plan().unwrap();
+        // A may run two at once; the third waits although a slot is free.
+        assert_eq!(plan.prefill.len(), 3);
+        assert!(plan.prefill.iter().any(|&(id, _)| id == bee));
+        assert_eq!(b.running(), 3);
+        assert_eq!(b.queued(), 1);
+        // A can queue again once below its cap.
+        b.submit_for(user("a"), None, 5, None).unwrap();
+        // Anonymous work has no per-user caps: it fills the global queue (2 waiting + 6).
+        assert_eq!(b.queued(), 2);
+        for _ in 0..6 {
+            b.submit(None, 5, None).unwrap();
+        }
+        match b.submit(None, 5, None) {
+            Err(SubmitError::Overloaded { .. }) => {}
+            other => panic!("the global queue is full: {other:?}"),
+        }
     }
 
     fn report(id: RequestId, remaining: usize, finished: bool) -> ItemReport {

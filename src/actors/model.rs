@@ -583,6 +583,7 @@ mod tests {
             Active {
                 request: GenerationRequest {
                     cache_key: key.map(str::to_string),
+                    user: None,
                     prompt,
                     params,
                     max_time: None,

@@ -481,6 +481,7 @@ impl Handler<SendMessage> for SessionActor {
             let prepared = prepare(&shared, &conversation, &history, &content)?;
             let request = GenerationRequest {
                 cache_key: Some(id.to_string()),
+                user: Some(conversation.owner.clone()),
                 prompt: prepared.prompt.clone(),
                 params: prepared.params.clone(),
                 max_time: None,

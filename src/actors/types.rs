@@ -17,6 +17,9 @@ pub struct GenerationRequest {
     /// The KV cache to keep this sequence under between requests (a conversation id). `None` for
     /// stateless requests, whose cache is dropped when they finish.
     pub cache_key: Option<String>,
+    /// Who the work is for (an owner, an account, an API key; opaque), for fair sharing and
+    /// per-user limits in the scheduler. `None`: anonymous (tools, tests), no per-user caps.
+    pub user: Option<String>,
     pub prompt: Vec<u32>,
     pub params: SamplingParams,
     /// Wall-clock limit for the whole request (queueing included).
@@ -97,6 +100,12 @@ pub enum SubmitError {
     Invalid(String),
     #[error("the model is not available: {0}")]
     Unavailable(String),
+    #[error("you already have {queued} requests waiting (the limit per user is {limit}); retry in {retry_after_s} s")]
+    UserLimit {
+        queued: usize,
+        limit: usize,
+        retry_after_s: u64,
+    },
 }
 
 /// A snapshot of the scheduler for `/metrics`, `/admin` and tests.

@@ -39,6 +39,9 @@ pub enum WebError {
     /// The admission queue is full; the client should retry after `retry_after_s`.
     #[error("{message}")]
     Overloaded { message: String, retry_after_s: u64 },
+    /// This user has as much work waiting as one user may; retry after `retry_after_s`.
+    #[error("{message}")]
+    TooManyRequests { message: String, retry_after_s: u64 },
     /// The platform cannot serve right now (an actor is gone, the server is shutting down).
     #[error("{0}")]
     Unavailable(String),
@@ -64,6 +67,7 @@ impl WebError {
             WebError::Conflict(_) => "conflict",
             WebError::ContextOverflow(_) => "context_overflow",
             WebError::Overloaded { .. } => "overloaded",
+            WebError::TooManyRequests { .. } => "rate_limited",
             WebError::Unavailable(_) => "unavailable",
             WebError::StorageUnavailable(_) => "storage_unavailable",
             WebError::Internal(_) => "internal_error",
@@ -86,6 +90,7 @@ impl ResponseError for WebError {
             WebError::NotFound(_) => StatusCode::NOT_FOUND,
             WebError::MethodNotAllowed(_) => StatusCode::METHOD_NOT_ALLOWED,
             WebError::Conflict(_) => StatusCode::CONFLICT,
+            WebError::TooManyRequests { .. } => StatusCode::TOO_MANY_REQUESTS,
             WebError::Overloaded { .. }
             | WebError::Unavailable(_)
             | WebError::StorageUnavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
@@ -112,7 +117,8 @@ impl ResponseError for WebError {
         };
         let mut response = HttpResponse::build(status);
         let retry_after_s = match self {
-            WebError::Overloaded { retry_after_s, .. } => Some((*retry_after_s).max(1)),
+            WebError::Overloaded { retry_after_s, .. }
+            | WebError::TooManyRequests { retry_after_s, .. } => Some((*retry_after_s).max(1)),
             WebError::StorageUnavailable(_) => Some(STORAGE_RETRY_AFTER_S),
             _ => None,
         };
@@ -145,6 +151,10 @@ impl From<SubmitError> for WebError {
     fn from(e: SubmitError) -> Self {
         match e {
             SubmitError::Overloaded { retry_after_s, .. } => WebError::Overloaded {
+                message: e.to_string(),
+                retry_after_s,
+            },
+            SubmitError::UserLimit { retry_after_s, .. } => WebError::TooManyRequests {
                 message: e.to_string(),
                 retry_after_s,
             },

@@ -395,6 +395,7 @@ async fn generate<A: Assembler>(
         .scheduler
         .send(Submit(GenerationRequest {
             cache_key: None,
+            user: None,
             prompt,
             params,
             max_time: None,

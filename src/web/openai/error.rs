@@ -110,6 +110,15 @@ impl ApiError {
         e
     }
 
+    /// 429: this client has as much work waiting as one client may (OpenAI's
+    /// `rate_limit_exceeded`, which the client libraries retry after `Retry-After`).
+    pub fn rate_limited(message: impl Into<String>, retry_after_s: u64) -> Self {
+        let mut e = Self::new(StatusCode::TOO_MANY_REQUESTS, "rate_limit_error", message)
+            .with_code("rate_limit_exceeded");
+        e.retry_after_s = Some(retry_after_s.max(1));
+        e
+    }
+
     pub fn unavailable(message: impl Into<String>) -> Self {
         Self::new(StatusCode::SERVICE_UNAVAILABLE, "server_error", message).with_code("unavailable")
     }
@@ -184,6 +193,10 @@ impl From<WebError> for ApiError {
                 message,
                 retry_after_s,
             } => Self::overloaded(message, retry_after_s),
+            WebError::TooManyRequests {
+                message,
+                retry_after_s,
+            } => Self::rate_limited(message, retry_after_s),
             WebError::Internal(detail) => Self::internal(detail),
             other => Self::new(status, "server_error", other.to_string()),
         }
@@ -202,6 +215,9 @@ impl From<SubmitError> for ApiError {
             } => Self::context_exceeded(prompt_tokens, window, "messages"),
             SubmitError::Invalid(m) => Self::bad_body(m),
             SubmitError::Unavailable(_) => Self::unavailable(e.to_string()),
+            SubmitError::UserLimit { retry_after_s, .. } => {
+                Self::rate_limited(e.to_string(), retry_after_s)
+            }
         }
     }
 }
