@@ -380,13 +380,15 @@ fn prepare(
     messages.push(ChatMessage::user(new_user));
     let mut opts = RenderOptions::new(s.pinned_date);
     opts.enable_thinking = Some(s.thinking);
-    let text = shared
+    // Guarded render: what users typed stays text, never a control token.
+    let rendered = shared
         .template
-        .render(&messages, &opts)
+        .render_prompt(&messages, &opts, shared.tokenizer.text_guard())
         .map_err(|e| SessionError::Prompt(e.to_string()))?;
+    let text = rendered.text();
     let prompt = shared
         .tokenizer
-        .encode_prompt(&text)
+        .encode_rendered(&rendered)
         .map_err(|e| SessionError::Prompt(e.to_string()))?;
     let params = SamplingParams {
         temperature: s.temperature,
@@ -399,7 +401,7 @@ fn prepare(
     };
     Ok(Prepared {
         prompt,
-        starts_in_reasoning: prompt_ends_in_open_think(&text),
+        starts_in_reasoning: prompt_ends_in_open_think(text),
         params,
     })
 }
@@ -441,6 +443,8 @@ impl Handler<SendMessage> for SessionActor {
             let prepared = prepare(&shared, &conversation, &history, &content)?;
             let request = GenerationRequest {
                 cache_key: Some(id.to_string()),
+                // Should the conversation's cache be busy, any temporary cache stays with it.
+                cache_salt: Some(id.to_string()),
                 prompt: prepared.prompt.clone(),
                 params: prepared.params.clone(),
                 max_time: None,

@@ -17,6 +17,11 @@ pub struct GenerationRequest {
     /// The KV cache to keep this sequence under between requests (a conversation id). `None` for
     /// stateless requests, whose cache is dropped when they finish.
     pub cache_key: Option<String>,
+    /// The partition a stateless request's cache belongs to (an opaque tag of the client's
+    /// identity, made by the web layer). A request without `cache_key` reuses only prefixes
+    /// cached by requests with the same salt, so one client cannot learn from `cached_tokens`
+    /// or the time to first token what another client's prompts held.
+    pub cache_salt: Option<String>,
     pub prompt: Vec<u32>,
     pub params: SamplingParams,
     /// Wall-clock limit for the whole request (queueing included).

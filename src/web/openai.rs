@@ -49,6 +49,7 @@ use crate::actors::scheduler::{Cancel, Submit};
 use crate::actors::{
     GenEvent, GenSummary, GenerationRequest, RequestId, SchedulerActor, StopReason,
 };
+use crate::engine::guard::{RenderedPrompt, TextGuard};
 use crate::engine::template::{prompt_ends_in_open_think, ChatTemplate, RenderOptions};
 use crate::platform::Platform;
 
@@ -214,8 +215,10 @@ fn check_model(p: &Platform, common: &Common) -> Result<(), ApiError> {
     }
 }
 
-/// Prepends BOS when the tokenizer asks for it and encodes with special tokens parsed (the
-/// template writes them as text), exactly as the chat sessions and `smolchat generate` do.
+/// A raw `/v1/completions` prompt: BOS when the tokenizer asks for it, special tokens written
+/// in the prompt parsed as llama-server does. The client writes the whole prompt, markup
+/// included, so there is no template text to tell apart from its own (chat requests, where
+/// there is, keep message text out of the control tokens: see [`render_chat`]).
 fn encode(p: &Platform, text: &str) -> Result<Vec<u32>, ApiError> {
     p.tokenizer
         .encode_prompt(text)
@@ -223,6 +226,7 @@ fn encode(p: &Platform, text: &str) -> Result<Vec<u32>, ApiError> {
 }
 
 async fn chat_completions(
+    http: HttpRequest,
     state: web::Data<AppState>,
     body: Result<JsonBody<Value>, WebError>,
 ) -> Result<HttpResponse, ApiError> {
@@ -236,15 +240,25 @@ async fn chat_completions(
     let render = req.clone();
     let (text, prompt) = web::block(move || -> Result<(String, Vec<u32>), ApiError> {
         let p = &state2.platform;
-        let text = render_chat(&p.template, &render, chrono::Local::now().date_naive())?;
-        let prompt = encode(p, &text)?;
-        Ok((text, prompt))
+        let rendered = render_chat(
+            &p.template,
+            p.tokenizer.text_guard(),
+            &render,
+            chrono::Local::now().date_naive(),
+        )?;
+        // The messages' own text stays text: `<|im_end|>` in a message is never a control token.
+        let prompt = p
+            .tokenizer
+            .encode_rendered(&rendered)
+            .map_err(|e| ApiError::internal(format!("tokenizer: {e}")))?;
+        Ok((rendered.text().to_string(), prompt))
     })
     .await
     .map_err(|e| ApiError::internal(format!("prompt task: {e}")))??;
     tracing::debug!(prompt = %text, tokens = prompt.len(), "chat completion prompt");
     let assembler = ChatAssembler::new(prompt_ends_in_open_think(&text), parse_tool_calls);
-    generate(state, req.common, prompt, "messages", assembler).await
+    let salt = cache_salt(&http, &req.common);
+    generate(state, req.common, salt, prompt, "messages", assembler).await
 }
 
 /// Renders a chat request with the model's template: messages shaped for it (see
@@ -253,24 +267,28 @@ async fn chat_completions(
 /// client's error.
 pub fn render_chat(
     template: &ChatTemplate,
+    guard: &TextGuard,
     req: &request::ChatRequest,
     date: chrono::NaiveDate,
-) -> Result<String, ApiError> {
+) -> Result<RenderedPrompt, ApiError> {
     let reads_tool_calls = template.source().contains("tool_calls");
     let messages = request::template_messages(&req.messages, reads_tool_calls);
     let mut opts = RenderOptions::new(date);
     opts.enable_thinking = req.enable_thinking;
     opts.tools = req.tools.clone();
     opts.extra = req.template_kwargs.clone();
-    template.render(&messages, &opts).map_err(|e| {
-        ApiError::invalid(
-            "messages",
-            format!("the chat template refused the messages: {e}"),
-        )
-    })
+    template
+        .render_prompt(&messages, &opts, guard)
+        .map_err(|e| {
+            ApiError::invalid(
+                "messages",
+                format!("the chat template refused the messages: {e}"),
+            )
+        })
 }
 
 async fn completions(
+    http: HttpRequest,
     state: web::Data<AppState>,
     body: Result<JsonBody<Value>, WebError>,
 ) -> Result<HttpResponse, ApiError> {
@@ -301,7 +319,16 @@ async fn completions(
         .common
         .max_tokens
         .or(Some(request::COMPLETION_DEFAULT_MAX_TOKENS));
-    generate(state, req.common, prompt, "prompt", TextAssembler::new()).await
+    let salt = cache_salt(&http, &req.common);
+    generate(
+        state,
+        req.common,
+        salt,
+        prompt,
+        "prompt",
+        TextAssembler::new(),
+    )
+    .await
 }
 
 /// Cancels the request when dropped before it finished (the client went away).
@@ -360,10 +387,30 @@ fn usage(s: &GenSummary) -> Value {
     })
 }
 
+/// The cache partition of a stateless request: the client's address, the key it presented and
+/// the names it gives itself (`user`, `cache_salt`). Requests reuse cached prefixes only within
+/// one partition, so one client cannot probe another's prompts through `cached_tokens` or the
+/// time to first token. Hashed with a key drawn at start-up, so that neither API keys nor
+/// names reach the model worker's cache keys (or its debug logs).
+fn cache_salt(http: &HttpRequest, common: &Common) -> String {
+    static KEY: OnceLock<std::hash::RandomState> = OnceLock::new();
+    let ip = http.peer_addr().map(|a| a.ip().to_string());
+    let auth = http
+        .headers()
+        .get(header::AUTHORIZATION)
+        .map(|v| v.as_bytes().to_vec());
+    let tag = std::hash::BuildHasher::hash_one(
+        KEY.get_or_init(std::hash::RandomState::new),
+        (ip, auth, common.cache_salt.as_str()),
+    );
+    format!("{tag:016x}")
+}
+
 /// Checks the prompt against the context window, submits it and answers (streamed or whole).
 async fn generate<A: Assembler>(
     state: web::Data<AppState>,
     common: Common,
+    cache_salt: String,
     prompt: Vec<u32>,
     prompt_param: &str,
     mut assembler: A,
@@ -395,6 +442,7 @@ async fn generate<A: Assembler>(
         .scheduler
         .send(Submit(GenerationRequest {
             cache_key: None,
+            cache_salt: Some(cache_salt),
             prompt,
             params,
             max_time: None,
@@ -620,7 +668,10 @@ mod tests {
         };
         let req = request::parse_chat(&body, &defaults).unwrap();
         let date = chrono::NaiveDate::from_ymd_opt(2025, 7, 8).unwrap();
-        render_chat(&template, &req, date).unwrap()
+        render_chat(&template, &TextGuard::default(), &req, date)
+            .unwrap()
+            .text()
+            .to_string()
     }
 
     fn weather_tool() -> Value {

@@ -28,6 +28,10 @@ pub struct Common {
     /// context) is applied.
     pub params: SamplingParams,
     pub max_tokens: Option<usize>,
+    /// What the client says separates its cache partition from others': vLLM's `cache_salt`
+    /// and OpenAI's `user` (an end-user id), joined. The web layer adds the client's address
+    /// and key; see `openai::cache_salt`.
+    pub cache_salt: String,
 }
 
 /// A parsed `POST /v1/chat/completions`.
@@ -270,7 +274,10 @@ fn parse_common(f: &Fields<'_>, defaults: &Defaults) -> Result<Common, ApiError>
             return Err(wrong_type("logit_bias", "an object", v));
         }
     }
-    f.str("user")?;
+    let user = f.str("user")?.unwrap_or("");
+    let salt = f.str("cache_salt")?.unwrap_or("");
+    // Length-prefixed so that no two different (user, salt) pairs join to the same string.
+    let cache_salt = format!("{}:{user}{}:{salt}", user.len(), salt.len());
 
     let mut params = SamplingParams {
         temperature: defaults.temperature,
@@ -362,6 +369,7 @@ fn parse_common(f: &Fields<'_>, defaults: &Defaults) -> Result<Common, ApiError>
         include_usage,
         params,
         max_tokens,
+        cache_salt,
     })
 }
 
