@@ -65,6 +65,9 @@ pub struct SessionShared {
 pub enum SessionError {
     #[error("the message is empty")]
     EmptyMessage,
+    /// Text no one types: a NUL character (U+0000) and the like.
+    #[error("the message contains {0}, which is not text; remove it")]
+    NotText(String),
     #[error("the message has {chars} characters; the limit is {limit}")]
     MessageTooLong { chars: usize, limit: usize },
     #[error("a reply is already being generated in this conversation; wait for it or stop it")]
@@ -354,6 +357,23 @@ struct Prepared {
     params: SamplingParams,
 }
 
+/// Names the first character of `text` that no person types into a chat message: NUL, which
+/// C-based tools (and SQLite's text functions) treat as the end of the string, and the
+/// noncharacters (U+FDD0–U+FDEF, U+xFFFE/U+xFFFF), which Unicode reserves for internal use.
+pub fn not_text(text: &str) -> Option<String> {
+    text.chars()
+        .find(|&c| {
+            c == '\0' || ('\u{FDD0}'..='\u{FDEF}').contains(&c) || (c as u32) & 0xFFFE == 0xFFFE
+        })
+        .map(|c| {
+            if c == '\0' {
+                "a NUL character (U+0000)".to_string()
+            } else {
+                format!("the noncharacter U+{:04X}", c as u32)
+            }
+        })
+}
+
 /// Renders the conversation plus the new user message into prompt tokens.
 fn prepare(
     shared: &SessionShared,
@@ -414,6 +434,9 @@ impl Handler<SendMessage> for SessionActor {
         let check = || {
             if content.trim().is_empty() {
                 return Err(SessionError::EmptyMessage);
+            }
+            if let Some(what) = not_text(&content) {
+                return Err(SessionError::NotText(what));
             }
             let chars = content.chars().count();
             let limit = self.shared.cfg.max_message_chars;

@@ -23,6 +23,11 @@ pub enum WebError {
     UnsupportedMediaType(String),
     #[error("{0}")]
     PayloadTooLarge(String),
+    #[error("{0}")]
+    UriTooLong(String),
+    /// Too many open streams or connections; the client should retry later.
+    #[error("{0}")]
+    TooManyRequests(String),
     /// Unknown ids and other owners' conversations alike (so ids cannot be probed).
     #[error("{0}")]
     NotFound(String),
@@ -52,6 +57,8 @@ impl WebError {
             WebError::InvalidJson(_) => "invalid_json",
             WebError::UnsupportedMediaType(_) => "unsupported_media_type",
             WebError::PayloadTooLarge(_) => "payload_too_large",
+            WebError::UriTooLong(_) => "uri_too_long",
+            WebError::TooManyRequests(_) => "too_many_requests",
             WebError::NotFound(_) => "not_found",
             WebError::MethodNotAllowed(_) => "method_not_allowed",
             WebError::Conflict(_) => "conflict",
@@ -75,6 +82,8 @@ impl ResponseError for WebError {
             }
             WebError::UnsupportedMediaType(_) => StatusCode::UNSUPPORTED_MEDIA_TYPE,
             WebError::PayloadTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
+            WebError::UriTooLong(_) => StatusCode::URI_TOO_LONG,
+            WebError::TooManyRequests(_) => StatusCode::TOO_MANY_REQUESTS,
             WebError::NotFound(_) => StatusCode::NOT_FOUND,
             WebError::MethodNotAllowed(_) => StatusCode::METHOD_NOT_ALLOWED,
             WebError::Conflict(_) => StatusCode::CONFLICT,
@@ -109,6 +118,9 @@ impl ResponseError for WebError {
                 HeaderValue::from((*retry_after_s).max(1)),
             ));
         }
+        if let WebError::TooManyRequests(_) = self {
+            response.insert_header((header::RETRY_AFTER, HeaderValue::from(5u64)));
+        }
         response.json(json!({
             "error": { "message": message, "type": self.kind() }
         }))
@@ -118,7 +130,9 @@ impl ResponseError for WebError {
 impl From<SessionError> for WebError {
     fn from(e: SessionError) -> Self {
         match e {
-            SessionError::EmptyMessage => WebError::BadRequest(e.to_string()),
+            SessionError::EmptyMessage | SessionError::NotText(_) => {
+                WebError::BadRequest(e.to_string())
+            }
             SessionError::MessageTooLong { .. } => WebError::PayloadTooLarge(e.to_string()),
             SessionError::Busy => WebError::Conflict(e.to_string()),
             SessionError::NotFound => WebError::conversation_not_found(),

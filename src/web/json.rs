@@ -129,6 +129,13 @@ async fn read_json<T: DeserializeOwned>(
         } else {
             "the request body is not valid JSON"
         };
-        WebError::InvalidJson(format!("{what}: {e}"))
+        // serde_json's words for a lone UTF-16 surrogate (`"\ud800"`) do not say what is wrong.
+        let hint = if e.to_string().contains("hex escape") || e.to_string().contains("surrogate") {
+            " (a \\uD800-\\uDFFF escape must be one half of a surrogate pair, followed by the \
+             other half; a lone surrogate is not a character)"
+        } else {
+            ""
+        };
+        WebError::InvalidJson(format!("{what}: {e}{hint}"))
     })
 }

@@ -79,7 +79,9 @@ pub fn check_config(config: &crate::config::Config) -> Result<(), String> {
 /// Registers every route on an app whose data holds a `web::Data<AppState>`.
 pub fn routes(cfg: &mut web::ServiceConfig) {
     cfg.route("/healthz", web::get().to(ops::healthz))
+        .route("/healthz", web::head().to(ops::healthz))
         .route("/readyz", web::get().to(ops::readyz))
+        .route("/readyz", web::head().to(ops::readyz))
         .route("/metrics", web::get().to(ops::metrics))
         // Early, so that a catch-all scope registered later cannot shadow `/v1`.
         .configure(openai::routes)
@@ -124,7 +126,10 @@ pub fn routes(cfg: &mut web::ServiceConfig) {
             web::resource("/")
                 .wrap(from_fn(csrf::require_token))
                 .wrap(from_fn(owner::owner_cookie))
-                .route(web::get().to(pages::index)),
+                .route(web::get().to(pages::index))
+                // HEAD is GET without the body (actix-http drops it); probes and link checkers
+                // send it.
+                .route(web::head().to(pages::index)),
         )
         .service(
             web::resource("/conversations")
@@ -160,6 +165,31 @@ pub fn routes(cfg: &mut web::ServiceConfig) {
                 .route("/c/{id}/evict", web::post().to(admin::evict))
                 .route("/c/{id}", web::delete().to(admin::delete)),
         );
+}
+
+/// The longest request target (path and query) accepted, in bytes: what common servers allow
+/// (nginx's default header buffer is 8 KiB). Longer ones get 414 with a message. Targets over
+/// 64 KiB never reach the application: actix-http refuses them itself with an empty 400.
+pub const MAX_URL_BYTES: usize = 8 << 10;
+
+async fn limit_url(
+    req: actix_web::dev::ServiceRequest,
+    next: actix_web::middleware::Next<impl actix_web::body::MessageBody>,
+) -> Result<actix_web::dev::ServiceResponse<impl actix_web::body::MessageBody>, actix_web::Error> {
+    let len = req.uri().path_and_query().map_or(0, |pq| pq.as_str().len());
+    if len > MAX_URL_BYTES {
+        return Err(WebError::UriTooLong(format!(
+            "the URL is {len} bytes long; the limit is {MAX_URL_BYTES}"
+        ))
+        .into());
+    }
+    next.call(req).await
+}
+
+/// The error answer of actix's own extractors (`Path`, `Query`, `Form`, `Json`): the project's
+/// error shape, naming the extractor's complaint, instead of actix's plain text.
+fn extractor_error(what: &'static str) -> impl Fn(String) -> actix_web::Error + Clone {
+    move |detail| WebError::BadRequest(format!("{what}: {detail}")).into()
 }
 
 async fn not_found(req: HttpRequest) -> Result<HttpResponse, WebError> {
@@ -214,9 +244,26 @@ pub async fn run(platform: Platform) -> io::Result<()> {
 
     let app_state = state.clone();
     let http = HttpServer::new(move || {
+        let path_error = extractor_error("bad URL path");
+        let query_error = extractor_error("bad query string");
+        let form_error = extractor_error("bad form");
+        let json_error = extractor_error("bad JSON body");
         App::new()
             .app_data(app_state.clone())
             .app_data(limit)
+            .app_data(
+                web::PathConfig::default().error_handler(move |e, _| path_error(e.to_string())),
+            )
+            .app_data(
+                web::QueryConfig::default().error_handler(move |e, _| query_error(e.to_string())),
+            )
+            .app_data(
+                web::FormConfig::default().error_handler(move |e, _| form_error(e.to_string())),
+            )
+            .app_data(
+                web::JsonConfig::default().error_handler(move |e, _| json_error(e.to_string())),
+            )
+            .wrap(from_fn(limit_url))
             .configure(routes)
             .default_service(web::to(not_found))
     })

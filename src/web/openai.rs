@@ -172,11 +172,12 @@ fn model_object(p: &Platform) -> Value {
     })
 }
 
-/// Whether `name` designates the loaded model: its id, or its file name.
+/// Whether a request's `model` names the loaded model: its id, or its file name (what
+/// llama-server clients often send). Never the file's path: that would let a client test
+/// paths on the server's disk.
 fn is_served_model(p: &Platform, name: &str) -> bool {
     let path = std::path::Path::new(&p.model.path);
     name == p.model.id
-        || name == p.model.path
         || path
             .file_name()
             .is_some_and(|f| f.to_string_lossy() == name)
@@ -191,7 +192,9 @@ async fn model(
     path: web::Path<String>,
 ) -> Result<HttpResponse, ApiError> {
     let p = &state.platform;
-    if !is_served_model(p, &path) {
+    // Only the id that `/v1/models` lists: anything else is 404, so the route answers nothing
+    // about names or paths beyond what the listing already says.
+    if *path != p.model.id {
         return Err(ApiError::model_not_found(&path, &p.model.id));
     }
     Ok(HttpResponse::Ok().json(model_object(p)))

@@ -10,6 +10,10 @@ use super::error::ApiError;
 use crate::engine::sampling::SamplingParams;
 use crate::engine::template::ChatMessage;
 
+/// The most tools one request may offer. Each is printed into the prompt, so thousands would
+/// only fill the context window; OpenAI's own limit is 128.
+pub const MAX_TOOLS: usize = 128;
+
 /// Server-side defaults for fields a request leaves out (`config.sampling`).
 #[derive(Debug, Clone)]
 pub struct Defaults {
@@ -269,9 +273,29 @@ fn parse_common(f: &Fields<'_>, defaults: &Defaults) -> Result<Common, ApiError>
         }
     }
     // Type checks for fields that are otherwise ignored, so a malformed request is still refused.
+    // Ignored, but checked as OpenAI checks it: token ids to numbers between -100 and 100.
     if let Some(v) = f.get("logit_bias") {
-        if !v.is_object() {
+        let Some(map) = v.as_object() else {
             return Err(wrong_type("logit_bias", "an object", v));
+        };
+        for (token, bias) in map {
+            let param = format!("logit_bias.{token}");
+            if token.parse::<u32>().is_err() {
+                return Err(ApiError::invalid(
+                    &param,
+                    format!("`logit_bias` keys must be token ids, and {token:?} is not one"),
+                ));
+            }
+            match bias.as_f64() {
+                Some(b) if (-100.0..=100.0).contains(&b) => {}
+                Some(b) => {
+                    return Err(ApiError::invalid(
+                        &param,
+                        format!("`{param}` must be between -100 and 100, got {b}"),
+                    ))
+                }
+                None => return Err(wrong_type(&param, "a number between -100 and 100", bias)),
+            }
         }
     }
     let user = f.str("user")?.unwrap_or("");
@@ -429,6 +453,15 @@ pub fn parse_chat(body: &Value, defaults: &Defaults) -> Result<ChatRequest, ApiE
     let tools = match f.array("tools")? {
         None => None,
         Some(list) => {
+            if list.len() > MAX_TOOLS {
+                return Err(ApiError::invalid(
+                    "tools",
+                    format!(
+                        "`tools` has {} entries; the limit is {MAX_TOOLS}",
+                        list.len()
+                    ),
+                ));
+            }
             for (i, t) in list.iter().enumerate() {
                 check_tool(i, t)?;
             }
@@ -545,6 +578,18 @@ fn check_tool(i: usize, t: &Value) -> Result<(), ApiError> {
 /// `content`: a string, or an array of `{"type": "text", "text": …}` parts (joined by newlines).
 fn parse_content(f: &Fields<'_>, required: bool) -> Result<String, ApiError> {
     let param = f.path("content");
+    let content = parse_content_value(f, &param, required)?;
+    if let Some(what) = crate::actors::session::not_text(&content) {
+        return Err(ApiError::invalid(
+            &param,
+            format!("`{param}` contains {what}, which is not text; remove it"),
+        ));
+    }
+    Ok(content)
+}
+
+fn parse_content_value(f: &Fields<'_>, param: &str, required: bool) -> Result<String, ApiError> {
+    let param = param.to_string();
     match f.get("content") {
         None if required => Err(ApiError::invalid(&param, format!("`{param}` is required"))),
         None => Ok(String::new()),
