@@ -9,6 +9,13 @@
 //!
 //! API requests are stateless: each one is rendered, tokenized and submitted straight to the
 //! scheduler (no session actor, no cache key), so API and browser users are batched together.
+//! Cached prefixes are reused only within one partition (the client's address, the key it
+//! presents, its `user` and `cache_salt` fields): see [`cache_salt`].
+//!
+//! In chat requests the text of messages, tool schemas and `chat_template_kwargs` is always
+//! tokenized as text: `<|im_end|>` inside a message is a few ordinary tokens, never the control
+//! token (only the template's own markup is). A raw `/v1/completions` prompt is the client's own
+//! markup, so special tokens written in it *are* parsed, as llama-server does.
 //! When `server.api_key` is set, every `/v1` request needs `Authorization: Bearer <key>`.
 //! Errors use OpenAI's shape (see [`error`]).
 //!
