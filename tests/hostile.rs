@@ -462,3 +462,70 @@ async fn model_route_is_no_path_oracle() {
         assert_eq!(r.status, StatusCode::NOT_FOUND, "{probe}: {}", r.text);
     }
 }
+
+#[tokio::test]
+async fn streams_and_slow_bodies_are_bounded() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let server = Server::start(
+        dir.path(),
+        &[
+            ("SMOLCHAT_LIMITS__MAX_STREAMS_PER_CONVERSATION", "2"),
+            ("SMOLCHAT_LIMITS__MAX_STREAMS", "3"),
+            ("SMOLCHAT_LIMITS__BODY_TIMEOUT_S", "1"),
+        ],
+    )
+    .await;
+    let client = server.client();
+    let [a, b, c] = [
+        client.create(json!({})).await,
+        client.create(json!({})).await,
+        client.create(json!({})).await,
+    ];
+    let first = client.events(&a).await;
+    let _second = client.events(&a).await;
+    let r = client.get(&format!("/api/conversations/{a}/events")).await;
+    assert_refused(
+        &r,
+        StatusCode::TOO_MANY_REQUESTS,
+        &["2 open event streams", "limit is 2"],
+    );
+    assert!(r.headers.contains_key("retry-after"));
+    let _third = client.events(&b).await;
+    let r = client.get(&format!("/api/conversations/{c}/events")).await;
+    assert_refused(
+        &r,
+        StatusCode::SERVICE_UNAVAILABLE,
+        &["3 open event streams"],
+    );
+    // A stream that closes gives its place back.
+    drop(first);
+    let reopened = common::server::eventually(Duration::from_secs(20), || async {
+        // Status only: an accepted stream never ends.
+        let path = format!("/api/conversations/{c}/events");
+        let status = client.raw(Method::GET, &path, None, None).await.status();
+        (status != StatusCode::SERVICE_UNAVAILABLE).then_some(status)
+    })
+    .await;
+    assert_eq!(
+        reopened,
+        Some(StatusCode::OK),
+        "the closed stream's place was not given back"
+    );
+
+    // A body trickled slower than `limits.body_timeout_s` is cut off with 408.
+    let addr = server.base.trim_start_matches("http://").to_string();
+    let mut tcp = std::net::TcpStream::connect(&addr).expect("connect");
+    tcp.set_read_timeout(Some(Duration::from_secs(10)))
+        .expect("timeout");
+    tcp.write_all(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\
+          Content-Length: 100\r\n\r\n{\"messages\"",
+    )
+    .expect("write");
+    let started = std::time::Instant::now();
+    let mut answer = String::new();
+    let _ = tcp.read_to_string(&mut answer);
+    assert!(answer.starts_with("HTTP/1.1 408"), "{answer:?}");
+    assert!(answer.contains("did not arrive within 1 s"), "{answer:?}");
+    assert!(started.elapsed() < Duration::from_secs(8));
+}

@@ -25,6 +25,9 @@ pub enum WebError {
     PayloadTooLarge(String),
     #[error("{0}")]
     UriTooLong(String),
+    /// The body did not arrive in time.
+    #[error("{0}")]
+    RequestTimeout(String),
     /// Too many open streams or connections; the client should retry later.
     #[error("{0}")]
     TooManyRequests(String),
@@ -58,6 +61,7 @@ impl WebError {
             WebError::UnsupportedMediaType(_) => "unsupported_media_type",
             WebError::PayloadTooLarge(_) => "payload_too_large",
             WebError::UriTooLong(_) => "uri_too_long",
+            WebError::RequestTimeout(_) => "request_timeout",
             WebError::TooManyRequests(_) => "too_many_requests",
             WebError::NotFound(_) => "not_found",
             WebError::MethodNotAllowed(_) => "method_not_allowed",
@@ -83,6 +87,7 @@ impl ResponseError for WebError {
             WebError::UnsupportedMediaType(_) => StatusCode::UNSUPPORTED_MEDIA_TYPE,
             WebError::PayloadTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
             WebError::UriTooLong(_) => StatusCode::URI_TOO_LONG,
+            WebError::RequestTimeout(_) => StatusCode::REQUEST_TIMEOUT,
             WebError::TooManyRequests(_) => StatusCode::TOO_MANY_REQUESTS,
             WebError::NotFound(_) => StatusCode::NOT_FOUND,
             WebError::MethodNotAllowed(_) => StatusCode::METHOD_NOT_ALLOWED,

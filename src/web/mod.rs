@@ -48,8 +48,75 @@ const DRAIN_REPLIES: Duration = Duration::from_secs(5);
 /// How long a graceful shutdown waits for open connections after the replies are stored.
 const SHUTDOWN_TIMEOUT_S: u64 = 3;
 
+/// Counts open event streams, per conversation and in all, against `limits.max_streams*`.
+#[derive(Default)]
+pub struct StreamCounter {
+    open: std::sync::Mutex<(usize, std::collections::HashMap<uuid::Uuid, usize>)>,
+}
+
+/// One open event stream; gives its place back when dropped (the client went away).
+pub struct StreamSlot {
+    state: web::Data<AppState>,
+    conversation: uuid::Uuid,
+}
+
+impl StreamCounter {
+    /// Takes a place for a stream on `conversation`, or says which limit is reached.
+    pub fn open(
+        state: &web::Data<AppState>,
+        conversation: uuid::Uuid,
+    ) -> Result<StreamSlot, WebError> {
+        let limits = &state.platform.config.limits;
+        let mut open = state
+            .streams
+            .open
+            .lock()
+            .map_err(|_| WebError::Internal("the stream counter is poisoned".into()))?;
+        let (total, per) = &mut *open;
+        let here = per.get(&conversation).copied().unwrap_or(0);
+        if here >= limits.max_streams_per_conversation {
+            return Err(WebError::TooManyRequests(format!(
+                "this conversation already has {here} open event streams (the limit is {}); \
+                 close a tab or retry later",
+                limits.max_streams_per_conversation
+            )));
+        }
+        if *total >= limits.max_streams {
+            return Err(WebError::Overloaded {
+                message: format!(
+                    "the server has {total} open event streams, its limit; retry later"
+                ),
+                retry_after_s: 5,
+            });
+        }
+        *total += 1;
+        *per.entry(conversation).or_insert(0) += 1;
+        Ok(StreamSlot {
+            state: state.clone(),
+            conversation,
+        })
+    }
+}
+
+impl Drop for StreamSlot {
+    fn drop(&mut self) {
+        if let Ok(mut open) = self.state.streams.open.lock() {
+            let (total, per) = &mut *open;
+            *total = total.saturating_sub(1);
+            if let Some(n) = per.get_mut(&self.conversation) {
+                *n = n.saturating_sub(1);
+                if *n == 0 {
+                    per.remove(&self.conversation);
+                }
+            }
+        }
+    }
+}
+
 /// What every handler shares.
 pub struct AppState {
+    /// Open event streams (see [`StreamCounter`]).
+    pub streams: StreamCounter,
     pub platform: Platform,
     pub cookie_key: Key,
     /// False once shutdown began (`/readyz` then answers 503).
@@ -217,13 +284,17 @@ pub async fn run(platform: Platform) -> io::Result<()> {
         .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
     let bind = platform.config.server.bind.clone();
     let limit = BodyLimit(json_limit(platform.config.limits.max_message_chars));
+    let body_timeout =
+        json::BodyTimeout(Duration::from_secs(platform.config.limits.body_timeout_s));
     let admin_token = platform
         .config
         .server
         .admin_token
         .clone()
         .filter(|t| !t.is_empty());
+    let limits = platform.config.limits.clone();
     let state = web::Data::new(AppState {
+        streams: StreamCounter::default(),
         platform,
         cookie_key,
         ready: AtomicBool::new(true),
@@ -251,6 +322,7 @@ pub async fn run(platform: Platform) -> io::Result<()> {
         App::new()
             .app_data(app_state.clone())
             .app_data(limit)
+            .app_data(body_timeout)
             .app_data(
                 web::PathConfig::default().error_handler(move |e, _| path_error(e.to_string())),
             )
@@ -267,6 +339,11 @@ pub async fn run(platform: Platform) -> io::Result<()> {
             .configure(routes)
             .default_service(web::to(not_found))
     })
+    // Slow or idle clients must not hold connections for ever (body reads have their own limit,
+    // `limits.body_timeout_s`, in the body readers).
+    .client_request_timeout(Duration::from_secs(limits.request_head_timeout_s))
+    .keep_alive(Duration::from_secs(limits.keep_alive_s))
+    .max_connections(limits.max_connections)
     // Signals are handled below, so replies can be stopped and stored before the server stops.
     .disable_signals()
     .shutdown_timeout(SHUTDOWN_TIMEOUT_S)

@@ -192,17 +192,20 @@ pub async fn read_form<T: DeserializeOwned>(
     }
     let limit = json_limit(state.platform.config.limits.max_message_chars);
     let mut body = web::BytesMut::new();
-    while let Some(chunk) = payload.next().await {
-        let chunk =
-            chunk.map_err(|e| WebError::BadRequest(format!("cannot read the body: {e}")))?;
-        if body.len() + chunk.len() > limit {
-            return Err(WebError::PayloadTooLarge(format!(
-                "the request body is larger than {limit} bytes"
-            ))
-            .into());
+    let read = async {
+        while let Some(chunk) = payload.next().await {
+            let chunk =
+                chunk.map_err(|e| WebError::BadRequest(format!("cannot read the body: {e}")))?;
+            if body.len() + chunk.len() > limit {
+                return Err(WebError::PayloadTooLarge(format!(
+                    "the request body is larger than {limit} bytes"
+                )));
+            }
+            body.extend_from_slice(&chunk);
         }
-        body.extend_from_slice(&chunk);
-    }
+        Ok(())
+    };
+    super::json::within_body_timeout(req, read).await?;
     let text = std::str::from_utf8(&body)
         .map_err(|_| WebError::BadRequest("the form is not UTF-8".into()))?;
     web::Query::<T>::from_query(text)
