@@ -96,6 +96,19 @@ pub struct LimitsConfig {
     pub max_new_tokens: usize,
     /// Longest accepted user message, in characters.
     pub max_message_chars: usize,
+    /// Open event streams (SSE) on one conversation; more are refused with 429.
+    pub max_streams_per_conversation: usize,
+    /// Open event streams in all; more are refused with 503.
+    pub max_streams: usize,
+    /// Open connections per HTTP worker thread (actix-web's `max_connections`; further
+    /// connections wait in the listen backlog).
+    pub max_connections: usize,
+    /// Seconds a request body may take to arrive in full (a client trickling it is cut off).
+    pub body_timeout_s: u64,
+    /// Seconds an idle keep-alive connection stays open.
+    pub keep_alive_s: u64,
+    /// Seconds a client has to send the request head (actix-web's `client_request_timeout`).
+    pub request_head_timeout_s: u64,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -170,6 +183,12 @@ impl Default for LimitsConfig {
             context: None,
             max_new_tokens: 4096,
             max_message_chars: 32_000,
+            max_streams_per_conversation: 16,
+            max_streams: 1024,
+            max_connections: 4096,
+            body_timeout_s: 30,
+            keep_alive_s: 5,
+            request_head_timeout_s: 5,
         }
     }
 }
@@ -233,6 +252,22 @@ impl Config {
         }
         if s.kv_budget_mib == 0 {
             return bad("scheduler.kv_budget_mib must be at least 1".into());
+        }
+        let l = &self.limits;
+        if [
+            l.max_streams_per_conversation,
+            l.max_streams,
+            l.max_connections,
+        ]
+        .contains(&0)
+            || [l.body_timeout_s, l.request_head_timeout_s].contains(&0)
+        {
+            return Err(ConfigError::Invalid(
+                "limits.max_streams_per_conversation, limits.max_streams, \
+                 limits.max_connections, limits.body_timeout_s and \
+                 limits.request_head_timeout_s must be at least 1"
+                    .into(),
+            ));
         }
         if self.limits.max_new_tokens == 0 || self.limits.max_message_chars == 0 {
             return bad(

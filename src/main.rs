@@ -10,11 +10,21 @@ fn main() {
 }
 
 fn run() -> Result<()> {
+    let spec = std::env::var("SMOLCHAT_LOG").unwrap_or_else(|_| "warn,smolchat=info".into());
+    let mut filter = tracing_subscriber::EnvFilter::try_new(&spec)
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn,smolchat=info"));
+    // actix-http logs every malformed request (bad request line, invalid header, a URI it
+    // cannot parse) at ERROR, so any client could flood the log; those are client faults about
+    // one connection. Silenced unless the operator names `actix_http` in SMOLCHAT_LOG.
+    if !spec.contains("actix_http") {
+        filter = filter.add_directive(
+            "actix_http::h1=off"
+                .parse()
+                .map_err(|e| anyhow::anyhow!("log filter: {e}"))?,
+        );
+    }
     tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("SMOLCHAT_LOG")
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn,smolchat=info")),
-        )
+        .with_env_filter(filter)
         .with_writer(std::io::stderr)
         .init();
     let args = Cli::parse();

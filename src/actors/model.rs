@@ -75,6 +75,13 @@ struct Active {
 
 /// Keys of caches kept from stateless requests (no conversation id can start with it).
 const ANONYMOUS_PREFIX: &str = "~anonymous-";
+/// The key prefix of one salt's stateless caches. The salt's length goes first, so that no salt
+/// is a prefix of another's keys (`ab` vs `ab/c`).
+fn anonymous_prefix(salt: Option<&str>) -> String {
+    let salt = salt.unwrap_or("");
+    format!("{ANONYMOUS_PREFIX}{}:{salt}/", salt.len())
+}
+
 /// At most this many stateless caches are kept.
 const MAX_ANONYMOUS_CACHES: usize = 16;
 
@@ -218,13 +225,17 @@ impl ModelWorker {
     /// A sequence for a request without a cache key: the kept anonymous cache sharing the longest
     /// prefix with its prompt (a stateless API client resending its conversation), or a new one.
     fn adopt_anonymous(&mut self, id: RequestId) -> SeqId {
-        let Some(prompt) = self.active.get(&id).map(|a| &a.request.prompt) else {
+        let Some(request) = self.active.get(&id).map(|a| &a.request) else {
             return self.engine.create_sequence();
         };
+        let prompt = &request.prompt;
+        // Only caches of the same partition: reuse across clients would let one probe another's
+        // prompts through `cached_tokens` and timing.
+        let partition = anonymous_prefix(request.cache_salt.as_deref());
         let best = self
             .caches
             .iter()
-            .filter(|(k, _)| k.starts_with(ANONYMOUS_PREFIX))
+            .filter(|(k, _)| k.starts_with(&partition))
             .map(|(k, slot)| {
                 let shared = self.engine.common_prefix(slot.seq, prompt).unwrap_or(0);
                 (shared, k.clone())
@@ -238,7 +249,7 @@ impl ModelWorker {
     }
 
     /// Keeps a finished anonymous sequence for reuse (bounded; oldest dropped first).
-    fn keep_anonymous(&mut self, seq: SeqId, now: Instant) {
+    fn keep_anonymous(&mut self, seq: SeqId, salt: Option<&str>, now: Instant) {
         let anonymous: Vec<(String, Instant)> = self
             .caches
             .iter()
@@ -251,7 +262,7 @@ impl ModelWorker {
             }
         }
         self.caches.insert(
-            format!("{ANONYMOUS_PREFIX}{seq}"),
+            format!("{}{seq}", anonymous_prefix(salt)),
             CacheSlot {
                 seq,
                 last_used: now,
@@ -326,7 +337,7 @@ impl ModelWorker {
                     slot.last_used = now;
                 }
             } else {
-                self.keep_anonymous(seq, now);
+                self.keep_anonymous(seq, a.request.cache_salt.as_deref(), now);
             }
         }
         let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
@@ -572,6 +583,16 @@ mod tests {
         key: Option<&str>,
         prompt: Vec<u32>,
     ) -> Vec<GenEvent> {
+        run_salted(w, id, key, None, prompt)
+    }
+
+    fn run_salted(
+        w: &mut ModelWorker,
+        id: RequestId,
+        key: Option<&str>,
+        salt: Option<&str>,
+        prompt: Vec<u32>,
+    ) -> Vec<GenEvent> {
         let (tx, mut rx) = mpsc::unbounded_channel();
         let params = SamplingParams {
             max_new_tokens: 3,
@@ -584,6 +605,7 @@ mod tests {
                 request: GenerationRequest {
                     cache_key: key.map(str::to_string),
                     user: None,
+                    cache_salt: salt.map(str::to_string),
                     prompt,
                     params,
                     max_time: None,
@@ -654,5 +676,31 @@ mod tests {
         // Evicting it forces a full prefill.
         assert!(w.forget_key("conv"));
         assert_eq!(cached(&run(&mut w, 5, Some("conv"), prompt)), 0);
+    }
+
+    #[test]
+    fn stateless_caches_are_reused_only_within_their_salt() {
+        let mut w = worker();
+        let secret: Vec<u32> = (100..130).collect();
+        let first = run_salted(&mut w, 1, None, Some("alice"), secret.clone());
+        assert_eq!(cached(&first), 0);
+        let mut probe = secret.clone();
+        probe.push(7);
+        // Another client (another salt, or none) shares nothing with Alice's cache.
+        assert_eq!(
+            cached(&run_salted(&mut w, 2, None, Some("bob"), probe.clone())),
+            0
+        );
+        assert_eq!(cached(&run_salted(&mut w, 3, None, None, probe.clone())), 0);
+        // A salt that extends Alice's as a string is still another partition.
+        assert_eq!(
+            cached(&run_salted(&mut w, 4, None, Some("alice/"), probe.clone())),
+            0
+        );
+        // Alice herself reuses her prefix.
+        assert_eq!(
+            cached(&run_salted(&mut w, 5, None, Some("alice"), probe)),
+            30
+        );
     }
 }

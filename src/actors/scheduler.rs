@@ -4,6 +4,7 @@
 //! stays free to admit, refuse and cancel requests.
 
 use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc as std_mpsc;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -27,7 +28,20 @@ pub struct SchedulerConfig {
     pub request_timeout: Option<Duration>,
 }
 
+/// Clears its flag when dropped: held by the model thread for its whole life, so the flag says
+/// false once the thread has ended for any reason, a panic included.
+struct AliveGuard(Arc<AtomicBool>);
+
+impl Drop for AliveGuard {
+    fn drop(&mut self) {
+        self.0.store(false, Ordering::Release);
+        tracing::error!("the model thread has ended; this server can no longer generate replies");
+    }
+}
+
 pub struct SchedulerActor {
+    /// Whether the model thread is running (see [`ModelAlive`]).
+    model_alive: Arc<AtomicBool>,
     batcher: Batcher,
     cfg: SchedulerConfig,
     worker: std_mpsc::Sender<WorkerCommand>,
@@ -46,13 +60,20 @@ impl SchedulerActor {
         SchedulerActor::create(move |ctx| {
             let addr = ctx.address();
             let worker = ModelWorker::new(engine, tokenizer, kv_budget, window);
+            let model_alive = Arc::new(AtomicBool::new(true));
+            let guard = AliveGuard(Arc::clone(&model_alive));
             let spawned = std::thread::Builder::new()
                 .name("smolchat-model".into())
-                .spawn(move || worker.run(rx, move |report| addr.do_send(StepDone(report))));
+                .spawn(move || {
+                    let _alive = guard;
+                    worker.run(rx, move |report| addr.do_send(StepDone(report)))
+                });
             if let Err(e) = spawned {
+                // The closure (and the guard in it) was dropped: the flag is already false.
                 tracing::error!("cannot start the model thread: {e}");
             }
             SchedulerActor {
+                model_alive,
                 stats: SchedulerStats {
                     max_running: cfg.batcher.max_running,
                     queue_capacity: cfg.batcher.queue_capacity,
@@ -223,6 +244,19 @@ impl Handler<GetStats> for SchedulerActor {
     }
 }
 
+/// Whether the model thread is still running. `/readyz` reports not ready once it is not.
+#[derive(Message)]
+#[rtype(result = "bool")]
+pub struct ModelAlive;
+
+impl Handler<ModelAlive> for SchedulerActor {
+    type Result = bool;
+
+    fn handle(&mut self, _: ModelAlive, _: &mut Context<Self>) -> bool {
+        self.model_alive.load(Ordering::Acquire)
+    }
+}
+
 /// The live state of each given cache key (conversation).
 #[derive(Message)]
 #[rtype(result = "Vec<SequenceState>")]
@@ -271,5 +305,24 @@ impl Handler<GetCacheInfo> for SchedulerActor {
             }
             rx.await.unwrap_or_default()
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_alive_flag_clears_when_the_thread_ends_even_by_panic() {
+        for panics in [false, true] {
+            let flag = Arc::new(AtomicBool::new(true));
+            let guard = AliveGuard(Arc::clone(&flag));
+            let thread = std::thread::spawn(move || {
+                let _alive = guard;
+                assert!(!panics, "the model thread panicked (on purpose)");
+            });
+            assert_eq!(thread.join().is_err(), panics);
+            assert!(!flag.load(Ordering::Acquire), "panics: {panics}");
+        }
     }
 }

@@ -68,6 +68,9 @@ pub const STORAGE_UNAVAILABLE: &str = "the server cannot save anything right now
 pub enum SessionError {
     #[error("the message is empty")]
     EmptyMessage,
+    /// Text no one types: a NUL character (U+0000) and the like.
+    #[error("the message contains {0}, which is not text; remove it")]
+    NotText(String),
     #[error("the message has {chars} characters; the limit is {limit}")]
     MessageTooLong { chars: usize, limit: usize },
     #[error("a reply is already being generated in this conversation; wait for it or stop it")]
@@ -386,6 +389,23 @@ struct Prepared {
     params: SamplingParams,
 }
 
+/// Names the first character of `text` that no person types into a chat message: NUL, which
+/// C-based tools (and SQLite's text functions) treat as the end of the string, and the
+/// noncharacters (U+FDD0–U+FDEF, U+xFFFE/U+xFFFF), which Unicode reserves for internal use.
+pub fn not_text(text: &str) -> Option<String> {
+    text.chars()
+        .find(|&c| {
+            c == '\0' || ('\u{FDD0}'..='\u{FDEF}').contains(&c) || (c as u32) & 0xFFFE == 0xFFFE
+        })
+        .map(|c| {
+            if c == '\0' {
+                "a NUL character (U+0000)".to_string()
+            } else {
+                format!("the noncharacter U+{:04X}", c as u32)
+            }
+        })
+}
+
 /// Renders the conversation plus the new user message into prompt tokens.
 fn prepare(
     shared: &SessionShared,
@@ -412,13 +432,15 @@ fn prepare(
     messages.push(ChatMessage::user(new_user));
     let mut opts = RenderOptions::new(s.pinned_date);
     opts.enable_thinking = Some(s.thinking);
-    let text = shared
+    // Guarded render: what users typed stays text, never a control token.
+    let rendered = shared
         .template
-        .render(&messages, &opts)
+        .render_prompt(&messages, &opts, shared.tokenizer.text_guard())
         .map_err(|e| SessionError::Prompt(e.to_string()))?;
+    let text = rendered.text();
     let prompt = shared
         .tokenizer
-        .encode_prompt(&text)
+        .encode_rendered(&rendered)
         .map_err(|e| SessionError::Prompt(e.to_string()))?;
     let params = SamplingParams {
         temperature: s.temperature,
@@ -431,7 +453,7 @@ fn prepare(
     };
     Ok(Prepared {
         prompt,
-        starts_in_reasoning: prompt_ends_in_open_think(&text),
+        starts_in_reasoning: prompt_ends_in_open_think(text),
         params,
     })
 }
@@ -444,6 +466,9 @@ impl Handler<SendMessage> for SessionActor {
         let check = || {
             if content.trim().is_empty() {
                 return Err(SessionError::EmptyMessage);
+            }
+            if let Some(what) = not_text(&content) {
+                return Err(SessionError::NotText(what));
             }
             let chars = content.chars().count();
             let limit = self.shared.cfg.max_message_chars;
@@ -482,6 +507,8 @@ impl Handler<SendMessage> for SessionActor {
             let request = GenerationRequest {
                 cache_key: Some(id.to_string()),
                 user: Some(conversation.owner.clone()),
+                // Should the conversation's cache be busy, any temporary cache stays with it.
+                cache_salt: Some(id.to_string()),
                 prompt: prepared.prompt.clone(),
                 params: prepared.params.clone(),
                 max_time: None,

@@ -20,6 +20,11 @@ pub struct GenerationRequest {
     /// Who the work is for (an owner, an account, an API key; opaque), for fair sharing and
     /// per-user limits in the scheduler. `None`: anonymous (tools, tests), no per-user caps.
     pub user: Option<String>,
+    /// The partition a stateless request's cache belongs to (an opaque tag of the client's
+    /// identity, made by the web layer). A request without `cache_key` reuses only prefixes
+    /// cached by requests with the same salt, so one client cannot learn from `cached_tokens`
+    /// or the time to first token what another client's prompts held.
+    pub cache_salt: Option<String>,
     pub prompt: Vec<u32>,
     pub params: SamplingParams,
     /// Wall-clock limit for the whole request (queueing included).

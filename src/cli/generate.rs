@@ -104,7 +104,8 @@ pub fn load_all(model: Option<&std::path::Path>) -> Result<Loaded> {
     })
 }
 
-/// Renders a conversation with the file's template and tokenizes it (special tokens parsed).
+/// Renders a conversation with the file's template and tokenizes it (the template's special
+/// tokens parsed, the messages' text kept as text).
 pub fn chat_prompt(
     loaded: &Loaded,
     messages: &[ChatMessage],
@@ -116,9 +117,9 @@ pub fn chat_prompt(
         .context("this model has no chat template; use --raw to feed the prompt without one")?;
     let mut opts = RenderOptions::new(chrono::Local::now().date_naive());
     opts.enable_thinking = enable_thinking;
-    let text = template.render(messages, &opts)?;
-    tracing::debug!(prompt = %text, "rendered prompt");
-    Ok(loaded.tokenizer.encode_prompt(&text)?)
+    let rendered = template.render_prompt(messages, &opts, loaded.tokenizer.text_guard())?;
+    tracing::debug!(prompt = %rendered.text(), "rendered prompt");
+    Ok(loaded.tokenizer.encode_rendered(&rendered)?)
 }
 
 /// Result of one streamed generation.

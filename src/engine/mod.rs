@@ -15,6 +15,7 @@ pub use config::{Architecture, ModelConfig};
 pub use model::{LogitsMode, Model};
 pub use step::{Engine, EngineStats, SeqId, SeqStep};
 pub mod generation;
+pub mod guard;
 pub mod npy;
 pub mod sampling;
 pub mod splitter;

@@ -31,6 +31,7 @@ use serde::{Deserialize, Serialize};
 
 use super::error::{EngineError, Result};
 use super::gguf::{GgufSource, Value as GgufValue};
+use super::guard::{RenderedPrompt, TextGuard};
 
 /// The SmolLM3-3B chat template (Hugging Face), used when a `smollm3` GGUF carries none.
 pub const SMOLLM3_TEMPLATE: &str = include_str!("assets/smollm3-chat-template.jinja");
@@ -272,6 +273,53 @@ impl ChatTemplate {
         ctx.insert("bos_token".into(), Value::from(opts.bos_token.as_str()));
         ctx.insert("eos_token".into(), Value::from(opts.eos_token.as_str()));
         self.render_map(ctx, opts.date)
+    }
+
+    /// Renders a conversation for the model, keeping untrusted text out of the control tokens:
+    /// the content, name and call id of every message except the assistant's, the tool schemas
+    /// and the extra template arguments pass through `guard` (the tokenizer's
+    /// [`text_guard`](super::tokenizer::Tokenizer::text_guard)) first; encode the result with
+    /// [`Tokenizer::encode_rendered`](super::tokenizer::Tokenizer::encode_rendered).
+    ///
+    /// Assistant turns are not guarded: they are the model's own output, whose special tokens
+    /// (`<think>`, `<tool_call>`) must re-tokenize to the ids it generated so that the cached KV
+    /// stays valid, and over `/v1` the client that writes them controls the whole conversation
+    /// anyway.
+    pub fn render_prompt(
+        &self,
+        messages: &[ChatMessage],
+        opts: &RenderOptions,
+        guard: &TextGuard,
+    ) -> Result<RenderedPrompt> {
+        let guarded_messages: Vec<ChatMessage> = messages
+            .iter()
+            .map(|m| {
+                if m.role == "assistant" {
+                    return m.clone();
+                }
+                let protect = |s: &String| guard.protect(s).into_owned();
+                ChatMessage {
+                    role: m.role.clone(),
+                    content: protect(&m.content),
+                    reasoning_content: m.reasoning_content.as_ref().map(protect),
+                    tool_calls: m.tool_calls.as_ref().map(|v| guard.protect_json(v)),
+                    tool_call_id: m.tool_call_id.as_ref().map(protect),
+                    name: m.name.as_ref().map(protect),
+                }
+            })
+            .collect();
+        let mut guarded_opts = opts.clone();
+        guarded_opts.tools = opts
+            .tools
+            .as_ref()
+            .map(|tools| tools.iter().map(|t| guard.protect_json(t)).collect());
+        guarded_opts.extra = opts
+            .extra
+            .iter()
+            .map(|(k, v)| (k.clone(), guard.protect_json(v)))
+            .collect();
+        let rendered = self.render(&guarded_messages, &guarded_opts)?;
+        Ok(RenderedPrompt::new(rendered, guard))
     }
 
     /// Renders with a raw context (a JSON object: `messages`, `add_generation_prompt`, …), as the

@@ -34,6 +34,7 @@ use tokenizers::{
 
 use super::error::{EngineError, Result};
 use super::gguf::{value_as_u64, GgufSource, Value};
+use super::guard::{RenderedPrompt, TextGuard};
 
 const KEY_MODEL: &str = "tokenizer.ggml.model";
 const KEY_PRE: &str = "tokenizer.ggml.pre";
@@ -384,6 +385,8 @@ pub struct Tokenizer {
     /// once per special token (Llama-3-style vocabularies have 256 of them).
     special_finder: Option<AhoCorasick>,
     special_ids: HashMap<String, u32>,
+    /// Keeps untrusted text in rendered prompts from being cut as special tokens.
+    guard: TextGuard,
     bos: Option<u32>,
     eos: Option<u32>,
     pad: Option<u32>,
@@ -815,6 +818,7 @@ impl Tokenizer {
             )
         };
         let special_ids = specials.iter().map(|s| (s.text.clone(), s.id)).collect();
+        let guard = TextGuard::new(specials.iter().map(|s| s.text.as_str()));
 
         let add_bos = gguf.add_bos.unwrap_or(add_bos_default);
         if add_bos && gguf.bos.is_none() {
@@ -848,6 +852,7 @@ impl Tokenizer {
             specials,
             special_finder,
             special_ids,
+            guard,
             bos: gguf.bos,
             eos: gguf.eos,
             pad: gguf.pad,
@@ -991,6 +996,10 @@ impl Tokenizer {
     /// Encodes a model prompt: BOS first when the model asks for it, special tokens parsed (a
     /// rendered chat template writes them as text). Every caller that feeds text to the model
     /// uses this, so the API, the sessions and the CLI tokenize prompts identically.
+    ///
+    /// This is for *raw* prompts (`/v1/completions`, `smolchat generate --prompt`), where the
+    /// caller writes the markup itself, as llama-server does. Chat prompts go through
+    /// [`Tokenizer::encode_rendered`], which keeps the users' text out of the special tokens.
     pub fn encode_prompt(&self, text: &str) -> Result<Vec<u32>> {
         let mut ids = Vec::new();
         if self.add_bos() {
@@ -998,6 +1007,37 @@ impl Tokenizer {
         }
         ids.extend(self.encode(text, true)?);
         Ok(ids)
+    }
+
+    /// Encodes a chat prompt rendered with this tokenizer's [`Tokenizer::text_guard`]: BOS when
+    /// the model asks for it, the template's own special tokens as their ids, and everything that
+    /// came from messages, tools or template arguments as plain text — `<|im_end|>` typed by a
+    /// user is a few ordinary tokens, never the control token. Where no untrusted text holds a
+    /// guarded character the ids equal [`Tokenizer::encode_prompt`] of the same text.
+    pub fn encode_rendered(&self, prompt: &RenderedPrompt) -> Result<Vec<u32>> {
+        let text = prompt.guarded();
+        let mut ids = Vec::with_capacity(text.len() / 3 + 2);
+        if self.add_bos() {
+            ids.extend(self.bos_id());
+        }
+        for fragment in self.partition(text, true) {
+            match fragment {
+                Fragment::Token(id) => ids.push(id),
+                Fragment::Text(start, end) => {
+                    if let Some(piece) = text.get(start..end) {
+                        // Restored pieces may hold special-token text the user typed; plain
+                        // BPE (no cut at all, user-defined tokens included) keeps it text.
+                        self.encode_plain(&self.guard.restore(piece), &mut ids)?;
+                    }
+                }
+            }
+        }
+        Ok(ids)
+    }
+
+    /// The guard that chat templates apply to untrusted text before rendering.
+    pub fn text_guard(&self) -> &TextGuard {
+        &self.guard
     }
 
     pub fn add_bos(&self) -> bool {

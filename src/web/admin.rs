@@ -234,7 +234,7 @@ pub async fn login(
     let Some(expected) = state.admin_token.as_deref() else {
         return Err(WebError::NotFound("the admin page is disabled".into()).into());
     };
-    let form: LoginForm = read_form(&state, payload).await?;
+    let form: LoginForm = read_form(&state, &req, payload).await?;
     if !csrf::constant_time_eq(form.token.as_bytes(), expected.as_bytes()) {
         tracing::warn!(peer = ?req.peer_addr(), "admin login with a wrong token");
         return Err(PageError::Unauthorized("wrong admin token".into()));

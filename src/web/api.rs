@@ -15,6 +15,7 @@ use crate::actors::scheduler::Evict;
 use crate::actors::session::{GetInfo, SendMessage, Shutdown, Stop};
 use crate::config::Config;
 use crate::engine::sampling::SamplingParams;
+use crate::engine::template::{ChatMessage, RenderOptions};
 use crate::store::{Conversation, ConversationSettings, Message};
 
 /// Longest conversation title, in characters.
@@ -154,6 +155,40 @@ pub fn parse_id(raw: &str) -> Result<Uuid, WebError> {
     })
 }
 
+/// Refuses settings whose system prompt leaves no room in the context window for a message and
+/// a reply: every message of such a conversation would fail, so say so when it is set.
+pub fn check_system_prompt_fits(
+    platform: &crate::platform::Platform,
+    settings: &ConversationSettings,
+) -> Result<(), WebError> {
+    let Some(system) = settings.system_prompt.as_deref() else {
+        return Ok(());
+    };
+    let messages = [ChatMessage::system(system), ChatMessage::user("")];
+    let mut opts = RenderOptions::new(settings.pinned_date);
+    opts.enable_thinking = Some(settings.thinking);
+    let tokens = platform
+        .template
+        .render_prompt(&messages, &opts, platform.tokenizer.text_guard())
+        .and_then(|p| platform.tokenizer.encode_rendered(&p))
+        .map_err(|e| {
+            WebError::BadRequest(format!(
+                "`system_prompt`: the chat template cannot use this system prompt: {e}"
+            ))
+        })?
+        .len();
+    let window = platform.model.context_window;
+    // At least one token of message and one of reply must fit after it.
+    if tokens + 2 > window {
+        return Err(WebError::BadRequest(format!(
+            "`system_prompt`: the system prompt takes {tokens} tokens of the model's \
+             {window}-token context window, which leaves no room for a message and a reply; \
+             shorten it"
+        )));
+    }
+    Ok(())
+}
+
 /// The conversation if it exists and belongs to `owner`; otherwise 404 either way, so another
 /// owner's ids cannot be told apart from unknown ones.
 pub async fn owned(
@@ -177,6 +212,7 @@ pub async fn create(
     let input = body.0.unwrap_or_default();
     let config = &state.platform.config;
     let settings = apply_settings(config, &input, default_settings(config))?;
+    check_system_prompt_fits(&state.platform, &settings)?;
     let title = input.title.as_deref().map(clean_title).transpose()?;
     let store = &state.platform.store;
     let mut conversation = store.create_conversation(owner.as_str(), &settings).await?;
@@ -201,6 +237,14 @@ pub async fn list(
 ) -> Result<HttpResponse, WebError> {
     let query = web::Query::<ListQuery>::from_query(req.query_string())
         .map_err(|e| WebError::BadRequest(format!("bad query string: {e}")))?;
+    // The same cap as the page's search box: a search text is a title fragment.
+    if let Some(chars) = query.q.as_deref().map(|q| q.chars().count()) {
+        if chars > TITLE_LIMIT {
+            return Err(WebError::BadRequest(format!(
+                "`q`: the search text has {chars} characters; the limit is {TITLE_LIMIT}"
+            )));
+        }
+    }
     let conversations = state
         .platform
         .store
@@ -250,11 +294,13 @@ pub async fn patch(
         || input.ignore_eos.is_some();
     // Validate everything before writing anything.
     let settings = if changes_settings {
-        Some(apply_settings(
+        let s = apply_settings(
             &state.platform.config,
             &input,
             conversation.settings.clone(),
-        )?)
+        )?;
+        check_system_prompt_fits(&state.platform, &s)?;
+        Some(s)
     } else {
         None
     };

@@ -26,6 +26,11 @@ pub enum WebError {
     UnsupportedMediaType(String),
     #[error("{0}")]
     PayloadTooLarge(String),
+    #[error("{0}")]
+    UriTooLong(String),
+    /// The body did not arrive in time.
+    #[error("{0}")]
+    RequestTimeout(String),
     /// Unknown ids and other owners' conversations alike (so ids cannot be probed).
     #[error("{0}")]
     NotFound(String),
@@ -39,7 +44,8 @@ pub enum WebError {
     /// The admission queue is full; the client should retry after `retry_after_s`.
     #[error("{message}")]
     Overloaded { message: String, retry_after_s: u64 },
-    /// This user has as much work waiting as one user may; retry after `retry_after_s`.
+    /// This user (or conversation) holds as much as one may: queued requests, open event
+    /// streams. The client should retry after `retry_after_s`.
     #[error("{message}")]
     TooManyRequests { message: String, retry_after_s: u64 },
     /// The platform cannot serve right now (an actor is gone, the server is shutting down).
@@ -62,6 +68,8 @@ impl WebError {
             WebError::InvalidJson(_) => "invalid_json",
             WebError::UnsupportedMediaType(_) => "unsupported_media_type",
             WebError::PayloadTooLarge(_) => "payload_too_large",
+            WebError::UriTooLong(_) => "uri_too_long",
+            WebError::RequestTimeout(_) => "request_timeout",
             WebError::NotFound(_) => "not_found",
             WebError::MethodNotAllowed(_) => "method_not_allowed",
             WebError::Conflict(_) => "conflict",
@@ -87,6 +95,8 @@ impl ResponseError for WebError {
             }
             WebError::UnsupportedMediaType(_) => StatusCode::UNSUPPORTED_MEDIA_TYPE,
             WebError::PayloadTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
+            WebError::UriTooLong(_) => StatusCode::URI_TOO_LONG,
+            WebError::RequestTimeout(_) => StatusCode::REQUEST_TIMEOUT,
             WebError::NotFound(_) => StatusCode::NOT_FOUND,
             WebError::MethodNotAllowed(_) => StatusCode::METHOD_NOT_ALLOWED,
             WebError::Conflict(_) => StatusCode::CONFLICT,
@@ -134,7 +144,9 @@ impl ResponseError for WebError {
 impl From<SessionError> for WebError {
     fn from(e: SessionError) -> Self {
         match e {
-            SessionError::EmptyMessage => WebError::BadRequest(e.to_string()),
+            SessionError::EmptyMessage | SessionError::NotText(_) => {
+                WebError::BadRequest(e.to_string())
+            }
             SessionError::MessageTooLong { .. } => WebError::PayloadTooLarge(e.to_string()),
             SessionError::Busy => WebError::Conflict(e.to_string()),
             SessionError::NotFound => WebError::conversation_not_found(),

@@ -22,7 +22,7 @@ use tokio::sync::mpsc;
 use super::api::owned;
 use super::error::WebError;
 use super::owner::Owner;
-use super::AppState;
+use super::{AppState, StreamCounter, StreamSlot};
 use crate::actors::session::{ReplyEvent, Subscribe, Subscription, SubscriptionGuard};
 
 /// Comment lines sent while nothing happens, so proxies keep the connection and dead clients are
@@ -37,6 +37,7 @@ pub async fn events(
     path: web::Path<String>,
 ) -> Result<sse::Sse<EventStream>, WebError> {
     let conversation = owned(&state, &path, &owner).await?;
+    let slot = StreamCounter::open(&state, conversation.id)?;
     let session = state.platform.sessions.get_or_start(conversation.id);
     let Subscription {
         replay,
@@ -48,6 +49,7 @@ pub async fn events(
         replay: replay.into_iter(),
         events,
         _guard: guard,
+        _slot: slot,
     };
     Ok(sse::Sse::from_stream(stream)
         .with_keep_alive(KEEP_ALIVE)
@@ -59,6 +61,8 @@ pub struct EventStream {
     replay: std::vec::IntoIter<ReplyEvent>,
     events: mpsc::UnboundedReceiver<ReplyEvent>,
     _guard: SubscriptionGuard,
+    /// This stream's place under `limits.max_streams*`, given back with the stream.
+    _slot: StreamSlot,
 }
 
 impl Stream for EventStream {

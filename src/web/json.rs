@@ -76,6 +76,32 @@ fn content_type_is_json(req: &HttpRequest) -> Option<bool> {
     Some(essence == "application/json" || essence.ends_with("+json"))
 }
 
+/// How long a request body may take to arrive (app data; a default applies when it is missing).
+#[derive(Debug, Clone, Copy)]
+pub struct BodyTimeout(pub std::time::Duration);
+
+impl Default for BodyTimeout {
+    fn default() -> Self {
+        BodyTimeout(std::time::Duration::from_secs(30))
+    }
+}
+
+/// Runs a body read under the body timeout, so a client trickling its body cannot hold a
+/// connection and a buffer for ever.
+pub async fn within_body_timeout(
+    req: &HttpRequest,
+    read: impl Future<Output = Result<(), WebError>>,
+) -> Result<(), WebError> {
+    let limit = req.app_data::<BodyTimeout>().copied().unwrap_or_default().0;
+    match actix_web::rt::time::timeout(limit, read).await {
+        Ok(done) => done,
+        Err(_) => Err(WebError::RequestTimeout(format!(
+            "the request body did not arrive within {} s",
+            limit.as_secs()
+        ))),
+    }
+}
+
 /// Reads and parses the body; `None` when there is no body at all.
 async fn read_json<T: DeserializeOwned>(
     req: HttpRequest,
@@ -100,15 +126,19 @@ async fn read_json<T: DeserializeOwned>(
         ));
     }
     let mut body = BytesMut::new();
-    while let Some(chunk) = payload.next().await {
-        let chunk: Bytes = chunk.map_err(|e| {
-            WebError::BadRequest(format!("the request body could not be read: {e}"))
-        })?;
-        if body.len() + chunk.len() > limit {
-            return Err(too_large());
+    let read = async {
+        while let Some(chunk) = payload.next().await {
+            let chunk: Bytes = chunk.map_err(|e| {
+                WebError::BadRequest(format!("the request body could not be read: {e}"))
+            })?;
+            if body.len() + chunk.len() > limit {
+                return Err(too_large());
+            }
+            body.extend_from_slice(&chunk);
         }
-        body.extend_from_slice(&chunk);
-    }
+        Ok(())
+    };
+    within_body_timeout(&req, read).await?;
     let text = std::str::from_utf8(&body).map_err(|e| {
         WebError::InvalidJson(format!(
             "the request body is not valid UTF-8 (bad byte at offset {})",
@@ -129,6 +159,13 @@ async fn read_json<T: DeserializeOwned>(
         } else {
             "the request body is not valid JSON"
         };
-        WebError::InvalidJson(format!("{what}: {e}"))
+        // serde_json's words for a lone UTF-16 surrogate (`"\ud800"`) do not say what is wrong.
+        let hint = if e.to_string().contains("hex escape") || e.to_string().contains("surrogate") {
+            " (a \\uD800-\\uDFFF escape must be one half of a surrogate pair, followed by the \
+             other half; a lone surrogate is not a character)"
+        } else {
+            ""
+        };
+        WebError::InvalidJson(format!("{what}: {e}{hint}"))
     })
 }

@@ -48,8 +48,78 @@ const DRAIN_REPLIES: Duration = Duration::from_secs(5);
 /// How long a graceful shutdown waits for open connections after the replies are stored.
 const SHUTDOWN_TIMEOUT_S: u64 = 3;
 
+/// Counts open event streams, per conversation and in all, against `limits.max_streams*`.
+#[derive(Default)]
+pub struct StreamCounter {
+    open: std::sync::Mutex<(usize, std::collections::HashMap<uuid::Uuid, usize>)>,
+}
+
+/// One open event stream; gives its place back when dropped (the client went away).
+pub struct StreamSlot {
+    state: web::Data<AppState>,
+    conversation: uuid::Uuid,
+}
+
+impl StreamCounter {
+    /// Takes a place for a stream on `conversation`, or says which limit is reached.
+    pub fn open(
+        state: &web::Data<AppState>,
+        conversation: uuid::Uuid,
+    ) -> Result<StreamSlot, WebError> {
+        let limits = &state.platform.config.limits;
+        let mut open = state
+            .streams
+            .open
+            .lock()
+            .map_err(|_| WebError::Internal("the stream counter is poisoned".into()))?;
+        let (total, per) = &mut *open;
+        let here = per.get(&conversation).copied().unwrap_or(0);
+        if here >= limits.max_streams_per_conversation {
+            return Err(WebError::TooManyRequests {
+                message: format!(
+                    "this conversation already has {here} open event streams (the limit is {}); \
+                     close a tab or retry later",
+                    limits.max_streams_per_conversation
+                ),
+                retry_after_s: 5,
+            });
+        }
+        if *total >= limits.max_streams {
+            return Err(WebError::Overloaded {
+                message: format!(
+                    "the server has {total} open event streams, its limit; retry later"
+                ),
+                retry_after_s: 5,
+            });
+        }
+        *total += 1;
+        *per.entry(conversation).or_insert(0) += 1;
+        Ok(StreamSlot {
+            state: state.clone(),
+            conversation,
+        })
+    }
+}
+
+impl Drop for StreamSlot {
+    fn drop(&mut self) {
+        if let Ok(mut open) = self.state.streams.open.lock() {
+            let (total, per) = &mut *open;
+            *total = total.saturating_sub(1);
+            if let Some(n) = per.get_mut(&self.conversation) {
+                *n = n.saturating_sub(1);
+                if *n == 0 {
+                    per.remove(&self.conversation);
+                }
+            }
+        }
+    }
+}
+
 /// What every handler shares.
 pub struct AppState {
+    /// Open event streams (see [`StreamCounter`]).
+    pub streams: StreamCounter,
     pub platform: Platform,
     pub cookie_key: Key,
     /// False once shutdown began (`/readyz` then answers 503).
@@ -79,7 +149,9 @@ pub fn check_config(config: &crate::config::Config) -> Result<(), String> {
 /// Registers every route on an app whose data holds a `web::Data<AppState>`.
 pub fn routes(cfg: &mut web::ServiceConfig) {
     cfg.route("/healthz", web::get().to(ops::healthz))
+        .route("/healthz", web::head().to(ops::healthz))
         .route("/readyz", web::get().to(ops::readyz))
+        .route("/readyz", web::head().to(ops::readyz))
         .route("/metrics", web::get().to(ops::metrics))
         // Early, so that a catch-all scope registered later cannot shadow `/v1`.
         .configure(openai::routes)
@@ -124,7 +196,10 @@ pub fn routes(cfg: &mut web::ServiceConfig) {
             web::resource("/")
                 .wrap(from_fn(csrf::require_token))
                 .wrap(from_fn(owner::owner_cookie))
-                .route(web::get().to(pages::index)),
+                .route(web::get().to(pages::index))
+                // HEAD is GET without the body (actix-http drops it); probes and link checkers
+                // send it.
+                .route(web::head().to(pages::index)),
         )
         .service(
             web::resource("/conversations")
@@ -162,6 +237,31 @@ pub fn routes(cfg: &mut web::ServiceConfig) {
         );
 }
 
+/// The longest request target (path and query) accepted, in bytes: what common servers allow
+/// (nginx's default header buffer is 8 KiB). Longer ones get 414 with a message. Targets over
+/// 64 KiB never reach the application: actix-http refuses them itself with an empty 400.
+pub const MAX_URL_BYTES: usize = 8 << 10;
+
+async fn limit_url(
+    req: actix_web::dev::ServiceRequest,
+    next: actix_web::middleware::Next<impl actix_web::body::MessageBody>,
+) -> Result<actix_web::dev::ServiceResponse<impl actix_web::body::MessageBody>, actix_web::Error> {
+    let len = req.uri().path_and_query().map_or(0, |pq| pq.as_str().len());
+    if len > MAX_URL_BYTES {
+        return Err(WebError::UriTooLong(format!(
+            "the URL is {len} bytes long; the limit is {MAX_URL_BYTES}"
+        ))
+        .into());
+    }
+    next.call(req).await
+}
+
+/// The error answer of actix's own extractors (`Path`, `Query`, `Form`, `Json`): the project's
+/// error shape, naming the extractor's complaint, instead of actix's plain text.
+fn extractor_error(what: &'static str) -> impl Fn(String) -> actix_web::Error + Clone {
+    move |detail| WebError::BadRequest(format!("{what}: {detail}")).into()
+}
+
 async fn not_found(req: HttpRequest) -> Result<HttpResponse, WebError> {
     Err(WebError::NotFound(format!(
         "no route for {} {}",
@@ -187,13 +287,17 @@ pub async fn run(platform: Platform) -> io::Result<()> {
         .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
     let bind = platform.config.server.bind.clone();
     let limit = BodyLimit(json_limit(platform.config.limits.max_message_chars));
+    let body_timeout =
+        json::BodyTimeout(Duration::from_secs(platform.config.limits.body_timeout_s));
     let admin_token = platform
         .config
         .server
         .admin_token
         .clone()
         .filter(|t| !t.is_empty());
+    let limits = platform.config.limits.clone();
     let state = web::Data::new(AppState {
+        streams: StreamCounter::default(),
         platform,
         cookie_key,
         ready: AtomicBool::new(true),
@@ -214,12 +318,35 @@ pub async fn run(platform: Platform) -> io::Result<()> {
 
     let app_state = state.clone();
     let http = HttpServer::new(move || {
+        let path_error = extractor_error("bad URL path");
+        let query_error = extractor_error("bad query string");
+        let form_error = extractor_error("bad form");
+        let json_error = extractor_error("bad JSON body");
         App::new()
             .app_data(app_state.clone())
             .app_data(limit)
+            .app_data(body_timeout)
+            .app_data(
+                web::PathConfig::default().error_handler(move |e, _| path_error(e.to_string())),
+            )
+            .app_data(
+                web::QueryConfig::default().error_handler(move |e, _| query_error(e.to_string())),
+            )
+            .app_data(
+                web::FormConfig::default().error_handler(move |e, _| form_error(e.to_string())),
+            )
+            .app_data(
+                web::JsonConfig::default().error_handler(move |e, _| json_error(e.to_string())),
+            )
+            .wrap(from_fn(limit_url))
             .configure(routes)
             .default_service(web::to(not_found))
     })
+    // Slow or idle clients must not hold connections for ever (body reads have their own limit,
+    // `limits.body_timeout_s`, in the body readers).
+    .client_request_timeout(Duration::from_secs(limits.request_head_timeout_s))
+    .keep_alive(Duration::from_secs(limits.keep_alive_s))
+    .max_connections(limits.max_connections)
     // Signals are handled below, so replies can be stopped and stored before the server stops.
     .disable_signals()
     .shutdown_timeout(SHUTDOWN_TIMEOUT_S)

@@ -9,6 +9,13 @@
 //!
 //! API requests are stateless: each one is rendered, tokenized and submitted straight to the
 //! scheduler (no session actor, no cache key), so API and browser users are batched together.
+//! Cached prefixes are reused only within one partition (the client's address, the key it
+//! presents, its `user` and `cache_salt` fields): see [`cache_salt`].
+//!
+//! In chat requests the text of messages, tool schemas and `chat_template_kwargs` is always
+//! tokenized as text: `<|im_end|>` inside a message is a few ordinary tokens, never the control
+//! token (only the template's own markup is). A raw `/v1/completions` prompt is the client's own
+//! markup, so special tokens written in it *are* parsed, as llama-server does.
 //! When `server.api_key` is set, every `/v1` request needs `Authorization: Bearer <key>`.
 //! Errors use OpenAI's shape (see [`error`]).
 //!
@@ -49,6 +56,7 @@ use crate::actors::scheduler::{Cancel, Submit};
 use crate::actors::{
     GenEvent, GenSummary, GenerationRequest, RequestId, SchedulerActor, StopReason,
 };
+use crate::engine::guard::{RenderedPrompt, TextGuard};
 use crate::engine::template::{prompt_ends_in_open_think, ChatTemplate, RenderOptions};
 use crate::platform::Platform;
 
@@ -171,11 +179,12 @@ fn model_object(p: &Platform) -> Value {
     })
 }
 
-/// Whether `name` designates the loaded model: its id, or its file name.
+/// Whether a request's `model` names the loaded model: its id, or its file name (what
+/// llama-server clients often send). Never the file's path: that would let a client test
+/// paths on the server's disk.
 fn is_served_model(p: &Platform, name: &str) -> bool {
     let path = std::path::Path::new(&p.model.path);
     name == p.model.id
-        || name == p.model.path
         || path
             .file_name()
             .is_some_and(|f| f.to_string_lossy() == name)
@@ -190,7 +199,9 @@ async fn model(
     path: web::Path<String>,
 ) -> Result<HttpResponse, ApiError> {
     let p = &state.platform;
-    if !is_served_model(p, &path) {
+    // Only the id that `/v1/models` lists: anything else is 404, so the route answers nothing
+    // about names or paths beyond what the listing already says.
+    if *path != p.model.id {
         return Err(ApiError::model_not_found(&path, &p.model.id));
     }
     Ok(HttpResponse::Ok().json(model_object(p)))
@@ -214,8 +225,10 @@ fn check_model(p: &Platform, common: &Common) -> Result<(), ApiError> {
     }
 }
 
-/// Prepends BOS when the tokenizer asks for it and encodes with special tokens parsed (the
-/// template writes them as text), exactly as the chat sessions and `smolchat generate` do.
+/// A raw `/v1/completions` prompt: BOS when the tokenizer asks for it, special tokens written
+/// in the prompt parsed as llama-server does. The client writes the whole prompt, markup
+/// included, so there is no template text to tell apart from its own (chat requests, where
+/// there is, keep message text out of the control tokens: see [`render_chat`]).
 fn encode(p: &Platform, text: &str) -> Result<Vec<u32>, ApiError> {
     p.tokenizer
         .encode_prompt(text)
@@ -223,6 +236,7 @@ fn encode(p: &Platform, text: &str) -> Result<Vec<u32>, ApiError> {
 }
 
 async fn chat_completions(
+    http: HttpRequest,
     state: web::Data<AppState>,
     body: Result<JsonBody<Value>, WebError>,
 ) -> Result<HttpResponse, ApiError> {
@@ -236,15 +250,26 @@ async fn chat_completions(
     let render = req.clone();
     let (text, prompt) = web::block(move || -> Result<(String, Vec<u32>), ApiError> {
         let p = &state2.platform;
-        let text = render_chat(&p.template, &render, chrono::Local::now().date_naive())?;
-        let prompt = encode(p, &text)?;
-        Ok((text, prompt))
+        let rendered = render_chat(
+            &p.template,
+            p.tokenizer.text_guard(),
+            &render,
+            chrono::Local::now().date_naive(),
+        )?;
+        // The messages' own text stays text: `<|im_end|>` in a message is never a control token.
+        let prompt = p
+            .tokenizer
+            .encode_rendered(&rendered)
+            .map_err(|e| ApiError::internal(format!("tokenizer: {e}")))?;
+        Ok((rendered.text().to_string(), prompt))
     })
     .await
     .map_err(|e| ApiError::internal(format!("prompt task: {e}")))??;
     tracing::debug!(prompt = %text, tokens = prompt.len(), "chat completion prompt");
     let assembler = ChatAssembler::new(prompt_ends_in_open_think(&text), parse_tool_calls);
-    generate(state, req.common, prompt, "messages", assembler).await
+    let salt = cache_salt(&http, &req.common);
+    let user = client_identity(&http);
+    generate(state, req.common, salt, user, prompt, "messages", assembler).await
 }
 
 /// Renders a chat request with the model's template: messages shaped for it (see
@@ -253,24 +278,28 @@ async fn chat_completions(
 /// client's error.
 pub fn render_chat(
     template: &ChatTemplate,
+    guard: &TextGuard,
     req: &request::ChatRequest,
     date: chrono::NaiveDate,
-) -> Result<String, ApiError> {
+) -> Result<RenderedPrompt, ApiError> {
     let reads_tool_calls = template.source().contains("tool_calls");
     let messages = request::template_messages(&req.messages, reads_tool_calls);
     let mut opts = RenderOptions::new(date);
     opts.enable_thinking = req.enable_thinking;
     opts.tools = req.tools.clone();
     opts.extra = req.template_kwargs.clone();
-    template.render(&messages, &opts).map_err(|e| {
-        ApiError::invalid(
-            "messages",
-            format!("the chat template refused the messages: {e}"),
-        )
-    })
+    template
+        .render_prompt(&messages, &opts, guard)
+        .map_err(|e| {
+            ApiError::invalid(
+                "messages",
+                format!("the chat template refused the messages: {e}"),
+            )
+        })
 }
 
 async fn completions(
+    http: HttpRequest,
     state: web::Data<AppState>,
     body: Result<JsonBody<Value>, WebError>,
 ) -> Result<HttpResponse, ApiError> {
@@ -301,7 +330,18 @@ async fn completions(
         .common
         .max_tokens
         .or(Some(request::COMPLETION_DEFAULT_MAX_TOKENS));
-    generate(state, req.common, prompt, "prompt", TextAssembler::new()).await
+    let salt = cache_salt(&http, &req.common);
+    let user = client_identity(&http);
+    generate(
+        state,
+        req.common,
+        salt,
+        user,
+        prompt,
+        "prompt",
+        TextAssembler::new(),
+    )
+    .await
 }
 
 /// Cancels the request when dropped before it finished (the client went away).
@@ -360,10 +400,52 @@ fn usage(s: &GenSummary) -> Value {
     })
 }
 
+/// The cache partition of a stateless request: the client's address, the key it presented and
+/// the names it gives itself (`user`, `cache_salt`). Requests reuse cached prefixes only within
+/// one partition, so one client cannot probe another's prompts through `cached_tokens` or the
+/// time to first token. Hashed with a key drawn at start-up, so that neither API keys nor
+/// names reach the model worker's cache keys (or its debug logs).
+fn cache_salt(http: &HttpRequest, common: &Common) -> String {
+    static KEY: OnceLock<std::hash::RandomState> = OnceLock::new();
+    let ip = http.peer_addr().map(|a| a.ip().to_string());
+    let auth = http
+        .headers()
+        .get(header::AUTHORIZATION)
+        .map(|v| v.as_bytes().to_vec());
+    let tag = std::hash::BuildHasher::hash_one(
+        KEY.get_or_init(std::hash::RandomState::new),
+        (ip, auth, common.cache_salt.as_str()),
+    );
+    format!("{tag:016x}")
+}
+
+/// Who a request is for, for fair sharing and per-user limits in the scheduler: the bearer key
+/// when one is sent (per-key limits), else the client's address (per-address limits for
+/// guests). Unlike the cache salt, nothing in the body changes it, so a client cannot escape its
+/// limits by naming itself differently.
+fn client_identity(http: &HttpRequest) -> String {
+    static KEY: OnceLock<std::hash::RandomState> = OnceLock::new();
+    let auth = http
+        .headers()
+        .get(header::AUTHORIZATION)
+        .map(|v| v.as_bytes().to_vec());
+    let ip = match auth {
+        Some(_) => None,
+        None => http.peer_addr().map(|a| a.ip().to_string()),
+    };
+    let tag = std::hash::BuildHasher::hash_one(
+        KEY.get_or_init(std::hash::RandomState::new),
+        ("client", ip, auth),
+    );
+    format!("api:{tag:016x}")
+}
+
 /// Checks the prompt against the context window, submits it and answers (streamed or whole).
 async fn generate<A: Assembler>(
     state: web::Data<AppState>,
     common: Common,
+    cache_salt: String,
+    user: String,
     prompt: Vec<u32>,
     prompt_param: &str,
     mut assembler: A,
@@ -395,7 +477,8 @@ async fn generate<A: Assembler>(
         .scheduler
         .send(Submit(GenerationRequest {
             cache_key: None,
-            user: None,
+            user: Some(user),
+            cache_salt: Some(cache_salt),
             prompt,
             params,
             max_time: None,
@@ -621,7 +704,10 @@ mod tests {
         };
         let req = request::parse_chat(&body, &defaults).unwrap();
         let date = chrono::NaiveDate::from_ymd_opt(2025, 7, 8).unwrap();
-        render_chat(&template, &req, date).unwrap()
+        render_chat(&template, &TextGuard::default(), &req, date)
+            .unwrap()
+            .text()
+            .to_string()
     }
 
     fn weather_tool() -> Value {

@@ -9,7 +9,7 @@ use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use serde_json::json;
 
 use super::AppState;
-use crate::actors::scheduler::GetStats;
+use crate::actors::scheduler::{GetStats, ModelAlive};
 
 static RECORDER: OnceLock<Option<PrometheusHandle>> = OnceLock::new();
 
@@ -89,19 +89,33 @@ pub async fn healthz() -> HttpResponse {
 }
 
 /// `GET /readyz`: 200 while the platform can take requests (the model loads before the server
-/// binds, so that is from the start until shutdown begins), else 503.
+/// binds, so that is from the start until shutdown begins, as long as the model thread runs),
+/// else 503.
 pub async fn readyz(state: web::Data<AppState>) -> HttpResponse {
-    let ready = state.ready.load(Ordering::Acquire) && state.platform.scheduler.connected();
-    if ready {
+    let model_alive = state.platform.scheduler.connected()
+        && state
+            .platform
+            .scheduler
+            .send(ModelAlive)
+            .await
+            .unwrap_or(false);
+    let shutting_down = !state.ready.load(Ordering::Acquire);
+    if !shutting_down && model_alive {
         HttpResponse::Ok().json(json!({
             "status": "ready",
             "model": state.platform.model.id,
             "context_window": state.platform.model.context_window,
         }))
     } else {
+        let message = if shutting_down {
+            "the server is shutting down"
+        } else {
+            "the model thread has stopped; the server cannot generate replies (see its log) \
+             and must be restarted"
+        };
         HttpResponse::ServiceUnavailable().json(json!({
             "status": "not ready",
-            "error": { "message": "the server is shutting down", "type": "unavailable" },
+            "error": { "message": message, "type": "unavailable" },
         }))
     }
 }

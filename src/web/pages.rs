@@ -23,7 +23,7 @@ use std::fmt;
 
 use actix_web::http::header::{self, HeaderValue};
 use actix_web::http::StatusCode;
-use actix_web::{web, HttpResponse, ResponseError};
+use actix_web::{web, HttpRequest, HttpResponse, ResponseError};
 use askama::Template;
 use futures_util::StreamExt;
 use serde::de::DeserializeOwned;
@@ -169,21 +169,43 @@ pub fn html<T: Template>(t: &T) -> Result<HttpResponse, PageError> {
 /// message at the character limit, fully percent-encoded, fits).
 pub async fn read_form<T: DeserializeOwned>(
     state: &AppState,
+    req: &HttpRequest,
     mut payload: web::Payload,
 ) -> Result<T, PageError> {
-    let limit = json_limit(state.platform.config.limits.max_message_chars);
-    let mut body = web::BytesMut::new();
-    while let Some(chunk) = payload.next().await {
-        let chunk =
-            chunk.map_err(|e| WebError::BadRequest(format!("cannot read the body: {e}")))?;
-        if body.len() + chunk.len() > limit {
-            return Err(WebError::PayloadTooLarge(format!(
-                "the request body is larger than {limit} bytes"
+    // A form route given JSON (or anything else) would otherwise read as an empty form.
+    if let Some(ct) = req.headers().get(header::CONTENT_TYPE) {
+        let essence = ct
+            .to_str()
+            .unwrap_or("")
+            .split(';')
+            .next()
+            .unwrap_or("")
+            .trim()
+            .to_ascii_lowercase();
+        if essence != "application/x-www-form-urlencoded" {
+            return Err(WebError::UnsupportedMediaType(format!(
+                "this form takes application/x-www-form-urlencoded, not {essence:?}; JSON \
+                 clients use the API under /api"
             ))
             .into());
         }
-        body.extend_from_slice(&chunk);
     }
+    let limit = json_limit(state.platform.config.limits.max_message_chars);
+    let mut body = web::BytesMut::new();
+    let read = async {
+        while let Some(chunk) = payload.next().await {
+            let chunk =
+                chunk.map_err(|e| WebError::BadRequest(format!("cannot read the body: {e}")))?;
+            if body.len() + chunk.len() > limit {
+                return Err(WebError::PayloadTooLarge(format!(
+                    "the request body is larger than {limit} bytes"
+                )));
+            }
+            body.extend_from_slice(&chunk);
+        }
+        Ok(())
+    };
+    super::json::within_body_timeout(req, read).await?;
     let text = std::str::from_utf8(&body)
         .map_err(|_| WebError::BadRequest("the form is not UTF-8".into()))?;
     web::Query::<T>::from_query(text)
@@ -464,9 +486,10 @@ fn hx_redirect(status: StatusCode, to: &str) -> HttpResponse {
 pub async fn create(
     state: web::Data<AppState>,
     owner: Owner,
+    req: HttpRequest,
     payload: web::Payload,
 ) -> Result<HttpResponse, PageError> {
-    let form: ContentForm = read_form(&state, payload).await?;
+    let form: ContentForm = read_form(&state, &req, payload).await?;
     let content = form.content;
     let limit = state.platform.config.limits.max_message_chars;
     let chars = content.chars().count();
@@ -498,10 +521,11 @@ pub async fn send(
     state: web::Data<AppState>,
     owner: Owner,
     path: web::Path<String>,
+    req: HttpRequest,
     payload: web::Payload,
 ) -> Result<HttpResponse, PageError> {
     let c = owned(&state, &path, &owner).await?;
-    let form: ContentForm = read_form(&state, payload).await?;
+    let form: ContentForm = read_form(&state, &req, payload).await?;
     let session = state.platform.sessions.get_or_start(c.id);
     let accepted = session.send(SendMessage::new(form.content)).await??;
     tracing::debug!(conversation = %c.id, message = %accepted.user_message.id, "message sent from the page");
@@ -563,10 +587,11 @@ pub async fn edit(
     state: web::Data<AppState>,
     owner: Owner,
     path: web::Path<String>,
+    req: HttpRequest,
     payload: web::Payload,
 ) -> Result<HttpResponse, PageError> {
     let c = owned(&state, &path, &owner).await?;
-    let form: ContentForm = read_form(&state, payload).await?;
+    let form: ContentForm = read_form(&state, &req, payload).await?;
     resend(&state, &c, Some(form.content)).await
 }
 
@@ -580,10 +605,11 @@ pub async fn rename(
     state: web::Data<AppState>,
     owner: Owner,
     path: web::Path<String>,
+    req: HttpRequest,
     payload: web::Payload,
 ) -> Result<HttpResponse, PageError> {
     let c = owned(&state, &path, &owner).await?;
-    let form: TitleForm = read_form(&state, payload).await?;
+    let form: TitleForm = read_form(&state, &req, payload).await?;
     let title = form.title.trim();
     let chars = title.chars().count();
     if chars > TITLE_LIMIT {
@@ -602,15 +628,25 @@ pub async fn rename(
         .finish())
 }
 
+/// The numbers arrive as text and are parsed here, so that a bad one is refused with its
+/// field's name (the form decoder's own error, "invalid digit found in string", names none).
 #[derive(Deserialize)]
 pub struct SettingsForm {
     #[serde(default)]
     system_prompt: String,
-    temperature: f32,
-    top_p: f32,
-    max_tokens: usize,
+    temperature: String,
+    top_p: String,
+    max_tokens: String,
     /// A checkbox: present ("on") when checked.
     thinking: Option<String>,
+}
+
+/// Parses one form field, naming it and what it must be when it is not that.
+fn form_number<T: std::str::FromStr>(field: &str, value: &str, what: &str) -> Result<T, WebError> {
+    value
+        .trim()
+        .parse()
+        .map_err(|_| WebError::BadRequest(format!("`{field}`: {value:?} is not {what}")))
 }
 
 /// `POST /c/{id}/settings`: the settings panel (used from the next message on).
@@ -618,10 +654,11 @@ pub async fn settings(
     state: web::Data<AppState>,
     owner: Owner,
     path: web::Path<String>,
+    req: HttpRequest,
     payload: web::Payload,
 ) -> Result<HttpResponse, PageError> {
     let c = owned(&state, &path, &owner).await?;
-    let form: SettingsForm = read_form(&state, payload).await?;
+    let form: SettingsForm = read_form(&state, &req, payload).await?;
     let limits = &state.platform.config.limits;
     let prompt_chars = form.system_prompt.chars().count();
     if prompt_chars > limits.max_message_chars {
@@ -631,23 +668,35 @@ pub async fn settings(
         ))
         .into());
     }
-    if form.max_tokens == 0 || form.max_tokens > limits.max_new_tokens {
+    let max_new = limits.max_new_tokens;
+    let max_tokens: usize = form_number(
+        "max_tokens",
+        &form.max_tokens,
+        &format!("a whole number between 1 and {max_new}"),
+    )?;
+    if max_tokens == 0 || max_tokens > max_new {
         return Err(WebError::BadRequest(format!(
-            "max tokens must be between 1 and {}",
-            limits.max_new_tokens
+            "`max_tokens`: {max_tokens} is not between 1 and {max_new}"
         ))
         .into());
     }
-    if !(0.0..=2.0).contains(&form.temperature) {
-        return Err(WebError::BadRequest("temperature must be between 0 and 2".into()).into());
+    let temperature: f32 =
+        form_number("temperature", &form.temperature, "a number between 0 and 2")?;
+    if !(0.0..=2.0).contains(&temperature) {
+        return Err(WebError::BadRequest(format!(
+            "`temperature`: {temperature} is not between 0 and 2"
+        ))
+        .into());
     }
+    let top_p: f32 = form_number("top_p", &form.top_p, "a number in (0, 1]")?;
     let mut s = c.settings.clone();
     s.system_prompt = Some(form.system_prompt).filter(|p| !p.trim().is_empty());
-    s.temperature = form.temperature;
-    s.top_p = form.top_p;
-    s.max_tokens = form.max_tokens;
+    s.temperature = temperature;
+    s.top_p = top_p;
+    s.max_tokens = max_tokens;
     s.thinking = form.thinking.is_some();
     s.validate().map_err(WebError::BadRequest)?;
+    super::api::check_system_prompt_fits(&state.platform, &s)?;
     state.platform.store.update_settings(c.id, &s).await?;
     Ok(HttpResponse::Ok()
         .content_type("text/html; charset=utf-8")
@@ -664,10 +713,11 @@ pub async fn thinking(
     state: web::Data<AppState>,
     owner: Owner,
     path: web::Path<String>,
+    req: HttpRequest,
     payload: web::Payload,
 ) -> Result<HttpResponse, PageError> {
     let c = owned(&state, &path, &owner).await?;
-    let form: ThinkingForm = read_form(&state, payload).await?;
+    let form: ThinkingForm = read_form(&state, &req, payload).await?;
     let mut s = c.settings.clone();
     s.thinking = form.thinking.is_some();
     state.platform.store.update_settings(c.id, &s).await?;

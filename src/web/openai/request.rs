@@ -10,6 +10,10 @@ use super::error::ApiError;
 use crate::engine::sampling::SamplingParams;
 use crate::engine::template::ChatMessage;
 
+/// The most tools one request may offer. Each is printed into the prompt, so thousands would
+/// only fill the context window; OpenAI's own limit is 128.
+pub const MAX_TOOLS: usize = 128;
+
 /// Server-side defaults for fields a request leaves out (`config.sampling`).
 #[derive(Debug, Clone)]
 pub struct Defaults {
@@ -28,6 +32,10 @@ pub struct Common {
     /// context) is applied.
     pub params: SamplingParams,
     pub max_tokens: Option<usize>,
+    /// What the client says separates its cache partition from others': vLLM's `cache_salt`
+    /// and OpenAI's `user` (an end-user id), joined. The web layer adds the client's address
+    /// and key; see `openai::cache_salt`.
+    pub cache_salt: String,
 }
 
 /// A parsed `POST /v1/chat/completions`.
@@ -265,12 +273,35 @@ fn parse_common(f: &Fields<'_>, defaults: &Defaults) -> Result<Common, ApiError>
         }
     }
     // Type checks for fields that are otherwise ignored, so a malformed request is still refused.
+    // Ignored, but checked as OpenAI checks it: token ids to numbers between -100 and 100.
     if let Some(v) = f.get("logit_bias") {
-        if !v.is_object() {
+        let Some(map) = v.as_object() else {
             return Err(wrong_type("logit_bias", "an object", v));
+        };
+        for (token, bias) in map {
+            let param = format!("logit_bias.{token}");
+            if token.parse::<u32>().is_err() {
+                return Err(ApiError::invalid(
+                    &param,
+                    format!("`logit_bias` keys must be token ids, and {token:?} is not one"),
+                ));
+            }
+            match bias.as_f64() {
+                Some(b) if (-100.0..=100.0).contains(&b) => {}
+                Some(b) => {
+                    return Err(ApiError::invalid(
+                        &param,
+                        format!("`{param}` must be between -100 and 100, got {b}"),
+                    ))
+                }
+                None => return Err(wrong_type(&param, "a number between -100 and 100", bias)),
+            }
         }
     }
-    f.str("user")?;
+    let user = f.str("user")?.unwrap_or("");
+    let salt = f.str("cache_salt")?.unwrap_or("");
+    // Length-prefixed so that no two different (user, salt) pairs join to the same string.
+    let cache_salt = format!("{}:{user}{}:{salt}", user.len(), salt.len());
 
     let mut params = SamplingParams {
         temperature: defaults.temperature,
@@ -362,6 +393,7 @@ fn parse_common(f: &Fields<'_>, defaults: &Defaults) -> Result<Common, ApiError>
         include_usage,
         params,
         max_tokens,
+        cache_salt,
     })
 }
 
@@ -421,6 +453,15 @@ pub fn parse_chat(body: &Value, defaults: &Defaults) -> Result<ChatRequest, ApiE
     let tools = match f.array("tools")? {
         None => None,
         Some(list) => {
+            if list.len() > MAX_TOOLS {
+                return Err(ApiError::invalid(
+                    "tools",
+                    format!(
+                        "`tools` has {} entries; the limit is {MAX_TOOLS}",
+                        list.len()
+                    ),
+                ));
+            }
             for (i, t) in list.iter().enumerate() {
                 check_tool(i, t)?;
             }
@@ -537,6 +578,18 @@ fn check_tool(i: usize, t: &Value) -> Result<(), ApiError> {
 /// `content`: a string, or an array of `{"type": "text", "text": …}` parts (joined by newlines).
 fn parse_content(f: &Fields<'_>, required: bool) -> Result<String, ApiError> {
     let param = f.path("content");
+    let content = parse_content_value(f, &param, required)?;
+    if let Some(what) = crate::actors::session::not_text(&content) {
+        return Err(ApiError::invalid(
+            &param,
+            format!("`{param}` contains {what}, which is not text; remove it"),
+        ));
+    }
+    Ok(content)
+}
+
+fn parse_content_value(f: &Fields<'_>, param: &str, required: bool) -> Result<String, ApiError> {
+    let param = param.to_string();
     match f.get("content") {
         None if required => Err(ApiError::invalid(&param, format!("`{param}` is required"))),
         None => Ok(String::new()),
