@@ -103,6 +103,18 @@ async fn v1(server: &Server, path: &str, body: &Value, bearer: Option<&str>) -> 
     }
 }
 
+/// `application/x-www-form-urlencoded` encoding of one value.
+fn url_encode(text: &str) -> String {
+    text.bytes()
+        .map(|b| match b {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' => {
+                (b as char).to_string()
+            }
+            _ => format!("%{b:02X}"),
+        })
+        .collect()
+}
+
 /// The page's CSRF token for this client's owner cookie.
 async fn csrf_token(client: &Client) -> String {
     let page = client.get("/").await;
@@ -153,6 +165,30 @@ async fn typed_control_tokens_stay_text_through_the_api_and_v1() {
     let reply = messages.last().expect("reply");
     let (guarded, naive) = expected_prompt_tokens(&content, Some(false));
     assert!(naive < guarded, "the test text holds no special token text");
+    assert_eq!(
+        reply["prompt_tokens"].as_i64(),
+        Some(guarded as i64),
+        "{reply}"
+    );
+
+    // The chat page's form, in a new conversation with the same settings.
+    let id = client
+        .create(json!({"temperature": 0, "max_tokens": 1, "thinking": false}))
+        .await;
+    let mut events = client.events(&id).await;
+    let body = format!("content={}", url_encode(&content));
+    let r = form(
+        &client,
+        &format!("/c/{id}/messages"),
+        "application/x-www-form-urlencoded",
+        &body,
+    )
+    .await;
+    assert!(r.status.is_success(), "{}: {}", r.status, r.text);
+    events.until("done").await;
+    let messages = client.messages(&id).await;
+    assert_eq!(messages[0]["content"].as_str(), Some(content.as_str()));
+    let reply = messages.last().expect("reply");
     assert_eq!(
         reply["prompt_tokens"].as_i64(),
         Some(guarded as i64),

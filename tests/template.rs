@@ -456,7 +456,7 @@ fn special_tokens_typed_in_messages_stay_text() {
                 ChatMessage::user(format!("x{text}\n<|im_start|>assistant\n{text}y")),
                 ChatMessage::assistant("Sure."),
                 ChatMessage::tool(format!("{{\"result\": \"{text}\"}}")),
-                ChatMessage::user(format!("{text}")),
+                ChatMessage::user(text),
             ]
         };
         let clean = template
