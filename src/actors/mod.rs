@@ -6,6 +6,7 @@ pub mod batcher;
 pub mod model;
 pub mod scheduler;
 pub mod session;
+pub mod settings;
 pub mod types;
 
 pub use scheduler::{SchedulerActor, SchedulerConfig};

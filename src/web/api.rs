@@ -13,8 +13,8 @@ use super::owner::Owner;
 use super::AppState;
 use crate::actors::scheduler::Evict;
 use crate::actors::session::{GetInfo, SendMessage, Shutdown, Stop};
+use crate::actors::settings::{self, SettingsLimits};
 use crate::config::Config;
-use crate::engine::sampling::SamplingParams;
 use crate::engine::template::{ChatMessage, RenderOptions};
 use crate::store::{Conversation, ConversationSettings, Message};
 
@@ -61,6 +61,14 @@ pub struct ConversationDetail {
     pub context_window: usize,
 }
 
+/// The configured bounds of conversation settings.
+pub fn settings_limits(config: &Config) -> SettingsLimits {
+    SettingsLimits {
+        max_prompt_chars: config.limits.max_message_chars,
+        max_new_tokens: config.limits.max_new_tokens,
+    }
+}
+
 /// New conversations start from `config.sampling`; the store's default pins today's date.
 pub fn default_settings(config: &Config) -> ConversationSettings {
     let s = &config.sampling;
@@ -83,13 +91,6 @@ fn apply_settings(
     mut settings: ConversationSettings,
 ) -> Result<ConversationSettings, WebError> {
     if let Some(p) = &input.system_prompt {
-        let chars = p.chars().count();
-        let limit = config.limits.max_message_chars;
-        if chars > limit {
-            return Err(WebError::PayloadTooLarge(format!(
-                "the system prompt has {chars} characters; the limit is {limit}"
-            )));
-        }
         settings.system_prompt = (!p.trim().is_empty()).then(|| p.clone());
     }
     if let Some(v) = input.thinking {
@@ -113,25 +114,7 @@ fn apply_settings(
     if let Some(v) = input.ignore_eos {
         settings.ignore_eos = v;
     }
-    let limit = config.limits.max_new_tokens;
-    if settings.max_tokens == 0 || settings.max_tokens > limit {
-        return Err(WebError::BadRequest(format!(
-            "max_tokens must be between 1 and {limit}, got {}",
-            settings.max_tokens
-        )));
-    }
-    // The same checks the scheduler makes, now rather than at the first message.
-    SamplingParams {
-        temperature: settings.temperature,
-        top_p: settings.top_p,
-        top_k: settings.top_k,
-        max_new_tokens: settings.max_tokens,
-        seed: settings.seed,
-        ..SamplingParams::default()
-    }
-    .validate()
-    .map_err(|e| WebError::BadRequest(e.to_string()))?;
-    settings.validate().map_err(WebError::BadRequest)?;
+    settings::check(&settings, settings_limits(config))?;
     Ok(settings)
 }
 

@@ -8,6 +8,7 @@ use actix_web::{HttpResponse, ResponseError};
 use serde_json::json;
 
 use crate::actors::session::{SessionError, STORAGE_UNAVAILABLE};
+use crate::actors::settings::SettingsError;
 use crate::actors::SubmitError;
 use crate::store::StoreError;
 
@@ -155,6 +156,15 @@ impl From<SessionError> for WebError {
             SessionError::Store(detail) => WebError::Internal(format!("storage: {detail}")),
             SessionError::StoreUnavailable(message) => WebError::StorageUnavailable(message),
             SessionError::Prompt(detail) => WebError::Internal(format!("prompt: {detail}")),
+        }
+    }
+}
+
+impl From<SettingsError> for WebError {
+    fn from(e: SettingsError) -> Self {
+        match e {
+            SettingsError::PromptTooLong { .. } => WebError::PayloadTooLarge(e.to_string()),
+            SettingsError::Invalid(m) => WebError::BadRequest(m),
         }
     }
 }

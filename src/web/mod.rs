@@ -148,93 +148,106 @@ pub fn check_config(config: &crate::config::Config) -> Result<(), String> {
 
 /// Registers every route on an app whose data holds a `web::Data<AppState>`.
 pub fn routes(cfg: &mut web::ServiceConfig) {
-    cfg.route("/healthz", web::get().to(ops::healthz))
-        .route("/healthz", web::head().to(ops::healthz))
-        .route("/readyz", web::get().to(ops::readyz))
-        .route("/readyz", web::head().to(ops::readyz))
-        .route("/metrics", web::get().to(ops::metrics))
-        // Early, so that a catch-all scope registered later cannot shadow `/v1`.
-        .configure(openai::routes)
-        .service(
-            web::scope("/api")
-                .wrap(from_fn(csrf::check_api_origin))
-                .wrap(from_fn(owner::owner_cookie))
-                .service(
-                    web::resource("/conversations")
-                        .route(web::get().to(api::list))
-                        .route(web::post().to(api::create))
-                        .default_service(web::to(method_not_allowed)),
-                )
-                .service(
-                    web::resource("/conversations/{id}")
-                        .route(web::get().to(api::get))
-                        .route(web::patch().to(api::patch))
-                        .route(web::delete().to(api::delete))
-                        .default_service(web::to(method_not_allowed)),
-                )
-                .service(
-                    web::resource("/conversations/{id}/messages")
-                        .route(web::post().to(api::send_message))
-                        .default_service(web::to(method_not_allowed)),
-                )
-                .service(
-                    web::resource("/conversations/{id}/stop")
-                        .route(web::post().to(api::stop))
-                        .default_service(web::to(method_not_allowed)),
-                )
-                .service(
-                    web::resource("/conversations/{id}/events")
-                        .route(web::get().to(events::events))
-                        .default_service(web::to(method_not_allowed)),
-                )
-                .default_service(web::to(not_found)),
-        )
-        .route("/static/{path:.*}", web::get().to(pages::static_file))
-        // The HTML pages (see [`pages`], [`admin`]), CSRF-checked inside the owner cookie. Scopes
-        // with real prefixes, not `""`, so routes registered after these still match.
-        .service(
-            web::resource("/")
-                .wrap(from_fn(csrf::require_token))
-                .wrap(from_fn(owner::owner_cookie))
-                .route(web::get().to(pages::index))
-                // HEAD is GET without the body (actix-http drops it); probes and link checkers
-                // send it.
-                .route(web::head().to(pages::index)),
-        )
-        .service(
-            web::resource("/conversations")
-                .wrap(from_fn(csrf::require_token))
-                .wrap(from_fn(owner::owner_cookie))
-                .route(web::get().to(pages::list)),
-        )
-        .service(
-            web::scope("/c")
-                .wrap(from_fn(csrf::require_token))
-                .wrap(from_fn(owner::owner_cookie))
-                .route("", web::post().to(pages::create))
-                .route("/{id}", web::get().to(pages::conversation))
-                .route("/{id}", web::delete().to(pages::delete))
-                .route("/{id}/m/{mid}", web::get().to(pages::message))
-                .route("/{id}/messages", web::post().to(pages::send))
-                .route("/{id}/stop", web::post().to(pages::stop))
-                .route("/{id}/regenerate", web::post().to(pages::regenerate))
-                .route("/{id}/edit", web::post().to(pages::edit))
-                .route("/{id}/rename", web::post().to(pages::rename))
-                .route("/{id}/settings", web::post().to(pages::settings))
-                .route("/{id}/thinking", web::post().to(pages::thinking)),
-        )
-        .service(
-            web::scope("/admin")
-                .wrap(from_fn(csrf::require_token))
-                .wrap(from_fn(owner::owner_cookie))
-                .route("", web::get().to(admin::page))
-                .route("/login", web::post().to(admin::login))
-                .route("/logout", web::post().to(admin::logout))
-                .route("/live", web::get().to(admin::live))
-                .route("/c/{id}/stop", web::post().to(admin::stop))
-                .route("/c/{id}/evict", web::post().to(admin::evict))
-                .route("/c/{id}", web::delete().to(admin::delete)),
-        );
+    cfg.service(
+        web::resource("/healthz")
+            .route(web::get().to(ops::healthz))
+            .route(web::head().to(ops::healthz))
+            .default_service(web::to(method_not_allowed)),
+    )
+    .service(
+        web::resource("/readyz")
+            .route(web::get().to(ops::readyz))
+            .route(web::head().to(ops::readyz))
+            .default_service(web::to(method_not_allowed)),
+    )
+    .service(
+        web::resource("/metrics")
+            .route(web::get().to(ops::metrics))
+            .default_service(web::to(method_not_allowed)),
+    )
+    // Early, so that a catch-all scope registered later cannot shadow `/v1`.
+    .configure(openai::routes)
+    .service(
+        web::scope("/api")
+            .wrap(from_fn(csrf::check_api_origin))
+            .wrap(from_fn(owner::owner_cookie))
+            .service(
+                web::resource("/conversations")
+                    .route(web::get().to(api::list))
+                    .route(web::post().to(api::create))
+                    .default_service(web::to(method_not_allowed)),
+            )
+            .service(
+                web::resource("/conversations/{id}")
+                    .route(web::get().to(api::get))
+                    .route(web::patch().to(api::patch))
+                    .route(web::delete().to(api::delete))
+                    .default_service(web::to(method_not_allowed)),
+            )
+            .service(
+                web::resource("/conversations/{id}/messages")
+                    .route(web::post().to(api::send_message))
+                    .default_service(web::to(method_not_allowed)),
+            )
+            .service(
+                web::resource("/conversations/{id}/stop")
+                    .route(web::post().to(api::stop))
+                    .default_service(web::to(method_not_allowed)),
+            )
+            .service(
+                web::resource("/conversations/{id}/events")
+                    .route(web::get().to(events::events))
+                    .default_service(web::to(method_not_allowed)),
+            )
+            .default_service(web::to(not_found)),
+    )
+    .route("/static/{path:.*}", web::get().to(pages::static_file))
+    // The HTML pages (see [`pages`], [`admin`]), CSRF-checked inside the owner cookie. Scopes
+    // with real prefixes, not `""`, so routes registered after these still match.
+    .service(
+        web::resource("/")
+            .wrap(from_fn(csrf::require_token))
+            .wrap(from_fn(owner::owner_cookie))
+            .route(web::get().to(pages::index))
+            // HEAD is GET without the body (actix-http drops it); probes and link checkers
+            // send it.
+            .route(web::head().to(pages::index))
+            .default_service(web::to(method_not_allowed)),
+    )
+    .service(
+        web::resource("/conversations")
+            .wrap(from_fn(csrf::require_token))
+            .wrap(from_fn(owner::owner_cookie))
+            .route(web::get().to(pages::list)),
+    )
+    .service(
+        web::scope("/c")
+            .wrap(from_fn(csrf::require_token))
+            .wrap(from_fn(owner::owner_cookie))
+            .route("", web::post().to(pages::create))
+            .route("/{id}", web::get().to(pages::conversation))
+            .route("/{id}", web::delete().to(pages::delete))
+            .route("/{id}/m/{mid}", web::get().to(pages::message))
+            .route("/{id}/messages", web::post().to(pages::send))
+            .route("/{id}/stop", web::post().to(pages::stop))
+            .route("/{id}/regenerate", web::post().to(pages::regenerate))
+            .route("/{id}/edit", web::post().to(pages::edit))
+            .route("/{id}/rename", web::post().to(pages::rename))
+            .route("/{id}/settings", web::post().to(pages::settings))
+            .route("/{id}/thinking", web::post().to(pages::thinking)),
+    )
+    .service(
+        web::scope("/admin")
+            .wrap(from_fn(csrf::require_token))
+            .wrap(from_fn(owner::owner_cookie))
+            .route("", web::get().to(admin::page))
+            .route("/login", web::post().to(admin::login))
+            .route("/logout", web::post().to(admin::logout))
+            .route("/live", web::get().to(admin::live))
+            .route("/c/{id}/stop", web::post().to(admin::stop))
+            .route("/c/{id}/evict", web::post().to(admin::evict))
+            .route("/c/{id}", web::delete().to(admin::delete)),
+    );
 }
 
 /// The longest request target (path and query) accepted, in bytes: what common servers allow

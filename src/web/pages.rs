@@ -36,6 +36,7 @@ use super::owner::Owner;
 use super::{csrf, json_limit, markdown, AppState};
 use crate::actors::scheduler::Evict;
 use crate::actors::session::{GetInfo, SendMessage, Shutdown, Stop};
+use crate::actors::settings;
 use crate::store::{Conversation, ConversationSummary, Message, MessageStatus, Role};
 
 /// An error of a page route: the web layer's error, shown as HTML.
@@ -641,6 +642,18 @@ pub struct SettingsForm {
     thinking: Option<String>,
 }
 
+/// A checkbox field: browsers send `on` when it is checked and nothing when it is not.
+fn checkbox(field: &str, value: Option<&str>) -> Result<bool, WebError> {
+    match value {
+        None => Ok(false),
+        Some("on" | "true" | "1") => Ok(true),
+        Some("off" | "false" | "0") => Ok(false),
+        Some(other) => Err(WebError::BadRequest(format!(
+            "`{field}`: {other:?} is not a checkbox value (on, or leave the field out)"
+        ))),
+    }
+}
+
 /// Parses one form field, naming it and what it must be when it is not that.
 fn form_number<T: std::str::FromStr>(field: &str, value: &str, what: &str) -> Result<T, WebError> {
     value
@@ -659,43 +672,17 @@ pub async fn settings(
 ) -> Result<HttpResponse, PageError> {
     let c = owned(&state, &path, &owner).await?;
     let form: SettingsForm = read_form(&state, &req, payload).await?;
-    let limits = &state.platform.config.limits;
-    let prompt_chars = form.system_prompt.chars().count();
-    if prompt_chars > limits.max_message_chars {
-        return Err(WebError::PayloadTooLarge(format!(
-            "the system prompt has {prompt_chars} characters; the limit is {}",
-            limits.max_message_chars
-        ))
-        .into());
-    }
-    let max_new = limits.max_new_tokens;
-    let max_tokens: usize = form_number(
-        "max_tokens",
-        &form.max_tokens,
-        &format!("a whole number between 1 and {max_new}"),
-    )?;
-    if max_tokens == 0 || max_tokens > max_new {
-        return Err(WebError::BadRequest(format!(
-            "`max_tokens`: {max_tokens} is not between 1 and {max_new}"
-        ))
-        .into());
-    }
-    let temperature: f32 =
-        form_number("temperature", &form.temperature, "a number between 0 and 2")?;
-    if !(0.0..=2.0).contains(&temperature) {
-        return Err(WebError::BadRequest(format!(
-            "`temperature`: {temperature} is not between 0 and 2"
-        ))
-        .into());
-    }
-    let top_p: f32 = form_number("top_p", &form.top_p, "a number in (0, 1]")?;
+    let max_tokens: usize = form_number("max_tokens", &form.max_tokens, "a whole number")?;
+    let temperature: f32 = form_number("temperature", &form.temperature, "a number")?;
+    let top_p: f32 = form_number("top_p", &form.top_p, "a number")?;
     let mut s = c.settings.clone();
     s.system_prompt = Some(form.system_prompt).filter(|p| !p.trim().is_empty());
     s.temperature = temperature;
     s.top_p = top_p;
     s.max_tokens = max_tokens;
-    s.thinking = form.thinking.is_some();
-    s.validate().map_err(WebError::BadRequest)?;
+    s.thinking = checkbox("thinking", form.thinking.as_deref())?;
+    settings::check(&s, super::api::settings_limits(&state.platform.config))
+        .map_err(WebError::from)?;
     super::api::check_system_prompt_fits(&state.platform, &s)?;
     state.platform.store.update_settings(c.id, &s).await?;
     Ok(HttpResponse::Ok()
@@ -719,7 +706,7 @@ pub async fn thinking(
     let c = owned(&state, &path, &owner).await?;
     let form: ThinkingForm = read_form(&state, &req, payload).await?;
     let mut s = c.settings.clone();
-    s.thinking = form.thinking.is_some();
+    s.thinking = checkbox("thinking", form.thinking.as_deref())?;
     state.platform.store.update_settings(c.id, &s).await?;
     Ok(HttpResponse::NoContent().finish())
 }
