@@ -7,6 +7,10 @@
 # LIBRARY_PATH lets the linker find cuBLAS & co. and the link-time libcuda stub.
 # CUDA_COMPUTE_CAP=90: PTX and MMQ objects for the H100/H200 only (other targets multiply nvcc time).
 # CUDAFORGE_THREADS: parallel nvcc jobs in candle-kernels' build script (defaults to the core count).
+# NVCC: scripts/nvcc-cache.sh, which keeps nvcc's outputs in the toolkit cache so the ~8 minutes of
+# kernel compilation happen once per machine, not once per profile and checkout
+# (SMOLCHAT_NVCC_CACHE=0 bypasses it).
+_smolchat_repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 _smolchat_cuda_root=${SMOLCHAT_CUDA_ROOT:-$HOME/.cache/smolchat/cuda13}
 _smolchat_cu="$_smolchat_cuda_root/nvidia/cu13"
 _smolchat_cuda_lines=(
@@ -15,6 +19,7 @@ _smolchat_cuda_lines=(
   "PATH=$_smolchat_cu/bin:$PATH"
   "CUDA_COMPUTE_CAP=${CUDA_COMPUTE_CAP:-90}"
   "CUDAFORGE_THREADS=${CUDAFORGE_THREADS:-$(nproc)}"
+  "NVCC=$_smolchat_repo/scripts/nvcc-cache.sh"
   "LIBRARY_PATH=$_smolchat_cu/lib/stubs:$_smolchat_cu/lib${LIBRARY_PATH:+:$LIBRARY_PATH}"
 )
 if [[ "${BASH_SOURCE[0]}" != "$0" ]]; then
@@ -23,4 +28,4 @@ if [[ "${BASH_SOURCE[0]}" != "$0" ]]; then
 else
   for _l in "${_smolchat_cuda_lines[@]}"; do printf 'export %s=%q\n' "${_l%%=*}" "${_l#*=}"; done
 fi
-unset _smolchat_cuda_root _smolchat_cu _smolchat_cuda_lines
+unset _smolchat_cuda_root _smolchat_cu _smolchat_cuda_lines _smolchat_repo
