@@ -113,6 +113,8 @@ impl Capabilities {
 pub struct Choice {
     pub device: Device,
     pub reason: String,
+    /// A GPU answered but is left unused: worth a warning rather than an info line.
+    pub gpu_unused: bool,
 }
 
 /// What probing for CUDA devices found: how many answered, or why none could be asked.
@@ -125,7 +127,13 @@ pub fn choose(
     caps: Capabilities,
     probe: impl FnOnce() -> GpuProbe,
 ) -> Result<Choice> {
-    let choice = |device, reason: String| Ok(Choice { device, reason });
+    let choice = |device, reason: String| {
+        Ok(Choice {
+            device,
+            reason,
+            gpu_unused: false,
+        })
+    };
     let unavailable = |reason: String| Err(EngineError::Device(request.to_string(), reason));
     match request {
         DeviceRequest::Cpu => choice(Device::Cpu, "requested".into()),
@@ -140,13 +148,14 @@ pub fn choose(
                 Device::Cuda(0),
                 format!("{n} CUDA device(s) found; using the first"),
             ),
-            Ok(n) => choice(
-                Device::Cpu,
-                format!(
+            Ok(n) => Ok(Choice {
+                device: Device::Cpu,
+                reason: format!(
                     "{n} CUDA device(s) found, but the engine's CUDA backend is not built yet; \
                      running on the CPU"
                 ),
-            ),
+                gpu_unused: true,
+            }),
         },
         DeviceRequest::Cuda(_) if !caps.cuda_compiled => unavailable(
             "this binary was built without the `cuda` feature (build it with `make cuda`), \
@@ -190,7 +199,11 @@ pub fn probe_cuda() -> GpuProbe {
 /// Chooses the device for `request` on this machine with this build, and logs the choice.
 pub fn select(request: DeviceRequest) -> Result<Device> {
     let choice = choose(request, Capabilities::this_build(), probe_cuda)?;
-    tracing::info!(requested = %request, device = %choice.device, reason = %choice.reason, "compute device");
+    if choice.gpu_unused {
+        tracing::warn!(requested = %request, device = %choice.device, reason = %choice.reason, "compute device");
+    } else {
+        tracing::info!(requested = %request, device = %choice.device, reason = %choice.reason, "compute device");
+    }
     Ok(choice.device)
 }
 
@@ -301,6 +314,7 @@ mod tests {
     fn auto_sees_the_gpu_but_stays_on_cpu_without_the_backend() {
         let c = choose(DeviceRequest::Auto, CUDA_NO_BACKEND, || Ok(2)).ok();
         assert_eq!(c.as_ref().map(|c| c.device), Some(Device::Cpu));
+        assert_eq!(c.as_ref().map(|c| c.gpu_unused), Some(true));
         assert!(
             c.is_some_and(|c| c.reason.contains("2 CUDA device(s) found")
                 && c.reason.contains("CUDA backend is not built yet"))
@@ -310,6 +324,7 @@ mod tests {
     #[test]
     fn auto_picks_the_first_gpu_with_the_backend() {
         let c = choose(DeviceRequest::Auto, CUDA_FULL, || Ok(2)).ok();
+        assert_eq!(c.as_ref().map(|c| c.gpu_unused), Some(false));
         assert_eq!(c.map(|c| c.device), Some(Device::Cuda(0)));
     }
 
