@@ -20,7 +20,10 @@ fn cuda_or_skip(test: &str) -> Option<Device> {
         Ok(dev) => Some(dev),
         Err(e) => {
             // Printed, not logged: the reason must show in the test output without a subscriber.
-            eprintln!("{test}: skipped: no CUDA device ({e})");
+            // First line only: candle appends a backtrace to driver errors.
+            let e = e.to_string();
+            let reason = e.lines().next().unwrap_or_default();
+            eprintln!("{test}: skipped: no CUDA device ({reason})");
             None
         }
     }
