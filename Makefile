@@ -1,10 +1,18 @@
 # The two commands a newcomer needs (see README.md):
 #   make run   - set everything up and start smolchat with the embedded default model
 #   make test  - run the whole test suite (what CI runs)
+#   make cuda  - the GPU binary (CUDA 13.0 toolkit installed into a cache when missing)
 
 CARGO ?= cargo
 
-.PHONY: run test setup model lint bench test-deps fuzz soak
+.PHONY: run test setup model lint lint-cuda bench test-deps cuda cuda-toolkit cuda-tests fuzz soak
+
+# The `cuda` feature builds in its own target directory: its candle-core, cudarc and
+# candle-kernels (nvcc) artifacts never replace the CPU build's, and the GPU binary can never be
+# taken for the CPU one (it needs libcuda.so.1 to start, which CPU machines lack).
+CUDA_TARGET_DIR ?= target/cuda
+# Runs a cargo command with the cached toolkit's environment (scripts/cuda-env.sh).
+CUDA_CARGO = eval "$$(scripts/cuda-env.sh)" && CARGO_TARGET_DIR=$(CUDA_TARGET_DIR) $(CARGO)
 
 ## Fetch the default model (idempotent, sha256-verified).
 model:
@@ -19,11 +27,29 @@ lint:
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --all-targets -- -D warnings
 
+## CUDA 13.0 compiler, headers and libraries from PyPI wheels into
+## $${SMOLCHAT_CUDA_ROOT:-~/.cache/smolchat/cuda13}; does nothing when already installed.
+cuda-toolkit:
+	./scripts/setup-cuda13-toolchain.sh >/dev/null
+
+## Compiles and lints the `cuda` feature (PTX and MMQ objects for sm_90 included), so GPU code
+## cannot rot on machines without a GPU.
+lint-cuda: cuda-toolkit
+	$(CUDA_CARGO) clippy --all-targets --features cuda -- -D warnings
+
+## The GPU binary: target/cuda/release/smolchat (see README, "GPU build").
+cuda: cuda-toolkit
+	$(CUDA_CARGO) build --release --features cuda
+
+## Test binaries with the `cuda` feature, to carry to a GPU machine (tests/gpu.rs runs there).
+cuda-tests: cuda-toolkit
+	$(CUDA_CARGO) test --no-run --features cuda
+
 ## Chromium + chromedriver for the browser tests (tests/browser.rs); apt-get when missing.
 test-deps:
 	./scripts/install-test-deps.sh
 
-test: setup test-deps lint
+test: setup test-deps lint lint-cuda
 	$(CARGO) test
 
 bench: setup

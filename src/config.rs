@@ -8,6 +8,13 @@ use figment::providers::{Env, Format, Serialized, Toml};
 use figment::Figment;
 use serde::{Deserialize, Serialize};
 
+use crate::engine::device::DeviceRequest;
+
+/// The embedded default model (SmolLM2-135M-Instruct, Q4_1), fetched by `scripts/fetch-model.sh`.
+/// Here rather than in the CLI because the configuration's defaults and the platform's
+/// missing-file hint need it too, and they sit below the CLI.
+pub const DEFAULT_MODEL: &str = "models/SmolLM2-135M-Instruct.Q4_1.gguf";
+
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
     #[error("configuration: {0}")]
@@ -36,8 +43,9 @@ pub struct ModelConfig {
     pub path: PathBuf,
     /// Optional `tokenizer.json` overriding the GGUF's tokenizer.
     pub tokenizer: Option<PathBuf>,
-    /// `auto`, `cpu`, `cuda:N` or `metal`.
-    pub device: String,
+    /// `auto`, `cpu`, `cuda` or `cuda:N`, parsed when the configuration loads (a bad value is a
+    /// load error naming the key); `auto` picks a GPU only when this build can use one.
+    pub device: DeviceRequest,
     /// Compute threads (default: all cores).
     pub threads: Option<usize>,
     /// YaRN context extension factor (SmolLM3: 2 extends its 64k training context to 128k).
@@ -134,9 +142,9 @@ pub struct SamplingDefaults {
 impl Default for ModelConfig {
     fn default() -> Self {
         Self {
-            path: PathBuf::from(crate::cli::DEFAULT_MODEL),
+            path: PathBuf::from(DEFAULT_MODEL),
             tokenizer: None,
-            device: "auto".into(),
+            device: DeviceRequest::Auto,
             threads: None,
             yarn_factor: None,
             yarn_original_context: None,
@@ -278,14 +286,6 @@ impl Config {
             if !(f.is_finite() && f >= 1.0) {
                 return bad(format!("model.yarn_factor must be at least 1, got {f}"));
             }
-        }
-        if !matches!(self.model.device.as_str(), "auto" | "cpu" | "metal")
-            && !self.model.device.starts_with("cuda")
-        {
-            return bad(format!(
-                "model.device `{}` is not one of auto, cpu, cuda:N, metal",
-                self.model.device
-            ));
         }
         Ok(())
     }

@@ -10,6 +10,7 @@ use actix::Addr;
 use crate::actors::batcher::BatcherConfig;
 use crate::actors::{SchedulerActor, SchedulerConfig, SessionConfig, SessionShared, Sessions};
 use crate::config::Config;
+use crate::engine::device;
 use crate::engine::gguf::GgufSource;
 use crate::engine::template::ChatTemplate;
 use crate::engine::tokenizer::Tokenizer;
@@ -34,8 +35,8 @@ pub enum PlatformError {
     },
     #[error("server.cookie_secret: {0}")]
     Secret(#[from] crate::secrets::SecretError),
-    #[error("device `{0}` is not supported by this build: smolchat computes on the CPU (use device = \"cpu\" or \"auto\")")]
-    Device(String),
+    #[error("model.{0}")]
+    Device(EngineError),
 }
 
 /// Facts about the loaded model that the web layer shows.
@@ -65,13 +66,13 @@ pub struct Platform {
 pub fn load_model(
     config: &Config,
 ) -> Result<(Engine, Tokenizer, ChatTemplate, ModelInfo), PlatformError> {
-    let device = config.model.device.as_str();
-    if device != "auto" && device != "cpu" {
-        return Err(PlatformError::Device(device.to_string()));
-    }
+    // Before the (slow) load: a device that cannot be used is a start-up error, not a silent
+    // fall-back. `select` only returns devices the engine has a backend for, so today this is
+    // always the CPU; the CUDA backend of issue 8 takes the device from here.
+    let _device = device::select(config.model.device).map_err(PlatformError::Device)?;
     let path = &config.model.path;
     if !path.exists() {
-        let hint = if path == Path::new(crate::cli::DEFAULT_MODEL) {
+        let hint = if path == Path::new(crate::config::DEFAULT_MODEL) {
             "; run ./scripts/fetch-model.sh (or `make setup`) to fetch the default model"
         } else {
             ""

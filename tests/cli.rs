@@ -170,3 +170,52 @@ fn bench_command_reports_json() {
     assert!(v["decode"]["tokens_per_s"].as_f64().expect("decode") > 0.0);
     assert_eq!(v["batched_decode"]["sequences"], 2);
 }
+
+/// `--device` and `model.device` go through one parser; a device this build cannot compute on is
+/// refused at start-up with the reason, never silently replaced by the CPU.
+#[test]
+fn device_errors_are_clear() {
+    let stderr_of = |cmd: &mut Command| {
+        let out = cmd.output().expect("run smolchat");
+        assert!(!out.status.success(), "smolchat succeeded: {cmd:?}");
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    let model = reference("smollm3-tiny-q8_0.gguf");
+    let err = stderr_of(smolchat().args(["generate", "--device", "cuda:x", "hi"]));
+    assert!(
+        err.contains("device `cuda:x`: expected auto, cpu, cuda or cuda:N"),
+        "{err}"
+    );
+    let err = stderr_of(
+        smolchat()
+            .args(["generate", "--raw", "--device", "cuda", "--model"])
+            .arg(&model)
+            .arg("hi"),
+    );
+    assert!(err.contains("device `cuda:0` is not available"), "{err}");
+    let err = stderr_of(
+        smolchat()
+            .args([
+                "serve",
+                "--bind",
+                "127.0.0.1:0",
+                "--device",
+                "cuda:1",
+                "--model",
+            ])
+            .arg(&model),
+    );
+    assert!(
+        err.contains("model.device `cuda:1` is not available"),
+        "{err}"
+    );
+
+    let dir = tempfile::tempdir().expect("tempdir");
+    let config = dir.path().join("smolchat.toml");
+    std::fs::write(&config, "[model]\ndevice = \"metal\"\n").expect("write");
+    let err = stderr_of(smolchat().args(["serve", "--config"]).arg(&config));
+    assert!(
+        err.contains("device `metal`: Metal is not supported") && err.contains("model.device"),
+        "{err}"
+    );
+}

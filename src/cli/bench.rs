@@ -33,6 +33,8 @@ pub struct BenchArgs {
     /// Sequences decoding together for the batched measurement.
     #[arg(long, default_value_t = 8)]
     pub batch: usize,
+    #[command(flatten)]
+    pub device: super::DeviceArg,
 }
 
 pub fn run(args: &BenchArgs) -> Result<()> {
@@ -51,13 +53,14 @@ pub fn run(args: &BenchArgs) -> Result<()> {
                 tracing::info!(path = %path.display(), "wrote the synthetic model");
                 return Ok(());
             }
+            args.device.select()?;
             let mut src = synthetic::build(&spec)?;
             let model = super::load_with_progress(&mut src)?;
             (Engine::new(model), format!("synthetic:{name}"))
         }
         None => {
             let path = super::model_path(args.model.as_deref())?;
-            let (engine, _) = super::load_engine(&path)?;
+            let (engine, _) = super::load_engine(&path, args.device)?;
             (engine, path.display().to_string())
         }
     };

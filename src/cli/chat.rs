@@ -26,10 +26,12 @@ pub struct ChatArgs {
     pub no_think: bool,
     #[command(flatten)]
     pub sampling: SamplingArgs,
+    #[command(flatten)]
+    pub device: super::DeviceArg,
 }
 
 pub fn run(args: &ChatArgs) -> Result<()> {
-    let mut loaded = load_all(args.model.as_deref())?;
+    let mut loaded = load_all(args.model.as_deref(), args.device)?;
     let params = args.sampling.params();
     params.validate()?;
     let seq = loaded.engine.create_sequence();

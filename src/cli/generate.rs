@@ -73,6 +73,8 @@ pub struct GenerateArgs {
     #[arg(long)]
     pub no_think: bool,
     #[command(flatten)]
+    pub device: super::DeviceArg,
+    #[command(flatten)]
     pub sampling: SamplingArgs,
     /// The prompt.
     pub prompt: String,
@@ -85,8 +87,9 @@ pub struct Loaded {
     pub template: Option<ChatTemplate>,
 }
 
-pub fn load_all(model: Option<&std::path::Path>) -> Result<Loaded> {
+pub fn load_all(model: Option<&std::path::Path>, device: super::DeviceArg) -> Result<Loaded> {
     let path = super::model_path(model)?;
+    device.select()?;
     let mut src = GgufSource::open(&path)?;
     let tokenizer = Tokenizer::from_gguf(&src)?;
     let template = match ChatTemplate::from_gguf(&src) {
@@ -187,7 +190,7 @@ pub fn stream(
 }
 
 pub fn run(args: &GenerateArgs) -> Result<()> {
-    let mut loaded = load_all(args.model.as_deref())?;
+    let mut loaded = load_all(args.model.as_deref(), args.device)?;
     let prompt = if args.raw {
         loaded.tokenizer.encode_prompt(&args.prompt)?
     } else {

@@ -18,13 +18,15 @@ pub struct LogitsArgs {
     /// Output file: float32 [n_tokens, vocab] in NumPy .npy format.
     #[arg(long)]
     pub out: PathBuf,
+    #[command(flatten)]
+    pub device: super::DeviceArg,
 }
 
 pub fn run(args: &LogitsArgs) -> Result<()> {
     let tokens = super::parse_ids(&args.tokens)?;
     anyhow::ensure!(!tokens.is_empty(), "--tokens is empty: give ids like 1,2,3");
     let path = super::model_path(args.model.as_deref())?;
-    let (mut engine, _) = super::load_engine(&path)?;
+    let (mut engine, _) = super::load_engine(&path, args.device)?;
     let vocab = engine.model().config.vocab_size;
     let seq = engine.create_sequence();
     let out = engine.step(&[SeqStep {

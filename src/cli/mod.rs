@@ -14,14 +14,13 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use anyhow::{Context, Result};
-use clap::{Parser, Subcommand};
+use clap::{Args, Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
 
+use crate::config::DEFAULT_MODEL;
+use crate::engine::device::{self, DeviceRequest};
 use crate::engine::gguf::GgufSource;
 use crate::engine::{Engine, Model};
-
-/// The embedded default model (SmolLM2-135M-Instruct, Q4_1), fetched by `scripts/fetch-model.sh`.
-pub const DEFAULT_MODEL: &str = "models/SmolLM2-135M-Instruct.Q4_1.gguf";
 
 #[derive(Parser, Debug)]
 #[command(
@@ -58,6 +57,30 @@ pub enum Command {
     Backup(backup::BackupArgs),
 }
 
+/// `--device` for the commands that load a model outside the server (the server reads
+/// `model.device`, which its own `--device` overrides).
+#[derive(Args, Debug, Clone, Copy, Default)]
+pub struct DeviceArg {
+    /// Where to compute: auto (a CUDA GPU when this build and the machine can use one, else the
+    /// CPU), cpu, cuda or cuda:N.
+    #[arg(long, default_value = "auto", value_parser = parse_device)]
+    pub device: DeviceRequest,
+}
+
+impl DeviceArg {
+    /// Chooses the device (logging the choice) or says why the requested one cannot be used.
+    /// Only devices the engine has a backend for come back, so today always the CPU.
+    pub fn select(&self) -> Result<device::Device> {
+        Ok(device::select(self.device)?)
+    }
+}
+
+/// clap's parser for device flags: the engine's one parser, its message as clap's.
+pub fn parse_device(s: &str) -> std::result::Result<DeviceRequest, String> {
+    s.parse()
+        .map_err(|e: crate::engine::EngineError| e.to_string())
+}
+
 /// Sets the size of the global rayon pool that the engine's kernels run on.
 pub fn init_threads(threads: Option<usize>) -> Result<()> {
     let n = threads.unwrap_or_else(|| {
@@ -91,7 +114,8 @@ pub fn model_path(arg: Option<&Path>) -> Result<PathBuf> {
 }
 
 /// Opens and loads a model with a progress bar on stderr.
-pub fn load_engine(path: &Path) -> Result<(Engine, f64)> {
+pub fn load_engine(path: &Path, device: DeviceArg) -> Result<(Engine, f64)> {
+    device.select()?;
     let start = Instant::now();
     let mut src = GgufSource::open(path)?;
     let model = load_with_progress(&mut src)?;

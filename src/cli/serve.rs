@@ -10,6 +10,7 @@ use anyhow::{Context, Result};
 use clap::Args;
 
 use crate::config::Config;
+use crate::engine::device::DeviceRequest;
 use crate::platform::{self, Platform};
 
 #[derive(Args, Debug, Default)]
@@ -32,6 +33,9 @@ pub struct ServeArgs {
     /// Bearer key required on the OpenAI-compatible API (server.api_key).
     #[arg(long)]
     pub api_key: Option<String>,
+    /// Where the model computes: auto, cpu, cuda or cuda:N (model.device).
+    #[arg(long, value_parser = super::parse_device)]
+    pub device: Option<DeviceRequest>,
 }
 
 impl ServeArgs {
@@ -52,6 +56,9 @@ impl ServeArgs {
         }
         if let Some(key) = &self.api_key {
             config.server.api_key = Some(key.clone());
+        }
+        if let Some(device) = self.device {
+            config.model.device = device;
         }
         config.validate()?;
         Ok(config)

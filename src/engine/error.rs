@@ -50,6 +50,8 @@ pub enum EngineError {
     InvalidStep(String),
     #[error("token id {id} is outside the vocabulary (size {vocab})")]
     BadToken { id: u32, vocab: usize },
+    #[error("device `{value}`: {reason}")]
+    BadDevice { value: String, reason: String },
     #[error("device `{0}` is not available: {1}")]
     Device(String, String),
     #[error(transparent)]

@@ -5,6 +5,7 @@ pub mod error;
 
 pub use error::{EngineError, Result};
 pub mod config;
+pub mod device;
 pub mod gguf;
 pub mod kv_cache;
 pub mod model;
