@@ -12,7 +12,7 @@ use std::collections::BTreeMap;
 use std::net::{IpAddr, Ipv4Addr};
 use std::time::Duration;
 
-use common::server::Server;
+use common::server::{metric, Server};
 use reqwest::header::{HeaderMap, CONTENT_TYPE, COOKIE, RETRY_AFTER, SET_COOKIE};
 use reqwest::StatusCode;
 
@@ -189,6 +189,14 @@ async fn admin_sessions_are_server_side() {
         .await;
     assert_eq!(page.status, StatusCode::NO_CONTENT);
     assert!(page.set_cookies().join("\n").contains("Secure"));
+    // Signing in again replaces the browser's session: the previous cookie stops working.
+    let first = tls.session().expect("tls's cookie");
+    assert_eq!(tls.login(TOKEN).await.status, StatusCode::NO_CONTENT);
+    let second = tls.session().expect("the new cookie");
+    assert_ne!(first, second);
+    assert_eq!(tls.live().await, StatusCode::OK);
+    tls.cookies.insert(ADMIN_COOKIE.into(), first);
+    assert_eq!(tls.live().await, StatusCode::UNAUTHORIZED);
 
     // A copy of a's cookie in another client works like the original…
     let mut copy = Client::new(&server, 2).await;
@@ -337,4 +345,11 @@ async fn wrong_admin_tokens_are_throttled() {
     assert_eq!(fresh.live().await, StatusCode::OK);
     assert_eq!(a.login(TOKEN).await.status, StatusCode::NO_CONTENT);
     assert_eq!(a.live().await, StatusCode::OK);
+
+    // The outcomes are counted for monitoring: 3 + 6 wrong, 3 throttled, 3 ok.
+    let text = server.client().metrics().await;
+    for (outcome, n) in [("wrong", 9.0), ("throttled", 3.0), ("ok", 3.0)] {
+        let line = format!("smolchat_admin_logins_total{{outcome=\"{outcome}\"}}");
+        assert_eq!(metric(&text, &line), Some(n), "{line}\n{text}");
+    }
 }

@@ -79,8 +79,7 @@ impl AdminAuth {
             return Err(AuthError::WrongCredentials);
         }
         self.throttle().success(&keys);
-        let token = secret::new_session_token();
-        let id = secret::session_id(&token).ok_or(AuthError::WrongCredentials)?;
+        let (token, id) = secret::new_session();
         let lifetime = chrono::Duration::from_std(self.lifetime).unwrap_or(chrono::Duration::MAX);
         self.store
             .create_session(

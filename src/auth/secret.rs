@@ -28,10 +28,17 @@ fn hex(bytes: &[u8]) -> String {
         })
 }
 
-/// A fresh session token (the cookie value): 32 bytes from the thread-local CSPRNG, as hex.
-pub fn new_session_token() -> String {
+/// A fresh session: the token for the cookie (32 bytes from the thread-local CSPRNG, as hex)
+/// and the id the store keeps for it ([`session_id`]).
+pub fn new_session() -> (String, String) {
     let bytes: [u8; TOKEN_BYTES] = rand::random();
-    hex(&bytes)
+    let token = hex(&bytes);
+    let id = hash_token(&token);
+    (token, id)
+}
+
+fn hash_token(token: &str) -> String {
+    hex(&Sha256::digest(token.as_bytes()))
 }
 
 /// The stored id of a session token: its SHA-256 as hex. `None` when `token` is not shaped
@@ -42,7 +49,7 @@ pub fn session_id(token: &str) -> Option<String> {
         && token
             .bytes()
             .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b));
-    shaped.then(|| hex(&Sha256::digest(token.as_bytes())))
+    shaped.then(|| hash_token(token))
 }
 
 /// The SHA-256 of a credential, kept in memory to compare guesses against.
@@ -79,11 +86,10 @@ mod tests {
 
     #[test]
     fn tokens_are_random_hex_and_ids_are_their_hashes() {
-        let a = new_session_token();
-        let b = new_session_token();
+        let (a, id) = new_session();
+        let (b, _) = new_session();
         assert_eq!(a.len(), TOKEN_CHARS);
         assert_ne!(a, b);
-        let id = session_id(&a).expect("a fresh token is well-formed");
         assert_eq!(id.len(), 64);
         assert_ne!(id, a, "the id is not the token");
         assert_eq!(session_id(&a), Some(id));
@@ -92,7 +98,7 @@ mod tests {
 
     #[test]
     fn malformed_tokens_have_no_id() {
-        let good = new_session_token();
+        let (good, _) = new_session();
         for bad in [
             String::new(),
             "admin-v1".to_string(),

@@ -275,18 +275,29 @@ pub async fn login(
     let session = match admin.login(&form.token, client).await {
         Ok(session) => session,
         Err(e) => {
-            match &e {
+            let outcome = match &e {
                 AuthError::Throttled(l) => {
-                    tracing::warn!(peer = %client, retry_after_s = l.retry_after_s(), "admin login refused: throttled")
+                    tracing::warn!(peer = %client, retry_after_s = l.retry_after_s(), "admin login refused: throttled");
+                    "throttled"
                 }
                 AuthError::WrongCredentials => {
-                    tracing::warn!(peer = %client, "admin login with a wrong token")
+                    tracing::warn!(peer = %client, "admin login with a wrong token");
+                    "wrong"
                 }
-                AuthError::Store(_) => {}
-            }
+                AuthError::Store(_) => "error",
+            };
+            metrics::counter!("smolchat_admin_logins_total", "outcome" => outcome).increment(1);
             return Err(refusal(e));
         }
     };
+    metrics::counter!("smolchat_admin_logins_total", "outcome" => "ok").increment(1);
+    // Signing in again replaces the browser's previous session rather than leaving it alive
+    // beside the new one.
+    if let Some(old) = req.cookie(SESSION_COOKIE) {
+        if let Err(e) = admin.logout(old.value()).await {
+            tracing::warn!("cannot revoke the replaced admin session: {e}");
+        }
+    }
     let max_age = i64::try_from(session.lifetime.as_secs()).unwrap_or(i64::MAX);
     let cookie = Cookie::build(SESSION_COOKIE, session.token)
         .path(COOKIE_PATH)
