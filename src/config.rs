@@ -32,6 +32,7 @@ pub struct Config {
     pub scheduler: SchedulerSection,
     pub limits: LimitsConfig,
     pub session: SessionSection,
+    pub auth: AuthSection,
     /// Defaults for new conversations.
     pub sampling: SamplingDefaults,
 }
@@ -128,6 +129,25 @@ pub struct SessionSection {
     pub disconnect_grace_ms: u64,
 }
 
+/// Sign-in: session lifetimes and login throttling (see `src/auth`).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct AuthSection {
+    /// Seconds an admin session lasts from sign-in (using it does not extend it).
+    pub admin_session_s: u64,
+    /// Wrong sign-ins one client address may make before it is locked out.
+    pub login_free_failures_per_address: u32,
+    /// Wrong sign-ins one account (or the admin token) may get from all addresses together
+    /// before it is locked out.
+    pub login_free_failures_per_account: u32,
+    /// Seconds of the first lockout; each further wrong sign-in doubles it…
+    pub login_lockout_base_s: u64,
+    /// …up to this many seconds.
+    pub login_lockout_max_s: u64,
+    /// Addresses and accounts the throttle remembers at most (memory stays bounded).
+    pub login_throttle_entries: usize,
+}
+
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(default, deny_unknown_fields)]
 pub struct SamplingDefaults {
@@ -210,6 +230,19 @@ impl Default for SessionSection {
     }
 }
 
+impl Default for AuthSection {
+    fn default() -> Self {
+        Self {
+            admin_session_s: 12 * 3600,
+            login_free_failures_per_address: 5,
+            login_free_failures_per_account: 20,
+            login_lockout_base_s: 1,
+            login_lockout_max_s: 15 * 60,
+            login_throttle_entries: 10_000,
+        }
+    }
+}
+
 impl Default for SamplingDefaults {
     fn default() -> Self {
         Self {
@@ -281,6 +314,28 @@ impl Config {
             return bad(
                 "limits.max_new_tokens and limits.max_message_chars must be at least 1".into(),
             );
+        }
+        let a = &self.auth;
+        if a.admin_session_s == 0
+            || a.login_free_failures_per_address == 0
+            || a.login_free_failures_per_account == 0
+            || a.login_lockout_base_s == 0
+        {
+            return bad(
+                "auth.admin_session_s, auth.login_free_failures_per_address, \
+                 auth.login_free_failures_per_account and auth.login_lockout_base_s must be at \
+                 least 1"
+                    .into(),
+            );
+        }
+        if a.login_lockout_max_s < a.login_lockout_base_s {
+            return bad(format!(
+                "auth.login_lockout_max_s ({}) must be at least auth.login_lockout_base_s ({})",
+                a.login_lockout_max_s, a.login_lockout_base_s
+            ));
+        }
+        if a.login_throttle_entries < 16 {
+            return bad("auth.login_throttle_entries must be at least 16".into());
         }
         if let Some(f) = self.model.yarn_factor {
             if !(f.is_finite() && f >= 1.0) {

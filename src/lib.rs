@@ -1,4 +1,5 @@
 pub mod actors;
+pub mod auth;
 pub mod cli;
 pub mod config;
 pub mod engine;

@@ -2,8 +2,8 @@
 
 use chrono::NaiveDate;
 use smolchat::store::{
-    backup, ConversationSettings, FinishedReply, MessageStatus, Role, Store, StoreError, Timings,
-    TITLE_MAX_CHARS,
+    backup, ConversationSettings, FinishedReply, MessageStatus, Role, SessionKind, Store,
+    StoreError, Timings, TITLE_MAX_CHARS,
 };
 use tempfile::TempDir;
 use uuid::Uuid;
@@ -962,4 +962,160 @@ async fn insert_exchange_replaces_atomically() {
         ]
     );
     assert_eq!((after[2].id, after[3].id), (u3.id, a3.id));
+}
+
+/// A session id as the sign-in layer makes them (64 hex characters; the table checks the length).
+fn sid(n: u8) -> String {
+    format!("{n:02x}").repeat(32)
+}
+
+#[tokio::test]
+async fn sessions_are_valid_until_revoked_expired_or_the_credential_changes() {
+    let (_dir, url, store) = fresh().await;
+    let hour = chrono::Duration::hours(1);
+    let a = store
+        .create_session(&sid(1), SessionKind::Admin, "admin", "fp1", hour)
+        .await
+        .unwrap();
+    assert_eq!(a.subject, "admin");
+    assert_eq!(a.revoked_at, None);
+    assert!(a.expires_at > a.created_at + chrono::Duration::minutes(59));
+    store
+        .create_session(&sid(2), SessionKind::Admin, "admin", "fp1", hour)
+        .await
+        .unwrap();
+    store
+        .create_session(&sid(3), SessionKind::User, "u-1", "fp1", hour)
+        .await
+        .unwrap();
+
+    let valid = |id: String, kind, fp: &'static str| {
+        let store = store.clone();
+        async move { store.valid_session(&id, kind, fp).await.unwrap().is_some() }
+    };
+    assert!(valid(sid(1), SessionKind::Admin, "fp1").await);
+    // Another kind, another fingerprint (the credential changed), an unknown id: refused.
+    assert!(!valid(sid(1), SessionKind::User, "fp1").await);
+    assert!(!valid(sid(1), SessionKind::Admin, "fp2").await);
+    assert!(!valid(sid(9), SessionKind::Admin, "fp1").await);
+
+    // Revoking one leaves the other; revoking twice reports nothing to do.
+    assert!(store.revoke_session(&sid(1)).await.unwrap());
+    assert!(!store.revoke_session(&sid(1)).await.unwrap());
+    assert!(!valid(sid(1), SessionKind::Admin, "fp1").await);
+    assert!(valid(sid(2), SessionKind::Admin, "fp1").await);
+    let revoked = store.get_session(&sid(1)).await.unwrap().unwrap();
+    assert!(revoked.revoked_at.is_some());
+
+    // Revoking a subject's sessions leaves other subjects alone.
+    assert_eq!(
+        store
+            .revoke_sessions_of(SessionKind::Admin, "admin")
+            .await
+            .unwrap(),
+        1
+    );
+    assert!(!valid(sid(2), SessionKind::Admin, "fp1").await);
+    assert!(valid(sid(3), SessionKind::User, "fp1").await);
+
+    // Sessions survive reopening the database.
+    store.close().await;
+    let store = Store::open(&url).await.unwrap();
+    assert!(store
+        .valid_session(&sid(3), SessionKind::User, "fp1")
+        .await
+        .unwrap()
+        .is_some());
+}
+
+#[tokio::test]
+async fn expired_sessions_are_refused_and_purged() {
+    let (_dir, _url, store) = fresh().await;
+    store
+        .create_session(
+            &sid(1),
+            SessionKind::Admin,
+            "admin",
+            "fp",
+            chrono::Duration::zero(),
+        )
+        .await
+        .unwrap();
+    store
+        .create_session(
+            &sid(2),
+            SessionKind::Admin,
+            "admin",
+            "fp",
+            chrono::Duration::milliseconds(300),
+        )
+        .await
+        .unwrap();
+    store
+        .create_session(
+            &sid(3),
+            SessionKind::Admin,
+            "admin",
+            "fp",
+            chrono::Duration::hours(1),
+        )
+        .await
+        .unwrap();
+    let valid = |n| {
+        let store = store.clone();
+        async move {
+            store
+                .valid_session(&sid(n), SessionKind::Admin, "fp")
+                .await
+                .unwrap()
+                .is_some()
+        }
+    };
+    assert!(!valid(1).await, "expired at creation");
+    assert!(valid(2).await);
+    tokio::time::sleep(std::time::Duration::from_millis(400)).await;
+    assert!(!valid(2).await, "expired since");
+    assert!(valid(3).await);
+    assert_eq!(store.purge_expired_sessions().await.unwrap(), 2);
+    assert!(store.get_session(&sid(1)).await.unwrap().is_none());
+    assert!(store.get_session(&sid(3)).await.unwrap().is_some());
+    assert_eq!(store.purge_expired_sessions().await.unwrap(), 0);
+}
+
+#[tokio::test]
+async fn session_ids_must_look_like_hashes() {
+    let (_dir, _url, store) = fresh().await;
+    // The table refuses anything but a 64-character id, so a raw token of another shape can
+    // never be stored by mistake.
+    let err = store
+        .create_session(
+            "short",
+            SessionKind::Admin,
+            "admin",
+            "fp",
+            chrono::Duration::hours(1),
+        )
+        .await;
+    assert!(err.is_err(), "{err:?}");
+    // Ids are unique.
+    store
+        .create_session(
+            &sid(1),
+            SessionKind::Admin,
+            "admin",
+            "fp",
+            chrono::Duration::hours(1),
+        )
+        .await
+        .unwrap();
+    assert!(store
+        .create_session(
+            &sid(1),
+            SessionKind::Admin,
+            "admin",
+            "fp",
+            chrono::Duration::hours(1)
+        )
+        .await
+        .is_err());
 }

@@ -1,4 +1,5 @@
-//! The persistence layer: conversations and messages in SQLite (WAL mode) through sqlx.
+//! The persistence layer: conversations, messages and sign-in sessions in SQLite (WAL mode)
+//! through sqlx.
 //!
 //! This module is the only code in smolchat that writes SQL. The schema lives in `migrations/`
 //! and is applied by [`Store::open`].
@@ -25,6 +26,7 @@
 //! later, which in WAL mode fails with `SQLITE_BUSY` without waiting.
 
 mod error;
+mod sessions;
 mod types;
 
 use std::path::Path;
@@ -40,7 +42,7 @@ use uuid::Uuid;
 pub use error::StoreError;
 pub use types::{
     derive_title, Conversation, ConversationSettings, ConversationSummary, FinishedReply, Message,
-    MessageStatus, Role, Timings, TITLE_MAX_CHARS,
+    MessageStatus, Role, SessionKind, SessionRecord, Timings, TITLE_MAX_CHARS,
 };
 
 /// How long a statement waits for another connection's write lock before failing.

@@ -285,3 +285,45 @@ mod naive_date {
             .map_err(|e| D::Error::custom(format!("invalid date {text:?} (want YYYY-MM-DD): {e}")))
     }
 }
+
+/// What a server-side session is for. Stored as TEXT in `sessions.kind`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum SessionKind {
+    /// Signed in with `server.admin_token`.
+    Admin,
+    /// Signed in to an account (user sign-in; the subject is the user's id).
+    User,
+}
+
+impl SessionKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            SessionKind::Admin => "admin",
+            SessionKind::User => "user",
+        }
+    }
+}
+
+impl FromStr for SessionKind {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "admin" => Ok(SessionKind::Admin),
+            "user" => Ok(SessionKind::User),
+            other => Err(format!("unknown session kind {other:?}")),
+        }
+    }
+}
+
+/// One row of `sessions`. The cookie token itself is never stored; `id` is its SHA-256 (hex).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SessionRecord {
+    pub id: String,
+    pub kind: SessionKind,
+    pub subject: String,
+    pub fingerprint: String,
+    pub created_at: DateTime<Utc>,
+    pub expires_at: DateTime<Utc>,
+    pub last_seen_at: DateTime<Utc>,
+    pub revoked_at: Option<DateTime<Utc>>,
+}

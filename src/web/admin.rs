@@ -4,19 +4,23 @@
 //! | route | |
 //! |---|---|
 //! | `GET /admin` | the dashboard; the login form without a session; a "disabled" page (404) without a token |
-//! | `POST /admin/login` (form `token`) | a wrong token → 401; right → admin session cookie + `HX-Redirect` |
-//! | `POST /admin/logout` | drops the session cookie |
+//! | `POST /admin/login` (form `token`) | wrong token → 401; throttled → 429 + `Retry-After`; right → session cookie + `HX-Redirect` |
+//! | `POST /admin/logout` | revokes the session server-side and drops the cookie |
 //! | `GET /admin/live` | the tables (fragment), polled by HTMX every 2 s |
 //! | `POST /admin/c/{id}/stop`, `/evict`; `DELETE /admin/c/{id}` | actions |
 //!
-//! The session is a signed, HttpOnly, SameSite=Strict cookie; like the owner cookie it is signed
-//! with the cookie key, so a restart with a random key logs admins out. The admin routes sit in
-//! the same scope as the pages, so their unsafe methods need the CSRF token too.
+//! Sign-in, sessions and throttling live in [`crate::auth::admin`]; this module only moves
+//! cookies and renders. The session cookie carries a random token (the database keeps its
+//! hash) and is HttpOnly, SameSite=Strict, limited to `/admin`, Secure when the request came over
+//! HTTPS, and expires with the session (`auth.admin_session_s`). Sign-out, expiry and a changed
+//! admin token end the session for every copy of the cookie. The admin routes sit in the same
+//! scope as the pages, so their unsafe methods need the CSRF token too.
 
 use std::collections::HashMap;
+use std::net::{IpAddr, Ipv4Addr};
 
 use actix_web::cookie::time::Duration as CookieDuration;
-use actix_web::cookie::{Cookie, CookieJar, SameSite};
+use actix_web::cookie::{Cookie, SameSite};
 use actix_web::http::StatusCode;
 use actix_web::{web, HttpRequest, HttpResponse};
 use askama::Template;
@@ -31,11 +35,10 @@ use super::AppState;
 use crate::actors::scheduler::{Evict, GetCacheInfo, GetStats, StatesOf};
 use crate::actors::session::Stop;
 use crate::actors::types::SequenceState;
+use crate::auth::{AdminAuth, AuthError, LockedBy};
 
 const SESSION_COOKIE: &str = "smolchat_admin";
-/// The value the signed cookie carries; the signature is what proves the login.
-const SESSION_VALUE: &str = "admin-v1";
-const SESSION_HOURS: i64 = 12;
+const COOKIE_PATH: &str = "/admin";
 
 #[derive(Template)]
 #[template(path = "admin_disabled.html")]
@@ -97,22 +100,53 @@ fn mib(bytes: usize) -> String {
     format!("{:.1} MiB", bytes as f64 / (1024.0 * 1024.0))
 }
 
-fn logged_in(state: &AppState, req: &HttpRequest) -> bool {
+/// The admin service, or 404 when no admin token is configured.
+fn admin_of(state: &AppState) -> Result<&AdminAuth, PageError> {
+    state
+        .admin
+        .as_ref()
+        .ok_or_else(|| WebError::NotFound("the admin page is disabled".into()).into())
+}
+
+/// The sign-in layer's refusals as page errors.
+fn refusal(e: AuthError) -> PageError {
+    match e {
+        AuthError::Throttled(lockout) => {
+            let who = match lockout.by {
+                LockedBy::Address => "from your address",
+                LockedBy::Subject => "from all addresses together",
+            };
+            let wait = lockout.retry_after_s();
+            WebError::TooManyRequests {
+                message: format!(
+                    "too many wrong admin tokens {who}: admin login is locked for {wait} more \
+                     seconds, and no token is checked until then"
+                ),
+                retry_after_s: wait,
+            }
+            .into()
+        }
+        AuthError::WrongCredentials => PageError::Unauthorized("wrong admin token".into()),
+        AuthError::Store(e) => e.into(),
+    }
+}
+
+/// Whether the request carries the cookie of a valid admin session.
+async fn logged_in(admin: &AdminAuth, req: &HttpRequest) -> Result<bool, PageError> {
     let Some(cookie) = req.cookie(SESSION_COOKIE) else {
-        return false;
+        return Ok(false);
     };
-    let jar = CookieJar::new();
-    jar.signed(&state.cookie_key)
-        .verify(cookie)
-        .is_some_and(|c| c.value() == SESSION_VALUE)
+    Ok(admin
+        .session(cookie.value())
+        .await
+        .map_err(refusal)?
+        .is_some())
 }
 
 /// Refuses a request without a token configured (404) or without an admin session (401).
-fn require_admin(state: &AppState, req: &HttpRequest) -> Result<(), PageError> {
-    if state.admin_token.is_none() {
-        return Err(WebError::NotFound("the admin page is disabled".into()).into());
-    }
-    if !logged_in(state, req) {
+async fn require_admin(state: &AppState, req: &HttpRequest) -> Result<(), PageError> {
+    let admin = admin_of(state)?;
+    if !logged_in(admin, req).await? {
         return Err(PageError::Unauthorized(
             "log in at /admin with the admin token".into(),
         ));
@@ -194,15 +228,15 @@ pub async fn page(
     req: HttpRequest,
 ) -> Result<HttpResponse, PageError> {
     let csrf = csrf::token_for(&state.cookie_key, owner.as_str());
-    if state.admin_token.is_none() {
+    let Some(admin) = state.admin.as_ref() else {
         let body = DisabledPage { csrf }
             .render()
             .map_err(|e| WebError::Internal(format!("template: {e}")))?;
         let mut res = HttpResponse::NotFound();
         with_security_headers(&mut res);
         return Ok(res.content_type("text/html; charset=utf-8").body(body));
-    }
-    if !logged_in(&state, &req) {
+    };
+    if !logged_in(admin, &req).await? {
         return html(&LoginPage { csrf });
     }
     html(&AdminPage {
@@ -213,7 +247,7 @@ pub async fn page(
 
 /// `GET /admin/live`
 pub async fn live(state: web::Data<AppState>, req: HttpRequest) -> Result<HttpResponse, PageError> {
-    require_admin(&state, &req)?;
+    require_admin(&state, &req).await?;
     html(&LiveFragment {
         live: live_view(&state).await?,
     })
@@ -231,41 +265,72 @@ pub async fn login(
     req: HttpRequest,
     payload: web::Payload,
 ) -> Result<HttpResponse, PageError> {
-    let Some(expected) = state.admin_token.as_deref() else {
-        return Err(WebError::NotFound("the admin page is disabled".into()).into());
-    };
+    let admin = admin_of(&state)?;
     let form: LoginForm = read_form(&state, &req, payload).await?;
-    if !csrf::constant_time_eq(form.token.as_bytes(), expected.as_bytes()) {
-        tracing::warn!(peer = ?req.peer_addr(), "admin login with a wrong token");
-        return Err(PageError::Unauthorized("wrong admin token".into()));
+    // The TCP peer, never a forwarding header a client could write itself. Only a test request
+    // has no peer; it counts as one shared address.
+    let client = req
+        .peer_addr()
+        .map_or(IpAddr::V4(Ipv4Addr::UNSPECIFIED), |a| a.ip());
+    let session = match admin.login(&form.token, client).await {
+        Ok(session) => session,
+        Err(e) => {
+            let outcome = match &e {
+                AuthError::Throttled(l) => {
+                    tracing::warn!(peer = %client, retry_after_s = l.retry_after_s(), "admin login refused: throttled");
+                    "throttled"
+                }
+                AuthError::WrongCredentials => {
+                    tracing::warn!(peer = %client, "admin login with a wrong token");
+                    "wrong"
+                }
+                AuthError::Store(_) => "error",
+            };
+            metrics::counter!("smolchat_admin_logins_total", "outcome" => outcome).increment(1);
+            return Err(refusal(e));
+        }
+    };
+    metrics::counter!("smolchat_admin_logins_total", "outcome" => "ok").increment(1);
+    // Signing in again replaces the browser's previous session rather than leaving it alive
+    // beside the new one.
+    if let Some(old) = req.cookie(SESSION_COOKIE) {
+        if let Err(e) = admin.logout(old.value()).await {
+            tracing::warn!("cannot revoke the replaced admin session: {e}");
+        }
     }
-    let mut jar = CookieJar::new();
-    jar.signed_mut(&state.cookie_key).add(
-        Cookie::build(SESSION_COOKIE, SESSION_VALUE)
-            .path("/admin")
-            .http_only(true)
-            .same_site(SameSite::Strict)
-            .secure(req.connection_info().scheme() == "https")
-            .max_age(CookieDuration::hours(SESSION_HOURS))
-            .finish(),
-    );
-    let mut res = HttpResponse::build(StatusCode::NO_CONTENT);
-    res.insert_header(("HX-Redirect", "/admin"));
-    for cookie in jar.delta() {
-        res.cookie(cookie.clone());
-    }
-    tracing::info!("admin logged in");
-    Ok(res.finish())
+    let max_age = i64::try_from(session.lifetime.as_secs()).unwrap_or(i64::MAX);
+    let cookie = Cookie::build(SESSION_COOKIE, session.token)
+        .path(COOKIE_PATH)
+        .http_only(true)
+        .same_site(SameSite::Strict)
+        .secure(req.connection_info().scheme() == "https")
+        .max_age(CookieDuration::seconds(max_age))
+        .finish();
+    tracing::info!(peer = %client, "admin logged in");
+    Ok(HttpResponse::build(StatusCode::NO_CONTENT)
+        .insert_header(("HX-Redirect", "/admin"))
+        .cookie(cookie)
+        .finish())
 }
 
 /// `POST /admin/logout`
-pub async fn logout() -> HttpResponse {
-    let mut gone = Cookie::build(SESSION_COOKIE, "").path("/admin").finish();
+pub async fn logout(
+    state: web::Data<AppState>,
+    req: HttpRequest,
+) -> Result<HttpResponse, PageError> {
+    let admin = admin_of(&state)?;
+    if let Some(cookie) = req.cookie(SESSION_COOKIE) {
+        // Server-side first: the cookie may have been copied elsewhere.
+        if admin.logout(cookie.value()).await.map_err(refusal)? {
+            tracing::info!("admin logged out");
+        }
+    }
+    let mut gone = Cookie::build(SESSION_COOKIE, "").path(COOKIE_PATH).finish();
     gone.make_removal();
-    HttpResponse::NoContent()
+    Ok(HttpResponse::NoContent()
         .cookie(gone)
         .insert_header(("HX-Redirect", "/admin"))
-        .finish()
+        .finish())
 }
 
 /// `POST /admin/c/{id}/stop`
@@ -274,7 +339,7 @@ pub async fn stop(
     req: HttpRequest,
     path: web::Path<String>,
 ) -> Result<HttpResponse, PageError> {
-    require_admin(&state, &req)?;
+    require_admin(&state, &req).await?;
     let id = parse_id(&path)?;
     let stopped = match state.platform.sessions.get(id) {
         Some(session) => session.send(Stop).await?,
@@ -290,7 +355,7 @@ pub async fn evict(
     req: HttpRequest,
     path: web::Path<String>,
 ) -> Result<HttpResponse, PageError> {
-    require_admin(&state, &req)?;
+    require_admin(&state, &req).await?;
     let id = parse_id(&path)?;
     let dropped = state.platform.scheduler.send(Evict(id.to_string())).await?;
     tracing::info!(conversation = %id, dropped, "admin evict");
@@ -303,7 +368,7 @@ pub async fn delete(
     req: HttpRequest,
     path: web::Path<String>,
 ) -> Result<HttpResponse, PageError> {
-    require_admin(&state, &req)?;
+    require_admin(&state, &req).await?;
     let id = parse_id(&path)?;
     delete_conversation(&state, id).await?;
     tracing::info!(conversation = %id, "admin delete");

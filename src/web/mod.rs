@@ -39,6 +39,7 @@ use actix_web::{web, App, HttpRequest, HttpResponse, HttpServer};
 use metrics_exporter_prometheus::PrometheusHandle;
 
 use crate::actors::session::{GetInfo, Shutdown, Stop};
+use crate::auth::{AdminAuth, ThrottlePolicy};
 use crate::platform::Platform;
 pub use error::WebError;
 use json::BodyLimit;
@@ -125,8 +126,9 @@ pub struct AppState {
     /// False once shutdown began (`/readyz` then answers 503).
     pub ready: AtomicBool,
     pub metrics: Option<PrometheusHandle>,
-    /// `server.admin_token`: guards `/admin` and `/api/admin` (next issue).
-    pub admin_token: Option<String>,
+    /// Admin sign-in (sessions, throttle) when `server.admin_token` is set; `/admin` is
+    /// disabled without it.
+    pub admin: Option<AdminAuth>,
 }
 
 /// The largest JSON body: a message at the character limit written entirely in the most
@@ -302,12 +304,7 @@ pub async fn run(platform: Platform) -> io::Result<()> {
     let limit = BodyLimit(json_limit(platform.config.limits.max_message_chars));
     let body_timeout =
         json::BodyTimeout(Duration::from_secs(platform.config.limits.body_timeout_s));
-    let admin_token = platform
-        .config
-        .server
-        .admin_token
-        .clone()
-        .filter(|t| !t.is_empty());
+    let admin = admin_auth(&platform, &cookie_key);
     let limits = platform.config.limits.clone();
     let state = web::Data::new(AppState {
         streams: StreamCounter::default(),
@@ -315,7 +312,7 @@ pub async fn run(platform: Platform) -> io::Result<()> {
         cookie_key,
         ready: AtomicBool::new(true),
         metrics: metrics.clone(),
-        admin_token,
+        admin,
     });
 
     if let Some(handle) = metrics {
@@ -382,6 +379,33 @@ pub async fn run(platform: Platform) -> io::Result<()> {
     state.platform.store.close().await;
     tracing::info!("smolchat stopped");
     Ok(())
+}
+
+/// The admin sign-in service for `server.admin_token` (none when unset or empty).
+fn admin_auth(platform: &Platform, cookie_key: &Key) -> Option<AdminAuth> {
+    let token = platform
+        .config
+        .server
+        .admin_token
+        .as_deref()
+        .filter(|t| !t.is_empty())?;
+    let a = &platform.config.auth;
+    let policy = ThrottlePolicy {
+        free_per_address: a.login_free_failures_per_address,
+        free_per_subject: a.login_free_failures_per_account,
+        base_lockout: Duration::from_secs(a.login_lockout_base_s),
+        max_lockout: Duration::from_secs(a.login_lockout_max_s),
+        max_entries: a.login_throttle_entries,
+    };
+    Some(AdminAuth::new(
+        platform.store.clone(),
+        token,
+        // The cookie key is kept across restarts (configured, or generated once into the data
+        // folder), so admin sessions survive a restart with the same token.
+        cookie_key.signing(),
+        Duration::from_secs(a.admin_session_s),
+        policy,
+    ))
 }
 
 /// Stops every running reply, waits (bounded) until each is stored, then ends the sessions.

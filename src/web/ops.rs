@@ -51,6 +51,10 @@ fn describe() {
     );
     describe_counter!("smolchat_requests_total", "Generation requests accepted");
     describe_counter!(
+        "smolchat_admin_logins_total",
+        "Admin login attempts by outcome (ok, wrong, throttled, error)"
+    );
+    describe_counter!(
         "smolchat_generated_tokens_total",
         "Tokens generated (all sequences)"
     );

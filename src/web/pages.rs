@@ -122,7 +122,11 @@ impl PageError {
             "error".to_string()
         });
         let mut res = HttpResponse::build(status);
-        if let PageError::Web(WebError::Overloaded { retry_after_s, .. }) = self {
+        if let PageError::Web(
+            WebError::Overloaded { retry_after_s, .. }
+            | WebError::TooManyRequests { retry_after_s, .. },
+        ) = self
+        {
             res.insert_header((
                 header::RETRY_AFTER,
                 HeaderValue::from((*retry_after_s).max(1)),

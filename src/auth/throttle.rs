@@ -1,0 +1,460 @@
+//! Login throttling: a failure counter with exponential lockout per client address and per
+//! subject (an account, or `admin` for the admin token), in memory.
+//!
+//! Each key may fail `free` times (per address and per subject separately); the failure that
+//! reaches that number locks the key for `base_lockout`, and every further failure doubles it,
+//! up to `max_lockout`. While any key of an attempt is locked the attempt is refused **without
+//! checking the credential**, so a right guess during a lockout is refused like a wrong one and
+//! the lockout really limits guesses. A successful sign-in clears the keys; counters of keys
+//! that stop failing are forgotten after [`FORGET_AFTER`].
+//!
+//! An attempt is counted as a failure when it starts ([`LoginThrottle::attempt`]) and taken back
+//! on success ([`LoginThrottle::success`]): counting after the check would let a burst of
+//! parallel guesses all pass the lock check before the first failure was recorded.
+//!
+//! The table is bounded ([`ThrottlePolicy::max_entries`]): a flood of addresses evicts forgotten
+//! entries first, then the unlocked entry that failed least recently, and only then the locked
+//! entry whose lockout ends soonest, so the flood cannot grow memory and does not free a locked
+//! address. The subject's entry fails on every attempt of the flood, so it is never the one
+//! evicted. IPv6 addresses count per /64 (what one host or home gets).
+//!
+//! The per-subject lock is what stops guessing from many addresses; its price is that such a
+//! flood also locks the real owner of the subject out until it ends, which is why subjects get
+//! more free failures than addresses. Times come from the caller (`now`), so tests drive a clock
+//! of their own.
+
+use std::collections::HashMap;
+use std::net::IpAddr;
+use std::time::{Duration, Instant};
+
+/// How long a key that stopped failing keeps its count. Long, so waiting out a lockout does not
+/// buy a fresh set of free guesses; memory stays bounded by `max_entries` regardless.
+pub const FORGET_AFTER: Duration = Duration::from_secs(24 * 3600);
+
+/// What an attempt is counted against.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub enum ThrottleKey {
+    /// A client address; build with [`ThrottleKey::address`].
+    Address(IpAddr),
+    /// An account name, or `admin` for the admin token.
+    Subject(String),
+}
+
+impl ThrottleKey {
+    /// The key of a client address: IPv4 (IPv4-mapped IPv6 included) as is, other IPv6
+    /// addresses by their /64 prefix, since one host usually has a whole /64 to pick from.
+    pub fn address(ip: IpAddr) -> ThrottleKey {
+        let ip = match ip {
+            IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
+                Some(v4) => IpAddr::V4(v4),
+                None => {
+                    let mut s = v6.segments();
+                    s[4..].fill(0);
+                    IpAddr::V6(s.into())
+                }
+            },
+            v4 => v4,
+        };
+        ThrottleKey::Address(ip)
+    }
+
+    pub fn subject(name: impl Into<String>) -> ThrottleKey {
+        ThrottleKey::Subject(name.into())
+    }
+}
+
+/// The limits; see the module documentation.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ThrottlePolicy {
+    /// Failures an address may have before it is locked.
+    pub free_per_address: u32,
+    /// Failures a subject may have, from all addresses together, before it is locked.
+    pub free_per_subject: u32,
+    /// The first lockout; each further failure doubles it.
+    pub base_lockout: Duration,
+    /// The longest lockout.
+    pub max_lockout: Duration,
+    /// Keys remembered at most.
+    pub max_entries: usize,
+}
+
+impl Default for ThrottlePolicy {
+    fn default() -> Self {
+        ThrottlePolicy {
+            free_per_address: 5,
+            free_per_subject: 20,
+            base_lockout: Duration::from_secs(1),
+            max_lockout: Duration::from_secs(15 * 60),
+            max_entries: 10_000,
+        }
+    }
+}
+
+/// Which kind of key refused an attempt.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LockedBy {
+    Address,
+    Subject,
+}
+
+impl LockedBy {
+    /// For messages: "from this address", "for this account".
+    pub fn describe(self) -> &'static str {
+        match self {
+            LockedBy::Address => "from this address",
+            LockedBy::Subject => "for this account",
+        }
+    }
+}
+
+/// A refused attempt: which lock, and how long until it ends.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Lockout {
+    pub by: LockedBy,
+    pub retry_after: Duration,
+}
+
+impl Lockout {
+    /// Whole seconds to wait (rounded up, at least 1), for `Retry-After`.
+    pub fn retry_after_s(&self) -> u64 {
+        let d = self.retry_after;
+        (d.as_secs() + u64::from(d.subsec_nanos() > 0)).max(1)
+    }
+}
+
+#[derive(Clone, Debug)]
+struct Entry {
+    failures: u32,
+    locked_until: Option<Instant>,
+    last_failure: Instant,
+}
+
+impl Entry {
+    fn locked_at(&self, now: Instant) -> Option<Duration> {
+        self.locked_until
+            .filter(|until| *until > now)
+            .map(|until| until - now)
+    }
+
+    fn forgotten_at(&self, now: Instant) -> bool {
+        self.locked_at(now).is_none()
+            && now.saturating_duration_since(self.last_failure) >= FORGET_AFTER
+    }
+}
+
+/// The throttle's state. Not synchronised: the owner wraps it in a mutex.
+#[derive(Debug)]
+pub struct LoginThrottle {
+    policy: ThrottlePolicy,
+    entries: HashMap<ThrottleKey, Entry>,
+}
+
+impl LoginThrottle {
+    pub fn new(policy: ThrottlePolicy) -> LoginThrottle {
+        LoginThrottle {
+            policy,
+            entries: HashMap::new(),
+        }
+    }
+
+    pub fn policy(&self) -> &ThrottlePolicy {
+        &self.policy
+    }
+
+    /// Keys remembered now (at most `max_entries`).
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    /// The lockout of `keys` at `now`, if any (the longest one); changes nothing.
+    pub fn locked(&self, keys: &[ThrottleKey], now: Instant) -> Option<Lockout> {
+        keys.iter()
+            .filter_map(|k| {
+                let wait = self.entries.get(k)?.locked_at(now)?;
+                Some(Lockout {
+                    by: by_of(k),
+                    retry_after: wait,
+                })
+            })
+            .max_by_key(|l| l.retry_after)
+    }
+
+    /// Starts a sign-in attempt against `keys` at `now`: refused while any key is locked (the
+    /// caller must then not check the credential); otherwise counted as a failure of every key
+    /// (locking those that reach their limit for the attempts after this one) until
+    /// [`LoginThrottle::success`] takes it back.
+    pub fn attempt(&mut self, keys: &[ThrottleKey], now: Instant) -> Result<(), Lockout> {
+        if let Some(lockout) = self.locked(keys, now) {
+            return Err(lockout);
+        }
+        for key in keys {
+            let free = match key {
+                ThrottleKey::Address(_) => self.policy.free_per_address,
+                ThrottleKey::Subject(_) => self.policy.free_per_subject,
+            };
+            let (base, max) = (self.policy.base_lockout, self.policy.max_lockout);
+            if !self.entries.contains_key(key) {
+                self.make_room(now);
+            }
+            let entry = self.entries.entry(key.clone()).or_insert(Entry {
+                failures: 0,
+                locked_until: None,
+                last_failure: now,
+            });
+            if entry.forgotten_at(now) {
+                entry.failures = 0;
+            }
+            entry.failures = entry.failures.saturating_add(1);
+            entry.last_failure = now;
+            if entry.failures >= free.max(1) {
+                let doublings = (entry.failures - free.max(1)).min(30);
+                let lockout = base.checked_mul(1u32 << doublings).unwrap_or(max).min(max);
+                entry.locked_until = Some(now + lockout);
+            }
+        }
+        Ok(())
+    }
+
+    /// A sign-in against `keys` succeeded: forgets their failures and lockouts.
+    pub fn success(&mut self, keys: &[ThrottleKey]) {
+        for key in keys {
+            self.entries.remove(key);
+        }
+    }
+
+    /// Frees one place when the table is full: a forgotten entry if there is one (all of them
+    /// go), else the unlocked entry that failed least recently, else the locked entry whose
+    /// lockout ends soonest.
+    fn make_room(&mut self, now: Instant) {
+        let max = self.policy.max_entries.max(1);
+        if self.entries.len() < max {
+            return;
+        }
+        self.entries.retain(|_, e| !e.forgotten_at(now));
+        if self.entries.len() < max {
+            return;
+        }
+        let victim = self
+            .entries
+            .iter()
+            .min_by_key(|(_, e)| match e.locked_at(now) {
+                None => (false, e.last_failure),
+                Some(_) => (true, e.locked_until.unwrap_or(now)),
+            })
+            .map(|(k, _)| k.clone());
+        if let Some(k) = victim {
+            self.entries.remove(&k);
+        }
+    }
+}
+
+fn by_of(key: &ThrottleKey) -> LockedBy {
+    match key {
+        ThrottleKey::Address(_) => LockedBy::Address,
+        ThrottleKey::Subject(_) => LockedBy::Subject,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::net::{Ipv4Addr, Ipv6Addr};
+
+    use super::*;
+
+    fn policy() -> ThrottlePolicy {
+        ThrottlePolicy {
+            free_per_address: 3,
+            free_per_subject: 5,
+            base_lockout: Duration::from_secs(2),
+            max_lockout: Duration::from_secs(16),
+            max_entries: 100,
+        }
+    }
+
+    fn ip(last: u8) -> ThrottleKey {
+        ThrottleKey::address(IpAddr::V4(Ipv4Addr::new(10, 0, 0, last)))
+    }
+
+    fn keys(last: u8) -> [ThrottleKey; 2] {
+        [ip(last), ThrottleKey::subject("admin")]
+    }
+
+    /// A clock the test moves by hand.
+    struct Clock(Instant);
+    impl Clock {
+        fn now(&self) -> Instant {
+            self.0
+        }
+        fn advance(&mut self, d: Duration) {
+            self.0 += d;
+        }
+    }
+
+    #[test]
+    fn free_failures_then_doubling_lockouts_up_to_the_cap() {
+        let mut t = LoginThrottle::new(ThrottlePolicy {
+            free_per_subject: 1000,
+            ..policy()
+        });
+        let mut clock = Clock(Instant::now());
+        let k = keys(1);
+        // Three attempts are checked; the third locks for the base lockout.
+        for _ in 0..3 {
+            assert_eq!(t.attempt(&k, clock.now()), Ok(()));
+        }
+        let locked = t.attempt(&k, clock.now()).unwrap_err();
+        assert_eq!(locked.by, LockedBy::Address);
+        assert_eq!(locked.retry_after, Duration::from_secs(2));
+        assert_eq!(locked.retry_after_s(), 2);
+        // Refusals do not count: still 2 s from the same instant, and after 1 s, 1 s left.
+        assert_eq!(
+            t.attempt(&k, clock.now()).unwrap_err().retry_after,
+            Duration::from_secs(2)
+        );
+        clock.advance(Duration::from_secs(1));
+        assert_eq!(t.attempt(&k, clock.now()).unwrap_err().retry_after_s(), 1);
+        // Each failure after a lockout doubles it: 4, 8, then 16 (the cap), 16.
+        let mut expected = Vec::new();
+        let mut got = Vec::new();
+        for want in [4, 8, 16, 16] {
+            clock.advance(Duration::from_secs(20));
+            assert_eq!(t.attempt(&k, clock.now()), Ok(()), "the lockout ended");
+            got.push(
+                t.attempt(&k, clock.now())
+                    .unwrap_err()
+                    .retry_after
+                    .as_secs(),
+            );
+            expected.push(want);
+        }
+        assert_eq!(got, expected);
+    }
+
+    #[test]
+    fn a_right_credential_during_a_lockout_is_still_refused_and_success_clears() {
+        let mut t = LoginThrottle::new(policy());
+        let mut clock = Clock(Instant::now());
+        let k = keys(1);
+        for _ in 0..3 {
+            t.attempt(&k, clock.now()).unwrap();
+        }
+        // The caller never gets to check the (right) credential while locked.
+        assert!(t.attempt(&k, clock.now()).is_err());
+        clock.advance(Duration::from_millis(1999));
+        assert!(t.attempt(&k, clock.now()).is_err());
+        clock.advance(Duration::from_millis(1));
+        // Lockout over: this attempt is checked, is right, and clears the keys.
+        assert_eq!(t.attempt(&k, clock.now()), Ok(()));
+        t.success(&k);
+        assert!(t.is_empty());
+        for _ in 0..3 {
+            assert_eq!(t.attempt(&k, clock.now()), Ok(()), "free failures again");
+        }
+    }
+
+    #[test]
+    fn lockouts_are_per_address() {
+        let mut t = LoginThrottle::new(policy());
+        let now = Instant::now();
+        for _ in 0..3 {
+            t.attempt(&keys(1), now).unwrap();
+        }
+        assert_eq!(t.attempt(&keys(1), now).unwrap_err().by, LockedBy::Address);
+        // Another address is not locked (the subject has 5 free failures, 3 used).
+        assert_eq!(t.attempt(&keys(2), now), Ok(()));
+        t.success(&keys(2));
+        // Success elsewhere cleared the subject, not address 1.
+        assert_eq!(t.attempt(&keys(1), now).unwrap_err().by, LockedBy::Address);
+    }
+
+    #[test]
+    fn the_subject_locks_across_addresses() {
+        let mut t = LoginThrottle::new(policy());
+        let now = Instant::now();
+        // Five addresses, one guess each: no address reaches its limit, the subject does.
+        for a in 1..=5 {
+            assert_eq!(t.attempt(&keys(a), now), Ok(()));
+        }
+        let locked = t.attempt(&keys(6), now).unwrap_err();
+        assert_eq!(locked.by, LockedBy::Subject);
+        assert_eq!(locked.retry_after, Duration::from_secs(2));
+        // Another subject from a fresh address is unaffected.
+        assert_eq!(
+            t.attempt(&[ip(7), ThrottleKey::subject("alice")], now),
+            Ok(())
+        );
+    }
+
+    #[test]
+    fn ipv6_counts_per_64_and_mapped_ipv4_as_ipv4() {
+        let a: Ipv6Addr = "2001:db8:1:2:aaaa::1".parse().unwrap();
+        let b: Ipv6Addr = "2001:db8:1:2:bbbb::9".parse().unwrap();
+        let c: Ipv6Addr = "2001:db8:1:3::1".parse().unwrap();
+        assert_eq!(
+            ThrottleKey::address(IpAddr::V6(a)),
+            ThrottleKey::address(IpAddr::V6(b))
+        );
+        assert_ne!(
+            ThrottleKey::address(IpAddr::V6(a)),
+            ThrottleKey::address(IpAddr::V6(c))
+        );
+        let mapped = Ipv4Addr::new(192, 0, 2, 1).to_ipv6_mapped();
+        assert_eq!(
+            ThrottleKey::address(IpAddr::V6(mapped)),
+            ThrottleKey::address(IpAddr::V4(Ipv4Addr::new(192, 0, 2, 1)))
+        );
+    }
+
+    #[test]
+    fn a_flood_of_addresses_stays_bounded_and_keeps_locks() {
+        let mut t = LoginThrottle::new(ThrottlePolicy {
+            max_entries: 50,
+            free_per_subject: u32::MAX,
+            ..policy()
+        });
+        let mut clock = Clock(Instant::now());
+        let attacker = [ip(1), ThrottleKey::subject("admin")];
+        for _ in 0..3 {
+            t.attempt(&attacker, clock.now()).unwrap();
+        }
+        assert!(t.attempt(&attacker, clock.now()).is_err());
+        // 10,000 other addresses, one failure each.
+        for n in 0..10_000u32 {
+            clock.advance(Duration::from_micros(10));
+            let addr = IpAddr::V4(Ipv4Addr::from(0x0b00_0000 + n));
+            t.attempt(
+                &[ThrottleKey::address(addr), ThrottleKey::subject("admin")],
+                clock.now(),
+            )
+            .unwrap();
+            assert!(t.len() <= 50);
+        }
+        assert_eq!(t.len(), 50);
+        // The locked address is still locked (0.1 s of its 2 s passed).
+        assert_eq!(
+            t.attempt(&attacker, clock.now()).map_err(|l| l.by),
+            Err(LockedBy::Address)
+        );
+    }
+
+    #[test]
+    fn counts_are_forgotten_a_day_after_the_last_failure() {
+        let mut t = LoginThrottle::new(policy());
+        let mut clock = Clock(Instant::now());
+        let k = keys(1);
+        for _ in 0..2 {
+            t.attempt(&k, clock.now()).unwrap();
+        }
+        clock.advance(FORGET_AFTER);
+        // Two more would lock if the first two still counted; they do not.
+        for _ in 0..2 {
+            assert_eq!(t.attempt(&k, clock.now()), Ok(()));
+        }
+        assert_eq!(t.attempt(&k, clock.now()), Ok(()));
+        assert!(t.attempt(&k, clock.now()).is_err());
+    }
+}
