@@ -334,6 +334,12 @@ impl Config {
                 a.login_lockout_max_s, a.login_lockout_base_s
             ));
         }
+        if a.login_lockout_max_s > 7 * 24 * 3600 {
+            return bad(format!(
+                "auth.login_lockout_max_s ({}) must be at most 604800 (7 days)",
+                a.login_lockout_max_s
+            ));
+        }
         if a.login_throttle_entries < 16 {
             return bad("auth.login_throttle_entries must be at least 16".into());
         }
@@ -343,5 +349,27 @@ impl Config {
             }
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn auth_limits_are_validated() {
+        assert!(Config::default().validate().is_ok());
+        let with = |f: fn(&mut AuthSection)| {
+            let mut c = Config::default();
+            f(&mut c.auth);
+            c.validate()
+        };
+        assert!(with(|a| a.admin_session_s = 0).is_err());
+        assert!(with(|a| a.login_free_failures_per_address = 0).is_err());
+        assert!(with(|a| a.login_lockout_base_s = 0).is_err());
+        assert!(with(|a| a.login_lockout_max_s = a.login_lockout_base_s - 1).is_err());
+        assert!(with(|a| a.login_lockout_max_s = u64::MAX).is_err());
+        assert!(with(|a| a.login_throttle_entries = 1).is_err());
+        assert!(with(|a| a.admin_session_s = 1).is_ok());
     }
 }

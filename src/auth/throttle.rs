@@ -30,6 +30,8 @@ use std::time::{Duration, Instant};
 /// How long a key that stopped failing keeps its count. Long, so waiting out a lockout does not
 /// buy a fresh set of free guesses; memory stays bounded by `max_entries` regardless.
 pub const FORGET_AFTER: Duration = Duration::from_secs(24 * 3600);
+/// The longest lockout whatever the policy says, so `now + lockout` cannot overflow.
+pub const LOCKOUT_CAP: Duration = Duration::from_secs(7 * 24 * 3600);
 
 /// What an attempt is counted against.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
@@ -212,8 +214,9 @@ impl LoginThrottle {
             entry.last_failure = now;
             if entry.failures >= free.max(1) {
                 let doublings = (entry.failures - free.max(1)).min(30);
+                let max = max.min(LOCKOUT_CAP);
                 let lockout = base.checked_mul(1u32 << doublings).unwrap_or(max).min(max);
-                entry.locked_until = Some(now + lockout);
+                entry.locked_until = Some(now.checked_add(lockout).unwrap_or(now));
             }
         }
         Ok(())

@@ -73,12 +73,17 @@ impl Store {
             return Ok(None);
         };
         if now.saturating_sub(row.last_seen_at) >= LAST_SEEN_RESOLUTION_MICROS {
-            sqlx::query("UPDATE sessions SET last_seen_at = ?1 WHERE id = ?2")
+            // Informational only: a database that cannot take the write right now (full disk,
+            // locked) must not turn a valid session into a refusal.
+            match sqlx::query("UPDATE sessions SET last_seen_at = ?1 WHERE id = ?2")
                 .bind(now)
                 .bind(id)
                 .execute(&self.pool)
-                .await?;
-            row.last_seen_at = now;
+                .await
+            {
+                Ok(_) => row.last_seen_at = now,
+                Err(e) => tracing::warn!("cannot record a session's last use: {e}"),
+            }
         }
         row.into_record().map(Some)
     }

@@ -277,7 +277,9 @@ pub async fn login(
         Err(e) => {
             let outcome = match &e {
                 AuthError::Throttled(l) => {
-                    tracing::warn!(peer = %client, retry_after_s = l.retry_after_s(), "admin login refused: throttled");
+                    // Debug, not warn: a flood would otherwise write a line per request; the
+                    // metric counts them, and the failures that caused the lockout were warned.
+                    tracing::debug!(peer = %client, retry_after_s = l.retry_after_s(), "admin login refused: throttled");
                     "throttled"
                 }
                 AuthError::WrongCredentials => {
