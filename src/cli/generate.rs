@@ -98,7 +98,7 @@ pub fn load_all(model: Option<&std::path::Path>) -> Result<Loaded> {
     };
     let model = super::load_with_progress(&mut src)?;
     Ok(Loaded {
-        engine: Engine::new(model),
+        engine: super::engine_for(model)?,
         tokenizer,
         template,
     })

@@ -53,6 +53,9 @@ impl ServeArgs {
         if let Some(key) = &self.api_key {
             config.server.api_key = Some(key.clone());
         }
+        if let Some(t) = super::kv_type_flag() {
+            config.model.kv_type = t.to_string();
+        }
         config.validate()?;
         Ok(config)
     }
