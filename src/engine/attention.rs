@@ -145,7 +145,7 @@ pub(crate) fn attention(
                     if p.l[qi] == 0.0 {
                         continue;
                     }
-                    let c = (p.m[qi] - m).exp();
+                    let c = exp(p.m[qi] - m);
                     l += p.l[qi] * c;
                     axpy(c, &p.acc[qi * hd..(qi + 1) * hd], &mut merged);
                 }
@@ -215,33 +215,36 @@ fn run_task(
             if row_end <= lo {
                 continue;
             }
-            let visible = &mut scores[..row_end - lo];
+            let cnt = row_end - lo;
+            let k0 = lo - pos0;
             for g in 0..group {
                 let qi = r * group + g;
                 let qv = &qs[qi * hd..(qi + 1) * hd];
-                let mut block_max = f32::NEG_INFINITY;
-                for (j, sc) in visible.iter_mut().enumerate() {
-                    let k = lo - pos0 + j;
-                    *sc = dot(qv, &keys[k * hd..(k + 1) * hd]);
-                    block_max = block_max.max(*sc);
-                }
+                dots(qv, &keys[k0 * hd..(k0 + cnt) * hd], &mut scores[..cnt]);
+                let block_max = scores[..cnt]
+                    .iter()
+                    .fold(f32::NEG_INFINITY, |m, &s| m.max(s));
                 let a = &mut acc[qi * hd..(qi + 1) * hd];
                 if block_max > m[qi] {
                     // Rescale what was accumulated under the old maximum (a no-op the first time,
                     // when everything is still zero).
-                    let c = (m[qi] - block_max).exp();
+                    let c = exp(m[qi] - block_max);
                     l[qi] *= c;
                     for x in a.iter_mut() {
                         *x *= c;
                     }
                     m[qi] = block_max;
                 }
+                // All 16 lanes at once so the exponentials vectorise; lanes past `cnt` are ignored.
+                let mut p = [0f32; BLOCK_POSITIONS];
+                for (pj, &sc) in p.iter_mut().zip(&scores) {
+                    *pj = exp(sc - m[qi]);
+                }
                 let mut sum = 0f32;
-                for (j, &sc) in visible.iter().enumerate() {
-                    let p = (sc - m[qi]).exp();
-                    sum += p;
-                    let k = lo - pos0 + j;
-                    axpy(p, &values[k * hd..(k + 1) * hd], a);
+                for (j, &pj) in p[..cnt].iter().enumerate() {
+                    sum += pj;
+                    let k = k0 + j;
+                    axpy(pj, &values[k * hd..(k + 1) * hd], a);
                 }
                 l[qi] += sum;
             }
@@ -249,6 +252,67 @@ fn run_task(
         b += 1;
     }
     Partial { m, l, acc }
+}
+
+/// `e^x` to about 1 ulp (Cephes' `expf`: `x = n ln 2 + r`, a degree-6 polynomial in `r`, then
+/// `2^n` through the exponent bits), written without branches so loops over it vectorise; libm's
+/// `expf` per score was the largest cost of attention at long contexts. Inputs below -87.3 give
+/// about 1e-38 instead of 0 (a weight nobody can see next to the row's maximum, which is 1).
+#[inline(always)]
+fn exp(x: f32) -> f32 {
+    const LOG2E: f32 = std::f32::consts::LOG2_E;
+    const LN2_HI: f32 = 0.693_359_4;
+    const LN2_LO: f32 = -2.121_944_4e-4;
+    let x = x.clamp(-87.3, 88.0);
+    let n = (x * LOG2E + 0.5).floor();
+    let r = x - n * LN2_HI - n * LN2_LO;
+    let mut p = 1.987_569_1e-4f32;
+    p = p * r + 1.398_199_9e-3;
+    p = p * r + 8.333_452e-3;
+    p = p * r + 4.166_579_6e-2;
+    p = p * r + 1.666_666_5e-1;
+    p = p * r + 5.000_000_1e-1;
+    let y = p * r * r + r + 1.0;
+    y * f32::from_bits(((n as i32 + 127) as u32) << 23)
+}
+
+/// `out[j] = q · keys[j]` for consecutive rows of `q.len()` values. Four keys at a time, each with
+/// eight lanes of accumulators: `q` is loaded once per four keys and the four sums do not wait on
+/// each other.
+#[inline]
+fn dots(q: &[f32], keys: &[f32], out: &mut [f32]) {
+    let hd = q.len();
+    let lanes = hd / 8 * 8;
+    let mut quads = out.chunks_exact_mut(4);
+    let mut j = 0;
+    for o in &mut quads {
+        let k = &keys[j * hd..(j + 4) * hd];
+        let (k0, rest) = k.split_at(hd);
+        let (k1, rest) = rest.split_at(hd);
+        let (k2, k3) = rest.split_at(hd);
+        let mut a = [[0f32; 8]; 4];
+        for c in (0..lanes).step_by(8) {
+            for l in 0..8 {
+                let x = q[c + l];
+                a[0][l] += x * k0[c + l];
+                a[1][l] += x * k1[c + l];
+                a[2][l] += x * k2[c + l];
+                a[3][l] += x * k3[c + l];
+            }
+        }
+        for (i, (acc, key)) in a.iter().zip([k0, k1, k2, k3]).enumerate() {
+            let mut s: f32 = acc.iter().sum();
+            for d in lanes..hd {
+                s += q[d] * key[d];
+            }
+            o[i] = s;
+        }
+        j += 4;
+    }
+    for o in quads.into_remainder() {
+        *o = dot(q, &keys[j * hd..(j + 1) * hd]);
+        j += 1;
+    }
 }
 
 /// Dot product with sixteen independent accumulators (two AVX registers' worth), so the compiler
@@ -377,6 +441,25 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn fast_exp_is_accurate() {
+        let mut worst = 0f64;
+        let mut x = -90.0f32;
+        while x < 20.0 {
+            let want = (x as f64).exp();
+            let got = exp(x) as f64;
+            if want > 1e-37 {
+                worst = worst.max((got - want).abs() / want);
+            } else {
+                assert!(got < 2e-37, "{x}: {got}");
+            }
+            x += 0.0137;
+        }
+        assert!(worst < 3e-7, "relative error {worst}");
+        assert_eq!(exp(0.0), 1.0);
+        assert!(exp(f32::NEG_INFINITY) < 2e-38);
     }
 
     #[test]
