@@ -118,11 +118,12 @@ pub fn run(args: &InspectArgs) -> Result<()> {
             for (t, per_token, tokens) in kv_table(&c) {
                 match tokens {
                     Some(n) => println!(
-                        "  {t:<5} {:>7.1} KiB per token, {n} tokens in the default {} MiB budget",
+                        "  {:<5} {:>5.1} KiB per token, {n} tokens in the default {} MiB budget",
+                        t.name(),
                         per_token as f64 / 1024.0,
                         KvOptions::default().budget_bytes >> 20
                     ),
-                    None => println!("  {t:<5} cannot store this model's rows"),
+                    None => println!("  {:<5} cannot store this model's rows", t.name()),
                 }
             }
         }
