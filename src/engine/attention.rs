@@ -240,13 +240,8 @@ fn run_task(
                 for (pj, &sc) in p.iter_mut().zip(&scores) {
                     *pj = exp(sc - m[qi]);
                 }
-                let mut sum = 0f32;
-                for (j, &pj) in p[..cnt].iter().enumerate() {
-                    sum += pj;
-                    let k = k0 + j;
-                    axpy(pj, &values[k * hd..(k + 1) * hd], a);
-                }
-                l[qi] += sum;
+                l[qi] += p[..cnt].iter().sum::<f32>();
+                weighted_sum(&p[..cnt], &values[k0 * hd..(k0 + cnt) * hd], a);
             }
         }
         b += 1;
@@ -276,11 +271,132 @@ fn exp(x: f32) -> f32 {
     y * f32::from_bits(((n as i32 + 127) as u32) << 23)
 }
 
-/// `out[j] = q · keys[j]` for consecutive rows of `q.len()` values. Four keys at a time, each with
-/// eight lanes of accumulators: `q` is loaded once per four keys and the four sums do not wait on
-/// each other.
+/// `out[j] = q · keys[j]` for consecutive rows of `q.len()` values, with AVX2/FMA (the build's
+/// baseline, see `.cargo/config.toml`): four keys at a time so `q` is loaded once per four keys
+/// and the four sums do not wait on each other. Other shapes and targets take the portable code.
+#[cfg(all(
+    target_arch = "x86_64",
+    target_feature = "avx2",
+    target_feature = "fma"
+))]
 #[inline]
 fn dots(q: &[f32], keys: &[f32], out: &mut [f32]) {
+    use std::arch::x86_64::*;
+    let hd = q.len();
+    if !hd.is_multiple_of(8) || keys.len() < out.len() * hd {
+        return dots_portable(q, keys, out);
+    }
+    /// # Safety
+    /// Needs AVX (enabled for the whole build, see the cfg on `dots`).
+    #[inline(always)]
+    unsafe fn hsum(v: __m256) -> f32 {
+        let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)))
+    }
+    let qp = q.as_ptr();
+    let kp = keys.as_ptr();
+    let mut j = 0;
+    // SAFETY: AVX2 and FMA are enabled for the whole build (cfg above). Every load reads 8 floats
+    // at `d < hd` (hd a multiple of 8) of `q` or of key row `j < out.len()`, and `keys` holds
+    // `out.len() * hd` floats (checked above).
+    unsafe {
+        while j + 4 <= out.len() {
+            let k = [
+                kp.add(j * hd),
+                kp.add((j + 1) * hd),
+                kp.add((j + 2) * hd),
+                kp.add((j + 3) * hd),
+            ];
+            let mut a = [_mm256_setzero_ps(); 4];
+            let mut d = 0;
+            while d < hd {
+                let x = _mm256_loadu_ps(qp.add(d));
+                for i in 0..4 {
+                    a[i] = _mm256_fmadd_ps(x, _mm256_loadu_ps(k[i].add(d)), a[i]);
+                }
+                d += 8;
+            }
+            for i in 0..4 {
+                out[j + i] = hsum(a[i]);
+            }
+            j += 4;
+        }
+        while j < out.len() {
+            let k = kp.add(j * hd);
+            let mut a = _mm256_setzero_ps();
+            let mut d = 0;
+            while d < hd {
+                a = _mm256_fmadd_ps(_mm256_loadu_ps(qp.add(d)), _mm256_loadu_ps(k.add(d)), a);
+                d += 8;
+            }
+            out[j] = hsum(a);
+            j += 1;
+        }
+    }
+}
+
+#[cfg(not(all(
+    target_arch = "x86_64",
+    target_feature = "avx2",
+    target_feature = "fma"
+)))]
+#[inline]
+fn dots(q: &[f32], keys: &[f32], out: &mut [f32]) {
+    dots_portable(q, keys, out)
+}
+
+/// `a += Σ_j p[j] · values[j]`. Eight dimensions at a time held in a register across all the keys
+/// of the tile (one load and one FMA per key), instead of loading and storing `a` once per key.
+#[cfg(all(
+    target_arch = "x86_64",
+    target_feature = "avx2",
+    target_feature = "fma"
+))]
+#[inline]
+fn weighted_sum(p: &[f32], values: &[f32], a: &mut [f32]) {
+    use std::arch::x86_64::*;
+    let hd = a.len();
+    if !hd.is_multiple_of(8) || values.len() < p.len() * hd {
+        return weighted_sum_portable(p, values, a);
+    }
+    let vp = values.as_ptr();
+    let ap = a.as_mut_ptr();
+    // SAFETY: AVX2/FMA are enabled for the whole build; loads and stores touch `a[d..d + 8]` and
+    // `values[j * hd + d..][..8]` with `d < hd` (a multiple of 8) and `j < p.len()`, inside the
+    // slices (lengths checked above).
+    unsafe {
+        let mut d = 0;
+        while d < hd {
+            let mut acc = _mm256_loadu_ps(ap.add(d));
+            for (j, &pj) in p.iter().enumerate() {
+                acc = _mm256_fmadd_ps(_mm256_set1_ps(pj), _mm256_loadu_ps(vp.add(j * hd + d)), acc);
+            }
+            _mm256_storeu_ps(ap.add(d), acc);
+            d += 8;
+        }
+    }
+}
+
+#[cfg(not(all(
+    target_arch = "x86_64",
+    target_feature = "avx2",
+    target_feature = "fma"
+)))]
+#[inline]
+fn weighted_sum(p: &[f32], values: &[f32], a: &mut [f32]) {
+    weighted_sum_portable(p, values, a)
+}
+
+fn weighted_sum_portable(p: &[f32], values: &[f32], a: &mut [f32]) {
+    let hd = a.len();
+    for (j, &pj) in p.iter().enumerate() {
+        axpy(pj, &values[j * hd..(j + 1) * hd], a);
+    }
+}
+
+/// Portable [`dots`]: four keys at a time, eight lanes of accumulators each.
+fn dots_portable(q: &[f32], keys: &[f32], out: &mut [f32]) {
     let hd = q.len();
     let lanes = hd / 8 * 8;
     let mut quads = out.chunks_exact_mut(4);
@@ -438,6 +554,38 @@ mod tests {
                             assert!((g - w).abs() < 1e-4, "{t} row {r} head {h}: {g} vs {w}");
                         }
                     }
+                }
+            }
+        }
+    }
+
+    /// The SIMD kernels agree with plain f64 sums, for every tile length and for head dimensions
+    /// that do (64) and do not (36) fill whole registers.
+    #[test]
+    fn dot_and_weighted_sum_kernels_match_plain_sums() {
+        for hd in [64usize, 36] {
+            let q: Vec<f32> = (0..hd).map(|i| value(i, 1)).collect();
+            let keys: Vec<f32> = (0..16 * hd).map(|i| value(i, 2)).collect();
+            for cnt in 1..=16 {
+                let mut out = vec![0f32; cnt];
+                dots(&q, &keys[..cnt * hd], &mut out);
+                for (j, &o) in out.iter().enumerate() {
+                    let want: f64 = (0..hd).map(|d| q[d] as f64 * keys[j * hd + d] as f64).sum();
+                    assert!((o as f64 - want).abs() < 1e-4, "hd {hd} cnt {cnt} key {j}");
+                }
+                let p: Vec<f32> = (0..cnt).map(|j| value(j, 5).abs()).collect();
+                let mut a: Vec<f32> = (0..hd).map(|i| value(i, 9)).collect();
+                let start = a.clone();
+                weighted_sum(&p, &keys[..cnt * hd], &mut a);
+                for d in 0..hd {
+                    let want = start[d] as f64
+                        + (0..cnt)
+                            .map(|j| p[j] as f64 * keys[j * hd + d] as f64)
+                            .sum::<f64>();
+                    assert!(
+                        (a[d] as f64 - want).abs() < 1e-4,
+                        "hd {hd} cnt {cnt} dim {d}"
+                    );
                 }
             }
         }
