@@ -237,8 +237,9 @@ fn run_task(
                 }
                 // All 16 lanes at once so the exponentials vectorise; lanes past `cnt` are ignored.
                 let mut p = [0f32; BLOCK_POSITIONS];
+                let mq = m[qi];
                 for (pj, &sc) in p.iter_mut().zip(&scores) {
-                    *pj = exp(sc - m[qi]);
+                    *pj = exp(sc - mq);
                 }
                 l[qi] += p[..cnt].iter().sum::<f32>();
                 weighted_sum(&p[..cnt], &values[k0 * hd..(k0 + cnt) * hd], a);
@@ -268,7 +269,10 @@ fn exp(x: f32) -> f32 {
     p = p * r + 1.666_666_5e-1;
     p = p * r + 0.5;
     let y = p * r * r + r + 1.0;
-    y * f32::from_bits(((n as i32 + 127) as u32) << 23)
+    // 2^n through the exponent bits. Adding 1.5 * 2^23 leaves the integer n in the low mantissa
+    // bits, which avoids `as i32` (a saturating conversion that keeps the loop scalar).
+    let n_bits = (n + 12_582_912.0).to_bits().wrapping_sub(0x4B40_0000);
+    y * f32::from_bits(n_bits.wrapping_add(127) << 23)
 }
 
 /// `out[j] = q · keys[j]` for consecutive rows of `q.len()` values, with AVX2/FMA (the build's
@@ -366,7 +370,28 @@ fn weighted_sum(p: &[f32], values: &[f32], a: &mut [f32]) {
     // `values[j * hd + d..][..8]` with `d < hd` (a multiple of 8) and `j < p.len()`, inside the
     // slices (lengths checked above).
     unsafe {
+        // Four registers (32 dimensions) at a time: four independent FMA chains per key hide the
+        // FMA latency that a single running register would wait on.
         let mut d = 0;
+        while d + 32 <= hd {
+            let mut acc = [
+                _mm256_loadu_ps(ap.add(d)),
+                _mm256_loadu_ps(ap.add(d + 8)),
+                _mm256_loadu_ps(ap.add(d + 16)),
+                _mm256_loadu_ps(ap.add(d + 24)),
+            ];
+            for (j, &pj) in p.iter().enumerate() {
+                let w = _mm256_set1_ps(pj);
+                let v = vp.add(j * hd + d);
+                for (i, a) in acc.iter_mut().enumerate() {
+                    *a = _mm256_fmadd_ps(w, _mm256_loadu_ps(v.add(8 * i)), *a);
+                }
+            }
+            for (i, a) in acc.iter().enumerate() {
+                _mm256_storeu_ps(ap.add(d + 8 * i), *a);
+            }
+            d += 32;
+        }
         while d < hd {
             let mut acc = _mm256_loadu_ps(ap.add(d));
             for (j, &pj) in p.iter().enumerate() {
