@@ -54,6 +54,9 @@ pub struct ModelConfig {
     pub yarn_factor: Option<f32>,
     /// The context the model was trained on, for YaRN (default: the GGUF's context length).
     pub yarn_original_context: Option<usize>,
+    /// How the KV cache stores keys and values: `f32`, `f16` (default) or `q8_0` (about half of
+    /// f16's bytes; needs a head dimension that is a multiple of 32).
+    pub kv_type: String,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -168,6 +171,7 @@ impl Default for ModelConfig {
             threads: None,
             yarn_factor: None,
             yarn_original_context: None,
+            kv_type: "f16".into(),
         }
     }
 }
@@ -282,8 +286,19 @@ impl Config {
         Ok(cfg)
     }
 
+    /// `model.kv_type`, parsed.
+    pub fn kv_type(&self) -> Result<crate::engine::KvType, String> {
+        self.model
+            .kv_type
+            .parse()
+            .map_err(|e: String| format!("model.kv_type: {e}"))
+    }
+
     pub fn validate(&self) -> Result<(), ConfigError> {
         let bad = |m: String| Err(ConfigError::Invalid(m));
+        if let Err(e) = self.kv_type() {
+            return bad(e);
+        }
         let s = &self.scheduler;
         if s.max_running == 0 {
             return bad("scheduler.max_running must be at least 1".into());

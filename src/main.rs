@@ -29,6 +29,7 @@ fn run() -> Result<()> {
         .init();
     let args = Cli::parse();
     cli::init_threads(args.threads)?;
+    cli::init_kv_type(args.kv_type);
     // `serve` is the default subcommand: parse again with it appended (global flags stay valid).
     let command = match args.command {
         Some(c) => c,

@@ -14,7 +14,7 @@ use crate::engine::device;
 use crate::engine::gguf::GgufSource;
 use crate::engine::template::ChatTemplate;
 use crate::engine::tokenizer::Tokenizer;
-use crate::engine::{Engine, EngineError, Model};
+use crate::engine::{Engine, EngineError, KvOptions, Model};
 use crate::store::{Store, StoreError};
 
 #[derive(Debug, thiserror::Error)]
@@ -116,8 +116,15 @@ pub fn load_model(
         weight_bytes: model.weight_bytes(),
         load_s: start.elapsed().as_secs_f64(),
     };
-    tracing::info!(model = %info.id, arch = %info.architecture, window = context_window, load_s = info.load_s, "model loaded");
-    Ok((Engine::new(model), tokenizer, template, info))
+    let kv = KvOptions {
+        kv_type: config
+            .kv_type()
+            .map_err(|e| err(EngineError::KvConfig(e)))?,
+        budget_bytes: config.scheduler.kv_budget_mib << 20,
+    };
+    let engine = Engine::with_kv(model, kv).map_err(err)?;
+    tracing::info!(model = %info.id, arch = %info.architecture, window = context_window, load_s = info.load_s, kv_type = %kv.kv_type, kv_capacity_tokens = engine.kv_capacity_tokens(), "model loaded");
+    Ok((engine, tokenizer, template, info))
 }
 
 impl Platform {

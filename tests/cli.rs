@@ -79,6 +79,14 @@ fn inspect_command_reports_nope_layers_and_kv_bytes() {
     assert_eq!(v["model"]["nope_layers"], serde_json::json!([3, 7]));
     // 2 (K and V) x 8 layers x 2 KV heads x 32 dims x 4 bytes
     assert_eq!(v["model"]["kv_bytes_per_token_f32"], 2 * 8 * 2 * 32 * 4);
+    // Per KV type, and the tokens the default 2 GiB holds in whole blocks of 16 positions.
+    let kv = &v["model"]["kv_cache"];
+    for (t, row_bytes) in [("f32", 32 * 4), ("f16", 32 * 2), ("q8_0", 34)] {
+        let per_token = 2 * 8 * 2 * row_bytes;
+        assert_eq!(kv[t]["bytes_per_token"], per_token, "{t}");
+        let tokens = (2048usize << 20) / (16 * per_token) * 16;
+        assert_eq!(kv[t]["tokens_in_default_budget"], tokens, "{t}");
+    }
     assert!(v["metadata"]["tokenizer.ggml.tokens"]
         .as_str()
         .expect("summary")

@@ -495,9 +495,18 @@ async fn concurrent_conversations_match_alone() {
 async fn second_turn_reuses_the_cache_and_eviction_keeps_replies_identical() {
     const MAX: usize = 24;
     let dir = tempdir();
-    // 1 MiB holds about 20 tokens of SmolLM2's KV: any other conversation's turn evicts an idle
-    // cache.
-    let server = Server::start(dir.path(), &[("SMOLCHAT_SCHEDULER__KV_BUDGET_MIB", "1")]).await;
+    // The budget is the KV allocator's hard capacity: 5 MiB of f32 KV is 7 blocks of 16 positions
+    // of SmolLM2 (720 KiB each), 112 tokens. One conversation's second turn (~100 tokens) fits,
+    // but two conversations' first turns (~64 tokens, 4 blocks each) do not: the other
+    // conversation's turn evicts the idle cache.
+    let server = Server::start(
+        dir.path(),
+        &[
+            ("SMOLCHAT_SCHEDULER__KV_BUDGET_MIB", "5"),
+            ("SMOLCHAT_MODEL__KV_TYPE", "f32"),
+        ],
+    )
+    .await;
     let c = server.client();
     let first = "My name is Ann. Please remember it.";
     let second = "What is my name?";

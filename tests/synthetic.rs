@@ -7,12 +7,12 @@ use std::path::Path;
 use candle_core::quantized::{gguf_file, QStorage, QTensor};
 use candle_core::{Device, Tensor};
 use smolchat::engine::gguf::{GgmlDType, GgufSource, Value};
-use smolchat::engine::model::{BatchItem, LogitsMode, Model};
+use smolchat::engine::model::{LogitsMode, Model};
 use smolchat::engine::synthetic::{
     self, q4km_more_bits, rename_architecture, write_source_as_gguf, SyntheticModel, SyntheticSpec,
     TypeMix, WeightFill,
 };
-use smolchat::engine::{Architecture, EngineError, ModelConfig};
+use smolchat::engine::{Architecture, Engine, EngineError, ModelConfig, SeqStep};
 
 fn mixes() -> Vec<TypeMix> {
     vec![
@@ -337,14 +337,15 @@ fn random_blocks_dequantize_to_plausible_weights() {
 }
 
 fn forward_logits(src: &mut GgufSource, tokens: &[u32]) -> Vec<f32> {
-    let model = Model::load(src, &mut |_, _| {}).unwrap();
-    let mut cache = model.new_cache();
-    let mut items = [BatchItem {
-        cache: &mut cache,
-        tokens,
-        logits: LogitsMode::All,
-    }];
-    let out = model.forward(&mut items).unwrap();
+    let mut engine = Engine::new(Model::load(src, &mut |_, _| {}).unwrap());
+    let seq = engine.create_sequence();
+    let out = engine
+        .step(&[SeqStep {
+            seq,
+            tokens,
+            logits: LogitsMode::All,
+        }])
+        .unwrap();
     out.into_iter().next().flatten().unwrap()
 }
 

@@ -203,9 +203,16 @@ impl ModelWorker {
         }
     }
 
-    /// Evicts least-recently-used idle caches until `extra` more bytes fit in the budget.
-    fn make_room(&mut self, extra: usize) {
-        while self.engine.total_kv_bytes() + extra > self.kv_budget_bytes {
+    /// Evicts least-recently-used idle caches until `blocks` more KV blocks fit, both in the
+    /// engine's allocator and in the worker's byte budget. Returns whether they fit.
+    fn make_room(&mut self, blocks: usize) -> bool {
+        let extra = blocks * self.engine.kv_block_bytes();
+        loop {
+            let fits = self.engine.kv_free_blocks() >= blocks
+                && self.engine.total_kv_bytes() + extra <= self.kv_budget_bytes;
+            if fits {
+                return true;
+            }
             let victim = self
                 .caches
                 .iter()
@@ -217,7 +224,7 @@ impl ModelWorker {
                     tracing::debug!(cache_key = %k, "evicting idle KV cache");
                     self.evict_key(&k);
                 }
-                None => break,
+                None => return false,
             }
         }
     }
@@ -427,11 +434,33 @@ impl ModelWorker {
                 work.push((id, seq, chunk, last));
             }
         }
-        let extra_tokens: usize = work.iter().map(|w| w.2.len()).sum();
-        let per_token = self.engine.model().config.kv_bytes_per_token();
-        self.make_room(extra_tokens * per_token);
-
         let mut failed: Vec<(RequestId, String)> = Vec::new();
+        // KV blocks: evict idle caches to make room; if the step still does not fit, the last
+        // items (prefill chunks come after decodes) end with an error instead of running.
+        let needs: Vec<usize> = work
+            .iter()
+            .map(|(_, seq, toks, _)| self.engine.kv_blocks_needed(*seq, toks.len()).unwrap_or(0))
+            .collect();
+        let mut needed: usize = needs.iter().sum();
+        if !self.make_room(needed) {
+            let budget_blocks = (self.kv_budget_bytes / self.engine.kv_block_bytes().max(1))
+                .min(self.engine.kv_capacity_blocks());
+            let in_use = self.engine.total_kv_bytes() / self.engine.kv_block_bytes().max(1);
+            let free = budget_blocks.saturating_sub(in_use);
+            while needed > free {
+                let Some((id, _, _, _)) = work.pop() else {
+                    break;
+                };
+                let need = needs[work.len()];
+                let err = crate::engine::EngineError::KvCacheFull {
+                    needed_blocks: need,
+                    free_blocks: free,
+                };
+                tracing::warn!(request = id, "{err}");
+                failed.push((id, err.to_string()));
+                needed -= need;
+            }
+        }
         if !work.is_empty() {
             let steps: Vec<SeqStep<'_>> = work
                 .iter()
@@ -560,10 +589,15 @@ mod tests {
     use crate::engine::gguf::GgufSource;
     use crate::engine::sampling::SamplingParams;
     use crate::engine::synthetic::{self, SyntheticSpec};
-    use crate::engine::Model;
+    use crate::engine::{KvOptions, KvType, Model};
     use tokio::sync::mpsc;
 
     fn worker() -> ModelWorker {
+        worker_with_kv(None)
+    }
+
+    /// A worker on a tiny model; with `Some(n)`, an engine and budget of exactly `n` KV blocks.
+    fn worker_with_kv(blocks: Option<usize>) -> ModelWorker {
         let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
             .join("models/SmolLM2-135M-Instruct.Q4_1.gguf");
         let real = GgufSource::open(&path).expect("run ./scripts/fetch-model.sh");
@@ -573,7 +607,19 @@ mod tests {
             .expect("spec");
         let mut src = synthetic::build(&spec).expect("build");
         let model = Model::load(&mut src, &mut |_, _| {}).expect("load");
-        ModelWorker::new(Engine::new(model), Arc::new(tokenizer), 1 << 30, 2048)
+        match blocks {
+            None => ModelWorker::new(Engine::new(model), Arc::new(tokenizer), 1 << 30, 2048),
+            Some(n) => {
+                let kv = crate::engine::kv::KvLayout::new(&model.config, KvType::F16);
+                let budget = n * kv.bytes_per_block();
+                let options = KvOptions {
+                    kv_type: KvType::F16,
+                    budget_bytes: budget,
+                };
+                let engine = Engine::with_kv(model, options).expect("engine");
+                ModelWorker::new(engine, Arc::new(tokenizer), budget, 2048)
+            }
+        }
     }
 
     /// Runs one request to the end; returns its events.
@@ -702,5 +748,42 @@ mod tests {
             cached(&run_salted(&mut w, 5, None, Some("alice"), probe)),
             30
         );
+    }
+
+    /// With a budget of 3 KV blocks (48 positions): an idle conversation is evicted to make room
+    /// for another, and a prompt larger than the whole budget ends its request with a clear error
+    /// instead of crashing the worker, which keeps serving afterwards.
+    #[test]
+    fn a_full_kv_cache_evicts_idle_caches_then_refuses_with_an_error() {
+        let mut w = worker_with_kv(Some(3));
+        assert_eq!(w.engine.kv_capacity_blocks(), 3);
+        let prompt_a: Vec<u32> = (100..120).collect(); // 20 + 3 generated: 2 blocks
+        let prompt_b: Vec<u32> = (200..220).collect();
+        let a = run(&mut w, 1, Some("a"), prompt_a.clone());
+        assert!(matches!(a.last(), Some(GenEvent::Finished(s)) if s.reason == StopReason::Length));
+        assert_eq!(w.engine.kv_free_blocks(), 1);
+        let b = run(&mut w, 2, Some("b"), prompt_b.clone());
+        assert!(matches!(b.last(), Some(GenEvent::Finished(s)) if s.reason == StopReason::Length));
+        assert_eq!(w.evictions, 1, "a's idle cache made room for b");
+        assert!(!w.caches.contains_key("a"));
+        // b's cache survived and is reused.
+        let mut b2 = prompt_b.clone();
+        b2.extend(300..304);
+        assert_eq!(cached(&run(&mut w, 3, Some("b"), b2)), 20);
+
+        // 60 prompt tokens need 4 blocks: more than the whole budget.
+        let huge: Vec<u32> = (0..60).collect();
+        let events = run(&mut w, 4, Some("huge"), huge);
+        match events.last() {
+            Some(GenEvent::Finished(s)) => match &s.reason {
+                StopReason::Error(msg) => assert!(msg.contains("KV cache is full"), "{msg}"),
+                other => panic!("expected an error, got {other:?}"),
+            },
+            other => panic!("expected a finished event, got {other:?}"),
+        }
+        assert!(w.active.is_empty());
+        // The worker still serves.
+        let again = run(&mut w, 5, Some("a"), prompt_a);
+        assert!(matches!(again.last(), Some(GenEvent::Finished(s)) if s.completion_tokens == 3));
     }
 }

@@ -56,7 +56,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
             args.device.select()?;
             let mut src = synthetic::build(&spec)?;
             let model = super::load_with_progress(&mut src)?;
-            (Engine::new(model), format!("synthetic:{name}"))
+            (super::engine_for(model)?, format!("synthetic:{name}"))
         }
         None => {
             let path = super::model_path(args.model.as_deref())?;
@@ -115,6 +115,14 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         "threads": rayon::current_num_threads(),
         "isa": crate::engine::quant::gemm::Isa::best().name(),
         "weight_bytes": engine.model().weight_bytes(),
+        "kv": {
+            "type": engine.kv_type().name(),
+            "bytes_per_token": engine.kv_bytes_per_token(),
+            "block_bytes": engine.kv_block_bytes(),
+            "budget_bytes": engine.kv_capacity_blocks() * engine.kv_block_bytes(),
+            "capacity_tokens": engine.kv_capacity_tokens(),
+            "resident_bytes": engine.kv_resident_bytes(),
+        },
         "load_s": load_s,
         "prefill": {
             "prompt_tokens": args.prompt_tokens,

@@ -101,7 +101,7 @@ pub fn load_all(model: Option<&std::path::Path>, device: super::DeviceArg) -> Re
     };
     let model = super::load_with_progress(&mut src)?;
     Ok(Loaded {
-        engine: Engine::new(model),
+        engine: super::engine_for(model)?,
         tokenizer,
         template,
     })

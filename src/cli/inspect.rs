@@ -7,7 +7,8 @@ use anyhow::Result;
 use clap::Args;
 
 use crate::engine::gguf::{summarize_value, GgufSource};
-use crate::engine::ModelConfig;
+use crate::engine::kv::{BlockAllocator, KvLayout};
+use crate::engine::{KvOptions, KvType, ModelConfig};
 
 #[derive(Args, Debug)]
 pub struct InspectArgs {
@@ -45,6 +46,12 @@ pub fn run(args: &InspectArgs) -> Result<()> {
                 "vocab_size": c.vocab_size,
                 "nope_layers": c.uses_rope.iter().enumerate().filter(|(_, r)| !**r).map(|(i, _)| i).collect::<Vec<_>>(),
                 "kv_bytes_per_token_f32": c.kv_bytes_per_token(),
+                "kv_cache": kv_table(c).into_iter().map(|(t, per_token, tokens)| {
+                    (t.name().to_string(), serde_json::json!({
+                        "bytes_per_token": per_token,
+                        "tokens_in_default_budget": tokens,
+                    }))
+                }).collect::<serde_json::Map<_, _>>(),
             }),
             Err(e) => serde_json::json!({ "error": e.to_string() }),
         };
@@ -108,8 +115,38 @@ pub fn run(args: &InspectArgs) -> Result<()> {
                 c.kv_bytes_per_token(),
                 c.kv_bytes_per_token() as f64 / 1024.0
             );
+            for (t, per_token, tokens) in kv_table(&c) {
+                match tokens {
+                    Some(n) => println!(
+                        "  {:<5} {:>5.1} KiB per token, {n} tokens in the default {} MiB budget",
+                        t.name(),
+                        per_token as f64 / 1024.0,
+                        KvOptions::default().budget_bytes >> 20
+                    ),
+                    None => println!("  {:<5} cannot store this model's rows", t.name()),
+                }
+            }
         }
         Err(e) => println!("\nmodel: cannot run this file: {e}"),
     }
     Ok(())
+}
+
+/// Per KV type: bytes per token and the tokens the default budget holds (from the engine's own
+/// block accounting; `None` when the type cannot store this model's rows).
+fn kv_table(c: &ModelConfig) -> Vec<(KvType, usize, Option<usize>)> {
+    KvType::ALL
+        .iter()
+        .map(|&t| {
+            let layout = KvLayout::new(c, t);
+            let tokens = layout.check().ok().map(|_| {
+                BlockAllocator::with_budget(
+                    KvOptions::default().budget_bytes,
+                    layout.bytes_per_block(),
+                )
+                .capacity_positions()
+            });
+            (t, layout.bytes_per_position(), tokens)
+        })
+        .collect()
 }

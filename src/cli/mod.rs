@@ -11,6 +11,7 @@ pub mod serve;
 pub mod tokenize;
 
 use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
 use std::time::Instant;
 
 use anyhow::{Context, Result};
@@ -20,7 +21,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use crate::config::DEFAULT_MODEL;
 use crate::engine::device::{self, DeviceRequest};
 use crate::engine::gguf::GgufSource;
-use crate::engine::{Engine, Model};
+use crate::engine::{Engine, KvOptions, KvType, Model};
 
 #[derive(Parser, Debug)]
 #[command(
@@ -32,6 +33,9 @@ pub struct Cli {
     /// Threads for the model's compute (default: all cores).
     #[arg(long, global = true, env = "SMOLCHAT_THREADS")]
     pub threads: Option<usize>,
+    /// KV cache storage: f32, f16 or q8_0 (overrides `model.kv_type`; default f16).
+    #[arg(long, global = true)]
+    pub kv_type: Option<KvType>,
     /// What to do; `serve` when left out.
     #[command(subcommand)]
     pub command: Option<Command>,
@@ -95,6 +99,36 @@ pub fn init_threads(threads: Option<usize>) -> Result<()> {
     Ok(())
 }
 
+/// `--kv-type`, set once at start-up (a global flag, like `--threads`).
+static KV_TYPE: OnceLock<KvType> = OnceLock::new();
+
+/// Records `--kv-type` for the subcommands.
+pub fn init_kv_type(kv_type: Option<KvType>) {
+    if let Some(t) = kv_type {
+        // Set once from main; a second call would be a programming error and changes nothing.
+        let _ = KV_TYPE.set(t);
+    }
+}
+
+/// `--kv-type` when given.
+pub fn kv_type_flag() -> Option<KvType> {
+    KV_TYPE.get().copied()
+}
+
+/// KV options for the commands that run the model outside the server: `--kv-type` (default f16)
+/// and the default 2 GiB budget.
+pub fn kv_options() -> KvOptions {
+    KvOptions {
+        kv_type: kv_type_flag().unwrap_or_default(),
+        ..KvOptions::default()
+    }
+}
+
+/// Wraps a loaded model in an engine with [`kv_options`].
+pub fn engine_for(model: Model) -> Result<Engine> {
+    Ok(Engine::with_kv(model, kv_options())?)
+}
+
 /// Resolves `--model`, defaulting to the embedded model, with a message that says how to fix a
 /// missing file.
 pub fn model_path(arg: Option<&Path>) -> Result<PathBuf> {
@@ -119,7 +153,7 @@ pub fn load_engine(path: &Path, device: DeviceArg) -> Result<(Engine, f64)> {
     let start = Instant::now();
     let mut src = GgufSource::open(path)?;
     let model = load_with_progress(&mut src)?;
-    Ok((Engine::new(model), start.elapsed().as_secs_f64()))
+    Ok((engine_for(model)?, start.elapsed().as_secs_f64()))
 }
 
 pub fn load_with_progress(src: &mut GgufSource) -> Result<Model> {

@@ -60,6 +60,9 @@ impl ServeArgs {
         if let Some(device) = self.device {
             config.model.device = device;
         }
+        if let Some(t) = super::kv_type_flag() {
+            config.model.kv_type = t.to_string();
+        }
         config.validate()?;
         Ok(config)
     }

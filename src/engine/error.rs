@@ -46,6 +46,13 @@ pub enum EngineError {
         needed: usize,
         window: usize,
     },
+    #[error("the KV cache is full: the step needs {needed_blocks} more blocks of 16 positions and {free_blocks} are free; finish or evict other conversations, or raise scheduler.kv_budget_mib")]
+    KvCacheFull {
+        needed_blocks: usize,
+        free_blocks: usize,
+    },
+    #[error("KV cache: {0}")]
+    KvConfig(String),
     #[error("invalid step: {0}")]
     InvalidStep(String),
     #[error("token id {id} is outside the vocabulary (size {vocab})")]

@@ -4,15 +4,17 @@
 pub mod error;
 
 pub use error::{EngineError, Result};
+pub(crate) mod attention;
 pub mod config;
 pub mod device;
 pub mod gguf;
-pub mod kv_cache;
+pub mod kv;
 pub mod model;
 pub mod quant;
 pub mod step;
 
 pub use config::{Architecture, ModelConfig};
+pub use kv::{KvOptions, KvType};
 pub use model::{LogitsMode, Model};
 pub use step::{Engine, EngineStats, SeqId, SeqStep};
 pub mod generation;

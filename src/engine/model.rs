@@ -6,13 +6,13 @@
 //! attention runs per sequence and head against that sequence's own KV cache at its own positions.
 //! Logits are computed only for the rows that are asked for.
 
-use rayon::prelude::*;
 use tracing::trace_span;
 
+use super::attention::{attention, AttnShape, SeqAttn};
 use super::config::{Architecture, ModelConfig, YarnScaling};
 use super::error::{EngineError, Result};
 use super::gguf::{GgmlDType, GgufSource};
-use super::kv_cache::KvCache;
+use super::kv::{BlockId, CpuKvStorage, KvKind, BLOCK_POSITIONS};
 use super::quant::QMatrix;
 
 /// Which logits a sequence wants from a step.
@@ -28,7 +28,10 @@ pub enum LogitsMode {
 
 /// One sequence's part of a forward step.
 pub struct BatchItem<'a> {
-    pub cache: &'a mut KvCache,
+    /// The sequence's block table, already grown to hold `past + tokens.len()` positions.
+    pub blocks: &'a [BlockId],
+    /// Positions already cached; the new tokens go at `past..`.
+    pub past: usize,
     pub tokens: &'a [u32],
     pub logits: LogitsMode,
 }
@@ -126,15 +129,6 @@ impl Model {
         c.context_length = (original as f32 * factor) as usize;
     }
 
-    /// A fresh, empty KV cache shaped for this model.
-    pub fn new_cache(&self) -> KvCache {
-        KvCache::new(
-            self.config.n_layers,
-            self.config.n_kv_heads,
-            self.config.head_dim,
-        )
-    }
-
     /// Bytes of weights held.
     pub fn weight_bytes(&self) -> usize {
         let mut n = self.token_embd.size_in_bytes()
@@ -150,8 +144,26 @@ impl Model {
         n
     }
 
-    /// Checks a batch before anything is computed, so a bad request never leaves caches half-updated.
+    /// Checks a batch before anything is computed, so a bad request never leaves caches
+    /// half-updated: everything [`Self::validate_request`] checks, and that every item has blocks
+    /// for its new positions.
     pub fn validate(&self, items: &[BatchItem<'_>]) -> Result<()> {
+        self.validate_request(items)?;
+        for (i, item) in items.iter().enumerate() {
+            let needed = item.past + item.tokens.len();
+            if item.blocks.len() * BLOCK_POSITIONS < needed {
+                return Err(EngineError::InvalidStep(format!(
+                    "sequence #{i} of the step has KV blocks for {} positions but needs {needed}",
+                    item.blocks.len() * BLOCK_POSITIONS
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// The checks that do not depend on KV blocks: tokens present and in the vocabulary, and the
+    /// context window respected.
+    pub fn validate_request(&self, items: &[BatchItem<'_>]) -> Result<()> {
         let c = &self.config;
         if items.is_empty() {
             return Err(EngineError::InvalidStep(
@@ -170,7 +182,7 @@ impl Model {
                     vocab: c.vocab_size,
                 });
             }
-            let needed = item.cache.len() + item.tokens.len();
+            let needed = item.past + item.tokens.len();
             if needed > c.context_length {
                 return Err(EngineError::ContextOverflow {
                     seq: i as u64,
@@ -182,10 +194,24 @@ impl Model {
         Ok(())
     }
 
-    /// Runs one step. Returns, per item, `None`, the last row of logits (`vocab` floats) or every
-    /// row (`tokens.len() * vocab` floats), as each item asked.
-    pub fn forward(&self, items: &mut [BatchItem<'_>]) -> Result<Vec<Option<Vec<f32>>>> {
+    /// Runs one step, storing the new positions' K/V in `kv` (the items' blocks must have pages
+    /// there). Returns, per item, `None`, the last row of logits (`vocab` floats) or every row
+    /// (`tokens.len() * vocab` floats), as each item asked.
+    pub fn forward(
+        &self,
+        kv: &mut CpuKvStorage,
+        items: &[BatchItem<'_>],
+    ) -> Result<Vec<Option<Vec<f32>>>> {
         self.validate(items)?;
+        if let Some(b) = items
+            .iter()
+            .flat_map(|i| i.blocks.iter())
+            .find(|&&b| b as usize >= kv.blocks())
+        {
+            return Err(EngineError::InvalidStep(format!(
+                "KV block {b} has no pages in the storage"
+            )));
+        }
         let _span = trace_span!("forward", seqs = items.len()).entered();
         let c = &self.config;
         let hidden = c.hidden;
@@ -198,14 +224,26 @@ impl Model {
         let mut positions = Vec::new();
         offsets.push(0usize);
         for item in items.iter() {
-            let start = item.cache.len();
+            let start = item.past;
             positions.extend(start..start + item.tokens.len());
             offsets.push(offsets[offsets.len() - 1] + item.tokens.len());
         }
         let n = positions.len();
-        for item in items.iter_mut() {
-            item.cache.reserve(item.tokens.len());
-        }
+        let seqs: Vec<SeqAttn<'_>> = items
+            .iter()
+            .zip(&offsets)
+            .map(|(item, &row0)| SeqAttn {
+                blocks: item.blocks,
+                past: item.past,
+                row0,
+                rows: item.tokens.len(),
+            })
+            .collect();
+        let shape = AttnShape {
+            n_heads: c.n_heads,
+            n_kv_heads: c.n_kv_heads,
+            head_dim: hd,
+        };
 
         let mut x = vec![0f32; n * hidden];
         for (row, &tok) in items.iter().flat_map(|i| i.tokens.iter()).enumerate() {
@@ -236,17 +274,20 @@ impl Model {
                 rope.apply(&mut q, c.n_heads, hd);
                 rope.apply(&mut k, c.n_kv_heads, hd);
             }
-            for (si, item) in items.iter_mut().enumerate() {
-                let lc = &mut item.cache.layers[li];
-                for row in offsets[si]..offsets[si + 1] {
+            for s in &seqs {
+                for r in 0..s.rows {
+                    let pos = s.past + r;
+                    let block = s.blocks[pos / BLOCK_POSITIONS];
+                    let slot = pos % BLOCK_POSITIONS;
+                    let row = s.row0 + r;
                     for kh in 0..c.n_kv_heads {
                         let src = row * kv_dim + kh * hd;
-                        lc.k[kh].extend_from_slice(&k[src..src + hd]);
-                        lc.v[kh].extend_from_slice(&v[src..src + hd]);
+                        kv.write(block, slot, li, kh, KvKind::K, &k[src..src + hd]);
+                        kv.write(block, slot, li, kh, KvKind::V, &v[src..src + hd]);
                     }
                 }
             }
-            self.attention(li, items, &offsets, &q, &mut attn);
+            attention(shape, kv, li, &seqs, &q, &mut attn);
             layer.wo.matmul(&attn, n, &mut proj);
             add_in_place(&mut x, &proj);
 
@@ -260,9 +301,6 @@ impl Model {
             swiglu_in_place(&mut gate, &up);
             layer.w_down.matmul(&gate, n, &mut proj);
             add_in_place(&mut x, &proj);
-        }
-        for item in items.iter_mut() {
-            item.cache.commit_tokens(item.tokens);
         }
 
         // Only the rows somebody asked for go through the final norm and the LM head.
@@ -305,80 +343,6 @@ impl Model {
             }
         }
         Ok(out)
-    }
-
-    /// Causal attention of every new row against its own sequence's cache (which already holds the
-    /// new rows' K/V). Work is split per (sequence, query head) across the rayon pool.
-    fn attention(
-        &self,
-        layer: usize,
-        items: &[BatchItem<'_>],
-        offsets: &[usize],
-        q: &[f32],
-        out: &mut [f32],
-    ) {
-        let c = &self.config;
-        let hd = c.head_dim;
-        let q_dim = c.n_heads * hd;
-        let group = c.n_heads / c.n_kv_heads;
-        let scale = 1.0 / (hd as f32).sqrt();
-        // Tasks are (sequence, head, first query row, rows): long prefill chunks are split so
-        // that every thread gets work even when a step holds a single sequence.
-        const QUERY_ROWS_PER_TASK: usize = 32;
-        let mut tasks: Vec<(usize, usize, usize, usize)> = Vec::new();
-        for s in 0..items.len() {
-            let n_new = offsets[s + 1] - offsets[s];
-            for head in 0..c.n_heads {
-                let mut start = 0;
-                while start < n_new {
-                    let rows = QUERY_ROWS_PER_TASK.min(n_new - start);
-                    tasks.push((s, head, start, rows));
-                    start += rows;
-                }
-            }
-        }
-        let results: Vec<Vec<f32>> = tasks
-            .par_iter()
-            .map(|&(s, head, first, rows)| {
-                let lc = &items[s].cache.layers[layer];
-                let keys = &lc.k[head / group];
-                let values = &lc.v[head / group];
-                let n_new = offsets[s + 1] - offsets[s];
-                let total = keys.len() / hd;
-                let past = total - n_new;
-                let mut res = vec![0f32; rows * hd];
-                let mut scores = vec![0f32; past + first + rows];
-                for i in 0..rows {
-                    let q_index = first + i;
-                    let row = offsets[s] + q_index;
-                    let qv = &q[row * q_dim + head * hd..row * q_dim + (head + 1) * hd];
-                    let visible = past + q_index + 1;
-                    let mut max = f32::NEG_INFINITY;
-                    for (j, sc) in scores[..visible].iter_mut().enumerate() {
-                        *sc = dot(qv, &keys[j * hd..(j + 1) * hd]) * scale;
-                        max = max.max(*sc);
-                    }
-                    let mut sum = 0f32;
-                    for sc in scores[..visible].iter_mut() {
-                        *sc = (*sc - max).exp();
-                        sum += *sc;
-                    }
-                    let inv = 1.0 / sum;
-                    let o = &mut res[i * hd..(i + 1) * hd];
-                    for (j, &p) in scores[..visible].iter().enumerate() {
-                        axpy(p * inv, &values[j * hd..(j + 1) * hd], o);
-                    }
-                }
-                res
-            })
-            .collect();
-        for (&(s, head, first, rows), res) in tasks.iter().zip(results) {
-            for i in 0..rows {
-                let row = offsets[s] + first + i;
-                out[row * q_dim + head * hd..row * q_dim + (head + 1) * hd]
-                    .copy_from_slice(&res[i * hd..(i + 1) * hd]);
-            }
-        }
     }
 
     pub fn architecture(&self) -> Architecture {
@@ -526,30 +490,6 @@ fn add_in_place(x: &mut [f32], y: &[f32]) {
 fn swiglu_in_place(gate: &mut [f32], up: &[f32]) {
     for (g, &u) in gate.iter_mut().zip(up) {
         *g = *g / (1.0 + (-*g).exp()) * u;
-    }
-}
-
-/// Dot product with eight independent accumulators so the compiler vectorises it.
-#[inline]
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let mut acc = [0f32; 8];
-    let chunks = a.len() / 8;
-    for c in 0..chunks {
-        for l in 0..8 {
-            acc[l] += a[c * 8 + l] * b[c * 8 + l];
-        }
-    }
-    let mut s: f32 = acc.iter().sum();
-    for i in chunks * 8..a.len() {
-        s += a[i] * b[i];
-    }
-    s
-}
-
-#[inline]
-fn axpy(alpha: f32, x: &[f32], y: &mut [f32]) {
-    for (o, &v) in y.iter_mut().zip(x) {
-        *o += alpha * v;
     }
 }
 

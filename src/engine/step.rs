@@ -4,7 +4,9 @@
 use std::collections::HashMap;
 
 use super::error::{EngineError, Result};
-use super::kv_cache::KvCache;
+use super::kv::{
+    BlockAllocator, BlockTable, CpuKvStorage, KvLayout, KvOptions, KvType, BLOCK_POSITIONS,
+};
 use super::model::{BatchItem, LogitsMode, Model};
 
 pub type SeqId = u64;
@@ -28,18 +30,54 @@ pub struct EngineStats {
     pub decode_tokens: u64,
 }
 
+/// One sequence: the blocks holding its K/V and the tokens they were computed for.
+struct Sequence {
+    table: BlockTable,
+    /// `tokens.len()` is the number of positions held (and the next position).
+    tokens: Vec<u32>,
+}
+
 pub struct Engine {
     model: Model,
-    caches: HashMap<SeqId, KvCache>,
+    /// Which block ids are free and which sequence holds the others (backend-neutral).
+    alloc: BlockAllocator,
+    /// Where the blocks' pages live.
+    storage: CpuKvStorage,
+    seqs: HashMap<SeqId, Sequence>,
     next_id: SeqId,
     stats: EngineStats,
 }
 
 impl Engine {
+    /// An engine with the default KV cache: f16 within 2 GiB (f16 stores any head dimension).
     pub fn new(model: Model) -> Self {
+        Self::build(model, KvOptions::default())
+    }
+
+    /// An engine whose KV cache is stored as `options.kv_type` within `options.budget_bytes`.
+    /// Errors when the type cannot store this model's rows or the budget holds no block.
+    pub fn with_kv(model: Model, options: KvOptions) -> Result<Self> {
+        let layout = KvLayout::new(&model.config, options.kv_type);
+        layout.check().map_err(EngineError::KvConfig)?;
+        if options.budget_bytes < layout.bytes_per_block() {
+            return Err(EngineError::KvConfig(format!(
+                "a budget of {} bytes holds no block: one block of {} positions takes {} bytes with {}",
+                options.budget_bytes,
+                BLOCK_POSITIONS,
+                layout.bytes_per_block(),
+                options.kv_type
+            )));
+        }
+        Ok(Self::build(model, options))
+    }
+
+    fn build(model: Model, options: KvOptions) -> Self {
+        let layout = KvLayout::new(&model.config, options.kv_type);
         Self {
+            alloc: BlockAllocator::with_budget(options.budget_bytes, layout.bytes_per_block()),
+            storage: CpuKvStorage::new(layout),
             model,
-            caches: HashMap::new(),
+            seqs: HashMap::new(),
             next_id: 1,
             stats: EngineStats::default(),
         }
@@ -53,41 +91,101 @@ impl Engine {
         self.stats
     }
 
-    /// Starts an empty sequence.
+    /// How K/V are stored.
+    pub fn kv_type(&self) -> KvType {
+        self.storage.layout().kv_type
+    }
+
+    /// Bytes of K/V per cached position.
+    pub fn kv_bytes_per_token(&self) -> usize {
+        self.storage.layout().bytes_per_position()
+    }
+
+    /// Bytes per block of [`BLOCK_POSITIONS`] positions.
+    pub fn kv_block_bytes(&self) -> usize {
+        self.alloc.bytes_per_block()
+    }
+
+    /// Blocks the budget holds.
+    pub fn kv_capacity_blocks(&self) -> usize {
+        self.alloc.capacity_blocks()
+    }
+
+    /// Positions the budget holds, across all sequences.
+    pub fn kv_capacity_tokens(&self) -> usize {
+        self.alloc.capacity_positions()
+    }
+
+    /// Blocks not held by any sequence.
+    pub fn kv_free_blocks(&self) -> usize {
+        self.alloc.free_blocks()
+    }
+
+    /// Bytes of pages allocated in memory (the peak of blocks in use; freed blocks keep their
+    /// pages for reuse). Never more than the budget.
+    pub fn kv_resident_bytes(&self) -> usize {
+        self.storage.resident_bytes()
+    }
+
+    /// More blocks `seq` needs to take `extra` more tokens.
+    pub fn kv_blocks_needed(&self, seq: SeqId, extra: usize) -> Result<usize> {
+        let s = self.sequence(seq)?;
+        Ok(BlockAllocator::blocks_needed(
+            &s.table,
+            s.tokens.len() + extra,
+        ))
+    }
+
+    /// Starts an empty sequence (it holds no blocks until its first step).
     pub fn create_sequence(&mut self) -> SeqId {
         let id = self.next_id;
         self.next_id += 1;
-        self.caches.insert(id, self.model.new_cache());
+        self.seqs.insert(
+            id,
+            Sequence {
+                table: BlockTable::new(),
+                tokens: Vec::new(),
+            },
+        );
         id
     }
 
-    /// Drops a sequence and its cache; returns whether it existed.
+    /// Drops a sequence and gives its blocks back; returns whether it existed.
     pub fn free_sequence(&mut self, seq: SeqId) -> bool {
-        self.caches.remove(&seq).is_some()
+        match self.seqs.remove(&seq) {
+            Some(mut s) => {
+                self.alloc.release(&mut s.table);
+                true
+            }
+            None => false,
+        }
     }
 
     pub fn contains(&self, seq: SeqId) -> bool {
-        self.caches.contains_key(&seq)
+        self.seqs.contains_key(&seq)
     }
 
-    fn cache(&self, seq: SeqId) -> Result<&KvCache> {
-        self.caches
-            .get(&seq)
-            .ok_or(EngineError::UnknownSequence(seq))
+    fn sequence(&self, seq: SeqId) -> Result<&Sequence> {
+        self.seqs.get(&seq).ok_or(EngineError::UnknownSequence(seq))
     }
 
-    /// Keeps the first `len` cached positions of `seq`.
+    /// Keeps the first `len` cached positions of `seq`; whole blocks past them go back to the
+    /// free list (a partly used last block is kept).
     pub fn truncate(&mut self, seq: SeqId, len: usize) -> Result<()> {
-        self.caches
+        let s = self
+            .seqs
             .get_mut(&seq)
-            .ok_or(EngineError::UnknownSequence(seq))?
-            .truncate(len);
+            .ok_or(EngineError::UnknownSequence(seq))?;
+        if len < s.tokens.len() {
+            s.tokens.truncate(len);
+            self.alloc.truncate(&mut s.table, len);
+        }
         Ok(())
     }
 
     /// The tokens whose K/V `seq` holds.
     pub fn cached_tokens(&self, seq: SeqId) -> Result<&[u32]> {
-        Ok(self.cache(seq)?.tokens())
+        Ok(&self.sequence(seq)?.tokens)
     }
 
     /// Prepares `seq` to run `prompt`: keeps the longest cached prefix shared with it (but never the
@@ -102,24 +200,30 @@ impl Engine {
 
     /// Length of the longest common prefix of `seq`'s cached tokens and `tokens`.
     pub fn common_prefix(&self, seq: SeqId, tokens: &[u32]) -> Result<usize> {
-        Ok(self.cache(seq)?.common_prefix(tokens))
+        Ok(self
+            .sequence(seq)?
+            .tokens
+            .iter()
+            .zip(tokens)
+            .take_while(|(a, b)| a == b)
+            .count())
     }
 
-    /// Bytes allocated by `seq`'s cache.
+    /// Bytes of the blocks `seq` holds.
     pub fn kv_bytes(&self, seq: SeqId) -> Result<usize> {
-        Ok(self.cache(seq)?.allocated_bytes())
+        Ok(self.sequence(seq)?.table.len() * self.alloc.bytes_per_block())
     }
 
-    /// Bytes allocated by all caches.
+    /// Bytes of the blocks all sequences hold.
     pub fn total_kv_bytes(&self) -> usize {
-        self.caches.values().map(|c| c.allocated_bytes()).sum()
+        self.alloc.used_bytes()
     }
 
     /// Advances every listed sequence by its tokens in one forward pass. Returns each sequence's
     /// logits as asked (see [`LogitsMode`]). On error no cache has changed.
     pub fn step(&mut self, steps: &[SeqStep<'_>]) -> Result<Vec<Option<Vec<f32>>>> {
         for (i, s) in steps.iter().enumerate() {
-            if !self.caches.contains_key(&s.seq) {
+            if !self.seqs.contains_key(&s.seq) {
                 return Err(EngineError::UnknownSequence(s.seq));
             }
             if steps[..i].iter().any(|o| o.seq == s.seq) {
@@ -129,34 +233,81 @@ impl Engine {
                 )));
             }
         }
-        // Move the caches out so the model can hold many `&mut` at once, and always put them back.
-        let mut taken: Vec<(SeqId, KvCache)> = steps
+        let past: Vec<usize> = steps
             .iter()
-            .filter_map(|s| self.caches.remove_entry(&s.seq))
+            .map(|s| self.seqs.get(&s.seq).map_or(0, |q| q.tokens.len()))
             .collect();
-        let result = {
-            let mut items: Vec<BatchItem<'_>> = taken
-                .iter_mut()
-                .zip(steps)
-                .map(|((_, cache), s)| BatchItem {
-                    cache,
+        // Check the step before taking any block, so a refused step changes nothing.
+        {
+            let items: Vec<BatchItem<'_>> = steps
+                .iter()
+                .zip(&past)
+                .map(|(s, &past)| BatchItem {
+                    blocks: &[],
+                    past,
                     tokens: s.tokens,
                     logits: s.logits,
+                })
+                .collect();
+            self.model.validate_request(&items)?;
+        }
+        let needed: usize = steps
+            .iter()
+            .zip(&past)
+            .filter_map(|(s, &p)| {
+                self.seqs
+                    .get(&s.seq)
+                    .map(|q| BlockAllocator::blocks_needed(&q.table, p + s.tokens.len()))
+            })
+            .sum();
+        if needed > self.alloc.free_blocks() {
+            return Err(EngineError::KvCacheFull {
+                needed_blocks: needed,
+                free_blocks: self.alloc.free_blocks(),
+            });
+        }
+        for (s, &p) in steps.iter().zip(&past) {
+            if let Some(q) = self.seqs.get_mut(&s.seq) {
+                self.alloc.grow(&mut q.table, p + s.tokens.len())?;
+            }
+        }
+        self.storage.ensure(self.alloc.high_water());
+
+        let result = {
+            let items: Vec<BatchItem<'_>> = steps
+                .iter()
+                .zip(&past)
+                .filter_map(|(s, &past)| {
+                    self.seqs.get(&s.seq).map(|q| BatchItem {
+                        blocks: q.table.blocks(),
+                        past,
+                        tokens: s.tokens,
+                        logits: s.logits,
+                    })
                 })
                 .collect();
             // Run the pass on a worker of the compute pool: parallel regions started from inside
             // the pool are much cheaper than ones injected from an outside thread.
             let model = &self.model;
+            let storage = &mut self.storage;
             let mut result = None;
-            rayon::scope(|_| result = Some(model.forward(&mut items)));
+            rayon::scope(|_| result = Some(model.forward(storage, &items)));
             result.unwrap_or_else(|| {
                 Err(EngineError::InvalidStep(
                     "the compute pool did not run the step".into(),
                 ))
             })
         };
-        for (id, cache) in taken {
-            self.caches.insert(id, cache);
+        for (s, &p) in steps.iter().zip(&past) {
+            if let Some(q) = self.seqs.get_mut(&s.seq) {
+                if result.is_ok() {
+                    q.tokens.extend_from_slice(s.tokens);
+                } else {
+                    // Give back the blocks this step took; what was written in kept blocks past
+                    // `p` is never read (positions beyond `tokens.len()` are overwritten).
+                    self.alloc.truncate(&mut q.table, p);
+                }
+            }
         }
         let out = result?;
         self.stats.steps += 1;

@@ -6,7 +6,7 @@ pub mod server;
 use std::path::PathBuf;
 
 use smolchat::engine::gguf::GgufSource;
-use smolchat::engine::{Engine, Model};
+use smolchat::engine::{Engine, KvOptions, KvType, Model};
 
 pub fn crate_root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -32,6 +32,20 @@ pub fn load_engine(path: &std::path::Path) -> Engine {
     let mut src = GgufSource::open(path).expect("open gguf");
     let model = Model::load(&mut src, &mut |_, _| {}).expect("load model");
     Engine::new(model)
+}
+
+/// Loads a model with its KV cache stored as `kv_type` (default budget).
+pub fn load_engine_kv(path: &std::path::Path, kv_type: KvType) -> Engine {
+    let mut src = GgufSource::open(path).expect("open gguf");
+    let model = Model::load(&mut src, &mut |_, _| {}).expect("load model");
+    Engine::with_kv(
+        model,
+        KvOptions {
+            kv_type,
+            ..KvOptions::default()
+        },
+    )
+    .expect("engine")
 }
 
 pub fn read_json(path: &std::path::Path) -> serde_json::Value {
