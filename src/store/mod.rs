@@ -443,16 +443,7 @@ impl Store {
     ) -> Result<Message, StoreError> {
         let now = now_micros();
         let mut tx = WriteTx::begin(&self.pool).await?;
-        let touched = sqlx::query(
-            "UPDATE conversations SET updated_at = ?1, \
-             title = CASE WHEN title = '' THEN ?2 ELSE title END WHERE id = ?3",
-        )
-        .bind(now)
-        .bind(derive_title(content))
-        .bind(conversation.to_string())
-        .execute(&mut *tx)
-        .await?;
-        if touched.rows_affected() == 0 {
+        if !touch(&mut tx, conversation, now, Some(content)).await? {
             tx.rollback().await?;
             return Err(StoreError::ConversationNotFound(conversation));
         }
@@ -474,12 +465,7 @@ impl Store {
     pub async fn start_assistant_message(&self, conversation: Uuid) -> Result<Message, StoreError> {
         let now = now_micros();
         let mut tx = WriteTx::begin(&self.pool).await?;
-        let touched = sqlx::query("UPDATE conversations SET updated_at = ?1 WHERE id = ?2")
-            .bind(now)
-            .bind(conversation.to_string())
-            .execute(&mut *tx)
-            .await?;
-        if touched.rows_affected() == 0 {
+        if !touch(&mut tx, conversation, now, None).await? {
             tx.rollback().await?;
             return Err(StoreError::ConversationNotFound(conversation));
         }
@@ -555,16 +541,7 @@ impl Store {
         let now = now_micros();
         let conversation_id = conversation.to_string();
         let mut tx = WriteTx::begin(&self.pool).await?;
-        let touched = sqlx::query(
-            "UPDATE conversations SET updated_at = ?1, \
-             title = CASE WHEN title = '' THEN ?2 ELSE title END WHERE id = ?3",
-        )
-        .bind(now)
-        .bind(derive_title(content))
-        .bind(&conversation_id)
-        .execute(&mut *tx)
-        .await?;
-        if touched.rows_affected() == 0 {
+        if !touch(&mut tx, conversation, now, Some(content)).await? {
             tx.rollback().await?;
             return Err(StoreError::ConversationNotFound(conversation));
         }
@@ -687,6 +664,27 @@ impl Store {
 /// Appends a message after the conversation's last one. Runs inside the caller's write
 /// transaction, so the `MAX(position) + 1` read and the insert cannot interleave with another
 /// writer.
+/// Bumps a conversation's `updated_at` and, when it has no title yet and a user message is being
+/// added, names it after that message ([`derive_title`]). False when the conversation does not
+/// exist.
+async fn touch(
+    tx: &mut WriteTx,
+    conversation: Uuid,
+    now: i64,
+    user_message: Option<&str>,
+) -> Result<bool, StoreError> {
+    let touched = sqlx::query(
+        "UPDATE conversations SET updated_at = ?1, \
+         title = CASE WHEN title = '' AND ?2 IS NOT NULL THEN ?2 ELSE title END WHERE id = ?3",
+    )
+    .bind(now)
+    .bind(user_message.map(derive_title))
+    .bind(conversation.to_string())
+    .execute(&mut **tx)
+    .await?;
+    Ok(touched.rows_affected() > 0)
+}
+
 /// A write transaction (`BEGIN IMMEDIATE … COMMIT`) on one pooled connection.
 ///
 /// Managed here rather than with sqlx's `Transaction`: when a statement or the commit fails for
