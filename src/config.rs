@@ -67,6 +67,9 @@ pub struct ServerConfig {
     pub admin_token: Option<String>,
     /// Bearer key for `/v1/…`; open when unset.
     pub api_key: Option<String>,
+    /// Bearer token for `/metrics` (Prometheus sends it with `authorization.credentials`); open
+    /// when unset, which suits a server bound to a private address.
+    pub metrics_token: Option<String>,
     /// Secret for signing cookies (at least 64 bytes). When unset, one is generated on first
     /// start and kept in the database's folder (`cookie_secret`, mode 0600), so restarts keep
     /// everyone's cookies valid.
@@ -110,6 +113,8 @@ pub struct LimitsConfig {
     pub max_message_chars: usize,
     /// Open event streams (SSE) on one conversation; more are refused with 429.
     pub max_streams_per_conversation: usize,
+    /// Open event streams of one user (owner) over all their conversations; more: 429.
+    pub max_streams_per_user: usize,
     /// Open event streams in all; more are refused with 503.
     pub max_streams: usize,
     /// Open connections per HTTP worker thread (actix-web's `max_connections`; further
@@ -182,6 +187,7 @@ impl Default for ServerConfig {
             bind: "127.0.0.1:8080".into(),
             admin_token: None,
             api_key: None,
+            metrics_token: None,
             cookie_secret: None,
         }
     }
@@ -216,6 +222,7 @@ impl Default for LimitsConfig {
             max_new_tokens: 4096,
             max_message_chars: 32_000,
             max_streams_per_conversation: 16,
+            max_streams_per_user: 64,
             max_streams: 1024,
             max_connections: 4096,
             body_timeout_s: 30,
@@ -312,6 +319,7 @@ impl Config {
         let l = &self.limits;
         if [
             l.max_streams_per_conversation,
+            l.max_streams_per_user,
             l.max_streams,
             l.max_connections,
         ]
@@ -319,7 +327,7 @@ impl Config {
             || [l.body_timeout_s, l.request_head_timeout_s].contains(&0)
         {
             return Err(ConfigError::Invalid(
-                "limits.max_streams_per_conversation, limits.max_streams, \
+                "limits.max_streams_per_conversation, limits.max_streams_per_user, limits.max_streams, \
                  limits.max_connections, limits.body_timeout_s and \
                  limits.request_head_timeout_s must be at least 1"
                     .into(),

@@ -27,6 +27,7 @@ use common::server::{Client, Server};
 
 const API_KEY: &str = "sk-catalogue";
 const ADMIN_TOKEN: &str = "catalogue-admin-token";
+const METRICS_TOKEN: &str = "catalogue-metrics-token";
 
 /// Whose cookie a request carries.
 #[derive(Clone, Copy, PartialEq)]
@@ -612,6 +613,15 @@ fn catalogue() -> Vec<Case> {
     );
 
     // ---- Operations, protocol ----
+    add("metrics: no token", case("", M::GET, "/metrics", 401));
+    add(
+        "metrics: wrong token",
+        case("", M::GET, "/metrics", 401).bearer("scrape-wrong"),
+    );
+    add(
+        "metrics: the API key is not the metrics token",
+        case("", M::GET, "/metrics", 401).bearer(API_KEY),
+    );
     add("ops: POST /healthz", case("", M::POST, "/healthz", 405));
     add(
         "http: 20 KB URL",
@@ -650,6 +660,7 @@ async fn every_hostile_request_gets_a_clear_refusal() {
     let env = [
         ("SMOLCHAT_SERVER__API_KEY", API_KEY),
         ("SMOLCHAT_SERVER__ADMIN_TOKEN", ADMIN_TOKEN),
+        ("SMOLCHAT_SERVER__METRICS_TOKEN", METRICS_TOKEN),
         ("SMOLCHAT_LIMITS__CONTEXT", "4096"),
     ];
     let server = Server::start(dir.path(), &env).await;
@@ -737,6 +748,19 @@ async fn every_hostile_request_gets_a_clear_refusal() {
             ));
         }
     }
+    // The scraper with the token gets the metrics.
+    let scrape = http
+        .get(format!("{}/metrics", server.base))
+        .bearer_auth(METRICS_TOKEN)
+        .send()
+        .await
+        .expect("scrape");
+    assert_eq!(scrape.status(), StatusCode::OK);
+    assert!(scrape
+        .text()
+        .await
+        .unwrap_or_default()
+        .contains("smolchat_"));
     // Still healthy, and nothing panicked on the way.
     assert_eq!(me.get("/healthz").await.status, StatusCode::OK);
     let log = server.log_text();
@@ -833,4 +857,29 @@ fn bad_configuration_files_are_clear_start_up_errors() {
         !missing.status.success() && stderr.contains("does not exist"),
         "{stderr}"
     );
+}
+
+/// Event streams are bounded per user over all their conversations, not only per conversation.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn event_streams_are_bounded_per_user() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let env = [("SMOLCHAT_LIMITS__MAX_STREAMS_PER_USER", "2")];
+    let server = Server::start(dir.path(), &env).await;
+    let me = server.client();
+    let mut open = Vec::new();
+    for _ in 0..2 {
+        let id = me.create(json!({})).await;
+        open.push(me.events(&id).await);
+    }
+    let third = me.create(json!({})).await;
+    let r = me.get(&format!("/api/conversations/{third}/events")).await;
+    assert_eq!(r.status, StatusCode::TOO_MANY_REQUESTS, "{}", r.text);
+    assert!(r.headers.get("retry-after").is_some());
+    let message = r.json["error"]["message"].as_str().unwrap_or("");
+    assert!(message.contains("limit per user is 2"), "{message}");
+    // Another user is not affected.
+    let other = server.client();
+    let id = other.create(json!({})).await;
+    let _stream = other.events(&id).await;
+    drop(open);
 }

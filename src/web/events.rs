@@ -37,7 +37,7 @@ pub async fn events(
     path: web::Path<String>,
 ) -> Result<sse::Sse<EventStream>, WebError> {
     let conversation = owned(&state, &path, &owner).await?;
-    let slot = StreamCounter::open(&state, conversation.id)?;
+    let slot = StreamCounter::open(&state, conversation.id, owner.as_str())?;
     let session = state.platform.sessions.get_or_start(conversation.id);
     let Subscription {
         replay,

@@ -49,23 +49,43 @@ const DRAIN_REPLIES: Duration = Duration::from_secs(5);
 /// How long a graceful shutdown waits for open connections after the replies are stored.
 const SHUTDOWN_TIMEOUT_S: u64 = 3;
 
-/// Counts open event streams, per conversation and in all, against `limits.max_streams*`.
+/// Counts open event streams per conversation, per owner and in all, against
+/// `limits.max_streams*`.
 #[derive(Default)]
 pub struct StreamCounter {
-    open: std::sync::Mutex<(usize, std::collections::HashMap<uuid::Uuid, usize>)>,
+    open: std::sync::Mutex<OpenStreams>,
+}
+
+#[derive(Default)]
+struct OpenStreams {
+    total: usize,
+    per_conversation: std::collections::HashMap<uuid::Uuid, usize>,
+    per_owner: std::collections::HashMap<String, usize>,
 }
 
 /// One open event stream; gives its place back when dropped (the client went away).
 pub struct StreamSlot {
     state: web::Data<AppState>,
     conversation: uuid::Uuid,
+    owner: String,
+}
+
+/// Takes one from `map[key]`, forgetting keys that reach 0.
+fn release<K: std::hash::Hash + Eq>(map: &mut std::collections::HashMap<K, usize>, key: &K) {
+    if let Some(n) = map.get_mut(key) {
+        *n = n.saturating_sub(1);
+        if *n == 0 {
+            map.remove(key);
+        }
+    }
 }
 
 impl StreamCounter {
-    /// Takes a place for a stream on `conversation`, or says which limit is reached.
+    /// Takes a place for `owner`'s stream on `conversation`, or says which limit is reached.
     pub fn open(
         state: &web::Data<AppState>,
         conversation: uuid::Uuid,
+        owner: &str,
     ) -> Result<StreamSlot, WebError> {
         let limits = &state.platform.config.limits;
         let mut open = state
@@ -73,8 +93,11 @@ impl StreamCounter {
             .open
             .lock()
             .map_err(|_| WebError::Internal("the stream counter is poisoned".into()))?;
-        let (total, per) = &mut *open;
-        let here = per.get(&conversation).copied().unwrap_or(0);
+        let here = open
+            .per_conversation
+            .get(&conversation)
+            .copied()
+            .unwrap_or(0);
         if here >= limits.max_streams_per_conversation {
             return Err(WebError::TooManyRequests {
                 message: format!(
@@ -85,19 +108,33 @@ impl StreamCounter {
                 retry_after_s: 5,
             });
         }
-        if *total >= limits.max_streams {
-            return Err(WebError::Overloaded {
+        let mine = open.per_owner.get(owner).copied().unwrap_or(0);
+        if mine >= limits.max_streams_per_user {
+            return Err(WebError::TooManyRequests {
                 message: format!(
-                    "the server has {total} open event streams, its limit; retry later"
+                    "you already have {mine} open event streams (the limit per user is {}); \
+                     close some tabs or retry later",
+                    limits.max_streams_per_user
                 ),
                 retry_after_s: 5,
             });
         }
-        *total += 1;
-        *per.entry(conversation).or_insert(0) += 1;
+        if open.total >= limits.max_streams {
+            return Err(WebError::Overloaded {
+                message: format!(
+                    "the server has {} open event streams, its limit; retry later",
+                    open.total
+                ),
+                retry_after_s: 5,
+            });
+        }
+        open.total += 1;
+        *open.per_conversation.entry(conversation).or_insert(0) += 1;
+        *open.per_owner.entry(owner.to_string()).or_insert(0) += 1;
         Ok(StreamSlot {
             state: state.clone(),
             conversation,
+            owner: owner.to_string(),
         })
     }
 }
@@ -105,14 +142,9 @@ impl StreamCounter {
 impl Drop for StreamSlot {
     fn drop(&mut self) {
         if let Ok(mut open) = self.state.streams.open.lock() {
-            let (total, per) = &mut *open;
-            *total = total.saturating_sub(1);
-            if let Some(n) = per.get_mut(&self.conversation) {
-                *n = n.saturating_sub(1);
-                if *n == 0 {
-                    per.remove(&self.conversation);
-                }
-            }
+            open.total = open.total.saturating_sub(1);
+            release(&mut open.per_conversation, &self.conversation);
+            release(&mut open.per_owner, &self.owner);
         }
     }
 }

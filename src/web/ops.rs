@@ -4,7 +4,8 @@
 use std::sync::atomic::Ordering;
 use std::sync::OnceLock;
 
-use actix_web::{web, HttpResponse};
+use actix_web::http::header;
+use actix_web::{web, HttpRequest, HttpResponse};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use serde_json::json;
 
@@ -125,7 +126,25 @@ pub async fn readyz(state: web::Data<AppState>) -> HttpResponse {
 }
 
 /// `GET /metrics`: Prometheus text exposition.
-pub async fn metrics(state: web::Data<AppState>) -> HttpResponse {
+pub async fn metrics(state: web::Data<AppState>, req: HttpRequest) -> HttpResponse {
+    if let Some(token) = state.platform.config.server.metrics_token.as_deref() {
+        let given = req
+            .headers()
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .unwrap_or("");
+        if !crate::auth::secret::matches(given, &crate::auth::secret::digest(token)) {
+            return HttpResponse::Unauthorized()
+                .insert_header((header::WWW_AUTHENTICATE, "Bearer"))
+                .json(json!({
+                    "error": {
+                        "message": "/metrics needs `Authorization: Bearer <server.metrics_token>`",
+                        "type": "unauthorized",
+                    }
+                }));
+        }
+    }
     let Some(handle) = &state.metrics else {
         return HttpResponse::NotFound().json(json!({
             "error": {
