@@ -883,3 +883,78 @@ async fn event_streams_are_bounded_per_user() {
     let _stream = other.events(&id).await;
     drop(open);
 }
+
+/// A slowloris client (a request head trickled a byte at a time) is cut off after
+/// `limits.request_head_timeout_s`, and a header block beyond actix-http's 128 KiB bound is
+/// refused, so neither holds a connection or memory without bound.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slow_and_oversized_request_heads_are_cut_off() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let dir = tempfile::tempdir().expect("tempdir");
+    let env = [("SMOLCHAT_LIMITS__REQUEST_HEAD_TIMEOUT_S", "2")];
+    let server = Server::start(dir.path(), &env).await;
+    let addr = server.base.trim_start_matches("http://").to_string();
+
+    // Slowloris: one byte of the head every 500 ms; the server must close the connection (or
+    // answer 408) long before the 30 bytes are through.
+    let mut stream = tokio::net::TcpStream::connect(&addr)
+        .await
+        .expect("connect");
+    let started = std::time::Instant::now();
+    let head = b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Slow: aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa";
+    let mut cut_off = false;
+    for byte in head.iter() {
+        if stream.write_all(&[*byte]).await.is_err() {
+            cut_off = true;
+            break;
+        }
+        let mut buf = [0u8; 256];
+        match tokio::time::timeout(std::time::Duration::from_millis(500), stream.read(&mut buf))
+            .await
+        {
+            Ok(Ok(0)) | Ok(Err(_)) => {
+                cut_off = true;
+                break;
+            }
+            Ok(Ok(n)) => {
+                let text = String::from_utf8_lossy(&buf[..n]);
+                assert!(
+                    text.contains("408"),
+                    "unexpected answer to a slow head: {text}"
+                );
+                cut_off = true;
+                break;
+            }
+            Err(_) => {}
+        }
+    }
+    let held = started.elapsed();
+    assert!(cut_off, "a head trickled for {held:?} was never cut off");
+    eprintln!("slow request head cut off after {held:?} (limit 2 s)");
+
+    // actix-http buffers a request head up to 128 KiB (and 96 headers), then refuses it: 200 KiB
+    // of headers is refused, not buffered.
+    let mut stream = tokio::net::TcpStream::connect(&addr)
+        .await
+        .expect("connect");
+    let big = format!(
+        "GET /healthz HTTP/1.1\r\nHost: x\r\nX-Big: {}\r\n\r\n",
+        "b".repeat(200 << 10)
+    );
+    let _ = stream.write_all(big.as_bytes()).await;
+    let mut answer = Vec::new();
+    let _ = tokio::time::timeout(
+        std::time::Duration::from_secs(10),
+        stream.read_to_end(&mut answer),
+    )
+    .await;
+    let text = String::from_utf8_lossy(&answer);
+    assert!(
+        text.starts_with("HTTP/1.1 431") || text.starts_with("HTTP/1.1 400") || answer.is_empty(),
+        "an oversized head was served: {}",
+        text.lines().next().unwrap_or("")
+    );
+    assert!(!text.starts_with("HTTP/1.1 200"));
+    // The server still answers ordinary requests.
+    assert_eq!(server.client().get("/healthz").await.status, StatusCode::OK);
+}
