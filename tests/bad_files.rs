@@ -91,6 +91,22 @@ fn missing_tensor_and_missing_key() {
         }
         other => panic!("wrong result: {:?}", other.err()),
     }
+    // A block count the file's tensors do not back is refused before anything is reserved for
+    // it (a fuzzed file claiming billions of layers used to abort on the allocation).
+    for count in [0u32, 5, u32::MAX] {
+        let mut m = tiny();
+        for (k, v) in m.metadata.iter_mut() {
+            if k == "llama.block_count" {
+                *v = Value::U32(count);
+            }
+        }
+        match Model::load(&mut m.into_source(), &mut |_, _| {}) {
+            Err(e @ EngineError::BadKey { .. }) => {
+                assert!(e.to_string().contains("llama.block_count"), "{e}")
+            }
+            other => panic!("block_count {count}: wrong result: {:?}", other.err()),
+        }
+    }
     // A key of the wrong type names the key too.
     let mut m = tiny();
     for (k, v) in m.metadata.iter_mut() {

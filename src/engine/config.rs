@@ -78,6 +78,17 @@ impl ModelConfig {
         };
         let k = |suffix: &str| format!("{arch_name}.{suffix}");
         let n_layers = src.usize(&k("block_count"))?;
+        // Every layer has its tensors in the file, so a hostile block count cannot make the
+        // loader reserve room for billions of layers (found by tests/fuzz.rs).
+        let last_layer = format!("blk.{}.attn_norm.weight", n_layers.saturating_sub(1));
+        if n_layers == 0 || !src.tensors.contains_key(&last_layer) {
+            return Err(EngineError::BadKey {
+                key: k("block_count"),
+                detail: format!(
+                    "{n_layers} layers, but the file has no `{last_layer}` tensor for the last of them"
+                ),
+            });
+        }
         let hidden = src.usize(&k("embedding_length"))?;
         let ffn = src.usize(&k("feed_forward_length"))?;
         let n_heads = src.usize(&k("attention.head_count"))?;
