@@ -23,7 +23,7 @@ use reqwest::header::{HeaderMap, HeaderName, HeaderValue, CONTENT_TYPE, COOKIE};
 use reqwest::{Method, StatusCode};
 use serde_json::{json, Value};
 
-use common::server::{Client, Server};
+use common::server::Server;
 
 const API_KEY: &str = "sk-catalogue";
 const ADMIN_TOKEN: &str = "catalogue-admin-token";
@@ -89,6 +89,15 @@ impl Case {
     }
     fn header(mut self, name: &'static str, value: &str) -> Case {
         self.headers.push((name, value.to_string()));
+        self
+    }
+    /// The same request, expecting another status.
+    fn tap(mut self, status: u16) -> Case {
+        self.expect = status;
+        self
+    }
+    fn strip_auth(mut self) -> Case {
+        self.headers.retain(|(n, _)| *n != "authorization");
         self
     }
     fn bearer(self, key: &str) -> Case {
@@ -630,30 +639,6 @@ fn catalogue() -> Vec<Case> {
     cases
 }
 
-trait Tap {
-    fn tap(self, status: u16) -> Self;
-    fn strip_auth(self) -> Self;
-}
-
-impl Tap for Case {
-    /// The same request, expecting another status.
-    fn tap(mut self, status: u16) -> Self {
-        self.expect = status;
-        self
-    }
-    fn strip_auth(mut self) -> Self {
-        self.headers.retain(|(n, _)| *n != "authorization");
-        self
-    }
-}
-
-async fn csrf_token(client: &Client) -> String {
-    let page = client.get("/").await;
-    let start = page.text.find("data-csrf=\"").expect("token") + "data-csrf=\"".len();
-    let end = page.text[start..].find('"').expect("end") + start;
-    page.text[start..end].to_string()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_hostile_request_gets_a_clear_refusal() {
     let dir = tempfile::tempdir().expect("tempdir");
@@ -667,7 +652,7 @@ async fn every_hostile_request_gets_a_clear_refusal() {
     let me = server.client();
     let mine = me.create(json!({"temperature": 0, "max_tokens": 4})).await;
     let theirs = server.client().create(json!({})).await;
-    let token = csrf_token(&me).await;
+    let token = me.csrf_token().await;
     let http = reqwest::Client::builder()
         .redirect(reqwest::redirect::Policy::none())
         .build()

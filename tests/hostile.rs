@@ -14,7 +14,7 @@ use smolchat::engine::gguf::GgufSource;
 use smolchat::engine::template::{ChatMessage, ChatTemplate, RenderOptions};
 use smolchat::engine::tokenizer::Tokenizer;
 
-use common::server::{Client, Reply, Server};
+use common::server::{form_encode, Client, Reply, Server};
 
 /// The usable context window of the test server.
 const WINDOW: usize = 512;
@@ -92,41 +92,12 @@ async fn v1(server: &Server, path: &str, body: &Value, bearer: Option<&str>) -> 
         req = req.bearer_auth(b);
     }
     let resp = req.send().await.expect("request");
-    let status = resp.status();
-    let headers = resp.headers().clone();
-    let text = resp.text().await.expect("body");
-    Reply {
-        status,
-        headers,
-        json: serde_json::from_str(&text).unwrap_or(Value::Null),
-        text,
-    }
-}
-
-/// `application/x-www-form-urlencoded` encoding of one value.
-fn url_encode(text: &str) -> String {
-    text.bytes()
-        .map(|b| match b {
-            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' => {
-                (b as char).to_string()
-            }
-            _ => format!("%{b:02X}"),
-        })
-        .collect()
-}
-
-/// The page's CSRF token for this client's owner cookie.
-async fn csrf_token(client: &Client) -> String {
-    let page = client.get("/").await;
-    assert_eq!(page.status, StatusCode::OK);
-    let start = page.text.find("data-csrf=\"").expect("token") + "data-csrf=\"".len();
-    let end = page.text[start..].find('"').expect("end") + start;
-    page.text[start..end].to_string()
+    Reply::read(resp).await.expect("body")
 }
 
 /// A form post to a page route, as the browser's HTMX does (token header, owner cookie).
 async fn form(client: &Client, path: &str, content_type: &str, body: &str) -> Reply {
-    let token = csrf_token(client).await;
+    let token = client.csrf_token().await;
     let mut req = reqwest::Client::new()
         .post(format!("{}{path}", client.base))
         .header("X-CSRF-Token", token)
@@ -136,15 +107,7 @@ async fn form(client: &Client, path: &str, content_type: &str, body: &str) -> Re
         req = req.header(reqwest::header::COOKIE, cookie);
     }
     let resp = req.send().await.expect("request");
-    let status = resp.status();
-    let headers = resp.headers().clone();
-    let text = resp.text().await.expect("body");
-    Reply {
-        status,
-        headers,
-        json: serde_json::from_str(&text).unwrap_or(Value::Null),
-        text,
-    }
+    Reply::read(resp).await.expect("body")
 }
 
 #[tokio::test]
@@ -176,7 +139,7 @@ async fn typed_control_tokens_stay_text_through_the_api_and_v1() {
         .create(json!({"temperature": 0, "max_tokens": 1, "thinking": false}))
         .await;
     let mut events = client.events(&id).await;
-    let body = format!("content={}", url_encode(&content));
+    let body = format!("content={}", form_encode(&content));
     let r = form(
         &client,
         &format!("/c/{id}/messages"),

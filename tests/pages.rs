@@ -5,7 +5,7 @@ mod common;
 
 use std::collections::BTreeMap;
 
-use common::server::Server;
+use common::server::{csrf_of, form_encode, Server};
 use reqwest::header::{CONTENT_TYPE, COOKIE, SET_COOKIE};
 use reqwest::{Method, StatusCode};
 
@@ -60,7 +60,7 @@ impl Browser {
         if let Some(form) = form {
             let body: String = form
                 .iter()
-                .map(|(k, v)| format!("{}={}", enc(k), enc(v)))
+                .map(|(k, v)| format!("{}={}", form_encode(k), form_encode(v)))
                 .collect::<Vec<_>>()
                 .join("&");
             req = req
@@ -110,24 +110,6 @@ impl Browser {
             .to_string();
         to.strip_prefix("/c/").expect("/c/{id}").to_string()
     }
-}
-
-fn enc(s: &str) -> String {
-    s.bytes()
-        .map(|b| match b {
-            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' => {
-                (b as char).to_string()
-            }
-            _ => format!("%{b:02X}"),
-        })
-        .collect()
-}
-
-/// The token in `data-csrf="..."` of a page.
-fn csrf_of(html: &str) -> Option<String> {
-    let start = html.find("data-csrf=\"")? + "data-csrf=\"".len();
-    let end = html[start..].find('"')? + start;
-    Some(html[start..end].to_string())
 }
 
 #[tokio::test]

@@ -144,7 +144,11 @@ impl Batcher {
         }
         let retry_after_s = |queued: usize| 1 + queued as u64 / self.cfg.max_running.max(1) as u64;
         if let Some(u) = user.as_deref() {
-            let queued = self.count(&self.waiting, u);
+            let queued = self
+                .waiting
+                .iter()
+                .filter(|e| e.user.as_deref() == Some(u))
+                .count();
             let cap = self.cfg.max_queued_per_user;
             if cap > 0 && queued >= cap {
                 return Err(SubmitError::UserLimit {
@@ -171,14 +175,6 @@ impl Batcher {
             deadline,
         });
         Ok(id)
-    }
-
-    /// How many of `entries` belong to `user`.
-    fn count<'a>(&self, entries: impl IntoIterator<Item = &'a Entry>, user: &str) -> usize {
-        entries
-            .into_iter()
-            .filter(|e| e.user.as_deref() == Some(user))
-            .count()
     }
 
     /// The waiting request to admit next: the one whose user has the fewest running sequences,

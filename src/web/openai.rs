@@ -406,17 +406,25 @@ fn usage(s: &GenSummary) -> Value {
 /// time to first token. Hashed with a key drawn at start-up, so that neither API keys nor
 /// names reach the model worker's cache keys (or its debug logs).
 fn cache_salt(http: &HttpRequest, common: &Common) -> String {
-    static KEY: OnceLock<std::hash::RandomState> = OnceLock::new();
     let ip = http.peer_addr().map(|a| a.ip().to_string());
-    let auth = http
-        .headers()
+    format!(
+        "{:016x}",
+        process_hash(&(ip, bearer(http), common.cache_salt.as_str()))
+    )
+}
+
+/// The request's `Authorization` header, as sent.
+fn bearer(http: &HttpRequest) -> Option<Vec<u8>> {
+    http.headers()
         .get(header::AUTHORIZATION)
-        .map(|v| v.as_bytes().to_vec());
-    let tag = std::hash::BuildHasher::hash_one(
-        KEY.get_or_init(std::hash::RandomState::new),
-        (ip, auth, common.cache_salt.as_str()),
-    );
-    format!("{tag:016x}")
+        .map(|v| v.as_bytes().to_vec())
+}
+
+/// A hash keyed with a random value drawn once per process, so the tags made from client
+/// identities (which may include an API key) reveal nothing outside this process.
+fn process_hash(value: &impl std::hash::Hash) -> u64 {
+    static KEY: OnceLock<std::hash::RandomState> = OnceLock::new();
+    std::hash::BuildHasher::hash_one(KEY.get_or_init(std::hash::RandomState::new), value)
 }
 
 /// Who a request is for, for fair sharing and per-user limits in the scheduler: the bearer key
@@ -424,20 +432,12 @@ fn cache_salt(http: &HttpRequest, common: &Common) -> String {
 /// guests). Unlike the cache salt, nothing in the body changes it, so a client cannot escape its
 /// limits by naming itself differently.
 fn client_identity(http: &HttpRequest) -> String {
-    static KEY: OnceLock<std::hash::RandomState> = OnceLock::new();
-    let auth = http
-        .headers()
-        .get(header::AUTHORIZATION)
-        .map(|v| v.as_bytes().to_vec());
+    let auth = bearer(http);
     let ip = match auth {
         Some(_) => None,
         None => http.peer_addr().map(|a| a.ip().to_string()),
     };
-    let tag = std::hash::BuildHasher::hash_one(
-        KEY.get_or_init(std::hash::RandomState::new),
-        ("client", ip, auth),
-    );
-    format!("api:{tag:016x}")
+    format!("api:{:016x}", process_hash(&("client", ip, auth)))
 }
 
 /// Checks the prompt against the context window, submits it and answers (streamed or whole).

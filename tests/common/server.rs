@@ -310,6 +310,41 @@ pub struct Reply {
     pub text: String,
 }
 
+impl Reply {
+    /// Reads a whole response (the body as text, and as JSON when it is JSON).
+    pub async fn read(resp: reqwest::Response) -> Result<Reply, reqwest::Error> {
+        let status = resp.status();
+        let headers = resp.headers().clone();
+        let text = resp.text().await?;
+        let json = serde_json::from_str(&text).unwrap_or(Value::Null);
+        Ok(Reply {
+            status,
+            headers,
+            json,
+            text,
+        })
+    }
+}
+
+/// `application/x-www-form-urlencoded` encoding of one value.
+pub fn form_encode(text: &str) -> String {
+    text.bytes()
+        .map(|b| match b {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' => {
+                (b as char).to_string()
+            }
+            _ => format!("%{b:02X}"),
+        })
+        .collect()
+}
+
+/// The token in `data-csrf="..."` of a page.
+pub fn csrf_of(html: &str) -> Option<String> {
+    let start = html.find("data-csrf=\"")? + "data-csrf=\"".len();
+    let end = html[start..].find('"')? + start;
+    Some(html[start..end].to_string())
+}
+
 impl Client {
     pub fn new(base: &str) -> Client {
         Client {
@@ -372,16 +407,14 @@ impl Client {
         }
         let resp = req.send().await?;
         self.keep_cookie(&resp);
-        let status = resp.status();
-        let headers = resp.headers().clone();
-        let text = resp.text().await?;
-        let json = serde_json::from_str(&text).unwrap_or(Value::Null);
-        Ok(Reply {
-            status,
-            headers,
-            json,
-            text,
-        })
+        Reply::read(resp).await
+    }
+
+    /// The CSRF token the chat page embeds for this client's owner cookie.
+    pub async fn csrf_token(&self) -> String {
+        let page = self.get("/").await;
+        assert_eq!(page.status, StatusCode::OK, "{}", page.text);
+        csrf_of(&page.text).expect("the page embeds a CSRF token")
     }
 
     fn keep_cookie(&self, resp: &reqwest::Response) {
@@ -405,16 +438,7 @@ impl Client {
         body: Option<Vec<u8>>,
     ) -> Reply {
         let resp = self.raw(method, path, content_type, body).await;
-        let status = resp.status();
-        let headers = resp.headers().clone();
-        let text = resp.text().await.expect("body");
-        let json = serde_json::from_str(&text).unwrap_or(Value::Null);
-        Reply {
-            status,
-            headers,
-            json,
-            text,
-        }
+        Reply::read(resp).await.expect("body")
     }
 
     pub async fn get(&self, path: &str) -> Reply {
