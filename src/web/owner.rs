@@ -28,21 +28,57 @@ use super::AppState;
 pub const COOKIE_NAME: &str = "smolchat_owner";
 
 /// The caller's owner id (set by [`owner_cookie`] on every request of the scopes it wraps).
+///
+/// Today every owner is a guest (a browser's cookie); accounts (issue 9) set `guest: false` and
+/// `admin` from the account's role.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Owner(String);
+pub struct Owner {
+    id: String,
+    admin: bool,
+    guest: bool,
+    address: Option<std::net::IpAddr>,
+}
 
 impl Owner {
-    fn new_random() -> Self {
+    fn new_random(address: Option<std::net::IpAddr>) -> Self {
         // A random (v4) id: unlike a v7 one it says nothing about when the browser first came.
-        Owner(
+        Owner::guest(
             uuid::Builder::from_random_bytes(rand::random())
                 .into_uuid()
                 .to_string(),
+            address,
         )
     }
 
+    fn guest(id: String, address: Option<std::net::IpAddr>) -> Self {
+        Owner {
+            id,
+            admin: false,
+            guest: true,
+            address,
+        }
+    }
+
     pub fn as_str(&self) -> &str {
-        &self.0
+        &self.id
+    }
+
+    pub fn is_admin(&self) -> bool {
+        self.admin
+    }
+
+    pub fn is_guest(&self) -> bool {
+        self.guest
+    }
+
+    /// The caller as the layers below the web see it.
+    pub fn caller(&self) -> crate::actors::Caller {
+        crate::actors::Caller {
+            owner: self.id.clone(),
+            admin: self.admin,
+            guest: self.guest,
+            address: self.address,
+        }
     }
 }
 
@@ -65,14 +101,18 @@ pub fn cookie_key(secret: Option<&str>) -> Result<Key, String> {
 }
 
 /// The owner id a request's cookie proves, if it carries a valid one.
-fn verified_owner(req: &ServiceRequest, key: &Key) -> Option<Owner> {
+fn verified_owner(
+    req: &ServiceRequest,
+    key: &Key,
+    address: Option<std::net::IpAddr>,
+) -> Option<Owner> {
     let cookie = req.cookie(COOKIE_NAME)?;
     let jar = CookieJar::new();
     let verified = jar.signed(key).verify(cookie)?;
     // Only ids this server minted verify, but parsing keeps the stored owner column clean even
     // if a key ever leaked.
     let id = Uuid::parse_str(verified.value()).ok()?;
-    Some(Owner(id.to_string()))
+    Some(Owner::guest(id.to_string(), address))
 }
 
 /// Middleware: attaches the caller's [`Owner`] to the request, minting one (and setting its
@@ -84,9 +124,10 @@ pub async fn owner_cookie(
     let Some(state) = req.app_data::<web::Data<AppState>>().cloned() else {
         return Err(WebError::Internal("application state missing".into()).into());
     };
-    let (owner, minted) = match verified_owner(&req, &state.cookie_key) {
+    let address = req.peer_addr().map(|a| a.ip());
+    let (owner, minted) = match verified_owner(&req, &state.cookie_key, address) {
         Some(owner) => (owner, false),
-        None => (Owner::new_random(), true),
+        None => (Owner::new_random(address), true),
     };
     let secure = req.connection_info().scheme() == "https";
     req.extensions_mut().insert(owner.clone());
@@ -94,7 +135,7 @@ pub async fn owner_cookie(
     if minted {
         let mut jar = CookieJar::new();
         jar.signed_mut(&state.cookie_key).add(
-            Cookie::build(COOKIE_NAME, owner.0.clone())
+            Cookie::build(COOKIE_NAME, owner.id.clone())
                 .path("/")
                 .http_only(true)
                 .same_site(SameSite::Lax)
