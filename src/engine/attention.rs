@@ -207,6 +207,12 @@ fn run_task(
             // and reading nothing is safer than reading another sequence's page.
             break;
         };
+        // Start loading the next block while this one is computed (see `CpuKvStorage::prefetch`).
+        if (b + 2) * BLOCK_POSITIONS < end {
+            if let Some(&next) = s.blocks.get(b + 2) {
+                kv.prefetch(next, layer, t.kv_head);
+            }
+        }
         let n = hi - pos0;
         let keys = kv.tile(block, layer, t.kv_head, KvKind::K, n, &mut kbuf);
         let values = kv.tile(block, layer, t.kv_head, KvKind::V, n, &mut vbuf);
@@ -221,9 +227,12 @@ fn run_task(
                 let qi = r * group + g;
                 let qv = &qs[qi * hd..(qi + 1) * hd];
                 dots(qv, &keys[k0 * hd..(k0 + cnt) * hd], &mut scores[..cnt]);
-                let block_max = scores[..cnt]
-                    .iter()
-                    .fold(f32::NEG_INFINITY, |m, &s| m.max(s));
+                // A plain comparison, not `f32::max`: scores are finite, and `max`'s NaN rule
+                // kept this loop scalar.
+                let block_max =
+                    scores[..cnt]
+                        .iter()
+                        .fold(f32::NEG_INFINITY, |m, &s| if s > m { s } else { m });
                 let a = &mut acc[qi * hd..(qi + 1) * hd];
                 if block_max > m[qi] {
                     // Rescale what was accumulated under the old maximum (a no-op the first time,
@@ -241,13 +250,31 @@ fn run_task(
                 for (pj, &sc) in p.iter_mut().zip(&scores) {
                     *pj = exp(sc - mq);
                 }
-                l[qi] += p[..cnt].iter().sum::<f32>();
+                // Lanes past `cnt` are zeroed so the sum can take all 16 as a tree.
+                for pj in &mut p[cnt..] {
+                    *pj = 0.0;
+                }
+                l[qi] += sum16(&p);
                 weighted_sum(&p[..cnt], &values[k0 * hd..(k0 + cnt) * hd], a);
             }
         }
         b += 1;
     }
     Partial { m, l, acc }
+}
+
+/// The sum of 16 values as a pairwise tree, which vectorises (a running sum cannot be reordered).
+#[inline(always)]
+fn sum16(p: &[f32; BLOCK_POSITIONS]) -> f32 {
+    let mut h = [0f32; 8];
+    for i in 0..8 {
+        h[i] = p[i] + p[i + 8];
+    }
+    let mut q = [0f32; 4];
+    for i in 0..4 {
+        q[i] = h[i] + h[i + 4];
+    }
+    (q[0] + q[2]) + (q[1] + q[3])
 }
 
 /// `e^x` to about 1 ulp (Cephes' `expf`: `x = n ln 2 + r`, a degree-6 polynomial in `r`, then
@@ -276,8 +303,11 @@ fn exp(x: f32) -> f32 {
 }
 
 /// `out[j] = q · keys[j]` for consecutive rows of `q.len()` values, with AVX2/FMA (the build's
-/// baseline, see `.cargo/config.toml`): four keys at a time so `q` is loaded once per four keys
-/// and the four sums do not wait on each other. Other shapes and targets take the portable code.
+/// baseline, see `.cargo/config.toml`). Eight keys at a time: each key's eight-lane partial sums
+/// stay in a register, and the eight registers are reduced together by a transposing
+/// horizontal-add tree (8 instructions for 8 sums instead of ~5 per sum), which was the largest
+/// cost of decode attention at long contexts after the memory stalls. Other shapes and targets
+/// take the portable code.
 #[cfg(all(
     target_arch = "x86_64",
     target_feature = "avx2",
@@ -300,31 +330,36 @@ fn dots(q: &[f32], keys: &[f32], out: &mut [f32]) {
     }
     let qp = q.as_ptr();
     let kp = keys.as_ptr();
+    let op = out.as_mut_ptr();
     let mut j = 0;
     // SAFETY: AVX2 and FMA are enabled for the whole build (cfg above). Every load reads 8 floats
     // at `d < hd` (hd a multiple of 8) of `q` or of key row `j < out.len()`, and `keys` holds
-    // `out.len() * hd` floats (checked above).
+    // `out.len() * hd` floats (checked above); the store writes `out[j..j + 8]` with
+    // `j + 8 <= out.len()`.
     unsafe {
-        while j + 4 <= out.len() {
-            let k = [
-                kp.add(j * hd),
-                kp.add((j + 1) * hd),
-                kp.add((j + 2) * hd),
-                kp.add((j + 3) * hd),
-            ];
-            let mut a = [_mm256_setzero_ps(); 4];
+        while j + 8 <= out.len() {
+            let k = kp.add(j * hd);
+            let mut a = [_mm256_setzero_ps(); 8];
             let mut d = 0;
             while d < hd {
                 let x = _mm256_loadu_ps(qp.add(d));
-                for i in 0..4 {
-                    a[i] = _mm256_fmadd_ps(x, _mm256_loadu_ps(k[i].add(d)), a[i]);
+                for (i, a) in a.iter_mut().enumerate() {
+                    *a = _mm256_fmadd_ps(x, _mm256_loadu_ps(k.add(i * hd + d)), *a);
                 }
                 d += 8;
             }
-            for i in 0..4 {
-                out[j + i] = hsum(a[i]);
-            }
-            j += 4;
+            // hadd(a0, a1) = [a0 01, a0 23, a1 01, a1 23 | a0 45, a0 67, a1 45, a1 67]; two more
+            // levels leave lane i of each 128-bit half holding half of key i's sum.
+            let t0 = _mm256_hadd_ps(a[0], a[1]);
+            let t1 = _mm256_hadd_ps(a[2], a[3]);
+            let t2 = _mm256_hadd_ps(a[4], a[5]);
+            let t3 = _mm256_hadd_ps(a[6], a[7]);
+            let u0 = _mm256_hadd_ps(t0, t1);
+            let u1 = _mm256_hadd_ps(t2, t3);
+            let lo = _mm256_permute2f128_ps::<0x20>(u0, u1);
+            let hi = _mm256_permute2f128_ps::<0x31>(u0, u1);
+            _mm256_storeu_ps(op.add(j), _mm256_add_ps(lo, hi));
+            j += 8;
         }
         while j < out.len() {
             let k = kp.add(j * hd);
