@@ -536,11 +536,14 @@ pub async fn send(
     payload: web::Payload,
 ) -> Result<HttpResponse, PageError> {
     let id = parse_id(&path)?;
+    // Whose it is before what the body says: another owner's id is 404 whatever the form holds.
+    let caller = owner.caller();
+    state.platform.conversations.owned(&caller, id).await?;
     let form: ContentForm = read_form(&state, &req, payload).await?;
     state
         .platform
         .conversations
-        .send(&owner.caller(), id, form.content)
+        .send(&caller, id, form.content)
         .await?;
     Ok(HttpResponse::Accepted().finish())
 }
@@ -584,11 +587,14 @@ pub async fn edit(
     payload: web::Payload,
 ) -> Result<HttpResponse, PageError> {
     let id = parse_id(&path)?;
+    // Whose it is before what the body says: another owner's id is 404 whatever the form holds.
+    let caller = owner.caller();
+    state.platform.conversations.owned(&caller, id).await?;
     let form: ContentForm = read_form(&state, &req, payload).await?;
     state
         .platform
         .conversations
-        .edit(&owner.caller(), id, form.content)
+        .edit(&caller, id, form.content)
         .await?;
     Ok(HttpResponse::Accepted().finish())
 }
@@ -607,11 +613,14 @@ pub async fn rename(
     payload: web::Payload,
 ) -> Result<HttpResponse, PageError> {
     let id = parse_id(&path)?;
+    // Whose it is before what the body says: another owner's id is 404 whatever the form holds.
+    let caller = owner.caller();
+    state.platform.conversations.owned(&caller, id).await?;
     let form: TitleForm = read_form(&state, &req, payload).await?;
     state
         .platform
         .conversations
-        .rename(&owner.caller(), id, &form.title)
+        .rename(&caller, id, &form.title)
         .await?;
     Ok(HttpResponse::NoContent()
         .insert_header(("HX-Refresh", "true"))
@@ -660,6 +669,9 @@ pub async fn settings(
     payload: web::Payload,
 ) -> Result<HttpResponse, PageError> {
     let id = parse_id(&path)?;
+    // Whose it is before what the body says: another owner's id is 404 whatever the form holds.
+    let caller = owner.caller();
+    state.platform.conversations.owned(&caller, id).await?;
     let form: SettingsForm = read_form(&state, &req, payload).await?;
     let patch = SettingsPatch {
         // An empty prompt removes it.
@@ -677,7 +689,7 @@ pub async fn settings(
     state
         .platform
         .conversations
-        .update(&owner.caller(), id, None, &patch)
+        .update(&caller, id, None, &patch)
         .await?;
     Ok(HttpResponse::Ok()
         .content_type("text/html; charset=utf-8")
@@ -698,6 +710,9 @@ pub async fn thinking(
     payload: web::Payload,
 ) -> Result<HttpResponse, PageError> {
     let id = parse_id(&path)?;
+    // Whose it is before what the body says: another owner's id is 404 whatever the form holds.
+    let caller = owner.caller();
+    state.platform.conversations.owned(&caller, id).await?;
     let form: ThinkingForm = read_form(&state, &req, payload).await?;
     let patch = SettingsPatch {
         thinking: Some(checkbox("thinking", form.thinking.as_deref())?),
@@ -706,7 +721,7 @@ pub async fn thinking(
     state
         .platform
         .conversations
-        .update(&owner.caller(), id, None, &patch)
+        .update(&caller, id, None, &patch)
         .await?;
     Ok(HttpResponse::NoContent().finish())
 }
