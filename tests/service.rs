@@ -944,7 +944,32 @@ async fn the_same_setting_gets_the_same_verdict_everywhere_and_ignore_eos_is_for
     .await;
     assert_eq!(r.status, StatusCode::FORBIDDEN, "{}", r.text);
     assert_eq!(r.json["error"]["param"], "ignore_eos");
+    let v1_message = r.json["error"]["message"].as_str().unwrap().to_string();
+    let r = page(
+        &c,
+        &csrf,
+        Method::POST,
+        &format!("/c/{id}/settings"),
+        &[
+            ("temperature", "0.5"),
+            ("top_p", "0.9"),
+            ("max_tokens", "10"),
+            ("ignore_eos", "on"),
+        ],
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::FORBIDDEN, "{}", r.text);
+    assert_eq!(
+        unescape(&alert(&r.text)),
+        v1_message,
+        "the same words everywhere"
+    );
     assert_eq!(c.conversation(&id).await["settings"]["ignore_eos"], false);
+    assert_eq!(
+        c.conversation(&id).await["settings"]["max_tokens"],
+        1024,
+        "nothing saved"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -638,6 +638,9 @@ pub struct SettingsForm {
     max_tokens: String,
     /// A checkbox: present ("on") when checked.
     thinking: Option<String>,
+    /// Not in the page's form (admins' benchmarks); when a client sends it, it goes through the
+    /// same check as on the JSON API (admins only).
+    ignore_eos: Option<String>,
 }
 
 /// A checkbox field: browsers send `on` when it is checked and nothing when it is not.
@@ -684,6 +687,11 @@ pub async fn settings(
         temperature: Some(form_number("temperature", &form.temperature, "a number")?),
         top_p: Some(form_number("top_p", &form.top_p, "a number")?),
         thinking: Some(checkbox("thinking", form.thinking.as_deref())?),
+        ignore_eos: form
+            .ignore_eos
+            .as_deref()
+            .map(|v| checkbox("ignore_eos", Some(v)))
+            .transpose()?,
         ..SettingsPatch::default()
     };
     state
