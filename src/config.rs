@@ -126,6 +126,16 @@ pub struct LimitsConfig {
     pub keep_alive_s: u64,
     /// Seconds a client has to send the request head (actix-web's `client_request_timeout`).
     pub request_head_timeout_s: u64,
+    /// Conversations one owner may create (or import) per minute; for guests also per client
+    /// address, since a guest's owner id costs nothing to mint (0: no limit). More: 429.
+    pub conversations_per_minute: u32,
+    /// Conversations one owner may have stored in all (0: no limit). More: 429.
+    pub max_conversations_per_user: u64,
+    /// Generated tokens one user (owner, API key or API client address) may use per minute;
+    /// a request while over it is refused with 429 (0: no limit).
+    pub tokens_per_minute_per_user: u64,
+    /// Messages an imported conversation may hold at most.
+    pub max_import_messages: usize,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -228,6 +238,10 @@ impl Default for LimitsConfig {
             body_timeout_s: 30,
             keep_alive_s: 5,
             request_head_timeout_s: 5,
+            conversations_per_minute: 30,
+            max_conversations_per_user: 10_000,
+            tokens_per_minute_per_user: 20_000,
+            max_import_messages: 2_000,
         }
     }
 }
@@ -333,6 +347,15 @@ impl Config {
                     .into(),
             ));
         }
+        if l.max_import_messages == 0 {
+            return bad("limits.max_import_messages must be at least 1".into());
+        }
+        if l.conversations_per_minute > 100_000 {
+            return bad(format!(
+                "limits.conversations_per_minute ({}) must be at most 100000 (0 turns it off)",
+                l.conversations_per_minute
+            ));
+        }
         if self.limits.max_new_tokens == 0 || self.limits.max_message_chars == 0 {
             return bad(
                 "limits.max_new_tokens and limits.max_message_chars must be at least 1".into(),
@@ -394,5 +417,22 @@ mod tests {
         assert!(with(|a| a.login_lockout_max_s = u64::MAX).is_err());
         assert!(with(|a| a.login_throttle_entries = 1).is_err());
         assert!(with(|a| a.admin_session_s = 1).is_ok());
+    }
+
+    #[test]
+    fn conversation_limits_are_validated() {
+        let with = |f: fn(&mut LimitsConfig)| {
+            let mut c = Config::default();
+            f(&mut c.limits);
+            c.validate()
+        };
+        assert!(with(|l| l.max_import_messages = 0).is_err());
+        assert!(with(|l| l.conversations_per_minute = 1_000_000).is_err());
+        assert!(with(|l| {
+            l.conversations_per_minute = 0;
+            l.max_conversations_per_user = 0;
+            l.tokens_per_minute_per_user = 0;
+        })
+        .is_ok());
     }
 }

@@ -8,6 +8,8 @@ use std::time::{Duration, Instant};
 use actix::Addr;
 
 use crate::actors::batcher::BatcherConfig;
+use crate::actors::conversations::{Conversations, ConversationsConfig};
+use crate::actors::settings::SettingsLimits;
 use crate::actors::{SchedulerActor, SchedulerConfig, SessionConfig, SessionShared, Sessions};
 use crate::config::Config;
 use crate::engine::device;
@@ -57,6 +59,8 @@ pub struct Platform {
     pub store: Store,
     pub scheduler: Addr<SchedulerActor>,
     pub sessions: Arc<Sessions>,
+    /// The conversation service every interface goes through.
+    pub conversations: Arc<Conversations>,
     pub tokenizer: Arc<Tokenizer>,
     pub template: Arc<ChatTemplate>,
     pub model: ModelInfo,
@@ -168,6 +172,7 @@ impl Platform {
                     context_window: model.context_window,
                     max_queued_per_user: s.max_queued_per_user,
                     max_running_per_user: s.max_running_per_user,
+                    tokens_per_minute_per_user: config.limits.tokens_per_minute_per_user,
                 },
                 kv_budget_bytes: s.kv_budget_mib << 20,
                 max_new_tokens: config.limits.max_new_tokens,
@@ -187,14 +192,50 @@ impl Platform {
                 disconnect_grace: Duration::from_millis(config.session.disconnect_grace_ms),
             },
         });
+        let conversations = Arc::new(Conversations::new(
+            store.clone(),
+            Arc::clone(&sessions),
+            scheduler.clone(),
+            Arc::clone(&tokenizer),
+            Arc::clone(&template),
+            model.context_window,
+            conversations_config(&config),
+        ));
         Ok(Self {
             config,
             store,
             scheduler,
             sessions,
+            conversations,
             tokenizer,
             template,
             model,
         })
+    }
+}
+
+/// The conversation service's settings: `[limits]`, and `[sampling]` for new conversations.
+pub fn conversations_config(config: &Config) -> ConversationsConfig {
+    let s = &config.sampling;
+    let l = &config.limits;
+    ConversationsConfig {
+        settings_limits: SettingsLimits {
+            max_prompt_chars: l.max_message_chars,
+            max_new_tokens: l.max_new_tokens,
+        },
+        max_message_chars: l.max_message_chars,
+        conversations_per_minute: l.conversations_per_minute,
+        max_conversations_per_user: l.max_conversations_per_user,
+        max_import_messages: l.max_import_messages,
+        defaults: crate::store::ConversationSettings {
+            system_prompt: s.system_prompt.clone().filter(|p| !p.trim().is_empty()),
+            thinking: s.thinking,
+            temperature: s.temperature,
+            top_p: s.top_p,
+            top_k: s.top_k,
+            max_tokens: s.max_tokens.min(l.max_new_tokens),
+            seed: None,
+            ..crate::store::ConversationSettings::default()
+        },
     }
 }

@@ -90,6 +90,38 @@
 
   const app = document.getElementById("app");
   if (!app) return; // admin and error pages
+
+  // Import: the chosen file (a conversation exported as JSON) goes to the JSON API as it is;
+  // the server checks everything and answers with the new conversation, which is then opened.
+  const importFile = document.getElementById("import-file");
+  if (importFile) {
+    importFile.addEventListener("change", async () => {
+      const file = importFile.files && importFile.files[0];
+      const out = document.getElementById("import-status");
+      if (!file) return;
+      if (out) out.textContent = "Importing…";
+      try {
+        const res = await fetch("/api/conversations/import", {
+          method: "POST",
+          headers: { "Content-Type": "application/json" },
+          body: await file.text(),
+          credentials: "same-origin",
+        });
+        const body = await res.json().catch(() => ({}));
+        if (res.status === 201 && body.id) {
+          window.location.href = "/c/" + body.id;
+          return;
+        }
+        const why = (body.error && body.error.message) || "the import failed (" + res.status + ")";
+        if (out) out.textContent = "";
+        toast(why);
+      } catch (e) {
+        if (out) out.textContent = "";
+        toast("the import failed: " + e);
+      }
+      importFile.value = "";
+    });
+  }
   const convId = app.dataset.conversation;
   const messages = document.getElementById("messages");
   const form = document.getElementById("composer");

@@ -563,6 +563,55 @@ async fn chat_and_admin_in_a_real_browser() {
     let bob_conv = conversation_id(&bob).await;
     watch_stream(&bob).await;
 
+    // Export and import from the page: the ⤓ link downloads the JSON; "Import…" sends a file
+    // back and opens the new copy, with the same messages.
+    let href = js(
+        &bob,
+        "return document.getElementById('export-json').getAttribute('href')",
+    )
+    .await;
+    assert_eq!(href, json!(format!("/c/{bob_conv}/export.json")));
+    let exported = js(
+        &bob,
+        "return fetch(document.getElementById('export-json').href).then(r => r.text())",
+    )
+    .await;
+    let exported = exported.as_str().expect("export text").to_string();
+    let doc: Value = serde_json::from_str(&exported).expect("export is JSON");
+    assert_eq!(doc["format"], "smolchat.conversation");
+    let file = dir.path().join("bob-export.json");
+    std::fs::write(&file, &exported).expect("write export");
+    js(
+        &bob,
+        "document.getElementById('import-file').hidden = false; return 1",
+    )
+    .await;
+    bob.find(Locator::Css("#import-file"))
+        .await
+        .expect("import input")
+        .send_keys(&file.display().to_string())
+        .await
+        .expect("choose file");
+    let moved = wait_js(
+        &bob,
+        "return [location.pathname, document.querySelectorAll('.msg').length]",
+        "the imported conversation",
+        |v| {
+            v[0].as_str()
+                .is_some_and(|p| p.starts_with("/c/") && !p.ends_with(bob_conv.as_str()))
+        },
+    )
+    .await;
+    assert_eq!(
+        moved[1].as_u64(),
+        doc["messages"].as_array().map(|m| m.len() as u64),
+        "the copy has every message"
+    );
+    // Back to the original for what follows.
+    bob.goto(&format!("{base}/c/{bob_conv}"))
+        .await
+        .expect("open");
+
     // 6. Admin: a wrong token is refused; the right one shows both browsers' conversations live.
     let admin = browser(&driver, &dir.path().join("admin"), DESKTOP).await;
     admin.goto(&format!("{base}/admin")).await.expect("admin");

@@ -245,7 +245,9 @@ async fn a_flooding_user_gets_429_and_others_go_first() {
     let mut limited = 0;
     for i in 0..8 {
         let id = flooder
-            .create(json!({"temperature": 0, "max_tokens": 48, "ignore_eos": true}))
+            // Long stories rather than `ignore_eos` (admins only): each reply must still be
+            // running while the next sends arrive.
+            .create(json!({"temperature": 0, "max_tokens": 160}))
             .await;
         let events = flooder.events(&id).await;
         let sent_at = Instant::now();

@@ -134,13 +134,15 @@ struct ApiStream {
 }
 
 impl ApiStream {
-    async fn open(server: &Server, path: &str, body: &Value) -> ApiStream {
-        let resp = reqwest::Client::new()
+    /// Opens a stream presenting `key` as the bearer key.
+    async fn open_as(server: &Server, key: Option<&str>, path: &str, body: &Value) -> ApiStream {
+        let mut req = reqwest::Client::new()
             .post(format!("{}{path}", server.base))
-            .json(body)
-            .send()
-            .await
-            .expect("stream request");
+            .json(body);
+        if let Some(k) = key {
+            req = req.bearer_auth(k);
+        }
+        let resp = req.send().await.expect("stream request");
         assert_eq!(resp.status(), StatusCode::OK);
         assert!(resp.headers()["content-type"]
             .to_str()
@@ -523,6 +525,7 @@ async fn errors_limits_and_the_completions_endpoint() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_full_queue_refuses_and_a_disconnect_frees_the_slot() {
+    const QUEUE_KEY: &str = "sk-queue-admin";
     let _turn = TURN.lock().await;
     let dir = tempdir();
     let server = Server::start(
@@ -530,6 +533,8 @@ async fn a_full_queue_refuses_and_a_disconnect_frees_the_slot() {
         &[
             ("SMOLCHAT_SCHEDULER__MAX_RUNNING", "1"),
             ("SMOLCHAT_SCHEDULER__QUEUE_SIZE", "1"),
+            // `ignore_eos` is for admins: the global key is one.
+            ("SMOLCHAT_SERVER__API_KEY", QUEUE_KEY),
         ],
     )
     .await;
@@ -550,9 +555,21 @@ async fn a_full_queue_refuses_and_a_disconnect_frees_the_slot() {
     };
 
     // A takes the only slot, B waits in the only queue place.
-    let mut a = ApiStream::open(&server, "/v1/chat/completions", &endless(PROMPTS[0])).await;
+    let mut a = ApiStream::open_as(
+        &server,
+        Some(QUEUE_KEY),
+        "/v1/chat/completions",
+        &endless(PROMPTS[0]),
+    )
+    .await;
     a.first_text().await;
-    let b = ApiStream::open(&server, "/v1/chat/completions", &endless(PROMPTS[1])).await;
+    let b = ApiStream::open_as(
+        &server,
+        Some(QUEUE_KEY),
+        "/v1/chat/completions",
+        &endless(PROMPTS[1]),
+    )
+    .await;
     // The gauges are published after each step, so they may lag a step behind.
     let both = eventually(Duration::from_secs(5), || async {
         (running().await == (1.0, 1.0)).then_some(())
@@ -564,7 +581,7 @@ async fn a_full_queue_refuses_and_a_disconnect_frees_the_slot() {
     let t = Instant::now();
     let r = api(
         &server,
-        None,
+        Some(QUEUE_KEY),
         "/v1/chat/completions",
         Some(&chat_body("Hi", 4, false)),
     )
@@ -604,7 +621,7 @@ async fn a_full_queue_refuses_and_a_disconnect_frees_the_slot() {
     // The slot serves the next request.
     let r = api(
         &server,
-        None,
+        Some(QUEUE_KEY),
         "/v1/chat/completions",
         Some(&chat_body("Hi", 4, false)),
     )

@@ -2,8 +2,8 @@
 
 use chrono::NaiveDate;
 use smolchat::store::{
-    backup, ConversationSettings, FinishedReply, MessageStatus, Role, SessionKind, Store,
-    StoreError, Timings, TITLE_MAX_CHARS,
+    backup, ConversationSettings, FinishedReply, ImportedMessage, MessageStatus, PageRequest, Role,
+    SessionKind, Store, StoreError, Timings, TITLE_MAX_CHARS,
 };
 use tempfile::TempDir;
 use uuid::Uuid;
@@ -1118,4 +1118,132 @@ async fn session_ids_must_look_like_hashes() {
         )
         .await
         .is_err());
+}
+
+#[tokio::test]
+async fn pages_follow_the_keyset_cursor() {
+    let (_dir, _url, store) = fresh().await;
+    let mut ids = Vec::new();
+    for _ in 0..7 {
+        ids.push(
+            store
+                .create_conversation("p", &settings())
+                .await
+                .unwrap()
+                .id,
+        );
+    }
+    store
+        .create_conversation("someone else", &settings())
+        .await
+        .unwrap();
+    // Activity reorders them; pages follow the list's order.
+    for id in ids.iter().rev() {
+        store.rename_conversation(*id, "same").await.unwrap();
+    }
+    let all = store.list_conversations("p", None).await.unwrap();
+    let want: Vec<Uuid> = all.iter().map(|c| c.id).collect();
+    let mut got = Vec::new();
+    let mut before = None;
+    loop {
+        let page = store
+            .list_conversations_page("p", None, &PageRequest { limit: 3, before })
+            .await
+            .unwrap();
+        assert!(page.items.len() <= 3);
+        got.extend(page.items.iter().map(|c| c.id));
+        match page.next {
+            Some(c) => before = Some(c),
+            None => break,
+        }
+    }
+    assert_eq!(got, want, "every conversation once, in list order");
+    // Search applies within pages.
+    let page = store
+        .list_conversations_page(
+            "p",
+            Some("nothing"),
+            &PageRequest {
+                limit: 3,
+                before: None,
+            },
+        )
+        .await
+        .unwrap();
+    assert!(page.items.is_empty() && page.next.is_none());
+    // The admin list pages over every owner.
+    let first = store
+        .list_all_conversations_page(&PageRequest {
+            limit: 5,
+            before: None,
+        })
+        .await
+        .unwrap();
+    let rest = store
+        .list_all_conversations_page(&PageRequest {
+            limit: 5,
+            before: first.next,
+        })
+        .await
+        .unwrap();
+    assert_eq!(first.items.len() + rest.items.len(), 8);
+    assert!(rest.next.is_none());
+    assert_eq!(store.count_conversations("p").await.unwrap(), 7);
+    // Cursors survive a trip through text and refuse anything else.
+    let c = first.next.unwrap();
+    assert_eq!(smolchat::store::Cursor::decode(&c.encode()), Some(c));
+    assert_eq!(smolchat::store::Cursor::decode("12_not-a-uuid"), None);
+}
+
+#[tokio::test]
+async fn imports_are_all_or_nothing_and_keep_every_field() {
+    let (_dir, _url, store) = fresh().await;
+    let at = chrono::DateTime::from_timestamp_micros(1_751_968_800_123_456).unwrap();
+    let message = |role, status, content: &str| ImportedMessage {
+        role,
+        content: content.to_string(),
+        reasoning: (role == Role::Assistant).then(|| "thought".to_string()),
+        raw: (role == Role::Assistant).then(|| format!("<think>thought</think>{content}")),
+        status,
+        error: None,
+        prompt_tokens: Some(12),
+        completion_tokens: Some(3),
+        cached_tokens: Some(0),
+        timings: Some(Timings {
+            ttft_ms: 5.5,
+            ..Timings::default()
+        }),
+        created_at: at,
+    };
+    let good = vec![
+        message(Role::User, MessageStatus::Complete, "hi"),
+        message(Role::Assistant, MessageStatus::Stopped, "hello"),
+    ];
+    let c = store
+        .import_conversation("me", "Imported", &settings(), &good)
+        .await
+        .unwrap();
+    assert_eq!((c.owner.as_str(), c.title.as_str()), ("me", "Imported"));
+    let stored = store.messages(c.id).await.unwrap();
+    assert_eq!(stored.len(), 2);
+    assert_eq!(stored[1].status, MessageStatus::Stopped);
+    assert_eq!(stored[1].reasoning.as_deref(), Some("thought"));
+    assert_eq!(
+        stored[1].raw.as_deref(),
+        Some("<think>thought</think>hello")
+    );
+    assert_eq!(stored[1].timings.as_ref().unwrap().ttft_ms, 5.5);
+    assert_eq!(stored[0].created_at, at);
+    assert_eq!((stored[0].position, stored[1].position), (1, 2));
+
+    // A message that cannot be stored fails the whole import: no conversation is left behind.
+    let bad = vec![
+        message(Role::User, MessageStatus::Complete, "hi"),
+        message(Role::Assistant, MessageStatus::Streaming, ""),
+    ];
+    assert!(store
+        .import_conversation("me", "Broken", &settings(), &bad)
+        .await
+        .is_err());
+    assert_eq!(store.count_conversations("me").await.unwrap(), 1);
 }

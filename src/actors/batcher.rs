@@ -12,8 +12,8 @@
 //! user can hold at all, and a user over the queued cap is refused with [`SubmitError::UserLimit`]
 //! (429) while the global queue being full stays [`SubmitError::Overloaded`] (503).
 
-use std::collections::VecDeque;
-use std::time::Instant;
+use std::collections::{HashMap, VecDeque};
+use std::time::{Duration, Instant};
 
 use super::types::{RequestId, SequenceState, SubmitError};
 
@@ -31,6 +31,100 @@ pub struct BatcherConfig {
     pub max_queued_per_user: usize,
     /// Sequences one user may have running (0: no per-user cap).
     pub max_running_per_user: usize,
+    /// Tokens one user may have generated over the last minute before a new request of theirs
+    /// is refused (0: no limit).
+    pub tokens_per_minute_per_user: u64,
+}
+
+/// The window per-user token usage is counted over.
+const TOKEN_WINDOW: Duration = Duration::from_secs(60);
+/// Usage is kept in buckets this long, so a user costs at most 60 entries however fast they go.
+const TOKEN_BUCKET: Duration = Duration::from_secs(1);
+/// Users whose usage is remembered at most; beyond it the oldest-used are forgotten (bounded
+/// memory against a flood of made-up users).
+const TOKEN_USERS: usize = 100_000;
+
+/// Generated tokens per user over the last minute, in one-second buckets. Time is passed in, so
+/// tests drive it.
+#[derive(Debug, Default)]
+pub struct TokenMeter {
+    users: HashMap<String, VecDeque<(Instant, u64)>>,
+}
+
+impl TokenMeter {
+    /// Counts `n` tokens generated for `user` at `now`.
+    pub fn record(&mut self, user: &str, n: u64, now: Instant) {
+        if n == 0 {
+            return;
+        }
+        if !self.users.contains_key(user) && self.users.len() >= TOKEN_USERS {
+            self.prune(now);
+            if self.users.len() >= TOKEN_USERS {
+                let oldest = self
+                    .users
+                    .iter()
+                    .min_by_key(|(_, b)| b.back().map(|(t, _)| *t))
+                    .map(|(u, _)| u.clone());
+                if let Some(u) = oldest {
+                    self.users.remove(&u);
+                }
+            }
+        }
+        let buckets = self.users.entry(user.to_string()).or_default();
+        match buckets.back_mut() {
+            Some((start, count)) if now.saturating_duration_since(*start) < TOKEN_BUCKET => {
+                *count += n
+            }
+            _ => buckets.push_back((now, n)),
+        }
+        while buckets
+            .front()
+            .is_some_and(|(t, _)| now.saturating_duration_since(*t) >= TOKEN_WINDOW)
+        {
+            buckets.pop_front();
+        }
+    }
+
+    /// Tokens generated for `user` in the minute before `now`.
+    pub fn used(&self, user: &str, now: Instant) -> u64 {
+        self.users.get(user).map_or(0, |b| {
+            b.iter()
+                .filter(|(t, _)| now.saturating_duration_since(*t) < TOKEN_WINDOW)
+                .map(|(_, n)| n)
+                .sum()
+        })
+    }
+
+    /// Whole seconds until `user`'s usage in the window falls below `limit` (at least 1).
+    pub fn retry_after_s(&self, user: &str, limit: u64, now: Instant) -> u64 {
+        let Some(buckets) = self.users.get(user) else {
+            return 1;
+        };
+        let mut used = self.used(user, now);
+        for (t, n) in buckets
+            .iter()
+            .filter(|(t, _)| now.saturating_duration_since(*t) < TOKEN_WINDOW)
+        {
+            used = used.saturating_sub(*n);
+            if used < limit {
+                let free_at = *t + TOKEN_WINDOW;
+                return free_at
+                    .saturating_duration_since(now)
+                    .as_secs_f64()
+                    .ceil()
+                    .max(1.0) as u64;
+            }
+        }
+        TOKEN_WINDOW.as_secs()
+    }
+
+    /// Forgets users with nothing in the window.
+    fn prune(&mut self, now: Instant) {
+        self.users.retain(|_, b| {
+            b.back()
+                .is_some_and(|(t, _)| now.saturating_duration_since(*t) < TOKEN_WINDOW)
+        });
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -88,6 +182,8 @@ pub struct Batcher {
     /// Running requests to cancel at the next step.
     to_cancel: Vec<RequestId>,
     next_id: RequestId,
+    /// Tokens generated per user over the last minute.
+    tokens: TokenMeter,
 }
 
 /// What a cancellation did.
@@ -108,6 +204,7 @@ impl Batcher {
             running: Vec::new(),
             to_cancel: Vec::new(),
             next_id: 1,
+            tokens: TokenMeter::default(),
         }
     }
 
@@ -144,6 +241,16 @@ impl Batcher {
         }
         let retry_after_s = |queued: usize| 1 + queued as u64 / self.cfg.max_running.max(1) as u64;
         if let Some(u) = user.as_deref() {
+            let limit = self.cfg.tokens_per_minute_per_user;
+            let now = Instant::now();
+            let used = self.tokens.used(u, now);
+            if limit > 0 && used >= limit {
+                return Err(SubmitError::TokenLimit {
+                    used,
+                    limit,
+                    retry_after_s: self.tokens.retry_after_s(u, limit, now),
+                });
+            }
             let queued = self
                 .waiting
                 .iter()
@@ -264,7 +371,21 @@ impl Batcher {
 
     /// Applies the worker's report of a step.
     pub fn apply(&mut self, reports: &[ItemReport]) {
+        self.apply_at(reports, Instant::now())
+    }
+
+    /// Applies the worker's report of a step that ended at `now`. A request that was decoding,
+    /// or whose prefill just completed, got one generated token in the step: that is what
+    /// per-user token usage counts.
+    pub fn apply_at(&mut self, reports: &[ItemReport], now: Instant) {
         for r in reports {
+            if let Some(e) = self.running.iter().find(|e| e.id == r.id) {
+                let generated = e.phase == Phase::Decoding
+                    || (e.phase == Phase::Prefilling && r.remaining_prefill == 0);
+                if let (true, Some(user)) = (generated, e.user.as_deref()) {
+                    self.tokens.record(user, 1, now);
+                }
+            }
             if r.finished {
                 self.running.retain(|e| e.id != r.id);
                 self.waiting.retain(|e| e.id != r.id);
@@ -329,6 +450,7 @@ mod tests {
             context_window: 4096,
             max_queued_per_user: 0,
             max_running_per_user: 0,
+            tokens_per_minute_per_user: 0,
         })
     }
 
@@ -367,6 +489,7 @@ mod tests {
             context_window: 4096,
             max_queued_per_user: 3,
             max_running_per_user: 2,
+            tokens_per_minute_per_user: 0,
         });
         for _ in 0..3 {
             b.submit_for(user("a"), None, 5, None).unwrap();
@@ -529,5 +652,52 @@ mod tests {
         let plan = b.plan().unwrap();
         assert_eq!(plan.decode.len(), 8);
         assert_eq!(plan.prefill, vec![(late, 2)]);
+    }
+
+    #[test]
+    fn a_user_over_the_token_rate_is_refused_with_a_retry_time_and_others_are_not() {
+        let mut b = Batcher::new(BatcherConfig {
+            max_running: 4,
+            queue_capacity: 8,
+            step_token_budget: 512,
+            context_window: 4096,
+            max_queued_per_user: 0,
+            max_running_per_user: 0,
+            tokens_per_minute_per_user: 3,
+        });
+        let a = b.submit_for(user("a"), None, 5, None).unwrap();
+        b.plan().unwrap();
+        // Prefill done (first token), then two decode steps: three tokens.
+        b.apply(&[report(a, 0, false)]);
+        b.plan().unwrap();
+        b.apply(&[report(a, 0, false)]);
+        b.plan().unwrap();
+        b.apply(&[report(a, 0, true)]);
+        match b.submit_for(user("a"), None, 5, None) {
+            Err(SubmitError::TokenLimit {
+                used,
+                limit,
+                retry_after_s,
+            }) => {
+                assert_eq!((used, limit), (3, 3));
+                assert!((1..=60).contains(&retry_after_s), "{retry_after_s}");
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(b.submit_for(user("b"), None, 5, None).is_ok());
+    }
+
+    #[test]
+    fn token_usage_leaves_the_window_after_a_minute() {
+        let mut m = TokenMeter::default();
+        let t0 = Instant::now();
+        m.record("a", 5, t0);
+        m.record("a", 5, t0 + Duration::from_secs(30));
+        assert_eq!(m.used("a", t0 + Duration::from_secs(31)), 10);
+        // Below 6 once the first bucket leaves the window, 29 s after t0 + 31 s.
+        assert_eq!(m.retry_after_s("a", 6, t0 + Duration::from_secs(31)), 29);
+        assert_eq!(m.used("a", t0 + Duration::from_secs(61)), 5);
+        assert_eq!(m.used("a", t0 + Duration::from_secs(91)), 0);
+        assert_eq!(m.used("nobody", t0), 0);
     }
 }

@@ -3,12 +3,14 @@
 //! Messages are plain Rust types; nothing here knows HTTP.
 
 pub mod batcher;
+pub mod conversations;
 pub mod model;
 pub mod scheduler;
 pub mod session;
 pub mod settings;
 pub mod types;
 
+pub use conversations::{ConversationError, Conversations};
 pub use scheduler::{SchedulerActor, SchedulerConfig};
 pub use session::{SessionActor, SessionConfig, SessionShared, Sessions};
 pub use types::*;

@@ -361,18 +361,31 @@ impl Actor for SessionActor {
 #[derive(Message)]
 #[rtype(result = "Result<Accepted, SessionError>")]
 pub struct SendMessage {
-    pub content: String,
+    /// The user message; `None` sends the replaced message's text again (regenerate).
+    pub content: Option<String>,
     /// Regenerate / edit-and-resend: the user message this one replaces, with everything after
     /// it. The old messages stay until the new request has been accepted and stored, in one
     /// transaction, so a refusal (busy, overloaded, context overflow, storage) changes nothing.
-    pub replacing: Option<Uuid>,
+    pub replacing: Replacing,
+}
+
+/// What a [`SendMessage`] replaces.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Replacing {
+    /// Nothing: a new exchange at the end.
+    Nothing,
+    /// This user message and everything after it.
+    Message(Uuid),
+    /// The last user message and everything after it, found inside the session when the send
+    /// runs, so a send that lands first cannot make it replace the wrong exchange.
+    LastUserMessage,
 }
 
 impl SendMessage {
     pub fn new(content: String) -> Self {
         SendMessage {
-            content,
-            replacing: None,
+            content: Some(content),
+            replacing: Replacing::Nothing,
         }
     }
 }
@@ -404,6 +417,24 @@ pub fn not_text(text: &str) -> Option<String> {
                 format!("the noncharacter U+{:04X}", c as u32)
             }
         })
+}
+
+/// The rules every user message meets: not empty, text, within the length limit.
+pub fn check_message(content: &str, max_chars: usize) -> Result<(), SessionError> {
+    if content.trim().is_empty() {
+        return Err(SessionError::EmptyMessage);
+    }
+    if let Some(what) = not_text(content) {
+        return Err(SessionError::NotText(what));
+    }
+    let chars = content.chars().count();
+    if chars > max_chars {
+        return Err(SessionError::MessageTooLong {
+            chars,
+            limit: max_chars,
+        });
+    }
+    Ok(())
 }
 
 /// Renders the conversation plus the new user message into prompt tokens.
@@ -442,15 +473,7 @@ fn prepare(
         .tokenizer
         .encode_rendered(&rendered)
         .map_err(|e| SessionError::Prompt(e.to_string()))?;
-    let params = SamplingParams {
-        temperature: s.temperature,
-        top_p: s.top_p,
-        top_k: s.top_k,
-        max_new_tokens: s.max_tokens,
-        seed: s.seed,
-        ignore_eos: s.ignore_eos,
-        ..SamplingParams::default()
-    };
+    let params = super::settings::sampling_of(s);
     Ok(Prepared {
         prompt,
         starts_in_reasoning: prompt_ends_in_open_think(text),
@@ -463,17 +486,12 @@ impl Handler<SendMessage> for SessionActor {
 
     fn handle(&mut self, msg: SendMessage, _: &mut Context<Self>) -> Self::Result {
         let SendMessage { content, replacing } = msg;
+        if content.is_none() && replacing == Replacing::Nothing {
+            return Box::pin(fut::ready(Err(SessionError::EmptyMessage)));
+        }
         let check = || {
-            if content.trim().is_empty() {
-                return Err(SessionError::EmptyMessage);
-            }
-            if let Some(what) = not_text(&content) {
-                return Err(SessionError::NotText(what));
-            }
-            let chars = content.chars().count();
-            let limit = self.shared.cfg.max_message_chars;
-            if chars > limit {
-                return Err(SessionError::MessageTooLong { chars, limit });
+            if let Some(content) = &content {
+                check_message(content, self.shared.cfg.max_message_chars)?;
             }
             if self.is_busy() {
                 return Err(SessionError::Busy);
@@ -495,12 +513,29 @@ impl Handler<SendMessage> for SessionActor {
                 .await?
                 .ok_or(SessionError::NotFound)?;
             let mut history = shared.store.messages(id).await?;
-            if let Some(from) = replacing {
+            let at = match replacing {
+                Replacing::Nothing => None,
+                Replacing::Message(from) => Some(
+                    history
+                        .iter()
+                        .position(|m| m.id == from && m.role == Role::User)
+                        .ok_or(SessionError::NothingToResend)?,
+                ),
+                Replacing::LastUserMessage => Some(
+                    history
+                        .iter()
+                        .rposition(|m| m.role == Role::User)
+                        .ok_or(SessionError::NothingToResend)?,
+                ),
+            };
+            let replacing = at.map(|i| history[i].id);
+            let content = match (content, at) {
+                (Some(c), _) => c,
+                (None, Some(i)) => history[i].content.clone(),
+                (None, None) => return Err(SessionError::EmptyMessage),
+            };
+            if let Some(at) = at {
                 // The prompt is the conversation before the replaced message.
-                let at = history
-                    .iter()
-                    .position(|m| m.id == from && m.role == Role::User)
-                    .ok_or(SessionError::NothingToResend)?;
                 history.truncate(at);
             }
             let prepared = prepare(&shared, &conversation, &history, &content)?;

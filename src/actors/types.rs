@@ -124,6 +124,12 @@ pub enum SubmitError {
         limit: usize,
         retry_after_s: u64,
     },
+    #[error("you have used {used} generated tokens in the last minute (the limit per user is {limit}); retry in {retry_after_s} s")]
+    TokenLimit {
+        used: u64,
+        limit: u64,
+        retry_after_s: u64,
+    },
 }
 
 /// A snapshot of the scheduler for `/metrics`, `/admin` and tests.

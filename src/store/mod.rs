@@ -41,8 +41,9 @@ use uuid::Uuid;
 
 pub use error::StoreError;
 pub use types::{
-    derive_title, Conversation, ConversationSettings, ConversationSummary, FinishedReply, Message,
-    MessageStatus, Role, SessionKind, SessionRecord, Timings, TITLE_MAX_CHARS,
+    derive_title, Conversation, ConversationSettings, ConversationSummary, Cursor, FinishedReply,
+    ImportedMessage, ListPage, Message, MessageStatus, PageRequest, Role, SessionKind,
+    SessionRecord, Timings, MAX_PAGE, TITLE_MAX_CHARS,
 };
 
 /// How long a statement waits for another connection's write lock before failing.
@@ -349,6 +350,140 @@ impl Store {
         .fetch_all(&self.pool)
         .await?;
         rows.into_iter().map(SummaryRow::into_summary).collect()
+    }
+
+    /// One page of `owner`'s conversations, most recently active first: at most `page.limit`
+    /// of them after `page.before` (keyset pagination on `(updated_at, id)`, so a page never
+    /// repeats or skips a conversation however many are added meanwhile), with the cursor of
+    /// the next page when there is one. `search` as in [`Store::list_conversations`].
+    pub async fn list_conversations_page(
+        &self,
+        owner: &str,
+        search: Option<&str>,
+        page: &PageRequest,
+    ) -> Result<ListPage, StoreError> {
+        let search = search.map(str::trim).filter(|s| !s.is_empty());
+        let limit = page.limit.clamp(1, MAX_PAGE);
+        let (before_at, before_id) = cursor_binds(page.before.as_ref());
+        let rows: Vec<SummaryRow> = sqlx::query_as(concat!(
+            "SELECT ",
+            summary_columns!(),
+            " FROM conversations c WHERE c.owner = ?1 AND (?2 IS NULL \
+               OR instr(lower(c.title), lower(?2)) > 0 \
+               OR EXISTS (SELECT 1 FROM messages m WHERE m.conversation_id = c.id \
+                          AND instr(lower(m.content), lower(?2)) > 0)) \
+               AND (?3 IS NULL OR c.updated_at < ?3 OR (c.updated_at = ?3 AND c.id < ?4)) \
+             ORDER BY c.updated_at DESC, c.id DESC LIMIT ?5"
+        ))
+        .bind(owner)
+        .bind(search)
+        .bind(before_at)
+        .bind(before_id)
+        .bind((limit + 1) as i64)
+        .fetch_all(&self.pool)
+        .await?;
+        into_page(rows, limit)
+    }
+
+    /// One page of every owner's conversations, most recently active first (the admin page);
+    /// keyset pagination as in [`Store::list_conversations_page`].
+    pub async fn list_all_conversations_page(
+        &self,
+        page: &PageRequest,
+    ) -> Result<ListPage, StoreError> {
+        let limit = page.limit.clamp(1, MAX_PAGE);
+        let (before_at, before_id) = cursor_binds(page.before.as_ref());
+        let rows: Vec<SummaryRow> = sqlx::query_as(concat!(
+            "SELECT ",
+            summary_columns!(),
+            " FROM conversations c \
+             WHERE (?1 IS NULL OR c.updated_at < ?1 OR (c.updated_at = ?1 AND c.id < ?2)) \
+             ORDER BY c.updated_at DESC, c.id DESC LIMIT ?3"
+        ))
+        .bind(before_at)
+        .bind(before_id)
+        .bind((limit + 1) as i64)
+        .fetch_all(&self.pool)
+        .await?;
+        into_page(rows, limit)
+    }
+
+    /// How many conversations `owner` has stored.
+    pub async fn count_conversations(&self, owner: &str) -> Result<i64, StoreError> {
+        let n: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM conversations WHERE owner = ?1")
+            .bind(owner)
+            .fetch_one(&self.pool)
+            .await?;
+        Ok(n)
+    }
+
+    /// Stores an imported conversation for `owner` in one transaction: a new conversation (new
+    /// id, created now) with `title` and `settings`, and `messages` in their order with new ids
+    /// and everything else as given. Nothing is stored if any row fails. The caller has
+    /// validated the content; a `streaming` message is refused here (no reply is running for
+    /// it).
+    pub async fn import_conversation(
+        &self,
+        owner: &str,
+        title: &str,
+        settings: &ConversationSettings,
+        messages: &[ImportedMessage],
+    ) -> Result<Conversation, StoreError> {
+        settings.validate().map_err(StoreError::InvalidSettings)?;
+        if messages
+            .iter()
+            .any(|m| m.status == MessageStatus::Streaming)
+        {
+            return Err(StoreError::InvalidStatus(MessageStatus::Streaming.as_str()));
+        }
+        let settings_json = encode_json("settings", settings)?;
+        let id = Uuid::now_v7();
+        let now = now_micros();
+        let mut tx = WriteTx::begin(&self.pool).await?;
+        let row: ConversationRow = sqlx::query_as(concat!(
+            "INSERT INTO conversations (id, owner, title, settings, created_at, updated_at) \
+             VALUES (?1, ?2, ?3, ?4, ?5, ?5) RETURNING ",
+            conversation_columns!()
+        ))
+        .bind(id.to_string())
+        .bind(owner)
+        .bind(title)
+        .bind(settings_json)
+        .bind(now)
+        .fetch_one(&mut *tx)
+        .await?;
+        for (i, m) in messages.iter().enumerate() {
+            let timings = m
+                .timings
+                .as_ref()
+                .map(|t| encode_json("timings", &t.sanitized()))
+                .transpose()?;
+            sqlx::query(
+                "INSERT INTO messages (id, conversation_id, position, role, content, reasoning, \
+                 raw, status, error, prompt_tokens, completion_tokens, cached_tokens, timings, \
+                 created_at) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14)",
+            )
+            .bind(Uuid::now_v7().to_string())
+            .bind(id.to_string())
+            .bind(i as i64 + 1)
+            .bind(m.role.as_str())
+            .bind(&m.content)
+            .bind(m.reasoning.as_deref())
+            .bind(m.raw.as_deref())
+            .bind(m.status.as_str())
+            .bind(m.error.as_deref())
+            .bind(m.prompt_tokens)
+            .bind(m.completion_tokens)
+            .bind(m.cached_tokens)
+            .bind(timings)
+            .bind(m.created_at.timestamp_micros())
+            .execute(&mut *tx)
+            .await?;
+        }
+        tx.commit().await?;
+        let conversation = row.into_conversation()?;
+        tracing::debug!(conversation = %conversation.id, owner, messages = messages.len(), "conversation imported");
+        Ok(conversation)
     }
 
     /// Every conversation of every owner, most recently active first (the admin page).
@@ -773,6 +908,34 @@ async fn insert_message(
     .fetch_one(&mut **tx)
     .await?;
     Ok(row)
+}
+
+/// The `(updated_at, id)` bind values of a cursor (both NULL for the first page).
+fn cursor_binds(cursor: Option<&Cursor>) -> (Option<i64>, Option<String>) {
+    match cursor {
+        Some(c) => (Some(c.updated_at_micros), Some(c.id.to_string())),
+        None => (None, None),
+    }
+}
+
+/// Rows of a page query fetched with `limit + 1`: the first `limit`, and the next page's cursor
+/// when the extra row shows there is more.
+fn into_page(rows: Vec<SummaryRow>, limit: usize) -> Result<ListPage, StoreError> {
+    let more = rows.len() > limit;
+    let items: Vec<ConversationSummary> = rows
+        .into_iter()
+        .take(limit)
+        .map(SummaryRow::into_summary)
+        .collect::<Result<_, _>>()?;
+    let next = if more {
+        items.last().map(|c| Cursor {
+            updated_at_micros: c.updated_at.timestamp_micros(),
+            id: c.id,
+        })
+    } else {
+        None
+    };
+    Ok(ListPage { items, next })
 }
 
 fn create_parent_dir(file: &Path) -> Result<(), StoreError> {

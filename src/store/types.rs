@@ -89,6 +89,62 @@ pub struct ConversationSummary {
     pub updated_at: DateTime<Utc>,
 }
 
+/// The most conversations one page may hold.
+pub const MAX_PAGE: usize = 200;
+
+/// Where a page of a conversation list starts: after the conversation with this
+/// `(updated_at, id)` (keyset pagination). Written as `<micros>_<id>` in URLs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Cursor {
+    pub updated_at_micros: i64,
+    pub id: Uuid,
+}
+
+impl Cursor {
+    pub fn encode(&self) -> String {
+        format!("{}_{}", self.updated_at_micros, self.id)
+    }
+
+    /// Parses what [`Cursor::encode`] wrote; `None` for anything else.
+    pub fn decode(text: &str) -> Option<Cursor> {
+        let (at, id) = text.split_once('_')?;
+        Some(Cursor {
+            updated_at_micros: at.parse().ok()?,
+            id: Uuid::parse_str(id).ok()?,
+        })
+    }
+}
+
+/// Which page of a list: at most `limit` items (clamped to 1..=[`MAX_PAGE`]) after `before`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PageRequest {
+    pub limit: usize,
+    pub before: Option<Cursor>,
+}
+
+/// One page of a conversation list and the cursor of the next page, if there is one.
+#[derive(Clone, Debug)]
+pub struct ListPage {
+    pub items: Vec<ConversationSummary>,
+    pub next: Option<Cursor>,
+}
+
+/// One message of an imported conversation, everything but its ids.
+#[derive(Clone, Debug)]
+pub struct ImportedMessage {
+    pub role: Role,
+    pub content: String,
+    pub reasoning: Option<String>,
+    pub raw: Option<String>,
+    pub status: MessageStatus,
+    pub error: Option<String>,
+    pub prompt_tokens: Option<i64>,
+    pub completion_tokens: Option<i64>,
+    pub cached_tokens: Option<i64>,
+    pub timings: Option<Timings>,
+    pub created_at: DateTime<Utc>,
+}
+
 #[derive(Clone, Copy, Debug, Serialize, Deserialize, PartialEq, Eq)]
 #[serde(rename_all = "lowercase")]
 pub enum Role {

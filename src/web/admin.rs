@@ -6,7 +6,7 @@
 //! | `GET /admin` | the dashboard; the login form without a session; a "disabled" page (404) without a token |
 //! | `POST /admin/login` (form `token`) | wrong token → 401; throttled → 429 + `Retry-After`; right → session cookie + `HX-Redirect` |
 //! | `POST /admin/logout` | revokes the session server-side and drops the cookie |
-//! | `GET /admin/live` | the tables (fragment), polled by HTMX every 2 s |
+//! | `GET /admin/live?before=` | the tables (fragment; 50 conversations a page), polled by HTMX every 2 s |
 //! | `POST /admin/c/{id}/stop`, `/evict`; `DELETE /admin/c/{id}` | actions |
 //!
 //! Sign-in, sessions and throttling live in [`crate::auth::admin`]; this module only moves
@@ -26,14 +26,13 @@ use actix_web::{web, HttpRequest, HttpResponse};
 use askama::Template;
 use serde::Deserialize;
 
-use super::api::parse_id;
+use super::api::{page_request, parse_id};
 use super::csrf;
 use super::error::WebError;
 use super::owner::Owner;
-use super::pages::{delete_conversation, html, read_form, with_security_headers, PageError};
+use super::pages::{html, read_form, with_security_headers, PageError};
 use super::AppState;
 use crate::actors::scheduler::{Evict, GetCacheInfo, GetStats, StatesOf};
-use crate::actors::session::Stop;
 use crate::actors::types::SequenceState;
 use crate::auth::{AdminAuth, AuthError, LockedBy};
 
@@ -81,6 +80,20 @@ pub struct LiveView {
     pub engine: EngineView,
     pub rows: Vec<AdminRow>,
     pub updated: String,
+    /// The cursor this page starts after ("" for the newest page); the poll keeps it.
+    pub before: String,
+    /// The next (older) page's cursor, "" on the last page.
+    pub next: String,
+}
+
+/// Conversations per admin table page: the table (and each 2-second poll of it) stays small
+/// however many conversations there are.
+const ADMIN_PAGE: usize = 50;
+
+#[derive(Deserialize, Default)]
+pub struct PageQuery {
+    #[serde(default)]
+    before: String,
 }
 
 #[derive(Template)]
@@ -154,9 +167,11 @@ async fn require_admin(state: &AppState, req: &HttpRequest) -> Result<(), PageEr
     Ok(())
 }
 
-async fn live_view(state: &AppState) -> Result<LiveView, PageError> {
+async fn live_view(state: &AppState, before: &str) -> Result<LiveView, PageError> {
     let p = &state.platform;
-    let list = p.store.list_all_conversations().await?;
+    let page = page_request(Some(ADMIN_PAGE), Some(before))?;
+    let listed = p.store.list_all_conversations_page(&page).await?;
+    let list = listed.items;
     let keys: Vec<String> = list.iter().map(|c| c.id.to_string()).collect();
     let states = p.scheduler.send(StatesOf(keys)).await?;
     let caches: HashMap<String, usize> = p
@@ -218,14 +233,17 @@ async fn live_view(state: &AppState) -> Result<LiveView, PageError> {
         },
         rows,
         updated: chrono::Utc::now().format("%H:%M:%S UTC").to_string(),
+        before: page.before.map(|c| c.encode()).unwrap_or_default(),
+        next: listed.next.map(|c| c.encode()).unwrap_or_default(),
     })
 }
 
-/// `GET /admin`
+/// `GET /admin?before=`
 pub async fn page(
     state: web::Data<AppState>,
     owner: Owner,
     req: HttpRequest,
+    query: web::Query<PageQuery>,
 ) -> Result<HttpResponse, PageError> {
     let csrf = csrf::token_for(&state.cookie_key, owner.as_str());
     let Some(admin) = state.admin.as_ref() else {
@@ -241,15 +259,19 @@ pub async fn page(
     }
     html(&AdminPage {
         csrf,
-        live: live_view(&state).await?,
+        live: live_view(&state, &query.before).await?,
     })
 }
 
-/// `GET /admin/live`
-pub async fn live(state: web::Data<AppState>, req: HttpRequest) -> Result<HttpResponse, PageError> {
+/// `GET /admin/live?before=`
+pub async fn live(
+    state: web::Data<AppState>,
+    req: HttpRequest,
+    query: web::Query<PageQuery>,
+) -> Result<HttpResponse, PageError> {
     require_admin(&state, &req).await?;
     html(&LiveFragment {
-        live: live_view(&state).await?,
+        live: live_view(&state, &query.before).await?,
     })
 }
 
@@ -343,10 +365,7 @@ pub async fn stop(
 ) -> Result<HttpResponse, PageError> {
     require_admin(&state, &req).await?;
     let id = parse_id(&path)?;
-    let stopped = match state.platform.sessions.get(id) {
-        Some(session) => session.send(Stop).await?,
-        None => false,
-    };
+    let stopped = state.platform.conversations.stop_any(id).await?;
     tracing::info!(conversation = %id, stopped, "admin stop");
     Ok(HttpResponse::NoContent().finish())
 }
@@ -372,7 +391,7 @@ pub async fn delete(
 ) -> Result<HttpResponse, PageError> {
     require_admin(&state, &req).await?;
     let id = parse_id(&path)?;
-    delete_conversation(&state, id).await?;
+    state.platform.conversations.delete_any(id).await?;
     tracing::info!(conversation = %id, "admin delete");
     Ok(HttpResponse::NoContent().finish())
 }

@@ -1,5 +1,6 @@
-//! The JSON API under `/api`: conversations, their messages, stopping a reply.
-//! The reply itself streams on the events endpoint ([`super::events`]).
+//! The JSON API under `/api`: conversations, their messages, stopping a reply, export and
+//! import. The reply itself streams on the events endpoint ([`super::events`]). Every rule lives
+//! in [`crate::actors::conversations`]; the handlers here parse, call the service and answer.
 
 use actix_web::http::header;
 use actix_web::{web, HttpRequest, HttpResponse};
@@ -11,15 +12,15 @@ use super::error::WebError;
 use super::json::{JsonBody, OptionalJsonBody};
 use super::owner::Owner;
 use super::AppState;
-use crate::actors::scheduler::Evict;
-use crate::actors::session::{GetInfo, SendMessage, Shutdown, Stop};
-use crate::actors::settings::{self, SettingsLimits};
-use crate::config::Config;
-use crate::engine::template::{ChatMessage, RenderOptions};
-use crate::store::{Conversation, ConversationSettings, Message};
+use crate::actors::conversations::{
+    to_markdown, ExportedConversation, NewConversation, SettingsPatch,
+};
+use crate::store::{Conversation, ConversationSummary, Cursor, Message, PageRequest, MAX_PAGE};
 
-/// Longest conversation title, in characters.
-pub const TITLE_LIMIT: usize = 200;
+pub use crate::actors::conversations::TITLE_LIMIT;
+
+/// Conversations per page when a client does not say (the sidebar's page too).
+pub const DEFAULT_PAGE: usize = 50;
 
 /// Conversation fields a client may set on create (`POST`) and change later (`PATCH`); fields
 /// left out keep their current value (on create: the configured defaults). An empty
@@ -38,6 +39,21 @@ pub struct ConversationInput {
     pub ignore_eos: Option<bool>,
 }
 
+impl ConversationInput {
+    fn patch(&self) -> SettingsPatch {
+        SettingsPatch {
+            system_prompt: self.system_prompt.clone(),
+            thinking: self.thinking,
+            temperature: self.temperature,
+            top_p: self.top_p,
+            top_k: self.top_k,
+            max_tokens: self.max_tokens,
+            seed: self.seed,
+            ignore_eos: self.ignore_eos,
+        }
+    }
+}
+
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct NewMessage {
@@ -47,6 +63,8 @@ pub struct NewMessage {
 #[derive(Debug, Default, Deserialize)]
 pub struct ListQuery {
     pub q: Option<String>,
+    pub limit: Option<usize>,
+    pub before: Option<String>,
 }
 
 /// `GET /api/conversations/{id}`: the conversation, its messages and what is happening now.
@@ -61,74 +79,6 @@ pub struct ConversationDetail {
     pub context_window: usize,
 }
 
-/// The configured bounds of conversation settings.
-pub fn settings_limits(config: &Config) -> SettingsLimits {
-    SettingsLimits {
-        max_prompt_chars: config.limits.max_message_chars,
-        max_new_tokens: config.limits.max_new_tokens,
-    }
-}
-
-/// New conversations start from `config.sampling`; the store's default pins today's date.
-pub fn default_settings(config: &Config) -> ConversationSettings {
-    let s = &config.sampling;
-    ConversationSettings {
-        system_prompt: s.system_prompt.clone().filter(|p| !p.trim().is_empty()),
-        thinking: s.thinking,
-        temperature: s.temperature,
-        top_p: s.top_p,
-        top_k: s.top_k,
-        max_tokens: s.max_tokens.min(config.limits.max_new_tokens),
-        seed: None,
-        ..ConversationSettings::default()
-    }
-}
-
-/// Applies `input` to `settings`, refusing values generation could not use.
-fn apply_settings(
-    config: &Config,
-    input: &ConversationInput,
-    mut settings: ConversationSettings,
-) -> Result<ConversationSettings, WebError> {
-    if let Some(p) = &input.system_prompt {
-        settings.system_prompt = (!p.trim().is_empty()).then(|| p.clone());
-    }
-    if let Some(v) = input.thinking {
-        settings.thinking = v;
-    }
-    if let Some(v) = input.temperature {
-        settings.temperature = v;
-    }
-    if let Some(v) = input.top_p {
-        settings.top_p = v;
-    }
-    if let Some(v) = input.top_k {
-        settings.top_k = v;
-    }
-    if let Some(v) = input.max_tokens {
-        settings.max_tokens = v;
-    }
-    if input.seed.is_some() {
-        settings.seed = input.seed;
-    }
-    if let Some(v) = input.ignore_eos {
-        settings.ignore_eos = v;
-    }
-    settings::check(&settings, settings_limits(config))?;
-    Ok(settings)
-}
-
-fn clean_title(title: &str) -> Result<String, WebError> {
-    let title = title.trim();
-    let chars = title.chars().count();
-    if chars > TITLE_LIMIT {
-        return Err(WebError::BadRequest(format!(
-            "the title has {chars} characters; the limit is {TITLE_LIMIT}"
-        )));
-    }
-    Ok(title.to_string())
-}
-
 /// Parses a conversation id from the path.
 pub fn parse_id(raw: &str) -> Result<Uuid, WebError> {
     Uuid::parse_str(raw).map_err(|_| {
@@ -138,52 +88,24 @@ pub fn parse_id(raw: &str) -> Result<Uuid, WebError> {
     })
 }
 
-/// Refuses settings whose system prompt leaves no room in the context window for a message and
-/// a reply: every message of such a conversation would fail, so say so when it is set.
-pub fn check_system_prompt_fits(
-    platform: &crate::platform::Platform,
-    settings: &ConversationSettings,
-) -> Result<(), WebError> {
-    let Some(system) = settings.system_prompt.as_deref() else {
-        return Ok(());
-    };
-    let messages = [ChatMessage::system(system), ChatMessage::user("")];
-    let mut opts = RenderOptions::new(settings.pinned_date);
-    opts.enable_thinking = Some(settings.thinking);
-    let tokens = platform
-        .template
-        .render_prompt(&messages, &opts, platform.tokenizer.text_guard())
-        .and_then(|p| platform.tokenizer.encode_rendered(&p))
-        .map_err(|e| {
-            WebError::BadRequest(format!(
-                "`system_prompt`: the chat template cannot use this system prompt: {e}"
-            ))
-        })?
-        .len();
-    let window = platform.model.context_window;
-    // At least one token of message and one of reply must fit after it.
-    if tokens + 2 > window {
+/// The page a list request asks for: `limit` (1 to [`MAX_PAGE`], default [`DEFAULT_PAGE`])
+/// after the `before` cursor a previous page returned as `next`.
+pub fn page_request(limit: Option<usize>, before: Option<&str>) -> Result<PageRequest, WebError> {
+    let limit = limit.unwrap_or(DEFAULT_PAGE);
+    if !(1..=MAX_PAGE).contains(&limit) {
         return Err(WebError::BadRequest(format!(
-            "`system_prompt`: the system prompt takes {tokens} tokens of the model's \
-             {window}-token context window, which leaves no room for a message and a reply; \
-             shorten it"
+            "`limit` must be between 1 and {MAX_PAGE}, got {limit}"
         )));
     }
-    Ok(())
-}
-
-/// The conversation if it exists and belongs to `owner`; otherwise 404 either way, so another
-/// owner's ids cannot be told apart from unknown ones.
-pub async fn owned(
-    state: &AppState,
-    raw_id: &str,
-    owner: &Owner,
-) -> Result<Conversation, WebError> {
-    let id = parse_id(raw_id)?;
-    match state.platform.store.get_conversation(id).await? {
-        Some(c) if c.owner == owner.as_str() => Ok(c),
-        _ => Err(WebError::conversation_not_found()),
-    }
+    let before = match before.filter(|b| !b.is_empty()) {
+        None => None,
+        Some(text) => Some(Cursor::decode(text).ok_or_else(|| {
+            WebError::BadRequest(format!(
+                "`before` {text:?} is not a cursor; pass the `next` value of the previous page"
+            ))
+        })?),
+    };
+    Ok(PageRequest { limit, before })
 }
 
 /// `POST /api/conversations`
@@ -193,26 +115,26 @@ pub async fn create(
     body: OptionalJsonBody<ConversationInput>,
 ) -> Result<HttpResponse, WebError> {
     let input = body.0.unwrap_or_default();
-    let config = &state.platform.config;
-    let settings = apply_settings(config, &input, default_settings(config))?;
-    check_system_prompt_fits(&state.platform, &settings)?;
-    let title = input.title.as_deref().map(clean_title).transpose()?;
-    let store = &state.platform.store;
-    let mut conversation = store.create_conversation(owner.as_str(), &settings).await?;
-    if let Some(title) = title.filter(|t| !t.is_empty()) {
-        store.rename_conversation(conversation.id, &title).await?;
-        conversation.title = title;
-    }
-    tracing::info!(conversation = %conversation.id, owner = owner.as_str(), "conversation created");
+    let created = state
+        .platform
+        .conversations
+        .create(
+            &owner.caller(),
+            NewConversation {
+                title: input.title.clone(),
+                settings: input.patch(),
+                first_message: None,
+            },
+        )
+        .await?;
+    let c = created.conversation;
     Ok(HttpResponse::Created()
-        .insert_header((
-            header::LOCATION,
-            format!("/api/conversations/{}", conversation.id),
-        ))
-        .json(conversation))
+        .insert_header((header::LOCATION, format!("/api/conversations/{}", c.id)))
+        .json(c))
 }
 
-/// `GET /api/conversations?q=…`
+/// `GET /api/conversations?q=…&limit=…&before=…`: `{"conversations": [...], "next": cursor or
+/// null}`; pass `next` as `before` for the following page.
 pub async fn list(
     state: web::Data<AppState>,
     owner: Owner,
@@ -220,20 +142,17 @@ pub async fn list(
 ) -> Result<HttpResponse, WebError> {
     let query = web::Query::<ListQuery>::from_query(req.query_string())
         .map_err(|e| WebError::BadRequest(format!("bad query string: {e}")))?;
-    // The same cap as the page's search box: a search text is a title fragment.
-    if let Some(chars) = query.q.as_deref().map(|q| q.chars().count()) {
-        if chars > TITLE_LIMIT {
-            return Err(WebError::BadRequest(format!(
-                "`q`: the search text has {chars} characters; the limit is {TITLE_LIMIT}"
-            )));
-        }
-    }
-    let conversations = state
+    let page = page_request(query.limit, query.before.as_deref())?;
+    let list = state
         .platform
-        .store
-        .list_conversations(owner.as_str(), query.q.as_deref())
+        .conversations
+        .list(&owner.caller(), query.q.as_deref(), &page)
         .await?;
-    Ok(HttpResponse::Ok().json(json!({ "conversations": conversations })))
+    let items: Vec<ConversationSummary> = list.items;
+    Ok(HttpResponse::Ok().json(json!({
+        "conversations": items,
+        "next": list.next.map(|c| c.encode()),
+    })))
 }
 
 /// `GET /api/conversations/{id}`
@@ -242,16 +161,16 @@ pub async fn get(
     owner: Owner,
     path: web::Path<String>,
 ) -> Result<HttpResponse, WebError> {
-    let conversation = owned(&state, &path, &owner).await?;
-    let messages = state.platform.store.messages(conversation.id).await?;
-    let replying = match state.platform.sessions.get(conversation.id) {
-        Some(session) => session.send(GetInfo).await.is_ok_and(|i| i.replying),
-        None => false,
-    };
+    let id = parse_id(&path)?;
+    let view = state
+        .platform
+        .conversations
+        .get(&owner.caller(), id)
+        .await?;
     Ok(HttpResponse::Ok().json(ConversationDetail {
-        conversation,
-        messages,
-        replying,
+        conversation: view.conversation,
+        messages: view.messages,
+        replying: view.replying,
         context_window: state.platform.model.context_window,
     }))
 }
@@ -263,44 +182,13 @@ pub async fn patch(
     path: web::Path<String>,
     body: JsonBody<ConversationInput>,
 ) -> Result<HttpResponse, WebError> {
-    let conversation = owned(&state, &path, &owner).await?;
+    let id = parse_id(&path)?;
     let input = body.0;
-    let store = &state.platform.store;
-    let title = input.title.as_deref().map(clean_title).transpose()?;
-    let changes_settings = input.system_prompt.is_some()
-        || input.thinking.is_some()
-        || input.temperature.is_some()
-        || input.top_p.is_some()
-        || input.top_k.is_some()
-        || input.max_tokens.is_some()
-        || input.seed.is_some()
-        || input.ignore_eos.is_some();
-    // Validate everything before writing anything.
-    let settings = if changes_settings {
-        let s = apply_settings(
-            &state.platform.config,
-            &input,
-            conversation.settings.clone(),
-        )?;
-        check_system_prompt_fits(&state.platform, &s)?;
-        Some(s)
-    } else {
-        None
-    };
-    let found = match &title {
-        Some(t) => store.rename_conversation(conversation.id, t).await?,
-        None => true,
-    } && match &settings {
-        Some(s) => store.update_settings(conversation.id, s).await?,
-        None => true,
-    };
-    if !found {
-        return Err(WebError::conversation_not_found());
-    }
-    let updated = store
-        .get_conversation(conversation.id)
-        .await?
-        .ok_or_else(WebError::conversation_not_found)?;
+    let updated = state
+        .platform
+        .conversations
+        .update(&owner.caller(), id, input.title.as_deref(), &input.patch())
+        .await?;
     Ok(HttpResponse::Ok().json(updated))
 }
 
@@ -311,18 +199,12 @@ pub async fn delete(
     owner: Owner,
     path: web::Path<String>,
 ) -> Result<HttpResponse, WebError> {
-    let conversation = owned(&state, &path, &owner).await?;
-    let id = conversation.id;
-    if let Some(session) = state.platform.sessions.get(id) {
-        // The session may already be stopping; then there is nothing to shut down.
-        let _ = session.send(Shutdown).await;
-    }
-    if !state.platform.store.delete_conversation(id).await? {
-        return Err(WebError::conversation_not_found());
-    }
-    // The worker drops the cache now, or as soon as a cancelled reply releases it.
-    let _ = state.platform.scheduler.send(Evict(id.to_string())).await;
-    tracing::info!(conversation = %id, "conversation deleted");
+    let id = parse_id(&path)?;
+    state
+        .platform
+        .conversations
+        .delete(&owner.caller(), id)
+        .await?;
     Ok(HttpResponse::NoContent().finish())
 }
 
@@ -334,15 +216,49 @@ pub async fn send_message(
     path: web::Path<String>,
     body: JsonBody<NewMessage>,
 ) -> Result<HttpResponse, WebError> {
-    let conversation = owned(&state, &path, &owner).await?;
-    let session = state.platform.sessions.get_or_start(conversation.id);
-    let accepted = session.send(SendMessage::new(body.0.content)).await??;
-    tracing::debug!(conversation = %conversation.id, message = %accepted.user_message.id, "message accepted");
+    let id = parse_id(&path)?;
+    let accepted = state
+        .platform
+        .conversations
+        .send(&owner.caller(), id, body.0.content)
+        .await?;
     Ok(HttpResponse::Accepted().json(json!({
         "user_message": accepted.user_message,
         "assistant_message_id": accepted.assistant_message_id,
-        "events": format!("/api/conversations/{}/events", conversation.id),
+        "events": format!("/api/conversations/{id}/events"),
     })))
+}
+
+/// `POST /api/conversations/{id}/regenerate`: the last reply again (202, like a send).
+pub async fn regenerate(
+    state: web::Data<AppState>,
+    owner: Owner,
+    path: web::Path<String>,
+) -> Result<HttpResponse, WebError> {
+    let id = parse_id(&path)?;
+    let accepted = state
+        .platform
+        .conversations
+        .regenerate(&owner.caller(), id)
+        .await?;
+    Ok(HttpResponse::Accepted().json(accepted))
+}
+
+/// `POST /api/conversations/{id}/edit` `{"content"}`: replaces the last user message and
+/// everything after it, then sends it (202, like a send).
+pub async fn edit(
+    state: web::Data<AppState>,
+    owner: Owner,
+    path: web::Path<String>,
+    body: JsonBody<NewMessage>,
+) -> Result<HttpResponse, WebError> {
+    let id = parse_id(&path)?;
+    let accepted = state
+        .platform
+        .conversations
+        .edit(&owner.caller(), id, body.0.content)
+        .await?;
+    Ok(HttpResponse::Accepted().json(accepted))
 }
 
 /// `POST /api/conversations/{id}/stop`: stops the running reply (it is stored as `stopped`).
@@ -351,10 +267,114 @@ pub async fn stop(
     owner: Owner,
     path: web::Path<String>,
 ) -> Result<HttpResponse, WebError> {
-    let conversation = owned(&state, &path, &owner).await?;
-    let stopped = match state.platform.sessions.get(conversation.id) {
-        Some(session) => session.send(Stop).await?,
-        None => false,
-    };
+    let id = parse_id(&path)?;
+    let stopped = state
+        .platform
+        .conversations
+        .stop(&owner.caller(), id)
+        .await?;
     Ok(HttpResponse::Ok().json(json!({ "stopped": stopped })))
+}
+
+#[derive(Debug, Default, Deserialize)]
+pub struct ExportQuery {
+    pub format: Option<String>,
+}
+
+/// The export formats.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ExportFormat {
+    Json,
+    Markdown,
+}
+
+impl ExportFormat {
+    pub fn parse(text: Option<&str>) -> Result<ExportFormat, WebError> {
+        match text.unwrap_or("json") {
+            "json" => Ok(ExportFormat::Json),
+            "md" | "markdown" => Ok(ExportFormat::Markdown),
+            other => Err(WebError::BadRequest(format!(
+                "`format` must be json or md, got {other:?}"
+            ))),
+        }
+    }
+}
+
+/// A file name for a download: the title's letters and digits, else "conversation".
+fn file_name(title: &str, ext: &str) -> String {
+    let mut name: String = title
+        .chars()
+        .map(|c| if c.is_ascii_alphanumeric() { c } else { '-' })
+        .collect();
+    name = name
+        .split('-')
+        .filter(|p| !p.is_empty())
+        .collect::<Vec<_>>()
+        .join("-");
+    name.truncate(60);
+    if name.is_empty() {
+        name = "conversation".into();
+    }
+    format!("{name}.{ext}")
+}
+
+/// The export as a download (`Content-Disposition: attachment`).
+pub fn export_response(
+    doc: &ExportedConversation,
+    format: ExportFormat,
+) -> Result<HttpResponse, WebError> {
+    let (body, content_type, ext) = match format {
+        ExportFormat::Json => (
+            serde_json::to_string_pretty(doc)
+                .map_err(|e| WebError::Internal(format!("export: {e}")))?,
+            "application/json",
+            "json",
+        ),
+        ExportFormat::Markdown => (to_markdown(doc), "text/markdown; charset=utf-8", "md"),
+    };
+    Ok(HttpResponse::Ok()
+        .content_type(content_type)
+        .insert_header((
+            header::CONTENT_DISPOSITION,
+            format!("attachment; filename=\"{}\"", file_name(&doc.title, ext)),
+        ))
+        .insert_header((header::X_CONTENT_TYPE_OPTIONS, "nosniff"))
+        .insert_header((header::CACHE_CONTROL, "no-store"))
+        .body(body))
+}
+
+/// `GET /api/conversations/{id}/export?format=json|md`
+pub async fn export(
+    state: web::Data<AppState>,
+    owner: Owner,
+    path: web::Path<String>,
+    req: HttpRequest,
+) -> Result<HttpResponse, WebError> {
+    let id = parse_id(&path)?;
+    let query = web::Query::<ExportQuery>::from_query(req.query_string())
+        .map_err(|e| WebError::BadRequest(format!("bad query string: {e}")))?;
+    let format = ExportFormat::parse(query.format.as_deref())?;
+    let doc = state
+        .platform
+        .conversations
+        .export(&owner.caller(), id)
+        .await?;
+    export_response(&doc, format)
+}
+
+/// `POST /api/conversations/import` (an exported conversation as the body) → 201 with the new
+/// conversation.
+pub async fn import(
+    state: web::Data<AppState>,
+    owner: Owner,
+    body: JsonBody<ExportedConversation>,
+) -> Result<HttpResponse, WebError> {
+    let c = state
+        .platform
+        .conversations
+        .import(&owner.caller(), body.0)
+        .await?;
+    Ok(HttpResponse::Created()
+        .insert_header((header::LOCATION, format!("/api/conversations/{}", c.id)))
+        .json(c))
 }

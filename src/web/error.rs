@@ -7,9 +7,8 @@ use actix_web::http::StatusCode;
 use actix_web::{HttpResponse, ResponseError};
 use serde_json::json;
 
-use crate::actors::session::{SessionError, STORAGE_UNAVAILABLE};
-use crate::actors::settings::SettingsError;
-use crate::actors::SubmitError;
+use crate::actors::session::STORAGE_UNAVAILABLE;
+use crate::actors::{ConversationError, SubmitError};
 use crate::store::StoreError;
 
 /// Seconds a client is asked to wait before retrying after a storage fault.
@@ -32,6 +31,9 @@ pub enum WebError {
     /// The body did not arrive in time.
     #[error("{0}")]
     RequestTimeout(String),
+    /// Allowed to others, not to this caller (admin-only settings).
+    #[error("{0}")]
+    Forbidden(String),
     /// Unknown ids and other owners' conversations alike (so ids cannot be probed).
     #[error("{0}")]
     NotFound(String),
@@ -71,6 +73,7 @@ impl WebError {
             WebError::PayloadTooLarge(_) => "payload_too_large",
             WebError::UriTooLong(_) => "uri_too_long",
             WebError::RequestTimeout(_) => "request_timeout",
+            WebError::Forbidden(_) => "forbidden",
             WebError::NotFound(_) => "not_found",
             WebError::MethodNotAllowed(_) => "method_not_allowed",
             WebError::Conflict(_) => "conflict",
@@ -98,6 +101,7 @@ impl ResponseError for WebError {
             WebError::PayloadTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
             WebError::UriTooLong(_) => StatusCode::URI_TOO_LONG,
             WebError::RequestTimeout(_) => StatusCode::REQUEST_TIMEOUT,
+            WebError::Forbidden(_) => StatusCode::FORBIDDEN,
             WebError::NotFound(_) => StatusCode::NOT_FOUND,
             WebError::MethodNotAllowed(_) => StatusCode::METHOD_NOT_ALLOWED,
             WebError::Conflict(_) => StatusCode::CONFLICT,
@@ -142,29 +146,33 @@ impl ResponseError for WebError {
     }
 }
 
-impl From<SessionError> for WebError {
-    fn from(e: SessionError) -> Self {
+/// The conversation service's refusals, one status code each.
+impl From<ConversationError> for WebError {
+    fn from(e: ConversationError) -> Self {
         match e {
-            SessionError::EmptyMessage | SessionError::NotText(_) => {
-                WebError::BadRequest(e.to_string())
-            }
-            SessionError::MessageTooLong { .. } => WebError::PayloadTooLarge(e.to_string()),
-            SessionError::Busy => WebError::Conflict(e.to_string()),
-            SessionError::NotFound => WebError::conversation_not_found(),
-            SessionError::NothingToResend => WebError::BadRequest(e.to_string()),
-            SessionError::Submit(s) => s.into(),
-            SessionError::Store(detail) => WebError::Internal(format!("storage: {detail}")),
-            SessionError::StoreUnavailable(message) => WebError::StorageUnavailable(message),
-            SessionError::Prompt(detail) => WebError::Internal(format!("prompt: {detail}")),
-        }
-    }
-}
-
-impl From<SettingsError> for WebError {
-    fn from(e: SettingsError) -> Self {
-        match e {
-            SettingsError::PromptTooLong { .. } => WebError::PayloadTooLarge(e.to_string()),
-            SettingsError::Invalid(m) => WebError::BadRequest(m),
+            ConversationError::NotFound => WebError::conversation_not_found(),
+            ConversationError::Invalid { message, .. } => WebError::BadRequest(message),
+            ConversationError::TooLarge(m) => WebError::PayloadTooLarge(m),
+            ConversationError::Forbidden(m) => WebError::Forbidden(m),
+            ConversationError::Busy(m) => WebError::Conflict(m),
+            ConversationError::ContextOverflow(m) => WebError::ContextOverflow(m),
+            ConversationError::UserLimit {
+                message,
+                retry_after_s,
+            } => WebError::TooManyRequests {
+                message,
+                retry_after_s,
+            },
+            ConversationError::Overloaded {
+                message,
+                retry_after_s,
+            } => WebError::Overloaded {
+                message,
+                retry_after_s,
+            },
+            ConversationError::StorageUnavailable(m) => WebError::StorageUnavailable(m),
+            ConversationError::Unavailable(m) => WebError::Unavailable(m),
+            ConversationError::Internal(m) => WebError::Internal(m),
         }
     }
 }
@@ -176,7 +184,8 @@ impl From<SubmitError> for WebError {
                 message: e.to_string(),
                 retry_after_s,
             },
-            SubmitError::UserLimit { retry_after_s, .. } => WebError::TooManyRequests {
+            SubmitError::UserLimit { retry_after_s, .. }
+            | SubmitError::TokenLimit { retry_after_s, .. } => WebError::TooManyRequests {
                 message: e.to_string(),
                 retry_after_s,
             },

@@ -19,11 +19,11 @@ use actix_web_lab::sse;
 use futures_util::Stream;
 use tokio::sync::mpsc;
 
-use super::api::owned;
+use super::api::parse_id;
 use super::error::WebError;
 use super::owner::Owner;
 use super::{AppState, StreamCounter, StreamSlot};
-use crate::actors::session::{ReplyEvent, Subscribe, Subscription, SubscriptionGuard};
+use crate::actors::session::{ReplyEvent, Subscription, SubscriptionGuard};
 
 /// Comment lines sent while nothing happens, so proxies keep the connection and dead clients are
 /// noticed.
@@ -36,15 +36,20 @@ pub async fn events(
     owner: Owner,
     path: web::Path<String>,
 ) -> Result<sse::Sse<EventStream>, WebError> {
-    let conversation = owned(&state, &path, &owner).await?;
-    let slot = StreamCounter::open(&state, conversation.id, owner.as_str())?;
-    let session = state.platform.sessions.get_or_start(conversation.id);
+    let id = parse_id(&path)?;
+    // The place is taken first (and given back with the error if the service refuses), so
+    // parallel requests cannot open more streams than the limits allow.
+    let slot = StreamCounter::open(&state, id, owner.as_str())?;
     let Subscription {
         replay,
         events,
         guard,
-    } = session.send(Subscribe).await?;
-    tracing::debug!(conversation = %conversation.id, replayed = replay.len(), "events subscriber joined");
+    } = state
+        .platform
+        .conversations
+        .subscribe(&owner.caller(), id)
+        .await?;
+    tracing::debug!(conversation = %id, replayed = replay.len(), "events subscriber joined");
     let stream = EventStream {
         replay: replay.into_iter(),
         events,

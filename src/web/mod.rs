@@ -7,11 +7,14 @@
 //! |---|---|
 //! | `GET /healthz`, `GET /readyz`, `GET /metrics` | operations (see [`ops`]) |
 //! | `POST /api/conversations` | create (optional settings body) → 201 |
-//! | `GET /api/conversations?q=` | the caller's conversations, most recent first |
+//! | `GET /api/conversations?q=&limit=&before=` | a page of the caller's conversations, most recent first, and the `next` cursor |
 //! | `GET`, `PATCH`, `DELETE /api/conversations/{id}` | one conversation with its messages |
 //! | `POST /api/conversations/{id}/messages` | send `{"content"}` → 202; the reply streams on… |
 //! | `GET /api/conversations/{id}/events` | …this SSE stream (see [`events`]) |
 //! | `POST /api/conversations/{id}/stop` | stop the running reply → `{"stopped": bool}` |
+//! | `POST /api/conversations/{id}/regenerate`, `/edit` `{"content"}` | resend the last message (atomic) → 202 |
+//! | `GET /api/conversations/{id}/export?format=json\|md` | download (lossless JSON, or Markdown) |
+//! | `POST /api/conversations/import` | an exported conversation → 201, a new conversation |
 //!
 //! | `GET /`, `/c/…`, `/conversations`, `/admin…`, `/static/…` | HTML pages (see [`pages`], [`admin`]; CSRF in [`csrf`]) |
 //!
@@ -163,6 +166,9 @@ pub struct AppState {
     pub admin: Option<AdminAuth>,
 }
 
+/// The largest body `POST /api/conversations/import` reads (an exported conversation).
+pub const IMPORT_BODY_LIMIT: usize = 32 << 20;
+
 /// The largest JSON body: a message at the character limit written entirely in the most
 /// expensive JSON escapes (`\uXXXX\uXXXX`, 12 bytes per char), plus room for the other fields.
 pub fn json_limit(max_message_chars: usize) -> usize {
@@ -211,6 +217,14 @@ pub fn routes(cfg: &mut web::ServiceConfig) {
                     .route(web::post().to(api::create))
                     .default_service(web::to(method_not_allowed)),
             )
+            // Before `/conversations/{id}`, which would otherwise take "import" for an id.
+            .service(
+                web::resource("/conversations/import")
+                    // An export holds many messages: a larger body than a message.
+                    .app_data(BodyLimit(IMPORT_BODY_LIMIT))
+                    .route(web::post().to(api::import))
+                    .default_service(web::to(method_not_allowed)),
+            )
             .service(
                 web::resource("/conversations/{id}")
                     .route(web::get().to(api::get))
@@ -226,6 +240,21 @@ pub fn routes(cfg: &mut web::ServiceConfig) {
             .service(
                 web::resource("/conversations/{id}/stop")
                     .route(web::post().to(api::stop))
+                    .default_service(web::to(method_not_allowed)),
+            )
+            .service(
+                web::resource("/conversations/{id}/regenerate")
+                    .route(web::post().to(api::regenerate))
+                    .default_service(web::to(method_not_allowed)),
+            )
+            .service(
+                web::resource("/conversations/{id}/edit")
+                    .route(web::post().to(api::edit))
+                    .default_service(web::to(method_not_allowed)),
+            )
+            .service(
+                web::resource("/conversations/{id}/export")
+                    .route(web::get().to(api::export))
                     .default_service(web::to(method_not_allowed)),
             )
             .service(
@@ -268,7 +297,9 @@ pub fn routes(cfg: &mut web::ServiceConfig) {
             .route("/{id}/edit", web::post().to(pages::edit))
             .route("/{id}/rename", web::post().to(pages::rename))
             .route("/{id}/settings", web::post().to(pages::settings))
-            .route("/{id}/thinking", web::post().to(pages::thinking)),
+            .route("/{id}/thinking", web::post().to(pages::thinking))
+            .route("/{id}/export.json", web::get().to(pages::export_json))
+            .route("/{id}/export.md", web::get().to(pages::export_md)),
     )
     .service(
         web::scope("/admin")

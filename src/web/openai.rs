@@ -225,6 +225,30 @@ fn check_model(p: &Platform, common: &Common) -> Result<(), ApiError> {
     }
 }
 
+/// Whether a `/v1` request speaks for an admin: only when it presented the global
+/// `server.api_key` (the middleware has refused every request that presented a wrong one, so
+/// with a key configured every request that gets here presented it). With no key configured,
+/// `/v1` is open to anyone and nobody is an admin. The one place that decides it: per-user keys
+/// (accounts) extend it with the key's owner's role.
+pub fn api_caller_is_admin(state: &AppState, _http: &HttpRequest) -> bool {
+    state
+        .platform
+        .config
+        .server
+        .api_key
+        .as_deref()
+        .is_some_and(|k| !k.is_empty())
+}
+
+/// Refuses what only admins may ask for (`ignore_eos`), through the one settings check.
+fn check_admin_only(state: &AppState, http: &HttpRequest, common: &Common) -> Result<(), ApiError> {
+    crate::actors::settings::check_ignore_eos(
+        common.params.ignore_eos,
+        api_caller_is_admin(state, http),
+    )
+    .map_err(ApiError::from_settings)
+}
+
 /// A raw `/v1/completions` prompt: BOS when the tokenizer asks for it, special tokens written
 /// in the prompt parsed as llama-server does. The client writes the whole prompt, markup
 /// included, so there is no template text to tell apart from its own (chat requests, where
@@ -244,6 +268,7 @@ async fn chat_completions(
     let p = &state.platform;
     let req = request::parse_chat(&body, &defaults(p))?;
     check_model(p, &req.common)?;
+    check_admin_only(&state, &http, &req.common)?;
     let parse_tool_calls = req.parse_tool_calls();
     // Rendering and tokenizing a long conversation takes a while; keep it off the event loop.
     let state2 = state.clone();
@@ -307,6 +332,7 @@ async fn completions(
     let p = &state.platform;
     let mut req = request::parse_completion(&body, &defaults(p))?;
     check_model(p, &req.common)?;
+    check_admin_only(&state, &http, &req.common)?;
     let prompt = match &req.prompt {
         PromptIn::Text(text) => {
             let state2 = state.clone();

@@ -8,15 +8,17 @@
 //! | `GET /` | the chat page with no conversation (the first message creates one) |
 //! | `POST /c` | create a conversation (form `content` optional: sent as its first message) → `HX-Redirect` |
 //! | `GET /c/{id}` | the chat page of one conversation |
-//! | `GET /conversations?q=` | the sidebar list (fragment), filtered by title and content |
+//! | `GET /conversations?q=&before=` | the sidebar list (fragment, one page and a "More" button), filtered by title and content |
 //! | `GET /c/{id}/m/{mid}` | one message (fragment) |
 //! | `POST /c/{id}/messages` | send (form `content`) → 202; the reply streams on the events API |
 //! | `POST /c/{id}/stop`, `/regenerate`, `/edit` (form `content`) | reply controls |
 //! | `POST /c/{id}/rename` (form `title`), `/settings` (form), `/thinking` (form `thinking`) | |
 //! | `DELETE /c/{id}` | delete → `HX-Redirect: /` |
+//! | `GET /c/{id}/export.json`, `/c/{id}/export.md` | download the conversation (lossless JSON, readable Markdown) |
 //! | `GET /static/...` | CSS, JS and the vendored HTMX, compiled into the binary (works offline) |
 //!
-//! Every route here runs inside the owner cookie and CSRF middlewares ([`super::csrf`]); errors are
+//! Every rule lives in [`crate::actors::conversations`]; the handlers parse, call the service
+//! with the caller ([`Owner::caller`]) and render. Every route here runs inside the owner cookie and CSRF middlewares ([`super::csrf`]); errors are
 //! small HTML documents with an `.alert` element and the status code of the [`WebError`].
 
 use std::fmt;
@@ -30,14 +32,13 @@ use serde::de::DeserializeOwned;
 use serde::Deserialize;
 use uuid::Uuid;
 
-use super::api::{default_settings, owned, parse_id, TITLE_LIMIT};
+use super::api::{export_response, page_request, parse_id, ExportFormat};
 use super::error::WebError;
 use super::owner::Owner;
 use super::{csrf, json_limit, markdown, AppState};
-use crate::actors::scheduler::Evict;
-use crate::actors::session::{GetInfo, SendMessage, Shutdown, Stop};
-use crate::actors::settings;
-use crate::store::{Conversation, ConversationSummary, Message, MessageStatus, Role};
+use crate::actors::conversations::{ConversationView, NewConversation, SettingsPatch};
+use crate::actors::ConversationError;
+use crate::store::{ConversationSummary, ListPage, Message, MessageStatus, Role};
 
 /// An error of a page route: the web layer's error, shown as HTML.
 #[derive(Debug)]
@@ -70,8 +71,8 @@ impl From<crate::store::StoreError> for PageError {
     }
 }
 
-impl From<crate::actors::session::SessionError> for PageError {
-    fn from(e: crate::actors::session::SessionError) -> Self {
+impl From<ConversationError> for PageError {
+    fn from(e: ConversationError) -> Self {
         PageError::Web(e.into())
     }
 }
@@ -221,6 +222,7 @@ pub async fn read_form<T: DeserializeOwned>(
 // ---------------------------------------------------------------------------------------------
 // View models: plain strings and numbers, so the templates hold no logic beyond loops and ifs.
 
+#[derive(Clone)]
 pub struct ConversationItem {
     pub id: String,
     pub title: String,
@@ -316,7 +318,8 @@ pub struct SettingsView {
 #[template(path = "chat.html")]
 pub struct ChatPage {
     pub csrf: String,
-    pub conversations: Vec<ConversationItem>,
+    /// The sidebar's first page.
+    pub list: ConversationList,
     /// Empty on `/` (no conversation yet).
     pub conv_id: String,
     pub title: String,
@@ -332,6 +335,23 @@ pub struct ChatPage {
 #[template(path = "conv_list.html")]
 pub struct ConversationList {
     pub conversations: Vec<ConversationItem>,
+    /// The next page's cursor ("" on the last page): the "More" button fetches it.
+    pub next: String,
+    /// The open conversation ("" on `/`), kept highlighted on later pages.
+    pub active: String,
+    /// Later pages are appended to the first and say nothing when empty.
+    pub first_page: bool,
+}
+
+impl ConversationList {
+    fn of(page: &ListPage, active: Option<Uuid>, first_page: bool) -> Self {
+        ConversationList {
+            conversations: items(&page.items, active),
+            next: page.next.map(|c| c.encode()).unwrap_or_default(),
+            active: active.map(|a| a.to_string()).unwrap_or_default(),
+            first_page,
+        }
+    }
 }
 
 #[derive(Template)]
@@ -344,24 +364,18 @@ fn csrf_token(state: &AppState, owner: &Owner) -> String {
     csrf::token_for(&state.cookie_key, owner.as_str())
 }
 
-async fn is_replying(state: &AppState, id: Uuid) -> bool {
-    match state.platform.sessions.get(id) {
-        Some(session) => session.send(GetInfo).await.is_ok_and(|i| i.replying),
-        None => false,
-    }
-}
-
 async fn chat_page(
     state: &AppState,
     owner: &Owner,
-    conversation: Option<Conversation>,
+    view: Option<ConversationView>,
 ) -> Result<HttpResponse, PageError> {
-    let store = &state.platform.store;
     let config = &state.platform.config;
-    let list = store.list_conversations(owner.as_str(), None).await?;
-    let (messages, replying) = match &conversation {
-        Some(c) => (store.messages(c.id).await?, is_replying(state, c.id).await),
-        None => (Vec::new(), false),
+    let service = &state.platform.conversations;
+    let first = page_request(None, None)?;
+    let list = service.list(&owner.caller(), None, &first).await?;
+    let (conversation, messages, replying) = match view {
+        Some(v) => (Some(v.conversation), v.messages, v.replying),
+        None => (None, Vec::new(), false),
     };
     // Tokens in use: the last reply's prompt plus what it generated.
     let context_used = messages
@@ -372,10 +386,10 @@ async fn chat_page(
     let settings = conversation
         .as_ref()
         .map(|c| c.settings.clone())
-        .unwrap_or_else(|| default_settings(config));
+        .unwrap_or_else(|| service.default_settings());
     let page = ChatPage {
         csrf: csrf_token(state, owner),
-        conversations: items(&list, conversation.as_ref().map(|c| c.id)),
+        list: ConversationList::of(&list, conversation.as_ref().map(|c| c.id), true),
         conv_id: conversation
             .as_ref()
             .map(|c| c.id.to_string())
@@ -416,8 +430,13 @@ pub async fn conversation(
     owner: Owner,
     path: web::Path<String>,
 ) -> Result<HttpResponse, PageError> {
-    let c = owned(&state, &path, &owner).await?;
-    chat_page(&state, &owner, Some(c)).await
+    let id = parse_id(&path)?;
+    let view = state
+        .platform
+        .conversations
+        .get(&owner.caller(), id)
+        .await?;
+    chat_page(&state, &owner, Some(view)).await
 }
 
 #[derive(Deserialize)]
@@ -426,29 +445,24 @@ pub struct SearchQuery {
     q: String,
     #[serde(default)]
     active: String,
+    #[serde(default)]
+    before: String,
 }
 
-/// `GET /conversations?q=`
+/// `GET /conversations?q=&before=`: one page of the sidebar list.
 pub async fn list(
     state: web::Data<AppState>,
     owner: Owner,
     query: web::Query<SearchQuery>,
 ) -> Result<HttpResponse, PageError> {
-    if query.q.chars().count() > TITLE_LIMIT {
-        return Err(WebError::BadRequest(format!(
-            "the search text is longer than {TITLE_LIMIT} characters"
-        ))
-        .into());
-    }
+    let page = page_request(None, Some(&query.before))?;
     let list = state
         .platform
-        .store
-        .list_conversations(owner.as_str(), Some(&query.q))
+        .conversations
+        .list(&owner.caller(), Some(&query.q), &page)
         .await?;
     let active = Uuid::parse_str(&query.active).ok();
-    html(&ConversationList {
-        conversations: items(&list, active),
-    })
+    html(&ConversationList::of(&list, active, page.before.is_none()))
 }
 
 /// `GET /c/{id}/m/{mid}`
@@ -458,16 +472,17 @@ pub async fn message(
     path: web::Path<(String, String)>,
 ) -> Result<HttpResponse, PageError> {
     let (cid, mid) = path.into_inner();
-    let c = owned(&state, &cid, &owner).await?;
+    let id = parse_id(&cid)?;
     let mid = parse_id(&mid)?;
-    let m = state
+    let (m, replying) = state
         .platform
-        .store
-        .get_message(mid)
-        .await?
-        .filter(|m| m.conversation_id == c.id)
-        .ok_or_else(|| WebError::NotFound("message not found".into()))?;
-    let replying = is_replying(&state, c.id).await;
+        .conversations
+        .message(&owner.caller(), id, mid)
+        .await
+        .map_err(|e| match e {
+            ConversationError::NotFound => WebError::NotFound("message not found".into()),
+            other => other.into(),
+        })?;
     html(&MessageFragment {
         m: MessageView::from_message(&m, replying),
     })
@@ -495,30 +510,21 @@ pub async fn create(
     payload: web::Payload,
 ) -> Result<HttpResponse, PageError> {
     let form: ContentForm = read_form(&state, &req, payload).await?;
-    let content = form.content;
-    let limit = state.platform.config.limits.max_message_chars;
-    let chars = content.chars().count();
-    // Check before creating, so a refused message leaves no empty conversation behind.
-    if chars > limit {
-        return Err(WebError::PayloadTooLarge(format!(
-            "the message has {chars} characters; the limit is {limit}"
-        ))
-        .into());
-    }
-    let store = &state.platform.store;
-    let settings = default_settings(&state.platform.config);
-    let c = store.create_conversation(owner.as_str(), &settings).await?;
-    tracing::info!(conversation = %c.id, owner = owner.as_str(), "conversation created from the page");
-    if !content.trim().is_empty() {
-        let session = state.platform.sessions.get_or_start(c.id);
-        if let Err(e) = session.send(SendMessage::new(content)).await? {
-            // The conversation would stay empty; remove it so the sidebar does not fill up.
-            let _ = session.send(Shutdown).await;
-            let _ = store.delete_conversation(c.id).await;
-            return Err(e.into());
-        }
-    }
-    Ok(hx_redirect(StatusCode::CREATED, &format!("/c/{}", c.id)))
+    let created = state
+        .platform
+        .conversations
+        .create(
+            &owner.caller(),
+            NewConversation {
+                first_message: Some(form.content),
+                ..NewConversation::default()
+            },
+        )
+        .await?;
+    Ok(hx_redirect(
+        StatusCode::CREATED,
+        &format!("/c/{}", created.conversation.id),
+    ))
 }
 
 /// `POST /c/{id}/messages`
@@ -529,11 +535,16 @@ pub async fn send(
     req: HttpRequest,
     payload: web::Payload,
 ) -> Result<HttpResponse, PageError> {
-    let c = owned(&state, &path, &owner).await?;
+    let id = parse_id(&path)?;
+    // Whose it is before what the body says: another owner's id is 404 whatever the form holds.
+    let caller = owner.caller();
+    state.platform.conversations.owned(&caller, id).await?;
     let form: ContentForm = read_form(&state, &req, payload).await?;
-    let session = state.platform.sessions.get_or_start(c.id);
-    let accepted = session.send(SendMessage::new(form.content)).await??;
-    tracing::debug!(conversation = %c.id, message = %accepted.user_message.id, "message sent from the page");
+    state
+        .platform
+        .conversations
+        .send(&caller, id, form.content)
+        .await?;
     Ok(HttpResponse::Accepted().finish())
 }
 
@@ -543,38 +554,13 @@ pub async fn stop(
     owner: Owner,
     path: web::Path<String>,
 ) -> Result<HttpResponse, PageError> {
-    let c = owned(&state, &path, &owner).await?;
-    if let Some(session) = state.platform.sessions.get(c.id) {
-        let stopped = session.send(Stop).await?;
-        tracing::debug!(conversation = %c.id, stopped, "stop from the page");
-    }
+    let id = parse_id(&path)?;
+    state
+        .platform
+        .conversations
+        .stop(&owner.caller(), id)
+        .await?;
     Ok(HttpResponse::NoContent().finish())
-}
-
-/// Replaces the last user message and everything after it with `content` (or the same text
-/// again): regenerate and edit-and-resend. The session does it atomically: the old messages stay
-/// until the new request is accepted and stored, so a refusal changes nothing.
-async fn resend(
-    state: &AppState,
-    c: &Conversation,
-    content: Option<String>,
-) -> Result<HttpResponse, PageError> {
-    let messages = state.platform.store.messages(c.id).await?;
-    let last_user = messages
-        .iter()
-        .rev()
-        .find(|m| m.role == Role::User)
-        .ok_or_else(|| WebError::BadRequest("there is no message to resend".into()))?;
-    let content = content.unwrap_or_else(|| last_user.content.clone());
-    tracing::info!(conversation = %c.id, "resending the last message");
-    let session = state.platform.sessions.get_or_start(c.id);
-    session
-        .send(SendMessage {
-            content,
-            replacing: Some(last_user.id),
-        })
-        .await??;
-    Ok(HttpResponse::Accepted().finish())
 }
 
 /// `POST /c/{id}/regenerate`
@@ -583,8 +569,13 @@ pub async fn regenerate(
     owner: Owner,
     path: web::Path<String>,
 ) -> Result<HttpResponse, PageError> {
-    let c = owned(&state, &path, &owner).await?;
-    resend(&state, &c, None).await
+    let id = parse_id(&path)?;
+    state
+        .platform
+        .conversations
+        .regenerate(&owner.caller(), id)
+        .await?;
+    Ok(HttpResponse::Accepted().finish())
 }
 
 /// `POST /c/{id}/edit`
@@ -595,9 +586,17 @@ pub async fn edit(
     req: HttpRequest,
     payload: web::Payload,
 ) -> Result<HttpResponse, PageError> {
-    let c = owned(&state, &path, &owner).await?;
+    let id = parse_id(&path)?;
+    // Whose it is before what the body says: another owner's id is 404 whatever the form holds.
+    let caller = owner.caller();
+    state.platform.conversations.owned(&caller, id).await?;
     let form: ContentForm = read_form(&state, &req, payload).await?;
-    resend(&state, &c, Some(form.content)).await
+    state
+        .platform
+        .conversations
+        .edit(&caller, id, form.content)
+        .await?;
+    Ok(HttpResponse::Accepted().finish())
 }
 
 #[derive(Deserialize)]
@@ -613,20 +612,15 @@ pub async fn rename(
     req: HttpRequest,
     payload: web::Payload,
 ) -> Result<HttpResponse, PageError> {
-    let c = owned(&state, &path, &owner).await?;
+    let id = parse_id(&path)?;
+    // Whose it is before what the body says: another owner's id is 404 whatever the form holds.
+    let caller = owner.caller();
+    state.platform.conversations.owned(&caller, id).await?;
     let form: TitleForm = read_form(&state, &req, payload).await?;
-    let title = form.title.trim();
-    let chars = title.chars().count();
-    if chars > TITLE_LIMIT {
-        return Err(WebError::BadRequest(format!(
-            "the title has {chars} characters; the limit is {TITLE_LIMIT}"
-        ))
-        .into());
-    }
     state
         .platform
-        .store
-        .rename_conversation(c.id, title)
+        .conversations
+        .rename(&caller, id, &form.title)
         .await?;
     Ok(HttpResponse::NoContent()
         .insert_header(("HX-Refresh", "true"))
@@ -644,6 +638,9 @@ pub struct SettingsForm {
     max_tokens: String,
     /// A checkbox: present ("on") when checked.
     thinking: Option<String>,
+    /// Not in the page's form (admins' benchmarks); when a client sends it, it goes through the
+    /// same check as on the JSON API (admins only).
+    ignore_eos: Option<String>,
 }
 
 /// A checkbox field: browsers send `on` when it is checked and nothing when it is not.
@@ -674,21 +671,34 @@ pub async fn settings(
     req: HttpRequest,
     payload: web::Payload,
 ) -> Result<HttpResponse, PageError> {
-    let c = owned(&state, &path, &owner).await?;
+    let id = parse_id(&path)?;
+    // Whose it is before what the body says: another owner's id is 404 whatever the form holds.
+    let caller = owner.caller();
+    state.platform.conversations.owned(&caller, id).await?;
     let form: SettingsForm = read_form(&state, &req, payload).await?;
-    let max_tokens: usize = form_number("max_tokens", &form.max_tokens, "a whole number")?;
-    let temperature: f32 = form_number("temperature", &form.temperature, "a number")?;
-    let top_p: f32 = form_number("top_p", &form.top_p, "a number")?;
-    let mut s = c.settings.clone();
-    s.system_prompt = Some(form.system_prompt).filter(|p| !p.trim().is_empty());
-    s.temperature = temperature;
-    s.top_p = top_p;
-    s.max_tokens = max_tokens;
-    s.thinking = checkbox("thinking", form.thinking.as_deref())?;
-    settings::check(&s, super::api::settings_limits(&state.platform.config))
-        .map_err(WebError::from)?;
-    super::api::check_system_prompt_fits(&state.platform, &s)?;
-    state.platform.store.update_settings(c.id, &s).await?;
+    let patch = SettingsPatch {
+        // An empty prompt removes it.
+        system_prompt: Some(form.system_prompt),
+        max_tokens: Some(form_number(
+            "max_tokens",
+            &form.max_tokens,
+            "a whole number",
+        )?),
+        temperature: Some(form_number("temperature", &form.temperature, "a number")?),
+        top_p: Some(form_number("top_p", &form.top_p, "a number")?),
+        thinking: Some(checkbox("thinking", form.thinking.as_deref())?),
+        ignore_eos: form
+            .ignore_eos
+            .as_deref()
+            .map(|v| checkbox("ignore_eos", Some(v)))
+            .transpose()?,
+        ..SettingsPatch::default()
+    };
+    state
+        .platform
+        .conversations
+        .update(&caller, id, None, &patch)
+        .await?;
     Ok(HttpResponse::Ok()
         .content_type("text/html; charset=utf-8")
         .body("<span class=\"saved\">Saved</span>"))
@@ -707,11 +717,20 @@ pub async fn thinking(
     req: HttpRequest,
     payload: web::Payload,
 ) -> Result<HttpResponse, PageError> {
-    let c = owned(&state, &path, &owner).await?;
+    let id = parse_id(&path)?;
+    // Whose it is before what the body says: another owner's id is 404 whatever the form holds.
+    let caller = owner.caller();
+    state.platform.conversations.owned(&caller, id).await?;
     let form: ThinkingForm = read_form(&state, &req, payload).await?;
-    let mut s = c.settings.clone();
-    s.thinking = checkbox("thinking", form.thinking.as_deref())?;
-    state.platform.store.update_settings(c.id, &s).await?;
+    let patch = SettingsPatch {
+        thinking: Some(checkbox("thinking", form.thinking.as_deref())?),
+        ..SettingsPatch::default()
+    };
+    state
+        .platform
+        .conversations
+        .update(&caller, id, None, &patch)
+        .await?;
     Ok(HttpResponse::NoContent().finish())
 }
 
@@ -721,23 +740,47 @@ pub async fn delete(
     owner: Owner,
     path: web::Path<String>,
 ) -> Result<HttpResponse, PageError> {
-    let c = owned(&state, &path, &owner).await?;
-    delete_conversation(&state, c.id).await?;
+    let id = parse_id(&path)?;
+    state
+        .platform
+        .conversations
+        .delete(&owner.caller(), id)
+        .await?;
     Ok(hx_redirect(StatusCode::OK, "/"))
 }
 
-/// Stops the session (and its reply), deletes the conversation and drops its KV cache.
-pub async fn delete_conversation(state: &AppState, id: Uuid) -> Result<(), PageError> {
-    if let Some(session) = state.platform.sessions.get(id) {
-        // It may already be stopping; then there is nothing to shut down.
-        let _ = session.send(Shutdown).await;
-    }
-    if !state.platform.store.delete_conversation(id).await? {
-        return Err(WebError::conversation_not_found().into());
-    }
-    let _ = state.platform.scheduler.send(Evict(id.to_string())).await;
-    tracing::info!(conversation = %id, "conversation deleted");
-    Ok(())
+/// The conversation as a download.
+async fn export(
+    state: &AppState,
+    owner: &Owner,
+    id: &str,
+    format: ExportFormat,
+) -> Result<HttpResponse, PageError> {
+    let id = parse_id(id)?;
+    let doc = state
+        .platform
+        .conversations
+        .export(&owner.caller(), id)
+        .await?;
+    Ok(export_response(&doc, format)?)
+}
+
+/// `GET /c/{id}/export.json`
+pub async fn export_json(
+    state: web::Data<AppState>,
+    owner: Owner,
+    path: web::Path<String>,
+) -> Result<HttpResponse, PageError> {
+    export(&state, &owner, &path, ExportFormat::Json).await
+}
+
+/// `GET /c/{id}/export.md`
+pub async fn export_md(
+    state: web::Data<AppState>,
+    owner: Owner,
+    path: web::Path<String>,
+) -> Result<HttpResponse, PageError> {
+    export(&state, &owner, &path, ExportFormat::Markdown).await
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -63,6 +63,21 @@ impl ApiError {
         Self::invalid(param, message).with_code("unsupported_parameter")
     }
 
+    /// 403: allowed to others, not to this client (`ignore_eos` without admin rights).
+    pub fn forbidden(param: impl Into<String>, message: impl Into<String>) -> Self {
+        Self::new(StatusCode::FORBIDDEN, "permission_error", message).with_param(param)
+    }
+
+    /// A refusal of the one settings check, with the field it names.
+    pub fn from_settings(e: crate::actors::settings::SettingsError) -> Self {
+        use crate::actors::settings::SettingsError;
+        let field = e.field();
+        match e {
+            SettingsError::AdminOnly { message, .. } => Self::forbidden(field, message),
+            other => Self::invalid(field, other.to_string()),
+        }
+    }
+
     pub fn unauthorized(message: impl Into<String>) -> Self {
         Self::new(StatusCode::UNAUTHORIZED, "authentication_error", message)
             .with_code("invalid_api_key")
@@ -215,7 +230,8 @@ impl From<SubmitError> for ApiError {
             } => Self::context_exceeded(prompt_tokens, window, "messages"),
             SubmitError::Invalid(m) => Self::bad_body(m),
             SubmitError::Unavailable(_) => Self::unavailable(e.to_string()),
-            SubmitError::UserLimit { retry_after_s, .. } => {
+            SubmitError::UserLimit { retry_after_s, .. }
+            | SubmitError::TokenLimit { retry_after_s, .. } => {
                 Self::rate_limited(e.to_string(), retry_after_s)
             }
         }

@@ -309,59 +309,29 @@ fn parse_common(f: &Fields<'_>, defaults: &Defaults) -> Result<Common, ApiError>
         top_k: defaults.top_k,
         ..SamplingParams::default()
     };
+    // Values are only read here; whether they are acceptable is decided by the one settings
+    // check below, so a value gets the same verdict and message as on a conversation.
     if let Some(t) = f.f32("temperature")? {
-        if t < 0.0 {
-            return Err(ApiError::invalid(
-                "temperature",
-                format!("`temperature` must be >= 0 (0 = greedy), got {t}"),
-            ));
-        }
         params.temperature = t;
     }
     if let Some(p) = f.f32("top_p")? {
-        if !(p > 0.0 && p <= 1.0) {
-            return Err(ApiError::invalid(
-                "top_p",
-                format!("`top_p` must be in (0, 1], got {p}"),
-            ));
-        }
         params.top_p = p;
     }
-    for (name, slot) in [
-        ("presence_penalty", &mut params.presence_penalty),
-        ("frequency_penalty", &mut params.frequency_penalty),
-    ] {
-        if let Some(v) = f.f32(name)? {
-            if !(-2.0..=2.0).contains(&v) {
-                return Err(ApiError::invalid(
-                    name,
-                    format!("`{name}` must be between -2 and 2, got {v}"),
-                ));
-            }
-            *slot = v;
-        }
+    if let Some(v) = f.f32("presence_penalty")? {
+        params.presence_penalty = v;
+    }
+    if let Some(v) = f.f32("frequency_penalty")? {
+        params.frequency_penalty = v;
     }
     // llama-server / vLLM extensions.
     if let Some(k) = f.count("top_k")? {
         params.top_k = k;
     }
     if let Some(m) = f.f32("min_p")? {
-        if !(0.0..=1.0).contains(&m) {
-            return Err(ApiError::invalid(
-                "min_p",
-                format!("`min_p` must be in [0, 1], got {m}"),
-            ));
-        }
         params.min_p = m;
     }
     for name in ["repetition_penalty", "repeat_penalty"] {
         if let Some(r) = f.f32(name)? {
-            if r <= 0.0 {
-                return Err(ApiError::invalid(
-                    name,
-                    format!("`{name}` must be > 0 (1 = off), got {r}"),
-                ));
-            }
             params.repetition_penalty = r;
         }
     }
@@ -373,6 +343,7 @@ fn parse_common(f: &Fields<'_>, defaults: &Defaults) -> Result<Common, ApiError>
         params.seed = Some(seed as u64);
     }
     params.stop_strings = parse_stop(f)?;
+    crate::actors::settings::check_sampling(&params).map_err(ApiError::from_settings)?;
 
     // `max_completion_tokens` replaced `max_tokens` in OpenAI's API; both are accepted.
     let mut max_tokens = None;
