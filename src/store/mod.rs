@@ -28,6 +28,7 @@
 mod error;
 mod sessions;
 mod types;
+mod users;
 
 use std::path::Path;
 use std::str::FromStr;
@@ -40,6 +41,9 @@ use sqlx::sqlite::{
 use uuid::Uuid;
 
 pub use error::StoreError;
+pub use users::{
+    ApiKeyRecord, ApiUsage, CreatedUser, NewUser, User, UserOverview, UserRole,
+};
 pub use types::{
     derive_title, Conversation, ConversationSettings, ConversationSummary, FinishedReply, Message,
     MessageStatus, Role, SessionKind, SessionRecord, Timings, TITLE_MAX_CHARS,

@@ -88,6 +88,9 @@ pub struct LiveView {
 struct AdminPage {
     csrf: String,
     live: LiveView,
+    users: UsersView,
+    /// The signed-in admin account's name; empty for an admin-token session.
+    account: String,
 }
 
 #[derive(Template)]
@@ -128,6 +131,7 @@ fn refusal(e: AuthError) -> PageError {
         }
         AuthError::WrongCredentials => PageError::Unauthorized("wrong admin token".into()),
         AuthError::Store(e) => e.into(),
+        other => WebError::Internal(other.to_string()).into(),
     }
 }
 
@@ -143,12 +147,17 @@ async fn logged_in(admin: &AdminAuth, req: &HttpRequest) -> Result<bool, PageErr
         .is_some())
 }
 
-/// Refuses a request without a token configured (404) or without an admin session (401).
-async fn require_admin(state: &AppState, req: &HttpRequest) -> Result<(), PageError> {
+/// Refuses a request that is neither from an account with the admin role nor from a valid
+/// admin-token session: 404 when no token is configured (the page is disabled for everyone
+/// else), 401 otherwise.
+async fn require_admin(state: &AppState, owner: &Owner, req: &HttpRequest) -> Result<(), PageError> {
+    if owner.is_admin() {
+        return Ok(());
+    }
     let admin = admin_of(state)?;
     if !logged_in(admin, req).await? {
         return Err(PageError::Unauthorized(
-            "log in at /admin with the admin token".into(),
+            "log in at /admin with the admin token, or sign in with an admin account".into(),
         ));
     }
     Ok(())
@@ -167,6 +176,13 @@ async fn live_view(state: &AppState) -> Result<LiveView, PageError> {
         .map(|c| (c.cache_key, c.bytes))
         .collect();
     let stats = p.scheduler.send(GetStats).await?;
+    let owners: Vec<String> = {
+        let mut o: Vec<String> = list.iter().map(|c| c.owner.clone()).collect();
+        o.sort();
+        o.dedup();
+        o
+    };
+    let names = p.store.user_names(&owners).await?;
     let rows = list
         .iter()
         .zip(states.iter().chain(std::iter::repeat(&SequenceState::Idle)))
@@ -178,8 +194,10 @@ async fn live_view(state: &AppState) -> Result<LiveView, PageError> {
                     .map(|b| mib(*b))
                     .unwrap_or_else(|| "—".into()),
                 id: key,
-                // Enough of the owner id to tell owners apart without a wide column.
-                owner: c.owner.chars().take(8).collect(),
+                // The account's name, or enough of a guest's id to tell guests apart.
+                owner: names.get(&c.owner).cloned().unwrap_or_else(|| {
+                    format!("guest {}", c.owner.chars().take(8).collect::<String>())
+                }),
                 title: if c.title.is_empty() {
                     "(untitled)".into()
                 } else {
@@ -226,8 +244,12 @@ pub async fn page(
     state: web::Data<AppState>,
     owner: Owner,
     req: HttpRequest,
+    query: web::Query<PageQuery>,
 ) -> Result<HttpResponse, PageError> {
     let csrf = csrf::token_for(&state.cookie_key, owner.as_str());
+    if owner.is_admin() {
+        return dashboard(&state, csrf, &owner, query.page).await;
+    }
     let Some(admin) = state.admin.as_ref() else {
         let body = DisabledPage { csrf }
             .render()
@@ -239,15 +261,129 @@ pub async fn page(
     if !logged_in(admin, &req).await? {
         return html(&LoginPage { csrf });
     }
-    html(&AdminPage {
-        csrf,
-        live: live_view(&state).await?,
+    dashboard(&state, csrf, &owner, query.page).await
+}
+
+/// Users per page of the admin's users table.
+const USERS_PER_PAGE: i64 = 50;
+
+#[derive(Deserialize)]
+pub struct PageQuery {
+    #[serde(default = "first_page")]
+    page: i64,
+}
+
+fn first_page() -> i64 {
+    1
+}
+
+pub struct UserRowView {
+    pub id: String,
+    pub name: String,
+    pub role: &'static str,
+    pub disabled: bool,
+    pub conversations: i64,
+    pub tokens: i64,
+    pub last_seen: String,
+    pub sessions: i64,
+}
+
+pub struct UsersView {
+    pub rows: Vec<UserRowView>,
+    pub page: i64,
+    pub prev: i64,
+    pub next: i64,
+}
+
+async fn users_view(state: &AppState, page: i64) -> Result<UsersView, PageError> {
+    let page = page.clamp(1, i64::MAX / USERS_PER_PAGE);
+    // One more than a page, to know whether a next page exists.
+    let mut list = state
+        .platform
+        .store
+        .list_users(USERS_PER_PAGE + 1, (page - 1) * USERS_PER_PAGE)
+        .await?;
+    let more = list.len() as i64 > USERS_PER_PAGE;
+    list.truncate(USERS_PER_PAGE as usize);
+    Ok(UsersView {
+        rows: list
+            .into_iter()
+            .map(|u| UserRowView {
+                role: u.user.role.as_str(),
+                disabled: u.user.is_disabled(),
+                conversations: u.conversations,
+                tokens: u.tokens,
+                last_seen: u.user.last_seen_at.map_or_else(
+                    || "never".into(),
+                    |t| t.format("%Y-%m-%d %H:%M").to_string(),
+                ),
+                sessions: u.active_sessions,
+                id: u.user.id,
+                name: u.user.name,
+            })
+            .collect(),
+        page,
+        prev: if page > 1 { page - 1 } else { 0 },
+        next: if more { page + 1 } else { 0 },
     })
 }
 
+async fn dashboard(
+    state: &AppState,
+    csrf: String,
+    owner: &Owner,
+    page: i64,
+) -> Result<HttpResponse, PageError> {
+    html(&AdminPage {
+        csrf,
+        live: live_view(state).await?,
+        users: users_view(state, page).await?,
+        account: owner.name().unwrap_or_default().to_string(),
+    })
+}
+
+/// `POST /admin/users/{id}/{action}` with action `disable`, `enable` or `revoke` (its
+/// sessions). Answers `HX-Refresh` so the table shows the new state.
+pub async fn user_action(
+    state: web::Data<AppState>,
+    owner: Owner,
+    req: HttpRequest,
+    path: web::Path<(String, String)>,
+) -> Result<HttpResponse, PageError> {
+    require_admin(&state, &owner, &req).await?;
+    let (id, action) = path.into_inner();
+    let store = &state.platform.store;
+    let found = match action.as_str() {
+        "disable" => store.set_disabled(&id, true).await?,
+        "enable" => store.set_disabled(&id, false).await?,
+        "revoke" => {
+            state
+                .accounts
+                .revoke_sessions(&id)
+                .await
+                .map_err(super::account::refusal)?;
+            store.user_by_id(&id).await?.is_some()
+        }
+        other => {
+            return Err(WebError::NotFound(format!("no user action {other:?}")).into());
+        }
+    };
+    if !found {
+        return Err(WebError::NotFound("no such user".into()).into());
+    }
+    tracing::info!(user = %id, action = %action, "admin user action");
+    Ok(HttpResponse::NoContent()
+        .insert_header(("HX-Refresh", "true"))
+        .finish())
+}
+
 /// `GET /admin/live`
-pub async fn live(state: web::Data<AppState>, req: HttpRequest) -> Result<HttpResponse, PageError> {
-    require_admin(&state, &req).await?;
+pub async fn live(
+    state: web::Data<AppState>,
+    owner: Owner,
+    req: HttpRequest,
+) -> Result<HttpResponse, PageError> {
+    require_admin(&state, &owner, &req).await?;
     html(&LiveFragment {
         live: live_view(&state).await?,
     })
@@ -286,7 +422,7 @@ pub async fn login(
                     tracing::warn!(peer = %client, "admin login with a wrong token");
                     "wrong"
                 }
-                AuthError::Store(_) => "error",
+                _ => "error",
             };
             metrics::counter!("smolchat_admin_logins_total", "outcome" => outcome).increment(1);
             return Err(refusal(e));
@@ -338,10 +474,11 @@ pub async fn logout(
 /// `POST /admin/c/{id}/stop`
 pub async fn stop(
     state: web::Data<AppState>,
+    owner: Owner,
     req: HttpRequest,
     path: web::Path<String>,
 ) -> Result<HttpResponse, PageError> {
-    require_admin(&state, &req).await?;
+    require_admin(&state, &owner, &req).await?;
     let id = parse_id(&path)?;
     let stopped = match state.platform.sessions.get(id) {
         Some(session) => session.send(Stop).await?,
@@ -354,10 +491,11 @@ pub async fn stop(
 /// `POST /admin/c/{id}/evict`
 pub async fn evict(
     state: web::Data<AppState>,
+    owner: Owner,
     req: HttpRequest,
     path: web::Path<String>,
 ) -> Result<HttpResponse, PageError> {
-    require_admin(&state, &req).await?;
+    require_admin(&state, &owner, &req).await?;
     let id = parse_id(&path)?;
     let dropped = state.platform.scheduler.send(Evict(id.to_string())).await?;
     tracing::info!(conversation = %id, dropped, "admin evict");
@@ -367,10 +505,11 @@ pub async fn evict(
 /// `DELETE /admin/c/{id}`
 pub async fn delete(
     state: web::Data<AppState>,
+    owner: Owner,
     req: HttpRequest,
     path: web::Path<String>,
 ) -> Result<HttpResponse, PageError> {
-    require_admin(&state, &req).await?;
+    require_admin(&state, &owner, &req).await?;
     let id = parse_id(&path)?;
     delete_conversation(&state, id).await?;
     tracing::info!(conversation = %id, "admin delete");
