@@ -566,13 +566,18 @@ mod tests {
         let old_fp = acc.fingerprint(&up.user.password_hash);
         set_password(acc.store(), &up.user, "another one").await.unwrap();
         // A live (unrevoked) session made under the old password: refused by its fingerprint.
-        let live = |fp: String| async move {
-            let (token, id) = secret::new_session();
-            acc.store()
-                .create_session(&id, SessionKind::User, &up.user.id, &fp, chrono::Duration::hours(1))
-                .await
-                .unwrap();
-            token
+        let store = acc.store().clone();
+        let user_id = up.user.id.clone();
+        let live = |fp: String| {
+            let (store, user_id) = (store.clone(), user_id.clone());
+            async move {
+                let (token, id) = secret::new_session();
+                store
+                    .create_session(&id, SessionKind::User, &user_id, &fp, chrono::Duration::hours(1))
+                    .await
+                    .unwrap();
+                token
+            }
         };
         let old = live(old_fp).await;
         assert!(acc.session(&old).await.unwrap().is_none());
