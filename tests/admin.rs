@@ -8,120 +8,34 @@
 
 mod common;
 
-use std::collections::BTreeMap;
-use std::net::{IpAddr, Ipv4Addr};
 use std::time::Duration;
 
+use common::browser_client::{Answer, Browser};
 use common::server::{metric, Server};
-use reqwest::header::{HeaderMap, CONTENT_TYPE, COOKIE, RETRY_AFTER, SET_COOKIE};
 use reqwest::StatusCode;
 
 const TOKEN: &str = "the-admin-token";
 const ADMIN_COOKIE: &str = "smolchat_admin";
 
 /// One browser: its cookies (owner and admin), the page's CSRF token, a client address.
-struct Client {
-    http: reqwest::Client,
-    base: String,
-    cookies: BTreeMap<String, String>,
-    csrf: Option<String>,
-}
-
-struct Answer {
-    status: StatusCode,
-    headers: HeaderMap,
-    text: String,
-}
-
-impl Answer {
-    fn set_cookies(&self) -> Vec<String> {
-        self.headers
-            .get_all(SET_COOKIE)
-            .iter()
-            .map(|v| v.to_str().expect("cookie").to_string())
-            .collect()
-    }
-
-    fn retry_after(&self) -> Option<u64> {
-        self.headers.get(RETRY_AFTER)?.to_str().ok()?.parse().ok()
-    }
-}
+struct Client;
 
 impl Client {
-    /// A client whose connections come from `127.0.0.{last}`.
-    async fn new(server: &Server, last: u8) -> Client {
-        let mut c = Client {
-            http: reqwest::Client::builder()
-                .redirect(reqwest::redirect::Policy::none())
-                .local_address(IpAddr::V4(Ipv4Addr::new(127, 0, 0, last)))
-                .build()
-                .expect("client"),
-            base: server.base.clone(),
-            cookies: BTreeMap::new(),
-            csrf: None,
-        };
-        // The admin page gives an owner cookie and its CSRF token.
-        let page = c.call(reqwest::Method::GET, "/admin", None, &[]).await;
-        assert_eq!(page.status, StatusCode::OK, "{}", page.text);
-        assert!(c.csrf.is_some(), "the page embeds a CSRF token");
-        c
+    /// A client whose connections come from `127.0.0.{last}`, holding `/admin`'s CSRF token.
+    async fn new(server: &Server, last: u8) -> Browser {
+        Browser::at(server, last, "/admin").await
     }
+}
 
-    async fn call(
-        &mut self,
-        method: reqwest::Method,
-        path: &str,
-        form: Option<&str>,
-        headers: &[(&str, &str)],
-    ) -> Answer {
-        let mut req = self.http.request(method, format!("{}{path}", self.base));
-        if !self.cookies.is_empty() {
-            let jar: Vec<String> = self
-                .cookies
-                .iter()
-                .map(|(k, v)| format!("{k}={v}"))
-                .collect();
-            req = req.header(COOKIE, jar.join("; "));
-        }
-        if let Some(t) = &self.csrf {
-            req = req.header("X-CSRF-Token", t);
-        }
-        for (k, v) in headers {
-            req = req.header(*k, *v);
-        }
-        if let Some(form) = form {
-            req = req
-                .header(CONTENT_TYPE, "application/x-www-form-urlencoded")
-                .body(form.to_string());
-        }
-        let res = req.send().await.expect("request");
-        let status = res.status();
-        let headers = res.headers().clone();
-        let text = res.text().await.expect("body");
-        let answer = Answer {
-            status,
-            headers,
-            text,
-        };
-        for c in answer.set_cookies() {
-            let pair = c.split(';').next().unwrap_or_default();
-            if let Some((k, v)) = pair.split_once('=') {
-                if v.is_empty() {
-                    self.cookies.remove(k);
-                } else {
-                    self.cookies.insert(k.to_string(), v.to_string());
-                }
-            }
-        }
-        if let Some(start) = answer.text.find("data-csrf=\"") {
-            let rest = &answer.text[start + "data-csrf=\"".len()..];
-            if let Some(end) = rest.find('"') {
-                self.csrf = Some(rest[..end].to_string());
-            }
-        }
-        answer
-    }
+trait AdminActions {
+    async fn login(&mut self, token: &str) -> Answer;
+    async fn login_with(&mut self, token: &str, headers: &[(&str, &str)]) -> Answer;
+    async fn logout(&mut self) -> Answer;
+    async fn live(&mut self) -> StatusCode;
+    fn session(&self) -> Option<String>;
+}
 
+impl AdminActions for Browser {
     async fn login(&mut self, token: &str) -> Answer {
         self.login_with(token, &[]).await
     }

@@ -30,9 +30,7 @@ use super::secret;
 use super::throttle::{LoginThrottle, ThrottleKey, ThrottlePolicy};
 use super::AuthError;
 use crate::config::SignupMode;
-use crate::store::{
-    ApiKeyRecord, CreatedUser, NewUser, SessionKind, Store, User, UserRole,
-};
+use crate::store::{ApiKeyRecord, CreatedUser, NewUser, SessionKind, Store, User, UserRole};
 
 /// Shortest password, in characters.
 pub const MIN_PASSWORD_CHARS: usize = 8;
@@ -249,8 +247,8 @@ impl Accounts {
 
     async fn new_session(&self, user: &User) -> Result<NewSession, AuthError> {
         let (token, id) = secret::new_session();
-        let lifetime =
-            chrono::Duration::from_std(self.config.session_lifetime).unwrap_or(chrono::Duration::MAX);
+        let lifetime = chrono::Duration::from_std(self.config.session_lifetime)
+            .unwrap_or(chrono::Duration::MAX);
         self.store
             .create_session(
                 &id,
@@ -432,7 +430,9 @@ impl Accounts {
     pub async fn create_api_key(&self, user: &User, name: &str) -> Result<NewApiKey, AuthError> {
         let name = name.trim();
         if name.chars().count() > 64 {
-            return Err(AuthError::BadName("a key's name has at most 64 characters".into()));
+            return Err(AuthError::BadName(
+                "a key's name has at most 64 characters".into(),
+            ));
         }
         let (token, id) = secret::new_session();
         let key = format!("{API_KEY_PREFIX}{token}");
@@ -463,7 +463,8 @@ impl Accounts {
 /// The stored id (SHA-256 of the hex part) of a personal API key, `None` when `key` is not
 /// shaped like one.
 pub fn api_key_id(key: &str) -> Option<String> {
-    key.strip_prefix(API_KEY_PREFIX).and_then(secret::session_id)
+    key.strip_prefix(API_KEY_PREFIX)
+        .and_then(secret::session_id)
 }
 
 #[cfg(test)]
@@ -499,7 +500,10 @@ mod tests {
     fn names_and_passwords_are_checked() {
         assert!(check_name("alice.b-c_9").is_ok());
         for bad in ["", "a b", "é", "a/b", &"a".repeat(65)] {
-            assert!(matches!(check_name(bad), Err(AuthError::BadName(_))), "{bad}");
+            assert!(
+                matches!(check_name(bad), Err(AuthError::BadName(_))),
+                "{bad}"
+            );
         }
         assert!(check_password("12345678").is_ok());
         assert!(check_password("1234567").is_err());
@@ -562,9 +566,14 @@ mod tests {
     #[tokio::test]
     async fn a_changed_hash_alone_ends_old_sessions() {
         let acc = accounts(SignupMode::Open).await;
-        let up = acc.sign_up("bob", "password one", None, None).await.unwrap();
+        let up = acc
+            .sign_up("bob", "password one", None, None)
+            .await
+            .unwrap();
         let old_fp = acc.fingerprint(&up.user.password_hash);
-        set_password(acc.store(), &up.user, "another one").await.unwrap();
+        set_password(acc.store(), &up.user, "another one")
+            .await
+            .unwrap();
         // A live (unrevoked) session made under the old password: refused by its fingerprint.
         let store = acc.store().clone();
         let user_id = up.user.id.clone();
@@ -573,7 +582,13 @@ mod tests {
             async move {
                 let (token, id) = secret::new_session();
                 store
-                    .create_session(&id, SessionKind::User, &user_id, &fp, chrono::Duration::hours(1))
+                    .create_session(
+                        &id,
+                        SessionKind::User,
+                        &user_id,
+                        &fp,
+                        chrono::Duration::hours(1),
+                    )
                     .await
                     .unwrap();
                 token
@@ -606,13 +621,19 @@ mod tests {
             other => panic!("expected a lockout, got {other:?}"),
         }
         let elsewhere = IpAddr::V4(Ipv4Addr::new(192, 0, 2, 1));
-        assert!(acc.sign_in("carol", "password one", elsewhere).await.is_ok());
+        assert!(acc
+            .sign_in("carol", "password one", elsewhere)
+            .await
+            .is_ok());
     }
 
     #[tokio::test]
     async fn disabled_accounts_lose_sessions_and_keys() {
         let acc = accounts(SignupMode::Open).await;
-        let up = acc.sign_up("dave", "password one", None, None).await.unwrap();
+        let up = acc
+            .sign_up("dave", "password one", None, None)
+            .await
+            .unwrap();
         let key = acc.create_api_key(&up.user, "laptop").await.unwrap();
         assert!(key.key.starts_with(API_KEY_PREFIX));
         assert!(key.record.prefix.len() < key.key.len());
@@ -658,7 +679,8 @@ mod tests {
             Err(AuthError::InviteInvalid)
         ));
         assert!(matches!(
-            inv.sign_up("erin", "password one", Some("junk"), None).await,
+            inv.sign_up("erin", "password one", Some("junk"), None)
+                .await,
             Err(AuthError::InviteInvalid)
         ));
         let code = create_invite(inv.store(), Duration::from_secs(60))
@@ -668,7 +690,8 @@ mod tests {
             .await
             .unwrap();
         assert!(matches!(
-            inv.sign_up("frank", "password one", Some(&code), None).await,
+            inv.sign_up("frank", "password one", Some(&code), None)
+                .await,
             Err(AuthError::InviteInvalid)
         ));
     }
@@ -679,7 +702,12 @@ mod tests {
         assert!(ensure_initial_admin(&store, "root", "password one")
             .await
             .unwrap());
-        assert!(store.user_by_name("root").await.unwrap().unwrap().is_admin());
+        assert!(store
+            .user_by_name("root")
+            .await
+            .unwrap()
+            .unwrap()
+            .is_admin());
         assert!(!ensure_initial_admin(&store, "root2", "password one")
             .await
             .unwrap());

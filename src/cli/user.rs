@@ -119,10 +119,7 @@ async fn user_named(store: &Store, name: &str) -> Result<crate::store::User> {
 }
 
 fn when(t: Option<chrono::DateTime<chrono::Utc>>) -> String {
-    t.map_or_else(
-        || "-".into(),
-        |t| t.format("%Y-%m-%d %H:%M:%S").to_string(),
-    )
+    t.map_or_else(|| "-".into(), |t| t.format("%Y-%m-%d %H:%M:%S").to_string())
 }
 
 pub fn run(args: &UserArgs) -> Result<()> {
@@ -135,12 +132,16 @@ pub fn run(args: &UserArgs) -> Result<()> {
         _ => None,
     };
     runtime()?.block_on(async {
-        let store = Store::open(&url)
+        let store = Store::open_beside_server(&url)
             .await
             .with_context(|| format!("opening {url}"))?;
         match &args.command {
             UserCommand::Add { name, admin, .. } => {
-                let role = if *admin { UserRole::Admin } else { UserRole::User };
+                let role = if *admin {
+                    UserRole::Admin
+                } else {
+                    UserRole::User
+                };
                 let user =
                     accounts::add_user(&store, name, password.as_deref().unwrap_or(""), role)
                         .await?;
@@ -149,7 +150,10 @@ pub fn run(args: &UserArgs) -> Result<()> {
             UserCommand::Passwd { name, .. } => {
                 let user = user_named(&store, name).await?;
                 accounts::set_password(&store, &user, password.as_deref().unwrap_or("")).await?;
-                println!("password of {} changed; its sessions are signed out", user.name);
+                println!(
+                    "password of {} changed; its sessions are signed out",
+                    user.name
+                );
             }
             UserCommand::List => {
                 println!(
@@ -199,7 +203,7 @@ pub fn invite(args: &InviteArgs) -> Result<()> {
     let url = args.db.url()?;
     let hours = args.expires_h.min(24 * 365 * 10);
     runtime()?.block_on(async {
-        let store = Store::open(&url)
+        let store = Store::open_beside_server(&url)
             .await
             .with_context(|| format!("opening {url}"))?;
         let code = accounts::create_invite(&store, Duration::from_secs(hours * 3600)).await?;

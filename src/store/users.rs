@@ -285,8 +285,10 @@ impl Store {
         if ids.is_empty() {
             return Ok(HashMap::new());
         }
-        let list = serde_json::to_string(ids)
-            .map_err(|source| StoreError::Encode { what: "ids", source })?;
+        let list = serde_json::to_string(ids).map_err(|source| StoreError::Encode {
+            what: "ids",
+            source,
+        })?;
         let rows: Vec<(String, String)> = sqlx::query_as(
             "SELECT id, name FROM users WHERE id IN (SELECT value FROM json_each(?1))",
         )
@@ -705,7 +707,11 @@ mod tests {
             other => panic!("{other:?}"),
         }
         assert_eq!(s.list_conversations("u1", None).await.unwrap().len(), 2);
-        assert!(s.list_conversations("guest-1", None).await.unwrap().is_empty());
+        assert!(s
+            .list_conversations("guest-1", None)
+            .await
+            .unwrap()
+            .is_empty());
         assert_eq!(s.reown_conversations("guest-2", "u1").await.unwrap(), 1);
         assert_eq!(s.list_conversations("u1", None).await.unwrap().len(), 3);
         let names = s

@@ -56,7 +56,11 @@ pub fn routes(cfg: &mut web::ServiceConfig) {
             None,
             Some(web::post().to(revoke_key)),
         ),
-        ("/account/signout-all", None, Some(web::post().to(signout_all))),
+        (
+            "/account/signout-all",
+            None,
+            Some(web::post().to(signout_all)),
+        ),
     ] {
         let mut resource = web::resource(path)
             .wrap(from_fn(csrf::require_token))
@@ -241,7 +245,11 @@ pub async fn signin(
 ) -> Result<HttpResponse, PageError> {
     let form: SigninForm = read_form(&state, &req, payload).await?;
     let peer = client(&req);
-    let signed = match state.accounts.sign_in(&form.name, &form.password, peer).await {
+    let signed = match state
+        .accounts
+        .sign_in(&form.name, &form.password, peer)
+        .await
+    {
         Ok(s) => s,
         Err(e) => {
             let outcome = match &e {
@@ -468,12 +476,7 @@ pub async fn revoke_key(
     let user = account_of(&state, &owner)
         .await?
         .ok_or_else(signed_in_only)?;
-    if !state
-        .platform
-        .store
-        .revoke_api_key(&user.id, &path)
-        .await?
-    {
+    if !state.platform.store.revoke_api_key(&user.id, &path).await? {
         return Err(WebError::NotFound("no such live key of yours".into()).into());
     }
     tracing::info!(user = %user.id, "API key revoked");

@@ -150,7 +150,11 @@ async fn logged_in(admin: &AdminAuth, req: &HttpRequest) -> Result<bool, PageErr
 /// Refuses a request that is neither from an account with the admin role nor from a valid
 /// admin-token session: 404 when no token is configured (the page is disabled for everyone
 /// else), 401 otherwise.
-async fn require_admin(state: &AppState, owner: &Owner, req: &HttpRequest) -> Result<(), PageError> {
+async fn require_admin(
+    state: &AppState,
+    owner: &Owner,
+    req: &HttpRequest,
+) -> Result<(), PageError> {
     if owner.is_admin() {
         return Ok(());
     }

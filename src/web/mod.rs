@@ -444,7 +444,8 @@ fn throttle_policy(a: &crate::config::AuthSection) -> ThrottlePolicy {
 /// The accounts service; creates `auth.initial_admin` when the store has no account yet.
 async fn accounts(platform: &Platform, cookie_key: &Key) -> io::Result<Accounts> {
     let a = &platform.config.auth;
-    let invalid = |e: crate::auth::AuthError| io::Error::new(io::ErrorKind::InvalidInput, e.to_string());
+    let invalid =
+        |e: crate::auth::AuthError| io::Error::new(io::ErrorKind::InvalidInput, e.to_string());
     if let (Some(name), Some(password)) = (&a.initial_admin, &a.initial_admin_password) {
         if crate::auth::accounts::ensure_initial_admin(&platform.store, name, password)
             .await

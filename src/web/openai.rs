@@ -182,10 +182,9 @@ async fn require_api_key(
             Ok(None) => {}
         }
     } else if global.is_some() {
-        return Err(ApiError::unauthorized(
-            "missing API key: send `Authorization: Bearer <key>`",
-        )
-        .into());
+        return Err(
+            ApiError::unauthorized("missing API key: send `Authorization: Bearer <key>`").into(),
+        );
     }
     next.call(req).await
 }

@@ -204,10 +204,7 @@ pub async fn owner_cookie(
         let mut gone = Cookie::build(SESSION_COOKIE, "").path("/").finish();
         gone.make_removal();
         // A handler that set a new session cookie (sign-in) wins.
-        let replaced = res
-            .response()
-            .cookies()
-            .any(|c| c.name() == SESSION_COOKIE);
+        let replaced = res.response().cookies().any(|c| c.name() == SESSION_COOKIE);
         if !replaced {
             if let Err(e) = res.response_mut().add_cookie(&gone) {
                 tracing::warn!("cannot drop a stale session cookie: {e}");
