@@ -462,6 +462,7 @@ mod tests {
             Figment::from(Serialized::defaults(Config::default()))
                 .merge(Toml::string(s))
                 .extract::<Config>()
+                .map_err(|e| e.to_string())
         };
         assert_eq!(
             fig("[auth]\nsignup = \"invite\"").unwrap().auth.signup,

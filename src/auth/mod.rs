@@ -8,6 +8,7 @@
 //!
 //! - [`accounts`]: user accounts (argon2id passwords, sessions of kind `user`, personal API
 //!   keys, invites), reusing all three.
+//!
 //! This layer sits beside the actors: it may use the store, and the web layer calls it.
 
 pub mod accounts;
