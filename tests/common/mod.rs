@@ -2,6 +2,7 @@
 #![allow(dead_code)]
 
 pub mod browser_client;
+pub mod chromium;
 pub mod server;
 
 use std::path::PathBuf;
