@@ -99,17 +99,37 @@ pub fn verify_password(password: &str, hash: &str) -> bool {
     })
 }
 
+/// Bounds the argon2 computations running at once to the number of cores: each takes about
+/// 19 MiB and a core for tens of milliseconds, so a flood of sign-ins from many addresses (each
+/// within its free failures) queues here instead of filling the blocking pool and the memory.
+fn hashing_permits() -> &'static tokio::sync::Semaphore {
+    static PERMITS: std::sync::OnceLock<tokio::sync::Semaphore> = std::sync::OnceLock::new();
+    PERMITS.get_or_init(|| {
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        tokio::sync::Semaphore::new(cores)
+    })
+}
+
+/// Runs `work` (an argon2 computation) on a blocking thread under [`hashing_permits`].
+async fn hashing<T: Send + 'static>(
+    work: impl FnOnce() -> T + Send + 'static,
+) -> Result<T, AuthError> {
+    let _permit = hashing_permits()
+        .acquire()
+        .await
+        .map_err(|e| AuthError::Hash(format!("the hashing gate is closed: {e}")))?;
+    tokio::task::spawn_blocking(work)
+        .await
+        .map_err(|e| AuthError::Hash(format!("the hashing thread failed: {e}")))
+}
+
 /// [`hash_password`] on a blocking thread.
 pub async fn hash_password_async(password: String) -> Result<String, AuthError> {
-    tokio::task::spawn_blocking(move || hash_password(&password))
-        .await
-        .map_err(|e| AuthError::Hash(format!("the hashing thread failed: {e}")))?
+    hashing(move || hash_password(&password)).await?
 }
 
 async fn verify_async(password: String, hash: String) -> Result<bool, AuthError> {
-    tokio::task::spawn_blocking(move || verify_password(&password, &hash))
-        .await
-        .map_err(|e| AuthError::Hash(format!("the hashing thread failed: {e}")))
+    hashing(move || verify_password(&password, &hash)).await
 }
 
 /// A fresh invite code and its stored id.
@@ -181,6 +201,21 @@ pub async fn ensure_initial_admin(
     }
 }
 
+/// Sign-ups one client address may make before it must wait: [`SIGNUPS_PER_ADDRESS`], then
+/// lockouts from 10 minutes doubling up to a day (counts are forgotten a day after the last).
+/// Generous for a household or an office behind one address, a wall for a script.
+pub const SIGNUPS_PER_ADDRESS: u32 = 10;
+
+fn signup_policy(max_entries: usize) -> ThrottlePolicy {
+    ThrottlePolicy {
+        free_per_address: SIGNUPS_PER_ADDRESS,
+        free_per_subject: u32::MAX,
+        base_lockout: Duration::from_secs(600),
+        max_lockout: Duration::from_secs(24 * 3600),
+        max_entries,
+    }
+}
+
 /// The accounts service's settings.
 #[derive(Clone, Debug)]
 pub struct AccountsConfig {
@@ -210,6 +245,8 @@ pub struct Accounts {
     key: Vec<u8>,
     config: AccountsConfig,
     throttle: Mutex<LoginThrottle>,
+    /// Sign-ups per client address (see [`SIGNUPS_PER_ADDRESS`]).
+    signups: Mutex<LoginThrottle>,
     /// Verified against when the name is unknown, so unknown names cost the same time.
     dummy_hash: String,
 }
@@ -223,6 +260,9 @@ impl Accounts {
             store,
             key: key.to_vec(),
             throttle: Mutex::new(LoginThrottle::new(config.throttle.clone())),
+            signups: Mutex::new(LoginThrottle::new(signup_policy(
+                config.throttle.max_entries,
+            ))),
             config,
             dummy_hash,
         })
@@ -275,6 +315,7 @@ impl Accounts {
         password: &str,
         invite: Option<&str>,
         adopt_from: Option<&str>,
+        client: IpAddr,
     ) -> Result<SignedIn, AuthError> {
         let invite_id = match self.config.signup {
             SignupMode::Closed => return Err(AuthError::SignupClosed),
@@ -290,6 +331,13 @@ impl Accounts {
         };
         check_name(name)?;
         check_password(password)?;
+        // Counted before the (costly) hash and never taken back: accounts are owners, and one
+        // address must not make them without bound.
+        self.signups
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .attempt(&[ThrottleKey::address(client)], Instant::now())
+            .map_err(AuthError::TooManySignups)?;
         let hash = hash_password_async(password.to_string()).await?;
         let id = uuid::Uuid::now_v7().to_string();
         let created = self
@@ -531,7 +579,7 @@ mod tests {
             .await
             .unwrap();
         let up = acc
-            .sign_up("alice", "password one", None, Some("guest-x"))
+            .sign_up("alice", "password one", None, Some("guest-x"), HOME)
             .await
             .unwrap();
         assert_eq!(up.adopted, 1);
@@ -540,7 +588,7 @@ mod tests {
             up.user.id
         );
         assert!(matches!(
-            acc.sign_up("ALICE", "password two", None, None).await,
+            acc.sign_up("ALICE", "password two", None, None, HOME).await,
             Err(AuthError::NameTaken)
         ));
         let other = acc.sign_in("Alice", "password one", HOME).await.unwrap();
@@ -567,7 +615,7 @@ mod tests {
     async fn a_changed_hash_alone_ends_old_sessions() {
         let acc = accounts(SignupMode::Open).await;
         let up = acc
-            .sign_up("bob", "password one", None, None)
+            .sign_up("bob", "password one", None, None, HOME)
             .await
             .unwrap();
         let old_fp = acc.fingerprint(&up.user.password_hash);
@@ -604,7 +652,7 @@ mod tests {
     #[tokio::test]
     async fn wrong_passwords_lock_the_address_even_for_unknown_names() {
         let acc = accounts(SignupMode::Open).await;
-        acc.sign_up("carol", "password one", None, None)
+        acc.sign_up("carol", "password one", None, None, HOME)
             .await
             .unwrap();
         for (name, pw) in [("carol", "nope nope"), ("nobody", "x"), ("bad name!", "y")] {
@@ -631,7 +679,7 @@ mod tests {
     async fn disabled_accounts_lose_sessions_and_keys() {
         let acc = accounts(SignupMode::Open).await;
         let up = acc
-            .sign_up("dave", "password one", None, None)
+            .sign_up("dave", "password one", None, None, HOME)
             .await
             .unwrap();
         let key = acc.create_api_key(&up.user, "laptop").await.unwrap();
@@ -670,30 +718,53 @@ mod tests {
     async fn invite_and_closed_signup() {
         let closed = accounts(SignupMode::Closed).await;
         assert!(matches!(
-            closed.sign_up("erin", "password one", None, None).await,
+            closed
+                .sign_up("erin", "password one", None, None, HOME)
+                .await,
             Err(AuthError::SignupClosed)
         ));
         let inv = accounts(SignupMode::Invite).await;
         assert!(matches!(
-            inv.sign_up("erin", "password one", None, None).await,
+            inv.sign_up("erin", "password one", None, None, HOME).await,
             Err(AuthError::InviteInvalid)
         ));
         assert!(matches!(
-            inv.sign_up("erin", "password one", Some("junk"), None)
+            inv.sign_up("erin", "password one", Some("junk"), None, HOME)
                 .await,
             Err(AuthError::InviteInvalid)
         ));
         let code = create_invite(inv.store(), Duration::from_secs(60))
             .await
             .unwrap();
-        inv.sign_up("erin", "password one", Some(&code), None)
+        inv.sign_up("erin", "password one", Some(&code), None, HOME)
             .await
             .unwrap();
         assert!(matches!(
-            inv.sign_up("frank", "password one", Some(&code), None)
+            inv.sign_up("frank", "password one", Some(&code), None, HOME)
                 .await,
             Err(AuthError::InviteInvalid)
         ));
+    }
+
+    #[tokio::test]
+    async fn one_address_makes_a_bounded_number_of_accounts() {
+        let acc = accounts(SignupMode::Open).await;
+        for n in 0..SIGNUPS_PER_ADDRESS {
+            acc.sign_up(&format!("user{n}"), "password one", None, None, HOME)
+                .await
+                .unwrap();
+        }
+        match acc
+            .sign_up("one-more", "password one", None, None, HOME)
+            .await
+        {
+            Err(AuthError::TooManySignups(l)) => assert!(l.retry_after_s() > 500),
+            other => panic!("expected a lockout, got {other:?}"),
+        }
+        let elsewhere = IpAddr::V4(Ipv4Addr::new(192, 0, 2, 9));
+        acc.sign_up("one-more", "password one", None, None, elsewhere)
+            .await
+            .unwrap();
     }
 
     #[tokio::test]

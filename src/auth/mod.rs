@@ -28,6 +28,9 @@ pub enum AuthError {
     /// Too many failed attempts: refused without looking at the credential.
     #[error("too many failed sign-in attempts ({}); try again in {} s", .0.by.describe(), .0.retry_after_s())]
     Throttled(Lockout),
+    /// Too many sign-ups from this address.
+    #[error("too many accounts were created from this address; try again in {} s", .0.retry_after_s())]
+    TooManySignups(Lockout),
     /// The credential is wrong.
     #[error("wrong credentials")]
     WrongCredentials,

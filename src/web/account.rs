@@ -155,6 +155,11 @@ pub fn refusal(e: AuthError) -> PageError {
             }
             .into()
         }
+        AuthError::TooManySignups(lockout) => WebError::TooManyRequests {
+            message: e.to_string(),
+            retry_after_s: lockout.retry_after_s(),
+        }
+        .into(),
         AuthError::WrongCredentials => PageError::Unauthorized("wrong name or password".into()),
         AuthError::Disabled | AuthError::SignupClosed | AuthError::KeyRefused => {
             PageError::Forbidden(e.to_string())
@@ -332,6 +337,7 @@ pub async fn signup(
             &form.password,
             Some(form.invite.as_str()),
             adopt,
+            client(&req),
         )
         .await
         .map_err(refusal)?;
