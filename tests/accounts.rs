@@ -351,6 +351,7 @@ async fn keys_roles_and_disabled_users() {
     assert!(key.starts_with("sk-smol-"), "{key}");
     let listed = bob.get("/account").await;
     assert!(listed.text.contains("laptop"));
+    assert!(listed.text.contains("never"), "not used yet");
     assert!(
         !listed.text.contains(&key),
         "shown once, then only its prefix"
@@ -363,6 +364,10 @@ async fn keys_roles_and_disabled_users() {
     let used = usage["usage"]["total_tokens"].as_i64().expect("usage");
     assert!(used > 0);
     assert_eq!(v1(&server, "the-global-key").await.status(), StatusCode::OK);
+    let keys = bob.get("/account").await.text;
+    let row = keys.split("laptop").nth(1).expect("the key's row");
+    let row = &row[..row.find("</tr>").expect("row end")];
+    assert!(!row.contains("never"), "last used is recorded: {row}");
     let fake = format!("sk-smol-{}", "0".repeat(64));
     assert_eq!(v1(&server, &fake).await.status(), StatusCode::UNAUTHORIZED);
 

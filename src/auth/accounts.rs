@@ -421,8 +421,15 @@ impl Accounts {
         if !bool::from(expected.as_bytes().ct_eq(session.fingerprint.as_bytes())) {
             return Ok(None);
         }
-        if let Err(e) = self.store.touch_user(&user.id).await {
-            tracing::warn!("cannot record an account's last use: {e}");
+        // Coarse, and skipped without a statement when recent: every page request comes here,
+        // and even an UPDATE that matches nothing takes SQLite's write lock.
+        let stale = user
+            .last_seen_at
+            .is_none_or(|t| chrono::Utc::now() - t > chrono::Duration::seconds(60));
+        if stale {
+            if let Err(e) = self.store.touch_user(&user.id).await {
+                tracing::warn!("cannot record an account's last use: {e}");
+            }
         }
         Ok(Some(user))
     }

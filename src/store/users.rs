@@ -410,13 +410,14 @@ impl Store {
     }
 
     /// The account of the API key `id` when the key is not revoked and the account not
-    /// disabled; marks the key used (coarsely).
+    /// disabled; marks the key used (coarsely, and without a write when it was used recently).
     pub async fn api_key_user(&self, id: &str) -> Result<Option<User>, StoreError> {
         let now = now_micros();
-        let row: Option<UserRow> = sqlx::query_as(concat!(
+        let row: Option<KeyUserRow> = sqlx::query_as(concat!(
             "SELECT ",
             user_columns_u!(),
-            " FROM api_keys k JOIN users u ON u.id = k.user_id \
+            ", k.last_used_at AS key_last_used_at \
+             FROM api_keys k JOIN users u ON u.id = k.user_id \
              WHERE k.id = ?1 AND k.revoked_at IS NULL AND u.disabled_at IS NULL"
         ))
         .bind(id)
@@ -425,20 +426,21 @@ impl Store {
         let Some(row) = row else {
             return Ok(None);
         };
-        // Informational: a database that cannot take the write must not refuse a valid key.
-        if let Err(e) = sqlx::query(
-            "UPDATE api_keys SET last_used_at = ?1 \
-             WHERE id = ?2 AND (last_used_at IS NULL OR last_used_at <= ?1 - ?3)",
-        )
-        .bind(now)
-        .bind(id)
-        .bind(SEEN_RESOLUTION_MICROS)
-        .execute(&self.pool)
-        .await
-        {
-            tracing::warn!("cannot record an API key's last use: {e}");
+        let recent = row
+            .key_last_used_at
+            .is_some_and(|t| now.saturating_sub(t) < SEEN_RESOLUTION_MICROS);
+        if !recent {
+            // Informational: a database that cannot take the write must not refuse a valid key.
+            if let Err(e) = sqlx::query("UPDATE api_keys SET last_used_at = ?1 WHERE id = ?2")
+                .bind(now)
+                .bind(id)
+                .execute(&self.pool)
+                .await
+            {
+                tracing::warn!("cannot record an API key's last use: {e}");
+            }
         }
-        row.into_user().map(Some)
+        row.user.into_user().map(Some)
     }
 
     /// The account's keys, newest first (revoked ones included).
@@ -549,6 +551,13 @@ struct UserRow {
     disabled_at: Option<i64>,
     created_at: i64,
     last_seen_at: Option<i64>,
+}
+
+#[derive(sqlx::FromRow)]
+struct KeyUserRow {
+    #[sqlx(flatten)]
+    user: UserRow,
+    key_last_used_at: Option<i64>,
 }
 
 #[derive(sqlx::FromRow)]
