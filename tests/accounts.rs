@@ -215,6 +215,18 @@ async fn sign_up_in_out_and_sessions_are_server_side() {
         b.signin("alice", "battery staple").await.status,
         StatusCode::NO_CONTENT
     );
+    // Behind a TLS-terminating proxy the session cookie is Secure.
+    b.get("/signin").await;
+    let tls = b
+        .call(
+            reqwest::Method::POST,
+            "/signin",
+            Some(&form(&[("name", "alice"), ("password", "battery staple")])),
+            &[("X-Forwarded-Proto", "https")],
+        )
+        .await;
+    assert_eq!(tls.status, StatusCode::NO_CONTENT);
+    assert!(tls.set_cookies().join("\n").contains("Secure"));
 
     // A restart (no cookie_secret configured, database on disk) keeps everyone signed in.
     drop(server);

@@ -549,3 +549,41 @@ async fn shutdown_signal() -> &'static str {
         "Ctrl-C"
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_initial_admin_must_be_a_valid_account() {
+        let with = |name: &str, password: &str| {
+            let mut c = crate::config::Config::default();
+            c.auth.initial_admin = Some(name.into());
+            c.auth.initial_admin_password = Some(password.into());
+            check_config(&c)
+        };
+        assert!(with("root", "long enough").is_ok());
+        let short = with("root", "short").unwrap_err();
+        assert!(short.contains("auth.initial_admin_password"), "{short}");
+        let bad = with("bad name!", "long enough").unwrap_err();
+        assert!(bad.contains("auth.initial_admin:"), "{bad}");
+    }
+
+    #[test]
+    fn only_chat_routes_need_an_account_when_guests_are_off() {
+        for path in ["/", "/c", "/c/x", "/conversations", "/api/conversations"] {
+            assert!(owner::needs_account(path), "{path}");
+        }
+        for path in [
+            "/signin",
+            "/signup",
+            "/signout",
+            "/admin",
+            "/admin/live",
+            "/account",
+            "/cx",
+        ] {
+            assert!(!owner::needs_account(path), "{path}");
+        }
+    }
+}

@@ -136,7 +136,7 @@ fn verified_owner(
 
 /// Whether `path` serves a guest's data (chat pages, the JSON API), which `auth.guests = false`
 /// keeps for accounts. Sign-in, sign-up and `/admin` (its own sign-in) stay reachable.
-fn needs_account(path: &str) -> bool {
+pub(super) fn needs_account(path: &str) -> bool {
     path == "/"
         || path == "/c"
         || path.starts_with("/c/")
