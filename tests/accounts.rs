@@ -657,6 +657,17 @@ async fn without_guests_pages_redirect_and_the_api_refuses() {
         assert_eq!(r.status, StatusCode::SEE_OTHER, "{path}");
         assert_eq!(r.headers["location"], "/signin");
     }
+    // HTMX requests are told where to go instead of following a redirect inside the XHR.
+    let htmx = a
+        .call(
+            reqwest::Method::POST,
+            "/c/0190a0f0-0000-7000-8000-000000000000/stop",
+            None,
+            &[("HX-Request", "true")],
+        )
+        .await;
+    assert_eq!(htmx.status, StatusCode::UNAUTHORIZED);
+    assert_eq!(htmx.headers["hx-redirect"], "/signin");
     let api = a.get("/api/conversations").await;
     assert_eq!(api.status, StatusCode::UNAUTHORIZED);
     let body: Value = serde_json::from_str(&api.text).expect("JSON error");

@@ -145,8 +145,14 @@ pub(super) fn needs_account(path: &str) -> bool {
 }
 
 /// The refusal of a guest where guests are off: 401 JSON under `/api`, else a redirect to
-/// `/signin` (`HX-Redirect` for HTMX, 303 for everything else).
-fn guests_off(path: &str) -> actix_web::HttpResponse {
+/// `/signin`: 401 with `HX-Redirect` for HTMX (a 303 would be followed inside the XHR), 303 for
+/// everything else.
+fn guests_off(path: &str, htmx: bool) -> actix_web::HttpResponse {
+    if htmx {
+        return actix_web::HttpResponse::Unauthorized()
+            .insert_header(("HX-Redirect", "/signin"))
+            .finish();
+    }
     if path.starts_with("/api/") {
         return actix_web::HttpResponse::Unauthorized().json(serde_json::json!({
             "error": {
@@ -157,7 +163,6 @@ fn guests_off(path: &str) -> actix_web::HttpResponse {
     }
     actix_web::HttpResponse::SeeOther()
         .insert_header(("Location", "/signin"))
-        .insert_header(("HX-Redirect", "/signin"))
         .finish()
 }
 
@@ -195,7 +200,10 @@ pub async fn owner_cookie(
     };
     if owner.guest && !state.platform.config.auth.guests && needs_account(req.path()) {
         let path = req.path().to_string();
-        return Ok(req.into_response(guests_off(&path)).map_into_right_body());
+        let htmx = req.headers().contains_key("HX-Request");
+        return Ok(req
+            .into_response(guests_off(&path, htmx))
+            .map_into_right_body());
     }
     let secure = req.connection_info().scheme() == "https";
     req.extensions_mut().insert(owner.clone());
