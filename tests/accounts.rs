@@ -427,7 +427,15 @@ async fn keys_roles_and_disabled_users() {
     assert_eq!(cells[1], "user");
     assert_eq!(cells[2], "1", "one conversation");
     assert_eq!(cells[5], "1", "one live session");
-    assert!(user_row(&root.get("/admin").await.text, "root").is_some());
+    let (root_id, _) = user_row(&root.get("/admin").await.text, "root").expect("root's row");
+    let own = root
+        .post_form(&format!("/admin/users/{root_id}/disable"), "")
+        .await;
+    assert_eq!(
+        own.status,
+        StatusCode::BAD_REQUEST,
+        "no locking oneself out"
+    );
     // Conversations show their owner's name.
     let live = root.get("/admin/live").await;
     assert!(live.text.contains("<code>bob</code>"), "{}", live.text);

@@ -16,6 +16,8 @@ use serde_json::json;
 const ENV: &[(&str, &str)] = &[
     ("SMOLCHAT_SAMPLING__MAX_TOKENS", "24"),
     ("SMOLCHAT_SAMPLING__TEMPERATURE", "0.7"),
+    ("SMOLCHAT_AUTH__INITIAL_ADMIN", "root"),
+    ("SMOLCHAT_AUTH__INITIAL_ADMIN_PASSWORD", "root's password"),
 ];
 
 /// Types into the field `css` (after clearing it).
@@ -179,6 +181,33 @@ async fn accounts_in_a_real_browser() {
     )
     .await;
     assert_eq!(users, json!(2), "both turns survived");
+
+    // The admin account sees ann in the users table and her conversation under her name.
+    second
+        .goto(&format!("{base}/signin"))
+        .await
+        .expect("signin");
+    sign_in(&second, &base, "root", "root's password").await;
+    second.goto(&format!("{base}/admin")).await.expect("admin");
+    let row = wait_js(
+        &second,
+        "const r = document.querySelector('#users tr[data-user=\"ann\"]'); \
+         return r ? r.innerText : null",
+        "ann's row",
+        |v| v.is_string(),
+    )
+    .await;
+    assert!(row.as_str().is_some_and(|r| r.contains("user")), "{row}");
+    let owner = js(
+        &second,
+        &format!(
+            "const r = document.querySelector('#sessions tr[data-id=\"{conv}\"]'); \
+             return r ? r.innerText : ''"
+        ),
+    )
+    .await;
+    assert!(owner.as_str().is_some_and(|r| r.contains("ann")), "{owner}");
+    screenshot(&second, "admin-users").await;
 
     first.close().await.expect("close");
     second.close().await.expect("close");

@@ -356,6 +356,10 @@ pub async fn user_action(
 ) -> Result<HttpResponse, PageError> {
     require_admin(&state, &owner, &req).await?;
     let (id, action) = path.into_inner();
+    if action == "disable" && !owner.is_guest() && owner.as_str() == id {
+        // The last admin could otherwise lock everyone out of the page.
+        return Err(WebError::BadRequest("you cannot disable your own account".into()).into());
+    }
     let store = &state.platform.store;
     let found = match action.as_str() {
         "disable" => store.set_disabled(&id, true).await?,
