@@ -164,6 +164,29 @@ pub struct AuthSection {
     pub login_lockout_max_s: u64,
     /// Addresses and accounts the throttle remembers at most (memory stays bounded).
     pub login_throttle_entries: usize,
+    /// Who may create an account at `/signup`: `open` (anyone), `invite` (with a code from
+    /// `smolchat invite`) or `closed` (only `smolchat user add`).
+    pub signup: SignupMode,
+    /// Whether visitors may chat without an account (a guest owner cookie). When false, pages
+    /// redirect to `/signin` and `/api` answers 401.
+    pub guests: bool,
+    /// Seconds a user session lasts from sign-in (using it does not extend it).
+    pub user_session_s: u64,
+    /// An admin account created on start when no account exists yet (needs
+    /// `initial_admin_password`).
+    pub initial_admin: Option<String>,
+    /// Its password; better given as `SMOLCHAT_AUTH__INITIAL_ADMIN_PASSWORD` than in a file.
+    pub initial_admin_password: Option<String>,
+}
+
+/// `auth.signup`.
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum SignupMode {
+    #[default]
+    Open,
+    Invite,
+    Closed,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -264,6 +287,11 @@ impl Default for AuthSection {
             login_lockout_base_s: 1,
             login_lockout_max_s: 15 * 60,
             login_throttle_entries: 10_000,
+            signup: SignupMode::Open,
+            guests: true,
+            user_session_s: 30 * 24 * 3600,
+            initial_admin: None,
+            initial_admin_password: None,
         }
     }
 }
@@ -389,6 +417,30 @@ impl Config {
         if a.login_throttle_entries < 16 {
             return bad("auth.login_throttle_entries must be at least 16".into());
         }
+        if a.user_session_s == 0 || a.user_session_s > 10 * 365 * 24 * 3600 {
+            return bad(format!(
+                "auth.user_session_s ({}) must be between 1 and 315360000 (10 years)",
+                a.user_session_s
+            ));
+        }
+        match (&a.initial_admin, &a.initial_admin_password) {
+            // The name and password rules are the account layer's; `web::check_config`
+            // applies them before the model loads.
+            (Some(_), Some(_)) => {}
+            (Some(_), None) => {
+                return bad(
+                    "auth.initial_admin is set but auth.initial_admin_password is not (set it, \
+                     e.g. with SMOLCHAT_AUTH__INITIAL_ADMIN_PASSWORD)"
+                        .into(),
+                )
+            }
+            (None, Some(_)) => {
+                return bad(
+                    "auth.initial_admin_password is set but auth.initial_admin is not".into(),
+                )
+            }
+            (None, None) => {}
+        }
         if let Some(f) = self.model.yarn_factor {
             if !(f.is_finite() && f >= 1.0) {
                 return bad(format!("model.yarn_factor must be at least 1, got {f}"));
@@ -417,6 +469,33 @@ mod tests {
         assert!(with(|a| a.login_lockout_max_s = u64::MAX).is_err());
         assert!(with(|a| a.login_throttle_entries = 1).is_err());
         assert!(with(|a| a.admin_session_s = 1).is_ok());
+        assert!(with(|a| a.user_session_s = 0).is_err());
+        assert!(with(|a| a.initial_admin = Some("root".into())).is_err());
+        assert!(with(|a| a.initial_admin_password = Some("long enough".into())).is_err());
+        assert!(with(|a| {
+            a.initial_admin = Some("root".into());
+            a.initial_admin_password = Some("long enough".into());
+        })
+        .is_ok());
+    }
+
+    #[test]
+    fn signup_modes_parse_from_toml() {
+        let fig = |s: &str| {
+            Figment::from(Serialized::defaults(Config::default()))
+                .merge(Toml::string(s))
+                .extract::<Config>()
+                .map_err(|e| e.to_string())
+        };
+        assert_eq!(
+            fig("[auth]\nsignup = \"invite\"").unwrap().auth.signup,
+            SignupMode::Invite
+        );
+        assert_eq!(
+            fig("[auth]\nsignup = \"closed\"").unwrap().auth.signup,
+            SignupMode::Closed
+        );
+        assert!(fig("[auth]\nsignup = \"sometimes\"").is_err());
     }
 
     #[test]

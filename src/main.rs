@@ -47,5 +47,7 @@ fn run() -> Result<()> {
         Command::Logits(a) => cli::logits::run(a),
         Command::Bench(a) => cli::bench::run(a),
         Command::Backup(a) => cli::backup::run(a),
+        Command::User(a) => cli::user::run(a),
+        Command::Invite(a) => cli::user::invite(a),
     }
 }

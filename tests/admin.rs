@@ -8,120 +8,30 @@
 
 mod common;
 
-use std::collections::BTreeMap;
-use std::net::{IpAddr, Ipv4Addr};
 use std::time::Duration;
 
+use common::browser_client::{Answer, Browser};
 use common::server::{metric, Server};
-use reqwest::header::{HeaderMap, CONTENT_TYPE, COOKIE, RETRY_AFTER, SET_COOKIE};
 use reqwest::StatusCode;
 
 const TOKEN: &str = "the-admin-token";
 const ADMIN_COOKIE: &str = "smolchat_admin";
 
-/// One browser: its cookies (owner and admin), the page's CSRF token, a client address.
-struct Client {
-    http: reqwest::Client,
-    base: String,
-    cookies: BTreeMap<String, String>,
-    csrf: Option<String>,
+/// One browser (its cookies, the page's CSRF token) whose connections come from
+/// `127.0.0.{last}`, after a visit to `/admin`.
+async fn admin_client(server: &Server, last: u8) -> Browser {
+    Browser::at(server, last, "/admin").await
 }
 
-struct Answer {
-    status: StatusCode,
-    headers: HeaderMap,
-    text: String,
+trait AdminActions {
+    async fn login(&mut self, token: &str) -> Answer;
+    async fn login_with(&mut self, token: &str, headers: &[(&str, &str)]) -> Answer;
+    async fn logout(&mut self) -> Answer;
+    async fn live(&mut self) -> StatusCode;
+    fn session(&self) -> Option<String>;
 }
 
-impl Answer {
-    fn set_cookies(&self) -> Vec<String> {
-        self.headers
-            .get_all(SET_COOKIE)
-            .iter()
-            .map(|v| v.to_str().expect("cookie").to_string())
-            .collect()
-    }
-
-    fn retry_after(&self) -> Option<u64> {
-        self.headers.get(RETRY_AFTER)?.to_str().ok()?.parse().ok()
-    }
-}
-
-impl Client {
-    /// A client whose connections come from `127.0.0.{last}`.
-    async fn new(server: &Server, last: u8) -> Client {
-        let mut c = Client {
-            http: reqwest::Client::builder()
-                .redirect(reqwest::redirect::Policy::none())
-                .local_address(IpAddr::V4(Ipv4Addr::new(127, 0, 0, last)))
-                .build()
-                .expect("client"),
-            base: server.base.clone(),
-            cookies: BTreeMap::new(),
-            csrf: None,
-        };
-        // The admin page gives an owner cookie and its CSRF token.
-        let page = c.call(reqwest::Method::GET, "/admin", None, &[]).await;
-        assert_eq!(page.status, StatusCode::OK, "{}", page.text);
-        assert!(c.csrf.is_some(), "the page embeds a CSRF token");
-        c
-    }
-
-    async fn call(
-        &mut self,
-        method: reqwest::Method,
-        path: &str,
-        form: Option<&str>,
-        headers: &[(&str, &str)],
-    ) -> Answer {
-        let mut req = self.http.request(method, format!("{}{path}", self.base));
-        if !self.cookies.is_empty() {
-            let jar: Vec<String> = self
-                .cookies
-                .iter()
-                .map(|(k, v)| format!("{k}={v}"))
-                .collect();
-            req = req.header(COOKIE, jar.join("; "));
-        }
-        if let Some(t) = &self.csrf {
-            req = req.header("X-CSRF-Token", t);
-        }
-        for (k, v) in headers {
-            req = req.header(*k, *v);
-        }
-        if let Some(form) = form {
-            req = req
-                .header(CONTENT_TYPE, "application/x-www-form-urlencoded")
-                .body(form.to_string());
-        }
-        let res = req.send().await.expect("request");
-        let status = res.status();
-        let headers = res.headers().clone();
-        let text = res.text().await.expect("body");
-        let answer = Answer {
-            status,
-            headers,
-            text,
-        };
-        for c in answer.set_cookies() {
-            let pair = c.split(';').next().unwrap_or_default();
-            if let Some((k, v)) = pair.split_once('=') {
-                if v.is_empty() {
-                    self.cookies.remove(k);
-                } else {
-                    self.cookies.insert(k.to_string(), v.to_string());
-                }
-            }
-        }
-        if let Some(start) = answer.text.find("data-csrf=\"") {
-            let rest = &answer.text[start + "data-csrf=\"".len()..];
-            if let Some(end) = rest.find('"') {
-                self.csrf = Some(rest[..end].to_string());
-            }
-        }
-        answer
-    }
-
+impl AdminActions for Browser {
     async fn login(&mut self, token: &str) -> Answer {
         self.login_with(token, &[]).await
     }
@@ -162,7 +72,7 @@ async fn admin_sessions_are_server_side() {
     let server = start(dir.path(), TOKEN, &[]).await;
 
     // Two sign-ins get two different random cookies, not a shared constant.
-    let mut a = Client::new(&server, 1).await;
+    let mut a = admin_client(&server, 1).await;
     let page = a.login(TOKEN).await;
     assert_eq!(page.status, StatusCode::NO_CONTENT, "{}", page.text);
     let set = page.set_cookies().join("\n");
@@ -175,7 +85,7 @@ async fn admin_sessions_are_server_side() {
         assert!(set.contains(attribute), "{attribute} missing: {set}");
     }
     assert!(!set.contains("Secure"), "plain HTTP: not Secure: {set}");
-    let mut b = Client::new(&server, 1).await;
+    let mut b = admin_client(&server, 1).await;
     assert_eq!(b.login(TOKEN).await.status, StatusCode::NO_CONTENT);
     let (ca, cb) = (a.session().expect("a's cookie"), b.session().expect("b's"));
     assert_ne!(ca, cb);
@@ -183,7 +93,7 @@ async fn admin_sessions_are_server_side() {
     assert!(!ca.contains(TOKEN) && !cb.contains(TOKEN));
 
     // Behind a TLS-terminating proxy (X-Forwarded-Proto: https) the cookie is Secure.
-    let mut tls = Client::new(&server, 1).await;
+    let mut tls = admin_client(&server, 1).await;
     let page = tls
         .login_with(TOKEN, &[("X-Forwarded-Proto", "https")])
         .await;
@@ -199,7 +109,7 @@ async fn admin_sessions_are_server_side() {
     assert_eq!(tls.live().await, StatusCode::UNAUTHORIZED);
 
     // A copy of a's cookie in another client works like the original…
-    let mut copy = Client::new(&server, 2).await;
+    let mut copy = admin_client(&server, 2).await;
     copy.cookies.insert(ADMIN_COOKIE.into(), ca.clone());
     assert_eq!(copy.live().await, StatusCode::OK);
     assert_eq!(a.live().await, StatusCode::OK);
@@ -235,7 +145,7 @@ async fn admin_sessions_are_server_side() {
     let server = start(dir.path(), "a-new-admin-token", &[]).await;
     b.base = server.base.clone();
     assert_eq!(b.live().await, StatusCode::UNAUTHORIZED);
-    let mut c = Client::new(&server, 1).await;
+    let mut c = admin_client(&server, 1).await;
     assert_eq!(c.login(TOKEN).await.status, StatusCode::UNAUTHORIZED);
     assert_eq!(
         c.login("a-new-admin-token").await.status,
@@ -253,7 +163,7 @@ async fn admin_sessions_expire() {
         &[("SMOLCHAT_AUTH__ADMIN_SESSION_S", "3")],
     )
     .await;
-    let mut a = Client::new(&server, 1).await;
+    let mut a = admin_client(&server, 1).await;
     let page = a.login(TOKEN).await;
     assert_eq!(page.status, StatusCode::NO_CONTENT);
     assert!(page.set_cookies().join("\n").contains("Max-Age=3"));
@@ -283,7 +193,7 @@ async fn wrong_admin_tokens_are_throttled() {
 
     // Three wrong tokens from one address are checked (401); then that address is locked and
     // even the right token is refused with 429 + Retry-After, without a session.
-    let mut a = Client::new(&server, 1).await;
+    let mut a = admin_client(&server, 1).await;
     for wrong in ["nope", "the-admin", "the-admin-token-"] {
         let page = a.login(wrong).await;
         assert_eq!(
@@ -313,20 +223,20 @@ async fn wrong_admin_tokens_are_throttled() {
     assert_eq!(a.live().await, StatusCode::UNAUTHORIZED);
 
     // Per address: another address still signs in (which also clears the admin's count).
-    let mut b = Client::new(&server, 2).await;
+    let mut b = admin_client(&server, 2).await;
     assert_eq!(b.login(TOKEN).await.status, StatusCode::NO_CONTENT);
     assert_eq!(a.login(TOKEN).await.status, StatusCode::TOO_MANY_REQUESTS);
 
     // Per account: one wrong guess from each of six addresses locks the admin login for
     // everyone, whatever the address, right token or not.
     for last in 3..=8 {
-        let mut guesser = Client::new(&server, last).await;
+        let mut guesser = admin_client(&server, last).await;
         assert_eq!(
             guesser.login("guess").await.status,
             StatusCode::UNAUTHORIZED
         );
     }
-    let mut fresh = Client::new(&server, 9).await;
+    let mut fresh = admin_client(&server, 9).await;
     let page = fresh.login(TOKEN).await;
     assert_eq!(page.status, StatusCode::TOO_MANY_REQUESTS, "{}", page.text);
     assert!(

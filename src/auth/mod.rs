@@ -6,15 +6,19 @@
 //! - [`admin`]: the admin sign-in service (the token from `server.admin_token`, server-side
 //!   sessions in the store, throttled).
 //!
-//! User accounts reuse all three: sessions of kind `user`, a throttle keyed by account name.
+//! - [`accounts`]: user accounts (argon2id passwords, sessions of kind `user`, personal API
+//!   keys, invites), reusing all three.
+//!
 //! This layer sits beside the actors: it may use the store, and the web layer calls it.
 
+pub mod accounts;
 pub mod admin;
 pub mod secret;
 pub mod throttle;
 
 use crate::store::StoreError;
 
+pub use accounts::{Accounts, AccountsConfig, NewApiKey, SignedIn};
 pub use admin::{AdminAuth, NewSession, ADMIN_SUBJECT};
 pub use throttle::{LockedBy, Lockout, LoginThrottle, ThrottleKey, ThrottlePolicy};
 
@@ -24,9 +28,32 @@ pub enum AuthError {
     /// Too many failed attempts: refused without looking at the credential.
     #[error("too many failed sign-in attempts ({}); try again in {} s", .0.by.describe(), .0.retry_after_s())]
     Throttled(Lockout),
+    /// Too many sign-ups from this address.
+    #[error("too many accounts were created from this address; try again in {} s", .0.retry_after_s())]
+    TooManySignups(Lockout),
     /// The credential is wrong.
     #[error("wrong credentials")]
     WrongCredentials,
+    /// The account is disabled (said only after the right password).
+    #[error("this account is disabled; ask an administrator")]
+    Disabled,
+    #[error("invalid name: {0}")]
+    BadName(String),
+    #[error("invalid password: {0}")]
+    BadPassword(String),
+    #[error("that name is taken; pick another")]
+    NameTaken,
+    #[error("sign-up is closed on this server; ask an administrator for an account")]
+    SignupClosed,
+    #[error("sign-up needs a valid invite code (this one is missing, unknown, used or expired)")]
+    InviteInvalid,
+    #[error("no account is called {0:?}")]
+    NoSuchUser(String),
+    /// A personal API key that is unknown, revoked, or whose account is disabled.
+    #[error("this API key is invalid, revoked, or its account is disabled")]
+    KeyRefused,
+    #[error("password hashing failed: {0}")]
+    Hash(String),
     #[error(transparent)]
     Store(#[from] StoreError),
 }

@@ -17,7 +17,8 @@ pub const TOKEN_BYTES: usize = 32;
 /// Characters of a session token as written in a cookie (hex).
 pub const TOKEN_CHARS: usize = TOKEN_BYTES * 2;
 
-fn hex(bytes: &[u8]) -> String {
+/// `bytes` as lowercase hex.
+pub fn hex(bytes: &[u8]) -> String {
     use std::fmt::Write;
     bytes
         .iter()

@@ -9,6 +9,7 @@ pub mod inspect;
 pub mod logits;
 pub mod serve;
 pub mod tokenize;
+pub mod user;
 
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
@@ -59,6 +60,10 @@ pub enum Command {
     Bench(bench::BenchArgs),
     /// Write a consistent, checked copy of the database (safe while the server runs).
     Backup(backup::BackupArgs),
+    /// Manage accounts: add, passwd, list, disable, enable.
+    User(user::UserArgs),
+    /// Make a single-use sign-up invite code (for `auth.signup = "invite"`).
+    Invite(user::InviteArgs),
 }
 
 /// `--device` for the commands that load a model outside the server (the server reads

@@ -28,6 +28,7 @@
 mod error;
 mod sessions;
 mod types;
+mod users;
 
 use std::path::Path;
 use std::str::FromStr;
@@ -45,6 +46,7 @@ pub use types::{
     ImportedMessage, ListPage, Message, MessageStatus, PageRequest, Role, SessionKind,
     SessionRecord, Timings, MAX_PAGE, TITLE_MAX_CHARS,
 };
+pub use users::{ApiKeyRecord, ApiUsage, CreatedUser, NewUser, User, UserOverview, UserRole};
 
 /// How long a statement waits for another connection's write lock before failing.
 const BUSY_TIMEOUT: Duration = Duration::from_secs(10);
@@ -194,6 +196,17 @@ impl Store {
     /// Only one server process may use a database file: the start-up recovery assumes nobody
     /// else is generating into it.
     pub async fn open(url: &str) -> Result<Store, StoreError> {
+        Store::open_with(url, true).await
+    }
+
+    /// Opens the database like [`Store::open`] (creating and migrating it) but leaves
+    /// `streaming` replies alone: for tools (`smolchat user …`) that may run beside a live
+    /// server, whose replies are its own business.
+    pub async fn open_beside_server(url: &str) -> Result<Store, StoreError> {
+        Store::open_with(url, false).await
+    }
+
+    async fn open_with(url: &str, recover: bool) -> Result<Store, StoreError> {
         // sqlx strips an optional `sqlite:` prefix and takes whatever is left as a file name, so
         // "postgres://host/db" would silently become a local file path: insist on the scheme.
         if !url.starts_with("sqlite:") {
@@ -252,7 +265,9 @@ impl Store {
             interrupted_on_open: 0,
             data_dir,
         };
-        store.interrupted_on_open = store.mark_streaming_interrupted().await?;
+        if recover {
+            store.interrupted_on_open = store.mark_streaming_interrupted().await?;
+        }
         if store.interrupted_on_open > 0 {
             tracing::warn!(
                 count = store.interrupted_on_open,

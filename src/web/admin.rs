@@ -90,10 +90,17 @@ pub struct LiveView {
 /// however many conversations there are.
 const ADMIN_PAGE: usize = 50;
 
-#[derive(Deserialize, Default)]
+/// `?before=` (the conversations table's cursor) and `?page=` (the users table's page, from 1).
+#[derive(Deserialize)]
 pub struct PageQuery {
     #[serde(default)]
     before: String,
+    #[serde(default = "first_page")]
+    page: i64,
+}
+
+fn first_page() -> i64 {
+    1
 }
 
 #[derive(Template)]
@@ -101,6 +108,72 @@ pub struct PageQuery {
 struct AdminPage {
     csrf: String,
     live: LiveView,
+    users: UsersView,
+    /// The signed-in admin account's name; empty for an admin-token session.
+    account: String,
+    /// The per-user limits and sign-up rules in force, as (setting, value, meaning).
+    limits: Vec<(&'static str, String, &'static str)>,
+}
+
+/// The configured per-user limits and sign-up rules, for the admin page: an operator who sees a
+/// user refused with 429 can tell which limit it was without reading the config file.
+fn limits_view(config: &crate::config::Config) -> Vec<(&'static str, String, &'static str)> {
+    let or_none = |n: u64| {
+        if n == 0 {
+            "no limit".to_string()
+        } else {
+            n.to_string()
+        }
+    };
+    let l = &config.limits;
+    let s = &config.scheduler;
+    vec![
+        (
+            "scheduler.max_running_per_user",
+            or_none(s.max_running_per_user as u64),
+            "replies generated at once per user",
+        ),
+        (
+            "scheduler.max_queued_per_user",
+            or_none(s.max_queued_per_user as u64),
+            "requests waiting per user (more: 429)",
+        ),
+        (
+            "limits.tokens_per_minute_per_user",
+            or_none(l.tokens_per_minute_per_user),
+            "generated tokens per user per minute (more: 429)",
+        ),
+        (
+            "limits.conversations_per_minute",
+            or_none(u64::from(l.conversations_per_minute)),
+            "new conversations per user, and per address for guests (more: 429)",
+        ),
+        (
+            "limits.max_conversations_per_user",
+            or_none(l.max_conversations_per_user),
+            "conversations stored per user (more: 429)",
+        ),
+        (
+            "limits.max_streams_per_user",
+            or_none(l.max_streams_per_user as u64),
+            "open event streams per user (more: 429)",
+        ),
+        (
+            "scheduler.queue_size",
+            s.queue_size.to_string(),
+            "requests waiting in all (more: 503)",
+        ),
+        (
+            "auth.signup",
+            format!("{:?}", config.auth.signup).to_lowercase(),
+            "who may create an account",
+        ),
+        (
+            "auth.guests",
+            config.auth.guests.to_string(),
+            "whether people may chat without an account",
+        ),
+    ]
 }
 
 #[derive(Template)]
@@ -141,6 +214,7 @@ fn refusal(e: AuthError) -> PageError {
         }
         AuthError::WrongCredentials => PageError::Unauthorized("wrong admin token".into()),
         AuthError::Store(e) => e.into(),
+        other => WebError::Internal(other.to_string()).into(),
     }
 }
 
@@ -156,12 +230,21 @@ async fn logged_in(admin: &AdminAuth, req: &HttpRequest) -> Result<bool, PageErr
         .is_some())
 }
 
-/// Refuses a request without a token configured (404) or without an admin session (401).
-async fn require_admin(state: &AppState, req: &HttpRequest) -> Result<(), PageError> {
+/// Refuses a request that is neither from an account with the admin role nor from a valid
+/// admin-token session: 404 when no token is configured (the page is disabled for everyone
+/// else), 401 otherwise.
+async fn require_admin(
+    state: &AppState,
+    owner: &Owner,
+    req: &HttpRequest,
+) -> Result<(), PageError> {
+    if owner.is_admin() {
+        return Ok(());
+    }
     let admin = admin_of(state)?;
     if !logged_in(admin, req).await? {
         return Err(PageError::Unauthorized(
-            "log in at /admin with the admin token".into(),
+            "log in at /admin with the admin token, or sign in with an admin account".into(),
         ));
     }
     Ok(())
@@ -182,6 +265,13 @@ async fn live_view(state: &AppState, before: &str) -> Result<LiveView, PageError
         .map(|c| (c.cache_key, c.bytes))
         .collect();
     let stats = p.scheduler.send(GetStats).await?;
+    let owners: Vec<String> = {
+        let mut o: Vec<String> = list.iter().map(|c| c.owner.clone()).collect();
+        o.sort();
+        o.dedup();
+        o
+    };
+    let names = p.store.user_names(&owners).await?;
     let rows = list
         .iter()
         .zip(states.iter().chain(std::iter::repeat(&SequenceState::Idle)))
@@ -193,8 +283,10 @@ async fn live_view(state: &AppState, before: &str) -> Result<LiveView, PageError
                     .map(|b| mib(*b))
                     .unwrap_or_else(|| "—".into()),
                 id: key,
-                // Enough of the owner id to tell owners apart without a wide column.
-                owner: c.owner.chars().take(8).collect(),
+                // The account's name, or enough of a guest's id to tell guests apart.
+                owner: names.get(&c.owner).cloned().unwrap_or_else(|| {
+                    format!("guest {}", c.owner.chars().take(8).collect::<String>())
+                }),
                 title: if c.title.is_empty() {
                     "(untitled)".into()
                 } else {
@@ -246,6 +338,9 @@ pub async fn page(
     query: web::Query<PageQuery>,
 ) -> Result<HttpResponse, PageError> {
     let csrf = csrf::token_for(&state.cookie_key, owner.as_str());
+    if owner.is_admin() {
+        return dashboard(&state, csrf, &owner, &query).await;
+    }
     let Some(admin) = state.admin.as_ref() else {
         let body = DisabledPage { csrf }
             .render()
@@ -257,19 +352,125 @@ pub async fn page(
     if !logged_in(admin, &req).await? {
         return html(&LoginPage { csrf });
     }
+    dashboard(&state, csrf, &owner, &query).await
+}
+
+/// Users per page of the admin's users table.
+const USERS_PER_PAGE: i64 = 50;
+
+pub struct UserRowView {
+    pub id: String,
+    pub name: String,
+    pub role: &'static str,
+    pub disabled: bool,
+    pub conversations: i64,
+    pub tokens: i64,
+    pub last_seen: String,
+    pub sessions: i64,
+}
+
+pub struct UsersView {
+    pub rows: Vec<UserRowView>,
+    pub page: i64,
+    pub prev: i64,
+    pub next: i64,
+}
+
+async fn users_view(state: &AppState, page: i64) -> Result<UsersView, PageError> {
+    let page = page.clamp(1, i64::MAX / USERS_PER_PAGE);
+    // One more than a page, to know whether a next page exists.
+    let mut list = state
+        .platform
+        .store
+        .list_users(USERS_PER_PAGE + 1, (page - 1) * USERS_PER_PAGE)
+        .await?;
+    let more = list.len() as i64 > USERS_PER_PAGE;
+    list.truncate(USERS_PER_PAGE as usize);
+    Ok(UsersView {
+        rows: list
+            .into_iter()
+            .map(|u| UserRowView {
+                role: u.user.role.as_str(),
+                disabled: u.user.is_disabled(),
+                conversations: u.conversations,
+                tokens: u.tokens,
+                last_seen: u.user.last_seen_at.map_or_else(
+                    || "never".into(),
+                    |t| t.format("%Y-%m-%d %H:%M").to_string(),
+                ),
+                sessions: u.active_sessions,
+                id: u.user.id,
+                name: u.user.name,
+            })
+            .collect(),
+        page,
+        prev: if page > 1 { page - 1 } else { 0 },
+        next: if more { page + 1 } else { 0 },
+    })
+}
+
+async fn dashboard(
+    state: &AppState,
+    csrf: String,
+    owner: &Owner,
+    query: &PageQuery,
+) -> Result<HttpResponse, PageError> {
     html(&AdminPage {
         csrf,
-        live: live_view(&state, &query.before).await?,
+        live: live_view(state, &query.before).await?,
+        users: users_view(state, query.page).await?,
+        limits: limits_view(&state.platform.config),
+        account: owner.name().unwrap_or_default().to_string(),
     })
+}
+
+/// `POST /admin/users/{id}/{action}` with action `disable`, `enable` or `revoke` (its
+/// sessions). Answers `HX-Refresh` so the table shows the new state.
+pub async fn user_action(
+    state: web::Data<AppState>,
+    owner: Owner,
+    req: HttpRequest,
+    path: web::Path<(String, String)>,
+) -> Result<HttpResponse, PageError> {
+    require_admin(&state, &owner, &req).await?;
+    let (id, action) = path.into_inner();
+    if action == "disable" && !owner.is_guest() && owner.as_str() == id {
+        // The last admin could otherwise lock everyone out of the page.
+        return Err(WebError::BadRequest("you cannot disable your own account".into()).into());
+    }
+    let store = &state.platform.store;
+    let found = match action.as_str() {
+        "disable" => store.set_disabled(&id, true).await?,
+        "enable" => store.set_disabled(&id, false).await?,
+        "revoke" => {
+            state
+                .accounts
+                .revoke_sessions(&id)
+                .await
+                .map_err(super::account::refusal)?;
+            store.user_by_id(&id).await?.is_some()
+        }
+        other => {
+            return Err(WebError::NotFound(format!("no user action {other:?}")).into());
+        }
+    };
+    if !found {
+        return Err(WebError::NotFound("no such user".into()).into());
+    }
+    tracing::info!(user = %id, action = %action, "admin user action");
+    Ok(HttpResponse::NoContent()
+        .insert_header(("HX-Refresh", "true"))
+        .finish())
 }
 
 /// `GET /admin/live?before=`
 pub async fn live(
     state: web::Data<AppState>,
+    owner: Owner,
     req: HttpRequest,
     query: web::Query<PageQuery>,
 ) -> Result<HttpResponse, PageError> {
-    require_admin(&state, &req).await?;
+    require_admin(&state, &owner, &req).await?;
     html(&LiveFragment {
         live: live_view(&state, &query.before).await?,
     })
@@ -308,7 +509,7 @@ pub async fn login(
                     tracing::warn!(peer = %client, "admin login with a wrong token");
                     "wrong"
                 }
-                AuthError::Store(_) => "error",
+                _ => "error",
             };
             metrics::counter!("smolchat_admin_logins_total", "outcome" => outcome).increment(1);
             return Err(refusal(e));
@@ -360,10 +561,11 @@ pub async fn logout(
 /// `POST /admin/c/{id}/stop`
 pub async fn stop(
     state: web::Data<AppState>,
+    owner: Owner,
     req: HttpRequest,
     path: web::Path<String>,
 ) -> Result<HttpResponse, PageError> {
-    require_admin(&state, &req).await?;
+    require_admin(&state, &owner, &req).await?;
     let id = parse_id(&path)?;
     let stopped = state.platform.conversations.stop_any(id).await?;
     tracing::info!(conversation = %id, stopped, "admin stop");
@@ -373,10 +575,11 @@ pub async fn stop(
 /// `POST /admin/c/{id}/evict`
 pub async fn evict(
     state: web::Data<AppState>,
+    owner: Owner,
     req: HttpRequest,
     path: web::Path<String>,
 ) -> Result<HttpResponse, PageError> {
-    require_admin(&state, &req).await?;
+    require_admin(&state, &owner, &req).await?;
     let id = parse_id(&path)?;
     let dropped = state.platform.scheduler.send(Evict(id.to_string())).await?;
     tracing::info!(conversation = %id, dropped, "admin evict");
@@ -386,10 +589,11 @@ pub async fn evict(
 /// `DELETE /admin/c/{id}`
 pub async fn delete(
     state: web::Data<AppState>,
+    owner: Owner,
     req: HttpRequest,
     path: web::Path<String>,
 ) -> Result<HttpResponse, PageError> {
-    require_admin(&state, &req).await?;
+    require_admin(&state, &owner, &req).await?;
     let id = parse_id(&path)?;
     state.platform.conversations.delete_any(id).await?;
     tracing::info!(conversation = %id, "admin delete");

@@ -17,9 +17,12 @@
 //! | `POST /api/conversations/import` | an exported conversation → 201, a new conversation |
 //!
 //! | `GET /`, `/c/…`, `/conversations`, `/admin…`, `/static/…` | HTML pages (see [`pages`], [`admin`]; CSRF in [`csrf`]) |
+//! | `/signin`, `/signup`, `/signout`, `/account…` | accounts (see [`account`]) |
 //!
-//! Everything under `/api` is scoped to the caller's owner id (a signed cookie, see [`owner`]).
+//! Everything under `/api` is scoped to the caller's owner id (an account session or a signed
+//! guest cookie, see [`owner`]).
 
+pub mod account;
 pub mod admin;
 pub mod api;
 pub mod csrf;
@@ -42,7 +45,7 @@ use actix_web::{web, App, HttpRequest, HttpResponse, HttpServer};
 use metrics_exporter_prometheus::PrometheusHandle;
 
 use crate::actors::session::{GetInfo, Shutdown, Stop};
-use crate::auth::{AdminAuth, ThrottlePolicy};
+use crate::auth::{Accounts, AccountsConfig, AdminAuth, ThrottlePolicy};
 use crate::platform::Platform;
 pub use error::WebError;
 use json::BodyLimit;
@@ -164,6 +167,8 @@ pub struct AppState {
     /// Admin sign-in (sessions, throttle) when `server.admin_token` is set; `/admin` is
     /// disabled without it.
     pub admin: Option<AdminAuth>,
+    /// User accounts: sign-up, sign-in, sessions, API keys (see [`account`]).
+    pub accounts: Accounts,
 }
 
 /// The largest body `POST /api/conversations/import` reads (an exported conversation).
@@ -182,6 +187,13 @@ pub fn json_limit(max_message_chars: usize) -> usize {
 pub fn check_config(config: &crate::config::Config) -> Result<(), String> {
     if let Some(secret) = &config.server.cookie_secret {
         owner::cookie_key(Some(secret))?;
+    }
+    if let Some(name) = &config.auth.initial_admin {
+        crate::auth::accounts::check_name(name).map_err(|e| format!("auth.initial_admin: {e}"))?;
+    }
+    if let Some(password) = &config.auth.initial_admin_password {
+        crate::auth::accounts::check_password(password)
+            .map_err(|e| format!("auth.initial_admin_password: {e}"))?;
     }
     Ok(())
 }
@@ -301,6 +313,8 @@ pub fn routes(cfg: &mut web::ServiceConfig) {
             .route("/{id}/export.json", web::get().to(pages::export_json))
             .route("/{id}/export.md", web::get().to(pages::export_md)),
     )
+    // Accounts: sign-in, sign-up, sign-out, the account page.
+    .configure(account::routes)
     .service(
         web::scope("/admin")
             .wrap(from_fn(csrf::require_token))
@@ -311,7 +325,8 @@ pub fn routes(cfg: &mut web::ServiceConfig) {
             .route("/live", web::get().to(admin::live))
             .route("/c/{id}/stop", web::post().to(admin::stop))
             .route("/c/{id}/evict", web::post().to(admin::evict))
-            .route("/c/{id}", web::delete().to(admin::delete)),
+            .route("/c/{id}", web::delete().to(admin::delete))
+            .route("/users/{id}/{action}", web::post().to(admin::user_action)),
     );
 }
 
@@ -368,6 +383,7 @@ pub async fn run(platform: Platform) -> io::Result<()> {
     let body_timeout =
         json::BodyTimeout(Duration::from_secs(platform.config.limits.body_timeout_s));
     let admin = admin_auth(&platform, &cookie_key);
+    let accounts = accounts(&platform, &cookie_key).await?;
     let limits = platform.config.limits.clone();
     let state = web::Data::new(AppState {
         streams: StreamCounter::default(),
@@ -376,6 +392,7 @@ pub async fn run(platform: Platform) -> io::Result<()> {
         ready: AtomicBool::new(true),
         metrics: metrics.clone(),
         admin,
+        accounts,
     });
 
     if let Some(handle) = metrics {
@@ -444,6 +461,44 @@ pub async fn run(platform: Platform) -> io::Result<()> {
     Ok(())
 }
 
+/// The login throttle's policy from `[auth]`.
+fn throttle_policy(a: &crate::config::AuthSection) -> ThrottlePolicy {
+    ThrottlePolicy {
+        free_per_address: a.login_free_failures_per_address,
+        free_per_subject: a.login_free_failures_per_account,
+        base_lockout: Duration::from_secs(a.login_lockout_base_s),
+        max_lockout: Duration::from_secs(a.login_lockout_max_s),
+        max_entries: a.login_throttle_entries,
+    }
+}
+
+/// The accounts service; creates `auth.initial_admin` when the store has no account yet.
+async fn accounts(platform: &Platform, cookie_key: &Key) -> io::Result<Accounts> {
+    let a = &platform.config.auth;
+    let invalid =
+        |e: crate::auth::AuthError| io::Error::new(io::ErrorKind::InvalidInput, e.to_string());
+    if let (Some(name), Some(password)) = (&a.initial_admin, &a.initial_admin_password) {
+        if crate::auth::accounts::ensure_initial_admin(&platform.store, name, password)
+            .await
+            .map_err(invalid)?
+        {
+            tracing::info!(name = %name, "initial admin account created from auth.initial_admin");
+        }
+    }
+    Accounts::new(
+        platform.store.clone(),
+        // Kept across restarts (configured or generated into the data folder), so sessions
+        // survive a restart.
+        cookie_key.signing(),
+        AccountsConfig {
+            signup: a.signup,
+            session_lifetime: Duration::from_secs(a.user_session_s),
+            throttle: throttle_policy(a),
+        },
+    )
+    .map_err(invalid)
+}
+
 /// The admin sign-in service for `server.admin_token` (none when unset or empty).
 fn admin_auth(platform: &Platform, cookie_key: &Key) -> Option<AdminAuth> {
     let token = platform
@@ -452,14 +507,8 @@ fn admin_auth(platform: &Platform, cookie_key: &Key) -> Option<AdminAuth> {
         .admin_token
         .as_deref()
         .filter(|t| !t.is_empty())?;
+    let policy = throttle_policy(&platform.config.auth);
     let a = &platform.config.auth;
-    let policy = ThrottlePolicy {
-        free_per_address: a.login_free_failures_per_address,
-        free_per_subject: a.login_free_failures_per_account,
-        base_lockout: Duration::from_secs(a.login_lockout_base_s),
-        max_lockout: Duration::from_secs(a.login_lockout_max_s),
-        max_entries: a.login_throttle_entries,
-    };
     Some(AdminAuth::new(
         platform.store.clone(),
         token,
@@ -529,5 +578,43 @@ async fn shutdown_signal() -> &'static str {
     {
         let _ = tokio::signal::ctrl_c().await;
         "Ctrl-C"
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_initial_admin_must_be_a_valid_account() {
+        let with = |name: &str, password: &str| {
+            let mut c = crate::config::Config::default();
+            c.auth.initial_admin = Some(name.into());
+            c.auth.initial_admin_password = Some(password.into());
+            check_config(&c)
+        };
+        assert!(with("root", "long enough").is_ok());
+        let short = with("root", "short").unwrap_err();
+        assert!(short.contains("auth.initial_admin_password"), "{short}");
+        let bad = with("bad name!", "long enough").unwrap_err();
+        assert!(bad.contains("auth.initial_admin:"), "{bad}");
+    }
+
+    #[test]
+    fn only_chat_routes_need_an_account_when_guests_are_off() {
+        for path in ["/", "/c", "/c/x", "/conversations", "/api/conversations"] {
+            assert!(owner::needs_account(path), "{path}");
+        }
+        for path in [
+            "/signin",
+            "/signup",
+            "/signout",
+            "/admin",
+            "/admin/live",
+            "/account",
+            "/cx",
+        ] {
+            assert!(!owner::needs_account(path), "{path}");
+        }
     }
 }

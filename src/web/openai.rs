@@ -16,7 +16,10 @@
 //! tokenized as text: `<|im_end|>` inside a message is a few ordinary tokens, never the control
 //! token (only the template's own markup is). A raw `/v1/completions` prompt is the client's own
 //! markup, so special tokens written in it *are* parsed, as llama-server does.
-//! When `server.api_key` is set, every `/v1` request needs `Authorization: Bearer <key>`.
+//! When `server.api_key` is set, every `/v1` request needs `Authorization: Bearer <key>`: that
+//! key or a user's personal key (`sk-smol-…`, made on `/account`). A personal key authenticates
+//! as its account (refused at once when revoked or the account is disabled): the scheduler
+//! shares fairly by account and the request's tokens are added to the account's usage.
 //! Errors use OpenAI's shape (see [`error`]).
 //!
 //! Streams are `data: {chunk}` server-sent events ending with `data: [DONE]`. The request's event
@@ -41,7 +44,7 @@ use actix_web::dev::{ServiceRequest, ServiceResponse};
 use actix_web::http::header;
 use actix_web::middleware::{from_fn, Next};
 use actix_web::web::{self, Bytes};
-use actix_web::{HttpRequest, HttpResponse};
+use actix_web::{HttpMessage, HttpRequest, HttpResponse};
 use futures_util::Stream;
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
@@ -115,13 +118,22 @@ async fn method_not_allowed(req: HttpRequest) -> Result<HttpResponse, ApiError> 
     )))
 }
 
-/// Compares without an early exit, so response timing does not reveal how much of a guessed
-/// key was right.
-fn same_key(given: &[u8], key: &[u8]) -> bool {
-    given.len() == key.len() && given.iter().zip(key).fold(0u8, |acc, (a, b)| acc | (a ^ b)) == 0
+/// The account a `/v1` request authenticated as with a personal API key (set by
+/// [`require_api_key`]); its requests are attributed to it (fair sharing, usage).
+#[derive(Clone, Debug)]
+pub struct ApiAccount {
+    pub id: String,
+    pub admin: bool,
 }
 
-/// Checks `Authorization: Bearer <server.api_key>` when a key is configured.
+/// Set by [`require_api_key`] when the request presented the global `server.api_key`.
+#[derive(Clone, Copy, Debug)]
+struct GlobalKey;
+
+/// Authenticates a `/v1` request. A bearer that equals `server.api_key` passes as today; one
+/// shaped like a personal key (`sk-smol-…`) must be live (401 when unknown, revoked or its
+/// account disabled) and attributes the request to its account; without either, the request
+/// passes only when no `server.api_key` is configured (anonymous, keyed by address).
 async fn require_api_key(
     req: ServiceRequest,
     next: Next<impl MessageBody>,
@@ -129,34 +141,58 @@ async fn require_api_key(
     let Some(state) = req.app_data::<web::Data<AppState>>().cloned() else {
         return Err(ApiError::internal("application state missing").into());
     };
-    if let Some(key) = state
+    let global = state
         .platform
         .config
         .server
         .api_key
         .as_deref()
-        .filter(|k| !k.is_empty())
-    {
-        let given = req
-            .headers()
-            .get(header::AUTHORIZATION)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| {
-                let (scheme, token) = v.trim().split_once(' ')?;
-                scheme.eq_ignore_ascii_case("bearer").then(|| token.trim())
-            });
-        match given {
-            None => {
+        .filter(|k| !k.is_empty());
+    let given: Option<String> = req
+        .headers()
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| {
+            let (scheme, token) = v.trim().split_once(' ')?;
+            scheme
+                .eq_ignore_ascii_case("bearer")
+                .then(|| token.trim().to_string())
+        });
+    if let Some(token) = given {
+        // Compared as SHA-256 digests in constant time: timing says nothing about the key's
+        // length or how much of a guess was right.
+        if global.is_some_and(|key| {
+            crate::auth::secret::matches(&token, &crate::auth::secret::digest(key))
+        }) {
+            req.extensions_mut().insert(GlobalKey);
+            return next.call(req).await;
+        }
+        match state.accounts.api_key_user(&token).await {
+            Ok(Some(user)) => {
+                let admin = user.is_admin();
+                req.extensions_mut()
+                    .insert(ApiAccount { id: user.id, admin });
+                return next.call(req).await;
+            }
+            Err(crate::auth::AuthError::KeyRefused) => {
                 return Err(ApiError::unauthorized(
-                    "missing API key: send `Authorization: Bearer <key>`",
+                    "this API key is unknown or revoked, or its account is disabled",
                 )
                 .into())
             }
-            Some(token) if !same_key(token.as_bytes(), key.as_bytes()) => {
+            Err(e) => {
+                return Err(ApiError::unavailable(format!("cannot check the API key ({e})")).into())
+            }
+            Ok(None) if global.is_some() => {
                 return Err(ApiError::unauthorized("invalid API key").into())
             }
-            Some(_) => {}
+            // No key is configured: any other bearer is accepted as before.
+            Ok(None) => {}
         }
+    } else if global.is_some() {
+        return Err(
+            ApiError::unauthorized("missing API key: send `Authorization: Bearer <key>`").into(),
+        );
     }
     next.call(req).await
 }
@@ -225,19 +261,12 @@ fn check_model(p: &Platform, common: &Common) -> Result<(), ApiError> {
     }
 }
 
-/// Whether a `/v1` request speaks for an admin: only when it presented the global
-/// `server.api_key` (the middleware has refused every request that presented a wrong one, so
-/// with a key configured every request that gets here presented it). With no key configured,
-/// `/v1` is open to anyone and nobody is an admin. The one place that decides it: per-user keys
-/// (accounts) extend it with the key's owner's role.
-pub fn api_caller_is_admin(state: &AppState, _http: &HttpRequest) -> bool {
-    state
-        .platform
-        .config
-        .server
-        .api_key
-        .as_deref()
-        .is_some_and(|k| !k.is_empty())
+/// Whether a `/v1` request speaks for an admin: when it presented the global `server.api_key`,
+/// or the personal key of an account with the admin role. With no key configured and none
+/// presented, `/v1` is open to anyone and nobody is an admin. The one place that decides it.
+pub fn api_caller_is_admin(_state: &AppState, http: &HttpRequest) -> bool {
+    let ext = http.extensions();
+    ext.get::<GlobalKey>().is_some() || ext.get::<ApiAccount>().is_some_and(|a| a.admin)
 }
 
 /// Refuses what only admins may ask for (`ignore_eos`), through the one settings check.
@@ -453,11 +482,14 @@ fn process_hash(value: &impl std::hash::Hash) -> u64 {
     std::hash::BuildHasher::hash_one(KEY.get_or_init(std::hash::RandomState::new), value)
 }
 
-/// Who a request is for, for fair sharing and per-user limits in the scheduler: the bearer key
-/// when one is sent (per-key limits), else the client's address (per-address limits for
-/// guests). Unlike the cache salt, nothing in the body changes it, so a client cannot escape its
-/// limits by naming itself differently.
+/// Who a request is for, for fair sharing and per-user limits in the scheduler and for usage:
+/// the account of a personal API key, else the bearer key when one is sent (per-key limits),
+/// else the client's address (per-address limits for guests). Unlike the cache salt, nothing in
+/// the body changes it, so a client cannot escape its limits by naming itself differently.
 fn client_identity(http: &HttpRequest) -> String {
+    if let Some(ApiAccount { id: user, .. }) = http.extensions().get::<ApiAccount>() {
+        return user.clone();
+    }
     let auth = bearer(http);
     let ip = match auth {
         Some(_) => None,
@@ -498,6 +530,10 @@ async fn generate<A: Assembler>(
     // Without a limit, the reply may fill the context (the scheduler clamps to its own limit).
     params.max_new_tokens = common.max_tokens.unwrap_or(window - prompt.len());
     let prompt_tokens = prompt.len();
+    let usage_sink = UsageSink {
+        store: p.store.clone(),
+        owner: user.clone(),
+    };
     let (tx, rx) = mpsc::unbounded_channel();
     let id = p
         .scheduler
@@ -557,6 +593,7 @@ async fn generate<A: Assembler>(
             out,
             done: false,
             started: Instant::now(),
+            usage: usage_sink,
         };
         return Ok(HttpResponse::Ok()
             .content_type("text/event-stream")
@@ -567,6 +604,7 @@ async fn generate<A: Assembler>(
     }
 
     let (summary, assembler) = collect(rx, guard, assembler).await?;
+    usage_sink.record(&summary);
     let mut body = envelope.wrap(A::OBJECT, vec![assembler.choice()]);
     body["usage"] = usage(&summary);
     log_finished(id, &summary);
@@ -637,6 +675,29 @@ struct ApiStream<A: Assembler> {
     out: VecDeque<Bytes>,
     done: bool,
     started: Instant,
+    usage: UsageSink,
+}
+
+/// Adds a finished request to its owner's `/v1` usage (`api_usage`).
+struct UsageSink {
+    store: crate::store::Store,
+    owner: String,
+}
+
+impl UsageSink {
+    /// Off the response path: the answer does not wait for the write, and a database that
+    /// cannot take it only loses the statistic.
+    fn record(&self, s: &GenSummary) {
+        let store = self.store.clone();
+        let owner = self.owner.clone();
+        let prompt = i64::try_from(s.prompt_tokens).unwrap_or(i64::MAX);
+        let completion = i64::try_from(s.completion_tokens).unwrap_or(i64::MAX);
+        actix_web::rt::spawn(async move {
+            if let Err(e) = store.add_api_usage(&owner, prompt, completion).await {
+                tracing::warn!("cannot record API usage: {e}");
+            }
+        });
+    }
 }
 
 impl<A: Assembler> ApiStream<A> {
@@ -666,6 +727,7 @@ impl<A: Assembler> ApiStream<A> {
                     }
                 }
                 log_finished(self.guard.id, &summary);
+                self.usage.record(&summary);
                 tracing::debug!(
                     request = self.guard.id,
                     stream_s = self.started.elapsed().as_secs_f64(),

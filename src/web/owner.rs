@@ -2,10 +2,9 @@
 //! conversation is visible only to its owner.
 //!
 //! The owner id is a random UUID, stored as `Owner::as_str` in `conversations.owner`. It names an
-//! *identity*, not a browser: password accounts (a later issue) will each carry one owner id and
-//! logging in will set this same cookie to the account's id (after re-owning the anonymous
-//! browser's conversations to it, if the user wants to keep them). Nothing else in the store
-//! needs to change for that.
+//! *identity*, not a browser: a signed-in account's owner id is its user id (the session cookie
+//! `smolchat_session` wins over the guest cookie), and signing up moves the guest's
+//! conversations to the new account. Nothing else in the store needs to change for that.
 //!
 //! The cookie is signed (HMAC) with a key from `server.cookie_secret`, so a client cannot pick
 //! someone else's id. Without a configured secret the platform generates one on first start and
@@ -14,7 +13,7 @@
 
 use std::future::{ready, Ready};
 
-use actix_web::body::MessageBody;
+use actix_web::body::{EitherBody, MessageBody};
 use actix_web::cookie::time::Duration as CookieDuration;
 use actix_web::cookie::{Cookie, CookieJar, Key, SameSite};
 use actix_web::dev::{Payload, ServiceRequest, ServiceResponse};
@@ -26,17 +25,21 @@ use super::error::WebError;
 use super::AppState;
 
 pub const COOKIE_NAME: &str = "smolchat_owner";
+/// The account session cookie (see [`super::account`]).
+pub const SESSION_COOKIE: &str = "smolchat_session";
 
 /// The caller's owner id (set by [`owner_cookie`] on every request of the scopes it wraps).
 ///
-/// Today every owner is a guest (a browser's cookie); accounts (issue 9) set `guest: false` and
-/// `admin` from the account's role.
+/// A valid account session makes the owner the account (`guest: false`, `admin` from its role,
+/// the id is the user id); otherwise it is the guest of the browser's signed owner cookie.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Owner {
     id: String,
     admin: bool,
     guest: bool,
     address: Option<std::net::IpAddr>,
+    /// The account's name (`None` for guests).
+    name: Option<String>,
 }
 
 impl Owner {
@@ -56,7 +59,23 @@ impl Owner {
             admin: false,
             guest: true,
             address,
+            name: None,
         }
+    }
+
+    fn account(user: &crate::store::User, address: Option<std::net::IpAddr>) -> Self {
+        Owner {
+            id: user.id.clone(),
+            admin: user.is_admin(),
+            guest: false,
+            address,
+            name: Some(user.name.clone()),
+        }
+    }
+
+    /// The signed-in account's name; `None` for guests.
+    pub fn name(&self) -> Option<&str> {
+        self.name.as_deref()
     }
 
     pub fn as_str(&self) -> &str {
@@ -115,23 +134,91 @@ fn verified_owner(
     Some(Owner::guest(id.to_string(), address))
 }
 
-/// Middleware: attaches the caller's [`Owner`] to the request, minting one (and setting its
-/// cookie on the response) when the request has no valid cookie.
+/// Whether `path` serves a guest's data (chat pages, the JSON API), which `auth.guests = false`
+/// keeps for accounts. Sign-in, sign-up and `/admin` (its own sign-in) stay reachable.
+pub(super) fn needs_account(path: &str) -> bool {
+    path == "/"
+        || path == "/c"
+        || path.starts_with("/c/")
+        || path == "/conversations"
+        || path.starts_with("/api/")
+}
+
+/// The refusal of a guest where guests are off: 401 JSON under `/api`, else a redirect to
+/// `/signin`: 401 with `HX-Redirect` for HTMX (a 303 would be followed inside the XHR), 303 for
+/// everything else.
+fn guests_off(path: &str, htmx: bool) -> actix_web::HttpResponse {
+    if htmx {
+        return actix_web::HttpResponse::Unauthorized()
+            .insert_header(("HX-Redirect", "/signin"))
+            .finish();
+    }
+    if path.starts_with("/api/") {
+        return actix_web::HttpResponse::Unauthorized().json(serde_json::json!({
+            "error": {
+                "message": "this server has no guest access: sign in at /signin",
+                "type": "unauthorized",
+            }
+        }));
+    }
+    actix_web::HttpResponse::SeeOther()
+        .insert_header(("Location", "/signin"))
+        .finish()
+}
+
+/// Middleware: attaches the caller's [`Owner`] to the request: the account of a valid session
+/// cookie, else the guest of the owner cookie (minting one, and setting its cookie on the
+/// response, when the request has no valid cookie). A session cookie that is no longer valid
+/// (signed out elsewhere, expired, password changed, account disabled) is dropped.
 pub async fn owner_cookie(
     req: ServiceRequest,
     next: Next<impl MessageBody>,
-) -> Result<ServiceResponse<impl MessageBody>, actix_web::Error> {
+) -> Result<ServiceResponse<EitherBody<impl MessageBody>>, actix_web::Error> {
     let Some(state) = req.app_data::<web::Data<AppState>>().cloned() else {
         return Err(WebError::Internal("application state missing".into()).into());
     };
     let address = req.peer_addr().map(|a| a.ip());
-    let (owner, minted) = match verified_owner(&req, &state.cookie_key, address) {
-        Some(owner) => (owner, false),
-        None => (Owner::new_random(address), true),
+    let mut stale_session = false;
+    let account = match req.cookie(SESSION_COOKIE) {
+        Some(cookie) => match state.accounts.session(cookie.value()).await {
+            Ok(Some(user)) => Some(user),
+            Ok(None) => {
+                stale_session = true;
+                None
+            }
+            Err(crate::auth::AuthError::Store(e)) => return Err(WebError::from(e).into()),
+            Err(e) => return Err(WebError::Internal(e.to_string()).into()),
+        },
+        None => None,
     };
+    let (owner, minted) = match account {
+        Some(user) => (Owner::account(&user, address), false),
+        None => match verified_owner(&req, &state.cookie_key, address) {
+            Some(owner) => (owner, false),
+            None => (Owner::new_random(address), true),
+        },
+    };
+    if owner.guest && !state.platform.config.auth.guests && needs_account(req.path()) {
+        let path = req.path().to_string();
+        let htmx = req.headers().contains_key("HX-Request");
+        return Ok(req
+            .into_response(guests_off(&path, htmx))
+            .map_into_right_body());
+    }
     let secure = req.connection_info().scheme() == "https";
     req.extensions_mut().insert(owner.clone());
     let mut res = next.call(req).await?;
+    if stale_session {
+        let mut gone = Cookie::build(SESSION_COOKIE, "").path("/").finish();
+        gone.make_removal();
+        // A handler that set a new session cookie (sign-in) wins.
+        let replaced = res.response().cookies().any(|c| c.name() == SESSION_COOKIE);
+        if !replaced {
+            if let Err(e) = res.response_mut().add_cookie(&gone) {
+                tracing::warn!("cannot drop a stale session cookie: {e}");
+            }
+        }
+    }
     if minted {
         let mut jar = CookieJar::new();
         jar.signed_mut(&state.cookie_key).add(
@@ -150,7 +237,7 @@ pub async fn owner_cookie(
             }
         }
     }
-    Ok(res)
+    Ok(res.map_into_left_body())
 }
 
 impl FromRequest for Owner {

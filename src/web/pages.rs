@@ -329,6 +329,8 @@ pub struct ChatPage {
     pub context_window: usize,
     pub max_chars: usize,
     pub settings: SettingsView,
+    /// The signed-in account's name; empty for a guest.
+    pub user_name: String,
 }
 
 #[derive(Template)]
@@ -415,6 +417,7 @@ async fn chat_page(
             max_tokens: settings.max_tokens,
             max_tokens_limit: config.limits.max_new_tokens,
         },
+        user_name: owner.name().unwrap_or_default().to_string(),
     };
     html(&page)
 }

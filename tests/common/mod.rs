@@ -1,6 +1,8 @@
 //! Helpers shared by the integration tests.
 #![allow(dead_code)]
 
+pub mod browser_client;
+pub mod chromium;
 pub mod server;
 
 use std::path::PathBuf;

@@ -1,0 +1,216 @@
+//! `smolchat user …` and `smolchat invite`: account administration straight on the configured
+//! database (safe while the server runs: SQLite serialises the writes).
+//!
+//! Passwords come from the terminal (asked twice, without echo) or, with `--password-stdin`,
+//! from the first line of standard input; they are never taken as arguments (those show up in
+//! `ps` and shell histories).
+
+use std::io::{BufRead, IsTerminal};
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use clap::{Args, Subcommand};
+
+use crate::auth::accounts;
+use crate::config::Config;
+use crate::store::{Store, UserRole};
+
+/// Where the database is: the same flags as `serve`.
+#[derive(Args, Debug, Clone, Default)]
+pub struct DbArgs {
+    /// A TOML configuration file (layered over config/default.toml), for database.url.
+    #[arg(long, env = "SMOLCHAT_CONFIG", global = true)]
+    pub config: Option<PathBuf>,
+    /// Database URL, e.g. sqlite://data/smolchat.db (default: database.url).
+    #[arg(long, global = true)]
+    pub database_url: Option<String>,
+}
+
+impl DbArgs {
+    fn url(&self) -> Result<String> {
+        Ok(match &self.database_url {
+            Some(url) => url.clone(),
+            None => Config::load(self.config.as_deref())?.database.url,
+        })
+    }
+}
+
+#[derive(Args, Debug)]
+pub struct UserArgs {
+    #[command(subcommand)]
+    pub command: UserCommand,
+    #[command(flatten)]
+    pub db: DbArgs,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum UserCommand {
+    /// Create an account.
+    Add {
+        name: String,
+        /// Give it the admin role (it sees /admin after signing in).
+        #[arg(long)]
+        admin: bool,
+        /// Read the password from the first line of standard input instead of the terminal.
+        #[arg(long)]
+        password_stdin: bool,
+    },
+    /// Set an account's password (signs out all its sessions).
+    Passwd {
+        name: String,
+        #[arg(long)]
+        password_stdin: bool,
+    },
+    /// List the accounts: name, role, disabled, created, last seen.
+    List,
+    /// Disable an account: its sessions and API keys stop working at once.
+    Disable { name: String },
+    /// Enable a disabled account.
+    Enable { name: String },
+}
+
+#[derive(Args, Debug)]
+pub struct InviteArgs {
+    /// Hours the code stays valid.
+    #[arg(long, default_value_t = 72)]
+    pub expires_h: u64,
+    #[command(flatten)]
+    pub db: DbArgs,
+}
+
+fn runtime() -> Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .context("starting the async runtime")
+}
+
+/// The new password: one line of stdin, or typed twice on the terminal.
+fn read_password(from_stdin: bool) -> Result<String> {
+    if from_stdin {
+        let mut line = String::new();
+        std::io::stdin()
+            .lock()
+            .read_line(&mut line)
+            .context("reading the password from standard input")?;
+        let password = line.trim_end_matches(['\n', '\r']).to_string();
+        accounts::check_password(&password)?;
+        return Ok(password);
+    }
+    if !std::io::stdin().is_terminal() {
+        bail!("no terminal to ask the password on; pipe it in with --password-stdin");
+    }
+    let first = rpassword::prompt_password("New password: ").context("reading the password")?;
+    accounts::check_password(&first)?;
+    let second = rpassword::prompt_password("Again: ").context("reading the password")?;
+    if first != second {
+        bail!("the passwords differ; nothing changed");
+    }
+    Ok(first)
+}
+
+async fn user_named(store: &Store, name: &str) -> Result<crate::store::User> {
+    store
+        .user_by_name(name)
+        .await?
+        .with_context(|| format!("no account is called {name:?}"))
+}
+
+fn when(t: Option<chrono::DateTime<chrono::Utc>>) -> String {
+    t.map_or_else(|| "-".into(), |t| t.format("%Y-%m-%d %H:%M:%S").to_string())
+}
+
+pub fn run(args: &UserArgs) -> Result<()> {
+    let url = args.db.url()?;
+    // Before the runtime: the prompt must not run on an async worker.
+    let password = match &args.command {
+        UserCommand::Add { password_stdin, .. } | UserCommand::Passwd { password_stdin, .. } => {
+            Some(read_password(*password_stdin)?)
+        }
+        _ => None,
+    };
+    runtime()?.block_on(async {
+        let store = Store::open_beside_server(&url)
+            .await
+            .with_context(|| format!("opening {url}"))?;
+        match &args.command {
+            UserCommand::Add { name, admin, .. } => {
+                let role = if *admin {
+                    UserRole::Admin
+                } else {
+                    UserRole::User
+                };
+                let user =
+                    accounts::add_user(&store, name, password.as_deref().unwrap_or(""), role)
+                        .await?;
+                println!("created {} ({}) {}", user.name, role.as_str(), user.id);
+            }
+            UserCommand::Passwd { name, .. } => {
+                let user = user_named(&store, name).await?;
+                accounts::set_password(&store, &user, password.as_deref().unwrap_or("")).await?;
+                println!(
+                    "password of {} changed; its sessions are signed out",
+                    user.name
+                );
+            }
+            UserCommand::List => {
+                println!(
+                    "{:<24} {:<6} {:<9} {:<20} {:<20}",
+                    "NAME", "ROLE", "DISABLED", "CREATED", "LAST SEEN"
+                );
+                let mut offset = 0;
+                loop {
+                    let page = store.list_users(500, offset).await?;
+                    for u in &page {
+                        let u = &u.user;
+                        println!(
+                            "{:<24} {:<6} {:<9} {:<20} {:<20}",
+                            u.name,
+                            u.role.as_str(),
+                            if u.is_disabled() { "yes" } else { "no" },
+                            when(Some(u.created_at)),
+                            when(u.last_seen_at)
+                        );
+                    }
+                    if page.len() < 500 {
+                        break;
+                    }
+                    offset += 500;
+                }
+            }
+            UserCommand::Disable { name } | UserCommand::Enable { name } => {
+                let disable = matches!(args.command, UserCommand::Disable { .. });
+                let user = user_named(&store, name).await?;
+                store.set_disabled(&user.id, disable).await?;
+                println!(
+                    "{} {}",
+                    user.name,
+                    if disable { "disabled" } else { "enabled" }
+                );
+            }
+        }
+        store.close().await;
+        Ok(())
+    })
+}
+
+pub fn invite(args: &InviteArgs) -> Result<()> {
+    if args.expires_h == 0 {
+        bail!("--expires-h must be at least 1");
+    }
+    let url = args.db.url()?;
+    let hours = args.expires_h.min(24 * 365 * 10);
+    runtime()?.block_on(async {
+        let store = Store::open_beside_server(&url)
+            .await
+            .with_context(|| format!("opening {url}"))?;
+        let code = accounts::create_invite(&store, Duration::from_secs(hours * 3600)).await?;
+        store.close().await;
+        println!("{code}");
+        println!("/signup?invite={code}");
+        eprintln!("valid for {hours} h, once");
+        Ok(())
+    })
+}

@@ -1,0 +1,126 @@
+//! A browser-like HTTP client for page tests: keeps cookies by name, picks up the page's CSRF
+//! token, sends from a chosen loopback address (127.0.0.N, which Linux routes to a server on
+//! 127.0.0.1) and does not follow redirects.
+
+use std::collections::BTreeMap;
+use std::net::{IpAddr, Ipv4Addr};
+
+use reqwest::header::{HeaderMap, CONTENT_TYPE, COOKIE, RETRY_AFTER, SET_COOKIE};
+use reqwest::StatusCode;
+
+use super::server::Server;
+
+/// One browser: its cookies (owner and admin), the page's CSRF token, a client address.
+pub struct Browser {
+    pub http: reqwest::Client,
+    pub base: String,
+    pub cookies: BTreeMap<String, String>,
+    pub csrf: Option<String>,
+}
+
+pub struct Answer {
+    pub status: StatusCode,
+    pub headers: HeaderMap,
+    pub text: String,
+}
+
+impl Answer {
+    pub fn set_cookies(&self) -> Vec<String> {
+        self.headers
+            .get_all(SET_COOKIE)
+            .iter()
+            .map(|v| v.to_str().expect("cookie").to_string())
+            .collect()
+    }
+
+    pub fn retry_after(&self) -> Option<u64> {
+        self.headers.get(RETRY_AFTER)?.to_str().ok()?.parse().ok()
+    }
+}
+
+impl Browser {
+    /// A client whose connections come from `127.0.0.{last}`, after a GET of `first` (a page
+    /// that embeds a CSRF token).
+    pub async fn at(server: &Server, last: u8, first: &str) -> Browser {
+        let mut c = Browser {
+            http: reqwest::Client::builder()
+                .redirect(reqwest::redirect::Policy::none())
+                .local_address(IpAddr::V4(Ipv4Addr::new(127, 0, 0, last)))
+                .build()
+                .expect("client"),
+            base: server.base.clone(),
+            cookies: BTreeMap::new(),
+            csrf: None,
+        };
+        // The page gives an owner cookie and its CSRF token.
+        let page = c.call(reqwest::Method::GET, first, None, &[]).await;
+        assert_eq!(page.status, StatusCode::OK, "{}", page.text);
+        assert!(c.csrf.is_some(), "the page embeds a CSRF token");
+        c
+    }
+
+    pub async fn call(
+        &mut self,
+        method: reqwest::Method,
+        path: &str,
+        form: Option<&str>,
+        headers: &[(&str, &str)],
+    ) -> Answer {
+        let mut req = self.http.request(method, format!("{}{path}", self.base));
+        if !self.cookies.is_empty() {
+            let jar: Vec<String> = self
+                .cookies
+                .iter()
+                .map(|(k, v)| format!("{k}={v}"))
+                .collect();
+            req = req.header(COOKIE, jar.join("; "));
+        }
+        if let Some(t) = &self.csrf {
+            req = req.header("X-CSRF-Token", t);
+        }
+        for (k, v) in headers {
+            req = req.header(*k, *v);
+        }
+        if let Some(form) = form {
+            req = req
+                .header(CONTENT_TYPE, "application/x-www-form-urlencoded")
+                .body(form.to_string());
+        }
+        let res = req.send().await.expect("request");
+        let status = res.status();
+        let headers = res.headers().clone();
+        let text = res.text().await.expect("body");
+        let answer = Answer {
+            status,
+            headers,
+            text,
+        };
+        for c in answer.set_cookies() {
+            let pair = c.split(';').next().unwrap_or_default();
+            if let Some((k, v)) = pair.split_once('=') {
+                if v.is_empty() {
+                    self.cookies.remove(k);
+                } else {
+                    self.cookies.insert(k.to_string(), v.to_string());
+                }
+            }
+        }
+        if let Some(start) = answer.text.find("data-csrf=\"") {
+            let rest = &answer.text[start + "data-csrf=\"".len()..];
+            if let Some(end) = rest.find('"') {
+                self.csrf = Some(rest[..end].to_string());
+            }
+        }
+        answer
+    }
+
+    /// A form POST (the fields already encoded).
+    pub async fn post_form(&mut self, path: &str, form: &str) -> Answer {
+        self.call(reqwest::Method::POST, path, Some(form), &[])
+            .await
+    }
+
+    pub async fn get(&mut self, path: &str) -> Answer {
+        self.call(reqwest::Method::GET, path, None, &[]).await
+    }
+}

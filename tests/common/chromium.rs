@@ -1,0 +1,223 @@
+//! Headless Chromium over WebDriver (fantoccini) for the browser tests: the driver process,
+//! browsers with their own profiles, and small script helpers. Chromium missing is a failure,
+//! not a skip: run `scripts/install-test-deps.sh` (or `make test`).
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use fantoccini::{Client, ClientBuilder, Locator};
+use serde_json::{json, Value};
+
+pub const CHROMIUM: &str = "/usr/bin/chromium";
+pub const CHROMEDRIVER: &str = "/usr/bin/chromedriver";
+pub const WAIT: Duration = Duration::from_secs(90);
+
+/// `chromedriver --port=…`, killed on drop.
+pub struct Driver {
+    child: Child,
+    pub url: String,
+}
+
+impl Drop for Driver {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+pub fn free_port() -> u16 {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    l.local_addr().expect("addr").port()
+}
+
+pub async fn start_driver(dir: &Path) -> Driver {
+    for tool in [CHROMIUM, CHROMEDRIVER] {
+        assert!(
+            Path::new(tool).exists(),
+            "{tool} is missing: the browser tests need Debian's `chromium` and `chromium-driver`. \
+             Run `sudo scripts/install-test-deps.sh` (make test does) and try again."
+        );
+    }
+    let port = free_port();
+    let log = std::fs::File::create(dir.join("chromedriver.log")).expect("log");
+    let child = Command::new(CHROMEDRIVER)
+        .arg(format!("--port={port}"))
+        .stdout(Stdio::null())
+        .stderr(log)
+        .spawn()
+        .expect("start chromedriver");
+    let driver = Driver {
+        child,
+        url: format!("http://127.0.0.1:{port}"),
+    };
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(Instant::now() < deadline, "chromedriver did not start");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    driver
+}
+
+/// One browser (its own Chromium and profile, so its own cookies).
+pub async fn browser(driver: &Driver, profile: &Path, opts: BrowserOpts) -> Client {
+    std::fs::create_dir_all(profile).expect("profile dir");
+    let mut args = vec![
+        "--headless".to_string(),
+        "--no-sandbox".into(),
+        "--disable-gpu".into(),
+        "--disable-dev-shm-usage".into(),
+        "--disable-background-networking".into(),
+        "--disable-component-update".into(),
+        "--no-first-run".into(),
+        "--disable-sync".into(),
+        "--disable-quic".into(),
+        "--hide-scrollbars".into(),
+        format!("--user-data-dir={}", profile.display()),
+        format!("--window-size={},{}", opts.width, opts.height),
+    ];
+    if opts.dark {
+        args.push("--force-dark-mode".into());
+        args.push("--blink-settings=preferredColorScheme=0".into());
+    } else {
+        args.push("--blink-settings=preferredColorScheme=1".into());
+    }
+    let mut chrome = json!({ "binary": CHROMIUM, "args": args });
+    if opts.phone {
+        chrome["mobileEmulation"] = json!({
+            "deviceMetrics": { "width": opts.width, "height": opts.height, "pixelRatio": 2.0, "touch": true },
+            "userAgent": "Mozilla/5.0 (Linux; Android 14; Pixel 8) AppleWebKit/537.36 (KHTML, like Gecko) Chrome/156.0 Mobile Safari/537.36"
+        });
+    }
+    let mut caps = serde_json::Map::new();
+    caps.insert("goog:chromeOptions".into(), chrome);
+    caps.insert("unhandledPromptBehavior".into(), json!("ignore"));
+    let connector = hyper_util::client::legacy::connect::HttpConnector::new();
+    ClientBuilder::new(connector)
+        .capabilities(caps)
+        .connect(&driver.url)
+        .await
+        .expect("start a Chromium session")
+}
+
+#[derive(Clone, Copy)]
+pub struct BrowserOpts {
+    pub width: u32,
+    pub height: u32,
+    pub dark: bool,
+    pub phone: bool,
+}
+
+pub const DESKTOP: BrowserOpts = BrowserOpts {
+    width: 1280,
+    height: 800,
+    dark: false,
+    phone: false,
+};
+
+pub async fn js(c: &Client, script: &str) -> Value {
+    c.execute(script, vec![])
+        .await
+        .unwrap_or_else(|e| panic!("script failed: {e}\n{script}"))
+}
+
+/// Polls `script` (which returns a value) until `ok` holds; panics with `what` after [`WAIT`].
+pub async fn wait_js(c: &Client, script: &str, what: &str, ok: impl Fn(&Value) -> bool) -> Value {
+    let deadline = Instant::now() + WAIT;
+    loop {
+        let v = js(c, script).await;
+        if ok(&v) {
+            return v;
+        }
+        if Instant::now() > deadline {
+            let body = js(c, "return document.body.innerText").await;
+            let error = js(c, "return document.body.dataset.lastError || ''").await;
+            panic!("timed out waiting for {what}; last value {v}\nlast error shown: {error}\n--- page text ---\n{body}");
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Clicks the element `css` from script (a WebDriver click can be intercepted while the
+/// message list scrolls), after the script returns (so a dialog it opens does not fail it).
+pub async fn click(c: &Client, css: &str) {
+    let found = js(
+        c,
+        &format!(
+            "const e = document.querySelector({}); if (e) setTimeout(() => e.click(), 0); return !!e",
+            json!(css)
+        ),
+    )
+    .await;
+    if found != json!(true) {
+        let url = c
+            .current_url()
+            .await
+            .map(|u| u.to_string())
+            .unwrap_or_default();
+        let body = js(c, "return document.body.innerText").await;
+        panic!("no element {css} on {url}\n{body}");
+    }
+}
+
+/// Types `text` in the composer and presses Enter.
+pub async fn send(c: &Client, text: &str) {
+    let input = c
+        .wait()
+        .at_most(WAIT)
+        .for_element(Locator::Css("#input"))
+        .await
+        .expect("composer");
+    input.send_keys(text).await.expect("type");
+    input.send_keys("\u{E007}").await.expect("Enter");
+}
+
+pub const STREAM_LEN: &str =
+    "const s = document.querySelector('.msg.assistant.streaming .stream'); \
+     return s ? s.textContent.length : -1;";
+pub const IDLE: &str = "return document.querySelector('.msg.assistant.streaming') === null \
+     && document.getElementById('stop-btn').hidden && document.querySelectorAll('.msg.assistant').length";
+
+/// Waits for the reply to stream (text growing over several looks) and to finish.
+pub async fn watch_stream(c: &Client) -> Vec<i64> {
+    let mut seen: Vec<i64> = Vec::new();
+    let deadline = Instant::now() + WAIT;
+    loop {
+        let n = js(c, STREAM_LEN).await.as_i64().unwrap_or(-1);
+        if n > 0 && seen.last() != Some(&n) {
+            seen.push(n);
+        }
+        let done = js(
+            c,
+            "return document.querySelector('.msg.assistant.streaming') === null && \
+             document.querySelectorAll('.msg.assistant .stats').length > 0 && \
+             document.getElementById('stop-btn').hidden",
+        )
+        .await;
+        if done == json!(true) && !seen.is_empty() {
+            return seen;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the reply did not finish; lengths {seen:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(15)).await;
+    }
+}
+
+pub async fn screenshot(c: &Client, name: &str) {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target/screenshots");
+    std::fs::create_dir_all(&dir).expect("screenshot dir");
+    // Let transitions and fonts settle.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let png = c.screenshot().await.expect("screenshot");
+    std::fs::write(dir.join(format!("{name}.png")), png).expect("write screenshot");
+}
+
+pub async fn conversation_id(c: &Client) -> String {
+    let url = c.current_url().await.expect("url");
+    url.path()
+        .strip_prefix("/c/")
+        .unwrap_or_else(|| panic!("not a conversation page: {url}"))
+        .to_string()
+}
