@@ -366,7 +366,7 @@ async fn chat_and_admin_in_a_real_browser() {
     )
     .await;
     let exported = exported.as_str().expect("export text").to_string();
-    let doc: Value = serde_json::from_str(&exported).expect("export is JSON");
+    let doc: serde_json::Value = serde_json::from_str(&exported).expect("export is JSON");
     assert_eq!(doc["format"], "smolchat.conversation");
     let file = dir.path().join("bob-export.json");
     std::fs::write(&file, &exported).expect("write export");
