@@ -88,6 +88,7 @@ fn tiny_smollm3_logits_match_llama_cpp() {
 ///   unrounded reference, so their rounding errors are not shared (llama.cpp's CPU flash attention
 ///   also quantizes Q to q8_0 for the K dot products); held to 0.03, the bound the f32 and f16
 ///   caches meet against their llama.cpp counterparts, about 1.2× the measured distance.
+///
 /// At every position the argmax is that of llama.cpp's KV-F32, KV-F16 or KV-q8_0 path (they
 /// differ at near-ties).
 #[test]
