@@ -57,6 +57,28 @@ pub const CHUNK_BLOCKS: usize = 16;
 /// written: resident memory follows the blocks handed out, not whole chunks. That is also why
 /// f16 is kept as its bits (`u16`) and q8_0 as separate scale and quant arrays: zeroed
 /// allocation is only available for primitive element types.
+/// `out[i] = d * q[i]` for one q8_0 block. Fixed-size arrays, so the loop is known to be 32
+/// lanes and vectorises (sign-extend, convert, multiply); over slices of unknown length the
+/// release build kept it scalar, and dequantisation was a third of decode at long contexts.
+#[inline]
+fn dequantize_q8_0_parts(d: f32, q: &[i8], out: &mut [f32]) {
+    match (
+        <&[i8; Q8_0_BLOCK]>::try_from(q),
+        <&mut [f32; Q8_0_BLOCK]>::try_from(&mut *out),
+    ) {
+        (Ok(q), Ok(out)) => {
+            for i in 0..Q8_0_BLOCK {
+                out[i] = d * f32::from(q[i]);
+            }
+        }
+        _ => {
+            for (o, &q) in out.iter_mut().zip(q) {
+                *o = d * f32::from(q);
+            }
+        }
+    }
+}
+
 enum Chunks {
     F32(Vec<Box<[f32]>>),
     F16(Vec<Box<[u16]>>),
@@ -271,11 +293,7 @@ impl CpuKvStorage {
                     .zip(qs.chunks_exact(Q8_0_BLOCK))
                     .zip(out.chunks_exact_mut(Q8_0_BLOCK))
                 {
-                    // A plain loop over 32 lanes: it vectorises (sign-extend, convert, multiply).
-                    let d = f16::from_bits(d).to_f32();
-                    for (o, &q) in o.iter_mut().zip(q) {
-                        *o = d * f32::from(q);
-                    }
+                    dequantize_q8_0_parts(f16::from_bits(d).to_f32(), q, o);
                 }
                 out
             }
