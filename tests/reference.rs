@@ -78,27 +78,68 @@ fn tiny_smollm3_logits_match_llama_cpp() {
     }
 }
 
-/// q8_0 KV cache. llama.cpp's own `-ctk q8_0 -ctv q8_0` logits are not among the reference files,
-/// so the bound is ours: measured at most 0.0245 |diff| against the fa-off/KV-F32 logits (logit
-/// standard deviation 0.32, llama.cpp's own KV-F16 path: 0.023); held to 0.04. At every position
-/// the argmax is the one of llama.cpp's KV-F32 or KV-F16 path (they differ at two near-ties).
+/// q8_0 KV cache, against two llama.cpp references.
+/// - The fa-off/KV-F32 logits: within llama.cpp's own q8_0 distance to them, i.e. the largest
+///   |diff| between `smollm3-tiny-q8_0-logits-kvq8.npy` (llama.cpp with `type_k = type_v = q8_0`,
+///   flash attention on, see tests/data/README.md) and the fa-off/KV-F32 file, computed here from
+///   the two files, with a 25% margin: rounding K/V to q8_0 may cost us what it costs llama.cpp.
+/// - llama.cpp's q8_0 path itself: measured 0.0248 (llama.cpp's own distance to fa-off/KV-F32:
+///   0.0259, ours 0.0245). The two engines' q8_0 logits are as far apart as each is from the
+///   unrounded reference, so their rounding errors are not shared (llama.cpp's CPU flash attention
+///   also quantizes Q to q8_0 for the K dot products); held to 0.03, the bound the f32 and f16
+///   caches meet against their llama.cpp counterparts, about 1.2× the measured distance.
+///
+/// At every position the argmax is that of llama.cpp's KV-F32, KV-F16 or KV-q8_0 path (they
+/// differ at near-ties).
 #[test]
 fn tiny_smollm3_logits_with_q8_0_kv_stay_close() {
     let meta = read_json(&reference("smollm3-tiny-q8_0-tokens.json"));
     let tokens = ids(&meta["token_ids"]);
     let (shape, expected) = read_npy(&reference("smollm3-tiny-q8_0-logits-fa-off-kvf32.npy"));
+    let (shape_q8, llama_q8) = read_npy(&reference("smollm3-tiny-q8_0-logits-kvq8.npy"));
+    assert_eq!(shape, shape_q8);
     let vocab = shape[1];
     let argmax_f32 = ids(&meta["argmax_fa_off_kvf32"]);
     let argmax_f16 = ids(&meta["argmax_per_position"]);
+    let max_of = |d: &[f32]| d.iter().cloned().fold(0f32, f32::max);
+
+    let llama_own = max_of(&per_position_max_diff(&llama_q8, &expected, vocab));
+    // A q8_0 cache that changed nothing would make this bound meaningless; it must be a real
+    // rounding error of the size the reference README describes for KV F16 (0.023).
+    assert!(
+        llama_own > 1e-3 && llama_own < 0.1,
+        "llama.cpp's own q8_0 distance {llama_own}"
+    );
+    let bound = 1.25 * llama_own;
+
     let got = all_logits_kv(&reference("smollm3-tiny-q8_0.gguf"), &tokens, KvType::Q8_0);
-    let diffs = per_position_max_diff(&got, &expected, vocab);
-    eprintln!("q8_0 KV: max |diff| per position {diffs:?}");
-    for (pos, &max_diff) in diffs.iter().enumerate() {
-        assert!(max_diff <= 0.04, "position {pos}: max |diff| {max_diff}");
-        let best = argmax(&got[pos * vocab..(pos + 1) * vocab]) as u32;
+    assert_eq!(got.len(), expected.len());
+    let vs_f32 = per_position_max_diff(&got, &expected, vocab);
+    let vs_q8 = per_position_max_diff(&got, &llama_q8, vocab);
+    eprintln!(
+        "q8_0 KV: llama.cpp's own distance to fa-off/KV-F32 {llama_own} (bound {bound}); ours {}; \
+         ours to llama.cpp's q8_0 path {}",
+        max_of(&vs_f32),
+        max_of(&vs_q8)
+    );
+    eprintln!("q8_0 KV: ours vs fa-off/KV-F32 per position {vs_f32:?}");
+    eprintln!("q8_0 KV: ours vs llama.cpp q8_0 per position {vs_q8:?}");
+    for pos in 0..shape[0] {
         assert!(
-            best == argmax_f32[pos] || best == argmax_f16[pos],
-            "argmax at {pos}: {best}, llama.cpp {} / {}",
+            vs_f32[pos] <= bound,
+            "position {pos}: max |diff| to fa-off/KV-F32 {} > {bound}",
+            vs_f32[pos]
+        );
+        assert!(
+            vs_q8[pos] <= 0.03,
+            "position {pos}: max |diff| to llama.cpp's q8_0 path {}",
+            vs_q8[pos]
+        );
+        let best = argmax(&got[pos * vocab..(pos + 1) * vocab]) as u32;
+        let theirs = argmax(&llama_q8[pos * vocab..(pos + 1) * vocab]) as u32;
+        assert!(
+            best == argmax_f32[pos] || best == argmax_f16[pos] || best == theirs,
+            "argmax at {pos}: {best}, llama.cpp {} / {} / {theirs}",
             argmax_f32[pos],
             argmax_f16[pos]
         );
