@@ -721,3 +721,71 @@ async fn without_guests_pages_redirect_and_the_api_refuses() {
     a.create_conversation().await;
     assert_eq!(a.conversation_ids().await.len(), 1);
 }
+
+/// Two accounts (not two guest cookies, which `tests/service.rs` covers route by route): one
+/// account's conversation is invisible and untouchable to the other through the JSON API, the
+/// pages and exports, and the owner's conversation is unchanged afterwards.
+#[tokio::test]
+async fn accounts_are_isolated_from_each_other() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let server = Server::start(dir.path(), &[]).await;
+    let mut ann = Browser::at(&server, 1, "/").await;
+    assert_eq!(
+        ann.signup("ann", "ann's password").await.status,
+        StatusCode::NO_CONTENT
+    );
+    let conv = ann.create_conversation().await;
+    let before = ann.get(&format!("/api/conversations/{conv}")).await;
+    assert_eq!(before.status, StatusCode::OK, "{}", before.text);
+
+    let mut bob = Browser::at(&server, 2, "/").await;
+    assert_eq!(
+        bob.signup("bob", "bob's password").await.status,
+        StatusCode::NO_CONTENT
+    );
+    assert!(!bob.conversation_ids().await.contains(&conv));
+    use reqwest::Method;
+    let tries: [(Method, String, Option<&str>); 9] = [
+        (Method::GET, format!("/api/conversations/{conv}"), None),
+        (
+            Method::GET,
+            format!("/api/conversations/{conv}/events"),
+            None,
+        ),
+        (
+            Method::GET,
+            format!("/api/conversations/{conv}/export?format=json"),
+            None,
+        ),
+        (
+            Method::POST,
+            format!("/api/conversations/{conv}/stop"),
+            None,
+        ),
+        (
+            Method::POST,
+            format!("/api/conversations/{conv}/regenerate"),
+            None,
+        ),
+        (Method::DELETE, format!("/api/conversations/{conv}"), None),
+        (Method::GET, format!("/c/{conv}"), None),
+        (Method::GET, format!("/c/{conv}/export.md"), None),
+        (
+            Method::POST,
+            format!("/c/{conv}/rename"),
+            Some("title=mine"),
+        ),
+    ];
+    for (method, path, body) in tries {
+        let r = bob.call(method.clone(), &path, body, &[]).await;
+        assert_eq!(
+            r.status,
+            StatusCode::NOT_FOUND,
+            "{method} {path}: {}",
+            r.text
+        );
+    }
+    let after = ann.get(&format!("/api/conversations/{conv}")).await;
+    assert_eq!(after.status, StatusCode::OK);
+    assert_eq!(after.text, before.text, "ann's conversation is unchanged");
+}
