@@ -306,11 +306,7 @@ unsafe fn q4k_tile<const T: usize, const VNNI: bool>(
         let blk = gp.add(b * 2368);
         let mut sup = [_mm256_setzero_si256(); T];
         for sb in 0..8 {
-            // One token at a time this kernel already streams at the single-thread memory rate,
-            // and the prefetches cost it 8% (measured, AVX-VNNI); several tokens gain 25%.
-            if T > 1 {
-                prefetch(half, blk.wrapping_add(2 * 2368 + 320 * sb), 5);
-            }
+            prefetch(half, blk.wrapping_add(2 * 2368 + 320 * sb), 5);
             let scales = _mm_loadl_epi64(blk.add(2048 + 16 * sb + 8 * half) as *const _);
             let weight = |kg: usize| {
                 let p = load(blk.add(64 * (8 * (sb / 2) + kg) + 32 * half));
