@@ -340,37 +340,35 @@ impl Store {
         row.map(ConversationRow::into_conversation).transpose()
     }
 
-    /// The conversations of `owner`, most recently active first. `search` keeps those whose title
-    /// or any message contains it, ignoring case (ASCII case only: SQLite's `lower()` does not fold
-    /// other scripts); a blank `search` is no filter.
+    /// All of `owner`'s conversations, most recently active first, page after page of
+    /// [`Store::list_conversations_page`] (tools and tests; the web layer shows one page).
     pub async fn list_conversations(
         &self,
         owner: &str,
         search: Option<&str>,
     ) -> Result<Vec<ConversationSummary>, StoreError> {
-        let search = search.map(str::trim).filter(|s| !s.is_empty());
-        // `instr`, not LIKE: the needle is plain text, so `%` and `_` typed by a user match
-        // themselves without escaping.
-        let rows: Vec<SummaryRow> = sqlx::query_as(concat!(
-            "SELECT ",
-            summary_columns!(),
-            " FROM conversations c WHERE c.owner = ?1 AND (?2 IS NULL \
-               OR instr(lower(c.title), lower(?2)) > 0 \
-               OR EXISTS (SELECT 1 FROM messages m WHERE m.conversation_id = c.id \
-                          AND instr(lower(m.content), lower(?2)) > 0)) \
-             ORDER BY c.updated_at DESC, c.id DESC"
-        ))
-        .bind(owner)
-        .bind(search)
-        .fetch_all(&self.pool)
-        .await?;
-        rows.into_iter().map(SummaryRow::into_summary).collect()
+        let mut all = Vec::new();
+        let mut page = PageRequest {
+            limit: MAX_PAGE,
+            before: None,
+        };
+        loop {
+            let got = self.list_conversations_page(owner, search, &page).await?;
+            all.extend(got.items);
+            match got.next {
+                Some(next) => page.before = Some(next),
+                None => return Ok(all),
+            }
+        }
     }
 
     /// One page of `owner`'s conversations, most recently active first: at most `page.limit`
     /// of them after `page.before` (keyset pagination on `(updated_at, id)`, so a page never
     /// repeats or skips a conversation however many are added meanwhile), with the cursor of
-    /// the next page when there is one. `search` as in [`Store::list_conversations`].
+    /// the next page when there is one. `search` keeps those whose title or any message contains
+    /// it, ignoring case (ASCII case only: SQLite's `lower()` does not fold other scripts); a
+    /// blank `search` is no filter. `instr`, not LIKE: the needle is plain text, so `%` and `_`
+    /// typed by a user match themselves without escaping.
     pub async fn list_conversations_page(
         &self,
         owner: &str,
@@ -501,16 +499,22 @@ impl Store {
         Ok(conversation)
     }
 
-    /// Every conversation of every owner, most recently active first (the admin page).
+    /// Every conversation of every owner, most recently active first, page after page of
+    /// [`Store::list_all_conversations_page`] (tools and tests).
     pub async fn list_all_conversations(&self) -> Result<Vec<ConversationSummary>, StoreError> {
-        let rows: Vec<SummaryRow> = sqlx::query_as(concat!(
-            "SELECT ",
-            summary_columns!(),
-            " FROM conversations c ORDER BY c.updated_at DESC, c.id DESC"
-        ))
-        .fetch_all(&self.pool)
-        .await?;
-        rows.into_iter().map(SummaryRow::into_summary).collect()
+        let mut all = Vec::new();
+        let mut page = PageRequest {
+            limit: MAX_PAGE,
+            before: None,
+        };
+        loop {
+            let got = self.list_all_conversations_page(&page).await?;
+            all.extend(got.items);
+            match got.next {
+                Some(next) => page.before = Some(next),
+                None => return Ok(all),
+            }
+        }
     }
 
     /// Sets the title as given (the caller trims and limits it). `false` when there is no such

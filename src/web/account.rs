@@ -295,12 +295,12 @@ pub async fn signup_page(
 ) -> Result<HttpResponse, PageError> {
     let mode = state.accounts.signup_mode();
     let guest_has_chats = owner.is_guest()
-        && !state
+        && state
             .platform
             .store
-            .list_conversations(owner.as_str(), None)
+            .count_conversations(owner.as_str())
             .await?
-            .is_empty();
+            > 0;
     html(&SignupPage {
         csrf: csrf::token_for(&state.cookie_key, owner.as_str()),
         closed: mode == SignupMode::Closed,

@@ -36,10 +36,7 @@ pub fn quantize_q8_0(x: &[f32], out: &mut BlockQ8_0) {
 /// `out[i] = d * qs[i]` for one block.
 #[inline]
 pub fn dequantize_q8_0(b: &BlockQ8_0, out: &mut [f32]) {
-    let d = b.d.to_f32();
-    for (o, &q) in out.iter_mut().zip(&b.qs) {
-        *o = d * q as f32;
-    }
+    dequantize_q8_0_parts(b.d.to_f32(), &b.qs, out);
 }
 
 /// Blocks per chunk of storage. Each chunk is one allocation holding, for every page
