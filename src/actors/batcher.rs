@@ -70,7 +70,14 @@ impl TokenMeter {
                 }
             }
         }
-        let buckets = self.users.entry(user.to_string()).or_default();
+        // Called for every generated token: look up before `entry`, which would allocate the
+        // key each time.
+        if !self.users.contains_key(user) {
+            self.users.insert(user.to_string(), VecDeque::new());
+        }
+        let Some(buckets) = self.users.get_mut(user) else {
+            return;
+        };
         match buckets.back_mut() {
             Some((start, count)) if now.saturating_duration_since(*start) < TOKEN_BUCKET => {
                 *count += n
