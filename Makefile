@@ -5,7 +5,7 @@
 
 CARGO ?= cargo
 
-.PHONY: run test setup model lint lint-cuda bench test-deps cuda cuda-toolkit cuda-tests fuzz soak
+.PHONY: run test setup model lint lint-cuda bench bench-replicas test-deps cuda cuda-toolkit cuda-tests fuzz soak
 
 # The `cuda` feature builds in its own target directory: its candle-core, cudarc and
 # candle-kernels (nvcc) artifacts never replace the CPU build's, and the GPU binary can never be
@@ -45,15 +45,27 @@ cuda: cuda-toolkit
 cuda-tests: cuda-toolkit
 	$(CUDA_CARGO) test --no-run --features cuda
 
-## Chromium + chromedriver for the browser tests (tests/browser.rs); apt-get when missing.
+## Chromium + chromedriver (browser tests), PostgreSQL and nginx (store and replica tests);
+## apt-get when missing.
 test-deps:
 	./scripts/install-test-deps.sh
 
+## The whole suite. A private PostgreSQL server (scripts/test-postgres.sh) runs for its duration:
+## the store tests and the replica tests run on it as well as on SQLite.
 test: setup test-deps lint lint-cuda
-	$(CARGO) test
+	@url="$$(./scripts/test-postgres.sh start)" || exit 1; \
+	SMOLCHAT_TEST_DATABASE_URL="$$url" SMOLCHAT_REQUIRE_POSTGRES=1 $(CARGO) test; rc=$$?; \
+	./scripts/test-postgres.sh stop; exit $$rc
 
 bench: setup
 	$(CARGO) run --release -- --threads 2 bench --prompt-tokens 512 --gen-tokens 64 --batch 8
+
+## Warm-cache share of later turns with conversation affinity vs random routing: three replicas
+## on a private PostgreSQL behind nginx (docs/BENCHMARKS.md, "Replicas").
+bench-replicas: setup test-deps
+	@url="$$(./scripts/test-postgres.sh start)" || exit 1; \
+	SMOLCHAT_TEST_DATABASE_URL="$$url" SMOLCHAT_REQUIRE_POSTGRES=1 $(CARGO) test --release --test replicas -- --ignored --nocapture; rc=$$?; \
+	./scripts/test-postgres.sh stop; exit $$rc
 
 ## Long fuzzing run of every parser of outside input (tests/fuzz.rs; `make test` runs 256 cases
 ## per property). FUZZ_CASES sets the number of cases per property.

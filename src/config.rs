@@ -33,6 +33,8 @@ pub struct Config {
     pub limits: LimitsConfig,
     pub session: SessionSection,
     pub auth: AuthSection,
+    /// Several replicas on one PostgreSQL database.
+    pub replica: ReplicaSection,
     /// Defaults for new conversations.
     pub sampling: SamplingDefaults,
 }
@@ -177,6 +179,79 @@ pub struct AuthSection {
     pub initial_admin: Option<String>,
     /// Its password; better given as `SMOLCHAT_AUTH__INITIAL_ADMIN_PASSWORD` than in a file.
     pub initial_admin_password: Option<String>,
+}
+
+/// One server process among several on a shared database (see docs/ARCHITECTURE.md,
+/// "Replicas").
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct ReplicaSection {
+    /// This replica's name, stable across restarts and unique among the replicas (a restart
+    /// under the same name takes over the earlier run's interrupted replies). Default: the host
+    /// name and the port of `server.bind`.
+    pub name: Option<String>,
+    /// Where the other replicas reach this one (e.g. `http://10.0.0.5:8080`). Default:
+    /// `http://` + `server.bind` when that is a specific address; with `0.0.0.0` set it.
+    pub url: Option<String>,
+    /// Milliseconds between heartbeats (each also ends the replies of dead replicas).
+    pub heartbeat_ms: u64,
+    /// Milliseconds without a heartbeat after which a replica counts as dead: its replies are
+    /// marked interrupted and its conversations routed to the others.
+    pub lease_ms: u64,
+    /// Send each conversation's turns to the replica that holds its KV cache (a stable hash of
+    /// the conversation id over the live replicas); a replica that receives a turn for another
+    /// forwards the request there. Off: every replica answers what it receives.
+    pub affinity: bool,
+}
+
+impl Default for ReplicaSection {
+    fn default() -> Self {
+        Self {
+            name: None,
+            url: None,
+            heartbeat_ms: 2000,
+            lease_ms: 10_000,
+            affinity: true,
+        }
+    }
+}
+
+impl ReplicaSection {
+    /// `replica.name`, or the default made of the host name and the port of `bind`.
+    pub fn name_or_default(&self, bind: &str) -> String {
+        if let Some(name) = self.name.as_deref().filter(|n| !n.trim().is_empty()) {
+            return name.trim().to_string();
+        }
+        let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+            .ok()
+            .map(|h| h.trim().to_string())
+            .filter(|h| !h.is_empty())
+            .unwrap_or_else(|| "smolchat".to_string());
+        let port = bind.rsplit(':').next().unwrap_or("");
+        format!("{host}:{port}")
+    }
+
+    /// `replica.url`, or `http://` + `bind` when `bind` names a specific address ('' otherwise:
+    /// the others cannot forward to this replica).
+    pub fn url_or_default(&self, bind: &str) -> String {
+        if let Some(url) = self.url.as_deref().filter(|u| !u.trim().is_empty()) {
+            return url.trim().trim_end_matches('/').to_string();
+        }
+        let unspecified = bind.starts_with("0.0.0.0:") || bind.starts_with("[::]:");
+        if unspecified {
+            String::new()
+        } else {
+            format!("http://{bind}")
+        }
+    }
+
+    pub fn heartbeat(&self) -> std::time::Duration {
+        std::time::Duration::from_millis(self.heartbeat_ms)
+    }
+
+    pub fn lease(&self) -> std::time::Duration {
+        std::time::Duration::from_millis(self.lease_ms)
+    }
 }
 
 /// `auth.signup`.
@@ -387,6 +462,31 @@ impl Config {
         if self.limits.max_new_tokens == 0 || self.limits.max_message_chars == 0 {
             return bad(
                 "limits.max_new_tokens and limits.max_message_chars must be at least 1".into(),
+            );
+        }
+        let r = &self.replica;
+        if r.heartbeat_ms == 0 || r.lease_ms < r.heartbeat_ms.saturating_mul(2) {
+            return bad(format!(
+                "replica.lease_ms ({}) must be at least twice replica.heartbeat_ms ({}, at least \
+                 1), or one late heartbeat would count a live replica as dead",
+                r.lease_ms, r.heartbeat_ms
+            ));
+        }
+        if let Some(url) = r.url.as_deref().filter(|u| !u.trim().is_empty()) {
+            if !(url.starts_with("http://") || url.starts_with("https://")) {
+                return bad(format!(
+                    "replica.url {url:?} must start with http:// or https:// (where the other \
+                     replicas reach this one)"
+                ));
+            }
+        }
+        if self.database.url.starts_with("postgres") && self.server.cookie_secret.is_none() {
+            return bad(
+                "database.url is PostgreSQL, so replicas may share it: set server.cookie_secret \
+                 (the same on every replica, at least 64 characters, e.g. from \
+                 `openssl rand -hex 64`) so that a cookie signed by one replica is valid on the \
+                 others"
+                    .into(),
             );
         }
         let a = &self.auth;

@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 use actix::Addr;
 
 use crate::actors::batcher::BatcherConfig;
+use crate::actors::cluster::{Cluster, ClusterConfig};
 use crate::actors::conversations::{Conversations, ConversationsConfig};
 use crate::actors::settings::SettingsLimits;
 use crate::actors::{SchedulerActor, SchedulerConfig, SessionConfig, SessionShared, Sessions};
@@ -59,6 +60,8 @@ pub struct Platform {
     pub store: Store,
     pub scheduler: Addr<SchedulerActor>,
     pub sessions: Arc<Sessions>,
+    /// This replica among those sharing the database.
+    pub cluster: Arc<Cluster>,
     /// The conversation service every interface goes through.
     pub conversations: Arc<Conversations>,
     pub tokenizer: Arc<Tokenizer>,
@@ -145,7 +148,7 @@ impl Platform {
             Store::open(&config.database.url)
                 .await
                 .map_err(|source| PlatformError::Store {
-                    url: config.database.url.clone(),
+                    url: crate::store::redact_url(&config.database.url),
                     source,
                 })?;
         // Without a configured secret, one generated on first start and kept beside the
@@ -157,6 +160,25 @@ impl Platform {
                     crate::secrets::COOKIE_SECRET_FILE,
                 )?);
             }
+        }
+        let r = &config.replica;
+        let (cluster, interrupted) = Cluster::join(
+            store.clone(),
+            ClusterConfig {
+                name: r.name_or_default(&config.server.bind),
+                url: r.url_or_default(&config.server.bind),
+                heartbeat: r.heartbeat(),
+                lease: r.lease(),
+                affinity: r.affinity,
+            },
+        )
+        .await
+        .map_err(|source| PlatformError::Store {
+            url: crate::store::redact_url(&config.database.url),
+            source,
+        })?;
+        if interrupted > 0 {
+            tracing::warn!(count = interrupted, "replies of earlier runs marked interrupted");
         }
         let tokenizer = Arc::new(tokenizer);
         let template = Arc::new(template);
@@ -191,7 +213,10 @@ impl Platform {
                 idle_timeout: Duration::from_secs(config.session.idle_timeout_s),
                 disconnect_grace: Duration::from_millis(config.session.disconnect_grace_ms),
             },
+            cluster: Arc::clone(&cluster),
         });
+        cluster.attach_sessions(&sessions);
+        cluster.run(scheduler.clone());
         let conversations = Arc::new(Conversations::new(
             store.clone(),
             Arc::clone(&sessions),
@@ -206,6 +231,7 @@ impl Platform {
             store,
             scheduler,
             sessions,
+            cluster,
             conversations,
             tokenizer,
             template,

@@ -1,8 +1,15 @@
-//! The store against real SQLite files: every test opens a fresh database in its own temp dir.
+//! The store against real SQLite files and a real PostgreSQL server: every test opens a fresh
+//! database (a file in its own temp dir, or a new PostgreSQL database). Tests in `both!` run
+//! twice, as `name::sqlite` and `name::postgres`; the rest are about SQLite files (WAL, backup,
+//! in-memory databases).
+
+mod common;
 
 use chrono::NaiveDate;
+use std::time::Duration;
+
 use smolchat::store::{
-    backup, ConversationSettings, FinishedReply, ImportedMessage, MessageStatus, PageRequest, Role,
+    backup, ConversationSettings, ReplicaLoad, FinishedReply, ImportedMessage, MessageStatus, PageRequest, Role,
     SessionKind, Store, StoreError, Timings, TITLE_MAX_CHARS,
 };
 use tempfile::TempDir;
@@ -17,10 +24,57 @@ fn temp_db() -> (TempDir, String) {
     (dir, url)
 }
 
-async fn fresh() -> (TempDir, String, Store) {
+async fn fresh_sqlite() -> (TempDir, String, Store) {
     let (dir, url) = temp_db();
     let store = Store::open(&url).await.unwrap();
     (dir, url, store)
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Db {
+    Sqlite,
+    Postgres(&'static str),
+}
+
+/// A fresh store on `db`: (the temp dir of a SQLite file, the URL, the store).
+async fn fresh(db: Db) -> (Option<TempDir>, String, Store) {
+    match db {
+        Db::Sqlite => {
+            let (dir, url, store) = fresh_sqlite().await;
+            (Some(dir), url, store)
+        }
+        Db::Postgres(url) => {
+            let store = Store::open(url).await.unwrap();
+            (None, url.to_string(), store)
+        }
+    }
+}
+
+/// Runs each test body on SQLite and on PostgreSQL (skipped, with the reason printed, when no
+/// PostgreSQL server can be had; `make test` always has one).
+macro_rules! both {
+    ($(async fn $name:ident($db:ident) $body:block)*) => {
+        $(
+            mod $name {
+                #[allow(unused_imports)]
+                use super::*;
+
+                async fn run($db: Db) $body
+
+                #[tokio::test]
+                async fn sqlite() {
+                    run(Db::Sqlite).await
+                }
+
+                #[tokio::test]
+                async fn postgres() {
+                    if let Some(url) = common::pg::fresh_database().await {
+                        run(Db::Postgres(Box::leak(url.into_boxed_str()))).await
+                    }
+                }
+            }
+        )*
+    };
 }
 
 fn settings() -> ConversationSettings {
@@ -47,9 +101,9 @@ fn reply(status: MessageStatus) -> FinishedReply {
     }
 }
 
-#[tokio::test]
-async fn create_get_and_list_newest_first() {
-    let (_dir, _url, store) = fresh().await;
+both! {
+async fn create_get_and_list_newest_first(db) {
+    let (_dir, _url, store) = fresh(db).await;
     let a = store
         .create_conversation("alice", &settings())
         .await
@@ -82,10 +136,11 @@ async fn create_get_and_list_newest_first() {
     assert_eq!(list[1].message_count, 0);
     assert_eq!(list[0].title, "hello");
 }
+}
 
-#[tokio::test]
-async fn owners_only_see_their_own_conversations() {
-    let (_dir, _url, store) = fresh().await;
+both! {
+async fn owners_only_see_their_own_conversations(db) {
+    let (_dir, _url, store) = fresh(db).await;
     let a = store
         .create_conversation("owner-a", &settings())
         .await
@@ -112,10 +167,11 @@ async fn owners_only_see_their_own_conversations() {
     assert_eq!(ids, vec![b.id, a.id]);
     assert_eq!(all[0].owner, "owner-b");
 }
+}
 
-#[tokio::test]
-async fn search_matches_title_and_message_content_ignoring_case() {
-    let (_dir, _url, store) = fresh().await;
+both! {
+async fn search_matches_title_and_message_content_ignoring_case(db) {
+    let (_dir, _url, store) = fresh(db).await;
     let rust = store.create_conversation("u", &settings()).await.unwrap();
     store
         .rename_conversation(rust.id, "Learning Rust")
@@ -189,10 +245,11 @@ async fn search_matches_title_and_message_content_ignoring_case() {
         2
     );
 }
+}
 
-#[tokio::test]
-async fn rename() {
-    let (_dir, _url, store) = fresh().await;
+both! {
+async fn rename(db) {
+    let (_dir, _url, store) = fresh(db).await;
     let c = store.create_conversation("u", &settings()).await.unwrap();
     assert!(store
         .rename_conversation(c.id, "Ünïcödé ✓ title")
@@ -209,10 +266,11 @@ async fn rename() {
     let got = store.get_conversation(c.id).await.unwrap().unwrap();
     assert_eq!(got.title, "Ünïcödé ✓ title");
 }
+}
 
-#[tokio::test]
-async fn settings_round_trip() {
-    let (_dir, _url, store) = fresh().await;
+both! {
+async fn settings_round_trip(db) {
+    let (_dir, _url, store) = fresh(db).await;
     let defaults = ConversationSettings::default();
     assert!(defaults.thinking);
     assert_eq!(defaults.top_k, 40);
@@ -281,10 +339,11 @@ async fn settings_round_trip() {
         changed
     );
 }
+}
 
-#[tokio::test]
-async fn delete_cascades_to_messages() {
-    let (_dir, _url, store) = fresh().await;
+both! {
+async fn delete_cascades_to_messages(db) {
+    let (_dir, _url, store) = fresh(db).await;
     let keep = store.create_conversation("u", &settings()).await.unwrap();
     let gone = store.create_conversation("u", &settings()).await.unwrap();
     store.insert_user_message(keep.id, "keep me").await.unwrap();
@@ -300,10 +359,11 @@ async fn delete_cascades_to_messages() {
     assert_eq!(store.messages(keep.id).await.unwrap().len(), 1);
     assert_eq!(store.list_conversations("u", None).await.unwrap().len(), 1);
 }
+}
 
-#[tokio::test]
-async fn messages_come_back_in_order_with_their_statuses() {
-    let (_dir, _url, store) = fresh().await;
+both! {
+async fn messages_come_back_in_order_with_their_statuses(db) {
+    let (_dir, _url, store) = fresh(db).await;
     let c = store.create_conversation("u", &settings()).await.unwrap();
     let mut expected = Vec::new();
     for turn in 0..5 {
@@ -339,10 +399,11 @@ async fn messages_come_back_in_order_with_their_statuses() {
     let summary = &store.list_conversations("u", None).await.unwrap()[0];
     assert_eq!(summary.message_count, 10);
 }
+}
 
-#[tokio::test]
-async fn title_is_derived_from_the_first_user_message() {
-    let (_dir, _url, store) = fresh().await;
+both! {
+async fn title_is_derived_from_the_first_user_message(db) {
+    let (_dir, _url, store) = fresh(db).await;
 
     let short = store.create_conversation("u", &settings()).await.unwrap();
     store
@@ -412,10 +473,11 @@ async fn title_is_derived_from_the_first_user_message() {
         "Real question"
     );
 }
+}
 
-#[tokio::test]
-async fn assistant_message_start_and_finish_store_every_field() {
-    let (_dir, _url, store) = fresh().await;
+both! {
+async fn assistant_message_start_and_finish_store_every_field(db) {
+    let (_dir, _url, store) = fresh(db).await;
     let c = store.create_conversation("u", &settings()).await.unwrap();
     store.insert_user_message(c.id, "2 + 2?").await.unwrap();
 
@@ -492,10 +554,11 @@ async fn assistant_message_start_and_finish_store_every_field() {
         "next"
     );
 }
+}
 
-#[tokio::test]
-async fn delete_messages_from_truncates_the_conversation() {
-    let (_dir, _url, store) = fresh().await;
+both! {
+async fn delete_messages_from_truncates_the_conversation(db) {
+    let (_dir, _url, store) = fresh(db).await;
     let c = store.create_conversation("u", &settings()).await.unwrap();
     let other = store.create_conversation("u", &settings()).await.unwrap();
     let other_msg = store
@@ -561,10 +624,11 @@ async fn delete_messages_from_truncates_the_conversation() {
     assert_eq!(store.messages(c.id).await.unwrap().len(), 3);
     assert_eq!(store.messages(other.id).await.unwrap().len(), 1);
 }
+}
 
-#[tokio::test]
-async fn reopening_the_file_finds_everything() {
-    let (_dir, url, store) = fresh().await;
+both! {
+async fn reopening_the_file_finds_everything(db) {
+    let (_dir, url, store) = fresh(db).await;
     let custom = ConversationSettings {
         seed: Some(7),
         pinned_date: NaiveDate::from_ymd_opt(2025, 1, 31).unwrap(),
@@ -606,10 +670,11 @@ async fn reopening_the_file_finds_everything() {
     );
     store.close().await;
 }
+}
 
 #[tokio::test]
 async fn streaming_replies_become_interrupted_after_a_crash() {
-    let (_dir, url, store) = fresh().await;
+    let (_dir, url, store) = fresh_sqlite().await;
     let c = store.create_conversation("u", &settings()).await.unwrap();
     store
         .insert_user_message(c.id, "tell me a story")
@@ -643,7 +708,7 @@ async fn streaming_replies_become_interrupted_after_a_crash() {
 
 #[tokio::test]
 async fn journal_mode_is_wal_and_integrity_is_ok() {
-    let (dir, _url, store) = fresh().await;
+    let (dir, _url, store) = fresh_sqlite().await;
     assert_eq!(store.journal_mode().await.unwrap(), "wal");
     let c = store.create_conversation("u", &settings()).await.unwrap();
     store.insert_user_message(c.id, "hi").await.unwrap();
@@ -689,9 +754,9 @@ async fn a_refused_write_keeps_an_in_memory_database() {
     assert_eq!(messages[0].content, "kept");
 }
 
-#[tokio::test]
-async fn unknown_ids_are_not_errors() {
-    let (_dir, _url, store) = fresh().await;
+both! {
+async fn unknown_ids_are_not_errors(db) {
+    let (_dir, _url, store) = fresh(db).await;
     let nobody = Uuid::now_v7();
     assert!(store.get_conversation(nobody).await.unwrap().is_none());
     assert!(store.get_message(nobody).await.unwrap().is_none());
@@ -717,10 +782,11 @@ async fn unknown_ids_are_not_errors() {
     ));
     assert!(store.list_all_conversations().await.unwrap().is_empty());
 }
+}
 
-#[tokio::test]
-async fn sql_looking_input_is_stored_verbatim() {
-    let (_dir, _url, store) = fresh().await;
+both! {
+async fn sql_looking_input_is_stored_verbatim(db) {
+    let (_dir, _url, store) = fresh(db).await;
     let evil = "'; DROP TABLE messages; --";
     let owner = "x' OR '1'='1";
     let c = store.create_conversation(owner, &settings()).await.unwrap();
@@ -754,10 +820,11 @@ async fn sql_looking_input_is_stored_verbatim() {
     );
     assert_eq!(store.integrity_check().await.unwrap(), "ok");
 }
+}
 
-#[tokio::test]
-async fn concurrent_writers_keep_positions_unique() {
-    let (_dir, _url, store) = fresh().await;
+both! {
+async fn concurrent_writers_keep_positions_unique(db) {
+    let (_dir, _url, store) = fresh(db).await;
     let c = store.create_conversation("u", &settings()).await.unwrap();
     let tasks: Vec<_> = (0..16)
         .map(|i| {
@@ -782,13 +849,24 @@ async fn concurrent_writers_keep_positions_unique() {
         .collect();
     assert_eq!(positions, (1..=16).collect::<Vec<_>>());
 }
+}
 
 #[tokio::test]
 async fn bad_urls_and_unwritable_paths_are_errors() {
     assert!(matches!(
-        Store::open("postgres://localhost/x").await,
+        Store::open("mysql://localhost/x").await,
         Err(StoreError::Url { .. })
     ));
+    // Nothing listens on port 1: a clear "cannot open", with the password kept out of it.
+    let refused = Store::open("postgres://smol:hunter2@127.0.0.1:1/x").await;
+    match refused {
+        Err(e @ StoreError::Open { .. }) => {
+            let text = e.to_string();
+            assert!(!text.contains("hunter2"), "{text}");
+            assert!(text.contains("cannot open the database"), "{text}");
+        }
+        other => panic!("expected an open error, got {other:?}"),
+    }
     assert!(matches!(
         Store::open("sqlite://x.db?mode=bogus").await,
         Err(StoreError::Url { .. })
@@ -811,7 +889,7 @@ async fn bad_urls_and_unwritable_paths_are_errors() {
 /// server's business, not the copy's), and it opens as a store with the same rows.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn backup_of_a_live_database_restores_the_same_rows() {
-    let (dir, url, store) = fresh().await;
+    let (dir, url, store) = fresh_sqlite().await;
     let c = store.create_conversation("u", &settings()).await.unwrap();
     for i in 0..20 {
         store
@@ -878,7 +956,7 @@ async fn backup_of_a_live_database_restores_the_same_rows() {
 
 #[tokio::test]
 async fn backup_refuses_what_it_cannot_do_clearly() {
-    let (dir, url, store) = fresh().await;
+    let (dir, url, store) = fresh_sqlite().await;
     store.close().await;
     let existing = dir.path().join("exists.db");
     std::fs::write(&existing, b"x").unwrap();
@@ -910,11 +988,11 @@ async fn backup_refuses_what_it_cannot_do_clearly() {
     );
 }
 
-/// One exchange is one transaction; replacing the last exchange either happens whole or not at
-/// all (an unknown or non-user message to replace changes nothing).
-#[tokio::test]
-async fn insert_exchange_replaces_atomically() {
-    let (_dir, _url, store) = fresh().await;
+// One exchange is one transaction; replacing the last exchange either happens whole or not at
+// all (an unknown or non-user message to replace changes nothing).
+both! {
+async fn insert_exchange_replaces_atomically(db) {
+    let (_dir, _url, store) = fresh(db).await;
     let c = store.create_conversation("u", &settings()).await.unwrap();
     let (u1, a1) = store.insert_exchange(c.id, "first", None).await.unwrap();
     assert_eq!((u1.position, a1.position), (1, 2));
@@ -963,15 +1041,16 @@ async fn insert_exchange_replaces_atomically() {
     );
     assert_eq!((after[2].id, after[3].id), (u3.id, a3.id));
 }
+}
 
 /// A session id as the sign-in layer makes them (64 hex characters; the table checks the length).
 fn sid(n: u8) -> String {
     format!("{n:02x}").repeat(32)
 }
 
-#[tokio::test]
-async fn sessions_are_valid_until_revoked_expired_or_the_credential_changes() {
-    let (_dir, url, store) = fresh().await;
+both! {
+async fn sessions_are_valid_until_revoked_expired_or_the_credential_changes(db) {
+    let (_dir, url, store) = fresh(db).await;
     let hour = chrono::Duration::hours(1);
     let a = store
         .create_session(&sid(1), SessionKind::Admin, "admin", "fp1", hour)
@@ -1027,10 +1106,11 @@ async fn sessions_are_valid_until_revoked_expired_or_the_credential_changes() {
         .unwrap()
         .is_some());
 }
+}
 
-#[tokio::test]
-async fn expired_sessions_are_refused_and_purged() {
-    let (_dir, _url, store) = fresh().await;
+both! {
+async fn expired_sessions_are_refused_and_purged(db) {
+    let (_dir, _url, store) = fresh(db).await;
     store
         .create_session(
             &sid(1),
@@ -1081,10 +1161,11 @@ async fn expired_sessions_are_refused_and_purged() {
     assert!(store.get_session(&sid(3)).await.unwrap().is_some());
     assert_eq!(store.purge_expired_sessions().await.unwrap(), 0);
 }
+}
 
-#[tokio::test]
-async fn session_ids_must_look_like_hashes() {
-    let (_dir, _url, store) = fresh().await;
+both! {
+async fn session_ids_must_look_like_hashes(db) {
+    let (_dir, _url, store) = fresh(db).await;
     // The table refuses anything but a 64-character id, so a raw token of another shape can
     // never be stored by mistake.
     let err = store
@@ -1119,10 +1200,11 @@ async fn session_ids_must_look_like_hashes() {
         .await
         .is_err());
 }
+}
 
-#[tokio::test]
-async fn pages_follow_the_keyset_cursor() {
-    let (_dir, _url, store) = fresh().await;
+both! {
+async fn pages_follow_the_keyset_cursor(db) {
+    let (_dir, _url, store) = fresh(db).await;
     let mut ids = Vec::new();
     for _ in 0..7 {
         ids.push(
@@ -1194,10 +1276,11 @@ async fn pages_follow_the_keyset_cursor() {
     assert_eq!(smolchat::store::Cursor::decode(&c.encode()), Some(c));
     assert_eq!(smolchat::store::Cursor::decode("12_not-a-uuid"), None);
 }
+}
 
-#[tokio::test]
-async fn imports_are_all_or_nothing_and_keep_every_field() {
-    let (_dir, _url, store) = fresh().await;
+both! {
+async fn imports_are_all_or_nothing_and_keep_every_field(db) {
+    let (_dir, _url, store) = fresh(db).await;
     let at = chrono::DateTime::from_timestamp_micros(1_751_968_800_123_456).unwrap();
     let message = |role, status, content: &str| ImportedMessage {
         role,
@@ -1246,4 +1329,129 @@ async fn imports_are_all_or_nothing_and_keep_every_field() {
         .await
         .is_err());
     assert_eq!(store.count_conversations("me").await.unwrap(), 1);
+}
+}
+
+both! {
+async fn replicas_end_only_the_replies_of_dead_replicas(db) {
+    let (_dir, url, a) = fresh(db).await;
+    // A second server process on the same database.
+    let b = Store::open_beside_server(&url).await.unwrap();
+    let lease = Duration::from_millis(600);
+    let ra = a.register_replica("a", "http://a", lease).await.unwrap();
+    let rb = b.register_replica("b", "http://b", lease).await.unwrap();
+    assert_eq!((ra.interrupted, rb.interrupted), (0, 0));
+    let ca = a.create_conversation("u", &settings()).await.unwrap();
+    let cb = b.create_conversation("u", &settings()).await.unwrap();
+    let (_, reply_a) = a.insert_exchange(ca.id, "hi", None).await.unwrap();
+    let (_, reply_b) = b.insert_exchange(cb.id, "hi", None).await.unwrap();
+    assert_eq!(
+        b.streaming_replica(ca.id).await.unwrap(),
+        Some((reply_a.id, Some(ra.replica.id)))
+    );
+    // One reply streams per conversation, whichever replica asks; the refusal stores nothing.
+    assert!(matches!(
+        b.insert_exchange(ca.id, "again", None).await,
+        Err(StoreError::ReplyInProgress(id)) if id == ca.id
+    ));
+    assert_eq!(a.messages(ca.id).await.unwrap().len(), 2);
+    // Both alive: a sweep touches nothing.
+    assert_eq!(b.sweep_dead_replicas(lease).await.unwrap(), 0);
+
+    // `a` stops sending heartbeats (killed); `b` goes on. After the lease, b's sweep ends a's
+    // reply, keeping its partial text, and only that one.
+    assert!(a
+        .save_partial_reply(reply_a.id, "partial", None, "partial")
+        .await
+        .unwrap());
+    tokio::time::sleep(lease / 2).await;
+    assert!(b.heartbeat(rb.replica.id, &ReplicaLoad::default()).await.unwrap());
+    tokio::time::sleep(lease / 2 + Duration::from_millis(150)).await;
+    assert!(b.heartbeat(rb.replica.id, &ReplicaLoad::default()).await.unwrap());
+    assert_eq!(b.sweep_dead_replicas(lease).await.unwrap(), 1);
+    let ended = b.get_message(reply_a.id).await.unwrap().unwrap();
+    assert_eq!(ended.status, MessageStatus::Interrupted);
+    assert_eq!(ended.content, "partial");
+    assert!(ended.error.is_some());
+    let running = b.get_message(reply_b.id).await.unwrap().unwrap();
+    assert_eq!(running.status, MessageStatus::Streaming);
+    let live: Vec<String> = b
+        .live_replicas(lease)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|r| r.name)
+        .collect();
+    assert_eq!(live, ["b"]);
+    // The conversation is free again for the replica that takes it over.
+    b.insert_exchange(ca.id, "again", None).await.unwrap();
+
+    // `b` restarts under its name: its own earlier reply ends at once, without waiting for the
+    // lease, and the old run can no longer beat.
+    let b2 = Store::open_beside_server(&url).await.unwrap();
+    let rb2 = b2.register_replica("b", "http://b", lease).await.unwrap();
+    assert_eq!(rb2.interrupted, 2, "b's reply and the one b took over from a");
+    assert_eq!(
+        b2.get_message(reply_b.id).await.unwrap().unwrap().status,
+        MessageStatus::Interrupted
+    );
+    assert!(!b.heartbeat(rb.replica.id, &ReplicaLoad::default()).await.unwrap());
+    let load = ReplicaLoad {
+        running: 3,
+        held: vec![ca.id],
+        held_count: 1,
+        ..ReplicaLoad::default()
+    };
+    assert!(b2.heartbeat(rb2.replica.id, &load).await.unwrap());
+    let all = b2.replicas(lease, Duration::from_secs(3600)).await.unwrap();
+    assert_eq!(all.len(), 3);
+    let newest = &all[0];
+    assert_eq!((newest.id, newest.live), (rb2.replica.id, true));
+    assert_eq!(newest.load, load);
+    let old_b = all.iter().find(|r| r.id == rb.replica.id).unwrap();
+    assert!(!old_b.live && old_b.stopped_at.is_some());
+    let dead_a = all.iter().find(|r| r.id == ra.replica.id).unwrap();
+    assert!(!dead_a.live && dead_a.stopped_at.is_none());
+    b2.stop_replica(rb2.replica.id).await.unwrap();
+    assert!(b2.live_replicas(lease).await.unwrap().is_empty());
+}
+}
+
+both! {
+async fn user_names_ignore_case_on_both_backends(db) {
+    let (_dir, _url, store) = fresh(db).await;
+    let hash = "$argon2id$v=19$m=19456,t=2,p=1$c2FsdHNhbHQ$aGFzaGhhc2hoYXNoaGFzaA";
+    let new = |id: &'static str, name: &'static str| smolchat::store::NewUser {
+        id,
+        name,
+        password_hash: hash,
+        role: smolchat::store::UserRole::User,
+        invite: None,
+        adopt_from: None,
+    };
+    assert!(matches!(
+        store.create_user(&new("u1", "Alice")).await.unwrap(),
+        smolchat::store::CreatedUser::Created { .. }
+    ));
+    assert!(matches!(
+        store.create_user(&new("u2", "alice")).await.unwrap(),
+        smolchat::store::CreatedUser::NameTaken
+    ));
+    assert_eq!(store.user_by_name("ALICE").await.unwrap().unwrap().id, "u1");
+    store.create_user(&new("u3", "bob")).await.unwrap();
+    let names = store
+        .user_names(&["u1".to_string(), "u3".to_string(), "guest".to_string()])
+        .await
+        .unwrap();
+    assert_eq!(names.len(), 2);
+    assert_eq!(names["u3"], "bob");
+    store.add_api_usage("u1", 10, 5).await.unwrap();
+    store.add_api_usage("u1", 1, 2).await.unwrap();
+    let usage = store.api_usage("u1").await.unwrap();
+    assert_eq!((usage.requests, usage.prompt_tokens, usage.completion_tokens), (2, 11, 7));
+    let listed = store.list_users(10, 0).await.unwrap();
+    let order: Vec<&str> = listed.iter().map(|u| u.user.name.as_str()).collect();
+    assert_eq!(order, ["Alice", "bob"]);
+    assert_eq!(listed[0].tokens, 18);
+}
 }

@@ -21,6 +21,7 @@ use serde::{Deserialize, Serialize};
 use uuid::Uuid;
 
 use super::scheduler::{Evict, SchedulerActor};
+use super::cluster::{Cluster, Wire};
 use super::session::{
     check_message, Accepted, GetInfo, Replacing, SendMessage, SessionError, Sessions, Shutdown,
     Stop, Subscribe, Subscription, STORAGE_UNAVAILABLE,
@@ -444,10 +445,17 @@ impl Conversations {
 
     /// Whether a reply is being generated in the conversation right now.
     pub async fn replying(&self, id: Uuid) -> bool {
-        match self.sessions.get(id) {
+        let here = match self.sessions.get(id) {
             Some(session) => session.send(GetInfo).await.is_ok_and(|i| i.replying),
             None => false,
-        }
+        };
+        // Another replica may be generating it.
+        here || (self.cluster().is_shared()
+            && self.store.streaming_replica(id).await.is_ok_and(|r| r.is_some()))
+    }
+
+    fn cluster(&self) -> &Cluster {
+        &self.sessions.shared().cluster
     }
 
     fn clean_title(title: &str) -> Result<String> {
@@ -568,9 +576,11 @@ impl Conversations {
             check_message(m, self.cfg.max_message_chars)?;
         }
         self.admit_new_conversation(caller).await?;
+        // An id this replica owns, so the first turns warm the cache where the later ones go.
+        let id = self.cluster().new_conversation_id();
         let mut conversation = self
             .store
-            .create_conversation(&caller.owner, &settings)
+            .create_conversation_with_id(id, &caller.owner, &settings)
             .await?;
         if let Some(title) = title.filter(|t| !t.is_empty()) {
             self.store
@@ -705,10 +715,25 @@ impl Conversations {
 
     /// Stops a conversation's reply whoever owns it (the admin page).
     pub async fn stop_any(&self, id: Uuid) -> Result<bool> {
-        Ok(match self.sessions.get(id) {
-            Some(session) => session.send(Stop).await?,
-            None => false,
-        })
+        if let Some(session) = self.sessions.get(id) {
+            if session.send(Stop).await? {
+                return Ok(true);
+            }
+        }
+        // Generated on another replica: ask it over the bus.
+        let cluster = self.cluster();
+        if cluster.is_shared() {
+            if let Some((_, Some(replica))) = self.store.streaming_replica(id).await? {
+                if replica != cluster.me().id {
+                    cluster.publish(&Wire::Stop {
+                        c: id,
+                        from: cluster.me().id,
+                    });
+                    return Ok(true);
+                }
+            }
+        }
+        Ok(false)
     }
 
     /// Deletes the caller's conversation: its session (and reply) stops, its KV cache goes.
@@ -730,6 +755,12 @@ impl Conversations {
         if !self.store.delete_conversation(id).await? {
             return Err(ConversationError::NotFound);
         }
+        // Another replica may be generating in it, or have viewers on it.
+        let cluster = self.cluster();
+        cluster.publish(&Wire::Deleted {
+            c: id,
+            from: cluster.me().id,
+        });
         // The worker drops the cache now, or as soon as a cancelled reply releases it.
         let _ = self.scheduler.send(Evict(id.to_string())).await;
         tracing::info!(conversation = %id, "conversation deleted");

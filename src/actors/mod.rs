@@ -3,6 +3,7 @@
 //! Messages are plain Rust types; nothing here knows HTTP.
 
 pub mod batcher;
+pub mod cluster;
 pub mod conversations;
 pub mod model;
 pub mod scheduler;

@@ -15,6 +15,7 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::UnboundedReceiverStream;
 use uuid::Uuid;
 
+use super::cluster::{Cluster, Wire};
 use super::scheduler::{Cancel, SchedulerActor, Submit};
 use super::types::{GenEvent, GenSummary, GenerationRequest, RequestId, StopReason, SubmitError};
 use crate::engine::sampling::SamplingParams;
@@ -59,6 +60,8 @@ pub struct SessionShared {
     pub template: Arc<ChatTemplate>,
     pub context_window: usize,
     pub cfg: SessionConfig,
+    /// This replica among the others: replies are published to them, theirs relayed here.
+    pub cluster: Arc<Cluster>,
 }
 
 /// What a user is told when the store cannot be written (the detail is in the log).
@@ -97,6 +100,10 @@ impl From<StoreError> for SessionError {
         }
         if let StoreError::MessageNotFound(_) = e {
             return SessionError::NothingToResend;
+        }
+        if let StoreError::ReplyInProgress(_) = e {
+            // Streaming elsewhere (another replica) counts as busy, like a reply here.
+            return SessionError::Busy;
         }
         if e.is_unavailable() {
             tracing::warn!(error = %e, "storage unavailable");
@@ -161,6 +168,7 @@ impl Drop for SubscriptionGuard {
 
 struct RunningReply {
     request_id: Option<RequestId>,
+    user_message_id: Uuid,
     assistant_message_id: Uuid,
     splitter: Splitter,
     raw: String,
@@ -175,6 +183,16 @@ struct RunningReply {
     saved_len: usize,
 }
 
+/// A reply another replica is generating in this conversation, mirrored for the viewers here.
+struct RemoteMirror {
+    /// The replica generating it.
+    from: Uuid,
+    assistant: Uuid,
+    /// Whether this mirror holds the reply from its start (its `Started`, or a snapshot), so
+    /// deltas can be passed on; until then they are dropped and a snapshot is awaited.
+    synced: bool,
+}
+
 pub struct SessionActor {
     id: Uuid,
     shared: Arc<SessionShared>,
@@ -186,13 +204,340 @@ pub struct SessionActor {
     /// A send is between its checks and the scheduler's acceptance.
     sending: bool,
     last_activity: Instant,
+    /// Another replica's reply in this conversation, followed for the viewers here.
+    remote: Option<RemoteMirror>,
+    /// When another replica last said that viewers there follow this replica's reply.
+    remote_watched_at: Option<Instant>,
 }
 
 impl SessionActor {
+    /// Sends an event of this replica's reply to the viewers here and to the other replicas.
     fn broadcast(&mut self, event: ReplyEvent) {
+        self.publish(&event);
+        self.fan_out(event);
+    }
+
+    /// Sends an event to the viewers here (and keeps it for those who join later).
+    fn fan_out(&mut self, event: ReplyEvent) {
         self.subscribers
             .retain(|_, tx| tx.send(event.clone()).is_ok());
         self.replay.push(event);
+    }
+
+    fn publish(&self, event: &ReplyEvent) {
+        let cluster = &self.shared.cluster;
+        if !cluster.is_shared() {
+            return;
+        }
+        let (c, from) = (self.id, cluster.me().id);
+        let wire = match event {
+            ReplyEvent::Started {
+                user_message,
+                assistant_message_id,
+            } => Wire::Started {
+                c,
+                from,
+                user_message: user_message.id,
+                assistant: *assistant_message_id,
+            },
+            ReplyEvent::Prefilling {
+                prompt_tokens,
+                cached_tokens,
+            } => Wire::Prefilling {
+                c,
+                from,
+                prompt_tokens: *prompt_tokens,
+                cached_tokens: *cached_tokens,
+            },
+            ReplyEvent::Reasoning { text } => return cluster.publish_text(c, true, text),
+            ReplyEvent::Answer { text } => return cluster.publish_text(c, false, text),
+            ReplyEvent::ToolCall { call } => Wire::ToolCall {
+                c,
+                from,
+                call: call.clone(),
+            },
+            ReplyEvent::Done { message, summary } => Wire::Done {
+                c,
+                from,
+                message: message.id,
+                summary: summary.clone(),
+            },
+            ReplyEvent::Error { message } => Wire::Error {
+                c,
+                from,
+                message: super::cluster::split_text(message, 2000)
+                    .first()
+                    .map_or_else(String::new, |m| m.to_string()),
+            },
+        };
+        cluster.publish(&wire);
+    }
+
+    /// Answers another replica's [`Wire::Sync`]: saves the reply so far, then announces how
+    /// much of it the stored row holds. Waits (no token is handled meanwhile), so the deltas
+    /// published after the snapshot continue exactly where it ends.
+    fn send_snapshot(&mut self, ctx: &mut Context<Self>) {
+        let cluster = Arc::clone(&self.shared.cluster);
+        let Some(reply) = self.reply.as_mut() else {
+            return;
+        };
+        reply.saved_len = reply.raw.len();
+        // Tool calls ride along only while the message stays small; the final row has them all.
+        let mut tool_calls = reply.tool_calls.clone();
+        while serde_json::to_string(&tool_calls).map_or(0, |j| j.len()) > 4000 {
+            tool_calls.pop();
+        }
+        let wire = Wire::Snapshot {
+            c: self.id,
+            from: cluster.me().id,
+            user_message: reply.user_message_id,
+            assistant: reply.assistant_message_id,
+            content_len: reply.content.len(),
+            reasoning_len: reply.reasoning.len(),
+            tool_calls,
+        };
+        let store = self.shared.store.clone();
+        let (id, content, raw) = (
+            reply.assistant_message_id,
+            reply.content.clone(),
+            reply.raw.clone(),
+        );
+        let reasoning = (!reply.reasoning.is_empty()).then(|| reply.reasoning.clone());
+        async move {
+            store
+                .save_partial_reply(id, &content, reasoning.as_deref(), &raw)
+                .await
+        }
+        .into_actor(self)
+        .map(move |saved, _, _| match saved {
+            Ok(_) => cluster.publish(&wire),
+            Err(e) => tracing::warn!("cannot save a reply for a snapshot: {e}"),
+        })
+        .wait(ctx);
+    }
+
+    /// Cancels the reply once nobody follows it any more: no viewer here, and no other replica
+    /// said recently that viewers there do. Checked again later while another replica watches.
+    fn cancel_when_abandoned(&mut self, reply_id: Option<Uuid>, ctx: &mut Context<Self>) {
+        let grace = self.shared.cfg.disconnect_grace;
+        let watch_window = grace.max(self.shared.cluster.config().heartbeat * 3);
+        ctx.run_later(grace, move |act, ctx| {
+            let same_reply = act.reply.as_ref().map(|r| r.assistant_message_id) == reply_id;
+            if !same_reply || !act.subscribers.is_empty() {
+                return;
+            }
+            if act
+                .remote_watched_at
+                .is_some_and(|t| t.elapsed() < watch_window)
+            {
+                act.cancel_when_abandoned(reply_id, ctx);
+                return;
+            }
+            tracing::debug!(conversation = %act.id, "every listener left; stopping the reply");
+            act.cancel_running();
+        });
+    }
+
+    /// Starts following another replica's reply for the viewers here, when one is streaming.
+    fn follow_remote_reply(&mut self, ctx: &mut Context<Self>) {
+        let cluster = Arc::clone(&self.shared.cluster);
+        if !cluster.is_shared() || self.is_busy() || self.remote.as_ref().is_some_and(|m| m.synced)
+        {
+            return;
+        }
+        let store = self.shared.store.clone();
+        let id = self.id;
+        ctx.spawn(
+            async move { store.streaming_replica(id).await }
+                .into_actor(self)
+                .map(move |found, act, _| {
+                    let Ok(Some((assistant, Some(replica)))) = found else {
+                        return;
+                    };
+                    if replica == cluster.me().id || act.is_busy() {
+                        return;
+                    }
+                    match &act.remote {
+                        Some(m) if m.assistant == assistant => {}
+                        _ => {
+                            act.remote = Some(RemoteMirror {
+                                from: replica,
+                                assistant,
+                                synced: false,
+                            })
+                        }
+                    }
+                    cluster.publish(&Wire::Sync {
+                        c: id,
+                        from: cluster.me().id,
+                    });
+                }),
+        );
+    }
+
+    /// Periodic: keeps the generating replica from cancelling a reply viewers here follow,
+    /// re-asks for a snapshot that did not come, and ends a mirror whose replica died.
+    fn tend_remote(&mut self, ctx: &mut Context<Self>) {
+        let cluster = Arc::clone(&self.shared.cluster);
+        let Some((from, synced)) = self.remote.as_ref().map(|m| (m.from, m.synced)) else {
+            return;
+        };
+        if self.subscribers.is_empty() {
+            self.remote = None;
+            return;
+        }
+        let (c, me) = (self.id, cluster.me().id);
+        if !cluster.live().iter().any(|p| p.id == from) {
+            self.remote = None;
+            self.fan_out(ReplyEvent::Error {
+                message: "the server generating this reply stopped; what it wrote is kept (marked \
+                          interrupted): reload, then send or regenerate"
+                    .to_string(),
+            });
+            self.replay.clear();
+            return;
+        }
+        if synced {
+            cluster.publish(&Wire::Watch { c, from: me });
+        } else {
+            self.follow_remote_reply(ctx);
+        }
+    }
+
+    /// An event of another replica's reply.
+    fn on_remote_reply(&mut self, wire: Wire, ctx: &mut Context<Self>) {
+        if self.is_busy() {
+            // This replica generates here; the unique streaming row means the other cannot.
+            return;
+        }
+        let from = wire.sender();
+        let following = |m: &Option<RemoteMirror>| m.as_ref().is_some_and(|m| m.synced && m.from == from);
+        match wire {
+            Wire::Started {
+                user_message,
+                assistant,
+                ..
+            } => {
+                self.remote = Some(RemoteMirror {
+                    from,
+                    assistant,
+                    synced: true,
+                });
+                self.replay.clear();
+                let store = self.shared.store.clone();
+                async move { store.get_message(user_message).await }
+                    .into_actor(self)
+                    .map(move |found, act, _| match found {
+                        Ok(Some(user_message)) => act.fan_out(ReplyEvent::Started {
+                            user_message,
+                            assistant_message_id: assistant,
+                        }),
+                        Ok(None) => {}
+                        Err(e) => tracing::warn!("cannot load a relayed user message: {e}"),
+                    })
+                    .wait(ctx);
+            }
+            Wire::Prefilling {
+                prompt_tokens,
+                cached_tokens,
+                ..
+            } if following(&self.remote) => self.fan_out(ReplyEvent::Prefilling {
+                prompt_tokens,
+                cached_tokens,
+            }),
+            Wire::Reasoning { text, .. } if following(&self.remote) => {
+                self.fan_out(ReplyEvent::Reasoning { text })
+            }
+            Wire::Answer { text, .. } if following(&self.remote) => {
+                self.fan_out(ReplyEvent::Answer { text })
+            }
+            Wire::ToolCall { call, .. } if following(&self.remote) => {
+                self.fan_out(ReplyEvent::ToolCall { call })
+            }
+            Wire::Error { message, .. } if following(&self.remote) => {
+                self.fan_out(ReplyEvent::Error { message })
+            }
+            Wire::Snapshot {
+                user_message,
+                assistant,
+                content_len,
+                reasoning_len,
+                tool_calls,
+                ..
+            } => {
+                let waiting = self
+                    .remote
+                    .as_ref()
+                    .is_some_and(|m| !m.synced && m.assistant == assistant);
+                if !waiting {
+                    return;
+                }
+                let store = self.shared.store.clone();
+                async move {
+                    let user = store.get_message(user_message).await?;
+                    let reply = store.get_message(assistant).await?;
+                    Ok::<_, StoreError>((user, reply))
+                }
+                .into_actor(self)
+                .map(move |found, act, _| {
+                    let (Some(user), Some(reply)) = (match found {
+                        Ok(pair) => pair,
+                        Err(e) => {
+                            tracing::warn!("cannot load a relayed reply: {e}");
+                            return;
+                        }
+                    }) else {
+                        return;
+                    };
+                    let prefix = |text: &str, len: usize| {
+                        text.get(..len).unwrap_or(text).to_string()
+                    };
+                    let content = prefix(&reply.content, content_len);
+                    let reasoning = prefix(reply.reasoning.as_deref().unwrap_or(""), reasoning_len);
+                    act.replay.clear();
+                    if let Some(m) = act.remote.as_mut() {
+                        m.synced = true;
+                    }
+                    act.fan_out(ReplyEvent::Started {
+                        user_message: user,
+                        assistant_message_id: assistant,
+                    });
+                    if !reasoning.is_empty() {
+                        act.fan_out(ReplyEvent::Reasoning { text: reasoning });
+                    }
+                    for call in tool_calls {
+                        act.fan_out(ReplyEvent::ToolCall { call });
+                    }
+                    if !content.is_empty() {
+                        act.fan_out(ReplyEvent::Answer { text: content });
+                    }
+                })
+                .wait(ctx);
+            }
+            Wire::Done {
+                message, summary, ..
+            } => {
+                let relevant = self.remote.as_ref().is_some_and(|m| m.assistant == message)
+                    || !self.subscribers.is_empty();
+                if !relevant {
+                    return;
+                }
+                self.remote = None;
+                let store = self.shared.store.clone();
+                async move { store.get_message(message).await }
+                    .into_actor(self)
+                    .map(move |found, act, _| {
+                        match found {
+                            Ok(Some(message)) => act.fan_out(ReplyEvent::Done { message, summary }),
+                            Ok(None) => {}
+                            Err(e) => tracing::warn!("cannot load a relayed reply: {e}"),
+                        }
+                        act.replay.clear();
+                    })
+                    .wait(ctx);
+            }
+            _ => {}
+        }
     }
 
     fn is_busy(&self) -> bool {
@@ -339,6 +684,10 @@ impl Actor for SessionActor {
 
     fn started(&mut self, ctx: &mut Self::Context) {
         ctx.run_interval(PARTIAL_SAVE_INTERVAL, |act, ctx| act.save_partial(ctx));
+        if self.shared.cluster.is_shared() {
+            let heartbeat = self.shared.cluster.config().heartbeat;
+            ctx.run_interval(heartbeat, |act, ctx| act.tend_remote(ctx));
+        }
         let tick = (self.shared.cfg.idle_timeout / 4)
             .clamp(Duration::from_millis(50), Duration::from_secs(5));
         ctx.run_interval(tick, |act, ctx| {
@@ -568,8 +917,10 @@ impl Handler<SendMessage> for SessionActor {
             act.sending = false;
             let (request_id, user, assistant, prepared) = result?;
             act.replay.clear();
+            act.remote = None;
             act.reply = Some(RunningReply {
                 request_id: Some(request_id),
+                user_message_id: user.id,
                 assistant_message_id: assistant.id,
                 splitter: Splitter::new(prepared.starts_in_reasoning),
                 raw: String::new(),
@@ -658,6 +1009,7 @@ impl Handler<Subscribe> for SessionActor {
         self.next_subscriber += 1;
         self.subscribers.insert(id, tx);
         self.last_activity = Instant::now();
+        self.follow_remote_reply(ctx);
         MessageResult(Subscription {
             replay: self.replay.clone(),
             events: rx,
@@ -680,15 +1032,57 @@ impl Handler<Unsubscribe> for SessionActor {
         self.subscribers.remove(&msg.0);
         self.last_activity = Instant::now();
         if self.subscribers.is_empty() && self.reply.is_some() {
-            let grace = self.shared.cfg.disconnect_grace;
             let reply_id = self.reply.as_ref().map(|r| r.assistant_message_id);
-            ctx.run_later(grace, move |act, _| {
-                let same_reply = act.reply.as_ref().map(|r| r.assistant_message_id) == reply_id;
-                if same_reply && act.subscribers.is_empty() {
-                    tracing::debug!(conversation = %act.id, "every listener left; stopping the reply");
-                    act.cancel_running();
-                }
-            });
+            self.cancel_when_abandoned(reply_id, ctx);
+        }
+    }
+}
+
+/// An event of a reply another replica generates in this conversation (relayed by the
+/// cluster).
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct RemoteReply(pub Wire);
+
+impl Handler<RemoteReply> for SessionActor {
+    type Result = ();
+
+    fn handle(&mut self, msg: RemoteReply, ctx: &mut Context<Self>) {
+        self.on_remote_reply(msg.0, ctx);
+    }
+}
+
+/// What another replica asks of this conversation's session.
+#[derive(Message)]
+#[rtype(result = "()")]
+pub enum RemoteControl {
+    /// Stop the running reply.
+    Stop,
+    /// The conversation was deleted: end the reply and the session.
+    Deleted,
+    /// Viewers on replica `.0` joined the running reply: send them a snapshot.
+    Sync(Uuid),
+    /// Viewers elsewhere still follow the running reply.
+    Watch,
+}
+
+impl Handler<RemoteControl> for SessionActor {
+    type Result = ();
+
+    fn handle(&mut self, msg: RemoteControl, ctx: &mut Context<Self>) {
+        match msg {
+            RemoteControl::Stop => {
+                self.cancel_running();
+            }
+            RemoteControl::Deleted => {
+                self.cancel_running();
+                ctx.stop();
+            }
+            RemoteControl::Sync(_) => {
+                self.remote_watched_at = Some(Instant::now());
+                self.send_snapshot(ctx);
+            }
+            RemoteControl::Watch => self.remote_watched_at = Some(Instant::now()),
         }
     }
 }
@@ -766,6 +1160,8 @@ impl Sessions {
             reply: None,
             sending: false,
             last_activity: Instant::now(),
+            remote: None,
+            remote_watched_at: None,
         }
         .start();
         live.insert(id, addr.clone());

@@ -64,7 +64,7 @@ pub enum GenEvent {
 }
 
 /// Why a request ended, as the platform sees it.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, serde::Deserialize)]
 #[serde(rename_all = "snake_case", tag = "kind", content = "detail")]
 pub enum StopReason {
     /// End-of-generation token.
@@ -92,7 +92,7 @@ impl From<FinishReason> for StopReason {
 }
 
 /// Counts and timings of a finished request.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, serde::Deserialize)]
 pub struct GenSummary {
     pub reason: StopReason,
     pub prompt_tokens: usize,

@@ -6,7 +6,7 @@ use uuid::Uuid;
 
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
-    #[error("invalid database URL {url:?}: {reason} (expected e.g. \"sqlite://data/smolchat.db\" or \"sqlite::memory:\")")]
+    #[error("invalid database URL {url:?}: {reason} (expected e.g. \"sqlite://data/smolchat.db\", \"sqlite::memory:\" or \"postgres://user:password@host/database\")")]
     Url { url: String, reason: String },
 
     #[error("cannot create the database directory {}: {source}", path.display())]
@@ -31,6 +31,10 @@ pub enum StoreError {
 
     #[error("conversation {0} does not exist")]
     ConversationNotFound(Uuid),
+
+    /// Another reply of the conversation is still `streaming` (perhaps on another replica).
+    #[error("a reply is already being generated in conversation {0}")]
+    ReplyInProgress(Uuid),
 
     #[error("there is no assistant message {0}")]
     MessageNotFound(Uuid),
@@ -87,6 +91,24 @@ fn sqlx_unavailable(e: &sqlx::Error) -> bool {
     const SQLITE_FULL: i64 = 13;
     const SQLITE_CANTOPEN: i64 = 14;
     match e {
+        sqlx::Error::Database(db)
+            if db
+                .try_downcast_ref::<sqlx::postgres::PgDatabaseError>()
+                .is_some() =>
+        {
+            // SQLSTATE classes: 08 connection exception, 53 insufficient resources (disk full,
+            // out of memory, too many connections), 57P operator intervention (shutdown,
+            // starting up), 25006 read-only transaction (a standby), 40001/40P01 serialization
+            // failure and deadlock (retryable).
+            db.code().is_some_and(|c| {
+                c.starts_with("08")
+                    || c.starts_with("53")
+                    || c.starts_with("57P")
+                    || c == "25006"
+                    || c == "40001"
+                    || c == "40P01"
+            })
+        }
         sqlx::Error::Database(db) => {
             db.code()
                 .and_then(|c| c.parse::<i64>().ok())

@@ -25,7 +25,9 @@
 //! write lock up front (waiting up to the busy timeout) instead of upgrading a read transaction
 //! later, which in WAL mode fails with `SQLITE_BUSY` without waiting.
 
+mod bus;
 mod error;
+mod replicas;
 mod sessions;
 mod types;
 mod users;
@@ -35,17 +37,20 @@ use std::str::FromStr;
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
-use sqlx::sqlite::{
-    SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteSynchronous,
-};
+use sqlx::any::AnyPoolOptions;
+use sqlx::AnyPool;
+use sqlx::sqlite::{SqliteConnectOptions, SqlitePoolOptions};
+use sqlx::Executor;
 use uuid::Uuid;
 
+pub use bus::{Bus, MAX_PAYLOAD as BUS_MAX_PAYLOAD};
 pub use error::StoreError;
 pub use types::{
     derive_title, Conversation, ConversationSettings, ConversationSummary, Cursor, FinishedReply,
     ImportedMessage, ListPage, Message, MessageStatus, PageRequest, Role, SessionKind,
     SessionRecord, Timings, MAX_PAGE, TITLE_MAX_CHARS,
 };
+pub use replicas::{Registration, Replica, ReplicaLoad, ReplicaRecord};
 pub use users::{ApiKeyRecord, ApiUsage, CreatedUser, NewUser, User, UserOverview, UserRole};
 
 /// How long a statement waits for another connection's write lock before failing.
@@ -53,6 +58,134 @@ const BUSY_TIMEOUT: Duration = Duration::from_secs(10);
 /// Connections to a file database. SQLite has one writer at a time anyway; more connections only
 /// help concurrent readers (page loads while replies are being saved).
 const MAX_CONNECTIONS: u32 = 8;
+/// Connections per replica to PostgreSQL (plus one for LISTEN and one for NOTIFY). PostgreSQL's
+/// default `max_connections` is 100, so ten replicas fit with room for tools.
+const MAX_PG_CONNECTIONS: u32 = 8;
+/// How long a request waits for a pooled connection before the store reports itself unavailable.
+const ACQUIRE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The database a [`Store`] is on. Both take the same SQL except where [`Store`] says otherwise
+/// (`$N` placeholders, `lower()` for case-insensitive names, `CAST(… AS BIGINT)` around sums):
+/// see docs/ARCHITECTURE.md, "Store".
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Backend {
+    /// The embedded default: one file, one server process.
+    Sqlite,
+    /// Shared by several replicas (`database.url = postgres://…`).
+    Postgres,
+}
+
+impl Backend {
+    fn of_url(url: &str) -> Result<Backend, StoreError> {
+        // sqlx strips an optional `sqlite:` prefix and takes whatever is left as a file name, so
+        // any other spelling would silently become a local file path: insist on a scheme.
+        if url.starts_with("sqlite:") {
+            Ok(Backend::Sqlite)
+        } else if url.starts_with("postgres://") || url.starts_with("postgresql://") {
+            Ok(Backend::Postgres)
+        } else {
+            Err(StoreError::Url {
+                url: redact_url(url),
+                reason: "the scheme must be sqlite: or postgres://".to_string(),
+            })
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Backend::Sqlite => "sqlite",
+            Backend::Postgres => "postgres",
+        }
+    }
+}
+
+/// `url` with any password replaced by `***`, for logs and error messages.
+pub fn redact_url(url: &str) -> String {
+    match url::Url::parse(url) {
+        Ok(mut parsed) if parsed.password().is_some() => {
+            // Cannot fail for a URL that already has a password (it has a host).
+            let _ = parsed.set_password(Some("***"));
+            parsed.to_string()
+        }
+        _ => url.to_string(),
+    }
+}
+
+/// Opens a SQLite file (or in-memory) database through sqlx's `Any` driver, with WAL,
+/// `synchronous = FULL`, foreign keys and a busy timeout set on every connection.
+async fn open_sqlite(
+    url: &str,
+) -> Result<(AnyPool, Option<std::path::PathBuf>), StoreError> {
+    // Parsed once with the SQLite driver's own parser for its checks and the file name; the
+    // `Any` pool below re-parses the URL (it cannot take typed options).
+    let options = SqliteConnectOptions::from_str(url).map_err(|e| StoreError::Url {
+        url: url.to_string(),
+        reason: e.to_string(),
+    })?;
+    // sqlx does not expose whether the parsed URL is in-memory; these are the spellings its
+    // parser maps to an in-memory database.
+    let in_memory = url.contains(":memory:") || url.contains("mode=memory");
+    let data_dir = (!in_memory).then(|| {
+        options
+            .get_filename()
+            .parent()
+            .filter(|dir| !dir.as_os_str().is_empty())
+            .map_or_else(|| Path::new(".").to_path_buf(), Path::to_path_buf)
+    });
+    let pool_options = if in_memory {
+        // An in-memory database lives as long as one connection to it: keep exactly one,
+        // forever (several would also fight over shared-cache table locks, which ignore the
+        // busy timeout).
+        AnyPoolOptions::new()
+            .max_connections(1)
+            .min_connections(1)
+            .idle_timeout(None)
+            .max_lifetime(None)
+    } else {
+        create_parent_dir(options.get_filename())?;
+        AnyPoolOptions::new().max_connections(MAX_CONNECTIONS)
+    };
+    // `mode=rwc` creates a missing file; a URL that names its own mode keeps it.
+    let any_url = if in_memory || url.contains("mode=") {
+        url.to_string()
+    } else if url.contains('?') {
+        format!("{url}&mode=rwc")
+    } else {
+        format!("{url}?mode=rwc")
+    };
+    let pool = pool_options
+        .acquire_timeout(ACQUIRE_TIMEOUT)
+        .after_connect(|conn, _meta| {
+            Box::pin(async move {
+                conn.execute("PRAGMA busy_timeout = 10000").await?;
+                conn.execute("PRAGMA foreign_keys = ON").await?;
+                conn.execute("PRAGMA journal_mode = WAL").await?;
+                conn.execute("PRAGMA synchronous = FULL").await?;
+                Ok(())
+            })
+        })
+        .connect(&any_url)
+        .await
+        .map_err(|source| StoreError::Open {
+            url: url.to_string(),
+            source,
+        })?;
+    Ok((pool, data_dir))
+}
+
+/// Opens a PostgreSQL database; the database itself must exist (`createdb`), its tables are
+/// made by the migrations.
+async fn open_postgres(url: &str) -> Result<AnyPool, StoreError> {
+    AnyPoolOptions::new()
+        .max_connections(MAX_PG_CONNECTIONS)
+        .acquire_timeout(ACQUIRE_TIMEOUT)
+        .connect(url)
+        .await
+        .map_err(|source| StoreError::Open {
+            url: redact_url(url),
+            source,
+        })
+}
 
 /// The error text of replies found `streaming` at start-up.
 const INTERRUPTED_BY_RESTART: &str = "the server stopped before this reply was finished";
@@ -96,7 +229,8 @@ pub async fn backup(url: &str, dest: &Path) -> Result<BackupReport, StoreError> 
     if !url.starts_with("sqlite:") || url.contains(":memory:") || url.contains("mode=memory") {
         return Err(StoreError::Url {
             url: url.to_string(),
-            reason: "only a sqlite: database file can be backed up".to_string(),
+            reason: "only a sqlite: database file can be backed up (back a PostgreSQL database up with pg_dump)"
+                .to_string(),
         });
     }
     let target = |reason: &str| StoreError::BackupTarget {
@@ -138,7 +272,7 @@ pub async fn backup(url: &str, dest: &Path) -> Result<BackupReport, StoreError> 
             url: url.to_string(),
             source,
         })?;
-    sqlx::query("VACUUM INTO ?1")
+    sqlx::query("VACUUM INTO $1")
         .bind(dest_text)
         .execute(&source)
         .await?;
@@ -178,12 +312,28 @@ pub async fn backup(url: &str, dest: &Path) -> Result<BackupReport, StoreError> 
 }
 
 /// Handle on the database. Cloning is cheap (the pool is reference-counted inside).
-#[derive(Clone, Debug)]
+#[derive(Clone)]
 pub struct Store {
-    pool: SqlitePool,
+    pool: AnyPool,
+    backend: Backend,
+    /// As opened (it may hold a password: never log it unredacted).
+    url: String,
+    /// The replica this process registered as ([`Store::register_replica`]); replies it starts
+    /// record it. Shared by every clone.
+    replica: std::sync::Arc<std::sync::OnceLock<Uuid>>,
     interrupted_on_open: u64,
     /// The folder holding the database file (`None` for an in-memory database).
     data_dir: Option<std::path::PathBuf>,
+}
+
+impl std::fmt::Debug for Store {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Store")
+            .field("backend", &self.backend)
+            .field("url", &redact_url(&self.url))
+            .field("replica", &self.replica.get())
+            .finish_non_exhaustive()
+    }
 }
 
 impl Store {
@@ -207,65 +357,29 @@ impl Store {
     }
 
     async fn open_with(url: &str, recover: bool) -> Result<Store, StoreError> {
-        // sqlx strips an optional `sqlite:` prefix and takes whatever is left as a file name, so
-        // "postgres://host/db" would silently become a local file path: insist on the scheme.
-        if !url.starts_with("sqlite:") {
-            return Err(StoreError::Url {
-                url: url.to_string(),
-                reason: "only sqlite: URLs are supported".to_string(),
-            });
-        }
-        let options = SqliteConnectOptions::from_str(url)
-            .map_err(|e| StoreError::Url {
-                url: url.to_string(),
-                reason: e.to_string(),
-            })?
-            .create_if_missing(true)
-            .journal_mode(SqliteJournalMode::Wal)
-            .synchronous(SqliteSynchronous::Full)
-            .foreign_keys(true)
-            .busy_timeout(BUSY_TIMEOUT);
-
-        // sqlx does not expose whether the parsed URL is in-memory; these are the spellings its
-        // parser maps to an in-memory database.
-        let in_memory = url.contains(":memory:") || url.contains("mode=memory");
-        let data_dir = (!in_memory).then(|| {
-            options
-                .get_filename()
-                .parent()
-                .filter(|dir| !dir.as_os_str().is_empty())
-                .map_or_else(|| Path::new(".").to_path_buf(), Path::to_path_buf)
-        });
-        let pool_options = if in_memory {
-            // An in-memory database lives as long as one connection to it: keep exactly one,
-            // forever (several would also fight over shared-cache table locks, which ignore the
-            // busy timeout).
-            SqlitePoolOptions::new()
-                .max_connections(1)
-                .min_connections(1)
-                .idle_timeout(None)
-                .max_lifetime(None)
-        } else {
-            create_parent_dir(options.get_filename())?;
-            SqlitePoolOptions::new().max_connections(MAX_CONNECTIONS)
+        let backend = Backend::of_url(url)?;
+        sqlx::any::install_default_drivers();
+        let (pool, data_dir) = match backend {
+            Backend::Sqlite => open_sqlite(url).await?,
+            Backend::Postgres => (open_postgres(url).await?, None),
         };
-
-        let pool = pool_options
-            .connect_with(options)
-            .await
-            .map_err(|source| StoreError::Open {
-                url: url.to_string(),
-                source,
-            })?;
-
-        sqlx::migrate!("./migrations").run(&pool).await?;
+        match backend {
+            Backend::Sqlite => sqlx::migrate!("./migrations/sqlite").run(&pool).await?,
+            Backend::Postgres => sqlx::migrate!("./migrations/postgres").run(&pool).await?,
+        }
 
         let mut store = Store {
             pool,
+            backend,
+            url: url.to_string(),
+            replica: Default::default(),
             interrupted_on_open: 0,
             data_dir,
         };
-        if recover {
+        // With SQLite one server process owns the file, so everything left `streaming` was its
+        // own. A PostgreSQL database is shared by replicas: each marks only its own replies and
+        // those of replicas whose lease ran out ([`Store::register_replica`]).
+        if recover && backend == Backend::Sqlite {
             store.interrupted_on_open = store.mark_streaming_interrupted().await?;
         }
         if store.interrupted_on_open > 0 {
@@ -274,8 +388,24 @@ impl Store {
                 "replies left streaming by the previous run marked interrupted"
             );
         }
-        tracing::info!(url, "store opened");
+        tracing::info!(url = %redact_url(url), backend = backend.as_str(), "store opened");
         Ok(store)
+    }
+
+    /// The URL the store was opened with (the bus opens its own connections with it).
+    fn url(&self) -> &str {
+        &self.url
+    }
+
+    /// Which database this store is on.
+    pub fn backend(&self) -> Backend {
+        self.backend
+    }
+
+    /// A cheap round trip to the database (`/readyz`).
+    pub async fn ping(&self) -> Result<(), StoreError> {
+        sqlx::query("SELECT 1").execute(&self.pool).await?;
+        Ok(())
     }
 
     /// The folder holding the database file, where the server keeps its other state (the
@@ -294,7 +424,7 @@ impl Store {
     /// generated.
     pub async fn mark_streaming_interrupted(&self) -> Result<u64, StoreError> {
         let result = sqlx::query(
-            "UPDATE messages SET status = 'interrupted', error = COALESCE(error, ?1) \
+            "UPDATE messages SET status = 'interrupted', error = COALESCE(error, $1) \
              WHERE status = 'streaming'",
         )
         .bind(INTERRUPTED_BY_RESTART)
@@ -308,13 +438,24 @@ impl Store {
         owner: &str,
         settings: &ConversationSettings,
     ) -> Result<Conversation, StoreError> {
+        self.create_conversation_with_id(Uuid::now_v7(), owner, settings)
+            .await
+    }
+
+    /// [`Store::create_conversation`] under a given new id (a UUIDv7 the caller picked, e.g. one
+    /// the replica router sends to this replica).
+    pub async fn create_conversation_with_id(
+        &self,
+        id: Uuid,
+        owner: &str,
+        settings: &ConversationSettings,
+    ) -> Result<Conversation, StoreError> {
         settings.validate().map_err(StoreError::InvalidSettings)?;
         let settings_json = encode_json("settings", settings)?;
-        let id = Uuid::now_v7();
         let now = now_micros();
         let row: ConversationRow = sqlx::query_as(concat!(
             "INSERT INTO conversations (id, owner, title, settings, created_at, updated_at) \
-             VALUES (?1, ?2, '', ?3, ?4, ?4) RETURNING ",
+             VALUES ($1, $2, '', $3, $4, $4) RETURNING ",
             conversation_columns!()
         ))
         .bind(id.to_string())
@@ -332,7 +473,7 @@ impl Store {
         let row: Option<ConversationRow> = sqlx::query_as(concat!(
             "SELECT ",
             conversation_columns!(),
-            " FROM conversations WHERE id = ?1"
+            " FROM conversations WHERE id = $1"
         ))
         .bind(id.to_string())
         .fetch_optional(&self.pool)
@@ -378,16 +519,30 @@ impl Store {
         let search = search.map(str::trim).filter(|s| !s.is_empty());
         let limit = page.limit.clamp(1, MAX_PAGE);
         let (before_at, before_id) = cursor_binds(page.before.as_ref());
-        let rows: Vec<SummaryRow> = sqlx::query_as(concat!(
-            "SELECT ",
-            summary_columns!(),
-            " FROM conversations c WHERE c.owner = ?1 AND (?2 IS NULL \
-               OR instr(lower(c.title), lower(?2)) > 0 \
-               OR EXISTS (SELECT 1 FROM messages m WHERE m.conversation_id = c.id \
-                          AND instr(lower(m.content), lower(?2)) > 0)) \
-               AND (?3 IS NULL OR c.updated_at < ?3 OR (c.updated_at = ?3 AND c.id < ?4)) \
-             ORDER BY c.updated_at DESC, c.id DESC LIMIT ?5"
-        ))
+        // The same query but for the substring function's name (`instr` / `strpos`).
+        macro_rules! page_query {
+            ($find:literal) => {
+                concat!(
+                    "SELECT ",
+                    summary_columns!(),
+                    " FROM conversations c WHERE c.owner = $1 AND ($2 IS NULL \
+                       OR ",
+                    $find,
+                    "(lower(c.title), lower($2)) > 0 \
+                       OR EXISTS (SELECT 1 FROM messages m WHERE m.conversation_id = c.id \
+                                  AND ",
+                    $find,
+                    "(lower(m.content), lower($2)) > 0)) \
+                       AND ($3 IS NULL OR c.updated_at < $3 OR (c.updated_at = $3 AND c.id < $4)) \
+                     ORDER BY c.updated_at DESC, c.id DESC LIMIT $5"
+                )
+            };
+        }
+        let query = match self.backend {
+            Backend::Sqlite => page_query!("instr"),
+            Backend::Postgres => page_query!("strpos"),
+        };
+        let rows: Vec<SummaryRow> = sqlx::query_as(query)
         .bind(owner)
         .bind(search)
         .bind(before_at)
@@ -410,8 +565,8 @@ impl Store {
             "SELECT ",
             summary_columns!(),
             " FROM conversations c \
-             WHERE (?1 IS NULL OR c.updated_at < ?1 OR (c.updated_at = ?1 AND c.id < ?2)) \
-             ORDER BY c.updated_at DESC, c.id DESC LIMIT ?3"
+             WHERE ($1 IS NULL OR c.updated_at < $1 OR (c.updated_at = $1 AND c.id < $2)) \
+             ORDER BY c.updated_at DESC, c.id DESC LIMIT $3"
         ))
         .bind(before_at)
         .bind(before_id)
@@ -423,7 +578,7 @@ impl Store {
 
     /// How many conversations `owner` has stored.
     pub async fn count_conversations(&self, owner: &str) -> Result<i64, StoreError> {
-        let n: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM conversations WHERE owner = ?1")
+        let n: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM conversations WHERE owner = $1")
             .bind(owner)
             .fetch_one(&self.pool)
             .await?;
@@ -452,10 +607,10 @@ impl Store {
         let settings_json = encode_json("settings", settings)?;
         let id = Uuid::now_v7();
         let now = now_micros();
-        let mut tx = WriteTx::begin(&self.pool).await?;
+        let mut tx = WriteTx::begin(self).await?;
         let row: ConversationRow = sqlx::query_as(concat!(
             "INSERT INTO conversations (id, owner, title, settings, created_at, updated_at) \
-             VALUES (?1, ?2, ?3, ?4, ?5, ?5) RETURNING ",
+             VALUES ($1, $2, $3, $4, $5, $5) RETURNING ",
             conversation_columns!()
         ))
         .bind(id.to_string())
@@ -474,7 +629,7 @@ impl Store {
             sqlx::query(
                 "INSERT INTO messages (id, conversation_id, position, role, content, reasoning, \
                  raw, status, error, prompt_tokens, completion_tokens, cached_tokens, timings, \
-                 created_at) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14)",
+                 created_at) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14)",
             )
             .bind(Uuid::now_v7().to_string())
             .bind(id.to_string())
@@ -521,7 +676,7 @@ impl Store {
     /// conversation.
     pub async fn rename_conversation(&self, id: Uuid, title: &str) -> Result<bool, StoreError> {
         let result =
-            sqlx::query("UPDATE conversations SET title = ?1, updated_at = ?2 WHERE id = ?3")
+            sqlx::query("UPDATE conversations SET title = $1, updated_at = $2 WHERE id = $3")
                 .bind(title)
                 .bind(now_micros())
                 .bind(id.to_string())
@@ -539,7 +694,7 @@ impl Store {
         settings.validate().map_err(StoreError::InvalidSettings)?;
         let settings_json = encode_json("settings", settings)?;
         let result =
-            sqlx::query("UPDATE conversations SET settings = ?1, updated_at = ?2 WHERE id = ?3")
+            sqlx::query("UPDATE conversations SET settings = $1, updated_at = $2 WHERE id = $3")
                 .bind(settings_json)
                 .bind(now_micros())
                 .bind(id.to_string())
@@ -551,7 +706,7 @@ impl Store {
     /// Deletes the conversation and (ON DELETE CASCADE) its messages. `false` when there is no
     /// such conversation.
     pub async fn delete_conversation(&self, id: Uuid) -> Result<bool, StoreError> {
-        let result = sqlx::query("DELETE FROM conversations WHERE id = ?1")
+        let result = sqlx::query("DELETE FROM conversations WHERE id = $1")
             .bind(id.to_string())
             .execute(&self.pool)
             .await?;
@@ -567,7 +722,7 @@ impl Store {
         let rows: Vec<MessageRow> = sqlx::query_as(concat!(
             "SELECT ",
             message_columns!(),
-            " FROM messages WHERE conversation_id = ?1 ORDER BY position"
+            " FROM messages WHERE conversation_id = $1 ORDER BY position"
         ))
         .bind(conversation.to_string())
         .fetch_all(&self.pool)
@@ -579,7 +734,7 @@ impl Store {
         let row: Option<MessageRow> = sqlx::query_as(concat!(
             "SELECT ",
             message_columns!(),
-            " FROM messages WHERE id = ?1"
+            " FROM messages WHERE id = $1"
         ))
         .bind(id.to_string())
         .fetch_optional(&self.pool)
@@ -596,7 +751,7 @@ impl Store {
         content: &str,
     ) -> Result<Message, StoreError> {
         let now = now_micros();
-        let mut tx = WriteTx::begin(&self.pool).await?;
+        let mut tx = WriteTx::begin(self).await?;
         if !touch(&mut tx, conversation, now, Some(content)).await? {
             tx.rollback().await?;
             return Err(StoreError::ConversationNotFound(conversation));
@@ -608,6 +763,7 @@ impl Store {
             content,
             MessageStatus::Complete,
             now,
+            None,
         )
         .await?;
         tx.commit().await?;
@@ -618,7 +774,7 @@ impl Store {
     /// generated. [`StoreError::ConversationNotFound`] when the conversation does not exist.
     pub async fn start_assistant_message(&self, conversation: Uuid) -> Result<Message, StoreError> {
         let now = now_micros();
-        let mut tx = WriteTx::begin(&self.pool).await?;
+        let mut tx = WriteTx::begin(self).await?;
         if !touch(&mut tx, conversation, now, None).await? {
             tx.rollback().await?;
             return Err(StoreError::ConversationNotFound(conversation));
@@ -630,6 +786,7 @@ impl Store {
             "",
             MessageStatus::Streaming,
             now,
+            self.replica_id(),
         )
         .await?;
         tx.commit().await?;
@@ -648,11 +805,11 @@ impl Store {
             return Err(StoreError::InvalidStatus(reply.status.as_str()));
         }
         let timings = encode_json("timings", &reply.timings.sanitized())?;
-        let mut tx = WriteTx::begin(&self.pool).await?;
+        let mut tx = WriteTx::begin(self).await?;
         let row: Option<MessageRow> = sqlx::query_as(concat!(
-            "UPDATE messages SET content = ?1, reasoning = ?2, raw = ?3, status = ?4, error = ?5, \
-             prompt_tokens = ?6, completion_tokens = ?7, cached_tokens = ?8, timings = ?9 \
-             WHERE id = ?10 AND role = 'assistant' RETURNING ",
+            "UPDATE messages SET content = $1, reasoning = $2, raw = $3, status = $4, error = $5, \
+             prompt_tokens = $6, completion_tokens = $7, cached_tokens = $8, timings = $9 \
+             WHERE id = $10 AND role = 'assistant' RETURNING ",
             message_columns!()
         ))
         .bind(&reply.content)
@@ -671,7 +828,7 @@ impl Store {
             tx.rollback().await?;
             return Err(StoreError::MessageNotFound(id));
         };
-        sqlx::query("UPDATE conversations SET updated_at = ?1 WHERE id = ?2")
+        sqlx::query("UPDATE conversations SET updated_at = $1 WHERE id = $2")
             .bind(now_micros())
             .bind(&row.conversation_id)
             .execute(&mut *tx)
@@ -694,15 +851,15 @@ impl Store {
     ) -> Result<(Message, Message), StoreError> {
         let now = now_micros();
         let conversation_id = conversation.to_string();
-        let mut tx = WriteTx::begin(&self.pool).await?;
+        let mut tx = WriteTx::begin(self).await?;
         if !touch(&mut tx, conversation, now, Some(content)).await? {
             tx.rollback().await?;
             return Err(StoreError::ConversationNotFound(conversation));
         }
         if let Some(from) = replacing {
             let deleted = sqlx::query(
-                "DELETE FROM messages WHERE conversation_id = ?1 AND position >= \
-                 (SELECT position FROM messages WHERE id = ?2 AND conversation_id = ?1 \
+                "DELETE FROM messages WHERE conversation_id = $1 AND position >= \
+                 (SELECT position FROM messages WHERE id = $2 AND conversation_id = $1 \
                   AND role = 'user')",
             )
             .bind(&conversation_id)
@@ -722,6 +879,7 @@ impl Store {
             content,
             MessageStatus::Complete,
             now,
+            None,
         )
         .await?;
         let assistant = insert_message(
@@ -731,6 +889,7 @@ impl Store {
             "",
             MessageStatus::Streaming,
             now,
+            self.replica_id(),
         )
         .await?;
         tx.commit().await?;
@@ -747,8 +906,8 @@ impl Store {
         raw: &str,
     ) -> Result<bool, StoreError> {
         let updated = sqlx::query(
-            "UPDATE messages SET content = ?1, reasoning = ?2, raw = ?3 \
-             WHERE id = ?4 AND role = 'assistant' AND status = 'streaming'",
+            "UPDATE messages SET content = $1, reasoning = $2, raw = $3 \
+             WHERE id = $4 AND role = 'assistant' AND status = 'streaming'",
         )
         .bind(content)
         .bind(reasoning)
@@ -769,11 +928,11 @@ impl Store {
         from_message: Uuid,
     ) -> Result<u64, StoreError> {
         let conversation_id = conversation.to_string();
-        let mut tx = WriteTx::begin(&self.pool).await?;
+        let mut tx = WriteTx::begin(self).await?;
         // The sub-select is NULL for an unknown message, and `position >= NULL` matches nothing.
         let deleted = sqlx::query(
-            "DELETE FROM messages WHERE conversation_id = ?1 AND position >= \
-             (SELECT position FROM messages WHERE id = ?2 AND conversation_id = ?1)",
+            "DELETE FROM messages WHERE conversation_id = $1 AND position >= \
+             (SELECT position FROM messages WHERE id = $2 AND conversation_id = $1)",
         )
         .bind(&conversation_id)
         .bind(from_message.to_string())
@@ -781,7 +940,7 @@ impl Store {
         .await?
         .rows_affected();
         if deleted > 0 {
-            sqlx::query("UPDATE conversations SET updated_at = ?1 WHERE id = ?2")
+            sqlx::query("UPDATE conversations SET updated_at = $1 WHERE id = $2")
                 .bind(now_micros())
                 .bind(&conversation_id)
                 .execute(&mut *tx)
@@ -791,17 +950,26 @@ impl Store {
         Ok(deleted)
     }
 
-    /// `PRAGMA integrity_check`: "ok" for a sound database, else SQLite's findings, one a line.
+    /// `PRAGMA integrity_check` on SQLite: "ok" for a sound database, else SQLite's findings, one
+    /// a line. PostgreSQL has no such statement (it checks its own pages when data checksums are
+    /// on); there this is a round trip that answers "ok" when the database answers.
     pub async fn integrity_check(&self) -> Result<String, StoreError> {
+        if self.backend == Backend::Postgres {
+            self.ping().await?;
+            return Ok("ok".to_string());
+        }
         let lines: Vec<String> = sqlx::query_scalar("PRAGMA integrity_check")
             .fetch_all(&self.pool)
             .await?;
         Ok(lines.join("\n"))
     }
 
-    /// The journal mode in effect: "wal" for a file database ("memory" for an in-memory one,
-    /// which cannot use WAL).
+    /// SQLite's journal mode in effect: "wal" for a file database ("memory" for an in-memory
+    /// one, which cannot use WAL); "postgres" on PostgreSQL, which has its own write-ahead log.
     pub async fn journal_mode(&self) -> Result<String, StoreError> {
+        if self.backend == Backend::Postgres {
+            return Ok("postgres".to_string());
+        }
         let mode: String = sqlx::query_scalar("PRAGMA journal_mode")
             .fetch_one(&self.pool)
             .await?;
@@ -828,8 +996,8 @@ async fn touch(
     user_message: Option<&str>,
 ) -> Result<bool, StoreError> {
     let touched = sqlx::query(
-        "UPDATE conversations SET updated_at = ?1, \
-         title = CASE WHEN title = '' AND ?2 IS NOT NULL THEN ?2 ELSE title END WHERE id = ?3",
+        "UPDATE conversations SET updated_at = $1, \
+         title = CASE WHEN title = '' AND $2 IS NOT NULL THEN $2 ELSE title END WHERE id = $3",
     )
     .bind(now)
     .bind(user_message.map(derive_title))
@@ -849,15 +1017,22 @@ async fn touch(
 /// returning it: closing makes SQLite discard whatever was left of the transaction, and the pool
 /// opens a fresh connection when it needs one, so one fault never outlives its request.
 struct WriteTx {
-    conn: sqlx::pool::PoolConnection<sqlx::Sqlite>,
+    conn: sqlx::pool::PoolConnection<sqlx::Any>,
     /// Ended cleanly (committed or rolled back on purpose): the connection may be reused.
     committed: bool,
 }
 
 impl WriteTx {
-    async fn begin(pool: &SqlitePool) -> Result<WriteTx, StoreError> {
-        let mut conn = pool.acquire().await?;
-        if let Err(e) = sqlx::query("BEGIN IMMEDIATE").execute(&mut *conn).await {
+    async fn begin(store: &Store) -> Result<WriteTx, StoreError> {
+        let mut conn = store.pool.acquire().await?;
+        // PostgreSQL: READ COMMITTED. Every transaction that appends messages first updates the
+        // conversation's row (`touch`), whose row lock orders writers of one conversation the way
+        // SQLite's single write lock orders all of them.
+        let begin = match store.backend {
+            Backend::Sqlite => "BEGIN IMMEDIATE",
+            Backend::Postgres => "BEGIN",
+        };
+        if let Err(e) = sqlx::query(begin).execute(&mut *conn).await {
             conn.close_on_drop();
             return Err(e.into());
         }
@@ -884,7 +1059,7 @@ impl WriteTx {
 }
 
 impl std::ops::Deref for WriteTx {
-    type Target = sqlx::SqliteConnection;
+    type Target = sqlx::AnyConnection;
     fn deref(&self) -> &Self::Target {
         &self.conn
     }
@@ -911,11 +1086,13 @@ async fn insert_message(
     content: &str,
     status: MessageStatus,
     created_at: i64,
+    replica: Option<Uuid>,
 ) -> Result<MessageRow, StoreError> {
-    let row: MessageRow = sqlx::query_as(concat!(
-        "INSERT INTO messages (id, conversation_id, position, role, content, status, created_at) \
-         SELECT ?1, ?2, COALESCE(MAX(position), 0) + 1, ?3, ?4, ?5, ?6 \
-         FROM messages WHERE conversation_id = ?2 RETURNING ",
+    let inserted: Result<MessageRow, sqlx::Error> = sqlx::query_as(concat!(
+        "INSERT INTO messages (id, conversation_id, position, role, content, status, created_at, \
+         replica_id) \
+         SELECT $1, $2, COALESCE(MAX(position), 0) + 1, $3, $4, $5, $6, $7 \
+         FROM messages WHERE conversation_id = $2 RETURNING ",
         message_columns!()
     ))
     .bind(Uuid::now_v7().to_string())
@@ -924,9 +1101,25 @@ async fn insert_message(
     .bind(content)
     .bind(status.as_str())
     .bind(created_at)
+    .bind(
+        (status == MessageStatus::Streaming)
+            .then_some(replica)
+            .flatten()
+            .map(|r| r.to_string()),
+    )
     .fetch_one(&mut **tx)
-    .await?;
-    Ok(row)
+    .await;
+    match inserted {
+        Ok(row) => Ok(row),
+        // `messages_one_streaming`: another reply of this conversation is streaming (on any
+        // replica).
+        Err(sqlx::Error::Database(e))
+            if status == MessageStatus::Streaming && e.is_unique_violation() =>
+        {
+            Err(StoreError::ReplyInProgress(conversation))
+        }
+        Err(e) => Err(e.into()),
+    }
 }
 
 /// The `(updated_at, id)` bind values of a cursor (both NULL for the first page).

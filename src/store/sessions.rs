@@ -32,7 +32,7 @@ impl Store {
         let expires = now.saturating_add(ttl.num_microseconds().unwrap_or(i64::MAX));
         let row: SessionRow = sqlx::query_as(concat!(
             "INSERT INTO sessions (id, kind, subject, fingerprint, created_at, expires_at, \
-             last_seen_at) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?5) RETURNING ",
+             last_seen_at) VALUES ($1, $2, $3, $4, $5, $6, $5) RETURNING ",
             session_columns!()
         ))
         .bind(id)
@@ -60,8 +60,8 @@ impl Store {
         let row: Option<SessionRow> = sqlx::query_as(concat!(
             "SELECT ",
             session_columns!(),
-            " FROM sessions WHERE id = ?1 AND kind = ?2 AND fingerprint = ?3 \
-              AND revoked_at IS NULL AND expires_at > ?4"
+            " FROM sessions WHERE id = $1 AND kind = $2 AND fingerprint = $3 \
+              AND revoked_at IS NULL AND expires_at > $4"
         ))
         .bind(id)
         .bind(kind.as_str())
@@ -75,7 +75,7 @@ impl Store {
         if now.saturating_sub(row.last_seen_at) >= LAST_SEEN_RESOLUTION_MICROS {
             // Informational only: a database that cannot take the write right now (full disk,
             // locked) must not turn a valid session into a refusal.
-            match sqlx::query("UPDATE sessions SET last_seen_at = ?1 WHERE id = ?2")
+            match sqlx::query("UPDATE sessions SET last_seen_at = $1 WHERE id = $2")
                 .bind(now)
                 .bind(id)
                 .execute(&self.pool)
@@ -93,7 +93,7 @@ impl Store {
         let row: Option<SessionRow> = sqlx::query_as(concat!(
             "SELECT ",
             session_columns!(),
-            " FROM sessions WHERE id = ?1"
+            " FROM sessions WHERE id = $1"
         ))
         .bind(id)
         .fetch_optional(&self.pool)
@@ -105,7 +105,7 @@ impl Store {
     /// revoked.
     pub async fn revoke_session(&self, id: &str) -> Result<bool, StoreError> {
         let result =
-            sqlx::query("UPDATE sessions SET revoked_at = ?1 WHERE id = ?2 AND revoked_at IS NULL")
+            sqlx::query("UPDATE sessions SET revoked_at = $1 WHERE id = $2 AND revoked_at IS NULL")
                 .bind(now_micros())
                 .bind(id)
                 .execute(&self.pool)
@@ -121,8 +121,8 @@ impl Store {
         subject: &str,
     ) -> Result<u64, StoreError> {
         let result = sqlx::query(
-            "UPDATE sessions SET revoked_at = ?1 \
-             WHERE kind = ?2 AND subject = ?3 AND revoked_at IS NULL",
+            "UPDATE sessions SET revoked_at = $1 \
+             WHERE kind = $2 AND subject = $3 AND revoked_at IS NULL",
         )
         .bind(now_micros())
         .bind(kind.as_str())
@@ -134,7 +134,7 @@ impl Store {
 
     /// Deletes every expired session (revoked ones go too once they expire); returns how many.
     pub async fn purge_expired_sessions(&self) -> Result<u64, StoreError> {
-        let result = sqlx::query("DELETE FROM sessions WHERE expires_at <= ?1")
+        let result = sqlx::query("DELETE FROM sessions WHERE expires_at <= $1")
             .bind(now_micros())
             .execute(&self.pool)
             .await?;

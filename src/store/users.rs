@@ -9,7 +9,9 @@ use std::str::FromStr;
 
 use chrono::{DateTime, Utc};
 
-use super::{corrupt, now_micros, parse_time, SessionRecord, Store, StoreError, WriteTx};
+use super::{
+    corrupt, now_micros, parse_time, Backend, SessionRecord, Store, StoreError, WriteTx,
+};
 
 /// `last_seen_at` / `last_used_at` are only rewritten when older than this, so a busy client
 /// does not turn every request into a committed (fsynced) write.
@@ -150,11 +152,11 @@ impl Store {
     /// and moves `adopt_from`'s conversations to it. Refusals change nothing.
     pub async fn create_user(&self, new: &NewUser<'_>) -> Result<CreatedUser, StoreError> {
         let now = now_micros();
-        let mut tx = WriteTx::begin(&self.pool).await?;
+        let mut tx = WriteTx::begin(self).await?;
         if let Some(invite) = new.invite {
             let used = sqlx::query(
-                "UPDATE invites SET used_at = ?1 \
-                 WHERE id = ?2 AND used_at IS NULL AND expires_at > ?1",
+                "UPDATE invites SET used_at = $1 \
+                 WHERE id = $2 AND used_at IS NULL AND expires_at > $1",
             )
             .bind(now)
             .bind(invite)
@@ -167,7 +169,7 @@ impl Store {
         }
         let inserted: Result<UserRow, sqlx::Error> = sqlx::query_as(concat!(
             "INSERT INTO users (id, name, password_hash, role, created_at) \
-             VALUES (?1, ?2, ?3, ?4, ?5) RETURNING ",
+             VALUES ($1, $2, $3, $4, $5) RETURNING ",
             user_columns!()
         ))
         .bind(new.id)
@@ -186,7 +188,7 @@ impl Store {
             Err(e) => return Err(e.into()),
         };
         if let Some(invite) = new.invite {
-            sqlx::query("UPDATE invites SET used_by = ?1 WHERE id = ?2")
+            sqlx::query("UPDATE invites SET used_by = $1 WHERE id = $2")
                 .bind(new.id)
                 .bind(invite)
                 .execute(&mut *tx)
@@ -206,7 +208,7 @@ impl Store {
     /// Moves every conversation of owner `from` to owner `to` in one transaction; returns how
     /// many moved.
     pub async fn reown_conversations(&self, from: &str, to: &str) -> Result<u64, StoreError> {
-        let mut tx = WriteTx::begin(&self.pool).await?;
+        let mut tx = WriteTx::begin(self).await?;
         let n = reown(&mut tx, from, to).await?;
         tx.commit().await?;
         Ok(n)
@@ -223,7 +225,7 @@ impl Store {
         let row: Option<UserRow> = sqlx::query_as(concat!(
             "SELECT ",
             user_columns!(),
-            " FROM users WHERE name = ?1"
+            " FROM users WHERE lower(name) = lower($1)"
         ))
         .bind(name)
         .fetch_optional(&self.pool)
@@ -235,7 +237,7 @@ impl Store {
         let row: Option<UserRow> = sqlx::query_as(concat!(
             "SELECT ",
             user_columns!(),
-            " FROM users WHERE id = ?1"
+            " FROM users WHERE id = $1"
         ))
         .bind(id)
         .fetch_optional(&self.pool)
@@ -253,15 +255,15 @@ impl Store {
             "SELECT ",
             user_columns_u!(),
             ", (SELECT COUNT(*) FROM conversations c WHERE c.owner = u.id) AS conversations, \
-             (SELECT COALESCE(SUM(COALESCE(m.prompt_tokens, 0) \
+             CAST((SELECT COALESCE(SUM(COALESCE(m.prompt_tokens, 0) \
                                  + COALESCE(m.completion_tokens, 0)), 0) \
                 FROM messages m JOIN conversations c ON c.id = m.conversation_id \
-               WHERE c.owner = u.id) \
+               WHERE c.owner = u.id) AS BIGINT) \
              + COALESCE((SELECT a.prompt_tokens + a.completion_tokens FROM api_usage a \
                           WHERE a.owner = u.id), 0) AS tokens, \
              (SELECT COUNT(*) FROM sessions s WHERE s.kind = 'user' AND s.subject = u.id \
-                 AND s.revoked_at IS NULL AND s.expires_at > ?3) AS active_sessions \
-             FROM users u ORDER BY u.name COLLATE NOCASE LIMIT ?1 OFFSET ?2"
+                 AND s.revoked_at IS NULL AND s.expires_at > $3) AS active_sessions \
+             FROM users u ORDER BY lower(u.name), u.id LIMIT $1 OFFSET $2"
         ))
         .bind(limit)
         .bind(offset)
@@ -289,9 +291,15 @@ impl Store {
             what: "ids",
             source,
         })?;
-        let rows: Vec<(String, String)> = sqlx::query_as(
-            "SELECT id, name FROM users WHERE id IN (SELECT value FROM json_each(?1))",
-        )
+        let rows: Vec<(String, String)> = sqlx::query_as(match self.backend {
+            Backend::Sqlite => {
+                "SELECT id, name FROM users WHERE id IN (SELECT value FROM json_each($1))"
+            }
+            Backend::Postgres => {
+                "SELECT id, name FROM users WHERE id IN \
+                 (SELECT json_array_elements_text(CAST($1 AS json)))"
+            }
+        })
         .bind(list)
         .fetch_all(&self.pool)
         .await?;
@@ -302,8 +310,8 @@ impl Store {
     /// transaction. `false` when there is no such user.
     pub async fn set_password(&self, id: &str, password_hash: &str) -> Result<bool, StoreError> {
         let now = now_micros();
-        let mut tx = WriteTx::begin(&self.pool).await?;
-        let changed = sqlx::query("UPDATE users SET password_hash = ?1 WHERE id = ?2")
+        let mut tx = WriteTx::begin(self).await?;
+        let changed = sqlx::query("UPDATE users SET password_hash = $1 WHERE id = $2")
             .bind(password_hash)
             .bind(id)
             .execute(&mut *tx)
@@ -319,10 +327,10 @@ impl Store {
     /// such user.
     pub async fn set_disabled(&self, id: &str, disabled: bool) -> Result<bool, StoreError> {
         let now = now_micros();
-        let mut tx = WriteTx::begin(&self.pool).await?;
+        let mut tx = WriteTx::begin(self).await?;
         let changed = sqlx::query(
-            "UPDATE users SET disabled_at = CASE WHEN ?1 THEN COALESCE(disabled_at, ?2) END \
-             WHERE id = ?3",
+            "UPDATE users SET disabled_at = CASE WHEN $1 THEN COALESCE(disabled_at, $2) END \
+             WHERE id = $3",
         )
         .bind(disabled)
         .bind(now)
@@ -342,8 +350,8 @@ impl Store {
     pub async fn touch_user(&self, id: &str) -> Result<(), StoreError> {
         let now = now_micros();
         sqlx::query(
-            "UPDATE users SET last_seen_at = ?1 \
-             WHERE id = ?2 AND (last_seen_at IS NULL OR last_seen_at <= ?1 - ?3)",
+            "UPDATE users SET last_seen_at = $1 \
+             WHERE id = $2 AND (last_seen_at IS NULL OR last_seen_at <= $1 - $3)",
         )
         .bind(now)
         .bind(id)
@@ -396,7 +404,7 @@ impl Store {
     ) -> Result<ApiKeyRecord, StoreError> {
         let row: KeyRow = sqlx::query_as(concat!(
             "INSERT INTO api_keys (id, user_id, name, prefix, created_at) \
-             VALUES (?1, ?2, ?3, ?4, ?5) RETURNING ",
+             VALUES ($1, $2, $3, $4, $5) RETURNING ",
             key_columns!()
         ))
         .bind(id)
@@ -418,7 +426,7 @@ impl Store {
             user_columns_u!(),
             ", k.last_used_at AS key_last_used_at \
              FROM api_keys k JOIN users u ON u.id = k.user_id \
-             WHERE k.id = ?1 AND k.revoked_at IS NULL AND u.disabled_at IS NULL"
+             WHERE k.id = $1 AND k.revoked_at IS NULL AND u.disabled_at IS NULL"
         ))
         .bind(id)
         .fetch_optional(&self.pool)
@@ -431,7 +439,7 @@ impl Store {
             .is_some_and(|t| now.saturating_sub(t) < SEEN_RESOLUTION_MICROS);
         if !recent {
             // Informational: a database that cannot take the write must not refuse a valid key.
-            if let Err(e) = sqlx::query("UPDATE api_keys SET last_used_at = ?1 WHERE id = ?2")
+            if let Err(e) = sqlx::query("UPDATE api_keys SET last_used_at = $1 WHERE id = $2")
                 .bind(now)
                 .bind(id)
                 .execute(&self.pool)
@@ -448,7 +456,7 @@ impl Store {
         let rows: Vec<KeyRow> = sqlx::query_as(concat!(
             "SELECT ",
             key_columns!(),
-            " FROM api_keys WHERE user_id = ?1 ORDER BY created_at DESC"
+            " FROM api_keys WHERE user_id = $1 ORDER BY created_at DESC"
         ))
         .bind(user_id)
         .fetch_all(&self.pool)
@@ -459,8 +467,8 @@ impl Store {
     /// Revokes `user_id`'s key `id`; `false` when it is not theirs or already revoked.
     pub async fn revoke_api_key(&self, user_id: &str, id: &str) -> Result<bool, StoreError> {
         let r = sqlx::query(
-            "UPDATE api_keys SET revoked_at = ?1 \
-             WHERE id = ?2 AND user_id = ?3 AND revoked_at IS NULL",
+            "UPDATE api_keys SET revoked_at = $1 \
+             WHERE id = $2 AND user_id = $3 AND revoked_at IS NULL",
         )
         .bind(now_micros())
         .bind(id)
@@ -473,7 +481,7 @@ impl Store {
     /// Stores an invite (`id` = SHA-256 of the code) valid for `ttl`.
     pub async fn create_invite(&self, id: &str, ttl: chrono::Duration) -> Result<(), StoreError> {
         let now = now_micros();
-        sqlx::query("INSERT INTO invites (id, created_at, expires_at) VALUES (?1, ?2, ?3)")
+        sqlx::query("INSERT INTO invites (id, created_at, expires_at) VALUES ($1, $2, $3)")
             .bind(id)
             .bind(now)
             .bind(now.saturating_add(ttl.num_microseconds().unwrap_or(i64::MAX)))
@@ -491,10 +499,10 @@ impl Store {
     ) -> Result<(), StoreError> {
         sqlx::query(
             "INSERT INTO api_usage (owner, requests, prompt_tokens, completion_tokens, last_at) \
-             VALUES (?1, 1, ?2, ?3, ?4) \
-             ON CONFLICT (owner) DO UPDATE SET requests = requests + 1, \
-               prompt_tokens = prompt_tokens + excluded.prompt_tokens, \
-               completion_tokens = completion_tokens + excluded.completion_tokens, \
+             VALUES ($1, 1, $2, $3, $4) \
+             ON CONFLICT (owner) DO UPDATE SET requests = api_usage.requests + 1, \
+               prompt_tokens = api_usage.prompt_tokens + excluded.prompt_tokens, \
+               completion_tokens = api_usage.completion_tokens + excluded.completion_tokens, \
                last_at = excluded.last_at",
         )
         .bind(owner)
@@ -508,7 +516,7 @@ impl Store {
 
     pub async fn api_usage(&self, owner: &str) -> Result<ApiUsage, StoreError> {
         let row: Option<(i64, i64, i64)> = sqlx::query_as(
-            "SELECT requests, prompt_tokens, completion_tokens FROM api_usage WHERE owner = ?1",
+            "SELECT requests, prompt_tokens, completion_tokens FROM api_usage WHERE owner = $1",
         )
         .bind(owner)
         .fetch_optional(&self.pool)
@@ -522,7 +530,7 @@ impl Store {
 }
 
 async fn reown(tx: &mut WriteTx, from: &str, to: &str) -> Result<u64, StoreError> {
-    let r = sqlx::query("UPDATE conversations SET owner = ?1 WHERE owner = ?2")
+    let r = sqlx::query("UPDATE conversations SET owner = $1 WHERE owner = $2")
         .bind(to)
         .bind(from)
         .execute(&mut **tx)
@@ -532,8 +540,8 @@ async fn reown(tx: &mut WriteTx, from: &str, to: &str) -> Result<u64, StoreError
 
 async fn revoke_user_sessions(tx: &mut WriteTx, id: &str, now: i64) -> Result<u64, StoreError> {
     let r = sqlx::query(
-        "UPDATE sessions SET revoked_at = ?1 \
-         WHERE kind = 'user' AND subject = ?2 AND revoked_at IS NULL",
+        "UPDATE sessions SET revoked_at = $1 \
+         WHERE kind = 'user' AND subject = $2 AND revoked_at IS NULL",
     )
     .bind(now)
     .bind(id)

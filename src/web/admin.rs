@@ -74,10 +74,31 @@ pub struct AdminRow {
     pub state: &'static str,
     pub kv: String,
     pub active: bool,
+    /// The replica holding the conversation's KV cache ("—": none).
+    pub replica: String,
+}
+
+/// One replica on the admin page.
+pub struct ReplicaView {
+    pub name: String,
+    pub url: String,
+    /// "live", "stopped" or "dead" (no heartbeat within the lease).
+    pub state: &'static str,
+    /// The replica serving this page.
+    pub here: bool,
+    pub heartbeat: String,
+    pub queued: usize,
+    pub running: usize,
+    pub tokens_per_s: String,
+    pub kv: String,
+    pub streams: usize,
+    pub held_count: usize,
 }
 
 pub struct LiveView {
     pub engine: EngineView,
+    /// Every replica on the database, live or gone within the hour.
+    pub replicas: Vec<ReplicaView>,
     pub rows: Vec<AdminRow>,
     pub updated: String,
     /// The cursor this page starts after ("" for the newest page); the poll keeps it.
@@ -272,6 +293,40 @@ async fn live_view(state: &AppState, before: &str) -> Result<LiveView, PageError
         o
     };
     let names = p.store.user_names(&owners).await?;
+    let replicas = p.cluster.replicas().await?;
+    let mut holders: HashMap<uuid::Uuid, String> = HashMap::new();
+    for r in replicas.iter().filter(|r| r.live) {
+        for id in &r.load.held {
+            holders.insert(*id, r.name.clone());
+        }
+    }
+    let me = p.cluster.me().id;
+    let now = chrono::Utc::now();
+    let replica_views = replicas
+        .iter()
+        .map(|r| ReplicaView {
+            name: r.name.clone(),
+            url: r.url.clone(),
+            state: if r.live {
+                "live"
+            } else if r.stopped_at.is_some() {
+                "stopped"
+            } else {
+                "dead"
+            },
+            here: r.id == me,
+            heartbeat: format!(
+                "{:.0} s ago",
+                (now - r.heartbeat_at).num_milliseconds().max(0) as f64 / 1e3
+            ),
+            queued: r.load.queued,
+            running: r.load.running,
+            tokens_per_s: format!("{:.1}", r.load.tokens_per_s),
+            kv: format!("{} of {}", mib(r.load.kv_bytes), mib(r.load.kv_budget_bytes)),
+            streams: r.load.streams,
+            held_count: r.load.held_count,
+        })
+        .collect();
     let rows = list
         .iter()
         .zip(states.iter().chain(std::iter::repeat(&SequenceState::Idle)))
@@ -281,6 +336,10 @@ async fn live_view(state: &AppState, before: &str) -> Result<LiveView, PageError
                 kv: caches
                     .get(&key)
                     .map(|b| mib(*b))
+                    .unwrap_or_else(|| "—".into()),
+                replica: holders
+                    .get(&c.id)
+                    .cloned()
                     .unwrap_or_else(|| "—".into()),
                 id: key,
                 // The account's name, or enough of a guest's id to tell guests apart.
@@ -323,6 +382,7 @@ async fn live_view(state: &AppState, before: &str) -> Result<LiveView, PageError
             evictions: stats.evictions,
             generated_tokens: stats.generated_tokens,
         },
+        replicas: replica_views,
         rows,
         updated: chrono::Utc::now().format("%H:%M:%S UTC").to_string(),
         before: page.before.map(|c| c.encode()).unwrap_or_default(),

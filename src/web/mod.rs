@@ -28,6 +28,7 @@ pub mod api;
 pub mod csrf;
 pub mod error;
 pub mod events;
+pub mod forward;
 pub mod json;
 pub mod markdown;
 pub mod openai;
@@ -87,6 +88,11 @@ fn release<K: std::hash::Hash + Eq>(map: &mut std::collections::HashMap<K, usize
 }
 
 impl StreamCounter {
+    /// Open event streams in all.
+    pub fn total(&self) -> usize {
+        self.open.lock().unwrap_or_else(|p| p.into_inner()).total
+    }
+
     /// Takes a place for `owner`'s stream on `conversation`, or says which limit is reached.
     pub fn open(
         state: &web::Data<AppState>,
@@ -169,6 +175,8 @@ pub struct AppState {
     pub admin: Option<AdminAuth>,
     /// User accounts: sign-up, sign-in, sessions, API keys (see [`account`]).
     pub accounts: Accounts,
+    /// Forwards conversation turns to the replica holding their KV cache (see [`forward`]).
+    pub forward: reqwest::Client,
 }
 
 /// The largest body `POST /api/conversations/import` reads (an exported conversation).
@@ -393,7 +401,16 @@ pub async fn run(platform: Platform) -> io::Result<()> {
         metrics: metrics.clone(),
         admin,
         accounts,
+        forward: forward::client(),
     });
+    // The heartbeat reports the open streams (weakly held: the state owns the platform).
+    let counted = std::sync::Arc::downgrade(&state.clone().into_inner());
+    state
+        .platform
+        .cluster
+        .attach_stream_count(std::sync::Arc::new(move || {
+            counted.upgrade().map_or(0, |s| s.streams.total())
+        }));
 
     if let Some(handle) = metrics {
         // Histograms are drained into their buckets by upkeep; without it they grow unbounded.
@@ -428,6 +445,7 @@ pub async fn run(platform: Platform) -> io::Result<()> {
             .app_data(
                 web::JsonConfig::default().error_handler(move |e, _| json_error(e.to_string())),
             )
+            .wrap(from_fn(forward::affinity))
             .wrap(from_fn(limit_url))
             .configure(routes)
             .default_service(web::to(not_found))
@@ -456,6 +474,7 @@ pub async fn run(platform: Platform) -> io::Result<()> {
         handle.stop(true).await;
     });
     server.await?;
+    state.platform.cluster.leave().await;
     state.platform.store.close().await;
     tracing::info!("smolchat stopped");
     Ok(())

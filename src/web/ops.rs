@@ -12,6 +12,9 @@ use serde_json::json;
 use super::AppState;
 use crate::actors::scheduler::{GetStats, ModelAlive};
 
+/// How long `/readyz` waits for the database.
+const DATABASE_CHECK: std::time::Duration = std::time::Duration::from_secs(2);
+
 static RECORDER: OnceLock<Option<PrometheusHandle>> = OnceLock::new();
 
 /// Step latencies from 1 ms to 10 s: a decode step of a small model takes milliseconds, a large
@@ -81,6 +84,11 @@ fn describe() {
         "smolchat_live_sessions",
         "Conversation session actors alive"
     );
+    describe_counter!(
+        "smolchat_forwarded_turns_total",
+        "Conversation turns sent to the replica holding their cache (forwarded), or answered here because it could not be reached (fallback)"
+    );
+    describe_gauge!("smolchat_live_replicas", "Replicas alive on the shared database");
     describe_histogram!(
         "smolchat_step_seconds",
         Unit::Seconds,
@@ -104,22 +112,42 @@ pub async fn readyz(state: web::Data<AppState>) -> HttpResponse {
             .send(ModelAlive)
             .await
             .unwrap_or(false);
+    // Every request needs the database: a replica that cannot reach it must leave the load
+    // balancer's rotation.
+    let database = match tokio::time::timeout(DATABASE_CHECK, state.platform.store.ping()).await {
+        Ok(Ok(())) => Ok(()),
+        Ok(Err(e)) => Err(e.to_string()),
+        Err(_) => Err(format!(
+            "no answer within {} s",
+            DATABASE_CHECK.as_secs_f64()
+        )),
+    };
     let shutting_down = !state.ready.load(Ordering::Acquire);
-    if !shutting_down && model_alive {
+    let replica = &state.platform.cluster.me().name;
+    if !shutting_down && model_alive && database.is_ok() {
         HttpResponse::Ok().json(json!({
             "status": "ready",
             "model": state.platform.model.id,
             "context_window": state.platform.model.context_window,
+            "database": state.platform.store.backend().as_str(),
+            "replica": replica,
         }))
     } else {
         let message = if shutting_down {
-            "the server is shutting down"
-        } else {
+            "the server is shutting down".to_string()
+        } else if !model_alive {
             "the model thread has stopped; the server cannot generate replies (see its log) \
              and must be restarted"
+                .to_string()
+        } else {
+            format!(
+                "the database cannot be reached ({}); replies cannot be saved",
+                database.err().unwrap_or_default()
+            )
         };
         HttpResponse::ServiceUnavailable().json(json!({
             "status": "not ready",
+            "replica": replica,
             "error": { "message": message, "type": "unavailable" },
         }))
     }
@@ -162,6 +190,7 @@ pub async fn metrics(state: web::Data<AppState>, req: HttpRequest) -> HttpRespon
         metrics::gauge!("smolchat_tokens_per_second").set(s.tokens_per_s);
     }
     metrics::gauge!("smolchat_live_sessions").set(state.platform.sessions.all().len() as f64);
+    metrics::gauge!("smolchat_live_replicas").set(state.platform.cluster.live().len() as f64);
     HttpResponse::Ok()
         .content_type("text/plain; version=0.0.4; charset=utf-8")
         .body(handle.render())

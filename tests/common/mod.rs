@@ -3,6 +3,7 @@
 
 pub mod browser_client;
 pub mod chromium;
+pub mod pg;
 pub mod server;
 
 use std::path::PathBuf;

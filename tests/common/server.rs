@@ -20,6 +20,7 @@ pub const EVENT_TIMEOUT: Duration = Duration::from_secs(60);
 /// A running `smolchat serve` child process. Killed (SIGKILL) on drop.
 pub struct Server {
     child: Option<Child>,
+    pub port: u16,
     pub base: String,
     pub database_url: String,
     pub log: PathBuf,
@@ -31,6 +32,13 @@ impl Server {
     /// `/readyz` answers 200.
     pub async fn start(dir: &Path, env: &[(&str, &str)]) -> Server {
         let database_url = format!("sqlite://{}", dir.join("db.sqlite").display());
+        Server::start_on(dir, &database_url, env).await
+    }
+
+    /// Starts a server on `database_url` (e.g. a PostgreSQL database shared with other
+    /// replicas), its log in `dir`.
+    pub async fn start_on(dir: &Path, database_url: &str, env: &[(&str, &str)]) -> Server {
+        let database_url = database_url.to_string();
         let mut last_log = String::new();
         // A port picked free can be taken by someone else before the server binds it; retry.
         for attempt in 0..3 {
@@ -39,6 +47,7 @@ impl Server {
             let child = spawn(port, &database_url, &log, env);
             let mut server = Server {
                 child: Some(child),
+                port,
                 base: format!("http://127.0.0.1:{port}"),
                 database_url: database_url.clone(),
                 log,
@@ -133,7 +142,7 @@ impl Drop for Server {
     }
 }
 
-fn free_port() -> u16 {
+pub fn free_port() -> u16 {
     let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind a free port");
     listener.local_addr().expect("local addr").port()
 }

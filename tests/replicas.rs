@@ -1,0 +1,445 @@
+//! Three `smolchat serve` replicas on one PostgreSQL database, behind nginx (round robin, as a
+//! load balancer that knows nothing of conversations would route): many users' turns through
+//! JSON + SSE lose nothing; a viewer that reconnects to another replica mid-reply receives the
+//! rest of it; stop and delete work from any replica; a replica killed mid-reply has its reply
+//! marked interrupted while the others' replies finish, and its users continue elsewhere.
+//!
+//! Skipped (with the reason printed) where no PostgreSQL server or nginx can be had; `make test`
+//! installs and starts both.
+
+mod common;
+
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::server::{free_port, Client, Server, SseStream, EVENT_TIMEOUT};
+use reqwest::StatusCode;
+use serde_json::{json, Value};
+
+/// Shared by every replica: a cookie signed by one is valid on the others.
+const COOKIE_SECRET: &str =
+    "replicas-test-cookie-secret-0123456789abcdef0123456789abcdef0123456789abcdef";
+/// Short heartbeats and lease, so a killed replica is noticed within seconds.
+const HEARTBEAT_MS: &str = "300";
+const LEASE_MS: &str = "1500";
+
+struct Nginx {
+    child: Child,
+    base: String,
+}
+
+impl Drop for Nginx {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn nginx_binary() -> Option<&'static str> {
+    ["/usr/sbin/nginx", "/usr/bin/nginx"]
+        .into_iter()
+        .find(|p| Path::new(p).exists())
+}
+
+/// nginx on a free port in front of `replicas`, round robin, streaming responses unbuffered
+/// (the SSE set-up docs/ARCHITECTURE.md gives operators).
+async fn start_nginx(dir: &Path, replicas: &[&Server]) -> Nginx {
+    let nginx = nginx_binary().expect("nginx");
+    let port = free_port();
+    let upstreams: String = replicas
+        .iter()
+        .map(|s| format!("        server 127.0.0.1:{};\n", s.port))
+        .collect();
+    let conf = format!(
+        "worker_processes 1;\n\
+         daemon off;\n\
+         pid {dir}/nginx.pid;\n\
+         error_log {dir}/nginx-error.log warn;\n\
+         events {{ worker_connections 1024; }}\n\
+         http {{\n\
+             access_log off;\n\
+             client_body_temp_path {dir}/body;\n\
+             proxy_temp_path {dir}/proxy;\n\
+             fastcgi_temp_path {dir}/fastcgi;\n\
+             uwsgi_temp_path {dir}/uwsgi;\n\
+             scgi_temp_path {dir}/scgi;\n\
+             upstream smolchat {{\n{upstreams}    }}\n\
+             server {{\n\
+                 listen 127.0.0.1:{port};\n\
+                 location / {{\n\
+                     proxy_pass http://smolchat;\n\
+                     proxy_http_version 1.1;\n\
+                     proxy_set_header Connection \"\";\n\
+                     proxy_set_header Host $http_host;\n\
+                     proxy_buffering off;\n\
+                     proxy_read_timeout 300s;\n\
+                     proxy_next_upstream error timeout;\n\
+                 }}\n\
+             }}\n\
+         }}\n",
+        dir = dir.display(),
+    );
+    let conf_path = dir.join("nginx.conf");
+    std::fs::write(&conf_path, conf).expect("write nginx.conf");
+    let child = Command::new(nginx)
+        .arg("-p")
+        .arg(dir)
+        .arg("-c")
+        .arg(&conf_path)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("start nginx");
+    let base = format!("http://127.0.0.1:{port}");
+    let http = reqwest::Client::new();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while Instant::now() < deadline {
+        if let Ok(r) = http.get(format!("{base}/readyz")).send().await {
+            if r.status() == StatusCode::OK {
+                return Nginx { child, base };
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let log = std::fs::read_to_string(dir.join("nginx-error.log")).unwrap_or_default();
+    panic!("nginx did not start:\n{log}");
+}
+
+/// Three replicas on a fresh PostgreSQL database; `None` when PostgreSQL or nginx is missing.
+async fn cluster(dir: &Path, affinity: bool) -> Option<(String, Vec<Server>)> {
+    if nginx_binary().is_none() {
+        if std::env::var("SMOLCHAT_REQUIRE_POSTGRES").is_ok_and(|v| v == "1") {
+            panic!("nginx is required (SMOLCHAT_REQUIRE_POSTGRES=1) but not installed");
+        }
+        eprintln!("skipped: nginx is not installed (scripts/install-test-deps.sh installs it)");
+        return None;
+    }
+    let url = common::pg::fresh_database().await?;
+    let affinity = affinity.to_string();
+    let env = [
+        ("SMOLCHAT_SERVER__COOKIE_SECRET", COOKIE_SECRET),
+        ("SMOLCHAT_REPLICA__HEARTBEAT_MS", HEARTBEAT_MS),
+        ("SMOLCHAT_REPLICA__LEASE_MS", LEASE_MS),
+        ("SMOLCHAT_REPLICA__AFFINITY", affinity.as_str()),
+        ("SMOLCHAT_MODEL__THREADS", "1"),
+        // Many users share one address (the proxy) here.
+        ("SMOLCHAT_LIMITS__CONVERSATIONS_PER_MINUTE", "0"),
+        ("SMOLCHAT_LIMITS__MAX_STREAMS_PER_USER", "1024"),
+        ("SMOLCHAT_SCHEDULER__QUEUE_SIZE", "256"),
+    ];
+    let mut servers = Vec::new();
+    for i in 0..3 {
+        let sub = dir.join(format!("replica-{i}"));
+        std::fs::create_dir_all(&sub).expect("replica dir");
+        servers.push(Server::start_on(&sub, &url, &env).await);
+    }
+    // Every replica sees all three alive before the test routes anything.
+    let probe = servers[0].client();
+    let seen = common::server::eventually(Duration::from_secs(20), || {
+        let probe = &probe;
+        async move {
+            let text = probe.metrics().await;
+            (common::server::metric(&text, "smolchat_live_replicas") == Some(3.0)).then_some(())
+        }
+    })
+    .await;
+    assert!(seen.is_some(), "the replicas did not see each other");
+    Some((url, servers))
+}
+
+/// One user's conversation through the proxy: `turns` turns, each answered in full; returns
+/// (prompt tokens, cached tokens) of each turn's reply.
+async fn converse(base: &str, user: usize, turns: usize) -> Vec<(u64, u64)> {
+    let client = Client::new(base);
+    let id = client.create_greedy(12).await;
+    let mut out = Vec::new();
+    for turn in 0..turns {
+        let mut events = client.events(&id).await;
+        let r = client
+            .send(&id, &format!("User {user}, turn {turn}: name a colour."))
+            .await;
+        assert_eq!(r.status, StatusCode::ACCEPTED, "user {user} turn {turn}: {}", r.json);
+        let got = events.until("done").await;
+        let done = got.last().expect("a done event");
+        let summary = &done.data["summary"];
+        assert_eq!(done.data["message"]["status"], "complete", "{}", done.data);
+        out.push((
+            summary["prompt_tokens"].as_u64().unwrap_or(0),
+            summary["cached_tokens"].as_u64().unwrap_or(0),
+        ));
+    }
+    let messages = client.messages(&id).await;
+    assert_eq!(messages.len(), 2 * turns, "user {user}: {messages:?}");
+    for m in &messages {
+        assert_eq!(m["status"], "complete", "user {user}: {m}");
+    }
+    out
+}
+
+/// Users × turns through the proxy; the share of turns 2.. whose prompt came from a warm cache.
+async fn load(base: &str, users: usize, turns: usize) -> f64 {
+    let tasks: Vec<_> = (0..users)
+        .map(|u| {
+            let base = base.to_string();
+            tokio::spawn(async move { converse(&base, u, turns).await })
+        })
+        .collect();
+    let (mut prompt, mut cached) = (0u64, 0u64);
+    for t in tasks {
+        for (p, c) in t.await.expect("a user task").into_iter().skip(1) {
+            prompt += p;
+            cached += c;
+        }
+    }
+    if prompt == 0 {
+        0.0
+    } else {
+        cached as f64 / prompt as f64
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn three_replicas_behind_a_proxy_lose_nothing_and_keep_caches_warm() {
+    let dir = tempfile::tempdir().unwrap();
+    let Some((url, servers)) = cluster(dir.path(), true).await else {
+        return;
+    };
+    let proxy = start_nginx(dir.path(), &servers.iter().collect::<Vec<_>>()).await;
+    let started = Instant::now();
+    let warm = load(&proxy.base, 64, 3).await;
+    eprintln!(
+        "64 users x 3 turns through nginx over 3 replicas with affinity: {:.1} s, {:.0}% of \
+         later turns' prompt tokens from a warm cache",
+        started.elapsed().as_secs_f64(),
+        warm * 100.0
+    );
+    // Every later turn met its conversation's cache: only the new user message (and the reply
+    // before it) was computed.
+    assert!(warm > 0.5, "warm-cache share with affinity: {warm}");
+
+    // Turns were forwarded to their replicas (nginx spread them evenly).
+    let mut forwarded = 0.0;
+    for s in &servers {
+        let text = s.client().metrics().await;
+        forwarded += common::server::metric(&text, "smolchat_forwarded_turns_total{outcome=\"forwarded\"}")
+            .unwrap_or(0.0);
+    }
+    assert!(forwarded > 0.0, "no turn was forwarded");
+
+    // Nothing lost, from the database's point of view too.
+    let store = smolchat::store::Store::open_beside_server(&url).await.unwrap();
+    let all = store.list_all_conversations().await.unwrap();
+    assert_eq!(all.len(), 64);
+    assert!(all.iter().all(|c| c.message_count == 6));
+    drop(proxy);
+}
+
+/// Reads events until `n` answer events arrived; returns their text.
+async fn answer_text(stream: &mut SseStream, n: usize) -> String {
+    let mut text = String::new();
+    let mut seen = 0;
+    while seen < n {
+        let ev = tokio::time::timeout(EVENT_TIMEOUT, stream.next())
+            .await
+            .expect("an event in time")
+            .expect("the stream went on");
+        if ev.event == "answer" {
+            text.push_str(ev.data["text"].as_str().unwrap_or(""));
+            seen += 1;
+        }
+        assert_ne!(ev.event, "done", "the reply ended before the test could follow it");
+    }
+    text
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn replies_follow_the_user_across_replicas_and_survive_a_killed_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let Some((_url, mut servers)) = cluster(dir.path(), true).await else {
+        return;
+    };
+    let story = "Tell me a very long story about a lighthouse keeper, with many details.";
+
+    // 1. A viewer that reconnects to another replica mid-reply receives the rest of it.
+    let (a, b) = (&servers[0], &servers[1]);
+    let alice = a.client();
+    let id = alice.create(json!({"temperature": 0, "max_tokens": 300})).await;
+    let mut on_a = alice.events(&id).await;
+    let r = alice.send(&id, story).await;
+    assert_eq!(r.status, StatusCode::ACCEPTED, "{}", r.json);
+    let seen_on_a = answer_text(&mut on_a, 5).await;
+    drop(on_a); // the page reloads…
+    let alice_on_b = Client::with_cookie(&b.base, alice.cookie()); // …and lands on b
+    let mut on_b = alice_on_b.events(&id).await;
+    let got = on_b.until("done").await;
+    let relayed: String = got
+        .iter()
+        .filter(|e| e.event == "answer")
+        .map(|e| e.data["text"].as_str().unwrap_or("").to_string())
+        .collect();
+    let done = got.last().expect("done");
+    let stored = done.data["message"]["content"].as_str().unwrap_or("").to_string();
+    assert_eq!(done.data["message"]["status"], "complete", "{}", done.data);
+    assert!(stored.starts_with(&seen_on_a), "{seen_on_a:?} / {stored:?}");
+    assert_eq!(relayed, stored, "b's viewer got the whole reply, no gap, no repeat");
+
+    // 2. Stop from another replica: the reply generated on a ends as stopped.
+    let id2 = alice.create(json!({"temperature": 0, "max_tokens": 300})).await;
+    let mut watch = alice.events(&id2).await;
+    assert_eq!(alice.send(&id2, story).await.status, StatusCode::ACCEPTED);
+    answer_text(&mut watch, 3).await;
+    let stop = alice_on_b
+        .post(&format!("/api/conversations/{id2}/stop"), &json!({}))
+        .await;
+    assert!(stop.status.is_success(), "{} {}", stop.status, stop.json);
+    let got = watch.until("done").await;
+    assert_eq!(got.last().unwrap().data["message"]["status"], "stopped");
+
+    // 3. Delete from another replica while a generates: gone everywhere, a's reply ends.
+    let id3 = alice.create(json!({"temperature": 0, "max_tokens": 300})).await;
+    let mut watch = alice.events(&id3).await;
+    assert_eq!(alice.send(&id3, story).await.status, StatusCode::ACCEPTED);
+    answer_text(&mut watch, 3).await;
+    let del = alice_on_b
+        .send_json(reqwest::Method::DELETE, &format!("/api/conversations/{id3}"), &json!({}))
+        .await;
+    assert!(del.status.is_success(), "{} {}", del.status, del.json);
+    assert_eq!(alice.get(&format!("/api/conversations/{id3}")).await.status, StatusCode::NOT_FOUND);
+    let ended = tokio::time::timeout(EVENT_TIMEOUT, async {
+        while watch.next().await.is_some() {}
+    })
+    .await;
+    assert!(ended.is_ok(), "a's stream did not end after the delete");
+
+    // 4. SIGKILL of one replica mid-reply: its reply is marked interrupted, the others'
+    //    replies finish, and its user continues on another replica after a cache rebuild.
+    let mut runs = Vec::new();
+    for s in &servers {
+        let c = s.client();
+        let id = c.create(json!({"temperature": 0, "max_tokens": 300})).await;
+        let mut events = c.events(&id).await;
+        assert_eq!(c.send(&id, story).await.status, StatusCode::ACCEPTED);
+        answer_text(&mut events, 3).await;
+        runs.push((c, id, events));
+    }
+    servers[2].kill();
+    let (victim_client, victim_id, _) = runs.pop().unwrap();
+    for (_, _, events) in runs.iter_mut() {
+        let got = events.until("done").await;
+        assert_eq!(got.last().unwrap().data["message"]["status"], "complete");
+    }
+    let survivor = Client::with_cookie(&servers[0].base, victim_client.cookie());
+    let interrupted = common::server::eventually(Duration::from_secs(20), || {
+        let survivor = &survivor;
+        let victim_id = &victim_id;
+        async move {
+            let messages = survivor.messages(victim_id).await;
+            (messages.last()?["status"] == "interrupted").then_some(messages)
+        }
+    })
+    .await
+    .expect("the killed replica's reply was not marked interrupted");
+    let partial = interrupted.last().unwrap()["content"].as_str().unwrap_or("");
+    assert!(!partial.is_empty(), "the partial reply was kept");
+    // The user goes on, on a live replica (whichever now owns the conversation).
+    let mut events = survivor.events(&victim_id).await;
+    let r = survivor.send(&victim_id, "Go on, briefly.").await;
+    assert_eq!(r.status, StatusCode::ACCEPTED, "{}", r.json);
+    let got = events.until("done").await;
+    let done = &got.last().unwrap().data;
+    assert_eq!(done["message"]["status"], "complete", "{done}");
+    assert_eq!(survivor.messages(&victim_id).await.len(), 4);
+    let _: Value = done.clone();
+}
+
+/// The warm-cache benchmark of docs/BENCHMARKS.md ("Replicas"): the same load through nginx
+/// (round robin) with smolchat's affinity on, then off (each replica answers what it
+/// receives, as with a random load balancer). Run with `make bench-replicas`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[ignore = "a benchmark (two full three-replica runs): make bench-replicas"]
+async fn warm_cache_share_with_affinity_and_with_random_routing() {
+    let users: usize = std::env::var("SMOLCHAT_BENCH_USERS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(64);
+    let turns: usize = std::env::var("SMOLCHAT_BENCH_TURNS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(4);
+    let mut shares = Vec::new();
+    for affinity in [true, false] {
+        let dir = tempfile::tempdir().unwrap();
+        let Some((_url, servers)) = cluster(dir.path(), affinity).await else {
+            return;
+        };
+        let proxy = start_nginx(dir.path(), &servers.iter().collect::<Vec<_>>()).await;
+        let started = Instant::now();
+        let share = load(&proxy.base, users, turns).await;
+        println!(
+            "affinity={affinity}: {users} users x {turns} turns in {:.1} s; {:.1}% of the prompt \
+             tokens of turns 2..{turns} came from a warm cache",
+            started.elapsed().as_secs_f64(),
+            share * 100.0
+        );
+        shares.push(share);
+    }
+    assert!(shares[0] > shares[1], "affinity {} vs random {}", shares[0], shares[1]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readyz_reflects_the_database() {
+    let Some(url) = common::pg::fresh_database().await else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let env = [
+        ("SMOLCHAT_SERVER__COOKIE_SECRET", COOKIE_SECRET),
+        ("SMOLCHAT_MODEL__THREADS", "1"),
+    ];
+    let server = Server::start_on(dir.path(), &url, &env).await;
+    let c = server.client();
+    let r = c.get("/readyz").await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.json);
+    assert_eq!(r.json["database"], "postgres");
+
+    // Cut the database off: no new connections, the open ones ended.
+    let (base, name) = url.rsplit_once('/').unwrap();
+    let admin = format!("{base}/postgres");
+    let run = |sql: String| {
+        let admin = admin.clone();
+        async move {
+            use sqlx::Connection;
+            let mut conn = sqlx::PgConnection::connect(&admin).await.unwrap();
+            sqlx::query(sqlx::AssertSqlSafe(sql))
+                .execute(&mut conn)
+                .await
+                .unwrap();
+        }
+    };
+    run(format!("ALTER DATABASE {name} ALLOW_CONNECTIONS false")).await;
+    run(format!(
+        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = '{name}'"
+    ))
+    .await;
+    let down = common::server::eventually(Duration::from_secs(20), || {
+        let c = &c;
+        async move {
+            let r = c.get("/readyz").await;
+            (r.status == StatusCode::SERVICE_UNAVAILABLE).then_some(r)
+        }
+    })
+    .await
+    .expect("/readyz stayed 200 without a database");
+    let message = down.json["error"]["message"].as_str().unwrap_or("");
+    assert!(message.contains("database"), "{message}");
+
+    run(format!("ALTER DATABASE {name} ALLOW_CONNECTIONS true")).await;
+    let up = common::server::eventually(Duration::from_secs(30), || {
+        let c = &c;
+        async move { (c.get("/readyz").await.status == StatusCode::OK).then_some(()) }
+    })
+    .await;
+    assert!(up.is_some(), "/readyz did not recover with the database");
+}
