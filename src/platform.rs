@@ -178,7 +178,10 @@ impl Platform {
             source,
         })?;
         if interrupted > 0 {
-            tracing::warn!(count = interrupted, "replies of earlier runs marked interrupted");
+            tracing::warn!(
+                count = interrupted,
+                "replies of earlier runs marked interrupted"
+            );
         }
         let tokenizer = Arc::new(tokenizer);
         let template = Arc::new(template);

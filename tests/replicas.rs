@@ -21,8 +21,8 @@ use serde_json::{json, Value};
 const COOKIE_SECRET: &str =
     "replicas-test-cookie-secret-0123456789abcdef0123456789abcdef0123456789abcdef";
 /// Short heartbeats and lease, so a killed replica is noticed within seconds.
-const HEARTBEAT_MS: &str = "300";
-const LEASE_MS: &str = "1500";
+const HEARTBEAT_MS: &str = "500";
+const LEASE_MS: &str = "3000";
 
 struct Nginx {
     child: Child,
@@ -155,13 +155,34 @@ async fn converse(base: &str, user: usize, turns: usize) -> Vec<(u64, u64)> {
     let client = Client::new(base);
     let id = client.create_greedy(12).await;
     let mut out = Vec::new();
+    let mut previous = Vec::new();
     for turn in 0..turns {
         let mut events = client.events(&id).await;
         let r = client
             .send(&id, &format!("User {user}, turn {turn}: name a colour."))
             .await;
-        assert_eq!(r.status, StatusCode::ACCEPTED, "user {user} turn {turn}: {}", r.json);
+        if r.status != StatusCode::ACCEPTED {
+            let messages = client.messages(&id).await;
+            panic!(
+                "user {user} turn {turn}: {} {}\nprevious turn's events: {previous:?}\nmessages: {messages:?}",
+                r.status, r.json
+            );
+        }
         let got = events.until("done").await;
+        previous = got
+            .iter()
+            .map(|e| {
+                format!(
+                    "{} {}",
+                    e.event,
+                    e.data
+                        .get("assistant_message_id")
+                        .or(e.data.get("message").and_then(|m| m.get("id")))
+                        .cloned()
+                        .unwrap_or_default()
+                )
+            })
+            .collect();
         let done = got.last().expect("a done event");
         let summary = &done.data["summary"];
         assert_eq!(done.data["message"]["status"], "complete", "{}", done.data);
@@ -223,13 +244,18 @@ async fn three_replicas_behind_a_proxy_lose_nothing_and_keep_caches_warm() {
     let mut forwarded = 0.0;
     for s in &servers {
         let text = s.client().metrics().await;
-        forwarded += common::server::metric(&text, "smolchat_forwarded_turns_total{outcome=\"forwarded\"}")
-            .unwrap_or(0.0);
+        forwarded += common::server::metric(
+            &text,
+            "smolchat_forwarded_turns_total{outcome=\"forwarded\"}",
+        )
+        .unwrap_or(0.0);
     }
     assert!(forwarded > 0.0, "no turn was forwarded");
 
     // Nothing lost, from the database's point of view too.
-    let store = smolchat::store::Store::open_beside_server(&url).await.unwrap();
+    let store = smolchat::store::Store::open_beside_server(&url)
+        .await
+        .unwrap();
     let all = store.list_all_conversations().await.unwrap();
     assert_eq!(all.len(), 64);
     assert!(all.iter().all(|c| c.message_count == 6));
@@ -249,7 +275,10 @@ async fn answer_text(stream: &mut SseStream, n: usize) -> String {
             text.push_str(ev.data["text"].as_str().unwrap_or(""));
             seen += 1;
         }
-        assert_ne!(ev.event, "done", "the reply ended before the test could follow it");
+        assert_ne!(
+            ev.event, "done",
+            "the reply ended before the test could follow it"
+        );
     }
     text
 }
@@ -265,7 +294,9 @@ async fn replies_follow_the_user_across_replicas_and_survive_a_killed_one() {
     // 1. A viewer that reconnects to another replica mid-reply receives the rest of it.
     let (a, b) = (&servers[0], &servers[1]);
     let alice = a.client();
-    let id = alice.create(json!({"temperature": 0, "max_tokens": 300})).await;
+    let id = alice
+        .create(json!({"temperature": 0, "max_tokens": 300}))
+        .await;
     let mut on_a = alice.events(&id).await;
     let r = alice.send(&id, story).await;
     assert_eq!(r.status, StatusCode::ACCEPTED, "{}", r.json);
@@ -280,13 +311,21 @@ async fn replies_follow_the_user_across_replicas_and_survive_a_killed_one() {
         .map(|e| e.data["text"].as_str().unwrap_or("").to_string())
         .collect();
     let done = got.last().expect("done");
-    let stored = done.data["message"]["content"].as_str().unwrap_or("").to_string();
+    let stored = done.data["message"]["content"]
+        .as_str()
+        .unwrap_or("")
+        .to_string();
     assert_eq!(done.data["message"]["status"], "complete", "{}", done.data);
     assert!(stored.starts_with(&seen_on_a), "{seen_on_a:?} / {stored:?}");
-    assert_eq!(relayed, stored, "b's viewer got the whole reply, no gap, no repeat");
+    assert_eq!(
+        relayed, stored,
+        "b's viewer got the whole reply, no gap, no repeat"
+    );
 
     // 2. Stop from another replica: the reply generated on a ends as stopped.
-    let id2 = alice.create(json!({"temperature": 0, "max_tokens": 300})).await;
+    let id2 = alice
+        .create(json!({"temperature": 0, "max_tokens": 300}))
+        .await;
     let mut watch = alice.events(&id2).await;
     assert_eq!(alice.send(&id2, story).await.status, StatusCode::ACCEPTED);
     answer_text(&mut watch, 3).await;
@@ -298,15 +337,24 @@ async fn replies_follow_the_user_across_replicas_and_survive_a_killed_one() {
     assert_eq!(got.last().unwrap().data["message"]["status"], "stopped");
 
     // 3. Delete from another replica while a generates: gone everywhere, a's reply ends.
-    let id3 = alice.create(json!({"temperature": 0, "max_tokens": 300})).await;
+    let id3 = alice
+        .create(json!({"temperature": 0, "max_tokens": 300}))
+        .await;
     let mut watch = alice.events(&id3).await;
     assert_eq!(alice.send(&id3, story).await.status, StatusCode::ACCEPTED);
     answer_text(&mut watch, 3).await;
     let del = alice_on_b
-        .send_json(reqwest::Method::DELETE, &format!("/api/conversations/{id3}"), &json!({}))
+        .send_json(
+            reqwest::Method::DELETE,
+            &format!("/api/conversations/{id3}"),
+            &json!({}),
+        )
         .await;
     assert!(del.status.is_success(), "{} {}", del.status, del.json);
-    assert_eq!(alice.get(&format!("/api/conversations/{id3}")).await.status, StatusCode::NOT_FOUND);
+    assert_eq!(
+        alice.get(&format!("/api/conversations/{id3}")).await.status,
+        StatusCode::NOT_FOUND
+    );
     let ended = tokio::time::timeout(EVENT_TIMEOUT, async {
         while watch.next().await.is_some() {}
     })
@@ -323,6 +371,11 @@ async fn replies_follow_the_user_across_replicas_and_survive_a_killed_one() {
         assert_eq!(c.send(&id, story).await.status, StatusCode::ACCEPTED);
         answer_text(&mut events, 3).await;
         runs.push((c, id, events));
+    }
+    // Long enough for a partial save (every second) of the reply about to be cut.
+    let streamed = Instant::now();
+    while streamed.elapsed() < Duration::from_millis(1500) {
+        answer_text(&mut runs[2].2, 1).await;
     }
     servers[2].kill();
     let (victim_client, victim_id, _) = runs.pop().unwrap();
@@ -341,7 +394,9 @@ async fn replies_follow_the_user_across_replicas_and_survive_a_killed_one() {
     })
     .await
     .expect("the killed replica's reply was not marked interrupted");
-    let partial = interrupted.last().unwrap()["content"].as_str().unwrap_or("");
+    let partial = interrupted.last().unwrap()["content"]
+        .as_str()
+        .unwrap_or("");
     assert!(!partial.is_empty(), "the partial reply was kept");
     // The user goes on, on a live replica (whichever now owns the conversation).
     let mut events = survivor.events(&victim_id).await;
@@ -385,7 +440,12 @@ async fn warm_cache_share_with_affinity_and_with_random_routing() {
         );
         shares.push(share);
     }
-    assert!(shares[0] > shares[1], "affinity {} vs random {}", shares[0], shares[1]);
+    assert!(
+        shares[0] > shares[1],
+        "affinity {} vs random {}",
+        shares[0],
+        shares[1]
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

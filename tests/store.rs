@@ -9,8 +9,8 @@ use chrono::NaiveDate;
 use std::time::Duration;
 
 use smolchat::store::{
-    backup, ConversationSettings, ReplicaLoad, FinishedReply, ImportedMessage, MessageStatus, PageRequest, Role,
-    SessionKind, Store, StoreError, Timings, TITLE_MAX_CHARS,
+    backup, ConversationSettings, FinishedReply, ImportedMessage, MessageStatus, PageRequest,
+    ReplicaLoad, Role, SessionKind, Store, StoreError, Timings, TITLE_MAX_CHARS,
 };
 use tempfile::TempDir;
 use uuid::Uuid;

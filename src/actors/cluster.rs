@@ -104,14 +104,26 @@ pub enum Wire {
         tool_calls: Vec<ToolCall>,
     },
     /// "A viewer here joined your running reply: send a snapshot" (also counts as [`Wire::Watch`]).
-    Sync { c: Uuid, from: Uuid },
+    Sync {
+        c: Uuid,
+        from: Uuid,
+    },
     /// "Viewers here still follow your running reply": keeps it from being cancelled as
     /// abandoned when its own replica has no viewer left (a reload landed elsewhere).
-    Watch { c: Uuid, from: Uuid },
+    Watch {
+        c: Uuid,
+        from: Uuid,
+    },
     /// Stop the running reply (asked on another replica).
-    Stop { c: Uuid, from: Uuid },
+    Stop {
+        c: Uuid,
+        from: Uuid,
+    },
     /// The conversation was deleted on another replica: end its session and reply.
-    Deleted { c: Uuid, from: Uuid },
+    Deleted {
+        c: Uuid,
+        from: Uuid,
+    },
 }
 
 impl Wire {
@@ -213,7 +225,9 @@ impl Cluster {
     /// Registers this replica (ending the replies of its earlier runs and of dead replicas) and
     /// connects the bus. The heartbeat and the relay start with [`Cluster::run`].
     pub async fn join(store: Store, cfg: ClusterConfig) -> Result<(Arc<Cluster>, u64), StoreError> {
-        let registration = store.register_replica(&cfg.name, &cfg.url, cfg.lease).await?;
+        let registration = store
+            .register_replica(&cfg.name, &cfg.url, cfg.lease)
+            .await?;
         let bus = Bus::connect(&store).await?;
         let me = registration.replica;
         let cluster = Arc::new(Cluster {
@@ -389,9 +403,17 @@ impl Cluster {
         actix::spawn(async move {
             let mut tick = tokio::time::interval(this.cfg.heartbeat);
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            let mut load = ReplicaLoad::default();
             loop {
                 tick.tick().await;
-                let load = this.load(&scheduler).await;
+                // The load comes partly from the model thread, which may be in the middle of a
+                // long step: it must never delay the heartbeat itself (a late heartbeat makes a
+                // busy replica look dead), so a slow answer keeps the last load.
+                if let Ok(fresh) =
+                    tokio::time::timeout(this.cfg.heartbeat / 2, this.load(&scheduler)).await
+                {
+                    load = fresh;
+                }
                 match this.store.heartbeat(this.me.id, &load).await {
                     Ok(true) => {}
                     Ok(false) => tracing::error!(
@@ -404,7 +426,9 @@ impl Cluster {
                 }
                 match this.store.sweep_dead_replicas(this.cfg.lease).await {
                     Ok(0) => {}
-                    Ok(n) => tracing::warn!(count = n, "replies of dead replicas marked interrupted"),
+                    Ok(n) => {
+                        tracing::warn!(count = n, "replies of dead replicas marked interrupted")
+                    }
                     Err(e) => tracing::warn!("sweeping dead replicas failed: {e}"),
                 }
                 this.refresh_live().await;
@@ -542,7 +566,11 @@ mod tests {
                 text: piece.to_string(),
             };
             let json = serde_json::to_string(&wire).unwrap();
-            assert!(json.len() <= crate::store::BUS_MAX_PAYLOAD, "{}", json.len());
+            assert!(
+                json.len() <= crate::store::BUS_MAX_PAYLOAD,
+                "{}",
+                json.len()
+            );
             assert_eq!(serde_json::from_str::<Wire>(&json).unwrap(), wire);
         }
     }

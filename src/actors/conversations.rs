@@ -20,8 +20,8 @@ use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
 use uuid::Uuid;
 
-use super::scheduler::{Evict, SchedulerActor};
 use super::cluster::{Cluster, Wire};
+use super::scheduler::{Evict, SchedulerActor};
 use super::session::{
     check_message, Accepted, GetInfo, Replacing, SendMessage, SessionError, Sessions, Shutdown,
     Stop, Subscribe, Subscription, STORAGE_UNAVAILABLE,
@@ -451,7 +451,11 @@ impl Conversations {
         };
         // Another replica may be generating it.
         here || (self.cluster().is_shared()
-            && self.store.streaming_replica(id).await.is_ok_and(|r| r.is_some()))
+            && self
+                .store
+                .streaming_replica(id)
+                .await
+                .is_ok_and(|r| r.is_some()))
     }
 
     fn cluster(&self) -> &Cluster {

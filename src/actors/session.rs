@@ -147,6 +147,26 @@ pub enum ReplyEvent {
     },
 }
 
+/// What a finished reply's row says of how it went, for a `Done` made from the row (its `Done`
+/// event was lost between replicas).
+fn summary_of_stored(message: &Message) -> GenSummary {
+    let timings = message.timings.clone().unwrap_or_default();
+    GenSummary {
+        reason: match message.status {
+            MessageStatus::Stopped => StopReason::Cancelled,
+            MessageStatus::Error => StopReason::Error(message.error.clone().unwrap_or_default()),
+            _ => StopReason::EndOfGeneration,
+        },
+        prompt_tokens: message.prompt_tokens.unwrap_or(0).max(0) as usize,
+        cached_tokens: message.cached_tokens.unwrap_or(0).max(0) as usize,
+        completion_tokens: message.completion_tokens.unwrap_or(0).max(0) as usize,
+        queue_ms: timings.queue_ms,
+        prefill_ms: timings.prefill_ms,
+        ttft_ms: timings.ttft_ms,
+        generation_ms: timings.generation_ms,
+    }
+}
+
 /// A live subscription: what was missed of the current reply, then the events as they come.
 /// Dropping it unsubscribes.
 pub struct Subscription {
@@ -388,13 +408,10 @@ impl SessionActor {
         }
         let (c, me) = (self.id, cluster.me().id);
         if !cluster.live().iter().any(|p| p.id == from) {
-            self.remote = None;
-            self.fan_out(ReplyEvent::Error {
-                message: "the server generating this reply stopped; what it wrote is kept (marked \
-                          interrupted): reload, then send or regenerate"
-                    .to_string(),
-            });
-            self.replay.clear();
+            // Its heartbeat is late. The stored row decides: the sweep marks the reply
+            // interrupted once the lease has really run out; a final status means its `Done`
+            // never arrived (the bus dropped it), so tell the viewers from the row.
+            self.settle_remote_from_store(ctx);
             return;
         }
         if synced {
@@ -404,6 +421,41 @@ impl SessionActor {
         }
     }
 
+    /// Ends the mirrored reply from its stored row when that row is no longer `streaming`.
+    fn settle_remote_from_store(&mut self, ctx: &mut Context<Self>) {
+        let Some(assistant) = self.remote.as_ref().map(|m| m.assistant) else {
+            return;
+        };
+        let store = self.shared.store.clone();
+        async move { store.get_message(assistant).await }
+            .into_actor(self)
+            .map(move |found, act, _| {
+                let Ok(Some(message)) = found else {
+                    return;
+                };
+                let still_mirrored = act
+                    .remote
+                    .as_ref()
+                    .is_some_and(|m| m.assistant == assistant);
+                if !still_mirrored || message.status == MessageStatus::Streaming {
+                    return;
+                }
+                act.remote = None;
+                if message.status == MessageStatus::Interrupted {
+                    act.fan_out(ReplyEvent::Error {
+                        message: "the server generating this reply stopped; what it wrote is kept \
+                                  (marked interrupted): reload, then send or regenerate"
+                            .to_string(),
+                    });
+                } else {
+                    let summary = summary_of_stored(&message);
+                    act.fan_out(ReplyEvent::Done { message, summary });
+                }
+                act.replay.clear();
+            })
+            .wait(ctx);
+    }
+
     /// An event of another replica's reply.
     fn on_remote_reply(&mut self, wire: Wire, ctx: &mut Context<Self>) {
         if self.is_busy() {
@@ -411,7 +463,8 @@ impl SessionActor {
             return;
         }
         let from = wire.sender();
-        let following = |m: &Option<RemoteMirror>| m.as_ref().is_some_and(|m| m.synced && m.from == from);
+        let following =
+            |m: &Option<RemoteMirror>| m.as_ref().is_some_and(|m| m.synced && m.from == from);
         match wire {
             Wire::Started {
                 user_message,
@@ -489,9 +542,8 @@ impl SessionActor {
                     }) else {
                         return;
                     };
-                    let prefix = |text: &str, len: usize| {
-                        text.get(..len).unwrap_or(text).to_string()
-                    };
+                    let prefix =
+                        |text: &str, len: usize| text.get(..len).unwrap_or(text).to_string();
                     let content = prefix(&reply.content, content_len);
                     let reasoning = prefix(reply.reasoning.as_deref().unwrap_or(""), reasoning_len);
                     act.replay.clear();
@@ -517,9 +569,9 @@ impl SessionActor {
             Wire::Done {
                 message, summary, ..
             } => {
-                let relevant = self.remote.as_ref().is_some_and(|m| m.assistant == message)
-                    || !self.subscribers.is_empty();
-                if !relevant {
+                // Only the end of the reply this session follows: a `Done` of an earlier reply
+                // can arrive after a viewer (who already saw it elsewhere) joined here.
+                if !self.remote.as_ref().is_some_and(|m| m.assistant == message) {
                     return;
                 }
                 self.remote = None;

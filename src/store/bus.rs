@@ -93,7 +93,9 @@ async fn listen(mut listener: PgListener, incoming: broadcast::Sender<String>) {
                 let _ = incoming.send(notification.payload().to_string());
             }
             Ok(None) => {
-                tracing::warn!("the cluster bus listener reconnected; messages sent meanwhile were missed");
+                tracing::warn!(
+                    "the cluster bus listener reconnected; messages sent meanwhile were missed"
+                );
             }
             Err(e) => {
                 tracing::warn!("the cluster bus listener failed: {e}; retrying");

@@ -38,19 +38,19 @@ use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use sqlx::any::AnyPoolOptions;
-use sqlx::AnyPool;
 use sqlx::sqlite::{SqliteConnectOptions, SqlitePoolOptions};
+use sqlx::AnyPool;
 use sqlx::Executor;
 use uuid::Uuid;
 
 pub use bus::{Bus, MAX_PAYLOAD as BUS_MAX_PAYLOAD};
 pub use error::StoreError;
+pub use replicas::{Registration, Replica, ReplicaLoad, ReplicaRecord};
 pub use types::{
     derive_title, Conversation, ConversationSettings, ConversationSummary, Cursor, FinishedReply,
     ImportedMessage, ListPage, Message, MessageStatus, PageRequest, Role, SessionKind,
     SessionRecord, Timings, MAX_PAGE, TITLE_MAX_CHARS,
 };
-pub use replicas::{Registration, Replica, ReplicaLoad, ReplicaRecord};
 pub use users::{ApiKeyRecord, ApiUsage, CreatedUser, NewUser, User, UserOverview, UserRole};
 
 /// How long a statement waits for another connection's write lock before failing.
@@ -113,9 +113,7 @@ pub fn redact_url(url: &str) -> String {
 
 /// Opens a SQLite file (or in-memory) database through sqlx's `Any` driver, with WAL,
 /// `synchronous = FULL`, foreign keys and a busy timeout set on every connection.
-async fn open_sqlite(
-    url: &str,
-) -> Result<(AnyPool, Option<std::path::PathBuf>), StoreError> {
+async fn open_sqlite(url: &str) -> Result<(AnyPool, Option<std::path::PathBuf>), StoreError> {
     // Parsed once with the SQLite driver's own parser for its checks and the file name; the
     // `Any` pool below re-parses the URL (it cannot take typed options).
     let options = SqliteConnectOptions::from_str(url).map_err(|e| StoreError::Url {
@@ -543,13 +541,13 @@ impl Store {
             Backend::Postgres => page_query!("strpos"),
         };
         let rows: Vec<SummaryRow> = sqlx::query_as(query)
-        .bind(owner)
-        .bind(search)
-        .bind(before_at)
-        .bind(before_id)
-        .bind((limit + 1) as i64)
-        .fetch_all(&self.pool)
-        .await?;
+            .bind(owner)
+            .bind(search)
+            .bind(before_at)
+            .bind(before_id)
+            .bind((limit + 1) as i64)
+            .fetch_all(&self.pool)
+            .await?;
         into_page(rows, limit)
     }
 

@@ -88,13 +88,11 @@ impl Store {
         let id = Uuid::now_v7();
         let now = now_micros();
         let mut tx = WriteTx::begin(self).await?;
-        sqlx::query(
-            "UPDATE replicas SET stopped_at = $1 WHERE name = $2 AND stopped_at IS NULL",
-        )
-        .bind(now)
-        .bind(name)
-        .execute(&mut *tx)
-        .await?;
+        sqlx::query("UPDATE replicas SET stopped_at = $1 WHERE name = $2 AND stopped_at IS NULL")
+            .bind(now)
+            .bind(name)
+            .execute(&mut *tx)
+            .await?;
         sqlx::query(
             "INSERT INTO replicas (id, name, url, started_at, heartbeat_at) \
              VALUES ($1, $2, $3, $4, $4)",

@@ -9,9 +9,7 @@ use std::str::FromStr;
 
 use chrono::{DateTime, Utc};
 
-use super::{
-    corrupt, now_micros, parse_time, Backend, SessionRecord, Store, StoreError, WriteTx,
-};
+use super::{corrupt, now_micros, parse_time, Backend, SessionRecord, Store, StoreError, WriteTx};
 
 /// `last_seen_at` / `last_used_at` are only rewritten when older than this, so a busy client
 /// does not turn every request into a committed (fsynced) write.

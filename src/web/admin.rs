@@ -322,7 +322,11 @@ async fn live_view(state: &AppState, before: &str) -> Result<LiveView, PageError
             queued: r.load.queued,
             running: r.load.running,
             tokens_per_s: format!("{:.1}", r.load.tokens_per_s),
-            kv: format!("{} of {}", mib(r.load.kv_bytes), mib(r.load.kv_budget_bytes)),
+            kv: format!(
+                "{} of {}",
+                mib(r.load.kv_bytes),
+                mib(r.load.kv_budget_bytes)
+            ),
             streams: r.load.streams,
             held_count: r.load.held_count,
         })
@@ -337,10 +341,7 @@ async fn live_view(state: &AppState, before: &str) -> Result<LiveView, PageError
                     .get(&key)
                     .map(|b| mib(*b))
                     .unwrap_or_else(|| "—".into()),
-                replica: holders
-                    .get(&c.id)
-                    .cloned()
-                    .unwrap_or_else(|| "—".into()),
+                replica: holders.get(&c.id).cloned().unwrap_or_else(|| "—".into()),
                 id: key,
                 // The account's name, or enough of a guest's id to tell guests apart.
                 owner: names.get(&c.owner).cloned().unwrap_or_else(|| {

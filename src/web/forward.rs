@@ -88,14 +88,20 @@ pub async fn affinity(
                 .then(|| (state.clone(), owner, conversation))
         });
     let Some((state, owner, conversation)) = target else {
-        return next.call(req).await.map(ServiceResponse::map_into_left_body);
+        return next
+            .call(req)
+            .await
+            .map(ServiceResponse::map_into_left_body);
     };
 
     let body = match read_body(req.take_payload()).await {
         Some(body) => body,
         None => {
             // Too large or broken: let the local handler refuse it with its usual message.
-            return next.call(req).await.map(ServiceResponse::map_into_left_body);
+            return next
+                .call(req)
+                .await
+                .map(ServiceResponse::map_into_left_body);
         }
     };
     let url = format!(
@@ -118,8 +124,8 @@ pub async fn affinity(
     }
     match forwarded.send().await {
         Ok(response) => {
-            let status = StatusCode::from_u16(response.status().as_u16())
-                .unwrap_or(StatusCode::BAD_GATEWAY);
+            let status =
+                StatusCode::from_u16(response.status().as_u16()).unwrap_or(StatusCode::BAD_GATEWAY);
             let mut out = HttpResponse::build(status);
             for (name, value) in response.headers() {
                 if !HOP_BY_HOP.contains(&name.as_str()) {
@@ -156,7 +162,9 @@ pub async fn affinity(
                 .increment(1);
             tracing::warn!(%conversation, to = %owner.name, "cannot forward a turn ({e}); answering it here");
             req.set_payload(Payload::from(body));
-            next.call(req).await.map(ServiceResponse::map_into_left_body)
+            next.call(req)
+                .await
+                .map(ServiceResponse::map_into_left_body)
         }
     }
 }

@@ -88,7 +88,10 @@ fn describe() {
         "smolchat_forwarded_turns_total",
         "Conversation turns sent to the replica holding their cache (forwarded), or answered here because it could not be reached (fallback)"
     );
-    describe_gauge!("smolchat_live_replicas", "Replicas alive on the shared database");
+    describe_gauge!(
+        "smolchat_live_replicas",
+        "Replicas alive on the shared database"
+    );
     describe_histogram!(
         "smolchat_step_seconds",
         Unit::Seconds,
