@@ -21,6 +21,7 @@ use serde_json::{json, Value};
 const COOKIE_SECRET: &str =
     "replicas-test-cookie-secret-0123456789abcdef0123456789abcdef0123456789abcdef";
 /// Short heartbeats and lease, so a killed replica is noticed within seconds.
+const ADMIN_TOKEN: &str = "replicas-admin-token";
 const HEARTBEAT_MS: &str = "500";
 const LEASE_MS: &str = "3000";
 
@@ -120,6 +121,7 @@ async fn cluster(dir: &Path, affinity: bool) -> Option<(String, Vec<Server>)> {
     let affinity = affinity.to_string();
     let env = [
         ("SMOLCHAT_SERVER__COOKIE_SECRET", COOKIE_SECRET),
+        ("SMOLCHAT_SERVER__ADMIN_TOKEN", ADMIN_TOKEN),
         ("SMOLCHAT_REPLICA__HEARTBEAT_MS", HEARTBEAT_MS),
         ("SMOLCHAT_REPLICA__LEASE_MS", LEASE_MS),
         ("SMOLCHAT_REPLICA__AFFINITY", affinity.as_str()),
@@ -251,6 +253,41 @@ async fn three_replicas_behind_a_proxy_lose_nothing_and_keep_caches_warm() {
         .unwrap_or(0.0);
     }
     assert!(forwarded > 0.0, "no turn was forwarded");
+
+    // The admin page (on any replica) lists the three replicas, live, with their load, and
+    // which replica holds each conversation's cache.
+    let mut admin = common::browser_client::Browser::at(&servers[1], 1, "/admin").await;
+    let login = admin
+        .call(reqwest::Method::POST, "/admin/login", Some(&format!("token={ADMIN_TOKEN}")), &[])
+        .await;
+    assert!(login.status.is_success() || login.status.is_redirection(), "{}", login.status);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let live = loop {
+        let page = admin.get("/admin/live").await;
+        if page.text.matches("class=\"replica-live\"").count() == 3 {
+            break page.text;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the admin page did not list three live replicas: {}",
+            page.text
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    assert!(live.contains("id=\"replicas\""), "{live}");
+    assert!(live.contains("(this page)"), "{live}");
+    for s in &servers {
+        assert!(live.contains(&format!(":{}</code>", s.port)), "replica {} missing", s.port);
+    }
+    // The conversations table's replica column: `<td><code>NAME</code></td>` (the replicas
+    // table puts more after a name).
+    assert!(
+        servers.iter().any(|s| {
+            let name = replica_name(&live, s.port);
+            !name.is_empty() && live.contains(&format!("<td><code>{name}</code></td>"))
+        }),
+        "no conversation shows the replica holding its cache"
+    );
 
     // Nothing lost, from the database's point of view too.
     let store = smolchat::store::Store::open_beside_server(&url)
@@ -502,4 +539,16 @@ async fn readyz_reflects_the_database() {
     })
     .await;
     assert!(up.is_some(), "/readyz did not recover with the database");
+}
+
+/// The name the admin page shows for the replica on `port` (the default name is
+/// `hostname:port`).
+fn replica_name(page: &str, port: u16) -> String {
+    let tail = format!(":{port}</code>");
+    page.find(&tail)
+        .and_then(|end| {
+            let start = page[..end].rfind("<code>")? + "<code>".len();
+            Some(format!("{}:{port}", &page[start..end]))
+        })
+        .unwrap_or_default()
 }
