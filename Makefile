@@ -54,7 +54,7 @@ test-deps:
 ## the store tests and the replica tests run on it as well as on SQLite.
 test: setup test-deps lint lint-cuda
 	@url="$$(./scripts/test-postgres.sh start)" || exit 1; \
-	SMOLCHAT_TEST_DATABASE_URL="$$url" SMOLCHAT_REQUIRE_POSTGRES=1 $(CARGO) test; rc=$$?; \
+	SMOLTEST_DATABASE_URL="$$url" SMOLTEST_REQUIRE_POSTGRES=1 $(CARGO) test; rc=$$?; \
 	./scripts/test-postgres.sh stop; exit $$rc
 
 bench: setup
@@ -64,7 +64,7 @@ bench: setup
 ## on a private PostgreSQL behind nginx (docs/BENCHMARKS.md, "Replicas").
 bench-replicas: setup test-deps
 	@url="$$(./scripts/test-postgres.sh start)" || exit 1; \
-	SMOLCHAT_TEST_DATABASE_URL="$$url" SMOLCHAT_REQUIRE_POSTGRES=1 $(CARGO) test --test replicas -- --ignored --nocapture; rc=$$?; \
+	SMOLTEST_DATABASE_URL="$$url" SMOLTEST_REQUIRE_POSTGRES=1 $(CARGO) test --test replicas -- --ignored --nocapture; rc=$$?; \
 	./scripts/test-postgres.sh stop; exit $$rc
 
 ## Long fuzzing run of every parser of outside input (tests/fuzz.rs; `make test` runs 256 cases

@@ -1,7 +1,7 @@
 #!/bin/sh
 # A private PostgreSQL server for the test suite: its own data directory and port, trust
 # authentication on 127.0.0.1 only, started and stopped by `make test` (and started on demand by
-# the tests themselves when SMOLCHAT_TEST_DATABASE_URL is unset).
+# the tests themselves when SMOLTEST_DATABASE_URL is unset).
 #
 #   scripts/test-postgres.sh start   # prints the server's URL (starts it when it is not running)
 #   scripts/test-postgres.sh stop
@@ -11,8 +11,8 @@
 # smolchat commits, not the disk, and each test makes its own database.
 set -eu
 
-PORT="${SMOLCHAT_PG_PORT:-54329}"
-DIR="${SMOLCHAT_PG_DIR:-${TMPDIR:-/tmp}/smolchat-pg-$(id -u)-$PORT}"
+PORT="${SMOLTEST_PG_PORT:-54329}"
+DIR="${SMOLTEST_PG_DIR:-${TMPDIR:-/tmp}/smolchat-pg-$(id -u)-$PORT}"
 URL="postgres://postgres@127.0.0.1:$PORT/postgres"
 
 bindir=""

@@ -111,8 +111,8 @@ async fn start_nginx(dir: &Path, replicas: &[&Server]) -> Nginx {
 /// Three replicas on a fresh PostgreSQL database; `None` when PostgreSQL or nginx is missing.
 async fn cluster(dir: &Path, affinity: bool) -> Option<(String, Vec<Server>)> {
     if nginx_binary().is_none() {
-        if std::env::var("SMOLCHAT_REQUIRE_POSTGRES").is_ok_and(|v| v == "1") {
-            panic!("nginx is required (SMOLCHAT_REQUIRE_POSTGRES=1) but not installed");
+        if std::env::var("SMOLTEST_REQUIRE_POSTGRES").is_ok_and(|v| v == "1") {
+            panic!("nginx is required (SMOLTEST_REQUIRE_POSTGRES=1) but not installed");
         }
         eprintln!("skipped: nginx is not installed (scripts/install-test-deps.sh installs it)");
         return None;
@@ -452,11 +452,11 @@ async fn replies_follow_the_user_across_replicas_and_survive_a_killed_one() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 #[ignore = "a benchmark (two full three-replica runs): make bench-replicas"]
 async fn warm_cache_share_with_affinity_and_with_random_routing() {
-    let users: usize = std::env::var("SMOLCHAT_BENCH_USERS")
+    let users: usize = std::env::var("SMOLTEST_BENCH_USERS")
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(64);
-    let turns: usize = std::env::var("SMOLCHAT_BENCH_TURNS")
+    let turns: usize = std::env::var("SMOLTEST_BENCH_TURNS")
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(4);

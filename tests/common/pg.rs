@@ -1,6 +1,7 @@
-//! A PostgreSQL server for the tests: `SMOLCHAT_TEST_DATABASE_URL` (set by `make test`, which
+//! A PostgreSQL server for the tests: `SMOLTEST_DATABASE_URL` (set by `make test`, which
 //! starts a private server with scripts/test-postgres.sh), or, when unset, the same script run
-//! from here. Each test gets a database of its own.
+//! from here. Each test gets a database of its own. (Not `SMOLCHAT_…` variables: the server
+//! reads every one of those as configuration.)
 
 use std::process::Command;
 use std::sync::OnceLock;
@@ -13,7 +14,7 @@ use super::crate_root;
 fn server() -> &'static Result<String, String> {
     static SERVER: OnceLock<Result<String, String>> = OnceLock::new();
     SERVER.get_or_init(|| {
-        if let Ok(url) = std::env::var("SMOLCHAT_TEST_DATABASE_URL") {
+        if let Ok(url) = std::env::var("SMOLTEST_DATABASE_URL") {
             if !url.trim().is_empty() {
                 return Ok(url.trim().to_string());
             }
@@ -34,13 +35,13 @@ fn server() -> &'static Result<String, String> {
 
 /// A new, empty database on the test server, as a URL; `None` (with the reason printed) when
 /// no PostgreSQL server can be had, so the caller skips. Under `make test` (CI) the server is
-/// always there: set `SMOLCHAT_REQUIRE_POSTGRES=1` to make its absence a failure instead.
+/// always there: set `SMOLTEST_REQUIRE_POSTGRES=1` to make its absence a failure instead.
 pub async fn fresh_database() -> Option<String> {
     let server = match server() {
         Ok(url) => url.clone(),
         Err(why) => {
-            if std::env::var("SMOLCHAT_REQUIRE_POSTGRES").is_ok_and(|v| v == "1") {
-                panic!("PostgreSQL is required (SMOLCHAT_REQUIRE_POSTGRES=1) but: {why}");
+            if std::env::var("SMOLTEST_REQUIRE_POSTGRES").is_ok_and(|v| v == "1") {
+                panic!("PostgreSQL is required (SMOLTEST_REQUIRE_POSTGRES=1) but: {why}");
             }
             eprintln!("skipped: no PostgreSQL server for the tests ({why})");
             return None;
