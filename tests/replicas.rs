@@ -93,13 +93,17 @@ async fn start_nginx(dir: &Path, replicas: &[&Server]) -> Nginx {
         .stderr(Stdio::null())
         .spawn()
         .expect("start nginx");
-    let base = format!("http://127.0.0.1:{port}");
+    // Owned at once, so every way out of here (a panic included) stops it.
+    let proxy = Nginx {
+        child,
+        base: format!("http://127.0.0.1:{port}"),
+    };
     let http = reqwest::Client::new();
     let deadline = Instant::now() + Duration::from_secs(20);
     while Instant::now() < deadline {
-        if let Ok(r) = http.get(format!("{base}/readyz")).send().await {
+        if let Ok(r) = http.get(format!("{}/readyz", proxy.base)).send().await {
             if r.status() == StatusCode::OK {
-                return Nginx { child, base };
+                return proxy;
             }
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
@@ -258,9 +262,18 @@ async fn three_replicas_behind_a_proxy_lose_nothing_and_keep_caches_warm() {
     // which replica holds each conversation's cache.
     let mut admin = common::browser_client::Browser::at(&servers[1], 1, "/admin").await;
     let login = admin
-        .call(reqwest::Method::POST, "/admin/login", Some(&format!("token={ADMIN_TOKEN}")), &[])
+        .call(
+            reqwest::Method::POST,
+            "/admin/login",
+            Some(&format!("token={ADMIN_TOKEN}")),
+            &[],
+        )
         .await;
-    assert!(login.status.is_success() || login.status.is_redirection(), "{}", login.status);
+    assert!(
+        login.status.is_success() || login.status.is_redirection(),
+        "{}",
+        login.status
+    );
     let deadline = Instant::now() + Duration::from_secs(10);
     let live = loop {
         let page = admin.get("/admin/live").await;
@@ -277,7 +290,11 @@ async fn three_replicas_behind_a_proxy_lose_nothing_and_keep_caches_warm() {
     assert!(live.contains("id=\"replicas\""), "{live}");
     assert!(live.contains("(this page)"), "{live}");
     for s in &servers {
-        assert!(live.contains(&format!(":{}</code>", s.port)), "replica {} missing", s.port);
+        assert!(
+            live.contains(&format!(":{}</code>", s.port)),
+            "replica {} missing",
+            s.port
+        );
     }
     // The conversations table's replica column: `<td><code>NAME</code></td>` (the replicas
     // table puts more after a name).

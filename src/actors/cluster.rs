@@ -188,7 +188,7 @@ pub fn split_text(text: &str, max: usize) -> Vec<&str> {
 /// The live replica that owns `conversation`: highest rendezvous weight
 /// SHA-256(name, id) among `peers`. Names, not ids, so a replica restarted under its name gets
 /// its conversations back; removing a replica moves only its own conversations.
-pub fn owner_of<'a>(peers: &'a [Peer], conversation: Uuid) -> Option<&'a Peer> {
+pub fn owner_of(peers: &[Peer], conversation: Uuid) -> Option<&Peer> {
     peers.iter().max_by_key(|p| {
         let mut h = Sha256::new();
         h.update(p.name.as_bytes());

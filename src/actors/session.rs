@@ -571,7 +571,7 @@ impl SessionActor {
             } => {
                 // Only the end of the reply this session follows: a `Done` of an earlier reply
                 // can arrive after a viewer (who already saw it elsewhere) joined here.
-                if !self.remote.as_ref().is_some_and(|m| m.assistant == message) {
+                if self.remote.as_ref().is_none_or(|m| m.assistant != message) {
                     return;
                 }
                 self.remote = None;
