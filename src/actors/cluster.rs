@@ -46,120 +46,65 @@ pub struct Peer {
     pub url: String,
 }
 
-/// One message between replicas. `c` is the conversation, `from` the sending replica (a
-/// replica ignores its own messages).
+/// One message between replicas: about conversation `c`, from replica `from` (a replica ignores
+/// its own messages).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Wire {
+    pub c: Uuid,
+    pub from: Uuid,
+    #[serde(flatten)]
+    pub body: WireBody,
+}
+
+/// What a [`Wire`] says.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "k", rename_all = "snake_case")]
-pub enum Wire {
+pub enum WireBody {
     /// A reply began on `from` (its user message and the assistant row are stored).
     Started {
-        c: Uuid,
-        from: Uuid,
         user_message: Uuid,
         assistant: Uuid,
     },
     Prefilling {
-        c: Uuid,
-        from: Uuid,
         prompt_tokens: usize,
         cached_tokens: usize,
     },
     Reasoning {
-        c: Uuid,
-        from: Uuid,
         text: String,
     },
     Answer {
-        c: Uuid,
-        from: Uuid,
         text: String,
     },
     ToolCall {
-        c: Uuid,
-        from: Uuid,
         call: ToolCall,
     },
     /// The reply ended and its final row is committed.
     Done {
-        c: Uuid,
-        from: Uuid,
         message: Uuid,
         summary: GenSummary,
     },
     Error {
-        c: Uuid,
-        from: Uuid,
         message: String,
     },
-    /// Answer to [`Wire::Sync`]: the reply so far is stored, and was exactly the first
+    /// Answer to [`WireBody::Sync`]: the reply so far is stored, and was exactly the first
     /// `content_len` bytes of its content and `reasoning_len` of its reasoning when this was
     /// sent; what follows on the bus continues from there.
     Snapshot {
-        c: Uuid,
-        from: Uuid,
         user_message: Uuid,
         assistant: Uuid,
         content_len: usize,
         reasoning_len: usize,
         tool_calls: Vec<ToolCall>,
     },
-    /// "A viewer here joined your running reply: send a snapshot" (also counts as [`Wire::Watch`]).
-    Sync {
-        c: Uuid,
-        from: Uuid,
-    },
+    /// "A viewer here joined your running reply: send a snapshot" (also counts as `Watch`).
+    Sync,
     /// "Viewers here still follow your running reply": keeps it from being cancelled as
     /// abandoned when its own replica has no viewer left (a reload landed elsewhere).
-    Watch {
-        c: Uuid,
-        from: Uuid,
-    },
+    Watch,
     /// Stop the running reply (asked on another replica).
-    Stop {
-        c: Uuid,
-        from: Uuid,
-    },
+    Stop,
     /// The conversation was deleted on another replica: end its session and reply.
-    Deleted {
-        c: Uuid,
-        from: Uuid,
-    },
-}
-
-impl Wire {
-    pub fn conversation(&self) -> Uuid {
-        match self {
-            Wire::Started { c, .. }
-            | Wire::Prefilling { c, .. }
-            | Wire::Reasoning { c, .. }
-            | Wire::Answer { c, .. }
-            | Wire::ToolCall { c, .. }
-            | Wire::Done { c, .. }
-            | Wire::Error { c, .. }
-            | Wire::Snapshot { c, .. }
-            | Wire::Sync { c, .. }
-            | Wire::Watch { c, .. }
-            | Wire::Stop { c, .. }
-            | Wire::Deleted { c, .. } => *c,
-        }
-    }
-
-    pub fn sender(&self) -> Uuid {
-        match self {
-            Wire::Started { from, .. }
-            | Wire::Prefilling { from, .. }
-            | Wire::Reasoning { from, .. }
-            | Wire::Answer { from, .. }
-            | Wire::ToolCall { from, .. }
-            | Wire::Done { from, .. }
-            | Wire::Error { from, .. }
-            | Wire::Snapshot { from, .. }
-            | Wire::Sync { from, .. }
-            | Wire::Watch { from, .. }
-            | Wire::Stop { from, .. }
-            | Wire::Deleted { from, .. } => *from,
-        }
-    }
+    Deleted,
 }
 
 /// Splits `text` into pieces of at most `max` bytes on character boundaries.
@@ -313,12 +258,17 @@ impl Cluster {
         id
     }
 
-    /// Sends `wire` to the other replicas (nothing on SQLite).
-    pub fn publish(&self, wire: &Wire) {
+    /// Sends `body` about conversation `c` to the other replicas (nothing on SQLite).
+    pub fn publish(&self, c: Uuid, body: WireBody) {
         let Some(bus) = &self.bus else {
             return;
         };
-        match serde_json::to_string(wire) {
+        let wire = Wire {
+            c,
+            from: self.me.id,
+            body,
+        };
+        match serde_json::to_string(&wire) {
             Ok(payload) => bus.publish(payload),
             Err(e) => tracing::error!("cannot encode a cluster message: {e}"),
         }
@@ -329,14 +279,16 @@ impl Cluster {
         if self.bus.is_none() {
             return;
         }
-        let from = self.me.id;
         for piece in split_text(text, MAX_TEXT_BYTES) {
             let text = piece.to_string();
-            self.publish(&if reasoning {
-                Wire::Reasoning { c, from, text }
-            } else {
-                Wire::Answer { c, from, text }
-            });
+            self.publish(
+                c,
+                if reasoning {
+                    WireBody::Reasoning { text }
+                } else {
+                    WireBody::Answer { text }
+                },
+            );
         }
     }
 
@@ -456,7 +408,7 @@ impl Cluster {
                         continue;
                     }
                 };
-                if wire.sender() == this.me.id {
+                if wire.from == this.me.id {
                     continue;
                 }
                 this.deliver(wire);
@@ -470,15 +422,19 @@ impl Cluster {
         let Some(sessions) = self.sessions.get().and_then(Weak::upgrade) else {
             return;
         };
-        let Some(session) = sessions.get(wire.conversation()) else {
+        let Some(session) = sessions.get(wire.c) else {
             return;
         };
-        match wire {
-            Wire::Stop { .. } => session.do_send(RemoteControl::Stop),
-            Wire::Deleted { .. } => session.do_send(RemoteControl::Deleted),
-            Wire::Sync { from, .. } => session.do_send(RemoteControl::Sync(from)),
-            Wire::Watch { .. } => session.do_send(RemoteControl::Watch),
-            other => session.do_send(RemoteReply(other)),
+        let control = match &wire.body {
+            WireBody::Stop => Some(RemoteControl::Stop),
+            WireBody::Deleted => Some(RemoteControl::Deleted),
+            WireBody::Sync => Some(RemoteControl::Sync(wire.from)),
+            WireBody::Watch => Some(RemoteControl::Watch),
+            _ => None,
+        };
+        match control {
+            Some(control) => session.do_send(control),
+            None => session.do_send(RemoteReply(wire)),
         }
     }
 
@@ -560,10 +516,12 @@ mod tests {
         let from = Uuid::now_v7();
         let text = "\"\\\u{1}".repeat(MAX_TEXT_BYTES / 3);
         for piece in split_text(&text, MAX_TEXT_BYTES) {
-            let wire = Wire::Answer {
+            let wire = Wire {
                 c,
                 from,
-                text: piece.to_string(),
+                body: WireBody::Answer {
+                    text: piece.to_string(),
+                },
             };
             let json = serde_json::to_string(&wire).unwrap();
             assert!(
@@ -573,5 +531,22 @@ mod tests {
             );
             assert_eq!(serde_json::from_str::<Wire>(&json).unwrap(), wire);
         }
+    }
+}
+
+#[cfg(test)]
+mod wire_tests {
+    use super::*;
+
+    #[test]
+    fn control_messages_are_small_and_tagged() {
+        let wire = Wire {
+            c: Uuid::nil(),
+            from: Uuid::max(),
+            body: WireBody::Sync,
+        };
+        let json = serde_json::to_string(&wire).unwrap();
+        assert!(json.contains("\"k\":\"sync\""), "{json}");
+        assert_eq!(serde_json::from_str::<Wire>(&json).unwrap(), wire);
     }
 }

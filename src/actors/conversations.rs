@@ -20,7 +20,7 @@ use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
 use uuid::Uuid;
 
-use super::cluster::{Cluster, Wire};
+use super::cluster::{Cluster, WireBody};
 use super::scheduler::{Evict, SchedulerActor};
 use super::session::{
     check_message, Accepted, GetInfo, Replacing, SendMessage, SessionError, Sessions, Shutdown,
@@ -729,10 +729,7 @@ impl Conversations {
         if cluster.is_shared() {
             if let Some((_, Some(replica))) = self.store.streaming_replica(id).await? {
                 if replica != cluster.me().id {
-                    cluster.publish(&Wire::Stop {
-                        c: id,
-                        from: cluster.me().id,
-                    });
+                    cluster.publish(id, WireBody::Stop);
                     return Ok(true);
                 }
             }
@@ -761,10 +758,7 @@ impl Conversations {
         }
         // Another replica may be generating in it, or have viewers on it.
         let cluster = self.cluster();
-        cluster.publish(&Wire::Deleted {
-            c: id,
-            from: cluster.me().id,
-        });
+        cluster.publish(id, WireBody::Deleted);
         // The worker drops the cache now, or as soon as a cancelled reply releases it.
         let _ = self.scheduler.send(Evict(id.to_string())).await;
         tracing::info!(conversation = %id, "conversation deleted");

@@ -15,7 +15,7 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::UnboundedReceiverStream;
 use uuid::Uuid;
 
-use super::cluster::{Cluster, Wire};
+use super::cluster::{Cluster, Wire, WireBody};
 use super::scheduler::{Cancel, SchedulerActor, Submit};
 use super::types::{GenEvent, GenSummary, GenerationRequest, RequestId, StopReason, SubmitError};
 use crate::engine::sampling::SamplingParams;
@@ -213,6 +213,28 @@ struct RemoteMirror {
     synced: bool,
 }
 
+impl RunningReply {
+    /// The write that saves the reply as it is now (content, reasoning, raw text), which from
+    /// then on counts as saved.
+    fn save_now(
+        &mut self,
+        store: Store,
+    ) -> impl std::future::Future<Output = Result<bool, StoreError>> + 'static {
+        self.saved_len = self.raw.len();
+        let (id, content, raw) = (
+            self.assistant_message_id,
+            self.content.clone(),
+            self.raw.clone(),
+        );
+        let reasoning = (!self.reasoning.is_empty()).then(|| self.reasoning.clone());
+        async move {
+            store
+                .save_partial_reply(id, &content, reasoning.as_deref(), &raw)
+                .await
+        }
+    }
+}
+
 pub struct SessionActor {
     id: Uuid,
     shared: Arc<SessionShared>,
@@ -249,51 +271,39 @@ impl SessionActor {
         if !cluster.is_shared() {
             return;
         }
-        let (c, from) = (self.id, cluster.me().id);
-        let wire = match event {
+        let c = self.id;
+        let body = match event {
             ReplyEvent::Started {
                 user_message,
                 assistant_message_id,
-            } => Wire::Started {
-                c,
-                from,
+            } => WireBody::Started {
                 user_message: user_message.id,
                 assistant: *assistant_message_id,
             },
             ReplyEvent::Prefilling {
                 prompt_tokens,
                 cached_tokens,
-            } => Wire::Prefilling {
-                c,
-                from,
+            } => WireBody::Prefilling {
                 prompt_tokens: *prompt_tokens,
                 cached_tokens: *cached_tokens,
             },
             ReplyEvent::Reasoning { text } => return cluster.publish_text(c, true, text),
             ReplyEvent::Answer { text } => return cluster.publish_text(c, false, text),
-            ReplyEvent::ToolCall { call } => Wire::ToolCall {
-                c,
-                from,
-                call: call.clone(),
-            },
-            ReplyEvent::Done { message, summary } => Wire::Done {
-                c,
-                from,
+            ReplyEvent::ToolCall { call } => WireBody::ToolCall { call: call.clone() },
+            ReplyEvent::Done { message, summary } => WireBody::Done {
                 message: message.id,
                 summary: summary.clone(),
             },
-            ReplyEvent::Error { message } => Wire::Error {
-                c,
-                from,
+            ReplyEvent::Error { message } => WireBody::Error {
                 message: super::cluster::split_text(message, 2000)
                     .first()
                     .map_or_else(String::new, |m| m.to_string()),
             },
         };
-        cluster.publish(&wire);
+        cluster.publish(c, body);
     }
 
-    /// Answers another replica's [`Wire::Sync`]: saves the reply so far, then announces how
+    /// Answers another replica's [`WireBody::Sync`]: saves the reply so far, then announces how
     /// much of it the stored row holds. Waits (no token is handled meanwhile), so the deltas
     /// published after the snapshot continue exactly where it ends.
     fn send_snapshot(&mut self, ctx: &mut Context<Self>) {
@@ -301,39 +311,27 @@ impl SessionActor {
         let Some(reply) = self.reply.as_mut() else {
             return;
         };
-        reply.saved_len = reply.raw.len();
         // Tool calls ride along only while the message stays small; the final row has them all.
         let mut tool_calls = reply.tool_calls.clone();
         while serde_json::to_string(&tool_calls).map_or(0, |j| j.len()) > 4000 {
             tool_calls.pop();
         }
-        let wire = Wire::Snapshot {
-            c: self.id,
-            from: cluster.me().id,
+        let c = self.id;
+        let body = WireBody::Snapshot {
             user_message: reply.user_message_id,
             assistant: reply.assistant_message_id,
             content_len: reply.content.len(),
             reasoning_len: reply.reasoning.len(),
             tool_calls,
         };
-        let store = self.shared.store.clone();
-        let (id, content, raw) = (
-            reply.assistant_message_id,
-            reply.content.clone(),
-            reply.raw.clone(),
-        );
-        let reasoning = (!reply.reasoning.is_empty()).then(|| reply.reasoning.clone());
-        async move {
-            store
-                .save_partial_reply(id, &content, reasoning.as_deref(), &raw)
-                .await
-        }
-        .into_actor(self)
-        .map(move |saved, _, _| match saved {
-            Ok(_) => cluster.publish(&wire),
-            Err(e) => tracing::warn!("cannot save a reply for a snapshot: {e}"),
-        })
-        .wait(ctx);
+        reply
+            .save_now(self.shared.store.clone())
+            .into_actor(self)
+            .map(move |saved, _, _| match saved {
+                Ok(_) => cluster.publish(c, body),
+                Err(e) => tracing::warn!("cannot save a reply for a snapshot: {e}"),
+            })
+            .wait(ctx);
     }
 
     /// Cancels the reply once nobody follows it any more: no viewer here, and no other replica
@@ -387,10 +385,7 @@ impl SessionActor {
                             })
                         }
                     }
-                    cluster.publish(&Wire::Sync {
-                        c: id,
-                        from: cluster.me().id,
-                    });
+                    cluster.publish(id, WireBody::Sync);
                 }),
         );
     }
@@ -406,7 +401,7 @@ impl SessionActor {
             self.remote = None;
             return;
         }
-        let (c, me) = (self.id, cluster.me().id);
+        let c = self.id;
         if !cluster.live().iter().any(|p| p.id == from) {
             // Its heartbeat is late. The stored row decides: the sweep marks the reply
             // interrupted once the lease has really run out; a final status means its `Done`
@@ -415,7 +410,7 @@ impl SessionActor {
             return;
         }
         if synced {
-            cluster.publish(&Wire::Watch { c, from: me });
+            cluster.publish(c, WireBody::Watch);
         } else {
             self.follow_remote_reply(ctx);
         }
@@ -462,11 +457,11 @@ impl SessionActor {
             // This replica generates here; the unique streaming row means the other cannot.
             return;
         }
-        let from = wire.sender();
+        let from = wire.from;
         let following =
             |m: &Option<RemoteMirror>| m.as_ref().is_some_and(|m| m.synced && m.from == from);
-        match wire {
-            Wire::Started {
+        match wire.body {
+            WireBody::Started {
                 user_message,
                 assistant,
                 ..
@@ -490,7 +485,7 @@ impl SessionActor {
                     })
                     .wait(ctx);
             }
-            Wire::Prefilling {
+            WireBody::Prefilling {
                 prompt_tokens,
                 cached_tokens,
                 ..
@@ -498,19 +493,19 @@ impl SessionActor {
                 prompt_tokens,
                 cached_tokens,
             }),
-            Wire::Reasoning { text, .. } if following(&self.remote) => {
+            WireBody::Reasoning { text } if following(&self.remote) => {
                 self.fan_out(ReplyEvent::Reasoning { text })
             }
-            Wire::Answer { text, .. } if following(&self.remote) => {
+            WireBody::Answer { text } if following(&self.remote) => {
                 self.fan_out(ReplyEvent::Answer { text })
             }
-            Wire::ToolCall { call, .. } if following(&self.remote) => {
+            WireBody::ToolCall { call } if following(&self.remote) => {
                 self.fan_out(ReplyEvent::ToolCall { call })
             }
-            Wire::Error { message, .. } if following(&self.remote) => {
+            WireBody::Error { message } if following(&self.remote) => {
                 self.fan_out(ReplyEvent::Error { message })
             }
-            Wire::Snapshot {
+            WireBody::Snapshot {
                 user_message,
                 assistant,
                 content_len,
@@ -566,7 +561,7 @@ impl SessionActor {
                 })
                 .wait(ctx);
             }
-            Wire::Done {
+            WireBody::Done {
                 message, summary, ..
             } => {
                 // Only the end of the reply this session follows: a `Done` of an earlier reply
@@ -696,20 +691,10 @@ impl SessionActor {
         if reply.raw.len() == reply.saved_len {
             return;
         }
-        reply.saved_len = reply.raw.len();
-        let store = self.shared.store.clone();
-        let (id, content, raw) = (
-            reply.assistant_message_id,
-            reply.content.clone(),
-            reply.raw.clone(),
-        );
-        let reasoning = (!reply.reasoning.is_empty()).then(|| reply.reasoning.clone());
+        let save = reply.save_now(self.shared.store.clone());
         ctx.spawn(
             async move {
-                if let Err(e) = store
-                    .save_partial_reply(id, &content, reasoning.as_deref(), &raw)
-                    .await
-                {
+                if let Err(e) = save.await {
                     tracing::warn!("saving a partial reply failed: {e}");
                 }
             }
