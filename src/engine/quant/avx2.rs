@@ -72,7 +72,36 @@ tiled!(q4_0, q4_0_tile, [1, 2, 3], 4);
 tiled!(q4_1, q4_1_tile, [], 1);
 tiled!(q8_0, q8_0_tile, [], 1);
 tiled!(q4k, q4k_tile, [1, 2, 3], 4);
-tiled!(q6k, q6k_tile, [1, 2, 3], 4);
+
+/// Q6_K: one token takes both halves of the group in one pass over its weights (decode streams
+/// them from memory once; its accumulators fit the registers twice over). Larger tiles keep four
+/// tokens' accumulators and walk the halves one after the other.
+unsafe fn q6k<const VNNI: bool>(
+    g: &[u8],
+    acts: &Acts,
+    t0: usize,
+    nt: usize,
+    out: *mut f32,
+    stride: usize,
+) {
+    if nt == 1 {
+        return q6k_tile::<1, 2, VNNI>(g, 0, acts, t0, out, stride);
+    }
+    for half in 0..2 {
+        let mut t = 0;
+        while t < nt {
+            let o = out.add(t * stride);
+            let n = (nt - t).min(4);
+            match n {
+                1 => q6k_tile::<1, 1, VNNI>(g, half, acts, t0 + t, o, stride),
+                2 => q6k_tile::<2, 1, VNNI>(g, half, acts, t0 + t, o, stride),
+                3 => q6k_tile::<3, 1, VNNI>(g, half, acts, t0 + t, o, stride),
+                _ => q6k_tile::<4, 1, VNNI>(g, half, acts, t0 + t, o, stride),
+            }
+            t += n;
+        }
+    }
+}
 
 /// `acc + Σ_{i<4} u[4k+i]·s[4k+i]` per 32-bit lane, for unsigned `u` at most 63.
 #[inline]
@@ -373,74 +402,144 @@ unsafe fn q4k_tile<const T: usize, const VNNI: bool>(
     }
 }
 
+/// Q6_K on `H` halves of the group from half `h0` (see [`q6k`] for which).
+///
+/// Per 16-value group `g` of a row the integer part is `sc_g·(Σ v·x + bias_g)`, with `bias_g` the
+/// activations' `-32·bsum16`. Both terms are computed separately, in integers:
+/// - Without VNNI, the `vpmaddubsw` products of kq 0+1 and of kq 2+3 are summed as 16-bit lanes
+///   (each product is at most 2·63·128 = 16128 in magnitude, two of them 32256 < 2^15), and one
+///   `vpmaddwd` against the scale (repeated in both 16-bit halves of a row's lane) widens and
+///   scales each sum: 10 multiply/add instructions a group instead of 13 (three per product plus
+///   a 32-bit multiply). With VNNI, `vpdpbusd` sums the four products and `vpmulld` scales them.
+/// - `Σ_g sc_g·bias_g` takes one `vpmaddwd` per pair of groups: the stored scale pair times 32 (at
+///   most 4096 in magnitude, still 16-bit) against the pair `bias_g / 32` (exact: the bias is a
+///   multiple of 32; at most 2048).
+///
+/// Integer sums in another order, so the result is bit-for-bit the scalar one.
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q6k_tile<const T: usize, const VNNI: bool>(
+unsafe fn q6k_tile<const T: usize, const H: usize, const VNNI: bool>(
     g: &[u8],
-    half: usize,
+    h0: usize,
     acts: &Acts,
     t0: usize,
     out: *mut f32,
     stride: usize,
 ) {
     let (nblk, cols) = (acts.nblk, acts.cols);
-    debug_assert!(g.len() >= nblk * 3360 && t0 + T <= acts.n_tokens);
+    debug_assert!(g.len() >= nblk * 3360 && t0 + T <= acts.n_tokens && h0 + H <= 2);
     let gp = g.as_ptr();
     let xq = acts.qs.as_ptr().add(t0 * cols);
     let dx = acts.d.as_ptr().add(t0 * nblk);
     let bias = acts.bias.as_ptr().add(t0 * nblk * 16);
     let m4 = _mm256_set1_epi8(0x0F);
     let m30 = _mm256_set1_epi8(0x30);
-    let mut f = [_mm256_setzero_ps(); T];
+    // `vpshufb` patterns: a row's even (odd) group scale into both 16-bit halves of its lane.
+    let even = _mm256_setr_epi8(
+        0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13, 0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12,
+        13, 12, 13,
+    );
+    let odd = _mm256_add_epi8(even, _mm256_set1_epi8(2));
+    let mut f = [[_mm256_setzero_ps(); H]; T];
     for b in 0..nblk {
         let blk = gp.add(b * 3360);
-        let mut sup = [_mm256_setzero_si256(); T];
-        for gi in 0..16 {
-            prefetch(half, blk.wrapping_add(2 * 3360 + 256 * gi), 4);
-            let cc = gi / 2;
-            let pairs = _mm256_cvtepi8_epi16(_mm_loadu_si128(
-                blk.add(3072 + 32 * cc + 16 * half) as *const _
-            ));
-            let scv = if gi % 2 == 0 {
-                _mm256_srai_epi32::<16>(_mm256_slli_epi32::<16>(pairs))
-            } else {
-                _mm256_srai_epi32::<16>(pairs)
-            };
-            let hd = load(blk.add(2048 + 64 * gi + 32 * half));
-            let mut acc = [_mm256_setzero_si256(); T];
-            for (t, a) in acc.iter_mut().enumerate() {
-                *a = _mm256_set1_epi32(*bias.add((t * nblk + b) * 16 + gi));
-            }
-            for kq in 0..4 {
-                let kg = 4 * (gi % 2) + kq;
-                let p = load(blk.add(64 * (8 * (cc / 2) + kg) + 32 * half));
-                let lo = if cc % 2 == 0 {
-                    _mm256_and_si256(p, m4)
-                } else {
-                    _mm256_and_si256(_mm256_srli_epi16::<4>(p), m4)
-                };
-                // Bits 2kq..2kq+2 of each byte moved to bits 4..6 (see the AVX-512 kernel).
-                let h = match kq {
-                    0 => _mm256_slli_epi16::<4>(hd),
-                    1 => _mm256_slli_epi16::<2>(hd),
-                    2 => hd,
-                    _ => _mm256_srli_epi16::<2>(hd),
-                };
-                let w = _mm256_or_si256(lo, _mm256_and_si256(h, m30));
-                for (t, a) in acc.iter_mut().enumerate() {
-                    *a = dp::<VNNI>(*a, w, bcast4(xq.add(t * cols + b * 256 + 32 * cc + 4 * kg)));
+        let mut sup = [[_mm256_setzero_si256(); H]; T];
+        for cc in 0..8 {
+            // 3360 bytes a block: seven lines for each of the eight steps cover it.
+            prefetch(h0, blk.wrapping_add(2 * 3360 + 448 * cc), 7);
+            // Lane l: the i16 scales of groups 2cc and 2cc+1 of row l.
+            let pairs: [__m256i; H] = std::array::from_fn(|h| {
+                _mm256_cvtepi8_epi16(_mm_loadu_si128(
+                    blk.add(3072 + 32 * cc + 16 * (h0 + h)) as *const _
+                ))
+            });
+            for t in 0..T {
+                let bp = bias.add((t * nblk + b) * 16 + 2 * cc);
+                let lo = (*bp >> 5) as u16 as u32;
+                let hi = (*bp.add(1) >> 5) as u16 as u32;
+                let bv = _mm256_set1_epi32((lo | (hi << 16)) as i32);
+                for h in 0..H {
+                    let sc32 = _mm256_slli_epi16::<5>(pairs[h]);
+                    sup[t][h] = _mm256_add_epi32(sup[t][h], _mm256_madd_epi16(sc32, bv));
                 }
             }
-            for t in 0..T {
-                sup[t] = _mm256_add_epi32(sup[t], _mm256_mullo_epi32(acc[t], scv));
+            for e in 0..2 {
+                let gi = 2 * cc + e;
+                let hd: [__m256i; H] =
+                    std::array::from_fn(|h| load(blk.add(2048 + 64 * gi + 32 * (h0 + h))));
+                let sc: [__m256i; H] = std::array::from_fn(|h| {
+                    if VNNI {
+                        if e == 0 {
+                            _mm256_srai_epi32::<16>(_mm256_slli_epi32::<16>(pairs[h]))
+                        } else {
+                            _mm256_srai_epi32::<16>(pairs[h])
+                        }
+                    } else if e == 0 {
+                        _mm256_shuffle_epi8(pairs[h], even)
+                    } else {
+                        _mm256_shuffle_epi8(pairs[h], odd)
+                    }
+                });
+                // VNNI: the 32-bit dot; without: the 16-bit sum of two products.
+                let mut acc = [[_mm256_setzero_si256(); H]; T];
+                for kq in 0..4 {
+                    let kg = 4 * e + kq;
+                    let x: [__m256i; T] = std::array::from_fn(|t| {
+                        bcast4(xq.add(t * cols + b * 256 + 32 * cc + 4 * kg))
+                    });
+                    for h in 0..H {
+                        let p = load(blk.add(64 * (8 * (cc / 2) + kg) + 32 * (h0 + h)));
+                        let lo = if cc % 2 == 0 {
+                            _mm256_and_si256(p, m4)
+                        } else {
+                            _mm256_and_si256(_mm256_srli_epi16::<4>(p), m4)
+                        };
+                        // Bits 2kq..2kq+2 of each byte moved to bits 4..6 (see the AVX-512
+                        // kernel).
+                        let hb = match kq {
+                            0 => _mm256_slli_epi16::<4>(hd[h]),
+                            1 => _mm256_slli_epi16::<2>(hd[h]),
+                            2 => hd[h],
+                            _ => _mm256_srli_epi16::<2>(hd[h]),
+                        };
+                        let w = _mm256_or_si256(lo, _mm256_and_si256(hb, m30));
+                        for t in 0..T {
+                            if VNNI {
+                                acc[t][h] = dp::<true>(acc[t][h], w, x[t]);
+                            } else {
+                                let prod = _mm256_maddubs_epi16(w, x[t]);
+                                if kq % 2 == 0 {
+                                    acc[t][h] = prod;
+                                } else {
+                                    let s16 = _mm256_add_epi16(acc[t][h], prod);
+                                    let s = _mm256_madd_epi16(s16, sc[h]);
+                                    sup[t][h] = _mm256_add_epi32(sup[t][h], s);
+                                }
+                            }
+                        }
+                    }
+                }
+                if VNNI {
+                    for t in 0..T {
+                        for h in 0..H {
+                            let s = _mm256_mullo_epi32(acc[t][h], sc[h]);
+                            sup[t][h] = _mm256_add_epi32(sup[t][h], s);
+                        }
+                    }
+                }
             }
         }
-        let dw = f16x8(blk.add(3328 + 16 * half));
-        for t in 0..T {
-            let d = _mm256_set1_ps(*dx.add(t * nblk + b));
-            f[t] = _mm256_fmadd_ps(_mm256_mul_ps(dw, d), _mm256_cvtepi32_ps(sup[t]), f[t]);
+        for h in 0..H {
+            let dw = f16x8(blk.add(3328 + 16 * (h0 + h)));
+            for t in 0..T {
+                let d = _mm256_set1_ps(*dx.add(t * nblk + b));
+                let fs = _mm256_cvtepi32_ps(sup[t][h]);
+                f[t][h] = _mm256_fmadd_ps(_mm256_mul_ps(dw, d), fs, f[t][h]);
+            }
         }
     }
-    for (t, f) in f.iter().enumerate() {
-        _mm256_storeu_ps(out.add(t * stride), *f);
+    for t in 0..T {
+        for h in 0..H {
+            _mm256_storeu_ps(out.add(t * stride + 8 * (h0 + h)), f[t][h]);
+        }
     }
 }
