@@ -71,37 +71,45 @@ tiled!(q4_0, q4_0_tile, [1, 2, 3], 4);
 // The ggml-order kernels hold eight accumulators per token: one token fits sixteen registers.
 tiled!(q4_1, q4_1_tile, [], 1);
 tiled!(q8_0, q8_0_tile, [], 1);
-tiled!(q4k, q4k_tile, [1, 2, 3], 4);
 
-/// Q6_K: one token takes both halves of the group in one pass over its weights (decode streams
-/// them from memory once; its accumulators fit the registers twice over). Larger tiles keep four
-/// tokens' accumulators and walk the halves one after the other.
-unsafe fn q6k<const VNNI: bool>(
-    g: &[u8],
-    acts: &Acts,
-    t0: usize,
-    nt: usize,
-    out: *mut f32,
-    stride: usize,
-) {
-    if nt == 1 {
-        return q6k_tile::<1, 2, VNNI>(g, 0, acts, t0, out, stride);
-    }
-    for half in 0..2 {
-        let mut t = 0;
-        while t < nt {
-            let o = out.add(t * stride);
-            let n = (nt - t).min(4);
-            match n {
-                1 => q6k_tile::<1, 1, VNNI>(g, half, acts, t0 + t, o, stride),
-                2 => q6k_tile::<2, 1, VNNI>(g, half, acts, t0 + t, o, stride),
-                3 => q6k_tile::<3, 1, VNNI>(g, half, acts, t0 + t, o, stride),
-                _ => q6k_tile::<4, 1, VNNI>(g, half, acts, t0 + t, o, stride),
+/// Expands to a [`Kernel`] for a K-quant tile function `$tile::<T, H, VNNI>` that computes `H`
+/// halves of the group from a given one. One token takes both halves in one pass over the
+/// weights (decode streams them from memory once, and the halves share the activation
+/// broadcasts; the accumulators fit the registers twice over). Larger tiles keep four tokens'
+/// accumulators and walk the halves one after the other.
+macro_rules! tiled_k {
+    ($name:ident, $tile:ident) => {
+        unsafe fn $name<const VNNI: bool>(
+            g: &[u8],
+            acts: &Acts,
+            t0: usize,
+            nt: usize,
+            out: *mut f32,
+            stride: usize,
+        ) {
+            if nt == 1 {
+                return $tile::<1, 2, VNNI>(g, 0, acts, t0, out, stride);
             }
-            t += n;
+            for half in 0..2 {
+                let mut t = 0;
+                while t < nt {
+                    let o = out.add(t * stride);
+                    let n = (nt - t).min(4);
+                    match n {
+                        1 => $tile::<1, 1, VNNI>(g, half, acts, t0 + t, o, stride),
+                        2 => $tile::<2, 1, VNNI>(g, half, acts, t0 + t, o, stride),
+                        3 => $tile::<3, 1, VNNI>(g, half, acts, t0 + t, o, stride),
+                        _ => $tile::<4, 1, VNNI>(g, half, acts, t0 + t, o, stride),
+                    }
+                    t += n;
+                }
+            }
         }
-    }
+    };
 }
+
+tiled_k!(q4k, q4k_tile);
+tiled_k!(q6k, q6k_tile);
 
 /// `acc + Σ_{i<4} u[4k+i]·s[4k+i]` per 32-bit lane, for unsigned `u` at most 63.
 #[inline]
@@ -314,31 +322,34 @@ unsafe fn q8_0_tile<const T: usize, const VNNI: bool>(
     }
 }
 
+/// Q4_K on `H` halves of the group from half `h0` (see [`q4k`] for which).
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q4k_tile<const T: usize, const VNNI: bool>(
+unsafe fn q4k_tile<const T: usize, const H: usize, const VNNI: bool>(
     g: &[u8],
-    half: usize,
+    h0: usize,
     acts: &Acts,
     t0: usize,
     out: *mut f32,
     stride: usize,
 ) {
     let (nblk, cols) = (acts.nblk, acts.cols);
-    debug_assert!(g.len() >= nblk * 2368 && t0 + T <= acts.n_tokens);
+    debug_assert!(g.len() >= nblk * 2368 && t0 + T <= acts.n_tokens && h0 + H <= 2);
     let gp = g.as_ptr();
     let xq = acts.qs.as_ptr().add(t0 * cols);
     let dx = acts.d.as_ptr().add(t0 * nblk);
     let bsum = acts.bsum32.as_ptr().add(t0 * nblk * 8);
     let m4 = _mm256_set1_epi8(0x0F);
-    let mut f = [_mm256_setzero_ps(); T];
+    let mut f = [[_mm256_setzero_ps(); H]; T];
     for b in 0..nblk {
         let blk = gp.add(b * 2368);
-        let mut sup = [_mm256_setzero_si256(); T];
+        let mut sup = [[_mm256_setzero_si256(); H]; T];
         for sb in 0..8 {
-            prefetch(half, blk.wrapping_add(2 * 2368 + 320 * sb), 5);
-            let scales = _mm_loadl_epi64(blk.add(2048 + 16 * sb + 8 * half) as *const _);
-            let weight = |kg: usize| {
-                let p = load(blk.add(64 * (8 * (sb / 2) + kg) + 32 * half));
+            prefetch(h0, blk.wrapping_add(2 * 2368 + 320 * sb), 5);
+            let scales: [__m128i; H] = std::array::from_fn(|h| {
+                _mm_loadl_epi64(blk.add(2048 + 16 * sb + 8 * (h0 + h)) as *const _)
+            });
+            let weight = |kg: usize, h: usize| {
+                let p = load(blk.add(64 * (8 * (sb / 2) + kg) + 32 * (h0 + h)));
                 if sb % 2 == 0 {
                     _mm256_and_si256(p, m4)
                 } else {
@@ -347,16 +358,22 @@ unsafe fn q4k_tile<const T: usize, const VNNI: bool>(
             };
             let x = |t: usize, kg: usize| bcast4(xq.add(t * cols + b * 256 + 32 * sb + 4 * kg));
             if VNNI {
-                let scv = _mm256_cvtepu8_epi32(scales);
-                let mut acc = [_mm256_setzero_si256(); T];
+                let mut acc = [[_mm256_setzero_si256(); H]; T];
                 for kg in 0..8 {
-                    let w = weight(kg);
-                    for (t, a) in acc.iter_mut().enumerate() {
-                        *a = dp::<true>(*a, w, x(t, kg));
+                    let xs: [__m256i; T] = std::array::from_fn(|t| x(t, kg));
+                    for h in 0..H {
+                        let w = weight(kg, h);
+                        for t in 0..T {
+                            acc[t][h] = dp::<true>(acc[t][h], w, xs[t]);
+                        }
                     }
                 }
-                for t in 0..T {
-                    sup[t] = _mm256_add_epi32(sup[t], _mm256_mullo_epi32(acc[t], scv));
+                for h in 0..H {
+                    let scv = _mm256_cvtepu8_epi32(scales[h]);
+                    for t in 0..T {
+                        let s = _mm256_mullo_epi32(acc[t][h], scv);
+                        sup[t][h] = _mm256_add_epi32(sup[t][h], s);
+                    }
                 }
             } else {
                 // Without VNNI: the eight `vpmaddubsw` products of a sub-block are summed as
@@ -365,40 +382,58 @@ unsafe fn q4k_tile<const T: usize, const VNNI: bool>(
                 // of a row's lane) widens and scales them at once: 17 instructions a sub-block
                 // instead of 26 (three per product plus a 32-bit multiply). Integer sums, so the
                 // result is bit-for-bit the same.
-                let sc16 = _mm256_cvtepu8_epi32(scales);
-                let sc16 = _mm256_or_si256(sc16, _mm256_slli_epi32::<16>(sc16));
-                let mut acc = [_mm256_setzero_si256(); T];
+                let mut acc = [[_mm256_setzero_si256(); H]; T];
                 for kg in 0..8 {
-                    let w = weight(kg);
-                    for (t, a) in acc.iter_mut().enumerate() {
-                        *a = _mm256_add_epi16(*a, _mm256_maddubs_epi16(w, x(t, kg)));
+                    let xs: [__m256i; T] = std::array::from_fn(|t| x(t, kg));
+                    for h in 0..H {
+                        let w = weight(kg, h);
+                        for t in 0..T {
+                            let prod = _mm256_maddubs_epi16(w, xs[t]);
+                            acc[t][h] = _mm256_add_epi16(acc[t][h], prod);
+                        }
                     }
                 }
-                for t in 0..T {
-                    sup[t] = _mm256_add_epi32(sup[t], _mm256_madd_epi16(acc[t], sc16));
+                for h in 0..H {
+                    let sc16 = _mm256_cvtepu8_epi32(scales[h]);
+                    let sc16 = _mm256_or_si256(sc16, _mm256_slli_epi32::<16>(sc16));
+                    for t in 0..T {
+                        let s = _mm256_madd_epi16(acc[t][h], sc16);
+                        sup[t][h] = _mm256_add_epi32(sup[t][h], s);
+                    }
                 }
             }
         }
-        let mut min = [_mm256_setzero_si256(); T];
+        let mut min = [[_mm256_setzero_si256(); H]; T];
         for p in 0..4 {
-            let mv = _mm256_cvtepu8_epi16(_mm_loadu_si128(
-                blk.add(2176 + 32 * p + 16 * half) as *const _
-            ));
-            for (t, m) in min.iter_mut().enumerate() {
-                let pair = (bsum.add((t * nblk + b) * 8 + 2 * p) as *const i32).read_unaligned();
-                *m = _mm256_add_epi32(*m, _mm256_madd_epi16(mv, _mm256_set1_epi32(pair)));
+            let pairs: [__m256i; T] = std::array::from_fn(|t| {
+                let at = bsum.add((t * nblk + b) * 8 + 2 * p) as *const i32;
+                _mm256_set1_epi32(at.read_unaligned())
+            });
+            for h in 0..H {
+                let mv = _mm256_cvtepu8_epi16(_mm_loadu_si128(
+                    blk.add(2176 + 32 * p + 16 * (h0 + h)) as *const _,
+                ));
+                for t in 0..T {
+                    min[t][h] = _mm256_add_epi32(min[t][h], _mm256_madd_epi16(mv, pairs[t]));
+                }
             }
         }
-        let dw = f16x8(blk.add(2304 + 16 * half));
-        let dm = f16x8(blk.add(2336 + 16 * half));
-        for t in 0..T {
-            let d = _mm256_set1_ps(*dx.add(t * nblk + b));
-            f[t] = _mm256_fmadd_ps(_mm256_mul_ps(dw, d), _mm256_cvtepi32_ps(sup[t]), f[t]);
-            f[t] = _mm256_fnmadd_ps(_mm256_mul_ps(dm, d), _mm256_cvtepi32_ps(min[t]), f[t]);
+        for h in 0..H {
+            let dw = f16x8(blk.add(2304 + 16 * (h0 + h)));
+            let dm = f16x8(blk.add(2336 + 16 * (h0 + h)));
+            for t in 0..T {
+                let d = _mm256_set1_ps(*dx.add(t * nblk + b));
+                let fs = _mm256_cvtepi32_ps(sup[t][h]);
+                let fm = _mm256_cvtepi32_ps(min[t][h]);
+                f[t][h] = _mm256_fmadd_ps(_mm256_mul_ps(dw, d), fs, f[t][h]);
+                f[t][h] = _mm256_fnmadd_ps(_mm256_mul_ps(dm, d), fm, f[t][h]);
+            }
         }
     }
-    for (t, f) in f.iter().enumerate() {
-        _mm256_storeu_ps(out.add(t * stride), *f);
+    for t in 0..T {
+        for h in 0..H {
+            _mm256_storeu_ps(out.add(t * stride + 8 * (h0 + h)), f[t][h]);
+        }
     }
 }
 
