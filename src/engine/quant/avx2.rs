@@ -78,7 +78,7 @@ tiled!(q8_0, q8_0_tile, [], 1);
 /// broadcasts; the accumulators fit the registers twice over). Larger tiles keep four tokens'
 /// accumulators and walk the halves one after the other.
 macro_rules! tiled_k {
-    ($name:ident, $tile:ident) => {
+    ($name:ident, $tile:ident, $many:ident) => {
         unsafe fn $name<const VNNI: bool>(
             g: &[u8],
             acts: &Acts,
@@ -96,10 +96,10 @@ macro_rules! tiled_k {
                     let o = out.add(t * stride);
                     let n = (nt - t).min(4);
                     match n {
-                        1 => $tile::<1, 1, VNNI>(g, half, acts, t0 + t, o, stride),
-                        2 => $tile::<2, 1, VNNI>(g, half, acts, t0 + t, o, stride),
-                        3 => $tile::<3, 1, VNNI>(g, half, acts, t0 + t, o, stride),
-                        _ => $tile::<4, 1, VNNI>(g, half, acts, t0 + t, o, stride),
+                        1 => $many::<1, 1, VNNI>(g, half, acts, t0 + t, o, stride),
+                        2 => $many::<2, 1, VNNI>(g, half, acts, t0 + t, o, stride),
+                        3 => $many::<3, 1, VNNI>(g, half, acts, t0 + t, o, stride),
+                        _ => $many::<4, 1, VNNI>(g, half, acts, t0 + t, o, stride),
                     }
                     t += n;
                 }
@@ -108,8 +108,8 @@ macro_rules! tiled_k {
     };
 }
 
-tiled_k!(q4k, q4k_tile);
-tiled_k!(q6k, q6k_tile);
+tiled_k!(q4k, q4k_tile, q4k_tile);
+tiled_k!(q6k, q6k_tile, q6k_tile_half);
 
 /// `acc + Σ_{i<4} u[4k+i]·s[4k+i]` per 32-bit lane, for unsigned `u` at most 63.
 #[inline]
@@ -576,5 +576,81 @@ unsafe fn q6k_tile<const T: usize, const H: usize, const VNNI: bool>(
         for h in 0..H {
             _mm256_storeu_ps(out.add(t * stride + 8 * (h0 + h)), f[t][h]);
         }
+    }
+}
+
+/// Q6_K for several tokens on one half of the group (`H` is 1; the parameter matches
+/// [`tiled_k`]). Each group's sum starts from its bias and is scaled by a 32-bit multiply: for
+/// four tokens this is faster than [`q6k_tile`]'s 16-bit sums (34.5 -> 28 ms for 64 tokens of
+/// the 3B `ffn_down` on one Zen 4 core), which need more registers than the tile leaves.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q6k_tile_half<const T: usize, const H: usize, const VNNI: bool>(
+    g: &[u8],
+    half: usize,
+    acts: &Acts,
+    t0: usize,
+    out: *mut f32,
+    stride: usize,
+) {
+    let (nblk, cols) = (acts.nblk, acts.cols);
+    debug_assert!(g.len() >= nblk * 3360 && t0 + T <= acts.n_tokens && H == 1);
+    let gp = g.as_ptr();
+    let xq = acts.qs.as_ptr().add(t0 * cols);
+    let dx = acts.d.as_ptr().add(t0 * nblk);
+    let bias = acts.bias.as_ptr().add(t0 * nblk * 16);
+    let m4 = _mm256_set1_epi8(0x0F);
+    let m30 = _mm256_set1_epi8(0x30);
+    let mut f = [_mm256_setzero_ps(); T];
+    for b in 0..nblk {
+        let blk = gp.add(b * 3360);
+        let mut sup = [_mm256_setzero_si256(); T];
+        for gi in 0..16 {
+            prefetch(half, blk.wrapping_add(2 * 3360 + 256 * gi), 4);
+            let cc = gi / 2;
+            let pairs = _mm256_cvtepi8_epi16(_mm_loadu_si128(
+                blk.add(3072 + 32 * cc + 16 * half) as *const _
+            ));
+            let scv = if gi % 2 == 0 {
+                _mm256_srai_epi32::<16>(_mm256_slli_epi32::<16>(pairs))
+            } else {
+                _mm256_srai_epi32::<16>(pairs)
+            };
+            let hd = load(blk.add(2048 + 64 * gi + 32 * half));
+            let mut acc = [_mm256_setzero_si256(); T];
+            for (t, a) in acc.iter_mut().enumerate() {
+                *a = _mm256_set1_epi32(*bias.add((t * nblk + b) * 16 + gi));
+            }
+            for kq in 0..4 {
+                let kg = 4 * (gi % 2) + kq;
+                let p = load(blk.add(64 * (8 * (cc / 2) + kg) + 32 * half));
+                let lo = if cc % 2 == 0 {
+                    _mm256_and_si256(p, m4)
+                } else {
+                    _mm256_and_si256(_mm256_srli_epi16::<4>(p), m4)
+                };
+                // Bits 2kq..2kq+2 of each byte moved to bits 4..6 (see the AVX-512 kernel).
+                let h = match kq {
+                    0 => _mm256_slli_epi16::<4>(hd),
+                    1 => _mm256_slli_epi16::<2>(hd),
+                    2 => hd,
+                    _ => _mm256_srli_epi16::<2>(hd),
+                };
+                let w = _mm256_or_si256(lo, _mm256_and_si256(h, m30));
+                for (t, a) in acc.iter_mut().enumerate() {
+                    *a = dp::<VNNI>(*a, w, bcast4(xq.add(t * cols + b * 256 + 32 * cc + 4 * kg)));
+                }
+            }
+            for t in 0..T {
+                sup[t] = _mm256_add_epi32(sup[t], _mm256_mullo_epi32(acc[t], scv));
+            }
+        }
+        let dw = f16x8(blk.add(3328 + 16 * half));
+        for t in 0..T {
+            let d = _mm256_set1_ps(*dx.add(t * nblk + b));
+            f[t] = _mm256_fmadd_ps(_mm256_mul_ps(dw, d), _mm256_cvtepi32_ps(sup[t]), f[t]);
+        }
+    }
+    for (t, f) in f.iter().enumerate() {
+        _mm256_storeu_ps(out.add(t * stride + 8 * half), *f);
     }
 }
