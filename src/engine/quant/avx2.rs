@@ -1,11 +1,17 @@
 //! AVX2 kernels (with or without AVX-VNNI) on the packed layout (see [`super::layout`]).
 //!
 //! The same scheme as [`super::avx512`] on 256-bit registers: each 64-byte chunk of a group is
-//! taken as two halves (rows 0-7, then rows 8-15), one lane per row. Without VNNI the u8×i8 dot of
-//! four bytes is `vpmaddubsw` + `vpmaddwd`; that is exact here because `vpmaddubsw` cannot saturate
-//! when the unsigned operand is at most 63 (2·63·128 < 32768). Q8_0's unsigned quants reach 255, so
-//! its kernel splits them into nibbles. With VNNI, `vpdpbusd` (VEX-encoded, emitted with inline
-//! assembly so that one generic body serves both variants) does it in one instruction.
+//! taken as two halves (rows 0-7, then rows 8-15), one lane per row. A kernel walks the group once
+//! per half, except the K-quant kernels for one token (decode), which take both halves in one pass
+//! (see `tiled_k!`): two passes touch every cache line twice and repeat the activation broadcasts
+//! (one token, one Zen 4 core, weights from memory: Q4_K 15-16 -> 20-24 GB/s from the single pass
+//! alone; Q6_K 9-13 -> 22-27 GB/s with its cheaper sums).
+//!
+//! Without VNNI the u8×i8 dot of four bytes is `vpmaddubsw` + `vpmaddwd`; that is exact here
+//! because `vpmaddubsw` cannot saturate when the unsigned operand is at most 63
+//! (2·63·128 < 32768). Q8_0's unsigned quants reach 255, so its kernel splits them into nibbles.
+//! With VNNI, `vpdpbusd` (VEX-encoded, emitted with inline assembly so that one generic body
+//! serves both variants) does it in one instruction.
 //!
 //! Every function here is `unsafe` for the reasons stated in [`super::avx512`]: the CPU must have
 //! AVX2, FMA and F16C (and AVX-VNNI for `VNNI = true`), checked by `Isa::available` before a
