@@ -13,9 +13,29 @@ use serde::{Deserialize, Serialize};
 use uuid::Uuid;
 
 use super::{
-    encode_json, now_micros, parse_time, parse_uuid, Store, StoreError, WriteTx,
+    encode_json, now_micros, parse_time, parse_uuid, Backend, Store, StoreError, WriteTx,
     INTERRUPTED_BY_RESTART,
 };
+
+/// A query with the database's own clock (microseconds since the Unix epoch) spliced in where
+/// `$before` and `$after` meet. Heartbeats are written and judged by that one clock, so replicas
+/// whose clocks disagree can never see a live replica as dead.
+macro_rules! with_db_now {
+    ($backend:expr, $before:literal, $after:literal) => {
+        match $backend {
+            Backend::Sqlite => concat!(
+                $before,
+                "CAST((julianday('now') - 2440587.5) * 86400000000.0 AS INTEGER)",
+                $after
+            ),
+            Backend::Postgres => concat!(
+                $before,
+                "CAST(EXTRACT(EPOCH FROM clock_timestamp()) * 1000000 AS BIGINT)",
+                $after
+            ),
+        }
+    };
+}
 
 /// What a replica reports about itself at each heartbeat (shown on the admin page; the warm
 /// conversations tell an operator where each conversation's KV cache lives).
@@ -93,17 +113,19 @@ impl Store {
             .bind(name)
             .execute(&mut *tx)
             .await?;
-        sqlx::query(
+        sqlx::query(with_db_now!(
+            self.backend,
             "INSERT INTO replicas (id, name, url, started_at, heartbeat_at) \
-             VALUES ($1, $2, $3, $4, $4)",
-        )
+             VALUES ($1, $2, $3, $4, ",
+            ")"
+        ))
         .bind(id.to_string())
         .bind(name)
         .bind(url)
         .bind(now)
         .execute(&mut *tx)
         .await?;
-        let interrupted = sweep(&mut tx, now, lease).await?;
+        let interrupted = sweep(&mut tx, self.backend, lease).await?;
         tx.commit().await?;
         let replica = Replica {
             id,
@@ -134,10 +156,11 @@ impl Store {
     /// stopped (a restart of the same name took over): the caller should stop serving.
     pub async fn heartbeat(&self, id: Uuid, load: &ReplicaLoad) -> Result<bool, StoreError> {
         let load = encode_json("replica load", load)?;
-        let updated = sqlx::query(
-            "UPDATE replicas SET heartbeat_at = $1, load = $2 WHERE id = $3 AND stopped_at IS NULL",
-        )
-        .bind(now_micros())
+        let updated = sqlx::query(with_db_now!(
+            self.backend,
+            "UPDATE replicas SET heartbeat_at = ",
+            ", load = $1 WHERE id = $2 AND stopped_at IS NULL"
+        ))
         .bind(load)
         .bind(id.to_string())
         .execute(&self.pool)
@@ -152,7 +175,7 @@ impl Store {
     /// one lease, by whichever replica looks first.
     pub async fn sweep_dead_replicas(&self, lease: Duration) -> Result<u64, StoreError> {
         let mut tx = WriteTx::begin(self).await?;
-        let n = sweep(&mut tx, now_micros(), lease).await?;
+        let n = sweep(&mut tx, self.backend, lease).await?;
         tx.commit().await?;
         Ok(n)
     }
@@ -174,34 +197,33 @@ impl Store {
         lease: Duration,
         recent: Duration,
     ) -> Result<Vec<ReplicaRecord>, StoreError> {
-        let now = now_micros();
-        let rows: Vec<ReplicaRow> = sqlx::query_as(
-            "SELECT id, name, url, started_at, heartbeat_at, stopped_at, load FROM replicas \
-             WHERE heartbeat_at > $1 ORDER BY started_at DESC, id DESC",
-        )
-        .bind(now.saturating_sub(lease_micros(recent)))
+        let rows: Vec<ReplicaRow> = sqlx::query_as(with_db_now!(
+            self.backend,
+            "SELECT id, name, url, started_at, heartbeat_at, stopped_at, load, now FROM \
+             (SELECT r.*, ",
+            " AS now FROM replicas r) t WHERE heartbeat_at > now - $1 \
+             ORDER BY started_at DESC, id DESC"
+        ))
+        .bind(lease_micros(recent))
         .fetch_all(&self.pool)
         .await?;
-        let live_after = now.saturating_sub(lease_micros(lease));
-        rows.into_iter()
-            .map(|row| row.into_record(live_after))
-            .collect()
+        rows.into_iter().map(|row| row.into_record(lease)).collect()
     }
 
     /// The live replicas (heartbeat within `lease`, not stopped), ordered by id: the set the
     /// conversation router hashes over.
     pub async fn live_replicas(&self, lease: Duration) -> Result<Vec<ReplicaRecord>, StoreError> {
-        let live_after = now_micros().saturating_sub(lease_micros(lease));
-        let rows: Vec<ReplicaRow> = sqlx::query_as(
-            "SELECT id, name, url, started_at, heartbeat_at, stopped_at, load FROM replicas \
-             WHERE stopped_at IS NULL AND heartbeat_at > $1 ORDER BY id",
-        )
-        .bind(live_after)
+        let rows: Vec<ReplicaRow> = sqlx::query_as(with_db_now!(
+            self.backend,
+            "SELECT id, name, url, started_at, heartbeat_at, stopped_at, load, now FROM \
+             (SELECT r.*, ",
+            " AS now FROM replicas r) t WHERE stopped_at IS NULL AND heartbeat_at > now - $1 \
+             ORDER BY id"
+        ))
+        .bind(lease_micros(lease))
         .fetch_all(&self.pool)
         .await?;
-        rows.into_iter()
-            .map(|row| row.into_record(live_after))
-            .collect()
+        rows.into_iter().map(|row| row.into_record(lease)).collect()
     }
 
     /// The replica generating the `streaming` reply of `conversation`, if one is.
@@ -226,14 +248,16 @@ impl Store {
     }
 }
 
-async fn sweep(tx: &mut WriteTx, now: i64, lease: Duration) -> Result<u64, StoreError> {
-    let result = sqlx::query(
+async fn sweep(tx: &mut WriteTx, backend: Backend, lease: Duration) -> Result<u64, StoreError> {
+    let result = sqlx::query(with_db_now!(
+        backend,
         "UPDATE messages SET status = 'interrupted', error = COALESCE(error, $1) \
          WHERE status = 'streaming' AND (replica_id IS NULL OR replica_id NOT IN \
-           (SELECT id FROM replicas WHERE stopped_at IS NULL AND heartbeat_at > $2))",
-    )
+           (SELECT id FROM replicas WHERE stopped_at IS NULL AND heartbeat_at > ",
+        " - $2))"
+    ))
     .bind(INTERRUPTED_BY_RESTART)
-    .bind(now.saturating_sub(lease_micros(lease)))
+    .bind(lease_micros(lease))
     .execute(&mut **tx)
     .await?;
     Ok(result.rows_affected())
@@ -248,10 +272,13 @@ struct ReplicaRow {
     heartbeat_at: i64,
     stopped_at: Option<i64>,
     load: String,
+    /// The database's clock when the row was read.
+    now: i64,
 }
 
 impl ReplicaRow {
-    fn into_record(self, live_after: i64) -> Result<ReplicaRecord, StoreError> {
+    fn into_record(self, lease: Duration) -> Result<ReplicaRecord, StoreError> {
+        let live_after = self.now.saturating_sub(lease_micros(lease));
         const T: &str = "replicas";
         // A load written by another version of smolchat reads as empty rather than failing the
         // admin page.
