@@ -376,6 +376,35 @@ async fn replies_follow_the_user_across_replicas_and_survive_a_killed_one() {
         "b's viewer got the whole reply, no gap, no repeat"
     );
 
+    // 1b. A page form turn (CSRF header, as the page's script sends it) posted to b for a's
+    //     conversation is forwarded to a and answered there (202), the reply generated on a.
+    let csrf = alice_on_b.csrf_token().await;
+    let mut on_a = alice.events(&id).await;
+    let form = format!("content={}", common::server::form_encode("And then?"));
+    let page = reqwest::Client::new()
+        .post(format!("{}/c/{id}/messages", b.base))
+        .header("cookie", alice.cookie().unwrap_or_default())
+        .header("x-csrf-token", csrf)
+        .header("content-type", "application/x-www-form-urlencoded")
+        .body(form)
+        .send()
+        .await
+        .expect("page post");
+    let status = page.status();
+    let text = page.text().await.unwrap_or_default();
+    assert_eq!(status, StatusCode::ACCEPTED, "{text}");
+    let got = on_a.until("done").await;
+    assert_eq!(got.last().unwrap().data["message"]["status"], "complete");
+    assert_eq!(alice.messages(&id).await.len(), 4);
+    let forwarded = common::server::metric(
+        &b.client().metrics().await,
+        "smolchat_forwarded_turns_total{outcome=\"forwarded\"}",
+    );
+    assert!(
+        forwarded.unwrap_or(0.0) >= 1.0,
+        "b did not forward the page turn"
+    );
+
     // 2. Stop from another replica: the reply generated on a ends as stopped.
     let id2 = alice
         .create(json!({"temperature": 0, "max_tokens": 300}))
