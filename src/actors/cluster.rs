@@ -46,6 +46,16 @@ pub struct Peer {
     pub url: String,
 }
 
+impl Peer {
+    fn of(replica: &Replica) -> Peer {
+        Peer {
+            id: replica.id,
+            name: replica.name.clone(),
+            url: replica.url.clone(),
+        }
+    }
+}
+
 /// One message between replicas: about conversation `c`, from replica `from` (a replica ignores
 /// its own messages).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -176,11 +186,7 @@ impl Cluster {
         let bus = Bus::connect(&store).await?;
         let me = registration.replica;
         let cluster = Arc::new(Cluster {
-            live: RwLock::new(vec![Peer {
-                id: me.id,
-                name: me.name.clone(),
-                url: me.url.clone(),
-            }]),
+            live: RwLock::new(vec![Peer::of(&me)]),
             store,
             bus,
             me,
@@ -224,11 +230,7 @@ impl Cluster {
     /// live replicas that can be reached; without, or when no other one can be reached, this
     /// one.
     pub fn route(&self, conversation: Uuid) -> Peer {
-        let here = Peer {
-            id: self.me.id,
-            name: self.me.name.clone(),
-            url: self.me.url.clone(),
-        };
+        let here = Peer::of(&self.me);
         if !self.cfg.affinity || self.bus.is_none() {
             return here;
         }
@@ -310,11 +312,7 @@ impl Cluster {
                     .collect();
                 if !peers.iter().any(|p| p.id == self.me.id) {
                     // Our own heartbeat may not be committed yet; we are alive regardless.
-                    peers.push(Peer {
-                        id: self.me.id,
-                        name: self.me.name.clone(),
-                        url: self.me.url.clone(),
-                    });
+                    peers.push(Peer::of(&self.me));
                 }
                 *self.live.write().unwrap_or_else(|p| p.into_inner()) = peers;
             }

@@ -213,17 +213,14 @@ impl Store {
     /// The live replicas (heartbeat within `lease`, not stopped), ordered by id: the set the
     /// conversation router hashes over.
     pub async fn live_replicas(&self, lease: Duration) -> Result<Vec<ReplicaRecord>, StoreError> {
-        let rows: Vec<ReplicaRow> = sqlx::query_as(with_db_now!(
-            self.backend,
-            "SELECT id, name, url, started_at, heartbeat_at, stopped_at, load, now FROM \
-             (SELECT r.*, ",
-            " AS now FROM replicas r) t WHERE stopped_at IS NULL AND heartbeat_at > now - $1 \
-             ORDER BY id"
-        ))
-        .bind(lease_micros(lease))
-        .fetch_all(&self.pool)
-        .await?;
-        rows.into_iter().map(|row| row.into_record(lease)).collect()
+        let mut live: Vec<ReplicaRecord> = self
+            .replicas(lease, lease)
+            .await?
+            .into_iter()
+            .filter(|r| r.live)
+            .collect();
+        live.sort_by_key(|r| r.id);
+        Ok(live)
     }
 
     /// The replica generating the `streaming` reply of `conversation`, if one is.
