@@ -25,6 +25,7 @@ use std::arch::x86_64::*;
 use super::act::Acts;
 use super::gemm::{Kernel, KernelChoice};
 use super::layout::Format;
+use super::scalar::FloatOrder;
 
 /// Tokens per kernel call (the register tiles of `tiled!` below walk them).
 const TILE: usize = 4;
@@ -42,7 +43,13 @@ pub fn kernel(format: Format, vnni: bool) -> KernelChoice {
         (Format::Q6K, false) => q6k::<false>,
         (Format::Q6K, true) => q6k::<true>,
     };
-    KernelChoice { kernel, tile: TILE }
+    // Q4_1 in llama.cpp's order is bound by the multiply ports on 256-bit registers (see
+    // `scalar`): the AVX2 kernels round per block instead.
+    KernelChoice {
+        kernel,
+        tile: TILE,
+        order: FloatOrder::PerBlock,
+    }
 }
 
 /// Expands to a [`Kernel`] that walks both halves of the group and `nt` tokens in register tiles
@@ -74,8 +81,8 @@ macro_rules! tiled {
 }
 
 tiled!(q4_0, q4_0_tile, [1, 2, 3], 4);
-// The ggml-order kernels hold eight accumulators per token: one token fits sixteen registers.
-tiled!(q4_1, q4_1_tile, [], 1);
+tiled!(q4_1, q4_1_tile, [1, 2, 3], 4);
+// The ggml-order kernel holds eight accumulators per token: one token fits sixteen registers.
 tiled!(q8_0, q8_0_tile, [], 1);
 
 /// Expands to a [`Kernel`] for a K-quant tile function `$tile::<T, H, VNNI>` that computes `H`
@@ -202,7 +209,10 @@ unsafe fn hsum8(a: &[__m256; 8]) -> __m256 {
     _mm256_add_ps(_mm256_add_ps(s04, s26), _mm256_add_ps(s15, s37))
 }
 
-/// Q4_1 in ggml's float order (see [`super::scalar`]): one accumulator per 4-value lane.
+/// Q4_1 in [`FloatOrder::PerBlock`]: each row's 32-value block sum is converted once, then the
+/// block's `d_w·d_x` and `m·s` terms go into one running sum. Without VNNI the sum is kept in
+/// 16-bit lanes (eight `vpmaddubsw` pairs of at most 2·15·128 each: at most 30720, no overflow)
+/// and widened by one `vpmaddwd` per block.
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn q4_1_tile<const T: usize, const VNNI: bool>(
     g: &[u8],
@@ -219,34 +229,44 @@ unsafe fn q4_1_tile<const T: usize, const VNNI: bool>(
     let dx = acts.d.as_ptr().add(t0 * nblk);
     let sx = acts.s.as_ptr().add(t0 * nblk);
     let m4 = _mm256_set1_epi8(0x0F);
-    let zero = _mm256_setzero_si256();
-    let mut acc = [[_mm256_setzero_ps(); 8]; T];
-    let mut summs = [_mm256_setzero_ps(); T];
+    let ones = _mm256_set1_epi16(1);
+    let mut f = [_mm256_setzero_ps(); T];
     for b in 0..nblk {
         let blk = gp.add(b * 320);
         prefetch(half, blk.wrapping_add(8 * 320), 5);
-        let dw = f16x8(blk.add(256 - 16 * half));
-        let dd: [__m256; T] =
-            std::array::from_fn(|t| _mm256_mul_ps(dw, _mm256_set1_ps(*dx.add(t * nblk + b))));
+        // VNNI: 32-bit sums; otherwise 16-bit sums widened after the block.
+        let mut isum = [_mm256_setzero_si256(); T];
         for j in 0..4 {
             let p = load(blk.add(64 * j));
             let lo = _mm256_and_si256(p, m4);
             let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(p), m4);
             for t in 0..T {
                 let x = xq.add(t * cols + b * 32 + 4 * j);
-                let il = dp::<VNNI>(zero, lo, bcast4(x));
-                let ih = dp::<VNNI>(zero, hi, bcast4(x.add(16)));
-                acc[t][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(il), dd[t], acc[t][j]);
-                acc[t][j + 4] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ih), dd[t], acc[t][j + 4]);
+                if VNNI {
+                    isum[t] = dp::<true>(isum[t], lo, bcast4(x));
+                    isum[t] = dp::<true>(isum[t], hi, bcast4(x.add(16)));
+                } else {
+                    let pl = _mm256_maddubs_epi16(lo, bcast4(x));
+                    let ph = _mm256_maddubs_epi16(hi, bcast4(x.add(16)));
+                    isum[t] = _mm256_add_epi16(isum[t], _mm256_add_epi16(pl, ph));
+                }
             }
         }
+        let dw = f16x8(blk.add(256 - 16 * half));
         let mw = f16x8(blk.add(288 - 16 * half));
-        for (t, s) in summs.iter_mut().enumerate() {
-            *s = _mm256_fmadd_ps(mw, _mm256_set1_ps(*sx.add(t * nblk + b)), *s);
+        for t in 0..T {
+            let i = if VNNI {
+                isum[t]
+            } else {
+                _mm256_madd_epi16(isum[t], ones)
+            };
+            let dd = _mm256_mul_ps(dw, _mm256_set1_ps(*dx.add(t * nblk + b)));
+            f[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i), dd, f[t]);
+            f[t] = _mm256_fmadd_ps(mw, _mm256_set1_ps(*sx.add(t * nblk + b)), f[t]);
         }
     }
     for t in 0..T {
-        _mm256_storeu_ps(out.add(t * stride), _mm256_add_ps(hsum8(&acc[t]), summs[t]));
+        _mm256_storeu_ps(out.add(t * stride), f[t]);
     }
 }
 

@@ -21,6 +21,7 @@ use std::arch::x86_64::*;
 use super::act::Acts;
 use super::gemm::KernelChoice;
 use super::layout::Format;
+use super::scalar::FloatOrder;
 
 pub fn kernel(format: Format) -> KernelChoice {
     // Tiles: tokens per call (a multiple of the register tile of `tiled!` below). The K-quant
@@ -33,7 +34,11 @@ pub fn kernel(format: Format) -> KernelChoice {
         Format::Q4K => (q4k, 8),
         Format::Q6K => (q6k, 8),
     };
-    KernelChoice { kernel, tile }
+    KernelChoice {
+        kernel,
+        tile,
+        order: FloatOrder::Llama,
+    }
 }
 
 /// Expands to a [`super::gemm::Kernel`] that walks `nt` tokens in register tiles of the listed

@@ -7,7 +7,7 @@ use rayon::prelude::*;
 
 use super::act::Acts;
 use super::layout::{Format, Packed, GROUP};
-use super::scalar;
+use super::scalar::{self, FloatOrder};
 
 /// Instruction sets with kernels, best last.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -129,20 +129,25 @@ pub const ISA_VARIABLE: &str = "SMOLCHAT_ISA";
 pub type Kernel =
     unsafe fn(g: &[u8], acts: &Acts, t0: usize, nt: usize, out: *mut f32, stride: usize);
 
-/// A kernel and the number of tokens it wants per call (its register tile).
+/// A kernel, the number of tokens it wants per call (its register tile), and the float order of
+/// its Q4_1 products: the scalar kernel in that order is its bit-for-bit reference.
 #[derive(Clone, Copy)]
 pub struct KernelChoice {
     pub kernel: Kernel,
     pub tile: usize,
+    pub order: FloatOrder,
 }
 
 macro_rules! scalar_kernel {
     ($name:ident, $format:expr) => {
+        scalar_kernel!($name, $format, FloatOrder::Llama);
+    };
+    ($name:ident, $format:expr, $order:expr) => {
         /// # Safety
         /// See [`Kernel`].
         unsafe fn $name(g: &[u8], acts: &Acts, t0: usize, nt: usize, out: *mut f32, stride: usize) {
             let mut tmp = vec![0f32; nt * GROUP];
-            scalar::group($format, g, acts, t0, nt, &mut tmp, GROUP);
+            scalar::group($format, $order, g, acts, t0, nt, &mut tmp, GROUP);
             for (t, row) in tmp.chunks_exact(GROUP).enumerate() {
                 // SAFETY: the caller guarantees these sixteen floats are ours to write.
                 unsafe {
@@ -154,24 +159,36 @@ macro_rules! scalar_kernel {
 }
 scalar_kernel!(scalar_q4_0, Format::Q4_0);
 scalar_kernel!(scalar_q4_1, Format::Q4_1);
+scalar_kernel!(scalar_q4_1_per_block, Format::Q4_1, FloatOrder::PerBlock);
 scalar_kernel!(scalar_q8_0, Format::Q8_0);
 scalar_kernel!(scalar_q4k, Format::Q4K);
 scalar_kernel!(scalar_q6k, Format::Q6K);
+
+/// The scalar kernel for `format` with Q4_1's floats rounded in `order`: the path on CPUs
+/// without AVX2 (in llama.cpp's order), and the reference every SIMD kernel equals bit for bit.
+pub fn scalar_kernel(format: Format, order: FloatOrder) -> KernelChoice {
+    let kernel: Kernel = match (format, order) {
+        (Format::Q4_0, _) => scalar_q4_0,
+        (Format::Q4_1, FloatOrder::Llama) => scalar_q4_1,
+        (Format::Q4_1, FloatOrder::PerBlock) => scalar_q4_1_per_block,
+        (Format::Q8_0, _) => scalar_q8_0,
+        (Format::Q4K, _) => scalar_q4k,
+        (Format::Q6K, _) => scalar_q6k,
+    };
+    KernelChoice {
+        kernel,
+        tile: 4,
+        order,
+    }
+}
 
 /// The kernel for `format` on `isa`, if `isa` is available on this CPU.
 pub fn kernel(format: Format, isa: Isa) -> Option<KernelChoice> {
     if !isa.available() {
         return None;
     }
-    let scalar = |kernel: Kernel| KernelChoice { kernel, tile: 4 };
     match isa {
-        Isa::Scalar => Some(scalar(match format {
-            Format::Q4_0 => scalar_q4_0,
-            Format::Q4_1 => scalar_q4_1,
-            Format::Q8_0 => scalar_q8_0,
-            Format::Q4K => scalar_q4k,
-            Format::Q6K => scalar_q6k,
-        })),
+        Isa::Scalar => Some(scalar_kernel(format, FloatOrder::Llama)),
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512Vnni => Some(super::avx512::kernel(format)),
         #[cfg(target_arch = "x86_64")]
