@@ -43,8 +43,8 @@ pub fn kernel(format: Format, vnni: bool) -> KernelChoice {
         (Format::Q6K, false) => q6k::<false>,
         (Format::Q6K, true) => q6k::<true>,
     };
-    // Q4_1 in llama.cpp's order is bound by the multiply ports on 256-bit registers (see
-    // `scalar`): the AVX2 kernels round per block instead.
+    // Q4_1 and Q8_0 in llama.cpp's order are bound by the multiply ports on 256-bit registers
+    // (see `scalar`): the AVX2 kernels round per block instead.
     KernelChoice {
         kernel,
         tile: TILE,
@@ -81,11 +81,8 @@ macro_rules! tiled {
 }
 
 tiled!(q4_0, q4_0_tile, [1, 2, 3], 4);
-tiled!(q4_1, q4_1_tile, [1, 2, 3], 4);
-// The ggml-order kernel holds eight accumulators per token: one token fits sixteen registers.
-tiled!(q8_0, q8_0_tile, [], 1);
 
-/// Expands to a [`Kernel`] for a K-quant tile function `$tile::<T, H, VNNI>` that computes `H`
+/// Expands to a [`Kernel`] for a tile function `$tile::<T, H, VNNI>` that computes `H`
 /// halves of the group from a given one. Up to two tokens (three for Q4_K) take both halves in one
 /// pass over the weights: decode streams them from memory once, and the halves share the
 /// activation broadcasts. One core, 3B shapes, weights from memory: two tokens 1.5-2x faster than
@@ -128,6 +125,10 @@ macro_rules! tiled_k {
 
 tiled_k!(q4k, q4k_tile, q4k_tile, three_in_one_pass: true);
 tiled_k!(q6k, q6k_tile, q6k_tile_half, three_in_one_pass: false);
+// Q4_1 and Q8_0 in the per-block order: one and two tokens (decode) take both halves in one pass
+// as well (SmolLM2's Q8_0 LM head is a third of its decode bytes).
+tiled_k!(q4_1, q4_1_tile, q4_1_tile, three_in_one_pass: false);
+tiled_k!(q8_0, q8_0_tile, q8_0_tile, three_in_one_pass: false);
 
 /// `acc + Σ_{i<4} u[4k+i]·s[4k+i]` per 32-bit lane, for unsigned `u` at most 63.
 #[inline]
@@ -147,23 +148,6 @@ unsafe fn dp<const VNNI: bool>(mut acc: __m256i, u: __m256i, s: __m256i) -> __m2
     } else {
         let p = _mm256_maddubs_epi16(u, s);
         _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(1)))
-    }
-}
-
-/// [`dp`] for unsigned `u` up to 255 (Q8_0's offset quants).
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn dp_u8<const VNNI: bool>(acc: __m256i, u: __m256i, s: __m256i) -> __m256i {
-    if VNNI {
-        dp::<true>(acc, u, s)
-    } else {
-        // u = 16·hi + lo with both nibbles at most 15, so neither vpmaddubsw saturates.
-        let m4 = _mm256_set1_epi8(0x0F);
-        let lo = _mm256_maddubs_epi16(_mm256_and_si256(u, m4), s);
-        let hi = _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16::<4>(u), m4), s);
-        let lo = _mm256_madd_epi16(lo, _mm256_set1_epi16(1));
-        let hi = _mm256_madd_epi16(hi, _mm256_set1_epi16(16));
-        _mm256_add_epi32(acc, _mm256_add_epi32(lo, hi))
     }
 }
 
@@ -198,75 +182,74 @@ unsafe fn load(p: *const u8) -> __m256i {
     _mm256_loadu_si256(p as *const __m256i)
 }
 
-/// ggml's `hsum_float_8` tree per lane: `((a0+a4)+(a2+a6)) + ((a1+a5)+(a3+a7))`.
-#[inline]
-#[target_feature(enable = "avx2")]
-unsafe fn hsum8(a: &[__m256; 8]) -> __m256 {
-    let s04 = _mm256_add_ps(a[0], a[4]);
-    let s26 = _mm256_add_ps(a[2], a[6]);
-    let s15 = _mm256_add_ps(a[1], a[5]);
-    let s37 = _mm256_add_ps(a[3], a[7]);
-    _mm256_add_ps(_mm256_add_ps(s04, s26), _mm256_add_ps(s15, s37))
-}
-
-/// Q4_1 in [`FloatOrder::PerBlock`]: each row's 32-value block sum is converted once, then the
-/// block's `d_w·d_x` and `m·s` terms go into one running sum. Without VNNI the sum is kept in
-/// 16-bit lanes (eight `vpmaddubsw` pairs of at most 2·15·128 each: at most 30720, no overflow)
-/// and widened by one `vpmaddwd` per block.
+/// Q4_1 in [`FloatOrder::PerBlock`] on `H` halves of the group from half `h0`: each row's
+/// 32-value block sum is converted once, then the block's `d_w·d_x` and `m·s` terms go into one
+/// running sum. Without VNNI the sum is kept in 16-bit lanes (eight `vpmaddubsw` pairs of at most
+/// 2·15·128 each: at most 30720, no overflow) and widened by one `vpmaddwd` per block.
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q4_1_tile<const T: usize, const VNNI: bool>(
+unsafe fn q4_1_tile<const T: usize, const H: usize, const VNNI: bool>(
     g: &[u8],
-    half: usize,
+    h0: usize,
     acts: &Acts,
     t0: usize,
     out: *mut f32,
     stride: usize,
 ) {
     let (nblk, cols) = (acts.nblk, acts.cols);
-    debug_assert!(g.len() >= nblk * 320 && t0 + T <= acts.n_tokens);
-    let gp = g.as_ptr().add(32 * half);
+    debug_assert!(g.len() >= nblk * 320 && t0 + T <= acts.n_tokens && h0 + H <= 2);
+    let gp = g.as_ptr();
     let xq = acts.qs.as_ptr().add(t0 * cols);
     let dx = acts.d.as_ptr().add(t0 * nblk);
     let sx = acts.s.as_ptr().add(t0 * nblk);
     let m4 = _mm256_set1_epi8(0x0F);
     let ones = _mm256_set1_epi16(1);
-    let mut f = [_mm256_setzero_ps(); T];
+    let mut f = [[_mm256_setzero_ps(); H]; T];
     for b in 0..nblk {
         let blk = gp.add(b * 320);
-        prefetch(half, blk.wrapping_add(8 * 320), 5);
+        prefetch(h0, blk.wrapping_add(8 * 320), 5);
         // VNNI: 32-bit sums; otherwise 16-bit sums widened after the block.
-        let mut isum = [_mm256_setzero_si256(); T];
+        let mut isum = [[_mm256_setzero_si256(); H]; T];
         for j in 0..4 {
-            let p = load(blk.add(64 * j));
-            let lo = _mm256_and_si256(p, m4);
-            let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(p), m4);
-            for t in 0..T {
+            let xs: [(__m256i, __m256i); T] = std::array::from_fn(|t| {
                 let x = xq.add(t * cols + b * 32 + 4 * j);
-                if VNNI {
-                    isum[t] = dp::<true>(isum[t], lo, bcast4(x));
-                    isum[t] = dp::<true>(isum[t], hi, bcast4(x.add(16)));
-                } else {
-                    let pl = _mm256_maddubs_epi16(lo, bcast4(x));
-                    let ph = _mm256_maddubs_epi16(hi, bcast4(x.add(16)));
-                    isum[t] = _mm256_add_epi16(isum[t], _mm256_add_epi16(pl, ph));
+                (bcast4(x), bcast4(x.add(16)))
+            });
+            for h in 0..H {
+                let p = load(blk.add(64 * j + 32 * (h0 + h)));
+                let lo = _mm256_and_si256(p, m4);
+                let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(p), m4);
+                for t in 0..T {
+                    let (xl, xh) = xs[t];
+                    let s = &mut isum[t][h];
+                    if VNNI {
+                        *s = dp::<true>(dp::<true>(*s, lo, xl), hi, xh);
+                    } else {
+                        let pl = _mm256_maddubs_epi16(lo, xl);
+                        let ph = _mm256_maddubs_epi16(hi, xh);
+                        *s = _mm256_add_epi16(*s, _mm256_add_epi16(pl, ph));
+                    }
                 }
             }
         }
-        let dw = f16x8(blk.add(256 - 16 * half));
-        let mw = f16x8(blk.add(288 - 16 * half));
-        for t in 0..T {
-            let i = if VNNI {
-                isum[t]
-            } else {
-                _mm256_madd_epi16(isum[t], ones)
-            };
-            let dd = _mm256_mul_ps(dw, _mm256_set1_ps(*dx.add(t * nblk + b)));
-            f[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i), dd, f[t]);
-            f[t] = _mm256_fmadd_ps(mw, _mm256_set1_ps(*sx.add(t * nblk + b)), f[t]);
+        for h in 0..H {
+            let dw = f16x8(blk.add(256 + 16 * (h0 + h)));
+            let mw = f16x8(blk.add(288 + 16 * (h0 + h)));
+            for t in 0..T {
+                let i = if VNNI {
+                    isum[t][h]
+                } else {
+                    _mm256_madd_epi16(isum[t][h], ones)
+                };
+                let dd = _mm256_mul_ps(dw, _mm256_set1_ps(*dx.add(t * nblk + b)));
+                f[t][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i), dd, f[t][h]);
+                f[t][h] = _mm256_fmadd_ps(mw, _mm256_set1_ps(*sx.add(t * nblk + b)), f[t][h]);
+            }
         }
     }
     for t in 0..T {
-        _mm256_storeu_ps(out.add(t * stride), f[t]);
+        for h in 0..H {
+            _mm256_storeu_ps(out.add(t * stride + 8 * (h0 + h)), f[t][h]);
+        }
     }
 }
 
@@ -315,41 +298,75 @@ unsafe fn q4_0_tile<const T: usize, const VNNI: bool>(
     }
 }
 
-/// Q8_0 in ggml's float order (see [`super::scalar`]): one accumulator per 4-value lane, each lane
-/// sum starting from its own `-128·Σx` correction.
+/// Q8_0 in [`FloatOrder::PerBlock`] on `H` halves of the group from half `h0`: each row's block
+/// sum, its eight `-128·Σx` corrections included, is converted once. Without VNNI the unsigned
+/// quants are split into nibbles whose `vpmaddubsw` products are summed in 16-bit lanes (eight of
+/// at most 2·15·128 each: at most 30720) and widened once per block, the high nibbles' sum times 16.
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q8_0_tile<const T: usize, const VNNI: bool>(
+unsafe fn q8_0_tile<const T: usize, const H: usize, const VNNI: bool>(
     g: &[u8],
-    half: usize,
+    h0: usize,
     acts: &Acts,
     t0: usize,
     out: *mut f32,
     stride: usize,
 ) {
     let (nblk, cols) = (acts.nblk, acts.cols);
-    debug_assert!(g.len() >= nblk * 544 && t0 + T <= acts.n_tokens);
-    let gp = g.as_ptr().add(32 * half);
+    debug_assert!(g.len() >= nblk * 544 && t0 + T <= acts.n_tokens && h0 + H <= 2);
+    let gp = g.as_ptr();
     let xq = acts.qs.as_ptr().add(t0 * cols);
     let dx = acts.d.as_ptr().add(t0 * nblk);
     let bias = acts.bias.as_ptr().add(t0 * nblk * 8);
-    let mut acc = [[_mm256_setzero_ps(); 8]; T];
+    let m4 = _mm256_set1_epi8(0x0F);
+    let mut f = [[_mm256_setzero_ps(); H]; T];
     for b in 0..nblk {
         let blk = gp.add(b * 544);
-        prefetch(half, blk.wrapping_add(6 * 544), 9);
-        let dw = f16x8(blk.add(512 - 16 * half));
-        let dd: [__m256; T] =
-            std::array::from_fn(|t| _mm256_mul_ps(dw, _mm256_set1_ps(*dx.add(t * nblk + b))));
+        prefetch(h0, blk.wrapping_add(6 * 544), 9);
+        let mut lo_sum = [[_mm256_setzero_si256(); H]; T];
+        let mut hi_sum = [[_mm256_setzero_si256(); H]; T];
         for k in 0..8 {
-            let p = load(blk.add(64 * k));
-            for t in 0..T {
-                let c = _mm256_set1_epi32(*bias.add((t * nblk + b) * 8 + k));
-                let i = dp_u8::<VNNI>(c, p, bcast4(xq.add(t * cols + b * 32 + 4 * k)));
-                acc[t][k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i), dd[t], acc[t][k]);
+            let xs: [__m256i; T] =
+                std::array::from_fn(|t| bcast4(xq.add(t * cols + b * 32 + 4 * k)));
+            for h in 0..H {
+                let p = load(blk.add(64 * k + 32 * (h0 + h)));
+                if VNNI {
+                    for t in 0..T {
+                        lo_sum[t][h] = dp::<true>(lo_sum[t][h], p, xs[t]);
+                    }
+                } else {
+                    let lo = _mm256_and_si256(p, m4);
+                    let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(p), m4);
+                    for t in 0..T {
+                        let pl = _mm256_maddubs_epi16(lo, xs[t]);
+                        let ph = _mm256_maddubs_epi16(hi, xs[t]);
+                        lo_sum[t][h] = _mm256_add_epi16(lo_sum[t][h], pl);
+                        hi_sum[t][h] = _mm256_add_epi16(hi_sum[t][h], ph);
+                    }
+                }
+            }
+        }
+        for t in 0..T {
+            let c = bias.add((t * nblk + b) * 8);
+            let correction = _mm256_set1_epi32((0..8).map(|k| *c.add(k)).sum::<i32>());
+            let dd = _mm256_set1_ps(*dx.add(t * nblk + b));
+            for h in 0..H {
+                let i = if VNNI {
+                    lo_sum[t][h]
+                } else {
+                    let lo = _mm256_madd_epi16(lo_sum[t][h], _mm256_set1_epi16(1));
+                    let hi = _mm256_madd_epi16(hi_sum[t][h], _mm256_set1_epi16(16));
+                    _mm256_add_epi32(lo, hi)
+                };
+                let i = _mm256_add_epi32(i, correction);
+                let dw = f16x8(blk.add(512 + 16 * (h0 + h)));
+                f[t][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i), _mm256_mul_ps(dw, dd), f[t][h]);
             }
         }
     }
-    for (t, acc) in acc.iter().enumerate() {
-        _mm256_storeu_ps(out.add(t * stride), hsum8(acc));
+    for t in 0..T {
+        for h in 0..H {
+            _mm256_storeu_ps(out.add(t * stride + 8 * (h0 + h)), f[t][h]);
+        }
     }
 }
 

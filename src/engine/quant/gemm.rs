@@ -130,7 +130,7 @@ pub type Kernel =
     unsafe fn(g: &[u8], acts: &Acts, t0: usize, nt: usize, out: *mut f32, stride: usize);
 
 /// A kernel, the number of tokens it wants per call (its register tile), and the float order of
-/// its Q4_1 products: the scalar kernel in that order is its bit-for-bit reference.
+/// its Q4_1 and Q8_0 products: the scalar kernel in that order is its bit-for-bit reference.
 #[derive(Clone, Copy)]
 pub struct KernelChoice {
     pub kernel: Kernel,
@@ -161,17 +161,20 @@ scalar_kernel!(scalar_q4_0, Format::Q4_0);
 scalar_kernel!(scalar_q4_1, Format::Q4_1);
 scalar_kernel!(scalar_q4_1_per_block, Format::Q4_1, FloatOrder::PerBlock);
 scalar_kernel!(scalar_q8_0, Format::Q8_0);
+scalar_kernel!(scalar_q8_0_per_block, Format::Q8_0, FloatOrder::PerBlock);
 scalar_kernel!(scalar_q4k, Format::Q4K);
 scalar_kernel!(scalar_q6k, Format::Q6K);
 
-/// The scalar kernel for `format` with Q4_1's floats rounded in `order`: the path on CPUs
-/// without AVX2 (in llama.cpp's order), and the reference every SIMD kernel equals bit for bit.
+/// The scalar kernel for `format` with Q4_1's and Q8_0's floats rounded in `order`: the path on
+/// CPUs without AVX2 (in llama.cpp's order), and the reference every SIMD kernel equals bit for
+/// bit.
 pub fn scalar_kernel(format: Format, order: FloatOrder) -> KernelChoice {
     let kernel: Kernel = match (format, order) {
         (Format::Q4_0, _) => scalar_q4_0,
         (Format::Q4_1, FloatOrder::Llama) => scalar_q4_1,
         (Format::Q4_1, FloatOrder::PerBlock) => scalar_q4_1_per_block,
-        (Format::Q8_0, _) => scalar_q8_0,
+        (Format::Q8_0, FloatOrder::Llama) => scalar_q8_0,
+        (Format::Q8_0, FloatOrder::PerBlock) => scalar_q8_0_per_block,
         (Format::Q4K, _) => scalar_q4k,
         (Format::Q6K, _) => scalar_q6k,
     };

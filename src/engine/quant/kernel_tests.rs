@@ -221,7 +221,8 @@ fn simd_kernels_equal_scalar_bit_for_bit() {
     }
 }
 
-/// Both float orders of the scalar kernels (they differ for Q4_1 only) against GGML's definition.
+/// Both float orders of the scalar kernels (they differ for Q4_1 and Q8_0) against GGML's
+/// definition.
 #[test]
 fn scalar_kernels_match_ggml_definition() {
     let mut rng = Rng(2);

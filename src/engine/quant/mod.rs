@@ -13,10 +13,10 @@
 //! Q4_1 and Q8_0 products are bit-identical to llama.cpp's (same integer sums, same float order;
 //! see [`scalar`]) on the scalar and AVX-512 paths; activation re-quantization amplifies any
 //! rounding difference, so this keeps our logits on llama.cpp's side of near-ties. The AVX2 Q4_1
-//! kernels round once per block instead ([`scalar::FloatOrder::PerBlock`]: llama.cpp's order is
-//! bound by the multiply ports on 256-bit registers); the logits tests hold on that path too. The
-//! K-quant kernels have exact integer parts and their own float order. Every SIMD kernel equals
-//! the scalar kernel in its float order bit for bit.
+//! and Q8_0 kernels round once per block instead ([`scalar::FloatOrder::PerBlock`]: llama.cpp's
+//! order is bound by the multiply ports on 256-bit registers); the logits tests hold on that path
+//! too. The K-quant kernels have exact integer parts and their own float order. Every SIMD kernel
+//! equals the scalar kernel in its float order bit for bit.
 //!
 //! Threading ([`gemm::run`]): a product splits across the rayon pool when its work or its weight
 //! bytes are large enough to pay for the hand-off. Callers get the most from two threads when they

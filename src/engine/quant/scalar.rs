@@ -12,8 +12,8 @@
 //! (activation re-quantization amplifies any rounding difference). The K-quant kernels use their
 //! own (cheaper) float order; their integer parts are exact.
 //!
-//! Q4_1 has a second order, [`FloatOrder::PerBlock`], for the AVX2 kernels: llama.cpp's order
-//! costs a conversion and a multiply-add per 4-value lane, which on 256-bit registers without
+//! Q4_1 and Q8_0 have a second order, [`FloatOrder::PerBlock`], for the AVX2 kernels: llama.cpp's
+//! order costs a conversion and a multiply-add per 4-value lane, which on 256-bit registers without
 //! VNNI leaves the kernel bound by the multiply ports (52-58 against 88-94 GMAC/s on one Zen 4
 //! core, 64 tokens). Both orders are exact in their integer parts; they differ only in where the
 //! floats round.
@@ -36,13 +36,14 @@ fn dot4(chunk: &[u8], l: usize, shift: u32, mask: u8, x: &[i8]) -> i32 {
         .sum()
 }
 
-/// Where a kernel rounds the floats of its Q4_1 products (the other formats have one order each).
+/// Where a kernel rounds the floats of its Q4_1 and Q8_0 products (the other formats have one
+/// order each).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum FloatOrder {
     /// llama.cpp's order (see the module documentation): bit-identical to llama.cpp.
     Llama,
-    /// One integer sum per 32-value block, converted once and accumulated with the block's
-    /// minimum term in one running sum: `f = fma(Σu·x, d_w·d_x, f)`, then `f = fma(m, s, f)`.
+    /// One integer sum per 32-value block (Q8_0's corrections included), converted once:
+    /// `f = fma(Σu·x, d_w·d_x, f)`, then for Q4_1 the block's minimum term `f = fma(m, s, f)`.
     PerBlock,
 }
 
@@ -114,7 +115,7 @@ pub fn q6k_isum(blk: &[u8], l: usize, x: &[i8], bias: &[i32]) -> i32 {
 }
 
 /// Computes the 16 rows of packed group `g` against tokens `t0..t0 + nt`, writing
-/// `out[t * stride + l]` for `t < nt`, `l < 16`, with Q4_1's floats rounded in `order`.
+/// `out[t * stride + l]` for `t < nt`, `l < 16`, with Q4_1's and Q8_0's floats rounded in `order`.
 #[allow(clippy::too_many_arguments)]
 pub fn group(
     format: Format,
@@ -160,6 +161,11 @@ pub fn group(
                         }
                         summs[l] = f16_at(blk, 288 + 2 * l).mul_add(acts.s[ab], summs[l]);
                     }
+                    Format::Q8_0 if order == FloatOrder::PerBlock => {
+                        let bias = std::array::from_fn(|k| acts.bias[ab * 8 + k]);
+                        let i: i32 = block32_lanes(format, blk, l, xb, bias).iter().sum();
+                        *f = (i as f32).mul_add(f16_at(blk, 512 + 2 * l) * dx, *f);
+                    }
                     Format::Q8_0 => {
                         let bias = std::array::from_fn(|k| acts.bias[ab * 8 + k]);
                         let lanes = block32_lanes(format, blk, l, xb, bias);
@@ -182,11 +188,8 @@ pub fn group(
                 }
             }
         }
-        let llama_order = match format {
-            Format::Q4_1 => order == FloatOrder::Llama,
-            Format::Q8_0 => true,
-            _ => false,
-        };
+        let llama_order =
+            matches!(format, Format::Q4_1 | Format::Q8_0) && order == FloatOrder::Llama;
         if llama_order {
             for (l, f) in f.iter_mut().enumerate() {
                 *f = ggml_hsum8(&acc[l]) + summs[l];
