@@ -2,10 +2,13 @@
 //!
 //! The same scheme as [`super::avx512`] on 256-bit registers: each 64-byte chunk of a group is
 //! taken as two halves (rows 0-7, then rows 8-15), one lane per row. A kernel walks the group once
-//! per half, except the K-quant kernels for one to three tokens (decode), which take both halves in
-//! one pass (see `tiled_k!`): two passes touch every cache line twice and repeat the activation broadcasts
-//! (one token, one Zen 4 core, weights from memory: Q4_K 15-16 -> 20-24 GB/s from the single pass
-//! alone; Q6_K 9-13 -> 22-27 GB/s with its cheaper sums).
+//! per half, except for one or two tokens (decode; three for Q4_K), which take both halves in one
+//! pass (see `tiled_k!`): two passes touch every cache line twice and repeat the activation
+//! broadcasts (one token, one Zen 4 core, weights from memory: Q4_K 15-16 -> 20-24 GB/s from the
+//! single pass alone; Q6_K 9-13 -> 22-27 GB/s with its cheaper sums).
+//!
+//! Q4_1 and Q8_0 round in [`FloatOrder::PerBlock`] here, not in llama.cpp's order (see
+//! [`super::scalar`]): one conversion per block instead of eight.
 //!
 //! Without VNNI the u8×i8 dot of four bytes is `vpmaddubsw` + `vpmaddwd`; that is exact here
 //! because `vpmaddubsw` cannot saturate when the unsigned operand is at most 63
