@@ -711,4 +711,104 @@ mod tests {
         }];
         assert_eq!(plan(shape, &short).len(), 3);
     }
+
+    /// Decode attention speed at long contexts (not a check: `cargo test --release --lib
+    /// decode_attention_speed -- --ignored --nocapture`). One token's attention over every layer
+    /// of a SmolLM2-135M-shaped (and a SmolLM3-3B-shaped) cache of 4096 positions, on a pool of
+    /// `ATTN_BENCH_THREADS` (default 2) threads; best and median of the repetitions, and the KV
+    /// bytes read per token over the best time. In-process best-of timing, because on a shared
+    /// machine whole-model runs swing by 2× while the best of many short runs barely moves.
+    #[test]
+    #[ignore]
+    fn decode_attention_speed() {
+        let threads: usize = std::env::var("ATTN_BENCH_THREADS")
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(2);
+        let reps: usize = std::env::var("ATTN_BENCH_REPS")
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(40);
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build()
+            .expect("pool");
+        let ctx = 4096;
+        for (name, shape, n_layers) in [
+            (
+                "smollm2-135m",
+                AttnShape {
+                    n_heads: 9,
+                    n_kv_heads: 3,
+                    head_dim: 64,
+                },
+                30,
+            ),
+            (
+                "smollm3-3b",
+                AttnShape {
+                    n_heads: 16,
+                    n_kv_heads: 4,
+                    head_dim: 128,
+                },
+                36,
+            ),
+        ] {
+            for t in [KvType::F16, KvType::Q8_0, KvType::F32] {
+                let hd = shape.head_dim;
+                let layout = KvLayout {
+                    kv_type: t,
+                    n_layers,
+                    n_kv_heads: shape.n_kv_heads,
+                    head_dim: hd,
+                };
+                let mut alloc = BlockAllocator::with_capacity(1 << 16, layout.bytes_per_block());
+                let mut table = BlockTable::new();
+                alloc.grow(&mut table, ctx).expect("grow");
+                let mut kv = CpuKvStorage::new(layout);
+                kv.ensure(alloc.high_water());
+                let mut row = vec![0f32; hd];
+                for p in 0..ctx {
+                    let b = table.blocks()[p / BLOCK_POSITIONS];
+                    for layer in 0..n_layers {
+                        for kh in 0..shape.n_kv_heads {
+                            for (kind, salt) in [(KvKind::K, 1), (KvKind::V, 2)] {
+                                for (d, x) in row.iter_mut().enumerate() {
+                                    *x = value(p * hd + d + layer, kh + salt) * 0.5;
+                                }
+                                kv.write(b, p % BLOCK_POSITIONS, layer, kh, kind, &row);
+                            }
+                        }
+                    }
+                }
+                let q: Vec<f32> = (0..shape.n_heads * hd).map(|i| value(i, 5)).collect();
+                let mut out = vec![0f32; shape.n_heads * hd];
+                let seqs = [SeqAttn {
+                    blocks: table.blocks(),
+                    past: ctx - 1,
+                    row0: 0,
+                    rows: 1,
+                }];
+                let mut times = Vec::with_capacity(reps);
+                pool.install(|| {
+                    for _ in 0..reps {
+                        let t0 = std::time::Instant::now();
+                        for layer in 0..n_layers {
+                            attention(shape, &kv, layer, &seqs, &q, &mut out);
+                        }
+                        times.push(t0.elapsed().as_secs_f64());
+                    }
+                });
+                times.sort_by(f64::total_cmp);
+                let bytes = ctx as f64 * layout.bytes_per_position() as f64;
+                println!(
+                    "{name} {t} ctx {ctx} threads {threads}: best {:.3} ms, median {:.3} ms per token, {:.1} GB/s (KV {:.1} MB)",
+                    times[0] * 1e3,
+                    times[reps / 2] * 1e3,
+                    bytes / times[0] / 1e9,
+                    bytes / 1e6
+                );
+            }
+        }
+    }
 }
