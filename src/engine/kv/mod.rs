@@ -20,7 +20,7 @@ pub mod block;
 pub mod cpu;
 
 pub use block::{BlockAllocator, BlockId, BlockTable, BLOCK_POSITIONS};
-pub use cpu::CpuKvStorage;
+pub use cpu::{CpuKvStorage, Page};
 
 use std::fmt;
 use std::str::FromStr;
