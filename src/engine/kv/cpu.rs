@@ -2,10 +2,20 @@
 //!
 //! A page (see [`KvLayout::page`]) covers `BLOCK_POSITIONS` rows of `head_dim` values (or
 //! `head_dim / 32` q8_0 blocks) of one (layer, head, K or V), so attention reads 16 keys of one
-//! head from one contiguous run; the pages of the same (layer, head, K or V) of consecutive
-//! block ids are contiguous too, in chunks of [`CHUNK_BLOCKS`]. Block ids get pages when they are
-//! first handed out and keep them for reuse afterwards, so the memory held is the allocator's
-//! high-water mark in blocks, never more than its capacity.
+//! head from one contiguous run. Inside a page:
+//! - V is stored row by row (`[position][dim]`): attention adds `p_j · v_j` over positions with
+//!   the dimensions in vector lanes.
+//! - K is stored transposed (`[dim][position]`, 16 positions per dimension): attention's scores
+//!   `q · k_j` then come out with the 16 positions in vector lanes, one broadcast `q[d]` times one
+//!   16-lane load per dimension, with no horizontal sum per key (those sums, and converting the
+//!   page into a row-major f32 tile first, were most of decode attention's time at long contexts).
+//! - q8_0 scales (one per 32 values of a row) are stored `[scale block][position]` for K and V,
+//!   so the 16 positions' scales of one block are one 16-lane load too.
+//!
+//! The pages of the same (layer, head, K or V) of consecutive block ids are contiguous too, in
+//! chunks of [`CHUNK_BLOCKS`]. Block ids get pages when they are first handed out and keep them
+//! for reuse afterwards, so the memory held is the allocator's high-water mark in blocks, never
+//! more than its capacity.
 
 use half::f16;
 use half::slice::{HalfBitsSliceExt, HalfFloatSliceExt};
@@ -190,20 +200,42 @@ impl CpuKvStorage {
         kind: KvKind,
         row: &[f32],
     ) {
-        let (c, at) = self.locate(block, layer, head, kind, slot);
+        // Unit offset of the page's first row (K is stored transposed, see the module comment).
+        let (c, page) = self.locate(block, layer, head, kind, 0);
+        let at = page + slot * self.row_units;
         let units = self.row_units;
-        match &mut self.chunks {
-            Chunks::F32(p) => p[c][at..at + units].copy_from_slice(row),
-            Chunks::F16(p) => p[c][at..at + units]
+        match (&mut self.chunks, kind) {
+            (Chunks::F32(p), KvKind::V) => p[c][at..at + units].copy_from_slice(row),
+            (Chunks::F32(p), KvKind::K) => {
+                for (d, &x) in row.iter().enumerate() {
+                    p[c][page + d * BLOCK_POSITIONS + slot] = x;
+                }
+            }
+            (Chunks::F16(p), KvKind::V) => p[c][at..at + units]
                 .reinterpret_cast_mut::<f16>()
                 .convert_from_f32_slice(row),
-            Chunks::Q8 { scales, quants } => {
+            (Chunks::F16(p), KvKind::K) => {
+                for (d, &x) in row.iter().enumerate() {
+                    p[c][page + d * BLOCK_POSITIONS + slot] = f16::from_f32(x).to_bits();
+                }
+            }
+            (Chunks::Q8 { scales, quants }, kind) => {
                 let mut b = BlockQ8_0::default();
                 for (i, x) in row.chunks_exact(Q8_0_BLOCK).enumerate() {
                     quantize_q8_0(x, &mut b);
-                    scales[c][at + i] = b.d.to_bits();
-                    let q = (at + i) * Q8_0_BLOCK;
-                    quants[c][q..q + Q8_0_BLOCK].copy_from_slice(&b.qs);
+                    scales[c][page + i * BLOCK_POSITIONS + slot] = b.d.to_bits();
+                    match kind {
+                        KvKind::V => {
+                            let q = (at + i) * Q8_0_BLOCK;
+                            quants[c][q..q + Q8_0_BLOCK].copy_from_slice(&b.qs);
+                        }
+                        KvKind::K => {
+                            for (j, &q) in b.qs.iter().enumerate() {
+                                let d = i * Q8_0_BLOCK + j;
+                                quants[c][page * Q8_0_BLOCK + d * BLOCK_POSITIONS + slot] = q;
+                            }
+                        }
+                    }
                 }
             }
         }
@@ -258,8 +290,25 @@ impl CpuKvStorage {
         let _ = (block, layer, head);
     }
 
-    /// The first `rows` rows of a page as f32: borrowed directly for f32 storage, converted into
-    /// `scratch` (at least `rows * head_dim` long) otherwise.
+    /// The page of (`layer`, `head`, `kind`) of `block` as stored, for kernels that read it
+    /// directly (layouts in the module comment).
+    #[inline]
+    pub fn page(&self, block: BlockId, layer: usize, head: usize, kind: KvKind) -> Page<'_> {
+        let (c, at) = self.locate(block, layer, head, kind, 0);
+        let n = self.page_units;
+        match &self.chunks {
+            Chunks::F32(p) => Page::F32(&p[c][at..at + n]),
+            Chunks::F16(p) => Page::F16(&p[c][at..at + n]),
+            Chunks::Q8 { scales, quants } => Page::Q8 {
+                scales: &scales[c][at..at + n],
+                quants: &quants[c][at * Q8_0_BLOCK..(at + n) * Q8_0_BLOCK],
+            },
+        }
+    }
+
+    /// A page as f32, borrowed directly for f32 storage, converted into `scratch` (at least
+    /// `BLOCK_POSITIONS * head_dim` long) otherwise. Keys come in the stored transposed layout,
+    /// all 16 positions (`[dim][position]`); values row by row, the first `rows` rows.
     #[inline]
     pub fn tile<'a>(
         &'a self,
@@ -270,32 +319,69 @@ impl CpuKvStorage {
         rows: usize,
         scratch: &'a mut [f32],
     ) -> &'a [f32] {
-        let (c, at) = self.locate(block, layer, head, kind, 0);
         let hd = self.layout.head_dim;
-        match &self.chunks {
-            Chunks::F32(p) => &p[c][at..at + rows * hd],
-            Chunks::F16(p) => {
-                let out = &mut scratch[..rows * hd];
-                p[c][at..at + rows * hd]
-                    .reinterpret_cast::<f16>()
-                    .convert_to_f32_slice(out);
+        let len = match kind {
+            KvKind::K => BLOCK_POSITIONS * hd,
+            KvKind::V => rows * hd,
+        };
+        match self.page(block, layer, head, kind) {
+            Page::F32(p) => &p[..len],
+            Page::F16(p) => {
+                let out = &mut scratch[..len];
+                p[..len].reinterpret_cast::<f16>().convert_to_f32_slice(out);
                 out
             }
-            Chunks::Q8 { scales, quants } => {
-                let n = rows * self.row_units;
-                let out = &mut scratch[..rows * hd];
-                let qs = &quants[c][at * Q8_0_BLOCK..(at + n) * Q8_0_BLOCK];
-                for ((&d, q), o) in scales[c][at..at + n]
-                    .iter()
-                    .zip(qs.chunks_exact(Q8_0_BLOCK))
-                    .zip(out.chunks_exact_mut(Q8_0_BLOCK))
-                {
-                    dequantize_q8_0_parts(f16::from_bits(d).to_f32(), q, o);
+            Page::Q8 { scales, quants } => {
+                let out = &mut scratch[..len];
+                match kind {
+                    KvKind::V => {
+                        for (r, (q, o)) in quants
+                            .chunks_exact(hd)
+                            .zip(out.chunks_exact_mut(hd))
+                            .enumerate()
+                        {
+                            for (i, (q, o)) in q
+                                .chunks_exact(Q8_0_BLOCK)
+                                .zip(o.chunks_exact_mut(Q8_0_BLOCK))
+                                .enumerate()
+                            {
+                                let d = f16::from_bits(scales[i * BLOCK_POSITIONS + r]).to_f32();
+                                dequantize_q8_0_parts(d, q, o);
+                            }
+                        }
+                    }
+                    KvKind::K => {
+                        // Row d of the transposed page is dimension d of the 16 positions, whose
+                        // scales are the 16 of its scale block.
+                        for (d, (q, o)) in quants
+                            .chunks_exact(BLOCK_POSITIONS)
+                            .zip(out.chunks_exact_mut(BLOCK_POSITIONS))
+                            .enumerate()
+                        {
+                            let sc =
+                                &scales[(d / Q8_0_BLOCK) * BLOCK_POSITIONS..][..BLOCK_POSITIONS];
+                            for ((o, &q), &s) in o.iter_mut().zip(q).zip(sc) {
+                                *o = f16::from_bits(s).to_f32() * f32::from(q);
+                            }
+                        }
+                    }
                 }
                 out
             }
         }
     }
+}
+
+/// One page as stored (see the module comment for the layouts).
+pub enum Page<'a> {
+    F32(&'a [f32]),
+    /// f16 bits.
+    F16(&'a [u16]),
+    Q8 {
+        /// f16 bits, `[scale block][position]`.
+        scales: &'a [u16],
+        quants: &'a [i8],
+    },
 }
 
 #[cfg(test)]
@@ -371,7 +457,11 @@ mod tests {
             let mut scratch = vec![0f32; BLOCK_POSITIONS * 64];
             for (i, &(b, slot, layer, head, kind)) in places.iter().enumerate() {
                 let tile = s.tile(b, layer, head, kind, slot + 1, &mut scratch);
-                let got = &tile[slot * 64..(slot + 1) * 64];
+                // Keys are transposed: dimension d of position `slot` is at d * 16 + slot.
+                let got: Vec<f32> = match kind {
+                    KvKind::K => (0..64).map(|d| tile[d * BLOCK_POSITIONS + slot]).collect(),
+                    KvKind::V => tile[slot * 64..(slot + 1) * 64].to_vec(),
+                };
                 for (g, w) in got.iter().zip(row(i)) {
                     assert!((g - w).abs() <= tol, "{t}: {g} vs {w}");
                 }

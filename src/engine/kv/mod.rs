@@ -20,7 +20,7 @@ pub mod block;
 pub mod cpu;
 
 pub use block::{BlockAllocator, BlockId, BlockTable, BLOCK_POSITIONS};
-pub use cpu::CpuKvStorage;
+pub use cpu::{CpuKvStorage, Page, CHUNK_BLOCKS};
 
 use std::fmt;
 use std::str::FromStr;
