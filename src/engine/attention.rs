@@ -519,10 +519,16 @@ mod simd {
         const Q8: bool;
         /// Dimension `d` of the 16 positions' keys.
         unsafe fn k16(&self, d: usize) -> [__m256; 2];
-        /// The 16 positions' key scales of scale block `b` (q8_0 only).
-        unsafe fn kscale(&self, b: usize) -> [__m256; 2];
-        /// The 16 positions' value scales of scale block `b` (q8_0 only).
-        unsafe fn vscale(&self, b: usize) -> [__m256; 2];
+        /// The 16 positions' key scales of scale block `b` (q8_0 only; ones for float pages).
+        #[inline(always)]
+        unsafe fn kscale(&self, _b: usize) -> [__m256; 2] {
+            [_mm256_set1_ps(1.0); 2]
+        }
+        /// The 16 positions' value scales of scale block `b` (q8_0 only; ones for float pages).
+        #[inline(always)]
+        unsafe fn vscale(&self, _b: usize) -> [__m256; 2] {
+            [_mm256_set1_ps(1.0); 2]
+        }
         /// Dimensions `d..d + 8` of position `j`'s value.
         unsafe fn v8(&self, j: usize, d: usize) -> __m256;
     }
@@ -539,14 +545,6 @@ mod simd {
         unsafe fn k16(&self, d: usize) -> [__m256; 2] {
             let p = self.k.add(d * BLOCK_POSITIONS);
             [_mm256_loadu_ps(p), _mm256_loadu_ps(p.add(8))]
-        }
-        #[inline(always)]
-        unsafe fn kscale(&self, _: usize) -> [__m256; 2] {
-            [_mm256_set1_ps(1.0); 2]
-        }
-        #[inline(always)]
-        unsafe fn vscale(&self, _: usize) -> [__m256; 2] {
-            [_mm256_set1_ps(1.0); 2]
         }
         #[inline(always)]
         unsafe fn v8(&self, j: usize, d: usize) -> __m256 {
@@ -571,14 +569,6 @@ mod simd {
         unsafe fn k16(&self, d: usize) -> [__m256; 2] {
             let p = self.k.add(d * BLOCK_POSITIONS);
             [f16x8(p), f16x8(p.add(8))]
-        }
-        #[inline(always)]
-        unsafe fn kscale(&self, _: usize) -> [__m256; 2] {
-            [_mm256_set1_ps(1.0); 2]
-        }
-        #[inline(always)]
-        unsafe fn vscale(&self, _: usize) -> [__m256; 2] {
-            [_mm256_set1_ps(1.0); 2]
         }
         #[inline(always)]
         unsafe fn v8(&self, j: usize, d: usize) -> __m256 {
