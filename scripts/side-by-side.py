@@ -121,16 +121,18 @@ def smollm2_round(rnd):
 
 
 def smollm3_round(rnd):
-    # 3B shape
+    # 3B shape. `llama-bench -n 32` decodes from an empty context, so smolchat's decode row does
+    # too (`--prompt-tokens 1`); its prefill row is a separate run.
+    def smol(isa, kv):
+        bench_smol(rnd, "smolchat", SMOL, isa, M3, kv, 128, 1, [("3b prefill 128", "prefill")])
+        bench_smol(rnd, "smolchat", SMOL, isa, M3, kv, 1, 32, [("3b decode 32", "decode")])
+
     bench_ggml(rnd, "llama.cpp", LLAMA, M3, ["-p", "128", "-n", "32"], m3_rows)
-    bench_smol(rnd, "smolchat", SMOL, "avx2", M3, "f16", 128, 32,
-               [("3b prefill 128", "prefill"), ("3b decode 32", "decode")])
+    smol("avx2", "f16")
     bench_ggml(rnd, "ik_llama.cpp", IK, M3, ["-p", "128", "-n", "32", "-fa", "0", "-rtr", "1"], m3_rows)
-    bench_smol(rnd, "smolchat", SMOL, None, M3, "f16", 128, 32,
-               [("3b prefill 128", "prefill"), ("3b decode 32", "decode")])
+    smol(None, "f16")
     bench_ggml(rnd, "ik_llama.cpp", IK, M3, ["-p", "128", "-n", "32", "-rtr", "1"], m3_rows)
-    bench_smol(rnd, "smolchat", SMOL, None, M3, "q8_0", 128, 32,
-               [("3b prefill 128", "prefill"), ("3b decode 32", "decode")])
+    smol(None, "q8_0")
 
 
 def scaling_round(rnd):
