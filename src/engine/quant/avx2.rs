@@ -179,6 +179,23 @@ unsafe fn prefetch(half: usize, p: *const u8, lines: usize) {
     }
 }
 
+/// Writes the tile `f[t][h]` (token `t`, half `h0 + h` of the group: eight rows) to
+/// `out.add(t * stride + 8 * (h0 + h))`.
+#[inline]
+#[target_feature(enable = "avx2")]
+unsafe fn store_halves<const T: usize, const H: usize>(
+    f: &[[__m256; H]; T],
+    h0: usize,
+    out: *mut f32,
+    stride: usize,
+) {
+    for (t, row) in f.iter().enumerate() {
+        for (h, v) in row.iter().enumerate() {
+            _mm256_storeu_ps(out.add(t * stride + 8 * (h0 + h)), *v);
+        }
+    }
+}
+
 #[inline]
 #[target_feature(enable = "avx2")]
 unsafe fn load(p: *const u8) -> __m256i {
@@ -249,11 +266,7 @@ unsafe fn q4_1_tile<const T: usize, const H: usize, const VNNI: bool>(
             }
         }
     }
-    for t in 0..T {
-        for h in 0..H {
-            _mm256_storeu_ps(out.add(t * stride + 8 * (h0 + h)), f[t][h]);
-        }
-    }
+    store_halves(&f, h0, out, stride);
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -366,11 +379,7 @@ unsafe fn q8_0_tile<const T: usize, const H: usize, const VNNI: bool>(
             }
         }
     }
-    for t in 0..T {
-        for h in 0..H {
-            _mm256_storeu_ps(out.add(t * stride + 8 * (h0 + h)), f[t][h]);
-        }
-    }
+    store_halves(&f, h0, out, stride);
 }
 
 /// Q4_K on `H` halves of the group from half `h0` (see [`q4k`] for which).
@@ -481,11 +490,7 @@ unsafe fn q4k_tile<const T: usize, const H: usize, const VNNI: bool>(
             }
         }
     }
-    for t in 0..T {
-        for h in 0..H {
-            _mm256_storeu_ps(out.add(t * stride + 8 * (h0 + h)), f[t][h]);
-        }
-    }
+    store_halves(&f, h0, out, stride);
 }
 
 /// Q6_K on `H` halves of the group from half `h0` (see [`q6k`] for which).
@@ -623,11 +628,7 @@ unsafe fn q6k_tile<const T: usize, const H: usize, const VNNI: bool>(
             }
         }
     }
-    for t in 0..T {
-        for h in 0..H {
-            _mm256_storeu_ps(out.add(t * stride + 8 * (h0 + h)), f[t][h]);
-        }
-    }
+    store_halves(&f, h0, out, stride);
 }
 
 /// Q6_K for several tokens on one half of the group (`H` is 1; the parameter matches
