@@ -14,6 +14,7 @@ use std::path::{Path, PathBuf};
 pub use candle_core::quantized::gguf_file::Value;
 pub use candle_core::quantized::GgmlDType;
 
+pub use super::aligned::AlignedBytes;
 use super::error::{EngineError, Result};
 
 /// Where a tensor's bytes live.
@@ -39,44 +40,6 @@ pub struct RawTensor {
     pub dtype: GgmlDType,
     pub dims: Vec<usize>,
     pub data: AlignedBytes,
-}
-
-/// A byte buffer aligned to 64 bytes.
-pub struct AlignedBytes {
-    words: Vec<Align64>,
-    len: usize,
-}
-
-#[derive(Clone, Copy)]
-#[repr(C, align(64))]
-struct Align64([u8; 64]);
-
-impl AlignedBytes {
-    pub fn zeroed(len: usize) -> Self {
-        Self {
-            words: vec![Align64([0; 64]); len.div_ceil(64)],
-            len,
-        }
-    }
-    pub fn from_slice(bytes: &[u8]) -> Self {
-        let mut out = Self::zeroed(bytes.len());
-        out.as_mut_slice().copy_from_slice(bytes);
-        out
-    }
-    pub fn len(&self) -> usize {
-        self.len
-    }
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-    pub fn as_slice(&self) -> &[u8] {
-        // SAFETY: `words` holds at least `len` initialised bytes.
-        unsafe { std::slice::from_raw_parts(self.words.as_ptr() as *const u8, self.len) }
-    }
-    pub fn as_mut_slice(&mut self) -> &mut [u8] {
-        // SAFETY: as above, and we hold the only reference.
-        unsafe { std::slice::from_raw_parts_mut(self.words.as_mut_ptr() as *mut u8, self.len) }
-    }
 }
 
 enum Backing {

@@ -4,6 +4,7 @@
 pub mod error;
 
 pub use error::{EngineError, Result};
+pub(crate) mod aligned;
 pub(crate) mod attention;
 pub mod config;
 pub mod device;
