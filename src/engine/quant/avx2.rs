@@ -632,9 +632,12 @@ unsafe fn q6k_tile<const T: usize, const H: usize, const VNNI: bool>(
 }
 
 /// Q6_K for several tokens on one half of the group (`H` is 1; the parameter matches
-/// [`tiled_k`]). Each group's sum starts from its bias and is scaled by a 32-bit multiply: for
-/// four tokens this is faster than [`q6k_tile`]'s 16-bit sums (34.5 -> 28 ms for 64 tokens of
-/// the 3B `ffn_down` on one Zen 4 core), which need more registers than the tile leaves.
+/// [`tiled_k`]), one 16-value group at a time, so that four tokens' sums fit the registers
+/// ([`q6k_tile`] walks two groups at once and spills for four tokens: 34.5 vs 28 ms for 64 tokens
+/// of the 3B `ffn_down` on one Zen 4 core). With VNNI each group's sum starts from its bias and is
+/// scaled by a 32-bit multiply. Without, the sums are [`q6k_tile`]'s: products summed in pairs as
+/// 16-bit lanes and widened and scaled by one `vpmaddwd`, the bias terms of two groups taken by one
+/// more (10 multiply/add instructions per group and token instead of 14).
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn q6k_tile_half<const T: usize, const H: usize, const VNNI: bool>(
     g: &[u8],
@@ -652,6 +655,13 @@ unsafe fn q6k_tile_half<const T: usize, const H: usize, const VNNI: bool>(
     let bias = acts.bias.as_ptr().add(t0 * nblk * 16);
     let m4 = _mm256_set1_epi8(0x0F);
     let m30 = _mm256_set1_epi8(0x30);
+    // `vpshufb` patterns as in `q6k_tile`: a row's even (odd) group scale into both 16-bit
+    // halves of its lane.
+    let even = _mm256_setr_epi8(
+        0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13, 0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12,
+        13, 12, 13,
+    );
+    let odd = _mm256_add_epi8(even, _mm256_set1_epi8(2));
     let mut f = [_mm256_setzero_ps(); T];
     for b in 0..nblk {
         let blk = gp.add(b * 3360);
@@ -662,12 +672,54 @@ unsafe fn q6k_tile_half<const T: usize, const H: usize, const VNNI: bool>(
             let pairs = _mm256_cvtepi8_epi16(_mm_loadu_si128(
                 blk.add(3072 + 32 * cc + 16 * half) as *const _
             ));
+            let hd = load(blk.add(2048 + 64 * gi + 32 * half));
+            if !VNNI {
+                if gi % 2 == 0 {
+                    // The bias terms of groups 2cc and 2cc+1 (see `q6k_tile`).
+                    let sc32 = _mm256_slli_epi16::<5>(pairs);
+                    for (t, s) in sup.iter_mut().enumerate() {
+                        let bp = bias.add((t * nblk + b) * 16 + gi);
+                        let lo = (*bp >> 5) as u16 as u32;
+                        let hi = (*bp.add(1) >> 5) as u16 as u32;
+                        let bv = _mm256_set1_epi32((lo | (hi << 16)) as i32);
+                        *s = _mm256_add_epi32(*s, _mm256_madd_epi16(sc32, bv));
+                    }
+                }
+                let sc = _mm256_shuffle_epi8(pairs, if gi % 2 == 0 { even } else { odd });
+                let mut acc = [_mm256_setzero_si256(); T];
+                for kq in 0..4 {
+                    let kg = 4 * (gi % 2) + kq;
+                    let p = load(blk.add(64 * (8 * (cc / 2) + kg) + 32 * half));
+                    let lo = if cc % 2 == 0 {
+                        _mm256_and_si256(p, m4)
+                    } else {
+                        _mm256_and_si256(_mm256_srli_epi16::<4>(p), m4)
+                    };
+                    let h = match kq {
+                        0 => _mm256_slli_epi16::<4>(hd),
+                        1 => _mm256_slli_epi16::<2>(hd),
+                        2 => hd,
+                        _ => _mm256_srli_epi16::<2>(hd),
+                    };
+                    let w = _mm256_or_si256(lo, _mm256_and_si256(h, m30));
+                    for t in 0..T {
+                        let x = bcast4(xq.add(t * cols + b * 256 + 32 * cc + 4 * kg));
+                        let prod = _mm256_maddubs_epi16(w, x);
+                        if kq % 2 == 0 {
+                            acc[t] = prod;
+                        } else {
+                            let s16 = _mm256_add_epi16(acc[t], prod);
+                            sup[t] = _mm256_add_epi32(sup[t], _mm256_madd_epi16(s16, sc));
+                        }
+                    }
+                }
+                continue;
+            }
             let scv = if gi % 2 == 0 {
                 _mm256_srai_epi32::<16>(_mm256_slli_epi32::<16>(pairs))
             } else {
                 _mm256_srai_epi32::<16>(pairs)
             };
-            let hd = load(blk.add(2048 + 64 * gi + 32 * half));
             let mut acc = [_mm256_setzero_si256(); T];
             for (t, a) in acc.iter_mut().enumerate() {
                 *a = _mm256_set1_epi32(*bias.add((t * nblk + b) * 16 + gi));
