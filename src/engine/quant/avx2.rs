@@ -26,7 +26,7 @@
 use std::arch::x86_64::*;
 
 use super::act::Acts;
-use super::gemm::{Kernel, KernelChoice};
+use super::gemm::{Kernel, KernelChoice, Unpacked};
 use super::layout::Format;
 use super::scalar::FloatOrder;
 
@@ -48,10 +48,16 @@ pub fn kernel(format: Format, vnni: bool) -> KernelChoice {
     };
     // Q4_1 and Q8_0 in llama.cpp's order are bound by the multiply ports on 256-bit registers
     // (see `scalar`): the AVX2 kernels round per block instead.
+    let unpacked = match (format, vnni) {
+        (Format::Q6K, false) => Some(q6k_unpacked_choice::<false>()),
+        (Format::Q6K, true) => Some(q6k_unpacked_choice::<true>()),
+        _ => None,
+    };
     KernelChoice {
         kernel,
         tile: TILE,
         order: FloatOrder::PerBlock,
+        unpacked,
     }
 }
 
@@ -127,7 +133,7 @@ macro_rules! tiled_k {
 }
 
 tiled_k!(q4k, q4k_tile, q4k_tile, three_in_one_pass: true);
-tiled_k!(q6k, q6k_tile, q6k_tile_half, three_in_one_pass: false);
+tiled_k!(q6k, q6k_tile, q6k_tile_half_packed, three_in_one_pass: false);
 // Q4_1 and Q8_0 in the per-block order: one and two tokens (decode) take both halves in one pass
 // as well (SmolLM2's Q8_0 LM head is a third of its decode bytes).
 tiled_k!(q4_1, q4_1_tile, q4_1_tile, three_in_one_pass: false);
@@ -639,7 +645,7 @@ unsafe fn q6k_tile<const T: usize, const H: usize, const VNNI: bool>(
 /// 16-bit lanes and widened and scaled by one `vpmaddwd`, the bias terms of two groups taken by one
 /// more (10 multiply/add instructions per group and token instead of 14).
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q6k_tile_half<const T: usize, const H: usize, const VNNI: bool>(
+unsafe fn q6k_tile_half<const T: usize, const H: usize, const VNNI: bool, const UNPACKED: bool>(
     g: &[u8],
     half: usize,
     acts: &Acts,
@@ -648,7 +654,13 @@ unsafe fn q6k_tile_half<const T: usize, const H: usize, const VNNI: bool>(
     stride: usize,
 ) {
     let (nblk, cols) = (acts.nblk, acts.cols);
-    debug_assert!(g.len() >= nblk * 3360 && t0 + T <= acts.n_tokens && H == 1);
+    // Packed blocks (3360 bytes) or unpacked ones (see `q6k_unpack`).
+    let (bb, pairs_at, dw_at) = if UNPACKED {
+        (Q6K_UNPACKED_BLOCK, 4096, 4352)
+    } else {
+        (3360, 3072, 3328)
+    };
+    debug_assert!(g.len() >= nblk * bb && t0 + T <= acts.n_tokens && H == 1);
     let gp = g.as_ptr();
     let xq = acts.qs.as_ptr().add(t0 * cols);
     let dx = acts.d.as_ptr().add(t0 * nblk);
@@ -664,15 +676,23 @@ unsafe fn q6k_tile_half<const T: usize, const H: usize, const VNNI: bool>(
     let odd = _mm256_add_epi8(even, _mm256_set1_epi8(2));
     let mut f = [_mm256_setzero_ps(); T];
     for b in 0..nblk {
-        let blk = gp.add(b * 3360);
+        let blk = gp.add(b * bb);
         let mut sup = [_mm256_setzero_si256(); T];
         for gi in 0..16 {
-            prefetch(half, blk.wrapping_add(2 * 3360 + 256 * gi), 4);
+            if !UNPACKED {
+                prefetch(half, blk.wrapping_add(2 * 3360 + 256 * gi), 4);
+            }
             let cc = gi / 2;
             let pairs = _mm256_cvtepi8_epi16(_mm_loadu_si128(
-                blk.add(3072 + 32 * cc + 16 * half) as *const _
+                blk.add(pairs_at + 32 * cc + 16 * half) as *const _,
             ));
-            let hd = load(blk.add(2048 + 64 * gi + 32 * half));
+            let weight = |kq: usize| {
+                if UNPACKED {
+                    load(blk.add(64 * (4 * gi + kq) + 32 * half))
+                } else {
+                    q6k_weights(blk, gi, kq, half, m4, m30)
+                }
+            };
             if !VNNI {
                 if gi % 2 == 0 {
                     // The bias terms of groups 2cc and 2cc+1 (see `q6k_tile`).
@@ -689,19 +709,7 @@ unsafe fn q6k_tile_half<const T: usize, const H: usize, const VNNI: bool>(
                 let mut acc = [_mm256_setzero_si256(); T];
                 for kq in 0..4 {
                     let kg = 4 * (gi % 2) + kq;
-                    let p = load(blk.add(64 * (8 * (cc / 2) + kg) + 32 * half));
-                    let lo = if cc % 2 == 0 {
-                        _mm256_and_si256(p, m4)
-                    } else {
-                        _mm256_and_si256(_mm256_srli_epi16::<4>(p), m4)
-                    };
-                    let h = match kq {
-                        0 => _mm256_slli_epi16::<4>(hd),
-                        1 => _mm256_slli_epi16::<2>(hd),
-                        2 => hd,
-                        _ => _mm256_srli_epi16::<2>(hd),
-                    };
-                    let w = _mm256_or_si256(lo, _mm256_and_si256(h, m30));
+                    let w = weight(kq);
                     for t in 0..T {
                         let x = bcast4(xq.add(t * cols + b * 256 + 32 * cc + 4 * kg));
                         let prod = _mm256_maddubs_epi16(w, x);
@@ -726,20 +734,7 @@ unsafe fn q6k_tile_half<const T: usize, const H: usize, const VNNI: bool>(
             }
             for kq in 0..4 {
                 let kg = 4 * (gi % 2) + kq;
-                let p = load(blk.add(64 * (8 * (cc / 2) + kg) + 32 * half));
-                let lo = if cc % 2 == 0 {
-                    _mm256_and_si256(p, m4)
-                } else {
-                    _mm256_and_si256(_mm256_srli_epi16::<4>(p), m4)
-                };
-                // Bits 2kq..2kq+2 of each byte moved to bits 4..6 (see the AVX-512 kernel).
-                let h = match kq {
-                    0 => _mm256_slli_epi16::<4>(hd),
-                    1 => _mm256_slli_epi16::<2>(hd),
-                    2 => hd,
-                    _ => _mm256_srli_epi16::<2>(hd),
-                };
-                let w = _mm256_or_si256(lo, _mm256_and_si256(h, m30));
+                let w = weight(kq);
                 for (t, a) in acc.iter_mut().enumerate() {
                     *a = dp::<VNNI>(*a, w, bcast4(xq.add(t * cols + b * 256 + 32 * cc + 4 * kg)));
                 }
@@ -748,7 +743,7 @@ unsafe fn q6k_tile_half<const T: usize, const H: usize, const VNNI: bool>(
                 sup[t] = _mm256_add_epi32(sup[t], _mm256_mullo_epi32(acc[t], scv));
             }
         }
-        let dw = f16x8(blk.add(3328 + 16 * half));
+        let dw = f16x8(blk.add(dw_at + 16 * half));
         for t in 0..T {
             let d = _mm256_set1_ps(*dx.add(t * nblk + b));
             f[t] = _mm256_fmadd_ps(_mm256_mul_ps(dw, d), _mm256_cvtepi32_ps(sup[t]), f[t]);
@@ -756,5 +751,110 @@ unsafe fn q6k_tile_half<const T: usize, const H: usize, const VNNI: bool>(
     }
     for (t, f) in f.iter().enumerate() {
         _mm256_storeu_ps(out.add(t * stride + 8 * half), *f);
+    }
+}
+
+/// [`q6k_tile_half`] on the packed layout, in the shape `tiled_k!` calls.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q6k_tile_half_packed<const T: usize, const H: usize, const VNNI: bool>(
+    g: &[u8],
+    half: usize,
+    acts: &Acts,
+    t0: usize,
+    out: *mut f32,
+    stride: usize,
+) {
+    q6k_tile_half::<T, H, VNNI, false>(g, half, acts, t0, out, stride)
+}
+
+/// The six-bit values of group `gi`, step `kq` (four values of each of the half's eight rows) of
+/// a packed Q6_K block, one per byte: the low nibble (of the byte's low or high half, by `cc`) ORed
+/// with bits `2kq..2kq+2` of the high-bits byte moved to bits 4..6 (see the AVX-512 kernel).
+#[inline]
+#[target_feature(enable = "avx2")]
+unsafe fn q6k_weights(
+    blk: *const u8,
+    gi: usize,
+    kq: usize,
+    half: usize,
+    m4: __m256i,
+    m30: __m256i,
+) -> __m256i {
+    let cc = gi / 2;
+    let kg = 4 * (gi % 2) + kq;
+    let hd = load(blk.add(2048 + 64 * gi + 32 * half));
+    let p = load(blk.add(64 * (8 * (cc / 2) + kg) + 32 * half));
+    let lo = if cc % 2 == 0 {
+        _mm256_and_si256(p, m4)
+    } else {
+        _mm256_and_si256(_mm256_srli_epi16::<4>(p), m4)
+    };
+    let h = match kq {
+        0 => _mm256_slli_epi16::<4>(hd),
+        1 => _mm256_slli_epi16::<2>(hd),
+        2 => hd,
+        _ => _mm256_srli_epi16::<2>(hd),
+    };
+    _mm256_or_si256(lo, _mm256_and_si256(h, m30))
+}
+
+/// Bytes of an unpacked Q6_K block of sixteen rows: the values one per byte in the order the
+/// tile reads them (`64 * (4 * gi + kq) + 32 * half`, 4096 bytes), then the packed block's scales
+/// and `d` unchanged (its bytes 3072..3360).
+const Q6K_UNPACKED_BLOCK: usize = 4096 + 288;
+
+/// Unpacks a Q6_K group for [`q6k_tile_half`] with `UNPACKED` (see [`Unpacked`]). The values are
+/// the ones the packed tile builds in registers, so the products are the same bit for bit.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q6k_unpack(g: &[u8], nblk: usize, out: &mut [u8]) {
+    debug_assert!(g.len() >= nblk * 3360 && out.len() >= nblk * Q6K_UNPACKED_BLOCK);
+    let m4 = _mm256_set1_epi8(0x0F);
+    let m30 = _mm256_set1_epi8(0x30);
+    for b in 0..nblk {
+        let blk = g.as_ptr().add(b * 3360);
+        let dst = out[b * Q6K_UNPACKED_BLOCK..(b + 1) * Q6K_UNPACKED_BLOCK].as_mut_ptr();
+        for gi in 0..16 {
+            for kq in 0..4 {
+                for half in 0..2 {
+                    let w = q6k_weights(blk, gi, kq, half, m4, m30);
+                    _mm256_storeu_si256(dst.add(64 * (4 * gi + kq) + 32 * half) as *mut _, w);
+                }
+            }
+        }
+        std::ptr::copy_nonoverlapping(blk.add(3072), dst.add(4096), 288);
+    }
+}
+
+/// Q6_K on unpacked groups: both halves, tiles of up to four tokens.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q6k_unpacked<const VNNI: bool>(
+    g: &[u8],
+    acts: &Acts,
+    t0: usize,
+    nt: usize,
+    out: *mut f32,
+    stride: usize,
+) {
+    for half in 0..2 {
+        let mut t = 0;
+        while t < nt {
+            let o = out.add(t * stride);
+            let n = (nt - t).min(4);
+            match n {
+                1 => q6k_tile_half::<1, 1, VNNI, true>(g, half, acts, t0 + t, o, stride),
+                2 => q6k_tile_half::<2, 1, VNNI, true>(g, half, acts, t0 + t, o, stride),
+                3 => q6k_tile_half::<3, 1, VNNI, true>(g, half, acts, t0 + t, o, stride),
+                _ => q6k_tile_half::<4, 1, VNNI, true>(g, half, acts, t0 + t, o, stride),
+            }
+            t += n;
+        }
+    }
+}
+
+fn q6k_unpacked_choice<const VNNI: bool>() -> Unpacked {
+    Unpacked {
+        block_bytes: Q6K_UNPACKED_BLOCK,
+        unpack: q6k_unpack,
+        kernel: q6k_unpacked::<VNNI>,
     }
 }

@@ -38,6 +38,7 @@ pub fn kernel(format: Format) -> KernelChoice {
         kernel,
         tile,
         order: FloatOrder::Llama,
+        unpacked: None,
     }
 }
 

@@ -189,11 +189,12 @@ fn reference(format: Format, native: &[u8], rows: usize, acts: &Acts) -> Vec<(f6
 fn simd_kernels_equal_scalar_bit_for_bit() {
     let mut rng = Rng(1);
     for format in FORMATS {
-        // 37 rows: two full groups and a padded one; token counts hit every tile remainder.
+        // 37 rows: two full groups and a padded one; token counts hit every tile remainder, below
+        // and above the count from which kernels run on unpacked groups.
         let (rows, cols) = (37, 3 * format.block().max(128));
         let native = random_native(format, rows, cols, &mut rng);
         let p = Packed::from_native(format, rows, cols, &native);
-        for n in [1, 2, 3, 4, 5, 6, 7, 8, 9, 17] {
+        for n in [1, 2, 3, 4, 5, 6, 7, 8, 9, 17, 18, 19, 20] {
             let acts = random_acts(format.act_kind(), n, cols, &mut rng);
             for isa in [Isa::Avx2, Isa::AvxVnni, Isa::Avx512Vnni] {
                 let Some(choice) = gemm::kernel(format, isa) else {
