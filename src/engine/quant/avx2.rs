@@ -784,7 +784,7 @@ unsafe fn q6k_weights(
     let kg = 4 * (gi % 2) + kq;
     let hd = load(blk.add(2048 + 64 * gi + 32 * half));
     let p = load(blk.add(64 * (8 * (cc / 2) + kg) + 32 * half));
-    let lo = if cc % 2 == 0 {
+    let lo = if cc.is_multiple_of(2) {
         _mm256_and_si256(p, m4)
     } else {
         _mm256_and_si256(_mm256_srli_epi16::<4>(p), m4)
