@@ -354,43 +354,41 @@ fn run_groups(job: &Job<'_>, range: std::ops::Range<usize>) {
     let chunk = (CHUNK_BYTES / group_bytes).max(1);
     let unpacked = choice.unpacked.filter(|_| n >= UNPACK_MIN_TOKENS);
     let kernel = unpacked.map_or(choice.kernel, |u| u.kernel);
+    // This thread's scratch for unpacked chunks, taken for the call and put back after it.
+    let mut scratch = if unpacked.is_some() {
+        UNPACKED.take()
+    } else {
+        Vec::new()
+    };
     let mut tail = [0f32; 16 * GROUP];
     let mut g0 = range.start;
     while g0 < range.end {
         let g1 = (g0 + chunk).min(range.end);
         if let Some(u) = unpacked {
             let ub = w.nblk * u.block_bytes;
-            UNPACKED.with_borrow_mut(|scratch| {
-                scratch.resize((g1 - g0) * ub, 0);
-                for g in g0..g1 {
-                    let out = &mut scratch[(g - g0) * ub..(g - g0 + 1) * ub];
-                    // SAFETY: the group matches the format the choice (and so `u`) was made for,
-                    // with `w.nblk` blocks.
-                    unsafe { (u.unpack)(w.group(g), w.nblk, out) };
-                }
-            });
+            scratch.resize((g1 - g0) * ub, 0);
+            for (g, out) in (g0..g1).zip(scratch.chunks_exact_mut(ub)) {
+                // SAFETY: the group matches the format the choice (and so `u`) was made for,
+                // with `w.nblk` blocks, and `out` is `nblk * block_bytes` long.
+                unsafe { (u.unpack)(w.group(g), w.nblk, out) };
+            }
         }
         let mut t0 = 0;
         while t0 < n {
             let nt = choice.tile.min(n - t0).min(16);
             for g in g0..g1 {
-                // The kernel runs on the unpacked copy when there is one. The scratch belongs to
-                // this thread and is not resized until the chunk is done.
-                let grp: &[u8] = match unpacked {
+                let grp = match unpacked {
                     Some(u) => {
                         let ub = w.nblk * u.block_bytes;
-                        let (p, len) = UNPACKED.with_borrow(|s| (s.as_ptr(), s.len()));
-                        debug_assert!((g - g0 + 1) * ub <= len);
-                        // SAFETY: `p..p + len` is this thread's scratch, filled above for
-                        // groups g0..g1 and left alone until the next chunk.
-                        unsafe { std::slice::from_raw_parts(p.add((g - g0) * ub), ub) }
+                        &scratch[(g - g0) * ub..(g - g0 + 1) * ub]
                     }
                     None => w.group(g),
                 };
                 let r0 = g * GROUP;
                 if r0 + GROUP <= rows {
                     // SAFETY: the group matches the kernel's format (`Packed` and the choice were
-                    // made for the same format), `t0 + nt <= n`, and rows r0..r0+16 of tokens
+                    // made for the same format; `grp` is unpacked exactly when `kernel` is the
+                    // unpacked one), `t0 + nt <= n`, and rows r0..r0+16 of tokens
                     // t0..t0+nt lie inside `out` (length n * rows) and belong to this task alone.
                     unsafe {
                         (kernel)(grp, acts, t0, nt, out.0.add(t0 * rows + r0), rows);
@@ -413,6 +411,9 @@ fn run_groups(job: &Job<'_>, range: std::ops::Range<usize>) {
             t0 += nt;
         }
         g0 = g1;
+    }
+    if unpacked.is_some() {
+        UNPACKED.set(scratch);
     }
 }
 
