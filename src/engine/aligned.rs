@@ -13,7 +13,7 @@ use std::ptr::NonNull;
 /// The huge page size (x86-64) and the smallest buffer mapped for it.
 const HUGE_PAGE: usize = 2 << 20;
 
-/// A byte buffer aligned to 64 bytes (2 MiB from [`HUGE_PAGE`] bytes on Linux), zero-filled at
+/// A byte buffer aligned to 64 bytes (2 MiB from `HUGE_PAGE` bytes on Linux), zero-filled at
 /// creation.
 pub struct AlignedBytes {
     ptr: NonNull<u8>,

@@ -644,6 +644,10 @@ unsafe fn q6k_tile<const T: usize, const H: usize, const VNNI: bool>(
 /// scaled by a 32-bit multiply. Without, the sums are [`q6k_tile`]'s: products summed in pairs as
 /// 16-bit lanes and widened and scaled by one `vpmaddwd`, the bias terms of two groups taken by one
 /// more (10 multiply/add instructions per group and token instead of 14).
+///
+/// With `UNPACKED`, `g` is a group unpacked by [`q6k_unpack`] and the six-bit values are loaded
+/// as they are instead of being rebuilt from the nibble and high-bit bytes ([`q6k_weights`]) for
+/// every tile: prefill of 16 tokens and more (see [`Unpacked`]).
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn q6k_tile_half<const T: usize, const H: usize, const VNNI: bool, const UNPACKED: bool>(
     g: &[u8],
