@@ -114,19 +114,27 @@ macro_rules! tiled_k {
                 3 if $three => return $tile::<3, 2, VNNI>(g, 0, acts, t0, out, stride),
                 _ => {}
             }
-            for half in 0..2 {
-                let mut t = 0;
-                while t < nt {
-                    let o = out.add(t * stride);
-                    let n = (nt - t).min(4);
-                    match n {
-                        1 => $many::<1, 1, VNNI>(g, half, acts, t0 + t, o, stride),
-                        2 => $many::<2, 1, VNNI>(g, half, acts, t0 + t, o, stride),
-                        3 => $many::<3, 1, VNNI>(g, half, acts, t0 + t, o, stride),
-                        _ => $many::<4, 1, VNNI>(g, half, acts, t0 + t, o, stride),
-                    }
-                    t += n;
+            halves_in_tiles_of_four!($many, g, acts, t0, nt, out, stride);
+        }
+    };
+}
+
+/// The body of a [`Kernel`] that walks the two halves of the group one after the other, each in
+/// tiles of up to four tokens, with a tile function `$many::<T, 1, VNNI>` for one half.
+macro_rules! halves_in_tiles_of_four {
+    ($many:ident, $g:ident, $acts:ident, $t0:ident, $nt:ident, $out:ident, $stride:ident) => {
+        for half in 0..2 {
+            let mut t = 0;
+            while t < $nt {
+                let o = $out.add(t * $stride);
+                let n = ($nt - t).min(4);
+                match n {
+                    1 => $many::<1, 1, VNNI>($g, half, $acts, $t0 + t, o, $stride),
+                    2 => $many::<2, 1, VNNI>($g, half, $acts, $t0 + t, o, $stride),
+                    3 => $many::<3, 1, VNNI>($g, half, $acts, $t0 + t, o, $stride),
+                    _ => $many::<4, 1, VNNI>($g, half, $acts, $t0 + t, o, $stride),
                 }
+                t += n;
             }
         }
     };
@@ -829,6 +837,19 @@ unsafe fn q6k_unpack(g: &[u8], nblk: usize, out: &mut [u8]) {
     }
 }
 
+/// [`q6k_tile_half`] on unpacked groups, in the shape `halves_in_tiles_of_four!` calls.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q6k_tile_half_unpacked<const T: usize, const H: usize, const VNNI: bool>(
+    g: &[u8],
+    half: usize,
+    acts: &Acts,
+    t0: usize,
+    out: *mut f32,
+    stride: usize,
+) {
+    q6k_tile_half::<T, H, VNNI, true>(g, half, acts, t0, out, stride)
+}
+
 /// Q6_K on unpacked groups: both halves, tiles of up to four tokens.
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn q6k_unpacked<const VNNI: bool>(
@@ -839,20 +860,7 @@ unsafe fn q6k_unpacked<const VNNI: bool>(
     out: *mut f32,
     stride: usize,
 ) {
-    for half in 0..2 {
-        let mut t = 0;
-        while t < nt {
-            let o = out.add(t * stride);
-            let n = (nt - t).min(4);
-            match n {
-                1 => q6k_tile_half::<1, 1, VNNI, true>(g, half, acts, t0 + t, o, stride),
-                2 => q6k_tile_half::<2, 1, VNNI, true>(g, half, acts, t0 + t, o, stride),
-                3 => q6k_tile_half::<3, 1, VNNI, true>(g, half, acts, t0 + t, o, stride),
-                _ => q6k_tile_half::<4, 1, VNNI, true>(g, half, acts, t0 + t, o, stride),
-            }
-            t += n;
-        }
-    }
+    halves_in_tiles_of_four!(q6k_tile_half_unpacked, g, acts, t0, nt, out, stride);
 }
 
 fn q6k_unpacked_choice<const VNNI: bool>() -> Unpacked {
