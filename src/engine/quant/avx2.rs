@@ -556,102 +556,24 @@ unsafe fn q6k_tile<const T: usize, const H: usize, const VNNI: bool>(
     let xq = acts.qs.as_ptr().add(t0 * cols);
     let dx = acts.d.as_ptr().add(t0 * nblk);
     let bias = acts.bias.as_ptr().add(t0 * nblk * 16);
-    let m4 = _mm256_set1_epi8(0x0F);
-    let m30 = _mm256_set1_epi8(0x30);
-    // `vpshufb` patterns: a row's even (odd) group scale into both 16-bit halves of its lane.
-    let even = _mm256_setr_epi8(
-        0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13, 0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12,
-        13, 12, 13,
-    );
-    let odd = _mm256_add_epi8(even, _mm256_set1_epi8(2));
     let mut f = [[_mm256_setzero_ps(); H]; T];
     for b in 0..nblk {
         let blk = gp.add(b * 3360);
         let mut sup = [[_mm256_setzero_si256(); H]; T];
-        for cc in 0..8 {
-            // 3360 bytes a block: seven lines for each of the eight steps cover it.
-            prefetch(h0, blk.wrapping_add(2 * 3360 + 448 * cc), 7);
-            // Lane l: the i16 scales of groups 2cc and 2cc+1 of row l.
-            let pairs: [__m256i; H] = std::array::from_fn(|h| {
-                _mm256_cvtepi8_epi16(_mm_loadu_si128(
-                    blk.add(3072 + 32 * cc + 16 * (h0 + h)) as *const _
-                ))
-            });
-            for t in 0..T {
-                let bp = bias.add((t * nblk + b) * 16 + 2 * cc);
-                let lo = (*bp >> 5) as u16 as u32;
-                let hi = (*bp.add(1) >> 5) as u16 as u32;
-                let bv = _mm256_set1_epi32((lo | (hi << 16)) as i32);
-                for h in 0..H {
-                    let sc32 = _mm256_slli_epi16::<5>(pairs[h]);
-                    sup[t][h] = _mm256_add_epi32(sup[t][h], _mm256_madd_epi16(sc32, bv));
-                }
-            }
-            for e in 0..2 {
-                let gi = 2 * cc + e;
-                let hd: [__m256i; H] =
-                    std::array::from_fn(|h| load(blk.add(2048 + 64 * gi + 32 * (h0 + h))));
-                let sc: [__m256i; H] = std::array::from_fn(|h| {
-                    if VNNI {
-                        if e == 0 {
-                            _mm256_srai_epi32::<16>(_mm256_slli_epi32::<16>(pairs[h]))
-                        } else {
-                            _mm256_srai_epi32::<16>(pairs[h])
-                        }
-                    } else if e == 0 {
-                        _mm256_shuffle_epi8(pairs[h], even)
-                    } else {
-                        _mm256_shuffle_epi8(pairs[h], odd)
-                    }
-                });
-                // VNNI: the 32-bit dot; without: the 16-bit sum of two products.
-                let mut acc = [[_mm256_setzero_si256(); H]; T];
-                for kq in 0..4 {
-                    let kg = 4 * e + kq;
-                    let x: [__m256i; T] = std::array::from_fn(|t| {
-                        bcast4(xq.add(t * cols + b * 256 + 32 * cc + 4 * kg))
-                    });
-                    for h in 0..H {
-                        let p = load(blk.add(64 * (8 * (cc / 2) + kg) + 32 * (h0 + h)));
-                        let lo = if cc % 2 == 0 {
-                            _mm256_and_si256(p, m4)
-                        } else {
-                            _mm256_and_si256(_mm256_srli_epi16::<4>(p), m4)
-                        };
-                        // Bits 2kq..2kq+2 of each byte moved to bits 4..6 (see the AVX-512
-                        // kernel).
-                        let hb = match kq {
-                            0 => _mm256_slli_epi16::<4>(hd[h]),
-                            1 => _mm256_slli_epi16::<2>(hd[h]),
-                            2 => hd[h],
-                            _ => _mm256_srli_epi16::<2>(hd[h]),
-                        };
-                        let w = _mm256_or_si256(lo, _mm256_and_si256(hb, m30));
-                        for t in 0..T {
-                            if VNNI {
-                                acc[t][h] = dp::<true>(acc[t][h], w, x[t]);
-                            } else {
-                                let prod = _mm256_maddubs_epi16(w, x[t]);
-                                if kq % 2 == 0 {
-                                    acc[t][h] = prod;
-                                } else {
-                                    let s16 = _mm256_add_epi16(acc[t][h], prod);
-                                    let s = _mm256_madd_epi16(s16, sc[h]);
-                                    sup[t][h] = _mm256_add_epi32(sup[t][h], s);
-                                }
-                            }
-                        }
-                    }
-                }
-                if VNNI {
-                    for t in 0..T {
-                        for h in 0..H {
-                            let s = _mm256_mullo_epi32(acc[t][h], sc[h]);
-                            sup[t][h] = _mm256_add_epi32(sup[t][h], s);
-                        }
-                    }
-                }
-            }
+        let x = xq.add(b * 256);
+        let bias = bias.add(b * 16);
+        for ccp in 0..4 {
+            let at = Q6kGroupAt {
+                blk,
+                pairs_at: 3072,
+                half: h0,
+                x,
+                cols,
+                bias,
+                stride: nblk * 16,
+            };
+            q6k_tile_step::<T, H, VNNI, false>(&at, 2 * ccp, &mut sup);
+            q6k_tile_step::<T, H, VNNI, true>(&at, 2 * ccp + 1, &mut sup);
         }
         for h in 0..H {
             let dw = f16x8(blk.add(3328 + 16 * (h0 + h)));
@@ -663,6 +585,108 @@ unsafe fn q6k_tile<const T: usize, const H: usize, const VNNI: bool>(
         }
     }
     store_halves(&f, h0, out, stride);
+}
+
+/// Step `cc` (groups `2cc` and `2cc + 1` of every row; `ODD_CC == (cc % 2 == 1)`, the high
+/// nibbles) of [`q6k_tile`], reading where `at` says from half `at.half` on. The parity is a
+/// constant, as in [`q4k_sub_block`], so that the step compiles to straight code.
+#[inline(always)]
+unsafe fn q6k_tile_step<const T: usize, const H: usize, const VNNI: bool, const ODD_CC: bool>(
+    at: &Q6kGroupAt,
+    cc: usize,
+    sup: &mut [[__m256i; H]; T],
+) {
+    let (blk, h0, cols) = (at.blk, at.half, at.cols);
+    let m4 = _mm256_set1_epi8(0x0F);
+    let m30 = _mm256_set1_epi8(0x30);
+    // `vpshufb` patterns: a row's even (odd) group scale into both 16-bit halves of its lane.
+    let even = _mm256_setr_epi8(
+        0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13, 0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12,
+        13, 12, 13,
+    );
+    let odd = _mm256_add_epi8(even, _mm256_set1_epi8(2));
+    // 3360 bytes a block: seven lines for each of the eight steps cover it.
+    prefetch(h0, blk.wrapping_add(2 * 3360 + 448 * cc), 7);
+    // Lane l: the i16 scales of groups 2cc and 2cc+1 of row l.
+    let pairs: [__m256i; H] = std::array::from_fn(|h| {
+        _mm256_cvtepi8_epi16(_mm_loadu_si128(
+            blk.add(3072 + 32 * cc + 16 * (h0 + h)) as *const _
+        ))
+    });
+    for t in 0..T {
+        let bp = at.bias.add(t * at.stride + 2 * cc);
+        let lo = (*bp >> 5) as u16 as u32;
+        let hi = (*bp.add(1) >> 5) as u16 as u32;
+        let bv = _mm256_set1_epi32((lo | (hi << 16)) as i32);
+        for h in 0..H {
+            let sc32 = _mm256_slli_epi16::<5>(pairs[h]);
+            sup[t][h] = _mm256_add_epi32(sup[t][h], _mm256_madd_epi16(sc32, bv));
+        }
+    }
+    for e in 0..2 {
+        let gi = 2 * cc + e;
+        let hd: [__m256i; H] =
+            std::array::from_fn(|h| load(blk.add(2048 + 64 * gi + 32 * (h0 + h))));
+        let sc: [__m256i; H] = std::array::from_fn(|h| {
+            if VNNI {
+                if e == 0 {
+                    _mm256_srai_epi32::<16>(_mm256_slli_epi32::<16>(pairs[h]))
+                } else {
+                    _mm256_srai_epi32::<16>(pairs[h])
+                }
+            } else if e == 0 {
+                _mm256_shuffle_epi8(pairs[h], even)
+            } else {
+                _mm256_shuffle_epi8(pairs[h], odd)
+            }
+        });
+        // VNNI: the 32-bit dot; without: the 16-bit sum of two products.
+        let mut acc = [[_mm256_setzero_si256(); H]; T];
+        for kq in 0..4 {
+            let kg = 4 * e + kq;
+            let x: [__m256i; T] =
+                std::array::from_fn(|t| bcast4(at.x.add(t * cols + 32 * cc + 4 * kg)));
+            for h in 0..H {
+                let p = load(blk.add(64 * (8 * (cc / 2) + kg) + 32 * (h0 + h)));
+                let lo = if !ODD_CC {
+                    _mm256_and_si256(p, m4)
+                } else {
+                    _mm256_and_si256(_mm256_srli_epi16::<4>(p), m4)
+                };
+                // Bits 2kq..2kq+2 of each byte moved to bits 4..6 (see the AVX-512
+                // kernel).
+                let hb = match kq {
+                    0 => _mm256_slli_epi16::<4>(hd[h]),
+                    1 => _mm256_slli_epi16::<2>(hd[h]),
+                    2 => hd[h],
+                    _ => _mm256_srli_epi16::<2>(hd[h]),
+                };
+                let w = _mm256_or_si256(lo, _mm256_and_si256(hb, m30));
+                for t in 0..T {
+                    if VNNI {
+                        acc[t][h] = dp::<true>(acc[t][h], w, x[t]);
+                    } else {
+                        let prod = _mm256_maddubs_epi16(w, x[t]);
+                        if kq % 2 == 0 {
+                            acc[t][h] = prod;
+                        } else {
+                            let s16 = _mm256_add_epi16(acc[t][h], prod);
+                            let s = _mm256_madd_epi16(s16, sc[h]);
+                            sup[t][h] = _mm256_add_epi32(sup[t][h], s);
+                        }
+                    }
+                }
+            }
+        }
+        if VNNI {
+            for t in 0..T {
+                for h in 0..H {
+                    let s = _mm256_mullo_epi32(acc[t][h], sc[h]);
+                    sup[t][h] = _mm256_add_epi32(sup[t][h], s);
+                }
+            }
+        }
+    }
 }
 
 /// Q6_K for several tokens on one half of the group (`H` is 1; the parameter matches
