@@ -480,49 +480,40 @@ unsafe fn q4k_sub_block<const T: usize, const H: usize, const VNNI: bool, const 
         }
     };
     let x = |t: usize, kg: usize| bcast4(xq.add(t * cols + b * 256 + 32 * sb + 4 * kg));
-    if VNNI {
-        let mut acc = [[_mm256_setzero_si256(); H]; T];
-        for kg in 0..8 {
-            let xs: [__m256i; T] = std::array::from_fn(|t| x(t, kg));
-            for h in 0..H {
-                let w = weight(kg, h);
-                for t in 0..T {
-                    acc[t][h] = dp::<true>(acc[t][h], w, xs[t]);
-                }
-            }
-        }
+    // With VNNI `vpdpbusd` sums in 32-bit lanes and a 32-bit multiply applies the sub-block
+    // scale. Without it the eight `vpmaddubsw` products of a sub-block are summed as 16-bit lanes
+    // (each is at most 2·15·127 = 3810, eight of them 30480 < 2^15), and one `vpmaddwd` against
+    // the sub-block scale (repeated in both 16-bit halves of a row's lane) widens and scales them
+    // at once: 17 instructions a sub-block instead of 26 (three per product plus a 32-bit
+    // multiply). Integer sums either way, so the result is bit-for-bit the same.
+    let mut acc = [[_mm256_setzero_si256(); H]; T];
+    for kg in 0..8 {
+        let xs: [__m256i; T] = std::array::from_fn(|t| x(t, kg));
         for h in 0..H {
-            let scv = _mm256_cvtepu8_epi32(scales[h]);
+            let w = weight(kg, h);
             for t in 0..T {
-                let s = _mm256_mullo_epi32(acc[t][h], scv);
-                sup[t][h] = _mm256_add_epi32(sup[t][h], s);
+                acc[t][h] = if VNNI {
+                    dp::<true>(acc[t][h], w, xs[t])
+                } else {
+                    _mm256_add_epi16(acc[t][h], _mm256_maddubs_epi16(w, xs[t]))
+                };
             }
         }
-    } else {
-        // Without VNNI: the eight `vpmaddubsw` products of a sub-block are summed as
-        // 16-bit lanes (each is at most 2·15·127 = 3810, eight of them 30480 < 2^15),
-        // and one `vpmaddwd` against the sub-block scale (repeated in both 16-bit halves
-        // of a row's lane) widens and scales them at once: 17 instructions a sub-block
-        // instead of 26 (three per product plus a 32-bit multiply). Integer sums, so the
-        // result is bit-for-bit the same.
-        let mut acc = [[_mm256_setzero_si256(); H]; T];
-        for kg in 0..8 {
-            let xs: [__m256i; T] = std::array::from_fn(|t| x(t, kg));
-            for h in 0..H {
-                let w = weight(kg, h);
-                for t in 0..T {
-                    let prod = _mm256_maddubs_epi16(w, xs[t]);
-                    acc[t][h] = _mm256_add_epi16(acc[t][h], prod);
-                }
-            }
-        }
-        for h in 0..H {
-            let sc16 = _mm256_cvtepu8_epi32(scales[h]);
-            let sc16 = _mm256_or_si256(sc16, _mm256_slli_epi32::<16>(sc16));
-            for t in 0..T {
-                let s = _mm256_madd_epi16(acc[t][h], sc16);
-                sup[t][h] = _mm256_add_epi32(sup[t][h], s);
-            }
+    }
+    for h in 0..H {
+        let sc = _mm256_cvtepu8_epi32(scales[h]);
+        let sc = if VNNI {
+            sc
+        } else {
+            _mm256_or_si256(sc, _mm256_slli_epi32::<16>(sc))
+        };
+        for t in 0..T {
+            let s = if VNNI {
+                _mm256_mullo_epi32(acc[t][h], sc)
+            } else {
+                _mm256_madd_epi16(acc[t][h], sc)
+            };
+            sup[t][h] = _mm256_add_epi32(sup[t][h], s);
         }
     }
 }
