@@ -11,6 +11,8 @@
 //! (maximum, sum, unnormalised output) are merged afterwards, so one long conversation's decode
 //! uses every thread.
 
+use std::sync::OnceLock;
+
 use rayon::prelude::*;
 
 use super::kv::{BlockId, CpuKvStorage, KvKind, Page, BLOCK_POSITIONS, CHUNK_BLOCKS};
@@ -161,6 +163,78 @@ pub(crate) fn attention(
     }
 }
 
+/// How decode attention prefetches the KV pages. Decided once per process: by
+/// `SMOLCHAT_DECODE_PREFETCH` (`eager` or `lazy`) when set, so that one machine can compare the
+/// two, else by the size of the L1 data cache.
+///
+/// Why two: the measured cores disagree. On Zen 5 (48 KiB L1D) prefetching every line of the
+/// next block's K and V pages into L1 made decode attention from memory 20–35% faster
+/// (SmolLM2 and SmolLM3-3B shapes, f16 and q8_0, 4096 positions; whole SmolLM2 decode at 4096
+/// +16–26%), because the step's arithmetic and the page loads then overlap instead of adding up.
+/// On Zen 4 (32 KiB L1D) the same done two blocks ahead was up to a quarter slower (3B shape,
+/// f16: 17–20 ms a token without, 22–26 with, the prefetch loops stalled on full miss buffers),
+/// so cores with a smaller L1D keep prefetching only where the hardware prefetcher cannot follow.
+/// The cache size is a proxy that separates the cores measured, not a law: other cores need
+/// measuring (docs/BENCHMARKS.md, `decode_attention_speed`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum DecodePrefetch {
+    /// Every line of the next block's pages, one block ahead.
+    Eager,
+    /// Only at chunk starts and non-consecutive block ids, two blocks ahead.
+    Lazy,
+}
+
+/// The environment variable that forces [`DecodePrefetch`].
+const DECODE_PREFETCH_VARIABLE: &str = "SMOLCHAT_DECODE_PREFETCH";
+
+/// The L1 data cache size from which [`DecodePrefetch::Eager`] is the default.
+const EAGER_PREFETCH_MIN_L1D: usize = 48 << 10;
+
+impl DecodePrefetch {
+    fn get() -> DecodePrefetch {
+        static CHOICE: OnceLock<DecodePrefetch> = OnceLock::new();
+        *CHOICE.get_or_init(|| {
+            let forced = std::env::var(DECODE_PREFETCH_VARIABLE).ok();
+            let choice = DecodePrefetch::choose(forced.as_deref(), l1d_bytes());
+            tracing::info!(prefetch = ?choice, l1d_bytes = ?l1d_bytes(), "decode attention");
+            choice
+        })
+    }
+
+    /// The choice for a forced name (`eager`, `lazy`; anything else is ignored with a warning)
+    /// and the L1D size, when known.
+    fn choose(forced: Option<&str>, l1d: Option<usize>) -> DecodePrefetch {
+        match forced.map(|s| s.trim().to_ascii_lowercase()).as_deref() {
+            Some("eager") => return DecodePrefetch::Eager,
+            Some("lazy") => return DecodePrefetch::Lazy,
+            Some(other) => tracing::warn!(
+                value = other,
+                "{DECODE_PREFETCH_VARIABLE} is not one of eager, lazy; ignored"
+            ),
+            None => {}
+        }
+        if l1d.is_some_and(|b| b >= EAGER_PREFETCH_MIN_L1D) {
+            DecodePrefetch::Eager
+        } else {
+            DecodePrefetch::Lazy
+        }
+    }
+}
+
+/// The L1 data cache of this CPU in bytes, where the C library knows it.
+fn l1d_bytes() -> Option<usize> {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    {
+        // SAFETY: `sysconf` only reads a configuration value.
+        let n = unsafe { libc::sysconf(libc::_SC_LEVEL1_DCACHE_SIZE) };
+        usize::try_from(n).ok().filter(|&n| n > 0)
+    }
+    #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+    {
+        None
+    }
+}
+
 fn run_task(
     shape: AttnShape,
     kv: &CpuKvStorage,
@@ -210,14 +284,18 @@ fn run_task(
             // and reading nothing is safer than reading another sequence's page.
             break;
         };
-        // Start loading a block ahead where the hardware prefetcher cannot follow: at the start
-        // of another chunk of storage, or when block ids are not consecutive (reused from the
-        // free list). Within a chunk the pages of consecutive ids are one contiguous run that
-        // the hardware streams by itself, and prefetching every line of every page there was
-        // no faster at best and up to a quarter slower (SmolLM3-3B shape, f16, 4096 positions:
-        // 17–20 ms per token without, 22–26 with; prefetch loops took a quarter of the samples
-        // of a profile, stalled on full miss buffers).
-        if (b + 2) * BLOCK_POSITIONS < end {
+        // Start loading a block ahead. In decode, where the CPU takes it (see
+        // `DecodePrefetch`), every line of the next block's pages; otherwise only where the
+        // hardware prefetcher cannot follow: at the start of another chunk of storage, or when
+        // block ids are not consecutive (reused from the free list). Within a chunk the pages of
+        // consecutive ids are one contiguous run that the hardware streams by itself.
+        if t.rows == 1 && DecodePrefetch::get() == DecodePrefetch::Eager {
+            if (b + 1) * BLOCK_POSITIONS < end {
+                if let Some(&next) = s.blocks.get(b + 1) {
+                    kv.prefetch(next, layer, t.kv_head);
+                }
+            }
+        } else if (b + 2) * BLOCK_POSITIONS < end {
             if let (Some(&prev), Some(&next)) = (s.blocks.get(b + 1), s.blocks.get(b + 2)) {
                 let contiguous =
                     next == prev.wrapping_add(1) && !(next as usize).is_multiple_of(CHUNK_BLOCKS);
@@ -1036,6 +1114,20 @@ mod tests {
         assert!(worst < 3e-7, "relative error {worst}");
         assert_eq!(exp(0.0), 1.0);
         assert!(exp(f32::NEG_INFINITY) < 2e-38);
+    }
+
+    #[test]
+    fn decode_prefetch_follows_the_variable_then_the_l1_size() {
+        use DecodePrefetch::{Eager, Lazy};
+        assert_eq!(DecodePrefetch::choose(Some("eager"), Some(32 << 10)), Eager);
+        assert_eq!(DecodePrefetch::choose(Some(" LAZY "), Some(48 << 10)), Lazy);
+        assert_eq!(
+            DecodePrefetch::choose(Some("sometimes"), Some(48 << 10)),
+            Eager
+        );
+        assert_eq!(DecodePrefetch::choose(None, Some(48 << 10)), Eager);
+        assert_eq!(DecodePrefetch::choose(None, Some(32 << 10)), Lazy);
+        assert_eq!(DecodePrefetch::choose(None, None), Lazy);
     }
 
     #[test]
