@@ -195,8 +195,9 @@ impl DecodePrefetch {
         static CHOICE: OnceLock<DecodePrefetch> = OnceLock::new();
         *CHOICE.get_or_init(|| {
             let forced = std::env::var(DECODE_PREFETCH_VARIABLE).ok();
-            let choice = DecodePrefetch::choose(forced.as_deref(), l1d_bytes());
-            tracing::info!(prefetch = ?choice, l1d_bytes = ?l1d_bytes(), "decode attention");
+            let l1d = l1d_bytes();
+            let choice = DecodePrefetch::choose(forced.as_deref(), l1d);
+            tracing::info!(prefetch = ?choice, l1d_bytes = ?l1d, "decode attention");
             choice
         })
     }
@@ -272,6 +273,7 @@ fn run_task(
 
     // The last row sees up to its own position.
     let end = t.key_end.min(s.past + t.first + t.rows);
+    let eager_prefetch = t.rows == 1 && DecodePrefetch::get() == DecodePrefetch::Eager;
     let mut b = t.key_start / BLOCK_POSITIONS;
     while b * BLOCK_POSITIONS < end {
         let pos0 = b * BLOCK_POSITIONS;
@@ -289,11 +291,13 @@ fn run_task(
         // hardware prefetcher cannot follow: at the start of another chunk of storage, or when
         // block ids are not consecutive (reused from the free list). Within a chunk the pages of
         // consecutive ids are one contiguous run that the hardware streams by itself.
-        if t.rows == 1 && DecodePrefetch::get() == DecodePrefetch::Eager {
-            if (b + 1) * BLOCK_POSITIONS < end {
-                if let Some(&next) = s.blocks.get(b + 1) {
-                    kv.prefetch(next, layer, t.kv_head);
-                }
+        if eager_prefetch {
+            if let Some(&next) = s
+                .blocks
+                .get(b + 1)
+                .filter(|_| (b + 1) * BLOCK_POSITIONS < end)
+            {
+                kv.prefetch(next, layer, t.kv_head);
             }
         } else if (b + 2) * BLOCK_POSITIONS < end {
             if let (Some(&prev), Some(&next)) = (s.blocks.get(b + 1), s.blocks.get(b + 2)) {
@@ -1181,6 +1185,7 @@ mod tests {
     #[test]
     #[ignore]
     fn decode_attention_speed() {
+        crate::engine::test_log::init();
         let threads: usize = std::env::var("ATTN_BENCH_THREADS")
             .ok()
             .and_then(|s| s.parse().ok())
@@ -1271,7 +1276,7 @@ mod tests {
                 });
                 times.sort_by(f64::total_cmp);
                 let bytes = ctx as f64 * layout.bytes_per_position() as f64;
-                println!(
+                tracing::info!(
                     "{name} {t} ctx {ctx} threads {threads}: best {:.3} ms, median {:.3} ms per token, {:.1} GB/s (KV {:.1} MB)",
                     times[0] * 1e3,
                     times[reps / 2] * 1e3,

@@ -25,4 +25,6 @@ pub mod sampling;
 pub mod splitter;
 pub mod synthetic;
 pub mod template;
+#[cfg(test)]
+pub(crate) mod test_log;
 pub mod tokenizer;

@@ -198,9 +198,10 @@ fn simd_kernels_equal_scalar_bit_for_bit() {
             let acts = random_acts(format.act_kind(), n, cols, &mut rng);
             for isa in [Isa::Avx2, Isa::AvxVnni, Isa::Avx512Vnni] {
                 let Some(choice) = gemm::kernel(format, isa) else {
-                    // Printed (not logged: tests have no subscriber) so a run says what it skipped.
+                    // Logged to the test's output, so a run says what it skipped.
                     if format == FORMATS[0] && n == 1 {
-                        eprintln!("{isa:?} kernels: this CPU lacks them, skipped");
+                        crate::engine::test_log::init();
+                        tracing::warn!("{isa:?} kernels: this CPU lacks them, skipped");
                     }
                     continue;
                 };
