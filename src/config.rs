@@ -76,7 +76,38 @@ pub struct ServerConfig {
     /// start and kept in the database's folder (`cookie_secret`, mode 0600), so restarts keep
     /// everyone's cookies valid.
     pub cookie_secret: Option<String>,
+    /// Addresses (or CIDR ranges) of reverse proxies whose `X-Forwarded-For`,
+    /// `X-Forwarded-Proto` and `Forwarded` headers are believed. Empty: the TCP peer is the
+    /// client, and those headers are never read.
+    pub trusted_proxies: Vec<String>,
+    /// Host names this server answers for (`Host`); `localhost` and IP literals always pass,
+    /// `.example.com` allows every subdomain, `["*"]` allows any. Unset: only `localhost` and IP
+    /// literals when bound to a loopback address (stops DNS rebinding), any host otherwise.
+    pub allowed_hosts: Option<Vec<String>>,
 }
+
+/// `server.trusted_proxies` parsed: CIDRs (`10.0.0.0/8`, `fd00::/8`) and plain addresses (one
+/// host each).
+pub fn parse_proxies(entries: &[String]) -> Result<Vec<ipnet::IpNet>, String> {
+    entries
+        .iter()
+        .map(|e| {
+            let e = e.trim();
+            e.parse::<ipnet::IpNet>()
+                .or_else(|_| e.parse::<std::net::IpAddr>().map(ipnet::IpNet::from))
+                .map_err(|_| {
+                    format!(
+                        "server.trusted_proxies: {e:?} is not an address or a CIDR range \
+                         (examples: \"127.0.0.1\", \"10.0.0.0/8\", \"fd00::/8\")"
+                    )
+                })
+        })
+        .collect()
+}
+
+/// The shortest `server.admin_token`, `server.api_key` and `server.metrics_token` accepted: a
+/// guessable bearer secret protects nothing.
+pub const MIN_SECRET_CHARS: usize = 16;
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(default, deny_unknown_fields)]
@@ -138,6 +169,21 @@ pub struct LimitsConfig {
     pub tokens_per_minute_per_user: u64,
     /// Messages an imported conversation may hold at most.
     pub max_import_messages: usize,
+    /// Open event streams from one client address (guests mint owners for free, so the
+    /// per-user cap alone does not bound one address); more: 429.
+    pub max_streams_per_address: usize,
+    /// Seconds an event stream may go without the client taking what was sent (a reader that
+    /// stopped reading); it is then closed, and the client resynchronises when it reconnects.
+    pub stream_stall_timeout_s: u64,
+    /// Text one owner may keep stored in all, in MiB (messages, reasoning and raw text); an
+    /// import or message past it is refused with 413 (0: no limit).
+    pub max_stored_mib_per_user: u64,
+    /// Imported text one client address may send per hour, in MiB, whoever it signs in as
+    /// (guests are free to mint); more: 429 (0: no limit).
+    pub import_mib_per_address_per_hour: u64,
+    /// Conversation searches one owner (and, for guests, one address) may run per minute;
+    /// more: 429 (0: no limit).
+    pub searches_per_minute: u32,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -179,6 +225,14 @@ pub struct AuthSection {
     pub initial_admin: Option<String>,
     /// Its password; better given as `SMOLCHAT_AUTH__INITIAL_ADMIN_PASSWORD` than in a file.
     pub initial_admin_password: Option<String>,
+    /// Accounts one client address may create before it must wait (10 minutes, doubling up to
+    /// a day). Behind a reverse proxy set `server.trusted_proxies`, or every sign-up counts
+    /// against the proxy's address.
+    pub signups_per_address: u32,
+    /// Personal API keys one account may hold; more are refused until one is revoked.
+    pub max_api_keys_per_user: usize,
+    /// Signed-in sessions one account may hold; signing in beyond it ends the oldest.
+    pub max_sessions_per_user: usize,
 }
 
 /// One server process among several on a shared database (see docs/ARCHITECTURE.md,
@@ -297,6 +351,8 @@ impl Default for ServerConfig {
             api_key: None,
             metrics_token: None,
             cookie_secret: None,
+            trusted_proxies: Vec::new(),
+            allowed_hosts: None,
         }
     }
 }
@@ -340,6 +396,11 @@ impl Default for LimitsConfig {
             max_conversations_per_user: 10_000,
             tokens_per_minute_per_user: 20_000,
             max_import_messages: 2_000,
+            max_streams_per_address: 64,
+            stream_stall_timeout_s: 30,
+            max_stored_mib_per_user: 256,
+            import_mib_per_address_per_hour: 64,
+            searches_per_minute: 30,
         }
     }
 }
@@ -367,6 +428,9 @@ impl Default for AuthSection {
             user_session_s: 30 * 24 * 3600,
             initial_admin: None,
             initial_admin_password: None,
+            signups_per_address: 10,
+            max_api_keys_per_user: 50,
+            max_sessions_per_user: 100,
         }
     }
 }
@@ -433,7 +497,36 @@ impl Config {
         if s.kv_budget_mib == 0 {
             return bad("scheduler.kv_budget_mib must be at least 1".into());
         }
+        let sv = &self.server;
+        for (name, value) in [
+            ("server.admin_token", &sv.admin_token),
+            ("server.api_key", &sv.api_key),
+            ("server.metrics_token", &sv.metrics_token),
+        ] {
+            if let Some(v) = value.as_deref().filter(|v| !v.is_empty()) {
+                let chars = v.chars().count();
+                if chars < MIN_SECRET_CHARS {
+                    return bad(format!(
+                        "{name} is {chars} characters; it must be at least {MIN_SECRET_CHARS} \
+                         (a short secret can be guessed; e.g. `openssl rand -hex 24`)"
+                    ));
+                }
+            }
+        }
+        if let Err(e) = parse_proxies(&sv.trusted_proxies) {
+            return bad(e);
+        }
         let l = &self.limits;
+        if l.max_streams_per_address == 0 {
+            return bad("limits.max_streams_per_address must be at least 1".into());
+        }
+        if l.stream_stall_timeout_s < 3 {
+            return bad(format!(
+                "limits.stream_stall_timeout_s ({}) must be at least 3 (event streams send a \
+                 keep-alive every third of it)",
+                l.stream_stall_timeout_s
+            ));
+        }
         if [
             l.max_streams_per_conversation,
             l.max_streams_per_user,
@@ -513,6 +606,14 @@ impl Config {
                 "auth.login_lockout_max_s ({}) must be at most 604800 (7 days)",
                 a.login_lockout_max_s
             ));
+        }
+        if a.signups_per_address == 0
+            || a.max_api_keys_per_user == 0
+            || a.max_sessions_per_user == 0
+        {
+            return bad("auth.signups_per_address, auth.max_api_keys_per_user and \
+                 auth.max_sessions_per_user must be at least 1"
+                .into());
         }
         if a.login_throttle_entries < 16 {
             return bad("auth.login_throttle_entries must be at least 16".into());

@@ -170,6 +170,12 @@ impl Platform {
                 heartbeat: r.heartbeat(),
                 lease: r.lease(),
                 affinity: r.affinity,
+                bus_key: config
+                    .server
+                    .cookie_secret
+                    .clone()
+                    .unwrap_or_default()
+                    .into_bytes(),
             },
         )
         .await
@@ -256,6 +262,11 @@ pub fn conversations_config(config: &Config) -> ConversationsConfig {
         conversations_per_minute: l.conversations_per_minute,
         max_conversations_per_user: l.max_conversations_per_user,
         max_import_messages: l.max_import_messages,
+        max_stored_bytes_per_user: l.max_stored_mib_per_user.saturating_mul(1 << 20),
+        import_bytes_per_address_per_hour: l
+            .import_mib_per_address_per_hour
+            .saturating_mul(1 << 20),
+        searches_per_minute: l.searches_per_minute,
         defaults: crate::store::ConversationSettings {
             system_prompt: s.system_prompt.clone().filter(|p| !p.trim().is_empty()),
             thinking: s.thinking,

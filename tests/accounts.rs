@@ -337,7 +337,7 @@ async fn keys_roles_and_disabled_users() {
         &[
             ("SMOLCHAT_AUTH__INITIAL_ADMIN", "root"),
             ("SMOLCHAT_AUTH__INITIAL_ADMIN_PASSWORD", "root password"),
-            ("SMOLCHAT_SERVER__API_KEY", "the-global-key"),
+            ("SMOLCHAT_SERVER__API_KEY", "the-global-api-key"),
         ],
     )
     .await;
@@ -375,7 +375,10 @@ async fn keys_roles_and_disabled_users() {
     let usage: Value = r.json().await.expect("json");
     let used = usage["usage"]["total_tokens"].as_i64().expect("usage");
     assert!(used > 0);
-    assert_eq!(v1(&server, "the-global-key").await.status(), StatusCode::OK);
+    assert_eq!(
+        v1(&server, "the-global-api-key").await.status(),
+        StatusCode::OK
+    );
     let keys = bob.get("/account").await.text;
     let row = keys.split("laptop").nth(1).expect("the key's row");
     let row = &row[..row.find("</tr>").expect("row end")];
@@ -385,7 +388,7 @@ async fn keys_roles_and_disabled_users() {
     // `ignore_eos` is for admins: a user's personal key is refused it, the global key is not.
     for (bearer, want) in [
         (key.as_str(), StatusCode::FORBIDDEN),
-        ("the-global-key", StatusCode::OK),
+        ("the-global-api-key", StatusCode::OK),
     ] {
         let r = reqwest::Client::new()
             .post(format!("{}/v1/chat/completions", server.base))
@@ -481,8 +484,13 @@ async fn keys_roles_and_disabled_users() {
     let refused = v1(&server, &key).await;
     assert_eq!(refused.status(), StatusCode::UNAUTHORIZED);
     assert!(refused.text().await.unwrap().contains("disabled"));
+    // The right password of a disabled account gets the answer a wrong one gets: the page
+    // must not confirm a password (it does say that a disabled account reads the same).
     let blocked = bob.signin("bob", "bob's password").await;
-    assert_eq!(blocked.status, StatusCode::FORBIDDEN, "{}", blocked.text);
+    assert_eq!(blocked.status, StatusCode::UNAUTHORIZED, "{}", blocked.text);
+    let wrong = bob.signin("bob", "not bob's password").await;
+    assert_eq!(wrong.status, StatusCode::UNAUTHORIZED);
+    assert_eq!(blocked.text, wrong.text, "the same answer either way");
     assert_eq!(
         root.post_form(&format!("/admin/users/{bob_id}/enable"), "")
             .await

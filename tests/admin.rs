@@ -14,7 +14,7 @@ use common::browser_client::{Answer, Browser};
 use common::server::{metric, Server};
 use reqwest::StatusCode;
 
-const TOKEN: &str = "the-admin-token";
+const TOKEN: &str = "the-admin-token-0";
 const ADMIN_COOKIE: &str = "smolchat_admin";
 
 /// One browser (its cookies, the page's CSRF token) whose connections come from
@@ -194,7 +194,7 @@ async fn wrong_admin_tokens_are_throttled() {
     // Three wrong tokens from one address are checked (401); then that address is locked and
     // even the right token is refused with 429 + Retry-After, without a session.
     let mut a = admin_client(&server, 1).await;
-    for wrong in ["nope", "the-admin", "the-admin-token-"] {
+    for wrong in ["nope", "the-admin", "the-admin-token-0-"] {
         let page = a.login(wrong).await;
         assert_eq!(
             page.status,

@@ -25,7 +25,7 @@ use serde_json::{json, Value};
 
 use common::server::Server;
 
-const API_KEY: &str = "sk-catalogue";
+const API_KEY: &str = "sk-catalogue-api-key";
 const ADMIN_TOKEN: &str = "catalogue-admin-token";
 const METRICS_TOKEN: &str = "catalogue-metrics-token";
 
@@ -636,42 +636,265 @@ fn catalogue() -> Vec<Case> {
         "http: 20 KB URL",
         case("", M::GET, &format!("/c/{}", "a".repeat(20_000)), 414),
     );
+    // ---- issue 21: imports, cross-site requests, content types, forged headers, hosts ----
+    let import = || case("", M::POST, "/api/conversations/import", 400);
+    let doc = |messages: Value| {
+        json!({"format": "smolchat.conversation", "version": 1, "title": "t",
+               "settings": {}, "messages": messages})
+    };
+    let user = json!({"role": "user", "content": "hi", "status": "complete",
+                      "created_at": "2026-01-01T00:00:00Z"});
+    let reply = |extra: Value| {
+        let mut m = json!({"role": "assistant", "content": "ok", "status": "complete",
+                           "created_at": "2026-01-01T00:00:01Z"});
+        if let (Some(m), Some(extra)) = (m.as_object_mut(), extra.as_object()) {
+            m.extend(extra.clone());
+        }
+        m
+    };
+    add(
+        "import: prompt_tokens 6e18",
+        import().json_value(doc(json!([
+            user,
+            reply(json!({"prompt_tokens": 6_000_000_000_000_000_000i64}))
+        ]))),
+    );
+    add(
+        "import: completion_tokens past the bound",
+        import().json_value(doc(json!([
+            user,
+            reply(json!({"completion_tokens": 2_147_483_648i64}))
+        ]))),
+    );
+    add(
+        "import: cached_tokens beyond 64 bits",
+        import().json(&doc(json!([user, reply(json!({}))])).to_string().replace(
+            "\"content\":\"ok\"",
+            "\"content\":\"ok\",\"cached_tokens\":100000000000000000000",
+        )),
+    );
+    add(
+        "import: negative prompt_tokens",
+        import().json_value(doc(json!([user, reply(json!({"prompt_tokens": -1}))]))),
+    );
+    add(
+        "import: more messages than allowed",
+        import()
+            .json_value(doc(Value::Array(vec![user.clone(); 51])))
+            .tap(413),
+    );
+    add(
+        "import: more text than the context window holds",
+        import()
+            .json_value(doc(json!([
+                user,
+                reply(json!({"content": "x".repeat(30_000)})),
+                user,
+                reply(json!({"content": "y".repeat(30_000)})),
+                user,
+                reply(json!({"content": "z".repeat(30_000)})),
+            ])))
+            .tap(413),
+    );
+    add(
+        "import: NUL in a reply",
+        import().json_value(doc(json!([user, reply(json!({"content": "a\u{0}b"}))]))),
+    );
+    add(
+        "import: a system message",
+        import().json_value(doc(
+            json!([{"role": "system", "content": "x", "status": "complete",
+                                        "created_at": "2026-01-01T00:00:00Z"}]),
+        )),
+    );
+    add(
+        "import: a streaming user message",
+        import().json_value(doc(
+            json!([{"role": "user", "content": "x", "status": "streaming",
+                                        "created_at": "2026-01-01T00:00:00Z"}]),
+        )),
+    );
+    add(
+        "import: messages not an array",
+        import().json_value(doc(json!({"role": "user"}))),
+    );
+    add(
+        "import: no body",
+        import().raw("application/json", Vec::new()),
+    );
+    add(
+        "import: text/plain",
+        import().raw("text/plain", b"{}".to_vec()).tap(415),
+    );
+    add(
+        "import: another format",
+        import().json_value(json!({"format": "chatgpt", "version": 1, "title": "t",
+                                   "settings": {}, "messages": []})),
+    );
+    add(
+        "import: a bad time",
+        import().json_value(doc(
+            json!([{"role": "user", "content": "x", "status": "complete",
+                                        "created_at": "yesterday"}]),
+        )),
+    );
+    // Cross-site requests on every state-changing route of the JSON API (no CSRF token, as a
+    // page elsewhere sends them) and of the pages (no token can be sent cross-site).
+    for (method, path, body) in [
+        (M::POST, "/api/conversations", "{}"),
+        (M::PATCH, "/api/conversations/{mine}", r#"{"title":"x"}"#),
+        (M::DELETE, "/api/conversations/{mine}", ""),
+        (
+            M::POST,
+            "/api/conversations/{mine}/messages",
+            r#"{"content":"hi"}"#,
+        ),
+        (M::POST, "/api/conversations/{mine}/stop", ""),
+        (M::POST, "/api/conversations/{mine}/regenerate", ""),
+        (
+            M::POST,
+            "/api/conversations/{mine}/edit",
+            r#"{"content":"hi"}"#,
+        ),
+        (M::POST, "/api/conversations/import", "{}"),
+    ] {
+        add(
+            &format!("cross-site: {method} {path}"),
+            case("", method, path, 403)
+                .no_csrf()
+                .json(body)
+                .header("origin", "https://evil.example")
+                .header("sec-fetch-site", "cross-site"),
+        );
+    }
+    for (method, path, body) in [
+        (M::POST, "/c", ""),
+        (M::DELETE, "/c/{mine}", ""),
+        (M::POST, "/c/{mine}/rename", "title=x"),
+        (M::POST, "/c/{mine}/settings", "temperature=1"),
+        (M::POST, "/c/{mine}/thinking", "thinking=false"),
+        (M::POST, "/c/{mine}/stop", ""),
+        (M::POST, "/signout", ""),
+        (M::POST, "/account/keys", "name=x"),
+        (M::POST, "/account/password", "current=a&new=b"),
+        (M::POST, "/admin/logout", ""),
+    ] {
+        add(
+            &format!("cross-site page: {method} {path}"),
+            case("", method, path, 403)
+                .no_csrf()
+                .form(body)
+                .header("origin", "https://evil.example")
+                .header("sec-fetch-site", "cross-site"),
+        );
+    }
+    add("api patch: a form body", patch().form("title=x").tap(415));
+    add(
+        "api edit: text/plain",
+        case("", M::POST, "/api/conversations/{mine}/edit", 415)
+            .raw("text/plain", b"{\"content\":\"x\"}".to_vec()),
+    );
+    add(
+        "page rename: a JSON body",
+        case("", M::POST, "/c/{mine}/rename", 415).json(r#"{"title":"x"}"#),
+    );
+    // A forwarding header no replica signed: ignored, the request is answered here as usual.
+    add(
+        "forged forward: another owner's conversation",
+        case("", M::POST, "/api/conversations/{theirs}/messages", 404)
+            .json(r#"{"content":"hi"}"#)
+            .header(
+                "x-smolchat-forwarded-by",
+                "0190a6f4-0000-7000-8000-000000000009",
+            ),
+    );
+    add(
+        "forged forward: a bad body still refused here",
+        send()
+            .json(r#"{"content":""}"#)
+            .header("x-smolchat-forwarded-by", "v1;x;203.0.113.1;1;0;00"),
+    );
+    add(
+        "forged forwarded-for: not a proxy of ours",
+        send()
+            .json(r#"{"content":5}"#)
+            .header("x-forwarded-for", "203.0.113.1"),
+    );
+    // Unknown bearers on /v1 (a key is configured).
+    add(
+        "v1: an unknown personal key",
+        chat(json!({"messages": msgs()}))
+            .strip_auth()
+            .bearer(&format!("sk-smol-{}", "0".repeat(64)))
+            .tap(401),
+    );
+    add(
+        "v1: a made-up bearer",
+        case("", M::GET, "/v1/models", 401).bearer("made-up-key"),
+    );
+    add(
+        "v1: basic auth instead of a bearer",
+        case("", M::GET, "/v1/models", 401).header("authorization", "Basic dXNlcjpwYXNz"),
+    );
+    // Bad `before` cursors and limits.
+    add(
+        "api list: a before that is no cursor",
+        case("", M::GET, "/api/conversations?before=garbage", 400),
+    );
+    add(
+        "api list: a before with a huge time",
+        case("", M::GET, "/api/conversations?before=99999999999999999999999_0190a6f4-0000-7000-8000-000000000001", 400),
+    );
+    add(
+        "api list: limit 0",
+        case("", M::GET, "/api/conversations?limit=0", 400),
+    );
+    add(
+        "api list: limit 201",
+        case("", M::GET, "/api/conversations?limit=201", 400),
+    );
+    add(
+        "page list: a before that is no cursor",
+        case("", M::GET, "/conversations?before=%00", 400),
+    );
+    // Hosts this server does not answer for (DNS rebinding).
+    for path in ["/v1/models", "/api/conversations", "/metrics", "/admin"] {
+        add(
+            &format!("host: {path} for another name"),
+            case("", M::GET, path, 421)
+                .bearer(API_KEY)
+                .header("host", "rebind.attacker.example"),
+        );
+    }
     cases
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn every_hostile_request_gets_a_clear_refusal() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let env = [
-        ("SMOLCHAT_SERVER__API_KEY", API_KEY),
-        ("SMOLCHAT_SERVER__ADMIN_TOKEN", ADMIN_TOKEN),
-        ("SMOLCHAT_SERVER__METRICS_TOKEN", METRICS_TOKEN),
-        ("SMOLCHAT_LIMITS__CONTEXT", "4096"),
-    ];
-    let server = Server::start(dir.path(), &env).await;
-    let me = server.client();
-    let mine = me.create(json!({"temperature": 0, "max_tokens": 4})).await;
-    let theirs = server.client().create(json!({})).await;
-    let token = me.csrf_token().await;
+/// Sends every case to `server` and returns the problems: a status other than the expected
+/// one, a 5xx, no message, JSON without `error.message`, or a JSON error without
+/// `X-Content-Type-Options: nosniff`; answers of the JSON APIs must also say
+/// `Cache-Control: no-store`.
+async fn run_cases(
+    server: &Server,
+    me: &common::server::Client,
+    token: &str,
+    mine: &str,
+    theirs: &str,
+    cases: &[Case],
+) -> Vec<String> {
     let http = reqwest::Client::builder()
         .redirect(reqwest::redirect::Policy::none())
         .build()
         .expect("client");
-
-    let cases = catalogue();
     let mut failures = Vec::new();
-    for c in &cases {
-        let path = c.path.replace("{mine}", &mine).replace("{theirs}", &theirs);
+    for c in cases {
+        let path = c.path.replace("{mine}", mine).replace("{theirs}", theirs);
         let mut headers = HeaderMap::new();
         if c.who == Who::Me {
             if let Some(cookie) = me.cookie() {
                 headers.insert(COOKIE, HeaderValue::from_str(&cookie).expect("cookie"));
             }
             if c.csrf {
-                headers.insert(
-                    "x-csrf-token",
-                    HeaderValue::from_str(&token).expect("token"),
-                );
+                headers.insert("x-csrf-token", HeaderValue::from_str(token).expect("token"));
             }
         }
         for (name, value) in &c.headers {
@@ -690,33 +913,47 @@ async fn every_hostile_request_gets_a_clear_refusal() {
         if let Some(body) = &c.body {
             req = req.body(body.clone());
         }
-        let (status, content_type, text) = match req.send().await {
+        let (status, answer_headers, text) = match req.send().await {
             Ok(resp) => {
                 let status = resp.status();
-                let ct = resp
-                    .headers()
-                    .get(CONTENT_TYPE)
-                    .and_then(|v| v.to_str().ok())
-                    .unwrap_or("")
-                    .to_string();
-                (status, ct, resp.text().await.unwrap_or_default())
+                let headers = resp.headers().clone();
+                (status, headers, resp.text().await.unwrap_or_default())
             }
             Err(e) => {
                 failures.push(format!("{}: no answer ({e})", c.name));
                 continue;
             }
         };
+        let header = |name| {
+            answer_headers
+                .get(name)
+                .and_then(|v| v.to_str().ok())
+                .unwrap_or("")
+                .to_string()
+        };
+        let content_type = header(CONTENT_TYPE.as_str());
+        let is_json = content_type.starts_with("application/json");
+        let api = path.starts_with("/api/") || path.starts_with("/v1/");
         let message = serde_json::from_str::<Value>(&text)
             .ok()
             .and_then(|v| v["error"]["message"].as_str().map(str::to_string))
             .unwrap_or_else(|| text.clone());
+        let redirect = status.is_redirection();
         let problems: Vec<&str> = [
             (status.as_u16() != c.expect, "unexpected status"),
             (status.is_server_error(), "a 5xx"),
-            (message.trim().is_empty(), "no message"),
+            (message.trim().is_empty() && !redirect, "no message"),
             (
-                content_type.starts_with("application/json") && !text.contains("\"message\""),
+                is_json && !text.contains("\"message\""),
                 "JSON without error.message",
+            ),
+            (
+                is_json && header("x-content-type-options") != "nosniff",
+                "JSON without X-Content-Type-Options: nosniff",
+            ),
+            (
+                is_json && api && header("cache-control") != "no-store",
+                "an API answer without Cache-Control: no-store",
             ),
         ]
         .into_iter()
@@ -733,6 +970,36 @@ async fn every_hostile_request_gets_a_clear_refusal() {
             ));
         }
     }
+    failures
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_hostile_request_gets_a_clear_refusal() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let env = [
+        ("SMOLCHAT_SERVER__API_KEY", API_KEY),
+        ("SMOLCHAT_SERVER__ADMIN_TOKEN", ADMIN_TOKEN),
+        ("SMOLCHAT_SERVER__METRICS_TOKEN", METRICS_TOKEN),
+        ("SMOLCHAT_LIMITS__CONTEXT", "4096"),
+        ("SMOLCHAT_LIMITS__MAX_IMPORT_MESSAGES", "50"),
+        // Many wrong keys and tokens come from this one address on purpose.
+        ("SMOLCHAT_AUTH__LOGIN_FREE_FAILURES_PER_ADDRESS", "1000"),
+        ("SMOLCHAT_AUTH__LOGIN_FREE_FAILURES_PER_ACCOUNT", "1000"),
+    ];
+    let server = Server::start(dir.path(), &env).await;
+    let me = server.client();
+    let mine = me.create(json!({"temperature": 0, "max_tokens": 4})).await;
+    let theirs = server.client().create(json!({})).await;
+    let token = me.csrf_token().await;
+    let http = reqwest::Client::new();
+    // What is stored before: nothing the catalogue sends may add to it.
+    let store = smolchat::store::Store::open_beside_server(&server.database_url)
+        .await
+        .expect("open the server's store");
+    let stored_before = stored(&store).await;
+
+    let cases = catalogue();
+    let failures = run_cases(&server, &me, &token, &mine, &theirs, &cases).await;
     // The scraper with the token gets the metrics.
     let scrape = http
         .get(format!("{}/metrics", server.base))
@@ -755,7 +1022,11 @@ async fn every_hostile_request_gets_a_clear_refusal() {
         cases.len(),
         cases.len() - failures.len()
     );
-    assert!(cases.len() >= 80, "the catalogue shrank to {}", cases.len());
+    assert!(
+        cases.len() >= 140,
+        "the catalogue shrank to {}",
+        cases.len()
+    );
     assert!(
         failures.is_empty(),
         "{} of {} cases failed:\n{}",
@@ -763,6 +1034,146 @@ async fn every_hostile_request_gets_a_clear_refusal() {
         cases.len(),
         failures.join("\n")
     );
+    assert_eq!(
+        stored(&store).await,
+        stored_before,
+        "a refused request changed what is stored"
+    );
+}
+
+/// Conversations, messages, users and API keys stored now, with every conversation's title and
+/// settings (a refused rename or settings change must leave them as they were).
+async fn stored(store: &smolchat::store::Store) -> (usize, usize, Vec<String>) {
+    let all = store.list_all_conversations().await.expect("list");
+    let mut messages = 0;
+    let mut described = Vec::new();
+    for c in &all {
+        messages += store.messages(c.id).await.expect("messages").len();
+        let full = store
+            .get_conversation(c.id)
+            .await
+            .expect("get")
+            .expect("exists");
+        described.push(format!(
+            "{} {} {}",
+            full.id,
+            full.title,
+            serde_json::to_string(&full.settings).expect("settings")
+        ));
+    }
+    described.sort();
+    (all.len(), messages, described)
+}
+
+/// With `auth.guests = false` no spelling of a path reaches a guest's data: percent-encoded
+/// letters in the scope (`/%61pi`), in the page routes (`/%63`), doubled slashes, `/v1` without
+/// a key or with a made-up one, HTMX requests. Every one is refused as its plain path is, and
+/// nothing is stored.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_guests_off_no_spelling_of_a_path_gets_in() {
+    use Method as M;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let server = Server::start(dir.path(), &[("SMOLCHAT_AUTH__GUESTS", "false")]).await;
+    let me = server.client();
+    let id = "0190a6f4-0000-7000-8000-000000000001";
+    let msg = r#"{"content":"hi"}"#;
+    let mut cases = Vec::new();
+    let mut add = |name: &str, c: Case| {
+        let mut c = c.nobody();
+        c.name = name.to_string();
+        cases.push(c);
+    };
+    for (name, path) in [
+        ("plain", "/api/conversations"),
+        ("%61pi", "/%61pi/conversations"),
+        ("ap%69", "/ap%69/conversations"),
+        ("%41PI", "/%61%70%69/conversations"),
+        ("doubled slash", "/api//conversations"),
+    ] {
+        add(
+            &format!("guests off: POST {name} create"),
+            case("", M::POST, path, 401).json("{}"),
+        );
+        add(
+            &format!("guests off: GET {name} list"),
+            case("", M::GET, path, 401),
+        );
+    }
+    add(
+        "guests off: encoded import",
+        case("", M::POST, "/%61pi/conversations/import", 401).json("{}"),
+    );
+    add(
+        "guests off: encoded send",
+        case(
+            "",
+            M::POST,
+            &format!("/%61pi/conversations/{id}/messages"),
+            401,
+        )
+        .json(msg),
+    );
+    add(
+        "guests off: encoded events",
+        case(
+            "",
+            M::GET,
+            &format!("/%61pi/conversations/{id}/events"),
+            401,
+        ),
+    );
+    add(
+        "guests off: encoded conversations page",
+        case("", M::GET, "/%63onversations", 303),
+    );
+    add(
+        "guests off: encoded chat page",
+        case("", M::GET, &format!("/%63/{id}"), 303),
+    );
+    add(
+        "guests off: encoded page send",
+        case("", M::POST, &format!("/%63/{id}/messages"), 303).form("content=hi"),
+    );
+    add(
+        "guests off: encoded page create (HTMX)",
+        case("", M::POST, "/%63", 401)
+            .header("hx-request", "true")
+            .form(""),
+    );
+    add("guests off: encoded index", case("", M::GET, "/%2F", 404));
+    add(
+        "guests off: /v1 without a key",
+        chat(json!({"messages": msgs()})).strip_auth().tap(401),
+    );
+    add(
+        "guests off: /v1 with a made-up key",
+        chat(json!({"messages": msgs()}))
+            .strip_auth()
+            .bearer("sk-anything")
+            .tap(401),
+    );
+    add(
+        "guests off: encoded /v1",
+        case("", M::POST, "/%76%31/chat/completions", 401).json_value(json!({"messages": msgs()})),
+    );
+    add(
+        "guests off: /v1 models without a key",
+        case("", M::GET, "/v1/models", 401),
+    );
+    let store = smolchat::store::Store::open_beside_server(&server.database_url)
+        .await
+        .expect("open the server's store");
+    let failures = run_cases(&server, &me, "", "", "", &cases).await;
+    assert!(
+        failures.is_empty(),
+        "{} of {} cases failed:\n{}",
+        failures.len(),
+        cases.len(),
+        failures.join("\n")
+    );
+    assert_eq!(stored(&store).await.0, 0, "nothing was stored");
+    // Sign-in stays reachable however it is spelled.
+    assert_eq!(me.get("/%73ignin").await.status, StatusCode::OK);
 }
 
 /// Bad configuration files stop the server at start-up with a message naming the setting.

@@ -525,7 +525,7 @@ async fn errors_limits_and_the_completions_endpoint() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_full_queue_refuses_and_a_disconnect_frees_the_slot() {
-    const QUEUE_KEY: &str = "sk-queue-admin";
+    const QUEUE_KEY: &str = "sk-queue-admin-key";
     let _turn = TURN.lock().await;
     let dir = tempdir();
     let server = Server::start(

@@ -10,10 +10,9 @@
 mod common;
 
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::server::{free_port, Client, Server, SseStream, EVENT_TIMEOUT};
+use common::server::{Client, Server, SseStream, EVENT_TIMEOUT};
 use reqwest::StatusCode;
 use serde_json::{json, Value};
 
@@ -25,100 +24,9 @@ const ADMIN_TOKEN: &str = "replicas-admin-token";
 const HEARTBEAT_MS: &str = "500";
 const LEASE_MS: &str = "3000";
 
-struct Nginx {
-    child: Child,
-    base: String,
-}
-
-impl Drop for Nginx {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn nginx_binary() -> Option<&'static str> {
-    ["/usr/sbin/nginx", "/usr/bin/nginx"]
-        .into_iter()
-        .find(|p| Path::new(p).exists())
-}
-
-/// nginx on a free port in front of `replicas`, round robin, streaming responses unbuffered
-/// (the SSE set-up docs/ARCHITECTURE.md gives operators).
-async fn start_nginx(dir: &Path, replicas: &[&Server]) -> Nginx {
-    let nginx = nginx_binary().expect("nginx");
-    let port = free_port();
-    let upstreams: String = replicas
-        .iter()
-        .map(|s| format!("        server 127.0.0.1:{};\n", s.port))
-        .collect();
-    let conf = format!(
-        "worker_processes 1;\n\
-         daemon off;\n\
-         pid {dir}/nginx.pid;\n\
-         error_log {dir}/nginx-error.log warn;\n\
-         events {{ worker_connections 1024; }}\n\
-         http {{\n\
-             access_log off;\n\
-             client_body_temp_path {dir}/body;\n\
-             proxy_temp_path {dir}/proxy;\n\
-             fastcgi_temp_path {dir}/fastcgi;\n\
-             uwsgi_temp_path {dir}/uwsgi;\n\
-             scgi_temp_path {dir}/scgi;\n\
-             upstream smolchat {{\n{upstreams}    }}\n\
-             server {{\n\
-                 listen 127.0.0.1:{port};\n\
-                 location / {{\n\
-                     proxy_pass http://smolchat;\n\
-                     proxy_http_version 1.1;\n\
-                     proxy_set_header Connection \"\";\n\
-                     proxy_set_header Host $http_host;\n\
-                     proxy_buffering off;\n\
-                     proxy_read_timeout 300s;\n\
-                     proxy_next_upstream error timeout;\n\
-                 }}\n\
-             }}\n\
-         }}\n",
-        dir = dir.display(),
-    );
-    let conf_path = dir.join("nginx.conf");
-    std::fs::write(&conf_path, conf).expect("write nginx.conf");
-    let child = Command::new(nginx)
-        .arg("-p")
-        .arg(dir)
-        .arg("-c")
-        .arg(&conf_path)
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("start nginx");
-    // Owned at once, so every way out of here (a panic included) stops it.
-    let proxy = Nginx {
-        child,
-        base: format!("http://127.0.0.1:{port}"),
-    };
-    let http = reqwest::Client::new();
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while Instant::now() < deadline {
-        if let Ok(r) = http.get(format!("{}/readyz", proxy.base)).send().await {
-            if r.status() == StatusCode::OK {
-                return proxy;
-            }
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    let log = std::fs::read_to_string(dir.join("nginx-error.log")).unwrap_or_default();
-    panic!("nginx did not start:\n{log}");
-}
-
 /// Three replicas on a fresh PostgreSQL database; `None` when PostgreSQL or nginx is missing.
 async fn cluster(dir: &Path, affinity: bool) -> Option<(String, Vec<Server>)> {
-    if nginx_binary().is_none() {
-        if std::env::var("SMOLTEST_REQUIRE_POSTGRES").is_ok_and(|v| v == "1") {
-            panic!("nginx is required (SMOLTEST_REQUIRE_POSTGRES=1) but not installed");
-        }
-        eprintln!("skipped: nginx is not installed (scripts/install-test-deps.sh installs it)");
+    if common::nginx::missing() {
         return None;
     }
     let url = common::pg::fresh_database().await?;
@@ -233,7 +141,7 @@ async fn three_replicas_behind_a_proxy_lose_nothing_and_keep_caches_warm() {
     let Some((url, servers)) = cluster(dir.path(), true).await else {
         return;
     };
-    let proxy = start_nginx(dir.path(), &servers.iter().collect::<Vec<_>>()).await;
+    let proxy = common::nginx::start(dir.path(), &servers.iter().collect::<Vec<_>>()).await;
     let started = Instant::now();
     let warm = load(&proxy.base, 64, 3).await;
     eprintln!(
@@ -512,7 +420,7 @@ async fn warm_cache_share_with_affinity_and_with_random_routing() {
         let Some((_url, servers)) = cluster(dir.path(), affinity).await else {
             return;
         };
-        let proxy = start_nginx(dir.path(), &servers.iter().collect::<Vec<_>>()).await;
+        let proxy = common::nginx::start(dir.path(), &servers.iter().collect::<Vec<_>>()).await;
         let started = Instant::now();
         let share = load(&proxy.base, users, turns).await;
         println!(

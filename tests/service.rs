@@ -313,7 +313,7 @@ async fn another_owners_conversation_is_not_found_through_every_route() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn refused_regenerate_and_edit_lose_nothing() {
     let dir = tempdir();
-    const KEY: &str = "sk-admin-test";
+    const KEY: &str = "sk-admin-test-key";
     let server = Server::start(
         dir.path(),
         &[

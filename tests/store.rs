@@ -1455,3 +1455,90 @@ async fn user_names_ignore_case_on_both_backends(db) {
     assert_eq!(listed[0].tokens, 18);
 }
 }
+
+both! {
+async fn token_sums_saturate_whatever_is_stored(db) {
+    // Rows from before imports were bounded may hold any 64-bit count: the admin page's sums
+    // cap each value instead of overflowing into an error (SQLite "integer overflow",
+    // PostgreSQL "bigint out of range").
+    let (_dir, _url, store) = fresh(db).await;
+    let hash = "$argon2id$v=19$m=19456,t=2,p=1$c2FsdHNhbHQ$aGFzaGhhc2hoYXNoaGFzaA";
+    store
+        .create_user(&smolchat::store::NewUser {
+            id: "u1",
+            name: "huge",
+            password_hash: hash,
+            role: smolchat::store::UserRole::User,
+            invite: None,
+            adopt_from: None,
+        })
+        .await
+        .unwrap();
+    let c = store.create_conversation("u1", &settings()).await.unwrap();
+    for _ in 0..3 {
+        store.insert_user_message(c.id, "hi").await.unwrap();
+        let a = store.start_assistant_message(c.id).await.unwrap();
+        store
+            .finish_assistant_message(
+                a.id,
+                &FinishedReply {
+                    prompt_tokens: 6_000_000_000_000_000_000,
+                    completion_tokens: i64::MAX,
+                    ..reply(MessageStatus::Complete)
+                },
+            )
+            .await
+            .unwrap();
+    }
+    store.add_api_usage("u1", i64::MAX / 2, i64::MAX / 2).await.unwrap();
+    let listed = store.list_users(10, 0).await.unwrap();
+    let cap = smolchat::store::MAX_TOKEN_COUNT;
+    assert_eq!(listed[0].tokens, 6 * cap + 2 * cap);
+    // Text kept by the owner: what the import quota counts.
+    let stored = store.stored_text_bytes("u1").await.unwrap();
+    let one = "hi".len() + reply(MessageStatus::Complete).content.len()
+        + reply(MessageStatus::Complete).reasoning.unwrap_or_default().len()
+        + reply(MessageStatus::Complete).raw.len();
+    assert_eq!(stored, 3 * one as u64);
+    assert_eq!(store.stored_text_bytes("nobody").await.unwrap(), 0);
+}
+}
+
+both! {
+async fn search_finds_substrings_through_the_index(db) {
+    let (_dir, _url, store) = fresh(db).await;
+    let c = store.create_conversation("u", &settings()).await.unwrap();
+    store
+        .insert_user_message(c.id, "Zwölf Boxkämpfer jagen Viktor quer über den großen Sylter Deich")
+        .await
+        .unwrap();
+    let d = store.create_conversation("u", &settings()).await.unwrap();
+    store
+        .insert_user_message(d.id, "a 'quoted' \"phrase\" with 50% off_sale\\path")
+        .await
+        .unwrap();
+    let found = |q: &'static str| {
+        let store = store.clone();
+        async move {
+            store
+                .list_conversations("u", Some(q))
+                .await
+                .unwrap()
+                .into_iter()
+                .map(|c| c.id)
+                .collect::<Vec<_>>()
+        }
+    };
+    // Substrings, not words; any case (ASCII at least); through the trigram index.
+    assert_eq!(found("oxkä").await, vec![c.id]);
+    assert_eq!(found("SYLTER DEI").await, vec![c.id]);
+    assert_eq!(found("\"phrase\"").await, vec![d.id]);
+    assert_eq!(found("50% off_").await, vec![d.id]);
+    assert_eq!(found("le\\pa").await, vec![d.id]);
+    assert_eq!(found("'quoted'").await, vec![d.id]);
+    assert!(found("0%_off").await.is_empty());
+    // Edits and deletions reach the index.
+    store.delete_conversation(c.id).await.unwrap();
+    assert!(found("Boxkämpfer").await.is_empty());
+}
+}

@@ -177,6 +177,10 @@ pub struct ItemReport {
     pub id: RequestId,
     /// Prompt tokens still to prefill (0 once generating).
     pub remaining_prefill: usize,
+    /// Prompt tokens computed for this request in the step (a reused cached prefix is not
+    /// computed, so not counted): they are charged to the user's token usage like generated
+    /// ones, or a long prompt with `max_tokens: 1` would cost nothing.
+    pub prefilled: usize,
     /// The request ended (finished, cancelled, failed); its slot is free.
     pub finished: bool,
 }
@@ -382,15 +386,16 @@ impl Batcher {
     }
 
     /// Applies the worker's report of a step that ended at `now`. A request that was decoding,
-    /// or whose prefill just completed, got one generated token in the step: that is what
-    /// per-user token usage counts.
+    /// or whose prefill just completed, got one generated token in the step; that token and
+    /// the prompt tokens computed in the step are what per-user token usage counts.
     pub fn apply_at(&mut self, reports: &[ItemReport], now: Instant) {
         for r in reports {
             if let Some(e) = self.running.iter().find(|e| e.id == r.id) {
                 let generated = e.phase == Phase::Decoding
                     || (e.phase == Phase::Prefilling && r.remaining_prefill == 0);
-                if let (true, Some(user)) = (generated, e.user.as_deref()) {
-                    self.tokens.record(user, 1, now);
+                let used = u64::from(generated) + r.prefilled as u64;
+                if let Some(user) = e.user.as_deref() {
+                    self.tokens.record(user, used, now);
                 }
             }
             if r.finished {
@@ -535,6 +540,7 @@ mod tests {
 
     fn report(id: RequestId, remaining: usize, finished: bool) -> ItemReport {
         ItemReport {
+            prefilled: 0,
             id,
             remaining_prefill: remaining,
             finished,

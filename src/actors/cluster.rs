@@ -27,7 +27,7 @@ use crate::store::{Bus, Replica, ReplicaLoad, ReplicaRecord, Store, StoreError};
 const SHOWN_AFTER_DEATH: Duration = Duration::from_secs(3600);
 /// Text of one reply event per bus message at most (a payload must stay under 8000 bytes with
 /// its JSON around it, and JSON may escape a character into six).
-const MAX_TEXT_BYTES: usize = 1200;
+const MAX_TEXT_BYTES: usize = 1150;
 
 #[derive(Debug, Clone)]
 pub struct ClusterConfig {
@@ -36,6 +36,27 @@ pub struct ClusterConfig {
     pub heartbeat: Duration,
     pub lease: Duration,
     pub affinity: bool,
+    /// Signs and checks every bus message (`server.cookie_secret`, the same on every replica):
+    /// a database role that can `LISTEN` and `NOTIFY` on the channel cannot forge messages
+    /// without it.
+    pub bus_key: Vec<u8>,
+}
+
+/// What a bus message's signature covers.
+const BUS_SIGNATURE_PURPOSE: &str = "smolchat-bus-v1";
+
+/// `payload` signed for the bus: the hex HMAC, a `.`, the payload.
+fn sign_payload(key: &[u8], payload: &str) -> String {
+    let mac = crate::auth::secret::fingerprint(key, BUS_SIGNATURE_PURPOSE, payload);
+    format!("{mac}.{payload}")
+}
+
+/// The payload of a signed bus message, or `None` when the signature is missing or wrong.
+fn verify_payload<'a>(key: &[u8], message: &'a str) -> Option<&'a str> {
+    let (mac, payload) = message.split_once('.')?;
+    let expected = crate::auth::secret::fingerprint(key, BUS_SIGNATURE_PURPOSE, payload);
+    use subtle::ConstantTimeEq;
+    bool::from(expected.as_bytes().ct_eq(mac.as_bytes())).then_some(payload)
 }
 
 /// A live replica as the router sees it.
@@ -271,7 +292,7 @@ impl Cluster {
             body,
         };
         match serde_json::to_string(&wire) {
-            Ok(payload) => bus.publish(payload),
+            Ok(payload) => bus.publish(sign_payload(&self.cfg.bus_key, &payload)),
             Err(e) => tracing::error!("cannot encode a cluster message: {e}"),
         }
     }
@@ -399,7 +420,12 @@ impl Cluster {
                     }
                     Err(tokio::sync::broadcast::error::RecvError::Closed) => return,
                 };
-                let wire: Wire = match serde_json::from_str(&payload) {
+                let Some(payload) = verify_payload(&this.cfg.bus_key, &payload) else {
+                    tracing::warn!("a cluster message without a valid signature was ignored (another replica with a different server.cookie_secret, or someone else on the channel)");
+                    metrics::counter!("smolchat_bus_forgeries_total").increment(1);
+                    continue;
+                };
+                let wire: Wire = match serde_json::from_str(payload) {
                     Ok(w) => w,
                     Err(e) => {
                         tracing::warn!("an unreadable cluster message was ignored: {e}");
@@ -521,14 +547,29 @@ mod tests {
                     text: piece.to_string(),
                 },
             };
-            let json = serde_json::to_string(&wire).unwrap();
+            let json = sign_payload(b"key", &serde_json::to_string(&wire).unwrap());
             assert!(
                 json.len() <= crate::store::BUS_MAX_PAYLOAD,
                 "{}",
                 json.len()
             );
-            assert_eq!(serde_json::from_str::<Wire>(&json).unwrap(), wire);
+            let payload = verify_payload(b"key", &json).unwrap();
+            assert_eq!(serde_json::from_str::<Wire>(payload).unwrap(), wire);
         }
+    }
+
+    #[test]
+    fn bus_messages_need_the_shared_key() {
+        let signed = sign_payload(b"the shared secret", r#"{"c":"x"}"#);
+        assert_eq!(
+            verify_payload(b"the shared secret", &signed),
+            Some(r#"{"c":"x"}"#)
+        );
+        assert_eq!(verify_payload(b"another secret", &signed), None);
+        // Unsigned, or signed and then changed.
+        assert_eq!(verify_payload(b"the shared secret", r#"{"c":"x"}"#), None);
+        let changed = signed.replace(r#""x""#, r#""y""#);
+        assert_eq!(verify_payload(b"the shared secret", &changed), None);
     }
 }
 

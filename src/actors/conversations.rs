@@ -32,7 +32,7 @@ use crate::engine::template::{ChatMessage, ChatTemplate, RenderOptions};
 use crate::engine::tokenizer::Tokenizer;
 use crate::store::{
     Conversation, ConversationSettings, ImportedMessage, ListPage, Message, MessageStatus,
-    PageRequest, Role, Store, StoreError, Timings,
+    PageRequest, Role, Store, StoreError, Timings, MAX_TOKEN_COUNT,
 };
 
 /// Longest conversation title (and search text), in characters.
@@ -200,6 +200,12 @@ pub struct ConversationsConfig {
     /// Conversations one owner may keep; 0: no limit.
     pub max_conversations_per_user: u64,
     pub max_import_messages: usize,
+    /// Text one owner may keep stored, in bytes (imports past it are refused); 0: no limit.
+    pub max_stored_bytes_per_user: u64,
+    /// Imported text one client address may send per hour, in bytes; 0: no limit.
+    pub import_bytes_per_address_per_hour: u64,
+    /// Searches per owner (and per guest address) per minute; 0: no limit.
+    pub searches_per_minute: u32,
     /// What a new conversation starts with (its `pinned_date` is set at creation).
     pub defaults: ConversationSettings,
 }
@@ -290,7 +296,71 @@ pub struct ExportedConversation {
     pub created_at: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub updated_at: Option<String>,
+    /// Counted while parsing by [`ExportedConversation::from_json`]: a document with more
+    /// messages than an import may hold is refused at the first one too many, before the rest
+    /// is read into memory.
+    #[serde(deserialize_with = "bounded_messages")]
     pub messages: Vec<ExportedMessage>,
+}
+
+/// Why an export could not be read.
+#[derive(Debug, thiserror::Error)]
+pub enum ExportParseError {
+    #[error("the conversation has more than {0} messages, the most an import may hold")]
+    TooManyMessages(usize),
+    #[error(transparent)]
+    Json(#[from] serde_json::Error),
+}
+
+thread_local! {
+    /// The message limit of the [`ExportedConversation::from_json`] running on this thread, and
+    /// whether it was hit (serde's error type cannot carry that).
+    static MESSAGE_LIMIT: std::cell::Cell<(usize, bool)> = const { std::cell::Cell::new((usize::MAX, false)) };
+}
+
+impl ExportedConversation {
+    /// Parses an export, refusing it at the `max_messages + 1`-th message (see `messages`).
+    pub fn from_json(text: &str, max_messages: usize) -> Result<Self, ExportParseError> {
+        MESSAGE_LIMIT.with(|l| l.set((max_messages, false)));
+        let parsed = serde_json::from_str::<ExportedConversation>(text);
+        let (_, hit) = MESSAGE_LIMIT.with(|l| l.replace((usize::MAX, false)));
+        match parsed {
+            Err(_) if hit => Err(ExportParseError::TooManyMessages(max_messages)),
+            other => Ok(other?),
+        }
+    }
+}
+
+/// `messages`, counted against the limit [`ExportedConversation::from_json`] set.
+fn bounded_messages<'de, D>(d: D) -> std::result::Result<Vec<ExportedMessage>, D::Error>
+where
+    D: serde::Deserializer<'de>,
+{
+    struct Bounded;
+    impl<'de> serde::de::Visitor<'de> for Bounded {
+        type Value = Vec<ExportedMessage>;
+        fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+            f.write_str("an array of messages")
+        }
+        fn visit_seq<A: serde::de::SeqAccess<'de>>(
+            self,
+            mut seq: A,
+        ) -> std::result::Result<Self::Value, A::Error> {
+            let (max, _) = MESSAGE_LIMIT.with(|l| l.get());
+            let mut out = Vec::with_capacity(seq.size_hint().unwrap_or(0).min(max).min(1024));
+            while let Some(m) = seq.next_element::<ExportedMessage>()? {
+                if out.len() >= max {
+                    MESSAGE_LIMIT.with(|l| l.set((max, true)));
+                    return Err(serde::de::Error::custom(format!(
+                        "more than {max} messages"
+                    )));
+                }
+                out.push(m);
+            }
+            Ok(out)
+        }
+    }
+    d.deserialize_seq(Bounded)
 }
 
 /// One message of an export: everything but its ids.
@@ -376,6 +446,63 @@ impl CreationLimiter {
     }
 }
 
+/// How long imported bytes count against their address.
+const IMPORT_WINDOW: Duration = Duration::from_secs(3600);
+/// Addresses whose imports are remembered at most (bounded memory).
+const IMPORT_KEYS: usize = 100_000;
+
+/// Bytes per key over the last [`IMPORT_WINDOW`].
+#[derive(Debug, Default)]
+struct ByteBudget {
+    keys: HashMap<String, VecDeque<(Instant, u64)>>,
+}
+
+impl ByteBudget {
+    /// Takes `bytes` for `key` at `now` when the window has room for them under `limit`, or
+    /// refuses with the seconds until it has, taking nothing.
+    fn take(&mut self, key: &str, bytes: u64, limit: u64, now: Instant) -> Result<(), u64> {
+        let entries = self.keys.entry(key.to_string()).or_default();
+        while entries
+            .front()
+            .is_some_and(|(t, _)| now.saturating_duration_since(*t) >= IMPORT_WINDOW)
+        {
+            entries.pop_front();
+        }
+        let used: u64 = entries.iter().map(|(_, n)| n).sum();
+        if used.saturating_add(bytes) > limit {
+            // When enough of the window has passed for these bytes to fit (never, if they
+            // exceed the limit alone: then a full window).
+            let mut freed = 0u64;
+            for (t, n) in entries.iter() {
+                freed += n;
+                if used - freed + bytes <= limit {
+                    let at = (*t + IMPORT_WINDOW).saturating_duration_since(now);
+                    return Err(at.as_secs_f64().ceil().max(1.0) as u64);
+                }
+            }
+            return Err(IMPORT_WINDOW.as_secs());
+        }
+        entries.push_back((now, bytes));
+        if self.keys.len() > IMPORT_KEYS {
+            self.keys.retain(|_, e| {
+                e.back()
+                    .is_some_and(|(t, _)| now.saturating_duration_since(*t) < IMPORT_WINDOW)
+            });
+        }
+        Ok(())
+    }
+}
+
+/// Characters of prompt text an imported conversation may hold per token of the model's context
+/// window: more than any tokenizer packs into one token, so whatever could be continued within
+/// the window imports, and nothing many times larger does.
+const IMPORT_CHARS_PER_CONTEXT_TOKEN: usize = 16;
+
+/// Bytes as MiB with one decimal, for messages.
+fn mib(bytes: u64) -> String {
+    format!("{:.1}", bytes as f64 / (1u64 << 20) as f64)
+}
+
 /// A client address as a limit key: IPv6 by /64 (one host usually holds a whole /64).
 fn address_key(ip: IpAddr) -> String {
     match ip {
@@ -397,6 +524,10 @@ pub struct Conversations {
     context_window: usize,
     cfg: ConversationsConfig,
     creations: Mutex<CreationLimiter>,
+    /// Searches per owner (and guest address) in the last minute.
+    searches: Mutex<CreationLimiter>,
+    /// Imported bytes per client address in the last hour.
+    imports: Mutex<ByteBudget>,
 }
 
 impl Conversations {
@@ -419,6 +550,8 @@ impl Conversations {
             context_window,
             cfg,
             creations: Mutex::new(CreationLimiter::default()),
+            searches: Mutex::new(CreationLimiter::default()),
+            imports: Mutex::new(ByteBudget::default()),
         }
     }
 
@@ -543,29 +676,40 @@ impl Conversations {
         }
         let per_minute = self.cfg.conversations_per_minute;
         if per_minute > 0 {
-            let mut keys = vec![format!("owner:{}", caller.owner)];
-            if caller.guest {
-                if let Some(ip) = caller.address {
-                    keys.push(address_key(ip));
-                }
-            }
+            let keys = self.limit_keys(caller);
             let mut limiter = self.creations.lock().unwrap_or_else(|p| p.into_inner());
             if let Err(wait) = limiter.take(&keys, per_minute, Instant::now()) {
-                let who = if caller.guest {
-                    "you (or other guests from your address)"
-                } else {
-                    "you"
-                };
                 return Err(ConversationError::UserLimit {
                     message: format!(
-                        "{who} created {per_minute} conversations in the last minute, the \
-                         limit; retry in {wait} s"
+                        "{} created {per_minute} conversations in the last minute, the \
+                         limit; retry in {wait} s",
+                        Self::who(caller)
                     ),
                     retry_after_s: wait,
                 });
             }
         }
         Ok(())
+    }
+
+    /// The keys a caller's rates count against: the owner, and for guests (whose owner ids
+    /// cost nothing to mint) also the client address.
+    fn limit_keys(&self, caller: &Caller) -> Vec<String> {
+        let mut keys = vec![format!("owner:{}", caller.owner)];
+        if caller.guest {
+            if let Some(ip) = caller.address {
+                keys.push(address_key(ip));
+            }
+        }
+        keys
+    }
+
+    fn who(caller: &Caller) -> &'static str {
+        if caller.guest {
+            "you (or other guests from your address)"
+        } else {
+            "you"
+        }
     }
 
     /// Creates a conversation (title, settings) and sends its first message when it has one.
@@ -660,6 +804,22 @@ impl Conversations {
                         "`q`: the search text has {chars} characters; the limit is {TITLE_LIMIT}"
                     ),
                 ));
+            }
+        }
+        let searching = search.is_some_and(|q| !q.trim().is_empty());
+        let per_minute = self.cfg.searches_per_minute;
+        if searching && per_minute > 0 {
+            let keys = self.limit_keys(caller);
+            let mut limiter = self.searches.lock().unwrap_or_else(|p| p.into_inner());
+            if let Err(wait) = limiter.take(&keys, per_minute, Instant::now()) {
+                return Err(ConversationError::UserLimit {
+                    message: format!(
+                        "{} searched {per_minute} times in the last minute, the limit; retry in \
+                         {wait} s",
+                        Self::who(caller)
+                    ),
+                    retry_after_s: wait,
+                });
             }
         }
         Ok(self
@@ -842,6 +1002,43 @@ impl Conversations {
         })
     }
 
+    /// The byte quotas an import of `bytes` of text must fit: what the caller's address imported
+    /// in the last hour (guests mint owners for free, so the address is what bounds them), then
+    /// what the owner keeps stored in all. The address's bytes are taken here.
+    async fn check_import_quotas(&self, caller: &Caller, bytes: u64) -> Result<()> {
+        let max = self.cfg.max_stored_bytes_per_user;
+        if max > 0 {
+            let stored = self.store.stored_text_bytes(&caller.owner).await?;
+            if stored.saturating_add(bytes) > max {
+                return Err(ConversationError::TooLarge(format!(
+                    "you keep {} MiB of conversations and this import adds {} MiB; the limit is \
+                     {} MiB per user (limits.max_stored_mib_per_user): delete some conversations \
+                     first",
+                    mib(stored),
+                    mib(bytes),
+                    mib(max)
+                )));
+            }
+        }
+        let per_hour = self.cfg.import_bytes_per_address_per_hour;
+        if per_hour > 0 {
+            if let Some(ip) = caller.address {
+                let mut budget = self.imports.lock().unwrap_or_else(|p| p.into_inner());
+                if let Err(wait) = budget.take(&address_key(ip), bytes, per_hour, Instant::now()) {
+                    return Err(ConversationError::UserLimit {
+                        message: format!(
+                            "your address imported close to {} MiB in the last hour, the limit \
+                             (limits.import_mib_per_address_per_hour); retry in {wait} s",
+                            mib(per_hour)
+                        ),
+                        retry_after_s: wait,
+                    });
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// Imports an exported conversation as a new conversation of the caller's (new ids; the
     /// document's timestamps of the conversation are not kept). Everything is checked first:
     /// format and version, title, settings (the one check, `ignore_eos` for admins only),
@@ -881,6 +1078,8 @@ impl Conversations {
         // writes up to `max_new_tokens` tokens, each a few characters.
         let generated_limit = limit.max(self.cfg.settings_limits.max_new_tokens * 32);
         let mut messages = Vec::with_capacity(doc.messages.len());
+        let mut prompt_chars = 0usize;
+        let mut text_bytes = 0u64;
         for (i, m) in doc.messages.into_iter().enumerate() {
             let at = |what: &str| format!("messages[{i}]: {what}");
             if !matches!(m.role, Role::User | Role::Assistant) {
@@ -946,7 +1145,27 @@ impl Conversations {
                         at(&format!("`{field}` must not be negative")),
                     ));
                 }
+                if let Some(n) = n.filter(|n| *n > MAX_TOKEN_COUNT) {
+                    return Err(invalid(
+                        "messages",
+                        at(&format!(
+                            "`{field}` is {n}, more than any context window holds (the limit is \
+                             {MAX_TOKEN_COUNT})"
+                        )),
+                    ));
+                }
             }
+            // What a continuation would put into the prompt: the user's text, the reply's raw
+            // text (or its answer when there is none).
+            prompt_chars += match m.role {
+                Role::Assistant => m.raw.as_deref().unwrap_or(&m.content).chars().count(),
+                _ => m.content.chars().count(),
+            };
+            text_bytes += [Some(&m.content), m.reasoning.as_ref(), m.raw.as_ref()]
+                .into_iter()
+                .flatten()
+                .map(|t| t.len() as u64)
+                .sum::<u64>();
             let created_at = DateTime::parse_from_rfc3339(&m.created_at)
                 .map(|t| t.with_timezone(&Utc))
                 .map_err(|e| {
@@ -972,6 +1191,18 @@ impl Conversations {
                 created_at,
             });
         }
+        let max_prompt_chars = self
+            .context_window
+            .saturating_mul(IMPORT_CHARS_PER_CONTEXT_TOKEN);
+        if prompt_chars > max_prompt_chars {
+            return Err(ConversationError::TooLarge(format!(
+                "the conversation holds {prompt_chars} characters of messages; this model's \
+                 {}-token context window could never continue past {max_prompt_chars}, so an \
+                 import may hold at most that much (export a shorter part of it)",
+                self.context_window
+            )));
+        }
+        self.check_import_quotas(caller, text_bytes).await?;
         self.admit_new_conversation(caller).await?;
         let c = self
             .store

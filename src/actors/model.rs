@@ -381,6 +381,7 @@ impl ModelWorker {
             }
             report.items.push(ItemReport {
                 id,
+                prefilled: 0,
                 remaining_prefill: 0,
                 finished: true,
             });
@@ -396,6 +397,7 @@ impl ModelWorker {
             self.finish(id, StopReason::Cancelled);
             report.items.push(ItemReport {
                 id,
+                prefilled: 0,
                 remaining_prefill: 0,
                 finished: true,
             });
@@ -418,6 +420,8 @@ impl ModelWorker {
                 }
             }
         }
+        // Prompt tokens each request computes in this step (charged to its user's usage).
+        let mut prefilled: HashMap<RequestId, usize> = HashMap::new();
         for &(id, max) in &plan.prefill {
             if let Some(a) = self.active.get_mut(&id) {
                 let Some(seq) = a.seq else { continue };
@@ -431,6 +435,7 @@ impl ModelWorker {
                 let chunk: Vec<u32> = a.pending_prompt.drain(..n).collect();
                 let last = a.pending_prompt.is_empty();
                 report.prefilled_tokens += chunk.len() as u64;
+                prefilled.insert(id, chunk.len());
                 work.push((id, seq, chunk, last));
             }
         }
@@ -457,6 +462,7 @@ impl ModelWorker {
                     free_blocks: free,
                 };
                 tracing::warn!(request = id, "{err}");
+                prefilled.remove(&id);
                 failed.push((id, err.to_string()));
                 needed -= need;
             }
@@ -521,6 +527,7 @@ impl ModelWorker {
                                     self.finish(id, reason);
                                     report.items.push(ItemReport {
                                         id,
+                                        prefilled: prefilled.get(&id).copied().unwrap_or(0),
                                         remaining_prefill: 0,
                                         finished: true,
                                     });
@@ -547,6 +554,7 @@ impl ModelWorker {
                 self.finish(id, StopReason::Error(msg));
                 report.items.push(ItemReport {
                     id,
+                    prefilled: prefilled.get(&id).copied().unwrap_or(0),
                     remaining_prefill: 0,
                     finished: true,
                 });
@@ -565,11 +573,13 @@ impl ModelWorker {
             match self.active.get(&id) {
                 Some(a) => report.items.push(ItemReport {
                     id,
+                    prefilled: prefilled.get(&id).copied().unwrap_or(0),
                     remaining_prefill: a.pending_prompt.len(),
                     finished: false,
                 }),
                 None => report.items.push(ItemReport {
                     id,
+                    prefilled: prefilled.get(&id).copied().unwrap_or(0),
                     remaining_prefill: 0,
                     finished: true,
                 }),

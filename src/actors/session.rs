@@ -171,9 +171,15 @@ fn summary_of_stored(message: &Message) -> GenSummary {
 /// Dropping it unsubscribes.
 pub struct Subscription {
     pub replay: Vec<ReplyEvent>,
-    pub events: mpsc::UnboundedReceiver<ReplyEvent>,
+    pub events: mpsc::Receiver<ReplyEvent>,
     pub guard: SubscriptionGuard,
 }
+
+/// Events one subscriber may have waiting. A reader that falls this far behind (a client that
+/// stopped reading) is dropped: its stream ends, and on reconnecting it gets the reply so far
+/// from the replay buffer. Without the bound, a client that never reads would keep every later
+/// event in memory.
+pub const SUBSCRIBER_BUFFER: usize = 1024;
 
 pub struct SubscriptionGuard {
     session: Addr<SessionActor>,
@@ -239,7 +245,7 @@ pub struct SessionActor {
     id: Uuid,
     shared: Arc<SessionShared>,
     registry: Weak<Sessions>,
-    subscribers: HashMap<u64, mpsc::UnboundedSender<ReplyEvent>>,
+    subscribers: HashMap<u64, mpsc::Sender<ReplyEvent>>,
     next_subscriber: u64,
     replay: Vec<ReplyEvent>,
     reply: Option<RunningReply>,
@@ -261,8 +267,16 @@ impl SessionActor {
 
     /// Sends an event to the viewers here (and keeps it for those who join later).
     fn fan_out(&mut self, event: ReplyEvent) {
-        self.subscribers
-            .retain(|_, tx| tx.send(event.clone()).is_ok());
+        let id = self.id;
+        self.subscribers.retain(|n, tx| match tx.try_send(event.clone()) {
+            Ok(()) => true,
+            Err(mpsc::error::TrySendError::Full(_)) => {
+                tracing::debug!(conversation = %id, subscriber = n, "a subscriber fell {SUBSCRIBER_BUFFER} events behind; dropped (it resyncs on reconnect)");
+                metrics::counter!("smolchat_slow_subscribers_dropped_total").increment(1);
+                false
+            }
+            Err(mpsc::error::TrySendError::Closed(_)) => false,
+        });
         self.replay.push(event);
     }
 
@@ -537,6 +551,13 @@ impl SessionActor {
                     }) else {
                         return;
                     };
+                    // Only messages of this conversation: a relayed id naming another one's
+                    // message must not show its text here.
+                    let id = act.id;
+                    if user.conversation_id != id || reply.conversation_id != id {
+                        tracing::warn!(conversation = %id, "a relayed snapshot named messages of another conversation; ignored");
+                        return;
+                    }
                     let prefix =
                         |text: &str, len: usize| text.get(..len).unwrap_or(text).to_string();
                     let content = prefix(&reply.content, content_len);
@@ -575,7 +596,10 @@ impl SessionActor {
                     .into_actor(self)
                     .map(move |found, act, _| {
                         match found {
-                            Ok(Some(message)) => act.fan_out(ReplyEvent::Done { message, summary }),
+                            Ok(Some(message)) if message.conversation_id == act.id => {
+                                act.fan_out(ReplyEvent::Done { message, summary })
+                            }
+                            Ok(Some(_)) => tracing::warn!(conversation = %act.id, "a relayed reply named a message of another conversation; ignored"),
                             Ok(None) => {}
                             Err(e) => tracing::warn!("cannot load a relayed reply: {e}"),
                         }
@@ -838,9 +862,14 @@ fn prepare(
     for m in history {
         match m.role {
             Role::User => messages.push(ChatMessage::user(&m.content)),
+            // An imported reply is whoever wrote the file's text, not the model's: guarded like
+            // user text, so control tokens typed into it stay text.
+            Role::Assistant if m.status != MessageStatus::Error && m.imported => {
+                messages.push(ChatMessage::assistant(&m.content))
+            }
             // The exact generated text, so the re-rendered prompt matches the cached tokens.
             Role::Assistant if m.status != MessageStatus::Error => messages.push(
-                ChatMessage::assistant(m.raw.as_deref().unwrap_or(&m.content)),
+                ChatMessage::generated(m.raw.as_deref().unwrap_or(&m.content)),
             ),
             Role::System => messages.push(ChatMessage::system(&m.content)),
             _ => {}
@@ -924,7 +953,17 @@ impl Handler<SendMessage> for SessionActor {
                 // The prompt is the conversation before the replaced message.
                 history.truncate(at);
             }
-            let prepared = prepare(&shared, &conversation, &history, &content)?;
+            // Rendering and tokenizing a long history is CPU work: on a blocking thread, not on
+            // the event loop that runs this session and the requests beside it.
+            let (prepared, conversation, content) = {
+                let shared = Arc::clone(&shared);
+                tokio::task::spawn_blocking(move || {
+                    prepare(&shared, &conversation, &history, &content)
+                        .map(|p| (p, conversation, content))
+                })
+                .await
+                .map_err(|e| SessionError::Prompt(format!("the prompt builder failed: {e}")))??
+            };
             let request = GenerationRequest {
                 cache_key: Some(id.to_string()),
                 user: Some(conversation.owner.clone()),
@@ -1041,7 +1080,7 @@ impl Handler<Subscribe> for SessionActor {
     type Result = MessageResult<Subscribe>;
 
     fn handle(&mut self, _: Subscribe, ctx: &mut Context<Self>) -> Self::Result {
-        let (tx, rx) = mpsc::unbounded_channel();
+        let (tx, rx) = mpsc::channel(SUBSCRIBER_BUFFER);
         let id = self.next_subscriber;
         self.next_subscriber += 1;
         self.subscribers.insert(id, tx);

@@ -201,14 +201,12 @@ pub async fn ensure_initial_admin(
     }
 }
 
-/// Sign-ups one client address may make before it must wait: [`SIGNUPS_PER_ADDRESS`], then
+/// Sign-ups one client address may make before it must wait (`auth.signups_per_address`), then
 /// lockouts from 10 minutes doubling up to a day (counts are forgotten a day after the last).
 /// Generous for a household or an office behind one address, a wall for a script.
-pub const SIGNUPS_PER_ADDRESS: u32 = 10;
-
-fn signup_policy(max_entries: usize) -> ThrottlePolicy {
+fn signup_policy(per_address: u32, max_entries: usize) -> ThrottlePolicy {
     ThrottlePolicy {
-        free_per_address: SIGNUPS_PER_ADDRESS,
+        free_per_address: per_address.max(1),
         free_per_subject: u32::MAX,
         base_lockout: Duration::from_secs(600),
         max_lockout: Duration::from_secs(24 * 3600),
@@ -222,6 +220,25 @@ pub struct AccountsConfig {
     pub signup: SignupMode,
     pub session_lifetime: Duration,
     pub throttle: ThrottlePolicy,
+    /// Accounts one address may create before it must wait.
+    pub signups_per_address: u32,
+    /// Live personal API keys one account may hold.
+    pub max_api_keys: usize,
+    /// Live sessions one account may hold (a new one ends the oldest beyond it).
+    pub max_sessions: usize,
+}
+
+impl Default for AccountsConfig {
+    fn default() -> Self {
+        AccountsConfig {
+            signup: SignupMode::Open,
+            session_lifetime: Duration::from_secs(30 * 24 * 3600),
+            throttle: ThrottlePolicy::default(),
+            signups_per_address: 10,
+            max_api_keys: 50,
+            max_sessions: 100,
+        }
+    }
 }
 
 /// A successful sign-in or sign-up: the account and the session for the cookie.
@@ -245,7 +262,7 @@ pub struct Accounts {
     key: Vec<u8>,
     config: AccountsConfig,
     throttle: Mutex<LoginThrottle>,
-    /// Sign-ups per client address (see [`SIGNUPS_PER_ADDRESS`]).
+    /// Sign-ups per client address (`auth.signups_per_address`).
     signups: Mutex<LoginThrottle>,
     /// Verified against when the name is unknown, so unknown names cost the same time.
     dummy_hash: String,
@@ -261,6 +278,7 @@ impl Accounts {
             key: key.to_vec(),
             throttle: Mutex::new(LoginThrottle::new(config.throttle.clone())),
             signups: Mutex::new(LoginThrottle::new(signup_policy(
+                config.signups_per_address,
                 config.throttle.max_entries,
             ))),
             config,
@@ -298,6 +316,19 @@ impl Accounts {
                 lifetime,
             )
             .await?;
+        // Bounded: signing in again and again (or a script doing it) ends the oldest sessions
+        // instead of growing the table.
+        match self
+            .store
+            .trim_sessions_of(SessionKind::User, &user.id, self.config.max_sessions.max(1))
+            .await
+        {
+            Ok(0) => {}
+            Ok(n) => {
+                tracing::info!(user = %user.id, ended = n, "oldest sessions ended: the account is at auth.max_sessions_per_user")
+            }
+            Err(e) => tracing::warn!("cannot bound an account's sessions: {e}"),
+        }
         if let Err(e) = self.store.touch_user(&user.id).await {
             tracing::warn!("cannot record an account's last sign-in: {e}");
         }
@@ -366,7 +397,9 @@ impl Accounts {
     }
 
     /// Signs in: refused while the address or the name is locked (before any password is
-    /// looked at); a wrong name or password is [`AuthError::WrongCredentials`] either way.
+    /// looked at); a wrong name or password is [`AuthError::WrongCredentials`] either way, and so
+    /// is a disabled account, right password or not (the answer must not confirm a password),
+    /// counted as a failure like any other.
     pub async fn sign_in(
         &self,
         name: &str,
@@ -393,13 +426,10 @@ impl Accounts {
             .as_ref()
             .map_or_else(|| self.dummy_hash.clone(), |u| u.password_hash.clone());
         let right = verify_async(password.to_string(), hash).await?;
-        let Some(user) = user.filter(|_| right) else {
+        let Some(user) = user.filter(|u| right && !u.is_disabled()) else {
             return Err(AuthError::WrongCredentials);
         };
-        self.throttle().success(&keys);
-        if user.is_disabled() {
-            return Err(AuthError::Disabled);
-        }
+        self.throttle().success(&keys, Instant::now());
         let session = self.new_session(&user).await?;
         Ok(SignedIn {
             user,
@@ -471,7 +501,7 @@ impl Accounts {
         {
             return Err(AuthError::WrongCredentials);
         }
-        self.throttle().success(&keys);
+        self.throttle().success(&keys, Instant::now());
         check_password(new)?;
         set_password(&self.store, user, new).await?;
         let Some(updated) = self.store.user_by_id(&user.id).await? else {
@@ -484,10 +514,10 @@ impl Accounts {
     /// Makes a personal API key for `user` (the key is returned once; only its hash is kept).
     pub async fn create_api_key(&self, user: &User, name: &str) -> Result<NewApiKey, AuthError> {
         let name = name.trim();
-        if name.chars().count() > 64 {
-            return Err(AuthError::BadName(
-                "a key's name has at most 64 characters".into(),
-            ));
+        check_key_name(name)?;
+        let live = self.store.count_live_api_keys(&user.id).await?;
+        if live >= self.config.max_api_keys as u64 {
+            return Err(AuthError::TooManyKeys(self.config.max_api_keys));
         }
         let (token, id) = secret::new_session();
         let key = format!("{API_KEY_PREFIX}{token}");
@@ -513,6 +543,23 @@ impl Accounts {
             None => Err(AuthError::KeyRefused),
         }
     }
+}
+
+/// The rules for a key's name: at most 64 characters, none of them a control character (NUL
+/// included: PostgreSQL cannot store it, and no name needs one).
+pub fn check_key_name(name: &str) -> Result<(), AuthError> {
+    if name.chars().count() > 64 {
+        return Err(AuthError::BadName(
+            "a key's name has at most 64 characters".into(),
+        ));
+    }
+    if let Some(c) = name.chars().find(|c| c.is_control()) {
+        return Err(AuthError::BadName(format!(
+            "a key's name cannot hold control characters (found U+{:04X})",
+            c as u32
+        )));
+    }
+    Ok(())
 }
 
 /// The stored id (SHA-256 of the hex part) of a personal API key, `None` when `key` is not
@@ -546,6 +593,7 @@ mod tests {
                     base_lockout: Duration::from_secs(600),
                     ..ThrottlePolicy::default()
                 },
+                ..AccountsConfig::default()
             },
         )
         .unwrap()
@@ -704,9 +752,10 @@ mod tests {
             acc.api_key_user(&key.key).await,
             Err(AuthError::KeyRefused)
         ));
+        // The right password of a disabled account gets the answer a wrong one gets.
         assert!(matches!(
             acc.sign_in("dave", "password one", HOME).await,
-            Err(AuthError::Disabled)
+            Err(AuthError::WrongCredentials)
         ));
         acc.store().set_disabled(&up.user.id, false).await.unwrap();
         assert!(acc.api_key_user(&key.key).await.unwrap().is_some());
@@ -719,6 +768,56 @@ mod tests {
             acc.api_key_user(&key.key).await,
             Err(AuthError::KeyRefused)
         ));
+    }
+
+    #[tokio::test]
+    async fn key_names_keys_and_sessions_are_bounded() {
+        let store = Store::open("sqlite::memory:").await.unwrap();
+        let acc = Accounts::new(
+            store,
+            b"key",
+            AccountsConfig {
+                max_api_keys: 2,
+                max_sessions: 3,
+                ..AccountsConfig::default()
+            },
+        )
+        .unwrap();
+        let up = acc
+            .sign_up("gina", "password one", None, None, HOME)
+            .await
+            .unwrap();
+        for bad in ["a\0b", "tab\there", &"x".repeat(65)] {
+            assert!(
+                matches!(
+                    acc.create_api_key(&up.user, bad).await,
+                    Err(AuthError::BadName(_))
+                ),
+                "{bad:?}"
+            );
+        }
+        let first = acc.create_api_key(&up.user, "one").await.unwrap();
+        acc.create_api_key(&up.user, "two").await.unwrap();
+        assert!(matches!(
+            acc.create_api_key(&up.user, "three").await,
+            Err(AuthError::TooManyKeys(2))
+        ));
+        acc.store()
+            .revoke_api_key(&up.user.id, &first.record.id)
+            .await
+            .unwrap();
+        acc.create_api_key(&up.user, "three").await.unwrap();
+        // Sessions: the sign-up's plus four sign-ins; only the newest three stay valid.
+        let mut tokens = vec![up.session.token.clone()];
+        for _ in 0..4 {
+            let s = acc.sign_in("gina", "password one", HOME).await.unwrap();
+            tokens.push(s.session.token);
+        }
+        let mut valid = Vec::new();
+        for t in &tokens {
+            valid.push(acc.session(t).await.unwrap().is_some());
+        }
+        assert_eq!(valid, [false, false, true, true, true]);
     }
 
     #[tokio::test]
@@ -756,7 +855,7 @@ mod tests {
     #[tokio::test]
     async fn one_address_makes_a_bounded_number_of_accounts() {
         let acc = accounts(SignupMode::Open).await;
-        for n in 0..SIGNUPS_PER_ADDRESS {
+        for n in 0..AccountsConfig::default().signups_per_address {
             acc.sign_up(&format!("user{n}"), "password one", None, None, HOME)
                 .await
                 .unwrap();

@@ -78,7 +78,7 @@ impl AdminAuth {
         if !secret::matches(given, &self.token_digest) {
             return Err(AuthError::WrongCredentials);
         }
-        self.throttle().success(&keys);
+        self.throttle().success(&keys, Instant::now());
         let (token, id) = secret::new_session();
         let lifetime = chrono::Duration::from_std(self.lifetime).unwrap_or(chrono::Duration::MAX);
         self.store

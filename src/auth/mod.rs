@@ -20,7 +20,7 @@ use crate::store::StoreError;
 
 pub use accounts::{Accounts, AccountsConfig, NewApiKey, SignedIn};
 pub use admin::{AdminAuth, NewSession, ADMIN_SUBJECT};
-pub use throttle::{LockedBy, Lockout, LoginThrottle, ThrottleKey, ThrottlePolicy};
+pub use throttle::{BearerThrottle, LockedBy, Lockout, LoginThrottle, ThrottleKey, ThrottlePolicy};
 
 /// The one error type of the sign-in layer.
 #[derive(Debug, thiserror::Error)]
@@ -31,12 +31,16 @@ pub enum AuthError {
     /// Too many sign-ups from this address.
     #[error("too many accounts were created from this address; try again in {} s", .0.retry_after_s())]
     TooManySignups(Lockout),
-    /// The credential is wrong.
+    /// The credential is wrong, or the account is disabled (sign-in says the same for both, so
+    /// the answer never confirms a password).
     #[error("wrong credentials")]
     WrongCredentials,
-    /// The account is disabled (said only after the right password).
+    /// The account is disabled (for callers that already proved who they are).
     #[error("this account is disabled; ask an administrator")]
     Disabled,
+    /// The account holds as many live API keys as one may.
+    #[error("this account already has {0} API keys, the limit (auth.max_api_keys_per_user); revoke one first")]
+    TooManyKeys(usize),
     #[error("invalid name: {0}")]
     BadName(String),
     #[error("invalid password: {0}")]

@@ -5,12 +5,20 @@
 //! reaches that number locks the key for `base_lockout`, and every further failure doubles it,
 //! up to `max_lockout`. While any key of an attempt is locked the attempt is refused **without
 //! checking the credential**, so a right guess during a lockout is refused like a wrong one and
-//! the lockout really limits guesses. A successful sign-in clears the keys; counters of keys
-//! that stop failing are forgotten after [`FORGET_AFTER`].
+//! the lockout really limits guesses. A successful sign-in clears the subject's failures and
+//! takes back its own count from the address, but leaves the address's other failures: an
+//! attacker who signs in to an account of their own now and then must not wipe the count of the
+//! passwords they sprayed at others from the same address. Counters of keys that stop failing
+//! are forgotten after [`FORGET_AFTER`].
 //!
 //! An attempt is counted as a failure when it starts ([`LoginThrottle::attempt`]) and taken back
 //! on success ([`LoginThrottle::success`]): counting after the check would let a burst of
 //! parallel guesses all pass the lock check before the first failure was recorded.
+//!
+//! A subject locked by failures from many addresses would lock its real owner out too. So an
+//! address that has signed in to that subject before ([`KNOWN_ADDRESSES`] per subject are
+//! remembered) and has no failures of its own is let through the subject's lock: the owner
+//! at their usual place keeps working while the guessing from elsewhere stays locked.
 //!
 //! The table is bounded ([`ThrottlePolicy::max_entries`]): a flood of addresses evicts forgotten
 //! entries first, then the unlocked entry that failed least recently, and only then the locked
@@ -32,14 +40,18 @@ use std::time::{Duration, Instant};
 pub const FORGET_AFTER: Duration = Duration::from_secs(24 * 3600);
 /// The longest lockout whatever the policy says, so `now + lockout` cannot overflow.
 pub const LOCKOUT_CAP: Duration = Duration::from_secs(7 * 24 * 3600);
+/// Addresses remembered per subject as having signed in to it (see the module documentation).
+pub const KNOWN_ADDRESSES: usize = 4;
 
 /// What an attempt is counted against.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub enum ThrottleKey {
     /// A client address; build with [`ThrottleKey::address`].
     Address(IpAddr),
-    /// An account name, or `admin` for the admin token.
-    Subject(String),
+    /// An account name, or `admin` for the admin token, as a digest of fixed size: the name
+    /// comes from the client, and a flood of long made-up names must not grow the table's
+    /// memory beyond its entry count.
+    Subject([u8; 16]),
 }
 
 impl ThrottleKey {
@@ -60,8 +72,13 @@ impl ThrottleKey {
         ThrottleKey::Address(ip)
     }
 
-    pub fn subject(name: impl Into<String>) -> ThrottleKey {
-        ThrottleKey::Subject(name.into())
+    /// The key of a subject: the first 16 bytes of the name's SHA-256.
+    pub fn subject(name: impl AsRef<str>) -> ThrottleKey {
+        use sha2::Digest;
+        let digest = sha2::Sha256::digest(name.as_ref().as_bytes());
+        let mut key = [0u8; 16];
+        key.copy_from_slice(&digest[..16]);
+        ThrottleKey::Subject(key)
     }
 }
 
@@ -149,6 +166,9 @@ impl Entry {
 pub struct LoginThrottle {
     policy: ThrottlePolicy,
     entries: HashMap<ThrottleKey, Entry>,
+    /// Per subject, the addresses that signed in to it last (at most [`KNOWN_ADDRESSES`]
+    /// each, at most `max_entries` subjects), with when.
+    known: HashMap<ThrottleKey, Vec<(ThrottleKey, Instant)>>,
 }
 
 impl LoginThrottle {
@@ -156,6 +176,7 @@ impl LoginThrottle {
         LoginThrottle {
             policy,
             entries: HashMap::new(),
+            known: HashMap::new(),
         }
     }
 
@@ -191,7 +212,9 @@ impl LoginThrottle {
     /// [`LoginThrottle::success`] takes it back.
     pub fn attempt(&mut self, keys: &[ThrottleKey], now: Instant) -> Result<(), Lockout> {
         if let Some(lockout) = self.locked(keys, now) {
-            return Err(lockout);
+            if !(lockout.by == LockedBy::Subject && self.known_and_clean(keys, now)) {
+                return Err(lockout);
+            }
         }
         for key in keys {
             let free = match key {
@@ -222,10 +245,76 @@ impl LoginThrottle {
         Ok(())
     }
 
-    /// A sign-in against `keys` succeeded: forgets their failures and lockouts.
-    pub fn success(&mut self, keys: &[ThrottleKey]) {
+    /// Whether `keys` hold an address with no failures (and no lock) that has signed in to
+    /// one of the subjects among them before.
+    fn known_and_clean(&self, keys: &[ThrottleKey], now: Instant) -> bool {
+        let address = keys.iter().find(|k| matches!(k, ThrottleKey::Address(_)));
+        let Some(address) = address else {
+            return false;
+        };
+        if self
+            .entries
+            .get(address)
+            .is_some_and(|e| e.locked_at(now).is_some() || (e.failures > 0 && !e.forgotten_at(now)))
+        {
+            return false;
+        }
+        keys.iter()
+            .filter(|k| matches!(k, ThrottleKey::Subject(_)))
+            .any(|subject| {
+                self.known
+                    .get(subject)
+                    .is_some_and(|list| list.iter().any(|(a, _)| a == address))
+            })
+    }
+
+    /// A sign-in against `keys` succeeded: the subjects' failures and lockouts are forgotten;
+    /// each address gets back the one failure this attempt counted (its other failures stay)
+    /// and is remembered as one that signs in to the subjects.
+    pub fn success(&mut self, keys: &[ThrottleKey], now: Instant) {
         for key in keys {
-            self.entries.remove(key);
+            match key {
+                ThrottleKey::Subject(_) => {
+                    self.entries.remove(key);
+                }
+                ThrottleKey::Address(_) => {
+                    if let Some(entry) = self.entries.get_mut(key) {
+                        entry.failures = entry.failures.saturating_sub(1);
+                        // This attempt passed the lock check, so a lock now is the one its own
+                        // count set; with its earlier failures kept, the next failure locks.
+                        entry.locked_until = None;
+                        if entry.failures == 0 {
+                            self.entries.remove(key);
+                        }
+                    }
+                }
+            }
+        }
+        let addresses: Vec<&ThrottleKey> = keys
+            .iter()
+            .filter(|k| matches!(k, ThrottleKey::Address(_)))
+            .collect();
+        for subject in keys.iter().filter(|k| matches!(k, ThrottleKey::Subject(_))) {
+            if !self.known.contains_key(subject) && self.known.len() >= self.policy.max_entries {
+                // Forget the subject whose last sign-in is oldest.
+                let oldest = self
+                    .known
+                    .iter()
+                    .min_by_key(|(_, list)| list.iter().map(|(_, t)| *t).max())
+                    .map(|(k, _)| k.clone());
+                if let Some(k) = oldest {
+                    self.known.remove(&k);
+                }
+            }
+            let list = self.known.entry(subject.clone()).or_default();
+            for address in &addresses {
+                list.retain(|(a, _)| a != *address);
+                list.push(((*address).clone(), now));
+            }
+            if list.len() > KNOWN_ADDRESSES {
+                let excess = list.len() - KNOWN_ADDRESSES;
+                list.drain(..excess);
+            }
         }
     }
 
@@ -252,6 +341,47 @@ impl LoginThrottle {
         if let Some(k) = victim {
             self.entries.remove(&k);
         }
+    }
+}
+
+/// Failed bearer secrets (`/v1` keys, the `/metrics` token) per client address: a wrong one
+/// counts as a failed sign-in of that address, and a locked address gets 429 for every bearer.
+/// Only failures count (a right key takes nothing back: an attacker holding one key must not
+/// reset the count of their guesses at others); no subject is locked, so guessing cannot lock
+/// anyone else out.
+#[derive(Debug)]
+pub struct BearerThrottle {
+    inner: std::sync::Mutex<LoginThrottle>,
+}
+
+impl BearerThrottle {
+    pub fn new(policy: ThrottlePolicy) -> BearerThrottle {
+        BearerThrottle {
+            inner: std::sync::Mutex::new(LoginThrottle::new(ThrottlePolicy {
+                free_per_subject: u32::MAX,
+                ..policy
+            })),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, LoginThrottle> {
+        self.inner
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// The lockout of `address` now, if any.
+    pub fn locked(&self, address: IpAddr) -> Option<Lockout> {
+        self.lock()
+            .locked(&[ThrottleKey::address(address)], Instant::now())
+    }
+
+    /// Counts a wrong bearer from `address`.
+    pub fn failed(&self, address: IpAddr) {
+        // Refused only when already locked, and then there is nothing more to count.
+        let _ = self
+            .lock()
+            .attempt(&[ThrottleKey::address(address)], Instant::now());
     }
 }
 
@@ -350,13 +480,79 @@ mod tests {
         clock.advance(Duration::from_millis(1999));
         assert!(t.attempt(&k, clock.now()).is_err());
         clock.advance(Duration::from_millis(1));
-        // Lockout over: this attempt is checked, is right, and clears the keys.
+        // Lockout over: this attempt is checked, is right, and clears the subject; the
+        // address keeps its three earlier failures, so its next wrong guess locks again.
         assert_eq!(t.attempt(&k, clock.now()), Ok(()));
-        t.success(&k);
-        assert!(t.is_empty());
-        for _ in 0..3 {
-            assert_eq!(t.attempt(&k, clock.now()), Ok(()), "free failures again");
+        t.success(&k, clock.now());
+        assert_eq!(t.len(), 1, "only the address's count is left");
+        assert_eq!(t.attempt(&k, clock.now()), Ok(()));
+        assert!(t.attempt(&k, clock.now()).is_err());
+    }
+
+    #[test]
+    fn a_correct_sign_in_does_not_clear_the_address_count() {
+        // The attacker has an account of their own ("mallory") and sprays passwords at
+        // "alice" from one address, signing in to their own account after every fourth.
+        let mut t = LoginThrottle::new(ThrottlePolicy {
+            free_per_address: 5,
+            free_per_subject: 1000,
+            ..policy()
+        });
+        let now = Instant::now();
+        let attacker = ip(9);
+        let mut refused = 0;
+        for n in 1..=16 {
+            match t.attempt(&[attacker.clone(), ThrottleKey::subject("alice")], now) {
+                Ok(()) => {}
+                Err(l) => {
+                    assert_eq!(l.by, LockedBy::Address);
+                    refused += 1;
+                }
+            }
+            if n % 4 == 0 {
+                let own = [attacker.clone(), ThrottleKey::subject("mallory")];
+                if t.attempt(&own, now).is_ok() {
+                    t.success(&own, now);
+                }
+            }
         }
+        assert!(
+            refused >= 11,
+            "only the first 5 guesses are checked: {refused} refused"
+        );
+    }
+
+    #[test]
+    fn a_known_clean_address_passes_a_subject_lock() {
+        let mut t = LoginThrottle::new(policy());
+        let now = Instant::now();
+        // The owner signs in from address 1 once.
+        t.attempt(&keys(1), now).unwrap();
+        t.success(&keys(1), now);
+        // Five other addresses guess wrong: the subject is locked.
+        for a in 2..=6 {
+            t.attempt(&keys(a), now).unwrap();
+        }
+        assert_eq!(t.attempt(&keys(7), now).unwrap_err().by, LockedBy::Subject);
+        // The owner's address has no failures and signed in before: it gets through.
+        assert_eq!(t.attempt(&keys(1), now), Ok(()));
+        t.success(&keys(1), now);
+        // Once it fails, it is no longer clean: the lock holds for it too.
+        for a in 2..=6 {
+            let _ = t.attempt(&keys(a), now);
+        }
+        t.attempt(&keys(1), now).unwrap_or(());
+        assert!(t.attempt(&keys(1), now).is_err());
+    }
+
+    #[test]
+    fn subject_keys_have_a_fixed_size_whatever_the_name() {
+        let long = "x".repeat(1 << 20);
+        assert_eq!(
+            std::mem::size_of_val(&ThrottleKey::subject(&long)),
+            std::mem::size_of_val(&ThrottleKey::subject("a"))
+        );
+        assert_ne!(ThrottleKey::subject("a"), ThrottleKey::subject("b"));
     }
 
     #[test]
@@ -369,7 +565,7 @@ mod tests {
         assert_eq!(t.attempt(&keys(1), now).unwrap_err().by, LockedBy::Address);
         // Another address is not locked (the subject has 5 free failures, 3 used).
         assert_eq!(t.attempt(&keys(2), now), Ok(()));
-        t.success(&keys(2));
+        t.success(&keys(2), now);
         // Success elsewhere cleared the subject, not address 1.
         assert_eq!(t.attempt(&keys(1), now).unwrap_err().by, LockedBy::Address);
     }

@@ -116,7 +116,7 @@ pub fn run(args: &ChatArgs) -> Result<()> {
         );
         // The exact generated text goes back into the history so the next render is
         // token-identical to what the cache holds.
-        messages.push(ChatMessage::assistant(&raw));
+        messages.push(ChatMessage::generated(&raw));
     }
     Ok(())
 }

@@ -72,6 +72,13 @@ pub struct ChatMessage {
     /// For a `tool` message: the name of the tool that produced it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub name: Option<String>,
+    /// An assistant turn this server's model generated, given as its exact raw text: rendered
+    /// as is, so the special tokens the model wrote (`<think>`, tool-call markup) stay special
+    /// and the cached KV stays reusable. Every other message, assistant turns written by a
+    /// client or imported from a file included, is guarded (see `guard.rs`). Never read from
+    /// outside input.
+    #[serde(skip)]
+    pub generated: bool,
 }
 
 impl ChatMessage {
@@ -83,6 +90,7 @@ impl ChatMessage {
             tool_calls: None,
             tool_call_id: None,
             name: None,
+            generated: false,
         }
     }
 
@@ -94,8 +102,18 @@ impl ChatMessage {
         Self::new("user", content)
     }
 
+    /// An assistant turn from outside (a client's history, an import): guarded like user text.
+    /// For the model's own output use [`ChatMessage::generated`].
     pub fn assistant(content: impl Into<String>) -> Self {
         Self::new("assistant", content)
+    }
+
+    /// An assistant turn this server's model generated: its exact raw text, rendered unguarded.
+    pub fn generated(raw: impl Into<String>) -> Self {
+        Self {
+            generated: true,
+            ..Self::new("assistant", raw)
+        }
     }
 
     pub fn tool(content: impl Into<String>) -> Self {
@@ -276,15 +294,16 @@ impl ChatTemplate {
     }
 
     /// Renders a conversation for the model, keeping untrusted text out of the control tokens:
-    /// the content, name and call id of every message except the assistant's, the tool schemas
-    /// and the extra template arguments pass through `guard` (the tokenizer's
+    /// the content, name and call id of every message, the tool schemas and the extra template
+    /// arguments pass through `guard` (the tokenizer's
     /// [`text_guard`](super::tokenizer::Tokenizer::text_guard)) first; encode the result with
     /// [`Tokenizer::encode_rendered`](super::tokenizer::Tokenizer::encode_rendered).
     ///
-    /// Assistant turns are not guarded: they are the model's own output, whose special tokens
-    /// (`<think>`, `<tool_call>`) must re-tokenize to the ids it generated so that the cached KV
-    /// stays valid, and over `/v1` the client that writes them controls the whole conversation
-    /// anyway.
+    /// The one exception is an assistant turn marked [`ChatMessage::generated`]: this server's
+    /// model wrote it, and its special tokens (`<think>`, `<tool_call>`) must re-tokenize to the
+    /// ids it generated so that the cached KV stays valid. Assistant text from anywhere else (a
+    /// `/v1` client's history, an imported file) is guarded like user text: a typed
+    /// `<|im_end|>` in it stays text.
     pub fn render_prompt(
         &self,
         messages: &[ChatMessage],
@@ -294,7 +313,7 @@ impl ChatTemplate {
         let guarded_messages: Vec<ChatMessage> = messages
             .iter()
             .map(|m| {
-                if m.role == "assistant" {
+                if m.role == "assistant" && m.generated {
                     return m.clone();
                 }
                 let protect = |s: &String| guard.protect(s).into_owned();
@@ -305,6 +324,7 @@ impl ChatTemplate {
                     tool_calls: m.tool_calls.as_ref().map(|v| guard.protect_json(v)),
                     tool_call_id: m.tool_call_id.as_ref().map(protect),
                     name: m.name.as_ref().map(protect),
+                    generated: false,
                 }
             })
             .collect();

@@ -204,7 +204,7 @@ macro_rules! summary_columns {
 macro_rules! message_columns {
     () => {
         "id, conversation_id, position, role, content, reasoning, raw, status, error, \
-         prompt_tokens, completion_tokens, cached_tokens, timings, created_at"
+         prompt_tokens, completion_tokens, cached_tokens, timings, created_at, imported"
     };
 }
 
@@ -505,9 +505,12 @@ impl Store {
     /// of them after `page.before` (keyset pagination on `(updated_at, id)`, so a page never
     /// repeats or skips a conversation however many are added meanwhile), with the cursor of
     /// the next page when there is one. `search` keeps those whose title or any message contains
-    /// it, ignoring case (ASCII case only: SQLite's `lower()` does not fold other scripts); a
-    /// blank `search` is no filter. `instr`, not LIKE: the needle is plain text, so `%` and `_`
-    /// typed by a user match themselves without escaping.
+    /// it, ignoring case; a blank `search` is no filter. The needle is plain text: `%`, `_` and
+    /// quotes match themselves.
+    ///
+    /// Messages are searched through the trigram index of migration 0005 (SQLite FTS5, pg_trgm),
+    /// which finds substrings of [`SEARCH_INDEX_MIN_CHARS`] or more characters; shorter search
+    /// text matches titles only, since it would need a scan of every message.
     pub async fn list_conversations_page(
         &self,
         owner: &str,
@@ -517,9 +520,15 @@ impl Store {
         let search = search.map(str::trim).filter(|s| !s.is_empty());
         let limit = page.limit.clamp(1, MAX_PAGE);
         let (before_at, before_id) = cursor_binds(page.before.as_ref());
-        // The same query but for the substring function's name (`instr` / `strpos`).
+        // The message half of the search, bound as $6: an FTS5 phrase (SQLite) or an ILIKE
+        // pattern (PostgreSQL); NULL when the needle is too short for the index.
+        let indexed = search.filter(|s| s.chars().count() >= SEARCH_INDEX_MIN_CHARS);
+        let message_needle = indexed.map(|s| match self.backend {
+            Backend::Sqlite => format!("\"{}\"", s.replace('"', "\"\"")),
+            Backend::Postgres => format!("%{}%", like_escape(s)),
+        });
         macro_rules! page_query {
-            ($find:literal) => {
+            ($find:literal, $messages:literal) => {
                 concat!(
                     "SELECT ",
                     summary_columns!(),
@@ -527,18 +536,24 @@ impl Store {
                        OR ",
                     $find,
                     "(lower(c.title), lower($2)) > 0 \
-                       OR EXISTS (SELECT 1 FROM messages m WHERE m.conversation_id = c.id \
-                                  AND ",
-                    $find,
-                    "(lower(m.content), lower($2)) > 0)) \
+                       OR ($6 IS NOT NULL AND c.id IN (",
+                    $messages,
+                    "))) \
                        AND ($3 IS NULL OR c.updated_at < $3 OR (c.updated_at = $3 AND c.id < $4)) \
                      ORDER BY c.updated_at DESC, c.id DESC LIMIT $5"
                 )
             };
         }
         let query = match self.backend {
-            Backend::Sqlite => page_query!("instr"),
-            Backend::Postgres => page_query!("strpos"),
+            Backend::Sqlite => page_query!(
+                "instr",
+                "SELECT m.conversation_id FROM messages m WHERE m.rowid IN \
+                 (SELECT rowid FROM messages_fts WHERE messages_fts MATCH $6)"
+            ),
+            Backend::Postgres => page_query!(
+                "strpos",
+                "SELECT m.conversation_id FROM messages m WHERE m.content ILIKE $6"
+            ),
         };
         let rows: Vec<SummaryRow> = sqlx::query_as(query)
             .bind(owner)
@@ -546,6 +561,7 @@ impl Store {
             .bind(before_at)
             .bind(before_id)
             .bind((limit + 1) as i64)
+            .bind(message_needle)
             .fetch_all(&self.pool)
             .await?;
         into_page(rows, limit)
@@ -572,6 +588,31 @@ impl Store {
         .fetch_all(&self.pool)
         .await?;
         into_page(rows, limit)
+    }
+
+    /// Bytes of text `owner` keeps stored: every message's content, reasoning and raw text.
+    pub async fn stored_text_bytes(&self, owner: &str) -> Result<u64, StoreError> {
+        let query = match self.backend {
+            Backend::Sqlite => {
+                "SELECT CAST(COALESCE(SUM(length(CAST(m.content AS BLOB)) \
+                   + COALESCE(length(CAST(m.reasoning AS BLOB)), 0) \
+                   + COALESCE(length(CAST(m.raw AS BLOB)), 0)), 0) AS BIGINT) \
+                 FROM messages m JOIN conversations c ON c.id = m.conversation_id \
+                 WHERE c.owner = $1"
+            }
+            Backend::Postgres => {
+                "SELECT CAST(COALESCE(SUM(octet_length(m.content) \
+                   + COALESCE(octet_length(m.reasoning), 0) \
+                   + COALESCE(octet_length(m.raw), 0)), 0) AS BIGINT) \
+                 FROM messages m JOIN conversations c ON c.id = m.conversation_id \
+                 WHERE c.owner = $1"
+            }
+        };
+        let n: i64 = sqlx::query_scalar(query)
+            .bind(owner)
+            .fetch_one(&self.pool)
+            .await?;
+        Ok(u64::try_from(n).unwrap_or(0))
     }
 
     /// How many conversations `owner` has stored.
@@ -627,7 +668,8 @@ impl Store {
             sqlx::query(
                 "INSERT INTO messages (id, conversation_id, position, role, content, reasoning, \
                  raw, status, error, prompt_tokens, completion_tokens, cached_tokens, timings, \
-                 created_at) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14)",
+                 created_at, imported) \
+                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, 1)",
             )
             .bind(Uuid::now_v7().to_string())
             .bind(id.to_string())
@@ -1250,6 +1292,7 @@ struct MessageRow {
     cached_tokens: Option<i64>,
     timings: Option<String>,
     created_at: i64,
+    imported: i64,
 }
 
 impl MessageRow {
@@ -1282,8 +1325,32 @@ impl MessageRow {
             completion_tokens: self.completion_tokens,
             cached_tokens: self.cached_tokens,
             timings,
+            imported: self.imported != 0,
         })
     }
+}
+
+/// The largest token count a message may record (a reply's prompt, completion or cached
+/// tokens): far above any context window, and low enough that summing every message of any
+/// database stays inside a 64-bit integer. Imports refuse larger counts; sums cap each value
+/// at it.
+pub const MAX_TOKEN_COUNT: i64 = 2_147_483_647;
+
+/// The shortest search text looked for inside messages (the trigram index's window); shorter
+/// text matches conversation titles only.
+pub const SEARCH_INDEX_MIN_CHARS: usize = 3;
+
+/// `text` as a literal inside a LIKE pattern whose escape character is PostgreSQL's default
+/// backslash.
+fn like_escape(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for c in text.chars() {
+        if matches!(c, '%' | '_' | '\\') {
+            out.push('\\');
+        }
+        out.push(c);
+    }
+    out
 }
 
 #[cfg(test)]

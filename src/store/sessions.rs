@@ -132,6 +132,31 @@ impl Store {
         Ok(result.rows_affected())
     }
 
+    /// Revokes all but the newest `keep` live sessions of `subject` (a bound on the sessions one
+    /// account holds); returns how many were revoked.
+    pub async fn trim_sessions_of(
+        &self,
+        kind: SessionKind,
+        subject: &str,
+        keep: usize,
+    ) -> Result<u64, StoreError> {
+        let now = now_micros();
+        let result = sqlx::query(
+            "UPDATE sessions SET revoked_at = $1 \
+             WHERE kind = $2 AND subject = $3 AND revoked_at IS NULL AND expires_at > $1 \
+             AND id NOT IN (SELECT id FROM sessions WHERE kind = $2 AND subject = $3 \
+                 AND revoked_at IS NULL AND expires_at > $1 \
+                 ORDER BY created_at DESC, id DESC LIMIT $4)",
+        )
+        .bind(now)
+        .bind(kind.as_str())
+        .bind(subject)
+        .bind(i64::try_from(keep).unwrap_or(i64::MAX))
+        .execute(&self.pool)
+        .await?;
+        Ok(result.rows_affected())
+    }
+
     /// Deletes every expired session (revoked ones go too once they expire); returns how many.
     pub async fn purge_expired_sessions(&self) -> Result<u64, StoreError> {
         let result = sqlx::query("DELETE FROM sessions WHERE expires_at <= $1")

@@ -249,6 +249,9 @@ pub struct Message {
     pub timings: Option<Timings>,
     #[serde(serialize_with = "rfc3339")]
     pub created_at: DateTime<Utc>,
+    /// The message came in through an import: its text (an assistant message's included) is the
+    /// importer's, never the model's, so prompts guard it like user text.
+    pub imported: bool,
 }
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]

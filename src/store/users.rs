@@ -145,6 +145,20 @@ fn is_unique_violation(e: &sqlx::Error) -> bool {
     matches!(e, sqlx::Error::Database(d) if d.is_unique_violation())
 }
 
+/// A token count column, NULL as 0 and capped at [`super::MAX_TOKEN_COUNT`] (portable SQL: no
+/// `MIN`/`LEAST` difference between the backends).
+macro_rules! capped {
+    ($column:literal) => {
+        concat!(
+            "(CASE WHEN COALESCE(",
+            $column,
+            ", 0) > 2147483647 THEN 2147483647 ELSE COALESCE(",
+            $column,
+            ", 0) END)"
+        )
+    };
+}
+
 impl Store {
     /// Creates an account in one transaction: consumes the invite (when given), inserts the user
     /// and moves `adopt_from`'s conversations to it. Refusals change nothing.
@@ -243,7 +257,9 @@ impl Store {
         row.map(UserRow::into_user).transpose()
     }
 
-    /// Accounts by name, `limit` from `offset`, with their counts for the admin page.
+    /// Accounts by name, `limit` from `offset`, with their counts for the admin page. Each
+    /// token count enters the sums capped at [`super::MAX_TOKEN_COUNT`], so no stored value
+    /// (rows imported before imports were bounded included) can overflow a sum into an error.
     pub async fn list_users(
         &self,
         limit: i64,
@@ -253,12 +269,18 @@ impl Store {
             "SELECT ",
             user_columns_u!(),
             ", (SELECT COUNT(*) FROM conversations c WHERE c.owner = u.id) AS conversations, \
-             CAST((SELECT COALESCE(SUM(COALESCE(m.prompt_tokens, 0) \
-                                 + COALESCE(m.completion_tokens, 0)), 0) \
+             CAST((SELECT COALESCE(SUM(",
+            capped!("m.prompt_tokens"),
+            " + ",
+            capped!("m.completion_tokens"),
+            "), 0) \
                 FROM messages m JOIN conversations c ON c.id = m.conversation_id \
                WHERE c.owner = u.id) AS BIGINT) \
-             + COALESCE((SELECT a.prompt_tokens + a.completion_tokens FROM api_usage a \
-                          WHERE a.owner = u.id), 0) AS tokens, \
+             + COALESCE((SELECT ",
+            capped!("a.prompt_tokens"),
+            " + ",
+            capped!("a.completion_tokens"),
+            " FROM api_usage a WHERE a.owner = u.id), 0) AS tokens, \
              (SELECT COUNT(*) FROM sessions s WHERE s.kind = 'user' AND s.subject = u.id \
                  AND s.revoked_at IS NULL AND s.expires_at > $3) AS active_sessions \
              FROM users u ORDER BY lower(u.name), u.id LIMIT $1 OFFSET $2"
@@ -447,6 +469,17 @@ impl Store {
             }
         }
         row.user.into_user().map(Some)
+    }
+
+    /// How many keys of the account are not revoked.
+    pub async fn count_live_api_keys(&self, user_id: &str) -> Result<u64, StoreError> {
+        let n: i64 = sqlx::query_scalar(
+            "SELECT COUNT(*) FROM api_keys WHERE user_id = $1 AND revoked_at IS NULL",
+        )
+        .bind(user_id)
+        .fetch_one(&self.pool)
+        .await?;
+        Ok(u64::try_from(n).unwrap_or(0))
     }
 
     /// The account's keys, newest first (revoked ones included).

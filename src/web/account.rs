@@ -15,7 +15,7 @@
 //! CSRF token anyway), `Path=/`, Secure when the request came over HTTPS, Max-Age = the
 //! session's lifetime. All routes sit inside the owner middleware and the CSRF check.
 
-use std::net::{IpAddr, Ipv4Addr};
+use std::net::IpAddr;
 
 use actix_web::cookie::time::Duration as CookieDuration;
 use actix_web::cookie::{Cookie, SameSite};
@@ -25,6 +25,7 @@ use actix_web::{web, HttpRequest, HttpResponse};
 use askama::Template;
 use serde::Deserialize;
 
+use super::client::Client;
 use super::csrf;
 use super::error::WebError;
 use super::owner::{self, Owner, SESSION_COOKIE};
@@ -160,7 +161,10 @@ pub fn refusal(e: AuthError) -> PageError {
             retry_after_s: lockout.retry_after_s(),
         }
         .into(),
-        AuthError::WrongCredentials => PageError::Unauthorized("wrong name or password".into()),
+        AuthError::WrongCredentials => {
+            PageError::Unauthorized("wrong name or password (or the account is disabled)".into())
+        }
+        AuthError::TooManyKeys(_) => WebError::Conflict(e.to_string()).into(),
         AuthError::Disabled | AuthError::SignupClosed | AuthError::KeyRefused => {
             PageError::Forbidden(e.to_string())
         }
@@ -174,34 +178,32 @@ pub fn refusal(e: AuthError) -> PageError {
     }
 }
 
-/// The TCP peer (never a forwarding header a client could write). Only a test request has no
-/// peer; it counts as one shared address.
+/// The client's address (the TCP peer, or what a trusted proxy says: see [`super::client`]).
 fn client(req: &HttpRequest) -> IpAddr {
-    req.peer_addr()
-        .map_or(IpAddr::V4(Ipv4Addr::UNSPECIFIED), |a| a.ip())
+    Client::of(req).address
 }
 
 /// The session cookie for `session`.
 fn session_cookie(req: &HttpRequest, session: NewSession) -> Cookie<'static> {
     let max_age = i64::try_from(session.lifetime.as_secs()).unwrap_or(i64::MAX);
-    Cookie::build(SESSION_COOKIE, session.token)
-        .path("/")
-        .http_only(true)
+    super::cookies::build(SESSION_COOKIE, session.token, Client::of(req).https, "/")
         .same_site(SameSite::Lax)
-        .secure(req.connection_info().scheme() == "https")
         .max_age(CookieDuration::seconds(max_age))
         .finish()
 }
 
-fn removal(name: &'static str) -> Cookie<'static> {
-    let mut gone = Cookie::build(name, "").path("/").finish();
-    gone.make_removal();
-    gone
+fn removal(req: &HttpRequest, name: &'static str) -> Cookie<'static> {
+    super::cookies::removal(name, Client::of(req).https, "/")
+}
+
+/// The request's account session cookie, under its name for the connection.
+fn session_cookie_of(req: &HttpRequest) -> Option<Cookie<'static>> {
+    req.cookie(&super::cookies::name(SESSION_COOKIE, Client::of(req).https))
 }
 
 /// Revokes the session the request's cookie stands for, if any (rotation and sign-out).
 async fn revoke_current(state: &AppState, req: &HttpRequest) {
-    if let Some(old) = req.cookie(SESSION_COOKIE) {
+    if let Some(old) = session_cookie_of(req) {
         if let Err(e) = state.accounts.sign_out(old.value()).await {
             tracing::warn!("cannot revoke the replaced session: {e}");
         }
@@ -229,7 +231,7 @@ pub async fn signin_page(
     owner: Owner,
 ) -> Result<HttpResponse, PageError> {
     html(&SigninPage {
-        csrf: csrf::token_for(&state.cookie_key, owner.as_str()),
+        csrf: csrf::token_for(&state.cookie_key, &owner.csrf_subject()),
         signup_open: state.accounts.signup_mode() != SignupMode::Closed,
     })
 }
@@ -302,7 +304,7 @@ pub async fn signup_page(
             .await?
             > 0;
     html(&SignupPage {
-        csrf: csrf::token_for(&state.cookie_key, owner.as_str()),
+        csrf: csrf::token_for(&state.cookie_key, &owner.csrf_subject()),
         closed: mode == SignupMode::Closed,
         needs_invite: mode == SignupMode::Invite,
         invite: query.invite.chars().take(128).collect(),
@@ -348,7 +350,7 @@ pub async fn signup(
         .cookie(session_cookie(&req, signed.session))
         // The guest identity is used up: its conversations now belong to the account, and
         // after sign-out the browser starts as a new guest.
-        .cookie(removal(owner::COOKIE_NAME))
+        .cookie(removal(&req, owner::COOKIE_NAME))
         .finish())
 }
 
@@ -357,7 +359,7 @@ pub async fn signout(
     state: web::Data<AppState>,
     req: HttpRequest,
 ) -> Result<HttpResponse, PageError> {
-    if let Some(cookie) = req.cookie(SESSION_COOKIE) {
+    if let Some(cookie) = session_cookie_of(&req) {
         // Server-side first: the cookie may have been copied elsewhere.
         if state
             .accounts
@@ -369,7 +371,7 @@ pub async fn signout(
         }
     }
     Ok(HttpResponse::NoContent()
-        .cookie(removal(SESSION_COOKIE))
+        .cookie(removal(&req, SESSION_COOKIE))
         .insert_header(("HX-Redirect", "/"))
         .finish())
 }
@@ -394,7 +396,7 @@ pub async fn account_page(
         return Ok(to_signin());
     };
     html(&AccountPage {
-        csrf: csrf::token_for(&state.cookie_key, owner.as_str()),
+        csrf: csrf::token_for(&state.cookie_key, &owner.csrf_subject()),
         admin: user.is_admin(),
         keys: keys_of(&state, &user).await?,
         name: user.name,
@@ -496,6 +498,7 @@ pub async fn revoke_key(
 pub async fn signout_all(
     state: web::Data<AppState>,
     owner: Owner,
+    req: HttpRequest,
 ) -> Result<HttpResponse, PageError> {
     let user = account_of(&state, &owner)
         .await?
@@ -507,7 +510,7 @@ pub async fn signout_all(
         .map_err(refusal)?;
     tracing::info!(user = %user.id, sessions = n, "signed out everywhere");
     Ok(HttpResponse::NoContent()
-        .cookie(removal(SESSION_COOKIE))
+        .cookie(removal(&req, SESSION_COOKIE))
         .insert_header(("HX-Redirect", "/signin"))
         .finish())
 }

@@ -17,16 +17,16 @@
 //! scope as the pages, so their unsafe methods need the CSRF token too.
 
 use std::collections::HashMap;
-use std::net::{IpAddr, Ipv4Addr};
 
 use actix_web::cookie::time::Duration as CookieDuration;
-use actix_web::cookie::{Cookie, SameSite};
+use actix_web::cookie::SameSite;
 use actix_web::http::StatusCode;
 use actix_web::{web, HttpRequest, HttpResponse};
 use askama::Template;
 use serde::Deserialize;
 
 use super::api::{page_request, parse_id};
+use super::client::Client;
 use super::csrf;
 use super::error::WebError;
 use super::owner::Owner;
@@ -36,7 +36,7 @@ use crate::actors::scheduler::{Evict, GetCacheInfo, GetStats, StatesOf};
 use crate::actors::types::SequenceState;
 use crate::auth::{AdminAuth, AuthError, LockedBy};
 
-const SESSION_COOKIE: &str = "smolchat_admin";
+use super::cookies::ADMIN as SESSION_COOKIE;
 const COOKIE_PATH: &str = "/admin";
 
 #[derive(Template)]
@@ -239,9 +239,14 @@ fn refusal(e: AuthError) -> PageError {
     }
 }
 
+/// The request's admin session cookie, under its name for the connection.
+fn admin_cookie(req: &HttpRequest) -> Option<actix_web::cookie::Cookie<'static>> {
+    req.cookie(&super::cookies::name(SESSION_COOKIE, Client::of(req).https))
+}
+
 /// Whether the request carries the cookie of a valid admin session.
 async fn logged_in(admin: &AdminAuth, req: &HttpRequest) -> Result<bool, PageError> {
-    let Some(cookie) = req.cookie(SESSION_COOKIE) else {
+    let Some(cookie) = admin_cookie(req) else {
         return Ok(false);
     };
     Ok(admin
@@ -398,7 +403,7 @@ pub async fn page(
     req: HttpRequest,
     query: web::Query<PageQuery>,
 ) -> Result<HttpResponse, PageError> {
-    let csrf = csrf::token_for(&state.cookie_key, owner.as_str());
+    let csrf = csrf::token_for(&state.cookie_key, &owner.csrf_subject());
     if owner.is_admin() {
         return dashboard(&state, csrf, &owner, &query).await;
     }
@@ -551,11 +556,8 @@ pub async fn login(
 ) -> Result<HttpResponse, PageError> {
     let admin = admin_of(&state)?;
     let form: LoginForm = read_form(&state, &req, payload).await?;
-    // The TCP peer, never a forwarding header a client could write itself. Only a test request
-    // has no peer; it counts as one shared address.
-    let client = req
-        .peer_addr()
-        .map_or(IpAddr::V4(Ipv4Addr::UNSPECIFIED), |a| a.ip());
+    // The TCP peer, or what a trusted proxy says (never a header an untrusted client wrote).
+    let client = Client::of(&req).address;
     let session = match admin.login(&form.token, client).await {
         Ok(session) => session,
         Err(e) => {
@@ -579,19 +581,21 @@ pub async fn login(
     metrics::counter!("smolchat_admin_logins_total", "outcome" => "ok").increment(1);
     // Signing in again replaces the browser's previous session rather than leaving it alive
     // beside the new one.
-    if let Some(old) = req.cookie(SESSION_COOKIE) {
+    if let Some(old) = admin_cookie(&req) {
         if let Err(e) = admin.logout(old.value()).await {
             tracing::warn!("cannot revoke the replaced admin session: {e}");
         }
     }
     let max_age = i64::try_from(session.lifetime.as_secs()).unwrap_or(i64::MAX);
-    let cookie = Cookie::build(SESSION_COOKIE, session.token)
-        .path(COOKIE_PATH)
-        .http_only(true)
-        .same_site(SameSite::Strict)
-        .secure(req.connection_info().scheme() == "https")
-        .max_age(CookieDuration::seconds(max_age))
-        .finish();
+    let cookie = super::cookies::build(
+        SESSION_COOKIE,
+        session.token,
+        Client::of(&req).https,
+        COOKIE_PATH,
+    )
+    .same_site(SameSite::Strict)
+    .max_age(CookieDuration::seconds(max_age))
+    .finish();
     tracing::info!(peer = %client, "admin logged in");
     Ok(HttpResponse::build(StatusCode::NO_CONTENT)
         .insert_header(("HX-Redirect", "/admin"))
@@ -605,14 +609,13 @@ pub async fn logout(
     req: HttpRequest,
 ) -> Result<HttpResponse, PageError> {
     let admin = admin_of(&state)?;
-    if let Some(cookie) = req.cookie(SESSION_COOKIE) {
+    if let Some(cookie) = admin_cookie(&req) {
         // Server-side first: the cookie may have been copied elsewhere.
         if admin.logout(cookie.value()).await.map_err(refusal)? {
             tracing::info!("admin logged out");
         }
     }
-    let mut gone = Cookie::build(SESSION_COOKIE, "").path(COOKIE_PATH).finish();
-    gone.make_removal();
+    let gone = super::cookies::removal(SESSION_COOKIE, Client::of(&req).https, COOKIE_PATH);
     Ok(HttpResponse::NoContent()
         .cookie(gone)
         .insert_header(("HX-Redirect", "/admin"))

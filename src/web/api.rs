@@ -13,7 +13,7 @@ use super::json::{JsonBody, OptionalJsonBody};
 use super::owner::Owner;
 use super::AppState;
 use crate::actors::conversations::{
-    to_markdown, ExportedConversation, NewConversation, SettingsPatch,
+    to_markdown, ExportParseError, ExportedConversation, NewConversation, SettingsPatch,
 };
 use crate::store::{Conversation, ConversationSummary, Cursor, Message, PageRequest, MAX_PAGE};
 
@@ -367,12 +367,28 @@ pub async fn export(
 pub async fn import(
     state: web::Data<AppState>,
     owner: Owner,
-    body: JsonBody<ExportedConversation>,
+    req: HttpRequest,
+    payload: web::Payload,
 ) -> Result<HttpResponse, WebError> {
+    let Some(text) = super::json::read_json_text(&req, payload.into_inner()).await? else {
+        return Err(WebError::InvalidJson(
+            "this endpoint needs a JSON body (an exported conversation)".into(),
+        ));
+    };
+    // Parsing up to 32 MiB takes a while: on a blocking thread, not the event loop, with the
+    // message count checked while parsing.
+    let max = state.platform.conversations.config().max_import_messages;
+    let doc = web::block(move || ExportedConversation::from_json(&text, max))
+        .await
+        .map_err(|e| WebError::Internal(format!("import parser: {e}")))?
+        .map_err(|e| match e {
+            ExportParseError::TooManyMessages(_) => WebError::PayloadTooLarge(e.to_string()),
+            ExportParseError::Json(e) => super::json::json_error(e),
+        })?;
     let c = state
         .platform
         .conversations
-        .import(&owner.caller(), body.0)
+        .import(&owner.caller(), doc)
         .await?;
     Ok(HttpResponse::Created()
         .insert_header((header::LOCATION, format!("/api/conversations/{}", c.id)))

@@ -1,10 +1,13 @@
 //! CSRF protection for the pages: every state-changing request (anything but GET/HEAD/OPTIONS)
 //! under the page routes must carry `X-CSRF-Token`, a per-owner token the page embeds.
 //!
-//! The token is an HMAC of the owner id under the cookie key (computed with the cookie crate's
-//! signing, under a name of its own so it never equals the owner cookie's signature). It needs no
-//! server-side storage, survives reloads and tabs, and a page on another site cannot read it (the
-//! owner cookie is HttpOnly and the token only appears inside our own pages). HTMX sends it from
+//! The token is an HMAC, under the cookie key, of the guest's owner id or of the account and its
+//! session's stored id ([`Owner::csrf_subject`]), computed with the cookie crate's signing under a
+//! name of its own so it never equals the owner cookie's signature. It needs no server-side
+//! storage, survives reloads and tabs, and a page on another site cannot read it (the cookies
+//! are HttpOnly and the token only appears inside our own pages). Bound to the session, it
+//! changes when the account signs out, signs in again or changes its password: a token read
+//! once is no good after that. HTMX sends it from
 //! `hx-headers` on `<body>`; `static/chat.js` sends it with `fetch`. A header, not a form field,
 //! because a cross-site `<form>` cannot set headers at all.
 
@@ -23,7 +26,7 @@ pub const HEADER: &str = "X-CSRF-Token";
 /// The name the HMAC is bound to (the cookie crate signs name and value together).
 const PURPOSE: &str = "smolchat_csrf";
 
-/// The CSRF token of `owner` under `key`.
+/// The CSRF token of `subject` ([`Owner::csrf_subject`]) under `key`.
 pub fn token_for(key: &Key, owner_id: &str) -> String {
     let mut jar = CookieJar::new();
     jar.signed_mut(key)
@@ -58,7 +61,7 @@ pub async fn require_token(
         let owner = req.extensions().get::<Owner>().cloned();
         let valid = match (state, owner) {
             (Some(state), Some(owner)) => {
-                let expected = token_for(&state.cookie_key, owner.as_str());
+                let expected = token_for(&state.cookie_key, &owner.csrf_subject());
                 // An empty expectation (which cannot happen) must not let an empty header in.
                 !expected.is_empty()
                     && req
@@ -69,7 +72,9 @@ pub async fn require_token(
             _ => false,
         };
         if !valid {
-            tracing::warn!(method = %req.method(), path = req.path(), "request without a valid CSRF token refused");
+            // Debug, bounded: a flood of refusals must not flood the log (the counter counts).
+            metrics::counter!("smolchat_csrf_refusals_total").increment(1);
+            tracing::debug!(method = %req.method(), path = %short(req.path()), "request without a valid CSRF token refused");
             let response = PageError::Forbidden(
                 "this request lacks a valid CSRF token; reload the page and try again".into(),
             )
@@ -91,7 +96,8 @@ pub async fn check_api_origin(
     let safe = matches!(*req.method(), Method::GET | Method::HEAD | Method::OPTIONS);
     if !safe {
         if let Some(reason) = api_refusal(&req) {
-            tracing::warn!(method = %req.method(), path = req.path(), reason, "cross-site API request refused");
+            metrics::counter!("smolchat_csrf_refusals_total").increment(1);
+            tracing::debug!(method = %req.method(), path = %short(req.path()), reason, "cross-site API request refused");
             // The API's error shape (see `error.rs`).
             let response = actix_web::HttpResponse::Forbidden().json(serde_json::json!({
                 "error": {
@@ -105,11 +111,20 @@ pub async fn check_api_origin(
     Ok(next.call(req).await?.map_into_left_body())
 }
 
+/// At most the first 100 characters of a client-chosen path, for a log line.
+fn short(path: &str) -> String {
+    let mut out: String = path.chars().take(100).collect();
+    if out.len() < path.len() {
+        out.push('…');
+    }
+    out
+}
+
 fn api_refusal(req: &ServiceRequest) -> Option<&'static str> {
     if let Some(sent) = req.headers().get(HEADER) {
         let state = req.app_data::<web::Data<AppState>>()?;
         let owner = req.extensions().get::<Owner>().cloned()?;
-        let expected = token_for(&state.cookie_key, owner.as_str());
+        let expected = token_for(&state.cookie_key, &owner.csrf_subject());
         return (expected.is_empty() || !constant_time_eq(sent.as_bytes(), expected.as_bytes()))
             .then_some("wrong CSRF token");
     }
@@ -119,7 +134,13 @@ fn api_refusal(req: &ServiceRequest) -> Option<&'static str> {
         }
     }
     if let Some(origin) = req.headers().get(actix_web::http::header::ORIGIN) {
-        let host = req.connection_info().host().to_string();
+        // The Host the client asked for (never X-Forwarded-Host, which a client could write).
+        let host = req
+            .headers()
+            .get(actix_web::http::header::HOST)
+            .and_then(|h| h.to_str().ok())
+            .unwrap_or("")
+            .to_string();
         let origin_host = origin
             .to_str()
             .ok()

@@ -28,6 +28,9 @@ pub enum WebError {
     PayloadTooLarge(String),
     #[error("{0}")]
     UriTooLong(String),
+    /// `Host` names a host this server does not answer for (`server.allowed_hosts`).
+    #[error("{0}")]
+    MisdirectedHost(String),
     /// The body did not arrive in time.
     #[error("{0}")]
     RequestTimeout(String),
@@ -72,6 +75,7 @@ impl WebError {
             WebError::UnsupportedMediaType(_) => "unsupported_media_type",
             WebError::PayloadTooLarge(_) => "payload_too_large",
             WebError::UriTooLong(_) => "uri_too_long",
+            WebError::MisdirectedHost(_) => "misdirected_request",
             WebError::RequestTimeout(_) => "request_timeout",
             WebError::Forbidden(_) => "forbidden",
             WebError::NotFound(_) => "not_found",
@@ -100,6 +104,7 @@ impl ResponseError for WebError {
             WebError::UnsupportedMediaType(_) => StatusCode::UNSUPPORTED_MEDIA_TYPE,
             WebError::PayloadTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
             WebError::UriTooLong(_) => StatusCode::URI_TOO_LONG,
+            WebError::MisdirectedHost(_) => StatusCode::MISDIRECTED_REQUEST,
             WebError::RequestTimeout(_) => StatusCode::REQUEST_TIMEOUT,
             WebError::Forbidden(_) => StatusCode::FORBIDDEN,
             WebError::NotFound(_) => StatusCode::NOT_FOUND,
@@ -131,6 +136,10 @@ impl ResponseError for WebError {
             }
         };
         let mut response = HttpResponse::build(status);
+        // An error body is JSON and about this request only: never sniffed as something else,
+        // never cached.
+        response.insert_header((header::X_CONTENT_TYPE_OPTIONS, "nosniff"));
+        response.insert_header((header::CACHE_CONTROL, "no-store"));
         let retry_after_s = match self {
             WebError::Overloaded { retry_after_s, .. }
             | WebError::TooManyRequests { retry_after_s, .. } => Some((*retry_after_s).max(1)),

@@ -8,11 +8,20 @@
 //! The session's [`SubscriptionGuard`] lives inside the response stream: when the client goes away
 //! actix drops the stream, the guard unsubscribes, and a reply nobody watches any more is
 //! cancelled after the configured grace period.
+//!
+//! A client that stops reading without going away is noticed two ways. The session drops a
+//! subscriber that falls [`SUBSCRIBER_BUFFER`](crate::actors::session::SUBSCRIBER_BUFFER)
+//! events behind, which ends its stream. And actix stops polling a response body whose socket
+//! does not drain, so a stream not polled for `limits.stream_stall_timeout_s` (longer than the
+//! keep-alive interval, which polls a healthy stream at least that often) has stalled: a
+//! watchdog then gives its subscription and its place under the stream limits back, so a
+//! stuck client holds neither events in memory nor anyone's stream quota.
 
 use std::convert::Infallible;
 use std::pin::Pin;
+use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use actix_web::web;
 use actix_web_lab::sse;
@@ -20,6 +29,7 @@ use futures_util::Stream;
 use tokio::sync::mpsc;
 
 use super::api::parse_id;
+use super::client::Client;
 use super::error::WebError;
 use super::owner::Owner;
 use super::{AppState, StreamCounter, StreamSlot};
@@ -34,12 +44,13 @@ const RETRY: Duration = Duration::from_secs(3);
 pub async fn events(
     state: web::Data<AppState>,
     owner: Owner,
+    client: Client,
     path: web::Path<String>,
 ) -> Result<sse::Sse<EventStream>, WebError> {
     let id = parse_id(&path)?;
     // The place is taken first (and given back with the error if the service refuses), so
     // parallel requests cannot open more streams than the limits allow.
-    let slot = StreamCounter::open(&state, id, owner.as_str())?;
+    let slot = StreamCounter::open(&state, id, owner.as_str(), client.address)?;
     let Subscription {
         replay,
         events,
@@ -50,30 +61,78 @@ pub async fn events(
         .subscribe(&owner.caller(), id)
         .await?;
     tracing::debug!(conversation = %id, replayed = replay.len(), "events subscriber joined");
+    let held = Arc::new(Mutex::new(Held {
+        last_poll: Instant::now(),
+        resources: Some((guard, slot)),
+    }));
+    let stall = Duration::from_secs(state.platform.config.limits.stream_stall_timeout_s);
+    watch_for_stall(Arc::downgrade(&held), stall, id);
     let stream = EventStream {
         replay: replay.into_iter(),
         events,
-        _guard: guard,
-        _slot: slot,
+        held,
     };
+    // A healthy stream is polled at least every keep-alive interval, so it must be well inside
+    // the stall timeout.
+    let keep_alive = KEEP_ALIVE.min(stall / 3);
     Ok(sse::Sse::from_stream(stream)
-        .with_keep_alive(KEEP_ALIVE)
+        .with_keep_alive(keep_alive)
         .with_retry_duration(RETRY))
+}
+
+/// What a stream holds until it ends or stalls: the subscription guard and its place under
+/// `limits.max_streams*`, and when actix last polled it.
+struct Held {
+    last_poll: Instant,
+    resources: Option<(SubscriptionGuard, StreamSlot)>,
+}
+
+/// Drops `held`'s resources once the stream goes `stall` without a poll; ends with the stream.
+fn watch_for_stall(held: std::sync::Weak<Mutex<Held>>, stall: Duration, conversation: uuid::Uuid) {
+    actix_web::rt::spawn(async move {
+        let tick = (stall / 4).max(Duration::from_millis(100));
+        loop {
+            actix_web::rt::time::sleep(tick).await;
+            let Some(held) = held.upgrade() else {
+                return;
+            };
+            let taken = {
+                let mut h = held.lock().unwrap_or_else(|p| p.into_inner());
+                if h.last_poll.elapsed() < stall {
+                    continue;
+                }
+                h.resources.take()
+            };
+            if taken.is_some() {
+                tracing::debug!(%conversation, "event stream stalled (the client stopped reading); subscription ended");
+                metrics::counter!("smolchat_stalled_streams_total").increment(1);
+            }
+            // Dropped outside the lock: the guard messages the session.
+            drop(taken);
+            return;
+        }
+    });
 }
 
 /// The replayed events, then the live ones. Owns the subscription guard (see the module docs).
 pub struct EventStream {
     replay: std::vec::IntoIter<ReplyEvent>,
-    events: mpsc::UnboundedReceiver<ReplyEvent>,
-    _guard: SubscriptionGuard,
-    /// This stream's place under `limits.max_streams*`, given back with the stream.
-    _slot: StreamSlot,
+    events: mpsc::Receiver<ReplyEvent>,
+    held: Arc<Mutex<Held>>,
 }
 
 impl Stream for EventStream {
     type Item = Result<sse::Event, Infallible>;
 
     fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        {
+            let mut held = self.held.lock().unwrap_or_else(|p| p.into_inner());
+            if held.resources.is_none() {
+                // The watchdog ended it: the client will reconnect and resync.
+                return Poll::Ready(None);
+            }
+            held.last_poll = Instant::now();
+        }
         if let Some(event) = self.replay.next() {
             return Poll::Ready(Some(Ok(to_sse(&event))));
         }

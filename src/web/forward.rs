@@ -9,6 +9,17 @@
 //! carries [`FORWARDED`] and is always answered where it lands, so a disagreement about who
 //! owns what (a replica just joined or died) costs at most one hop, never a loop. When the owner
 //! cannot be reached, the receiving replica answers the turn itself (cold cache, nothing lost).
+//!
+//! [`FORWARDED`] is believed only with a valid signature: an HMAC, under a key derived from
+//! `server.cookie_secret` (the same on every replica), of the sending replica, the client's
+//! address and scheme, the method, the request target and the time (60 s of clock skew
+//! allowed). So an outside client cannot send it to force cold re-prefills, and the receiving
+//! replica counts the request against the real client's address, not the forwarding replica's.
+//! The request body is read under `limits.body_timeout_s`, as everywhere else.
+//!
+//! Replica-to-replica traffic is plain HTTP and carries the users' cookies: keep it on a private
+//! network, or put TLS between replicas (`replica.url = "https://…"` behind a terminating proxy
+//! on each replica).
 
 use std::time::Duration;
 
@@ -21,7 +32,9 @@ use actix_web::{HttpMessage, HttpResponse};
 use futures_util::StreamExt;
 use uuid::Uuid;
 
+use super::client::Client;
 use super::AppState;
+use actix_web::ResponseError;
 
 /// Marks a request one replica forwarded to another.
 pub const FORWARDED: &str = "x-smolchat-forwarded-by";
@@ -58,8 +71,103 @@ pub fn client() -> reqwest::Client {
         .unwrap_or_else(|_| reqwest::Client::new())
 }
 
+/// What the signature covers, and how far a forwarded request's time may be from ours.
+const SIGNATURE_PURPOSE: &str = "smolchat-forward-v1";
+const MAX_SKEW_MS: u64 = 60_000;
+
+fn unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+fn signed_payload(
+    replica: &str,
+    client: &Client,
+    at_ms: u64,
+    method: &str,
+    target: &str,
+) -> String {
+    format!(
+        "{replica}\n{}\n{}\n{at_ms}\n{method}\n{target}",
+        client.address,
+        u8::from(client.https)
+    )
+}
+
+/// The [`FORWARDED`] value for a request of `client` to `method target`, sent by `replica`.
+pub fn sign(key: &[u8], replica: &str, client: &Client, method: &str, target: &str) -> String {
+    sign_at(key, replica, client, method, target, unix_ms())
+}
+
+fn sign_at(
+    key: &[u8],
+    replica: &str,
+    client: &Client,
+    method: &str,
+    target: &str,
+    at_ms: u64,
+) -> String {
+    let mac = crate::auth::secret::fingerprint(
+        key,
+        SIGNATURE_PURPOSE,
+        &signed_payload(replica, client, at_ms, method, target),
+    );
+    format!(
+        "v1;{replica};{};{};{at_ms};{mac}",
+        client.address,
+        u8::from(client.https)
+    )
+}
+
+/// The client a signed [`FORWARDED`] value speaks for, or `None` when it is malformed, signed
+/// with another key, for another request, or too old.
+pub fn verify(key: &[u8], value: &str, method: &str, target: &str) -> Option<Client> {
+    verify_at(key, value, method, target, unix_ms())
+}
+
+fn verify_at(key: &[u8], value: &str, method: &str, target: &str, now_ms: u64) -> Option<Client> {
+    let mut parts = value.split(';');
+    let (Some("v1"), Some(replica), Some(address), Some(https), Some(at), Some(mac), None) = (
+        parts.next(),
+        parts.next(),
+        parts.next(),
+        parts.next(),
+        parts.next(),
+        parts.next(),
+        parts.next(),
+    ) else {
+        return None;
+    };
+    let client = Client {
+        address: address.parse().ok()?,
+        https: match https {
+            "1" => true,
+            "0" => false,
+            _ => return None,
+        },
+        proxied: true,
+    };
+    let at_ms: u64 = at.parse().ok()?;
+    if now_ms.abs_diff(at_ms) > MAX_SKEW_MS {
+        return None;
+    }
+    let expected = crate::auth::secret::fingerprint(
+        key,
+        SIGNATURE_PURPOSE,
+        &signed_payload(replica, &client, at_ms, method, target),
+    );
+    super::csrf::constant_time_eq(expected.as_bytes(), mac.as_bytes()).then_some(client)
+}
+
+/// Set by [`super::client::resolve`] on a request that carries a valid [`FORWARDED`]: it was
+/// forwarded by another replica and must be answered here.
+#[derive(Clone, Copy, Debug)]
+pub struct ForwardedHere;
+
 /// The conversation whose turn this request is: POST to `/api/conversations/{id}/…` or
-/// `/c/{id}/…` ending in `messages`, `regenerate` or `edit`.
+/// `/c/{id}/…` ending in `messages`, `regenerate` or `edit`. `path` is the decoded path the
+/// router matches (`req.match_info().as_str()`), so no spelling of it escapes routing.
 pub fn turn_of(method: &Method, path: &str) -> Option<Uuid> {
     if method != Method::POST {
         return None;
@@ -78,8 +186,8 @@ pub async fn affinity(
     mut req: ServiceRequest,
     next: Next<impl MessageBody + 'static>,
 ) -> Result<ServiceResponse<EitherBody<impl MessageBody, BoxBody>>, actix_web::Error> {
-    let target = turn_of(req.method(), req.path())
-        .filter(|_| !req.headers().contains_key(FORWARDED))
+    let target = turn_of(req.method(), req.match_info().as_str())
+        .filter(|_| req.extensions().get::<ForwardedHere>().is_none())
         .and_then(|conversation| {
             let state = req.app_data::<web::Data<AppState>>()?;
             let cluster = &state.platform.cluster;
@@ -94,14 +202,27 @@ pub async fn affinity(
             .map(ServiceResponse::map_into_left_body);
     };
 
-    let body = match read_body(req.take_payload()).await {
-        Some(body) => body,
-        None => {
+    let limit = req
+        .app_data::<super::json::BodyTimeout>()
+        .copied()
+        .unwrap_or_default()
+        .0;
+    let body = match actix_web::rt::time::timeout(limit, read_body(req.take_payload())).await {
+        Ok(Some(body)) => body,
+        Ok(None) => {
             // Too large or broken: let the local handler refuse it with its usual message.
             return next
                 .call(req)
                 .await
                 .map(ServiceResponse::map_into_left_body);
+        }
+        Err(_) => {
+            let response = super::WebError::RequestTimeout(format!(
+                "the request body did not arrive within {} s",
+                limit.as_secs()
+            ))
+            .error_response();
+            return Ok(req.into_response(response).map_into_right_body());
         }
     };
     let url = format!(
@@ -112,13 +233,29 @@ pub async fn affinity(
     // actix-web and reqwest use different majors of the `http` crate: convert through text.
     let method = reqwest::Method::from_bytes(req.method().as_str().as_bytes())
         .unwrap_or(reqwest::Method::POST);
+    let target = req.uri().path_and_query().map_or("/", |pq| pq.as_str());
+    let signature = sign(
+        state.cookie_key.signing(),
+        &state.platform.cluster.me().id.to_string(),
+        &Client::of(req.request()),
+        req.method().as_str(),
+        target,
+    );
     let mut forwarded = state
         .forward
         .request(method, &url)
-        .header(FORWARDED, state.platform.cluster.me().id.to_string())
+        .header(FORWARDED, signature)
         .body(body.clone());
     for (name, value) in req.headers() {
-        if !HOP_BY_HOP.contains(&name.as_str()) {
+        // Forwarding headers of the client's are not passed on: the signed header says who the
+        // client is.
+        let name_str = name.as_str();
+        if !HOP_BY_HOP.contains(&name_str)
+            && !matches!(
+                name_str,
+                FORWARDED | "x-forwarded-for" | "x-forwarded-proto" | "forwarded"
+            )
+        {
             forwarded = forwarded.header(name.as_str(), value.as_bytes());
         }
     }
@@ -185,6 +322,33 @@ async fn read_body(mut payload: Payload) -> Option<Bytes> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_a_fresh_signature_of_this_request_under_our_key_is_believed() {
+        let key = [7u8; 32];
+        let client = Client {
+            address: "203.0.113.9".parse().unwrap(),
+            https: true,
+            proxied: false,
+        };
+        let t = "/api/conversations/x/messages";
+        let now = 1_800_000_000_000;
+        let v = sign_at(&key, "replica-a", &client, "POST", t, now);
+        let got = verify_at(&key, &v, "POST", t, now + 1000).unwrap();
+        assert_eq!(got.address, client.address);
+        assert!(got.https);
+        // Another key, request, method or a stale time: not believed.
+        assert!(verify_at(&[8u8; 32], &v, "POST", t, now).is_none());
+        assert!(verify_at(&key, &v, "POST", "/api/conversations/y/messages", now).is_none());
+        assert!(verify_at(&key, &v, "GET", t, now).is_none());
+        assert!(verify_at(&key, &v, "POST", t, now + MAX_SKEW_MS + 1).is_none());
+        // A changed client address with the old signature: not believed.
+        let forged = v.replace("203.0.113.9", "198.51.100.1");
+        assert!(verify_at(&key, &forged, "POST", t, now).is_none());
+        // What an outside client would send.
+        assert!(verify_at(&key, "0190a6f4-replica-id", "POST", t, now).is_none());
+        assert!(verify_at(&key, "", "POST", t, now).is_none());
+    }
 
     #[test]
     fn only_turns_are_routed() {

@@ -105,8 +105,21 @@ pub async fn within_body_timeout(
 /// Reads and parses the body; `None` when there is no body at all.
 async fn read_json<T: DeserializeOwned>(
     req: HttpRequest,
-    mut payload: Payload,
+    payload: Payload,
 ) -> Result<Option<T>, WebError> {
+    match read_json_text(&req, payload).await? {
+        Some(text) => serde_json::from_str(&text).map(Some).map_err(json_error),
+        None => Ok(None),
+    }
+}
+
+/// Reads a JSON body as text, with every check [`JsonBody`] makes before parsing: the size limit
+/// (while reading), the content type, UTF-8, the body timeout. `None` when there is no body at
+/// all. For bodies parsed elsewhere (off the event loop, or with limits of their own).
+pub async fn read_json_text(
+    req: &HttpRequest,
+    mut payload: Payload,
+) -> Result<Option<String>, WebError> {
     let limit = req.app_data::<BodyLimit>().copied().unwrap_or_default().0;
     let too_large =
         || WebError::PayloadTooLarge(format!("the request body is larger than {limit} bytes"));
@@ -119,7 +132,7 @@ async fn read_json<T: DeserializeOwned>(
         return Err(too_large());
     }
     // A declared non-JSON type is refused before reading anything.
-    let is_json = content_type_is_json(&req);
+    let is_json = content_type_is_json(req);
     if is_json == Some(false) {
         return Err(WebError::UnsupportedMediaType(
             "the request body must be JSON (Content-Type: application/json)".into(),
@@ -138,11 +151,11 @@ async fn read_json<T: DeserializeOwned>(
         }
         Ok(())
     };
-    within_body_timeout(&req, read).await?;
-    let text = std::str::from_utf8(&body).map_err(|e| {
+    within_body_timeout(req, read).await?;
+    let text = String::from_utf8(body.to_vec()).map_err(|e| {
         WebError::InvalidJson(format!(
             "the request body is not valid UTF-8 (bad byte at offset {})",
-            e.valid_up_to()
+            e.utf8_error().valid_up_to()
         ))
     })?;
     if text.trim().is_empty() {
@@ -153,19 +166,22 @@ async fn read_json<T: DeserializeOwned>(
             "the request body must be JSON (Content-Type: application/json)".into(),
         ));
     }
-    serde_json::from_str(text).map(Some).map_err(|e| {
-        let what = if e.is_data() {
-            "the JSON body does not fit this endpoint"
-        } else {
-            "the request body is not valid JSON"
-        };
-        // serde_json's words for a lone UTF-16 surrogate (`"\ud800"`) do not say what is wrong.
-        let hint = if e.to_string().contains("hex escape") || e.to_string().contains("surrogate") {
-            " (a \\uD800-\\uDFFF escape must be one half of a surrogate pair, followed by the \
-             other half; a lone surrogate is not a character)"
-        } else {
-            ""
-        };
-        WebError::InvalidJson(format!("{what}: {e}{hint}"))
-    })
+    Ok(Some(text))
+}
+
+/// A JSON parse error as the client's fault, saying what was wrong.
+pub fn json_error(e: serde_json::Error) -> WebError {
+    let what = if e.is_data() {
+        "the JSON body does not fit this endpoint"
+    } else {
+        "the request body is not valid JSON"
+    };
+    // serde_json's words for a lone UTF-16 surrogate (`"\ud800"`) do not say what is wrong.
+    let hint = if e.to_string().contains("hex escape") || e.to_string().contains("surrogate") {
+        " (a \\uD800-\\uDFFF escape must be one half of a surrogate pair, followed by the \
+         other half; a lone surrogate is not a character)"
+    } else {
+        ""
+    };
+    WebError::InvalidJson(format!("{what}: {e}{hint}"))
 }

@@ -5,11 +5,23 @@
 //! `<img onerror=...>` shows those characters, it does not get an element. Ammonia then removes
 //! whatever could still be dangerous (event handlers, `javascript:` URLs, unknown tags) from the
 //! generated HTML, which is the guarantee the rest of the page relies on.
+//!
+//! Nesting is bounded: `>` repeated a hundred thousand times is that many nested blockquotes,
+//! and the HTML sanitizer's work grows with the square of the depth (a single imported message
+//! once held a page worker for a minute). Elements deeper than [`MAX_NESTING`] are flattened
+//! into their parent (their text stays, their tags go), so rendering is linear in the text.
 
 use std::collections::HashSet;
 use std::sync::OnceLock;
 
 use pulldown_cmark::{html, Event, Options, Parser};
+
+/// The deepest element nesting rendered (blockquotes, lists, emphasis, links…): far more than
+/// any reply needs, few enough that sanitizing stays cheap.
+pub const MAX_NESTING: usize = 16;
+/// Markdown longer than this (bytes) is shown as plain text: replies and imports are bounded
+/// well below it, so only a message from elsewhere would reach it.
+pub const MAX_MARKDOWN_BYTES: usize = 1 << 20;
 
 fn sanitizer() -> &'static ammonia::Builder<'static> {
     static CLEANER: OnceLock<ammonia::Builder<'static>> = OnceLock::new();
@@ -24,15 +36,41 @@ fn sanitizer() -> &'static ammonia::Builder<'static> {
     })
 }
 
-/// Renders markdown to sanitized HTML, safe to insert into a page as is.
+/// Renders markdown to sanitized HTML, safe to insert into a page as is. Linear in the text
+/// (see the module documentation); CPU work all the same, so pages call it off the event loop.
 pub fn render(markdown: &str) -> String {
+    if markdown.len() > MAX_MARKDOWN_BYTES {
+        let mut out = String::from("<pre>");
+        // A lone text event is written escaped.
+        html::push_html(&mut out, std::iter::once(Event::Text(markdown.into())));
+        out.push_str("</pre>");
+        return out;
+    }
     let mut opts = Options::empty();
     opts.insert(Options::ENABLE_TABLES);
     opts.insert(Options::ENABLE_STRIKETHROUGH);
     opts.insert(Options::ENABLE_TASKLISTS);
-    let events = Parser::new_ext(markdown, opts).map(|event| match event {
-        Event::Html(raw) | Event::InlineHtml(raw) => Event::Text(raw),
-        other => other,
+    // For each open element, whether its tags are kept (false: flattened, too deep).
+    let mut open: Vec<bool> = Vec::new();
+    let mut depth = 0usize;
+    let events = Parser::new_ext(markdown, opts).filter_map(move |event| match event {
+        Event::Html(raw) | Event::InlineHtml(raw) => Some(Event::Text(raw)),
+        Event::Start(tag) => {
+            let keep = depth < MAX_NESTING;
+            open.push(keep);
+            if keep {
+                depth += 1;
+            }
+            keep.then_some(Event::Start(tag))
+        }
+        Event::End(tag) => {
+            let keep = open.pop().unwrap_or(true);
+            if keep {
+                depth = depth.saturating_sub(1);
+            }
+            keep.then_some(Event::End(tag))
+        }
+        other => Some(other),
     });
     let mut out = String::with_capacity(markdown.len() * 3 / 2);
     html::push_html(&mut out, events);
@@ -62,6 +100,35 @@ mod tests {
         assert!(html.contains("&lt;script&gt;"), "{html}");
         let block = render("<div onclick=\"x()\">a</div>\n");
         assert!(!block.contains("<div"), "{block}");
+    }
+
+    #[test]
+    fn deep_nesting_is_flattened_and_the_text_kept() {
+        let deep = ">".repeat(120_000) + " the end";
+        let html = render(&deep);
+        assert_eq!(html.matches("<blockquote>").count(), super::MAX_NESTING);
+        assert_eq!(html.matches("</blockquote>").count(), super::MAX_NESTING);
+        assert!(html.contains("the end"), "{html}");
+        // Emphasis and lists too; shallow markdown is untouched.
+        let stars = format!("{}x{}", "*".repeat(500), "*".repeat(500));
+        let _ = render(&stars);
+        let list = (0..100)
+            .map(|i| format!("{}- item {i}\n", "  ".repeat(i)))
+            .collect::<String>();
+        let html = render(&list);
+        assert!(html.matches("<ul>").count() <= super::MAX_NESTING, "{html}");
+        assert!(html.contains("item 99"));
+        assert_eq!(
+            render("> a\n> > b\n"),
+            "<blockquote>\n<p>a</p>\n<blockquote>\n<p>b</p>\n</blockquote>\n</blockquote>\n"
+        );
+    }
+
+    #[test]
+    fn oversized_markdown_is_plain_escaped_text() {
+        let big = format!("<b>{}</b>", "x".repeat(super::MAX_MARKDOWN_BYTES));
+        let html = render(&big);
+        assert!(html.starts_with("<pre>&lt;b&gt;"), "{}", &html[..40]);
     }
 
     #[test]

@@ -25,6 +25,8 @@
 pub mod account;
 pub mod admin;
 pub mod api;
+pub mod client;
+pub mod cookies;
 pub mod csrf;
 pub mod error;
 pub mod events;
@@ -53,6 +55,8 @@ use json::BodyLimit;
 
 /// How long a graceful shutdown waits for running replies to stop and be stored.
 const DRAIN_REPLIES: Duration = Duration::from_secs(5);
+/// How often expired sessions are deleted.
+const SESSION_PURGE_INTERVAL: Duration = Duration::from_secs(3600);
 /// How long a graceful shutdown waits for open connections after the replies are stored.
 const SHUTDOWN_TIMEOUT_S: u64 = 3;
 
@@ -68,6 +72,9 @@ struct OpenStreams {
     total: usize,
     per_conversation: std::collections::HashMap<uuid::Uuid, usize>,
     per_owner: std::collections::HashMap<String, usize>,
+    /// By client address (IPv6 per /64): guests mint owners for free, so the per-owner cap
+    /// alone would not bound one address.
+    per_address: std::collections::HashMap<crate::auth::ThrottleKey, usize>,
 }
 
 /// One open event stream; gives its place back when dropped (the client went away).
@@ -75,6 +82,7 @@ pub struct StreamSlot {
     state: web::Data<AppState>,
     conversation: uuid::Uuid,
     owner: String,
+    address: crate::auth::ThrottleKey,
 }
 
 /// Takes one from `map[key]`, forgetting keys that reach 0.
@@ -93,12 +101,15 @@ impl StreamCounter {
         self.open.lock().unwrap_or_else(|p| p.into_inner()).total
     }
 
-    /// Takes a place for `owner`'s stream on `conversation`, or says which limit is reached.
+    /// Takes a place for `owner`'s stream on `conversation` from `address`, or says which limit
+    /// is reached.
     pub fn open(
         state: &web::Data<AppState>,
         conversation: uuid::Uuid,
         owner: &str,
+        address: std::net::IpAddr,
     ) -> Result<StreamSlot, WebError> {
+        let address = crate::auth::ThrottleKey::address(address);
         let limits = &state.platform.config.limits;
         let mut open = state
             .streams
@@ -131,6 +142,17 @@ impl StreamCounter {
                 retry_after_s: 5,
             });
         }
+        let from_here = open.per_address.get(&address).copied().unwrap_or(0);
+        if from_here >= limits.max_streams_per_address {
+            return Err(WebError::TooManyRequests {
+                message: format!(
+                    "your address already has {from_here} open event streams (the limit per \
+                     address is {}); close some tabs or retry later",
+                    limits.max_streams_per_address
+                ),
+                retry_after_s: 5,
+            });
+        }
         if open.total >= limits.max_streams {
             return Err(WebError::Overloaded {
                 message: format!(
@@ -143,10 +165,12 @@ impl StreamCounter {
         open.total += 1;
         *open.per_conversation.entry(conversation).or_insert(0) += 1;
         *open.per_owner.entry(owner.to_string()).or_insert(0) += 1;
+        *open.per_address.entry(address.clone()).or_insert(0) += 1;
         Ok(StreamSlot {
             state: state.clone(),
             conversation,
             owner: owner.to_string(),
+            address,
         })
     }
 }
@@ -157,6 +181,7 @@ impl Drop for StreamSlot {
             open.total = open.total.saturating_sub(1);
             release(&mut open.per_conversation, &self.conversation);
             release(&mut open.per_owner, &self.owner);
+            release(&mut open.per_address, &self.address);
         }
     }
 }
@@ -177,6 +202,12 @@ pub struct AppState {
     pub accounts: Accounts,
     /// Forwards conversation turns to the replica holding their KV cache (see [`forward`]).
     pub forward: reqwest::Client,
+    /// `server.trusted_proxies` (see [`client`]).
+    pub proxies: client::TrustedProxies,
+    /// `server.allowed_hosts` (see [`client`]).
+    pub hosts: client::HostPolicy,
+    /// Wrong `/v1` keys and `/metrics` tokens per client address.
+    pub bearers: crate::auth::BearerThrottle,
 }
 
 /// The largest body `POST /api/conversations/import` reads (an exported conversation).
@@ -206,6 +237,15 @@ pub fn check_config(config: &crate::config::Config) -> Result<(), String> {
     Ok(())
 }
 
+/// Headers every JSON API answer (`/api`, `/v1`) gets unless it sets its own: about one caller,
+/// so never cached by anyone, and never sniffed as something other than its type.
+pub fn api_headers() -> actix_web::middleware::DefaultHeaders {
+    use actix_web::http::header;
+    actix_web::middleware::DefaultHeaders::new()
+        .add((header::CACHE_CONTROL, "no-store"))
+        .add((header::X_CONTENT_TYPE_OPTIONS, "nosniff"))
+}
+
 /// Registers every route on an app whose data holds a `web::Data<AppState>`.
 pub fn routes(cfg: &mut web::ServiceConfig) {
     cfg.service(
@@ -230,7 +270,8 @@ pub fn routes(cfg: &mut web::ServiceConfig) {
     .service(
         web::scope("/api")
             .wrap(from_fn(csrf::check_api_origin))
-            .wrap(from_fn(owner::owner_cookie))
+            .wrap(from_fn(owner::api_owner))
+            .wrap(api_headers())
             .service(
                 web::resource("/conversations")
                     .route(web::get().to(api::list))
@@ -290,7 +331,7 @@ pub fn routes(cfg: &mut web::ServiceConfig) {
     .service(
         web::resource("/")
             .wrap(from_fn(csrf::require_token))
-            .wrap(from_fn(owner::owner_cookie))
+            .wrap(from_fn(owner::chat_owner))
             .route(web::get().to(pages::index))
             // HEAD is GET without the body (actix-http drops it); probes and link checkers
             // send it.
@@ -300,13 +341,13 @@ pub fn routes(cfg: &mut web::ServiceConfig) {
     .service(
         web::resource("/conversations")
             .wrap(from_fn(csrf::require_token))
-            .wrap(from_fn(owner::owner_cookie))
+            .wrap(from_fn(owner::chat_owner))
             .route(web::get().to(pages::list)),
     )
     .service(
         web::scope("/c")
             .wrap(from_fn(csrf::require_token))
-            .wrap(from_fn(owner::owner_cookie))
+            .wrap(from_fn(owner::chat_owner))
             .route("", web::post().to(pages::create))
             .route("/{id}", web::get().to(pages::conversation))
             .route("/{id}", web::delete().to(pages::delete))
@@ -393,6 +434,13 @@ pub async fn run(platform: Platform) -> io::Result<()> {
     let admin = admin_auth(&platform, &cookie_key);
     let accounts = accounts(&platform, &cookie_key).await?;
     let limits = platform.config.limits.clone();
+    let limits_auth = platform.config.auth.clone();
+    let proxies = client::TrustedProxies::parse(&platform.config.server.trusted_proxies)
+        .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
+    let hosts = client::HostPolicy::new(
+        platform.config.server.allowed_hosts.as_deref(),
+        &platform.config.server.bind,
+    );
     let state = web::Data::new(AppState {
         streams: StreamCounter::default(),
         platform,
@@ -402,6 +450,16 @@ pub async fn run(platform: Platform) -> io::Result<()> {
         admin,
         accounts,
         forward: forward::client(),
+        proxies,
+        hosts,
+        // Four times a sign-in's free failures: a script with a stale key retries, and a whole
+        // office behind one address should not be locked out of /v1 by it at once.
+        bearers: crate::auth::BearerThrottle::new(crate::auth::ThrottlePolicy {
+            free_per_address: limits_auth
+                .login_free_failures_per_address
+                .saturating_mul(4),
+            ..throttle_policy(&limits_auth)
+        }),
     });
     // The heartbeat reports the open streams (weakly held: the state owns the platform).
     let counted = std::sync::Arc::downgrade(&state.clone().into_inner());
@@ -422,6 +480,20 @@ pub async fn run(platform: Platform) -> io::Result<()> {
             }
         });
     }
+
+    // Expired sessions (user and admin) are deleted hourly, whoever signs in or not.
+    let store = state.platform.store.clone();
+    actix_web::rt::spawn(async move {
+        let mut tick = actix_web::rt::time::interval(SESSION_PURGE_INTERVAL);
+        loop {
+            tick.tick().await;
+            match store.purge_expired_sessions().await {
+                Ok(0) => {}
+                Ok(n) => tracing::debug!(purged = n, "expired sessions purged"),
+                Err(e) => tracing::warn!("cannot purge expired sessions: {e}"),
+            }
+        }
+    });
 
     let app_state = state.clone();
     let http = HttpServer::new(move || {
@@ -446,6 +518,8 @@ pub async fn run(platform: Platform) -> io::Result<()> {
                 web::JsonConfig::default().error_handler(move |e, _| json_error(e.to_string())),
             )
             .wrap(from_fn(forward::affinity))
+            // Outside the affinity check, which passes the client on to the owning replica.
+            .wrap(from_fn(client::resolve))
             .wrap(from_fn(limit_url))
             .configure(routes)
             .default_service(web::to(not_found))
@@ -513,6 +587,9 @@ async fn accounts(platform: &Platform, cookie_key: &Key) -> io::Result<Accounts>
             signup: a.signup,
             session_lifetime: Duration::from_secs(a.user_session_s),
             throttle: throttle_policy(a),
+            signups_per_address: a.signups_per_address,
+            max_api_keys: a.max_api_keys_per_user,
+            max_sessions: a.max_sessions_per_user,
         },
     )
     .map_err(invalid)
@@ -617,23 +694,5 @@ mod tests {
         assert!(short.contains("auth.initial_admin_password"), "{short}");
         let bad = with("bad name!", "long enough").unwrap_err();
         assert!(bad.contains("auth.initial_admin:"), "{bad}");
-    }
-
-    #[test]
-    fn only_chat_routes_need_an_account_when_guests_are_off() {
-        for path in ["/", "/c", "/c/x", "/conversations", "/api/conversations"] {
-            assert!(owner::needs_account(path), "{path}");
-        }
-        for path in [
-            "/signin",
-            "/signup",
-            "/signout",
-            "/admin",
-            "/admin/live",
-            "/account",
-            "/cx",
-        ] {
-            assert!(!owner::needs_account(path), "{path}");
-        }
     }
 }

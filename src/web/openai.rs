@@ -78,6 +78,7 @@ pub fn routes(cfg: &mut web::ServiceConfig) {
     cfg.service(
         web::scope("/v1")
             .wrap(from_fn(require_api_key))
+            .wrap(super::api_headers())
             .service(
                 web::resource("/models")
                     .route(web::get().to(models))
@@ -130,10 +131,15 @@ pub struct ApiAccount {
 #[derive(Clone, Copy, Debug)]
 struct GlobalKey;
 
-/// Authenticates a `/v1` request. A bearer that equals `server.api_key` passes as today; one
-/// shaped like a personal key (`sk-smol-…`) must be live (401 when unknown, revoked or its
-/// account disabled) and attributes the request to its account; without either, the request
-/// passes only when no `server.api_key` is configured (anonymous, keyed by address).
+/// Authenticates a `/v1` request. A bearer that equals `server.api_key` passes; one shaped like
+/// a personal key (`sk-smol-…`) must be live (401 when unknown, revoked or its account disabled)
+/// and attributes the request to its account. Without either, the request passes only when no
+/// `server.api_key` is configured and guests are allowed (`auth.guests`): it is then anonymous,
+/// counted by its client address whatever bearer it sends (an unknown bearer is not an
+/// identity, or every made-up string would be a fresh user for the per-user limits).
+///
+/// Wrong keys are throttled per address like wrong passwords (`auth.login_free_failures_*`):
+/// past the free failures, every bearer from that address gets 429 until the lockout ends.
 async fn require_api_key(
     req: ServiceRequest,
     next: Next<impl MessageBody>,
@@ -141,6 +147,7 @@ async fn require_api_key(
     let Some(state) = req.app_data::<web::Data<AppState>>().cloned() else {
         return Err(ApiError::internal("application state missing").into());
     };
+    let client = super::client::Client::of(req.request());
     let global = state
         .platform
         .config
@@ -158,7 +165,18 @@ async fn require_api_key(
                 .eq_ignore_ascii_case("bearer")
                 .then(|| token.trim().to_string())
         });
+    let anonymous_allowed = global.is_none() && state.platform.config.auth.guests;
     if let Some(token) = given {
+        if let Some(lockout) = state.bearers.locked(client.address) {
+            return Err(ApiError::rate_limited(
+                format!(
+                    "too many wrong API keys from this address; try again in {} s",
+                    lockout.retry_after_s()
+                ),
+                lockout.retry_after_s(),
+            )
+            .into());
+        }
         // Compared as SHA-256 digests in constant time: timing says nothing about the key's
         // length or how much of a guess was right.
         if global.is_some_and(|key| {
@@ -175,24 +193,37 @@ async fn require_api_key(
                 return next.call(req).await;
             }
             Err(crate::auth::AuthError::KeyRefused) => {
+                state.bearers.failed(client.address);
                 return Err(ApiError::unauthorized(
                     "this API key is unknown or revoked, or its account is disabled",
                 )
-                .into())
+                .into());
             }
             Err(e) => {
                 return Err(ApiError::unavailable(format!("cannot check the API key ({e})")).into())
             }
-            Ok(None) if global.is_some() => {
-                return Err(ApiError::unauthorized("invalid API key").into())
+            Ok(None) if !anonymous_allowed => {
+                state.bearers.failed(client.address);
+                return Err(ApiError::unauthorized(if global.is_some() {
+                    "invalid API key"
+                } else {
+                    "this server has no guest access: send a personal API key (make one on \
+                     /account)"
+                })
+                .into());
             }
-            // No key is configured: any other bearer is accepted as before.
+            // Anonymous use is allowed: the bearer is ignored (llama-server clients send a
+            // placeholder), and the request counts against its address.
             Ok(None) => {}
         }
-    } else if global.is_some() {
-        return Err(
-            ApiError::unauthorized("missing API key: send `Authorization: Bearer <key>`").into(),
-        );
+    } else if !anonymous_allowed {
+        return Err(ApiError::unauthorized(if global.is_some() {
+            "missing API key: send `Authorization: Bearer <key>`"
+        } else {
+            "this server has no guest access: send `Authorization: Bearer <key>` with a \
+             personal API key (make one on /account)"
+        })
+        .into());
     }
     next.call(req).await
 }
@@ -319,7 +350,12 @@ async fn chat_completions(
     })
     .await
     .map_err(|e| ApiError::internal(format!("prompt task: {e}")))??;
-    tracing::debug!(prompt = %text, tokens = prompt.len(), "chat completion prompt");
+    // Sizes only: prompts are users' words and do not belong in logs.
+    tracing::debug!(
+        bytes = text.len(),
+        tokens = prompt.len(),
+        "chat completion prompt"
+    );
     let assembler = ChatAssembler::new(prompt_ends_in_open_think(&text), parse_tool_calls);
     let salt = cache_salt(&http, &req.common);
     let user = client_identity(&http);
@@ -461,7 +497,7 @@ fn usage(s: &GenSummary) -> Value {
 /// time to first token. Hashed with a key drawn at start-up, so that neither API keys nor
 /// names reach the model worker's cache keys (or its debug logs).
 fn cache_salt(http: &HttpRequest, common: &Common) -> String {
-    let ip = http.peer_addr().map(|a| a.ip().to_string());
+    let ip = super::client::Client::of(http).address;
     format!(
         "{:016x}",
         process_hash(&(ip, bearer(http), common.cache_salt.as_str()))
@@ -483,19 +519,19 @@ fn process_hash(value: &impl std::hash::Hash) -> u64 {
 }
 
 /// Who a request is for, for fair sharing and per-user limits in the scheduler and for usage:
-/// the account of a personal API key, else the bearer key when one is sent (per-key limits),
-/// else the client's address (per-address limits for guests). Unlike the cache salt, nothing in
-/// the body changes it, so a client cannot escape its limits by naming itself differently.
+/// the account of a personal API key, the holder of `server.api_key`, else the client's address
+/// (IPv6 by its /64, as the throttles count). Nothing the client writes (a made-up bearer, the
+/// body's `user`) changes it, so a client cannot escape its limits by naming itself anew.
 fn client_identity(http: &HttpRequest) -> String {
-    if let Some(ApiAccount { id: user, .. }) = http.extensions().get::<ApiAccount>() {
+    let ext = http.extensions();
+    if let Some(ApiAccount { id: user, .. }) = ext.get::<ApiAccount>() {
         return user.clone();
     }
-    let auth = bearer(http);
-    let ip = match auth {
-        Some(_) => None,
-        None => http.peer_addr().map(|a| a.ip().to_string()),
-    };
-    format!("api:{:016x}", process_hash(&("client", ip, auth)))
+    if ext.get::<GlobalKey>().is_some() {
+        return "api:server-key".to_string();
+    }
+    let address = crate::auth::ThrottleKey::address(super::client::Client::of(http).address);
+    format!("api:{:016x}", process_hash(&("address", address)))
 }
 
 /// Checks the prompt against the context window, submits it and answers (streamed or whole).

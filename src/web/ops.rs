@@ -156,25 +156,59 @@ pub async fn readyz(state: web::Data<AppState>) -> HttpResponse {
     }
 }
 
-/// `GET /metrics`: Prometheus text exposition.
+/// `GET /metrics`: Prometheus text exposition. With `server.metrics_token` it needs that bearer
+/// (wrong ones are throttled per address like wrong API keys); without one it answers only
+/// clients on this machine (a loopback address, not through a trusted proxy), so a server bound
+/// to a public address does not publish its metrics by default.
 pub async fn metrics(state: web::Data<AppState>, req: HttpRequest) -> HttpResponse {
-    if let Some(token) = state.platform.config.server.metrics_token.as_deref() {
-        let given = req
-            .headers()
-            .get(header::AUTHORIZATION)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "))
-            .unwrap_or("");
-        if !crate::auth::secret::matches(given, &crate::auth::secret::digest(token)) {
-            return HttpResponse::Unauthorized()
-                .insert_header((header::WWW_AUTHENTICATE, "Bearer"))
-                .json(json!({
-                    "error": {
-                        "message": "/metrics needs `Authorization: Bearer <server.metrics_token>`",
-                        "type": "unauthorized",
-                    }
-                }));
+    let client = super::client::Client::of(&req);
+    match state.platform.config.server.metrics_token.as_deref() {
+        Some(token) if !token.is_empty() => {
+            if let Some(lockout) = state.bearers.locked(client.address) {
+                return HttpResponse::TooManyRequests()
+                    .insert_header((header::RETRY_AFTER, lockout.retry_after_s()))
+                    .json(json!({
+                        "error": {
+                            "message": format!(
+                                "too many wrong tokens from this address; try again in {} s",
+                                lockout.retry_after_s()
+                            ),
+                            "type": "rate_limited",
+                        }
+                    }));
+            }
+            let given = req
+                .headers()
+                .get(header::AUTHORIZATION)
+                .and_then(|v| v.to_str().ok())
+                .and_then(|v| v.strip_prefix("Bearer "));
+            let right = given.is_some_and(|given| {
+                crate::auth::secret::matches(given, &crate::auth::secret::digest(token))
+            });
+            if !right {
+                if given.is_some() {
+                    state.bearers.failed(client.address);
+                }
+                return HttpResponse::Unauthorized()
+                    .insert_header((header::WWW_AUTHENTICATE, "Bearer"))
+                    .json(json!({
+                        "error": {
+                            "message": "/metrics needs `Authorization: Bearer <server.metrics_token>`",
+                            "type": "unauthorized",
+                        }
+                    }));
+            }
         }
+        _ if !(client.address.is_loopback() && !client.proxied) => {
+            return HttpResponse::Forbidden().json(json!({
+                "error": {
+                    "message": "/metrics answers only this machine until server.metrics_token \
+                                is set; set it and send `Authorization: Bearer <token>`",
+                    "type": "forbidden",
+                }
+            }));
+        }
+        _ => {}
     }
     let Some(handle) = &state.metrics else {
         return HttpResponse::NotFound().json(json!({

@@ -15,18 +15,17 @@ use std::future::{ready, Ready};
 
 use actix_web::body::{EitherBody, MessageBody};
 use actix_web::cookie::time::Duration as CookieDuration;
-use actix_web::cookie::{Cookie, CookieJar, Key, SameSite};
+use actix_web::cookie::{CookieJar, Key, SameSite};
 use actix_web::dev::{Payload, ServiceRequest, ServiceResponse};
 use actix_web::middleware::Next;
 use actix_web::{web, FromRequest, HttpMessage, HttpRequest};
 use uuid::Uuid;
 
+use super::client::Client;
 use super::error::WebError;
 use super::AppState;
 
-pub const COOKIE_NAME: &str = "smolchat_owner";
-/// The account session cookie (see [`super::account`]).
-pub const SESSION_COOKIE: &str = "smolchat_session";
+pub use super::cookies::{OWNER as COOKIE_NAME, SESSION as SESSION_COOKIE};
 
 /// The caller's owner id (set by [`owner_cookie`] on every request of the scopes it wraps).
 ///
@@ -40,6 +39,9 @@ pub struct Owner {
     address: Option<std::net::IpAddr>,
     /// The account's name (`None` for guests).
     name: Option<String>,
+    /// The stored id of the account's session (`None` for guests): the CSRF token is bound to
+    /// it, so signing out, or in again, gives a new token.
+    session: Option<String>,
 }
 
 impl Owner {
@@ -60,16 +62,31 @@ impl Owner {
             guest: true,
             address,
             name: None,
+            session: None,
         }
     }
 
-    fn account(user: &crate::store::User, address: Option<std::net::IpAddr>) -> Self {
+    fn account(
+        user: &crate::store::User,
+        address: Option<std::net::IpAddr>,
+        session: Option<String>,
+    ) -> Self {
         Owner {
             id: user.id.clone(),
             admin: user.is_admin(),
             guest: false,
             address,
             name: Some(user.name.clone()),
+            session,
+        }
+    }
+
+    /// What this caller's CSRF token is bound to: the guest's owner id, or the account and its
+    /// session (see [`super::csrf`]).
+    pub fn csrf_subject(&self) -> String {
+        match &self.session {
+            Some(session) => format!("{}/{session}", self.id),
+            None => self.id.clone(),
         }
     }
 
@@ -124,8 +141,9 @@ fn verified_owner(
     req: &ServiceRequest,
     key: &Key,
     address: Option<std::net::IpAddr>,
+    https: bool,
 ) -> Option<Owner> {
-    let cookie = req.cookie(COOKIE_NAME)?;
+    let cookie = req.cookie(&super::cookies::name(COOKIE_NAME, https))?;
     let jar = CookieJar::new();
     let verified = jar.signed(key).verify(cookie)?;
     // Only ids this server minted verify, but parsing keeps the stored owner column clean even
@@ -134,26 +152,17 @@ fn verified_owner(
     Some(Owner::guest(id.to_string(), address))
 }
 
-/// Whether `path` serves a guest's data (chat pages, the JSON API), which `auth.guests = false`
-/// keeps for accounts. Sign-in, sign-up and `/admin` (its own sign-in) stay reachable.
-pub(super) fn needs_account(path: &str) -> bool {
-    path == "/"
-        || path == "/c"
-        || path.starts_with("/c/")
-        || path == "/conversations"
-        || path.starts_with("/api/")
-}
-
 /// The refusal of a guest where guests are off: 401 JSON under `/api`, else a redirect to
 /// `/signin`: 401 with `HX-Redirect` for HTMX (a 303 would be followed inside the XHR), 303 for
-/// everything else.
-fn guests_off(path: &str, htmx: bool) -> actix_web::HttpResponse {
+/// everything else. `api` is whether the route is the JSON API's (decided by the scope, never by
+/// the raw path).
+fn guests_off(api: bool, htmx: bool) -> actix_web::HttpResponse {
     if htmx {
         return actix_web::HttpResponse::Unauthorized()
             .insert_header(("HX-Redirect", "/signin"))
             .finish();
     }
-    if path.starts_with("/api/") {
+    if api {
         return actix_web::HttpResponse::Unauthorized().json(serde_json::json!({
             "error": {
                 "message": "this server has no guest access: sign in at /signin",
@@ -166,22 +175,69 @@ fn guests_off(path: &str, htmx: bool) -> actix_web::HttpResponse {
         .finish()
 }
 
-/// Middleware: attaches the caller's [`Owner`] to the request: the account of a valid session
-/// cookie, else the guest of the owner cookie (minting one, and setting its cookie on the
-/// response, when the request has no valid cookie). A session cookie that is no longer valid
-/// (signed out elsewhere, expired, password changed, account disabled) is dropped.
+/// Which routes a middleware instance wraps, which decides what a guest gets where guests are
+/// off. The gate is chosen where the route is registered (in [`super::routes`]), so no spelling
+/// of a path (percent-encoding, a doubled slash) can move a request from one to the other.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Gate {
+    /// Sign-in, sign-up, the account pages and `/admin` (its own sign-in): guests pass.
+    Open,
+    /// Chat pages: guests are redirected to `/signin` when `auth.guests = false`.
+    ChatPages,
+    /// The JSON API: guests get 401 when `auth.guests = false`.
+    Api,
+}
+
+/// Middleware for routes any visitor may reach (sign-in, sign-up, `/admin`): attaches the
+/// caller's [`Owner`] (see [`attach_owner`]).
 pub async fn owner_cookie(
     req: ServiceRequest,
     next: Next<impl MessageBody>,
 ) -> Result<ServiceResponse<EitherBody<impl MessageBody>>, actix_web::Error> {
+    attach_owner(req, next, Gate::Open).await
+}
+
+/// Middleware for the chat pages: [`owner_cookie`], and with `auth.guests = false` a guest is
+/// sent to `/signin`.
+pub async fn chat_owner(
+    req: ServiceRequest,
+    next: Next<impl MessageBody>,
+) -> Result<ServiceResponse<EitherBody<impl MessageBody>>, actix_web::Error> {
+    attach_owner(req, next, Gate::ChatPages).await
+}
+
+/// Middleware for the JSON API: [`owner_cookie`], and with `auth.guests = false` a guest gets
+/// 401.
+pub async fn api_owner(
+    req: ServiceRequest,
+    next: Next<impl MessageBody>,
+) -> Result<ServiceResponse<EitherBody<impl MessageBody>>, actix_web::Error> {
+    attach_owner(req, next, Gate::Api).await
+}
+
+/// Attaches the caller's [`Owner`] to the request: the account of a valid session cookie, else
+/// the guest of the owner cookie (minting one, and setting its cookie on the response, when the
+/// request has no valid cookie). A session cookie that is no longer valid (signed out
+/// elsewhere, expired, password changed, account disabled) is dropped.
+async fn attach_owner(
+    req: ServiceRequest,
+    next: Next<impl MessageBody>,
+    gate: Gate,
+) -> Result<ServiceResponse<EitherBody<impl MessageBody>>, actix_web::Error> {
     let Some(state) = req.app_data::<web::Data<AppState>>().cloned() else {
         return Err(WebError::Internal("application state missing".into()).into());
     };
-    let address = req.peer_addr().map(|a| a.ip());
+    let client = req
+        .extensions()
+        .get::<Client>()
+        .copied()
+        .ok_or_else(|| WebError::Internal("client middleware not installed".into()))?;
+    let address = Some(client.address);
     let mut stale_session = false;
-    let account = match req.cookie(SESSION_COOKIE) {
+    let session_name = super::cookies::name(SESSION_COOKIE, client.https);
+    let account = match req.cookie(&session_name) {
         Some(cookie) => match state.accounts.session(cookie.value()).await {
-            Ok(Some(user)) => Some(user),
+            Ok(Some(user)) => Some((user, crate::auth::secret::session_id(cookie.value()))),
             Ok(None) => {
                 stale_session = true;
                 None
@@ -192,27 +248,28 @@ pub async fn owner_cookie(
         None => None,
     };
     let (owner, minted) = match account {
-        Some(user) => (Owner::account(&user, address), false),
-        None => match verified_owner(&req, &state.cookie_key, address) {
+        Some((user, session)) => (Owner::account(&user, address, session), false),
+        None => match verified_owner(&req, &state.cookie_key, address, client.https) {
             Some(owner) => (owner, false),
             None => (Owner::new_random(address), true),
         },
     };
-    if owner.guest && !state.platform.config.auth.guests && needs_account(req.path()) {
-        let path = req.path().to_string();
+    if owner.guest && !state.platform.config.auth.guests && gate != Gate::Open {
         let htmx = req.headers().contains_key("HX-Request");
         return Ok(req
-            .into_response(guests_off(&path, htmx))
+            .into_response(guests_off(gate == Gate::Api, htmx))
             .map_into_right_body());
     }
-    let secure = req.connection_info().scheme() == "https";
+    let secure = client.https;
     req.extensions_mut().insert(owner.clone());
     let mut res = next.call(req).await?;
     if stale_session {
-        let mut gone = Cookie::build(SESSION_COOKIE, "").path("/").finish();
-        gone.make_removal();
+        let gone = super::cookies::removal(SESSION_COOKIE, secure, "/");
         // A handler that set a new session cookie (sign-in) wins.
-        let replaced = res.response().cookies().any(|c| c.name() == SESSION_COOKIE);
+        let replaced = res
+            .response()
+            .cookies()
+            .any(|c| c.name() == session_name.as_ref());
         if !replaced {
             if let Err(e) = res.response_mut().add_cookie(&gone) {
                 tracing::warn!("cannot drop a stale session cookie: {e}");
@@ -222,11 +279,8 @@ pub async fn owner_cookie(
     if minted {
         let mut jar = CookieJar::new();
         jar.signed_mut(&state.cookie_key).add(
-            Cookie::build(COOKIE_NAME, owner.id.clone())
-                .path("/")
-                .http_only(true)
+            super::cookies::build(COOKIE_NAME, owner.id.clone(), secure, "/")
                 .same_site(SameSite::Lax)
-                .secure(secure)
                 // Long-lived: losing it means losing one's conversations.
                 .max_age(CookieDuration::days(400))
                 .finish(),

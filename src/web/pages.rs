@@ -263,6 +263,23 @@ pub struct MessageView {
     pub stats: String,
 }
 
+/// The views of `messages` (user and assistant ones), their markdown rendered on a blocking
+/// thread: a long history is CPU work the event loop must not wait on.
+pub async fn message_views(
+    messages: Vec<Message>,
+    replying: bool,
+) -> Result<Vec<MessageView>, WebError> {
+    web::block(move || {
+        messages
+            .iter()
+            .filter(|m| matches!(m.role, Role::User | Role::Assistant))
+            .map(|m| MessageView::from_message(m, replying))
+            .collect()
+    })
+    .await
+    .map_err(|e| WebError::Internal(format!("rendering messages: {e}")))
+}
+
 impl MessageView {
     pub fn from_message(m: &Message, replying: bool) -> MessageView {
         let assistant = m.role == Role::Assistant;
@@ -363,7 +380,7 @@ pub struct MessageFragment {
 }
 
 fn csrf_token(state: &AppState, owner: &Owner) -> String {
-    csrf::token_for(&state.cookie_key, owner.as_str())
+    csrf::token_for(&state.cookie_key, &owner.csrf_subject())
 }
 
 async fn chat_page(
@@ -383,8 +400,14 @@ async fn chat_page(
     let context_used = messages
         .iter()
         .rev()
-        .find_map(|m| Some(m.prompt_tokens? + m.completion_tokens.unwrap_or(0)))
+        .find_map(|m| {
+            Some(
+                m.prompt_tokens?
+                    .saturating_add(m.completion_tokens.unwrap_or(0)),
+            )
+        })
         .unwrap_or(0);
+    let views = message_views(messages, replying).await?;
     let settings = conversation
         .as_ref()
         .map(|c| c.settings.clone())
@@ -400,11 +423,7 @@ async fn chat_page(
             .as_ref()
             .map(|c| title_or_default(&c.title))
             .unwrap_or_else(|| "New chat".into()),
-        messages: messages
-            .iter()
-            .filter(|m| matches!(m.role, Role::User | Role::Assistant))
-            .map(|m| MessageView::from_message(m, replying))
-            .collect(),
+        messages: views,
         replying,
         context_used,
         context_window: state.platform.model.context_window,
@@ -486,9 +505,11 @@ pub async fn message(
             ConversationError::NotFound => WebError::NotFound("message not found".into()),
             other => other.into(),
         })?;
-    html(&MessageFragment {
-        m: MessageView::from_message(&m, replying),
-    })
+    let m = message_views(vec![m], replying)
+        .await?
+        .pop()
+        .ok_or_else(|| WebError::NotFound("message not found".into()))?;
+    html(&MessageFragment { m })
 }
 
 #[derive(Deserialize)]

@@ -42,13 +42,19 @@ impl Browser {
     /// A client whose connections come from `127.0.0.{last}`, after a GET of `first` (a page
     /// that embeds a CSRF token).
     pub async fn at(server: &Server, last: u8, first: &str) -> Browser {
+        Browser::at_base(&server.base, Ipv4Addr::new(127, 0, 0, last), first).await
+    }
+
+    /// A client of the server (or proxy) at `base` whose connections come from `address` (a
+    /// loopback address), after a GET of `first`.
+    pub async fn at_base(base: &str, address: Ipv4Addr, first: &str) -> Browser {
         let mut c = Browser {
             http: reqwest::Client::builder()
                 .redirect(reqwest::redirect::Policy::none())
-                .local_address(IpAddr::V4(Ipv4Addr::new(127, 0, 0, last)))
+                .local_address(IpAddr::V4(address))
                 .build()
                 .expect("client"),
-            base: server.base.clone(),
+            base: base.to_string(),
             cookies: BTreeMap::new(),
             csrf: None,
         };
