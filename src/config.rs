@@ -165,8 +165,12 @@ pub struct LimitsConfig {
     /// Conversations one owner may have stored in all (0: no limit). More: 429.
     pub max_conversations_per_user: u64,
     /// Generated tokens one user (owner, API key or API client address) may use per minute;
-    /// a request while over it is refused with 429 (0: no limit).
+    /// a request while over it is refused with 429 (0: no limit). Prompt tokens computed for
+    /// a request count too.
     pub tokens_per_minute_per_user: u64,
+    /// The same for all guests of one client address together (guest owners cost nothing to
+    /// mint, so each would otherwise bring a fresh quota); 0: no limit.
+    pub tokens_per_minute_per_guest_address: u64,
     /// Messages an imported conversation may hold at most.
     pub max_import_messages: usize,
     /// Open event streams from one client address (guests mint owners for free, so the
@@ -395,6 +399,7 @@ impl Default for LimitsConfig {
             conversations_per_minute: 30,
             max_conversations_per_user: 10_000,
             tokens_per_minute_per_user: 20_000,
+            tokens_per_minute_per_guest_address: 80_000,
             max_import_messages: 2_000,
             max_streams_per_address: 64,
             stream_stall_timeout_s: 30,

@@ -69,7 +69,13 @@ async fn start(dir: &std::path::Path, token: &str, extra: &[(&str, &str)]) -> Se
 #[tokio::test]
 async fn admin_sessions_are_server_side() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let server = start(dir.path(), TOKEN, &[]).await;
+    // The test client's address doubles as a TLS-terminating proxy's (below).
+    let server = start(
+        dir.path(),
+        TOKEN,
+        &[("SMOLCHAT_SERVER__TRUSTED_PROXIES", "[\"127.0.0.1\"]")],
+    )
+    .await;
 
     // Two sign-ins get two different random cookies, not a shared constant.
     let mut a = admin_client(&server, 1).await;
@@ -92,14 +98,38 @@ async fn admin_sessions_are_server_side() {
     assert_eq!(ca.len(), 64, "{ca}");
     assert!(!ca.contains(TOKEN) && !cb.contains(TOKEN));
 
-    // Behind a TLS-terminating proxy (X-Forwarded-Proto: https) the cookie is Secure.
-    let mut tls = admin_client(&server, 1).await;
-    let page = tls
+    // Behind a trusted TLS-terminating proxy (X-Forwarded-Proto: https) the cookie is Secure,
+    // named `__Host-…` and scoped to `Path=/` (which that prefix requires).
+    // The browser is on HTTPS from its first page on (its owner cookie and CSRF token too).
+    let mut https = admin_client(&server, 1).await;
+    https.cookies.clear();
+    let first = https
+        .call(
+            reqwest::Method::GET,
+            "/admin",
+            None,
+            &[("X-Forwarded-Proto", "https")],
+        )
+        .await;
+    assert!(first
+        .set_cookies()
+        .join("")
+        .contains("__Host-smolchat_owner="));
+    let page = https
         .login_with(TOKEN, &[("X-Forwarded-Proto", "https")])
         .await;
     assert_eq!(page.status, StatusCode::NO_CONTENT);
-    assert!(page.set_cookies().join("\n").contains("Secure"));
+    let set = page.set_cookies().join("\n");
+    assert!(
+        set.contains("__Host-smolchat_admin=")
+            && set.contains("Secure")
+            && set.contains("Path=/")
+            && !set.contains("Path=/admin"),
+        "{set}"
+    );
     // Signing in again replaces the browser's session: the previous cookie stops working.
+    let mut tls = admin_client(&server, 1).await;
+    assert_eq!(tls.login(TOKEN).await.status, StatusCode::NO_CONTENT);
     let first = tls.session().expect("tls's cookie");
     assert_eq!(tls.login(TOKEN).await.status, StatusCode::NO_CONTENT);
     let second = tls.session().expect("the new cookie");

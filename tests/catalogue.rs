@@ -1297,7 +1297,7 @@ async fn slow_and_oversized_request_heads_are_cut_off() {
         .await
         .expect("connect");
     let started = std::time::Instant::now();
-    let head = b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Slow: aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa";
+    let head = b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa";
     let mut cut_off = false;
     for byte in head.iter() {
         if stream.write_all(&[*byte]).await.is_err() {
@@ -1334,7 +1334,7 @@ async fn slow_and_oversized_request_heads_are_cut_off() {
         .await
         .expect("connect");
     let big = format!(
-        "GET /healthz HTTP/1.1\r\nHost: x\r\nX-Big: {}\r\n\r\n",
+        "GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: {}\r\n\r\n",
         "b".repeat(200 << 10)
     );
     let _ = stream.write_all(big.as_bytes()).await;

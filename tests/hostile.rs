@@ -399,7 +399,7 @@ async fn unclear_answers_are_now_clear() {
     let mut tcp = std::net::TcpStream::connect(&addr).expect("connect");
     tcp.set_read_timeout(Some(Duration::from_secs(10)))
         .expect("timeout");
-    tcp.write_all(b"GET / HTTP/1.1\r\nHost: x\r\nthis is not a header\r\n\r\n")
+    tcp.write_all(b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\nthis is not a header\r\n\r\n")
         .expect("write");
     let mut answer = String::new();
     let _ = tcp.read_to_string(&mut answer);
@@ -601,7 +601,7 @@ async fn streams_and_slow_bodies_are_bounded() {
     tcp.set_read_timeout(Some(Duration::from_secs(10)))
         .expect("timeout");
     tcp.write_all(
-        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n\
           Content-Length: 100\r\n\r\n{\"messages\"",
     )
     .expect("write");

@@ -506,3 +506,146 @@ fn replica_name(page: &str, port: u16) -> String {
         })
         .unwrap_or_default()
 }
+
+/// Issue 21, findings 8 and 13: between replicas only what is signed with the shared secret is
+/// believed. A forwarding header written by an outside client no longer keeps a turn from its
+/// replica (the turn is forwarded as usual); a forwarded turn's body is read under the body
+/// timeout (a declared body that never comes gets 408, as everywhere else); and a bus message
+/// without the secret's signature (any role that can `NOTIFY` the channel could send one) is
+/// ignored, while a signed one is acted on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn forwarding_and_the_bus_believe_only_what_is_signed() {
+    let Some(url) = common::pg::fresh_database().await else {
+        return;
+    };
+    let dir = tempfile::tempdir().expect("tempdir");
+    let env = [
+        ("SMOLCHAT_SERVER__COOKIE_SECRET", COOKIE_SECRET),
+        ("SMOLCHAT_REPLICA__HEARTBEAT_MS", HEARTBEAT_MS),
+        ("SMOLCHAT_REPLICA__LEASE_MS", LEASE_MS),
+        ("SMOLCHAT_MODEL__THREADS", "1"),
+        ("SMOLCHAT_LIMITS__BODY_TIMEOUT_S", "2"),
+    ];
+    let mut servers = Vec::new();
+    for i in 0..2 {
+        let sub = dir.path().join(format!("replica-{i}"));
+        std::fs::create_dir_all(&sub).expect("replica dir");
+        servers.push(Server::start_on(&sub, &url, &env).await);
+    }
+    let (a, b) = (&servers[0], &servers[1]);
+    for s in [a, b] {
+        let probe = s.client();
+        let seen = common::server::eventually(Duration::from_secs(20), || {
+            let probe = &probe;
+            async move {
+                let text = probe.metrics().await;
+                (common::server::metric(&text, "smolchat_live_replicas") == Some(2.0)).then_some(())
+            }
+        })
+        .await;
+        assert!(seen.is_some(), "the replicas did not see each other");
+    }
+    // A conversation that `b` owns (a replica creates ids it owns), used through `a`.
+    let user = Client::new(&b.base);
+    let id = user
+        .create(json!({"temperature": 0, "max_tokens": 3}))
+        .await;
+    let via_a = Client::with_cookie(&a.base, user.cookie());
+    let forwarded = || async {
+        let text = via_a.metrics().await;
+        common::server::metric(
+            &text,
+            "smolchat_forwarded_turns_total{outcome=\"forwarded\"}",
+        )
+        .unwrap_or(0.0)
+    };
+
+    // A turn to `a` carrying a forwarding header nobody signed: forwarded to `b` all the same.
+    let before = forwarded().await;
+    let r = reqwest::Client::new()
+        .post(format!("{}/api/conversations/{id}/messages", a.base))
+        .header(reqwest::header::COOKIE, user.cookie().expect("cookie"))
+        .header("x-smolchat-forwarded-by", b.pid().to_string())
+        .json(&json!({"content": "Hello"}))
+        .send()
+        .await
+        .expect("request");
+    assert_eq!(r.status(), StatusCode::ACCEPTED);
+    assert_eq!(
+        forwarded().await,
+        before + 1.0,
+        "the forged header kept the turn here"
+    );
+    wait_idle(&user, &id).await;
+
+    // A forwarded turn whose declared body never arrives: 408 after the body timeout (2 s), not
+    // a connection held for ever. The deadline is the hang guard.
+    let mut raw = tokio::net::TcpStream::connect(format!("127.0.0.1:{}", a.port))
+        .await
+        .expect("connect");
+    let head = format!(
+        "POST /api/conversations/{id}/messages HTTP/1.1\r\nHost: 127.0.0.1\r\nCookie: {}\r\n\
+         Content-Type: application/json\r\nContent-Length: 4000000\r\n\r\n",
+        user.cookie().expect("cookie")
+    );
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    raw.write_all(head.as_bytes()).await.expect("write");
+    let mut answer = vec![0u8; 512];
+    let n = tokio::time::timeout(Duration::from_secs(30), raw.read(&mut answer))
+        .await
+        .expect("no answer within 30 s to a body that never came (hang guard)")
+        .expect("read");
+    let answer = String::from_utf8_lossy(&answer[..n]);
+    assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
+
+    // The bus. A viewer on `a` of the conversation `b` generates in.
+    let mut viewer = via_a.events(&id).await;
+    let payload = json!({"c": id, "from": uuid::Uuid::now_v7(), "k": "deleted"}).to_string();
+    let mut pg = <sqlx::PgConnection as sqlx::Connection>::connect(&url)
+        .await
+        .expect("connect to the database");
+    // Unsigned, as a role on the database could send it: ignored.
+    sqlx::query("SELECT pg_notify('smolchat_cluster', $1)")
+        .bind(&payload)
+        .execute(&mut pg)
+        .await
+        .expect("notify");
+    // A turn committed after it: notifications arrive in commit order, so the viewer's session
+    // had the unsigned message before this reply's events, and still follows the reply.
+    let sent = user.send(&id, "Again").await;
+    assert_eq!(sent.status, StatusCode::ACCEPTED, "{}", sent.text);
+    viewer.until("done").await;
+    let text = via_a.metrics().await;
+    assert!(
+        common::server::metric(&text, "smolchat_bus_forgeries_total").unwrap_or(0.0) >= 1.0,
+        "the unsigned message was not counted"
+    );
+    // Signed with the shared secret, the same message is believed: the session there ends,
+    // and with it the viewer's stream.
+    let mac =
+        smolchat::auth::secret::fingerprint(COOKIE_SECRET.as_bytes(), "smolchat-bus-v1", &payload);
+    sqlx::query("SELECT pg_notify('smolchat_cluster', $1)")
+        .bind(format!("{mac}.{payload}"))
+        .execute(&mut pg)
+        .await
+        .expect("notify");
+    loop {
+        match viewer.next().await {
+            None => break,
+            Some(ev) => assert_ne!(ev.event, "error", "{ev:?}"),
+        }
+    }
+}
+
+/// Waits until the conversation's reply is no longer running.
+async fn wait_idle(c: &Client, id: &str) {
+    let done = common::server::eventually(Duration::from_secs(120), || async {
+        let v = c.conversation(id).await;
+        (!v["replying"].as_bool().unwrap_or(false)).then_some(())
+    })
+    .await;
+    assert!(
+        done.is_some(),
+        "the reply did not finish (hang guard: 120 s)"
+    );
+}

@@ -975,10 +975,14 @@ async fn the_same_setting_gets_the_same_verdict_everywhere_and_ignore_eos_is_for
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_global_api_key_may_ignore_eos() {
     let dir = tempdir();
-    let server = Server::start(dir.path(), &[("SMOLCHAT_SERVER__API_KEY", "sk-root")]).await;
+    let server = Server::start(
+        dir.path(),
+        &[("SMOLCHAT_SERVER__API_KEY", "sk-root-global-key")],
+    )
+    .await;
     let r = v1(
         &server,
-        Some("sk-root"),
+        Some("sk-root-global-key"),
         &json!({"messages": [{"role": "user", "content": "hi"}], "ignore_eos": true,
                 "max_tokens": 12, "temperature": 0}),
     )

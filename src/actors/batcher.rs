@@ -34,6 +34,8 @@ pub struct BatcherConfig {
     /// Tokens one user may have generated over the last minute before a new request of theirs
     /// is refused (0: no limit).
     pub tokens_per_minute_per_user: u64,
+    /// The same for a request's group (a guest's address) together (0: no limit).
+    pub tokens_per_minute_per_group: u64,
 }
 
 /// The window per-user token usage is counted over.
@@ -147,6 +149,8 @@ struct Entry {
     cache_key: Option<String>,
     /// Who the work is for; `None` (tools, tests) counts as one anonymous user without caps.
     user: Option<String>,
+    /// The user's group with a token quota of its own (`group:`-prefixed), if any.
+    group: Option<String>,
     /// Prompt tokens still to prefill. Starts at the prompt length (an upper bound: the worker
     /// may find a cached prefix) and is corrected by the worker's reports.
     remaining_prefill: usize,
@@ -241,6 +245,20 @@ impl Batcher {
         prompt_len: usize,
         deadline: Option<Instant>,
     ) -> Result<RequestId, SubmitError> {
+        self.submit_grouped(user, None, cache_key, prompt_len, deadline)
+    }
+
+    /// Accepts the request of `user` of `group` into the queue, or refuses it at once: the
+    /// group's token quota is checked like the user's, and its usage counted with theirs.
+    pub fn submit_grouped(
+        &mut self,
+        user: Option<String>,
+        group: Option<String>,
+        cache_key: Option<String>,
+        prompt_len: usize,
+        deadline: Option<Instant>,
+    ) -> Result<RequestId, SubmitError> {
+        let group = group.map(|g| format!("group:{g}"));
         if prompt_len == 0 {
             return Err(SubmitError::Invalid("the prompt is empty".into()));
         }
@@ -261,6 +279,17 @@ impl Batcher {
                     limit,
                     retry_after_s: self.tokens.retry_after_s(u, limit, now),
                 });
+            }
+            if let Some(g) = group.as_deref() {
+                let limit = self.cfg.tokens_per_minute_per_group;
+                let used = self.tokens.used(g, now);
+                if limit > 0 && used >= limit {
+                    return Err(SubmitError::GroupTokenLimit {
+                        used,
+                        limit,
+                        retry_after_s: self.tokens.retry_after_s(g, limit, now),
+                    });
+                }
             }
             let queued = self
                 .waiting
@@ -288,6 +317,7 @@ impl Batcher {
             id,
             cache_key,
             user,
+            group,
             remaining_prefill: prompt_len,
             phase: Phase::Waiting,
             deadline,
@@ -394,8 +424,11 @@ impl Batcher {
                 let generated = e.phase == Phase::Decoding
                     || (e.phase == Phase::Prefilling && r.remaining_prefill == 0);
                 let used = u64::from(generated) + r.prefilled as u64;
-                if let Some(user) = e.user.as_deref() {
-                    self.tokens.record(user, used, now);
+                for key in [e.user.as_deref(), e.group.as_deref()]
+                    .into_iter()
+                    .flatten()
+                {
+                    self.tokens.record(key, used, now);
                 }
             }
             if r.finished {
@@ -463,6 +496,7 @@ mod tests {
             max_queued_per_user: 0,
             max_running_per_user: 0,
             tokens_per_minute_per_user: 0,
+            tokens_per_minute_per_group: 0,
         })
     }
 
@@ -502,6 +536,7 @@ mod tests {
             max_queued_per_user: 3,
             max_running_per_user: 2,
             tokens_per_minute_per_user: 0,
+            tokens_per_minute_per_group: 0,
         });
         for _ in 0..3 {
             b.submit_for(user("a"), None, 5, None).unwrap();
@@ -677,6 +712,7 @@ mod tests {
             max_queued_per_user: 0,
             max_running_per_user: 0,
             tokens_per_minute_per_user: 3,
+            tokens_per_minute_per_group: 0,
         });
         let a = b.submit_for(user("a"), None, 5, None).unwrap();
         b.plan().unwrap();
@@ -712,5 +748,53 @@ mod tests {
         assert_eq!(m.used("a", t0 + Duration::from_secs(61)), 5);
         assert_eq!(m.used("a", t0 + Duration::from_secs(91)), 0);
         assert_eq!(m.used("nobody", t0), 0);
+    }
+
+    #[test]
+    fn a_group_shares_one_token_quota_and_prompt_tokens_count() {
+        let mut b = Batcher::new(BatcherConfig {
+            tokens_per_minute_per_user: 1000,
+            tokens_per_minute_per_group: 30,
+            ..batcher(4, 8, 512).cfg
+        });
+        let now = Instant::now();
+        // Guest a (of address x) prefills 20 prompt tokens and generates one.
+        let a = b
+            .submit_grouped(user("a"), Some("x".into()), None, 20, None)
+            .unwrap();
+        b.plan().unwrap();
+        b.apply_at(
+            &[ItemReport {
+                id: a,
+                remaining_prefill: 0,
+                prefilled: 20,
+                finished: false,
+            }],
+            now,
+        );
+        // Guest b of the same address: 21 of 30 used, still allowed; its 10 more fill it.
+        let bee = b
+            .submit_grouped(user("b"), Some("x".into()), None, 10, None)
+            .unwrap();
+        b.plan().unwrap();
+        b.apply_at(
+            &[ItemReport {
+                id: bee,
+                remaining_prefill: 0,
+                prefilled: 10,
+                finished: true,
+            }],
+            now,
+        );
+        // A third guest of that address is refused; a guest of another address is not.
+        match b.submit_grouped(user("c"), Some("x".into()), None, 5, None) {
+            Err(SubmitError::GroupTokenLimit { used, limit, .. }) => {
+                assert_eq!((used, limit), (32, 30))
+            }
+            other => panic!("expected the group's limit, got {other:?}"),
+        }
+        assert!(b
+            .submit_grouped(user("d"), Some("y".into()), None, 5, None)
+            .is_ok());
     }
 }

@@ -134,7 +134,8 @@ impl From<SubmitError> for ConversationError {
                 retry_after_s,
             },
             SubmitError::UserLimit { retry_after_s, .. }
-            | SubmitError::TokenLimit { retry_after_s, .. } => ConversationError::UserLimit {
+            | SubmitError::TokenLimit { retry_after_s, .. }
+            | SubmitError::GroupTokenLimit { retry_after_s, .. } => ConversationError::UserLimit {
                 message: e.to_string(),
                 retry_after_s,
             },
@@ -306,7 +307,7 @@ pub struct ExportedConversation {
 /// Why an export could not be read.
 #[derive(Debug, thiserror::Error)]
 pub enum ExportParseError {
-    #[error("the conversation has more than {0} messages, the most an import may hold")]
+    #[error("the conversation has more than {0} messages; an import may hold at most {0}")]
     TooManyMessages(usize),
     #[error(transparent)]
     Json(#[from] serde_json::Error),
@@ -740,7 +741,7 @@ impl Conversations {
         let accepted = match first {
             None => None,
             Some(content) => match self
-                .send_to(conversation.id, SendMessage::new(content))
+                .send_to(caller, conversation.id, SendMessage::new(content))
                 .await
             {
                 Ok(a) => Some(a),
@@ -828,7 +829,13 @@ impl Conversations {
             .await?)
     }
 
-    async fn send_to(&self, id: Uuid, msg: SendMessage) -> Result<Accepted> {
+    async fn send_to(&self, caller: &Caller, id: Uuid, mut msg: SendMessage) -> Result<Accepted> {
+        // A guest's replies also count against their address's token quota
+        // (`limits.tokens_per_minute_per_guest_address`): guest owners cost nothing to mint.
+        msg.group = match (caller.guest, caller.address) {
+            (true, Some(ip)) => Some(address_key(ip)),
+            _ => None,
+        };
         let session = self.sessions.get_or_start(id);
         Ok(session.send(msg).await??)
     }
@@ -836,7 +843,9 @@ impl Conversations {
     /// Sends a message; resolves once it is stored and the reply is queued.
     pub async fn send(&self, caller: &Caller, id: Uuid, content: String) -> Result<Accepted> {
         let c = self.owned(caller, id).await?;
-        let accepted = self.send_to(c.id, SendMessage::new(content)).await?;
+        let accepted = self
+            .send_to(caller, c.id, SendMessage::new(content))
+            .await?;
         tracing::debug!(conversation = %c.id, message = %accepted.user_message.id, "message accepted");
         Ok(accepted)
     }
@@ -847,10 +856,12 @@ impl Conversations {
         let c = self.owned(caller, id).await?;
         tracing::info!(conversation = %c.id, "regenerating the last reply");
         self.send_to(
+            caller,
             c.id,
             SendMessage {
                 content: None,
                 replacing: Replacing::LastUserMessage,
+                group: None,
             },
         )
         .await
@@ -862,10 +873,12 @@ impl Conversations {
         let c = self.owned(caller, id).await?;
         tracing::info!(conversation = %c.id, "editing and resending the last message");
         self.send_to(
+            caller,
             c.id,
             SendMessage {
                 content: Some(content),
                 replacing: Replacing::LastUserMessage,
+                group: None,
             },
         )
         .await

@@ -661,6 +661,7 @@ mod tests {
                 request: GenerationRequest {
                     cache_key: key.map(str::to_string),
                     user: None,
+                    group: None,
                     cache_salt: salt.map(str::to_string),
                     prompt,
                     params,

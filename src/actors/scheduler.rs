@@ -141,8 +141,9 @@ impl Handler<Submit> for SchedulerActor {
         request.params.max_new_tokens = request.params.max_new_tokens.min(self.cfg.max_new_tokens);
         let timeout = request.max_time.or(self.cfg.request_timeout);
         let submitted = Instant::now();
-        let id = self.batcher.submit_for(
+        let id = self.batcher.submit_grouped(
             request.user.clone(),
+            request.group.clone(),
             request.cache_key.clone(),
             request.prompt.len(),
             timeout.map(|t| submitted + t),

@@ -777,6 +777,9 @@ pub struct SendMessage {
     /// it. The old messages stay until the new request has been accepted and stored, in one
     /// transaction, so a refusal (busy, overloaded, context overflow, storage) changes nothing.
     pub replacing: Replacing,
+    /// The group the reply also counts against in the scheduler's token quota: a guest's client
+    /// address (set by the conversation service; guest owners cost nothing to mint).
+    pub group: Option<String>,
 }
 
 /// What a [`SendMessage`] replaces.
@@ -796,6 +799,7 @@ impl SendMessage {
         SendMessage {
             content: Some(content),
             replacing: Replacing::Nothing,
+            group: None,
         }
     }
 }
@@ -900,7 +904,11 @@ impl Handler<SendMessage> for SessionActor {
     type Result = ResponseActFuture<Self, Result<Accepted, SessionError>>;
 
     fn handle(&mut self, msg: SendMessage, _: &mut Context<Self>) -> Self::Result {
-        let SendMessage { content, replacing } = msg;
+        let SendMessage {
+            content,
+            replacing,
+            group,
+        } = msg;
         if content.is_none() && replacing == Replacing::Nothing {
             return Box::pin(fut::ready(Err(SessionError::EmptyMessage)));
         }
@@ -967,6 +975,7 @@ impl Handler<SendMessage> for SessionActor {
             let request = GenerationRequest {
                 cache_key: Some(id.to_string()),
                 user: Some(conversation.owner.clone()),
+                group,
                 // Should the conversation's cache be busy, any temporary cache stays with it.
                 cache_salt: Some(id.to_string()),
                 prompt: prepared.prompt.clone(),

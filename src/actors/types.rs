@@ -33,6 +33,9 @@ pub struct GenerationRequest {
     /// Who the work is for (an owner, an account, an API key; opaque), for fair sharing and
     /// per-user limits in the scheduler. `None`: anonymous (tools, tests), no per-user caps.
     pub user: Option<String>,
+    /// A wider group the user belongs to with a token quota of its own (a guest's client
+    /// address: guest owners cost nothing to mint, so each would otherwise be a fresh quota).
+    pub group: Option<String>,
     /// The partition a stateless request's cache belongs to (an opaque tag of the client's
     /// identity, made by the web layer). A request without `cache_key` reuses only prefixes
     /// cached by requests with the same salt, so one client cannot learn from `cached_tokens`
@@ -124,8 +127,14 @@ pub enum SubmitError {
         limit: usize,
         retry_after_s: u64,
     },
-    #[error("you have used {used} generated tokens in the last minute (the limit per user is {limit}); retry in {retry_after_s} s")]
+    #[error("you have used {used} tokens (prompt and generated) in the last minute (the limit per user is {limit}); retry in {retry_after_s} s")]
     TokenLimit {
+        used: u64,
+        limit: u64,
+        retry_after_s: u64,
+    },
+    #[error("guests from your address have used {used} tokens in the last minute (the limit per address is {limit}); sign in, or retry in {retry_after_s} s")]
+    GroupTokenLimit {
         used: u64,
         limit: u64,
         retry_after_s: u64,

@@ -194,7 +194,8 @@ impl From<SubmitError> for WebError {
                 retry_after_s,
             },
             SubmitError::UserLimit { retry_after_s, .. }
-            | SubmitError::TokenLimit { retry_after_s, .. } => WebError::TooManyRequests {
+            | SubmitError::TokenLimit { retry_after_s, .. }
+            | SubmitError::GroupTokenLimit { retry_after_s, .. } => WebError::TooManyRequests {
                 message: e.to_string(),
                 retry_after_s,
             },

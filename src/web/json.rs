@@ -138,7 +138,9 @@ pub async fn read_json_text(
             "the request body must be JSON (Content-Type: application/json)".into(),
         ));
     }
-    let mut body = BytesMut::new();
+    // Sized once from the declared length (bounded by the limit), so a large body is not
+    // copied again and again as the buffer doubles.
+    let mut body = BytesMut::with_capacity(declared.unwrap_or(0).min(limit));
     let read = async {
         while let Some(chunk) = payload.next().await {
             let chunk: Bytes = chunk.map_err(|e| {
@@ -152,7 +154,8 @@ pub async fn read_json_text(
         Ok(())
     };
     within_body_timeout(req, read).await?;
-    let text = String::from_utf8(body.to_vec()).map_err(|e| {
+    // Into a `Vec` without a copy: the buffer has one owner.
+    let text = String::from_utf8(Vec::from(body)).map_err(|e| {
         WebError::InvalidJson(format!(
             "the request body is not valid UTF-8 (bad byte at offset {})",
             e.utf8_error().valid_up_to()

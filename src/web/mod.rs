@@ -520,6 +520,11 @@ pub async fn run(platform: Platform) -> io::Result<()> {
             .wrap(from_fn(forward::affinity))
             // Outside the affinity check, which passes the client on to the owning replica.
             .wrap(from_fn(client::resolve))
+            // Nothing we send is to be sniffed as another type (answers that set it keep it).
+            .wrap(
+                actix_web::middleware::DefaultHeaders::new()
+                    .add((actix_web::http::header::X_CONTENT_TYPE_OPTIONS, "nosniff")),
+            )
             .wrap(from_fn(limit_url))
             .configure(routes)
             .default_service(web::to(not_found))

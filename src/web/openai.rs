@@ -575,7 +575,9 @@ async fn generate<A: Assembler>(
         .scheduler
         .send(Submit(GenerationRequest {
             cache_key: None,
+            // Anonymous callers are already their address (see `client_identity`).
             user: Some(user),
+            group: None,
             cache_salt: Some(cache_salt),
             prompt,
             params,

@@ -199,7 +199,7 @@ pub async fn metrics(state: web::Data<AppState>, req: HttpRequest) -> HttpRespon
                     }));
             }
         }
-        _ if !(client.address.is_loopback() && !client.proxied) => {
+        _ if !client.address.is_loopback() || client.proxied => {
             return HttpResponse::Forbidden().json(json!({
                 "error": {
                     "message": "/metrics answers only this machine until server.metrics_token \

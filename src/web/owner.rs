@@ -160,7 +160,8 @@ fn guests_off(api: bool, htmx: bool) -> actix_web::HttpResponse {
     if htmx {
         return actix_web::HttpResponse::Unauthorized()
             .insert_header(("HX-Redirect", "/signin"))
-            .finish();
+            .content_type("text/plain; charset=utf-8")
+            .body("this server has no guest access: sign in at /signin");
     }
     if api {
         return actix_web::HttpResponse::Unauthorized().json(serde_json::json!({

@@ -182,6 +182,9 @@ impl ResponseError for ApiError {
             tracing::debug!(status = self.status.as_u16(), error = %self.message, "API request refused");
         }
         let mut response = HttpResponse::build(self.status);
+        // About this request only: never sniffed as another type, never cached.
+        response.insert_header((header::X_CONTENT_TYPE_OPTIONS, "nosniff"));
+        response.insert_header((header::CACHE_CONTROL, "no-store"));
         if let Some(s) = self.retry_after_s {
             response.insert_header((header::RETRY_AFTER, HeaderValue::from(s)));
         }
@@ -231,7 +234,8 @@ impl From<SubmitError> for ApiError {
             SubmitError::Invalid(m) => Self::bad_body(m),
             SubmitError::Unavailable(_) => Self::unavailable(e.to_string()),
             SubmitError::UserLimit { retry_after_s, .. }
-            | SubmitError::TokenLimit { retry_after_s, .. } => {
+            | SubmitError::TokenLimit { retry_after_s, .. }
+            | SubmitError::GroupTokenLimit { retry_after_s, .. } => {
                 Self::rate_limited(e.to_string(), retry_after_s)
             }
         }
