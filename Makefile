@@ -5,7 +5,7 @@
 
 CARGO ?= cargo
 
-.PHONY: run test setup model lint lint-cuda bench bench-replicas test-deps cuda cuda-toolkit cuda-tests fuzz soak
+.PHONY: run test mount-check setup model lint lint-cuda bench bench-replicas test-deps cuda cuda-toolkit cuda-tests fuzz soak
 
 # The `cuda` feature builds in its own target directory: its candle-core, cudarc and
 # candle-kernels (nvcc) artifacts never replace the CPU build's, and the GPU binary can never be
@@ -52,9 +52,16 @@ test-deps:
 
 ## The whole suite. A private PostgreSQL server (scripts/test-postgres.sh) runs for its duration:
 ## the store tests and the replica tests run on it as well as on SQLite.
-test: setup test-deps lint lint-cuda
+## Whether this process may mount a tmpfs (the storage-fault tests need it); first, so a machine
+## that cannot is told before the build.
+mount-check:
+	./scripts/check-mount.sh
+
+## Skips are failures here: PostgreSQL and nginx (SMOLTEST_REQUIRE_POSTGRES), tmpfs mounts for
+## the storage faults (SMOLTEST_REQUIRE_MOUNT, checked before the build by scripts/check-mount.sh).
+test: mount-check setup test-deps lint lint-cuda
 	@url="$$(./scripts/test-postgres.sh start)" || exit 1; \
-	SMOLTEST_DATABASE_URL="$$url" SMOLTEST_REQUIRE_POSTGRES=1 $(CARGO) test; rc=$$?; \
+	SMOLTEST_DATABASE_URL="$$url" SMOLTEST_REQUIRE_POSTGRES=1 SMOLTEST_REQUIRE_MOUNT=1 $(CARGO) test; rc=$$?; \
 	./scripts/test-postgres.sh stop; exit $$rc
 
 bench: setup

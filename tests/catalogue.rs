@@ -1287,7 +1287,10 @@ async fn event_streams_are_bounded_per_user() {
 async fn slow_and_oversized_request_heads_are_cut_off() {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let dir = tempfile::tempdir().expect("tempdir");
-    let env = [("SMOLCHAT_LIMITS__REQUEST_HEAD_TIMEOUT_S", "2")];
+    let env = [
+        ("SMOLCHAT_LIMITS__REQUEST_HEAD_TIMEOUT_S", "2"),
+        ("SMOLCHAT_LIMITS__KEEP_ALIVE_S", "1"),
+    ];
     let server = Server::start(dir.path(), &env).await;
     let addr = server.base.trim_start_matches("http://").to_string();
 
@@ -1299,7 +1302,9 @@ async fn slow_and_oversized_request_heads_are_cut_off() {
     let started = std::time::Instant::now();
     let head = b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa";
     let mut cut_off = false;
+    let mut sent = 0usize;
     for byte in head.iter() {
+        sent += 1;
         if stream.write_all(&[*byte]).await.is_err() {
             cut_off = true;
             break;
@@ -1326,7 +1331,14 @@ async fn slow_and_oversized_request_heads_are_cut_off() {
     }
     let held = started.elapsed();
     assert!(cut_off, "a head trickled for {held:?} was never cut off");
-    eprintln!("slow request head cut off after {held:?} (limit 2 s)");
+    eprintln!("slow request head cut off after {held:?}, {sent} bytes (limit 2 s)");
+    // One byte per 500 ms: the 2 s limit allows about 4 before the cut-off; 8 (twice the limit)
+    // is the margin for a loaded machine. A server applying no limit, or a longer one (actix's
+    // default is 5 s), lets 10 or more through.
+    assert!(
+        sent <= 8,
+        "{sent} bytes of a trickled head went through before the cut-off (limit 2 s = ~4 bytes)"
+    );
 
     // actix-http buffers a request head up to 128 KiB (and 96 headers), then refuses it: 200 KiB
     // of headers is refused, not buffered.
@@ -1339,18 +1351,56 @@ async fn slow_and_oversized_request_heads_are_cut_off() {
     );
     let _ = stream.write_all(big.as_bytes()).await;
     let mut answer = Vec::new();
-    let _ = tokio::time::timeout(
+    // Hang guard: 10 s. Silence is not a refusal: the server must answer 431/400 or close the
+    // connection (EOF, or a reset while we were still writing).
+    let read = tokio::time::timeout(
         std::time::Duration::from_secs(10),
         stream.read_to_end(&mut answer),
     )
-    .await;
+    .await
+    .expect("an oversized head got neither an answer nor a closed connection within 10 s");
     let text = String::from_utf8_lossy(&answer);
+    let closed = answer.is_empty()
+        && match &read {
+            Ok(_) => true,
+            Err(e) => matches!(
+                e.kind(),
+                std::io::ErrorKind::ConnectionReset | std::io::ErrorKind::BrokenPipe
+            ),
+        };
     assert!(
-        text.starts_with("HTTP/1.1 431") || text.starts_with("HTTP/1.1 400") || answer.is_empty(),
-        "an oversized head was served: {}",
+        text.starts_with("HTTP/1.1 431") || text.starts_with("HTTP/1.1 400") || closed,
+        "an oversized head was not refused: {:?} {}",
+        read,
         text.lines().next().unwrap_or("")
     );
     assert!(!text.starts_with("HTTP/1.1 200"));
     // The server still answers ordinary requests.
     assert_eq!(server.client().get("/healthz").await.status, StatusCode::OK);
+
+    // `limits.keep_alive_s` (1 s here): a kept-alive connection that stays idle is closed by the
+    // server. After one answered request the next read ends (EOF) instead of waiting for ever.
+    let mut stream = tokio::net::TcpStream::connect(&addr)
+        .await
+        .expect("connect");
+    stream
+        .write_all(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        .await
+        .expect("write");
+    let mut buf = vec![0u8; 4096];
+    let n = stream.read(&mut buf).await.expect("read the answer");
+    assert!(String::from_utf8_lossy(&buf[..n]).starts_with("HTTP/1.1 200"));
+    // Hang guard: 20 s. The property: the server closes the idle connection (0 bytes, EOF).
+    let idle_since = std::time::Instant::now();
+    let closed = tokio::time::timeout(std::time::Duration::from_secs(20), stream.read(&mut buf))
+        .await
+        .expect("an idle kept-alive connection was not closed within 20 s");
+    assert!(
+        matches!(closed, Ok(0)) || closed.is_err(),
+        "the idle connection sent more: {closed:?}"
+    );
+    eprintln!(
+        "idle keep-alive connection closed after {:?} (limit 1 s)",
+        idle_since.elapsed()
+    );
 }

@@ -395,12 +395,23 @@ proptest! {
         opts.add_generation_prompt = true;
         opts.enable_thinking = thinking;
         opts.tools = tools;
-        if let Ok(rendered) = template.render(&msgs, &opts) {
-            for (role, content) in &messages {
-                // The system prompt's `/think` and `/no_think` flags are edited out by design.
-                if *role == "user" && !content.contains("/think") && !content.contains("/no_think") {
-                    prop_assert!(rendered.contains(content.as_str()));
+        // What the product itself renders (at least one system, user or assistant turn, no
+        // tools) must render; anything else may be refused, with a message.
+        let ordinary = opts.tools.is_none()
+            && !messages.is_empty()
+            && messages.iter().all(|(r, _)| ["system", "user", "assistant"].contains(r));
+        match template.render(&msgs, &opts) {
+            Ok(rendered) => {
+                for (role, content) in &messages {
+                    // The system prompt's `/think` and `/no_think` flags are edited out by design.
+                    if *role == "user" && !content.contains("/think") && !content.contains("/no_think") {
+                        prop_assert!(rendered.contains(content.as_str()));
+                    }
                 }
+            }
+            Err(e) => {
+                prop_assert!(!ordinary, "an ordinary conversation was refused: {e}");
+                prop_assert!(!e.to_string().trim().is_empty());
             }
         }
     }
@@ -410,8 +421,12 @@ proptest! {
     fn openai_parser_takes_any_json(body in prop_oneof![json_value(), chat_body()]) {
         let d = defaults();
         if let Err(e) = parse_chat(&body, &d) {
-            let text = format!("{e:?}");
-            prop_assert!(!text.is_empty());
+            // A client error with a message naming what was wrong, never a 5xx.
+            let status = actix_web::ResponseError::status_code(&e);
+            prop_assert!(status.is_client_error(), "{status}: {e:?}");
+            let body = e.body();
+            let message = body["error"]["message"].as_str().unwrap_or("");
+            prop_assert!(!message.trim().is_empty(), "{body}");
         }
         let _ = parse_completion(&body, &d);
     }

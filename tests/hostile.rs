@@ -404,7 +404,14 @@ async fn unclear_answers_are_now_clear() {
     let mut answer = String::new();
     let _ = tcp.read_to_string(&mut answer);
     assert!(answer.starts_with("HTTP/1.1 400"), "{answer:?}");
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // A request after it that logs a line of its own: once that line is in the log, whatever
+    // the refusal logged is there too.
+    let marker = client.create(json!({})).await;
+    let logged = common::server::eventually(Duration::from_secs(10), || async {
+        server.log_text().contains(&marker).then_some(())
+    })
+    .await;
+    assert!(logged.is_some(), "the marker request was never logged");
     let log = server.log_text();
     assert!(
         !log.lines().any(|l| l.contains("ERROR")),
@@ -598,6 +605,7 @@ async fn streams_and_slow_bodies_are_bounded() {
     // A body trickled slower than `limits.body_timeout_s` is cut off with 408.
     let addr = server.base.trim_start_matches("http://").to_string();
     let mut tcp = std::net::TcpStream::connect(&addr).expect("connect");
+    // Hang guard: the read gives up after 10 s; the property is the 408 naming the 1 s limit.
     tcp.set_read_timeout(Some(Duration::from_secs(10)))
         .expect("timeout");
     tcp.write_all(
@@ -605,10 +613,8 @@ async fn streams_and_slow_bodies_are_bounded() {
           Content-Length: 100\r\n\r\n{\"messages\"",
     )
     .expect("write");
-    let started = std::time::Instant::now();
     let mut answer = String::new();
     let _ = tcp.read_to_string(&mut answer);
     assert!(answer.starts_with("HTTP/1.1 408"), "{answer:?}");
     assert!(answer.contains("did not arrive within 1 s"), "{answer:?}");
-    assert!(started.elapsed() < Duration::from_secs(8));
 }

@@ -589,9 +589,9 @@ async fn stop_and_disconnect_free_the_slot() {
     assert_eq!(r.status, StatusCode::OK, "{}", r.text);
     assert_eq!(r.json["stopped"], true);
     let done = events.until("done").await.pop().unwrap();
-    let took = asked.elapsed();
-    eprintln!("stop → done in {took:?}");
-    assert!(took < Duration::from_secs(3), "stop took {took:?}");
+    // The figure is printed, not asserted: what the test checks is the state (stopped early,
+    // partial text kept, the slot free).
+    eprintln!("stop → done in {:?}", asked.elapsed());
     let message = &done.data["message"];
     assert_eq!(status_of(message), "stopped");
     assert_eq!(done.data["summary"]["reason"]["kind"], "cancelled");
@@ -712,37 +712,41 @@ async fn a_full_queue_refuses_at_once_and_loses_nothing() {
         let c = c.clone();
         let id = id.clone();
         async move {
-            let t = Instant::now();
             let r = c.send(&id, "Tell me a joke.").await;
-            (r, t.elapsed())
+            (r, Instant::now())
         }
     });
     let results = futures_util::future::join_all(sends).await;
     let refused_at = Instant::now();
     let mut queued = Vec::new();
     let mut refused = Vec::new();
-    for ((id, stream), (r, took)) in ids.into_iter().zip(streams).zip(results) {
+    let mut refused_answers = Vec::new();
+    for ((id, stream), (r, arrived)) in ids.into_iter().zip(streams).zip(results) {
         match r.status {
             StatusCode::ACCEPTED => queued.push((id, stream, r)),
             StatusCode::SERVICE_UNAVAILABLE => {
                 assert_error(&r, StatusCode::SERVICE_UNAVAILABLE, "overloaded");
                 let retry: u64 = r.headers["retry-after"].to_str().unwrap().parse().unwrap();
                 assert!(retry >= 1);
-                assert!(
-                    took < Duration::from_secs(2),
-                    "refused at once, not after {took:?}"
-                );
+                refused_answers.push(arrived);
                 refused.push(id);
             }
             other => panic!("unexpected {other}: {}", r.text),
         }
     }
-    // The first reply was still running during the sends (else the test proves nothing).
+    // The refusals came at once: while the first reply was still running (an order, not a
+    // timing: a refusal that waited for a slot would arrive after that reply's `done`).
     let busy_done = busy_events.until("done").await.pop().unwrap();
     assert!(
         busy_done.at > refused_at,
         "the first reply finished before the sends; this machine is too slow for the test"
     );
+    for arrived in &refused_answers {
+        assert!(
+            *arrived < busy_done.at,
+            "a refusal arrived only after the running reply ended (it waited for a slot)"
+        );
+    }
     assert_eq!(status_of(&busy_done.data["message"]), "complete");
     assert_eq!(queued.len(), 1, "one request fits the queue");
     assert_eq!(refused.len(), 2, "the others are refused");
@@ -815,8 +819,18 @@ async fn a_crash_mid_reply_loses_no_acknowledged_message() {
     let rb = c.send(&b, PROMPTS[0]).await;
     assert_eq!(rb.status, StatusCode::ACCEPTED, "{}", rb.text);
     read_texts(&mut events, 3).await;
-    // Partial replies are saved every second: let one save happen before the crash.
-    tokio::time::sleep(std::time::Duration::from_millis(1500)).await;
+    // Partial replies are saved every second: wait until one is in the store, then crash.
+    let saved = eventually(Duration::from_secs(30), || {
+        let c = c.clone();
+        let a = a.clone();
+        async move {
+            let messages = c.messages(&a).await;
+            let last = messages.last()?.clone();
+            (status_of(&last) == "streaming" && !last["content"].as_str()?.is_empty()).then_some(())
+        }
+    })
+    .await;
+    assert!(saved.is_some(), "no partial save within 30 s (hang guard)");
     server.kill();
     drop(events);
 
@@ -876,6 +890,7 @@ async fn a_crash_mid_reply_loses_no_acknowledged_message() {
     assert_eq!(r.status, StatusCode::ACCEPTED, "{}", r.text);
     read_texts(&mut events, 3).await;
     let t = Instant::now();
+    // Hang guard: SIGKILL after 15 s; the property is a clean exit with the reply stored.
     let status = server.terminate(Duration::from_secs(15));
     let status = status.unwrap_or_else(|| panic!("no exit after SIGTERM\n{}", server.log_text()));
     assert!(status.success(), "{status}\n{}", server.log_text());

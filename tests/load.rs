@@ -103,6 +103,8 @@ async fn api_request(
     let mut buffer = String::new();
     let mut first = None;
     let mut done = false;
+    let mut text_seen = String::new();
+    let mut finish_reason = None;
     while let Some(chunk) = body.next().await {
         buffer.push_str(&String::from_utf8_lossy(&chunk.expect("stream chunk")));
         while let Some(end) = buffer.find("\n\n") {
@@ -115,13 +117,24 @@ async fn api_request(
                 continue;
             }
             let v: Value = serde_json::from_str(data).expect("chunk is JSON");
-            let text = v["choices"][0]["delta"]["content"].as_str().unwrap_or("");
+            assert!(v.get("error").is_none(), "the stream carried an error: {v}");
+            let choice = &v["choices"][0];
+            let text = choice["delta"]["content"].as_str().unwrap_or("");
             if first.is_none() && !text.is_empty() {
                 first = Some(sent_at.elapsed().as_secs_f64() * 1e3);
+            }
+            text_seen.push_str(text);
+            if let Some(reason) = choice["finish_reason"].as_str() {
+                finish_reason = Some(reason.to_string());
             }
         }
     }
     assert!(done, "the stream ended without [DONE]");
+    assert!(
+        matches!(finish_reason.as_deref(), Some("stop" | "length")),
+        "the stream ended with finish_reason {finish_reason:?}"
+    );
+    assert!(!text_seen.is_empty(), "an empty reply");
     Ok(first.unwrap_or(f64::NAN))
 }
 
@@ -230,19 +243,44 @@ async fn browsers_and_api_clients_at_once_lose_nothing_and_overload_is_a_clear_5
 
 /// One user flooding the JSON API gets 429 with `Retry-After` once it holds its share; another
 /// user arriving later is admitted ahead of the flooder's queued work (round-robin by user).
+/// With a single running slot, the later user can only be served before the flooder's queue if
+/// admission overtakes it: every stream is read at once, and the order in which the requests
+/// were admitted (each reply's `prefilling` event, one at a time with one slot) is compared.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_flooding_user_gets_429_and_others_go_first() {
     let dir = tempfile::tempdir().expect("tempdir");
     let env = [
-        ("SMOLCHAT_SCHEDULER__MAX_RUNNING", "2"),
+        ("SMOLCHAT_SCHEDULER__MAX_RUNNING", "1"),
         ("SMOLCHAT_SCHEDULER__QUEUE_SIZE", "16"),
         ("SMOLCHAT_SCHEDULER__MAX_QUEUED_PER_USER", "2"),
         ("SMOLCHAT_SCHEDULER__MAX_RUNNING_PER_USER", "1"),
     ];
     let server = Server::start(dir.path(), &env).await;
+    // Admissions in the order their `prefilling` events arrive, by name.
+    let admissions = std::sync::Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
+    // Each stream is read by its own task as events arrive: its `prefilling` (the request left
+    // the queue) is recorded in arrival order.
+    let follow = |name: String, mut events: common::server::SseStream| {
+        let admissions = admissions.clone();
+        tokio::spawn(async move {
+            loop {
+                let ev = events
+                    .next()
+                    .await
+                    .unwrap_or_else(|| panic!("{name}: the stream ended before `done`"));
+                match ev.event.as_str() {
+                    "prefilling" => admissions.lock().unwrap().push(name.clone()),
+                    "error" => panic!("{name}: {ev:?}"),
+                    "done" => return,
+                    _ => {}
+                }
+            }
+        })
+    };
     let flooder = server.client();
-    let mut accepted = Vec::new();
+    let mut readers = Vec::new();
     let mut limited = 0;
+    let mut accepted = 0;
     for i in 0..8 {
         let id = flooder
             // Long stories rather than `ignore_eos` (admins only): each reply must still be
@@ -250,12 +288,14 @@ async fn a_flooding_user_gets_429_and_others_go_first() {
             .create(json!({"temperature": 0, "max_tokens": 160}))
             .await;
         let events = flooder.events(&id).await;
-        let sent_at = Instant::now();
         let r = flooder
             .send(&id, &format!("Flood {i}: tell a long story."))
             .await;
         match r.status {
-            StatusCode::ACCEPTED => accepted.push((r.json, sent_at, events)),
+            StatusCode::ACCEPTED => {
+                accepted += 1;
+                readers.push(follow(format!("flood {i}"), events));
+            }
             StatusCode::TOO_MANY_REQUESTS => {
                 limited += 1;
                 assert!(
@@ -270,32 +310,25 @@ async fn a_flooding_user_gets_429_and_others_go_first() {
         }
     }
     // One running and two queued are the flooder's share; the rest were refused.
-    assert_eq!(
-        accepted.len(),
-        3,
-        "accepted {}, limited {limited}",
-        accepted.len()
-    );
+    assert_eq!(accepted, 3, "accepted {accepted}, limited {limited}");
     assert_eq!(limited, 5);
 
-    // Another user comes later and is served before the flooder's queued requests.
+    // Another user comes later, while the flooder's first reply runs and two wait.
     let other = server.client();
     let id = other
         .create(json!({"temperature": 0, "max_tokens": 4}))
         .await;
-    let turn = other.chat(&id, "Hello!").await;
-    assert_eq!(turn.message()["status"], "complete");
-    let other_first = turn.first_text_at.unwrap_or(turn.done_at);
-
-    let mut flood_starts = Vec::new();
-    for (json, sent_at, mut events) in accepted {
-        let turn = turn_from(json, sent_at, events.until("done").await);
-        assert_eq!(turn.message()["status"], "complete");
-        flood_starts.push(turn.first_text_at.unwrap_or(turn.done_at));
+    let events = other.events(&id).await;
+    let r = other.send(&id, "Hello!").await;
+    assert_eq!(r.status, StatusCode::ACCEPTED, "{}", r.text);
+    readers.push(follow("other".to_string(), events));
+    for r in readers {
+        r.await.expect("reader");
     }
-    flood_starts.sort();
-    assert!(
-        other_first < flood_starts[2],
-        "the later user waited for the flooder's whole queue"
+    let order = admissions.lock().unwrap().clone();
+    assert_eq!(order.len(), 4, "{order:?}");
+    assert_eq!(
+        order[1], "other",
+        "the later user waited for the flooder's queue: admitted in the order {order:?}"
     );
 }

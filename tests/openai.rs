@@ -578,7 +578,6 @@ async fn a_full_queue_refuses_and_a_disconnect_frees_the_slot() {
     assert!(both.is_some(), "A runs and B waits: {:?}", running().await);
 
     // C is refused at once with Retry-After.
-    let t = Instant::now();
     let r = api(
         &server,
         Some(QUEUE_KEY),
@@ -594,11 +593,9 @@ async fn a_full_queue_refuses_and_a_disconnect_frees_the_slot() {
     );
     let retry: u64 = r.retry_after.expect("Retry-After").parse().unwrap();
     assert!(retry >= 1);
-    assert!(
-        t.elapsed() < Duration::from_secs(5),
-        "refused after {:?}",
-        t.elapsed()
-    );
+    // Refused at once, not after waiting for room: A (thousands of tokens to go) still runs and
+    // B still waits now that the refusal is here.
+    assert_eq!(running().await, (1.0, 1.0), "the refusal waited for room");
 
     // A's client goes away: B gets the slot.
     drop(a);

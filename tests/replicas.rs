@@ -363,13 +363,22 @@ async fn replies_follow_the_user_across_replicas_and_survive_a_killed_one() {
         answer_text(&mut events, 3).await;
         runs.push((c, id, events));
     }
-    // Long enough for a partial save (every second) of the reply about to be cut.
-    let streamed = Instant::now();
-    while streamed.elapsed() < Duration::from_millis(1500) {
-        answer_text(&mut runs[2].2, 1).await;
-    }
+    // Wait until a partial save (every second) of the reply about to be cut is in the store,
+    // as another replica reads it.
+    let (victim_client, victim_id) = (runs[2].0.clone(), runs[2].1.clone());
+    let reader = Client::with_cookie(&servers[0].base, victim_client.cookie());
+    let saved = common::server::eventually(Duration::from_secs(30), || {
+        let (reader, victim_id) = (&reader, &victim_id);
+        async move {
+            let messages = reader.messages(victim_id).await;
+            let last = messages.last()?;
+            (last["status"] == "streaming" && !last["content"].as_str()?.is_empty()).then_some(())
+        }
+    })
+    .await;
+    assert!(saved.is_some(), "no partial save within 30 s (hang guard)");
     servers[2].kill();
-    let (victim_client, victim_id, _) = runs.pop().unwrap();
+    runs.pop();
     for (_, _, events) in runs.iter_mut() {
         let got = events.until("done").await;
         assert_eq!(got.last().unwrap().data["message"]["status"], "complete");

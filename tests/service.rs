@@ -6,7 +6,7 @@
 
 mod common;
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use common::server::{form_encode, Client, Reply, Server};
 use reqwest::header::{CONTENT_TYPE, COOKIE};
@@ -536,10 +536,8 @@ async fn per_user_limits_answer_429_while_others_are_served() {
     let theirs = other
         .create(json!({"temperature": 0, "max_tokens": 4, "thinking": false}))
         .await;
-    let started = Instant::now();
     let turn = other.chat(&theirs, "Hello").await;
     assert_eq!(turn.message()["status"], "complete");
-    assert!(started.elapsed() < Duration::from_secs(60));
 
     // Stored conversations per user: the fourth is refused with a clear message, until one goes.
     flooder.create(json!({})).await;

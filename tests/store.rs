@@ -1127,7 +1127,7 @@ async fn expired_sessions_are_refused_and_purged(db) {
             SessionKind::Admin,
             "admin",
             "fp",
-            chrono::Duration::milliseconds(300),
+            chrono::Duration::hours(1),
         )
         .await
         .unwrap();
@@ -1137,29 +1137,32 @@ async fn expired_sessions_are_refused_and_purged(db) {
             SessionKind::Admin,
             "admin",
             "fp",
-            chrono::Duration::hours(1),
+            chrono::Duration::hours(3),
         )
         .await
         .unwrap();
-    let valid = |n| {
+    // The clock is the test's: now, and two hours on (session 2 expired, 3 not).
+    let now = chrono::Utc::now();
+    let later = now + chrono::Duration::hours(2);
+    let valid = |n, at| {
         let store = store.clone();
         async move {
             store
-                .valid_session(&sid(n), SessionKind::Admin, "fp")
+                .valid_session_at(&sid(n), SessionKind::Admin, "fp", at)
                 .await
                 .unwrap()
                 .is_some()
         }
     };
-    assert!(!valid(1).await, "expired at creation");
-    assert!(valid(2).await);
-    tokio::time::sleep(std::time::Duration::from_millis(400)).await;
-    assert!(!valid(2).await, "expired since");
-    assert!(valid(3).await);
-    assert_eq!(store.purge_expired_sessions().await.unwrap(), 2);
+    assert!(!valid(1, now).await, "expired at creation");
+    assert!(valid(2, now).await);
+    assert!(!valid(2, later).await, "expired since");
+    assert!(valid(3, later).await);
+    assert_eq!(store.purge_expired_sessions_at(later).await.unwrap(), 2);
     assert!(store.get_session(&sid(1)).await.unwrap().is_none());
+    assert!(store.get_session(&sid(2)).await.unwrap().is_none());
     assert!(store.get_session(&sid(3)).await.unwrap().is_some());
-    assert_eq!(store.purge_expired_sessions().await.unwrap(), 0);
+    assert_eq!(store.purge_expired_sessions_at(later).await.unwrap(), 0);
 }
 }
 
@@ -1337,7 +1340,7 @@ async fn replicas_end_only_the_replies_of_dead_replicas(db) {
     let (_dir, url, a) = fresh(db).await;
     // A second server process on the same database.
     let b = Store::open_beside_server(&url).await.unwrap();
-    let lease = Duration::from_millis(600);
+    let lease = Duration::from_secs(3);
     let ra = a.register_replica("a", "http://a", lease).await.unwrap();
     let rb = b.register_replica("b", "http://b", lease).await.unwrap();
     assert_eq!((ra.interrupted, rb.interrupted), (0, 0));
@@ -1364,9 +1367,10 @@ async fn replicas_end_only_the_replies_of_dead_replicas(db) {
         .save_partial_reply(reply_a.id, "partial", None, "partial")
         .await
         .unwrap());
-    tokio::time::sleep(lease / 2).await;
-    assert!(b.heartbeat(rb.replica.id, &ReplicaLoad::default()).await.unwrap());
-    tokio::time::sleep(lease / 2 + Duration::from_millis(150)).await;
+    // Both beats go stale (the lease is judged by the database's clock, so time must pass);
+    // then only `b` beats, and the sweep right after sees `a` dead and `b` alive. The only
+    // timing this needs is that the sweep follows b's heartbeat within the lease (3 s).
+    tokio::time::sleep(lease + Duration::from_millis(200)).await;
     assert!(b.heartbeat(rb.replica.id, &ReplicaLoad::default()).await.unwrap());
     assert_eq!(b.sweep_dead_replicas(lease).await.unwrap(), 1);
     let ended = b.get_message(reply_a.id).await.unwrap().unwrap();

@@ -199,6 +199,11 @@ pub struct Batcher {
     next_id: RequestId,
     /// Tokens generated per user over the last minute.
     tokens: TokenMeter,
+    /// When each user with waiting requests was last admitted (an admission counter), so that
+    /// among users with equal running sequences the one served longest ago goes next: with a
+    /// single free slot, users take turns instead of the oldest request's user going again.
+    last_admitted: HashMap<Option<String>, u64>,
+    admissions: u64,
 }
 
 /// What a cancellation did.
@@ -220,6 +225,8 @@ impl Batcher {
             to_cancel: Vec::new(),
             next_id: 1,
             tokens: TokenMeter::default(),
+            last_admitted: HashMap::new(),
+            admissions: 0,
         }
     }
 
@@ -326,20 +333,36 @@ impl Batcher {
     }
 
     /// The waiting request to admit next: the one whose user has the fewest running sequences,
-    /// oldest first within a tie, skipping users at their running cap.
+    /// then whose user was admitted longest ago (round-robin by user), oldest first within a
+    /// user, skipping users at their running cap.
     fn next_admission(&self) -> Option<usize> {
         let cap = self.cfg.max_running_per_user;
-        let mut best: Option<(usize, usize)> = None; // (running of its user, index)
+        // (running of its user, when its user was last admitted, index): the smallest wins, so
+        // the oldest request of the least served user.
+        let mut best: Option<(usize, u64, usize)> = None;
         for (i, e) in self.waiting.iter().enumerate() {
             let running = self.running.iter().filter(|r| r.user == e.user).count();
             if cap > 0 && e.user.is_some() && running >= cap {
                 continue;
             }
-            if best.is_none_or(|(b, _)| running < b) {
-                best = Some((running, i));
+            let last = self.last_admitted.get(&e.user).copied().unwrap_or(0);
+            if best.is_none_or(|(r, l, _)| (running, last) < (r, l)) {
+                best = Some((running, last, i));
             }
         }
-        best.map(|(_, i)| i)
+        best.map(|(_, _, i)| i)
+    }
+
+    /// Records that `user` was admitted now, forgetting users with nothing waiting or running
+    /// (they start afresh when they come back: bounded memory). Called after the admitted
+    /// request joined `running`.
+    fn note_admission(&mut self, user: &Option<String>) {
+        self.admissions += 1;
+        self.last_admitted.insert(user.clone(), self.admissions);
+        let (waiting, running) = (&self.waiting, &self.running);
+        self.last_admitted.retain(|u, _| {
+            waiting.iter().any(|e| &e.user == u) || running.iter().any(|e| &e.user == u)
+        });
     }
 
     pub fn cancel(&mut self, id: RequestId) -> CancelOutcome {
@@ -401,11 +424,14 @@ impl Batcher {
             let Some(mut e) = self.next_admission().and_then(|i| self.waiting.remove(i)) else {
                 break;
             };
+
             e.phase = Phase::Prefilling;
             let n = e.remaining_prefill.clamp(1, budget);
             plan.prefill.push((e.id, n));
             budget -= n.min(budget);
+            let user = e.user.clone();
             self.running.push(e);
+            self.note_admission(&user);
         }
         (!plan.is_empty()).then_some(plan)
     }
@@ -517,13 +543,14 @@ mod tests {
         // One of A's, then B's (A already has one running), not A's second.
         assert_eq!(plan.prefill, vec![(a[0], 5), (bee, 5)]);
         b.apply(&[report(a[0], 0, true), report(bee, 0, false)]);
-        // A and C both have none running now: first come first within a tie (A's second).
-        let plan = b.plan().unwrap();
-        assert_eq!(plan.prefill, vec![(a[1], 5)]);
-        b.apply(&[report(bee, 0, true), report(a[1], 0, false)]);
-        // B left, A has one running, C none: C goes before A's third.
+        // A and C both have none running now: C, never served, before A, just served (round
+        // robin, not first come).
         let plan = b.plan().unwrap();
         assert_eq!(plan.prefill, vec![(c, 5)]);
+        b.apply(&[report(bee, 0, true), report(c, 0, false)]);
+        // B left, C runs, A none: A's second.
+        let plan = b.plan().unwrap();
+        assert_eq!(plan.prefill, vec![(a[1], 5)]);
     }
 
     #[test]
@@ -796,5 +823,48 @@ mod tests {
         assert!(b
             .submit_grouped(user("d"), Some("y".into()), None, 5, None)
             .is_ok());
+    }
+
+    #[test]
+    fn with_one_slot_users_take_turns() {
+        let mut b = batcher(1, 16, 512);
+        // "a" queues three requests, then "b" one: a1 runs, then b (a was just served), then
+        // a2 and a3.
+        let a: Vec<RequestId> = (0..3)
+            .map(|_| b.submit_for(user("a"), None, 5, None).unwrap())
+            .collect();
+        let bee = b.submit_for(user("b"), None, 5, None).unwrap();
+        let mut order = Vec::new();
+        while let Some(plan) = b.plan() {
+            let admitted: Vec<RequestId> = plan.prefill.iter().map(|p| p.0).collect();
+            order.extend(admitted.iter().copied());
+            let reports: Vec<ItemReport> = admitted
+                .iter()
+                .chain(plan.decode.iter())
+                .map(|&id| report(id, 0, true))
+                .collect();
+            b.apply(&reports);
+        }
+        assert_eq!(order, [a[0], bee, a[1], a[2]]);
+
+        // The same when "a"'s later requests arrive after its first was admitted (its turn is
+        // remembered while it runs).
+        let mut b = batcher(1, 16, 512);
+        let first = b.submit_for(user("a"), None, 5, None).unwrap();
+        let plan = b.plan().unwrap();
+        assert_eq!(plan.prefill[0].0, first);
+        let more: Vec<RequestId> = (0..2)
+            .map(|_| b.submit_for(user("a"), None, 5, None).unwrap())
+            .collect();
+        let bee = b.submit_for(user("b"), None, 5, None).unwrap();
+        b.apply(&[report(first, 0, true)]);
+        let mut order = Vec::new();
+        while let Some(plan) = b.plan() {
+            let admitted: Vec<RequestId> = plan.prefill.iter().map(|p| p.0).collect();
+            order.extend(admitted.iter().copied());
+            let reports: Vec<ItemReport> = admitted.iter().map(|&id| report(id, 0, true)).collect();
+            b.apply(&reports);
+        }
+        assert_eq!(order, [bee, more[0], more[1]]);
     }
 }

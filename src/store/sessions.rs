@@ -54,7 +54,19 @@ impl Store {
         kind: SessionKind,
         fingerprint: &str,
     ) -> Result<Option<SessionRecord>, StoreError> {
-        let now = now_micros();
+        self.valid_session_at(id, kind, fingerprint, chrono::Utc::now())
+            .await
+    }
+
+    /// [`Store::valid_session`] as of `now` (tests pass their own clock).
+    pub async fn valid_session_at(
+        &self,
+        id: &str,
+        kind: SessionKind,
+        fingerprint: &str,
+        now: DateTime<Utc>,
+    ) -> Result<Option<SessionRecord>, StoreError> {
+        let now = now.timestamp_micros();
         // The lookup is by the SHA-256 of the token, so how long the index search takes says
         // nothing useful about the token a client sent.
         let row: Option<SessionRow> = sqlx::query_as(concat!(
@@ -159,8 +171,13 @@ impl Store {
 
     /// Deletes every expired session (revoked ones go too once they expire); returns how many.
     pub async fn purge_expired_sessions(&self) -> Result<u64, StoreError> {
+        self.purge_expired_sessions_at(chrono::Utc::now()).await
+    }
+
+    /// [`Store::purge_expired_sessions`] as of `now` (tests pass their own clock).
+    pub async fn purge_expired_sessions_at(&self, now: DateTime<Utc>) -> Result<u64, StoreError> {
         let result = sqlx::query("DELETE FROM sessions WHERE expires_at <= $1")
-            .bind(now_micros())
+            .bind(now.timestamp_micros())
             .execute(&self.pool)
             .await?;
         Ok(result.rows_affected())

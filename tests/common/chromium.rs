@@ -39,24 +39,37 @@ pub async fn start_driver(dir: &Path) -> Driver {
              Run `sudo scripts/install-test-deps.sh` (make test does) and try again."
         );
     }
-    let port = free_port();
-    let log = std::fs::File::create(dir.join("chromedriver.log")).expect("log");
-    let child = Command::new(CHROMEDRIVER)
-        .arg(format!("--port={port}"))
-        .stdout(Stdio::null())
-        .stderr(log)
-        .spawn()
-        .expect("start chromedriver");
-    let driver = Driver {
-        child,
-        url: format!("http://127.0.0.1:{port}"),
-    };
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-        assert!(Instant::now() < deadline, "chromedriver did not start");
-        tokio::time::sleep(Duration::from_millis(100)).await;
+    // A port picked free can be taken before chromedriver binds it: then it exits, and the
+    // start is retried on another port.
+    let mut last = String::new();
+    for _ in 0..3 {
+        let port = free_port();
+        let log_path = dir.join("chromedriver.log");
+        let log = std::fs::File::create(&log_path).expect("log");
+        let child = Command::new(CHROMEDRIVER)
+            .arg(format!("--port={port}"))
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .expect("start chromedriver");
+        let mut driver = Driver {
+            child,
+            url: format!("http://127.0.0.1:{port}"),
+        };
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            if let Ok(Some(_)) = driver.child.try_wait() {
+                break;
+            }
+            if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
+                return driver;
+            }
+            assert!(Instant::now() < deadline, "chromedriver did not start");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        last = std::fs::read_to_string(&log_path).unwrap_or_default();
     }
-    driver
+    panic!("chromedriver exited three times:\n{last}");
 }
 
 /// One browser (its own Chromium and profile, so its own cookies).
