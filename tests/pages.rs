@@ -552,11 +552,12 @@ async fn messages_render_escaped_and_sanitized() {
     let page = b.post("/c", &[("content", payload)]).await;
     assert_eq!(page.status, StatusCode::CREATED, "{}", page.text);
     let to = page.headers["HX-Redirect"].to_str().unwrap().to_string();
-    // Wait for the (4-token) reply to be stored.
+    // Wait for the (4-token) reply to be stored complete (not only "not replying": between the
+    // end of generation and the final save the row is still `streaming`).
     let mut text = String::new();
     for _ in 0..600 {
         text = b.get(&to).await.text;
-        if !text.contains("data-replying=\"true\"") && text.contains("class=\"msg assistant") {
+        if text.contains("class=\"msg assistant status-complete") {
             break;
         }
         tokio::time::sleep(std::time::Duration::from_millis(100)).await;
