@@ -205,6 +205,8 @@ impl Platform {
                     max_running_per_user: s.max_running_per_user,
                     tokens_per_minute_per_user: config.limits.tokens_per_minute_per_user,
                     tokens_per_minute_per_group: config.limits.tokens_per_minute_per_guest_address,
+                    // Set by the scheduler from the engine it starts.
+                    kv_capacity_blocks: 0,
                 },
                 kv_budget_bytes: s.kv_budget_mib << 20,
                 max_new_tokens: config.limits.max_new_tokens,

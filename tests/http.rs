@@ -921,3 +921,69 @@ async fn a_crash_mid_reply_loses_no_acknowledged_message() {
     );
     assert!(!rt_result.2.is_empty());
 }
+
+/// Under KV pressure (issue 23): a budget of a few blocks and more concurrent requests than fit.
+/// Every reply completes (some after waiting for blocks, some after being preempted and
+/// recomputed), none fails with a cache-full error, each greedy reply is the one the same
+/// conversation gets with the cache to itself, and a message larger than the whole cache is
+/// refused at once with a message that says so.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn under_kv_pressure_every_reply_completes_and_stays_the_same() {
+    const MAX: usize = 40;
+    let dir = tempdir();
+    // 4 MiB of f16 KV is 11 blocks of 16 positions of SmolLM2 (360 KiB each): 176 tokens. Each
+    // turn (~40 prompt tokens and 40 generated) needs 5 blocks: two run at a time at most.
+    let server = Server::start(
+        dir.path(),
+        &[
+            ("SMOLCHAT_SCHEDULER__KV_BUDGET_MIB", "4"),
+            ("SMOLCHAT_LIMITS__CONVERSATIONS_PER_MINUTE", "0"),
+        ],
+    )
+    .await;
+    let c = server.client();
+    let prompts: Vec<String> = (0..8)
+        .map(|i| format!("{} (number {i})", PROMPTS[i % PROMPTS.len()]))
+        .collect();
+    // Alone: one after the other, each with the cache to itself.
+    let mut alone = Vec::new();
+    for p in &prompts {
+        let id = c.create_greedy(MAX).await;
+        alone.push(c.chat(&id, p).await.raw());
+    }
+    // Together: eight at once.
+    let mut ids = Vec::new();
+    for _ in &prompts {
+        ids.push(c.create_greedy(MAX).await);
+    }
+    let together = futures_util::future::join_all(ids.iter().zip(&prompts).map(|(id, p)| {
+        let c = c.clone();
+        async move { c.chat(id, p).await }
+    }))
+    .await;
+    for (i, (turn, want)) in together.iter().zip(&alone).enumerate() {
+        assert_eq!(
+            turn.message()["status"],
+            "complete",
+            "turn {i}: {:?}",
+            turn.done
+        );
+        assert_eq!(
+            &turn.raw(),
+            want,
+            "turn {i}: the reply changed under pressure"
+        );
+    }
+    let m = c.metrics().await;
+    eprintln!(
+        "8 turns under a 176-token KV cache: {} preemptions",
+        common::server::metric(&m, "smolchat_kv_preemptions_total").unwrap_or(0.0)
+    );
+
+    // Larger than the whole cache: refused at once, naming the cache.
+    let id = c.create_greedy(MAX).await;
+    let r = c.send(&id, &"Tell me about everything. ".repeat(60)).await;
+    assert_error(&r, StatusCode::BAD_REQUEST, "context_overflow");
+    let message = r.json["error"]["message"].as_str().unwrap_or("");
+    assert!(message.contains("KV cache holds 176"), "{message}");
+}

@@ -36,7 +36,14 @@ pub struct BatcherConfig {
     pub tokens_per_minute_per_user: u64,
     /// The same for a request's group (a guest's address) together (0: no limit).
     pub tokens_per_minute_per_group: u64,
+    /// KV cache blocks (of [`BLOCK_POSITIONS`] positions) the model worker has in all (0:
+    /// unknown, no KV planning). A prompt that cannot fit even in an empty cache is refused at
+    /// submit; others wait until their blocks are free.
+    pub kv_capacity_blocks: usize,
 }
+
+/// Positions per KV block (the engine's allocator unit).
+use crate::engine::kv::BLOCK_POSITIONS;
 
 /// The window per-user token usage is counted over.
 const TOKEN_WINDOW: Duration = Duration::from_secs(60);
@@ -185,6 +192,10 @@ pub struct ItemReport {
     /// computed, so not counted): they are charged to the user's token usage like generated
     /// ones, or a long prompt with `max_tokens: 1` would cost nothing.
     pub prefilled: usize,
+    /// The worker took the request's KV blocks back for older sequences (the cache was full):
+    /// it goes back to the queue to recompute `remaining_prefill` tokens (its prompt and what
+    /// it generated) later. Never an error the user sees.
+    pub preempted: bool,
     /// The request ended (finished, cancelled, failed); its slot is free.
     pub finished: bool,
 }
@@ -204,6 +215,9 @@ pub struct Batcher {
     /// single free slot, users take turns instead of the oldest request's user going again.
     last_admitted: HashMap<Option<String>, u64>,
     admissions: u64,
+    /// KV blocks the worker could give new work after its last step (free blocks plus those of
+    /// idle caches it may evict); `None` until the first report.
+    kv_free_blocks: Option<usize>,
 }
 
 /// What a cancellation did.
@@ -227,7 +241,13 @@ impl Batcher {
             tokens: TokenMeter::default(),
             last_admitted: HashMap::new(),
             admissions: 0,
+            kv_free_blocks: None,
         }
+    }
+
+    /// What the worker reported it could give new work in KV blocks (see `kv_free_blocks`).
+    pub fn set_kv_free_blocks(&mut self, blocks: usize) {
+        self.kv_free_blocks = Some(blocks);
     }
 
     pub fn config(&self) -> &BatcherConfig {
@@ -273,6 +293,15 @@ impl Batcher {
             return Err(SubmitError::ContextOverflow {
                 prompt_tokens: prompt_len,
                 window: self.cfg.context_window,
+            });
+        }
+        // The prompt and one generated token must fit the whole KV cache, or the request could
+        // never run, however long it waited.
+        let capacity_tokens = self.cfg.kv_capacity_blocks * BLOCK_POSITIONS;
+        if self.cfg.kv_capacity_blocks > 0 && prompt_len + 1 > capacity_tokens {
+            return Err(SubmitError::ExceedsKvCache {
+                prompt_tokens: prompt_len,
+                capacity_tokens,
             });
         }
         let retry_after_s = |queued: usize| 1 + queued as u64 / self.cfg.max_running.max(1) as u64;
@@ -420,8 +449,27 @@ impl Batcher {
                 budget -= n.min(budget);
             }
         }
+        // KV blocks for new work: what the worker could give after its last step, less one block
+        // per decoding sequence (each may start a new block in this step). A request whose
+        // prompt does not fit waits (nothing is admitted past it, so it is not starved); when
+        // nothing runs at all it is admitted anyway, and the worker evicts or preempts to make
+        // room (the estimate ignores reusable cached prefixes, so it errs on the safe side).
+        let mut kv_free = self
+            .kv_free_blocks
+            .filter(|_| self.cfg.kv_capacity_blocks > 0)
+            .map(|f| f.saturating_sub(plan.decode.len()));
         while budget > 0 && self.running.len() < self.cfg.max_running {
-            let Some(mut e) = self.next_admission().and_then(|i| self.waiting.remove(i)) else {
+            let Some(i) = self.next_admission() else {
+                break;
+            };
+            if let Some(free) = kv_free.as_mut() {
+                let need = (self.waiting[i].remaining_prefill + 1).div_ceil(BLOCK_POSITIONS);
+                if need > *free && !self.running.is_empty() {
+                    break;
+                }
+                *free = free.saturating_sub(need);
+            }
+            let Some(mut e) = self.waiting.remove(i) else {
                 break;
             };
 
@@ -461,6 +509,17 @@ impl Batcher {
                 self.running.retain(|e| e.id != r.id);
                 self.waiting.retain(|e| e.id != r.id);
                 self.to_cancel.retain(|&id| id != r.id);
+                continue;
+            }
+            if r.preempted {
+                // Its KV blocks went to older sequences: it waits again, first in line, to
+                // recompute what it had (prompt and generated tokens) when blocks are free.
+                if let Some(pos) = self.running.iter().position(|e| e.id == r.id) {
+                    let mut e = self.running.remove(pos);
+                    e.phase = Phase::Waiting;
+                    e.remaining_prefill = r.remaining_prefill;
+                    self.waiting.push_front(e);
+                }
                 continue;
             }
             if let Some(e) = self.running.iter_mut().find(|e| e.id == r.id) {
@@ -523,6 +582,7 @@ mod tests {
             max_running_per_user: 0,
             tokens_per_minute_per_user: 0,
             tokens_per_minute_per_group: 0,
+            kv_capacity_blocks: 0,
         })
     }
 
@@ -564,6 +624,7 @@ mod tests {
             max_running_per_user: 2,
             tokens_per_minute_per_user: 0,
             tokens_per_minute_per_group: 0,
+            kv_capacity_blocks: 0,
         });
         for _ in 0..3 {
             b.submit_for(user("a"), None, 5, None).unwrap();
@@ -603,6 +664,7 @@ mod tests {
     fn report(id: RequestId, remaining: usize, finished: bool) -> ItemReport {
         ItemReport {
             prefilled: 0,
+            preempted: false,
             id,
             remaining_prefill: remaining,
             finished,
@@ -740,6 +802,7 @@ mod tests {
             max_running_per_user: 0,
             tokens_per_minute_per_user: 3,
             tokens_per_minute_per_group: 0,
+            kv_capacity_blocks: 0,
         });
         let a = b.submit_for(user("a"), None, 5, None).unwrap();
         b.plan().unwrap();
@@ -795,6 +858,7 @@ mod tests {
                 id: a,
                 remaining_prefill: 0,
                 prefilled: 20,
+                preempted: false,
                 finished: false,
             }],
             now,
@@ -809,6 +873,7 @@ mod tests {
                 id: bee,
                 remaining_prefill: 0,
                 prefilled: 10,
+                preempted: false,
                 finished: true,
             }],
             now,
@@ -866,5 +931,80 @@ mod tests {
             b.apply(&reports);
         }
         assert_eq!(order, [bee, more[0], more[1]]);
+    }
+
+    fn kv_batcher(blocks: usize) -> Batcher {
+        Batcher::new(BatcherConfig {
+            kv_capacity_blocks: blocks,
+            ..batcher(8, 16, 512).cfg
+        })
+    }
+
+    #[test]
+    fn a_prompt_larger_than_the_whole_kv_cache_is_refused_at_once() {
+        let mut b = kv_batcher(4); // 64 positions
+        assert!(b.submit(None, 63, None).is_ok());
+        match b.submit(None, 64, None) {
+            Err(SubmitError::ExceedsKvCache {
+                prompt_tokens: 64,
+                capacity_tokens: 64,
+            }) => {}
+            other => panic!("expected a refusal, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn requests_wait_for_kv_blocks_instead_of_failing() {
+        let mut b = kv_batcher(8);
+        // Three prompts of 40 tokens: 3 blocks each (with the first generated token).
+        let ids: Vec<RequestId> = (0..3).map(|_| b.submit(None, 40, None).unwrap()).collect();
+        // Before any report nothing is known: the first plan admits by the usual rules.
+        b.set_kv_free_blocks(7);
+        let plan = b.plan().unwrap();
+        // 7 free blocks: two prompts (6 blocks) fit, the third waits.
+        assert_eq!(plan.prefill, vec![(ids[0], 40), (ids[1], 40)]);
+        b.apply(&[report(ids[0], 0, false), report(ids[1], 0, false)]);
+        b.set_kv_free_blocks(1);
+        let plan = b.plan().unwrap();
+        assert_eq!(plan.decode, vec![ids[0], ids[1]]);
+        assert!(plan.prefill.is_empty(), "the third still waits: {plan:?}");
+        assert_eq!(b.queued(), 1);
+        // One finishes and its blocks come back: the third is admitted.
+        b.apply(&[report(ids[0], 0, true), report(ids[1], 0, false)]);
+        b.set_kv_free_blocks(4);
+        let plan = b.plan().unwrap();
+        assert_eq!(plan.prefill, vec![(ids[2], 40)]);
+    }
+
+    #[test]
+    fn a_preempted_request_waits_first_in_line_to_recompute() {
+        let mut b = kv_batcher(8);
+        let first = b.submit(None, 10, None).unwrap();
+        let second = b.submit(None, 10, None).unwrap();
+        let later = b.submit(None, 10, None).unwrap();
+        b.set_kv_free_blocks(8);
+        let plan = b.plan().unwrap();
+        assert_eq!(plan.prefill.len(), 3);
+        // The worker preempted the youngest running one: 14 tokens to recompute.
+        b.apply(&[
+            report(first, 0, false),
+            report(second, 0, false),
+            ItemReport {
+                id: later,
+                remaining_prefill: 14,
+                prefilled: 10,
+                preempted: true,
+                finished: false,
+            },
+        ]);
+        assert_eq!(b.running(), 2);
+        assert_eq!(b.queued(), 1);
+        b.set_kv_free_blocks(1);
+        let plan = b.plan().unwrap();
+        assert!(plan.prefill.is_empty(), "no room yet: {plan:?}");
+        b.apply(&[report(first, 0, true), report(second, 0, false)]);
+        b.set_kv_free_blocks(4);
+        let plan = b.plan().unwrap();
+        assert_eq!(plan.prefill, vec![(later, 14)]);
     }
 }

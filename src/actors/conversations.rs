@@ -139,7 +139,7 @@ impl From<SubmitError> for ConversationError {
                 message: e.to_string(),
                 retry_after_s,
             },
-            SubmitError::ContextOverflow { .. } => {
+            SubmitError::ContextOverflow { .. } | SubmitError::ExceedsKvCache { .. } => {
                 ConversationError::ContextOverflow(e.to_string())
             }
             SubmitError::Invalid(_) => ConversationError::Invalid {

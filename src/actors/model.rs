@@ -54,6 +54,11 @@ pub struct StepReport {
     pub kv_bytes: usize,
     pub cached_sequences: usize,
     pub evictions: u64,
+    /// KV blocks new work could have after this step: free ones, plus those of idle caches the
+    /// worker would evict (the batcher admits only what fits them).
+    pub kv_free_blocks: usize,
+    /// Requests preempted in this step (their blocks went to older sequences).
+    pub preemptions: u64,
 }
 
 struct Active {
@@ -71,6 +76,10 @@ struct Active {
     admitted: Option<Instant>,
     first_token: Option<Instant>,
     completion_tokens: usize,
+    /// Set while a preempted request waits to be admitted again: every token it had in its
+    /// cache (prompt, generated, and the last sampled one), to recompute. Its sampler,
+    /// detokenizer and stop state are kept, so it continues exactly where it was.
+    resume: Option<Vec<u32>>,
 }
 
 /// Keys of caches kept from stateless requests (no conversation id can start with it).
@@ -147,6 +156,7 @@ impl ModelWorker {
                             admitted: None,
                             first_token: None,
                             completion_tokens: 0,
+                            resume: None,
                         },
                     );
                 }
@@ -306,6 +316,16 @@ impl ModelWorker {
         let Some(a) = self.active.get_mut(&id) else {
             return;
         };
+        if let Some(tokens) = a.resume.take() {
+            // A preempted request comes back: recompute what it had; its generation state,
+            // first admission and cached-token count stay as they were.
+            let reuse = self.engine.reuse_prefix(seq, &tokens).unwrap_or(0);
+            a.seq = Some(seq);
+            a.keyed = keyed;
+            a.pending_prompt = tokens[reuse..].to_vec();
+            a.last_token = None;
+            return;
+        }
         let prompt = &a.request.prompt;
         let reuse = self.engine.reuse_prefix(seq, prompt).unwrap_or_else(|e| {
             tracing::warn!(seq, "preparing the sequence's cache failed: {e}");
@@ -372,6 +392,69 @@ impl ModelWorker {
         }
     }
 
+    /// KV positions the budget holds in all (the allocator's blocks within the byte budget).
+    fn kv_capacity_tokens(&self) -> usize {
+        self.kv_capacity_blocks() * crate::engine::kv::BLOCK_POSITIONS
+    }
+
+    fn kv_capacity_blocks(&self) -> usize {
+        (self.kv_budget_bytes / self.engine.kv_block_bytes().max(1))
+            .min(self.engine.kv_capacity_blocks())
+    }
+
+    /// Blocks new work could have: those not held (within the budget), plus those held by idle
+    /// caches, which [`ModelWorker::make_room`] would evict.
+    fn kv_free_for_new_work(&self) -> usize {
+        let held = self.engine.total_kv_bytes() / self.engine.kv_block_bytes().max(1);
+        let free = self
+            .kv_capacity_blocks()
+            .saturating_sub(held)
+            .min(self.engine.kv_free_blocks());
+        let idle: usize = self
+            .caches
+            .iter()
+            .filter(|(k, _)| !self.busy(k))
+            .map(|(_, slot)| {
+                self.engine.kv_bytes(slot.seq).unwrap_or(0) / self.engine.kv_block_bytes().max(1)
+            })
+            .sum();
+        free + idle
+    }
+
+    /// Takes a running request's KV blocks back: its sequence (and conversation cache, if it
+    /// has one) is dropped, and it keeps everything it had as tokens to recompute when it is
+    /// admitted again: what was cached, this step's `chunk` (a prefill chunk, or the last
+    /// sampled token of a decode) and the prompt not yet fed. Returns how many tokens that is.
+    fn preempt(&mut self, id: RequestId, seq: SeqId, chunk: Vec<u32>) -> usize {
+        let mut tokens = self
+            .engine
+            .cached_tokens(seq)
+            .map(|t| t.to_vec())
+            .unwrap_or_default();
+        let Some(a) = self.active.get_mut(&id) else {
+            return 0;
+        };
+        tokens.extend_from_slice(&chunk);
+        tokens.extend_from_slice(&a.pending_prompt);
+        a.last_token = None;
+        a.pending_prompt.clear();
+        a.seq = None;
+        let key = a.request.cache_key.clone().filter(|_| a.keyed);
+        a.keyed = false;
+        let remaining = tokens.len();
+        a.resume = Some(tokens);
+        if let Some(k) = key {
+            self.caches.remove(&k);
+        }
+        self.engine.free_sequence(seq);
+        tracing::debug!(
+            request = id,
+            tokens = remaining,
+            "preempted: the KV cache is full; it recomputes later"
+        );
+        remaining
+    }
+
     fn step(&mut self, plan: StepPlan) -> StepReport {
         let start = Instant::now();
         let mut report = StepReport::default();
@@ -380,6 +463,7 @@ impl ModelWorker {
                 self.finish(id, StopReason::Cancelled);
             }
             report.items.push(ItemReport {
+                preempted: false,
                 id,
                 prefilled: 0,
                 remaining_prefill: 0,
@@ -396,6 +480,7 @@ impl ModelWorker {
         for id in gone {
             self.finish(id, StopReason::Cancelled);
             report.items.push(ItemReport {
+                preempted: false,
                 id,
                 prefilled: 0,
                 remaining_prefill: 0,
@@ -440,32 +525,75 @@ impl ModelWorker {
             }
         }
         let mut failed: Vec<(RequestId, String)> = Vec::new();
-        // KV blocks: evict idle caches to make room; if the step still does not fit, the last
-        // items (prefill chunks come after decodes) end with an error instead of running.
-        let needs: Vec<usize> = work
-            .iter()
-            .map(|(_, seq, toks, _)| self.engine.kv_blocks_needed(*seq, toks.len()).unwrap_or(0))
-            .collect();
-        let mut needed: usize = needs.iter().sum();
-        if !self.make_room(needed) {
-            let budget_blocks = (self.kv_budget_bytes / self.engine.kv_block_bytes().max(1))
-                .min(self.engine.kv_capacity_blocks());
-            let in_use = self.engine.total_kv_bytes() / self.engine.kv_block_bytes().max(1);
-            let free = budget_blocks.saturating_sub(in_use);
-            while needed > free {
-                let Some((id, _, _, _)) = work.pop() else {
-                    break;
-                };
-                let need = needs[work.len()];
-                let err = crate::engine::EngineError::KvCacheFull {
-                    needed_blocks: need,
-                    free_blocks: free,
-                };
-                tracing::warn!(request = id, "{err}");
-                prefilled.remove(&id);
-                failed.push((id, err.to_string()));
-                needed -= need;
+        // KV blocks: evict idle caches to make room; if the step still does not fit, preempt
+        // the youngest of its requests (the one admitted last) and try again, as vLLM does: its
+        // blocks go to the older ones and it recomputes later. A request that cannot fit even
+        // alone in the whole cache ends as if it had reached the context window.
+        loop {
+            let needed: usize = work
+                .iter()
+                .map(|(_, seq, toks, _)| {
+                    self.engine.kv_blocks_needed(*seq, toks.len()).unwrap_or(0)
+                })
+                .sum();
+            if self.make_room(needed) {
+                break;
             }
+            let youngest = work
+                .iter()
+                .enumerate()
+                .max_by_key(|(_, (id, _, _, _))| self.active.get(id).and_then(|a| a.admitted))
+                .map(|(i, _)| i);
+            let Some(i) = youngest else {
+                break;
+            };
+            let (id, seq, chunk, _) = work.remove(i);
+            if work.is_empty() {
+                // Alone and still too big for the whole cache.
+                prefilled.remove(&id);
+                let capacity = self.kv_capacity_tokens();
+                match self.active.get_mut(&id) {
+                    Some(a) if a.completion_tokens > 0 => {
+                        let text = a
+                            .generation
+                            .as_mut()
+                            .map(|g| g.finish_early())
+                            .unwrap_or_default();
+                        if !text.is_empty() {
+                            let _ = a.request.events.send(GenEvent::Token {
+                                token: a.last_token.unwrap_or(0),
+                                text,
+                            });
+                        }
+                        self.finish(id, StopReason::Length);
+                        report.items.push(ItemReport {
+                            id,
+                            prefilled: 0,
+                            preempted: false,
+                            remaining_prefill: 0,
+                            finished: true,
+                        });
+                    }
+                    _ => failed.push((
+                        id,
+                        format!(
+                            "the prompt does not fit the KV cache ({capacity} tokens in all, \
+                             scheduler.kv_budget_mib); shorten the conversation"
+                        ),
+                    )),
+                }
+                break;
+            }
+            prefilled.remove(&id);
+            let remaining = self.preempt(id, seq, chunk);
+            report.preemptions += 1;
+            report.items.push(ItemReport {
+                id,
+                prefilled: 0,
+                preempted: true,
+                remaining_prefill: remaining,
+                finished: false,
+            });
         }
         if !work.is_empty() {
             let steps: Vec<SeqStep<'_>> = work
@@ -480,7 +608,8 @@ impl ModelWorker {
                     },
                 })
                 .collect();
-            let window = self.context_window;
+            // The KV cache bounds a sequence like the context window does.
+            let window = self.context_window.min(self.kv_capacity_tokens());
             match self.engine.step(&steps) {
                 Ok(outputs) => {
                     for ((id, seq, _, _), logits) in work.iter().zip(outputs) {
@@ -526,6 +655,7 @@ impl ModelWorker {
                                     let id = *id;
                                     self.finish(id, reason);
                                     report.items.push(ItemReport {
+                                        preempted: false,
                                         id,
                                         prefilled: prefilled.get(&id).copied().unwrap_or(0),
                                         remaining_prefill: 0,
@@ -553,6 +683,7 @@ impl ModelWorker {
             if self.active.contains_key(&id) {
                 self.finish(id, StopReason::Error(msg));
                 report.items.push(ItemReport {
+                    preempted: false,
                     id,
                     prefilled: prefilled.get(&id).copied().unwrap_or(0),
                     remaining_prefill: 0,
@@ -572,12 +703,14 @@ impl ModelWorker {
             }
             match self.active.get(&id) {
                 Some(a) => report.items.push(ItemReport {
+                    preempted: false,
                     id,
                     prefilled: prefilled.get(&id).copied().unwrap_or(0),
                     remaining_prefill: a.pending_prompt.len(),
                     finished: false,
                 }),
                 None => report.items.push(ItemReport {
+                    preempted: false,
                     id,
                     prefilled: prefilled.get(&id).copied().unwrap_or(0),
                     remaining_prefill: 0,
@@ -588,6 +721,7 @@ impl ModelWorker {
         report.step_ms = start.elapsed().as_secs_f64() * 1e3;
         report.kv_bytes = self.engine.total_kv_bytes();
         report.cached_sequences = self.caches.len();
+        report.kv_free_blocks = self.kv_free_for_new_work();
         report.evictions = self.evictions;
         report
     }
@@ -678,6 +812,7 @@ mod tests {
                 admitted: None,
                 first_token: None,
                 completion_tokens: 0,
+                resume: None,
             },
         );
         let mut plan = StepPlan {
@@ -762,8 +897,9 @@ mod tests {
     }
 
     /// With a budget of 3 KV blocks (48 positions): an idle conversation is evicted to make room
-    /// for another, and a prompt larger than the whole budget ends its request with a clear error
-    /// instead of crashing the worker, which keeps serving afterwards.
+    /// for another, and a prompt larger than the whole budget (the batcher refuses those at
+    /// submit; here the worker is driven directly) ends its request with a clear error instead of
+    /// crashing the worker, which keeps serving afterwards.
     #[test]
     fn a_full_kv_cache_evicts_idle_caches_then_refuses_with_an_error() {
         let mut w = worker_with_kv(Some(3));
@@ -787,7 +923,9 @@ mod tests {
         let events = run(&mut w, 4, Some("huge"), huge);
         match events.last() {
             Some(GenEvent::Finished(s)) => match &s.reason {
-                StopReason::Error(msg) => assert!(msg.contains("KV cache is full"), "{msg}"),
+                StopReason::Error(msg) => {
+                    assert!(msg.contains("does not fit the KV cache"), "{msg}")
+                }
                 other => panic!("expected an error, got {other:?}"),
             },
             other => panic!("expected a finished event, got {other:?}"),
@@ -796,5 +934,118 @@ mod tests {
         // The worker still serves.
         let again = run(&mut w, 5, Some("a"), prompt_a);
         assert!(matches!(again.last(), Some(GenEvent::Finished(s)) if s.completion_tokens == 3));
+    }
+
+    /// Drives `w` with the real batcher over `requests` (prompt, new tokens) submitted together,
+    /// as the scheduler does; returns each request's generated tokens, its stop reason, and how
+    /// many preemptions happened.
+    fn drive(
+        w: &mut ModelWorker,
+        requests: &[(Vec<u32>, usize)],
+    ) -> (Vec<(Vec<u32>, StopReason)>, u64) {
+        use super::super::batcher::{Batcher, BatcherConfig};
+        let mut b = Batcher::new(BatcherConfig {
+            max_running: 8,
+            queue_capacity: 16,
+            step_token_budget: 64,
+            context_window: 2048,
+            max_queued_per_user: 0,
+            max_running_per_user: 0,
+            tokens_per_minute_per_user: 0,
+            tokens_per_minute_per_group: 0,
+            kv_capacity_blocks: w.kv_capacity_blocks(),
+        });
+        let mut receivers = Vec::new();
+        for (prompt, n) in requests {
+            let id = b.submit(None, prompt.len(), None).expect("submit");
+            let (tx, rx) = mpsc::unbounded_channel();
+            w.active.insert(
+                id,
+                Active {
+                    request: GenerationRequest {
+                        cache_key: None,
+                        user: None,
+                        group: None,
+                        cache_salt: None,
+                        prompt: prompt.clone(),
+                        params: SamplingParams {
+                            max_new_tokens: *n,
+                            ignore_eos: true,
+                            ..SamplingParams::greedy()
+                        },
+                        max_time: None,
+                        events: tx,
+                    },
+                    generation: None,
+                    seq: None,
+                    keyed: false,
+                    pending_prompt: Vec::new(),
+                    last_token: None,
+                    cached_tokens: 0,
+                    submitted: Instant::now(),
+                    admitted: None,
+                    first_token: None,
+                    completion_tokens: 0,
+                    resume: None,
+                },
+            );
+            receivers.push(rx);
+        }
+        let mut preemptions = 0;
+        for _ in 0..10_000 {
+            let Some(plan) = b.plan() else { break };
+            let report = w.step(plan);
+            preemptions += report.preemptions;
+            b.apply(&report.items);
+            b.set_kv_free_blocks(report.kv_free_blocks);
+        }
+        let results = receivers
+            .into_iter()
+            .map(|mut rx| {
+                let mut tokens = Vec::new();
+                let mut reason = None;
+                while let Ok(e) = rx.try_recv() {
+                    match e {
+                        GenEvent::Token { token, .. } => tokens.push(token),
+                        GenEvent::Finished(s) => reason = Some(s.reason),
+                        GenEvent::Admitted { .. } => {}
+                    }
+                }
+                (tokens, reason.expect("every request finishes"))
+            })
+            .collect();
+        (results, preemptions)
+    }
+
+    /// Six requests that each fit a 6-block cache alone but not together: every one completes
+    /// (some after waiting, some after being preempted and recomputed), none with an error, and
+    /// each greedy reply is token for token the one it gets alone in a roomy cache.
+    #[test]
+    fn under_kv_pressure_requests_wait_or_are_preempted_and_replies_stay_the_same() {
+        let requests: Vec<(Vec<u32>, usize)> = (0..6u32)
+            .map(|r| ((100 + 40 * r..120 + 40 * r).collect(), 30))
+            .collect();
+        let mut alone = Vec::new();
+        for req in &requests {
+            let (mut got, _) = drive(&mut worker(), std::slice::from_ref(req));
+            alone.push(got.remove(0));
+        }
+        // 20 prompt + 30 generated = 50 positions: 4 blocks each; 6 blocks hold one at a time
+        // at its end, but two fit at their start, so the second is preempted as they grow.
+        let mut w = worker_with_kv(Some(6));
+        let (pressed, preemptions) = drive(&mut w, &requests);
+        for (i, ((tokens, reason), (want, _))) in pressed.iter().zip(&alone).enumerate() {
+            assert!(
+                !matches!(reason, StopReason::Error(_)),
+                "request {i} failed: {reason:?}"
+            );
+            assert_eq!(
+                tokens, want,
+                "request {i}: the reply changed under pressure"
+            );
+            assert_eq!(tokens.len(), 30, "request {i}");
+        }
+        assert!(preemptions > 0, "the test never preempted anything");
+        assert!(w.active.is_empty());
     }
 }

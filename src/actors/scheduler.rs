@@ -53,9 +53,16 @@ pub struct SchedulerActor {
 
 impl SchedulerActor {
     /// Starts the model worker thread and the scheduler actor (call inside an actix system).
-    pub fn start(engine: Engine, tokenizer: Arc<Tokenizer>, cfg: SchedulerConfig) -> Addr<Self> {
+    pub fn start(
+        engine: Engine,
+        tokenizer: Arc<Tokenizer>,
+        mut cfg: SchedulerConfig,
+    ) -> Addr<Self> {
         let (tx, rx) = std_mpsc::channel::<WorkerCommand>();
         let kv_budget = cfg.kv_budget_bytes;
+        // The one KV budget: the allocator's blocks, within the configured bytes.
+        cfg.batcher.kv_capacity_blocks =
+            (kv_budget / engine.kv_block_bytes().max(1)).min(engine.kv_capacity_blocks());
         let window = cfg.batcher.context_window;
         SchedulerActor::create(move |ctx| {
             let addr = ctx.address();
@@ -193,6 +200,7 @@ impl Handler<StepDone> for SchedulerActor {
         let r = msg.0;
         self.step_in_flight = false;
         self.batcher.apply(&r.items);
+        self.batcher.set_kv_free_blocks(r.kv_free_blocks);
         let s = &mut self.stats;
         s.steps += 1;
         s.generated_tokens += r.generated_tokens;
@@ -223,6 +231,7 @@ impl Handler<StepDone> for SchedulerActor {
         };
         metrics::counter!("smolchat_generated_tokens_total").increment(r.generated_tokens);
         metrics::counter!("smolchat_prefilled_tokens_total").increment(r.prefilled_tokens);
+        metrics::counter!("smolchat_kv_preemptions_total").increment(r.preemptions);
         metrics::gauge!("smolchat_kv_bytes").set(r.kv_bytes as f64);
         metrics::gauge!("smolchat_kv_budget_bytes").set(self.cfg.kv_budget_bytes as f64);
         metrics::gauge!("smolchat_kv_evictions").set(r.evictions as f64);

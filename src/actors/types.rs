@@ -133,6 +133,11 @@ pub enum SubmitError {
         limit: u64,
         retry_after_s: u64,
     },
+    #[error("the prompt has {prompt_tokens} tokens but the KV cache holds {capacity_tokens} in all (scheduler.kv_budget_mib); shorten the conversation or start a new one")]
+    ExceedsKvCache {
+        prompt_tokens: usize,
+        capacity_tokens: usize,
+    },
     #[error("guests from your address have used {used} tokens in the last minute (the limit per address is {limit}); sign in, or retry in {retry_after_s} s")]
     GroupTokenLimit {
         used: u64,

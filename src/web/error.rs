@@ -199,7 +199,9 @@ impl From<SubmitError> for WebError {
                 message: e.to_string(),
                 retry_after_s,
             },
-            SubmitError::ContextOverflow { .. } => WebError::ContextOverflow(e.to_string()),
+            SubmitError::ContextOverflow { .. } | SubmitError::ExceedsKvCache { .. } => {
+                WebError::ContextOverflow(e.to_string())
+            }
             SubmitError::Invalid(_) => WebError::BadRequest(e.to_string()),
             SubmitError::Unavailable(_) => WebError::Unavailable(e.to_string()),
         }

@@ -231,6 +231,9 @@ impl From<SubmitError> for ApiError {
                 prompt_tokens,
                 window,
             } => Self::context_exceeded(prompt_tokens, window, "messages"),
+            SubmitError::ExceedsKvCache { .. } => {
+                Self::invalid("messages", e.to_string()).with_code("context_length_exceeded")
+            }
             SubmitError::Invalid(m) => Self::bad_body(m),
             SubmitError::Unavailable(_) => Self::unavailable(e.to_string()),
             SubmitError::UserLimit { retry_after_s, .. }
