@@ -8,7 +8,10 @@ use figment::providers::{Env, Format, Serialized, Toml};
 use figment::Figment;
 use serde::{Deserialize, Serialize};
 
+use crate::engine::attention::DecodePrefetch;
 use crate::engine::device::DeviceRequest;
+use crate::engine::quant::gemm::Isa;
+use crate::engine::{CpuOptions, KvOptions, KvType, LoadOptions, Yarn};
 
 /// The embedded default model (SmolLM2-135M-Instruct, Q4_1), fetched by `scripts/fetch-model.sh`.
 /// Here rather than in the CLI because the configuration's defaults and the platform's
@@ -57,8 +60,14 @@ pub struct ModelConfig {
     /// The context the model was trained on, for YaRN (default: the GGUF's context length).
     pub yarn_original_context: Option<usize>,
     /// How the KV cache stores keys and values: `f32`, `f16` (default) or `q8_0` (about half of
-    /// f16's bytes; needs a head dimension that is a multiple of 32).
-    pub kv_type: String,
+    /// f16's bytes; needs a head dimension that is a multiple of 32). `--kv-type` overrides it.
+    pub kv_type: KvType,
+    /// The best instruction set the CPU kernels may use: `avx512`, `avxvnni`, `avx2` or
+    /// `scalar` (default: the best this CPU has). `SMOLCHAT_ISA` overrides it.
+    pub isa: Option<Isa>,
+    /// How decode attention prefetches KV pages: `eager` or `lazy` (default: by the L1 data cache
+    /// size). `SMOLCHAT_DECODE_PREFETCH` overrides it.
+    pub decode_prefetch: Option<DecodePrefetch>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -342,7 +351,9 @@ impl Default for ModelConfig {
             threads: None,
             yarn_factor: None,
             yarn_original_context: None,
-            kv_type: "f16".into(),
+            kv_type: KvType::F16,
+            isa: None,
+            decode_prefetch: None,
         }
     }
 }
@@ -479,19 +490,30 @@ impl Config {
         Ok(cfg)
     }
 
-    /// `model.kv_type`, parsed.
-    pub fn kv_type(&self) -> Result<crate::engine::KvType, String> {
-        self.model
-            .kv_type
-            .parse()
-            .map_err(|e: String| format!("model.kv_type: {e}"))
+    /// How the model is loaded: the one place the configuration becomes engine options, for
+    /// `serve`, the command-line commands and `bench` alike.
+    pub fn load_options(&self) -> LoadOptions {
+        let m = &self.model;
+        LoadOptions {
+            device: m.device,
+            tokenizer_json: m.tokenizer.clone(),
+            yarn: m.yarn_factor.map(|factor| Yarn {
+                factor,
+                original_context: m.yarn_original_context,
+            }),
+            kv: KvOptions {
+                kv_type: m.kv_type,
+                budget_bytes: self.scheduler.kv_budget_mib << 20,
+            },
+            cpu: CpuOptions {
+                isa: m.isa,
+                decode_prefetch: m.decode_prefetch,
+            },
+        }
     }
 
     pub fn validate(&self) -> Result<(), ConfigError> {
         let bad = |m: String| Err(ConfigError::Invalid(m));
-        if let Err(e) = self.kv_type() {
-            return bad(e);
-        }
         let s = &self.scheduler;
         if s.max_running == 0 {
             return bad("scheduler.max_running must be at least 1".into());

@@ -28,8 +28,8 @@ fn run() -> Result<()> {
         .with_writer(std::io::stderr)
         .init();
     let args = Cli::parse();
-    cli::init_threads(args.threads)?;
-    cli::init_kv_type(args.kv_type);
+    // The commands that compute size the thread pool once their configuration is read.
+    let globals = args.globals;
     // `serve` is the default subcommand: parse again with it appended (global flags stay valid).
     let command = match args.command {
         Some(c) => c,
@@ -39,13 +39,13 @@ fn run() -> Result<()> {
         },
     };
     match &command {
-        Command::Serve(a) => cli::serve::run(a),
-        Command::Generate(a) => cli::generate::run(a),
-        Command::Chat(a) => cli::chat::run(a),
-        Command::Tokenize(a) => cli::tokenize::run(a),
+        Command::Serve(a) => cli::serve::run(a, &globals),
+        Command::Generate(a) => cli::generate::run(a, &globals),
+        Command::Chat(a) => cli::chat::run(a, &globals),
+        Command::Tokenize(a) => cli::tokenize::run(a, &globals),
         Command::Inspect(a) => cli::inspect::run(a),
-        Command::Logits(a) => cli::logits::run(a),
-        Command::Bench(a) => cli::bench::run(a),
+        Command::Logits(a) => cli::logits::run(a, &globals),
+        Command::Bench(a) => cli::bench::run(a, &globals),
         Command::Backup(a) => cli::backup::run(a),
         Command::User(a) => cli::user::run(a),
         Command::Invite(a) => cli::user::invite(a),

@@ -3,7 +3,7 @@
 
 use std::path::Path;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use actix::Addr;
 
@@ -13,11 +13,10 @@ use crate::actors::conversations::{Conversations, ConversationsConfig};
 use crate::actors::settings::SettingsLimits;
 use crate::actors::{SchedulerActor, SchedulerConfig, SessionConfig, SessionShared, Sessions};
 use crate::config::Config;
-use crate::engine::device;
-use crate::engine::gguf::GgufSource;
+use crate::engine::load;
 use crate::engine::template::ChatTemplate;
 use crate::engine::tokenizer::Tokenizer;
-use crate::engine::{Engine, EngineError, KvOptions, Model};
+use crate::engine::{Engine, EngineError};
 use crate::store::{Store, StoreError};
 
 #[derive(Debug, thiserror::Error)]
@@ -69,14 +68,11 @@ pub struct Platform {
     pub model: ModelInfo,
 }
 
-/// Loads the model with its tokenizer and chat template (blocking: call off the event loop).
+/// Loads the model with its tokenizer and chat template (blocking: call off the event loop),
+/// through the engine's one loader with the configuration's options.
 pub fn load_model(
     config: &Config,
 ) -> Result<(Engine, Tokenizer, ChatTemplate, ModelInfo), PlatformError> {
-    // Before the (slow) load: a device that cannot be used is a start-up error, not a silent
-    // fall-back. `select` only returns devices the engine has a backend for, so today this is
-    // always the CPU; the CUDA backend of issue 8 takes the device from here.
-    let _device = device::select(config.model.device).map_err(PlatformError::Device)?;
     let path = &config.model.path;
     if !path.exists() {
         let hint = if path == Path::new(crate::config::DEFAULT_MODEL) {
@@ -89,23 +85,19 @@ pub fn load_model(
             path.display()
         )));
     }
-    let err = |source| PlatformError::Model {
-        path: path.display().to_string(),
-        source,
+    let err = |source| match source {
+        // A device that cannot be used is a configuration error: name the key.
+        e @ (EngineError::Device(..) | EngineError::BadDevice { .. }) => PlatformError::Device(e),
+        source => PlatformError::Model {
+            path: path.display().to_string(),
+            source,
+        },
     };
-    let start = Instant::now();
-    let mut src = GgufSource::open(path).map_err(err)?;
-    let tokenizer = match &config.model.tokenizer {
-        Some(json) => Tokenizer::from_json_file(json, &src),
-        None => Tokenizer::from_gguf(&src),
-    }
-    .map_err(err)?;
-    let template = ChatTemplate::from_gguf(&src).map_err(err)?;
-    let mut model = Model::load(&mut src, &mut |_, _| {}).map_err(err)?;
-    if let Some(factor) = config.model.yarn_factor {
-        model.apply_yarn(factor, config.model.yarn_original_context);
-    }
-    let cfg = &model.config;
+    let options = config.load_options();
+    let loaded = load::load(path, &options, &mut |_, _| {}).map_err(err)?;
+    let template = loaded.template.map_err(err)?;
+    let engine = loaded.engine;
+    let cfg = &engine.model().config;
     let id = path
         .file_stem()
         .map(|s| s.to_string_lossy().into_owned())
@@ -120,18 +112,11 @@ pub fn load_model(
         architecture: cfg.arch.gguf_name().to_string(),
         context_window,
         vocab_size: cfg.vocab_size,
-        weight_bytes: model.weight_bytes(),
-        load_s: start.elapsed().as_secs_f64(),
+        weight_bytes: engine.model().weight_bytes(),
+        load_s: loaded.load_s,
     };
-    let kv = KvOptions {
-        kv_type: config
-            .kv_type()
-            .map_err(|e| err(EngineError::KvConfig(e)))?,
-        budget_bytes: config.scheduler.kv_budget_mib << 20,
-    };
-    let engine = Engine::with_kv(model, kv).map_err(err)?;
-    tracing::info!(model = %info.id, arch = %info.architecture, window = context_window, load_s = info.load_s, kv_type = %kv.kv_type, kv_capacity_tokens = engine.kv_capacity_tokens(), "model loaded");
-    Ok((engine, tokenizer, template, info))
+    tracing::info!(model = %info.id, arch = %info.architecture, window = context_window, load_s = info.load_s, kv_type = %options.kv.kv_type, kv_capacity_tokens = engine.kv_capacity_tokens(), device = %engine.device(), "model loaded");
+    Ok((engine, loaded.tokenizer, template, info))
 }
 
 impl Platform {

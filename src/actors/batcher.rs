@@ -557,15 +557,6 @@ impl Batcher {
         }
         SequenceState::Idle
     }
-
-    /// Cache keys in use by queued or running requests (their caches must not be evicted).
-    pub fn busy_keys(&self) -> Vec<String> {
-        self.waiting
-            .iter()
-            .chain(self.running.iter())
-            .filter_map(|e| e.cache_key.clone())
-            .collect()
-    }
 }
 
 #[cfg(test)]

@@ -28,6 +28,7 @@ use super::session::{
 };
 use super::settings::{self, SettingsError, SettingsLimits};
 use super::types::{Caller, SubmitError};
+use crate::engine::prompt::PromptBuilder;
 use crate::engine::template::{ChatMessage, ChatTemplate, RenderOptions};
 use crate::engine::tokenizer::Tokenizer;
 use crate::store::{
@@ -630,10 +631,8 @@ impl Conversations {
         let messages = [ChatMessage::system(system), ChatMessage::user("")];
         let mut opts = RenderOptions::new(settings.pinned_date);
         opts.enable_thinking = Some(settings.thinking);
-        let tokens = self
-            .template
-            .render_prompt(&messages, &opts, self.tokenizer.text_guard())
-            .and_then(|p| self.tokenizer.encode_rendered(&p))
+        let tokens = PromptBuilder::new(&self.template, &self.tokenizer)
+            .build(&messages, &opts)
             .map_err(|e| {
                 invalid(
                     "system_prompt",
@@ -642,6 +641,7 @@ impl Conversations {
                     ),
                 )
             })?
+            .tokens
             .len();
         let window = self.context_window;
         // At least one token of message and one of reply must fit after it.

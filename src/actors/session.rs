@@ -18,11 +18,10 @@ use uuid::Uuid;
 use super::cluster::{Cluster, Wire, WireBody};
 use super::scheduler::{Cancel, SchedulerActor, Submit};
 use super::types::{GenEvent, GenSummary, GenerationRequest, RequestId, StopReason, SubmitError};
+use crate::engine::prompt::{Prompt, PromptBuilder};
 use crate::engine::sampling::SamplingParams;
 use crate::engine::splitter::{SplitEvent, Splitter, ToolCall};
-use crate::engine::template::{
-    prompt_ends_in_open_think, ChatMessage, ChatTemplate, RenderOptions,
-};
+use crate::engine::template::{ChatMessage, ChatTemplate, RenderOptions};
 use crate::engine::tokenizer::Tokenizer;
 use crate::store::{
     Conversation, FinishedReply, Message, MessageStatus, Role, Store, StoreError, Timings,
@@ -851,13 +850,14 @@ pub fn check_message(content: &str, max_chars: usize) -> Result<(), SessionError
     Ok(())
 }
 
-/// Renders the conversation plus the new user message into prompt tokens.
-fn prepare(
-    shared: &SessionShared,
+/// The messages a stored conversation plus a new user message stand for: the system prompt, the
+/// kept history (failed replies left out) and the new message. The one mapping from stored
+/// messages to the template's, used by every turn whichever interface sent it.
+pub fn conversation_messages(
     conversation: &Conversation,
     history: &[Message],
     new_user: &str,
-) -> Result<Prepared, SessionError> {
+) -> Vec<ChatMessage> {
     let s = &conversation.settings;
     let mut messages = Vec::new();
     if let Some(system) = s.system_prompt.as_deref().filter(|p| !p.trim().is_empty()) {
@@ -880,23 +880,45 @@ fn prepare(
         }
     }
     messages.push(ChatMessage::user(new_user));
+    messages
+}
+
+/// The render options of a conversation's turns: its pinned date and its thinking switch.
+pub fn conversation_render_options(conversation: &Conversation) -> RenderOptions {
+    let s = &conversation.settings;
     let mut opts = RenderOptions::new(s.pinned_date);
     opts.enable_thinking = Some(s.thinking);
-    // Guarded render: what users typed stays text, never a control token.
-    let rendered = shared
-        .template
-        .render_prompt(&messages, &opts, shared.tokenizer.text_guard())
-        .map_err(|e| SessionError::Prompt(e.to_string()))?;
-    let text = rendered.text();
-    let prompt = shared
-        .tokenizer
-        .encode_rendered(&rendered)
-        .map_err(|e| SessionError::Prompt(e.to_string()))?;
-    let params = super::settings::sampling_of(s);
+    opts
+}
+
+/// The prompt of a conversation's next turn, built by the one prompt builder.
+pub fn conversation_prompt(
+    builder: PromptBuilder<'_>,
+    conversation: &Conversation,
+    history: &[Message],
+    new_user: &str,
+) -> Result<Prompt, SessionError> {
+    builder
+        .build(
+            &conversation_messages(conversation, history, new_user),
+            &conversation_render_options(conversation),
+        )
+        .map_err(|e| SessionError::Prompt(e.to_string()))
+}
+
+/// Builds the conversation plus the new user message into prompt tokens and sampling settings.
+fn prepare(
+    shared: &SessionShared,
+    conversation: &Conversation,
+    history: &[Message],
+    new_user: &str,
+) -> Result<Prepared, SessionError> {
+    let builder = PromptBuilder::new(&shared.template, &shared.tokenizer);
+    let prompt = conversation_prompt(builder, conversation, history, new_user)?;
     Ok(Prepared {
-        prompt,
-        starts_in_reasoning: prompt_ends_in_open_think(text),
-        params,
+        prompt: prompt.tokens,
+        starts_in_reasoning: prompt.starts_in_reasoning,
+        params: super::settings::sampling_of(&conversation.settings),
     })
 }
 

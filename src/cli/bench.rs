@@ -8,14 +8,16 @@ use anyhow::{Context, Result};
 use clap::Args;
 use serde_json::json;
 
+use crate::engine::load;
 use crate::engine::synthetic::{self, SyntheticSpec};
 use crate::engine::{Engine, LogitsMode, SeqStep};
 
 #[derive(Args, Debug)]
 pub struct BenchArgs {
-    /// The GGUF model to measure (default: the embedded SmolLM2-135M-Instruct).
-    #[arg(long, env = "SMOLCHAT_MODEL", conflicts_with = "synthetic")]
-    pub model: Option<PathBuf>,
+    /// The model to measure (default: the embedded SmolLM2-135M-Instruct) and the configuration
+    /// it loads with.
+    #[command(flatten)]
+    pub model: super::ModelArgs,
     /// Measure a random-weight model of a known shape instead of a file: `smollm3-3b` (the
     /// SmolLM3-3B shape with llama.cpp's Q4_K_M type mix).
     #[arg(long)]
@@ -37,31 +39,41 @@ pub struct BenchArgs {
     pub device: super::DeviceArg,
 }
 
-pub fn run(args: &BenchArgs) -> Result<()> {
+pub fn run(args: &BenchArgs, globals: &super::Globals) -> Result<()> {
     anyhow::ensure!(args.prompt_tokens > 0, "--prompt-tokens must be at least 1");
     anyhow::ensure!(args.gen_tokens > 0, "--gen-tokens must be at least 1");
     anyhow::ensure!(args.batch > 0, "--batch must be at least 1");
+    let config = args.model.config(args.device, globals)?;
+    let options = config.load_options();
     let load_start = Instant::now();
     let (mut engine, model_name) = match &args.synthetic {
         Some(name) => {
+            anyhow::ensure!(
+                args.model.model.is_none(),
+                "--synthetic measures a generated model: leave out --model (and SMOLCHAT_MODEL)"
+            );
             let spec = match name.as_str() {
                 "smollm3-3b" => SyntheticSpec::smollm3_3b(),
                 other => anyhow::bail!("unknown --synthetic shape `{other}`; known: smollm3-3b"),
             };
+            // A placeholder vocabulary, so the file loads like any other (and llama.cpp can
+            // load the saved copy); the text it would produce is meaningless.
+            let spec = spec.with_placeholder_tokenizer();
             if let Some(path) = &args.save_gguf {
-                synthetic::write_gguf(&spec.with_placeholder_tokenizer(), path)?;
+                synthetic::write_gguf(&spec, path)?;
                 tracing::info!(path = %path.display(), "wrote the synthetic model");
                 return Ok(());
             }
-            args.device.select()?;
-            let mut src = synthetic::build(&spec)?;
-            let model = super::load_with_progress(&mut src)?;
-            (super::engine_for(model)?, format!("synthetic:{name}"))
+            let src = synthetic::build(&spec)?;
+            super::init_threads(config.model.threads)?;
+            let loaded = super::with_progress(|p| Ok(load::load_source(src, &options, p)?))?;
+            (loaded.engine, format!("synthetic:{name}"))
         }
         None => {
-            let path = super::model_path(args.model.as_deref())?;
-            let (engine, _) = super::load_engine(&path, args.device)?;
-            (engine, path.display().to_string())
+            let path = super::ModelArgs::path(&config)?;
+            super::init_threads(config.model.threads)?;
+            let loaded = super::with_progress(|p| Ok(load::load(&path, &options, p)?))?;
+            (loaded.engine, path.display().to_string())
         }
     };
     let load_s = load_start.elapsed().as_secs_f64();
@@ -114,6 +126,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         "architecture": cfg.arch.gguf_name(),
         "threads": rayon::current_num_threads(),
         "isa": crate::engine::quant::gemm::Isa::best().name(),
+        "device": engine.device().to_string(),
         "weight_bytes": engine.model().weight_bytes(),
         "kv": {
             "type": engine.kv_type().name(),

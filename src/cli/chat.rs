@@ -3,21 +3,19 @@
 //! turns, so each turn prefills only the tokens the previous one did not.
 
 use std::io::{BufRead, IsTerminal, Write};
-use std::path::PathBuf;
 
 use anyhow::Result;
 use clap::Args;
 
-use super::generate::{chat_prompt, load_all, stream, SamplingArgs};
+use super::generate::{chat_prompt, stream, SamplingArgs};
 use crate::engine::generation::Generation;
 use crate::engine::splitter::{SplitEvent, Splitter};
 use crate::engine::template::ChatMessage;
 
 #[derive(Args, Debug)]
 pub struct ChatArgs {
-    /// The GGUF model (default: the embedded SmolLM2-135M-Instruct).
-    #[arg(long, env = "SMOLCHAT_MODEL")]
-    pub model: Option<PathBuf>,
+    #[command(flatten)]
+    pub model: super::ModelArgs,
     /// A system prompt.
     #[arg(long)]
     pub system: Option<String>,
@@ -30,8 +28,8 @@ pub struct ChatArgs {
     pub device: super::DeviceArg,
 }
 
-pub fn run(args: &ChatArgs) -> Result<()> {
-    let mut loaded = load_all(args.model.as_deref(), args.device)?;
+pub fn run(args: &ChatArgs, globals: &super::Globals) -> Result<()> {
+    let mut loaded = args.model.load(args.device, globals)?;
     let params = args.sampling.params();
     params.validate()?;
     let seq = loaded.engine.create_sequence();

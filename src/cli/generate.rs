@@ -2,18 +2,16 @@
 //! used by `chat`.
 
 use std::io::Write;
-use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::{Context, Result};
 use clap::Args;
 
 use crate::engine::generation::{FinishReason, Generation};
-use crate::engine::gguf::GgufSource;
+use crate::engine::prompt::PromptBuilder;
 use crate::engine::sampling::SamplingParams;
-use crate::engine::template::{ChatMessage, ChatTemplate, RenderOptions};
-use crate::engine::tokenizer::Tokenizer;
-use crate::engine::{Engine, LogitsMode, SeqId, SeqStep};
+use crate::engine::template::{ChatMessage, RenderOptions};
+use crate::engine::{Engine, LoadedModel, LogitsMode, SeqId, SeqStep};
 
 #[derive(Args, Debug, Clone)]
 pub struct SamplingArgs {
@@ -60,9 +58,8 @@ impl SamplingArgs {
 
 #[derive(Args, Debug)]
 pub struct GenerateArgs {
-    /// The GGUF model (default: the embedded SmolLM2-135M-Instruct).
-    #[arg(long, env = "SMOLCHAT_MODEL")]
-    pub model: Option<PathBuf>,
+    #[command(flatten)]
+    pub model: super::ModelArgs,
     /// Feed PROMPT as is, without the chat template.
     #[arg(long)]
     pub raw: bool,
@@ -80,49 +77,23 @@ pub struct GenerateArgs {
     pub prompt: String,
 }
 
-/// Everything a terminal generation needs, loaded from one GGUF file.
-pub struct Loaded {
-    pub engine: Engine,
-    pub tokenizer: Tokenizer,
-    pub template: Option<ChatTemplate>,
-}
-
-pub fn load_all(model: Option<&std::path::Path>, device: super::DeviceArg) -> Result<Loaded> {
-    let path = super::model_path(model)?;
-    device.select()?;
-    let mut src = GgufSource::open(&path)?;
-    let tokenizer = Tokenizer::from_gguf(&src)?;
-    let template = match ChatTemplate::from_gguf(&src) {
-        Ok(t) => Some(t),
-        Err(e) => {
-            tracing::warn!("no usable chat template: {e}");
-            None
-        }
-    };
-    let model = super::load_with_progress(&mut src)?;
-    Ok(Loaded {
-        engine: super::engine_for(model)?,
-        tokenizer,
-        template,
-    })
-}
-
 /// Renders a conversation with the file's template and tokenizes it (the template's special
 /// tokens parsed, the messages' text kept as text).
 pub fn chat_prompt(
-    loaded: &Loaded,
+    loaded: &LoadedModel,
     messages: &[ChatMessage],
     enable_thinking: Option<bool>,
 ) -> Result<Vec<u32>> {
-    let template = loaded
-        .template
-        .as_ref()
-        .context("this model has no chat template; use --raw to feed the prompt without one")?;
+    let template = loaded.template.as_ref().map_err(|e| {
+        anyhow::anyhow!(
+            "this model has no usable chat template ({e}); use --raw to feed the prompt without one"
+        )
+    })?;
     let mut opts = RenderOptions::new(chrono::Local::now().date_naive());
     opts.enable_thinking = enable_thinking;
-    let rendered = template.render_prompt(messages, &opts, loaded.tokenizer.text_guard())?;
-    tracing::debug!(prompt = %rendered.text(), "rendered prompt");
-    Ok(loaded.tokenizer.encode_rendered(&rendered)?)
+    let prompt = PromptBuilder::new(template, &loaded.tokenizer).build(messages, &opts)?;
+    tracing::debug!(prompt = %prompt.text, "rendered prompt");
+    Ok(prompt.tokens)
 }
 
 /// Result of one streamed generation.
@@ -189,8 +160,8 @@ pub fn stream(
     })
 }
 
-pub fn run(args: &GenerateArgs) -> Result<()> {
-    let mut loaded = load_all(args.model.as_deref(), args.device)?;
+pub fn run(args: &GenerateArgs, globals: &super::Globals) -> Result<()> {
+    let mut loaded = args.model.load(args.device, globals)?;
     let prompt = if args.raw {
         loaded.tokenizer.encode_prompt(&args.prompt)?
     } else {

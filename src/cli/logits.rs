@@ -9,9 +9,8 @@ use crate::engine::{LogitsMode, SeqStep};
 
 #[derive(Args, Debug)]
 pub struct LogitsArgs {
-    /// The GGUF model (default: the embedded SmolLM2-135M-Instruct).
-    #[arg(long, env = "SMOLCHAT_MODEL")]
-    pub model: Option<PathBuf>,
+    #[command(flatten)]
+    pub model: super::ModelArgs,
     /// Comma-separated token ids, fed in one prefill at positions 0..n.
     #[arg(long)]
     pub tokens: String,
@@ -22,11 +21,10 @@ pub struct LogitsArgs {
     pub device: super::DeviceArg,
 }
 
-pub fn run(args: &LogitsArgs) -> Result<()> {
+pub fn run(args: &LogitsArgs, globals: &super::Globals) -> Result<()> {
     let tokens = super::parse_ids(&args.tokens)?;
     anyhow::ensure!(!tokens.is_empty(), "--tokens is empty: give ids like 1,2,3");
-    let path = super::model_path(args.model.as_deref())?;
-    let (mut engine, _) = super::load_engine(&path, args.device)?;
+    let mut engine = args.model.load(args.device, globals)?.engine;
     let vocab = engine.model().config.vocab_size;
     let seq = engine.create_sequence();
     let out = engine.step(&[SeqStep {

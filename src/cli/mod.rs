@@ -12,17 +12,17 @@ pub mod tokenize;
 pub mod user;
 
 use std::path::{Path, PathBuf};
-use std::sync::OnceLock;
-use std::time::Instant;
 
 use anyhow::{Context, Result};
 use clap::{Args, Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
 
-use crate::config::DEFAULT_MODEL;
-use crate::engine::device::{self, DeviceRequest};
-use crate::engine::gguf::GgufSource;
-use crate::engine::{Engine, KvOptions, KvType, Model};
+use crate::config::{Config, DEFAULT_MODEL};
+use crate::engine::attention::DecodePrefetch;
+use crate::engine::device::DeviceRequest;
+use crate::engine::load::{self, LoadedModel};
+use crate::engine::quant::gemm::Isa;
+use crate::engine::KvType;
 
 #[derive(Parser, Debug)]
 #[command(
@@ -31,15 +31,49 @@ use crate::engine::{Engine, KvOptions, KvType, Model};
     about = "Multi-user chat serving SmolLM3 GGUF models"
 )]
 pub struct Cli {
-    /// Threads for the model's compute (default: all cores).
-    #[arg(long, global = true, env = "SMOLCHAT_THREADS")]
-    pub threads: Option<usize>,
-    /// KV cache storage: f32, f16 or q8_0 (overrides `model.kv_type`; default f16).
-    #[arg(long, global = true)]
-    pub kv_type: Option<KvType>,
+    #[command(flatten)]
+    pub globals: Globals,
     /// What to do; `serve` when left out.
     #[command(subcommand)]
     pub command: Option<Command>,
+}
+
+/// Flags every command takes; each overrides its `model.*` key in the configuration.
+#[derive(Args, Debug, Clone, Copy, Default)]
+pub struct Globals {
+    /// Threads for the model's compute (model.threads; default: all cores).
+    #[arg(long, global = true, env = "SMOLCHAT_THREADS")]
+    pub threads: Option<usize>,
+    /// KV cache storage: f32, f16 or q8_0 (model.kv_type; default f16).
+    #[arg(long, global = true)]
+    pub kv_type: Option<KvType>,
+    /// The best instruction set the CPU kernels may use: avx512, avxvnni, avx2 or scalar
+    /// (model.isa; default: the best this CPU has; SMOLCHAT_ISA overrides both).
+    #[arg(long, global = true)]
+    pub isa: Option<Isa>,
+    /// Decode attention's KV prefetching: eager or lazy (model.decode_prefetch; default: by the
+    /// L1 data cache size; SMOLCHAT_DECODE_PREFETCH overrides both).
+    #[arg(long, global = true)]
+    pub decode_prefetch: Option<DecodePrefetch>,
+}
+
+impl Globals {
+    /// Writes the flags that were given over `config`.
+    pub fn apply(&self, config: &mut Config) {
+        let m = &mut config.model;
+        if let Some(t) = self.threads {
+            m.threads = Some(t);
+        }
+        if let Some(t) = self.kv_type {
+            m.kv_type = t;
+        }
+        if let Some(isa) = self.isa {
+            m.isa = Some(isa);
+        }
+        if let Some(p) = self.decode_prefetch {
+            m.decode_prefetch = Some(p);
+        }
+    }
 }
 
 #[derive(Subcommand, Debug)]
@@ -66,22 +100,14 @@ pub enum Command {
     Invite(user::InviteArgs),
 }
 
-/// `--device` for the commands that load a model outside the server (the server reads
-/// `model.device`, which its own `--device` overrides).
+/// `--device` for the commands that load a model outside the server (the server's own
+/// `--device` does the same for `serve`).
 #[derive(Args, Debug, Clone, Copy, Default)]
 pub struct DeviceArg {
     /// Where to compute: auto (a CUDA GPU when this build and the machine can use one, else the
-    /// CPU), cpu, cuda or cuda:N.
-    #[arg(long, default_value = "auto", value_parser = parse_device)]
-    pub device: DeviceRequest,
-}
-
-impl DeviceArg {
-    /// Chooses the device (logging the choice) or says why the requested one cannot be used.
-    /// Only devices the engine has a backend for come back, so today always the CPU.
-    pub fn select(&self) -> Result<device::Device> {
-        Ok(device::select(self.device)?)
-    }
+    /// CPU), cpu, cuda or cuda:N (model.device; default auto).
+    #[arg(long, value_parser = parse_device)]
+    pub device: Option<DeviceRequest>,
 }
 
 /// clap's parser for device flags: the engine's one parser, its message as clap's.
@@ -90,7 +116,77 @@ pub fn parse_device(s: &str) -> std::result::Result<DeviceRequest, String> {
         .map_err(|e: crate::engine::EngineError| e.to_string())
 }
 
-/// Sets the size of the global rayon pool that the engine's kernels run on.
+/// `--config` and `--model` for the commands that read a model outside the server: the same
+/// configuration `serve` reads (tokenizer override, YaRN, KV cache, kernel choices), so a model
+/// behaves the same in every command.
+#[derive(Args, Debug, Clone, Default)]
+pub struct ModelArgs {
+    /// A TOML configuration file (layered over config/default.toml).
+    #[arg(long, env = "SMOLCHAT_CONFIG")]
+    pub config: Option<PathBuf>,
+    /// The GGUF model (model.path; default: the embedded SmolLM2-135M-Instruct).
+    #[arg(long, env = "SMOLCHAT_MODEL")]
+    pub model: Option<PathBuf>,
+}
+
+impl ModelArgs {
+    /// The configuration with these flags, `device` and the global flags applied over it.
+    pub fn config(&self, device: DeviceArg, globals: &Globals) -> Result<Config> {
+        let mut config = Config::load(self.config.as_deref())?;
+        if let Some(model) = &self.model {
+            config.model.path = model.clone();
+        }
+        if let Some(device) = device.device {
+            config.model.device = device;
+        }
+        globals.apply(&mut config);
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// The model file the configuration names, with a message that says how to fix a missing
+    /// one.
+    pub fn path(config: &Config) -> Result<PathBuf> {
+        let path = config.model.path.clone();
+        if !path.exists() {
+            if path == Path::new(DEFAULT_MODEL) {
+                anyhow::bail!(
+                    "the default model {} is missing; run ./scripts/fetch-model.sh (or `make setup`) to fetch it, or pass --model PATH",
+                    path.display()
+                );
+            }
+            anyhow::bail!("model file {} does not exist", path.display());
+        }
+        Ok(path)
+    }
+
+    /// Loads the configured model through the engine's one loader, with a progress bar on
+    /// stderr, after sizing the compute thread pool.
+    pub fn load(&self, device: DeviceArg, globals: &Globals) -> Result<LoadedModel> {
+        let config = self.config(device, globals)?;
+        let path = Self::path(&config)?;
+        init_threads(config.model.threads)?;
+        with_progress(|progress| Ok(load::load(&path, &config.load_options(), progress)?))
+    }
+}
+
+/// Runs a load with a progress bar on stderr that `progress(done, total)` moves.
+pub fn with_progress<T>(run: impl FnOnce(&mut dyn FnMut(u64, u64)) -> Result<T>) -> Result<T> {
+    let bar = ProgressBar::new(0);
+    bar.set_style(
+        ProgressStyle::with_template("loading {bar:40} {bytes}/{total_bytes} {elapsed}")
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+    let out = run(&mut |done, total| {
+        bar.set_length(total);
+        bar.set_position(done);
+    });
+    bar.finish_and_clear();
+    out
+}
+
+/// Sets the size of the global rayon pool that the engine's kernels run on (default: all
+/// cores). Call once, before the first computation.
 pub fn init_threads(threads: Option<usize>) -> Result<()> {
     let n = threads.unwrap_or_else(|| {
         std::thread::available_parallelism()
@@ -102,77 +198,6 @@ pub fn init_threads(threads: Option<usize>) -> Result<()> {
         .build_global()
         .context("configuring the compute thread pool")?;
     Ok(())
-}
-
-/// `--kv-type`, set once at start-up (a global flag, like `--threads`).
-static KV_TYPE: OnceLock<KvType> = OnceLock::new();
-
-/// Records `--kv-type` for the subcommands.
-pub fn init_kv_type(kv_type: Option<KvType>) {
-    if let Some(t) = kv_type {
-        // Set once from main; a second call would be a programming error and changes nothing.
-        let _ = KV_TYPE.set(t);
-    }
-}
-
-/// `--kv-type` when given.
-pub fn kv_type_flag() -> Option<KvType> {
-    KV_TYPE.get().copied()
-}
-
-/// KV options for the commands that run the model outside the server: `--kv-type` (default f16)
-/// and the default 2 GiB budget.
-pub fn kv_options() -> KvOptions {
-    KvOptions {
-        kv_type: kv_type_flag().unwrap_or_default(),
-        ..KvOptions::default()
-    }
-}
-
-/// Wraps a loaded model in an engine with [`kv_options`].
-pub fn engine_for(model: Model) -> Result<Engine> {
-    Ok(Engine::with_kv(model, kv_options())?)
-}
-
-/// Resolves `--model`, defaulting to the embedded model, with a message that says how to fix a
-/// missing file.
-pub fn model_path(arg: Option<&Path>) -> Result<PathBuf> {
-    let path = arg
-        .map(Path::to_path_buf)
-        .unwrap_or_else(|| PathBuf::from(DEFAULT_MODEL));
-    if !path.exists() {
-        if arg.is_none() {
-            anyhow::bail!(
-                "the default model {} is missing; run ./scripts/fetch-model.sh (or `make setup`) to fetch it, or pass --model PATH",
-                path.display()
-            );
-        }
-        anyhow::bail!("model file {} does not exist", path.display());
-    }
-    Ok(path)
-}
-
-/// Opens and loads a model with a progress bar on stderr.
-pub fn load_engine(path: &Path, device: DeviceArg) -> Result<(Engine, f64)> {
-    device.select()?;
-    let start = Instant::now();
-    let mut src = GgufSource::open(path)?;
-    let model = load_with_progress(&mut src)?;
-    Ok((engine_for(model)?, start.elapsed().as_secs_f64()))
-}
-
-pub fn load_with_progress(src: &mut GgufSource) -> Result<Model> {
-    let bar = ProgressBar::new(0);
-    bar.set_style(
-        ProgressStyle::with_template("loading {bar:40} {bytes}/{total_bytes} {elapsed}")
-            .unwrap_or_else(|_| ProgressStyle::default_bar()),
-    );
-    let model = Model::load(src, &mut |done, total| {
-        bar.set_length(total);
-        bar.set_position(done);
-    });
-    bar.finish_and_clear();
-    Ok(model?)
 }
 
 /// Parses "1,2,3" into token ids.

@@ -40,7 +40,7 @@ pub struct ServeArgs {
 
 impl ServeArgs {
     /// The configuration with the flags applied over it.
-    pub fn config(&self) -> Result<Config> {
+    pub fn config(&self, globals: &super::Globals) -> Result<Config> {
         let mut config = Config::load(self.config.as_deref())?;
         if let Some(bind) = &self.bind {
             config.server.bind = bind.clone();
@@ -60,16 +60,15 @@ impl ServeArgs {
         if let Some(device) = self.device {
             config.model.device = device;
         }
-        if let Some(t) = super::kv_type_flag() {
-            config.model.kv_type = t.to_string();
-        }
+        globals.apply(&mut config);
         config.validate()?;
         Ok(config)
     }
 }
 
-pub fn run(args: &ServeArgs) -> Result<()> {
-    let config = args.config()?;
+pub fn run(args: &ServeArgs, globals: &super::Globals) -> Result<()> {
+    let config = args.config(globals)?;
+    super::init_threads(config.model.threads)?;
     crate::web::check_config(&config).map_err(|e| anyhow::anyhow!("configuration: {e}"))?;
     // Before anything records a metric, or those first values would be lost.
     crate::web::ops::install_metrics();

@@ -1,18 +1,15 @@
 //! `smolchat tokenize --model F [--special] TEXT`: token ids as a JSON array.
 
-use std::path::PathBuf;
-
 use anyhow::Result;
 use clap::Args;
 
 use crate::engine::gguf::GgufSource;
-use crate::engine::tokenizer::Tokenizer;
+use crate::engine::load;
 
 #[derive(Args, Debug)]
 pub struct TokenizeArgs {
-    /// The GGUF model (default: the embedded SmolLM2-135M-Instruct).
-    #[arg(long, env = "SMOLCHAT_MODEL")]
-    pub model: Option<PathBuf>,
+    #[command(flatten)]
+    pub model: super::ModelArgs,
     /// Parse special tokens such as `<|im_start|>` as single ids.
     #[arg(long)]
     pub special: bool,
@@ -22,10 +19,11 @@ pub struct TokenizeArgs {
     pub text: String,
 }
 
-pub fn run(args: &TokenizeArgs) -> Result<()> {
-    let path = super::model_path(args.model.as_deref())?;
-    let src = GgufSource::open(&path)?;
-    let tokenizer = Tokenizer::from_gguf(&src)?;
+pub fn run(args: &TokenizeArgs, globals: &super::Globals) -> Result<()> {
+    let config = args.model.config(super::DeviceArg::default(), globals)?;
+    let src = GgufSource::open(&super::ModelArgs::path(&config)?)?;
+    // The tokenizer the server would use: `model.tokenizer` when configured.
+    let tokenizer = load::tokenizer(&src, config.model.tokenizer.as_deref())?;
     let mut ids = Vec::new();
     if args.add_bos && tokenizer.add_bos() {
         ids.extend(tokenizer.bos_id());

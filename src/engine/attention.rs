@@ -165,7 +165,8 @@ pub(crate) fn attention(
 
 /// How decode attention prefetches the KV pages. Decided once per process: by
 /// `SMOLCHAT_DECODE_PREFETCH` (`eager` or `lazy`) when set, so that one machine can compare the
-/// two, else by the size of the L1 data cache.
+/// two, else by `model.decode_prefetch` (or `--decode-prefetch`) when configured, else by the
+/// size of the L1 data cache.
 ///
 /// Why two: the measured cores disagree. On Zen 5 (48 KiB L1D) prefetching every line of the
 /// next block's K and V pages into L1 made decode attention from memory 20–35% faster
@@ -177,7 +178,7 @@ pub(crate) fn attention(
 /// The cache size is a proxy that separates the cores measured, not a law: other cores need
 /// measuring (docs/BENCHMARKS.md, `decode_attention_speed`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum DecodePrefetch {
+pub enum DecodePrefetch {
     /// Every line of the next block's pages, one block ahead.
     Eager,
     /// Only at chunk starts and non-consecutive block ids, two blocks ahead.
@@ -190,29 +191,48 @@ const DECODE_PREFETCH_VARIABLE: &str = "SMOLCHAT_DECODE_PREFETCH";
 /// The L1 data cache size from which [`DecodePrefetch::Eager`] is the default.
 const EAGER_PREFETCH_MIN_L1D: usize = 48 << 10;
 
+/// The configured choice ([`configure_decode_prefetch`]), read when the choice is first made.
+static CONFIGURED_PREFETCH: OnceLock<Option<DecodePrefetch>> = OnceLock::new();
+
+/// Records the configured prefetch choice (`None`: by cache size). Only the first call counts,
+/// and only before the first decode step; the environment variable still overrides it.
+pub fn configure_decode_prefetch(choice: Option<DecodePrefetch>) {
+    if CONFIGURED_PREFETCH.set(choice).is_err() && CONFIGURED_PREFETCH.get() != Some(&choice) {
+        tracing::warn!(
+            ?choice,
+            "the decode prefetch choice was already made for this process; ignored"
+        );
+    }
+}
+
 impl DecodePrefetch {
     fn get() -> DecodePrefetch {
         static CHOICE: OnceLock<DecodePrefetch> = OnceLock::new();
         *CHOICE.get_or_init(|| {
             let forced = std::env::var(DECODE_PREFETCH_VARIABLE).ok();
+            let configured = CONFIGURED_PREFETCH.get().copied().flatten();
             let l1d = l1d_bytes();
-            let choice = DecodePrefetch::choose(forced.as_deref(), l1d);
+            let choice = DecodePrefetch::choose(forced.as_deref(), configured, l1d);
             tracing::info!(prefetch = ?choice, l1d_bytes = ?l1d, "decode attention");
             choice
         })
     }
 
-    /// The choice for a forced name (`eager`, `lazy`; anything else is ignored with a warning)
-    /// and the L1D size, when known.
-    fn choose(forced: Option<&str>, l1d: Option<usize>) -> DecodePrefetch {
-        match forced.map(|s| s.trim().to_ascii_lowercase()).as_deref() {
-            Some("eager") => return DecodePrefetch::Eager,
-            Some("lazy") => return DecodePrefetch::Lazy,
-            Some(other) => tracing::warn!(
-                value = other,
-                "{DECODE_PREFETCH_VARIABLE} is not one of eager, lazy; ignored"
-            ),
-            None => {}
+    /// The choice for a forced name (`eager`, `lazy`; anything else is ignored with a warning),
+    /// the configured choice and the L1D size, when known, in that order of precedence.
+    fn choose(
+        forced: Option<&str>,
+        configured: Option<DecodePrefetch>,
+        l1d: Option<usize>,
+    ) -> DecodePrefetch {
+        if let Some(name) = forced {
+            match name.parse() {
+                Ok(choice) => return choice,
+                Err(e) => tracing::warn!("{DECODE_PREFETCH_VARIABLE}: {e}; ignored"),
+            }
+        }
+        if let Some(choice) = configured {
+            return choice;
         }
         if l1d.is_some_and(|b| b >= EAGER_PREFETCH_MIN_L1D) {
             DecodePrefetch::Eager
@@ -220,7 +240,36 @@ impl DecodePrefetch {
             DecodePrefetch::Lazy
         }
     }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            DecodePrefetch::Eager => "eager",
+            DecodePrefetch::Lazy => "lazy",
+        }
+    }
 }
+
+impl std::str::FromStr for DecodePrefetch {
+    type Err = String;
+
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "eager" => Ok(DecodePrefetch::Eager),
+            "lazy" => Ok(DecodePrefetch::Lazy),
+            other => Err(format!(
+                "decode prefetch `{other}` is not one of eager, lazy"
+            )),
+        }
+    }
+}
+
+impl std::fmt::Display for DecodePrefetch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+crate::engine::serde_via_str!(DecodePrefetch);
 
 /// The L1 data cache of this CPU in bytes, where the C library knows it.
 fn l1d_bytes() -> Option<usize> {
@@ -1121,17 +1170,20 @@ mod tests {
     }
 
     #[test]
-    fn decode_prefetch_follows_the_variable_then_the_l1_size() {
+    fn decode_prefetch_follows_the_variable_then_the_config_then_the_l1_size() {
         use DecodePrefetch::{Eager, Lazy};
-        assert_eq!(DecodePrefetch::choose(Some("eager"), Some(32 << 10)), Eager);
-        assert_eq!(DecodePrefetch::choose(Some(" LAZY "), Some(48 << 10)), Lazy);
-        assert_eq!(
-            DecodePrefetch::choose(Some("sometimes"), Some(48 << 10)),
-            Eager
-        );
-        assert_eq!(DecodePrefetch::choose(None, Some(48 << 10)), Eager);
-        assert_eq!(DecodePrefetch::choose(None, Some(32 << 10)), Lazy);
-        assert_eq!(DecodePrefetch::choose(None, None), Lazy);
+        let choose = DecodePrefetch::choose;
+        assert_eq!(choose(Some("eager"), None, Some(32 << 10)), Eager);
+        assert_eq!(choose(Some(" LAZY "), None, Some(48 << 10)), Lazy);
+        assert_eq!(choose(Some("sometimes"), None, Some(48 << 10)), Eager);
+        assert_eq!(choose(None, None, Some(48 << 10)), Eager);
+        assert_eq!(choose(None, None, Some(32 << 10)), Lazy);
+        assert_eq!(choose(None, None, None), Lazy);
+        // The configured choice beats the cache size; the variable beats the configuration.
+        assert_eq!(choose(None, Some(Lazy), Some(48 << 10)), Lazy);
+        assert_eq!(choose(None, Some(Eager), Some(32 << 10)), Eager);
+        assert_eq!(choose(Some("lazy"), Some(Eager), Some(48 << 10)), Lazy);
+        assert_eq!(choose(Some("bad"), Some(Eager), Some(32 << 10)), Eager);
     }
 
     #[test]

@@ -75,18 +75,7 @@ impl fmt::Display for Device {
 
 // The config file stores the request as a string; (de)serializing through the parser keeps the
 // parsing in this one place and turns a bad value into a load-time error naming the key.
-impl serde::Serialize for DeviceRequest {
-    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
-        s.collect_str(self)
-    }
-}
-
-impl<'de> serde::Deserialize<'de> for DeviceRequest {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
-        let s = String::deserialize(d)?;
-        s.parse().map_err(serde::de::Error::custom)
-    }
-}
+crate::engine::serde_via_str!(DeviceRequest);
 
 /// What this binary can do with a GPU.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -19,16 +19,6 @@ pub enum FinishReason {
     Length,
 }
 
-impl FinishReason {
-    /// The OpenAI name of the reason (`stop` or `length`).
-    pub fn as_openai(&self) -> &'static str {
-        match self {
-            FinishReason::EndOfGeneration | FinishReason::StopString(_) => "stop",
-            FinishReason::Length => "length",
-        }
-    }
-}
-
 /// What one sampled token did.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TokenOutcome {

@@ -3,6 +3,7 @@
 
 use std::collections::HashMap;
 
+use super::device::Device;
 use super::error::{EngineError, Result};
 use super::kv::{
     BlockAllocator, BlockTable, CpuKvStorage, KvLayout, KvOptions, KvType, BLOCK_POSITIONS,
@@ -46,6 +47,8 @@ pub struct Engine {
     seqs: HashMap<SeqId, Sequence>,
     next_id: SeqId,
     stats: EngineStats,
+    /// Where the user asked the model to compute (chosen by [`super::device::select`]).
+    device: Device,
 }
 
 impl Engine {
@@ -80,7 +83,20 @@ impl Engine {
             seqs: HashMap::new(),
             next_id: 1,
             stats: EngineStats::default(),
+            device: Device::Cpu,
         }
+    }
+
+    /// The engine recorded as computing on `device`. Only devices the engine has a backend for
+    /// come out of [`super::device::select`], so today this is always the CPU.
+    pub fn on_device(mut self, device: Device) -> Self {
+        self.device = device;
+        self
+    }
+
+    /// Where this engine computes.
+    pub fn device(&self) -> Device {
+        self.device
     }
 
     pub fn model(&self) -> &Model {

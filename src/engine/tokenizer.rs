@@ -45,7 +45,6 @@ const KEY_BOS: &str = "tokenizer.ggml.bos_token_id";
 const KEY_EOS: &str = "tokenizer.ggml.eos_token_id";
 const KEY_EOT: &str = "tokenizer.ggml.eot_token_id";
 const KEY_EOM: &str = "tokenizer.ggml.eom_token_id";
-const KEY_PAD: &str = "tokenizer.ggml.padding_token_id";
 const KEY_ADD_BOS: &str = "tokenizer.ggml.add_bos_token";
 
 /// Llama 3's pattern with llama.cpp's case-insensitive contractions spelled out (`(?i:…)` would
@@ -389,7 +388,6 @@ pub struct Tokenizer {
     guard: TextGuard,
     bos: Option<u32>,
     eos: Option<u32>,
-    pad: Option<u32>,
     add_bos: bool,
     eog: Vec<u32>,
     origin: String,
@@ -488,7 +486,6 @@ struct GgufSpecials {
     eos: Option<u32>,
     eot: Option<u32>,
     eom: Option<u32>,
-    pad: Option<u32>,
     add_bos: Option<bool>,
 }
 
@@ -499,7 +496,6 @@ impl GgufSpecials {
             eos: opt_token_id(src, KEY_EOS, n_vocab)?,
             eot: opt_token_id(src, KEY_EOT, n_vocab)?,
             eom: opt_token_id(src, KEY_EOM, n_vocab)?,
-            pad: opt_token_id(src, KEY_PAD, n_vocab)?,
             add_bos: src.opt_bool(KEY_ADD_BOS),
         })
     }
@@ -855,7 +851,6 @@ impl Tokenizer {
             guard,
             bos: gguf.bos,
             eos: gguf.eos,
-            pad: gguf.pad,
             add_bos,
             eog,
             origin,
@@ -1050,10 +1045,6 @@ impl Tokenizer {
 
     pub fn eos_id(&self) -> Option<u32> {
         self.eos
-    }
-
-    pub fn pad_id(&self) -> Option<u32> {
-        self.pad
     }
 
     /// Ids that end generation: EOS, EOT/EOM when declared, and every token whose text is a

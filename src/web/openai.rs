@@ -59,8 +59,9 @@ use crate::actors::scheduler::{Cancel, Submit};
 use crate::actors::{
     GenEvent, GenSummary, GenerationRequest, RequestId, SchedulerActor, StopReason,
 };
-use crate::engine::guard::{RenderedPrompt, TextGuard};
-use crate::engine::template::{prompt_ends_in_open_think, ChatTemplate, RenderOptions};
+use crate::engine::prompt::{Prompt, PromptBuilder};
+use crate::engine::template::{ChatMessage, ChatTemplate, RenderOptions};
+use crate::engine::EngineError;
 use crate::platform::Platform;
 
 /// When the API started answering (`created` of the model object).
@@ -312,7 +313,7 @@ fn check_admin_only(state: &AppState, http: &HttpRequest, common: &Common) -> Re
 /// A raw `/v1/completions` prompt: BOS when the tokenizer asks for it, special tokens written
 /// in the prompt parsed as llama-server does. The client writes the whole prompt, markup
 /// included, so there is no template text to tell apart from its own (chat requests, where
-/// there is, keep message text out of the control tokens: see [`render_chat`]).
+/// there is, keep message text out of the control tokens: see [`chat_prompt`]).
 fn encode(p: &Platform, text: &str) -> Result<Vec<u32>, ApiError> {
     p.tokenizer
         .encode_prompt(text)
@@ -333,59 +334,63 @@ async fn chat_completions(
     // Rendering and tokenizing a long conversation takes a while; keep it off the event loop.
     let state2 = state.clone();
     let render = req.clone();
-    let (text, prompt) = web::block(move || -> Result<(String, Vec<u32>), ApiError> {
+    let prompt = web::block(move || -> Result<Prompt, ApiError> {
         let p = &state2.platform;
-        let rendered = render_chat(
+        chat_prompt(
+            PromptBuilder::new(&p.template, &p.tokenizer),
             &p.template,
-            p.tokenizer.text_guard(),
             &render,
             chrono::Local::now().date_naive(),
-        )?;
-        // The messages' own text stays text: `<|im_end|>` in a message is never a control token.
-        let prompt = p
-            .tokenizer
-            .encode_rendered(&rendered)
-            .map_err(|e| ApiError::internal(format!("tokenizer: {e}")))?;
-        Ok((rendered.text().to_string(), prompt))
+        )
     })
     .await
     .map_err(|e| ApiError::internal(format!("prompt task: {e}")))??;
     // Sizes only: prompts are users' words and do not belong in logs.
     tracing::debug!(
-        bytes = text.len(),
-        tokens = prompt.len(),
+        bytes = prompt.text.len(),
+        tokens = prompt.tokens.len(),
         "chat completion prompt"
     );
-    let assembler = ChatAssembler::new(prompt_ends_in_open_think(&text), parse_tool_calls);
+    let assembler = ChatAssembler::new(prompt.starts_in_reasoning, parse_tool_calls);
+    let prompt = prompt.tokens;
     let salt = cache_salt(&http, &req.common);
     let user = client_identity(&http);
     generate(state, req.common, salt, user, prompt, "messages", assembler).await
 }
 
-/// Renders a chat request with the model's template: messages shaped for it (see
+/// What a chat request asks the template to render: messages shaped for it (see
 /// [`request::template_messages`]), the thinking switch, the offered tools and any other
-/// `chat_template_kwargs`. A template that refuses the messages (wrong role order, …) is the
-/// client's error.
-pub fn render_chat(
+/// `chat_template_kwargs`.
+pub fn chat_render_input(
     template: &ChatTemplate,
-    guard: &TextGuard,
     req: &request::ChatRequest,
     date: chrono::NaiveDate,
-) -> Result<RenderedPrompt, ApiError> {
+) -> (Vec<ChatMessage>, RenderOptions) {
     let reads_tool_calls = template.source().contains("tool_calls");
     let messages = request::template_messages(&req.messages, reads_tool_calls);
     let mut opts = RenderOptions::new(date);
     opts.enable_thinking = req.enable_thinking;
     opts.tools = req.tools.clone();
     opts.extra = req.template_kwargs.clone();
-    template
-        .render_prompt(&messages, &opts, guard)
-        .map_err(|e| {
-            ApiError::invalid(
-                "messages",
-                format!("the chat template refused the messages: {e}"),
-            )
-        })
+    (messages, opts)
+}
+
+/// A chat request's prompt, built by the one prompt builder. A template that refuses the
+/// messages (wrong role order, …) is the client's error.
+pub fn chat_prompt(
+    builder: PromptBuilder<'_>,
+    template: &ChatTemplate,
+    req: &request::ChatRequest,
+    date: chrono::NaiveDate,
+) -> Result<Prompt, ApiError> {
+    let (messages, opts) = chat_render_input(template, req, date);
+    builder.build(&messages, &opts).map_err(|e| match e {
+        EngineError::Template(_) => ApiError::invalid(
+            "messages",
+            format!("the chat template refused the messages: {e}"),
+        ),
+        other => ApiError::internal(format!("prompt: {other}")),
+    })
 }
 
 async fn completions(
@@ -819,6 +824,8 @@ impl<A: Assembler> Stream for ApiStream<A> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::engine::guard::TextGuard;
+    use crate::engine::template::prompt_ends_in_open_think;
     use serde_json::json;
 
     fn render(body: Value) -> String {
@@ -830,7 +837,9 @@ mod tests {
         };
         let req = request::parse_chat(&body, &defaults).unwrap();
         let date = chrono::NaiveDate::from_ymd_opt(2025, 7, 8).unwrap();
-        render_chat(&template, &TextGuard::default(), &req, date)
+        let (messages, opts) = chat_render_input(&template, &req, date);
+        template
+            .render_prompt(&messages, &opts, &TextGuard::default())
             .unwrap()
             .text()
             .to_string()

@@ -86,6 +86,8 @@ impl FromStr for KvType {
     }
 }
 
+crate::engine::serde_via_str!(KvType);
+
 /// How an engine stores its KV cache.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct KvOptions {

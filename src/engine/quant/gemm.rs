@@ -48,13 +48,14 @@ impl Isa {
     }
 
     /// The instruction set the kernels use (decided once): the best this CPU has, or at most
-    /// the one named by `SMOLCHAT_ISA` (`avx512`, `avxvnni`, `avx2`, `scalar`), so that one
-    /// machine can compare the paths. A forced set the CPU lacks falls back to the best one
-    /// below it, with a warning; an unknown name is ignored with a warning.
+    /// the one named by `SMOLCHAT_ISA` (`avx512`, `avxvnni`, `avx2`, `scalar`), else by
+    /// `model.isa` (or `--isa`, through [`configure_isa`]), so that one machine can compare the
+    /// paths. A set the CPU lacks falls back to the best one below it, with a warning; an
+    /// unknown name in the variable is ignored with a warning.
     pub fn best() -> Isa {
         static BEST: OnceLock<Isa> = OnceLock::new();
         *BEST.get_or_init(|| {
-            let cap = match std::env::var(ISA_VARIABLE) {
+            let forced = match std::env::var(ISA_VARIABLE) {
                 Ok(name) => match Isa::parse(&name) {
                     Some(isa) => Some(isa),
                     None => {
@@ -67,18 +68,19 @@ impl Isa {
                 },
                 Err(_) => None,
             };
+            let cap = forced.or(CONFIGURED_ISA.get().copied().flatten());
             let isa = Isa::best_up_to(cap.unwrap_or(Isa::Avx512Vnni));
             match cap {
                 Some(wanted) if wanted != isa => tracing::warn!(
                     wanted = wanted.name(),
                     using = isa.name(),
-                    "{ISA_VARIABLE} asks for an instruction set this CPU lacks"
+                    "{ISA_VARIABLE} or model.isa asks for an instruction set this CPU lacks"
                 ),
                 _ => {}
             }
             tracing::info!(
                 isa = isa.name(),
-                forced = cap.is_some(),
+                capped = cap.is_some(),
                 "quantized matmul kernels"
             );
             isa
@@ -117,6 +119,41 @@ impl Isa {
 
 /// The environment variable that caps the kernels' instruction set.
 pub const ISA_VARIABLE: &str = "SMOLCHAT_ISA";
+
+/// The configured cap ([`configure_isa`]), read when [`Isa::best`] first decides.
+static CONFIGURED_ISA: OnceLock<Option<Isa>> = OnceLock::new();
+
+/// Records the configured cap on the kernels' instruction set (`None`: the best this CPU has).
+/// Only the first call counts, and only before the first matmul; `SMOLCHAT_ISA` still overrides.
+pub fn configure_isa(cap: Option<Isa>) {
+    if CONFIGURED_ISA.set(cap).is_err() && CONFIGURED_ISA.get() != Some(&cap) {
+        tracing::warn!(
+            ?cap,
+            "the kernels' instruction set was already chosen for this process; ignored"
+        );
+    }
+}
+
+impl std::str::FromStr for Isa {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        Isa::parse(s).ok_or_else(|| {
+            format!(
+                "instruction set `{}` is not one of avx512, avxvnni, avx2, scalar",
+                s.trim()
+            )
+        })
+    }
+}
+
+impl std::fmt::Display for Isa {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+crate::engine::serde_via_str!(Isa);
 
 /// Computes the sixteen rows of one packed group against tokens `t0..t0 + nt` of `acts`, writing
 /// row `l` of token `t0 + t` to `out.add(t * stride + l)`.
