@@ -25,8 +25,8 @@ use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
 use smolchat::engine::gguf::{AlignedBytes, RawTensor};
 use smolchat::engine::quant::act::Acts;
-use smolchat::engine::quant::gemm::Isa;
 use smolchat::engine::quant::layout::Format;
+use smolchat::engine::quant::Isa;
 use smolchat::engine::quant::QMatrix;
 
 struct Case {

@@ -10,7 +10,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::engine::attention::DecodePrefetch;
 use crate::engine::device::DeviceRequest;
-use crate::engine::quant::gemm::Isa;
+use crate::engine::quant::Isa;
 use crate::engine::{CpuOptions, KvOptions, KvType, LoadOptions, Yarn};
 
 /// The embedded default model (SmolLM2-135M-Instruct, Q4_1), fetched by `scripts/fetch-model.sh`.

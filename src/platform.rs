@@ -212,7 +212,7 @@ impl Platform {
             },
             cluster: Arc::clone(&cluster),
         });
-        cluster.attach_sessions(&sessions);
+        sessions.receive_from(&cluster);
         cluster.run(scheduler.clone());
         let conversations = Arc::new(Conversations::new(
             store.clone(),

@@ -9,16 +9,16 @@
 //! With SQLite there is one replica and no bus: the same code runs, every conversation is owned
 //! here, and nothing is published.
 
-use std::sync::{Arc, Mutex, OnceLock, RwLock, Weak};
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
 use actix::Addr;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
+use tokio::sync::mpsc;
 use uuid::Uuid;
 
 use super::scheduler::{GetCacheInfo, GetStats, SchedulerActor};
-use super::session::{RemoteControl, RemoteReply, Sessions};
 use super::types::GenSummary;
 use crate::engine::splitter::ToolCall;
 use crate::store::{Bus, Replica, ReplicaLoad, ReplicaRecord, Store, StoreError};
@@ -183,7 +183,8 @@ pub struct Cluster {
     me: Replica,
     cfg: ClusterConfig,
     live: RwLock<Vec<Peer>>,
-    sessions: OnceLock<Weak<Sessions>>,
+    /// Where incoming messages for conversations go (the session registry reads the other end).
+    inbox: Mutex<Option<mpsc::UnboundedSender<Wire>>>,
     /// Open SSE streams on this replica, reported in the heartbeat (set by the web layer).
     streams: Mutex<Option<Arc<dyn Fn() -> usize + Send + Sync>>>,
 }
@@ -212,7 +213,7 @@ impl Cluster {
             bus,
             me,
             cfg,
-            sessions: OnceLock::new(),
+            inbox: Mutex::new(None),
             streams: Mutex::new(None),
         });
         cluster.refresh_live().await;
@@ -232,9 +233,12 @@ impl Cluster {
         self.bus.is_some()
     }
 
-    /// Lets incoming messages reach the sessions (set once, after the registry exists).
-    pub fn attach_sessions(&self, sessions: &Arc<Sessions>) {
-        let _ = self.sessions.set(Arc::downgrade(sessions));
+    /// Sends the messages other replicas address to conversations into `inbox` (the session
+    /// registry reads it: the cluster knows nothing of sessions). Until this is called, and
+    /// after the reader goes away, such messages are dropped: nobody here holds the
+    /// conversation.
+    pub fn deliver_to(&self, inbox: mpsc::UnboundedSender<Wire>) {
+        *self.inbox.lock().unwrap_or_else(|p| p.into_inner()) = Some(inbox);
     }
 
     /// Lets the heartbeat report the open streams (the web layer counts them).
@@ -440,25 +444,16 @@ impl Cluster {
         });
     }
 
-    /// Hands an incoming message to the conversation's session here, if there is one (a
-    /// replica without a session for the conversation has nobody to tell).
+    /// Hands an incoming message to the inbox, if one is attached.
     fn deliver(&self, wire: Wire) {
-        let Some(sessions) = self.sessions.get().and_then(Weak::upgrade) else {
-            return;
-        };
-        let Some(session) = sessions.get(wire.c) else {
-            return;
-        };
-        let control = match &wire.body {
-            WireBody::Stop => Some(RemoteControl::Stop),
-            WireBody::Deleted => Some(RemoteControl::Deleted),
-            WireBody::Sync => Some(RemoteControl::Sync(wire.from)),
-            WireBody::Watch => Some(RemoteControl::Watch),
-            _ => None,
-        };
-        match control {
-            Some(control) => session.do_send(control),
-            None => session.do_send(RemoteReply(wire)),
+        if let Some(inbox) = self
+            .inbox
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .as_ref()
+        {
+            // A closed inbox means the registry is gone (shutting down): nobody to tell.
+            let _ = inbox.send(wire);
         }
     }
 

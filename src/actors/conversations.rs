@@ -606,7 +606,7 @@ impl Conversations {
                 format!("the title has {chars} characters; the limit is {TITLE_LIMIT}"),
             ));
         }
-        if let Some(what) = super::session::not_text(title) {
+        if let Some(what) = super::text::not_text(title) {
             return Err(invalid(
                 "title",
                 format!("the title contains {what}, which is not text; remove it"),
@@ -1137,7 +1137,7 @@ impl Conversations {
                         "`{field}` has {chars} characters; the limit is {max_chars}"
                     ))));
                 }
-                if let Some(what) = super::session::not_text(text) {
+                if let Some(what) = super::text::not_text(text) {
                     return Err(invalid(
                         "messages",
                         at(&format!("`{field}` contains {what}, which is not text")),

@@ -9,6 +9,7 @@ pub mod model;
 pub mod scheduler;
 pub mod session;
 pub mod settings;
+pub mod text;
 pub mod types;
 
 pub use conversations::{ConversationError, Conversations};

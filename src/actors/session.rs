@@ -17,6 +17,7 @@ use uuid::Uuid;
 
 use super::cluster::{Cluster, Wire, WireBody};
 use super::scheduler::{Cancel, SchedulerActor, Submit};
+use super::text::not_text;
 use super::types::{GenEvent, GenSummary, GenerationRequest, RequestId, StopReason, SubmitError};
 use crate::engine::prompt::{Prompt, PromptBuilder};
 use crate::engine::sampling::SamplingParams;
@@ -815,23 +816,6 @@ struct Prepared {
     params: SamplingParams,
 }
 
-/// Names the first character of `text` that no person types into a chat message: NUL, which
-/// C-based tools (and SQLite's text functions) treat as the end of the string, and the
-/// noncharacters (U+FDD0–U+FDEF, U+xFFFE/U+xFFFF), which Unicode reserves for internal use.
-pub fn not_text(text: &str) -> Option<String> {
-    text.chars()
-        .find(|&c| {
-            c == '\0' || ('\u{FDD0}'..='\u{FDEF}').contains(&c) || (c as u32) & 0xFFFE == 0xFFFE
-        })
-        .map(|c| {
-            if c == '\0' {
-                "a NUL character (U+0000)".to_string()
-            } else {
-                format!("the noncharacter U+{:04X}", c as u32)
-            }
-        })
-}
-
 /// The rules every user message meets: not empty, text, within the length limit.
 pub fn check_message(content: &str, max_chars: usize) -> Result<(), SessionError> {
     if content.trim().is_empty() {
@@ -1248,6 +1232,42 @@ impl Sessions {
 
     pub fn shared(&self) -> &Arc<SessionShared> {
         &self.shared
+    }
+
+    /// Takes in what other replicas send about conversations: the cluster delivers over a
+    /// channel that a task here reads, handing each message to the conversation's session on
+    /// this replica, if there is one. Must run inside an actix system.
+    pub fn receive_from(self: &Arc<Self>, cluster: &Cluster) {
+        let (tx, mut rx) = mpsc::unbounded_channel::<Wire>();
+        cluster.deliver_to(tx);
+        let sessions = Arc::downgrade(self);
+        actix::spawn(async move {
+            while let Some(wire) = rx.recv().await {
+                let Some(sessions) = sessions.upgrade() else {
+                    return;
+                };
+                sessions.deliver(wire);
+            }
+        });
+    }
+
+    /// Hands an incoming message to the conversation's session here (a replica without a
+    /// session for the conversation has nobody to tell).
+    fn deliver(&self, wire: Wire) {
+        let Some(session) = self.get(wire.c) else {
+            return;
+        };
+        let control = match &wire.body {
+            WireBody::Stop => Some(RemoteControl::Stop),
+            WireBody::Deleted => Some(RemoteControl::Deleted),
+            WireBody::Sync => Some(RemoteControl::Sync(wire.from)),
+            WireBody::Watch => Some(RemoteControl::Watch),
+            _ => None,
+        };
+        match control {
+            Some(control) => session.do_send(control),
+            None => session.do_send(RemoteReply(wire)),
+        }
     }
 
     /// The session of a conversation, started if it is not running. The caller has checked

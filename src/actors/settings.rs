@@ -7,7 +7,7 @@
 use crate::engine::sampling::SamplingParams;
 use crate::store::ConversationSettings;
 
-use super::session::not_text;
+use super::text::not_text;
 
 /// The highest temperature accepted anywhere (OpenAI's documented range is 0 to 2; beyond it a
 /// small model's output is noise).

@@ -125,7 +125,7 @@ pub fn run(args: &BenchArgs, globals: &super::Globals) -> Result<()> {
         "model": model_name,
         "architecture": cfg.arch.gguf_name(),
         "threads": rayon::current_num_threads(),
-        "isa": crate::engine::quant::gemm::Isa::best().name(),
+        "isa": crate::engine::quant::Isa::best().name(),
         "device": engine.device().to_string(),
         "weight_bytes": engine.model().weight_bytes(),
         "kv": {

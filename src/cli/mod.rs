@@ -21,7 +21,7 @@ use crate::config::{Config, DEFAULT_MODEL};
 use crate::engine::attention::DecodePrefetch;
 use crate::engine::device::DeviceRequest;
 use crate::engine::load::{self, LoadedModel};
-use crate::engine::quant::gemm::Isa;
+use crate::engine::quant::Isa;
 use crate::engine::KvType;
 
 #[derive(Parser, Debug)]

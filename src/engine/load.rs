@@ -8,7 +8,7 @@ use std::time::Instant;
 use super::attention::DecodePrefetch;
 use super::device::{self, Device, DeviceRequest};
 use super::gguf::GgufSource;
-use super::quant::gemm::Isa;
+use super::quant::Isa;
 use super::template::ChatTemplate;
 use super::tokenizer::Tokenizer;
 use super::{Engine, EngineError, KvOptions, Model, Result};
@@ -110,7 +110,7 @@ fn load_on(
 impl CpuOptions {
     /// Sets the process's kernel choices (the first call decides; the environment overrides).
     pub fn apply(&self) {
-        super::quant::gemm::configure_isa(self.isa);
+        super::quant::isa::configure_isa(self.isa);
         super::attention::configure_decode_prefetch(self.decode_prefetch);
     }
 }

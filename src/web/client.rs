@@ -25,9 +25,14 @@ use actix_web::http::header::{self, HeaderMap};
 use actix_web::middleware::Next;
 use actix_web::{web, FromRequest, HttpMessage, HttpRequest, ResponseError};
 use ipnet::IpNet;
+use subtle::ConstantTimeEq;
 
 use super::error::WebError;
 use super::AppState;
+
+/// Marks a request one replica forwarded to another (see [`super::forward`]): its value, signed
+/// under a key derived from `server.cookie_secret`, names the client the replica speaks for.
+pub const FORWARDED: &str = "x-smolchat-forwarded-by";
 
 /// The client of one request (set by [`resolve`] on every request).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -296,15 +301,15 @@ pub async fn resolve(
     // A turn another replica forwarded speaks, under its signature, for the client it came from.
     let forwarded = req
         .headers()
-        .get(super::forward::FORWARDED)
+        .get(FORWARDED)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| {
             let target = req.uri().path_and_query().map_or("/", |pq| pq.as_str());
-            super::forward::verify(state.cookie_key.signing(), v, req.method().as_str(), target)
+            verify(state.cookie_key.signing(), v, req.method().as_str(), target)
         });
     let client = match (forwarded, req.peer_addr()) {
         (Some(client), _) => {
-            req.extensions_mut().insert(super::forward::ForwardedHere);
+            req.extensions_mut().insert(ForwardedHere);
             client
         }
         (None, Some(peer)) => state.proxies.client(peer.ip(), req.headers()),
@@ -323,11 +328,132 @@ impl FromRequest for Client {
     }
 }
 
+/// What the signature covers, and how far a forwarded request's time may be from ours.
+const SIGNATURE_PURPOSE: &str = "smolchat-forward-v1";
+const MAX_SKEW_MS: u64 = 60_000;
+
+fn unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+fn signed_payload(
+    replica: &str,
+    client: &Client,
+    at_ms: u64,
+    method: &str,
+    target: &str,
+) -> String {
+    format!(
+        "{replica}\n{}\n{}\n{at_ms}\n{method}\n{target}",
+        client.address,
+        u8::from(client.https)
+    )
+}
+
+/// The [`FORWARDED`] value for a request of `client` to `method target`, sent by `replica`.
+pub fn sign(key: &[u8], replica: &str, client: &Client, method: &str, target: &str) -> String {
+    sign_at(key, replica, client, method, target, unix_ms())
+}
+
+fn sign_at(
+    key: &[u8],
+    replica: &str,
+    client: &Client,
+    method: &str,
+    target: &str,
+    at_ms: u64,
+) -> String {
+    let mac = crate::auth::secret::fingerprint(
+        key,
+        SIGNATURE_PURPOSE,
+        &signed_payload(replica, client, at_ms, method, target),
+    );
+    format!(
+        "v1;{replica};{};{};{at_ms};{mac}",
+        client.address,
+        u8::from(client.https)
+    )
+}
+
+/// The client a signed [`FORWARDED`] value speaks for, or `None` when it is malformed, signed
+/// with another key, for another request, or too old.
+pub fn verify(key: &[u8], value: &str, method: &str, target: &str) -> Option<Client> {
+    verify_at(key, value, method, target, unix_ms())
+}
+
+fn verify_at(key: &[u8], value: &str, method: &str, target: &str, now_ms: u64) -> Option<Client> {
+    let mut parts = value.split(';');
+    let (Some("v1"), Some(replica), Some(address), Some(https), Some(at), Some(mac), None) = (
+        parts.next(),
+        parts.next(),
+        parts.next(),
+        parts.next(),
+        parts.next(),
+        parts.next(),
+        parts.next(),
+    ) else {
+        return None;
+    };
+    let client = Client {
+        address: address.parse().ok()?,
+        https: match https {
+            "1" => true,
+            "0" => false,
+            _ => return None,
+        },
+        proxied: true,
+    };
+    let at_ms: u64 = at.parse().ok()?;
+    if now_ms.abs_diff(at_ms) > MAX_SKEW_MS {
+        return None;
+    }
+    let expected = crate::auth::secret::fingerprint(
+        key,
+        SIGNATURE_PURPOSE,
+        &signed_payload(replica, &client, at_ms, method, target),
+    );
+    bool::from(expected.as_bytes().ct_eq(mac.as_bytes())).then_some(client)
+}
+
+/// Set by [`resolve`] on a request that carries a valid [`FORWARDED`]: it was
+/// forwarded by another replica and must be answered here.
+#[derive(Clone, Copy, Debug)]
+pub struct ForwardedHere;
+
 #[cfg(test)]
 mod tests {
     use actix_web::http::header::{HeaderName, HeaderValue};
 
     use super::*;
+
+    #[test]
+    fn only_a_fresh_signature_of_this_request_under_our_key_is_believed() {
+        let key = [7u8; 32];
+        let client = Client {
+            address: "203.0.113.9".parse().unwrap(),
+            https: true,
+            proxied: false,
+        };
+        let t = "/api/conversations/x/messages";
+        let now = 1_800_000_000_000;
+        let v = sign_at(&key, "replica-a", &client, "POST", t, now);
+        let got = verify_at(&key, &v, "POST", t, now + 1000).unwrap();
+        assert_eq!(got.address, client.address);
+        assert!(got.https);
+        // Another key, request, method or a stale time: not believed.
+        assert!(verify_at(&[8u8; 32], &v, "POST", t, now).is_none());
+        assert!(verify_at(&key, &v, "POST", "/api/conversations/y/messages", now).is_none());
+        assert!(verify_at(&key, &v, "GET", t, now).is_none());
+        assert!(verify_at(&key, &v, "POST", t, now + MAX_SKEW_MS + 1).is_none());
+        // A changed client address with the old signature: not believed.
+        let forged = v.replace("203.0.113.9", "198.51.100.1");
+        assert!(verify_at(&key, &forged, "POST", t, now).is_none());
+        // What an outside client would send.
+        assert!(verify_at(&key, "0190a6f4-replica-id", "POST", t, now).is_none());
+        assert!(verify_at(&key, "", "POST", t, now).is_none());
+    }
 
     fn headers(pairs: &[(&str, &str)]) -> HeaderMap {
         let mut map = HeaderMap::new();

@@ -18,8 +18,8 @@ use actix_web::http::Method;
 use actix_web::middleware::Next;
 use actix_web::{web, HttpMessage};
 
+use super::html::PageError;
 use super::owner::Owner;
-use super::pages::PageError;
 use super::AppState;
 
 pub const HEADER: &str = "X-CSRF-Token";
@@ -43,10 +43,8 @@ pub fn token_for(key: &Key, owner_id: &str) -> String {
 
 /// Compares without an early exit, so timing does not tell how much of a guess was right.
 pub fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    if a.len() != b.len() {
-        return false;
-    }
-    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+    // `subtle` compares slices of different lengths as unequal (the length is not secret).
+    bool::from(subtle::ConstantTimeEq::ct_eq(a, b))
 }
 
 /// Middleware (inside [`super::owner::owner_cookie`]): 403 for an unsafe method without the

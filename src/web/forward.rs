@@ -32,12 +32,10 @@ use actix_web::{HttpMessage, HttpResponse};
 use futures_util::StreamExt;
 use uuid::Uuid;
 
-use super::client::Client;
+use super::client::{sign, Client, ForwardedHere, FORWARDED};
 use super::AppState;
 use actix_web::ResponseError;
 
-/// Marks a request one replica forwarded to another.
-pub const FORWARDED: &str = "x-smolchat-forwarded-by";
 /// A turn's body (a message up to `limits.max_message_chars`, as JSON or a form) is far below
 /// this; a larger one is answered locally, where the usual limits refuse it.
 const MAX_FORWARDED_BODY: usize = 4 << 20;
@@ -70,100 +68,6 @@ pub fn client() -> reqwest::Client {
         .build()
         .unwrap_or_else(|_| reqwest::Client::new())
 }
-
-/// What the signature covers, and how far a forwarded request's time may be from ours.
-const SIGNATURE_PURPOSE: &str = "smolchat-forward-v1";
-const MAX_SKEW_MS: u64 = 60_000;
-
-fn unix_ms() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as u64)
-}
-
-fn signed_payload(
-    replica: &str,
-    client: &Client,
-    at_ms: u64,
-    method: &str,
-    target: &str,
-) -> String {
-    format!(
-        "{replica}\n{}\n{}\n{at_ms}\n{method}\n{target}",
-        client.address,
-        u8::from(client.https)
-    )
-}
-
-/// The [`FORWARDED`] value for a request of `client` to `method target`, sent by `replica`.
-pub fn sign(key: &[u8], replica: &str, client: &Client, method: &str, target: &str) -> String {
-    sign_at(key, replica, client, method, target, unix_ms())
-}
-
-fn sign_at(
-    key: &[u8],
-    replica: &str,
-    client: &Client,
-    method: &str,
-    target: &str,
-    at_ms: u64,
-) -> String {
-    let mac = crate::auth::secret::fingerprint(
-        key,
-        SIGNATURE_PURPOSE,
-        &signed_payload(replica, client, at_ms, method, target),
-    );
-    format!(
-        "v1;{replica};{};{};{at_ms};{mac}",
-        client.address,
-        u8::from(client.https)
-    )
-}
-
-/// The client a signed [`FORWARDED`] value speaks for, or `None` when it is malformed, signed
-/// with another key, for another request, or too old.
-pub fn verify(key: &[u8], value: &str, method: &str, target: &str) -> Option<Client> {
-    verify_at(key, value, method, target, unix_ms())
-}
-
-fn verify_at(key: &[u8], value: &str, method: &str, target: &str, now_ms: u64) -> Option<Client> {
-    let mut parts = value.split(';');
-    let (Some("v1"), Some(replica), Some(address), Some(https), Some(at), Some(mac), None) = (
-        parts.next(),
-        parts.next(),
-        parts.next(),
-        parts.next(),
-        parts.next(),
-        parts.next(),
-        parts.next(),
-    ) else {
-        return None;
-    };
-    let client = Client {
-        address: address.parse().ok()?,
-        https: match https {
-            "1" => true,
-            "0" => false,
-            _ => return None,
-        },
-        proxied: true,
-    };
-    let at_ms: u64 = at.parse().ok()?;
-    if now_ms.abs_diff(at_ms) > MAX_SKEW_MS {
-        return None;
-    }
-    let expected = crate::auth::secret::fingerprint(
-        key,
-        SIGNATURE_PURPOSE,
-        &signed_payload(replica, &client, at_ms, method, target),
-    );
-    super::csrf::constant_time_eq(expected.as_bytes(), mac.as_bytes()).then_some(client)
-}
-
-/// Set by [`super::client::resolve`] on a request that carries a valid [`FORWARDED`]: it was
-/// forwarded by another replica and must be answered here.
-#[derive(Clone, Copy, Debug)]
-pub struct ForwardedHere;
 
 /// The conversation whose turn this request is: POST to `/api/conversations/{id}/…` or
 /// `/c/{id}/…` ending in `messages`, `regenerate` or `edit`. `path` is the decoded path the
@@ -322,33 +226,6 @@ async fn read_body(mut payload: Payload) -> Option<Bytes> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn only_a_fresh_signature_of_this_request_under_our_key_is_believed() {
-        let key = [7u8; 32];
-        let client = Client {
-            address: "203.0.113.9".parse().unwrap(),
-            https: true,
-            proxied: false,
-        };
-        let t = "/api/conversations/x/messages";
-        let now = 1_800_000_000_000;
-        let v = sign_at(&key, "replica-a", &client, "POST", t, now);
-        let got = verify_at(&key, &v, "POST", t, now + 1000).unwrap();
-        assert_eq!(got.address, client.address);
-        assert!(got.https);
-        // Another key, request, method or a stale time: not believed.
-        assert!(verify_at(&[8u8; 32], &v, "POST", t, now).is_none());
-        assert!(verify_at(&key, &v, "POST", "/api/conversations/y/messages", now).is_none());
-        assert!(verify_at(&key, &v, "GET", t, now).is_none());
-        assert!(verify_at(&key, &v, "POST", t, now + MAX_SKEW_MS + 1).is_none());
-        // A changed client address with the old signature: not believed.
-        let forged = v.replace("203.0.113.9", "198.51.100.1");
-        assert!(verify_at(&key, &forged, "POST", t, now).is_none());
-        // What an outside client would send.
-        assert!(verify_at(&key, "0190a6f4-replica-id", "POST", t, now).is_none());
-        assert!(verify_at(&key, "", "POST", t, now).is_none());
-    }
 
     #[test]
     fn only_turns_are_routed() {

@@ -31,6 +31,7 @@ pub mod csrf;
 pub mod error;
 pub mod events;
 pub mod forward;
+pub mod html;
 pub mod json;
 pub mod markdown;
 pub mod openai;

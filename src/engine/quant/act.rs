@@ -181,7 +181,7 @@ fn simd_available() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
         // A forced scalar path (`SMOLCHAT_ISA=scalar`) covers the quantizers too.
-        super::gemm::Isa::best() != super::gemm::Isa::Scalar
+        super::isa::Isa::best() != super::isa::Isa::Scalar
             && is_x86_feature_detected!("avx2")
             && is_x86_feature_detected!("fma")
     }

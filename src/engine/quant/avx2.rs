@@ -18,7 +18,7 @@
 //!
 //! Every function here is `unsafe` for the reasons stated in [`super::avx512`]: the CPU must have
 //! AVX2, FMA and F16C (and AVX-VNNI for `VNNI = true`), checked by `Isa::available` before a
-//! kernel is handed out, and the pointer arithmetic relies on the [`super::gemm::Kernel`] contract.
+//! kernel is handed out, and the pointer arithmetic relies on the [`super::kernel::Kernel`] contract.
 
 // Index loops mirror the layout arithmetic (chunk j feeds lanes j and j+4, and so on).
 #![allow(clippy::needless_range_loop)]
@@ -26,7 +26,7 @@
 use std::arch::x86_64::*;
 
 use super::act::Acts;
-use super::gemm::{Kernel, KernelChoice, Unpacked};
+use super::kernel::{Kernel, KernelChoice, Unpacked};
 use super::layout::Format;
 use super::scalar::FloatOrder;
 

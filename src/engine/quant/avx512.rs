@@ -9,7 +9,7 @@
 //!
 //! Every function here is `unsafe` for two reasons stated once: the CPU must support
 //! AVX512F/BW/VL/VNNI (guaranteed by `Isa::available` before a kernel is handed out), and the
-//! pointer arithmetic relies on the [`super::gemm::Kernel`] contract (a whole packed group of
+//! pointer arithmetic relies on the [`super::kernel::Kernel`] contract (a whole packed group of
 //! `acts.nblk` blocks, tokens `t0..t0+nt` present in `acts`, 16 writable floats per token at
 //! `out + t * stride`).
 
@@ -19,7 +19,7 @@
 use std::arch::x86_64::*;
 
 use super::act::Acts;
-use super::gemm::KernelChoice;
+use super::kernel::KernelChoice;
 use super::layout::Format;
 use super::scalar::FloatOrder;
 
@@ -27,7 +27,7 @@ pub fn kernel(format: Format) -> KernelChoice {
     // Tiles: tokens per call (a multiple of the register tile of `tiled!` below). The K-quant
     // kernels keep three registers per token: eight tokens fill the 32 registers (+20-27% prefill
     // over four). The ggml-order kernels hold nine per token, so their register tile is two.
-    let (kernel, tile): (super::gemm::Kernel, usize) = match format {
+    let (kernel, tile): (super::kernel::Kernel, usize) = match format {
         Format::Q4_0 => (q4_0, 8),
         Format::Q4_1 => (q4_1, 4),
         Format::Q8_0 => (q8_0, 4),
@@ -42,7 +42,7 @@ pub fn kernel(format: Format) -> KernelChoice {
     }
 }
 
-/// Expands to a [`super::gemm::Kernel`] that walks `nt` tokens in register tiles of the listed
+/// Expands to a [`super::kernel::Kernel`] that walks `nt` tokens in register tiles of the listed
 /// sizes (`1..max`, then `max`).
 macro_rules! tiled {
     ($name:ident, $tile:ident, [$($n:literal),*], $max:literal) => {

@@ -1,200 +1,15 @@
 //! The matrix-product driver for packed weights: picks the kernel for the CPU, tiles the work
 //! (row groups × token tiles, weights kept cache-resident) and splits it over the rayon pool.
 
-use std::sync::OnceLock;
-
 use rayon::prelude::*;
 
 use super::act::Acts;
+use super::isa::Isa;
+use super::kernel::{Kernel, KernelChoice};
 use super::layout::{Format, Packed, GROUP};
 use super::scalar::{self, FloatOrder};
 
-/// Instruction sets with kernels, best last.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
-pub enum Isa {
-    Scalar,
-    /// AVX2 with `vpmaddubsw`/`vpmaddwd` dot products.
-    Avx2,
-    /// AVX2 plus AVX-VNNI (`vpdpbusd` on 256-bit registers).
-    AvxVnni,
-    /// AVX-512 (F, BW, VL) plus AVX512-VNNI.
-    Avx512Vnni,
-}
-
-impl Isa {
-    /// Whether this CPU can run the kernels of `self`.
-    pub fn available(self) -> bool {
-        #[cfg(target_arch = "x86_64")]
-        {
-            let avx2 = is_x86_feature_detected!("avx2")
-                && is_x86_feature_detected!("fma")
-                && is_x86_feature_detected!("f16c");
-            match self {
-                Isa::Scalar => true,
-                Isa::Avx2 => avx2,
-                Isa::AvxVnni => avx2 && is_x86_feature_detected!("avxvnni"),
-                Isa::Avx512Vnni => {
-                    avx2 && is_x86_feature_detected!("avx512f")
-                        && is_x86_feature_detected!("avx512bw")
-                        && is_x86_feature_detected!("avx512vl")
-                        && is_x86_feature_detected!("avx512vnni")
-                }
-            }
-        }
-        #[cfg(not(target_arch = "x86_64"))]
-        {
-            self == Isa::Scalar
-        }
-    }
-
-    /// The instruction set the kernels use (decided once): the best this CPU has, or at most
-    /// the one named by `SMOLCHAT_ISA` (`avx512`, `avxvnni`, `avx2`, `scalar`), else by
-    /// `model.isa` (or `--isa`, through [`configure_isa`]), so that one machine can compare the
-    /// paths. A set the CPU lacks falls back to the best one below it, with a warning; an
-    /// unknown name in the variable is ignored with a warning.
-    pub fn best() -> Isa {
-        static BEST: OnceLock<Isa> = OnceLock::new();
-        *BEST.get_or_init(|| {
-            let forced = match std::env::var(ISA_VARIABLE) {
-                Ok(name) => match Isa::parse(&name) {
-                    Some(isa) => Some(isa),
-                    None => {
-                        tracing::warn!(
-                            value = %name,
-                            "{ISA_VARIABLE} is not one of avx512, avxvnni, avx2, scalar; ignored"
-                        );
-                        None
-                    }
-                },
-                Err(_) => None,
-            };
-            let cap = forced.or(CONFIGURED_ISA.get().copied().flatten());
-            let isa = Isa::best_up_to(cap.unwrap_or(Isa::Avx512Vnni));
-            match cap {
-                Some(wanted) if wanted != isa => tracing::warn!(
-                    wanted = wanted.name(),
-                    using = isa.name(),
-                    "{ISA_VARIABLE} or model.isa asks for an instruction set this CPU lacks"
-                ),
-                _ => {}
-            }
-            tracing::info!(
-                isa = isa.name(),
-                capped = cap.is_some(),
-                "quantized matmul kernels"
-            );
-            isa
-        })
-    }
-
-    /// The best available instruction set no better than `cap`.
-    pub fn best_up_to(cap: Isa) -> Isa {
-        [Isa::Avx512Vnni, Isa::AvxVnni, Isa::Avx2]
-            .into_iter()
-            .filter(|&i| i <= cap)
-            .find(|i| i.available())
-            .unwrap_or(Isa::Scalar)
-    }
-
-    /// `SMOLCHAT_ISA`'s spelling of an instruction set.
-    pub fn parse(name: &str) -> Option<Isa> {
-        match name.trim().to_ascii_lowercase().as_str() {
-            "avx512" | "avx512vnni" | "avx512-vnni" => Some(Isa::Avx512Vnni),
-            "avxvnni" | "avx-vnni" => Some(Isa::AvxVnni),
-            "avx2" => Some(Isa::Avx2),
-            "scalar" => Some(Isa::Scalar),
-            _ => None,
-        }
-    }
-
-    pub fn name(self) -> &'static str {
-        match self {
-            Isa::Scalar => "scalar",
-            Isa::Avx2 => "avx2",
-            Isa::AvxVnni => "avxvnni",
-            Isa::Avx512Vnni => "avx512",
-        }
-    }
-}
-
-/// The environment variable that caps the kernels' instruction set.
-pub const ISA_VARIABLE: &str = "SMOLCHAT_ISA";
-
-/// The configured cap ([`configure_isa`]), read when [`Isa::best`] first decides.
-static CONFIGURED_ISA: OnceLock<Option<Isa>> = OnceLock::new();
-
-/// Records the configured cap on the kernels' instruction set (`None`: the best this CPU has).
-/// Only the first call counts, and only before the first matmul; `SMOLCHAT_ISA` still overrides.
-pub fn configure_isa(cap: Option<Isa>) {
-    if CONFIGURED_ISA.set(cap).is_err() && CONFIGURED_ISA.get() != Some(&cap) {
-        tracing::warn!(
-            ?cap,
-            "the kernels' instruction set was already chosen for this process; ignored"
-        );
-    }
-}
-
-impl std::str::FromStr for Isa {
-    type Err = String;
-
-    fn from_str(s: &str) -> Result<Self, String> {
-        Isa::parse(s).ok_or_else(|| {
-            format!(
-                "instruction set `{}` is not one of avx512, avxvnni, avx2, scalar",
-                s.trim()
-            )
-        })
-    }
-}
-
-impl std::fmt::Display for Isa {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.name())
-    }
-}
-
-crate::engine::serde_via_str!(Isa);
-
-/// Computes the sixteen rows of one packed group against tokens `t0..t0 + nt` of `acts`, writing
-/// row `l` of token `t0 + t` to `out.add(t * stride + l)`.
-///
-/// # Safety
-/// `g` is a whole packed group of the format the kernel was chosen for, with `acts.nblk` blocks
-/// and activations of the matching kind; `t0 + nt <= acts.n_tokens`; `out.add(t * stride + l)`
-/// is valid for writes for all `t < nt`, `l < 16`, and nothing else accesses those floats during
-/// the call. The CPU supports the kernel's instruction set.
-pub type Kernel =
-    unsafe fn(g: &[u8], acts: &Acts, t0: usize, nt: usize, out: *mut f32, stride: usize);
-
-/// A kernel, the number of tokens it wants per call (its register tile), and the float order of
-/// its Q4_1 and Q8_0 products: the scalar kernel in that order is its bit-for-bit reference.
-#[derive(Clone, Copy)]
-pub struct KernelChoice {
-    pub kernel: Kernel,
-    pub tile: usize,
-    pub order: FloatOrder,
-    /// A faster path for products of many tokens, where a group's weights are reused by every
-    /// token tile: each cache-sized chunk of groups is unpacked once into a scratch buffer (same
-    /// integers and scales, so the same result bit for bit) and the tiles run on that.
-    pub unpacked: Option<Unpacked>,
-}
-
-/// See [`KernelChoice::unpacked`].
-#[derive(Clone, Copy)]
-pub struct Unpacked {
-    /// Bytes of one unpacked block of sixteen rows.
-    pub block_bytes: usize,
-    /// Unpacks a whole packed group of `nblk` blocks into `out` (`nblk * block_bytes` long).
-    ///
-    /// # Safety
-    /// `g` is a packed group of the kernel's format with `nblk` blocks; the CPU supports the
-    /// kernel's instruction set.
-    pub unpack: unsafe fn(g: &[u8], nblk: usize, out: &mut [u8]),
-    /// A [`Kernel`] whose `g` is an unpacked group.
-    pub kernel: Kernel,
-}
-
-/// Token count from which [`Unpacked`] paths are taken. Measured on Zen 3 (3B Q6_K shapes, one
+/// Token count from which [`Unpacked`](super::kernel::Unpacked) paths are taken. Measured on Zen 3 (3B Q6_K shapes, one
 /// thread): at 8 tokens unpacking lost up to 20% on the big matrices (`ffn_down`, the LM head),
 /// from 16 it gains on every shape (+0–25% at 16, +35% at 128).
 const UNPACK_MIN_TOKENS: usize = 16;
@@ -279,7 +94,7 @@ const SERIAL_BYTES: usize = 48 << 10;
 const CHUNK_BYTES: usize = 192 << 10;
 
 thread_local! {
-    /// Each thread's scratch for [`Unpacked`] chunks (a few hundred KiB, kept between products).
+    /// Each thread's scratch for [`Unpacked`](super::kernel::Unpacked) chunks (a few hundred KiB, kept between products).
     static UNPACKED: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
@@ -451,22 +266,5 @@ fn run_groups(job: &Job<'_>, range: std::ops::Range<usize>) {
     }
     if unpacked.is_some() {
         UNPACKED.set(scratch);
-    }
-}
-
-#[cfg(test)]
-mod isa_tests {
-    use super::Isa;
-
-    #[test]
-    fn isa_names_parse_and_caps_never_exceed_the_request() {
-        for isa in [Isa::Scalar, Isa::Avx2, Isa::AvxVnni, Isa::Avx512Vnni] {
-            assert_eq!(Isa::parse(isa.name()), Some(isa));
-            let chosen = Isa::best_up_to(isa);
-            assert!(chosen <= isa && chosen.available(), "{isa:?} -> {chosen:?}");
-        }
-        assert_eq!(Isa::parse(" AVX2 "), Some(Isa::Avx2));
-        assert_eq!(Isa::parse("sse4"), None);
-        assert_eq!(Isa::best_up_to(Isa::Scalar), Isa::Scalar);
     }
 }

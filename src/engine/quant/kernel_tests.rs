@@ -6,8 +6,9 @@ use candle_core::quantized::GgmlDType;
 use half::f16;
 
 use super::act::{ActKind, Acts};
-use super::gemm::{self, Isa};
+use super::gemm;
 use super::generic;
+use super::isa::Isa;
 use super::layout::{Format, Packed};
 use super::scalar::FloatOrder;
 
@@ -140,7 +141,7 @@ fn random_acts(kind: ActKind, n: usize, cols: usize, rng: &mut Rng) -> Acts {
     a
 }
 
-fn run_choice(p: &Packed, choice: gemm::KernelChoice, acts: &Acts) -> Vec<f32> {
+fn run_choice(p: &Packed, choice: super::kernel::KernelChoice, acts: &Acts) -> Vec<f32> {
     let mut out = vec![f32::NAN; acts.n_tokens * p.rows];
     gemm::gemm(p, choice, acts, &mut out);
     out

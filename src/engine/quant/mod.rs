@@ -6,7 +6,7 @@
 //! exactly as ggml's x86 build does, see [`act`]), then output rows are split across the rayon pool.
 //!
 //! Q4_0, Q4_1, Q8_0, Q4_K and Q6_K matrices are repacked at load into a row-interleaved layout
-//! ([`layout`]) that SIMD kernels chosen at run time ([`gemm::Isa`]: AVX-512 VNNI, AVX-VNNI, AVX2,
+//! ([`layout`]) that SIMD kernels chosen at run time ([`Isa`]: AVX-512 VNNI, AVX-VNNI, AVX2,
 //! scalar) multiply sixteen rows by several tokens at a time. The other types keep GGML's layout
 //! and candle's `vec_dot` ([`generic`]).
 //!
@@ -31,6 +31,8 @@ mod avx2;
 mod avx512;
 pub mod gemm;
 pub mod generic;
+pub mod isa;
+pub mod kernel;
 #[cfg(test)]
 mod kernel_tests;
 pub mod layout;
@@ -41,7 +43,7 @@ use std::borrow::Cow;
 use candle_core::quantized::GgmlDType;
 
 use self::act::Acts;
-use self::gemm::Isa;
+pub use self::isa::Isa;
 use self::layout::{Format, Packed};
 use super::error::{EngineError, Result};
 use super::gguf::{AlignedBytes, RawTensor};

@@ -550,7 +550,7 @@ fn check_tool(i: usize, t: &Value) -> Result<(), ApiError> {
 fn parse_content(f: &Fields<'_>, required: bool) -> Result<String, ApiError> {
     let param = f.path("content");
     let content = parse_content_value(f, &param, required)?;
-    if let Some(what) = crate::actors::session::not_text(&content) {
+    if let Some(what) = crate::actors::text::not_text(&content) {
         return Err(ApiError::invalid(
             &param,
             format!("`{param}` contains {what}, which is not text; remove it"),
