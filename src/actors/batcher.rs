@@ -15,6 +15,8 @@
 use std::collections::{HashMap, VecDeque};
 use std::time::{Duration, Instant};
 
+use uuid::Uuid;
+
 use super::types::{RequestId, SequenceState, SubmitError};
 
 #[derive(Debug, Clone)]
@@ -153,7 +155,7 @@ enum Phase {
 #[derive(Debug, Clone)]
 struct Entry {
     id: RequestId,
-    cache_key: Option<String>,
+    cache_key: Option<Uuid>,
     /// Who the work is for; `None` (tools, tests) counts as one anonymous user without caps.
     user: Option<String>,
     /// The user's group with a token quota of its own (`group:`-prefixed), if any.
@@ -257,7 +259,7 @@ impl Batcher {
     /// Accepts an anonymous request into the queue, or refuses it at once.
     pub fn submit(
         &mut self,
-        cache_key: Option<String>,
+        cache_key: Option<Uuid>,
         prompt_len: usize,
         deadline: Option<Instant>,
     ) -> Result<RequestId, SubmitError> {
@@ -268,7 +270,7 @@ impl Batcher {
     pub fn submit_for(
         &mut self,
         user: Option<String>,
-        cache_key: Option<String>,
+        cache_key: Option<Uuid>,
         prompt_len: usize,
         deadline: Option<Instant>,
     ) -> Result<RequestId, SubmitError> {
@@ -281,7 +283,7 @@ impl Batcher {
         &mut self,
         user: Option<String>,
         group: Option<String>,
-        cache_key: Option<String>,
+        cache_key: Option<Uuid>,
         prompt_len: usize,
         deadline: Option<Instant>,
     ) -> Result<RequestId, SubmitError> {
@@ -544,15 +546,15 @@ impl Batcher {
     }
 
     /// The state of the request holding `cache_key`, if any.
-    pub fn state_of(&self, cache_key: &str) -> SequenceState {
+    pub fn state_of(&self, cache_key: Uuid) -> SequenceState {
         let key = Some(cache_key);
-        if let Some(e) = self.running.iter().find(|e| e.cache_key.as_deref() == key) {
+        if let Some(e) = self.running.iter().find(|e| e.cache_key == key) {
             return match e.phase {
                 Phase::Decoding => SequenceState::Generating,
                 Phase::Prefilling | Phase::Waiting => SequenceState::Prefilling,
             };
         }
-        if self.waiting.iter().any(|e| e.cache_key.as_deref() == key) {
+        if self.waiting.iter().any(|e| e.cache_key == key) {
             return SequenceState::Queued;
         }
         SequenceState::Idle
@@ -665,14 +667,15 @@ mod tests {
     #[test]
     fn long_prompt_is_chunked_and_decodes_keep_going() {
         let mut b = batcher(4, 8, 64);
-        let a = b.submit(Some("a".into()), 10, None).unwrap();
+        let key_a = Uuid::now_v7();
+        let a = b.submit(Some(key_a), 10, None).unwrap();
         let plan = b.plan().unwrap();
         assert_eq!(plan.prefill, vec![(a, 10)]);
         b.apply(&[report(a, 0, false)]);
-        assert_eq!(b.state_of("a"), SequenceState::Generating);
+        assert_eq!(b.state_of(key_a), SequenceState::Generating);
 
         // A 200-token prompt arrives: it is prefilled in chunks while `a` decodes every step.
-        let long = b.submit(Some("long".into()), 200, None).unwrap();
+        let long = b.submit(Some(Uuid::now_v7()), 200, None).unwrap();
         let mut remaining = 200;
         let mut steps = 0;
         while remaining > 0 {
@@ -729,13 +732,14 @@ mod tests {
     #[test]
     fn cancellation_of_queued_and_running_requests() {
         let mut b = batcher(1, 4, 512);
-        let run = b.submit(Some("r".into()), 5, None).unwrap();
-        let queued = b.submit(Some("q".into()), 5, None).unwrap();
+        let run = b.submit(Some(Uuid::now_v7()), 5, None).unwrap();
+        let key_q = Uuid::now_v7();
+        let queued = b.submit(Some(key_q), 5, None).unwrap();
         b.plan().unwrap();
         b.apply(&[report(run, 0, false)]);
-        assert_eq!(b.state_of("q"), SequenceState::Queued);
+        assert_eq!(b.state_of(key_q), SequenceState::Queued);
         assert_eq!(b.cancel(queued), CancelOutcome::Dequeued);
-        assert_eq!(b.state_of("q"), SequenceState::Idle);
+        assert_eq!(b.state_of(key_q), SequenceState::Idle);
         assert_eq!(b.cancel(run), CancelOutcome::Pending);
         let plan = b.plan().unwrap();
         assert_eq!(plan.cancel, vec![queued, run]);

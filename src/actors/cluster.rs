@@ -348,10 +348,7 @@ impl Cluster {
     async fn load(&self, scheduler: &Addr<SchedulerActor>) -> ReplicaLoad {
         let stats = scheduler.send(GetStats).await.unwrap_or_default();
         let caches = scheduler.send(GetCacheInfo).await.unwrap_or_default();
-        let held: Vec<Uuid> = caches
-            .iter()
-            .filter_map(|c| Uuid::parse_str(&c.cache_key).ok())
-            .collect();
+        let held: Vec<Uuid> = caches.iter().filter_map(|c| c.key.conversation()).collect();
         let streams = self
             .streams
             .lock()

@@ -933,7 +933,7 @@ impl Conversations {
         let cluster = self.cluster();
         cluster.publish(id, WireBody::Deleted);
         // The worker drops the cache now, or as soon as a cancelled reply releases it.
-        let _ = self.scheduler.send(Evict(id.to_string())).await;
+        let _ = self.scheduler.send(Evict(id)).await;
         tracing::info!(conversation = %id, "conversation deleted");
         Ok(())
     }

@@ -12,7 +12,9 @@ use std::time::Instant;
 use tokio::sync::oneshot;
 
 use super::batcher::{ItemReport, StepPlan};
-use super::types::{GenEvent, GenSummary, GenerationRequest, RequestId, StopReason};
+use uuid::Uuid;
+
+use super::types::{CacheKey, GenEvent, GenSummary, GenerationRequest, RequestId, StopReason};
 use crate::engine::generation::Generation;
 use crate::engine::tokenizer::Tokenizer;
 use crate::engine::{Engine, LogitsMode, SeqId, SeqStep};
@@ -29,7 +31,7 @@ pub enum WorkerCommand {
     Step(StepPlan),
     /// Drop an idle conversation's cache (admin "evict", or its conversation was deleted).
     Evict {
-        cache_key: String,
+        conversation: Uuid,
         done: oneshot::Sender<bool>,
     },
     /// Per-conversation cache sizes.
@@ -38,7 +40,7 @@ pub enum WorkerCommand {
 
 #[derive(Debug, Clone)]
 pub struct CacheEntryInfo {
-    pub cache_key: String,
+    pub key: CacheKey,
     pub tokens: usize,
     pub bytes: usize,
 }
@@ -82,15 +84,6 @@ struct Active {
     resume: Option<Vec<u32>>,
 }
 
-/// Keys of caches kept from stateless requests (no conversation id can start with it).
-const ANONYMOUS_PREFIX: &str = "~anonymous-";
-/// The key prefix of one salt's stateless caches. The salt's length goes first, so that no salt
-/// is a prefix of another's keys (`ab` vs `ab/c`).
-fn anonymous_prefix(salt: Option<&str>) -> String {
-    let salt = salt.unwrap_or("");
-    format!("{ANONYMOUS_PREFIX}{}:{salt}/", salt.len())
-}
-
 /// At most this many stateless caches are kept.
 const MAX_ANONYMOUS_CACHES: usize = 16;
 
@@ -104,12 +97,12 @@ pub struct ModelWorker {
     tokenizer: Arc<Tokenizer>,
     kv_budget_bytes: usize,
     active: HashMap<RequestId, Active>,
-    caches: HashMap<String, CacheSlot>,
+    caches: HashMap<CacheKey, CacheSlot>,
     evictions: u64,
     /// The usable context window (the model's, or less when configured).
     context_window: usize,
     /// Caches to drop as soon as their running request ends (their conversation was deleted).
-    doomed: Vec<String>,
+    doomed: Vec<Uuid>,
 }
 
 impl ModelWorker {
@@ -161,15 +154,15 @@ impl ModelWorker {
                     );
                 }
                 WorkerCommand::Step(plan) => report(self.step(plan)),
-                WorkerCommand::Evict { cache_key, done } => {
-                    let _ = done.send(self.forget_key(&cache_key));
+                WorkerCommand::Evict { conversation, done } => {
+                    let _ = done.send(self.forget_conversation(conversation));
                 }
                 WorkerCommand::CacheInfo(reply) => {
                     let info = self
                         .caches
                         .iter()
                         .map(|(k, slot)| CacheEntryInfo {
-                            cache_key: k.clone(),
+                            key: k.clone(),
                             tokens: self.engine.cached_tokens(slot.seq).map_or(0, |t| t.len()),
                             bytes: self.engine.kv_bytes(slot.seq).unwrap_or(0),
                         })
@@ -181,25 +174,31 @@ impl ModelWorker {
         tracing::info!("model worker stopped");
     }
 
-    fn busy(&self, key: &str) -> bool {
+    /// Whether a running request uses the cache `key` (only conversations' caches are kept in
+    /// the map while in use; an anonymous one is taken out while its request runs).
+    fn busy(&self, key: &CacheKey) -> bool {
+        let Some(conversation) = key.conversation() else {
+            return false;
+        };
         self.active
             .values()
-            .any(|a| a.keyed && a.request.cache_key.as_deref() == Some(key))
+            .any(|a| a.keyed && a.request.cache_key == Some(conversation))
     }
 
-    /// Drops `key`'s cache now, or when its running request ends. Returns whether a cache was
-    /// (or will be) dropped.
-    fn forget_key(&mut self, key: &str) -> bool {
-        if self.busy(key) {
-            if !self.doomed.iter().any(|k| k == key) {
-                self.doomed.push(key.to_string());
+    /// Drops a conversation's cache now, or when its running request ends. Returns whether a
+    /// cache was (or will be) dropped.
+    fn forget_conversation(&mut self, conversation: Uuid) -> bool {
+        let key = CacheKey::Conversation(conversation);
+        if self.busy(&key) {
+            if !self.doomed.contains(&conversation) {
+                self.doomed.push(conversation);
             }
             return true;
         }
-        self.evict_key(key)
+        self.evict_key(&key)
     }
 
-    fn evict_key(&mut self, key: &str) -> bool {
+    fn evict_key(&mut self, key: &CacheKey) -> bool {
         if self.busy(key) {
             return false;
         }
@@ -248,11 +247,13 @@ impl ModelWorker {
         let prompt = &request.prompt;
         // Only caches of the same partition: reuse across clients would let one probe another's
         // prompts through `cached_tokens` and timing.
-        let partition = anonymous_prefix(request.cache_salt.as_deref());
+        let partition = request.cache_salt.as_deref().unwrap_or("");
         let best = self
             .caches
             .iter()
-            .filter(|(k, _)| k.starts_with(&partition))
+            .filter(
+                |(k, _)| matches!(k, CacheKey::Anonymous { partition: p, .. } if p == partition),
+            )
             .map(|(k, slot)| {
                 let shared = self.engine.common_prefix(slot.seq, prompt).unwrap_or(0);
                 (shared, k.clone())
@@ -267,10 +268,10 @@ impl ModelWorker {
 
     /// Keeps a finished anonymous sequence for reuse (bounded; oldest dropped first).
     fn keep_anonymous(&mut self, seq: SeqId, salt: Option<&str>, now: Instant) {
-        let anonymous: Vec<(String, Instant)> = self
+        let anonymous: Vec<(CacheKey, Instant)> = self
             .caches
             .iter()
-            .filter(|(k, _)| k.starts_with(ANONYMOUS_PREFIX))
+            .filter(|(k, _)| matches!(k, CacheKey::Anonymous { .. }))
             .map(|(k, s)| (k.clone(), s.last_used))
             .collect();
         if anonymous.len() >= MAX_ANONYMOUS_CACHES {
@@ -279,7 +280,10 @@ impl ModelWorker {
             }
         }
         self.caches.insert(
-            format!("{}{seq}", anonymous_prefix(salt)),
+            CacheKey::Anonymous {
+                partition: salt.unwrap_or("").to_string(),
+                seq,
+            },
             CacheSlot {
                 seq,
                 last_used: now,
@@ -293,9 +297,9 @@ impl ModelWorker {
         let Some(a) = self.active.get(&id) else {
             return;
         };
-        let key = a.request.cache_key.clone();
+        let key = a.request.cache_key.map(CacheKey::Conversation);
         let reusable = key
-            .as_deref()
+            .as_ref()
             .filter(|k| !self.busy(k))
             .and_then(|k| self.caches.get(k).map(|s| s.seq));
         let (seq, keyed) = match (reusable, key) {
@@ -358,8 +362,7 @@ impl ModelWorker {
                 if let Some(slot) = a
                     .request
                     .cache_key
-                    .as_deref()
-                    .and_then(|k| self.caches.get_mut(k))
+                    .and_then(|k| self.caches.get_mut(&CacheKey::Conversation(k)))
                 {
                     slot.last_used = now;
                 }
@@ -384,10 +387,10 @@ impl ModelWorker {
             generation_ms: a.first_token.map_or(0.0, |f| ms(now.duration_since(f))),
         };
         let _ = a.request.events.send(GenEvent::Finished(summary));
-        if let Some(key) = a.request.cache_key.filter(|_| a.keyed) {
-            if let Some(pos) = self.doomed.iter().position(|k| *k == key) {
+        if let Some(conversation) = a.request.cache_key.filter(|_| a.keyed) {
+            if let Some(pos) = self.doomed.iter().position(|k| *k == conversation) {
                 self.doomed.remove(pos);
-                self.evict_key(&key);
+                self.evict_key(&CacheKey::Conversation(conversation));
             }
         }
     }
@@ -439,12 +442,12 @@ impl ModelWorker {
         a.last_token = None;
         a.pending_prompt.clear();
         a.seq = None;
-        let key = a.request.cache_key.clone().filter(|_| a.keyed);
+        let key = a.request.cache_key.filter(|_| a.keyed);
         a.keyed = false;
         let remaining = tokens.len();
         a.resume = Some(tokens);
         if let Some(k) = key {
-            self.caches.remove(&k);
+            self.caches.remove(&CacheKey::Conversation(k));
         }
         self.engine.free_sequence(seq);
         tracing::debug!(
@@ -730,6 +733,11 @@ impl ModelWorker {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A conversation id for the tests (a fixed one per number).
+    fn conversation(n: u128) -> Option<Uuid> {
+        Some(Uuid::from_u128(n))
+    }
     use crate::engine::gguf::GgufSource;
     use crate::engine::sampling::SamplingParams;
     use crate::engine::synthetic::{self, SyntheticSpec};
@@ -770,7 +778,7 @@ mod tests {
     fn run(
         w: &mut ModelWorker,
         id: RequestId,
-        key: Option<&str>,
+        key: Option<Uuid>,
         prompt: Vec<u32>,
     ) -> Vec<GenEvent> {
         run_salted(w, id, key, None, prompt)
@@ -779,7 +787,7 @@ mod tests {
     fn run_salted(
         w: &mut ModelWorker,
         id: RequestId,
-        key: Option<&str>,
+        key: Option<Uuid>,
         salt: Option<&str>,
         prompt: Vec<u32>,
     ) -> Vec<GenEvent> {
@@ -793,7 +801,7 @@ mod tests {
             id,
             Active {
                 request: GenerationRequest {
-                    cache_key: key.map(str::to_string),
+                    cache_key: key,
                     user: None,
                     group: None,
                     cache_salt: salt.map(str::to_string),
@@ -860,14 +868,14 @@ mod tests {
         assert_eq!(cached(&run(&mut w, 2, None, longer)), 20);
 
         // A conversation's cache survives between its turns.
-        assert_eq!(cached(&run(&mut w, 3, Some("conv"), prompt.clone())), 0);
+        assert_eq!(cached(&run(&mut w, 3, conversation(1), prompt.clone())), 0);
         let mut turn2 = prompt.clone();
         turn2.extend(300..304);
-        assert_eq!(cached(&run(&mut w, 4, Some("conv"), turn2)), 20);
+        assert_eq!(cached(&run(&mut w, 4, conversation(1), turn2)), 20);
 
         // Evicting it forces a full prefill.
-        assert!(w.forget_key("conv"));
-        assert_eq!(cached(&run(&mut w, 5, Some("conv"), prompt)), 0);
+        assert!(w.forget_conversation(Uuid::from_u128(1)));
+        assert_eq!(cached(&run(&mut w, 5, conversation(1), prompt)), 0);
     }
 
     #[test]
@@ -906,21 +914,21 @@ mod tests {
         assert_eq!(w.engine.kv_capacity_blocks(), 3);
         let prompt_a: Vec<u32> = (100..120).collect(); // 20 + 3 generated: 2 blocks
         let prompt_b: Vec<u32> = (200..220).collect();
-        let a = run(&mut w, 1, Some("a"), prompt_a.clone());
+        let a = run(&mut w, 1, conversation(2), prompt_a.clone());
         assert!(matches!(a.last(), Some(GenEvent::Finished(s)) if s.reason == StopReason::Length));
         assert_eq!(w.engine.kv_free_blocks(), 1);
-        let b = run(&mut w, 2, Some("b"), prompt_b.clone());
+        let b = run(&mut w, 2, conversation(3), prompt_b.clone());
         assert!(matches!(b.last(), Some(GenEvent::Finished(s)) if s.reason == StopReason::Length));
         assert_eq!(w.evictions, 1, "a's idle cache made room for b");
-        assert!(!w.caches.contains_key("a"));
+        assert!(!w.caches.contains_key(&CacheKey::Conversation(Uuid::from_u128(2))));
         // b's cache survived and is reused.
         let mut b2 = prompt_b.clone();
         b2.extend(300..304);
-        assert_eq!(cached(&run(&mut w, 3, Some("b"), b2)), 20);
+        assert_eq!(cached(&run(&mut w, 3, conversation(3), b2)), 20);
 
         // 60 prompt tokens need 4 blocks: more than the whole budget.
         let huge: Vec<u32> = (0..60).collect();
-        let events = run(&mut w, 4, Some("huge"), huge);
+        let events = run(&mut w, 4, conversation(4), huge);
         match events.last() {
             Some(GenEvent::Finished(s)) => match &s.reason {
                 StopReason::Error(msg) => {
@@ -932,7 +940,7 @@ mod tests {
         }
         assert!(w.active.is_empty());
         // The worker still serves.
-        let again = run(&mut w, 5, Some("a"), prompt_a);
+        let again = run(&mut w, 5, conversation(2), prompt_a);
         assert!(matches!(again.last(), Some(GenEvent::Finished(s)) if s.completion_tokens == 3));
     }
 

@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 
 use actix::prelude::*;
 use tokio::sync::oneshot;
+use uuid::Uuid;
 
 use super::batcher::{Batcher, BatcherConfig, CancelOutcome};
 use super::model::{CacheEntryInfo, ModelWorker, StepReport, WorkerCommand};
@@ -151,7 +152,7 @@ impl Handler<Submit> for SchedulerActor {
         let id = self.batcher.submit_grouped(
             request.user.clone(),
             request.group.clone(),
-            request.cache_key.clone(),
+            request.cache_key,
             request.prompt.len(),
             timeout.map(|t| submitted + t),
         )?;
@@ -270,20 +271,20 @@ impl Handler<ModelAlive> for SchedulerActor {
 /// The live state of each given cache key (conversation).
 #[derive(Message)]
 #[rtype(result = "Vec<SequenceState>")]
-pub struct StatesOf(pub Vec<String>);
+pub struct StatesOf(pub Vec<Uuid>);
 
 impl Handler<StatesOf> for SchedulerActor {
     type Result = MessageResult<StatesOf>;
 
     fn handle(&mut self, msg: StatesOf, _: &mut Context<Self>) -> Self::Result {
-        MessageResult(msg.0.iter().map(|k| self.batcher.state_of(k)).collect())
+        MessageResult(msg.0.iter().map(|&k| self.batcher.state_of(k)).collect())
     }
 }
 
 /// Drop an idle conversation's KV cache. Resolves to whether one was dropped.
 #[derive(Message)]
 #[rtype(result = "bool")]
-pub struct Evict(pub String);
+pub struct Evict(pub Uuid);
 
 impl Handler<Evict> for SchedulerActor {
     type Result = ResponseFuture<bool>;
@@ -291,7 +292,7 @@ impl Handler<Evict> for SchedulerActor {
     fn handle(&mut self, msg: Evict, _: &mut Context<Self>) -> Self::Result {
         let (done, rx) = oneshot::channel();
         let sent = self.worker.send(WorkerCommand::Evict {
-            cache_key: msg.0,
+            conversation: msg.0,
             done,
         });
         Box::pin(async move { sent.is_ok() && rx.await.unwrap_or(false) })

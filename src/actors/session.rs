@@ -979,7 +979,7 @@ impl Handler<SendMessage> for SessionActor {
                 .map_err(|e| SessionError::Prompt(format!("the prompt builder failed: {e}")))??
             };
             let request = GenerationRequest {
-                cache_key: Some(id.to_string()),
+                cache_key: Some(id),
                 user: Some(conversation.owner.clone()),
                 group,
                 // Should the conversation's cache be busy, any temporary cache stays with it.

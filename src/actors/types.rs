@@ -4,9 +4,11 @@ use std::time::Duration;
 
 use serde::Serialize;
 use tokio::sync::mpsc;
+use uuid::Uuid;
 
 use crate::engine::generation::FinishReason;
 use crate::engine::sampling::SamplingParams;
+use crate::engine::SeqId;
 
 /// Who is asking, as the layers below the web see it: the owner id their conversations are
 /// stored under (a guest's random id or an account's id), whether they are an admin, whether
@@ -24,12 +26,43 @@ pub struct Caller {
 /// Identifies one generation request inside the scheduler and the model worker.
 pub type RequestId = u64;
 
+/// Which KV cache the model worker keeps a sequence under between requests.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum CacheKey {
+    /// A conversation's cache: kept after each turn for the next one to reuse.
+    Conversation(Uuid),
+    /// A stateless request's cache, kept (a bounded number of them) for later requests of the
+    /// same partition, their `cache_salt`, to reuse; `seq` tells one partition's caches apart.
+    Anonymous { partition: String, seq: SeqId },
+}
+
+impl CacheKey {
+    /// The conversation, for a conversation's cache.
+    pub fn conversation(&self) -> Option<Uuid> {
+        match self {
+            CacheKey::Conversation(id) => Some(*id),
+            CacheKey::Anonymous { .. } => None,
+        }
+    }
+}
+
+impl std::fmt::Display for CacheKey {
+    /// The conversation id, or `anonymous #N` (the partition is a tag of a client's identity
+    /// and is never shown).
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            CacheKey::Conversation(id) => write!(f, "{id}"),
+            CacheKey::Anonymous { seq, .. } => write!(f, "anonymous #{seq}"),
+        }
+    }
+}
+
 /// A request for one reply: the full prompt (the worker reuses whatever prefix of it is cached under
 /// `cache_key`), how to sample, and where to send the tokens.
 pub struct GenerationRequest {
-    /// The KV cache to keep this sequence under between requests (a conversation id). `None` for
-    /// stateless requests, whose cache is dropped when they finish.
-    pub cache_key: Option<String>,
+    /// The conversation whose KV cache this sequence is kept under between requests. `None` for
+    /// stateless requests, whose cache is kept only for reuse within their `cache_salt`.
+    pub cache_key: Option<Uuid>,
     /// Who the work is for (an owner, an account, an API key; opaque), for fair sharing and
     /// per-user limits in the scheduler. `None`: anonymous (tools, tests), no per-user caps.
     pub user: Option<String>,

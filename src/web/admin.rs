@@ -281,14 +281,14 @@ async fn live_view(state: &AppState, before: &str) -> Result<LiveView, PageError
     let page = page_request(Some(ADMIN_PAGE), Some(before))?;
     let listed = p.store.list_all_conversations_page(&page).await?;
     let list = listed.items;
-    let keys: Vec<String> = list.iter().map(|c| c.id.to_string()).collect();
+    let keys: Vec<uuid::Uuid> = list.iter().map(|c| c.id).collect();
     let states = p.scheduler.send(StatesOf(keys)).await?;
-    let caches: HashMap<String, usize> = p
+    let caches: HashMap<uuid::Uuid, usize> = p
         .scheduler
         .send(GetCacheInfo)
         .await?
         .into_iter()
-        .map(|c| (c.cache_key, c.bytes))
+        .filter_map(|c| Some((c.key.conversation()?, c.bytes)))
         .collect();
     let stats = p.scheduler.send(GetStats).await?;
     let owners: Vec<String> = {
@@ -343,7 +343,7 @@ async fn live_view(state: &AppState, before: &str) -> Result<LiveView, PageError
             let key = c.id.to_string();
             AdminRow {
                 kv: caches
-                    .get(&key)
+                    .get(&c.id)
                     .map(|b| mib(*b))
                     .unwrap_or_else(|| "—".into()),
                 replica: holders.get(&c.id).cloned().unwrap_or_else(|| "—".into()),
@@ -645,7 +645,7 @@ pub async fn evict(
 ) -> Result<HttpResponse, PageError> {
     require_admin(&state, &owner, &req).await?;
     let id = parse_id(&path)?;
-    let dropped = state.platform.scheduler.send(Evict(id.to_string())).await?;
+    let dropped = state.platform.scheduler.send(Evict(id)).await?;
     tracing::info!(conversation = %id, dropped, "admin evict");
     Ok(HttpResponse::NoContent().finish())
 }
