@@ -617,17 +617,15 @@ impl ModelWorker {
                 Ok(outputs) => {
                     for ((id, seq, _, _), logits) in work.iter().zip(outputs) {
                         let Some(mut logits) = logits else { continue };
-                        let at_window = self
-                            .engine
-                            .cached_tokens(*seq)
-                            .map_or(true, |t| t.len() + 1 >= window);
+                        // Unknown (it cannot be): as if at the window, so the reply ends.
+                        let cached = self.engine.cached_tokens(*seq).map_or(window, <[u32]>::len);
                         let Some(a) = self.active.get_mut(id) else {
                             continue;
                         };
                         let Some(generation) = a.generation.as_mut() else {
                             continue;
                         };
-                        match generation.next_token(&mut logits) {
+                        match generation.next_token_within(&mut logits, cached, window) {
                             Ok(outcome) => {
                                 a.first_token.get_or_insert_with(Instant::now);
                                 if outcome.finished
@@ -639,12 +637,8 @@ impl ModelWorker {
                                     report.generated_tokens += 1;
                                 }
                                 a.last_token = Some(outcome.token);
-                                let mut text = outcome.text;
-                                let mut finished = outcome.finished.map(StopReason::from);
-                                if finished.is_none() && at_window {
-                                    text.push_str(&generation.finish_early());
-                                    finished = Some(StopReason::Length);
-                                }
+                                let text = outcome.text;
+                                let finished = outcome.finished.map(StopReason::from);
                                 // An end-of-generation token is not output; only text it
                                 // flushed (a held-back character or stop-string prefix) is.
                                 let is_eog = finished == Some(StopReason::EndOfGeneration);
@@ -920,7 +914,9 @@ mod tests {
         let b = run(&mut w, 2, conversation(3), prompt_b.clone());
         assert!(matches!(b.last(), Some(GenEvent::Finished(s)) if s.reason == StopReason::Length));
         assert_eq!(w.evictions, 1, "a's idle cache made room for b");
-        assert!(!w.caches.contains_key(&CacheKey::Conversation(Uuid::from_u128(2))));
+        assert!(!w
+            .caches
+            .contains_key(&CacheKey::Conversation(Uuid::from_u128(2))));
         // b's cache survived and is reused.
         let mut b2 = prompt_b.clone();
         b2.extend(300..304);

@@ -131,16 +131,12 @@ pub fn stream(
     let mut logits = out.into_iter().next().flatten().context("no logits")?;
     let t = Instant::now();
     loop {
-        let outcome = generation.next_token(&mut logits)?;
+        let cached = engine.cached_tokens(seq)?.len();
+        let outcome = generation.next_token_within(&mut logits, cached, window)?;
         if !outcome.text.is_empty() {
             on_text(&outcome.text)?;
         }
         if outcome.finished.is_some() {
-            break;
-        }
-        if engine.cached_tokens(seq)?.len() + 1 >= window {
-            let rest = generation.finish_early();
-            on_text(&rest)?;
             break;
         }
         let out = engine.step(&[SeqStep {

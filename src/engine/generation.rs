@@ -72,6 +72,25 @@ impl Generation {
         Ok(self.accept(token))
     }
 
+    /// One decode step of a sequence holding `cached` positions in a context window of
+    /// `window`: samples like [`Self::next_token`], and when the generation did not stop by
+    /// itself but the sampled token could not be fed back (`cached + 1 >= window`), ends it as
+    /// [`FinishReason::Length`] with any held-back text flushed into the outcome. The one
+    /// decode rule of the model worker and the command line.
+    pub fn next_token_within(
+        &mut self,
+        logits: &mut [f32],
+        cached: usize,
+        window: usize,
+    ) -> Result<TokenOutcome> {
+        let mut outcome = self.next_token(logits)?;
+        if outcome.finished.is_none() && cached + 1 >= window {
+            outcome.text.push_str(&self.finish_early());
+            outcome.finished = Some(FinishReason::Length);
+        }
+        Ok(outcome)
+    }
+
     /// Records a token chosen elsewhere (or sampled by [`Self::next_token`]).
     pub fn accept(&mut self, token: u32) -> TokenOutcome {
         if self.finished.is_some() {
@@ -135,5 +154,55 @@ impl Generation {
     /// Generated tokens (end-of-generation tokens excluded).
     pub fn generated(&self) -> &[u32] {
         &self.generated
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::synthetic::{self, SyntheticSpec};
+
+    fn tokenizer() -> Tokenizer {
+        let spec = SyntheticSpec::tiny("llama").with_placeholder_tokenizer();
+        let src = synthetic::build(&spec).expect("synthetic model");
+        Tokenizer::from_gguf(&src).expect("placeholder tokenizer")
+    }
+
+    /// Logits whose argmax is `id`.
+    fn pointing_at(id: u32, vocab: usize) -> Vec<f32> {
+        let mut l = vec![0.0; vocab];
+        l[id as usize] = 10.0;
+        l
+    }
+
+    #[test]
+    fn the_window_ends_a_reply_as_length_but_never_hides_an_end_of_generation() {
+        let tok = tokenizer();
+        let vocab = 512;
+        let params = SamplingParams {
+            max_new_tokens: 100,
+            ..SamplingParams::greedy()
+        };
+        let mut g = Generation::new(&tok, params.clone(), &[1, 2, 3]).expect("generation");
+        // Room left: an ordinary token goes on.
+        let out = g
+            .next_token_within(&mut pointing_at(70, vocab), 5, 10)
+            .expect("step");
+        assert_eq!((out.token, out.finished), (70, None));
+        // The sampled token could not be fed back: the reply ends as `length`.
+        let out = g
+            .next_token_within(&mut pointing_at(71, vocab), 9, 10)
+            .expect("step");
+        assert_eq!(out.finished, Some(FinishReason::Length));
+        assert_eq!(g.finished(), Some(&FinishReason::Length));
+        assert_eq!(g.generated(), &[70, 71]);
+
+        // At the window, an end-of-generation token still ends the reply as a stop.
+        let eog = *tok.eog_ids().first().expect("an end-of-generation token");
+        let mut g = Generation::new(&tok, params, &[1, 2, 3]).expect("generation");
+        let out = g
+            .next_token_within(&mut pointing_at(eog, vocab), 9, 10)
+            .expect("step");
+        assert_eq!(out.finished, Some(FinishReason::EndOfGeneration));
     }
 }
