@@ -26,6 +26,7 @@ run: setup
 lint:
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --all-targets -- -D warnings
+	python3 scripts/check-layers.py
 
 ## CUDA 13.0 compiler, headers and libraries from PyPI wheels into
 ## $${SMOLCHAT_CUDA_ROOT:-~/.cache/smolchat/cuda13}; does nothing when already installed.
