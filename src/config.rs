@@ -464,6 +464,43 @@ impl Default for SamplingDefaults {
     }
 }
 
+/// The configuration's sections, as `SMOLCHAT_SECTION__KEY` names them.
+const SECTIONS: [&str; 9] = [
+    "MODEL",
+    "SERVER",
+    "DATABASE",
+    "SCHEDULER",
+    "LIMITS",
+    "SESSION",
+    "AUTH",
+    "REPLICA",
+    "SAMPLING",
+];
+
+/// Warns about `SMOLCHAT_SERVER_BIND`-style variables (one underscore where the section ends),
+/// which are not read: the configuration takes `SMOLCHAT_SERVER__BIND`.
+fn warn_about_single_underscore_keys() {
+    for (name, _) in std::env::vars_os() {
+        let Some(name) = name.to_str() else { continue };
+        let Some(rest) = name.strip_prefix("SMOLCHAT_") else {
+            continue;
+        };
+        if rest.contains("__") {
+            continue;
+        }
+        if let Some(section) = SECTIONS.iter().find(|s| {
+            rest.strip_prefix(*s)
+                .is_some_and(|k| k.starts_with('_') && k.len() > 1)
+        }) {
+            let key = &rest[section.len() + 1..];
+            tracing::warn!(
+                "{name} is not read: configuration variables separate the section with two \
+                 underscores (SMOLCHAT_{section}__{key})"
+            );
+        }
+    }
+}
+
 impl Config {
     /// Defaults ← `config/default.toml` (when present) ← `file` ← `SMOLCHAT_…` variables.
     pub fn load(file: Option<&Path>) -> Result<Self, ConfigError> {
@@ -478,10 +515,14 @@ impl Config {
             }
             fig = fig.merge(Toml::file(f));
         }
+        // Only `SMOLCHAT_SECTION__KEY` variables are configuration (every key is in a section);
+        // single names such as `SMOLCHAT_MODEL`, `SMOLCHAT_ISA` or the build's
+        // `SMOLCHAT_CUDA_ROOT` belong to flags and tools, so they never fail a start.
+        warn_about_single_underscore_keys();
         fig = fig.merge(
             Env::prefixed("SMOLCHAT_")
-                .split("__")
-                .ignore(&["log", "threads", "model", "config"]),
+                .filter(|key| key.as_str().contains("__"))
+                .split("__"),
         );
         let cfg: Config = fig
             .extract()

@@ -9,6 +9,7 @@ use actix::Addr;
 
 use crate::actors::batcher::BatcherConfig;
 use crate::actors::cluster::{Cluster, ClusterConfig};
+use crate::actors::completions::Completions;
 use crate::actors::conversations::{Conversations, ConversationsConfig};
 use crate::actors::settings::SettingsLimits;
 use crate::actors::{SchedulerActor, SchedulerConfig, SessionConfig, SessionShared, Sessions};
@@ -63,6 +64,8 @@ pub struct Platform {
     pub cluster: Arc<Cluster>,
     /// The conversation service every interface goes through.
     pub conversations: Arc<Conversations>,
+    /// The completions service: every prompt any interface runs (conversations' turns and `/v1`).
+    pub completions: Completions,
     pub tokenizer: Arc<Tokenizer>,
     pub template: Arc<ChatTemplate>,
     pub model: ModelInfo,
@@ -199,9 +202,11 @@ impl Platform {
                     .then(|| Duration::from_secs(s.request_timeout_s)),
             },
         );
+        let completions = Completions::new(scheduler.clone(), store.clone(), model.context_window);
         let sessions = Sessions::new(SessionShared {
             store: store.clone(),
             scheduler: scheduler.clone(),
+            completions: completions.clone(),
             tokenizer: Arc::clone(&tokenizer),
             template: Arc::clone(&template),
             context_window: model.context_window,
@@ -230,6 +235,7 @@ impl Platform {
             sessions,
             cluster,
             conversations,
+            completions,
             tokenizer,
             template,
             model,

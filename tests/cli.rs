@@ -227,3 +227,61 @@ fn device_errors_are_clear() {
         "{err}"
     );
 }
+
+/// Every command that loads a model reads the configuration `serve` reads: `SMOLCHAT_SECTION__KEY`
+/// variables and `--config` reach `tokenize` and `generate` too, while single names (a flag's
+/// variable, the build's `SMOLCHAT_CUDA_ROOT`) are not configuration and fail nothing; a
+/// one-underscore typo is named in a warning.
+#[test]
+fn model_commands_read_the_configuration_serve_reads() {
+    let model = smollm2_path();
+    let out = smolchat()
+        .args(["tokenize", "hello", "--model"])
+        .arg(&model)
+        .env("SMOLCHAT_CUDA_ROOT", "/nonexistent")
+        .env("SMOLCHAT_API_KEY", "not-a-config-key")
+        .env("SMOLCHAT_SERVER_BIND", "127.0.0.1:1")
+        .output()
+        .expect("run smolchat");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("SMOLCHAT_SERVER_BIND is not read")
+            && stderr.contains("SMOLCHAT_SERVER__BIND"),
+        "{stderr}"
+    );
+
+    let out = smolchat()
+        .args(["generate", "--raw", "--max-tokens", "1", "hi", "--model"])
+        .arg(&model)
+        .env("SMOLCHAT_MODEL__KV_TYPE", "q9")
+        .output()
+        .expect("run smolchat");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success(),
+        "a bad model.kv_type must fail generate too"
+    );
+    assert!(stderr.contains("KV cache type `q9`"), "{stderr}");
+
+    let dir = tempfile::tempdir().expect("tempdir");
+    let config = dir.path().join("smolchat.toml");
+    std::fs::write(
+        &config,
+        "[model]\ntokenizer = \"/nonexistent/tokenizer.json\"\n",
+    )
+    .expect("write");
+    let out = smolchat()
+        .args(["tokenize", "hello", "--config"])
+        .arg(&config)
+        .arg("--model")
+        .arg(&model)
+        .output()
+        .expect("run smolchat");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success(),
+        "the configured tokenizer must be the one used"
+    );
+    assert!(stderr.contains("/nonexistent/tokenizer.json"), "{stderr}");
+}

@@ -4,6 +4,7 @@
 
 pub mod batcher;
 pub mod cluster;
+pub mod completions;
 pub mod conversations;
 pub mod model;
 pub mod scheduler;

@@ -12,13 +12,13 @@ use std::time::{Duration, Instant};
 use actix::prelude::*;
 use serde::Serialize;
 use tokio::sync::mpsc;
-use tokio_stream::wrappers::UnboundedReceiverStream;
 use uuid::Uuid;
 
 use super::cluster::{Cluster, Wire, WireBody};
-use super::scheduler::{Cancel, SchedulerActor, Submit};
+use super::completions::{CacheUse, CompletionRequest, Completions};
+use super::scheduler::{Cancel, SchedulerActor};
 use super::text::not_text;
-use super::types::{GenEvent, GenSummary, GenerationRequest, RequestId, StopReason, SubmitError};
+use super::types::{GenEvent, GenSummary, RequestId, StopReason, SubmitError};
 use crate::engine::prompt::{Prompt, PromptBuilder};
 use crate::engine::sampling::SamplingParams;
 use crate::engine::splitter::{SplitEvent, Splitter, ToolCall};
@@ -56,6 +56,8 @@ const PARTIAL_SAVE_INTERVAL: Duration = Duration::from_secs(1);
 pub struct SessionShared {
     pub store: Store,
     pub scheduler: Addr<SchedulerActor>,
+    /// Where every reply is submitted.
+    pub completions: Completions,
     pub tokenizer: Arc<Tokenizer>,
     pub template: Arc<ChatTemplate>,
     pub context_window: usize,
@@ -934,7 +936,6 @@ impl Handler<SendMessage> for SessionActor {
         self.last_activity = Instant::now();
         let shared = Arc::clone(&self.shared);
         let id = self.id;
-        let (tx, rx) = mpsc::unbounded_channel();
         let work = async move {
             let conversation = shared
                 .store
@@ -978,35 +979,28 @@ impl Handler<SendMessage> for SessionActor {
                 .await
                 .map_err(|e| SessionError::Prompt(format!("the prompt builder failed: {e}")))??
             };
-            let request = GenerationRequest {
-                cache_key: Some(id),
-                user: Some(conversation.owner.clone()),
-                group,
-                // Should the conversation's cache be busy, any temporary cache stays with it.
-                cache_salt: Some(id.to_string()),
+            let request = CompletionRequest {
                 prompt: prepared.prompt.clone(),
                 params: prepared.params.clone(),
-                max_time: None,
-                events: tx,
+                max_tokens: Some(prepared.params.max_new_tokens),
+                cache: CacheUse::Conversation(id),
+                user: Some(conversation.owner.clone()),
+                group,
+                usage_owner: None,
             };
             // Ask the scheduler first: an overloaded server refuses before anything is stored.
-            let request_id = shared
-                .scheduler
-                .send(Submit(request))
-                .await
-                .map_err(|e| SessionError::Submit(SubmitError::Unavailable(e.to_string())))??;
-            let stored = shared.store.insert_exchange(id, &content, replacing).await;
-            match stored {
-                Ok((user, assistant)) => Ok((request_id, user, assistant, prepared)),
-                Err(e) => {
-                    shared.scheduler.do_send(Cancel(request_id));
-                    Err(SessionError::from(e))
-                }
-            }
+            let completion = shared.completions.submit(request).await?;
+            // Should the store refuse the exchange, dropping `completion` cancels the request.
+            let (user, assistant) = shared
+                .store
+                .insert_exchange(id, &content, replacing)
+                .await?;
+            Ok((completion, user, assistant, prepared))
         };
         Box::pin(work.into_actor(self).map(move |result, act, ctx| {
             act.sending = false;
-            let (request_id, user, assistant, prepared) = result?;
+            let (completion, user, assistant, prepared) = result?;
+            let request_id = completion.id();
             act.replay.clear();
             act.remote = None;
             act.reply = Some(RunningReply {
@@ -1023,7 +1017,7 @@ impl Handler<SendMessage> for SessionActor {
                 stop_requested: false,
                 saved_len: 0,
             });
-            ctx.add_stream(UnboundedReceiverStream::new(rx));
+            ctx.add_stream(completion);
             act.broadcast(ReplyEvent::Started {
                 user_message: user.clone(),
                 assistant_message_id: assistant.id,

@@ -38,7 +38,6 @@ use std::sync::OnceLock;
 use std::task::{Context, Poll};
 use std::time::Instant;
 
-use actix::Addr;
 use actix_web::body::MessageBody;
 use actix_web::dev::{ServiceRequest, ServiceResponse};
 use actix_web::http::header;
@@ -47,7 +46,6 @@ use actix_web::web::{self, Bytes};
 use actix_web::{HttpMessage, HttpRequest, HttpResponse};
 use futures_util::Stream;
 use serde_json::{json, Value};
-use tokio::sync::mpsc;
 
 pub use assemble::{Assembler, ChatAssembler, TextAssembler};
 use error::ApiError;
@@ -55,10 +53,8 @@ use request::{Common, Defaults, PromptIn};
 
 use super::json::JsonBody;
 use super::{AppState, WebError};
-use crate::actors::scheduler::{Cancel, Submit};
-use crate::actors::{
-    GenEvent, GenSummary, GenerationRequest, RequestId, SchedulerActor, StopReason,
-};
+use crate::actors::completions::{CacheUse, Completion, CompletionRequest};
+use crate::actors::{GenEvent, GenSummary, RequestId, StopReason};
 use crate::engine::prompt::{Prompt, PromptBuilder};
 use crate::engine::template::{ChatMessage, ChatTemplate, RenderOptions};
 use crate::engine::EngineError;
@@ -440,25 +436,6 @@ async fn completions(
     .await
 }
 
-/// Cancels the request when dropped before it finished (the client went away).
-struct CancelGuard {
-    scheduler: Addr<SchedulerActor>,
-    id: RequestId,
-    finished: bool,
-}
-
-impl Drop for CancelGuard {
-    fn drop(&mut self) {
-        if !self.finished {
-            tracing::debug!(
-                request = self.id,
-                "API client went away; cancelling its request"
-            );
-            self.scheduler.do_send(Cancel(self.id));
-        }
-    }
-}
-
 /// Metadata every response and chunk carries.
 #[derive(Clone)]
 struct Envelope {
@@ -559,38 +536,21 @@ async fn generate<A: Assembler>(
             format!("`{prompt_param}` is empty"),
         ));
     }
-    let window = p.model.context_window;
-    if prompt.len() >= window {
-        return Err(ApiError::context_exceeded(
-            prompt.len(),
-            window,
-            prompt_param,
-        ));
-    }
-    let mut params = common.params;
-    // Without a limit, the reply may fill the context (the scheduler clamps to its own limit).
-    params.max_new_tokens = common.max_tokens.unwrap_or(window - prompt.len());
     let prompt_tokens = prompt.len();
-    let usage_sink = UsageSink {
-        store: p.store.clone(),
-        owner: user.clone(),
-    };
-    let (tx, rx) = mpsc::unbounded_channel();
-    let id = p
-        .scheduler
-        .send(Submit(GenerationRequest {
-            cache_key: None,
-            // Anonymous callers are already their address (see `client_identity`).
-            user: Some(user),
-            group: None,
-            cache_salt: Some(cache_salt),
+    let completion = p
+        .completions
+        .submit(CompletionRequest {
             prompt,
-            params,
-            max_time: None,
-            events: tx,
-        }))
+            params: common.params,
+            // Without a limit, the reply may fill the context (the scheduler clamps to its own).
+            max_tokens: common.max_tokens,
+            cache: CacheUse::Partition(cache_salt),
+            // Anonymous callers are already their address (see `client_identity`).
+            user: Some(user.clone()),
+            group: None,
+            usage_owner: Some(user),
+        })
         .await
-        .map_err(|e| ApiError::unavailable(format!("the scheduler is not available ({e})")))?
         .map_err(|e| match e {
             crate::actors::SubmitError::ContextOverflow {
                 prompt_tokens,
@@ -598,11 +558,7 @@ async fn generate<A: Assembler>(
             } => ApiError::context_exceeded(prompt_tokens, window, prompt_param),
             other => ApiError::from(other),
         })?;
-    let guard = CancelGuard {
-        scheduler: p.scheduler.clone(),
-        id,
-        finished: false,
-    };
+    let id = completion.id();
     let envelope = Envelope::new(
         if A::OBJECT == "text_completion" {
             "cmpl"
@@ -628,15 +584,13 @@ async fn generate<A: Assembler>(
             ));
         }
         let stream = ApiStream {
-            events: rx,
-            guard,
+            completion,
             assembler,
             envelope,
             include_usage: common.include_usage,
             out,
             done: false,
             started: Instant::now(),
-            usage: usage_sink,
         };
         return Ok(HttpResponse::Ok()
             .content_type("text/event-stream")
@@ -646,8 +600,7 @@ async fn generate<A: Assembler>(
             .streaming(stream));
     }
 
-    let (summary, assembler) = collect(rx, guard, assembler).await?;
-    usage_sink.record(&summary);
+    let (summary, assembler) = collect(completion, assembler).await?;
     let mut body = envelope.wrap(A::OBJECT, vec![assembler.choice()]);
     body["usage"] = usage(&summary);
     log_finished(id, &summary);
@@ -656,11 +609,10 @@ async fn generate<A: Assembler>(
 
 /// Reads a request's events to the end (non-streamed responses).
 async fn collect<A: Assembler>(
-    mut rx: mpsc::UnboundedReceiver<GenEvent>,
-    mut guard: CancelGuard,
+    mut completion: Completion,
     mut assembler: A,
 ) -> Result<(GenSummary, A), ApiError> {
-    while let Some(event) = rx.recv().await {
+    while let Some(event) = futures_util::StreamExt::next(&mut completion).await {
         match event {
             GenEvent::Admitted { .. } => {}
             GenEvent::Token { text, .. } => {
@@ -669,7 +621,6 @@ async fn collect<A: Assembler>(
                 }
             }
             GenEvent::Finished(summary) => {
-                guard.finished = true;
                 if let StopReason::Error(e) = &summary.reason {
                     return Err(ApiError::internal(format!("generation failed: {e}")));
                 }
@@ -678,7 +629,6 @@ async fn collect<A: Assembler>(
             }
         }
     }
-    guard.finished = true;
     Err(ApiError::unavailable(
         "the model worker stopped before the reply was finished",
     ))
@@ -710,37 +660,14 @@ const DONE: &[u8] = b"data: [DONE]\n\n";
 
 /// The streamed response: owns the request's receiver and its cancel guard (see module docs).
 struct ApiStream<A: Assembler> {
-    events: mpsc::UnboundedReceiver<GenEvent>,
-    guard: CancelGuard,
+    /// The request: cancelled if the stream is dropped (the client went away) before it ends.
+    completion: Completion,
     assembler: A,
     envelope: Envelope,
     include_usage: bool,
     out: VecDeque<Bytes>,
     done: bool,
     started: Instant,
-    usage: UsageSink,
-}
-
-/// Adds a finished request to its owner's `/v1` usage (`api_usage`).
-struct UsageSink {
-    store: crate::store::Store,
-    owner: String,
-}
-
-impl UsageSink {
-    /// Off the response path: the answer does not wait for the write, and a database that
-    /// cannot take it only loses the statistic.
-    fn record(&self, s: &GenSummary) {
-        let store = self.store.clone();
-        let owner = self.owner.clone();
-        let prompt = i64::try_from(s.prompt_tokens).unwrap_or(i64::MAX);
-        let completion = i64::try_from(s.completion_tokens).unwrap_or(i64::MAX);
-        actix_web::rt::spawn(async move {
-            if let Err(e) = store.add_api_usage(&owner, prompt, completion).await {
-                tracing::warn!("cannot record API usage: {e}");
-            }
-        });
-    }
 }
 
 impl<A: Assembler> ApiStream<A> {
@@ -755,7 +682,6 @@ impl<A: Assembler> ApiStream<A> {
                 self.chunks(choices);
             }
             GenEvent::Finished(summary) => {
-                self.guard.finished = true;
                 if let StopReason::Error(e) = &summary.reason {
                     let err = ApiError::internal(format!("generation failed: {e}"));
                     self.out
@@ -769,10 +695,9 @@ impl<A: Assembler> ApiStream<A> {
                         self.out.push_back(Bytes::from(format!("data: {last}\n\n")));
                     }
                 }
-                log_finished(self.guard.id, &summary);
-                self.usage.record(&summary);
+                log_finished(self.completion.id(), &summary);
                 tracing::debug!(
-                    request = self.guard.id,
+                    request = self.completion.id(),
                     stream_s = self.started.elapsed().as_secs_f64(),
                     "API stream finished"
                 );
@@ -802,11 +727,10 @@ impl<A: Assembler> Stream for ApiStream<A> {
             if this.done {
                 return Poll::Ready(None);
             }
-            match this.events.poll_recv(cx) {
+            match Pin::new(&mut this.completion).poll_next(cx) {
                 Poll::Ready(Some(event)) => this.on_event(event),
                 Poll::Ready(None) => {
                     // The worker dropped the request without a summary (it stopped).
-                    this.guard.finished = true;
                     let err = ApiError::unavailable(
                         "the model worker stopped before the reply was finished",
                     );
