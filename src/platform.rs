@@ -100,7 +100,7 @@ pub fn load_model(
     let loaded = load::load(path, &options, &mut |_, _| {}).map_err(err)?;
     let template = loaded.template.map_err(err)?;
     let engine = loaded.engine;
-    let cfg = &engine.model().config;
+    let cfg = &engine.config();
     let id = path
         .file_stem()
         .map(|s| s.to_string_lossy().into_owned())
@@ -115,7 +115,7 @@ pub fn load_model(
         architecture: cfg.arch.gguf_name().to_string(),
         context_window,
         vocab_size: cfg.vocab_size,
-        weight_bytes: engine.model().weight_bytes(),
+        weight_bytes: engine.weight_bytes(),
         load_s: loaded.load_s,
     };
     tracing::info!(model = %info.id, arch = %info.architecture, window = context_window, load_s = info.load_s, kv_type = %options.kv.kv_type, kv_capacity_tokens = engine.kv_capacity_tokens(), device = %engine.device(), "model loaded");

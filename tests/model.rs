@@ -337,7 +337,7 @@ fn kv_cache_bytes_are_accounted_and_freed() {
             kv,
             64 << 20,
         );
-        let cfg = engine.model().config.clone();
+        let cfg = engine.config().clone();
         // 2 bytes (K and V) × layers × KV heads × bytes per row of head_dim values.
         let row = match kv {
             KvType::F32 => cfg.head_dim * 4,

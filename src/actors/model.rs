@@ -112,7 +112,7 @@ impl ModelWorker {
         kv_budget_bytes: usize,
         context_window: usize,
     ) -> Self {
-        let context_window = context_window.min(engine.model().config.context_length);
+        let context_window = context_window.min(engine.config().context_length);
         Self {
             context_window,
             doomed: Vec::new(),

@@ -77,7 +77,7 @@ pub fn run(args: &BenchArgs, globals: &super::Globals) -> Result<()> {
         }
     };
     let load_s = load_start.elapsed().as_secs_f64();
-    let cfg = engine.model().config.clone();
+    let cfg = engine.config().clone();
     anyhow::ensure!(
         args.prompt_tokens + args.gen_tokens <= cfg.context_length,
         "--prompt-tokens + --gen-tokens exceed the model's context of {}",
@@ -127,7 +127,7 @@ pub fn run(args: &BenchArgs, globals: &super::Globals) -> Result<()> {
         "threads": rayon::current_num_threads(),
         "isa": crate::engine::quant::Isa::best().name(),
         "device": engine.device().to_string(),
-        "weight_bytes": engine.model().weight_bytes(),
+        "weight_bytes": engine.weight_bytes(),
         "kv": {
             "type": engine.kv_type().name(),
             "bytes_per_token": engine.kv_bytes_per_token(),

@@ -47,7 +47,7 @@ pub fn run(args: &ChatArgs, globals: &super::Globals) -> Result<()> {
     let mut stdout = std::io::stdout();
     eprintln!(
         "smolchat chat: {} — /think, /no_think, /reset, /exit",
-        loaded.engine.model().config.name
+        loaded.engine.config().name
     );
     let stdin = std::io::stdin();
     let mut lines = stdin.lock().lines();

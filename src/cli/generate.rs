@@ -114,7 +114,7 @@ pub fn stream(
     mut generation: Generation,
     on_text: &mut dyn FnMut(&str) -> Result<()>,
 ) -> Result<Streamed> {
-    let window = engine.model().config.context_length;
+    let window = engine.config().context_length;
     anyhow::ensure!(
         prompt.len() < window,
         "the prompt has {} tokens but the context window is {window}",

@@ -25,7 +25,7 @@ pub fn run(args: &LogitsArgs, globals: &super::Globals) -> Result<()> {
     let tokens = super::parse_ids(&args.tokens)?;
     anyhow::ensure!(!tokens.is_empty(), "--tokens is empty: give ids like 1,2,3");
     let mut engine = args.model.load(args.device, globals)?.engine;
-    let vocab = engine.model().config.vocab_size;
+    let vocab = engine.config().vocab_size;
     let seq = engine.create_sequence();
     let out = engine.step(&[SeqStep {
         seq,

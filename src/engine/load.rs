@@ -6,12 +6,13 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use super::attention::DecodePrefetch;
+use super::backend::{Backend, CpuBackend};
 use super::device::{self, Device, DeviceRequest};
 use super::gguf::GgufSource;
 use super::quant::Isa;
 use super::template::ChatTemplate;
 use super::tokenizer::Tokenizer;
-use super::{Engine, EngineError, KvOptions, Model, Result};
+use super::{Engine, EngineError, KvOptions, KvType, Model, Result};
 
 /// YaRN context extension (SmolLM3: a factor of 2 extends its 64k training context to 128k).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -98,13 +99,25 @@ fn load_on(
     if let Some(yarn) = options.yarn {
         model.apply_yarn(yarn.factor, yarn.original_context);
     }
-    let engine = Engine::with_kv(model, options.kv)?.on_device(device);
+    let engine = Engine::on_backend(backend_for(device, model, options.kv.kv_type)?, options.kv)?;
     Ok(LoadedModel {
         engine,
         tokenizer,
         template,
         load_s: start.elapsed().as_secs_f64(),
     })
+}
+
+/// The backend that computes on `device`: where a new backend plugs in.
+fn backend_for(device: Device, model: Model, kv_type: KvType) -> Result<Box<dyn Backend>> {
+    match device {
+        Device::Cpu => Ok(Box::new(CpuBackend::new(model, kv_type)?)),
+        // `device::select` hands out only devices with a backend; this is its other half.
+        Device::Cuda(n) => Err(EngineError::Device(
+            device.to_string(),
+            format!("this build has no CUDA engine backend yet (GPU {n} was chosen)"),
+        )),
+    }
 }
 
 impl CpuOptions {
@@ -151,8 +164,8 @@ mod tests {
         assert!(scaled.engine.kv_capacity_blocks() * scaled.engine.kv_block_bytes() <= 1 << 20);
         assert_eq!(scaled.engine.device(), Device::Cpu);
         assert_eq!(
-            scaled.engine.model().config.context_length,
-            2 * plain.engine.model().config.context_length,
+            scaled.engine.config().context_length,
+            2 * plain.engine.config().context_length,
             "YaRN with factor 2 doubles the context window"
         );
     }

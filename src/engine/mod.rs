@@ -31,6 +31,7 @@ pub mod error;
 pub use error::{EngineError, Result};
 pub(crate) mod aligned;
 pub mod attention;
+pub mod backend;
 pub mod config;
 pub mod device;
 pub mod gguf;
@@ -40,6 +41,7 @@ pub mod model;
 pub mod quant;
 pub mod step;
 
+pub use backend::{Backend, CpuBackend};
 pub use config::{Architecture, ModelConfig};
 pub use kv::{KvOptions, KvType};
 pub use load::{CpuOptions, LoadOptions, LoadedModel, Yarn};

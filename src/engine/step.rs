@@ -3,11 +3,11 @@
 
 use std::collections::HashMap;
 
+use super::backend::{Backend, CpuBackend};
+use super::config::ModelConfig;
 use super::device::Device;
 use super::error::{EngineError, Result};
-use super::kv::{
-    BlockAllocator, BlockTable, CpuKvStorage, KvLayout, KvOptions, KvType, BLOCK_POSITIONS,
-};
+use super::kv::{BlockAllocator, BlockTable, KvOptions, KvType, BLOCK_POSITIONS};
 use super::model::{BatchItem, LogitsMode, Model};
 
 pub type SeqId = u64;
@@ -39,68 +39,72 @@ struct Sequence {
 }
 
 pub struct Engine {
-    model: Model,
+    /// The weights, the KV pages and the forward pass (the only hardware-specific part).
+    backend: Box<dyn Backend>,
     /// Which block ids are free and which sequence holds the others (backend-neutral).
     alloc: BlockAllocator,
-    /// Where the blocks' pages live.
-    storage: CpuKvStorage,
     seqs: HashMap<SeqId, Sequence>,
     next_id: SeqId,
     stats: EngineStats,
-    /// Where the user asked the model to compute (chosen by [`super::device::select`]).
-    device: Device,
 }
 
 impl Engine {
-    /// An engine with the default KV cache: f16 within 2 GiB (f16 stores any head dimension).
+    /// A CPU engine with the default KV cache: f16 within 2 GiB (f16 stores any head
+    /// dimension).
     pub fn new(model: Model) -> Self {
-        Self::build(model, KvOptions::default())
+        Self::build(
+            Box::new(CpuBackend::f16(model)),
+            KvOptions::default().budget_bytes,
+        )
     }
 
-    /// An engine whose KV cache is stored as `options.kv_type` within `options.budget_bytes`.
-    /// Errors when the type cannot store this model's rows or the budget holds no block.
+    /// A CPU engine whose KV cache is stored as `options.kv_type` within
+    /// `options.budget_bytes`. Errors when the type cannot store this model's rows or the
+    /// budget holds no block.
     pub fn with_kv(model: Model, options: KvOptions) -> Result<Self> {
-        let layout = KvLayout::new(&model.config, options.kv_type);
-        layout.check().map_err(EngineError::KvConfig)?;
-        if options.budget_bytes < layout.bytes_per_block() {
+        Self::on_backend(Box::new(CpuBackend::new(model, options.kv_type)?), options)
+    }
+
+    /// An engine over any backend, its KV cache within `options.budget_bytes` (the backend
+    /// already stores rows as `options.kv_type`). Errors when the budget holds no block.
+    pub fn on_backend(backend: Box<dyn Backend>, options: KvOptions) -> Result<Self> {
+        let block = backend.kv_block_bytes();
+        if options.budget_bytes < block {
             return Err(EngineError::KvConfig(format!(
                 "a budget of {} bytes holds no block: one block of {} positions takes {} bytes with {}",
                 options.budget_bytes,
                 BLOCK_POSITIONS,
-                layout.bytes_per_block(),
-                options.kv_type
+                block,
+                backend.kv_type()
             )));
         }
-        Ok(Self::build(model, options))
+        Ok(Self::build(backend, options.budget_bytes))
     }
 
-    fn build(model: Model, options: KvOptions) -> Self {
-        let layout = KvLayout::new(&model.config, options.kv_type);
+    fn build(backend: Box<dyn Backend>, budget_bytes: usize) -> Self {
         Self {
-            alloc: BlockAllocator::with_budget(options.budget_bytes, layout.bytes_per_block()),
-            storage: CpuKvStorage::new(layout),
-            model,
+            // The backend's page layout decides the block's bytes; the allocator only counts.
+            alloc: BlockAllocator::with_budget(budget_bytes, backend.kv_block_bytes()),
+            backend,
             seqs: HashMap::new(),
             next_id: 1,
             stats: EngineStats::default(),
-            device: Device::Cpu,
         }
-    }
-
-    /// The engine recorded as computing on `device`. Only devices the engine has a backend for
-    /// come out of [`super::device::select`], so today this is always the CPU.
-    pub fn on_device(mut self, device: Device) -> Self {
-        self.device = device;
-        self
     }
 
     /// Where this engine computes.
     pub fn device(&self) -> Device {
-        self.device
+        self.backend.device()
     }
 
-    pub fn model(&self) -> &Model {
-        &self.model
+    /// The model's shapes and limits.
+    pub fn config(&self) -> &ModelConfig {
+        self.backend.config()
+    }
+
+    /// Bytes of weights held.
+    pub fn weight_bytes(&self) -> usize {
+        self.backend.weight_bytes()
     }
 
     pub fn stats(&self) -> EngineStats {
@@ -109,12 +113,12 @@ impl Engine {
 
     /// How K/V are stored.
     pub fn kv_type(&self) -> KvType {
-        self.storage.layout().kv_type
+        self.backend.kv_type()
     }
 
     /// Bytes of K/V per cached position.
     pub fn kv_bytes_per_token(&self) -> usize {
-        self.storage.layout().bytes_per_position()
+        self.backend.kv_bytes_per_position()
     }
 
     /// Bytes per block of [`BLOCK_POSITIONS`] positions.
@@ -140,7 +144,7 @@ impl Engine {
     /// Bytes of pages allocated in memory (the peak of blocks in use; freed blocks keep their
     /// pages for reuse). Never more than the budget.
     pub fn kv_resident_bytes(&self) -> usize {
-        self.storage.resident_bytes()
+        self.backend.kv_resident_bytes()
     }
 
     /// More blocks `seq` needs to take `extra` more tokens.
@@ -265,7 +269,7 @@ impl Engine {
                     logits: s.logits,
                 })
                 .collect();
-            self.model.validate_request(&items)?;
+            self.backend.validate(&items)?;
         }
         let needed: usize = steps
             .iter()
@@ -287,7 +291,7 @@ impl Engine {
                 self.alloc.grow(&mut q.table, p + s.tokens.len())?;
             }
         }
-        self.storage.ensure(self.alloc.high_water());
+        self.backend.reserve_blocks(self.alloc.high_water());
 
         let result = {
             let items: Vec<BatchItem<'_>> = steps
@@ -302,17 +306,7 @@ impl Engine {
                     })
                 })
                 .collect();
-            // Run the pass on a worker of the compute pool: parallel regions started from inside
-            // the pool are much cheaper than ones injected from an outside thread.
-            let model = &self.model;
-            let storage = &mut self.storage;
-            let mut result = None;
-            rayon::scope(|_| result = Some(model.forward(storage, &items)));
-            result.unwrap_or_else(|| {
-                Err(EngineError::InvalidStep(
-                    "the compute pool did not run the step".into(),
-                ))
-            })
+            self.backend.forward(&items)
         };
         for (s, &p) in steps.iter().zip(&past) {
             if let Some(q) = self.seqs.get_mut(&s.seq) {
