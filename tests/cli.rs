@@ -179,6 +179,28 @@ fn bench_command_reports_json() {
     assert_eq!(v["batched_decode"]["sequences"], 2);
 }
 
+/// `bench --synthetic` builds its model (on the compute pool) and loads it through the same
+/// loader; `tiny` is the small shape for this smoke test.
+#[test]
+fn bench_measures_a_synthetic_model() {
+    let stdout = run_ok(smolchat().args([
+        "bench",
+        "--synthetic",
+        "tiny",
+        "--prompt-tokens",
+        "8",
+        "--gen-tokens",
+        "4",
+        "--batch",
+        "2",
+    ]));
+    let v: serde_json::Value = serde_json::from_str(&stdout).expect("json");
+    assert_eq!(v["model"], "synthetic:tiny");
+    assert_eq!(v["architecture"], "smollm3");
+    assert_eq!(v["threads"], 2);
+    assert!(v["decode"]["tokens_per_s"].as_f64().expect("decode") > 0.0);
+}
+
 /// `--device` and `model.device` go through one parser; a device this build cannot compute on is
 /// refused at start-up with the reason, never silently replaced by the CPU.
 #[test]

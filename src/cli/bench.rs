@@ -9,7 +9,7 @@ use clap::Args;
 use serde_json::json;
 
 use crate::engine::load;
-use crate::engine::synthetic::{self, SyntheticSpec};
+use crate::engine::synthetic::{self, SyntheticSpec, TypeMix};
 use crate::engine::{Engine, LogitsMode, SeqStep};
 
 #[derive(Args, Debug)]
@@ -44,6 +44,8 @@ pub fn run(args: &BenchArgs, globals: &super::Globals) -> Result<()> {
     anyhow::ensure!(args.gen_tokens > 0, "--gen-tokens must be at least 1");
     anyhow::ensure!(args.batch > 0, "--batch must be at least 1");
     let config = args.model.config(args.device, globals)?;
+    // Before anything computes (building a synthetic model runs on the pool too).
+    super::init_threads(config.model.threads)?;
     let options = config.load_options();
     let load_start = Instant::now();
     let (mut engine, model_name) = match &args.synthetic {
@@ -54,7 +56,11 @@ pub fn run(args: &BenchArgs, globals: &super::Globals) -> Result<()> {
             );
             let spec = match name.as_str() {
                 "smollm3-3b" => SyntheticSpec::smollm3_3b(),
-                other => anyhow::bail!("unknown --synthetic shape `{other}`; known: smollm3-3b"),
+                // The smallest shape with a NoPE layer, in a llama.cpp type mix: a smoke test.
+                "tiny" => SyntheticSpec::tiny("smollm3").with_type_mix(TypeMix::Q4KM),
+                other => {
+                    anyhow::bail!("unknown --synthetic shape `{other}`; known: smollm3-3b, tiny")
+                }
             };
             // A placeholder vocabulary, so the file loads like any other (and llama.cpp can
             // load the saved copy); the text it would produce is meaningless.
@@ -65,13 +71,11 @@ pub fn run(args: &BenchArgs, globals: &super::Globals) -> Result<()> {
                 return Ok(());
             }
             let src = synthetic::build(&spec)?;
-            super::init_threads(config.model.threads)?;
             let loaded = super::with_progress(|p| Ok(load::load_source(src, &options, p)?))?;
             (loaded.engine, format!("synthetic:{name}"))
         }
         None => {
             let path = super::ModelArgs::path(&config)?;
-            super::init_threads(config.model.threads)?;
             let loaded = super::with_progress(|p| Ok(load::load(&path, &options, p)?))?;
             (loaded.engine, path.display().to_string())
         }
