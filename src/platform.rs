@@ -3,7 +3,7 @@
 
 use std::path::Path;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use actix::Addr;
 
@@ -11,6 +11,7 @@ use crate::actors::batcher::BatcherConfig;
 use crate::actors::cluster::{Cluster, ClusterConfig};
 use crate::actors::completions::Completions;
 use crate::actors::conversations::{Conversations, ConversationsConfig};
+use crate::actors::session::{GetInfo, Shutdown, Stop};
 use crate::actors::settings::SettingsLimits;
 use crate::actors::{SchedulerActor, SchedulerConfig, SessionConfig, SessionShared, Sessions};
 use crate::config::Config;
@@ -242,6 +243,49 @@ impl Platform {
         })
     }
 }
+
+impl Platform {
+    /// Shutdown draining: stops every running reply, waits (bounded) until each is stored,
+    /// then ends the sessions.
+    pub async fn drain(&self) {
+        let sessions = self.sessions.all();
+        let mut stopped = 0;
+        for (_, session) in &sessions {
+            if session.send(Stop).await.unwrap_or(false) {
+                stopped += 1;
+            }
+        }
+        if stopped > 0 {
+            tracing::info!(replies = stopped, "stopping running replies");
+        }
+        let deadline = Instant::now() + DRAIN_REPLIES;
+        loop {
+            let mut busy = 0;
+            for (_, session) in &sessions {
+                if session.send(GetInfo).await.is_ok_and(|i| i.replying) {
+                    busy += 1;
+                }
+            }
+            if busy == 0 {
+                break;
+            }
+            if Instant::now() >= deadline {
+                tracing::warn!(
+                    replies = busy,
+                    "replies still running at shutdown; they will read as interrupted"
+                );
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        for (_, session) in &sessions {
+            let _ = session.send(Shutdown).await;
+        }
+    }
+}
+
+/// How long shutdown waits for stopped replies to be stored.
+const DRAIN_REPLIES: Duration = Duration::from_secs(5);
 
 /// The conversation service's settings: `[limits]`, and `[sampling]` for new conversations.
 pub fn conversations_config(config: &Config) -> ConversationsConfig {

@@ -32,7 +32,7 @@ use super::api::parse_id;
 use super::client::Client;
 use super::error::WebError;
 use super::owner::Owner;
-use super::{AppState, StreamCounter, StreamSlot};
+use super::AppState;
 use crate::actors::session::{ReplyEvent, Subscription, SubscriptionGuard};
 
 /// Comment lines sent while nothing happens, so proxies keep the connection and dead clients are
@@ -162,6 +162,132 @@ fn to_sse(event: &ReplyEvent) -> sse::Event {
                 "message": format!("an event could not be encoded: {e}"),
             });
             sse::Data::new(body.to_string()).event("error").into()
+        }
+    }
+}
+
+/// Counts open event streams per conversation, per owner and in all, against
+/// `limits.max_streams*`.
+#[derive(Default)]
+pub struct StreamCounter {
+    open: std::sync::Mutex<OpenStreams>,
+}
+
+#[derive(Default)]
+struct OpenStreams {
+    total: usize,
+    per_conversation: std::collections::HashMap<uuid::Uuid, usize>,
+    per_owner: std::collections::HashMap<String, usize>,
+    /// By client address (IPv6 per /64): guests mint owners for free, so the per-owner cap
+    /// alone would not bound one address.
+    per_address: std::collections::HashMap<crate::auth::ThrottleKey, usize>,
+}
+
+/// One open event stream; gives its place back when dropped (the client went away).
+pub struct StreamSlot {
+    state: web::Data<AppState>,
+    conversation: uuid::Uuid,
+    owner: String,
+    address: crate::auth::ThrottleKey,
+}
+
+/// Takes one from `map[key]`, forgetting keys that reach 0.
+fn release<K: std::hash::Hash + Eq>(map: &mut std::collections::HashMap<K, usize>, key: &K) {
+    if let Some(n) = map.get_mut(key) {
+        *n = n.saturating_sub(1);
+        if *n == 0 {
+            map.remove(key);
+        }
+    }
+}
+
+impl StreamCounter {
+    /// Open event streams in all.
+    pub fn total(&self) -> usize {
+        self.open.lock().unwrap_or_else(|p| p.into_inner()).total
+    }
+
+    /// Takes a place for `owner`'s stream on `conversation` from `address`, or says which limit
+    /// is reached.
+    pub fn open(
+        state: &web::Data<AppState>,
+        conversation: uuid::Uuid,
+        owner: &str,
+        address: std::net::IpAddr,
+    ) -> Result<StreamSlot, WebError> {
+        let address = crate::auth::ThrottleKey::address(address);
+        let limits = &state.platform.config.limits;
+        let mut open = state
+            .streams
+            .open
+            .lock()
+            .map_err(|_| WebError::Internal("the stream counter is poisoned".into()))?;
+        let here = open
+            .per_conversation
+            .get(&conversation)
+            .copied()
+            .unwrap_or(0);
+        if here >= limits.max_streams_per_conversation {
+            return Err(WebError::TooManyRequests {
+                message: format!(
+                    "this conversation already has {here} open event streams (the limit is {}); \
+                     close a tab or retry later",
+                    limits.max_streams_per_conversation
+                ),
+                retry_after_s: 5,
+            });
+        }
+        let mine = open.per_owner.get(owner).copied().unwrap_or(0);
+        if mine >= limits.max_streams_per_user {
+            return Err(WebError::TooManyRequests {
+                message: format!(
+                    "you already have {mine} open event streams (the limit per user is {}); \
+                     close some tabs or retry later",
+                    limits.max_streams_per_user
+                ),
+                retry_after_s: 5,
+            });
+        }
+        let from_here = open.per_address.get(&address).copied().unwrap_or(0);
+        if from_here >= limits.max_streams_per_address {
+            return Err(WebError::TooManyRequests {
+                message: format!(
+                    "your address already has {from_here} open event streams (the limit per \
+                     address is {}); close some tabs or retry later",
+                    limits.max_streams_per_address
+                ),
+                retry_after_s: 5,
+            });
+        }
+        if open.total >= limits.max_streams {
+            return Err(WebError::Overloaded {
+                message: format!(
+                    "the server has {} open event streams, its limit; retry later",
+                    open.total
+                ),
+                retry_after_s: 5,
+            });
+        }
+        open.total += 1;
+        *open.per_conversation.entry(conversation).or_insert(0) += 1;
+        *open.per_owner.entry(owner.to_string()).or_insert(0) += 1;
+        *open.per_address.entry(address.clone()).or_insert(0) += 1;
+        Ok(StreamSlot {
+            state: state.clone(),
+            conversation,
+            owner: owner.to_string(),
+            address,
+        })
+    }
+}
+
+impl Drop for StreamSlot {
+    fn drop(&mut self) {
+        if let Ok(mut open) = self.state.streams.open.lock() {
+            open.total = open.total.saturating_sub(1);
+            release(&mut open.per_conversation, &self.conversation);
+            release(&mut open.per_owner, &self.owner);
+            release(&mut open.per_address, &self.address);
         }
     }
 }

@@ -30,6 +30,8 @@ pub mod cookies;
 pub mod csrf;
 pub mod error;
 pub mod events;
+
+pub use events::{StreamCounter, StreamSlot};
 pub mod forward;
 pub mod html;
 pub mod json;
@@ -41,151 +43,22 @@ pub mod pages;
 
 use std::io;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use actix_web::cookie::Key;
 use actix_web::middleware::from_fn;
 use actix_web::{web, App, HttpRequest, HttpResponse, HttpServer};
 use metrics_exporter_prometheus::PrometheusHandle;
 
-use crate::actors::session::{GetInfo, Shutdown, Stop};
 use crate::auth::{Accounts, AccountsConfig, AdminAuth, ThrottlePolicy};
 use crate::platform::Platform;
 pub use error::WebError;
 use json::BodyLimit;
 
-/// How long a graceful shutdown waits for running replies to stop and be stored.
-const DRAIN_REPLIES: Duration = Duration::from_secs(5);
 /// How often expired sessions are deleted.
 const SESSION_PURGE_INTERVAL: Duration = Duration::from_secs(3600);
 /// How long a graceful shutdown waits for open connections after the replies are stored.
 const SHUTDOWN_TIMEOUT_S: u64 = 3;
-
-/// Counts open event streams per conversation, per owner and in all, against
-/// `limits.max_streams*`.
-#[derive(Default)]
-pub struct StreamCounter {
-    open: std::sync::Mutex<OpenStreams>,
-}
-
-#[derive(Default)]
-struct OpenStreams {
-    total: usize,
-    per_conversation: std::collections::HashMap<uuid::Uuid, usize>,
-    per_owner: std::collections::HashMap<String, usize>,
-    /// By client address (IPv6 per /64): guests mint owners for free, so the per-owner cap
-    /// alone would not bound one address.
-    per_address: std::collections::HashMap<crate::auth::ThrottleKey, usize>,
-}
-
-/// One open event stream; gives its place back when dropped (the client went away).
-pub struct StreamSlot {
-    state: web::Data<AppState>,
-    conversation: uuid::Uuid,
-    owner: String,
-    address: crate::auth::ThrottleKey,
-}
-
-/// Takes one from `map[key]`, forgetting keys that reach 0.
-fn release<K: std::hash::Hash + Eq>(map: &mut std::collections::HashMap<K, usize>, key: &K) {
-    if let Some(n) = map.get_mut(key) {
-        *n = n.saturating_sub(1);
-        if *n == 0 {
-            map.remove(key);
-        }
-    }
-}
-
-impl StreamCounter {
-    /// Open event streams in all.
-    pub fn total(&self) -> usize {
-        self.open.lock().unwrap_or_else(|p| p.into_inner()).total
-    }
-
-    /// Takes a place for `owner`'s stream on `conversation` from `address`, or says which limit
-    /// is reached.
-    pub fn open(
-        state: &web::Data<AppState>,
-        conversation: uuid::Uuid,
-        owner: &str,
-        address: std::net::IpAddr,
-    ) -> Result<StreamSlot, WebError> {
-        let address = crate::auth::ThrottleKey::address(address);
-        let limits = &state.platform.config.limits;
-        let mut open = state
-            .streams
-            .open
-            .lock()
-            .map_err(|_| WebError::Internal("the stream counter is poisoned".into()))?;
-        let here = open
-            .per_conversation
-            .get(&conversation)
-            .copied()
-            .unwrap_or(0);
-        if here >= limits.max_streams_per_conversation {
-            return Err(WebError::TooManyRequests {
-                message: format!(
-                    "this conversation already has {here} open event streams (the limit is {}); \
-                     close a tab or retry later",
-                    limits.max_streams_per_conversation
-                ),
-                retry_after_s: 5,
-            });
-        }
-        let mine = open.per_owner.get(owner).copied().unwrap_or(0);
-        if mine >= limits.max_streams_per_user {
-            return Err(WebError::TooManyRequests {
-                message: format!(
-                    "you already have {mine} open event streams (the limit per user is {}); \
-                     close some tabs or retry later",
-                    limits.max_streams_per_user
-                ),
-                retry_after_s: 5,
-            });
-        }
-        let from_here = open.per_address.get(&address).copied().unwrap_or(0);
-        if from_here >= limits.max_streams_per_address {
-            return Err(WebError::TooManyRequests {
-                message: format!(
-                    "your address already has {from_here} open event streams (the limit per \
-                     address is {}); close some tabs or retry later",
-                    limits.max_streams_per_address
-                ),
-                retry_after_s: 5,
-            });
-        }
-        if open.total >= limits.max_streams {
-            return Err(WebError::Overloaded {
-                message: format!(
-                    "the server has {} open event streams, its limit; retry later",
-                    open.total
-                ),
-                retry_after_s: 5,
-            });
-        }
-        open.total += 1;
-        *open.per_conversation.entry(conversation).or_insert(0) += 1;
-        *open.per_owner.entry(owner.to_string()).or_insert(0) += 1;
-        *open.per_address.entry(address.clone()).or_insert(0) += 1;
-        Ok(StreamSlot {
-            state: state.clone(),
-            conversation,
-            owner: owner.to_string(),
-            address,
-        })
-    }
-}
-
-impl Drop for StreamSlot {
-    fn drop(&mut self) {
-        if let Ok(mut open) = self.state.streams.open.lock() {
-            open.total = open.total.saturating_sub(1);
-            release(&mut open.per_conversation, &self.conversation);
-            release(&mut open.per_owner, &self.owner);
-            release(&mut open.per_address, &self.address);
-        }
-    }
-}
 
 /// What every handler shares.
 pub struct AppState {
@@ -550,7 +423,7 @@ pub async fn run(platform: Platform) -> io::Result<()> {
         let signal = shutdown_signal().await;
         tracing::info!("{signal} received; shutting down");
         stopping.ready.store(false, Ordering::Release);
-        drain(&stopping).await;
+        stopping.platform.drain().await;
         handle.stop(true).await;
     });
     server.await?;
@@ -620,43 +493,6 @@ fn admin_auth(platform: &Platform, cookie_key: &Key) -> Option<AdminAuth> {
         Duration::from_secs(a.admin_session_s),
         policy,
     ))
-}
-
-/// Stops every running reply, waits (bounded) until each is stored, then ends the sessions.
-async fn drain(state: &AppState) {
-    let sessions = state.platform.sessions.all();
-    let mut stopped = 0;
-    for (_, session) in &sessions {
-        if session.send(Stop).await.unwrap_or(false) {
-            stopped += 1;
-        }
-    }
-    if stopped > 0 {
-        tracing::info!(replies = stopped, "stopping running replies");
-    }
-    let deadline = Instant::now() + DRAIN_REPLIES;
-    loop {
-        let mut busy = 0;
-        for (_, session) in &sessions {
-            if session.send(GetInfo).await.is_ok_and(|i| i.replying) {
-                busy += 1;
-            }
-        }
-        if busy == 0 {
-            break;
-        }
-        if Instant::now() >= deadline {
-            tracing::warn!(
-                replies = busy,
-                "replies still running at shutdown; they will read as interrupted"
-            );
-            break;
-        }
-        actix_web::rt::time::sleep(Duration::from_millis(50)).await;
-    }
-    for (_, session) in &sessions {
-        let _ = session.send(Shutdown).await;
-    }
 }
 
 /// Resolves with the signal's name on SIGINT (Ctrl-C) or SIGTERM.
