@@ -109,7 +109,7 @@ def module_of(path, src):
     return tuple(parts)
 
 
-def resolve(module, is_dir_module, path):
+def resolve(module, path):
     """The absolute module path a `crate|super|self::…` path starts from, plus its segments."""
     segs = path.split("::")
     head, rest = segs[0], segs[1:]
@@ -142,7 +142,7 @@ def main():
             refs.extend(expand_use_tree(m.group(1)))
         refs.extend(m.group(0) for m in PATH_RE.finditer(USE_RE.sub(";", text)))
         for ref in refs:
-            target = resolve(module, path.name == "mod.rs", ref)
+            target = resolve(module, ref)
             # The longest prefix that is a module file is the file the path names.
             k = len(target)
             while k > 0 and target[:k] not in modules:

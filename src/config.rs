@@ -24,6 +24,8 @@ pub enum ConfigError {
     Invalid(String),
     #[error("configuration file {0} does not exist")]
     MissingFile(PathBuf),
+    #[error("{0}")]
+    MissingModel(String),
 }
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
@@ -464,22 +466,14 @@ impl Default for SamplingDefaults {
     }
 }
 
-/// The configuration's sections, as `SMOLCHAT_SECTION__KEY` names them.
-const SECTIONS: [&str; 9] = [
-    "MODEL",
-    "SERVER",
-    "DATABASE",
-    "SCHEDULER",
-    "LIMITS",
-    "SESSION",
-    "AUTH",
-    "REPLICA",
-    "SAMPLING",
-];
-
 /// Warns about `SMOLCHAT_SERVER_BIND`-style variables (one underscore where the section ends),
 /// which are not read: the configuration takes `SMOLCHAT_SERVER__BIND`.
 fn warn_about_single_underscore_keys() {
+    // The sections, as the configuration itself names them.
+    let sections: Vec<String> = match serde_json::to_value(Config::default()) {
+        Ok(serde_json::Value::Object(map)) => map.keys().map(|k| k.to_ascii_uppercase()).collect(),
+        _ => return,
+    };
     for (name, _) in std::env::vars_os() {
         let Some(name) = name.to_str() else { continue };
         let Some(rest) = name.strip_prefix("SMOLCHAT_") else {
@@ -488,8 +482,8 @@ fn warn_about_single_underscore_keys() {
         if rest.contains("__") {
             continue;
         }
-        if let Some(section) = SECTIONS.iter().find(|s| {
-            rest.strip_prefix(*s)
+        if let Some(section) = sections.iter().find(|s| {
+            rest.strip_prefix(s.as_str())
                 .is_some_and(|k| k.starts_with('_') && k.len() > 1)
         }) {
             let key = &rest[section.len() + 1..];
@@ -498,6 +492,27 @@ fn warn_about_single_underscore_keys() {
                  underscores (SMOLCHAT_{section}__{key})"
             );
         }
+    }
+}
+
+impl ModelConfig {
+    /// `path` when the file exists; else an error that says how to get it (the one check of a
+    /// missing model, for `serve` and every command that loads one).
+    pub fn existing_path(&self) -> Result<&Path, ConfigError> {
+        let path = self.path.as_path();
+        if path.exists() {
+            return Ok(path);
+        }
+        let hint = if path == Path::new(DEFAULT_MODEL) {
+            "; run ./scripts/fetch-model.sh (or `make setup`) to fetch the default model, or pass \
+             --model PATH"
+        } else {
+            ""
+        };
+        Err(ConfigError::MissingModel(format!(
+            "model file {} does not exist{hint}",
+            path.display()
+        )))
     }
 }
 

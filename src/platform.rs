@@ -1,7 +1,6 @@
 //! Wiring: loads the model and opens the store from a [`Config`], then starts the scheduler (with
 //! its model thread) and the session registry. The web layer serves a [`Platform`].
 
-use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -77,18 +76,10 @@ pub struct Platform {
 pub fn load_model(
     config: &Config,
 ) -> Result<(Engine, Tokenizer, ChatTemplate, ModelInfo), PlatformError> {
-    let path = &config.model.path;
-    if !path.exists() {
-        let hint = if path == Path::new(crate::config::DEFAULT_MODEL) {
-            "; run ./scripts/fetch-model.sh (or `make setup`) to fetch the default model"
-        } else {
-            ""
-        };
-        return Err(PlatformError::MissingModel(format!(
-            "model file {} does not exist{hint}",
-            path.display()
-        )));
-    }
+    let path = config
+        .model
+        .existing_path()
+        .map_err(|e| PlatformError::MissingModel(e.to_string()))?;
     let err = |source| match source {
         // A device that cannot be used is a configuration error: name the key.
         e @ (EngineError::Device(..) | EngineError::BadDevice { .. }) => PlatformError::Device(e),

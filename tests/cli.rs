@@ -256,34 +256,33 @@ fn device_errors_are_clear() {
 /// one-underscore typo is named in a warning.
 #[test]
 fn model_commands_read_the_configuration_serve_reads() {
+    /// Whether the command succeeded, and its stderr.
+    fn run(cmd: &mut Command) -> (bool, String) {
+        let out = cmd.output().expect("run smolchat");
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    }
     let model = smollm2_path();
-    let out = smolchat()
+    let (ok, stderr) = run(smolchat()
         .args(["tokenize", "hello", "--model"])
         .arg(&model)
         .env("SMOLCHAT_CUDA_ROOT", "/nonexistent")
         .env("SMOLCHAT_API_KEY", "not-a-config-key")
-        .env("SMOLCHAT_SERVER_BIND", "127.0.0.1:1")
-        .output()
-        .expect("run smolchat");
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "{stderr}");
+        .env("SMOLCHAT_SERVER_BIND", "127.0.0.1:1"));
+    assert!(ok, "{stderr}");
     assert!(
         stderr.contains("SMOLCHAT_SERVER_BIND is not read")
             && stderr.contains("SMOLCHAT_SERVER__BIND"),
         "{stderr}"
     );
 
-    let out = smolchat()
+    let (ok, stderr) = run(smolchat()
         .args(["generate", "--raw", "--max-tokens", "1", "hi", "--model"])
         .arg(&model)
-        .env("SMOLCHAT_MODEL__KV_TYPE", "q9")
-        .output()
-        .expect("run smolchat");
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        !out.status.success(),
-        "a bad model.kv_type must fail generate too"
-    );
+        .env("SMOLCHAT_MODEL__KV_TYPE", "q9"));
+    assert!(!ok, "a bad model.kv_type must fail generate too");
     assert!(stderr.contains("KV cache type `q9`"), "{stderr}");
 
     let dir = tempfile::tempdir().expect("tempdir");
@@ -293,17 +292,11 @@ fn model_commands_read_the_configuration_serve_reads() {
         "[model]\ntokenizer = \"/nonexistent/tokenizer.json\"\n",
     )
     .expect("write");
-    let out = smolchat()
+    let (ok, stderr) = run(smolchat()
         .args(["tokenize", "hello", "--config"])
         .arg(&config)
         .arg("--model")
-        .arg(&model)
-        .output()
-        .expect("run smolchat");
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        !out.status.success(),
-        "the configured tokenizer must be the one used"
-    );
+        .arg(&model));
+    assert!(!ok, "the configured tokenizer must be the one used");
     assert!(stderr.contains("/nonexistent/tokenizer.json"), "{stderr}");
 }

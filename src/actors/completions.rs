@@ -3,8 +3,8 @@
 //! the [`Completion`] it returns: a stream of the request's events that cancels the request when
 //! dropped before it finished, and records `/v1` usage when it finishes.
 //!
-//! The rules every interface shares live here once: a prompt must be shorter than the context
-//! window, and a request without a token limit may fill what the window leaves.
+//! The rule every interface shares lives here once: a request without a token limit may fill
+//! what the context window leaves (the batcher refuses prompts that are empty or fill it).
 
 use std::pin::Pin;
 use std::task::{Context, Poll};
@@ -64,26 +64,16 @@ impl Completions {
         }
     }
 
-    /// The usable context window.
-    pub fn context_window(&self) -> usize {
-        self.context_window
-    }
-
-    /// Checks `request` against the context window and queues it. The errors are the
-    /// scheduler's, whichever check refused: an interface maps one error type.
+    /// Queues `request`. The batcher refuses an empty prompt or one that fills the context window
+    /// (`SubmitError::Invalid`, `SubmitError::ContextOverflow`): an interface maps one error type.
     pub async fn submit(&self, request: CompletionRequest) -> Result<Completion, SubmitError> {
-        let window = self.context_window;
-        if request.prompt.is_empty() {
-            return Err(SubmitError::Invalid("the prompt is empty".into()));
-        }
-        if request.prompt.len() >= window {
-            return Err(SubmitError::ContextOverflow {
-                prompt_tokens: request.prompt.len(),
-                window,
-            });
-        }
         let mut params = request.params;
-        params.max_new_tokens = request.max_tokens.unwrap_or(window - request.prompt.len());
+        // At least 1, so a prompt that fills the window is refused for that, not for its limit.
+        params.max_new_tokens = request.max_tokens.unwrap_or_else(|| {
+            self.context_window
+                .saturating_sub(request.prompt.len())
+                .max(1)
+        });
         let (cache_key, cache_salt) = match request.cache {
             // Should the conversation's cache be busy, any temporary cache stays with it.
             CacheUse::Conversation(id) => (Some(id), Some(id.to_string())),
@@ -132,11 +122,6 @@ impl Completion {
         self.id
     }
 
-    /// Cancels the request now; its [`GenEvent::Finished`] still arrives.
-    pub fn cancel(&self) {
-        self.scheduler.do_send(Cancel(self.id));
-    }
-
     fn on_finished(&mut self, summary: &GenSummary) {
         self.finished = true;
         if let Some((store, owner)) = self.usage.take() {
@@ -160,10 +145,7 @@ impl Stream for Completion {
         let this = self.get_mut();
         let polled = this.events.poll_recv(cx);
         match &polled {
-            Poll::Ready(Some(GenEvent::Finished(summary))) => {
-                let summary = summary.clone();
-                this.on_finished(&summary);
-            }
+            Poll::Ready(Some(GenEvent::Finished(summary))) => this.on_finished(summary),
             // The worker dropped the request without a summary (it stopped): nothing to cancel.
             Poll::Ready(None) => this.finished = true,
             _ => {}

@@ -84,6 +84,26 @@ struct Active {
     resume: Option<Vec<u32>>,
 }
 
+impl Active {
+    /// A registered request that has not been admitted yet.
+    fn new(request: GenerationRequest, submitted: Instant) -> Self {
+        Self {
+            request,
+            generation: None,
+            seq: None,
+            keyed: false,
+            pending_prompt: Vec::new(),
+            last_token: None,
+            cached_tokens: 0,
+            submitted,
+            admitted: None,
+            first_token: None,
+            completion_tokens: 0,
+            resume: None,
+        }
+    }
+}
+
 /// At most this many stateless caches are kept.
 const MAX_ANONYMOUS_CACHES: usize = 16;
 
@@ -135,23 +155,7 @@ impl ModelWorker {
                     request,
                     submitted,
                 } => {
-                    self.active.insert(
-                        id,
-                        Active {
-                            request,
-                            generation: None,
-                            seq: None,
-                            keyed: false,
-                            pending_prompt: Vec::new(),
-                            last_token: None,
-                            cached_tokens: 0,
-                            submitted,
-                            admitted: None,
-                            first_token: None,
-                            completion_tokens: 0,
-                            resume: None,
-                        },
-                    );
+                    self.active.insert(id, Active::new(request, submitted));
                 }
                 WorkerCommand::Step(plan) => report(self.step(plan)),
                 WorkerCommand::Evict { conversation, done } => {
@@ -793,8 +797,8 @@ mod tests {
         };
         w.active.insert(
             id,
-            Active {
-                request: GenerationRequest {
+            Active::new(
+                GenerationRequest {
                     cache_key: key,
                     user: None,
                     group: None,
@@ -804,18 +808,8 @@ mod tests {
                     max_time: None,
                     events: tx,
                 },
-                generation: None,
-                seq: None,
-                keyed: false,
-                pending_prompt: Vec::new(),
-                last_token: None,
-                cached_tokens: 0,
-                submitted: Instant::now(),
-                admitted: None,
-                first_token: None,
-                completion_tokens: 0,
-                resume: None,
-            },
+                Instant::now(),
+            ),
         );
         let mut plan = StepPlan {
             prefill: vec![(id, 1000)],
@@ -965,8 +959,8 @@ mod tests {
             let (tx, rx) = mpsc::unbounded_channel();
             w.active.insert(
                 id,
-                Active {
-                    request: GenerationRequest {
+                Active::new(
+                    GenerationRequest {
                         cache_key: None,
                         user: None,
                         group: None,
@@ -980,18 +974,8 @@ mod tests {
                         max_time: None,
                         events: tx,
                     },
-                    generation: None,
-                    seq: None,
-                    keyed: false,
-                    pending_prompt: Vec::new(),
-                    last_token: None,
-                    cached_tokens: 0,
-                    submitted: Instant::now(),
-                    admitted: None,
-                    first_token: None,
-                    completion_tokens: 0,
-                    resume: None,
-                },
+                    Instant::now(),
+                ),
             );
             receivers.push(rx);
         }

@@ -839,7 +839,7 @@ pub fn check_message(content: &str, max_chars: usize) -> Result<(), SessionError
 /// The messages a stored conversation plus a new user message stand for: the system prompt, the
 /// kept history (failed replies left out) and the new message. The one mapping from stored
 /// messages to the template's, used by every turn whichever interface sent it.
-pub fn conversation_messages(
+fn conversation_messages(
     conversation: &Conversation,
     history: &[Message],
     new_user: &str,
@@ -870,7 +870,7 @@ pub fn conversation_messages(
 }
 
 /// The render options of a conversation's turns: its pinned date and its thinking switch.
-pub fn conversation_render_options(conversation: &Conversation) -> RenderOptions {
+fn conversation_render_options(conversation: &Conversation) -> RenderOptions {
     let s = &conversation.settings;
     let mut opts = RenderOptions::new(s.pinned_date);
     opts.enable_thinking = Some(s.thinking);

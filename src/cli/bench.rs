@@ -75,8 +75,8 @@ pub fn run(args: &BenchArgs, globals: &super::Globals) -> Result<()> {
             (loaded.engine, format!("synthetic:{name}"))
         }
         None => {
-            let path = super::ModelArgs::path(&config)?;
-            let loaded = super::with_progress(|p| Ok(load::load(&path, &options, p)?))?;
+            let path = config.model.existing_path()?;
+            let loaded = super::with_progress(|p| Ok(load::load(path, &options, p)?))?;
             (loaded.engine, path.display().to_string())
         }
     };

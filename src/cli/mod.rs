@@ -11,13 +11,13 @@ pub mod serve;
 pub mod tokenize;
 pub mod user;
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use anyhow::{Context, Result};
 use clap::{Args, Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
 
-use crate::config::{Config, DEFAULT_MODEL};
+use crate::config::Config;
 use crate::engine::attention::DecodePrefetch;
 use crate::engine::device::DeviceRequest;
 use crate::engine::load::{self, LoadedModel};
@@ -144,29 +144,13 @@ impl ModelArgs {
         Ok(config)
     }
 
-    /// The model file the configuration names, with a message that says how to fix a missing
-    /// one.
-    pub fn path(config: &Config) -> Result<PathBuf> {
-        let path = config.model.path.clone();
-        if !path.exists() {
-            if path == Path::new(DEFAULT_MODEL) {
-                anyhow::bail!(
-                    "the default model {} is missing; run ./scripts/fetch-model.sh (or `make setup`) to fetch it, or pass --model PATH",
-                    path.display()
-                );
-            }
-            anyhow::bail!("model file {} does not exist", path.display());
-        }
-        Ok(path)
-    }
-
     /// Loads the configured model through the engine's one loader, with a progress bar on
     /// stderr, after sizing the compute thread pool.
     pub fn load(&self, device: DeviceArg, globals: &Globals) -> Result<LoadedModel> {
         let config = self.config(device, globals)?;
-        let path = Self::path(&config)?;
+        let path = config.model.existing_path()?;
         init_threads(config.model.threads)?;
-        with_progress(|progress| Ok(load::load(&path, &config.load_options(), progress)?))
+        with_progress(|progress| Ok(load::load(path, &config.load_options(), progress)?))
     }
 }
 

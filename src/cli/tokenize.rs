@@ -21,7 +21,7 @@ pub struct TokenizeArgs {
 
 pub fn run(args: &TokenizeArgs, globals: &super::Globals) -> Result<()> {
     let config = args.model.config(super::DeviceArg::default(), globals)?;
-    let src = GgufSource::open(&super::ModelArgs::path(&config)?)?;
+    let src = GgufSource::open(config.model.existing_path()?)?;
     // The tokenizer the server would use: `model.tokenizer` when configured.
     let tokenizer = load::tokenizer(&src, config.model.tokenizer.as_deref())?;
     let mut ids = Vec::new();
