@@ -25,7 +25,7 @@ run: setup
 
 lint:
 	$(CARGO) fmt --all -- --check
-	$(CARGO) clippy --all-targets -- -D warnings
+	$(CARGO) clippy --workspace --all-targets -- -D warnings
 	python3 scripts/check-layers.py
 
 ## CUDA 13.0 compiler, headers and libraries from PyPI wheels into
@@ -36,7 +36,7 @@ cuda-toolkit:
 ## Compiles and lints the `cuda` feature (PTX and MMQ objects for sm_90 included), so GPU code
 ## cannot rot on machines without a GPU.
 lint-cuda: cuda-toolkit
-	$(CUDA_CARGO) clippy --all-targets --features cuda -- -D warnings
+	$(CUDA_CARGO) clippy --workspace --all-targets --features smolchat-engine/cuda -- -D warnings
 
 ## The GPU binary: target/cuda/release/smolchat (see README, "GPU build").
 cuda: cuda-toolkit
@@ -44,7 +44,7 @@ cuda: cuda-toolkit
 
 ## Test binaries with the `cuda` feature, to carry to a GPU machine (tests/gpu.rs runs there).
 cuda-tests: cuda-toolkit
-	$(CUDA_CARGO) test --no-run --features cuda
+	$(CUDA_CARGO) test --workspace --no-run --features smolchat-engine/cuda
 
 ## Chromium + chromedriver (browser tests), PostgreSQL and nginx (store and replica tests);
 ## apt-get when missing.
@@ -62,7 +62,7 @@ mount-check:
 ## the storage faults (SMOLTEST_REQUIRE_MOUNT, checked before the build by scripts/check-mount.sh).
 test: mount-check setup test-deps lint lint-cuda
 	@url="$$(./scripts/test-postgres.sh start)" || exit 1; \
-	SMOLTEST_DATABASE_URL="$$url" SMOLTEST_REQUIRE_POSTGRES=1 SMOLTEST_REQUIRE_MOUNT=1 $(CARGO) test; rc=$$?; \
+	SMOLTEST_DATABASE_URL="$$url" SMOLTEST_REQUIRE_POSTGRES=1 SMOLTEST_REQUIRE_MOUNT=1 $(CARGO) test --workspace; rc=$$?; \
 	./scripts/test-postgres.sh stop; exit $$rc
 
 bench: setup

@@ -1,42 +1,135 @@
 #!/usr/bin/env python3
-"""The layer check: which top-level modules of `src/` may name which, and no import cycle
-between module files. Run by `make lint` (and so by `make test`); `tests/layers.rs` shows that
-it fails when a forbidden dependency or a cycle is added.
+"""The layer check: the workspace's crate graph is the architecture, and no module imports
+itself in a circle. Run by `make lint` (and so by `make test`); `tests/layers.rs` shows that it
+fails when a forbidden dependency or a cycle is added.
 
-    scripts/check-layers.py [--root DIR]     # DIR holds src/ (default: this repository)
+    scripts/check-layers.py [--root DIR]     # DIR holds the workspace (default: this repository)
 
-It reads every `crate::…`, `super::…` and `self::…` path in `src/**/*.rs` (use trees expanded,
-comments left out), resolves each to the module file it names, and then checks:
-
-1. Layers. `ALLOWED` lists, for each top-level module, the others it may name. The engine names
-   nothing above it, the store nothing, the web layer nothing of the command line, and so on.
-   A module's own items and its ancestors' (a child naming its parent's items, as Rust modules
-   do) are always allowed.
-2. Cycles. Between module files, following the same references (a reference to an ancestor
-   module is not an edge: a parent declares and wires its children). Any cycle is reported with
-   the names that tie it.
+1. Crates. `cargo metadata --no-deps` lists each workspace crate's declared dependencies. Every
+   `smolchat-*` dependency must be one `ALLOWED` lists for that crate (the compiler then keeps
+   each crate from naming anything else), and the crates low in the stack must not depend on the
+   frameworks of the layers above them (`FORBIDDEN`: the engine knows no actix, SQL, tokio or
+   HTTP; the store and auth know no web framework; and so on). Dev-dependencies (tests) may name
+   any workspace crate that does not itself depend on the crate under test.
+2. Cycles. Within each crate, between module files, following every `crate::…`, `super::…` and
+   `self::…` path (use trees expanded, comments left out; a reference to an ancestor module is not
+   an edge: a parent declares and wires its children). Any cycle is reported with the names that
+   tie it.
 
 Exit status 0 when both hold; 1 with one line per violation otherwise.
 """
 
 import argparse
+import json
 import re
+import subprocess
 import sys
 from pathlib import Path
 
-# Top-level module -> the top-level modules it may name (besides itself). The order is the
-# architecture, lowest first: docs/ARCHITECTURE.md, "Layers".
+# Crate -> the workspace crates it may depend on. The order is the architecture, lowest first:
+# docs/ARCHITECTURE.md, "Crates".
 ALLOWED = {
-    "engine": set(),
-    "store": set(),
-    "secrets": set(),
-    "config": {"engine"},
-    "auth": {"store", "config"},
-    "actors": {"engine", "store", "auth"},
-    "platform": {"engine", "store", "auth", "actors", "config", "secrets"},
-    "web": {"engine", "store", "auth", "actors", "config", "platform", "secrets"},
-    "cli": {"engine", "store", "auth", "actors", "config", "platform", "secrets", "web"},
+    "smolchat-gguf": set(),
+    "smolchat-engine": {"smolchat-gguf"},
+    "smolchat-text": {"smolchat-gguf"},
+    "smolchat-serving": {"smolchat-gguf", "smolchat-engine", "smolchat-text"},
+    "smolchat-store": set(),
+    "smolchat-auth": {"smolchat-store"},
+    "smolchat-service": {
+        "smolchat-gguf",
+        "smolchat-engine",
+        "smolchat-text",
+        "smolchat-serving",
+        "smolchat-store",
+        "smolchat-auth",
+    },
+    # The web layer parses, calls a service and renders: it cannot name the store, the engine or
+    # the scheduler, only the services (and the plain text types requests are parsed into).
+    "smolchat-web": {"smolchat-text", "smolchat-auth", "smolchat-service"},
+    "smolchat": {
+        "smolchat-gguf",
+        "smolchat-engine",
+        "smolchat-text",
+        "smolchat-serving",
+        "smolchat-store",
+        "smolchat-auth",
+        "smolchat-service",
+        "smolchat-web",
+    },
 }
+
+ASYNC_AND_IO = {"actix", "actix-web", "actix-web-lab", "tokio", "sqlx", "reqwest", "hyper", "http"}
+WEB = {"actix-web", "actix-web-lab", "askama", "reqwest", "hyper", "http", "pulldown-cmark", "ammonia"}
+
+# Crate -> external crates it must not depend on (normal or build dependencies).
+FORBIDDEN = {
+    "smolchat-gguf": ASYNC_AND_IO,
+    "smolchat-engine": ASYNC_AND_IO,
+    "smolchat-text": ASYNC_AND_IO,
+    "smolchat-serving": WEB | {"sqlx"},
+    "smolchat-store": WEB | {"actix", "candle-core"},
+    "smolchat-auth": WEB | {"actix", "candle-core"},
+    "smolchat-service": WEB | {"candle-core", "sqlx"},
+    "smolchat-web": {"candle-core", "sqlx"},
+    "smolchat": set(),
+}
+
+
+def check_crates(root):
+    out = subprocess.run(
+        ["cargo", "metadata", "--format-version", "1", "--no-deps", "--offline"],
+        cwd=root,
+        capture_output=True,
+        text=True,
+    )
+    if out.returncode != 0:
+        return [f"cargo metadata failed: {out.stderr.strip()}"], []
+    meta = json.loads(out.stdout)
+    members = {p["name"]: p for p in meta["packages"]}
+    problems = []
+    deps = {}
+    for name, pkg in sorted(members.items()):
+        if name not in ALLOWED:
+            problems.append(
+                f"crate `{name}` is not in scripts/check-layers.py's ALLOWED table: place it in "
+                "the layers (and in docs/ARCHITECTURE.md, \"Crates\")"
+            )
+            continue
+        normal = {d["name"] for d in pkg["dependencies"] if d.get("kind") in (None, "build")}
+        dev = {d["name"] for d in pkg["dependencies"] if d.get("kind") == "dev"}
+        deps[name] = normal
+        for d in sorted(normal & set(members)):
+            if d not in ALLOWED[name]:
+                problems.append(
+                    f"{pkg['manifest_path']}: `{name}` depends on `{d}`, which it may not use "
+                    f"(allowed: {', '.join(sorted(ALLOWED[name])) or 'no workspace crate'})"
+                )
+        for d in sorted(normal & FORBIDDEN[name]):
+            problems.append(
+                f"{pkg['manifest_path']}: `{name}` depends on `{d}`, a framework of a layer above "
+                "it (see FORBIDDEN in scripts/check-layers.py)"
+            )
+        deps[name + " (dev)"] = dev & set(members)
+    # A dev-dependency may not close a loop through the normal graph.
+    def reaches(a, b, seen=None):
+        seen = seen or set()
+        if a == b:
+            return True
+        seen.add(a)
+        return any(reaches(n, b, seen) for n in deps.get(a, ()) if n not in seen)
+
+    for name in members:
+        for d in sorted(deps.get(name + " (dev)", ())):
+            if d != name and reaches(d, name):
+                problems.append(
+                    f"`{name}`'s tests depend on `{d}`, which depends on `{name}`: a loop"
+                )
+    crates = [
+        (name, Path(pkg["manifest_path"]).parent / "src")
+        for name, pkg in members.items()
+    ]
+    return problems, crates
+
 
 IDENT = r"[A-Za-z_][A-Za-z0-9_]*"
 PATH_RE = re.compile(rf"\b(crate|super|self)((?:::{IDENT})+)")
@@ -101,7 +194,7 @@ def expand_use_tree(tree):
 
 
 def module_of(path, src):
-    """The module path of a file: src/engine/quant/gemm.rs -> ('engine', 'quant', 'gemm')."""
+    """The module path of a file: src/cpu/quant/gemm.rs -> ('cpu', 'quant', 'gemm')."""
     rel = path.relative_to(src).with_suffix("")
     parts = list(rel.parts)
     if parts[-1] in ("mod", "lib", "main"):
@@ -125,14 +218,9 @@ def resolve(module, path):
     return base + tuple(r for r in rest if r != "self")
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--root", default=Path(__file__).resolve().parent.parent, type=Path)
-    args = ap.parse_args()
-    src = args.root / "src"
+def module_edges(src):
     files = sorted(p for p in src.rglob("*.rs") if p.name != "main.rs")
     modules = {module_of(p, src): p for p in files}
-    problems = []
     edges = {}  # (from module, to module) -> names
     for path in files:
         module = module_of(path, src)
@@ -148,18 +236,14 @@ def main():
             while k > 0 and target[:k] not in modules:
                 k -= 1
             named, rest = target[:k], target[k:]
-            if not named:
-                continue
             if module[: len(named)] == named:
                 continue  # the module itself or an ancestor
-            top, layer = module[0] if module else "", named[0]
-            if top and top != layer and layer not in ALLOWED.get(top, set()):
-                problems.append(
-                    f"{path.relative_to(args.root)}: `{ref}` names the `{layer}` layer, which "
-                    f"`{top}` may not use (allowed: {', '.join(sorted(ALLOWED.get(top, []))) or 'none'})"
-                )
             edges.setdefault((module, named), set()).add(rest[0] if rest else named[-1])
-    # Cycles between module files (Tarjan's strongly connected components).
+    return files, edges
+
+
+def cycles(crate, edges):
+    """Tarjan's strongly connected components over the module graph."""
     graph = {}
     for (a, b) in edges:
         graph.setdefault(a, set()).add(b)
@@ -192,6 +276,7 @@ def main():
         if v not in index:
             strong(v)
     name = lambda m: "::".join(m) or "crate"
+    problems = []
     for comp in comps:
         members = set(comp)
         ties = "; ".join(
@@ -199,13 +284,32 @@ def main():
             for (a, b) in sorted(edges)
             if a in members and b in members
         )
-        problems.append(f"import cycle between {', '.join(sorted(name(m) for m in comp))}: {ties}")
+        problems.append(
+            f"import cycle in `{crate}` between {', '.join(sorted(name(m) for m in comp))}: {ties}"
+        )
+    return problems
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--root", default=Path(__file__).resolve().parent.parent, type=Path)
+    args = ap.parse_args()
+    problems, crates = check_crates(args.root)
+    n_files = n_edges = 0
+    for crate, src in sorted(crates):
+        files, edges = module_edges(src)
+        n_files += len(files)
+        n_edges += len(edges)
+        problems.extend(cycles(crate, edges))
     for p in problems:
         print(p)
     if problems:
         print(f"check-layers: {len(problems)} problem(s); see scripts/check-layers.py for the rules")
         return 1
-    print(f"check-layers: {len(files)} files, {len(edges)} module dependencies, layers hold, no cycles")
+    print(
+        f"check-layers: {len(crates)} crates, {n_files} files, {n_edges} module dependencies; "
+        "the crate graph holds, no cycles"
+    )
     return 0
 
 

@@ -1,9 +1,1 @@
-pub mod actors;
-pub mod auth;
 pub mod cli;
-pub mod config;
-pub mod engine;
-pub mod platform;
-pub mod secrets;
-pub mod store;
-pub mod web;

@@ -5,9 +5,9 @@ mod common;
 use std::io::Write;
 use std::path::Path;
 
-use smolchat::engine::gguf::{GgmlDType, GgufSource, Value};
-use smolchat::engine::synthetic::{SyntheticModel, SyntheticSpec, TypeMix};
-use smolchat::engine::{EngineError, Model};
+use smolchat_engine::synthetic::{SyntheticModel, SyntheticSpec, TypeMix};
+use smolchat_engine::{EngineError, Model};
+use smolchat_gguf::{GgmlDType, GgufError, GgufSource, Value};
 
 fn load(path: &Path) -> Result<Model, EngineError> {
     let mut src = GgufSource::open(path)?;
@@ -31,7 +31,7 @@ fn not_a_gguf_file() {
         let p = dir.path().join(name);
         std::fs::write(&p, bytes).expect("write");
         match load(&p) {
-            Err(e @ EngineError::NotGguf { .. }) => {
+            Err(e @ EngineError::Gguf(GgufError::NotGguf { .. })) => {
                 assert!(e.to_string().contains(name), "message names the file: {e}")
             }
             Err(e) => panic!("{name}: wrong error {e}"),
@@ -39,7 +39,10 @@ fn not_a_gguf_file() {
         }
     }
     let missing = dir.path().join("nope.gguf");
-    assert!(matches!(load(&missing), Err(EngineError::Io { .. })));
+    assert!(matches!(
+        load(&missing),
+        Err(EngineError::Gguf(GgufError::Io { .. }))
+    ));
 }
 
 #[test]
@@ -53,7 +56,7 @@ fn truncated_files() {
         let p = dir.path().join(format!("cut{cut}.gguf"));
         std::fs::write(&p, &bytes[..cut]).expect("write");
         match load(&p) {
-            Err(e @ EngineError::Corrupt { .. }) => {
+            Err(e @ EngineError::Gguf(GgufError::Corrupt { .. })) => {
                 assert!(e.to_string().contains("truncated or corrupt"), "{e}")
             }
             Err(e) => panic!("cut at {cut}: wrong error {e}"),
@@ -80,13 +83,13 @@ fn missing_tensor_and_missing_key() {
     let mut m = tiny();
     m.tensors.retain(|t| t.name != "blk.1.ffn_up.weight");
     match Model::load(&mut m.into_source(), &mut |_, _| {}) {
-        Err(EngineError::MissingTensor(n)) => assert_eq!(n, "blk.1.ffn_up.weight"),
+        Err(EngineError::Gguf(GgufError::MissingTensor(n))) => assert_eq!(n, "blk.1.ffn_up.weight"),
         other => panic!("wrong result: {:?}", other.err()),
     }
     let mut m = tiny();
     m.metadata.retain(|(k, _)| k != "llama.block_count");
     match Model::load(&mut m.into_source(), &mut |_, _| {}) {
-        Err(e @ EngineError::MissingKey(_)) => {
+        Err(e @ EngineError::Gguf(GgufError::MissingKey(_))) => {
             assert!(e.to_string().contains("llama.block_count"), "{e}")
         }
         other => panic!("wrong result: {:?}", other.err()),
@@ -101,7 +104,7 @@ fn missing_tensor_and_missing_key() {
             }
         }
         match Model::load(&mut m.into_source(), &mut |_, _| {}) {
-            Err(e @ EngineError::BadKey { .. }) => {
+            Err(e @ EngineError::Gguf(GgufError::BadKey { .. })) => {
                 assert!(e.to_string().contains("llama.block_count"), "{e}")
             }
             other => panic!("block_count {count}: wrong result: {:?}", other.err()),
@@ -115,7 +118,7 @@ fn missing_tensor_and_missing_key() {
         }
     }
     match Model::load(&mut m.into_source(), &mut |_, _| {}) {
-        Err(e @ EngineError::BadKey { .. }) => {
+        Err(e @ EngineError::Gguf(GgufError::BadKey { .. })) => {
             assert!(e.to_string().contains("llama.embedding_length"), "{e}")
         }
         other => panic!("wrong result: {:?}", other.err()),
@@ -169,7 +172,7 @@ fn unsupported_tensor_type() {
         .and_then(|mut f| f.write_all(&b))
         .expect("write");
     match GgufSource::open(&p) {
-        Err(e @ EngineError::UnsupportedTensorType { .. }) => {
+        Err(e @ GgufError::UnsupportedTensorType { .. }) => {
             let msg = e.to_string();
             assert!(
                 msg.contains("token_embd.weight") && msg.contains("IQ2_XXS"),

@@ -993,7 +993,7 @@ async fn every_hostile_request_gets_a_clear_refusal() {
     let token = me.csrf_token().await;
     let http = reqwest::Client::new();
     // What is stored before: nothing the catalogue sends may add to it.
-    let store = smolchat::store::Store::open_beside_server(&server.database_url)
+    let store = smolchat_store::Store::open_beside_server(&server.database_url)
         .await
         .expect("open the server's store");
     let stored_before = stored(&store).await;
@@ -1043,7 +1043,7 @@ async fn every_hostile_request_gets_a_clear_refusal() {
 
 /// Conversations, messages, users and API keys stored now, with every conversation's title and
 /// settings (a refused rename or settings change must leave them as they were).
-async fn stored(store: &smolchat::store::Store) -> (usize, usize, Vec<String>) {
+async fn stored(store: &smolchat_store::Store) -> (usize, usize, Vec<String>) {
     let all = store.list_all_conversations().await.expect("list");
     let mut messages = 0;
     let mut described = Vec::new();
@@ -1160,7 +1160,7 @@ async fn with_guests_off_no_spelling_of_a_path_gets_in() {
         "guests off: /v1 models without a key",
         case("", M::GET, "/v1/models", 401),
     );
-    let store = smolchat::store::Store::open_beside_server(&server.database_url)
+    let store = smolchat_store::Store::open_beside_server(&server.database_url)
         .await
         .expect("open the server's store");
     let failures = run_cases(&server, &me, "", "", "", &cases).await;

@@ -14,14 +14,14 @@ use std::sync::OnceLock;
 
 use proptest::prelude::*;
 use serde_json::{json, Value};
-use smolchat::engine::gguf::GgufSource;
-use smolchat::engine::splitter::{SplitEvent, Splitter};
-use smolchat::engine::synthetic::SyntheticSpec;
-use smolchat::engine::template::{ChatMessage, ChatTemplate, RenderOptions};
-use smolchat::engine::tokenizer::Tokenizer;
-use smolchat::engine::Model;
-use smolchat::web::markdown;
-use smolchat::web::openai::request::{parse_chat, parse_completion, Defaults};
+use smolchat_engine::synthetic::SyntheticSpec;
+use smolchat_engine::Model;
+use smolchat_gguf::GgufSource;
+use smolchat_text::splitter::{SplitEvent, Splitter};
+use smolchat_text::template::{ChatMessage, ChatTemplate, RenderOptions};
+use smolchat_text::tokenizer::Tokenizer;
+use smolchat_web::markdown;
+use smolchat_web::openai::request::{parse_chat, parse_completion, Defaults};
 
 fn smollm2_tokenizer() -> &'static Tokenizer {
     static TOKENIZER: OnceLock<Tokenizer> = OnceLock::new();
@@ -41,7 +41,7 @@ fn seed_gguf() -> &'static [u8] {
         let mut spec = SyntheticSpec::tiny("smollm3");
         spec.vocab_size = 256;
         spec.n_layers = 1;
-        smolchat::engine::synthetic::write_gguf(&spec, &path).expect("write seed gguf");
+        smolchat_engine::synthetic::write_gguf(&spec, &path).expect("write seed gguf");
         std::fs::read(&path).expect("read seed gguf")
     })
 }

@@ -11,9 +11,9 @@ use std::borrow::Cow;
 
 use candle_core::quantized::{GgmlDType, QMatMul, QStorage, QTensor};
 use candle_core::{Device, Module, Tensor};
-use smolchat::engine::device::{self, Capabilities, Device as EngineDevice, DeviceRequest};
-use smolchat::engine::gguf::{AlignedBytes, RawTensor};
-use smolchat::engine::quant::QMatrix;
+use smolchat_engine::cpu::quant::QMatrix;
+use smolchat_engine::device::{self, Capabilities, Device as EngineDevice, DeviceRequest};
+use smolchat_gguf::{AlignedBytes, RawTensor};
 
 /// Why an ignored GPU test was not run.
 const NEEDS_GPU: &str = "needs a CUDA GPU and a `--features cuda` build: run with --ignored there";

@@ -10,9 +10,9 @@ use std::time::Duration;
 use chrono::NaiveDate;
 use reqwest::{Method, StatusCode};
 use serde_json::{json, Value};
-use smolchat::engine::gguf::GgufSource;
-use smolchat::engine::template::{ChatMessage, ChatTemplate, RenderOptions};
-use smolchat::engine::tokenizer::Tokenizer;
+use smolchat_gguf::GgufSource;
+use smolchat_text::template::{ChatMessage, ChatTemplate, RenderOptions};
+use smolchat_text::tokenizer::Tokenizer;
 
 use common::server::{form_encode, Client, Reply, Server};
 

@@ -899,9 +899,7 @@ async fn a_crash_mid_reply_loses_no_acknowledged_message() {
 
     let url = server.database_url.clone();
     let rt_result = tokio::task::spawn(async move {
-        let store = smolchat::store::Store::open(&url)
-            .await
-            .expect("open store");
+        let store = smolchat_store::Store::open(&url).await.expect("open store");
         let check = store.integrity_check().await.expect("integrity check");
         let id = uuid::Uuid::parse_str(r.json["assistant_message_id"].as_str().unwrap()).unwrap();
         let reply = store

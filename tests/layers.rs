@@ -1,5 +1,6 @@
-//! The layer check of `make lint` (`scripts/check-layers.py`): the tree as it is passes, and the
-//! check fails when a forbidden dependency or an import cycle is added (on a copy of `src/`).
+//! The layer check of `make lint` (`scripts/check-layers.py`): the workspace as it is passes, and
+//! the check fails when a crate gains a forbidden dependency or a module an import cycle (on a
+//! copy of the workspace's manifests and sources).
 
 mod common;
 
@@ -31,50 +32,88 @@ fn copy_dir(from: &Path, to: &Path) {
     }
 }
 
-/// A copy of the repository's `src/` with `line` added at the top of `file`.
-fn with_line(file: &str, line: &str) -> tempfile::TempDir {
+/// A copy of the workspace (its manifests, `src/` and `crates/`) with `edit` applied to the text
+/// of `file`.
+fn with_edit(file: &str, edit: impl Fn(&str) -> String) -> tempfile::TempDir {
+    let root = common::crate_root();
     let dir = tempfile::tempdir().expect("tempdir");
-    copy_dir(&common::crate_root().join("src"), &dir.path().join("src"));
-    let path = dir.path().join("src").join(file);
+    for f in ["Cargo.toml", "Cargo.lock"] {
+        std::fs::copy(root.join(f), dir.path().join(f)).expect("copy manifest");
+    }
+    for d in ["src", "crates"] {
+        copy_dir(&root.join(d), &dir.path().join(d));
+    }
+    let path = dir.path().join(file);
     let text = std::fs::read_to_string(&path).expect("read");
-    std::fs::write(&path, format!("{line}\n{text}")).expect("write");
+    let edited = edit(&text);
+    assert_ne!(edited, text, "the edit must change {file}");
+    std::fs::write(&path, edited).expect("write");
     dir
 }
 
-#[test]
-fn the_layers_hold_and_there_is_no_import_cycle() {
-    let (ok, text) = check(&common::crate_root());
-    assert!(ok, "{text}");
-    assert!(text.contains("layers hold, no cycles"), "{text}");
+/// `line` added at the top of a source file.
+fn with_line(file: &str, line: &str) -> tempfile::TempDir {
+    with_edit(file, |text| format!("{line}\n{text}"))
+}
+
+/// `dependency` added to a crate's `[dependencies]`.
+fn with_dependency(crate_dir: &str, dependency: &str) -> tempfile::TempDir {
+    with_edit(&format!("crates/{crate_dir}/Cargo.toml"), |text| {
+        text.replacen(
+            "[dependencies]\n",
+            &format!("[dependencies]\n{dependency}.workspace = true\n"),
+            1,
+        )
+    })
 }
 
 #[test]
-fn a_forbidden_dependency_fails_the_check() {
-    // The engine naming the web layer.
-    let dir = with_line("engine/npy.rs", "use crate::web::AppState;");
+fn the_crate_graph_holds_and_there_is_no_import_cycle() {
+    let (ok, text) = check(&common::crate_root());
+    assert!(ok, "{text}");
+    assert!(text.contains("the crate graph holds, no cycles"), "{text}");
+}
+
+#[test]
+fn a_forbidden_crate_dependency_fails_the_check() {
+    // The web layer reaching past the services to the store.
+    let dir = with_dependency("web", "smolchat-store");
     let (ok, text) = check(dir.path());
-    assert!(!ok, "the engine may not name the web layer:\n{text}");
+    assert!(!ok, "the web layer may not depend on the store:\n{text}");
     assert!(
-        text.contains("engine/npy.rs")
-            && text.contains("`crate::web::AppState` names the `web` layer"),
+        text.contains("`smolchat-web` depends on `smolchat-store`, which it may not use"),
         "{text}"
     );
-    // The store naming the actors, inside a use tree.
-    let dir = with_line("store/bus.rs", "use crate::{actors::{Sessions}, engine};");
+    // The engine depending on a crate above it.
+    let dir = with_dependency("engine", "smolchat-serving");
     let (ok, text) = check(dir.path());
     assert!(!ok, "{text}");
-    assert!(text.contains("names the `actors` layer"), "{text}");
+    assert!(
+        text.contains("`smolchat-engine` depends on `smolchat-serving`"),
+        "{text}"
+    );
+}
+
+#[test]
+fn a_framework_of_a_higher_layer_in_the_engine_fails_the_check() {
+    let dir = with_dependency("engine", "actix-web");
+    let (ok, text) = check(dir.path());
+    assert!(!ok, "the engine may not know HTTP:\n{text}");
+    assert!(
+        text.contains("`smolchat-engine` depends on `actix-web`, a framework of a layer above it"),
+        "{text}"
+    );
 }
 
 #[test]
 fn an_import_cycle_fails_the_check() {
-    // `session` names `text` already; `text` naming `session` closes a circle.
-    let dir = with_line("actors/text.rs", "use super::session::SessionError;");
+    // `step` names `backend` already; `backend` naming `step` closes a circle.
+    let dir = with_line("crates/engine/src/backend.rs", "use crate::step::SeqId;");
     let (ok, text) = check(dir.path());
     assert!(!ok, "{text}");
     assert!(
-        text.contains("import cycle between")
-            && text.contains("actors::text -> actors::session (SessionError)"),
+        text.contains("import cycle in `smolchat-engine` between backend")
+            && text.contains("backend -> step (SeqId)"),
         "{text}"
     );
 }

@@ -2,9 +2,9 @@
 
 mod common;
 
-use smolchat::engine::gguf::{AlignedBytes, GgmlDType, GgufSource, RawTensor};
-use smolchat::engine::synthetic::{SyntheticModel, SyntheticSpec, TypeMix};
-use smolchat::engine::{Engine, EngineError, KvOptions, KvType, LogitsMode, Model, SeqStep};
+use smolchat_engine::synthetic::{SyntheticModel, SyntheticSpec, TypeMix};
+use smolchat_engine::{Engine, EngineError, KvOptions, KvType, LogitsMode, Model, SeqStep};
+use smolchat_gguf::{AlignedBytes, GgmlDType, GgufSource, RawTensor};
 
 fn engine_from(model: SyntheticModel) -> Engine {
     let mut src = model.into_source();

@@ -8,14 +8,14 @@ mod common;
 
 use chrono::{NaiveDate, Utc};
 use serde_json::{json, Value};
-use smolchat::actors::session::conversation_prompt;
-use smolchat::engine::gguf::GgufSource;
-use smolchat::engine::prompt::PromptBuilder;
-use smolchat::engine::template::ChatTemplate;
-use smolchat::engine::tokenizer::Tokenizer;
-use smolchat::store::{Conversation, ConversationSettings, Message, MessageStatus, Role};
-use smolchat::web::openai::chat_prompt;
-use smolchat::web::openai::request::{parse_chat, Defaults};
+use smolchat_gguf::GgufSource;
+use smolchat_service::session::conversation_prompt;
+use smolchat_store::{Conversation, ConversationSettings, Message, MessageStatus, Role};
+use smolchat_text::prompt::PromptBuilder;
+use smolchat_text::template::ChatTemplate;
+use smolchat_text::tokenizer::Tokenizer;
+use smolchat_web::openai::chat_prompt;
+use smolchat_web::openai::request::{parse_chat, Defaults};
 use uuid::Uuid;
 
 const SYSTEM: &str = "You are terse. Answer in one line.";

@@ -3,7 +3,7 @@
 mod common;
 
 use common::*;
-use smolchat::engine::{KvType, LogitsMode, SeqStep};
+use smolchat_engine::{KvType, LogitsMode, SeqStep};
 
 fn all_logits(path: &std::path::Path, tokens: &[u32]) -> Vec<f32> {
     all_logits_kv(path, tokens, KvType::default())

@@ -19,7 +19,7 @@ use reqwest::StatusCode;
 use serde_json::json;
 
 use common::server::{Client, Server};
-use smolchat::store::Store;
+use smolchat_store::Store;
 
 const WRITERS: usize = 4;
 

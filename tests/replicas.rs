@@ -215,7 +215,7 @@ async fn three_replicas_behind_a_proxy_lose_nothing_and_keep_caches_warm() {
     );
 
     // Nothing lost, from the database's point of view too.
-    let store = smolchat::store::Store::open_beside_server(&url)
+    let store = smolchat_store::Store::open_beside_server(&url)
         .await
         .unwrap();
     let all = store.list_all_conversations().await.unwrap();
@@ -632,7 +632,7 @@ async fn forwarding_and_the_bus_believe_only_what_is_signed() {
     // Signed with the shared secret, the same message is believed: the session there ends,
     // and with it the viewer's stream.
     let mac =
-        smolchat::auth::secret::fingerprint(COOKIE_SECRET.as_bytes(), "smolchat-bus-v1", &payload);
+        smolchat_auth::secret::fingerprint(COOKIE_SECRET.as_bytes(), "smolchat-bus-v1", &payload);
     sqlx::query("SELECT pg_notify('smolchat_cluster', $1)")
         .bind(format!("{mac}.{payload}"))
         .execute(&mut pg)

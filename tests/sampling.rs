@@ -1,7 +1,7 @@
 //! Sampler and stop-string behaviour.
 
-use smolchat::engine::sampling::{Sampler, SamplingParams, StopMatcher, StopTokens};
-use smolchat::engine::EngineError;
+use smolchat_text::sampling::{Sampler, SamplingParams, StopMatcher, StopTokens};
+use smolchat_text::TextError;
 
 fn params(temperature: f32) -> SamplingParams {
     SamplingParams {
@@ -140,7 +140,7 @@ fn validate_names_the_bad_field() {
     ];
     for (p, field) in cases {
         match p.validate() {
-            Err(EngineError::Sampling(msg)) => assert!(msg.contains(field), "{msg}"),
+            Err(TextError::Sampling(msg)) => assert!(msg.contains(field), "{msg}"),
             other => panic!("{field}: expected a sampling error, got {other:?}"),
         }
         assert!(Sampler::new(p).is_err());
@@ -435,7 +435,7 @@ fn recent_token_outside_the_vocabulary_is_an_error() {
         ..SamplingParams::greedy()
     });
     match s.sample(&mut [1.0, 2.0], &[5]) {
-        Err(EngineError::BadToken { id: 5, vocab: 2 }) => {}
+        Err(TextError::BadToken { id: 5, vocab: 2 }) => {}
         other => panic!("{other:?}"),
     }
 }
@@ -514,7 +514,7 @@ fn nan_and_infinite_logits_do_not_panic() {
         // Nothing usable: a clear error.
         for bad in [vec![f32::NAN; 8], vec![f32::NEG_INFINITY; 8], vec![]] {
             match s.sample(&mut bad.clone(), &[]) {
-                Err(EngineError::Sampling(msg)) => assert!(!msg.is_empty()),
+                Err(TextError::Sampling(msg)) => assert!(!msg.is_empty()),
                 other => panic!("{other:?}"),
             }
         }

@@ -12,7 +12,7 @@ use common::server::{form_encode, Client, Reply, Server};
 use reqwest::header::{CONTENT_TYPE, COOKIE};
 use reqwest::{Method, StatusCode};
 use serde_json::{json, Value};
-use smolchat::store::{PageRequest, Store};
+use smolchat_store::{PageRequest, Store};
 
 const LONG_PROMPT: &str =
     "Write a very long, detailed story about a knight's journey across many kingdoms.";

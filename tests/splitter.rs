@@ -4,7 +4,7 @@
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use serde_json::json;
-use smolchat::engine::splitter::{SplitEvent, Splitter, ToolCall};
+use smolchat_text::splitter::{SplitEvent, Splitter, ToolCall};
 
 /// What a whole message split into: concatenated reasoning and answer, and the tool-call events
 /// (valid or not) in order.

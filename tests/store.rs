@@ -8,7 +8,7 @@ mod common;
 use chrono::NaiveDate;
 use std::time::Duration;
 
-use smolchat::store::{
+use smolchat_store::{
     backup, ConversationSettings, FinishedReply, ImportedMessage, MessageStatus, PageRequest,
     ReplicaLoad, Role, SessionKind, Store, StoreError, Timings, TITLE_MAX_CHARS,
 };
@@ -200,7 +200,7 @@ async fn search_matches_title_and_message_content_ignoring_case(db) {
         .await
         .unwrap();
 
-    let ids = |v: Vec<smolchat::store::ConversationSummary>| -> Vec<Uuid> {
+    let ids = |v: Vec<smolchat_store::ConversationSummary>| -> Vec<Uuid> {
         v.into_iter().map(|c| c.id).collect()
     };
     assert_eq!(
@@ -1010,7 +1010,7 @@ async fn insert_exchange_replaces_atomically(db) {
             Err(StoreError::MessageNotFound(_))
         ));
         let now = store.messages(c.id).await.unwrap();
-        let key = |m: &smolchat::store::Message| (m.id, m.position, m.content.clone());
+        let key = |m: &smolchat_store::Message| (m.id, m.position, m.content.clone());
         assert_eq!(
             now.iter().map(key).collect::<Vec<_>>(),
             before.iter().map(key).collect::<Vec<_>>()
@@ -1276,8 +1276,8 @@ async fn pages_follow_the_keyset_cursor(db) {
     assert_eq!(store.count_conversations("p").await.unwrap(), 7);
     // Cursors survive a trip through text and refuse anything else.
     let c = first.next.unwrap();
-    assert_eq!(smolchat::store::Cursor::decode(&c.encode()), Some(c));
-    assert_eq!(smolchat::store::Cursor::decode("12_not-a-uuid"), None);
+    assert_eq!(smolchat_store::Cursor::decode(&c.encode()), Some(c));
+    assert_eq!(smolchat_store::Cursor::decode("12_not-a-uuid"), None);
 }
 }
 
@@ -1425,21 +1425,21 @@ both! {
 async fn user_names_ignore_case_on_both_backends(db) {
     let (_dir, _url, store) = fresh(db).await;
     let hash = "$argon2id$v=19$m=19456,t=2,p=1$c2FsdHNhbHQ$aGFzaGhhc2hoYXNoaGFzaA";
-    let new = |id: &'static str, name: &'static str| smolchat::store::NewUser {
+    let new = |id: &'static str, name: &'static str| smolchat_store::NewUser {
         id,
         name,
         password_hash: hash,
-        role: smolchat::store::UserRole::User,
+        role: smolchat_store::UserRole::User,
         invite: None,
         adopt_from: None,
     };
     assert!(matches!(
         store.create_user(&new("u1", "Alice")).await.unwrap(),
-        smolchat::store::CreatedUser::Created { .. }
+        smolchat_store::CreatedUser::Created { .. }
     ));
     assert!(matches!(
         store.create_user(&new("u2", "alice")).await.unwrap(),
-        smolchat::store::CreatedUser::NameTaken
+        smolchat_store::CreatedUser::NameTaken
     ));
     assert_eq!(store.user_by_name("ALICE").await.unwrap().unwrap().id, "u1");
     store.create_user(&new("u3", "bob")).await.unwrap();
@@ -1468,11 +1468,11 @@ async fn token_sums_saturate_whatever_is_stored(db) {
     let (_dir, _url, store) = fresh(db).await;
     let hash = "$argon2id$v=19$m=19456,t=2,p=1$c2FsdHNhbHQ$aGFzaGhhc2hoYXNoaGFzaA";
     store
-        .create_user(&smolchat::store::NewUser {
+        .create_user(&smolchat_store::NewUser {
             id: "u1",
             name: "huge",
             password_hash: hash,
-            role: smolchat::store::UserRole::User,
+            role: smolchat_store::UserRole::User,
             invite: None,
             adopt_from: None,
         })
@@ -1496,7 +1496,7 @@ async fn token_sums_saturate_whatever_is_stored(db) {
     }
     store.add_api_usage("u1", i64::MAX / 2, i64::MAX / 2).await.unwrap();
     let listed = store.list_users(10, 0).await.unwrap();
-    let cap = smolchat::store::MAX_TOKEN_COUNT;
+    let cap = smolchat_store::MAX_TOKEN_COUNT;
     assert_eq!(listed[0].tokens, 6 * cap + 2 * cap);
     // Text kept by the owner: what the import quota counts.
     let stored = store.stored_text_bytes("u1").await.unwrap();

@@ -6,13 +6,13 @@ use std::path::Path;
 
 use candle_core::quantized::{gguf_file, QStorage, QTensor};
 use candle_core::{Device, Tensor};
-use smolchat::engine::gguf::{GgmlDType, GgufSource, Value};
-use smolchat::engine::model::{LogitsMode, Model};
-use smolchat::engine::synthetic::{
+use smolchat_engine::cpu::model::{LogitsMode, Model};
+use smolchat_engine::synthetic::{
     self, q4km_more_bits, rename_architecture, write_source_as_gguf, SyntheticModel, SyntheticSpec,
     TypeMix, WeightFill,
 };
-use smolchat::engine::{Architecture, Engine, EngineError, ModelConfig, SeqStep};
+use smolchat_engine::{Architecture, Engine, EngineError, ModelConfig, SeqStep};
+use smolchat_gguf::{GgmlDType, GgufError, GgufSource, Value};
 
 fn mixes() -> Vec<TypeMix> {
     vec![
@@ -382,7 +382,7 @@ fn invalid_specs_are_clear_errors() {
         ..SyntheticSpec::tiny("llama").with_type_mix(TypeMix::Uniform(GgmlDType::Q4K))
     };
     match synthetic::build(&spec) {
-        Err(EngineError::BadKey { key, detail }) => {
+        Err(EngineError::Gguf(GgufError::BadKey { key, detail })) => {
             assert_eq!(key, "llama.embedding_length");
             assert!(detail.contains("256"), "{detail}");
         }
@@ -401,7 +401,7 @@ fn invalid_specs_are_clear_errors() {
     };
     assert!(matches!(
         synthetic::build(&spec),
-        Err(EngineError::BadKey { .. })
+        Err(EngineError::Gguf(GgufError::BadKey { .. }))
     ));
     let spec = SyntheticSpec {
         n_layers: 0,
@@ -461,7 +461,7 @@ fn tokenizer_metadata_is_copied_and_sets_the_vocabulary() {
     let empty = GgufSource::in_memory(HashMap::new(), Vec::new());
     assert!(matches!(
         SyntheticSpec::tiny("llama").with_tokenizer_from(&empty),
-        Err(EngineError::MissingKey(_))
+        Err(EngineError::Gguf(GgufError::MissingKey(_)))
     ));
 }
 
@@ -557,7 +557,7 @@ fn smollm3_3b_preset_has_the_real_shapes_and_mix() {
         (1.85e9..1.95e9).contains(&(total as f64)),
         "{total} bytes of weights"
     );
-    let by_name: HashMap<&str, &smolchat::engine::gguf::RawTensor> =
+    let by_name: HashMap<&str, &smolchat_gguf::RawTensor> =
         model.tensors.iter().map(|t| (t.name.as_str(), t)).collect();
     assert_eq!(by_name.len(), 2 + 36 * 9);
     assert!(!by_name.contains_key("output.weight"));

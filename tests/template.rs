@@ -4,11 +4,11 @@ use std::path::{Path, PathBuf};
 
 use chrono::NaiveDate;
 use serde_json::json;
-use smolchat::engine::gguf::{GgufSource, Value as GgufValue};
-use smolchat::engine::template::{
+use smolchat_gguf::{GgufSource, Value as GgufValue};
+use smolchat_text::template::{
     prompt_ends_in_open_think, ChatMessage, ChatTemplate, RenderOptions, SMOLLM3_TEMPLATE,
 };
-use smolchat::engine::EngineError;
+use smolchat_text::TextError;
 
 /// The date the reference cases were rendered with (`strftime_now` gave `21 November 2026`).
 fn reference_date() -> NaiveDate {
@@ -28,9 +28,9 @@ fn cases() -> Vec<serde_json::Value> {
     cases.as_array().expect("cases are a list").clone()
 }
 
-fn template_message(result: Result<impl std::fmt::Debug, EngineError>) -> String {
+fn template_message(result: Result<impl std::fmt::Debug, TextError>) -> String {
     match result {
-        Err(EngineError::Template(msg)) => msg,
+        Err(TextError::Template(msg)) => msg,
         other => panic!("expected a template error, got {other:?}"),
     }
 }
@@ -196,7 +196,9 @@ fn from_gguf_fallbacks() {
     assert!(msg.contains("tokenizer.chat_template"), "{msg}");
 
     match ChatTemplate::from_gguf(&gguf_with("llama", Some(GgufValue::U32(3)))) {
-        Err(EngineError::BadKey { key, .. }) => assert_eq!(key, "tokenizer.chat_template"),
+        Err(TextError::Gguf(smolchat_gguf::GgufError::BadKey { key, .. })) => {
+            assert_eq!(key, "tokenizer.chat_template")
+        }
         other => panic!("expected BadKey, got {other:?}"),
     }
 }
@@ -408,7 +410,7 @@ fn message_fields_reach_the_template() {
 
 mod common;
 
-use smolchat::engine::tokenizer::Tokenizer;
+use smolchat_text::tokenizer::Tokenizer;
 
 /// Both models' tokenizers, each with its own template (SmolLM2's from the GGUF, SmolLM3's
 /// reference template for the tiny SmolLM3 file, which carries the same markup).

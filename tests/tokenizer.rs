@@ -6,8 +6,8 @@ use std::path::{Path, PathBuf};
 use std::sync::LazyLock;
 
 use serde_json::Value as Json;
-use smolchat::engine::gguf::{GgufSource, Value};
-use smolchat::engine::tokenizer::{Detokenizer, Tokenizer};
+use smolchat_gguf::{GgufSource, Value};
+use smolchat_text::tokenizer::{Detokenizer, Tokenizer};
 
 fn model_path() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("models/SmolLM2-135M-Instruct.Q4_1.gguf")

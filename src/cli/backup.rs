@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use anyhow::{Context, Result};
 use clap::Args;
 
-use crate::config::Config;
+use smolchat_service::config::Config;
 
 #[derive(Args, Debug)]
 pub struct BackupArgs {
@@ -31,7 +31,7 @@ pub fn run(args: &BackupArgs) -> Result<()> {
         .build()
         .context("starting the async runtime")?;
     let report = runtime
-        .block_on(crate::store::backup(&url, &args.path))
+        .block_on(smolchat_store::backup(&url, &args.path))
         .with_context(|| format!("backing up {url}"))?;
     println!(
         "{}",

@@ -8,9 +8,9 @@ use anyhow::{Context, Result};
 use clap::Args;
 use serde_json::json;
 
-use crate::engine::load;
-use crate::engine::synthetic::{self, SyntheticSpec, TypeMix};
-use crate::engine::{Engine, LogitsMode, SeqStep};
+use smolchat_engine::synthetic::{self, SyntheticSpec, TypeMix};
+use smolchat_engine::{Engine, LogitsMode, SeqStep};
+use smolchat_serving::load;
 
 #[derive(Args, Debug)]
 pub struct BenchArgs {
@@ -129,7 +129,7 @@ pub fn run(args: &BenchArgs, globals: &super::Globals) -> Result<()> {
         "model": model_name,
         "architecture": cfg.arch.gguf_name(),
         "threads": rayon::current_num_threads(),
-        "isa": crate::engine::quant::Isa::best().name(),
+        "isa": smolchat_engine::cpu::Isa::best().name(),
         "device": engine.device().to_string(),
         "weight_bytes": engine.weight_bytes(),
         "kv": {

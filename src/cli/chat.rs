@@ -8,9 +8,9 @@ use anyhow::Result;
 use clap::Args;
 
 use super::generate::{chat_prompt, stream, SamplingArgs};
-use crate::engine::generation::Generation;
-use crate::engine::splitter::{SplitEvent, Splitter};
-use crate::engine::template::ChatMessage;
+use smolchat_text::generation::Generation;
+use smolchat_text::splitter::{SplitEvent, Splitter};
+use smolchat_text::template::ChatMessage;
 
 #[derive(Args, Debug)]
 pub struct ChatArgs {

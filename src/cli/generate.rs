@@ -7,11 +7,12 @@ use std::time::Instant;
 use anyhow::{Context, Result};
 use clap::Args;
 
-use crate::engine::generation::{FinishReason, Generation};
-use crate::engine::prompt::PromptBuilder;
-use crate::engine::sampling::SamplingParams;
-use crate::engine::template::{ChatMessage, RenderOptions};
-use crate::engine::{Engine, LoadedModel, LogitsMode, SeqId, SeqStep};
+use smolchat_engine::{Engine, LogitsMode, SeqId, SeqStep};
+use smolchat_serving::load::LoadedModel;
+use smolchat_text::generation::{FinishReason, Generation};
+use smolchat_text::prompt::PromptBuilder;
+use smolchat_text::sampling::SamplingParams;
+use smolchat_text::template::{ChatMessage, RenderOptions};
 
 #[derive(Args, Debug, Clone)]
 pub struct SamplingArgs {

@@ -6,9 +6,9 @@ use std::path::PathBuf;
 use anyhow::Result;
 use clap::Args;
 
-use crate::engine::gguf::{summarize_value, GgufSource};
-use crate::engine::kv::{BlockAllocator, KvLayout};
-use crate::engine::{KvOptions, KvType, ModelConfig};
+use smolchat_engine::kv::{BlockAllocator, KvLayout};
+use smolchat_engine::{KvOptions, KvType, ModelConfig};
+use smolchat_gguf::{summarize_value, GgufSource};
 
 #[derive(Args, Debug)]
 pub struct InspectArgs {

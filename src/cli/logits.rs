@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use anyhow::{Context, Result};
 use clap::Args;
 
-use crate::engine::{LogitsMode, SeqStep};
+use smolchat_engine::{LogitsMode, SeqStep};
 
 #[derive(Args, Debug)]
 pub struct LogitsArgs {
@@ -37,7 +37,7 @@ pub fn run(args: &LogitsArgs, globals: &super::Globals) -> Result<()> {
         .next()
         .flatten()
         .context("the engine returned no logits")?;
-    crate::engine::npy::write_f32(&args.out, tokens.len(), vocab, logits)
+    smolchat_engine::npy::write_f32(&args.out, tokens.len(), vocab, logits)
         .with_context(|| format!("writing {}", args.out.display()))?;
     tracing::info!(path = %args.out.display(), rows = tokens.len(), vocab, "wrote logits");
     Ok(())

@@ -17,12 +17,11 @@ use anyhow::{Context, Result};
 use clap::{Args, Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
 
-use crate::config::Config;
-use crate::engine::attention::DecodePrefetch;
-use crate::engine::device::DeviceRequest;
-use crate::engine::load::{self, LoadedModel};
-use crate::engine::quant::Isa;
-use crate::engine::KvType;
+use smolchat_engine::cpu::{DecodePrefetch, Isa};
+use smolchat_engine::device::DeviceRequest;
+use smolchat_engine::KvType;
+use smolchat_service::config::Config;
+use smolchat_serving::load::{self, LoadedModel};
 
 #[derive(Parser, Debug)]
 #[command(
@@ -113,7 +112,7 @@ pub struct DeviceArg {
 /// clap's parser for device flags: the engine's one parser, its message as clap's.
 pub fn parse_device(s: &str) -> std::result::Result<DeviceRequest, String> {
     s.parse()
-        .map_err(|e: crate::engine::EngineError| e.to_string())
+        .map_err(|e: smolchat_engine::EngineError| e.to_string())
 }
 
 /// `--config` and `--model` for the commands that read a model outside the server: the same

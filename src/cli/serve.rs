@@ -9,9 +9,9 @@ use std::path::PathBuf;
 use anyhow::{Context, Result};
 use clap::Args;
 
-use crate::config::Config;
-use crate::engine::device::DeviceRequest;
-use crate::platform::{self, Platform};
+use smolchat_engine::device::DeviceRequest;
+use smolchat_service::config::Config;
+use smolchat_service::platform::{self, Platform};
 
 #[derive(Args, Debug, Default)]
 pub struct ServeArgs {
@@ -69,9 +69,9 @@ impl ServeArgs {
 pub fn run(args: &ServeArgs, globals: &super::Globals) -> Result<()> {
     let config = args.config(globals)?;
     super::init_threads(config.model.threads)?;
-    crate::web::check_config(&config).map_err(|e| anyhow::anyhow!("configuration: {e}"))?;
+    smolchat_web::check_config(&config).map_err(|e| anyhow::anyhow!("configuration: {e}"))?;
     // Before anything records a metric, or those first values would be lost.
-    crate::web::ops::install_metrics();
+    smolchat_web::ops::install_metrics();
     tracing::info!(model = %config.model.path.display(), "loading the model");
     eprintln!("smolchat: loading {}", config.model.path.display());
     let (engine, tokenizer, template, info) = platform::load_model(&config)?;
@@ -84,7 +84,7 @@ pub fn run(args: &ServeArgs, globals: &super::Globals) -> Result<()> {
         let platform = Platform::start(config, engine, tokenizer, template, info)
             .await
             .context("starting the platform")?;
-        crate::web::run(platform).await.context("serving")?;
+        smolchat_web::run(platform).await.context("serving")?;
         Ok(())
     })
 }

@@ -3,8 +3,8 @@
 use anyhow::Result;
 use clap::Args;
 
-use crate::engine::gguf::GgufSource;
-use crate::engine::load;
+use smolchat_gguf::GgufSource;
+use smolchat_text::tokenizer::Tokenizer;
 
 #[derive(Args, Debug)]
 pub struct TokenizeArgs {
@@ -23,7 +23,7 @@ pub fn run(args: &TokenizeArgs, globals: &super::Globals) -> Result<()> {
     let config = args.model.config(super::DeviceArg::default(), globals)?;
     let src = GgufSource::open(config.model.existing_path()?)?;
     // The tokenizer the server would use: `model.tokenizer` when configured.
-    let tokenizer = load::tokenizer(&src, config.model.tokenizer.as_deref())?;
+    let tokenizer = Tokenizer::load(&src, config.model.tokenizer.as_deref())?;
     let mut ids = Vec::new();
     if args.add_bos && tokenizer.add_bos() {
         ids.extend(tokenizer.bos_id());

@@ -12,9 +12,9 @@ use std::time::Duration;
 use anyhow::{bail, Context, Result};
 use clap::{Args, Subcommand};
 
-use crate::auth::accounts;
-use crate::config::Config;
-use crate::store::{Store, UserRole};
+use smolchat_auth::accounts;
+use smolchat_service::config::Config;
+use smolchat_store::{Store, UserRole};
 
 /// Where the database is: the same flags as `serve`.
 #[derive(Args, Debug, Clone, Default)]
@@ -111,7 +111,7 @@ fn read_password(from_stdin: bool) -> Result<String> {
     Ok(first)
 }
 
-async fn user_named(store: &Store, name: &str) -> Result<crate::store::User> {
+async fn user_named(store: &Store, name: &str) -> Result<smolchat_store::User> {
     store
         .user_by_name(name)
         .await?

@@ -9,8 +9,8 @@ pub mod server;
 
 use std::path::PathBuf;
 
-use smolchat::engine::gguf::GgufSource;
-use smolchat::engine::{Engine, KvOptions, KvType, Model};
+use smolchat_engine::{Engine, KvOptions, KvType, Model};
+use smolchat_gguf::GgufSource;
 
 pub fn crate_root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))

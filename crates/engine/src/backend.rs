@@ -1,0 +1,38 @@
+//! The seam between the engine's bookkeeping and the hardware: a [`Backend`] holds the weights
+//! and the KV pages and runs one forward pass over a step's items. The [`super::Engine`] owns
+//! the rest (the block allocator, the sequence table, prefix reuse), the same whatever computes.
+//!
+//! Today there is one backend, [`crate::cpu::CpuBackend`]: the transformer of `cpu/model.rs`
+//! over the host KV pages of `cpu/kv.rs`, its matmuls on the rayon pool. A CUDA backend
+//! implements the same trait over VRAM pages indexed by the same block ids.
+
+use crate::config::ModelConfig;
+use crate::cpu::model::BatchItem;
+use crate::device::Device;
+use crate::error::Result;
+use crate::kv::KvType;
+
+/// One compute backend (see the module docs).
+pub trait Backend: Send {
+    /// Where it computes.
+    fn device(&self) -> Device;
+    /// The model's shapes and limits.
+    fn config(&self) -> &ModelConfig;
+    /// Bytes of weights held.
+    fn weight_bytes(&self) -> usize;
+    /// How KV rows are stored.
+    fn kv_type(&self) -> KvType;
+    /// Bytes one position takes across every layer and KV head.
+    fn kv_bytes_per_position(&self) -> usize;
+    /// Bytes of one block of [`super::kv::BLOCK_POSITIONS`] positions: the allocator's unit.
+    fn kv_block_bytes(&self) -> usize;
+    /// Makes pages exist for every block id below `blocks` (they are allocated lazily).
+    fn reserve_blocks(&mut self, blocks: usize);
+    /// Bytes of KV pages allocated so far.
+    fn kv_resident_bytes(&self) -> usize;
+    /// Checks a step's items before any block is taken (token ids, lengths, the window).
+    fn validate(&self, items: &[BatchItem<'_>]) -> Result<()>;
+    /// One forward pass over `items`, whose blocks are reserved: writes their K/V and returns
+    /// each item's logits as it asked (`None` for [`super::LogitsMode::None`]).
+    fn forward(&mut self, items: &[BatchItem<'_>]) -> Result<Vec<Option<Vec<f32>>>>;
+}

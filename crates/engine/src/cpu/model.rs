@@ -1,0 +1,600 @@
+//! The Llama-family transformer that serves both SmolLM2 (`llama`) and SmolLM3 (`smollm3`, which is
+//! Llama with RoPE left out of every fourth layer).
+//!
+//! One forward pass serves many sequences: the new tokens of every sequence (a prefill chunk or a
+//! single decode token) are concatenated, each linear layer runs once over all of them, and
+//! attention runs per sequence and head against that sequence's own KV cache at its own positions.
+//! Logits are computed only for the rows that are asked for.
+
+use rayon::prelude::*;
+use tracing::trace_span;
+
+use super::attention::{attention, AttnShape, SeqAttn};
+use super::kv::CpuKvStorage;
+use super::quant::QMatrix;
+use crate::config::{Architecture, ModelConfig, YarnScaling};
+use crate::error::{EngineError, Result};
+use crate::kv::{BlockId, KvKind, BLOCK_POSITIONS};
+use smolchat_gguf::{GgmlDType, GgufSource};
+
+/// Which logits a sequence wants from a step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LogitsMode {
+    /// None (a prefill chunk that is not the prompt's last).
+    None,
+    /// The last position only (what sampling needs).
+    Last,
+    /// Every position of the chunk (for `smolchat logits` and teacher-forced checks).
+    All,
+}
+
+/// One sequence's part of a forward step.
+pub struct BatchItem<'a> {
+    /// The sequence's block table, already grown to hold `past + tokens.len()` positions.
+    pub blocks: &'a [BlockId],
+    /// Positions already cached; the new tokens go at `past..`.
+    pub past: usize,
+    pub tokens: &'a [u32],
+    pub logits: LogitsMode,
+}
+
+struct Layer {
+    attn_norm: Vec<f32>,
+    wq: QMatrix,
+    wk: QMatrix,
+    wv: QMatrix,
+    wo: QMatrix,
+    ffn_norm: Vec<f32>,
+    w_gate: QMatrix,
+    w_up: QMatrix,
+    w_down: QMatrix,
+}
+
+pub struct Model {
+    pub config: ModelConfig,
+    token_embd: QMatrix,
+    /// `None` when the embeddings are tied (the LM head is `token_embd`).
+    output: Option<QMatrix>,
+    output_norm: Vec<f32>,
+    layers: Vec<Layer>,
+}
+
+/// Progress of a load, in bytes of tensor data.
+pub type LoadProgress<'a> = &'a mut dyn FnMut(u64, u64);
+
+impl Model {
+    /// Builds the model from a GGUF source, reading one tensor at a time (weights stay quantized).
+    pub fn load(src: &mut GgufSource, progress: LoadProgress<'_>) -> Result<Self> {
+        let config = ModelConfig::from_gguf(src)?;
+        let total: u64 = src.tensors.values().map(|t| t.n_bytes as u64).sum();
+        let mut done = 0u64;
+        let c = &config;
+        let q_dim = c.n_heads * c.head_dim;
+        let kv_dim = c.n_kv_heads * c.head_dim;
+
+        let mut matrix = |src: &mut GgufSource, name: &str, rows: usize, cols: usize| {
+            let raw = src.take_tensor(name)?;
+            done += raw.data.len() as u64;
+            progress(done, total);
+            if raw.dims != [rows, cols] {
+                return Err(EngineError::BadShape {
+                    name: name.to_string(),
+                    actual: raw.dims,
+                    expected: vec![rows, cols],
+                });
+            }
+            QMatrix::from_raw(raw)
+        };
+        let token_embd = matrix(src, "token_embd.weight", c.vocab_size, c.hidden)?;
+        let output = if src.tensors.contains_key("output.weight") {
+            Some(matrix(src, "output.weight", c.vocab_size, c.hidden)?)
+        } else {
+            None
+        };
+        let mut layers = Vec::with_capacity(c.n_layers);
+        for i in 0..c.n_layers {
+            let n = |s: &str| format!("blk.{i}.{s}.weight");
+            layers.push(Layer {
+                attn_norm: Vec::new(),
+                wq: matrix(src, &n("attn_q"), q_dim, c.hidden)?,
+                wk: matrix(src, &n("attn_k"), kv_dim, c.hidden)?,
+                wv: matrix(src, &n("attn_v"), kv_dim, c.hidden)?,
+                wo: matrix(src, &n("attn_output"), c.hidden, q_dim)?,
+                ffn_norm: Vec::new(),
+                w_gate: matrix(src, &n("ffn_gate"), c.ffn, c.hidden)?,
+                w_up: matrix(src, &n("ffn_up"), c.ffn, c.hidden)?,
+                w_down: matrix(src, &n("ffn_down"), c.hidden, c.ffn)?,
+            });
+        }
+        for (i, layer) in layers.iter_mut().enumerate() {
+            layer.attn_norm = norm_vector(src, &format!("blk.{i}.attn_norm.weight"), c.hidden)?;
+            layer.ffn_norm = norm_vector(src, &format!("blk.{i}.ffn_norm.weight"), c.hidden)?;
+        }
+        let output_norm = norm_vector(src, "output_norm.weight", c.hidden)?;
+        progress(total, total);
+        Ok(Self {
+            config,
+            token_embd,
+            output,
+            output_norm,
+            layers,
+        })
+    }
+
+    /// Turns on YaRN context extension (when the file does not already ask for it): RoPE
+    /// frequencies are rescaled for `factor` times the original context, and the usable context
+    /// grows by that factor.
+    pub fn apply_yarn(&mut self, factor: f32, original_context: Option<usize>) {
+        let c = &mut self.config;
+        let original = original_context.unwrap_or(c.context_length);
+        c.yarn = Some(YarnScaling::new(factor, original));
+        c.context_length = (original as f32 * factor) as usize;
+    }
+
+    /// Bytes of weights held.
+    pub fn weight_bytes(&self) -> usize {
+        let mut n = self.token_embd.size_in_bytes()
+            + self.output.as_ref().map_or(0, |o| o.size_in_bytes())
+            + self.output_norm.len() * 4;
+        for l in &self.layers {
+            n += [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down]
+                .iter()
+                .map(|m| m.size_in_bytes())
+                .sum::<usize>()
+                + (l.attn_norm.len() + l.ffn_norm.len()) * 4;
+        }
+        n
+    }
+
+    /// Checks a batch before anything is computed, so a bad request never leaves caches
+    /// half-updated: everything [`Self::validate_request`] checks, and that every item has blocks
+    /// for its new positions.
+    pub fn validate(&self, items: &[BatchItem<'_>]) -> Result<()> {
+        self.validate_request(items)?;
+        for (i, item) in items.iter().enumerate() {
+            let needed = item.past + item.tokens.len();
+            if item.blocks.len() * BLOCK_POSITIONS < needed {
+                return Err(EngineError::InvalidStep(format!(
+                    "sequence #{i} of the step has KV blocks for {} positions but needs {needed}",
+                    item.blocks.len() * BLOCK_POSITIONS
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// The checks that do not depend on KV blocks: tokens present and in the vocabulary, and the
+    /// context window respected.
+    pub fn validate_request(&self, items: &[BatchItem<'_>]) -> Result<()> {
+        let c = &self.config;
+        if items.is_empty() {
+            return Err(EngineError::InvalidStep(
+                "a step needs at least one sequence".into(),
+            ));
+        }
+        for (i, item) in items.iter().enumerate() {
+            if item.tokens.is_empty() {
+                return Err(EngineError::InvalidStep(format!(
+                    "sequence #{i} of the step has no tokens"
+                )));
+            }
+            if let Some(&id) = item.tokens.iter().find(|&&t| t as usize >= c.vocab_size) {
+                return Err(EngineError::BadToken {
+                    id,
+                    vocab: c.vocab_size,
+                });
+            }
+            let needed = item.past + item.tokens.len();
+            if needed > c.context_length {
+                return Err(EngineError::ContextOverflow {
+                    seq: i as u64,
+                    needed,
+                    window: c.context_length,
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Runs one step, storing the new positions' K/V in `kv` (the items' blocks must have pages
+    /// there). Returns, per item, `None`, the last row of logits (`vocab` floats) or every row
+    /// (`tokens.len() * vocab` floats), as each item asked.
+    pub fn forward(
+        &self,
+        kv: &mut CpuKvStorage,
+        items: &[BatchItem<'_>],
+    ) -> Result<Vec<Option<Vec<f32>>>> {
+        self.validate(items)?;
+        if let Some(b) = items
+            .iter()
+            .flat_map(|i| i.blocks.iter())
+            .find(|&&b| b as usize >= kv.blocks())
+        {
+            return Err(EngineError::InvalidStep(format!(
+                "KV block {b} has no pages in the storage"
+            )));
+        }
+        let _span = trace_span!("forward", seqs = items.len()).entered();
+        let c = &self.config;
+        let hidden = c.hidden;
+        let hd = c.head_dim;
+        let q_dim = c.n_heads * hd;
+        let kv_dim = c.n_kv_heads * hd;
+
+        // Row layout of the concatenated batch.
+        let mut offsets = Vec::with_capacity(items.len() + 1);
+        let mut positions = Vec::new();
+        offsets.push(0usize);
+        for item in items.iter() {
+            let start = item.past;
+            positions.extend(start..start + item.tokens.len());
+            offsets.push(offsets[offsets.len() - 1] + item.tokens.len());
+        }
+        let n = positions.len();
+        let seqs: Vec<SeqAttn<'_>> = items
+            .iter()
+            .zip(&offsets)
+            .map(|(item, &row0)| SeqAttn {
+                blocks: item.blocks,
+                past: item.past,
+                row0,
+                rows: item.tokens.len(),
+            })
+            .collect();
+        let shape = AttnShape {
+            n_heads: c.n_heads,
+            n_kv_heads: c.n_kv_heads,
+            head_dim: hd,
+        };
+
+        let mut x = vec![0f32; n * hidden];
+        for (row, &tok) in items.iter().flat_map(|i| i.tokens.iter()).enumerate() {
+            self.token_embd
+                .dequantize_row(tok as usize, &mut x[row * hidden..(row + 1) * hidden])?;
+        }
+        let rope = RopeTable::new(c, &positions);
+
+        let mut h = vec![0f32; n * hidden];
+        let mut q = vec![0f32; n * q_dim];
+        let mut k = vec![0f32; n * kv_dim];
+        let mut v = vec![0f32; n * kv_dim];
+        let mut attn = vec![0f32; n * q_dim];
+        let mut proj = vec![0f32; n * hidden];
+        let mut gate = vec![0f32; n * c.ffn];
+        let mut up = vec![0f32; n * c.ffn];
+
+        for (li, layer) in self.layers.iter().enumerate() {
+            let _span = trace_span!("layer", li).entered();
+            rms_norm(&x, &layer.attn_norm, c.rms_eps, &mut h);
+            QMatrix::matmul_many(
+                &[&layer.wq, &layer.wk, &layer.wv],
+                &h,
+                n,
+                &mut [&mut q[..], &mut k[..], &mut v[..]],
+            );
+            if c.uses_rope[li] {
+                rope.apply(&mut q, c.n_heads, hd);
+                rope.apply(&mut k, c.n_kv_heads, hd);
+            }
+            for s in &seqs {
+                for r in 0..s.rows {
+                    let pos = s.past + r;
+                    let block = s.blocks[pos / BLOCK_POSITIONS];
+                    let slot = pos % BLOCK_POSITIONS;
+                    let row = s.row0 + r;
+                    for kh in 0..c.n_kv_heads {
+                        let src = row * kv_dim + kh * hd;
+                        kv.write(block, slot, li, kh, KvKind::K, &k[src..src + hd]);
+                        kv.write(block, slot, li, kh, KvKind::V, &v[src..src + hd]);
+                    }
+                }
+            }
+            attention(shape, kv, li, &seqs, &q, &mut attn);
+            layer.wo.matmul(&attn, n, &mut proj);
+            add_in_place(&mut x, &proj);
+
+            rms_norm(&x, &layer.ffn_norm, c.rms_eps, &mut h);
+            QMatrix::matmul_many(
+                &[&layer.w_gate, &layer.w_up],
+                &h,
+                n,
+                &mut [&mut gate[..], &mut up[..]],
+            );
+            swiglu_in_place(&mut gate, &up);
+            layer.w_down.matmul(&gate, n, &mut proj);
+            add_in_place(&mut x, &proj);
+        }
+
+        // Only the rows somebody asked for go through the final norm and the LM head.
+        let mut rows = Vec::new();
+        for (si, item) in items.iter().enumerate() {
+            match item.logits {
+                LogitsMode::None => {}
+                LogitsMode::Last => rows.push(offsets[si + 1] - 1),
+                LogitsMode::All => rows.extend(offsets[si]..offsets[si + 1]),
+            }
+        }
+        let vocab = c.vocab_size;
+        let mut logits = vec![0f32; rows.len() * vocab];
+        if !rows.is_empty() {
+            let _span = trace_span!("lm_head", rows = rows.len()).entered();
+            let mut sel = vec![0f32; rows.len() * hidden];
+            for (i, &r) in rows.iter().enumerate() {
+                sel[i * hidden..(i + 1) * hidden].copy_from_slice(&x[r * hidden..(r + 1) * hidden]);
+            }
+            let mut normed = vec![0f32; sel.len()];
+            rms_norm(&sel, &self.output_norm, c.rms_eps, &mut normed);
+            let head = self.output.as_ref().unwrap_or(&self.token_embd);
+            head.matmul(&normed, rows.len(), &mut logits);
+        }
+        let mut out = Vec::with_capacity(items.len());
+        let mut cursor = 0usize;
+        for item in items.iter() {
+            let take = match item.logits {
+                LogitsMode::None => 0,
+                LogitsMode::Last => 1,
+                LogitsMode::All => item.tokens.len(),
+            };
+            if take == 0 {
+                out.push(None);
+            } else {
+                out.push(Some(
+                    logits[cursor * vocab..(cursor + take) * vocab].to_vec(),
+                ));
+                cursor += take;
+            }
+        }
+        Ok(out)
+    }
+
+    pub fn architecture(&self) -> Architecture {
+        self.config.arch
+    }
+}
+
+fn norm_vector(src: &mut GgufSource, name: &str, len: usize) -> Result<Vec<f32>> {
+    let raw = src.take_tensor(name)?;
+    if raw.dims.iter().product::<usize>() != len {
+        return Err(EngineError::BadShape {
+            name: name.to_string(),
+            actual: raw.dims,
+            expected: vec![len],
+        });
+    }
+    match raw.dtype {
+        GgmlDType::F32 | GgmlDType::F16 => {
+            let m = QMatrix::from_raw(smolchat_gguf::RawTensor {
+                dims: vec![1, len],
+                ..raw
+            })?;
+            let mut out = vec![0f32; len];
+            m.dequantize_row(0, &mut out)?;
+            Ok(out)
+        }
+        other => Err(EngineError::from(
+            smolchat_gguf::GgufError::UnsupportedTensorType {
+                name: name.to_string(),
+                dtype: format!("{other:?} (norm weights must be F32 or F16)"),
+            },
+        )),
+    }
+}
+
+/// cos/sin of every (row, frequency) pair of a step, shared by all RoPE layers.
+struct RopeTable {
+    rope_dim: usize,
+    /// `[row][rope_dim / 2]`
+    cos: Vec<f32>,
+    sin: Vec<f32>,
+}
+
+impl RopeTable {
+    fn new(c: &ModelConfig, positions: &[usize]) -> Self {
+        let half = c.rope_dim / 2;
+        let mut cos = Vec::with_capacity(positions.len() * half);
+        let mut sin = Vec::with_capacity(positions.len() * half);
+        let theta_scale = c.rope_theta.powf(-2.0 / c.rope_dim as f32);
+        let yarn = c
+            .yarn
+            .map(|y| YarnParams::new(&y, c.rope_dim, c.rope_theta));
+        for &p in positions {
+            let mut theta = p as f32;
+            for i in 0..half {
+                let (cs, sn) = match &yarn {
+                    None => (theta.cos(), theta.sin()),
+                    Some(y) => y.cos_sin(theta, i),
+                };
+                cos.push(cs);
+                sin.push(sn);
+                theta *= theta_scale;
+            }
+        }
+        Self {
+            rope_dim: c.rope_dim,
+            cos,
+            sin,
+        }
+    }
+
+    /// Rotates adjacent pairs `(x[2i], x[2i+1])` of each head (GGML's "normal" RoPE, which is what
+    /// llama.cpp's converters prepare llama and smollm3 weights for).
+    fn apply(&self, data: &mut [f32], n_heads: usize, head_dim: usize) {
+        let half = self.rope_dim / 2;
+        let width = n_heads * head_dim;
+        for (row, chunk) in data.chunks_mut(width).enumerate() {
+            let cos = &self.cos[row * half..(row + 1) * half];
+            let sin = &self.sin[row * half..(row + 1) * half];
+            for head in chunk.chunks_mut(head_dim) {
+                for i in 0..half {
+                    let (a, b) = (head[2 * i], head[2 * i + 1]);
+                    head[2 * i] = a * cos[i] - b * sin[i];
+                    head[2 * i + 1] = a * sin[i] + b * cos[i];
+                }
+            }
+        }
+    }
+}
+
+/// YaRN as computed by ggml's `rope_yarn`: interpolate low frequencies, extrapolate high ones,
+/// with a linear ramp between the correction dimensions, and scale magnitudes by `mscale`.
+struct YarnParams {
+    freq_scale: f32,
+    low: f32,
+    high: f32,
+    mscale: f32,
+}
+
+impl YarnParams {
+    fn new(y: &YarnScaling, rope_dim: usize, base: f32) -> Self {
+        let corr_dim = |beta: f32| {
+            rope_dim as f32 * (y.original_context as f32 / (beta * 2.0 * std::f32::consts::PI)).ln()
+                / (2.0 * base.ln())
+        };
+        let low = corr_dim(y.beta_fast).floor().max(0.0);
+        let high = corr_dim(y.beta_slow).ceil().min(rope_dim as f32 - 1.0);
+        let freq_scale = 1.0 / y.factor;
+        Self {
+            freq_scale,
+            low,
+            high,
+            mscale: y.attn_factor * (1.0 + 0.1 * (1.0 / freq_scale).ln()),
+        }
+    }
+
+    fn cos_sin(&self, theta_extrap: f32, pair: usize) -> (f32, f32) {
+        let theta_interp = self.freq_scale * theta_extrap;
+        let ramp = {
+            let y = (pair as f32 - self.low) / (self.high - self.low).max(0.001);
+            1.0 - y.clamp(0.0, 1.0)
+        };
+        let theta = theta_interp * (1.0 - ramp) + theta_extrap * ramp;
+        (theta.cos() * self.mscale, theta.sin() * self.mscale)
+    }
+}
+
+/// Element-wise work between the matmuls (norms, residual adds, SwiGLU) of at least this many
+/// values is split across the pool. Why: in prefill it is about 6% of single-thread time (3B
+/// shape, 1024 tokens: `Model::forward` 3.1% and SwiGLU's `expf` 2.5% in `perf`); left on one
+/// thread it caps 16 threads at ~9× one. Below it (decode) a parallel region, about a
+/// microsecond inside the pool, would cost more than the work. Every value is computed the same
+/// way either way, so results do not depend on the thread count.
+const PAR_VALUES: usize = 1 << 14;
+
+/// Values per task of the element-wise splits.
+const PAR_CHUNK: usize = 1 << 12;
+
+/// `out[r] = x[r] / rms(x[r]) * weight` for every row (sum in f64, as ggml does).
+fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
+    let d = weight.len();
+    let row = |(xr, or): (&[f32], &mut [f32])| {
+        let ss: f64 = xr.iter().map(|&v| (v as f64) * (v as f64)).sum();
+        let scale = 1.0 / ((ss / d as f64) as f32 + eps).sqrt();
+        for ((o, &v), &w) in or.iter_mut().zip(xr).zip(weight) {
+            *o = v * scale * w;
+        }
+    };
+    if x.len() >= PAR_VALUES {
+        x.par_chunks(d).zip(out.par_chunks_mut(d)).for_each(row);
+    } else {
+        x.chunks(d).zip(out.chunks_mut(d)).for_each(row);
+    }
+}
+
+/// Applies `f(a, b)` to every pair `(x[i], y[i])`, split across the pool when large.
+fn zip_in_place(x: &mut [f32], y: &[f32], f: impl Fn(&mut f32, f32) + Sync) {
+    let chunk = |(xs, ys): (&mut [f32], &[f32])| {
+        for (a, &b) in xs.iter_mut().zip(ys) {
+            f(a, b);
+        }
+    };
+    if x.len() >= PAR_VALUES {
+        x.par_chunks_mut(PAR_CHUNK)
+            .zip(y.par_chunks(PAR_CHUNK))
+            .for_each(chunk);
+    } else {
+        chunk((x, y));
+    }
+}
+
+fn add_in_place(x: &mut [f32], y: &[f32]) {
+    zip_in_place(x, y, |a, b| *a += b);
+}
+
+/// `gate = silu(gate) * up`
+fn swiglu_in_place(gate: &mut [f32], up: &[f32]) {
+    zip_in_place(gate, up, |g, u| *g = *g / (1.0 + (-*g).exp()) * u);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The element-wise steps split across a pool give exactly the values of a plain loop, above
+    /// and below the split threshold (so logits cannot depend on the thread count through them).
+    #[test]
+    fn elementwise_steps_split_across_threads_equal_plain_loops() {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(3)
+            .build()
+            .unwrap_or_else(|e| panic!("{e}"));
+        let d = 576;
+        for rows in [1, 3 * PAR_VALUES / d + 5] {
+            let n = rows * d;
+            let x: Vec<f32> = (0..n)
+                .map(|i| ((i * 7919) % 2003) as f32 / 1001.0 - 1.0)
+                .collect();
+            let y: Vec<f32> = (0..n)
+                .map(|i| ((i * 104729) % 997) as f32 / 498.0 - 1.0)
+                .collect();
+            let w: Vec<f32> = (0..d).map(|i| 0.5 + i as f32 / d as f32).collect();
+
+            let mut norm = vec![0f32; n];
+            let (mut sum, mut glu) = (x.clone(), x.clone());
+            pool.install(|| {
+                rms_norm(&x, &w, 1e-5, &mut norm);
+                add_in_place(&mut sum, &y);
+                swiglu_in_place(&mut glu, &y);
+            });
+            for r in 0..rows {
+                let xr = &x[r * d..(r + 1) * d];
+                let ss: f64 = xr.iter().map(|&v| (v as f64) * (v as f64)).sum();
+                let scale = 1.0 / ((ss / d as f64) as f32 + 1e-5).sqrt();
+                for (c, &wc) in w.iter().enumerate() {
+                    let i = r * d + c;
+                    assert_eq!(norm[i].to_bits(), (x[i] * scale * wc).to_bits(), "norm {i}");
+                }
+            }
+            for i in 0..n {
+                assert_eq!(sum[i].to_bits(), (x[i] + y[i]).to_bits(), "add {i}");
+                let g = x[i] / (1.0 + (-x[i]).exp()) * y[i];
+                assert_eq!(glu[i].to_bits(), g.to_bits(), "swiglu {i}");
+            }
+        }
+    }
+
+    /// YaRN keeps the fastest-turning pairs as they are (extrapolation), divides the slowest by
+    /// the factor (interpolation), ramps in between, and scales every cos/sin by
+    /// `1 + 0.1 ln(factor)`, as ggml's `rope_yarn` does.
+    #[test]
+    fn yarn_interpolates_slow_frequencies_and_keeps_fast_ones() {
+        let rope_dim = 128;
+        let base = 5_000_000f32;
+        let y = YarnParams::new(&YarnScaling::new(2.0, 65_536), rope_dim, base);
+        let mscale = 1.0 + 0.1 * 2f32.ln();
+        assert!((y.mscale - mscale).abs() < 1e-6);
+        assert!(y.low < y.high && y.high < rope_dim as f32);
+        let theta_scale = base.powf(-2.0 / rope_dim as f32);
+        let pos = 1000f32;
+        for pair in [0usize, (y.high as usize + 1).min(63)] {
+            let theta = pos * theta_scale.powi(pair as i32);
+            let (c, s) = y.cos_sin(theta, pair);
+            let expected = if (pair as f32) < y.low {
+                theta
+            } else {
+                theta / 2.0
+            };
+            assert!((c - expected.cos() * mscale).abs() < 1e-4, "pair {pair}");
+            assert!((s - expected.sin() * mscale).abs() < 1e-4, "pair {pair}");
+        }
+    }
+}

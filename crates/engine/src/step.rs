@@ -1,0 +1,334 @@
+//! The engine's multi-sequence step API: a table of sequences, each with its own KV cache, and a
+//! `step` that advances any number of them in one forward pass.
+
+use std::collections::HashMap;
+
+use super::backend::Backend;
+use super::config::ModelConfig;
+use super::device::Device;
+use super::error::{EngineError, Result};
+use super::kv::{BlockAllocator, BlockTable, KvOptions, KvType, BLOCK_POSITIONS};
+use crate::cpu::model::{BatchItem, LogitsMode, Model};
+use crate::cpu::CpuBackend;
+
+pub type SeqId = u64;
+
+/// One sequence's work in a step: its new tokens (a prefill chunk of any length or one decode
+/// token) and which logits it wants back.
+#[derive(Debug, Clone, Copy)]
+pub struct SeqStep<'a> {
+    pub seq: SeqId,
+    pub tokens: &'a [u32],
+    pub logits: LogitsMode,
+}
+
+/// Counters for tests, metrics and benchmarks.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct EngineStats {
+    pub steps: u64,
+    /// Tokens processed in chunks of more than one token.
+    pub prefill_tokens: u64,
+    /// Tokens processed one at a time.
+    pub decode_tokens: u64,
+}
+
+/// One sequence: the blocks holding its K/V and the tokens they were computed for.
+struct Sequence {
+    table: BlockTable,
+    /// `tokens.len()` is the number of positions held (and the next position).
+    tokens: Vec<u32>,
+}
+
+pub struct Engine {
+    /// The weights, the KV pages and the forward pass (the only hardware-specific part).
+    backend: Box<dyn Backend>,
+    /// Which block ids are free and which sequence holds the others (backend-neutral).
+    alloc: BlockAllocator,
+    seqs: HashMap<SeqId, Sequence>,
+    next_id: SeqId,
+    stats: EngineStats,
+}
+
+impl Engine {
+    /// A CPU engine with the default KV cache: f16 within 2 GiB (f16 stores any head
+    /// dimension).
+    pub fn new(model: Model) -> Self {
+        Self::build(
+            Box::new(CpuBackend::f16(model)),
+            KvOptions::default().budget_bytes,
+        )
+    }
+
+    /// A CPU engine whose KV cache is stored as `options.kv_type` within
+    /// `options.budget_bytes`. Errors when the type cannot store this model's rows or the
+    /// budget holds no block.
+    pub fn with_kv(model: Model, options: KvOptions) -> Result<Self> {
+        Self::on_backend(Box::new(CpuBackend::new(model, options.kv_type)?), options)
+    }
+
+    /// An engine over any backend, its KV cache within `options.budget_bytes` (the backend
+    /// already stores rows as `options.kv_type`). Errors when the budget holds no block.
+    pub fn on_backend(backend: Box<dyn Backend>, options: KvOptions) -> Result<Self> {
+        let block = backend.kv_block_bytes();
+        if options.budget_bytes < block {
+            return Err(EngineError::KvConfig(format!(
+                "a budget of {} bytes holds no block: one block of {} positions takes {} bytes with {}",
+                options.budget_bytes,
+                BLOCK_POSITIONS,
+                block,
+                backend.kv_type()
+            )));
+        }
+        Ok(Self::build(backend, options.budget_bytes))
+    }
+
+    fn build(backend: Box<dyn Backend>, budget_bytes: usize) -> Self {
+        Self {
+            // The backend's page layout decides the block's bytes; the allocator only counts.
+            alloc: BlockAllocator::with_budget(budget_bytes, backend.kv_block_bytes()),
+            backend,
+            seqs: HashMap::new(),
+            next_id: 1,
+            stats: EngineStats::default(),
+        }
+    }
+
+    /// Where this engine computes.
+    pub fn device(&self) -> Device {
+        self.backend.device()
+    }
+
+    /// The model's shapes and limits.
+    pub fn config(&self) -> &ModelConfig {
+        self.backend.config()
+    }
+
+    /// Bytes of weights held.
+    pub fn weight_bytes(&self) -> usize {
+        self.backend.weight_bytes()
+    }
+
+    pub fn stats(&self) -> EngineStats {
+        self.stats
+    }
+
+    /// How K/V are stored.
+    pub fn kv_type(&self) -> KvType {
+        self.backend.kv_type()
+    }
+
+    /// Bytes of K/V per cached position.
+    pub fn kv_bytes_per_token(&self) -> usize {
+        self.backend.kv_bytes_per_position()
+    }
+
+    /// Bytes per block of [`BLOCK_POSITIONS`] positions.
+    pub fn kv_block_bytes(&self) -> usize {
+        self.alloc.bytes_per_block()
+    }
+
+    /// Blocks the budget holds.
+    pub fn kv_capacity_blocks(&self) -> usize {
+        self.alloc.capacity_blocks()
+    }
+
+    /// Positions the budget holds, across all sequences.
+    pub fn kv_capacity_tokens(&self) -> usize {
+        self.alloc.capacity_positions()
+    }
+
+    /// Blocks not held by any sequence.
+    pub fn kv_free_blocks(&self) -> usize {
+        self.alloc.free_blocks()
+    }
+
+    /// Bytes of pages allocated in memory (the peak of blocks in use; freed blocks keep their
+    /// pages for reuse). Never more than the budget.
+    pub fn kv_resident_bytes(&self) -> usize {
+        self.backend.kv_resident_bytes()
+    }
+
+    /// More blocks `seq` needs to take `extra` more tokens.
+    pub fn kv_blocks_needed(&self, seq: SeqId, extra: usize) -> Result<usize> {
+        let s = self.sequence(seq)?;
+        Ok(BlockAllocator::blocks_needed(
+            &s.table,
+            s.tokens.len() + extra,
+        ))
+    }
+
+    /// Starts an empty sequence (it holds no blocks until its first step).
+    pub fn create_sequence(&mut self) -> SeqId {
+        let id = self.next_id;
+        self.next_id += 1;
+        self.seqs.insert(
+            id,
+            Sequence {
+                table: BlockTable::new(),
+                tokens: Vec::new(),
+            },
+        );
+        id
+    }
+
+    /// Drops a sequence and gives its blocks back; returns whether it existed.
+    pub fn free_sequence(&mut self, seq: SeqId) -> bool {
+        match self.seqs.remove(&seq) {
+            Some(mut s) => {
+                self.alloc.release(&mut s.table);
+                true
+            }
+            None => false,
+        }
+    }
+
+    pub fn contains(&self, seq: SeqId) -> bool {
+        self.seqs.contains_key(&seq)
+    }
+
+    fn sequence(&self, seq: SeqId) -> Result<&Sequence> {
+        self.seqs.get(&seq).ok_or(EngineError::UnknownSequence(seq))
+    }
+
+    /// Keeps the first `len` cached positions of `seq`; whole blocks past them go back to the
+    /// free list (a partly used last block is kept).
+    pub fn truncate(&mut self, seq: SeqId, len: usize) -> Result<()> {
+        let s = self
+            .seqs
+            .get_mut(&seq)
+            .ok_or(EngineError::UnknownSequence(seq))?;
+        if len < s.tokens.len() {
+            s.tokens.truncate(len);
+            self.alloc.truncate(&mut s.table, len);
+        }
+        Ok(())
+    }
+
+    /// The tokens whose K/V `seq` holds.
+    pub fn cached_tokens(&self, seq: SeqId) -> Result<&[u32]> {
+        Ok(&self.sequence(seq)?.tokens)
+    }
+
+    /// Prepares `seq` to run `prompt`: keeps the longest cached prefix shared with it (but never the
+    /// whole prompt, since the last prompt token must be computed for its logits), drops the rest,
+    /// and returns how many prompt tokens were kept. The caller then steps `prompt[kept..]`.
+    pub fn reuse_prefix(&mut self, seq: SeqId, prompt: &[u32]) -> Result<usize> {
+        let shared = self.common_prefix(seq, prompt)?;
+        let kept = shared.min(prompt.len().saturating_sub(1));
+        self.truncate(seq, kept)?;
+        Ok(kept)
+    }
+
+    /// Length of the longest common prefix of `seq`'s cached tokens and `tokens`.
+    pub fn common_prefix(&self, seq: SeqId, tokens: &[u32]) -> Result<usize> {
+        Ok(self
+            .sequence(seq)?
+            .tokens
+            .iter()
+            .zip(tokens)
+            .take_while(|(a, b)| a == b)
+            .count())
+    }
+
+    /// Bytes of the blocks `seq` holds.
+    pub fn kv_bytes(&self, seq: SeqId) -> Result<usize> {
+        Ok(self.sequence(seq)?.table.len() * self.alloc.bytes_per_block())
+    }
+
+    /// Bytes of the blocks all sequences hold.
+    pub fn total_kv_bytes(&self) -> usize {
+        self.alloc.used_bytes()
+    }
+
+    /// Advances every listed sequence by its tokens in one forward pass. Returns each sequence's
+    /// logits as asked (see [`LogitsMode`]). On error no cache has changed.
+    pub fn step(&mut self, steps: &[SeqStep<'_>]) -> Result<Vec<Option<Vec<f32>>>> {
+        for (i, s) in steps.iter().enumerate() {
+            if !self.seqs.contains_key(&s.seq) {
+                return Err(EngineError::UnknownSequence(s.seq));
+            }
+            if steps[..i].iter().any(|o| o.seq == s.seq) {
+                return Err(EngineError::InvalidStep(format!(
+                    "sequence {} appears twice in one step",
+                    s.seq
+                )));
+            }
+        }
+        let past: Vec<usize> = steps
+            .iter()
+            .map(|s| self.seqs.get(&s.seq).map_or(0, |q| q.tokens.len()))
+            .collect();
+        // Check the step before taking any block, so a refused step changes nothing.
+        {
+            let items: Vec<BatchItem<'_>> = steps
+                .iter()
+                .zip(&past)
+                .map(|(s, &past)| BatchItem {
+                    blocks: &[],
+                    past,
+                    tokens: s.tokens,
+                    logits: s.logits,
+                })
+                .collect();
+            self.backend.validate(&items)?;
+        }
+        let needed: usize = steps
+            .iter()
+            .zip(&past)
+            .filter_map(|(s, &p)| {
+                self.seqs
+                    .get(&s.seq)
+                    .map(|q| BlockAllocator::blocks_needed(&q.table, p + s.tokens.len()))
+            })
+            .sum();
+        if needed > self.alloc.free_blocks() {
+            return Err(EngineError::KvCacheFull {
+                needed_blocks: needed,
+                free_blocks: self.alloc.free_blocks(),
+            });
+        }
+        for (s, &p) in steps.iter().zip(&past) {
+            if let Some(q) = self.seqs.get_mut(&s.seq) {
+                self.alloc.grow(&mut q.table, p + s.tokens.len())?;
+            }
+        }
+        self.backend.reserve_blocks(self.alloc.high_water());
+
+        let result = {
+            let items: Vec<BatchItem<'_>> = steps
+                .iter()
+                .zip(&past)
+                .filter_map(|(s, &past)| {
+                    self.seqs.get(&s.seq).map(|q| BatchItem {
+                        blocks: q.table.blocks(),
+                        past,
+                        tokens: s.tokens,
+                        logits: s.logits,
+                    })
+                })
+                .collect();
+            self.backend.forward(&items)
+        };
+        for (s, &p) in steps.iter().zip(&past) {
+            if let Some(q) = self.seqs.get_mut(&s.seq) {
+                if result.is_ok() {
+                    q.tokens.extend_from_slice(s.tokens);
+                } else {
+                    // Give back the blocks this step took; what was written in kept blocks past
+                    // `p` is never read (positions beyond `tokens.len()` are overwritten).
+                    self.alloc.truncate(&mut q.table, p);
+                }
+            }
+        }
+        let out = result?;
+        self.stats.steps += 1;
+        for s in steps {
+            if s.tokens.len() == 1 {
+                self.stats.decode_tokens += 1;
+            } else {
+                self.stats.prefill_tokens += s.tokens.len() as u64;
+            }
+        }
+        Ok(out)
+    }
+}

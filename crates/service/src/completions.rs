@@ -1,0 +1,164 @@
+//! The completions service: the one way any interface runs a prompt on the model. The session
+//! actors (behind the pages and the JSON API) and `/v1` submit a [`CompletionRequest`] and read
+//! the [`Completion`] it returns: a stream of the request's events that cancels the request when
+//! dropped before it finished, and records `/v1` usage when it finishes.
+//!
+//! The rule every interface shares lives here once: a request without a token limit may fill
+//! what the context window leaves (the batcher refuses prompts that are empty or fill it).
+
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use actix::Addr;
+use futures_util::Stream;
+use tokio::sync::mpsc;
+use uuid::Uuid;
+
+use smolchat_serving::scheduler::{Cancel, SchedulerActor, Submit};
+use smolchat_serving::types::{GenEvent, GenSummary, GenerationRequest, RequestId, SubmitError};
+use smolchat_store::Store;
+use smolchat_text::sampling::SamplingParams;
+
+/// Which KV cache a request reuses and keeps.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CacheUse {
+    /// A conversation's own cache, kept for its next turn.
+    Conversation(Uuid),
+    /// A stateless request: it reuses (and leaves for reuse) only caches of this partition, an
+    /// opaque tag of the client's identity.
+    Partition(String),
+}
+
+/// One prompt to run.
+#[derive(Debug, Clone)]
+pub struct CompletionRequest {
+    pub prompt: Vec<u32>,
+    pub params: SamplingParams,
+    /// The most tokens to generate; `None`: as many as the context window leaves after the
+    /// prompt (the scheduler clamps either to `limits.max_new_tokens`).
+    pub max_tokens: Option<usize>,
+    pub cache: CacheUse,
+    /// Who the work is for (fair sharing and per-user limits); `None`: no per-user caps.
+    pub user: Option<String>,
+    /// The wider group with a token quota of its own (a guest's address).
+    pub group: Option<String>,
+    /// The account whose `/v1` usage the finished request adds to (`api_usage`); `None`: not
+    /// recorded there (conversations store their counts with the reply).
+    pub usage_owner: Option<String>,
+}
+
+/// The completions service (see the module docs).
+#[derive(Clone)]
+pub struct Completions {
+    scheduler: Addr<SchedulerActor>,
+    store: Store,
+    context_window: usize,
+}
+
+impl Completions {
+    pub fn new(scheduler: Addr<SchedulerActor>, store: Store, context_window: usize) -> Self {
+        Self {
+            scheduler,
+            store,
+            context_window,
+        }
+    }
+
+    /// Queues `request`. The batcher refuses an empty prompt or one that fills the context window
+    /// (`SubmitError::Invalid`, `SubmitError::ContextOverflow`): an interface maps one error type.
+    pub async fn submit(&self, request: CompletionRequest) -> Result<Completion, SubmitError> {
+        let mut params = request.params;
+        // At least 1, so a prompt that fills the window is refused for that, not for its limit.
+        params.max_new_tokens = request.max_tokens.unwrap_or_else(|| {
+            self.context_window
+                .saturating_sub(request.prompt.len())
+                .max(1)
+        });
+        let (cache_key, cache_salt) = match request.cache {
+            // Should the conversation's cache be busy, any temporary cache stays with it.
+            CacheUse::Conversation(id) => (Some(id), Some(id.to_string())),
+            CacheUse::Partition(salt) => (None, Some(salt)),
+        };
+        let (tx, events) = mpsc::unbounded_channel();
+        let id = self
+            .scheduler
+            .send(Submit(GenerationRequest {
+                cache_key,
+                user: request.user,
+                group: request.group,
+                cache_salt,
+                prompt: request.prompt,
+                params,
+                max_time: None,
+                events: tx,
+            }))
+            .await
+            .map_err(|e| {
+                SubmitError::Unavailable(format!("the scheduler is not available ({e})"))
+            })??;
+        Ok(Completion {
+            id,
+            events,
+            scheduler: self.scheduler.clone(),
+            finished: false,
+            usage: request.usage_owner.map(|owner| (self.store.clone(), owner)),
+        })
+    }
+}
+
+/// A submitted request: its events, in order, ending with [`GenEvent::Finished`]. Dropping it
+/// before then cancels the request (the client went away, the session stopped).
+pub struct Completion {
+    id: RequestId,
+    events: mpsc::UnboundedReceiver<GenEvent>,
+    scheduler: Addr<SchedulerActor>,
+    finished: bool,
+    usage: Option<(Store, String)>,
+}
+
+impl Completion {
+    /// The scheduler's id of the request (for logs and [`Cancel`]).
+    pub fn id(&self) -> RequestId {
+        self.id
+    }
+
+    fn on_finished(&mut self, summary: &GenSummary) {
+        self.finished = true;
+        if let Some((store, owner)) = self.usage.take() {
+            // Off the response path: the answer does not wait for the write, and a database
+            // that cannot take it only loses the statistic.
+            let prompt = i64::try_from(summary.prompt_tokens).unwrap_or(i64::MAX);
+            let completion = i64::try_from(summary.completion_tokens).unwrap_or(i64::MAX);
+            actix::spawn(async move {
+                if let Err(e) = store.add_api_usage(&owner, prompt, completion).await {
+                    tracing::warn!("cannot record API usage: {e}");
+                }
+            });
+        }
+    }
+}
+
+impl Stream for Completion {
+    type Item = GenEvent;
+
+    fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<GenEvent>> {
+        let this = self.get_mut();
+        let polled = this.events.poll_recv(cx);
+        match &polled {
+            Poll::Ready(Some(GenEvent::Finished(summary))) => this.on_finished(summary),
+            // The worker dropped the request without a summary (it stopped): nothing to cancel.
+            Poll::Ready(None) => this.finished = true,
+            _ => {}
+        }
+        polled
+    }
+}
+
+impl Drop for Completion {
+    fn drop(&mut self) {
+        if !self.finished {
+            tracing::debug!(request = self.id, "a completion was dropped; cancelling it");
+            self.scheduler.do_send(Cancel(self.id));
+        }
+    }
+}

@@ -1,0 +1,794 @@
+//! Configuration: built-in defaults, then `config/default.toml`, then an optional config file,
+//! then `SMOLCHAT_…` environment variables (sections split by `__`, e.g.
+//! `SMOLCHAT_SERVER__BIND=0.0.0.0:8080`), then command-line flags (applied by the CLI).
+
+use std::path::{Path, PathBuf};
+
+use figment::providers::{Env, Format, Serialized, Toml};
+use figment::Figment;
+use serde::{Deserialize, Serialize};
+
+use smolchat_auth::SignupMode;
+use smolchat_engine::cpu::{DecodePrefetch, Isa};
+use smolchat_engine::device::DeviceRequest;
+use smolchat_engine::{CpuOptions, EngineOptions, KvOptions, KvType, Yarn};
+use smolchat_serving::LoadOptions;
+
+/// The embedded default model (SmolLM2-135M-Instruct, Q4_1), fetched by `scripts/fetch-model.sh`.
+/// Here rather than in the CLI because the configuration's defaults and the platform's
+/// missing-file hint need it too, and they sit below the CLI.
+pub const DEFAULT_MODEL: &str = "models/SmolLM2-135M-Instruct.Q4_1.gguf";
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("configuration: {0}")]
+    Invalid(String),
+    #[error("configuration file {0} does not exist")]
+    MissingFile(PathBuf),
+    #[error("{0}")]
+    MissingModel(String),
+}
+
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct Config {
+    pub model: ModelConfig,
+    pub server: ServerConfig,
+    pub database: DatabaseConfig,
+    pub scheduler: SchedulerSection,
+    pub limits: LimitsConfig,
+    pub session: SessionSection,
+    pub auth: AuthSection,
+    /// Several replicas on one PostgreSQL database.
+    pub replica: ReplicaSection,
+    /// Defaults for new conversations.
+    pub sampling: SamplingDefaults,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct ModelConfig {
+    /// The GGUF file. Default: the embedded SmolLM2-135M-Instruct under `models/`.
+    pub path: PathBuf,
+    /// Optional `tokenizer.json` overriding the GGUF's tokenizer.
+    pub tokenizer: Option<PathBuf>,
+    /// `auto`, `cpu`, `cuda` or `cuda:N`, parsed when the configuration loads (a bad value is a
+    /// load error naming the key); `auto` picks a GPU only when this build can use one.
+    pub device: DeviceRequest,
+    /// Compute threads (default: all cores).
+    pub threads: Option<usize>,
+    /// YaRN context extension factor (SmolLM3: 2 extends its 64k training context to 128k).
+    /// Unset: whatever the GGUF says (usually no scaling).
+    pub yarn_factor: Option<f32>,
+    /// The context the model was trained on, for YaRN (default: the GGUF's context length).
+    pub yarn_original_context: Option<usize>,
+    /// How the KV cache stores keys and values: `f32`, `f16` (default) or `q8_0` (about half of
+    /// f16's bytes; needs a head dimension that is a multiple of 32). `--kv-type` overrides it.
+    pub kv_type: KvType,
+    /// The best instruction set the CPU kernels may use: `avx512`, `avxvnni`, `avx2` or
+    /// `scalar` (default: the best this CPU has). `SMOLCHAT_ISA` overrides it.
+    pub isa: Option<Isa>,
+    /// How decode attention prefetches KV pages: `eager` or `lazy` (default: by the L1 data cache
+    /// size). `SMOLCHAT_DECODE_PREFETCH` overrides it.
+    pub decode_prefetch: Option<DecodePrefetch>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct ServerConfig {
+    pub bind: String,
+    /// Token for `/admin`; the admin page is disabled without one.
+    pub admin_token: Option<String>,
+    /// Bearer key for `/v1/…`; open when unset.
+    pub api_key: Option<String>,
+    /// Bearer token for `/metrics` (Prometheus sends it with `authorization.credentials`); open
+    /// when unset, which suits a server bound to a private address.
+    pub metrics_token: Option<String>,
+    /// Secret for signing cookies (at least 64 bytes). When unset, one is generated on first
+    /// start and kept in the database's folder (`cookie_secret`, mode 0600), so restarts keep
+    /// everyone's cookies valid.
+    pub cookie_secret: Option<String>,
+    /// Addresses (or CIDR ranges) of reverse proxies whose `X-Forwarded-For`,
+    /// `X-Forwarded-Proto` and `Forwarded` headers are believed. Empty: the TCP peer is the
+    /// client, and those headers are never read.
+    pub trusted_proxies: Vec<String>,
+    /// Host names this server answers for (`Host`); `localhost` and IP literals always pass,
+    /// `.example.com` allows every subdomain, `["*"]` allows any. Unset: only `localhost` and IP
+    /// literals when bound to a loopback address (stops DNS rebinding), any host otherwise.
+    pub allowed_hosts: Option<Vec<String>>,
+}
+
+/// `server.trusted_proxies` parsed: CIDRs (`10.0.0.0/8`, `fd00::/8`) and plain addresses (one
+/// host each).
+pub fn parse_proxies(entries: &[String]) -> Result<Vec<ipnet::IpNet>, String> {
+    entries
+        .iter()
+        .map(|e| {
+            let e = e.trim();
+            e.parse::<ipnet::IpNet>()
+                .or_else(|_| e.parse::<std::net::IpAddr>().map(ipnet::IpNet::from))
+                .map_err(|_| {
+                    format!(
+                        "server.trusted_proxies: {e:?} is not an address or a CIDR range \
+                         (examples: \"127.0.0.1\", \"10.0.0.0/8\", \"fd00::/8\")"
+                    )
+                })
+        })
+        .collect()
+}
+
+/// The shortest `server.admin_token`, `server.api_key` and `server.metrics_token` accepted: a
+/// guessable bearer secret protects nothing.
+pub const MIN_SECRET_CHARS: usize = 16;
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct DatabaseConfig {
+    pub url: String,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct SchedulerSection {
+    /// KV cache budget in MiB across all sequences.
+    pub kv_budget_mib: usize,
+    /// Tokens per step (decode tokens plus prefill chunks).
+    pub batch_token_budget: usize,
+    pub max_running: usize,
+    /// Requests allowed to wait; beyond this, 503 with Retry-After.
+    pub queue_size: usize,
+    /// Requests one user (owner, account or API client) may have waiting; beyond this, 429 with
+    /// Retry-After. 0: no per-user cap.
+    pub max_queued_per_user: usize,
+    /// Sequences one user may have running at once (0: no per-user cap). Admission is
+    /// round-robin by user either way.
+    pub max_running_per_user: usize,
+    /// Wall-clock limit per request, in seconds (0: none).
+    pub request_timeout_s: u64,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct LimitsConfig {
+    /// Context window to use (default and upper bound: the model's).
+    pub context: Option<usize>,
+    /// Upper bound on new tokens per reply.
+    pub max_new_tokens: usize,
+    /// Longest accepted user message, in characters.
+    pub max_message_chars: usize,
+    /// Open event streams (SSE) on one conversation; more are refused with 429.
+    pub max_streams_per_conversation: usize,
+    /// Open event streams of one user (owner) over all their conversations; more: 429.
+    pub max_streams_per_user: usize,
+    /// Open event streams in all; more are refused with 503.
+    pub max_streams: usize,
+    /// Open connections per HTTP worker thread (actix-web's `max_connections`; further
+    /// connections wait in the listen backlog).
+    pub max_connections: usize,
+    /// Seconds a request body may take to arrive in full (a client trickling it is cut off).
+    pub body_timeout_s: u64,
+    /// Seconds an idle keep-alive connection stays open.
+    pub keep_alive_s: u64,
+    /// Seconds a client has to send the request head (actix-web's `client_request_timeout`).
+    pub request_head_timeout_s: u64,
+    /// Conversations one owner may create (or import) per minute; for guests also per client
+    /// address, since a guest's owner id costs nothing to mint (0: no limit). More: 429.
+    pub conversations_per_minute: u32,
+    /// Conversations one owner may have stored in all (0: no limit). More: 429.
+    pub max_conversations_per_user: u64,
+    /// Generated tokens one user (owner, API key or API client address) may use per minute;
+    /// a request while over it is refused with 429 (0: no limit). Prompt tokens computed for
+    /// a request count too.
+    pub tokens_per_minute_per_user: u64,
+    /// The same for all guests of one client address together (guest owners cost nothing to
+    /// mint, so each would otherwise bring a fresh quota); 0: no limit.
+    pub tokens_per_minute_per_guest_address: u64,
+    /// Messages an imported conversation may hold at most.
+    pub max_import_messages: usize,
+    /// Open event streams from one client address (guests mint owners for free, so the
+    /// per-user cap alone does not bound one address); more: 429.
+    pub max_streams_per_address: usize,
+    /// Seconds an event stream may go without the client taking what was sent (a reader that
+    /// stopped reading); it is then closed, and the client resynchronises when it reconnects.
+    pub stream_stall_timeout_s: u64,
+    /// Text one owner may keep stored in all, in MiB (messages, reasoning and raw text); an
+    /// import or message past it is refused with 413 (0: no limit).
+    pub max_stored_mib_per_user: u64,
+    /// Imported text one client address may send per hour, in MiB, whoever it signs in as
+    /// (guests are free to mint); more: 429 (0: no limit).
+    pub import_mib_per_address_per_hour: u64,
+    /// Conversation searches one owner (and, for guests, one address) may run per minute;
+    /// more: 429 (0: no limit).
+    pub searches_per_minute: u32,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct SessionSection {
+    /// Seconds before an idle session actor stops.
+    pub idle_timeout_s: u64,
+    /// Milliseconds a reply keeps running after its last viewer left (a reload reconnects).
+    pub disconnect_grace_ms: u64,
+}
+
+/// Sign-in: session lifetimes and login throttling (see `src/auth`).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct AuthSection {
+    /// Seconds an admin session lasts from sign-in (using it does not extend it).
+    pub admin_session_s: u64,
+    /// Wrong sign-ins one client address may make before it is locked out.
+    pub login_free_failures_per_address: u32,
+    /// Wrong sign-ins one account (or the admin token) may get from all addresses together
+    /// before it is locked out.
+    pub login_free_failures_per_account: u32,
+    /// Seconds of the first lockout; each further wrong sign-in doubles it…
+    pub login_lockout_base_s: u64,
+    /// …up to this many seconds.
+    pub login_lockout_max_s: u64,
+    /// Addresses and accounts the throttle remembers at most (memory stays bounded).
+    pub login_throttle_entries: usize,
+    /// Who may create an account at `/signup`: `open` (anyone), `invite` (with a code from
+    /// `smolchat invite`) or `closed` (only `smolchat user add`).
+    pub signup: SignupMode,
+    /// Whether visitors may chat without an account (a guest owner cookie). When false, pages
+    /// redirect to `/signin` and `/api` answers 401.
+    pub guests: bool,
+    /// Seconds a user session lasts from sign-in (using it does not extend it).
+    pub user_session_s: u64,
+    /// An admin account created on start when no account exists yet (needs
+    /// `initial_admin_password`).
+    pub initial_admin: Option<String>,
+    /// Its password; better given as `SMOLCHAT_AUTH__INITIAL_ADMIN_PASSWORD` than in a file.
+    pub initial_admin_password: Option<String>,
+    /// Accounts one client address may create before it must wait (10 minutes, doubling up to
+    /// a day). Behind a reverse proxy set `server.trusted_proxies`, or every sign-up counts
+    /// against the proxy's address.
+    pub signups_per_address: u32,
+    /// Personal API keys one account may hold; more are refused until one is revoked.
+    pub max_api_keys_per_user: usize,
+    /// Signed-in sessions one account may hold; signing in beyond it ends the oldest.
+    pub max_sessions_per_user: usize,
+}
+
+/// One server process among several on a shared database (see docs/ARCHITECTURE.md,
+/// "Replicas").
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct ReplicaSection {
+    /// This replica's name, stable across restarts and unique among the replicas (a restart
+    /// under the same name takes over the earlier run's interrupted replies). Default: the host
+    /// name and the port of `server.bind`.
+    pub name: Option<String>,
+    /// Where the other replicas reach this one (e.g. `http://10.0.0.5:8080`). Default:
+    /// `http://` + `server.bind` when that is a specific address; with `0.0.0.0` set it.
+    pub url: Option<String>,
+    /// Milliseconds between heartbeats (each also ends the replies of dead replicas).
+    pub heartbeat_ms: u64,
+    /// Milliseconds without a heartbeat after which a replica counts as dead: its replies are
+    /// marked interrupted and its conversations routed to the others.
+    pub lease_ms: u64,
+    /// Send each conversation's turns to the replica that holds its KV cache (a stable hash of
+    /// the conversation id over the live replicas); a replica that receives a turn for another
+    /// forwards the request there. Off: every replica answers what it receives.
+    pub affinity: bool,
+}
+
+impl Default for ReplicaSection {
+    fn default() -> Self {
+        Self {
+            name: None,
+            url: None,
+            heartbeat_ms: 2000,
+            lease_ms: 10_000,
+            affinity: true,
+        }
+    }
+}
+
+impl ReplicaSection {
+    /// `replica.name`, or the default made of the host name and the port of `bind`.
+    pub fn name_or_default(&self, bind: &str) -> String {
+        if let Some(name) = self.name.as_deref().filter(|n| !n.trim().is_empty()) {
+            return name.trim().to_string();
+        }
+        let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+            .ok()
+            .map(|h| h.trim().to_string())
+            .filter(|h| !h.is_empty())
+            .unwrap_or_else(|| "smolchat".to_string());
+        let port = bind.rsplit(':').next().unwrap_or("");
+        format!("{host}:{port}")
+    }
+
+    /// `replica.url`, or `http://` + `bind` when `bind` names a specific address ('' otherwise:
+    /// the others cannot forward to this replica).
+    pub fn url_or_default(&self, bind: &str) -> String {
+        if let Some(url) = self.url.as_deref().filter(|u| !u.trim().is_empty()) {
+            return url.trim().trim_end_matches('/').to_string();
+        }
+        let unspecified = bind.starts_with("0.0.0.0:") || bind.starts_with("[::]:");
+        if unspecified {
+            String::new()
+        } else {
+            format!("http://{bind}")
+        }
+    }
+
+    pub fn heartbeat(&self) -> std::time::Duration {
+        std::time::Duration::from_millis(self.heartbeat_ms)
+    }
+
+    pub fn lease(&self) -> std::time::Duration {
+        std::time::Duration::from_millis(self.lease_ms)
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct SamplingDefaults {
+    pub temperature: f32,
+    pub top_p: f32,
+    pub top_k: usize,
+    pub max_tokens: usize,
+    pub thinking: bool,
+    pub system_prompt: Option<String>,
+}
+
+impl Default for ModelConfig {
+    fn default() -> Self {
+        Self {
+            path: PathBuf::from(DEFAULT_MODEL),
+            tokenizer: None,
+            device: DeviceRequest::Auto,
+            threads: None,
+            yarn_factor: None,
+            yarn_original_context: None,
+            kv_type: KvType::F16,
+            isa: None,
+            decode_prefetch: None,
+        }
+    }
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        Self {
+            bind: "127.0.0.1:8080".into(),
+            admin_token: None,
+            api_key: None,
+            metrics_token: None,
+            cookie_secret: None,
+            trusted_proxies: Vec::new(),
+            allowed_hosts: None,
+        }
+    }
+}
+
+impl Default for DatabaseConfig {
+    fn default() -> Self {
+        Self {
+            url: "sqlite://data/smolchat.db".into(),
+        }
+    }
+}
+
+impl Default for SchedulerSection {
+    fn default() -> Self {
+        Self {
+            kv_budget_mib: 2048,
+            batch_token_budget: 512,
+            max_running: 16,
+            queue_size: 64,
+            max_queued_per_user: 16,
+            max_running_per_user: 8,
+            request_timeout_s: 600,
+        }
+    }
+}
+
+impl Default for LimitsConfig {
+    fn default() -> Self {
+        Self {
+            context: None,
+            max_new_tokens: 4096,
+            max_message_chars: 32_000,
+            max_streams_per_conversation: 16,
+            max_streams_per_user: 64,
+            max_streams: 1024,
+            max_connections: 4096,
+            body_timeout_s: 30,
+            keep_alive_s: 5,
+            request_head_timeout_s: 5,
+            conversations_per_minute: 30,
+            max_conversations_per_user: 10_000,
+            tokens_per_minute_per_user: 20_000,
+            tokens_per_minute_per_guest_address: 80_000,
+            max_import_messages: 2_000,
+            max_streams_per_address: 64,
+            stream_stall_timeout_s: 30,
+            max_stored_mib_per_user: 256,
+            import_mib_per_address_per_hour: 64,
+            searches_per_minute: 30,
+        }
+    }
+}
+
+impl Default for SessionSection {
+    fn default() -> Self {
+        Self {
+            idle_timeout_s: 300,
+            disconnect_grace_ms: 5_000,
+        }
+    }
+}
+
+impl Default for AuthSection {
+    fn default() -> Self {
+        Self {
+            admin_session_s: 12 * 3600,
+            login_free_failures_per_address: 5,
+            login_free_failures_per_account: 20,
+            login_lockout_base_s: 1,
+            login_lockout_max_s: 15 * 60,
+            login_throttle_entries: 10_000,
+            signup: SignupMode::Open,
+            guests: true,
+            user_session_s: 30 * 24 * 3600,
+            initial_admin: None,
+            initial_admin_password: None,
+            signups_per_address: 10,
+            max_api_keys_per_user: 50,
+            max_sessions_per_user: 100,
+        }
+    }
+}
+
+impl Default for SamplingDefaults {
+    fn default() -> Self {
+        Self {
+            temperature: 0.7,
+            top_p: 0.95,
+            top_k: 40,
+            max_tokens: 1024,
+            thinking: true,
+            system_prompt: None,
+        }
+    }
+}
+
+/// Warns about `SMOLCHAT_SERVER_BIND`-style variables (one underscore where the section ends),
+/// which are not read: the configuration takes `SMOLCHAT_SERVER__BIND`.
+fn warn_about_single_underscore_keys() {
+    // The sections, as the configuration itself names them.
+    let sections: Vec<String> = match serde_json::to_value(Config::default()) {
+        Ok(serde_json::Value::Object(map)) => map.keys().map(|k| k.to_ascii_uppercase()).collect(),
+        _ => return,
+    };
+    for (name, _) in std::env::vars_os() {
+        let Some(name) = name.to_str() else { continue };
+        let Some(rest) = name.strip_prefix("SMOLCHAT_") else {
+            continue;
+        };
+        if rest.contains("__") {
+            continue;
+        }
+        if let Some(section) = sections.iter().find(|s| {
+            rest.strip_prefix(s.as_str())
+                .is_some_and(|k| k.starts_with('_') && k.len() > 1)
+        }) {
+            let key = &rest[section.len() + 1..];
+            tracing::warn!(
+                "{name} is not read: configuration variables separate the section with two \
+                 underscores (SMOLCHAT_{section}__{key})"
+            );
+        }
+    }
+}
+
+impl ModelConfig {
+    /// `path` when the file exists; else an error that says how to get it (the one check of a
+    /// missing model, for `serve` and every command that loads one).
+    pub fn existing_path(&self) -> Result<&Path, ConfigError> {
+        let path = self.path.as_path();
+        if path.exists() {
+            return Ok(path);
+        }
+        let hint = if path == Path::new(DEFAULT_MODEL) {
+            "; run ./scripts/fetch-model.sh (or `make setup`) to fetch the default model, or pass \
+             --model PATH"
+        } else {
+            ""
+        };
+        Err(ConfigError::MissingModel(format!(
+            "model file {} does not exist{hint}",
+            path.display()
+        )))
+    }
+}
+
+impl Config {
+    /// Defaults ← `config/default.toml` (when present) ← `file` ← `SMOLCHAT_…` variables.
+    pub fn load(file: Option<&Path>) -> Result<Self, ConfigError> {
+        let mut fig = Figment::from(Serialized::defaults(Config::default()));
+        let default_file = Path::new("config/default.toml");
+        if default_file.exists() {
+            fig = fig.merge(Toml::file(default_file));
+        }
+        if let Some(f) = file {
+            if !f.exists() {
+                return Err(ConfigError::MissingFile(f.to_path_buf()));
+            }
+            fig = fig.merge(Toml::file(f));
+        }
+        // Only `SMOLCHAT_SECTION__KEY` variables are configuration (every key is in a section);
+        // single names such as `SMOLCHAT_MODEL`, `SMOLCHAT_ISA` or the build's
+        // `SMOLCHAT_CUDA_ROOT` belong to flags and tools, so they never fail a start.
+        warn_about_single_underscore_keys();
+        fig = fig.merge(
+            Env::prefixed("SMOLCHAT_")
+                .filter(|key| key.as_str().contains("__"))
+                .split("__"),
+        );
+        let cfg: Config = fig
+            .extract()
+            .map_err(|e| ConfigError::Invalid(e.to_string()))?;
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// How the model is loaded: the one place the configuration becomes engine options, for
+    /// `serve`, the command-line commands and `bench` alike.
+    pub fn load_options(&self) -> LoadOptions {
+        let m = &self.model;
+        LoadOptions {
+            device: m.device,
+            tokenizer_json: m.tokenizer.clone(),
+            engine: EngineOptions {
+                yarn: m.yarn_factor.map(|factor| Yarn {
+                    factor,
+                    original_context: m.yarn_original_context,
+                }),
+                kv: KvOptions {
+                    kv_type: m.kv_type,
+                    budget_bytes: self.scheduler.kv_budget_mib << 20,
+                },
+                cpu: CpuOptions {
+                    isa: m.isa,
+                    decode_prefetch: m.decode_prefetch,
+                },
+            },
+        }
+    }
+
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let bad = |m: String| Err(ConfigError::Invalid(m));
+        let s = &self.scheduler;
+        if s.max_running == 0 {
+            return bad("scheduler.max_running must be at least 1".into());
+        }
+        if s.batch_token_budget == 0 {
+            return bad("scheduler.batch_token_budget must be at least 1".into());
+        }
+        if s.kv_budget_mib == 0 {
+            return bad("scheduler.kv_budget_mib must be at least 1".into());
+        }
+        let sv = &self.server;
+        for (name, value) in [
+            ("server.admin_token", &sv.admin_token),
+            ("server.api_key", &sv.api_key),
+            ("server.metrics_token", &sv.metrics_token),
+        ] {
+            if let Some(v) = value.as_deref().filter(|v| !v.is_empty()) {
+                let chars = v.chars().count();
+                if chars < MIN_SECRET_CHARS {
+                    return bad(format!(
+                        "{name} is {chars} characters; it must be at least {MIN_SECRET_CHARS} \
+                         (a short secret can be guessed; e.g. `openssl rand -hex 24`)"
+                    ));
+                }
+            }
+        }
+        if let Err(e) = parse_proxies(&sv.trusted_proxies) {
+            return bad(e);
+        }
+        let l = &self.limits;
+        if l.max_streams_per_address == 0 {
+            return bad("limits.max_streams_per_address must be at least 1".into());
+        }
+        if l.stream_stall_timeout_s < 3 {
+            return bad(format!(
+                "limits.stream_stall_timeout_s ({}) must be at least 3 (event streams send a \
+                 keep-alive every third of it)",
+                l.stream_stall_timeout_s
+            ));
+        }
+        if [
+            l.max_streams_per_conversation,
+            l.max_streams_per_user,
+            l.max_streams,
+            l.max_connections,
+        ]
+        .contains(&0)
+            || [l.body_timeout_s, l.request_head_timeout_s].contains(&0)
+        {
+            return Err(ConfigError::Invalid(
+                "limits.max_streams_per_conversation, limits.max_streams_per_user, limits.max_streams, \
+                 limits.max_connections, limits.body_timeout_s and \
+                 limits.request_head_timeout_s must be at least 1"
+                    .into(),
+            ));
+        }
+        if l.max_import_messages == 0 {
+            return bad("limits.max_import_messages must be at least 1".into());
+        }
+        if l.conversations_per_minute > 100_000 {
+            return bad(format!(
+                "limits.conversations_per_minute ({}) must be at most 100000 (0 turns it off)",
+                l.conversations_per_minute
+            ));
+        }
+        if self.limits.max_new_tokens == 0 || self.limits.max_message_chars == 0 {
+            return bad(
+                "limits.max_new_tokens and limits.max_message_chars must be at least 1".into(),
+            );
+        }
+        let r = &self.replica;
+        if r.heartbeat_ms == 0 || r.lease_ms < r.heartbeat_ms.saturating_mul(2) {
+            return bad(format!(
+                "replica.lease_ms ({}) must be at least twice replica.heartbeat_ms ({}, at least \
+                 1), or one late heartbeat would count a live replica as dead",
+                r.lease_ms, r.heartbeat_ms
+            ));
+        }
+        if let Some(url) = r.url.as_deref().filter(|u| !u.trim().is_empty()) {
+            if !(url.starts_with("http://") || url.starts_with("https://")) {
+                return bad(format!(
+                    "replica.url {url:?} must start with http:// or https:// (where the other \
+                     replicas reach this one)"
+                ));
+            }
+        }
+        if self.database.url.starts_with("postgres") && self.server.cookie_secret.is_none() {
+            return bad(
+                "database.url is PostgreSQL, so replicas may share it: set server.cookie_secret \
+                 (the same on every replica, at least 64 characters, e.g. from \
+                 `openssl rand -hex 64`) so that a cookie signed by one replica is valid on the \
+                 others"
+                    .into(),
+            );
+        }
+        let a = &self.auth;
+        if a.admin_session_s == 0
+            || a.login_free_failures_per_address == 0
+            || a.login_free_failures_per_account == 0
+            || a.login_lockout_base_s == 0
+        {
+            return bad(
+                "auth.admin_session_s, auth.login_free_failures_per_address, \
+                 auth.login_free_failures_per_account and auth.login_lockout_base_s must be at \
+                 least 1"
+                    .into(),
+            );
+        }
+        if a.login_lockout_max_s < a.login_lockout_base_s {
+            return bad(format!(
+                "auth.login_lockout_max_s ({}) must be at least auth.login_lockout_base_s ({})",
+                a.login_lockout_max_s, a.login_lockout_base_s
+            ));
+        }
+        if a.login_lockout_max_s > 7 * 24 * 3600 {
+            return bad(format!(
+                "auth.login_lockout_max_s ({}) must be at most 604800 (7 days)",
+                a.login_lockout_max_s
+            ));
+        }
+        if a.signups_per_address == 0
+            || a.max_api_keys_per_user == 0
+            || a.max_sessions_per_user == 0
+        {
+            return bad("auth.signups_per_address, auth.max_api_keys_per_user and \
+                 auth.max_sessions_per_user must be at least 1"
+                .into());
+        }
+        if a.login_throttle_entries < 16 {
+            return bad("auth.login_throttle_entries must be at least 16".into());
+        }
+        if a.user_session_s == 0 || a.user_session_s > 10 * 365 * 24 * 3600 {
+            return bad(format!(
+                "auth.user_session_s ({}) must be between 1 and 315360000 (10 years)",
+                a.user_session_s
+            ));
+        }
+        match (&a.initial_admin, &a.initial_admin_password) {
+            // The name and password rules are the account layer's; `web::check_config`
+            // applies them before the model loads.
+            (Some(_), Some(_)) => {}
+            (Some(_), None) => {
+                return bad(
+                    "auth.initial_admin is set but auth.initial_admin_password is not (set it, \
+                     e.g. with SMOLCHAT_AUTH__INITIAL_ADMIN_PASSWORD)"
+                        .into(),
+                )
+            }
+            (None, Some(_)) => {
+                return bad(
+                    "auth.initial_admin_password is set but auth.initial_admin is not".into(),
+                )
+            }
+            (None, None) => {}
+        }
+        if let Some(f) = self.model.yarn_factor {
+            if !(f.is_finite() && f >= 1.0) {
+                return bad(format!("model.yarn_factor must be at least 1, got {f}"));
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn auth_limits_are_validated() {
+        assert!(Config::default().validate().is_ok());
+        let with = |f: fn(&mut AuthSection)| {
+            let mut c = Config::default();
+            f(&mut c.auth);
+            c.validate()
+        };
+        assert!(with(|a| a.admin_session_s = 0).is_err());
+        assert!(with(|a| a.login_free_failures_per_address = 0).is_err());
+        assert!(with(|a| a.login_lockout_base_s = 0).is_err());
+        assert!(with(|a| a.login_lockout_max_s = a.login_lockout_base_s - 1).is_err());
+        assert!(with(|a| a.login_lockout_max_s = u64::MAX).is_err());
+        assert!(with(|a| a.login_throttle_entries = 1).is_err());
+        assert!(with(|a| a.admin_session_s = 1).is_ok());
+        assert!(with(|a| a.user_session_s = 0).is_err());
+        assert!(with(|a| a.initial_admin = Some("root".into())).is_err());
+        assert!(with(|a| a.initial_admin_password = Some("long enough".into())).is_err());
+        assert!(with(|a| {
+            a.initial_admin = Some("root".into());
+            a.initial_admin_password = Some("long enough".into());
+        })
+        .is_ok());
+    }
+
+    #[test]
+    fn signup_modes_parse_from_toml() {
+        let fig = |s: &str| {
+            Figment::from(Serialized::defaults(Config::default()))
+                .merge(Toml::string(s))
+                .extract::<Config>()
+                .map_err(|e| e.to_string())
+        };
+        assert_eq!(
+            fig("[auth]\nsignup = \"invite\"").unwrap().auth.signup,
+            SignupMode::Invite
+        );
+        assert_eq!(
+            fig("[auth]\nsignup = \"closed\"").unwrap().auth.signup,
+            SignupMode::Closed
+        );
+        assert!(fig("[auth]\nsignup = \"sometimes\"").is_err());
+    }
+
+    #[test]
+    fn conversation_limits_are_validated() {
+        let with = |f: fn(&mut LimitsConfig)| {
+            let mut c = Config::default();
+            f(&mut c.limits);
+            c.validate()
+        };
+        assert!(with(|l| l.max_import_messages = 0).is_err());
+        assert!(with(|l| l.conversations_per_minute = 1_000_000).is_err());
+        assert!(with(|l| {
+            l.conversations_per_minute = 0;
+            l.max_conversations_per_user = 0;
+            l.tokens_per_minute_per_user = 0;
+        })
+        .is_ok());
+    }
+}

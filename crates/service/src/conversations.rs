@@ -1,0 +1,1377 @@
+//! The conversation service: every rule about conversations, in one place below the web layer.
+//!
+//! The chat pages, the JSON API and the event stream all call [`Conversations`] with the
+//! [`Caller`] the web layer made of the request, and only parse, call and render. Here live:
+//! ownership (another owner's conversation answers [`ConversationError::NotFound`], exactly like
+//! an id that does not exist, so ids cannot be probed), title and message checks, settings
+//! through the one check in [`super::settings`] (with `ignore_eos` for admins only),
+//! create-with-first-message, regenerate and edit-and-resend (atomic in the session actor),
+//! stop, delete, export and import, and the per-user limits on creating conversations
+//! (`limits.conversations_per_minute` per owner and, for guests, per client address;
+//! `limits.max_conversations_per_user` stored in total).
+
+use std::collections::{HashMap, VecDeque};
+use std::net::IpAddr;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use actix::prelude::*;
+use chrono::{DateTime, Utc};
+use serde::{Deserialize, Serialize};
+use uuid::Uuid;
+
+use super::cluster::{Cluster, WireBody};
+use super::session::{
+    check_message, Accepted, GetInfo, Replacing, SendMessage, SessionError, Sessions, Shutdown,
+    Stop, Subscribe, Subscription, STORAGE_UNAVAILABLE,
+};
+use super::settings::{self, SettingsError, SettingsLimits};
+use smolchat_serving::scheduler::{Evict, SchedulerActor};
+use smolchat_serving::types::{Caller, SubmitError};
+use smolchat_store::{
+    Conversation, ConversationSettings, ImportedMessage, ListPage, Message, MessageStatus,
+    PageRequest, Role, Store, StoreError, Timings, MAX_TOKEN_COUNT,
+};
+use smolchat_text::prompt::PromptBuilder;
+use smolchat_text::template::{ChatMessage, ChatTemplate, RenderOptions};
+use smolchat_text::tokenizer::Tokenizer;
+
+/// Longest conversation title (and search text), in characters.
+pub const TITLE_LIMIT: usize = 200;
+
+/// The `format` field of an exported conversation.
+pub const EXPORT_FORMAT: &str = "smolchat.conversation";
+/// The `version` of the export format this server writes and reads.
+pub const EXPORT_VERSION: u32 = 1;
+
+/// The window `conversations_per_minute` counts over.
+const CREATION_WINDOW: Duration = Duration::from_secs(60);
+/// Owners and addresses the creation limiter remembers at most (bounded memory under a flood
+/// of made-up owners); beyond it, keys with nothing in the window are forgotten first.
+const CREATION_KEYS: usize = 100_000;
+
+/// Why the service refused. The web layer maps each variant to one status code.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum ConversationError {
+    /// No such conversation, or not the caller's (indistinguishable on purpose). 404.
+    #[error("conversation not found")]
+    NotFound,
+    /// A field is wrong; the message names it. 400.
+    #[error("{message}")]
+    Invalid {
+        field: Option<&'static str>,
+        message: String,
+    },
+    /// A text over its size limit. 413.
+    #[error("{0}")]
+    TooLarge(String),
+    /// Something only admins may do. 403.
+    #[error("{0}")]
+    Forbidden(String),
+    /// A reply is already being generated. 409.
+    #[error("{0}")]
+    Busy(String),
+    /// The prompt does not fit the context window. 400.
+    #[error("{0}")]
+    ContextOverflow(String),
+    /// The caller is over a per-user limit. 429 with `Retry-After`.
+    #[error("{message}")]
+    UserLimit { message: String, retry_after_s: u64 },
+    /// The server as a whole is full. 503 with `Retry-After`.
+    #[error("{message}")]
+    Overloaded { message: String, retry_after_s: u64 },
+    /// The store cannot be written right now; nothing was saved. 503.
+    #[error("{0}")]
+    StorageUnavailable(String),
+    /// An actor is gone (shutting down). 503.
+    #[error("{0}")]
+    Unavailable(String),
+    /// A fault on our side; the detail is for the log. 500.
+    #[error("{0}")]
+    Internal(String),
+}
+
+type Result<T, E = ConversationError> = std::result::Result<T, E>;
+
+fn invalid(field: &'static str, message: impl Into<String>) -> ConversationError {
+    ConversationError::Invalid {
+        field: Some(field),
+        message: message.into(),
+    }
+}
+
+impl From<SessionError> for ConversationError {
+    fn from(e: SessionError) -> Self {
+        match e {
+            SessionError::EmptyMessage | SessionError::NotText(_) => {
+                invalid("content", e.to_string())
+            }
+            SessionError::MessageTooLong { .. } => ConversationError::TooLarge(e.to_string()),
+            SessionError::Busy => ConversationError::Busy(e.to_string()),
+            SessionError::NotFound => ConversationError::NotFound,
+            SessionError::NothingToResend => ConversationError::Invalid {
+                field: None,
+                message: e.to_string(),
+            },
+            SessionError::Submit(s) => s.into(),
+            SessionError::Store(detail) => {
+                ConversationError::Internal(format!("storage: {detail}"))
+            }
+            SessionError::StoreUnavailable(message) => {
+                ConversationError::StorageUnavailable(message)
+            }
+            SessionError::Prompt(detail) => {
+                ConversationError::Internal(format!("prompt: {detail}"))
+            }
+        }
+    }
+}
+
+impl From<SubmitError> for ConversationError {
+    fn from(e: SubmitError) -> Self {
+        match e {
+            SubmitError::Overloaded { retry_after_s, .. } => ConversationError::Overloaded {
+                message: e.to_string(),
+                retry_after_s,
+            },
+            SubmitError::UserLimit { retry_after_s, .. }
+            | SubmitError::TokenLimit { retry_after_s, .. }
+            | SubmitError::GroupTokenLimit { retry_after_s, .. } => ConversationError::UserLimit {
+                message: e.to_string(),
+                retry_after_s,
+            },
+            SubmitError::ContextOverflow { .. } | SubmitError::ExceedsKvCache { .. } => {
+                ConversationError::ContextOverflow(e.to_string())
+            }
+            SubmitError::Invalid(_) => ConversationError::Invalid {
+                field: None,
+                message: e.to_string(),
+            },
+            SubmitError::Unavailable(_) => ConversationError::Unavailable(e.to_string()),
+        }
+    }
+}
+
+impl From<StoreError> for ConversationError {
+    fn from(e: StoreError) -> Self {
+        match e {
+            StoreError::ConversationNotFound(_) | StoreError::MessageNotFound(_) => {
+                ConversationError::NotFound
+            }
+            StoreError::InvalidSettings(m) => ConversationError::Invalid {
+                field: None,
+                message: m,
+            },
+            other if other.is_unavailable() => {
+                tracing::warn!(error = %other, "storage unavailable");
+                ConversationError::StorageUnavailable(STORAGE_UNAVAILABLE.to_string())
+            }
+            other => ConversationError::Internal(format!("storage: {other}")),
+        }
+    }
+}
+
+impl From<SettingsError> for ConversationError {
+    fn from(e: SettingsError) -> Self {
+        match e {
+            SettingsError::PromptTooLong { .. } => ConversationError::TooLarge(e.to_string()),
+            SettingsError::Invalid { field, message } => ConversationError::Invalid {
+                field: Some(field),
+                message,
+            },
+            SettingsError::AdminOnly { message, .. } => ConversationError::Forbidden(message),
+        }
+    }
+}
+
+impl From<MailboxError> for ConversationError {
+    fn from(e: MailboxError) -> Self {
+        ConversationError::Unavailable(format!(
+            "the conversation's session is not available ({e}); retry"
+        ))
+    }
+}
+
+/// The service's configuration (from `[limits]` and `[sampling]`).
+#[derive(Debug, Clone)]
+pub struct ConversationsConfig {
+    pub settings_limits: SettingsLimits,
+    pub max_message_chars: usize,
+    /// New conversations per owner (and per guest address) per minute; 0: no limit.
+    pub conversations_per_minute: u32,
+    /// Conversations one owner may keep; 0: no limit.
+    pub max_conversations_per_user: u64,
+    pub max_import_messages: usize,
+    /// Text one owner may keep stored, in bytes (imports past it are refused); 0: no limit.
+    pub max_stored_bytes_per_user: u64,
+    /// Imported text one client address may send per hour, in bytes; 0: no limit.
+    pub import_bytes_per_address_per_hour: u64,
+    /// Searches per owner (and per guest address) per minute; 0: no limit.
+    pub searches_per_minute: u32,
+    /// What a new conversation starts with (its `pinned_date` is set at creation).
+    pub defaults: ConversationSettings,
+}
+
+/// A settings change: fields left `None` keep their value. An empty `system_prompt` removes it.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct SettingsPatch {
+    pub system_prompt: Option<String>,
+    pub thinking: Option<bool>,
+    pub temperature: Option<f32>,
+    pub top_p: Option<f32>,
+    pub top_k: Option<usize>,
+    pub max_tokens: Option<usize>,
+    pub seed: Option<u64>,
+    pub ignore_eos: Option<bool>,
+}
+
+impl SettingsPatch {
+    pub fn is_empty(&self) -> bool {
+        *self == SettingsPatch::default()
+    }
+
+    /// `settings` with this patch applied (not yet checked).
+    pub fn apply(&self, mut settings: ConversationSettings) -> ConversationSettings {
+        if let Some(p) = &self.system_prompt {
+            settings.system_prompt = (!p.trim().is_empty()).then(|| p.clone());
+        }
+        if let Some(v) = self.thinking {
+            settings.thinking = v;
+        }
+        if let Some(v) = self.temperature {
+            settings.temperature = v;
+        }
+        if let Some(v) = self.top_p {
+            settings.top_p = v;
+        }
+        if let Some(v) = self.top_k {
+            settings.top_k = v;
+        }
+        if let Some(v) = self.max_tokens {
+            settings.max_tokens = v;
+        }
+        if self.seed.is_some() {
+            settings.seed = self.seed;
+        }
+        if let Some(v) = self.ignore_eos {
+            settings.ignore_eos = v;
+        }
+        settings
+    }
+}
+
+/// What a new conversation starts with.
+#[derive(Debug, Clone, Default)]
+pub struct NewConversation {
+    pub title: Option<String>,
+    pub settings: SettingsPatch,
+    /// Sent as the first message once the conversation exists (blank: none).
+    pub first_message: Option<String>,
+}
+
+/// A created conversation and, when it had a first message, that message's acceptance.
+#[derive(Debug, Clone)]
+pub struct Created {
+    pub conversation: Conversation,
+    pub accepted: Option<Accepted>,
+}
+
+/// A conversation with its messages and whether a reply is being generated now.
+#[derive(Debug, Clone)]
+pub struct ConversationView {
+    pub conversation: Conversation,
+    pub messages: Vec<Message>,
+    pub replying: bool,
+}
+
+/// A conversation as exported: lossless, and what import reads back.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct ExportedConversation {
+    /// Always [`EXPORT_FORMAT`].
+    pub format: String,
+    /// Always [`EXPORT_VERSION`] when written by this server.
+    pub version: u32,
+    pub title: String,
+    pub settings: ConversationSettings,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub created_at: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub updated_at: Option<String>,
+    /// Counted while parsing by [`ExportedConversation::from_json`]: a document with more
+    /// messages than an import may hold is refused at the first one too many, before the rest
+    /// is read into memory.
+    #[serde(deserialize_with = "bounded_messages")]
+    pub messages: Vec<ExportedMessage>,
+}
+
+/// Why an export could not be read.
+#[derive(Debug, thiserror::Error)]
+pub enum ExportParseError {
+    #[error("the conversation has more than {0} messages; an import may hold at most {0}")]
+    TooManyMessages(usize),
+    #[error(transparent)]
+    Json(#[from] serde_json::Error),
+}
+
+thread_local! {
+    /// The message limit of the [`ExportedConversation::from_json`] running on this thread, and
+    /// whether it was hit (serde's error type cannot carry that).
+    static MESSAGE_LIMIT: std::cell::Cell<(usize, bool)> = const { std::cell::Cell::new((usize::MAX, false)) };
+}
+
+impl ExportedConversation {
+    /// Parses an export, refusing it at the `max_messages + 1`-th message (see `messages`).
+    pub fn from_json(text: &str, max_messages: usize) -> Result<Self, ExportParseError> {
+        MESSAGE_LIMIT.with(|l| l.set((max_messages, false)));
+        let parsed = serde_json::from_str::<ExportedConversation>(text);
+        let (_, hit) = MESSAGE_LIMIT.with(|l| l.replace((usize::MAX, false)));
+        match parsed {
+            Err(_) if hit => Err(ExportParseError::TooManyMessages(max_messages)),
+            other => Ok(other?),
+        }
+    }
+}
+
+/// `messages`, counted against the limit [`ExportedConversation::from_json`] set.
+fn bounded_messages<'de, D>(d: D) -> std::result::Result<Vec<ExportedMessage>, D::Error>
+where
+    D: serde::Deserializer<'de>,
+{
+    struct Bounded;
+    impl<'de> serde::de::Visitor<'de> for Bounded {
+        type Value = Vec<ExportedMessage>;
+        fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+            f.write_str("an array of messages")
+        }
+        fn visit_seq<A: serde::de::SeqAccess<'de>>(
+            self,
+            mut seq: A,
+        ) -> std::result::Result<Self::Value, A::Error> {
+            let (max, _) = MESSAGE_LIMIT.with(|l| l.get());
+            let mut out = Vec::with_capacity(seq.size_hint().unwrap_or(0).min(max).min(1024));
+            while let Some(m) = seq.next_element::<ExportedMessage>()? {
+                if out.len() >= max {
+                    MESSAGE_LIMIT.with(|l| l.set((max, true)));
+                    return Err(serde::de::Error::custom(format!(
+                        "more than {max} messages"
+                    )));
+                }
+                out.push(m);
+            }
+            Ok(out)
+        }
+    }
+    d.deserialize_seq(Bounded)
+}
+
+/// One message of an export: everything but its ids.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct ExportedMessage {
+    pub role: Role,
+    pub content: String,
+    #[serde(default)]
+    pub reasoning: Option<String>,
+    #[serde(default)]
+    pub raw: Option<String>,
+    pub status: MessageStatus,
+    #[serde(default)]
+    pub error: Option<String>,
+    #[serde(default)]
+    pub prompt_tokens: Option<i64>,
+    #[serde(default)]
+    pub completion_tokens: Option<i64>,
+    #[serde(default)]
+    pub cached_tokens: Option<i64>,
+    #[serde(default)]
+    pub timings: Option<Timings>,
+    /// RFC 3339.
+    pub created_at: String,
+}
+
+fn rfc3339(t: &DateTime<Utc>) -> String {
+    t.to_rfc3339_opts(chrono::SecondsFormat::AutoSi, true)
+}
+
+/// Sliding-window counts of creations per key (an owner, or a guest's address).
+#[derive(Debug, Default)]
+struct CreationLimiter {
+    keys: HashMap<String, VecDeque<Instant>>,
+}
+
+impl CreationLimiter {
+    /// Takes one creation for every key at `now`, or refuses with the seconds until the
+    /// fullest key has room again, taking nothing.
+    fn take(&mut self, keys: &[String], per_minute: u32, now: Instant) -> Result<(), u64> {
+        let per_minute = per_minute as usize;
+        let mut wait = 0u64;
+        for key in keys {
+            if let Some(times) = self.keys.get_mut(key) {
+                while times
+                    .front()
+                    .is_some_and(|t| now.saturating_duration_since(*t) >= CREATION_WINDOW)
+                {
+                    times.pop_front();
+                }
+                if times.len() >= per_minute {
+                    let oldest = times.front().copied().unwrap_or(now);
+                    let free = (oldest + CREATION_WINDOW).saturating_duration_since(now);
+                    wait = wait.max(free.as_secs_f64().ceil().max(1.0) as u64);
+                }
+            }
+        }
+        if wait > 0 {
+            return Err(wait);
+        }
+        if self.keys.len() + keys.len() > CREATION_KEYS {
+            self.keys.retain(|_, t| {
+                t.back()
+                    .is_some_and(|t| now.saturating_duration_since(*t) < CREATION_WINDOW)
+            });
+        }
+        for key in keys {
+            if !self.keys.contains_key(key) && self.keys.len() >= CREATION_KEYS {
+                // Still full of live keys: forget the one idle longest.
+                let oldest = self
+                    .keys
+                    .iter()
+                    .min_by_key(|(_, t)| t.back().copied())
+                    .map(|(k, _)| k.clone());
+                if let Some(k) = oldest {
+                    self.keys.remove(&k);
+                }
+            }
+            self.keys.entry(key.clone()).or_default().push_back(now);
+        }
+        Ok(())
+    }
+}
+
+/// How long imported bytes count against their address.
+const IMPORT_WINDOW: Duration = Duration::from_secs(3600);
+/// Addresses whose imports are remembered at most (bounded memory).
+const IMPORT_KEYS: usize = 100_000;
+
+/// Bytes per key over the last [`IMPORT_WINDOW`].
+#[derive(Debug, Default)]
+struct ByteBudget {
+    keys: HashMap<String, VecDeque<(Instant, u64)>>,
+}
+
+impl ByteBudget {
+    /// Takes `bytes` for `key` at `now` when the window has room for them under `limit`, or
+    /// refuses with the seconds until it has, taking nothing.
+    fn take(&mut self, key: &str, bytes: u64, limit: u64, now: Instant) -> Result<(), u64> {
+        let entries = self.keys.entry(key.to_string()).or_default();
+        while entries
+            .front()
+            .is_some_and(|(t, _)| now.saturating_duration_since(*t) >= IMPORT_WINDOW)
+        {
+            entries.pop_front();
+        }
+        let used: u64 = entries.iter().map(|(_, n)| n).sum();
+        if used.saturating_add(bytes) > limit {
+            // When enough of the window has passed for these bytes to fit (never, if they
+            // exceed the limit alone: then a full window).
+            let mut freed = 0u64;
+            for (t, n) in entries.iter() {
+                freed += n;
+                if used - freed + bytes <= limit {
+                    let at = (*t + IMPORT_WINDOW).saturating_duration_since(now);
+                    return Err(at.as_secs_f64().ceil().max(1.0) as u64);
+                }
+            }
+            return Err(IMPORT_WINDOW.as_secs());
+        }
+        entries.push_back((now, bytes));
+        if self.keys.len() > IMPORT_KEYS {
+            self.keys.retain(|_, e| {
+                e.back()
+                    .is_some_and(|(t, _)| now.saturating_duration_since(*t) < IMPORT_WINDOW)
+            });
+        }
+        Ok(())
+    }
+}
+
+/// Characters of prompt text an imported conversation may hold per token of the model's context
+/// window: more than any tokenizer packs into one token, so whatever could be continued within
+/// the window imports, and nothing many times larger does.
+const IMPORT_CHARS_PER_CONTEXT_TOKEN: usize = 16;
+
+/// Bytes as MiB with one decimal, for messages.
+fn mib(bytes: u64) -> String {
+    format!("{:.1}", bytes as f64 / (1u64 << 20) as f64)
+}
+
+/// A client address as a limit key: IPv6 by /64 (one host usually holds a whole /64).
+fn address_key(ip: IpAddr) -> String {
+    match ip {
+        IpAddr::V4(v4) => format!("addr:{v4}"),
+        IpAddr::V6(v6) => {
+            let s = v6.segments();
+            format!("addr:{:x}:{:x}:{:x}:{:x}::/64", s[0], s[1], s[2], s[3])
+        }
+    }
+}
+
+/// The conversation service (see the module docs). One per platform; cheap to share.
+pub struct Conversations {
+    store: Store,
+    sessions: Arc<Sessions>,
+    scheduler: Addr<SchedulerActor>,
+    tokenizer: Arc<Tokenizer>,
+    template: Arc<ChatTemplate>,
+    context_window: usize,
+    cfg: ConversationsConfig,
+    creations: Mutex<CreationLimiter>,
+    /// Searches per owner (and guest address) in the last minute.
+    searches: Mutex<CreationLimiter>,
+    /// Imported bytes per client address in the last hour.
+    imports: Mutex<ByteBudget>,
+}
+
+impl Conversations {
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        store: Store,
+        sessions: Arc<Sessions>,
+        scheduler: Addr<SchedulerActor>,
+        tokenizer: Arc<Tokenizer>,
+        template: Arc<ChatTemplate>,
+        context_window: usize,
+        cfg: ConversationsConfig,
+    ) -> Self {
+        Self {
+            store,
+            sessions,
+            scheduler,
+            tokenizer,
+            template,
+            context_window,
+            cfg,
+            creations: Mutex::new(CreationLimiter::default()),
+            searches: Mutex::new(CreationLimiter::default()),
+            imports: Mutex::new(ByteBudget::default()),
+        }
+    }
+
+    pub fn config(&self) -> &ConversationsConfig {
+        &self.cfg
+    }
+
+    /// The settings a new conversation gets (today's date pinned).
+    pub fn default_settings(&self) -> ConversationSettings {
+        ConversationSettings {
+            pinned_date: chrono::Local::now().date_naive(),
+            ..self.cfg.defaults.clone()
+        }
+    }
+
+    /// The conversation if it exists and belongs to the caller; otherwise `NotFound` either
+    /// way.
+    pub async fn owned(&self, caller: &Caller, id: Uuid) -> Result<Conversation> {
+        match self.store.get_conversation(id).await? {
+            Some(c) if c.owner == caller.owner => Ok(c),
+            _ => Err(ConversationError::NotFound),
+        }
+    }
+
+    /// Whether a reply is being generated in the conversation right now.
+    pub async fn replying(&self, id: Uuid) -> bool {
+        let here = match self.sessions.get(id) {
+            Some(session) => session.send(GetInfo).await.is_ok_and(|i| i.replying),
+            None => false,
+        };
+        // Another replica may be generating it.
+        here || (self.cluster().is_shared()
+            && self
+                .store
+                .streaming_replica(id)
+                .await
+                .is_ok_and(|r| r.is_some()))
+    }
+
+    fn cluster(&self) -> &Cluster {
+        &self.sessions.shared().cluster
+    }
+
+    fn clean_title(title: &str) -> Result<String> {
+        let title = title.trim();
+        let chars = title.chars().count();
+        if chars > TITLE_LIMIT {
+            return Err(invalid(
+                "title",
+                format!("the title has {chars} characters; the limit is {TITLE_LIMIT}"),
+            ));
+        }
+        if let Some(what) = crate::validation::not_text(title) {
+            return Err(invalid(
+                "title",
+                format!("the title contains {what}, which is not text; remove it"),
+            ));
+        }
+        Ok(title.to_string())
+    }
+
+    /// Settings checked for `caller`: the one check, then whether the system prompt leaves room
+    /// in the context window.
+    fn check_settings(&self, caller: &Caller, s: &ConversationSettings) -> Result<()> {
+        settings::check(s, self.cfg.settings_limits, caller.admin)?;
+        self.check_system_prompt_fits(s)
+    }
+
+    /// Refuses settings whose system prompt leaves no room in the context window for a message
+    /// and a reply: every message of such a conversation would fail, so say so when it is set.
+    fn check_system_prompt_fits(&self, settings: &ConversationSettings) -> Result<()> {
+        let Some(system) = settings.system_prompt.as_deref() else {
+            return Ok(());
+        };
+        let messages = [ChatMessage::system(system), ChatMessage::user("")];
+        let mut opts = RenderOptions::new(settings.pinned_date);
+        opts.enable_thinking = Some(settings.thinking);
+        let tokens = PromptBuilder::new(&self.template, &self.tokenizer)
+            .build(&messages, &opts)
+            .map_err(|e| {
+                invalid(
+                    "system_prompt",
+                    format!(
+                        "`system_prompt`: the chat template cannot use this system prompt: {e}"
+                    ),
+                )
+            })?
+            .tokens
+            .len();
+        let window = self.context_window;
+        // At least one token of message and one of reply must fit after it.
+        if tokens + 2 > window {
+            return Err(invalid(
+                "system_prompt",
+                format!(
+                    "`system_prompt`: the system prompt takes {tokens} tokens of the model's \
+                     {window}-token context window, which leaves no room for a message and a \
+                     reply; shorten it"
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Whether the caller may add one more conversation now: the stored total, then the rate
+    /// (per owner, and per address for guests). Taking a place in the rate happens here, so
+    /// parallel requests cannot all slip through.
+    async fn admit_new_conversation(&self, caller: &Caller) -> Result<()> {
+        let max = self.cfg.max_conversations_per_user;
+        if max > 0 {
+            let n = self.store.count_conversations(&caller.owner).await?;
+            if n >= 0 && n as u64 >= max {
+                return Err(ConversationError::UserLimit {
+                    message: format!(
+                        "you have {n} conversations, the most one user may keep ({max}); delete \
+                         some to start new ones"
+                    ),
+                    retry_after_s: 60,
+                });
+            }
+        }
+        let per_minute = self.cfg.conversations_per_minute;
+        if per_minute > 0 {
+            let keys = self.limit_keys(caller);
+            let mut limiter = self.creations.lock().unwrap_or_else(|p| p.into_inner());
+            if let Err(wait) = limiter.take(&keys, per_minute, Instant::now()) {
+                return Err(ConversationError::UserLimit {
+                    message: format!(
+                        "{} created {per_minute} conversations in the last minute, the \
+                         limit; retry in {wait} s",
+                        Self::who(caller)
+                    ),
+                    retry_after_s: wait,
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// The keys a caller's rates count against: the owner, and for guests (whose owner ids
+    /// cost nothing to mint) also the client address.
+    fn limit_keys(&self, caller: &Caller) -> Vec<String> {
+        let mut keys = vec![format!("owner:{}", caller.owner)];
+        if caller.guest {
+            if let Some(ip) = caller.address {
+                keys.push(address_key(ip));
+            }
+        }
+        keys
+    }
+
+    fn who(caller: &Caller) -> &'static str {
+        if caller.guest {
+            "you (or other guests from your address)"
+        } else {
+            "you"
+        }
+    }
+
+    /// Creates a conversation (title, settings) and sends its first message when it has one.
+    /// Everything is checked before anything is stored; a first message that is refused
+    /// removes the conversation again, so a refusal leaves nothing behind.
+    pub async fn create(&self, caller: &Caller, new: NewConversation) -> Result<Created> {
+        let settings = new.settings.apply(self.default_settings());
+        self.check_settings(caller, &settings)?;
+        let title = new.title.as_deref().map(Self::clean_title).transpose()?;
+        let first = new.first_message.filter(|m| !m.trim().is_empty());
+        if let Some(m) = &first {
+            check_message(m, self.cfg.max_message_chars)?;
+        }
+        self.admit_new_conversation(caller).await?;
+        // An id this replica owns, so the first turns warm the cache where the later ones go.
+        let id = self.cluster().new_conversation_id();
+        let mut conversation = self
+            .store
+            .create_conversation_with_id(id, &caller.owner, &settings)
+            .await?;
+        if let Some(title) = title.filter(|t| !t.is_empty()) {
+            self.store
+                .rename_conversation(conversation.id, &title)
+                .await?;
+            conversation.title = title;
+        }
+        tracing::info!(conversation = %conversation.id, owner = %caller.owner, "conversation created");
+        let accepted = match first {
+            None => None,
+            Some(content) => match self
+                .send_to(caller, conversation.id, SendMessage::new(content))
+                .await
+            {
+                Ok(a) => Some(a),
+                Err(e) => {
+                    // The conversation would stay empty; remove it so the list does not fill.
+                    if let Err(d) = self.remove(conversation.id).await {
+                        tracing::warn!(conversation = %conversation.id, "cannot remove a conversation whose first message was refused: {d}");
+                    }
+                    return Err(e);
+                }
+            },
+        };
+        if accepted.is_some() {
+            // The first message named it.
+            if let Some(c) = self.store.get_conversation(conversation.id).await? {
+                conversation = c;
+            }
+        }
+        Ok(Created {
+            conversation,
+            accepted,
+        })
+    }
+
+    /// The conversation with its messages.
+    pub async fn get(&self, caller: &Caller, id: Uuid) -> Result<ConversationView> {
+        let conversation = self.owned(caller, id).await?;
+        let messages = self.store.messages(id).await?;
+        let replying = self.replying(id).await;
+        Ok(ConversationView {
+            conversation,
+            messages,
+            replying,
+        })
+    }
+
+    /// One message of the caller's conversation, and whether a reply is running.
+    pub async fn message(&self, caller: &Caller, id: Uuid, mid: Uuid) -> Result<(Message, bool)> {
+        let c = self.owned(caller, id).await?;
+        let m = self
+            .store
+            .get_message(mid)
+            .await?
+            .filter(|m| m.conversation_id == c.id)
+            .ok_or(ConversationError::NotFound)?;
+        Ok((m, self.replying(c.id).await))
+    }
+
+    /// One page of the caller's conversations, most recent first, filtered by `search`.
+    pub async fn list(
+        &self,
+        caller: &Caller,
+        search: Option<&str>,
+        page: &PageRequest,
+    ) -> Result<ListPage> {
+        if let Some(chars) = search.map(|q| q.chars().count()) {
+            if chars > TITLE_LIMIT {
+                return Err(invalid(
+                    "q",
+                    format!(
+                        "`q`: the search text has {chars} characters; the limit is {TITLE_LIMIT}"
+                    ),
+                ));
+            }
+        }
+        let searching = search.is_some_and(|q| !q.trim().is_empty());
+        let per_minute = self.cfg.searches_per_minute;
+        if searching && per_minute > 0 {
+            let keys = self.limit_keys(caller);
+            let mut limiter = self.searches.lock().unwrap_or_else(|p| p.into_inner());
+            if let Err(wait) = limiter.take(&keys, per_minute, Instant::now()) {
+                return Err(ConversationError::UserLimit {
+                    message: format!(
+                        "{} searched {per_minute} times in the last minute, the limit; retry in \
+                         {wait} s",
+                        Self::who(caller)
+                    ),
+                    retry_after_s: wait,
+                });
+            }
+        }
+        Ok(self
+            .store
+            .list_conversations_page(&caller.owner, search, page)
+            .await?)
+    }
+
+    async fn send_to(&self, caller: &Caller, id: Uuid, mut msg: SendMessage) -> Result<Accepted> {
+        // A guest's replies also count against their address's token quota
+        // (`limits.tokens_per_minute_per_guest_address`): guest owners cost nothing to mint.
+        msg.group = match (caller.guest, caller.address) {
+            (true, Some(ip)) => Some(address_key(ip)),
+            _ => None,
+        };
+        let session = self.sessions.get_or_start(id);
+        Ok(session.send(msg).await??)
+    }
+
+    /// Sends a message; resolves once it is stored and the reply is queued.
+    pub async fn send(&self, caller: &Caller, id: Uuid, content: String) -> Result<Accepted> {
+        let c = self.owned(caller, id).await?;
+        let accepted = self
+            .send_to(caller, c.id, SendMessage::new(content))
+            .await?;
+        tracing::debug!(conversation = %c.id, message = %accepted.user_message.id, "message accepted");
+        Ok(accepted)
+    }
+
+    /// Generates the last reply again: the last user message is sent again and replaces itself
+    /// and everything after it, atomically (a refusal changes nothing).
+    pub async fn regenerate(&self, caller: &Caller, id: Uuid) -> Result<Accepted> {
+        let c = self.owned(caller, id).await?;
+        tracing::info!(conversation = %c.id, "regenerating the last reply");
+        self.send_to(
+            caller,
+            c.id,
+            SendMessage {
+                content: None,
+                replacing: Replacing::LastUserMessage,
+                group: None,
+            },
+        )
+        .await
+    }
+
+    /// Replaces the last user message (and everything after it) with `content` and sends it,
+    /// atomically (a refusal changes nothing).
+    pub async fn edit(&self, caller: &Caller, id: Uuid, content: String) -> Result<Accepted> {
+        let c = self.owned(caller, id).await?;
+        tracing::info!(conversation = %c.id, "editing and resending the last message");
+        self.send_to(
+            caller,
+            c.id,
+            SendMessage {
+                content: Some(content),
+                replacing: Replacing::LastUserMessage,
+                group: None,
+            },
+        )
+        .await
+    }
+
+    /// Stops the running reply (stored as `stopped`). Whether one was running.
+    pub async fn stop(&self, caller: &Caller, id: Uuid) -> Result<bool> {
+        let c = self.owned(caller, id).await?;
+        self.stop_any(c.id).await
+    }
+
+    /// Stops a conversation's reply whoever owns it (the admin page).
+    pub async fn stop_any(&self, id: Uuid) -> Result<bool> {
+        if let Some(session) = self.sessions.get(id) {
+            if session.send(Stop).await? {
+                return Ok(true);
+            }
+        }
+        // Generated on another replica: ask it over the bus.
+        let cluster = self.cluster();
+        if cluster.is_shared() {
+            if let Some((_, Some(replica))) = self.store.streaming_replica(id).await? {
+                if replica != cluster.me().id {
+                    cluster.publish(id, WireBody::Stop);
+                    return Ok(true);
+                }
+            }
+        }
+        Ok(false)
+    }
+
+    /// Deletes the caller's conversation: its session (and reply) stops, its KV cache goes.
+    pub async fn delete(&self, caller: &Caller, id: Uuid) -> Result<()> {
+        let c = self.owned(caller, id).await?;
+        self.remove(c.id).await
+    }
+
+    /// Deletes a conversation whoever owns it (the admin page).
+    pub async fn delete_any(&self, id: Uuid) -> Result<()> {
+        self.remove(id).await
+    }
+
+    async fn remove(&self, id: Uuid) -> Result<()> {
+        if let Some(session) = self.sessions.get(id) {
+            // It may already be stopping; then there is nothing to shut down.
+            let _ = session.send(Shutdown).await;
+        }
+        if !self.store.delete_conversation(id).await? {
+            return Err(ConversationError::NotFound);
+        }
+        // Another replica may be generating in it, or have viewers on it.
+        let cluster = self.cluster();
+        cluster.publish(id, WireBody::Deleted);
+        // The worker drops the cache now, or as soon as a cancelled reply releases it.
+        let _ = self.scheduler.send(Evict(id)).await;
+        tracing::info!(conversation = %id, "conversation deleted");
+        Ok(())
+    }
+
+    /// Renames the caller's conversation (trimmed; blank: no title).
+    pub async fn rename(&self, caller: &Caller, id: Uuid, title: &str) -> Result<Conversation> {
+        self.update(caller, id, Some(title), &SettingsPatch::default())
+            .await
+    }
+
+    /// Changes the title and/or settings (used from the next message on). Everything is checked
+    /// before anything is written.
+    pub async fn update(
+        &self,
+        caller: &Caller,
+        id: Uuid,
+        title: Option<&str>,
+        patch: &SettingsPatch,
+    ) -> Result<Conversation> {
+        let c = self.owned(caller, id).await?;
+        let title = title.map(Self::clean_title).transpose()?;
+        let settings = if patch.is_empty() {
+            None
+        } else {
+            let s = patch.apply(c.settings.clone());
+            self.check_settings(caller, &s)?;
+            Some(s)
+        };
+        let found = match &title {
+            Some(t) => self.store.rename_conversation(c.id, t).await?,
+            None => true,
+        } && match &settings {
+            Some(s) => self.store.update_settings(c.id, s).await?,
+            None => true,
+        };
+        if !found {
+            return Err(ConversationError::NotFound);
+        }
+        self.store
+            .get_conversation(c.id)
+            .await?
+            .ok_or(ConversationError::NotFound)
+    }
+
+    /// Joins the caller's conversation's live events.
+    pub async fn subscribe(&self, caller: &Caller, id: Uuid) -> Result<Subscription> {
+        let c = self.owned(caller, id).await?;
+        let session = self.sessions.get_or_start(c.id);
+        Ok(session.send(Subscribe).await?)
+    }
+
+    /// The caller's conversation as a lossless export document.
+    pub async fn export(&self, caller: &Caller, id: Uuid) -> Result<ExportedConversation> {
+        let c = self.owned(caller, id).await?;
+        let messages = self.store.messages(c.id).await?;
+        Ok(ExportedConversation {
+            format: EXPORT_FORMAT.to_string(),
+            version: EXPORT_VERSION,
+            title: c.title,
+            settings: c.settings,
+            created_at: Some(rfc3339(&c.created_at)),
+            updated_at: Some(rfc3339(&c.updated_at)),
+            messages: messages
+                .into_iter()
+                .map(|m| ExportedMessage {
+                    role: m.role,
+                    content: m.content,
+                    reasoning: m.reasoning,
+                    raw: m.raw,
+                    status: m.status,
+                    error: m.error,
+                    prompt_tokens: m.prompt_tokens,
+                    completion_tokens: m.completion_tokens,
+                    cached_tokens: m.cached_tokens,
+                    timings: m.timings,
+                    created_at: rfc3339(&m.created_at),
+                })
+                .collect(),
+        })
+    }
+
+    /// The byte quotas an import of `bytes` of text must fit: what the caller's address imported
+    /// in the last hour (guests mint owners for free, so the address is what bounds them), then
+    /// what the owner keeps stored in all. The address's bytes are taken here.
+    async fn check_import_quotas(&self, caller: &Caller, bytes: u64) -> Result<()> {
+        let max = self.cfg.max_stored_bytes_per_user;
+        if max > 0 {
+            let stored = self.store.stored_text_bytes(&caller.owner).await?;
+            if stored.saturating_add(bytes) > max {
+                return Err(ConversationError::TooLarge(format!(
+                    "you keep {} MiB of conversations and this import adds {} MiB; the limit is \
+                     {} MiB per user (limits.max_stored_mib_per_user): delete some conversations \
+                     first",
+                    mib(stored),
+                    mib(bytes),
+                    mib(max)
+                )));
+            }
+        }
+        let per_hour = self.cfg.import_bytes_per_address_per_hour;
+        if per_hour > 0 {
+            if let Some(ip) = caller.address {
+                let mut budget = self.imports.lock().unwrap_or_else(|p| p.into_inner());
+                if let Err(wait) = budget.take(&address_key(ip), bytes, per_hour, Instant::now()) {
+                    return Err(ConversationError::UserLimit {
+                        message: format!(
+                            "your address imported close to {} MiB in the last hour, the limit \
+                             (limits.import_mib_per_address_per_hour); retry in {wait} s",
+                            mib(per_hour)
+                        ),
+                        retry_after_s: wait,
+                    });
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Imports an exported conversation as a new conversation of the caller's (new ids; the
+    /// document's timestamps of the conversation are not kept). Everything is checked first:
+    /// format and version, title, settings (the one check, `ignore_eos` for admins only),
+    /// message count, each message's role, status, text and size; then one transaction stores
+    /// it all. Counts against the creation limits like a new conversation.
+    pub async fn import(&self, caller: &Caller, doc: ExportedConversation) -> Result<Conversation> {
+        if doc.format != EXPORT_FORMAT {
+            return Err(invalid(
+                "format",
+                format!(
+                    "`format` must be {EXPORT_FORMAT:?} (a conversation exported from smolchat), \
+                     got {:?}",
+                    doc.format
+                ),
+            ));
+        }
+        if doc.version != EXPORT_VERSION {
+            return Err(invalid(
+                "version",
+                format!(
+                    "`version` {} is not one this server reads (it reads {EXPORT_VERSION})",
+                    doc.version
+                ),
+            ));
+        }
+        let title = Self::clean_title(&doc.title)?;
+        self.check_settings(caller, &doc.settings)?;
+        let max = self.cfg.max_import_messages;
+        if doc.messages.len() > max {
+            return Err(ConversationError::TooLarge(format!(
+                "the conversation has {} messages; an import may hold at most {max}",
+                doc.messages.len()
+            )));
+        }
+        let limit = self.cfg.max_message_chars;
+        // A reply's reasoning and raw text can be longer than a typed message: the model
+        // writes up to `max_new_tokens` tokens, each a few characters.
+        let generated_limit = limit.max(self.cfg.settings_limits.max_new_tokens * 32);
+        let mut messages = Vec::with_capacity(doc.messages.len());
+        let mut prompt_chars = 0usize;
+        let mut text_bytes = 0u64;
+        for (i, m) in doc.messages.into_iter().enumerate() {
+            let at = |what: &str| format!("messages[{i}]: {what}");
+            if !matches!(m.role, Role::User | Role::Assistant) {
+                return Err(invalid(
+                    "messages",
+                    at(&format!(
+                        "role {:?} cannot be imported (only user and assistant messages)",
+                        m.role.as_str()
+                    )),
+                ));
+            }
+            if m.role == Role::User && m.status != MessageStatus::Complete {
+                return Err(invalid(
+                    "messages",
+                    at("a user message must have status \"complete\""),
+                ));
+            }
+            let status = match m.status {
+                // No reply is running for an imported message.
+                MessageStatus::Streaming => MessageStatus::Interrupted,
+                s => s,
+            };
+            let texts = [
+                (
+                    "content",
+                    Some(&m.content),
+                    if m.role == Role::User {
+                        limit
+                    } else {
+                        generated_limit
+                    },
+                ),
+                ("reasoning", m.reasoning.as_ref(), generated_limit),
+                ("raw", m.raw.as_ref(), generated_limit),
+                ("error", m.error.as_ref(), limit),
+            ];
+            for (field, text, max_chars) in texts {
+                let Some(text) = text else { continue };
+                let chars = text.chars().count();
+                if chars > max_chars {
+                    return Err(ConversationError::TooLarge(at(&format!(
+                        "`{field}` has {chars} characters; the limit is {max_chars}"
+                    ))));
+                }
+                if let Some(what) = crate::validation::not_text(text) {
+                    return Err(invalid(
+                        "messages",
+                        at(&format!("`{field}` contains {what}, which is not text")),
+                    ));
+                }
+            }
+            if m.role == Role::User && m.content.trim().is_empty() {
+                return Err(invalid("messages", at("a user message must not be empty")));
+            }
+            for (field, n) in [
+                ("prompt_tokens", m.prompt_tokens),
+                ("completion_tokens", m.completion_tokens),
+                ("cached_tokens", m.cached_tokens),
+            ] {
+                if n.is_some_and(|n| n < 0) {
+                    return Err(invalid(
+                        "messages",
+                        at(&format!("`{field}` must not be negative")),
+                    ));
+                }
+                if let Some(n) = n.filter(|n| *n > MAX_TOKEN_COUNT) {
+                    return Err(invalid(
+                        "messages",
+                        at(&format!(
+                            "`{field}` is {n}, more than any context window holds (the limit is \
+                             {MAX_TOKEN_COUNT})"
+                        )),
+                    ));
+                }
+            }
+            // What a continuation would put into the prompt: the user's text, the reply's raw
+            // text (or its answer when there is none).
+            prompt_chars += match m.role {
+                Role::Assistant => m.raw.as_deref().unwrap_or(&m.content).chars().count(),
+                _ => m.content.chars().count(),
+            };
+            text_bytes += [Some(&m.content), m.reasoning.as_ref(), m.raw.as_ref()]
+                .into_iter()
+                .flatten()
+                .map(|t| t.len() as u64)
+                .sum::<u64>();
+            let created_at = DateTime::parse_from_rfc3339(&m.created_at)
+                .map(|t| t.with_timezone(&Utc))
+                .map_err(|e| {
+                    invalid(
+                        "messages",
+                        at(&format!(
+                            "`created_at` {:?} is not an RFC 3339 time: {e}",
+                            m.created_at
+                        )),
+                    )
+                })?;
+            messages.push(ImportedMessage {
+                role: m.role,
+                content: m.content,
+                reasoning: m.reasoning,
+                raw: m.raw,
+                status,
+                error: m.error,
+                prompt_tokens: m.prompt_tokens,
+                completion_tokens: m.completion_tokens,
+                cached_tokens: m.cached_tokens,
+                timings: m.timings,
+                created_at,
+            });
+        }
+        let max_prompt_chars = self
+            .context_window
+            .saturating_mul(IMPORT_CHARS_PER_CONTEXT_TOKEN);
+        if prompt_chars > max_prompt_chars {
+            return Err(ConversationError::TooLarge(format!(
+                "the conversation holds {prompt_chars} characters of messages; this model's \
+                 {}-token context window could never continue past {max_prompt_chars}, so an \
+                 import may hold at most that much (export a shorter part of it)",
+                self.context_window
+            )));
+        }
+        self.check_import_quotas(caller, text_bytes).await?;
+        self.admit_new_conversation(caller).await?;
+        let c = self
+            .store
+            .import_conversation(&caller.owner, &title, &doc.settings, &messages)
+            .await?;
+        tracing::info!(conversation = %c.id, owner = %caller.owner, messages = messages.len(), "conversation imported");
+        Ok(c)
+    }
+}
+
+/// An export as readable Markdown: the title, the system prompt, then `## User` /
+/// `## Assistant` sections, reasoning folded in a `<details>` block.
+pub fn to_markdown(doc: &ExportedConversation) -> String {
+    let mut out = String::new();
+    let title = if doc.title.trim().is_empty() {
+        "Untitled conversation"
+    } else {
+        doc.title.as_str()
+    };
+    out.push_str(&format!("# {title}\n\n"));
+    if let Some(system) = doc.settings.system_prompt.as_deref() {
+        out.push_str("**System prompt**\n\n");
+        for line in system.lines() {
+            out.push_str(&format!("> {line}\n"));
+        }
+        out.push('\n');
+    }
+    for m in &doc.messages {
+        let heading = match m.role {
+            Role::User => "User",
+            Role::Assistant => "Assistant",
+            Role::System => "System",
+            Role::Tool => "Tool",
+        };
+        out.push_str(&format!("## {heading}\n\n"));
+        if let Some(r) = m.reasoning.as_deref().filter(|r| !r.trim().is_empty()) {
+            out.push_str("<details>\n<summary>Reasoning</summary>\n\n");
+            out.push_str(r.trim_end());
+            out.push_str("\n\n</details>\n\n");
+        }
+        out.push_str(m.content.trim_end());
+        out.push_str("\n\n");
+        if !matches!(m.status, MessageStatus::Complete) {
+            out.push_str(&format!("*({})*\n\n", m.status.as_str()));
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn creation_limit_counts_every_key_and_frees_after_a_minute() {
+        let mut l = CreationLimiter::default();
+        let t0 = Instant::now();
+        let a = vec!["owner:a".to_string(), "addr:1.2.3.4".to_string()];
+        let b = vec!["owner:b".to_string(), "addr:1.2.3.4".to_string()];
+        assert!(l.take(&a, 2, t0).is_ok());
+        // Another owner from the same address shares the address's count.
+        assert!(l.take(&b, 2, t0 + Duration::from_secs(10)).is_ok());
+        assert_eq!(l.take(&a, 2, t0 + Duration::from_secs(20)), Err(40));
+        // A refusal takes nothing: after the first entry leaves the window there is room.
+        assert!(l.take(&a, 2, t0 + Duration::from_secs(61)).is_ok());
+        assert!(l.take(&["owner:c".to_string()], 2, t0).is_ok());
+    }
+
+    #[test]
+    fn ipv6_addresses_share_their_64() {
+        let a: IpAddr = "2001:db8:1:2::1".parse().unwrap();
+        let b: IpAddr = "2001:db8:1:2:ffff::9".parse().unwrap();
+        let c: IpAddr = "2001:db8:1:3::1".parse().unwrap();
+        assert_eq!(address_key(a), address_key(b));
+        assert_ne!(address_key(a), address_key(c));
+    }
+
+    #[test]
+    fn patches_keep_what_they_leave_out() {
+        let base = ConversationSettings {
+            system_prompt: Some("be brief".into()),
+            ..ConversationSettings::default()
+        };
+        let p = SettingsPatch {
+            temperature: Some(0.0),
+            ..SettingsPatch::default()
+        };
+        let s = p.apply(base.clone());
+        assert_eq!(s.temperature, 0.0);
+        assert_eq!(s.system_prompt, base.system_prompt);
+        let s = SettingsPatch {
+            system_prompt: Some("  ".into()),
+            ..SettingsPatch::default()
+        }
+        .apply(base);
+        assert_eq!(s.system_prompt, None);
+        assert!(SettingsPatch::default().is_empty());
+    }
+
+    #[test]
+    fn markdown_has_headings_and_folded_reasoning() {
+        let doc = ExportedConversation {
+            format: EXPORT_FORMAT.into(),
+            version: EXPORT_VERSION,
+            title: "Colours".into(),
+            settings: ConversationSettings {
+                system_prompt: Some("Be brief.".into()),
+                ..ConversationSettings::default()
+            },
+            created_at: None,
+            updated_at: None,
+            messages: vec![
+                ExportedMessage {
+                    role: Role::User,
+                    content: "Name a colour.".into(),
+                    reasoning: None,
+                    raw: None,
+                    status: MessageStatus::Complete,
+                    error: None,
+                    prompt_tokens: None,
+                    completion_tokens: None,
+                    cached_tokens: None,
+                    timings: None,
+                    created_at: "2025-07-08T10:00:00Z".into(),
+                },
+                ExportedMessage {
+                    role: Role::Assistant,
+                    content: "Blue.".into(),
+                    reasoning: Some("Pick one.".into()),
+                    raw: Some("<think>Pick one.</think>Blue.".into()),
+                    status: MessageStatus::Stopped,
+                    error: None,
+                    prompt_tokens: Some(10),
+                    completion_tokens: Some(5),
+                    cached_tokens: Some(0),
+                    timings: None,
+                    created_at: "2025-07-08T10:00:01Z".into(),
+                },
+            ],
+        };
+        let md = to_markdown(&doc);
+        assert!(md.starts_with("# Colours\n"), "{md}");
+        assert!(md.contains("> Be brief."), "{md}");
+        let user = md.find("## User\n\nName a colour.").expect("user section");
+        let assistant = md.find("## Assistant").expect("assistant section");
+        assert!(user < assistant);
+        assert!(
+            md.contains("<details>\n<summary>Reasoning</summary>\n\nPick one.\n\n</details>"),
+            "{md}"
+        );
+        assert!(md.contains("Blue.\n\n*(stopped)*"), "{md}");
+        // The JSON form reads back as it was written.
+        let json = serde_json::to_string(&doc).unwrap();
+        assert_eq!(
+            serde_json::from_str::<ExportedConversation>(&json).unwrap(),
+            doc
+        );
+    }
+}

@@ -1,0 +1,17 @@
+//! The services every interface calls: conversations (ownership, limits, checks, the session
+//! actor per conversation), completions (every prompt any interface runs), the cluster of
+//! replicas, the one settings check, the typed configuration, and the [`platform::Platform`] that
+//! wires them. Every rule is written once, here; nothing here knows HTTP.
+
+pub mod cluster;
+pub mod completions;
+pub mod config;
+pub mod conversations;
+pub mod platform;
+pub mod secrets;
+pub mod session;
+pub mod settings;
+pub mod validation;
+
+pub use conversations::{ConversationError, Conversations};
+pub use session::{SessionActor, SessionConfig, SessionShared, Sessions};

@@ -1,0 +1,1313 @@
+//! Session actors: one per conversation, started on demand and stopped when idle.
+//!
+//! A session persists the user's message before acknowledging it, renders the conversation with
+//! its settings (system prompt, thinking, pinned template date), asks the scheduler for a reply,
+//! fans the reply's events out to every subscriber (several tabs), keeps a replay buffer so a tab
+//! that joins mid-reply catches up, and persists the reply when it completes, is stopped or fails.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, Weak};
+use std::time::{Duration, Instant};
+
+use actix::prelude::*;
+use serde::Serialize;
+use tokio::sync::mpsc;
+use uuid::Uuid;
+
+use super::cluster::{Cluster, Wire, WireBody};
+use super::completions::{CacheUse, CompletionRequest, Completions};
+use crate::validation::not_text;
+use smolchat_serving::scheduler::{Cancel, SchedulerActor};
+use smolchat_serving::types::{GenEvent, GenSummary, RequestId, StopReason, SubmitError};
+use smolchat_store::{
+    Conversation, FinishedReply, Message, MessageStatus, Role, Store, StoreError, Timings,
+};
+use smolchat_text::prompt::{Prompt, PromptBuilder};
+use smolchat_text::sampling::SamplingParams;
+use smolchat_text::splitter::{SplitEvent, Splitter, ToolCall};
+use smolchat_text::template::{ChatMessage, ChatTemplate, RenderOptions};
+use smolchat_text::tokenizer::Tokenizer;
+
+#[derive(Debug, Clone)]
+pub struct SessionConfig {
+    /// Longest accepted user message, in characters.
+    pub max_message_chars: usize,
+    /// A session with no reply running and no subscriber stops after this long.
+    pub idle_timeout: Duration,
+    /// When the last subscriber of a running reply goes away, the reply is cancelled after this
+    /// long unless a subscriber comes back (a page reload should not kill the reply).
+    pub disconnect_grace: Duration,
+}
+
+impl Default for SessionConfig {
+    fn default() -> Self {
+        Self {
+            max_message_chars: 32_000,
+            idle_timeout: Duration::from_secs(300),
+            disconnect_grace: Duration::from_secs(5),
+        }
+    }
+}
+
+/// How often a streaming reply's partial text is saved (what a crash can lose at most).
+const PARTIAL_SAVE_INTERVAL: Duration = Duration::from_secs(1);
+
+/// What every session shares: the store, the scheduler and the model's text side.
+pub struct SessionShared {
+    pub store: Store,
+    pub scheduler: Addr<SchedulerActor>,
+    /// Where every reply is submitted.
+    pub completions: Completions,
+    pub tokenizer: Arc<Tokenizer>,
+    pub template: Arc<ChatTemplate>,
+    pub context_window: usize,
+    pub cfg: SessionConfig,
+    /// This replica among the others: replies are published to them, theirs relayed here.
+    pub cluster: Arc<Cluster>,
+}
+
+/// What a user is told when the store cannot be written (the detail is in the log).
+pub const STORAGE_UNAVAILABLE: &str = "the server cannot save anything right now (its storage is full, read-only or busy); nothing was saved, so please try again in a moment";
+
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum SessionError {
+    #[error("the message is empty")]
+    EmptyMessage,
+    /// Text no one types: a NUL character (U+0000) and the like.
+    #[error("the message contains {0}, which is not text; remove it")]
+    NotText(String),
+    #[error("the message has {chars} characters; the limit is {limit}")]
+    MessageTooLong { chars: usize, limit: usize },
+    #[error("a reply is already being generated in this conversation; wait for it or stop it")]
+    Busy,
+    #[error("conversation not found")]
+    NotFound,
+    #[error("there is no message to resend")]
+    NothingToResend,
+    #[error(transparent)]
+    Submit(#[from] SubmitError),
+    #[error("storage failed: {0}")]
+    Store(String),
+    /// The store cannot be written right now (disk full, read-only, locked): nothing was saved.
+    #[error("{0}")]
+    StoreUnavailable(String),
+    #[error("cannot build the prompt: {0}")]
+    Prompt(String),
+}
+
+impl From<StoreError> for SessionError {
+    fn from(e: StoreError) -> Self {
+        if let StoreError::ConversationNotFound(_) = e {
+            return SessionError::NotFound;
+        }
+        if let StoreError::MessageNotFound(_) = e {
+            return SessionError::NothingToResend;
+        }
+        if let StoreError::ReplyInProgress(_) = e {
+            // Streaming elsewhere (another replica) counts as busy, like a reply here.
+            return SessionError::Busy;
+        }
+        if e.is_unavailable() {
+            tracing::warn!(error = %e, "storage unavailable");
+            SessionError::StoreUnavailable(STORAGE_UNAVAILABLE.to_string())
+        } else {
+            SessionError::Store(e.to_string())
+        }
+    }
+}
+
+/// Events of a reply, as subscribers see them.
+#[derive(Debug, Clone, Serialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum ReplyEvent {
+    /// A reply began (after the user message was stored).
+    Started {
+        user_message: Message,
+        assistant_message_id: Uuid,
+    },
+    /// The prompt left the queue and is being prefilled.
+    Prefilling {
+        prompt_tokens: usize,
+        cached_tokens: usize,
+    },
+    Reasoning {
+        text: String,
+    },
+    Answer {
+        text: String,
+    },
+    ToolCall {
+        call: ToolCall,
+    },
+    /// The reply ended and is stored.
+    Done {
+        message: Message,
+        summary: GenSummary,
+    },
+    Error {
+        message: String,
+    },
+}
+
+/// What a finished reply's row says of how it went, for a `Done` made from the row (its `Done`
+/// event was lost between replicas).
+fn summary_of_stored(message: &Message) -> GenSummary {
+    let timings = message.timings.clone().unwrap_or_default();
+    GenSummary {
+        reason: match message.status {
+            MessageStatus::Stopped => StopReason::Cancelled,
+            MessageStatus::Error => StopReason::Error(message.error.clone().unwrap_or_default()),
+            _ => StopReason::EndOfGeneration,
+        },
+        prompt_tokens: message.prompt_tokens.unwrap_or(0).max(0) as usize,
+        cached_tokens: message.cached_tokens.unwrap_or(0).max(0) as usize,
+        completion_tokens: message.completion_tokens.unwrap_or(0).max(0) as usize,
+        queue_ms: timings.queue_ms,
+        prefill_ms: timings.prefill_ms,
+        ttft_ms: timings.ttft_ms,
+        generation_ms: timings.generation_ms,
+    }
+}
+
+/// A live subscription: what was missed of the current reply, then the events as they come.
+/// Dropping it unsubscribes.
+pub struct Subscription {
+    pub replay: Vec<ReplyEvent>,
+    pub events: mpsc::Receiver<ReplyEvent>,
+    pub guard: SubscriptionGuard,
+}
+
+/// Events one subscriber may have waiting. A reader that falls this far behind (a client that
+/// stopped reading) is dropped: its stream ends, and on reconnecting it gets the reply so far
+/// from the replay buffer. Without the bound, a client that never reads would keep every later
+/// event in memory.
+pub const SUBSCRIBER_BUFFER: usize = 1024;
+
+pub struct SubscriptionGuard {
+    session: Addr<SessionActor>,
+    id: u64,
+}
+
+impl Drop for SubscriptionGuard {
+    fn drop(&mut self) {
+        self.session.do_send(Unsubscribe(self.id));
+    }
+}
+
+struct RunningReply {
+    request_id: Option<RequestId>,
+    user_message_id: Uuid,
+    assistant_message_id: Uuid,
+    splitter: Splitter,
+    raw: String,
+    content: String,
+    reasoning: String,
+    tool_calls: Vec<ToolCall>,
+    prompt_tokens: usize,
+    cached_tokens: usize,
+    /// Stop was asked before the scheduler gave an id.
+    stop_requested: bool,
+    /// Length of `raw` at the last partial save.
+    saved_len: usize,
+}
+
+/// A reply another replica is generating in this conversation, mirrored for the viewers here.
+struct RemoteMirror {
+    /// The replica generating it.
+    from: Uuid,
+    assistant: Uuid,
+    /// Whether this mirror holds the reply from its start (its `Started`, or a snapshot), so
+    /// deltas can be passed on; until then they are dropped and a snapshot is awaited.
+    synced: bool,
+}
+
+impl RunningReply {
+    /// The write that saves the reply as it is now (content, reasoning, raw text), which from
+    /// then on counts as saved.
+    fn save_now(
+        &mut self,
+        store: Store,
+    ) -> impl std::future::Future<Output = Result<bool, StoreError>> + 'static {
+        self.saved_len = self.raw.len();
+        let (id, content, raw) = (
+            self.assistant_message_id,
+            self.content.clone(),
+            self.raw.clone(),
+        );
+        let reasoning = (!self.reasoning.is_empty()).then(|| self.reasoning.clone());
+        async move {
+            store
+                .save_partial_reply(id, &content, reasoning.as_deref(), &raw)
+                .await
+        }
+    }
+}
+
+pub struct SessionActor {
+    id: Uuid,
+    shared: Arc<SessionShared>,
+    registry: Weak<Sessions>,
+    subscribers: HashMap<u64, mpsc::Sender<ReplyEvent>>,
+    next_subscriber: u64,
+    replay: Vec<ReplyEvent>,
+    reply: Option<RunningReply>,
+    /// A send is between its checks and the scheduler's acceptance.
+    sending: bool,
+    last_activity: Instant,
+    /// Another replica's reply in this conversation, followed for the viewers here.
+    remote: Option<RemoteMirror>,
+    /// When another replica last said that viewers there follow this replica's reply.
+    remote_watched_at: Option<Instant>,
+}
+
+impl SessionActor {
+    /// Sends an event of this replica's reply to the viewers here and to the other replicas.
+    fn broadcast(&mut self, event: ReplyEvent) {
+        self.publish(&event);
+        self.fan_out(event);
+    }
+
+    /// Sends an event to the viewers here (and keeps it for those who join later).
+    fn fan_out(&mut self, event: ReplyEvent) {
+        let id = self.id;
+        self.subscribers.retain(|n, tx| match tx.try_send(event.clone()) {
+            Ok(()) => true,
+            Err(mpsc::error::TrySendError::Full(_)) => {
+                tracing::debug!(conversation = %id, subscriber = n, "a subscriber fell {SUBSCRIBER_BUFFER} events behind; dropped (it resyncs on reconnect)");
+                metrics::counter!("smolchat_slow_subscribers_dropped_total").increment(1);
+                false
+            }
+            Err(mpsc::error::TrySendError::Closed(_)) => false,
+        });
+        self.replay.push(event);
+    }
+
+    fn publish(&self, event: &ReplyEvent) {
+        let cluster = &self.shared.cluster;
+        if !cluster.is_shared() {
+            return;
+        }
+        let c = self.id;
+        let body = match event {
+            ReplyEvent::Started {
+                user_message,
+                assistant_message_id,
+            } => WireBody::Started {
+                user_message: user_message.id,
+                assistant: *assistant_message_id,
+            },
+            ReplyEvent::Prefilling {
+                prompt_tokens,
+                cached_tokens,
+            } => WireBody::Prefilling {
+                prompt_tokens: *prompt_tokens,
+                cached_tokens: *cached_tokens,
+            },
+            ReplyEvent::Reasoning { text } => return cluster.publish_text(c, true, text),
+            ReplyEvent::Answer { text } => return cluster.publish_text(c, false, text),
+            ReplyEvent::ToolCall { call } => WireBody::ToolCall { call: call.clone() },
+            ReplyEvent::Done { message, summary } => WireBody::Done {
+                message: message.id,
+                summary: summary.clone(),
+            },
+            ReplyEvent::Error { message } => WireBody::Error {
+                message: super::cluster::split_text(message, 2000)
+                    .first()
+                    .map_or_else(String::new, |m| m.to_string()),
+            },
+        };
+        cluster.publish(c, body);
+    }
+
+    /// Answers another replica's [`WireBody::Sync`]: saves the reply so far, then announces how
+    /// much of it the stored row holds. Waits (no token is handled meanwhile), so the deltas
+    /// published after the snapshot continue exactly where it ends.
+    fn send_snapshot(&mut self, ctx: &mut Context<Self>) {
+        let cluster = Arc::clone(&self.shared.cluster);
+        let Some(reply) = self.reply.as_mut() else {
+            return;
+        };
+        // Tool calls ride along only while the message stays small; the final row has them all.
+        let mut tool_calls = reply.tool_calls.clone();
+        while serde_json::to_string(&tool_calls).map_or(0, |j| j.len()) > 4000 {
+            tool_calls.pop();
+        }
+        let c = self.id;
+        let body = WireBody::Snapshot {
+            user_message: reply.user_message_id,
+            assistant: reply.assistant_message_id,
+            content_len: reply.content.len(),
+            reasoning_len: reply.reasoning.len(),
+            tool_calls,
+        };
+        reply
+            .save_now(self.shared.store.clone())
+            .into_actor(self)
+            .map(move |saved, _, _| match saved {
+                Ok(_) => cluster.publish(c, body),
+                Err(e) => tracing::warn!("cannot save a reply for a snapshot: {e}"),
+            })
+            .wait(ctx);
+    }
+
+    /// Cancels the reply once nobody follows it any more: no viewer here, and no other replica
+    /// said recently that viewers there do. Checked again later while another replica watches.
+    fn cancel_when_abandoned(&mut self, reply_id: Option<Uuid>, ctx: &mut Context<Self>) {
+        let grace = self.shared.cfg.disconnect_grace;
+        let watch_window = grace.max(self.shared.cluster.config().heartbeat * 3);
+        ctx.run_later(grace, move |act, ctx| {
+            let same_reply = act.reply.as_ref().map(|r| r.assistant_message_id) == reply_id;
+            if !same_reply || !act.subscribers.is_empty() {
+                return;
+            }
+            if act
+                .remote_watched_at
+                .is_some_and(|t| t.elapsed() < watch_window)
+            {
+                act.cancel_when_abandoned(reply_id, ctx);
+                return;
+            }
+            tracing::debug!(conversation = %act.id, "every listener left; stopping the reply");
+            act.cancel_running();
+        });
+    }
+
+    /// Starts following another replica's reply for the viewers here, when one is streaming.
+    fn follow_remote_reply(&mut self, ctx: &mut Context<Self>) {
+        let cluster = Arc::clone(&self.shared.cluster);
+        if !cluster.is_shared() || self.is_busy() || self.remote.as_ref().is_some_and(|m| m.synced)
+        {
+            return;
+        }
+        let store = self.shared.store.clone();
+        let id = self.id;
+        ctx.spawn(
+            async move { store.streaming_replica(id).await }
+                .into_actor(self)
+                .map(move |found, act, _| {
+                    let Ok(Some((assistant, Some(replica)))) = found else {
+                        return;
+                    };
+                    if replica == cluster.me().id || act.is_busy() {
+                        return;
+                    }
+                    match &act.remote {
+                        Some(m) if m.assistant == assistant => {}
+                        _ => {
+                            act.remote = Some(RemoteMirror {
+                                from: replica,
+                                assistant,
+                                synced: false,
+                            })
+                        }
+                    }
+                    cluster.publish(id, WireBody::Sync);
+                }),
+        );
+    }
+
+    /// Periodic: keeps the generating replica from cancelling a reply viewers here follow,
+    /// re-asks for a snapshot that did not come, and ends a mirror whose replica died.
+    fn tend_remote(&mut self, ctx: &mut Context<Self>) {
+        let cluster = Arc::clone(&self.shared.cluster);
+        let Some((from, synced)) = self.remote.as_ref().map(|m| (m.from, m.synced)) else {
+            return;
+        };
+        if self.subscribers.is_empty() {
+            self.remote = None;
+            return;
+        }
+        let c = self.id;
+        if !cluster.live().iter().any(|p| p.id == from) {
+            // Its heartbeat is late. The stored row decides: the sweep marks the reply
+            // interrupted once the lease has really run out; a final status means its `Done`
+            // never arrived (the bus dropped it), so tell the viewers from the row.
+            self.settle_remote_from_store(ctx);
+            return;
+        }
+        if synced {
+            cluster.publish(c, WireBody::Watch);
+        } else {
+            self.follow_remote_reply(ctx);
+        }
+    }
+
+    /// Ends the mirrored reply from its stored row when that row is no longer `streaming`.
+    fn settle_remote_from_store(&mut self, ctx: &mut Context<Self>) {
+        let Some(assistant) = self.remote.as_ref().map(|m| m.assistant) else {
+            return;
+        };
+        let store = self.shared.store.clone();
+        async move { store.get_message(assistant).await }
+            .into_actor(self)
+            .map(move |found, act, _| {
+                let Ok(Some(message)) = found else {
+                    return;
+                };
+                let still_mirrored = act
+                    .remote
+                    .as_ref()
+                    .is_some_and(|m| m.assistant == assistant);
+                if !still_mirrored || message.status == MessageStatus::Streaming {
+                    return;
+                }
+                act.remote = None;
+                if message.status == MessageStatus::Interrupted {
+                    act.fan_out(ReplyEvent::Error {
+                        message: "the server generating this reply stopped; what it wrote is kept \
+                                  (marked interrupted): reload, then send or regenerate"
+                            .to_string(),
+                    });
+                } else {
+                    let summary = summary_of_stored(&message);
+                    act.fan_out(ReplyEvent::Done { message, summary });
+                }
+                act.replay.clear();
+            })
+            .wait(ctx);
+    }
+
+    /// An event of another replica's reply.
+    fn on_remote_reply(&mut self, wire: Wire, ctx: &mut Context<Self>) {
+        if self.is_busy() {
+            // This replica generates here; the unique streaming row means the other cannot.
+            return;
+        }
+        let from = wire.from;
+        let following =
+            |m: &Option<RemoteMirror>| m.as_ref().is_some_and(|m| m.synced && m.from == from);
+        match wire.body {
+            WireBody::Started {
+                user_message,
+                assistant,
+                ..
+            } => {
+                self.remote = Some(RemoteMirror {
+                    from,
+                    assistant,
+                    synced: true,
+                });
+                self.replay.clear();
+                let store = self.shared.store.clone();
+                async move { store.get_message(user_message).await }
+                    .into_actor(self)
+                    .map(move |found, act, _| match found {
+                        Ok(Some(user_message)) => act.fan_out(ReplyEvent::Started {
+                            user_message,
+                            assistant_message_id: assistant,
+                        }),
+                        Ok(None) => {}
+                        Err(e) => tracing::warn!("cannot load a relayed user message: {e}"),
+                    })
+                    .wait(ctx);
+            }
+            WireBody::Prefilling {
+                prompt_tokens,
+                cached_tokens,
+                ..
+            } if following(&self.remote) => self.fan_out(ReplyEvent::Prefilling {
+                prompt_tokens,
+                cached_tokens,
+            }),
+            WireBody::Reasoning { text } if following(&self.remote) => {
+                self.fan_out(ReplyEvent::Reasoning { text })
+            }
+            WireBody::Answer { text } if following(&self.remote) => {
+                self.fan_out(ReplyEvent::Answer { text })
+            }
+            WireBody::ToolCall { call } if following(&self.remote) => {
+                self.fan_out(ReplyEvent::ToolCall { call })
+            }
+            WireBody::Error { message } if following(&self.remote) => {
+                self.fan_out(ReplyEvent::Error { message })
+            }
+            WireBody::Snapshot {
+                user_message,
+                assistant,
+                content_len,
+                reasoning_len,
+                tool_calls,
+                ..
+            } => {
+                let waiting = self
+                    .remote
+                    .as_ref()
+                    .is_some_and(|m| !m.synced && m.assistant == assistant);
+                if !waiting {
+                    return;
+                }
+                let store = self.shared.store.clone();
+                async move {
+                    let user = store.get_message(user_message).await?;
+                    let reply = store.get_message(assistant).await?;
+                    Ok::<_, StoreError>((user, reply))
+                }
+                .into_actor(self)
+                .map(move |found, act, _| {
+                    let (Some(user), Some(reply)) = (match found {
+                        Ok(pair) => pair,
+                        Err(e) => {
+                            tracing::warn!("cannot load a relayed reply: {e}");
+                            return;
+                        }
+                    }) else {
+                        return;
+                    };
+                    // Only messages of this conversation: a relayed id naming another one's
+                    // message must not show its text here.
+                    let id = act.id;
+                    if user.conversation_id != id || reply.conversation_id != id {
+                        tracing::warn!(conversation = %id, "a relayed snapshot named messages of another conversation; ignored");
+                        return;
+                    }
+                    let prefix =
+                        |text: &str, len: usize| text.get(..len).unwrap_or(text).to_string();
+                    let content = prefix(&reply.content, content_len);
+                    let reasoning = prefix(reply.reasoning.as_deref().unwrap_or(""), reasoning_len);
+                    act.replay.clear();
+                    if let Some(m) = act.remote.as_mut() {
+                        m.synced = true;
+                    }
+                    act.fan_out(ReplyEvent::Started {
+                        user_message: user,
+                        assistant_message_id: assistant,
+                    });
+                    if !reasoning.is_empty() {
+                        act.fan_out(ReplyEvent::Reasoning { text: reasoning });
+                    }
+                    for call in tool_calls {
+                        act.fan_out(ReplyEvent::ToolCall { call });
+                    }
+                    if !content.is_empty() {
+                        act.fan_out(ReplyEvent::Answer { text: content });
+                    }
+                })
+                .wait(ctx);
+            }
+            WireBody::Done {
+                message, summary, ..
+            } => {
+                // Only the end of the reply this session follows: a `Done` of an earlier reply
+                // can arrive after a viewer (who already saw it elsewhere) joined here.
+                if self.remote.as_ref().is_none_or(|m| m.assistant != message) {
+                    return;
+                }
+                self.remote = None;
+                let store = self.shared.store.clone();
+                async move { store.get_message(message).await }
+                    .into_actor(self)
+                    .map(move |found, act, _| {
+                        match found {
+                            Ok(Some(message)) if message.conversation_id == act.id => {
+                                act.fan_out(ReplyEvent::Done { message, summary })
+                            }
+                            Ok(Some(_)) => tracing::warn!(conversation = %act.id, "a relayed reply named a message of another conversation; ignored"),
+                            Ok(None) => {}
+                            Err(e) => tracing::warn!("cannot load a relayed reply: {e}"),
+                        }
+                        act.replay.clear();
+                    })
+                    .wait(ctx);
+            }
+            _ => {}
+        }
+    }
+
+    fn is_busy(&self) -> bool {
+        self.sending || self.reply.is_some()
+    }
+
+    fn on_split_events(&mut self, events: Vec<SplitEvent>) {
+        for ev in events {
+            let out = {
+                let Some(reply) = self.reply.as_mut() else {
+                    return;
+                };
+                match ev {
+                    SplitEvent::Reasoning(t) => {
+                        reply.reasoning.push_str(&t);
+                        ReplyEvent::Reasoning { text: t }
+                    }
+                    SplitEvent::Answer(t) => {
+                        reply.content.push_str(&t);
+                        ReplyEvent::Answer { text: t }
+                    }
+                    SplitEvent::ToolCall(call) => {
+                        reply.tool_calls.push(call.clone());
+                        ReplyEvent::ToolCall { call }
+                    }
+                    SplitEvent::InvalidToolCall { raw, .. } => {
+                        let text = format!("<tool_call>{raw}</tool_call>");
+                        reply.content.push_str(&text);
+                        ReplyEvent::Answer { text }
+                    }
+                }
+            };
+            self.broadcast(out);
+        }
+    }
+
+    fn finish_reply(&mut self, summary: GenSummary, ctx: &mut Context<Self>) {
+        let Some(mut reply) = self.reply.take() else {
+            return;
+        };
+        // Keep the session marked busy until the reply is stored.
+        self.sending = true;
+        let tail = reply.splitter.finish();
+        self.reply = Some(reply);
+        self.on_split_events(tail);
+        let Some(reply) = self.reply.take() else {
+            return;
+        };
+        let (status, error) = match &summary.reason {
+            StopReason::EndOfGeneration | StopReason::StopString(_) | StopReason::Length => {
+                (MessageStatus::Complete, None)
+            }
+            StopReason::Cancelled | StopReason::TimeLimit => (MessageStatus::Stopped, None),
+            StopReason::Error(e) => (MessageStatus::Error, Some(e.clone())),
+        };
+        let tokens_per_s = if summary.generation_ms > 0.0 {
+            summary.completion_tokens.saturating_sub(1) as f64 / (summary.generation_ms / 1e3)
+        } else {
+            0.0
+        };
+        let finished = FinishedReply {
+            content: reply.content,
+            reasoning: (!reply.reasoning.is_empty()).then_some(reply.reasoning),
+            raw: reply.raw,
+            status,
+            error,
+            prompt_tokens: reply.prompt_tokens as i64,
+            completion_tokens: summary.completion_tokens as i64,
+            cached_tokens: reply.cached_tokens as i64,
+            timings: Timings {
+                queue_ms: summary.queue_ms,
+                prefill_ms: summary.prefill_ms,
+                ttft_ms: summary.ttft_ms,
+                generation_ms: summary.generation_ms,
+                tokens_per_s,
+            },
+        };
+        let store = self.shared.store.clone();
+        let id = reply.assistant_message_id;
+        async move { store.finish_assistant_message(id, &finished).await }
+            .into_actor(self)
+            .map(move |result, act, _| {
+                act.sending = false;
+                act.last_activity = Instant::now();
+                match result {
+                    Ok(message) => act.broadcast(ReplyEvent::Done { message, summary }),
+                    Err(e) => {
+                        tracing::error!(conversation = %act.id, "storing the reply failed: {e}");
+                        act.broadcast(ReplyEvent::Error {
+                            message: format!("the reply could not be stored: {e}"),
+                        });
+                    }
+                }
+                act.replay.clear();
+            })
+            .wait(ctx);
+    }
+
+    /// Saves the partial reply so a crash keeps what was generated (at most one write per tick).
+    fn save_partial(&mut self, ctx: &mut Context<Self>) {
+        let Some(reply) = self.reply.as_mut() else {
+            return;
+        };
+        if reply.raw.len() == reply.saved_len {
+            return;
+        }
+        let save = reply.save_now(self.shared.store.clone());
+        ctx.spawn(
+            async move {
+                if let Err(e) = save.await {
+                    tracing::warn!("saving a partial reply failed: {e}");
+                }
+            }
+            .into_actor(self),
+        );
+    }
+
+    fn cancel_running(&mut self) -> bool {
+        match self.reply.as_mut() {
+            Some(reply) => {
+                match reply.request_id {
+                    Some(id) => self.shared.scheduler.do_send(Cancel(id)),
+                    None => reply.stop_requested = true,
+                }
+                true
+            }
+            None => false,
+        }
+    }
+}
+
+impl Actor for SessionActor {
+    type Context = Context<Self>;
+
+    fn started(&mut self, ctx: &mut Self::Context) {
+        ctx.run_interval(PARTIAL_SAVE_INTERVAL, |act, ctx| act.save_partial(ctx));
+        if self.shared.cluster.is_shared() {
+            let heartbeat = self.shared.cluster.config().heartbeat;
+            ctx.run_interval(heartbeat, |act, ctx| act.tend_remote(ctx));
+        }
+        let tick = (self.shared.cfg.idle_timeout / 4)
+            .clamp(Duration::from_millis(50), Duration::from_secs(5));
+        ctx.run_interval(tick, |act, ctx| {
+            let idle = !act.is_busy() && act.subscribers.is_empty();
+            if idle && act.last_activity.elapsed() >= act.shared.cfg.idle_timeout {
+                tracing::debug!(conversation = %act.id, "session idle; stopping");
+                ctx.stop();
+            }
+        });
+    }
+
+    fn stopped(&mut self, ctx: &mut Self::Context) {
+        if let Some(registry) = self.registry.upgrade() {
+            registry.forget(self.id, &ctx.address());
+        }
+    }
+}
+
+/// Send a user message; resolves once it is stored and the reply is queued.
+#[derive(Message)]
+#[rtype(result = "Result<Accepted, SessionError>")]
+pub struct SendMessage {
+    /// The user message; `None` sends the replaced message's text again (regenerate).
+    pub content: Option<String>,
+    /// Regenerate / edit-and-resend: the user message this one replaces, with everything after
+    /// it. The old messages stay until the new request has been accepted and stored, in one
+    /// transaction, so a refusal (busy, overloaded, context overflow, storage) changes nothing.
+    pub replacing: Replacing,
+    /// The group the reply also counts against in the scheduler's token quota: a guest's client
+    /// address (set by the conversation service; guest owners cost nothing to mint).
+    pub group: Option<String>,
+}
+
+/// What a [`SendMessage`] replaces.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Replacing {
+    /// Nothing: a new exchange at the end.
+    Nothing,
+    /// This user message and everything after it.
+    Message(Uuid),
+    /// The last user message and everything after it, found inside the session when the send
+    /// runs, so a send that lands first cannot make it replace the wrong exchange.
+    LastUserMessage,
+}
+
+impl SendMessage {
+    pub fn new(content: String) -> Self {
+        SendMessage {
+            content: Some(content),
+            replacing: Replacing::Nothing,
+            group: None,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Accepted {
+    pub user_message: Message,
+    pub assistant_message_id: Uuid,
+}
+
+struct Prepared {
+    prompt: Vec<u32>,
+    starts_in_reasoning: bool,
+    params: SamplingParams,
+}
+
+/// The rules every user message meets: not empty, text, within the length limit.
+pub fn check_message(content: &str, max_chars: usize) -> Result<(), SessionError> {
+    if content.trim().is_empty() {
+        return Err(SessionError::EmptyMessage);
+    }
+    if let Some(what) = not_text(content) {
+        return Err(SessionError::NotText(what));
+    }
+    let chars = content.chars().count();
+    if chars > max_chars {
+        return Err(SessionError::MessageTooLong {
+            chars,
+            limit: max_chars,
+        });
+    }
+    Ok(())
+}
+
+/// The messages a stored conversation plus a new user message stand for: the system prompt, the
+/// kept history (failed replies left out) and the new message. The one mapping from stored
+/// messages to the template's, used by every turn whichever interface sent it.
+fn conversation_messages(
+    conversation: &Conversation,
+    history: &[Message],
+    new_user: &str,
+) -> Vec<ChatMessage> {
+    let s = &conversation.settings;
+    let mut messages = Vec::new();
+    if let Some(system) = s.system_prompt.as_deref().filter(|p| !p.trim().is_empty()) {
+        messages.push(ChatMessage::system(system));
+    }
+    for m in history {
+        match m.role {
+            Role::User => messages.push(ChatMessage::user(&m.content)),
+            // An imported reply is whoever wrote the file's text, not the model's: guarded like
+            // user text, so control tokens typed into it stay text.
+            Role::Assistant if m.status != MessageStatus::Error && m.imported => {
+                messages.push(ChatMessage::assistant(&m.content))
+            }
+            // The exact generated text, so the re-rendered prompt matches the cached tokens.
+            Role::Assistant if m.status != MessageStatus::Error => messages.push(
+                ChatMessage::generated(m.raw.as_deref().unwrap_or(&m.content)),
+            ),
+            Role::System => messages.push(ChatMessage::system(&m.content)),
+            _ => {}
+        }
+    }
+    messages.push(ChatMessage::user(new_user));
+    messages
+}
+
+/// The render options of a conversation's turns: its pinned date and its thinking switch.
+fn conversation_render_options(conversation: &Conversation) -> RenderOptions {
+    let s = &conversation.settings;
+    let mut opts = RenderOptions::new(s.pinned_date);
+    opts.enable_thinking = Some(s.thinking);
+    opts
+}
+
+/// The prompt of a conversation's next turn, built by the one prompt builder.
+pub fn conversation_prompt(
+    builder: PromptBuilder<'_>,
+    conversation: &Conversation,
+    history: &[Message],
+    new_user: &str,
+) -> Result<Prompt, SessionError> {
+    builder
+        .build(
+            &conversation_messages(conversation, history, new_user),
+            &conversation_render_options(conversation),
+        )
+        .map_err(|e| SessionError::Prompt(e.to_string()))
+}
+
+/// Builds the conversation plus the new user message into prompt tokens and sampling settings.
+fn prepare(
+    shared: &SessionShared,
+    conversation: &Conversation,
+    history: &[Message],
+    new_user: &str,
+) -> Result<Prepared, SessionError> {
+    let builder = PromptBuilder::new(&shared.template, &shared.tokenizer);
+    let prompt = conversation_prompt(builder, conversation, history, new_user)?;
+    Ok(Prepared {
+        prompt: prompt.tokens,
+        starts_in_reasoning: prompt.starts_in_reasoning,
+        params: super::settings::sampling_of(&conversation.settings),
+    })
+}
+
+impl Handler<SendMessage> for SessionActor {
+    type Result = ResponseActFuture<Self, Result<Accepted, SessionError>>;
+
+    fn handle(&mut self, msg: SendMessage, _: &mut Context<Self>) -> Self::Result {
+        let SendMessage {
+            content,
+            replacing,
+            group,
+        } = msg;
+        if content.is_none() && replacing == Replacing::Nothing {
+            return Box::pin(fut::ready(Err(SessionError::EmptyMessage)));
+        }
+        let check = || {
+            if let Some(content) = &content {
+                check_message(content, self.shared.cfg.max_message_chars)?;
+            }
+            if self.is_busy() {
+                return Err(SessionError::Busy);
+            }
+            Ok(())
+        };
+        if let Err(e) = check() {
+            return Box::pin(fut::ready(Err(e)));
+        }
+        self.sending = true;
+        self.last_activity = Instant::now();
+        let shared = Arc::clone(&self.shared);
+        let id = self.id;
+        let work = async move {
+            let conversation = shared
+                .store
+                .get_conversation(id)
+                .await?
+                .ok_or(SessionError::NotFound)?;
+            let mut history = shared.store.messages(id).await?;
+            let at = match replacing {
+                Replacing::Nothing => None,
+                Replacing::Message(from) => Some(
+                    history
+                        .iter()
+                        .position(|m| m.id == from && m.role == Role::User)
+                        .ok_or(SessionError::NothingToResend)?,
+                ),
+                Replacing::LastUserMessage => Some(
+                    history
+                        .iter()
+                        .rposition(|m| m.role == Role::User)
+                        .ok_or(SessionError::NothingToResend)?,
+                ),
+            };
+            let replacing = at.map(|i| history[i].id);
+            let content = match (content, at) {
+                (Some(c), _) => c,
+                (None, Some(i)) => history[i].content.clone(),
+                (None, None) => return Err(SessionError::EmptyMessage),
+            };
+            if let Some(at) = at {
+                // The prompt is the conversation before the replaced message.
+                history.truncate(at);
+            }
+            // Rendering and tokenizing a long history is CPU work: on a blocking thread, not on
+            // the event loop that runs this session and the requests beside it.
+            let (prepared, conversation, content) = {
+                let shared = Arc::clone(&shared);
+                tokio::task::spawn_blocking(move || {
+                    prepare(&shared, &conversation, &history, &content)
+                        .map(|p| (p, conversation, content))
+                })
+                .await
+                .map_err(|e| SessionError::Prompt(format!("the prompt builder failed: {e}")))??
+            };
+            let request = CompletionRequest {
+                prompt: prepared.prompt.clone(),
+                params: prepared.params.clone(),
+                max_tokens: Some(prepared.params.max_new_tokens),
+                cache: CacheUse::Conversation(id),
+                user: Some(conversation.owner.clone()),
+                group,
+                usage_owner: None,
+            };
+            // Ask the scheduler first: an overloaded server refuses before anything is stored.
+            let completion = shared.completions.submit(request).await?;
+            // Should the store refuse the exchange, dropping `completion` cancels the request.
+            let (user, assistant) = shared
+                .store
+                .insert_exchange(id, &content, replacing)
+                .await?;
+            Ok((completion, user, assistant, prepared))
+        };
+        Box::pin(work.into_actor(self).map(move |result, act, ctx| {
+            act.sending = false;
+            let (completion, user, assistant, prepared) = result?;
+            let request_id = completion.id();
+            act.replay.clear();
+            act.remote = None;
+            act.reply = Some(RunningReply {
+                request_id: Some(request_id),
+                user_message_id: user.id,
+                assistant_message_id: assistant.id,
+                splitter: Splitter::new(prepared.starts_in_reasoning),
+                raw: String::new(),
+                content: String::new(),
+                reasoning: String::new(),
+                tool_calls: Vec::new(),
+                prompt_tokens: prepared.prompt.len(),
+                cached_tokens: 0,
+                stop_requested: false,
+                saved_len: 0,
+            });
+            ctx.add_stream(completion);
+            act.broadcast(ReplyEvent::Started {
+                user_message: user.clone(),
+                assistant_message_id: assistant.id,
+            });
+            Ok(Accepted {
+                user_message: user,
+                assistant_message_id: assistant.id,
+            })
+        }))
+    }
+}
+
+impl StreamHandler<GenEvent> for SessionActor {
+    fn handle(&mut self, event: GenEvent, ctx: &mut Context<Self>) {
+        self.last_activity = Instant::now();
+        match event {
+            GenEvent::Admitted {
+                prompt_tokens,
+                cached_tokens,
+            } => {
+                if let Some(r) = self.reply.as_mut() {
+                    r.cached_tokens = cached_tokens;
+                    if r.stop_requested {
+                        self.cancel_running();
+                    }
+                }
+                self.broadcast(ReplyEvent::Prefilling {
+                    prompt_tokens,
+                    cached_tokens,
+                });
+            }
+            GenEvent::Token { text, .. } => {
+                let events = match self.reply.as_mut() {
+                    Some(r) => {
+                        r.raw.push_str(&text);
+                        r.splitter.push(&text)
+                    }
+                    None => return,
+                };
+                self.on_split_events(events);
+            }
+            GenEvent::Finished(summary) => self.finish_reply(summary, ctx),
+        }
+    }
+
+    /// The event stream ends after `Finished`; the session lives on.
+    fn finished(&mut self, _: &mut Context<Self>) {}
+}
+
+/// Stop the running reply. Resolves to whether one was running.
+#[derive(Message)]
+#[rtype(result = "bool")]
+pub struct Stop;
+
+impl Handler<Stop> for SessionActor {
+    type Result = bool;
+
+    fn handle(&mut self, _: Stop, _: &mut Context<Self>) -> bool {
+        self.cancel_running()
+    }
+}
+
+/// Join the conversation's live events.
+#[derive(Message)]
+#[rtype(result = "Subscription")]
+pub struct Subscribe;
+
+impl Handler<Subscribe> for SessionActor {
+    type Result = MessageResult<Subscribe>;
+
+    fn handle(&mut self, _: Subscribe, ctx: &mut Context<Self>) -> Self::Result {
+        let (tx, rx) = mpsc::channel(SUBSCRIBER_BUFFER);
+        let id = self.next_subscriber;
+        self.next_subscriber += 1;
+        self.subscribers.insert(id, tx);
+        self.last_activity = Instant::now();
+        self.follow_remote_reply(ctx);
+        MessageResult(Subscription {
+            replay: self.replay.clone(),
+            events: rx,
+            guard: SubscriptionGuard {
+                session: ctx.address(),
+                id,
+            },
+        })
+    }
+}
+
+#[derive(Message)]
+#[rtype(result = "()")]
+struct Unsubscribe(u64);
+
+impl Handler<Unsubscribe> for SessionActor {
+    type Result = ();
+
+    fn handle(&mut self, msg: Unsubscribe, ctx: &mut Context<Self>) {
+        self.subscribers.remove(&msg.0);
+        self.last_activity = Instant::now();
+        if self.subscribers.is_empty() && self.reply.is_some() {
+            let reply_id = self.reply.as_ref().map(|r| r.assistant_message_id);
+            self.cancel_when_abandoned(reply_id, ctx);
+        }
+    }
+}
+
+/// An event of a reply another replica generates in this conversation (relayed by the
+/// cluster).
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct RemoteReply(pub Wire);
+
+impl Handler<RemoteReply> for SessionActor {
+    type Result = ();
+
+    fn handle(&mut self, msg: RemoteReply, ctx: &mut Context<Self>) {
+        self.on_remote_reply(msg.0, ctx);
+    }
+}
+
+/// What another replica asks of this conversation's session.
+#[derive(Message)]
+#[rtype(result = "()")]
+pub enum RemoteControl {
+    /// Stop the running reply.
+    Stop,
+    /// The conversation was deleted: end the reply and the session.
+    Deleted,
+    /// Viewers on replica `.0` joined the running reply: send them a snapshot.
+    Sync(Uuid),
+    /// Viewers elsewhere still follow the running reply.
+    Watch,
+}
+
+impl Handler<RemoteControl> for SessionActor {
+    type Result = ();
+
+    fn handle(&mut self, msg: RemoteControl, ctx: &mut Context<Self>) {
+        match msg {
+            RemoteControl::Stop => {
+                self.cancel_running();
+            }
+            RemoteControl::Deleted => {
+                self.cancel_running();
+                ctx.stop();
+            }
+            RemoteControl::Sync(_) => {
+                self.remote_watched_at = Some(Instant::now());
+                self.send_snapshot(ctx);
+            }
+            RemoteControl::Watch => self.remote_watched_at = Some(Instant::now()),
+        }
+    }
+}
+
+/// What the admin page shows of a live session.
+#[derive(Debug, Clone, Serialize)]
+pub struct SessionInfo {
+    pub subscribers: usize,
+    pub replying: bool,
+    pub idle_s: f64,
+}
+
+#[derive(Message)]
+#[rtype(result = "SessionInfo")]
+pub struct GetInfo;
+
+impl Handler<GetInfo> for SessionActor {
+    type Result = MessageResult<GetInfo>;
+
+    fn handle(&mut self, _: GetInfo, _: &mut Context<Self>) -> Self::Result {
+        MessageResult(SessionInfo {
+            subscribers: self.subscribers.len(),
+            replying: self.is_busy(),
+            idle_s: self.last_activity.elapsed().as_secs_f64(),
+        })
+    }
+}
+
+/// Stop the session now (its conversation was deleted): the reply is cancelled.
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct Shutdown;
+
+impl Handler<Shutdown> for SessionActor {
+    type Result = ();
+
+    fn handle(&mut self, _: Shutdown, ctx: &mut Context<Self>) {
+        self.cancel_running();
+        ctx.stop();
+    }
+}
+
+/// The live sessions, by conversation id.
+pub struct Sessions {
+    shared: Arc<SessionShared>,
+    live: Mutex<HashMap<Uuid, Addr<SessionActor>>>,
+}
+
+impl Sessions {
+    pub fn new(shared: SessionShared) -> Arc<Self> {
+        Arc::new(Self {
+            shared: Arc::new(shared),
+            live: Mutex::new(HashMap::new()),
+        })
+    }
+
+    pub fn shared(&self) -> &Arc<SessionShared> {
+        &self.shared
+    }
+
+    /// Takes in what other replicas send about conversations: the cluster delivers over a
+    /// channel that a task here reads, handing each message to the conversation's session on
+    /// this replica, if there is one. Must run inside an actix system.
+    pub fn receive_from(self: &Arc<Self>, cluster: &Cluster) {
+        let (tx, mut rx) = mpsc::unbounded_channel::<Wire>();
+        cluster.deliver_to(tx);
+        let sessions = Arc::downgrade(self);
+        actix::spawn(async move {
+            while let Some(wire) = rx.recv().await {
+                let Some(sessions) = sessions.upgrade() else {
+                    return;
+                };
+                sessions.deliver(wire);
+            }
+        });
+    }
+
+    /// Hands an incoming message to the conversation's session here (a replica without a
+    /// session for the conversation has nobody to tell).
+    fn deliver(&self, wire: Wire) {
+        let Some(session) = self.get(wire.c) else {
+            return;
+        };
+        let control = match &wire.body {
+            WireBody::Stop => Some(RemoteControl::Stop),
+            WireBody::Deleted => Some(RemoteControl::Deleted),
+            WireBody::Sync => Some(RemoteControl::Sync(wire.from)),
+            WireBody::Watch => Some(RemoteControl::Watch),
+            _ => None,
+        };
+        match control {
+            Some(control) => session.do_send(control),
+            None => session.do_send(RemoteReply(wire)),
+        }
+    }
+
+    /// The session of a conversation, started if it is not running. The caller has checked
+    /// that the conversation exists and belongs to the user.
+    pub fn get_or_start(self: &Arc<Self>, id: Uuid) -> Addr<SessionActor> {
+        let mut live = self.live.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(addr) = live.get(&id).filter(|a| a.connected()) {
+            return addr.clone();
+        }
+        let addr = SessionActor {
+            id,
+            shared: Arc::clone(&self.shared),
+            registry: Arc::downgrade(self),
+            subscribers: HashMap::new(),
+            next_subscriber: 0,
+            replay: Vec::new(),
+            reply: None,
+            sending: false,
+            last_activity: Instant::now(),
+            remote: None,
+            remote_watched_at: None,
+        }
+        .start();
+        live.insert(id, addr.clone());
+        addr
+    }
+
+    /// The session of a conversation if it is running.
+    pub fn get(&self, id: Uuid) -> Option<Addr<SessionActor>> {
+        let live = self.live.lock().unwrap_or_else(|p| p.into_inner());
+        live.get(&id).filter(|a| a.connected()).cloned()
+    }
+
+    /// Every running session.
+    pub fn all(&self) -> Vec<(Uuid, Addr<SessionActor>)> {
+        let live = self.live.lock().unwrap_or_else(|p| p.into_inner());
+        live.iter()
+            .filter(|(_, a)| a.connected())
+            .map(|(k, a)| (*k, a.clone()))
+            .collect()
+    }
+
+    fn forget(&self, id: Uuid, addr: &Addr<SessionActor>) {
+        let mut live = self.live.lock().unwrap_or_else(|p| p.into_inner());
+        if live.get(&id).is_some_and(|a| a == addr) {
+            live.remove(&id);
+        }
+    }
+}

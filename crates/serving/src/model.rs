@@ -1,0 +1,1040 @@
+//! The model actor: owns the engine and every KV cache on its own OS thread, so the heavy compute
+//! never blocks the actix event loop. It executes the scheduler's step plans, samples tokens and
+//! sends them straight to each request's listener, and keeps each conversation's cache between
+//! turns (the next turn prefills only what is new), evicting least-recently-used idle caches to
+//! stay within the KV budget.
+
+use std::collections::HashMap;
+use std::sync::mpsc as std_mpsc;
+use std::sync::Arc;
+use std::time::Instant;
+
+use tokio::sync::oneshot;
+
+use super::batcher::{ItemReport, StepPlan};
+use uuid::Uuid;
+
+use super::types::{CacheKey, GenEvent, GenSummary, GenerationRequest, RequestId, StopReason};
+use smolchat_engine::{Engine, LogitsMode, SeqId, SeqStep};
+use smolchat_text::generation::Generation;
+use smolchat_text::tokenizer::Tokenizer;
+
+/// Commands to the model thread.
+pub enum WorkerCommand {
+    /// A new request (kept until the scheduler plans it).
+    Register {
+        id: RequestId,
+        request: GenerationRequest,
+        submitted: Instant,
+    },
+    /// Run one step and report back.
+    Step(StepPlan),
+    /// Drop an idle conversation's cache (admin "evict", or its conversation was deleted).
+    Evict {
+        conversation: Uuid,
+        done: oneshot::Sender<bool>,
+    },
+    /// Per-conversation cache sizes.
+    CacheInfo(oneshot::Sender<Vec<CacheEntryInfo>>),
+}
+
+#[derive(Debug, Clone)]
+pub struct CacheEntryInfo {
+    pub key: CacheKey,
+    pub tokens: usize,
+    pub bytes: usize,
+}
+
+/// What the worker tells the scheduler after each step.
+#[derive(Debug, Clone, Default)]
+pub struct StepReport {
+    pub items: Vec<ItemReport>,
+    pub step_ms: f64,
+    pub generated_tokens: u64,
+    pub prefilled_tokens: u64,
+    pub reused_tokens: u64,
+    pub kv_bytes: usize,
+    pub cached_sequences: usize,
+    pub evictions: u64,
+    /// KV blocks new work could have after this step: free ones, plus those of idle caches the
+    /// worker would evict (the batcher admits only what fits them).
+    pub kv_free_blocks: usize,
+    /// Requests preempted in this step (their blocks went to older sequences).
+    pub preemptions: u64,
+}
+
+struct Active {
+    request: GenerationRequest,
+    generation: Option<Generation>,
+    seq: Option<SeqId>,
+    /// Whether `seq` is a conversation cache (kept afterwards) or a temporary one.
+    keyed: bool,
+    /// Prompt tokens not yet in the cache.
+    pending_prompt: Vec<u32>,
+    /// The token sampled last, to feed at the next decode.
+    last_token: Option<u32>,
+    cached_tokens: usize,
+    submitted: Instant,
+    admitted: Option<Instant>,
+    first_token: Option<Instant>,
+    completion_tokens: usize,
+    /// Set while a preempted request waits to be admitted again: every token it had in its
+    /// cache (prompt, generated, and the last sampled one), to recompute. Its sampler,
+    /// detokenizer and stop state are kept, so it continues exactly where it was.
+    resume: Option<Vec<u32>>,
+}
+
+impl Active {
+    /// A registered request that has not been admitted yet.
+    fn new(request: GenerationRequest, submitted: Instant) -> Self {
+        Self {
+            request,
+            generation: None,
+            seq: None,
+            keyed: false,
+            pending_prompt: Vec::new(),
+            last_token: None,
+            cached_tokens: 0,
+            submitted,
+            admitted: None,
+            first_token: None,
+            completion_tokens: 0,
+            resume: None,
+        }
+    }
+}
+
+/// At most this many stateless caches are kept.
+const MAX_ANONYMOUS_CACHES: usize = 16;
+
+struct CacheSlot {
+    seq: SeqId,
+    last_used: Instant,
+}
+
+pub struct ModelWorker {
+    engine: Engine,
+    tokenizer: Arc<Tokenizer>,
+    kv_budget_bytes: usize,
+    active: HashMap<RequestId, Active>,
+    caches: HashMap<CacheKey, CacheSlot>,
+    evictions: u64,
+    /// The usable context window (the model's, or less when configured).
+    context_window: usize,
+    /// Caches to drop as soon as their running request ends (their conversation was deleted).
+    doomed: Vec<Uuid>,
+}
+
+impl ModelWorker {
+    pub fn new(
+        engine: Engine,
+        tokenizer: Arc<Tokenizer>,
+        kv_budget_bytes: usize,
+        context_window: usize,
+    ) -> Self {
+        let context_window = context_window.min(engine.config().context_length);
+        Self {
+            context_window,
+            doomed: Vec::new(),
+            engine,
+            tokenizer,
+            kv_budget_bytes,
+            active: HashMap::new(),
+            caches: HashMap::new(),
+            evictions: 0,
+        }
+    }
+
+    /// Runs the command loop until every sender is gone. `report` carries step reports back to the
+    /// scheduler.
+    pub fn run(mut self, commands: std_mpsc::Receiver<WorkerCommand>, report: impl Fn(StepReport)) {
+        while let Ok(cmd) = commands.recv() {
+            match cmd {
+                WorkerCommand::Register {
+                    id,
+                    request,
+                    submitted,
+                } => {
+                    self.active.insert(id, Active::new(request, submitted));
+                }
+                WorkerCommand::Step(plan) => report(self.step(plan)),
+                WorkerCommand::Evict { conversation, done } => {
+                    let _ = done.send(self.forget_conversation(conversation));
+                }
+                WorkerCommand::CacheInfo(reply) => {
+                    let info = self
+                        .caches
+                        .iter()
+                        .map(|(k, slot)| CacheEntryInfo {
+                            key: k.clone(),
+                            tokens: self.engine.cached_tokens(slot.seq).map_or(0, |t| t.len()),
+                            bytes: self.engine.kv_bytes(slot.seq).unwrap_or(0),
+                        })
+                        .collect();
+                    let _ = reply.send(info);
+                }
+            }
+        }
+        tracing::info!("model worker stopped");
+    }
+
+    /// Whether a running request uses the cache `key` (only conversations' caches are kept in
+    /// the map while in use; an anonymous one is taken out while its request runs).
+    fn busy(&self, key: &CacheKey) -> bool {
+        let Some(conversation) = key.conversation() else {
+            return false;
+        };
+        self.active
+            .values()
+            .any(|a| a.keyed && a.request.cache_key == Some(conversation))
+    }
+
+    /// Drops a conversation's cache now, or when its running request ends. Returns whether a
+    /// cache was (or will be) dropped.
+    fn forget_conversation(&mut self, conversation: Uuid) -> bool {
+        let key = CacheKey::Conversation(conversation);
+        if self.busy(&key) {
+            if !self.doomed.contains(&conversation) {
+                self.doomed.push(conversation);
+            }
+            return true;
+        }
+        self.evict_key(&key)
+    }
+
+    fn evict_key(&mut self, key: &CacheKey) -> bool {
+        if self.busy(key) {
+            return false;
+        }
+        match self.caches.remove(key) {
+            Some(slot) => {
+                self.engine.free_sequence(slot.seq);
+                self.evictions += 1;
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Evicts least-recently-used idle caches until `blocks` more KV blocks fit, both in the
+    /// engine's allocator and in the worker's byte budget. Returns whether they fit.
+    fn make_room(&mut self, blocks: usize) -> bool {
+        let extra = blocks * self.engine.kv_block_bytes();
+        loop {
+            let fits = self.engine.kv_free_blocks() >= blocks
+                && self.engine.total_kv_bytes() + extra <= self.kv_budget_bytes;
+            if fits {
+                return true;
+            }
+            let victim = self
+                .caches
+                .iter()
+                .filter(|(k, _)| !self.busy(k))
+                .min_by_key(|(_, s)| s.last_used)
+                .map(|(k, _)| k.clone());
+            match victim {
+                Some(k) => {
+                    tracing::debug!(cache_key = %k, "evicting idle KV cache");
+                    self.evict_key(&k);
+                }
+                None => return false,
+            }
+        }
+    }
+
+    /// A sequence for a request without a cache key: the kept anonymous cache sharing the longest
+    /// prefix with its prompt (a stateless API client resending its conversation), or a new one.
+    fn adopt_anonymous(&mut self, id: RequestId) -> SeqId {
+        let Some(request) = self.active.get(&id).map(|a| &a.request) else {
+            return self.engine.create_sequence();
+        };
+        let prompt = &request.prompt;
+        // Only caches of the same partition: reuse across clients would let one probe another's
+        // prompts through `cached_tokens` and timing.
+        let partition = request.cache_salt.as_deref().unwrap_or("");
+        let best = self
+            .caches
+            .iter()
+            .filter(
+                |(k, _)| matches!(k, CacheKey::Anonymous { partition: p, .. } if p == partition),
+            )
+            .map(|(k, slot)| {
+                let shared = self.engine.common_prefix(slot.seq, prompt).unwrap_or(0);
+                (shared, k.clone())
+            })
+            .filter(|(shared, _)| *shared > 0)
+            .max_by_key(|(shared, _)| *shared);
+        match best.and_then(|(_, k)| self.caches.remove(&k)) {
+            Some(slot) => slot.seq,
+            None => self.engine.create_sequence(),
+        }
+    }
+
+    /// Keeps a finished anonymous sequence for reuse (bounded; oldest dropped first).
+    fn keep_anonymous(&mut self, seq: SeqId, salt: Option<&str>, now: Instant) {
+        let anonymous: Vec<(CacheKey, Instant)> = self
+            .caches
+            .iter()
+            .filter(|(k, _)| matches!(k, CacheKey::Anonymous { .. }))
+            .map(|(k, s)| (k.clone(), s.last_used))
+            .collect();
+        if anonymous.len() >= MAX_ANONYMOUS_CACHES {
+            if let Some((oldest, _)) = anonymous.iter().min_by_key(|(_, t)| *t) {
+                self.evict_key(oldest);
+            }
+        }
+        self.caches.insert(
+            CacheKey::Anonymous {
+                partition: salt.unwrap_or("").to_string(),
+                seq,
+            },
+            CacheSlot {
+                seq,
+                last_used: now,
+            },
+        );
+    }
+
+    /// First time a request is planned: find or make its sequence and work out what of the prompt
+    /// is already cached.
+    fn admit(&mut self, id: RequestId) {
+        let Some(a) = self.active.get(&id) else {
+            return;
+        };
+        let key = a.request.cache_key.map(CacheKey::Conversation);
+        let reusable = key
+            .as_ref()
+            .filter(|k| !self.busy(k))
+            .and_then(|k| self.caches.get(k).map(|s| s.seq));
+        let (seq, keyed) = match (reusable, key) {
+            (Some(seq), Some(_)) => (seq, true),
+            (None, Some(k)) if !self.busy(&k) => {
+                let seq = self.engine.create_sequence();
+                self.caches.insert(
+                    k,
+                    CacheSlot {
+                        seq,
+                        last_used: Instant::now(),
+                    },
+                );
+                (seq, true)
+            }
+            _ => (self.adopt_anonymous(id), false),
+        };
+        let Some(a) = self.active.get_mut(&id) else {
+            return;
+        };
+        if let Some(tokens) = a.resume.take() {
+            // A preempted request comes back: recompute what it had; its generation state,
+            // first admission and cached-token count stay as they were.
+            let reuse = self.engine.reuse_prefix(seq, &tokens).unwrap_or(0);
+            a.seq = Some(seq);
+            a.keyed = keyed;
+            a.pending_prompt = tokens[reuse..].to_vec();
+            a.last_token = None;
+            return;
+        }
+        let prompt = &a.request.prompt;
+        let reuse = self.engine.reuse_prefix(seq, prompt).unwrap_or_else(|e| {
+            tracing::warn!(seq, "preparing the sequence's cache failed: {e}");
+            0
+        });
+        a.seq = Some(seq);
+        a.keyed = keyed;
+        a.cached_tokens = reuse;
+        a.pending_prompt = prompt[reuse..].to_vec();
+        a.admitted = Some(Instant::now());
+        let generation = Generation::new(&self.tokenizer, a.request.params.clone(), prompt);
+        match generation {
+            Ok(g) => a.generation = Some(g),
+            Err(e) => tracing::warn!("bad sampling parameters reached the worker: {e}"),
+        }
+        let _ = a.request.events.send(GenEvent::Admitted {
+            prompt_tokens: prompt.len(),
+            cached_tokens: reuse,
+        });
+    }
+
+    /// Ends a request: sends its summary, frees a temporary sequence, keeps a keyed one.
+    fn finish(&mut self, id: RequestId, reason: StopReason) {
+        let Some(a) = self.active.remove(&id) else {
+            return;
+        };
+        let now = Instant::now();
+        if let Some(seq) = a.seq {
+            if a.keyed {
+                if let Some(slot) = a
+                    .request
+                    .cache_key
+                    .and_then(|k| self.caches.get_mut(&CacheKey::Conversation(k)))
+                {
+                    slot.last_used = now;
+                }
+            } else {
+                self.keep_anonymous(seq, a.request.cache_salt.as_deref(), now);
+            }
+        }
+        let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
+        let admitted = a.admitted.unwrap_or(now);
+        let summary = GenSummary {
+            reason,
+            prompt_tokens: a.request.prompt.len(),
+            cached_tokens: a.cached_tokens,
+            completion_tokens: a.completion_tokens,
+            queue_ms: ms(admitted.duration_since(a.submitted)),
+            prefill_ms: a
+                .first_token
+                .map_or(0.0, |f| ms(f.duration_since(admitted))),
+            ttft_ms: a
+                .first_token
+                .map_or(0.0, |f| ms(f.duration_since(a.submitted))),
+            generation_ms: a.first_token.map_or(0.0, |f| ms(now.duration_since(f))),
+        };
+        let _ = a.request.events.send(GenEvent::Finished(summary));
+        if let Some(conversation) = a.request.cache_key.filter(|_| a.keyed) {
+            if let Some(pos) = self.doomed.iter().position(|k| *k == conversation) {
+                self.doomed.remove(pos);
+                self.evict_key(&CacheKey::Conversation(conversation));
+            }
+        }
+    }
+
+    /// KV positions the budget holds in all (the allocator's blocks within the byte budget).
+    fn kv_capacity_tokens(&self) -> usize {
+        self.kv_capacity_blocks() * smolchat_engine::kv::BLOCK_POSITIONS
+    }
+
+    fn kv_capacity_blocks(&self) -> usize {
+        (self.kv_budget_bytes / self.engine.kv_block_bytes().max(1))
+            .min(self.engine.kv_capacity_blocks())
+    }
+
+    /// Blocks new work could have: those not held (within the budget), plus those held by idle
+    /// caches, which [`ModelWorker::make_room`] would evict.
+    fn kv_free_for_new_work(&self) -> usize {
+        let held = self.engine.total_kv_bytes() / self.engine.kv_block_bytes().max(1);
+        let free = self
+            .kv_capacity_blocks()
+            .saturating_sub(held)
+            .min(self.engine.kv_free_blocks());
+        let idle: usize = self
+            .caches
+            .iter()
+            .filter(|(k, _)| !self.busy(k))
+            .map(|(_, slot)| {
+                self.engine.kv_bytes(slot.seq).unwrap_or(0) / self.engine.kv_block_bytes().max(1)
+            })
+            .sum();
+        free + idle
+    }
+
+    /// Takes a running request's KV blocks back: its sequence (and conversation cache, if it
+    /// has one) is dropped, and it keeps everything it had as tokens to recompute when it is
+    /// admitted again: what was cached, this step's `chunk` (a prefill chunk, or the last
+    /// sampled token of a decode) and the prompt not yet fed. Returns how many tokens that is.
+    fn preempt(&mut self, id: RequestId, seq: SeqId, chunk: Vec<u32>) -> usize {
+        let mut tokens = self
+            .engine
+            .cached_tokens(seq)
+            .map(|t| t.to_vec())
+            .unwrap_or_default();
+        let Some(a) = self.active.get_mut(&id) else {
+            return 0;
+        };
+        tokens.extend_from_slice(&chunk);
+        tokens.extend_from_slice(&a.pending_prompt);
+        a.last_token = None;
+        a.pending_prompt.clear();
+        a.seq = None;
+        let key = a.request.cache_key.filter(|_| a.keyed);
+        a.keyed = false;
+        let remaining = tokens.len();
+        a.resume = Some(tokens);
+        if let Some(k) = key {
+            self.caches.remove(&CacheKey::Conversation(k));
+        }
+        self.engine.free_sequence(seq);
+        tracing::debug!(
+            request = id,
+            tokens = remaining,
+            "preempted: the KV cache is full; it recomputes later"
+        );
+        remaining
+    }
+
+    fn step(&mut self, plan: StepPlan) -> StepReport {
+        let start = Instant::now();
+        let mut report = StepReport::default();
+        for &id in &plan.cancel {
+            if self.active.contains_key(&id) {
+                self.finish(id, StopReason::Cancelled);
+            }
+            report.items.push(ItemReport {
+                preempted: false,
+                id,
+                prefilled: 0,
+                remaining_prefill: 0,
+                finished: true,
+            });
+        }
+        // Listeners that went away cancel their request now.
+        let gone: Vec<RequestId> = self
+            .active
+            .iter()
+            .filter(|(_, a)| a.request.events.is_closed())
+            .map(|(&id, _)| id)
+            .collect();
+        for id in gone {
+            self.finish(id, StopReason::Cancelled);
+            report.items.push(ItemReport {
+                preempted: false,
+                id,
+                prefilled: 0,
+                remaining_prefill: 0,
+                finished: true,
+            });
+        }
+        for &(id, _) in &plan.prefill {
+            if self.active.get(&id).is_some_and(|a| a.seq.is_none()) {
+                self.admit(id);
+                if let Some(a) = self.active.get(&id) {
+                    report.reused_tokens += a.cached_tokens as u64;
+                }
+            }
+        }
+
+        // Build the engine step. Token buffers are owned here so the step can borrow them.
+        let mut work: Vec<(RequestId, SeqId, Vec<u32>, bool)> = Vec::new();
+        for &id in &plan.decode {
+            if let Some(a) = self.active.get(&id) {
+                if let (Some(seq), Some(tok)) = (a.seq, a.last_token) {
+                    work.push((id, seq, vec![tok], true));
+                }
+            }
+        }
+        // Prompt tokens each request computes in this step (charged to its user's usage).
+        let mut prefilled: HashMap<RequestId, usize> = HashMap::new();
+        for &(id, max) in &plan.prefill {
+            if let Some(a) = self.active.get_mut(&id) {
+                let Some(seq) = a.seq else { continue };
+                if a.generation.is_none() {
+                    continue;
+                }
+                let n = max.min(a.pending_prompt.len());
+                if n == 0 {
+                    continue;
+                }
+                let chunk: Vec<u32> = a.pending_prompt.drain(..n).collect();
+                let last = a.pending_prompt.is_empty();
+                report.prefilled_tokens += chunk.len() as u64;
+                prefilled.insert(id, chunk.len());
+                work.push((id, seq, chunk, last));
+            }
+        }
+        let mut failed: Vec<(RequestId, String)> = Vec::new();
+        // KV blocks: evict idle caches to make room; if the step still does not fit, preempt
+        // the youngest of its requests (the one admitted last) and try again, as vLLM does: its
+        // blocks go to the older ones and it recomputes later. A request that cannot fit even
+        // alone in the whole cache ends as if it had reached the context window.
+        loop {
+            let needed: usize = work
+                .iter()
+                .map(|(_, seq, toks, _)| {
+                    self.engine.kv_blocks_needed(*seq, toks.len()).unwrap_or(0)
+                })
+                .sum();
+            if self.make_room(needed) {
+                break;
+            }
+            let youngest = work
+                .iter()
+                .enumerate()
+                .max_by_key(|(_, (id, _, _, _))| self.active.get(id).and_then(|a| a.admitted))
+                .map(|(i, _)| i);
+            let Some(i) = youngest else {
+                break;
+            };
+            let (id, seq, chunk, _) = work.remove(i);
+            if work.is_empty() {
+                // Alone and still too big for the whole cache.
+                prefilled.remove(&id);
+                let capacity = self.kv_capacity_tokens();
+                match self.active.get_mut(&id) {
+                    Some(a) if a.completion_tokens > 0 => {
+                        let text = a
+                            .generation
+                            .as_mut()
+                            .map(|g| g.finish_early())
+                            .unwrap_or_default();
+                        if !text.is_empty() {
+                            let _ = a.request.events.send(GenEvent::Token {
+                                token: a.last_token.unwrap_or(0),
+                                text,
+                            });
+                        }
+                        self.finish(id, StopReason::Length);
+                        report.items.push(ItemReport {
+                            id,
+                            prefilled: 0,
+                            preempted: false,
+                            remaining_prefill: 0,
+                            finished: true,
+                        });
+                    }
+                    _ => failed.push((
+                        id,
+                        format!(
+                            "the prompt does not fit the KV cache ({capacity} tokens in all, \
+                             scheduler.kv_budget_mib); shorten the conversation"
+                        ),
+                    )),
+                }
+                break;
+            }
+            prefilled.remove(&id);
+            let remaining = self.preempt(id, seq, chunk);
+            report.preemptions += 1;
+            report.items.push(ItemReport {
+                id,
+                prefilled: 0,
+                preempted: true,
+                remaining_prefill: remaining,
+                finished: false,
+            });
+        }
+        if !work.is_empty() {
+            let steps: Vec<SeqStep<'_>> = work
+                .iter()
+                .map(|(_, seq, toks, want)| SeqStep {
+                    seq: *seq,
+                    tokens: toks,
+                    logits: if *want {
+                        LogitsMode::Last
+                    } else {
+                        LogitsMode::None
+                    },
+                })
+                .collect();
+            // The KV cache bounds a sequence like the context window does.
+            let window = self.context_window.min(self.kv_capacity_tokens());
+            match self.engine.step(&steps) {
+                Ok(outputs) => {
+                    for ((id, seq, _, _), logits) in work.iter().zip(outputs) {
+                        let Some(mut logits) = logits else { continue };
+                        // Unknown (it cannot be): as if at the window, so the reply ends.
+                        let cached = self.engine.cached_tokens(*seq).map_or(window, <[u32]>::len);
+                        let Some(a) = self.active.get_mut(id) else {
+                            continue;
+                        };
+                        let Some(generation) = a.generation.as_mut() else {
+                            continue;
+                        };
+                        match generation.next_token_within(&mut logits, cached, window) {
+                            Ok(outcome) => {
+                                a.first_token.get_or_insert_with(Instant::now);
+                                if outcome.finished
+                                    != Some(
+                                        smolchat_text::generation::FinishReason::EndOfGeneration,
+                                    )
+                                {
+                                    a.completion_tokens += 1;
+                                    report.generated_tokens += 1;
+                                }
+                                a.last_token = Some(outcome.token);
+                                let text = outcome.text;
+                                let finished = outcome.finished.map(StopReason::from);
+                                // An end-of-generation token is not output; only text it
+                                // flushed (a held-back character or stop-string prefix) is.
+                                let is_eog = finished == Some(StopReason::EndOfGeneration);
+                                if !is_eog || !text.is_empty() {
+                                    let _ = a.request.events.send(GenEvent::Token {
+                                        token: outcome.token,
+                                        text,
+                                    });
+                                }
+                                if let Some(reason) = finished {
+                                    let id = *id;
+                                    self.finish(id, reason);
+                                    report.items.push(ItemReport {
+                                        preempted: false,
+                                        id,
+                                        prefilled: prefilled.get(&id).copied().unwrap_or(0),
+                                        remaining_prefill: 0,
+                                        finished: true,
+                                    });
+                                }
+                            }
+                            Err(e) => failed.push((*id, e.to_string())),
+                        }
+                    }
+                }
+                Err(e) => {
+                    tracing::error!("engine step failed: {e}");
+                    failed.extend(work.iter().map(|w| (w.0, e.to_string())));
+                }
+            }
+        }
+        // Requests that never got sampling state (bad parameters) fail too.
+        for &(id, _) in &plan.prefill {
+            if self.active.get(&id).is_some_and(|a| a.generation.is_none()) {
+                failed.push((id, "invalid sampling parameters".into()));
+            }
+        }
+        for (id, msg) in failed {
+            if self.active.contains_key(&id) {
+                self.finish(id, StopReason::Error(msg));
+                report.items.push(ItemReport {
+                    preempted: false,
+                    id,
+                    prefilled: prefilled.get(&id).copied().unwrap_or(0),
+                    remaining_prefill: 0,
+                    finished: true,
+                });
+            }
+        }
+        // Everyone still active reports where it stands.
+        let planned = plan
+            .decode
+            .iter()
+            .copied()
+            .chain(plan.prefill.iter().map(|p| p.0));
+        for id in planned {
+            if report.items.iter().any(|r| r.id == id) {
+                continue;
+            }
+            match self.active.get(&id) {
+                Some(a) => report.items.push(ItemReport {
+                    preempted: false,
+                    id,
+                    prefilled: prefilled.get(&id).copied().unwrap_or(0),
+                    remaining_prefill: a.pending_prompt.len(),
+                    finished: false,
+                }),
+                None => report.items.push(ItemReport {
+                    preempted: false,
+                    id,
+                    prefilled: prefilled.get(&id).copied().unwrap_or(0),
+                    remaining_prefill: 0,
+                    finished: true,
+                }),
+            }
+        }
+        report.step_ms = start.elapsed().as_secs_f64() * 1e3;
+        report.kv_bytes = self.engine.total_kv_bytes();
+        report.cached_sequences = self.caches.len();
+        report.kv_free_blocks = self.kv_free_for_new_work();
+        report.evictions = self.evictions;
+        report
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A conversation id for the tests (a fixed one per number).
+    fn conversation(n: u128) -> Option<Uuid> {
+        Some(Uuid::from_u128(n))
+    }
+    use smolchat_engine::synthetic::{self, SyntheticSpec};
+    use smolchat_engine::{KvOptions, KvType, Model};
+    use smolchat_gguf::GgufSource;
+    use smolchat_text::sampling::SamplingParams;
+    use tokio::sync::mpsc;
+
+    fn worker() -> ModelWorker {
+        worker_with_kv(None)
+    }
+
+    /// A worker on a tiny model; with `Some(n)`, an engine and budget of exactly `n` KV blocks.
+    fn worker_with_kv(blocks: Option<usize>) -> ModelWorker {
+        // The repository's models/ folder, two levels above this crate.
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../models/SmolLM2-135M-Instruct.Q4_1.gguf");
+        let real = GgufSource::open(&path).expect("run ./scripts/fetch-model.sh");
+        let tokenizer = Tokenizer::from_gguf(&real).expect("tokenizer");
+        let spec = SyntheticSpec::tiny("llama")
+            .with_tokenizer_from(&real)
+            .expect("spec");
+        let mut src = synthetic::build(&spec).expect("build");
+        let model = Model::load(&mut src, &mut |_, _| {}).expect("load");
+        match blocks {
+            None => ModelWorker::new(Engine::new(model), Arc::new(tokenizer), 1 << 30, 2048),
+            Some(n) => {
+                let kv = smolchat_engine::kv::KvLayout::new(&model.config, KvType::F16);
+                let budget = n * kv.bytes_per_block();
+                let options = KvOptions {
+                    kv_type: KvType::F16,
+                    budget_bytes: budget,
+                };
+                let engine = Engine::with_kv(model, options).expect("engine");
+                ModelWorker::new(engine, Arc::new(tokenizer), budget, 2048)
+            }
+        }
+    }
+
+    /// Runs one request to the end; returns its events.
+    fn run(
+        w: &mut ModelWorker,
+        id: RequestId,
+        key: Option<Uuid>,
+        prompt: Vec<u32>,
+    ) -> Vec<GenEvent> {
+        run_salted(w, id, key, None, prompt)
+    }
+
+    fn run_salted(
+        w: &mut ModelWorker,
+        id: RequestId,
+        key: Option<Uuid>,
+        salt: Option<&str>,
+        prompt: Vec<u32>,
+    ) -> Vec<GenEvent> {
+        let (tx, mut rx) = mpsc::unbounded_channel();
+        let params = SamplingParams {
+            max_new_tokens: 3,
+            ignore_eos: true,
+            ..SamplingParams::greedy()
+        };
+        w.active.insert(
+            id,
+            Active::new(
+                GenerationRequest {
+                    cache_key: key,
+                    user: None,
+                    group: None,
+                    cache_salt: salt.map(str::to_string),
+                    prompt,
+                    params,
+                    max_time: None,
+                    events: tx,
+                },
+                Instant::now(),
+            ),
+        );
+        let mut plan = StepPlan {
+            prefill: vec![(id, 1000)],
+            ..StepPlan::default()
+        };
+        for _ in 0..10 {
+            let report = w.step(plan);
+            if report.items.iter().any(|r| r.id == id && r.finished) {
+                break;
+            }
+            plan = StepPlan {
+                decode: vec![id],
+                ..StepPlan::default()
+            };
+        }
+        let mut events = Vec::new();
+        while let Ok(e) = rx.try_recv() {
+            events.push(e);
+        }
+        events
+    }
+
+    fn cached(events: &[GenEvent]) -> usize {
+        events
+            .iter()
+            .find_map(|e| match e {
+                GenEvent::Admitted { cached_tokens, .. } => Some(*cached_tokens),
+                _ => None,
+            })
+            .expect("admitted")
+    }
+
+    #[test]
+    fn caches_are_kept_per_conversation_and_for_stateless_prefixes() {
+        let mut w = worker();
+        let prompt: Vec<u32> = (100..120).collect();
+        let first = run(&mut w, 1, None, prompt.clone());
+        assert_eq!(cached(&first), 0);
+        assert!(matches!(first.last(), Some(GenEvent::Finished(s)) if s.completion_tokens == 3));
+
+        // A stateless request resending the same conversation plus more reuses the kept prefix.
+        let mut longer = prompt.clone();
+        longer.extend(200..205);
+        assert_eq!(cached(&run(&mut w, 2, None, longer)), 20);
+
+        // A conversation's cache survives between its turns.
+        assert_eq!(cached(&run(&mut w, 3, conversation(1), prompt.clone())), 0);
+        let mut turn2 = prompt.clone();
+        turn2.extend(300..304);
+        assert_eq!(cached(&run(&mut w, 4, conversation(1), turn2)), 20);
+
+        // Evicting it forces a full prefill.
+        assert!(w.forget_conversation(Uuid::from_u128(1)));
+        assert_eq!(cached(&run(&mut w, 5, conversation(1), prompt)), 0);
+    }
+
+    #[test]
+    fn stateless_caches_are_reused_only_within_their_salt() {
+        let mut w = worker();
+        let secret: Vec<u32> = (100..130).collect();
+        let first = run_salted(&mut w, 1, None, Some("alice"), secret.clone());
+        assert_eq!(cached(&first), 0);
+        let mut probe = secret.clone();
+        probe.push(7);
+        // Another client (another salt, or none) shares nothing with Alice's cache.
+        assert_eq!(
+            cached(&run_salted(&mut w, 2, None, Some("bob"), probe.clone())),
+            0
+        );
+        assert_eq!(cached(&run_salted(&mut w, 3, None, None, probe.clone())), 0);
+        // A salt that extends Alice's as a string is still another partition.
+        assert_eq!(
+            cached(&run_salted(&mut w, 4, None, Some("alice/"), probe.clone())),
+            0
+        );
+        // Alice herself reuses her prefix.
+        assert_eq!(
+            cached(&run_salted(&mut w, 5, None, Some("alice"), probe)),
+            30
+        );
+    }
+
+    /// With a budget of 3 KV blocks (48 positions): an idle conversation is evicted to make room
+    /// for another, and a prompt larger than the whole budget (the batcher refuses those at
+    /// submit; here the worker is driven directly) ends its request with a clear error instead of
+    /// crashing the worker, which keeps serving afterwards.
+    #[test]
+    fn a_full_kv_cache_evicts_idle_caches_then_refuses_with_an_error() {
+        let mut w = worker_with_kv(Some(3));
+        assert_eq!(w.engine.kv_capacity_blocks(), 3);
+        let prompt_a: Vec<u32> = (100..120).collect(); // 20 + 3 generated: 2 blocks
+        let prompt_b: Vec<u32> = (200..220).collect();
+        let a = run(&mut w, 1, conversation(2), prompt_a.clone());
+        assert!(matches!(a.last(), Some(GenEvent::Finished(s)) if s.reason == StopReason::Length));
+        assert_eq!(w.engine.kv_free_blocks(), 1);
+        let b = run(&mut w, 2, conversation(3), prompt_b.clone());
+        assert!(matches!(b.last(), Some(GenEvent::Finished(s)) if s.reason == StopReason::Length));
+        assert_eq!(w.evictions, 1, "a's idle cache made room for b");
+        assert!(!w
+            .caches
+            .contains_key(&CacheKey::Conversation(Uuid::from_u128(2))));
+        // b's cache survived and is reused.
+        let mut b2 = prompt_b.clone();
+        b2.extend(300..304);
+        assert_eq!(cached(&run(&mut w, 3, conversation(3), b2)), 20);
+
+        // 60 prompt tokens need 4 blocks: more than the whole budget.
+        let huge: Vec<u32> = (0..60).collect();
+        let events = run(&mut w, 4, conversation(4), huge);
+        match events.last() {
+            Some(GenEvent::Finished(s)) => match &s.reason {
+                StopReason::Error(msg) => {
+                    assert!(msg.contains("does not fit the KV cache"), "{msg}")
+                }
+                other => panic!("expected an error, got {other:?}"),
+            },
+            other => panic!("expected a finished event, got {other:?}"),
+        }
+        assert!(w.active.is_empty());
+        // The worker still serves.
+        let again = run(&mut w, 5, conversation(2), prompt_a);
+        assert!(matches!(again.last(), Some(GenEvent::Finished(s)) if s.completion_tokens == 3));
+    }
+
+    /// Drives `w` with the real batcher over `requests` (prompt, new tokens) submitted together,
+    /// as the scheduler does; returns each request's generated tokens, its stop reason, and how
+    /// many preemptions happened.
+    fn drive(
+        w: &mut ModelWorker,
+        requests: &[(Vec<u32>, usize)],
+    ) -> (Vec<(Vec<u32>, StopReason)>, u64) {
+        use super::super::batcher::{Batcher, BatcherConfig};
+        let mut b = Batcher::new(BatcherConfig {
+            max_running: 8,
+            queue_capacity: 16,
+            step_token_budget: 64,
+            context_window: 2048,
+            max_queued_per_user: 0,
+            max_running_per_user: 0,
+            tokens_per_minute_per_user: 0,
+            tokens_per_minute_per_group: 0,
+            kv_capacity_blocks: w.kv_capacity_blocks(),
+        });
+        let mut receivers = Vec::new();
+        for (prompt, n) in requests {
+            let id = b.submit(None, prompt.len(), None).expect("submit");
+            let (tx, rx) = mpsc::unbounded_channel();
+            w.active.insert(
+                id,
+                Active::new(
+                    GenerationRequest {
+                        cache_key: None,
+                        user: None,
+                        group: None,
+                        cache_salt: None,
+                        prompt: prompt.clone(),
+                        params: SamplingParams {
+                            max_new_tokens: *n,
+                            ignore_eos: true,
+                            ..SamplingParams::greedy()
+                        },
+                        max_time: None,
+                        events: tx,
+                    },
+                    Instant::now(),
+                ),
+            );
+            receivers.push(rx);
+        }
+        let mut preemptions = 0;
+        for _ in 0..10_000 {
+            let Some(plan) = b.plan() else { break };
+            let report = w.step(plan);
+            preemptions += report.preemptions;
+            b.apply(&report.items);
+            b.set_kv_free_blocks(report.kv_free_blocks);
+        }
+        let results = receivers
+            .into_iter()
+            .map(|mut rx| {
+                let mut tokens = Vec::new();
+                let mut reason = None;
+                while let Ok(e) = rx.try_recv() {
+                    match e {
+                        GenEvent::Token { token, .. } => tokens.push(token),
+                        GenEvent::Finished(s) => reason = Some(s.reason),
+                        GenEvent::Admitted { .. } => {}
+                    }
+                }
+                (tokens, reason.expect("every request finishes"))
+            })
+            .collect();
+        (results, preemptions)
+    }
+
+    /// Six requests that each fit a 6-block cache alone but not together: every one completes
+    /// (some after waiting, some after being preempted and recomputed), none with an error, and
+    /// each greedy reply is token for token the one it gets alone in a roomy cache.
+    #[test]
+    fn under_kv_pressure_requests_wait_or_are_preempted_and_replies_stay_the_same() {
+        let requests: Vec<(Vec<u32>, usize)> = (0..6u32)
+            .map(|r| ((100 + 40 * r..120 + 40 * r).collect(), 30))
+            .collect();
+        let mut alone = Vec::new();
+        for req in &requests {
+            let (mut got, _) = drive(&mut worker(), std::slice::from_ref(req));
+            alone.push(got.remove(0));
+        }
+        // 20 prompt + 30 generated = 50 positions: 4 blocks each; 6 blocks hold one at a time
+        // at its end, but two fit at their start, so the second is preempted as they grow.
+        let mut w = worker_with_kv(Some(6));
+        let (pressed, preemptions) = drive(&mut w, &requests);
+        for (i, ((tokens, reason), (want, _))) in pressed.iter().zip(&alone).enumerate() {
+            assert!(
+                !matches!(reason, StopReason::Error(_)),
+                "request {i} failed: {reason:?}"
+            );
+            assert_eq!(
+                tokens, want,
+                "request {i}: the reply changed under pressure"
+            );
+            assert_eq!(tokens.len(), 30, "request {i}");
+        }
+        assert!(preemptions > 0, "the test never preempted anything");
+        assert!(w.active.is_empty());
+    }
+}

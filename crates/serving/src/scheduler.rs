@@ -1,0 +1,339 @@
+//! The scheduler actor: admission queue, continuous batching, fairness and cancellation, driving the
+//! model worker thread one step at a time. The decisions live in [`Batcher`]; this actor feeds it
+//! messages and carries its plans to the worker. While a step runs on the worker thread, the actor
+//! stays free to admit, refuse and cancel requests.
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc as std_mpsc;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use actix::prelude::*;
+use tokio::sync::oneshot;
+use uuid::Uuid;
+
+use super::batcher::{Batcher, BatcherConfig, CancelOutcome};
+use super::model::{CacheEntryInfo, ModelWorker, StepReport, WorkerCommand};
+use super::types::{GenerationRequest, RequestId, SchedulerStats, SequenceState, SubmitError};
+use smolchat_engine::Engine;
+use smolchat_text::tokenizer::Tokenizer;
+
+#[derive(Debug, Clone)]
+pub struct SchedulerConfig {
+    pub batcher: BatcherConfig,
+    pub kv_budget_bytes: usize,
+    /// Upper bound on new tokens per request (requests asking for more are clamped).
+    pub max_new_tokens: usize,
+    /// Default wall-clock limit per request.
+    pub request_timeout: Option<Duration>,
+}
+
+/// Clears its flag when dropped: held by the model thread for its whole life, so the flag says
+/// false once the thread has ended for any reason, a panic included.
+struct AliveGuard(Arc<AtomicBool>);
+
+impl Drop for AliveGuard {
+    fn drop(&mut self) {
+        self.0.store(false, Ordering::Release);
+        tracing::error!("the model thread has ended; this server can no longer generate replies");
+    }
+}
+
+pub struct SchedulerActor {
+    /// Whether the model thread is running (see [`ModelAlive`]).
+    model_alive: Arc<AtomicBool>,
+    batcher: Batcher,
+    cfg: SchedulerConfig,
+    worker: std_mpsc::Sender<WorkerCommand>,
+    step_in_flight: bool,
+    stats: SchedulerStats,
+    /// (time, generated tokens) of recent steps, for tokens/s.
+    recent: VecDeque<(Instant, u64)>,
+}
+
+impl SchedulerActor {
+    /// Starts the model worker thread and the scheduler actor (call inside an actix system).
+    pub fn start(
+        engine: Engine,
+        tokenizer: Arc<Tokenizer>,
+        mut cfg: SchedulerConfig,
+    ) -> Addr<Self> {
+        let (tx, rx) = std_mpsc::channel::<WorkerCommand>();
+        let kv_budget = cfg.kv_budget_bytes;
+        // The one KV budget: the allocator's blocks, within the configured bytes.
+        cfg.batcher.kv_capacity_blocks =
+            (kv_budget / engine.kv_block_bytes().max(1)).min(engine.kv_capacity_blocks());
+        let window = cfg.batcher.context_window;
+        SchedulerActor::create(move |ctx| {
+            let addr = ctx.address();
+            let worker = ModelWorker::new(engine, tokenizer, kv_budget, window);
+            let model_alive = Arc::new(AtomicBool::new(true));
+            let guard = AliveGuard(Arc::clone(&model_alive));
+            let spawned = std::thread::Builder::new()
+                .name("smolchat-model".into())
+                .spawn(move || {
+                    let _alive = guard;
+                    worker.run(rx, move |report| addr.do_send(StepDone(report)))
+                });
+            if let Err(e) = spawned {
+                // The closure (and the guard in it) was dropped: the flag is already false.
+                tracing::error!("cannot start the model thread: {e}");
+            }
+            SchedulerActor {
+                model_alive,
+                stats: SchedulerStats {
+                    max_running: cfg.batcher.max_running,
+                    queue_capacity: cfg.batcher.queue_capacity,
+                    kv_budget_bytes: cfg.kv_budget_bytes,
+                    ..SchedulerStats::default()
+                },
+                batcher: Batcher::new(cfg.batcher.clone()),
+                cfg,
+                worker: tx,
+                step_in_flight: false,
+                recent: VecDeque::new(),
+            }
+        })
+    }
+
+    fn maybe_step(&mut self) {
+        if self.step_in_flight {
+            return;
+        }
+        if let Some(plan) = self.batcher.plan() {
+            if self.worker.send(WorkerCommand::Step(plan)).is_ok() {
+                self.step_in_flight = true;
+            } else {
+                tracing::error!("the model thread is gone");
+            }
+        }
+        self.publish();
+    }
+
+    fn publish(&mut self) {
+        self.stats.queued = self.batcher.queued();
+        self.stats.running = self.batcher.running();
+        metrics::gauge!("smolchat_queue_depth").set(self.stats.queued as f64);
+        metrics::gauge!("smolchat_running_sequences").set(self.stats.running as f64);
+    }
+}
+
+impl Actor for SchedulerActor {
+    type Context = Context<Self>;
+
+    fn started(&mut self, ctx: &mut Self::Context) {
+        // Deadlines are checked a few times a second.
+        ctx.run_interval(Duration::from_millis(200), |act, _| {
+            if !act.batcher.expire(Instant::now()).is_empty() {
+                act.maybe_step();
+            }
+        });
+    }
+}
+
+/// Queue a request. Refused at once when the queue is full or the prompt cannot fit.
+#[derive(Message)]
+#[rtype(result = "Result<RequestId, SubmitError>")]
+pub struct Submit(pub GenerationRequest);
+
+impl Handler<Submit> for SchedulerActor {
+    type Result = Result<RequestId, SubmitError>;
+
+    fn handle(&mut self, msg: Submit, _: &mut Context<Self>) -> Self::Result {
+        let mut request = msg.0;
+        request
+            .params
+            .validate()
+            .map_err(|e| SubmitError::Invalid(e.to_string()))?;
+        request.params.max_new_tokens = request.params.max_new_tokens.min(self.cfg.max_new_tokens);
+        let timeout = request.max_time.or(self.cfg.request_timeout);
+        let submitted = Instant::now();
+        let id = self.batcher.submit_grouped(
+            request.user.clone(),
+            request.group.clone(),
+            request.cache_key,
+            request.prompt.len(),
+            timeout.map(|t| submitted + t),
+        )?;
+        if self
+            .worker
+            .send(WorkerCommand::Register {
+                id,
+                request,
+                submitted,
+            })
+            .is_err()
+        {
+            self.batcher.cancel(id);
+            return Err(SubmitError::Unavailable("the model thread stopped".into()));
+        }
+        metrics::counter!("smolchat_requests_total").increment(1);
+        self.maybe_step();
+        Ok(id)
+    }
+}
+
+/// Stop a request; it ends at the next step. Returns whether it was known.
+#[derive(Message)]
+#[rtype(result = "bool")]
+pub struct Cancel(pub RequestId);
+
+impl Handler<Cancel> for SchedulerActor {
+    type Result = bool;
+
+    fn handle(&mut self, msg: Cancel, _: &mut Context<Self>) -> bool {
+        let outcome = self.batcher.cancel(msg.0);
+        self.maybe_step();
+        outcome != CancelOutcome::NotFound
+    }
+}
+
+/// A step report from the worker thread.
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct StepDone(pub StepReport);
+
+impl Handler<StepDone> for SchedulerActor {
+    type Result = ();
+
+    fn handle(&mut self, msg: StepDone, _: &mut Context<Self>) {
+        let r = msg.0;
+        self.step_in_flight = false;
+        self.batcher.apply(&r.items);
+        self.batcher.set_kv_free_blocks(r.kv_free_blocks);
+        let s = &mut self.stats;
+        s.steps += 1;
+        s.generated_tokens += r.generated_tokens;
+        s.prefilled_tokens += r.prefilled_tokens;
+        s.reused_tokens += r.reused_tokens;
+        s.kv_bytes = r.kv_bytes;
+        s.cached_sequences = r.cached_sequences;
+        s.evictions = r.evictions;
+        s.last_step_ms = r.step_ms;
+        let now = Instant::now();
+        self.recent.push_back((now, r.generated_tokens));
+        while self
+            .recent
+            .front()
+            .is_some_and(|(t, _)| now.duration_since(*t) > Duration::from_secs(5))
+        {
+            self.recent.pop_front();
+        }
+        let window = self
+            .recent
+            .front()
+            .map_or(0.0, |(t, _)| now.duration_since(*t).as_secs_f64());
+        let tokens: u64 = self.recent.iter().map(|(_, n)| n).sum();
+        s.tokens_per_s = if window > 0.5 {
+            tokens as f64 / window
+        } else {
+            0.0
+        };
+        metrics::counter!("smolchat_generated_tokens_total").increment(r.generated_tokens);
+        metrics::counter!("smolchat_prefilled_tokens_total").increment(r.prefilled_tokens);
+        metrics::counter!("smolchat_kv_preemptions_total").increment(r.preemptions);
+        metrics::gauge!("smolchat_kv_bytes").set(r.kv_bytes as f64);
+        metrics::gauge!("smolchat_kv_budget_bytes").set(self.cfg.kv_budget_bytes as f64);
+        metrics::gauge!("smolchat_kv_evictions").set(r.evictions as f64);
+        metrics::gauge!("smolchat_tokens_per_second").set(s.tokens_per_s);
+        metrics::histogram!("smolchat_step_seconds").record(r.step_ms / 1e3);
+        self.maybe_step();
+    }
+}
+
+#[derive(Message)]
+#[rtype(result = "SchedulerStats")]
+pub struct GetStats;
+
+impl Handler<GetStats> for SchedulerActor {
+    type Result = MessageResult<GetStats>;
+
+    fn handle(&mut self, _: GetStats, _: &mut Context<Self>) -> Self::Result {
+        self.publish();
+        MessageResult(self.stats.clone())
+    }
+}
+
+/// Whether the model thread is still running. `/readyz` reports not ready once it is not.
+#[derive(Message)]
+#[rtype(result = "bool")]
+pub struct ModelAlive;
+
+impl Handler<ModelAlive> for SchedulerActor {
+    type Result = bool;
+
+    fn handle(&mut self, _: ModelAlive, _: &mut Context<Self>) -> bool {
+        self.model_alive.load(Ordering::Acquire)
+    }
+}
+
+/// The live state of each given cache key (conversation).
+#[derive(Message)]
+#[rtype(result = "Vec<SequenceState>")]
+pub struct StatesOf(pub Vec<Uuid>);
+
+impl Handler<StatesOf> for SchedulerActor {
+    type Result = MessageResult<StatesOf>;
+
+    fn handle(&mut self, msg: StatesOf, _: &mut Context<Self>) -> Self::Result {
+        MessageResult(msg.0.iter().map(|&k| self.batcher.state_of(k)).collect())
+    }
+}
+
+/// Drop an idle conversation's KV cache. Resolves to whether one was dropped.
+#[derive(Message)]
+#[rtype(result = "bool")]
+pub struct Evict(pub Uuid);
+
+impl Handler<Evict> for SchedulerActor {
+    type Result = ResponseFuture<bool>;
+
+    fn handle(&mut self, msg: Evict, _: &mut Context<Self>) -> Self::Result {
+        let (done, rx) = oneshot::channel();
+        let sent = self.worker.send(WorkerCommand::Evict {
+            conversation: msg.0,
+            done,
+        });
+        Box::pin(async move { sent.is_ok() && rx.await.unwrap_or(false) })
+    }
+}
+
+/// Sizes of every conversation cache the worker holds.
+#[derive(Message)]
+#[rtype(result = "Vec<CacheEntryInfo>")]
+pub struct GetCacheInfo;
+
+impl Handler<GetCacheInfo> for SchedulerActor {
+    type Result = ResponseFuture<Vec<CacheEntryInfo>>;
+
+    fn handle(&mut self, _: GetCacheInfo, _: &mut Context<Self>) -> Self::Result {
+        let (tx, rx) = oneshot::channel();
+        let sent = self.worker.send(WorkerCommand::CacheInfo(tx));
+        Box::pin(async move {
+            if sent.is_err() {
+                return Vec::new();
+            }
+            rx.await.unwrap_or_default()
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_alive_flag_clears_when_the_thread_ends_even_by_panic() {
+        for panics in [false, true] {
+            let flag = Arc::new(AtomicBool::new(true));
+            let guard = AliveGuard(Arc::clone(&flag));
+            let thread = std::thread::spawn(move || {
+                let _alive = guard;
+                assert!(!panics, "the model thread panicked (on purpose)");
+            });
+            assert_eq!(thread.join().is_err(), panics);
+            assert!(!flag.load(Ordering::Acquire), "panics: {panics}");
+        }
+    }
+}

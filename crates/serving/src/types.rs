@@ -1,0 +1,211 @@
+//! Plain message types shared by the actors and their callers (the web layer, tests).
+
+use std::time::Duration;
+
+use serde::Serialize;
+use tokio::sync::mpsc;
+use uuid::Uuid;
+
+use smolchat_engine::SeqId;
+use smolchat_text::generation::FinishReason;
+use smolchat_text::sampling::SamplingParams;
+
+/// Who is asking, as the layers below the web see it: the owner id their conversations are
+/// stored under (a guest's random id or an account's id), whether they are an admin, whether
+/// they are a guest (no account), and the client address (per-address bounds for guests, whose
+/// owner ids cost nothing to mint). Built by the web layer from the request; every rule below
+/// the web layer that depends on who asks takes one of these.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Caller {
+    pub owner: String,
+    pub admin: bool,
+    pub guest: bool,
+    pub address: Option<std::net::IpAddr>,
+}
+
+/// Identifies one generation request inside the scheduler and the model worker.
+pub type RequestId = u64;
+
+/// Which KV cache the model worker keeps a sequence under between requests.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum CacheKey {
+    /// A conversation's cache: kept after each turn for the next one to reuse.
+    Conversation(Uuid),
+    /// A stateless request's cache, kept (a bounded number of them) for later requests of the
+    /// same partition, their `cache_salt`, to reuse; `seq` tells one partition's caches apart.
+    Anonymous { partition: String, seq: SeqId },
+}
+
+impl CacheKey {
+    /// The conversation, for a conversation's cache.
+    pub fn conversation(&self) -> Option<Uuid> {
+        match self {
+            CacheKey::Conversation(id) => Some(*id),
+            CacheKey::Anonymous { .. } => None,
+        }
+    }
+}
+
+impl std::fmt::Display for CacheKey {
+    /// The conversation id, or `anonymous #N` (the partition is a tag of a client's identity
+    /// and is never shown).
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            CacheKey::Conversation(id) => write!(f, "{id}"),
+            CacheKey::Anonymous { seq, .. } => write!(f, "anonymous #{seq}"),
+        }
+    }
+}
+
+/// A request for one reply: the full prompt (the worker reuses whatever prefix of it is cached under
+/// `cache_key`), how to sample, and where to send the tokens.
+pub struct GenerationRequest {
+    /// The conversation whose KV cache this sequence is kept under between requests. `None` for
+    /// stateless requests, whose cache is kept only for reuse within their `cache_salt`.
+    pub cache_key: Option<Uuid>,
+    /// Who the work is for (an owner, an account, an API key; opaque), for fair sharing and
+    /// per-user limits in the scheduler. `None`: anonymous (tools, tests), no per-user caps.
+    pub user: Option<String>,
+    /// A wider group the user belongs to with a token quota of its own (a guest's client
+    /// address: guest owners cost nothing to mint, so each would otherwise be a fresh quota).
+    pub group: Option<String>,
+    /// The partition a stateless request's cache belongs to (an opaque tag of the client's
+    /// identity, made by the web layer). A request without `cache_key` reuses only prefixes
+    /// cached by requests with the same salt, so one client cannot learn from `cached_tokens`
+    /// or the time to first token what another client's prompts held.
+    pub cache_salt: Option<String>,
+    pub prompt: Vec<u32>,
+    pub params: SamplingParams,
+    /// Wall-clock limit for the whole request (queueing included).
+    pub max_time: Option<Duration>,
+    /// Receives the request's events. Dropping the receiver cancels the request at the next step.
+    pub events: mpsc::UnboundedSender<GenEvent>,
+}
+
+/// What happens to a request, in order: `Admitted` once, `Token` per generated token, `Finished`
+/// exactly once (also after a cancellation or an error).
+#[derive(Debug, Clone)]
+pub enum GenEvent {
+    /// The request left the queue and its prompt is being prefilled.
+    Admitted {
+        prompt_tokens: usize,
+        cached_tokens: usize,
+    },
+    /// One generated token and the text it completes (possibly empty).
+    Token {
+        token: u32,
+        text: String,
+    },
+    Finished(GenSummary),
+}
+
+/// Why a request ended, as the platform sees it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case", tag = "kind", content = "detail")]
+pub enum StopReason {
+    /// End-of-generation token.
+    EndOfGeneration,
+    /// A stop string was produced.
+    StopString(String),
+    /// The new-token limit or the context window was reached.
+    Length,
+    /// Stopped by a user or because every listener went away.
+    Cancelled,
+    /// The request's wall-clock limit passed.
+    TimeLimit,
+    /// The engine failed.
+    Error(String),
+}
+
+impl From<FinishReason> for StopReason {
+    fn from(r: FinishReason) -> Self {
+        match r {
+            FinishReason::EndOfGeneration => StopReason::EndOfGeneration,
+            FinishReason::StopString(s) => StopReason::StopString(s),
+            FinishReason::Length => StopReason::Length,
+        }
+    }
+}
+
+/// Counts and timings of a finished request.
+#[derive(Debug, Clone, PartialEq, Serialize, serde::Deserialize)]
+pub struct GenSummary {
+    pub reason: StopReason,
+    pub prompt_tokens: usize,
+    /// Prompt tokens whose KV came from the cache (not recomputed).
+    pub cached_tokens: usize,
+    pub completion_tokens: usize,
+    pub queue_ms: f64,
+    pub prefill_ms: f64,
+    /// From submission to the first generated token.
+    pub ttft_ms: f64,
+    /// From the first generated token to the end.
+    pub generation_ms: f64,
+}
+
+/// Why the scheduler refused a request.
+#[derive(Debug, Clone, thiserror::Error, PartialEq, Eq)]
+pub enum SubmitError {
+    #[error("the server is busy ({queued} requests are waiting); retry in {retry_after_s} s")]
+    Overloaded { queued: usize, retry_after_s: u64 },
+    #[error("the prompt has {prompt_tokens} tokens but the context window is {window}; shorten the conversation or start a new one")]
+    ContextOverflow { prompt_tokens: usize, window: usize },
+    #[error("invalid request: {0}")]
+    Invalid(String),
+    #[error("the model is not available: {0}")]
+    Unavailable(String),
+    #[error("you already have {queued} requests waiting (the limit per user is {limit}); retry in {retry_after_s} s")]
+    UserLimit {
+        queued: usize,
+        limit: usize,
+        retry_after_s: u64,
+    },
+    #[error("you have used {used} tokens (prompt and generated) in the last minute (the limit per user is {limit}); retry in {retry_after_s} s")]
+    TokenLimit {
+        used: u64,
+        limit: u64,
+        retry_after_s: u64,
+    },
+    #[error("the prompt has {prompt_tokens} tokens but the KV cache holds {capacity_tokens} in all (scheduler.kv_budget_mib); shorten the conversation or start a new one")]
+    ExceedsKvCache {
+        prompt_tokens: usize,
+        capacity_tokens: usize,
+    },
+    #[error("guests from your address have used {used} tokens in the last minute (the limit per address is {limit}); sign in, or retry in {retry_after_s} s")]
+    GroupTokenLimit {
+        used: u64,
+        limit: u64,
+        retry_after_s: u64,
+    },
+}
+
+/// A snapshot of the scheduler for `/metrics`, `/admin` and tests.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct SchedulerStats {
+    pub queued: usize,
+    pub running: usize,
+    pub max_running: usize,
+    pub queue_capacity: usize,
+    pub steps: u64,
+    pub generated_tokens: u64,
+    pub prefilled_tokens: u64,
+    /// Prompt tokens served from caches instead of being recomputed.
+    pub reused_tokens: u64,
+    /// Generated tokens per second over the last few seconds.
+    pub tokens_per_s: f64,
+    pub kv_bytes: usize,
+    pub kv_budget_bytes: usize,
+    pub cached_sequences: usize,
+    pub evictions: u64,
+    pub last_step_ms: f64,
+}
+
+/// What a cache key (a conversation) is doing right now, for the admin page.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum SequenceState {
+    Idle,
+    Queued,
+    Prefilling,
+    Generating,
+}

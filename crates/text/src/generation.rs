@@ -1,0 +1,208 @@
+//! One request's generation state: from logits to the next token and the text it adds.
+//!
+//! The same state machine serves the CLI and the scheduler: sample with the request's parameters,
+//! stop on end-of-generation tokens, stop strings and the token limit, and turn tokens into text
+//! without ever splitting a UTF-8 character or leaking part of a stop string.
+
+use super::sampling::{Sampler, SamplingParams, StopMatcher, StopTokens};
+use super::tokenizer::{Detokenizer, Tokenizer};
+use crate::error::Result;
+
+/// Why a generation ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum FinishReason {
+    /// An end-of-generation token (EOS, `<|im_end|>`, …) was sampled.
+    EndOfGeneration,
+    /// A stop string appeared in the output.
+    StopString(String),
+    /// `max_new_tokens` were generated.
+    Length,
+}
+
+/// What one sampled token did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TokenOutcome {
+    pub token: u32,
+    /// Text that can be shown now (may be empty while a character or a possible stop string is
+    /// incomplete).
+    pub text: String,
+    /// Set when this token ended the generation. An end-of-generation token is not part of the
+    /// output and should not be fed back to the model.
+    pub finished: Option<FinishReason>,
+}
+
+pub struct Generation {
+    sampler: Sampler,
+    stop_tokens: StopTokens,
+    stop_strings: StopMatcher,
+    detokenizer: Detokenizer,
+    /// Recent context for the penalties: the prompt's tail, then every generated token.
+    recent: Vec<u32>,
+    generated: Vec<u32>,
+    max_new_tokens: usize,
+    ignore_eos: bool,
+    finished: Option<FinishReason>,
+}
+
+impl Generation {
+    /// `prompt` is the full prompt (its tail feeds the repetition penalties).
+    pub fn new(tokenizer: &Tokenizer, params: SamplingParams, prompt: &[u32]) -> Result<Self> {
+        let stop_tokens = StopTokens::new(tokenizer.eog_ids().iter().copied());
+        let stop_strings = StopMatcher::new(&params.stop_strings);
+        let keep = params.penalty_last_n.min(prompt.len());
+        let recent = prompt[prompt.len() - keep..].to_vec();
+        let max_new_tokens = params.max_new_tokens;
+        let ignore_eos = params.ignore_eos;
+        Ok(Self {
+            sampler: Sampler::new(params)?,
+            stop_tokens,
+            stop_strings,
+            detokenizer: Detokenizer::new(tokenizer),
+            recent,
+            generated: Vec::new(),
+            max_new_tokens,
+            ignore_eos,
+            finished: None,
+        })
+    }
+
+    /// Samples the next token from `logits` (modified in place by the penalties).
+    pub fn next_token(&mut self, logits: &mut [f32]) -> Result<TokenOutcome> {
+        let token = self.sampler.sample(logits, &self.recent)?;
+        Ok(self.accept(token))
+    }
+
+    /// One decode step of a sequence holding `cached` positions in a context window of
+    /// `window`: samples like [`Self::next_token`], and when the generation did not stop by
+    /// itself but the sampled token could not be fed back (`cached + 1 >= window`), ends it as
+    /// [`FinishReason::Length`] with any held-back text flushed into the outcome. The one
+    /// decode rule of the model worker and the command line.
+    pub fn next_token_within(
+        &mut self,
+        logits: &mut [f32],
+        cached: usize,
+        window: usize,
+    ) -> Result<TokenOutcome> {
+        let mut outcome = self.next_token(logits)?;
+        if outcome.finished.is_none() && cached + 1 >= window {
+            outcome.text.push_str(&self.finish_early());
+            outcome.finished = Some(FinishReason::Length);
+        }
+        Ok(outcome)
+    }
+
+    /// Records a token chosen elsewhere (or sampled by [`Self::next_token`]).
+    pub fn accept(&mut self, token: u32) -> TokenOutcome {
+        if self.finished.is_some() {
+            return TokenOutcome {
+                token,
+                text: String::new(),
+                finished: self.finished.clone(),
+            };
+        }
+        if !self.ignore_eos && self.stop_tokens.is_stop_token(token) {
+            let text = self.flush();
+            self.finished = Some(FinishReason::EndOfGeneration);
+            return TokenOutcome {
+                token,
+                text,
+                finished: self.finished.clone(),
+            };
+        }
+        self.generated.push(token);
+        self.recent.push(token);
+        let piece = self.detokenizer.push(token);
+        let outcome = self.stop_strings.push(&piece);
+        let mut text = outcome.emit;
+        if let Some(stop) = outcome.stopped_by {
+            self.finished = Some(FinishReason::StopString(stop));
+        } else if self.generated.len() >= self.max_new_tokens {
+            text.push_str(&self.flush());
+            self.finished = Some(FinishReason::Length);
+        }
+        TokenOutcome {
+            token,
+            text,
+            finished: self.finished.clone(),
+        }
+    }
+
+    /// Releases text held back for an incomplete character or a possible stop string.
+    fn flush(&mut self) -> String {
+        let tail = self.detokenizer.finish();
+        let outcome = self.stop_strings.push(&tail);
+        let mut text = outcome.emit;
+        if outcome.stopped_by.is_none() {
+            text.push_str(&self.stop_strings.finish());
+        }
+        text
+    }
+
+    /// Ends the generation early (a stop request or a time limit); returns held-back text.
+    pub fn finish_early(&mut self) -> String {
+        if self.finished.is_some() {
+            return String::new();
+        }
+        self.finished = Some(FinishReason::Length);
+        self.flush()
+    }
+
+    pub fn finished(&self) -> Option<&FinishReason> {
+        self.finished.as_ref()
+    }
+
+    /// Generated tokens (end-of-generation tokens excluded).
+    pub fn generated(&self) -> &[u32] {
+        &self.generated
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use smolchat_engine::synthetic::{self, SyntheticSpec};
+
+    fn tokenizer() -> Tokenizer {
+        let spec = SyntheticSpec::tiny("llama").with_placeholder_tokenizer();
+        let src = synthetic::build(&spec).expect("synthetic model");
+        Tokenizer::from_gguf(&src).expect("placeholder tokenizer")
+    }
+
+    /// Logits whose argmax is `id`.
+    fn pointing_at(id: u32, vocab: usize) -> Vec<f32> {
+        let mut l = vec![0.0; vocab];
+        l[id as usize] = 10.0;
+        l
+    }
+
+    #[test]
+    fn the_window_ends_a_reply_as_length_but_never_hides_an_end_of_generation() {
+        let tok = tokenizer();
+        let vocab = 512;
+        let params = SamplingParams {
+            max_new_tokens: 100,
+            ..SamplingParams::greedy()
+        };
+        let mut g = Generation::new(&tok, params.clone(), &[1, 2, 3]).expect("generation");
+        // Room left: an ordinary token goes on.
+        let out = g
+            .next_token_within(&mut pointing_at(70, vocab), 5, 10)
+            .expect("step");
+        assert_eq!((out.token, out.finished), (70, None));
+        // The sampled token could not be fed back: the reply ends as `length`.
+        let out = g
+            .next_token_within(&mut pointing_at(71, vocab), 9, 10)
+            .expect("step");
+        assert_eq!(out.finished, Some(FinishReason::Length));
+        assert_eq!(g.finished(), Some(&FinishReason::Length));
+        assert_eq!(g.generated(), &[70, 71]);
+
+        // At the window, an end-of-generation token still ends the reply as a stop.
+        let eog = *tok.eog_ids().first().expect("an end-of-generation token");
+        let mut g = Generation::new(&tok, params, &[1, 2, 3]).expect("generation");
+        let out = g
+            .next_token_within(&mut pointing_at(eog, vocab), 9, 10)
+            .expect("step");
+        assert_eq!(out.finished, Some(FinishReason::EndOfGeneration));
+    }
+}

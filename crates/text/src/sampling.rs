@@ -1,0 +1,537 @@
+//! Choosing the next token from a row of logits, and finding stop strings in streamed text.
+//!
+//! The sampler chain is: penalties (repetition, presence, frequency) → greedy, or temperature →
+//! top-k → top-p → min-p → a seeded draw. This is the order Hugging Face transformers applies its
+//! logits warpers in (llama.cpp applies temperature last instead); with the default temperature
+//! below 1 the difference is small, and it is the order clients of an OpenAI-style API expect.
+//!
+//! Vocabularies reach 128k tokens, so nothing here sorts the whole vocabulary when it can be
+//! avoided: top-k is a linear-time selection, min-p is a threshold, and top-p sorts only the
+//! candidates near its cut.
+
+use std::cmp::Ordering;
+
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Result, TextError};
+
+/// How one request wants its tokens chosen and when it wants generation to end.
+///
+/// Missing fields in JSON take their defaults, so a client can send only what it changes.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct SamplingParams {
+    /// Softmax temperature; 0 means greedy (argmax), and then the seed does not matter.
+    pub temperature: f32,
+    /// Keep only the `top_k` most likely tokens; 0 turns it off.
+    pub top_k: usize,
+    /// Keep the smallest set of most likely tokens whose probability reaches `top_p`; 1 turns it
+    /// off. Must be in (0, 1].
+    pub top_p: f32,
+    /// Drop tokens whose probability is below `min_p` times the best token's; 0 turns it off.
+    pub min_p: f32,
+    /// llama.cpp / CTRL repetition penalty over the last `penalty_last_n` tokens: a positive
+    /// logit is divided by it, a negative one multiplied. 1 turns it off.
+    pub repetition_penalty: f32,
+    /// OpenAI presence penalty: subtracted once from every token seen in the window.
+    pub presence_penalty: f32,
+    /// OpenAI frequency penalty: subtracted once per occurrence in the window.
+    pub frequency_penalty: f32,
+    /// How many of the most recent tokens the penalties look at; 0 turns all penalties off.
+    pub penalty_last_n: usize,
+    /// Seed for the random draw; `None` seeds from the operating system.
+    pub seed: Option<u64>,
+    /// Generation ends after this many new tokens.
+    pub max_new_tokens: usize,
+    /// Generation ends before the first occurrence of any of these strings in the output.
+    pub stop_strings: Vec<String>,
+    /// Keep generating past end-of-sequence tokens (for benchmarks and tests); the caller honours
+    /// it when it checks [`StopTokens`].
+    pub ignore_eos: bool,
+}
+
+impl Default for SamplingParams {
+    /// llama-server's defaults, so answers look like what users of llama.cpp are used to.
+    fn default() -> Self {
+        Self {
+            temperature: 0.8,
+            top_k: 40,
+            top_p: 0.95,
+            min_p: 0.05,
+            repetition_penalty: 1.0,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            penalty_last_n: 64,
+            seed: None,
+            max_new_tokens: 512,
+            stop_strings: Vec::new(),
+            ignore_eos: false,
+        }
+    }
+}
+
+impl SamplingParams {
+    /// Plain argmax decoding with the other defaults.
+    pub fn greedy() -> Self {
+        Self {
+            temperature: 0.0,
+            ..Self::default()
+        }
+    }
+
+    /// Checks every field and says which one is wrong and what range it must be in.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |msg: String| Err(TextError::Sampling(msg));
+        if !self.temperature.is_finite() || self.temperature < 0.0 {
+            return bad(format!(
+                "temperature must be a finite number >= 0 (0 = greedy), got {}",
+                self.temperature
+            ));
+        }
+        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
+            return bad(format!(
+                "top_p must be in (0, 1] (1 = off), got {}",
+                self.top_p
+            ));
+        }
+        if !(0.0..=1.0).contains(&self.min_p) {
+            return bad(format!(
+                "min_p must be in [0, 1] (0 = off), got {}",
+                self.min_p
+            ));
+        }
+        if !self.repetition_penalty.is_finite() || self.repetition_penalty <= 0.0 {
+            return bad(format!(
+                "repetition_penalty must be a finite number > 0 (1 = off), got {}",
+                self.repetition_penalty
+            ));
+        }
+        if !self.presence_penalty.is_finite() {
+            return bad(format!(
+                "presence_penalty must be a finite number (0 = off), got {}",
+                self.presence_penalty
+            ));
+        }
+        if !self.frequency_penalty.is_finite() {
+            return bad(format!(
+                "frequency_penalty must be a finite number (0 = off), got {}",
+                self.frequency_penalty
+            ));
+        }
+        if self.max_new_tokens == 0 {
+            return bad("max_new_tokens must be at least 1".to_string());
+        }
+        if let Some(i) = self.stop_strings.iter().position(|s| s.is_empty()) {
+            // An empty stop string would match before the first character and end every reply.
+            return bad(format!("stop string #{i} is empty; remove it"));
+        }
+        Ok(())
+    }
+
+    fn penalties_active(&self) -> bool {
+        self.penalty_last_n > 0
+            && (self.repetition_penalty != 1.0
+                || self.presence_penalty != 0.0
+                || self.frequency_penalty != 0.0)
+    }
+}
+
+/// Descending by value, then ascending by token id, so equal values always come out in the same
+/// order and a seeded draw is reproducible.
+fn desc(a: &(f32, u32), b: &(f32, u32)) -> Ordering {
+    b.0.total_cmp(&a.0).then(a.1.cmp(&b.1))
+}
+
+/// Draws tokens for one sequence. Holds the RNG so a seeded sequence is reproducible token after
+/// token, and scratch buffers so sampling does not allocate per token.
+pub struct Sampler {
+    params: SamplingParams,
+    rng: StdRng,
+    /// (value, token id) candidates; the value is a logit, then an unnormalised probability.
+    candidates: Vec<(f32, u32)>,
+    /// Scratch for top-p's boundary bucket.
+    boundary: Vec<(f32, u32)>,
+    window: Vec<u32>,
+    warned_nan: bool,
+}
+
+impl std::fmt::Debug for Sampler {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Sampler")
+            .field("params", &self.params)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Sampler {
+    /// Validates `params` and seeds the RNG (from the OS when no seed is given).
+    pub fn new(params: SamplingParams) -> Result<Self> {
+        params.validate()?;
+        let rng = match params.seed {
+            Some(seed) => StdRng::seed_from_u64(seed),
+            None => StdRng::from_os_rng(),
+        };
+        Ok(Self {
+            params,
+            rng,
+            candidates: Vec::new(),
+            boundary: Vec::new(),
+            window: Vec::new(),
+            warned_nan: false,
+        })
+    }
+
+    pub fn params(&self) -> &SamplingParams {
+        &self.params
+    }
+
+    /// Chooses the next token.
+    ///
+    /// `recent_tokens` is the sequence so far (prompt and output, oldest first); only its last
+    /// `penalty_last_n` tokens are penalised. On return `logits` holds the penalised logits with
+    /// NaN replaced by -inf and +inf by `f32::MAX`; temperature and the filters are not written
+    /// back. Errors when no token has a usable logit or a recent token is outside the vocabulary.
+    pub fn sample(&mut self, logits: &mut [f32], recent_tokens: &[u32]) -> Result<u32> {
+        if logits.is_empty() {
+            return Err(TextError::Sampling("the logits row is empty".to_string()));
+        }
+        if u32::try_from(logits.len()).is_err() {
+            return Err(TextError::Sampling(format!(
+                "a vocabulary of {} tokens does not fit u32 token ids",
+                logits.len()
+            )));
+        }
+        self.sanitize(logits);
+        self.apply_penalties(logits, recent_tokens)?;
+        if self.params.temperature == 0.0 || self.params.top_k == 1 {
+            return argmax(logits);
+        }
+        self.sample_filtered(logits)
+    }
+
+    /// A broken model (or an overflowing kernel) can produce NaN; such a token is never chosen,
+    /// and +inf becomes the largest finite value so the softmax below stays finite.
+    fn sanitize(&mut self, logits: &mut [f32]) {
+        let mut nans = 0usize;
+        for l in logits.iter_mut() {
+            if l.is_nan() {
+                *l = f32::NEG_INFINITY;
+                nans += 1;
+            } else if *l == f32::INFINITY {
+                *l = f32::MAX;
+            }
+        }
+        if nans > 0 && !self.warned_nan {
+            // Once per sequence: every later token of a broken model would repeat it.
+            self.warned_nan = true;
+            tracing::warn!(
+                nans,
+                vocab = logits.len(),
+                "logits contain NaN; those tokens are treated as impossible"
+            );
+        }
+    }
+
+    fn apply_penalties(&mut self, logits: &mut [f32], recent: &[u32]) -> Result<()> {
+        let p = &self.params;
+        if !p.penalties_active() || recent.is_empty() {
+            return Ok(());
+        }
+        let start = recent.len().saturating_sub(p.penalty_last_n);
+        // Sorting the (at most `penalty_last_n`) window counts occurrences without a
+        // vocabulary-sized table.
+        self.window.clear();
+        self.window.extend_from_slice(&recent[start..]);
+        self.window.sort_unstable();
+        let vocab = logits.len();
+        let mut i = 0;
+        while i < self.window.len() {
+            let id = self.window[i];
+            let mut j = i + 1;
+            while j < self.window.len() && self.window[j] == id {
+                j += 1;
+            }
+            let count = (j - i) as f32;
+            let l = logits
+                .get_mut(id as usize)
+                .ok_or(TextError::BadToken { id, vocab })?;
+            if *l > 0.0 {
+                *l /= p.repetition_penalty;
+            } else {
+                *l *= p.repetition_penalty;
+            }
+            *l -= count * p.frequency_penalty + p.presence_penalty;
+            i = j;
+        }
+        Ok(())
+    }
+
+    fn sample_filtered(&mut self, logits: &[f32]) -> Result<u32> {
+        let p = &self.params;
+        let c = &mut self.candidates;
+        c.clear();
+        c.extend(
+            logits
+                .iter()
+                .enumerate()
+                .filter(|(_, &l)| l > f32::NEG_INFINITY)
+                .map(|(i, &l)| (l, i as u32)),
+        );
+        if c.is_empty() {
+            return Err(no_usable_logit());
+        }
+        if p.top_k > 0 && p.top_k < c.len() {
+            c.select_nth_unstable_by(p.top_k - 1, desc);
+            c.truncate(p.top_k);
+        }
+        let max = c.iter().map(|x| x.0).fold(f32::NEG_INFINITY, f32::max);
+        let inv_t = 1.0 / p.temperature;
+        // Subtracting the maximum before dividing by the temperature keeps every exponent <= 0,
+        // so nothing overflows even for huge logits or tiny temperatures; the best token's weight
+        // is exactly 1.
+        let mut total = 0.0f64;
+        for x in c.iter_mut() {
+            x.0 = ((x.0 - max) * inv_t).exp();
+            total += x.0 as f64;
+        }
+        if p.min_p > 0.0 {
+            // Relative to the best token's weight, which is 1; renormalising by top-p does not
+            // change these ratios, so filtering first gives the same set as filtering last.
+            let min_p = p.min_p;
+            c.retain(|x| x.0 >= min_p);
+        }
+        if p.top_p < 1.0 {
+            // Mass is measured against the distribution before min-p, as if top-p ran first.
+            truncate_top_p(c, p.top_p as f64 * total, &mut self.boundary);
+        }
+        let mass: f64 = c.iter().map(|x| x.0 as f64).sum();
+        let r = self.rng.random::<f64>() * mass;
+        let mut acc = 0.0f64;
+        for &(w, id) in c.iter() {
+            acc += w as f64;
+            if acc > r {
+                return Ok(id);
+            }
+        }
+        // Rounding can leave `acc` a hair below `r`; the last candidate is the right answer.
+        c.last().map(|x| x.1).ok_or_else(no_usable_logit)
+    }
+}
+
+fn no_usable_logit() -> TextError {
+    TextError::Sampling(
+        "no token has a usable logit (all are NaN or -inf); the model output is broken".to_string(),
+    )
+}
+
+/// The first maximum, so ties go to the lowest token id.
+fn argmax(logits: &[f32]) -> Result<u32> {
+    let mut best = 0usize;
+    let mut best_l = f32::NEG_INFINITY;
+    for (i, &l) in logits.iter().enumerate() {
+        if l > best_l {
+            best = i;
+            best_l = l;
+        }
+    }
+    if best_l == f32::NEG_INFINITY {
+        return Err(no_usable_logit());
+    }
+    Ok(best as u32)
+}
+
+/// Candidate sets up to this size are simply sorted for top-p.
+const TOP_P_SORT_ALL: usize = 512;
+/// Bucket keys for top-p: the top bits of an f32 in [0, 1] (sign 0, exponent, 3 mantissa bits),
+/// which order the weights on a log scale at no cost: 1.0 has key 0x3f8.
+const TOP_P_KEY_SHIFT: u32 = 20;
+const TOP_P_BUCKETS: usize = (0x3f80_0000 >> TOP_P_KEY_SHIFT) + 1;
+
+/// Keeps the most likely candidates until their weight reaches `target` (the crossing token is
+/// kept, as in llama.cpp). Large sets are not sorted: one pass sums the weight in log-scale
+/// buckets, the bucket where the running mass crosses `target` is found from the top, everything
+/// above it is kept and only that one bucket is sorted. On a flat 128k distribution this is a
+/// few linear passes instead of a sort of most of the vocabulary.
+fn truncate_top_p(c: &mut Vec<(f32, u32)>, target: f64, boundary: &mut Vec<(f32, u32)>) {
+    if c.len() <= TOP_P_SORT_ALL {
+        c.sort_unstable_by(desc);
+        let mut acc = 0.0f64;
+        if let Some(i) = c.iter().position(|x| {
+            acc += x.0 as f64;
+            acc >= target
+        }) {
+            c.truncate(i + 1);
+        }
+        return;
+    }
+    // Weights are in [0, 1] (the best is exactly 1), so keys stay below TOP_P_BUCKETS; `min`
+    // only guards the indexing.
+    let key = |w: f32| ((w.to_bits() >> TOP_P_KEY_SHIFT) as usize).min(TOP_P_BUCKETS - 1);
+    let mut mass = [0f64; TOP_P_BUCKETS];
+    for x in c.iter() {
+        mass[key(x.0)] += x.0 as f64;
+    }
+    let mut acc = 0.0f64;
+    let mut crossing = None;
+    for k in (0..TOP_P_BUCKETS).rev() {
+        if acc + mass[k] >= target {
+            crossing = Some(k);
+            break;
+        }
+        acc += mass[k];
+    }
+    // Rounding can leave the total a hair short of `target`: then everything is kept.
+    let Some(crossing) = crossing else { return };
+    boundary.clear();
+    boundary.extend(c.iter().filter(|x| key(x.0) == crossing));
+    c.retain(|x| key(x.0) > crossing);
+    boundary.sort_unstable_by(desc);
+    for &x in boundary.iter() {
+        c.push(x);
+        acc += x.0 as f64;
+        if acc >= target {
+            break;
+        }
+    }
+}
+
+/// Token ids that end generation (end-of-sequence, `<|im_end|>`, …). The caller checks them by
+/// id, before detokenizing, and skips the check when [`SamplingParams::ignore_eos`] is set.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct StopTokens {
+    ids: Vec<u32>,
+}
+
+impl StopTokens {
+    pub fn new(ids: impl IntoIterator<Item = u32>) -> Self {
+        let mut s = Self::default();
+        for id in ids {
+            s.insert(id);
+        }
+        s
+    }
+
+    pub fn insert(&mut self, id: u32) {
+        if !self.ids.contains(&id) {
+            self.ids.push(id);
+        }
+    }
+
+    /// A linear scan: there are only a handful of stop tokens.
+    pub fn is_stop_token(&self, id: u32) -> bool {
+        self.ids.contains(&id)
+    }
+
+    pub fn ids(&self) -> &[u32] {
+        &self.ids
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.ids.is_empty()
+    }
+}
+
+/// What [`StopMatcher::push`] lets through.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct StopOutcome {
+    /// Text that is safe to show now.
+    pub emit: String,
+    /// The stop string that was hit; generation should end. The stop string itself and anything
+    /// after it are never emitted.
+    pub stopped_by: Option<String>,
+}
+
+impl StopOutcome {
+    pub fn stopped(&self) -> bool {
+        self.stopped_by.is_some()
+    }
+}
+
+/// Finds stop strings in text that arrives a token at a time, where a stop string may be split
+/// across tokens. Text that could be the start of a stop string is held back until the next piece
+/// shows whether it is.
+#[derive(Clone, Debug, Default)]
+pub struct StopMatcher {
+    stops: Vec<String>,
+    held: String,
+    /// Longest stop string in bytes: more than this minus one byte is never worth holding.
+    max_len: usize,
+    stopped: bool,
+}
+
+impl StopMatcher {
+    /// Empty stop strings are ignored (they would match everywhere).
+    pub fn new(stops: &[String]) -> Self {
+        let stops: Vec<String> = stops.iter().filter(|s| !s.is_empty()).cloned().collect();
+        let max_len = stops.iter().map(|s| s.len()).max().unwrap_or(0);
+        Self {
+            stops,
+            held: String::new(),
+            max_len,
+            stopped: false,
+        }
+    }
+
+    /// Whether a stop string has been hit; later pushes emit nothing.
+    pub fn is_stopped(&self) -> bool {
+        self.stopped
+    }
+
+    /// Feeds the next piece of output text.
+    pub fn push(&mut self, text: &str) -> StopOutcome {
+        if self.stopped {
+            return StopOutcome::default();
+        }
+        if self.stops.is_empty() {
+            return StopOutcome {
+                emit: text.to_string(),
+                stopped_by: None,
+            };
+        }
+        let mut buf = std::mem::take(&mut self.held);
+        buf.push_str(text);
+        // The earliest match wins: whatever stop string starts first ends the text there.
+        let mut hit: Option<(usize, usize)> = None;
+        for (k, s) in self.stops.iter().enumerate() {
+            if let Some(pos) = buf.find(s.as_str()) {
+                if hit.is_none_or(|(best, _)| pos < best) {
+                    hit = Some((pos, k));
+                }
+            }
+        }
+        if let Some((pos, k)) = hit {
+            self.stopped = true;
+            buf.truncate(pos);
+            return StopOutcome {
+                emit: buf,
+                stopped_by: Some(self.stops[k].clone()),
+            };
+        }
+        // Hold back the longest suffix that is a proper prefix of some stop string. The held
+        // text never contains a whole stop string (it would have matched above), so only the
+        // last `max_len - 1` bytes can start one.
+        let earliest = buf.len().saturating_sub(self.max_len.saturating_sub(1));
+        let split = (earliest..buf.len())
+            .filter(|&i| buf.is_char_boundary(i))
+            .find(|&i| {
+                let tail = &buf[i..];
+                self.stops.iter().any(|s| s.starts_with(tail))
+            })
+            .unwrap_or(buf.len());
+        self.held = buf.split_off(split);
+        StopOutcome {
+            emit: buf,
+            stopped_by: None,
+        }
+    }
+
+    /// Releases the held text at the end of generation (it did not turn into a stop string).
+    pub fn finish(&mut self) -> String {
+        if self.stopped {
+            return String::new();
+        }
+        std::mem::take(&mut self.held)
+    }
+}

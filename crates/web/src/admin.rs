@@ -1,0 +1,667 @@
+//! `/admin`: every conversation of every owner and the engine, live, for whoever holds the
+//! configured `server.admin_token`.
+//!
+//! | route | |
+//! |---|---|
+//! | `GET /admin` | the dashboard; the login form without a session; a "disabled" page (404) without a token |
+//! | `POST /admin/login` (form `token`) | wrong token → 401; throttled → 429 + `Retry-After`; right → session cookie + `HX-Redirect` |
+//! | `POST /admin/logout` | revokes the session server-side and drops the cookie |
+//! | `GET /admin/live?before=` | the tables (fragment; 50 conversations a page), polled by HTMX every 2 s |
+//! | `POST /admin/c/{id}/stop`, `/evict`; `DELETE /admin/c/{id}` | actions |
+//!
+//! Sign-in, sessions and throttling live in [`smolchat_auth::admin`]; this module only moves
+//! cookies and renders. The session cookie carries a random token (the database keeps its
+//! hash) and is HttpOnly, SameSite=Strict, limited to `/admin`, Secure when the request came over
+//! HTTPS, and expires with the session (`auth.admin_session_s`). Sign-out, expiry and a changed
+//! admin token end the session for every copy of the cookie. The admin routes sit in the same
+//! scope as the pages, so their unsafe methods need the CSRF token too.
+
+use std::collections::HashMap;
+
+use actix_web::cookie::time::Duration as CookieDuration;
+use actix_web::cookie::SameSite;
+use actix_web::http::StatusCode;
+use actix_web::{web, HttpRequest, HttpResponse};
+use askama::Template;
+use serde::Deserialize;
+
+use super::api::{page_request, parse_id};
+use super::client::Client;
+use super::csrf;
+use super::error::WebError;
+use super::html::{html, read_form, with_security_headers, PageError};
+use super::owner::Owner;
+use super::AppState;
+use smolchat_auth::{AdminAuth, AuthError, LockedBy};
+use smolchat_serving::scheduler::{Evict, GetCacheInfo, GetStats, StatesOf};
+use smolchat_serving::types::SequenceState;
+
+use super::cookies::ADMIN as SESSION_COOKIE;
+const COOKIE_PATH: &str = "/admin";
+
+#[derive(Template)]
+#[template(path = "admin_disabled.html")]
+struct DisabledPage {
+    csrf: String,
+}
+
+#[derive(Template)]
+#[template(path = "admin_login.html")]
+struct LoginPage {
+    csrf: String,
+}
+
+pub struct EngineView {
+    pub queued: usize,
+    pub queue_capacity: usize,
+    pub running: usize,
+    pub max_running: usize,
+    pub tokens_per_s: String,
+    pub kv_used: String,
+    pub kv_budget: String,
+    pub kv_percent: String,
+    pub cached_sequences: usize,
+    pub evictions: u64,
+    pub generated_tokens: u64,
+}
+
+pub struct AdminRow {
+    pub id: String,
+    pub owner: String,
+    pub title: String,
+    pub message_count: i64,
+    pub last_activity: String,
+    pub state: &'static str,
+    pub kv: String,
+    pub active: bool,
+    /// The replica holding the conversation's KV cache ("—": none).
+    pub replica: String,
+}
+
+/// One replica on the admin page.
+pub struct ReplicaView {
+    pub name: String,
+    pub url: String,
+    /// "live", "stopped" or "dead" (no heartbeat within the lease).
+    pub state: &'static str,
+    /// The replica serving this page.
+    pub here: bool,
+    pub heartbeat: String,
+    pub queued: usize,
+    pub running: usize,
+    pub tokens_per_s: String,
+    pub kv: String,
+    pub streams: usize,
+    pub held_count: usize,
+}
+
+pub struct LiveView {
+    pub engine: EngineView,
+    /// Every replica on the database, live or gone within the hour.
+    pub replicas: Vec<ReplicaView>,
+    pub rows: Vec<AdminRow>,
+    pub updated: String,
+    /// The cursor this page starts after ("" for the newest page); the poll keeps it.
+    pub before: String,
+    /// The next (older) page's cursor, "" on the last page.
+    pub next: String,
+}
+
+/// Conversations per admin table page: the table (and each 2-second poll of it) stays small
+/// however many conversations there are.
+const ADMIN_PAGE: usize = 50;
+
+/// `?before=` (the conversations table's cursor) and `?page=` (the users table's page, from 1).
+#[derive(Deserialize)]
+pub struct PageQuery {
+    #[serde(default)]
+    before: String,
+    #[serde(default = "first_page")]
+    page: i64,
+}
+
+fn first_page() -> i64 {
+    1
+}
+
+#[derive(Template)]
+#[template(path = "admin.html")]
+struct AdminPage {
+    csrf: String,
+    live: LiveView,
+    users: UsersView,
+    /// The signed-in admin account's name; empty for an admin-token session.
+    account: String,
+    /// The per-user limits and sign-up rules in force, as (setting, value, meaning).
+    limits: Vec<(&'static str, String, &'static str)>,
+}
+
+/// The configured per-user limits and sign-up rules, for the admin page: an operator who sees a
+/// user refused with 429 can tell which limit it was without reading the config file.
+fn limits_view(
+    config: &smolchat_service::config::Config,
+) -> Vec<(&'static str, String, &'static str)> {
+    let or_none = |n: u64| {
+        if n == 0 {
+            "no limit".to_string()
+        } else {
+            n.to_string()
+        }
+    };
+    let l = &config.limits;
+    let s = &config.scheduler;
+    vec![
+        (
+            "scheduler.max_running_per_user",
+            or_none(s.max_running_per_user as u64),
+            "replies generated at once per user",
+        ),
+        (
+            "scheduler.max_queued_per_user",
+            or_none(s.max_queued_per_user as u64),
+            "requests waiting per user (more: 429)",
+        ),
+        (
+            "limits.tokens_per_minute_per_user",
+            or_none(l.tokens_per_minute_per_user),
+            "generated tokens per user per minute (more: 429)",
+        ),
+        (
+            "limits.conversations_per_minute",
+            or_none(u64::from(l.conversations_per_minute)),
+            "new conversations per user, and per address for guests (more: 429)",
+        ),
+        (
+            "limits.max_conversations_per_user",
+            or_none(l.max_conversations_per_user),
+            "conversations stored per user (more: 429)",
+        ),
+        (
+            "limits.max_streams_per_user",
+            or_none(l.max_streams_per_user as u64),
+            "open event streams per user (more: 429)",
+        ),
+        (
+            "scheduler.queue_size",
+            s.queue_size.to_string(),
+            "requests waiting in all (more: 503)",
+        ),
+        (
+            "auth.signup",
+            format!("{:?}", config.auth.signup).to_lowercase(),
+            "who may create an account",
+        ),
+        (
+            "auth.guests",
+            config.auth.guests.to_string(),
+            "whether people may chat without an account",
+        ),
+    ]
+}
+
+#[derive(Template)]
+#[template(path = "admin_live.html")]
+struct LiveFragment {
+    live: LiveView,
+}
+
+fn mib(bytes: usize) -> String {
+    format!("{:.1} MiB", bytes as f64 / (1024.0 * 1024.0))
+}
+
+/// The admin service, or 404 when no admin token is configured.
+fn admin_of(state: &AppState) -> Result<&AdminAuth, PageError> {
+    state
+        .admin
+        .as_ref()
+        .ok_or_else(|| WebError::NotFound("the admin page is disabled".into()).into())
+}
+
+/// The sign-in layer's refusals as page errors.
+fn refusal(e: AuthError) -> PageError {
+    match e {
+        AuthError::Throttled(lockout) => {
+            let who = match lockout.by {
+                LockedBy::Address => "from your address",
+                LockedBy::Subject => "from all addresses together",
+            };
+            let wait = lockout.retry_after_s();
+            WebError::TooManyRequests {
+                message: format!(
+                    "too many wrong admin tokens {who}: admin login is locked for {wait} more \
+                     seconds, and no token is checked until then"
+                ),
+                retry_after_s: wait,
+            }
+            .into()
+        }
+        AuthError::WrongCredentials => PageError::Unauthorized("wrong admin token".into()),
+        AuthError::Store(e) => e.into(),
+        other => WebError::Internal(other.to_string()).into(),
+    }
+}
+
+/// The request's admin session cookie, under its name for the connection.
+fn admin_cookie(req: &HttpRequest) -> Option<actix_web::cookie::Cookie<'static>> {
+    req.cookie(&super::cookies::name(SESSION_COOKIE, Client::of(req).https))
+}
+
+/// Whether the request carries the cookie of a valid admin session.
+async fn logged_in(admin: &AdminAuth, req: &HttpRequest) -> Result<bool, PageError> {
+    let Some(cookie) = admin_cookie(req) else {
+        return Ok(false);
+    };
+    Ok(admin
+        .session(cookie.value())
+        .await
+        .map_err(refusal)?
+        .is_some())
+}
+
+/// Refuses a request that is neither from an account with the admin role nor from a valid
+/// admin-token session: 404 when no token is configured (the page is disabled for everyone
+/// else), 401 otherwise.
+async fn require_admin(
+    state: &AppState,
+    owner: &Owner,
+    req: &HttpRequest,
+) -> Result<(), PageError> {
+    if owner.is_admin() {
+        return Ok(());
+    }
+    let admin = admin_of(state)?;
+    if !logged_in(admin, req).await? {
+        return Err(PageError::Unauthorized(
+            "log in at /admin with the admin token, or sign in with an admin account".into(),
+        ));
+    }
+    Ok(())
+}
+
+async fn live_view(state: &AppState, before: &str) -> Result<LiveView, PageError> {
+    let p = &state.platform;
+    let page = page_request(Some(ADMIN_PAGE), Some(before))?;
+    let listed = p.store.list_all_conversations_page(&page).await?;
+    let list = listed.items;
+    let keys: Vec<uuid::Uuid> = list.iter().map(|c| c.id).collect();
+    let states = p.scheduler.send(StatesOf(keys)).await?;
+    let caches: HashMap<uuid::Uuid, usize> = p
+        .scheduler
+        .send(GetCacheInfo)
+        .await?
+        .into_iter()
+        .filter_map(|c| Some((c.key.conversation()?, c.bytes)))
+        .collect();
+    let stats = p.scheduler.send(GetStats).await?;
+    let owners: Vec<String> = {
+        let mut o: Vec<String> = list.iter().map(|c| c.owner.clone()).collect();
+        o.sort();
+        o.dedup();
+        o
+    };
+    let names = p.store.user_names(&owners).await?;
+    let replicas = p.cluster.replicas().await?;
+    let mut holders: HashMap<uuid::Uuid, String> = HashMap::new();
+    for r in replicas.iter().filter(|r| r.live) {
+        for id in &r.load.held {
+            holders.insert(*id, r.name.clone());
+        }
+    }
+    let me = p.cluster.me().id;
+    let now = chrono::Utc::now();
+    let replica_views = replicas
+        .iter()
+        .map(|r| ReplicaView {
+            name: r.name.clone(),
+            url: r.url.clone(),
+            state: if r.live {
+                "live"
+            } else if r.stopped_at.is_some() {
+                "stopped"
+            } else {
+                "dead"
+            },
+            here: r.id == me,
+            heartbeat: format!(
+                "{:.0} s ago",
+                (now - r.heartbeat_at).num_milliseconds().max(0) as f64 / 1e3
+            ),
+            queued: r.load.queued,
+            running: r.load.running,
+            tokens_per_s: format!("{:.1}", r.load.tokens_per_s),
+            kv: format!(
+                "{} of {}",
+                mib(r.load.kv_bytes),
+                mib(r.load.kv_budget_bytes)
+            ),
+            streams: r.load.streams,
+            held_count: r.load.held_count,
+        })
+        .collect();
+    let rows = list
+        .iter()
+        .zip(states.iter().chain(std::iter::repeat(&SequenceState::Idle)))
+        .map(|(c, s)| {
+            let key = c.id.to_string();
+            AdminRow {
+                kv: caches
+                    .get(&c.id)
+                    .map(|b| mib(*b))
+                    .unwrap_or_else(|| "—".into()),
+                replica: holders.get(&c.id).cloned().unwrap_or_else(|| "—".into()),
+                id: key,
+                // The account's name, or enough of a guest's id to tell guests apart.
+                owner: names.get(&c.owner).cloned().unwrap_or_else(|| {
+                    format!("guest {}", c.owner.chars().take(8).collect::<String>())
+                }),
+                title: if c.title.is_empty() {
+                    "(untitled)".into()
+                } else {
+                    c.title.clone()
+                },
+                message_count: c.message_count,
+                last_activity: c.updated_at.format("%Y-%m-%d %H:%M:%S").to_string(),
+                state: match s {
+                    SequenceState::Idle => "idle",
+                    SequenceState::Queued => "queued",
+                    SequenceState::Prefilling => "prefilling",
+                    SequenceState::Generating => "generating",
+                },
+                active: !matches!(s, SequenceState::Idle),
+            }
+        })
+        .collect();
+    let percent = if stats.kv_budget_bytes > 0 {
+        100.0 * stats.kv_bytes as f64 / stats.kv_budget_bytes as f64
+    } else {
+        0.0
+    };
+    Ok(LiveView {
+        engine: EngineView {
+            queued: stats.queued,
+            queue_capacity: stats.queue_capacity,
+            running: stats.running,
+            max_running: stats.max_running,
+            tokens_per_s: format!("{:.1}", stats.tokens_per_s),
+            kv_used: mib(stats.kv_bytes),
+            kv_budget: mib(stats.kv_budget_bytes),
+            kv_percent: format!("{percent:.0}"),
+            cached_sequences: stats.cached_sequences,
+            evictions: stats.evictions,
+            generated_tokens: stats.generated_tokens,
+        },
+        replicas: replica_views,
+        rows,
+        updated: chrono::Utc::now().format("%H:%M:%S UTC").to_string(),
+        before: page.before.map(|c| c.encode()).unwrap_or_default(),
+        next: listed.next.map(|c| c.encode()).unwrap_or_default(),
+    })
+}
+
+/// `GET /admin?before=`
+pub async fn page(
+    state: web::Data<AppState>,
+    owner: Owner,
+    req: HttpRequest,
+    query: web::Query<PageQuery>,
+) -> Result<HttpResponse, PageError> {
+    let csrf = csrf::token_for(&state.cookie_key, &owner.csrf_subject());
+    if owner.is_admin() {
+        return dashboard(&state, csrf, &owner, &query).await;
+    }
+    let Some(admin) = state.admin.as_ref() else {
+        let body = DisabledPage { csrf }
+            .render()
+            .map_err(|e| WebError::Internal(format!("template: {e}")))?;
+        let mut res = HttpResponse::NotFound();
+        with_security_headers(&mut res);
+        return Ok(res.content_type("text/html; charset=utf-8").body(body));
+    };
+    if !logged_in(admin, &req).await? {
+        return html(&LoginPage { csrf });
+    }
+    dashboard(&state, csrf, &owner, &query).await
+}
+
+/// Users per page of the admin's users table.
+const USERS_PER_PAGE: i64 = 50;
+
+pub struct UserRowView {
+    pub id: String,
+    pub name: String,
+    pub role: &'static str,
+    pub disabled: bool,
+    pub conversations: i64,
+    pub tokens: i64,
+    pub last_seen: String,
+    pub sessions: i64,
+}
+
+pub struct UsersView {
+    pub rows: Vec<UserRowView>,
+    pub page: i64,
+    pub prev: i64,
+    pub next: i64,
+}
+
+async fn users_view(state: &AppState, page: i64) -> Result<UsersView, PageError> {
+    let page = page.clamp(1, i64::MAX / USERS_PER_PAGE);
+    // One more than a page, to know whether a next page exists.
+    let mut list = state
+        .platform
+        .store
+        .list_users(USERS_PER_PAGE + 1, (page - 1) * USERS_PER_PAGE)
+        .await?;
+    let more = list.len() as i64 > USERS_PER_PAGE;
+    list.truncate(USERS_PER_PAGE as usize);
+    Ok(UsersView {
+        rows: list
+            .into_iter()
+            .map(|u| UserRowView {
+                role: u.user.role.as_str(),
+                disabled: u.user.is_disabled(),
+                conversations: u.conversations,
+                tokens: u.tokens,
+                last_seen: u.user.last_seen_at.map_or_else(
+                    || "never".into(),
+                    |t| t.format("%Y-%m-%d %H:%M").to_string(),
+                ),
+                sessions: u.active_sessions,
+                id: u.user.id,
+                name: u.user.name,
+            })
+            .collect(),
+        page,
+        prev: if page > 1 { page - 1 } else { 0 },
+        next: if more { page + 1 } else { 0 },
+    })
+}
+
+async fn dashboard(
+    state: &AppState,
+    csrf: String,
+    owner: &Owner,
+    query: &PageQuery,
+) -> Result<HttpResponse, PageError> {
+    html(&AdminPage {
+        csrf,
+        live: live_view(state, &query.before).await?,
+        users: users_view(state, query.page).await?,
+        limits: limits_view(&state.platform.config),
+        account: owner.name().unwrap_or_default().to_string(),
+    })
+}
+
+/// `POST /admin/users/{id}/{action}` with action `disable`, `enable` or `revoke` (its
+/// sessions). Answers `HX-Refresh` so the table shows the new state.
+pub async fn user_action(
+    state: web::Data<AppState>,
+    owner: Owner,
+    req: HttpRequest,
+    path: web::Path<(String, String)>,
+) -> Result<HttpResponse, PageError> {
+    require_admin(&state, &owner, &req).await?;
+    let (id, action) = path.into_inner();
+    if action == "disable" && !owner.is_guest() && owner.as_str() == id {
+        // The last admin could otherwise lock everyone out of the page.
+        return Err(WebError::BadRequest("you cannot disable your own account".into()).into());
+    }
+    let store = &state.platform.store;
+    let found = match action.as_str() {
+        "disable" => store.set_disabled(&id, true).await?,
+        "enable" => store.set_disabled(&id, false).await?,
+        "revoke" => {
+            state
+                .accounts
+                .revoke_sessions(&id)
+                .await
+                .map_err(super::account::refusal)?;
+            store.user_by_id(&id).await?.is_some()
+        }
+        other => {
+            return Err(WebError::NotFound(format!("no user action {other:?}")).into());
+        }
+    };
+    if !found {
+        return Err(WebError::NotFound("no such user".into()).into());
+    }
+    tracing::info!(user = %id, action = %action, "admin user action");
+    Ok(HttpResponse::NoContent()
+        .insert_header(("HX-Refresh", "true"))
+        .finish())
+}
+
+/// `GET /admin/live?before=`
+pub async fn live(
+    state: web::Data<AppState>,
+    owner: Owner,
+    req: HttpRequest,
+    query: web::Query<PageQuery>,
+) -> Result<HttpResponse, PageError> {
+    require_admin(&state, &owner, &req).await?;
+    html(&LiveFragment {
+        live: live_view(&state, &query.before).await?,
+    })
+}
+
+#[derive(Deserialize)]
+pub struct LoginForm {
+    #[serde(default)]
+    token: String,
+}
+
+/// `POST /admin/login`
+pub async fn login(
+    state: web::Data<AppState>,
+    req: HttpRequest,
+    payload: web::Payload,
+) -> Result<HttpResponse, PageError> {
+    let admin = admin_of(&state)?;
+    let form: LoginForm = read_form(&state, &req, payload).await?;
+    // The TCP peer, or what a trusted proxy says (never a header an untrusted client wrote).
+    let client = Client::of(&req).address;
+    let session = match admin.login(&form.token, client).await {
+        Ok(session) => session,
+        Err(e) => {
+            let outcome = match &e {
+                AuthError::Throttled(l) => {
+                    // Debug, not warn: a flood would otherwise write a line per request; the
+                    // metric counts them, and the failures that caused the lockout were warned.
+                    tracing::debug!(peer = %client, retry_after_s = l.retry_after_s(), "admin login refused: throttled");
+                    "throttled"
+                }
+                AuthError::WrongCredentials => {
+                    tracing::warn!(peer = %client, "admin login with a wrong token");
+                    "wrong"
+                }
+                _ => "error",
+            };
+            metrics::counter!("smolchat_admin_logins_total", "outcome" => outcome).increment(1);
+            return Err(refusal(e));
+        }
+    };
+    metrics::counter!("smolchat_admin_logins_total", "outcome" => "ok").increment(1);
+    // Signing in again replaces the browser's previous session rather than leaving it alive
+    // beside the new one.
+    if let Some(old) = admin_cookie(&req) {
+        if let Err(e) = admin.logout(old.value()).await {
+            tracing::warn!("cannot revoke the replaced admin session: {e}");
+        }
+    }
+    let max_age = i64::try_from(session.lifetime.as_secs()).unwrap_or(i64::MAX);
+    let cookie = super::cookies::build(
+        SESSION_COOKIE,
+        session.token,
+        Client::of(&req).https,
+        COOKIE_PATH,
+    )
+    .same_site(SameSite::Strict)
+    .max_age(CookieDuration::seconds(max_age))
+    .finish();
+    tracing::info!(peer = %client, "admin logged in");
+    Ok(HttpResponse::build(StatusCode::NO_CONTENT)
+        .insert_header(("HX-Redirect", "/admin"))
+        .cookie(cookie)
+        .finish())
+}
+
+/// `POST /admin/logout`
+pub async fn logout(
+    state: web::Data<AppState>,
+    req: HttpRequest,
+) -> Result<HttpResponse, PageError> {
+    let admin = admin_of(&state)?;
+    if let Some(cookie) = admin_cookie(&req) {
+        // Server-side first: the cookie may have been copied elsewhere.
+        if admin.logout(cookie.value()).await.map_err(refusal)? {
+            tracing::info!("admin logged out");
+        }
+    }
+    let gone = super::cookies::removal(SESSION_COOKIE, Client::of(&req).https, COOKIE_PATH);
+    Ok(HttpResponse::NoContent()
+        .cookie(gone)
+        .insert_header(("HX-Redirect", "/admin"))
+        .finish())
+}
+
+/// `POST /admin/c/{id}/stop`
+pub async fn stop(
+    state: web::Data<AppState>,
+    owner: Owner,
+    req: HttpRequest,
+    path: web::Path<String>,
+) -> Result<HttpResponse, PageError> {
+    require_admin(&state, &owner, &req).await?;
+    let id = parse_id(&path)?;
+    let stopped = state.platform.conversations.stop_any(id).await?;
+    tracing::info!(conversation = %id, stopped, "admin stop");
+    Ok(HttpResponse::NoContent().finish())
+}
+
+/// `POST /admin/c/{id}/evict`
+pub async fn evict(
+    state: web::Data<AppState>,
+    owner: Owner,
+    req: HttpRequest,
+    path: web::Path<String>,
+) -> Result<HttpResponse, PageError> {
+    require_admin(&state, &owner, &req).await?;
+    let id = parse_id(&path)?;
+    let dropped = state.platform.scheduler.send(Evict(id)).await?;
+    tracing::info!(conversation = %id, dropped, "admin evict");
+    Ok(HttpResponse::NoContent().finish())
+}
+
+/// `DELETE /admin/c/{id}`
+pub async fn delete(
+    state: web::Data<AppState>,
+    owner: Owner,
+    req: HttpRequest,
+    path: web::Path<String>,
+) -> Result<HttpResponse, PageError> {
+    require_admin(&state, &owner, &req).await?;
+    let id = parse_id(&path)?;
+    state.platform.conversations.delete_any(id).await?;
+    tracing::info!(conversation = %id, "admin delete");
+    Ok(HttpResponse::NoContent().finish())
+}

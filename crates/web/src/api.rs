@@ -1,0 +1,396 @@
+//! The JSON API under `/api`: conversations, their messages, stopping a reply, export and
+//! import. The reply itself streams on the events endpoint ([`super::events`]). Every rule lives
+//! in [`smolchat_service::conversations`]; the handlers here parse, call the service and answer.
+
+use actix_web::http::header;
+use actix_web::{web, HttpRequest, HttpResponse};
+use serde::{Deserialize, Serialize};
+use serde_json::json;
+use uuid::Uuid;
+
+use super::error::WebError;
+use super::json::{JsonBody, OptionalJsonBody};
+use super::owner::Owner;
+use super::AppState;
+use smolchat_service::conversations::{
+    to_markdown, ExportParseError, ExportedConversation, NewConversation, SettingsPatch,
+};
+use smolchat_store::{Conversation, ConversationSummary, Cursor, Message, PageRequest, MAX_PAGE};
+
+pub use smolchat_service::conversations::TITLE_LIMIT;
+
+/// Conversations per page when a client does not say (the sidebar's page too).
+pub const DEFAULT_PAGE: usize = 50;
+
+/// Conversation fields a client may set on create (`POST`) and change later (`PATCH`); fields
+/// left out keep their current value (on create: the configured defaults). An empty
+/// `system_prompt` removes it.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ConversationInput {
+    pub title: Option<String>,
+    pub system_prompt: Option<String>,
+    pub thinking: Option<bool>,
+    pub temperature: Option<f32>,
+    pub top_p: Option<f32>,
+    pub top_k: Option<usize>,
+    pub max_tokens: Option<usize>,
+    pub seed: Option<u64>,
+    pub ignore_eos: Option<bool>,
+}
+
+impl ConversationInput {
+    fn patch(&self) -> SettingsPatch {
+        SettingsPatch {
+            system_prompt: self.system_prompt.clone(),
+            thinking: self.thinking,
+            temperature: self.temperature,
+            top_p: self.top_p,
+            top_k: self.top_k,
+            max_tokens: self.max_tokens,
+            seed: self.seed,
+            ignore_eos: self.ignore_eos,
+        }
+    }
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NewMessage {
+    pub content: String,
+}
+
+#[derive(Debug, Default, Deserialize)]
+pub struct ListQuery {
+    pub q: Option<String>,
+    pub limit: Option<usize>,
+    pub before: Option<String>,
+}
+
+/// `GET /api/conversations/{id}`: the conversation, its messages and what is happening now.
+#[derive(Debug, Serialize)]
+pub struct ConversationDetail {
+    #[serde(flatten)]
+    pub conversation: Conversation,
+    pub messages: Vec<Message>,
+    /// Whether a reply is being generated right now.
+    pub replying: bool,
+    /// The model's context window in tokens (the page shows usage against it).
+    pub context_window: usize,
+}
+
+/// Parses a conversation id from the path.
+pub fn parse_id(raw: &str) -> Result<Uuid, WebError> {
+    Uuid::parse_str(raw).map_err(|_| {
+        WebError::BadRequest(format!(
+            "{raw:?} is not a conversation id (expected a UUID such as 0190a5c4-1f2e-7c3d-9a8b-123456789abc)"
+        ))
+    })
+}
+
+/// The page a list request asks for: `limit` (1 to [`MAX_PAGE`], default [`DEFAULT_PAGE`])
+/// after the `before` cursor a previous page returned as `next`.
+pub fn page_request(limit: Option<usize>, before: Option<&str>) -> Result<PageRequest, WebError> {
+    let limit = limit.unwrap_or(DEFAULT_PAGE);
+    if !(1..=MAX_PAGE).contains(&limit) {
+        return Err(WebError::BadRequest(format!(
+            "`limit` must be between 1 and {MAX_PAGE}, got {limit}"
+        )));
+    }
+    let before = match before.filter(|b| !b.is_empty()) {
+        None => None,
+        Some(text) => Some(Cursor::decode(text).ok_or_else(|| {
+            WebError::BadRequest(format!(
+                "`before` {text:?} is not a cursor; pass the `next` value of the previous page"
+            ))
+        })?),
+    };
+    Ok(PageRequest { limit, before })
+}
+
+/// `POST /api/conversations`
+pub async fn create(
+    state: web::Data<AppState>,
+    owner: Owner,
+    body: OptionalJsonBody<ConversationInput>,
+) -> Result<HttpResponse, WebError> {
+    let input = body.0.unwrap_or_default();
+    let created = state
+        .platform
+        .conversations
+        .create(
+            &owner.caller(),
+            NewConversation {
+                title: input.title.clone(),
+                settings: input.patch(),
+                first_message: None,
+            },
+        )
+        .await?;
+    let c = created.conversation;
+    Ok(HttpResponse::Created()
+        .insert_header((header::LOCATION, format!("/api/conversations/{}", c.id)))
+        .json(c))
+}
+
+/// `GET /api/conversations?q=…&limit=…&before=…`: `{"conversations": [...], "next": cursor or
+/// null}`; pass `next` as `before` for the following page.
+pub async fn list(
+    state: web::Data<AppState>,
+    owner: Owner,
+    req: HttpRequest,
+) -> Result<HttpResponse, WebError> {
+    let query = web::Query::<ListQuery>::from_query(req.query_string())
+        .map_err(|e| WebError::BadRequest(format!("bad query string: {e}")))?;
+    let page = page_request(query.limit, query.before.as_deref())?;
+    let list = state
+        .platform
+        .conversations
+        .list(&owner.caller(), query.q.as_deref(), &page)
+        .await?;
+    let items: Vec<ConversationSummary> = list.items;
+    Ok(HttpResponse::Ok().json(json!({
+        "conversations": items,
+        "next": list.next.map(|c| c.encode()),
+    })))
+}
+
+/// `GET /api/conversations/{id}`
+pub async fn get(
+    state: web::Data<AppState>,
+    owner: Owner,
+    path: web::Path<String>,
+) -> Result<HttpResponse, WebError> {
+    let id = parse_id(&path)?;
+    let view = state
+        .platform
+        .conversations
+        .get(&owner.caller(), id)
+        .await?;
+    Ok(HttpResponse::Ok().json(ConversationDetail {
+        conversation: view.conversation,
+        messages: view.messages,
+        replying: view.replying,
+        context_window: state.platform.model.context_window,
+    }))
+}
+
+/// `PATCH /api/conversations/{id}`: title and/or settings (used from the next message on).
+pub async fn patch(
+    state: web::Data<AppState>,
+    owner: Owner,
+    path: web::Path<String>,
+    body: JsonBody<ConversationInput>,
+) -> Result<HttpResponse, WebError> {
+    let id = parse_id(&path)?;
+    let input = body.0;
+    let updated = state
+        .platform
+        .conversations
+        .update(&owner.caller(), id, input.title.as_deref(), &input.patch())
+        .await?;
+    Ok(HttpResponse::Ok().json(updated))
+}
+
+/// `DELETE /api/conversations/{id}`: stops its session (and reply), deletes the conversation and
+/// frees its KV cache.
+pub async fn delete(
+    state: web::Data<AppState>,
+    owner: Owner,
+    path: web::Path<String>,
+) -> Result<HttpResponse, WebError> {
+    let id = parse_id(&path)?;
+    state
+        .platform
+        .conversations
+        .delete(&owner.caller(), id)
+        .await?;
+    Ok(HttpResponse::NoContent().finish())
+}
+
+/// `POST /api/conversations/{id}/messages`: stores the message and queues the reply; 202 once
+/// both happened. The reply streams on `/api/conversations/{id}/events`.
+pub async fn send_message(
+    state: web::Data<AppState>,
+    owner: Owner,
+    path: web::Path<String>,
+    body: JsonBody<NewMessage>,
+) -> Result<HttpResponse, WebError> {
+    let id = parse_id(&path)?;
+    let accepted = state
+        .platform
+        .conversations
+        .send(&owner.caller(), id, body.0.content)
+        .await?;
+    Ok(HttpResponse::Accepted().json(json!({
+        "user_message": accepted.user_message,
+        "assistant_message_id": accepted.assistant_message_id,
+        "events": format!("/api/conversations/{id}/events"),
+    })))
+}
+
+/// `POST /api/conversations/{id}/regenerate`: the last reply again (202, like a send).
+pub async fn regenerate(
+    state: web::Data<AppState>,
+    owner: Owner,
+    path: web::Path<String>,
+) -> Result<HttpResponse, WebError> {
+    let id = parse_id(&path)?;
+    let accepted = state
+        .platform
+        .conversations
+        .regenerate(&owner.caller(), id)
+        .await?;
+    Ok(HttpResponse::Accepted().json(accepted))
+}
+
+/// `POST /api/conversations/{id}/edit` `{"content"}`: replaces the last user message and
+/// everything after it, then sends it (202, like a send).
+pub async fn edit(
+    state: web::Data<AppState>,
+    owner: Owner,
+    path: web::Path<String>,
+    body: JsonBody<NewMessage>,
+) -> Result<HttpResponse, WebError> {
+    let id = parse_id(&path)?;
+    let accepted = state
+        .platform
+        .conversations
+        .edit(&owner.caller(), id, body.0.content)
+        .await?;
+    Ok(HttpResponse::Accepted().json(accepted))
+}
+
+/// `POST /api/conversations/{id}/stop`: stops the running reply (it is stored as `stopped`).
+pub async fn stop(
+    state: web::Data<AppState>,
+    owner: Owner,
+    path: web::Path<String>,
+) -> Result<HttpResponse, WebError> {
+    let id = parse_id(&path)?;
+    let stopped = state
+        .platform
+        .conversations
+        .stop(&owner.caller(), id)
+        .await?;
+    Ok(HttpResponse::Ok().json(json!({ "stopped": stopped })))
+}
+
+#[derive(Debug, Default, Deserialize)]
+pub struct ExportQuery {
+    pub format: Option<String>,
+}
+
+/// The export formats.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ExportFormat {
+    Json,
+    Markdown,
+}
+
+impl ExportFormat {
+    pub fn parse(text: Option<&str>) -> Result<ExportFormat, WebError> {
+        match text.unwrap_or("json") {
+            "json" => Ok(ExportFormat::Json),
+            "md" | "markdown" => Ok(ExportFormat::Markdown),
+            other => Err(WebError::BadRequest(format!(
+                "`format` must be json or md, got {other:?}"
+            ))),
+        }
+    }
+}
+
+/// A file name for a download: the title's letters and digits, else "conversation".
+fn file_name(title: &str, ext: &str) -> String {
+    let mut name: String = title
+        .chars()
+        .map(|c| if c.is_ascii_alphanumeric() { c } else { '-' })
+        .collect();
+    name = name
+        .split('-')
+        .filter(|p| !p.is_empty())
+        .collect::<Vec<_>>()
+        .join("-");
+    name.truncate(60);
+    if name.is_empty() {
+        name = "conversation".into();
+    }
+    format!("{name}.{ext}")
+}
+
+/// The export as a download (`Content-Disposition: attachment`).
+pub fn export_response(
+    doc: &ExportedConversation,
+    format: ExportFormat,
+) -> Result<HttpResponse, WebError> {
+    let (body, content_type, ext) = match format {
+        ExportFormat::Json => (
+            serde_json::to_string_pretty(doc)
+                .map_err(|e| WebError::Internal(format!("export: {e}")))?,
+            "application/json",
+            "json",
+        ),
+        ExportFormat::Markdown => (to_markdown(doc), "text/markdown; charset=utf-8", "md"),
+    };
+    Ok(HttpResponse::Ok()
+        .content_type(content_type)
+        .insert_header((
+            header::CONTENT_DISPOSITION,
+            format!("attachment; filename=\"{}\"", file_name(&doc.title, ext)),
+        ))
+        .insert_header((header::X_CONTENT_TYPE_OPTIONS, "nosniff"))
+        .insert_header((header::CACHE_CONTROL, "no-store"))
+        .body(body))
+}
+
+/// `GET /api/conversations/{id}/export?format=json|md`
+pub async fn export(
+    state: web::Data<AppState>,
+    owner: Owner,
+    path: web::Path<String>,
+    req: HttpRequest,
+) -> Result<HttpResponse, WebError> {
+    let id = parse_id(&path)?;
+    let query = web::Query::<ExportQuery>::from_query(req.query_string())
+        .map_err(|e| WebError::BadRequest(format!("bad query string: {e}")))?;
+    let format = ExportFormat::parse(query.format.as_deref())?;
+    let doc = state
+        .platform
+        .conversations
+        .export(&owner.caller(), id)
+        .await?;
+    export_response(&doc, format)
+}
+
+/// `POST /api/conversations/import` (an exported conversation as the body) → 201 with the new
+/// conversation.
+pub async fn import(
+    state: web::Data<AppState>,
+    owner: Owner,
+    req: HttpRequest,
+    payload: web::Payload,
+) -> Result<HttpResponse, WebError> {
+    let Some(text) = super::json::read_json_text(&req, payload.into_inner()).await? else {
+        return Err(WebError::InvalidJson(
+            "this endpoint needs a JSON body (an exported conversation)".into(),
+        ));
+    };
+    // Parsing up to 32 MiB takes a while: on a blocking thread, not the event loop, with the
+    // message count checked while parsing.
+    let max = state.platform.conversations.config().max_import_messages;
+    let doc = web::block(move || ExportedConversation::from_json(&text, max))
+        .await
+        .map_err(|e| WebError::Internal(format!("import parser: {e}")))?
+        .map_err(|e| match e {
+            ExportParseError::TooManyMessages(_) => WebError::PayloadTooLarge(e.to_string()),
+            ExportParseError::Json(e) => super::json::json_error(e),
+        })?;
+    let c = state
+        .platform
+        .conversations
+        .import(&owner.caller(), doc)
+        .await?;
+    Ok(HttpResponse::Created()
+        .insert_header((header::LOCATION, format!("/api/conversations/{}", c.id)))
+        .json(c))
+}

@@ -1,0 +1,541 @@
+//! The web layer: actix-web handlers over the [`Platform`]. This is the only code that knows
+//! HTTP, SSE and HTML; the actors and the store below it deal in plain Rust types.
+//!
+//! Routes (JSON unless said otherwise; errors are `{"error": {"message", "type"}}`):
+//!
+//! | route | |
+//! |---|---|
+//! | `GET /healthz`, `GET /readyz`, `GET /metrics` | operations (see [`ops`]) |
+//! | `POST /api/conversations` | create (optional settings body) → 201 |
+//! | `GET /api/conversations?q=&limit=&before=` | a page of the caller's conversations, most recent first, and the `next` cursor |
+//! | `GET`, `PATCH`, `DELETE /api/conversations/{id}` | one conversation with its messages |
+//! | `POST /api/conversations/{id}/messages` | send `{"content"}` → 202; the reply streams on… |
+//! | `GET /api/conversations/{id}/events` | …this SSE stream (see [`events`]) |
+//! | `POST /api/conversations/{id}/stop` | stop the running reply → `{"stopped": bool}` |
+//! | `POST /api/conversations/{id}/regenerate`, `/edit` `{"content"}` | resend the last message (atomic) → 202 |
+//! | `GET /api/conversations/{id}/export?format=json\|md` | download (lossless JSON, or Markdown) |
+//! | `POST /api/conversations/import` | an exported conversation → 201, a new conversation |
+//!
+//! | `GET /`, `/c/…`, `/conversations`, `/admin…`, `/static/…` | HTML pages (see [`pages`], [`admin`]; CSRF in [`csrf`]) |
+//! | `/signin`, `/signup`, `/signout`, `/account…` | accounts (see [`account`]) |
+//!
+//! Everything under `/api` is scoped to the caller's owner id (an account session or a signed
+//! guest cookie, see [`owner`]).
+
+pub mod account;
+pub mod admin;
+pub mod api;
+pub mod client;
+pub mod cookies;
+pub mod csrf;
+pub mod error;
+pub mod events;
+
+pub use events::{StreamCounter, StreamSlot};
+pub mod forward;
+pub mod html;
+pub mod json;
+pub mod markdown;
+pub mod openai;
+pub mod ops;
+pub mod owner;
+pub mod pages;
+
+use std::io;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use actix_web::cookie::Key;
+use actix_web::middleware::from_fn;
+use actix_web::{web, App, HttpRequest, HttpResponse, HttpServer};
+use metrics_exporter_prometheus::PrometheusHandle;
+
+pub use error::WebError;
+use json::BodyLimit;
+use smolchat_auth::{Accounts, AccountsConfig, AdminAuth, ThrottlePolicy};
+use smolchat_service::platform::Platform;
+
+/// How often expired sessions are deleted.
+const SESSION_PURGE_INTERVAL: Duration = Duration::from_secs(3600);
+/// How long a graceful shutdown waits for open connections after the replies are stored.
+const SHUTDOWN_TIMEOUT_S: u64 = 3;
+
+/// What every handler shares.
+pub struct AppState {
+    /// Open event streams (see [`StreamCounter`]).
+    pub streams: StreamCounter,
+    pub platform: Platform,
+    pub cookie_key: Key,
+    /// False once shutdown began (`/readyz` then answers 503).
+    pub ready: AtomicBool,
+    pub metrics: Option<PrometheusHandle>,
+    /// Admin sign-in (sessions, throttle) when `server.admin_token` is set; `/admin` is
+    /// disabled without it.
+    pub admin: Option<AdminAuth>,
+    /// User accounts: sign-up, sign-in, sessions, API keys (see [`account`]).
+    pub accounts: Accounts,
+    /// Forwards conversation turns to the replica holding their KV cache (see [`forward`]).
+    pub forward: reqwest::Client,
+    /// `server.trusted_proxies` (see [`client`]).
+    pub proxies: client::TrustedProxies,
+    /// `server.allowed_hosts` (see [`client`]).
+    pub hosts: client::HostPolicy,
+    /// Wrong `/v1` keys and `/metrics` tokens per client address.
+    pub bearers: smolchat_auth::BearerThrottle,
+}
+
+/// The largest body `POST /api/conversations/import` reads (an exported conversation).
+pub const IMPORT_BODY_LIMIT: usize = 32 << 20;
+
+/// The largest JSON body: a message at the character limit written entirely in the most
+/// expensive JSON escapes (`\uXXXX\uXXXX`, 12 bytes per char), plus room for the other fields.
+pub fn json_limit(max_message_chars: usize) -> usize {
+    max_message_chars
+        .saturating_mul(12)
+        .saturating_add(64 << 10)
+}
+
+/// Checks the web layer's part of the configuration, so a bad value fails at start-up before
+/// the model is loaded.
+pub fn check_config(config: &smolchat_service::config::Config) -> Result<(), String> {
+    if let Some(secret) = &config.server.cookie_secret {
+        owner::cookie_key(Some(secret))?;
+    }
+    if let Some(name) = &config.auth.initial_admin {
+        smolchat_auth::accounts::check_name(name)
+            .map_err(|e| format!("auth.initial_admin: {e}"))?;
+    }
+    if let Some(password) = &config.auth.initial_admin_password {
+        smolchat_auth::accounts::check_password(password)
+            .map_err(|e| format!("auth.initial_admin_password: {e}"))?;
+    }
+    Ok(())
+}
+
+/// Headers every JSON API answer (`/api`, `/v1`) gets unless it sets its own: about one caller,
+/// so never cached by anyone, and never sniffed as something other than its type.
+pub fn api_headers() -> actix_web::middleware::DefaultHeaders {
+    use actix_web::http::header;
+    actix_web::middleware::DefaultHeaders::new()
+        .add((header::CACHE_CONTROL, "no-store"))
+        .add((header::X_CONTENT_TYPE_OPTIONS, "nosniff"))
+}
+
+/// Registers every route on an app whose data holds a `web::Data<AppState>`.
+pub fn routes(cfg: &mut web::ServiceConfig) {
+    cfg.service(
+        web::resource("/healthz")
+            .route(web::get().to(ops::healthz))
+            .route(web::head().to(ops::healthz))
+            .default_service(web::to(method_not_allowed)),
+    )
+    .service(
+        web::resource("/readyz")
+            .route(web::get().to(ops::readyz))
+            .route(web::head().to(ops::readyz))
+            .default_service(web::to(method_not_allowed)),
+    )
+    .service(
+        web::resource("/metrics")
+            .route(web::get().to(ops::metrics))
+            .default_service(web::to(method_not_allowed)),
+    )
+    // Early, so that a catch-all scope registered later cannot shadow `/v1`.
+    .configure(openai::routes)
+    .service(
+        web::scope("/api")
+            .wrap(from_fn(csrf::check_api_origin))
+            .wrap(from_fn(owner::api_owner))
+            .wrap(api_headers())
+            .service(
+                web::resource("/conversations")
+                    .route(web::get().to(api::list))
+                    .route(web::post().to(api::create))
+                    .default_service(web::to(method_not_allowed)),
+            )
+            // Before `/conversations/{id}`, which would otherwise take "import" for an id.
+            .service(
+                web::resource("/conversations/import")
+                    // An export holds many messages: a larger body than a message.
+                    .app_data(BodyLimit(IMPORT_BODY_LIMIT))
+                    .route(web::post().to(api::import))
+                    .default_service(web::to(method_not_allowed)),
+            )
+            .service(
+                web::resource("/conversations/{id}")
+                    .route(web::get().to(api::get))
+                    .route(web::patch().to(api::patch))
+                    .route(web::delete().to(api::delete))
+                    .default_service(web::to(method_not_allowed)),
+            )
+            .service(
+                web::resource("/conversations/{id}/messages")
+                    .route(web::post().to(api::send_message))
+                    .default_service(web::to(method_not_allowed)),
+            )
+            .service(
+                web::resource("/conversations/{id}/stop")
+                    .route(web::post().to(api::stop))
+                    .default_service(web::to(method_not_allowed)),
+            )
+            .service(
+                web::resource("/conversations/{id}/regenerate")
+                    .route(web::post().to(api::regenerate))
+                    .default_service(web::to(method_not_allowed)),
+            )
+            .service(
+                web::resource("/conversations/{id}/edit")
+                    .route(web::post().to(api::edit))
+                    .default_service(web::to(method_not_allowed)),
+            )
+            .service(
+                web::resource("/conversations/{id}/export")
+                    .route(web::get().to(api::export))
+                    .default_service(web::to(method_not_allowed)),
+            )
+            .service(
+                web::resource("/conversations/{id}/events")
+                    .route(web::get().to(events::events))
+                    .default_service(web::to(method_not_allowed)),
+            )
+            .default_service(web::to(not_found)),
+    )
+    .route("/static/{path:.*}", web::get().to(pages::static_file))
+    // The HTML pages (see [`pages`], [`admin`]), CSRF-checked inside the owner cookie. Scopes
+    // with real prefixes, not `""`, so routes registered after these still match.
+    .service(
+        web::resource("/")
+            .wrap(from_fn(csrf::require_token))
+            .wrap(from_fn(owner::chat_owner))
+            .route(web::get().to(pages::index))
+            // HEAD is GET without the body (actix-http drops it); probes and link checkers
+            // send it.
+            .route(web::head().to(pages::index))
+            .default_service(web::to(method_not_allowed)),
+    )
+    .service(
+        web::resource("/conversations")
+            .wrap(from_fn(csrf::require_token))
+            .wrap(from_fn(owner::chat_owner))
+            .route(web::get().to(pages::list)),
+    )
+    .service(
+        web::scope("/c")
+            .wrap(from_fn(csrf::require_token))
+            .wrap(from_fn(owner::chat_owner))
+            .route("", web::post().to(pages::create))
+            .route("/{id}", web::get().to(pages::conversation))
+            .route("/{id}", web::delete().to(pages::delete))
+            .route("/{id}/m/{mid}", web::get().to(pages::message))
+            .route("/{id}/messages", web::post().to(pages::send))
+            .route("/{id}/stop", web::post().to(pages::stop))
+            .route("/{id}/regenerate", web::post().to(pages::regenerate))
+            .route("/{id}/edit", web::post().to(pages::edit))
+            .route("/{id}/rename", web::post().to(pages::rename))
+            .route("/{id}/settings", web::post().to(pages::settings))
+            .route("/{id}/thinking", web::post().to(pages::thinking))
+            .route("/{id}/export.json", web::get().to(pages::export_json))
+            .route("/{id}/export.md", web::get().to(pages::export_md)),
+    )
+    // Accounts: sign-in, sign-up, sign-out, the account page.
+    .configure(account::routes)
+    .service(
+        web::scope("/admin")
+            .wrap(from_fn(csrf::require_token))
+            .wrap(from_fn(owner::owner_cookie))
+            .route("", web::get().to(admin::page))
+            .route("/login", web::post().to(admin::login))
+            .route("/logout", web::post().to(admin::logout))
+            .route("/live", web::get().to(admin::live))
+            .route("/c/{id}/stop", web::post().to(admin::stop))
+            .route("/c/{id}/evict", web::post().to(admin::evict))
+            .route("/c/{id}", web::delete().to(admin::delete))
+            .route("/users/{id}/{action}", web::post().to(admin::user_action)),
+    );
+}
+
+/// The longest request target (path and query) accepted, in bytes: what common servers allow
+/// (nginx's default header buffer is 8 KiB). Longer ones get 414 with a message. Targets over
+/// 64 KiB never reach the application: actix-http refuses them itself with an empty 400.
+pub const MAX_URL_BYTES: usize = 8 << 10;
+
+async fn limit_url(
+    req: actix_web::dev::ServiceRequest,
+    next: actix_web::middleware::Next<impl actix_web::body::MessageBody>,
+) -> Result<actix_web::dev::ServiceResponse<impl actix_web::body::MessageBody>, actix_web::Error> {
+    let len = req.uri().path_and_query().map_or(0, |pq| pq.as_str().len());
+    if len > MAX_URL_BYTES {
+        return Err(WebError::UriTooLong(format!(
+            "the URL is {len} bytes long; the limit is {MAX_URL_BYTES}"
+        ))
+        .into());
+    }
+    next.call(req).await
+}
+
+/// The error answer of actix's own extractors (`Path`, `Query`, `Form`, `Json`): the project's
+/// error shape, naming the extractor's complaint, instead of actix's plain text.
+fn extractor_error(what: &'static str) -> impl Fn(String) -> actix_web::Error + Clone {
+    move |detail| WebError::BadRequest(format!("{what}: {detail}")).into()
+}
+
+async fn not_found(req: HttpRequest) -> Result<HttpResponse, WebError> {
+    Err(WebError::NotFound(format!(
+        "no route for {} {}",
+        req.method(),
+        req.path()
+    )))
+}
+
+async fn method_not_allowed(req: HttpRequest) -> Result<HttpResponse, WebError> {
+    Err(WebError::MethodNotAllowed(format!(
+        "{} is not allowed on {}",
+        req.method(),
+        req.path()
+    )))
+}
+
+/// Serves `platform` until SIGINT or SIGTERM, then shuts down gracefully: `/readyz` turns 503,
+/// running replies are stopped and stored as `stopped`, sessions end (closing their event
+/// streams), and the server waits briefly for open requests. Must run inside an actix system.
+pub async fn run(platform: Platform) -> io::Result<()> {
+    let metrics = ops::install_metrics();
+    let cookie_key = owner::cookie_key(platform.config.server.cookie_secret.as_deref())
+        .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
+    let bind = platform.config.server.bind.clone();
+    let limit = BodyLimit(json_limit(platform.config.limits.max_message_chars));
+    let body_timeout =
+        json::BodyTimeout(Duration::from_secs(platform.config.limits.body_timeout_s));
+    let admin = admin_auth(&platform, &cookie_key);
+    let accounts = accounts(&platform, &cookie_key).await?;
+    let limits = platform.config.limits.clone();
+    let limits_auth = platform.config.auth.clone();
+    let proxies = client::TrustedProxies::parse(&platform.config.server.trusted_proxies)
+        .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
+    let hosts = client::HostPolicy::new(
+        platform.config.server.allowed_hosts.as_deref(),
+        &platform.config.server.bind,
+    );
+    let state = web::Data::new(AppState {
+        streams: StreamCounter::default(),
+        platform,
+        cookie_key,
+        ready: AtomicBool::new(true),
+        metrics: metrics.clone(),
+        admin,
+        accounts,
+        forward: forward::client(),
+        proxies,
+        hosts,
+        // Four times a sign-in's free failures: a script with a stale key retries, and a whole
+        // office behind one address should not be locked out of /v1 by it at once.
+        bearers: smolchat_auth::BearerThrottle::new(smolchat_auth::ThrottlePolicy {
+            free_per_address: limits_auth
+                .login_free_failures_per_address
+                .saturating_mul(4),
+            ..throttle_policy(&limits_auth)
+        }),
+    });
+    // The heartbeat reports the open streams (weakly held: the state owns the platform).
+    let counted = std::sync::Arc::downgrade(&state.clone().into_inner());
+    state
+        .platform
+        .cluster
+        .attach_stream_count(std::sync::Arc::new(move || {
+            counted.upgrade().map_or(0, |s| s.streams.total())
+        }));
+
+    if let Some(handle) = metrics {
+        // Histograms are drained into their buckets by upkeep; without it they grow unbounded.
+        actix_web::rt::spawn(async move {
+            let mut tick = actix_web::rt::time::interval(Duration::from_secs(5));
+            loop {
+                tick.tick().await;
+                handle.run_upkeep();
+            }
+        });
+    }
+
+    // Expired sessions (user and admin) are deleted hourly, whoever signs in or not.
+    let store = state.platform.store.clone();
+    actix_web::rt::spawn(async move {
+        let mut tick = actix_web::rt::time::interval(SESSION_PURGE_INTERVAL);
+        loop {
+            tick.tick().await;
+            match store.purge_expired_sessions().await {
+                Ok(0) => {}
+                Ok(n) => tracing::debug!(purged = n, "expired sessions purged"),
+                Err(e) => tracing::warn!("cannot purge expired sessions: {e}"),
+            }
+        }
+    });
+
+    let app_state = state.clone();
+    let http = HttpServer::new(move || {
+        let path_error = extractor_error("bad URL path");
+        let query_error = extractor_error("bad query string");
+        let form_error = extractor_error("bad form");
+        let json_error = extractor_error("bad JSON body");
+        App::new()
+            .app_data(app_state.clone())
+            .app_data(limit)
+            .app_data(body_timeout)
+            .app_data(
+                web::PathConfig::default().error_handler(move |e, _| path_error(e.to_string())),
+            )
+            .app_data(
+                web::QueryConfig::default().error_handler(move |e, _| query_error(e.to_string())),
+            )
+            .app_data(
+                web::FormConfig::default().error_handler(move |e, _| form_error(e.to_string())),
+            )
+            .app_data(
+                web::JsonConfig::default().error_handler(move |e, _| json_error(e.to_string())),
+            )
+            .wrap(from_fn(forward::affinity))
+            // Outside the affinity check, which passes the client on to the owning replica.
+            .wrap(from_fn(client::resolve))
+            // Nothing we send is to be sniffed as another type (answers that set it keep it).
+            .wrap(
+                actix_web::middleware::DefaultHeaders::new()
+                    .add((actix_web::http::header::X_CONTENT_TYPE_OPTIONS, "nosniff")),
+            )
+            .wrap(from_fn(limit_url))
+            .configure(routes)
+            .default_service(web::to(not_found))
+    })
+    // Slow or idle clients must not hold connections for ever (body reads have their own limit,
+    // `limits.body_timeout_s`, in the body readers).
+    .client_request_timeout(Duration::from_secs(limits.request_head_timeout_s))
+    .keep_alive(Duration::from_secs(limits.keep_alive_s))
+    .max_connections(limits.max_connections)
+    // Signals are handled below, so replies can be stopped and stored before the server stops.
+    .disable_signals()
+    .shutdown_timeout(SHUTDOWN_TIMEOUT_S)
+    .bind(&bind)
+    .map_err(|e| io::Error::new(e.kind(), format!("cannot listen on {bind}: {e}")))?;
+    for addr in http.addrs() {
+        tracing::info!("smolchat is listening on http://{addr}");
+    }
+    let server = http.run();
+    let handle = server.handle();
+    let stopping = state.clone();
+    actix_web::rt::spawn(async move {
+        let signal = shutdown_signal().await;
+        tracing::info!("{signal} received; shutting down");
+        stopping.ready.store(false, Ordering::Release);
+        stopping.platform.drain().await;
+        handle.stop(true).await;
+    });
+    server.await?;
+    state.platform.cluster.leave().await;
+    state.platform.store.close().await;
+    tracing::info!("smolchat stopped");
+    Ok(())
+}
+
+/// The login throttle's policy from `[auth]`.
+fn throttle_policy(a: &smolchat_service::config::AuthSection) -> ThrottlePolicy {
+    ThrottlePolicy {
+        free_per_address: a.login_free_failures_per_address,
+        free_per_subject: a.login_free_failures_per_account,
+        base_lockout: Duration::from_secs(a.login_lockout_base_s),
+        max_lockout: Duration::from_secs(a.login_lockout_max_s),
+        max_entries: a.login_throttle_entries,
+    }
+}
+
+/// The accounts service; creates `auth.initial_admin` when the store has no account yet.
+async fn accounts(platform: &Platform, cookie_key: &Key) -> io::Result<Accounts> {
+    let a = &platform.config.auth;
+    let invalid =
+        |e: smolchat_auth::AuthError| io::Error::new(io::ErrorKind::InvalidInput, e.to_string());
+    if let (Some(name), Some(password)) = (&a.initial_admin, &a.initial_admin_password) {
+        if smolchat_auth::accounts::ensure_initial_admin(&platform.store, name, password)
+            .await
+            .map_err(invalid)?
+        {
+            tracing::info!(name = %name, "initial admin account created from auth.initial_admin");
+        }
+    }
+    Accounts::new(
+        platform.store.clone(),
+        // Kept across restarts (configured or generated into the data folder), so sessions
+        // survive a restart.
+        cookie_key.signing(),
+        AccountsConfig {
+            signup: a.signup,
+            session_lifetime: Duration::from_secs(a.user_session_s),
+            throttle: throttle_policy(a),
+            signups_per_address: a.signups_per_address,
+            max_api_keys: a.max_api_keys_per_user,
+            max_sessions: a.max_sessions_per_user,
+        },
+    )
+    .map_err(invalid)
+}
+
+/// The admin sign-in service for `server.admin_token` (none when unset or empty).
+fn admin_auth(platform: &Platform, cookie_key: &Key) -> Option<AdminAuth> {
+    let token = platform
+        .config
+        .server
+        .admin_token
+        .as_deref()
+        .filter(|t| !t.is_empty())?;
+    let policy = throttle_policy(&platform.config.auth);
+    let a = &platform.config.auth;
+    Some(AdminAuth::new(
+        platform.store.clone(),
+        token,
+        // The cookie key is kept across restarts (configured, or generated once into the data
+        // folder), so admin sessions survive a restart with the same token.
+        cookie_key.signing(),
+        Duration::from_secs(a.admin_session_s),
+        policy,
+    ))
+}
+
+/// Resolves with the signal's name on SIGINT (Ctrl-C) or SIGTERM.
+async fn shutdown_signal() -> &'static str {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{signal, SignalKind};
+        match signal(SignalKind::terminate()) {
+            Ok(mut term) => tokio::select! {
+                Ok(()) = tokio::signal::ctrl_c() => "SIGINT",
+                _ = term.recv() => "SIGTERM",
+            },
+            Err(e) => {
+                tracing::warn!("cannot watch SIGTERM ({e}); only Ctrl-C stops the server");
+                let _ = tokio::signal::ctrl_c().await;
+                "SIGINT"
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = tokio::signal::ctrl_c().await;
+        "Ctrl-C"
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_initial_admin_must_be_a_valid_account() {
+        let with = |name: &str, password: &str| {
+            let mut c = smolchat_service::config::Config::default();
+            c.auth.initial_admin = Some(name.into());
+            c.auth.initial_admin_password = Some(password.into());
+            check_config(&c)
+        };
+        assert!(with("root", "long enough").is_ok());
+        let short = with("root", "short").unwrap_err();
+        assert!(short.contains("auth.initial_admin_password"), "{short}");
+        let bad = with("bad name!", "long enough").unwrap_err();
+        assert!(bad.contains("auth.initial_admin:"), "{bad}");
+    }
+}

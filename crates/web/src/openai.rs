@@ -1,0 +1,838 @@
+//! The OpenAI-compatible API under `/v1`, for programs that talk to smolchat the way they talk
+//! to llama-server, vLLM or Ollama:
+//!
+//! | route | |
+//! |---|---|
+//! | `GET /v1/models`, `GET /v1/models/{id}` | the loaded model, with its context length |
+//! | `POST /v1/chat/completions` | chat (stream or not), `reasoning_content`, `tools` → `tool_calls` |
+//! | `POST /v1/completions` | raw prompt completion (stream or not) |
+//!
+//! API requests are stateless: each one is rendered, tokenized and submitted straight to the
+//! scheduler (no session actor, no cache key), so API and browser users are batched together.
+//! Cached prefixes are reused only within one partition (the client's address, the key it
+//! presents, its `user` and `cache_salt` fields): see [`cache_salt`].
+//!
+//! In chat requests the text of messages, tool schemas and `chat_template_kwargs` is always
+//! tokenized as text: `<|im_end|>` inside a message is a few ordinary tokens, never the control
+//! token (only the template's own markup is). A raw `/v1/completions` prompt is the client's own
+//! markup, so special tokens written in it *are* parsed, as llama-server does.
+//! When `server.api_key` is set, every `/v1` request needs `Authorization: Bearer <key>`: that
+//! key or a user's personal key (`sk-smol-…`, made on `/account`). A personal key authenticates
+//! as its account (refused at once when revoked or the account is disabled): the scheduler
+//! shares fairly by account and the request's tokens are added to the account's usage.
+//! Errors use OpenAI's shape (see [`error`]).
+//!
+//! Streams are `data: {chunk}` server-sent events ending with `data: [DONE]`. The request's event
+//! receiver lives inside the response stream: a client that goes away drops the stream, which
+//! cancels the request at once (and the closed channel would stop it at the next step anyway).
+
+mod assemble;
+pub mod error;
+pub mod request;
+
+use std::collections::VecDeque;
+use std::convert::Infallible;
+use std::pin::Pin;
+use std::sync::atomic::Ordering;
+use std::sync::OnceLock;
+use std::task::{Context, Poll};
+use std::time::Instant;
+
+use actix_web::body::MessageBody;
+use actix_web::dev::{ServiceRequest, ServiceResponse};
+use actix_web::http::header;
+use actix_web::middleware::{from_fn, Next};
+use actix_web::web::{self, Bytes};
+use actix_web::{HttpMessage, HttpRequest, HttpResponse};
+use futures_util::Stream;
+use serde_json::{json, Value};
+
+pub use assemble::{Assembler, ChatAssembler, TextAssembler};
+use error::ApiError;
+use request::{Common, Defaults, PromptIn};
+
+use super::json::JsonBody;
+use super::{AppState, WebError};
+use smolchat_service::completions::{CacheUse, Completion, CompletionRequest};
+use smolchat_service::platform::Platform;
+use smolchat_serving::{GenEvent, GenSummary, RequestId, StopReason};
+use smolchat_text::prompt::{Prompt, PromptBuilder};
+use smolchat_text::template::{ChatMessage, ChatTemplate, RenderOptions};
+use smolchat_text::TextError;
+
+/// When the API started answering (`created` of the model object).
+static STARTED: OnceLock<u64> = OnceLock::new();
+
+fn unix_now() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+/// Registers the `/v1` routes (called from [`super::routes`]).
+pub fn routes(cfg: &mut web::ServiceConfig) {
+    STARTED.get_or_init(unix_now);
+    cfg.service(
+        web::scope("/v1")
+            .wrap(from_fn(require_api_key))
+            .wrap(super::api_headers())
+            .service(
+                web::resource("/models")
+                    .route(web::get().to(models))
+                    .default_service(web::to(method_not_allowed)),
+            )
+            .service(
+                web::resource("/models/{id:.*}")
+                    .route(web::get().to(model))
+                    .default_service(web::to(method_not_allowed)),
+            )
+            .service(
+                web::resource("/chat/completions")
+                    .route(web::post().to(chat_completions))
+                    .default_service(web::to(method_not_allowed)),
+            )
+            .service(
+                web::resource("/completions")
+                    .route(web::post().to(completions))
+                    .default_service(web::to(method_not_allowed)),
+            )
+            .default_service(web::to(not_found)),
+    );
+}
+
+async fn not_found(req: HttpRequest) -> Result<HttpResponse, ApiError> {
+    Err(ApiError::not_found(format!(
+        "no route for {} {}",
+        req.method(),
+        req.path()
+    )))
+}
+
+async fn method_not_allowed(req: HttpRequest) -> Result<HttpResponse, ApiError> {
+    Err(ApiError::method_not_allowed(format!(
+        "{} is not allowed on {}",
+        req.method(),
+        req.path()
+    )))
+}
+
+/// The account a `/v1` request authenticated as with a personal API key (set by
+/// [`require_api_key`]); its requests are attributed to it (fair sharing, usage).
+#[derive(Clone, Debug)]
+pub struct ApiAccount {
+    pub id: String,
+    pub admin: bool,
+}
+
+/// Set by [`require_api_key`] when the request presented the global `server.api_key`.
+#[derive(Clone, Copy, Debug)]
+struct GlobalKey;
+
+/// Authenticates a `/v1` request. A bearer that equals `server.api_key` passes; one shaped like
+/// a personal key (`sk-smol-…`) must be live (401 when unknown, revoked or its account disabled)
+/// and attributes the request to its account. Without either, the request passes only when no
+/// `server.api_key` is configured and guests are allowed (`auth.guests`): it is then anonymous,
+/// counted by its client address whatever bearer it sends (an unknown bearer is not an
+/// identity, or every made-up string would be a fresh user for the per-user limits).
+///
+/// Wrong keys are throttled per address like wrong passwords (`auth.login_free_failures_*`):
+/// past the free failures, every bearer from that address gets 429 until the lockout ends.
+async fn require_api_key(
+    req: ServiceRequest,
+    next: Next<impl MessageBody>,
+) -> Result<ServiceResponse<impl MessageBody>, actix_web::Error> {
+    let Some(state) = req.app_data::<web::Data<AppState>>().cloned() else {
+        return Err(ApiError::internal("application state missing").into());
+    };
+    let client = super::client::Client::of(req.request());
+    let global = state
+        .platform
+        .config
+        .server
+        .api_key
+        .as_deref()
+        .filter(|k| !k.is_empty());
+    let given: Option<String> = req
+        .headers()
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| {
+            let (scheme, token) = v.trim().split_once(' ')?;
+            scheme
+                .eq_ignore_ascii_case("bearer")
+                .then(|| token.trim().to_string())
+        });
+    let anonymous_allowed = global.is_none() && state.platform.config.auth.guests;
+    if let Some(token) = given {
+        if let Some(lockout) = state.bearers.locked(client.address) {
+            return Err(ApiError::rate_limited(
+                format!(
+                    "too many wrong API keys from this address; try again in {} s",
+                    lockout.retry_after_s()
+                ),
+                lockout.retry_after_s(),
+            )
+            .into());
+        }
+        // Compared as SHA-256 digests in constant time: timing says nothing about the key's
+        // length or how much of a guess was right.
+        if global.is_some_and(|key| {
+            smolchat_auth::secret::matches(&token, &smolchat_auth::secret::digest(key))
+        }) {
+            req.extensions_mut().insert(GlobalKey);
+            return next.call(req).await;
+        }
+        match state.accounts.api_key_user(&token).await {
+            Ok(Some(user)) => {
+                let admin = user.is_admin();
+                req.extensions_mut()
+                    .insert(ApiAccount { id: user.id, admin });
+                return next.call(req).await;
+            }
+            Err(smolchat_auth::AuthError::KeyRefused) => {
+                state.bearers.failed(client.address);
+                return Err(ApiError::unauthorized(
+                    "this API key is unknown or revoked, or its account is disabled",
+                )
+                .into());
+            }
+            Err(e) => {
+                return Err(ApiError::unavailable(format!("cannot check the API key ({e})")).into())
+            }
+            Ok(None) if !anonymous_allowed => {
+                state.bearers.failed(client.address);
+                return Err(ApiError::unauthorized(if global.is_some() {
+                    "invalid API key"
+                } else {
+                    "this server has no guest access: send a personal API key (make one on \
+                     /account)"
+                })
+                .into());
+            }
+            // Anonymous use is allowed: the bearer is ignored (llama-server clients send a
+            // placeholder), and the request counts against its address.
+            Ok(None) => {}
+        }
+    } else if !anonymous_allowed {
+        return Err(ApiError::unauthorized(if global.is_some() {
+            "missing API key: send `Authorization: Bearer <key>`"
+        } else {
+            "this server has no guest access: send `Authorization: Bearer <key>` with a \
+             personal API key (make one on /account)"
+        })
+        .into());
+    }
+    next.call(req).await
+}
+
+fn model_object(p: &Platform) -> Value {
+    let m = &p.model;
+    json!({
+        "id": m.id,
+        "object": "model",
+        "created": STARTED.get().copied().unwrap_or(0),
+        "owned_by": "smolchat",
+        // vLLM's name and llama-server/LM Studio's name for the same number.
+        "max_model_len": m.context_window,
+        "context_length": m.context_window,
+        "meta": {
+            "architecture": m.architecture,
+            "vocab_size": m.vocab_size,
+            "weight_bytes": m.weight_bytes,
+        },
+    })
+}
+
+/// Whether a request's `model` names the loaded model: its id, or its file name (what
+/// llama-server clients often send). Never the file's path: that would let a client test
+/// paths on the server's disk.
+fn is_served_model(p: &Platform, name: &str) -> bool {
+    let path = std::path::Path::new(&p.model.path);
+    name == p.model.id
+        || path
+            .file_name()
+            .is_some_and(|f| f.to_string_lossy() == name)
+}
+
+async fn models(state: web::Data<AppState>) -> HttpResponse {
+    HttpResponse::Ok().json(json!({"object": "list", "data": [model_object(&state.platform)]}))
+}
+
+async fn model(
+    state: web::Data<AppState>,
+    path: web::Path<String>,
+) -> Result<HttpResponse, ApiError> {
+    let p = &state.platform;
+    // Only the id that `/v1/models` lists: anything else is 404, so the route answers nothing
+    // about names or paths beyond what the listing already says.
+    if *path != p.model.id {
+        return Err(ApiError::model_not_found(&path, &p.model.id));
+    }
+    Ok(HttpResponse::Ok().json(model_object(p)))
+}
+
+fn defaults(p: &Platform) -> Defaults {
+    let s = &p.config.sampling;
+    Defaults {
+        temperature: s.temperature,
+        top_p: s.top_p,
+        top_k: s.top_k,
+    }
+}
+
+fn check_model(p: &Platform, common: &Common) -> Result<(), ApiError> {
+    match common.model.as_deref() {
+        // Lenient like llama-server: a missing or empty model means the loaded one.
+        None | Some("") => Ok(()),
+        Some(name) if is_served_model(p, name) => Ok(()),
+        Some(name) => Err(ApiError::model_not_found(name, &p.model.id)),
+    }
+}
+
+/// Whether a `/v1` request speaks for an admin: when it presented the global `server.api_key`,
+/// or the personal key of an account with the admin role. With no key configured and none
+/// presented, `/v1` is open to anyone and nobody is an admin. The one place that decides it.
+pub fn api_caller_is_admin(_state: &AppState, http: &HttpRequest) -> bool {
+    let ext = http.extensions();
+    ext.get::<GlobalKey>().is_some() || ext.get::<ApiAccount>().is_some_and(|a| a.admin)
+}
+
+/// Refuses what only admins may ask for (`ignore_eos`), through the one settings check.
+fn check_admin_only(state: &AppState, http: &HttpRequest, common: &Common) -> Result<(), ApiError> {
+    smolchat_service::settings::check_ignore_eos(
+        common.params.ignore_eos,
+        api_caller_is_admin(state, http),
+    )
+    .map_err(ApiError::from_settings)
+}
+
+/// A raw `/v1/completions` prompt: BOS when the tokenizer asks for it, special tokens written
+/// in the prompt parsed as llama-server does. The client writes the whole prompt, markup
+/// included, so there is no template text to tell apart from its own (chat requests, where
+/// there is, keep message text out of the control tokens: see [`chat_prompt`]).
+fn encode(p: &Platform, text: &str) -> Result<Vec<u32>, ApiError> {
+    p.tokenizer
+        .encode_prompt(text)
+        .map_err(|e| ApiError::internal(format!("tokenizer: {e}")))
+}
+
+async fn chat_completions(
+    http: HttpRequest,
+    state: web::Data<AppState>,
+    body: Result<JsonBody<Value>, WebError>,
+) -> Result<HttpResponse, ApiError> {
+    let JsonBody(body) = body?;
+    let p = &state.platform;
+    let req = request::parse_chat(&body, &defaults(p))?;
+    check_model(p, &req.common)?;
+    check_admin_only(&state, &http, &req.common)?;
+    let parse_tool_calls = req.parse_tool_calls();
+    // Rendering and tokenizing a long conversation takes a while; keep it off the event loop.
+    let state2 = state.clone();
+    let render = req.clone();
+    let prompt = web::block(move || -> Result<Prompt, ApiError> {
+        let p = &state2.platform;
+        chat_prompt(
+            PromptBuilder::new(&p.template, &p.tokenizer),
+            &p.template,
+            &render,
+            chrono::Local::now().date_naive(),
+        )
+    })
+    .await
+    .map_err(|e| ApiError::internal(format!("prompt task: {e}")))??;
+    // Sizes only: prompts are users' words and do not belong in logs.
+    tracing::debug!(
+        bytes = prompt.text.len(),
+        tokens = prompt.tokens.len(),
+        "chat completion prompt"
+    );
+    let assembler = ChatAssembler::new(prompt.starts_in_reasoning, parse_tool_calls);
+    let prompt = prompt.tokens;
+    let salt = cache_salt(&http, &req.common);
+    let user = client_identity(&http);
+    generate(state, req.common, salt, user, prompt, "messages", assembler).await
+}
+
+/// What a chat request asks the template to render: messages shaped for it (see
+/// [`request::template_messages`]), the thinking switch, the offered tools and any other
+/// `chat_template_kwargs`.
+pub fn chat_render_input(
+    template: &ChatTemplate,
+    req: &request::ChatRequest,
+    date: chrono::NaiveDate,
+) -> (Vec<ChatMessage>, RenderOptions) {
+    let reads_tool_calls = template.source().contains("tool_calls");
+    let messages = request::template_messages(&req.messages, reads_tool_calls);
+    let mut opts = RenderOptions::new(date);
+    opts.enable_thinking = req.enable_thinking;
+    opts.tools = req.tools.clone();
+    opts.extra = req.template_kwargs.clone();
+    (messages, opts)
+}
+
+/// A chat request's prompt, built by the one prompt builder. A template that refuses the
+/// messages (wrong role order, …) is the client's error.
+pub fn chat_prompt(
+    builder: PromptBuilder<'_>,
+    template: &ChatTemplate,
+    req: &request::ChatRequest,
+    date: chrono::NaiveDate,
+) -> Result<Prompt, ApiError> {
+    let (messages, opts) = chat_render_input(template, req, date);
+    builder.build(&messages, &opts).map_err(|e| match e {
+        TextError::Template(_) => ApiError::invalid(
+            "messages",
+            format!("the chat template refused the messages: {e}"),
+        ),
+        other => ApiError::internal(format!("prompt: {other}")),
+    })
+}
+
+async fn completions(
+    http: HttpRequest,
+    state: web::Data<AppState>,
+    body: Result<JsonBody<Value>, WebError>,
+) -> Result<HttpResponse, ApiError> {
+    let JsonBody(body) = body?;
+    let p = &state.platform;
+    let mut req = request::parse_completion(&body, &defaults(p))?;
+    check_model(p, &req.common)?;
+    check_admin_only(&state, &http, &req.common)?;
+    let prompt = match &req.prompt {
+        PromptIn::Text(text) => {
+            let state2 = state.clone();
+            let text = text.clone();
+            web::block(move || encode(&state2.platform, &text))
+                .await
+                .map_err(|e| ApiError::internal(format!("prompt task: {e}")))??
+        }
+        PromptIn::Tokens(ids) => {
+            let vocab = p.model.vocab_size;
+            if let Some(bad) = ids.iter().find(|&&id| id as usize >= vocab) {
+                return Err(ApiError::invalid(
+                    "prompt",
+                    format!("token id {bad} is outside the vocabulary (size {vocab})"),
+                ));
+            }
+            ids.clone()
+        }
+    };
+    req.common.max_tokens = req
+        .common
+        .max_tokens
+        .or(Some(request::COMPLETION_DEFAULT_MAX_TOKENS));
+    let salt = cache_salt(&http, &req.common);
+    let user = client_identity(&http);
+    generate(
+        state,
+        req.common,
+        salt,
+        user,
+        prompt,
+        "prompt",
+        TextAssembler::new(),
+    )
+    .await
+}
+
+/// Metadata every response and chunk carries.
+#[derive(Clone)]
+struct Envelope {
+    id: String,
+    created: u64,
+    model: String,
+}
+
+impl Envelope {
+    fn new(prefix: &str, model: &str) -> Self {
+        Self {
+            id: format!("{prefix}-{}", uuid::Uuid::now_v7().simple()),
+            created: unix_now(),
+            model: model.to_string(),
+        }
+    }
+
+    fn wrap(&self, object: &str, choices: Vec<Value>) -> Value {
+        json!({
+            "id": self.id,
+            "object": object,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        })
+    }
+}
+
+fn usage(s: &GenSummary) -> Value {
+    json!({
+        "prompt_tokens": s.prompt_tokens,
+        "completion_tokens": s.completion_tokens,
+        "total_tokens": s.prompt_tokens + s.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": s.cached_tokens},
+    })
+}
+
+/// The cache partition of a stateless request: the client's address, the key it presented and
+/// the names it gives itself (`user`, `cache_salt`). Requests reuse cached prefixes only within
+/// one partition, so one client cannot probe another's prompts through `cached_tokens` or the
+/// time to first token. Hashed with a key drawn at start-up, so that neither API keys nor
+/// names reach the model worker's cache keys (or its debug logs).
+fn cache_salt(http: &HttpRequest, common: &Common) -> String {
+    let ip = super::client::Client::of(http).address;
+    format!(
+        "{:016x}",
+        process_hash(&(ip, bearer(http), common.cache_salt.as_str()))
+    )
+}
+
+/// The request's `Authorization` header, as sent.
+fn bearer(http: &HttpRequest) -> Option<Vec<u8>> {
+    http.headers()
+        .get(header::AUTHORIZATION)
+        .map(|v| v.as_bytes().to_vec())
+}
+
+/// A hash keyed with a random value drawn once per process, so the tags made from client
+/// identities (which may include an API key) reveal nothing outside this process.
+fn process_hash(value: &impl std::hash::Hash) -> u64 {
+    static KEY: OnceLock<std::hash::RandomState> = OnceLock::new();
+    std::hash::BuildHasher::hash_one(KEY.get_or_init(std::hash::RandomState::new), value)
+}
+
+/// Who a request is for, for fair sharing and per-user limits in the scheduler and for usage:
+/// the account of a personal API key, the holder of `server.api_key`, else the client's address
+/// (IPv6 by its /64, as the throttles count). Nothing the client writes (a made-up bearer, the
+/// body's `user`) changes it, so a client cannot escape its limits by naming itself anew.
+fn client_identity(http: &HttpRequest) -> String {
+    let ext = http.extensions();
+    if let Some(ApiAccount { id: user, .. }) = ext.get::<ApiAccount>() {
+        return user.clone();
+    }
+    if ext.get::<GlobalKey>().is_some() {
+        return "api:server-key".to_string();
+    }
+    let address = smolchat_auth::ThrottleKey::address(super::client::Client::of(http).address);
+    format!("api:{:016x}", process_hash(&("address", address)))
+}
+
+/// Checks the prompt against the context window, submits it and answers (streamed or whole).
+async fn generate<A: Assembler>(
+    state: web::Data<AppState>,
+    common: Common,
+    cache_salt: String,
+    user: String,
+    prompt: Vec<u32>,
+    prompt_param: &str,
+    mut assembler: A,
+) -> Result<HttpResponse, ApiError> {
+    let p = &state.platform;
+    if !state.ready.load(Ordering::Acquire) {
+        return Err(ApiError::unavailable("the server is shutting down"));
+    }
+    if prompt.is_empty() {
+        return Err(ApiError::invalid(
+            prompt_param,
+            format!("`{prompt_param}` is empty"),
+        ));
+    }
+    let prompt_tokens = prompt.len();
+    let completion = p
+        .completions
+        .submit(CompletionRequest {
+            prompt,
+            params: common.params,
+            // Without a limit, the reply may fill the context (the scheduler clamps to its own).
+            max_tokens: common.max_tokens,
+            cache: CacheUse::Partition(cache_salt),
+            // Anonymous callers are already their address (see `client_identity`).
+            user: Some(user.clone()),
+            group: None,
+            usage_owner: Some(user),
+        })
+        .await
+        .map_err(|e| match e {
+            smolchat_serving::SubmitError::ContextOverflow {
+                prompt_tokens,
+                window,
+            } => ApiError::context_exceeded(prompt_tokens, window, prompt_param),
+            other => ApiError::from(other),
+        })?;
+    let id = completion.id();
+    let envelope = Envelope::new(
+        if A::OBJECT == "text_completion" {
+            "cmpl"
+        } else {
+            "chatcmpl"
+        },
+        &p.model.id,
+    );
+    tracing::debug!(
+        request = id,
+        prompt_tokens,
+        stream = common.stream,
+        "API request submitted"
+    );
+
+    if common.stream {
+        let mut out = VecDeque::new();
+        let first = assembler.start();
+        if !first.is_empty() {
+            out.push_back(sse(
+                &envelope.wrap(A::CHUNK_OBJECT, first),
+                common.include_usage,
+            ));
+        }
+        let stream = ApiStream {
+            completion,
+            assembler,
+            envelope,
+            include_usage: common.include_usage,
+            out,
+            done: false,
+            started: Instant::now(),
+        };
+        return Ok(HttpResponse::Ok()
+            .content_type("text/event-stream")
+            .insert_header((header::CACHE_CONTROL, "no-cache"))
+            // Reverse proxies must not buffer the stream.
+            .insert_header(("X-Accel-Buffering", "no"))
+            .streaming(stream));
+    }
+
+    let (summary, assembler) = collect(completion, assembler).await?;
+    let mut body = envelope.wrap(A::OBJECT, vec![assembler.choice()]);
+    body["usage"] = usage(&summary);
+    log_finished(id, &summary);
+    Ok(HttpResponse::Ok().json(body))
+}
+
+/// Reads a request's events to the end (non-streamed responses).
+async fn collect<A: Assembler>(
+    mut completion: Completion,
+    mut assembler: A,
+) -> Result<(GenSummary, A), ApiError> {
+    while let Some(event) = futures_util::StreamExt::next(&mut completion).await {
+        match event {
+            GenEvent::Admitted { .. } => {}
+            GenEvent::Token { text, .. } => {
+                if !text.is_empty() {
+                    assembler.push(&text);
+                }
+            }
+            GenEvent::Finished(summary) => {
+                if let StopReason::Error(e) = &summary.reason {
+                    return Err(ApiError::internal(format!("generation failed: {e}")));
+                }
+                assembler.finish(&summary.reason);
+                return Ok((summary, assembler));
+            }
+        }
+    }
+    Err(ApiError::unavailable(
+        "the model worker stopped before the reply was finished",
+    ))
+}
+
+fn log_finished(id: RequestId, s: &GenSummary) {
+    tracing::info!(
+        request = id,
+        reason = ?s.reason,
+        prompt_tokens = s.prompt_tokens,
+        cached_tokens = s.cached_tokens,
+        completion_tokens = s.completion_tokens,
+        ttft_ms = s.ttft_ms,
+        generation_ms = s.generation_ms,
+        "API completion finished"
+    );
+}
+
+/// One `data:` event. With `include_usage`, every chunk has `"usage": null` as OpenAI's do.
+fn sse(chunk: &Value, include_usage: bool) -> Bytes {
+    let mut chunk = chunk.clone();
+    if include_usage {
+        chunk["usage"] = Value::Null;
+    }
+    Bytes::from(format!("data: {chunk}\n\n"))
+}
+
+const DONE: &[u8] = b"data: [DONE]\n\n";
+
+/// The streamed response: owns the request's receiver and its cancel guard (see module docs).
+struct ApiStream<A: Assembler> {
+    /// The request: cancelled if the stream is dropped (the client went away) before it ends.
+    completion: Completion,
+    assembler: A,
+    envelope: Envelope,
+    include_usage: bool,
+    out: VecDeque<Bytes>,
+    done: bool,
+    started: Instant,
+}
+
+impl<A: Assembler> ApiStream<A> {
+    fn on_event(&mut self, event: GenEvent) {
+        match event {
+            GenEvent::Admitted { .. } => {}
+            GenEvent::Token { text, .. } => {
+                if text.is_empty() {
+                    return;
+                }
+                let choices = self.assembler.push(&text);
+                self.chunks(choices);
+            }
+            GenEvent::Finished(summary) => {
+                if let StopReason::Error(e) = &summary.reason {
+                    let err = ApiError::internal(format!("generation failed: {e}"));
+                    self.out
+                        .push_back(Bytes::from(format!("data: {}\n\n", err.body())));
+                } else {
+                    let choices = self.assembler.finish(&summary.reason);
+                    self.chunks(choices);
+                    if self.include_usage {
+                        let mut last = self.envelope.wrap(A::CHUNK_OBJECT, Vec::new());
+                        last["usage"] = usage(&summary);
+                        self.out.push_back(Bytes::from(format!("data: {last}\n\n")));
+                    }
+                }
+                log_finished(self.completion.id(), &summary);
+                tracing::debug!(
+                    request = self.completion.id(),
+                    stream_s = self.started.elapsed().as_secs_f64(),
+                    "API stream finished"
+                );
+                self.out.push_back(Bytes::from_static(DONE));
+                self.done = true;
+            }
+        }
+    }
+
+    fn chunks(&mut self, choices: Vec<Value>) {
+        for choice in choices {
+            let chunk = self.envelope.wrap(A::CHUNK_OBJECT, vec![choice]);
+            self.out.push_back(sse(&chunk, self.include_usage));
+        }
+    }
+}
+
+impl<A: Assembler> Stream for ApiStream<A> {
+    type Item = Result<Bytes, Infallible>;
+
+    fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        let this = self.get_mut();
+        loop {
+            if let Some(bytes) = this.out.pop_front() {
+                return Poll::Ready(Some(Ok(bytes)));
+            }
+            if this.done {
+                return Poll::Ready(None);
+            }
+            match Pin::new(&mut this.completion).poll_next(cx) {
+                Poll::Ready(Some(event)) => this.on_event(event),
+                Poll::Ready(None) => {
+                    // The worker dropped the request without a summary (it stopped).
+                    let err = ApiError::unavailable(
+                        "the model worker stopped before the reply was finished",
+                    );
+                    this.out
+                        .push_back(Bytes::from(format!("data: {}\n\n", err.body())));
+                    this.out.push_back(Bytes::from_static(DONE));
+                    this.done = true;
+                }
+                Poll::Pending => return Poll::Pending,
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+    use smolchat_text::guard::TextGuard;
+    use smolchat_text::template::prompt_ends_in_open_think;
+
+    fn render(body: Value) -> String {
+        let template = ChatTemplate::smollm3_default().unwrap();
+        let defaults = Defaults {
+            temperature: 0.6,
+            top_p: 0.95,
+            top_k: 20,
+        };
+        let req = request::parse_chat(&body, &defaults).unwrap();
+        let date = chrono::NaiveDate::from_ymd_opt(2025, 7, 8).unwrap();
+        let (messages, opts) = chat_render_input(&template, &req, date);
+        template
+            .render_prompt(&messages, &opts, &TextGuard::default())
+            .unwrap()
+            .text()
+            .to_string()
+    }
+
+    fn weather_tool() -> Value {
+        json!({"type": "function", "function": {"name": "get_weather",
+            "description": "Current weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                "required": ["city"]}}})
+    }
+
+    #[test]
+    fn tools_reach_the_smollm3_template() {
+        let user = json!([{"role": "user", "content": "Weather in Paris?"}]);
+        let text = render(json!({"messages": user, "tools": [weather_tool()]}));
+        assert!(text.contains("<tools>"), "{text}");
+        // Each tool as Python's json.dumps writes it, keys in the client's order.
+        assert!(
+            text.contains(
+                "{\"type\": \"function\", \"function\": {\"name\": \"get_weather\", \
+                 \"description\": \"Current weather\", \"parameters\": {\"type\": \"object\", \
+                 \"properties\": {\"city\": {\"type\": \"string\"}}, \"required\": [\"city\"]}}}"
+            ),
+            "{text}"
+        );
+        // tool_choice "none": the template gets no tools.
+        let text =
+            render(json!({"messages": user, "tools": [weather_tool()], "tool_choice": "none"}));
+        assert!(!text.contains("get_weather"), "{text}");
+    }
+
+    #[test]
+    fn tool_history_and_results_reach_the_template() {
+        let text = render(json!({"tools": [weather_tool()], "messages": [
+            {"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": null, "tool_calls": [{"id": "call_1",
+                "type": "function", "function": {"name": "get_weather",
+                "arguments": "{\"city\": \"Paris\"}"}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "18 C and sunny"},
+        ]}));
+        assert!(
+            text.contains(
+                "<|im_start|>assistant\n<tool_call>\n{\"name\": \"get_weather\", \
+                 \"arguments\": {\"city\": \"Paris\"}}\n</tool_call><|im_end|>"
+            ),
+            "{text}"
+        );
+        // SmolLM3 shows tool results as a user turn.
+        assert!(
+            text.contains("<|im_start|>user\n18 C and sunny<|im_end|>"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn thinking_switches_reach_the_template() {
+        let user = json!({"role": "user", "content": "Hi"});
+        let text = render(json!({"messages": [user]}));
+        assert!(text.contains("Reasoning Mode: /think"), "{text}");
+        assert!(text.ends_with("<|im_start|>assistant\n"), "{text}");
+        assert!(!prompt_ends_in_open_think(&text));
+        let off =
+            render(json!({"messages": [user], "chat_template_kwargs": {"enable_thinking": false}}));
+        assert!(off.contains("Reasoning Mode: /no_think"), "{off}");
+        assert!(off.ends_with("<think>\n\n</think>\n"), "{off}");
+        let system = render(json!({"messages": [
+            {"role": "system", "content": "Be brief. /no_think"}, user]}));
+        assert!(system.contains("Reasoning Mode: /no_think"), "{system}");
+        assert!(system.contains("Be brief."), "{system}");
+    }
+}

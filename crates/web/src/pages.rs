@@ -1,0 +1,726 @@
+//! The chat pages: server-rendered askama templates, made live by HTMX (sidebar, settings,
+//! rename, delete) and by `static/chat.js` (the composer and the reply stream, which arrives as
+//! JSON on `/api/conversations/{id}/events` and is shown as plain text until the `done` event,
+//! when the stored reply is fetched again as server-rendered, sanitized markdown).
+//!
+//! | route | |
+//! |---|---|
+//! | `GET /` | the chat page with no conversation (the first message creates one) |
+//! | `POST /c` | create a conversation (form `content` optional: sent as its first message) → `HX-Redirect` |
+//! | `GET /c/{id}` | the chat page of one conversation |
+//! | `GET /conversations?q=&before=` | the sidebar list (fragment, one page and a "More" button), filtered by title and content |
+//! | `GET /c/{id}/m/{mid}` | one message (fragment) |
+//! | `POST /c/{id}/messages` | send (form `content`) → 202; the reply streams on the events API |
+//! | `POST /c/{id}/stop`, `/regenerate`, `/edit` (form `content`) | reply controls |
+//! | `POST /c/{id}/rename` (form `title`), `/settings` (form), `/thinking` (form `thinking`) | |
+//! | `DELETE /c/{id}` | delete → `HX-Redirect: /` |
+//! | `GET /c/{id}/export.json`, `/c/{id}/export.md` | download the conversation (lossless JSON, readable Markdown) |
+//! | `GET /static/...` | CSS, JS and the vendored HTMX, compiled into the binary (works offline) |
+//!
+//! Every rule lives in [`smolchat_service::conversations`]; the handlers parse, call the service
+//! with the caller ([`Owner::caller`]) and render. Every route here runs inside the owner cookie and CSRF middlewares ([`super::csrf`]); errors are
+//! small HTML documents with an `.alert` element and the status code of the [`WebError`].
+
+use actix_web::http::header;
+use actix_web::http::StatusCode;
+use actix_web::{web, HttpRequest, HttpResponse};
+use askama::Template;
+use serde::Deserialize;
+use uuid::Uuid;
+
+use super::api::{export_response, page_request, parse_id, ExportFormat};
+use super::error::WebError;
+use super::html::{html, read_form, PageError};
+use super::owner::Owner;
+use super::{csrf, markdown, AppState};
+use smolchat_service::conversations::{ConversationView, NewConversation, SettingsPatch};
+use smolchat_service::ConversationError;
+use smolchat_store::{ConversationSummary, ListPage, Message, MessageStatus, Role};
+
+// ---------------------------------------------------------------------------------------------
+// View models: plain strings and numbers, so the templates hold no logic beyond loops and ifs.
+
+#[derive(Clone)]
+pub struct ConversationItem {
+    pub id: String,
+    pub title: String,
+    pub when: String,
+    pub active: bool,
+}
+
+fn title_or_default(title: &str) -> String {
+    if title.trim().is_empty() {
+        "New chat".to_string()
+    } else {
+        title.to_string()
+    }
+}
+
+fn items(list: &[ConversationSummary], active: Option<Uuid>) -> Vec<ConversationItem> {
+    list.iter()
+        .map(|c| ConversationItem {
+            id: c.id.to_string(),
+            title: title_or_default(&c.title),
+            when: c.updated_at.format("%b %d, %H:%M").to_string(),
+            active: Some(c.id) == active,
+        })
+        .collect()
+}
+
+pub struct MessageView {
+    pub id: String,
+    pub role: &'static str,
+    /// A user message's text (escaped by the template).
+    pub text: String,
+    /// An assistant message's answer as sanitized HTML.
+    pub html: String,
+    pub reasoning: String,
+    pub streaming: bool,
+    pub status: &'static str,
+    pub error: String,
+    pub stats: String,
+}
+
+/// The views of `messages` (user and assistant ones), their markdown rendered on a blocking
+/// thread: a long history is CPU work the event loop must not wait on.
+pub async fn message_views(
+    messages: Vec<Message>,
+    replying: bool,
+) -> Result<Vec<MessageView>, WebError> {
+    web::block(move || {
+        messages
+            .iter()
+            .filter(|m| matches!(m.role, Role::User | Role::Assistant))
+            .map(|m| MessageView::from_message(m, replying))
+            .collect()
+    })
+    .await
+    .map_err(|e| WebError::Internal(format!("rendering messages: {e}")))
+}
+
+impl MessageView {
+    pub fn from_message(m: &Message, replying: bool) -> MessageView {
+        let assistant = m.role == Role::Assistant;
+        let streaming = m.status == MessageStatus::Streaming && replying;
+        let mut stats = Vec::new();
+        if assistant && !streaming {
+            if let Some(n) = m.completion_tokens {
+                stats.push(format!("{n} tokens"));
+            }
+            if let Some(t) = m.timings.as_ref().filter(|t| t.tokens_per_s > 0.0) {
+                stats.push(format!("{:.1} tok/s", t.tokens_per_s));
+            }
+            if let Some(p) = m.prompt_tokens {
+                let cached = m.cached_tokens.unwrap_or(0);
+                stats.push(format!("prompt {p} ({cached} cached)"));
+            }
+            match m.status {
+                MessageStatus::Stopped => stats.push("stopped".into()),
+                MessageStatus::Interrupted => stats.push("interrupted".into()),
+                MessageStatus::Error => stats.push("failed".into()),
+                _ => {}
+            }
+        }
+        MessageView {
+            id: m.id.to_string(),
+            role: if assistant { "assistant" } else { "user" },
+            text: m.content.clone(),
+            // While streaming, the page shows the text as it arrives (chat.js replays it).
+            html: if assistant && !streaming {
+                markdown::render(&m.content)
+            } else {
+                String::new()
+            },
+            reasoning: m.reasoning.clone().unwrap_or_default(),
+            streaming,
+            status: m.status.as_str(),
+            error: m.error.clone().unwrap_or_default(),
+            stats: stats.join(" · "),
+        }
+    }
+}
+
+pub struct SettingsView {
+    pub system_prompt: String,
+    pub thinking: bool,
+    pub temperature: String,
+    pub top_p: String,
+    pub max_tokens: usize,
+    pub max_tokens_limit: usize,
+}
+
+#[derive(Template)]
+#[template(path = "chat.html")]
+pub struct ChatPage {
+    pub csrf: String,
+    /// The sidebar's first page.
+    pub list: ConversationList,
+    /// Empty on `/` (no conversation yet).
+    pub conv_id: String,
+    pub title: String,
+    pub messages: Vec<MessageView>,
+    pub replying: bool,
+    pub context_used: i64,
+    pub context_window: usize,
+    pub max_chars: usize,
+    pub settings: SettingsView,
+    /// The signed-in account's name; empty for a guest.
+    pub user_name: String,
+}
+
+#[derive(Template)]
+#[template(path = "conv_list.html")]
+pub struct ConversationList {
+    pub conversations: Vec<ConversationItem>,
+    /// The next page's cursor ("" on the last page): the "More" button fetches it.
+    pub next: String,
+    /// The open conversation ("" on `/`), kept highlighted on later pages.
+    pub active: String,
+    /// Later pages are appended to the first and say nothing when empty.
+    pub first_page: bool,
+}
+
+impl ConversationList {
+    fn of(page: &ListPage, active: Option<Uuid>, first_page: bool) -> Self {
+        ConversationList {
+            conversations: items(&page.items, active),
+            next: page.next.map(|c| c.encode()).unwrap_or_default(),
+            active: active.map(|a| a.to_string()).unwrap_or_default(),
+            first_page,
+        }
+    }
+}
+
+#[derive(Template)]
+#[template(path = "message.html")]
+pub struct MessageFragment {
+    pub m: MessageView,
+}
+
+fn csrf_token(state: &AppState, owner: &Owner) -> String {
+    csrf::token_for(&state.cookie_key, &owner.csrf_subject())
+}
+
+async fn chat_page(
+    state: &AppState,
+    owner: &Owner,
+    view: Option<ConversationView>,
+) -> Result<HttpResponse, PageError> {
+    let config = &state.platform.config;
+    let service = &state.platform.conversations;
+    let first = page_request(None, None)?;
+    let list = service.list(&owner.caller(), None, &first).await?;
+    let (conversation, messages, replying) = match view {
+        Some(v) => (Some(v.conversation), v.messages, v.replying),
+        None => (None, Vec::new(), false),
+    };
+    // Tokens in use: the last reply's prompt plus what it generated.
+    let context_used = messages
+        .iter()
+        .rev()
+        .find_map(|m| {
+            Some(
+                m.prompt_tokens?
+                    .saturating_add(m.completion_tokens.unwrap_or(0)),
+            )
+        })
+        .unwrap_or(0);
+    let views = message_views(messages, replying).await?;
+    let settings = conversation
+        .as_ref()
+        .map(|c| c.settings.clone())
+        .unwrap_or_else(|| service.default_settings());
+    let page = ChatPage {
+        csrf: csrf_token(state, owner),
+        list: ConversationList::of(&list, conversation.as_ref().map(|c| c.id), true),
+        conv_id: conversation
+            .as_ref()
+            .map(|c| c.id.to_string())
+            .unwrap_or_default(),
+        title: conversation
+            .as_ref()
+            .map(|c| title_or_default(&c.title))
+            .unwrap_or_else(|| "New chat".into()),
+        messages: views,
+        replying,
+        context_used,
+        context_window: state.platform.model.context_window,
+        max_chars: config.limits.max_message_chars,
+        settings: SettingsView {
+            system_prompt: settings.system_prompt.clone().unwrap_or_default(),
+            thinking: settings.thinking,
+            temperature: format!("{}", settings.temperature),
+            top_p: format!("{}", settings.top_p),
+            max_tokens: settings.max_tokens,
+            max_tokens_limit: config.limits.max_new_tokens,
+        },
+        user_name: owner.name().unwrap_or_default().to_string(),
+    };
+    html(&page)
+}
+
+/// `GET /`
+pub async fn index(state: web::Data<AppState>, owner: Owner) -> Result<HttpResponse, PageError> {
+    chat_page(&state, &owner, None).await
+}
+
+/// `GET /c/{id}`
+pub async fn conversation(
+    state: web::Data<AppState>,
+    owner: Owner,
+    path: web::Path<String>,
+) -> Result<HttpResponse, PageError> {
+    let id = parse_id(&path)?;
+    let view = state
+        .platform
+        .conversations
+        .get(&owner.caller(), id)
+        .await?;
+    chat_page(&state, &owner, Some(view)).await
+}
+
+#[derive(Deserialize)]
+pub struct SearchQuery {
+    #[serde(default)]
+    q: String,
+    #[serde(default)]
+    active: String,
+    #[serde(default)]
+    before: String,
+}
+
+/// `GET /conversations?q=&before=`: one page of the sidebar list.
+pub async fn list(
+    state: web::Data<AppState>,
+    owner: Owner,
+    query: web::Query<SearchQuery>,
+) -> Result<HttpResponse, PageError> {
+    let page = page_request(None, Some(&query.before))?;
+    let list = state
+        .platform
+        .conversations
+        .list(&owner.caller(), Some(&query.q), &page)
+        .await?;
+    let active = Uuid::parse_str(&query.active).ok();
+    html(&ConversationList::of(&list, active, page.before.is_none()))
+}
+
+/// `GET /c/{id}/m/{mid}`
+pub async fn message(
+    state: web::Data<AppState>,
+    owner: Owner,
+    path: web::Path<(String, String)>,
+) -> Result<HttpResponse, PageError> {
+    let (cid, mid) = path.into_inner();
+    let id = parse_id(&cid)?;
+    let mid = parse_id(&mid)?;
+    let (m, replying) = state
+        .platform
+        .conversations
+        .message(&owner.caller(), id, mid)
+        .await
+        .map_err(|e| match e {
+            ConversationError::NotFound => WebError::NotFound("message not found".into()),
+            other => other.into(),
+        })?;
+    let m = message_views(vec![m], replying)
+        .await?
+        .pop()
+        .ok_or_else(|| WebError::NotFound("message not found".into()))?;
+    html(&MessageFragment { m })
+}
+
+#[derive(Deserialize)]
+pub struct ContentForm {
+    #[serde(default)]
+    content: String,
+}
+
+/// An HTMX redirect (a full page load of `to`), with `Location` for other clients.
+fn hx_redirect(status: StatusCode, to: &str) -> HttpResponse {
+    HttpResponse::build(status)
+        .insert_header(("HX-Redirect", to.to_string()))
+        .insert_header((header::LOCATION, to.to_string()))
+        .finish()
+}
+
+/// `POST /c`: a new conversation, with its first message if the form has one.
+pub async fn create(
+    state: web::Data<AppState>,
+    owner: Owner,
+    req: HttpRequest,
+    payload: web::Payload,
+) -> Result<HttpResponse, PageError> {
+    let form: ContentForm = read_form(&state, &req, payload).await?;
+    let created = state
+        .platform
+        .conversations
+        .create(
+            &owner.caller(),
+            NewConversation {
+                first_message: Some(form.content),
+                ..NewConversation::default()
+            },
+        )
+        .await?;
+    Ok(hx_redirect(
+        StatusCode::CREATED,
+        &format!("/c/{}", created.conversation.id),
+    ))
+}
+
+/// `POST /c/{id}/messages`
+pub async fn send(
+    state: web::Data<AppState>,
+    owner: Owner,
+    path: web::Path<String>,
+    req: HttpRequest,
+    payload: web::Payload,
+) -> Result<HttpResponse, PageError> {
+    let id = parse_id(&path)?;
+    // Whose it is before what the body says: another owner's id is 404 whatever the form holds.
+    let caller = owner.caller();
+    state.platform.conversations.owned(&caller, id).await?;
+    let form: ContentForm = read_form(&state, &req, payload).await?;
+    state
+        .platform
+        .conversations
+        .send(&caller, id, form.content)
+        .await?;
+    Ok(HttpResponse::Accepted().finish())
+}
+
+/// `POST /c/{id}/stop`
+pub async fn stop(
+    state: web::Data<AppState>,
+    owner: Owner,
+    path: web::Path<String>,
+) -> Result<HttpResponse, PageError> {
+    let id = parse_id(&path)?;
+    state
+        .platform
+        .conversations
+        .stop(&owner.caller(), id)
+        .await?;
+    Ok(HttpResponse::NoContent().finish())
+}
+
+/// `POST /c/{id}/regenerate`
+pub async fn regenerate(
+    state: web::Data<AppState>,
+    owner: Owner,
+    path: web::Path<String>,
+) -> Result<HttpResponse, PageError> {
+    let id = parse_id(&path)?;
+    state
+        .platform
+        .conversations
+        .regenerate(&owner.caller(), id)
+        .await?;
+    Ok(HttpResponse::Accepted().finish())
+}
+
+/// `POST /c/{id}/edit`
+pub async fn edit(
+    state: web::Data<AppState>,
+    owner: Owner,
+    path: web::Path<String>,
+    req: HttpRequest,
+    payload: web::Payload,
+) -> Result<HttpResponse, PageError> {
+    let id = parse_id(&path)?;
+    // Whose it is before what the body says: another owner's id is 404 whatever the form holds.
+    let caller = owner.caller();
+    state.platform.conversations.owned(&caller, id).await?;
+    let form: ContentForm = read_form(&state, &req, payload).await?;
+    state
+        .platform
+        .conversations
+        .edit(&caller, id, form.content)
+        .await?;
+    Ok(HttpResponse::Accepted().finish())
+}
+
+#[derive(Deserialize)]
+pub struct TitleForm {
+    title: String,
+}
+
+/// `POST /c/{id}/rename`
+pub async fn rename(
+    state: web::Data<AppState>,
+    owner: Owner,
+    path: web::Path<String>,
+    req: HttpRequest,
+    payload: web::Payload,
+) -> Result<HttpResponse, PageError> {
+    let id = parse_id(&path)?;
+    // Whose it is before what the body says: another owner's id is 404 whatever the form holds.
+    let caller = owner.caller();
+    state.platform.conversations.owned(&caller, id).await?;
+    let form: TitleForm = read_form(&state, &req, payload).await?;
+    state
+        .platform
+        .conversations
+        .rename(&caller, id, &form.title)
+        .await?;
+    Ok(HttpResponse::NoContent()
+        .insert_header(("HX-Refresh", "true"))
+        .finish())
+}
+
+/// The numbers arrive as text and are parsed here, so that a bad one is refused with its
+/// field's name (the form decoder's own error, "invalid digit found in string", names none).
+#[derive(Deserialize)]
+pub struct SettingsForm {
+    #[serde(default)]
+    system_prompt: String,
+    temperature: String,
+    top_p: String,
+    max_tokens: String,
+    /// A checkbox: present ("on") when checked.
+    thinking: Option<String>,
+    /// Not in the page's form (admins' benchmarks); when a client sends it, it goes through the
+    /// same check as on the JSON API (admins only).
+    ignore_eos: Option<String>,
+}
+
+/// A checkbox field: browsers send `on` when it is checked and nothing when it is not.
+fn checkbox(field: &str, value: Option<&str>) -> Result<bool, WebError> {
+    match value {
+        None => Ok(false),
+        Some("on" | "true" | "1") => Ok(true),
+        Some("off" | "false" | "0") => Ok(false),
+        Some(other) => Err(WebError::BadRequest(format!(
+            "`{field}`: {other:?} is not a checkbox value (on, or leave the field out)"
+        ))),
+    }
+}
+
+/// Parses one form field, naming it and what it must be when it is not that.
+fn form_number<T: std::str::FromStr>(field: &str, value: &str, what: &str) -> Result<T, WebError> {
+    value
+        .trim()
+        .parse()
+        .map_err(|_| WebError::BadRequest(format!("`{field}`: {value:?} is not {what}")))
+}
+
+/// `POST /c/{id}/settings`: the settings panel (used from the next message on).
+pub async fn settings(
+    state: web::Data<AppState>,
+    owner: Owner,
+    path: web::Path<String>,
+    req: HttpRequest,
+    payload: web::Payload,
+) -> Result<HttpResponse, PageError> {
+    let id = parse_id(&path)?;
+    // Whose it is before what the body says: another owner's id is 404 whatever the form holds.
+    let caller = owner.caller();
+    state.platform.conversations.owned(&caller, id).await?;
+    let form: SettingsForm = read_form(&state, &req, payload).await?;
+    let patch = SettingsPatch {
+        // An empty prompt removes it.
+        system_prompt: Some(form.system_prompt),
+        max_tokens: Some(form_number(
+            "max_tokens",
+            &form.max_tokens,
+            "a whole number",
+        )?),
+        temperature: Some(form_number("temperature", &form.temperature, "a number")?),
+        top_p: Some(form_number("top_p", &form.top_p, "a number")?),
+        thinking: Some(checkbox("thinking", form.thinking.as_deref())?),
+        ignore_eos: form
+            .ignore_eos
+            .as_deref()
+            .map(|v| checkbox("ignore_eos", Some(v)))
+            .transpose()?,
+        ..SettingsPatch::default()
+    };
+    state
+        .platform
+        .conversations
+        .update(&caller, id, None, &patch)
+        .await?;
+    Ok(HttpResponse::Ok()
+        .content_type("text/html; charset=utf-8")
+        .body("<span class=\"saved\">Saved</span>"))
+}
+
+#[derive(Deserialize)]
+pub struct ThinkingForm {
+    thinking: Option<String>,
+}
+
+/// `POST /c/{id}/thinking`: the quick switch in the header.
+pub async fn thinking(
+    state: web::Data<AppState>,
+    owner: Owner,
+    path: web::Path<String>,
+    req: HttpRequest,
+    payload: web::Payload,
+) -> Result<HttpResponse, PageError> {
+    let id = parse_id(&path)?;
+    // Whose it is before what the body says: another owner's id is 404 whatever the form holds.
+    let caller = owner.caller();
+    state.platform.conversations.owned(&caller, id).await?;
+    let form: ThinkingForm = read_form(&state, &req, payload).await?;
+    let patch = SettingsPatch {
+        thinking: Some(checkbox("thinking", form.thinking.as_deref())?),
+        ..SettingsPatch::default()
+    };
+    state
+        .platform
+        .conversations
+        .update(&caller, id, None, &patch)
+        .await?;
+    Ok(HttpResponse::NoContent().finish())
+}
+
+/// `DELETE /c/{id}`
+pub async fn delete(
+    state: web::Data<AppState>,
+    owner: Owner,
+    path: web::Path<String>,
+) -> Result<HttpResponse, PageError> {
+    let id = parse_id(&path)?;
+    state
+        .platform
+        .conversations
+        .delete(&owner.caller(), id)
+        .await?;
+    Ok(hx_redirect(StatusCode::OK, "/"))
+}
+
+/// The conversation as a download.
+async fn export(
+    state: &AppState,
+    owner: &Owner,
+    id: &str,
+    format: ExportFormat,
+) -> Result<HttpResponse, PageError> {
+    let id = parse_id(id)?;
+    let doc = state
+        .platform
+        .conversations
+        .export(&owner.caller(), id)
+        .await?;
+    Ok(export_response(&doc, format)?)
+}
+
+/// `GET /c/{id}/export.json`
+pub async fn export_json(
+    state: web::Data<AppState>,
+    owner: Owner,
+    path: web::Path<String>,
+) -> Result<HttpResponse, PageError> {
+    export(&state, &owner, &path, ExportFormat::Json).await
+}
+
+/// `GET /c/{id}/export.md`
+pub async fn export_md(
+    state: web::Data<AppState>,
+    owner: Owner,
+    path: web::Path<String>,
+) -> Result<HttpResponse, PageError> {
+    export(&state, &owner, &path, ExportFormat::Markdown).await
+}
+
+// ---------------------------------------------------------------------------------------------
+// Static files, compiled in.
+
+const STATIC_FILES: &[(&str, &str, &[u8])] = &[
+    (
+        "app.css",
+        "text/css; charset=utf-8",
+        include_bytes!("../../../static/app.css"),
+    ),
+    (
+        "chat.js",
+        "text/javascript; charset=utf-8",
+        include_bytes!("../../../static/chat.js"),
+    ),
+    (
+        "vendor/htmx-2.0.11.min.js",
+        "text/javascript; charset=utf-8",
+        include_bytes!("../../../static/vendor/htmx-2.0.11.min.js"),
+    ),
+    (
+        "vendor/htmx-ext-sse-2.2.4.min.js",
+        "text/javascript; charset=utf-8",
+        include_bytes!("../../../static/vendor/htmx-ext-sse-2.2.4.min.js"),
+    ),
+    (
+        "favicon.svg",
+        "image/svg+xml",
+        include_bytes!("../../../static/favicon.svg"),
+    ),
+];
+
+/// `GET /static/{path}`
+pub async fn static_file(path: web::Path<String>) -> Result<HttpResponse, WebError> {
+    let name = path.into_inner();
+    let (_, mime, bytes) = STATIC_FILES
+        .iter()
+        .find(|(n, _, _)| *n == name)
+        .ok_or_else(|| WebError::NotFound(format!("no static file {name:?}")))?;
+    Ok(HttpResponse::Ok()
+        .content_type(*mime)
+        .insert_header((header::X_CONTENT_TYPE_OPTIONS, "nosniff"))
+        // Short: our own files change with the binary and have no version in their names.
+        .insert_header((header::CACHE_CONTROL, "public, max-age=300"))
+        .body(*bytes))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn view(role: &'static str, text: &str, html: &str, reasoning: &str) -> MessageView {
+        MessageView {
+            id: "m1".into(),
+            role,
+            text: text.into(),
+            html: html.into(),
+            reasoning: reasoning.into(),
+            streaming: false,
+            status: "complete",
+            error: String::new(),
+            stats: "3 tokens".into(),
+        }
+    }
+
+    #[test]
+    fn assistant_fragment_shows_thinking_escaped_and_markdown_as_is() {
+        let html = markdown::render("```sh\nls <dir>\n```\n");
+        let out = MessageFragment {
+            m: view("assistant", "", &html, "<b>hmm</b>"),
+        }
+        .render()
+        .expect("render");
+        assert!(out.contains("<details class=\"thinking\">"), "{out}");
+        assert!(out.contains("&#60;b&#62;hmm&#60;/b&#62;"), "{out}");
+        assert!(
+            out.contains("<pre><code class=\"language-sh\">ls &lt;dir&gt;"),
+            "{out}"
+        );
+        assert!(out.contains("regen-btn"));
+        // No reasoning: the block is there (for streaming) but hidden.
+        let out = MessageFragment {
+            m: view("assistant", "", "<p>hi</p>", ""),
+        }
+        .render()
+        .expect("render");
+        assert!(out.contains("<details class=\"thinking\" hidden>"), "{out}");
+    }
+
+    #[test]
+    fn user_fragment_escapes_text() {
+        let out = MessageFragment {
+            m: view("user", "<script>x</script>", "", ""),
+        }
+        .render()
+        .expect("render");
+        assert!(!out.contains("<script>"), "{out}");
+        assert!(out.contains("&#60;script&#62;x&#60;/script&#62;"), "{out}");
+    }
+}
