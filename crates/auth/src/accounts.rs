@@ -299,7 +299,9 @@ impl Accounts {
         self.config.signup
     }
 
-    pub fn store(&self) -> &Store {
+    /// The store, for tests that set up or inspect what the service did.
+    #[cfg(test)]
+    fn store(&self) -> &Store {
         &self.store
     }
 
@@ -487,6 +489,33 @@ impl Accounts {
             .store
             .revoke_sessions_of(SessionKind::User, user_id)
             .await?)
+    }
+
+    /// Disables or enables the account `user_id` (disabling revokes its sessions in the same
+    /// transaction); whether the account exists.
+    pub async fn set_disabled(&self, user_id: &str, disabled: bool) -> Result<bool, AuthError> {
+        Ok(self.store.set_disabled(user_id, disabled).await?)
+    }
+
+    /// Signs the account `user_id` out everywhere; whether the account exists.
+    pub async fn revoke_all_sessions(&self, user_id: &str) -> Result<bool, AuthError> {
+        self.revoke_sessions(user_id).await?;
+        Ok(self.store.user_by_id(user_id).await?.is_some())
+    }
+
+    /// The account `user_id`, disabled or not.
+    pub async fn user(&self, user_id: &str) -> Result<Option<User>, AuthError> {
+        Ok(self.store.user_by_id(user_id).await?)
+    }
+
+    /// `user`'s API keys, newest first (revoked ones included, marked).
+    pub async fn api_keys(&self, user: &User) -> Result<Vec<ApiKeyRecord>, AuthError> {
+        Ok(self.store.list_api_keys(&user.id).await?)
+    }
+
+    /// Revokes `user`'s live key `key_id`; whether there was one.
+    pub async fn revoke_api_key(&self, user: &User, key_id: &str) -> Result<bool, AuthError> {
+        Ok(self.store.revoke_api_key(&user.id, key_id).await?)
     }
 
     /// Changes `user`'s password after checking the current one (throttled like a sign-in),

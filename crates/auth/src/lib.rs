@@ -61,3 +61,11 @@ pub enum AuthError {
     #[error(transparent)]
     Store(#[from] StoreError),
 }
+
+impl AuthError {
+    /// Whether the store could not be used right now (full, read-only, busy, I/O): the caller
+    /// should be told to try again (503), not that it did something wrong.
+    pub fn is_storage_unavailable(&self) -> bool {
+        matches!(self, AuthError::Store(e) if e.is_unavailable())
+    }
+}

@@ -19,9 +19,10 @@ use tokio::sync::mpsc;
 use uuid::Uuid;
 
 use smolchat_serving::scheduler::{GetCacheInfo, GetStats, SchedulerActor};
-use smolchat_serving::types::GenSummary;
 use smolchat_store::{Bus, Replica, ReplicaLoad, ReplicaRecord, Store, StoreError};
 use smolchat_text::splitter::ToolCall;
+
+use crate::reply::ReplyEvent;
 
 /// Replicas stopped or dead within this long still show on the admin page.
 const SHOWN_AFTER_DEATH: Duration = Duration::from_secs(3600);
@@ -91,32 +92,9 @@ pub struct Wire {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "k", rename_all = "snake_case")]
 pub enum WireBody {
-    /// A reply began on `from` (its user message and the assistant row are stored).
-    Started {
-        user_message: Uuid,
-        assistant: Uuid,
-    },
-    Prefilling {
-        prompt_tokens: usize,
-        cached_tokens: usize,
-    },
-    Reasoning {
-        text: String,
-    },
-    Answer {
-        text: String,
-    },
-    ToolCall {
-        call: ToolCall,
-    },
-    /// The reply ended and its final row is committed.
-    Done {
-        message: Uuid,
-        summary: GenSummary,
-    },
-    Error {
-        message: String,
-    },
+    /// An event of the reply `from` is generating in the conversation (stored messages by id:
+    /// the follower reads them from the shared store).
+    Reply { event: ReplyEvent<Uuid> },
     /// Answer to [`WireBody::Sync`]: the reply so far is stored, and was exactly the first
     /// `content_len` bytes of its content and `reasoning_len` of its reasoning when this was
     /// sent; what follows on the bus continues from there.
@@ -301,21 +279,37 @@ impl Cluster {
         }
     }
 
-    /// Publishes a text event, split so that every message fits the bus.
-    pub fn publish_text(&self, c: Uuid, reasoning: bool, text: &str) {
+    /// Publishes an event of this replica's reply in conversation `c`, text split so that every
+    /// message fits the bus.
+    pub fn publish_reply(&self, c: Uuid, event: &ReplyEvent) {
         if self.bus.is_none() {
             return;
         }
-        for piece in split_text(text, MAX_TEXT_BYTES) {
-            let text = piece.to_string();
-            self.publish(
-                c,
-                if reasoning {
-                    WireBody::Reasoning { text }
-                } else {
-                    WireBody::Answer { text }
-                },
-            );
+        let pieces = |text: &str| -> Vec<String> {
+            split_text(text, MAX_TEXT_BYTES)
+                .into_iter()
+                .map(str::to_string)
+                .collect()
+        };
+        let events = match event.to_wire() {
+            ReplyEvent::Reasoning { text } => pieces(&text)
+                .into_iter()
+                .map(|text| ReplyEvent::Reasoning { text })
+                .collect(),
+            ReplyEvent::Answer { text } => pieces(&text)
+                .into_iter()
+                .map(|text| ReplyEvent::Answer { text })
+                .collect(),
+            // An error is told in one message: its start says what happened.
+            ReplyEvent::Error { message } => vec![ReplyEvent::Error {
+                message: split_text(&message, MAX_TEXT_BYTES)
+                    .first()
+                    .map_or_else(String::new, |m| m.to_string()),
+            }],
+            other => vec![other],
+        };
+        for event in events {
+            self.publish(c, WireBody::Reply { event });
         }
     }
 
@@ -535,8 +529,10 @@ mod tests {
             let wire = Wire {
                 c,
                 from,
-                body: WireBody::Answer {
-                    text: piece.to_string(),
+                body: WireBody::Reply {
+                    event: ReplyEvent::Answer {
+                        text: piece.to_string(),
+                    },
                 },
             };
             let json = sign_payload(b"key", &serde_json::to_string(&wire).unwrap());

@@ -15,8 +15,15 @@ use tokio::sync::mpsc;
 use uuid::Uuid;
 
 use smolchat_serving::scheduler::{Cancel, SchedulerActor, Submit};
-use smolchat_serving::types::{GenEvent, GenSummary, GenerationRequest, RequestId, SubmitError};
+use smolchat_serving::types::GenerationRequest;
 use smolchat_store::Store;
+
+/// A completion's vocabulary, as the scheduler defines it: its events, its summary, why it
+/// stopped and why it was refused; and the scheduler's counters and per-conversation states
+/// the operator sees.
+pub use smolchat_serving::types::{
+    GenEvent, GenSummary, RequestId, SchedulerStats, SequenceState, StopReason, SubmitError,
+};
 use smolchat_text::sampling::SamplingParams;
 
 /// Which KV cache a request reuses and keeps.

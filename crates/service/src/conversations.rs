@@ -26,8 +26,9 @@ use super::session::{
     Stop, Subscribe, Subscription, STORAGE_UNAVAILABLE,
 };
 use super::settings::{self, SettingsError, SettingsLimits};
+use crate::caller::Caller;
 use smolchat_serving::scheduler::{Evict, SchedulerActor};
-use smolchat_serving::types::{Caller, SubmitError};
+use smolchat_serving::types::SubmitError;
 use smolchat_store::{
     Conversation, ConversationSettings, ImportedMessage, ListPage, Message, MessageStatus,
     PageRequest, Role, Store, StoreError, Timings, MAX_TOKEN_COUNT,
@@ -56,6 +57,9 @@ pub enum ConversationError {
     /// No such conversation, or not the caller's (indistinguishable on purpose). 404.
     #[error("conversation not found")]
     NotFound,
+    /// No such thing of another kind (a user, an action); the message says what. 404.
+    #[error("{0}")]
+    NoSuch(String),
     /// A field is wrong; the message names it. 400.
     #[error("{message}")]
     Invalid {
@@ -168,6 +172,14 @@ impl From<StoreError> for ConversationError {
             }
             other => ConversationError::Internal(format!("storage: {other}")),
         }
+    }
+}
+
+/// A sign-in layer error met by a service: storage faults stay 503s, the rest are faults.
+pub(crate) fn from_auth(e: smolchat_auth::AuthError) -> ConversationError {
+    match e {
+        smolchat_auth::AuthError::Store(e) => e.into(),
+        other => ConversationError::Internal(other.to_string()),
     }
 }
 
@@ -576,6 +588,11 @@ impl Conversations {
             Some(c) if c.owner == caller.owner => Ok(c),
             _ => Err(ConversationError::NotFound),
         }
+    }
+
+    /// How many conversations the caller owns (sign-up tells a guest theirs will move).
+    pub async fn count(&self, caller: &Caller) -> Result<i64> {
+        Ok(self.store.count_conversations(&caller.owner).await?)
     }
 
     /// Whether a reply is being generated in the conversation right now.

@@ -3,15 +3,20 @@
 //! replicas, the one settings check, the typed configuration, and the [`platform::Platform`] that
 //! wires them. Every rule is written once, here; nothing here knows HTTP.
 
+pub mod admin;
+pub mod caller;
 pub mod cluster;
 pub mod completions;
 pub mod config;
 pub mod conversations;
 pub mod platform;
+pub mod records;
+pub mod reply;
 pub mod secrets;
 pub mod session;
 pub mod settings;
 pub mod validation;
 
+pub use caller::Caller;
 pub use conversations::{ConversationError, Conversations};
 pub use session::{SessionActor, SessionConfig, SessionShared, Sessions};

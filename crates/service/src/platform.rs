@@ -1,11 +1,18 @@
 //! Wiring: loads the model and opens the store from a [`Config`], then starts the scheduler (with
-//! its model thread) and the session registry. The web layer serves a [`Platform`].
+//! its model thread), the session registry and the services. The web layer serves a
+//! [`Platform`], which hands out services (conversations, completions, accounts, admin, the
+//! cluster) and never its parts: the store, the scheduler and the session registry stay inside.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use actix::Addr;
+use smolchat_auth::{Accounts, AccountsConfig, AdminAuth, AuthError, ThrottlePolicy};
+use smolchat_serving::scheduler::{GetStats, ModelAlive};
+use smolchat_serving::SchedulerStats;
+use smolchat_text::prompt::PromptBuilder;
 
+use crate::admin::Admin;
 use crate::cluster::{Cluster, ClusterConfig};
 use crate::completions::Completions;
 use crate::config::Config;
@@ -39,6 +46,8 @@ pub enum PlatformError {
     },
     #[error("server.cookie_secret: {0}")]
     Secret(#[from] crate::secrets::SecretError),
+    #[error("auth: {0}")]
+    Auth(AuthError),
     #[error("model.{0}")]
     Device(EngineError),
 }
@@ -57,19 +66,36 @@ pub struct ModelInfo {
 }
 
 pub struct Platform {
-    pub config: Config,
-    pub store: Store,
-    pub scheduler: Addr<SchedulerActor>,
-    pub sessions: Arc<Sessions>,
+    config: Config,
+    store: Store,
+    scheduler: Addr<SchedulerActor>,
+    sessions: Arc<Sessions>,
     /// This replica among those sharing the database.
-    pub cluster: Arc<Cluster>,
+    cluster: Arc<Cluster>,
     /// The conversation service every interface goes through.
-    pub conversations: Arc<Conversations>,
+    conversations: Arc<Conversations>,
     /// The completions service: every prompt any interface runs (conversations' turns and `/v1`).
-    pub completions: Completions,
-    pub tokenizer: Arc<Tokenizer>,
-    pub template: Arc<ChatTemplate>,
-    pub model: ModelInfo,
+    completions: Completions,
+    accounts: Arc<Accounts>,
+    /// Admin sign-in with `server.admin_token`; `None` when no token is set.
+    admin_auth: Option<AdminAuth>,
+    admin: Admin,
+    tokenizer: Arc<Tokenizer>,
+    template: Arc<ChatTemplate>,
+    model: ModelInfo,
+}
+
+/// Whether this replica can take requests (`/readyz`).
+#[derive(Debug, Clone)]
+pub struct Readiness {
+    /// The model thread runs.
+    pub model_alive: bool,
+    /// The database answered a ping in time, or why not.
+    pub database: Result<(), String>,
+    /// `sqlite` or `postgresql`.
+    pub database_backend: &'static str,
+    /// This replica's name.
+    pub replica: String,
 }
 
 /// Loads the model with its tokenizer and chat template (blocking: call off the event loop),
@@ -137,13 +163,19 @@ impl Platform {
         // Without a configured secret, one generated on first start and kept beside the
         // database signs the owner cookies, so a restart never orphans anyone's conversations.
         if config.server.cookie_secret.is_none() {
-            if let Some(dir) = store.data_dir() {
-                config.server.cookie_secret = Some(crate::secrets::load_or_create(
-                    dir,
-                    crate::secrets::COOKIE_SECRET_FILE,
-                )?);
-            }
+            config.server.cookie_secret = Some(match store.data_dir() {
+                Some(dir) => {
+                    crate::secrets::load_or_create(dir, crate::secrets::COOKIE_SECRET_FILE)?
+                }
+                None => {
+                    tracing::info!(
+                        "server.cookie_secret is not set and the database is in memory: owner cookies are signed with a random key, so browsers lose their conversations when the server restarts"
+                    );
+                    crate::secrets::random_secret()
+                }
+            });
         }
+        let secret = config.server.cookie_secret.clone().unwrap_or_default();
         let r = &config.replica;
         let (cluster, interrupted) = Cluster::join(
             store.clone(),
@@ -153,12 +185,7 @@ impl Platform {
                 heartbeat: r.heartbeat(),
                 lease: r.lease(),
                 affinity: r.affinity,
-                bus_key: config
-                    .server
-                    .cookie_secret
-                    .clone()
-                    .unwrap_or_default()
-                    .into_bytes(),
+                bus_key: secret.clone().into_bytes(),
             },
         )
         .await
@@ -223,6 +250,17 @@ impl Platform {
             model.context_window,
             conversations_config(&config),
         ));
+        let key = credential_key(&secret);
+        let accounts = Arc::new(accounts(&config, &store, key).await?);
+        let admin_auth = admin_auth(&config, &store, key);
+        let admin = Admin::new(
+            store.clone(),
+            scheduler.clone(),
+            Arc::clone(&cluster),
+            Arc::clone(&conversations),
+            Arc::clone(&accounts),
+        );
+        spawn_session_purge(store.clone());
         Ok(Self {
             config,
             store,
@@ -231,11 +269,196 @@ impl Platform {
             cluster,
             conversations,
             completions,
+            accounts,
+            admin_auth,
+            admin,
             tokenizer,
             template,
             model,
         })
     }
+
+    /// The configuration in force (the cookie secret filled in when it was generated).
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
+
+    /// The conversation service every interface goes through.
+    pub fn conversations(&self) -> &Conversations {
+        &self.conversations
+    }
+
+    /// The completions service (`/v1` submits through it).
+    pub fn completions(&self) -> &Completions {
+        &self.completions
+    }
+
+    /// User accounts: sign-up, sign-in, sessions, API keys.
+    pub fn accounts(&self) -> &Accounts {
+        &self.accounts
+    }
+
+    /// Admin sign-in with `server.admin_token`; `None` when no token is set.
+    pub fn admin_auth(&self) -> Option<&AdminAuth> {
+        self.admin_auth.as_ref()
+    }
+
+    /// The operator's service (`/admin`).
+    pub fn admin(&self) -> &Admin {
+        &self.admin
+    }
+
+    /// This replica among those sharing the database (routing of turns to their cache).
+    pub fn cluster(&self) -> &Cluster {
+        &self.cluster
+    }
+
+    /// Facts about the loaded model.
+    pub fn model(&self) -> &ModelInfo {
+        &self.model
+    }
+
+    pub fn tokenizer(&self) -> &Tokenizer {
+        &self.tokenizer
+    }
+
+    pub fn template(&self) -> &ChatTemplate {
+        &self.template
+    }
+
+    /// The one prompt builder over this model's template and tokenizer.
+    pub fn prompt_builder(&self) -> PromptBuilder<'_> {
+        PromptBuilder::new(&self.template, &self.tokenizer)
+    }
+
+    /// Whether this replica can take requests: the model thread runs and the database answers
+    /// within [`DATABASE_CHECK`].
+    pub async fn readiness(&self) -> Readiness {
+        let model_alive =
+            self.scheduler.connected() && self.scheduler.send(ModelAlive).await.unwrap_or(false);
+        let database = match tokio::time::timeout(DATABASE_CHECK, self.store.ping()).await {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(e)) => Err(e.to_string()),
+            Err(_) => Err(format!(
+                "no answer within {} s",
+                DATABASE_CHECK.as_secs_f64()
+            )),
+        };
+        Readiness {
+            model_alive,
+            database,
+            database_backend: self.store.backend().as_str(),
+            replica: self.cluster.me().name.clone(),
+        }
+    }
+
+    /// The scheduler's counters now; `None` once the model thread is gone.
+    pub async fn stats(&self) -> Option<SchedulerStats> {
+        self.scheduler.send(GetStats).await.ok()
+    }
+
+    /// Sets the gauges the scheduler updates only at its steps, so an idle server reports
+    /// current values too (called before `/metrics` renders).
+    pub async fn refresh_gauges(&self) {
+        if let Some(s) = self.stats().await {
+            metrics::gauge!("smolchat_kv_bytes").set(s.kv_bytes as f64);
+            metrics::gauge!("smolchat_kv_budget_bytes").set(s.kv_budget_bytes as f64);
+            metrics::gauge!("smolchat_kv_evictions").set(s.evictions as f64);
+            metrics::gauge!("smolchat_tokens_per_second").set(s.tokens_per_s);
+        }
+        metrics::gauge!("smolchat_live_sessions").set(self.sessions.all().len() as f64);
+        metrics::gauge!("smolchat_live_replicas").set(self.cluster.live().len() as f64);
+    }
+
+    /// After the server stopped: leaves the cluster and closes the store.
+    pub async fn close(&self) {
+        self.cluster.leave().await;
+        self.store.close().await;
+    }
+}
+
+/// How long readiness waits for the database.
+pub const DATABASE_CHECK: Duration = Duration::from_secs(2);
+
+/// How often expired sessions are deleted.
+const SESSION_PURGE_INTERVAL: Duration = Duration::from_secs(3600);
+
+/// Deletes expired sessions (user and admin) hourly, whoever signs in or not.
+fn spawn_session_purge(store: Store) {
+    actix::spawn(async move {
+        let mut tick = tokio::time::interval(SESSION_PURGE_INTERVAL);
+        loop {
+            tick.tick().await;
+            match store.purge_expired_sessions().await {
+                Ok(0) => {}
+                Ok(n) => tracing::debug!(purged = n, "expired sessions purged"),
+                Err(e) => tracing::warn!("cannot purge expired sessions: {e}"),
+            }
+        }
+    });
+}
+
+/// The key credential fingerprints are made with: the signing half of the cookie key the web
+/// layer derives from the same secret (its first 32 bytes), so sessions made before this code
+/// moved stay valid. The secret has at least 64 bytes (checked at start-up).
+fn credential_key(secret: &str) -> &[u8] {
+    let bytes = secret.as_bytes();
+    &bytes[..bytes.len().min(32)]
+}
+
+/// The login throttle's policy from `[auth]`.
+pub fn throttle_policy(a: &crate::config::AuthSection) -> ThrottlePolicy {
+    ThrottlePolicy {
+        free_per_address: a.login_free_failures_per_address,
+        free_per_subject: a.login_free_failures_per_account,
+        base_lockout: Duration::from_secs(a.login_lockout_base_s),
+        max_lockout: Duration::from_secs(a.login_lockout_max_s),
+        max_entries: a.login_throttle_entries,
+    }
+}
+
+/// The accounts service; creates `auth.initial_admin` when the store has no account yet.
+async fn accounts(config: &Config, store: &Store, key: &[u8]) -> Result<Accounts, PlatformError> {
+    let a = &config.auth;
+    if let (Some(name), Some(password)) = (&a.initial_admin, &a.initial_admin_password) {
+        if smolchat_auth::accounts::ensure_initial_admin(store, name, password)
+            .await
+            .map_err(PlatformError::Auth)?
+        {
+            tracing::info!(name = %name, "initial admin account created from auth.initial_admin");
+        }
+    }
+    Accounts::new(
+        store.clone(),
+        key,
+        AccountsConfig {
+            signup: a.signup,
+            session_lifetime: Duration::from_secs(a.user_session_s),
+            throttle: throttle_policy(a),
+            signups_per_address: a.signups_per_address,
+            max_api_keys: a.max_api_keys_per_user,
+            max_sessions: a.max_sessions_per_user,
+        },
+    )
+    .map_err(PlatformError::Auth)
+}
+
+/// The admin sign-in service for `server.admin_token` (none when unset or empty).
+fn admin_auth(config: &Config, store: &Store, key: &[u8]) -> Option<AdminAuth> {
+    let token = config
+        .server
+        .admin_token
+        .as_deref()
+        .filter(|t| !t.is_empty())?;
+    Some(AdminAuth::new(
+        store.clone(),
+        token,
+        // Kept across restarts (configured, or generated once into the data folder), so admin
+        // sessions survive a restart with the same token.
+        key,
+        Duration::from_secs(config.auth.admin_session_s),
+        throttle_policy(&config.auth),
+    ))
 }
 
 impl Platform {

@@ -48,8 +48,7 @@ pub fn load_or_create(dir: &Path, name: &str) -> Result<String, SecretError> {
     }
     match options.open(&path) {
         Ok(mut file) => {
-            let bytes: [u8; SECRET_BYTES] = rand::random();
-            let secret: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
+            let secret = random_secret();
             file.write_all(secret.as_bytes())
                 .and_then(|()| file.sync_all())
                 .map_err(|e| io("write", e))?;
@@ -72,6 +71,12 @@ pub fn load_or_create(dir: &Path, name: &str) -> Result<String, SecretError> {
         }
         Err(e) => Err(io("create", e)),
     }
+}
+
+/// A fresh random secret as hex (for a database in memory, where nothing can be kept).
+pub fn random_secret() -> String {
+    let bytes: [u8; SECRET_BYTES] = rand::random();
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 #[cfg(test)]

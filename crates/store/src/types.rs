@@ -229,7 +229,7 @@ impl FromStr for MessageStatus {
     }
 }
 
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct Message {
     pub id: Uuid,
     pub conversation_id: Uuid,

@@ -27,13 +27,14 @@ use serde::Deserialize;
 
 use super::client::Client;
 use super::csrf;
+use super::error::PageError;
 use super::error::WebError;
-use super::html::{html, read_form, PageError};
+use super::html::{html, read_form};
 use super::owner::{self, Owner, SESSION_COOKIE};
 use super::AppState;
 use smolchat_auth::SignupMode;
 use smolchat_auth::{AuthError, LockedBy, NewSession};
-use smolchat_store::{ApiKeyRecord, User};
+use smolchat_service::records::{ApiKeyRecord, User};
 
 /// Registers the account routes (one block, called from [`super::routes`]).
 pub fn routes(cfg: &mut web::ServiceConfig) {
@@ -173,7 +174,7 @@ pub fn refusal(e: AuthError) -> PageError {
         | AuthError::InviteInvalid
         | AuthError::NoSuchUser(_) => WebError::BadRequest(e.to_string()).into(),
         AuthError::NameTaken => WebError::Conflict(e.to_string()).into(),
-        AuthError::Store(e) => e.into(),
+        AuthError::Store(_) => WebError::from(e).into(),
         AuthError::Hash(detail) => WebError::Internal(detail).into(),
     }
 }
@@ -204,7 +205,7 @@ fn session_cookie_of(req: &HttpRequest) -> Option<Cookie<'static>> {
 /// Revokes the session the request's cookie stands for, if any (rotation and sign-out).
 async fn revoke_current(state: &AppState, req: &HttpRequest) {
     if let Some(old) = session_cookie_of(req) {
-        if let Err(e) = state.accounts.sign_out(old.value()).await {
+        if let Err(e) = state.platform.accounts().sign_out(old.value()).await {
             tracing::warn!("cannot revoke the replaced session: {e}");
         }
     }
@@ -215,7 +216,12 @@ async fn account_of(state: &AppState, owner: &Owner) -> Result<Option<User>, Pag
     if owner.is_guest() {
         return Ok(None);
     }
-    Ok(state.platform.store.user_by_id(owner.as_str()).await?)
+    Ok(state
+        .platform
+        .accounts()
+        .user(owner.as_str())
+        .await
+        .map_err(WebError::from)?)
 }
 
 fn to_signin() -> HttpResponse {
@@ -232,7 +238,7 @@ pub async fn signin_page(
 ) -> Result<HttpResponse, PageError> {
     html(&SigninPage {
         csrf: csrf::token_for(&state.cookie_key, &owner.csrf_subject()),
-        signup_open: state.accounts.signup_mode() != SignupMode::Closed,
+        signup_open: state.platform.accounts().signup_mode() != SignupMode::Closed,
     })
 }
 
@@ -253,7 +259,8 @@ pub async fn signin(
     let form: SigninForm = read_form(&state, &req, payload).await?;
     let peer = client(&req);
     let signed = match state
-        .accounts
+        .platform
+        .accounts()
         .sign_in(&form.name, &form.password, peer)
         .await
     {
@@ -295,12 +302,12 @@ pub async fn signup_page(
     owner: Owner,
     query: web::Query<SignupQuery>,
 ) -> Result<HttpResponse, PageError> {
-    let mode = state.accounts.signup_mode();
+    let mode = state.platform.accounts().signup_mode();
     let guest_has_chats = owner.is_guest()
         && state
             .platform
-            .store
-            .count_conversations(owner.as_str())
+            .conversations()
+            .count(&owner.caller())
             .await?
             > 0;
     html(&SignupPage {
@@ -333,7 +340,8 @@ pub async fn signup(
     // Only a guest's conversations move: a signed-in user making a second account keeps theirs.
     let adopt = owner.is_guest().then(|| owner.as_str());
     let signed = state
-        .accounts
+        .platform
+        .accounts()
         .sign_up(
             form.name.trim(),
             &form.password,
@@ -362,7 +370,8 @@ pub async fn signout(
     if let Some(cookie) = session_cookie_of(&req) {
         // Server-side first: the cookie may have been copied elsewhere.
         if state
-            .accounts
+            .platform
+            .accounts()
             .sign_out(cookie.value())
             .await
             .map_err(refusal)?
@@ -379,9 +388,10 @@ pub async fn signout(
 async fn keys_of(state: &AppState, user: &User) -> Result<Vec<KeyView>, PageError> {
     Ok(state
         .platform
-        .store
-        .list_api_keys(&user.id)
-        .await?
+        .accounts()
+        .api_keys(user)
+        .await
+        .map_err(refusal)?
         .iter()
         .map(key_view)
         .collect())
@@ -428,7 +438,8 @@ pub async fn password(
         .await?
         .ok_or_else(signed_in_only)?;
     let session = state
-        .accounts
+        .platform
+        .accounts()
         .change_password(&user, &form.current, &form.new, client(&req))
         .await
         .map_err(refusal)?;
@@ -464,7 +475,8 @@ pub async fn create_key(
         .await?
         .ok_or_else(signed_in_only)?;
     let key = state
-        .accounts
+        .platform
+        .accounts()
         .create_api_key(&user, &form.name)
         .await
         .map_err(refusal)?;
@@ -484,7 +496,13 @@ pub async fn revoke_key(
     let user = account_of(&state, &owner)
         .await?
         .ok_or_else(signed_in_only)?;
-    if !state.platform.store.revoke_api_key(&user.id, &path).await? {
+    if !state
+        .platform
+        .accounts()
+        .revoke_api_key(&user, &path)
+        .await
+        .map_err(refusal)?
+    {
         return Err(WebError::NotFound("no such live key of yours".into()).into());
     }
     tracing::info!(user = %user.id, "API key revoked");
@@ -504,7 +522,8 @@ pub async fn signout_all(
         .await?
         .ok_or_else(signed_in_only)?;
     let n = state
-        .accounts
+        .platform
+        .accounts()
         .revoke_sessions(&user.id)
         .await
         .map_err(refusal)?;

@@ -16,8 +16,6 @@
 //! admin token end the session for every copy of the cookie. The admin routes sit in the same
 //! scope as the pages, so their unsafe methods need the CSRF token too.
 
-use std::collections::HashMap;
-
 use actix_web::cookie::time::Duration as CookieDuration;
 use actix_web::cookie::SameSite;
 use actix_web::http::StatusCode;
@@ -28,13 +26,14 @@ use serde::Deserialize;
 use super::api::{page_request, parse_id};
 use super::client::Client;
 use super::csrf;
+use super::error::PageError;
 use super::error::WebError;
-use super::html::{html, read_form, with_security_headers, PageError};
+use super::html::{html, read_form, with_security_headers};
 use super::owner::Owner;
 use super::AppState;
 use smolchat_auth::{AdminAuth, AuthError, LockedBy};
-use smolchat_serving::scheduler::{Evict, GetCacheInfo, GetStats, StatesOf};
-use smolchat_serving::types::SequenceState;
+use smolchat_service::admin::{LiveView as Live, UserAction, UsersPage};
+use smolchat_service::completions::SequenceState;
 
 use super::cookies::ADMIN as SESSION_COOKIE;
 const COOKIE_PATH: &str = "/admin";
@@ -212,8 +211,8 @@ fn mib(bytes: usize) -> String {
 /// The admin service, or 404 when no admin token is configured.
 fn admin_of(state: &AppState) -> Result<&AdminAuth, PageError> {
     state
-        .admin
-        .as_ref()
+        .platform
+        .admin_auth()
         .ok_or_else(|| WebError::NotFound("the admin page is disabled".into()).into())
 }
 
@@ -236,8 +235,7 @@ fn refusal(e: AuthError) -> PageError {
             .into()
         }
         AuthError::WrongCredentials => PageError::Unauthorized("wrong admin token".into()),
-        AuthError::Store(e) => e.into(),
-        other => WebError::Internal(other.to_string()).into(),
+        other => WebError::from(other).into(),
     }
 }
 
@@ -279,37 +277,16 @@ async fn require_admin(
 }
 
 async fn live_view(state: &AppState, before: &str) -> Result<LiveView, PageError> {
-    let p = &state.platform;
     let page = page_request(Some(ADMIN_PAGE), Some(before))?;
-    let listed = p.store.list_all_conversations_page(&page).await?;
-    let list = listed.items;
-    let keys: Vec<uuid::Uuid> = list.iter().map(|c| c.id).collect();
-    let states = p.scheduler.send(StatesOf(keys)).await?;
-    let caches: HashMap<uuid::Uuid, usize> = p
-        .scheduler
-        .send(GetCacheInfo)
-        .await?
-        .into_iter()
-        .filter_map(|c| Some((c.key.conversation()?, c.bytes)))
-        .collect();
-    let stats = p.scheduler.send(GetStats).await?;
-    let owners: Vec<String> = {
-        let mut o: Vec<String> = list.iter().map(|c| c.owner.clone()).collect();
-        o.sort();
-        o.dedup();
-        o
-    };
-    let names = p.store.user_names(&owners).await?;
-    let replicas = p.cluster.replicas().await?;
-    let mut holders: HashMap<uuid::Uuid, String> = HashMap::new();
-    for r in replicas.iter().filter(|r| r.live) {
-        for id in &r.load.held {
-            holders.insert(*id, r.name.clone());
-        }
-    }
-    let me = p.cluster.me().id;
+    let live = state.platform.admin().live(&page).await?;
+    Ok(render_live(live, &page))
+}
+
+/// The operator's live view as the page shows it.
+fn render_live(live: Live, page: &smolchat_service::records::PageRequest) -> LiveView {
     let now = chrono::Utc::now();
-    let replica_views = replicas
+    let replicas = live
+        .replicas
         .iter()
         .map(|r| ReplicaView {
             name: r.name.clone(),
@@ -321,7 +298,7 @@ async fn live_view(state: &AppState, before: &str) -> Result<LiveView, PageError
             } else {
                 "dead"
             },
-            here: r.id == me,
+            here: r.id == live.this_replica,
             heartbeat: format!(
                 "{:.0} s ago",
                 (now - r.heartbeat_at).num_milliseconds().max(0) as f64 / 1e3
@@ -338,45 +315,43 @@ async fn live_view(state: &AppState, before: &str) -> Result<LiveView, PageError
             held_count: r.load.held_count,
         })
         .collect();
-    let rows = list
-        .iter()
-        .zip(states.iter().chain(std::iter::repeat(&SequenceState::Idle)))
-        .map(|(c, s)| {
-            let key = c.id.to_string();
-            AdminRow {
-                kv: caches
-                    .get(&c.id)
-                    .map(|b| mib(*b))
-                    .unwrap_or_else(|| "—".into()),
-                replica: holders.get(&c.id).cloned().unwrap_or_else(|| "—".into()),
-                id: key,
-                // The account's name, or enough of a guest's id to tell guests apart.
-                owner: names.get(&c.owner).cloned().unwrap_or_else(|| {
-                    format!("guest {}", c.owner.chars().take(8).collect::<String>())
-                }),
-                title: if c.title.is_empty() {
-                    "(untitled)".into()
-                } else {
-                    c.title.clone()
-                },
-                message_count: c.message_count,
-                last_activity: c.updated_at.format("%Y-%m-%d %H:%M:%S").to_string(),
-                state: match s {
-                    SequenceState::Idle => "idle",
-                    SequenceState::Queued => "queued",
-                    SequenceState::Prefilling => "prefilling",
-                    SequenceState::Generating => "generating",
-                },
-                active: !matches!(s, SequenceState::Idle),
-            }
+    let rows = live
+        .conversations
+        .into_iter()
+        .map(|c| AdminRow {
+            id: c.summary.id.to_string(),
+            kv: c.kv_bytes.map(mib).unwrap_or_else(|| "—".into()),
+            replica: c.replica.unwrap_or_else(|| "—".into()),
+            // The account's name, or enough of a guest's id to tell guests apart.
+            owner: c.owner_name.unwrap_or_else(|| {
+                format!(
+                    "guest {}",
+                    c.summary.owner.chars().take(8).collect::<String>()
+                )
+            }),
+            title: if c.summary.title.is_empty() {
+                "(untitled)".into()
+            } else {
+                c.summary.title
+            },
+            message_count: c.summary.message_count,
+            last_activity: c.summary.updated_at.format("%Y-%m-%d %H:%M:%S").to_string(),
+            state: match c.state {
+                SequenceState::Idle => "idle",
+                SequenceState::Queued => "queued",
+                SequenceState::Prefilling => "prefilling",
+                SequenceState::Generating => "generating",
+            },
+            active: !matches!(c.state, SequenceState::Idle),
         })
         .collect();
+    let stats = live.stats;
     let percent = if stats.kv_budget_bytes > 0 {
         100.0 * stats.kv_bytes as f64 / stats.kv_budget_bytes as f64
     } else {
         0.0
     };
-    Ok(LiveView {
+    LiveView {
         engine: EngineView {
             queued: stats.queued,
             queue_capacity: stats.queue_capacity,
@@ -390,12 +365,12 @@ async fn live_view(state: &AppState, before: &str) -> Result<LiveView, PageError
             evictions: stats.evictions,
             generated_tokens: stats.generated_tokens,
         },
-        replicas: replica_views,
+        replicas,
         rows,
-        updated: chrono::Utc::now().format("%H:%M:%S UTC").to_string(),
+        updated: now.format("%H:%M:%S UTC").to_string(),
         before: page.before.map(|c| c.encode()).unwrap_or_default(),
-        next: listed.next.map(|c| c.encode()).unwrap_or_default(),
-    })
+        next: live.next.map(|c| c.encode()).unwrap_or_default(),
+    }
 }
 
 /// `GET /admin?before=`
@@ -409,7 +384,7 @@ pub async fn page(
     if owner.is_admin() {
         return dashboard(&state, csrf, &owner, &query).await;
     }
-    let Some(admin) = state.admin.as_ref() else {
+    let Some(admin) = state.platform.admin_auth() else {
         let body = DisabledPage { csrf }
             .render()
             .map_err(|e| WebError::Internal(format!("template: {e}")))?;
@@ -422,9 +397,6 @@ pub async fn page(
     }
     dashboard(&state, csrf, &owner, &query).await
 }
-
-/// Users per page of the admin's users table.
-const USERS_PER_PAGE: i64 = 50;
 
 pub struct UserRowView {
     pub id: String,
@@ -445,17 +417,13 @@ pub struct UsersView {
 }
 
 async fn users_view(state: &AppState, page: i64) -> Result<UsersView, PageError> {
-    let page = page.clamp(1, i64::MAX / USERS_PER_PAGE);
-    // One more than a page, to know whether a next page exists.
-    let mut list = state
-        .platform
-        .store
-        .list_users(USERS_PER_PAGE + 1, (page - 1) * USERS_PER_PAGE)
-        .await?;
-    let more = list.len() as i64 > USERS_PER_PAGE;
-    list.truncate(USERS_PER_PAGE as usize);
+    let UsersPage {
+        users,
+        page,
+        has_more,
+    } = state.platform.admin().users(page).await?;
     Ok(UsersView {
-        rows: list
+        rows: users
             .into_iter()
             .map(|u| UserRowView {
                 role: u.user.role.as_str(),
@@ -473,7 +441,7 @@ async fn users_view(state: &AppState, page: i64) -> Result<UsersView, PageError>
             .collect(),
         page,
         prev: if page > 1 { page - 1 } else { 0 },
-        next: if more { page + 1 } else { 0 },
+        next: if has_more { page + 1 } else { 0 },
     })
 }
 
@@ -487,7 +455,7 @@ async fn dashboard(
         csrf,
         live: live_view(state, &query.before).await?,
         users: users_view(state, query.page).await?,
-        limits: limits_view(&state.platform.config),
+        limits: limits_view(state.platform.config()),
         account: owner.name().unwrap_or_default().to_string(),
     })
 }
@@ -502,30 +470,12 @@ pub async fn user_action(
 ) -> Result<HttpResponse, PageError> {
     require_admin(&state, &owner, &req).await?;
     let (id, action) = path.into_inner();
-    if action == "disable" && !owner.is_guest() && owner.as_str() == id {
-        // The last admin could otherwise lock everyone out of the page.
-        return Err(WebError::BadRequest("you cannot disable your own account".into()).into());
-    }
-    let store = &state.platform.store;
-    let found = match action.as_str() {
-        "disable" => store.set_disabled(&id, true).await?,
-        "enable" => store.set_disabled(&id, false).await?,
-        "revoke" => {
-            state
-                .accounts
-                .revoke_sessions(&id)
-                .await
-                .map_err(super::account::refusal)?;
-            store.user_by_id(&id).await?.is_some()
-        }
-        other => {
-            return Err(WebError::NotFound(format!("no user action {other:?}")).into());
-        }
-    };
-    if !found {
-        return Err(WebError::NotFound("no such user".into()).into());
-    }
-    tracing::info!(user = %id, action = %action, "admin user action");
+    let action: UserAction = action.parse()?;
+    state
+        .platform
+        .admin()
+        .user_action(&owner.caller(), &id, action)
+        .await?;
     Ok(HttpResponse::NoContent()
         .insert_header(("HX-Refresh", "true"))
         .finish())
@@ -633,8 +583,7 @@ pub async fn stop(
 ) -> Result<HttpResponse, PageError> {
     require_admin(&state, &owner, &req).await?;
     let id = parse_id(&path)?;
-    let stopped = state.platform.conversations.stop_any(id).await?;
-    tracing::info!(conversation = %id, stopped, "admin stop");
+    state.platform.admin().stop(id).await?;
     Ok(HttpResponse::NoContent().finish())
 }
 
@@ -647,8 +596,7 @@ pub async fn evict(
 ) -> Result<HttpResponse, PageError> {
     require_admin(&state, &owner, &req).await?;
     let id = parse_id(&path)?;
-    let dropped = state.platform.scheduler.send(Evict(id)).await?;
-    tracing::info!(conversation = %id, dropped, "admin evict");
+    state.platform.admin().evict(id).await?;
     Ok(HttpResponse::NoContent().finish())
 }
 
@@ -661,7 +609,6 @@ pub async fn delete(
 ) -> Result<HttpResponse, PageError> {
     require_admin(&state, &owner, &req).await?;
     let id = parse_id(&path)?;
-    state.platform.conversations.delete_any(id).await?;
-    tracing::info!(conversation = %id, "admin delete");
+    state.platform.admin().delete(id).await?;
     Ok(HttpResponse::NoContent().finish())
 }

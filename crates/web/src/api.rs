@@ -15,7 +15,9 @@ use super::AppState;
 use smolchat_service::conversations::{
     to_markdown, ExportParseError, ExportedConversation, NewConversation, SettingsPatch,
 };
-use smolchat_store::{Conversation, ConversationSummary, Cursor, Message, PageRequest, MAX_PAGE};
+use smolchat_service::records::{
+    Conversation, ConversationSummary, Cursor, Message, PageRequest, MAX_PAGE,
+};
 
 pub use smolchat_service::conversations::TITLE_LIMIT;
 
@@ -117,7 +119,7 @@ pub async fn create(
     let input = body.0.unwrap_or_default();
     let created = state
         .platform
-        .conversations
+        .conversations()
         .create(
             &owner.caller(),
             NewConversation {
@@ -145,7 +147,7 @@ pub async fn list(
     let page = page_request(query.limit, query.before.as_deref())?;
     let list = state
         .platform
-        .conversations
+        .conversations()
         .list(&owner.caller(), query.q.as_deref(), &page)
         .await?;
     let items: Vec<ConversationSummary> = list.items;
@@ -164,14 +166,14 @@ pub async fn get(
     let id = parse_id(&path)?;
     let view = state
         .platform
-        .conversations
+        .conversations()
         .get(&owner.caller(), id)
         .await?;
     Ok(HttpResponse::Ok().json(ConversationDetail {
         conversation: view.conversation,
         messages: view.messages,
         replying: view.replying,
-        context_window: state.platform.model.context_window,
+        context_window: state.platform.model().context_window,
     }))
 }
 
@@ -186,7 +188,7 @@ pub async fn patch(
     let input = body.0;
     let updated = state
         .platform
-        .conversations
+        .conversations()
         .update(&owner.caller(), id, input.title.as_deref(), &input.patch())
         .await?;
     Ok(HttpResponse::Ok().json(updated))
@@ -202,7 +204,7 @@ pub async fn delete(
     let id = parse_id(&path)?;
     state
         .platform
-        .conversations
+        .conversations()
         .delete(&owner.caller(), id)
         .await?;
     Ok(HttpResponse::NoContent().finish())
@@ -219,7 +221,7 @@ pub async fn send_message(
     let id = parse_id(&path)?;
     let accepted = state
         .platform
-        .conversations
+        .conversations()
         .send(&owner.caller(), id, body.0.content)
         .await?;
     Ok(HttpResponse::Accepted().json(json!({
@@ -238,7 +240,7 @@ pub async fn regenerate(
     let id = parse_id(&path)?;
     let accepted = state
         .platform
-        .conversations
+        .conversations()
         .regenerate(&owner.caller(), id)
         .await?;
     Ok(HttpResponse::Accepted().json(accepted))
@@ -255,7 +257,7 @@ pub async fn edit(
     let id = parse_id(&path)?;
     let accepted = state
         .platform
-        .conversations
+        .conversations()
         .edit(&owner.caller(), id, body.0.content)
         .await?;
     Ok(HttpResponse::Accepted().json(accepted))
@@ -270,7 +272,7 @@ pub async fn stop(
     let id = parse_id(&path)?;
     let stopped = state
         .platform
-        .conversations
+        .conversations()
         .stop(&owner.caller(), id)
         .await?;
     Ok(HttpResponse::Ok().json(json!({ "stopped": stopped })))
@@ -356,7 +358,7 @@ pub async fn export(
     let format = ExportFormat::parse(query.format.as_deref())?;
     let doc = state
         .platform
-        .conversations
+        .conversations()
         .export(&owner.caller(), id)
         .await?;
     export_response(&doc, format)
@@ -377,7 +379,7 @@ pub async fn import(
     };
     // Parsing up to 32 MiB takes a while: on a blocking thread, not the event loop, with the
     // message count checked while parsing.
-    let max = state.platform.conversations.config().max_import_messages;
+    let max = state.platform.conversations().config().max_import_messages;
     let doc = web::block(move || ExportedConversation::from_json(&text, max))
         .await
         .map_err(|e| WebError::Internal(format!("import parser: {e}")))?
@@ -387,7 +389,7 @@ pub async fn import(
         })?;
     let c = state
         .platform
-        .conversations
+        .conversations()
         .import(&owner.caller(), doc)
         .await?;
     Ok(HttpResponse::Created()

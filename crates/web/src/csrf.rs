@@ -18,7 +18,7 @@ use actix_web::http::Method;
 use actix_web::middleware::Next;
 use actix_web::{web, HttpMessage};
 
-use super::html::PageError;
+use super::error::PageError;
 use super::owner::Owner;
 use super::AppState;
 

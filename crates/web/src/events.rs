@@ -33,7 +33,8 @@ use super::client::Client;
 use super::error::WebError;
 use super::owner::Owner;
 use super::AppState;
-use smolchat_service::session::{ReplyEvent, Subscription, SubscriptionGuard};
+use smolchat_service::reply::ReplyEvent;
+use smolchat_service::session::{Subscription, SubscriptionGuard};
 
 /// Comment lines sent while nothing happens, so proxies keep the connection and dead clients are
 /// noticed.
@@ -57,7 +58,7 @@ pub async fn events(
         guard,
     } = state
         .platform
-        .conversations
+        .conversations()
         .subscribe(&owner.caller(), id)
         .await?;
     tracing::debug!(conversation = %id, replayed = replay.len(), "events subscriber joined");
@@ -65,7 +66,7 @@ pub async fn events(
         last_poll: Instant::now(),
         resources: Some((guard, slot)),
     }));
-    let stall = Duration::from_secs(state.platform.config.limits.stream_stall_timeout_s);
+    let stall = Duration::from_secs(state.platform.config().limits.stream_stall_timeout_s);
     watch_for_stall(Arc::downgrade(&held), stall, id);
     let stream = EventStream {
         replay: replay.into_iter(),
@@ -216,7 +217,7 @@ impl StreamCounter {
         address: std::net::IpAddr,
     ) -> Result<StreamSlot, WebError> {
         let address = smolchat_auth::ThrottleKey::address(address);
-        let limits = &state.platform.config.limits;
+        let limits = &state.platform.config().limits;
         let mut open = state
             .streams
             .open

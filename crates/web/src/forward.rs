@@ -94,7 +94,7 @@ pub async fn affinity(
         .filter(|_| req.extensions().get::<ForwardedHere>().is_none())
         .and_then(|conversation| {
             let state = req.app_data::<web::Data<AppState>>()?;
-            let cluster = &state.platform.cluster;
+            let cluster = &state.platform.cluster();
             let owner = cluster.route(conversation);
             (owner.id != cluster.me().id && !owner.url.is_empty())
                 .then(|| (state.clone(), owner, conversation))
@@ -140,7 +140,7 @@ pub async fn affinity(
     let target = req.uri().path_and_query().map_or("/", |pq| pq.as_str());
     let signature = sign(
         state.cookie_key.signing(),
-        &state.platform.cluster.me().id.to_string(),
+        &state.platform.cluster().me().id.to_string(),
         &Client::of(req.request()),
         req.method().as_str(),
         target,

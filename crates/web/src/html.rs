@@ -1,126 +1,15 @@
-//! What every HTML route shares: [`PageError`] (the web layer's error shown as an HTML page,
-//! with the CSRF and admin refusals), rendering a template into a response with the security
-//! headers every page gets, and reading a form body under the same limits as the JSON API.
+//! What every HTML route shares: rendering a template into a response with the security headers
+//! every page gets, and reading a form body under the same limits as the JSON API. (Errors shown
+//! as pages are [`crate::error::PageError`].)
 
-use std::fmt;
-
-use actix_web::http::header::{self, HeaderValue};
-use actix_web::http::StatusCode;
-use actix_web::{web, HttpRequest, HttpResponse, ResponseError};
+use actix_web::http::header;
+use actix_web::{web, HttpRequest, HttpResponse};
 use askama::Template;
 use futures_util::StreamExt;
 use serde::de::DeserializeOwned;
 
-use super::error::WebError;
+use super::error::{PageError, WebError};
 use super::{json_limit, AppState};
-use smolchat_service::ConversationError;
-
-/// An error of a page route: the web layer's error, shown as HTML.
-#[derive(Debug)]
-pub enum PageError {
-    Web(WebError),
-    /// A missing or wrong CSRF token.
-    Forbidden(String),
-    /// Admin routes without a valid admin session or with a wrong token.
-    Unauthorized(String),
-}
-
-impl fmt::Display for PageError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            PageError::Web(e) => write!(f, "{e}"),
-            PageError::Forbidden(m) | PageError::Unauthorized(m) => f.write_str(m),
-        }
-    }
-}
-
-impl From<WebError> for PageError {
-    fn from(e: WebError) -> Self {
-        PageError::Web(e)
-    }
-}
-
-impl From<smolchat_store::StoreError> for PageError {
-    fn from(e: smolchat_store::StoreError) -> Self {
-        PageError::Web(e.into())
-    }
-}
-
-impl From<ConversationError> for PageError {
-    fn from(e: ConversationError) -> Self {
-        PageError::Web(e.into())
-    }
-}
-
-impl From<actix::MailboxError> for PageError {
-    fn from(e: actix::MailboxError) -> Self {
-        PageError::Web(e.into())
-    }
-}
-
-#[derive(Template)]
-#[template(path = "error.html")]
-struct ErrorPage<'a> {
-    status: u16,
-    reason: &'a str,
-    message: &'a str,
-}
-
-impl PageError {
-    pub fn status(&self) -> StatusCode {
-        match self {
-            PageError::Web(e) => e.status_code(),
-            PageError::Forbidden(_) => StatusCode::FORBIDDEN,
-            PageError::Unauthorized(_) => StatusCode::UNAUTHORIZED,
-        }
-    }
-
-    /// The error as a small HTML document; HTMX and `chat.js` read its `.alert`.
-    pub fn response(&self) -> HttpResponse {
-        let status = self.status();
-        let message = match self {
-            PageError::Web(WebError::Internal(detail)) => {
-                tracing::error!(error = %detail, "page request failed");
-                "internal server error; see the server log".to_string()
-            }
-            other => {
-                tracing::debug!(status = status.as_u16(), error = %other, "page request refused");
-                other.to_string()
-            }
-        };
-        let page = ErrorPage {
-            status: status.as_u16(),
-            reason: status.canonical_reason().unwrap_or("Error"),
-            message: &message,
-        };
-        let body = page.render().unwrap_or_else(|e| {
-            tracing::error!("cannot render the error page: {e}");
-            "error".to_string()
-        });
-        let mut res = HttpResponse::build(status);
-        if let PageError::Web(
-            WebError::Overloaded { retry_after_s, .. }
-            | WebError::TooManyRequests { retry_after_s, .. },
-        ) = self
-        {
-            res.insert_header((
-                header::RETRY_AFTER,
-                HeaderValue::from((*retry_after_s).max(1)),
-            ));
-        }
-        with_security_headers(&mut res);
-        res.content_type("text/html; charset=utf-8").body(body)
-    }
-}
-
-impl ResponseError for PageError {
-    fn status_code(&self) -> StatusCode {
-        self.status()
-    }
-    fn error_response(&self) -> HttpResponse {
-        self.response()
-    }
-}
 
 /// Headers every page gets. The CSP allows only our own scripts (no inline script, no eval), so
 /// even markup that slipped past the sanitizer could not run.
@@ -171,7 +60,7 @@ pub async fn read_form<T: DeserializeOwned>(
             .into());
         }
     }
-    let limit = json_limit(state.platform.config.limits.max_message_chars);
+    let limit = json_limit(state.platform.config().limits.max_message_chars);
     let mut body = web::BytesMut::new();
     let read = async {
         while let Some(chunk) = payload.next().await {

@@ -52,11 +52,8 @@ use metrics_exporter_prometheus::PrometheusHandle;
 
 pub use error::WebError;
 use json::BodyLimit;
-use smolchat_auth::{Accounts, AccountsConfig, AdminAuth, ThrottlePolicy};
 use smolchat_service::platform::Platform;
 
-/// How often expired sessions are deleted.
-const SESSION_PURGE_INTERVAL: Duration = Duration::from_secs(3600);
 /// How long a graceful shutdown waits for open connections after the replies are stored.
 const SHUTDOWN_TIMEOUT_S: u64 = 3;
 
@@ -69,11 +66,6 @@ pub struct AppState {
     /// False once shutdown began (`/readyz` then answers 503).
     pub ready: AtomicBool,
     pub metrics: Option<PrometheusHandle>,
-    /// Admin sign-in (sessions, throttle) when `server.admin_token` is set; `/admin` is
-    /// disabled without it.
-    pub admin: Option<AdminAuth>,
-    /// User accounts: sign-up, sign-in, sessions, API keys (see [`account`]).
-    pub accounts: Accounts,
     /// Forwards conversation turns to the replica holding their KV cache (see [`forward`]).
     pub forward: reqwest::Client,
     /// `server.trusted_proxies` (see [`client`]).
@@ -99,7 +91,7 @@ pub fn json_limit(max_message_chars: usize) -> usize {
 /// the model is loaded.
 pub fn check_config(config: &smolchat_service::config::Config) -> Result<(), String> {
     if let Some(secret) = &config.server.cookie_secret {
-        owner::cookie_key(Some(secret))?;
+        owner::cookie_key(secret)?;
     }
     if let Some(name) = &config.auth.initial_admin {
         smolchat_auth::accounts::check_name(name)
@@ -300,21 +292,27 @@ async fn method_not_allowed(req: HttpRequest) -> Result<HttpResponse, WebError> 
 /// streams), and the server waits briefly for open requests. Must run inside an actix system.
 pub async fn run(platform: Platform) -> io::Result<()> {
     let metrics = ops::install_metrics();
-    let cookie_key = owner::cookie_key(platform.config.server.cookie_secret.as_deref())
-        .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
-    let bind = platform.config.server.bind.clone();
-    let limit = BodyLimit(json_limit(platform.config.limits.max_message_chars));
+    // The platform fills the secret in (generated into the data folder, or random for a
+    // database in memory) when the configuration has none.
+    let secret = platform
+        .config()
+        .server
+        .cookie_secret
+        .as_deref()
+        .unwrap_or_default();
+    let cookie_key =
+        owner::cookie_key(secret).map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
+    let bind = platform.config().server.bind.clone();
+    let limit = BodyLimit(json_limit(platform.config().limits.max_message_chars));
     let body_timeout =
-        json::BodyTimeout(Duration::from_secs(platform.config.limits.body_timeout_s));
-    let admin = admin_auth(&platform, &cookie_key);
-    let accounts = accounts(&platform, &cookie_key).await?;
-    let limits = platform.config.limits.clone();
-    let limits_auth = platform.config.auth.clone();
-    let proxies = client::TrustedProxies::parse(&platform.config.server.trusted_proxies)
+        json::BodyTimeout(Duration::from_secs(platform.config().limits.body_timeout_s));
+    let limits = platform.config().limits.clone();
+    let limits_auth = platform.config().auth.clone();
+    let proxies = client::TrustedProxies::parse(&platform.config().server.trusted_proxies)
         .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
     let hosts = client::HostPolicy::new(
-        platform.config.server.allowed_hosts.as_deref(),
-        &platform.config.server.bind,
+        platform.config().server.allowed_hosts.as_deref(),
+        &platform.config().server.bind,
     );
     let state = web::Data::new(AppState {
         streams: StreamCounter::default(),
@@ -322,8 +320,6 @@ pub async fn run(platform: Platform) -> io::Result<()> {
         cookie_key,
         ready: AtomicBool::new(true),
         metrics: metrics.clone(),
-        admin,
-        accounts,
         forward: forward::client(),
         proxies,
         hosts,
@@ -333,14 +329,14 @@ pub async fn run(platform: Platform) -> io::Result<()> {
             free_per_address: limits_auth
                 .login_free_failures_per_address
                 .saturating_mul(4),
-            ..throttle_policy(&limits_auth)
+            ..smolchat_service::platform::throttle_policy(&limits_auth)
         }),
     });
     // The heartbeat reports the open streams (weakly held: the state owns the platform).
     let counted = std::sync::Arc::downgrade(&state.clone().into_inner());
     state
         .platform
-        .cluster
+        .cluster()
         .attach_stream_count(std::sync::Arc::new(move || {
             counted.upgrade().map_or(0, |s| s.streams.total())
         }));
@@ -355,20 +351,6 @@ pub async fn run(platform: Platform) -> io::Result<()> {
             }
         });
     }
-
-    // Expired sessions (user and admin) are deleted hourly, whoever signs in or not.
-    let store = state.platform.store.clone();
-    actix_web::rt::spawn(async move {
-        let mut tick = actix_web::rt::time::interval(SESSION_PURGE_INTERVAL);
-        loop {
-            tick.tick().await;
-            match store.purge_expired_sessions().await {
-                Ok(0) => {}
-                Ok(n) => tracing::debug!(purged = n, "expired sessions purged"),
-                Err(e) => tracing::warn!("cannot purge expired sessions: {e}"),
-            }
-        }
-    });
 
     let app_state = state.clone();
     let http = HttpServer::new(move || {
@@ -428,72 +410,9 @@ pub async fn run(platform: Platform) -> io::Result<()> {
         handle.stop(true).await;
     });
     server.await?;
-    state.platform.cluster.leave().await;
-    state.platform.store.close().await;
+    state.platform.close().await;
     tracing::info!("smolchat stopped");
     Ok(())
-}
-
-/// The login throttle's policy from `[auth]`.
-fn throttle_policy(a: &smolchat_service::config::AuthSection) -> ThrottlePolicy {
-    ThrottlePolicy {
-        free_per_address: a.login_free_failures_per_address,
-        free_per_subject: a.login_free_failures_per_account,
-        base_lockout: Duration::from_secs(a.login_lockout_base_s),
-        max_lockout: Duration::from_secs(a.login_lockout_max_s),
-        max_entries: a.login_throttle_entries,
-    }
-}
-
-/// The accounts service; creates `auth.initial_admin` when the store has no account yet.
-async fn accounts(platform: &Platform, cookie_key: &Key) -> io::Result<Accounts> {
-    let a = &platform.config.auth;
-    let invalid =
-        |e: smolchat_auth::AuthError| io::Error::new(io::ErrorKind::InvalidInput, e.to_string());
-    if let (Some(name), Some(password)) = (&a.initial_admin, &a.initial_admin_password) {
-        if smolchat_auth::accounts::ensure_initial_admin(&platform.store, name, password)
-            .await
-            .map_err(invalid)?
-        {
-            tracing::info!(name = %name, "initial admin account created from auth.initial_admin");
-        }
-    }
-    Accounts::new(
-        platform.store.clone(),
-        // Kept across restarts (configured or generated into the data folder), so sessions
-        // survive a restart.
-        cookie_key.signing(),
-        AccountsConfig {
-            signup: a.signup,
-            session_lifetime: Duration::from_secs(a.user_session_s),
-            throttle: throttle_policy(a),
-            signups_per_address: a.signups_per_address,
-            max_api_keys: a.max_api_keys_per_user,
-            max_sessions: a.max_sessions_per_user,
-        },
-    )
-    .map_err(invalid)
-}
-
-/// The admin sign-in service for `server.admin_token` (none when unset or empty).
-fn admin_auth(platform: &Platform, cookie_key: &Key) -> Option<AdminAuth> {
-    let token = platform
-        .config
-        .server
-        .admin_token
-        .as_deref()
-        .filter(|t| !t.is_empty())?;
-    let policy = throttle_policy(&platform.config.auth);
-    let a = &platform.config.auth;
-    Some(AdminAuth::new(
-        platform.store.clone(),
-        token,
-        // The cookie key is kept across restarts (configured, or generated once into the data
-        // folder), so admin sessions survive a restart with the same token.
-        cookie_key.signing(),
-        Duration::from_secs(a.admin_session_s),
-        policy,
-    ))
 }
 
 /// Resolves with the signal's name on SIGINT (Ctrl-C) or SIGTERM.

@@ -27,7 +27,6 @@
 //! cancels the request at once (and the closed channel would stop it at the next step anyway).
 
 mod assemble;
-pub mod error;
 pub mod request;
 
 use std::collections::VecDeque;
@@ -47,15 +46,15 @@ use actix_web::{HttpMessage, HttpRequest, HttpResponse};
 use futures_util::Stream;
 use serde_json::{json, Value};
 
+use crate::error::ApiError;
 pub use assemble::{Assembler, ChatAssembler, TextAssembler};
-use error::ApiError;
 use request::{Common, Defaults, PromptIn};
 
 use super::json::JsonBody;
 use super::{AppState, WebError};
 use smolchat_service::completions::{CacheUse, Completion, CompletionRequest};
+use smolchat_service::completions::{GenEvent, GenSummary, RequestId, StopReason};
 use smolchat_service::platform::Platform;
-use smolchat_serving::{GenEvent, GenSummary, RequestId, StopReason};
 use smolchat_text::prompt::{Prompt, PromptBuilder};
 use smolchat_text::template::{ChatMessage, ChatTemplate, RenderOptions};
 use smolchat_text::TextError;
@@ -147,7 +146,7 @@ async fn require_api_key(
     let client = super::client::Client::of(req.request());
     let global = state
         .platform
-        .config
+        .config()
         .server
         .api_key
         .as_deref()
@@ -162,7 +161,7 @@ async fn require_api_key(
                 .eq_ignore_ascii_case("bearer")
                 .then(|| token.trim().to_string())
         });
-    let anonymous_allowed = global.is_none() && state.platform.config.auth.guests;
+    let anonymous_allowed = global.is_none() && state.platform.config().auth.guests;
     if let Some(token) = given {
         if let Some(lockout) = state.bearers.locked(client.address) {
             return Err(ApiError::rate_limited(
@@ -182,7 +181,7 @@ async fn require_api_key(
             req.extensions_mut().insert(GlobalKey);
             return next.call(req).await;
         }
-        match state.accounts.api_key_user(&token).await {
+        match state.platform.accounts().api_key_user(&token).await {
             Ok(Some(user)) => {
                 let admin = user.is_admin();
                 req.extensions_mut()
@@ -226,7 +225,7 @@ async fn require_api_key(
 }
 
 fn model_object(p: &Platform) -> Value {
-    let m = &p.model;
+    let m = &p.model();
     json!({
         "id": m.id,
         "object": "model",
@@ -247,8 +246,8 @@ fn model_object(p: &Platform) -> Value {
 /// llama-server clients often send). Never the file's path: that would let a client test
 /// paths on the server's disk.
 fn is_served_model(p: &Platform, name: &str) -> bool {
-    let path = std::path::Path::new(&p.model.path);
-    name == p.model.id
+    let path = std::path::Path::new(&p.model().path);
+    name == p.model().id
         || path
             .file_name()
             .is_some_and(|f| f.to_string_lossy() == name)
@@ -265,14 +264,14 @@ async fn model(
     let p = &state.platform;
     // Only the id that `/v1/models` lists: anything else is 404, so the route answers nothing
     // about names or paths beyond what the listing already says.
-    if *path != p.model.id {
-        return Err(ApiError::model_not_found(&path, &p.model.id));
+    if *path != p.model().id {
+        return Err(ApiError::model_not_found(&path, &p.model().id));
     }
     Ok(HttpResponse::Ok().json(model_object(p)))
 }
 
 fn defaults(p: &Platform) -> Defaults {
-    let s = &p.config.sampling;
+    let s = &p.config().sampling;
     Defaults {
         temperature: s.temperature,
         top_p: s.top_p,
@@ -285,7 +284,7 @@ fn check_model(p: &Platform, common: &Common) -> Result<(), ApiError> {
         // Lenient like llama-server: a missing or empty model means the loaded one.
         None | Some("") => Ok(()),
         Some(name) if is_served_model(p, name) => Ok(()),
-        Some(name) => Err(ApiError::model_not_found(name, &p.model.id)),
+        Some(name) => Err(ApiError::model_not_found(name, &p.model().id)),
     }
 }
 
@@ -311,7 +310,7 @@ fn check_admin_only(state: &AppState, http: &HttpRequest, common: &Common) -> Re
 /// included, so there is no template text to tell apart from its own (chat requests, where
 /// there is, keep message text out of the control tokens: see [`chat_prompt`]).
 fn encode(p: &Platform, text: &str) -> Result<Vec<u32>, ApiError> {
-    p.tokenizer
+    p.tokenizer()
         .encode_prompt(text)
         .map_err(|e| ApiError::internal(format!("tokenizer: {e}")))
 }
@@ -333,8 +332,8 @@ async fn chat_completions(
     let prompt = web::block(move || -> Result<Prompt, ApiError> {
         let p = &state2.platform;
         chat_prompt(
-            PromptBuilder::new(&p.template, &p.tokenizer),
-            &p.template,
+            p.prompt_builder(),
+            p.template(),
             &render,
             chrono::Local::now().date_naive(),
         )
@@ -408,7 +407,7 @@ async fn completions(
                 .map_err(|e| ApiError::internal(format!("prompt task: {e}")))??
         }
         PromptIn::Tokens(ids) => {
-            let vocab = p.model.vocab_size;
+            let vocab = p.model().vocab_size;
             if let Some(bad) = ids.iter().find(|&&id| id as usize >= vocab) {
                 return Err(ApiError::invalid(
                     "prompt",
@@ -538,7 +537,7 @@ async fn generate<A: Assembler>(
     }
     let prompt_tokens = prompt.len();
     let completion = p
-        .completions
+        .completions()
         .submit(CompletionRequest {
             prompt,
             params: common.params,
@@ -552,7 +551,7 @@ async fn generate<A: Assembler>(
         })
         .await
         .map_err(|e| match e {
-            smolchat_serving::SubmitError::ContextOverflow {
+            smolchat_service::completions::SubmitError::ContextOverflow {
                 prompt_tokens,
                 window,
             } => ApiError::context_exceeded(prompt_tokens, window, prompt_param),
@@ -565,7 +564,7 @@ async fn generate<A: Assembler>(
         } else {
             "chatcmpl"
         },
-        &p.model.id,
+        &p.model().id,
     );
     tracing::debug!(
         request = id,

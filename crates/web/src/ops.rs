@@ -10,10 +10,6 @@ use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use serde_json::json;
 
 use super::AppState;
-use smolchat_serving::scheduler::{GetStats, ModelAlive};
-
-/// How long `/readyz` waits for the database.
-const DATABASE_CHECK: std::time::Duration = std::time::Duration::from_secs(2);
 
 static RECORDER: OnceLock<Option<PrometheusHandle>> = OnceLock::new();
 
@@ -108,31 +104,16 @@ pub async fn healthz() -> HttpResponse {
 /// binds, so that is from the start until shutdown begins, as long as the model thread runs),
 /// else 503.
 pub async fn readyz(state: web::Data<AppState>) -> HttpResponse {
-    let model_alive = state.platform.scheduler.connected()
-        && state
-            .platform
-            .scheduler
-            .send(ModelAlive)
-            .await
-            .unwrap_or(false);
-    // Every request needs the database: a replica that cannot reach it must leave the load
-    // balancer's rotation.
-    let database = match tokio::time::timeout(DATABASE_CHECK, state.platform.store.ping()).await {
-        Ok(Ok(())) => Ok(()),
-        Ok(Err(e)) => Err(e.to_string()),
-        Err(_) => Err(format!(
-            "no answer within {} s",
-            DATABASE_CHECK.as_secs_f64()
-        )),
-    };
+    let readiness = state.platform.readiness().await;
+    let (model_alive, database) = (readiness.model_alive, readiness.database);
     let shutting_down = !state.ready.load(Ordering::Acquire);
-    let replica = &state.platform.cluster.me().name;
+    let replica = &readiness.replica;
     if !shutting_down && model_alive && database.is_ok() {
         HttpResponse::Ok().json(json!({
             "status": "ready",
-            "model": state.platform.model.id,
-            "context_window": state.platform.model.context_window,
-            "database": state.platform.store.backend().as_str(),
+            "model": state.platform.model().id,
+            "context_window": state.platform.model().context_window,
+            "database": readiness.database_backend,
             "replica": replica,
         }))
     } else {
@@ -162,7 +143,7 @@ pub async fn readyz(state: web::Data<AppState>) -> HttpResponse {
 /// to a public address does not publish its metrics by default.
 pub async fn metrics(state: web::Data<AppState>, req: HttpRequest) -> HttpResponse {
     let client = super::client::Client::of(&req);
-    match state.platform.config.server.metrics_token.as_deref() {
+    match state.platform.config().server.metrics_token.as_deref() {
         Some(token) if !token.is_empty() => {
             if let Some(lockout) = state.bearers.locked(client.address) {
                 return HttpResponse::TooManyRequests()
@@ -218,16 +199,7 @@ pub async fn metrics(state: web::Data<AppState>, req: HttpRequest) -> HttpRespon
             }
         }));
     };
-    // The scheduler updates its gauges at each step; refresh them so an idle server reports
-    // current values too.
-    if let Ok(s) = state.platform.scheduler.send(GetStats).await {
-        metrics::gauge!("smolchat_kv_bytes").set(s.kv_bytes as f64);
-        metrics::gauge!("smolchat_kv_budget_bytes").set(s.kv_budget_bytes as f64);
-        metrics::gauge!("smolchat_kv_evictions").set(s.evictions as f64);
-        metrics::gauge!("smolchat_tokens_per_second").set(s.tokens_per_s);
-    }
-    metrics::gauge!("smolchat_live_sessions").set(state.platform.sessions.all().len() as f64);
-    metrics::gauge!("smolchat_live_replicas").set(state.platform.cluster.live().len() as f64);
+    state.platform.refresh_gauges().await;
     HttpResponse::Ok()
         .content_type("text/plain; version=0.0.4; charset=utf-8")
         .body(handle.render())

@@ -67,7 +67,7 @@ impl Owner {
     }
 
     fn account(
-        user: &smolchat_store::User,
+        user: &smolchat_service::records::User,
         address: Option<std::net::IpAddr>,
         session: Option<String>,
     ) -> Self {
@@ -108,8 +108,8 @@ impl Owner {
     }
 
     /// The caller as the layers below the web see it.
-    pub fn caller(&self) -> smolchat_serving::Caller {
-        smolchat_serving::Caller {
+    pub fn caller(&self) -> smolchat_service::Caller {
+        smolchat_service::Caller {
             owner: self.id.clone(),
             admin: self.admin,
             guest: self.guest,
@@ -118,22 +118,14 @@ impl Owner {
     }
 }
 
-/// The cookie key: the configured secret (at least 64 bytes), or a random one.
-pub fn cookie_key(secret: Option<&str>) -> Result<Key, String> {
-    match secret {
-        Some(s) => Key::try_from(s.as_bytes()).map_err(|_| {
-            format!(
-                "server.cookie_secret is {} bytes; it must be at least 64",
-                s.len()
-            )
-        }),
-        None => {
-            tracing::info!(
-                "server.cookie_secret is not set and the database is in memory: owner cookies are signed with a random key, so browsers lose their conversations when the server restarts"
-            );
-            Key::try_generate().ok_or_else(|| "no randomness to make a cookie key".to_string())
-        }
-    }
+/// The cookie key from `server.cookie_secret` (at least 64 bytes).
+pub fn cookie_key(secret: &str) -> Result<Key, String> {
+    Key::try_from(secret.as_bytes()).map_err(|_| {
+        format!(
+            "server.cookie_secret is {} bytes; it must be at least 64",
+            secret.len()
+        )
+    })
 }
 
 /// The owner id a request's cookie proves, if it carries a valid one.
@@ -237,14 +229,13 @@ async fn attach_owner(
     let mut stale_session = false;
     let session_name = super::cookies::name(SESSION_COOKIE, client.https);
     let account = match req.cookie(&session_name) {
-        Some(cookie) => match state.accounts.session(cookie.value()).await {
+        Some(cookie) => match state.platform.accounts().session(cookie.value()).await {
             Ok(Some(user)) => Some((user, smolchat_auth::secret::session_id(cookie.value()))),
             Ok(None) => {
                 stale_session = true;
                 None
             }
-            Err(smolchat_auth::AuthError::Store(e)) => return Err(WebError::from(e).into()),
-            Err(e) => return Err(WebError::Internal(e.to_string()).into()),
+            Err(e) => return Err(WebError::from(e).into()),
         },
         None => None,
     };
@@ -255,7 +246,7 @@ async fn attach_owner(
             None => (Owner::new_random(address), true),
         },
     };
-    if owner.guest && !state.platform.config.auth.guests && gate != Gate::Open {
+    if owner.guest && !state.platform.config().auth.guests && gate != Gate::Open {
         let htmx = req.headers().contains_key("HX-Request");
         return Ok(req
             .into_response(guests_off(gate == Gate::Api, htmx))

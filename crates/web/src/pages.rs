@@ -29,13 +29,14 @@ use serde::Deserialize;
 use uuid::Uuid;
 
 use super::api::{export_response, page_request, parse_id, ExportFormat};
+use super::error::PageError;
 use super::error::WebError;
-use super::html::{html, read_form, PageError};
+use super::html::{html, read_form};
 use super::owner::Owner;
 use super::{csrf, markdown, AppState};
 use smolchat_service::conversations::{ConversationView, NewConversation, SettingsPatch};
+use smolchat_service::records::{ConversationSummary, ListPage, Message, MessageStatus, Role};
 use smolchat_service::ConversationError;
-use smolchat_store::{ConversationSummary, ListPage, Message, MessageStatus, Role};
 
 // ---------------------------------------------------------------------------------------------
 // View models: plain strings and numbers, so the templates hold no logic beyond loops and ifs.
@@ -206,8 +207,8 @@ async fn chat_page(
     owner: &Owner,
     view: Option<ConversationView>,
 ) -> Result<HttpResponse, PageError> {
-    let config = &state.platform.config;
-    let service = &state.platform.conversations;
+    let config = &state.platform.config();
+    let service = &state.platform.conversations();
     let first = page_request(None, None)?;
     let list = service.list(&owner.caller(), None, &first).await?;
     let (conversation, messages, replying) = match view {
@@ -244,7 +245,7 @@ async fn chat_page(
         messages: views,
         replying,
         context_used,
-        context_window: state.platform.model.context_window,
+        context_window: state.platform.model().context_window,
         max_chars: config.limits.max_message_chars,
         settings: SettingsView {
             system_prompt: settings.system_prompt.clone().unwrap_or_default(),
@@ -273,7 +274,7 @@ pub async fn conversation(
     let id = parse_id(&path)?;
     let view = state
         .platform
-        .conversations
+        .conversations()
         .get(&owner.caller(), id)
         .await?;
     chat_page(&state, &owner, Some(view)).await
@@ -298,7 +299,7 @@ pub async fn list(
     let page = page_request(None, Some(&query.before))?;
     let list = state
         .platform
-        .conversations
+        .conversations()
         .list(&owner.caller(), Some(&query.q), &page)
         .await?;
     let active = Uuid::parse_str(&query.active).ok();
@@ -316,7 +317,7 @@ pub async fn message(
     let mid = parse_id(&mid)?;
     let (m, replying) = state
         .platform
-        .conversations
+        .conversations()
         .message(&owner.caller(), id, mid)
         .await
         .map_err(|e| match e {
@@ -354,7 +355,7 @@ pub async fn create(
     let form: ContentForm = read_form(&state, &req, payload).await?;
     let created = state
         .platform
-        .conversations
+        .conversations()
         .create(
             &owner.caller(),
             NewConversation {
@@ -380,11 +381,11 @@ pub async fn send(
     let id = parse_id(&path)?;
     // Whose it is before what the body says: another owner's id is 404 whatever the form holds.
     let caller = owner.caller();
-    state.platform.conversations.owned(&caller, id).await?;
+    state.platform.conversations().owned(&caller, id).await?;
     let form: ContentForm = read_form(&state, &req, payload).await?;
     state
         .platform
-        .conversations
+        .conversations()
         .send(&caller, id, form.content)
         .await?;
     Ok(HttpResponse::Accepted().finish())
@@ -399,7 +400,7 @@ pub async fn stop(
     let id = parse_id(&path)?;
     state
         .platform
-        .conversations
+        .conversations()
         .stop(&owner.caller(), id)
         .await?;
     Ok(HttpResponse::NoContent().finish())
@@ -414,7 +415,7 @@ pub async fn regenerate(
     let id = parse_id(&path)?;
     state
         .platform
-        .conversations
+        .conversations()
         .regenerate(&owner.caller(), id)
         .await?;
     Ok(HttpResponse::Accepted().finish())
@@ -431,11 +432,11 @@ pub async fn edit(
     let id = parse_id(&path)?;
     // Whose it is before what the body says: another owner's id is 404 whatever the form holds.
     let caller = owner.caller();
-    state.platform.conversations.owned(&caller, id).await?;
+    state.platform.conversations().owned(&caller, id).await?;
     let form: ContentForm = read_form(&state, &req, payload).await?;
     state
         .platform
-        .conversations
+        .conversations()
         .edit(&caller, id, form.content)
         .await?;
     Ok(HttpResponse::Accepted().finish())
@@ -457,11 +458,11 @@ pub async fn rename(
     let id = parse_id(&path)?;
     // Whose it is before what the body says: another owner's id is 404 whatever the form holds.
     let caller = owner.caller();
-    state.platform.conversations.owned(&caller, id).await?;
+    state.platform.conversations().owned(&caller, id).await?;
     let form: TitleForm = read_form(&state, &req, payload).await?;
     state
         .platform
-        .conversations
+        .conversations()
         .rename(&caller, id, &form.title)
         .await?;
     Ok(HttpResponse::NoContent()
@@ -516,7 +517,7 @@ pub async fn settings(
     let id = parse_id(&path)?;
     // Whose it is before what the body says: another owner's id is 404 whatever the form holds.
     let caller = owner.caller();
-    state.platform.conversations.owned(&caller, id).await?;
+    state.platform.conversations().owned(&caller, id).await?;
     let form: SettingsForm = read_form(&state, &req, payload).await?;
     let patch = SettingsPatch {
         // An empty prompt removes it.
@@ -538,7 +539,7 @@ pub async fn settings(
     };
     state
         .platform
-        .conversations
+        .conversations()
         .update(&caller, id, None, &patch)
         .await?;
     Ok(HttpResponse::Ok()
@@ -562,7 +563,7 @@ pub async fn thinking(
     let id = parse_id(&path)?;
     // Whose it is before what the body says: another owner's id is 404 whatever the form holds.
     let caller = owner.caller();
-    state.platform.conversations.owned(&caller, id).await?;
+    state.platform.conversations().owned(&caller, id).await?;
     let form: ThinkingForm = read_form(&state, &req, payload).await?;
     let patch = SettingsPatch {
         thinking: Some(checkbox("thinking", form.thinking.as_deref())?),
@@ -570,7 +571,7 @@ pub async fn thinking(
     };
     state
         .platform
-        .conversations
+        .conversations()
         .update(&caller, id, None, &patch)
         .await?;
     Ok(HttpResponse::NoContent().finish())
@@ -585,7 +586,7 @@ pub async fn delete(
     let id = parse_id(&path)?;
     state
         .platform
-        .conversations
+        .conversations()
         .delete(&owner.caller(), id)
         .await?;
     Ok(hx_redirect(StatusCode::OK, "/"))
@@ -601,7 +602,7 @@ async fn export(
     let id = parse_id(id)?;
     let doc = state
         .platform
-        .conversations
+        .conversations()
         .export(&owner.caller(), id)
         .await?;
     Ok(export_response(&doc, format)?)

@@ -7,7 +7,7 @@
 use serde_json::{json, Value};
 
 use super::request::python_json;
-use smolchat_serving::StopReason;
+use smolchat_service::completions::StopReason;
 use smolchat_text::splitter::{SplitEvent, Splitter, ToolCall, TOOL_CALL_CLOSE, TOOL_CALL_OPEN};
 
 pub trait Assembler: Unpin + Send + 'static {

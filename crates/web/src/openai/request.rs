@@ -6,7 +6,7 @@
 
 use serde_json::{Map, Value};
 
-use super::error::ApiError;
+use crate::error::ApiError;
 use smolchat_text::sampling::SamplingParams;
 use smolchat_text::template::ChatMessage;
 

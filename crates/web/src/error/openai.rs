@@ -10,7 +10,7 @@ use actix_web::{HttpResponse, ResponseError};
 use serde_json::json;
 
 use crate::WebError;
-use smolchat_serving::SubmitError;
+use smolchat_service::completions::SubmitError;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ApiError {

@@ -14,18 +14,21 @@ use serde::Serialize;
 use tokio::sync::mpsc;
 use uuid::Uuid;
 
-use super::cluster::{Cluster, Wire, WireBody};
-use super::completions::{CacheUse, CompletionRequest, Completions};
-use crate::validation::not_text;
+mod buffer;
+mod mirror;
+mod prompt;
+
+pub use prompt::{check_message, conversation_prompt};
+
+use crate::cluster::{Cluster, Wire, WireBody};
+use crate::completions::{CacheUse, CompletionRequest, Completions};
+use crate::reply::ReplyEvent;
+use buffer::ReplyBuffer;
+use mirror::{Follow, Mirror};
 use smolchat_serving::scheduler::{Cancel, SchedulerActor};
-use smolchat_serving::types::{GenEvent, GenSummary, RequestId, StopReason, SubmitError};
-use smolchat_store::{
-    Conversation, FinishedReply, Message, MessageStatus, Role, Store, StoreError, Timings,
-};
-use smolchat_text::prompt::{Prompt, PromptBuilder};
-use smolchat_text::sampling::SamplingParams;
-use smolchat_text::splitter::{SplitEvent, Splitter, ToolCall};
-use smolchat_text::template::{ChatMessage, ChatTemplate, RenderOptions};
+use smolchat_serving::types::{GenEvent, GenSummary, SubmitError};
+use smolchat_store::{Message, MessageStatus, Role, Store, StoreError};
+use smolchat_text::template::ChatTemplate;
 use smolchat_text::tokenizer::Tokenizer;
 
 #[derive(Debug, Clone)]
@@ -116,59 +119,6 @@ impl From<StoreError> for SessionError {
     }
 }
 
-/// Events of a reply, as subscribers see them.
-#[derive(Debug, Clone, Serialize)]
-#[serde(tag = "type", rename_all = "snake_case")]
-pub enum ReplyEvent {
-    /// A reply began (after the user message was stored).
-    Started {
-        user_message: Message,
-        assistant_message_id: Uuid,
-    },
-    /// The prompt left the queue and is being prefilled.
-    Prefilling {
-        prompt_tokens: usize,
-        cached_tokens: usize,
-    },
-    Reasoning {
-        text: String,
-    },
-    Answer {
-        text: String,
-    },
-    ToolCall {
-        call: ToolCall,
-    },
-    /// The reply ended and is stored.
-    Done {
-        message: Message,
-        summary: GenSummary,
-    },
-    Error {
-        message: String,
-    },
-}
-
-/// What a finished reply's row says of how it went, for a `Done` made from the row (its `Done`
-/// event was lost between replicas).
-fn summary_of_stored(message: &Message) -> GenSummary {
-    let timings = message.timings.clone().unwrap_or_default();
-    GenSummary {
-        reason: match message.status {
-            MessageStatus::Stopped => StopReason::Cancelled,
-            MessageStatus::Error => StopReason::Error(message.error.clone().unwrap_or_default()),
-            _ => StopReason::EndOfGeneration,
-        },
-        prompt_tokens: message.prompt_tokens.unwrap_or(0).max(0) as usize,
-        cached_tokens: message.cached_tokens.unwrap_or(0).max(0) as usize,
-        completion_tokens: message.completion_tokens.unwrap_or(0).max(0) as usize,
-        queue_ms: timings.queue_ms,
-        prefill_ms: timings.prefill_ms,
-        ttft_ms: timings.ttft_ms,
-        generation_ms: timings.generation_ms,
-    }
-}
-
 /// A live subscription: what was missed of the current reply, then the events as they come.
 /// Dropping it unsubscribes.
 pub struct Subscription {
@@ -194,55 +144,6 @@ impl Drop for SubscriptionGuard {
     }
 }
 
-struct RunningReply {
-    request_id: Option<RequestId>,
-    user_message_id: Uuid,
-    assistant_message_id: Uuid,
-    splitter: Splitter,
-    raw: String,
-    content: String,
-    reasoning: String,
-    tool_calls: Vec<ToolCall>,
-    prompt_tokens: usize,
-    cached_tokens: usize,
-    /// Stop was asked before the scheduler gave an id.
-    stop_requested: bool,
-    /// Length of `raw` at the last partial save.
-    saved_len: usize,
-}
-
-/// A reply another replica is generating in this conversation, mirrored for the viewers here.
-struct RemoteMirror {
-    /// The replica generating it.
-    from: Uuid,
-    assistant: Uuid,
-    /// Whether this mirror holds the reply from its start (its `Started`, or a snapshot), so
-    /// deltas can be passed on; until then they are dropped and a snapshot is awaited.
-    synced: bool,
-}
-
-impl RunningReply {
-    /// The write that saves the reply as it is now (content, reasoning, raw text), which from
-    /// then on counts as saved.
-    fn save_now(
-        &mut self,
-        store: Store,
-    ) -> impl std::future::Future<Output = Result<bool, StoreError>> + 'static {
-        self.saved_len = self.raw.len();
-        let (id, content, raw) = (
-            self.assistant_message_id,
-            self.content.clone(),
-            self.raw.clone(),
-        );
-        let reasoning = (!self.reasoning.is_empty()).then(|| self.reasoning.clone());
-        async move {
-            store
-                .save_partial_reply(id, &content, reasoning.as_deref(), &raw)
-                .await
-        }
-    }
-}
-
 pub struct SessionActor {
     id: Uuid,
     shared: Arc<SessionShared>,
@@ -250,12 +151,12 @@ pub struct SessionActor {
     subscribers: HashMap<u64, mpsc::Sender<ReplyEvent>>,
     next_subscriber: u64,
     replay: Vec<ReplyEvent>,
-    reply: Option<RunningReply>,
+    reply: Option<ReplyBuffer>,
     /// A send is between its checks and the scheduler's acceptance.
     sending: bool,
     last_activity: Instant,
     /// Another replica's reply in this conversation, followed for the viewers here.
-    remote: Option<RemoteMirror>,
+    remote: Option<Mirror>,
     /// When another replica last said that viewers there follow this replica's reply.
     remote_watched_at: Option<Instant>,
 }
@@ -283,40 +184,7 @@ impl SessionActor {
     }
 
     fn publish(&self, event: &ReplyEvent) {
-        let cluster = &self.shared.cluster;
-        if !cluster.is_shared() {
-            return;
-        }
-        let c = self.id;
-        let body = match event {
-            ReplyEvent::Started {
-                user_message,
-                assistant_message_id,
-            } => WireBody::Started {
-                user_message: user_message.id,
-                assistant: *assistant_message_id,
-            },
-            ReplyEvent::Prefilling {
-                prompt_tokens,
-                cached_tokens,
-            } => WireBody::Prefilling {
-                prompt_tokens: *prompt_tokens,
-                cached_tokens: *cached_tokens,
-            },
-            ReplyEvent::Reasoning { text } => return cluster.publish_text(c, true, text),
-            ReplyEvent::Answer { text } => return cluster.publish_text(c, false, text),
-            ReplyEvent::ToolCall { call } => WireBody::ToolCall { call: call.clone() },
-            ReplyEvent::Done { message, summary } => WireBody::Done {
-                message: message.id,
-                summary: summary.clone(),
-            },
-            ReplyEvent::Error { message } => WireBody::Error {
-                message: super::cluster::split_text(message, 2000)
-                    .first()
-                    .map_or_else(String::new, |m| m.to_string()),
-            },
-        };
-        cluster.publish(c, body);
+        self.shared.cluster.publish_reply(self.id, event);
     }
 
     /// Answers another replica's [`WireBody::Sync`]: saves the reply so far, then announces how
@@ -327,19 +195,8 @@ impl SessionActor {
         let Some(reply) = self.reply.as_mut() else {
             return;
         };
-        // Tool calls ride along only while the message stays small; the final row has them all.
-        let mut tool_calls = reply.tool_calls.clone();
-        while serde_json::to_string(&tool_calls).map_or(0, |j| j.len()) > 4000 {
-            tool_calls.pop();
-        }
         let c = self.id;
-        let body = WireBody::Snapshot {
-            user_message: reply.user_message_id,
-            assistant: reply.assistant_message_id,
-            content_len: reply.content.len(),
-            reasoning_len: reply.reasoning.len(),
-            tool_calls,
-        };
+        let body = reply.snapshot();
         reply
             .save_now(self.shared.store.clone())
             .into_actor(self)
@@ -394,7 +251,7 @@ impl SessionActor {
                     match &act.remote {
                         Some(m) if m.assistant == assistant => {}
                         _ => {
-                            act.remote = Some(RemoteMirror {
+                            act.remote = Some(Mirror {
                                 from: replica,
                                 assistant,
                                 synced: false,
@@ -459,7 +316,7 @@ impl SessionActor {
                             .to_string(),
                     });
                 } else {
-                    let summary = summary_of_stored(&message);
+                    let summary = mirror::summary_of_stored(&message);
                     act.fan_out(ReplyEvent::Done { message, summary });
                 }
                 act.replay.clear();
@@ -467,75 +324,40 @@ impl SessionActor {
             .wait(ctx);
     }
 
-    /// An event of another replica's reply.
+    /// A message about another replica's reply in this conversation ([`mirror::follow`]
+    /// decides; this reads the rows it names and tells the viewers).
     fn on_remote_reply(&mut self, wire: Wire, ctx: &mut Context<Self>) {
-        if self.is_busy() {
-            // This replica generates here; the unique streaming row means the other cannot.
-            return;
-        }
-        let from = wire.from;
-        let following =
-            |m: &Option<RemoteMirror>| m.as_ref().is_some_and(|m| m.synced && m.from == from);
-        match wire.body {
-            WireBody::Started {
+        let busy = self.is_busy();
+        match mirror::follow(&mut self.remote, busy, wire.from, wire.body) {
+            Follow::Ignore => {}
+            Follow::FanOut(event) => self.fan_out(*event),
+            Follow::Start {
                 user_message,
                 assistant,
-                ..
             } => {
-                self.remote = Some(RemoteMirror {
-                    from,
-                    assistant,
-                    synced: true,
-                });
                 self.replay.clear();
                 let store = self.shared.store.clone();
                 async move { store.get_message(user_message).await }
                     .into_actor(self)
                     .map(move |found, act, _| match found {
-                        Ok(Some(user_message)) => act.fan_out(ReplyEvent::Started {
-                            user_message,
-                            assistant_message_id: assistant,
-                        }),
+                        Ok(Some(user_message)) if user_message.conversation_id == act.id => act
+                            .fan_out(ReplyEvent::Started {
+                                user_message,
+                                assistant_message_id: assistant,
+                            }),
+                        Ok(Some(_)) => tracing::warn!(conversation = %act.id, "a relayed reply named a message of another conversation; ignored"),
                         Ok(None) => {}
                         Err(e) => tracing::warn!("cannot load a relayed user message: {e}"),
                     })
                     .wait(ctx);
             }
-            WireBody::Prefilling {
-                prompt_tokens,
-                cached_tokens,
-                ..
-            } if following(&self.remote) => self.fan_out(ReplyEvent::Prefilling {
-                prompt_tokens,
-                cached_tokens,
-            }),
-            WireBody::Reasoning { text } if following(&self.remote) => {
-                self.fan_out(ReplyEvent::Reasoning { text })
-            }
-            WireBody::Answer { text } if following(&self.remote) => {
-                self.fan_out(ReplyEvent::Answer { text })
-            }
-            WireBody::ToolCall { call } if following(&self.remote) => {
-                self.fan_out(ReplyEvent::ToolCall { call })
-            }
-            WireBody::Error { message } if following(&self.remote) => {
-                self.fan_out(ReplyEvent::Error { message })
-            }
-            WireBody::Snapshot {
+            Follow::Snapshot {
                 user_message,
                 assistant,
                 content_len,
                 reasoning_len,
                 tool_calls,
-                ..
             } => {
-                let waiting = self
-                    .remote
-                    .as_ref()
-                    .is_some_and(|m| !m.synced && m.assistant == assistant);
-                if !waiting {
-                    return;
-                }
                 let store = self.shared.store.clone();
                 async move {
                     let user = store.get_message(user_message).await?;
@@ -544,55 +366,36 @@ impl SessionActor {
                 }
                 .into_actor(self)
                 .map(move |found, act, _| {
-                    let (Some(user), Some(reply)) = (match found {
-                        Ok(pair) => pair,
+                    let (user, reply) = match found {
+                        Ok((Some(user), Some(reply))) => (user, reply),
+                        Ok(_) => return,
                         Err(e) => {
                             tracing::warn!("cannot load a relayed reply: {e}");
                             return;
                         }
-                    }) else {
+                    };
+                    let Some(events) = mirror::snapshot_events(
+                        act.id,
+                        user,
+                        &reply,
+                        content_len,
+                        reasoning_len,
+                        tool_calls,
+                    ) else {
+                        tracing::warn!(conversation = %act.id, "a relayed snapshot named messages of another conversation; ignored");
                         return;
                     };
-                    // Only messages of this conversation: a relayed id naming another one's
-                    // message must not show its text here.
-                    let id = act.id;
-                    if user.conversation_id != id || reply.conversation_id != id {
-                        tracing::warn!(conversation = %id, "a relayed snapshot named messages of another conversation; ignored");
-                        return;
-                    }
-                    let prefix =
-                        |text: &str, len: usize| text.get(..len).unwrap_or(text).to_string();
-                    let content = prefix(&reply.content, content_len);
-                    let reasoning = prefix(reply.reasoning.as_deref().unwrap_or(""), reasoning_len);
                     act.replay.clear();
                     if let Some(m) = act.remote.as_mut() {
                         m.synced = true;
                     }
-                    act.fan_out(ReplyEvent::Started {
-                        user_message: user,
-                        assistant_message_id: assistant,
-                    });
-                    if !reasoning.is_empty() {
-                        act.fan_out(ReplyEvent::Reasoning { text: reasoning });
-                    }
-                    for call in tool_calls {
-                        act.fan_out(ReplyEvent::ToolCall { call });
-                    }
-                    if !content.is_empty() {
-                        act.fan_out(ReplyEvent::Answer { text: content });
+                    for event in events {
+                        act.fan_out(event);
                     }
                 })
                 .wait(ctx);
             }
-            WireBody::Done {
-                message, summary, ..
-            } => {
-                // Only the end of the reply this session follows: a `Done` of an earlier reply
-                // can arrive after a viewer (who already saw it elsewhere) joined here.
-                if self.remote.as_ref().is_none_or(|m| m.assistant != message) {
-                    return;
-                }
-                self.remote = None;
+            Follow::Finish { message, summary } => {
                 let store = self.shared.store.clone();
                 async move { store.get_message(message).await }
                     .into_actor(self)
@@ -609,7 +412,6 @@ impl SessionActor {
                     })
                     .wait(ctx);
             }
-            _ => {}
         }
     }
 
@@ -617,79 +419,18 @@ impl SessionActor {
         self.sending || self.reply.is_some()
     }
 
-    fn on_split_events(&mut self, events: Vec<SplitEvent>) {
-        for ev in events {
-            let out = {
-                let Some(reply) = self.reply.as_mut() else {
-                    return;
-                };
-                match ev {
-                    SplitEvent::Reasoning(t) => {
-                        reply.reasoning.push_str(&t);
-                        ReplyEvent::Reasoning { text: t }
-                    }
-                    SplitEvent::Answer(t) => {
-                        reply.content.push_str(&t);
-                        ReplyEvent::Answer { text: t }
-                    }
-                    SplitEvent::ToolCall(call) => {
-                        reply.tool_calls.push(call.clone());
-                        ReplyEvent::ToolCall { call }
-                    }
-                    SplitEvent::InvalidToolCall { raw, .. } => {
-                        let text = format!("<tool_call>{raw}</tool_call>");
-                        reply.content.push_str(&text);
-                        ReplyEvent::Answer { text }
-                    }
-                }
-            };
-            self.broadcast(out);
-        }
-    }
-
     fn finish_reply(&mut self, summary: GenSummary, ctx: &mut Context<Self>) {
-        let Some(mut reply) = self.reply.take() else {
-            return;
-        };
-        // Keep the session marked busy until the reply is stored.
-        self.sending = true;
-        let tail = reply.splitter.finish();
-        self.reply = Some(reply);
-        self.on_split_events(tail);
         let Some(reply) = self.reply.take() else {
             return;
         };
-        let (status, error) = match &summary.reason {
-            StopReason::EndOfGeneration | StopReason::StopString(_) | StopReason::Length => {
-                (MessageStatus::Complete, None)
-            }
-            StopReason::Cancelled | StopReason::TimeLimit => (MessageStatus::Stopped, None),
-            StopReason::Error(e) => (MessageStatus::Error, Some(e.clone())),
-        };
-        let tokens_per_s = if summary.generation_ms > 0.0 {
-            summary.completion_tokens.saturating_sub(1) as f64 / (summary.generation_ms / 1e3)
-        } else {
-            0.0
-        };
-        let finished = FinishedReply {
-            content: reply.content,
-            reasoning: (!reply.reasoning.is_empty()).then_some(reply.reasoning),
-            raw: reply.raw,
-            status,
-            error,
-            prompt_tokens: reply.prompt_tokens as i64,
-            completion_tokens: summary.completion_tokens as i64,
-            cached_tokens: reply.cached_tokens as i64,
-            timings: Timings {
-                queue_ms: summary.queue_ms,
-                prefill_ms: summary.prefill_ms,
-                ttft_ms: summary.ttft_ms,
-                generation_ms: summary.generation_ms,
-                tokens_per_s,
-            },
-        };
-        let store = self.shared.store.clone();
         let id = reply.assistant_message_id;
+        let (tail, finished) = reply.finish(&summary);
+        for event in tail {
+            self.broadcast(event);
+        }
+        // Keep the session marked busy until the reply is stored.
+        self.sending = true;
+        let store = self.shared.store.clone();
         async move { store.finish_assistant_message(id, &finished).await }
             .into_actor(self)
             .map(move |result, act, _| {
@@ -714,7 +455,7 @@ impl SessionActor {
         let Some(reply) = self.reply.as_mut() else {
             return;
         };
-        if reply.raw.len() == reply.saved_len {
+        if !reply.unsaved() {
             return;
         }
         let save = reply.save_now(self.shared.store.clone());
@@ -812,102 +553,6 @@ pub struct Accepted {
     pub assistant_message_id: Uuid,
 }
 
-struct Prepared {
-    prompt: Vec<u32>,
-    starts_in_reasoning: bool,
-    params: SamplingParams,
-}
-
-/// The rules every user message meets: not empty, text, within the length limit.
-pub fn check_message(content: &str, max_chars: usize) -> Result<(), SessionError> {
-    if content.trim().is_empty() {
-        return Err(SessionError::EmptyMessage);
-    }
-    if let Some(what) = not_text(content) {
-        return Err(SessionError::NotText(what));
-    }
-    let chars = content.chars().count();
-    if chars > max_chars {
-        return Err(SessionError::MessageTooLong {
-            chars,
-            limit: max_chars,
-        });
-    }
-    Ok(())
-}
-
-/// The messages a stored conversation plus a new user message stand for: the system prompt, the
-/// kept history (failed replies left out) and the new message. The one mapping from stored
-/// messages to the template's, used by every turn whichever interface sent it.
-fn conversation_messages(
-    conversation: &Conversation,
-    history: &[Message],
-    new_user: &str,
-) -> Vec<ChatMessage> {
-    let s = &conversation.settings;
-    let mut messages = Vec::new();
-    if let Some(system) = s.system_prompt.as_deref().filter(|p| !p.trim().is_empty()) {
-        messages.push(ChatMessage::system(system));
-    }
-    for m in history {
-        match m.role {
-            Role::User => messages.push(ChatMessage::user(&m.content)),
-            // An imported reply is whoever wrote the file's text, not the model's: guarded like
-            // user text, so control tokens typed into it stay text.
-            Role::Assistant if m.status != MessageStatus::Error && m.imported => {
-                messages.push(ChatMessage::assistant(&m.content))
-            }
-            // The exact generated text, so the re-rendered prompt matches the cached tokens.
-            Role::Assistant if m.status != MessageStatus::Error => messages.push(
-                ChatMessage::generated(m.raw.as_deref().unwrap_or(&m.content)),
-            ),
-            Role::System => messages.push(ChatMessage::system(&m.content)),
-            _ => {}
-        }
-    }
-    messages.push(ChatMessage::user(new_user));
-    messages
-}
-
-/// The render options of a conversation's turns: its pinned date and its thinking switch.
-fn conversation_render_options(conversation: &Conversation) -> RenderOptions {
-    let s = &conversation.settings;
-    let mut opts = RenderOptions::new(s.pinned_date);
-    opts.enable_thinking = Some(s.thinking);
-    opts
-}
-
-/// The prompt of a conversation's next turn, built by the one prompt builder.
-pub fn conversation_prompt(
-    builder: PromptBuilder<'_>,
-    conversation: &Conversation,
-    history: &[Message],
-    new_user: &str,
-) -> Result<Prompt, SessionError> {
-    builder
-        .build(
-            &conversation_messages(conversation, history, new_user),
-            &conversation_render_options(conversation),
-        )
-        .map_err(|e| SessionError::Prompt(e.to_string()))
-}
-
-/// Builds the conversation plus the new user message into prompt tokens and sampling settings.
-fn prepare(
-    shared: &SessionShared,
-    conversation: &Conversation,
-    history: &[Message],
-    new_user: &str,
-) -> Result<Prepared, SessionError> {
-    let builder = PromptBuilder::new(&shared.template, &shared.tokenizer);
-    let prompt = conversation_prompt(builder, conversation, history, new_user)?;
-    Ok(Prepared {
-        prompt: prompt.tokens,
-        starts_in_reasoning: prompt.starts_in_reasoning,
-        params: super::settings::sampling_of(&conversation.settings),
-    })
-}
-
 impl Handler<SendMessage> for SessionActor {
     type Result = ResponseActFuture<Self, Result<Accepted, SessionError>>;
 
@@ -973,7 +618,7 @@ impl Handler<SendMessage> for SessionActor {
             let (prepared, conversation, content) = {
                 let shared = Arc::clone(&shared);
                 tokio::task::spawn_blocking(move || {
-                    prepare(&shared, &conversation, &history, &content)
+                    prompt::prepare(&shared, &conversation, &history, &content)
                         .map(|p| (p, conversation, content))
                 })
                 .await
@@ -1003,20 +648,13 @@ impl Handler<SendMessage> for SessionActor {
             let request_id = completion.id();
             act.replay.clear();
             act.remote = None;
-            act.reply = Some(RunningReply {
-                request_id: Some(request_id),
-                user_message_id: user.id,
-                assistant_message_id: assistant.id,
-                splitter: Splitter::new(prepared.starts_in_reasoning),
-                raw: String::new(),
-                content: String::new(),
-                reasoning: String::new(),
-                tool_calls: Vec::new(),
-                prompt_tokens: prepared.prompt.len(),
-                cached_tokens: 0,
-                stop_requested: false,
-                saved_len: 0,
-            });
+            act.reply = Some(ReplyBuffer::new(
+                request_id,
+                user.id,
+                assistant.id,
+                prepared.starts_in_reasoning,
+                prepared.prompt.len(),
+            ));
             ctx.add_stream(completion);
             act.broadcast(ReplyEvent::Started {
                 user_message: user.clone(),
@@ -1050,14 +688,12 @@ impl StreamHandler<GenEvent> for SessionActor {
                 });
             }
             GenEvent::Token { text, .. } => {
-                let events = match self.reply.as_mut() {
-                    Some(r) => {
-                        r.raw.push_str(&text);
-                        r.splitter.push(&text)
-                    }
-                    None => return,
+                let Some(reply) = self.reply.as_mut() else {
+                    return;
                 };
-                self.on_split_events(events);
+                for event in reply.push(&text) {
+                    self.broadcast(event);
+                }
             }
             GenEvent::Finished(summary) => self.finish_reply(summary, ctx),
         }

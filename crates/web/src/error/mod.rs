@@ -1,16 +1,23 @@
-//! `WebError`, the one error type of the web layer. Every refusal the HTTP surface makes goes
-//! through it, so every error a client sees has the same shape:
-//! `{"error": {"message": "...", "type": "..."}}` with a status code that says who is at fault.
+//! The web layer's errors, in one place: [`WebError`], every refusal the HTTP surface makes,
+//! answered as `{"error": {"message": "...", "type": "..."}}` with a status code that says who is
+//! at fault; and its two other faces, one per kind of client: [`PageError`] (the same refusals
+//! shown as an HTML page, with the CSRF and admin refusals) and [`ApiError`] (OpenAI's error
+//! shape, for `/v1`). The services' errors become these here and nowhere else.
+
+mod openai;
+mod page;
+
+pub use openai::ApiError;
+pub use page::PageError;
 
 use actix_web::http::header::{self, HeaderValue};
 use actix_web::http::StatusCode;
 use actix_web::{HttpResponse, ResponseError};
 use serde_json::json;
 
+use smolchat_service::completions::SubmitError;
 use smolchat_service::session::STORAGE_UNAVAILABLE;
 use smolchat_service::ConversationError;
-use smolchat_serving::SubmitError;
-use smolchat_store::StoreError;
 
 /// Seconds a client is asked to wait before retrying after a storage fault.
 const STORAGE_RETRY_AFTER_S: u64 = 5;
@@ -161,6 +168,7 @@ impl From<ConversationError> for WebError {
     fn from(e: ConversationError) -> Self {
         match e {
             ConversationError::NotFound => WebError::conversation_not_found(),
+            ConversationError::NoSuch(m) => WebError::NotFound(m),
             ConversationError::Invalid { message, .. } => WebError::BadRequest(message),
             ConversationError::TooLarge(m) => WebError::PayloadTooLarge(m),
             ConversationError::Forbidden(m) => WebError::Forbidden(m),
@@ -187,6 +195,19 @@ impl From<ConversationError> for WebError {
     }
 }
 
+/// The sign-in layer's errors met outside a sign-in (looking up a session or a key): storage
+/// faults are a 503 "try again", anything else a fault on our side.
+impl From<smolchat_auth::AuthError> for WebError {
+    fn from(e: smolchat_auth::AuthError) -> Self {
+        if e.is_storage_unavailable() {
+            tracing::warn!(error = %e, "storage unavailable");
+            WebError::StorageUnavailable(STORAGE_UNAVAILABLE.to_string())
+        } else {
+            WebError::Internal(e.to_string())
+        }
+    }
+}
+
 impl From<SubmitError> for WebError {
     fn from(e: SubmitError) -> Self {
         match e {
@@ -205,22 +226,6 @@ impl From<SubmitError> for WebError {
             }
             SubmitError::Invalid(_) => WebError::BadRequest(e.to_string()),
             SubmitError::Unavailable(_) => WebError::Unavailable(e.to_string()),
-        }
-    }
-}
-
-impl From<StoreError> for WebError {
-    fn from(e: StoreError) -> Self {
-        match e {
-            StoreError::ConversationNotFound(_) | StoreError::MessageNotFound(_) => {
-                WebError::conversation_not_found()
-            }
-            StoreError::InvalidSettings(m) => WebError::BadRequest(m),
-            other if other.is_unavailable() => {
-                tracing::warn!(error = %other, "storage unavailable");
-                WebError::StorageUnavailable(STORAGE_UNAVAILABLE.to_string())
-            }
-            other => WebError::Internal(format!("storage: {other}")),
         }
     }
 }

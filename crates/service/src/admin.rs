@@ -1,0 +1,230 @@
+//! The operator's service: every conversation of every owner with its live state, the engine and
+//! the replicas, the users table, and the admin actions (stop, evict, delete; disable, enable,
+//! revoke a user's sessions). `/admin` in the web layer checks that the caller is an admin, calls
+//! this and renders what it returns; the rules (such as "an admin cannot disable their own
+//! account") are here.
+
+use std::collections::HashMap;
+use std::str::FromStr;
+use std::sync::Arc;
+
+use actix::Addr;
+use smolchat_auth::Accounts;
+use smolchat_serving::scheduler::{Evict, GetCacheInfo, GetStats, StatesOf};
+use smolchat_serving::{SchedulerActor, SchedulerStats, SequenceState};
+use smolchat_store::{
+    ConversationSummary, Cursor, PageRequest, ReplicaRecord, Store, UserOverview,
+};
+use uuid::Uuid;
+
+use crate::caller::Caller;
+use crate::cluster::Cluster;
+use crate::conversations::{ConversationError, Conversations};
+
+type Result<T, E = ConversationError> = std::result::Result<T, E>;
+
+/// Users per page of the users table.
+pub const USERS_PER_PAGE: i64 = 50;
+
+/// One conversation on the operator's table.
+#[derive(Debug, Clone)]
+pub struct LiveConversation {
+    pub summary: ConversationSummary,
+    /// The owning account's name; `None` for a guest.
+    pub owner_name: Option<String>,
+    /// What the scheduler is doing for it on this replica.
+    pub state: SequenceState,
+    /// Bytes of KV cache this replica holds for it.
+    pub kv_bytes: Option<usize>,
+    /// The live replica that holds its KV cache, by name.
+    pub replica: Option<String>,
+}
+
+/// The live part of the admin page: this replica's engine, every replica, one page of
+/// conversations.
+#[derive(Debug, Clone)]
+pub struct LiveView {
+    pub stats: SchedulerStats,
+    /// Every replica on the database, live or gone within the hour.
+    pub replicas: Vec<ReplicaRecord>,
+    /// This replica's id (to mark it among `replicas`).
+    pub this_replica: Uuid,
+    pub conversations: Vec<LiveConversation>,
+    /// The next (older) page, if any.
+    pub next: Option<Cursor>,
+}
+
+/// One page of the users table.
+#[derive(Debug, Clone)]
+pub struct UsersPage {
+    pub users: Vec<UserOverview>,
+    /// The page shown, from 1.
+    pub page: i64,
+    pub has_more: bool,
+}
+
+/// What an admin can do to an account.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum UserAction {
+    Disable,
+    Enable,
+    /// Sign the user out everywhere.
+    RevokeSessions,
+}
+
+impl FromStr for UserAction {
+    type Err = ConversationError;
+
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "disable" => Ok(Self::Disable),
+            "enable" => Ok(Self::Enable),
+            "revoke" => Ok(Self::RevokeSessions),
+            other => Err(ConversationError::NoSuch(format!(
+                "no user action {other:?}"
+            ))),
+        }
+    }
+}
+
+/// The admin service (see the module docs).
+pub struct Admin {
+    store: Store,
+    scheduler: Addr<SchedulerActor>,
+    cluster: Arc<Cluster>,
+    conversations: Arc<Conversations>,
+    accounts: Arc<Accounts>,
+}
+
+impl Admin {
+    pub fn new(
+        store: Store,
+        scheduler: Addr<SchedulerActor>,
+        cluster: Arc<Cluster>,
+        conversations: Arc<Conversations>,
+        accounts: Arc<Accounts>,
+    ) -> Self {
+        Self {
+            store,
+            scheduler,
+            cluster,
+            conversations,
+            accounts,
+        }
+    }
+
+    /// The engine, the replicas and one page of every owner's conversations with their live
+    /// state.
+    pub async fn live(&self, page: &PageRequest) -> Result<LiveView> {
+        let listed = self.store.list_all_conversations_page(page).await?;
+        let ids: Vec<Uuid> = listed.items.iter().map(|c| c.id).collect();
+        let states = self.scheduler.send(StatesOf(ids)).await.map_err(gone)?;
+        let caches: HashMap<Uuid, usize> = self
+            .scheduler
+            .send(GetCacheInfo)
+            .await
+            .map_err(gone)?
+            .into_iter()
+            .filter_map(|c| Some((c.key.conversation()?, c.bytes)))
+            .collect();
+        let stats = self.scheduler.send(GetStats).await.map_err(gone)?;
+        let mut owners: Vec<String> = listed.items.iter().map(|c| c.owner.clone()).collect();
+        owners.sort();
+        owners.dedup();
+        let names = self.store.user_names(&owners).await?;
+        let replicas = self.cluster.replicas().await?;
+        let mut holders: HashMap<Uuid, String> = HashMap::new();
+        for r in replicas.iter().filter(|r| r.live) {
+            for id in &r.load.held {
+                holders.insert(*id, r.name.clone());
+            }
+        }
+        let conversations = listed
+            .items
+            .into_iter()
+            .zip(
+                states
+                    .into_iter()
+                    .chain(std::iter::repeat(SequenceState::Idle)),
+            )
+            .map(|(summary, state)| LiveConversation {
+                owner_name: names.get(&summary.owner).cloned(),
+                kv_bytes: caches.get(&summary.id).copied(),
+                replica: holders.get(&summary.id).cloned(),
+                state,
+                summary,
+            })
+            .collect();
+        Ok(LiveView {
+            stats,
+            replicas,
+            this_replica: self.cluster.me().id,
+            conversations,
+            next: listed.next,
+        })
+    }
+
+    /// Page `page` (from 1; out-of-range values are clamped) of the users table.
+    pub async fn users(&self, page: i64) -> Result<UsersPage> {
+        let page = page.clamp(1, i64::MAX / USERS_PER_PAGE);
+        // One more than a page, to know whether a next page exists.
+        let mut users = self
+            .store
+            .list_users(USERS_PER_PAGE + 1, (page - 1) * USERS_PER_PAGE)
+            .await?;
+        let has_more = users.len() as i64 > USERS_PER_PAGE;
+        users.truncate(USERS_PER_PAGE as usize);
+        Ok(UsersPage {
+            users,
+            page,
+            has_more,
+        })
+    }
+
+    /// `action` on the account `user_id`, by the admin `by`.
+    pub async fn user_action(&self, by: &Caller, user_id: &str, action: UserAction) -> Result<()> {
+        if action == UserAction::Disable && !by.guest && by.owner == user_id {
+            // The last admin could otherwise lock everyone out of the page.
+            return Err(ConversationError::Invalid {
+                field: None,
+                message: "you cannot disable your own account".into(),
+            });
+        }
+        let found = match action {
+            UserAction::Disable => self.accounts.set_disabled(user_id, true).await,
+            UserAction::Enable => self.accounts.set_disabled(user_id, false).await,
+            UserAction::RevokeSessions => self.accounts.revoke_all_sessions(user_id).await,
+        }
+        .map_err(crate::conversations::from_auth)?;
+        if !found {
+            return Err(ConversationError::NoSuch("no such user".into()));
+        }
+        tracing::info!(user = %user_id, action = ?action, "admin user action");
+        Ok(())
+    }
+
+    /// Stops the conversation's running reply; whether one was running.
+    pub async fn stop(&self, id: Uuid) -> Result<bool> {
+        let stopped = self.conversations.stop_any(id).await?;
+        tracing::info!(conversation = %id, stopped, "admin stop");
+        Ok(stopped)
+    }
+
+    /// Drops the conversation's KV cache on this replica; whether it had one.
+    pub async fn evict(&self, id: Uuid) -> Result<bool> {
+        let dropped = self.scheduler.send(Evict(id)).await.map_err(gone)?;
+        tracing::info!(conversation = %id, dropped, "admin evict");
+        Ok(dropped)
+    }
+
+    /// Deletes any owner's conversation.
+    pub async fn delete(&self, id: Uuid) -> Result<()> {
+        self.conversations.delete_any(id).await?;
+        tracing::info!(conversation = %id, "admin delete");
+        Ok(())
+    }
+}
+
+fn gone(e: actix::MailboxError) -> ConversationError {
+    ConversationError::Unavailable(format!("the scheduler is not available ({e}); retry"))
+}

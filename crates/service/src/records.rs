@@ -1,0 +1,9 @@
+//! The plain records the services hand out (conversations, messages, users, keys, replicas,
+//! list pages), as the store defines them. The web layer names them through here: it never
+//! depends on the store, and none of these gives access to it.
+
+pub use smolchat_store::{
+    ApiKeyRecord, Conversation, ConversationSettings, ConversationSummary, Cursor, ListPage,
+    Message, MessageStatus, PageRequest, ReplicaRecord, Role, User, UserOverview, UserRole,
+    MAX_PAGE,
+};
