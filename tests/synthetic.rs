@@ -6,12 +6,12 @@ use std::path::Path;
 
 use candle_core::quantized::{gguf_file, QStorage, QTensor};
 use candle_core::{Device, Tensor};
-use smolchat_engine::cpu::model::{LogitsMode, Model};
 use smolchat_engine::synthetic::{
     self, q4km_more_bits, rename_architecture, write_source_as_gguf, SyntheticModel, SyntheticSpec,
     TypeMix, WeightFill,
 };
 use smolchat_engine::{Architecture, Engine, EngineError, ModelConfig, SeqStep};
+use smolchat_engine::{LogitsMode, Model};
 use smolchat_gguf::{GgmlDType, GgufError, GgufSource, Value};
 
 fn mixes() -> Vec<TypeMix> {

@@ -9,7 +9,7 @@ use clap::Args;
 use serde_json::json;
 
 use smolchat_engine::synthetic::{self, SyntheticSpec, TypeMix};
-use smolchat_engine::{Engine, LogitsMode, SeqStep};
+use smolchat_engine::{Engine, Logits, LogitsMode, SeqStep};
 use smolchat_serving::load;
 
 #[derive(Args, Debug)]
@@ -92,32 +92,30 @@ pub fn run(args: &BenchArgs, globals: &super::Globals) -> Result<()> {
     // Prefill: the whole prompt in one step, logits for the last position only.
     let seq = engine.create_sequence();
     let t = Instant::now();
-    let logits = engine.step(&[SeqStep {
-        seq,
-        tokens: &prompt,
-        logits: LogitsMode::Last,
-    }])?;
+    let mut logits = Logits::new();
+    engine.step_into(
+        &[SeqStep {
+            seq,
+            tokens: &prompt,
+            logits: LogitsMode::Last,
+        }],
+        &mut logits,
+    )?;
     let prefill_s = t.elapsed().as_secs_f64();
-    let mut next = argmax(
-        logits
-            .first()
-            .and_then(|l| l.as_deref())
-            .context("no logits")?,
-    );
+    let mut next = argmax(logits.get(0).context("no logits")?);
 
     // Single-stream decode, greedy.
     let t = Instant::now();
     for _ in 0..args.gen_tokens {
-        let out = engine.step(&[SeqStep {
-            seq,
-            tokens: &[next],
-            logits: LogitsMode::Last,
-        }])?;
-        next = argmax(
-            out.first()
-                .and_then(|l| l.as_deref())
-                .context("no logits")?,
-        );
+        engine.step_into(
+            &[SeqStep {
+                seq,
+                tokens: &[next],
+                logits: LogitsMode::Last,
+            }],
+            &mut logits,
+        )?;
+        next = argmax(logits.get(0).context("no logits")?);
     }
     let decode_s = t.elapsed().as_secs_f64();
     engine.free_sequence(seq);
@@ -177,10 +175,10 @@ fn batched_decode(
             logits: LogitsMode::Last,
         })
         .collect();
-    let out = engine.step(&steps)?;
-    let mut next: Vec<[u32; 1]> = out
-        .iter()
-        .map(|l| l.as_deref().map(|l| [argmax(l)]).context("no logits"))
+    let mut logits = Logits::new();
+    engine.step_into(&steps, &mut logits)?;
+    let mut next: Vec<[u32; 1]> = (0..n)
+        .map(|i| logits.get(i).map(|l| [argmax(l)]).context("no logits"))
         .collect::<Result<_>>()?;
     let t = Instant::now();
     for _ in 0..gen {
@@ -193,10 +191,9 @@ fn batched_decode(
                 logits: LogitsMode::Last,
             })
             .collect();
-        let out = engine.step(&steps)?;
-        next = out
-            .iter()
-            .map(|l| l.as_deref().map(|l| [argmax(l)]).context("no logits"))
+        engine.step_into(&steps, &mut logits)?;
+        next = (0..n)
+            .map(|i| logits.get(i).map(|l| [argmax(l)]).context("no logits"))
             .collect::<Result<_>>()?;
     }
     let secs = t.elapsed().as_secs_f64();

@@ -7,7 +7,7 @@ use std::time::Instant;
 use anyhow::{Context, Result};
 use clap::Args;
 
-use smolchat_engine::{Engine, LogitsMode, SeqId, SeqStep};
+use smolchat_engine::{Engine, Logits, LogitsMode, SeqId, SeqStep};
 use smolchat_serving::load::LoadedModel;
 use smolchat_text::generation::{FinishReason, Generation};
 use smolchat_text::prompt::PromptBuilder;
@@ -123,29 +123,35 @@ pub fn stream(
     );
     let reuse = engine.reuse_prefix(seq, prompt)?;
     let t = Instant::now();
-    let out = engine.step(&[SeqStep {
-        seq,
-        tokens: &prompt[reuse..],
-        logits: LogitsMode::Last,
-    }])?;
+    let mut logits = Logits::new();
+    engine.step_into(
+        &[SeqStep {
+            seq,
+            tokens: &prompt[reuse..],
+            logits: LogitsMode::Last,
+        }],
+        &mut logits,
+    )?;
     let prefill_s = t.elapsed().as_secs_f64();
-    let mut logits = out.into_iter().next().flatten().context("no logits")?;
     let t = Instant::now();
     loop {
         let cached = engine.cached_tokens(seq)?.len();
-        let outcome = generation.next_token_within(&mut logits, cached, window)?;
+        let row = logits.last_row_mut(0).context("no logits")?;
+        let outcome = generation.next_token_within(row, cached, window)?;
         if !outcome.text.is_empty() {
             on_text(&outcome.text)?;
         }
         if outcome.finished.is_some() {
             break;
         }
-        let out = engine.step(&[SeqStep {
-            seq,
-            tokens: &[outcome.token],
-            logits: LogitsMode::Last,
-        }])?;
-        logits = out.into_iter().next().flatten().context("no logits")?;
+        engine.step_into(
+            &[SeqStep {
+                seq,
+                tokens: &[outcome.token],
+                logits: LogitsMode::Last,
+            }],
+            &mut logits,
+        )?;
     }
     Ok(Streamed {
         prompt_tokens: prompt.len(),

@@ -7,10 +7,20 @@
 //! implements the same trait over VRAM pages indexed by the same block ids.
 
 use crate::config::ModelConfig;
-use crate::cpu::model::BatchItem;
 use crate::device::Device;
 use crate::error::Result;
-use crate::kv::KvType;
+use crate::kv::{BlockId, KvType};
+use crate::logits::{Logits, LogitsMode};
+
+/// One sequence's part of a forward step.
+pub struct BatchItem<'a> {
+    /// The sequence's block table, already grown to hold `past + tokens.len()` positions.
+    pub blocks: &'a [BlockId],
+    /// Positions already cached; the new tokens go at `past..`.
+    pub past: usize,
+    pub tokens: &'a [u32],
+    pub logits: LogitsMode,
+}
 
 /// One compute backend (see the module docs).
 pub trait Backend: Send {
@@ -32,7 +42,7 @@ pub trait Backend: Send {
     fn kv_resident_bytes(&self) -> usize;
     /// Checks a step's items before any block is taken (token ids, lengths, the window).
     fn validate(&self, items: &[BatchItem<'_>]) -> Result<()>;
-    /// One forward pass over `items`, whose blocks are reserved: writes their K/V and returns
-    /// each item's logits as it asked (`None` for [`super::LogitsMode::None`]).
-    fn forward(&mut self, items: &[BatchItem<'_>]) -> Result<Vec<Option<Vec<f32>>>>;
+    /// One forward pass over `items`, whose blocks are reserved: writes their K/V and puts each
+    /// item's logits as it asked ([`crate::LogitsMode`]) into `out`, reusing its buffer.
+    fn forward(&mut self, items: &[BatchItem<'_>], out: &mut Logits) -> Result<()>;
 }

@@ -36,6 +36,7 @@ pub mod cpu;
 pub mod device;
 pub mod kv;
 pub mod load;
+pub mod logits;
 pub mod npy;
 pub mod step;
 pub mod synthetic;
@@ -44,8 +45,9 @@ pub(crate) mod test_log;
 
 pub use backend::Backend;
 pub use config::{Architecture, ModelConfig};
-pub use cpu::model::{LogitsMode, Model};
+pub use cpu::model::Model;
 pub use cpu::CpuBackend;
 pub use kv::{KvOptions, KvType};
 pub use load::{CpuOptions, EngineOptions, Yarn};
+pub use logits::{Logits, LogitsMode};
 pub use step::{Engine, EngineStats, SeqId, SeqStep};

@@ -8,8 +8,11 @@ use super::config::ModelConfig;
 use super::device::Device;
 use super::error::{EngineError, Result};
 use super::kv::{BlockAllocator, BlockTable, KvOptions, KvType, BLOCK_POSITIONS};
-use crate::cpu::model::{BatchItem, LogitsMode, Model};
+use crate::backend::BatchItem;
+use crate::cpu::model::Model;
 use crate::cpu::CpuBackend;
+use crate::logits::Logits;
+use crate::logits::LogitsMode;
 
 pub type SeqId = u64;
 
@@ -240,9 +243,20 @@ impl Engine {
         self.alloc.used_bytes()
     }
 
-    /// Advances every listed sequence by its tokens in one forward pass. Returns each sequence's
-    /// logits as asked (see [`LogitsMode`]). On error no cache has changed.
+    /// [`Engine::step_into`] into a fresh buffer, each sequence's logits as an owned vector
+    /// (`None` where it asked for none): for tests and one-off callers; a loop keeps one
+    /// [`Logits`] and calls `step_into`.
     pub fn step(&mut self, steps: &[SeqStep<'_>]) -> Result<Vec<Option<Vec<f32>>>> {
+        let mut out = Logits::new();
+        self.step_into(steps, &mut out)?;
+        Ok(out.into_vecs())
+    }
+
+    /// Advances every listed sequence by its tokens in one forward pass, and puts each
+    /// sequence's logits as asked (see [`LogitsMode`]) into `out`, in the order of `steps`.
+    /// On error no cache has changed and `out` holds nothing.
+    pub fn step_into(&mut self, steps: &[SeqStep<'_>], out: &mut Logits) -> Result<()> {
+        out.clear();
         for (i, s) in steps.iter().enumerate() {
             if !self.seqs.contains_key(&s.seq) {
                 return Err(EngineError::UnknownSequence(s.seq));
@@ -307,7 +321,7 @@ impl Engine {
                     })
                 })
                 .collect();
-            self.backend.forward(&items)
+            self.backend.forward(&items, out)
         };
         for (s, &p) in steps.iter().zip(&past) {
             if let Some(q) = self.seqs.get_mut(&s.seq) {
@@ -320,7 +334,10 @@ impl Engine {
                 }
             }
         }
-        let out = result?;
+        if let Err(e) = result {
+            out.clear();
+            return Err(e);
+        }
         self.stats.steps += 1;
         for s in steps {
             if s.tokens.len() == 1 {
@@ -329,6 +346,6 @@ impl Engine {
                 self.stats.prefill_tokens += s.tokens.len() as u64;
             }
         }
-        Ok(out)
+        Ok(())
     }
 }

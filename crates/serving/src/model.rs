@@ -15,7 +15,7 @@ use super::batcher::{ItemReport, StepPlan};
 use uuid::Uuid;
 
 use super::types::{CacheKey, GenEvent, GenSummary, GenerationRequest, RequestId, StopReason};
-use smolchat_engine::{Engine, LogitsMode, SeqId, SeqStep};
+use smolchat_engine::{Engine, Logits, LogitsMode, SeqId, SeqStep};
 use smolchat_text::generation::Generation;
 use smolchat_text::tokenizer::Tokenizer;
 
@@ -123,6 +123,8 @@ pub struct ModelWorker {
     context_window: usize,
     /// Caches to drop as soon as their running request ends (their conversation was deleted).
     doomed: Vec<Uuid>,
+    /// The step's logits, one buffer kept from step to step.
+    logits: Logits,
 }
 
 impl ModelWorker {
@@ -136,6 +138,7 @@ impl ModelWorker {
         Self {
             context_window,
             doomed: Vec::new(),
+            logits: Logits::new(),
             engine,
             tokenizer,
             kv_budget_bytes,
@@ -617,10 +620,14 @@ impl ModelWorker {
                 .collect();
             // The KV cache bounds a sequence like the context window does.
             let window = self.context_window.min(self.kv_capacity_tokens());
-            match self.engine.step(&steps) {
-                Ok(outputs) => {
-                    for ((id, seq, _, _), logits) in work.iter().zip(outputs) {
-                        let Some(mut logits) = logits else { continue };
+            // Out of `self` while rows of it are sampled, so `finish` can borrow the worker.
+            let mut logits = std::mem::take(&mut self.logits);
+            match self.engine.step_into(&steps, &mut logits) {
+                Ok(()) => {
+                    for (i, (id, seq, _, _)) in work.iter().enumerate() {
+                        let Some(row) = logits.last_row_mut(i) else {
+                            continue;
+                        };
                         // Unknown (it cannot be): as if at the window, so the reply ends.
                         let cached = self.engine.cached_tokens(*seq).map_or(window, <[u32]>::len);
                         let Some(a) = self.active.get_mut(id) else {
@@ -629,7 +636,7 @@ impl ModelWorker {
                         let Some(generation) = a.generation.as_mut() else {
                             continue;
                         };
-                        match generation.next_token_within(&mut logits, cached, window) {
+                        match generation.next_token_within(row, cached, window) {
                             Ok(outcome) => {
                                 a.first_token.get_or_insert_with(Instant::now);
                                 if outcome.finished
@@ -673,6 +680,7 @@ impl ModelWorker {
                     failed.extend(work.iter().map(|w| (w.0, e.to_string())));
                 }
             }
+            self.logits = logits;
         }
         // Requests that never got sampling state (bad parameters) fail too.
         for &(id, _) in &plan.prefill {

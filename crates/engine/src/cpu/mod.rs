@@ -11,12 +11,14 @@ pub use attention::DecodePrefetch;
 pub use quant::Isa;
 
 use crate::backend::Backend;
+use crate::backend::BatchItem;
 use crate::config::ModelConfig;
 use crate::device::Device;
 use crate::error::{EngineError, Result};
 use crate::kv::{KvLayout, KvType};
+use crate::logits::Logits;
 use kv::CpuKvStorage;
-use model::{BatchItem, Model};
+use model::Model;
 
 /// The CPU backend: the model and its KV pages in host memory.
 pub struct CpuBackend {
@@ -85,13 +87,13 @@ impl Backend for CpuBackend {
         self.model.validate_request(items)
     }
 
-    fn forward(&mut self, items: &[BatchItem<'_>]) -> Result<Vec<Option<Vec<f32>>>> {
+    fn forward(&mut self, items: &[BatchItem<'_>], out: &mut Logits) -> Result<()> {
         // Run the pass on a worker of the compute pool: parallel regions started from inside the
         // pool are much cheaper than ones injected from an outside thread.
         let model = &self.model;
         let storage = &mut self.storage;
         let mut result = None;
-        rayon::scope(|_| result = Some(model.forward(storage, items)));
+        rayon::scope(|_| result = Some(model.forward(storage, items, out)));
         result.unwrap_or_else(|| {
             Err(EngineError::InvalidStep(
                 "the compute pool did not run the step".into(),
@@ -143,9 +145,9 @@ mod tests {
         fn validate(&self, items: &[BatchItem<'_>]) -> Result<()> {
             self.inner.validate(items)
         }
-        fn forward(&mut self, items: &[BatchItem<'_>]) -> Result<Vec<Option<Vec<f32>>>> {
+        fn forward(&mut self, items: &[BatchItem<'_>], out: &mut Logits) -> Result<()> {
             self.passes.lock().unwrap().push(items.len());
-            self.inner.forward(items)
+            self.inner.forward(items, out)
         }
     }
 

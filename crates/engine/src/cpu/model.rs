@@ -12,31 +12,12 @@ use tracing::trace_span;
 use super::attention::{attention, AttnShape, SeqAttn};
 use super::kv::CpuKvStorage;
 use super::quant::QMatrix;
+use crate::backend::BatchItem;
 use crate::config::{Architecture, ModelConfig, YarnScaling};
 use crate::error::{EngineError, Result};
-use crate::kv::{BlockId, KvKind, BLOCK_POSITIONS};
+use crate::kv::{KvKind, BLOCK_POSITIONS};
+use crate::logits::{Logits, LogitsMode};
 use smolchat_gguf::{GgmlDType, GgufSource};
-
-/// Which logits a sequence wants from a step.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum LogitsMode {
-    /// None (a prefill chunk that is not the prompt's last).
-    None,
-    /// The last position only (what sampling needs).
-    Last,
-    /// Every position of the chunk (for `smolchat logits` and teacher-forced checks).
-    All,
-}
-
-/// One sequence's part of a forward step.
-pub struct BatchItem<'a> {
-    /// The sequence's block table, already grown to hold `past + tokens.len()` positions.
-    pub blocks: &'a [BlockId],
-    /// Positions already cached; the new tokens go at `past..`.
-    pub past: usize,
-    pub tokens: &'a [u32],
-    pub logits: LogitsMode,
-}
 
 struct Layer {
     attn_norm: Vec<f32>,
@@ -203,7 +184,8 @@ impl Model {
         &self,
         kv: &mut CpuKvStorage,
         items: &[BatchItem<'_>],
-    ) -> Result<Vec<Option<Vec<f32>>>> {
+        out: &mut Logits,
+    ) -> Result<()> {
         self.validate(items)?;
         if let Some(b) = items
             .iter()
@@ -314,8 +296,10 @@ impl Model {
                 LogitsMode::All => rows.extend(offsets[si]..offsets[si + 1]),
             }
         }
-        let vocab = c.vocab_size;
-        let mut logits = vec![0f32; rows.len() * vocab];
+        let logits = out.prepare(
+            c.vocab_size,
+            items.iter().map(|item| (item.tokens.len(), item.logits)),
+        );
         if !rows.is_empty() {
             let _span = trace_span!("lm_head", rows = rows.len()).entered();
             let mut sel = vec![0f32; rows.len() * hidden];
@@ -325,26 +309,9 @@ impl Model {
             let mut normed = vec![0f32; sel.len()];
             rms_norm(&sel, &self.output_norm, c.rms_eps, &mut normed);
             let head = self.output.as_ref().unwrap_or(&self.token_embd);
-            head.matmul(&normed, rows.len(), &mut logits);
+            head.matmul(&normed, rows.len(), logits);
         }
-        let mut out = Vec::with_capacity(items.len());
-        let mut cursor = 0usize;
-        for item in items.iter() {
-            let take = match item.logits {
-                LogitsMode::None => 0,
-                LogitsMode::Last => 1,
-                LogitsMode::All => item.tokens.len(),
-            };
-            if take == 0 {
-                out.push(None);
-            } else {
-                out.push(Some(
-                    logits[cursor * vocab..(cursor + take) * vocab].to_vec(),
-                ));
-                cursor += take;
-            }
-        }
-        Ok(out)
+        Ok(())
     }
 
     pub fn architecture(&self) -> Architecture {

@@ -1,0 +1,138 @@
+//! The logits a step asked for, in one buffer a caller keeps from step to step: every item's
+//! rows (`vocab` floats each) back to back, and which rows are whose. A backend writes them where
+//! they land (host memory for the CPU, a copy from the device for a GPU) without allocating once
+//! the buffer has grown to the largest step.
+
+/// Which logits a sequence wants from a step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LogitsMode {
+    /// None (a prefill chunk that is not the prompt's last).
+    None,
+    /// The last position only (what sampling needs).
+    Last,
+    /// Every position of the chunk (for `smolchat logits` and teacher-forced checks).
+    All,
+}
+
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Logits {
+    data: Vec<f32>,
+    /// Per item of the step: its first row and how many rows it has (0: it asked for none).
+    spans: Vec<(usize, usize)>,
+    vocab: usize,
+}
+
+impl Logits {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Entries of a row.
+    pub fn vocab(&self) -> usize {
+        self.vocab
+    }
+
+    /// Items of the step these are for.
+    pub fn items(&self) -> usize {
+        self.spans.len()
+    }
+
+    /// Item `i`'s rows, row after row (`rows × vocab`); `None` when it asked for none.
+    pub fn get(&self, i: usize) -> Option<&[f32]> {
+        let &(first, rows) = self.spans.get(i)?;
+        (rows > 0).then(|| &self.data[first * self.vocab..(first + rows) * self.vocab])
+    }
+
+    /// Item `i`'s rows, to change in place (a sampler applies penalties to them).
+    pub fn get_mut(&mut self, i: usize) -> Option<&mut [f32]> {
+        let &(first, rows) = self.spans.get(i)?;
+        let vocab = self.vocab;
+        (rows > 0).then(|| &mut self.data[first * vocab..(first + rows) * vocab])
+    }
+
+    /// Item `i`'s last row (the one a decode step samples from).
+    pub fn last_row_mut(&mut self, i: usize) -> Option<&mut [f32]> {
+        let vocab = self.vocab;
+        self.get_mut(i).map(|rows| {
+            let at = rows.len() - vocab;
+            &mut rows[at..]
+        })
+    }
+
+    /// Every item's rows as owned vectors (tests and one-off callers).
+    pub fn into_vecs(self) -> Vec<Option<Vec<f32>>> {
+        (0..self.items())
+            .map(|i| self.get(i).map(<[f32]>::to_vec))
+            .collect()
+    }
+
+    /// Lays the buffer out for a step whose items have `tokens` new tokens each and ask for
+    /// `modes`, and returns all rows to fill (zeroed), in item order. Keeps its capacity.
+    pub(crate) fn prepare(
+        &mut self,
+        vocab: usize,
+        items: impl Iterator<Item = (usize, LogitsMode)>,
+    ) -> &mut [f32] {
+        self.vocab = vocab;
+        self.spans.clear();
+        let mut rows = 0;
+        for (tokens, mode) in items {
+            let n = match mode {
+                LogitsMode::None => 0,
+                LogitsMode::Last => 1,
+                LogitsMode::All => tokens,
+            };
+            self.spans.push((rows, n));
+            rows += n;
+        }
+        self.data.clear();
+        self.data.resize(rows * vocab, 0.0);
+        &mut self.data
+    }
+
+    /// Forgets every row (a failed step leaves none).
+    pub(crate) fn clear(&mut self) {
+        self.data.clear();
+        self.spans.clear();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rows_are_laid_out_per_item_and_the_buffer_is_reused() {
+        let mut l = Logits::new();
+        let rows = l.prepare(
+            3,
+            [
+                (5, LogitsMode::Last),
+                (1, LogitsMode::None),
+                (2, LogitsMode::All),
+            ]
+            .into_iter(),
+        );
+        assert_eq!(rows.len(), 3 * 3);
+        for (i, x) in rows.iter_mut().enumerate() {
+            *x = i as f32;
+        }
+        assert_eq!(l.items(), 3);
+        assert_eq!(l.get(0), Some(&[0.0, 1.0, 2.0][..]));
+        assert_eq!(l.get(1), None);
+        assert_eq!(l.get(2), Some(&[3.0, 4.0, 5.0, 6.0, 7.0, 8.0][..]));
+        assert_eq!(
+            l.last_row_mut(2).map(|r| r.to_vec()),
+            Some(vec![6.0, 7.0, 8.0])
+        );
+        let capacity = l.data.capacity();
+        l.prepare(3, [(1, LogitsMode::Last)].into_iter());
+        assert_eq!(
+            l.data.capacity(),
+            capacity,
+            "a smaller step allocates nothing"
+        );
+        assert_eq!(l.get(0), Some(&[0.0, 0.0, 0.0][..]), "rows start zeroed");
+        assert_eq!(l.clone().into_vecs(), vec![Some(vec![0.0; 3])]);
+    }
+}
