@@ -8,7 +8,7 @@
 
 use crate::config::ModelConfig;
 use crate::device::Device;
-use crate::error::Result;
+use crate::error::{EngineError, Result};
 use crate::kv::{BlockId, KvType};
 use crate::logits::{Logits, LogitsMode};
 
@@ -37,7 +37,7 @@ pub trait Backend: Send {
     /// Bytes of one block of [`super::kv::BLOCK_POSITIONS`] positions: the allocator's unit.
     fn kv_block_bytes(&self) -> usize;
     /// Makes pages exist for every block id below `blocks` (they are allocated lazily).
-    fn reserve_blocks(&mut self, blocks: usize);
+    fn reserve_blocks(&mut self, blocks: usize) -> Result<()>;
     /// Bytes of KV pages allocated so far.
     fn kv_resident_bytes(&self) -> usize;
     /// Checks a step's items before any block is taken (token ids, lengths, the window).
@@ -45,4 +45,36 @@ pub trait Backend: Send {
     /// One forward pass over `items`, whose blocks are reserved: writes their K/V and puts each
     /// item's logits as it asked ([`crate::LogitsMode`]) into `out`, reusing its buffer.
     fn forward(&mut self, items: &[BatchItem<'_>], out: &mut Logits) -> Result<()>;
+}
+
+/// The checks of a step that do not depend on KV blocks, the same on every backend: tokens
+/// present and in the vocabulary, and the context window respected.
+pub fn check_request(c: &ModelConfig, items: &[BatchItem<'_>]) -> Result<()> {
+    if items.is_empty() {
+        return Err(EngineError::InvalidStep(
+            "a step needs at least one sequence".into(),
+        ));
+    }
+    for (i, item) in items.iter().enumerate() {
+        if item.tokens.is_empty() {
+            return Err(EngineError::InvalidStep(format!(
+                "sequence #{i} of the step has no tokens"
+            )));
+        }
+        if let Some(&id) = item.tokens.iter().find(|&&t| t as usize >= c.vocab_size) {
+            return Err(EngineError::BadToken {
+                id,
+                vocab: c.vocab_size,
+            });
+        }
+        let needed = item.past + item.tokens.len();
+        if needed > c.context_length {
+            return Err(EngineError::ContextOverflow {
+                seq: i as u64,
+                needed,
+                window: c.context_length,
+            });
+        }
+    }
+    Ok(())
 }

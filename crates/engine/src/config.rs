@@ -69,6 +69,15 @@ pub struct ModelConfig {
 }
 
 impl ModelConfig {
+    /// Turns on YaRN context extension (when the file does not already ask for it): RoPE
+    /// frequencies are rescaled for `factor` times the original context, and the usable context
+    /// grows by that factor.
+    pub fn apply_yarn(&mut self, factor: f32, original_context: Option<usize>) {
+        let original = original_context.unwrap_or(self.context_length);
+        self.yarn = Some(YarnScaling::new(factor, original));
+        self.context_length = (original as f32 * factor) as usize;
+    }
+
     pub fn from_gguf(src: &GgufSource) -> Result<Self> {
         let arch_name = src.string("general.architecture")?;
         let arch = match arch_name {

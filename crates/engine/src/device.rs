@@ -82,8 +82,8 @@ crate::serde_via_str!(DeviceRequest);
 pub struct Capabilities {
     /// Built with the `cuda` feature (candle's CUDA backend and kernels linked in).
     pub cuda_compiled: bool,
-    /// The engine has a CUDA backend to run the model on. Not yet (issue 8): the model, its KV
-    /// caches and the step loop are CPU-only, so a GPU can be seen but not used.
+    /// The engine has a CUDA backend to run the model on: with the `cuda` feature, the reference
+    /// tier (`reference.rs`) on the GPU.
     pub cuda_backend: bool,
 }
 
@@ -92,7 +92,7 @@ impl Capabilities {
     pub const fn this_build() -> Self {
         Self {
             cuda_compiled: cfg!(feature = "cuda"),
-            cuda_backend: false,
+            cuda_backend: cfg!(feature = "cuda"),
         }
     }
 }

@@ -38,6 +38,8 @@ pub mod kv;
 pub mod load;
 pub mod logits;
 pub mod npy;
+pub mod reference;
+pub mod rope;
 pub mod step;
 pub mod synthetic;
 #[cfg(test)]

@@ -5,11 +5,13 @@
 use smolchat_gguf::GgufSource;
 
 use crate::backend::Backend;
+use crate::config::ModelConfig;
 use crate::cpu::attention::DecodePrefetch;
 use crate::cpu::quant::Isa;
 use crate::cpu::CpuBackend;
 use crate::device::Device;
-use crate::{Engine, EngineError, KvOptions, KvType, Model, Result};
+use crate::reference::ReferenceBackend;
+use crate::{Engine, EngineError, KvOptions, Model, Result};
 
 /// YaRN context extension (SmolLM3: a factor of 2 extends its 64k training context to 128k).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -47,24 +49,44 @@ impl Engine {
         options: &EngineOptions,
         progress: &mut dyn FnMut(u64, u64),
     ) -> Result<Engine> {
-        options.cpu.apply();
-        let mut model = Model::load(src, progress)?;
-        if let Some(yarn) = options.yarn {
-            model.apply_yarn(yarn.factor, yarn.original_context);
-        }
-        Engine::on_backend(backend_for(device, model, options.kv.kv_type)?, options.kv)
+        Engine::on_backend(backend_for(src, device, options, progress)?, options.kv)
     }
 }
 
-/// The backend that computes on `device`: where a new backend plugs in.
-fn backend_for(device: Device, model: Model, kv_type: KvType) -> Result<Box<dyn Backend>> {
+/// Loads `src` onto the backend that computes on `device`: where a new backend plugs in.
+fn backend_for(
+    src: &mut GgufSource,
+    device: Device,
+    options: &EngineOptions,
+    progress: &mut dyn FnMut(u64, u64),
+) -> Result<Box<dyn Backend>> {
+    let yarn = |config: &mut ModelConfig| {
+        if let Some(y) = options.yarn {
+            config.apply_yarn(y.factor, y.original_context);
+        }
+    };
     match device {
-        Device::Cpu => Ok(Box::new(CpuBackend::new(model, kv_type)?)),
-        // `device::select` hands out only devices with a backend; this is its other half.
-        Device::Cuda(n) => Err(EngineError::Device(
-            device.to_string(),
-            format!("this build has no CUDA engine backend yet (GPU {n} was chosen)"),
-        )),
+        Device::Cpu => {
+            options.cpu.apply();
+            let mut model = Model::load(src, progress)?;
+            yarn(&mut model.config);
+            Ok(Box::new(CpuBackend::new(model, options.kv.kv_type)?))
+        }
+        Device::Cuda(n) => {
+            let dev = candle_core::Device::new_cuda(n).map_err(|e| {
+                EngineError::Device(device.to_string(), format!("cannot open the GPU: {e}"))
+            })?;
+            let mut config = ModelConfig::from_gguf(src)?;
+            yarn(&mut config);
+            Ok(Box::new(ReferenceBackend::load(
+                src,
+                config,
+                device,
+                dev,
+                options.kv.kv_type,
+                progress,
+            )?))
+        }
     }
 }
 
@@ -80,6 +102,7 @@ impl CpuOptions {
 mod tests {
     use super::*;
     use crate::synthetic::{self, SyntheticSpec};
+    use crate::KvType;
 
     fn load(options: &EngineOptions) -> Engine {
         let mut src = synthetic::build(&SyntheticSpec::tiny("llama")).expect("build");
@@ -111,7 +134,7 @@ mod tests {
     }
 
     #[test]
-    fn a_device_without_a_backend_is_refused() {
+    fn a_gpu_that_cannot_be_opened_is_a_clear_error() {
         let mut src = synthetic::build(&SyntheticSpec::tiny("llama")).expect("build");
         let err = match Engine::load(
             &mut src,
@@ -119,9 +142,14 @@ mod tests {
             &EngineOptions::default(),
             &mut |_, _| {},
         ) {
-            Ok(_) => panic!("no CUDA backend in this build"),
+            // On a machine with a GPU and the `cuda` feature it loads.
+            Ok(_) if crate::device::probe_cuda().is_ok_and(|n| n > 0) => return,
+            Ok(_) => panic!("no GPU here, yet CUDA loaded"),
             Err(e) => e.to_string(),
         };
-        assert!(err.contains("cuda"), "{err}");
+        assert!(
+            err.contains("cuda:0") && err.contains("cannot open the GPU"),
+            "{err}"
+        );
     }
 }

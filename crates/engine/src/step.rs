@@ -306,9 +306,8 @@ impl Engine {
                 self.alloc.grow(&mut q.table, p + s.tokens.len())?;
             }
         }
-        self.backend.reserve_blocks(self.alloc.high_water());
-
-        let result = {
+        let high_water = self.alloc.high_water();
+        let result = self.backend.reserve_blocks(high_water).and_then(|()| {
             let items: Vec<BatchItem<'_>> = steps
                 .iter()
                 .zip(&past)
@@ -322,7 +321,7 @@ impl Engine {
                 })
                 .collect();
             self.backend.forward(&items, out)
-        };
+        });
         for (s, &p) in steps.iter().zip(&past) {
             if let Some(q) = self.seqs.get_mut(&s.seq) {
                 if result.is_ok() {

@@ -75,8 +75,9 @@ impl Backend for CpuBackend {
         self.storage.layout().bytes_per_block()
     }
 
-    fn reserve_blocks(&mut self, blocks: usize) {
+    fn reserve_blocks(&mut self, blocks: usize) -> Result<()> {
         self.storage.ensure(blocks);
+        Ok(())
     }
 
     fn kv_resident_bytes(&self) -> usize {
@@ -135,7 +136,7 @@ mod tests {
         fn kv_block_bytes(&self) -> usize {
             self.inner.kv_block_bytes()
         }
-        fn reserve_blocks(&mut self, blocks: usize) {
+        fn reserve_blocks(&mut self, blocks: usize) -> Result<()> {
             self.reserved.lock().unwrap().push(blocks);
             self.inner.reserve_blocks(blocks)
         }
