@@ -34,6 +34,7 @@ pub mod backend;
 pub mod config;
 pub mod cpu;
 pub mod device;
+pub mod fast;
 pub mod kv;
 pub mod load;
 pub mod logits;

@@ -1,0 +1,236 @@
+//! The CPU runner: executes a [`Plan`] operation by operation with the kernels' Rust twins over
+//! host buffers laid out as the GPU's. It is not meant to be fast: it is how the fast tier's
+//! step (the operation list, the tables, the arena layout and every kernel's contract) is tested
+//! on machines without a GPU.
+
+use std::collections::HashMap;
+
+use candle_core::quantized::ggml_file::qtensor_from_ggml;
+use candle_core::Device as CandleDevice;
+use half::f16;
+
+use super::layout::{KvArena, StepTables};
+use super::plan::{Buf, Op, Plan};
+use super::twin::{attention, mmvq, norm, rope};
+use super::weights::{FastWeights, RawMatrix};
+use super::Runner;
+use crate::device::Device;
+use crate::error::{EngineError, Result};
+use crate::rope::RopeTable;
+
+pub struct CpuRunner {
+    weights: FastWeights,
+    arena: Vec<f16>,
+    layout: KvArena,
+    blocks: usize,
+    buffers: HashMap<Buf, Vec<f32>>,
+}
+
+impl CpuRunner {
+    pub fn new(weights: FastWeights) -> Self {
+        let c = &weights.config;
+        let layout = KvArena {
+            layers: c.n_layers,
+            kv_heads: c.n_kv_heads,
+            head_dim: c.head_dim,
+        };
+        Self {
+            weights,
+            arena: Vec::new(),
+            layout,
+            blocks: 0,
+            buffers: HashMap::new(),
+        }
+    }
+
+    fn buffer(&mut self, plan: &Plan, buf: Buf) -> Vec<f32> {
+        let len = plan.len_of(&self.weights.config, buf);
+        let mut v = self.buffers.remove(&buf).unwrap_or_default();
+        v.resize(len, 0.0);
+        v
+    }
+
+    fn put(&mut self, buf: Buf, v: Vec<f32>) {
+        self.buffers.insert(buf, v);
+    }
+
+    fn take(&mut self, buf: Buf) -> Result<Vec<f32>> {
+        self.buffers.remove(&buf).ok_or_else(|| {
+            EngineError::InvalidStep(format!("{buf:?} is read before it is written"))
+        })
+    }
+
+    fn op(
+        &mut self,
+        plan: &Plan,
+        op: Op,
+        tables: &StepTables,
+        rope_table: &RopeTable,
+    ) -> Result<()> {
+        let c = self.weights.config.clone();
+        match op {
+            Op::Embed => {
+                let mut x = self.buffer(plan, Buf::X);
+                for (row, &token) in tables.tokens.iter().enumerate() {
+                    dequantize_row(
+                        &self.weights.embedding,
+                        token as usize,
+                        &mut x[row * c.hidden..(row + 1) * c.hidden],
+                    )?;
+                }
+                self.put(Buf::X, x);
+            }
+            Op::RmsNorm { x, weight, out } => {
+                let input = self.take(x)?;
+                let mut output = self.buffer(plan, out);
+                norm::rms_norm(&input, self.weights.norm(weight)?, c.rms_eps, &mut output);
+                self.put(x, input);
+                self.put(out, output);
+            }
+            Op::MatMul { weight, x, out } => {
+                let input = self.take(x)?;
+                let mut output = self.buffer(plan, out);
+                let m = self.weights.matrix(weight)?;
+                mmvq::matmul_q8_1(
+                    m.dtype,
+                    m.bytes.as_slice(),
+                    m.rows,
+                    m.cols,
+                    &input,
+                    plan.rows_of(x),
+                    &mut output,
+                )?;
+                self.put(x, input);
+                self.put(out, output);
+            }
+            Op::RopeKvWrite { layer, rope } => {
+                let (mut q, mut k, v) =
+                    (self.take(Buf::Q)?, self.take(Buf::K)?, self.take(Buf::V)?);
+                if rope {
+                    let shape = rope::RopeShape {
+                        heads: c.n_heads,
+                        kv_heads: c.n_kv_heads,
+                        head_dim: c.head_dim,
+                        rope_dim: c.rope_dim,
+                    };
+                    rope::rotate(&mut q, c.n_heads, shape, rope_table.cos(), rope_table.sin());
+                    rope::rotate(
+                        &mut k,
+                        c.n_kv_heads,
+                        shape,
+                        rope_table.cos(),
+                        rope_table.sin(),
+                    );
+                }
+                rope::write_kv(&mut self.arena, self.layout, layer, &k, &v, &tables.slots);
+                self.put(Buf::Q, q);
+                self.put(Buf::K, k);
+                self.put(Buf::V, v);
+            }
+            Op::Attention { layer } => {
+                let q = self.take(Buf::Q)?;
+                let mut out = self.buffer(plan, Buf::Attn);
+                let shape = attention::AttnShape {
+                    heads: c.n_heads,
+                    kv_heads: c.n_kv_heads,
+                    head_dim: c.head_dim,
+                };
+                attention::attention(&self.arena, self.layout, layer, shape, tables, &q, &mut out);
+                self.put(Buf::Q, q);
+                self.put(Buf::Attn, out);
+            }
+            Op::Add { x, y } => {
+                let mut a = self.take(x)?;
+                let b = self.take(y)?;
+                norm::add(&mut a, &b);
+                self.put(x, a);
+                self.put(y, b);
+            }
+            Op::SiluMul => {
+                let mut gate = self.take(Buf::Gate)?;
+                let up = self.take(Buf::Up)?;
+                norm::silu_mul(&mut gate, &up);
+                self.put(Buf::Gate, gate);
+                self.put(Buf::Up, up);
+            }
+            Op::GatherLogitRows => {
+                let x = self.take(Buf::X)?;
+                let mut sel = self.buffer(plan, Buf::Sel);
+                for (i, &r) in tables.logit_rows.iter().enumerate() {
+                    let r = r as usize;
+                    sel[i * c.hidden..(i + 1) * c.hidden]
+                        .copy_from_slice(&x[r * c.hidden..(r + 1) * c.hidden]);
+                }
+                self.put(Buf::X, x);
+                self.put(Buf::Sel, sel);
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Row `row` of `m`, dequantized as ggml does (candle's block types, exact).
+fn dequantize_row(m: &RawMatrix, row: usize, out: &mut [f32]) -> Result<()> {
+    let row_bytes = mmvq::row_bytes(m.dtype, m.cols);
+    let bytes = m
+        .bytes
+        .as_slice()
+        .get(row * row_bytes..(row + 1) * row_bytes)
+        .ok_or_else(|| EngineError::InvalidStep(format!("embedding row {row} is out of range")))?;
+    let q = qtensor_from_ggml(m.dtype, bytes, vec![1, m.cols], &CandleDevice::Cpu)?;
+    let values = q
+        .dequantize(&CandleDevice::Cpu)?
+        .flatten_all()?
+        .to_vec1::<f32>()?;
+    out.copy_from_slice(&values);
+    Ok(())
+}
+
+impl Runner for CpuRunner {
+    fn device(&self) -> Device {
+        Device::Cpu
+    }
+
+    fn config(&self) -> &crate::config::ModelConfig {
+        &self.weights.config
+    }
+
+    fn weight_bytes(&self) -> usize {
+        self.weights.bytes()
+    }
+
+    fn arena(&self) -> KvArena {
+        self.layout
+    }
+
+    fn reserve_blocks(&mut self, blocks: usize) -> Result<()> {
+        if blocks > self.blocks {
+            self.arena
+                .resize(blocks * self.layout.block_values(), f16::ZERO);
+            self.blocks = blocks;
+        }
+        Ok(())
+    }
+
+    fn resident_blocks(&self) -> usize {
+        self.blocks
+    }
+
+    fn run(
+        &mut self,
+        plan: &Plan,
+        tables: &StepTables,
+        rope: &RopeTable,
+        logits: &mut [f32],
+    ) -> Result<()> {
+        for &op in &plan.ops {
+            self.op(plan, op, tables, rope)?;
+        }
+        if plan.logit_rows > 0 {
+            let out = self.take(Buf::Logits)?;
+            logits.copy_from_slice(&out);
+            self.put(Buf::Logits, out);
+        }
+        Ok(())
+    }
+}

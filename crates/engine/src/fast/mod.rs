@@ -1,0 +1,165 @@
+//! The fast tier: the step as a list of operations ([`plan`]) over buffers whose layouts the
+//! GPU kernels and their Rust twins share ([`layout`], [`twin`]), run by a [`Runner`]: the CUDA
+//! runner on a GPU (llama.cpp's quantized matmul launchers from candle-kernels, kernels of our
+//! own), or the CPU runner ([`cpu`]), which executes the same list with the twins so that CI,
+//! without a GPU, tests the step the GPU runs. [`FastBackend`] turns the engine's step into the
+//! tables and the plan.
+
+pub mod cpu;
+pub mod layout;
+pub mod plan;
+pub mod twin;
+pub mod weights;
+
+use crate::backend::{check_request, Backend, BatchItem};
+use crate::config::ModelConfig;
+use crate::device::Device;
+use crate::error::{EngineError, Result};
+use crate::kv::{KvType, BLOCK_POSITIONS};
+use crate::logits::{Logits, LogitsMode};
+use crate::rope::RopeTable;
+use layout::{slot_of, KvArena, SeqInfo, StepTables};
+use plan::Plan;
+
+/// What executes a plan: owns the weights, the KV arena and the working buffers.
+pub trait Runner: Send {
+    fn device(&self) -> Device;
+    fn config(&self) -> &ModelConfig;
+    fn weight_bytes(&self) -> usize;
+    fn arena(&self) -> KvArena;
+    /// Makes the arena hold at least `blocks` blocks.
+    fn reserve_blocks(&mut self, blocks: usize) -> Result<()>;
+    fn resident_blocks(&self) -> usize;
+    /// Runs `plan` over the step's `tables` (RoPE's cos/sin in `rope`) and writes the logits of
+    /// the step's logit rows into `logits` (`[logit rows][vocab]`).
+    fn run(
+        &mut self,
+        plan: &Plan,
+        tables: &StepTables,
+        rope: &RopeTable,
+        logits: &mut [f32],
+    ) -> Result<()>;
+}
+
+/// The fast tier as an engine backend, over any runner.
+pub struct FastBackend<R: Runner> {
+    runner: R,
+}
+
+impl<R: Runner> FastBackend<R> {
+    pub fn new(runner: R) -> Self {
+        Self { runner }
+    }
+
+    pub fn runner(&self) -> &R {
+        &self.runner
+    }
+}
+
+/// The tables of a step of `items`.
+pub fn step_tables(items: &[BatchItem<'_>]) -> StepTables {
+    let max_blocks = items
+        .iter()
+        .map(|i| i.blocks.len())
+        .max()
+        .unwrap_or(0)
+        .max(1);
+    let mut t = StepTables {
+        max_blocks,
+        ..StepTables::default()
+    };
+    for (index, item) in items.iter().enumerate() {
+        let row0 = t.tokens.len();
+        t.seqs.push(SeqInfo {
+            row0: row0 as u32,
+            rows: item.tokens.len() as u32,
+            past: item.past as u32,
+            index: index as u32,
+        });
+        for (r, &token) in item.tokens.iter().enumerate() {
+            let position = item.past + r;
+            t.tokens.push(token);
+            t.positions.push(position as u32);
+            t.slots.push(slot_of(item.blocks, position));
+            t.row_seq.push(index as u32);
+        }
+        let last = item.blocks.last().copied().unwrap_or(0);
+        t.block_tables.extend_from_slice(item.blocks);
+        t.block_tables
+            .extend(std::iter::repeat_n(last, max_blocks - item.blocks.len()));
+        let n = item.tokens.len();
+        match item.logits {
+            LogitsMode::None => {}
+            LogitsMode::Last => t.logit_rows.push((row0 + n - 1) as u32),
+            LogitsMode::All => t.logit_rows.extend((row0..row0 + n).map(|r| r as u32)),
+        }
+    }
+    t
+}
+
+impl<R: Runner> Backend for FastBackend<R> {
+    fn device(&self) -> Device {
+        self.runner.device()
+    }
+
+    fn config(&self) -> &ModelConfig {
+        self.runner.config()
+    }
+
+    fn weight_bytes(&self) -> usize {
+        self.runner.weight_bytes()
+    }
+
+    fn kv_type(&self) -> KvType {
+        KvType::F16
+    }
+
+    fn kv_bytes_per_position(&self) -> usize {
+        self.runner.arena().block_bytes() / BLOCK_POSITIONS
+    }
+
+    fn kv_block_bytes(&self) -> usize {
+        self.runner.arena().block_bytes()
+    }
+
+    fn reserve_blocks(&mut self, blocks: usize) -> Result<()> {
+        self.runner.reserve_blocks(blocks)
+    }
+
+    fn kv_resident_bytes(&self) -> usize {
+        self.runner.resident_blocks() * self.kv_block_bytes()
+    }
+
+    fn validate(&self, items: &[BatchItem<'_>]) -> Result<()> {
+        check_request(self.config(), items)
+    }
+
+    fn forward(&mut self, items: &[BatchItem<'_>], out: &mut Logits) -> Result<()> {
+        check_request(self.config(), items)?;
+        for (i, item) in items.iter().enumerate() {
+            let needed = item.past + item.tokens.len();
+            if item.blocks.len() * BLOCK_POSITIONS < needed {
+                return Err(EngineError::InvalidStep(format!(
+                    "sequence #{i} of the step has KV blocks for {} positions but needs {needed}",
+                    item.blocks.len() * BLOCK_POSITIONS
+                )));
+            }
+            let resident = self.runner.resident_blocks();
+            if let Some(&b) = item.blocks.iter().find(|&&b| b as usize >= resident) {
+                return Err(EngineError::InvalidStep(format!(
+                    "KV block {b} has no pages in the arena"
+                )));
+            }
+        }
+        let tables = step_tables(items);
+        let positions: Vec<usize> = tables.positions.iter().map(|&p| p as usize).collect();
+        let rope = RopeTable::new(self.config(), &positions);
+        let plan = Plan::forward(self.config(), tables.rows(), tables.logit_rows.len());
+        let vocab = self.config().vocab_size;
+        let logits = out.prepare(
+            vocab,
+            items.iter().map(|item| (item.tokens.len(), item.logits)),
+        );
+        self.runner.run(&plan, &tables, &rope, logits)
+    }
+}

@@ -1,0 +1,216 @@
+//! A step of the fast tier as a list of operations over named buffers. The same list runs on
+//! the GPU (each operation a kernel launch, the list captured as a CUDA graph for decode) and on
+//! the CPU runner (each operation its Rust twin), which is how CI tests the fast tier without a
+//! GPU: the list, the buffers and the kernels' contracts are shared, only the executor differs.
+
+use crate::config::ModelConfig;
+
+/// The working buffers of a step (f32 unless said otherwise), sized by [`Plan::rows`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Buf {
+    /// The residual stream, `[rows][hidden]`.
+    X,
+    /// A normed copy of the residual stream, `[rows][hidden]`.
+    H,
+    /// Queries, `[rows][heads × head dim]`.
+    Q,
+    /// Keys and values of the step's rows, `[rows][KV heads × head dim]`.
+    K,
+    V,
+    /// Attention output, `[rows][heads × head dim]`.
+    Attn,
+    /// A projection back to `[rows][hidden]`.
+    Proj,
+    /// FFN gate and up, `[rows][ffn]`.
+    Gate,
+    Up,
+    /// The rows whose logits are wanted, `[logit rows][hidden]`.
+    Sel,
+    /// Their normed copy.
+    SelNorm,
+    /// Logits, `[logit rows][vocab]`.
+    Logits,
+}
+
+/// A weight matrix of the model.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Matrix {
+    Q(usize),
+    K(usize),
+    V(usize),
+    O(usize),
+    Gate(usize),
+    Up(usize),
+    Down(usize),
+    /// The LM head (`output.weight`, or the token embedding when tied).
+    Head,
+}
+
+/// A norm weight vector.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Norm {
+    Attn(usize),
+    Ffn(usize),
+    Output,
+}
+
+/// One operation. Shapes come from the model config and the step's tables.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Op {
+    /// `X[r] = embedding row of tokens[r]`.
+    Embed,
+    /// `out[r] = x[r] / rms(x[r]) × weight`, over `rows` rows of `hidden`.
+    RmsNorm { x: Buf, weight: Norm, out: Buf },
+    /// `out = x · Wᵀ` (activations quantized to Q8_1, then the quantized dot products).
+    MatMul { weight: Matrix, x: Buf, out: Buf },
+    /// RoPE on `Q` and `K` (layers that use it), then `K`, `V` written into the arena at the rows'
+    /// slots for `layer`.
+    RopeKvWrite { layer: usize, rope: bool },
+    /// Causal attention of `Q` over each sequence's cached positions in `layer` into `Attn`.
+    Attention { layer: usize },
+    /// `x += y`.
+    Add { x: Buf, y: Buf },
+    /// `gate = silu(gate) × up`.
+    SiluMul,
+    /// `Sel[i] = X[logit_rows[i]]`.
+    GatherLogitRows,
+}
+
+/// The operations of one step.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Plan {
+    pub ops: Vec<Op>,
+    /// Rows of the step (tokens of every sequence).
+    pub rows: usize,
+    /// Rows whose logits are computed.
+    pub logit_rows: usize,
+}
+
+impl Plan {
+    /// The forward pass of `config` over a step of `rows` rows, `logit_rows` of which want
+    /// logits.
+    pub fn forward(config: &ModelConfig, rows: usize, logit_rows: usize) -> Self {
+        let mut ops = vec![Op::Embed];
+        for layer in 0..config.n_layers {
+            ops.extend([
+                Op::RmsNorm {
+                    x: Buf::X,
+                    weight: Norm::Attn(layer),
+                    out: Buf::H,
+                },
+                Op::MatMul {
+                    weight: Matrix::Q(layer),
+                    x: Buf::H,
+                    out: Buf::Q,
+                },
+                Op::MatMul {
+                    weight: Matrix::K(layer),
+                    x: Buf::H,
+                    out: Buf::K,
+                },
+                Op::MatMul {
+                    weight: Matrix::V(layer),
+                    x: Buf::H,
+                    out: Buf::V,
+                },
+                Op::RopeKvWrite {
+                    layer,
+                    rope: config.uses_rope[layer],
+                },
+                Op::Attention { layer },
+                Op::MatMul {
+                    weight: Matrix::O(layer),
+                    x: Buf::Attn,
+                    out: Buf::Proj,
+                },
+                Op::Add {
+                    x: Buf::X,
+                    y: Buf::Proj,
+                },
+                Op::RmsNorm {
+                    x: Buf::X,
+                    weight: Norm::Ffn(layer),
+                    out: Buf::H,
+                },
+                Op::MatMul {
+                    weight: Matrix::Gate(layer),
+                    x: Buf::H,
+                    out: Buf::Gate,
+                },
+                Op::MatMul {
+                    weight: Matrix::Up(layer),
+                    x: Buf::H,
+                    out: Buf::Up,
+                },
+                Op::SiluMul,
+                Op::MatMul {
+                    weight: Matrix::Down(layer),
+                    x: Buf::Gate,
+                    out: Buf::Proj,
+                },
+                Op::Add {
+                    x: Buf::X,
+                    y: Buf::Proj,
+                },
+            ]);
+        }
+        if logit_rows > 0 {
+            ops.extend([
+                Op::GatherLogitRows,
+                Op::RmsNorm {
+                    x: Buf::Sel,
+                    weight: Norm::Output,
+                    out: Buf::SelNorm,
+                },
+                Op::MatMul {
+                    weight: Matrix::Head,
+                    x: Buf::SelNorm,
+                    out: Buf::Logits,
+                },
+            ]);
+        }
+        Self {
+            ops,
+            rows,
+            logit_rows,
+        }
+    }
+
+    /// Values (f32) of `buf` for this step.
+    pub fn len_of(&self, config: &ModelConfig, buf: Buf) -> usize {
+        let c = config;
+        let q_dim = c.n_heads * c.head_dim;
+        let kv_dim = c.n_kv_heads * c.head_dim;
+        match buf {
+            Buf::X | Buf::H | Buf::Proj => self.rows * c.hidden,
+            Buf::Q | Buf::Attn => self.rows * q_dim,
+            Buf::K | Buf::V => self.rows * kv_dim,
+            Buf::Gate | Buf::Up => self.rows * c.ffn,
+            Buf::Sel | Buf::SelNorm => self.logit_rows * c.hidden,
+            Buf::Logits => self.logit_rows * c.vocab_size,
+        }
+    }
+
+    /// Rows of `buf` (the first dimension).
+    pub fn rows_of(&self, buf: Buf) -> usize {
+        match buf {
+            Buf::Sel | Buf::SelNorm | Buf::Logits => self.logit_rows,
+            _ => self.rows,
+        }
+    }
+}
+
+/// The shape of `matrix`: `(rows = outputs, cols = inputs)`.
+pub fn matrix_shape(config: &ModelConfig, matrix: Matrix) -> (usize, usize) {
+    let c = config;
+    let q_dim = c.n_heads * c.head_dim;
+    let kv_dim = c.n_kv_heads * c.head_dim;
+    match matrix {
+        Matrix::Q(_) => (q_dim, c.hidden),
+        Matrix::K(_) | Matrix::V(_) => (kv_dim, c.hidden),
+        Matrix::O(_) => (c.hidden, q_dim),
+        Matrix::Gate(_) | Matrix::Up(_) => (c.ffn, c.hidden),
+        Matrix::Down(_) => (c.hidden, c.ffn),
+        Matrix::Head => (c.vocab_size, c.hidden),
+    }
+}

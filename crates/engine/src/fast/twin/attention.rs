@@ -1,0 +1,318 @@
+//! Paged causal attention over the KV arena, the twin of the fast tier's attention kernels.
+//!
+//! One work item is (sequence row, KV head, split): the `group` query heads that share the KV
+//! head are computed together, so each key and value row is read once for all of them (GQA
+//! sharing). Keys are visited block by block (16 positions) in block-table order with an online
+//! softmax (running max, running sum, rescaled output). A decode row over a long context is
+//! split along the context into [`splits`] pieces of [`SPLIT_POSITIONS`] positions, each giving a
+//! partial `(max, sum, output)`; [`merge`] combines them. Prefill rows (several new rows of one
+//! sequence) run as one split each, causally: row `r` at position `p` sees positions `0..=p`.
+//! The kernels follow the same order: dot products in dimension order within a key, keys in
+//! position order within a split, splits merged in split order.
+
+use half::f16;
+
+use crate::fast::layout::{KvArena, StepTables};
+use crate::kv::BLOCK_POSITIONS;
+
+/// Positions per split of a decode row.
+pub const SPLIT_POSITIONS: usize = 512;
+
+/// Splits of a row that sees `visible` positions: at least one, one per [`SPLIT_POSITIONS`].
+pub fn splits(visible: usize) -> usize {
+    visible.div_ceil(SPLIT_POSITIONS).max(1)
+}
+
+/// A partial result of one split for one query head: the running max and sum of the softmax,
+/// and the output scaled by `exp(score - max)` (not yet divided by the sum).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Partial {
+    pub max: f32,
+    pub sum: f32,
+    pub out: Vec<f32>,
+}
+
+/// The attention shapes.
+#[derive(Debug, Clone, Copy)]
+pub struct AttnShape {
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+}
+
+/// Online softmax of the `group` query heads `q` (`[group][head_dim]`) over positions
+/// `from..to` of a sequence whose block table is `blocks`, in `layer`, KV head `kv_head`.
+#[allow(clippy::too_many_arguments)]
+pub fn partial(
+    arena: &[f16],
+    layout: KvArena,
+    layer: usize,
+    kv_head: usize,
+    blocks: &[u32],
+    q: &[f32],
+    group: usize,
+    from: usize,
+    to: usize,
+) -> Vec<Partial> {
+    let hd = layout.head_dim;
+    let scale = 1.0 / (hd as f32).sqrt();
+    let mut parts: Vec<Partial> = (0..group)
+        .map(|_| Partial {
+            max: f32::NEG_INFINITY,
+            sum: 0.0,
+            out: vec![0.0; hd],
+        })
+        .collect();
+    let mut position = from;
+    while position < to {
+        let block = blocks[position / BLOCK_POSITIONS];
+        let end = ((position / BLOCK_POSITIONS + 1) * BLOCK_POSITIONS).min(to);
+        for (g, part) in parts.iter_mut().enumerate() {
+            let qg = &q[g * hd..(g + 1) * hd];
+            let scores: Vec<f32> = (position..end)
+                .map(|p| {
+                    let at = layout.index(block, layer, 0, kv_head, p % BLOCK_POSITIONS);
+                    let key = &arena[at..at + hd];
+                    qg.iter().zip(key).map(|(a, k)| a * k.to_f32()).sum::<f32>() * scale
+                })
+                .collect();
+            let block_max = scores.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+            let max = part.max.max(block_max);
+            let factor = (part.max - max).exp();
+            part.sum *= factor;
+            for o in &mut part.out {
+                *o *= factor;
+            }
+            for (p, &score) in (position..end).zip(&scores) {
+                let w = (score - max).exp();
+                part.sum += w;
+                let at = layout.index(block, layer, 1, kv_head, p % BLOCK_POSITIONS);
+                for (o, v) in part.out.iter_mut().zip(&arena[at..at + hd]) {
+                    *o += w * v.to_f32();
+                }
+            }
+            part.max = max;
+        }
+        position = end;
+    }
+    parts
+}
+
+/// Combines the partials of one query head's splits, in split order, into its output.
+pub fn merge(parts: &[Partial], out: &mut [f32]) {
+    let max = parts
+        .iter()
+        .map(|p| p.max)
+        .fold(f32::NEG_INFINITY, f32::max);
+    let mut sum = 0.0;
+    out.iter_mut().for_each(|o| *o = 0.0);
+    for p in parts {
+        let w = (p.max - max).exp();
+        sum += p.sum * w;
+        for (o, &v) in out.iter_mut().zip(&p.out) {
+            *o += v * w;
+        }
+    }
+    for o in out {
+        *o /= sum;
+    }
+}
+
+/// Attention of every row of the step: `q` is `[rows][heads × head_dim]`, `out` the same.
+pub fn attention(
+    arena: &[f16],
+    layout: KvArena,
+    layer: usize,
+    shape: AttnShape,
+    tables: &StepTables,
+    q: &[f32],
+    out: &mut [f32],
+) {
+    let hd = shape.head_dim;
+    let group = shape.heads / shape.kv_heads;
+    let width = shape.heads * hd;
+    for (s, seq) in tables.seqs.iter().enumerate() {
+        let blocks = tables.blocks_of(s);
+        for r in 0..seq.rows as usize {
+            let row = seq.row0 as usize + r;
+            let visible = seq.past as usize + r + 1;
+            // Decode rows over long contexts are split; prefill rows run whole.
+            let n_splits = if seq.rows == 1 { splits(visible) } else { 1 };
+            for kv_head in 0..shape.kv_heads {
+                let heads = kv_head * group..(kv_head + 1) * group;
+                let qg = &q[row * width + heads.start * hd..row * width + heads.end * hd];
+                let mut per_head: Vec<Vec<Partial>> = vec![Vec::new(); group];
+                for split in 0..n_splits {
+                    let from = split * SPLIT_POSITIONS;
+                    let to = if n_splits == 1 {
+                        visible
+                    } else {
+                        ((split + 1) * SPLIT_POSITIONS).min(visible)
+                    };
+                    let parts = partial(arena, layout, layer, kv_head, blocks, qg, group, from, to);
+                    for (g, p) in parts.into_iter().enumerate() {
+                        per_head[g].push(p);
+                    }
+                }
+                for (g, parts) in per_head.iter().enumerate() {
+                    let h = heads.start + g;
+                    merge(
+                        parts,
+                        &mut out[row * width + h * hd..row * width + (h + 1) * hd],
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::fast::layout::{slot_of, SeqInfo};
+
+    /// A plain softmax attention in f64 over explicit key and value rows.
+    fn naive(q: &[f32], keys: &[Vec<f32>], values: &[Vec<f32>]) -> Vec<f32> {
+        let hd = q.len();
+        let scale = 1.0 / (hd as f64).sqrt();
+        let scores: Vec<f64> = keys
+            .iter()
+            .map(|k| {
+                q.iter()
+                    .zip(k)
+                    .map(|(a, b)| *a as f64 * *b as f64)
+                    .sum::<f64>()
+                    * scale
+            })
+            .collect();
+        let max = scores.iter().cloned().fold(f64::MIN, f64::max);
+        let w: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
+        let sum: f64 = w.iter().sum();
+        (0..hd)
+            .map(|d| {
+                (w.iter()
+                    .zip(values)
+                    .map(|(w, v)| w * v[d] as f64)
+                    .sum::<f64>()
+                    / sum) as f32
+            })
+            .collect()
+    }
+
+    fn value(i: usize) -> f32 {
+        ((i * 7919 % 1009) as f32 / 504.5 - 1.0) * 0.5
+    }
+
+    /// A decode row over 1,300 positions (three splits) and a prefill of 5 rows after 20 cached
+    /// positions, on scattered blocks: each head's output is the plain softmax over the
+    /// positions it may see, its KV head shared by its group.
+    #[test]
+    fn paged_split_and_causal_attention_equal_a_plain_softmax() {
+        let layout = KvArena {
+            layers: 2,
+            kv_heads: 2,
+            head_dim: 8,
+        };
+        let shape = AttnShape {
+            heads: 4,
+            kv_heads: 2,
+            head_dim: 8,
+        };
+        let (decode_len, prefill_past, prefill_rows) = (1300usize, 20usize, 5usize);
+        let decode_blocks: Vec<u32> = (0..decode_len.div_ceil(16) as u32)
+            .map(|b| 3 * b + 1)
+            .collect();
+        let prefill_blocks: Vec<u32> = (0..2u32).map(|b| 3 * b + 2).collect();
+        let n_blocks = 3 * decode_blocks.len() + 3;
+        let mut arena = vec![f16::ZERO; n_blocks * layout.block_values()];
+        let layer = 1;
+        let mut kv_rows = |blocks: &[u32], n: usize, seed: usize| -> Vec<[Vec<f32>; 2]> {
+            (0..n)
+                .map(|p| {
+                    let slot = slot_of(blocks, p);
+                    let mut pair = [Vec::new(), Vec::new()];
+                    for (kind, rows) in pair.iter_mut().enumerate() {
+                        for head in 0..2 {
+                            let at = layout.index(slot / 16, layer, kind, head, slot as usize % 16);
+                            for d in 0..8 {
+                                let v =
+                                    f16::from_f32(value(seed + p * 97 + kind * 13 + head * 7 + d));
+                                arena[at + d] = v;
+                                rows.push(v.to_f32());
+                            }
+                        }
+                    }
+                    pair
+                })
+                .collect()
+        };
+        let decode_kv = kv_rows(&decode_blocks, decode_len, 1);
+        let prefill_kv = kv_rows(&prefill_blocks, prefill_past + prefill_rows, 5);
+        let rows = 1 + prefill_rows;
+        let q: Vec<f32> = (0..rows * 32).map(|i| value(i * 31 + 3) * 2.0).collect();
+        let max_blocks = decode_blocks.len();
+        let mut block_tables = decode_blocks.clone();
+        let mut padded = prefill_blocks.clone();
+        padded.resize(max_blocks, *prefill_blocks.last().unwrap_or(&0));
+        block_tables.extend(padded);
+        let tables = StepTables {
+            seqs: vec![
+                SeqInfo {
+                    row0: 0,
+                    rows: 1,
+                    past: decode_len as u32 - 1,
+                    index: 0,
+                },
+                SeqInfo {
+                    row0: 1,
+                    rows: prefill_rows as u32,
+                    past: prefill_past as u32,
+                    index: 1,
+                },
+            ],
+            block_tables,
+            max_blocks,
+            ..StepTables::default()
+        };
+        let mut out = vec![0f32; rows * 32];
+        attention(&arena, layout, layer, shape, &tables, &q, &mut out);
+        let check = |row: usize, kv: &[[Vec<f32>; 2]], visible: usize| {
+            for h in 0..4 {
+                let kh = h / 2;
+                let keys: Vec<Vec<f32>> = kv[..visible]
+                    .iter()
+                    .map(|p| p[0][kh * 8..kh * 8 + 8].to_vec())
+                    .collect();
+                let values: Vec<Vec<f32>> = kv[..visible]
+                    .iter()
+                    .map(|p| p[1][kh * 8..kh * 8 + 8].to_vec())
+                    .collect();
+                let want = naive(&q[row * 32 + h * 8..row * 32 + h * 8 + 8], &keys, &values);
+                let got = &out[row * 32 + h * 8..row * 32 + h * 8 + 8];
+                for (a, b) in got.iter().zip(&want) {
+                    assert!(
+                        (a - b).abs() < 1e-5,
+                        "row {row} head {h}: {got:?} vs {want:?}"
+                    );
+                }
+            }
+        };
+        assert_eq!(splits(decode_len), 3);
+        check(0, &decode_kv, decode_len);
+        for r in 0..prefill_rows {
+            check(1 + r, &prefill_kv, prefill_past + r + 1);
+        }
+    }
+
+    #[test]
+    fn merging_one_partial_divides_by_its_sum() {
+        let p = Partial {
+            max: 1.0,
+            sum: 2.0,
+            out: vec![4.0, 6.0],
+        };
+        let mut out = [0f32; 2];
+        merge(&[p], &mut out);
+        assert_eq!(out, [2.0, 3.0]);
+    }
+}
