@@ -59,10 +59,12 @@ mount-check:
 	./scripts/check-mount.sh
 
 ## Skips are failures here: PostgreSQL and nginx (SMOLTEST_REQUIRE_POSTGRES), tmpfs mounts for
-## the storage faults (SMOLTEST_REQUIRE_MOUNT, checked before the build by scripts/check-mount.sh).
+## the storage faults (SMOLTEST_REQUIRE_MOUNT, checked before the build by scripts/check-mount.sh),
+## and the CUDA compiler for the kernels' static checks (SMOLTEST_REQUIRE_NVCC; installed by
+## lint-cuda's cuda-toolkit).
 test: mount-check setup test-deps lint lint-cuda
 	@url="$$(./scripts/test-postgres.sh start)" || exit 1; \
-	SMOLTEST_DATABASE_URL="$$url" SMOLTEST_REQUIRE_POSTGRES=1 SMOLTEST_REQUIRE_MOUNT=1 $(CARGO) test --workspace; rc=$$?; \
+	SMOLTEST_DATABASE_URL="$$url" SMOLTEST_REQUIRE_POSTGRES=1 SMOLTEST_REQUIRE_MOUNT=1 SMOLTEST_REQUIRE_NVCC=1 $(CARGO) test --workspace; rc=$$?; \
 	./scripts/test-postgres.sh stop; exit $$rc
 
 bench: setup

@@ -251,9 +251,13 @@ fn long_context_decode_splits_agree_with_the_cpu_engine() {
         results.push(out.into_iter().next().flatten().expect("logits"));
     }
     let (f, c) = (&results[0], &results[1]);
-    let spread = c.iter().cloned().fold(f32::MIN, f32::max) - c.iter().cloned().fold(f32::MAX, f32::min);
+    let spread =
+        c.iter().cloned().fold(f32::MIN, f32::max) - c.iter().cloned().fold(f32::MAX, f32::min);
     let d = max_abs_diff(f, c);
-    assert!(d <= 0.03 * spread, "decode over 700 positions: {d} (spread {spread})");
+    assert!(
+        d <= 0.03 * spread,
+        "decode over 700 positions: {d} (spread {spread})"
+    );
 }
 
 /// The SmolLM3-3B shape at 4 layers (llama.cpp's Q4_K_M type mix): teacher-forced against the

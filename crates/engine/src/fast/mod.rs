@@ -6,6 +6,7 @@
 //! tables and the plan.
 
 pub mod cpu;
+pub mod launch;
 pub mod layout;
 pub mod plan;
 pub mod twin;

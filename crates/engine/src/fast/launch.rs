@@ -1,0 +1,287 @@
+//! Launch configurations of the fast tier's kernels (`cuda/kernels.cu`): grid and block sizes
+//! as pure functions of the shapes, so they are unit-tested on machines without a GPU and the
+//! CUDA runner only passes them on. Each states the limits its kernel was written for.
+
+use smolchat_gguf::GgmlDType;
+
+use crate::error::{EngineError, Result};
+use crate::fast::twin::attention::SPLIT_POSITIONS;
+
+/// Grid and block dimensions of one launch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Launch {
+    pub grid: (u32, u32, u32),
+    pub block: (u32, u32, u32),
+}
+
+/// Threads per block of the row-wise kernels (RMSNorm, embedding rows, row gathers).
+pub const ROW_THREADS: u32 = 256;
+/// Threads per block of the element-wise kernels.
+pub const ELEMENT_THREADS: u32 = 256;
+/// Threads per block of `attention_partial_g*` (its `__launch_bounds__`).
+pub const ATTENTION_THREADS: u32 = 128;
+/// The largest head dimension the attention kernels take (each thread owns two dimensions).
+pub const MAX_HEAD_DIM: usize = 2 * ATTENTION_THREADS as usize;
+/// The most query heads per KV head the attention kernels are instantiated for.
+pub const MAX_GROUP: usize = 8;
+/// The largest grid dimension y and z on every CUDA device.
+const MAX_GRID_YZ: usize = 65_535;
+
+fn dim(n: usize, what: &str) -> Result<u32> {
+    u32::try_from(n)
+        .map_err(|_| EngineError::InvalidStep(format!("{what} {n} is too large for a launch")))
+}
+
+/// One block per row.
+pub fn per_row(rows: usize) -> Result<Launch> {
+    Ok(Launch {
+        grid: (dim(rows, "rows")?, 1, 1),
+        block: (ROW_THREADS, 1, 1),
+    })
+}
+
+/// `n` values, one per thread.
+pub fn elementwise(n: usize) -> Result<Launch> {
+    Ok(Launch {
+        grid: (
+            dim(n.div_ceil(ELEMENT_THREADS as usize).max(1), "values")?,
+            1,
+            1,
+        ),
+        block: (ELEMENT_THREADS, 1, 1),
+    })
+}
+
+/// `rope`: one block per (row, head), one thread per rotated pair.
+pub fn rope(rows: usize, heads: usize, rope_dim: usize) -> Result<Launch> {
+    if !rope_dim.is_multiple_of(2) || rope_dim / 2 > 1024 {
+        return Err(EngineError::InvalidStep(format!(
+            "rope dimension {rope_dim} must be even and at most 2048"
+        )));
+    }
+    Ok(Launch {
+        grid: (dim(rows, "rows")?, dim(heads.min(MAX_GRID_YZ), "heads")?, 1),
+        block: (dim(rope_dim / 2, "rope pairs")?, 1, 1),
+    })
+}
+
+/// `kv_write`: one block per (row, KV head), one thread per dimension.
+pub fn kv_write(rows: usize, kv_heads: usize, head_dim: usize) -> Result<Launch> {
+    if head_dim > 1024 {
+        return Err(EngineError::InvalidStep(format!(
+            "head dimension {head_dim} is over 1024"
+        )));
+    }
+    Ok(Launch {
+        grid: (dim(rows, "rows")?, dim(kv_heads, "KV heads")?, 1),
+        block: (dim(head_dim, "head dim")?, 1, 1),
+    })
+}
+
+/// The attention kernel instance for `heads / kv_heads` query heads per KV head.
+pub fn attention_kernel(heads: usize, kv_heads: usize, head_dim: usize) -> Result<&'static str> {
+    const NAMES: [&str; MAX_GROUP] = [
+        "attention_partial_g1",
+        "attention_partial_g2",
+        "attention_partial_g3",
+        "attention_partial_g4",
+        "attention_partial_g5",
+        "attention_partial_g6",
+        "attention_partial_g7",
+        "attention_partial_g8",
+    ];
+    if kv_heads == 0 || !heads.is_multiple_of(kv_heads) {
+        return Err(EngineError::InvalidStep(format!(
+            "{heads} query heads do not share {kv_heads} KV heads evenly"
+        )));
+    }
+    if head_dim > MAX_HEAD_DIM {
+        return Err(EngineError::InvalidStep(format!(
+            "head dimension {head_dim} is over the attention kernel's {MAX_HEAD_DIM}"
+        )));
+    }
+    let group = heads / kv_heads;
+    NAMES.get(group.wrapping_sub(1)).copied().ok_or_else(|| {
+        EngineError::InvalidStep(format!(
+            "{group} query heads per KV head is over the attention kernel's {MAX_GROUP}"
+        ))
+    })
+}
+
+/// Context splits the partial buffers need room for: the most any decode row of the step can
+/// have (a row seeing `max_visible` positions).
+pub fn max_splits(max_visible: usize) -> usize {
+    max_visible.div_ceil(SPLIT_POSITIONS).max(1)
+}
+
+/// `attention_partial_g*`: one block per (row, KV head, split); blocks past a row's own splits
+/// return at once.
+pub fn attention_partial(rows: usize, kv_heads: usize, splits: usize) -> Result<Launch> {
+    if splits > MAX_GRID_YZ || kv_heads > MAX_GRID_YZ {
+        return Err(EngineError::InvalidStep(format!(
+            "{splits} splits or {kv_heads} KV heads are over the grid's limit"
+        )));
+    }
+    Ok(Launch {
+        grid: (
+            dim(rows, "rows")?,
+            dim(kv_heads, "KV heads")?,
+            dim(splits, "splits")?,
+        ),
+        block: (ATTENTION_THREADS, 1, 1),
+    })
+}
+
+/// `attention_merge`: one block per (row, head), one thread per dimension.
+pub fn attention_merge(rows: usize, heads: usize, head_dim: usize) -> Result<Launch> {
+    Ok(Launch {
+        grid: (dim(rows, "rows")?, dim(heads, "heads")?, 1),
+        block: (dim(head_dim, "head dim")?, 1, 1),
+    })
+}
+
+/// The embedding kernel for a table of `dtype`.
+pub fn get_rows_kernel(dtype: GgmlDType) -> Result<&'static str> {
+    Ok(match dtype {
+        GgmlDType::Q4_0 => "get_rows_q4_0",
+        GgmlDType::Q4_1 => "get_rows_q4_1",
+        GgmlDType::Q5_0 => "get_rows_q5_0",
+        GgmlDType::Q5_1 => "get_rows_q5_1",
+        GgmlDType::Q8_0 => "get_rows_q8_0",
+        GgmlDType::Q2K => "get_rows_q2_k",
+        GgmlDType::Q3K => "get_rows_q3_k",
+        GgmlDType::Q4K => "get_rows_q4_k",
+        GgmlDType::Q5K => "get_rows_q5_k",
+        GgmlDType::Q6K => "get_rows_q6_k",
+        other => {
+            return Err(EngineError::InvalidStep(format!(
+                "the fast tier has no embedding kernel for {other:?}"
+            )))
+        }
+    })
+}
+
+/// Rows of activations one MMVQ launch takes (llama.cpp's `MMVQ_MAX_BATCH_SIZE`); larger steps
+/// are cut into pieces of this many rows.
+pub const MMVQ_MAX_ROWS: usize = 8;
+
+/// The row ranges a matmul over `rows` activation rows is launched as.
+pub fn mmvq_pieces(rows: usize) -> Vec<std::ops::Range<usize>> {
+    (0..rows)
+        .step_by(MMVQ_MAX_ROWS)
+        .map(|start| start..(start + MMVQ_MAX_ROWS).min(rows))
+        .collect()
+}
+
+/// Every kernel name `cuda/kernels.cu` must define.
+pub fn kernel_names() -> Vec<&'static str> {
+    let mut names = vec![
+        "rms_norm",
+        "add_f32",
+        "silu_mul",
+        "gather_rows",
+        "rope",
+        "kv_write",
+        "attention_merge",
+    ];
+    for dtype in [
+        GgmlDType::Q4_0,
+        GgmlDType::Q4_1,
+        GgmlDType::Q5_0,
+        GgmlDType::Q5_1,
+        GgmlDType::Q8_0,
+        GgmlDType::Q2K,
+        GgmlDType::Q3K,
+        GgmlDType::Q4K,
+        GgmlDType::Q5K,
+        GgmlDType::Q6K,
+    ] {
+        names.extend(get_rows_kernel(dtype));
+    }
+    for group in 1..=MAX_GROUP {
+        names.extend(attention_kernel(group, 1, 64));
+    }
+    names
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_named_kernel_is_in_the_kernel_source() {
+        let source = include_str!("cuda/kernels.cu");
+        for name in kernel_names() {
+            // The attention instances come from a macro (checked below); the rest are written out.
+            if let Some(group) = name.strip_prefix("attention_partial_g") {
+                assert!(
+                    source.contains(&format!("ATTENTION_PARTIAL({group})")),
+                    "{name}"
+                );
+            } else if let Some(kind) = name.strip_prefix("get_rows_") {
+                assert!(source.contains(&format!("GET_ROWS({kind}, ")), "{name}");
+            } else {
+                assert!(
+                    source.contains(&format!("void {name}(")),
+                    "{name} is not in kernels.cu"
+                );
+            }
+        }
+        // The instances the macro makes are exactly the groups launch.rs names.
+        for group in 1..=MAX_GROUP {
+            assert!(
+                source.contains(&format!("ATTENTION_PARTIAL({group})")),
+                "group {group}"
+            );
+        }
+        assert!(!source.contains(&format!("ATTENTION_PARTIAL({})", MAX_GROUP + 1)));
+        // The constants the kernels hard-code agree with the Rust side.
+        for (name, value) in [
+            ("SPLIT_POSITIONS", SPLIT_POSITIONS),
+            ("MAX_GROUP", MAX_GROUP),
+            ("MAX_HEAD_DIM", MAX_HEAD_DIM),
+            ("BLOCK_POSITIONS", crate::kv::BLOCK_POSITIONS),
+        ] {
+            assert!(
+                source.contains(&format!("#define {name} {value}\n")),
+                "{name} must be {value} in kernels.cu"
+            );
+        }
+        assert!(source.contains(&format!("__launch_bounds__({ATTENTION_THREADS}, 4)")));
+    }
+
+    #[test]
+    fn shapes_become_grids_within_the_kernels_limits() {
+        // SmolLM3-3B: 16 heads over 4 KV heads of 128; SmolLM2: 9 over 3 of 64.
+        assert_eq!(
+            attention_kernel(16, 4, 128).ok(),
+            Some("attention_partial_g4")
+        );
+        assert_eq!(
+            attention_kernel(9, 3, 64).ok(),
+            Some("attention_partial_g3")
+        );
+        assert!(attention_kernel(32, 2, 128).is_err(), "16 per KV head");
+        assert!(attention_kernel(16, 3, 128).is_err(), "uneven");
+        assert!(attention_kernel(8, 8, 512).is_err(), "head dim 512");
+        assert_eq!(max_splits(1), 1);
+        assert_eq!(max_splits(512), 1);
+        assert_eq!(max_splits(513), 2);
+        assert_eq!(max_splits(131_072), 256);
+        let l = attention_partial(64, 4, 256).expect("launch");
+        assert_eq!(l.grid, (64, 4, 256));
+        assert_eq!(l.block, (ATTENTION_THREADS, 1, 1));
+        assert_eq!(elementwise(1).map(|l| l.grid.0).ok(), Some(1));
+        assert_eq!(elementwise(257).map(|l| l.grid.0).ok(), Some(2));
+        assert_eq!(
+            rope(3, 16, 128).map(|l| (l.grid, l.block)).ok(),
+            Some(((3, 16, 1), (64, 1, 1)))
+        );
+        assert!(rope(1, 1, 127).is_err());
+        assert_eq!(kv_write(5, 4, 128).map(|l| l.block.0).ok(), Some(128));
+        assert_eq!(mmvq_pieces(0), Vec::<std::ops::Range<usize>>::new());
+        assert_eq!(mmvq_pieces(8), vec![0..8]);
+        assert_eq!(mmvq_pieces(19), vec![0..8, 8..16, 16..19]);
+        assert!(get_rows_kernel(GgmlDType::F32).is_err());
+    }
+}

@@ -1,0 +1,105 @@
+#!/usr/bin/env python3
+"""Static checks of the fast tier's CUDA kernels (crates/engine/src/fast/cuda/kernels.cu), run by
+`make test` on machines without a GPU: they compile for sm_90 with nvcc (CUDA 13.0, the toolkit
+`make cuda-toolkit` installs; `scripts/cuda-env.sh` puts it on PATH), warnings as errors, and
+ptxas's resource report must show for every kernel:
+
+- no spill stores or loads and no stack frame (registers are enough);
+- registers within the launch bounds: at most 65536 / (threads x min blocks) per thread;
+- static shared memory within 48 KiB.
+
+    scripts/check-kernels.py [--source FILE]
+
+Exit status 0 when every kernel passes; 1 with one line per problem otherwise. `tests/kernels.rs`
+shows it failing on a kernel that spills and on one that does not compile cleanly.
+"""
+
+import argparse
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SOURCE = ROOT / "crates/engine/src/fast/cuda/kernels.cu"
+SMEM_LIMIT = 48 * 1024
+REGISTERS_PER_SM = 65536
+
+
+def launch_bounds(source):
+    """kernel name -> (threads, min blocks) from __launch_bounds__, macro instances included."""
+    bounds = {}
+    for m in re.finditer(r"__launch_bounds__\((\d+)(?:,\s*(\d+))?\)\s*(\w+)", source):
+        threads, blocks, name = int(m.group(1)), int(m.group(2) or 1), m.group(3)
+        bounds[name.replace("##G", "")] = (threads, blocks)
+    return bounds
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--source", default=SOURCE, type=Path)
+    args = ap.parse_args()
+    text = args.source.read_text(encoding="utf-8")
+    bounds = launch_bounds(text)
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [
+            "nvcc", "-arch=sm_90", "-cubin", "-O3", "-Xptxas", "-v",
+            "--Werror", "all-warnings", "-o", str(Path(tmp) / "kernels.cubin"), str(args.source),
+        ]
+        try:
+            out = subprocess.run(cmd, capture_output=True, text=True)
+        except FileNotFoundError:
+            print("check-kernels: nvcc not found; run `make cuda-toolkit` and `eval \"$(scripts/cuda-env.sh)\"`")
+            return 1
+    report = out.stdout + out.stderr
+    problems = []
+    if out.returncode != 0:
+        errors = [l for l in report.splitlines() if "error" in l or "warning" in l]
+        problems.append("nvcc failed (warnings are errors): " + " | ".join(errors[:8]))
+    kernels = {}
+    current = None
+    for line in report.splitlines():
+        m = re.search(r"Function properties for (\w+)", line)
+        if m:
+            current = m.group(1)
+            kernels.setdefault(current, {})
+            continue
+        if current is None:
+            continue
+        m = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", line)
+        if m:
+            kernels[current].update(stack=int(m.group(1)), spill_st=int(m.group(2)), spill_ld=int(m.group(3)))
+        m = re.search(r"Used (\d+) registers", line)
+        if m:
+            kernels[current]["registers"] = int(m.group(1))
+            m2 = re.search(r"(\d+) bytes smem", line)
+            kernels[current]["smem"] = int(m2.group(1)) if m2 else 0
+    entries = {k: v for k, v in kernels.items() if "registers" in v}
+    if out.returncode == 0 and not entries:
+        problems.append("ptxas reported no kernels")
+    for name, info in sorted(entries.items()):
+        if info.get("spill_st", 0) or info.get("spill_ld", 0):
+            problems.append(f"{name}: spills ({info['spill_st']} bytes stored, {info['spill_ld']} loaded)")
+        if info.get("stack", 0):
+            problems.append(f"{name}: a {info['stack']}-byte stack frame (local memory)")
+        base = re.sub(r"\d+$", "", name)
+        threads, blocks = bounds.get(name, bounds.get(base, (1024, 1)))
+        limit = min(255, REGISTERS_PER_SM // (threads * blocks))
+        if info["registers"] > limit:
+            problems.append(
+                f"{name}: {info['registers']} registers, over {limit} for {threads} threads x {blocks} blocks"
+            )
+        if info["smem"] > SMEM_LIMIT:
+            problems.append(f"{name}: {info['smem']} bytes of shared memory, over {SMEM_LIMIT}")
+    for p in problems:
+        print(p)
+    if problems:
+        print(f"check-kernels: {len(problems)} problem(s) in {args.source}")
+        return 1
+    print(f"check-kernels: {len(entries)} kernels for sm_90, no spills, registers and shared memory within bounds")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
