@@ -454,6 +454,15 @@ async fn chat_and_admin_in_a_real_browser() {
     )
     .await;
     let count_before = rows[3].as_i64().unwrap_or(0);
+    // The engine tiles say where the model computes.
+    assert_eq!(
+        js(
+            &admin,
+            "return [document.getElementById('device').textContent, document.getElementById('tier').textContent]"
+        )
+        .await,
+        json!(["cpu", "cpu tier"])
+    );
     // Live: a new message from alice shows up without reloading the admin page.
     send(&alice, "Name three colors.").await;
     wait_js(

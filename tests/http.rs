@@ -155,6 +155,12 @@ async fn ops_endpoints_and_conversation_crud() {
     ] {
         assert!(text.contains(name), "/metrics lacks {name}:\n{text}");
     }
+    // The device and tier that compute, and no fall-back from the asked tier.
+    assert!(
+        text.contains(r#"smolchat_engine_info{device="cpu",tier="cpu"} 1"#),
+        "{text}"
+    );
+    assert_eq!(metric(&text, "smolchat_engine_tier_fallback"), Some(0.0));
     assert!(metric(&text, "smolchat_generated_tokens_total").unwrap() >= 1.0);
     assert_eq!(
         metric(&text, "smolchat_kv_budget_bytes").unwrap(),

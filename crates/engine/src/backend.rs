@@ -7,7 +7,7 @@
 //! implements the same trait over VRAM pages indexed by the same block ids.
 
 use crate::config::ModelConfig;
-use crate::device::Device;
+use crate::device::{Device, Tier};
 use crate::error::{EngineError, Result};
 use crate::kv::{BlockId, KvType};
 use crate::logits::{Logits, LogitsMode};
@@ -26,6 +26,8 @@ pub struct BatchItem<'a> {
 pub trait Backend: Send {
     /// Where it computes.
     fn device(&self) -> Device;
+    /// Which path computes there.
+    fn tier(&self) -> Tier;
     /// The model's shapes and limits.
     fn config(&self) -> &ModelConfig;
     /// Bytes of weights held.

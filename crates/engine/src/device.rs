@@ -77,6 +77,67 @@ impl fmt::Display for Device {
 // parsing in this one place and turns a bad value into a load-time error naming the key.
 crate::serde_via_str!(DeviceRequest);
 
+/// Which path runs the model on a GPU (`model.gpu_tier`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum GpuTier {
+    /// The fast tier after it passes its start-up self-check against the reference tier; the
+    /// reference tier when it does not (or when the file has matrices it cannot run).
+    #[default]
+    Auto,
+    /// The fast tier, unchecked.
+    Fast,
+    /// The reference tier (candle's operations), always.
+    Reference,
+}
+
+impl FromStr for GpuTier {
+    type Err = EngineError;
+
+    fn from_str(s: &str) -> Result<Self> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "auto" => Ok(Self::Auto),
+            "fast" => Ok(Self::Fast),
+            "reference" => Ok(Self::Reference),
+            _ => Err(EngineError::BadDevice {
+                value: s.to_string(),
+                reason: "expected auto, fast or reference (model.gpu_tier)".into(),
+            }),
+        }
+    }
+}
+
+impl fmt::Display for GpuTier {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Self::Auto => "auto",
+            Self::Fast => "fast",
+            Self::Reference => "reference",
+        })
+    }
+}
+
+crate::serde_via_str!(GpuTier);
+
+/// What computes the model: the CPU engine, or one of the GPU tiers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Tier {
+    Cpu,
+    /// Candle's operations on a device (`reference.rs`).
+    Reference,
+    /// The operation list with our kernels (`fast/`).
+    Fast,
+}
+
+impl fmt::Display for Tier {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Self::Cpu => "cpu",
+            Self::Reference => "reference",
+            Self::Fast => "fast",
+        })
+    }
+}
+
 /// What this binary can do with a GPU.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Capabilities {

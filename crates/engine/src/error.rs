@@ -35,6 +35,9 @@ pub enum EngineError {
     BadDevice { value: String, reason: String },
     #[error("device `{0}` is not available: {1}")]
     Device(String, String),
+    /// A CUDA driver or kernel failure in the fast tier.
+    #[error("CUDA: {0}")]
+    Cuda(String),
     #[error(transparent)]
     Gguf(#[from] smolchat_gguf::GgufError),
     #[error(transparent)]

@@ -9,8 +9,13 @@ use crate::config::ModelConfig;
 use crate::cpu::attention::DecodePrefetch;
 use crate::cpu::quant::Isa;
 use crate::cpu::CpuBackend;
-use crate::device::Device;
+use crate::device::{Device, GpuTier};
+use crate::fast::weights::FastWeights;
+#[cfg(feature = "cuda")]
+use crate::fast::FastBackend;
+use crate::kv::KvType;
 use crate::reference::ReferenceBackend;
+use crate::selfcheck;
 use crate::{Engine, EngineError, KvOptions, Model, Result};
 
 /// YaRN context extension (SmolLM3: a factor of 2 extends its 64k training context to 128k).
@@ -38,6 +43,8 @@ pub struct EngineOptions {
     pub yarn: Option<Yarn>,
     pub kv: KvOptions,
     pub cpu: CpuOptions,
+    /// Which path runs the model on a GPU.
+    pub gpu_tier: GpuTier,
 }
 
 impl Engine {
@@ -49,17 +56,26 @@ impl Engine {
         options: &EngineOptions,
         progress: &mut dyn FnMut(u64, u64),
     ) -> Result<Engine> {
-        Engine::on_backend(backend_for(src, device, options, progress)?, options.kv)
+        let (backend, note) = backend_for(src, device, options, progress)?;
+        let engine = Engine::on_backend(backend, options.kv)?;
+        Ok(match note {
+            Some(note) => engine.with_note(note),
+            None => engine,
+        })
     }
 }
 
-/// Loads `src` onto the backend that computes on `device`: where a new backend plugs in.
+/// A backend, and why it is not the tier asked for when that happened.
+type Loaded = (Box<dyn Backend>, Option<String>);
+
+/// Loads `src` onto the backend that computes on `device`: where a new backend plugs in. With it
+/// comes why it is not the tier asked for, when that happened.
 fn backend_for(
     src: &mut GgufSource,
     device: Device,
     options: &EngineOptions,
     progress: &mut dyn FnMut(u64, u64),
-) -> Result<Box<dyn Backend>> {
+) -> Result<Loaded> {
     let yarn = |config: &mut ModelConfig| {
         if let Some(y) = options.yarn {
             config.apply_yarn(y.factor, y.original_context);
@@ -70,7 +86,7 @@ fn backend_for(
             options.cpu.apply();
             let mut model = Model::load(src, progress)?;
             yarn(&mut model.config);
-            Ok(Box::new(CpuBackend::new(model, options.kv.kv_type)?))
+            Ok((Box::new(CpuBackend::new(model, options.kv.kv_type)?), None))
         }
         Device::Cuda(n) => {
             let dev = candle_core::Device::new_cuda(n).map_err(|e| {
@@ -78,16 +94,91 @@ fn backend_for(
             })?;
             let mut config = ModelConfig::from_gguf(src)?;
             yarn(&mut config);
-            Ok(Box::new(ReferenceBackend::load(
-                src,
-                config,
-                device,
-                dev,
-                options.kv.kv_type,
-                progress,
-            )?))
+            gpu_backend(src, config, n, dev, options, progress)
         }
     }
+}
+
+/// The backend on GPU `ordinal` for `options.gpu_tier` (see [`GpuTier`]), and why, when it is
+/// not the tier asked for.
+fn gpu_backend(
+    src: &mut GgufSource,
+    config: ModelConfig,
+    ordinal: usize,
+    dev: candle_core::Device,
+    options: &EngineOptions,
+    progress: &mut dyn FnMut(u64, u64),
+) -> Result<Loaded> {
+    let device = Device::Cuda(ordinal);
+    let reference = |src: &mut GgufSource, config, dev, progress: &mut dyn FnMut(u64, u64)| {
+        ReferenceBackend::load(src, config, device, dev, options.kv.kv_type, progress)
+            .map(|b| Box::new(b) as Box<dyn Backend>)
+    };
+    let unfit = match (
+        crate::fast::weights::runs(src),
+        options.kv.kv_type == KvType::F16,
+    ) {
+        (Err(why), _) => Some(why),
+        (Ok(()), false) => Some(format!(
+            "the fast tier stores the KV cache as f16, and model.kv_type is {}",
+            options.kv.kv_type
+        )),
+        (Ok(()), true) => None,
+    };
+    match (options.gpu_tier, unfit) {
+        (GpuTier::Reference, _) => Ok((reference(src, config, dev, progress)?, None)),
+        (GpuTier::Fast, Some(why)) => Err(EngineError::Device(
+            device.to_string(),
+            format!(
+                "model.gpu_tier = \"fast\" cannot run this: {why}; use \"auto\" or \"reference\""
+            ),
+        )),
+        (GpuTier::Auto, Some(why)) => {
+            let note = format!("reference tier: {why}");
+            tracing::warn!("{note}");
+            Ok((reference(src, config, dev, progress)?, Some(note)))
+        }
+        (tier, None) => {
+            let weights = FastWeights::load(src, config, progress)?;
+            let checked = (tier == GpuTier::Auto)
+                .then(|| ReferenceBackend::from_weights(&weights, device, dev))
+                .transpose()?;
+            let fast = fast_cuda(weights, ordinal)?;
+            let Some(reference) = checked else {
+                return Ok((fast, None));
+            };
+            let selfcheck::Checked {
+                check,
+                fast,
+                reference,
+            } = selfcheck::compare(fast, Box::new(reference))?;
+            if check.passed() {
+                tracing::info!(%check, "the fast tier passed its self-check against the reference tier");
+                Ok((fast, None))
+            } else {
+                let note = format!("reference tier: the fast tier failed its self-check ({check})");
+                tracing::error!("{note}");
+                Ok((reference, Some(note)))
+            }
+        }
+    }
+}
+
+/// The fast tier on GPU `ordinal`.
+#[cfg(feature = "cuda")]
+fn fast_cuda(weights: FastWeights, ordinal: usize) -> Result<Box<dyn Backend>> {
+    Ok(Box::new(FastBackend::new(
+        crate::fast::cuda::CudaRunner::load(weights, ordinal)?,
+    )))
+}
+
+/// Without the `cuda` feature no GPU opens, so this is never reached.
+#[cfg(not(feature = "cuda"))]
+fn fast_cuda(_weights: FastWeights, ordinal: usize) -> Result<Box<dyn Backend>> {
+    Err(EngineError::Device(
+        Device::Cuda(ordinal).to_string(),
+        "this build has no CUDA fast tier (build with `make cuda`)".into(),
+    ))
 }
 
 impl CpuOptions {

@@ -27,7 +27,7 @@ use crate::backend::{check_request, Backend, BatchItem};
 use crate::config::ModelConfig;
 use crate::cpu::model::norm_vector;
 use crate::cpu::quant::QMatrix;
-use crate::device::Device;
+use crate::device::{Device, Tier};
 use crate::error::{EngineError, Result};
 use crate::kv::{KvType, BLOCK_POSITIONS};
 use crate::logits::{Logits, LogitsMode};
@@ -164,6 +164,59 @@ impl ReferenceBackend {
             kv_type,
             weight_bytes,
             config,
+        })
+    }
+
+    /// The reference tier over weights already read for the fast tier (the start-up self-check
+    /// runs both on the same bytes).
+    pub fn from_weights(
+        weights: &crate::fast::weights::FastWeights,
+        device: Device,
+        dev: CandleDevice,
+    ) -> Result<Self> {
+        use crate::fast::plan::{Matrix, Norm};
+        let c = weights.config.clone();
+        let upload = |m: &crate::fast::weights::RawMatrix| -> Result<QMatMul> {
+            let q = qtensor_from_ggml(m.dtype, m.bytes.as_slice(), vec![m.rows, m.cols], &dev)?;
+            Ok(QMatMul::from_qtensor(q)?)
+        };
+        let vector = |n: Norm| -> Result<Tensor> {
+            Ok(Tensor::from_slice(weights.norm(n)?, c.hidden, &dev)?)
+        };
+        let e = &weights.embedding;
+        let embedding = QMatrix::from_raw(RawTensor {
+            name: "token_embd.weight".into(),
+            dtype: e.dtype,
+            dims: vec![e.rows, e.cols],
+            data: smolchat_gguf::AlignedBytes::from_slice(e.bytes.as_slice()),
+        })?;
+        let mut layers = Vec::with_capacity(c.n_layers);
+        for i in 0..c.n_layers {
+            layers.push(Layer {
+                attn_norm: vector(Norm::Attn(i))?,
+                wq: upload(weights.matrix(Matrix::Q(i))?)?,
+                wk: upload(weights.matrix(Matrix::K(i))?)?,
+                wv: upload(weights.matrix(Matrix::V(i))?)?,
+                wo: upload(weights.matrix(Matrix::O(i))?)?,
+                ffn_norm: vector(Norm::Ffn(i))?,
+                w_gate: upload(weights.matrix(Matrix::Gate(i))?)?,
+                w_up: upload(weights.matrix(Matrix::Up(i))?)?,
+                w_down: upload(weights.matrix(Matrix::Down(i))?)?,
+            });
+        }
+        Ok(Self {
+            device,
+            head: upload(weights.matrix(Matrix::Head)?)?,
+            output_norm: vector(Norm::Output)?,
+            dev,
+            embedding,
+            layers,
+            keys: Vec::new(),
+            values: Vec::new(),
+            blocks: 0,
+            kv_type: KvType::F16,
+            weight_bytes: weights.bytes(),
+            config: c,
         })
     }
 
@@ -384,6 +437,10 @@ fn matmul(raw: &RawTensor, dev: &CandleDevice) -> Result<QMatMul> {
 impl Backend for ReferenceBackend {
     fn device(&self) -> Device {
         self.device
+    }
+
+    fn tier(&self) -> Tier {
+        Tier::Reference
     }
 
     fn config(&self) -> &ModelConfig {

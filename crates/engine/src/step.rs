@@ -5,7 +5,7 @@ use std::collections::HashMap;
 
 use super::backend::Backend;
 use super::config::ModelConfig;
-use super::device::Device;
+use super::device::{Device, Tier};
 use super::error::{EngineError, Result};
 use super::kv::{BlockAllocator, BlockTable, KvOptions, KvType, BLOCK_POSITIONS};
 use crate::backend::BatchItem;
@@ -50,6 +50,8 @@ pub struct Engine {
     seqs: HashMap<SeqId, Sequence>,
     next_id: SeqId,
     stats: EngineStats,
+    /// Why this tier computes when another was asked for (a failed self-check, say).
+    note: Option<String>,
 }
 
 impl Engine {
@@ -93,12 +95,34 @@ impl Engine {
             seqs: HashMap::new(),
             next_id: 1,
             stats: EngineStats::default(),
+            note: None,
         }
     }
 
     /// Where this engine computes.
     pub fn device(&self) -> Device {
         self.backend.device()
+    }
+
+    /// Which path computes there.
+    pub fn tier(&self) -> Tier {
+        self.backend.tier()
+    }
+
+    /// Why this tier computes when another was asked for, if that happened.
+    pub fn note(&self) -> Option<&str> {
+        self.note.as_deref()
+    }
+
+    /// Records why this tier computes (see [`Engine::note`]).
+    pub fn with_note(mut self, note: impl Into<String>) -> Self {
+        self.note = Some(note.into());
+        self
+    }
+
+    /// The backend, for another engine (every sequence is dropped).
+    pub fn into_backend(self) -> Box<dyn Backend> {
+        self.backend
     }
 
     /// The model's shapes and limits.

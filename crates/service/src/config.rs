@@ -10,7 +10,7 @@ use serde::{Deserialize, Serialize};
 
 use smolchat_auth::SignupMode;
 use smolchat_engine::cpu::{DecodePrefetch, Isa};
-use smolchat_engine::device::DeviceRequest;
+use smolchat_engine::device::{DeviceRequest, GpuTier};
 use smolchat_engine::{CpuOptions, EngineOptions, KvOptions, KvType, Yarn};
 use smolchat_serving::LoadOptions;
 
@@ -71,6 +71,9 @@ pub struct ModelConfig {
     /// How decode attention prefetches KV pages: `eager` or `lazy` (default: by the L1 data cache
     /// size). `SMOLCHAT_DECODE_PREFETCH` overrides it.
     pub decode_prefetch: Option<DecodePrefetch>,
+    /// On a GPU: `auto` (the fast tier once it passes its start-up self-check against the
+    /// reference tier, else the reference tier), `fast` or `reference`.
+    pub gpu_tier: GpuTier,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -347,6 +350,7 @@ impl Default for ModelConfig {
             kv_type: KvType::F16,
             isa: None,
             decode_prefetch: None,
+            gpu_tier: GpuTier::Auto,
         }
     }
 }
@@ -557,6 +561,7 @@ impl Config {
                     isa: m.isa,
                     decode_prefetch: m.decode_prefetch,
                 },
+                gpu_tier: m.gpu_tier,
             },
         }
     }

@@ -63,6 +63,12 @@ pub struct ModelInfo {
     pub vocab_size: usize,
     pub weight_bytes: usize,
     pub load_s: f64,
+    /// Where the model computes (`cpu`, `cuda:0`).
+    pub device: String,
+    /// Which path computes there (`cpu`, `reference`, `fast`).
+    pub tier: String,
+    /// Why that is not the tier asked for, when it is not (a failed GPU self-check, say).
+    pub tier_note: Option<String>,
 }
 
 pub struct Platform {
@@ -138,8 +144,11 @@ pub fn load_model(
         vocab_size: cfg.vocab_size,
         weight_bytes: engine.weight_bytes(),
         load_s: loaded.load_s,
+        device: engine.device().to_string(),
+        tier: engine.tier().to_string(),
+        tier_note: engine.note().map(str::to_string),
     };
-    tracing::info!(model = %info.id, arch = %info.architecture, window = context_window, load_s = info.load_s, kv_type = %options.engine.kv.kv_type, kv_capacity_tokens = engine.kv_capacity_tokens(), device = %engine.device(), "model loaded");
+    tracing::info!(model = %info.id, arch = %info.architecture, window = context_window, load_s = info.load_s, kv_type = %options.engine.kv.kv_type, kv_capacity_tokens = engine.kv_capacity_tokens(), device = %engine.device(), tier = %engine.tier(), "model loaded");
     Ok((engine, loaded.tokenizer, template, info))
 }
 
@@ -367,6 +376,16 @@ impl Platform {
             metrics::gauge!("smolchat_tokens_per_second").set(s.tokens_per_s);
         }
         metrics::gauge!("smolchat_live_sessions").set(self.sessions.all().len() as f64);
+        // Which device and tier compute, as an info gauge (always 1), and whether the GPU's
+        // fast tier was set aside (its self-check failed, or the file needs the reference tier).
+        let m = &self.model;
+        metrics::gauge!("smolchat_engine_info", "device" => m.device.clone(), "tier" => m.tier.clone())
+            .set(1.0);
+        metrics::gauge!("smolchat_engine_tier_fallback").set(if m.tier_note.is_some() {
+            1.0
+        } else {
+            0.0
+        });
         metrics::gauge!("smolchat_live_replicas").set(self.cluster.live().len() as f64);
     }
 

@@ -51,6 +51,11 @@ struct LoginPage {
 }
 
 pub struct EngineView {
+    /// Where and on which path the model computes (`cpu · cpu`, `cuda:0 · fast`).
+    pub device: String,
+    pub tier: String,
+    /// Why the tier is not the one asked for, if it is not.
+    pub tier_note: String,
     pub queued: usize,
     pub queue_capacity: usize,
     pub running: usize,
@@ -279,11 +284,15 @@ async fn require_admin(
 async fn live_view(state: &AppState, before: &str) -> Result<LiveView, PageError> {
     let page = page_request(Some(ADMIN_PAGE), Some(before))?;
     let live = state.platform.admin().live(&page).await?;
-    Ok(render_live(live, &page))
+    Ok(render_live(live, &page, state.platform.model()))
 }
 
 /// The operator's live view as the page shows it.
-fn render_live(live: Live, page: &smolchat_service::records::PageRequest) -> LiveView {
+fn render_live(
+    live: Live,
+    page: &smolchat_service::records::PageRequest,
+    model: &smolchat_service::platform::ModelInfo,
+) -> LiveView {
     let now = chrono::Utc::now();
     let replicas = live
         .replicas
@@ -353,6 +362,9 @@ fn render_live(live: Live, page: &smolchat_service::records::PageRequest) -> Liv
     };
     LiveView {
         engine: EngineView {
+            device: model.device.clone(),
+            tier: model.tier.clone(),
+            tier_note: model.tier_note.clone().unwrap_or_default(),
             queued: stats.queued,
             queue_capacity: stats.queue_capacity,
             running: stats.running,

@@ -13,7 +13,7 @@ pub use quant::Isa;
 use crate::backend::Backend;
 use crate::backend::BatchItem;
 use crate::config::ModelConfig;
-use crate::device::Device;
+use crate::device::{Device, Tier};
 use crate::error::{EngineError, Result};
 use crate::kv::{KvLayout, KvType};
 use crate::logits::Logits;
@@ -53,6 +53,10 @@ impl CpuBackend {
 impl Backend for CpuBackend {
     fn device(&self) -> Device {
         Device::Cpu
+    }
+
+    fn tier(&self) -> Tier {
+        Tier::Cpu
     }
 
     fn config(&self) -> &ModelConfig {
@@ -120,6 +124,9 @@ mod tests {
     impl Backend for Recording {
         fn device(&self) -> Device {
             self.inner.device()
+        }
+        fn tier(&self) -> Tier {
+            self.inner.tier()
         }
         fn config(&self) -> &ModelConfig {
             self.inner.config()

@@ -6,6 +6,8 @@
 //! tables and the plan.
 
 pub mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod launch;
 pub mod layout;
 pub mod plan;
@@ -14,7 +16,7 @@ pub mod weights;
 
 use crate::backend::{check_request, Backend, BatchItem};
 use crate::config::ModelConfig;
-use crate::device::Device;
+use crate::device::{Device, Tier};
 use crate::error::{EngineError, Result};
 use crate::kv::{KvType, BLOCK_POSITIONS};
 use crate::logits::{Logits, LogitsMode};
@@ -101,6 +103,10 @@ pub fn step_tables(items: &[BatchItem<'_>]) -> StepTables {
 impl<R: Runner> Backend for FastBackend<R> {
     fn device(&self) -> Device {
         self.runner.device()
+    }
+
+    fn tier(&self) -> Tier {
+        Tier::Fast
     }
 
     fn config(&self) -> &ModelConfig {

@@ -46,6 +46,23 @@ pub fn supported(dtype: GgmlDType) -> bool {
     )
 }
 
+/// Whether every matrix of `src` is of a type the fast tier runs (read from the tensor
+/// directory, nothing loaded).
+pub fn runs(src: &GgufSource) -> std::result::Result<(), String> {
+    let mut names: Vec<&String> = src.tensors.keys().collect();
+    names.sort();
+    for name in names {
+        let t = &src.tensors[name];
+        if t.dims.len() == 2 && !supported(t.dtype) {
+            return Err(format!(
+                "{name} is {:?}, which the fast tier's matmul kernels do not take",
+                t.dtype
+            ));
+        }
+    }
+    Ok(())
+}
+
 impl FastWeights {
     /// Reads every weight of `src`, whose configuration (YaRN applied) is `config`.
     pub fn load(

@@ -1,0 +1,625 @@
+//! The CUDA runner: executes a [`Plan`] on one GPU. Quantized matmuls go through llama.cpp's
+//! MMVQ kernels as candle-kernels exports them (`candle_kernels::ffi`: Q8_1 quantization of the
+//! activations, then up to 8 rows per launch); everything else is our own kernels
+//! (`kernels.cu`, compiled to PTX for sm_90 by the build script), launched with the
+//! configurations of [`crate::fast::launch`]. One stream, no event tracking (the runner orders
+//! its work itself), every buffer allocated before the operations run: the step itself neither
+//! allocates nor copies to the host until the logits come back.
+//!
+//! Nothing here runs without a GPU; what it computes is fixed by the twins (`fast::twin`),
+//! which the CPU runner executes in CI, and `make gpu-check` compares the two on a GPU.
+
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::sync::Arc;
+
+use candle_core::cuda_backend::cudarc::driver::{
+    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DeviceRepr,
+    DriverError, LaunchConfig, PushKernelArg, ValidAsZeroBits,
+};
+use candle_core::cuda_backend::cudarc::nvrtc::Ptx;
+use smolchat_gguf::GgmlDType;
+
+use super::launch::{self, Launch};
+use super::layout::{padded_columns, KvArena, StepTables, BLOCK_Q8_1_BYTES, QK8_1};
+use super::plan::{matrix_shape, Buf, Matrix, Norm, Op, Plan};
+use super::weights::{FastWeights, RawMatrix};
+use super::Runner;
+use crate::config::ModelConfig;
+use crate::device::Device;
+use crate::error::{EngineError, Result};
+use crate::rope::RopeTable;
+
+const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/fast_kernels.ptx"));
+
+fn cuda(e: DriverError) -> EngineError {
+    EngineError::Cuda(e.to_string())
+}
+
+struct DeviceMatrix {
+    dtype: GgmlDType,
+    rows: usize,
+    cols: usize,
+    data: CudaSlice<u8>,
+}
+
+/// Device buffers of the step's tables.
+#[derive(Default)]
+struct Tables {
+    tokens: Option<CudaSlice<u32>>,
+    slots: Option<CudaSlice<u32>>,
+    row_seq: Option<CudaSlice<u32>>,
+    seqs: Option<CudaSlice<u32>>,
+    block_tables: Option<CudaSlice<u32>>,
+    logit_rows: Option<CudaSlice<u32>>,
+    cos: Option<CudaSlice<f32>>,
+    sin: Option<CudaSlice<f32>>,
+}
+
+pub struct CudaRunner {
+    ordinal: usize,
+    config: ModelConfig,
+    stream: Arc<CudaStream>,
+    _module: Arc<CudaModule>,
+    functions: HashMap<&'static str, CudaFunction>,
+    embedding: DeviceMatrix,
+    matrices: HashMap<Matrix, DeviceMatrix>,
+    norms: HashMap<Norm, CudaSlice<f32>>,
+    layout: KvArena,
+    /// f16 values, as u16.
+    arena: Option<CudaSlice<u16>>,
+    blocks: usize,
+    buffers: HashMap<Buf, CudaSlice<f32>>,
+    /// Q8_1 blocks of the activations a matmul reads.
+    q8: Option<CudaSlice<u8>>,
+    part_max: Option<CudaSlice<f32>>,
+    part_sum: Option<CudaSlice<f32>>,
+    part_out: Option<CudaSlice<f32>>,
+    tables: Tables,
+    weight_bytes: usize,
+}
+
+/// Copies `data` into `slot`, reallocating when it does not fit.
+fn upload<T: DeviceRepr + ValidAsZeroBits>(
+    stream: &Arc<CudaStream>,
+    slot: &mut Option<CudaSlice<T>>,
+    data: &[T],
+) -> Result<()> {
+    let fits = slot.as_ref().is_some_and(|s| s.len() >= data.len().max(1));
+    if !fits {
+        *slot = Some(stream.alloc_zeros::<T>(data.len().max(1)).map_err(cuda)?);
+    }
+    if let Some(dst) = slot.as_mut() {
+        if !data.is_empty() {
+            let mut view = dst.slice_mut(0..data.len());
+            stream.memcpy_htod(data, &mut view).map_err(cuda)?;
+        }
+    }
+    Ok(())
+}
+
+/// A slot that holds at least `len` values.
+fn ensure<T: DeviceRepr + ValidAsZeroBits>(
+    stream: &Arc<CudaStream>,
+    slot: &mut Option<CudaSlice<T>>,
+    len: usize,
+) -> Result<()> {
+    if slot.as_ref().is_none_or(|s| s.len() < len.max(1)) {
+        *slot = Some(stream.alloc_zeros::<T>(len.max(1)).map_err(cuda)?);
+    }
+    Ok(())
+}
+
+fn config_of(l: Launch) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: l.grid,
+        block_dim: l.block,
+        shared_mem_bytes: 0,
+    }
+}
+
+fn missing(what: &str) -> EngineError {
+    EngineError::Cuda(format!("{what} is not allocated"))
+}
+
+impl CudaRunner {
+    /// Uploads `weights` to GPU `ordinal` and loads the kernels.
+    pub fn load(weights: FastWeights, ordinal: usize) -> Result<Self> {
+        let ctx = CudaContext::new(ordinal).map_err(cuda)?;
+        // One stream, ordered by the runner: no per-buffer events (they would also break graph
+        // capture).
+        unsafe { ctx.disable_event_tracking() };
+        let stream = ctx.new_stream().map_err(cuda)?;
+        let module = ctx.load_module(Ptx::from_src(PTX)).map_err(cuda)?;
+        let mut functions = HashMap::new();
+        for name in launch::kernel_names() {
+            functions.insert(name, module.load_function(name).map_err(cuda)?);
+        }
+        let device_matrix = |m: &RawMatrix| -> Result<DeviceMatrix> {
+            Ok(DeviceMatrix {
+                dtype: m.dtype,
+                rows: m.rows,
+                cols: m.cols,
+                data: stream.clone_htod(m.bytes.as_slice()).map_err(cuda)?,
+            })
+        };
+        let embedding = device_matrix(&weights.embedding)?;
+        let mut matrices = HashMap::new();
+        for (k, m) in &weights.matrices {
+            matrices.insert(*k, device_matrix(m)?);
+        }
+        let mut norms = HashMap::new();
+        for (k, v) in &weights.norms {
+            norms.insert(*k, stream.clone_htod(v.as_slice()).map_err(cuda)?);
+        }
+        let c = weights.config.clone();
+        let layout = KvArena {
+            layers: c.n_layers,
+            kv_heads: c.n_kv_heads,
+            head_dim: c.head_dim,
+        };
+        launch::attention_kernel(c.n_heads, c.n_kv_heads, c.head_dim)?;
+        stream.synchronize().map_err(cuda)?;
+        Ok(Self {
+            ordinal,
+            weight_bytes: weights.bytes(),
+            config: c,
+            stream,
+            _module: module,
+            functions,
+            embedding,
+            matrices,
+            norms,
+            layout,
+            arena: None,
+            blocks: 0,
+            buffers: HashMap::new(),
+            q8: None,
+            part_max: None,
+            part_sum: None,
+            part_out: None,
+            tables: Tables::default(),
+        })
+    }
+
+    fn function(&self, name: &str) -> Result<&CudaFunction> {
+        self.functions
+            .get(name)
+            .ok_or_else(|| EngineError::Cuda(format!("kernel {name} is not loaded")))
+    }
+
+    fn buffer(&self, buf: Buf) -> Result<&CudaSlice<f32>> {
+        self.buffers
+            .get(&buf)
+            .ok_or_else(|| missing(&format!("{buf:?}")))
+    }
+
+    fn matrix(&self, m: Matrix) -> &DeviceMatrix {
+        self.matrices.get(&m).unwrap_or(&self.embedding)
+    }
+
+    /// Allocates every buffer and table the plan needs before anything runs.
+    fn prepare(&mut self, plan: &Plan, tables: &StepTables, rope: &RopeTable) -> Result<()> {
+        let c = self.config.clone();
+        for buf in [
+            Buf::X,
+            Buf::H,
+            Buf::Q,
+            Buf::K,
+            Buf::V,
+            Buf::Attn,
+            Buf::Proj,
+            Buf::Gate,
+            Buf::Up,
+            Buf::Sel,
+            Buf::SelNorm,
+            Buf::Logits,
+        ] {
+            let len = plan.len_of(&c, buf).max(1);
+            if self.buffers.get(&buf).is_none_or(|b| b.len() < len) {
+                let fresh = self.stream.alloc_zeros::<f32>(len).map_err(cuda)?;
+                self.buffers.insert(buf, fresh);
+            }
+        }
+        let widest = [c.hidden, c.n_heads * c.head_dim, c.ffn]
+            .into_iter()
+            .map(padded_columns)
+            .max()
+            .unwrap_or(0);
+        ensure(
+            &self.stream,
+            &mut self.q8,
+            plan.rows * widest / QK8_1 * BLOCK_Q8_1_BYTES,
+        )?;
+        let max_visible = tables
+            .seqs
+            .iter()
+            .map(|s| (s.past + s.rows) as usize)
+            .max()
+            .unwrap_or(1);
+        let splits = launch::max_splits(max_visible);
+        let partials = plan.rows * c.n_heads * splits;
+        ensure(&self.stream, &mut self.part_max, partials)?;
+        ensure(&self.stream, &mut self.part_sum, partials)?;
+        ensure(&self.stream, &mut self.part_out, partials * c.head_dim)?;
+        let t = &mut self.tables;
+        upload(&self.stream, &mut t.tokens, &tables.tokens)?;
+        upload(&self.stream, &mut t.slots, &tables.slots)?;
+        upload(&self.stream, &mut t.row_seq, &tables.row_seq)?;
+        let seqs: Vec<u32> = tables
+            .seqs
+            .iter()
+            .flat_map(|s| [s.row0, s.rows, s.past, s.index])
+            .collect();
+        upload(&self.stream, &mut t.seqs, &seqs)?;
+        upload(&self.stream, &mut t.block_tables, &tables.block_tables)?;
+        upload(&self.stream, &mut t.logit_rows, &tables.logit_rows)?;
+        upload(&self.stream, &mut t.cos, rope.cos())?;
+        upload(&self.stream, &mut t.sin, rope.sin())?;
+        Ok(())
+    }
+
+    fn op(&mut self, plan: &Plan, op: Op, tables: &StepTables) -> Result<()> {
+        let c = &self.config;
+        let rows = plan.rows;
+        match op {
+            Op::Embed => {
+                let f = self.function(launch::get_rows_kernel(self.embedding.dtype)?)?;
+                let tokens = self
+                    .tables
+                    .tokens
+                    .as_ref()
+                    .ok_or_else(|| missing("tokens"))?;
+                let x = self.buffer(Buf::X)?;
+                let cols = c.hidden as i32;
+                unsafe {
+                    self.stream
+                        .launch_builder(f)
+                        .arg(&self.embedding.data)
+                        .arg(tokens)
+                        .arg(x)
+                        .arg(&cols)
+                        .launch(config_of(launch::per_row(rows)?))
+                }
+                .map_err(cuda)?;
+            }
+            Op::RmsNorm { x, weight, out } => {
+                let n = plan.rows_of(x);
+                let f = self.function("rms_norm")?;
+                let w = self
+                    .norms
+                    .get(&weight)
+                    .ok_or_else(|| missing(&format!("{weight:?}")))?;
+                let (cols, eps) = (c.hidden as i32, c.rms_eps);
+                unsafe {
+                    self.stream
+                        .launch_builder(f)
+                        .arg(self.buffer(x)?)
+                        .arg(w)
+                        .arg(self.buffer(out)?)
+                        .arg(&cols)
+                        .arg(&eps)
+                        .launch(config_of(launch::per_row(n)?))
+                }
+                .map_err(cuda)?;
+            }
+            Op::MatMul { weight, x, out } => self.matmul(plan, weight, x, out)?,
+            Op::RopeKvWrite { layer, rope } => {
+                if rope {
+                    let f = self.function("rope")?;
+                    let cos = self.tables.cos.as_ref().ok_or_else(|| missing("cos"))?;
+                    let sin = self.tables.sin.as_ref().ok_or_else(|| missing("sin"))?;
+                    let (hd, rope_dim) = (c.head_dim as i32, c.rope_dim as i32);
+                    for (buf, heads) in [(Buf::Q, c.n_heads), (Buf::K, c.n_kv_heads)] {
+                        let h = heads as i32;
+                        unsafe {
+                            self.stream
+                                .launch_builder(f)
+                                .arg(self.buffer(buf)?)
+                                .arg(cos)
+                                .arg(sin)
+                                .arg(&h)
+                                .arg(&hd)
+                                .arg(&rope_dim)
+                                .launch(config_of(launch::rope(rows, heads, c.rope_dim)?))
+                        }
+                        .map_err(cuda)?;
+                    }
+                }
+                let f = self.function("kv_write")?;
+                let slots = self.tables.slots.as_ref().ok_or_else(|| missing("slots"))?;
+                let arena = self.arena.as_ref().ok_or_else(|| missing("the KV arena"))?;
+                let (l, layers, kvh, hd) = (
+                    layer as i32,
+                    c.n_layers as i32,
+                    c.n_kv_heads as i32,
+                    c.head_dim as i32,
+                );
+                unsafe {
+                    self.stream
+                        .launch_builder(f)
+                        .arg(self.buffer(Buf::K)?)
+                        .arg(self.buffer(Buf::V)?)
+                        .arg(slots)
+                        .arg(arena)
+                        .arg(&l)
+                        .arg(&layers)
+                        .arg(&kvh)
+                        .arg(&hd)
+                        .launch(config_of(launch::kv_write(rows, c.n_kv_heads, c.head_dim)?))
+                }
+                .map_err(cuda)?;
+            }
+            Op::Attention { layer } => self.attention(plan, layer, tables)?,
+            Op::Add { x, y } => {
+                let f = self.function("add_f32")?;
+                let n = plan.len_of(c, x);
+                let n32 = n as i32;
+                unsafe {
+                    self.stream
+                        .launch_builder(f)
+                        .arg(self.buffer(x)?)
+                        .arg(self.buffer(y)?)
+                        .arg(&n32)
+                        .launch(config_of(launch::elementwise(n)?))
+                }
+                .map_err(cuda)?;
+            }
+            Op::SiluMul => {
+                let f = self.function("silu_mul")?;
+                let n = plan.len_of(c, Buf::Gate);
+                let n32 = n as i32;
+                unsafe {
+                    self.stream
+                        .launch_builder(f)
+                        .arg(self.buffer(Buf::Gate)?)
+                        .arg(self.buffer(Buf::Up)?)
+                        .arg(&n32)
+                        .launch(config_of(launch::elementwise(n)?))
+                }
+                .map_err(cuda)?;
+            }
+            Op::GatherLogitRows => {
+                let f = self.function("gather_rows")?;
+                let picked = self
+                    .tables
+                    .logit_rows
+                    .as_ref()
+                    .ok_or_else(|| missing("logit rows"))?;
+                let cols = c.hidden as i32;
+                unsafe {
+                    self.stream
+                        .launch_builder(f)
+                        .arg(self.buffer(Buf::X)?)
+                        .arg(picked)
+                        .arg(self.buffer(Buf::Sel)?)
+                        .arg(&cols)
+                        .launch(config_of(launch::per_row(plan.logit_rows)?))
+                }
+                .map_err(cuda)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// `out = x · Wᵀ`: the rows of `x` quantized to Q8_1, then MMVQ over pieces of 8 rows.
+    fn matmul(&self, plan: &Plan, weight: Matrix, x: Buf, out: Buf) -> Result<()> {
+        let m = self.matrix(weight);
+        let (n, k) = matrix_shape(&self.config, weight);
+        if (m.rows, m.cols) != (n, k) {
+            return Err(EngineError::Cuda(format!(
+                "{weight:?} is {}x{}, the plan expects {n}x{k}",
+                m.rows, m.cols
+            )));
+        }
+        let rows = plan.rows_of(x);
+        let k_padded = padded_columns(k);
+        let stream = self.stream.cu_stream() as *mut c_void;
+        let q8 = self
+            .q8
+            .as_ref()
+            .ok_or_else(|| missing("the Q8_1 scratch"))?;
+        let (x_ptr, _x) = self.buffer(x)?.device_ptr(&self.stream);
+        let (q8_ptr, _q) = q8.device_ptr(&self.stream);
+        let (w_ptr, _w) = m.data.device_ptr(&self.stream);
+        let (out_ptr, _o) = self.buffer(out)?.device_ptr(&self.stream);
+        unsafe {
+            candle_kernels::ffi::launch_mmvq_gguf_quantize_q8_1_f32(
+                x_ptr as *const c_void,
+                q8_ptr as *mut c_void,
+                k as i32,
+                k_padded as i32,
+                rows as i32,
+                stream,
+            );
+        }
+        let y_row_bytes = (k_padded / QK8_1 * BLOCK_Q8_1_BYTES) as u64;
+        for piece in launch::mmvq_pieces(rows) {
+            let y = q8_ptr + piece.start as u64 * y_row_bytes;
+            let dst = out_ptr + (piece.start * n * std::mem::size_of::<f32>()) as u64;
+            let args = (
+                w_ptr as *const c_void,
+                y as *const c_void,
+                dst as *mut c_void,
+                k as i32,
+                n as i32,
+                (k_padded / QK8_1) as i32,
+                n as i32,
+                piece.len() as i32,
+                stream,
+            );
+            unsafe { mmvq(m.dtype, args)? };
+        }
+        Ok(())
+    }
+
+    fn attention(&self, plan: &Plan, layer: usize, tables: &StepTables) -> Result<()> {
+        let c = &self.config;
+        let rows = plan.rows;
+        let name = launch::attention_kernel(c.n_heads, c.n_kv_heads, c.head_dim)?;
+        let f = self.function(name)?;
+        let max_visible = tables
+            .seqs
+            .iter()
+            .map(|s| (s.past + s.rows) as usize)
+            .max()
+            .unwrap_or(1);
+        let splits = launch::max_splits(max_visible);
+        let t = &self.tables;
+        let row_seq = t.row_seq.as_ref().ok_or_else(|| missing("row sequences"))?;
+        let seqs = t.seqs.as_ref().ok_or_else(|| missing("sequences"))?;
+        let block_tables = t
+            .block_tables
+            .as_ref()
+            .ok_or_else(|| missing("block tables"))?;
+        let arena = self.arena.as_ref().ok_or_else(|| missing("the KV arena"))?;
+        let part_max = self.part_max.as_ref().ok_or_else(|| missing("partials"))?;
+        let part_sum = self.part_sum.as_ref().ok_or_else(|| missing("partials"))?;
+        let part_out = self.part_out.as_ref().ok_or_else(|| missing("partials"))?;
+        let (max_blocks, max_splits, l, layers, heads, kvh, hd) = (
+            tables.max_blocks as i32,
+            splits as i32,
+            layer as i32,
+            c.n_layers as i32,
+            c.n_heads as i32,
+            c.n_kv_heads as i32,
+            c.head_dim as i32,
+        );
+        unsafe {
+            self.stream
+                .launch_builder(f)
+                .arg(self.buffer(Buf::Q)?)
+                .arg(arena)
+                .arg(row_seq)
+                .arg(seqs)
+                .arg(block_tables)
+                .arg(&max_blocks)
+                .arg(part_max)
+                .arg(part_sum)
+                .arg(part_out)
+                .arg(&max_splits)
+                .arg(&l)
+                .arg(&layers)
+                .arg(&heads)
+                .arg(&kvh)
+                .arg(&hd)
+                .launch(config_of(launch::attention_partial(
+                    rows,
+                    c.n_kv_heads,
+                    splits,
+                )?))
+        }
+        .map_err(cuda)?;
+        let f = self.function("attention_merge")?;
+        unsafe {
+            self.stream
+                .launch_builder(f)
+                .arg(row_seq)
+                .arg(seqs)
+                .arg(part_max)
+                .arg(part_sum)
+                .arg(part_out)
+                .arg(self.buffer(Buf::Attn)?)
+                .arg(&max_splits)
+                .arg(&heads)
+                .arg(&hd)
+                .launch(config_of(launch::attention_merge(
+                    rows, c.n_heads, c.head_dim,
+                )?))
+        }
+        .map_err(cuda)?;
+        Ok(())
+    }
+}
+
+type MmvqArgs = (
+    *const c_void,
+    *const c_void,
+    *mut c_void,
+    i32,
+    i32,
+    i32,
+    i32,
+    i32,
+    *mut c_void,
+);
+
+/// One MMVQ launch for a weight of `dtype` (up to 8 activation rows).
+///
+/// # Safety
+/// The pointers are device memory of the right sizes on the stream's context.
+unsafe fn mmvq(dtype: GgmlDType, a: MmvqArgs) -> Result<()> {
+    use candle_kernels::ffi;
+    let f = match dtype {
+        GgmlDType::Q4_0 => ffi::launch_mmvq_gguf_q4_0_f32_plain,
+        GgmlDType::Q4_1 => ffi::launch_mmvq_gguf_q4_1_f32_plain,
+        GgmlDType::Q5_0 => ffi::launch_mmvq_gguf_q5_0_f32_plain,
+        GgmlDType::Q5_1 => ffi::launch_mmvq_gguf_q5_1_f32_plain,
+        GgmlDType::Q8_0 => ffi::launch_mmvq_gguf_q8_0_f32_plain,
+        GgmlDType::Q2K => ffi::launch_mmvq_gguf_q2_k_f32_plain,
+        GgmlDType::Q3K => ffi::launch_mmvq_gguf_q3_k_f32_plain,
+        GgmlDType::Q4K => ffi::launch_mmvq_gguf_q4_k_f32_plain,
+        GgmlDType::Q5K => ffi::launch_mmvq_gguf_q5_k_f32_plain,
+        GgmlDType::Q6K => ffi::launch_mmvq_gguf_q6_k_f32_plain,
+        other => return Err(EngineError::Cuda(format!("no MMVQ kernel for {other:?}"))),
+    };
+    f(a.0, a.1, a.2, a.3, a.4, a.5, a.6, a.7, a.8);
+    Ok(())
+}
+
+impl Runner for CudaRunner {
+    fn device(&self) -> Device {
+        Device::Cuda(self.ordinal)
+    }
+
+    fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    fn weight_bytes(&self) -> usize {
+        self.weight_bytes
+    }
+
+    fn arena(&self) -> KvArena {
+        self.layout
+    }
+
+    fn reserve_blocks(&mut self, blocks: usize) -> Result<()> {
+        if blocks <= self.blocks {
+            return Ok(());
+        }
+        let values = blocks * self.layout.block_values();
+        let mut grown = self.stream.alloc_zeros::<u16>(values).map_err(cuda)?;
+        if let Some(old) = &self.arena {
+            let mut head = grown.slice_mut(0..old.len());
+            self.stream.memcpy_dtod(old, &mut head).map_err(cuda)?;
+        }
+        self.arena = Some(grown);
+        self.blocks = blocks;
+        Ok(())
+    }
+
+    fn resident_blocks(&self) -> usize {
+        self.blocks
+    }
+
+    fn run(
+        &mut self,
+        plan: &Plan,
+        tables: &StepTables,
+        rope: &RopeTable,
+        logits: &mut [f32],
+    ) -> Result<()> {
+        self.prepare(plan, tables, rope)?;
+        for &op in &plan.ops {
+            self.op(plan, op, tables)?;
+        }
+        if plan.logit_rows > 0 {
+            let out = self.buffer(Buf::Logits)?;
+            let view = out.slice(0..logits.len());
+            self.stream.memcpy_dtoh(&view, logits).map_err(cuda)?;
+        }
+        self.stream.synchronize().map_err(cuda)?;
+        Ok(())
+    }
+}
