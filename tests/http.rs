@@ -162,9 +162,12 @@ async fn ops_endpoints_and_conversation_crud() {
     );
     assert_eq!(metric(&text, "smolchat_engine_tier_fallback"), Some(0.0));
     assert!(metric(&text, "smolchat_generated_tokens_total").unwrap() >= 1.0);
-    assert_eq!(
-        metric(&text, "smolchat_kv_budget_bytes").unwrap(),
-        (2048u64 << 20) as f64
+    // The CPU's default budget, in whole blocks (one SmolLM2 block at f16: 368,640 bytes).
+    let budget = metric(&text, "smolchat_kv_budget_bytes").unwrap();
+    let default = (2048u64 << 20) as f64;
+    assert!(
+        budget <= default && budget > default - 368_640.0,
+        "{budget}"
     );
 
     // DELETE: gone for good.

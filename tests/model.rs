@@ -18,7 +18,7 @@ fn engine_with(model: SyntheticModel, kv_type: KvType, budget_bytes: usize) -> E
         model,
         KvOptions {
             kv_type,
-            budget_bytes,
+            budget_bytes: Some(budget_bytes),
         },
     )
     .expect("engine")
@@ -460,7 +460,7 @@ fn impossible_kv_options_are_refused() {
         m,
         KvOptions {
             kv_type: KvType::F16,
-            budget_bytes: 1000,
+            budget_bytes: Some(1000),
         },
     )
     .err()

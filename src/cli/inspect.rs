@@ -6,8 +6,9 @@ use std::path::PathBuf;
 use anyhow::Result;
 use clap::Args;
 
+use smolchat_engine::backend::Suggested;
 use smolchat_engine::kv::{BlockAllocator, KvLayout};
-use smolchat_engine::{KvOptions, KvType, ModelConfig};
+use smolchat_engine::{KvType, ModelConfig};
 use smolchat_gguf::{summarize_value, GgufSource};
 
 #[derive(Args, Debug)]
@@ -118,10 +119,10 @@ pub fn run(args: &InspectArgs) -> Result<()> {
             for (t, per_token, tokens) in kv_table(&c) {
                 match tokens {
                     Some(n) => println!(
-                        "  {:<5} {:>5.1} KiB per token, {n} tokens in the default {} MiB budget",
+                        "  {:<5} {:>5.1} KiB per token, {n} tokens in the CPU's default {} MiB budget",
                         t.name(),
                         per_token as f64 / 1024.0,
-                        KvOptions::default().budget_bytes >> 20
+                        Suggested::CPU.kv_budget_bytes >> 20
                     ),
                     None => println!("  {:<5} cannot store this model's rows", t.name()),
                 }
@@ -132,7 +133,7 @@ pub fn run(args: &InspectArgs) -> Result<()> {
     Ok(())
 }
 
-/// Per KV type: bytes per token and the tokens the default budget holds (from the engine's own
+/// Per KV type: bytes per token and the tokens the CPU's default budget holds (from the engine's own
 /// block accounting; `None` when the type cannot store this model's rows).
 fn kv_table(c: &ModelConfig) -> Vec<(KvType, usize, Option<usize>)> {
     KvType::ALL
@@ -141,7 +142,7 @@ fn kv_table(c: &ModelConfig) -> Vec<(KvType, usize, Option<usize>)> {
             let layout = KvLayout::new(c, t);
             let tokens = layout.check().ok().map(|_| {
                 BlockAllocator::with_budget(
-                    KvOptions::default().budget_bytes,
+                    Suggested::CPU.kv_budget_bytes,
                     layout.bytes_per_block(),
                 )
                 .capacity_positions()

@@ -22,10 +22,43 @@ pub struct BatchItem<'a> {
     pub logits: LogitsMode,
 }
 
+/// Serving limits that suit a device: the KV budget, how many sequences run at once and how many
+/// tokens one step takes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Suggested {
+    pub kv_budget_bytes: usize,
+    pub max_running: usize,
+    pub batch_token_budget: usize,
+}
+
+impl Suggested {
+    /// The CPU's: a 2 GiB KV cache, 16 sequences, 512 tokens a step (a few cores serve a handful
+    /// of users; larger steps only delay everyone's next token).
+    pub const CPU: Suggested = Suggested {
+        kv_budget_bytes: 2048 << 20,
+        max_running: 16,
+        batch_token_budget: 512,
+    };
+
+    /// A GPU's, with `free_bytes` of memory left after the weights: all but a margin for the
+    /// step's buffers (a tenth of it, at least 1 GiB) for the KV cache, 64 sequences, 2048 tokens
+    /// a step.
+    pub fn gpu(free_bytes: usize) -> Suggested {
+        let margin = (free_bytes / 10).max(1 << 30);
+        Suggested {
+            kv_budget_bytes: free_bytes.saturating_sub(margin),
+            max_running: 64,
+            batch_token_budget: 2048,
+        }
+    }
+}
+
 /// One compute backend (see the module docs).
 pub trait Backend: Send {
     /// Where it computes.
     fn device(&self) -> Device;
+    /// The serving limits this device suits, for the settings the configuration leaves unset.
+    fn suggested(&self) -> Suggested;
     /// Which path computes there.
     fn tier(&self) -> Tier;
     /// The model's shapes and limits.
@@ -79,4 +112,30 @@ pub fn check_request(c: &ModelConfig, items: &[BatchItem<'_>]) -> Result<()> {
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_gpus_kv_budget_is_its_free_memory_less_a_margin() {
+        let gib = 1usize << 30;
+        // An H100 with a 2 GB model loaded: a tenth kept back.
+        assert_eq!(
+            Suggested::gpu(78 * gib).kv_budget_bytes,
+            78 * gib - 78 * gib / 10
+        );
+        // A small card: at least 1 GiB kept back.
+        assert_eq!(Suggested::gpu(4 * gib).kv_budget_bytes, 3 * gib);
+        assert_eq!(Suggested::gpu(gib / 2).kv_budget_bytes, 0);
+        assert_eq!(
+            (
+                Suggested::gpu(gib).max_running,
+                Suggested::gpu(gib).batch_token_budget
+            ),
+            (64, 2048)
+        );
+        assert_eq!(Suggested::CPU.kv_budget_bytes, 2048 << 20);
+    }
 }

@@ -232,6 +232,31 @@ pub fn choose(
     }
 }
 
+/// Bytes of memory free on GPU `ordinal` now (`None` without the `cuda` feature or a GPU).
+pub fn free_memory(ordinal: usize) -> Option<usize> {
+    #[cfg(feature = "cuda")]
+    {
+        use candle_core::cuda_backend::cudarc::driver::CudaContext;
+        let ctx = CudaContext::new(ordinal).ok()?;
+        ctx.mem_get_info().ok().map(|(free, _total)| free)
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = ordinal;
+        None
+    }
+}
+
+/// What suits `device` when the configuration leaves the serving limits unset: its free
+/// memory decides a GPU's KV budget.
+pub fn suggested_for(device: Device) -> crate::backend::Suggested {
+    use crate::backend::Suggested;
+    match device {
+        Device::Cpu => Suggested::CPU,
+        Device::Cuda(n) => free_memory(n).map_or(Suggested::CPU, Suggested::gpu),
+    }
+}
+
 /// Counts the CUDA devices through the driver. Only meaningful with the `cuda` feature.
 pub fn probe_cuda() -> GpuProbe {
     #[cfg(feature = "cuda")]

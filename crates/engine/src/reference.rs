@@ -23,7 +23,7 @@ use candle_core::{DType, Device as CandleDevice, Module, Tensor, D};
 use smolchat_gguf::{GgufSource, RawTensor};
 use tracing::trace_span;
 
-use crate::backend::{check_request, Backend, BatchItem};
+use crate::backend::{check_request, Backend, BatchItem, Suggested};
 use crate::config::ModelConfig;
 use crate::cpu::model::norm_vector;
 use crate::cpu::quant::QMatrix;
@@ -441,6 +441,10 @@ impl Backend for ReferenceBackend {
 
     fn tier(&self) -> Tier {
         Tier::Reference
+    }
+
+    fn suggested(&self) -> Suggested {
+        crate::device::suggested_for(self.device)
     }
 
     fn config(&self) -> &ModelConfig {

@@ -70,7 +70,7 @@ fn run(backend: Box<dyn Backend>) -> Result<Run> {
     let vocab = backend.config().vocab_size;
     let options = KvOptions {
         kv_type: KvType::F16,
-        budget_bytes: 16 * backend.kv_block_bytes(),
+        budget_bytes: Some(16 * backend.kv_block_bytes()),
     };
     let mut engine = Engine::on_backend(backend, options)?;
     let (a, b) = (engine.create_sequence(), engine.create_sequence());
@@ -215,6 +215,9 @@ mod tests {
         }
         fn tier(&self) -> Tier {
             self.0.tier()
+        }
+        fn suggested(&self) -> crate::backend::Suggested {
+            self.0.suggested()
         }
         fn config(&self) -> &ModelConfig {
             self.0.config()

@@ -3,7 +3,7 @@
 
 use std::collections::HashMap;
 
-use super::backend::Backend;
+use super::backend::{Backend, Suggested};
 use super::config::ModelConfig;
 use super::device::{Device, Tier};
 use super::error::{EngineError, Result};
@@ -60,7 +60,7 @@ impl Engine {
     pub fn new(model: Model) -> Self {
         Self::build(
             Box::new(CpuBackend::f16(model)),
-            KvOptions::default().budget_bytes,
+            Suggested::CPU.kv_budget_bytes,
         )
     }
 
@@ -71,20 +71,29 @@ impl Engine {
         Self::on_backend(Box::new(CpuBackend::new(model, options.kv_type)?), options)
     }
 
-    /// An engine over any backend, its KV cache within `options.budget_bytes` (the backend
-    /// already stores rows as `options.kv_type`). Errors when the budget holds no block.
+    /// An engine over any backend, its KV cache within `options.budget_bytes` (the backend's
+    /// suggestion when unset; the backend already stores rows as `options.kv_type`). Errors when
+    /// the budget holds no block.
     pub fn on_backend(backend: Box<dyn Backend>, options: KvOptions) -> Result<Self> {
         let block = backend.kv_block_bytes();
-        if options.budget_bytes < block {
+        let budget = options
+            .budget_bytes
+            .unwrap_or_else(|| backend.suggested().kv_budget_bytes);
+        if budget < block {
             return Err(EngineError::KvConfig(format!(
                 "a budget of {} bytes holds no block: one block of {} positions takes {} bytes with {}",
-                options.budget_bytes,
+                budget,
                 BLOCK_POSITIONS,
                 block,
                 backend.kv_type()
             )));
         }
-        Ok(Self::build(backend, options.budget_bytes))
+        Ok(Self::build(backend, budget))
+    }
+
+    /// The serving limits the device suits (for what the configuration leaves unset).
+    pub fn suggested(&self) -> Suggested {
+        self.backend.suggested()
     }
 
     fn build(backend: Box<dyn Backend>, budget_bytes: usize) -> Self {

@@ -133,11 +133,13 @@ pub struct DatabaseConfig {
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(default, deny_unknown_fields)]
 pub struct SchedulerSection {
-    /// KV cache budget in MiB across all sequences.
-    pub kv_budget_mib: usize,
-    /// Tokens per step (decode tokens plus prefill chunks).
-    pub batch_token_budget: usize,
-    pub max_running: usize,
+    /// KV cache budget in MiB across all sequences. Unset: what the device suits (2 GiB on the
+    /// CPU; a GPU's free memory after the weights, less a margin).
+    pub kv_budget_mib: Option<usize>,
+    /// Tokens per step (decode tokens plus prefill chunks). Unset: 512 on the CPU, 2048 on a GPU.
+    pub batch_token_budget: Option<usize>,
+    /// Sequences generating at once. Unset: 16 on the CPU, 64 on a GPU.
+    pub max_running: Option<usize>,
     /// Requests allowed to wait; beyond this, 503 with Retry-After.
     pub queue_size: usize,
     /// Requests one user (owner, account or API client) may have waiting; beyond this, 429 with
@@ -380,9 +382,9 @@ impl Default for DatabaseConfig {
 impl Default for SchedulerSection {
     fn default() -> Self {
         Self {
-            kv_budget_mib: 2048,
-            batch_token_budget: 512,
-            max_running: 16,
+            kv_budget_mib: None,
+            batch_token_budget: None,
+            max_running: None,
             queue_size: 64,
             max_queued_per_user: 16,
             max_running_per_user: 8,
@@ -555,7 +557,7 @@ impl Config {
                 }),
                 kv: KvOptions {
                     kv_type: m.kv_type,
-                    budget_bytes: self.scheduler.kv_budget_mib << 20,
+                    budget_bytes: self.scheduler.kv_budget_mib.map(|mib| mib << 20),
                 },
                 cpu: CpuOptions {
                     isa: m.isa,
@@ -569,13 +571,13 @@ impl Config {
     pub fn validate(&self) -> Result<(), ConfigError> {
         let bad = |m: String| Err(ConfigError::Invalid(m));
         let s = &self.scheduler;
-        if s.max_running == 0 {
+        if s.max_running == Some(0) {
             return bad("scheduler.max_running must be at least 1".into());
         }
-        if s.batch_token_budget == 0 {
+        if s.batch_token_budget == Some(0) {
             return bad("scheduler.batch_token_budget must be at least 1".into());
         }
-        if s.kv_budget_mib == 0 {
+        if s.kv_budget_mib == Some(0) {
             return bad("scheduler.kv_budget_mib must be at least 1".into());
         }
         let sv = &self.server;

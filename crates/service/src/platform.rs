@@ -211,14 +211,16 @@ impl Platform {
         let tokenizer = Arc::new(tokenizer);
         let template = Arc::new(template);
         let s = &config.scheduler;
+        // What the configuration leaves unset, the device decides.
+        let suggested = engine.suggested();
         let scheduler = SchedulerActor::start(
             engine,
             Arc::clone(&tokenizer),
             SchedulerConfig {
                 batcher: BatcherConfig {
-                    max_running: s.max_running,
+                    max_running: s.max_running.unwrap_or(suggested.max_running),
                     queue_capacity: s.queue_size,
-                    step_token_budget: s.batch_token_budget,
+                    step_token_budget: s.batch_token_budget.unwrap_or(suggested.batch_token_budget),
                     context_window: model.context_window,
                     max_queued_per_user: s.max_queued_per_user,
                     max_running_per_user: s.max_running_per_user,
@@ -227,7 +229,6 @@ impl Platform {
                     // Set by the scheduler from the engine it starts.
                     kv_capacity_blocks: 0,
                 },
-                kv_budget_bytes: s.kv_budget_mib << 20,
                 max_new_tokens: config.limits.max_new_tokens,
                 request_timeout: (s.request_timeout_s > 0)
                     .then(|| Duration::from_secs(s.request_timeout_s)),

@@ -112,7 +112,7 @@ mod tests {
                 }),
                 kv: KvOptions {
                     kv_type: KvType::F32,
-                    budget_bytes: 1 << 20,
+                    budget_bytes: Some(1 << 20),
                 },
                 ..EngineOptions::default()
             },

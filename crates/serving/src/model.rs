@@ -115,7 +115,6 @@ struct CacheSlot {
 pub struct ModelWorker {
     engine: Engine,
     tokenizer: Arc<Tokenizer>,
-    kv_budget_bytes: usize,
     active: HashMap<RequestId, Active>,
     caches: HashMap<CacheKey, CacheSlot>,
     evictions: u64,
@@ -128,12 +127,7 @@ pub struct ModelWorker {
 }
 
 impl ModelWorker {
-    pub fn new(
-        engine: Engine,
-        tokenizer: Arc<Tokenizer>,
-        kv_budget_bytes: usize,
-        context_window: usize,
-    ) -> Self {
+    pub fn new(engine: Engine, tokenizer: Arc<Tokenizer>, context_window: usize) -> Self {
         let context_window = context_window.min(engine.config().context_length);
         Self {
             context_window,
@@ -141,7 +135,6 @@ impl ModelWorker {
             logits: Logits::new(),
             engine,
             tokenizer,
-            kv_budget_bytes,
             active: HashMap::new(),
             caches: HashMap::new(),
             evictions: 0,
@@ -219,14 +212,11 @@ impl ModelWorker {
         }
     }
 
-    /// Evicts least-recently-used idle caches until `blocks` more KV blocks fit, both in the
-    /// engine's allocator and in the worker's byte budget. Returns whether they fit.
+    /// Evicts least-recently-used idle caches until `blocks` more KV blocks are free in the
+    /// engine's allocator (the one KV budget). Returns whether they fit.
     fn make_room(&mut self, blocks: usize) -> bool {
-        let extra = blocks * self.engine.kv_block_bytes();
         loop {
-            let fits = self.engine.kv_free_blocks() >= blocks
-                && self.engine.total_kv_bytes() + extra <= self.kv_budget_bytes;
-            if fits {
+            if self.engine.kv_free_blocks() >= blocks {
                 return true;
             }
             let victim = self
@@ -402,14 +392,13 @@ impl ModelWorker {
         }
     }
 
-    /// KV positions the budget holds in all (the allocator's blocks within the byte budget).
+    /// KV positions the budget holds in all (the allocator's blocks).
     fn kv_capacity_tokens(&self) -> usize {
         self.kv_capacity_blocks() * smolchat_engine::kv::BLOCK_POSITIONS
     }
 
     fn kv_capacity_blocks(&self) -> usize {
-        (self.kv_budget_bytes / self.engine.kv_block_bytes().max(1))
-            .min(self.engine.kv_capacity_blocks())
+        self.engine.kv_capacity_blocks()
     }
 
     /// Blocks new work could have: those not held (within the budget), plus those held by idle
@@ -767,16 +756,16 @@ mod tests {
         let mut src = synthetic::build(&spec).expect("build");
         let model = Model::load(&mut src, &mut |_, _| {}).expect("load");
         match blocks {
-            None => ModelWorker::new(Engine::new(model), Arc::new(tokenizer), 1 << 30, 2048),
+            None => ModelWorker::new(Engine::new(model), Arc::new(tokenizer), 2048),
             Some(n) => {
                 let kv = smolchat_engine::kv::KvLayout::new(&model.config, KvType::F16);
                 let budget = n * kv.bytes_per_block();
                 let options = KvOptions {
                     kv_type: KvType::F16,
-                    budget_bytes: budget,
+                    budget_bytes: Some(budget),
                 };
                 let engine = Engine::with_kv(model, options).expect("engine");
-                ModelWorker::new(engine, Arc::new(tokenizer), budget, 2048)
+                ModelWorker::new(engine, Arc::new(tokenizer), 2048)
             }
         }
     }

@@ -22,7 +22,6 @@ use smolchat_text::tokenizer::Tokenizer;
 #[derive(Debug, Clone)]
 pub struct SchedulerConfig {
     pub batcher: BatcherConfig,
-    pub kv_budget_bytes: usize,
     /// Upper bound on new tokens per request (requests asking for more are clamped).
     pub max_new_tokens: usize,
     /// Default wall-clock limit per request.
@@ -60,14 +59,13 @@ impl SchedulerActor {
         mut cfg: SchedulerConfig,
     ) -> Addr<Self> {
         let (tx, rx) = std_mpsc::channel::<WorkerCommand>();
-        let kv_budget = cfg.kv_budget_bytes;
-        // The one KV budget: the allocator's blocks, within the configured bytes.
-        cfg.batcher.kv_capacity_blocks =
-            (kv_budget / engine.kv_block_bytes().max(1)).min(engine.kv_capacity_blocks());
+        // The one KV budget: the engine's allocator's blocks.
+        cfg.batcher.kv_capacity_blocks = engine.kv_capacity_blocks();
+        let kv_budget_bytes = engine.kv_capacity_blocks() * engine.kv_block_bytes();
         let window = cfg.batcher.context_window;
         SchedulerActor::create(move |ctx| {
             let addr = ctx.address();
-            let worker = ModelWorker::new(engine, tokenizer, kv_budget, window);
+            let worker = ModelWorker::new(engine, tokenizer, window);
             let model_alive = Arc::new(AtomicBool::new(true));
             let guard = AliveGuard(Arc::clone(&model_alive));
             let spawned = std::thread::Builder::new()
@@ -85,7 +83,7 @@ impl SchedulerActor {
                 stats: SchedulerStats {
                     max_running: cfg.batcher.max_running,
                     queue_capacity: cfg.batcher.queue_capacity,
-                    kv_budget_bytes: cfg.kv_budget_bytes,
+                    kv_budget_bytes,
                     ..SchedulerStats::default()
                 },
                 batcher: Batcher::new(cfg.batcher.clone()),
@@ -234,7 +232,7 @@ impl Handler<StepDone> for SchedulerActor {
         metrics::counter!("smolchat_prefilled_tokens_total").increment(r.prefilled_tokens);
         metrics::counter!("smolchat_kv_preemptions_total").increment(r.preemptions);
         metrics::gauge!("smolchat_kv_bytes").set(r.kv_bytes as f64);
-        metrics::gauge!("smolchat_kv_budget_bytes").set(self.cfg.kv_budget_bytes as f64);
+        metrics::gauge!("smolchat_kv_budget_bytes").set(s.kv_budget_bytes as f64);
         metrics::gauge!("smolchat_kv_evictions").set(r.evictions as f64);
         metrics::gauge!("smolchat_tokens_per_second").set(s.tokens_per_s);
         metrics::histogram!("smolchat_step_seconds").record(r.step_ms / 1e3);

@@ -10,8 +10,8 @@ pub mod quant;
 pub use attention::DecodePrefetch;
 pub use quant::Isa;
 
-use crate::backend::Backend;
 use crate::backend::BatchItem;
+use crate::backend::{Backend, Suggested};
 use crate::config::ModelConfig;
 use crate::device::{Device, Tier};
 use crate::error::{EngineError, Result};
@@ -57,6 +57,10 @@ impl Backend for CpuBackend {
 
     fn tier(&self) -> Tier {
         Tier::Cpu
+    }
+
+    fn suggested(&self) -> Suggested {
+        Suggested::CPU
     }
 
     fn config(&self) -> &ModelConfig {
@@ -127,6 +131,9 @@ mod tests {
         }
         fn tier(&self) -> Tier {
             self.inner.tier()
+        }
+        fn suggested(&self) -> Suggested {
+            self.inner.suggested()
         }
         fn config(&self) -> &ModelConfig {
             self.inner.config()

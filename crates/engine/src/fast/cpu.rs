@@ -14,6 +14,7 @@ use super::plan::{Buf, Op, Plan};
 use super::twin::{attention, mmvq, norm, rope};
 use super::weights::{FastWeights, RawMatrix};
 use super::Runner;
+use crate::backend::Suggested;
 use crate::device::Device;
 use crate::error::{EngineError, Result};
 use crate::rope::RopeTable;
@@ -214,6 +215,10 @@ impl Runner for CpuRunner {
 
     fn resident_blocks(&self) -> usize {
         self.blocks
+    }
+
+    fn suggested(&self) -> Suggested {
+        Suggested::CPU
     }
 
     fn run(

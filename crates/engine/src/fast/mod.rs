@@ -14,7 +14,7 @@ pub mod plan;
 pub mod twin;
 pub mod weights;
 
-use crate::backend::{check_request, Backend, BatchItem};
+use crate::backend::{check_request, Backend, BatchItem, Suggested};
 use crate::config::ModelConfig;
 use crate::device::{Device, Tier};
 use crate::error::{EngineError, Result};
@@ -33,6 +33,8 @@ pub trait Runner: Send {
     /// Makes the arena hold at least `blocks` blocks.
     fn reserve_blocks(&mut self, blocks: usize) -> Result<()>;
     fn resident_blocks(&self) -> usize;
+    /// The serving limits its device suits.
+    fn suggested(&self) -> Suggested;
     /// Runs `plan` over the step's `tables` (RoPE's cos/sin in `rope`) and writes the logits of
     /// the step's logit rows into `logits` (`[logit rows][vocab]`).
     fn run(
@@ -107,6 +109,10 @@ impl<R: Runner> Backend for FastBackend<R> {
 
     fn tier(&self) -> Tier {
         Tier::Fast
+    }
+
+    fn suggested(&self) -> Suggested {
+        self.runner.suggested()
     }
 
     fn config(&self) -> &ModelConfig {

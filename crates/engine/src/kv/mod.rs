@@ -87,21 +87,12 @@ impl FromStr for KvType {
 crate::serde_via_str!(KvType);
 
 /// How an engine stores its KV cache.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct KvOptions {
     pub kv_type: KvType,
-    /// The most bytes the cache may hold; rounded down to whole blocks.
-    pub budget_bytes: usize,
-}
-
-impl Default for KvOptions {
-    /// f16 and 2 GiB, the server's defaults (`model.kv_type`, `scheduler.kv_budget_mib`).
-    fn default() -> Self {
-        Self {
-            kv_type: KvType::F16,
-            budget_bytes: 2048 << 20,
-        }
-    }
+    /// The most bytes the cache may hold, rounded down to whole blocks; `None`: what the backend
+    /// suggests for its device (2 GiB on the CPU, the GPU's free memory after the weights).
+    pub budget_bytes: Option<usize>,
 }
 
 /// The shape of one block's pages: which bytes of a block belong to which (layer, KV head, K/V).

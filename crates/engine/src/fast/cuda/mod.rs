@@ -25,6 +25,7 @@ use super::layout::{padded_columns, KvArena, StepTables, BLOCK_Q8_1_BYTES, QK8_1
 use super::plan::{matrix_shape, Buf, Matrix, Norm, Op, Plan};
 use super::weights::{FastWeights, RawMatrix};
 use super::Runner;
+use crate::backend::Suggested;
 use crate::config::ModelConfig;
 use crate::device::Device;
 use crate::error::{EngineError, Result};
@@ -601,6 +602,15 @@ impl Runner for CudaRunner {
 
     fn resident_blocks(&self) -> usize {
         self.blocks
+    }
+
+    fn suggested(&self) -> Suggested {
+        // What is free now, with the weights and (when already grown) the arena in place.
+        let held = self.blocks * self.layout.block_bytes();
+        self.stream
+            .context()
+            .mem_get_info()
+            .map_or(Suggested::CPU, |(free, _)| Suggested::gpu(free + held))
     }
 
     fn run(
