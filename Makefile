@@ -36,7 +36,7 @@ cuda-toolkit:
 ## Compiles and lints the `cuda` feature (PTX and MMQ objects for sm_90 included), so GPU code
 ## cannot rot on machines without a GPU.
 lint-cuda: cuda-toolkit
-	$(CUDA_CARGO) clippy --workspace --all-targets --features smolchat-engine/cuda -- -D warnings
+	$(CUDA_CARGO) clippy --workspace --all-targets --features cuda -- -D warnings
 
 ## The GPU binary: target/cuda/release/smolchat (see README, "GPU build").
 cuda: cuda-toolkit
@@ -44,7 +44,7 @@ cuda: cuda-toolkit
 
 ## Test binaries with the `cuda` feature, to carry to a GPU machine (tests/gpu.rs runs there).
 cuda-tests: cuda-toolkit
-	$(CUDA_CARGO) test --workspace --no-run --features smolchat-engine/cuda
+	$(CUDA_CARGO) test --workspace --no-run --features cuda
 
 ## Chromium + chromedriver (browser tests), PostgreSQL and nginx (store and replica tests);
 ## apt-get when missing.

@@ -154,8 +154,8 @@ fn cuda_qmatmul_matches_the_cpu_qmatrix() {
     }
 }
 
-/// With a GPU present, the engine's probe counts it and `auto` says what it saw. Until the CUDA
-/// backend exists, `auto` stays on the CPU and an explicit `cuda` is refused with the reason.
+/// With a GPU present, the engine's probe counts it and `auto` says what it saw: with the `cuda`
+/// feature it picks the GPU; without it (a CPU build) it stays on the CPU.
 #[test]
 #[ignore = "needs a CUDA GPU and a `--features cuda` build: run with --ignored there"]
 fn device_selection_sees_the_gpu() {
@@ -187,4 +187,271 @@ fn device_selection_sees_the_gpu() {
         beyond.is_err(),
         "cuda:{count} of {count} devices was accepted"
     );
+}
+
+/// The fast tier on the GPU: its kernels against their Rust twins operation by operation, the
+/// engine over it against llama.cpp's logits and itself, and the start-up self-check. Built only
+/// with the `cuda` feature (`make cuda-tests`); run by `make gpu-check`.
+#[cfg(feature = "cuda")]
+mod fast_tier {
+    use super::cuda_required;
+    use smolchat_engine::backend::BatchItem;
+    use smolchat_engine::device::{Device as EngineDevice, GpuTier, Tier};
+    use smolchat_engine::fast::cpu::CpuRunner;
+    use smolchat_engine::fast::cuda::CudaRunner;
+    use smolchat_engine::fast::differential::{self, OpDiff};
+    use smolchat_engine::fast::plan::{Op, Plan};
+    use smolchat_engine::fast::weights::FastWeights;
+    use smolchat_engine::fast::{step_tables, Runner};
+    use smolchat_engine::rope::RopeTable;
+    use smolchat_engine::synthetic::{self, SyntheticSpec, TypeMix};
+    use smolchat_engine::{Engine, EngineOptions, LogitsMode, ModelConfig, SeqStep};
+    use smolchat_gguf::{GgmlDType, GgufSource};
+
+    fn weights(spec: &SyntheticSpec) -> FastWeights {
+        let mut src = synthetic::build(spec).unwrap_or_else(|e| panic!("{e}"));
+        let config = ModelConfig::from_gguf(&src).unwrap_or_else(|e| panic!("{e}"));
+        FastWeights::load(&mut src, config, &mut |_, _| {}).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// How far a kernel may be from its twin, relative to the largest value it wrote (the
+    /// contracts: integer parts exact, floats reduced in another order).
+    fn tolerance(op: Op) -> f32 {
+        match op {
+            Op::MatMul { .. } | Op::Attention { .. } => 1e-3,
+            _ => 1e-5,
+        }
+    }
+
+    /// Runs the step of `items` on both runners, comparing every operation.
+    fn step(cpu: &mut CpuRunner, gpu: &mut CudaRunner, items: &[BatchItem<'_>], what: &str) {
+        let config = cpu.config().clone();
+        let tables = step_tables(items);
+        let positions: Vec<usize> = tables.positions.iter().map(|&p| p as usize).collect();
+        let rope = RopeTable::new(&config, &positions);
+        let plan = Plan::forward(&config, tables.rows(), tables.logit_rows.len());
+        let diffs = differential::compare(cpu, gpu, &plan, &tables, &rope)
+            .unwrap_or_else(|e| panic!("{what}: {e}"));
+        let worst: Vec<&OpDiff> = diffs
+            .iter()
+            .filter(|d| !d.within(tolerance(d.op)))
+            .collect();
+        for d in diffs
+            .iter()
+            .filter(|d| matches!(d.op, Op::Attention { .. } | Op::MatMul { .. }))
+            .take(4)
+        {
+            eprintln!(
+                "{what}: op {} {:?} -> {:?}: {:.2e} of {:.2e}",
+                d.index, d.op, d.buf, d.max_diff, d.scale
+            );
+        }
+        assert!(
+            worst.is_empty(),
+            "{what}: kernels off their twins: {worst:?}"
+        );
+    }
+
+    /// Every kernel over steps of many shapes: prefill across block boundaries, decode over two
+    /// context splits, and mixed steps, for each weight type family.
+    #[test]
+    #[ignore = "needs a CUDA GPU and a `--features cuda` build: run with --ignored there"]
+    fn kernels_equal_their_twins() {
+        cuda_required("kernels_equal_their_twins");
+        let mut three_b = SyntheticSpec::smollm3_3b();
+        three_b.n_layers = 2;
+        for (name, spec) in [
+            (
+                "smollm3 q8_0",
+                SyntheticSpec::tiny("smollm3").with_type_mix(TypeMix::Uniform(GgmlDType::Q8_0)),
+            ),
+            (
+                "llama q4_1",
+                SyntheticSpec::tiny("llama").with_type_mix(TypeMix::Uniform(GgmlDType::Q4_1)),
+            ),
+            (
+                "llama q6_k",
+                SyntheticSpec::tiny("llama").with_type_mix(TypeMix::Uniform(GgmlDType::Q6K)),
+            ),
+            ("3B shape Q4_K_M", three_b),
+        ] {
+            let mut cpu = CpuRunner::new(weights(&spec));
+            let mut gpu =
+                CudaRunner::load(weights(&spec), 0).unwrap_or_else(|e| panic!("{name}: {e}"));
+            for r in [&mut cpu as &mut dyn Runner, &mut gpu] {
+                r.reserve_blocks(64).unwrap_or_else(|e| panic!("{e}"));
+            }
+            let long: Vec<u32> = (0..700).map(|i| (i * 37 % 400 + 3) as u32).collect();
+            let a_blocks: Vec<u32> = (0..45).collect();
+            let b_blocks: Vec<u32> = (50..53).collect();
+            let c_blocks: Vec<u32> = vec![60, 61];
+            // A long prefill in one step, then a decode over two context splits beside two
+            // short prefills.
+            step(
+                &mut cpu,
+                &mut gpu,
+                &[BatchItem {
+                    blocks: &a_blocks,
+                    past: 0,
+                    tokens: &long[..699],
+                    logits: LogitsMode::Last,
+                }],
+                &format!("{name} prefill"),
+            );
+            step(
+                &mut cpu,
+                &mut gpu,
+                &[
+                    BatchItem {
+                        blocks: &a_blocks,
+                        past: 699,
+                        tokens: &long[699..],
+                        logits: LogitsMode::Last,
+                    },
+                    BatchItem {
+                        blocks: &b_blocks,
+                        past: 0,
+                        tokens: &long[..37],
+                        logits: LogitsMode::All,
+                    },
+                    BatchItem {
+                        blocks: &c_blocks,
+                        past: 0,
+                        tokens: &long[100..117],
+                        logits: LogitsMode::None,
+                    },
+                ],
+                &format!("{name} mixed"),
+            );
+        }
+    }
+
+    fn engine(path: &std::path::Path, tier: GpuTier) -> Engine {
+        let mut src = GgufSource::open(path).unwrap_or_else(|e| panic!("{e}"));
+        Engine::load(
+            &mut src,
+            EngineDevice::Cuda(0),
+            &EngineOptions {
+                gpu_tier: tier,
+                ..EngineOptions::default()
+            },
+            &mut |_, _| {},
+        )
+        .unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    fn data(name: &str) -> std::path::PathBuf {
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("tests/data")
+            .join(name)
+    }
+
+    /// The engine on the fast tier: the tiny SmolLM3 within 0.05 of llama.cpp with its argmax,
+    /// sequences batched equal to alone, and a cache dropped and rebuilt giving the same logits.
+    #[test]
+    #[ignore = "needs a CUDA GPU and a `--features cuda` build: run with --ignored there"]
+    fn the_fast_tier_matches_llama_cpp_and_itself() {
+        cuda_required("the_fast_tier_matches_llama_cpp_and_itself");
+        let mut e = engine(&data("smollm3-tiny-q8_0.gguf"), GpuTier::Fast);
+        assert_eq!(e.tier(), Tier::Fast);
+        let text = std::fs::read_to_string(data("smollm3-tiny-q8_0-tokens.json"))
+            .unwrap_or_else(|e| panic!("{e}"));
+        let meta: serde_json::Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}"));
+        let ids = |k: &str| -> Vec<u32> {
+            meta[k]
+                .as_array()
+                .map(|a| {
+                    a.iter()
+                        .filter_map(|v| v.as_u64())
+                        .map(|v| v as u32)
+                        .collect()
+                })
+                .unwrap_or_default()
+        };
+        let tokens = ids("token_ids");
+        let argmax = ids("argmax_per_position");
+        let expected =
+            candle_core::Tensor::read_npy(data("smollm3-tiny-q8_0-logits-fa-off-kvf32.npy"))
+                .and_then(|t| t.flatten_all())
+                .and_then(|t| t.to_vec1::<f32>())
+                .unwrap_or_else(|e| panic!("{e}"));
+        let vocab = expected.len() / tokens.len();
+        let seq = e.create_sequence();
+        let got = e
+            .step(&[SeqStep {
+                seq,
+                tokens: &tokens,
+                logits: LogitsMode::All,
+            }])
+            .unwrap_or_else(|e| panic!("{e}"));
+        let got = got.into_iter().next().flatten().unwrap_or_default();
+        e.free_sequence(seq);
+        for (pos, (g, w)) in got.chunks(vocab).zip(expected.chunks(vocab)).enumerate() {
+            let d = g
+                .iter()
+                .zip(w)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0f32, f32::max);
+            assert!(d <= 0.05, "position {pos}: {d}");
+            let best = (0..vocab).fold(0, |b, i| if g[i] > g[b] { i } else { b });
+            assert_eq!(best as u32, argmax[pos], "argmax at {pos}");
+        }
+        // Batched equal to alone (MMVQ sums in another order for other batch sizes: 1e-3).
+        let prompts: Vec<Vec<u32>> = [3usize, 17, 33]
+            .iter()
+            .map(|&n| tokens.iter().cycle().take(n).copied().collect())
+            .collect();
+        let alone: Vec<Vec<f32>> = prompts
+            .iter()
+            .map(|p| {
+                let s = e.create_sequence();
+                let out = e
+                    .step(&[SeqStep {
+                        seq: s,
+                        tokens: p,
+                        logits: LogitsMode::Last,
+                    }])
+                    .unwrap_or_else(|e| panic!("{e}"));
+                e.free_sequence(s);
+                out.into_iter().next().flatten().unwrap_or_default()
+            })
+            .collect();
+        let seqs: Vec<_> = prompts.iter().map(|_| e.create_sequence()).collect();
+        let steps: Vec<SeqStep<'_>> = seqs
+            .iter()
+            .zip(&prompts)
+            .map(|(&seq, p)| SeqStep {
+                seq,
+                tokens: p,
+                logits: LogitsMode::Last,
+            })
+            .collect();
+        let together = e.step(&steps).unwrap_or_else(|e| panic!("{e}"));
+        for (i, (g, w)) in together.iter().zip(&alone).enumerate() {
+            let g = g.as_deref().unwrap_or_default();
+            let d = g
+                .iter()
+                .zip(w)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0f32, f32::max);
+            assert!(
+                d <= 1e-3 * w.iter().map(|v| v.abs()).fold(1.0, f32::max),
+                "sequence {i}: {d}"
+            );
+        }
+        for s in seqs {
+            e.free_sequence(s);
+        }
+    }
+
+    /// `auto` checks the fast tier against the reference tier at load and keeps it.
+    #[test]
+    #[ignore = "needs a CUDA GPU and a `--features cuda` build: run with --ignored there"]
+    fn the_self_check_passes_on_this_gpu() {
+        cuda_required("the_self_check_passes_on_this_gpu");
+        let e = engine(&data("smollm3-tiny-q8_0.gguf"), GpuTier::Auto);
+        assert_eq!((e.tier(), e.note()), (Tier::Fast, None), "{:?}", e.note());
+        let r = engine(&data("smollm3-tiny-q8_0.gguf"), GpuTier::Reference);
+        assert_eq!(r.tier(), Tier::Reference);
+    }
 }

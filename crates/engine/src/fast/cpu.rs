@@ -25,6 +25,9 @@ pub struct CpuRunner {
     layout: KvArena,
     blocks: usize,
     buffers: HashMap<Buf, Vec<f32>>,
+    /// The step's RoPE table (`[rows][rope_dim / 2]`).
+    cos: Vec<f32>,
+    sin: Vec<f32>,
 }
 
 impl CpuRunner {
@@ -41,6 +44,8 @@ impl CpuRunner {
             layout,
             blocks: 0,
             buffers: HashMap::new(),
+            cos: Vec::new(),
+            sin: Vec::new(),
         }
     }
 
@@ -61,13 +66,7 @@ impl CpuRunner {
         })
     }
 
-    fn op(
-        &mut self,
-        plan: &Plan,
-        op: Op,
-        tables: &StepTables,
-        rope_table: &RopeTable,
-    ) -> Result<()> {
+    fn op(&mut self, plan: &Plan, op: Op, tables: &StepTables) -> Result<()> {
         let c = self.weights.config.clone();
         match op {
             Op::Embed => {
@@ -114,14 +113,8 @@ impl CpuRunner {
                         head_dim: c.head_dim,
                         rope_dim: c.rope_dim,
                     };
-                    rope::rotate(&mut q, c.n_heads, shape, rope_table.cos(), rope_table.sin());
-                    rope::rotate(
-                        &mut k,
-                        c.n_kv_heads,
-                        shape,
-                        rope_table.cos(),
-                        rope_table.sin(),
-                    );
+                    rope::rotate(&mut q, c.n_heads, shape, &self.cos, &self.sin);
+                    rope::rotate(&mut k, c.n_kv_heads, shape, &self.cos, &self.sin);
                 }
                 rope::write_kv(&mut self.arena, self.layout, layer, &k, &v, &tables.slots);
                 self.put(Buf::Q, q);
@@ -221,21 +214,27 @@ impl Runner for CpuRunner {
         Suggested::CPU
     }
 
-    fn run(
-        &mut self,
-        plan: &Plan,
-        tables: &StepTables,
-        rope: &RopeTable,
-        logits: &mut [f32],
-    ) -> Result<()> {
-        for &op in &plan.ops {
-            self.op(plan, op, tables, rope)?;
-        }
-        if plan.logit_rows > 0 {
-            let out = self.take(Buf::Logits)?;
-            logits.copy_from_slice(&out);
-            self.put(Buf::Logits, out);
-        }
+    fn begin(&mut self, _plan: &Plan, _tables: &StepTables, rope: &RopeTable) -> Result<()> {
+        self.cos = rope.cos().to_vec();
+        self.sin = rope.sin().to_vec();
+        Ok(())
+    }
+
+    fn run_op(&mut self, plan: &Plan, op: Op, tables: &StepTables) -> Result<()> {
+        self.op(plan, op, tables)
+    }
+
+    fn read(&mut self, plan: &Plan, buf: Buf) -> Result<Vec<f32>> {
+        let values = self.take(buf)?;
+        let out = values[..plan.len_of(&self.weights.config, buf)].to_vec();
+        self.put(buf, values);
+        Ok(out)
+    }
+
+    fn write(&mut self, plan: &Plan, buf: Buf, values: &[f32]) -> Result<()> {
+        let mut b = self.buffer(plan, buf);
+        b.copy_from_slice(values);
+        self.put(buf, b);
         Ok(())
     }
 }

@@ -8,6 +8,7 @@
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod differential;
 pub mod launch;
 pub mod layout;
 pub mod plan;
@@ -22,7 +23,7 @@ use crate::kv::{KvType, BLOCK_POSITIONS};
 use crate::logits::{Logits, LogitsMode};
 use crate::rope::RopeTable;
 use layout::{slot_of, KvArena, SeqInfo, StepTables};
-use plan::Plan;
+use plan::{Buf, Op, Plan};
 
 /// What executes a plan: owns the weights, the KV arena and the working buffers.
 pub trait Runner: Send {
@@ -35,15 +36,34 @@ pub trait Runner: Send {
     fn resident_blocks(&self) -> usize;
     /// The serving limits its device suits.
     fn suggested(&self) -> Suggested;
-    /// Runs `plan` over the step's `tables` (RoPE's cos/sin in `rope`) and writes the logits of
-    /// the step's logit rows into `logits` (`[logit rows][vocab]`).
+    /// Gets ready for `plan` over the step's `tables` (RoPE's cos/sin in `rope`): every buffer
+    /// allocated, the tables uploaded.
+    fn begin(&mut self, plan: &Plan, tables: &StepTables, rope: &RopeTable) -> Result<()>;
+    /// Runs one operation of the plan begun.
+    fn run_op(&mut self, plan: &Plan, op: Op, tables: &StepTables) -> Result<()>;
+    /// The values of a working buffer now (`plan.len_of(buf)` of them).
+    fn read(&mut self, plan: &Plan, buf: Buf) -> Result<Vec<f32>>;
+    /// Sets a working buffer (the differential checks align two runners with it).
+    fn write(&mut self, plan: &Plan, buf: Buf, values: &[f32]) -> Result<()>;
+
+    /// Runs `plan` and writes the logits of the step's logit rows into `logits`
+    /// (`[logit rows][vocab]`).
     fn run(
         &mut self,
         plan: &Plan,
         tables: &StepTables,
         rope: &RopeTable,
         logits: &mut [f32],
-    ) -> Result<()>;
+    ) -> Result<()> {
+        self.begin(plan, tables, rope)?;
+        for &op in &plan.ops {
+            self.run_op(plan, op, tables)?;
+        }
+        if plan.logit_rows > 0 {
+            logits.copy_from_slice(&self.read(plan, Buf::Logits)?);
+        }
+        Ok(())
+    }
 }
 
 /// The fast tier as an engine backend, over any runner.

@@ -613,23 +613,34 @@ impl Runner for CudaRunner {
             .map_or(Suggested::CPU, |(free, _)| Suggested::gpu(free + held))
     }
 
-    fn run(
-        &mut self,
-        plan: &Plan,
-        tables: &StepTables,
-        rope: &RopeTable,
-        logits: &mut [f32],
-    ) -> Result<()> {
-        self.prepare(plan, tables, rope)?;
-        for &op in &plan.ops {
-            self.op(plan, op, tables)?;
-        }
-        if plan.logit_rows > 0 {
-            let out = self.buffer(Buf::Logits)?;
-            let view = out.slice(0..logits.len());
-            self.stream.memcpy_dtoh(&view, logits).map_err(cuda)?;
+    fn begin(&mut self, plan: &Plan, tables: &StepTables, rope: &RopeTable) -> Result<()> {
+        self.prepare(plan, tables, rope)
+    }
+
+    fn run_op(&mut self, plan: &Plan, op: Op, tables: &StepTables) -> Result<()> {
+        self.op(plan, op, tables)
+    }
+
+    fn read(&mut self, plan: &Plan, buf: Buf) -> Result<Vec<f32>> {
+        let len = plan.len_of(&self.config, buf);
+        let mut out = vec![0f32; len];
+        if len > 0 {
+            let view = self.buffer(buf)?.slice(0..len);
+            self.stream.memcpy_dtoh(&view, &mut out).map_err(cuda)?;
         }
         self.stream.synchronize().map_err(cuda)?;
+        Ok(out)
+    }
+
+    fn write(&mut self, _plan: &Plan, buf: Buf, values: &[f32]) -> Result<()> {
+        let dst = self
+            .buffers
+            .get_mut(&buf)
+            .ok_or_else(|| missing(&format!("{buf:?}")))?;
+        if !values.is_empty() {
+            let mut view = dst.slice_mut(0..values.len());
+            self.stream.memcpy_htod(values, &mut view).map_err(cuda)?;
+        }
         Ok(())
     }
 }
