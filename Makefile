@@ -5,7 +5,7 @@
 
 CARGO ?= cargo
 
-.PHONY: run test mount-check setup model lint lint-cuda bench bench-replicas test-deps cuda cuda-toolkit cuda-tests fuzz soak
+.PHONY: run test mount-check setup model lint lint-cuda bench bench-replicas test-deps cuda cuda-toolkit cuda-tests gpu-bundle llama-tarball gpu-check fuzz soak
 
 # The `cuda` feature builds in its own target directory: its candle-core, cudarc and
 # candle-kernels (nvcc) artifacts never replace the CPU build's, and the GPU binary can never be
@@ -45,6 +45,35 @@ cuda: cuda-toolkit
 ## Test binaries with the `cuda` feature, to carry to a GPU machine (tests/gpu.rs runs there).
 cuda-tests: cuda-toolkit
 	$(CUDA_CARGO) test --workspace --no-run --features cuda
+
+## What `make gpu-check` runs on a GPU machine (no cargo there): the release binary and the GPU
+## test binary, built with the `cuda` feature, stripped and xz-compressed into target/gpu-bundle
+## (carry it; see README, "GPU build and gpu-check").
+gpu-bundle: cuda cuda-tests
+	@mkdir -p target/gpu-bundle
+	@eval "$$(scripts/cuda-env.sh)" && CARGO_TARGET_DIR=$(CUDA_TARGET_DIR) $(CARGO) test --no-run --features cuda --test gpu --message-format=json 2>/dev/null \
+	  | python3 -c 'import json,sys; [print(m["executable"]) for m in map(json.loads, sys.stdin) if m.get("executable") and m["target"]["name"] == "gpu"]' \
+	  | head -1 | xargs -I{} cp {} target/gpu-bundle/gpu-tests
+	cp $(CUDA_TARGET_DIR)/release/smolchat target/gpu-bundle/smolchat
+	strip target/gpu-bundle/smolchat target/gpu-bundle/gpu-tests
+	xz -9 -f -T0 target/gpu-bundle/smolchat target/gpu-bundle/gpu-tests
+	@ls -l target/gpu-bundle
+
+## A llama.cpp source tarball for gpu-check's `llama` phase, from a git directory holding b9793
+## (LLAMA_GIT=/path/to/llama.cpp.git; README, "GPU build and gpu-check").
+LLAMA_GIT ?=
+LLAMA_REV ?= HEAD
+llama-tarball:
+	@test -n "$(LLAMA_GIT)" || { echo "set LLAMA_GIT to a llama.cpp git directory"; exit 2; }
+	@mkdir -p target/gpu-bundle
+	git --git-dir=$(LLAMA_GIT) archive --format=tar.gz --prefix=llama.cpp/ -o target/gpu-bundle/llama.cpp.tar.gz $(LLAMA_REV)
+	@ls -l target/gpu-bundle/llama.cpp.tar.gz
+
+## On a machine with a GPU and the CUDA 13 libraries, from the bundle: every phase, then the
+## report in $${OUT:-target/gpu-check}/gpu-check.{json,md}. Phases one by one:
+## scripts/gpu-check.sh PHASE (each within 10 minutes).
+gpu-check:
+	scripts/gpu-check.sh all --tarball target/gpu-bundle/llama.cpp.tar.gz
 
 ## Chromium + chromedriver (browser tests), PostgreSQL and nginx (store and replica tests);
 ## apt-get when missing.

@@ -129,6 +129,8 @@ pub fn run(args: &BenchArgs, globals: &super::Globals) -> Result<()> {
         "threads": rayon::current_num_threads(),
         "isa": smolchat_engine::cpu::Isa::best().name(),
         "device": engine.device().to_string(),
+        "tier": engine.tier().to_string(),
+        "tier_note": engine.note(),
         "weight_bytes": engine.weight_bytes(),
         "kv": {
             "type": engine.kv_type().name(),
