@@ -745,14 +745,7 @@ mod tests {
 
     /// A worker on a tiny model; with `Some(n)`, an engine and budget of exactly `n` KV blocks.
     fn worker_with_kv(blocks: Option<usize>) -> ModelWorker {
-        // The repository's models/ folder, two levels above this crate.
-        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("../../models/SmolLM2-135M-Instruct.Q4_1.gguf");
-        let real = GgufSource::open(&path).expect("run ./scripts/fetch-model.sh");
-        let tokenizer = Tokenizer::from_gguf(&real).expect("tokenizer");
-        let spec = SyntheticSpec::tiny("llama")
-            .with_tokenizer_from(&real)
-            .expect("spec");
+        let (spec, tokenizer) = tiny_with_tokenizer();
         let mut src = synthetic::build(&spec).expect("build");
         let model = Model::load(&mut src, &mut |_, _| {}).expect("load");
         match blocks {
@@ -768,6 +761,43 @@ mod tests {
                 ModelWorker::new(engine, Arc::new(tokenizer), 2048)
             }
         }
+    }
+
+    /// A tiny random model with SmolLM2's vocabulary, and that tokenizer.
+    fn tiny_with_tokenizer() -> (SyntheticSpec, Tokenizer) {
+        // The repository's models/ folder, two levels above this crate.
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../models/SmolLM2-135M-Instruct.Q4_1.gguf");
+        let real = GgufSource::open(&path).expect("run ./scripts/fetch-model.sh");
+        let tokenizer = Tokenizer::from_gguf(&real).expect("tokenizer");
+        let spec = SyntheticSpec::tiny("llama")
+            .with_tokenizer_from(&real)
+            .expect("spec");
+        (spec, tokenizer)
+    }
+
+    /// A worker over the GPU's fast tier executed by its CPU runner (the kernels' twins), on a
+    /// Q8_0 tiny model; with `Some(n)`, a cache of exactly `n` blocks.
+    fn fast_tier_worker(blocks: Option<usize>) -> ModelWorker {
+        use smolchat_engine::fast::{cpu::CpuRunner, weights::FastWeights, FastBackend};
+        let (spec, tokenizer) = tiny_with_tokenizer();
+        let spec = spec.with_type_mix(smolchat_engine::synthetic::TypeMix::Uniform(
+            smolchat_gguf::GgmlDType::Q8_0,
+        ));
+        let mut src = synthetic::build(&spec).expect("build");
+        let config = smolchat_engine::ModelConfig::from_gguf(&src).expect("config");
+        let weights = FastWeights::load(&mut src, config, &mut |_, _| {}).expect("weights");
+        let backend = Box::new(FastBackend::new(CpuRunner::new(weights)));
+        let budget = blocks.map(|n| n * smolchat_engine::Backend::kv_block_bytes(backend.as_ref()));
+        let engine = Engine::on_backend(
+            backend,
+            KvOptions {
+                kv_type: KvType::F16,
+                budget_bytes: budget,
+            },
+        )
+        .expect("engine");
+        ModelWorker::new(engine, Arc::new(tokenizer), 2048)
     }
 
     /// Runs one request to the end; returns its events.
@@ -1033,5 +1063,31 @@ mod tests {
         }
         assert!(preemptions > 0, "the test never preempted anything");
         assert!(w.active.is_empty());
+    }
+
+    /// The same under the GPU's fast tier (its CPU runner): waits and preemptions change no reply.
+    #[test]
+    fn the_fast_tier_preempts_under_kv_pressure_and_replies_stay_the_same() {
+        let requests: Vec<(Vec<u32>, usize)> = (0..4u32)
+            .map(|r| ((100 + 40 * r..120 + 40 * r).collect(), 30))
+            .collect();
+        let mut alone = Vec::new();
+        for req in &requests {
+            let (mut got, _) = drive(&mut fast_tier_worker(None), std::slice::from_ref(req));
+            alone.push(got.remove(0));
+        }
+        let mut w = fast_tier_worker(Some(6));
+        let (pressed, preemptions) = drive(&mut w, &requests);
+        for (i, ((tokens, reason), (want, _))) in pressed.iter().zip(&alone).enumerate() {
+            assert!(
+                !matches!(reason, StopReason::Error(_)),
+                "request {i}: {reason:?}"
+            );
+            assert_eq!(
+                tokens, want,
+                "request {i}: the reply changed under pressure"
+            );
+        }
+        assert!(preemptions > 0, "the test never preempted anything");
     }
 }
