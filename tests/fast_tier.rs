@@ -299,3 +299,95 @@ fn unquantized_matrices_are_refused_at_load() {
         Err(e) => assert!(e.to_string().contains("quantized matrices only"), "{e}"),
     }
 }
+
+/// Decode steps replayed from (emulated) graphs: padded to a bucket, captured after a warm-up,
+/// replayed while the tables change, recaptured when the block-table bucket or a buffer
+/// changes, and mixed steps split into a graphed decode part and an eager part. Every logit
+/// equals the eager run's bit for bit (the twins are row-independent, so padding and splitting
+/// change nothing), and nothing allocates inside a capture (the runner's guard would fail the
+/// step).
+#[test]
+fn graphed_decode_equals_eager_bit_for_bit() {
+    let path = reference("smollm3-tiny-q8_0.gguf");
+    let engine_with = |graphs: bool| {
+        let mut src = GgufSource::open(&path).expect("open");
+        let config = ModelConfig::from_gguf(&src).expect("config");
+        let weights = FastWeights::load(&mut src, config, &mut |_, _| {}).expect("weights");
+        let runner = CpuRunner::new(weights);
+        let runner = if graphs {
+            runner.with_graph_emulation()
+        } else {
+            runner
+        };
+        Engine::on_backend(Box::new(FastBackend::new(runner)), KvOptions::default())
+            .expect("engine")
+    };
+    let (mut eager, mut graphed) = (engine_with(false), engine_with(true));
+    assert_eq!(eager.graph_stats(), None);
+    // Five sequences: their prompts, then greedy decode together; the third finishes early,
+    // a sixth joins mid-way (a mixed step), and the first grows past 256 positions (a wider
+    // block-table bucket).
+    let prompts: Vec<Vec<u32>> = [250usize, 3, 40, 9, 1, 60]
+        .iter()
+        .enumerate()
+        .map(|(s, &n)| {
+            (0..n as u32)
+                .map(|i| (i * 37 + s as u32 * 211) % 49_000 + 11)
+                .collect()
+        })
+        .collect();
+    let run = |engine: &mut Engine| -> Vec<Vec<f32>> {
+        let mut seqs: Vec<Option<smolchat_engine::SeqId>> = vec![None; prompts.len()];
+        let mut next: Vec<u32> = vec![0; prompts.len()];
+        let mut trace = Vec::new();
+        for step in 0..24 {
+            let mut steps = Vec::new();
+            let mut owners = Vec::new();
+            for (i, p) in prompts.iter().enumerate() {
+                let joins = if i == 5 { 10 } else { 0 };
+                let leaves = if i == 2 { 12 } else { usize::MAX };
+                if step < joins || step >= leaves {
+                    if step == leaves {
+                        if let Some(seq) = seqs[i].take() {
+                            engine.free_sequence(seq);
+                        }
+                    }
+                    continue;
+                }
+                let seq = *seqs[i].get_or_insert_with(|| engine.create_sequence());
+                let tokens: &[u32] = if step == joins { p } else { &next[i..i + 1] };
+                steps.push(SeqStep {
+                    seq,
+                    tokens,
+                    logits: LogitsMode::Last,
+                });
+                owners.push(i);
+            }
+            let out = engine.step(&steps).expect("step");
+            for (i, logits) in owners.into_iter().zip(out) {
+                let logits = logits.expect("logits");
+                next[i] = argmax(&logits) as u32;
+                trace.push(logits);
+            }
+        }
+        trace
+    };
+    let want = run(&mut eager);
+    let got = run(&mut graphed);
+    assert_eq!(got.len(), want.len());
+    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+        assert!(
+            g == w,
+            "row {i} of the trace differs: {}",
+            max_abs_diff(g, w)
+        );
+    }
+    let stats = graphed.graph_stats().expect("graph stats");
+    assert!(stats.warmups >= 2, "{stats:?}");
+    assert!(stats.captures >= 2, "{stats:?}");
+    assert!(stats.replays >= 10, "{stats:?}");
+    assert!(
+        stats.replays > 2 * stats.captures,
+        "graphs are replayed far more often than captured: {stats:?}"
+    );
+}

@@ -200,6 +200,7 @@ mod fast_tier {
     use smolchat_engine::fast::cpu::CpuRunner;
     use smolchat_engine::fast::cuda::CudaRunner;
     use smolchat_engine::fast::differential::{self, OpDiff};
+    use smolchat_engine::fast::graph::{self, GraphStats};
     use smolchat_engine::fast::plan::{Op, Plan};
     use smolchat_engine::fast::weights::FastWeights;
     use smolchat_engine::fast::{step_tables, Runner};
@@ -229,7 +230,7 @@ mod fast_tier {
         let tables = step_tables(items);
         let positions: Vec<usize> = tables.positions.iter().map(|&p| p as usize).collect();
         let rope = RopeTable::new(&config, &positions);
-        let plan = Plan::forward(&config, tables.rows(), tables.logit_rows.len());
+        let plan = Plan::for_step(&config, &tables);
         let diffs = differential::compare(cpu, gpu, &plan, &tables, &rope)
             .unwrap_or_else(|e| panic!("{what}: {e}"));
         let worst: Vec<&OpDiff> = diffs
@@ -276,8 +277,8 @@ mod fast_tier {
             ("3B shape Q4_K_M", three_b),
         ] {
             let mut cpu = CpuRunner::new(weights(&spec));
-            let mut gpu =
-                CudaRunner::load(weights(&spec), 0).unwrap_or_else(|e| panic!("{name}: {e}"));
+            let mut gpu = CudaRunner::load(weights(&spec), 0, false)
+                .unwrap_or_else(|e| panic!("{name}: {e}"));
             for r in [&mut cpu as &mut dyn Runner, &mut gpu] {
                 r.reserve_blocks(64).unwrap_or_else(|e| panic!("{e}"));
             }
@@ -453,5 +454,108 @@ mod fast_tier {
         assert_eq!((e.tier(), e.note()), (Tier::Fast, None), "{:?}", e.note());
         let r = engine(&data("smollm3-tiny-q8_0.gguf"), GpuTier::Reference);
         assert_eq!(r.tier(), Tier::Reference);
+    }
+
+    /// CUDA graphs replay exactly what the same padded step computes eagerly (bit for bit: the
+    /// same kernels with the same arguments), across buckets of 5 and 10 sequences (MMVQ and
+    /// MMQ inside the capture), a block-table bucket change, and a recapture after the KV arena
+    /// grows.
+    #[test]
+    #[ignore = "needs a CUDA GPU and a `--features cuda` build: run with --ignored there"]
+    fn graphs_replay_what_eager_computes() {
+        cuda_required("graphs_replay_what_eager_computes");
+        let mut spec = SyntheticSpec::smollm3_3b();
+        spec.n_layers = 2;
+        let mut eager =
+            CudaRunner::load(weights(&spec), 0, false).unwrap_or_else(|e| panic!("{e}"));
+        let mut graphed =
+            CudaRunner::load(weights(&spec), 0, true).unwrap_or_else(|e| panic!("{e}"));
+        let config = eager.config().clone();
+        let vocab = config.vocab_size;
+        for sequences in [5usize, 10] {
+            for r in [&mut eager as &mut dyn Runner, &mut graphed] {
+                r.reserve_blocks(sequences * 20)
+                    .unwrap_or_else(|e| panic!("{e}"));
+            }
+            let tables_of: Vec<Vec<u32>> = (0..sequences)
+                .map(|s| ((s * 20) as u32..(s * 20 + 20) as u32).collect())
+                .collect();
+            let mut past = vec![0usize; sequences];
+            let mut next = vec![1u32; sequences];
+            // Prompts of different lengths (the longest crosses 256 positions while decoding).
+            let prompts: Vec<Vec<u32>> = (0..sequences)
+                .map(|s| {
+                    (0..(250 - s * 20) as u32)
+                        .map(|i| (i * 31 + s as u32) % 900 + 3)
+                        .collect()
+                })
+                .collect();
+            let items: Vec<BatchItem<'_>> = (0..sequences)
+                .map(|s| BatchItem {
+                    blocks: &tables_of[s],
+                    past: 0,
+                    tokens: &prompts[s],
+                    logits: LogitsMode::None,
+                })
+                .collect();
+            let tables = step_tables(&items);
+            let positions: Vec<usize> = tables.positions.iter().map(|&p| p as usize).collect();
+            let rope = RopeTable::new(&config, &positions);
+            let plan = Plan::for_step(&config, &tables);
+            for r in [&mut eager as &mut dyn Runner, &mut graphed] {
+                r.run(&plan, &tables, &rope, &mut [])
+                    .unwrap_or_else(|e| panic!("{e}"));
+            }
+            for (s, p) in prompts.iter().enumerate() {
+                past[s] = p.len();
+            }
+            for step in 0..12 {
+                if step == 8 {
+                    // The arena grows: every graph over the old one is stale.
+                    let more = sequences * 20 + 8;
+                    for r in [&mut eager as &mut dyn Runner, &mut graphed] {
+                        r.reserve_blocks(more).unwrap_or_else(|e| panic!("{e}"));
+                    }
+                }
+                let tokens: Vec<[u32; 1]> = next.iter().map(|&t| [t]).collect();
+                let items: Vec<BatchItem<'_>> = (0..sequences)
+                    .map(|s| BatchItem {
+                        blocks: &tables_of[s],
+                        past: past[s],
+                        tokens: &tokens[s],
+                        logits: LogitsMode::Last,
+                    })
+                    .collect();
+                let tables = step_tables(&items);
+                let key = graph::key_of(&tables).unwrap_or_else(|| panic!("no bucket"));
+                let padded = graph::pad_decode(&tables, key).unwrap_or_else(|e| panic!("{e}"));
+                let positions: Vec<usize> = padded.positions.iter().map(|&p| p as usize).collect();
+                let rope = RopeTable::new(&config, &positions);
+                let plan = Plan::for_step(&config, &padded);
+                let mut want = vec![0f32; key.rows * vocab];
+                let mut got = vec![0f32; key.rows * vocab];
+                eager
+                    .run(&plan, &padded, &rope, &mut want)
+                    .unwrap_or_else(|e| panic!("{e}"));
+                graphed
+                    .run_graph(key, &plan, &padded, &rope, &mut got)
+                    .unwrap_or_else(|e| panic!("{sequences} sequences, step {step}: {e}"));
+                let real = sequences * vocab;
+                assert!(
+                    got[..real] == want[..real],
+                    "{sequences} sequences, step {step} ({key:?}): the graph differs from eager"
+                );
+                for s in 0..sequences {
+                    let row = &got[s * vocab..(s + 1) * vocab];
+                    next[s] = (0..vocab).fold(0, |b, i| if row[i] > row[b] { i } else { b }) as u32;
+                    past[s] += 1;
+                }
+            }
+        }
+        let stats: GraphStats = graphed.graph_stats();
+        eprintln!("graph stats: {stats:?}");
+        assert!(stats.captures >= 2, "{stats:?}");
+        assert!(stats.invalidated >= 1, "{stats:?}");
+        assert!(stats.replays >= 10, "{stats:?}");
     }
 }

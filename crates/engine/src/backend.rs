@@ -13,6 +13,7 @@ use crate::kv::{BlockId, KvType};
 use crate::logits::{Logits, LogitsMode};
 
 /// One sequence's part of a forward step.
+#[derive(Debug, Clone, Copy)]
 pub struct BatchItem<'a> {
     /// The sequence's block table, already grown to hold `past + tokens.len()` positions.
     pub blocks: &'a [BlockId],
@@ -22,36 +23,7 @@ pub struct BatchItem<'a> {
     pub logits: LogitsMode,
 }
 
-/// Serving limits that suit a device: the KV budget, how many sequences run at once and how many
-/// tokens one step takes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Suggested {
-    pub kv_budget_bytes: usize,
-    pub max_running: usize,
-    pub batch_token_budget: usize,
-}
-
-impl Suggested {
-    /// The CPU's: a 2 GiB KV cache, 16 sequences, 512 tokens a step (a few cores serve a handful
-    /// of users; larger steps only delay everyone's next token).
-    pub const CPU: Suggested = Suggested {
-        kv_budget_bytes: 2048 << 20,
-        max_running: 16,
-        batch_token_budget: 512,
-    };
-
-    /// A GPU's, with `free_bytes` of memory left after the weights: all but a margin for the
-    /// step's buffers (a tenth of it, at least 1 GiB) for the KV cache, 64 sequences, 2048 tokens
-    /// a step.
-    pub fn gpu(free_bytes: usize) -> Suggested {
-        let margin = (free_bytes / 10).max(1 << 30);
-        Suggested {
-            kv_budget_bytes: free_bytes.saturating_sub(margin),
-            max_running: 64,
-            batch_token_budget: 2048,
-        }
-    }
-}
+pub use crate::device::Suggested;
 
 /// One compute backend (see the module docs).
 pub trait Backend: Send {
@@ -61,6 +33,10 @@ pub trait Backend: Send {
     fn suggested(&self) -> Suggested;
     /// Which path computes there.
     fn tier(&self) -> Tier;
+    /// How decode graphs have been used, for a backend that replays them.
+    fn graph_stats(&self) -> Option<crate::fast::graph::GraphStats> {
+        None
+    }
     /// The model's shapes and limits.
     fn config(&self) -> &ModelConfig;
     /// Bytes of weights held.

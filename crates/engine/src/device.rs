@@ -247,10 +247,40 @@ pub fn free_memory(ordinal: usize) -> Option<usize> {
     }
 }
 
+/// Serving limits that suit a device: the KV budget, how many sequences run at once and how many
+/// tokens one step takes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Suggested {
+    pub kv_budget_bytes: usize,
+    pub max_running: usize,
+    pub batch_token_budget: usize,
+}
+
+impl Suggested {
+    /// The CPU's: a 2 GiB KV cache, 16 sequences, 512 tokens a step (a few cores serve a handful
+    /// of users; larger steps only delay everyone's next token).
+    pub const CPU: Suggested = Suggested {
+        kv_budget_bytes: 2048 << 20,
+        max_running: 16,
+        batch_token_budget: 512,
+    };
+
+    /// A GPU's, with `free_bytes` of memory left after the weights: all but a margin for the
+    /// step's buffers (a tenth of it, at least 1 GiB) for the KV cache, 64 sequences, 2048 tokens
+    /// a step.
+    pub fn gpu(free_bytes: usize) -> Suggested {
+        let margin = (free_bytes / 10).max(1 << 30);
+        Suggested {
+            kv_budget_bytes: free_bytes.saturating_sub(margin),
+            max_running: 64,
+            batch_token_budget: 2048,
+        }
+    }
+}
+
 /// What suits `device` when the configuration leaves the serving limits unset: its free
 /// memory decides a GPU's KV budget.
-pub fn suggested_for(device: Device) -> crate::backend::Suggested {
-    use crate::backend::Suggested;
+pub fn suggested_for(device: Device) -> Suggested {
     match device {
         Device::Cpu => Suggested::CPU,
         Device::Cuda(n) => free_memory(n).map_or(Suggested::CPU, Suggested::gpu),

@@ -38,13 +38,27 @@ pub struct CpuOptions {
 }
 
 /// Everything that decides how a model file becomes an engine, besides the device.
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Copy)]
 pub struct EngineOptions {
     pub yarn: Option<Yarn>,
     pub kv: KvOptions,
     pub cpu: CpuOptions,
     /// Which path runs the model on a GPU.
     pub gpu_tier: GpuTier,
+    /// Whether the fast tier replays decode steps from CUDA graphs.
+    pub gpu_graphs: bool,
+}
+
+impl Default for EngineOptions {
+    fn default() -> Self {
+        Self {
+            yarn: None,
+            kv: KvOptions::default(),
+            cpu: CpuOptions::default(),
+            gpu_tier: GpuTier::default(),
+            gpu_graphs: true,
+        }
+    }
 }
 
 impl Engine {
@@ -143,7 +157,7 @@ fn gpu_backend(
             let checked = (tier == GpuTier::Auto)
                 .then(|| ReferenceBackend::from_weights(&weights, device, dev))
                 .transpose()?;
-            let fast = fast_cuda(weights, ordinal)?;
+            let fast = fast_cuda(weights, ordinal, options.gpu_graphs)?;
             let Some(reference) = checked else {
                 return Ok((fast, None));
             };
@@ -166,15 +180,15 @@ fn gpu_backend(
 
 /// The fast tier on GPU `ordinal`.
 #[cfg(feature = "cuda")]
-fn fast_cuda(weights: FastWeights, ordinal: usize) -> Result<Box<dyn Backend>> {
+fn fast_cuda(weights: FastWeights, ordinal: usize, graphs: bool) -> Result<Box<dyn Backend>> {
     Ok(Box::new(FastBackend::new(
-        crate::fast::cuda::CudaRunner::load(weights, ordinal)?,
+        crate::fast::cuda::CudaRunner::load(weights, ordinal, graphs)?,
     )))
 }
 
 /// Without the `cuda` feature no GPU opens, so this is never reached.
 #[cfg(not(feature = "cuda"))]
-fn fast_cuda(_weights: FastWeights, ordinal: usize) -> Result<Box<dyn Backend>> {
+fn fast_cuda(_weights: FastWeights, ordinal: usize, _graphs: bool) -> Result<Box<dyn Backend>> {
     Err(EngineError::Device(
         Device::Cuda(ordinal).to_string(),
         "this build has no CUDA fast tier (build with `make cuda`)".into(),

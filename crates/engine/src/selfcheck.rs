@@ -187,7 +187,9 @@ mod tests {
         let mut src = synthetic::build(&spec()).expect("build");
         let config = ModelConfig::from_gguf(&src).expect("config");
         let weights = FastWeights::load(&mut src, config, &mut |_, _| {}).expect("weights");
-        Box::new(FastBackend::new(CpuRunner::new(weights)))
+        Box::new(FastBackend::new(
+            CpuRunner::new(weights).with_graph_emulation(),
+        ))
     }
 
     fn reference() -> Box<dyn Backend> {

@@ -113,6 +113,11 @@ impl Engine {
         self.backend.device()
     }
 
+    /// How decode graphs have been used (`None`: this backend runs every step eagerly).
+    pub fn graph_stats(&self) -> Option<crate::fast::graph::GraphStats> {
+        self.backend.graph_stats()
+    }
+
     /// Which path computes there.
     pub fn tier(&self) -> Tier {
         self.backend.tier()

@@ -74,6 +74,9 @@ pub struct ModelConfig {
     /// On a GPU: `auto` (the fast tier once it passes its start-up self-check against the
     /// reference tier, else the reference tier), `fast` or `reference`.
     pub gpu_tier: GpuTier,
+    /// On the fast tier: replay decode steps from CUDA graphs (turn off to compare, or to
+    /// rule graphs out when chasing a bug).
+    pub cuda_graphs: bool,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -353,6 +356,7 @@ impl Default for ModelConfig {
             isa: None,
             decode_prefetch: None,
             gpu_tier: GpuTier::Auto,
+            cuda_graphs: true,
         }
     }
 }
@@ -564,6 +568,7 @@ impl Config {
                     decode_prefetch: m.decode_prefetch,
                 },
                 gpu_tier: m.gpu_tier,
+                gpu_graphs: m.cuda_graphs,
             },
         }
     }

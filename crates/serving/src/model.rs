@@ -787,7 +787,9 @@ mod tests {
         let mut src = synthetic::build(&spec).expect("build");
         let config = smolchat_engine::ModelConfig::from_gguf(&src).expect("config");
         let weights = FastWeights::load(&mut src, config, &mut |_, _| {}).expect("weights");
-        let backend = Box::new(FastBackend::new(CpuRunner::new(weights)));
+        let backend = Box::new(FastBackend::new(
+            CpuRunner::new(weights).with_graph_emulation(),
+        ));
         let budget = blocks.map(|n| n * smolchat_engine::Backend::kv_block_bytes(backend.as_ref()));
         let engine = Engine::on_backend(
             backend,

@@ -9,8 +9,9 @@ use candle_core::quantized::ggml_file::qtensor_from_ggml;
 use candle_core::Device as CandleDevice;
 use half::f16;
 
+use super::graph::{CaptureGuard, GraphAction, GraphCache, GraphKey, GraphStats};
 use super::layout::{KvArena, StepTables};
-use super::plan::{Buf, Op, Plan};
+use super::plan::{Buf, Op, Plan, BUFFERS};
 use super::twin::{attention, mmvq, norm, rope};
 use super::weights::{FastWeights, RawMatrix};
 use super::Runner;
@@ -28,6 +29,16 @@ pub struct CpuRunner {
     /// The step's RoPE table (`[rows][rope_dim / 2]`).
     cos: Vec<f32>,
     sin: Vec<f32>,
+    /// The step's tables as `begin` "uploaded" them: the operations read only these.
+    tables: StepTables,
+    /// Whether decode steps go through emulated graphs: a capture records the operation list
+    /// with allocation and host copies forbidden, a replay runs the recorded list over the
+    /// step's tables. It tests on the CPU what the CUDA runner's graphs rely on.
+    emulate_graphs: bool,
+    graphs: GraphCache<Vec<Op>>,
+    guard: CaptureGuard,
+    /// Bumped whenever a buffer or the arena is reallocated (a graph over the old ones is stale).
+    generation: u64,
 }
 
 impl CpuRunner {
@@ -46,14 +57,30 @@ impl CpuRunner {
             buffers: HashMap::new(),
             cos: Vec::new(),
             sin: Vec::new(),
+            tables: StepTables::default(),
+            emulate_graphs: false,
+            graphs: GraphCache::default(),
+            guard: CaptureGuard::default(),
+            generation: 0,
         }
     }
 
-    fn buffer(&mut self, plan: &Plan, buf: Buf) -> Vec<f32> {
+    /// Runs decode steps through emulated graphs (see the field's comment).
+    pub fn with_graph_emulation(mut self) -> Self {
+        self.emulate_graphs = true;
+        self
+    }
+
+    /// `buf` sized for `plan`; growing it is an allocation, forbidden inside a capture.
+    fn buffer(&mut self, plan: &Plan, buf: Buf) -> Result<Vec<f32>> {
         let len = plan.len_of(&self.weights.config, buf);
         let mut v = self.buffers.remove(&buf).unwrap_or_default();
+        if v.capacity() < len {
+            self.guard.forbid(&format!("allocating {buf:?}"))?;
+            self.generation += 1;
+        }
         v.resize(len, 0.0);
-        v
+        Ok(v)
     }
 
     fn put(&mut self, buf: Buf, v: Vec<f32>) {
@@ -66,11 +93,18 @@ impl CpuRunner {
         })
     }
 
-    fn op(&mut self, plan: &Plan, op: Op, tables: &StepTables) -> Result<()> {
+    fn op(&mut self, plan: &Plan, op: Op) -> Result<()> {
+        let tables = std::mem::take(&mut self.tables);
+        let done = self.op_over(plan, op, &tables);
+        self.tables = tables;
+        done
+    }
+
+    fn op_over(&mut self, plan: &Plan, op: Op, tables: &StepTables) -> Result<()> {
         let c = self.weights.config.clone();
         match op {
             Op::Embed => {
-                let mut x = self.buffer(plan, Buf::X);
+                let mut x = self.buffer(plan, Buf::X)?;
                 for (row, &token) in tables.tokens.iter().enumerate() {
                     dequantize_row(
                         &self.weights.embedding,
@@ -82,14 +116,14 @@ impl CpuRunner {
             }
             Op::RmsNorm { x, weight, out } => {
                 let input = self.take(x)?;
-                let mut output = self.buffer(plan, out);
+                let mut output = self.buffer(plan, out)?;
                 norm::rms_norm(&input, self.weights.norm(weight)?, c.rms_eps, &mut output);
                 self.put(x, input);
                 self.put(out, output);
             }
             Op::MatMul { weight, x, out } => {
                 let input = self.take(x)?;
-                let mut output = self.buffer(plan, out);
+                let mut output = self.buffer(plan, out)?;
                 let m = self.weights.matrix(weight)?;
                 mmvq::matmul_q8_1(
                     m.dtype,
@@ -123,7 +157,7 @@ impl CpuRunner {
             }
             Op::Attention { layer } => {
                 let q = self.take(Buf::Q)?;
-                let mut out = self.buffer(plan, Buf::Attn);
+                let mut out = self.buffer(plan, Buf::Attn)?;
                 let shape = attention::AttnShape {
                     heads: c.n_heads,
                     kv_heads: c.n_kv_heads,
@@ -149,7 +183,7 @@ impl CpuRunner {
             }
             Op::GatherLogitRows => {
                 let x = self.take(Buf::X)?;
-                let mut sel = self.buffer(plan, Buf::Sel);
+                let mut sel = self.buffer(plan, Buf::Sel)?;
                 for (i, &r) in tables.logit_rows.iter().enumerate() {
                     let r = r as usize;
                     sel[i * c.hidden..(i + 1) * c.hidden]
@@ -199,6 +233,8 @@ impl Runner for CpuRunner {
 
     fn reserve_blocks(&mut self, blocks: usize) -> Result<()> {
         if blocks > self.blocks {
+            self.guard.forbid("growing the KV arena")?;
+            self.generation += 1;
             self.arena
                 .resize(blocks * self.layout.block_values(), f16::ZERO);
             self.blocks = blocks;
@@ -214,17 +250,67 @@ impl Runner for CpuRunner {
         Suggested::CPU
     }
 
-    fn begin(&mut self, _plan: &Plan, _tables: &StepTables, rope: &RopeTable) -> Result<()> {
+    fn begin(&mut self, plan: &Plan, tables: &StepTables, rope: &RopeTable) -> Result<()> {
+        self.guard.forbid("uploading the step's tables")?;
+        for buf in BUFFERS {
+            let b = self.buffer(plan, buf)?;
+            self.put(buf, b);
+        }
         self.cos = rope.cos().to_vec();
         self.sin = rope.sin().to_vec();
+        self.tables = tables.clone();
         Ok(())
     }
 
-    fn run_op(&mut self, plan: &Plan, op: Op, tables: &StepTables) -> Result<()> {
-        self.op(plan, op, tables)
+    fn run_op(&mut self, plan: &Plan, op: Op) -> Result<()> {
+        self.op(plan, op)
+    }
+
+    fn graphs(&self) -> bool {
+        self.emulate_graphs
+    }
+
+    fn run_graph(
+        &mut self,
+        key: GraphKey,
+        plan: &Plan,
+        tables: &StepTables,
+        rope: &RopeTable,
+        logits: &mut [f32],
+    ) -> Result<()> {
+        if !self.emulate_graphs {
+            return self.run(plan, tables, rope, logits);
+        }
+        self.begin(plan, tables, rope)?;
+        let ops = match self.graphs.action(key, self.generation) {
+            GraphAction::WarmUp => {
+                for &op in &plan.ops {
+                    self.run_op(plan, op)?;
+                }
+                None
+            }
+            GraphAction::Capture => Some(plan.ops.clone()),
+            GraphAction::Replay => self.graphs.get(key).cloned(),
+        };
+        if let Some(ops) = ops {
+            self.guard.begin(key)?;
+            let ran = ops.iter().try_for_each(|&op| self.run_op(plan, op));
+            self.guard.end();
+            ran?;
+            if self.graphs.get(key).is_none() {
+                self.graphs.insert(key, ops, self.generation);
+            }
+        }
+        logits.copy_from_slice(&self.read(plan, Buf::Logits)?);
+        Ok(())
+    }
+
+    fn graph_stats(&self) -> GraphStats {
+        self.graphs.stats
     }
 
     fn read(&mut self, plan: &Plan, buf: Buf) -> Result<Vec<f32>> {
+        self.guard.forbid(&format!("copying {buf:?} to the host"))?;
         let values = self.take(buf)?;
         let out = values[..plan.len_of(&self.weights.config, buf)].to_vec();
         self.put(buf, values);
@@ -232,7 +318,7 @@ impl Runner for CpuRunner {
     }
 
     fn write(&mut self, plan: &Plan, buf: Buf, values: &[f32]) -> Result<()> {
-        let mut b = self.buffer(plan, buf);
+        let mut b = self.buffer(plan, buf)?;
         b.copy_from_slice(values);
         self.put(buf, b);
         Ok(())

@@ -57,8 +57,8 @@ pub fn compare(
     tested.begin(plan, tables, rope)?;
     let mut diffs = Vec::new();
     for (index, &op) in plan.ops.iter().enumerate() {
-        reference.run_op(plan, op, tables)?;
-        tested.run_op(plan, op, tables)?;
+        reference.run_op(plan, op)?;
+        tested.run_op(plan, op)?;
         for buf in written(op) {
             let want = reference.read(plan, buf)?;
             let got = tested.read(plan, buf)?;
@@ -136,8 +136,8 @@ mod tests {
         fn begin(&mut self, plan: &Plan, tables: &StepTables, rope: &RopeTable) -> Result<()> {
             self.0.begin(plan, tables, rope)
         }
-        fn run_op(&mut self, plan: &Plan, op: Op, tables: &StepTables) -> Result<()> {
-            self.0.run_op(plan, op, tables)?;
+        fn run_op(&mut self, plan: &Plan, op: Op) -> Result<()> {
+            self.0.run_op(plan, op)?;
             if op == Op::SiluMul {
                 let mut g = self.0.read(plan, Buf::Gate)?;
                 g[3] += 0.5;
@@ -171,7 +171,7 @@ mod tests {
         let tables = step_tables(&items);
         let positions: Vec<usize> = tables.positions.iter().map(|&p| p as usize).collect();
         let rope = RopeTable::new(&config, &positions);
-        let plan = Plan::forward(&config, tables.rows(), tables.logit_rows.len());
+        let plan = Plan::for_step(&config, &tables);
         let diffs = compare(&mut a, &mut b, &plan, &tables, &rope).expect("compare");
         assert_eq!(
             diffs.len(),

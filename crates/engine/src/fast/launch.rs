@@ -173,6 +173,82 @@ pub fn mmvq_pieces(rows: usize) -> Vec<std::ops::Range<usize>> {
         .collect()
 }
 
+/// How a matmul over `rows` activation rows is launched.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum MatMulPath {
+    /// MMVQ over pieces of at most [`MMVQ_MAX_ROWS`] rows (Q8_1 activations).
+    Mmvq(Vec<std::ops::Range<usize>>),
+    /// MMQ: tiled, int8 tensor-core MMA, stream-k (Q8_1 activations in MMQ's layout).
+    Mmq,
+}
+
+/// MMVQ up to [`MMVQ_MAX_ROWS`] rows, MMQ above, as llama.cpp's CUDA backend chooses.
+pub fn matmul_path(rows: usize) -> MatMulPath {
+    if rows <= MMVQ_MAX_ROWS {
+        MatMulPath::Mmvq(mmvq_pieces(rows))
+    } else {
+        MatMulPath::Mmq
+    }
+}
+
+/// Bytes of one `block_q8_1_mmq` (128 values as int8 and 16 bytes of scales).
+pub const BLOCK_Q8_1_MMQ_BYTES: usize = 144;
+
+/// Values of one `block_q8_1_mmq`.
+pub const QK8_1_MMQ: usize = 128;
+
+/// The tallest MMQ tile along the activation rows (`mmq_x` of the MMA path): MMQ reads up to a
+/// tile past the last row, so its activation buffer has this many rows of slack.
+pub const MMQ_X_MAX: usize = 128;
+
+/// Bytes of MMQ's activations for `rows` rows of `k` values: rows padded like the weights'
+/// (to [`MATRIX_ROW_PADDING`](super::layout::MATRIX_ROW_PADDING), a multiple of 128), plus
+/// the slack of [`MMQ_X_MAX`] blocks.
+pub fn mmq_activation_bytes(rows: usize, k: usize) -> usize {
+    let blocks = super::layout::padded_columns(k) / QK8_1_MMQ;
+    rows * blocks * BLOCK_Q8_1_MMQ_BYTES + MMQ_X_MAX * BLOCK_Q8_1_MMQ_BYTES
+}
+
+/// Bytes of MMQ's stream-k fix-up buffer: one 128×128 f32 tile per SM, for up to 256 SMs.
+pub const MMQ_FIXUP_BYTES: usize = 256 * 128 * 128 * 4;
+
+/// The scale layout of MMQ's activation blocks a weight type's kernel reads (llama.cpp's
+/// `mmq_get_q8_1_ds_layout`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MmqScales {
+    /// Four scales `d`, one per 32 values.
+    D4,
+    /// Four (`d`, sum) pairs.
+    DS4,
+    /// Two scales and six partial sums (Q2_K).
+    D2S6,
+}
+
+pub fn mmq_scales(dtype: GgmlDType) -> Result<MmqScales> {
+    Ok(match dtype {
+        GgmlDType::Q4_0 | GgmlDType::Q4_1 | GgmlDType::Q5_1 => MmqScales::DS4,
+        GgmlDType::Q4K | GgmlDType::Q5K => MmqScales::DS4,
+        GgmlDType::Q5_0 | GgmlDType::Q8_0 | GgmlDType::Q3K | GgmlDType::Q6K => MmqScales::D4,
+        GgmlDType::Q2K => MmqScales::D2S6,
+        other => {
+            return Err(EngineError::InvalidStep(format!(
+                "no MMQ kernel for {other:?}"
+            )))
+        }
+    })
+}
+
+/// Weight values in one block of `dtype` (32, or 256 for the K-quants).
+pub fn block_values(dtype: GgmlDType) -> usize {
+    dtype.block_size()
+}
+
+/// Zeroed bytes after a quantized weight's last row on the GPU: one
+/// [`MATRIX_ROW_PADDING`](super::layout::MATRIX_ROW_PADDING) of values in `dtype`'s blocks.
+pub fn weight_slack_bytes(dtype: GgmlDType) -> usize {
+    super::layout::MATRIX_ROW_PADDING / block_values(dtype) * dtype.type_size()
+}
+
 /// Every kernel name `cuda/kernels.cu` must define.
 pub fn kernel_names() -> Vec<&'static str> {
     let mut names = vec![
@@ -248,6 +324,36 @@ mod tests {
             );
         }
         assert!(source.contains(&format!("__launch_bounds__({ATTENTION_THREADS}, 4)")));
+        assert_eq!(crate::fast::graph::SKIP_SLOT, 0xffff_ffff);
+        assert!(source.contains("#define SKIP_SLOT 0xffffffffu\n"));
+    }
+
+    #[test]
+    fn matmuls_take_mmvq_up_to_eight_rows_and_mmq_above() {
+        let single = |n: usize| MatMulPath::Mmvq(std::iter::once(0..n).collect());
+        assert_eq!(matmul_path(1), single(1));
+        assert_eq!(matmul_path(8), single(8));
+        assert_eq!(matmul_path(9), MatMulPath::Mmq);
+        assert_eq!(matmul_path(512), MatMulPath::Mmq);
+        // SmolLM3's hidden size 2048: 16 MMQ blocks per row, plus 128 blocks of slack.
+        assert_eq!(mmq_activation_bytes(10, 2048), (10 * 16 + 128) * 144);
+        // 576 (SmolLM2) pads to 1024: 8 blocks per row.
+        assert_eq!(mmq_activation_bytes(1, 576), (8 + 128) * 144);
+        assert_eq!(mmq_scales(GgmlDType::Q4K).ok(), Some(MmqScales::DS4));
+        assert_eq!(mmq_scales(GgmlDType::Q6K).ok(), Some(MmqScales::D4));
+        assert_eq!(mmq_scales(GgmlDType::Q8_0).ok(), Some(MmqScales::D4));
+        assert_eq!(mmq_scales(GgmlDType::Q2K).ok(), Some(MmqScales::D2S6));
+        assert!(mmq_scales(GgmlDType::F16).is_err());
+        for t in [
+            GgmlDType::Q4_0,
+            GgmlDType::Q8_0,
+            GgmlDType::Q6K,
+            GgmlDType::Q4K,
+        ] {
+            assert!(crate::fast::weights::supported(t) && mmq_scales(t).is_ok());
+        }
+        assert_eq!(block_values(GgmlDType::Q4K), 256);
+        assert_eq!(block_values(GgmlDType::Q8_0), 32);
     }
 
     #[test]

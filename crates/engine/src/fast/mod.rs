@@ -9,6 +9,7 @@ pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod differential;
+pub mod graph;
 pub mod launch;
 pub mod layout;
 pub mod plan;
@@ -22,6 +23,7 @@ use crate::error::{EngineError, Result};
 use crate::kv::{KvType, BLOCK_POSITIONS};
 use crate::logits::{Logits, LogitsMode};
 use crate::rope::RopeTable;
+use graph::{GraphKey, GraphStats};
 use layout::{slot_of, KvArena, SeqInfo, StepTables};
 use plan::{Buf, Op, Plan};
 
@@ -37,10 +39,11 @@ pub trait Runner: Send {
     /// The serving limits its device suits.
     fn suggested(&self) -> Suggested;
     /// Gets ready for `plan` over the step's `tables` (RoPE's cos/sin in `rope`): every buffer
-    /// allocated, the tables uploaded.
+    /// allocated, the tables uploaded. The operations read the tables from the runner's copy
+    /// only, so a replayed graph sees the tables of the step it replays.
     fn begin(&mut self, plan: &Plan, tables: &StepTables, rope: &RopeTable) -> Result<()>;
     /// Runs one operation of the plan begun.
-    fn run_op(&mut self, plan: &Plan, op: Op, tables: &StepTables) -> Result<()>;
+    fn run_op(&mut self, plan: &Plan, op: Op) -> Result<()>;
     /// The values of a working buffer now (`plan.len_of(buf)` of them).
     fn read(&mut self, plan: &Plan, buf: Buf) -> Result<Vec<f32>>;
     /// Sets a working buffer (the differential checks align two runners with it).
@@ -57,23 +60,52 @@ pub trait Runner: Send {
     ) -> Result<()> {
         self.begin(plan, tables, rope)?;
         for &op in &plan.ops {
-            self.run_op(plan, op, tables)?;
+            self.run_op(plan, op)?;
         }
         if plan.logit_rows > 0 {
             logits.copy_from_slice(&self.read(plan, Buf::Logits)?);
         }
         Ok(())
     }
+
+    /// Whether [`Runner::run_graph`] replays captured graphs (otherwise it runs eagerly).
+    fn graphs(&self) -> bool {
+        false
+    }
+
+    /// Runs a decode step padded to `key` ([`graph::pad_decode`]) through the graph captured for
+    /// `key`: warming the bucket up, capturing it or replaying it ([`graph::GraphCache`]).
+    fn run_graph(
+        &mut self,
+        key: GraphKey,
+        plan: &Plan,
+        tables: &StepTables,
+        rope: &RopeTable,
+        logits: &mut [f32],
+    ) -> Result<()> {
+        let _ = key;
+        self.run(plan, tables, rope, logits)
+    }
+
+    fn graph_stats(&self) -> GraphStats {
+        GraphStats::default()
+    }
 }
 
 /// The fast tier as an engine backend, over any runner.
 pub struct FastBackend<R: Runner> {
     runner: R,
+    /// Logits of a graphed decode part (bucket rows) or of a mixed step's eager part, kept from
+    /// step to step.
+    scratch: Vec<f32>,
 }
 
 impl<R: Runner> FastBackend<R> {
     pub fn new(runner: R) -> Self {
-        Self { runner }
+        Self {
+            runner,
+            scratch: Vec::new(),
+        }
     }
 
     pub fn runner(&self) -> &R {
@@ -131,6 +163,10 @@ impl<R: Runner> Backend for FastBackend<R> {
         Tier::Fast
     }
 
+    fn graph_stats(&self) -> Option<GraphStats> {
+        self.runner.graphs().then(|| self.runner.graph_stats())
+    }
+
     fn suggested(&self) -> Suggested {
         self.runner.suggested()
     }
@@ -184,15 +220,80 @@ impl<R: Runner> Backend for FastBackend<R> {
                 )));
             }
         }
-        let tables = step_tables(items);
-        let positions: Vec<usize> = tables.positions.iter().map(|&p| p as usize).collect();
-        let rope = RopeTable::new(self.config(), &positions);
-        let plan = Plan::forward(self.config(), tables.rows(), tables.logit_rows.len());
         let vocab = self.config().vocab_size;
+        // Each item's first row in the step's logits.
+        let mut first_row = Vec::with_capacity(items.len());
+        let mut rows = 0;
+        for item in items {
+            first_row.push(rows);
+            rows += match item.logits {
+                LogitsMode::None => 0,
+                LogitsMode::Last => 1,
+                LogitsMode::All => item.tokens.len(),
+            };
+        }
         let logits = out.prepare(
             vocab,
             items.iter().map(|item| (item.tokens.len(), item.logits)),
         );
-        self.runner.run(&plan, &tables, &rope, logits)
+        let (decode, rest): (Vec<usize>, Vec<usize>) = (0..items.len()).partition(|&i| {
+            self.runner.graphs()
+                && items[i].tokens.len() == 1
+                && items[i].logits == LogitsMode::Last
+        });
+        let graphed = !decode.is_empty() && graph::bucket_rows(decode.len()).is_some();
+        if !graphed {
+            let tables = step_tables(items);
+            return self.run_eager(&tables, logits);
+        }
+        // A mixed step is a graphed decode part and an eager part: sequences only read their own
+        // (or shared, read-only) KV blocks, so the two parts can run one after the other.
+        let part: Vec<BatchItem<'_>> = decode.iter().map(|&i| items[i]).collect();
+        let tables = step_tables(&part);
+        let key = graph::key_of(&tables).ok_or_else(|| {
+            EngineError::InvalidStep(format!("{} decode rows have no graph bucket", part.len()))
+        })?;
+        let padded = graph::pad_decode(&tables, key)?;
+        let positions: Vec<usize> = padded.positions.iter().map(|&p| p as usize).collect();
+        let rope = RopeTable::new(self.config(), &positions);
+        let plan = Plan::for_step(self.config(), &padded);
+        self.scratch.resize(key.rows * vocab, 0.0);
+        self.runner
+            .run_graph(key, &plan, &padded, &rope, &mut self.scratch)?;
+        for (j, &i) in decode.iter().enumerate() {
+            let at = first_row[i] * vocab;
+            logits[at..at + vocab].copy_from_slice(&self.scratch[j * vocab..(j + 1) * vocab]);
+        }
+        if rest.is_empty() {
+            return Ok(());
+        }
+        let part: Vec<BatchItem<'_>> = rest.iter().map(|&i| items[i]).collect();
+        let tables = step_tables(&part);
+        let mut eager = std::mem::take(&mut self.scratch);
+        eager.resize(tables.logit_rows.len() * vocab, 0.0);
+        let ran = self.run_eager(&tables, &mut eager);
+        let mut row = 0;
+        for &i in rest.iter().filter(|_| ran.is_ok()) {
+            let n = match items[i].logits {
+                LogitsMode::None => 0,
+                LogitsMode::Last => 1,
+                LogitsMode::All => items[i].tokens.len(),
+            };
+            let at = first_row[i] * vocab;
+            logits[at..at + n * vocab].copy_from_slice(&eager[row * vocab..(row + n) * vocab]);
+            row += n;
+        }
+        self.scratch = eager;
+        ran
+    }
+}
+
+impl<R: Runner> FastBackend<R> {
+    /// Runs the step of `tables` operation by operation.
+    fn run_eager(&mut self, tables: &StepTables, logits: &mut [f32]) -> Result<()> {
+        let positions: Vec<usize> = tables.positions.iter().map(|&p| p as usize).collect();
+        let rope = RopeTable::new(self.config(), &positions);
+        let plan = Plan::for_step(self.config(), tables);
+        self.runner.run(&plan, tables, &rope, logits)
     }
 }

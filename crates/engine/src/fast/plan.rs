@@ -4,6 +4,8 @@
 //! GPU: the list, the buffers and the kernels' contracts are shared, only the executor differs.
 
 use crate::config::ModelConfig;
+use crate::fast::layout::StepTables;
+use crate::kv::BLOCK_POSITIONS;
 
 /// The working buffers of a step (f32 unless said otherwise), sized by [`Plan::rows`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -31,6 +33,22 @@ pub enum Buf {
     /// Logits, `[logit rows][vocab]`.
     Logits,
 }
+
+/// Every working buffer.
+pub const BUFFERS: [Buf; 12] = [
+    Buf::X,
+    Buf::H,
+    Buf::Q,
+    Buf::K,
+    Buf::V,
+    Buf::Attn,
+    Buf::Proj,
+    Buf::Gate,
+    Buf::Up,
+    Buf::Sel,
+    Buf::SelNorm,
+    Buf::Logits,
+];
 
 /// A weight matrix of the model.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -84,12 +102,33 @@ pub struct Plan {
     pub rows: usize,
     /// Rows whose logits are computed.
     pub logit_rows: usize,
+    /// Block ids per sequence in the step's block tables (their stride).
+    pub max_blocks: usize,
+    /// Context splits the attention partials have room for (the grid's third dimension): as
+    /// many as a decode row seeing `max_blocks` full blocks can use, so a plan's launches depend
+    /// on its shape only, never on the lengths of its sequences (what a CUDA graph needs).
+    pub splits: usize,
 }
 
 impl Plan {
+    /// The forward pass of `config` over the step of `tables`.
+    pub fn for_step(config: &ModelConfig, tables: &StepTables) -> Self {
+        Self::forward(
+            config,
+            tables.rows(),
+            tables.logit_rows.len(),
+            tables.max_blocks,
+        )
+    }
+
     /// The forward pass of `config` over a step of `rows` rows, `logit_rows` of which want
-    /// logits.
-    pub fn forward(config: &ModelConfig, rows: usize, logit_rows: usize) -> Self {
+    /// logits, whose block tables hold `max_blocks` ids per sequence.
+    pub fn forward(
+        config: &ModelConfig,
+        rows: usize,
+        logit_rows: usize,
+        max_blocks: usize,
+    ) -> Self {
         let mut ops = vec![Op::Embed];
         for layer in 0..config.n_layers {
             ops.extend([
@@ -173,6 +212,8 @@ impl Plan {
             ops,
             rows,
             logit_rows,
+            max_blocks,
+            splits: crate::fast::twin::attention::splits(max_blocks * BLOCK_POSITIONS),
         }
     }
 

@@ -16,6 +16,7 @@
 #define MAX_GROUP 8
 #define MAX_HEAD_DIM 256
 #define SPLIT_POSITIONS 512
+#define SKIP_SLOT 0xffffffffu
 
 // ---------------------------------------------------------------------------------------------
 // Embedding rows (twin: the CPU runner's ggml dequantization, `fast::cpu::dequantize_row`).
@@ -245,6 +246,7 @@ extern "C" __global__ void kv_write(const float *__restrict__ k, const float *__
     const int row = blockIdx.x, head = blockIdx.y, d = threadIdx.x;
     if (d >= head_dim) return;
     const uint32_t slot = slots[row];
+    if (slot == SKIP_SLOT) return;  // a padded row of a graphed decode step
     const size_t src = ((size_t)row * kv_heads + head) * head_dim + d;
     const uint32_t block = slot / BLOCK_POSITIONS;
     const int at = slot % BLOCK_POSITIONS;

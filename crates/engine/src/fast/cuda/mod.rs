@@ -14,15 +14,16 @@ use std::ffi::c_void;
 use std::sync::Arc;
 
 use candle_core::cuda_backend::cudarc::driver::{
-    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DeviceRepr,
-    DriverError, LaunchConfig, PushKernelArg, ValidAsZeroBits,
+    sys, CudaContext, CudaFunction, CudaGraph, CudaModule, CudaSlice, CudaStream, DevicePtr,
+    DeviceRepr, DriverError, LaunchConfig, PushKernelArg, ValidAsZeroBits,
 };
 use candle_core::cuda_backend::cudarc::nvrtc::Ptx;
 use smolchat_gguf::GgmlDType;
 
+use super::graph::{CaptureGuard, GraphAction, GraphCache, GraphKey, GraphStats};
 use super::launch::{self, Launch};
 use super::layout::{padded_columns, KvArena, StepTables, BLOCK_Q8_1_BYTES, QK8_1};
-use super::plan::{matrix_shape, Buf, Matrix, Norm, Op, Plan};
+use super::plan::{matrix_shape, Buf, Matrix, Norm, Op, Plan, BUFFERS};
 use super::weights::{FastWeights, RawMatrix};
 use super::Runner;
 use crate::backend::Suggested;
@@ -57,6 +58,15 @@ struct Tables {
     sin: Option<CudaSlice<f32>>,
 }
 
+/// A captured decode graph. `CudaGraph` holds raw driver handles and so is not `Send`; the
+/// runner that owns it is used by one thread at a time (the model actor), which is all the
+/// driver asks of graph objects (no concurrent use).
+struct DecodeGraph(CudaGraph);
+
+// SAFETY: see `DecodeGraph`: the graph moves between threads with its runner but is never used
+// from two threads at once.
+unsafe impl Send for DecodeGraph {}
+
 pub struct CudaRunner {
     ordinal: usize,
     config: ModelConfig,
@@ -73,42 +83,51 @@ pub struct CudaRunner {
     buffers: HashMap<Buf, CudaSlice<f32>>,
     /// Q8_1 blocks of the activations a matmul reads.
     q8: Option<CudaSlice<u8>>,
+    /// MMQ's activations (steps of more than 8 rows) and its stream-k fix-up buffer.
+    mmq_y: Option<CudaSlice<u8>>,
+    mmq_fixup: Option<CudaSlice<u8>>,
+    info: DeviceInfo,
     part_max: Option<CudaSlice<f32>>,
     part_sum: Option<CudaSlice<f32>>,
     part_out: Option<CudaSlice<f32>>,
     tables: Tables,
     weight_bytes: usize,
+    /// Whether decode steps are replayed from CUDA graphs.
+    use_graphs: bool,
+    graphs: GraphCache<DecodeGraph>,
+    guard: CaptureGuard,
+    /// Bumped whenever a buffer the kernels read or write is reallocated: graphs captured over
+    /// the old pointers are stale.
+    generation: u64,
 }
 
-/// Copies `data` into `slot`, reallocating when it does not fit.
+/// Copies `data` into `slot`, reallocating when it does not fit; whether it reallocated.
 fn upload<T: DeviceRepr + ValidAsZeroBits>(
     stream: &Arc<CudaStream>,
     slot: &mut Option<CudaSlice<T>>,
     data: &[T],
-) -> Result<()> {
-    let fits = slot.as_ref().is_some_and(|s| s.len() >= data.len().max(1));
-    if !fits {
-        *slot = Some(stream.alloc_zeros::<T>(data.len().max(1)).map_err(cuda)?);
-    }
+) -> Result<bool> {
+    let grew = ensure(stream, slot, data.len())?;
     if let Some(dst) = slot.as_mut() {
         if !data.is_empty() {
             let mut view = dst.slice_mut(0..data.len());
             stream.memcpy_htod(data, &mut view).map_err(cuda)?;
         }
     }
-    Ok(())
+    Ok(grew)
 }
 
-/// A slot that holds at least `len` values.
+/// A slot that holds at least `len` values; whether it reallocated.
 fn ensure<T: DeviceRepr + ValidAsZeroBits>(
     stream: &Arc<CudaStream>,
     slot: &mut Option<CudaSlice<T>>,
     len: usize,
-) -> Result<()> {
+) -> Result<bool> {
     if slot.as_ref().is_none_or(|s| s.len() < len.max(1)) {
         *slot = Some(stream.alloc_zeros::<T>(len.max(1)).map_err(cuda)?);
+        return Ok(true);
     }
-    Ok(())
+    Ok(false)
 }
 
 fn config_of(l: Launch) -> LaunchConfig {
@@ -124,24 +143,35 @@ fn missing(what: &str) -> EngineError {
 }
 
 impl CudaRunner {
-    /// Uploads `weights` to GPU `ordinal` and loads the kernels.
-    pub fn load(weights: FastWeights, ordinal: usize) -> Result<Self> {
+    /// Uploads `weights` to GPU `ordinal` and loads the kernels; decode steps are replayed
+    /// from CUDA graphs when `graphs` is set.
+    pub fn load(weights: FastWeights, ordinal: usize, graphs: bool) -> Result<Self> {
         let ctx = CudaContext::new(ordinal).map_err(cuda)?;
         // One stream, ordered by the runner: no per-buffer events (they would also break graph
         // capture).
         unsafe { ctx.disable_event_tracking() };
         let stream = ctx.new_stream().map_err(cuda)?;
+        let info = DeviceInfo::of(&ctx)?;
         let module = ctx.load_module(Ptx::from_src(PTX)).map_err(cuda)?;
         let mut functions = HashMap::new();
         for name in launch::kernel_names() {
             functions.insert(name, module.load_function(name).map_err(cuda)?);
         }
         let device_matrix = |m: &RawMatrix| -> Result<DeviceMatrix> {
+            // Zeroed slack after the last row, as candle and llama.cpp allocate quantized
+            // weights: the matmul kernels may read up to a padded row past the end.
+            let bytes = m.bytes.as_slice();
+            let slack = launch::weight_slack_bytes(m.dtype);
+            let mut data = stream
+                .alloc_zeros::<u8>(bytes.len() + slack)
+                .map_err(cuda)?;
+            let mut head = data.slice_mut(0..bytes.len());
+            stream.memcpy_htod(bytes, &mut head).map_err(cuda)?;
             Ok(DeviceMatrix {
                 dtype: m.dtype,
                 rows: m.rows,
                 cols: m.cols,
-                data: stream.clone_htod(m.bytes.as_slice()).map_err(cuda)?,
+                data,
             })
         };
         let embedding = device_matrix(&weights.embedding)?;
@@ -176,10 +206,17 @@ impl CudaRunner {
             blocks: 0,
             buffers: HashMap::new(),
             q8: None,
+            mmq_y: None,
+            mmq_fixup: None,
             part_max: None,
             part_sum: None,
             part_out: None,
             tables: Tables::default(),
+            use_graphs: graphs,
+            info,
+            graphs: GraphCache::default(),
+            guard: CaptureGuard::default(),
+            generation: 0,
         })
     }
 
@@ -199,27 +236,19 @@ impl CudaRunner {
         self.matrices.get(&m).unwrap_or(&self.embedding)
     }
 
-    /// Allocates every buffer and table the plan needs before anything runs.
+    /// Allocates every buffer and table the plan needs and uploads the tables, before anything
+    /// runs (never inside a capture).
     fn prepare(&mut self, plan: &Plan, tables: &StepTables, rope: &RopeTable) -> Result<()> {
+        self.guard
+            .forbid("preparing a step (allocating, uploading tables)")?;
         let c = self.config.clone();
-        for buf in [
-            Buf::X,
-            Buf::H,
-            Buf::Q,
-            Buf::K,
-            Buf::V,
-            Buf::Attn,
-            Buf::Proj,
-            Buf::Gate,
-            Buf::Up,
-            Buf::Sel,
-            Buf::SelNorm,
-            Buf::Logits,
-        ] {
+        let mut grew = false;
+        for buf in BUFFERS {
             let len = plan.len_of(&c, buf).max(1);
             if self.buffers.get(&buf).is_none_or(|b| b.len() < len) {
                 let fresh = self.stream.alloc_zeros::<f32>(len).map_err(cuda)?;
                 self.buffers.insert(buf, fresh);
+                grew = true;
             }
         }
         let widest = [c.hidden, c.n_heads * c.head_dim, c.ffn]
@@ -227,40 +256,47 @@ impl CudaRunner {
             .map(padded_columns)
             .max()
             .unwrap_or(0);
-        ensure(
-            &self.stream,
+        let s = &self.stream;
+        grew |= ensure(
+            s,
             &mut self.q8,
             plan.rows * widest / QK8_1 * BLOCK_Q8_1_BYTES,
         )?;
-        let max_visible = tables
-            .seqs
-            .iter()
-            .map(|s| (s.past + s.rows) as usize)
-            .max()
-            .unwrap_or(1);
-        let splits = launch::max_splits(max_visible);
-        let partials = plan.rows * c.n_heads * splits;
-        ensure(&self.stream, &mut self.part_max, partials)?;
-        ensure(&self.stream, &mut self.part_sum, partials)?;
-        ensure(&self.stream, &mut self.part_out, partials * c.head_dim)?;
+        let widest_rows = plan.rows.max(plan.logit_rows);
+        if matches!(launch::matmul_path(widest_rows), launch::MatMulPath::Mmq) {
+            let widest_k = [c.hidden, c.n_heads * c.head_dim, c.ffn]
+                .into_iter()
+                .max()
+                .unwrap_or(0);
+            let bytes = launch::mmq_activation_bytes(widest_rows, widest_k);
+            grew |= ensure(s, &mut self.mmq_y, bytes)?;
+            grew |= ensure(s, &mut self.mmq_fixup, launch::MMQ_FIXUP_BYTES)?;
+        }
+        let partials = plan.rows * c.n_heads * plan.splits;
+        grew |= ensure(s, &mut self.part_max, partials)?;
+        grew |= ensure(s, &mut self.part_sum, partials)?;
+        grew |= ensure(s, &mut self.part_out, partials * c.head_dim)?;
         let t = &mut self.tables;
-        upload(&self.stream, &mut t.tokens, &tables.tokens)?;
-        upload(&self.stream, &mut t.slots, &tables.slots)?;
-        upload(&self.stream, &mut t.row_seq, &tables.row_seq)?;
+        grew |= upload(s, &mut t.tokens, &tables.tokens)?;
+        grew |= upload(s, &mut t.slots, &tables.slots)?;
+        grew |= upload(s, &mut t.row_seq, &tables.row_seq)?;
         let seqs: Vec<u32> = tables
             .seqs
             .iter()
             .flat_map(|s| [s.row0, s.rows, s.past, s.index])
             .collect();
-        upload(&self.stream, &mut t.seqs, &seqs)?;
-        upload(&self.stream, &mut t.block_tables, &tables.block_tables)?;
-        upload(&self.stream, &mut t.logit_rows, &tables.logit_rows)?;
-        upload(&self.stream, &mut t.cos, rope.cos())?;
-        upload(&self.stream, &mut t.sin, rope.sin())?;
+        grew |= upload(s, &mut t.seqs, &seqs)?;
+        grew |= upload(s, &mut t.block_tables, &tables.block_tables)?;
+        grew |= upload(s, &mut t.logit_rows, &tables.logit_rows)?;
+        grew |= upload(s, &mut t.cos, rope.cos())?;
+        grew |= upload(s, &mut t.sin, rope.sin())?;
+        if grew {
+            self.generation += 1;
+        }
         Ok(())
     }
 
-    fn op(&mut self, plan: &Plan, op: Op, tables: &StepTables) -> Result<()> {
+    fn op(&mut self, plan: &Plan, op: Op) -> Result<()> {
         let c = &self.config;
         let rows = plan.rows;
         match op {
@@ -351,7 +387,7 @@ impl CudaRunner {
                 }
                 .map_err(cuda)?;
             }
-            Op::Attention { layer } => self.attention(plan, layer, tables)?,
+            Op::Attention { layer } => self.attention(plan, layer)?,
             Op::Add { x, y } => {
                 let f = self.function("add_f32")?;
                 let n = plan.len_of(c, x);
@@ -403,7 +439,8 @@ impl CudaRunner {
         Ok(())
     }
 
-    /// `out = x · Wᵀ`: the rows of `x` quantized to Q8_1, then MMVQ over pieces of 8 rows.
+    /// `out = x · Wᵀ`: up to 8 rows, the rows quantized to Q8_1 and MMVQ; above, MMQ over the
+    /// rows quantized to MMQ's Q8_1 layout ([`launch::matmul_path`]).
     fn matmul(&self, plan: &Plan, weight: Matrix, x: Buf, out: Buf) -> Result<()> {
         let m = self.matrix(weight);
         let (n, k) = matrix_shape(&self.config, weight);
@@ -416,14 +453,66 @@ impl CudaRunner {
         let rows = plan.rows_of(x);
         let k_padded = padded_columns(k);
         let stream = self.stream.cu_stream() as *mut c_void;
+        let (x_ptr, _x) = self.buffer(x)?.device_ptr(&self.stream);
+        let (w_ptr, _w) = m.data.device_ptr(&self.stream);
+        let (out_ptr, _o) = self.buffer(out)?.device_ptr(&self.stream);
+        let pieces = match launch::matmul_path(rows) {
+            launch::MatMulPath::Mmvq(pieces) => pieces,
+            launch::MatMulPath::Mmq => {
+                let y = self
+                    .mmq_y
+                    .as_ref()
+                    .ok_or_else(|| missing("the MMQ scratch"))?;
+                let fixup = self
+                    .mmq_fixup
+                    .as_ref()
+                    .ok_or_else(|| missing("the MMQ fix-up buffer"))?;
+                let (y_ptr, _y) = y.device_ptr(&self.stream);
+                let (fixup_ptr, _f) = fixup.device_ptr(&self.stream);
+                let d = self.info;
+                let quantize = mmq_quantizer(launch::mmq_scales(m.dtype)?);
+                let multiply = mmq_launcher(m.dtype)?;
+                unsafe {
+                    quantize(
+                        x_ptr as *const c_void,
+                        std::ptr::null(),
+                        y_ptr as *mut c_void,
+                        0,
+                        k as i64,
+                        k as i64,
+                        0,
+                        0,
+                        k_padded as i64,
+                        rows as i64,
+                        1,
+                        1,
+                        stream,
+                    );
+                    multiply(
+                        fixup_ptr as *mut c_void,
+                        w_ptr as *const c_void,
+                        y_ptr as *const c_void,
+                        out_ptr as *mut c_void,
+                        k as i64,
+                        n as i64,
+                        rows as i64,
+                        (k / launch::block_values(m.dtype)) as i64,
+                        n as i64,
+                        d.cc,
+                        d.sms,
+                        d.shared_per_block,
+                        d.warp_size,
+                        stream,
+                    );
+                }
+                return Ok(());
+            }
+        };
         let q8 = self
             .q8
             .as_ref()
             .ok_or_else(|| missing("the Q8_1 scratch"))?;
-        let (x_ptr, _x) = self.buffer(x)?.device_ptr(&self.stream);
         let (q8_ptr, _q) = q8.device_ptr(&self.stream);
-        let (w_ptr, _w) = m.data.device_ptr(&self.stream);
-        let (out_ptr, _o) = self.buffer(out)?.device_ptr(&self.stream);
         unsafe {
             candle_kernels::ffi::launch_mmvq_gguf_quantize_q8_1_f32(
                 x_ptr as *const c_void,
@@ -435,7 +524,7 @@ impl CudaRunner {
             );
         }
         let y_row_bytes = (k_padded / QK8_1 * BLOCK_Q8_1_BYTES) as u64;
-        for piece in launch::mmvq_pieces(rows) {
+        for piece in pieces {
             let y = q8_ptr + piece.start as u64 * y_row_bytes;
             let dst = out_ptr + (piece.start * n * std::mem::size_of::<f32>()) as u64;
             let args = (
@@ -454,18 +543,12 @@ impl CudaRunner {
         Ok(())
     }
 
-    fn attention(&self, plan: &Plan, layer: usize, tables: &StepTables) -> Result<()> {
+    fn attention(&self, plan: &Plan, layer: usize) -> Result<()> {
         let c = &self.config;
         let rows = plan.rows;
         let name = launch::attention_kernel(c.n_heads, c.n_kv_heads, c.head_dim)?;
         let f = self.function(name)?;
-        let max_visible = tables
-            .seqs
-            .iter()
-            .map(|s| (s.past + s.rows) as usize)
-            .max()
-            .unwrap_or(1);
-        let splits = launch::max_splits(max_visible);
+        let splits = plan.splits;
         let t = &self.tables;
         let row_seq = t.row_seq.as_ref().ok_or_else(|| missing("row sequences"))?;
         let seqs = t.seqs.as_ref().ok_or_else(|| missing("sequences"))?;
@@ -478,7 +561,7 @@ impl CudaRunner {
         let part_sum = self.part_sum.as_ref().ok_or_else(|| missing("partials"))?;
         let part_out = self.part_out.as_ref().ok_or_else(|| missing("partials"))?;
         let (max_blocks, max_splits, l, layers, heads, kvh, hd) = (
-            tables.max_blocks as i32,
+            plan.max_blocks as i32,
             splits as i32,
             layer as i32,
             c.n_layers as i32,
@@ -530,6 +613,94 @@ impl CudaRunner {
         }
         .map_err(cuda)?;
         Ok(())
+    }
+}
+
+/// MMQ's activation quantizer for a scale layout.
+type MmqQuantizer = unsafe extern "C" fn(
+    *const c_void,
+    *const i32,
+    *mut c_void,
+    i32,
+    i64,
+    i64,
+    i64,
+    i64,
+    i64,
+    i64,
+    i64,
+    i64,
+    *mut c_void,
+);
+
+fn mmq_quantizer(scales: launch::MmqScales) -> MmqQuantizer {
+    use candle_kernels::ffi;
+    match scales {
+        launch::MmqScales::D4 => ffi::launch_mmq_quantize_q8_1_D4,
+        launch::MmqScales::DS4 => ffi::launch_mmq_quantize_q8_1_DS4,
+        launch::MmqScales::D2S6 => ffi::launch_mmq_quantize_q8_1_D2S6,
+    }
+}
+
+/// MMQ's matmul for a weight type.
+type MmqLauncher = unsafe extern "C" fn(
+    *mut c_void,
+    *const c_void,
+    *const c_void,
+    *mut c_void,
+    i64,
+    i64,
+    i64,
+    i64,
+    i64,
+    i32,
+    i32,
+    i64,
+    i32,
+    *mut c_void,
+);
+
+fn mmq_launcher(dtype: GgmlDType) -> Result<MmqLauncher> {
+    use candle_kernels::ffi;
+    Ok(match dtype {
+        GgmlDType::Q4_0 => ffi::launch_mmq_gguf_q4_0,
+        GgmlDType::Q4_1 => ffi::launch_mmq_gguf_q4_1,
+        GgmlDType::Q5_0 => ffi::launch_mmq_gguf_q5_0,
+        GgmlDType::Q5_1 => ffi::launch_mmq_gguf_q5_1,
+        GgmlDType::Q8_0 => ffi::launch_mmq_gguf_q8_0,
+        GgmlDType::Q2K => ffi::launch_mmq_gguf_q2_k,
+        GgmlDType::Q3K => ffi::launch_mmq_gguf_q3_k,
+        GgmlDType::Q4K => ffi::launch_mmq_gguf_q4_k,
+        GgmlDType::Q5K => ffi::launch_mmq_gguf_q5_k,
+        GgmlDType::Q6K => ffi::launch_mmq_gguf_q6_k,
+        other => return Err(EngineError::Cuda(format!("no MMQ kernel for {other:?}"))),
+    })
+}
+
+/// What MMQ's launchers need to know about the GPU.
+#[derive(Debug, Clone, Copy)]
+struct DeviceInfo {
+    /// Compute capability as ggml writes it (major × 100 + minor × 10).
+    cc: i32,
+    sms: i32,
+    /// Opt-in shared memory per block.
+    shared_per_block: i64,
+    warp_size: i32,
+}
+
+impl DeviceInfo {
+    fn of(ctx: &CudaContext) -> Result<Self> {
+        use sys::CUdevice_attribute as A;
+        let get = |a| ctx.attribute(a).map_err(cuda);
+        Ok(Self {
+            cc: get(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)? * 100
+                + get(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)? * 10,
+            sms: get(A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?,
+            shared_per_block: i64::from(get(
+                A::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
+            )?),
+            warp_size: get(A::CU_DEVICE_ATTRIBUTE_WARP_SIZE)?,
+        })
     }
 }
 
@@ -589,6 +760,8 @@ impl Runner for CudaRunner {
         if blocks <= self.blocks {
             return Ok(());
         }
+        self.guard.forbid("growing the KV arena")?;
+        self.generation += 1;
         let values = blocks * self.layout.block_values();
         let mut grown = self.stream.alloc_zeros::<u16>(values).map_err(cuda)?;
         if let Some(old) = &self.arena {
@@ -617,11 +790,68 @@ impl Runner for CudaRunner {
         self.prepare(plan, tables, rope)
     }
 
-    fn run_op(&mut self, plan: &Plan, op: Op, tables: &StepTables) -> Result<()> {
-        self.op(plan, op, tables)
+    fn run_op(&mut self, plan: &Plan, op: Op) -> Result<()> {
+        self.op(plan, op)
+    }
+
+    fn graphs(&self) -> bool {
+        self.use_graphs
+    }
+
+    fn run_graph(
+        &mut self,
+        key: GraphKey,
+        plan: &Plan,
+        tables: &StepTables,
+        rope: &RopeTable,
+        logits: &mut [f32],
+    ) -> Result<()> {
+        if !self.use_graphs {
+            return self.run(plan, tables, rope, logits);
+        }
+        self.prepare(plan, tables, rope)?;
+        match self.graphs.action(key, self.generation) {
+            GraphAction::WarmUp => {
+                for &op in &plan.ops {
+                    self.op(plan, op)?;
+                }
+            }
+            GraphAction::Capture => {
+                self.guard.begin(key)?;
+                let began = self
+                    .stream
+                    .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+                    .map_err(cuda);
+                let ran =
+                    began.and_then(|()| plan.ops.iter().try_for_each(|&op| self.op(plan, op)));
+                // End the capture whatever happened, so the stream is usable again.
+                let ended = self.stream.end_capture(sys::CUgraphInstantiate_flags(0));
+                self.guard.end();
+                ran?;
+                let graph = ended.map_err(cuda)?.ok_or_else(|| {
+                    EngineError::Cuda(format!("the capture of the decode graph {key:?} is empty"))
+                })?;
+                graph.upload().map_err(cuda)?;
+                graph.launch().map_err(cuda)?;
+                self.graphs.insert(key, DecodeGraph(graph), self.generation);
+            }
+            GraphAction::Replay => {
+                let graph = self.graphs.get(key).ok_or_else(|| {
+                    EngineError::Cuda(format!("the decode graph {key:?} is gone"))
+                })?;
+                graph.0.launch().map_err(cuda)?;
+            }
+        }
+        logits.copy_from_slice(&self.read(plan, Buf::Logits)?);
+        Ok(())
+    }
+
+    fn graph_stats(&self) -> GraphStats {
+        self.graphs.stats
     }
 
     fn read(&mut self, plan: &Plan, buf: Buf) -> Result<Vec<f32>> {
+        self.guard.forbid(&format!("copying {buf:?} to the host"))?;
         let len = plan.len_of(&self.config, buf);
         let mut out = vec![0f32; len];
         if len > 0 {

@@ -50,6 +50,10 @@ pub fn write_kv(
     let hd = layout.head_dim;
     let width = layout.kv_heads * hd;
     for (row, &slot) in slots.iter().enumerate() {
+        if slot == crate::fast::graph::SKIP_SLOT {
+            // A padded row of a graphed decode step: it has no place in the arena.
+            continue;
+        }
         let (block, at) = (slot / 16, slot as usize % 16);
         for head in 0..layout.kv_heads {
             let src = row * width + head * hd;
