@@ -132,8 +132,12 @@ fn cuda_qmatmul_matches_the_cpu_qmatrix() {
             let scale = exact.iter().map(|v| v.abs()).fold(0.0, f64::max);
             let (cpu_err, gpu_err) = (max_abs_diff(&on_cpu, &exact), max_abs_diff(&on_gpu, &exact));
             eprintln!("{dtype:?} n={n}: max |y| {scale:.3}, CPU error {cpu_err:.2e}, GPU error {gpu_err:.2e}");
+            // The GPU quantizes activations to Q8_1, whose per-block scale and scaled sum are
+            // f16: for the offset formats (Q4_0's -8, the K-quants' mins) the f16 sum adds an
+            // error the CPU's Q8_0/Q8_K activations lack. Measured on an H100: Q4_0 2.3x the
+            // CPU's error, Q4_K 1.7x; a wrong kernel is off by the size of |y|.
             assert!(
-                gpu_err <= 2.0 * cpu_err + 1e-3 * scale,
+                gpu_err <= 3.0 * cpu_err + 1e-3 * scale,
                 "{dtype:?} n={n}: GPU error {gpu_err:.3e} vs CPU error {cpu_err:.3e} (max |y| {scale:.3})"
             );
             for t in 0..n {
@@ -203,10 +207,13 @@ mod fast_tier {
     use smolchat_engine::fast::graph::{self, GraphStats};
     use smolchat_engine::fast::plan::{Op, Plan};
     use smolchat_engine::fast::weights::FastWeights;
+    use smolchat_engine::fast::StepOut;
     use smolchat_engine::fast::{step_tables, Runner};
     use smolchat_engine::rope::RopeTable;
     use smolchat_engine::synthetic::{self, SyntheticSpec, TypeMix};
-    use smolchat_engine::{Engine, EngineOptions, LogitsMode, ModelConfig, SeqStep};
+    use smolchat_engine::{
+        DeviceSampling, Engine, EngineOptions, LogitsMode, ModelConfig, SampleRow, SeqStep,
+    };
     use smolchat_gguf::{GgmlDType, GgufSource};
 
     fn weights(spec: &SyntheticSpec) -> FastWeights {
@@ -253,40 +260,89 @@ mod fast_tier {
         );
     }
 
-    /// Every kernel over steps of many shapes: prefill across block boundaries, decode over two
-    /// context splits, and mixed steps, for each weight type family.
+    /// The sampling rows the kernels test draws with: greedy, the product's defaults, the whole
+    /// vocabulary, a narrow nucleus, min-p, penalties, top-k 1, and a draw at the very top.
+    fn sampling_rows() -> Vec<DeviceSampling> {
+        let row = |temperature: f32, top_k: u32, top_p: f32, min_p: f32, uniform: f64| SampleRow {
+            temperature,
+            inv_temperature: if temperature > 0.0 {
+                1.0 / temperature
+            } else {
+                0.0
+            },
+            top_k,
+            top_p,
+            min_p,
+            uniform,
+            ..SampleRow::GREEDY
+        };
+        let plain = |row: SampleRow| DeviceSampling {
+            row,
+            penalties: Vec::new(),
+        };
+        vec![
+            plain(SampleRow::GREEDY),
+            plain(row(0.7, 40, 0.95, 0.0, 0.42)),
+            plain(row(1.0, 0, 1.0, 0.0, 0.77)),
+            plain(row(1.5, 0, 0.5, 0.0, 0.05)),
+            plain(row(1.0, 0, 1.0, 0.1, 0.63)),
+            DeviceSampling {
+                row: SampleRow {
+                    repetition_penalty: 1.3,
+                    presence_penalty: 0.5,
+                    frequency_penalty: 0.2,
+                    ..row(0.9, 0, 1.0, 0.0, 0.31)
+                },
+                penalties: vec![(3, 1), (40, 3), (41, 1), (399, 2)],
+            },
+            plain(row(0.8, 1, 1.0, 0.0, 0.99)),
+            plain(row(0.3, 0, 0.9, 0.0, 0.999_999)),
+        ]
+    }
+
+    /// Every kernel over steps of many shapes: prefill across block boundaries, decode over
+    /// context splits beside short prefills (MMQ: more than 8 rows), and eight one-token rows
+    /// drawn on the device with as many sampling settings (MMVQ, penalties, sampling), for each
+    /// weight type family. The 3B shape (real matrix sizes, Q4_K_M) runs shorter prompts: its
+    /// twins are plain loops on the host.
     #[test]
     #[ignore = "needs a CUDA GPU and a `--features cuda` build: run with --ignored there"]
     fn kernels_equal_their_twins() {
         cuda_required("kernels_equal_their_twins");
         let mut three_b = SyntheticSpec::smollm3_3b();
         three_b.n_layers = 2;
-        for (name, spec) in [
+        let sampling = sampling_rows();
+        for (name, spec, prompt) in [
             (
                 "smollm3 q8_0",
                 SyntheticSpec::tiny("smollm3").with_type_mix(TypeMix::Uniform(GgmlDType::Q8_0)),
+                700,
             ),
             (
                 "llama q4_1",
                 SyntheticSpec::tiny("llama").with_type_mix(TypeMix::Uniform(GgmlDType::Q4_1)),
+                700,
             ),
             (
                 "llama q6_k",
                 SyntheticSpec::tiny("llama").with_type_mix(TypeMix::Uniform(GgmlDType::Q6K)),
+                700,
             ),
-            ("3B shape Q4_K_M", three_b),
+            ("3B shape Q4_K_M", three_b, 40),
         ] {
+            let started = std::time::Instant::now();
             let mut cpu = CpuRunner::new(weights(&spec));
             let mut gpu = CudaRunner::load(weights(&spec), 0, false)
                 .unwrap_or_else(|e| panic!("{name}: {e}"));
             for r in [&mut cpu as &mut dyn Runner, &mut gpu] {
                 r.reserve_blocks(64).unwrap_or_else(|e| panic!("{e}"));
             }
-            let long: Vec<u32> = (0..700).map(|i| (i * 37 % 400 + 3) as u32).collect();
+            let long: Vec<u32> = (0..prompt).map(|i| (i * 37 % 400 + 3) as u32).collect();
             let a_blocks: Vec<u32> = (0..45).collect();
             let b_blocks: Vec<u32> = (50..53).collect();
             let c_blocks: Vec<u32> = vec![60, 61];
-            // A long prefill in one step, then a decode over two context splits beside two
+            let short = prompt.min(37);
+            // A long prefill in one step, then a decode over the context splits beside two
             // short prefills.
             step(
                 &mut cpu,
@@ -294,8 +350,9 @@ mod fast_tier {
                 &[BatchItem {
                     blocks: &a_blocks,
                     past: 0,
-                    tokens: &long[..699],
+                    tokens: &long[..prompt - 1],
                     logits: LogitsMode::Last,
+                    sample: None,
                 }],
                 &format!("{name} prefill"),
             );
@@ -305,25 +362,43 @@ mod fast_tier {
                 &[
                     BatchItem {
                         blocks: &a_blocks,
-                        past: 699,
-                        tokens: &long[699..],
+                        past: prompt - 1,
+                        tokens: &long[prompt - 1..],
                         logits: LogitsMode::Last,
+                        sample: None,
                     },
                     BatchItem {
                         blocks: &b_blocks,
                         past: 0,
-                        tokens: &long[..37],
+                        tokens: &long[..short],
                         logits: LogitsMode::All,
+                        sample: None,
                     },
                     BatchItem {
                         blocks: &c_blocks,
                         past: 0,
-                        tokens: &long[100..117],
+                        tokens: &long[10..27],
                         logits: LogitsMode::None,
+                        sample: None,
                     },
                 ],
                 &format!("{name} mixed"),
             );
+            let own: Vec<[u32; 1]> = (45..50).chain(53..56).map(|b| [b]).collect();
+            let items: Vec<BatchItem<'_>> = sampling
+                .iter()
+                .zip(&own)
+                .enumerate()
+                .map(|(i, (s, blocks))| BatchItem {
+                    blocks,
+                    past: 0,
+                    tokens: &long[i..i + 1],
+                    logits: LogitsMode::Sample,
+                    sample: Some(s),
+                })
+                .collect();
+            step(&mut cpu, &mut gpu, &items, &format!("{name} sampled"));
+            eprintln!("{name}: {:.1} s", started.elapsed().as_secs_f64());
         }
     }
 
@@ -397,8 +472,25 @@ mod fast_tier {
             let best = (0..vocab).fold(0, |b, i| if g[i] > g[b] { i } else { b });
             assert_eq!(best as u32, argmax[pos], "argmax at {pos}");
         }
-        // Batched equal to alone (MMVQ sums in another order for other batch sizes: 1e-3).
-        let prompts: Vec<Vec<u32>> = [3usize, 17, 33]
+        // Batched equal to alone. Steps of at most 8 rows take MMVQ, whose activations carry
+        // f16 scales; larger ones take MMQ, whose Q8_0 activations carry f32 scales (as in
+        // llama.cpp, where a sequence's logits also depend on that): within one path 1e-3 of
+        // the largest logit, across the two the bound held against llama.cpp above (measured
+        // on an H100: 0.023 for the 3-token prompt).
+        let within_path = batched_equals_alone(&mut e, &tokens, &[1, 2, 3]);
+        let across_paths = batched_equals_alone(&mut e, &tokens, &[3, 17, 33]);
+        for (i, (d, scale)) in within_path.iter().enumerate() {
+            assert!(*d <= 1e-3 * scale, "MMVQ, sequence {i}: {d} of {scale}");
+        }
+        for (i, (d, scale)) in across_paths.iter().enumerate() {
+            assert!(*d <= 0.05, "MMQ vs MMVQ, sequence {i}: {d} of {scale}");
+        }
+    }
+
+    /// Prompts cut from `tokens` stepped alone, then together: for each, the largest logit
+    /// difference and the largest |logit| alone.
+    fn batched_equals_alone(e: &mut Engine, tokens: &[u32], lengths: &[usize]) -> Vec<(f32, f32)> {
+        let prompts: Vec<Vec<u32>> = lengths
             .iter()
             .map(|&n| tokens.iter().cycle().take(n).copied().collect())
             .collect();
@@ -428,21 +520,23 @@ mod fast_tier {
             })
             .collect();
         let together = e.step(&steps).unwrap_or_else(|e| panic!("{e}"));
-        for (i, (g, w)) in together.iter().zip(&alone).enumerate() {
-            let g = g.as_deref().unwrap_or_default();
-            let d = g
-                .iter()
-                .zip(w)
-                .map(|(a, b)| (a - b).abs())
-                .fold(0f32, f32::max);
-            assert!(
-                d <= 1e-3 * w.iter().map(|v| v.abs()).fold(1.0, f32::max),
-                "sequence {i}: {d}"
-            );
-        }
         for s in seqs {
             e.free_sequence(s);
         }
+        together
+            .iter()
+            .zip(&alone)
+            .map(|(g, w)| {
+                let g = g.as_deref().unwrap_or_default();
+                assert_eq!(g.len(), w.len());
+                let d = g
+                    .iter()
+                    .zip(w)
+                    .map(|(a, b)| (a - b).abs())
+                    .fold(0f32, f32::max);
+                (d, w.iter().map(|v| v.abs()).fold(1.0, f32::max))
+            })
+            .collect()
     }
 
     /// `auto` checks the fast tier against the reference tier at load and keeps it.
@@ -472,6 +566,7 @@ mod fast_tier {
             CudaRunner::load(weights(&spec), 0, true).unwrap_or_else(|e| panic!("{e}"));
         let config = eager.config().clone();
         let vocab = config.vocab_size;
+        let sampling = sampling_rows();
         for sequences in [5usize, 10] {
             for r in [&mut eager as &mut dyn Runner, &mut graphed] {
                 r.reserve_blocks(sequences * 20)
@@ -496,6 +591,7 @@ mod fast_tier {
                     past: 0,
                     tokens: &prompts[s],
                     logits: LogitsMode::None,
+                    sample: None,
                 })
                 .collect();
             let tables = step_tables(&items);
@@ -503,7 +599,7 @@ mod fast_tier {
             let rope = RopeTable::new(&config, &positions);
             let plan = Plan::for_step(&config, &tables);
             for r in [&mut eager as &mut dyn Runner, &mut graphed] {
-                r.run(&plan, &tables, &rope, &mut [])
+                r.run(&plan, &tables, &rope, StepOut::logits(&mut []))
                     .unwrap_or_else(|e| panic!("{e}"));
             }
             for (s, p) in prompts.iter().enumerate() {
@@ -518,12 +614,19 @@ mod fast_tier {
                     }
                 }
                 let tokens: Vec<[u32; 1]> = next.iter().map(|&t| [t]).collect();
+                // From step 6 on, the rows draw their tokens inside the graph.
+                let drawn = step >= 6;
                 let items: Vec<BatchItem<'_>> = (0..sequences)
                     .map(|s| BatchItem {
                         blocks: &tables_of[s],
                         past: past[s],
                         tokens: &tokens[s],
-                        logits: LogitsMode::Last,
+                        logits: if drawn {
+                            LogitsMode::Sample
+                        } else {
+                            LogitsMode::Last
+                        },
+                        sample: drawn.then(|| &sampling[(s + step) % sampling.len()]),
                     })
                     .collect();
                 let tables = step_tables(&items);
@@ -534,20 +637,50 @@ mod fast_tier {
                 let plan = Plan::for_step(&config, &padded);
                 let mut want = vec![0f32; key.rows * vocab];
                 let mut got = vec![0f32; key.rows * vocab];
+                let (mut want_tokens, mut got_tokens) = if drawn {
+                    (vec![0u32; key.rows], vec![0u32; key.rows])
+                } else {
+                    (Vec::new(), Vec::new())
+                };
                 eager
-                    .run(&plan, &padded, &rope, &mut want)
+                    .run(
+                        &plan,
+                        &padded,
+                        &rope,
+                        StepOut {
+                            logits: &mut want,
+                            tokens: &mut want_tokens,
+                        },
+                    )
                     .unwrap_or_else(|e| panic!("{e}"));
                 graphed
-                    .run_graph(key, &plan, &padded, &rope, &mut got)
+                    .run_graph(
+                        key,
+                        &plan,
+                        &padded,
+                        &rope,
+                        StepOut {
+                            logits: &mut got,
+                            tokens: &mut got_tokens,
+                        },
+                    )
                     .unwrap_or_else(|e| panic!("{sequences} sequences, step {step}: {e}"));
                 let real = sequences * vocab;
                 assert!(
                     got[..real] == want[..real],
                     "{sequences} sequences, step {step} ({key:?}): the graph differs from eager"
                 );
+                assert_eq!(
+                    got_tokens, want_tokens,
+                    "{sequences} sequences, step {step}: drawn tokens differ"
+                );
                 for s in 0..sequences {
                     let row = &got[s * vocab..(s + 1) * vocab];
-                    next[s] = (0..vocab).fold(0, |b, i| if row[i] > row[b] { i } else { b }) as u32;
+                    next[s] = if drawn {
+                        got_tokens[s]
+                    } else {
+                        (0..vocab).fold(0, |b, i| if row[i] > row[b] { i } else { b }) as u32
+                    };
                     past[s] += 1;
                 }
             }

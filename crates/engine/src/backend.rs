@@ -21,6 +21,8 @@ pub struct BatchItem<'a> {
     pub past: usize,
     pub tokens: &'a [u32],
     pub logits: LogitsMode,
+    /// How to draw the next token on the device ([`LogitsMode::Sample`] only).
+    pub sample: Option<&'a crate::logits::DeviceSampling>,
 }
 
 pub use crate::device::Suggested;
@@ -51,6 +53,10 @@ pub trait Backend: Send {
     fn reserve_blocks(&mut self, blocks: usize) -> Result<()>;
     /// Bytes of KV pages allocated so far.
     fn kv_resident_bytes(&self) -> usize;
+    /// Whether it can draw tokens on its device ([`LogitsMode::Sample`]).
+    fn samples_on_device(&self) -> bool {
+        false
+    }
     /// Checks a step's items before any block is taken (token ids, lengths, the window).
     fn validate(&self, items: &[BatchItem<'_>]) -> Result<()>;
     /// One forward pass over `items`, whose blocks are reserved: writes their K/V and puts each
@@ -77,6 +83,23 @@ pub fn check_request(c: &ModelConfig, items: &[BatchItem<'_>]) -> Result<()> {
                 id,
                 vocab: c.vocab_size,
             });
+        }
+        match (item.logits, item.sample) {
+            (LogitsMode::Sample, None) => {
+                return Err(EngineError::InvalidStep(format!(
+                    "sequence #{i} of the step asks for a token drawn on the device but gives \
+                     no sampling parameters"
+                )))
+            }
+            (LogitsMode::Sample, Some(s)) => {
+                if let Some(&(id, _)) = s.penalties.iter().find(|p| p.0 as usize >= c.vocab_size) {
+                    return Err(EngineError::BadToken {
+                        id,
+                        vocab: c.vocab_size,
+                    });
+                }
+            }
+            _ => {}
         }
         let needed = item.past + item.tokens.len();
         if needed > c.context_length {

@@ -53,5 +53,5 @@ pub use cpu::model::Model;
 pub use cpu::CpuBackend;
 pub use kv::{KvOptions, KvType};
 pub use load::{CpuOptions, EngineOptions, Yarn};
-pub use logits::{Logits, LogitsMode};
+pub use logits::{DeviceSampling, Logits, LogitsMode, SampleRow, NO_TOKEN};
 pub use step::{Engine, EngineStats, SeqId, SeqStep};

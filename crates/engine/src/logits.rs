@@ -12,6 +12,40 @@ pub enum LogitsMode {
     Last,
     /// Every position of the chunk (for `smolchat logits` and teacher-forced checks).
     All,
+    /// No logits: the backend draws the next token from the last position on its device with
+    /// the item's [`DeviceSampling`], and only the token comes back ([`Logits::token`]). For a
+    /// backend whose `samples_on_device()` is set.
+    Sample,
+}
+
+pub use crate::fast::twin::sample::{SampleRow, NO_TOKEN};
+
+/// How a backend that samples on its device draws one sequence's next token: the parameters
+/// (the draw's uniform number included, from the sequence's seeded generator) and the penalty
+/// window as (token, occurrences), distinct tokens.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DeviceSampling {
+    pub row: SampleRow,
+    pub penalties: Vec<(u32, u32)>,
+}
+
+impl LogitsMode {
+    /// Rows of logits that come back to the host for a chunk of `tokens` tokens.
+    pub fn host_rows(self, tokens: usize) -> usize {
+        match self {
+            LogitsMode::None | LogitsMode::Sample => 0,
+            LogitsMode::Last => 1,
+            LogitsMode::All => tokens,
+        }
+    }
+
+    /// Rows of logits the forward pass computes (a sampled row is computed on the device).
+    pub fn device_rows(self, tokens: usize) -> usize {
+        match self {
+            LogitsMode::Sample => 1,
+            other => other.host_rows(tokens),
+        }
+    }
 }
 
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -19,6 +53,8 @@ pub struct Logits {
     data: Vec<f32>,
     /// Per item of the step: its first row and how many rows it has (0: it asked for none).
     spans: Vec<(usize, usize)>,
+    /// Per item: the token drawn on the device ([`LogitsMode::Sample`]).
+    tokens: Vec<Option<u32>>,
     vocab: usize,
 }
 
@@ -41,6 +77,24 @@ impl Logits {
     pub fn get(&self, i: usize) -> Option<&[f32]> {
         let &(first, rows) = self.spans.get(i)?;
         (rows > 0).then(|| &self.data[first * self.vocab..(first + rows) * self.vocab])
+    }
+
+    /// The token drawn on the device for item `i` (it asked for [`LogitsMode::Sample`]);
+    /// [`NO_TOKEN`] when its logits had no usable value.
+    pub fn token(&self, i: usize) -> Option<u32> {
+        self.tokens.get(i).copied().flatten()
+    }
+
+    /// `n` rows from row `first` of the buffer, to fill.
+    pub(crate) fn rows_mut(&mut self, first: usize, n: usize) -> &mut [f32] {
+        &mut self.data[first * self.vocab..(first + n) * self.vocab]
+    }
+
+    /// Records the token drawn on the device for item `i`.
+    pub(crate) fn set_token(&mut self, i: usize, token: u32) {
+        if let Some(t) = self.tokens.get_mut(i) {
+            *t = Some(token);
+        }
     }
 
     /// Item `i`'s rows, to change in place (a sampler applies penalties to them).
@@ -75,14 +129,12 @@ impl Logits {
     ) -> &mut [f32] {
         self.vocab = vocab;
         self.spans.clear();
+        self.tokens.clear();
         let mut rows = 0;
         for (tokens, mode) in items {
-            let n = match mode {
-                LogitsMode::None => 0,
-                LogitsMode::Last => 1,
-                LogitsMode::All => tokens,
-            };
+            let n = mode.host_rows(tokens);
             self.spans.push((rows, n));
+            self.tokens.push(None);
             rows += n;
         }
         self.data.clear();
@@ -94,6 +146,7 @@ impl Logits {
     pub(crate) fn clear(&mut self) {
         self.data.clear();
         self.spans.clear();
+        self.tokens.clear();
     }
 }
 

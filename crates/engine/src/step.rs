@@ -11,8 +11,8 @@ use super::kv::{BlockAllocator, BlockTable, KvOptions, KvType, BLOCK_POSITIONS};
 use crate::backend::BatchItem;
 use crate::cpu::model::Model;
 use crate::cpu::CpuBackend;
-use crate::logits::Logits;
 use crate::logits::LogitsMode;
+use crate::logits::{DeviceSampling, Logits};
 
 pub type SeqId = u64;
 
@@ -294,7 +294,32 @@ impl Engine {
     /// sequence's logits as asked (see [`LogitsMode`]) into `out`, in the order of `steps`.
     /// On error no cache has changed and `out` holds nothing.
     pub fn step_into(&mut self, steps: &[SeqStep<'_>], out: &mut Logits) -> Result<()> {
+        self.step_sampled_into(steps, &[], out)
+    }
+
+    /// Whether the backend draws tokens on its device ([`LogitsMode::Sample`]).
+    pub fn samples_on_device(&self) -> bool {
+        self.backend.samples_on_device()
+    }
+
+    /// [`Self::step_into`], where `sampling[i]` says how to draw step `i`'s next token on the
+    /// device when it asks for [`LogitsMode::Sample`] (the token is then `out.token(i)`).
+    pub fn step_sampled_into(
+        &mut self,
+        steps: &[SeqStep<'_>],
+        sampling: &[Option<&DeviceSampling>],
+        out: &mut Logits,
+    ) -> Result<()> {
         out.clear();
+        let sample = |i: usize| sampling.get(i).copied().flatten();
+        if !self.backend.samples_on_device() && steps.iter().any(|s| s.logits == LogitsMode::Sample)
+        {
+            return Err(EngineError::InvalidStep(format!(
+                "the {} backend draws no tokens on its device; ask for LogitsMode::Last and \
+                 sample on the host",
+                self.backend.tier()
+            )));
+        }
         for (i, s) in steps.iter().enumerate() {
             if !self.seqs.contains_key(&s.seq) {
                 return Err(EngineError::UnknownSequence(s.seq));
@@ -315,11 +340,13 @@ impl Engine {
             let items: Vec<BatchItem<'_>> = steps
                 .iter()
                 .zip(&past)
-                .map(|(s, &past)| BatchItem {
+                .enumerate()
+                .map(|(i, (s, &past))| BatchItem {
                     blocks: &[],
                     past,
                     tokens: s.tokens,
                     logits: s.logits,
+                    sample: sample(i),
                 })
                 .collect();
             self.backend.validate(&items)?;
@@ -349,12 +376,14 @@ impl Engine {
             let items: Vec<BatchItem<'_>> = steps
                 .iter()
                 .zip(&past)
-                .filter_map(|(s, &past)| {
+                .enumerate()
+                .filter_map(|(i, (s, &past))| {
                     self.seqs.get(&s.seq).map(|q| BatchItem {
                         blocks: q.table.blocks(),
                         past,
                         tokens: s.tokens,
                         logits: s.logits,
+                        sample: sample(i),
                     })
                 })
                 .collect();

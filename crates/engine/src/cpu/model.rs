@@ -254,7 +254,7 @@ impl Model {
         let mut rows = Vec::new();
         for (si, item) in items.iter().enumerate() {
             match item.logits {
-                LogitsMode::None => {}
+                LogitsMode::None | LogitsMode::Sample => {}
                 LogitsMode::Last => rows.push(offsets[si + 1] - 1),
                 LogitsMode::All => rows.extend(offsets[si]..offsets[si + 1]),
             }

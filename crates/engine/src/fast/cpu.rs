@@ -12,9 +12,9 @@ use half::f16;
 use super::graph::{CaptureGuard, GraphAction, GraphCache, GraphKey, GraphStats};
 use super::layout::{KvArena, StepTables};
 use super::plan::{Buf, Op, Plan, BUFFERS};
-use super::twin::{attention, mmvq, norm, rope};
+use super::twin::{attention, mmvq, norm, rope, sample};
 use super::weights::{FastWeights, RawMatrix};
-use super::Runner;
+use super::{Runner, StepOut};
 use crate::backend::Suggested;
 use crate::device::Device;
 use crate::error::{EngineError, Result};
@@ -39,6 +39,8 @@ pub struct CpuRunner {
     guard: CaptureGuard,
     /// Bumped whenever a buffer or the arena is reallocated (a graph over the old ones is stale).
     generation: u64,
+    /// The tokens [`Op::Sample`] drew, one per logit row.
+    tokens: Vec<u32>,
 }
 
 impl CpuRunner {
@@ -62,6 +64,7 @@ impl CpuRunner {
             graphs: GraphCache::default(),
             guard: CaptureGuard::default(),
             generation: 0,
+            tokens: Vec::new(),
         }
     }
 
@@ -192,9 +195,36 @@ impl CpuRunner {
                 self.put(Buf::X, x);
                 self.put(Buf::Sel, sel);
             }
+            Op::Penalties => {
+                let mut logits = self.take(Buf::Logits)?;
+                for (r, row) in logits.chunks_mut(c.vocab_size).enumerate() {
+                    let entries = penalty_entries(tables, r);
+                    sample::apply_penalties(row, &entries, &tables.sampling[r]);
+                }
+                self.put(Buf::Logits, logits);
+            }
+            Op::Sample => {
+                let logits = self.take(Buf::Logits)?;
+                for (r, row) in logits.chunks(c.vocab_size).enumerate() {
+                    self.tokens[r] = sample::sample_row(row, &tables.sampling[r]);
+                }
+                self.put(Buf::Logits, logits);
+            }
         }
         Ok(())
     }
+}
+
+/// Logit row `r`'s penalty entries.
+fn penalty_entries(tables: &StepTables, r: usize) -> Vec<(u32, u32)> {
+    let (start, end) = (
+        tables.penalty_spans[2 * r] as usize,
+        tables.penalty_spans[2 * r + 1] as usize,
+    );
+    tables.penalties[2 * start..2 * end]
+        .chunks(2)
+        .map(|p| (p[0], p[1]))
+        .collect()
 }
 
 /// Row `row` of `m`, dequantized as ggml does (candle's block types, exact).
@@ -259,7 +289,16 @@ impl Runner for CpuRunner {
         self.cos = rope.cos().to_vec();
         self.sin = rope.sin().to_vec();
         self.tables = tables.clone();
+        if self.tokens.capacity() < plan.logit_rows {
+            self.generation += 1;
+        }
+        self.tokens.resize(plan.logit_rows, 0);
         Ok(())
+    }
+
+    fn read_tokens(&mut self, plan: &Plan) -> Result<Vec<u32>> {
+        self.guard.forbid("copying the drawn tokens to the host")?;
+        Ok(self.tokens[..plan.logit_rows].to_vec())
     }
 
     fn run_op(&mut self, plan: &Plan, op: Op) -> Result<()> {
@@ -276,10 +315,10 @@ impl Runner for CpuRunner {
         plan: &Plan,
         tables: &StepTables,
         rope: &RopeTable,
-        logits: &mut [f32],
+        out: StepOut<'_>,
     ) -> Result<()> {
         if !self.emulate_graphs {
-            return self.run(plan, tables, rope, logits);
+            return self.run(plan, tables, rope, out);
         }
         self.begin(plan, tables, rope)?;
         let ops = match self.graphs.action(key, self.generation) {
@@ -301,8 +340,7 @@ impl Runner for CpuRunner {
                 self.graphs.insert(key, ops, self.generation);
             }
         }
-        logits.copy_from_slice(&self.read(plan, Buf::Logits)?);
-        Ok(())
+        self.fetch(plan, out)
     }
 
     fn graph_stats(&self) -> GraphStats {

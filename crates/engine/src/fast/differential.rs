@@ -17,7 +17,8 @@ pub struct OpDiff {
     pub index: usize,
     pub op: Op,
     pub buf: Buf,
-    /// The largest |difference| of any value.
+    /// The largest |difference| of any value; for [`Op::Sample`] (whose `buf` is the logits it
+    /// drew from) the number of rows whose drawn tokens differ, which must be 0.
     pub max_diff: f32,
     /// The largest |value| the reference wrote (to judge the difference against).
     pub scale: f32,
@@ -41,6 +42,9 @@ pub fn written(op: Op) -> Vec<Buf> {
         Op::Add { x, .. } => vec![x],
         Op::SiluMul => vec![Buf::Gate],
         Op::GatherLogitRows => vec![Buf::Sel],
+        Op::Penalties => vec![Buf::Logits],
+        // Tokens, not a float buffer: `compare` counts the draws that differ.
+        Op::Sample => vec![],
     }
 }
 
@@ -83,6 +87,18 @@ pub fn compare(
                 scale,
             });
             tested.write(plan, buf, &want)?;
+        }
+        if op == Op::Sample {
+            let (want, got) = (reference.read_tokens(plan)?, tested.read_tokens(plan)?);
+            let differ = want.iter().zip(&got).filter(|(a, b)| a != b).count()
+                + want.len().abs_diff(got.len());
+            diffs.push(OpDiff {
+                index,
+                op,
+                buf: Buf::Logits,
+                max_diff: differ as f32,
+                scale: 0.0,
+            });
         }
     }
     Ok(diffs)
@@ -151,6 +167,13 @@ mod tests {
         fn write(&mut self, plan: &Plan, buf: Buf, values: &[f32]) -> Result<()> {
             self.0.write(plan, buf, values)
         }
+        fn read_tokens(&mut self, plan: &Plan) -> Result<Vec<u32>> {
+            let mut t = self.0.read_tokens(plan)?;
+            if let Some(first) = t.first_mut() {
+                *first ^= 1;
+            }
+            Ok(t)
+        }
     }
 
     #[test]
@@ -164,6 +187,7 @@ mod tests {
             past: 0,
             tokens: &tokens,
             logits: LogitsMode::Last,
+            sample: None,
         }];
         a.reserve_blocks(3).expect("blocks");
         b.reserve_blocks(3).expect("blocks");
@@ -182,5 +206,61 @@ mod tests {
         assert!(wrong
             .iter()
             .all(|d| d.op == Op::SiluMul && (d.max_diff - 0.5).abs() < 1e-6));
+    }
+
+    #[test]
+    fn sampled_tokens_are_compared_row_by_row() {
+        let (mut a, mut b) = (runner(), runner());
+        let config = a.config().clone();
+        let blocks: Vec<u32> = (0..2).collect();
+        let (p, q): (Vec<u32>, Vec<u32>) = ((0..20).collect(), (5..12).collect());
+        let sampling = crate::logits::DeviceSampling {
+            row: crate::SampleRow {
+                temperature: 0.8,
+                inv_temperature: 1.0 / 0.8,
+                top_k: 20,
+                top_p: 0.9,
+                uniform: 0.37,
+                ..crate::SampleRow::GREEDY
+            },
+            penalties: vec![(7, 2)],
+        };
+        let other: Vec<u32> = (4..6).collect();
+        let items = [
+            BatchItem {
+                blocks: &blocks,
+                past: 0,
+                tokens: &p,
+                logits: LogitsMode::Sample,
+                sample: Some(&sampling),
+            },
+            BatchItem {
+                blocks: &other,
+                past: 0,
+                tokens: &q,
+                logits: LogitsMode::Sample,
+                sample: Some(&sampling),
+            },
+        ];
+        for r in [&mut a as &mut dyn Runner, &mut b] {
+            r.reserve_blocks(6).expect("blocks");
+        }
+        let tables = step_tables(&items);
+        let positions: Vec<usize> = tables.positions.iter().map(|&p| p as usize).collect();
+        let rope = RopeTable::new(&config, &positions);
+        let plan = Plan::for_step(&config, &tables);
+        let sampled = |diffs: &[OpDiff]| {
+            diffs
+                .iter()
+                .filter(|d| d.op == Op::Sample)
+                .map(|d| d.max_diff)
+                .collect::<Vec<f32>>()
+        };
+        let same = compare(&mut a, &mut b, &plan, &tables, &rope).expect("compare");
+        assert_eq!(sampled(&same), vec![0.0]);
+        let mut c = Miscomputes(runner());
+        c.reserve_blocks(6).expect("blocks");
+        let off = compare(&mut a, &mut c, &plan, &tables, &rope).expect("compare");
+        assert_eq!(sampled(&off), vec![1.0]);
     }
 }

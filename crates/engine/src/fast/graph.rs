@@ -18,6 +18,7 @@
 
 use crate::error::{EngineError, Result};
 use crate::fast::layout::{SeqInfo, StepTables};
+use crate::fast::twin::sample::SampleRow;
 use crate::kv::BLOCK_POSITIONS;
 
 /// Row counts decode graphs are captured for; a decode part with more rows runs eagerly.
@@ -37,6 +38,8 @@ pub const MIN_GRAPH_BLOCKS: usize = 16;
 pub struct GraphKey {
     pub rows: usize,
     pub max_blocks: usize,
+    /// Whether the step ends with drawing tokens on the device.
+    pub sample: bool,
 }
 
 /// The bucket of a decode part of `rows` rows, `None` above the largest.
@@ -55,6 +58,7 @@ pub fn key_of(tables: &StepTables) -> Option<GraphKey> {
     Some(GraphKey {
         rows: bucket_rows(tables.rows())?,
         max_blocks: bucket_blocks(tables.max_blocks),
+        sample: tables.sample,
     })
 }
 
@@ -75,8 +79,18 @@ pub fn pad_decode(tables: &StepTables, key: GraphKey) -> Result<StepTables> {
             "only decode parts (one row per sequence) are replayed from graphs".into(),
         ));
     }
+    if tables.sample != key.sample || tables.logit_rows.len() != n {
+        return Err(EngineError::InvalidStep(
+            "a decode part for a graph has one logit row per sequence and the graph's sampling"
+                .into(),
+        ));
+    }
     let mut t = StepTables {
         max_blocks: key.max_blocks,
+        sample: key.sample,
+        sampling: tables.sampling.clone(),
+        penalty_spans: tables.penalty_spans.clone(),
+        penalties: tables.penalties.clone(),
         ..StepTables::default()
     };
     for s in 0..n {
@@ -104,6 +118,9 @@ pub fn pad_decode(tables: &StepTables, key: GraphKey) -> Result<StepTables> {
         });
         t.block_tables
             .extend(std::iter::repeat_n(0, key.max_blocks));
+        let end = (t.penalties.len() / 2) as u32;
+        t.sampling.push(SampleRow::GREEDY);
+        t.penalty_spans.extend([end, end]);
     }
     t.logit_rows = (0..key.rows as u32).collect();
     Ok(t)
@@ -257,7 +274,8 @@ mod tests {
         assert_eq!(
             positions_of(GraphKey {
                 rows: 1,
-                max_blocks: 16
+                max_blocks: 16,
+                sample: false
             }),
             256
         );
@@ -287,6 +305,10 @@ mod tests {
             block_tables: vec![3, 5, 7, 7],
             max_blocks: 2,
             logit_rows: vec![0, 1],
+            sample: false,
+            sampling: vec![SampleRow::GREEDY; 2],
+            penalty_spans: vec![0, 0, 0, 0],
+            penalties: vec![],
         }
     }
 
@@ -298,12 +320,14 @@ mod tests {
             key,
             GraphKey {
                 rows: 2,
-                max_blocks: 16
+                max_blocks: 16,
+                sample: false
             }
         );
         let key = GraphKey {
             rows: 4,
             max_blocks: 16,
+            sample: false,
         };
         let p = pad_decode(&t, key).expect("pads");
         assert_eq!(p.rows(), 4);
@@ -329,13 +353,47 @@ mod tests {
     }
 
     #[test]
+    fn padded_rows_are_drawn_greedily_without_penalties() {
+        let mut t = decode_tables();
+        t.sample = true;
+        t.sampling[1] = SampleRow {
+            temperature: 0.5,
+            ..SampleRow::GREEDY
+        };
+        t.penalties = vec![9, 2, 4, 1];
+        t.penalty_spans = vec![0, 0, 0, 2];
+        let key = GraphKey {
+            rows: 4,
+            max_blocks: 16,
+            sample: true,
+        };
+        assert_eq!(key_of(&t).map(|k| k.sample), Some(true));
+        let p = pad_decode(&t, key).expect("pads");
+        assert_eq!(&p.sampling[..2], &t.sampling[..]);
+        assert_eq!(&p.sampling[2..], &[SampleRow::GREEDY, SampleRow::GREEDY]);
+        assert_eq!(p.penalty_spans, vec![0, 0, 0, 2, 2, 2, 2, 2]);
+        assert_eq!(p.penalties, t.penalties);
+        assert!(p.sample);
+        // A graph captured without the draw does not take a step that draws.
+        assert!(pad_decode(
+            &t,
+            GraphKey {
+                sample: false,
+                ..key
+            }
+        )
+        .is_err());
+    }
+
+    #[test]
     fn padding_refuses_what_does_not_fit_or_is_not_decode() {
         let t = decode_tables();
         assert!(pad_decode(
             &t,
             GraphKey {
                 rows: 1,
-                max_blocks: 16
+                max_blocks: 16,
+                sample: false
             }
         )
         .is_err());
@@ -343,7 +401,8 @@ mod tests {
             &t,
             GraphKey {
                 rows: 2,
-                max_blocks: 1
+                max_blocks: 1,
+                sample: false
             }
         )
         .is_err());
@@ -353,7 +412,8 @@ mod tests {
             &prefill,
             GraphKey {
                 rows: 2,
-                max_blocks: 16
+                max_blocks: 16,
+                sample: false
             }
         )
         .is_err());
@@ -364,6 +424,7 @@ mod tests {
         let key = GraphKey {
             rows: 4,
             max_blocks: 16,
+            sample: false,
         };
         let mut cache = GraphCache::<&str>::default();
         assert_eq!(cache.action(key, 0), GraphAction::WarmUp);
@@ -384,6 +445,7 @@ mod tests {
         let key = GraphKey {
             rows: 8,
             max_blocks: 32,
+            sample: false,
         };
         guard.begin(key).expect("begins");
         let e = guard.forbid("allocating X").expect_err("forbidden");

@@ -249,6 +249,26 @@ pub fn weight_slack_bytes(dtype: GgmlDType) -> usize {
     super::layout::MATRIX_ROW_PADDING / block_values(dtype) * dtype.type_size()
 }
 
+/// Threads of `sample_rows`' block (one block per logit row; its `__launch_bounds__`).
+pub const SAMPLE_THREADS: u32 = 512;
+
+/// `sample_rows`: one block of [`SAMPLE_THREADS`] per logit row.
+pub fn sample_rows(rows: usize) -> Result<Launch> {
+    Ok(Launch {
+        grid: (dim(rows, "logit rows")?, 1, 1),
+        block: (SAMPLE_THREADS, 1, 1),
+    })
+}
+
+/// `apply_penalties`: one block of 64 threads per logit row (a row has at most a window's
+/// worth of distinct tokens).
+pub fn apply_penalties(rows: usize) -> Result<Launch> {
+    Ok(Launch {
+        grid: (dim(rows, "logit rows")?, 1, 1),
+        block: (64, 1, 1),
+    })
+}
+
 /// Every kernel name `cuda/kernels.cu` must define.
 pub fn kernel_names() -> Vec<&'static str> {
     let mut names = vec![
@@ -259,6 +279,8 @@ pub fn kernel_names() -> Vec<&'static str> {
         "rope",
         "kv_write",
         "attention_merge",
+        "apply_penalties",
+        "sample_rows",
     ];
     for dtype in [
         GgmlDType::Q4_0,
@@ -297,8 +319,10 @@ mod tests {
             } else if let Some(kind) = name.strip_prefix("get_rows_") {
                 assert!(source.contains(&format!("GET_ROWS({kind}, ")), "{name}");
             } else {
+                // `void name(` or `void __launch_bounds__(…) name(`.
                 assert!(
-                    source.contains(&format!("void {name}(")),
+                    source.contains(&format!("void {name}("))
+                        || source.contains(&format!(") {name}(")),
                     "{name} is not in kernels.cu"
                 );
             }
@@ -326,6 +350,16 @@ mod tests {
         assert!(source.contains(&format!("__launch_bounds__({ATTENTION_THREADS}, 4)")));
         assert_eq!(crate::fast::graph::SKIP_SLOT, 0xffff_ffff);
         assert!(source.contains("#define SKIP_SLOT 0xffffffffu\n"));
+        assert!(source.contains(&format!("#define SAMPLE_THREADS {SAMPLE_THREADS}\n")));
+        assert!(source.contains("__launch_bounds__(SAMPLE_THREADS)"));
+        assert_eq!(crate::fast::twin::sample::NO_TOKEN, 0xffff_ffff);
+        assert!(source.contains("#define NO_TOKEN 0xffffffffu\n"));
+        // The exponential's constants are the twin's bit patterns.
+        use crate::fast::twin::sample::{LN2_HI, LN2_LO, LOG2E, POLY};
+        for bits in [LOG2E, LN2_HI, LN2_LO].iter().chain(&POLY) {
+            let literal = format!("__uint_as_float(0x{bits:08x}u)");
+            assert!(source.contains(&literal), "{literal} is not in kernels.cu");
+        }
     }
 
     #[test]

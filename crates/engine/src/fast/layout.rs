@@ -7,6 +7,8 @@
 
 use half::f16;
 
+use crate::fast::twin::sample::SampleRow;
+
 use crate::kv::BLOCK_POSITIONS;
 
 /// Values per Q8_1 block (ggml's `QK8_1`).
@@ -115,6 +117,36 @@ pub struct StepTables {
     pub max_blocks: usize,
     /// Rows whose logits are wanted, in output order.
     pub logit_rows: Vec<u32>,
+    /// Whether some logit row is drawn on the device ([`crate::LogitsMode::Sample`]): the plan
+    /// then ends with the penalties and the draw.
+    pub sample: bool,
+    /// Per logit row: how it is drawn (greedy for rows nobody draws).
+    pub sampling: Vec<SampleRow>,
+    /// Per logit row: `[start, end)` of its penalty entries (two values per row).
+    pub penalty_spans: Vec<u32>,
+    /// Penalty entries, `[token, occurrences]` each, flat.
+    pub penalties: Vec<u32>,
+}
+
+/// The `SampleRow`s as the kernels read them: `#[repr(C)]` little-endian, 40 bytes each.
+pub fn sample_rows_bytes(rows: &[SampleRow]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(rows.len() * std::mem::size_of::<SampleRow>());
+    for r in rows {
+        for v in [
+            r.temperature,
+            r.inv_temperature,
+            f32::from_bits(r.top_k),
+            r.top_p,
+            r.min_p,
+            r.repetition_penalty,
+            r.presence_penalty,
+            r.frequency_penalty,
+        ] {
+            out.extend_from_slice(&v.to_le_bytes());
+        }
+        out.extend_from_slice(&r.uniform.to_le_bytes());
+    }
+    out
 }
 
 impl StepTables {
@@ -156,6 +188,29 @@ mod tests {
             }
         }
         assert_eq!(seen.len(), 4 * a.block_values() / a.head_dim);
+    }
+
+    #[test]
+    fn sample_rows_serialize_as_their_memory_layout() {
+        let row = SampleRow {
+            temperature: 0.7,
+            inv_temperature: 1.0 / 0.7,
+            top_k: 40,
+            top_p: 0.95,
+            min_p: 0.05,
+            repetition_penalty: 1.1,
+            presence_penalty: 0.25,
+            frequency_penalty: -0.5,
+            uniform: 0.123_456_789,
+        };
+        let bytes = sample_rows_bytes(&[row, SampleRow::GREEDY]);
+        assert_eq!(bytes.len(), 2 * std::mem::size_of::<SampleRow>());
+        // SAFETY: SampleRow is #[repr(C)] plain old data without padding (40 bytes, checked at
+        // compile time); reading its bytes is what the kernel does.
+        let memory =
+            unsafe { std::slice::from_raw_parts((&row as *const SampleRow).cast::<u8>(), 40) };
+        assert_eq!(&bytes[..40], memory);
+        assert_eq!(&bytes[8..12], &40u32.to_le_bytes());
     }
 
     #[test]

@@ -21,7 +21,7 @@ use crate::config::ModelConfig;
 use crate::device::{Device, Tier};
 use crate::error::{EngineError, Result};
 use crate::kv::{KvType, BLOCK_POSITIONS};
-use crate::logits::{Logits, LogitsMode};
+use crate::logits::{Logits, LogitsMode, SampleRow};
 use crate::rope::RopeTable;
 use graph::{GraphKey, GraphStats};
 use layout::{slot_of, KvArena, SeqInfo, StepTables};
@@ -48,22 +48,33 @@ pub trait Runner: Send {
     fn read(&mut self, plan: &Plan, buf: Buf) -> Result<Vec<f32>>;
     /// Sets a working buffer (the differential checks align two runners with it).
     fn write(&mut self, plan: &Plan, buf: Buf, values: &[f32]) -> Result<()>;
+    /// The tokens the plan's [`Op::Sample`] drew, one per logit row.
+    fn read_tokens(&mut self, plan: &Plan) -> Result<Vec<u32>>;
 
-    /// Runs `plan` and writes the logits of the step's logit rows into `logits`
-    /// (`[logit rows][vocab]`).
+    /// Runs `plan`, then fetches what `out` asks for: the logits of the step's logit rows
+    /// (`[logit rows][vocab]`) when `out.logits` is not empty, the drawn tokens when
+    /// `out.tokens` is not empty.
     fn run(
         &mut self,
         plan: &Plan,
         tables: &StepTables,
         rope: &RopeTable,
-        logits: &mut [f32],
+        out: StepOut<'_>,
     ) -> Result<()> {
         self.begin(plan, tables, rope)?;
         for &op in &plan.ops {
             self.run_op(plan, op)?;
         }
-        if plan.logit_rows > 0 {
-            logits.copy_from_slice(&self.read(plan, Buf::Logits)?);
+        self.fetch(plan, out)
+    }
+
+    /// Copies what `out` asks for to the host (see [`Runner::run`]).
+    fn fetch(&mut self, plan: &Plan, out: StepOut<'_>) -> Result<()> {
+        if !out.logits.is_empty() && plan.logit_rows > 0 {
+            out.logits.copy_from_slice(&self.read(plan, Buf::Logits)?);
+        }
+        if !out.tokens.is_empty() && plan.sample {
+            out.tokens.copy_from_slice(&self.read_tokens(plan)?);
         }
         Ok(())
     }
@@ -81,10 +92,10 @@ pub trait Runner: Send {
         plan: &Plan,
         tables: &StepTables,
         rope: &RopeTable,
-        logits: &mut [f32],
+        out: StepOut<'_>,
     ) -> Result<()> {
         let _ = key;
-        self.run(plan, tables, rope, logits)
+        self.run(plan, tables, rope, out)
     }
 
     fn graph_stats(&self) -> GraphStats {
@@ -92,12 +103,30 @@ pub trait Runner: Send {
     }
 }
 
+/// Where a step's results go on the host: either may be empty (not wanted).
+pub struct StepOut<'a> {
+    /// `[logit rows][vocab]`.
+    pub logits: &'a mut [f32],
+    /// One token per logit row.
+    pub tokens: &'a mut [u32],
+}
+
+impl<'a> StepOut<'a> {
+    pub fn logits(logits: &'a mut [f32]) -> Self {
+        Self {
+            logits,
+            tokens: &mut [],
+        }
+    }
+}
+
 /// The fast tier as an engine backend, over any runner.
 pub struct FastBackend<R: Runner> {
     runner: R,
-    /// Logits of a graphed decode part (bucket rows) or of a mixed step's eager part, kept from
-    /// step to step.
+    /// Logits and drawn tokens of a part of a step on their way to the caller, kept from step
+    /// to step.
     scratch: Vec<f32>,
+    tokens: Vec<u32>,
 }
 
 impl<R: Runner> FastBackend<R> {
@@ -105,6 +134,7 @@ impl<R: Runner> FastBackend<R> {
         Self {
             runner,
             scratch: Vec::new(),
+            tokens: Vec::new(),
         }
     }
 
@@ -145,10 +175,24 @@ pub fn step_tables(items: &[BatchItem<'_>]) -> StepTables {
         t.block_tables
             .extend(std::iter::repeat_n(last, max_blocks - item.blocks.len()));
         let n = item.tokens.len();
-        match item.logits {
-            LogitsMode::None => {}
-            LogitsMode::Last => t.logit_rows.push((row0 + n - 1) as u32),
-            LogitsMode::All => t.logit_rows.extend((row0..row0 + n).map(|r| r as u32)),
+        let first = row0 + n - item.logits.device_rows(n);
+        for row in first..row0 + n {
+            t.logit_rows.push(row as u32);
+            let start = (t.penalties.len() / 2) as u32;
+            match (item.logits, item.sample) {
+                (LogitsMode::Sample, Some(s)) => {
+                    t.sample = true;
+                    t.sampling.push(s.row);
+                    t.penalties.extend(
+                        s.penalties
+                            .iter()
+                            .flat_map(|&(token, count)| [token, count]),
+                    );
+                }
+                _ => t.sampling.push(SampleRow::GREEDY),
+            }
+            t.penalty_spans
+                .extend([start, (t.penalties.len() / 2) as u32]);
         }
     }
     t
@@ -199,6 +243,10 @@ impl<R: Runner> Backend for FastBackend<R> {
         self.runner.resident_blocks() * self.kv_block_bytes()
     }
 
+    fn samples_on_device(&self) -> bool {
+        true
+    }
+
     fn validate(&self, items: &[BatchItem<'_>]) -> Result<()> {
         check_request(self.config(), items)
     }
@@ -221,79 +269,98 @@ impl<R: Runner> Backend for FastBackend<R> {
             }
         }
         let vocab = self.config().vocab_size;
-        // Each item's first row in the step's logits.
-        let mut first_row = Vec::with_capacity(items.len());
+        // Each item's first row in the logits the caller gets.
+        let mut host_row = Vec::with_capacity(items.len());
         let mut rows = 0;
         for item in items {
-            first_row.push(rows);
-            rows += match item.logits {
-                LogitsMode::None => 0,
-                LogitsMode::Last => 1,
-                LogitsMode::All => item.tokens.len(),
-            };
+            host_row.push(rows);
+            rows += item.logits.host_rows(item.tokens.len());
         }
-        let logits = out.prepare(
+        out.prepare(
             vocab,
             items.iter().map(|item| (item.tokens.len(), item.logits)),
         );
         let (decode, rest): (Vec<usize>, Vec<usize>) = (0..items.len()).partition(|&i| {
             self.runner.graphs()
                 && items[i].tokens.len() == 1
-                && items[i].logits == LogitsMode::Last
+                && matches!(items[i].logits, LogitsMode::Last | LogitsMode::Sample)
         });
         let graphed = !decode.is_empty() && graph::bucket_rows(decode.len()).is_some();
-        if !graphed {
-            let tables = step_tables(items);
-            return self.run_eager(&tables, logits);
-        }
+        let (decode, rest) = if graphed {
+            (decode, rest)
+        } else {
+            (Vec::new(), (0..items.len()).collect())
+        };
         // A mixed step is a graphed decode part and an eager part: sequences only read their own
         // (or shared, read-only) KV blocks, so the two parts can run one after the other.
-        let part: Vec<BatchItem<'_>> = decode.iter().map(|&i| items[i]).collect();
-        let tables = step_tables(&part);
-        let key = graph::key_of(&tables).ok_or_else(|| {
-            EngineError::InvalidStep(format!("{} decode rows have no graph bucket", part.len()))
-        })?;
-        let padded = graph::pad_decode(&tables, key)?;
-        let positions: Vec<usize> = padded.positions.iter().map(|&p| p as usize).collect();
-        let rope = RopeTable::new(self.config(), &positions);
-        let plan = Plan::for_step(self.config(), &padded);
-        self.scratch.resize(key.rows * vocab, 0.0);
-        self.runner
-            .run_graph(key, &plan, &padded, &rope, &mut self.scratch)?;
-        for (j, &i) in decode.iter().enumerate() {
-            let at = first_row[i] * vocab;
-            logits[at..at + vocab].copy_from_slice(&self.scratch[j * vocab..(j + 1) * vocab]);
+        if !decode.is_empty() {
+            self.run_part(items, &decode, &host_row, out, true)?;
         }
-        if rest.is_empty() {
-            return Ok(());
+        if !rest.is_empty() {
+            self.run_part(items, &rest, &host_row, out, false)?;
         }
-        let part: Vec<BatchItem<'_>> = rest.iter().map(|&i| items[i]).collect();
-        let tables = step_tables(&part);
-        let mut eager = std::mem::take(&mut self.scratch);
-        eager.resize(tables.logit_rows.len() * vocab, 0.0);
-        let ran = self.run_eager(&tables, &mut eager);
-        let mut row = 0;
-        for &i in rest.iter().filter(|_| ran.is_ok()) {
-            let n = match items[i].logits {
-                LogitsMode::None => 0,
-                LogitsMode::Last => 1,
-                LogitsMode::All => items[i].tokens.len(),
-            };
-            let at = first_row[i] * vocab;
-            logits[at..at + n * vocab].copy_from_slice(&eager[row * vocab..(row + n) * vocab]);
-            row += n;
-        }
-        self.scratch = eager;
-        ran
+        Ok(())
     }
 }
 
 impl<R: Runner> FastBackend<R> {
-    /// Runs the step of `tables` operation by operation.
-    fn run_eager(&mut self, tables: &StepTables, logits: &mut [f32]) -> Result<()> {
+    /// Runs the items `part` of `items` as one step (through a graph when `graphed`: a decode
+    /// part), and hands each item its logits rows (at `host_row`) or its drawn token.
+    fn run_part(
+        &mut self,
+        items: &[BatchItem<'_>],
+        part: &[usize],
+        host_row: &[usize],
+        out: &mut Logits,
+        graphed: bool,
+    ) -> Result<()> {
+        let vocab = self.config().vocab_size;
+        let sub: Vec<BatchItem<'_>> = part.iter().map(|&i| items[i]).collect();
+        let mut tables = step_tables(&sub);
+        let key = if graphed {
+            let key = graph::key_of(&tables).ok_or_else(|| {
+                EngineError::InvalidStep(format!("{} decode rows have no graph bucket", part.len()))
+            })?;
+            tables = graph::pad_decode(&tables, key)?;
+            Some(key)
+        } else {
+            None
+        };
         let positions: Vec<usize> = tables.positions.iter().map(|&p| p as usize).collect();
         let rope = RopeTable::new(self.config(), &positions);
-        let plan = Plan::for_step(self.config(), tables);
-        self.runner.run(&plan, tables, &rope, logits)
+        let plan = Plan::for_step(self.config(), &tables);
+        let wants_logits = sub
+            .iter()
+            .any(|i| matches!(i.logits, LogitsMode::Last | LogitsMode::All));
+        let device_rows = tables.logit_rows.len();
+        self.scratch
+            .resize(if wants_logits { device_rows * vocab } else { 0 }, 0.0);
+        self.tokens
+            .resize(if plan.sample { device_rows } else { 0 }, 0);
+        let step_out = StepOut {
+            logits: &mut self.scratch,
+            tokens: &mut self.tokens,
+        };
+        match key {
+            Some(key) => self
+                .runner
+                .run_graph(key, &plan, &tables, &rope, step_out)?,
+            None => self.runner.run(&plan, &tables, &rope, step_out)?,
+        }
+        // Device logit rows follow the items' order: hand them out.
+        let mut row = 0;
+        for (&i, item) in part.iter().zip(&sub) {
+            let n = item.logits.device_rows(item.tokens.len());
+            match item.logits {
+                LogitsMode::Last | LogitsMode::All => {
+                    let host = out.rows_mut(host_row[i], n);
+                    host.copy_from_slice(&self.scratch[row * vocab..(row + n) * vocab]);
+                }
+                LogitsMode::Sample => out.set_token(i, self.tokens[row]),
+                LogitsMode::None => {}
+            }
+            row += n;
+        }
+        Ok(())
     }
 }

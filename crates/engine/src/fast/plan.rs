@@ -92,6 +92,10 @@ pub enum Op {
     SiluMul,
     /// `Sel[i] = X[logit_rows[i]]`.
     GatherLogitRows,
+    /// The penalties of each logit row, in place on `Logits`.
+    Penalties,
+    /// One token per logit row drawn from `Logits` ([`crate::fast::twin::sample`]).
+    Sample,
 }
 
 /// The operations of one step.
@@ -108,17 +112,24 @@ pub struct Plan {
     /// many as a decode row seeing `max_blocks` full blocks can use, so a plan's launches depend
     /// on its shape only, never on the lengths of its sequences (what a CUDA graph needs).
     pub splits: usize,
+    /// Whether the plan ends with [`Op::Penalties`] and [`Op::Sample`].
+    pub sample: bool,
 }
 
 impl Plan {
     /// The forward pass of `config` over the step of `tables`.
     pub fn for_step(config: &ModelConfig, tables: &StepTables) -> Self {
-        Self::forward(
+        let mut plan = Self::forward(
             config,
             tables.rows(),
             tables.logit_rows.len(),
             tables.max_blocks,
-        )
+        );
+        if tables.sample && plan.logit_rows > 0 {
+            plan.ops.extend([Op::Penalties, Op::Sample]);
+            plan.sample = true;
+        }
+        plan
     }
 
     /// The forward pass of `config` over a step of `rows` rows, `logit_rows` of which want
@@ -214,6 +225,7 @@ impl Plan {
             logit_rows,
             max_blocks,
             splits: crate::fast::twin::attention::splits(max_blocks * BLOCK_POSITIONS),
+            sample: false,
         }
     }
 

@@ -399,3 +399,368 @@ extern "C" __global__ void attention_merge(
     }
     out[((size_t)row * heads + head) * head_dim + d] = acc / sum;
 }
+
+// ---------------------------------------------------------------------------------------------
+// Sampling on the GPU (twin: fast::twin::sample, bit-exact): penalties, then one block of
+// SAMPLE_THREADS threads per logit row picks the token. Thread t owns the ids of one contiguous
+// chunk, so per-thread partial results in id order plus a block scan give id-ordered answers
+// (top-k's ties, top-p's ties, the draw). Weights are summed in 40-bit fixed point with integer
+// atomics: exact, so the order threads add in does not matter. Every float operation is written
+// with the _rn intrinsics or an explicit fmaf so nvcc cannot contract it differently from the
+// twin.
+// ---------------------------------------------------------------------------------------------
+
+#define SAMPLE_THREADS 512
+#define NO_TOKEN 0xffffffffu
+
+struct SampleRow {
+    float temperature, inv_temperature;
+    uint32_t top_k;
+    float top_p, min_p, repetition_penalty, presence_penalty, frequency_penalty;
+    double uniform;
+};
+
+__device__ __forceinline__ float sanitize_logit(float l) {
+    if (isnan(l)) return -INFINITY;
+    if (l == INFINITY) return 3.402823466e+38f;
+    return l;
+}
+
+// Penalties of each logit row: entries [n][token, count], spans [rows][start, end).
+// Grid (logit rows), block 64.
+extern "C" __global__ void apply_penalties(float *__restrict__ logits,
+                                           const uint32_t *__restrict__ entries,
+                                           const uint32_t *__restrict__ spans,
+                                           const SampleRow *__restrict__ rows, int vocab) {
+    const int row = blockIdx.x;
+    const SampleRow p = rows[row];
+    const uint32_t start = spans[2 * row], end = spans[2 * row + 1];
+    for (uint32_t j = start + threadIdx.x; j < end; j += blockDim.x) {
+        const uint32_t token = entries[2 * j], count = entries[2 * j + 1];
+        if (token >= (uint32_t)vocab) continue;
+        float *l = logits + (size_t)row * vocab + token;
+        float v = sanitize_logit(*l);
+        v = v > 0.0f ? __fdiv_rn(v, p.repetition_penalty) : __fmul_rn(v, p.repetition_penalty);
+        const float minus = __fadd_rn(__fmul_rn((float)count, p.frequency_penalty), p.presence_penalty);
+        *l = __fsub_rn(v, minus);
+    }
+}
+
+// e^x for x <= 0: the twin's exp_neg, constant for constant.
+__device__ __forceinline__ float exp_neg(float x) {
+    if (isnan(x) || x < -87.0f) return 0.0f;
+    const float n = rintf(__fmul_rn(x, __uint_as_float(0x3fb8aa3bu)));
+    float r = fmaf(-n, __uint_as_float(0x3f318000u), x);
+    r = fmaf(-n, __uint_as_float(0xb95e8083u), r);
+    float p = __uint_as_float(0x39506967u);
+    p = fmaf(p, r, __uint_as_float(0x3ab743ceu));
+    p = fmaf(p, r, __uint_as_float(0x3c088908u));
+    p = fmaf(p, r, __uint_as_float(0x3d2aa9c1u));
+    p = fmaf(p, r, __uint_as_float(0x3e2aaaaau));
+    p = fmaf(p, r, __uint_as_float(0x3f000000u));
+    const float r2 = __fmul_rn(r, r);
+    const float y = __fadd_rn(fmaf(p, r2, r), 1.0f);
+    return __fmul_rn(y, __int_as_float(((int)n + 127) << 23));
+}
+
+__device__ __forceinline__ float sample_weight(float l, float max, float inv_t) {
+    const float d = __fsub_rn(l, max);
+    return d == 0.0f ? 1.0f : exp_neg(__fmul_rn(d, inv_t));
+}
+
+__device__ __forceinline__ unsigned long long fixed_weight(float w) {
+    return (unsigned long long)__fmul_rn(w, 1099511627776.0f);
+}
+
+__device__ __forceinline__ uint32_t order_key(float v) {
+    const uint32_t b = __float_as_uint(v);
+    return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+
+// Exclusive prefix of `v` over the block's threads in thread order, and the total. Uses
+// `scratch[32]`; every thread of the block must call it.
+__device__ unsigned long long block_scan(unsigned long long v, unsigned long long *scratch,
+                                         unsigned long long *total) {
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
+    unsigned long long x = v;
+    for (int o = 1; o < 32; o <<= 1) {
+        const unsigned long long y = __shfl_up_sync(0xffffffffu, x, o);
+        if (lane >= o) x += y;
+    }
+    if (lane == 31) scratch[warp] = x;
+    __syncthreads();
+    if (warp == 0) {
+        unsigned long long s = lane < warps ? scratch[lane] : 0ull;
+        for (int o = 1; o < 32; o <<= 1) {
+            const unsigned long long y = __shfl_up_sync(0xffffffffu, s, o);
+            if (lane >= o) s += y;
+        }
+        scratch[lane] = s;
+    }
+    __syncthreads();
+    const unsigned long long before = warp == 0 ? 0ull : scratch[warp - 1];
+    *total = scratch[warps - 1];
+    __syncthreads();
+    return before + x - v;
+}
+
+// The id of the `nth` (0-based) element, in id order, for which `pick(i)` holds; every thread
+// calls it with its chunk [begin, end). Returns the id to all threads (NO_TOKEN if there is
+// none).
+template <typename Pick>
+__device__ uint32_t nth_in_id_order(Pick pick, int begin, int end, unsigned long long nth,
+                                    unsigned long long *scratch, uint32_t *found) {
+    unsigned long long mine = 0;
+    for (int i = begin; i < end; ++i) mine += pick(i) ? 1ull : 0ull;
+    unsigned long long total;
+    if (threadIdx.x == 0) *found = NO_TOKEN;
+    const unsigned long long before = block_scan(mine, scratch, &total);
+    if (nth >= before && nth < before + mine) {
+        unsigned long long at = before;
+        for (int i = begin; i < end; ++i) {
+            if (!pick(i)) continue;
+            if (at == nth) {
+                *found = (uint32_t)i;
+                break;
+            }
+            ++at;
+        }
+    }
+    __syncthreads();
+    const uint32_t id = *found;
+    __syncthreads();
+    return id;
+}
+
+// One block per logit row; `out[row]` gets the token (NO_TOKEN when no logit is usable).
+extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_rows(
+    const float *__restrict__ logits, const SampleRow *__restrict__ rows,
+    uint32_t *__restrict__ out, int vocab) {
+    __shared__ unsigned long long hist[256];
+    __shared__ unsigned long long scratch[32];
+    __shared__ float best_value[32];
+    __shared__ uint32_t best_id[32];
+    __shared__ uint32_t shared_u32[4];
+    __shared__ unsigned long long shared_u64[2];
+    const int row = blockIdx.x, tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+    const float *l = logits + (size_t)row * vocab;
+    const SampleRow p = rows[row];
+    const int chunk = (vocab + blockDim.x - 1) / blockDim.x;
+    const int begin = min(tid * chunk, vocab), end = min(begin + chunk, vocab);
+
+    // 1. Argmax (the first maximum) and the number of usable logits.
+    float bv = -INFINITY;
+    uint32_t bi = NO_TOKEN;
+    unsigned long long usable = 0;
+    for (int i = begin; i < end; ++i) {
+        const float v = sanitize_logit(l[i]);
+        if (v > bv) {
+            bv = v;
+            bi = (uint32_t)i;
+        }
+        if (v > -INFINITY) ++usable;
+    }
+    for (int o = 16; o > 0; o >>= 1) {
+        const float ov = __shfl_down_sync(0xffffffffu, bv, o);
+        const uint32_t oi = __shfl_down_sync(0xffffffffu, bi, o);
+        if (ov > bv || (ov == bv && oi < bi)) {
+            bv = ov;
+            bi = oi;
+        }
+    }
+    if (lane == 0) {
+        best_value[warp] = bv;
+        best_id[warp] = bi;
+    }
+    unsigned long long candidates;
+    block_scan(usable, scratch, &candidates);  // synchronizes the block
+    if (tid == 0) {
+        float v = best_value[0];
+        uint32_t id = best_id[0];
+        for (int w = 1; w < (int)(blockDim.x / 32); ++w) {
+            if (best_value[w] > v || (best_value[w] == v && best_id[w] < id)) {
+                v = best_value[w];
+                id = best_id[w];
+            }
+        }
+        best_value[0] = v;
+        shared_u32[0] = id;
+    }
+    __syncthreads();
+    const float max = best_value[0];
+    const uint32_t best = shared_u32[0];
+    if (max == -INFINITY) {
+        if (tid == 0) out[row] = NO_TOKEN;
+        return;
+    }
+    if (p.temperature == 0.0f || p.top_k == 1) {
+        if (tid == 0) out[row] = best;
+        return;
+    }
+
+    // 2. Top-k: the k-th largest key by radix select (8 bits a pass), then the lowest ids of
+    // its ties.
+    const bool top_k = p.top_k > 0 && (unsigned long long)p.top_k < candidates;
+    uint32_t key_t = 0, cut_k = NO_TOKEN;
+    if (top_k) {
+        uint32_t prefix = 0, mask = 0;
+        unsigned long long need = p.top_k;
+        for (int shift = 24; shift >= 0; shift -= 8) {
+            for (int d = tid; d < 256; d += blockDim.x) hist[d] = 0;
+            __syncthreads();
+            for (int i = begin; i < end; ++i) {
+                const float v = sanitize_logit(l[i]);
+                if (v == -INFINITY) continue;
+                const uint32_t key = order_key(v);
+                if ((key & mask) == prefix) atomicAdd(&hist[(key >> shift) & 255u], 1ull);
+            }
+            __syncthreads();
+            if (tid == 0) {
+                unsigned long long acc = 0;
+                int sel = 0;
+                for (int d = 255; d >= 0; --d) {
+                    if (acc + hist[d] >= need) {
+                        sel = d;
+                        break;
+                    }
+                    acc += hist[d];
+                }
+                shared_u64[0] = need - acc;
+                shared_u32[1] = prefix | ((uint32_t)sel << shift);
+            }
+            __syncthreads();
+            need = shared_u64[0];
+            prefix = shared_u32[1];
+            mask |= 255u << shift;
+            __syncthreads();
+        }
+        key_t = prefix;
+        auto tie = [=](int i) {
+            const float v = sanitize_logit(l[i]);
+            return v > -INFINITY && order_key(v) == key_t;
+        };
+        cut_k = nth_in_id_order(tie, begin, end, need - 1, scratch, &shared_u32[2]);
+    }
+    auto kept_k = [=](int i, float v) {
+        if (v == -INFINITY) return false;
+        if (!top_k) return true;
+        const uint32_t key = order_key(v);
+        return key > key_t || (key == key_t && (uint32_t)i <= cut_k);
+    };
+
+    // 3. Weights, their total (before min-p), min-p.
+    const float inv_t = p.inv_temperature;
+    unsigned long long mine = 0;
+    for (int i = begin; i < end; ++i) {
+        const float v = sanitize_logit(l[i]);
+        if (kept_k(i, v)) mine += fixed_weight(sample_weight(v, max, inv_t));
+    }
+    unsigned long long total;
+    block_scan(mine, scratch, &total);
+    const bool min_p = p.min_p > 0.0f;
+    // Weight of token i when it survives top-k and min-p, else -1.
+    auto kept_m = [=](int i) {
+        const float v = sanitize_logit(l[i]);
+        if (!kept_k(i, v)) return -1.0f;
+        const float w = sample_weight(v, max, inv_t);
+        return (min_p && !(w >= p.min_p)) ? -1.0f : w;
+    };
+
+    // 4. Top-p: the crossing weight by radix select over the weights' bits with their fixed-point
+    // mass, then the lowest ids of its ties.
+    bool top_p = p.top_p < 1.0f;
+    uint32_t w_c = 0, cut_p = NO_TOKEN;
+    if (top_p) {
+        const unsigned long long target =
+            (unsigned long long)__dmul_rn((double)p.top_p, __ull2double_rn(total));
+        unsigned long long above = 0;
+        uint32_t prefix = 0, mask = 0;
+        for (int shift = 24; shift >= 0 && top_p; shift -= 8) {
+            for (int d = tid; d < 256; d += blockDim.x) hist[d] = 0;
+            __syncthreads();
+            for (int i = begin; i < end; ++i) {
+                const float w = kept_m(i);
+                if (w < 0.0f) continue;
+                const uint32_t b = __float_as_uint(w);
+                if ((b & mask) == prefix) atomicAdd(&hist[(b >> shift) & 255u], fixed_weight(w));
+            }
+            __syncthreads();
+            if (tid == 0) {
+                int sel = -1;
+                for (int d = 255; d >= 0; --d) {
+                    if (hist[d] > 0 && above + hist[d] >= target) {
+                        sel = d;
+                        break;
+                    }
+                    above += hist[d];
+                }
+                shared_u32[3] = sel < 0 ? 0u : 1u;
+                shared_u32[1] = prefix | ((uint32_t)(sel < 0 ? 0 : sel) << shift);
+                shared_u64[1] = above;
+            }
+            __syncthreads();
+            top_p = shared_u32[3] != 0;  // the kept mass never reaches the target: keep all
+            prefix = shared_u32[1];
+            above = shared_u64[1];
+            mask |= 255u << shift;
+            __syncthreads();
+        }
+        if (top_p) {
+            w_c = prefix;
+            const unsigned long long f = fixed_weight(__uint_as_float(w_c));
+            // The crossing tie: the smallest j >= 1 with above + j * f >= target.
+            const unsigned long long j = target > above ? (target - above + f - 1) / f : 1ull;
+            auto tie = [=](int i) {
+                const float w = kept_m(i);
+                return w >= 0.0f && __float_as_uint(w) == w_c;
+            };
+            cut_p = nth_in_id_order(tie, begin, end, j - 1, scratch, &shared_u32[2]);
+        }
+    }
+    auto kept = [=](int i) {
+        const float w = kept_m(i);
+        if (w < 0.0f) return -1.0f;
+        if (!top_p) return w;
+        const uint32_t b = __float_as_uint(w);
+        return (b > w_c || (b == w_c && (uint32_t)i <= cut_p)) ? w : -1.0f;
+    };
+
+    // 5. The draw: the first id, in id order, whose cumulative weight passes uniform × mass;
+    // the last kept id when rounding leaves the draw at the very end.
+    mine = 0;
+    uint32_t last = 0;
+    bool any = false;
+    for (int i = begin; i < end; ++i) {
+        const float w = kept(i);
+        if (w < 0.0f) continue;
+        mine += fixed_weight(w);
+        last = (uint32_t)i;
+        any = true;
+    }
+    unsigned long long mass;
+    const unsigned long long before = block_scan(mine, scratch, &mass);
+    const unsigned long long r = (unsigned long long)__dmul_rn(p.uniform, __ull2double_rn(mass));
+    if (tid == 0) shared_u32[2] = NO_TOKEN;
+    __syncthreads();
+    if (before <= r && r < before + mine) {
+        unsigned long long acc = before;
+        for (int i = begin; i < end; ++i) {
+            const float w = kept(i);
+            if (w < 0.0f) continue;
+            acc += fixed_weight(w);
+            if (acc > r) {
+                shared_u32[2] = (uint32_t)i;
+                break;
+            }
+        }
+    }
+    __syncthreads();
+    // The thread holding the highest kept id answers when nobody crossed.
+    if (shared_u32[2] == NO_TOKEN) {
+        unsigned long long has = any ? 1ull : 0ull, kept_total;
+        const unsigned long long after = block_scan(has, scratch, &kept_total);
+        if (any && after + 1 == kept_total) out[row] = last;
+    } else if (tid == 0) {
+        out[row] = shared_u32[2];
+    }
+}

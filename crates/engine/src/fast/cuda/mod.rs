@@ -22,10 +22,12 @@ use smolchat_gguf::GgmlDType;
 
 use super::graph::{CaptureGuard, GraphAction, GraphCache, GraphKey, GraphStats};
 use super::launch::{self, Launch};
-use super::layout::{padded_columns, KvArena, StepTables, BLOCK_Q8_1_BYTES, QK8_1};
+use super::layout::{
+    padded_columns, sample_rows_bytes, KvArena, StepTables, BLOCK_Q8_1_BYTES, QK8_1,
+};
 use super::plan::{matrix_shape, Buf, Matrix, Norm, Op, Plan, BUFFERS};
 use super::weights::{FastWeights, RawMatrix};
-use super::Runner;
+use super::{Runner, StepOut};
 use crate::backend::Suggested;
 use crate::config::ModelConfig;
 use crate::device::Device;
@@ -56,6 +58,10 @@ struct Tables {
     logit_rows: Option<CudaSlice<u32>>,
     cos: Option<CudaSlice<f32>>,
     sin: Option<CudaSlice<f32>>,
+    /// `SampleRow`s as bytes.
+    sampling: Option<CudaSlice<u8>>,
+    penalty_spans: Option<CudaSlice<u32>>,
+    penalties: Option<CudaSlice<u32>>,
 }
 
 /// A captured decode graph. `CudaGraph` holds raw driver handles and so is not `Send`; the
@@ -87,6 +93,8 @@ pub struct CudaRunner {
     mmq_y: Option<CudaSlice<u8>>,
     mmq_fixup: Option<CudaSlice<u8>>,
     info: DeviceInfo,
+    /// The tokens `sample_rows` drew, one per logit row.
+    drawn: Option<CudaSlice<u32>>,
     part_max: Option<CudaSlice<f32>>,
     part_sum: Option<CudaSlice<f32>>,
     part_out: Option<CudaSlice<f32>>,
@@ -208,6 +216,7 @@ impl CudaRunner {
             q8: None,
             mmq_y: None,
             mmq_fixup: None,
+            drawn: None,
             part_max: None,
             part_sum: None,
             part_out: None,
@@ -290,6 +299,12 @@ impl CudaRunner {
         grew |= upload(s, &mut t.logit_rows, &tables.logit_rows)?;
         grew |= upload(s, &mut t.cos, rope.cos())?;
         grew |= upload(s, &mut t.sin, rope.sin())?;
+        if plan.sample {
+            grew |= upload(s, &mut t.sampling, &sample_rows_bytes(&tables.sampling))?;
+            grew |= upload(s, &mut t.penalty_spans, &tables.penalty_spans)?;
+            grew |= upload(s, &mut t.penalties, &tables.penalties)?;
+            grew |= ensure(s, &mut self.drawn, plan.logit_rows)?;
+        }
         if grew {
             self.generation += 1;
         }
@@ -413,6 +428,51 @@ impl CudaRunner {
                         .arg(self.buffer(Buf::Up)?)
                         .arg(&n32)
                         .launch(config_of(launch::elementwise(n)?))
+                }
+                .map_err(cuda)?;
+            }
+            Op::Penalties => {
+                let f = self.function("apply_penalties")?;
+                let t = &self.tables;
+                let entries = t.penalties.as_ref().ok_or_else(|| missing("penalties"))?;
+                let spans = t
+                    .penalty_spans
+                    .as_ref()
+                    .ok_or_else(|| missing("penalty spans"))?;
+                let rows = t
+                    .sampling
+                    .as_ref()
+                    .ok_or_else(|| missing("sampling rows"))?;
+                let vocab = c.vocab_size as i32;
+                unsafe {
+                    self.stream
+                        .launch_builder(f)
+                        .arg(self.buffer(Buf::Logits)?)
+                        .arg(entries)
+                        .arg(spans)
+                        .arg(rows)
+                        .arg(&vocab)
+                        .launch(config_of(launch::apply_penalties(plan.logit_rows)?))
+                }
+                .map_err(cuda)?;
+            }
+            Op::Sample => {
+                let f = self.function("sample_rows")?;
+                let rows = self
+                    .tables
+                    .sampling
+                    .as_ref()
+                    .ok_or_else(|| missing("sampling rows"))?;
+                let drawn = self.drawn.as_ref().ok_or_else(|| missing("drawn tokens"))?;
+                let vocab = c.vocab_size as i32;
+                unsafe {
+                    self.stream
+                        .launch_builder(f)
+                        .arg(self.buffer(Buf::Logits)?)
+                        .arg(rows)
+                        .arg(drawn)
+                        .arg(&vocab)
+                        .launch(config_of(launch::sample_rows(plan.logit_rows)?))
                 }
                 .map_err(cuda)?;
             }
@@ -804,10 +864,10 @@ impl Runner for CudaRunner {
         plan: &Plan,
         tables: &StepTables,
         rope: &RopeTable,
-        logits: &mut [f32],
+        out: StepOut<'_>,
     ) -> Result<()> {
         if !self.use_graphs {
-            return self.run(plan, tables, rope, logits);
+            return self.run(plan, tables, rope, out);
         }
         self.prepare(plan, tables, rope)?;
         match self.graphs.action(key, self.generation) {
@@ -842,8 +902,7 @@ impl Runner for CudaRunner {
                 graph.0.launch().map_err(cuda)?;
             }
         }
-        logits.copy_from_slice(&self.read(plan, Buf::Logits)?);
-        Ok(())
+        self.fetch(plan, out)
     }
 
     fn graph_stats(&self) -> GraphStats {
@@ -856,6 +915,18 @@ impl Runner for CudaRunner {
         let mut out = vec![0f32; len];
         if len > 0 {
             let view = self.buffer(buf)?.slice(0..len);
+            self.stream.memcpy_dtoh(&view, &mut out).map_err(cuda)?;
+        }
+        self.stream.synchronize().map_err(cuda)?;
+        Ok(out)
+    }
+
+    fn read_tokens(&mut self, plan: &Plan) -> Result<Vec<u32>> {
+        self.guard.forbid("copying the drawn tokens to the host")?;
+        let mut out = vec![0u32; plan.logit_rows];
+        if plan.logit_rows > 0 {
+            let drawn = self.drawn.as_ref().ok_or_else(|| missing("drawn tokens"))?;
+            let view = drawn.slice(0..plan.logit_rows);
             self.stream.memcpy_dtoh(&view, &mut out).map_err(cuda)?;
         }
         self.stream.synchronize().map_err(cuda)?;

@@ -8,3 +8,4 @@ pub mod mmvq;
 pub mod norm;
 pub mod q8_1;
 pub mod rope;
+pub mod sample;
