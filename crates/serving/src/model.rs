@@ -15,8 +15,11 @@ use super::batcher::{ItemReport, StepPlan};
 use uuid::Uuid;
 
 use super::types::{CacheKey, GenEvent, GenSummary, GenerationRequest, RequestId, StopReason};
-use smolchat_engine::{Engine, Logits, LogitsMode, SeqId, SeqStep};
+use smolchat_engine::{
+    DeviceSampling, Engine, Logits, LogitsMode, SampleRow, SeqId, SeqStep, NO_TOKEN,
+};
 use smolchat_text::generation::Generation;
+use smolchat_text::sampling::DeviceDraw;
 use smolchat_text::tokenizer::Tokenizer;
 
 /// Commands to the model thread.
@@ -124,6 +127,8 @@ pub struct ModelWorker {
     doomed: Vec<Uuid>,
     /// The step's logits, one buffer kept from step to step.
     logits: Logits,
+    /// Draw every token on the host even where the backend could draw it on its device.
+    host_sampling: bool,
 }
 
 impl ModelWorker {
@@ -138,7 +143,16 @@ impl ModelWorker {
             active: HashMap::new(),
             caches: HashMap::new(),
             evictions: 0,
+            host_sampling: false,
         }
+    }
+
+    /// Draws every token on the host, from logits brought back, even where the backend draws
+    /// on its device (which orders a seeded draw's candidates otherwise: see
+    /// `Sampler::device_draw`). For comparisons across tiers.
+    pub fn sample_on_host(mut self) -> Self {
+        self.host_sampling = true;
+        self
     }
 
     /// Runs the command loop until every sender is gone. `report` carries step reports back to the
@@ -595,28 +609,43 @@ impl ModelWorker {
             });
         }
         if !work.is_empty() {
+            // A backend that draws tokens on its device gets each sampling row's draw (the
+            // penalty window and the generator's uniform) and returns only token ids.
+            let on_device = self.engine.samples_on_device() && !self.host_sampling;
+            let draws: Vec<Option<DeviceSampling>> = work
+                .iter()
+                .map(|(id, _, _, want)| {
+                    let generation = self.active.get_mut(id)?.generation.as_mut()?;
+                    (on_device && *want).then(|| device_sampling(generation.device_draw()))
+                })
+                .collect();
             let steps: Vec<SeqStep<'_>> = work
                 .iter()
-                .map(|(_, seq, toks, want)| SeqStep {
+                .zip(&draws)
+                .map(|((_, seq, toks, want), draw)| SeqStep {
                     seq: *seq,
                     tokens: toks,
-                    logits: if *want {
-                        LogitsMode::Last
-                    } else {
-                        LogitsMode::None
+                    logits: match (want, draw) {
+                        (false, _) => LogitsMode::None,
+                        (true, Some(_)) => LogitsMode::Sample,
+                        (true, None) => LogitsMode::Last,
                     },
                 })
                 .collect();
+            let sampling: Vec<Option<&DeviceSampling>> = draws.iter().map(Option::as_ref).collect();
             // The KV cache bounds a sequence like the context window does.
             let window = self.context_window.min(self.kv_capacity_tokens());
             // Out of `self` while rows of it are sampled, so `finish` can borrow the worker.
             let mut logits = std::mem::take(&mut self.logits);
-            match self.engine.step_into(&steps, &mut logits) {
+            match self
+                .engine
+                .step_sampled_into(&steps, &sampling, &mut logits)
+            {
                 Ok(()) => {
-                    for (i, (id, seq, _, _)) in work.iter().enumerate() {
-                        let Some(row) = logits.last_row_mut(i) else {
+                    for (i, (id, seq, _, want)) in work.iter().enumerate() {
+                        if !*want {
                             continue;
-                        };
+                        }
                         // Unknown (it cannot be): as if at the window, so the reply ends.
                         let cached = self.engine.cached_tokens(*seq).map_or(window, <[u32]>::len);
                         let Some(a) = self.active.get_mut(id) else {
@@ -625,7 +654,27 @@ impl ModelWorker {
                         let Some(generation) = a.generation.as_mut() else {
                             continue;
                         };
-                        match generation.next_token_within(row, cached, window) {
+                        let vocab = logits.vocab();
+                        let outcome = match (draws[i].is_some(), logits.token(i)) {
+                            (true, Some(NO_TOKEN)) | (true, None) => Err(
+                                "no token has a usable logit (all are NaN or -inf); the model \
+                                 output is broken"
+                                    .to_string(),
+                            ),
+                            (true, Some(token)) if token as usize >= vocab => Err(format!(
+                                "the device drew token {token}, outside the vocabulary of {vocab}"
+                            )),
+                            (true, Some(token)) => {
+                                Ok(generation.accept_within(token, cached, window))
+                            }
+                            (false, _) => match logits.last_row_mut(i) {
+                                Some(row) => generation
+                                    .next_token_within(row, cached, window)
+                                    .map_err(|e| e.to_string()),
+                                None => continue,
+                            },
+                        };
+                        match outcome {
                             Ok(outcome) => {
                                 a.first_token.get_or_insert_with(Instant::now);
                                 if outcome.finished
@@ -660,7 +709,7 @@ impl ModelWorker {
                                     });
                                 }
                             }
-                            Err(e) => failed.push((*id, e.to_string())),
+                            Err(e) => failed.push((*id, e)),
                         }
                     }
                 }
@@ -722,6 +771,29 @@ impl ModelWorker {
         report.kv_free_blocks = self.kv_free_for_new_work();
         report.evictions = self.evictions;
         report
+    }
+}
+
+/// The engine's form of a generation's device draw (the one place the two meet: the text crate
+/// knows no engine).
+pub fn device_sampling(draw: DeviceDraw) -> DeviceSampling {
+    DeviceSampling {
+        row: SampleRow {
+            temperature: draw.temperature,
+            inv_temperature: if draw.temperature > 0.0 {
+                1.0 / draw.temperature
+            } else {
+                0.0
+            },
+            top_k: draw.top_k,
+            top_p: draw.top_p,
+            min_p: draw.min_p,
+            repetition_penalty: draw.repetition_penalty,
+            presence_penalty: draw.presence_penalty,
+            frequency_penalty: draw.frequency_penalty,
+            uniform: draw.uniform,
+        },
+        penalties: draw.penalties,
     }
 }
 
@@ -971,6 +1043,15 @@ mod tests {
         w: &mut ModelWorker,
         requests: &[(Vec<u32>, usize)],
     ) -> (Vec<(Vec<u32>, StopReason)>, u64) {
+        drive_with(w, requests, &SamplingParams::greedy())
+    }
+
+    /// Runs `requests` (prompt, tokens to generate) through a batcher and `w` with `params`.
+    fn drive_with(
+        w: &mut ModelWorker,
+        requests: &[(Vec<u32>, usize)],
+        params: &SamplingParams,
+    ) -> (Vec<(Vec<u32>, StopReason)>, u64) {
         use super::super::batcher::{Batcher, BatcherConfig};
         let mut b = Batcher::new(BatcherConfig {
             max_running: 8,
@@ -999,7 +1080,7 @@ mod tests {
                         params: SamplingParams {
                             max_new_tokens: *n,
                             ignore_eos: true,
-                            ..SamplingParams::greedy()
+                            ..params.clone()
                         },
                         max_time: None,
                         events: tx,
@@ -1091,5 +1172,55 @@ mod tests {
             );
         }
         assert!(preemptions > 0, "the test never preempted anything");
+    }
+
+    /// The fast tier draws on its device: greedy replies equal the host's draw from the same
+    /// logits, a seeded reply is the same every time and another seed gives another, and
+    /// penalties reach the device (a strong repetition penalty changes the greedy reply).
+    #[test]
+    fn the_fast_tier_draws_tokens_on_its_device() {
+        let requests: Vec<(Vec<u32>, usize)> = (0..3u32)
+            .map(|r| ((100 + 40 * r..120 + 40 * r).collect(), 12))
+            .collect();
+        let tokens = |w: &mut ModelWorker, p: &SamplingParams| -> Vec<Vec<u32>> {
+            let (got, _) = drive_with(w, &requests, p);
+            got.into_iter()
+                .map(|(t, reason)| {
+                    assert_eq!(reason, StopReason::Length, "{t:?}");
+                    t
+                })
+                .collect()
+        };
+        let greedy = SamplingParams::greedy();
+        assert!(fast_tier_worker(None).engine.samples_on_device());
+        let on_device = tokens(&mut fast_tier_worker(None), &greedy);
+        let on_host = tokens(&mut fast_tier_worker(None).sample_on_host(), &greedy);
+        assert_eq!(on_device, on_host);
+
+        let seeded = |seed| SamplingParams {
+            temperature: 1.2,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            seed: Some(seed),
+            ..SamplingParams::default()
+        };
+        let a = tokens(&mut fast_tier_worker(None), &seeded(7));
+        let b = tokens(&mut fast_tier_worker(None), &seeded(7));
+        let c = tokens(&mut fast_tier_worker(None), &seeded(8));
+        assert_eq!(a, b, "a seeded reply changed");
+        assert_ne!(a, c, "two seeds drew the same replies");
+        assert_ne!(a, on_device, "temperature 1.2 drew the greedy replies");
+
+        let penalised = SamplingParams {
+            repetition_penalty: 50.0,
+            presence_penalty: 5.0,
+            penalty_last_n: 64,
+            ..SamplingParams::greedy()
+        };
+        let p_device = tokens(&mut fast_tier_worker(None), &penalised);
+        let p_host = tokens(&mut fast_tier_worker(None).sample_on_host(), &penalised);
+        assert_eq!(p_device, p_host, "penalties differ between device and host");
+        assert_ne!(p_device, on_device, "the penalties changed nothing");
     }
 }

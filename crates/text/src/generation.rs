@@ -4,7 +4,7 @@
 //! stop on end-of-generation tokens, stop strings and the token limit, and turn tokens into text
 //! without ever splitting a UTF-8 character or leaking part of a stop string.
 
-use super::sampling::{Sampler, SamplingParams, StopMatcher, StopTokens};
+use super::sampling::{DeviceDraw, Sampler, SamplingParams, StopMatcher, StopTokens};
 use super::tokenizer::{Detokenizer, Tokenizer};
 use crate::error::Result;
 
@@ -83,12 +83,24 @@ impl Generation {
         cached: usize,
         window: usize,
     ) -> Result<TokenOutcome> {
-        let mut outcome = self.next_token(logits)?;
+        let token = self.sampler.sample(logits, &self.recent)?;
+        Ok(self.accept_within(token, cached, window))
+    }
+
+    /// How a device that draws tokens itself should choose this generation's next token; the
+    /// token it draws comes back through [`Self::accept_within`].
+    pub fn device_draw(&mut self) -> DeviceDraw {
+        self.sampler.device_draw(&self.recent)
+    }
+
+    /// [`Self::accept`] under the context-window rule of [`Self::next_token_within`].
+    pub fn accept_within(&mut self, token: u32, cached: usize, window: usize) -> TokenOutcome {
+        let mut outcome = self.accept(token);
         if outcome.finished.is_none() && cached + 1 >= window {
             outcome.text.push_str(&self.finish_early());
             outcome.finished = Some(FinishReason::Length);
         }
-        Ok(outcome)
+        outcome
     }
 
     /// Records a token chosen elsewhere (or sampled by [`Self::next_token`]).

@@ -138,6 +138,23 @@ impl SamplingParams {
     }
 }
 
+/// One token's draw for a device that samples (see [`Sampler::device_draw`]): penalties over
+/// `penalties` (token, occurrences), then greedy when `temperature` is 0, else top-k,
+/// temperature, min-p and top-p as [`Sampler::sample`] applies them, and `uniform` in `[0, 1)`
+/// picks the token.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DeviceDraw {
+    pub temperature: f32,
+    pub top_k: u32,
+    pub top_p: f32,
+    pub min_p: f32,
+    pub repetition_penalty: f32,
+    pub presence_penalty: f32,
+    pub frequency_penalty: f32,
+    pub penalties: Vec<(u32, u32)>,
+    pub uniform: f64,
+}
+
 /// Descending by value, then ascending by token id, so equal values always come out in the same
 /// order and a seeded draw is reproducible.
 fn desc(a: &(f32, u32), b: &(f32, u32)) -> Ordering {
@@ -234,26 +251,32 @@ impl Sampler {
         }
     }
 
-    fn apply_penalties(&mut self, logits: &mut [f32], recent: &[u32]) -> Result<()> {
+    /// The penalty window of `recent` as (token, occurrences) pairs, ascending by token; empty
+    /// when the penalties are off. Sorting the (at most `penalty_last_n`) window counts
+    /// occurrences without a vocabulary-sized table.
+    fn window_counts(&mut self, recent: &[u32]) -> Vec<(u32, u32)> {
         let p = &self.params;
         if !p.penalties_active() || recent.is_empty() {
-            return Ok(());
+            return Vec::new();
         }
         let start = recent.len().saturating_sub(p.penalty_last_n);
-        // Sorting the (at most `penalty_last_n`) window counts occurrences without a
-        // vocabulary-sized table.
         self.window.clear();
         self.window.extend_from_slice(&recent[start..]);
         self.window.sort_unstable();
-        let vocab = logits.len();
-        let mut i = 0;
-        while i < self.window.len() {
-            let id = self.window[i];
-            let mut j = i + 1;
-            while j < self.window.len() && self.window[j] == id {
-                j += 1;
+        let mut counts: Vec<(u32, u32)> = Vec::new();
+        for &id in &self.window {
+            match counts.last_mut() {
+                Some((last, n)) if *last == id => *n += 1,
+                _ => counts.push((id, 1)),
             }
-            let count = (j - i) as f32;
+        }
+        counts
+    }
+
+    fn apply_penalties(&mut self, logits: &mut [f32], recent: &[u32]) -> Result<()> {
+        let vocab = logits.len();
+        for (id, count) in self.window_counts(recent) {
+            let p = &self.params;
             let l = logits
                 .get_mut(id as usize)
                 .ok_or(TextError::BadToken { id, vocab })?;
@@ -262,10 +285,45 @@ impl Sampler {
             } else {
                 *l *= p.repetition_penalty;
             }
-            *l -= count * p.frequency_penalty + p.presence_penalty;
-            i = j;
+            *l -= count as f32 * p.frequency_penalty + p.presence_penalty;
         }
         Ok(())
+    }
+
+    /// How a device that draws tokens itself should choose the next token after `recent`
+    /// (as for [`Self::sample`]): the parameters, the penalty window, and the uniform draw,
+    /// taken from this sampler's generator exactly when [`Self::sample`] would take one (not
+    /// for greedy rows), so a seeded sequence stays reproducible. The device orders the
+    /// candidates by token id rather than by probability before the draw, so a seeded reply
+    /// there is its own reproducible sequence, not the host's.
+    pub fn device_draw(&mut self, recent: &[u32]) -> DeviceDraw {
+        let penalties = self.window_counts(recent);
+        let p = &self.params;
+        let greedy = p.temperature == 0.0 || p.top_k == 1;
+        let (repetition_penalty, presence_penalty, frequency_penalty) = if penalties.is_empty() {
+            (1.0, 0.0, 0.0)
+        } else {
+            (
+                p.repetition_penalty,
+                p.presence_penalty,
+                p.frequency_penalty,
+            )
+        };
+        DeviceDraw {
+            temperature: if greedy { 0.0 } else { p.temperature },
+            top_k: u32::try_from(p.top_k).unwrap_or(u32::MAX),
+            top_p: p.top_p,
+            min_p: p.min_p,
+            repetition_penalty,
+            presence_penalty,
+            frequency_penalty,
+            penalties,
+            uniform: if greedy {
+                0.0
+            } else {
+                self.rng.random::<f64>()
+            },
+        }
     }
 
     fn sample_filtered(&mut self, logits: &[f32]) -> Result<u32> {
