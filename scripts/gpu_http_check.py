@@ -6,7 +6,9 @@ would, that the server answers:
 - /healthz and /readyz (ready, this model);
 - a conversation: create, send a message, its reply streamed over SSE to `done`, stored complete;
 - /v1/chat/completions, whole and streamed (a `finish_reason`, no error chunk);
-- /metrics: `smolchat_engine_info` names the device and tier, and whether the tier fell back.
+- seeded and greedy /v1 replies repeat (tokens drawn on the device);
+- /metrics: `smolchat_engine_info` names the device and tier, and whether the tier fell back;
+  on a GPU, `smolchat_gpu_memory_bytes` and (fast tier) replayed decode graphs.
 
     scripts/gpu_http_check.py --bin ./smolchat --model M.gguf [--device cuda] [--expect-tier fast]
 
@@ -143,7 +145,28 @@ def main():
         finished = any(c.get("choices") and c["choices"][0].get("finish_reason") for c in chunks)
         check("/v1 streamed", status == 200 and finished and not any("error" in c for c in chunks), body[-300:])
 
+        # Tokens drawn on the device: a seeded reply is the same twice, another seed may differ,
+        # and greedy replies repeat.
+        def content(extra):
+            st, b, _ = call(base, "POST", "/v1/chat/completions", dict(req, max_tokens=32, **extra))
+            return json.loads(b)["choices"][0]["message"]["content"] if st == 200 else f"HTTP {st}: {b[:200]}"
+        seeded = [content({"temperature": 1.0, "seed": 11}) for _ in range(2)]
+        check("seeded replies repeat", seeded[0] == seeded[1] and not seeded[0].startswith("HTTP"), seeded)
+        greedy = [content({"temperature": 0}) for _ in range(2)]
+        check("greedy replies repeat", greedy[0] == greedy[1] and not greedy[0].startswith("HTTP"), greedy)
+
         status, body, _ = call(base, "GET", "/metrics")
+        report["gpu_metrics"] = [l for l in body.splitlines()
+                                 if l.startswith(("smolchat_gpu_memory_bytes", "smolchat_cuda_graph_events"))]
+        if args.device.startswith("cuda"):
+            def metric(prefix):
+                vals = [float(l.rsplit(" ", 1)[1]) for l in body.splitlines() if l.startswith(prefix)]
+                return vals[0] if vals else 0.0
+            check("metrics report GPU memory", metric('smolchat_gpu_memory_bytes{part="total"}') > 0
+                  and metric('smolchat_gpu_memory_bytes{part="weights"}') > 0, report["gpu_metrics"])
+            if args.expect_tier == "fast":
+                check("decode graphs replayed", metric('smolchat_cuda_graph_events{event="replay"}') > 0,
+                      report["gpu_metrics"])
         info = [l for l in body.splitlines() if l.startswith("smolchat_engine_info")]
         report["engine_info"] = info
         tier = None

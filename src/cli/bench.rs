@@ -9,7 +9,7 @@ use clap::Args;
 use serde_json::json;
 
 use smolchat_engine::synthetic::{self, SyntheticSpec, TypeMix};
-use smolchat_engine::{Engine, Logits, LogitsMode, SeqStep};
+use smolchat_engine::{DeviceSampling, Engine, Logits, LogitsMode, SampleRow, SeqStep};
 use smolchat_serving::load;
 
 #[derive(Args, Debug)]
@@ -104,18 +104,12 @@ pub fn run(args: &BenchArgs, globals: &super::Globals) -> Result<()> {
     let prefill_s = t.elapsed().as_secs_f64();
     let mut next = argmax(logits.get(0).context("no logits")?);
 
-    // Single-stream decode, greedy.
+    // Single-stream decode, greedy; drawn on the device where the backend can (as the server
+    // does), so only token ids come back.
+    let on_device = engine.samples_on_device();
     let t = Instant::now();
     for _ in 0..args.gen_tokens {
-        engine.step_into(
-            &[SeqStep {
-                seq,
-                tokens: &[next],
-                logits: LogitsMode::Last,
-            }],
-            &mut logits,
-        )?;
-        next = argmax(logits.get(0).context("no logits")?);
+        next = greedy_step(&mut engine, &[seq], &[[next]], on_device, &mut logits)?[0];
     }
     let decode_s = t.elapsed().as_secs_f64();
     engine.free_sequence(seq);
@@ -152,6 +146,9 @@ pub fn run(args: &BenchArgs, globals: &super::Globals) -> Result<()> {
             "tokens_per_s": args.gen_tokens as f64 / decode_s,
         },
         "batched_decode": batched,
+        "sampling": if engine.samples_on_device() { "device" } else { "host" },
+        "graphs": engine.graph_stats(),
+        "device_memory": engine.device_memory(),
         "peak_rss_bytes": super::peak_rss_bytes(),
     });
     println!("{}", serde_json::to_string_pretty(&out)?);
@@ -182,21 +179,13 @@ fn batched_decode(
     let mut next: Vec<[u32; 1]> = (0..n)
         .map(|i| logits.get(i).map(|l| [argmax(l)]).context("no logits"))
         .collect::<Result<_>>()?;
+    let on_device = engine.samples_on_device();
     let t = Instant::now();
     for _ in 0..gen {
-        let steps: Vec<SeqStep<'_>> = seqs
-            .iter()
-            .zip(&next)
-            .map(|(&seq, tok)| SeqStep {
-                seq,
-                tokens: tok,
-                logits: LogitsMode::Last,
-            })
+        next = greedy_step(engine, &seqs, &next, on_device, &mut logits)?
+            .into_iter()
+            .map(|t| [t])
             .collect();
-        engine.step_into(&steps, &mut logits)?;
-        next = (0..n)
-            .map(|i| logits.get(i).map(|l| [argmax(l)]).context("no logits"))
-            .collect::<Result<_>>()?;
     }
     let secs = t.elapsed().as_secs_f64();
     for s in seqs {
@@ -209,6 +198,45 @@ fn batched_decode(
         "aggregate_tokens_per_s": (n * gen) as f64 / secs,
         "per_sequence_tokens_per_s": gen as f64 / secs,
     }))
+}
+
+/// One greedy decode step of `seqs` fed `tokens`: the argmax drawn on the device when
+/// `on_device`, else on the host from the logits brought back.
+fn greedy_step(
+    engine: &mut Engine,
+    seqs: &[u64],
+    tokens: &[[u32; 1]],
+    on_device: bool,
+    logits: &mut Logits,
+) -> Result<Vec<u32>> {
+    let greedy = DeviceSampling {
+        row: SampleRow::GREEDY,
+        penalties: Vec::new(),
+    };
+    let steps: Vec<SeqStep<'_>> = seqs
+        .iter()
+        .zip(tokens)
+        .map(|(&seq, tok)| SeqStep {
+            seq,
+            tokens: tok,
+            logits: if on_device {
+                LogitsMode::Sample
+            } else {
+                LogitsMode::Last
+            },
+        })
+        .collect();
+    let sampling = vec![Some(&greedy); seqs.len()];
+    engine.step_sampled_into(&steps, if on_device { &sampling } else { &[] }, logits)?;
+    (0..seqs.len())
+        .map(|i| {
+            if on_device {
+                logits.token(i).context("no drawn token")
+            } else {
+                logits.get(i).map(argmax).context("no logits")
+            }
+        })
+        .collect()
 }
 
 /// Deterministic token ids spread over the vocabulary (a xorshift stream).

@@ -39,6 +39,10 @@ pub trait Backend: Send {
     fn graph_stats(&self) -> Option<crate::fast::graph::GraphStats> {
         None
     }
+    /// What the device's memory holds, for a backend on a GPU that can tell.
+    fn device_memory(&self) -> Option<crate::device::DeviceMemory> {
+        None
+    }
     /// The model's shapes and limits.
     fn config(&self) -> &ModelConfig;
     /// Bytes of weights held.

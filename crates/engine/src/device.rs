@@ -247,6 +247,18 @@ pub fn free_memory(ordinal: usize) -> Option<usize> {
     }
 }
 
+/// What a GPU's memory holds now (for the admin page and `/metrics`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct DeviceMemory {
+    /// The weights as uploaded.
+    pub weights_bytes: usize,
+    /// The KV arena as allocated (its blocks, used or not).
+    pub kv_bytes: usize,
+    /// Free on the device, as the driver reports it.
+    pub free_bytes: usize,
+    pub total_bytes: usize,
+}
+
 /// Serving limits that suit a device: the KV budget, how many sequences run at once and how many
 /// tokens one step takes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -118,6 +118,12 @@ impl Engine {
         self.backend.graph_stats()
     }
 
+    /// What the GPU's memory holds now (a driver call: not for every step), when the backend
+    /// can tell.
+    pub fn device_memory(&self) -> Option<crate::device::DeviceMemory> {
+        self.backend.device_memory()
+    }
+
     /// Which path computes there.
     pub fn tier(&self) -> Tier {
         self.backend.tier()

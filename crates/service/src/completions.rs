@@ -22,7 +22,8 @@ use smolchat_store::Store;
 /// stopped and why it was refused; and the scheduler's counters and per-conversation states
 /// the operator sees.
 pub use smolchat_serving::types::{
-    GenEvent, GenSummary, RequestId, SchedulerStats, SequenceState, StopReason, SubmitError,
+    DeviceMemory, GenEvent, GenSummary, GraphStats, RequestId, SchedulerStats, SequenceState,
+    StopReason, SubmitError,
 };
 use smolchat_text::sampling::SamplingParams;
 

@@ -375,6 +375,26 @@ impl Platform {
             metrics::gauge!("smolchat_kv_budget_bytes").set(s.kv_budget_bytes as f64);
             metrics::gauge!("smolchat_kv_evictions").set(s.evictions as f64);
             metrics::gauge!("smolchat_tokens_per_second").set(s.tokens_per_s);
+            if let Some(m) = s.device_memory {
+                for (part, bytes) in [
+                    ("weights", m.weights_bytes),
+                    ("kv", m.kv_bytes),
+                    ("free", m.free_bytes),
+                    ("total", m.total_bytes),
+                ] {
+                    metrics::gauge!("smolchat_gpu_memory_bytes", "part" => part).set(bytes as f64);
+                }
+            }
+            if let Some(g) = s.graphs {
+                for (event, n) in [
+                    ("warmup", g.warmups),
+                    ("capture", g.captures),
+                    ("replay", g.replays),
+                    ("invalidated", g.invalidated),
+                ] {
+                    metrics::gauge!("smolchat_cuda_graph_events", "event" => event).set(n as f64);
+                }
+            }
         }
         metrics::gauge!("smolchat_live_sessions").set(self.sessions.all().len() as f64);
         // Which device and tier compute, as an info gauge (always 1), and whether the GPU's

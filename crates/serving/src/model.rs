@@ -15,6 +15,8 @@ use super::batcher::{ItemReport, StepPlan};
 use uuid::Uuid;
 
 use super::types::{CacheKey, GenEvent, GenSummary, GenerationRequest, RequestId, StopReason};
+use smolchat_engine::device::DeviceMemory;
+use smolchat_engine::fast::graph::GraphStats;
 use smolchat_engine::{
     DeviceSampling, Engine, Logits, LogitsMode, SampleRow, SeqId, SeqStep, NO_TOKEN,
 };
@@ -64,6 +66,10 @@ pub struct StepReport {
     pub kv_free_blocks: usize,
     /// Requests preempted in this step (their blocks went to older sequences).
     pub preemptions: u64,
+    /// What the GPU's memory holds (asked of the driver at most once a second).
+    pub device_memory: Option<DeviceMemory>,
+    /// How decode graphs have been used, on a backend that replays them.
+    pub graphs: Option<GraphStats>,
 }
 
 struct Active {
@@ -129,6 +135,8 @@ pub struct ModelWorker {
     logits: Logits,
     /// Draw every token on the host even where the backend could draw it on its device.
     host_sampling: bool,
+    /// The device's memory as last asked, and when.
+    device_memory: Option<(Instant, Option<DeviceMemory>)>,
 }
 
 impl ModelWorker {
@@ -144,6 +152,7 @@ impl ModelWorker {
             caches: HashMap::new(),
             evictions: 0,
             host_sampling: false,
+            device_memory: None,
         }
     }
 
@@ -770,7 +779,21 @@ impl ModelWorker {
         report.cached_sequences = self.caches.len();
         report.kv_free_blocks = self.kv_free_for_new_work();
         report.evictions = self.evictions;
+        report.device_memory = self.device_memory();
+        report.graphs = self.engine.graph_stats();
         report
+    }
+
+    /// What the GPU's memory holds, asked of the driver at most once a second.
+    fn device_memory(&mut self) -> Option<DeviceMemory> {
+        match self.device_memory {
+            Some((at, memory)) if at.elapsed() < std::time::Duration::from_secs(1) => memory,
+            _ => {
+                let memory = self.engine.device_memory();
+                self.device_memory = Some((Instant::now(), memory));
+                memory
+            }
+        }
     }
 }
 

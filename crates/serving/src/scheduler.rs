@@ -209,6 +209,10 @@ impl Handler<StepDone> for SchedulerActor {
         s.cached_sequences = r.cached_sequences;
         s.evictions = r.evictions;
         s.last_step_ms = r.step_ms;
+        if r.device_memory.is_some() {
+            s.device_memory = r.device_memory;
+        }
+        s.graphs = r.graphs;
         let now = Instant::now();
         self.recent.push_back((now, r.generated_tokens));
         while self

@@ -166,6 +166,10 @@ pub enum SubmitError {
     },
 }
 
+/// What the GPU's memory holds and how decode graphs are used, as the scheduler reports them.
+pub use smolchat_engine::device::DeviceMemory;
+pub use smolchat_engine::fast::graph::GraphStats;
+
 /// A snapshot of the scheduler for `/metrics`, `/admin` and tests.
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct SchedulerStats {
@@ -185,6 +189,10 @@ pub struct SchedulerStats {
     pub cached_sequences: usize,
     pub evictions: u64,
     pub last_step_ms: f64,
+    /// What the GPU's memory holds, when the model is on one.
+    pub device_memory: Option<DeviceMemory>,
+    /// How decode graphs have been used, when the backend replays them.
+    pub graphs: Option<GraphStats>,
 }
 
 /// What a cache key (a conversation) is doing right now, for the admin page.

@@ -33,7 +33,7 @@ use super::owner::Owner;
 use super::AppState;
 use smolchat_auth::{AdminAuth, AuthError, LockedBy};
 use smolchat_service::admin::{LiveView as Live, UserAction, UsersPage};
-use smolchat_service::completions::SequenceState;
+use smolchat_service::completions::{DeviceMemory, GraphStats, SequenceState};
 
 use super::cookies::ADMIN as SESSION_COOKIE;
 const COOKIE_PATH: &str = "/admin";
@@ -67,6 +67,11 @@ pub struct EngineView {
     pub cached_sequences: usize,
     pub evictions: u64,
     pub generated_tokens: u64,
+    /// The GPU's memory (empty off a GPU): percent used, then what holds it.
+    pub gpu_used_percent: String,
+    pub gpu_memory: String,
+    /// How decode graphs have been used (empty without graphs).
+    pub graphs: String,
 }
 
 pub struct AdminRow {
@@ -211,6 +216,37 @@ struct LiveFragment {
 
 fn mib(bytes: usize) -> String {
     format!("{:.1} MiB", bytes as f64 / (1024.0 * 1024.0))
+}
+
+fn gib(bytes: usize) -> String {
+    format!("{:.1} GiB", bytes as f64 / (1024.0 * 1024.0 * 1024.0))
+}
+
+/// The GPU memory tile's value and line: percent of the card in use, and what holds it.
+fn gpu_memory_view(memory: Option<DeviceMemory>) -> (String, String) {
+    let Some(m) = memory.filter(|m| m.total_bytes > 0) else {
+        return (String::new(), String::new());
+    };
+    let used = m.total_bytes.saturating_sub(m.free_bytes);
+    (
+        format!("{:.0}", 100.0 * used as f64 / m.total_bytes as f64),
+        format!(
+            "weights {} · KV {} · free {} of {}",
+            gib(m.weights_bytes),
+            gib(m.kv_bytes),
+            gib(m.free_bytes),
+            gib(m.total_bytes)
+        ),
+    )
+}
+
+fn graphs_view(graphs: Option<GraphStats>) -> String {
+    graphs.map_or_else(String::new, |g| {
+        format!(
+            "{} replays · {} captures · {} invalidated",
+            g.replays, g.captures, g.invalidated
+        )
+    })
 }
 
 /// The admin service, or 404 when no admin token is configured.
@@ -360,6 +396,7 @@ fn render_live(
     } else {
         0.0
     };
+    let (gpu_used_percent, gpu_memory) = gpu_memory_view(stats.device_memory);
     LiveView {
         engine: EngineView {
             device: model.device.clone(),
@@ -376,6 +413,9 @@ fn render_live(
             cached_sequences: stats.cached_sequences,
             evictions: stats.evictions,
             generated_tokens: stats.generated_tokens,
+            gpu_used_percent,
+            gpu_memory,
+            graphs: graphs_view(stats.graphs),
         },
         replicas,
         rows,
@@ -623,4 +663,37 @@ pub async fn delete(
     let id = parse_id(&path)?;
     state.platform.admin().delete(id).await?;
     Ok(HttpResponse::NoContent().finish())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_gpu_tiles_say_what_holds_the_memory_and_stay_empty_off_a_gpu() {
+        assert_eq!(gpu_memory_view(None), (String::new(), String::new()));
+        let gib = 1usize << 30;
+        let (percent, line) = gpu_memory_view(Some(DeviceMemory {
+            weights_bytes: 2 * gib,
+            kv_bytes: 40 * gib,
+            free_bytes: 20 * gib,
+            total_bytes: 80 * gib,
+        }));
+        assert_eq!(percent, "75");
+        assert_eq!(
+            line,
+            "weights 2.0 GiB · KV 40.0 GiB · free 20.0 GiB of 80.0 GiB"
+        );
+        assert_eq!(graphs_view(None), "");
+        let g = GraphStats {
+            warmups: 3,
+            captures: 3,
+            replays: 120,
+            invalidated: 1,
+        };
+        assert_eq!(
+            graphs_view(Some(g)),
+            "120 replays · 3 captures · 1 invalidated"
+        );
+    }
 }

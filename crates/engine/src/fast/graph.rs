@@ -132,7 +132,7 @@ pub fn positions_of(key: GraphKey) -> usize {
 }
 
 /// How graphs have been used (for tests, the benchmark and `gpu-check`).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
 pub struct GraphStats {
     /// Steps run eagerly to warm a bucket up before its capture.
     pub warmups: u64,

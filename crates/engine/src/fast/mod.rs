@@ -101,6 +101,11 @@ pub trait Runner: Send {
     fn graph_stats(&self) -> GraphStats {
         GraphStats::default()
     }
+
+    /// What the device's memory holds (a runner on a GPU).
+    fn device_memory(&self) -> Option<crate::device::DeviceMemory> {
+        None
+    }
 }
 
 /// Where a step's results go on the host: either may be empty (not wanted).
@@ -209,6 +214,10 @@ impl<R: Runner> Backend for FastBackend<R> {
 
     fn graph_stats(&self) -> Option<GraphStats> {
         self.runner.graphs().then(|| self.runner.graph_stats())
+    }
+
+    fn device_memory(&self) -> Option<crate::device::DeviceMemory> {
+        self.runner.device_memory()
     }
 
     fn suggested(&self) -> Suggested {

@@ -837,6 +837,16 @@ impl Runner for CudaRunner {
         self.blocks
     }
 
+    fn device_memory(&self) -> Option<crate::device::DeviceMemory> {
+        let (free, total) = self.stream.context().mem_get_info().ok()?;
+        Some(crate::device::DeviceMemory {
+            weights_bytes: self.weight_bytes,
+            kv_bytes: self.blocks * self.layout.block_bytes(),
+            free_bytes: free,
+            total_bytes: total,
+        })
+    }
+
     fn suggested(&self) -> Suggested {
         // What is free now, with the weights and (when already grown) the arena in place.
         let held = self.blocks * self.layout.block_bytes();
