@@ -3,12 +3,17 @@
 
 Starts `smolchat serve` (release build) on a free port with a temporary database, then measures:
   * for 1, 4, 8 and 16 concurrent conversations: aggregate and per-stream generated tokens/s and
-    time to first token (128 new tokens each, greedy, end-of-generation ignored);
+    time to first token (up to 128 new tokens each, greedy; `ignore_eos` is for admins only, so
+    a reply may end sooner: the figures count the tokens generated);
   * second-turn time to first token at ~1,000 tokens of history, with a warm KV cache and with a
     cold one (same history, after a server restart).
 Prints one JSON object. Standard library only.
 
 usage: scripts/http_bench.py [--binary target/release/smolchat] [--threads 2] [--clients 1,4,8,16]
+                             [--model M.gguf] [--device cuda] [--env KEY=VALUE ...]
+                             [--no-second-turn]
+On a GPU (gpu-check's bench phase): --model the synthetic 3B file --device cuda
+--clients 1,8,32,64 --no-second-turn.
 """
 import argparse
 import http.client
@@ -40,16 +45,32 @@ def free_port():
 
 
 class Server:
+    # Set by main from the command line: extra `serve` arguments and environment.
+    extra_args = []
+    extra_env = {}
+    max_running = 16
+
     def __init__(self, binary, threads, db, env=None):
         self.port = free_port()
         e = {k: v for k, v in os.environ.items() if not k.startswith("SMOLCHAT_")}
-        e.update({"SMOLCHAT_SCHEDULER__MAX_RUNNING": "16", "SMOLCHAT_SCHEDULER__QUEUE_SIZE": "64",
-                  "SMOLCHAT_SERVER__COOKIE_SECRET": "b" * 64, "SMOLCHAT_LOG": "warn"})
+        e.update({"SMOLCHAT_SCHEDULER__MAX_RUNNING": str(self.max_running),
+                  "SMOLCHAT_SCHEDULER__QUEUE_SIZE": str(max(64, 4 * self.max_running)),
+                  "SMOLCHAT_SERVER__COOKIE_SECRET": "b" * 64, "SMOLCHAT_LOG": "warn",
+                  # One guest drives every conversation: the per-owner limits would throttle
+                  # the load this measures.
+                  "SMOLCHAT_LIMITS__CONVERSATIONS_PER_MINUTE": "0",
+                  "SMOLCHAT_LIMITS__TOKENS_PER_MINUTE_PER_USER": "0",
+                  "SMOLCHAT_LIMITS__TOKENS_PER_MINUTE_PER_GUEST_ADDRESS": "0",
+                  "SMOLCHAT_SCHEDULER__MAX_QUEUED_PER_USER": "0",
+                  "SMOLCHAT_SCHEDULER__MAX_RUNNING_PER_USER": "0",
+                  "SMOLCHAT_LIMITS__MAX_STREAMS_PER_USER": "1000",
+                  "SMOLCHAT_LIMITS__MAX_STREAMS_PER_ADDRESS": "1000"})
+        e.update(self.extra_env)
         e.update(env or {})
         self.proc = subprocess.Popen(
             [binary, "--threads", str(threads), "serve", "--bind", f"127.0.0.1:{self.port}",
-             "--database-url", f"sqlite://{db}"], env=e, stderr=subprocess.DEVNULL)
-        deadline = time.time() + 60
+             "--database-url", f"sqlite://{db}", *self.extra_args], env=e, stderr=subprocess.DEVNULL)
+        deadline = time.time() + 120
         while time.time() < deadline:
             try:
                 if self.request("GET", "/readyz")[0] == 200:
@@ -59,7 +80,7 @@ class Server:
             time.sleep(0.1)
         raise RuntimeError("server did not become ready")
 
-    def request(self, method, path, body=None, cookie="smolchat_owner=bench"):
+    def request(self, method, path, body=None, cookie="smolchat_owner=bench"):  # noqa: ARG002
         c = http.client.HTTPConnection("127.0.0.1", self.port, timeout=600)
         headers = {"Content-Type": "application/json"}
         if self.cookie:
@@ -112,12 +133,28 @@ def turn(server, conv, text):
                 raise RuntimeError(line)
 
 
+def step_seconds(server):
+    """(sum, count) of the model worker's step-time histogram from /metrics."""
+    c = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    c.request("GET", "/metrics")
+    text = c.getresponse().read().decode()
+    c.close()
+    total = count = 0.0
+    for line in text.splitlines():
+        if line.startswith("smolchat_step_seconds_sum"):
+            total = float(line.rsplit(" ", 1)[1])
+        elif line.startswith("smolchat_step_seconds_count"):
+            count = float(line.rsplit(" ", 1)[1])
+    return total, count
+
+
 def concurrency(server, n, new_tokens):
     convs = []
     for i in range(n):
         _, conv = server.request("POST", "/api/conversations",
-                                 {"temperature": 0, "max_tokens": new_tokens, "ignore_eos": True,
-                                  "thinking": False})
+                                 {"temperature": 0, "max_tokens": new_tokens, "thinking": False})
+        if "id" not in (conv or {}):
+            raise RuntimeError(f"creating conversation {i + 1} of {n} failed: {conv}")
         convs.append(conv["id"])
     results = [None] * n
 
@@ -125,23 +162,31 @@ def concurrency(server, n, new_tokens):
         results[i] = turn(server, convs[i], PROMPTS[i % len(PROMPTS)] + f" ({i})")
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    steps_before = step_seconds(server)
     t0 = time.perf_counter()
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     wall = time.perf_counter() - t0
+    steps_after = step_seconds(server)
+    steps = steps_after[1] - steps_before[1]
     tokens = sum(r[2]["completion_tokens"] for r in results)
     ttfts = sorted(r[0] for r in results)
     return {
         "clients": n,
         "tokens": tokens,
+        "tokens_per_reply_min": min(r[2]["completion_tokens"] for r in results),
         "wall_s": round(wall, 3),
         "aggregate_tokens_per_s": round(tokens / wall, 1),
         "per_stream_tokens_per_s": round(
             sum(r[2]["completion_tokens"] / (r[2]["generation_ms"] / 1e3) for r in results) / n, 1),
         "ttft_ms_median": round(ttfts[n // 2] * 1e3, 1),
         "ttft_ms_max": round(ttfts[-1] * 1e3, 1),
+        # The model worker's own step time (`smolchat_step_seconds`), to tell the engine's
+        # share of a token's time from the serving path's.
+        "engine_steps": steps,
+        "engine_step_ms_mean": round((steps_after[0] - steps_before[0]) * 1e3 / steps, 3) if steps else None,
     }
 
 
@@ -162,6 +207,8 @@ def second_turn(binary, threads, tmp):
     for _ in range(2):
         _, conv = server.request("POST", "/api/conversations",
                                  {"temperature": 0, "max_tokens": 16, "thinking": False})
+        if "id" not in (conv or {}):
+            raise RuntimeError(f"creating conversation {i + 1} of {n} failed: {conv}")
         convs.append(conv["id"])
         turn(server, conv["id"], history)
     warm_ttft, _, warm = turn(server, convs[0], "Now name one object from the collection.")
@@ -186,14 +233,21 @@ def main():
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--clients", default="1,4,8,16")
     p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--model", default=None, help="GGUF to serve (default: the embedded model)")
+    p.add_argument("--device", default=None, help="serve --device (cpu, cuda, cuda:N)")
+    p.add_argument("--env", action="append", default=[], help="KEY=VALUE for the server")
+    p.add_argument("--no-second-turn", action="store_true")
     a = p.parse_args()
+    Server.extra_args = (["--model", a.model] if a.model else []) + (["--device", a.device] if a.device else [])
+    Server.extra_env = dict(kv.split("=", 1) for kv in a.env)
+    Server.max_running = max([16] + [int(n) for n in a.clients.split(",")])
     with tempfile.TemporaryDirectory() as tmp:
         server = Server(a.binary, a.threads, os.path.join(tmp, "load.db"))
         try:
             rows = [concurrency(server, int(n), a.new_tokens) for n in a.clients.split(",")]
         finally:
             server.stop()
-        turns = second_turn(a.binary, a.threads, tmp)
+        turns = None if a.no_second_turn else second_turn(a.binary, a.threads, tmp)
     print(json.dumps({"threads": a.threads, "concurrency": rows, "second_turn": turns}, indent=2))
 
 

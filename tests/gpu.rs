@@ -205,6 +205,7 @@ mod fast_tier {
     use smolchat_engine::fast::cuda::CudaRunner;
     use smolchat_engine::fast::differential::{self, OpDiff};
     use smolchat_engine::fast::graph::{self, GraphStats};
+    use smolchat_engine::fast::launch::MMVQ_MAX_ROWS;
     use smolchat_engine::fast::plan::{Op, Plan};
     use smolchat_engine::fast::weights::FastWeights;
     use smolchat_engine::fast::StepOut;
@@ -223,10 +224,16 @@ mod fast_tier {
     }
 
     /// How far a kernel may be from its twin, relative to the largest value it wrote (the
-    /// contracts: integer parts exact, floats reduced in another order).
-    fn tolerance(op: Op) -> f32 {
-        match op {
+    /// contracts: integer parts exact, floats reduced in another order). A matmul over more
+    /// than 8 rows runs llama.cpp's MMQ, which the twins do not model: its activations carry an
+    /// f16 block sum for the K-quants' mins and the offset formats, which the twin's MMVQ forms
+    /// from the exact integers (measured on an H100: up to 7e-3 on the 3B shape's random
+    /// blocks; candle's own MMQ is as far from the exact product, `cuda_qmatmul_…`).
+    fn tolerance(d: &OpDiff, plan: &Plan) -> f32 {
+        match d.op {
+            Op::MatMul { out, .. } if plan.rows_of(out) > MMVQ_MAX_ROWS => 2e-2,
             Op::MatMul { .. } | Op::Attention { .. } => 1e-3,
+            // Sample: `max_diff` counts the rows whose drawn tokens differ.
             _ => 1e-5,
         }
     }
@@ -242,7 +249,7 @@ mod fast_tier {
             .unwrap_or_else(|e| panic!("{what}: {e}"));
         let worst: Vec<&OpDiff> = diffs
             .iter()
-            .filter(|d| !d.within(tolerance(d.op)))
+            .filter(|d| !d.within(tolerance(d, &plan)))
             .collect();
         for d in diffs
             .iter()
@@ -690,5 +697,164 @@ mod fast_tier {
         assert!(stats.captures >= 2, "{stats:?}");
         assert!(stats.invalidated >= 1, "{stats:?}");
         assert!(stats.replays >= 10, "{stats:?}");
+    }
+
+    /// Where the 3B shape's step time goes on this GPU (all 36 layers, Q4_K_M): a prefill of
+    /// 512 and decode steps of 1 and 64 rows at 512 positions of context, each operation run
+    /// eagerly with a synchronize after it (so each figure holds one launch's overhead too),
+    /// summed by kind; then whole steps eager and replayed from a graph. A measurement that
+    /// gpu-check prints, not a timed assertion.
+    #[test]
+    #[ignore = "needs a CUDA GPU and a `--features cuda` build: run with --ignored there"]
+    fn profile_the_3b_shape() {
+        use std::collections::BTreeMap;
+        use std::time::Instant;
+        cuda_required("profile_the_3b_shape");
+        let spec = SyntheticSpec::smollm3_3b();
+        let mut gpu = CudaRunner::load(weights(&spec), 0, true).unwrap_or_else(|e| panic!("{e}"));
+        let config = gpu.config().clone();
+        gpu.reserve_blocks(64 * 34)
+            .unwrap_or_else(|e| panic!("{e}"));
+        let prompt: Vec<u32> = (0..512).map(|i| (i * 7919 % 128_000) as u32).collect();
+        let tables_of: Vec<Vec<u32>> = (0..64)
+            .map(|s| ((s * 34) as u32..(s * 34 + 33) as u32).collect())
+            .collect();
+        let kind = |op: Op| -> String {
+            format!("{op:?}")
+                .chars()
+                .filter(|c| !c.is_ascii_digit())
+                .collect::<String>()
+                .replace("()", "")
+        };
+        let greedy = DeviceSampling {
+            row: SampleRow::GREEDY,
+            penalties: Vec::new(),
+        };
+        let profile = |what: &str, items: &[BatchItem<'_>], gpu: &mut CudaRunner| {
+            let tables = step_tables(items);
+            let positions: Vec<usize> = tables.positions.iter().map(|&p| p as usize).collect();
+            let rope = RopeTable::new(&config, &positions);
+            let plan = Plan::for_step(&config, &tables);
+            let mut by_kind: BTreeMap<String, (f64, usize)> = BTreeMap::new();
+            gpu.begin(&plan, &tables, &rope)
+                .unwrap_or_else(|e| panic!("{e}"));
+            gpu.synchronize().unwrap_or_else(|e| panic!("{e}"));
+            for &op in &plan.ops {
+                let t = Instant::now();
+                gpu.run_op(&plan, op).unwrap_or_else(|e| panic!("{e}"));
+                gpu.synchronize().unwrap_or_else(|e| panic!("{e}"));
+                let e = by_kind.entry(kind(op)).or_default();
+                e.0 += t.elapsed().as_secs_f64() * 1e3;
+                e.1 += 1;
+            }
+            let total: f64 = by_kind.values().map(|v| v.0).sum();
+            let mut rows: Vec<_> = by_kind.into_iter().collect();
+            rows.sort_by(|a, b| b.1 .0.total_cmp(&a.1 .0));
+            eprintln!("== {what}: {} ops, {total:.2} ms op by op", plan.ops.len());
+            for (k, (ms, n)) in rows {
+                eprintln!("{ms:9.3} ms {:5.1}% {n:4}x  {k}", 100.0 * ms / total);
+            }
+            // Whole steps: eager, then (decode only) replayed from a graph.
+            let mut tokens = vec![0u32; plan.logit_rows];
+            let reps = 5;
+            let t = Instant::now();
+            for _ in 0..reps {
+                gpu.run(
+                    &plan,
+                    &tables,
+                    &rope,
+                    StepOut {
+                        logits: &mut [],
+                        tokens: &mut tokens,
+                    },
+                )
+                .unwrap_or_else(|e| panic!("{e}"));
+            }
+            eprintln!(
+                "   eager step: {:.3} ms",
+                t.elapsed().as_secs_f64() * 1e3 / reps as f64
+            );
+            if let Some(key) = graph::key_of(&tables) {
+                let padded = graph::pad_decode(&tables, key).unwrap_or_else(|e| panic!("{e}"));
+                let positions: Vec<usize> = padded.positions.iter().map(|&p| p as usize).collect();
+                let rope = RopeTable::new(&config, &positions);
+                let plan = Plan::for_step(&config, &padded);
+                let mut tokens = vec![0u32; key.rows];
+                for _ in 0..3 {
+                    gpu.run_graph(
+                        key,
+                        &plan,
+                        &padded,
+                        &rope,
+                        StepOut {
+                            logits: &mut [],
+                            tokens: &mut tokens,
+                        },
+                    )
+                    .unwrap_or_else(|e| panic!("{e}"));
+                }
+                let reps = 20;
+                let t = Instant::now();
+                for _ in 0..reps {
+                    gpu.run_graph(
+                        key,
+                        &plan,
+                        &padded,
+                        &rope,
+                        StepOut {
+                            logits: &mut [],
+                            tokens: &mut tokens,
+                        },
+                    )
+                    .unwrap_or_else(|e| panic!("{e}"));
+                }
+                eprintln!(
+                    "   graph step: {:.3} ms",
+                    t.elapsed().as_secs_f64() * 1e3 / reps as f64
+                );
+            }
+        };
+        profile(
+            "prefill 512",
+            &[BatchItem {
+                blocks: &tables_of[0],
+                past: 0,
+                tokens: &prompt,
+                logits: LogitsMode::None,
+                sample: None,
+            }],
+            &mut gpu,
+        );
+        // The other 63 contexts, eight prompts a step.
+        let fill: Vec<BatchItem<'_>> = (1..64)
+            .map(|s| BatchItem {
+                blocks: &tables_of[s],
+                past: 0,
+                tokens: &prompt,
+                logits: LogitsMode::None,
+                sample: None,
+            })
+            .collect();
+        for chunk in fill.chunks(8) {
+            let tables = step_tables(chunk);
+            let positions: Vec<usize> = tables.positions.iter().map(|&p| p as usize).collect();
+            let rope = RopeTable::new(&config, &positions);
+            let plan = Plan::for_step(&config, &tables);
+            gpu.run(&plan, &tables, &rope, StepOut::logits(&mut []))
+                .unwrap_or_else(|e| panic!("{e}"));
+        }
+        let next = [[1u32]; 64];
+        for rows in [1usize, 64] {
+            let items: Vec<BatchItem<'_>> = (0..rows)
+                .map(|s| BatchItem {
+                    blocks: &tables_of[s],
+                    past: 512,
+                    tokens: &next[s],
+                    logits: LogitsMode::Sample,
+                    sample: Some(&greedy),
+                })
+                .collect();
+            profile(&format!("decode {rows} rows at 512"), &items, &mut gpu);
+        }
     }
 }

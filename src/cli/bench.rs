@@ -83,8 +83,8 @@ pub fn run(args: &BenchArgs, globals: &super::Globals) -> Result<()> {
     let load_s = load_start.elapsed().as_secs_f64();
     let cfg = engine.config().clone();
     anyhow::ensure!(
-        args.prompt_tokens + args.gen_tokens <= cfg.context_length,
-        "--prompt-tokens + --gen-tokens exceed the model's context of {}",
+        args.prompt_tokens + args.gen_tokens + 2 <= cfg.context_length,
+        "--prompt-tokens + --gen-tokens + 2 (warm-up steps) exceed the model's context of {}",
         cfg.context_length
     );
     let prompt = pseudo_random_tokens(args.prompt_tokens, cfg.vocab_size, 1);
@@ -107,6 +107,11 @@ pub fn run(args: &BenchArgs, globals: &super::Globals) -> Result<()> {
     // Single-stream decode, greedy; drawn on the device where the backend can (as the server
     // does), so only token ids come back.
     let on_device = engine.samples_on_device();
+    // Two untimed steps first, as llama-bench warms up: on a GPU the first one warms the decode
+    // graph's bucket up and the second captures it.
+    for _ in 0..2 {
+        next = greedy_step(&mut engine, &[seq], &[[next]], on_device, &mut logits)?[0];
+    }
     let t = Instant::now();
     for _ in 0..args.gen_tokens {
         next = greedy_step(&mut engine, &[seq], &[[next]], on_device, &mut logits)?[0];
@@ -180,6 +185,12 @@ fn batched_decode(
         .map(|i| logits.get(i).map(|l| [argmax(l)]).context("no logits"))
         .collect::<Result<_>>()?;
     let on_device = engine.samples_on_device();
+    for _ in 0..2 {
+        next = greedy_step(engine, &seqs, &next, on_device, &mut logits)?
+            .into_iter()
+            .map(|t| [t])
+            .collect();
+    }
     let t = Instant::now();
     for _ in 0..gen {
         next = greedy_step(engine, &seqs, &next, on_device, &mut logits)?

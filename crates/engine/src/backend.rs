@@ -27,6 +27,13 @@ pub struct BatchItem<'a> {
 
 pub use crate::device::Suggested;
 
+/// How far an arena that is costly to grow grows to hold `wanted` blocks: at least double what
+/// it holds and at least `min_blocks`, so growth happens a logarithmic number of times, but never
+/// past `capacity` (the budget) unless `wanted` itself is past it.
+pub fn grown_blocks(resident: usize, wanted: usize, capacity: usize, min_blocks: usize) -> usize {
+    wanted.max((resident * 2).max(min_blocks).min(capacity))
+}
+
 /// One compute backend (see the module docs).
 pub trait Backend: Send {
     /// Where it computes.
@@ -53,8 +60,10 @@ pub trait Backend: Send {
     fn kv_bytes_per_position(&self) -> usize;
     /// Bytes of one block of [`super::kv::BLOCK_POSITIONS`] positions: the allocator's unit.
     fn kv_block_bytes(&self) -> usize;
-    /// Makes pages exist for every block id below `blocks` (they are allocated lazily).
-    fn reserve_blocks(&mut self, blocks: usize) -> Result<()>;
+    /// Makes pages exist for every block id below `blocks` (they are allocated lazily). A
+    /// backend whose growth is costly (a GPU arena is reallocated and copied, and its decode
+    /// graphs captured anew) may take more, never past `capacity`, the allocator's whole budget.
+    fn reserve_blocks(&mut self, blocks: usize, capacity: usize) -> Result<()>;
     /// Bytes of KV pages allocated so far.
     fn kv_resident_bytes(&self) -> usize;
     /// Whether it can draw tokens on its device ([`LogitsMode::Sample`]).
@@ -119,6 +128,19 @@ pub fn check_request(c: &ModelConfig, items: &[BatchItem<'_>]) -> Result<()> {
 
 #[cfg(test)]
 mod tests {
+    use super::grown_blocks;
+
+    #[test]
+    fn costly_arenas_double_within_the_budget() {
+        assert_eq!(grown_blocks(0, 3, 1000, 64), 64);
+        assert_eq!(grown_blocks(64, 65, 1000, 64), 128);
+        assert_eq!(grown_blocks(600, 601, 1000, 64), 1000);
+        // Asked for more than double: exactly that.
+        assert_eq!(grown_blocks(64, 300, 1000, 64), 300);
+        // A budget smaller than the minimum growth.
+        assert_eq!(grown_blocks(0, 2, 6, 64), 6);
+    }
+
     use super::*;
 
     #[test]

@@ -468,11 +468,11 @@ impl Backend for ReferenceBackend {
         BLOCK_POSITIONS * self.kv_bytes_per_position()
     }
 
-    fn reserve_blocks(&mut self, blocks: usize) -> Result<()> {
+    fn reserve_blocks(&mut self, blocks: usize, capacity: usize) -> Result<()> {
         if blocks <= self.blocks {
             return Ok(());
         }
-        let grown = blocks.max(self.blocks * 2).max(GROW_BLOCKS);
+        let grown = crate::backend::grown_blocks(self.blocks, blocks, capacity, GROW_BLOCKS);
         let (n_kv, hd) = self.kv_row_shape();
         let shape = (grown * BLOCK_POSITIONS, n_kv, hd);
         let mut keys = Vec::with_capacity(self.config.n_layers);

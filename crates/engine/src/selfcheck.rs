@@ -236,8 +236,8 @@ mod tests {
         fn kv_block_bytes(&self) -> usize {
             self.0.kv_block_bytes()
         }
-        fn reserve_blocks(&mut self, blocks: usize) -> Result<()> {
-            self.0.reserve_blocks(blocks)
+        fn reserve_blocks(&mut self, blocks: usize, capacity: usize) -> Result<()> {
+            self.0.reserve_blocks(blocks, capacity)
         }
         fn kv_resident_bytes(&self) -> usize {
             self.0.kv_resident_bytes()

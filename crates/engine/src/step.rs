@@ -378,23 +378,27 @@ impl Engine {
             }
         }
         let high_water = self.alloc.high_water();
-        let result = self.backend.reserve_blocks(high_water).and_then(|()| {
-            let items: Vec<BatchItem<'_>> = steps
-                .iter()
-                .zip(&past)
-                .enumerate()
-                .filter_map(|(i, (s, &past))| {
-                    self.seqs.get(&s.seq).map(|q| BatchItem {
-                        blocks: q.table.blocks(),
-                        past,
-                        tokens: s.tokens,
-                        logits: s.logits,
-                        sample: sample(i),
+        let capacity = self.alloc.capacity_blocks();
+        let result = self
+            .backend
+            .reserve_blocks(high_water, capacity)
+            .and_then(|()| {
+                let items: Vec<BatchItem<'_>> = steps
+                    .iter()
+                    .zip(&past)
+                    .enumerate()
+                    .filter_map(|(i, (s, &past))| {
+                        self.seqs.get(&s.seq).map(|q| BatchItem {
+                            blocks: q.table.blocks(),
+                            past,
+                            tokens: s.tokens,
+                            logits: s.logits,
+                            sample: sample(i),
+                        })
                     })
-                })
-                .collect();
-            self.backend.forward(&items, out)
-        });
+                    .collect();
+                self.backend.forward(&items, out)
+            });
         for (s, &p) in steps.iter().zip(&past) {
             if let Some(q) = self.seqs.get_mut(&s.seq) {
                 if result.is_ok() {

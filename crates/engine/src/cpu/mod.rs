@@ -83,7 +83,8 @@ impl Backend for CpuBackend {
         self.storage.layout().bytes_per_block()
     }
 
-    fn reserve_blocks(&mut self, blocks: usize) -> Result<()> {
+    fn reserve_blocks(&mut self, blocks: usize, _capacity: usize) -> Result<()> {
+        // Pages are allocated one by one: nothing to gain from taking more.
         self.storage.ensure(blocks);
         Ok(())
     }
@@ -150,9 +151,9 @@ mod tests {
         fn kv_block_bytes(&self) -> usize {
             self.inner.kv_block_bytes()
         }
-        fn reserve_blocks(&mut self, blocks: usize) -> Result<()> {
+        fn reserve_blocks(&mut self, blocks: usize, capacity: usize) -> Result<()> {
             self.reserved.lock().unwrap().push(blocks);
-            self.inner.reserve_blocks(blocks)
+            self.inner.reserve_blocks(blocks, capacity)
         }
         fn kv_resident_bytes(&self) -> usize {
             self.inner.kv_resident_bytes()

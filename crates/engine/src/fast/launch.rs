@@ -5,7 +5,6 @@
 use smolchat_gguf::GgmlDType;
 
 use crate::error::{EngineError, Result};
-use crate::fast::twin::attention::SPLIT_POSITIONS;
 
 /// Grid and block dimensions of one launch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -109,9 +108,9 @@ pub fn attention_kernel(heads: usize, kv_heads: usize, head_dim: usize) -> Resul
 }
 
 /// Context splits the partial buffers need room for: the most any decode row of the step can
-/// have (a row seeing `max_visible` positions).
+/// have (no row seeing more than `max_visible` positions).
 pub fn max_splits(max_visible: usize) -> usize {
-    max_visible.div_ceil(SPLIT_POSITIONS).max(1)
+    crate::fast::twin::attention::max_splits(max_visible)
 }
 
 /// `attention_partial_g*`: one block per (row, KV head, split); blocks past a row's own splits
@@ -305,6 +304,7 @@ pub fn kernel_names() -> Vec<&'static str> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::fast::twin::attention::{MAX_SPLITS, MIN_SPLIT_POSITIONS};
 
     #[test]
     fn every_named_kernel_is_in_the_kernel_source() {
@@ -337,7 +337,8 @@ mod tests {
         assert!(!source.contains(&format!("ATTENTION_PARTIAL({})", MAX_GROUP + 1)));
         // The constants the kernels hard-code agree with the Rust side.
         for (name, value) in [
-            ("SPLIT_POSITIONS", SPLIT_POSITIONS),
+            ("MIN_SPLIT_POSITIONS", MIN_SPLIT_POSITIONS),
+            ("MAX_SPLITS", MAX_SPLITS),
             ("MAX_GROUP", MAX_GROUP),
             ("MAX_HEAD_DIM", MAX_HEAD_DIM),
             ("BLOCK_POSITIONS", crate::kv::BLOCK_POSITIONS),
@@ -405,9 +406,15 @@ mod tests {
         assert!(attention_kernel(16, 3, 128).is_err(), "uneven");
         assert!(attention_kernel(8, 8, 512).is_err(), "head dim 512");
         assert_eq!(max_splits(1), 1);
-        assert_eq!(max_splits(512), 1);
-        assert_eq!(max_splits(513), 2);
-        assert_eq!(max_splits(131_072), 256);
+        assert_eq!(max_splits(64), 1);
+        assert_eq!(max_splits(65), 2);
+        assert_eq!(max_splits(512), 8);
+        assert_eq!(max_splits(131_072), 32);
+        // A bound on every shorter row's splits, though those are not monotonic.
+        for max in [1usize, 100, 2048, 2049, 3000, 70_000] {
+            let most = (1..=max).map(crate::fast::twin::attention::splits).max();
+            assert!(most <= Some(max_splits(max)), "{max}");
+        }
         let l = attention_partial(64, 4, 256).expect("launch");
         assert_eq!(l.grid, (64, 4, 256));
         assert_eq!(l.block, (ATTENTION_THREADS, 1, 1));

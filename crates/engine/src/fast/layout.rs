@@ -130,7 +130,7 @@ pub struct StepTables {
 
 /// The `SampleRow`s as the kernels read them: `#[repr(C)]` little-endian, 40 bytes each.
 pub fn sample_rows_bytes(rows: &[SampleRow]) -> Vec<u8> {
-    let mut out = Vec::with_capacity(rows.len() * std::mem::size_of::<SampleRow>());
+    let mut out = Vec::with_capacity(std::mem::size_of_val(rows));
     for r in rows {
         for v in [
             r.temperature,

@@ -106,6 +106,11 @@ pub trait Runner: Send {
     fn device_memory(&self) -> Option<crate::device::DeviceMemory> {
         None
     }
+
+    /// Waits until everything launched has finished (for profiles; a no-op on the host).
+    fn synchronize(&mut self) -> Result<()> {
+        Ok(())
+    }
 }
 
 /// Where a step's results go on the host: either may be empty (not wanted).
@@ -124,6 +129,11 @@ impl<'a> StepOut<'a> {
         }
     }
 }
+
+/// The KV arena's smallest growth on the fast tier: 64 blocks (1,024 positions), so short
+/// conversations never reallocate it (each reallocation copies the arena and drops every decode
+/// graph captured over it).
+const GROW_BLOCKS: usize = 64;
 
 /// The fast tier as an engine backend, over any runner.
 pub struct FastBackend<R: Runner> {
@@ -244,8 +254,17 @@ impl<R: Runner> Backend for FastBackend<R> {
         self.runner.arena().block_bytes()
     }
 
-    fn reserve_blocks(&mut self, blocks: usize) -> Result<()> {
-        self.runner.reserve_blocks(blocks)
+    fn reserve_blocks(&mut self, blocks: usize, capacity: usize) -> Result<()> {
+        if blocks <= self.runner.resident_blocks() {
+            return Ok(());
+        }
+        let resident = self.runner.resident_blocks();
+        self.runner.reserve_blocks(crate::backend::grown_blocks(
+            resident,
+            blocks,
+            capacity,
+            GROW_BLOCKS,
+        ))
     }
 
     fn kv_resident_bytes(&self) -> usize {

@@ -224,7 +224,7 @@ impl Plan {
             rows,
             logit_rows,
             max_blocks,
-            splits: crate::fast::twin::attention::splits(max_blocks * BLOCK_POSITIONS),
+            splits: crate::fast::twin::attention::max_splits(max_blocks * BLOCK_POSITIONS),
             sample: false,
         }
     }

@@ -15,7 +15,8 @@
 #define BLOCK_POSITIONS 16
 #define MAX_GROUP 8
 #define MAX_HEAD_DIM 256
-#define SPLIT_POSITIONS 512
+#define MIN_SPLIT_POSITIONS 64
+#define MAX_SPLITS 32
 #define SKIP_SLOT 0xffffffffu
 
 // ---------------------------------------------------------------------------------------------
@@ -258,9 +259,18 @@ extern "C" __global__ void kv_write(const float *__restrict__ k, const float *__
 // Paged attention (twin: fast::twin::attention). One block per (row, KV head, split): the
 // `group` query heads sharing the KV head are computed together, each key and value row read
 // once for all of them. Keys in blocks of 16 positions, online softmax; a decode row (its
-// sequence has one new row) over more than SPLIT_POSITIONS positions is split along the context
+// sequence has one new row) over more than MIN_SPLIT_POSITIONS positions is split along the context
 // and `attention_merge` combines the splits. Block: 128 threads (4 warps); head_dim <= 256.
 // ---------------------------------------------------------------------------------------------
+
+// Positions per split of a decode row seeing `visible` positions (twin:
+// fast::twin::attention::split_positions): 64, or past 2,048 the multiple of 16 that makes at
+// most MAX_SPLITS splits.
+__device__ __forceinline__ int split_positions(int visible) {
+    int per = (visible + MAX_SPLITS - 1) / MAX_SPLITS;
+    per = (per + BLOCK_POSITIONS - 1) / BLOCK_POSITIONS * BLOCK_POSITIONS;
+    return max(MIN_SPLIT_POSITIONS, per);
+}
 
 struct SeqInfo {
     uint32_t row0, rows, past, index;
@@ -282,10 +292,11 @@ __device__ void attention_partial_impl(
     const SeqInfo seq = seqs[row_seq[row]];
     const int r = row - (int)seq.row0;
     const int visible = (int)seq.past + r + 1;
-    const int n_splits = seq.rows == 1 ? (visible + SPLIT_POSITIONS - 1) / SPLIT_POSITIONS : 1;
+    const int per = split_positions(visible);
+    const int n_splits = seq.rows == 1 ? (visible + per - 1) / per : 1;
     if (split >= n_splits) return;
-    const int from = split * SPLIT_POSITIONS;
-    const int to = n_splits == 1 ? visible : min((split + 1) * SPLIT_POSITIONS, visible);
+    const int from = split * per;
+    const int to = n_splits == 1 ? visible : min((split + 1) * per, visible);
     const uint32_t *blocks = block_tables + (size_t)seq.index * max_blocks;
     const float scale = rsqrtf((float)head_dim);
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
@@ -387,7 +398,8 @@ extern "C" __global__ void attention_merge(
     if (d >= head_dim) return;
     const SeqInfo seq = seqs[row_seq[row]];
     const int visible = (int)seq.past + (row - (int)seq.row0) + 1;
-    const int n_splits = seq.rows == 1 ? (visible + SPLIT_POSITIONS - 1) / SPLIT_POSITIONS : 1;
+    const int per = split_positions(visible);
+    const int n_splits = seq.rows == 1 ? (visible + per - 1) / per : 1;
     const size_t base = ((size_t)row * heads + head) * max_splits;
     float max = -INFINITY;
     for (int s = 0; s < n_splits; ++s) max = fmaxf(max, part_max[base + s]);

@@ -91,6 +91,9 @@ pub struct CudaRunner {
     q8: Option<CudaSlice<u8>>,
     /// MMQ's activations (steps of more than 8 rows) and its stream-k fix-up buffer.
     mmq_y: Option<CudaSlice<u8>>,
+    /// Which activation buffer `q8` or `mmq_y` holds quantized now: Q, K and V (and gate and
+    /// up) read the same normed rows one after the other, which are then quantized once.
+    quantized: Option<Quantized>,
     mmq_fixup: Option<CudaSlice<u8>>,
     info: DeviceInfo,
     /// The tokens `sample_rows` drew, one per logit row.
@@ -107,6 +110,14 @@ pub struct CudaRunner {
     /// Bumped whenever a buffer the kernels read or write is reallocated: graphs captured over
     /// the old pointers are stale.
     generation: u64,
+}
+
+/// An activation buffer's quantized copy in the matmul scratch: MMVQ's Q8_1 rows, or MMQ's
+/// blocks in the layout of one scale kind.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Quantized {
+    Mmvq(Buf),
+    Mmq(Buf, launch::MmqScales),
 }
 
 /// Copies `data` into `slot`, reallocating when it does not fit; whether it reallocated.
@@ -216,6 +227,7 @@ impl CudaRunner {
             q8: None,
             mmq_y: None,
             mmq_fixup: None,
+            quantized: None,
             drawn: None,
             part_max: None,
             part_sum: None,
@@ -250,6 +262,7 @@ impl CudaRunner {
     fn prepare(&mut self, plan: &Plan, tables: &StepTables, rope: &RopeTable) -> Result<()> {
         self.guard
             .forbid("preparing a step (allocating, uploading tables)")?;
+        self.quantized = None;
         let c = self.config.clone();
         let mut grew = false;
         for buf in BUFFERS {
@@ -312,6 +325,10 @@ impl CudaRunner {
     }
 
     fn op(&mut self, plan: &Plan, op: Op) -> Result<()> {
+        if !matches!(op, Op::MatMul { .. }) {
+            // Any other operation may write the buffer last quantized.
+            self.quantized = None;
+        }
         let c = &self.config;
         let rows = plan.rows;
         match op {
@@ -501,7 +518,20 @@ impl CudaRunner {
 
     /// `out = x · Wᵀ`: up to 8 rows, the rows quantized to Q8_1 and MMVQ; above, MMQ over the
     /// rows quantized to MMQ's Q8_1 layout ([`launch::matmul_path`]).
-    fn matmul(&self, plan: &Plan, weight: Matrix, x: Buf, out: Buf) -> Result<()> {
+    fn matmul(&mut self, plan: &Plan, weight: Matrix, x: Buf, out: Buf) -> Result<()> {
+        let result = self.matmul_from(plan, weight, x, out);
+        self.quantized = match result {
+            // `out` is never `x`; were it so, its quantized copy would be stale.
+            Ok(Quantized::Mmvq(b) | Quantized::Mmq(b, _)) if b == out => None,
+            Ok(q) => Some(q),
+            Err(_) => None,
+        };
+        result.map(|_| ())
+    }
+
+    /// Launches one matmul, quantizing `x` unless the scratch already holds it in the form
+    /// this matmul reads; returns what the scratch holds afterwards.
+    fn matmul_from(&self, plan: &Plan, weight: Matrix, x: Buf, out: Buf) -> Result<Quantized> {
         let m = self.matrix(weight);
         let (n, k) = matrix_shape(&self.config, weight);
         if (m.rows, m.cols) != (n, k) {
@@ -530,24 +560,28 @@ impl CudaRunner {
                 let (y_ptr, _y) = y.device_ptr(&self.stream);
                 let (fixup_ptr, _f) = fixup.device_ptr(&self.stream);
                 let d = self.info;
-                let quantize = mmq_quantizer(launch::mmq_scales(m.dtype)?);
+                let scales = launch::mmq_scales(m.dtype)?;
+                let quantize = mmq_quantizer(scales);
                 let multiply = mmq_launcher(m.dtype)?;
+                let held = Quantized::Mmq(x, scales);
                 unsafe {
-                    quantize(
-                        x_ptr as *const c_void,
-                        std::ptr::null(),
-                        y_ptr as *mut c_void,
-                        0,
-                        k as i64,
-                        k as i64,
-                        0,
-                        0,
-                        k_padded as i64,
-                        rows as i64,
-                        1,
-                        1,
-                        stream,
-                    );
+                    if self.quantized != Some(held) {
+                        quantize(
+                            x_ptr as *const c_void,
+                            std::ptr::null(),
+                            y_ptr as *mut c_void,
+                            0,
+                            k as i64,
+                            k as i64,
+                            0,
+                            0,
+                            k_padded as i64,
+                            rows as i64,
+                            1,
+                            1,
+                            stream,
+                        );
+                    }
                     multiply(
                         fixup_ptr as *mut c_void,
                         w_ptr as *const c_void,
@@ -565,7 +599,7 @@ impl CudaRunner {
                         stream,
                     );
                 }
-                return Ok(());
+                return Ok(held);
             }
         };
         let q8 = self
@@ -573,15 +607,18 @@ impl CudaRunner {
             .as_ref()
             .ok_or_else(|| missing("the Q8_1 scratch"))?;
         let (q8_ptr, _q) = q8.device_ptr(&self.stream);
-        unsafe {
-            candle_kernels::ffi::launch_mmvq_gguf_quantize_q8_1_f32(
-                x_ptr as *const c_void,
-                q8_ptr as *mut c_void,
-                k as i32,
-                k_padded as i32,
-                rows as i32,
-                stream,
-            );
+        let held = Quantized::Mmvq(x);
+        if self.quantized != Some(held) {
+            unsafe {
+                candle_kernels::ffi::launch_mmvq_gguf_quantize_q8_1_f32(
+                    x_ptr as *const c_void,
+                    q8_ptr as *mut c_void,
+                    k as i32,
+                    k_padded as i32,
+                    rows as i32,
+                    stream,
+                );
+            }
         }
         let y_row_bytes = (k_padded / QK8_1 * BLOCK_Q8_1_BYTES) as u64;
         for piece in pieces {
@@ -600,7 +637,7 @@ impl CudaRunner {
             );
             unsafe { mmvq(m.dtype, args)? };
         }
-        Ok(())
+        Ok(held)
     }
 
     fn attention(&self, plan: &Plan, layer: usize) -> Result<()> {
@@ -837,6 +874,10 @@ impl Runner for CudaRunner {
         self.blocks
     }
 
+    fn synchronize(&mut self) -> Result<()> {
+        self.stream.synchronize().map_err(cuda)
+    }
+
     fn device_memory(&self) -> Option<crate::device::DeviceMemory> {
         let (free, total) = self.stream.context().mem_get_info().ok()?;
         Some(crate::device::DeviceMemory {
@@ -944,6 +985,7 @@ impl Runner for CudaRunner {
     }
 
     fn write(&mut self, _plan: &Plan, buf: Buf, values: &[f32]) -> Result<()> {
+        self.quantized = None;
         let dst = self
             .buffers
             .get_mut(&buf)
