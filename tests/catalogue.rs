@@ -857,6 +857,183 @@ fn catalogue() -> Vec<Case> {
         "page list: a before that is no cursor",
         case("", M::GET, "/conversations?before=%00", 400),
     );
+    // ---- the Ollama API (`{"error": "…"}` answers) ----
+    let ollama = |path: &str, body: Value, status: u16| {
+        case("", M::POST, path, status)
+            .bearer(API_KEY)
+            .json_value(body)
+    };
+    add(
+        "ollama: no key",
+        ollama("/api/chat", json!({"messages": msgs()}), 401).strip_auth(),
+    );
+    add(
+        "ollama: wrong key",
+        case("", M::GET, "/api/tags", 401).bearer("sk-wrong"),
+    );
+    add(
+        "ollama: malformed JSON",
+        case("", M::POST, "/api/chat", 400)
+            .bearer(API_KEY)
+            .json("{\"messages\":"),
+    );
+    add(
+        "ollama: not an object",
+        ollama("/api/chat", json!([1, 2]), 400),
+    );
+    add(
+        "ollama: messages missing",
+        ollama("/api/chat", json!({}), 400),
+    );
+    add(
+        "ollama: messages not an array",
+        ollama("/api/chat", json!({"messages": "hi"}), 400),
+    );
+    add(
+        "ollama: unknown message field",
+        ollama(
+            "/api/chat",
+            json!({"messages": [{"role": "user", "content": "x", "mood": 1}]}),
+            400,
+        ),
+    );
+    add(
+        "ollama: images",
+        ollama(
+            "/api/chat",
+            json!({"messages": [{"role": "user", "content": "x", "images": ["aGk="]}]}),
+            400,
+        ),
+    );
+    add(
+        "ollama: unknown model",
+        ollama(
+            "/api/chat",
+            json!({"model": "llama9", "messages": msgs()}),
+            404,
+        ),
+    );
+    add(
+        "ollama: format json (not supported yet)",
+        ollama(
+            "/api/chat",
+            json!({"messages": msgs(), "format": "json"}),
+            400,
+        ),
+    );
+    let mut deep = json!({"type": "string"});
+    for _ in 0..500 {
+        deep = json!({"type": "object", "properties": {"a": deep}});
+    }
+    add(
+        "ollama: a deeply nested format schema",
+        ollama(
+            "/api/chat",
+            json!({"messages": msgs(), "format": deep}),
+            400,
+        ),
+    );
+    add(
+        "ollama: unknown option",
+        ollama(
+            "/api/chat",
+            json!({"messages": msgs(), "options": {"warp": 9}}),
+            400,
+        ),
+    );
+    add(
+        "ollama: mirostat",
+        ollama(
+            "/api/chat",
+            json!({"messages": msgs(), "options": {"mirostat": 2}}),
+            400,
+        ),
+    );
+    add(
+        "ollama: num_predict 0",
+        ollama(
+            "/api/chat",
+            json!({"messages": msgs(), "options": {"num_predict": 0}}),
+            400,
+        ),
+    );
+    add(
+        "ollama: options not an object",
+        ollama("/api/chat", json!({"messages": msgs(), "options": 3}), 400),
+    );
+    add(
+        "ollama: temperature out of range",
+        ollama(
+            "/api/chat",
+            json!({"messages": msgs(), "options": {"temperature": 1e9}}),
+            400,
+        ),
+    );
+    add(
+        "ollama: stream not a boolean",
+        ollama(
+            "/api/chat",
+            json!({"messages": msgs(), "stream": "yes"}),
+            400,
+        ),
+    );
+    add(
+        "ollama: think not a boolean",
+        ollama(
+            "/api/chat",
+            json!({"messages": msgs(), "think": "maybe"}),
+            400,
+        ),
+    );
+    add(
+        "ollama: text/plain body",
+        case("", M::POST, "/api/chat", 415)
+            .bearer(API_KEY)
+            .raw("text/plain", b"{}".to_vec()),
+    );
+    add(
+        "ollama: 2 MB body",
+        case("", M::POST, "/api/generate", 413)
+            .bearer(API_KEY)
+            .json(&format!("{{\"prompt\":\"{}\"}}", "a".repeat(2 << 20))),
+    );
+    add(
+        "ollama: GET on chat",
+        case("", M::GET, "/api/chat", 405).bearer(API_KEY),
+    );
+    add(
+        "ollama: POST on tags",
+        case("", M::POST, "/api/tags", 405).bearer(API_KEY),
+    );
+    for (field, value) in [
+        ("suffix", json!("}")),
+        ("template", json!("{{ .Prompt }}")),
+        ("context", json!([1, 2, 3])),
+        ("images", json!(["aGk="])),
+        ("prompt", json!(42)),
+        ("raw", json!("yes")),
+    ] {
+        add(
+            &format!("ollama generate: {field}"),
+            ollama("/api/generate", json!({"prompt": "hi", field: value}), 400),
+        );
+    }
+    add(
+        "ollama generate: raw with a system prompt",
+        ollama(
+            "/api/generate",
+            json!({"prompt": "hi", "raw": true, "system": "be brief"}),
+            400,
+        ),
+    );
+    add(
+        "ollama show: unknown model",
+        ollama("/api/show", json!({"model": "llama9"}), 404),
+    );
+    add(
+        "ollama show: model not a string",
+        ollama("/api/show", json!({"model": 7}), 400),
+    );
     // Hosts this server does not answer for (DNS rebinding).
     for path in ["/v1/models", "/api/conversations", "/metrics", "/admin"] {
         add(
@@ -868,6 +1045,16 @@ fn catalogue() -> Vec<Case> {
     }
     cases
 }
+
+/// The Ollama API's routes (their refusals are `{"error": "…"}`).
+const OLLAMA_ROUTES: [&str; 6] = [
+    "/api/chat",
+    "/api/generate",
+    "/api/tags",
+    "/api/show",
+    "/api/version",
+    "/api/ps",
+];
 
 /// Sends every case to `server` and returns the problems: a status other than the expected
 /// one, a 5xx, no message, JSON without `error.message`, or a JSON error without
@@ -934,9 +1121,17 @@ async fn run_cases(
         let content_type = header(CONTENT_TYPE.as_str());
         let is_json = content_type.starts_with("application/json");
         let api = path.starts_with("/api/") || path.starts_with("/v1/");
-        let message = serde_json::from_str::<Value>(&text)
-            .ok()
-            .and_then(|v| v["error"]["message"].as_str().map(str::to_string))
+        // The Ollama API answers `{"error": "…"}`, every other JSON API `{"error": {"message"}}`.
+        let ollama = OLLAMA_ROUTES.iter().any(|r| path == *r);
+        let parsed = serde_json::from_str::<Value>(&text).ok();
+        let message = parsed
+            .as_ref()
+            .and_then(|v| {
+                v["error"]["message"]
+                    .as_str()
+                    .or(if ollama { v["error"].as_str() } else { None })
+                    .map(str::to_string)
+            })
             .unwrap_or_else(|| text.clone());
         let redirect = status.is_redirection();
         let problems: Vec<&str> = [
@@ -944,8 +1139,12 @@ async fn run_cases(
             (status.is_server_error(), "a 5xx"),
             (message.trim().is_empty() && !redirect, "no message"),
             (
-                is_json && !text.contains("\"message\""),
+                is_json && !ollama && !text.contains("\"message\""),
                 "JSON without error.message",
+            ),
+            (
+                is_json && ollama && !parsed.as_ref().is_some_and(|v| v["error"].is_string()),
+                "an Ollama answer without a string `error`",
             ),
             (
                 is_json && header("x-content-type-options") != "nosniff",

@@ -34,14 +34,14 @@ fn tempdir() -> tempfile::TempDir {
     tempfile::tempdir().expect("tempdir")
 }
 
-/// `target/openai-venv` with the `openai` package; created (and the package installed from PyPI)
-/// only when `import openai` does not already work there.
+/// `target/openai-venv` with the official `openai` and `ollama` packages; created (and the
+/// packages installed from PyPI) only when importing them does not already work there.
 fn openai_venv() -> PathBuf {
     let venv = common::crate_root().join("target/openai-venv");
     let python = venv.join("bin/python");
     let works = |python: &Path| {
         Command::new(python)
-            .args(["-c", "import openai"])
+            .args(["-c", "import openai, ollama"])
             .status()
             .is_ok_and(|s| s.success())
     };
@@ -58,11 +58,12 @@ fn openai_venv() -> PathBuf {
                 "--quiet",
                 "--disable-pip-version-check",
                 "openai",
+                "ollama",
             ])
             .status()
             .expect("run pip");
-        assert!(status.success(), "pip install openai failed");
-        assert!(works(&python), "openai still not importable");
+        assert!(status.success(), "pip install openai ollama failed");
+        assert!(works(&python), "openai or ollama still not importable");
     }
     python
 }
@@ -256,6 +257,28 @@ async fn official_openai_python_client() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     eprintln!("{stdout}\n{stderr}\n(script took {:?})", t.elapsed());
     assert!(out.status.success(), "the openai client script failed");
+    assert!(stdout.contains(" passed, 0 failed"), "{stdout}");
+}
+
+/// The Ollama API on the server's port, driven by the official `ollama` Python client: list,
+/// show, ps, chat and generate whole and streamed, refusals in Ollama's shape.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn official_ollama_python_client() {
+    let _turn = TURN.lock().await;
+    let python = openai_venv();
+    let dir = tempdir();
+    let server = Server::start(dir.path(), &[("SMOLCHAT_SERVER__API_KEY", KEY)]).await;
+    let t = Instant::now();
+    let out = Command::new(python)
+        .arg(common::crate_root().join("tests/ollama_client.py"))
+        .env("SMOLCHAT_HOST", &server.base)
+        .env("SMOLCHAT_API_KEY", KEY)
+        .output()
+        .expect("run tests/ollama_client.py");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    eprintln!("{stdout}\n{stderr}\n(script took {:?})", t.elapsed());
+    assert!(out.status.success(), "the ollama client script failed");
     assert!(stdout.contains(" passed, 0 failed"), "{stdout}");
 }
 

@@ -36,6 +36,7 @@ pub mod forward;
 pub mod html;
 pub mod json;
 pub mod markdown;
+pub mod ollama;
 pub mod openai;
 pub mod ops;
 pub mod owner;
@@ -134,6 +135,8 @@ pub fn routes(cfg: &mut web::ServiceConfig) {
     )
     // Early, so that a catch-all scope registered later cannot shadow `/v1`.
     .configure(openai::routes)
+    // Before the `/api` scope, which would take these paths.
+    .configure(ollama::routes)
     .service(
         web::scope("/api")
             .wrap(from_fn(csrf::check_api_origin))

@@ -47,7 +47,7 @@ use futures_util::Stream;
 use serde_json::{json, Value};
 
 use crate::error::ApiError;
-pub use assemble::{Assembler, ChatAssembler, TextAssembler};
+pub use assemble::{Assembler, CallOut, ChatAssembler, TextAssembler};
 use request::{Common, Defaults, PromptIn};
 
 use super::json::JsonBody;
@@ -62,7 +62,7 @@ use smolchat_text::TextError;
 /// When the API started answering (`created` of the model object).
 static STARTED: OnceLock<u64> = OnceLock::new();
 
-fn unix_now() -> u64 {
+pub(crate) fn unix_now() -> u64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_secs())
@@ -136,7 +136,7 @@ struct GlobalKey;
 ///
 /// Wrong keys are throttled per address like wrong passwords (`auth.login_free_failures_*`):
 /// past the free failures, every bearer from that address gets 429 until the lockout ends.
-async fn require_api_key(
+pub(crate) async fn require_api_key(
     req: ServiceRequest,
     next: Next<impl MessageBody>,
 ) -> Result<ServiceResponse<impl MessageBody>, actix_web::Error> {
@@ -245,7 +245,7 @@ fn model_object(p: &Platform) -> Value {
 /// Whether a request's `model` names the loaded model: its id, or its file name (what
 /// llama-server clients often send). Never the file's path: that would let a client test
 /// paths on the server's disk.
-fn is_served_model(p: &Platform, name: &str) -> bool {
+pub(crate) fn is_served_model(p: &Platform, name: &str) -> bool {
     let path = std::path::Path::new(&p.model().path);
     name == p.model().id
         || path
@@ -270,7 +270,7 @@ async fn model(
     Ok(HttpResponse::Ok().json(model_object(p)))
 }
 
-fn defaults(p: &Platform) -> Defaults {
+pub(crate) fn defaults(p: &Platform) -> Defaults {
     let s = &p.config().sampling;
     Defaults {
         temperature: s.temperature,
@@ -279,7 +279,7 @@ fn defaults(p: &Platform) -> Defaults {
     }
 }
 
-fn check_model(p: &Platform, common: &Common) -> Result<(), ApiError> {
+pub(crate) fn check_model(p: &Platform, common: &Common) -> Result<(), ApiError> {
     match common.model.as_deref() {
         // Lenient like llama-server: a missing or empty model means the loaded one.
         None | Some("") => Ok(()),
@@ -297,7 +297,11 @@ pub fn api_caller_is_admin(_state: &AppState, http: &HttpRequest) -> bool {
 }
 
 /// Refuses what only admins may ask for (`ignore_eos`), through the one settings check.
-fn check_admin_only(state: &AppState, http: &HttpRequest, common: &Common) -> Result<(), ApiError> {
+pub(crate) fn check_admin_only(
+    state: &AppState,
+    http: &HttpRequest,
+    common: &Common,
+) -> Result<(), ApiError> {
     smolchat_service::settings::check_ignore_eos(
         common.params.ignore_eos,
         api_caller_is_admin(state, http),
@@ -309,7 +313,7 @@ fn check_admin_only(state: &AppState, http: &HttpRequest, common: &Common) -> Re
 /// in the prompt parsed as llama-server does. The client writes the whole prompt, markup
 /// included, so there is no template text to tell apart from its own (chat requests, where
 /// there is, keep message text out of the control tokens: see [`chat_prompt`]).
-fn encode(p: &Platform, text: &str) -> Result<Vec<u32>, ApiError> {
+pub(crate) fn encode(p: &Platform, text: &str) -> Result<Vec<u32>, ApiError> {
     p.tokenizer()
         .encode_prompt(text)
         .map_err(|e| ApiError::internal(format!("tokenizer: {e}")))
@@ -477,7 +481,7 @@ fn usage(s: &GenSummary) -> Value {
 /// one partition, so one client cannot probe another's prompts through `cached_tokens` or the
 /// time to first token. Hashed with a key drawn at start-up, so that neither API keys nor
 /// names reach the model worker's cache keys (or its debug logs).
-fn cache_salt(http: &HttpRequest, common: &Common) -> String {
+pub(crate) fn cache_salt(http: &HttpRequest, common: &Common) -> String {
     let ip = super::client::Client::of(http).address;
     format!(
         "{:016x}",
@@ -503,7 +507,7 @@ fn process_hash(value: &impl std::hash::Hash) -> u64 {
 /// the account of a personal API key, the holder of `server.api_key`, else the client's address
 /// (IPv6 by its /64, as the throttles count). Nothing the client writes (a made-up bearer, the
 /// body's `user`) changes it, so a client cannot escape its limits by naming itself anew.
-fn client_identity(http: &HttpRequest) -> String {
+pub(crate) fn client_identity(http: &HttpRequest) -> String {
     let ext = http.extensions();
     if let Some(ApiAccount { id: user, .. }) = ext.get::<ApiAccount>() {
         return user.clone();
@@ -515,16 +519,17 @@ fn client_identity(http: &HttpRequest) -> String {
     format!("api:{:016x}", process_hash(&("address", address)))
 }
 
-/// Checks the prompt against the context window, submits it and answers (streamed or whole).
-async fn generate<A: Assembler>(
-    state: web::Data<AppState>,
+/// Checks the prompt against the context window and submits it through the one completions
+/// service, as the API caller `user` (see [`client_identity`]) in the cache partition
+/// `cache_salt`. Every API route of this server generates through here.
+pub(crate) async fn submit(
+    state: &web::Data<AppState>,
     common: Common,
     cache_salt: String,
     user: String,
     prompt: Vec<u32>,
     prompt_param: &str,
-    mut assembler: A,
-) -> Result<HttpResponse, ApiError> {
+) -> Result<Completion, ApiError> {
     let p = &state.platform;
     if !state.ready.load(Ordering::Acquire) {
         return Err(ApiError::unavailable("the server is shutting down"));
@@ -535,7 +540,6 @@ async fn generate<A: Assembler>(
             format!("`{prompt_param}` is empty"),
         ));
     }
-    let prompt_tokens = prompt.len();
     let completion = p
         .completions()
         .submit(CompletionRequest {
@@ -557,6 +561,30 @@ async fn generate<A: Assembler>(
             } => ApiError::context_exceeded(prompt_tokens, window, prompt_param),
             other => ApiError::from(other),
         })?;
+    Ok(completion)
+}
+
+/// Checks the prompt against the context window, submits it and answers (streamed or whole).
+async fn generate<A: Assembler>(
+    state: web::Data<AppState>,
+    common: Common,
+    cache_salt: String,
+    user: String,
+    prompt: Vec<u32>,
+    prompt_param: &str,
+    mut assembler: A,
+) -> Result<HttpResponse, ApiError> {
+    let p = &state.platform;
+    let prompt_tokens = prompt.len();
+    let completion = submit(
+        &state,
+        common.clone(),
+        cache_salt,
+        user,
+        prompt,
+        prompt_param,
+    )
+    .await?;
     let id = completion.id();
     let envelope = Envelope::new(
         if A::OBJECT == "text_completion" {
@@ -633,7 +661,7 @@ async fn collect<A: Assembler>(
     ))
 }
 
-fn log_finished(id: RequestId, s: &GenSummary) {
+pub(crate) fn log_finished(id: RequestId, s: &GenSummary) {
     tracing::info!(
         request = id,
         reason = ?s.reason,

@@ -1,0 +1,1121 @@
+//! The Ollama API on the server's own port, for the desktop apps, editor plugins and scripts
+//! that speak it: `POST /api/chat` and `POST /api/generate` (NDJSON streams by default, one
+//! object with `"stream": false`), `GET /api/tags`, `POST /api/show`, `GET /api/version` and
+//! `GET /api/ps`.
+//!
+//! A request is translated into the OpenAI request shape and parsed by the one parser
+//! (`openai::request`), then generated through `openai::submit`: its values get the same
+//! settings check, the same limits, fair sharing and API keys as `/v1`. Only the shapes differ:
+//! Ollama's option names (`num_predict`, `repeat_penalty`, `repeat_last_n`, …), its answers
+//! (`message`/`response`, `done`, durations in nanoseconds) and its errors (`{"error": "…"}`).
+//! What this server cannot honour (images, `format`, custom templates, a `suffix`, mirostat) is
+//! refused with a message that says so, never silently ignored; options that only tune how
+//! Ollama itself loads and runs a model (`num_ctx`, `num_gpu`, `num_thread`, …) are accepted
+//! and have no effect, since this server's model is loaded once with its own configuration.
+
+use std::collections::VecDeque;
+use std::convert::Infallible;
+use std::fmt;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+use std::time::Instant;
+
+use actix_web::body::{BoxBody, MessageBody};
+use actix_web::dev::{ServiceRequest, ServiceResponse};
+use actix_web::http::{header, StatusCode};
+use actix_web::middleware::{from_fn, Next};
+use actix_web::web::{self, Bytes};
+use actix_web::{HttpRequest, HttpResponse, ResponseError};
+use futures_util::Stream;
+use serde_json::{json, Map, Value};
+
+use super::json::JsonBody;
+use super::openai::{self, request, Assembler, ChatAssembler, TextAssembler};
+use super::{AppState, WebError};
+use crate::error::ApiError;
+use smolchat_service::completions::{Completion, GenEvent, GenSummary, StopReason};
+use smolchat_service::platform::Platform;
+
+/// The Ollama API version this server answers as (`/api/version`): the release whose request
+/// and answer shapes these routes follow (`think`, `thinking`, `tool_calls` as objects).
+pub const OLLAMA_API_VERSION: &str = "0.9.0";
+
+/// Registers the routes (before the `/api` scope of the browser's JSON API, which would
+/// otherwise take these paths).
+pub fn routes(cfg: &mut web::ServiceConfig) {
+    let resource = |path: &str| {
+        web::resource(path)
+            .wrap(from_fn(openai::require_api_key))
+            // Outside the key check, so its refusals come in Ollama's shape too.
+            .wrap(from_fn(ollama_errors))
+            .wrap(super::api_headers())
+            .default_service(web::to(method_not_allowed))
+    };
+    cfg.service(resource("/api/chat").route(web::post().to(chat)))
+        .service(resource("/api/generate").route(web::post().to(generate)))
+        .service(
+            resource("/api/tags")
+                .route(web::get().to(tags))
+                .route(web::head().to(tags)),
+        )
+        .service(resource("/api/show").route(web::post().to(show)))
+        .service(
+            resource("/api/version")
+                .route(web::get().to(version))
+                .route(web::head().to(version)),
+        )
+        .service(resource("/api/ps").route(web::get().to(ps)));
+}
+
+/// An API refusal in Ollama's shape: `{"error": "…"}` with the status and `Retry-After` of the
+/// OpenAI-shaped [`ApiError`] it wraps (one place decides what is refused and how).
+#[derive(Debug)]
+pub struct OllamaError(ApiError);
+
+impl OllamaError {
+    fn invalid(field: &str, message: impl Into<String>) -> Self {
+        Self(ApiError::invalid(field, message))
+    }
+}
+
+impl fmt::Display for OllamaError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0.message)
+    }
+}
+
+impl From<ApiError> for OllamaError {
+    fn from(e: ApiError) -> Self {
+        Self(e)
+    }
+}
+
+impl From<WebError> for OllamaError {
+    fn from(e: WebError) -> Self {
+        Self(ApiError::from(e))
+    }
+}
+
+impl ResponseError for OllamaError {
+    fn status_code(&self) -> StatusCode {
+        self.0.status
+    }
+
+    fn error_response(&self) -> HttpResponse {
+        ollama_shaped(&self.0.error_response(), &self.0.message)
+    }
+}
+
+/// `response`'s status and headers with Ollama's error body.
+fn ollama_shaped(response: &HttpResponse, message: &str) -> HttpResponse {
+    let mut out = HttpResponse::build(response.status());
+    for name in [header::RETRY_AFTER, header::WWW_AUTHENTICATE] {
+        if let Some(v) = response.headers().get(&name) {
+            out.insert_header((name, v.clone()));
+        }
+    }
+    out.insert_header((header::X_CONTENT_TYPE_OPTIONS, "nosniff"));
+    out.insert_header((header::CACHE_CONTROL, "no-store"));
+    out.json(json!({ "error": message }))
+}
+
+/// Re-shapes refusals made before a handler runs (the API key check answers in OpenAI's
+/// shape) into Ollama's `{"error": "…"}`.
+async fn ollama_errors(
+    req: ServiceRequest,
+    next: Next<impl MessageBody + 'static>,
+) -> Result<ServiceResponse<BoxBody>, actix_web::Error> {
+    let http = req.request().clone();
+    let res = match next.call(req).await {
+        Ok(res) => res.map_into_boxed_body(),
+        Err(e) => {
+            let response = e.error_response();
+            ServiceResponse::new(http, response)
+        }
+    };
+    let status = res.status();
+    let is_json = res
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.starts_with("application/json"));
+    if !(status.is_client_error() || status.is_server_error()) || !is_json {
+        return Ok(res);
+    }
+    let (http, response) = res.into_parts();
+    let head = response.head().clone();
+    let bytes = actix_web::body::to_bytes(response.into_body())
+        .await
+        .unwrap_or_default();
+    let body: Value = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
+    let message = match &body["error"] {
+        // Already Ollama's shape.
+        Value::String(_) => {
+            let mut same = HttpResponse::build(status);
+            for (name, value) in head.headers.iter() {
+                same.insert_header((name.clone(), value.clone()));
+            }
+            return Ok(ServiceResponse::new(http, same.body(bytes)));
+        }
+        Value::Object(o) => o
+            .get("message")
+            .and_then(Value::as_str)
+            .unwrap_or("the request was refused")
+            .to_string(),
+        _ => String::from_utf8_lossy(&bytes).into_owned(),
+    };
+    let mut rebuilt = HttpResponse::build(status);
+    for (name, value) in head.headers.iter() {
+        if name != header::CONTENT_LENGTH && name != header::CONTENT_TYPE {
+            rebuilt.insert_header((name.clone(), value.clone()));
+        }
+    }
+    Ok(ServiceResponse::new(
+        http,
+        rebuilt.json(json!({ "error": message })),
+    ))
+}
+
+async fn method_not_allowed(req: HttpRequest) -> Result<HttpResponse, OllamaError> {
+    Err(
+        ApiError::method_not_allowed(format!("{} is not allowed on {}", req.method(), req.path()))
+            .into(),
+    )
+}
+
+/// The name the model is listed under: its id with Ollama's `:latest` tag.
+fn listed_name(p: &Platform) -> String {
+    let id = &p.model().id;
+    if id.contains(':') {
+        id.clone()
+    } else {
+        format!("{id}:latest")
+    }
+}
+
+/// Whether an Ollama request's `model` names the loaded model: as listed, or any name `/v1`
+/// accepts. A missing or empty name means the loaded one (as on `/v1`).
+fn serves(p: &Platform, name: &str) -> bool {
+    name.is_empty()
+        || name == listed_name(p)
+        || openai::is_served_model(p, name)
+        || name
+            .strip_suffix(":latest")
+            .is_some_and(|n| openai::is_served_model(p, n))
+}
+
+fn check_model(p: &Platform, name: &str) -> Result<(), OllamaError> {
+    if serves(p, name) {
+        Ok(())
+    } else {
+        Err(ApiError::model_not_found(name, &listed_name(p)).into())
+    }
+}
+
+/// RFC 3339 with Ollama's nanosecond precision.
+fn now_rfc3339() -> String {
+    chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Nanos, true)
+}
+
+/// The quantization of most of the file's matrices, as Ollama's `details` names it.
+fn quantization(p: &Platform) -> String {
+    let stem = std::path::Path::new(&p.model().path)
+        .file_stem()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    // GGUF files name it last (`…-Instruct.Q4_1`); nothing is guessed when they do not.
+    stem.rsplit(['.', '-'])
+        .next()
+        .filter(|q| {
+            let q = q.to_ascii_uppercase();
+            q.starts_with('Q') || q.starts_with("F16") || q.starts_with("BF16")
+        })
+        .map(str::to_ascii_uppercase)
+        .unwrap_or_default()
+}
+
+fn details(p: &Platform) -> Value {
+    let arch = &p.model().architecture;
+    json!({
+        "parent_model": "",
+        "format": "gguf",
+        "family": arch,
+        "families": [arch],
+        "parameter_size": "",
+        "quantization_level": quantization(p),
+    })
+}
+
+/// A stable stand-in for Ollama's blob digest: this model's id, path and size, hashed.
+fn digest(p: &Platform) -> String {
+    use sha2::Digest;
+    let m = p.model();
+    let hash = sha2::Sha256::digest(format!("{}\n{}\n{}", m.id, m.path, m.weight_bytes));
+    hash.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn modified_at(p: &Platform) -> String {
+    std::fs::metadata(&p.model().path)
+        .and_then(|m| m.modified())
+        .map(|t| {
+            chrono::DateTime::<chrono::Utc>::from(t)
+                .to_rfc3339_opts(chrono::SecondsFormat::Nanos, true)
+        })
+        .unwrap_or_else(|_| now_rfc3339())
+}
+
+fn file_size(p: &Platform) -> u64 {
+    std::fs::metadata(&p.model().path)
+        .map(|m| m.len())
+        .unwrap_or(p.model().weight_bytes as u64)
+}
+
+async fn tags(state: web::Data<AppState>) -> HttpResponse {
+    let p = &state.platform;
+    let name = listed_name(p);
+    HttpResponse::Ok().json(json!({"models": [{
+        "name": name,
+        "model": name,
+        "modified_at": modified_at(p),
+        "size": file_size(p),
+        "digest": digest(p),
+        "details": details(p),
+    }]}))
+}
+
+async fn ps(state: web::Data<AppState>) -> HttpResponse {
+    let p = &state.platform;
+    let name = listed_name(p);
+    let on_gpu = p.model().device.starts_with("cuda");
+    HttpResponse::Ok().json(json!({"models": [{
+        "name": name,
+        "model": name,
+        "size": p.model().weight_bytes,
+        "digest": digest(p),
+        "details": details(p),
+        // Loaded for the server's lifetime.
+        "expires_at": "2318-11-25T00:00:00Z",
+        "size_vram": if on_gpu { p.model().weight_bytes } else { 0 },
+        "context_length": p.model().context_window,
+    }]}))
+}
+
+async fn version() -> HttpResponse {
+    HttpResponse::Ok().json(json!({
+        "version": OLLAMA_API_VERSION,
+        "smolchat": env!("CARGO_PKG_VERSION"),
+    }))
+}
+
+async fn show(
+    state: web::Data<AppState>,
+    body: Result<JsonBody<Value>, WebError>,
+) -> Result<HttpResponse, OllamaError> {
+    let JsonBody(body) = body?;
+    let p = &state.platform;
+    let obj = object(&body)?;
+    // `name` is the older spelling.
+    let name = match obj.get("model").or_else(|| obj.get("name")) {
+        Some(Value::String(s)) => s.as_str(),
+        None => "",
+        Some(_) => return Err(OllamaError::invalid("model", "`model` must be a string")),
+    };
+    check_model(p, name)?;
+    let m = p.model();
+    let s = &p.config().sampling;
+    let arch = &m.architecture;
+    let mut capabilities = vec!["completion"];
+    let source = p.template().source();
+    if source.contains("tools") {
+        capabilities.push("tools");
+    }
+    if source.contains("enable_thinking") || source.contains("<think>") {
+        capabilities.push("thinking");
+    }
+    Ok(HttpResponse::Ok().json(json!({
+        "modelfile": format!("# Served by smolchat {}\nFROM {}\n", env!("CARGO_PKG_VERSION"), m.id),
+        "parameters": format!("temperature {}\ntop_p {}\ntop_k {}", s.temperature, s.top_p, s.top_k),
+        "template": source,
+        "details": details(p),
+        "model_info": {
+            "general.architecture": arch,
+            format!("{arch}.context_length"): m.context_window,
+            format!("{arch}.vocab_size"): m.vocab_size,
+        },
+        "capabilities": capabilities,
+        "modified_at": modified_at(p),
+    })))
+}
+
+fn object(body: &Value) -> Result<&Map<String, Value>, OllamaError> {
+    body.as_object()
+        .ok_or_else(|| OllamaError(ApiError::bad_body("the request body must be a JSON object")))
+}
+
+/// What an Ollama request asks beyond the OpenAI shape it is translated into.
+struct Extras {
+    /// `options.repeat_last_n`: the penalties' window (-1: the whole context).
+    repeat_last_n: Option<i64>,
+}
+
+/// `options`: Ollama's names onto the OpenAI request's, into `out`.
+fn translate_options(
+    options: Option<&Value>,
+    out: &mut Map<String, Value>,
+) -> Result<Extras, OllamaError> {
+    let mut extras = Extras {
+        repeat_last_n: None,
+    };
+    let Some(options) = options else {
+        return Ok(extras);
+    };
+    let Some(options) = options.as_object() else {
+        return Err(OllamaError::invalid(
+            "options",
+            "`options` must be an object",
+        ));
+    };
+    for (key, value) in options {
+        match key.as_str() {
+            "temperature" | "top_p" | "top_k" | "min_p" | "seed" | "stop" | "presence_penalty"
+            | "frequency_penalty" => {
+                out.insert(key.clone(), value.clone());
+            }
+            "repeat_penalty" => {
+                out.insert("repeat_penalty".into(), value.clone());
+            }
+            "num_predict" => match value.as_i64() {
+                // -1: until the model stops; -2: fill the context. Both are the default here
+                // (the reply may use the room left in the context window).
+                Some(-1) | Some(-2) => {}
+                Some(n) if n > 0 => {
+                    out.insert("max_tokens".into(), json!(n));
+                }
+                _ => {
+                    return Err(OllamaError::invalid(
+                        "options.num_predict",
+                        format!(
+                        "`options.num_predict` must be a positive integer, -1 or -2, got {value}"
+                    ),
+                    ))
+                }
+            },
+            "repeat_last_n" => match value.as_i64() {
+                Some(n) if n >= -1 => extras.repeat_last_n = Some(n),
+                _ => {
+                    return Err(OllamaError::invalid(
+                        "options.repeat_last_n",
+                        format!("`options.repeat_last_n` must be an integer >= -1, got {value}"),
+                    ))
+                }
+            },
+            // Sampling this server does not do: refused unless asked for as "off".
+            "mirostat" if value.as_i64() == Some(0) => {}
+            "typical_p" | "tfs_z" if value.as_f64() == Some(1.0) => {}
+            "mirostat" | "mirostat_tau" | "mirostat_eta" | "typical_p" | "tfs_z" => {
+                return Err(OllamaError::invalid(
+                    &format!("options.{key}"),
+                    format!(
+                        "`options.{key}` is not supported by this server (it samples with \
+                         temperature, top_k, top_p, min_p and the penalties); remove it"
+                    ),
+                ))
+            }
+            // How Ollama loads and runs a model: this server's model is loaded once, with its
+            // own configuration (the context window included), so these change nothing.
+            "num_ctx" | "num_batch" | "num_gpu" | "main_gpu" | "num_thread" | "num_keep"
+            | "use_mmap" | "use_mlock" | "numa" | "low_vram" | "f16_kv" | "vocab_only"
+            | "penalize_newline" | "logits_all" | "embedding_only" => {}
+            other => {
+                return Err(OllamaError::invalid(
+                    &format!("options.{other}"),
+                    format!("unknown option `{other}`"),
+                ))
+            }
+        }
+    }
+    Ok(extras)
+}
+
+/// The fields both generating routes share: `model`, `stream` (default true), `options`,
+/// `think`, and the refusals of what this server cannot do.
+fn translate_common(
+    obj: &Map<String, Value>,
+    out: &mut Map<String, Value>,
+) -> Result<Extras, OllamaError> {
+    match obj.get("model") {
+        None | Some(Value::String(_)) => {
+            out.insert(
+                "model".into(),
+                obj.get("model").cloned().unwrap_or(json!("")),
+            );
+        }
+        Some(other) => {
+            return Err(OllamaError::invalid(
+                "model",
+                format!("`model` must be a string, got {other}"),
+            ))
+        }
+    }
+    let stream = match obj.get("stream") {
+        None | Some(Value::Null) => true,
+        Some(Value::Bool(b)) => *b,
+        Some(other) => {
+            return Err(OllamaError::invalid(
+                "stream",
+                format!("`stream` must be true or false, got {other}"),
+            ))
+        }
+    };
+    out.insert("stream".into(), json!(stream));
+    match obj.get("format") {
+        None | Some(Value::Null) => {}
+        Some(Value::String(s)) if s.is_empty() => {}
+        Some(_) => {
+            return Err(OllamaError::invalid(
+                "format",
+                "`format` (JSON mode and structured outputs) is not supported by this server yet; \
+                 remove it and ask for JSON in the prompt",
+            ))
+        }
+    }
+    match obj.get("think") {
+        None | Some(Value::Null) => {}
+        Some(Value::Bool(b)) => {
+            out.insert("chat_template_kwargs".into(), json!({"enable_thinking": b}));
+        }
+        Some(other) => {
+            return Err(OllamaError::invalid(
+                "think",
+                format!("`think` must be true or false, got {other}"),
+            ))
+        }
+    }
+    // `keep_alive`: the model stays loaded for the server's lifetime whatever it says.
+    translate_options(obj.get("options"), out)
+}
+
+/// Ollama's chat messages onto OpenAI's: `images` refused, `tool_calls` with object arguments
+/// encoded as OpenAI's strings, `thinking` dropped (a past reply's reasoning is not replayed).
+fn translate_messages(messages: Option<&Value>) -> Result<Value, OllamaError> {
+    let Some(messages) = messages else {
+        return Err(OllamaError::invalid("messages", "`messages` is required"));
+    };
+    let Some(messages) = messages.as_array() else {
+        return Err(OllamaError::invalid(
+            "messages",
+            "`messages` must be an array",
+        ));
+    };
+    let mut out = Vec::with_capacity(messages.len());
+    for (i, m) in messages.iter().enumerate() {
+        let Some(m) = m.as_object() else {
+            return Err(OllamaError::invalid(
+                &format!("messages[{i}]"),
+                "each message must be an object",
+            ));
+        };
+        let mut o = Map::new();
+        for (key, value) in m {
+            match key.as_str() {
+                "role" | "content" | "tool_call_id" => {
+                    o.insert(key.clone(), value.clone());
+                }
+                "tool_name" => {
+                    o.insert("name".into(), value.clone());
+                }
+                "thinking" => {}
+                "images" if value.as_array().is_none_or(Vec::is_empty) => {}
+                "images" => {
+                    return Err(OllamaError::invalid(
+                        &format!("messages[{i}].images"),
+                        "images are not supported: the served model reads text only",
+                    ))
+                }
+                "tool_calls" => {
+                    let calls = value.as_array().cloned().unwrap_or_default();
+                    let calls: Vec<Value> = calls
+                        .into_iter()
+                        .enumerate()
+                        .map(|(j, c)| {
+                            let f = &c["function"];
+                            let arguments = match &f["arguments"] {
+                                Value::String(s) => s.clone(),
+                                Value::Null => "{}".to_string(),
+                                other => other.to_string(),
+                            };
+                            json!({"id": format!("call_{i}_{j}"), "type": "function",
+                                "function": {"name": f["name"], "arguments": arguments}})
+                        })
+                        .collect();
+                    o.insert("tool_calls".into(), Value::Array(calls));
+                }
+                other => {
+                    return Err(OllamaError::invalid(
+                        &format!("messages[{i}].{other}"),
+                        format!("unknown message field `{other}`"),
+                    ))
+                }
+            }
+        }
+        out.push(Value::Object(o));
+    }
+    Ok(Value::Array(out))
+}
+
+/// Runs the one parser over a translated chat body and applies what it does not know.
+fn parse_chat(
+    p: &Platform,
+    body: &Value,
+    extras: &Extras,
+) -> Result<request::ChatRequest, OllamaError> {
+    let mut req = request::parse_chat(body, &openai::defaults(p))?;
+    apply_extras(&mut req.common, extras)?;
+    Ok(req)
+}
+
+fn apply_extras(common: &mut request::Common, extras: &Extras) -> Result<(), OllamaError> {
+    if let Some(n) = extras.repeat_last_n {
+        common.params.penalty_last_n = if n < 0 { usize::MAX } else { n as usize };
+        smolchat_service::settings::check_sampling(&common.params)
+            .map_err(ApiError::from_settings)?;
+    }
+    Ok(())
+}
+
+async fn chat(
+    http: HttpRequest,
+    state: web::Data<AppState>,
+    body: Result<JsonBody<Value>, WebError>,
+) -> Result<HttpResponse, OllamaError> {
+    let JsonBody(body) = body?;
+    let obj = object(&body)?;
+    let mut out = Map::new();
+    let extras = translate_common(obj, &mut out)?;
+    out.insert("messages".into(), translate_messages(obj.get("messages"))?);
+    if let Some(tools) = obj.get("tools") {
+        out.insert("tools".into(), tools.clone());
+    }
+    let model = obj
+        .get("model")
+        .and_then(Value::as_str)
+        .unwrap_or("")
+        .to_string();
+    let p = &state.platform;
+    check_model(p, &model)?;
+    let req = parse_chat(p, &Value::Object(out), &extras)?;
+    openai::check_admin_only(&state, &http, &req.common)?;
+    // An empty message list loads the model in Ollama; here it is always loaded.
+    generate_chat(http, state, req, Shape::Chat).await
+}
+
+/// Which answer shape a chat-templated generation takes.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Shape {
+    /// `/api/chat`: `message: {role, content, thinking, tool_calls}`.
+    Chat,
+    /// `/api/generate`: `response` and `thinking`.
+    Generate,
+}
+
+async fn generate_chat(
+    http: HttpRequest,
+    state: web::Data<AppState>,
+    req: request::ChatRequest,
+    shape: Shape,
+) -> Result<HttpResponse, OllamaError> {
+    let parse_tool_calls = req.parse_tool_calls();
+    let state2 = state.clone();
+    let render = req.clone();
+    let prompt = web::block(move || {
+        let p = &state2.platform;
+        openai::chat_prompt(
+            p.prompt_builder(),
+            p.template(),
+            &render,
+            chrono::Local::now().date_naive(),
+        )
+    })
+    .await
+    .map_err(|e| ApiError::internal(format!("prompt task: {e}")))??;
+    let assembler = Reply::Chat(ChatAssembler::new(
+        prompt.starts_in_reasoning,
+        parse_tool_calls,
+    ));
+    run(
+        http,
+        state,
+        req.common,
+        prompt.tokens,
+        "messages",
+        assembler,
+        shape,
+    )
+    .await
+}
+
+async fn generate(
+    http: HttpRequest,
+    state: web::Data<AppState>,
+    body: Result<JsonBody<Value>, WebError>,
+) -> Result<HttpResponse, OllamaError> {
+    let JsonBody(body) = body?;
+    let obj = object(&body)?;
+    let p = &state.platform;
+    let model = obj
+        .get("model")
+        .and_then(Value::as_str)
+        .unwrap_or("")
+        .to_string();
+    check_model(p, &model)?;
+    for (field, what) in [
+        ("suffix", "fill-in-the-middle `suffix`"),
+        ("template", "a custom `template`"),
+        ("context", "`context` (the deprecated token history)"),
+        ("images", "`images`"),
+    ] {
+        let empty = match obj.get(field) {
+            None | Some(Value::Null) => true,
+            Some(Value::String(s)) => s.is_empty(),
+            Some(Value::Array(a)) => a.is_empty(),
+            Some(_) => false,
+        };
+        if !empty {
+            return Err(OllamaError::invalid(
+                field,
+                format!("{what} is not supported by this server; remove it"),
+            ));
+        }
+    }
+    let text = |field: &str| -> Result<String, OllamaError> {
+        match obj.get(field) {
+            None | Some(Value::Null) => Ok(String::new()),
+            Some(Value::String(s)) => Ok(s.clone()),
+            Some(other) => Err(OllamaError::invalid(
+                field,
+                format!("`{field}` must be a string, got {other}"),
+            )),
+        }
+    };
+    let (prompt, system) = (text("prompt")?, text("system")?);
+    let raw = match obj.get("raw") {
+        None | Some(Value::Null) => false,
+        Some(Value::Bool(b)) => *b,
+        Some(other) => {
+            return Err(OllamaError::invalid(
+                "raw",
+                format!("`raw` must be true or false, got {other}"),
+            ))
+        }
+    };
+    let mut out = Map::new();
+    let extras = translate_common(obj, &mut out)?;
+    if prompt.is_empty() {
+        // Ollama's way to load a model: answered at once, the model is always loaded here.
+        return Ok(HttpResponse::Ok().json(json!({
+            "model": model, "created_at": now_rfc3339(), "response": "",
+            "done": true, "done_reason": "load",
+        })));
+    }
+    if raw {
+        if !system.is_empty() {
+            return Err(OllamaError::invalid(
+                "system",
+                "`system` has no place in a `raw` prompt; write it into the prompt",
+            ));
+        }
+        out.remove("chat_template_kwargs");
+        out.insert("prompt".into(), json!(prompt));
+        let mut req = request::parse_completion(&Value::Object(out), &openai::defaults(p))?;
+        apply_extras(&mut req.common, &extras)?;
+        openai::check_admin_only(&state, &http, &req.common)?;
+        let state2 = state.clone();
+        let tokens = web::block(move || openai::encode(&state2.platform, &prompt))
+            .await
+            .map_err(|e| ApiError::internal(format!("prompt task: {e}")))??;
+        return run(
+            http,
+            state,
+            req.common,
+            tokens,
+            "prompt",
+            Reply::Text(TextAssembler::new()),
+            Shape::Generate,
+        )
+        .await;
+    }
+    let mut messages = Vec::new();
+    if !system.is_empty() {
+        messages.push(json!({"role": "system", "content": system}));
+    }
+    messages.push(json!({"role": "user", "content": prompt}));
+    out.insert("messages".into(), Value::Array(messages));
+    let req = parse_chat(p, &Value::Object(out), &extras)?;
+    openai::check_admin_only(&state, &http, &req.common)?;
+    generate_chat(http, state, req, Shape::Generate).await
+}
+
+/// How the generated text is split: chat (reasoning, answer, tool calls) or raw text.
+enum Reply {
+    Chat(ChatAssembler),
+    Text(TextAssembler),
+}
+
+/// What one piece of the reply adds, in Ollama's terms.
+#[derive(Default)]
+struct Piece {
+    content: String,
+    thinking: String,
+    tool_calls: Vec<Value>,
+}
+
+impl Reply {
+    /// Feeds `text` (or, with `None`, the end) and returns what it adds.
+    fn feed(&mut self, text: Option<&str>, reason: Option<&StopReason>) -> Piece {
+        let mut piece = Piece::default();
+        match self {
+            Reply::Chat(a) => {
+                let calls_before = a.calls().len();
+                let choices = match (text, reason) {
+                    (Some(t), _) => a.push(t),
+                    (None, Some(r)) => a.finish(r),
+                    (None, None) => Vec::new(),
+                };
+                for c in choices {
+                    let d = &c["delta"];
+                    if let Some(t) = d["content"].as_str() {
+                        piece.content.push_str(t);
+                    }
+                    if let Some(t) = d["reasoning_content"].as_str() {
+                        piece.thinking.push_str(t);
+                    }
+                }
+                piece.tool_calls = a.calls()[calls_before..].iter().map(call_object).collect();
+            }
+            Reply::Text(a) => {
+                let choices = match (text, reason) {
+                    (Some(t), _) => a.push(t),
+                    (None, Some(r)) => a.finish(r),
+                    (None, None) => Vec::new(),
+                };
+                for c in choices {
+                    if let Some(t) = c["text"].as_str() {
+                        piece.content.push_str(t);
+                    }
+                }
+            }
+        }
+        piece
+    }
+
+    /// The whole reply, for an answer that is not streamed.
+    fn whole(&self) -> Piece {
+        match self {
+            Reply::Chat(a) => Piece {
+                content: a.content().to_string(),
+                thinking: a.reasoning().to_string(),
+                tool_calls: a.calls().iter().map(call_object).collect(),
+            },
+            Reply::Text(a) => Piece {
+                content: a.choice()["text"].as_str().unwrap_or("").to_string(),
+                ..Piece::default()
+            },
+        }
+    }
+}
+
+/// A tool call as Ollama writes it: the arguments as an object.
+fn call_object(c: &openai::CallOut) -> Value {
+    let arguments: Value =
+        serde_json::from_str(&c.arguments).unwrap_or_else(|_| Value::String(c.arguments.clone()));
+    json!({"function": {"name": c.name, "arguments": arguments}})
+}
+
+/// One line (or the whole answer) in `shape`: the piece, and when `done`, the end's fields.
+fn line(shape: Shape, model: &str, piece: &Piece, done: Option<(&GenSummary, u64)>) -> Value {
+    let mut v = json!({"model": model, "created_at": now_rfc3339()});
+    match shape {
+        Shape::Chat => {
+            let mut message = json!({"role": "assistant", "content": piece.content});
+            if !piece.thinking.is_empty() {
+                message["thinking"] = json!(piece.thinking);
+            }
+            if !piece.tool_calls.is_empty() {
+                message["tool_calls"] = json!(piece.tool_calls);
+            }
+            v["message"] = message;
+        }
+        Shape::Generate => {
+            v["response"] = json!(piece.content);
+            if !piece.thinking.is_empty() {
+                v["thinking"] = json!(piece.thinking);
+            }
+        }
+    }
+    match done {
+        None => v["done"] = json!(false),
+        Some((s, total_ns)) => {
+            let ms = |x: f64| (x * 1e6).max(0.0) as u64;
+            v["done"] = json!(true);
+            v["done_reason"] = json!(match s.reason {
+                StopReason::Length | StopReason::TimeLimit => "length",
+                _ => "stop",
+            });
+            v["total_duration"] = json!(total_ns);
+            v["load_duration"] = json!(0);
+            v["prompt_eval_count"] = json!(s.prompt_tokens);
+            v["prompt_eval_duration"] = json!(ms(s.prefill_ms));
+            v["eval_count"] = json!(s.completion_tokens);
+            v["eval_duration"] = json!(ms(s.generation_ms));
+        }
+    }
+    v
+}
+
+/// Submits through the one completions path and answers in Ollama's shape.
+async fn run(
+    http: HttpRequest,
+    state: web::Data<AppState>,
+    common: request::Common,
+    prompt: Vec<u32>,
+    prompt_param: &str,
+    mut reply: Reply,
+    shape: Shape,
+) -> Result<HttpResponse, OllamaError> {
+    let model = listed_name(&state.platform);
+    let stream = common.stream;
+    let salt = openai::cache_salt(&http, &common);
+    let user = openai::client_identity(&http);
+    let started = Instant::now();
+    let mut completion = openai::submit(&state, common, salt, user, prompt, prompt_param).await?;
+    if stream {
+        return Ok(HttpResponse::Ok()
+            .content_type("application/x-ndjson")
+            .insert_header((header::CACHE_CONTROL, "no-cache"))
+            .insert_header(("X-Accel-Buffering", "no"))
+            .streaming(NdjsonStream {
+                completion,
+                reply,
+                shape,
+                model,
+                out: VecDeque::new(),
+                done: false,
+                started,
+            }));
+    }
+    while let Some(event) = futures_util::StreamExt::next(&mut completion).await {
+        match event {
+            GenEvent::Admitted { .. } => {}
+            GenEvent::Token { text, .. } => {
+                if !text.is_empty() {
+                    reply.feed(Some(&text), None);
+                }
+            }
+            GenEvent::Finished(summary) => {
+                if let StopReason::Error(e) = &summary.reason {
+                    return Err(ApiError::internal(format!("generation failed: {e}")).into());
+                }
+                reply.feed(None, Some(&summary.reason));
+                openai::log_finished(completion.id(), &summary);
+                let total = started.elapsed().as_nanos() as u64;
+                return Ok(HttpResponse::Ok().json(line(
+                    shape,
+                    &model,
+                    &reply.whole(),
+                    Some((&summary, total)),
+                )));
+            }
+        }
+    }
+    Err(ApiError::unavailable("the model worker stopped before the reply was finished").into())
+}
+
+/// The streamed answer: one JSON object a line, the last with `"done": true`. Dropping it (the
+/// client went away) cancels the request through its [`Completion`].
+struct NdjsonStream {
+    completion: Completion,
+    reply: Reply,
+    shape: Shape,
+    model: String,
+    out: VecDeque<Bytes>,
+    done: bool,
+    started: Instant,
+}
+
+impl NdjsonStream {
+    fn push_line(&mut self, v: &Value) {
+        self.out.push_back(Bytes::from(format!("{v}\n")));
+    }
+
+    fn on_event(&mut self, event: GenEvent) {
+        match event {
+            GenEvent::Admitted { .. } => {}
+            GenEvent::Token { text, .. } => {
+                if text.is_empty() {
+                    return;
+                }
+                let piece = self.reply.feed(Some(&text), None);
+                if !(piece.content.is_empty()
+                    && piece.thinking.is_empty()
+                    && piece.tool_calls.is_empty())
+                {
+                    let v = line(self.shape, &self.model, &piece, None);
+                    self.push_line(&v);
+                }
+            }
+            GenEvent::Finished(summary) => {
+                if let StopReason::Error(e) = &summary.reason {
+                    self.push_line(&json!({"error": format!("generation failed: {e}")}));
+                } else {
+                    let piece = self.reply.feed(None, Some(&summary.reason));
+                    if !(piece.content.is_empty()
+                        && piece.thinking.is_empty()
+                        && piece.tool_calls.is_empty())
+                    {
+                        let v = line(self.shape, &self.model, &piece, None);
+                        self.push_line(&v);
+                    }
+                    let total = self.started.elapsed().as_nanos() as u64;
+                    let v = line(
+                        self.shape,
+                        &self.model,
+                        &Piece::default(),
+                        Some((&summary, total)),
+                    );
+                    self.push_line(&v);
+                }
+                openai::log_finished(self.completion.id(), &summary);
+                self.done = true;
+            }
+        }
+    }
+}
+
+impl Stream for NdjsonStream {
+    type Item = Result<Bytes, Infallible>;
+
+    fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        let this = self.get_mut();
+        loop {
+            if let Some(bytes) = this.out.pop_front() {
+                return Poll::Ready(Some(Ok(bytes)));
+            }
+            if this.done {
+                return Poll::Ready(None);
+            }
+            match Pin::new(&mut this.completion).poll_next(cx) {
+                Poll::Ready(Some(event)) => this.on_event(event),
+                Poll::Ready(None) => {
+                    let v =
+                        json!({"error": "the model worker stopped before the reply was finished"});
+                    this.push_line(&v);
+                    this.done = true;
+                }
+                Poll::Pending => return Poll::Pending,
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn options_map_onto_the_openai_names_and_refuse_what_cannot_be_honoured() {
+        let mut out = Map::new();
+        let extras = translate_options(
+            Some(
+                &json!({"temperature": 0.2, "num_predict": 12, "repeat_penalty": 1.1,
+                "repeat_last_n": 32, "num_ctx": 4096, "stop": ["x"], "mirostat": 0}),
+            ),
+            &mut out,
+        )
+        .expect("options");
+        assert_eq!(out["temperature"], json!(0.2));
+        assert_eq!(out["max_tokens"], json!(12));
+        assert_eq!(out["repeat_penalty"], json!(1.1));
+        assert_eq!(out["stop"], json!(["x"]));
+        assert!(!out.contains_key("num_ctx"));
+        assert_eq!(extras.repeat_last_n, Some(32));
+        let mut out = Map::new();
+        translate_options(Some(&json!({"num_predict": -1})), &mut out).expect("-1");
+        assert!(!out.contains_key("max_tokens"));
+        for (bad, field) in [
+            (json!({"mirostat": 2}), "options.mirostat"),
+            (json!({"num_predict": 0}), "options.num_predict"),
+            (json!({"bogus": 1}), "options.bogus"),
+            (json!({"repeat_last_n": -5}), "options.repeat_last_n"),
+        ] {
+            let e = translate_options(Some(&bad), &mut Map::new())
+                .err()
+                .unwrap_or_else(|| panic!("{bad} accepted"));
+            assert_eq!(e.0.param.as_deref(), Some(field), "{bad}");
+        }
+    }
+
+    #[test]
+    fn messages_translate_tool_calls_and_refuse_images() {
+        let m = translate_messages(Some(&json!([
+            {"role": "user", "content": "hi", "images": []},
+            {"role": "assistant", "content": "", "thinking": "hmm",
+             "tool_calls": [{"function": {"name": "f", "arguments": {"a": 1}}}]},
+            {"role": "tool", "content": "3", "tool_name": "f"},
+        ])))
+        .expect("messages");
+        assert_eq!(
+            m[1]["tool_calls"][0]["function"]["arguments"],
+            json!("{\"a\":1}")
+        );
+        assert!(m[1].get("thinking").is_none());
+        assert_eq!(m[2]["name"], json!("f"));
+        let e = translate_messages(Some(&json!([{"role": "user", "content": "x",
+            "images": ["aGk="]}])))
+        .expect_err("images refused");
+        assert_eq!(e.0.param.as_deref(), Some("messages[0].images"));
+    }
+
+    #[test]
+    fn the_last_line_carries_the_counts() {
+        let s = GenSummary {
+            reason: StopReason::Length,
+            prompt_tokens: 7,
+            cached_tokens: 0,
+            completion_tokens: 3,
+            queue_ms: 0.0,
+            prefill_ms: 2.0,
+            ttft_ms: 2.5,
+            generation_ms: 4.0,
+        };
+        let v = line(
+            Shape::Chat,
+            "m:latest",
+            &Piece::default(),
+            Some((&s, 9_000_000)),
+        );
+        assert_eq!(v["done"], json!(true));
+        assert_eq!(v["done_reason"], json!("length"));
+        assert_eq!(v["prompt_eval_count"], json!(7));
+        assert_eq!(v["eval_count"], json!(3));
+        assert_eq!(v["eval_duration"], json!(4_000_000));
+        assert_eq!(v["message"]["role"], json!("assistant"));
+        let g = line(
+            Shape::Generate,
+            "m",
+            &Piece {
+                content: "hi".into(),
+                thinking: "t".into(),
+                tool_calls: Vec::new(),
+            },
+            None,
+        );
+        assert_eq!(
+            (
+                g["response"].clone(),
+                g["thinking"].clone(),
+                g["done"].clone()
+            ),
+            (json!("hi"), json!("t"), json!(false))
+        );
+    }
+}
