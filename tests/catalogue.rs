@@ -857,6 +857,147 @@ fn catalogue() -> Vec<Case> {
         "page list: a before that is no cursor",
         case("", M::GET, "/conversations?before=%00", 400),
     );
+    // ---- the Anthropic Messages API (`{"type": "error", "error": {…}}` answers) ----
+    let messages = |body: Value, status: u16| {
+        case("", M::POST, "/v1/messages", status)
+            .header("x-api-key", API_KEY)
+            .json_value(body)
+    };
+    let hi = || json!([{"role": "user", "content": "Hi"}]);
+    add(
+        "anthropic: no key",
+        case("", M::POST, "/v1/messages", 401)
+            .json_value(json!({"max_tokens": 4, "messages": hi()})),
+    );
+    add(
+        "anthropic: wrong key",
+        case("", M::POST, "/v1/messages", 401)
+            .header("x-api-key", "sk-wrong")
+            .json_value(json!({"max_tokens": 4, "messages": hi()})),
+    );
+    add(
+        "anthropic: malformed JSON",
+        case("", M::POST, "/v1/messages", 400)
+            .header("x-api-key", API_KEY)
+            .json("{\"messages\":"),
+    );
+    add("anthropic: not an object", messages(json!("hi"), 400));
+    add(
+        "anthropic: max_tokens missing",
+        messages(json!({"messages": hi()}), 400),
+    );
+    add(
+        "anthropic: max_tokens 0",
+        messages(json!({"max_tokens": 0, "messages": hi()}), 400),
+    );
+    add(
+        "anthropic: messages missing",
+        messages(json!({"max_tokens": 4}), 400),
+    );
+    add(
+        "anthropic: a system role in messages",
+        messages(
+            json!({"max_tokens": 4, "messages": [{"role": "system", "content": "x"}]}),
+            400,
+        ),
+    );
+    for (name, block) in [
+        (
+            "an image block",
+            json!({"type": "image", "source": {"type": "base64", "data": "aGk="}}),
+        ),
+        ("an unknown block", json!({"type": "hologram"})),
+        ("a block without a type", json!({"text": "x"})),
+        ("a text block without text", json!({"type": "text"})),
+        (
+            "a tool_result without its id",
+            json!({"type": "tool_result", "content": "x"}),
+        ),
+        (
+            "a tool_use in a user message",
+            json!({"type": "tool_use", "id": "t", "name": "f", "input": {}}),
+        ),
+    ] {
+        add(
+            &format!("anthropic: {name}"),
+            messages(
+                json!({"max_tokens": 4, "messages": [{"role": "user", "content": [block]}]}),
+                400,
+            ),
+        );
+    }
+    add(
+        "anthropic: tool_choice any",
+        messages(
+            json!({"max_tokens": 4, "messages": hi(), "tool_choice": {"type": "any"},
+                "tools": [{"name": "f", "input_schema": {"type": "object"}}]}),
+            400,
+        ),
+    );
+    let mut deep = json!({"type": "string"});
+    for _ in 0..500 {
+        deep = json!({"type": "object", "properties": {"a": deep}});
+    }
+    add(
+        "anthropic: a deeply nested tool schema",
+        messages(
+            json!({"max_tokens": 4, "messages": hi(), "tools": [{"name": "f", "input_schema": deep}]}),
+            400,
+        ),
+    );
+    add(
+        "anthropic: thinking of an unknown type",
+        messages(
+            json!({"max_tokens": 4, "messages": hi(), "thinking": {"type": "maybe"}}),
+            400,
+        ),
+    );
+    add(
+        "anthropic: structured output format",
+        messages(
+            json!({"max_tokens": 4, "messages": hi(),
+                "output_config": {"format": {"type": "json_schema", "schema": {}}}}),
+            400,
+        ),
+    );
+    add(
+        "anthropic: unknown field",
+        messages(json!({"max_tokens": 4, "messages": hi(), "warp": 9}), 400),
+    );
+    add(
+        "anthropic: 17 stop sequences",
+        messages(
+            json!({"max_tokens": 4, "messages": hi(),
+                "stop_sequences": (0..17).map(|i| format!("s{i}")).collect::<Vec<_>>()}),
+            400,
+        ),
+    );
+    add(
+        "anthropic: unknown model",
+        messages(
+            json!({"model": "claude-9", "max_tokens": 4, "messages": hi()}),
+            404,
+        ),
+    );
+    add(
+        "anthropic: text/plain body",
+        case("", M::POST, "/v1/messages", 415)
+            .header("x-api-key", API_KEY)
+            .raw("text/plain", b"{}".to_vec()),
+    );
+    add(
+        "anthropic: 2 MB body",
+        case("", M::POST, "/v1/messages", 413)
+            .header("x-api-key", API_KEY)
+            .json(&format!(
+                "{{\"max_tokens\":4,\"messages\":[{{\"role\":\"user\",\"content\":\"{}\"}}]}}",
+                "a".repeat(2 << 20)
+            )),
+    );
+    add(
+        "anthropic: GET on messages",
+        case("", M::GET, "/v1/messages", 405).header("x-api-key", API_KEY),
+    );
     // ---- the Ollama API (`{"error": "…"}` answers) ----
     let ollama = |path: &str, body: Value, status: u16| {
         case("", M::POST, path, status)
@@ -1145,6 +1286,14 @@ async fn run_cases(
             (
                 is_json && ollama && !parsed.as_ref().is_some_and(|v| v["error"].is_string()),
                 "an Ollama answer without a string `error`",
+            ),
+            (
+                is_json
+                    && path == "/v1/messages"
+                    && !parsed
+                        .as_ref()
+                        .is_some_and(|v| v["type"] == "error" && v["error"]["type"].is_string()),
+                "an Anthropic answer without `type: error` and `error.type`",
             ),
             (
                 is_json && header("x-content-type-options") != "nosniff",

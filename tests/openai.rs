@@ -34,14 +34,14 @@ fn tempdir() -> tempfile::TempDir {
     tempfile::tempdir().expect("tempdir")
 }
 
-/// `target/openai-venv` with the official `openai` and `ollama` packages; created (and the
+/// `target/openai-venv` with the official `openai`, `ollama` and `anthropic` packages; created (and the
 /// packages installed from PyPI) only when importing them does not already work there.
 fn openai_venv() -> PathBuf {
     let venv = common::crate_root().join("target/openai-venv");
     let python = venv.join("bin/python");
     let works = |python: &Path| {
         Command::new(python)
-            .args(["-c", "import openai, ollama"])
+            .args(["-c", "import openai, ollama, anthropic"])
             .status()
             .is_ok_and(|s| s.success())
     };
@@ -59,11 +59,18 @@ fn openai_venv() -> PathBuf {
                 "--disable-pip-version-check",
                 "openai",
                 "ollama",
+                "anthropic",
             ])
             .status()
             .expect("run pip");
-        assert!(status.success(), "pip install openai ollama failed");
-        assert!(works(&python), "openai or ollama still not importable");
+        assert!(
+            status.success(),
+            "pip install openai ollama anthropic failed"
+        );
+        assert!(
+            works(&python),
+            "openai, ollama or anthropic still not importable"
+        );
     }
     python
 }
@@ -279,6 +286,28 @@ async fn official_ollama_python_client() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     eprintln!("{stdout}\n{stderr}\n(script took {:?})", t.elapsed());
     assert!(out.status.success(), "the ollama client script failed");
+    assert!(stdout.contains(" passed, 0 failed"), "{stdout}");
+}
+
+/// `/v1/messages`, driven by the official `anthropic` Python client: create and stream, stop
+/// sequences, tools and tool results, thinking, both key headers, refusals as its exceptions.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn official_anthropic_python_client() {
+    let _turn = TURN.lock().await;
+    let python = openai_venv();
+    let dir = tempdir();
+    let server = Server::start(dir.path(), &[("SMOLCHAT_SERVER__API_KEY", KEY)]).await;
+    let t = Instant::now();
+    let out = Command::new(python)
+        .arg(common::crate_root().join("tests/anthropic_client.py"))
+        .env("SMOLCHAT_HOST", &server.base)
+        .env("SMOLCHAT_API_KEY", KEY)
+        .output()
+        .expect("run tests/anthropic_client.py");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    eprintln!("{stdout}\n{stderr}\n(script took {:?})", t.elapsed());
+    assert!(out.status.success(), "the anthropic client script failed");
     assert!(stdout.contains(" passed, 0 failed"), "{stdout}");
 }
 

@@ -24,6 +24,7 @@
 
 pub mod account;
 pub mod admin;
+pub mod anthropic;
 pub mod api;
 pub mod client;
 pub mod cookies;
@@ -133,6 +134,8 @@ pub fn routes(cfg: &mut web::ServiceConfig) {
             .route(web::get().to(ops::metrics))
             .default_service(web::to(method_not_allowed)),
     )
+    // Before the `/v1` scope, which would take its path.
+    .configure(anthropic::routes)
     // Early, so that a catch-all scope registered later cannot shadow `/v1`.
     .configure(openai::routes)
     // Before the `/api` scope, which would take these paths.

@@ -32,6 +32,7 @@ use serde_json::{json, Map, Value};
 use super::json::JsonBody;
 use super::openai::{self, request, Assembler, ChatAssembler, TextAssembler};
 use super::{AppState, WebError};
+use crate::error::reshape;
 use crate::error::ApiError;
 use smolchat_service::completions::{Completion, GenEvent, GenSummary, StopReason};
 use smolchat_service::platform::Platform;
@@ -102,78 +103,21 @@ impl ResponseError for OllamaError {
     }
 
     fn error_response(&self) -> HttpResponse {
-        ollama_shaped(&self.0.error_response(), &self.0.message)
+        reshape::respond(&self.0, ollama_body)
     }
 }
 
-/// `response`'s status and headers with Ollama's error body.
-fn ollama_shaped(response: &HttpResponse, message: &str) -> HttpResponse {
-    let mut out = HttpResponse::build(response.status());
-    for name in [header::RETRY_AFTER, header::WWW_AUTHENTICATE] {
-        if let Some(v) = response.headers().get(&name) {
-            out.insert_header((name, v.clone()));
-        }
-    }
-    out.insert_header((header::X_CONTENT_TYPE_OPTIONS, "nosniff"));
-    out.insert_header((header::CACHE_CONTROL, "no-store"));
-    out.json(json!({ "error": message }))
+/// Ollama's error body: the message alone.
+fn ollama_body(_: StatusCode, message: &str, _: &str) -> Value {
+    json!({ "error": message })
 }
 
-/// Re-shapes refusals made before a handler runs (the API key check answers in OpenAI's
-/// shape) into Ollama's `{"error": "…"}`.
+/// Re-shapes refusals made before a handler runs (the API key check) into Ollama's shape.
 async fn ollama_errors(
     req: ServiceRequest,
     next: Next<impl MessageBody + 'static>,
 ) -> Result<ServiceResponse<BoxBody>, actix_web::Error> {
-    let http = req.request().clone();
-    let res = match next.call(req).await {
-        Ok(res) => res.map_into_boxed_body(),
-        Err(e) => {
-            let response = e.error_response();
-            ServiceResponse::new(http, response)
-        }
-    };
-    let status = res.status();
-    let is_json = res
-        .headers()
-        .get(header::CONTENT_TYPE)
-        .and_then(|v| v.to_str().ok())
-        .is_some_and(|v| v.starts_with("application/json"));
-    if !(status.is_client_error() || status.is_server_error()) || !is_json {
-        return Ok(res);
-    }
-    let (http, response) = res.into_parts();
-    let head = response.head().clone();
-    let bytes = actix_web::body::to_bytes(response.into_body())
-        .await
-        .unwrap_or_default();
-    let body: Value = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
-    let message = match &body["error"] {
-        // Already Ollama's shape.
-        Value::String(_) => {
-            let mut same = HttpResponse::build(status);
-            for (name, value) in head.headers.iter() {
-                same.insert_header((name.clone(), value.clone()));
-            }
-            return Ok(ServiceResponse::new(http, same.body(bytes)));
-        }
-        Value::Object(o) => o
-            .get("message")
-            .and_then(Value::as_str)
-            .unwrap_or("the request was refused")
-            .to_string(),
-        _ => String::from_utf8_lossy(&bytes).into_owned(),
-    };
-    let mut rebuilt = HttpResponse::build(status);
-    for (name, value) in head.headers.iter() {
-        if name != header::CONTENT_LENGTH && name != header::CONTENT_TYPE {
-            rebuilt.insert_header((name.clone(), value.clone()));
-        }
-    }
-    Ok(ServiceResponse::new(
-        http,
-        rebuilt.json(json!({ "error": message })),
-    ))
+    reshape::reshape(req, next, ollama_body).await
 }
 
 async fn method_not_allowed(req: HttpRequest) -> Result<HttpResponse, OllamaError> {

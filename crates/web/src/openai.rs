@@ -160,6 +160,13 @@ pub(crate) async fn require_api_key(
             scheme
                 .eq_ignore_ascii_case("bearer")
                 .then(|| token.trim().to_string())
+        })
+        // Anthropic's clients send the key as `x-api-key`.
+        .or_else(|| {
+            req.headers()
+                .get("x-api-key")
+                .and_then(|v| v.to_str().ok())
+                .map(|v| v.trim().to_string())
         });
     let anonymous_allowed = global.is_none() && state.platform.config().auth.guests;
     if let Some(token) = given {
@@ -214,7 +221,7 @@ pub(crate) async fn require_api_key(
         }
     } else if !anonymous_allowed {
         return Err(ApiError::unauthorized(if global.is_some() {
-            "missing API key: send `Authorization: Bearer <key>`"
+            "missing API key: send `Authorization: Bearer <key>` (or `x-api-key: <key>`)"
         } else {
             "this server has no guest access: send `Authorization: Bearer <key>` with a \
              personal API key (make one on /account)"
@@ -493,6 +500,7 @@ pub(crate) fn cache_salt(http: &HttpRequest, common: &Common) -> String {
 fn bearer(http: &HttpRequest) -> Option<Vec<u8>> {
     http.headers()
         .get(header::AUTHORIZATION)
+        .or_else(|| http.headers().get("x-api-key"))
         .map(|v| v.as_bytes().to_vec())
 }
 

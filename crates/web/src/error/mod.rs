@@ -6,6 +6,7 @@
 
 mod openai;
 mod page;
+pub mod reshape;
 
 pub use openai::ApiError;
 pub use page::PageError;
