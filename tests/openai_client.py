@@ -348,5 +348,68 @@ def _():
     assert r.choices[0].message.content == state["reply"]
 
 
+@check("chat logprobs with top_logprobs, whole and streamed")
+def _():
+    r = client.chat.completions.create(
+        model=MODEL, messages=messages(), temperature=0, max_tokens=MAX_TOKENS,
+        logprobs=True, top_logprobs=3,
+    )
+    c = r.choices[0]
+    entries = c.logprobs.content
+    assert len(entries) == r.usage.completion_tokens, (len(entries), r.usage)
+    for e in entries:
+        assert e.logprob <= 0, e
+        assert len(e.top_logprobs) == 3, e
+        tops = [t.logprob for t in e.top_logprobs]
+        assert tops == sorted(tops, reverse=True), tops
+        # Greedy: the chosen token is the most likely one.
+        assert e.token == e.top_logprobs[0].token and abs(e.logprob - tops[0]) < 1e-5, e
+    text = b"".join(bytes(e.bytes) for e in entries).decode()
+    assert text == c.message.content, (text, c.message.content)
+    stream = client.chat.completions.create(
+        model=MODEL, messages=messages(), temperature=0, max_tokens=MAX_TOKENS,
+        logprobs=True, top_logprobs=3, stream=True,
+    )
+    streamed = []
+    for chunk in stream:
+        for choice in chunk.choices:
+            if choice.logprobs and choice.logprobs.content:
+                streamed.extend(choice.logprobs.content)
+    assert [(e.token, round(e.logprob, 5)) for e in streamed] == [
+        (e.token, round(e.logprob, 5)) for e in entries
+    ], (streamed, entries)
+
+
+@check("completions logprobs: the legacy arrays")
+def _():
+    r = client.completions.create(
+        model=MODEL, prompt="The capital of France is", max_tokens=6, temperature=0, logprobs=2
+    )
+    lp = r.choices[0].logprobs
+    n = r.usage.completion_tokens
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == n, lp
+    assert all(len(t) <= 2 for t in lp.top_logprobs), lp.top_logprobs
+    assert lp.text_offset == sorted(lp.text_offset), lp.text_offset
+    assert "".join(lp.tokens) == r.choices[0].text, (lp.tokens, r.choices[0].text)
+
+
+@check("logprobs refusals")
+def _():
+    expect_error(
+        openai.BadRequestError, 400,
+        lambda: client.chat.completions.create(
+            model=MODEL, messages=messages(), max_tokens=2, logprobs=True, top_logprobs=21
+        ),
+        param="top_logprobs",
+    )
+    expect_error(
+        openai.BadRequestError, 400,
+        lambda: client.chat.completions.create(
+            model=MODEL, messages=messages(), max_tokens=2, top_logprobs=2
+        ),
+        param="top_logprobs",
+    )
+
+
 print(f"{results['passed']} passed, {results['failed']} failed", flush=True)
 sys.exit(1 if results["failed"] else 0)

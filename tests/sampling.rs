@@ -639,3 +639,39 @@ fn stop_matcher_earliest_stop_wins_and_no_stops_passes_through() {
     let (out, hit) = run_matcher(&["aab"], &["a", "a", "a", "b", "c"]);
     assert_eq!((out.as_str(), hit.as_deref()), ("a", Some("aab")));
 }
+
+#[test]
+fn logprobs_are_a_log_softmax_of_the_raw_logits() {
+    use smolchat_text::sampling::logprobs_of;
+    let logits = [1.0f32, 3.0, f32::NAN, 3.0, -2.0];
+    let lp = logprobs_of(&logits, 4, 3);
+    let total: f64 = logits
+        .iter()
+        .enumerate()
+        .map(|(i, _)| f64::from(logprobs_of(&logits, i as u32, 0).logprob).exp())
+        .sum();
+    assert!((total - 1.0).abs() < 1e-6, "{total}");
+    assert_eq!(lp.token, 4);
+    assert!(
+        (lp.logprob - (-2.0 - (1f64.exp() + 2.0 * 3f64.exp() + (-2f64).exp()).ln() as f32)).abs()
+            < 1e-5
+    );
+    // Most likely first, ties by the lowest id; NaN is impossible.
+    assert_eq!(
+        lp.top.iter().map(|t| t.0).collect::<Vec<_>>(),
+        vec![1, 3, 0]
+    );
+    assert_eq!(logprobs_of(&logits, 2, 0).logprob, f32::NEG_INFINITY);
+    // More alternatives than tokens: all of them.
+    assert_eq!(logprobs_of(&logits, 0, 20).top.len(), 5);
+}
+
+#[test]
+fn top_logprobs_over_twenty_are_refused() {
+    let p = SamplingParams {
+        logprobs: Some(21),
+        ..SamplingParams::default()
+    };
+    let e = p.validate().unwrap_err().to_string();
+    assert!(e.contains("top_logprobs"), "{e}");
+}

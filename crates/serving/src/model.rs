@@ -29,7 +29,8 @@ pub enum WorkerCommand {
     /// A new request (kept until the scheduler plans it).
     Register {
         id: RequestId,
-        request: GenerationRequest,
+        /// Boxed: a request is far larger than the other commands.
+        request: Box<GenerationRequest>,
         submitted: Instant,
     },
     /// Run one step and report back.
@@ -174,7 +175,7 @@ impl ModelWorker {
                     request,
                     submitted,
                 } => {
-                    self.active.insert(id, Active::new(request, submitted));
+                    self.active.insert(id, Active::new(*request, submitted));
                 }
                 WorkerCommand::Step(plan) => report(self.step(plan)),
                 WorkerCommand::Evict { conversation, done } => {
@@ -585,6 +586,7 @@ impl ModelWorker {
                             let _ = a.request.events.send(GenEvent::Token {
                                 token: a.last_token.unwrap_or(0),
                                 text,
+                                logprobs: None,
                             });
                         }
                         self.finish(id, StopReason::Length);
@@ -625,7 +627,9 @@ impl ModelWorker {
                 .iter()
                 .map(|(id, _, _, want)| {
                     let generation = self.active.get_mut(id)?.generation.as_mut()?;
-                    (on_device && *want).then(|| device_sampling(generation.device_draw()))
+                    // Log-probabilities need the logits on the host.
+                    (on_device && *want && !generation.wants_logprobs())
+                        .then(|| device_sampling(generation.device_draw()))
                 })
                 .collect();
             let steps: Vec<SeqStep<'_>> = work
@@ -704,6 +708,8 @@ impl ModelWorker {
                                     let _ = a.request.events.send(GenEvent::Token {
                                         token: outcome.token,
                                         text,
+                                        // The end-of-generation token is not output.
+                                        logprobs: outcome.logprobs.filter(|_| !is_eog),
                                     });
                                 }
                                 if let Some(reason) = finished {
@@ -1245,5 +1251,66 @@ mod tests {
         let p_host = tokens(&mut fast_tier_worker(None).sample_on_host(), &penalised);
         assert_eq!(p_device, p_host, "penalties differ between device and host");
         assert_ne!(p_device, on_device, "the penalties changed nothing");
+    }
+
+    /// Log-probabilities need the logits on the host: a backend that draws on its device brings
+    /// them back for the requests that ask, and each output token carries its own.
+    #[test]
+    fn logprobs_come_back_from_a_backend_that_draws_on_its_device() {
+        let mut w = fast_tier_worker(None);
+        assert!(w.engine.samples_on_device());
+        let (tx, mut rx) = mpsc::unbounded_channel();
+        let id = 7;
+        w.active.insert(
+            id,
+            Active::new(
+                GenerationRequest {
+                    cache_key: None,
+                    user: None,
+                    group: None,
+                    cache_salt: None,
+                    prompt: (100..120).collect(),
+                    params: SamplingParams {
+                        max_new_tokens: 5,
+                        ignore_eos: true,
+                        logprobs: Some(2),
+                        ..SamplingParams::greedy()
+                    },
+                    max_time: None,
+                    events: tx,
+                },
+                Instant::now(),
+            ),
+        );
+        let mut plan = StepPlan {
+            prefill: vec![(id, 1000)],
+            ..StepPlan::default()
+        };
+        for _ in 0..10 {
+            let report = w.step(plan);
+            if report.items.iter().any(|r| r.id == id && r.finished) {
+                break;
+            }
+            plan = StepPlan {
+                decode: vec![id],
+                ..StepPlan::default()
+            };
+        }
+        let mut tokens = 0;
+        while let Ok(e) = rx.try_recv() {
+            if let GenEvent::Token {
+                token, logprobs, ..
+            } = e
+            {
+                let lp = logprobs.expect("every token has its log-probabilities");
+                assert_eq!(lp.token, token);
+                assert_eq!(lp.top.len(), 2);
+                // Greedy: the chosen token is the most likely one.
+                assert_eq!(lp.top[0].0, token);
+                assert!(lp.logprob <= 0.0 && (lp.logprob - lp.top[0].1).abs() < 1e-6);
+                tokens += 1;
+            }
+        }
+        assert_eq!(tokens, 5);
     }
 }

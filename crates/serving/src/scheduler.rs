@@ -158,7 +158,7 @@ impl Handler<Submit> for SchedulerActor {
             .worker
             .send(WorkerCommand::Register {
                 id,
-                request,
+                request: Box::new(request),
                 submitted,
             })
             .is_err()

@@ -78,10 +78,12 @@ pub enum GenEvent {
         prompt_tokens: usize,
         cached_tokens: usize,
     },
-    /// One generated token and the text it completes (possibly empty).
+    /// One generated token and the text it completes (possibly empty), with its
+    /// log-probabilities when the request asked for them.
     Token {
         token: u32,
         text: String,
+        logprobs: Option<smolchat_text::sampling::TokenLogprobs>,
     },
     Finished(GenSummary),
 }

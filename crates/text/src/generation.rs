@@ -4,7 +4,9 @@
 //! stop on end-of-generation tokens, stop strings and the token limit, and turn tokens into text
 //! without ever splitting a UTF-8 character or leaking part of a stop string.
 
-use super::sampling::{DeviceDraw, Sampler, SamplingParams, StopMatcher, StopTokens};
+use super::sampling::{
+    logprobs_of, DeviceDraw, Sampler, SamplingParams, StopMatcher, StopTokens, TokenLogprobs,
+};
 use super::tokenizer::{Detokenizer, Tokenizer};
 use crate::error::Result;
 
@@ -20,7 +22,7 @@ pub enum FinishReason {
 }
 
 /// What one sampled token did.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct TokenOutcome {
     pub token: u32,
     /// Text that can be shown now (may be empty while a character or a possible stop string is
@@ -29,6 +31,8 @@ pub struct TokenOutcome {
     /// Set when this token ended the generation. An end-of-generation token is not part of the
     /// output and should not be fed back to the model.
     pub finished: Option<FinishReason>,
+    /// Its log-probabilities, when the request asked for them (see `SamplingParams::logprobs`).
+    pub logprobs: Option<TokenLogprobs>,
 }
 
 pub struct Generation {
@@ -42,6 +46,10 @@ pub struct Generation {
     max_new_tokens: usize,
     ignore_eos: bool,
     finished: Option<FinishReason>,
+    /// Alternatives to report per token (`SamplingParams::logprobs`), and the raw logits kept
+    /// for it (the sampler penalises them in place).
+    logprobs: Option<usize>,
+    raw: Vec<f32>,
 }
 
 impl Generation {
@@ -53,6 +61,7 @@ impl Generation {
         let recent = prompt[prompt.len() - keep..].to_vec();
         let max_new_tokens = params.max_new_tokens;
         let ignore_eos = params.ignore_eos;
+        let logprobs = params.logprobs;
         Ok(Self {
             sampler: Sampler::new(params)?,
             stop_tokens,
@@ -63,13 +72,28 @@ impl Generation {
             max_new_tokens,
             ignore_eos,
             finished: None,
+            logprobs,
+            raw: Vec::new(),
         })
     }
 
     /// Samples the next token from `logits` (modified in place by the penalties).
     pub fn next_token(&mut self, logits: &mut [f32]) -> Result<TokenOutcome> {
+        if self.logprobs.is_some() {
+            self.raw.clear();
+            self.raw.extend_from_slice(logits);
+        }
         let token = self.sampler.sample(logits, &self.recent)?;
-        Ok(self.accept(token))
+        let mut outcome = self.accept(token);
+        if let Some(top) = self.logprobs {
+            outcome.logprobs = Some(logprobs_of(&self.raw, token, top));
+        }
+        Ok(outcome)
+    }
+
+    /// Whether each token's log-probabilities are wanted (they need the logits on the host).
+    pub fn wants_logprobs(&self) -> bool {
+        self.logprobs.is_some()
     }
 
     /// One decode step of a sequence holding `cached` positions in a context window of
@@ -83,8 +107,9 @@ impl Generation {
         cached: usize,
         window: usize,
     ) -> Result<TokenOutcome> {
-        let token = self.sampler.sample(logits, &self.recent)?;
-        Ok(self.accept_within(token, cached, window))
+        let mut outcome = self.next_token(logits)?;
+        self.apply_window(&mut outcome, cached, window);
+        Ok(outcome)
     }
 
     /// How a device that draws tokens itself should choose this generation's next token; the
@@ -96,11 +121,15 @@ impl Generation {
     /// [`Self::accept`] under the context-window rule of [`Self::next_token_within`].
     pub fn accept_within(&mut self, token: u32, cached: usize, window: usize) -> TokenOutcome {
         let mut outcome = self.accept(token);
+        self.apply_window(&mut outcome, cached, window);
+        outcome
+    }
+
+    fn apply_window(&mut self, outcome: &mut TokenOutcome, cached: usize, window: usize) {
         if outcome.finished.is_none() && cached + 1 >= window {
             outcome.text.push_str(&self.finish_early());
             outcome.finished = Some(FinishReason::Length);
         }
-        outcome
     }
 
     /// Records a token chosen elsewhere (or sampled by [`Self::next_token`]).
@@ -110,6 +139,7 @@ impl Generation {
                 token,
                 text: String::new(),
                 finished: self.finished.clone(),
+                logprobs: None,
             };
         }
         if !self.ignore_eos && self.stop_tokens.is_stop_token(token) {
@@ -119,6 +149,7 @@ impl Generation {
                 token,
                 text,
                 finished: self.finished.clone(),
+                logprobs: None,
             };
         }
         self.generated.push(token);
@@ -136,6 +167,7 @@ impl Generation {
             token,
             text,
             finished: self.finished.clone(),
+            logprobs: None,
         }
     }
 

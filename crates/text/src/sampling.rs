@@ -50,6 +50,57 @@ pub struct SamplingParams {
     /// Keep generating past end-of-sequence tokens (for benchmarks and tests); the caller honours
     /// it when it checks [`StopTokens`].
     pub ignore_eos: bool,
+    /// Report each generated token's log-probability and this many most likely alternatives
+    /// (0 to [`MAX_TOP_LOGPROBS`]); `None`: none.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub logprobs: Option<usize>,
+}
+
+/// The most alternatives a token's log-probabilities may list (OpenAI's limit).
+pub const MAX_TOP_LOGPROBS: usize = 20;
+
+/// A generated token's log-probability under the model (its raw logits: before penalties,
+/// temperature and filters, as vLLM reports them) and the most likely tokens at that step.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenLogprobs {
+    pub token: u32,
+    pub logprob: f32,
+    /// (token, log-probability), most likely first, ties by lowest id.
+    pub top: Vec<(u32, f32)>,
+}
+
+/// The log-probabilities of `chosen` and of the `top` most likely tokens over `logits` (a log
+/// softmax; NaN counts as impossible).
+pub fn logprobs_of(logits: &[f32], chosen: u32, top: usize) -> TokenLogprobs {
+    let usable = |l: f32| if l.is_nan() { f32::NEG_INFINITY } else { l };
+    let max = logits
+        .iter()
+        .map(|&l| usable(l))
+        .fold(f32::NEG_INFINITY, f32::max);
+    let sum: f64 = logits
+        .iter()
+        .map(|&l| f64::from(usable(l) - max).exp())
+        .sum();
+    let lse = f64::from(max) + sum.ln();
+    let lp = |l: f32| (f64::from(usable(l)) - lse) as f32;
+    let mut best: Vec<(f32, u32)> = logits
+        .iter()
+        .enumerate()
+        .map(|(i, &l)| (usable(l), i as u32))
+        .collect();
+    let top = top.min(best.len());
+    if top > 0 && top < best.len() {
+        best.select_nth_unstable_by(top - 1, desc);
+    }
+    best.truncate(top);
+    best.sort_by(desc);
+    TokenLogprobs {
+        token: chosen,
+        logprob: logits
+            .get(chosen as usize)
+            .map_or(f32::NEG_INFINITY, |&l| lp(l)),
+        top: best.into_iter().map(|(l, id)| (id, lp(l))).collect(),
+    }
 }
 
 impl Default for SamplingParams {
@@ -68,6 +119,7 @@ impl Default for SamplingParams {
             max_new_tokens: 512,
             stop_strings: Vec::new(),
             ignore_eos: false,
+            logprobs: None,
         }
     }
 }
@@ -122,6 +174,11 @@ impl SamplingParams {
         }
         if self.max_new_tokens == 0 {
             return bad("max_new_tokens must be at least 1".to_string());
+        }
+        if let Some(n) = self.logprobs.filter(|&n| n > MAX_TOP_LOGPROBS) {
+            return bad(format!(
+                "top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {n}"
+            ));
         }
         if let Some(i) = self.stop_strings.iter().position(|s| s.is_empty()) {
             // An empty stop string would match before the first character and end every reply.

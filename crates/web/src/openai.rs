@@ -56,6 +56,7 @@ use smolchat_service::completions::{CacheUse, Completion, CompletionRequest};
 use smolchat_service::completions::{GenEvent, GenSummary, RequestId, StopReason};
 use smolchat_service::platform::Platform;
 use smolchat_text::prompt::{Prompt, PromptBuilder};
+use smolchat_text::sampling::TokenLogprobs;
 use smolchat_text::template::{ChatMessage, ChatTemplate, RenderOptions};
 use smolchat_text::TextError;
 
@@ -620,6 +621,7 @@ async fn generate<A: Assembler>(
         }
         let stream = ApiStream {
             completion,
+            logprobs: LogprobsOut::new(&state, A::OBJECT == "chat.completion"),
             assembler,
             envelope,
             include_usage: common.include_usage,
@@ -635,8 +637,13 @@ async fn generate<A: Assembler>(
             .streaming(stream));
     }
 
-    let (summary, assembler) = collect(completion, assembler).await?;
-    let mut body = envelope.wrap(A::OBJECT, vec![assembler.choice()]);
+    let mut logprobs = LogprobsOut::new(&state, A::OBJECT == "chat.completion");
+    let (summary, assembler) = collect(completion, assembler, &mut logprobs).await?;
+    let mut choice = assembler.choice();
+    if let Some(lp) = logprobs.take() {
+        choice["logprobs"] = lp;
+    }
+    let mut body = envelope.wrap(A::OBJECT, vec![choice]);
     body["usage"] = usage(&summary);
     log_finished(id, &summary);
     Ok(HttpResponse::Ok().json(body))
@@ -646,11 +653,17 @@ async fn generate<A: Assembler>(
 async fn collect<A: Assembler>(
     mut completion: Completion,
     mut assembler: A,
+    logprobs: &mut LogprobsOut,
 ) -> Result<(GenSummary, A), ApiError> {
     while let Some(event) = futures_util::StreamExt::next(&mut completion).await {
         match event {
             GenEvent::Admitted { .. } => {}
-            GenEvent::Token { text, .. } => {
+            GenEvent::Token {
+                text, logprobs: lp, ..
+            } => {
+                if let Some(lp) = lp {
+                    logprobs.push(lp);
+                }
                 if !text.is_empty() {
                     assembler.push(&text);
                 }
@@ -694,7 +707,88 @@ fn sse(chunk: &Value, include_usage: bool) -> Bytes {
 const DONE: &[u8] = b"data: [DONE]\n\n";
 
 /// The streamed response: owns the request's receiver and its cancel guard (see module docs).
+/// A reply's token log-probabilities in the endpoint's shape (chat: `logprobs.content`; text
+/// completions: the legacy parallel arrays), gathered as tokens arrive and handed out with the
+/// chunk that carries their text.
+struct LogprobsOut {
+    state: web::Data<AppState>,
+    chat: bool,
+    pending: Vec<TokenLogprobs>,
+    /// Text completions: bytes of the reply before the pending tokens (`text_offset`).
+    offset: usize,
+    /// Whether any token had them (the request asked).
+    wanted: bool,
+}
+
+impl LogprobsOut {
+    fn new(state: &web::Data<AppState>, chat: bool) -> Self {
+        Self {
+            state: state.clone(),
+            chat,
+            pending: Vec::new(),
+            offset: 0,
+            wanted: false,
+        }
+    }
+
+    fn push(&mut self, lp: TokenLogprobs) {
+        self.wanted = true;
+        self.pending.push(lp);
+    }
+
+    /// The pending tokens' entry for a choice, or `None` when none were asked for.
+    fn take(&mut self) -> Option<Value> {
+        if !self.wanted {
+            return None;
+        }
+        let tokenizer = self.state.platform.tokenizer();
+        let piece = |id: u32| {
+            let bytes = tokenizer.token_bytes(id);
+            (String::from_utf8_lossy(&bytes).into_owned(), bytes)
+        };
+        let pending = std::mem::take(&mut self.pending);
+        if self.chat {
+            let content: Vec<Value> = pending
+                .iter()
+                .map(|lp| {
+                    let (token, bytes) = piece(lp.token);
+                    let top: Vec<Value> = lp
+                        .top
+                        .iter()
+                        .map(|&(id, l)| {
+                            let (token, bytes) = piece(id);
+                            json!({"token": token, "logprob": l, "bytes": bytes})
+                        })
+                        .collect();
+                    json!({"token": token, "logprob": lp.logprob, "bytes": bytes,
+                        "top_logprobs": top})
+                })
+                .collect();
+            return Some(json!({"content": content, "refusal": null}));
+        }
+        let (mut tokens, mut token_logprobs, mut top_logprobs, mut text_offset) =
+            (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        for lp in &pending {
+            let (token, bytes) = piece(lp.token);
+            tokens.push(json!(token));
+            token_logprobs.push(json!(lp.logprob));
+            let top: serde_json::Map<String, Value> = lp
+                .top
+                .iter()
+                .map(|&(id, l)| (piece(id).0, json!(l)))
+                .collect();
+            top_logprobs.push(Value::Object(top));
+            text_offset.push(json!(self.offset));
+            self.offset += bytes.len();
+        }
+        Some(json!({"tokens": tokens, "token_logprobs": token_logprobs,
+            "top_logprobs": top_logprobs, "text_offset": text_offset}))
+    }
+}
+
 struct ApiStream<A: Assembler> {
+    /// Log-probabilities waiting for the chunk that carries their tokens' text.
+    logprobs: LogprobsOut,
     /// The request: cancelled if the stream is dropped (the client went away) before it ends.
     completion: Completion,
     assembler: A,
@@ -709,7 +803,10 @@ impl<A: Assembler> ApiStream<A> {
     fn on_event(&mut self, event: GenEvent) {
         match event {
             GenEvent::Admitted { .. } => {}
-            GenEvent::Token { text, .. } => {
+            GenEvent::Token { text, logprobs, .. } => {
+                if let Some(lp) = logprobs {
+                    self.logprobs.push(lp);
+                }
                 if text.is_empty() {
                     return;
                 }
@@ -742,7 +839,12 @@ impl<A: Assembler> ApiStream<A> {
         }
     }
 
-    fn chunks(&mut self, choices: Vec<Value>) {
+    fn chunks(&mut self, mut choices: Vec<Value>) {
+        if let Some(first) = choices.first_mut() {
+            if let Some(lp) = self.logprobs.take() {
+                first["logprobs"] = lp;
+            }
+        }
         for choice in choices {
             let chunk = self.envelope.wrap(A::CHUNK_OBJECT, vec![choice]);
             self.out.push_back(sse(&chunk, self.include_usage));

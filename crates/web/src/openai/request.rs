@@ -2,12 +2,12 @@
 //! a wrong type is a 400 that names the field and says what it must be (serde's derive would
 //! only give a line and column). Fields smolchat has no use for (`user`, `metadata`,
 //! `logit_bias`, …) are ignored, as llama-server ignores them; features it cannot honour
-//! (`n > 1`, `logprobs`, forced tool choice, JSON mode) are refused rather than silently dropped.
+//! (`n > 1`, forced tool choice, JSON mode) are refused rather than silently dropped.
 
 use serde_json::{Map, Value};
 
 use crate::error::ApiError;
-use smolchat_text::sampling::SamplingParams;
+use smolchat_text::sampling::{SamplingParams, MAX_TOP_LOGPROBS};
 use smolchat_text::template::ChatMessage;
 
 /// The most tools one request may offer. Each is printed into the prompt, so thousands would
@@ -243,25 +243,38 @@ fn parse_common(f: &Fields<'_>, defaults: &Defaults) -> Result<Common, ApiError>
             ));
         }
     }
-    if f.bool("logprobs")? == Some(true) {
-        return Err(ApiError::unsupported(
-            "logprobs",
-            "`logprobs` is not supported by smolchat",
-        ));
-    }
-    if let Some(Value::Number(_)) = f.get("logprobs") {
-        // The legacy completions API takes a number here.
-        if f.count("logprobs")? != Some(0) {
-            return Err(ApiError::unsupported(
-                "logprobs",
-                "`logprobs` is not supported by smolchat",
-            ));
+    // Chat: `logprobs: true` and `top_logprobs` (0 to 20); the legacy completions API: a
+    // number of alternatives in `logprobs` itself.
+    let top_logprobs = f.count("top_logprobs")?;
+    let logprobs = match f.get("logprobs") {
+        None | Some(Value::Null) | Some(Value::Bool(false)) => {
+            if top_logprobs.is_some_and(|n| n > 0) {
+                return Err(ApiError::invalid(
+                    "top_logprobs",
+                    "`top_logprobs` needs `logprobs: true`",
+                ));
+            }
+            None
         }
-    }
-    if f.count("top_logprobs")?.is_some_and(|n| n > 0) {
-        return Err(ApiError::unsupported(
-            "top_logprobs",
-            "`top_logprobs` is not supported by smolchat",
+        Some(Value::Bool(true)) => Some(top_logprobs.unwrap_or(0)),
+        Some(Value::Number(_)) => f.count("logprobs")?,
+        Some(other) => {
+            return Err(wrong_type(
+                "logprobs",
+                "true, false or a number of alternatives",
+                other,
+            ))
+        }
+    };
+    if let Some(n) = logprobs.filter(|&n| n > MAX_TOP_LOGPROBS) {
+        let param = if top_logprobs.is_some() {
+            "top_logprobs"
+        } else {
+            "logprobs"
+        };
+        return Err(ApiError::invalid(
+            param,
+            format!("`{param}` must be between 0 and {MAX_TOP_LOGPROBS}, got {n}"),
         ));
     }
     if let Some(best_of) = f.i64("best_of")? {
@@ -343,6 +356,7 @@ fn parse_common(f: &Fields<'_>, defaults: &Defaults) -> Result<Common, ApiError>
         params.seed = Some(seed as u64);
     }
     params.stop_strings = parse_stop(f)?;
+    params.logprobs = logprobs;
     smolchat_service::settings::check_sampling(&params).map_err(ApiError::from_settings)?;
 
     // `max_completion_tokens` replaced `max_tokens` in OpenAI's API; both are accepted.
@@ -895,7 +909,9 @@ mod tests {
             ("presence_penalty", json!(3), "presence_penalty"),
             ("seed", json!("x"), "seed"),
             ("tool_choice", json!("required"), "tool_choice"),
-            ("logprobs", json!(true), "logprobs"),
+            ("logprobs", json!("yes"), "logprobs"),
+            ("logprobs", json!(21), "logprobs"),
+            ("top_logprobs", json!(3), "top_logprobs"),
             ("logit_bias", json!([1]), "logit_bias"),
         ] {
             let mut body = json!({"messages": user.clone()});
