@@ -41,7 +41,7 @@ fn openai_venv() -> PathBuf {
     let python = venv.join("bin/python");
     let works = |python: &Path| {
         Command::new(python)
-            .args(["-c", "import openai, ollama, anthropic"])
+            .args(["-c", "import openai, ollama, anthropic, jsonschema"])
             .status()
             .is_ok_and(|s| s.success())
     };
@@ -60,6 +60,7 @@ fn openai_venv() -> PathBuf {
                 "openai",
                 "ollama",
                 "anthropic",
+                "jsonschema",
             ])
             .status()
             .expect("run pip");

@@ -411,5 +411,103 @@ def _():
     )
 
 
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 16},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "kind": {"enum": ["person", "robot", "cat"]},
+        "tags": {"type": "array", "items": {"type": "string", "enum": ["red", "green", "blue"]}, "maxItems": 3},
+        "address": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 16},
+                "zip": {"type": "string", "pattern": "^[0-9]{5}$"},
+            },
+            "required": ["city", "zip"],
+            "additionalProperties": False,
+        },
+    },
+    "required": ["name", "age", "kind", "tags", "address"],
+    "additionalProperties": False,
+}
+
+
+@check("response_format json_schema (strict): 50 samples at temperature 1 all validate")
+def _():
+    import concurrent.futures
+    import json
+
+    import jsonschema
+
+    def one(i):
+        r = client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": f"Describe a character as JSON ({i})."}],
+            temperature=1.0,
+            seed=i,
+            max_tokens=200,
+            response_format={"type": "json_schema", "json_schema": {"name": "character", "schema": SCHEMA, "strict": True}},
+        )
+        c = r.choices[0]
+        assert c.finish_reason == "stop", (c.finish_reason, c.message.content)
+        jsonschema.validate(json.loads(c.message.content), SCHEMA)
+        return c.message.content
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        outs = list(pool.map(one, range(50)))
+    assert len(set(outs)) > 1, "50 samples at temperature 1 were all the same"
+
+
+@check("response_format json_object, and a Lark grammar for arithmetic")
+def _():
+    import json
+    import re
+
+    r = client.chat.completions.create(
+        model=MODEL, messages=messages(), temperature=1.0, seed=3, max_tokens=120,
+        response_format={"type": "json_object"},
+    )
+    assert isinstance(json.loads(r.choices[0].message.content), dict), r.choices[0].message.content
+    grammar = "\n".join([
+        'start: expr',
+        'expr: term (("+" | "-") term)*',
+        'term: factor (("*" | "/") factor)*',
+        'factor: NUMBER | "(" expr ")"',
+        'NUMBER: /[0-9]{1,3}/',
+    ])
+    for i in range(10):
+        r = client.completions.create(
+            model=MODEL, prompt=f"An arithmetic expression ({i}): ", max_tokens=40, temperature=1.0,
+            seed=i, extra_body={"guided_grammar": grammar},
+        )
+        text = r.choices[0].text
+        if r.choices[0].finish_reason == "stop":
+            assert re.fullmatch(r"[0-9+\-*/()]+", text), text
+            eval(compile(text, "<expr>", "eval"), {"__builtins__": {}})  # parses as arithmetic
+        else:
+            # Cut by max_tokens: still a prefix of the language.
+            assert re.fullmatch(r"[0-9+\-*/()]*", text), text
+
+
+@check("grammar refusals name the field")
+def _():
+    expect_error(
+        openai.BadRequestError, 400,
+        lambda: client.chat.completions.create(
+            model=MODEL, messages=messages(), max_tokens=2,
+            response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}},
+        ),
+        param="response_format",
+    )
+    expect_error(
+        openai.BadRequestError, 400,
+        lambda: client.completions.create(
+            model=MODEL, prompt="x", max_tokens=2, extra_body={"grammar": "root ::= \"a\""},
+        ),
+        param="grammar",
+    )
+
+
 print(f"{results['passed']} passed, {results['failed']} failed", flush=True)
 sys.exit(1 if results["failed"] else 0)

@@ -627,8 +627,8 @@ impl ModelWorker {
                 .iter()
                 .map(|(id, _, _, want)| {
                     let generation = self.active.get_mut(id)?.generation.as_mut()?;
-                    // Log-probabilities need the logits on the host.
-                    (on_device && *want && !generation.wants_logprobs())
+                    // Log-probabilities and grammars need the logits on the host.
+                    (on_device && *want && !generation.needs_host_logits())
                         .then(|| device_sampling(generation.device_draw()))
                 })
                 .collect();

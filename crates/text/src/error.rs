@@ -9,6 +9,9 @@ pub enum TextError {
     Template(String),
     #[error("sampling: {0}")]
     Sampling(String),
+    /// A grammar or schema for constrained decoding that cannot be compiled or followed.
+    #[error("constraint: {0}")]
+    Constraint(String),
     #[error("token id {id} is outside the vocabulary (size {vocab})")]
     BadToken { id: u32, vocab: usize },
     #[error(transparent)]

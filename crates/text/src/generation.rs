@@ -8,6 +8,7 @@ use super::sampling::{
     logprobs_of, DeviceDraw, Sampler, SamplingParams, StopMatcher, StopTokens, TokenLogprobs,
 };
 use super::tokenizer::{Detokenizer, Tokenizer};
+use crate::constraint::Constraint;
 use crate::error::Result;
 
 /// Why a generation ended.
@@ -50,6 +51,8 @@ pub struct Generation {
     /// for it (the sampler penalises them in place).
     logprobs: Option<usize>,
     raw: Vec<f32>,
+    /// The grammar the reply must match, when the request gave one.
+    constraint: Option<Constraint>,
 }
 
 impl Generation {
@@ -62,6 +65,11 @@ impl Generation {
         let max_new_tokens = params.max_new_tokens;
         let ignore_eos = params.ignore_eos;
         let logprobs = params.logprobs;
+        let constraint = params
+            .grammar
+            .as_ref()
+            .map(|g| Constraint::new(tokenizer, g))
+            .transpose()?;
         Ok(Self {
             sampler: Sampler::new(params)?,
             stop_tokens,
@@ -74,6 +82,7 @@ impl Generation {
             finished: None,
             logprobs,
             raw: Vec::new(),
+            constraint,
         })
     }
 
@@ -83,17 +92,28 @@ impl Generation {
             self.raw.clear();
             self.raw.extend_from_slice(logits);
         }
+        if let Some(c) = self.constraint.as_mut() {
+            c.mask(logits)?;
+        }
         let token = self.sampler.sample(logits, &self.recent)?;
         let mut outcome = self.accept(token);
+        // Once the grammar is complete its mask allows only the end-of-generation token, which
+        // then ends the reply as any end does (one more step, but the same accounting).
+        if let Some(c) = self.constraint.as_mut() {
+            if outcome.finished != Some(FinishReason::EndOfGeneration) && !c.is_stopped() {
+                c.consume(token)?;
+            }
+        }
         if let Some(top) = self.logprobs {
             outcome.logprobs = Some(logprobs_of(&self.raw, token, top));
         }
         Ok(outcome)
     }
 
-    /// Whether each token's log-probabilities are wanted (they need the logits on the host).
-    pub fn wants_logprobs(&self) -> bool {
-        self.logprobs.is_some()
+    /// Whether the next token must be drawn on the host, from the logits: for its
+    /// log-probabilities, or to mask it with a grammar.
+    pub fn needs_host_logits(&self) -> bool {
+        self.logprobs.is_some() || self.constraint.is_some()
     }
 
     /// One decode step of a sequence holding `cached` positions in a context window of

@@ -3,6 +3,7 @@
 //! generation state (sampler, stops, detokenizer) and the streaming splitter into answer,
 //! reasoning and tool calls. It knows nothing of the engine's backends, actors, SQL or HTTP.
 
+pub mod constraint;
 pub mod error;
 pub mod generation;
 pub mod guard;

@@ -54,6 +54,10 @@ pub struct SamplingParams {
     /// (0 to [`MAX_TOP_LOGPROBS`]); `None`: none.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub logprobs: Option<usize>,
+    /// What the reply must match (JSON Schema, any JSON object, a grammar, a regex); see
+    /// [`crate::constraint`].
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub grammar: Option<crate::constraint::Grammar>,
 }
 
 /// The most alternatives a token's log-probabilities may list (OpenAI's limit).
@@ -120,6 +124,7 @@ impl Default for SamplingParams {
             stop_strings: Vec::new(),
             ignore_eos: false,
             logprobs: None,
+            grammar: None,
         }
     }
 }

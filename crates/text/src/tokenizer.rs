@@ -391,6 +391,8 @@ pub struct Tokenizer {
     add_bos: bool,
     eog: Vec<u32>,
     origin: String,
+    /// The constrained-decoding parser factory over this vocabulary, built on first use.
+    grammar: std::sync::OnceLock<std::result::Result<Arc<llguidance::ParserFactory>, String>>,
 }
 
 impl fmt::Debug for Tokenizer {
@@ -860,7 +862,17 @@ impl Tokenizer {
             add_bos,
             eog,
             origin,
+            grammar: std::sync::OnceLock::new(),
         })
+    }
+
+    /// The parser factory constrained decoding compiles grammars with (see
+    /// [`crate::constraint`]), built once per tokenizer from its token bytes.
+    pub fn grammar_factory(&self) -> Result<Arc<llguidance::ParserFactory>> {
+        self.grammar
+            .get_or_init(|| crate::constraint::factory(self).map_err(|e| e.to_string()))
+            .clone()
+            .map_err(TextError::Constraint)
     }
 
     /// Text → ids. With `parse_special`, control tokens written in the text (`<|im_start|>`)

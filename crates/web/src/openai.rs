@@ -549,6 +549,19 @@ pub(crate) async fn submit(
             format!("`{prompt_param}` is empty"),
         ));
     }
+    if let Some(grammar) = common.params.grammar.clone() {
+        // Compiled here, off the event loop, so a schema or grammar that cannot be followed is
+        // the client's 400 before anything is queued (the model thread compiles it again).
+        let field = common
+            .grammar_field
+            .clone()
+            .unwrap_or_else(|| "response_format".into());
+        let state2 = state.clone();
+        web::block(move || smolchat_text::constraint::check(state2.platform.tokenizer(), &grammar))
+            .await
+            .map_err(|e| ApiError::internal(format!("grammar task: {e}")))?
+            .map_err(|e| ApiError::invalid(&field, e.to_string()))?;
+    }
     let completion = p
         .completions()
         .submit(CompletionRequest {

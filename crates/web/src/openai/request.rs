@@ -7,6 +7,7 @@
 use serde_json::{Map, Value};
 
 use crate::error::ApiError;
+use smolchat_text::constraint::Grammar;
 use smolchat_text::sampling::{SamplingParams, MAX_TOP_LOGPROBS};
 use smolchat_text::template::ChatMessage;
 
@@ -32,6 +33,8 @@ pub struct Common {
     /// context) is applied.
     pub params: SamplingParams,
     pub max_tokens: Option<usize>,
+    /// The request field the grammar came from (for the message when it does not compile).
+    pub grammar_field: Option<String>,
     /// What the client says separates its cache partition from others': vLLM's `cache_salt`
     /// and OpenAI's `user` (an end-user id), joined. The web layer adds the client's address
     /// and key; see `openai::cache_salt`.
@@ -357,6 +360,8 @@ fn parse_common(f: &Fields<'_>, defaults: &Defaults) -> Result<Common, ApiError>
     }
     params.stop_strings = parse_stop(f)?;
     params.logprobs = logprobs;
+    let (grammar, grammar_field) = parse_grammar_fields(f)?;
+    params.grammar = grammar;
     smolchat_service::settings::check_sampling(&params).map_err(ApiError::from_settings)?;
 
     // `max_completion_tokens` replaced `max_tokens` in OpenAI's API; both are accepted.
@@ -378,7 +383,60 @@ fn parse_common(f: &Fields<'_>, defaults: &Defaults) -> Result<Common, ApiError>
         include_usage,
         params,
         max_tokens,
+        grammar_field,
         cache_salt,
+    })
+}
+
+/// The grammar fields of llama-server (`json_schema`) and vLLM (`guided_json`, `guided_regex`,
+/// `guided_grammar` in llguidance's Lark dialect); at most one. llama-server's GBNF `grammar`
+/// is refused with the field to use instead.
+fn parse_grammar_fields(f: &Fields<'_>) -> Result<(Option<Grammar>, Option<String>), ApiError> {
+    let mut found: Vec<(Grammar, &str)> = Vec::new();
+    for name in ["json_schema", "guided_json"] {
+        match f.get(name) {
+            None | Some(Value::Null) => {}
+            Some(schema @ Value::Object(_)) => {
+                found.push((Grammar::JsonSchema(schema.clone()), name))
+            }
+            Some(Value::String(text)) => match serde_json::from_str::<Value>(text) {
+                Ok(schema @ Value::Object(_)) => found.push((Grammar::JsonSchema(schema), name)),
+                _ => {
+                    return Err(ApiError::invalid(
+                        name,
+                        format!("`{name}` must be a JSON Schema object"),
+                    ))
+                }
+            },
+            Some(other) => return Err(wrong_type(name, "a JSON Schema object", other)),
+        }
+    }
+    if let Some(rx) = f.str("guided_regex")? {
+        found.push((Grammar::Regex(rx.to_string()), "guided_regex"));
+    }
+    if let Some(lark) = f.str("guided_grammar")? {
+        found.push((Grammar::Lark(lark.to_string()), "guided_grammar"));
+    }
+    if f.str("grammar")?.is_some_and(|g| !g.is_empty()) {
+        return Err(ApiError::invalid(
+            "grammar",
+            "GBNF grammars are not supported yet; send the grammar in llguidance's Lark dialect \
+             as `guided_grammar`, or a JSON Schema as `json_schema`",
+        ));
+    }
+    if found.len() > 1 {
+        let names: Vec<&str> = found.iter().map(|(_, n)| *n).collect();
+        return Err(ApiError::invalid(
+            found[1].1,
+            format!(
+                "only one grammar field may be sent, got {}",
+                names.join(", ")
+            ),
+        ));
+    }
+    Ok(match found.pop() {
+        Some((g, name)) => (Some(g), Some(name.to_string())),
+        None => (None, None),
     })
 }
 
@@ -419,7 +477,7 @@ fn parse_stop(f: &Fields<'_>) -> Result<Vec<String>, ApiError> {
 /// Parses a chat completion request.
 pub fn parse_chat(body: &Value, defaults: &Defaults) -> Result<ChatRequest, ApiError> {
     let f = Fields::new(body, "")?;
-    let common = parse_common(&f, defaults)?;
+    let mut common = parse_common(&f, defaults)?;
     let raw_messages = f
         .array("messages")?
         .ok_or_else(|| ApiError::invalid("messages", "`messages` is required"))?;
@@ -482,14 +540,50 @@ pub fn parse_chat(body: &Value, defaults: &Defaults) -> Result<ChatRequest, ApiE
         };
     f.bool("parallel_tool_calls")?;
     if let Some(rf) = f.object("response_format")? {
-        match rf.str("type")? {
-            None | Some("text") => {}
+        let grammar = match rf.str("type")? {
+            None | Some("text") => None,
+            Some("json_object") => Some(Grammar::JsonObject),
+            Some("json_schema") => {
+                let Some(js) = rf.object("json_schema")? else {
+                    return Err(ApiError::invalid(
+                        "response_format.json_schema",
+                        "`response_format.json_schema` is required with type \"json_schema\"",
+                    ));
+                };
+                // OpenAI's `strict` asks for exactly what constrained decoding always gives.
+                js.bool("strict")?;
+                js.str("name")?;
+                match js.get("schema") {
+                    Some(schema @ Value::Object(_)) => Some(Grammar::JsonSchema(schema.clone())),
+                    Some(Value::Bool(true)) | None => Some(Grammar::JsonObject),
+                    Some(other) => {
+                        return Err(wrong_type(
+                            "response_format.json_schema.schema",
+                            "a JSON Schema object",
+                            other,
+                        ))
+                    }
+                }
+            }
             Some(other) => {
-                return Err(ApiError::unsupported(
+                return Err(ApiError::invalid(
                     "response_format",
-                    format!("`response_format` type \"{other}\" is not supported; only \"text\""),
+                    format!(
+                        "`response_format.type` must be \"text\", \"json_object\" or \
+                         \"json_schema\", got \"{other}\""
+                    ),
                 ))
             }
+        };
+        if let Some(g) = grammar {
+            if common.params.grammar.is_some() {
+                return Err(ApiError::invalid(
+                    "response_format",
+                    "`response_format` and a grammar field cannot be combined; send one",
+                ));
+            }
+            common.params.grammar = Some(g);
+            common.grammar_field = Some("response_format".into());
         }
     }
 

@@ -1,0 +1,154 @@
+//! Constrained decoding: a per-sequence token mask that keeps the output inside a JSON Schema,
+//! any JSON object, a Lark grammar or a regular expression, computed by llguidance (the library
+//! llama.cpp and mistral.rs use) over this tokenizer's vocabulary.
+//!
+//! [`Constraint::new`] compiles a [`Grammar`] (a bad schema or grammar is the client's error,
+//! caught before anything is queued by [`check`]); [`Generation`](crate::generation) asks for
+//! the mask before each draw, sets every other token's logit to -inf, and feeds the drawn token
+//! back. When the grammar is complete only end-of-generation stays allowed, so a constrained
+//! reply always parses. llguidance bounds the work of each mask (its `ParserLimits` fuel), so a
+//! hostile grammar fails a request instead of stalling the model thread.
+
+use std::sync::Arc;
+
+use llguidance::api::TopLevelGrammar;
+use llguidance::{Matcher, ParserFactory};
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+use toktrie::{ApproximateTokEnv, TokRxInfo, TokTrie};
+
+use crate::error::{Result, TextError};
+use crate::tokenizer::Tokenizer;
+
+/// What a reply must match.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case", tag = "kind", content = "value")]
+pub enum Grammar {
+    /// Any JSON object (OpenAI's `json_object` mode, Ollama's `format: "json"`).
+    JsonObject,
+    /// A JSON Schema (OpenAI's `json_schema`, llama-server's `json_schema`, Ollama's schema).
+    JsonSchema(Value),
+    /// A grammar in llguidance's Lark dialect.
+    Lark(String),
+    /// A regular expression the whole reply must match.
+    Regex(String),
+}
+
+impl Grammar {
+    fn top_level(&self) -> TopLevelGrammar {
+        match self {
+            Grammar::JsonObject => {
+                TopLevelGrammar::from_json_schema(serde_json::json!({"type": "object"}))
+            }
+            Grammar::JsonSchema(schema) => TopLevelGrammar::from_json_schema(schema.clone()),
+            Grammar::Lark(lark) => TopLevelGrammar::from_lark(lark.clone()),
+            Grammar::Regex(rx) => TopLevelGrammar::from_regex(rx),
+        }
+    }
+}
+
+/// The largest grammar or schema accepted, in bytes of its text (a few hundred kilobytes of
+/// schema compile in well under a second; more is refused before compiling).
+pub const MAX_GRAMMAR_BYTES: usize = 256 * 1024;
+
+/// Builds the parser factory over `tokenizer`'s vocabulary (called once, see
+/// [`Tokenizer::grammar_factory`]). Special tokens are marked as llguidance expects, so a
+/// grammar never produces them as text.
+pub(crate) fn factory(tokenizer: &Tokenizer) -> Result<Arc<ParserFactory>> {
+    let vocab = tokenizer.vocab_size();
+    let words: Vec<Vec<u8>> = (0..vocab as u32)
+        .map(|id| {
+            let bytes = tokenizer.token_bytes(id);
+            if tokenizer.is_special(id) {
+                let mut marked = vec![TokTrie::SPECIAL_TOKEN_MARKER];
+                marked.extend_from_slice(&bytes);
+                marked
+            } else {
+                bytes
+            }
+        })
+        .collect();
+    // The token that ends a constrained reply: the one the template ends a turn with.
+    let eos = tokenizer
+        .eog_ids()
+        .first()
+        .copied()
+        .or(tokenizer.eos_id())
+        .ok_or_else(|| {
+            TextError::Constraint(
+                "the tokenizer has no end-of-generation token to end a constrained reply".into(),
+            )
+        })?;
+    let info = TokRxInfo::new(vocab as u32, eos);
+    let env: toktrie::TokEnv = Arc::new(ApproximateTokEnv::new(TokTrie::from(&info, &words)));
+    let mut factory = ParserFactory::new_simple(&env)
+        .map_err(|e| TextError::Constraint(format!("cannot index the vocabulary: {e}")))?;
+    factory.quiet();
+    Ok(Arc::new(factory))
+}
+
+/// A reply's constraint: the grammar's parser state.
+pub struct Constraint {
+    matcher: Matcher,
+}
+
+impl std::fmt::Debug for Constraint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Constraint").finish_non_exhaustive()
+    }
+}
+
+/// Compiles `grammar` for `tokenizer`, or says what is wrong with it (for a 400 before the
+/// request is queued).
+pub fn check(tokenizer: &Tokenizer, grammar: &Grammar) -> Result<()> {
+    Constraint::new(tokenizer, grammar).map(|_| ())
+}
+
+impl Constraint {
+    pub fn new(tokenizer: &Tokenizer, grammar: &Grammar) -> Result<Self> {
+        let size = match grammar {
+            Grammar::JsonObject => 0,
+            Grammar::JsonSchema(v) => v.to_string().len(),
+            Grammar::Lark(s) | Grammar::Regex(s) => s.len(),
+        };
+        if size > MAX_GRAMMAR_BYTES {
+            return Err(TextError::Constraint(format!(
+                "the grammar or schema is {size} bytes; at most {MAX_GRAMMAR_BYTES} are accepted"
+            )));
+        }
+        let factory = tokenizer.grammar_factory()?;
+        let parser = factory.create_parser(grammar.top_level());
+        let matcher = Matcher::new(parser);
+        if let Some(e) = matcher.get_error() {
+            return Err(TextError::Constraint(e));
+        }
+        Ok(Self { matcher })
+    }
+
+    /// Sets the logit of every token the grammar does not allow next to -inf (only
+    /// end-of-generation once the grammar is complete).
+    pub fn mask(&mut self, logits: &mut [f32]) -> Result<()> {
+        let allowed = self
+            .matcher
+            .compute_mask_or_eos()
+            .map_err(|e| TextError::Constraint(e.to_string()))?;
+        for (id, l) in logits.iter_mut().enumerate() {
+            if !allowed.is_allowed(id as u32) {
+                *l = f32::NEG_INFINITY;
+            }
+        }
+        Ok(())
+    }
+
+    /// Records the drawn token.
+    pub fn consume(&mut self, token: u32) -> Result<()> {
+        self.matcher
+            .consume_token(token)
+            .map_err(|e| TextError::Constraint(e.to_string()))
+    }
+
+    /// Whether the grammar is complete (only end-of-generation may follow).
+    pub fn is_stopped(&self) -> bool {
+        self.matcher.is_stopped()
+    }
+}
