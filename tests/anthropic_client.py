@@ -139,6 +139,21 @@ def _():
     assert r.content and all(b.type in ("thinking", "text") for b in r.content), r.content
 
 
+@check("output_config.format: a JSON Schema the reply follows")
+def _():
+    import json
+
+    schema = {
+        "type": "object",
+        "properties": {"capital": {"type": "string", "maxLength": 20}},
+        "required": ["capital"],
+        "additionalProperties": False,
+    }
+    r = create(max_tokens=60, output_config={"format": {"type": "json_schema", "schema": schema}})
+    assert r.stop_reason == "end_turn", r
+    assert set(json.loads(r.content[0].text)) == {"capital"}, r.content
+
+
 @check("the key as a bearer token works too")
 def _():
     bearer = anthropic.Anthropic(base_url=HOST, auth_token=KEY, api_key=None, max_retries=0)
@@ -158,7 +173,7 @@ def _():
         ({"model": "claude-nope"}, anthropic.NotFoundError),
         ({"tool_choice": {"type": "any"}, "tools": [TOOL]}, anthropic.BadRequestError),
         ({"extra_body": {"temperature": 5}}, anthropic.BadRequestError),
-        ({"output_config": {"format": {"type": "json_schema", "schema": {"type": "object"}}}}, anthropic.BadRequestError),
+        ({"output_config": {"format": {"type": "json_schema", "schema": {"type": 7}}}}, anthropic.BadRequestError),
         (
             {"messages": [{"role": "user", "content": [{"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "aGk="}}]}]},
             anthropic.BadRequestError,

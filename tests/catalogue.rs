@@ -548,6 +548,43 @@ fn catalogue() -> Vec<Case> {
         chat(json!({"messages": msgs(), "model": "gpt-9"})).tap(404),
     );
     add(
+        "v1: response_format of an unknown type",
+        chat(json!({"messages": msgs(), "response_format": {"type": "yaml"}})),
+    );
+    add(
+        "v1: a json_schema without its schema object",
+        chat(json!({"messages": msgs(),
+            "response_format": {"type": "json_schema", "json_schema": {"schema": "x"}}})),
+    );
+    add(
+        "v1: a schema that is not a schema",
+        chat(json!({"messages": msgs(),
+            "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": 7}}}})),
+    );
+    let mut recursive = json!({"$ref": "#/$defs/a"});
+    recursive["$defs"] = json!({"a": {"$ref": "#/$defs/a"}});
+    add(
+        "v1: a schema that refers to itself forever",
+        chat(json!({"messages": msgs(),
+            "response_format": {"type": "json_schema", "json_schema": {"schema": recursive}}})),
+    );
+    add(
+        "v1: a Lark grammar that does not parse",
+        chat(json!({"messages": msgs(), "guided_grammar": "start: ((("})),
+    );
+    add(
+        "v1: a regex that does not parse",
+        chat(json!({"messages": msgs(), "guided_regex": "(["})),
+    );
+    add(
+        "v1: two grammar fields",
+        chat(json!({"messages": msgs(), "guided_regex": "a+", "json_schema": {"type": "object"}})),
+    );
+    add(
+        "v1: a GBNF grammar",
+        chat(json!({"messages": msgs(), "grammar": "root ::= \"a\""})),
+    );
+    add(
         "v1: text/plain body",
         case("", M::POST, "/v1/chat/completions", 415)
             .bearer(API_KEY)
@@ -953,10 +990,19 @@ fn catalogue() -> Vec<Case> {
         ),
     );
     add(
-        "anthropic: structured output format",
+        "anthropic: an output format of an unknown type",
         messages(
             json!({"max_tokens": 4, "messages": hi(),
-                "output_config": {"format": {"type": "json_schema", "schema": {}}}}),
+                "output_config": {"format": {"type": "xml"}}}),
+            400,
+        ),
+    );
+    add(
+        "anthropic: an output schema that cannot be followed",
+        messages(
+            json!({"max_tokens": 4, "messages": hi(),
+                "output_config": {"format": {"type": "json_schema",
+                    "schema": {"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}}}}),
             400,
         ),
     );
@@ -1055,22 +1101,26 @@ fn catalogue() -> Vec<Case> {
         ),
     );
     add(
-        "ollama: format json (not supported yet)",
+        "ollama: format of the wrong type",
+        ollama("/api/chat", json!({"messages": msgs(), "format": 42}), 400),
+    );
+    add(
+        "ollama: a format schema with a dangling $ref",
         ollama(
             "/api/chat",
-            json!({"messages": msgs(), "format": "json"}),
+            json!({"messages": msgs(),
+                "format": {"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}}),
             400,
         ),
     );
-    let mut deep = json!({"type": "string"});
-    for _ in 0..500 {
-        deep = json!({"type": "object", "properties": {"a": deep}});
-    }
+    let huge: serde_json::Map<String, Value> = (0..9_000)
+        .map(|i| (format!("field_{i}"), json!({"type": "string"})))
+        .collect();
     add(
-        "ollama: a deeply nested format schema",
+        "ollama: a format schema over the size limit",
         ollama(
             "/api/chat",
-            json!({"messages": msgs(), "format": deep}),
+            json!({"messages": msgs(), "format": {"type": "object", "properties": huge}}),
             400,
         ),
     );

@@ -153,6 +153,24 @@ def refused(fn, status, words):
     raise AssertionError("not refused")
 
 
+@check("format: JSON and a JSON Schema")
+def _():
+    import json
+
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 20}, "country": {"enum": ["France", "Spain"]}},
+        "required": ["city", "country"],
+        "additionalProperties": False,
+    }
+    r = client.chat(model=state["model"], messages=MESSAGES, format=schema, options={"temperature": 1, "seed": 4, "num_predict": 80})
+    v = json.loads(r.message.content)
+    assert set(v) == {"city", "country"} and v["country"] in ("France", "Spain"), v
+    r = client.generate(model=state["model"], prompt="A JSON object:", format="json", options={"temperature": 1, "seed": 5, "num_predict": 80})
+    if r.done_reason == "stop":
+        assert isinstance(json.loads(r.response), dict), r.response
+
+
 @check("refusals in Ollama's shape")
 def _():
     refused(lambda: client.chat(model="no-such-model", messages=MESSAGES), 404, ["no-such-model"])
@@ -167,7 +185,7 @@ def _():
         ["temperature"],
     )
     refused(
-        lambda: client.chat(model=state["model"], messages=MESSAGES, format="json"),
+        lambda: client.chat(model=state["model"], messages=MESSAGES, format={"type": 7}),
         400,
         ["format"],
     )

@@ -51,10 +51,19 @@ impl Grammar {
 /// schema compile in well under a second; more is refused before compiling).
 pub const MAX_GRAMMAR_BYTES: usize = 256 * 1024;
 
-/// Builds the parser factory over `tokenizer`'s vocabulary (called once, see
-/// [`Tokenizer::grammar_factory`]). Special tokens are marked as llguidance expects, so a
-/// grammar never produces them as text.
-pub(crate) fn factory(tokenizer: &Tokenizer) -> Result<Arc<ParserFactory>> {
+/// The parser factory over `tokenizer`'s vocabulary, built on first use and kept with the
+/// tokenizer.
+pub fn factory_for(tokenizer: &Tokenizer) -> Result<Arc<ParserFactory>> {
+    tokenizer
+        .grammar_cache()
+        .get_or_init(|| factory(tokenizer).map_err(|e| e.to_string()))
+        .clone()
+        .map_err(TextError::Constraint)
+}
+
+/// Builds the parser factory over `tokenizer`'s vocabulary. Special tokens are marked as
+/// llguidance expects, so a grammar never produces them as text.
+fn factory(tokenizer: &Tokenizer) -> Result<Arc<ParserFactory>> {
     let vocab = tokenizer.vocab_size();
     let words: Vec<Vec<u8>> = (0..vocab as u32)
         .map(|id| {
@@ -98,10 +107,22 @@ impl std::fmt::Debug for Constraint {
     }
 }
 
-/// Compiles `grammar` for `tokenizer`, or says what is wrong with it (for a 400 before the
-/// request is queued).
+/// Compiles `grammar` for `tokenizer` and computes its first mask, or says what is wrong with
+/// it (for a 400 before the request is queued): a grammar that compiles but allows no output at
+/// all (a schema that only refers to itself, say) is refused here too.
 pub fn check(tokenizer: &Tokenizer, grammar: &Grammar) -> Result<()> {
-    Constraint::new(tokenizer, grammar).map(|_| ())
+    let mut c = Constraint::new(tokenizer, grammar)?;
+    let allowed = c.matcher.compute_mask_or_eos().map_err(|e| {
+        TextError::Constraint(format!(
+            "the grammar or schema allows no output ({e}); check its rules and references"
+        ))
+    })?;
+    if allowed.is_zero() {
+        return Err(TextError::Constraint(
+            "the grammar or schema allows no output; check its rules and references".into(),
+        ));
+    }
+    Ok(())
 }
 
 impl Constraint {
@@ -116,8 +137,22 @@ impl Constraint {
                 "the grammar or schema is {size} bytes; at most {MAX_GRAMMAR_BYTES} are accepted"
             )));
         }
-        let factory = tokenizer.grammar_factory()?;
-        let parser = factory.create_parser(grammar.top_level());
+        let factory = factory_for(tokenizer)?;
+        // A compiler fault on some input must be that request's error, never a panic on the
+        // model thread.
+        let parser = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            factory.create_parser(grammar.top_level())
+        }))
+        .map_err(|panic| {
+            let what = panic
+                .downcast_ref::<String>()
+                .map(String::as_str)
+                .or_else(|| panic.downcast_ref::<&str>().copied())
+                .unwrap_or("no detail");
+            TextError::Constraint(format!(
+                "the grammar or schema could not be compiled ({what}); simplify it"
+            ))
+        })?;
         let matcher = Matcher::new(parser);
         if let Some(e) = matcher.get_error() {
             return Err(TextError::Constraint(e));

@@ -866,13 +866,12 @@ impl Tokenizer {
         })
     }
 
-    /// The parser factory constrained decoding compiles grammars with (see
-    /// [`crate::constraint`]), built once per tokenizer from its token bytes.
-    pub fn grammar_factory(&self) -> Result<Arc<llguidance::ParserFactory>> {
-        self.grammar
-            .get_or_init(|| crate::constraint::factory(self).map_err(|e| e.to_string()))
-            .clone()
-            .map_err(TextError::Constraint)
+    /// Where constrained decoding keeps the parser factory it builds over this vocabulary
+    /// (once per tokenizer; see `constraint::factory_for`).
+    pub(crate) fn grammar_cache(
+        &self,
+    ) -> &std::sync::OnceLock<std::result::Result<Arc<llguidance::ParserFactory>, String>> {
+        &self.grammar
     }
 
     /// Text → ids. With `parse_special`, control tokens written in the text (`<|im_start|>`)

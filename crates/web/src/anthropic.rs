@@ -283,15 +283,17 @@ fn translate(body: &Value) -> Result<Value, AnthropicError> {
             // pricing (prefix caching is automatic), no workspaces.
             "service_tier" | "cache_control" | "inference_geo" | "speed" | "diagnostics"
             | "user_profile_id" | "workspace_id" => {}
-            "output_config" => {
-                if value.get("format").is_some_and(|f| !f.is_null()) {
-                    return Err(AnthropicError::invalid(
-                        "output_config.format",
-                        "structured outputs (`output_config.format`) are not supported by this \
-                         server yet; remove it and ask for JSON in the prompt",
-                    ));
+            "output_config" => match value.get("format") {
+                None | Some(Value::Null) => {}
+                // Structured outputs, through the parser's grammar field.
+                Some(f) if f["type"] == "json_schema" && f["schema"].is_object() => {
+                    out.insert("json_schema".into(), f["schema"].clone());
                 }
-            }
+                Some(_) => return Err(AnthropicError::invalid(
+                    "output_config.format",
+                    "`output_config.format` must be {\"type\": \"json_schema\", \"schema\": {…}}",
+                )),
+            },
             "container" if value.is_null() => {}
             "container" | "mcp_servers" => {
                 return Err(AnthropicError::invalid(
@@ -412,7 +414,10 @@ async fn messages(
     let JsonBody(body) = body?;
     let translated = translate(&body)?;
     let p = &state.platform;
-    let req = request::parse_chat(&translated, &openai::defaults(p))?;
+    let mut req = request::parse_chat(&translated, &openai::defaults(p))?;
+    if req.common.grammar_field.is_some() {
+        req.common.grammar_field = Some("output_config.format".into());
+    }
     openai::check_model(p, &req.common)?;
     openai::check_admin_only(&state, &http, &req.common)?;
     let model = req

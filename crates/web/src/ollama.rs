@@ -412,14 +412,21 @@ fn translate_common(
         }
     };
     out.insert("stream".into(), json!(stream));
+    // Structured outputs: "json" (any JSON object) or a JSON Schema, through the one grammar
+    // field of the parser (`json_schema`).
     match obj.get("format") {
         None | Some(Value::Null) => {}
         Some(Value::String(s)) if s.is_empty() => {}
-        Some(_) => {
+        Some(Value::String(s)) if s == "json" => {
+            out.insert("json_schema".into(), json!({"type": "object"}));
+        }
+        Some(schema @ Value::Object(_)) => {
+            out.insert("json_schema".into(), schema.clone());
+        }
+        Some(other) => {
             return Err(OllamaError::invalid(
                 "format",
-                "`format` (JSON mode and structured outputs) is not supported by this server yet; \
-                 remove it and ask for JSON in the prompt",
+                format!("`format` must be \"json\" or a JSON Schema object, got {other}"),
             ))
         }
     }
@@ -519,6 +526,9 @@ fn parse_chat(
 }
 
 fn apply_extras(common: &mut request::Common, extras: &Extras) -> Result<(), OllamaError> {
+    if common.grammar_field.is_some() {
+        common.grammar_field = Some("format".into());
+    }
     if let Some(n) = extras.repeat_last_n {
         common.params.penalty_last_n = if n < 0 { usize::MAX } else { n as usize };
         smolchat_service::settings::check_sampling(&common.params)

@@ -560,7 +560,7 @@ pub(crate) async fn submit(
         web::block(move || smolchat_text::constraint::check(state2.platform.tokenizer(), &grammar))
             .await
             .map_err(|e| ApiError::internal(format!("grammar task: {e}")))?
-            .map_err(|e| ApiError::invalid(&field, e.to_string()))?;
+            .map_err(|e| ApiError::invalid(&field, format!("`{field}`: {e}")))?;
     }
     let completion = p
         .completions()
