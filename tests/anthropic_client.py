@@ -28,8 +28,9 @@ TOOL = {
     "description": "Capital of a country",
     "input_schema": {
         "type": "object",
-        "properties": {"country": {"type": "string"}},
+        "properties": {"country": {"type": "string", "maxLength": 30}},
         "required": ["country"],
+        "additionalProperties": False,
     },
 }
 
@@ -133,6 +134,15 @@ def _():
     assert r.content and r.content[-1].type in ("text", "tool_use"), r
 
 
+@check("tool_choice any and tool force a call whose input matches the schema")
+def _():
+    for choice in ({"type": "any"}, {"type": "tool", "name": "get_capital"}):
+        r = create(max_tokens=80, tools=[TOOL], tool_choice=choice, extra_body={"temperature": 1})
+        uses = [b for b in r.content if b.type == "tool_use"]
+        assert r.stop_reason == "tool_use" and len(uses) == 1, r
+        assert uses[0].name == "get_capital" and isinstance(uses[0].input.get("country"), str), uses
+
+
 @check("thinking enabled is accepted")
 def _():
     r = create(max_tokens=32, extra_body={"temperature": 1}, thinking={"type": "enabled", "budget_tokens": 1024})
@@ -171,7 +181,7 @@ def _():
         assert e.body["error"]["type"] == "authentication_error", e.body
     for kw, exc in [
         ({"model": "claude-nope"}, anthropic.NotFoundError),
-        ({"tool_choice": {"type": "any"}, "tools": [TOOL]}, anthropic.BadRequestError),
+        ({"tool_choice": {"type": "tool", "name": "nope"}, "tools": [TOOL]}, anthropic.BadRequestError),
         ({"extra_body": {"temperature": 5}}, anthropic.BadRequestError),
         ({"output_config": {"format": {"type": "json_schema", "schema": {"type": 7}}}}, anthropic.BadRequestError),
         (

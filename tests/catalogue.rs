@@ -964,10 +964,17 @@ fn catalogue() -> Vec<Case> {
         );
     }
     add(
-        "anthropic: tool_choice any",
+        "anthropic: tool_choice naming a tool not offered",
         messages(
-            json!({"max_tokens": 4, "messages": hi(), "tool_choice": {"type": "any"},
+            json!({"max_tokens": 4, "messages": hi(), "tool_choice": {"type": "tool", "name": "g"},
                 "tools": [{"name": "f", "input_schema": {"type": "object"}}]}),
+            400,
+        ),
+    );
+    add(
+        "anthropic: tool_choice any without tools",
+        messages(
+            json!({"max_tokens": 4, "messages": hi(), "tool_choice": {"type": "any"}}),
             400,
         ),
     );

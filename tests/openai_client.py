@@ -490,6 +490,43 @@ def _():
             assert re.fullmatch(r"[0-9+\-*/()]*", text), text
 
 
+@check("tool_choice required and named force a call with valid arguments")
+def _():
+    import json
+
+    import jsonschema
+
+    tools = [
+        {"type": "function", "function": {"name": "get_capital", "description": "Capital of a country",
+            "parameters": {"type": "object", "properties": {"country": {"type": "string", "maxLength": 30}},
+                "required": ["country"], "additionalProperties": False}}},
+        {"type": "function", "function": {"name": "add", "description": "Add two numbers",
+            "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                "required": ["a", "b"], "additionalProperties": False}}},
+    ]
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+    for choice in ("required", {"type": "function", "function": {"name": "add"}}):
+        for seed in range(3):
+            r = client.chat.completions.create(
+                model=MODEL, messages=messages(), max_tokens=100, temperature=1.0, seed=seed,
+                tools=tools, tool_choice=choice,
+            )
+            c = r.choices[0]
+            assert c.finish_reason == "tool_calls" and len(c.message.tool_calls) == 1, c
+            call = c.message.tool_calls[0].function
+            if choice != "required":
+                assert call.name == "add", call
+            jsonschema.validate(json.loads(call.arguments), schemas[call.name])
+    expect_error(
+        openai.BadRequestError, 400,
+        lambda: client.chat.completions.create(
+            model=MODEL, messages=messages(), max_tokens=4, tools=tools,
+            tool_choice={"type": "function", "function": {"name": "nope"}},
+        ),
+        param="tool_choice",
+    )
+
+
 @check("grammar refusals name the field")
 def _():
     expect_error(

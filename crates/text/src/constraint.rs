@@ -96,6 +96,40 @@ fn factory(tokenizer: &Tokenizer) -> Result<Arc<ParserFactory>> {
     Ok(Arc::new(factory))
 }
 
+/// The grammar of a reply that must be one tool call, `<tool_call>{"name": …, "arguments":
+/// …}</tool_call>` as the templates write them, to one of `tools` (`(name, parameters schema)`),
+/// with arguments that match that tool's schema. The markers are matched as the special tokens
+/// they are when the vocabulary has them.
+pub fn tool_call_grammar(tokenizer: &Tokenizer, tools: &[(String, Value)]) -> Grammar {
+    let marker = |text: &str| match tokenizer.token_id(text) {
+        Some(id) if tokenizer.is_special(id) => format!("<[{id}]>"),
+        _ => serde_json::to_string(text).unwrap_or_default(),
+    };
+    let calls: Vec<Value> = tools
+        .iter()
+        .map(|(name, parameters)| {
+            let arguments = if parameters.is_object() {
+                parameters.clone()
+            } else {
+                serde_json::json!({"type": "object"})
+            };
+            serde_json::json!({
+                "type": "object",
+                "properties": {"name": {"const": name}, "arguments": arguments},
+                "required": ["name", "arguments"],
+                "additionalProperties": false,
+            })
+        })
+        .collect();
+    let schema = serde_json::json!({"anyOf": calls});
+    Grammar::Lark(format!(
+        "start: {} call {}\ncall: %json {}\n",
+        marker(crate::splitter::TOOL_CALL_OPEN),
+        marker(crate::splitter::TOOL_CALL_CLOSE),
+        schema
+    ))
+}
+
 /// A reply's constraint: the grammar's parser state.
 pub struct Constraint {
     matcher: Matcher,

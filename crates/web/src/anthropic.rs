@@ -324,30 +324,32 @@ fn translate(body: &Value) -> Result<Value, AnthropicError> {
     }
     messages.extend(translate_messages(obj.get("messages"))?);
     out.insert("messages".into(), Value::Array(messages));
-    let tool_choice = obj.get("tool_choice").map(|c| c["type"].as_str());
-    match tool_choice {
-        None | Some(Some("auto")) => {
-            if let Some(tools) = obj.get("tools") {
-                out.insert("tools".into(), translate_tools(tools)?);
+    let choice = obj.get("tool_choice");
+    let openai_choice = match choice.map(|c| c["type"].as_str()) {
+        None | Some(Some("auto")) => json!("auto"),
+        Some(Some("none")) => json!("none"),
+        // A forced call: constrained to the tools' schemas.
+        Some(Some("any")) => json!("required"),
+        Some(Some("tool")) => match choice.and_then(|c| c["name"].as_str()) {
+            Some(name) => json!({"type": "function", "function": {"name": name}}),
+            None => {
+                return Err(AnthropicError::invalid(
+                    "tool_choice.name",
+                    "tool_choice `tool` needs the `name` of the tool to call",
+                ))
             }
-        }
-        Some(Some("none")) => {}
-        Some(Some(kind @ ("any" | "tool"))) => {
-            return Err(AnthropicError::invalid(
-                "tool_choice",
-                format!(
-                    "tool_choice `{kind}` (forcing a call) is not supported by this server yet; \
-                     use `auto`"
-                ),
-            ))
-        }
+        },
         Some(_) => {
             return Err(AnthropicError::invalid(
                 "tool_choice",
                 "`tool_choice.type` must be auto, any, tool or none",
             ))
         }
+    };
+    if let Some(tools) = obj.get("tools") {
+        out.insert("tools".into(), translate_tools(tools)?);
     }
+    out.insert("tool_choice".into(), openai_choice);
     match obj.get("thinking").map(|t| t["type"].as_str()) {
         None => {}
         Some(Some("enabled")) => {
@@ -418,6 +420,7 @@ async fn messages(
     if req.common.grammar_field.is_some() {
         req.common.grammar_field = Some("output_config.format".into());
     }
+    openai::force_tool_call(p, &mut req);
     openai::check_model(p, &req.common)?;
     openai::check_admin_only(&state, &http, &req.common)?;
     let model = req
@@ -754,8 +757,8 @@ mod tests {
         b.as_object_mut().map(|o| o.remove("max_tokens"));
         assert_eq!(refused(b), Some(Some("max_tokens".into())));
         let mut b = base();
-        b["tool_choice"] = json!({"type": "any"});
-        assert_eq!(refused(b), Some(Some("tool_choice".into())));
+        b["tool_choice"] = json!({"type": "tool"});
+        assert_eq!(refused(b), Some(Some("tool_choice.name".into())));
         let mut b = base();
         b["messages"][0]["content"] = json!([{"type": "image", "source": {}}]);
         assert_eq!(refused(b), Some(Some("messages[0].content[0]".into())));

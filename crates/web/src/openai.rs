@@ -334,7 +334,8 @@ async fn chat_completions(
 ) -> Result<HttpResponse, ApiError> {
     let JsonBody(body) = body?;
     let p = &state.platform;
-    let req = request::parse_chat(&body, &defaults(p))?;
+    let mut req = request::parse_chat(&body, &defaults(p))?;
+    force_tool_call(p, &mut req);
     check_model(p, &req.common)?;
     check_admin_only(&state, &http, &req.common)?;
     let parse_tool_calls = req.parse_tool_calls();
@@ -363,6 +364,30 @@ async fn chat_completions(
     let salt = cache_salt(&http, &req.common);
     let user = client_identity(&http);
     generate(state, req.common, salt, user, prompt, "messages", assembler).await
+}
+
+/// `tool_choice` `required` or named: constrains the reply to one call of the forced tools,
+/// with arguments that match their parameter schemas.
+pub(crate) fn force_tool_call(p: &Platform, req: &mut request::ChatRequest) {
+    if let Some(tools) = &req.forced_tools {
+        let calls: Vec<(String, Value)> = tools
+            .iter()
+            .map(|t| {
+                let f = &t["function"];
+                (
+                    f["name"].as_str().unwrap_or_default().to_string(),
+                    f.get("parameters")
+                        .cloned()
+                        .unwrap_or(json!({"type": "object"})),
+                )
+            })
+            .collect();
+        req.common.params.grammar = Some(smolchat_text::constraint::tool_call_grammar(
+            p.tokenizer(),
+            &calls,
+        ));
+        req.common.grammar_field = Some("tool_choice".into());
+    }
 }
 
 /// What a chat request asks the template to render: messages shaped for it (see

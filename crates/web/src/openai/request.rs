@@ -52,6 +52,8 @@ pub struct ChatRequest {
     pub tools: Option<Vec<Value>>,
     /// Other `chat_template_kwargs`, passed to the template as context variables.
     pub template_kwargs: Map<String, Value>,
+    /// `tool_choice` `required` or a named function: the tools one of which the reply must call.
+    pub forced_tools: Option<Vec<Value>>,
 }
 
 impl ChatRequest {
@@ -511,33 +513,58 @@ pub fn parse_chat(body: &Value, defaults: &Defaults) -> Result<ChatRequest, ApiE
             Some(list.clone())
         }
     };
-    let tool_choice =
-        match f.get("tool_choice") {
-            None => "auto",
-            Some(Value::String(s)) => match s.as_str() {
-                "auto" => "auto",
-                "none" => "none",
-                "required" => return Err(ApiError::unsupported(
-                    "tool_choice",
-                    "`tool_choice: \"required\"` is not supported (smolchat cannot force a tool \
-                     call); use \"auto\" or \"none\"",
-                )),
-                other => {
+    // `required` and a named function force a call: the reply is constrained to a tool call
+    // whose arguments match the tool's schema (the handler builds the grammar).
+    let named = |name: &str| -> Result<Vec<Value>, ApiError> {
+        let found: Vec<Value> = tools
+            .iter()
+            .flatten()
+            .filter(|t| t["function"]["name"].as_str() == Some(name))
+            .cloned()
+            .collect();
+        if found.is_empty() {
+            return Err(ApiError::invalid(
+                "tool_choice",
+                format!(
+                    "`tool_choice` names the function \"{name}\", which `tools` does not offer"
+                ),
+            ));
+        }
+        Ok(found)
+    };
+    let (tool_choice, forced_tools) = match f.get("tool_choice") {
+        None => ("auto", None),
+        Some(Value::String(s)) => match s.as_str() {
+            "auto" => ("auto", None),
+            "none" => ("none", None),
+            "required" => match &tools {
+                Some(list) if !list.is_empty() => ("required", Some(list.clone())),
+                _ => {
                     return Err(ApiError::invalid(
                         "tool_choice",
-                        format!("`tool_choice` must be \"auto\" or \"none\", got \"{other}\""),
+                        "`tool_choice: \"required\"` needs `tools` to call",
                     ))
                 }
             },
-            Some(Value::Object(_)) => {
-                return Err(ApiError::unsupported(
+            other => {
+                return Err(ApiError::invalid(
                     "tool_choice",
-                    "a named `tool_choice` is not supported (smolchat cannot force a tool call); \
-                 use \"auto\" or \"none\"",
+                    format!(
+                        "`tool_choice` must be \"auto\", \"none\", \"required\" or a named \
+                         function, got \"{other}\""
+                    ),
                 ))
             }
-            Some(other) => return Err(wrong_type("tool_choice", "a string", other)),
-        };
+        },
+        Some(Value::Object(o)) => match o.get("function").and_then(|fun| fun["name"].as_str()) {
+            Some(name) => ("required", Some(named(name)?)),
+            None => return Err(ApiError::invalid(
+                "tool_choice.function.name",
+                "a named `tool_choice` is {\"type\": \"function\", \"function\": {\"name\": …}}",
+            )),
+        },
+        Some(other) => return Err(wrong_type("tool_choice", "a string or an object", other)),
+    };
     f.bool("parallel_tool_calls")?;
     if let Some(rf) = f.object("response_format")? {
         let grammar = match rf.str("type")? {
@@ -602,11 +629,19 @@ pub fn parse_chat(body: &Value, defaults: &Defaults) -> Result<ChatRequest, ApiE
             ))
         }
     };
+    if forced_tools.is_some() && common.params.grammar.is_some() {
+        return Err(ApiError::invalid(
+            "tool_choice",
+            "a forced tool call cannot be combined with `response_format` or a grammar",
+        ));
+    }
     Ok(ChatRequest {
         common,
         messages,
         enable_thinking,
-        tools: tools.filter(|_| tool_choice == "auto"),
+        // Forced calls still show the template every tool.
+        tools: tools.filter(|_| tool_choice != "none"),
+        forced_tools,
         template_kwargs,
     })
 }
