@@ -581,8 +581,16 @@ fn catalogue() -> Vec<Case> {
         chat(json!({"messages": msgs(), "guided_regex": "a+", "json_schema": {"type": "object"}})),
     );
     add(
-        "v1: a GBNF grammar",
-        chat(json!({"messages": msgs(), "grammar": "root ::= \"a\""})),
+        "v1: a GBNF grammar with an unclosed literal",
+        chat(json!({"messages": msgs(), "grammar": "root ::= \"a"})),
+    );
+    add(
+        "v1: a GBNF grammar without root",
+        chat(json!({"messages": msgs(), "grammar": "expr ::= \"a\""})),
+    );
+    add(
+        "v1: a GBNF grammar whose rule refers to nothing",
+        chat(json!({"messages": msgs(), "grammar": "root ::= nowhere"})),
     );
     add(
         "v1: text/plain body",

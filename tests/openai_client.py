@@ -470,24 +470,20 @@ def _():
     )
     assert isinstance(json.loads(r.choices[0].message.content), dict), r.choices[0].message.content
     grammar = "\n".join([
-        'start: expr',
-        'expr: term (("+" | "-") term)*',
-        'term: factor (("*" | "/") factor)*',
-        'factor: NUMBER | "(" expr ")"',
-        'NUMBER: /[0-9]{1,3}/',
+        'start: term (OP term)~0..3',
+        'term: NUMBER | "(" NUMBER OP NUMBER ")"',
+        'NUMBER: /[1-9][0-9]{0,2}|0/',
+        'OP: "+" | "-" | "*"',
     ])
     for i in range(10):
         r = client.completions.create(
-            model=MODEL, prompt=f"An arithmetic expression ({i}): ", max_tokens=40, temperature=1.0,
+            model=MODEL, prompt=f"An arithmetic expression ({i}): ", max_tokens=80, temperature=1.0,
             seed=i, extra_body={"guided_grammar": grammar},
         )
-        text = r.choices[0].text
-        if r.choices[0].finish_reason == "stop":
-            assert re.fullmatch(r"[0-9+\-*/()]+", text), text
-            eval(compile(text, "<expr>", "eval"), {"__builtins__": {}})  # parses as arithmetic
-        else:
-            # Cut by max_tokens: still a prefix of the language.
-            assert re.fullmatch(r"[0-9+\-*/()]*", text), text
+        c = r.choices[0]
+        assert c.finish_reason == "stop", (c.finish_reason, c.text)
+        assert re.fullmatch(r"[0-9+\-*()]+", c.text), c.text
+        eval(compile(c.text, "<expr>", "eval"), {"__builtins__": {}})  # parses as arithmetic
 
 
 @check("tool_choice required and named force a call with valid arguments")
@@ -527,6 +523,29 @@ def _():
     )
 
 
+@check("a GBNF grammar (llama-server's `grammar`) for arithmetic: every sample parses")
+def _():
+    import re
+
+    # A finite language (at most four terms, one level of parentheses), so every sample ends.
+    gbnf = "\n".join([
+        "# a small arithmetic language",
+        "root ::= term (op term){0,3}",
+        'term ::= num | "(" num op num ")"',
+        'num ::= [1-9] [0-9]{0,2} | "0"',
+        'op ::= "+" | "-" | "*"',
+    ])
+    for i in range(20):
+        r = client.completions.create(
+            model=MODEL, prompt=f"Arithmetic ({i}): ", max_tokens=80, temperature=1.0, seed=100 + i,
+            extra_body={"grammar": gbnf},
+        )
+        c = r.choices[0]
+        assert c.finish_reason == "stop", (c.finish_reason, c.text)
+        assert re.fullmatch(r"[0-9+\-*()]+", c.text), c.text
+        eval(compile(c.text, "<expr>", "eval"), {"__builtins__": {}})
+
+
 @check("grammar refusals name the field")
 def _():
     expect_error(
@@ -540,7 +559,7 @@ def _():
     expect_error(
         openai.BadRequestError, 400,
         lambda: client.completions.create(
-            model=MODEL, prompt="x", max_tokens=2, extra_body={"grammar": "root ::= \"a\""},
+            model=MODEL, prompt="x", max_tokens=2, extra_body={"grammar": "root ::= \"a"},
         ),
         param="grammar",
     )

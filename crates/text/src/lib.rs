@@ -5,6 +5,7 @@
 
 pub mod constraint;
 pub mod error;
+pub mod gbnf;
 pub mod generation;
 pub mod guard;
 pub mod prompt;

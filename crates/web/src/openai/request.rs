@@ -391,8 +391,8 @@ fn parse_common(f: &Fields<'_>, defaults: &Defaults) -> Result<Common, ApiError>
 }
 
 /// The grammar fields of llama-server (`json_schema`) and vLLM (`guided_json`, `guided_regex`,
-/// `guided_grammar` in llguidance's Lark dialect); at most one. llama-server's GBNF `grammar`
-/// is refused with the field to use instead.
+/// `guided_grammar` in llguidance's Lark dialect), and llama-server's GBNF `grammar`; at most
+/// one.
 fn parse_grammar_fields(f: &Fields<'_>) -> Result<(Option<Grammar>, Option<String>), ApiError> {
     let mut found: Vec<(Grammar, &str)> = Vec::new();
     for name in ["json_schema", "guided_json"] {
@@ -419,12 +419,11 @@ fn parse_grammar_fields(f: &Fields<'_>) -> Result<(Option<Grammar>, Option<Strin
     if let Some(lark) = f.str("guided_grammar")? {
         found.push((Grammar::Lark(lark.to_string()), "guided_grammar"));
     }
-    if f.str("grammar")?.is_some_and(|g| !g.is_empty()) {
-        return Err(ApiError::invalid(
-            "grammar",
-            "GBNF grammars are not supported yet; send the grammar in llguidance's Lark dialect \
-             as `guided_grammar`, or a JSON Schema as `json_schema`",
-        ));
+    if let Some(gbnf) = f.str("grammar")?.filter(|g| !g.is_empty()) {
+        // llama-server's GBNF, translated into the Lark dialect the constraint compiles.
+        let lark = smolchat_text::gbnf::to_lark(gbnf)
+            .map_err(|e| ApiError::invalid("grammar", format!("`grammar`: {e}")))?;
+        found.push((Grammar::Lark(lark), "grammar"));
     }
     if found.len() > 1 {
         let names: Vec<&str> = found.iter().map(|(_, n)| *n).collect();
