@@ -681,9 +681,16 @@ impl ModelWorker {
                                 Ok(generation.accept_within(token, cached, window))
                             }
                             (false, _) => match logits.last_row_mut(i) {
-                                Some(row) => generation
-                                    .next_token_within(row, cached, window)
-                                    .map_err(|e| e.to_string()),
+                                Some(row) => {
+                                    let outcome = generation
+                                        .next_token_within(row, cached, window)
+                                        .map_err(|e| e.to_string());
+                                    if let Some(t) = generation.take_mask_time() {
+                                        metrics::histogram!("smolchat_grammar_mask_seconds")
+                                            .record(t.as_secs_f64());
+                                    }
+                                    outcome
+                                }
                                 None => continue,
                             },
                         };

@@ -53,6 +53,8 @@ pub struct Generation {
     raw: Vec<f32>,
     /// The grammar the reply must match, when the request gave one.
     constraint: Option<Constraint>,
+    /// Time spent computing grammar masks since [`Self::take_mask_time`] last asked.
+    mask_time: std::time::Duration,
 }
 
 impl Generation {
@@ -83,6 +85,7 @@ impl Generation {
             logprobs,
             raw: Vec::new(),
             constraint,
+            mask_time: std::time::Duration::ZERO,
         })
     }
 
@@ -93,7 +96,9 @@ impl Generation {
             self.raw.extend_from_slice(logits);
         }
         if let Some(c) = self.constraint.as_mut() {
+            let t = std::time::Instant::now();
             c.mask(logits)?;
+            self.mask_time += t.elapsed();
         }
         let token = self.sampler.sample(logits, &self.recent)?;
         let mut outcome = self.accept(token);
@@ -108,6 +113,13 @@ impl Generation {
             outcome.logprobs = Some(logprobs_of(&self.raw, token, top));
         }
         Ok(outcome)
+    }
+
+    /// Grammar mask time since the last call (for the worker's metrics); `None` without a
+    /// grammar.
+    pub fn take_mask_time(&mut self) -> Option<std::time::Duration> {
+        self.constraint.as_ref()?;
+        Some(std::mem::take(&mut self.mask_time))
     }
 
     /// Whether the next token must be drawn on the host, from the logits: for its
