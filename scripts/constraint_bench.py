@@ -23,7 +23,7 @@ import time
 sys.path.insert(0, os.path.dirname(__file__))
 from http_bench import Server  # noqa: E402
 
-KEY = "sk-bench-admin"
+KEY = "sk-bench-admin-0123456789"
 SCHEMA = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 999}, "minItems": 60, "maxItems": 60}
 
 
