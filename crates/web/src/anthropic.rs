@@ -483,7 +483,7 @@ async fn messages(
             }
             GenEvent::Finished(summary) => {
                 if let StopReason::Error(e) = &summary.reason {
-                    return Err(ApiError::internal(format!("generation failed: {e}")).into());
+                    return Err(openai::generation_failed(e).into());
                 }
                 assembler.finish(&summary.reason);
                 openai::log_finished(completion.id(), &summary);

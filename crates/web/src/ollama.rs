@@ -867,7 +867,7 @@ async fn run(
             }
             GenEvent::Finished(summary) => {
                 if let StopReason::Error(e) = &summary.reason {
-                    return Err(ApiError::internal(format!("generation failed: {e}")).into());
+                    return Err(openai::generation_failed(e).into());
                 }
                 reply.feed(None, Some(&summary.reason));
                 openai::log_finished(completion.id(), &summary);

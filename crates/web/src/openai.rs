@@ -708,7 +708,7 @@ async fn collect<A: Assembler>(
             }
             GenEvent::Finished(summary) => {
                 if let StopReason::Error(e) = &summary.reason {
-                    return Err(ApiError::internal(format!("generation failed: {e}")));
+                    return Err(generation_failed(e));
                 }
                 assembler.finish(&summary.reason);
                 return Ok((summary, assembler));
@@ -718,6 +718,19 @@ async fn collect<A: Assembler>(
     Err(ApiError::unavailable(
         "the model worker stopped before the reply was finished",
     ))
+}
+
+/// A generation that failed: a grammar the reply could not follow any further is the client's
+/// grammar's fault (400); anything else is the server's.
+pub(crate) fn generation_failed(e: &str) -> ApiError {
+    if e.starts_with("constraint:") {
+        ApiError::invalid(
+            "response_format",
+            format!("the grammar could not be followed: {e}"),
+        )
+    } else {
+        ApiError::internal(format!("generation failed: {e}"))
+    }
 }
 
 pub(crate) fn log_finished(id: RequestId, s: &GenSummary) {
@@ -853,7 +866,7 @@ impl<A: Assembler> ApiStream<A> {
             }
             GenEvent::Finished(summary) => {
                 if let StopReason::Error(e) = &summary.reason {
-                    let err = ApiError::internal(format!("generation failed: {e}"));
+                    let err = generation_failed(e);
                     self.out
                         .push_back(Bytes::from(format!("data: {}\n\n", err.body())));
                 } else {
