@@ -508,7 +508,8 @@ fn catalogue() -> Vec<Case> {
         "v1: negative max_tokens",
         chat(json!({"messages": msgs(), "max_tokens": -1})),
     );
-    add("v1: n = 2", chat(json!({"messages": msgs(), "n": 2})));
+    add("v1: n = 9", chat(json!({"messages": msgs(), "n": 9})));
+    add("v1: n = 0", chat(json!({"messages": msgs(), "n": 0})));
     add(
         "v1: non-numeric logit_bias key",
         chat(json!({"messages": msgs(), "logit_bias": {"abc": 1}})),

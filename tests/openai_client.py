@@ -253,13 +253,13 @@ def _():
     assert a == b, (a, b)
 
 
-@check("n=2 and wrong field types raise BadRequestError naming the field")
+@check("n=9 and wrong field types raise BadRequestError naming the field")
 def _():
     expect_error(
         openai.BadRequestError,
         400,
         lambda: client.chat.completions.create(
-            model=MODEL, messages=messages(), n=2, max_tokens=4
+            model=MODEL, messages=messages(), n=9, max_tokens=4
         ),
         param="n",
     )
@@ -431,6 +431,34 @@ SCHEMA = {
     "required": ["name", "age", "kind", "tags", "address"],
     "additionalProperties": False,
 }
+
+
+@check("n=3: three seeded choices, whole and streamed alike, usage over all")
+def _():
+    kw = dict(model=MODEL, messages=messages(), max_tokens=12, temperature=1.0, seed=21, n=3)
+    r = client.chat.completions.create(**kw)
+    assert [c.index for c in r.choices] == [0, 1, 2], r.choices
+    texts = [c.message.content for c in r.choices]
+    assert len(set(texts)) > 1, texts
+    # The prompt counted once, every choice's tokens.
+    assert 3 <= r.usage.completion_tokens <= 36, r.usage
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens, r.usage
+    # Choice i is the same reply as a single request seeded seed + i.
+    single = client.chat.completions.create(**dict(kw, n=1, seed=22)).choices[0].message.content
+    assert single == texts[1], (single, texts)
+    streamed = {0: "", 1: "", 2: ""}
+    finished = set()
+    usage = None
+    for chunk in client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}):
+        if chunk.usage:
+            usage = chunk.usage
+        for c in chunk.choices:
+            streamed[c.index] += c.delta.content or ""
+            if c.finish_reason:
+                finished.add(c.index)
+    assert [streamed[i] for i in range(3)] == texts, (streamed, texts)
+    assert finished == {0, 1, 2}
+    assert usage and usage.completion_tokens == r.usage.completion_tokens, (usage, r.usage)
 
 
 @check("response_format json_schema (strict): 50 samples at temperature 1 all validate")

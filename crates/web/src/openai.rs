@@ -359,11 +359,14 @@ async fn chat_completions(
         tokens = prompt.tokens.len(),
         "chat completion prompt"
     );
-    let assembler = ChatAssembler::new(prompt.starts_in_reasoning, parse_tool_calls);
+    let starts_in_reasoning = prompt.starts_in_reasoning;
     let prompt = prompt.tokens;
     let salt = cache_salt(&http, &req.common);
     let user = client_identity(&http);
-    generate(state, req.common, salt, user, prompt, "messages", assembler).await
+    generate(state, req.common, salt, user, prompt, "messages", || {
+        ChatAssembler::new(starts_in_reasoning, parse_tool_calls)
+    })
+    .await
 }
 
 /// `tool_choice` `required` or named: constrains the reply to one call of the forced tools,
@@ -467,7 +470,7 @@ async fn completions(
         user,
         prompt,
         "prompt",
-        TextAssembler::new(),
+        TextAssembler::new,
     )
     .await
 }
@@ -498,15 +501,6 @@ impl Envelope {
             "choices": choices,
         })
     }
-}
-
-fn usage(s: &GenSummary) -> Value {
-    json!({
-        "prompt_tokens": s.prompt_tokens,
-        "completion_tokens": s.completion_tokens,
-        "total_tokens": s.prompt_tokens + s.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": s.cached_tokens},
-    })
 }
 
 /// The cache partition of a stateless request: the client's address, the key it presented and
@@ -619,20 +613,28 @@ async fn generate<A: Assembler>(
     user: String,
     prompt: Vec<u32>,
     prompt_param: &str,
-    mut assembler: A,
+    assembler: impl Fn() -> A,
 ) -> Result<HttpResponse, ApiError> {
     let p = &state.platform;
     let prompt_tokens = prompt.len();
-    let completion = submit(
-        &state,
-        common.clone(),
-        cache_salt,
-        user,
-        prompt,
-        prompt_param,
-    )
-    .await?;
-    let id = completion.id();
+    // `n` choices are `n` requests of the same prompt (choice `i` seeded with `seed + i`); if one
+    // is refused, those already submitted are cancelled as they drop.
+    let mut completions = Vec::with_capacity(common.n);
+    for i in 0..common.n {
+        let mut choice = common.clone();
+        choice.params.seed = common.params.seed.map(|s| s.wrapping_add(i as u64));
+        completions.push(
+            submit(
+                &state,
+                choice,
+                cache_salt.clone(),
+                user.clone(),
+                prompt.clone(),
+                prompt_param,
+            )
+            .await?,
+        );
+    }
     let envelope = Envelope::new(
         if A::OBJECT == "text_completion" {
             "cmpl"
@@ -642,49 +644,95 @@ async fn generate<A: Assembler>(
         &p.model().id,
     );
     tracing::debug!(
-        request = id,
+        requests = ?completions.iter().map(Completion::id).collect::<Vec<_>>(),
         prompt_tokens,
         stream = common.stream,
         "API request submitted"
     );
 
     if common.stream {
-        let mut out = VecDeque::new();
-        let first = assembler.start();
-        if !first.is_empty() {
-            out.push_back(sse(
-                &envelope.wrap(A::CHUNK_OBJECT, first),
-                common.include_usage,
-            ));
-        }
-        let stream = ApiStream {
-            completion,
-            logprobs: LogprobsOut::new(&state, A::OBJECT == "chat.completion"),
-            assembler,
-            envelope,
-            include_usage: common.include_usage,
-            out,
-            done: false,
-            started: Instant::now(),
-        };
+        let streams = completions
+            .into_iter()
+            .enumerate()
+            .map(|(index, completion)| {
+                let mut assembler = assembler();
+                let mut out = VecDeque::new();
+                let mut first = assembler.start();
+                for c in &mut first {
+                    c["index"] = json!(index);
+                }
+                if !first.is_empty() {
+                    out.push_back(sse(
+                        &envelope.wrap(A::CHUNK_OBJECT, first),
+                        common.include_usage,
+                    ));
+                }
+                ApiStream {
+                    completion,
+                    logprobs: LogprobsOut::new(&state, A::OBJECT == "chat.completion"),
+                    assembler,
+                    envelope: envelope.clone(),
+                    include_usage: common.include_usage,
+                    out,
+                    done: false,
+                    started: Instant::now(),
+                    index,
+                    summary: None,
+                }
+            })
+            .collect();
         return Ok(HttpResponse::Ok()
             .content_type("text/event-stream")
             .insert_header((header::CACHE_CONTROL, "no-cache"))
             // Reverse proxies must not buffer the stream.
             .insert_header(("X-Accel-Buffering", "no"))
-            .streaming(stream));
+            .streaming(Choices {
+                streams,
+                envelope,
+                include_usage: common.include_usage,
+                finished: false,
+            }));
     }
 
-    let mut logprobs = LogprobsOut::new(&state, A::OBJECT == "chat.completion");
-    let (summary, assembler) = collect(completion, assembler, &mut logprobs).await?;
-    let mut choice = assembler.choice();
-    if let Some(lp) = logprobs.take() {
-        choice["logprobs"] = lp;
-    }
-    let mut body = envelope.wrap(A::OBJECT, vec![choice]);
-    body["usage"] = usage(&summary);
-    log_finished(id, &summary);
+    let results = futures_util::future::join_all(completions.into_iter().enumerate().map(
+        |(index, completion)| {
+            let mut logprobs = LogprobsOut::new(&state, A::OBJECT == "chat.completion");
+            let assembler = assembler();
+            async move {
+                let id = completion.id();
+                let (summary, assembler) = collect(completion, assembler, &mut logprobs).await?;
+                let mut choice = assembler.choice();
+                choice["index"] = json!(index);
+                if let Some(lp) = logprobs.take() {
+                    choice["logprobs"] = lp;
+                }
+                log_finished(id, &summary);
+                Ok::<_, ApiError>((choice, summary))
+            }
+        },
+    ))
+    .await
+    .into_iter()
+    .collect::<Result<Vec<_>, _>>()?;
+    let summaries: Vec<GenSummary> = results.iter().map(|(_, s)| s.clone()).collect();
+    let choices = results.into_iter().map(|(c, _)| c).collect();
+    let mut body = envelope.wrap(A::OBJECT, choices);
+    body["usage"] = usage_of(&summaries);
     Ok(HttpResponse::Ok().json(body))
+}
+
+/// Usage over the choices of one request: the prompt once, every choice's completion.
+fn usage_of(summaries: &[GenSummary]) -> Value {
+    let Some(first) = summaries.first() else {
+        return Value::Null;
+    };
+    let completion: usize = summaries.iter().map(|s| s.completion_tokens).sum();
+    json!({
+        "prompt_tokens": first.prompt_tokens,
+        "completion_tokens": completion,
+        "total_tokens": first.prompt_tokens + completion,
+        "prompt_tokens_details": {"cached_tokens": first.cached_tokens},
+    })
 }
 
 /// Reads a request's events to the end (non-streamed responses).
@@ -848,6 +896,10 @@ struct ApiStream<A: Assembler> {
     out: VecDeque<Bytes>,
     done: bool,
     started: Instant,
+    /// Its choice's `index` (a request with `n` choices streams them interleaved).
+    index: usize,
+    /// How it ended, for the request's usage chunk.
+    summary: Option<GenSummary>,
 }
 
 impl<A: Assembler> ApiStream<A> {
@@ -872,11 +924,6 @@ impl<A: Assembler> ApiStream<A> {
                 } else {
                     let choices = self.assembler.finish(&summary.reason);
                     self.chunks(choices);
-                    if self.include_usage {
-                        let mut last = self.envelope.wrap(A::CHUNK_OBJECT, Vec::new());
-                        last["usage"] = usage(&summary);
-                        self.out.push_back(Bytes::from(format!("data: {last}\n\n")));
-                    }
                 }
                 log_finished(self.completion.id(), &summary);
                 tracing::debug!(
@@ -884,7 +931,7 @@ impl<A: Assembler> ApiStream<A> {
                     stream_s = self.started.elapsed().as_secs_f64(),
                     "API stream finished"
                 );
-                self.out.push_back(Bytes::from_static(DONE));
+                self.summary = Some(summary);
                 self.done = true;
             }
         }
@@ -896,7 +943,8 @@ impl<A: Assembler> ApiStream<A> {
                 first["logprobs"] = lp;
             }
         }
-        for choice in choices {
+        for mut choice in choices {
+            choice["index"] = json!(self.index);
             let chunk = self.envelope.wrap(A::CHUNK_OBJECT, vec![choice]);
             self.out.push_back(sse(&chunk, self.include_usage));
         }
@@ -924,12 +972,57 @@ impl<A: Assembler> Stream for ApiStream<A> {
                     );
                     this.out
                         .push_back(Bytes::from(format!("data: {}\n\n", err.body())));
-                    this.out.push_back(Bytes::from_static(DONE));
                     this.done = true;
                 }
                 Poll::Pending => return Poll::Pending,
             }
         }
+    }
+}
+
+/// A request's streamed choices, interleaved as their chunks come, then the usage chunk (when
+/// asked) and `[DONE]` once all have ended.
+struct Choices<A: Assembler> {
+    streams: Vec<ApiStream<A>>,
+    envelope: Envelope,
+    include_usage: bool,
+    finished: bool,
+}
+
+impl<A: Assembler> Stream for Choices<A> {
+    type Item = Result<Bytes, Infallible>;
+
+    fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        let this = self.get_mut();
+        if this.finished {
+            return Poll::Ready(None);
+        }
+        let mut pending = false;
+        for s in &mut this.streams {
+            match Pin::new(&mut *s).poll_next(cx) {
+                Poll::Ready(Some(item)) => return Poll::Ready(Some(item)),
+                Poll::Ready(None) => {}
+                Poll::Pending => pending = true,
+            }
+        }
+        if pending {
+            return Poll::Pending;
+        }
+        // Every choice has ended.
+        this.finished = true;
+        let mut tail = String::new();
+        if this.include_usage {
+            let summaries: Vec<GenSummary> = this
+                .streams
+                .iter()
+                .filter_map(|s| s.summary.clone())
+                .collect();
+            let mut last = this.envelope.wrap(A::CHUNK_OBJECT, Vec::new());
+            last["usage"] = usage_of(&summaries);
+            tail.push_str(&format!("data: {last}\n\n"));
+        }
+        tail.push_str(std::str::from_utf8(DONE).unwrap_or("data: [DONE]\n\n"));
+        Poll::Ready(Some(Ok(Bytes::from(tail))))
     }
 }
 

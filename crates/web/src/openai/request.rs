@@ -35,6 +35,8 @@ pub struct Common {
     pub max_tokens: Option<usize>,
     /// The request field the grammar came from (for the message when it does not compile).
     pub grammar_field: Option<String>,
+    /// Choices to generate (`n`, 1 to [`MAX_CHOICES`]).
+    pub n: usize,
     /// What the client says separates its cache partition from others': vLLM's `cache_salt`
     /// and OpenAI's `user` (an end-user id), joined. The web layer adds the client's address
     /// and key; see `openai::cache_salt`.
@@ -232,6 +234,9 @@ impl<'a> Fields<'a> {
     }
 }
 
+/// The most choices one request may ask for (`n`).
+pub const MAX_CHOICES: usize = 8;
+
 /// Fields both endpoints take: model, stream, sampling and stopping.
 fn parse_common(f: &Fields<'_>, defaults: &Defaults) -> Result<Common, ApiError> {
     let model = f.str("model")?.map(str::to_string);
@@ -240,14 +245,16 @@ fn parse_common(f: &Fields<'_>, defaults: &Defaults) -> Result<Common, ApiError>
         Some(o) => o.bool("include_usage")?.unwrap_or(false),
         None => false,
     };
-    if let Some(n) = f.i64("n")? {
-        if n != 1 {
-            return Err(ApiError::unsupported(
+    let n = match f.i64("n")? {
+        None => 1,
+        Some(n) if (1..=MAX_CHOICES as i64).contains(&n) => n as usize,
+        Some(n) => {
+            return Err(ApiError::invalid(
                 "n",
-                format!("`n` must be 1 (smolchat generates one choice per request), got {n}"),
-            ));
+                format!("`n` must be between 1 and {MAX_CHOICES}, got {n}"),
+            ))
         }
-    }
+    };
     // Chat: `logprobs: true` and `top_logprobs` (0 to 20); the legacy completions API: a
     // number of alternatives in `logprobs` itself.
     let top_logprobs = f.count("top_logprobs")?;
@@ -386,6 +393,7 @@ fn parse_common(f: &Fields<'_>, defaults: &Defaults) -> Result<Common, ApiError>
         params,
         max_tokens,
         grammar_field,
+        n,
         cache_salt,
     })
 }
@@ -1032,7 +1040,8 @@ mod tests {
             ("stream", json!("yes"), "stream"),
             ("stop", json!(3), "stop"),
             ("stop", json!(["ok", 3]), "stop[1]"),
-            ("n", json!(2), "n"),
+            ("n", json!(9), "n"),
+            ("n", json!(0), "n"),
             ("top_p", json!(0), "top_p"),
             ("presence_penalty", json!(3), "presence_penalty"),
             ("seed", json!("x"), "seed"),
