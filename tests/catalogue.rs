@@ -903,6 +903,59 @@ fn catalogue() -> Vec<Case> {
         "page list: a before that is no cursor",
         case("", M::GET, "/conversations?before=%00", 400),
     );
+    // ---- the Responses API ----
+    let responses = |body: Value| {
+        case("", M::POST, "/v1/responses", 400)
+            .bearer(API_KEY)
+            .json_value(body)
+    };
+    add(
+        "responses: no key",
+        responses(json!({"input": "hi"})).tap(401).strip_auth(),
+    );
+    add("responses: input missing", responses(json!({})));
+    add("responses: input a number", responses(json!({"input": 3})));
+    add(
+        "responses: previous_response_id",
+        responses(json!({"input": "hi", "previous_response_id": "resp_1"})),
+    );
+    add(
+        "responses: an image part",
+        responses(json!({"input": [{"role": "user",
+            "content": [{"type": "input_image", "image_url": "http://x"}]}]})),
+    );
+    add(
+        "responses: an unknown item type",
+        responses(json!({"input": [{"type": "computer_call"}]})),
+    );
+    add(
+        "responses: a function_call without call_id",
+        responses(json!({"input": [{"type": "function_call", "name": "f"}]})),
+    );
+    add(
+        "responses: a hosted tool",
+        responses(json!({"input": "hi", "tools": [{"type": "web_search"}]})),
+    );
+    add(
+        "responses: a text format of an unknown type",
+        responses(json!({"input": "hi", "text": {"format": {"type": "yaml"}}})),
+    );
+    add(
+        "responses: a schema that allows nothing",
+        responses(
+            json!({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x",
+            "schema": {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}}}}),
+        ),
+    );
+    add(
+        "responses: unknown field",
+        responses(json!({"input": "hi", "warp": 9})),
+    );
+    add(
+        "responses: GET",
+        case("", M::GET, "/v1/responses", 405).bearer(API_KEY),
+    );
+
     // ---- the Anthropic Messages API (`{"type": "error", "error": {…}}` answers) ----
     let messages = |body: Value, status: u16| {
         case("", M::POST, "/v1/messages", status)

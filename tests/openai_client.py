@@ -461,6 +461,60 @@ def _():
     assert usage and usage.completion_tokens == r.usage.completion_tokens, (usage, r.usage)
 
 
+@check("responses.create: whole and streamed, instructions and input items")
+def _():
+    kw = dict(model=MODEL, instructions=SYSTEM, input=USER, temperature=0, max_output_tokens=MAX_TOKENS)
+    r = client.responses.create(**kw)
+    assert r.object == "response" and r.status in ("completed", "incomplete"), r
+    assert r.output_text == state["reply"], (r.output_text, state["reply"])
+    assert r.usage.input_tokens > 5 and r.usage.output_tokens >= 1, r.usage
+    kinds, final = [], None
+    for event in client.responses.create(**kw, stream=True):
+        kinds.append(event.type)
+        if event.type in ("response.completed", "response.incomplete"):
+            final = event.response
+    assert kinds[0] == "response.created" and kinds[-1] in ("response.completed", "response.incomplete"), kinds
+    assert "response.output_text.delta" in kinds and "response.output_item.done" in kinds, kinds
+    assert final.output_text == r.output_text, (final.output_text, r.output_text)
+    items = client.responses.create(
+        model=MODEL, temperature=0, max_output_tokens=MAX_TOKENS,
+        input=[{"role": "developer", "content": SYSTEM}, {"role": "user", "content": [{"type": "input_text", "text": USER}]}],
+    )
+    assert items.output_text == r.output_text, (items.output_text, r.output_text)
+
+
+@check("responses: forced function call, text.format schema, refusals")
+def _():
+    import json
+
+    tool = {"type": "function", "name": "get_capital", "description": "Capital of a country",
+            "parameters": {"type": "object", "properties": {"country": {"type": "string", "maxLength": 30}},
+                           "required": ["country"], "additionalProperties": False}}
+    r = client.responses.create(model=MODEL, input=USER, tools=[tool], tool_choice="required",
+                                temperature=1.0, max_output_tokens=80)
+    calls = [o for o in r.output if o.type == "function_call"]
+    assert len(calls) == 1 and calls[0].name == "get_capital", r.output
+    assert isinstance(json.loads(calls[0].arguments)["country"], str)
+    # The call answered: a second turn with the output.
+    r2 = client.responses.create(model=MODEL, temperature=0, max_output_tokens=16, tools=[tool], input=[
+        {"role": "user", "content": USER},
+        {"type": "function_call", "call_id": calls[0].call_id, "name": "get_capital", "arguments": calls[0].arguments},
+        {"type": "function_call_output", "call_id": calls[0].call_id, "output": "Paris"},
+    ])
+    assert r2.status in ("completed", "incomplete")
+    schema = {"type": "object", "properties": {"capital": {"type": "string", "maxLength": 20}},
+              "required": ["capital"], "additionalProperties": False}
+    r3 = client.responses.create(model=MODEL, input=USER, temperature=1.0, max_output_tokens=60,
+                                 text={"format": {"type": "json_schema", "name": "c", "schema": schema, "strict": True}})
+    assert set(json.loads(r3.output_text)) == {"capital"}, r3.output_text
+    expect_error(openai.BadRequestError, 400,
+                 lambda: client.responses.create(model=MODEL, input="x", previous_response_id="resp_123"),
+                 param="previous_response_id")
+    expect_error(openai.BadRequestError, 400,
+                 lambda: client.responses.create(model=MODEL, input=[{"type": "image_generation_call"}]),
+                 param="input[0]")
+
+
 @check("response_format json_schema (strict): 50 samples at temperature 1 all validate")
 def _():
     import concurrent.futures

@@ -42,6 +42,7 @@ pub mod openai;
 pub mod ops;
 pub mod owner;
 pub mod pages;
+pub mod responses;
 
 use std::io;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -134,8 +135,9 @@ pub fn routes(cfg: &mut web::ServiceConfig) {
             .route(web::get().to(ops::metrics))
             .default_service(web::to(method_not_allowed)),
     )
-    // Before the `/v1` scope, which would take its path.
+    // Before the `/v1` scope, which would take their paths.
     .configure(anthropic::routes)
+    .configure(responses::routes)
     // Early, so that a catch-all scope registered later cannot shadow `/v1`.
     .configure(openai::routes)
     // Before the `/api` scope, which would take these paths.
