@@ -138,6 +138,8 @@ pub struct ModelWorker {
     host_sampling: bool,
     /// The device's memory as last asked, and when.
     device_memory: Option<(Instant, Option<DeviceMemory>)>,
+    /// Whether grammar masks are computed while the forward pass runs (`None`: on a GPU only).
+    mask_overlap: Option<bool>,
 }
 
 impl ModelWorker {
@@ -154,6 +156,7 @@ impl ModelWorker {
             evictions: 0,
             host_sampling: false,
             device_memory: None,
+            mask_overlap: None,
         }
     }
 
@@ -162,6 +165,13 @@ impl ModelWorker {
     /// `Sampler::device_draw`). For comparisons across tiers.
     pub fn sample_on_host(mut self) -> Self {
         self.host_sampling = true;
+        self
+    }
+
+    /// Computes grammar masks during the forward pass (`true`) or when each token is drawn,
+    /// whatever the device (by default: during it on a GPU only).
+    pub fn with_mask_overlap(mut self, overlap: bool) -> Self {
+        self.mask_overlap = Some(overlap);
         self
     }
 
@@ -650,10 +660,43 @@ impl ModelWorker {
             let window = self.context_window.min(self.kv_capacity_tokens());
             // Out of `self` while rows of it are sampled, so `finish` can borrow the worker.
             let mut logits = std::mem::take(&mut self.logits);
-            match self
-                .engine
-                .step_sampled_into(&steps, &sampling, &mut logits)
-            {
+            // Grammar masks depend only on the tokens drawn so far. On a GPU, whose forward pass
+            // leaves the host's cores idle, they are computed on another thread meanwhile, so a
+            // constrained sequence adds no mask time to its neighbours' step (a failure
+            // surfaces when the token is drawn). On the CPU the forward pass has every core
+            // already (measured on 2 Zen 2 cores: overlapping was no faster, within the noise),
+            // so they are computed when each token is drawn.
+            let overlap = self.mask_overlap.unwrap_or(!matches!(
+                self.engine.device(),
+                smolchat_engine::device::Device::Cpu
+            ));
+            let wanted: std::collections::HashSet<RequestId> = work
+                .iter()
+                .filter(|w| w.3 && overlap)
+                .map(|w| w.0)
+                .collect();
+            let mut constrained: Vec<&mut Generation> = self
+                .active
+                .iter_mut()
+                .filter(|(id, _)| wanted.contains(id))
+                .filter_map(|(_, a)| a.generation.as_mut())
+                .filter(|g| g.is_constrained())
+                .collect();
+            let engine = &mut self.engine;
+            let stepped = if constrained.is_empty() {
+                engine.step_sampled_into(&steps, &sampling, &mut logits)
+            } else {
+                std::thread::scope(|scope| {
+                    scope.spawn(|| {
+                        for g in constrained.iter_mut() {
+                            // An error is reported again when the token is drawn.
+                            let _ = g.prepare_mask();
+                        }
+                    });
+                    engine.step_sampled_into(&steps, &sampling, &mut logits)
+                })
+            };
+            match stepped {
                 Ok(()) => {
                     for (i, (id, seq, _, want)) in work.iter().enumerate() {
                         if !*want {
@@ -1319,5 +1362,70 @@ mod tests {
             }
         }
         assert_eq!(tokens, 5);
+    }
+
+    /// A grammar's masks give the same reply whether they are computed during the forward
+    /// pass (as on a GPU) or when each token is drawn, and the reply matches the grammar.
+    #[test]
+    fn grammar_masks_computed_during_the_step_give_the_same_reply() {
+        let reply = |overlap: bool| -> (String, Vec<StopReason>) {
+            let mut w = fast_tier_worker(None).with_mask_overlap(overlap);
+            let mut tokens = Vec::new();
+            let mut reasons = Vec::new();
+            let (tx, mut rx) = mpsc::unbounded_channel();
+            w.active.insert(
+                9,
+                Active::new(
+                    GenerationRequest {
+                        cache_key: None,
+                        user: None,
+                        group: None,
+                        cache_salt: None,
+                        prompt: (100..120).collect(),
+                        params: SamplingParams {
+                            max_new_tokens: 20,
+                            grammar: Some(smolchat_text::constraint::Grammar::Regex(
+                                "[a-z]{3,6}".into(),
+                            )),
+                            ..SamplingParams::greedy()
+                        },
+                        max_time: None,
+                        events: tx,
+                    },
+                    Instant::now(),
+                ),
+            );
+            let mut plan = StepPlan {
+                prefill: vec![(9, 1000)],
+                ..StepPlan::default()
+            };
+            for _ in 0..25 {
+                let report = w.step(plan);
+                if report.items.iter().any(|r| r.id == 9 && r.finished) {
+                    break;
+                }
+                plan = StepPlan {
+                    decode: vec![9],
+                    ..StepPlan::default()
+                };
+            }
+            while let Ok(e) = rx.try_recv() {
+                match e {
+                    GenEvent::Token { text, .. } => tokens.push(text),
+                    GenEvent::Finished(s) => reasons.push(s.reason),
+                    GenEvent::Admitted { .. } => {}
+                }
+            }
+            (tokens.concat(), reasons)
+        };
+        let (serial, serial_end) = reply(false);
+        let (overlapped, overlapped_end) = reply(true);
+        assert_eq!(serial, overlapped);
+        assert_eq!(serial_end, vec![StopReason::EndOfGeneration]);
+        assert_eq!(overlapped_end, serial_end);
+        assert!(
+            (3..=6).contains(&serial.len()) && serial.chars().all(|c| c.is_ascii_lowercase()),
+            "{serial:?}"
+        );
     }
 }

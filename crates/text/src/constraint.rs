@@ -133,6 +133,8 @@ pub fn tool_call_grammar(tokenizer: &Tokenizer, tools: &[(String, Value)]) -> Gr
 /// A reply's constraint: the grammar's parser state.
 pub struct Constraint {
     matcher: Matcher,
+    /// The next token's mask, when computed ahead ([`Constraint::prepare`]).
+    ready: Option<toktrie::SimpleVob>,
 }
 
 impl std::fmt::Debug for Constraint {
@@ -191,16 +193,36 @@ impl Constraint {
         if let Some(e) = matcher.get_error() {
             return Err(TextError::Constraint(e));
         }
-        Ok(Self { matcher })
+        Ok(Self {
+            matcher,
+            ready: None,
+        })
+    }
+
+    /// Computes the next token's mask ahead of time (it depends only on the tokens consumed so
+    /// far), so the model worker can do it while the forward pass runs; [`Self::mask`] then uses
+    /// it.
+    pub fn prepare(&mut self) -> Result<()> {
+        if self.ready.is_none() {
+            let allowed = self
+                .matcher
+                .compute_mask_or_eos()
+                .map_err(|e| TextError::Constraint(e.to_string()))?;
+            self.ready = Some(allowed);
+        }
+        Ok(())
     }
 
     /// Sets the logit of every token the grammar does not allow next to -inf (only
     /// end-of-generation once the grammar is complete).
     pub fn mask(&mut self, logits: &mut [f32]) -> Result<()> {
-        let allowed = self
-            .matcher
-            .compute_mask_or_eos()
-            .map_err(|e| TextError::Constraint(e.to_string()))?;
+        let allowed = match self.ready.take() {
+            Some(allowed) => allowed,
+            None => self
+                .matcher
+                .compute_mask_or_eos()
+                .map_err(|e| TextError::Constraint(e.to_string()))?,
+        };
         for (id, l) in logits.iter_mut().enumerate() {
             if !allowed.is_allowed(id as u32) {
                 *l = f32::NEG_INFINITY;
@@ -211,6 +233,7 @@ impl Constraint {
 
     /// Records the drawn token.
     pub fn consume(&mut self, token: u32) -> Result<()> {
+        self.ready = None;
         self.matcher
             .consume_token(token)
             .map_err(|e| TextError::Constraint(e.to_string()))

@@ -115,6 +115,22 @@ impl Generation {
         Ok(outcome)
     }
 
+    /// Computes the grammar's next mask ahead of the logits (on another thread while the
+    /// forward pass runs); a no-op without a grammar. Its time counts as mask time.
+    pub fn prepare_mask(&mut self) -> Result<()> {
+        if let Some(c) = self.constraint.as_mut() {
+            let t = std::time::Instant::now();
+            c.prepare()?;
+            self.mask_time += t.elapsed();
+        }
+        Ok(())
+    }
+
+    /// Whether a grammar constrains this generation.
+    pub fn is_constrained(&self) -> bool {
+        self.constraint.is_some()
+    }
+
     /// Grammar mask time since the last call (for the worker's metrics); `None` without a
     /// grammar.
     pub fn take_mask_time(&mut self) -> Option<std::time::Duration> {
