@@ -246,70 +246,66 @@ fn chat_body(prompt: &str, max_tokens: usize, stream: bool) -> Value {
     })
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn official_openai_python_client() {
+/// Runs one of the official-client scripts against a server started with the API key, passing
+/// `env`; the script prints `N passed, M failed` and exits non-zero when a check failed.
+async fn run_client_script(script: &str, env: &[(&str, String)]) {
     let _turn = TURN.lock().await;
     let python = openai_venv();
     let dir = tempdir();
     let server = Server::start(dir.path(), &[("SMOLCHAT_SERVER__API_KEY", KEY)]).await;
     let t = Instant::now();
-    let out = Command::new(python)
-        .arg(common::crate_root().join("tests/openai_client.py"))
-        .env("SMOLCHAT_BASE_URL", format!("{}/v1", server.base))
-        .env("SMOLCHAT_API_KEY", KEY)
-        .env("SMOLCHAT_BIN", env!("CARGO_BIN_EXE_smolchat"))
-        .env("SMOLCHAT_MODEL_PATH", common::smollm2_path())
+    let mut cmd = Command::new(python);
+    cmd.arg(common::crate_root().join("tests").join(script))
+        .env("SMOLCHAT_API_KEY", KEY);
+    for (k, v) in env {
+        cmd.env(k, v.replace("{base}", &server.base));
+    }
+    let out = cmd
         .output()
-        .expect("run tests/openai_client.py");
+        .unwrap_or_else(|e| panic!("run tests/{script}: {e}"));
     let stdout = String::from_utf8_lossy(&out.stdout);
     let stderr = String::from_utf8_lossy(&out.stderr);
     eprintln!("{stdout}\n{stderr}\n(script took {:?})", t.elapsed());
-    assert!(out.status.success(), "the openai client script failed");
+    assert!(out.status.success(), "tests/{script} failed");
     assert!(stdout.contains(" passed, 0 failed"), "{stdout}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn official_openai_python_client() {
+    run_client_script(
+        "openai_client.py",
+        &[
+            ("SMOLCHAT_BASE_URL", "{base}/v1".to_string()),
+            ("SMOLCHAT_BIN", env!("CARGO_BIN_EXE_smolchat").to_string()),
+            (
+                "SMOLCHAT_MODEL_PATH",
+                common::smollm2_path().display().to_string(),
+            ),
+        ],
+    )
+    .await;
 }
 
 /// The Ollama API on the server's port, driven by the official `ollama` Python client: list,
 /// show, ps, chat and generate whole and streamed, refusals in Ollama's shape.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn official_ollama_python_client() {
-    let _turn = TURN.lock().await;
-    let python = openai_venv();
-    let dir = tempdir();
-    let server = Server::start(dir.path(), &[("SMOLCHAT_SERVER__API_KEY", KEY)]).await;
-    let t = Instant::now();
-    let out = Command::new(python)
-        .arg(common::crate_root().join("tests/ollama_client.py"))
-        .env("SMOLCHAT_HOST", &server.base)
-        .env("SMOLCHAT_API_KEY", KEY)
-        .output()
-        .expect("run tests/ollama_client.py");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    eprintln!("{stdout}\n{stderr}\n(script took {:?})", t.elapsed());
-    assert!(out.status.success(), "the ollama client script failed");
-    assert!(stdout.contains(" passed, 0 failed"), "{stdout}");
+    run_client_script(
+        "ollama_client.py",
+        &[("SMOLCHAT_HOST", "{base}".to_string())],
+    )
+    .await;
 }
 
 /// `/v1/messages`, driven by the official `anthropic` Python client: create and stream, stop
 /// sequences, tools and tool results, thinking, both key headers, refusals as its exceptions.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn official_anthropic_python_client() {
-    let _turn = TURN.lock().await;
-    let python = openai_venv();
-    let dir = tempdir();
-    let server = Server::start(dir.path(), &[("SMOLCHAT_SERVER__API_KEY", KEY)]).await;
-    let t = Instant::now();
-    let out = Command::new(python)
-        .arg(common::crate_root().join("tests/anthropic_client.py"))
-        .env("SMOLCHAT_HOST", &server.base)
-        .env("SMOLCHAT_API_KEY", KEY)
-        .output()
-        .expect("run tests/anthropic_client.py");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    eprintln!("{stdout}\n{stderr}\n(script took {:?})", t.elapsed());
-    assert!(out.status.success(), "the anthropic client script failed");
-    assert!(stdout.contains(" passed, 0 failed"), "{stdout}");
+    run_client_script(
+        "anthropic_client.py",
+        &[("SMOLCHAT_HOST", "{base}".to_string())],
+    )
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

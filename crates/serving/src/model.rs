@@ -670,18 +670,18 @@ impl ModelWorker {
                 self.engine.device(),
                 smolchat_engine::device::Device::Cpu
             ));
-            let wanted: std::collections::HashSet<RequestId> = work
-                .iter()
-                .filter(|w| w.3 && overlap)
-                .map(|w| w.0)
-                .collect();
-            let mut constrained: Vec<&mut Generation> = self
-                .active
-                .iter_mut()
-                .filter(|(id, _)| wanted.contains(id))
-                .filter_map(|(_, a)| a.generation.as_mut())
-                .filter(|g| g.is_constrained())
-                .collect();
+            let mut constrained: Vec<&mut Generation> = Vec::new();
+            if overlap {
+                let wanted: std::collections::HashSet<RequestId> =
+                    work.iter().filter(|w| w.3).map(|w| w.0).collect();
+                constrained = self
+                    .active
+                    .iter_mut()
+                    .filter(|(id, _)| wanted.contains(id))
+                    .filter_map(|(_, a)| a.generation.as_mut())
+                    .filter(|g| g.is_constrained())
+                    .collect();
+            }
             let engine = &mut self.engine;
             let stepped = if constrained.is_empty() {
                 engine.step_sampled_into(&steps, &sampling, &mut logits)
@@ -970,12 +970,25 @@ mod tests {
         salt: Option<&str>,
         prompt: Vec<u32>,
     ) -> Vec<GenEvent> {
-        let (tx, mut rx) = mpsc::unbounded_channel();
         let params = SamplingParams {
             max_new_tokens: 3,
             ignore_eos: true,
             ..SamplingParams::greedy()
         };
+        run_with(w, id, key, salt, prompt, params)
+    }
+
+    /// Runs one request with `params` to its end (prefill, then decode steps) and returns its
+    /// events.
+    fn run_with(
+        w: &mut ModelWorker,
+        id: RequestId,
+        key: Option<Uuid>,
+        salt: Option<&str>,
+        prompt: Vec<u32>,
+        params: SamplingParams,
+    ) -> Vec<GenEvent> {
+        let (tx, mut rx) = mpsc::unbounded_channel();
         w.active.insert(
             id,
             Active::new(
@@ -996,7 +1009,8 @@ mod tests {
             prefill: vec![(id, 1000)],
             ..StepPlan::default()
         };
-        for _ in 0..10 {
+        // Ends by itself well before: the bound only stops a runaway test.
+        for _ in 0..30 {
             let report = w.step(plan);
             if report.items.iter().any(|r| r.id == id && r.finished) {
                 break;
@@ -1309,45 +1323,15 @@ mod tests {
     fn logprobs_come_back_from_a_backend_that_draws_on_its_device() {
         let mut w = fast_tier_worker(None);
         assert!(w.engine.samples_on_device());
-        let (tx, mut rx) = mpsc::unbounded_channel();
-        let id = 7;
-        w.active.insert(
-            id,
-            Active::new(
-                GenerationRequest {
-                    cache_key: None,
-                    user: None,
-                    group: None,
-                    cache_salt: None,
-                    prompt: (100..120).collect(),
-                    params: SamplingParams {
-                        max_new_tokens: 5,
-                        ignore_eos: true,
-                        logprobs: Some(2),
-                        ..SamplingParams::greedy()
-                    },
-                    max_time: None,
-                    events: tx,
-                },
-                Instant::now(),
-            ),
-        );
-        let mut plan = StepPlan {
-            prefill: vec![(id, 1000)],
-            ..StepPlan::default()
+        let params = SamplingParams {
+            max_new_tokens: 5,
+            ignore_eos: true,
+            logprobs: Some(2),
+            ..SamplingParams::greedy()
         };
-        for _ in 0..10 {
-            let report = w.step(plan);
-            if report.items.iter().any(|r| r.id == id && r.finished) {
-                break;
-            }
-            plan = StepPlan {
-                decode: vec![id],
-                ..StepPlan::default()
-            };
-        }
+        let events = run_with(&mut w, 7, None, None, (100..120).collect(), params);
         let mut tokens = 0;
-        while let Ok(e) = rx.try_recv() {
+        for e in events {
             if let GenEvent::Token {
                 token, logprobs, ..
             } = e
@@ -1370,53 +1354,23 @@ mod tests {
     fn grammar_masks_computed_during_the_step_give_the_same_reply() {
         let reply = |overlap: bool| -> (String, Vec<StopReason>) {
             let mut w = fast_tier_worker(None).with_mask_overlap(overlap);
-            let mut tokens = Vec::new();
-            let mut reasons = Vec::new();
-            let (tx, mut rx) = mpsc::unbounded_channel();
-            w.active.insert(
-                9,
-                Active::new(
-                    GenerationRequest {
-                        cache_key: None,
-                        user: None,
-                        group: None,
-                        cache_salt: None,
-                        prompt: (100..120).collect(),
-                        params: SamplingParams {
-                            max_new_tokens: 20,
-                            grammar: Some(smolchat_text::constraint::Grammar::Regex(
-                                "[a-z]{3,6}".into(),
-                            )),
-                            ..SamplingParams::greedy()
-                        },
-                        max_time: None,
-                        events: tx,
-                    },
-                    Instant::now(),
-                ),
-            );
-            let mut plan = StepPlan {
-                prefill: vec![(9, 1000)],
-                ..StepPlan::default()
+            let params = SamplingParams {
+                max_new_tokens: 20,
+                grammar: Some(smolchat_text::constraint::Grammar::Regex(
+                    "[a-z]{3,6}".into(),
+                )),
+                ..SamplingParams::greedy()
             };
-            for _ in 0..25 {
-                let report = w.step(plan);
-                if report.items.iter().any(|r| r.id == 9 && r.finished) {
-                    break;
-                }
-                plan = StepPlan {
-                    decode: vec![9],
-                    ..StepPlan::default()
-                };
-            }
-            while let Ok(e) = rx.try_recv() {
+            let mut text = String::new();
+            let mut reasons = Vec::new();
+            for e in run_with(&mut w, 9, None, None, (100..120).collect(), params) {
                 match e {
-                    GenEvent::Token { text, .. } => tokens.push(text),
+                    GenEvent::Token { text: t, .. } => text.push_str(&t),
                     GenEvent::Finished(s) => reasons.push(s.reason),
                     GenEvent::Admitted { .. } => {}
                 }
             }
-            (tokens.concat(), reasons)
+            (text, reasons)
         };
         let (serial, serial_end) = reply(false);
         let (overlapped, overlapped_end) = reply(true);

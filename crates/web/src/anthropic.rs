@@ -12,21 +12,18 @@
 
 use std::collections::VecDeque;
 use std::convert::Infallible;
-use std::fmt;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
-use actix_web::body::{BoxBody, MessageBody};
-use actix_web::dev::{ServiceRequest, ServiceResponse};
 use actix_web::http::{header, StatusCode};
-use actix_web::middleware::{from_fn, Next};
+use actix_web::middleware::from_fn;
 use actix_web::web::{self, Bytes};
-use actix_web::{HttpRequest, HttpResponse, ResponseError};
+use actix_web::{HttpRequest, HttpResponse};
 use futures_util::Stream;
 use serde_json::{json, Map, Value};
 
 use super::json::JsonBody;
-use super::openai::{self, request, Assembler, CallOut, ChatAssembler};
+use super::openai::{self, Assembler, CallOut, ChatAssembler};
 use super::{AppState, WebError};
 use crate::error::reshape;
 use crate::error::ApiError;
@@ -39,50 +36,24 @@ pub fn routes(cfg: &mut web::ServiceConfig) {
         web::resource("/v1/messages")
             .wrap(from_fn(openai::require_api_key))
             // Outside the key check, so its refusals come in Anthropic's shape too.
-            .wrap(from_fn(anthropic_errors))
+            .wrap(from_fn(reshape::reshape::<Anthropic>))
             .wrap(super::api_headers())
             .route(web::post().to(messages))
-            .default_service(web::to(method_not_allowed)),
+            .default_service(web::to(reshape::method_not_allowed::<Anthropic>)),
     );
 }
 
-/// An API refusal in Anthropic's shape, over the [`ApiError`] that decided it.
-#[derive(Debug)]
-pub struct AnthropicError(ApiError);
+/// Anthropic's error shape: `{"type": "error", "error": {"type", "message"}}`.
+pub struct Anthropic;
 
-impl AnthropicError {
-    fn invalid(field: &str, message: impl Into<String>) -> Self {
-        Self(ApiError::invalid(field, message))
+impl reshape::Shape for Anthropic {
+    fn body(status: StatusCode, message: &str, kind: &str) -> Value {
+        json!({"type": "error", "error": {"type": error_type(status, kind), "message": message}})
     }
 }
 
-impl fmt::Display for AnthropicError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.0.message)
-    }
-}
-
-impl From<ApiError> for AnthropicError {
-    fn from(e: ApiError) -> Self {
-        Self(e)
-    }
-}
-
-impl From<WebError> for AnthropicError {
-    fn from(e: WebError) -> Self {
-        Self(ApiError::from(e))
-    }
-}
-
-impl ResponseError for AnthropicError {
-    fn status_code(&self) -> StatusCode {
-        self.0.status
-    }
-
-    fn error_response(&self) -> HttpResponse {
-        reshape::respond(&self.0, anthropic_body)
-    }
-}
+/// A refusal in Anthropic's shape, decided by the one [`ApiError`].
+pub type AnthropicError = reshape::Shaped<Anthropic>;
 
 /// Anthropic's error `type` for a refusal.
 fn error_type(status: StatusCode, openai_kind: &str) -> &'static str {
@@ -96,24 +67,6 @@ fn error_type(status: StatusCode, openai_kind: &str) -> &'static str {
         _ if openai_kind == "invalid_request_error" => "invalid_request_error",
         _ => "api_error",
     }
-}
-
-fn anthropic_body(status: StatusCode, message: &str, kind: &str) -> Value {
-    json!({"type": "error", "error": {"type": error_type(status, kind), "message": message}})
-}
-
-async fn anthropic_errors(
-    req: ServiceRequest,
-    next: Next<impl MessageBody + 'static>,
-) -> Result<ServiceResponse<BoxBody>, actix_web::Error> {
-    reshape::reshape(req, next, anthropic_body).await
-}
-
-async fn method_not_allowed(req: HttpRequest) -> Result<HttpResponse, AnthropicError> {
-    Err(
-        ApiError::method_not_allowed(format!("{} is not allowed on {}", req.method(), req.path()))
-            .into(),
-    )
 }
 
 /// A message's `content`: a string, or blocks of which only text counts (for `system` and
@@ -415,34 +368,10 @@ async fn messages(
 ) -> Result<HttpResponse, AnthropicError> {
     let JsonBody(body) = body?;
     let translated = translate(&body)?;
-    let p = &state.platform;
-    let mut req = request::parse_chat(&translated, &openai::defaults(p))?;
-    if req.common.grammar_field.is_some() {
-        req.common.grammar_field = Some("output_config.format".into());
-    }
-    openai::force_tool_call(p, &mut req);
-    openai::check_model(p, &req.common)?;
-    openai::check_admin_only(&state, &http, &req.common)?;
-    let model = req
-        .common
-        .model
-        .clone()
-        .filter(|m| !m.is_empty())
-        .unwrap_or_else(|| p.model().id.clone());
+    let req = openai::checked_chat(&state, &http, &translated, Some("output_config.format"))?;
+    let model = openai::model_name(&state.platform, &req.common);
     let parse_tool_calls = req.parse_tool_calls();
-    let state2 = state.clone();
-    let render = req.clone();
-    let prompt = web::block(move || {
-        let p = &state2.platform;
-        openai::chat_prompt(
-            p.prompt_builder(),
-            p.template(),
-            &render,
-            chrono::Local::now().date_naive(),
-        )
-    })
-    .await
-    .map_err(|e| ApiError::internal(format!("prompt task: {e}")))??;
+    let prompt = openai::build_chat_prompt(&state, &req).await?;
     let mut assembler = ChatAssembler::new(prompt.starts_in_reasoning, parse_tool_calls);
     let stream = req.common.stream;
     let input_tokens = prompt.tokens.len();
@@ -507,7 +436,7 @@ async fn messages(
             }
         }
     }
-    Err(ApiError::unavailable("the model worker stopped before the reply was finished").into())
+    Err(ApiError::unavailable(openai::WORKER_GONE).into())
 }
 
 fn tool_use(c: &CallOut) -> Value {
@@ -677,31 +606,37 @@ impl EventStream {
     }
 }
 
+impl openai::EventStream for EventStream {
+    fn completion(&mut self) -> &mut Completion {
+        &mut self.completion
+    }
+
+    fn queued(&mut self) -> &mut VecDeque<Bytes> {
+        &mut self.out
+    }
+
+    fn ended(&self) -> bool {
+        self.done
+    }
+
+    fn on_event(&mut self, event: GenEvent) {
+        Self::on_event(self, event)
+    }
+
+    fn on_worker_gone(&mut self) {
+        self.event(
+            "error",
+            json!({"type": "error", "error": {"type": "api_error", "message": openai::WORKER_GONE}}),
+        );
+        self.done = true;
+    }
+}
+
 impl Stream for EventStream {
     type Item = Result<Bytes, Infallible>;
 
     fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
-        let this = self.get_mut();
-        loop {
-            if let Some(bytes) = this.out.pop_front() {
-                return Poll::Ready(Some(Ok(bytes)));
-            }
-            if this.done {
-                return Poll::Ready(None);
-            }
-            match Pin::new(&mut this.completion).poll_next(cx) {
-                Poll::Ready(Some(event)) => this.on_event(event),
-                Poll::Ready(None) => {
-                    this.event(
-                        "error",
-                        json!({"type": "error", "error": {"type": "api_error",
-                            "message": "the model worker stopped before the reply was finished"}}),
-                    );
-                    this.done = true;
-                }
-                Poll::Pending => return Poll::Pending,
-            }
-        }
+        openai::poll_events(self.get_mut(), cx)
     }
 }
 

@@ -15,17 +15,14 @@
 
 use std::collections::VecDeque;
 use std::convert::Infallible;
-use std::fmt;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 use std::time::Instant;
 
-use actix_web::body::{BoxBody, MessageBody};
-use actix_web::dev::{ServiceRequest, ServiceResponse};
 use actix_web::http::{header, StatusCode};
-use actix_web::middleware::{from_fn, Next};
+use actix_web::middleware::from_fn;
 use actix_web::web::{self, Bytes};
-use actix_web::{HttpRequest, HttpResponse, ResponseError};
+use actix_web::{HttpRequest, HttpResponse};
 use futures_util::Stream;
 use serde_json::{json, Map, Value};
 
@@ -48,9 +45,9 @@ pub fn routes(cfg: &mut web::ServiceConfig) {
         web::resource(path)
             .wrap(from_fn(openai::require_api_key))
             // Outside the key check, so its refusals come in Ollama's shape too.
-            .wrap(from_fn(ollama_errors))
+            .wrap(from_fn(reshape::reshape::<Ollama>))
             .wrap(super::api_headers())
-            .default_service(web::to(method_not_allowed))
+            .default_service(web::to(reshape::method_not_allowed::<Ollama>))
     };
     cfg.service(resource("/api/chat").route(web::post().to(chat)))
         .service(resource("/api/generate").route(web::post().to(generate)))
@@ -68,64 +65,17 @@ pub fn routes(cfg: &mut web::ServiceConfig) {
         .service(resource("/api/ps").route(web::get().to(ps)));
 }
 
-/// An API refusal in Ollama's shape: `{"error": "…"}` with the status and `Retry-After` of the
-/// OpenAI-shaped [`ApiError`] it wraps (one place decides what is refused and how).
-#[derive(Debug)]
-pub struct OllamaError(ApiError);
+/// Ollama's error shape: `{"error": "…"}`, the message alone.
+pub struct Ollama;
 
-impl OllamaError {
-    fn invalid(field: &str, message: impl Into<String>) -> Self {
-        Self(ApiError::invalid(field, message))
+impl reshape::Shape for Ollama {
+    fn body(_: StatusCode, message: &str, _: &str) -> Value {
+        json!({ "error": message })
     }
 }
 
-impl fmt::Display for OllamaError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.0.message)
-    }
-}
-
-impl From<ApiError> for OllamaError {
-    fn from(e: ApiError) -> Self {
-        Self(e)
-    }
-}
-
-impl From<WebError> for OllamaError {
-    fn from(e: WebError) -> Self {
-        Self(ApiError::from(e))
-    }
-}
-
-impl ResponseError for OllamaError {
-    fn status_code(&self) -> StatusCode {
-        self.0.status
-    }
-
-    fn error_response(&self) -> HttpResponse {
-        reshape::respond(&self.0, ollama_body)
-    }
-}
-
-/// Ollama's error body: the message alone.
-fn ollama_body(_: StatusCode, message: &str, _: &str) -> Value {
-    json!({ "error": message })
-}
-
-/// Re-shapes refusals made before a handler runs (the API key check) into Ollama's shape.
-async fn ollama_errors(
-    req: ServiceRequest,
-    next: Next<impl MessageBody + 'static>,
-) -> Result<ServiceResponse<BoxBody>, actix_web::Error> {
-    reshape::reshape(req, next, ollama_body).await
-}
-
-async fn method_not_allowed(req: HttpRequest) -> Result<HttpResponse, OllamaError> {
-    Err(
-        ApiError::method_not_allowed(format!("{} is not allowed on {}", req.method(), req.path()))
-            .into(),
-    )
-}
+/// A refusal in Ollama's shape, decided by the one [`ApiError`].
+pub type OllamaError = reshape::Shaped<Ollama>;
 
 /// The name the model is listed under: its id with Ollama's `:latest` tag.
 fn listed_name(p: &Platform) -> String {
@@ -292,8 +242,9 @@ async fn show(
 }
 
 fn object(body: &Value) -> Result<&Map<String, Value>, OllamaError> {
-    body.as_object()
-        .ok_or_else(|| OllamaError(ApiError::bad_body("the request body must be a JSON object")))
+    body.as_object().ok_or_else(|| {
+        OllamaError::from(ApiError::bad_body("the request body must be a JSON object"))
+    })
 }
 
 /// What an Ollama request asks beyond the OpenAI shape it is translated into.
@@ -579,19 +530,7 @@ async fn generate_chat(
     shape: Shape,
 ) -> Result<HttpResponse, OllamaError> {
     let parse_tool_calls = req.parse_tool_calls();
-    let state2 = state.clone();
-    let render = req.clone();
-    let prompt = web::block(move || {
-        let p = &state2.platform;
-        openai::chat_prompt(
-            p.prompt_builder(),
-            p.template(),
-            &render,
-            chrono::Local::now().date_naive(),
-        )
-    })
-    .await
-    .map_err(|e| ApiError::internal(format!("prompt task: {e}")))??;
+    let prompt = openai::build_chat_prompt(&state, &req).await?;
     let assembler = Reply::Chat(ChatAssembler::new(
         prompt.starts_in_reasoning,
         parse_tool_calls,
@@ -881,7 +820,7 @@ async fn run(
             }
         }
     }
-    Err(ApiError::unavailable("the model worker stopped before the reply was finished").into())
+    Err(ApiError::unavailable(openai::WORKER_GONE).into())
 }
 
 /// The streamed answer: one JSON object a line, the last with `"done": true`. Dropping it (the
@@ -945,29 +884,34 @@ impl NdjsonStream {
     }
 }
 
+impl openai::EventStream for NdjsonStream {
+    fn completion(&mut self) -> &mut Completion {
+        &mut self.completion
+    }
+
+    fn queued(&mut self) -> &mut VecDeque<Bytes> {
+        &mut self.out
+    }
+
+    fn ended(&self) -> bool {
+        self.done
+    }
+
+    fn on_event(&mut self, event: GenEvent) {
+        Self::on_event(self, event)
+    }
+
+    fn on_worker_gone(&mut self) {
+        self.push_line(&json!({ "error": openai::WORKER_GONE }));
+        self.done = true;
+    }
+}
+
 impl Stream for NdjsonStream {
     type Item = Result<Bytes, Infallible>;
 
     fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
-        let this = self.get_mut();
-        loop {
-            if let Some(bytes) = this.out.pop_front() {
-                return Poll::Ready(Some(Ok(bytes)));
-            }
-            if this.done {
-                return Poll::Ready(None);
-            }
-            match Pin::new(&mut this.completion).poll_next(cx) {
-                Poll::Ready(Some(event)) => this.on_event(event),
-                Poll::Ready(None) => {
-                    let v =
-                        json!({"error": "the model worker stopped before the reply was finished"});
-                    this.push_line(&v);
-                    this.done = true;
-                }
-                Poll::Pending => return Poll::Pending,
-            }
-        }
+        openai::poll_events(self.get_mut(), cx)
     }
 }
 

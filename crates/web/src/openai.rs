@@ -108,7 +108,7 @@ async fn not_found(req: HttpRequest) -> Result<HttpResponse, ApiError> {
     )))
 }
 
-async fn method_not_allowed(req: HttpRequest) -> Result<HttpResponse, ApiError> {
+pub(crate) async fn method_not_allowed(req: HttpRequest) -> Result<HttpResponse, ApiError> {
     Err(ApiError::method_not_allowed(format!(
         "{} is not allowed on {}",
         req.method(),
@@ -333,26 +333,9 @@ async fn chat_completions(
     body: Result<JsonBody<Value>, WebError>,
 ) -> Result<HttpResponse, ApiError> {
     let JsonBody(body) = body?;
-    let p = &state.platform;
-    let mut req = request::parse_chat(&body, &defaults(p))?;
-    force_tool_call(p, &mut req);
-    check_model(p, &req.common)?;
-    check_admin_only(&state, &http, &req.common)?;
+    let req = checked_chat(&state, &http, &body, None)?;
     let parse_tool_calls = req.parse_tool_calls();
-    // Rendering and tokenizing a long conversation takes a while; keep it off the event loop.
-    let state2 = state.clone();
-    let render = req.clone();
-    let prompt = web::block(move || -> Result<Prompt, ApiError> {
-        let p = &state2.platform;
-        chat_prompt(
-            p.prompt_builder(),
-            p.template(),
-            &render,
-            chrono::Local::now().date_naive(),
-        )
-    })
-    .await
-    .map_err(|e| ApiError::internal(format!("prompt task: {e}")))??;
+    let prompt = build_chat_prompt(&state, &req).await?;
     // Sizes only: prompts are users' words and do not belong in logs.
     tracing::debug!(
         bytes = prompt.text.len(),
@@ -367,6 +350,56 @@ async fn chat_completions(
         ChatAssembler::new(starts_in_reasoning, parse_tool_calls)
     })
     .await
+}
+
+/// A chat request in the OpenAI shape, parsed and checked as every chat-shaped API route does:
+/// the one parser, a forced tool call turned into its grammar, the model and the admin-only
+/// fields. `grammar_field` names the field a grammar came from in the client's API.
+pub(crate) fn checked_chat(
+    state: &web::Data<AppState>,
+    http: &HttpRequest,
+    body: &Value,
+    grammar_field: Option<&str>,
+) -> Result<request::ChatRequest, ApiError> {
+    let p = &state.platform;
+    let mut req = request::parse_chat(body, &defaults(p))?;
+    if let (Some(name), Some(_)) = (grammar_field, &req.common.grammar_field) {
+        req.common.grammar_field = Some(name.to_string());
+    }
+    force_tool_call(p, &mut req);
+    check_model(p, &req.common)?;
+    check_admin_only(state, http, &req.common)?;
+    Ok(req)
+}
+
+/// The request's `model`, or the served model's id when it names none.
+pub(crate) fn model_name(p: &Platform, common: &Common) -> String {
+    common
+        .model
+        .clone()
+        .filter(|m| !m.is_empty())
+        .unwrap_or_else(|| p.model().id.clone())
+}
+
+/// A chat request's prompt from the one prompt builder. Rendering and tokenizing a long
+/// conversation takes a while, so it runs off the event loop.
+pub(crate) async fn build_chat_prompt(
+    state: &web::Data<AppState>,
+    req: &request::ChatRequest,
+) -> Result<Prompt, ApiError> {
+    let state = state.clone();
+    let render = req.clone();
+    web::block(move || {
+        let p = &state.platform;
+        chat_prompt(
+            p.prompt_builder(),
+            p.template(),
+            &render,
+            chrono::Local::now().date_naive(),
+        )
+    })
+    .await
+    .map_err(|e| ApiError::internal(format!("prompt task: {e}")))?
 }
 
 /// `tool_choice` `required` or named: constrains the reply to one call of the forced tools,
@@ -763,9 +796,7 @@ async fn collect<A: Assembler>(
             }
         }
     }
-    Err(ApiError::unavailable(
-        "the model worker stopped before the reply was finished",
-    ))
+    Err(ApiError::unavailable(WORKER_GONE))
 }
 
 /// A generation that failed: a grammar the reply could not follow any further is the client's
@@ -951,34 +982,75 @@ impl<A: Assembler> ApiStream<A> {
     }
 }
 
+impl<A: Assembler> EventStream for ApiStream<A> {
+    fn completion(&mut self) -> &mut Completion {
+        &mut self.completion
+    }
+
+    fn queued(&mut self) -> &mut VecDeque<Bytes> {
+        &mut self.out
+    }
+
+    fn ended(&self) -> bool {
+        self.done
+    }
+
+    fn on_event(&mut self, event: GenEvent) {
+        Self::on_event(self, event)
+    }
+
+    fn on_worker_gone(&mut self) {
+        let err = ApiError::unavailable(WORKER_GONE);
+        self.out
+            .push_back(Bytes::from(format!("data: {}\n\n", err.body())));
+        self.done = true;
+    }
+}
+
 impl<A: Assembler> Stream for ApiStream<A> {
     type Item = Result<Bytes, Infallible>;
 
     fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
-        let this = self.get_mut();
-        loop {
-            if let Some(bytes) = this.out.pop_front() {
-                return Poll::Ready(Some(Ok(bytes)));
-            }
-            if this.done {
-                return Poll::Ready(None);
-            }
-            match Pin::new(&mut this.completion).poll_next(cx) {
-                Poll::Ready(Some(event)) => this.on_event(event),
-                Poll::Ready(None) => {
-                    // The worker dropped the request without a summary (it stopped).
-                    let err = ApiError::unavailable(
-                        "the model worker stopped before the reply was finished",
-                    );
-                    this.out
-                        .push_back(Bytes::from(format!("data: {}\n\n", err.body())));
-                    this.done = true;
-                }
-                Poll::Pending => return Poll::Pending,
-            }
+        poll_events(self.get_mut(), cx)
+    }
+}
+
+/// A streamed answer of any API: the bytes it has queued, fed by its request's events. Every
+/// API's stream is polled by [`poll_events`], so draining, ending and the worker going away are
+/// handled once.
+pub(crate) trait EventStream: Unpin {
+    fn completion(&mut self) -> &mut Completion;
+    fn queued(&mut self) -> &mut VecDeque<Bytes>;
+    /// Whether the answer has ended (nothing more is read once the queue is empty).
+    fn ended(&self) -> bool;
+    fn on_event(&mut self, event: GenEvent);
+    /// The worker dropped the request without a summary (it stopped): queue the API's error
+    /// and end.
+    fn on_worker_gone(&mut self);
+}
+
+/// `Stream::poll_next` of an [`EventStream`].
+pub(crate) fn poll_events<S: EventStream>(
+    this: &mut S,
+    cx: &mut Context<'_>,
+) -> Poll<Option<Result<Bytes, Infallible>>> {
+    loop {
+        if let Some(bytes) = this.queued().pop_front() {
+            return Poll::Ready(Some(Ok(bytes)));
+        }
+        if this.ended() {
+            return Poll::Ready(None);
+        }
+        match Pin::new(this.completion()).poll_next(cx) {
+            Poll::Ready(Some(event)) => this.on_event(event),
+            Poll::Ready(None) => this.on_worker_gone(),
+            Poll::Pending => return Poll::Pending,
         }
     }
 }
+
+/// The message every API sends when the worker stops before a reply is finished.
+pub(crate) const WORKER_GONE: &str = "the model worker stopped before the reply was finished";
 
 /// A request's streamed choices, interleaved as their chunks come, then the usage chunk (when
 /// asked) and `[DONE]` once all have ended.

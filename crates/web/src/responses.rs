@@ -25,7 +25,7 @@ use futures_util::Stream;
 use serde_json::{json, Map, Value};
 
 use super::json::JsonBody;
-use super::openai::{self, request, Assembler, CallOut, ChatAssembler};
+use super::openai::{self, Assembler, CallOut, ChatAssembler};
 use super::{AppState, WebError};
 use crate::error::ApiError;
 use smolchat_service::completions::{Completion, GenEvent, GenSummary, StopReason};
@@ -38,16 +38,8 @@ pub fn routes(cfg: &mut web::ServiceConfig) {
             .wrap(actix_web::middleware::from_fn(openai::require_api_key))
             .wrap(super::api_headers())
             .route(web::post().to(create))
-            .default_service(web::to(method_not_allowed)),
+            .default_service(web::to(openai::method_not_allowed)),
     );
-}
-
-async fn method_not_allowed(req: HttpRequest) -> Result<HttpResponse, ApiError> {
-    Err(ApiError::method_not_allowed(format!(
-        "{} is not allowed on {}",
-        req.method(),
-        req.path()
-    )))
 }
 
 fn text_of(content: &Value, field: &str) -> Result<String, ApiError> {
@@ -300,34 +292,10 @@ async fn create(
 ) -> Result<HttpResponse, ApiError> {
     let JsonBody(body) = body?;
     let translated = translate(&body)?;
-    let p = &state.platform;
-    let mut req = request::parse_chat(&translated, &openai::defaults(p))?;
-    if req.common.grammar_field.is_some() {
-        req.common.grammar_field = Some("text.format".into());
-    }
-    openai::force_tool_call(p, &mut req);
-    openai::check_model(p, &req.common)?;
-    openai::check_admin_only(&state, &http, &req.common)?;
-    let model = req
-        .common
-        .model
-        .clone()
-        .filter(|m| !m.is_empty())
-        .unwrap_or_else(|| p.model().id.clone());
+    let req = openai::checked_chat(&state, &http, &translated, Some("text.format"))?;
+    let model = openai::model_name(&state.platform, &req.common);
     let parse_tool_calls = req.parse_tool_calls();
-    let state2 = state.clone();
-    let render = req.clone();
-    let prompt = web::block(move || {
-        let p = &state2.platform;
-        openai::chat_prompt(
-            p.prompt_builder(),
-            p.template(),
-            &render,
-            chrono::Local::now().date_naive(),
-        )
-    })
-    .await
-    .map_err(|e| ApiError::internal(format!("prompt task: {e}")))??;
+    let prompt = openai::build_chat_prompt(&state, &req).await?;
     let assembler = ChatAssembler::new(prompt.starts_in_reasoning, parse_tool_calls);
     let stream = req.common.stream;
     let max_output_tokens = req.common.max_tokens;
@@ -385,9 +353,7 @@ async fn create(
             }
         }
     }
-    Err(ApiError::unavailable(
-        "the model worker stopped before the reply was finished",
-    ))
+    Err(ApiError::unavailable(openai::WORKER_GONE))
 }
 
 /// What a response repeats of its request.
@@ -650,31 +616,37 @@ impl EventStream {
     }
 }
 
+impl openai::EventStream for EventStream {
+    fn completion(&mut self) -> &mut Completion {
+        &mut self.completion
+    }
+
+    fn queued(&mut self) -> &mut VecDeque<Bytes> {
+        &mut self.out
+    }
+
+    fn ended(&self) -> bool {
+        self.done
+    }
+
+    fn on_event(&mut self, event: GenEvent) {
+        Self::on_event(self, event)
+    }
+
+    fn on_worker_gone(&mut self) {
+        self.event(
+            "error",
+            json!({"code": "server_error", "param": null, "message": openai::WORKER_GONE}),
+        );
+        self.done = true;
+    }
+}
+
 impl Stream for EventStream {
     type Item = Result<Bytes, Infallible>;
 
     fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
-        let this = self.get_mut();
-        loop {
-            if let Some(bytes) = this.out.pop_front() {
-                return Poll::Ready(Some(Ok(bytes)));
-            }
-            if this.done {
-                return Poll::Ready(None);
-            }
-            match Pin::new(&mut this.completion).poll_next(cx) {
-                Poll::Ready(Some(event)) => this.on_event(event),
-                Poll::Ready(None) => {
-                    this.event(
-                        "error",
-                        json!({"code": "server_error", "param": null,
-                            "message": "the model worker stopped before the reply was finished"}),
-                    );
-                    this.done = true;
-                }
-                Poll::Pending => return Poll::Pending,
-            }
-        }
+        openai::poll_events(self.get_mut(), cx)
     }
 }
 

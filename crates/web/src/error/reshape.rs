@@ -1,25 +1,75 @@
 //! Other APIs' error shapes over [`ApiError`]: the Ollama and Anthropic routes answer their own
 //! clients' shapes, while what is refused, with which status and message, is decided once (by
-//! `ApiError`). [`reshape`] re-shapes refusals made before a handler runs (the API key check
-//! answers in OpenAI's shape); handlers return their API's wrapper error directly.
+//! `ApiError`). Handlers return [`Shaped`] errors; [`reshape`] re-shapes refusals made before a
+//! handler runs (the API key check answers in OpenAI's shape).
 
 use actix_web::body::{BoxBody, MessageBody};
 use actix_web::dev::{ServiceRequest, ServiceResponse};
 use actix_web::http::{header, StatusCode};
 use actix_web::middleware::Next;
-use actix_web::{HttpResponse, ResponseError};
+use actix_web::{HttpRequest, HttpResponse, ResponseError};
 use serde_json::Value;
+use std::marker::PhantomData;
 
-use super::ApiError;
+use super::{ApiError, WebError};
 
-/// Builds an API's error body from the refusal's status, message and OpenAI error `type`.
-pub type Shape = fn(StatusCode, &str, &str) -> Value;
+/// How an API writes its error bodies.
+pub trait Shape: 'static {
+    /// The body of a refusal from its status, message and OpenAI error `type`.
+    fn body(status: StatusCode, message: &str, kind: &str) -> Value;
+}
 
-/// `error`'s status and `Retry-After`/`WWW-Authenticate`, with `shape`'s body.
-pub fn respond(error: &ApiError, shape: Shape) -> HttpResponse {
-    reshaped(
-        &error.error_response(),
-        shape(error.status, &error.message, error.kind),
+/// A refusal decided by [`ApiError`], answered in `S`'s shape (same status and retry headers).
+pub struct Shaped<S: Shape>(pub ApiError, PhantomData<S>);
+
+impl<S: Shape> Shaped<S> {
+    pub fn invalid(field: &str, message: impl Into<String>) -> Self {
+        ApiError::invalid(field, message).into()
+    }
+}
+
+impl<S: Shape> std::fmt::Debug for Shaped<S> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+impl<S: Shape> std::fmt::Display for Shaped<S> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0.message)
+    }
+}
+
+impl<S: Shape> From<ApiError> for Shaped<S> {
+    fn from(e: ApiError) -> Self {
+        Self(e, PhantomData)
+    }
+}
+
+impl<S: Shape> From<WebError> for Shaped<S> {
+    fn from(e: WebError) -> Self {
+        ApiError::from(e).into()
+    }
+}
+
+impl<S: Shape> ResponseError for Shaped<S> {
+    fn status_code(&self) -> StatusCode {
+        self.0.status
+    }
+
+    fn error_response(&self) -> HttpResponse {
+        reshaped(
+            &self.0.error_response(),
+            S::body(self.0.status, &self.0.message, self.0.kind),
+        )
+    }
+}
+
+/// The default service of an API's routes: 405 in `S`'s shape.
+pub async fn method_not_allowed<S: Shape>(req: HttpRequest) -> Result<HttpResponse, Shaped<S>> {
+    Err(
+        ApiError::method_not_allowed(format!("{} is not allowed on {}", req.method(), req.path()))
+            .into(),
     )
 }
 
@@ -35,12 +85,11 @@ fn reshaped(response: &HttpResponse, body: Value) -> HttpResponse {
     out.json(body)
 }
 
-/// Middleware body: runs the request, and when the answer is an OpenAI-shaped JSON refusal,
-/// answers `shape`'s body instead (same status and retry headers).
-pub async fn reshape(
+/// Middleware (`from_fn(reshape::<S>)`): runs the request, and when the answer is an
+/// OpenAI-shaped JSON refusal, answers `S`'s body instead (same status and retry headers).
+pub async fn reshape<S: Shape>(
     req: ServiceRequest,
     next: Next<impl MessageBody + 'static>,
-    shape: Shape,
 ) -> Result<ServiceResponse<BoxBody>, actix_web::Error> {
     let http = req.request().clone();
     let res = match next.call(req).await {
@@ -86,6 +135,6 @@ pub async fn reshape(
     }
     Ok(ServiceResponse::new(
         http,
-        rebuilt.json(shape(status, message, kind)),
+        rebuilt.json(S::body(status, message, kind)),
     ))
 }
