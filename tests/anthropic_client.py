@@ -137,7 +137,7 @@ def _():
 @check("tool_choice any and tool force a call whose input matches the schema")
 def _():
     for choice in ({"type": "any"}, {"type": "tool", "name": "get_capital"}):
-        r = create(max_tokens=80, tools=[TOOL], tool_choice=choice, extra_body={"temperature": 1})
+        r = create(max_tokens=160, tools=[TOOL], tool_choice=choice, extra_body={"temperature": 1})
         uses = [b for b in r.content if b.type == "tool_use"]
         assert r.stop_reason == "tool_use" and len(uses) == 1, r
         assert uses[0].name == "get_capital" and isinstance(uses[0].input.get("country"), str), uses

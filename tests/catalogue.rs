@@ -956,6 +956,71 @@ fn catalogue() -> Vec<Case> {
         case("", M::GET, "/v1/responses", 405).bearer(API_KEY),
     );
 
+    // ---- embeddings ----
+    let embeddings = |body: Value, status: u16| {
+        case("", M::POST, "/v1/embeddings", status)
+            .bearer(API_KEY)
+            .json_value(body)
+    };
+    add(
+        "embeddings: no key",
+        embeddings(json!({"input": "hi"}), 401).strip_auth(),
+    );
+    add("embeddings: input missing", embeddings(json!({}), 400));
+    add(
+        "embeddings: input empty",
+        embeddings(json!({"input": []}), 400),
+    );
+    add(
+        "embeddings: an empty string",
+        embeddings(json!({"input": [""]}), 400),
+    );
+    add(
+        "embeddings: input an object",
+        embeddings(json!({"input": {"a": 1}}), 400),
+    );
+    add(
+        "embeddings: mixed array",
+        embeddings(json!({"input": ["a", 1]}), 400),
+    );
+    add(
+        "embeddings: a negative token id",
+        embeddings(json!({"input": [[-1]]}), 400),
+    );
+    add(
+        "embeddings: a token id beyond the vocabulary",
+        embeddings(json!({"input": [49152]}), 400),
+    );
+    add(
+        "embeddings: 257 inputs",
+        embeddings(json!({"input": vec!["x"; 257]}), 400),
+    );
+    add(
+        "embeddings: longer than the context window",
+        embeddings(json!({"input": "word ".repeat(9000)}), 400),
+    );
+    add(
+        "embeddings: dimensions",
+        embeddings(json!({"input": "hi", "dimensions": 8}), 400),
+    );
+    add(
+        "embeddings: an unknown encoding",
+        embeddings(json!({"input": "hi", "encoding_format": "int8"}), 400),
+    );
+    add(
+        "embeddings: an unknown pooling",
+        embeddings(json!({"input": "hi", "pooling": "cls"}), 400),
+    );
+    add(
+        "embeddings: another model",
+        embeddings(json!({"input": "hi", "model": "gpt-4"}), 404),
+    );
+    add("embeddings: not an object", embeddings(json!("hi"), 400));
+    add(
+        "embeddings: GET",
+        case("", M::GET, "/v1/embeddings", 405).bearer(API_KEY),
+    );
+
     // ---- the Anthropic Messages API (`{"type": "error", "error": {…}}` answers) ----
     let messages = |body: Value, status: u16| {
         case("", M::POST, "/v1/messages", status)
@@ -1126,6 +1191,42 @@ fn catalogue() -> Vec<Case> {
     add(
         "ollama: wrong key",
         case("", M::GET, "/api/tags", 401).bearer("sk-wrong"),
+    );
+    add(
+        "ollama embed: input missing",
+        ollama("/api/embed", json!({}), 400),
+    );
+    add(
+        "ollama embed: input a number",
+        ollama("/api/embed", json!({"input": 3}), 400),
+    );
+    add(
+        "ollama embed: token ids",
+        ollama("/api/embed", json!({"input": [1, 2]}), 400),
+    );
+    add(
+        "ollama embed: too long, not truncated",
+        ollama(
+            "/api/embed",
+            json!({"input": "word ".repeat(9000), "truncate": false}),
+            400,
+        ),
+    );
+    add(
+        "ollama embed: truncate not a boolean",
+        ollama("/api/embed", json!({"input": "hi", "truncate": "yes"}), 400),
+    );
+    add(
+        "ollama embed: another model",
+        ollama("/api/embed", json!({"input": "hi", "model": "llama3"}), 404),
+    );
+    add(
+        "ollama embeddings: prompt missing",
+        ollama("/api/embeddings", json!({}), 400),
+    );
+    add(
+        "ollama embeddings: prompt not a string",
+        ollama("/api/embeddings", json!({"prompt": ["a"]}), 400),
     );
     add(
         "ollama: malformed JSON",
@@ -1307,8 +1408,10 @@ fn catalogue() -> Vec<Case> {
 }
 
 /// The Ollama API's routes (their refusals are `{"error": "…"}`).
-const OLLAMA_ROUTES: [&str; 6] = [
+const OLLAMA_ROUTES: [&str; 8] = [
     "/api/chat",
+    "/api/embed",
+    "/api/embeddings",
     "/api/generate",
     "/api/tags",
     "/api/show",

@@ -494,6 +494,57 @@ mod fast_tier {
         }
     }
 
+    /// Embeddings on the GPU: the final hidden states the fast tier's CUDA runner copies back
+    /// (its plan stops at the output norm) are the CPU engine's, beside a sequence that wants
+    /// logits in the same step.
+    #[test]
+    #[ignore = "needs a CUDA GPU and a `--features cuda` build: run with --ignored there"]
+    fn hidden_states_for_embeddings_match_the_cpu_engine() {
+        cuda_required("hidden_states_for_embeddings_match_the_cpu_engine");
+        let path = data("smollm3-tiny-q8_0.gguf");
+        let mut gpu = engine(&path, GpuTier::Fast);
+        let mut src = GgufSource::open(&path).unwrap_or_else(|e| panic!("{e}"));
+        let model = smolchat_engine::Model::load(&mut src, &mut |_, _| {})
+            .unwrap_or_else(|e| panic!("{e}"));
+        let mut cpu = Engine::new(model);
+        let prompt: Vec<u32> = (100..140).collect();
+        let other: Vec<u32> = (300..305).collect();
+        let hidden = |e: &mut Engine| {
+            let (a, b) = (e.create_sequence(), e.create_sequence());
+            let mut out = smolchat_engine::Logits::new();
+            e.step_into(
+                &[
+                    SeqStep {
+                        seq: a,
+                        tokens: &prompt,
+                        logits: LogitsMode::Hidden,
+                    },
+                    SeqStep {
+                        seq: b,
+                        tokens: &other,
+                        logits: LogitsMode::Last,
+                    },
+                ],
+                &mut out,
+            )
+            .unwrap_or_else(|e| panic!("{e}"));
+            e.free_sequence(a);
+            e.free_sequence(b);
+            assert!(out.get(1).is_some(), "the neighbour's logits");
+            out.hidden(0).map(<[f32]>::to_vec).unwrap_or_default()
+        };
+        let (g, c) = (hidden(&mut gpu), hidden(&mut cpu));
+        assert_eq!(g.len(), c.len());
+        assert_eq!(g.len(), prompt.len() * gpu.config().hidden);
+        let scale = c.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let d = g
+            .iter()
+            .zip(&c)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
+        assert!(d <= 2e-2 * scale, "hidden states: {d} of {scale}");
+    }
+
     /// Prompts cut from `tokens` stepped alone, then together: for each, the largest logit
     /// difference and the largest |logit| alone.
     fn batched_equals_alone(e: &mut Engine, tokens: &[u32], lengths: &[usize]) -> Vec<(f32, f32)> {

@@ -202,6 +202,27 @@ def _():
     assert r.status_code == 400 and isinstance(r.json()["error"], str), r.text
 
 
+@check("embed and embeddings: normalized vectors, batched like alone, paraphrase first")
+def _():
+    texts = ["How do I reset my password?", "I forgot my password, how can I change it?", "The train to Paris leaves at noon."]
+    r = client.embed(model=state["model"], input=texts)
+    vectors = r["embeddings"]
+    assert len(vectors) == 3 and all(len(v) == 576 for v in vectors)
+    assert r["prompt_eval_count"] > 3
+    dot = lambda a, b: sum(x * y for x, y in zip(a, b))
+    assert all(abs(dot(v, v) - 1.0) < 1e-4 for v in vectors)
+    assert dot(vectors[0], vectors[1]) > dot(vectors[0], vectors[2])
+    alone = client.embed(model=state["model"], input=texts[1])["embeddings"][0]
+    assert max(abs(a - b) for a, b in zip(alone, vectors[1])) < 1e-5
+    legacy = client.embeddings(model=state["model"], prompt=texts[1])["embedding"]
+    assert max(abs(a - b) for a, b in zip(legacy, vectors[1])) < 1e-5
+    # Too long: cut to the window by default, refused with "truncate": false.
+    long = "word " * 9000
+    assert len(client.embed(model=state["model"], input=long)["embeddings"][0]) == 576
+    refused(lambda: client.embed(model=state["model"], input=long, truncate=False), 400, ["context"])
+    refused(lambda: client.embed(model=state["model"], input=[]), 400, ["input"])
+
+
 @check("a wrong key is refused, in Ollama's shape")
 def _():
     bad = ollama.Client(host=HOST, headers={"Authorization": "Bearer wrong"}, timeout=30)

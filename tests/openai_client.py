@@ -647,5 +647,62 @@ def _():
     )
 
 
+# Embeddings: llama.cpp's vectors for the same texts (tests/data/README.md says how they were made).
+import json as _json
+import math as _math
+
+EMBED_REF = _json.load(open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "smollm2-135m-embeddings.json")))
+
+
+def dot(a, b):
+    return sum(x * y for x, y in zip(a, b))
+
+
+@check("embeddings: llama.cpp's vectors, the same alone and in a batch, paraphrases ranked first")
+def _():
+    texts = EMBED_REF["texts"]
+    # The client asks for base64 unless told otherwise: both encodings are checked.
+    batch = client.embeddings.create(model=MODEL, input=texts)
+    assert batch.object == "list" and len(batch.data) == len(texts)
+    assert [d.index for d in batch.data] == list(range(len(texts)))
+    assert batch.usage.prompt_tokens > len(texts) and batch.usage.total_tokens == batch.usage.prompt_tokens
+    vectors = [d.embedding for d in batch.data]
+    for i, v in enumerate(vectors):
+        assert len(v) == 576, len(v)
+        assert abs(_math.sqrt(dot(v, v)) - 1.0) < 1e-4, "L2-normalized"
+        cosine = dot(v, EMBED_REF["mean"][i])
+        assert cosine > 0.999, (i, cosine)
+    for i in (0, 4, 9):
+        alone = client.embeddings.create(model=MODEL, input=texts[i], encoding_format="float").data[0].embedding
+        assert max(abs(a - b) for a, b in zip(alone, vectors[i])) < 1e-5, i
+    for g in range(0, len(texts), 3):
+        a, paraphrase, unrelated = vectors[g], vectors[g + 1], vectors[g + 2]
+        assert dot(a, paraphrase) > dot(a, unrelated) + 0.05, (texts[g], dot(a, paraphrase), dot(a, unrelated))
+
+
+@check("embeddings: last-token pooling, token-id inputs and refusals")
+def _():
+    texts = EMBED_REF["texts"][:3]
+    last = client.embeddings.create(model=MODEL, input=texts, extra_body={"pooling": "last"})
+    for i, d in enumerate(last.data):
+        assert dot(d.embedding, EMBED_REF["last"][i]) > 0.999, i
+    ids = [int(t) for t in _json.loads(smolchat("tokenize", texts[0]))]
+    by_ids = client.embeddings.create(model=MODEL, input=[ids], encoding_format="float").data[0].embedding
+    by_text = client.embeddings.create(model=MODEL, input=texts[0], encoding_format="float").data[0].embedding
+    assert max(abs(a - b) for a, b in zip(by_ids, by_text)) < 1e-5
+    expect_error(
+        openai.BadRequestError, 400,
+        lambda: client.embeddings.create(model=MODEL, input="x", dimensions=64),
+        code="unsupported_parameter", param="dimensions",
+    )
+    expect_error(openai.BadRequestError, 400, lambda: client.embeddings.create(model=MODEL, input=[]), param="input")
+    expect_error(
+        openai.BadRequestError, 400,
+        lambda: client.embeddings.create(model=MODEL, input="word " * 9000),
+        code="context_length_exceeded", param="input[0]",
+    )
+    expect_error(openai.NotFoundError, 404, lambda: client.embeddings.create(model="gpt-4", input="x"))
+
+
 print(f"{results['passed']} passed, {results['failed']} failed", flush=True)
 sys.exit(1 if results["failed"] else 0)

@@ -16,6 +16,9 @@ pub enum LogitsMode {
     /// the item's [`DeviceSampling`], and only the token comes back ([`Logits::token`]). For a
     /// backend whose `samples_on_device()` is set.
     Sample,
+    /// No logits: the final hidden state (after the output norm, `hidden` floats) of every
+    /// position of the chunk, for embeddings ([`Logits::hidden`]). The LM head is skipped.
+    Hidden,
 }
 
 pub use crate::fast::twin::sample::{SampleRow, NO_TOKEN};
@@ -33,17 +36,27 @@ impl LogitsMode {
     /// Rows of logits that come back to the host for a chunk of `tokens` tokens.
     pub fn host_rows(self, tokens: usize) -> usize {
         match self {
-            LogitsMode::None | LogitsMode::Sample => 0,
+            LogitsMode::None | LogitsMode::Sample | LogitsMode::Hidden => 0,
             LogitsMode::Last => 1,
             LogitsMode::All => tokens,
         }
     }
 
-    /// Rows of logits the forward pass computes (a sampled row is computed on the device).
+    /// Rows that go through the output norm on the device: those whose logits are computed (a
+    /// sampled row's on the device) or whose hidden state is wanted.
     pub fn device_rows(self, tokens: usize) -> usize {
         match self {
             LogitsMode::Sample => 1,
+            LogitsMode::Hidden => tokens,
             other => other.host_rows(tokens),
+        }
+    }
+
+    /// Rows of final hidden states that come back to the host.
+    pub fn hidden_rows(self, tokens: usize) -> usize {
+        match self {
+            LogitsMode::Hidden => tokens,
+            _ => 0,
         }
     }
 }
@@ -56,6 +69,11 @@ pub struct Logits {
     /// Per item: the token drawn on the device ([`LogitsMode::Sample`]).
     tokens: Vec<Option<u32>>,
     vocab: usize,
+    /// Final hidden states ([`LogitsMode::Hidden`]), `width` floats a row, and per item its
+    /// first row and row count.
+    hidden: Vec<f32>,
+    hidden_spans: Vec<(usize, usize)>,
+    width: usize,
 }
 
 impl Logits {
@@ -97,6 +115,25 @@ impl Logits {
         }
     }
 
+    /// Item `i`'s final hidden states, row after row (`rows × hidden`); `None` when it asked for
+    /// none ([`LogitsMode::Hidden`]).
+    pub fn hidden(&self, i: usize) -> Option<&[f32]> {
+        let &(first, rows) = self.hidden_spans.get(i)?;
+        (rows > 0).then(|| &self.hidden[first * self.width..(first + rows) * self.width])
+    }
+
+    /// Entries of a hidden-state row.
+    pub fn hidden_width(&self) -> usize {
+        self.width
+    }
+
+    /// Item `i`'s hidden-state rows, to fill.
+    pub(crate) fn hidden_item_mut(&mut self, i: usize) -> Option<&mut [f32]> {
+        let &(first, rows) = self.hidden_spans.get(i)?;
+        let width = self.width;
+        (rows > 0).then(|| &mut self.hidden[first * width..(first + rows) * width])
+    }
+
     /// Item `i`'s rows, to change in place (a sampler applies penalties to them).
     pub fn get_mut(&mut self, i: usize) -> Option<&mut [f32]> {
         let &(first, rows) = self.spans.get(i)?;
@@ -130,16 +167,34 @@ impl Logits {
         self.vocab = vocab;
         self.spans.clear();
         self.tokens.clear();
+        self.hidden_spans.clear();
         let mut rows = 0;
+        let mut hidden_rows = 0;
         for (tokens, mode) in items {
             let n = mode.host_rows(tokens);
             self.spans.push((rows, n));
             self.tokens.push(None);
             rows += n;
+            let h = mode.hidden_rows(tokens);
+            self.hidden_spans.push((hidden_rows, h));
+            hidden_rows += h;
         }
         self.data.clear();
         self.data.resize(rows * vocab, 0.0);
+        self.hidden.clear();
+        self.hidden.resize(hidden_rows * self.width, 0.0);
         &mut self.data
+    }
+
+    /// Sets the width of hidden-state rows (the model's hidden size); call before
+    /// [`Logits::prepare`] when some item asks for [`LogitsMode::Hidden`].
+    pub(crate) fn set_hidden_width(&mut self, width: usize) {
+        self.width = width;
+    }
+
+    /// Every hidden-state row of the step laid out by [`Logits::prepare`], in item order.
+    pub(crate) fn hidden_mut(&mut self) -> &mut [f32] {
+        &mut self.hidden
     }
 
     /// Forgets every row (a failed step leaves none).
@@ -147,6 +202,8 @@ impl Logits {
         self.data.clear();
         self.spans.clear();
         self.tokens.clear();
+        self.hidden.clear();
+        self.hidden_spans.clear();
     }
 }
 

@@ -400,14 +400,17 @@ impl ReferenceBackend {
         }
         // Only the rows somebody asked for go through the final norm and the LM head.
         let mut rows = Vec::new();
+        let mut hidden_rows = Vec::new();
         for (item, &r0) in items.iter().zip(&row0) {
             let len = item.tokens.len();
             match item.logits {
                 LogitsMode::None | LogitsMode::Sample => {}
                 LogitsMode::Last => rows.push((r0 + len - 1) as u32),
                 LogitsMode::All => rows.extend((r0..r0 + len).map(|r| r as u32)),
+                LogitsMode::Hidden => hidden_rows.extend((r0..r0 + len).map(|r| r as u32)),
             }
         }
+        out.set_hidden_width(c.hidden);
         let logits = out.prepare(
             c.vocab_size,
             items.iter().map(|item| (item.tokens.len(), item.logits)),
@@ -423,6 +426,15 @@ impl ReferenceBackend {
                 .flatten_all()?
                 .to_vec1::<f32>()?;
             logits.copy_from_slice(&values);
+        }
+        if !hidden_rows.is_empty() {
+            let picked = Tensor::from_vec(hidden_rows.clone(), hidden_rows.len(), &self.dev)?;
+            let selected = x.index_select(&picked, 0)?;
+            let values = self
+                .rms_norm(&selected, &self.output_norm)?
+                .flatten_all()?
+                .to_vec1::<f32>()?;
+            out.hidden_mut().copy_from_slice(&values);
         }
         Ok(())
     }

@@ -22,8 +22,8 @@ use smolchat_store::Store;
 /// stopped and why it was refused; and the scheduler's counters and per-conversation states
 /// the operator sees.
 pub use smolchat_serving::types::{
-    DeviceMemory, GenEvent, GenSummary, GraphStats, RequestId, SchedulerStats, SequenceState,
-    StopReason, SubmitError,
+    DeviceMemory, GenEvent, GenSummary, GraphStats, Pooling, RequestId, SchedulerStats,
+    SequenceState, StopReason, SubmitError,
 };
 use smolchat_text::sampling::SamplingParams;
 
@@ -75,6 +75,15 @@ impl Completions {
     /// Queues `request`. The batcher refuses an empty prompt or one that fills the context window
     /// (`SubmitError::Invalid`, `SubmitError::ContextOverflow`): an interface maps one error type.
     pub async fn submit(&self, request: CompletionRequest) -> Result<Completion, SubmitError> {
+        self.submit_as(request, None).await
+    }
+
+    /// [`Completions::submit`], or an embedding of the prompt when `embed` is set.
+    async fn submit_as(
+        &self,
+        request: CompletionRequest,
+        embed: Option<Pooling>,
+    ) -> Result<Completion, SubmitError> {
         let mut params = request.params;
         // At least 1, so a prompt that fills the window is refused for that, not for its limit.
         params.max_new_tokens = request.max_tokens.unwrap_or_else(|| {
@@ -99,6 +108,7 @@ impl Completions {
                 params,
                 max_time: None,
                 events: tx,
+                embed,
             }))
             .await
             .map_err(|e| {
@@ -110,6 +120,112 @@ impl Completions {
             scheduler: self.scheduler.clone(),
             finished: false,
             usage: request.usage_owner.map(|owner| (self.store.clone(), owner)),
+        })
+    }
+}
+
+/// Most inputs one embeddings request may carry.
+pub const MAX_EMBEDDING_INPUTS: usize = 256;
+
+/// Inputs of one embeddings request in the scheduler at once: enough to batch together, few
+/// enough that a request of many inputs leaves room in its caller's queue
+/// (`scheduler.max_queued_per_user`, 16 by default).
+const EMBED_IN_FLIGHT: usize = 8;
+
+/// Texts (as tokens) to embed.
+#[derive(Debug, Clone)]
+pub struct EmbeddingRequest {
+    pub inputs: Vec<Vec<u32>>,
+    pub pooling: Pooling,
+    /// As in [`CompletionRequest`].
+    pub user: Option<String>,
+    pub cache_salt: String,
+    pub usage_owner: Option<String>,
+}
+
+/// One vector per input, in order, and the tokens they took.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Embeddings {
+    pub vectors: Vec<Vec<f32>>,
+    pub prompt_tokens: usize,
+}
+
+/// Why an embeddings request failed, naming the input.
+#[derive(Debug, Clone, thiserror::Error, PartialEq)]
+pub enum EmbedError {
+    #[error("{count} inputs is more than the {MAX_EMBEDDING_INPUTS} one request may carry; split them across requests")]
+    TooMany { count: usize },
+    #[error("there is nothing to embed: give at least one input")]
+    Empty,
+    #[error("input {index}: {error}")]
+    Refused { index: usize, error: SubmitError },
+    #[error("input {index}: {message}")]
+    Failed { index: usize, message: String },
+}
+
+impl Completions {
+    /// Embeds every input (see [`GenerationRequest::embed`]): each a request of its own to the
+    /// scheduler, [`EMBED_IN_FLIGHT`] at a time, so they batch with each other and with
+    /// everyone's replies under the same fair sharing and limits.
+    pub async fn embed(&self, request: EmbeddingRequest) -> Result<Embeddings, EmbedError> {
+        use futures_util::{StreamExt, TryStreamExt};
+        if request.inputs.is_empty() {
+            return Err(EmbedError::Empty);
+        }
+        if request.inputs.len() > MAX_EMBEDDING_INPUTS {
+            return Err(EmbedError::TooMany {
+                count: request.inputs.len(),
+            });
+        }
+        let prompt_tokens = request.inputs.iter().map(Vec::len).sum();
+        let one = |(index, prompt): (usize, Vec<u32>)| {
+            let req = CompletionRequest {
+                prompt,
+                params: SamplingParams::greedy(),
+                max_tokens: Some(1),
+                cache: CacheUse::Partition(request.cache_salt.clone()),
+                user: request.user.clone(),
+                group: None,
+                usage_owner: request.usage_owner.clone(),
+            };
+            async move {
+                let mut completion = self
+                    .submit_as(req, Some(request.pooling))
+                    .await
+                    .map_err(|error| EmbedError::Refused { index, error })?;
+                let mut vector = None;
+                while let Some(event) = completion.next().await {
+                    match event {
+                        GenEvent::Embedding(v) => vector = Some(v),
+                        GenEvent::Finished(summary) => {
+                            return match (summary.reason, vector) {
+                                (StopReason::EndOfGeneration, Some(v)) => Ok(v),
+                                (StopReason::Error(message), _) => {
+                                    Err(EmbedError::Failed { index, message })
+                                }
+                                (reason, _) => Err(EmbedError::Failed {
+                                    index,
+                                    message: format!("the embedding ended early ({reason:?})"),
+                                }),
+                            };
+                        }
+                        GenEvent::Admitted { .. } | GenEvent::Token { .. } => {}
+                    }
+                }
+                Err(EmbedError::Failed {
+                    index,
+                    message: "the model worker stopped before the embedding was finished".into(),
+                })
+            }
+        };
+        let vectors = futures_util::stream::iter(request.inputs.clone().into_iter().enumerate())
+            .map(one)
+            .buffered(EMBED_IN_FLIGHT)
+            .try_collect()
+            .await?;
+        Ok(Embeddings {
+            vectors,
+            prompt_tokens,
         })
     }
 }

@@ -61,6 +61,8 @@ pub struct ModelInfo {
     pub architecture: String,
     pub context_window: usize,
     pub vocab_size: usize,
+    /// Entries of the model's hidden state (the length of its embeddings).
+    pub hidden_size: usize,
     pub weight_bytes: usize,
     pub load_s: f64,
     /// Where the model computes (`cpu`, `cuda:0`).
@@ -142,6 +144,7 @@ pub fn load_model(
         architecture: cfg.arch.gguf_name().to_string(),
         context_window,
         vocab_size: cfg.vocab_size,
+        hidden_size: cfg.hidden,
         weight_bytes: engine.weight_bytes(),
         load_s: loaded.load_s,
         device: engine.device().to_string(),

@@ -14,7 +14,9 @@ use tokio::sync::oneshot;
 use super::batcher::{ItemReport, StepPlan};
 use uuid::Uuid;
 
-use super::types::{CacheKey, GenEvent, GenSummary, GenerationRequest, RequestId, StopReason};
+use super::types::{
+    CacheKey, GenEvent, GenSummary, GenerationRequest, Pooling, RequestId, StopReason,
+};
 use smolchat_engine::device::DeviceMemory;
 use smolchat_engine::fast::graph::GraphStats;
 use smolchat_engine::{
@@ -92,11 +94,70 @@ struct Active {
     /// cache (prompt, generated, and the last sampled one), to recompute. Its sampler,
     /// detokenizer and stop state are kept, so it continues exactly where it was.
     resume: Option<Vec<u32>>,
+    /// An embedding request's pooling so far.
+    pool: Option<PoolState>,
+}
+
+/// What an embedding request has pooled of the hidden states computed so far.
+struct PoolState {
+    pooling: Pooling,
+    /// Sum over positions (mean pooling) or the latest row (last pooling), in f64 so a long
+    /// prompt's mean does not depend on the order of its chunks more than rounding must.
+    acc: Vec<f64>,
+    positions: usize,
+}
+
+impl PoolState {
+    fn new(pooling: Pooling) -> Self {
+        Self {
+            pooling,
+            acc: Vec::new(),
+            positions: 0,
+        }
+    }
+
+    /// Adds `rows` (each `width` floats) of consecutive positions.
+    fn add(&mut self, rows: &[f32], width: usize) {
+        if width == 0 {
+            return;
+        }
+        if self.acc.len() != width {
+            self.acc = vec![0.0; width];
+        }
+        for row in rows.chunks_exact(width) {
+            match self.pooling {
+                Pooling::Mean => {
+                    for (a, &v) in self.acc.iter_mut().zip(row) {
+                        *a += v as f64;
+                    }
+                }
+                Pooling::Last => {
+                    for (a, &v) in self.acc.iter_mut().zip(row) {
+                        *a = v as f64;
+                    }
+                }
+            }
+            self.positions += 1;
+        }
+    }
+
+    /// The pooled vector, L2-normalized (a zero vector stays zero).
+    fn finish(&self) -> Vec<f32> {
+        let n = match self.pooling {
+            Pooling::Mean => self.positions.max(1) as f64,
+            Pooling::Last => 1.0,
+        };
+        let pooled: Vec<f64> = self.acc.iter().map(|a| a / n).collect();
+        let norm = pooled.iter().map(|v| v * v).sum::<f64>().sqrt();
+        let scale = if norm > 0.0 { 1.0 / norm } else { 0.0 };
+        pooled.iter().map(|v| (v * scale) as f32).collect()
+    }
 }
 
 impl Active {
     /// A registered request that has not been admitted yet.
     fn new(request: GenerationRequest, submitted: Instant) -> Self {
+        let pool = request.embed.map(PoolState::new);
         Self {
             request,
             generation: None,
@@ -110,6 +171,7 @@ impl Active {
             first_token: None,
             completion_tokens: 0,
             resume: None,
+            pool,
         }
     }
 }
@@ -328,6 +390,10 @@ impl ModelWorker {
         let Some(a) = self.active.get(&id) else {
             return;
         };
+        if a.pool.is_some() {
+            self.admit_embedding(id);
+            return;
+        }
         let key = a.request.cache_key.map(CacheKey::Conversation);
         let reusable = key
             .as_ref()
@@ -382,13 +448,48 @@ impl ModelWorker {
         });
     }
 
+    /// Admits an embedding request: a fresh sequence, since pooling needs the hidden state of
+    /// every position (a cached prefix has none), and no generation state beyond the prompt.
+    fn admit_embedding(&mut self, id: RequestId) {
+        let seq = self.engine.create_sequence();
+        let Some(a) = self.active.get_mut(&id) else {
+            self.engine.free_sequence(seq);
+            return;
+        };
+        a.seq = Some(seq);
+        a.keyed = false;
+        if let Some(pool) = a.pool.as_mut() {
+            // After a preemption: the positions pooled so far are computed again.
+            *pool = PoolState::new(pool.pooling);
+        }
+        let first = a.resume.take().is_none();
+        a.pending_prompt = a.request.prompt.clone();
+        a.last_token = None;
+        if !first {
+            return;
+        }
+        a.cached_tokens = 0;
+        a.admitted = Some(Instant::now());
+        match Generation::new(&self.tokenizer, a.request.params.clone(), &a.request.prompt) {
+            Ok(g) => a.generation = Some(g),
+            Err(e) => tracing::warn!("bad sampling parameters reached the worker: {e}"),
+        }
+        let _ = a.request.events.send(GenEvent::Admitted {
+            prompt_tokens: a.request.prompt.len(),
+            cached_tokens: 0,
+        });
+    }
+
     /// Ends a request: sends its summary, frees a temporary sequence, keeps a keyed one.
     fn finish(&mut self, id: RequestId, reason: StopReason) {
         let Some(a) = self.active.remove(&id) else {
             return;
         };
         let now = Instant::now();
-        if let Some(seq) = a.seq {
+        if let (Some(seq), Some(_)) = (a.seq, &a.pool) {
+            // An embedding's positions are of no use to later requests (and were never shared).
+            self.engine.free_sequence(seq);
+        } else if let Some(seq) = a.seq {
             if a.keyed {
                 if let Some(slot) = a
                     .request
@@ -423,6 +524,25 @@ impl ModelWorker {
                 self.doomed.remove(pos);
                 self.evict_key(&CacheKey::Conversation(conversation));
             }
+        }
+    }
+
+    /// Adds an embedding request's hidden-state rows of this step to its pool; after its last
+    /// chunk, sends the vector and ends it.
+    fn pool_hidden(&mut self, id: RequestId, rows: Option<&[f32]>, width: usize, last: bool) {
+        let Some(a) = self.active.get_mut(&id) else {
+            return;
+        };
+        let Some(pool) = a.pool.as_mut() else {
+            return;
+        };
+        if let Some(rows) = rows {
+            pool.add(rows, width);
+        }
+        if last {
+            let vector = pool.finish();
+            let _ = a.request.events.send(GenEvent::Embedding(vector));
+            self.finish(id, StopReason::EndOfGeneration);
         }
     }
 
@@ -633,9 +753,18 @@ impl ModelWorker {
             // A backend that draws tokens on its device gets each sampling row's draw (the
             // penalty window and the generator's uniform) and returns only token ids.
             let on_device = self.engine.samples_on_device() && !self.host_sampling;
+            // Embedding requests want every chunk's final hidden states, never logits.
+            let embeds: Vec<bool> = work
+                .iter()
+                .map(|(id, ..)| self.active.get(id).is_some_and(|a| a.pool.is_some()))
+                .collect();
             let draws: Vec<Option<DeviceSampling>> = work
                 .iter()
-                .map(|(id, _, _, want)| {
+                .zip(&embeds)
+                .map(|((id, _, _, want), &embed)| {
+                    if embed {
+                        return None;
+                    }
                     let generation = self.active.get_mut(id)?.generation.as_mut()?;
                     // Log-probabilities and grammars need the logits on the host.
                     (on_device && *want && !generation.needs_host_logits())
@@ -645,13 +774,15 @@ impl ModelWorker {
             let steps: Vec<SeqStep<'_>> = work
                 .iter()
                 .zip(&draws)
-                .map(|((_, seq, toks, want), draw)| SeqStep {
+                .zip(&embeds)
+                .map(|(((_, seq, toks, want), draw), &embed)| SeqStep {
                     seq: *seq,
                     tokens: toks,
-                    logits: match (want, draw) {
-                        (false, _) => LogitsMode::None,
-                        (true, Some(_)) => LogitsMode::Sample,
-                        (true, None) => LogitsMode::Last,
+                    logits: match (embed, want, draw) {
+                        (true, ..) => LogitsMode::Hidden,
+                        (false, false, _) => LogitsMode::None,
+                        (false, true, Some(_)) => LogitsMode::Sample,
+                        (false, true, None) => LogitsMode::Last,
                     },
                 })
                 .collect();
@@ -698,8 +829,22 @@ impl ModelWorker {
             };
             match stepped {
                 Ok(()) => {
+                    for (i, (id, _, _, last)) in work.iter().enumerate() {
+                        if embeds[i] {
+                            self.pool_hidden(*id, logits.hidden(i), logits.hidden_width(), *last);
+                            if *last {
+                                report.items.push(ItemReport {
+                                    preempted: false,
+                                    id: *id,
+                                    prefilled: prefilled.get(id).copied().unwrap_or(0),
+                                    remaining_prefill: 0,
+                                    finished: true,
+                                });
+                            }
+                        }
+                    }
                     for (i, (id, seq, _, want)) in work.iter().enumerate() {
-                        if !*want {
+                        if !*want || embeds[i] {
                             continue;
                         }
                         // Unknown (it cannot be): as if at the window, so the reply ends.
@@ -894,6 +1039,224 @@ mod tests {
         worker_with_kv(None)
     }
 
+    /// Registers embedding requests and steps them together, each prompt fed in chunks of at
+    /// most `chunk` tokens per step, beside `decoding` (a generation request id already
+    /// prefilled, kept decoding in the same steps); returns each vector.
+    fn embed_together(
+        w: &mut ModelWorker,
+        prompts: &[(RequestId, Vec<u32>, Pooling)],
+        chunk: usize,
+        decoding: Option<RequestId>,
+    ) -> Vec<Vec<f32>> {
+        let mut receivers = Vec::new();
+        for (id, prompt, pooling) in prompts {
+            let (tx, rx) = mpsc::unbounded_channel();
+            w.active.insert(
+                *id,
+                Active::new(
+                    GenerationRequest {
+                        cache_key: None,
+                        user: None,
+                        group: None,
+                        cache_salt: None,
+                        prompt: prompt.clone(),
+                        params: SamplingParams::greedy(),
+                        max_time: None,
+                        events: tx,
+                        embed: Some(*pooling),
+                    },
+                    Instant::now(),
+                ),
+            );
+            receivers.push(rx);
+        }
+        let mut open: Vec<RequestId> = prompts.iter().map(|p| p.0).collect();
+        for _ in 0..100 {
+            if open.is_empty() {
+                break;
+            }
+            let plan = StepPlan {
+                prefill: open.iter().map(|&id| (id, chunk)).collect(),
+                decode: decoding.into_iter().collect(),
+                ..StepPlan::default()
+            };
+            let report = w.step(plan);
+            open.retain(|id| !report.items.iter().any(|r| r.id == *id && r.finished));
+        }
+        receivers
+            .into_iter()
+            .map(|mut rx| {
+                let mut vector = None;
+                let mut finished = None;
+                while let Ok(e) = rx.try_recv() {
+                    match e {
+                        GenEvent::Embedding(v) => vector = Some(v),
+                        GenEvent::Finished(s) => finished = Some(s),
+                        GenEvent::Token { .. } => panic!("an embedding generates no token"),
+                        GenEvent::Admitted { cached_tokens, .. } => assert_eq!(cached_tokens, 0),
+                    }
+                }
+                let summary = finished.expect("finished");
+                assert_eq!(summary.reason, StopReason::EndOfGeneration);
+                assert_eq!(summary.completion_tokens, 0);
+                vector.expect("an embedding comes before Finished")
+            })
+            .collect()
+    }
+
+    fn max_diff(a: &[f32], b: &[f32]) -> f32 {
+        assert_eq!(a.len(), b.len());
+        a.iter()
+            .zip(b)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0.0, f32::max)
+    }
+
+    /// An embedding is the mean (or last) of the final hidden states the engine computes,
+    /// L2-normalized; the same alone, beside other embeddings and a decoding reply, and fed in
+    /// chunks; it leaves no cache behind and is not served from one.
+    #[test]
+    fn embeddings_pool_the_final_hidden_states_alone_batched_and_chunked() {
+        let mut w = worker();
+        let prompt: Vec<u32> = (200..237).collect();
+        let other: Vec<u32> = (400..420).collect();
+
+        // What the engine itself gives, pooled by hand.
+        let seq = w.engine.create_sequence();
+        let mut out = Logits::new();
+        w.engine
+            .step_into(
+                &[SeqStep {
+                    seq,
+                    tokens: &prompt,
+                    logits: LogitsMode::Hidden,
+                }],
+                &mut out,
+            )
+            .expect("step");
+        w.engine.free_sequence(seq);
+        let width = out.hidden_width();
+        assert_eq!(width, w.engine.config().hidden);
+        let rows = out.hidden(0).expect("hidden rows");
+        assert_eq!(rows.len(), prompt.len() * width);
+        assert!(out.get(0).is_none(), "no logits for a hidden-state item");
+        let normalize = |v: Vec<f64>| {
+            let n = v.iter().map(|x| x * x).sum::<f64>().sqrt();
+            v.iter().map(|x| (x / n) as f32).collect::<Vec<f32>>()
+        };
+        let mean = normalize(
+            (0..width)
+                .map(|c| rows.chunks(width).map(|r| r[c] as f64).sum::<f64>() / prompt.len() as f64)
+                .collect(),
+        );
+        let last = normalize(
+            rows[rows.len() - width..]
+                .iter()
+                .map(|&x| x as f64)
+                .collect(),
+        );
+
+        let alone = embed_together(&mut w, &[(1, prompt.clone(), Pooling::Mean)], 1000, None);
+        assert!(
+            max_diff(&alone[0], &mean) < 1e-6,
+            "{}",
+            max_diff(&alone[0], &mean)
+        );
+        let norm: f32 = alone[0].iter().map(|x| x * x).sum::<f32>().sqrt();
+        assert!((norm - 1.0).abs() < 1e-5, "L2-normalized: {norm}");
+        let caches = w.caches.len();
+
+        // Beside a reply being decoded and another embedding, in chunks of 5.
+        let reply = run(&mut w, 2, None, (300..310).collect());
+        assert!(!reply.is_empty());
+        let (tx, _rx) = mpsc::unbounded_channel();
+        w.active.insert(
+            3,
+            Active::new(
+                GenerationRequest {
+                    cache_key: None,
+                    user: None,
+                    group: None,
+                    cache_salt: None,
+                    prompt: (500..510).collect(),
+                    params: SamplingParams {
+                        max_new_tokens: 50,
+                        ignore_eos: true,
+                        ..SamplingParams::greedy()
+                    },
+                    max_time: None,
+                    events: tx,
+                    embed: None,
+                },
+                Instant::now(),
+            ),
+        );
+        w.step(StepPlan {
+            prefill: vec![(3, 1000)],
+            ..StepPlan::default()
+        });
+        let together = embed_together(
+            &mut w,
+            &[
+                (4, other.clone(), Pooling::Mean),
+                (5, prompt.clone(), Pooling::Mean),
+                (6, prompt.clone(), Pooling::Last),
+            ],
+            5,
+            Some(3),
+        );
+        assert!(
+            max_diff(&together[1], &alone[0]) < 1e-5,
+            "{}",
+            max_diff(&together[1], &alone[0])
+        );
+        assert!(
+            max_diff(&together[2], &last) < 1e-5,
+            "{}",
+            max_diff(&together[2], &last)
+        );
+        assert!(
+            max_diff(&together[0], &alone[0]) > 1e-3,
+            "another text, another vector"
+        );
+        // The same prompt again is computed afresh (no cached prefix has hidden states), and
+        // no embedding left a cache to reuse.
+        let again = embed_together(&mut w, &[(7, prompt.clone(), Pooling::Mean)], 1000, None);
+        assert!(max_diff(&again[0], &alone[0]) < 1e-6);
+        assert!(
+            w.caches.len() <= caches + 1,
+            "only the reply's cache was kept"
+        );
+        assert!(w.caches.values().all(|slot| w.engine.contains(slot.seq)));
+    }
+
+    /// The GPU's fast tier (its CPU runner) gives the CPU engine's embedding, and no logits are
+    /// computed for it (its plan stops at the output norm).
+    #[test]
+    fn the_fast_tier_embeds_like_the_cpu_engine() {
+        let (spec, tokenizer) = tiny_with_tokenizer();
+        let spec = spec.with_type_mix(smolchat_engine::synthetic::TypeMix::Uniform(
+            smolchat_gguf::GgmlDType::Q8_0,
+        ));
+        let mut src = synthetic::build(&spec).expect("build");
+        let model = Model::load(&mut src, &mut |_, _| {}).expect("load");
+        let mut cpu = ModelWorker::new(Engine::new(model), Arc::new(tokenizer), 2048);
+        let mut fast = fast_tier_worker(None);
+        let prompts = [
+            (1, (200..260).collect::<Vec<u32>>(), Pooling::Mean),
+            (2, (900..911).collect(), Pooling::Last),
+        ];
+        let a = embed_together(&mut cpu, &prompts, 16, None);
+        let b = embed_together(&mut fast, &prompts, 16, None);
+        for (x, y) in a.iter().zip(&b) {
+            // Unit vectors: their dot product is the cosine. The fast tier quantizes activations
+            // to Q8_1 where the CPU engine uses its own tiles, so they agree closely, not exactly.
+            let cosine: f32 = x.iter().zip(y).map(|(p, q)| p * q).sum();
+            assert!(cosine > 0.9999, "cosine {cosine}");
+            assert!(max_diff(x, y) < 5e-3, "{}", max_diff(x, y));
+        }
+    }
+
     /// A worker on a tiny model; with `Some(n)`, an engine and budget of exactly `n` KV blocks.
     fn worker_with_kv(blocks: Option<usize>) -> ModelWorker {
         let (spec, tokenizer) = tiny_with_tokenizer();
@@ -1001,6 +1364,7 @@ mod tests {
                     params,
                     max_time: None,
                     events: tx,
+                    embed: None,
                 },
                 Instant::now(),
             ),
@@ -1177,6 +1541,7 @@ mod tests {
                         },
                         max_time: None,
                         events: tx,
+                        embed: None,
                     },
                     Instant::now(),
                 ),
@@ -1200,7 +1565,7 @@ mod tests {
                     match e {
                         GenEvent::Token { token, .. } => tokens.push(token),
                         GenEvent::Finished(s) => reason = Some(s.reason),
-                        GenEvent::Admitted { .. } => {}
+                        GenEvent::Admitted { .. } | GenEvent::Embedding(_) => {}
                     }
                 }
                 (tokens, reason.expect("every request finishes"))
@@ -1367,7 +1732,7 @@ mod tests {
                 match e {
                     GenEvent::Token { text: t, .. } => text.push_str(&t),
                     GenEvent::Finished(s) => reasons.push(s.reason),
-                    GenEvent::Admitted { .. } => {}
+                    GenEvent::Admitted { .. } | GenEvent::Embedding(_) => {}
                 }
             }
             (text, reasons)

@@ -67,6 +67,21 @@ pub struct GenerationRequest {
     pub max_time: Option<Duration>,
     /// Receives the request's events. Dropping the receiver cancels the request at the next step.
     pub events: mpsc::UnboundedSender<GenEvent>,
+    /// `Some`: an embedding, not a reply. Every prompt position is computed afresh (no cache is
+    /// reused or kept), the final hidden states are pooled and L2-normalized, and the request
+    /// ends with [`GenEvent::Embedding`] then [`GenEvent::Finished`], generating nothing.
+    pub embed: Option<Pooling>,
+}
+
+/// How an embedding pools the final hidden states of its positions.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Pooling {
+    /// The mean over every position.
+    #[default]
+    Mean,
+    /// The last position's (it has attended to all the others).
+    Last,
 }
 
 /// What happens to a request, in order: `Admitted` once, `Token` per generated token, `Finished`
@@ -85,6 +100,8 @@ pub enum GenEvent {
         text: String,
         logprobs: Option<smolchat_text::sampling::TokenLogprobs>,
     },
+    /// An embedding request's vector (pooled and L2-normalized), just before `Finished`.
+    Embedding(Vec<f32>),
     Finished(GenSummary),
 }
 

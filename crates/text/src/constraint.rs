@@ -121,7 +121,17 @@ pub fn tool_call_grammar(tokenizer: &Tokenizer, tools: &[(String, Value)]) -> Gr
             })
         })
         .collect();
-    let schema = serde_json::json!({"anyOf": calls});
+    // Compact JSON with the usual separators (`{"name": "f", "arguments": {…}}`): flexible
+    // whitespace lets a sampled call wander through blank lines until it runs out of tokens
+    // (seen at temperature 1 with SmolLM2), and no reader of a call needs any.
+    let schema = serde_json::json!({
+        "anyOf": calls,
+        "x-guidance": {
+            "whitespace_flexible": false,
+            "item_separator": ", ",
+            "key_separator": ": ",
+        },
+    });
     Grammar::Lark(format!(
         "start: {} call {}\ncall: %json {}\n",
         marker(crate::splitter::TOOL_CALL_OPEN),
@@ -242,5 +252,56 @@ impl Constraint {
     /// Whether the grammar is complete (only end-of-generation may follow).
     pub fn is_stopped(&self) -> bool {
         self.matcher.is_stopped()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use smolchat_engine::synthetic::{self, SyntheticSpec};
+
+    fn tokenizer() -> Tokenizer {
+        let spec = SyntheticSpec::tiny("llama").with_placeholder_tokenizer();
+        let src = synthetic::build(&spec).expect("synthetic model");
+        Tokenizer::from_gguf(&src).expect("placeholder tokenizer")
+    }
+
+    /// How many of `text`'s tokens the grammar accepts.
+    fn accepted(tok: &Tokenizer, grammar: &Grammar, text: &str) -> (usize, usize) {
+        let mut c = Constraint::new(tok, grammar).expect("compiles");
+        let ids = tok.encode(text, false).expect("encode");
+        let n = c.matcher.validate_tokens(&ids).expect("validate");
+        (n, ids.len())
+    }
+
+    #[test]
+    fn a_forced_tool_call_is_compact_json_naming_an_offered_tool() {
+        let tok = tokenizer();
+        let params = serde_json::json!({
+            "type": "object",
+            "properties": {"country": {"type": "string"}},
+            "required": ["country"],
+        });
+        let grammar = tool_call_grammar(&tok, &[("get_capital".into(), params)]);
+        let call = |json: &str| {
+            format!(
+                "{}{json}{}",
+                crate::splitter::TOOL_CALL_OPEN,
+                crate::splitter::TOOL_CALL_CLOSE
+            )
+        };
+        let good = call(r#"{"name": "get_capital", "arguments": {"country": "France"}}"#);
+        let (n, all) = accepted(&tok, &grammar, &good);
+        assert_eq!(n, all, "the canonical call is accepted whole");
+        for bad in [
+            r#"{ "name": "get_capital", "arguments": {"country": "France"}}"#,
+            r#"{"name": "get_capital",
+ "arguments": {"country": "France"}}"#,
+            r#"{"name": "other", "arguments": {"country": "France"}}"#,
+            r#"{"name": "get_capital", "arguments": {"city": "Paris"}}"#,
+        ] {
+            let (n, all) = accepted(&tok, &grammar, &call(bad));
+            assert!(n < all, "refused: {bad}");
+        }
     }
 }

@@ -404,7 +404,7 @@ async fn messages(
     }
     while let Some(event) = futures_util::StreamExt::next(&mut completion).await {
         match event {
-            GenEvent::Admitted { .. } => {}
+            GenEvent::Admitted { .. } | GenEvent::Embedding(_) => {}
             GenEvent::Token { text, .. } => {
                 if !text.is_empty() {
                     assembler.push(&text);
@@ -564,7 +564,7 @@ impl EventStream {
 
     fn on_event(&mut self, event: GenEvent) {
         match event {
-            GenEvent::Admitted { .. } => {}
+            GenEvent::Admitted { .. } | GenEvent::Embedding(_) => {}
             GenEvent::Token { text, .. } => {
                 if text.is_empty() {
                     return;

@@ -29,6 +29,7 @@ pub mod api;
 pub mod client;
 pub mod cookies;
 pub mod csrf;
+pub mod embeddings;
 pub mod error;
 pub mod events;
 
@@ -138,6 +139,7 @@ pub fn routes(cfg: &mut web::ServiceConfig) {
     // Before the `/v1` scope, which would take their paths.
     .configure(anthropic::routes)
     .configure(responses::routes)
+    .configure(embeddings::routes)
     // Early, so that a catch-all scope registered later cannot shadow `/v1`.
     .configure(openai::routes)
     // Before the `/api` scope, which would take these paths.

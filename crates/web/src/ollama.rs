@@ -57,6 +57,8 @@ pub fn routes(cfg: &mut web::ServiceConfig) {
                 .route(web::head().to(tags)),
         )
         .service(resource("/api/show").route(web::post().to(show)))
+        .service(resource("/api/embed").route(web::post().to(embed)))
+        .service(resource("/api/embeddings").route(web::post().to(embeddings)))
         .service(
             resource("/api/version")
                 .route(web::get().to(version))
@@ -218,7 +220,7 @@ async fn show(
     let m = p.model();
     let s = &p.config().sampling;
     let arch = &m.architecture;
-    let mut capabilities = vec!["completion"];
+    let mut capabilities = vec!["completion", "embedding"];
     let source = p.template().source();
     if source.contains("tools") {
         capabilities.push("tools");
@@ -235,10 +237,119 @@ async fn show(
             "general.architecture": arch,
             format!("{arch}.context_length"): m.context_window,
             format!("{arch}.vocab_size"): m.vocab_size,
+            format!("{arch}.embedding_length"): m.hidden_size,
         },
         "capabilities": capabilities,
         "modified_at": modified_at(p),
     })))
+}
+
+/// `POST /api/embed`: `input` as a string or an array of strings, cut to the context window
+/// unless `"truncate": false`; the vectors are L2-normalized, as Ollama's are.
+async fn embed(
+    http: HttpRequest,
+    state: web::Data<AppState>,
+    body: Result<JsonBody<Value>, WebError>,
+) -> Result<HttpResponse, OllamaError> {
+    let start = Instant::now();
+    let JsonBody(body) = body?;
+    let p = &state.platform;
+    let obj = object(&body)?;
+    let name = model_field(obj)?;
+    check_model(p, name)?;
+    let truncate = match obj.get("truncate") {
+        None | Some(Value::Null) => true,
+        Some(Value::Bool(b)) => *b,
+        Some(_) => {
+            return Err(OllamaError::invalid(
+                "truncate",
+                "`truncate` must be a boolean",
+            ))
+        }
+    };
+    crate::embeddings::check_dimensions(
+        obj.get("dimensions").unwrap_or(&Value::Null),
+        p.model().hidden_size,
+        "dimensions",
+    )?;
+    let input = match obj.get("input") {
+        Some(v @ (Value::String(_) | Value::Array(_))) => v,
+        None | Some(Value::Null) => {
+            return Err(OllamaError::invalid("input", "`input` is required"))
+        }
+        Some(_) => {
+            return Err(OllamaError::invalid(
+                "input",
+                "`input` must be a string or an array of strings",
+            ))
+        }
+    };
+    if input
+        .as_array()
+        .is_some_and(|a| a.iter().any(|i| !i.is_string()))
+    {
+        return Err(OllamaError::invalid(
+            "input",
+            "`input` must be a string or an array of strings",
+        ));
+    }
+    let inputs = crate::embeddings::parse_inputs(input, "input")?;
+    let result = crate::embeddings::embed(
+        &state,
+        &http,
+        inputs,
+        smolchat_service::completions::Pooling::Mean,
+        truncate,
+        "input",
+    )
+    .await?;
+    Ok(HttpResponse::Ok().json(json!({
+        "model": if name.is_empty() { listed_name(p) } else { name.to_string() },
+        "embeddings": result.vectors,
+        "total_duration": start.elapsed().as_nanos() as u64,
+        "load_duration": 0,
+        "prompt_eval_count": result.prompt_tokens,
+    })))
+}
+
+/// `POST /api/embeddings`, Ollama's older form: one `prompt`, one `embedding` (normalized here
+/// too: this server has one kind of embedding).
+async fn embeddings(
+    http: HttpRequest,
+    state: web::Data<AppState>,
+    body: Result<JsonBody<Value>, WebError>,
+) -> Result<HttpResponse, OllamaError> {
+    let JsonBody(body) = body?;
+    let p = &state.platform;
+    let obj = object(&body)?;
+    check_model(p, model_field(obj)?)?;
+    let prompt = match obj.get("prompt") {
+        Some(Value::String(s)) => s.clone(),
+        None | Some(Value::Null) => {
+            return Err(OllamaError::invalid("prompt", "`prompt` is required"))
+        }
+        Some(_) => return Err(OllamaError::invalid("prompt", "`prompt` must be a string")),
+    };
+    let result = crate::embeddings::embed(
+        &state,
+        &http,
+        vec![crate::embeddings::Input::Text(prompt)],
+        smolchat_service::completions::Pooling::Mean,
+        true,
+        "prompt",
+    )
+    .await?;
+    let vector = result.vectors.into_iter().next().unwrap_or_default();
+    Ok(HttpResponse::Ok().json(json!({ "embedding": vector })))
+}
+
+/// A request's `model` (or its older spelling `name`); empty when absent.
+fn model_field(obj: &Map<String, Value>) -> Result<&str, OllamaError> {
+    match obj.get("model").or_else(|| obj.get("name")) {
+        Some(Value::String(s)) => Ok(s.as_str()),
+        None | Some(Value::Null) => Ok(""),
+        Some(_) => Err(OllamaError::invalid("model", "`model` must be a string")),
+    }
 }
 
 fn object(body: &Value) -> Result<&Map<String, Value>, OllamaError> {
@@ -798,7 +909,7 @@ async fn run(
     }
     while let Some(event) = futures_util::StreamExt::next(&mut completion).await {
         match event {
-            GenEvent::Admitted { .. } => {}
+            GenEvent::Admitted { .. } | GenEvent::Embedding(_) => {}
             GenEvent::Token { text, .. } => {
                 if !text.is_empty() {
                     reply.feed(Some(&text), None);
@@ -842,7 +953,7 @@ impl NdjsonStream {
 
     fn on_event(&mut self, event: GenEvent) {
         match event {
-            GenEvent::Admitted { .. } => {}
+            GenEvent::Admitted { .. } | GenEvent::Embedding(_) => {}
             GenEvent::Token { text, .. } => {
                 if text.is_empty() {
                     return;

@@ -542,11 +542,13 @@ impl Envelope {
 /// time to first token. Hashed with a key drawn at start-up, so that neither API keys nor
 /// names reach the model worker's cache keys (or its debug logs).
 pub(crate) fn cache_salt(http: &HttpRequest, common: &Common) -> String {
+    cache_salt_of(http, &common.cache_salt)
+}
+
+/// [`cache_salt`] for a request whose own salt is `name`.
+pub(crate) fn cache_salt_of(http: &HttpRequest, name: &str) -> String {
     let ip = super::client::Client::of(http).address;
-    format!(
-        "{:016x}",
-        process_hash(&(ip, bearer(http), common.cache_salt.as_str()))
-    )
+    format!("{:016x}", process_hash(&(ip, bearer(http), name)))
 }
 
 /// The request's `Authorization` header, as sent.
@@ -776,7 +778,7 @@ async fn collect<A: Assembler>(
 ) -> Result<(GenSummary, A), ApiError> {
     while let Some(event) = futures_util::StreamExt::next(&mut completion).await {
         match event {
-            GenEvent::Admitted { .. } => {}
+            GenEvent::Admitted { .. } | GenEvent::Embedding(_) => {}
             GenEvent::Token {
                 text, logprobs: lp, ..
             } => {
@@ -936,7 +938,7 @@ struct ApiStream<A: Assembler> {
 impl<A: Assembler> ApiStream<A> {
     fn on_event(&mut self, event: GenEvent) {
         match event {
-            GenEvent::Admitted { .. } => {}
+            GenEvent::Admitted { .. } | GenEvent::Embedding(_) => {}
             GenEvent::Token { text, logprobs, .. } => {
                 if let Some(lp) = logprobs {
                     self.logprobs.push(lp);

@@ -332,7 +332,7 @@ async fn create(
     let mut assembler = assembler;
     while let Some(event) = futures_util::StreamExt::next(&mut completion).await {
         match event {
-            GenEvent::Admitted { .. } => {}
+            GenEvent::Admitted { .. } | GenEvent::Embedding(_) => {}
             GenEvent::Token { text, .. } => {
                 if !text.is_empty() {
                     assembler.push(&text);
@@ -579,7 +579,7 @@ impl EventStream {
 
     fn on_event(&mut self, event: GenEvent) {
         match event {
-            GenEvent::Admitted { .. } => {}
+            GenEvent::Admitted { .. } | GenEvent::Embedding(_) => {}
             GenEvent::Token { text, .. } => {
                 if text.is_empty() {
                     return;

@@ -252,13 +252,16 @@ impl Model {
 
         // Only the rows somebody asked for go through the final norm and the LM head.
         let mut rows = Vec::new();
+        let mut hidden_rows = Vec::new();
         for (si, item) in items.iter().enumerate() {
             match item.logits {
                 LogitsMode::None | LogitsMode::Sample => {}
                 LogitsMode::Last => rows.push(offsets[si + 1] - 1),
                 LogitsMode::All => rows.extend(offsets[si]..offsets[si + 1]),
+                LogitsMode::Hidden => hidden_rows.extend(offsets[si]..offsets[si + 1]),
             }
         }
+        out.set_hidden_width(hidden);
         let logits = out.prepare(
             c.vocab_size,
             items.iter().map(|item| (item.tokens.len(), item.logits)),
@@ -273,6 +276,14 @@ impl Model {
             rms_norm(&sel, &self.output_norm, c.rms_eps, &mut normed);
             let head = self.output.as_ref().unwrap_or(&self.token_embd);
             head.matmul(&normed, rows.len(), logits);
+        }
+        if !hidden_rows.is_empty() {
+            // Embeddings: the final norm of every row asked for, in item order, no LM head.
+            let mut sel = vec![0f32; hidden_rows.len() * hidden];
+            for (i, &r) in hidden_rows.iter().enumerate() {
+                sel[i * hidden..(i + 1) * hidden].copy_from_slice(&x[r * hidden..(r + 1) * hidden]);
+            }
+            rms_norm(&sel, &self.output_norm, c.rms_eps, out.hidden_mut());
         }
         Ok(())
     }

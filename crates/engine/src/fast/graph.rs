@@ -306,6 +306,7 @@ mod tests {
             max_blocks: 2,
             logit_rows: vec![0, 1],
             sample: false,
+            hidden: false,
             sampling: vec![SampleRow::GREEDY; 2],
             penalty_spans: vec![0, 0, 0, 0],
             penalties: vec![],

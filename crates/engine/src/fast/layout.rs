@@ -120,6 +120,9 @@ pub struct StepTables {
     /// Whether some logit row is drawn on the device ([`crate::LogitsMode::Sample`]): the plan
     /// then ends with the penalties and the draw.
     pub sample: bool,
+    /// Whether the logit rows want their final hidden state instead of logits
+    /// ([`crate::LogitsMode::Hidden`]): the plan then stops at the output norm.
+    pub hidden: bool,
     /// Per logit row: how it is drawn (greedy for rows nobody draws).
     pub sampling: Vec<SampleRow>,
     /// Per logit row: `[start, end)` of its penalty entries (two values per row).

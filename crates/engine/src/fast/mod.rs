@@ -190,6 +190,7 @@ pub fn step_tables(items: &[BatchItem<'_>]) -> StepTables {
         t.block_tables
             .extend(std::iter::repeat_n(last, max_blocks - item.blocks.len()));
         let n = item.tokens.len();
+        t.hidden |= item.logits == LogitsMode::Hidden;
         let first = row0 + n - item.logits.device_rows(n);
         for row in first..row0 + n {
             t.logit_rows.push(row as u32);
@@ -304,11 +305,19 @@ impl<R: Runner> Backend for FastBackend<R> {
             host_row.push(rows);
             rows += item.logits.host_rows(item.tokens.len());
         }
+        out.set_hidden_width(self.config().hidden);
         out.prepare(
             vocab,
             items.iter().map(|item| (item.tokens.len(), item.logits)),
         );
-        let (decode, rest): (Vec<usize>, Vec<usize>) = (0..items.len()).partition(|&i| {
+        // Hidden-state items (embeddings) run as a part of their own, whose plan stops at the
+        // output norm: no LM head for them, and no hidden rows for the others.
+        let (hidden, items_rest): (Vec<usize>, Vec<usize>) =
+            (0..items.len()).partition(|&i| items[i].logits == LogitsMode::Hidden);
+        if !hidden.is_empty() {
+            self.run_part(items, &hidden, &host_row, out, false)?;
+        }
+        let (decode, rest): (Vec<usize>, Vec<usize>) = items_rest.iter().partition(|&&i| {
             self.runner.graphs()
                 && items[i].tokens.len() == 1
                 && matches!(items[i].logits, LogitsMode::Last | LogitsMode::Sample)
@@ -317,7 +326,7 @@ impl<R: Runner> Backend for FastBackend<R> {
         let (decode, rest) = if graphed {
             (decode, rest)
         } else {
-            (Vec::new(), (0..items.len()).collect())
+            (Vec::new(), items_rest)
         };
         // A mixed step is a graphed decode part and an eager part: sequences only read their own
         // (or shared, read-only) KV blocks, so the two parts can run one after the other.
@@ -375,6 +384,20 @@ impl<R: Runner> FastBackend<R> {
                 .run_graph(key, &plan, &tables, &rope, step_out)?,
             None => self.runner.run(&plan, &tables, &rope, step_out)?,
         }
+        if plan.hidden {
+            // A hidden part's normed rows are its items' hidden states, in the items' order.
+            let normed = self.runner.read(&plan, Buf::SelNorm)?;
+            let width = self.config().hidden;
+            let mut row = 0;
+            for &i in part {
+                if let Some(dst) = out.hidden_item_mut(i) {
+                    let n = dst.len() / width;
+                    dst.copy_from_slice(&normed[row * width..(row + n) * width]);
+                    row += n;
+                }
+            }
+            return Ok(());
+        }
         // Device logit rows follow the items' order: hand them out.
         let mut row = 0;
         for (&i, item) in part.iter().zip(&sub) {
@@ -385,7 +408,7 @@ impl<R: Runner> FastBackend<R> {
                     host.copy_from_slice(&self.scratch[row * vocab..(row + n) * vocab]);
                 }
                 LogitsMode::Sample => out.set_token(i, self.tokens[row]),
-                LogitsMode::None => {}
+                LogitsMode::None | LogitsMode::Hidden => {}
             }
             row += n;
         }

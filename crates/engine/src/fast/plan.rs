@@ -114,6 +114,9 @@ pub struct Plan {
     pub splits: usize,
     /// Whether the plan ends with [`Op::Penalties`] and [`Op::Sample`].
     pub sample: bool,
+    /// Whether the plan stops at the output norm (`SelNorm` holds the rows' final hidden
+    /// states, for embeddings) instead of computing logits.
+    pub hidden: bool,
 }
 
 impl Plan {
@@ -125,7 +128,18 @@ impl Plan {
             tables.logit_rows.len(),
             tables.max_blocks,
         );
-        if tables.sample && plan.logit_rows > 0 {
+        if tables.hidden && plan.logit_rows > 0 {
+            // Embeddings: the normed rows are the answer; the LM head would be wasted work.
+            let head = plan.ops.pop();
+            debug_assert!(matches!(
+                head,
+                Some(Op::MatMul {
+                    weight: Matrix::Head,
+                    ..
+                })
+            ));
+            plan.hidden = true;
+        } else if tables.sample && plan.logit_rows > 0 {
             plan.ops.extend([Op::Penalties, Op::Sample]);
             plan.sample = true;
         }
@@ -226,6 +240,7 @@ impl Plan {
             max_blocks,
             splits: crate::fast::twin::attention::max_splits(max_blocks * BLOCK_POSITIONS),
             sample: false,
+            hidden: false,
         }
     }
 
@@ -265,5 +280,51 @@ pub fn matrix_shape(config: &ModelConfig, matrix: Matrix) -> (usize, usize) {
         Matrix::Gate(_) | Matrix::Up(_) => (c.ffn, c.hidden),
         Matrix::Down(_) => (c.hidden, c.ffn),
         Matrix::Head => (c.vocab_size, c.hidden),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::BatchItem;
+    use crate::fast::step_tables;
+    use crate::synthetic::SyntheticSpec;
+    use crate::LogitsMode;
+
+    /// A step of hidden-state rows (embeddings) ends at the output norm: no LM head, no draw.
+    #[test]
+    fn a_hidden_state_step_stops_at_the_output_norm() {
+        let spec = SyntheticSpec::tiny("llama");
+        let src = crate::synthetic::build(&spec).unwrap_or_else(|e| panic!("{e}"));
+        let config = ModelConfig::from_gguf(&src).unwrap_or_else(|e| panic!("{e}"));
+        let tokens = [1u32, 2, 3];
+        let item = |logits| BatchItem {
+            blocks: &[0],
+            past: 0,
+            tokens: &tokens,
+            logits,
+            sample: None,
+        };
+        let hidden = Plan::for_step(&config, &step_tables(&[item(LogitsMode::Hidden)]));
+        assert!(hidden.hidden && !hidden.sample);
+        assert_eq!(hidden.logit_rows, 3, "every row is normed");
+        assert_eq!(
+            hidden.ops.last(),
+            Some(&Op::RmsNorm {
+                x: Buf::Sel,
+                weight: Norm::Output,
+                out: Buf::SelNorm,
+            })
+        );
+        let logits = Plan::for_step(&config, &step_tables(&[item(LogitsMode::All)]));
+        assert!(!logits.hidden);
+        assert!(matches!(
+            logits.ops.last(),
+            Some(Op::MatMul {
+                weight: Matrix::Head,
+                ..
+            })
+        ));
+        assert_eq!(logits.ops.len(), hidden.ops.len() + 1);
     }
 }

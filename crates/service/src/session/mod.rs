@@ -687,6 +687,8 @@ impl StreamHandler<GenEvent> for SessionActor {
                     cached_tokens,
                 });
             }
+            // A session never asks for embeddings.
+            GenEvent::Embedding(_) => {}
             GenEvent::Token { text, .. } => {
                 let Some(reply) = self.reply.as_mut() else {
                     return;

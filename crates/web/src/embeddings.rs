@@ -1,0 +1,361 @@
+//! `POST /v1/embeddings` (OpenAI's shape): each input's final hidden states pooled (mean by
+//! default, `"pooling": "last"` for the last position) and L2-normalized, computed by the
+//! engine through the one completions service, so inputs batch with everyone's replies under
+//! the same fair sharing, per-user limits and API keys. Ollama's `/api/embed` and
+//! `/api/embeddings` (in `ollama.rs`) call [`embed`] too.
+//!
+//! What the model cannot do is refused, never approximated: `dimensions` other than the
+//! model's own (its vectors are not trained to be shortened), encodings other than `float` and
+//! `base64`.
+
+use actix_web::{web, HttpRequest, HttpResponse};
+use base64::Engine as _;
+use serde_json::{json, Value};
+
+use super::json::JsonBody;
+use super::openai;
+use super::{AppState, WebError};
+use crate::error::ApiError;
+use smolchat_service::completions::{
+    EmbedError, EmbeddingRequest, Embeddings, Pooling, SubmitError, MAX_EMBEDDING_INPUTS,
+};
+
+pub fn routes(cfg: &mut web::ServiceConfig) {
+    cfg.service(
+        web::resource("/v1/embeddings")
+            .wrap(actix_web::middleware::from_fn(openai::require_api_key))
+            .wrap(super::api_headers())
+            .route(web::post().to(create))
+            .default_service(web::to(openai::method_not_allowed)),
+    );
+}
+
+/// One input to embed: text (tokenized as `/v1/completions` prompts are) or token ids.
+#[derive(Debug, Clone)]
+pub(crate) enum Input {
+    Text(String),
+    Tokens(Vec<u32>),
+}
+
+/// The inputs of OpenAI's `input`: a string, an array of strings, an array of token ids or an
+/// array of arrays of token ids. `field` names it in errors.
+pub(crate) fn parse_inputs(value: &Value, field: &str) -> Result<Vec<Input>, ApiError> {
+    let shape = || {
+        ApiError::invalid(
+            field,
+            format!(
+                "`{field}` must be a string, an array of strings, an array of token ids or an \
+                 array of arrays of token ids"
+            ),
+        )
+    };
+    let tokens = |items: &[Value], at: &str| -> Result<Vec<u32>, ApiError> {
+        items
+            .iter()
+            .map(|t| {
+                t.as_u64()
+                    .and_then(|t| u32::try_from(t).ok())
+                    .ok_or_else(|| {
+                        ApiError::invalid(at, format!("`{at}` holds something not a token id"))
+                    })
+            })
+            .collect()
+    };
+    let inputs = match value {
+        Value::String(s) => vec![Input::Text(s.clone())],
+        Value::Array(items) if items.is_empty() => {
+            return Err(ApiError::invalid(
+                field,
+                format!("`{field}` is empty: give at least one input"),
+            ))
+        }
+        Value::Array(items) if items.iter().all(Value::is_number) => {
+            vec![Input::Tokens(tokens(items, field)?)]
+        }
+        Value::Array(items) => items
+            .iter()
+            .enumerate()
+            .map(|(i, item)| match item {
+                Value::String(s) => Ok(Input::Text(s.clone())),
+                Value::Array(ids) => Ok(Input::Tokens(tokens(ids, &format!("{field}[{i}]"))?)),
+                _ => Err(shape()),
+            })
+            .collect::<Result<_, _>>()?,
+        _ => return Err(shape()),
+    };
+    if inputs.len() > MAX_EMBEDDING_INPUTS {
+        return Err(ApiError::invalid(
+            field,
+            EmbedError::TooMany {
+                count: inputs.len(),
+            }
+            .to_string(),
+        ));
+    }
+    Ok(inputs)
+}
+
+/// Embeds `inputs` for the API caller: tokenized off the event loop, each checked against the
+/// vocabulary and the context window (cut to fit it when `truncate`), then computed through the
+/// one completions service. `field` names the inputs in errors.
+pub(crate) async fn embed(
+    state: &web::Data<AppState>,
+    http: &HttpRequest,
+    inputs: Vec<Input>,
+    pooling: Pooling,
+    truncate: bool,
+    field: &str,
+) -> Result<Embeddings, ApiError> {
+    let p = &state.platform;
+    if !state.ready.load(std::sync::atomic::Ordering::Acquire) {
+        return Err(ApiError::unavailable("the server is shutting down"));
+    }
+    let state2 = state.clone();
+    let tokenized = web::block(move || {
+        inputs
+            .into_iter()
+            .map(|input| match input {
+                Input::Text(text) => openai::encode(&state2.platform, &text),
+                Input::Tokens(ids) => Ok(ids),
+            })
+            .collect::<Result<Vec<Vec<u32>>, ApiError>>()
+    })
+    .await
+    .map_err(|e| ApiError::internal(format!("tokenizer task: {e}")))??;
+    let vocab = p.model().vocab_size;
+    // The prompt must leave the window one position, as every request's must.
+    let window = p.model().context_window;
+    let mut prompts = Vec::with_capacity(tokenized.len());
+    for (i, mut ids) in tokenized.into_iter().enumerate() {
+        let at = format!("{field}[{i}]");
+        if ids.is_empty() {
+            return Err(ApiError::invalid(
+                at.clone(),
+                format!("`{at}` is empty: there is nothing to embed"),
+            ));
+        }
+        if let Some(bad) = ids.iter().find(|&&id| id as usize >= vocab) {
+            return Err(ApiError::invalid(
+                at,
+                format!("token id {bad} is outside the vocabulary (size {vocab})"),
+            ));
+        }
+        if ids.len() >= window {
+            if !truncate {
+                return Err(ApiError::context_exceeded(ids.len(), window, &at));
+            }
+            ids.truncate(window - 1);
+        }
+        prompts.push(ids);
+    }
+    let user = openai::client_identity(http);
+    let request = EmbeddingRequest {
+        inputs: prompts,
+        pooling,
+        user: Some(user.clone()),
+        cache_salt: openai::cache_salt_of(http, ""),
+        usage_owner: Some(user),
+    };
+    p.completions()
+        .embed(request)
+        .await
+        .map_err(|e| embed_error(e, field))
+}
+
+fn embed_error(e: EmbedError, field: &str) -> ApiError {
+    match e {
+        EmbedError::Refused {
+            index,
+            error:
+                SubmitError::ContextOverflow {
+                    prompt_tokens,
+                    window,
+                },
+        } => ApiError::context_exceeded(prompt_tokens, window, &format!("{field}[{index}]")),
+        EmbedError::Refused {
+            index,
+            error: error @ SubmitError::ExceedsKvCache { .. },
+        } => ApiError::invalid(format!("{field}[{index}]"), error.to_string()),
+        EmbedError::Refused { error, .. } => ApiError::from(error),
+        EmbedError::Empty | EmbedError::TooMany { .. } => ApiError::invalid(field, e.to_string()),
+        EmbedError::Failed { message, .. } => openai::generation_failed(&message),
+    }
+}
+
+/// How a vector is written in the answer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Encoding {
+    Float,
+    /// Little-endian f32 bytes, base64 (what the `openai` client asks for by default).
+    Base64,
+}
+
+fn encoded(vector: &[f32], encoding: Encoding) -> Value {
+    match encoding {
+        Encoding::Float => json!(vector),
+        Encoding::Base64 => {
+            let bytes: Vec<u8> = vector.iter().flat_map(|v| v.to_le_bytes()).collect();
+            json!(base64::engine::general_purpose::STANDARD.encode(bytes))
+        }
+    }
+}
+
+/// The pooling a request names (`pooling`, this server's extension); mean when absent.
+pub(crate) fn parse_pooling(value: &Value) -> Result<Pooling, ApiError> {
+    match value {
+        Value::Null => Ok(Pooling::Mean),
+        Value::String(s) if s == "mean" => Ok(Pooling::Mean),
+        Value::String(s) if s == "last" => Ok(Pooling::Last),
+        _ => Err(ApiError::invalid(
+            "pooling",
+            "`pooling` must be \"mean\" (the default) or \"last\"",
+        )),
+    }
+}
+
+/// Refuses `dimensions` other than the model's own (`field` names it).
+pub(crate) fn check_dimensions(value: &Value, hidden: usize, field: &str) -> Result<(), ApiError> {
+    match value {
+        Value::Null => Ok(()),
+        v if v.as_u64() == Some(hidden as u64) => Ok(()),
+        v if v.as_u64().is_some() => Err(ApiError::unsupported(
+            field,
+            format!(
+                "`{field}` cannot shorten this model's embeddings: they have {hidden} dimensions \
+                 and the model was not trained for shorter ones; leave `{field}` out"
+            ),
+        )),
+        _ => Err(ApiError::invalid(
+            field,
+            format!("`{field}` must be a positive integer"),
+        )),
+    }
+}
+
+async fn create(
+    http: HttpRequest,
+    state: web::Data<AppState>,
+    body: Result<JsonBody<Value>, WebError>,
+) -> Result<HttpResponse, ApiError> {
+    let JsonBody(body) = body?;
+    let p = &state.platform;
+    if !body.is_object() {
+        return Err(ApiError::bad_body("the body must be a JSON object"));
+    }
+    let model = match &body["model"] {
+        Value::Null => None,
+        Value::String(s) => Some(s.clone()),
+        _ => return Err(ApiError::invalid("model", "`model` must be a string")),
+    };
+    if let Some(name) = model.as_deref().filter(|m| !m.is_empty()) {
+        if !openai::is_served_model(p, name) {
+            return Err(ApiError::model_not_found(name, &p.model().id));
+        }
+    }
+    let encoding = match &body["encoding_format"] {
+        Value::Null => Encoding::Float,
+        Value::String(s) if s == "float" => Encoding::Float,
+        Value::String(s) if s == "base64" => Encoding::Base64,
+        _ => {
+            return Err(ApiError::invalid(
+                "encoding_format",
+                "`encoding_format` must be \"float\" or \"base64\"",
+            ))
+        }
+    };
+    let hidden = p.model().hidden_size;
+    check_dimensions(&body["dimensions"], hidden, "dimensions")?;
+    let pooling = parse_pooling(&body["pooling"])?;
+    if body.get("input").is_none() {
+        return Err(ApiError::invalid("input", "`input` is required"));
+    }
+    let inputs = parse_inputs(&body["input"], "input")?;
+    let result = embed(&state, &http, inputs, pooling, false, "input").await?;
+    let data: Vec<Value> = result
+        .vectors
+        .iter()
+        .enumerate()
+        .map(|(index, v)| {
+            json!({
+                "object": "embedding",
+                "index": index,
+                "embedding": encoded(v, encoding),
+            })
+        })
+        .collect();
+    Ok(HttpResponse::Ok().json(json!({
+        "object": "list",
+        "data": data,
+        "model": model.filter(|m| !m.is_empty()).unwrap_or_else(|| p.model().id.clone()),
+        "usage": {
+            "prompt_tokens": result.prompt_tokens,
+            "total_tokens": result.prompt_tokens,
+        },
+    })))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn inputs_come_in_four_shapes_and_anything_else_is_refused() {
+        let kinds = |v: Value| {
+            parse_inputs(&v, "input").map(|inputs| {
+                inputs
+                    .iter()
+                    .map(|i| match i {
+                        Input::Text(t) => format!("text:{t}"),
+                        Input::Tokens(ids) => format!("ids:{ids:?}"),
+                    })
+                    .collect::<Vec<_>>()
+            })
+        };
+        assert_eq!(kinds(json!("hi")), Ok(vec!["text:hi".to_string()]));
+        assert_eq!(
+            kinds(json!(["a", "b"])),
+            Ok(vec!["text:a".to_string(), "text:b".to_string()])
+        );
+        assert_eq!(kinds(json!([1, 2])), Ok(vec!["ids:[1, 2]".to_string()]));
+        assert_eq!(
+            kinds(json!([[1], [2, 3]])),
+            Ok(vec!["ids:[1]".to_string(), "ids:[2, 3]".to_string()])
+        );
+        for bad in [
+            json!([]),
+            json!(3),
+            json!({"a": 1}),
+            json!([1, "x"]),
+            json!([[-1]]),
+        ] {
+            let e = kinds(bad.clone()).expect_err("refused");
+            assert_eq!(e.status.as_u16(), 400, "{bad}");
+            assert!(e.param.as_deref().is_some_and(|p| p.starts_with("input")));
+        }
+        let many = Value::Array(vec![json!("x"); MAX_EMBEDDING_INPUTS + 1]);
+        assert!(kinds(many)
+            .expect_err("too many")
+            .message
+            .contains("split them"));
+    }
+
+    #[test]
+    fn dimensions_other_than_the_models_are_refused_and_base64_is_little_endian_f32() {
+        assert!(check_dimensions(&Value::Null, 576, "dimensions").is_ok());
+        assert!(check_dimensions(&json!(576), 576, "dimensions").is_ok());
+        let e = check_dimensions(&json!(256), 576, "dimensions").expect_err("refused");
+        assert_eq!(e.code, Some("unsupported_parameter"));
+        assert!(e.message.contains("576 dimensions"), "{}", e.message);
+        assert!(check_dimensions(&json!("x"), 576, "dimensions").is_err());
+        let b64 = encoded(&[1.0, -2.5], Encoding::Base64);
+        let bytes = base64::engine::general_purpose::STANDARD
+            .decode(b64.as_str().unwrap_or_default())
+            .unwrap_or_default();
+        assert_eq!(
+            bytes,
+            [1.0f32.to_le_bytes(), (-2.5f32).to_le_bytes()].concat()
+        );
+        assert_eq!(parse_pooling(&json!("last")), Ok(Pooling::Last));
+        assert!(parse_pooling(&json!("cls")).is_err());
+    }
+}
