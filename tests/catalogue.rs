@@ -955,6 +955,39 @@ fn catalogue() -> Vec<Case> {
         "responses: GET",
         case("", M::GET, "/v1/responses", 405).bearer(API_KEY),
     );
+    let unknown = "resp_0190a6f4000070008000000000000001";
+    add(
+        "responses: previous_response_id unknown",
+        responses(json!({"input": "hi", "previous_response_id": unknown})).tap(404),
+    );
+    add(
+        "responses: previous_response_id not a string",
+        responses(json!({"input": "hi", "previous_response_id": 7})),
+    );
+    add(
+        "responses: store not a boolean",
+        responses(json!({"input": "hi", "store": "yes"})),
+    );
+    add(
+        "responses: retrieve an id that is none",
+        case("", M::GET, "/v1/responses/abc", 400).bearer(API_KEY),
+    );
+    add(
+        "responses: retrieve an unknown response",
+        case("", M::GET, &format!("/v1/responses/{unknown}"), 404).bearer(API_KEY),
+    );
+    add(
+        "responses: delete an unknown response",
+        case("", M::DELETE, &format!("/v1/responses/{unknown}"), 404).bearer(API_KEY),
+    );
+    add(
+        "responses: retrieve without a key",
+        case("", M::GET, &format!("/v1/responses/{unknown}"), 401),
+    );
+    add(
+        "responses: PUT a response",
+        case("", M::PUT, &format!("/v1/responses/{unknown}"), 405).bearer(API_KEY),
+    );
 
     // ---- embeddings ----
     let embeddings = |body: Value, status: u16| {

@@ -508,11 +508,67 @@ def _():
                                  text={"format": {"type": "json_schema", "name": "c", "schema": schema, "strict": True}})
     assert set(json.loads(r3.output_text)) == {"capital"}, r3.output_text
     expect_error(openai.BadRequestError, 400,
-                 lambda: client.responses.create(model=MODEL, input="x", previous_response_id="resp_123"),
-                 param="previous_response_id")
-    expect_error(openai.BadRequestError, 400,
                  lambda: client.responses.create(model=MODEL, input=[{"type": "image_generation_call"}]),
                  param="input[0]")
+
+
+@check("responses: stored, retrieved, chained with previous_response_id, deleted")
+def _():
+    import json
+
+    first = client.responses.create(model=MODEL, instructions=SYSTEM, input=USER, temperature=0,
+                                    max_output_tokens=MAX_TOKENS)
+    assert first.store is True and first.id.startswith("resp_"), first
+    again = client.responses.retrieve(first.id)
+    assert again.id == first.id and again.output_text == first.output_text, (again, first)
+    assert again.output[-1].id == first.output[-1].id, "the same message id"
+    assert again.usage.output_tokens == first.usage.output_tokens
+    # A follow-up sees the earlier turn: its prompt holds the first question and answer.
+    follow = client.responses.create(model=MODEL, previous_response_id=first.id, input="And of Italy?",
+                                     temperature=0, max_output_tokens=MAX_TOKENS)
+    assert follow.previous_response_id == first.id
+    alone = client.responses.create(model=MODEL, input="And of Italy?", temperature=0,
+                                    max_output_tokens=MAX_TOKENS, store=False)
+    assert alone.store is False
+    expect_error(openai.NotFoundError, 404, lambda: client.responses.retrieve(alone.id))
+    grown = follow.usage.input_tokens - alone.usage.input_tokens
+    assert grown >= first.usage.output_tokens + 5, (follow.usage, alone.usage, first.usage)
+    # Streamed and stored: retrievable as soon as the stream has ended.
+    final = None
+    for event in client.responses.create(model=MODEL, previous_response_id=follow.id, input="Thanks!",
+                                         temperature=0, max_output_tokens=8, stream=True):
+        if event.type in ("response.completed", "response.incomplete"):
+            final = event.response
+    assert client.responses.retrieve(final.id).output_text == final.output_text
+    # A forced call, answered in a chained request by its call_id.
+    tool = {"type": "function", "name": "get_capital", "description": "Capital of a country",
+            "parameters": {"type": "object", "properties": {"country": {"type": "string", "maxLength": 30}},
+                           "required": ["country"], "additionalProperties": False}}
+    called = client.responses.create(model=MODEL, input=USER, tools=[tool], tool_choice="required",
+                                     temperature=0, max_output_tokens=80)
+    call = [o for o in called.output if o.type == "function_call"][0]
+    stored_call = [o for o in client.responses.retrieve(called.id).output if o.type == "function_call"][0]
+    assert (stored_call.call_id, stored_call.name, json.loads(stored_call.arguments)) == (
+        call.call_id, call.name, json.loads(call.arguments))
+    answered = client.responses.create(model=MODEL, previous_response_id=called.id, tools=[tool],
+                                       temperature=0, max_output_tokens=16,
+                                       input=[{"type": "function_call_output", "call_id": call.call_id, "output": "Paris"}])
+    assert answered.status in ("completed", "incomplete"), answered
+    # Deleted: gone for retrieval and for chaining.
+    deleted = client.responses.delete(first.id)
+    expect_error(openai.NotFoundError, 404, lambda: client.responses.retrieve(first.id))
+    expect_error(openai.NotFoundError, 404, lambda: client.responses.create(
+        model=MODEL, previous_response_id=first.id, input="x", max_output_tokens=2))
+    expect_error(openai.BadRequestError, 400, lambda: client.responses.create(
+        model=MODEL, previous_response_id="resp_123", input="x"), param="previous_response_id")
+    # Another caller (a personal key would be another owner; no key at all stores nothing).
+    anonymous = openai.OpenAI(base_url=BASE, api_key="none", max_retries=0, timeout=30)
+    try:
+        anonymous.responses.retrieve(follow.id)
+        raise AssertionError("an unauthenticated caller read a stored response")
+    except (openai.AuthenticationError, openai.NotFoundError):
+        pass
+    del deleted
 
 
 @check("response_format json_schema (strict): 50 samples at temperature 1 all validate")

@@ -1332,6 +1332,29 @@ async fn imports_are_all_or_nothing_and_keep_every_field(db) {
         .await
         .is_err());
     assert_eq!(store.count_conversations("me").await.unwrap(), 1);
+    assert!(stored.iter().all(|m| m.imported), "imported text is the importer's");
+
+    // A conversation stored whole under given ids (a stored response): the model's reply is
+    // not imported, the client's turns are; ids and flags must match the messages.
+    let id = uuid::Uuid::now_v7();
+    let reply_id = uuid::Uuid::now_v7();
+    let rows = [(uuid::Uuid::now_v7(), true), (reply_id, false)];
+    let c = store
+        .insert_conversation(id, "me", "Stored", &settings(), &good, &rows)
+        .await
+        .unwrap();
+    assert_eq!(c.id, id);
+    let stored = store.messages(id).await.unwrap();
+    assert_eq!(stored[1].id, reply_id);
+    assert_eq!(
+        (stored[0].imported, stored[1].imported),
+        (true, false)
+    );
+    assert!(store
+        .insert_conversation(uuid::Uuid::now_v7(), "me", "Short", &settings(), &good, &rows[..1])
+        .await
+        .is_err());
+    assert_eq!(store.count_conversations("me").await.unwrap(), 2);
 }
 }
 

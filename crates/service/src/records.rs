@@ -3,7 +3,7 @@
 //! depends on the store, and none of these gives access to it.
 
 pub use smolchat_store::{
-    ApiKeyRecord, Conversation, ConversationSettings, ConversationSummary, Cursor, ListPage,
-    Message, MessageStatus, PageRequest, ReplicaRecord, Role, User, UserOverview, UserRole,
-    MAX_PAGE,
+    ApiKeyRecord, Conversation, ConversationSettings, ConversationSummary, Cursor, ImportedMessage,
+    ListPage, Message, MessageStatus, PageRequest, ReplicaRecord, Role, User, UserOverview,
+    UserRole, MAX_PAGE,
 };

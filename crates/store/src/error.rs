@@ -39,6 +39,9 @@ pub enum StoreError {
     #[error("there is no assistant message {0}")]
     MessageNotFound(Uuid),
 
+    #[error("{messages} messages to store but {rows} ids and flags for them")]
+    RowsMismatch { messages: usize, rows: usize },
+
     #[error("invalid conversation settings: {0}")]
     InvalidSettings(String),
 

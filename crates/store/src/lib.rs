@@ -640,6 +640,29 @@ impl Store {
         settings: &ConversationSettings,
         messages: &[ImportedMessage],
     ) -> Result<Conversation, StoreError> {
+        let rows: Vec<(Uuid, bool)> = messages.iter().map(|_| (Uuid::now_v7(), true)).collect();
+        self.insert_conversation(Uuid::now_v7(), owner, title, settings, messages, &rows)
+            .await
+    }
+
+    /// Stores a whole conversation under `id` in one transaction, as
+    /// [`Store::import_conversation`] does, with each message's id and `imported` flag given in
+    /// `rows` (`false`: the model wrote it). The Responses API stores each response this way.
+    pub async fn insert_conversation(
+        &self,
+        id: Uuid,
+        owner: &str,
+        title: &str,
+        settings: &ConversationSettings,
+        messages: &[ImportedMessage],
+        rows: &[(Uuid, bool)],
+    ) -> Result<Conversation, StoreError> {
+        if rows.len() != messages.len() {
+            return Err(StoreError::RowsMismatch {
+                messages: messages.len(),
+                rows: rows.len(),
+            });
+        }
         settings.validate().map_err(StoreError::InvalidSettings)?;
         if messages
             .iter()
@@ -648,7 +671,6 @@ impl Store {
             return Err(StoreError::InvalidStatus(MessageStatus::Streaming.as_str()));
         }
         let settings_json = encode_json("settings", settings)?;
-        let id = Uuid::now_v7();
         let now = now_micros();
         let mut tx = WriteTx::begin(self).await?;
         let row: ConversationRow = sqlx::query_as(concat!(
@@ -673,9 +695,9 @@ impl Store {
                 "INSERT INTO messages (id, conversation_id, position, role, content, reasoning, \
                  raw, status, error, prompt_tokens, completion_tokens, cached_tokens, timings, \
                  created_at, imported) \
-                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, 1)",
+                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15)",
             )
-            .bind(Uuid::now_v7().to_string())
+            .bind(rows[i].0.to_string())
             .bind(id.to_string())
             .bind(i as i64 + 1)
             .bind(m.role.as_str())
@@ -689,12 +711,13 @@ impl Store {
             .bind(m.cached_tokens)
             .bind(timings)
             .bind(m.created_at.timestamp_micros())
+            .bind(i64::from(rows[i].1))
             .execute(&mut *tx)
             .await?;
         }
         tx.commit().await?;
         let conversation = row.into_conversation()?;
-        tracing::debug!(conversation = %conversation.id, owner, messages = messages.len(), "conversation imported");
+        tracing::debug!(conversation = %conversation.id, owner, messages = messages.len(), "conversation stored whole");
         Ok(conversation)
     }
 

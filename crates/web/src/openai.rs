@@ -582,6 +582,28 @@ pub(crate) fn client_identity(http: &HttpRequest) -> String {
     format!("api:{:016x}", process_hash(&("address", address)))
 }
 
+/// The owner a `/v1` caller's stored things (responses) belong to: the account of a personal
+/// API key, or the one owner `api:server-key` of whoever holds `server.api_key`. `None` for an
+/// anonymous caller, whose identity does not outlive the process (nothing is stored for it).
+pub(crate) fn api_owner(http: &HttpRequest) -> Option<smolchat_service::Caller> {
+    let ext = http.extensions();
+    let address = Some(super::client::Client::of(http).address);
+    if let Some(ApiAccount { id, admin }) = ext.get::<ApiAccount>() {
+        return Some(smolchat_service::Caller {
+            owner: id.clone(),
+            admin: *admin,
+            guest: false,
+            address,
+        });
+    }
+    ext.get::<GlobalKey>().map(|_| smolchat_service::Caller {
+        owner: "api:server-key".to_string(),
+        admin: true,
+        guest: false,
+        address,
+    })
+}
+
 /// Checks the prompt against the context window and submits it through the one completions
 /// service, as the API caller `user` (see [`client_identity`]) in the cache partition
 /// `cache_salt`. Every API route of this server generates through here.

@@ -10,11 +10,21 @@
 //! items; streamed, it is the Responses event sequence (`response.created`, `…output_item.added`,
 //! `…output_text.delta`, …, `response.completed`).
 //!
-//! Not yet: `previous_response_id` and retrieving or deleting a stored response (responses are
-//! not stored); such requests are refused with a message that says so.
+//! Stored responses: unless `"store": false`, a response of a caller with a lasting identity
+//! (a personal API key: its account; `server.api_key`: the owner `api:server-key`) is stored as
+//! a conversation of that owner (the earlier turns, this request's input, the reply), through
+//! the conversations service, before its last event is sent. Its id is `resp_` and the
+//! conversation's UUID. `previous_response_id` continues one (its turns go between the new
+//! `instructions` and `input`; the old instructions are not carried, as in OpenAI's API), into
+//! a new conversation; `GET`/`DELETE /v1/responses/{id}` read and delete one. A reply's tool
+//! calls are stored as the model wrote them and read back by the one splitter, with call ids
+//! derived from the message id, so they are the same every time. Anonymous callers store
+//! nothing (`"store": false` in the answer), and another owner's response is a 404 like a
+//! missing one.
 
 use std::collections::VecDeque;
 use std::convert::Infallible;
+use std::future::Future;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
@@ -29,6 +39,9 @@ use super::openai::{self, Assembler, CallOut, ChatAssembler};
 use super::{AppState, WebError};
 use crate::error::ApiError;
 use smolchat_service::completions::{Completion, GenEvent, GenSummary, StopReason};
+use smolchat_service::records::{ImportedMessage, Message, MessageStatus, Role};
+use smolchat_service::{Caller, ConversationError};
+use uuid::Uuid;
 
 /// Registers `/v1/responses` (before the `/v1` scope, which would take the path) behind the
 /// same key check and headers as `/v1`; its errors are OpenAI's.
@@ -39,7 +52,222 @@ pub fn routes(cfg: &mut web::ServiceConfig) {
             .wrap(super::api_headers())
             .route(web::post().to(create))
             .default_service(web::to(openai::method_not_allowed)),
+    )
+    .service(
+        web::resource("/v1/responses/{id}")
+            .wrap(actix_web::middleware::from_fn(openai::require_api_key))
+            .wrap(super::api_headers())
+            .route(web::get().to(retrieve))
+            .route(web::delete().to(delete))
+            .default_service(web::to(openai::method_not_allowed)),
     );
+}
+
+/// A response's id: `resp_` and its conversation's UUID as 32 hex digits.
+fn response_id(conversation: Uuid) -> String {
+    format!("resp_{}", conversation.simple())
+}
+
+fn parse_response_id(id: &str) -> Option<Uuid> {
+    id.strip_prefix("resp_")
+        .filter(|hex| hex.len() == 32)
+        .and_then(|hex| Uuid::parse_str(hex).ok())
+}
+
+/// The stored response `id` names, for the caller: 400 when it is no response id, 404 when
+/// the caller has no such response (or stores none).
+async fn stored(
+    state: &web::Data<AppState>,
+    http: &HttpRequest,
+    id: &str,
+    field: &str,
+) -> Result<(Caller, Uuid, Vec<Message>), ApiError> {
+    let uuid = parse_response_id(id).ok_or_else(|| {
+        ApiError::invalid(
+            field,
+            format!("`{id}` is not a response id (`resp_` and 32 hex digits)"),
+        )
+    })?;
+    let not_found = || ApiError::not_found(format!("there is no stored response `{id}`"));
+    let Some(owner) = openai::api_owner(http) else {
+        return Err(if field == "previous_response_id" {
+            ApiError::invalid(
+                field,
+                "responses are stored only for callers with an API key (a personal key or \
+                 server.api_key); send the earlier turns in `input`",
+            )
+        } else {
+            not_found()
+        });
+    };
+    match state.platform.conversations().response(&owner, uuid).await {
+        Ok((_, messages)) => Ok((owner, uuid, messages)),
+        Err(ConversationError::NotFound) => Err(not_found()),
+        Err(e) => Err(ApiError::from(WebError::from(e))),
+    }
+}
+
+/// The id of a stored message's `k`-th tool call: the same whenever the message is read.
+fn call_id(message: Uuid, k: usize) -> String {
+    format!("call_{}_{k}", message.simple())
+}
+
+/// A stored conversation as chat messages: assistant messages with the tool calls their raw
+/// text holds (ids from [`call_id`]), tool results answering those calls in order.
+fn history_messages(messages: &[Message]) -> Vec<Value> {
+    let mut out = Vec::with_capacity(messages.len());
+    let mut open_calls: VecDeque<String> = VecDeque::new();
+    for m in messages {
+        match m.role {
+            Role::System => out.push(json!({"role": "system", "content": m.content})),
+            Role::User => out.push(json!({"role": "user", "content": m.content})),
+            Role::Tool => {
+                let mut msg = json!({"role": "tool", "content": m.content});
+                if let Some(id) = open_calls.pop_front() {
+                    msg["tool_call_id"] = json!(id);
+                }
+                out.push(msg);
+            }
+            Role::Assistant => {
+                let calls = stored_calls(m);
+                open_calls = calls.iter().map(|c| c.id.clone()).collect();
+                let mut msg = json!({"role": "assistant", "content": m.content});
+                if !calls.is_empty() {
+                    msg["tool_calls"] = calls
+                        .iter()
+                        .map(|c| {
+                            json!({"id": c.id, "type": "function",
+                                "function": {"name": c.name, "arguments": c.arguments}})
+                        })
+                        .collect();
+                }
+                out.push(msg);
+            }
+        }
+    }
+    out
+}
+
+/// The tool calls a stored assistant message's raw text holds, parsed by the one splitter.
+fn stored_calls(m: &Message) -> Vec<CallOut> {
+    let Some(raw) = m.raw.as_deref() else {
+        return Vec::new();
+    };
+    let mut a = ChatAssembler::new(false, true);
+    a.push(raw);
+    a.finish(&StopReason::EndOfGeneration);
+    a.calls()
+        .iter()
+        .enumerate()
+        .map(|(k, c)| CallOut {
+            id: call_id(m.id, k),
+            ..c.clone()
+        })
+        .collect()
+}
+
+/// A chat message of a request's input as a stored message (the client wrote it). An
+/// assistant message's calls go into its raw text as the model's markup, so the one splitter
+/// reads them back.
+fn input_message(m: &Value) -> ImportedMessage {
+    let role = match m["role"].as_str() {
+        Some("system") => Role::System,
+        Some("assistant") => Role::Assistant,
+        Some("tool") => Role::Tool,
+        _ => Role::User,
+    };
+    let content = m["content"].as_str().unwrap_or_default().to_string();
+    let raw = m["tool_calls"].as_array().map(|calls| {
+        let mut raw = content.clone();
+        for c in calls {
+            let arguments = c["function"]["arguments"]
+                .as_str()
+                .and_then(|a| serde_json::from_str::<Value>(a).ok())
+                .unwrap_or_else(|| json!({}));
+            raw.push_str(&format!(
+                "{}{}{}",
+                smolchat_text::splitter::TOOL_CALL_OPEN,
+                json!({"name": c["function"]["name"], "arguments": arguments}),
+                smolchat_text::splitter::TOOL_CALL_CLOSE
+            ));
+        }
+        raw
+    });
+    stored_message(role, content, None, raw)
+}
+
+fn stored_message(
+    role: Role,
+    content: String,
+    reasoning: Option<String>,
+    raw: Option<String>,
+) -> ImportedMessage {
+    ImportedMessage {
+        role,
+        content,
+        reasoning,
+        raw,
+        status: MessageStatus::Complete,
+        error: None,
+        prompt_tokens: None,
+        completion_tokens: None,
+        cached_tokens: None,
+        timings: None,
+        created_at: chrono::Utc::now(),
+    }
+}
+
+/// What storing a response needs besides its reply: whose, under which ids, and the turns
+/// before the reply (earlier responses' and this request's input).
+struct Keep {
+    state: web::Data<AppState>,
+    owner: Caller,
+    conversation: Uuid,
+    message: Uuid,
+    turns: Vec<(ImportedMessage, bool)>,
+}
+
+impl Keep {
+    /// Stores the response with its reply; a failure is logged (the answer has been given).
+    async fn save(self, reply: ImportedMessage) {
+        let mut messages = Vec::with_capacity(self.turns.len() + 1);
+        let mut rows = Vec::with_capacity(self.turns.len() + 1);
+        for (m, imported) in self.turns {
+            messages.push(m);
+            rows.push((Uuid::now_v7(), imported));
+        }
+        messages.push(reply);
+        rows.push((self.message, false));
+        if let Err(e) = self
+            .state
+            .platform
+            .conversations()
+            .save_response(&self.owner, self.conversation, &messages, &rows)
+            .await
+        {
+            tracing::warn!(response = %response_id(self.conversation), "the response could not be stored: {e}");
+        }
+    }
+}
+
+/// The reply as a stored message.
+fn reply_message(a: &ChatAssembler, raw: &str, summary: &GenSummary) -> ImportedMessage {
+    let count = |n: usize| Some(i64::try_from(n).unwrap_or(i64::MAX));
+    ImportedMessage {
+        status: match summary.reason {
+            StopReason::Length | StopReason::TimeLimit => MessageStatus::Stopped,
+            _ => MessageStatus::Complete,
+        },
+        prompt_tokens: count(summary.prompt_tokens),
+        completion_tokens: count(summary.completion_tokens),
+        cached_tokens: count(summary.cached_tokens),
+        ..stored_message(
+            Role::Assistant,
+            a.content().to_string(),
+            Some(a.reasoning().to_string()).filter(|r| !r.is_empty()),
+            Some(raw.to_string()),
+        )
+    }
 }
 
 fn text_of(content: &Value, field: &str) -> Result<String, ApiError> {
@@ -181,17 +409,25 @@ fn translate(body: &Value) -> Result<Value, ApiError> {
             "max_output_tokens" => {
                 out.insert("max_tokens".into(), value.clone());
             }
-            "instructions" | "input" | "tools" | "tool_choice" | "text" | "reasoning" => {}
-            "previous_response_id" | "conversation" if !value.is_null() => {
+            // Read by `create`.
+            "instructions"
+            | "input"
+            | "tools"
+            | "tool_choice"
+            | "text"
+            | "reasoning"
+            | "previous_response_id" => {}
+            "store" if !value.is_null() && !value.is_boolean() => {
+                return Err(ApiError::invalid("store", "`store` must be true or false"))
+            }
+            "conversation" if !value.is_null() => {
                 return Err(ApiError::invalid(
                     key,
-                    format!(
-                        "`{key}` is not supported yet (this server does not store responses); \
-                         send the earlier turns in `input`"
-                    ),
+                    "`conversation` objects are not supported; chain responses with \
+                     `previous_response_id`",
                 ))
             }
-            // Accepted without effect: responses are not stored, one tier, no truncation.
+            // Accepted without effect: one tier, no truncation, no background runs.
             "store"
             | "metadata"
             | "parallel_tool_calls"
@@ -199,7 +435,6 @@ fn translate(body: &Value) -> Result<Value, ApiError> {
             | "service_tier"
             | "include"
             | "background"
-            | "previous_response_id"
             | "conversation"
             | "prompt_cache_key"
             | "safety_identifier" => {}
@@ -291,8 +526,38 @@ async fn create(
     body: Result<JsonBody<Value>, WebError>,
 ) -> Result<HttpResponse, ApiError> {
     let JsonBody(body) = body?;
-    let translated = translate(&body)?;
+    let mut translated = translate(&body)?;
+    // Earlier turns of a stored response go after the instructions (which are not carried
+    // over, as in OpenAI's API) and before this request's input.
+    let history = match body.get("previous_response_id") {
+        None | Some(Value::Null) => None,
+        Some(Value::String(id)) => Some(stored(&state, &http, id, "previous_response_id").await?),
+        Some(_) => {
+            return Err(ApiError::invalid(
+                "previous_response_id",
+                "`previous_response_id` must be a string",
+            ))
+        }
+    };
+    let past = history
+        .as_ref()
+        .map(|(_, _, m)| history_messages(m))
+        .unwrap_or_default();
+    let instructions = usize::from(body.get("instructions").is_some_and(|v| !v.is_null()));
+    if let Some(messages) = translated["messages"].as_array_mut() {
+        messages.splice(instructions..instructions, past);
+    }
     let req = openai::checked_chat(&state, &http, &translated, Some("text.format"))?;
+    // Stored unless `"store": false`, for callers with a lasting identity (an API key).
+    let owner = openai::api_owner(&http).filter(|_| body["store"].as_bool() != Some(false));
+    if let Some(owner) = &owner {
+        state
+            .platform
+            .conversations()
+            .check_response_room(owner)
+            .await
+            .map_err(|e| ApiError::from(WebError::from(e)))?;
+    }
     let model = openai::model_name(&state.platform, &req.common);
     let parse_tool_calls = req.parse_tool_calls();
     let prompt = openai::build_chat_prompt(&state, &req).await?;
@@ -303,12 +568,37 @@ async fn create(
     let user = openai::client_identity(&http);
     let mut completion =
         openai::submit(&state, req.common, salt, user, prompt.tokens, "input").await?;
+    let conversation = state.platform.conversations().new_response_id();
+    let message = Uuid::now_v7();
+    let keep = owner.map(|owner| {
+        let mut turns: Vec<(ImportedMessage, bool)> = Vec::new();
+        if let Some((_, _, earlier)) = &history {
+            turns.extend(earlier.iter().map(|m| (copied(m), m.imported)));
+        }
+        let input = translate_input(body.get("input")).unwrap_or_default();
+        turns.extend(input.iter().map(|m| (input_message(m), true)));
+        Keep {
+            state: state.clone(),
+            owner,
+            conversation,
+            message,
+            turns,
+        }
+    });
+    let mut echo = echo_fields(&body, max_output_tokens);
+    echo.insert("store".into(), json!(keep.is_some()));
+    echo.insert(
+        "previous_response_id".into(),
+        history
+            .as_ref()
+            .map_or(Value::Null, |(_, id, _)| json!(response_id(*id))),
+    );
     let base = Base {
-        id: format!("resp_{}", uuid::Uuid::now_v7().simple()),
-        message_id: format!("msg_{}", uuid::Uuid::now_v7().simple()),
+        id: response_id(conversation),
+        message,
         created_at: openai::unix_now(),
         model,
-        echo: echo_fields(&body, max_output_tokens),
+        echo,
     };
     if stream {
         let mut s = EventStream {
@@ -319,6 +609,10 @@ async fn create(
             sequence: 0,
             text: None,
             done: false,
+            raw: String::new(),
+            keep,
+            saving: None,
+            last: None,
         };
         let created = s.base.response("in_progress", Vec::new(), None);
         s.event("response.created", json!({"response": created}));
@@ -330,11 +624,13 @@ async fn create(
             .streaming(s));
     }
     let mut assembler = assembler;
+    let mut raw = String::new();
     while let Some(event) = futures_util::StreamExt::next(&mut completion).await {
         match event {
             GenEvent::Admitted { .. } | GenEvent::Embedding(_) => {}
             GenEvent::Token { text, .. } => {
                 if !text.is_empty() {
+                    raw.push_str(&text);
                     assembler.push(&text);
                 }
             }
@@ -344,6 +640,10 @@ async fn create(
                 }
                 assembler.finish(&summary.reason);
                 openai::log_finished(completion.id(), &summary);
+                // Stored before it is answered, so the client can chain on it at once.
+                if let Some(keep) = keep {
+                    keep.save(reply_message(&assembler, &raw, &summary)).await;
+                }
                 let output = base.output(&assembler);
                 return Ok(HttpResponse::Ok().json(base.response(
                     status(&summary),
@@ -354,6 +654,96 @@ async fn create(
         }
     }
     Err(ApiError::unavailable(openai::WORKER_GONE))
+}
+
+/// A stored message copied into a new conversation (its reply's status and counts kept).
+fn copied(m: &Message) -> ImportedMessage {
+    ImportedMessage {
+        role: m.role,
+        content: m.content.clone(),
+        reasoning: m.reasoning.clone(),
+        raw: m.raw.clone(),
+        status: m.status,
+        error: m.error.clone(),
+        prompt_tokens: m.prompt_tokens,
+        completion_tokens: m.completion_tokens,
+        cached_tokens: m.cached_tokens,
+        timings: m.timings.clone(),
+        created_at: m.created_at,
+    }
+}
+
+/// `GET /v1/responses/{id}`: a stored response of the caller, as it was answered.
+async fn retrieve(
+    http: HttpRequest,
+    state: web::Data<AppState>,
+    path: web::Path<String>,
+) -> Result<HttpResponse, ApiError> {
+    let id = path.into_inner();
+    let (_, conversation, messages) = stored(&state, &http, &id, "id").await?;
+    let Some(reply) = messages.last() else {
+        return Err(ApiError::not_found(format!(
+            "there is no stored response `{id}`"
+        )));
+    };
+    let base = Base {
+        id: response_id(conversation),
+        message: reply.id,
+        created_at: u64::try_from(reply.created_at.timestamp()).unwrap_or(0),
+        model: state.platform.model().id.clone(),
+        echo: {
+            let mut echo = echo_fields(&json!({}), None);
+            echo.insert("store".into(), json!(true));
+            echo
+        },
+    };
+    let mut output = Vec::new();
+    if let Some(r) = reply.reasoning.as_deref().filter(|r| !r.is_empty()) {
+        output.push(base.reasoning_item(r));
+    }
+    let calls = stored_calls(reply);
+    if !reply.content.is_empty() || calls.is_empty() {
+        output.push(base.message_item(&reply.content, "completed"));
+    }
+    output.extend(calls.iter().map(call_item));
+    let incomplete = reply.status == MessageStatus::Stopped;
+    let mut r = base.response(
+        if incomplete {
+            "incomplete"
+        } else {
+            "completed"
+        },
+        output,
+        None,
+    );
+    let n = |v: Option<i64>| v.unwrap_or(0);
+    r["usage"] = json!({
+        "input_tokens": n(reply.prompt_tokens),
+        "input_tokens_details": {"cached_tokens": n(reply.cached_tokens)},
+        "output_tokens": n(reply.completion_tokens),
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": n(reply.prompt_tokens) + n(reply.completion_tokens),
+    });
+    Ok(HttpResponse::Ok().json(r))
+}
+
+/// `DELETE /v1/responses/{id}`: deletes a stored response (its conversation).
+async fn delete(
+    http: HttpRequest,
+    state: web::Data<AppState>,
+    path: web::Path<String>,
+) -> Result<HttpResponse, ApiError> {
+    let id = path.into_inner();
+    let (owner, conversation, _) = stored(&state, &http, &id, "id").await?;
+    state
+        .platform
+        .conversations()
+        .delete(&owner, conversation)
+        .await
+        .map_err(|e| ApiError::from(WebError::from(e)))?;
+    Ok(HttpResponse::Ok().json(json!({
+        "id": response_id(conversation), "object": "response.deleted", "deleted": true,
+    })))
 }
 
 /// What a response repeats of its request.
@@ -395,7 +785,8 @@ fn status(s: &GenSummary) -> &'static str {
 /// The fields every form of this response shares.
 struct Base {
     id: String,
-    message_id: String,
+    /// The reply's message id (stored under it).
+    message: Uuid,
     created_at: u64,
     model: String,
     echo: Map<String, Value>,
@@ -427,14 +818,32 @@ impl Base {
         r
     }
 
+    fn message_id(&self) -> String {
+        format!("msg_{}", self.message.simple())
+    }
+
     fn reasoning_item(&self, text: &str) -> Value {
-        json!({"type": "reasoning", "id": format!("rs_{}", &self.message_id[4..]),
+        json!({"type": "reasoning", "id": format!("rs_{}", self.message.simple()),
             "summary": [{"type": "summary_text", "text": text}]})
     }
 
     fn message_item(&self, text: &str, status: &str) -> Value {
-        json!({"type": "message", "id": self.message_id, "status": status, "role": "assistant",
+        json!({"type": "message", "id": self.message_id(), "status": status, "role": "assistant",
             "content": [{"type": "output_text", "text": text, "annotations": []}]})
+    }
+
+    /// The reply's calls, with ids that stay the same when it is read back ([`call_id`]).
+    fn calls(&self, a: &ChatAssembler) -> Vec<Value> {
+        a.calls()
+            .iter()
+            .enumerate()
+            .map(|(k, c)| {
+                call_item(&CallOut {
+                    id: call_id(self.message, k),
+                    ..c.clone()
+                })
+            })
+            .collect()
     }
 
     fn output(&self, a: &ChatAssembler) -> Vec<Value> {
@@ -445,7 +854,7 @@ impl Base {
         if !a.content().is_empty() || a.calls().is_empty() {
             output.push(self.message_item(a.content(), "completed"));
         }
-        output.extend(a.calls().iter().map(call_item));
+        output.extend(self.calls(a));
         output
     }
 }
@@ -466,6 +875,15 @@ struct EventStream {
     /// The output index of the open message item and its text so far.
     text: Option<(usize, String)>,
     done: bool,
+    /// Everything generated, as the model wrote it (stored with the reply).
+    raw: String,
+    /// Where the response is stored, when it is.
+    keep: Option<Keep>,
+    /// The store's write, run before the last event goes out (so the client can chain on the
+    /// response as soon as it has it).
+    saving: Option<Pin<Box<dyn Future<Output = ()>>>>,
+    /// The last event, held until the write is done.
+    last: Option<Bytes>,
 }
 
 impl EventStream {
@@ -494,7 +912,7 @@ impl EventStream {
         );
         self.event(
             "response.content_part.added",
-            json!({"item_id": self.base.message_id, "output_index": index, "content_index": 0,
+            json!({"item_id": self.base.message_id(), "output_index": index, "content_index": 0,
                 "part": {"type": "output_text", "text": "", "annotations": []}}),
         );
         self.text = Some((index, String::new()));
@@ -508,7 +926,7 @@ impl EventStream {
         }
         self.event(
             "response.output_text.delta",
-            json!({"item_id": self.base.message_id, "output_index": index, "content_index": 0,
+            json!({"item_id": self.base.message_id(), "output_index": index, "content_index": 0,
                 "delta": t}),
         );
     }
@@ -531,7 +949,7 @@ impl EventStream {
             self.open_message();
         }
         if let Some((index, text)) = self.text.clone() {
-            let id = self.base.message_id.clone();
+            let id = self.base.message_id();
             self.event(
                 "response.output_text.done",
                 json!({"item_id": id, "output_index": index, "content_index": 0, "text": text}),
@@ -550,7 +968,7 @@ impl EventStream {
         let first_call = self
             .items_so_far()
             .max(usize::from(!self.assembler.reasoning().is_empty()));
-        let calls: Vec<Value> = self.assembler.calls().iter().map(call_item).collect();
+        let calls: Vec<Value> = self.base.calls(&self.assembler);
         for (i, item) in calls.into_iter().enumerate() {
             let index = first_call + i;
             self.event(
@@ -575,6 +993,11 @@ impl EventStream {
             "response.incomplete"
         };
         self.event(kind, json!({"response": response}));
+        if let Some(keep) = self.keep.take() {
+            let reply = reply_message(&self.assembler, &self.raw, summary);
+            self.last = self.out.pop_back();
+            self.saving = Some(Box::pin(keep.save(reply)));
+        }
     }
 
     fn on_event(&mut self, event: GenEvent) {
@@ -584,6 +1007,7 @@ impl EventStream {
                 if text.is_empty() {
                     return;
                 }
+                self.raw.push_str(&text);
                 let choices = self.assembler.push(&text);
                 for c in choices {
                     if let Some(t) = c["delta"]["content"].as_str().filter(|t| !t.is_empty()) {
@@ -646,7 +1070,21 @@ impl Stream for EventStream {
     type Item = Result<Bytes, Infallible>;
 
     fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
-        openai::poll_events(self.get_mut(), cx)
+        let this = self.get_mut();
+        if let Some(saving) = this.saving.as_mut() {
+            // The events before the last go out while the response is being stored.
+            if let Some(bytes) = this.out.pop_front() {
+                return Poll::Ready(Some(Ok(bytes)));
+            }
+            match saving.as_mut().poll(cx) {
+                Poll::Pending => return Poll::Pending,
+                Poll::Ready(()) => {
+                    this.saving = None;
+                    this.out.extend(this.last.take());
+                }
+            }
+        }
+        openai::poll_events(this, cx)
     }
 }
 
@@ -686,8 +1124,16 @@ mod tests {
     fn what_is_not_supported_is_named() {
         let refused = |body: Value| translate(&body).err().and_then(|e| e.param);
         assert_eq!(
-            refused(json!({"input": "x", "previous_response_id": "resp_1"})),
-            Some("previous_response_id".into())
+            refused(json!({"input": "x", "conversation": "conv_1"})),
+            Some("conversation".into())
+        );
+        assert_eq!(
+            refused(json!({"input": "x", "store": "yes"})),
+            Some("store".into())
+        );
+        assert_eq!(
+            refused(json!({"input": "x", "previous_response_id": "r"})),
+            None
         );
         assert_eq!(
             refused(json!({"input": [{"type": "input_image_call"}]})),
@@ -702,5 +1148,72 @@ mod tests {
             refused(json!({"input": "x", "tools": [{"type": "web_search"}]})),
             Some("tools[0].type".into())
         );
+    }
+
+    /// A stored reply's calls come back with the ids it was answered with, and the tool results
+    /// after it answer them in order; the input's own calls are stored as the model's markup.
+    #[test]
+    fn stored_turns_read_back_as_chat_messages_with_stable_call_ids() {
+        let input = translate_input(Some(&json!([
+            {"role": "user", "content": "Weather in Paris and Rome?"},
+            {"type": "function_call", "call_id": "c1", "name": "weather", "arguments": "{\"city\":\"Paris\"}"},
+            {"type": "function_call", "call_id": "c2", "name": "weather", "arguments": "{\"city\":\"Rome\"}"},
+            {"type": "function_call_output", "call_id": "c1", "output": "18 C"},
+            {"type": "function_call_output", "call_id": "c2", "output": "25 C"},
+        ])))
+        .expect("input");
+        let stored: Vec<Message> = input
+            .iter()
+            .enumerate()
+            .map(|(i, m)| {
+                let s = input_message(m);
+                Message {
+                    id: Uuid::from_u128(i as u128 + 1),
+                    conversation_id: Uuid::nil(),
+                    position: i as i64 + 1,
+                    role: s.role,
+                    content: s.content,
+                    reasoning: s.reasoning,
+                    raw: s.raw,
+                    status: s.status,
+                    error: None,
+                    prompt_tokens: None,
+                    completion_tokens: None,
+                    cached_tokens: None,
+                    timings: None,
+                    created_at: s.created_at,
+                    imported: true,
+                }
+            })
+            .collect();
+        let back = history_messages(&stored);
+        assert_eq!(back.len(), 4, "{back:?}");
+        assert_eq!(
+            back[0],
+            json!({"role": "user", "content": "Weather in Paris and Rome?"})
+        );
+        let calls = back[1]["tool_calls"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default();
+        assert_eq!(calls.len(), 2);
+        let first = call_id(Uuid::from_u128(2), 0);
+        assert_eq!(calls[0]["id"], json!(first));
+        assert_eq!(calls[0]["function"]["name"], json!("weather"));
+        let args: Value =
+            serde_json::from_str(calls[1]["function"]["arguments"].as_str().unwrap_or(""))
+                .unwrap_or_default();
+        assert_eq!(args, json!({"city": "Rome"}));
+        assert_eq!(back[2]["tool_call_id"], json!(first));
+        assert_eq!(
+            back[3]["tool_call_id"],
+            json!(call_id(Uuid::from_u128(2), 1))
+        );
+        assert_eq!(back[3]["content"], json!("25 C"));
+        assert_eq!(
+            parse_response_id(&response_id(Uuid::from_u128(7))),
+            Some(Uuid::from_u128(7))
+        );
+        assert_eq!(parse_response_id("resp_xyz"), None);
     }
 }
