@@ -214,6 +214,80 @@ fn incremental_equals_full_and_truncate_recomputes() {
     }
 }
 
+/// A fork holds the first whole blocks of its parent without computing them: it goes on as a
+/// sequence computed from scratch would, its parent's later writes (a truncation into the
+/// shared blocks included) never reach it, and the shared blocks count once and are freed by
+/// their last holder.
+#[test]
+fn forks_share_whole_blocks_and_never_see_each_others_writes() {
+    for kv in KvType::ALL {
+        let tol = reorder_tolerance(kv);
+        let mut engine = engine_with(
+            tiny("smollm3", TypeMix::Uniform(GgmlDType::Q8_0)),
+            kv,
+            64 << 20,
+        );
+        let prompt = tokens(40, 3);
+        let tail = tokens(6, 5);
+        let mut whole = prompt.clone();
+        whole.extend(&tail);
+        let expected = last_logits(&mut engine, &whole);
+
+        let parent = engine.create_sequence();
+        engine
+            .step(&[SeqStep {
+                seq: parent,
+                tokens: &prompt,
+                logits: LogitsMode::None,
+            }])
+            .expect("prefill");
+        let used = engine.kv_free_blocks();
+        let (child, held) = engine.fork(parent, 40).expect("fork");
+        assert_eq!(held, 32, "whole blocks only");
+        assert_eq!(engine.cached_tokens(child).expect("tokens"), &prompt[..32]);
+        assert_eq!(engine.kv_free_blocks(), used, "a fork takes no block");
+
+        // The parent moves on first, even truncating into a shared block: it lets that block
+        // go rather than write into it.
+        assert_eq!(engine.truncate(parent, 20).expect("truncate"), 16);
+        engine
+            .step(&[SeqStep {
+                seq: parent,
+                tokens: &tokens(30, 11),
+                logits: LogitsMode::None,
+            }])
+            .expect("parent writes");
+
+        let rest: Vec<u32> = whole[32..].to_vec();
+        let got = engine
+            .step(&[SeqStep {
+                seq: child,
+                tokens: &rest,
+                logits: LogitsMode::Last,
+            }])
+            .expect("child")
+            .remove(0)
+            .expect("logits");
+        let d = max_abs_diff(&got, &expected);
+        assert!(
+            d <= tol,
+            "kv {kv}: the fork's logits are {d} from a full computation"
+        );
+
+        engine.free_sequence(parent);
+        let again = engine
+            .step(&[SeqStep {
+                seq: child,
+                tokens: &[7],
+                logits: LogitsMode::Last,
+            }])
+            .expect("child alone");
+        assert!(again[0].is_some());
+        engine.free_sequence(child);
+        assert_eq!(engine.total_kv_bytes(), 0, "every block is back");
+    }
+}
+
 /// 40 tokens, so the sequence spans three KV blocks and the truncation point (10) falls inside
 /// the first block and the re-prefill crosses block boundaries again.
 fn incremental_case(arch: &str, mix: TypeMix, kv: KvType) {

@@ -237,18 +237,48 @@ impl Engine {
         self.seqs.get(&seq).ok_or(EngineError::UnknownSequence(seq))
     }
 
-    /// Keeps the first `len` cached positions of `seq`; whole blocks past them go back to the
-    /// free list (a partly used last block is kept).
-    pub fn truncate(&mut self, seq: SeqId, len: usize) -> Result<()> {
+    /// Keeps the first `len` cached positions of `seq` (or fewer, see below); whole blocks past
+    /// them go back to the free list (a partly used last block is kept). Returns how many are
+    /// kept: when the block `len` falls inside is shared with another sequence
+    /// ([`Engine::fork`]), the next token would be written into it, so it is let go and only
+    /// the positions before it are kept.
+    pub fn truncate(&mut self, seq: SeqId, len: usize) -> Result<usize> {
         let s = self
             .seqs
             .get_mut(&seq)
             .ok_or(EngineError::UnknownSequence(seq))?;
+        let mut len = len.min(s.tokens.len());
+        if len % BLOCK_POSITIONS != 0
+            && s.table
+                .blocks()
+                .get(len / BLOCK_POSITIONS)
+                .is_some_and(|&b| self.alloc.is_shared(b))
+        {
+            len -= len % BLOCK_POSITIONS;
+        }
         if len < s.tokens.len() {
             s.tokens.truncate(len);
             self.alloc.truncate(&mut s.table, len);
         }
-        Ok(())
+        Ok(len)
+    }
+
+    /// A new sequence holding the first `len` cached positions of `seq` without computing or
+    /// copying them: the blocks are shared (`n` choices of one prompt fork its prefill). `len`
+    /// is rounded down to whole blocks, since both sequences go on writing after it; returns
+    /// the new sequence and how many positions it holds.
+    pub fn fork(&mut self, seq: SeqId, len: usize) -> Result<(SeqId, usize)> {
+        let s = self
+            .seqs
+            .get(&seq)
+            .ok_or(EngineError::UnknownSequence(seq))?;
+        let len = len.min(s.tokens.len()) / BLOCK_POSITIONS * BLOCK_POSITIONS;
+        let tokens = s.tokens[..len].to_vec();
+        let table = self.alloc.share(&s.table, len / BLOCK_POSITIONS);
+        let id = self.next_id;
+        self.next_id += 1;
+        self.seqs.insert(id, Sequence { table, tokens });
+        Ok((id, len))
     }
 
     /// The tokens whose K/V `seq` holds.
@@ -262,8 +292,7 @@ impl Engine {
     pub fn reuse_prefix(&mut self, seq: SeqId, prompt: &[u32]) -> Result<usize> {
         let shared = self.common_prefix(seq, prompt)?;
         let kept = shared.min(prompt.len().saturating_sub(1));
-        self.truncate(seq, kept)?;
-        Ok(kept)
+        self.truncate(seq, kept)
     }
 
     /// Length of the longest common prefix of `seq`'s cached tokens and `tokens`.

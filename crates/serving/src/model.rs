@@ -19,6 +19,7 @@ use super::types::{
 };
 use smolchat_engine::device::DeviceMemory;
 use smolchat_engine::fast::graph::GraphStats;
+use smolchat_engine::kv::BLOCK_POSITIONS;
 use smolchat_engine::{
     DeviceSampling, Engine, Logits, LogitsMode, SampleRow, SeqId, SeqStep, NO_TOKEN,
 };
@@ -174,6 +175,14 @@ impl Active {
             pool,
         }
     }
+}
+
+/// What [`ModelWorker::prefix_donor`] found.
+enum Donor {
+    /// Fork `positions` positions of `seq`.
+    Ready { seq: SeqId, positions: usize },
+    /// Wait: the shared prefix is being computed.
+    Computing,
 }
 
 /// At most this many stateless caches are kept.
@@ -394,6 +403,23 @@ impl ModelWorker {
             self.admit_embedding(id);
             return;
         }
+        if a.request.cache_key.is_none() && a.resume.is_none() {
+            match self.prefix_donor(id) {
+                Some(Donor::Ready { seq, positions }) => {
+                    // The prefix another request of the same client computed, shared.
+                    match self.engine.fork(seq, positions) {
+                        Ok((forked, _)) => {
+                            self.start(id, forked, false);
+                            return;
+                        }
+                        Err(e) => tracing::warn!(seq, "forking a sequence failed: {e}"),
+                    }
+                }
+                // Admitted once the other request has computed what they share.
+                Some(Donor::Computing) => return,
+                None => {}
+            }
+        }
         let key = a.request.cache_key.map(CacheKey::Conversation);
         let reusable = key
             .as_ref()
@@ -427,6 +453,15 @@ impl ModelWorker {
             a.last_token = None;
             return;
         }
+        self.start(id, seq, keyed);
+    }
+
+    /// Starts an admitted request on `seq`: keeps what of its prompt the sequence holds, sets up
+    /// its generation and tells its listener.
+    fn start(&mut self, id: RequestId, seq: SeqId, keyed: bool) {
+        let Some(a) = self.active.get_mut(&id) else {
+            return;
+        };
         let prompt = &a.request.prompt;
         let reuse = self.engine.reuse_prefix(seq, prompt).unwrap_or_else(|e| {
             tracing::warn!(seq, "preparing the sequence's cache failed: {e}");
@@ -446,6 +481,65 @@ impl ModelWorker {
             prompt_tokens: prompt.len(),
             cached_tokens: reuse,
         });
+    }
+
+    /// Another running request of the same cache partition whose prompt shares at least one
+    /// whole KV block with this request's and more than any idle cache does (the `n` choices of
+    /// one prompt, a client resending a conversation while its last turn runs): its blocks are
+    /// forked rather than computed again once it has computed them.
+    fn prefix_donor(&self, id: RequestId) -> Option<Donor> {
+        let a = self.active.get(&id)?;
+        if a.pool.is_some() {
+            return None;
+        }
+        let prompt = &a.request.prompt;
+        // The last prompt token is always computed (its logits are needed).
+        let usable = prompt.len().saturating_sub(1);
+        let whole = |n: usize| n.min(usable) / BLOCK_POSITIONS * BLOCK_POSITIONS;
+        let idle = self
+            .caches
+            .iter()
+            .filter(|(k, _)| {
+                matches!(k, CacheKey::Anonymous { partition, .. }
+                    if Some(partition.as_str()) == a.request.cache_salt.as_deref())
+            })
+            .map(|(_, slot)| self.engine.common_prefix(slot.seq, prompt).unwrap_or(0))
+            .max()
+            .unwrap_or(0);
+        let (seq, will, now) = self
+            .active
+            .iter()
+            .filter(|(other, b)| {
+                **other != id
+                    && b.pool.is_none()
+                    && b.request.cache_salt.is_some()
+                    && b.request.cache_salt == a.request.cache_salt
+            })
+            .filter_map(|(_, b)| {
+                let seq = b.seq?;
+                let will = whole(
+                    b.request
+                        .prompt
+                        .iter()
+                        .zip(prompt)
+                        .take_while(|(x, y)| x == y)
+                        .count(),
+                );
+                let now = whole(self.engine.common_prefix(seq, prompt).unwrap_or(0));
+                Some((seq, will, now))
+            })
+            .max_by_key(|&(_, will, now)| (will, now))?;
+        if will == 0 || will <= idle {
+            return None;
+        }
+        Some(if now >= will {
+            Donor::Ready {
+                seq,
+                positions: now,
+            }
+        } else {
+            Donor::Computing
+        })
     }
 
     /// Admits an embedding request: a fresh sequence, since pooling needs the hidden state of
@@ -548,7 +642,7 @@ impl ModelWorker {
 
     /// KV positions the budget holds in all (the allocator's blocks).
     fn kv_capacity_tokens(&self) -> usize {
-        self.kv_capacity_blocks() * smolchat_engine::kv::BLOCK_POSITIONS
+        self.kv_capacity_blocks() * BLOCK_POSITIONS
     }
 
     fn kv_capacity_blocks(&self) -> usize {
@@ -930,9 +1024,14 @@ impl ModelWorker {
             }
             self.logits = logits;
         }
-        // Requests that never got sampling state (bad parameters) fail too.
+        // Requests admitted without sampling state (bad parameters) fail too; those waiting to
+        // share a prefix ([`ModelWorker::prefix_donor`]) have not been admitted.
         for &(id, _) in &plan.prefill {
-            if self.active.get(&id).is_some_and(|a| a.generation.is_none()) {
+            if self
+                .active
+                .get(&id)
+                .is_some_and(|a| a.seq.is_some() && a.generation.is_none())
+            {
                 failed.push((id, "invalid sampling parameters".into()));
             }
         }
@@ -963,7 +1062,12 @@ impl ModelWorker {
                     preempted: false,
                     id,
                     prefilled: prefilled.get(&id).copied().unwrap_or(0),
-                    remaining_prefill: a.pending_prompt.len(),
+                    // Not admitted yet (waiting for a prefix another request computes): all of
+                    // it is still to prefill.
+                    remaining_prefill: match a.seq {
+                        Some(_) => a.pending_prompt.len(),
+                        None => a.resume.as_ref().map_or(a.request.prompt.len(), Vec::len),
+                    },
                     finished: false,
                 }),
                 None => report.items.push(ItemReport {
@@ -1572,6 +1676,133 @@ mod tests {
             })
             .collect();
         (results, preemptions)
+    }
+
+    /// Requests through a real batcher, each `(prompt, tokens, cache salt)`: per request its
+    /// tokens, why it stopped and how many prompt tokens came from a cache; and the most KV
+    /// blocks held at once.
+    fn drive_shared(
+        w: &mut ModelWorker,
+        requests: &[(Vec<u32>, usize, Option<&str>)],
+    ) -> (Vec<(Vec<u32>, StopReason, usize)>, usize) {
+        use super::super::batcher::{Batcher, BatcherConfig};
+        let mut b = Batcher::new(BatcherConfig {
+            max_running: 8,
+            queue_capacity: 16,
+            step_token_budget: 64,
+            context_window: 2048,
+            max_queued_per_user: 0,
+            max_running_per_user: 0,
+            tokens_per_minute_per_user: 0,
+            tokens_per_minute_per_group: 0,
+            kv_capacity_blocks: w.kv_capacity_blocks(),
+        });
+        let mut receivers = Vec::new();
+        for (prompt, n, salt) in requests {
+            let id = b.submit(None, prompt.len(), None).expect("submit");
+            let (tx, rx) = mpsc::unbounded_channel();
+            w.active.insert(
+                id,
+                Active::new(
+                    GenerationRequest {
+                        cache_key: None,
+                        user: None,
+                        group: None,
+                        cache_salt: salt.map(str::to_string),
+                        prompt: prompt.clone(),
+                        params: SamplingParams {
+                            max_new_tokens: *n,
+                            ignore_eos: true,
+                            ..SamplingParams::greedy()
+                        },
+                        max_time: None,
+                        events: tx,
+                        embed: None,
+                    },
+                    Instant::now(),
+                ),
+            );
+            receivers.push(rx);
+        }
+        let mut peak = 0;
+        for _ in 0..10_000 {
+            let Some(plan) = b.plan() else { break };
+            let report = w.step(plan);
+            peak = peak.max(w.engine.total_kv_bytes() / w.engine.kv_block_bytes());
+            b.apply(&report.items);
+            b.set_kv_free_blocks(report.kv_free_blocks);
+        }
+        let results = receivers
+            .into_iter()
+            .map(|mut rx| {
+                let (mut tokens, mut reason, mut cached) = (Vec::new(), None, 0);
+                while let Ok(e) = rx.try_recv() {
+                    match e {
+                        GenEvent::Token { token, .. } => tokens.push(token),
+                        GenEvent::Finished(s) => reason = Some(s.reason),
+                        GenEvent::Admitted { cached_tokens, .. } => cached = cached_tokens,
+                        GenEvent::Embedding(_) => {}
+                    }
+                }
+                (tokens, reason.expect("every request finishes"), cached)
+            })
+            .collect();
+        (results, peak)
+    }
+
+    /// Three requests of one prompt from one client (a request's `n` choices) compute its
+    /// prefill once: the later two fork the first's whole blocks (held once), and every reply
+    /// is token for token the one it gets alone. Another client's identical prompt shares
+    /// nothing.
+    #[test]
+    fn requests_of_one_client_share_the_blocks_of_a_common_prompt() {
+        shared_prompt_case(worker);
+        // The GPU's fast tier (its CPU runner) reads shared blocks the same way.
+        shared_prompt_case(|| fast_tier_worker(None));
+    }
+
+    fn shared_prompt_case(worker: impl Fn() -> ModelWorker) {
+        let prompt: Vec<u32> = (1000..1100).collect();
+        let alone = {
+            let mut w = worker();
+            drive_shared(&mut w, &[(prompt.clone(), 12, Some("a"))])
+                .0
+                .remove(0)
+        };
+        assert_eq!(alone.2, 0);
+        let mut w = worker();
+        let (results, peak) = drive_shared(
+            &mut w,
+            &[
+                (prompt.clone(), 12, Some("a")),
+                (prompt.clone(), 12, Some("a")),
+                (prompt.clone(), 12, Some("a")),
+            ],
+        );
+        for (i, (tokens, reason, _)) in results.iter().enumerate() {
+            assert_eq!(tokens, &alone.0, "choice {i}");
+            assert_eq!(*reason, StopReason::Length);
+        }
+        assert_eq!(results[0].2, 0);
+        // 99 usable prompt positions: 96 in whole blocks.
+        assert_eq!((results[1].2, results[2].2), (96, 96));
+        // Alone: 112 positions = 7 blocks. Three sharing 6 prompt blocks: 6 + 3 × 2.
+        assert!(peak <= 12, "{peak} blocks at the peak");
+
+        let mut w = worker();
+        let (results, _) = drive_shared(
+            &mut w,
+            &[
+                (prompt.clone(), 12, Some("a")),
+                (prompt.clone(), 12, Some("b")),
+            ],
+        );
+        assert_eq!(
+            (results[0].2, results[1].2),
+            (0, 0),
+            "no sharing across clients"
+        );
+        assert_eq!(results[1].0, alone.0);
     }
 
     /// Six requests that each fit a 6-block cache alone but not together: every one completes

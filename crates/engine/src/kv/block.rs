@@ -5,8 +5,12 @@
 //! and are handed out again first, which keeps the set of touched pages (and so the storage's
 //! memory) as small as the peak number of blocks in use.
 //!
-//! A [`BlockTable`] cannot be cloned and only the allocator adds or removes its blocks, so a block
-//! id is held by at most one table. Tables are owned by the engine, which gives their blocks back
+//! A [`BlockTable`] cannot be cloned and only the allocator adds or removes its blocks. A block
+//! may be held by several tables ([`BlockAllocator::share`]: the prompt's blocks of `n` choices,
+//! say); it counts once in use and goes back to the free list when the last table lets go of it.
+//! Only whole blocks are shared, and a table writes only past its own length, so a shared block
+//! is never written (the engine keeps it so when it truncates into one, see
+//! [`BlockAllocator::is_shared`]). Tables are owned by the engine, which gives their blocks back
 //! when a sequence is freed, truncated, or dropped with the engine.
 
 use crate::error::{EngineError, Result};
@@ -54,7 +58,10 @@ pub struct BlockAllocator {
     free: Vec<BlockId>,
     /// Ids `fresh..capacity` have never been handed out.
     fresh: usize,
+    /// Distinct blocks held.
     in_use: usize,
+    /// Per id below `fresh`: how many tables hold it (0: free).
+    holders: Vec<u32>,
 }
 
 impl BlockAllocator {
@@ -74,6 +81,7 @@ impl BlockAllocator {
             free: Vec::new(),
             fresh: 0,
             in_use: 0,
+            holders: Vec::new(),
         }
     }
 
@@ -139,13 +147,30 @@ impl BlockAllocator {
                 None => {
                     let id = self.fresh as BlockId;
                     self.fresh += 1;
+                    self.holders.push(0);
                     id
                 }
             };
+            self.holders[id as usize] = 1;
             table.blocks.push(id);
         }
         self.in_use += needed;
         Ok(())
+    }
+
+    /// A new table holding the first `blocks` blocks of `table` too (no new block is taken;
+    /// each is freed when its last holder lets go). `blocks` is clamped to what `table` holds.
+    pub fn share(&mut self, table: &BlockTable, blocks: usize) -> BlockTable {
+        let shared: Vec<BlockId> = table.blocks[..blocks.min(table.blocks.len())].to_vec();
+        for &id in &shared {
+            self.holders[id as usize] += 1;
+        }
+        BlockTable { blocks: shared }
+    }
+
+    /// Whether more than one table holds block `id` (it must not be written).
+    pub fn is_shared(&self, id: BlockId) -> bool {
+        self.holders.get(id as usize).is_some_and(|&n| n > 1)
     }
 
     /// Keeps the blocks `positions` positions need and gives back the rest. A partly used last
@@ -155,9 +180,14 @@ impl BlockAllocator {
         if keep >= table.blocks.len() {
             return;
         }
-        let dropped = table.blocks.len() - keep;
-        self.free.extend(table.blocks.drain(keep..).rev());
-        self.in_use -= dropped;
+        for id in table.blocks.drain(keep..).rev() {
+            let holders = &mut self.holders[id as usize];
+            *holders -= 1;
+            if *holders == 0 {
+                self.free.push(id);
+                self.in_use -= 1;
+            }
+        }
     }
 
     /// Gives back every block of `table`.
@@ -272,6 +302,35 @@ mod tests {
         a.grow(&mut u, 48).expect("room after release");
         assert_eq!(a.used_blocks(), 3);
         assert_eq!(a.used_bytes(), 30);
+    }
+
+    #[test]
+    fn shared_blocks_count_once_and_are_freed_by_their_last_holder() {
+        let mut a = BlockAllocator::with_capacity(8, 10);
+        let mut t = BlockTable::new();
+        a.grow(&mut t, 40).expect("grow");
+        let mut u = a.share(&t, 2);
+        assert_eq!(u.blocks(), &t.blocks()[..2]);
+        assert_eq!(a.used_blocks(), 3, "sharing takes no block");
+        assert!(a.is_shared(t.blocks()[0]) && a.is_shared(t.blocks()[1]));
+        assert!(!a.is_shared(t.blocks()[2]));
+        a.grow(&mut u, 48).expect("grow");
+        assert_eq!(u.len(), 3);
+        assert_ne!(
+            u.blocks()[2],
+            t.blocks()[2],
+            "each grows into its own blocks"
+        );
+        assert_eq!(a.used_blocks(), 4);
+        a.release(&mut t);
+        assert_eq!(a.used_blocks(), 3, "the shared ones stay with u");
+        assert!(!a.is_shared(u.blocks()[0]));
+        a.release(&mut u);
+        assert_eq!(a.used_blocks(), 0);
+        assert_eq!(a.free_blocks(), 8);
+        let mut v = BlockTable::new();
+        a.grow(&mut v, 128).expect("every block is free again");
+        assert_eq!(a.high_water(), 8);
     }
 
     #[test]
