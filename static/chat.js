@@ -131,7 +131,11 @@
   const status = document.getElementById("live-status");
   const ctxUsed = document.getElementById("ctx-used");
   let busy = false;
-  let editing = false;
+  // The user message being edited (a new version of it is sent), or null.
+  let editing = null;
+  // After a new version (regenerate, edit) the page reloads when the reply is done, so the
+  // version arrows and the branch shown come from the server.
+  let reloadWhenDone = false;
 
   function setBusy(b, text) {
     busy = b;
@@ -180,45 +184,49 @@
     }
   });
 
-  function lastOf(role) {
-    const all = messages.querySelectorAll(".msg." + role);
-    return all.length ? all[all.length - 1] : null;
-  }
-  // The last user message and everything after it (what regenerate and edit replace).
-  function lastExchange() {
-    const u = lastOf("user");
-    if (!u) return [];
-    const out = [u];
-    for (let n = u.nextElementSibling; n; n = n.nextElementSibling) out.push(n);
+  // `el` and every message after it: what a new version from `el` takes off the page (they
+  // stay stored, as the other versions).
+  function fromHere(el) {
+    const out = [el];
+    for (let n = el.nextElementSibling; n; n = n.nextElementSibling) out.push(n);
     return out;
   }
   const editBar = document.getElementById("editing");
-  function setEditing(on) {
-    editing = on;
-    editBar.hidden = !on;
+  function setEditing(el) {
+    editing = el;
+    editBar.hidden = !el;
   }
-  document.getElementById("cancel-edit").addEventListener("click", () => { setEditing(false); input.value = ""; autosize(); });
+  document.getElementById("cancel-edit").addEventListener("click", () => { setEditing(null); input.value = ""; autosize(); });
 
   messages.addEventListener("click", async (e) => {
-    if (e.target.closest(".regen-btn")) {
-      // The server deletes the last exchange and `started` brings a new one, possibly before
-      // the POST answers: so the old bubbles are picked (and hidden) first.
-      const old = lastExchange();
+    const regen = e.target.closest(".regen-btn");
+    const edit = e.target.closest(".edit-btn");
+    const ver = e.target.closest(".ver-btn");
+    if (regen) {
+      // A new reply beside this one; `started` brings it, possibly before the POST answers:
+      // so this reply and what follows are hidden first.
+      const reply = regen.closest(".msg");
+      const old = fromHere(reply);
       old.forEach((el) => (el.hidden = true));
       try {
-        await post("/c/" + convId + "/regenerate");
+        await post("/c/" + convId + "/regenerate", { message: reply.dataset.parent || "" });
         old.forEach((el) => el.remove());
+        reloadWhenDone = true;
       } catch (err) {
         old.forEach((el) => (el.hidden = false));
         explain(err);
       }
-    } else if (e.target.closest(".edit-btn")) {
-      const u = lastOf("user");
-      if (!u) return;
+    } else if (edit) {
+      const u = edit.closest(".msg");
       input.value = u.querySelector(".text").textContent;
-      setEditing(true);
+      setEditing(u);
       autosize();
       input.focus();
+    } else if (ver && ver.dataset.message && !busy) {
+      try {
+        await post("/c/" + convId + "/select", { message: ver.dataset.message });
+        location.reload();
+      } catch (err) { explain(err); }
     }
   });
 
@@ -234,16 +242,18 @@
         return;
       }
       if (editing) {
-        const old = lastExchange();
+        const target = editing;
+        const old = fromHere(target);
         old.forEach((el) => (el.hidden = true));
         try {
-          await post("/c/" + convId + "/edit", { content: content });
+          await post("/c/" + convId + "/edit", { content: content, message: target.dataset.id });
         } catch (err) {
           old.forEach((el) => (el.hidden = false));
           throw err;
         }
         old.forEach((el) => el.remove());
-        setEditing(false);
+        setEditing(null);
+        reloadWhenDone = true;
       } else {
         await post("/c/" + convId + "/messages", { content: content });
       }
@@ -272,7 +282,7 @@
     el.className = "msg user";
     el.id = "msg-" + m.id;
     el.dataset.id = m.id;
-    el.innerHTML = '<div class="bubble"><div class="text"></div></div><div class="actions"><button type="button" class="link-btn edit-btn" title="Edit and resend">Edit</button></div>';
+    el.innerHTML = '<div class="bubble"><div class="text"></div></div><div class="actions"><button type="button" class="link-btn edit-btn" title="Edit: a new version from here">Edit</button></div>';
     el.querySelector(".text").textContent = m.content;
     messages.appendChild(el);
   }
@@ -349,6 +359,7 @@
     } catch (_) { /* the streamed text stays */ }
     if (window.htmx) htmx.ajax("GET", "/conversations?active=" + convId, { target: "#conv-list", swap: "innerHTML" });
     scrollDown();
+    if (reloadWhenDone) { reloadWhenDone = false; location.reload(); }
   });
   on("error", (d) => {
     if (d && d.message) toast(d.message);

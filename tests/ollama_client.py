@@ -216,9 +216,9 @@ def _():
     assert max(abs(a - b) for a, b in zip(alone, vectors[1])) < 1e-5
     legacy = client.embeddings(model=state["model"], prompt=texts[1])["embedding"]
     assert max(abs(a - b) for a, b in zip(legacy, vectors[1])) < 1e-5
-    # Too long: cut to the window by default, refused with "truncate": false.
+    # Too long: refused with "truncate": false (cut to the window by default: tests/openai.rs,
+    # on a server with a small window, where that is quick).
     long = "word " * 9000
-    assert len(client.embed(model=state["model"], input=long)["embeddings"][0]) == 576
     refused(lambda: client.embed(model=state["model"], input=long, truncate=False), 400, ["context"])
     refused(lambda: client.embed(model=state["model"], input=[]), 400, ["input"])
 

@@ -526,6 +526,42 @@ async fn errors_limits_and_the_completions_endpoint() {
         Some("prompt"),
     );
 
+    // Embeddings of a text beyond the window: refused on /v1 and with Ollama's
+    // `"truncate": false`; cut to the window by Ollama's default.
+    let r = api(
+        &server,
+        key,
+        "/v1/embeddings",
+        Some(&json!({"input": long})),
+    )
+    .await;
+    assert_api_error(
+        &r,
+        StatusCode::BAD_REQUEST,
+        Some("context_length_exceeded"),
+        Some("input[0]"),
+    );
+    let r = api(
+        &server,
+        key,
+        "/api/embed",
+        Some(&json!({"input": long, "truncate": false})),
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::BAD_REQUEST, "{}", r.text);
+    assert!(
+        r.json["error"].as_str().unwrap_or("").contains("64 tokens"),
+        "{}",
+        r.text
+    );
+    let r = api(&server, key, "/api/embed", Some(&json!({"input": long}))).await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.text);
+    assert_eq!(
+        r.json["prompt_eval_count"], 63,
+        "cut to the window less one"
+    );
+    assert_eq!(r.json["embeddings"][0].as_array().map(Vec::len), Some(576));
+
     // Completions: streamed and whole agree; the default is 16 new tokens at most.
     let body = json!({"prompt": "Once upon a time", "temperature": 0, "max_tokens": 12});
     let r = api(&server, key, "/v1/completions", Some(&body)).await;

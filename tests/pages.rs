@@ -524,15 +524,23 @@ async fn refused_regenerate_and_edit_lose_nothing() {
     assert_eq!(ids(&after_race[..4]), ids(&before));
     assert_eq!(after_race[4]["content"], "Count to twenty.");
 
-    // An accepted regenerate replaces the last exchange: same question, a new reply.
+    // An accepted regenerate answers the same question again: a new reply is shown, the old
+    // one kept as its other version.
     let page = alice.post(&format!("/c/{id}/regenerate"), &[]).await;
     assert_eq!(page.status, StatusCode::ACCEPTED, "{}", page.text);
     let regenerated = settled_messages(&mut alice, &id).await;
     assert_eq!(regenerated.len(), 6);
     assert_eq!(ids(&regenerated[..4]), ids(&before));
-    assert_eq!(regenerated[4]["content"], "Count to twenty.");
-    assert_ne!(regenerated[4]["id"], after_race[4]["id"]);
+    assert_eq!(
+        regenerated[4]["id"], after_race[4]["id"],
+        "the same question"
+    );
     assert_ne!(regenerated[5]["id"], after_race[5]["id"]);
+    let page = alice.get(&format!("/c/{id}")).await;
+    assert!(
+        page.text.contains("2/2"),
+        "the reply shows its two versions"
+    );
 }
 
 #[tokio::test]

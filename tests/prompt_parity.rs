@@ -41,6 +41,7 @@ fn message(conversation: &Conversation, position: i64, role: Role, content: &str
         timings: None,
         created_at: Utc::now(),
         imported: false,
+        parent_id: None,
     }
 }
 

@@ -724,15 +724,23 @@ async fn export_then_import_round_trips_and_bad_imports_are_refused() {
         .starts_with("attachment; filename=\"Colours.json\""));
     let doc = r.json.clone();
     assert_eq!(doc["format"], "smolchat.conversation");
-    assert_eq!(doc["version"], 1);
+    assert_eq!(doc["version"], 2);
     let messages = doc["messages"].as_array().unwrap();
     assert_eq!(messages.len(), 4);
-    for m in messages {
+    for (i, m) in messages.iter().enumerate() {
         for field in ["role", "content", "status", "created_at"] {
             assert!(!m[field].is_null(), "{field} missing: {m}");
         }
-        assert!(m.get("id").is_none(), "ids are not exported");
+        // The tree, by names inside the document (no server id leaves it).
+        assert_eq!(m["id"], format!("m{}", i + 1));
+        let parent = if i == 0 {
+            Value::Null
+        } else {
+            json!(format!("m{i}"))
+        };
+        assert_eq!(m.get("parent").cloned().unwrap_or(Value::Null), parent);
     }
+    assert_eq!(doc["current"], "m4");
     assert!(messages[1]["raw"].is_string() && messages[1]["completion_tokens"].is_number());
     assert!(messages[1]["timings"].is_object());
 

@@ -557,72 +557,72 @@ async fn assistant_message_start_and_finish_store_every_field(db) {
 }
 
 both! {
-async fn delete_messages_from_truncates_the_conversation(db) {
+async fn regenerate_and_edit_keep_versions_and_the_branch_shown_is_a_path(db) {
     let (_dir, _url, store) = fresh(db).await;
     let c = store.create_conversation("u", &settings()).await.unwrap();
     let other = store.create_conversation("u", &settings()).await.unwrap();
-    let other_msg = store
-        .insert_user_message(other.id, "elsewhere")
-        .await
-        .unwrap();
-    let mut ids = Vec::new();
-    for i in 0..3 {
-        ids.push(
+    let (elsewhere, _) = store.insert_exchange(other.id, "elsewhere", None).await.unwrap();
+    let done = |id| {
+        let store = store.clone();
+        async move {
             store
-                .insert_user_message(c.id, &format!("q{i}"))
+                .finish_assistant_message(id, &reply(MessageStatus::Complete))
                 .await
-                .unwrap()
-                .id,
-        );
-        let a = store.start_assistant_message(c.id).await.unwrap();
-        store
-            .finish_assistant_message(a.id, &reply(MessageStatus::Complete))
-            .await
-            .unwrap();
-        ids.push(a.id);
+                .unwrap();
+        }
+    };
+    let ids = |ms: Vec<smolchat_store::Message>| ms.iter().map(|m| m.id).collect::<Vec<_>>();
+    let (u1, a1) = store.insert_exchange(c.id, "q1", None).await.unwrap();
+    done(a1.id).await;
+    let (u2, a2) = store.insert_exchange(c.id, "q2", None).await.unwrap();
+    done(a2.id).await;
+    assert_eq!(a2.parent_id, Some(u2.id));
+    assert_eq!(u2.parent_id, Some(a1.id));
+    assert_eq!(u1.parent_id, None);
+
+    // Regenerate: a second reply to q2 beside the first, shown.
+    let a2b = store.insert_reply(c.id, u2.id).await.unwrap();
+    assert_eq!(a2b.parent_id, Some(u2.id));
+    done(a2b.id).await;
+    assert_eq!(ids(store.branch(c.id).await.unwrap()), [u1.id, a1.id, u2.id, a2b.id]);
+    assert_eq!(store.messages(c.id).await.unwrap().len(), 5, "nothing is deleted");
+
+    // Back to the first reply.
+    assert_eq!(store.select_branch(c.id, a2.id).await.unwrap(), a2.id);
+    assert_eq!(ids(store.branch(c.id).await.unwrap()), [u1.id, a1.id, u2.id, a2.id]);
+    // Continuing goes on from the branch shown.
+    let (u3, a3) = store.insert_exchange(c.id, "q3", None).await.unwrap();
+    done(a3.id).await;
+    assert_eq!(u3.parent_id, Some(a2.id));
+
+    // Edit the first question: a new branch from the root.
+    let (u1b, a1b) = store.insert_exchange(c.id, "q1, edited", Some(u1.id)).await.unwrap();
+    done(a1b.id).await;
+    assert_eq!(u1b.parent_id, None);
+    assert_eq!(ids(store.branch(c.id).await.unwrap()), [u1b.id, a1b.id]);
+    // Back to the original: where it was last continued (after a2, not the newer a2b).
+    let leaf = store.select_branch(c.id, u1.id).await.unwrap();
+    assert_eq!(leaf, a3.id);
+    assert_eq!(
+        ids(store.branch(c.id).await.unwrap()),
+        [u1.id, a1.id, u2.id, a2.id, u3.id, a3.id]
+    );
+    assert_eq!(store.select_branch(c.id, a2b.id).await.unwrap(), a2b.id);
+    assert_eq!(store.messages(c.id).await.unwrap().len(), 9);
+
+    // Not a user message, another conversation's, unknown: refused, nothing written.
+    for bad in [a1.id, elsewhere.id, Uuid::now_v7()] {
+        assert!(matches!(
+            store.insert_reply(c.id, bad).await,
+            Err(StoreError::MessageNotFound(_))
+        ));
     }
-
-    // Regenerate the last reply: delete it alone.
-    assert_eq!(store.delete_messages_from(c.id, ids[5]).await.unwrap(), 1);
-    // Edit-and-resend the second question: it and everything after go.
-    assert_eq!(store.delete_messages_from(c.id, ids[2]).await.unwrap(), 3);
-    let left: Vec<Uuid> = store
-        .messages(c.id)
-        .await
-        .unwrap()
-        .iter()
-        .map(|m| m.id)
-        .collect();
-    assert_eq!(left, ids[..2].to_vec());
-
-    // New messages continue after the last remaining one.
-    let resent = store.insert_user_message(c.id, "q1 edited").await.unwrap();
-    assert_eq!(resent.position, 3);
-
-    // Unknown message, message of another conversation, unknown conversation: nothing happens.
-    assert_eq!(
-        store
-            .delete_messages_from(c.id, Uuid::now_v7())
-            .await
-            .unwrap(),
-        0
-    );
-    assert_eq!(
-        store
-            .delete_messages_from(c.id, other_msg.id)
-            .await
-            .unwrap(),
-        0
-    );
-    assert_eq!(
-        store
-            .delete_messages_from(Uuid::now_v7(), ids[0])
-            .await
-            .unwrap(),
-        0
-    );
-    assert_eq!(store.messages(c.id).await.unwrap().len(), 3);
-    assert_eq!(store.messages(other.id).await.unwrap().len(), 1);
+    assert!(matches!(
+        store.select_branch(c.id, elsewhere.id).await,
+        Err(StoreError::MessageNotFound(_))
+    ));
+    assert_eq!(store.messages(c.id).await.unwrap().len(), 9);
+    assert_eq!(store.branch(c.id).await.unwrap().last().map(|m| m.id), Some(a2b.id));
 }
 }
 
@@ -764,7 +764,7 @@ async fn unknown_ids_are_not_errors(db) {
     assert!(!store.update_settings(nobody, &settings()).await.unwrap());
     assert!(!store.delete_conversation(nobody).await.unwrap());
     assert!(store.messages(nobody).await.unwrap().is_empty());
-    assert_eq!(store.delete_messages_from(nobody, nobody).await.unwrap(), 0);
+    assert!(store.branch(nobody).await.unwrap().is_empty());
     // Writes into a conversation that does not exist are reported, and write nothing.
     assert!(matches!(
         store.insert_user_message(nobody, "hi").await,
@@ -1002,6 +1002,10 @@ async fn insert_exchange_replaces_atomically(db) {
         .await
         .unwrap();
     let (u2, a2) = store.insert_exchange(c.id, "second", None).await.unwrap();
+    store
+        .finish_assistant_message(a2.id, &reply(MessageStatus::Complete))
+        .await
+        .unwrap();
     let before = store.messages(c.id).await.unwrap();
 
     for bad in [Uuid::now_v7(), a2.id] {
@@ -1025,21 +1029,13 @@ async fn insert_exchange_replaces_atomically(db) {
         .insert_exchange(c.id, "second, edited", Some(u2.id))
         .await
         .unwrap();
-    let after = store.messages(c.id).await.unwrap();
-    let summary: Vec<(i64, &str)> = after
-        .iter()
-        .map(|m| (m.position, m.content.as_str()))
-        .collect();
-    assert_eq!(
-        summary,
-        [
-            (1, "first"),
-            (2, "The answer is 4."),
-            (3, "second, edited"),
-            (4, "")
-        ]
-    );
+    // A new version: the edited question and its reply are shown; the old ones are kept.
+    let after = store.branch(c.id).await.unwrap();
+    let summary: Vec<&str> = after.iter().map(|m| m.content.as_str()).collect();
+    assert_eq!(summary, ["first", "The answer is 4.", "second, edited", ""]);
     assert_eq!((after[2].id, after[3].id), (u3.id, a3.id));
+    assert_eq!(u3.parent_id, u2.parent_id);
+    assert_eq!(store.messages(c.id).await.unwrap().len(), 6);
 }
 }
 
@@ -1338,7 +1334,8 @@ async fn imports_are_all_or_nothing_and_keep_every_field(db) {
     // not imported, the client's turns are; ids and flags must match the messages.
     let id = uuid::Uuid::now_v7();
     let reply_id = uuid::Uuid::now_v7();
-    let rows = [(uuid::Uuid::now_v7(), true), (reply_id, false)];
+    let mut rows = smolchat_store::StoredRow::linear(2, |i| i == 0);
+    rows[1].id = reply_id;
     let c = store
         .insert_conversation(id, "me", "Stored", &settings(), &good, &rows)
         .await
@@ -1354,7 +1351,27 @@ async fn imports_are_all_or_nothing_and_keep_every_field(db) {
         .insert_conversation(uuid::Uuid::now_v7(), "me", "Short", &settings(), &good, &rows[..1])
         .await
         .is_err());
-    assert_eq!(store.count_conversations("me").await.unwrap(), 2);
+    // A tree: the second message follows nothing (two first messages); the first is shown.
+    let mut tree = smolchat_store::StoredRow::linear(2, |_| true);
+    tree[1].parent = None;
+    tree[0].current = true;
+    tree[1].current = false;
+    let t = store
+        .insert_conversation(uuid::Uuid::now_v7(), "me", "Tree", &settings(), &good, &tree)
+        .await
+        .unwrap();
+    let shown = store.branch(t.id).await.unwrap();
+    assert_eq!(shown.iter().map(|m| m.id).collect::<Vec<_>>(), [tree[0].id]);
+    // A message may only follow an earlier one.
+    let mut bad = smolchat_store::StoredRow::linear(2, |_| true);
+    bad[0].parent = Some(1);
+    assert!(matches!(
+        store
+            .insert_conversation(uuid::Uuid::now_v7(), "me", "Bad", &settings(), &good, &bad)
+            .await,
+        Err(StoreError::BadTree(_))
+    ));
+    assert_eq!(store.count_conversations("me").await.unwrap(), 3);
 }
 }
 

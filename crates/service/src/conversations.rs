@@ -31,7 +31,7 @@ use smolchat_serving::scheduler::{Evict, SchedulerActor};
 use smolchat_serving::types::SubmitError;
 use smolchat_store::{
     Conversation, ConversationSettings, ImportedMessage, ListPage, Message, MessageStatus,
-    PageRequest, Role, Store, StoreError, Timings, MAX_TOKEN_COUNT,
+    PageRequest, Role, Store, StoreError, StoredRow, Timings, MAX_TOKEN_COUNT,
 };
 use smolchat_text::prompt::PromptBuilder;
 use smolchat_text::template::{ChatMessage, ChatTemplate, RenderOptions};
@@ -43,7 +43,10 @@ pub const TITLE_LIMIT: usize = 200;
 /// The `format` field of an exported conversation.
 pub const EXPORT_FORMAT: &str = "smolchat.conversation";
 /// The `version` of the export format this server writes and reads.
-pub const EXPORT_VERSION: u32 = 1;
+pub const EXPORT_VERSION: u32 = 2;
+
+/// The oldest export version import still reads (version 1: one branch, no ids).
+pub const EXPORT_VERSION_MIN: u32 = 1;
 
 /// The window `conversations_per_minute` counts over.
 const CREATION_WINDOW: Duration = Duration::from_secs(60);
@@ -292,8 +295,45 @@ pub struct Created {
 #[derive(Debug, Clone)]
 pub struct ConversationView {
     pub conversation: Conversation,
+    /// The branch shown, in order.
     pub messages: Vec<Message>,
+    /// Per message of `messages`: its versions (it and its siblings).
+    pub versions: Vec<Versions>,
     pub replying: bool,
+}
+
+/// Where a message stands among its versions (the messages with its parent: replies
+/// regenerated for one user message, or user messages edited from one point), oldest first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct Versions {
+    /// 1-based.
+    pub index: usize,
+    pub count: usize,
+    pub previous: Option<Uuid>,
+    pub next: Option<Uuid>,
+}
+
+impl Versions {
+    /// For each message of `branch`, its versions among `all` (insertion order).
+    pub fn of(all: &[Message], branch: &[Message]) -> Vec<Versions> {
+        branch
+            .iter()
+            .map(|m| {
+                let siblings: Vec<Uuid> = all
+                    .iter()
+                    .filter(|o| o.parent_id == m.parent_id)
+                    .map(|o| o.id)
+                    .collect();
+                let at = siblings.iter().position(|&id| id == m.id).unwrap_or(0);
+                Versions {
+                    index: at + 1,
+                    count: siblings.len().max(1),
+                    previous: at.checked_sub(1).and_then(|i| siblings.get(i).copied()),
+                    next: siblings.get(at + 1).copied(),
+                }
+            })
+            .collect()
+    }
 }
 
 /// A conversation as exported: lossless, and what import reads back.
@@ -315,6 +355,9 @@ pub struct ExportedConversation {
     /// is read into memory.
     #[serde(deserialize_with = "bounded_messages")]
     pub messages: Vec<ExportedMessage>,
+    /// Version 2: the `id` of the message the conversation shows (its branch ends there).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub current: Option<String>,
 }
 
 /// Why an export could not be read.
@@ -333,6 +376,31 @@ thread_local! {
 }
 
 impl ExportedConversation {
+    /// The messages of the branch shown: version 2 follows `parent` from `current` (the last
+    /// message without one); version 1 is one branch.
+    pub fn branch(&self) -> Vec<&ExportedMessage> {
+        if self.messages.iter().all(|m| m.id.is_none()) {
+            return self.messages.iter().collect();
+        }
+        let by_id: HashMap<&str, &ExportedMessage> = self
+            .messages
+            .iter()
+            .filter_map(|m| Some((m.id.as_deref()?, m)))
+            .collect();
+        let mut at = self
+            .current
+            .as_deref()
+            .and_then(|c| by_id.get(c).copied())
+            .or_else(|| self.messages.last());
+        let mut path = Vec::new();
+        while let Some(m) = at.filter(|_| path.len() < self.messages.len()) {
+            path.push(m);
+            at = m.parent.as_deref().and_then(|p| by_id.get(p).copied());
+        }
+        path.reverse();
+        path
+    }
+
     /// Parses an export, refusing it at the `max_messages + 1`-th message (see `messages`).
     pub fn from_json(text: &str, max_messages: usize) -> Result<Self, ExportParseError> {
         MESSAGE_LIMIT.with(|l| l.set((max_messages, false)));
@@ -377,10 +445,16 @@ where
     d.deserialize_seq(Bounded)
 }
 
-/// One message of an export: everything but its ids.
+/// One message of an export. Version 2 adds the tree: `id` (a name inside the document; import
+/// gives new ids) and `parent`, the `id` of an earlier message it follows (absent: a first
+/// message). Version 1 has neither: each message follows the one before it.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct ExportedMessage {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub id: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub parent: Option<String>,
     pub role: Role,
     pub content: String,
     #[serde(default)]
@@ -786,13 +860,34 @@ impl Conversations {
     /// The conversation with its messages.
     pub async fn get(&self, caller: &Caller, id: Uuid) -> Result<ConversationView> {
         let conversation = self.owned(caller, id).await?;
-        let messages = self.store.messages(id).await?;
+        let all = self.store.messages(id).await?;
+        let messages = self.store.branch(id).await?;
+        let versions = Versions::of(&all, &messages);
         let replying = self.replying(id).await;
         Ok(ConversationView {
             conversation,
             messages,
+            versions,
             replying,
         })
+    }
+
+    /// Shows the branch through `message` (a version chosen with ‹ ›): from it down its newest
+    /// replies. Refused while a reply is being generated (it continues the branch shown).
+    pub async fn select(&self, caller: &Caller, id: Uuid, message: Uuid) -> Result<()> {
+        let c = self.owned(caller, id).await?;
+        if self.replying(c.id).await {
+            return Err(ConversationError::Busy(
+                "a reply is being generated; stop it or wait before switching versions".into(),
+            ));
+        }
+        match self.store.select_branch(c.id, message).await {
+            Ok(_) => Ok(()),
+            Err(smolchat_store::StoreError::MessageNotFound(_)) => Err(ConversationError::NoSuch(
+                format!("message {message} is not in this conversation"),
+            )),
+            Err(e) => Err(e.into()),
+        }
     }
 
     /// One message of the caller's conversation, and whether a reply is running.
@@ -869,15 +964,22 @@ impl Conversations {
 
     /// Generates the last reply again: the last user message is sent again and replaces itself
     /// and everything after it, atomically (a refusal changes nothing).
-    pub async fn regenerate(&self, caller: &Caller, id: Uuid) -> Result<Accepted> {
+    /// A new reply to a user message of the branch shown (`message`, or the last one), beside
+    /// the replies it has: they are kept as versions.
+    pub async fn regenerate(
+        &self,
+        caller: &Caller,
+        id: Uuid,
+        message: Option<Uuid>,
+    ) -> Result<Accepted> {
         let c = self.owned(caller, id).await?;
-        tracing::info!(conversation = %c.id, "regenerating the last reply");
+        tracing::info!(conversation = %c.id, "regenerating a reply: a new version");
         self.send_to(
             caller,
             c.id,
             SendMessage {
                 content: None,
-                replacing: Replacing::LastUserMessage,
+                replacing: message.map_or(Replacing::LastUserMessage, Replacing::Message),
                 group: None,
             },
         )
@@ -886,15 +988,23 @@ impl Conversations {
 
     /// Replaces the last user message (and everything after it) with `content` and sends it,
     /// atomically (a refusal changes nothing).
-    pub async fn edit(&self, caller: &Caller, id: Uuid, content: String) -> Result<Accepted> {
+    /// Sends `content` as a new version of a user message of the branch shown (`message`, or
+    /// the last one): a new branch from the same point; the old one is kept.
+    pub async fn edit(
+        &self,
+        caller: &Caller,
+        id: Uuid,
+        content: String,
+        message: Option<Uuid>,
+    ) -> Result<Accepted> {
         let c = self.owned(caller, id).await?;
-        tracing::info!(conversation = %c.id, "editing and resending the last message");
+        tracing::info!(conversation = %c.id, "editing a message: a new branch");
         self.send_to(
             caller,
             c.id,
             SendMessage {
                 content: Some(content),
-                replacing: Replacing::LastUserMessage,
+                replacing: message.map_or(Replacing::LastUserMessage, Replacing::Message),
                 group: None,
             },
         )
@@ -1006,6 +1116,19 @@ impl Conversations {
     pub async fn export(&self, caller: &Caller, id: Uuid) -> Result<ExportedConversation> {
         let c = self.owned(caller, id).await?;
         let messages = self.store.messages(c.id).await?;
+        // Ids inside the document are its own (`m1`, `m2`, … in order), so an export imported
+        // and exported again reads the same, and no internal id leaves the server.
+        let name: HashMap<Uuid, String> = messages
+            .iter()
+            .enumerate()
+            .map(|(i, m)| (m.id, format!("m{}", i + 1)))
+            .collect();
+        let current = self
+            .store
+            .branch(c.id)
+            .await?
+            .last()
+            .and_then(|m| name.get(&m.id).cloned());
         Ok(ExportedConversation {
             format: EXPORT_FORMAT.to_string(),
             version: EXPORT_VERSION,
@@ -1013,9 +1136,12 @@ impl Conversations {
             settings: c.settings,
             created_at: Some(rfc3339(&c.created_at)),
             updated_at: Some(rfc3339(&c.updated_at)),
+            current,
             messages: messages
                 .into_iter()
                 .map(|m| ExportedMessage {
+                    id: name.get(&m.id).cloned(),
+                    parent: m.parent_id.and_then(|p| name.get(&p).cloned()),
                     role: m.role,
                     content: m.content,
                     reasoning: m.reasoning,
@@ -1085,15 +1211,17 @@ impl Conversations {
                 ),
             ));
         }
-        if doc.version != EXPORT_VERSION {
+        if !(EXPORT_VERSION_MIN..=EXPORT_VERSION).contains(&doc.version) {
             return Err(invalid(
                 "version",
                 format!(
-                    "`version` {} is not one this server reads (it reads {EXPORT_VERSION})",
+                    "`version` {} is not one this server reads (it reads \
+                     {EXPORT_VERSION_MIN} to {EXPORT_VERSION})",
                     doc.version
                 ),
             ));
         }
+        let rows = Self::import_tree(&doc)?;
         let title = Self::clean_title(&doc.title)?;
         self.check_settings(caller, &doc.settings)?;
         let max = self.cfg.max_import_messages;
@@ -1236,10 +1364,61 @@ impl Conversations {
         self.admit_new_conversation(caller).await?;
         let c = self
             .store
-            .import_conversation(&caller.owner, &title, &doc.settings, &messages)
+            .insert_conversation(
+                Uuid::now_v7(),
+                &caller.owner,
+                &title,
+                &doc.settings,
+                &messages,
+                &rows,
+            )
             .await?;
         tracing::info!(conversation = %c.id, owner = %caller.owner, messages = messages.len(), "conversation imported");
         Ok(c)
+    }
+
+    /// How an export's messages hang together: version 1, one branch; version 2, each
+    /// message's `parent` names an earlier message's `id`, and `current` the message shown.
+    fn import_tree(doc: &ExportedConversation) -> Result<Vec<StoredRow>> {
+        let n = doc.messages.len();
+        if doc.version < 2 {
+            return Ok(StoredRow::linear(n, |_| true));
+        }
+        let mut seen: HashMap<&str, usize> = HashMap::with_capacity(n);
+        let mut rows = Vec::with_capacity(n);
+        for (i, m) in doc.messages.iter().enumerate() {
+            let at = |what: String| invalid("messages", format!("messages[{i}]: {what}"));
+            let Some(id) = m.id.as_deref() else {
+                return Err(at("a version 2 message needs an `id`".into()));
+            };
+            let parent = match m.parent.as_deref() {
+                None => None,
+                Some(p) => Some(*seen.get(p).ok_or_else(|| {
+                    at(format!(
+                        "`parent` {p:?} is not the `id` of an earlier message"
+                    ))
+                })?),
+            };
+            if seen.insert(id, i).is_some() {
+                return Err(at(format!("`id` {id:?} is used twice")));
+            }
+            rows.push(StoredRow {
+                id: Uuid::now_v7(),
+                imported: true,
+                parent,
+                current: false,
+            });
+        }
+        if let Some(current) = doc.current.as_deref() {
+            let i = *seen.get(current).ok_or_else(|| {
+                invalid(
+                    "current",
+                    format!("`current` {current:?} is not the `id` of a message"),
+                )
+            })?;
+            rows[i].current = true;
+        }
+        Ok(rows)
     }
 
     // ---- Stored responses of the Responses API: each is a conversation of its caller ----
@@ -1279,7 +1458,7 @@ impl Conversations {
         caller: &Caller,
         id: Uuid,
         messages: &[ImportedMessage],
-        rows: &[(Uuid, bool)],
+        rows: &[StoredRow],
     ) -> Result<Conversation> {
         let bytes: u64 = messages
             .iter()
@@ -1330,7 +1509,7 @@ impl Conversations {
         id: Uuid,
     ) -> Result<(Conversation, Vec<Message>)> {
         let c = self.owned(caller, id).await?;
-        let messages = self.store.messages(id).await?;
+        let messages = self.store.branch(id).await?;
         match messages.last() {
             Some(m) if m.role == Role::Assistant => Ok((c, messages)),
             _ => Err(ConversationError::NotFound),
@@ -1355,7 +1534,7 @@ pub fn to_markdown(doc: &ExportedConversation) -> String {
         }
         out.push('\n');
     }
-    for m in &doc.messages {
+    for m in doc.branch() {
         let heading = match m.role {
             Role::User => "User",
             Role::Assistant => "Assistant",
@@ -1439,8 +1618,11 @@ mod tests {
             },
             created_at: None,
             updated_at: None,
+            current: Some("a".into()),
             messages: vec![
                 ExportedMessage {
+                    id: Some("u".into()),
+                    parent: None,
                     role: Role::User,
                     content: "Name a colour.".into(),
                     reasoning: None,
@@ -1454,6 +1636,23 @@ mod tests {
                     created_at: "2025-07-08T10:00:00Z".into(),
                 },
                 ExportedMessage {
+                    id: Some("other".into()),
+                    parent: Some("u".into()),
+                    role: Role::Assistant,
+                    content: "Red, an older version.".into(),
+                    reasoning: None,
+                    raw: None,
+                    status: MessageStatus::Complete,
+                    error: None,
+                    prompt_tokens: None,
+                    completion_tokens: None,
+                    cached_tokens: None,
+                    timings: None,
+                    created_at: "2025-07-08T10:00:01Z".into(),
+                },
+                ExportedMessage {
+                    id: Some("a".into()),
+                    parent: Some("u".into()),
                     role: Role::Assistant,
                     content: "Blue.".into(),
                     reasoning: Some("Pick one.".into()),
@@ -1479,6 +1678,7 @@ mod tests {
             "{md}"
         );
         assert!(md.contains("Blue.\n\n*(stopped)*"), "{md}");
+        assert!(!md.contains("Red"), "only the branch shown: {md}");
         // The JSON form reads back as it was written.
         let json = serde_json::to_string(&doc).unwrap();
         assert_eq!(

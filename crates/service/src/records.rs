@@ -4,6 +4,6 @@
 
 pub use smolchat_store::{
     ApiKeyRecord, Conversation, ConversationSettings, ConversationSummary, Cursor, ImportedMessage,
-    ListPage, Message, MessageStatus, PageRequest, ReplicaRecord, Role, User, UserOverview,
-    UserRole, MAX_PAGE,
+    ListPage, Message, MessageStatus, PageRequest, ReplicaRecord, Role, StoredRow, User,
+    UserOverview, UserRole, MAX_PAGE,
 };

@@ -39,6 +39,9 @@ pub enum StoreError {
     #[error("there is no assistant message {0}")]
     MessageNotFound(Uuid),
 
+    #[error("the messages do not form a tree: {0}")]
+    BadTree(String),
+
     #[error("{messages} messages to store but {rows} ids and flags for them")]
     RowsMismatch { messages: usize, rows: usize },
 

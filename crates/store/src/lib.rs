@@ -204,7 +204,7 @@ macro_rules! summary_columns {
 macro_rules! message_columns {
     () => {
         "id, conversation_id, position, role, content, reasoning, raw, status, error, \
-         prompt_tokens, completion_tokens, cached_tokens, timings, created_at, imported"
+         prompt_tokens, completion_tokens, cached_tokens, timings, created_at, imported, parent_id"
     };
 }
 
@@ -640,14 +640,16 @@ impl Store {
         settings: &ConversationSettings,
         messages: &[ImportedMessage],
     ) -> Result<Conversation, StoreError> {
-        let rows: Vec<(Uuid, bool)> = messages.iter().map(|_| (Uuid::now_v7(), true)).collect();
+        let rows = StoredRow::linear(messages.len(), |_| true);
         self.insert_conversation(Uuid::now_v7(), owner, title, settings, messages, &rows)
             .await
     }
 
     /// Stores a whole conversation under `id` in one transaction, as
-    /// [`Store::import_conversation`] does, with each message's id and `imported` flag given in
-    /// `rows` (`false`: the model wrote it). The Responses API stores each response this way.
+    /// [`Store::import_conversation`] does, with each message's id, `imported` flag (`false`: the
+    /// model wrote it) and parent given in `rows`; the conversation shows the branch of the
+    /// last row that is a leaf of it ([`StoredRow::current`]), else of the last message. The
+    /// Responses API stores each response this way, an export of version 2 imports this way.
     pub async fn insert_conversation(
         &self,
         id: Uuid,
@@ -655,13 +657,22 @@ impl Store {
         title: &str,
         settings: &ConversationSettings,
         messages: &[ImportedMessage],
-        rows: &[(Uuid, bool)],
+        rows: &[StoredRow],
     ) -> Result<Conversation, StoreError> {
         if rows.len() != messages.len() {
             return Err(StoreError::RowsMismatch {
                 messages: messages.len(),
                 rows: rows.len(),
             });
+        }
+        if let Some((i, _)) = rows
+            .iter()
+            .enumerate()
+            .find(|(i, r)| r.parent.is_some_and(|p| p >= *i))
+        {
+            return Err(StoreError::BadTree(format!(
+                "message {i} follows a message that is not before it"
+            )));
         }
         settings.validate().map_err(StoreError::InvalidSettings)?;
         if messages
@@ -694,10 +705,10 @@ impl Store {
             sqlx::query(
                 "INSERT INTO messages (id, conversation_id, position, role, content, reasoning, \
                  raw, status, error, prompt_tokens, completion_tokens, cached_tokens, timings, \
-                 created_at, imported) \
-                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15)",
+                 created_at, imported, parent_id) \
+                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16)",
             )
-            .bind(rows[i].0.to_string())
+            .bind(rows[i].id.to_string())
             .bind(id.to_string())
             .bind(i as i64 + 1)
             .bind(m.role.as_str())
@@ -711,9 +722,17 @@ impl Store {
             .bind(m.cached_tokens)
             .bind(timings)
             .bind(m.created_at.timestamp_micros())
-            .bind(i64::from(rows[i].1))
+            .bind(i64::from(rows[i].imported))
+            .bind(rows[i].parent.map(|p| rows[p].id.to_string()))
             .execute(&mut *tx)
             .await?;
+        }
+        let leaf = rows
+            .iter()
+            .rposition(|r| r.current)
+            .or_else(|| rows.len().checked_sub(1));
+        if let Some(leaf) = leaf {
+            set_leaf(&mut tx, id, rows[leaf].id).await?;
         }
         tx.commit().await?;
         let conversation = row.into_conversation()?;
@@ -823,9 +842,11 @@ impl Store {
             tx.rollback().await?;
             return Err(StoreError::ConversationNotFound(conversation));
         }
+        let leaf = current_leaf(&mut tx, conversation).await?;
         let row = insert_message(
             &mut tx,
             conversation,
+            leaf,
             Role::User,
             content,
             MessageStatus::Complete,
@@ -846,9 +867,11 @@ impl Store {
             tx.rollback().await?;
             return Err(StoreError::ConversationNotFound(conversation));
         }
+        let leaf = current_leaf(&mut tx, conversation).await?;
         let row = insert_message(
             &mut tx,
             conversation,
+            leaf,
             Role::Assistant,
             "",
             MessageStatus::Streaming,
@@ -858,6 +881,81 @@ impl Store {
         .await?;
         tx.commit().await?;
         row.into_message()
+    }
+
+    /// A new reply being generated for the user message `to` (regenerate): a sibling of the
+    /// replies it has, which are kept. It becomes what the conversation shows.
+    /// [`StoreError::MessageNotFound`] when `to` is not a user message of the conversation.
+    pub async fn insert_reply(&self, conversation: Uuid, to: Uuid) -> Result<Message, StoreError> {
+        let now = now_micros();
+        let mut tx = WriteTx::begin(self).await?;
+        if !touch(&mut tx, conversation, now, None).await? {
+            tx.rollback().await?;
+            return Err(StoreError::ConversationNotFound(conversation));
+        }
+        if let Err(e) = parent_of(&mut tx, conversation, to, Role::User).await {
+            tx.rollback().await?;
+            return Err(e);
+        }
+        let row = insert_message(
+            &mut tx,
+            conversation,
+            Some(to),
+            Role::Assistant,
+            "",
+            MessageStatus::Streaming,
+            now,
+            self.replica_id(),
+        )
+        .await?;
+        tx.commit().await?;
+        row.into_message()
+    }
+
+    /// The branch a conversation shows: the path from its first message to its current leaf,
+    /// in order (every message of an older database, whose conversations are one branch).
+    pub async fn branch(&self, conversation: Uuid) -> Result<Vec<Message>, StoreError> {
+        let all = self.messages(conversation).await?;
+        let leaf: Option<Option<String>> =
+            sqlx::query_scalar("SELECT current_leaf FROM conversations WHERE id = $1")
+                .bind(conversation.to_string())
+                .fetch_optional(&self.pool)
+                .await?;
+        let leaf = leaf
+            .flatten()
+            .and_then(|l| Uuid::parse_str(&l).ok())
+            .or_else(|| all.last().map(|m| m.id));
+        Ok(path_to(&all, leaf))
+    }
+
+    /// Shows the branch through `message`: down to the newest message written after it (where
+    /// the conversation was last continued from there, so switching back to a version returns
+    /// to where one left it). Returns that leaf. [`StoreError::MessageNotFound`] when the
+    /// message is not of the conversation.
+    pub async fn select_branch(
+        &self,
+        conversation: Uuid,
+        message: Uuid,
+    ) -> Result<Uuid, StoreError> {
+        let all = self.messages(conversation).await?;
+        if !all.iter().any(|m| m.id == message) {
+            return Err(StoreError::MessageNotFound(message));
+        }
+        // Messages come in insertion order, so a parent is always before its children: one
+        // pass collects the subtree, and its last member is the newest (a leaf: anything after
+        // it in the subtree would be its child, and newer).
+        let mut subtree = std::collections::HashSet::from([message]);
+        let mut leaf = message;
+        for m in &all {
+            if m.parent_id.is_some_and(|p| subtree.contains(&p)) {
+                subtree.insert(m.id);
+                leaf = m.id;
+            }
+        }
+        let mut tx = WriteTx::begin(self).await?;
+        set_leaf(&mut tx, conversation, leaf).await?;
+        tx.commit().await?;
+        Ok(leaf)
     }
 
     /// Stores a reply's final state (content, reasoning, raw text, status, error, token counts,
@@ -905,43 +1003,37 @@ impl Store {
     }
 
     /// Stores one exchange in a single transaction: the user message and the assistant reply
-    /// that starts `streaming` for it. With `replacing`, the messages from that user message
-    /// (inclusive) on are deleted in the same transaction (regenerate, edit-and-resend), so a
-    /// failure at any point changes nothing. [`StoreError::ConversationNotFound`] for an unknown
-    /// conversation, [`StoreError::MessageNotFound`] when `replacing` is not a user message of
-    /// it.
+    /// that starts `streaming` for it. It continues the branch shown, or with `editing` it is
+    /// a new version of that user message (a sibling of it, which is kept: a new branch from
+    /// the same point). A failure at any point changes nothing.
+    /// [`StoreError::ConversationNotFound`] for an unknown conversation,
+    /// [`StoreError::MessageNotFound`] when `editing` is not a user message of it.
     pub async fn insert_exchange(
         &self,
         conversation: Uuid,
         content: &str,
-        replacing: Option<Uuid>,
+        editing: Option<Uuid>,
     ) -> Result<(Message, Message), StoreError> {
         let now = now_micros();
-        let conversation_id = conversation.to_string();
         let mut tx = WriteTx::begin(self).await?;
         if !touch(&mut tx, conversation, now, Some(content)).await? {
             tx.rollback().await?;
             return Err(StoreError::ConversationNotFound(conversation));
         }
-        if let Some(from) = replacing {
-            let deleted = sqlx::query(
-                "DELETE FROM messages WHERE conversation_id = $1 AND position >= \
-                 (SELECT position FROM messages WHERE id = $2 AND conversation_id = $1 \
-                  AND role = 'user')",
-            )
-            .bind(&conversation_id)
-            .bind(from.to_string())
-            .execute(&mut *tx)
-            .await?
-            .rows_affected();
-            if deleted == 0 {
-                tx.rollback().await?;
-                return Err(StoreError::MessageNotFound(from));
-            }
-        }
+        let parent = match editing {
+            Some(from) => match parent_of(&mut tx, conversation, from, Role::User).await {
+                Ok(p) => p,
+                Err(e) => {
+                    tx.rollback().await?;
+                    return Err(e);
+                }
+            },
+            None => current_leaf(&mut tx, conversation).await?,
+        };
         let user = insert_message(
             &mut tx,
             conversation,
+            parent,
             Role::User,
             content,
             MessageStatus::Complete,
@@ -949,9 +1041,11 @@ impl Store {
             None,
         )
         .await?;
+        let user_id = parse_uuid("messages", &user.id, &user.id)?;
         let assistant = insert_message(
             &mut tx,
             conversation,
+            Some(user_id),
             Role::Assistant,
             "",
             MessageStatus::Streaming,
@@ -984,37 +1078,6 @@ impl Store {
         .await?
         .rows_affected();
         Ok(updated > 0)
-    }
-
-    /// Deletes the messages of `conversation` from `from_message` (inclusive) on, for regenerate
-    /// and edit-and-resend; returns how many went. 0 when either id is unknown or the message
-    /// belongs to another conversation.
-    pub async fn delete_messages_from(
-        &self,
-        conversation: Uuid,
-        from_message: Uuid,
-    ) -> Result<u64, StoreError> {
-        let conversation_id = conversation.to_string();
-        let mut tx = WriteTx::begin(self).await?;
-        // The sub-select is NULL for an unknown message, and `position >= NULL` matches nothing.
-        let deleted = sqlx::query(
-            "DELETE FROM messages WHERE conversation_id = $1 AND position >= \
-             (SELECT position FROM messages WHERE id = $2 AND conversation_id = $1)",
-        )
-        .bind(&conversation_id)
-        .bind(from_message.to_string())
-        .execute(&mut *tx)
-        .await?
-        .rows_affected();
-        if deleted > 0 {
-            sqlx::query("UPDATE conversations SET updated_at = $1 WHERE id = $2")
-                .bind(now_micros())
-                .bind(&conversation_id)
-                .execute(&mut *tx)
-                .await?;
-        }
-        tx.commit().await?;
-        Ok(deleted)
     }
 
     /// `PRAGMA integrity_check` on SQLite: "ok" for a sound database, else SQLite's findings, one
@@ -1072,6 +1135,52 @@ async fn touch(
     .execute(&mut **tx)
     .await?;
     Ok(touched.rows_affected() > 0)
+}
+
+/// Makes `leaf` the message a conversation shows (its branch ends there).
+async fn set_leaf(tx: &mut WriteTx, conversation: Uuid, leaf: Uuid) -> Result<(), StoreError> {
+    sqlx::query("UPDATE conversations SET current_leaf = $1 WHERE id = $2")
+        .bind(leaf.to_string())
+        .bind(conversation.to_string())
+        .execute(&mut **tx)
+        .await?;
+    Ok(())
+}
+
+/// The message a conversation shows, read inside a write transaction.
+async fn current_leaf(tx: &mut WriteTx, conversation: Uuid) -> Result<Option<Uuid>, StoreError> {
+    let leaf: Option<Option<String>> =
+        sqlx::query_scalar("SELECT current_leaf FROM conversations WHERE id = $1")
+            .bind(conversation.to_string())
+            .fetch_optional(&mut **tx)
+            .await?;
+    leaf.flatten()
+        .map(|l| parse_uuid("conversations", &conversation.to_string(), &l))
+        .transpose()
+}
+
+/// A message of `conversation` with `role`, read inside a write transaction: its parent.
+/// `MessageNotFound` when there is none.
+async fn parent_of(
+    tx: &mut WriteTx,
+    conversation: Uuid,
+    message: Uuid,
+    role: Role,
+) -> Result<Option<Uuid>, StoreError> {
+    let row: Option<Option<String>> = sqlx::query_scalar(
+        "SELECT parent_id FROM messages WHERE id = $1 AND conversation_id = $2 AND role = $3",
+    )
+    .bind(message.to_string())
+    .bind(conversation.to_string())
+    .bind(role.as_str())
+    .fetch_optional(&mut **tx)
+    .await?;
+    match row {
+        None => Err(StoreError::MessageNotFound(message)),
+        Some(parent) => parent
+            .map(|p| parse_uuid("messages", &message.to_string(), &p))
+            .transpose(),
+    }
 }
 
 /// A write transaction (`BEGIN IMMEDIATE … COMMIT`) on one pooled connection.
@@ -1146,9 +1255,11 @@ impl Drop for WriteTx {
     }
 }
 
+#[allow(clippy::too_many_arguments)]
 async fn insert_message(
     tx: &mut WriteTx,
     conversation: Uuid,
+    parent: Option<Uuid>,
     role: Role,
     content: &str,
     status: MessageStatus,
@@ -1157,8 +1268,8 @@ async fn insert_message(
 ) -> Result<MessageRow, StoreError> {
     let inserted: Result<MessageRow, sqlx::Error> = sqlx::query_as(concat!(
         "INSERT INTO messages (id, conversation_id, position, role, content, status, created_at, \
-         replica_id) \
-         SELECT $1, $2, COALESCE(MAX(position), 0) + 1, $3, $4, $5, $6, $7 \
+         replica_id, parent_id) \
+         SELECT $1, $2, COALESCE(MAX(position), 0) + 1, $3, $4, $5, $6, $7, $8 \
          FROM messages WHERE conversation_id = $2 RETURNING ",
         message_columns!()
     ))
@@ -1174,10 +1285,16 @@ async fn insert_message(
             .flatten()
             .map(|r| r.to_string()),
     )
+    .bind(parent.map(|p| p.to_string()))
     .fetch_one(&mut **tx)
     .await;
     match inserted {
-        Ok(row) => Ok(row),
+        Ok(row) => {
+            // The new message is what the conversation shows now.
+            let id = parse_uuid("messages", &row.id, &row.id)?;
+            set_leaf(tx, conversation, id).await?;
+            Ok(row)
+        }
         // `messages_one_streaming`: another reply of this conversation is streaming (on any
         // replica).
         Err(sqlx::Error::Database(e))
@@ -1320,6 +1437,7 @@ struct MessageRow {
     timings: Option<String>,
     created_at: i64,
     imported: i64,
+    parent_id: Option<String>,
 }
 
 impl MessageRow {
@@ -1353,7 +1471,51 @@ impl MessageRow {
             cached_tokens: self.cached_tokens,
             timings,
             imported: self.imported != 0,
+            parent_id: self
+                .parent_id
+                .as_deref()
+                .map(|p| parse_uuid(T, &self.id, p))
+                .transpose()?,
         })
+    }
+}
+
+/// The path from the root to `leaf` through `parent_id`s, in order (empty without a leaf).
+pub fn path_to(all: &[Message], leaf: Option<Uuid>) -> Vec<Message> {
+    let by_id: std::collections::HashMap<Uuid, &Message> = all.iter().map(|m| (m.id, m)).collect();
+    let mut path = Vec::new();
+    let mut at = leaf.and_then(|l| by_id.get(&l).copied());
+    // Bounded by the number of messages, whatever the rows say.
+    while let Some(m) = at.filter(|_| path.len() < all.len()) {
+        path.push(m.clone());
+        at = m.parent_id.and_then(|p| by_id.get(&p).copied());
+    }
+    path.reverse();
+    path
+}
+
+/// How [`Store::insert_conversation`] stores one message: its id, whether it was imported, the
+/// index of the message it follows (an earlier one; `None`: a first message), and whether it
+/// is the leaf the conversation shows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StoredRow {
+    pub id: Uuid,
+    pub imported: bool,
+    pub parent: Option<usize>,
+    pub current: bool,
+}
+
+impl StoredRow {
+    /// `n` messages in one branch, each following the one before, new ids, the last shown.
+    pub fn linear(n: usize, imported: impl Fn(usize) -> bool) -> Vec<StoredRow> {
+        (0..n)
+            .map(|i| StoredRow {
+                id: Uuid::now_v7(),
+                imported: imported(i),
+                parent: i.checked_sub(1),
+                current: i + 1 == n,
+            })
+            .collect()
     }
 }
 

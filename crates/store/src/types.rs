@@ -252,6 +252,9 @@ pub struct Message {
     /// The message came in through an import: its text (an assistant message's included) is the
     /// importer's, never the model's, so prompts guard it like user text.
     pub imported: bool,
+    /// The message it follows (`None` for a first message). Siblings are versions: replies
+    /// regenerated for one user message, user messages edited from one point.
+    pub parent_id: Option<Uuid>,
 }
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]

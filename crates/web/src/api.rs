@@ -62,6 +62,30 @@ pub struct NewMessage {
     pub content: String,
 }
 
+/// `POST …/edit`: the new text, and which user message of the branch shown it is a new version
+/// of (the last one when absent).
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EditMessage {
+    pub content: String,
+    #[serde(default)]
+    pub message_id: Option<Uuid>,
+}
+
+/// `POST …/regenerate?message_id=`: the user message to answer again (the branch's last one
+/// when absent).
+#[derive(Debug, Deserialize)]
+pub struct RegenerateQuery {
+    pub message_id: Option<String>,
+}
+
+/// `POST …/select`: the message whose branch to show.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SelectMessage {
+    pub message_id: Uuid,
+}
+
 #[derive(Debug, Default, Deserialize)]
 pub struct ListQuery {
     pub q: Option<String>,
@@ -74,7 +98,10 @@ pub struct ListQuery {
 pub struct ConversationDetail {
     #[serde(flatten)]
     pub conversation: Conversation,
+    /// The branch shown, in order.
     pub messages: Vec<Message>,
+    /// Per message: its versions (`index` of `count`, the `previous` and `next` ones' ids).
+    pub versions: Vec<smolchat_service::conversations::Versions>,
     /// Whether a reply is being generated right now.
     pub replying: bool,
     /// The model's context window in tokens (the page shows usage against it).
@@ -172,6 +199,7 @@ pub async fn get(
     Ok(HttpResponse::Ok().json(ConversationDetail {
         conversation: view.conversation,
         messages: view.messages,
+        versions: view.versions,
         replying: view.replying,
         context_window: state.platform.model().context_window,
     }))
@@ -231,36 +259,70 @@ pub async fn send_message(
     })))
 }
 
-/// `POST /api/conversations/{id}/regenerate`: the last reply again (202, like a send).
+/// `POST /api/conversations/{id}/regenerate[?message_id=]`: a new reply to the last user message
+/// (or that one) beside the replies it has, kept as versions (202, like a send).
 pub async fn regenerate(
     state: web::Data<AppState>,
     owner: Owner,
     path: web::Path<String>,
+    query: web::Query<RegenerateQuery>,
 ) -> Result<HttpResponse, WebError> {
     let id = parse_id(&path)?;
+    let message = query
+        .message_id
+        .as_deref()
+        .map(|m| {
+            Uuid::parse_str(m).map_err(|_| {
+                WebError::BadRequest(format!("message_id {m:?} is not a message id (a UUID)"))
+            })
+        })
+        .transpose()?;
     let accepted = state
         .platform
         .conversations()
-        .regenerate(&owner.caller(), id)
+        .regenerate(&owner.caller(), id, message)
         .await?;
     Ok(HttpResponse::Accepted().json(accepted))
 }
 
-/// `POST /api/conversations/{id}/edit` `{"content"}`: replaces the last user message and
-/// everything after it, then sends it (202, like a send).
+/// `POST /api/conversations/{id}/edit` `{"content", "message_id"?}`: sends a new version of a
+/// user message of the branch shown (the last one without `message_id`): a new branch from the
+/// same point, the old one kept (202, like a send).
 pub async fn edit(
     state: web::Data<AppState>,
     owner: Owner,
     path: web::Path<String>,
-    body: JsonBody<NewMessage>,
+    body: JsonBody<EditMessage>,
 ) -> Result<HttpResponse, WebError> {
     let id = parse_id(&path)?;
     let accepted = state
         .platform
         .conversations()
-        .edit(&owner.caller(), id, body.0.content)
+        .edit(&owner.caller(), id, body.0.content, body.0.message_id)
         .await?;
     Ok(HttpResponse::Accepted().json(accepted))
+}
+
+/// `POST /api/conversations/{id}/select` `{"message_id"}`: shows the branch through that
+/// message (a version chosen among its siblings); answers the conversation as `GET` does.
+pub async fn select(
+    state: web::Data<AppState>,
+    owner: Owner,
+    path: web::Path<String>,
+    body: JsonBody<SelectMessage>,
+) -> Result<HttpResponse, WebError> {
+    let id = parse_id(&path)?;
+    let caller = owner.caller();
+    let conversations = state.platform.conversations();
+    conversations.select(&caller, id, body.0.message_id).await?;
+    let view = conversations.get(&caller, id).await?;
+    Ok(HttpResponse::Ok().json(ConversationDetail {
+        conversation: view.conversation,
+        messages: view.messages,
+        versions: view.versions,
+        replying: view.replying,
+        context_window: state.platform.model().context_window,
+    }))
 }
 
 /// `POST /api/conversations/{id}/stop`: stops the running reply (it is stored as `stopped`).

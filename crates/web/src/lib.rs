@@ -186,6 +186,11 @@ pub fn routes(cfg: &mut web::ServiceConfig) {
                     .default_service(web::to(method_not_allowed)),
             )
             .service(
+                web::resource("/conversations/{id}/select")
+                    .route(web::post().to(api::select))
+                    .default_service(web::to(method_not_allowed)),
+            )
+            .service(
                 web::resource("/conversations/{id}/edit")
                     .route(web::post().to(api::edit))
                     .default_service(web::to(method_not_allowed)),
@@ -233,6 +238,7 @@ pub fn routes(cfg: &mut web::ServiceConfig) {
             .route("/{id}/stop", web::post().to(pages::stop))
             .route("/{id}/regenerate", web::post().to(pages::regenerate))
             .route("/{id}/edit", web::post().to(pages::edit))
+            .route("/{id}/select", web::post().to(pages::select))
             .route("/{id}/rename", web::post().to(pages::rename))
             .route("/{id}/settings", web::post().to(pages::settings))
             .route("/{id}/thinking", web::post().to(pages::thinking))

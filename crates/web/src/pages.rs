@@ -34,7 +34,7 @@ use super::error::WebError;
 use super::html::{html, read_form};
 use super::owner::Owner;
 use super::{csrf, markdown, AppState};
-use smolchat_service::conversations::{ConversationView, NewConversation, SettingsPatch};
+use smolchat_service::conversations::{ConversationView, NewConversation, SettingsPatch, Versions};
 use smolchat_service::records::{ConversationSummary, ListPage, Message, MessageStatus, Role};
 use smolchat_service::ConversationError;
 
@@ -80,19 +80,43 @@ pub struct MessageView {
     pub status: &'static str,
     pub error: String,
     pub stats: String,
+    /// The message it follows (a reply's user message: what regenerate answers again).
+    pub parent: String,
+    /// ‹ index/count › when it has other versions.
+    pub versions: Option<VersionNav>,
+}
+
+/// A message's place among its versions, for the ‹ › arrows (ids empty at either end).
+pub struct VersionNav {
+    pub index: usize,
+    pub count: usize,
+    pub previous: String,
+    pub next: String,
 }
 
 /// The views of `messages` (user and assistant ones), their markdown rendered on a blocking
-/// thread: a long history is CPU work the event loop must not wait on.
+/// thread: a long history is CPU work the event loop must not wait on. `versions`, when given,
+/// is per message of `messages`.
 pub async fn message_views(
     messages: Vec<Message>,
+    versions: Vec<Versions>,
     replying: bool,
 ) -> Result<Vec<MessageView>, WebError> {
     web::block(move || {
         messages
             .iter()
-            .filter(|m| matches!(m.role, Role::User | Role::Assistant))
-            .map(|m| MessageView::from_message(m, replying))
+            .enumerate()
+            .filter(|(_, m)| matches!(m.role, Role::User | Role::Assistant))
+            .map(|(i, m)| {
+                let mut view = MessageView::from_message(m, replying);
+                view.versions = versions.get(i).filter(|v| v.count > 1).map(|v| VersionNav {
+                    index: v.index,
+                    count: v.count,
+                    previous: v.previous.map(|p| p.to_string()).unwrap_or_default(),
+                    next: v.next.map(|n| n.to_string()).unwrap_or_default(),
+                });
+                view
+            })
             .collect()
     })
     .await
@@ -137,6 +161,8 @@ impl MessageView {
             status: m.status.as_str(),
             error: m.error.clone().unwrap_or_default(),
             stats: stats.join(" · "),
+            parent: m.parent_id.map(|p| p.to_string()).unwrap_or_default(),
+            versions: None,
         }
     }
 }
@@ -211,9 +237,9 @@ async fn chat_page(
     let service = &state.platform.conversations();
     let first = page_request(None, None)?;
     let list = service.list(&owner.caller(), None, &first).await?;
-    let (conversation, messages, replying) = match view {
-        Some(v) => (Some(v.conversation), v.messages, v.replying),
-        None => (None, Vec::new(), false),
+    let (conversation, messages, versions, replying) = match view {
+        Some(v) => (Some(v.conversation), v.messages, v.versions, v.replying),
+        None => (None, Vec::new(), Vec::new(), false),
     };
     // Tokens in use: the last reply's prompt plus what it generated.
     let context_used = messages
@@ -226,7 +252,7 @@ async fn chat_page(
             )
         })
         .unwrap_or(0);
-    let views = message_views(messages, replying).await?;
+    let views = message_views(messages, versions, replying).await?;
     let settings = conversation
         .as_ref()
         .map(|c| c.settings.clone())
@@ -324,7 +350,7 @@ pub async fn message(
             ConversationError::NotFound => WebError::NotFound("message not found".into()),
             other => other.into(),
         })?;
-    let m = message_views(vec![m], replying)
+    let m = message_views(vec![m], Vec::new(), replying)
         .await?
         .pop()
         .ok_or_else(|| WebError::NotFound("message not found".into()))?;
@@ -335,6 +361,29 @@ pub async fn message(
 pub struct ContentForm {
     #[serde(default)]
     content: String,
+}
+
+#[derive(Deserialize)]
+pub struct EditForm {
+    #[serde(default)]
+    content: String,
+    /// The user message this is a new version of (the last one when absent).
+    #[serde(default)]
+    message: Option<String>,
+}
+
+#[derive(Deserialize)]
+pub struct SelectForm {
+    message: String,
+}
+
+/// A message id from a form field.
+fn form_message_id(raw: &str) -> Result<Uuid, PageError> {
+    Uuid::parse_str(raw).map_err(|_| {
+        PageError::from(WebError::BadRequest(format!(
+            "{raw:?} is not a message id (expected a UUID)"
+        )))
+    })
 }
 
 /// An HTMX redirect (a full page load of `to`), with `Location` for other clients.
@@ -411,14 +460,32 @@ pub async fn regenerate(
     state: web::Data<AppState>,
     owner: Owner,
     path: web::Path<String>,
+    req: HttpRequest,
+    payload: web::Payload,
 ) -> Result<HttpResponse, PageError> {
     let id = parse_id(&path)?;
+    let caller = owner.caller();
+    state.platform.conversations().owned(&caller, id).await?;
+    // The user message to answer again (the branch's last one when absent).
+    let form: RegenerateForm = read_form(&state, &req, payload).await?;
+    let message = form
+        .message
+        .as_deref()
+        .filter(|m| !m.is_empty())
+        .map(form_message_id)
+        .transpose()?;
     state
         .platform
         .conversations()
-        .regenerate(&owner.caller(), id)
+        .regenerate(&caller, id, message)
         .await?;
     Ok(HttpResponse::Accepted().finish())
+}
+
+#[derive(Deserialize)]
+pub struct RegenerateForm {
+    #[serde(default)]
+    message: Option<String>,
 }
 
 /// `POST /c/{id}/edit`
@@ -433,13 +500,41 @@ pub async fn edit(
     // Whose it is before what the body says: another owner's id is 404 whatever the form holds.
     let caller = owner.caller();
     state.platform.conversations().owned(&caller, id).await?;
-    let form: ContentForm = read_form(&state, &req, payload).await?;
+    let form: EditForm = read_form(&state, &req, payload).await?;
+    let message = form
+        .message
+        .as_deref()
+        .filter(|m| !m.is_empty())
+        .map(form_message_id)
+        .transpose()?;
     state
         .platform
         .conversations()
-        .edit(&caller, id, form.content)
+        .edit(&caller, id, form.content, message)
         .await?;
     Ok(HttpResponse::Accepted().finish())
+}
+
+/// `POST /c/{id}/select`: shows the branch through a version (‹ › on a message); the page
+/// reloads the conversation.
+pub async fn select(
+    state: web::Data<AppState>,
+    owner: Owner,
+    path: web::Path<String>,
+    req: HttpRequest,
+    payload: web::Payload,
+) -> Result<HttpResponse, PageError> {
+    let id = parse_id(&path)?;
+    let caller = owner.caller();
+    state.platform.conversations().owned(&caller, id).await?;
+    let form: SelectForm = read_form(&state, &req, payload).await?;
+    let message = form_message_id(&form.message)?;
+    state
+        .platform
+        .conversations()
+        .select(&caller, id, message)
+        .await?;
+    Ok(hx_redirect(StatusCode::SEE_OTHER, &format!("/c/{id}")))
 }
 
 #[derive(Deserialize)]
@@ -687,6 +782,8 @@ mod tests {
             status: "complete",
             error: String::new(),
             stats: "3 tokens".into(),
+            parent: String::new(),
+            versions: None,
         }
     }
 

@@ -39,7 +39,7 @@ use super::openai::{self, Assembler, CallOut, ChatAssembler};
 use super::{AppState, WebError};
 use crate::error::ApiError;
 use smolchat_service::completions::{Completion, GenEvent, GenSummary, StopReason};
-use smolchat_service::records::{ImportedMessage, Message, MessageStatus, Role};
+use smolchat_service::records::{ImportedMessage, Message, MessageStatus, Role, StoredRow};
 use smolchat_service::{Caller, ConversationError};
 use uuid::Uuid;
 
@@ -230,14 +230,15 @@ struct Keep {
 impl Keep {
     /// Stores the response with its reply; a failure is logged (the answer has been given).
     async fn save(self, reply: ImportedMessage) {
-        let mut messages = Vec::with_capacity(self.turns.len() + 1);
-        let mut rows = Vec::with_capacity(self.turns.len() + 1);
-        for (m, imported) in self.turns {
-            messages.push(m);
-            rows.push((Uuid::now_v7(), imported));
-        }
+        let flags: Vec<bool> = self.turns.iter().map(|(_, imported)| *imported).collect();
+        let mut messages: Vec<ImportedMessage> = self.turns.into_iter().map(|(m, _)| m).collect();
         messages.push(reply);
-        rows.push((self.message, false));
+        // One branch; the reply (last) is the model's, under the id it was answered with.
+        let mut rows =
+            StoredRow::linear(messages.len(), |i| flags.get(i).copied().unwrap_or(false));
+        if let Some(last) = rows.last_mut() {
+            last.id = self.message;
+        }
         if let Err(e) = self
             .state
             .platform
@@ -1183,6 +1184,7 @@ mod tests {
                     timings: None,
                     created_at: s.created_at,
                     imported: true,
+                    parent_id: None,
                 }
             })
             .collect();

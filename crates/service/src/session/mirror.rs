@@ -201,6 +201,7 @@ mod tests {
             timings: None,
             created_at: chrono::Utc::now(),
             imported: false,
+            parent_id: None,
         }
     }
 

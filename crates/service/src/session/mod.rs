@@ -528,12 +528,14 @@ pub struct SendMessage {
 /// What a [`SendMessage`] replaces.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Replacing {
-    /// Nothing: a new exchange at the end.
+    /// Nothing: a new exchange continuing the branch shown.
     Nothing,
-    /// This user message and everything after it.
+    /// A new version of this user message of the branch shown: with content, an edit (a new
+    /// user message beside it, and its reply: a new branch); without, a new reply to it beside
+    /// its others (regenerate). What it replaces is kept.
     Message(Uuid),
-    /// The last user message and everything after it, found inside the session when the send
-    /// runs, so a send that lands first cannot make it replace the wrong exchange.
+    /// The same for the last user message of the branch shown, found inside the session when
+    /// the send runs, so a send that lands first cannot make it replace the wrong exchange.
     LastUserMessage,
 }
 
@@ -587,7 +589,7 @@ impl Handler<SendMessage> for SessionActor {
                 .get_conversation(id)
                 .await?
                 .ok_or(SessionError::NotFound)?;
-            let mut history = shared.store.messages(id).await?;
+            let mut history = shared.store.branch(id).await?;
             let at = match replacing {
                 Replacing::Nothing => None,
                 Replacing::Message(from) => Some(
@@ -603,14 +605,16 @@ impl Handler<SendMessage> for SessionActor {
                         .ok_or(SessionError::NothingToResend)?,
                 ),
             };
-            let replacing = at.map(|i| history[i].id);
+            let replacing = at.map(|i| history[i].clone());
+            // Regenerate: a new reply to the same message.
+            let regenerate = content.is_none();
             let content = match (content, at) {
                 (Some(c), _) => c,
                 (None, Some(i)) => history[i].content.clone(),
                 (None, None) => return Err(SessionError::EmptyMessage),
             };
             if let Some(at) = at {
-                // The prompt is the conversation before the replaced message.
+                // The prompt is the branch before the replaced message.
                 history.truncate(at);
             }
             // Rendering and tokenizing a long history is CPU work: on a blocking thread, not on
@@ -636,10 +640,18 @@ impl Handler<SendMessage> for SessionActor {
             // Ask the scheduler first: an overloaded server refuses before anything is stored.
             let completion = shared.completions.submit(request).await?;
             // Should the store refuse the exchange, dropping `completion` cancels the request.
-            let (user, assistant) = shared
-                .store
-                .insert_exchange(id, &content, replacing)
-                .await?;
+            let (user, assistant) = match replacing {
+                Some(user) if regenerate => {
+                    let reply = shared.store.insert_reply(id, user.id).await?;
+                    (user, reply)
+                }
+                replacing => {
+                    shared
+                        .store
+                        .insert_exchange(id, &content, replacing.map(|m| m.id))
+                        .await?
+                }
+            };
             Ok((completion, user, assistant, prepared))
         };
         Box::pin(work.into_actor(self).map(move |result, act, ctx| {

@@ -143,6 +143,7 @@ mod tests {
             timings: None,
             created_at: chrono::Utc::now(),
             imported: false,
+            parent_id: None,
         }
     }
 

@@ -1,0 +1,236 @@
+//! Message versions and branches in a real headless Chromium against a real `smolchat serve`
+//! with the default model: regenerate twice, switch between the three replies with ‹ ›,
+//! continue from the second; edit the first message of a four-message conversation, switch back
+//! to the original branch. Nothing is lost, and each branch's next reply is built from that
+//! branch only: its prompt has exactly the token count `/v1/chat/completions` gives for the
+//! branch's messages (the same prompt builder), never the other branches' text.
+
+mod common;
+
+use common::chromium::*;
+use common::server::Server;
+use fantoccini::Client;
+use serde_json::{json, Value};
+
+/// The conversation as the JSON API answers it, fetched by the page (its owner cookie).
+async fn conversation(c: &Client, id: &str) -> Value {
+    js(
+        c,
+        &format!(
+            "const x = new XMLHttpRequest(); x.open('GET', '/api/conversations/{id}', false); \
+             x.send(); return JSON.parse(x.responseText)"
+        ),
+    )
+    .await
+}
+
+/// `[role, content]` of the branch shown.
+fn shown(conv: &Value) -> Vec<(String, String)> {
+    conv["messages"]
+        .as_array()
+        .map(|ms| {
+            ms.iter()
+                .map(|m| {
+                    (
+                        m["role"].as_str().unwrap_or("").to_string(),
+                        m["content"].as_str().unwrap_or("").to_string(),
+                    )
+                })
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// The version arrows' text on the message at `css` once the page is idle (after a reload).
+async fn version_of(c: &Client, css: &str, want: &str) {
+    let script = format!(
+        "const e = document.querySelector({}); \
+         return document.getElementById('stop-btn').hidden && e ? e.textContent : null",
+        json!(format!("{css} .ver-count"))
+    );
+    wait_js(c, &script, &format!("version {want} on {css}"), |v| {
+        v == &json!(want)
+    })
+    .await;
+}
+
+/// The prompt tokens `/v1/chat/completions` counts for `messages` (user and assistant turns,
+/// each assistant turn as the model wrote it).
+async fn v1_prompt_tokens(server: &Server, messages: &[Value]) -> u64 {
+    let body: Vec<Value> = messages
+        .iter()
+        .map(|m| {
+            let text = m["raw"].as_str().or(m["content"].as_str()).unwrap_or("");
+            json!({"role": m["role"], "content": text})
+        })
+        .collect();
+    let r = reqwest::Client::new()
+        .post(format!("{}/v1/chat/completions", server.base))
+        .json(&json!({"messages": body, "max_tokens": 1, "temperature": 0}))
+        .send()
+        .await
+        .expect("v1");
+    let v: Value = r.json().await.expect("json");
+    v["usage"]["prompt_tokens"]
+        .as_u64()
+        .unwrap_or_else(|| panic!("no usage: {v}"))
+}
+
+/// The last reply of the branch shown was prompted with exactly the branch before it.
+async fn built_from_the_branch(server: &Server, conv: &Value) {
+    let messages = conv["messages"].as_array().cloned().unwrap_or_default();
+    let (reply, before) = messages.split_last().expect("a reply");
+    let expected = v1_prompt_tokens(server, before).await;
+    assert_eq!(
+        reply["prompt_tokens"].as_u64(),
+        Some(expected),
+        "the reply's prompt is the branch shown: {}",
+        serde_json::to_string_pretty(&shown(conv)).unwrap_or_default()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn versions_and_branches_in_a_real_browser() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let server = Server::start(
+        dir.path(),
+        &[
+            ("SMOLCHAT_SAMPLING__MAX_TOKENS", "20"),
+            ("SMOLCHAT_SAMPLING__TEMPERATURE", "1.0"),
+        ],
+    )
+    .await;
+    let driver = start_driver(dir.path()).await;
+    let alice = browser(&driver, &dir.path().join("alice"), DESKTOP).await;
+    alice.goto(&server.base).await.expect("open");
+    send(&alice, "Name a fruit.").await;
+    wait_js(
+        &alice,
+        "return location.pathname",
+        "the conversation page",
+        |v| v.as_str().is_some_and(|p| p.starts_with("/c/")),
+    )
+    .await;
+    let id = conversation_id(&alice).await;
+    wait_js(&alice, IDLE, "the first reply", |v| v == &json!(1)).await;
+    let first = conversation(&alice, &id).await;
+    let first_reply = first["messages"][1]["id"].clone();
+
+    // Regenerate twice: three versions of the reply, the newest shown.
+    for n in ["2/2", "3/3"] {
+        click(
+            &alice,
+            ".messages.idle > .msg.assistant:last-child .regen-btn",
+        )
+        .await;
+        version_of(&alice, ".msg.assistant:last-child", n).await;
+    }
+    let three = conversation(&alice, &id).await;
+    assert_eq!(three["messages"].as_array().map(Vec::len), Some(2));
+    assert_eq!(
+        three["versions"][1],
+        json!({"index": 3, "count": 3,
+        "previous": three["versions"][1]["previous"], "next": null})
+    );
+    let third_reply = three["messages"][1]["id"].clone();
+
+    // Switch between them: ‹ ‹ (the first), › (the second).
+    let prev = ".msg.assistant:last-child .ver-btn[aria-label='Previous version']";
+    let next = ".msg.assistant:last-child .ver-btn[aria-label='Next version']";
+    click(&alice, prev).await;
+    version_of(&alice, ".msg.assistant:last-child", "2/3").await;
+    click(&alice, prev).await;
+    version_of(&alice, ".msg.assistant:last-child", "1/3").await;
+    assert_eq!(
+        conversation(&alice, &id).await["messages"][1]["id"],
+        first_reply
+    );
+    click(&alice, next).await;
+    version_of(&alice, ".msg.assistant:last-child", "2/3").await;
+    let second = conversation(&alice, &id).await;
+    let second_reply = second["messages"][1].clone();
+    assert!(second_reply["id"] != first_reply && second_reply["id"] != third_reply);
+    let on_page = js(
+        &alice,
+        "return document.querySelector('.msg.assistant:last-child .md').innerText.trim()",
+    )
+    .await;
+    assert_eq!(
+        on_page.as_str().map(str::trim),
+        second_reply["content"].as_str().map(str::trim),
+        "the page shows the second version"
+    );
+
+    // Continue from the second: the next reply is built from [question, second version, new
+    // question] only.
+    send(&alice, "And a vegetable?").await;
+    wait_js(&alice, IDLE, "the reply after the second version", |v| {
+        v == &json!(2)
+    })
+    .await;
+    let continued = conversation(&alice, &id).await;
+    let roles: Vec<String> = shown(&continued).into_iter().map(|(r, _)| r).collect();
+    assert_eq!(roles, ["user", "assistant", "user", "assistant"]);
+    assert_eq!(continued["messages"][1]["id"], second_reply["id"]);
+    built_from_the_branch(&server, &continued).await;
+    let original = shown(&continued);
+
+    // Edit the first message of the four: a new branch from the root.
+    click(&alice, ".msg.user .edit-btn").await;
+    let editing = js(&alice, "return document.getElementById('input').value").await;
+    assert_eq!(editing, json!("Name a fruit."));
+    let input = alice
+        .find(fantoccini::Locator::Css("#input"))
+        .await
+        .expect("input");
+    input.clear().await.expect("clear");
+    send(&alice, "Name a colour.").await;
+    version_of(&alice, ".msg.user", "2/2").await;
+    wait_js(&alice, IDLE, "the edited branch's reply", |v| {
+        v == &json!(1)
+    })
+    .await;
+    let edited = conversation(&alice, &id).await;
+    assert_eq!(shown(&edited)[0], ("user".into(), "Name a colour.".into()));
+    assert_eq!(shown(&edited).len(), 2);
+    built_from_the_branch(&server, &edited).await;
+
+    // Back to the original branch: all four messages, as they were.
+    click(&alice, ".msg.user .ver-btn[aria-label='Previous version']").await;
+    version_of(&alice, ".msg.user", "1/2").await;
+    let back = conversation(&alice, &id).await;
+    assert_eq!(
+        shown(&back),
+        original,
+        "nothing of the original branch was lost"
+    );
+    let texts = js(
+        &alice,
+        "return Array.from(document.querySelectorAll('.msg.user .text')).map(e => e.textContent)",
+    )
+    .await;
+    assert_eq!(texts, json!(["Name a fruit.", "And a vegetable?"]));
+    // And it goes on from there: built from the original branch only.
+    send(&alice, "Thanks!").await;
+    wait_js(&alice, IDLE, "the original branch's next reply", |v| {
+        v == &json!(3)
+    })
+    .await;
+    built_from_the_branch(&server, &conversation(&alice, &id).await).await;
+    screenshot(&alice, "versions").await;
+
+    // Another owner reaches none of it.
+    let bob = browser(&driver, &dir.path().join("bob"), DESKTOP).await;
+    bob.goto(&server.base).await.expect("open");
+    let status = js(
+        &bob,
+        &format!(
+            "const x = new XMLHttpRequest(); x.open('POST', '/api/conversations/{id}/select', false); \
+             x.setRequestHeader('Content-Type', 'application/json'); \
+             x.send(JSON.stringify({{message_id: {}}})); return x.status",
+            second_reply["id"]
+        ),
+    )
+    .await;
+    assert_eq!(status, json!(404));
+}
