@@ -161,6 +161,37 @@
     s.hidden = !s.hidden;
     settingsBtn.setAttribute("aria-expanded", String(!s.hidden));
   });
+  // Share: make a link, show it once in a dialog, copy or revoke it.
+  const shareBtn = document.getElementById("share-btn");
+  const shareDialog = document.getElementById("share-dialog");
+  let shareId = null;
+  if (shareBtn && shareDialog) {
+    shareBtn.addEventListener("click", async () => {
+      try {
+        const res = await post("/c/" + convId + "/share");
+        const made = await res.json();
+        shareId = made.id;
+        document.getElementById("share-url").value = made.url;
+        document.getElementById("share-revoke").disabled = false;
+        shareDialog.showModal();
+        document.getElementById("share-url").select();
+      } catch (err) { explain(err); }
+    });
+    document.getElementById("share-copy").addEventListener("click", async () => {
+      const url = document.getElementById("share-url").value;
+      try { await navigator.clipboard.writeText(url); toast("Link copied."); } catch (_) { document.getElementById("share-url").select(); }
+    });
+    document.getElementById("share-revoke").addEventListener("click", async () => {
+      if (!shareId) return;
+      try {
+        await post("/c/" + convId + "/shares/" + shareId + "/revoke");
+        document.getElementById("share-revoke").disabled = true;
+        document.getElementById("share-url").value = "(revoked)";
+        toast("The link is revoked.");
+      } catch (err) { explain(err); }
+    });
+    document.getElementById("share-close").addEventListener("click", () => shareDialog.close());
+  }
   const renameBtn = document.getElementById("rename-btn");
   if (renameBtn) renameBtn.addEventListener("click", async () => {
     const title = window.prompt("Rename conversation", renameBtn.dataset.title || "");

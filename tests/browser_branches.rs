@@ -234,3 +234,176 @@ async fn versions_and_branches_in_a_real_browser() {
     .await;
     assert_eq!(status, json!(404));
 }
+
+/// A share link: made from the chat page, opened in a fresh browser without an account, it
+/// shows exactly the snapshot (not what is written later), is never indexed and sends no
+/// referrer; revoked, it answers 404; nothing else of its owner is reachable from it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn share_links_in_a_real_browser() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let server = Server::start(
+        dir.path(),
+        &[
+            ("SMOLCHAT_SAMPLING__MAX_TOKENS", "16"),
+            ("SMOLCHAT_AUTH__GUESTS", "true"),
+        ],
+    )
+    .await;
+    let driver = start_driver(dir.path()).await;
+    let alice = browser(&driver, &dir.path().join("alice"), DESKTOP).await;
+    alice.goto(&server.base).await.expect("open");
+    // Another conversation of hers, which the link must not lead to.
+    send(&alice, "A private note.").await;
+    wait_js(&alice, IDLE, "the private reply", |v| v == &json!(1)).await;
+    let private = conversation_id(&alice).await;
+    alice.goto(&server.base).await.expect("new chat");
+    send(&alice, "Tell me a recipe.").await;
+    wait_js(
+        &alice,
+        "return location.pathname",
+        "the conversation page",
+        |v| {
+            v.as_str()
+                .is_some_and(|p| p.starts_with("/c/") && !p.contains(&private))
+        },
+    )
+    .await;
+    wait_js(&alice, IDLE, "the reply", |v| v == &json!(1)).await;
+    let id = conversation_id(&alice).await;
+    let snapshot = shown(&conversation(&alice, &id).await);
+
+    click(&alice, "#share-btn").await;
+    let url = wait_js(
+        &alice,
+        "const d = document.getElementById('share-dialog'); \
+         return d.open ? document.getElementById('share-url').value : ''",
+        "the share link",
+        |v| v.as_str().is_some_and(|u| u.contains("/s/")),
+    )
+    .await;
+    let url = url.as_str().unwrap_or_default().to_string();
+    screenshot(&alice, "share-dialog").await;
+    click(&alice, "#share-close").await;
+    // Written after sharing: not in the snapshot.
+    send(&alice, "And a dessert?").await;
+    wait_js(&alice, IDLE, "the later reply", |v| v == &json!(2)).await;
+
+    // A fresh browser, no cookie, no account.
+    let carol = browser(&driver, &dir.path().join("carol"), DESKTOP).await;
+    carol.goto(&url).await.expect("open the link");
+    let page = js(
+        &carol,
+        "return [document.querySelector('h1').textContent, \
+         Array.from(document.querySelectorAll('.msg')).map(m => [m.classList.contains('user') ? 'user' : 'assistant', \
+           (m.querySelector('.text') || m.querySelector('.md')).innerText.trim()])]",
+    )
+    .await;
+    assert_eq!(page[0], json!("Tell me a recipe."));
+    let expected: Vec<Value> = snapshot.iter().map(|(r, c)| json!([r, c.trim()])).collect();
+    assert_eq!(page[1], json!(expected), "exactly the snapshot");
+    let html = carol.source().await.expect("source");
+    assert!(
+        !html.contains(&id) && !html.contains(&private),
+        "no conversation id on the page"
+    );
+    assert!(html.contains("noindex"));
+    let cookies = carol.get_all_cookies().await.expect("cookies");
+    assert!(
+        cookies.is_empty(),
+        "a share page sets no cookie: {cookies:?}"
+    );
+    screenshot(&carol, "share-page").await;
+    let http = reqwest::Client::new();
+    let r = http.get(&url).send().await.expect("get");
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.headers()["x-robots-tag"], "noindex, nofollow");
+    assert_eq!(r.headers()["referrer-policy"], "no-referrer");
+    // Nothing else of hers from there: her conversations and the share list are 404 to carol.
+    for path in [
+        format!("/c/{private}"),
+        format!("/c/{id}"),
+        format!("/api/conversations/{id}/shares"),
+    ] {
+        let status = js(
+            &carol,
+            &format!(
+                "const x = new XMLHttpRequest(); x.open('GET', '{path}', false); x.send(); return x.status"
+            ),
+        )
+        .await;
+        assert_eq!(status, json!(404), "{path}");
+    }
+
+    // Revoked from the chat page: the link is 404 from then on.
+    click(&alice, "#share-btn").await;
+    wait_js(
+        &alice,
+        "return document.getElementById('share-dialog').open",
+        "a second link",
+        |v| v == &json!(true),
+    )
+    .await;
+    let second = js(&alice, "return document.getElementById('share-url').value").await;
+    click(&alice, "#share-revoke").await;
+    wait_js(
+        &alice,
+        "return document.getElementById('share-url').value",
+        "the revoked link",
+        |v| v == &json!("(revoked)"),
+    )
+    .await;
+    let r = http
+        .get(second.as_str().unwrap_or_default())
+        .send()
+        .await
+        .expect("get");
+    assert_eq!(r.status(), 404, "a revoked link");
+    // The first link is still live until it is revoked too (through the JSON API).
+    assert_eq!(http.get(&url).send().await.expect("get").status(), 200);
+    let shares = conversation_shares(&alice, &id).await;
+    let live: Vec<&Value> = shares
+        .iter()
+        .filter(|s| s["revoked"] == json!(false))
+        .collect();
+    assert_eq!((shares.len(), live.len()), (2, 1));
+    let status = js(
+        &alice,
+        &format!(
+            "const x = new XMLHttpRequest(); x.open('DELETE', '/api/conversations/{id}/shares/{}', false); \
+             x.send(); return x.status",
+            live[0]["id"].as_str().unwrap_or_default()
+        ),
+    )
+    .await;
+    assert_eq!(status, json!(204));
+    assert_eq!(http.get(&url).send().await.expect("get").status(), 404);
+    carol.refresh().await.expect("reload");
+    let text = js(&carol, "return document.body.innerText").await;
+    assert!(
+        text.as_str()
+            .unwrap_or_default()
+            .contains("no such share link"),
+        "{text}"
+    );
+    // A made-up token is 404 alike.
+    let r = http
+        .get(format!("{}/s/{}", server.base, "a".repeat(64)))
+        .send()
+        .await
+        .expect("get");
+    assert_eq!(r.status(), 404);
+}
+
+async fn conversation_shares(c: &Client, id: &str) -> Vec<Value> {
+    js(
+        c,
+        &format!(
+            "const x = new XMLHttpRequest(); x.open('GET', '/api/conversations/{id}/shares', false); \
+             x.send(); return JSON.parse(x.responseText).shares"
+        ),
+    )
+    .await
+    .as_array()
+    .cloned()
+    .unwrap_or_default()
+}

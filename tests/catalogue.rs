@@ -437,6 +437,83 @@ fn catalogue() -> Vec<Case> {
         "page: message not an id",
         case("", M::GET, "/c/{mine}/m/not-a-uuid", 400),
     );
+    // ---- versions and share links ----
+    add(
+        "page select: other owner's conversation",
+        case("", M::POST, "/c/{theirs}/select", 404)
+            .form("message=0190a6f4-0000-7000-8000-000000000001"),
+    );
+    add(
+        "page select: not a message id",
+        case("", M::POST, "/c/{mine}/select", 400).form("message=junk"),
+    );
+    add(
+        "page select: a message of no conversation of ours",
+        case("", M::POST, "/c/{mine}/select", 404)
+            .form("message=0190a6f4-0000-7000-8000-000000000001"),
+    );
+    add(
+        "api select: other owner's",
+        case("", M::POST, "/api/conversations/{theirs}/select", 404)
+            .json(r#"{"message_id":"0190a6f4-0000-7000-8000-000000000001"}"#),
+    );
+    add(
+        "api select: not a uuid",
+        case("", M::POST, "/api/conversations/{mine}/select", 400).json(r#"{"message_id":"x"}"#),
+    );
+    add(
+        "api edit: an unknown field",
+        case("", M::POST, "/api/conversations/{mine}/edit", 400)
+            .json(r#"{"content":"x","messageid":"y"}"#),
+    );
+    add(
+        "api regenerate: message_id not a uuid",
+        case(
+            "",
+            M::POST,
+            "/api/conversations/{mine}/regenerate?message_id=x",
+            400,
+        )
+        .json("{}"),
+    );
+    add(
+        "page share: other owner's conversation",
+        case("", M::POST, "/c/{theirs}/share", 404).form(""),
+    );
+    add(
+        "page share: nothing to share yet",
+        case("", M::POST, "/c/{mine}/share", 400).form(""),
+    );
+    add(
+        "api shares: other owner's",
+        case("", M::GET, "/api/conversations/{theirs}/shares", 404),
+    );
+    add(
+        "api shares: make one of other owner's",
+        case("", M::POST, "/api/conversations/{theirs}/shares", 404).json("{}"),
+    );
+    add(
+        "api shares: revoke, not a uuid",
+        case("", M::DELETE, "/api/conversations/{mine}/shares/x", 400),
+    );
+    add(
+        "api shares: revoke one that is none",
+        case(
+            "",
+            M::DELETE,
+            "/api/conversations/{mine}/shares/0190a6f4-0000-7000-8000-000000000001",
+            404,
+        ),
+    );
+    add(
+        "share page: a made-up token",
+        case("", M::GET, &format!("/s/{}", "a".repeat(64)), 404),
+    );
+    add("share page: junk", case("", M::GET, "/s/%00%ff..", 404));
+    add(
+        "share page: POST",
+        case("", M::POST, &format!("/s/{}", "a".repeat(64)), 405),
+    );
     add(
         "page list: 201-character query",
         case(

@@ -29,6 +29,7 @@ mod bus;
 mod error;
 mod replicas;
 mod sessions;
+mod shares;
 mod types;
 mod users;
 
@@ -46,6 +47,7 @@ use uuid::Uuid;
 pub use bus::{Bus, MAX_PAYLOAD as BUS_MAX_PAYLOAD};
 pub use error::StoreError;
 pub use replicas::{Registration, Replica, ReplicaLoad, ReplicaRecord};
+pub use shares::ShareRecord;
 pub use types::{
     derive_title, Conversation, ConversationSettings, ConversationSummary, Cursor, FinishedReply,
     ImportedMessage, ListPage, Message, MessageStatus, PageRequest, Role, SessionKind,

@@ -333,6 +333,14 @@ fn rfc3339<S: serde::Serializer>(t: &DateTime<Utc>, s: S) -> Result<S::Ok, S::Er
     s.collect_str(&t.to_rfc3339_opts(chrono::SecondsFormat::AutoSi, true))
 }
 
+/// [`rfc3339`] for the store's other record modules.
+pub(crate) fn rfc3339_pub<S: serde::Serializer>(
+    t: &DateTime<Utc>,
+    s: S,
+) -> Result<S::Ok, S::Error> {
+    rfc3339(t, s)
+}
+
 mod naive_date {
     use chrono::NaiveDate;
     use serde::{de::Error, Deserialize, Deserializer, Serializer};

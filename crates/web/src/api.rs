@@ -458,3 +458,64 @@ pub async fn import(
         .insert_header((header::LOCATION, format!("/api/conversations/{}", c.id)))
         .json(c))
 }
+
+/// `POST /api/conversations/{id}/shares`: a read-only share link of the branch shown → 201
+/// `{share, url}` (the URL's token is shown this once).
+pub async fn create_share(
+    state: web::Data<AppState>,
+    owner: Owner,
+    path: web::Path<String>,
+    req: actix_web::HttpRequest,
+) -> Result<HttpResponse, WebError> {
+    let id = parse_id(&path)?;
+    let made = state
+        .platform
+        .conversations()
+        .share(&owner.caller(), id)
+        .await?;
+    Ok(HttpResponse::Created().json(serde_json::json!({
+        "share": made.share,
+        "url": share_url(&req, &made.token),
+    })))
+}
+
+/// `GET /api/conversations/{id}/shares`: its share links (no tokens), newest first.
+pub async fn list_shares(
+    state: web::Data<AppState>,
+    owner: Owner,
+    path: web::Path<String>,
+) -> Result<HttpResponse, WebError> {
+    let id = parse_id(&path)?;
+    let shares = state
+        .platform
+        .conversations()
+        .shares(&owner.caller(), id)
+        .await?;
+    Ok(HttpResponse::Ok().json(serde_json::json!({ "shares": shares })))
+}
+
+/// `DELETE /api/conversations/{id}/shares/{share}`: revokes a link → 204.
+pub async fn revoke_share(
+    state: web::Data<AppState>,
+    owner: Owner,
+    path: web::Path<(String, String)>,
+) -> Result<HttpResponse, WebError> {
+    let (id, share) = path.into_inner();
+    let id = parse_id(&id)?;
+    let share = Uuid::parse_str(&share).map_err(|_| {
+        WebError::BadRequest(format!("{share:?} is not a share id (expected a UUID)"))
+    })?;
+    state
+        .platform
+        .conversations()
+        .revoke_share(&owner.caller(), id, share)
+        .await?;
+    Ok(HttpResponse::NoContent().finish())
+}
+
+/// The absolute URL of a share token, on the host the request came to (one `Host` of
+/// `server.allowed_hosts`: `client.rs` refuses the others).
+pub fn share_url(req: &actix_web::HttpRequest, token: &str) -> String {
+    let info = req.connection_info();
+    format!("{}://{}/s/{token}", info.scheme(), info.host())
+}

@@ -16,6 +16,9 @@
 //! | `GET /api/conversations/{id}/export?format=json\|md` | download (lossless JSON, or Markdown) |
 //! | `POST /api/conversations/import` | an exported conversation → 201, a new conversation |
 //!
+//! | `POST /api/conversations/{id}/shares`, `GET …/shares`, `DELETE …/shares/{share}` | read-only share links: make (→ `{share, url}`, the token shown once), list, revoke |
+//! | `GET /s/{token}` | a share link's snapshot, for anyone holding it (no account; `noindex`, no referrer) |
+//!
 //! | `GET /`, `/c/…`, `/conversations`, `/admin…`, `/static/…` | HTML pages (see [`pages`], [`admin`]; CSRF in [`csrf`]) |
 //! | `/signin`, `/signup`, `/signout`, `/account…` | accounts (see [`account`]) |
 //!
@@ -186,6 +189,17 @@ pub fn routes(cfg: &mut web::ServiceConfig) {
                     .default_service(web::to(method_not_allowed)),
             )
             .service(
+                web::resource("/conversations/{id}/shares")
+                    .route(web::get().to(api::list_shares))
+                    .route(web::post().to(api::create_share))
+                    .default_service(web::to(method_not_allowed)),
+            )
+            .service(
+                web::resource("/conversations/{id}/shares/{share}")
+                    .route(web::delete().to(api::revoke_share))
+                    .default_service(web::to(method_not_allowed)),
+            )
+            .service(
                 web::resource("/conversations/{id}/select")
                     .route(web::post().to(api::select))
                     .default_service(web::to(method_not_allowed)),
@@ -208,6 +222,13 @@ pub fn routes(cfg: &mut web::ServiceConfig) {
             .default_service(web::to(not_found)),
     )
     .route("/static/{path:.*}", web::get().to(pages::static_file))
+    // Share links: public (no owner cookie, no account), read-only snapshots.
+    .service(
+        web::resource("/s/{token}")
+            .route(web::get().to(pages::shared))
+            .route(web::head().to(pages::shared))
+            .default_service(web::to(method_not_allowed)),
+    )
     // The HTML pages (see [`pages`], [`admin`]), CSRF-checked inside the owner cookie. Scopes
     // with real prefixes, not `""`, so routes registered after these still match.
     .service(
@@ -239,6 +260,11 @@ pub fn routes(cfg: &mut web::ServiceConfig) {
             .route("/{id}/regenerate", web::post().to(pages::regenerate))
             .route("/{id}/edit", web::post().to(pages::edit))
             .route("/{id}/select", web::post().to(pages::select))
+            .route("/{id}/share", web::post().to(pages::share))
+            .route(
+                "/{id}/shares/{share}/revoke",
+                web::post().to(pages::revoke_share),
+            )
             .route("/{id}/rename", web::post().to(pages::rename))
             .route("/{id}/settings", web::post().to(pages::settings))
             .route("/{id}/thinking", web::post().to(pages::thinking))
