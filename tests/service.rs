@@ -461,7 +461,8 @@ async fn refused_regenerate_and_edit_lose_nothing() {
     assert_eq!(accepted.json["user_message"]["content"], "Name a colour.");
     let now = contents(&c, &id).await;
     assert_eq!(now.len(), 2);
-    assert_ne!(now[0].0, before[0].0, "the exchange was replaced");
+    assert_eq!(now[0].0, before[0].0, "the same question");
+    assert_ne!(now[1].0, before[1].0, "a new reply shown");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -803,9 +804,24 @@ async fn export_then_import_round_trips_and_bad_imports_are_refused() {
             "format",
         ),
         (
-            with(&|d| d["version"] = json!(2)),
+            with(&|d| d["version"] = json!(3)),
             StatusCode::BAD_REQUEST,
             "version",
+        ),
+        (
+            with(&|d| d["messages"][1]["parent"] = json!("m9")),
+            StatusCode::BAD_REQUEST,
+            "not the `id` of an earlier message",
+        ),
+        (
+            with(&|d| d["messages"][1]["id"] = json!("m1")),
+            StatusCode::BAD_REQUEST,
+            "used twice",
+        ),
+        (
+            with(&|d| d["current"] = json!("nowhere")),
+            StatusCode::BAD_REQUEST,
+            "current",
         ),
         (
             with(&|d| d["messages"][0]["role"] = json!("system")),
