@@ -7,7 +7,8 @@
 
 Embeds the same 64 texts (about 60 tokens each) with both, mean pooling, L2-normalized:
 smolchat through `POST /v1/embeddings` (one request of 64 inputs, best of 3, after a warm-up),
-llama.cpp in one `llama-embedding` call (its own "prompt eval time", load excluded). Prints
+llama.cpp in one `llama-embedding` call (wall time after its first batch starts: load
+excluded; best of 3). Prints
 tokens per second for each and their ratio, and the lowest cosine between the two engines'
 vectors. The smolchat server must run with the same thread count (`--threads`).
 """
@@ -43,15 +44,22 @@ def ours(server, inputs):
 
 
 def llama(binary, model, threads, inputs):
+    t = time.perf_counter()
     out = subprocess.run(
         [binary, "-m", model, "-t", str(threads), "--pooling", "mean", "--embd-normalize", "2",
          "--embd-output-format", "json", "--embd-separator", "<#>", "-p", "<#>".join(inputs)],
         capture_output=True, text=True, check=True)
-    m = re.search(r"prompt eval time =\s*([\d.]+) ms /\s*(\d+) tokens", out.stderr)
-    if not m:
-        raise SystemExit("no prompt eval time in llama-embedding's log:\n" + out.stderr[-2000:])
+    wall = time.perf_counter() - t
+    # Its log stamps lines `M.SS.mmm.uuu` from the start: the model is loaded by the first
+    # `batch_decode`, so the embedding time is the wall time after it.
+    batches = re.findall(r"(\d+)\.(\d+)\.(\d+)\.(\d+) I batch_decode: n_tokens = (\d+)", out.stderr)
+    if not batches:
+        raise SystemExit("no batch_decode in llama-embedding's log:\n" + out.stderr[-2000:])
+    m, s, ms, us, _ = (int(x) for x in batches[0])
+    loaded = m * 60 + s + ms / 1e3 + us / 1e6
+    tokens = sum(int(b[4]) for b in batches)
     vectors = [d["embedding"] for d in json.loads(out.stdout)["data"]]
-    return float(m.group(1)) / 1e3, int(m.group(2)), vectors
+    return wall - loaded, tokens, vectors
 
 
 def main():
