@@ -88,6 +88,18 @@
   });
   enhance(document);
 
+  // Times in the browser's own zone (the server writes them in UTC, saying so).
+  function localTimes(root) {
+    root.querySelectorAll("time[datetime]").forEach((t) => {
+      const d = new Date(t.getAttribute("datetime"));
+      if (isNaN(d)) return;
+      t.textContent = d.toLocaleString(undefined, { month: "short", day: "numeric", hour: "2-digit", minute: "2-digit" });
+      t.title = d.toString();
+    });
+  }
+  localTimes(document);
+  document.addEventListener("htmx:afterSwap", (e) => localTimes(e.target));
+
   const app = document.getElementById("app");
   if (!app) return; // admin and error pages
 
@@ -297,6 +309,57 @@
     }
   });
 
+  // Keyboard shortcuts (the list is in the #shortcuts dialog).
+  const shortcuts = document.getElementById("shortcuts");
+  const openShortcuts = () => { if (shortcuts && !shortcuts.open) shortcuts.showModal(); };
+  const shortcutsBtn = document.getElementById("shortcuts-btn");
+  if (shortcutsBtn) shortcutsBtn.addEventListener("click", openShortcuts);
+  const shortcutsClose = document.getElementById("shortcuts-close");
+  if (shortcutsClose) shortcutsClose.addEventListener("click", () => shortcuts.close());
+  async function copyLastReply() {
+    const all = messages.querySelectorAll(".msg.assistant .md");
+    if (!all.length) return;
+    const text = all[all.length - 1].innerText.trim();
+    try {
+      await navigator.clipboard.writeText(text);
+      toast("Reply copied.", "info");
+    } catch (_) {
+      toast("The browser did not allow copying.");
+    }
+  }
+  document.addEventListener("keydown", (e) => {
+    const key = e.key.length === 1 ? e.key.toLowerCase() : e.key;
+    const ctrl = e.ctrlKey || e.metaKey;
+    const dialogOpen = document.querySelector("dialog[open]");
+    let handled = true;
+    if (ctrl && e.shiftKey && key === "o") location.href = "/";
+    else if (e.shiftKey && !ctrl && key === "Escape") input.focus();
+    else if (key === "Escape" && !e.shiftKey && !ctrl && busy && !dialogOpen) stopBtn.click();
+    else if (ctrl && e.shiftKey && key === "y") {
+      const r = document.querySelector(".messages.idle > .msg.assistant:last-child .regen-btn");
+      if (r) r.click();
+    } else if (ctrl && e.shiftKey && key === "k") copyLastReply();
+    else if (ctrl && !e.shiftKey && key === "k") {
+      const s = document.getElementById("search");
+      if (s) s.focus();
+    } else if (ctrl && e.shiftKey && key === "s") {
+      if (window.matchMedia("(max-width: 800px)").matches) app.classList.toggle("nav-open");
+      else document.body.classList.toggle("sidebar-hidden");
+    } else if (ctrl && key === "/") openShortcuts();
+    else handled = false;
+    if (handled) e.preventDefault();
+  });
+
+  // A screen reader hears each finished reply (the streamed tokens are not read one by one).
+  const announcer = document.getElementById("announcer");
+  function announce(text) {
+    if (!announcer || !text) return;
+    const p = document.createElement("p");
+    p.textContent = text;
+    announcer.appendChild(p);
+    while (announcer.childElementCount > 3) announcer.firstElementChild.remove();
+  }
+
   stopBtn.addEventListener("click", async () => {
     try { await post("/c/" + convId + "/stop"); } catch (err) { explain(err); }
   });
@@ -378,6 +441,7 @@
     setBusy(false);
     if (m.prompt_tokens != null) ctxUsed.textContent = String((m.prompt_tokens || 0) + (m.completion_tokens || 0));
     if (m.status === "stopped") status.textContent = "Stopped.";
+    announce("Reply" + (m.status === "stopped" ? " (stopped)" : "") + ": " + (m.content || "").slice(0, 400));
     if (d.summary && d.summary.reason === "length") status.textContent = "The reply hit its token limit or the context is full.";
     try {
       const res = await fetch("/c/" + convId + "/m/" + m.id, { credentials: "same-origin" });

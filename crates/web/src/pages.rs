@@ -45,7 +45,10 @@ use smolchat_service::ConversationError;
 pub struct ConversationItem {
     pub id: String,
     pub title: String,
+    /// In UTC, said so; the page rewrites it in the browser's zone from `when_iso`.
     pub when: String,
+    /// RFC 3339, for `<time datetime>`.
+    pub when_iso: String,
     pub active: bool,
 }
 
@@ -62,7 +65,10 @@ fn items(list: &[ConversationSummary], active: Option<Uuid>) -> Vec<Conversation
         .map(|c| ConversationItem {
             id: c.id.to_string(),
             title: title_or_default(&c.title),
-            when: c.updated_at.format("%b %d, %H:%M").to_string(),
+            when: c.updated_at.format("%b %d, %H:%M UTC").to_string(),
+            when_iso: c
+                .updated_at
+                .to_rfc3339_opts(chrono::SecondsFormat::Secs, true),
             active: Some(c.id) == active,
         })
         .collect()
