@@ -1,7 +1,7 @@
 //! Pages everyone can use, in a real headless Chromium against a real `smolchat serve`: times in
 //! the browser's zone, keyboard shortcuts (help overlay, focus, search, stop, regenerate, the
-//! sidebar), finished replies announced in a live region, and an accessible name on every
-//! control of the chat page.
+//! sidebar), finished replies announced in a live region, an accessible name on every control
+//! of the chat page, and the web app manifest with its icons.
 
 mod common;
 
@@ -98,6 +98,27 @@ async fn times_shortcuts_announcements_and_labels_in_a_real_browser() {
     .await;
     assert_eq!(unnamed, json!([]), "controls without a name");
 
+    // Installable: a manifest with the icons a phone asks for, every one served as a PNG.
+    let app = js(
+        &c,
+        "const href = document.querySelector('link[rel=manifest]').href;          const get = (u) => { const x = new XMLHttpRequest(); x.open('GET', u, false); x.send();            return [x.status, x.getResponseHeader('Content-Type'), x.responseText]; };          const [status, type, text] = get(href); const m = JSON.parse(text);          return [status, type, m.display, m.start_url,            m.icons.filter(i => i.type === 'image/png').map(i => [i.sizes, get(i.src)[0], get(i.src)[1]])]",
+    )
+    .await;
+    assert_eq!(
+        app,
+        json!([
+            200,
+            "application/manifest+json",
+            "standalone",
+            "/",
+            [
+                ["192x192", 200, "image/png"],
+                ["512x512", 200, "image/png"],
+                ["512x512", 200, "image/png"]
+            ]
+        ])
+    );
+
     // Ctrl+/ opens the shortcut list; Escape closes it.
     press(&c, "#input", &format!("{CTRL}/{RELEASE}")).await;
     wait_js(
@@ -162,24 +183,36 @@ async fn times_shortcuts_announcements_and_labels_in_a_real_browser() {
     )
     .await;
 
-    // Escape stops a reply being written.
-    send(
-        &c,
+    // Escape stops a reply being written. A sampled reply can end by itself before the key
+    // lands (the model wrote six tokens once): then another long prompt, a few times at most.
+    let mut stopped = false;
+    for (n, prompt) in [
         "Tell me a long story about a lighthouse keeper and the sea.",
-    )
-    .await;
-    wait_js(&c, STREAM_LEN, "streaming text", |v| {
-        v.as_i64().unwrap_or(-1) > 0
-    })
-    .await;
-    press(&c, "#input", ESC).await;
-    wait_js(&c, IDLE, "the stopped reply", |v| v == &json!(2)).await;
-    let stats = wait_js(
-        &c,
-        "const s = document.querySelectorAll('.msg.assistant .stats'); return s.length ? s[s.length-1].textContent : ''",
-        "the stopped reply's stats",
-        |v| v.as_str().is_some_and(|s| !s.is_empty()),
-    )
-    .await;
-    assert!(stats.as_str().unwrap_or("").contains("stopped"), "{stats}");
+        "Write a long essay about the history of bread, with many details.",
+        "List one hundred animals, one per line.",
+        "Describe every planet of the solar system at length.",
+    ]
+    .iter()
+    .enumerate()
+    {
+        send(&c, prompt).await;
+        wait_js(&c, STREAM_LEN, "streaming text", |v| {
+            v.as_i64().unwrap_or(-1) > 0
+        })
+        .await;
+        press(&c, "#input", ESC).await;
+        wait_js(&c, IDLE, "the reply to end", |v| v == &json!(n as i64 + 2)).await;
+        let stats = wait_js(
+            &c,
+            "const s = document.querySelectorAll('.msg.assistant .stats'); return s.length ? s[s.length-1].textContent : ''",
+            "the reply's stats",
+            |v| v.as_str().is_some_and(|s| !s.is_empty()),
+        )
+        .await;
+        if stats.as_str().unwrap_or("").contains("stopped") {
+            stopped = true;
+            break;
+        }
+    }
+    assert!(stopped, "Escape stopped none of the replies");
 }

@@ -731,6 +731,27 @@ pub async fn export_md(
 // Static files, compiled in.
 
 const STATIC_FILES: &[(&str, &str, &[u8])] = &[
+    // The installable web app: no service worker (it could serve stale private pages).
+    (
+        "manifest.webmanifest",
+        "application/manifest+json",
+        include_bytes!("../../../static/manifest.webmanifest"),
+    ),
+    (
+        "icons/icon-192.png",
+        "image/png",
+        include_bytes!("../../../static/icons/icon-192.png"),
+    ),
+    (
+        "icons/icon-512.png",
+        "image/png",
+        include_bytes!("../../../static/icons/icon-512.png"),
+    ),
+    (
+        "icons/icon-maskable-512.png",
+        "image/png",
+        include_bytes!("../../../static/icons/icon-maskable-512.png"),
+    ),
     (
         "app.css",
         "text/css; charset=utf-8",
