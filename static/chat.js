@@ -68,11 +68,7 @@
       pre.appendChild(b);
     });
   }
-  document.addEventListener("click", async (e) => {
-    const b = e.target.closest(".copy-btn");
-    if (!b) return;
-    const code = b.parentElement.querySelector("code") || b.parentElement;
-    const text = code.textContent;
+  async function copyText(text) {
     try {
       await navigator.clipboard.writeText(text);
     } catch (_) {
@@ -83,6 +79,20 @@
       document.execCommand("copy");
       ta.remove();
     }
+  }
+  // Copy buttons: on code blocks, and on every message (its text as shown).
+  document.addEventListener("click", async (e) => {
+    const b = e.target.closest(".copy-btn, .msg-copy-btn");
+    if (!b) return;
+    let text;
+    if (b.classList.contains("copy-btn")) {
+      text = (b.parentElement.querySelector("code") || b.parentElement).textContent;
+    } else {
+      const m = b.closest(".msg");
+      const body = m && (m.querySelector(".md") || m.querySelector(".text"));
+      text = body ? (body.classList.contains("md") ? body.innerText : body.textContent).trim() : "";
+    }
+    await copyText(text);
     b.textContent = "Copied";
     setTimeout(() => (b.textContent = "Copy"), 1500);
   });
@@ -376,7 +386,7 @@
     el.className = "msg user";
     el.id = "msg-" + m.id;
     el.dataset.id = m.id;
-    el.innerHTML = '<div class="bubble"><div class="text"></div></div><div class="actions"><button type="button" class="link-btn edit-btn" title="Edit: a new version from here">Edit</button></div>';
+    el.innerHTML = '<div class="bubble"><div class="text"></div></div><div class="actions"><button type="button" class="link-btn msg-copy-btn" aria-label="Copy this message">Copy</button><button type="button" class="link-btn edit-btn" title="Edit: a new version from here">Edit</button></div>';
     el.querySelector(".text").textContent = m.content;
     messages.appendChild(el);
   }
@@ -386,7 +396,7 @@
       el = document.createElement("article");
       el.id = "msg-" + id;
       el.dataset.id = id;
-      el.innerHTML = '<div class="avatar" aria-hidden="true">✦</div><div class="bubble"><details class="thinking" hidden open><summary>Thinking</summary><div class="thinking-text"></div></details><div class="md"><span class="stream"></span></div><div class="meta"><span class="stats"></span><button type="button" class="link-btn regen-btn">Regenerate</button></div></div>';
+      el.innerHTML = '<div class="avatar" aria-hidden="true">✦</div><div class="bubble"><details class="thinking" hidden open><summary>Thinking</summary><div class="thinking-text"></div></details><div class="md"><span class="stream"></span></div><div class="meta"><span class="stats"></span><button type="button" class="link-btn msg-copy-btn" aria-label="Copy this reply">Copy</button><button type="button" class="link-btn regen-btn">Regenerate</button></div></div>';
       messages.appendChild(el);
     }
     el.className = "msg assistant streaming";

@@ -1,7 +1,7 @@
 //! Pages everyone can use, in a real headless Chromium against a real `smolchat serve`: times in
 //! the browser's zone, keyboard shortcuts (help overlay, focus, search, stop, regenerate, the
-//! sidebar), finished replies announced in a live region, an accessible name on every control
-//! of the chat page, and the web app manifest with its icons.
+//! sidebar), finished replies announced in a live region, a copy button on every message, an
+//! accessible name on every control of the chat page, and the web app manifest with its icons.
 
 mod common;
 
@@ -118,6 +118,22 @@ async fn times_shortcuts_announcements_and_labels_in_a_real_browser() {
             ]
         ])
     );
+
+    // A copy button on every message (and on code blocks).
+    let copies = js(
+        &c,
+        "return [document.querySelectorAll('.msg').length, document.querySelectorAll('.msg .msg-copy-btn').length]",
+    )
+    .await;
+    assert_eq!(copies[0], copies[1], "one copy button per message");
+    click(&c, ".msg.assistant .msg-copy-btn").await;
+    wait_js(
+        &c,
+        "return document.querySelector('.msg.assistant .msg-copy-btn').textContent",
+        "the reply copied",
+        |v| v == &json!("Copied"),
+    )
+    .await;
 
     // Ctrl+/ opens the shortcut list; Escape closes it.
     press(&c, "#input", &format!("{CTRL}/{RELEASE}")).await;
