@@ -884,8 +884,7 @@ impl Conversations {
     /// The conversation with its messages.
     pub async fn get(&self, caller: &Caller, id: Uuid) -> Result<ConversationView> {
         let conversation = self.owned(caller, id).await?;
-        let all = self.store.messages(id).await?;
-        let messages = self.store.branch(id).await?;
+        let (all, messages) = self.store.messages_and_branch(id).await?;
         let versions = Versions::of(&all, &messages);
         let replying = self.replying(id).await;
         Ok(ConversationView {
@@ -1139,7 +1138,7 @@ impl Conversations {
     /// The caller's conversation as a lossless export document.
     pub async fn export(&self, caller: &Caller, id: Uuid) -> Result<ExportedConversation> {
         let c = self.owned(caller, id).await?;
-        let messages = self.store.messages(c.id).await?;
+        let (messages, branch) = self.store.messages_and_branch(c.id).await?;
         // Ids inside the document are its own (`m1`, `m2`, … in order), so an export imported
         // and exported again reads the same, and no internal id leaves the server.
         let name: HashMap<Uuid, String> = messages
@@ -1147,12 +1146,7 @@ impl Conversations {
             .enumerate()
             .map(|(i, m)| (m.id, format!("m{}", i + 1)))
             .collect();
-        let current = self
-            .store
-            .branch(c.id)
-            .await?
-            .last()
-            .and_then(|m| name.get(&m.id).cloned());
+        let current = branch.last().and_then(|m| name.get(&m.id).cloned());
         Ok(ExportedConversation {
             format: EXPORT_FORMAT.to_string(),
             version: EXPORT_VERSION,

@@ -1613,78 +1613,34 @@ mod tests {
         requests: &[(Vec<u32>, usize)],
         params: &SamplingParams,
     ) -> (Vec<(Vec<u32>, StopReason)>, u64) {
-        use super::super::batcher::{Batcher, BatcherConfig};
-        let mut b = Batcher::new(BatcherConfig {
-            max_running: 8,
-            queue_capacity: 16,
-            step_token_budget: 64,
-            context_window: 2048,
-            max_queued_per_user: 0,
-            max_running_per_user: 0,
-            tokens_per_minute_per_user: 0,
-            tokens_per_minute_per_group: 0,
-            kv_capacity_blocks: w.kv_capacity_blocks(),
-        });
-        let mut receivers = Vec::new();
-        for (prompt, n) in requests {
-            let id = b.submit(None, prompt.len(), None).expect("submit");
-            let (tx, rx) = mpsc::unbounded_channel();
-            w.active.insert(
-                id,
-                Active::new(
-                    GenerationRequest {
-                        cache_key: None,
-                        user: None,
-                        group: None,
-                        cache_salt: None,
-                        prompt: prompt.clone(),
-                        params: SamplingParams {
-                            max_new_tokens: *n,
-                            ignore_eos: true,
-                            ..params.clone()
-                        },
-                        max_time: None,
-                        events: tx,
-                        embed: None,
-                    },
-                    Instant::now(),
-                ),
-            );
-            receivers.push(rx);
-        }
-        let mut preemptions = 0;
-        for _ in 0..10_000 {
-            let Some(plan) = b.plan() else { break };
-            let report = w.step(plan);
-            preemptions += report.preemptions;
-            b.apply(&report.items);
-            b.set_kv_free_blocks(report.kv_free_blocks);
-        }
-        let results = receivers
-            .into_iter()
-            .map(|mut rx| {
-                let mut tokens = Vec::new();
-                let mut reason = None;
-                while let Ok(e) = rx.try_recv() {
-                    match e {
-                        GenEvent::Token { token, .. } => tokens.push(token),
-                        GenEvent::Finished(s) => reason = Some(s.reason),
-                        GenEvent::Admitted { .. } | GenEvent::Embedding(_) => {}
-                    }
-                }
-                (tokens, reason.expect("every request finishes"))
-            })
+        let requests: Vec<(Vec<u32>, usize, Option<&str>)> = requests
+            .iter()
+            .map(|(p, n)| (p.clone(), *n, None))
             .collect();
-        (results, preemptions)
+        let driven = drive_all(w, &requests, params);
+        let results = driven
+            .results
+            .into_iter()
+            .map(|(tokens, reason, _)| (tokens, reason))
+            .collect();
+        (results, driven.preemptions)
     }
 
-    /// Requests through a real batcher, each `(prompt, tokens, cache salt)`: per request its
-    /// tokens, why it stopped and how many prompt tokens came from a cache; and the most KV
-    /// blocks held at once.
-    fn drive_shared(
+    /// What [`drive_all`] saw: per request its tokens, why it stopped and how many prompt
+    /// tokens came from a cache; the preemptions; the most KV blocks held at once.
+    struct Driven {
+        results: Vec<(Vec<u32>, StopReason, usize)>,
+        preemptions: u64,
+        peak_blocks: usize,
+    }
+
+    /// Requests through a real batcher, each `(prompt, tokens, cache salt)`, sampled with
+    /// `params` (end of generation ignored), until every one has finished.
+    fn drive_all(
         w: &mut ModelWorker,
         requests: &[(Vec<u32>, usize, Option<&str>)],
-    ) -> (Vec<(Vec<u32>, StopReason, usize)>, usize) {
+        params: &SamplingParams,
+    ) -> Driven {
         use super::super::batcher::{Batcher, BatcherConfig};
         let mut b = Batcher::new(BatcherConfig {
             max_running: 8,
@@ -1713,7 +1669,7 @@ mod tests {
                         params: SamplingParams {
                             max_new_tokens: *n,
                             ignore_eos: true,
-                            ..SamplingParams::greedy()
+                            ..params.clone()
                         },
                         max_time: None,
                         events: tx,
@@ -1724,11 +1680,12 @@ mod tests {
             );
             receivers.push(rx);
         }
-        let mut peak = 0;
+        let (mut peak_blocks, mut preemptions) = (0, 0);
         for _ in 0..10_000 {
             let Some(plan) = b.plan() else { break };
             let report = w.step(plan);
-            peak = peak.max(w.engine.total_kv_bytes() / w.engine.kv_block_bytes());
+            preemptions += report.preemptions;
+            peak_blocks = peak_blocks.max(w.engine.total_kv_bytes() / w.engine.kv_block_bytes());
             b.apply(&report.items);
             b.set_kv_free_blocks(report.kv_free_blocks);
         }
@@ -1747,7 +1704,20 @@ mod tests {
                 (tokens, reason.expect("every request finishes"), cached)
             })
             .collect();
-        (results, peak)
+        Driven {
+            results,
+            preemptions,
+            peak_blocks,
+        }
+    }
+
+    /// [`drive_all`], greedy: the results and the most KV blocks held at once.
+    fn drive_shared(
+        w: &mut ModelWorker,
+        requests: &[(Vec<u32>, usize, Option<&str>)],
+    ) -> (Vec<(Vec<u32>, StopReason, usize)>, usize) {
+        let driven = drive_all(w, requests, &SamplingParams::greedy());
+        (driven.results, driven.peak_blocks)
     }
 
     /// Three requests of one prompt from one client (a request's `n` choices) compute its

@@ -917,6 +917,15 @@ impl Store {
     /// The branch a conversation shows: the path from its first message to its current leaf,
     /// in order (every message of an older database, whose conversations are one branch).
     pub async fn branch(&self, conversation: Uuid) -> Result<Vec<Message>, StoreError> {
+        Ok(self.messages_and_branch(conversation).await?.1)
+    }
+
+    /// Every message of a conversation (all branches, in insertion order) and the branch it
+    /// shows ([`Store::branch`]), read once.
+    pub async fn messages_and_branch(
+        &self,
+        conversation: Uuid,
+    ) -> Result<(Vec<Message>, Vec<Message>), StoreError> {
         let all = self.messages(conversation).await?;
         let leaf: Option<Option<String>> =
             sqlx::query_scalar("SELECT current_leaf FROM conversations WHERE id = $1")
@@ -927,7 +936,8 @@ impl Store {
             .flatten()
             .and_then(|l| Uuid::parse_str(&l).ok())
             .or_else(|| all.last().map(|m| m.id));
-        Ok(path_to(&all, leaf))
+        let branch = path_to(&all, leaf);
+        Ok((all, branch))
     }
 
     /// Shows the branch through `message`: down to the newest message written after it (where

@@ -117,6 +117,33 @@ pub fn parse_id(raw: &str) -> Result<Uuid, WebError> {
     })
 }
 
+/// A message or share id from a request field: `what` names it in the refusal.
+pub fn parse_uuid(raw: &str, what: &str) -> Result<Uuid, WebError> {
+    Uuid::parse_str(raw)
+        .map_err(|_| WebError::BadRequest(format!("{raw:?} is not a {what} (expected a UUID)")))
+}
+
+/// An optional message id (absent or empty: none).
+pub fn optional_message_id(raw: Option<&str>) -> Result<Option<Uuid>, WebError> {
+    raw.filter(|m| !m.is_empty())
+        .map(|m| parse_uuid(m, "message id"))
+        .transpose()
+}
+
+/// A conversation as `GET` answers it.
+fn detail(
+    state: &AppState,
+    view: smolchat_service::conversations::ConversationView,
+) -> ConversationDetail {
+    ConversationDetail {
+        conversation: view.conversation,
+        messages: view.messages,
+        versions: view.versions,
+        replying: view.replying,
+        context_window: state.platform.model().context_window,
+    }
+}
+
 /// The page a list request asks for: `limit` (1 to [`MAX_PAGE`], default [`DEFAULT_PAGE`])
 /// after the `before` cursor a previous page returned as `next`.
 pub fn page_request(limit: Option<usize>, before: Option<&str>) -> Result<PageRequest, WebError> {
@@ -196,13 +223,7 @@ pub async fn get(
         .conversations()
         .get(&owner.caller(), id)
         .await?;
-    Ok(HttpResponse::Ok().json(ConversationDetail {
-        conversation: view.conversation,
-        messages: view.messages,
-        versions: view.versions,
-        replying: view.replying,
-        context_window: state.platform.model().context_window,
-    }))
+    Ok(HttpResponse::Ok().json(detail(&state, view)))
 }
 
 /// `PATCH /api/conversations/{id}`: title and/or settings (used from the next message on).
@@ -268,15 +289,7 @@ pub async fn regenerate(
     query: web::Query<RegenerateQuery>,
 ) -> Result<HttpResponse, WebError> {
     let id = parse_id(&path)?;
-    let message = query
-        .message_id
-        .as_deref()
-        .map(|m| {
-            Uuid::parse_str(m).map_err(|_| {
-                WebError::BadRequest(format!("message_id {m:?} is not a message id (a UUID)"))
-            })
-        })
-        .transpose()?;
+    let message = optional_message_id(query.message_id.as_deref())?;
     let accepted = state
         .platform
         .conversations()
@@ -316,13 +329,7 @@ pub async fn select(
     let conversations = state.platform.conversations();
     conversations.select(&caller, id, body.0.message_id).await?;
     let view = conversations.get(&caller, id).await?;
-    Ok(HttpResponse::Ok().json(ConversationDetail {
-        conversation: view.conversation,
-        messages: view.messages,
-        versions: view.versions,
-        replying: view.replying,
-        context_window: state.platform.model().context_window,
-    }))
+    Ok(HttpResponse::Ok().json(detail(&state, view)))
 }
 
 /// `POST /api/conversations/{id}/stop`: stops the running reply (it is stored as `stopped`).
@@ -502,9 +509,7 @@ pub async fn revoke_share(
 ) -> Result<HttpResponse, WebError> {
     let (id, share) = path.into_inner();
     let id = parse_id(&id)?;
-    let share = Uuid::parse_str(&share).map_err(|_| {
-        WebError::BadRequest(format!("{share:?} is not a share id (expected a UUID)"))
-    })?;
+    let share = parse_uuid(&share, "share id")?;
     state
         .platform
         .conversations()

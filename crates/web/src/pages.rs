@@ -28,7 +28,7 @@ use askama::Template;
 use serde::Deserialize;
 use uuid::Uuid;
 
-use super::api::{export_response, page_request, parse_id, ExportFormat};
+use super::api::{self, export_response, page_request, parse_id, ExportFormat};
 use super::error::PageError;
 use super::error::WebError;
 use super::html::{html, read_form};
@@ -369,11 +369,12 @@ pub struct ContentForm {
     content: String,
 }
 
+/// `…/edit` and `…/regenerate`: the user message a new version is made of (the branch's last
+/// one when absent), and for an edit its new text.
 #[derive(Deserialize)]
-pub struct EditForm {
+pub struct MessageForm {
     #[serde(default)]
     content: String,
-    /// The user message this is a new version of (the last one when absent).
     #[serde(default)]
     message: Option<String>,
 }
@@ -381,15 +382,6 @@ pub struct EditForm {
 #[derive(Deserialize)]
 pub struct SelectForm {
     message: String,
-}
-
-/// A message id from a form field.
-fn form_message_id(raw: &str) -> Result<Uuid, PageError> {
-    Uuid::parse_str(raw).map_err(|_| {
-        PageError::from(WebError::BadRequest(format!(
-            "{raw:?} is not a message id (expected a UUID)"
-        )))
-    })
 }
 
 /// An HTMX redirect (a full page load of `to`), with `Location` for other clients.
@@ -473,25 +465,14 @@ pub async fn regenerate(
     let caller = owner.caller();
     state.platform.conversations().owned(&caller, id).await?;
     // The user message to answer again (the branch's last one when absent).
-    let form: RegenerateForm = read_form(&state, &req, payload).await?;
-    let message = form
-        .message
-        .as_deref()
-        .filter(|m| !m.is_empty())
-        .map(form_message_id)
-        .transpose()?;
+    let form: MessageForm = read_form(&state, &req, payload).await?;
+    let message = api::optional_message_id(form.message.as_deref())?;
     state
         .platform
         .conversations()
         .regenerate(&caller, id, message)
         .await?;
     Ok(HttpResponse::Accepted().finish())
-}
-
-#[derive(Deserialize)]
-pub struct RegenerateForm {
-    #[serde(default)]
-    message: Option<String>,
 }
 
 /// `POST /c/{id}/edit`
@@ -506,13 +487,8 @@ pub async fn edit(
     // Whose it is before what the body says: another owner's id is 404 whatever the form holds.
     let caller = owner.caller();
     state.platform.conversations().owned(&caller, id).await?;
-    let form: EditForm = read_form(&state, &req, payload).await?;
-    let message = form
-        .message
-        .as_deref()
-        .filter(|m| !m.is_empty())
-        .map(form_message_id)
-        .transpose()?;
+    let form: MessageForm = read_form(&state, &req, payload).await?;
+    let message = api::optional_message_id(form.message.as_deref())?;
     state
         .platform
         .conversations()
@@ -534,7 +510,7 @@ pub async fn select(
     let caller = owner.caller();
     state.platform.conversations().owned(&caller, id).await?;
     let form: SelectForm = read_form(&state, &req, payload).await?;
-    let message = form_message_id(&form.message)?;
+    let message = api::parse_uuid(&form.message, "message id")?;
     state
         .platform
         .conversations()
@@ -902,11 +878,7 @@ pub async fn revoke_share(
 ) -> Result<HttpResponse, PageError> {
     let (id, share) = path.into_inner();
     let id = parse_id(&id)?;
-    let share = Uuid::parse_str(&share).map_err(|_| {
-        PageError::from(WebError::BadRequest(format!(
-            "{share:?} is not a share id (expected a UUID)"
-        )))
-    })?;
+    let share = api::parse_uuid(&share, "share id")?;
     state
         .platform
         .conversations()
