@@ -87,7 +87,12 @@ PY
 run_phase() {
   local name=$1; shift
   local log="$out/$name.log" start=$SECONDS
-  if timeout 570 "$@" >"$log" 2>&1; then
+  # `timeout` runs programs, not shell functions: the phase's function (and gpu_tests, which
+  # they call) run in a child bash that gets them, and the variables they read, exported.
+  export -f gpu_tests
+  export -f "$1" 2>/dev/null || true
+  export bundle repo out tarball
+  if timeout 570 bash -c '"$@"' _ "$@" >"$log" 2>&1; then
     record "$name" passed $((SECONDS - start)) "$log"
   else
     record "$name" failed $((SECONDS - start)) "$log"
@@ -141,7 +146,8 @@ case "$phase" in
     ;;
   tiers)
     unpack
-    run_phase tiers gpu_tests the_fast_tier_matches_llama_cpp_and_itself the_self_check_passes_on_this_gpu
+    run_phase tiers gpu_tests the_fast_tier_matches_llama_cpp_and_itself the_self_check_passes_on_this_gpu \
+      hidden_states_for_embeddings_match_the_cpu_engine
     ;;
   http)
     unpack
@@ -163,7 +169,7 @@ case "$phase" in
     else
       build_llama() {
         rm -rf "$out/llama.cpp" && mkdir -p "$out/llama.cpp" &&
-        tar -xzf "$tarball" -C "$out/llama.cpp" --strip-components=1 &&
+        tar -xf "$tarball" -C "$out/llama.cpp" --strip-components=1 &&
         cmake -S "$out/llama.cpp" -B "$out/llama.cpp/build" -DGGML_CUDA=ON \
           -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF \
           -DLLAMA_BUILD_SERVER=OFF -DCMAKE_BUILD_TYPE=Release &&

@@ -7,6 +7,7 @@ would, that the server answers:
 - a conversation: create, send a message, its reply streamed over SSE to `done`, stored complete;
 - /v1/chat/completions, whole and streamed (a `finish_reason`, no error chunk);
 - seeded and greedy /v1 replies repeat (tokens drawn on the device);
+- n=2 choices, and /v1/embeddings (normalized, a batch equal to alone);
 - /metrics: `smolchat_engine_info` names the device and tier, and whether the tier fell back;
   on a GPU, `smolchat_gpu_memory_bytes` and (fast tier) replayed decode graphs.
 
@@ -154,6 +155,27 @@ def main():
         check("seeded replies repeat", seeded[0] == seeded[1] and not seeded[0].startswith("HTTP"), seeded)
         greedy = [content({"temperature": 0}) for _ in range(2)]
         check("greedy replies repeat", greedy[0] == greedy[1] and not greedy[0].startswith("HTTP"), greedy)
+
+        # n choices share the prompt's KV cache on the device; each choice is a whole reply.
+        st, b, _ = call(base, "POST", "/v1/chat/completions", dict(req, max_tokens=16, n=2, temperature=1.0, seed=5))
+        choices = json.loads(b).get("choices", []) if st == 200 else []
+        check("/v1 n=2 choices", len(choices) == 2 and all(c.get("finish_reason") in ("stop", "length") for c in choices),
+              b[:300])
+
+        # Embeddings: hidden states read back from the device, pooled and normalized; a batch
+        # gives each input the vector it gets alone.
+        def embed(inputs):
+            st, b, _ = call(base, "POST", "/v1/embeddings", {"model": model_id, "input": inputs})
+            return [d["embedding"] for d in json.loads(b)["data"]] if st == 200 else f"HTTP {st}: {b[:200]}"
+        alone = embed(["The cat sat on the mat."])
+        both = embed(["A different sentence, longer than the first one.", "The cat sat on the mat."])
+        ok = not isinstance(alone, str) and not isinstance(both, str)
+        if ok:
+            norm = sum(x * x for x in alone[0]) ** 0.5
+            diff = max(abs(a - b) for a, b in zip(alone[0], both[1]))
+            report["embedding"] = {"dims": len(alone[0]), "norm": round(norm, 5), "batch_vs_alone_max_diff": diff}
+            ok = abs(norm - 1.0) < 1e-3 and diff < 2e-2 and alone[0] != both[0]
+        check("/v1/embeddings", ok, report.get("embedding", (alone, both)))
 
         status, body, _ = call(base, "GET", "/metrics")
         report["gpu_metrics"] = [l for l in body.splitlines()
