@@ -57,8 +57,11 @@
   });
   document.addEventListener("htmx:sendError", () => toast("The server cannot be reached."));
 
+  // Highlighted code and typeset math: static/typeset.js (shared with the share page).
+  function typeset(root) { if (window.smolchatTypeset) window.smolchatTypeset(root); }
   // Copy buttons on code blocks (added client-side: the sanitized HTML carries no buttons).
   function enhance(root) {
+    typeset(root);
     root.querySelectorAll(".md pre").forEach((pre) => {
       if (pre.querySelector(".copy-btn")) return;
       const b = document.createElement("button");
@@ -396,22 +399,20 @@
       el = document.createElement("article");
       el.id = "msg-" + id;
       el.dataset.id = id;
-      el.innerHTML = '<div class="avatar" aria-hidden="true">✦</div><div class="bubble"><details class="thinking" hidden open><summary>Thinking</summary><div class="thinking-text"></div></details><div class="md"><span class="stream"></span></div><div class="meta"><span class="stats"></span><button type="button" class="link-btn msg-copy-btn" aria-label="Copy this reply">Copy</button><button type="button" class="link-btn regen-btn">Regenerate</button></div></div>';
+      el.innerHTML = '<div class="avatar" aria-hidden="true">✦</div><div class="bubble"><details class="thinking" hidden open><summary>Thinking</summary><div class="thinking-text"></div></details><div class="md"></div><div class="meta"><span class="stats"></span><button type="button" class="link-btn msg-copy-btn" aria-label="Copy this reply">Copy</button><button type="button" class="link-btn regen-btn">Regenerate</button></div></div>';
       messages.appendChild(el);
     }
     el.className = "msg assistant streaming";
     el.querySelector(".thinking-text").textContent = "";
     el.querySelector(".thinking").hidden = true;
     const md = el.querySelector(".md");
-    md.textContent = "";
-    const s = document.createElement("span");
-    s.className = "stream";
-    md.appendChild(s);
+    // Finished blocks are appended to .live-blocks; the open one replaces .live-tail's content.
+    md.innerHTML = '<div class="live-blocks"></div><div class="live-tail"></div><span class="stream"></span>';
     return el;
   }
   let current = null;
 
-  const events = new EventSource("/api/conversations/" + convId + "/events");
+  const events = new EventSource("/api/conversations/" + convId + "/events?render=html");
   function on(name, fn) {
     events.addEventListener(name, (e) => {
       let data;
@@ -441,6 +442,28 @@
     const t = current.querySelector(".thinking");
     if (!t.hidden && t.open && status.textContent === "Thinking…") t.open = false;
     current.querySelector(".stream").append(d.text);
+    status.textContent = "Writing…";
+    scrollDown();
+  });
+  // The reply as sanitized HTML while it streams (the server renders it; see events.rs).
+  on("answer_html", (d) => {
+    if (!current) return;
+    const t = current.querySelector(".thinking");
+    if (!t.hidden && t.open && status.textContent === "Thinking…") t.open = false;
+    const blocks = current.querySelector(".live-blocks");
+    const tail = current.querySelector(".live-tail");
+    if (!blocks || !tail) return;
+    if (d.blocks) {
+      const tpl = document.createElement("template");
+      tpl.innerHTML = d.blocks;
+      const holder = document.createElement("div");
+      holder.className = "live-block";
+      holder.appendChild(tpl.content);
+      blocks.appendChild(holder);
+      enhance(holder);
+    }
+    tail.innerHTML = d.tail;
+    enhance(tail);
     status.textContent = "Writing…";
     scrollDown();
   });

@@ -423,8 +423,12 @@ mod fast_tier {
         .unwrap_or_else(|e| panic!("{e}"))
     }
 
+    /// `tests/data/<name>` of the repository the test runs in: `SMOLTEST_ROOT` when set (the
+    /// test binary is carried to a GPU machine, where the tree is not where it was built).
     fn data(name: &str) -> std::path::PathBuf {
-        std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        std::env::var_os("SMOLTEST_ROOT")
+            .map(std::path::PathBuf::from)
+            .unwrap_or_else(|| std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")))
             .join("tests/data")
             .join(name)
     }

@@ -286,6 +286,7 @@ async fn settings_round_trip(db) {
         max_tokens: 77,
         seed: Some(u64::MAX),
         ignore_eos: true,
+        grammar: Some("root ::= \"ok\"".into()),
         pinned_date: NaiveDate::from_ymd_opt(2024, 2, 29).unwrap(),
     };
     let c = store.create_conversation("u", &custom).await.unwrap();

@@ -185,8 +185,7 @@ pub async fn send(c: &Client, text: &str) {
     input.send_keys("\u{E007}").await.expect("Enter");
 }
 
-pub const STREAM_LEN: &str =
-    "const s = document.querySelector('.msg.assistant.streaming .stream'); \
+pub const STREAM_LEN: &str = "const s = document.querySelector('.msg.assistant.streaming .md'); \
      return s ? s.textContent.length : -1;";
 pub const IDLE: &str = "return document.querySelector('.msg.assistant.streaming') === null \
      && document.getElementById('stop-btn').hidden && document.querySelectorAll('.msg.assistant').length";

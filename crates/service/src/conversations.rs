@@ -238,6 +238,8 @@ pub struct SettingsPatch {
     pub max_tokens: Option<usize>,
     pub seed: Option<u64>,
     pub ignore_eos: Option<bool>,
+    /// An empty grammar removes it.
+    pub grammar: Option<String>,
 }
 
 impl SettingsPatch {
@@ -270,6 +272,9 @@ impl SettingsPatch {
         }
         if let Some(v) = self.ignore_eos {
             settings.ignore_eos = v;
+        }
+        if let Some(g) = &self.grammar {
+            settings.grammar = (!g.trim().is_empty()).then(|| g.clone());
         }
         settings
     }

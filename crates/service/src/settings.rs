@@ -5,6 +5,7 @@
 //! too).
 
 use smolchat_store::ConversationSettings;
+use smolchat_text::constraint::{Grammar, MAX_GRAMMAR_BYTES};
 use smolchat_text::sampling::SamplingParams;
 
 use crate::validation::not_text;
@@ -121,9 +122,39 @@ pub fn check_ignore_eos(ignore_eos: bool, admin: bool) -> Result<(), SettingsErr
     Ok(())
 }
 
-/// The sampling parameters a conversation's replies are generated with.
+/// A conversation's GBNF grammar in llguidance's Lark dialect, or why it cannot be used.
+fn grammar_of(gbnf: &str) -> Result<Grammar, SettingsError> {
+    if gbnf.len() > MAX_GRAMMAR_BYTES {
+        return invalid_grammar(format!(
+            "`grammar` is {} bytes; at most {MAX_GRAMMAR_BYTES} are accepted",
+            gbnf.len()
+        ));
+    }
+    match smolchat_text::gbnf::to_lark(gbnf) {
+        Ok(lark) => Ok(Grammar::Lark(lark)),
+        Err(e) => invalid_grammar(format!(
+            "`grammar` is not a GBNF grammar the server can use: {e} (leave it empty for free text)"
+        )),
+    }
+}
+
+fn invalid_grammar<T>(message: String) -> Result<T, SettingsError> {
+    Err(SettingsError::Invalid {
+        field: "grammar",
+        message,
+    })
+}
+
+/// The sampling parameters a conversation's replies are generated with. A grammar that does
+/// not translate (refused by [`check`] when set, so only a hand-edited store holds one) is
+/// left out here and the reply is free text.
 pub fn sampling_of(s: &ConversationSettings) -> SamplingParams {
     SamplingParams {
+        grammar: s
+            .grammar
+            .as_deref()
+            .filter(|g| !g.trim().is_empty())
+            .and_then(|g| grammar_of(g).ok()),
         temperature: s.temperature,
         top_p: s.top_p,
         top_k: s.top_k,
@@ -164,6 +195,9 @@ pub fn check(
             ),
         );
     }
+    if let Some(g) = s.grammar.as_deref().filter(|g| !g.trim().is_empty()) {
+        grammar_of(g)?;
+    }
     check_sampling(&sampling_of(s))?;
     check_ignore_eos(s.ignore_eos, admin)?;
     s.validate().map_err(|message| SettingsError::Invalid {
@@ -180,6 +214,23 @@ mod tests {
         max_prompt_chars: 10,
         max_new_tokens: 100,
     };
+
+    #[test]
+    fn a_conversation_grammar_constrains_its_replies() {
+        let s = ConversationSettings {
+            grammar: Some("root ::= \"yes\" | \"no\"".into()),
+            max_tokens: 10,
+            ..ConversationSettings::default()
+        };
+        assert_eq!(check(&s, LIMITS, false), Ok(()));
+        assert!(matches!(sampling_of(&s).grammar, Some(Grammar::Lark(_))));
+        // Blank is free text.
+        let blank = ConversationSettings {
+            grammar: Some("  ".into()),
+            ..s.clone()
+        };
+        assert!(sampling_of(&blank).grammar.is_none());
+    }
 
     #[test]
     fn each_bad_value_is_refused_naming_its_field() {
@@ -258,6 +309,20 @@ mod tests {
                     ..ok.clone()
                 },
                 "system_prompt",
+            ),
+            (
+                ConversationSettings {
+                    grammar: Some("root ::= \"unclosed".into()),
+                    ..ok.clone()
+                },
+                "grammar",
+            ),
+            (
+                ConversationSettings {
+                    grammar: Some(format!("root ::= \"{}\"", "x".repeat(MAX_GRAMMAR_BYTES))),
+                    ..ok.clone()
+                },
+                "grammar",
             ),
         ];
         for (s, field) in cases {

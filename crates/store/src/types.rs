@@ -22,6 +22,10 @@ pub struct ConversationSettings {
     /// Keep generating past end-of-generation tokens (benchmarks; not shown in the UI).
     #[serde(default)]
     pub ignore_eos: bool,
+    /// A GBNF grammar every reply must match (llama-server's `grammar`): for replies in a fixed
+    /// shape (a form, a list, a label). `None`: free text.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub grammar: Option<String>,
     /// The date the chat template's `strftime_now` renders for this conversation, fixed at creation
     /// so a resumed conversation renders the same prompt prefix (and its cached KV stays valid).
     #[serde(with = "naive_date")]
@@ -39,6 +43,7 @@ impl Default for ConversationSettings {
             max_tokens: 1024,
             seed: None,
             ignore_eos: false,
+            grammar: None,
             // Local, not UTC: Hugging Face's `strftime_now` renders the server's local date, and a
             // user expects "today" where the server runs.
             pinned_date: chrono::Local::now().date_naive(),

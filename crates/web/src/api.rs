@@ -39,6 +39,8 @@ pub struct ConversationInput {
     pub max_tokens: Option<usize>,
     pub seed: Option<u64>,
     pub ignore_eos: Option<bool>,
+    /// A GBNF grammar every reply must match; empty removes it.
+    pub grammar: Option<String>,
 }
 
 impl ConversationInput {
@@ -52,6 +54,7 @@ impl ConversationInput {
             max_tokens: self.max_tokens,
             seed: self.seed,
             ignore_eos: self.ignore_eos,
+            grammar: self.grammar.clone(),
         }
     }
 }

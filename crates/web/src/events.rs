@@ -5,6 +5,12 @@
 //! it missed of the current reply (the session's replay buffer), then live events. The stream stays
 //! open across replies, with keep-alive comments in between.
 //!
+//! With `?render=html` (the chat page asks for it) each `answer` event becomes `answer_html`:
+//! the piece of text, plus the reply so far as sanitized HTML in two parts, the blocks that just
+//! finished (to append) and the open block (to show in place of the last one); see
+//! [`LiveMarkdown`]. Each subscriber renders its own copy, replayed events included, so a page
+//! that joins mid-reply gets the same HTML.
+//!
 //! The session's [`SubscriptionGuard`] lives inside the response stream: when the client goes away
 //! actix drops the stream, the guard unsubscribes, and a reply nobody watches any more is
 //! cancelled after the configured grace period.
@@ -31,6 +37,7 @@ use tokio::sync::mpsc;
 use super::api::parse_id;
 use super::client::Client;
 use super::error::WebError;
+use super::markdown::LiveMarkdown;
 use super::owner::Owner;
 use super::AppState;
 use smolchat_service::reply::ReplyEvent;
@@ -42,13 +49,30 @@ const KEEP_ALIVE: Duration = Duration::from_secs(15);
 /// How soon a browser's EventSource reconnects after losing the stream.
 const RETRY: Duration = Duration::from_secs(3);
 
+/// `?render=html`: answers as live HTML too (see the module docs).
+#[derive(Debug, serde::Deserialize)]
+pub struct EventsQuery {
+    #[serde(default)]
+    render: Option<String>,
+}
+
 pub async fn events(
     state: web::Data<AppState>,
     owner: Owner,
     client: Client,
     path: web::Path<String>,
+    query: web::Query<EventsQuery>,
 ) -> Result<sse::Sse<EventStream>, WebError> {
     let id = parse_id(&path)?;
+    let live = match query.render.as_deref() {
+        None => None,
+        Some("html") => Some(LiveMarkdown::default()),
+        Some(other) => {
+            return Err(WebError::BadRequest(format!(
+                "`render` may only be `html` (answers rendered as they stream), got {other:?}"
+            )))
+        }
+    };
     // The place is taken first (and given back with the error if the service refuses), so
     // parallel requests cannot open more streams than the limits allow.
     let slot = StreamCounter::open(&state, id, owner.as_str(), client.address)?;
@@ -72,6 +96,7 @@ pub async fn events(
         replay: replay.into_iter(),
         events,
         held,
+        live,
     };
     // A healthy stream is polled at least every keep-alive interval, so it must be well inside
     // the stall timeout.
@@ -120,6 +145,31 @@ pub struct EventStream {
     replay: std::vec::IntoIter<ReplyEvent>,
     events: mpsc::Receiver<ReplyEvent>,
     held: Arc<Mutex<Held>>,
+    /// The reply rendered so far, when the subscriber asked for HTML.
+    live: Option<LiveMarkdown>,
+}
+
+impl EventStream {
+    fn encode(&mut self, event: &ReplyEvent) -> sse::Event {
+        let Some(live) = self.live.as_mut() else {
+            return to_sse(event);
+        };
+        match event {
+            ReplyEvent::Started { .. } => *live = LiveMarkdown::default(),
+            ReplyEvent::Answer { text } => {
+                let update = live.push(text);
+                let body = serde_json::json!({
+                    "type": "answer_html",
+                    "text": text,
+                    "blocks": update.blocks,
+                    "tail": update.tail,
+                });
+                return sse::Data::new(body.to_string()).event("answer_html").into();
+            }
+            _ => {}
+        }
+        to_sse(event)
+    }
 }
 
 impl Stream for EventStream {
@@ -135,13 +185,15 @@ impl Stream for EventStream {
             held.last_poll = Instant::now();
         }
         if let Some(event) = self.replay.next() {
-            return Poll::Ready(Some(Ok(to_sse(&event))));
+            return Poll::Ready(Some(Ok(self.encode(&event))));
         }
         // `None` once the session stopped (conversation deleted, server shutting down): the
         // response ends and the client may reconnect.
-        self.events
-            .poll_recv(cx)
-            .map(|event| event.map(|e| Ok(to_sse(&e))))
+        match self.events.poll_recv(cx) {
+            Poll::Ready(Some(event)) => Poll::Ready(Some(Ok(self.encode(&event)))),
+            Poll::Ready(None) => Poll::Ready(None),
+            Poll::Pending => Poll::Pending,
+        }
     }
 }
 

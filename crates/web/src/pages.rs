@@ -180,6 +180,7 @@ pub struct SettingsView {
     pub top_p: String,
     pub max_tokens: usize,
     pub max_tokens_limit: usize,
+    pub grammar: String,
 }
 
 #[derive(Template)]
@@ -286,6 +287,7 @@ async fn chat_page(
             top_p: format!("{}", settings.top_p),
             max_tokens: settings.max_tokens,
             max_tokens_limit: config.limits.max_new_tokens,
+            grammar: settings.grammar.clone().unwrap_or_default(),
         },
         user_name: owner.name().unwrap_or_default().to_string(),
     };
@@ -558,6 +560,9 @@ pub struct SettingsForm {
     max_tokens: String,
     /// A checkbox: present ("on") when checked.
     thinking: Option<String>,
+    /// GBNF; empty (or left out) removes it.
+    #[serde(default)]
+    grammar: String,
     /// Not in the page's form (admins' benchmarks); when a client sends it, it goes through the
     /// same check as on the JSON API (admins only).
     ignore_eos: Option<String>,
@@ -607,6 +612,7 @@ pub async fn settings(
         temperature: Some(form_number("temperature", &form.temperature, "a number")?),
         top_p: Some(form_number("top_p", &form.top_p, "a number")?),
         thinking: Some(checkbox("thinking", form.thinking.as_deref())?),
+        grammar: Some(form.grammar),
         ignore_eos: form
             .ignore_eos
             .as_deref()
@@ -706,6 +712,22 @@ pub async fn export_md(
 // ---------------------------------------------------------------------------------------------
 // Static files, compiled in.
 
+/// One of KaTeX's fonts (woff2 only: the first format of each `@font-face`, which every browser
+/// we serve takes).
+macro_rules! katex_font {
+    ($name:literal) => {
+        (
+            concat!("vendor/katex-0.19.1/fonts/KaTeX_", $name, ".woff2"),
+            "font/woff2",
+            include_bytes!(concat!(
+                "../../../static/vendor/katex-0.19.1/fonts/KaTeX_",
+                $name,
+                ".woff2"
+            )),
+        )
+    };
+}
+
 const STATIC_FILES: &[(&str, &str, &[u8])] = &[
     // The installable web app: no service worker (it could serve stale private pages).
     (
@@ -734,6 +756,11 @@ const STATIC_FILES: &[(&str, &str, &[u8])] = &[
         include_bytes!("../../../static/app.css"),
     ),
     (
+        "typeset.js",
+        "text/javascript; charset=utf-8",
+        include_bytes!("../../../static/typeset.js"),
+    ),
+    (
         "chat.js",
         "text/javascript; charset=utf-8",
         include_bytes!("../../../static/chat.js"),
@@ -748,6 +775,41 @@ const STATIC_FILES: &[(&str, &str, &[u8])] = &[
         "text/javascript; charset=utf-8",
         include_bytes!("../../../static/vendor/htmx-ext-sse-2.2.4.min.js"),
     ),
+    (
+        "vendor/highlight-11.12.0.min.js",
+        "text/javascript; charset=utf-8",
+        include_bytes!("../../../static/vendor/highlight-11.12.0.min.js"),
+    ),
+    (
+        "vendor/katex-0.19.1/katex.min.js",
+        "text/javascript; charset=utf-8",
+        include_bytes!("../../../static/vendor/katex-0.19.1/katex.min.js"),
+    ),
+    (
+        "vendor/katex-0.19.1/katex.min.css",
+        "text/css; charset=utf-8",
+        include_bytes!("../../../static/vendor/katex-0.19.1/katex.min.css"),
+    ),
+    katex_font!("AMS-Regular"),
+    katex_font!("Caligraphic-Bold"),
+    katex_font!("Caligraphic-Regular"),
+    katex_font!("Fraktur-Bold"),
+    katex_font!("Fraktur-Regular"),
+    katex_font!("Main-Bold"),
+    katex_font!("Main-BoldItalic"),
+    katex_font!("Main-Italic"),
+    katex_font!("Main-Regular"),
+    katex_font!("Math-BoldItalic"),
+    katex_font!("Math-Italic"),
+    katex_font!("SansSerif-Bold"),
+    katex_font!("SansSerif-Italic"),
+    katex_font!("SansSerif-Regular"),
+    katex_font!("Script-Regular"),
+    katex_font!("Size1-Regular"),
+    katex_font!("Size2-Regular"),
+    katex_font!("Size3-Regular"),
+    katex_font!("Size4-Regular"),
+    katex_font!("Typewriter-Regular"),
     (
         "favicon.svg",
         "image/svg+xml",
@@ -905,6 +967,38 @@ mod tests {
             parent: String::new(),
             versions: None,
         }
+    }
+
+    /// Every vendored file (static/vendor/SHA256SUMS, written by scripts/vendor-frontend.sh) is
+    /// served, byte for byte what the registry's package held; and every served vendor file is
+    /// listed there.
+    #[test]
+    fn vendored_files_are_served_as_pinned() {
+        use sha2::{Digest, Sha256};
+        let sums = include_str!("../../../static/vendor/SHA256SUMS");
+        let mut listed = 0;
+        for line in sums.lines().filter(|l| !l.trim().is_empty()) {
+            let (digest, path) = line.split_once("  ").expect("sha256sum line");
+            let name = format!("vendor/{}", path.trim_start_matches("./"));
+            let (_, _, bytes) = STATIC_FILES
+                .iter()
+                .find(|(n, _, _)| *n == name)
+                .unwrap_or_else(|| panic!("{name} is vendored but not served"));
+            let got: String = Sha256::digest(bytes)
+                .iter()
+                .map(|b| format!("{b:02x}"))
+                .collect();
+            assert_eq!(got, digest, "{name}");
+            listed += 1;
+        }
+        let served = STATIC_FILES
+            .iter()
+            .filter(|(n, _, _)| n.starts_with("vendor/"))
+            .count();
+        assert_eq!(
+            listed, served,
+            "a served vendor file is missing from SHA256SUMS"
+        );
     }
 
     #[test]
