@@ -15,7 +15,7 @@
     t.textContent = text;
     box.appendChild(t);
     // Kept after the toast fades, for whoever looks later (the browser tests do).
-    document.body.dataset.lastError = text;
+    if (kind !== "ok") document.body.dataset.lastError = text;
     setTimeout(() => t.remove(), 8000);
   }
 
@@ -44,6 +44,35 @@
       throw err;
     }
     return res;
+  }
+
+  // The JSON API (folders, tags, presets, organising): errors are {"error": {"message"}}.
+  async function api(method, url, body) {
+    const res = await fetch(url, {
+      method: method,
+      headers: { "X-CSRF-Token": csrf, "Content-Type": "application/json" },
+      body: body === undefined ? undefined : JSON.stringify(body),
+      credentials: "same-origin",
+    });
+    if (!res.ok) {
+      let text = "request failed (" + res.status + ")";
+      try { text = (await res.json()).error.message || text; } catch (_) { /* keep it */ }
+      const err = new Error(text);
+      err.status = res.status;
+      throw err;
+    }
+    return res.status === 204 ? null : res.json();
+  }
+
+  // The sidebar's list again, in the view it shows.
+  function refreshList() {
+    if (!window.htmx) return;
+    const view = document.getElementById("conv-view");
+    const search = document.getElementById("search");
+    const q = new URLSearchParams({ active: document.getElementById("app") ? document.getElementById("app").dataset.conversation || "" : "" });
+    if (view && view.value) q.set("view", view.value);
+    if (search && search.value) q.set("q", search.value);
+    htmx.ajax("GET", "/conversations?" + q.toString(), { target: "#conv-list", swap: "innerHTML" });
   }
 
   function explain(err) {
@@ -217,6 +246,69 @@
     });
     document.getElementById("share-close").addEventListener("click", () => shareDialog.close());
   }
+  // Organise: pin, archive, file in a folder (an existing one or a new one), tag.
+  const organiseBtn = document.getElementById("organise-btn");
+  const organiseDialog = document.getElementById("organise-dialog");
+  if (organiseBtn && organiseDialog) {
+    organiseBtn.addEventListener("click", () => organiseDialog.showModal());
+    document.getElementById("organise-close").addEventListener("click", () => organiseDialog.close());
+    document.getElementById("organise-form").addEventListener("submit", async (e) => {
+      e.preventDefault();
+      const f = e.target;
+      try {
+        let folder = f.folder_id.value || null;
+        const fresh = f.new_folder.value.trim();
+        if (fresh) folder = (await api("POST", "/api/folders", { name: fresh })).id;
+        const tags = f.tags.value.split(",").map((t) => t.trim()).filter((t) => t);
+        const done = await api("PATCH", "/api/conversations/" + convId, {
+          pinned: f.pinned.checked, archived: f.archived.checked, folder_id: folder, tags: tags,
+        });
+        organiseDialog.close();
+        toast(done.organisation.archived ? "Saved. The conversation is archived: find it under Archived." : "Saved.", "ok");
+        // Folders and tags feed the view menu: the page is simplest to reload for them.
+        if (fresh || tags.length) location.reload(); else refreshList();
+      } catch (err) { explain(err); }
+    });
+  }
+
+  // Presets: choosing one fills the system prompt (Save keeps it); the prompt can be saved as
+  // a new preset (admins may share it with everyone); a preset can be deleted.
+  const presetSelect = document.getElementById("preset-select");
+  if (presetSelect) {
+    const promptBox = document.querySelector("#settings textarea[name=system_prompt]");
+    presetSelect.addEventListener("change", () => {
+      const opt = presetSelect.selectedOptions[0];
+      if (opt && opt.value && promptBox) { promptBox.value = opt.dataset.prompt || ""; promptBox.focus(); }
+    });
+    document.getElementById("preset-save").addEventListener("click", async () => {
+      const name = document.getElementById("preset-name");
+      const shared = document.getElementById("preset-shared");
+      try {
+        const p = await api("POST", "/api/presets", { name: name.value, system_prompt: promptBox ? promptBox.value : "", shared: !!(shared && shared.checked) });
+        const opt = document.createElement("option");
+        opt.value = p.id;
+        opt.dataset.prompt = p.system_prompt;
+        opt.dataset.shared = String(p.shared);
+        opt.textContent = p.name + (p.shared ? " (shared)" : "");
+        presetSelect.appendChild(opt);
+        presetSelect.value = p.id;
+        name.value = "";
+        toast("Preset saved.", "ok");
+      } catch (err) { explain(err); }
+    });
+    document.getElementById("preset-delete").addEventListener("click", async () => {
+      const opt = presetSelect.selectedOptions[0];
+      if (!opt || !opt.value) { toast("Choose the preset to delete first."); return; }
+      if (!window.confirm("Delete the preset \u201c" + opt.textContent + "\u201d?")) return;
+      try {
+        await api("DELETE", "/api/presets/" + opt.value);
+        opt.remove();
+        presetSelect.value = "";
+        toast("Preset deleted.", "ok");
+      } catch (err) { explain(err); }
+    });
+  }
+
   const renameBtn = document.getElementById("rename-btn");
   if (renameBtn) renameBtn.addEventListener("click", async () => {
     const title = window.prompt("Rename conversation", renameBtn.dataset.title || "");
@@ -485,7 +577,7 @@
         if (fresh) { el.replaceWith(fresh); enhance(fresh); }
       }
     } catch (_) { /* the streamed text stays */ }
-    if (window.htmx) htmx.ajax("GET", "/conversations?active=" + convId, { target: "#conv-list", swap: "innerHTML" });
+    refreshList();
     scrollDown();
     if (reloadWhenDone) { reloadWhenDone = false; location.reload(); }
   });

@@ -716,6 +716,17 @@ async fn export_then_import_round_trips_and_bad_imports_are_refused() {
         .await;
     c.chat(&id, "Name a colour.").await;
     c.chat(&id, "And another one?").await;
+    // Organised: in a folder, pinned, tagged (exported by the folder's name).
+    let folder = c.post("/api/folders", &json!({"name": "Palette"})).await;
+    assert_eq!(folder.status, StatusCode::CREATED, "{}", folder.text);
+    let r = c
+        .send_json(
+            Method::PATCH,
+            &format!("/api/conversations/{id}"),
+            &json!({"folder_id": folder.json["id"], "pinned": true, "tags": ["Art", "colour"]}),
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.text);
 
     let r = c.get(&format!("/api/conversations/{id}/export")).await;
     assert_eq!(r.status, StatusCode::OK, "{}", r.text);
@@ -744,6 +755,10 @@ async fn export_then_import_round_trips_and_bad_imports_are_refused() {
     assert_eq!(doc["current"], "m4");
     assert!(messages[1]["raw"].is_string() && messages[1]["completion_tokens"].is_number());
     assert!(messages[1]["timings"].is_object());
+    assert_eq!(
+        doc["organisation"],
+        json!({"pinned": true, "archived": false, "folder": "Palette", "tags": ["art", "colour"]})
+    );
 
     // Import it (as another owner), export again: identical but for the conversation's times.
     let other = server.client();
@@ -766,6 +781,10 @@ async fn export_then_import_round_trips_and_bad_imports_are_refused() {
         c.get(&format!("/api/conversations/{new_id}")).await.status,
         StatusCode::NOT_FOUND
     );
+    // The importer got a folder of that name, with the conversation in it.
+    let theirs = other.get("/api/folders").await.json;
+    assert_eq!(theirs["folders"][0]["name"], "Palette");
+    assert_eq!(theirs["folders"][0]["conversations"], 1);
     // The imported conversation goes on like any other.
     other.chat(&new_id, "One more?").await;
 

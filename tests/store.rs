@@ -9,8 +9,9 @@ use chrono::NaiveDate;
 use std::time::Duration;
 
 use smolchat_store::{
-    backup, ConversationSettings, FinishedReply, ImportedMessage, MessageStatus, PageRequest,
-    ReplicaLoad, Role, SessionKind, Store, StoreError, Timings, TITLE_MAX_CHARS,
+    backup, ConversationSettings, FinishedReply, ImportedMessage, ListFilter, MessageStatus,
+    OrganisationPatch, PageRequest, ReplicaLoad, Role, SessionKind, Store, StoreError, Timings,
+    TITLE_MAX_CHARS,
 };
 use tempfile::TempDir;
 use uuid::Uuid;
@@ -1229,7 +1230,11 @@ async fn pages_follow_the_keyset_cursor(db) {
     let mut before = None;
     loop {
         let page = store
-            .list_conversations_page("p", None, &PageRequest { limit: 3, before })
+            .list_conversations_page(
+                "p",
+                &ListFilter::default(),
+                &PageRequest { limit: 3, before },
+            )
             .await
             .unwrap();
         assert!(page.items.len() <= 3);
@@ -1244,7 +1249,10 @@ async fn pages_follow_the_keyset_cursor(db) {
     let page = store
         .list_conversations_page(
             "p",
-            Some("nothing"),
+            &ListFilter {
+                search: Some("nothing".into()),
+                ..ListFilter::default()
+            },
             &PageRequest {
                 limit: 3,
                 before: None,
@@ -1585,5 +1593,210 @@ async fn search_finds_substrings_through_the_index(db) {
     // Edits and deletions reach the index.
     store.delete_conversation(c.id).await.unwrap();
     assert!(found("Boxkämpfer").await.is_empty());
+}
+
+async fn folders_pins_archive_and_tags_filter_lists_and_stay_with_their_owner(db) {
+    let (_dir, _url, store) = fresh(db).await;
+    let a = store.create_conversation("alice", &settings()).await.unwrap();
+    let b = store.create_conversation("alice", &settings()).await.unwrap();
+    let c = store.create_conversation("alice", &settings()).await.unwrap();
+    let theirs = store.create_conversation("bob", &settings()).await.unwrap();
+    let work = store.create_folder("alice", "Work").await.unwrap();
+    assert!(matches!(
+        store.create_folder("alice", "Work").await,
+        Err(StoreError::NameTaken { .. })
+    ));
+    // Another owner may use the same name.
+    let bobs = store.create_folder("bob", "Work").await.unwrap();
+
+    let set = |pinned, archived, folder, tags: &[&str]| OrganisationPatch {
+        pinned,
+        archived,
+        folder,
+        tags: Some(tags.iter().map(|t| t.to_string()).collect()),
+    };
+    let got = store
+        .organise("alice", a.id, &set(Some(true), None, Some(Some(work.id)), &["rust", "db", "rust"]))
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(got.pinned && !got.archived);
+    assert_eq!(got.folder_id, Some(work.id));
+    assert_eq!(got.tags, vec!["db".to_string(), "rust".to_string()]);
+    store
+        .organise("alice", b.id, &set(None, Some(true), None, &["rust"]))
+        .await
+        .unwrap()
+        .unwrap();
+    // Someone else's conversation, or someone else's folder: not found / refused, nothing set.
+    assert_eq!(
+        store
+            .organise("alice", theirs.id, &set(Some(true), None, None, &[]))
+            .await
+            .unwrap(),
+        None
+    );
+    assert!(matches!(
+        store
+            .organise("alice", c.id, &set(None, None, Some(Some(bobs.id)), &[]))
+            .await,
+        Err(StoreError::FolderNotFound(_))
+    ));
+    assert_eq!(store.organisation(c.id).await.unwrap().unwrap().folder_id, None);
+
+    let list = |filter: ListFilter| {
+        let store = store.clone();
+        async move {
+            let page = store
+                .list_conversations_page(
+                    "alice",
+                    &filter,
+                    &PageRequest {
+                        limit: 50,
+                        before: None,
+                    },
+                )
+                .await
+                .unwrap();
+            let mut ids: Vec<Uuid> = page.items.iter().map(|s| s.id).collect();
+            ids.sort();
+            ids
+        }
+    };
+    let sorted = |mut v: Vec<Uuid>| {
+        v.sort();
+        v
+    };
+    let unarchived = ListFilter {
+        archived: Some(false),
+        ..ListFilter::default()
+    };
+    assert_eq!(list(unarchived.clone()).await, sorted(vec![a.id, c.id]));
+    assert_eq!(
+        list(ListFilter {
+            archived: Some(true),
+            ..ListFilter::default()
+        })
+        .await,
+        vec![b.id]
+    );
+    assert_eq!(
+        list(ListFilter {
+            pinned: Some(true),
+            ..unarchived.clone()
+        })
+        .await,
+        vec![a.id]
+    );
+    assert_eq!(
+        list(ListFilter {
+            folder: Some(work.id),
+            ..ListFilter::default()
+        })
+        .await,
+        vec![a.id]
+    );
+    assert_eq!(
+        list(ListFilter {
+            tag: Some("rust".into()),
+            ..ListFilter::default()
+        })
+        .await,
+        sorted(vec![a.id, b.id])
+    );
+    let summary = store.list_conversations("alice", None).await.unwrap();
+    let first = summary.iter().find(|s| s.id == a.id).unwrap();
+    assert!(first.pinned && first.folder_id == Some(work.id));
+    let tags = store.tags("alice").await.unwrap();
+    assert_eq!(
+        tags.iter()
+            .map(|t| (t.tag.as_str(), t.conversations))
+            .collect::<Vec<_>>(),
+        vec![("db", 1), ("rust", 2)]
+    );
+    assert!(store.tags("bob").await.unwrap().is_empty());
+    let folders = store.folders("alice").await.unwrap();
+    assert_eq!(folders.len(), 1);
+    assert_eq!(folders[0].conversations, 1);
+
+    // Renaming and deleting folders: only the owner's; the conversations stay, unfiled.
+    assert!(!store.rename_folder("bob", work.id, "Mine").await.unwrap());
+    assert!(store.rename_folder("alice", work.id, "Job").await.unwrap());
+    assert!(!store.delete_folder("bob", work.id).await.unwrap());
+    assert!(store.delete_folder("alice", work.id).await.unwrap());
+    assert_eq!(store.organisation(a.id).await.unwrap().unwrap().folder_id, None);
+    assert!(store.get_conversation(a.id).await.unwrap().is_some());
+    // Tags go with their conversation.
+    store.delete_conversation(b.id).await.unwrap();
+    assert_eq!(store.tags("alice").await.unwrap().len(), 2);
+    assert_eq!(store.tags("alice").await.unwrap()[1].conversations, 1);
+}
+
+async fn presets_are_an_owners_own_or_shared(db) {
+    let (_dir, _url, store) = fresh(db).await;
+    let shared = store
+        .create_preset(None, "Translator", "Translate to French.")
+        .await
+        .unwrap();
+    assert!(shared.shared);
+    let mine = store
+        .create_preset(Some("alice"), "Terse", "Answer in one line.")
+        .await
+        .unwrap();
+    // The same name is fine for another owner and for the shared set.
+    store
+        .create_preset(Some("bob"), "Terse", "Be short.")
+        .await
+        .unwrap();
+    store
+        .create_preset(Some("alice"), "Translator", "Mine.")
+        .await
+        .unwrap();
+    assert!(matches!(
+        store.create_preset(Some("alice"), "Terse", "again").await,
+        Err(StoreError::NameTaken { .. })
+    ));
+    let names = |v: Vec<smolchat_store::Preset>| {
+        v.into_iter()
+            .map(|p| (p.name, p.shared))
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(
+        names(store.presets("alice").await.unwrap()),
+        vec![
+            ("Translator".to_string(), true),
+            ("Terse".to_string(), false),
+            ("Translator".to_string(), false)
+        ]
+    );
+    assert!(store.preset("alice", shared.id).await.unwrap().is_some());
+    assert!(store.preset("bob", mine.id).await.unwrap().is_none());
+    // Only the owner changes their own; the shared ones only as shared (owner None).
+    assert!(!store
+        .update_preset(Some("bob"), mine.id, "x", "y")
+        .await
+        .unwrap());
+    assert!(!store
+        .update_preset(Some("alice"), shared.id, "x", "y")
+        .await
+        .unwrap());
+    assert!(store
+        .update_preset(Some("alice"), mine.id, "Terser", "One word.")
+        .await
+        .unwrap());
+    assert!(store
+        .update_preset(None, shared.id, "Translator", "Translate to German.")
+        .await
+        .unwrap());
+    assert_eq!(
+        store.preset("bob", shared.id).await.unwrap().unwrap().system_prompt,
+        "Translate to German."
+    );
+    assert!(!store.delete_preset(Some("bob"), mine.id).await.unwrap());
+    assert!(!store.delete_preset(Some("alice"), shared.id).await.unwrap());
+    assert!(store.delete_preset(Some("alice"), mine.id).await.unwrap());
+    assert!(store.delete_preset(None, shared.id).await.unwrap());
+    assert_eq!(store.count_presets(Some("alice")).await.unwrap(), 1);
+    assert_eq!(store.count_presets(None).await.unwrap(), 0);
 }
 }

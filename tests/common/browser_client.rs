@@ -92,6 +92,37 @@ impl Browser {
                 .header(CONTENT_TYPE, "application/x-www-form-urlencoded")
                 .body(form.to_string());
         }
+        self.finish(req).await
+    }
+
+    /// A JSON request (the `/api` routes), with this client's cookies and CSRF token.
+    pub async fn json(
+        &mut self,
+        method: reqwest::Method,
+        path: &str,
+        body: Option<&serde_json::Value>,
+    ) -> Answer {
+        let mut req = self.http.request(method, format!("{}{path}", self.base));
+        if !self.cookies.is_empty() {
+            let jar: Vec<String> = self
+                .cookies
+                .iter()
+                .map(|(k, v)| format!("{k}={v}"))
+                .collect();
+            req = req.header(COOKIE, jar.join("; "));
+        }
+        if let Some(t) = &self.csrf {
+            req = req.header("X-CSRF-Token", t);
+        }
+        if let Some(body) = body {
+            req = req
+                .header(CONTENT_TYPE, "application/json")
+                .body(body.to_string());
+        }
+        self.finish(req).await
+    }
+
+    async fn finish(&mut self, req: reqwest::RequestBuilder) -> Answer {
         let res = req.send().await.expect("request");
         let status = res.status();
         let headers = res.headers().clone();

@@ -29,9 +29,13 @@ use super::settings::{self, SettingsError, SettingsLimits};
 use crate::caller::Caller;
 use smolchat_serving::scheduler::{Evict, SchedulerActor};
 use smolchat_serving::types::SubmitError;
+mod organise;
+pub use organise::{MAX_FOLDERS, MAX_PRESETS, MAX_TAGS, NAME_MAX_CHARS, TAG_MAX_CHARS};
+
 use smolchat_store::{
-    Conversation, ConversationSettings, ImportedMessage, ListPage, Message, MessageStatus,
-    PageRequest, Role, ShareRecord, Store, StoreError, StoredRow, Timings, MAX_TOKEN_COUNT,
+    Conversation, ConversationSettings, ImportedMessage, ListFilter, ListPage, Message,
+    MessageStatus, Organisation, PageRequest, Role, ShareRecord, Store, StoreError, StoredRow,
+    Timings, MAX_TOKEN_COUNT,
 };
 use smolchat_text::prompt::PromptBuilder;
 use smolchat_text::template::{ChatMessage, ChatTemplate, RenderOptions};
@@ -305,6 +309,8 @@ pub struct ConversationView {
     /// Per message of `messages`: its versions (it and its siblings).
     pub versions: Vec<Versions>,
     pub replying: bool,
+    /// Pinned, archived, its folder and tags.
+    pub organisation: Organisation,
 }
 
 /// A new share link: the record and the token of its URL (`/s/{token}`), shown once.
@@ -387,6 +393,24 @@ pub struct ExportedConversation {
     /// Version 2: the `id` of the message the conversation shows (its branch ends there).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub current: Option<String>,
+    /// Version 2, optional: pinned, archived, its folder (by name) and tags. An import files
+    /// the conversation in the importer's folder of that name, made when they have none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub organisation: Option<ExportedOrganisation>,
+}
+
+/// How an exported conversation was organised.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ExportedOrganisation {
+    #[serde(default)]
+    pub pinned: bool,
+    #[serde(default)]
+    pub archived: bool,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub folder: Option<String>,
+    #[serde(default)]
+    pub tags: Vec<String>,
 }
 
 /// Why an export could not be read.
@@ -892,11 +916,13 @@ impl Conversations {
         let (all, messages) = self.store.messages_and_branch(id).await?;
         let versions = Versions::of(&all, &messages);
         let replying = self.replying(id).await;
+        let organisation = self.store.organisation(id).await?.unwrap_or_default();
         Ok(ConversationView {
             conversation,
             messages,
             versions,
             replying,
+            organisation,
         })
     }
 
@@ -930,13 +956,15 @@ impl Conversations {
         Ok((m, self.replying(c.id).await))
     }
 
-    /// One page of the caller's conversations, most recent first, filtered by `search`.
+    /// One page of the caller's conversations, most recent first, filtered by `filter` (its
+    /// search text, archive, pin, folder and tag).
     pub async fn list(
         &self,
         caller: &Caller,
-        search: Option<&str>,
+        filter: &ListFilter,
         page: &PageRequest,
     ) -> Result<ListPage> {
+        let search = filter.search.as_deref();
         if let Some(chars) = search.map(|q| q.chars().count()) {
             if chars > TITLE_LIMIT {
                 return Err(invalid(
@@ -965,7 +993,7 @@ impl Conversations {
         }
         Ok(self
             .store
-            .list_conversations_page(&caller.owner, search, page)
+            .list_conversations_page(&caller.owner, filter, page)
             .await?)
     }
 
@@ -1152,7 +1180,25 @@ impl Conversations {
             .map(|(i, m)| (m.id, format!("m{}", i + 1)))
             .collect();
         let current = branch.last().and_then(|m| name.get(&m.id).cloned());
+        let organisation = self.store.organisation(c.id).await?.unwrap_or_default();
+        let folder = match organisation.folder_id {
+            Some(f) => self
+                .store
+                .folders(&caller.owner)
+                .await?
+                .into_iter()
+                .find(|x| x.id == f)
+                .map(|x| x.name),
+            None => None,
+        };
+        let organisation = ExportedOrganisation {
+            pinned: organisation.pinned,
+            archived: organisation.archived,
+            folder,
+            tags: organisation.tags,
+        };
         Ok(ExportedConversation {
+            organisation: (organisation != ExportedOrganisation::default()).then_some(organisation),
             format: EXPORT_FORMAT.to_string(),
             version: EXPORT_VERSION,
             title: c.title,
@@ -1246,6 +1292,12 @@ impl Conversations {
         }
         let rows = Self::import_tree(&doc)?;
         let title = Self::clean_title(&doc.title)?;
+        // Checked before anything is stored, so the import is whole or nothing.
+        let organise = doc
+            .organisation
+            .as_ref()
+            .map(organise::checked_import)
+            .transpose()?;
         self.check_settings(caller, &doc.settings)?;
         let max = self.cfg.max_import_messages;
         if doc.messages.len() > max {
@@ -1396,6 +1448,10 @@ impl Conversations {
                 &rows,
             )
             .await?;
+        if let Some((patch, folder)) = organise {
+            self.organise_import(caller, c.id, patch, folder.as_deref())
+                .await?;
+        }
         tracing::info!(conversation = %c.id, owner = %caller.owner, messages = messages.len(), "conversation imported");
         Ok(c)
     }
@@ -1727,6 +1783,7 @@ mod tests {
             created_at: None,
             updated_at: None,
             current: Some("a".into()),
+            organisation: None,
             messages: vec![
                 ExportedMessage {
                     id: Some("u".into()),

@@ -39,6 +39,13 @@ pub enum StoreError {
     #[error("there is no assistant message {0}")]
     MessageNotFound(Uuid),
 
+    /// The owner already has a folder or preset by that name.
+    #[error("there is already a {what} named {name:?}; choose another name")]
+    NameTaken { what: &'static str, name: String },
+
+    #[error("folder {0} does not exist")]
+    FolderNotFound(Uuid),
+
     #[error("the messages do not form a tree: {0}")]
     BadTree(String),
 

@@ -27,6 +27,7 @@
 
 mod bus;
 mod error;
+mod organise;
 mod replicas;
 mod sessions;
 mod shares;
@@ -46,11 +47,12 @@ use uuid::Uuid;
 
 pub use bus::{Bus, MAX_PAYLOAD as BUS_MAX_PAYLOAD};
 pub use error::StoreError;
+pub use organise::{Folder, Organisation, OrganisationPatch, Preset, TagCount};
 pub use replicas::{Registration, Replica, ReplicaLoad, ReplicaRecord};
 pub use shares::ShareRecord;
 pub use types::{
     derive_title, Conversation, ConversationSettings, ConversationSummary, Cursor, FinishedReply,
-    ImportedMessage, ListPage, Message, MessageStatus, PageRequest, Role, SessionKind,
+    ImportedMessage, ListFilter, ListPage, Message, MessageStatus, PageRequest, Role, SessionKind,
     SessionRecord, Timings, MAX_PAGE, TITLE_MAX_CHARS,
 };
 pub use users::{ApiKeyRecord, ApiUsage, CreatedUser, NewUser, User, UserOverview, UserRole};
@@ -199,7 +201,7 @@ macro_rules! conversation_columns {
 }
 macro_rules! summary_columns {
     () => {
-        "c.id, c.owner, c.title, c.created_at, c.updated_at, \
+        "c.id, c.owner, c.title, c.created_at, c.updated_at, c.pinned, c.archived, c.folder_id, \
          (SELECT COUNT(*) FROM messages m WHERE m.conversation_id = c.id) AS message_count"
     };
 }
@@ -492,13 +494,17 @@ impl Store {
         owner: &str,
         search: Option<&str>,
     ) -> Result<Vec<ConversationSummary>, StoreError> {
+        let filter = ListFilter {
+            search: search.map(str::to_string),
+            ..ListFilter::default()
+        };
         let mut all = Vec::new();
         let mut page = PageRequest {
             limit: MAX_PAGE,
             before: None,
         };
         loop {
-            let got = self.list_conversations_page(owner, search, &page).await?;
+            let got = self.list_conversations_page(owner, &filter, &page).await?;
             all.extend(got.items);
             match got.next {
                 Some(next) => page.before = Some(next),
@@ -517,13 +523,20 @@ impl Store {
     /// Messages are searched through the trigram index of migration 0005 (SQLite FTS5, pg_trgm),
     /// which finds substrings of [`SEARCH_INDEX_MIN_CHARS`] or more characters; shorter search
     /// text matches titles only, since it would need a scan of every message.
+    ///
+    /// The rest of `filter` keeps archived or unarchived, pinned or unpinned conversations, those
+    /// in one folder, or those with one tag.
     pub async fn list_conversations_page(
         &self,
         owner: &str,
-        search: Option<&str>,
+        filter: &ListFilter,
         page: &PageRequest,
     ) -> Result<ListPage, StoreError> {
-        let search = search.map(str::trim).filter(|s| !s.is_empty());
+        let search = filter
+            .search
+            .as_deref()
+            .map(str::trim)
+            .filter(|s| !s.is_empty());
         let limit = page.limit.clamp(1, MAX_PAGE);
         let (before_at, before_id) = cursor_binds(page.before.as_ref());
         // The message half of the search, bound as $6: an FTS5 phrase (SQLite) or an ILIKE
@@ -546,6 +559,10 @@ impl Store {
                     $messages,
                     "))) \
                        AND ($3 IS NULL OR c.updated_at < $3 OR (c.updated_at = $3 AND c.id < $4)) \
+                       AND ($7 IS NULL OR c.archived = $7) AND ($8 IS NULL OR c.pinned = $8) \
+                       AND ($9 IS NULL OR c.folder_id = $9) \
+                       AND ($10 IS NULL OR EXISTS (SELECT 1 FROM conversation_tags t \
+                            WHERE t.conversation_id = c.id AND t.tag = $10)) \
                      ORDER BY c.updated_at DESC, c.id DESC LIMIT $5"
                 )
             };
@@ -568,6 +585,10 @@ impl Store {
             .bind(before_id)
             .bind((limit + 1) as i64)
             .bind(message_needle)
+            .bind(filter.archived.map(i64::from))
+            .bind(filter.pinned.map(i64::from))
+            .bind(filter.folder.map(|f| f.to_string()))
+            .bind(filter.tag.as_deref())
             .fetch_all(&self.pool)
             .await?;
         into_page(rows, limit)
@@ -1416,6 +1437,9 @@ struct SummaryRow {
     message_count: i64,
     created_at: i64,
     updated_at: i64,
+    pinned: i64,
+    archived: i64,
+    folder_id: Option<String>,
 }
 
 impl SummaryRow {
@@ -1425,6 +1449,12 @@ impl SummaryRow {
             id: parse_uuid(T, &self.id, &self.id)?,
             created_at: parse_time(T, &self.id, self.created_at)?,
             updated_at: parse_time(T, &self.id, self.updated_at)?,
+            folder_id: self
+                .folder_id
+                .map(|f| parse_uuid(T, &self.id, &f))
+                .transpose()?,
+            pinned: self.pinned != 0,
+            archived: self.archived != 0,
             owner: self.owner,
             title: self.title,
             message_count: self.message_count,

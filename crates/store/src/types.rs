@@ -92,6 +92,24 @@ pub struct ConversationSummary {
     pub created_at: DateTime<Utc>,
     #[serde(serialize_with = "rfc3339")]
     pub updated_at: DateTime<Utc>,
+    pub pinned: bool,
+    pub archived: bool,
+    pub folder_id: Option<Uuid>,
+}
+
+/// Which of an owner's conversations a list holds; the default is all of them.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct ListFilter {
+    /// Title or message text (see [`crate::Store::list_conversations_page`]).
+    pub search: Option<String>,
+    /// Only archived (`true`) or only unarchived (`false`) ones.
+    pub archived: Option<bool>,
+    /// Only pinned (`true`) or only unpinned (`false`) ones.
+    pub pinned: Option<bool>,
+    /// Only those in this folder.
+    pub folder: Option<Uuid>,
+    /// Only those with this tag.
+    pub tag: Option<String>,
 }
 
 /// The most conversations one page may hold.

@@ -561,6 +561,7 @@ impl Store {
 }
 
 async fn reown(tx: &mut WriteTx, from: &str, to: &str) -> Result<u64, StoreError> {
+    super::organise::reown_organisation(tx, from, to).await?;
     let r = sqlx::query("UPDATE conversations SET owner = $1 WHERE owner = $2")
         .bind(to)
         .bind(from)
@@ -745,7 +746,21 @@ mod tests {
         let settings = ConversationSettings::default();
         s.create_conversation("guest-1", &settings).await.unwrap();
         s.create_conversation("guest-1", &settings).await.unwrap();
-        s.create_conversation("guest-2", &settings).await.unwrap();
+        let filed = s.create_conversation("guest-2", &settings).await.unwrap();
+        let guest_folder = s.create_folder("guest-2", "Work").await.unwrap();
+        s.organise(
+            "guest-2",
+            filed.id,
+            &crate::OrganisationPatch {
+                folder: Some(Some(guest_folder.id)),
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap();
+        s.create_preset(Some("guest-2"), "Terse", "Be brief.")
+            .await
+            .unwrap();
         let n = NewUser {
             adopt_from: Some("guest-1"),
             ..new_user("u1", "a")
@@ -760,8 +775,28 @@ mod tests {
             .await
             .unwrap()
             .is_empty());
+        // u1 already has a folder and a preset of those names: the guest's folder merges into
+        // theirs, the guest's preset keeps its prompt under a new name.
+        let theirs = s.create_folder("u1", "Work").await.unwrap();
+        s.create_preset(Some("u1"), "Terse", "One line.")
+            .await
+            .unwrap();
         assert_eq!(s.reown_conversations("guest-2", "u1").await.unwrap(), 1);
         assert_eq!(s.list_conversations("u1", None).await.unwrap().len(), 3);
+        assert_eq!(
+            s.organisation(filed.id).await.unwrap().unwrap().folder_id,
+            Some(theirs.id)
+        );
+        assert_eq!(s.folders("u1").await.unwrap().len(), 1);
+        assert!(s.folders("guest-2").await.unwrap().is_empty());
+        let presets: Vec<String> = s
+            .presets("u1")
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|p| p.name)
+            .collect();
+        assert_eq!(presets, vec!["Terse".to_string(), "Terse (2)".to_string()]);
         let names = s
             .user_names(&["u1".into(), "guest-2".into()])
             .await

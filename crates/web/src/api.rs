@@ -16,7 +16,8 @@ use smolchat_service::conversations::{
     to_markdown, ExportParseError, ExportedConversation, NewConversation, SettingsPatch,
 };
 use smolchat_service::records::{
-    Conversation, ConversationSummary, Cursor, Message, PageRequest, MAX_PAGE,
+    Conversation, ConversationSummary, Cursor, ListFilter, Message, Organisation,
+    OrganisationPatch, PageRequest, MAX_PAGE,
 };
 
 pub use smolchat_service::conversations::TITLE_LIMIT;
@@ -41,9 +42,34 @@ pub struct ConversationInput {
     pub ignore_eos: Option<bool>,
     /// A GBNF grammar every reply must match; empty removes it.
     pub grammar: Option<String>,
+    /// Organising (PATCH only; see [`OrganisationPatch`]): `folder_id: null` takes the
+    /// conversation out of its folder; `tags` replaces the set.
+    pub pinned: Option<bool>,
+    pub archived: Option<bool>,
+    #[serde(default, deserialize_with = "present")]
+    pub folder_id: Option<Option<Uuid>>,
+    pub tags: Option<Vec<String>>,
+}
+
+/// A field that may be `null`: absent is `None`, `null` is `Some(None)`.
+fn present<'de, D, T>(d: D) -> Result<Option<Option<T>>, D::Error>
+where
+    D: serde::Deserializer<'de>,
+    T: Deserialize<'de>,
+{
+    Option::<T>::deserialize(d).map(Some)
 }
 
 impl ConversationInput {
+    fn organisation(&self) -> OrganisationPatch {
+        OrganisationPatch {
+            pinned: self.pinned,
+            archived: self.archived,
+            folder: self.folder_id,
+            tags: self.tags.clone(),
+        }
+    }
+
     fn patch(&self) -> SettingsPatch {
         SettingsPatch {
             system_prompt: self.system_prompt.clone(),
@@ -94,6 +120,54 @@ pub struct ListQuery {
     pub q: Option<String>,
     pub limit: Option<usize>,
     pub before: Option<String>,
+    /// `false` (default): not archived; `true`: archived only; `all`: both.
+    pub archived: Option<String>,
+    /// `true`/`false`: only pinned / only unpinned; absent: both.
+    pub pinned: Option<bool>,
+    /// Only the conversations in this folder.
+    pub folder: Option<String>,
+    /// Only those with this tag.
+    pub tag: Option<String>,
+}
+
+impl ListQuery {
+    /// The list filter this query asks for.
+    pub fn filter(&self) -> Result<ListFilter, WebError> {
+        let archived = match self.archived.as_deref() {
+            None | Some("") | Some("false") => Some(false),
+            Some("true") => Some(true),
+            Some("all") => None,
+            Some(other) => {
+                return Err(WebError::BadRequest(format!(
+                    "`archived` must be true, false or all, got {other:?}"
+                )))
+            }
+        };
+        Ok(ListFilter {
+            search: self.q.clone(),
+            archived,
+            pinned: self.pinned,
+            folder: self
+                .folder
+                .as_deref()
+                .filter(|f| !f.is_empty())
+                .map(|f| parse_uuid(f, "folder id"))
+                .transpose()?,
+            tag: self
+                .tag
+                .as_deref()
+                .map(|t| t.trim().to_lowercase())
+                .filter(|t| !t.is_empty()),
+        })
+    }
+}
+
+/// A conversation and how it is organised (`PATCH` answers this).
+#[derive(Debug, Serialize)]
+pub struct Organised {
+    #[serde(flatten)]
+    pub conversation: Conversation,
+    pub organisation: Organisation,
 }
 
 /// `GET /api/conversations/{id}`: the conversation, its messages and what is happening now.
@@ -101,6 +175,8 @@ pub struct ListQuery {
 pub struct ConversationDetail {
     #[serde(flatten)]
     pub conversation: Conversation,
+    /// Pinned, archived, its folder and tags.
+    pub organisation: Organisation,
     /// The branch shown, in order.
     pub messages: Vec<Message>,
     /// Per message: its versions (`index` of `count`, the `previous` and `next` ones' ids).
@@ -140,6 +216,7 @@ fn detail(
 ) -> ConversationDetail {
     ConversationDetail {
         conversation: view.conversation,
+        organisation: view.organisation,
         messages: view.messages,
         versions: view.versions,
         replying: view.replying,
@@ -205,7 +282,7 @@ pub async fn list(
     let list = state
         .platform
         .conversations()
-        .list(&owner.caller(), query.q.as_deref(), &page)
+        .list(&owner.caller(), &query.filter()?, &page)
         .await?;
     let items: Vec<ConversationSummary> = list.items;
     Ok(HttpResponse::Ok().json(json!({
@@ -238,12 +315,21 @@ pub async fn patch(
 ) -> Result<HttpResponse, WebError> {
     let id = parse_id(&path)?;
     let input = body.0;
-    let updated = state
-        .platform
-        .conversations()
-        .update(&owner.caller(), id, input.title.as_deref(), &input.patch())
+    let caller = owner.caller();
+    let service = state.platform.conversations();
+    let organise = input.organisation();
+    let organisation = if organise == OrganisationPatch::default() {
+        service.organisation(&caller, id).await?
+    } else {
+        service.organise(&caller, id, organise).await?
+    };
+    let updated = service
+        .update(&caller, id, input.title.as_deref(), &input.patch())
         .await?;
-    Ok(HttpResponse::Ok().json(updated))
+    Ok(HttpResponse::Ok().json(Organised {
+        conversation: updated,
+        organisation,
+    }))
 }
 
 /// `DELETE /api/conversations/{id}`: stops its session (and reply), deletes the conversation and

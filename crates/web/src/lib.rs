@@ -17,6 +17,9 @@
 //! | `POST /api/conversations/import` | an exported conversation → 201, a new conversation |
 //!
 //! | `POST /api/conversations/{id}/shares`, `GET …/shares`, `DELETE …/shares/{share}` | read-only share links: make (→ `{share, url}`, the token shown once), list, revoke |
+//! | `GET`, `POST /api/folders`, `PATCH`, `DELETE /api/folders/{id}` | the caller's folders (a conversation is filed with `PATCH /api/conversations/{id}` `{"folder_id"}`; also `pinned`, `archived`, `tags`) |
+//! | `GET /api/conversations/tags` | the tags on the caller's conversations, with counts (lists filter with `?tag=`, `?folder=`, `?archived=true\|all`, `?pinned=`) |
+//! | `GET`, `POST /api/presets`, `PATCH`, `DELETE /api/presets/{id}` | system-prompt presets: the caller's own and the shared ones (`"shared": true`, admins only) |
 //! | `GET /s/{token}` | a share link's snapshot, for anyone holding it (no account; `noindex`, no referrer) |
 //!
 //! | `GET /`, `/c/…`, `/conversations`, `/admin…`, `/static/…` | HTML pages (see [`pages`], [`admin`]; CSRF in [`csrf`]) |
@@ -44,6 +47,7 @@ pub mod markdown;
 pub mod ollama;
 pub mod openai;
 pub mod ops;
+pub mod organise;
 pub mod owner;
 pub mod pages;
 pub mod responses;
@@ -158,6 +162,13 @@ pub fn routes(cfg: &mut web::ServiceConfig) {
                     .route(web::post().to(api::create))
                     .default_service(web::to(method_not_allowed)),
             )
+            // Before `/conversations/{id}`, which would otherwise take "tags" for an id (and
+            // not `/api/tags`: that is Ollama's model list).
+            .service(
+                web::resource("/conversations/tags")
+                    .route(web::get().to(organise::tags))
+                    .default_service(web::to(method_not_allowed)),
+            )
             // Before `/conversations/{id}`, which would otherwise take "import" for an id.
             .service(
                 web::resource("/conversations/import")
@@ -217,6 +228,30 @@ pub fn routes(cfg: &mut web::ServiceConfig) {
             .service(
                 web::resource("/conversations/{id}/events")
                     .route(web::get().to(events::events))
+                    .default_service(web::to(method_not_allowed)),
+            )
+            .service(
+                web::resource("/folders")
+                    .route(web::get().to(organise::folders))
+                    .route(web::post().to(organise::create_folder))
+                    .default_service(web::to(method_not_allowed)),
+            )
+            .service(
+                web::resource("/folders/{id}")
+                    .route(web::patch().to(organise::rename_folder))
+                    .route(web::delete().to(organise::delete_folder))
+                    .default_service(web::to(method_not_allowed)),
+            )
+            .service(
+                web::resource("/presets")
+                    .route(web::get().to(organise::presets))
+                    .route(web::post().to(organise::create_preset))
+                    .default_service(web::to(method_not_allowed)),
+            )
+            .service(
+                web::resource("/presets/{id}")
+                    .route(web::patch().to(organise::update_preset))
+                    .route(web::delete().to(organise::delete_preset))
                     .default_service(web::to(method_not_allowed)),
             )
             .default_service(web::to(not_found)),

@@ -28,14 +28,17 @@ use askama::Template;
 use serde::Deserialize;
 use uuid::Uuid;
 
-use super::api::{self, export_response, page_request, parse_id, ExportFormat};
+use super::api::{self, export_response, page_request, parse_id, parse_uuid, ExportFormat};
 use super::error::PageError;
 use super::error::WebError;
 use super::html::{html, read_form};
 use super::owner::Owner;
 use super::{csrf, markdown, AppState};
 use smolchat_service::conversations::{ConversationView, NewConversation, SettingsPatch, Versions};
-use smolchat_service::records::{ConversationSummary, ListPage, Message, MessageStatus, Role};
+use smolchat_service::records::{
+    ConversationSummary, Folder, ListFilter, ListPage, Message, MessageStatus, Organisation,
+    PageRequest, Preset, Role, TagCount, MAX_PAGE,
+};
 use smolchat_service::ConversationError;
 
 // ---------------------------------------------------------------------------------------------
@@ -50,6 +53,7 @@ pub struct ConversationItem {
     /// RFC 3339, for `<time datetime>`.
     pub when_iso: String,
     pub active: bool,
+    pub pinned: bool,
 }
 
 fn title_or_default(title: &str) -> String {
@@ -70,6 +74,7 @@ fn items(list: &[ConversationSummary], active: Option<Uuid>) -> Vec<Conversation
                 .updated_at
                 .to_rfc3339_opts(chrono::SecondsFormat::Secs, true),
             active: Some(c.id) == active,
+            pinned: c.pinned,
         })
         .collect()
 }
@@ -200,11 +205,23 @@ pub struct ChatPage {
     pub settings: SettingsView,
     /// The signed-in account's name; empty for a guest.
     pub user_name: String,
+    pub is_admin: bool,
+    /// The caller's folders and tags (the sidebar's view menu, the organise dialog).
+    pub folders: Vec<Folder>,
+    pub tags: Vec<TagCount>,
+    /// The presets the caller can apply (the settings panel).
+    pub presets: Vec<Preset>,
+    /// The open conversation's pin, archive, folder and tags.
+    pub organisation: Organisation,
+    /// Its tags as the dialog's text field shows them.
+    pub tags_text: String,
 }
 
 #[derive(Template)]
 #[template(path = "conv_list.html")]
 pub struct ConversationList {
+    /// The pinned ones, above the rest (the first page of the unfiltered list only).
+    pub pinned: Vec<ConversationItem>,
     pub conversations: Vec<ConversationItem>,
     /// The next page's cursor ("" on the last page): the "More" button fetches it.
     pub next: String,
@@ -212,17 +229,105 @@ pub struct ConversationList {
     pub active: String,
     /// Later pages are appended to the first and say nothing when empty.
     pub first_page: bool,
+    /// The view shown (see [`view_filter`]), kept by the "More" button.
+    pub view: String,
 }
 
 impl ConversationList {
-    fn of(page: &ListPage, active: Option<Uuid>, first_page: bool) -> Self {
+    fn of(
+        pinned: &[ConversationSummary],
+        page: &ListPage,
+        active: Option<Uuid>,
+        first_page: bool,
+        view: &str,
+    ) -> Self {
         ConversationList {
+            pinned: items(pinned, active),
             conversations: items(&page.items, active),
             next: page.next.map(|c| c.encode()).unwrap_or_default(),
             active: active.map(|a| a.to_string()).unwrap_or_default(),
             first_page,
+            view: view.to_string(),
         }
     }
+}
+
+/// The sidebar's views: `""` (every unarchived conversation, the pinned ones in a group of
+/// their own above the rest unless searching), `archived`, `folder:<id>`, `tag:<tag>`. Returns
+/// the list's filter and whether the pinned group is shown apart.
+fn view_filter(view: &str, search: &str) -> Result<(ListFilter, bool), WebError> {
+    let search = (!search.trim().is_empty()).then(|| search.to_string());
+    let base = ListFilter {
+        search: search.clone(),
+        archived: Some(false),
+        ..ListFilter::default()
+    };
+    Ok(match view {
+        "" if search.is_none() => (
+            ListFilter {
+                pinned: Some(false),
+                ..base
+            },
+            true,
+        ),
+        "" => (base, false),
+        "archived" => (
+            ListFilter {
+                archived: Some(true),
+                ..base
+            },
+            false,
+        ),
+        other => {
+            if let Some(folder) = other.strip_prefix("folder:") {
+                (
+                    ListFilter {
+                        folder: Some(parse_uuid(folder, "folder id")?),
+                        ..base
+                    },
+                    false,
+                )
+            } else if let Some(tag) = other.strip_prefix("tag:") {
+                (
+                    ListFilter {
+                        tag: Some(tag.trim().to_lowercase()),
+                        ..base
+                    },
+                    false,
+                )
+            } else {
+                return Err(WebError::BadRequest(format!(
+                    "`view` {other:?} is not a list view (archived, folder:<id> or tag:<tag>)"
+                )));
+            }
+        }
+    })
+}
+
+/// One page of the sidebar for `view`, with the pinned group on its first page when shown.
+async fn sidebar_page(
+    state: &AppState,
+    owner: &Owner,
+    view: &str,
+    search: &str,
+    page: &PageRequest,
+) -> Result<(Vec<ConversationSummary>, ListPage), WebError> {
+    let service = state.platform.conversations();
+    let caller = owner.caller();
+    let (filter, pinned_apart) = view_filter(view, search)?;
+    let pinned = if pinned_apart && page.before.is_none() {
+        let all_pinned = ListFilter {
+            pinned: Some(true),
+            archived: Some(false),
+            ..ListFilter::default()
+        };
+        let first = page_request(Some(MAX_PAGE), None)?;
+        service.list(&caller, &all_pinned, &first).await?.items
+    } else {
+        Vec::new()
+    };
+    let list = service.list(&caller, &filter, page).await?;
+    Ok((pinned, list))
 }
 
 #[derive(Template)]
@@ -243,11 +348,21 @@ async fn chat_page(
     let config = &state.platform.config();
     let service = &state.platform.conversations();
     let first = page_request(None, None)?;
-    let list = service.list(&owner.caller(), None, &first).await?;
-    let (conversation, messages, versions, replying) = match view {
-        Some(v) => (Some(v.conversation), v.messages, v.versions, v.replying),
-        None => (None, Vec::new(), Vec::new(), false),
+    let (pinned, list) = sidebar_page(state, owner, "", "", &first).await?;
+    let caller = owner.caller();
+    let (conversation, messages, versions, replying, organisation) = match view {
+        Some(v) => (
+            Some(v.conversation),
+            v.messages,
+            v.versions,
+            v.replying,
+            v.organisation,
+        ),
+        None => (None, Vec::new(), Vec::new(), false, Organisation::default()),
     };
+    let folders = service.folders(&caller).await?;
+    let tags = service.tags(&caller).await?;
+    let presets = service.presets(&caller).await?;
     // Tokens in use: the last reply's prompt plus what it generated.
     let context_used = messages
         .iter()
@@ -266,7 +381,13 @@ async fn chat_page(
         .unwrap_or_else(|| service.default_settings());
     let page = ChatPage {
         csrf: csrf_token(state, owner),
-        list: ConversationList::of(&list, conversation.as_ref().map(|c| c.id), true),
+        list: ConversationList::of(
+            &pinned,
+            &list,
+            conversation.as_ref().map(|c| c.id),
+            true,
+            "",
+        ),
         conv_id: conversation
             .as_ref()
             .map(|c| c.id.to_string())
@@ -290,6 +411,12 @@ async fn chat_page(
             grammar: settings.grammar.clone().unwrap_or_default(),
         },
         user_name: owner.name().unwrap_or_default().to_string(),
+        is_admin: caller.admin,
+        folders,
+        tags,
+        presets,
+        tags_text: organisation.tags.join(", "),
+        organisation,
     };
     html(&page)
 }
@@ -322,22 +449,27 @@ pub struct SearchQuery {
     active: String,
     #[serde(default)]
     before: String,
+    /// See [`view_filter`].
+    #[serde(default)]
+    view: String,
 }
 
-/// `GET /conversations?q=&before=`: one page of the sidebar list.
+/// `GET /conversations?q=&view=&before=`: one page of the sidebar list.
 pub async fn list(
     state: web::Data<AppState>,
     owner: Owner,
     query: web::Query<SearchQuery>,
 ) -> Result<HttpResponse, PageError> {
     let page = page_request(None, Some(&query.before))?;
-    let list = state
-        .platform
-        .conversations()
-        .list(&owner.caller(), Some(&query.q), &page)
-        .await?;
+    let (pinned, list) = sidebar_page(&state, &owner, &query.view, &query.q, &page).await?;
     let active = Uuid::parse_str(&query.active).ok();
-    html(&ConversationList::of(&list, active, page.before.is_none()))
+    html(&ConversationList::of(
+        &pinned,
+        &list,
+        active,
+        page.before.is_none(),
+        &query.view,
+    ))
 }
 
 /// `GET /c/{id}/m/{mid}`
