@@ -378,6 +378,87 @@
     }
   });
 
+  // Files: uploaded as soon as they are chosen (the server checks type and size, reads the text
+  // and counts its tokens), shown as chips above the composer, sent with the next message.
+  const pendingList = document.getElementById("pending-files");
+  const fileInput = document.getElementById("file-input");
+  const attachBtn = document.getElementById("attach-btn");
+  const maxFileMib = Number(form.dataset.maxFileMib || "10");
+  function pendingIds() {
+    return pendingList ? [...pendingList.querySelectorAll(".file-chip")].map((c) => c.dataset.id) : [];
+  }
+  function addChip(f) {
+    const li = document.createElement("li");
+    li.className = "file-chip";
+    li.dataset.id = f.id;
+    li.title = f.tokens + " tokens in the prompt";
+    const kind = document.createElement("span");
+    kind.className = "file-kind";
+    kind.textContent = f.kind;
+    const name = document.createElement("span");
+    name.className = "file-name";
+    name.textContent = f.name;
+    const size = document.createElement("span");
+    size.className = "file-size";
+    size.textContent = f.size_bytes >= 1048576 ? (f.size_bytes / 1048576).toFixed(1) + " MB" : f.size_bytes >= 1024 ? (f.size_bytes / 1024).toFixed(1) + " KB" : f.size_bytes + " B";
+    const rm = document.createElement("button");
+    rm.type = "button";
+    rm.className = "link-btn file-remove";
+    rm.setAttribute("aria-label", "Remove " + f.name);
+    rm.textContent = "×";
+    li.append(kind, name, size, rm);
+    pendingList.appendChild(li);
+    pendingList.hidden = false;
+  }
+  async function upload(conv, file) {
+    if (file.size > maxFileMib * 1048576) {
+      throw new Error("\u201c" + file.name + "\u201d is " + (file.size / 1048576).toFixed(1) + " MB; files may be at most " + maxFileMib + " MB.");
+    }
+    const res = await fetch("/api/conversations/" + conv + "/files?name=" + encodeURIComponent(file.name), {
+      method: "POST", body: file, credentials: "same-origin",
+      headers: { "X-CSRF-Token": csrf, "Content-Type": "application/octet-stream" },
+    });
+    if (!res.ok) {
+      let text = "the upload failed (" + res.status + ")";
+      try { text = (await res.json()).error.message || text; } catch (_) { /* keep it */ }
+      throw new Error(text);
+    }
+    return res.json();
+  }
+  if (attachBtn && fileInput && pendingList) {
+    attachBtn.addEventListener("click", () => fileInput.click());
+    fileInput.addEventListener("change", async () => {
+      const chosen = [...fileInput.files];
+      fileInput.value = "";
+      if (!chosen.length) return;
+      let conv = convId;
+      try {
+        // A new chat gets its conversation first; the page then opens it with the chips.
+        if (!conv) conv = (await api("POST", "/api/conversations", {})).id;
+      } catch (err) { explain(err); return; }
+      status.textContent = "Reading " + chosen.length + (chosen.length === 1 ? " file…" : " files…");
+      for (const file of chosen) {
+        try {
+          const f = await upload(conv, file);
+          if (convId) addChip(f);
+          announce("Attached " + f.name);
+        } catch (err) { toast(err.message); }
+      }
+      status.textContent = "";
+      if (!convId) location.href = "/c/" + conv;
+    });
+    pendingList.addEventListener("click", async (e) => {
+      const b = e.target.closest(".file-remove");
+      if (!b) return;
+      const chip = b.closest(".file-chip");
+      try {
+        await api("DELETE", "/api/conversations/" + convId + "/files/" + chip.dataset.id);
+        chip.remove();
+        if (!pendingIds().length) pendingList.hidden = true;
+      } catch (err) { explain(err); }
+    });
+  }
+
   form.addEventListener("submit", async (e) => {
     e.preventDefault();
     const content = input.value;
@@ -403,7 +484,14 @@
         setEditing(null);
         reloadWhenDone = true;
       } else {
-        await post("/c/" + convId + "/messages", { content: content });
+        const files = pendingIds();
+        await post("/c/" + convId + "/messages", { content: content, files: files.join(",") });
+        if (files.length) {
+          // The chips go with the message; the page shows them on it once the reply is done.
+          pendingList.textContent = "";
+          pendingList.hidden = true;
+          reloadWhenDone = true;
+        }
       }
       input.value = "";
       autosize();

@@ -676,14 +676,50 @@ fn catalogue() -> Vec<Case> {
             .bearer(API_KEY)
             .raw("text/plain", b"{}".to_vec()),
     );
+    // Chat requests may carry a file of `limits.max_file_mib` (10) as base64 beside their
+    // text, so their body limit is past 13 MB (16 MB is over it); a body without a file part
+    // keeps the limit of every other JSON body (2 MB is over it).
     add(
-        "v1: 2 MB body",
+        "v1: 16 MB body",
+        case("", M::POST, "/v1/chat/completions", 413)
+            .bearer(API_KEY)
+            .json(&format!(
+                "{{\"messages\":[{{\"role\":\"user\",\"content\":\"{}\"}}]}}",
+                "a".repeat(16 << 20)
+            )),
+    );
+    add(
+        "v1: 2 MB of text",
         case("", M::POST, "/v1/chat/completions", 413)
             .bearer(API_KEY)
             .json(&format!(
                 "{{\"messages\":[{{\"role\":\"user\",\"content\":\"{}\"}}]}}",
                 "a".repeat(2 << 20)
             )),
+    );
+    add(
+        "v1: a file part with file_id",
+        case("", M::POST, "/v1/chat/completions", 400).bearer(API_KEY).json(
+            r#"{"messages":[{"role":"user","content":[{"type":"file","file":{"file_id":"file-1"}}]}]}"#,
+        ),
+    );
+    add(
+        "v1: a file part that is not base64",
+        case("", M::POST, "/v1/chat/completions", 400).bearer(API_KEY).json(
+            r#"{"messages":[{"role":"user","content":[{"type":"file","file":{"filename":"a.txt","file_data":"%%%"}}]}]}"#,
+        ),
+    );
+    add(
+        "v1: an executable file part",
+        case("", M::POST, "/v1/chat/completions", 400).bearer(API_KEY).json(
+            r#"{"messages":[{"role":"user","content":[{"type":"file","file":{"filename":"a.txt","file_data":"f0VMRgIBAQ=="}}]}]}"#,
+        ),
+    );
+    add(
+        "v1: a file part in a system message",
+        case("", M::POST, "/v1/chat/completions", 400).bearer(API_KEY).json(
+            r#"{"messages":[{"role":"system","content":[{"type":"file","file":{"filename":"a.txt","file_data":"aGk="}}]}]}"#,
+        ),
     );
     add(
         "v1: GET on chat completions",

@@ -9,9 +9,9 @@ use chrono::NaiveDate;
 use std::time::Duration;
 
 use smolchat_store::{
-    backup, ConversationSettings, FinishedReply, ImportedMessage, ListFilter, MessageStatus,
-    OrganisationPatch, PageRequest, ReplicaLoad, Role, SessionKind, Store, StoreError, Timings,
-    TITLE_MAX_CHARS,
+    backup, Attachments, ConversationSettings, FinishedReply, ImportedMessage, ListFilter,
+    MessageStatus, OrganisationPatch, PageRequest, ReplicaLoad, Role, SessionKind, Store,
+    StoreError, Timings, TITLE_MAX_CHARS,
 };
 use tempfile::TempDir;
 use uuid::Uuid;
@@ -563,7 +563,7 @@ async fn regenerate_and_edit_keep_versions_and_the_branch_shown_is_a_path(db) {
     let (_dir, _url, store) = fresh(db).await;
     let c = store.create_conversation("u", &settings()).await.unwrap();
     let other = store.create_conversation("u", &settings()).await.unwrap();
-    let (elsewhere, _) = store.insert_exchange(other.id, "elsewhere", None).await.unwrap();
+    let (elsewhere, _) = store.insert_exchange(other.id, "elsewhere", None, &Attachments::default()).await.unwrap();
     let done = |id| {
         let store = store.clone();
         async move {
@@ -574,9 +574,9 @@ async fn regenerate_and_edit_keep_versions_and_the_branch_shown_is_a_path(db) {
         }
     };
     let ids = |ms: Vec<smolchat_store::Message>| ms.iter().map(|m| m.id).collect::<Vec<_>>();
-    let (u1, a1) = store.insert_exchange(c.id, "q1", None).await.unwrap();
+    let (u1, a1) = store.insert_exchange(c.id, "q1", None, &Attachments::default()).await.unwrap();
     done(a1.id).await;
-    let (u2, a2) = store.insert_exchange(c.id, "q2", None).await.unwrap();
+    let (u2, a2) = store.insert_exchange(c.id, "q2", None, &Attachments::default()).await.unwrap();
     done(a2.id).await;
     assert_eq!(a2.parent_id, Some(u2.id));
     assert_eq!(u2.parent_id, Some(a1.id));
@@ -593,12 +593,12 @@ async fn regenerate_and_edit_keep_versions_and_the_branch_shown_is_a_path(db) {
     assert_eq!(store.select_branch(c.id, a2.id).await.unwrap(), a2.id);
     assert_eq!(ids(store.branch(c.id).await.unwrap()), [u1.id, a1.id, u2.id, a2.id]);
     // Continuing goes on from the branch shown.
-    let (u3, a3) = store.insert_exchange(c.id, "q3", None).await.unwrap();
+    let (u3, a3) = store.insert_exchange(c.id, "q3", None, &Attachments::default()).await.unwrap();
     done(a3.id).await;
     assert_eq!(u3.parent_id, Some(a2.id));
 
     // Edit the first question: a new branch from the root.
-    let (u1b, a1b) = store.insert_exchange(c.id, "q1, edited", Some(u1.id)).await.unwrap();
+    let (u1b, a1b) = store.insert_exchange(c.id, "q1, edited", Some(u1.id), &Attachments::default()).await.unwrap();
     done(a1b.id).await;
     assert_eq!(u1b.parent_id, None);
     assert_eq!(ids(store.branch(c.id).await.unwrap()), [u1b.id, a1b.id]);
@@ -996,14 +996,14 @@ both! {
 async fn insert_exchange_replaces_atomically(db) {
     let (_dir, _url, store) = fresh(db).await;
     let c = store.create_conversation("u", &settings()).await.unwrap();
-    let (u1, a1) = store.insert_exchange(c.id, "first", None).await.unwrap();
+    let (u1, a1) = store.insert_exchange(c.id, "first", None, &Attachments::default()).await.unwrap();
     assert_eq!((u1.position, a1.position), (1, 2));
     assert_eq!(a1.status, MessageStatus::Streaming);
     store
         .finish_assistant_message(a1.id, &reply(MessageStatus::Complete))
         .await
         .unwrap();
-    let (u2, a2) = store.insert_exchange(c.id, "second", None).await.unwrap();
+    let (u2, a2) = store.insert_exchange(c.id, "second", None, &Attachments::default()).await.unwrap();
     store
         .finish_assistant_message(a2.id, &reply(MessageStatus::Complete))
         .await
@@ -1012,7 +1012,7 @@ async fn insert_exchange_replaces_atomically(db) {
 
     for bad in [Uuid::now_v7(), a2.id] {
         assert!(matches!(
-            store.insert_exchange(c.id, "never", Some(bad)).await,
+            store.insert_exchange(c.id, "never", Some(bad), &Attachments::default()).await,
             Err(StoreError::MessageNotFound(_))
         ));
         let now = store.messages(c.id).await.unwrap();
@@ -1023,12 +1023,12 @@ async fn insert_exchange_replaces_atomically(db) {
         );
     }
     assert!(matches!(
-        store.insert_exchange(Uuid::now_v7(), "x", None).await,
+        store.insert_exchange(Uuid::now_v7(), "x", None, &Attachments::default()).await,
         Err(StoreError::ConversationNotFound(_))
     ));
 
     let (u3, a3) = store
-        .insert_exchange(c.id, "second, edited", Some(u2.id))
+        .insert_exchange(c.id, "second, edited", Some(u2.id), &Attachments::default())
         .await
         .unwrap();
     // A new version: the edited question and its reply are shown; the old ones are kept.
@@ -1305,6 +1305,7 @@ async fn imports_are_all_or_nothing_and_keep_every_field(db) {
             ..Timings::default()
         }),
         created_at: at,
+        files: Vec::new(),
     };
     let good = vec![
         message(Role::User, MessageStatus::Complete, "hi"),
@@ -1395,15 +1396,15 @@ async fn replicas_end_only_the_replies_of_dead_replicas(db) {
     assert_eq!((ra.interrupted, rb.interrupted), (0, 0));
     let ca = a.create_conversation("u", &settings()).await.unwrap();
     let cb = b.create_conversation("u", &settings()).await.unwrap();
-    let (_, reply_a) = a.insert_exchange(ca.id, "hi", None).await.unwrap();
-    let (_, reply_b) = b.insert_exchange(cb.id, "hi", None).await.unwrap();
+    let (_, reply_a) = a.insert_exchange(ca.id, "hi", None, &Attachments::default()).await.unwrap();
+    let (_, reply_b) = b.insert_exchange(cb.id, "hi", None, &Attachments::default()).await.unwrap();
     assert_eq!(
         b.streaming_replica(ca.id).await.unwrap(),
         Some((reply_a.id, Some(ra.replica.id)))
     );
     // One reply streams per conversation, whichever replica asks; the refusal stores nothing.
     assert!(matches!(
-        b.insert_exchange(ca.id, "again", None).await,
+        b.insert_exchange(ca.id, "again", None, &Attachments::default()).await,
         Err(StoreError::ReplyInProgress(id)) if id == ca.id
     ));
     assert_eq!(a.messages(ca.id).await.unwrap().len(), 2);
@@ -1437,7 +1438,7 @@ async fn replicas_end_only_the_replies_of_dead_replicas(db) {
         .collect();
     assert_eq!(live, ["b"]);
     // The conversation is free again for the replica that takes it over.
-    b.insert_exchange(ca.id, "again", None).await.unwrap();
+    b.insert_exchange(ca.id, "again", None, &Attachments::default()).await.unwrap();
 
     // `b` restarts under its name: its own earlier reply ends at once, without waiting for the
     // lease, and the old run can no longer beat.

@@ -208,6 +208,13 @@ pub struct LimitsConfig {
     /// Conversation searches one owner (and, for guests, one address) may run per minute;
     /// more: 429 (0: no limit).
     pub searches_per_minute: u32,
+    /// The largest file that may be attached, in MiB (more: 413).
+    pub max_file_mib: u64,
+    /// Files one message may carry.
+    pub max_files_per_message: usize,
+    /// Files one owner may keep attached in all (their uploaded sizes), in MiB; more: 413
+    /// (0: no limit).
+    pub max_file_mib_per_user: u64,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -420,6 +427,9 @@ impl Default for LimitsConfig {
             max_stored_mib_per_user: 256,
             import_mib_per_address_per_hour: 64,
             searches_per_minute: 30,
+            max_file_mib: 10,
+            max_files_per_message: 8,
+            max_file_mib_per_user: 200,
         }
     }
 }
@@ -633,6 +643,19 @@ impl Config {
         }
         if l.max_import_messages == 0 {
             return bad("limits.max_import_messages must be at least 1".into());
+        }
+        if !(1..=64).contains(&l.max_file_mib) {
+            return bad(format!(
+                "limits.max_file_mib ({}) must be between 1 and 64 (a file is read whole into \
+                 memory to extract its text)",
+                l.max_file_mib
+            ));
+        }
+        if !(1..=64).contains(&l.max_files_per_message) {
+            return bad(format!(
+                "limits.max_files_per_message ({}) must be between 1 and 64",
+                l.max_files_per_message
+            ));
         }
         if l.conversations_per_minute > 100_000 {
             return bad(format!(

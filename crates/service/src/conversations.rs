@@ -29,13 +29,14 @@ use super::settings::{self, SettingsError, SettingsLimits};
 use crate::caller::Caller;
 use smolchat_serving::scheduler::{Evict, SchedulerActor};
 use smolchat_serving::types::SubmitError;
+mod files;
 mod organise;
 pub use organise::{MAX_FOLDERS, MAX_PRESETS, MAX_TAGS, NAME_MAX_CHARS, TAG_MAX_CHARS};
 
 use smolchat_store::{
-    Conversation, ConversationSettings, ImportedMessage, ListFilter, ListPage, Message,
-    MessageStatus, Organisation, PageRequest, Role, ShareRecord, Store, StoreError, StoredRow,
-    Timings, MAX_TOKEN_COUNT,
+    Conversation, ConversationSettings, FileRecord, ImportedFile, ImportedMessage, ListFilter,
+    ListPage, Message, MessageStatus, Organisation, PageRequest, Role, ShareRecord, Store,
+    StoreError, StoredRow, Timings, MAX_TOKEN_COUNT,
 };
 use smolchat_text::prompt::PromptBuilder;
 use smolchat_text::template::{ChatMessage, ChatTemplate, RenderOptions};
@@ -124,6 +125,7 @@ impl From<SessionError> for ConversationError {
                 field: None,
                 message: e.to_string(),
             },
+            SessionError::NoSuchFile(_) => invalid("files", e.to_string()),
             SessionError::Submit(s) => s.into(),
             SessionError::Store(detail) => {
                 ConversationError::Internal(format!("storage: {detail}"))
@@ -227,6 +229,11 @@ pub struct ConversationsConfig {
     pub import_bytes_per_address_per_hour: u64,
     /// Searches per owner (and per guest address) per minute; 0: no limit.
     pub searches_per_minute: u32,
+    /// The largest attached file, in bytes.
+    pub max_file_bytes: usize,
+    pub max_files_per_message: usize,
+    /// Attached files one owner may keep, in bytes; 0: no limit.
+    pub max_file_bytes_per_user: u64,
     /// What a new conversation starts with (its `pinned_date` is set at creation).
     pub defaults: ConversationSettings,
 }
@@ -311,6 +318,8 @@ pub struct ConversationView {
     pub replying: bool,
     /// Pinned, archived, its folder and tags.
     pub organisation: Organisation,
+    /// Its files: those its messages carry (`message_id`) and those waiting for the next one.
+    pub files: Vec<FileRecord>,
 }
 
 /// A new share link: the record and the token of its URL (`/s/{token}`), shown once.
@@ -527,6 +536,22 @@ pub struct ExportedMessage {
     pub timings: Option<Timings>,
     /// RFC 3339.
     pub created_at: String,
+    /// A user message's files: their text as the model read it (the prompt text with them in
+    /// it is `raw`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub files: Vec<ExportedFile>,
+}
+
+/// A file of an exported message.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ExportedFile {
+    pub name: String,
+    pub kind: String,
+    pub media_type: String,
+    pub size_bytes: i64,
+    pub tokens: i64,
+    pub text: String,
 }
 
 fn rfc3339(t: &DateTime<Utc>) -> String {
@@ -917,12 +942,14 @@ impl Conversations {
         let versions = Versions::of(&all, &messages);
         let replying = self.replying(id).await;
         let organisation = self.store.organisation(id).await?.unwrap_or_default();
+        let files = self.store.files_of(id).await?;
         Ok(ConversationView {
             conversation,
             messages,
             versions,
             replying,
             organisation,
+            files,
         })
     }
 
@@ -1010,12 +1037,7 @@ impl Conversations {
 
     /// Sends a message; resolves once it is stored and the reply is queued.
     pub async fn send(&self, caller: &Caller, id: Uuid, content: String) -> Result<Accepted> {
-        let c = self.owned(caller, id).await?;
-        let accepted = self
-            .send_to(caller, c.id, SendMessage::new(content))
-            .await?;
-        tracing::debug!(conversation = %c.id, message = %accepted.user_message.id, "message accepted");
-        Ok(accepted)
+        self.send_with_files(caller, id, content, Vec::new()).await
     }
 
     /// Generates the last reply again: the last user message is sent again and replaces itself
@@ -1036,6 +1058,7 @@ impl Conversations {
             SendMessage {
                 content: None,
                 replacing: message.map_or(Replacing::LastUserMessage, Replacing::Message),
+                files: Vec::new(),
                 group: None,
             },
         )
@@ -1061,6 +1084,7 @@ impl Conversations {
             SendMessage {
                 content: Some(content),
                 replacing: message.map_or(Replacing::LastUserMessage, Replacing::Message),
+                files: Vec::new(),
                 group: None,
             },
         )
@@ -1180,6 +1204,19 @@ impl Conversations {
             .map(|(i, m)| (m.id, format!("m{}", i + 1)))
             .collect();
         let current = branch.last().and_then(|m| name.get(&m.id).cloned());
+        let mut files_of: HashMap<Uuid, Vec<ExportedFile>> = HashMap::new();
+        for f in self.store.files_of(c.id).await? {
+            if let Some(m) = f.message_id {
+                files_of.entry(m).or_default().push(ExportedFile {
+                    name: f.name,
+                    kind: f.kind,
+                    media_type: f.media_type,
+                    size_bytes: f.size_bytes,
+                    tokens: f.tokens,
+                    text: f.text,
+                });
+            }
+        }
         let organisation = self.store.organisation(c.id).await?.unwrap_or_default();
         let folder = match organisation.folder_id {
             Some(f) => self
@@ -1209,6 +1246,7 @@ impl Conversations {
             messages: messages
                 .into_iter()
                 .map(|m| ExportedMessage {
+                    files: files_of.remove(&m.id).unwrap_or_default(),
                     id: name.get(&m.id).cloned(),
                     parent: m.parent_id.and_then(|p| name.get(&p).cloned()),
                     role: m.role,
@@ -1388,12 +1426,11 @@ impl Conversations {
                     ));
                 }
             }
-            // What a continuation would put into the prompt: the user's text, the reply's raw
-            // text (or its answer when there is none).
-            prompt_chars += match m.role {
-                Role::Assistant => m.raw.as_deref().unwrap_or(&m.content).chars().count(),
-                _ => m.content.chars().count(),
-            };
+            // What a continuation would put into the prompt: the raw text (a reply as
+            // generated, a user message with its files), else the content.
+            prompt_chars += m.raw.as_deref().unwrap_or(&m.content).chars().count();
+            let files = Self::import_files(i, &m, self.cfg.max_files_per_message)?;
+            text_bytes += files.iter().map(|f| f.text.len() as u64).sum::<u64>();
             text_bytes += [Some(&m.content), m.reasoning.as_ref(), m.raw.as_ref()]
                 .into_iter()
                 .flatten()
@@ -1422,6 +1459,7 @@ impl Conversations {
                 cached_tokens: m.cached_tokens,
                 timings: m.timings,
                 created_at,
+                files,
             });
         }
         let max_prompt_chars = self
@@ -1454,6 +1492,52 @@ impl Conversations {
         }
         tracing::info!(conversation = %c.id, owner = %caller.owner, messages = messages.len(), "conversation imported");
         Ok(c)
+    }
+
+    /// The checked files of message `i` of an import: user messages only, at most `max`, each
+    /// named, of a kind this server reads, and text.
+    fn import_files(i: usize, m: &ExportedMessage, max: usize) -> Result<Vec<ImportedFile>> {
+        let at = |what: String| invalid("messages", format!("messages[{i}].files: {what}"));
+        if m.files.is_empty() {
+            return Ok(Vec::new());
+        }
+        if m.role != Role::User {
+            return Err(at("only a user message carries files".into()));
+        }
+        if m.files.len() > max {
+            return Err(at(format!(
+                "{} files; a message may carry at most {max} (limits.max_files_per_message)",
+                m.files.len()
+            )));
+        }
+        m.files
+            .iter()
+            .map(|f| {
+                let name = crate::files::check_name(&f.name).map_err(|e| at(e.to_string()))?;
+                if !["text", "markdown", "code", "csv", "json", "pdf"].contains(&f.kind.as_str()) {
+                    return Err(at(format!(
+                        "{:?} is not a file kind (text, markdown, code, csv, json, pdf)",
+                        f.kind
+                    )));
+                }
+                if let Some(what) = crate::validation::not_text(&f.text) {
+                    return Err(at(format!("{name:?} contains {what}, which is not text")));
+                }
+                if f.size_bytes < 0 || f.tokens < 0 {
+                    return Err(at(format!(
+                        "{name:?}: sizes and token counts are not negative"
+                    )));
+                }
+                Ok(ImportedFile {
+                    name,
+                    kind: f.kind.clone(),
+                    media_type: f.media_type.chars().take(100).collect(),
+                    size_bytes: f.size_bytes,
+                    text: f.text.clone(),
+                    tokens: f.tokens.min(MAX_TOKEN_COUNT),
+                })
+            })
+            .collect()
     }
 
     /// How an export's messages hang together: version 1, one branch; version 2, each
@@ -1799,6 +1883,7 @@ mod tests {
                     cached_tokens: None,
                     timings: None,
                     created_at: "2025-07-08T10:00:00Z".into(),
+                    files: Vec::new(),
                 },
                 ExportedMessage {
                     id: Some("other".into()),
@@ -1814,6 +1899,7 @@ mod tests {
                     cached_tokens: None,
                     timings: None,
                     created_at: "2025-07-08T10:00:01Z".into(),
+                    files: Vec::new(),
                 },
                 ExportedMessage {
                     id: Some("a".into()),
@@ -1829,6 +1915,7 @@ mod tests {
                     cached_tokens: Some(0),
                     timings: None,
                     created_at: "2025-07-08T10:00:01Z".into(),
+                    files: Vec::new(),
                 },
             ],
         };

@@ -9,6 +9,7 @@ pub mod cluster;
 pub mod completions;
 pub mod config;
 pub mod conversations;
+pub mod files;
 pub mod platform;
 pub mod records;
 pub mod reply;

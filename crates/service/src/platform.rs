@@ -565,6 +565,10 @@ pub fn conversations_config(config: &Config) -> ConversationsConfig {
             .import_mib_per_address_per_hour
             .saturating_mul(1 << 20),
         searches_per_minute: l.searches_per_minute,
+        max_file_bytes: usize::try_from(l.max_file_mib.saturating_mul(1 << 20))
+            .unwrap_or(usize::MAX),
+        max_files_per_message: l.max_files_per_message,
+        max_file_bytes_per_user: l.max_file_mib_per_user.saturating_mul(1 << 20),
         defaults: smolchat_store::ConversationSettings {
             system_prompt: s.system_prompt.clone().filter(|p| !p.trim().is_empty()),
             thinking: s.thinking,

@@ -43,6 +43,9 @@ pub enum StoreError {
     #[error("there is already a {what} named {name:?}; choose another name")]
     NameTaken { what: &'static str, name: String },
 
+    #[error("file {0} is not a file waiting in this conversation")]
+    FileNotFound(Uuid),
+
     #[error("folder {0} does not exist")]
     FolderNotFound(Uuid),
 

@@ -27,6 +27,7 @@
 
 mod bus;
 mod error;
+mod files;
 mod organise;
 mod replicas;
 mod sessions;
@@ -47,13 +48,14 @@ use uuid::Uuid;
 
 pub use bus::{Bus, MAX_PAYLOAD as BUS_MAX_PAYLOAD};
 pub use error::StoreError;
+pub use files::{Attachments, FileRecord, NewFile};
 pub use organise::{Folder, Organisation, OrganisationPatch, Preset, TagCount};
 pub use replicas::{Registration, Replica, ReplicaLoad, ReplicaRecord};
 pub use shares::ShareRecord;
 pub use types::{
     derive_title, Conversation, ConversationSettings, ConversationSummary, Cursor, FinishedReply,
-    ImportedMessage, ListFilter, ListPage, Message, MessageStatus, PageRequest, Role, SessionKind,
-    SessionRecord, Timings, MAX_PAGE, TITLE_MAX_CHARS,
+    ImportedFile, ImportedMessage, ListFilter, ListPage, Message, MessageStatus, PageRequest, Role,
+    SessionKind, SessionRecord, Timings, MAX_PAGE, TITLE_MAX_CHARS,
 };
 pub use users::{ApiKeyRecord, ApiUsage, CreatedUser, NewUser, User, UserOverview, UserRole};
 
@@ -749,6 +751,26 @@ impl Store {
             .bind(rows[i].parent.map(|p| rows[p].id.to_string()))
             .execute(&mut *tx)
             .await?;
+            for f in &m.files {
+                sqlx::query(
+                    "INSERT INTO files (id, conversation_id, message_id, owner, name, kind, \
+                     media_type, size_bytes, text, tokens, created_at) \
+                     VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)",
+                )
+                .bind(Uuid::now_v7().to_string())
+                .bind(id.to_string())
+                .bind(rows[i].id.to_string())
+                .bind(owner)
+                .bind(&f.name)
+                .bind(&f.kind)
+                .bind(&f.media_type)
+                .bind(f.size_bytes)
+                .bind(&f.text)
+                .bind(f.tokens)
+                .bind(m.created_at.timestamp_micros())
+                .execute(&mut *tx)
+                .await?;
+            }
         }
         let leaf = rows
             .iter()
@@ -1041,11 +1063,16 @@ impl Store {
     /// the same point). A failure at any point changes nothing.
     /// [`StoreError::ConversationNotFound`] for an unknown conversation,
     /// [`StoreError::MessageNotFound`] when `editing` is not a user message of it.
+    ///
+    /// `attachments` gives the user message its prompt text and files (see [`Attachments`]); a
+    /// file that is not a pending file of this conversation fails it all
+    /// ([`StoreError::FileNotFound`]).
     pub async fn insert_exchange(
         &self,
         conversation: Uuid,
         content: &str,
         editing: Option<Uuid>,
+        attachments: &Attachments,
     ) -> Result<(Message, Message), StoreError> {
         let now = now_micros();
         let mut tx = WriteTx::begin(self).await?;
@@ -1075,6 +1102,18 @@ impl Store {
         )
         .await?;
         let user_id = parse_uuid("messages", &user.id, &user.id)?;
+        let user = if attachments.is_empty() {
+            user
+        } else {
+            if let Err(e) = files::attach(&mut tx, conversation, user_id, attachments).await {
+                tx.rollback().await?;
+                return Err(e);
+            }
+            MessageRow {
+                raw: attachments.raw.clone().or(user.raw),
+                ..user
+            }
+        };
         let assistant = insert_message(
             &mut tx,
             conversation,

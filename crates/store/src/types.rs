@@ -166,6 +166,19 @@ pub struct ImportedMessage {
     pub cached_tokens: Option<i64>,
     pub timings: Option<Timings>,
     pub created_at: DateTime<Utc>,
+    /// The files a user message carries (checked by the service).
+    pub files: Vec<ImportedFile>,
+}
+
+/// A file of an imported message.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ImportedFile {
+    pub name: String,
+    pub kind: String,
+    pub media_type: String,
+    pub size_bytes: i64,
+    pub text: String,
+    pub tokens: i64,
 }
 
 #[derive(Clone, Copy, Debug, Serialize, Deserialize, PartialEq, Eq)]

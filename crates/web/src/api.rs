@@ -89,6 +89,9 @@ impl ConversationInput {
 #[serde(deny_unknown_fields)]
 pub struct NewMessage {
     pub content: String,
+    /// Files waiting in the conversation (uploaded to `…/files`) the message carries.
+    #[serde(default)]
+    pub files: Vec<Uuid>,
 }
 
 /// `POST …/edit`: the new text, and which user message of the branch shown it is a new version
@@ -177,6 +180,9 @@ pub struct ConversationDetail {
     pub conversation: Conversation,
     /// Pinned, archived, its folder and tags.
     pub organisation: Organisation,
+    /// Its files (no text): `message_id` says which user message carries each; `null`: waiting
+    /// for the next message.
+    pub files: Vec<smolchat_service::records::FileRecord>,
     /// The branch shown, in order.
     pub messages: Vec<Message>,
     /// Per message: its versions (`index` of `count`, the `previous` and `next` ones' ids).
@@ -217,6 +223,7 @@ fn detail(
     ConversationDetail {
         conversation: view.conversation,
         organisation: view.organisation,
+        files: view.files,
         messages: view.messages,
         versions: view.versions,
         replying: view.replying,
@@ -360,7 +367,7 @@ pub async fn send_message(
     let accepted = state
         .platform
         .conversations()
-        .send(&owner.caller(), id, body.0.content)
+        .send_with_files(&owner.caller(), id, body.0.content, body.0.files)
         .await?;
     Ok(HttpResponse::Accepted().json(json!({
         "user_message": accepted.user_message,

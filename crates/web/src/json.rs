@@ -172,6 +172,39 @@ pub async fn read_json_text(
     Ok(Some(text))
 }
 
+/// Reads a raw body of at most `limit` bytes (an upload), under the body timeout; a longer
+/// body (declared or read) is `too_large`, refused before it is all read.
+pub async fn read_bytes(
+    req: &HttpRequest,
+    mut payload: Payload,
+    limit: usize,
+    too_large: impl Fn() -> WebError,
+) -> Result<Vec<u8>, WebError> {
+    let declared = req
+        .headers()
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<usize>().ok());
+    if declared.is_some_and(|n| n > limit) {
+        return Err(too_large());
+    }
+    let mut body = BytesMut::with_capacity(declared.unwrap_or(0).min(limit));
+    let read = async {
+        while let Some(chunk) = payload.next().await {
+            let chunk: Bytes = chunk.map_err(|e| {
+                WebError::BadRequest(format!("the request body could not be read: {e}"))
+            })?;
+            if body.len() + chunk.len() > limit {
+                return Err(too_large());
+            }
+            body.extend_from_slice(&chunk);
+        }
+        Ok(())
+    };
+    within_body_timeout(req, read).await?;
+    Ok(Vec::from(body))
+}
+
 /// A JSON parse error as the client's fault, saying what was wrong.
 pub fn json_error(e: serde_json::Error) -> WebError {
     let what = if e.is_data() {

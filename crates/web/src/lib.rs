@@ -10,6 +10,7 @@
 //! | `GET /api/conversations?q=&limit=&before=` | a page of the caller's conversations, most recent first, and the `next` cursor |
 //! | `GET`, `PATCH`, `DELETE /api/conversations/{id}` | one conversation with its messages |
 //! | `POST /api/conversations/{id}/messages` | send `{"content"}` → 202; the reply streams on… |
+//! | `POST /api/conversations/{id}/files?name=`, `GET …/files`, `DELETE …/files/{file}` | attach a file (the body; text, Markdown, code, CSV, JSON, PDF) to the next message (`"files": [ids]`), list, remove one not yet sent |
 //! | `GET /api/conversations/{id}/events` | …this SSE stream (see [`events`]) |
 //! | `POST /api/conversations/{id}/stop` | stop the running reply → `{"stopped": bool}` |
 //! | `POST /api/conversations/{id}/regenerate`, `/edit` `{"content"}` | resend the last message (atomic) → 202 |
@@ -38,6 +39,7 @@ pub mod csrf;
 pub mod embeddings;
 pub mod error;
 pub mod events;
+pub mod files;
 
 pub use events::{StreamCounter, StreamSlot};
 pub mod forward;
@@ -124,8 +126,9 @@ pub fn api_headers() -> actix_web::middleware::DefaultHeaders {
         .add((header::X_CONTENT_TYPE_OPTIONS, "nosniff"))
 }
 
-/// Registers every route on an app whose data holds a `web::Data<AppState>`.
-pub fn routes(cfg: &mut web::ServiceConfig) {
+/// Registers every route on an app whose data holds a `web::Data<AppState>`. `chat_limit` is
+/// the JSON body limit of `/v1/chat/completions`, whose messages may carry files.
+pub fn routes(cfg: &mut web::ServiceConfig, chat_limit: BodyLimit) {
     cfg.service(
         web::resource("/healthz")
             .route(web::get().to(ops::healthz))
@@ -148,7 +151,7 @@ pub fn routes(cfg: &mut web::ServiceConfig) {
     .configure(responses::routes)
     .configure(embeddings::routes)
     // Early, so that a catch-all scope registered later cannot shadow `/v1`.
-    .configure(openai::routes)
+    .configure(|cfg| openai::routes(cfg, chat_limit))
     // Before the `/api` scope, which would take these paths.
     .configure(ollama::routes)
     .service(
@@ -187,6 +190,17 @@ pub fn routes(cfg: &mut web::ServiceConfig) {
             .service(
                 web::resource("/conversations/{id}/messages")
                     .route(web::post().to(api::send_message))
+                    .default_service(web::to(method_not_allowed)),
+            )
+            .service(
+                web::resource("/conversations/{id}/files")
+                    .route(web::get().to(files::list))
+                    .route(web::post().to(files::upload))
+                    .default_service(web::to(method_not_allowed)),
+            )
+            .service(
+                web::resource("/conversations/{id}/files/{file}")
+                    .route(web::delete().to(files::remove))
                     .default_service(web::to(method_not_allowed)),
             )
             .service(
@@ -381,6 +395,10 @@ pub async fn run(platform: Platform) -> io::Result<()> {
         owner::cookie_key(secret).map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
     let bind = platform.config().server.bind.clone();
     let limit = BodyLimit(json_limit(platform.config().limits.max_message_chars));
+    // A chat request may carry one largest file as base64 (4/3 of its size) beside its text.
+    let chat_limit = BodyLimit(limit.0.saturating_add(
+        (platform.config().limits.max_file_mib as usize * (1 << 20)) / 3 * 4 + 1024,
+    ));
     let body_timeout =
         json::BodyTimeout(Duration::from_secs(platform.config().limits.body_timeout_s));
     let limits = platform.config().limits.clone();
@@ -460,7 +478,7 @@ pub async fn run(platform: Platform) -> io::Result<()> {
                     .add((actix_web::http::header::X_CONTENT_TYPE_OPTIONS, "nosniff")),
             )
             .wrap(from_fn(limit_url))
-            .configure(routes)
+            .configure(|cfg| routes(cfg, chat_limit))
             .default_service(web::to(not_found))
     })
     // Slow or idle clients must not hold connections for ever (body reads have their own limit,

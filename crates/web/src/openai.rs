@@ -70,7 +70,7 @@ pub(crate) fn unix_now() -> u64 {
 }
 
 /// Registers the `/v1` routes (called from [`super::routes`]).
-pub fn routes(cfg: &mut web::ServiceConfig) {
+pub fn routes(cfg: &mut web::ServiceConfig, chat_limit: super::json::BodyLimit) {
     STARTED.get_or_init(unix_now);
     cfg.service(
         web::scope("/v1")
@@ -88,6 +88,7 @@ pub fn routes(cfg: &mut web::ServiceConfig) {
             )
             .service(
                 web::resource("/chat/completions")
+                    .app_data(chat_limit)
                     .route(web::post().to(chat_completions))
                     .default_service(web::to(method_not_allowed)),
             )
@@ -334,6 +335,21 @@ async fn chat_completions(
 ) -> Result<HttpResponse, ApiError> {
     let JsonBody(body) = body?;
     let req = checked_chat(&state, &http, &body, None)?;
+    // The body limit here leaves room for a file; a request without one keeps the limit of
+    // every other JSON body.
+    let text_limit = super::json_limit(state.platform.config().limits.max_message_chars);
+    let declared = http
+        .headers()
+        .get(actix_web::http::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<usize>().ok());
+    if declared.is_some_and(|n| n > text_limit) && req.messages.iter().all(|m| m.files.is_empty()) {
+        return Err(WebError::PayloadTooLarge(format!(
+            "the request body is larger than {text_limit} bytes (more is allowed only for \
+             `file` content parts)"
+        ))
+        .into());
+    }
     let parse_tool_calls = req.parse_tool_calls();
     let prompt = build_chat_prompt(&state, &req).await?;
     // Sizes only: prompts are users' words and do not belong in logs.
@@ -388,9 +404,10 @@ pub(crate) async fn build_chat_prompt(
     req: &request::ChatRequest,
 ) -> Result<Prompt, ApiError> {
     let state = state.clone();
-    let render = req.clone();
+    let mut render = req.clone();
     web::block(move || {
         let p = &state.platform;
+        read_files(&mut render, &p.config().limits)?;
         chat_prompt(
             p.prompt_builder(),
             p.template(),
@@ -400,6 +417,53 @@ pub(crate) async fn build_chat_prompt(
     })
     .await
     .map_err(|e| ApiError::internal(format!("prompt task: {e}")))?
+}
+
+/// Places the files of `req`'s user messages (`file` content parts) into their text, in the one
+/// format every interface uses (`smolchat_service::files`): each checked and read (a PDF's text
+/// extracted), at most `limits.max_files_per_message` a message. CPU work: call it off the
+/// event loop.
+fn read_files(
+    req: &mut request::ChatRequest,
+    limits: &smolchat_service::config::LimitsConfig,
+) -> Result<(), ApiError> {
+    use smolchat_service::files;
+    let limit = usize::try_from(limits.max_file_mib.saturating_mul(1 << 20)).unwrap_or(usize::MAX);
+    for (i, m) in req.messages.iter_mut().enumerate() {
+        if m.files.is_empty() {
+            continue;
+        }
+        let param = format!("messages[{i}].content");
+        if m.files.len() > limits.max_files_per_message {
+            return Err(ApiError::invalid(
+                &param,
+                format!(
+                    "a message may carry at most {} files (limits.max_files_per_message), got {}",
+                    limits.max_files_per_message,
+                    m.files.len()
+                ),
+            ));
+        }
+        let mut read = Vec::with_capacity(m.files.len());
+        for f in &m.files {
+            let extracted = files::extract(&f.name, &f.data, limit)
+                .map_err(|e| ApiError::invalid(&param, e.to_string()))?;
+            let name =
+                files::check_name(&f.name).map_err(|e| ApiError::invalid(&param, e.to_string()))?;
+            read.push((name, extracted));
+        }
+        let texts: Vec<files::FileText<'_>> = read
+            .iter()
+            .map(|(name, e)| files::FileText {
+                name,
+                kind: e.kind.as_str(),
+                text: &e.text,
+            })
+            .collect();
+        m.content = files::message_with_files(&texts, &m.content);
+        m.files.clear();
+    }
+    Ok(())
 }
 
 /// `tool_choice` `required` or named: constrains the reply to one call of the forced tools,

@@ -36,8 +36,8 @@ use super::owner::Owner;
 use super::{csrf, markdown, AppState};
 use smolchat_service::conversations::{ConversationView, NewConversation, SettingsPatch, Versions};
 use smolchat_service::records::{
-    ConversationSummary, Folder, ListFilter, ListPage, Message, MessageStatus, Organisation,
-    PageRequest, Preset, Role, TagCount, MAX_PAGE,
+    ConversationSummary, FileRecord, Folder, ListFilter, ListPage, Message, MessageStatus,
+    Organisation, PageRequest, Preset, Role, TagCount, MAX_PAGE,
 };
 use smolchat_service::ConversationError;
 
@@ -79,8 +79,40 @@ fn items(list: &[ConversationSummary], active: Option<Uuid>) -> Vec<Conversation
         .collect()
 }
 
+/// A file as its chip shows it.
+pub struct FileChip {
+    pub id: String,
+    pub name: String,
+    pub kind: String,
+    /// "12.3 KB"
+    pub size: String,
+    pub tokens: i64,
+}
+
+impl FileChip {
+    pub fn of(f: &FileRecord) -> FileChip {
+        let b = f.size_bytes.max(0) as f64;
+        let size = if b >= (1 << 20) as f64 {
+            format!("{:.1} MB", b / (1 << 20) as f64)
+        } else if b >= 1024.0 {
+            format!("{:.1} KB", b / 1024.0)
+        } else {
+            format!("{b} B")
+        };
+        FileChip {
+            id: f.id.to_string(),
+            name: f.name.clone(),
+            kind: f.kind.clone(),
+            size,
+            tokens: f.tokens,
+        }
+    }
+}
+
 pub struct MessageView {
     pub id: String,
+    /// The files a user message carries.
+    pub files: Vec<FileChip>,
     pub role: &'static str,
     /// A user message's text (escaped by the template).
     pub text: String,
@@ -111,6 +143,7 @@ pub struct VersionNav {
 pub async fn message_views(
     messages: Vec<Message>,
     versions: Vec<Versions>,
+    files: Vec<FileRecord>,
     replying: bool,
 ) -> Result<Vec<MessageView>, WebError> {
     web::block(move || {
@@ -120,6 +153,11 @@ pub async fn message_views(
             .filter(|(_, m)| matches!(m.role, Role::User | Role::Assistant))
             .map(|(i, m)| {
                 let mut view = MessageView::from_message(m, replying);
+                view.files = files
+                    .iter()
+                    .filter(|f| f.message_id == Some(m.id))
+                    .map(FileChip::of)
+                    .collect();
                 view.versions = versions.get(i).filter(|v| v.count > 1).map(|v| VersionNav {
                     index: v.index,
                     count: v.count,
@@ -159,6 +197,7 @@ impl MessageView {
         }
         MessageView {
             id: m.id.to_string(),
+            files: Vec::new(),
             role: if assistant { "assistant" } else { "user" },
             text: m.content.clone(),
             // While streaming, the page shows the text as it arrives (chat.js replays it).
@@ -215,6 +254,10 @@ pub struct ChatPage {
     pub organisation: Organisation,
     /// Its tags as the dialog's text field shows them.
     pub tags_text: String,
+    /// Files uploaded and waiting for the next message (chips above the composer).
+    pub pending: Vec<FileChip>,
+    /// `limits.max_file_mib`, for the page's own early check.
+    pub max_file_mib: u64,
 }
 
 #[derive(Template)]
@@ -350,15 +393,23 @@ async fn chat_page(
     let first = page_request(None, None)?;
     let (pinned, list) = sidebar_page(state, owner, "", "", &first).await?;
     let caller = owner.caller();
-    let (conversation, messages, versions, replying, organisation) = match view {
+    let (conversation, messages, versions, replying, organisation, files) = match view {
         Some(v) => (
             Some(v.conversation),
             v.messages,
             v.versions,
             v.replying,
             v.organisation,
+            v.files,
         ),
-        None => (None, Vec::new(), Vec::new(), false, Organisation::default()),
+        None => (
+            None,
+            Vec::new(),
+            Vec::new(),
+            false,
+            Organisation::default(),
+            Vec::new(),
+        ),
     };
     let folders = service.folders(&caller).await?;
     let tags = service.tags(&caller).await?;
@@ -374,7 +425,12 @@ async fn chat_page(
             )
         })
         .unwrap_or(0);
-    let views = message_views(messages, versions, replying).await?;
+    let pending: Vec<FileChip> = files
+        .iter()
+        .filter(|f| f.message_id.is_none())
+        .map(FileChip::of)
+        .collect();
+    let views = message_views(messages, versions, files, replying).await?;
     let settings = conversation
         .as_ref()
         .map(|c| c.settings.clone())
@@ -417,6 +473,8 @@ async fn chat_page(
         presets,
         tags_text: organisation.tags.join(", "),
         organisation,
+        pending,
+        max_file_mib: config.limits.max_file_mib,
     };
     html(&page)
 }
@@ -490,7 +548,7 @@ pub async fn message(
             ConversationError::NotFound => WebError::NotFound("message not found".into()),
             other => other.into(),
         })?;
-    let m = message_views(vec![m], Vec::new(), replying)
+    let m = message_views(vec![m], Vec::new(), Vec::new(), replying)
         .await?
         .pop()
         .ok_or_else(|| WebError::NotFound("message not found".into()))?;
@@ -501,6 +559,18 @@ pub async fn message(
 pub struct ContentForm {
     #[serde(default)]
     content: String,
+    /// Waiting files the message carries, comma-separated ids (the page's chips).
+    #[serde(default)]
+    files: String,
+}
+
+/// The ids of a comma-separated list.
+fn file_ids(list: &str) -> Result<Vec<Uuid>, WebError> {
+    list.split(',')
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .map(|s| parse_uuid(s, "file id"))
+        .collect()
 }
 
 /// `…/edit` and `…/regenerate`: the user message a new version is made of (the branch's last
@@ -564,10 +634,11 @@ pub async fn send(
     let caller = owner.caller();
     state.platform.conversations().owned(&caller, id).await?;
     let form: ContentForm = read_form(&state, &req, payload).await?;
+    let files = file_ids(&form.files)?;
     state
         .platform
         .conversations()
-        .send(&caller, id, form.content)
+        .send_with_files(&caller, id, form.content, files)
         .await?;
     Ok(HttpResponse::Accepted().finish())
 }
@@ -1088,6 +1159,7 @@ mod tests {
     fn view(role: &'static str, text: &str, html: &str, reasoning: &str) -> MessageView {
         MessageView {
             id: "m1".into(),
+            files: Vec::new(),
             role,
             text: text.into(),
             html: html.into(),

@@ -214,6 +214,7 @@ fn stored_message(
         cached_tokens: None,
         timings: None,
         created_at: chrono::Utc::now(),
+        files: Vec::new(),
     }
 }
 
@@ -671,6 +672,7 @@ fn copied(m: &Message) -> ImportedMessage {
         cached_tokens: m.cached_tokens,
         timings: m.timings.clone(),
         created_at: m.created_at,
+        files: Vec::new(),
     }
 }
 

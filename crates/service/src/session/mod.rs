@@ -27,7 +27,7 @@ use buffer::ReplyBuffer;
 use mirror::{Follow, Mirror};
 use smolchat_serving::scheduler::{Cancel, SchedulerActor};
 use smolchat_serving::types::{GenEvent, GenSummary, SubmitError};
-use smolchat_store::{Message, MessageStatus, Role, Store, StoreError};
+use smolchat_store::{Attachments, Message, MessageStatus, Role, Store, StoreError};
 use smolchat_text::template::ChatTemplate;
 use smolchat_text::tokenizer::Tokenizer;
 
@@ -85,6 +85,8 @@ pub enum SessionError {
     Busy,
     #[error("conversation not found")]
     NotFound,
+    #[error("file {0} is not waiting in this conversation (attach it again)")]
+    NoSuchFile(Uuid),
     #[error("there is no message to resend")]
     NothingToResend,
     #[error(transparent)]
@@ -520,6 +522,9 @@ pub struct SendMessage {
     /// it. The old messages stay until the new request has been accepted and stored, in one
     /// transaction, so a refusal (busy, overloaded, context overflow, storage) changes nothing.
     pub replacing: Replacing,
+    /// Pending files of the conversation the new user message takes (placed into its prompt
+    /// text, see [`crate::files`]). An edit also keeps the edited message's files.
+    pub files: Vec<Uuid>,
     /// The group the reply also counts against in the scheduler's token quota: a guest's client
     /// address (set by the conversation service; guest owners cost nothing to mint).
     pub group: Option<String>,
@@ -544,6 +549,7 @@ impl SendMessage {
         SendMessage {
             content: Some(content),
             replacing: Replacing::Nothing,
+            files: Vec::new(),
             group: None,
         }
     }
@@ -562,6 +568,7 @@ impl Handler<SendMessage> for SessionActor {
         let SendMessage {
             content,
             replacing,
+            files,
             group,
         } = msg;
         if content.is_none() && replacing == Replacing::Nothing {
@@ -613,17 +620,41 @@ impl Handler<SendMessage> for SessionActor {
                 (None, Some(i)) => history[i].content.clone(),
                 (None, None) => return Err(SessionError::EmptyMessage),
             };
+            // The files the message carries: the pending ones it takes, and on an edit the
+            // edited message's own. Their text goes into the prompt (and `raw`).
+            let kept = match &replacing {
+                Some(m) if !regenerate => shared.store.files_of_message(m.id).await?,
+                _ => Vec::new(),
+            };
+            let taken = prompt::pending_files(&shared.store, id, &files).await?;
+            let attachments = Attachments {
+                raw: None,
+                pending: files,
+                keep_from: replacing
+                    .as_ref()
+                    .filter(|_| !regenerate && !kept.is_empty())
+                    .map(|m| m.id),
+            };
+            let prompt_text = match &replacing {
+                // A regenerated reply answers the message as it was sent, files and all.
+                Some(m) if regenerate => m.raw.clone().unwrap_or_else(|| m.content.clone()),
+                _ => prompt::with_files(kept.iter().chain(taken.iter()), &content),
+            };
+            let attachments = Attachments {
+                raw: (prompt_text != content && !regenerate).then(|| prompt_text.clone()),
+                ..attachments
+            };
             if let Some(at) = at {
                 // The prompt is the branch before the replaced message.
                 history.truncate(at);
             }
             // Rendering and tokenizing a long history is CPU work: on a blocking thread, not on
             // the event loop that runs this session and the requests beside it.
-            let (prepared, conversation, content) = {
+            let (prepared, conversation) = {
                 let shared = Arc::clone(&shared);
                 tokio::task::spawn_blocking(move || {
-                    prompt::prepare(&shared, &conversation, &history, &content)
-                        .map(|p| (p, conversation, content))
+                    prompt::prepare(&shared, &conversation, &history, &prompt_text)
+                        .map(|p| (p, conversation))
                 })
                 .await
                 .map_err(|e| SessionError::Prompt(format!("the prompt builder failed: {e}")))??
@@ -648,7 +679,7 @@ impl Handler<SendMessage> for SessionActor {
                 replacing => {
                     shared
                         .store
-                        .insert_exchange(id, &content, replacing.map(|m| m.id))
+                        .insert_exchange(id, &content, replacing.map(|m| m.id), &attachments)
                         .await?
                 }
             };

@@ -2,10 +2,11 @@
 //! template's messages, rendered and tokenized by the one prompt builder; and the checks every
 //! user message meets.
 
-use smolchat_store::{Conversation, Message, MessageStatus, Role};
+use smolchat_store::{Conversation, FileRecord, Message, MessageStatus, Role, Store};
 use smolchat_text::prompt::{Prompt, PromptBuilder};
 use smolchat_text::sampling::SamplingParams;
 use smolchat_text::template::{ChatMessage, RenderOptions};
+use uuid::Uuid;
 
 use super::{SessionError, SessionShared};
 use crate::validation::not_text;
@@ -49,7 +50,8 @@ fn conversation_messages(
     }
     for m in history {
         match m.role {
-            Role::User => messages.push(ChatMessage::user(&m.content)),
+            // As it was sent: with its files placed in it (`raw`, see `with_files`).
+            Role::User => messages.push(ChatMessage::user(m.raw.as_deref().unwrap_or(&m.content))),
             // An imported reply is whoever wrote the file's text, not the model's: guarded like
             // user text, so control tokens typed into it stay text.
             Role::Assistant if m.status != MessageStatus::Error && m.imported => {
@@ -65,6 +67,39 @@ fn conversation_messages(
     }
     messages.push(ChatMessage::user(new_user));
     messages
+}
+
+/// A user message's prompt text: its files' blocks, then its text ([`crate::files`]).
+pub(super) fn with_files<'a>(files: impl Iterator<Item = &'a FileRecord>, content: &str) -> String {
+    let texts: Vec<crate::files::FileText<'_>> = files
+        .map(|f| crate::files::FileText {
+            name: &f.name,
+            kind: &f.kind,
+            text: &f.text,
+        })
+        .collect();
+    crate::files::message_with_files(&texts, content)
+}
+
+/// The pending files `ids` of `conversation`, in the order given; an id that is not one is
+/// refused, naming it.
+pub(super) async fn pending_files(
+    store: &Store,
+    conversation: Uuid,
+    ids: &[Uuid],
+) -> Result<Vec<FileRecord>, SessionError> {
+    if ids.is_empty() {
+        return Ok(Vec::new());
+    }
+    let all = store.files_of(conversation).await?;
+    ids.iter()
+        .map(|id| {
+            all.iter()
+                .find(|f| f.id == *id && f.message_id.is_none())
+                .cloned()
+                .ok_or(SessionError::NoSuchFile(*id))
+        })
+        .collect()
 }
 
 /// The render options of a conversation's turns: its pinned date and its thinking switch.

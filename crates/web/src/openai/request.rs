@@ -70,10 +70,20 @@ impl ChatRequest {
 pub struct ApiMessage {
     pub role: String,
     pub content: String,
+    /// `file` content parts (user messages): read and placed into `content` when the prompt
+    /// is built, off the event loop (`smolchat_service::files`).
+    pub files: Vec<InlineFile>,
     pub reasoning_content: Option<String>,
     pub tool_calls: Vec<CallIn>,
     pub tool_call_id: Option<String>,
     pub name: Option<String>,
+}
+
+/// A file sent inside a message: `{"type": "file", "file": {"filename", "file_data"}}`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct InlineFile {
+    pub name: String,
+    pub data: Vec<u8>,
 }
 
 /// A tool call of an earlier assistant turn.
@@ -696,10 +706,15 @@ fn check_tool(i: usize, t: &Value) -> Result<(), ApiError> {
     Ok(())
 }
 
-/// `content`: a string, or an array of `{"type": "text", "text": …}` parts (joined by newlines).
-fn parse_content(f: &Fields<'_>, required: bool) -> Result<String, ApiError> {
+/// `content`: a string, or an array of `{"type": "text", "text": …}` parts (joined by newlines)
+/// and, when `files` is allowed, `{"type": "file", …}` parts.
+fn parse_content(
+    f: &Fields<'_>,
+    required: bool,
+    files: Option<&mut Vec<InlineFile>>,
+) -> Result<String, ApiError> {
     let param = f.path("content");
-    let content = parse_content_value(f, &param, required)?;
+    let content = parse_content_value(f, &param, required, files)?;
     if let Some(what) = smolchat_service::validation::not_text(&content) {
         return Err(ApiError::invalid(
             &param,
@@ -709,7 +724,63 @@ fn parse_content(f: &Fields<'_>, required: bool) -> Result<String, ApiError> {
     Ok(content)
 }
 
-fn parse_content_value(f: &Fields<'_>, param: &str, required: bool) -> Result<String, ApiError> {
+/// A `file` content part's file: `filename` and `file_data` (base64, bare or as a `data:` URL).
+fn parse_file_part(p: &Fields<'_>) -> Result<InlineFile, ApiError> {
+    use base64::Engine as _;
+    let file = p
+        .object("file")?
+        .ok_or_else(|| ApiError::invalid(p.path("file"), "a file part needs `file`"))?;
+    if file.str("file_id")?.is_some() {
+        return Err(ApiError::unsupported(
+            file.path("file_id"),
+            "`file_id` is not supported (smolchat has no /v1/files): send the file itself as \
+             `file_data` (base64, or a data: URL) with its `filename`",
+        ));
+    }
+    let name = file
+        .str("filename")?
+        .filter(|n| !n.trim().is_empty())
+        .ok_or_else(|| {
+            ApiError::invalid(
+                file.path("filename"),
+                "a file part needs `filename` (its extension gives the file's type)",
+            )
+        })?;
+    let data = file.str("file_data")?.ok_or_else(|| {
+        ApiError::invalid(
+            file.path("file_data"),
+            "a file part needs `file_data` (base64)",
+        )
+    })?;
+    let b64 = match data.strip_prefix("data:") {
+        Some(rest) => rest.split_once(";base64,").map(|(_, b)| b).ok_or_else(|| {
+            ApiError::invalid(
+                file.path("file_data"),
+                "a data: URL in `file_data` must be base64 (data:<type>;base64,…)",
+            )
+        })?,
+        None => data,
+    };
+    let bytes = base64::engine::general_purpose::STANDARD
+        .decode(b64.trim())
+        .map_err(|e| {
+            ApiError::invalid(
+                file.path("file_data"),
+                format!("`file_data` is not base64: {e}"),
+            )
+        })?;
+    Ok(InlineFile {
+        name: name.to_string(),
+        data: bytes,
+    })
+}
+
+fn parse_content_value(
+    f: &Fields<'_>,
+    param: &str,
+    required: bool,
+    mut files: Option<&mut Vec<InlineFile>>,
+) -> Result<String, ApiError> {
     let param = param.to_string();
     match f.get("content") {
         None if required => Err(ApiError::invalid(&param, format!("`{param}` is required"))),
@@ -721,12 +792,23 @@ fn parse_content_value(f: &Fields<'_>, param: &str, required: bool) -> Result<St
                 let p = Fields::new(part, &format!("{param}[{j}]"))?;
                 match p.str("type")? {
                     Some("text") => texts.push(p.str("text")?.unwrap_or_default().to_string()),
+                    Some("file") if files.is_some() => {
+                        let file = parse_file_part(&p)?;
+                        if let Some(files) = files.as_deref_mut() {
+                            files.push(file);
+                        }
+                    }
                     other => {
                         return Err(ApiError::unsupported(
                             p.path("type"),
                             format!(
-                                "content part type {} is not supported; only \"text\"",
-                                other.map_or("(missing)".to_string(), |t| format!("\"{t}\""))
+                                "content part type {} is not supported here; only \"text\"{}",
+                                other.map_or("(missing)".to_string(), |t| format!("\"{t}\"")),
+                                if files.is_some() {
+                                    " and \"file\""
+                                } else {
+                                    " (files go in user messages)"
+                                }
                             ),
                         ))
                     }
@@ -792,11 +874,18 @@ fn parse_message(i: usize, v: &Value) -> Result<ApiMessage, ApiError> {
             });
         }
     }
-    // An assistant turn may be only tool calls; every other role has content.
-    let content = parse_content(&f, role != "assistant")?;
+    // An assistant turn may be only tool calls; every other role has content. Only a user
+    // message may carry files.
+    let mut files = Vec::new();
+    let content = parse_content(
+        &f,
+        role != "assistant",
+        (role == "user").then_some(&mut files),
+    )?;
     Ok(ApiMessage {
         role: role.to_string(),
         content,
+        files,
         reasoning_content: f.str("reasoning_content")?.map(str::to_string),
         tool_calls,
         tool_call_id: f.str("tool_call_id")?.map(str::to_string),

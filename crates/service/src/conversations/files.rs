@@ -1,0 +1,161 @@
+//! Files in a conversation, for its owner: upload (checked, read and counted off the event
+//! loop), list, remove a file not yet sent, and send a message carrying files. What is accepted
+//! and how a file reads in the prompt is [`crate::files`].
+
+use uuid::Uuid;
+
+use super::{invalid, Accepted, ConversationError, Conversations, Result};
+use crate::caller::Caller;
+use crate::files::{self, FileError, FileText};
+use crate::session::SendMessage;
+use smolchat_store::{FileRecord, NewFile};
+
+/// Tokens kept free of a file, for the question about it and the reply: a file that leaves
+/// less than this in the context window is refused at upload.
+const ROOM_FOR_THE_REST: usize = 256;
+
+fn mib(bytes: u64) -> String {
+    format!("{:.1}", bytes as f64 / (1u64 << 20) as f64)
+}
+
+impl From<FileError> for ConversationError {
+    fn from(e: FileError) -> Self {
+        match e {
+            FileError::TooLarge { .. } => ConversationError::TooLarge(e.to_string()),
+            other => invalid("file", other.to_string()),
+        }
+    }
+}
+
+impl Conversations {
+    /// Stores a file for the caller's conversation `id`, waiting for the next message: checked
+    /// (type, size, the owner's quota), its text extracted and counted in tokens against the
+    /// context window.
+    pub async fn upload_file(
+        &self,
+        caller: &Caller,
+        id: Uuid,
+        name: &str,
+        bytes: Vec<u8>,
+    ) -> Result<FileRecord> {
+        let c = self.owned(caller, id).await?;
+        let limit = self.cfg.max_file_bytes;
+        let size = bytes.len();
+        if size > limit {
+            return Err(FileError::TooLarge {
+                name: files::check_name(name).unwrap_or_else(|_| name.to_string()),
+                size,
+                limit,
+            }
+            .into());
+        }
+        let quota = self.cfg.max_file_bytes_per_user;
+        if quota > 0 {
+            let kept = self.store.stored_file_bytes(&caller.owner).await?;
+            if kept.saturating_add(size as u64) > quota {
+                return Err(ConversationError::TooLarge(format!(
+                    "you keep {} MiB of attached files and this one adds {} MiB; the limit is {} \
+                     MiB per user (limits.max_file_mib_per_user): delete conversations with \
+                     files first",
+                    mib(kept),
+                    mib(size as u64),
+                    mib(quota)
+                )));
+            }
+        }
+        let name = name.to_string();
+        let tokenizer = std::sync::Arc::clone(&self.tokenizer);
+        // Reading a PDF and counting tokens are CPU work.
+        let (extracted, name, tokens) = tokio::task::spawn_blocking(move || {
+            let extracted = files::extract(&name, &bytes, limit)?;
+            let name = files::check_name(&name)?;
+            let block = files::file_block(FileText {
+                name: &name,
+                kind: extracted.kind.as_str(),
+                text: &extracted.text,
+            });
+            let tokens = tokenizer
+                .encode(&block, false)
+                .map(|t| t.len() + 2)
+                .map_err(|e| ConversationError::Internal(format!("tokenizer: {e}")))?;
+            Ok::<_, ConversationError>((extracted, name, tokens))
+        })
+        .await
+        .map_err(|e| ConversationError::Internal(format!("reading the file failed: {e}")))??;
+        let room = self.context_window.saturating_sub(ROOM_FOR_THE_REST);
+        if tokens > room {
+            return Err(ConversationError::ContextOverflow(format!(
+                "{name:?} is {tokens} tokens of text; the model's context window is {} tokens, \
+                 and a file may take at most {room} of them (the rest is for your question and \
+                 the reply): attach a shorter part of it",
+                self.context_window
+            )));
+        }
+        let file = self
+            .store
+            .create_file(
+                c.id,
+                &caller.owner,
+                &NewFile {
+                    name: &name,
+                    kind: extracted.kind.as_str(),
+                    media_type: extracted.media_type,
+                    size_bytes: size as i64,
+                    text: &extracted.text,
+                    tokens: tokens as i64,
+                },
+            )
+            .await?;
+        tracing::info!(conversation = %c.id, file = %file.id, kind = file.kind, bytes = size, tokens, "file attached");
+        Ok(file)
+    }
+
+    /// The files of the caller's conversation `id`: those its messages carry and those waiting
+    /// for the next message (`message_id` null).
+    pub async fn files(&self, caller: &Caller, id: Uuid) -> Result<Vec<FileRecord>> {
+        let c = self.owned(caller, id).await?;
+        Ok(self.store.files_of(c.id).await?)
+    }
+
+    /// Removes a file waiting in the caller's conversation `id` (a sent message keeps its files).
+    pub async fn remove_file(&self, caller: &Caller, id: Uuid, file: Uuid) -> Result<()> {
+        let c = self.owned(caller, id).await?;
+        if self.store.delete_pending_file(c.id, file).await? {
+            Ok(())
+        } else {
+            Err(ConversationError::NoSuch(format!(
+                "no file {file} is waiting in this conversation (files a sent message carries \
+                 stay with it)"
+            )))
+        }
+    }
+
+    /// Sends a message carrying `files` (waiting files of this conversation, at most
+    /// `limits.max_files_per_message`).
+    pub async fn send_with_files(
+        &self,
+        caller: &Caller,
+        id: Uuid,
+        content: String,
+        mut file_ids: Vec<Uuid>,
+    ) -> Result<Accepted> {
+        let c = self.owned(caller, id).await?;
+        let mut seen = std::collections::HashSet::new();
+        file_ids.retain(|f| seen.insert(*f));
+        let max = self.cfg.max_files_per_message;
+        if file_ids.len() > max {
+            return Err(invalid(
+                "files",
+                format!(
+                    "a message may carry at most {max} files (limits.max_files_per_message), got {}",
+                    file_ids.len()
+                ),
+            ));
+        }
+        let mut msg = SendMessage::new(content);
+        msg.files = file_ids;
+        let accepted = self.send_to(caller, c.id, msg).await?;
+        tracing::debug!(conversation = %c.id, message = %accepted.user_message.id, "message accepted");
+        Ok(accepted)
+    }
+}

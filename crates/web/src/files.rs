@@ -1,0 +1,91 @@
+//! Files in a conversation over HTTP: `POST /api/conversations/{id}/files?name=…` (the file's
+//! bytes as the body; any content type), `GET …/files`, `DELETE …/files/{file}` (a file not
+//! yet sent). A message takes waiting files with `"files": [ids]` (see [`super::api`]). What is
+//! accepted and how it reads in the prompt is `smolchat_service::files`.
+
+use actix_web::{web, HttpRequest, HttpResponse};
+use serde::Deserialize;
+use serde_json::json;
+
+use super::api::{parse_id, parse_uuid};
+use super::error::WebError;
+use super::json::read_bytes;
+use super::owner::Owner;
+use super::AppState;
+
+#[derive(Debug, Deserialize)]
+pub struct UploadQuery {
+    /// The file's name: its extension says its type.
+    pub name: Option<String>,
+}
+
+/// `POST /api/conversations/{id}/files?name=report.pdf` → 201 and the file (no text): it waits
+/// for the next message that names it in `files`.
+pub async fn upload(
+    state: web::Data<AppState>,
+    owner: Owner,
+    path: web::Path<String>,
+    req: HttpRequest,
+    payload: web::Payload,
+) -> Result<HttpResponse, WebError> {
+    let id = parse_id(&path)?;
+    let query = web::Query::<UploadQuery>::from_query(req.query_string())
+        .map_err(|e| WebError::BadRequest(format!("bad query string: {e}")))?;
+    let name = query
+        .name
+        .clone()
+        .filter(|n| !n.trim().is_empty())
+        .ok_or_else(|| {
+            WebError::BadRequest(
+                "say the file's name: POST …/files?name=report.pdf (its extension gives its type)"
+                    .into(),
+            )
+        })?;
+    let service = state.platform.conversations();
+    let caller = owner.caller();
+    // Whose it is before reading the body: another owner's id is 404 whatever is sent.
+    service.owned(&caller, id).await?;
+    let limit = state.platform.config().limits.max_file_mib as usize * (1 << 20);
+    let too_large = || {
+        WebError::PayloadTooLarge(format!(
+            "{name:?} is larger than {} MiB, the most a file may be (limits.max_file_mib)",
+            limit >> 20
+        ))
+    };
+    let bytes = read_bytes(&req, payload.into_inner(), limit, too_large).await?;
+    let file = service.upload_file(&caller, id, &name, bytes).await?;
+    Ok(HttpResponse::Created().json(file))
+}
+
+/// `GET /api/conversations/{id}/files`: `{"files": [...]}`, those messages carry
+/// (`message_id`) and those waiting (`message_id: null`).
+pub async fn list(
+    state: web::Data<AppState>,
+    owner: Owner,
+    path: web::Path<String>,
+) -> Result<HttpResponse, WebError> {
+    let id = parse_id(&path)?;
+    let files = state
+        .platform
+        .conversations()
+        .files(&owner.caller(), id)
+        .await?;
+    Ok(HttpResponse::Ok().json(json!({ "files": files })))
+}
+
+/// `DELETE /api/conversations/{id}/files/{file}` → 204 (only a file no message carries yet).
+pub async fn remove(
+    state: web::Data<AppState>,
+    owner: Owner,
+    path: web::Path<(String, String)>,
+) -> Result<HttpResponse, WebError> {
+    let (id, file) = path.into_inner();
+    let id = parse_id(&id)?;
+    let file = parse_uuid(&file, "file id")?;
+    state
+        .platform
+        .conversations()
+        .remove_file(&owner.caller(), id, file)
+        .await?;
+    Ok(HttpResponse::NoContent().finish())
+}
