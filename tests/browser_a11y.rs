@@ -128,7 +128,21 @@ async fn the_pages_have_no_serious_accessibility_violations_light_and_dark() {
                 audit(&c).await
             }),
             ("account settings", {
+                // Signed up from the sign-up page (the account page needs an account).
+                for (css, text) in [("#signup-name", theme), ("#signup-password", "a11y password!")] {
+                    let e = c.find(Locator::Css(css)).await.expect(css);
+                    e.send_keys(text).await.expect("type");
+                }
+                click(&c, "#signup-btn").await;
+                wait_js(&c, "return location.pathname", "signed up", |v| v == &json!("/")).await;
                 c.goto(&format!("{base}/account")).await.expect("account");
+                wait_js(
+                    &c,
+                    "return !!document.querySelector('main') && location.pathname",
+                    "the account page",
+                    |v| v == &json!("/account"),
+                )
+                .await;
                 audit(&c).await
             }),
             ("admin", {
