@@ -30,13 +30,19 @@ async fn audit(c: &Client) -> Vec<String> {
         .expect("axe.run");
     found
         .as_array()
-        .map(|a| a.iter().filter_map(Value::as_str).map(str::to_string).collect())
+        .map(|a| {
+            a.iter()
+                .filter_map(Value::as_str)
+                .map(str::to_string)
+                .collect()
+        })
         .unwrap_or_else(|| vec![format!("axe returned {found}")])
 }
 
 /// A conversation whose reply holds a code block and a formula (the reply grammar fixes it).
 async fn conversation_with_code_and_math(c: &Client, base: &str) -> String {
-    let grammar = "root ::= \"Code:\\n\\n```python\\nprint(1 + 2)\\n```\\n\\nMath: $a^2 + b^2 = c^2$ done.\"";
+    let grammar =
+        "root ::= \"Code:\\n\\n```python\\nprint(1 + 2)\\n```\\n\\nMath: $a^2 + b^2 = c^2$ done.\"";
     let made = c
         .execute_async(
             "const done = arguments[arguments.length - 1]; \
@@ -129,12 +135,18 @@ async fn the_pages_have_no_serious_accessibility_violations_light_and_dark() {
             }),
             ("account settings", {
                 // Signed up from the sign-up page (the account page needs an account).
-                for (css, text) in [("#signup-name", theme), ("#signup-password", "a11y password!")] {
+                for (css, text) in [
+                    ("#signup-name", theme),
+                    ("#signup-password", "a11y password!"),
+                ] {
                     let e = c.find(Locator::Css(css)).await.expect(css);
                     e.send_keys(text).await.expect("type");
                 }
                 click(&c, "#signup-btn").await;
-                wait_js(&c, "return location.pathname", "signed up", |v| v == &json!("/")).await;
+                wait_js(&c, "return location.pathname", "signed up", |v| {
+                    v == &json!("/")
+                })
+                .await;
                 c.goto(&format!("{base}/account")).await.expect("account");
                 wait_js(
                     &c,
