@@ -9,7 +9,7 @@ use std::sync::mpsc as std_mpsc;
 use std::sync::Arc;
 use std::time::Instant;
 
-use tokio::sync::oneshot;
+use tokio::sync::{mpsc, oneshot};
 
 use super::batcher::{ItemReport, StepPlan};
 use uuid::Uuid;
@@ -74,6 +74,19 @@ pub struct StepReport {
     pub device_memory: Option<DeviceMemory>,
     /// How decode graphs have been used, on a backend that replays them.
     pub graphs: Option<GraphStats>,
+    /// The `Finished` events of requests that ended in this step, held back until the
+    /// scheduler has applied the report ([`StepReport::deliver_finished`]): a client that sends
+    /// its next request as soon as one ends then meets the token quota with this step counted.
+    pub finished: Vec<(mpsc::UnboundedSender<GenEvent>, GenSummary)>,
+}
+
+impl StepReport {
+    /// Sends the held `Finished` events (after the report's tokens are counted).
+    pub fn deliver_finished(&mut self) {
+        for (events, summary) in self.finished.drain(..) {
+            let _ = events.send(GenEvent::Finished(summary));
+        }
+    }
 }
 
 struct Active {
@@ -211,6 +224,8 @@ pub struct ModelWorker {
     device_memory: Option<(Instant, Option<DeviceMemory>)>,
     /// Whether grammar masks are computed while the forward pass runs (`None`: on a GPU only).
     mask_overlap: Option<bool>,
+    /// `Finished` events of this step, sent with its report (see [`StepReport::finished`]).
+    finished: Vec<(mpsc::UnboundedSender<GenEvent>, GenSummary)>,
 }
 
 impl ModelWorker {
@@ -228,6 +243,7 @@ impl ModelWorker {
             host_sampling: false,
             device_memory: None,
             mask_overlap: None,
+            finished: Vec::new(),
         }
     }
 
@@ -258,7 +274,11 @@ impl ModelWorker {
                 } => {
                     self.active.insert(id, Active::new(*request, submitted));
                 }
-                WorkerCommand::Step(plan) => report(self.step(plan)),
+                WorkerCommand::Step(plan) => {
+                    let mut r = self.step_held(plan);
+                    r.finished = std::mem::take(&mut self.finished);
+                    report(r)
+                }
                 WorkerCommand::Evict { conversation, done } => {
                     let _ = done.send(self.forget_conversation(conversation));
                 }
@@ -612,7 +632,8 @@ impl ModelWorker {
                 .map_or(0.0, |f| ms(f.duration_since(a.submitted))),
             generation_ms: a.first_token.map_or(0.0, |f| ms(now.duration_since(f))),
         };
-        let _ = a.request.events.send(GenEvent::Finished(summary));
+        // Held until the step's report is applied (see `StepReport::finished`).
+        self.finished.push((a.request.events.clone(), summary));
         if let Some(conversation) = a.request.cache_key.filter(|_| a.keyed) {
             if let Some(pos) = self.doomed.iter().position(|k| *k == conversation) {
                 self.doomed.remove(pos);
@@ -702,7 +723,21 @@ impl ModelWorker {
         remaining
     }
 
+    /// A step whose `Finished` events are sent at once (the tests, which apply reports
+    /// themselves).
+    #[cfg(test)]
     fn step(&mut self, plan: StepPlan) -> StepReport {
+        let report = self.step_held(plan);
+        let mut held = StepReport {
+            finished: std::mem::take(&mut self.finished),
+            ..StepReport::default()
+        };
+        held.deliver_finished();
+        report
+    }
+
+    /// A step; the `Finished` events of the requests it ended wait in `self.finished`.
+    fn step_held(&mut self, plan: StepPlan) -> StepReport {
         let start = Instant::now();
         let mut report = StepReport::default();
         for &id in &plan.cancel {

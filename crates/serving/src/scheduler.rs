@@ -196,9 +196,12 @@ impl Handler<StepDone> for SchedulerActor {
     type Result = ();
 
     fn handle(&mut self, msg: StepDone, _: &mut Context<Self>) {
-        let r = msg.0;
+        let mut r = msg.0;
         self.step_in_flight = false;
         self.batcher.apply(&r.items);
+        // Now that the step's tokens count against their users' quotas, the requests it ended
+        // may tell their clients.
+        r.deliver_finished();
         self.batcher.set_kv_free_blocks(r.kv_free_blocks);
         let s = &mut self.stats;
         s.steps += 1;
