@@ -93,7 +93,7 @@ mount-check:
 ## lint-cuda's cuda-toolkit).
 test: mount-check setup test-deps lint lint-cuda
 	@url="$$(./scripts/test-postgres.sh start)" || exit 1; \
-	SMOLTEST_DATABASE_URL="$$url" SMOLTEST_REQUIRE_POSTGRES=1 SMOLTEST_REQUIRE_MOUNT=1 SMOLTEST_REQUIRE_NVCC=1 $(CARGO) test --workspace; rc=$$?; \
+	SMOLTEST_DATABASE_URL="$$url" SMOLTEST_REQUIRE_POSTGRES=1 SMOLTEST_REQUIRE_MOUNT=1 SMOLTEST_REQUIRE_NVCC=1 SMOLTEST_REQUIRE_SYSTEMD=1 $(CARGO) test --workspace; rc=$$?; \
 	./scripts/test-postgres.sh stop; exit $$rc
 
 bench: setup

@@ -47,6 +47,7 @@ fn run() -> Result<()> {
         Command::Logits(a) => cli::logits::run(a, &globals),
         Command::Bench(a) => cli::bench::run(a, &globals),
         Command::Backup(a) => cli::backup::run(a),
+        Command::Restore(a) => cli::backup::restore(a),
         Command::User(a) => cli::user::run(a),
         Command::Invite(a) => cli::user::invite(a),
     }

@@ -976,7 +976,10 @@ async fn backup_refuses_what_it_cannot_do_clearly() {
         .await
         .unwrap_err()
         .to_string();
-    assert!(err.contains("only a sqlite: database file"), "{err}");
+    assert!(
+        err.contains("only a sqlite: database file or a postgres:// database"),
+        "{err}"
+    );
 
     let missing = format!("sqlite://{}", dir.path().join("missing.db").display());
     let err = backup(&missing, &dir.path().join("b.db"))
@@ -987,6 +990,159 @@ async fn backup_refuses_what_it_cannot_do_clearly() {
     assert!(
         !dir.path().join("missing.db").exists(),
         "no database was created"
+    );
+}
+
+/// Fills a database with what a backup must keep: an account with an API key, a conversation
+/// with an exchange (its reply finished), a folder and a file; returns the conversation.
+async fn something_to_back_up(store: &Store) -> Uuid {
+    use smolchat_store::{NewFile, NewUser, UserRole};
+    let hash = "$argon2id$v=19$m=19456,t=2,p=1$c2FsdHNhbHRzYWx0$aGFzaGhhc2hoYXNoaGFzaGhhc2hoYXNoaGFzaGhhc2g";
+    store
+        .create_user(&NewUser {
+            id: "u-backup",
+            name: "backup-person",
+            password_hash: hash,
+            role: UserRole::Admin,
+            invite: None,
+            adopt_from: None,
+        })
+        .await
+        .unwrap();
+    store
+        .create_api_key(&"k".repeat(64), "u-backup", "laptop", "sk-smol-abcd")
+        .await
+        .unwrap();
+    let c = store
+        .create_conversation("u-backup", &settings())
+        .await
+        .unwrap();
+    let file = store
+        .create_file(
+            c.id,
+            "u-backup",
+            &NewFile {
+                name: "notes.md",
+                kind: "markdown",
+                media_type: "text/markdown",
+                size_bytes: 7,
+                text: "# notes",
+                tokens: 9,
+            },
+        )
+        .await
+        .unwrap();
+    let (_, reply) = store
+        .insert_exchange(
+            c.id,
+            "hello",
+            None,
+            &Attachments {
+                raw: Some(
+                    "<file name=\"notes.md\" type=\"markdown\">\n# notes\n</file>\n\nhello".into(),
+                ),
+                pending: vec![file.id],
+                keep_from: None,
+            },
+        )
+        .await
+        .unwrap();
+    store
+        .finish_assistant_message(reply.id, &reply_with("hi there"))
+        .await
+        .unwrap();
+    store.create_folder("u-backup", "Work").await.unwrap();
+    c.id
+}
+
+fn reply_with(text: &str) -> FinishedReply {
+    FinishedReply {
+        content: text.into(),
+        ..reply(MessageStatus::Complete)
+    }
+}
+
+/// Everything a restored copy must hold the same as the original.
+async fn snapshot(store: &Store, conversation: Uuid) -> serde_json::Value {
+    let user = store.user_by_name("backup-person").await.unwrap().unwrap();
+    serde_json::json!({
+        "user": [user.id, user.name, format!("{:?}", user.role)],
+        "keys": format!("{:?}", store.list_api_keys("u-backup").await.unwrap()),
+        "conversation": store.get_conversation(conversation).await.unwrap(),
+        "messages": store.messages(conversation).await.unwrap(),
+        "files": store.files_of(conversation).await.unwrap().iter().map(|f| (&f.name, &f.text, f.message_id)).collect::<Vec<_>>(),
+        "folders": store.folders("u-backup").await.unwrap().iter().map(|f| f.name.clone()).collect::<Vec<_>>(),
+    })
+}
+
+#[tokio::test]
+async fn postgres_backup_and_restore_round_trip_users_keys_and_conversations() {
+    let Some(url) = common::pg::fresh_database().await else {
+        return;
+    };
+    let store = Store::open(&url).await.unwrap();
+    let id = something_to_back_up(&store).await;
+    let before = snapshot(&store, id).await;
+    let dir = tempfile::tempdir().unwrap();
+    let dump = dir.path().join("smolchat.dump");
+    // While the database is open and in use.
+    let report = backup(&url, &dump).await.unwrap();
+    assert_eq!((report.conversations, report.messages), (1, 2));
+    assert!(report.bytes > 0);
+    let err = backup(&url, &dump).await.unwrap_err().to_string();
+    assert!(err.contains("already exists"), "{err}");
+    store.close().await;
+
+    let Some(target) = common::pg::fresh_database().await else {
+        return;
+    };
+    let restored = smolchat_store::restore(&dump, &target).await.unwrap();
+    assert_eq!((restored.conversations, restored.messages), (1, 2));
+    let copy = Store::open(&target).await.unwrap();
+    assert_eq!(snapshot(&copy, id).await, before);
+    // A database that is not empty is refused, saying why.
+    let err = smolchat_store::restore(&dump, &target)
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("already has"), "{err}");
+    copy.close().await;
+}
+
+#[tokio::test]
+async fn sqlite_backup_and_restore_round_trip() {
+    let (dir, url, store) = fresh_sqlite().await;
+    let id = something_to_back_up(&store).await;
+    let before = snapshot(&store, id).await;
+    let copy_path = dir.path().join("backup.db");
+    backup(&url, &copy_path).await.unwrap();
+    store.close().await;
+    let target = format!(
+        "sqlite://{}",
+        dir.path().join("restored/smolchat.db").display()
+    );
+    let restored = smolchat_store::restore(&copy_path, &target).await.unwrap();
+    assert_eq!((restored.conversations, restored.messages), (1, 2));
+    let copy = Store::open(&target).await.unwrap();
+    assert_eq!(snapshot(&copy, id).await, before);
+    copy.close().await;
+    let err = smolchat_store::restore(&copy_path, &target)
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("already exists"), "{err}");
+    let junk = dir.path().join("junk.db");
+    std::fs::write(&junk, b"not a database at all").unwrap();
+    let err = smolchat_store::restore(
+        &junk,
+        &format!("sqlite://{}", dir.path().join("x.db").display()),
+    )
+    .await
+    .unwrap_err()
+    .to_string();
+    assert!(
+        err.contains("not a SQLite database") || err.contains("integrity"),
+        "{err}"
     );
 }
 

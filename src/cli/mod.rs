@@ -91,8 +91,12 @@ pub enum Command {
     Logits(logits::LogitsArgs),
     /// Measure load, prefill, decode and batched decode throughput; JSON on stdout.
     Bench(bench::BenchArgs),
-    /// Write a consistent, checked copy of the database (safe while the server runs).
+    /// Write a consistent, checked copy of the database (safe while the server runs): a SQLite
+    /// file copy, or pg_dump's custom format for PostgreSQL.
     Backup(backup::BackupArgs),
+    /// Put a backup in place as a new database (a new SQLite file, or an empty PostgreSQL
+    /// database), with the server stopped.
+    Restore(backup::RestoreArgs),
     /// Manage accounts: add, passwd, list, disable, enable.
     User(user::UserArgs),
     /// Make a single-use sign-up invite code (for `auth.signup = "invite"`).

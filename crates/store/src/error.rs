@@ -71,6 +71,10 @@ pub enum StoreError {
         detail: String,
     },
 
+    /// `pg_dump` or `pg_restore` could not run, or failed.
+    #[error("{tool}: {reason}")]
+    BackupTool { tool: String, reason: String },
+
     #[error("backup target {}: {reason}", path.display())]
     BackupTarget { path: PathBuf, reason: String },
 

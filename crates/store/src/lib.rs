@@ -25,6 +25,7 @@
 //! write lock up front (waiting up to the busy timeout) instead of upgrading a read transaction
 //! later, which in WAL mode fails with `SQLITE_BUSY` without waiting.
 
+mod backups;
 mod bus;
 mod error;
 mod files;
@@ -46,6 +47,7 @@ use sqlx::AnyPool;
 use sqlx::Executor;
 use uuid::Uuid;
 
+pub use backups::restore;
 pub use bus::{Bus, MAX_PAYLOAD as BUS_MAX_PAYLOAD};
 pub use error::StoreError;
 pub use files::{Attachments, FileRecord, NewFile};
@@ -229,32 +231,21 @@ pub struct BackupReport {
 ///
 /// Unlike [`Store::open`] this neither migrates nor marks streaming replies interrupted: a live
 /// server's replies are its own business, and the copy keeps them exactly as they were.
+///
+/// A `postgres://` database is backed up with `pg_dump` instead ([`restore`] reads either back).
 pub async fn backup(url: &str, dest: &Path) -> Result<BackupReport, StoreError> {
+    if url.starts_with("postgres://") || url.starts_with("postgresql://") {
+        backups::check_new_file(dest)?;
+        return backups::pg_backup(url, dest).await;
+    }
     if !url.starts_with("sqlite:") || url.contains(":memory:") || url.contains("mode=memory") {
         return Err(StoreError::Url {
             url: url.to_string(),
-            reason: "only a sqlite: database file can be backed up (back a PostgreSQL database up with pg_dump)"
+            reason: "only a sqlite: database file or a postgres:// database can be backed up"
                 .to_string(),
         });
     }
-    let target = |reason: &str| StoreError::BackupTarget {
-        path: dest.to_path_buf(),
-        reason: reason.to_string(),
-    };
-    if dest.exists() {
-        return Err(target(
-            "already exists; name a new file (a backup never overwrites)",
-        ));
-    }
-    match dest.parent() {
-        Some(dir) if !dir.as_os_str().is_empty() && !dir.is_dir() => {
-            return Err(target("its folder does not exist"));
-        }
-        _ => {}
-    }
-    let dest_text = dest
-        .to_str()
-        .ok_or_else(|| target("the path is not valid UTF-8"))?;
+    let dest_text = backups::check_new_file(dest)?;
     let source_options = SqliteConnectOptions::from_str(url)
         .map_err(|e| StoreError::Url {
             url: url.to_string(),
