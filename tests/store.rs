@@ -1956,4 +1956,82 @@ async fn presets_are_an_owners_own_or_shared(db) {
     assert_eq!(store.count_presets(Some("alice")).await.unwrap(), 1);
     assert_eq!(store.count_presets(None).await.unwrap(), 0);
 }
+
+async fn the_audit_log_pages_filters_and_purges(db) {
+    use smolchat_store::{AuditFilter, NewAuditEntry};
+    let (_dir, _url, store) = fresh(db).await;
+    for (actor, action, target) in [
+        ("user:a", "auth.sign_in", "user:a"),
+        ("admin", "admin.stop", "conversation:1"),
+        ("user:b", "auth.sign_in", "user:b"),
+        ("user:a", "conversation.delete", "conversation:100%_x"),
+    ] {
+        store
+            .record_audit(&NewAuditEntry {
+                actor: actor.into(),
+                action: action.into(),
+                target: target.into(),
+                address: "127.0.0.1".into(),
+                detail: String::new(),
+            })
+            .await
+            .unwrap();
+    }
+    let all = store.audit_page(&AuditFilter::default(), 10).await.unwrap();
+    assert_eq!(all.len(), 4);
+    assert_eq!(all[0].action, "conversation.delete", "newest first");
+    let page = |f: AuditFilter| {
+        let store = store.clone();
+        async move {
+            store
+                .audit_page(&f, 10)
+                .await
+                .unwrap()
+                .into_iter()
+                .map(|e| e.target)
+                .collect::<Vec<_>>()
+        }
+    };
+    assert_eq!(
+        page(AuditFilter {
+            action: Some("auth.sign_in".into()),
+            ..AuditFilter::default()
+        })
+        .await,
+        vec!["user:b", "user:a"]
+    );
+    assert_eq!(
+        page(AuditFilter {
+            actor: Some("user:a".into()),
+            ..AuditFilter::default()
+        })
+        .await,
+        vec!["conversation:100%_x", "user:a"]
+    );
+    // The text is plain: `%` and `_` match themselves.
+    assert_eq!(
+        page(AuditFilter {
+            text: Some("100%_".into()),
+            ..AuditFilter::default()
+        })
+        .await,
+        vec!["conversation:100%_x"]
+    );
+    assert!(page(AuditFilter {
+        text: Some("0%x".into()),
+        ..AuditFilter::default()
+    })
+    .await
+    .is_empty());
+    // Paging continues from the last id seen.
+    let first = store.audit_page(&AuditFilter::default(), 2).await.unwrap();
+    let rest = page(AuditFilter {
+        before: Some(first[1].id.clone()),
+        ..AuditFilter::default()
+    })
+    .await;
+    assert_eq!(rest, vec!["conversation:1", "user:a"]);
+    // Nothing is old enough to purge yet.
+    assert_eq!(store.purge_audit(1).await.unwrap(), 0);
+}
 }

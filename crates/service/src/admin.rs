@@ -90,6 +90,7 @@ impl FromStr for UserAction {
 /// The admin service (see the module docs).
 pub struct Admin {
     store: Store,
+    audit: crate::audit::Audit,
     scheduler: Addr<SchedulerActor>,
     cluster: Arc<Cluster>,
     conversations: Arc<Conversations>,
@@ -105,6 +106,7 @@ impl Admin {
         accounts: Arc<Accounts>,
     ) -> Self {
         Self {
+            audit: crate::audit::Audit::new(store.clone()),
             store,
             scheduler,
             cluster,
@@ -200,27 +202,79 @@ impl Admin {
             return Err(ConversationError::NoSuch("no such user".into()));
         }
         tracing::info!(user = %user_id, action = ?action, "admin user action");
+        let name = match self.accounts.user(user_id).await {
+            Ok(Some(u)) => u.name,
+            _ => user_id.to_string(),
+        };
+        let what = match action {
+            UserAction::Disable => "admin.disable_user",
+            UserAction::Enable => "admin.enable_user",
+            UserAction::RevokeSessions => "admin.revoke_sessions",
+        };
+        self.audit
+            .record_by(by, what, &format!("user:{name}"), "")
+            .await;
         Ok(())
     }
 
+    /// A page of the audit log matching `filter`, newest first: admins only.
+    pub async fn audit(
+        &self,
+        by: &Caller,
+        filter: &smolchat_store::AuditFilter,
+        limit: usize,
+    ) -> Result<Vec<smolchat_store::AuditEntry>> {
+        if !by.admin {
+            return Err(ConversationError::Forbidden(
+                "only admins read the audit log".into(),
+            ));
+        }
+        Ok(self.audit.entries(filter, limit).await?)
+    }
+
     /// Stops the conversation's running reply; whether one was running.
-    pub async fn stop(&self, id: Uuid) -> Result<bool> {
+    pub async fn stop(&self, by: &Caller, id: Uuid) -> Result<bool> {
         let stopped = self.conversations.stop_any(id).await?;
         tracing::info!(conversation = %id, stopped, "admin stop");
+        let detail = if stopped {
+            "a reply was running"
+        } else {
+            "nothing was running"
+        };
+        self.audit
+            .record_by(by, "admin.stop", &format!("conversation:{id}"), detail)
+            .await;
         Ok(stopped)
     }
 
     /// Drops the conversation's KV cache on this replica; whether it had one.
-    pub async fn evict(&self, id: Uuid) -> Result<bool> {
+    pub async fn evict(&self, by: &Caller, id: Uuid) -> Result<bool> {
         let dropped = self.scheduler.send(Evict(id)).await.map_err(gone)?;
         tracing::info!(conversation = %id, dropped, "admin evict");
+        self.audit
+            .record_by(by, "admin.evict", &format!("conversation:{id}"), "")
+            .await;
         Ok(dropped)
     }
 
     /// Deletes any owner's conversation.
-    pub async fn delete(&self, id: Uuid) -> Result<()> {
+    pub async fn delete(&self, by: &Caller, id: Uuid) -> Result<()> {
+        let owner = self
+            .store
+            .get_conversation(id)
+            .await?
+            .map(|c| c.owner)
+            .unwrap_or_default();
         self.conversations.delete_any(id).await?;
         tracing::info!(conversation = %id, "admin delete");
+        self.audit
+            .record_by(
+                by,
+                "admin.delete_conversation",
+                &format!("conversation:{id}"),
+                &format!("owner {owner}"),
+            )
+            .await;
         Ok(())
     }
 }

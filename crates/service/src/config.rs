@@ -264,6 +264,8 @@ pub struct AuthSection {
     pub max_api_keys_per_user: usize,
     /// Signed-in sessions one account may hold; signing in beyond it ends the oldest.
     pub max_sessions_per_user: usize,
+    /// Days the audit log keeps an entry (removed at start-up and daily after); 0: for ever.
+    pub audit_keep_days: u64,
 }
 
 /// One server process among several on a shared database (see docs/ARCHITECTURE.md,
@@ -460,6 +462,7 @@ impl Default for AuthSection {
             signups_per_address: 10,
             max_api_keys_per_user: 50,
             max_sessions_per_user: 100,
+            audit_keep_days: 365,
         }
     }
 }

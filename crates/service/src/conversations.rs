@@ -694,6 +694,7 @@ pub struct Conversations {
     searches: Mutex<CreationLimiter>,
     /// Imported bytes per client address in the last hour.
     imports: Mutex<ByteBudget>,
+    audit: crate::audit::Audit,
 }
 
 impl Conversations {
@@ -708,6 +709,7 @@ impl Conversations {
         cfg: ConversationsConfig,
     ) -> Self {
         Self {
+            audit: crate::audit::Audit::new(store.clone()),
             store,
             sessions,
             scheduler,
@@ -1120,7 +1122,16 @@ impl Conversations {
     /// Deletes the caller's conversation: its session (and reply) stops, its KV cache goes.
     pub async fn delete(&self, caller: &Caller, id: Uuid) -> Result<()> {
         let c = self.owned(caller, id).await?;
-        self.remove(c.id).await
+        self.remove(c.id).await?;
+        self.audit
+            .record_by(
+                caller,
+                "conversation.delete",
+                &format!("conversation:{id}"),
+                "",
+            )
+            .await;
+        Ok(())
     }
 
     /// Deletes a conversation whoever owns it (the admin page).
@@ -1195,6 +1206,14 @@ impl Conversations {
     /// The caller's conversation as a lossless export document.
     pub async fn export(&self, caller: &Caller, id: Uuid) -> Result<ExportedConversation> {
         let c = self.owned(caller, id).await?;
+        self.audit
+            .record_by(
+                caller,
+                "conversation.export",
+                &format!("conversation:{id}"),
+                "",
+            )
+            .await;
         let (messages, branch) = self.store.messages_and_branch(c.id).await?;
         // Ids inside the document are its own (`m1`, `m2`, … in order), so an export imported
         // and exported again reads the same, and no internal id leaves the server.
@@ -1491,6 +1510,14 @@ impl Conversations {
                 .await?;
         }
         tracing::info!(conversation = %c.id, owner = %caller.owner, messages = messages.len(), "conversation imported");
+        self.audit
+            .record_by(
+                caller,
+                "conversation.import",
+                &format!("conversation:{}", c.id),
+                &format!("{} messages", messages.len()),
+            )
+            .await;
         Ok(c)
     }
 

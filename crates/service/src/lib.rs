@@ -4,6 +4,7 @@
 //! wires them. Every rule is written once, here; nothing here knows HTTP.
 
 pub mod admin;
+pub mod audit;
 pub mod caller;
 pub mod cluster;
 pub mod completions;

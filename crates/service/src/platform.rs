@@ -211,6 +211,25 @@ impl Platform {
                 "replies of earlier runs marked interrupted"
             );
         }
+        // The audit log keeps `auth.audit_keep_days`: trimmed now and once a day after.
+        {
+            let audit = crate::audit::Audit::new(store.clone());
+            let keep = config.auth.audit_keep_days;
+            let purged = audit.purge(keep).await;
+            if purged > 0 {
+                tracing::info!(
+                    entries = purged,
+                    keep_days = keep,
+                    "old audit log entries removed"
+                );
+            }
+            actix::spawn(async move {
+                loop {
+                    tokio::time::sleep(std::time::Duration::from_secs(24 * 3600)).await;
+                    audit.purge(keep).await;
+                }
+            });
+        }
         let tokenizer = Arc::new(tokenizer);
         let template = Arc::new(template);
         let s = &config.scheduler;
@@ -319,6 +338,11 @@ impl Platform {
     /// The operator's service (`/admin`).
     pub fn admin(&self) -> &Admin {
         &self.admin
+    }
+
+    /// The audit log: what is recorded, and reading it (admins).
+    pub fn audit(&self) -> crate::audit::Audit {
+        crate::audit::Audit::new(self.store.clone())
     }
 
     /// This replica among those sharing the database (routing of turns to their cache).

@@ -25,6 +25,7 @@
 //! write lock up front (waiting up to the busy timeout) instead of upgrading a read transaction
 //! later, which in WAL mode fails with `SQLITE_BUSY` without waiting.
 
+mod audit;
 mod backups;
 mod bus;
 mod error;
@@ -47,6 +48,7 @@ use sqlx::AnyPool;
 use sqlx::Executor;
 use uuid::Uuid;
 
+pub use audit::{AuditEntry, AuditFilter, NewAuditEntry};
 pub use backups::restore;
 pub use bus::{Bus, MAX_PAYLOAD as BUS_MAX_PAYLOAD};
 pub use error::StoreError;

@@ -34,6 +34,7 @@ use super::owner::{self, Owner, SESSION_COOKIE};
 use super::AppState;
 use smolchat_auth::SignupMode;
 use smolchat_auth::{AuthError, LockedBy, NewSession};
+use smolchat_service::audit::AuthEvent;
 use smolchat_service::records::{ApiKeyRecord, User};
 
 /// Registers the account routes (one block, called from [`super::routes`]).
@@ -277,10 +278,26 @@ pub async fn signin(
                 _ => "error",
             };
             metrics::counter!("smolchat_user_logins_total", "outcome" => outcome).increment(1);
+            if outcome != "error" {
+                state
+                    .platform
+                    .audit()
+                    .auth(
+                        AuthEvent::SignInFailed { why: outcome },
+                        form.name.trim(),
+                        Some(peer),
+                    )
+                    .await;
+            }
             return Err(refusal(e));
         }
     };
     metrics::counter!("smolchat_user_logins_total", "outcome" => "ok").increment(1);
+    state
+        .platform
+        .audit()
+        .auth(AuthEvent::SignIn, &signed.user.name, Some(peer))
+        .await;
     // Rotation: the browser's previous session (if any) ends with the new one's start.
     revoke_current(&state, &req).await;
     tracing::info!(user = %signed.user.id, peer = %peer, "signed in");
@@ -353,6 +370,11 @@ pub async fn signup(
         .map_err(refusal)?;
     revoke_current(&state, &req).await;
     tracing::info!(user = %signed.user.id, adopted = signed.adopted, "signed up");
+    state
+        .platform
+        .audit()
+        .auth(AuthEvent::SignUp, &signed.user.name, Some(client(&req)))
+        .await;
     Ok(HttpResponse::build(StatusCode::NO_CONTENT)
         .insert_header(("HX-Redirect", "/"))
         .cookie(session_cookie(&req, signed.session))
@@ -368,6 +390,13 @@ pub async fn signout(
     req: HttpRequest,
 ) -> Result<HttpResponse, PageError> {
     if let Some(cookie) = session_cookie_of(&req) {
+        let who = state
+            .platform
+            .accounts()
+            .session(cookie.value())
+            .await
+            .ok()
+            .flatten();
         // Server-side first: the cookie may have been copied elsewhere.
         if state
             .platform
@@ -377,6 +406,13 @@ pub async fn signout(
             .map_err(refusal)?
         {
             tracing::info!("signed out");
+            if let Some(user) = who {
+                state
+                    .platform
+                    .audit()
+                    .auth(AuthEvent::SignOut, &user.name, Some(client(&req)))
+                    .await;
+            }
         }
     }
     Ok(HttpResponse::NoContent()
@@ -443,6 +479,11 @@ pub async fn password(
         .change_password(&user, &form.current, &form.new, client(&req))
         .await
         .map_err(refusal)?;
+    state
+        .platform
+        .audit()
+        .auth(AuthEvent::PasswordChanged, &user.name, Some(client(&req)))
+        .await;
     let mut res = html(&Status {
         text: "Password changed; every other session is signed out.",
     })?;
@@ -481,6 +522,17 @@ pub async fn create_key(
         .await
         .map_err(refusal)?;
     tracing::info!(user = %user.id, key = %key.record.prefix, "API key created");
+    state
+        .platform
+        .audit()
+        .auth(
+            AuthEvent::KeyCreated {
+                prefix: key.record.prefix.clone(),
+            },
+            &user.name,
+            Some(client(&req)),
+        )
+        .await;
     html(&KeysFragment {
         keys: keys_of(&state, &user).await?,
         new_key: key.key,
@@ -491,6 +543,7 @@ pub async fn create_key(
 pub async fn revoke_key(
     state: web::Data<AppState>,
     owner: Owner,
+    req: HttpRequest,
     path: web::Path<String>,
 ) -> Result<HttpResponse, PageError> {
     let user = account_of(&state, &owner)
@@ -506,6 +559,17 @@ pub async fn revoke_key(
         return Err(WebError::NotFound("no such live key of yours".into()).into());
     }
     tracing::info!(user = %user.id, "API key revoked");
+    state
+        .platform
+        .audit()
+        .auth(
+            AuthEvent::KeyRevoked {
+                id: path.to_string(),
+            },
+            &user.name,
+            Some(client(&req)),
+        )
+        .await;
     html(&KeysFragment {
         keys: keys_of(&state, &user).await?,
         new_key: String::new(),

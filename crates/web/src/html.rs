@@ -82,3 +82,17 @@ pub async fn read_form<T: DeserializeOwned>(
         .map(web::Query::into_inner)
         .map_err(|e| WebError::BadRequest(format!("bad form: {e}")).into())
 }
+
+/// `text` for a URL's query string: unreserved characters as they are, every other byte
+/// percent-encoded.
+pub fn url_encode(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for b in text.bytes() {
+        if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b'~') {
+            out.push(b as char);
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
+}

@@ -1,0 +1,199 @@
+//! The audit log: what is recorded, under which names, and reading it back for the admin page.
+//! Recording never fails the action it records (a storage fault is logged instead): the action
+//! happened, and refusing it afterwards would be worse than a missing line.
+//!
+//! Actions (`action` column): `auth.sign_in`, `auth.sign_in_failed`, `auth.sign_up`,
+//! `auth.sign_out`, `auth.password_changed`, `auth.key_created`, `auth.key_revoked`,
+//! `admin.disable_user`, `admin.enable_user`, `admin.revoke_sessions`, `admin.stop`,
+//! `admin.evict`, `admin.delete_conversation`, `conversation.delete`, `conversation.import`,
+//! `conversation.export`.
+
+use std::net::IpAddr;
+
+use smolchat_store::{AuditEntry, AuditFilter, NewAuditEntry, Store, StoreError};
+
+use crate::caller::Caller;
+
+/// The most entries one page of the log holds.
+pub const MAX_AUDIT_PAGE: usize = 500;
+
+/// Records and reads the audit log.
+#[derive(Clone)]
+pub struct Audit {
+    store: Store,
+}
+
+/// Who did it, as the log names them.
+pub fn actor_of(caller: &Caller) -> String {
+    if caller.guest {
+        format!("guest:{}", caller.owner)
+    } else if caller.owner == "admin" || caller.owner.is_empty() {
+        "admin".to_string()
+    } else {
+        format!("user:{}", caller.owner)
+    }
+}
+
+fn address_text(address: Option<IpAddr>) -> String {
+    address.map(|a| a.to_string()).unwrap_or_default()
+}
+
+impl Audit {
+    pub fn new(store: Store) -> Self {
+        Self { store }
+    }
+
+    /// Adds an entry; a failure is logged, never returned.
+    pub async fn record(
+        &self,
+        actor: &str,
+        action: &str,
+        target: &str,
+        address: Option<IpAddr>,
+        detail: &str,
+    ) {
+        let entry = NewAuditEntry {
+            actor: actor.to_string(),
+            action: action.to_string(),
+            target: target.to_string(),
+            address: address_text(address),
+            detail: detail.to_string(),
+        };
+        if let Err(e) = self.store.record_audit(&entry).await {
+            tracing::warn!(
+                action,
+                target,
+                "the audit log could not record an action: {e}"
+            );
+        }
+    }
+
+    /// Adds an entry for what `caller` did (an account is named by its name).
+    pub async fn record_by(&self, caller: &Caller, action: &str, target: &str, detail: &str) {
+        let mut actor = actor_of(caller);
+        if actor.starts_with("user:") {
+            if let Ok(Some(user)) = self.store.user_by_id(&caller.owner).await {
+                actor = format!("user:{}", user.name);
+            }
+        }
+        self.record(&actor, action, target, caller.address, detail)
+            .await
+    }
+
+    /// A page of entries matching `filter`, newest first (who may read it is the admin
+    /// service's rule: [`crate::admin::Admin::audit`]).
+    pub async fn entries(
+        &self,
+        filter: &AuditFilter,
+        limit: usize,
+    ) -> Result<Vec<AuditEntry>, StoreError> {
+        self.store
+            .audit_page(filter, limit.clamp(1, MAX_AUDIT_PAGE))
+            .await
+    }
+
+    /// Removes entries older than `keep_days` (0: keeps everything); how many.
+    pub async fn purge(&self, keep_days: u64) -> u64 {
+        if keep_days == 0 {
+            return 0;
+        }
+        match self.store.purge_audit(keep_days).await {
+            Ok(n) => n,
+            Err(e) => {
+                tracing::warn!("purging the audit log failed: {e}");
+                0
+            }
+        }
+    }
+}
+
+/// What happened at sign-in and on the account page (recorded by [`Audit::auth`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum AuthEvent {
+    SignIn,
+    /// Refused: `why` is `wrong`, `throttled` or `disabled` (never the password).
+    SignInFailed {
+        why: &'static str,
+    },
+    SignUp,
+    SignOut,
+    PasswordChanged,
+    KeyCreated {
+        prefix: String,
+    },
+    KeyRevoked {
+        id: String,
+    },
+}
+
+impl Audit {
+    /// Records an account event of `name` (the account's name; for a failed sign-in, the name
+    /// that was tried) from `address`.
+    pub async fn auth(&self, event: AuthEvent, name: &str, address: Option<IpAddr>) {
+        let user = format!("user:{name}");
+        let (action, target, detail) = match &event {
+            AuthEvent::SignIn => ("auth.sign_in", user.clone(), String::new()),
+            AuthEvent::SignInFailed { why } => {
+                ("auth.sign_in_failed", user.clone(), (*why).to_string())
+            }
+            AuthEvent::SignUp => ("auth.sign_up", user.clone(), String::new()),
+            AuthEvent::SignOut => ("auth.sign_out", user.clone(), String::new()),
+            AuthEvent::PasswordChanged => ("auth.password_changed", user.clone(), String::new()),
+            AuthEvent::KeyCreated { prefix } => {
+                ("auth.key_created", format!("key:{prefix}"), String::new())
+            }
+            AuthEvent::KeyRevoked { id } => {
+                ("auth.key_revoked", format!("key:{id}"), String::new())
+            }
+        };
+        // A failed sign-in has no actor yet: the address tried the name.
+        let actor = match event {
+            AuthEvent::SignInFailed { .. } => "anonymous".to_string(),
+            _ => user,
+        };
+        self.record(&actor, action, &target, address, &detail).await
+    }
+}
+
+/// Entries as CSV (RFC 4180: every field quoted, quotes doubled), with a header line.
+pub fn to_csv(entries: &[AuditEntry]) -> String {
+    let quote = |s: &str| format!("\"{}\"", s.replace('"', "\"\""));
+    let mut out = String::from("time,actor,action,target,address,detail\r\n");
+    for e in entries {
+        let at = e.at.to_rfc3339_opts(chrono::SecondsFormat::Millis, true);
+        let fields = [
+            at.as_str(),
+            &e.actor,
+            &e.action,
+            &e.target,
+            &e.address,
+            &e.detail,
+        ];
+        let line: Vec<String> = fields.iter().map(|f| quote(f)).collect();
+        out.push_str(&line.join(","));
+        out.push_str("\r\n");
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn csv_quotes_every_field() {
+        let e = AuditEntry {
+            id: "x".into(),
+            at: chrono::DateTime::from_timestamp(1_800_000_000, 0).unwrap_or_default(),
+            actor: "user:a".into(),
+            action: "auth.sign_in".into(),
+            target: "user:\"bob\", the 2nd".into(),
+            address: "127.0.0.1".into(),
+            detail: "line\nbreak".into(),
+        };
+        let csv = to_csv(&[e]);
+        assert!(csv.starts_with("time,actor,action,target,address,detail\r\n"));
+        assert!(csv.contains("\"user:\"\"bob\"\", the 2nd\""), "{csv}");
+        assert!(csv.contains("\"line\nbreak\""), "{csv}");
+    }
+}

@@ -1,0 +1,237 @@
+//! The audit log against a real `smolchat serve`: an account's sign-up, a failed and a good
+//! sign-in, a password change, a key made and revoked, a conversation exported and deleted, and
+//! an admin (token session) deleting another conversation — each is one entry with its actor,
+//! action, target and client address; the admin page filters it and exports it as CSV and JSON;
+//! nobody else reads it.
+
+mod common;
+
+use common::browser_client::Browser;
+use common::server::{form_encode, Server};
+use reqwest::{Method, StatusCode};
+use serde_json::{json, Value};
+
+const ADMIN_TOKEN: &str = "audit-test-admin-token";
+
+fn form(fields: &[(&str, &str)]) -> String {
+    fields
+        .iter()
+        .map(|(k, v)| format!("{k}={}", form_encode(v)))
+        .collect::<Vec<_>>()
+        .join("&")
+}
+
+async fn new_conversation(b: &mut Browser) -> String {
+    let made = b
+        .json(
+            Method::POST,
+            "/api/conversations",
+            Some(&json!({"title": "t"})),
+        )
+        .await;
+    assert_eq!(made.status, StatusCode::CREATED, "{}", made.text);
+    let v: Value = serde_json::from_str(&made.text).expect("json");
+    v["id"].as_str().expect("id").to_string()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn actions_are_recorded_with_actor_target_and_address() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let server = Server::start(dir.path(), &[("SMOLCHAT_SERVER__ADMIN_TOKEN", ADMIN_TOKEN)]).await;
+
+    // Carol, from 127.0.0.2.
+    let mut carol = Browser::at(&server, 2, "/signup").await;
+    let up = carol
+        .post_form(
+            "/signup",
+            &form(&[("name", "carol"), ("password", "carol's password")]),
+        )
+        .await;
+    assert_eq!(up.status, StatusCode::NO_CONTENT, "{}", up.text);
+    // A new session has a new CSRF token: the page gives it.
+    carol.get("/").await;
+    assert_eq!(
+        carol.post_form("/signout", "").await.status,
+        StatusCode::NO_CONTENT
+    );
+    carol.get("/signin").await;
+    let wrong = carol
+        .post_form(
+            "/signin",
+            &form(&[("name", "carol"), ("password", "not it at all")]),
+        )
+        .await;
+    assert_eq!(wrong.status, StatusCode::UNAUTHORIZED, "{}", wrong.text);
+    let good = carol
+        .post_form(
+            "/signin",
+            &form(&[("name", "carol"), ("password", "carol's password")]),
+        )
+        .await;
+    assert_eq!(good.status, StatusCode::NO_CONTENT, "{}", good.text);
+    carol.get("/").await;
+    let changed = carol
+        .post_form(
+            "/account/password",
+            &form(&[
+                ("current", "carol's password"),
+                ("new", "carol's new password"),
+            ]),
+        )
+        .await;
+    assert_eq!(changed.status, StatusCode::OK, "{}", changed.text);
+    carol.get("/").await;
+    let key = carol
+        .post_form("/account/keys", &form(&[("name", "laptop")]))
+        .await;
+    assert_eq!(key.status, StatusCode::OK, "{}", key.text);
+    let key_id = carol
+        .get("/account")
+        .await
+        .text
+        .split("/account/keys/")
+        .nth(1)
+        .and_then(|r| r.split('/').next())
+        .expect("a revoke button")
+        .to_string();
+    let revoked = carol
+        .post_form(&format!("/account/keys/{key_id}/revoke"), "")
+        .await;
+    assert_eq!(revoked.status, StatusCode::OK);
+    let exported = new_conversation(&mut carol).await;
+    let r = carol
+        .json(
+            Method::GET,
+            &format!("/api/conversations/{exported}/export"),
+            None,
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::OK);
+    let r = carol
+        .json(
+            Method::DELETE,
+            &format!("/api/conversations/{exported}"),
+            None,
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::NO_CONTENT);
+    let doomed = new_conversation(&mut carol).await;
+
+    // Carol cannot read the log.
+    assert_ne!(carol.get("/admin/audit").await.status, StatusCode::OK);
+    assert_ne!(carol.get("/admin/audit.json").await.status, StatusCode::OK);
+
+    // The admin, from 127.0.0.3 with the admin token, deletes one of carol's conversations.
+    let mut admin = Browser::at(&server, 3, "/admin").await;
+    let login = admin
+        .call(
+            Method::POST,
+            "/admin/login",
+            Some(&format!("token={ADMIN_TOKEN}")),
+            &[],
+        )
+        .await;
+    assert_eq!(login.status, StatusCode::NO_CONTENT, "{}", login.text);
+    admin.get("/admin").await;
+    let deleted = admin
+        .call(Method::DELETE, &format!("/admin/c/{doomed}"), None, &[])
+        .await;
+    assert_eq!(deleted.status, StatusCode::NO_CONTENT, "{}", deleted.text);
+
+    let log = admin.get("/admin/audit.json").await;
+    assert_eq!(log.status, StatusCode::OK, "{}", log.text);
+    let log: Value = serde_json::from_str(&log.text).expect("json");
+    let entries = log["entries"].as_array().cloned().unwrap_or_default();
+    let has = |actor: &str, action: &str, target: &str, address: &str| {
+        entries.iter().any(|e| {
+            e["actor"] == actor
+                && e["action"] == action
+                && e["target"].as_str().is_some_and(|t| t.starts_with(target))
+                && e["address"] == address
+        })
+    };
+    let c2 = "127.0.0.2";
+    for (actor, action, target, address) in [
+        ("user:carol", "auth.sign_up", "user:carol", c2),
+        ("user:carol", "auth.sign_out", "user:carol", c2),
+        ("anonymous", "auth.sign_in_failed", "user:carol", c2),
+        ("user:carol", "auth.sign_in", "user:carol", c2),
+        ("user:carol", "auth.password_changed", "user:carol", c2),
+        ("user:carol", "auth.key_created", "key:", c2),
+        (
+            "user:carol",
+            "auth.key_revoked",
+            &format!("key:{key_id}"),
+            c2,
+        ),
+        (
+            "user:carol",
+            "conversation.export",
+            &format!("conversation:{exported}"),
+            c2,
+        ),
+        (
+            "user:carol",
+            "conversation.delete",
+            &format!("conversation:{exported}"),
+            c2,
+        ),
+        (
+            "admin",
+            "admin.delete_conversation",
+            &format!("conversation:{doomed}"),
+            "127.0.0.3",
+        ),
+    ] {
+        assert!(
+            has(actor, action, target, address),
+            "no {action} by {actor} on {target} from {address}:\n{}",
+            serde_json::to_string_pretty(&entries).unwrap_or_default()
+        );
+    }
+    // Newest first, the failed sign-in says why and never holds the password.
+    assert_eq!(entries[0]["action"], "admin.delete_conversation");
+    assert!(!entries
+        .iter()
+        .any(|e| e.to_string().contains("not it at all")));
+    let failed = entries
+        .iter()
+        .find(|e| e["action"] == "auth.sign_in_failed")
+        .expect("the failure");
+    assert_eq!(failed["detail"], "wrong");
+
+    // Filters, the page and the CSV.
+    let only = admin.get("/admin/audit.json?action=auth.sign_in").await;
+    let only: Value = serde_json::from_str(&only.text).expect("json");
+    let actions: Vec<&str> = only["entries"]
+        .as_array()
+        .map(|a| a.iter().filter_map(|e| e["action"].as_str()).collect())
+        .unwrap_or_default();
+    assert_eq!(actions, vec!["auth.sign_in"], "{only}");
+    let by_text = admin.get(&format!("/admin/audit.json?q={doomed}")).await;
+    assert!(by_text.text.contains("admin.delete_conversation"));
+    assert!(!by_text.text.contains("auth.sign_up"), "{}", by_text.text);
+    let page = admin.get("/admin/audit?actor=user%3Acarol").await;
+    assert_eq!(page.status, StatusCode::OK);
+    // (Every action is also an option of the filter's menu: rows show theirs in <code>.)
+    assert!(
+        page.text.contains("<code>auth.key_revoked</code>"),
+        "{}",
+        page.text
+    );
+    assert!(!page.text.contains("<code>admin.delete_conversation</code>"));
+    let csv = admin.get("/admin/audit.csv").await;
+    assert_eq!(csv.status, StatusCode::OK);
+    assert!(csv.headers["content-type"]
+        .to_str()
+        .unwrap_or("")
+        .starts_with("text/csv"));
+    assert!(csv
+        .text
+        .starts_with("time,actor,action,target,address,detail\r\n"));
+    assert!(
+        csv.text.contains("\"admin\",\"admin.delete_conversation\""),
+        "{}",
+        csv.text
+    );
+}
