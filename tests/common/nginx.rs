@@ -45,6 +45,12 @@ pub fn missing() -> bool {
 
 /// nginx on a free port of 127.0.0.1 in front of `servers`.
 pub async fn start(dir: &Path, servers: &[&Server]) -> Nginx {
+    start_with(dir, servers, "").await
+}
+
+/// [`start`] with more directives in the proxied location (e.g. the headers an authenticating
+/// proxy sets).
+pub async fn start_with(dir: &Path, servers: &[&Server], directives: &str) -> Nginx {
     let nginx = binary().expect("nginx");
     let mut last = String::new();
     // A port picked free can be taken before nginx binds it: retry.
@@ -80,6 +86,7 @@ pub async fn start(dir: &Path, servers: &[&Server]) -> Nginx {
                          proxy_buffering off;\n\
                          proxy_read_timeout 300s;\n\
                          proxy_next_upstream error timeout;\n\
+                         {directives}\n\
                      }}\n\
                  }}\n\
              }}\n",

@@ -451,6 +451,68 @@ impl Accounts {
 
     /// The account a session cookie's `token` stands for, if the session is valid now: not
     /// revoked or expired, the account not disabled, and made under its current password.
+    /// The account a trusted authenticating proxy vouches for (`auth.trusted_user_header`):
+    /// found by name, or made on first sight with no usable password (only the proxy signs it
+    /// in). `admin` (from the proxy's groups header, when configured) sets the role on every
+    /// request, so a change of groups at the identity provider takes effect at once. A disabled
+    /// account stays disabled.
+    pub async fn external_user(&self, name: &str, admin: Option<bool>) -> Result<User, AuthError> {
+        check_name(name)?;
+        let role = |admin: bool| {
+            if admin {
+                UserRole::Admin
+            } else {
+                UserRole::User
+            }
+        };
+        let user = match self.store.user_by_name(name).await? {
+            Some(user) => user,
+            None => {
+                let id = uuid::Uuid::now_v7().to_string();
+                // The hash of 32 random bytes nobody is told: no password signs it in.
+                let secret: [u8; 32] = rand::random();
+                let unknown = secret
+                    .iter()
+                    .map(|b| format!("{b:02x}"))
+                    .collect::<String>();
+                let hash = hash_password_async(unknown).await?;
+                match self
+                    .store
+                    .create_user(&NewUser {
+                        id: &id,
+                        name,
+                        password_hash: &hash,
+                        role: role(admin.unwrap_or(false)),
+                        invite: None,
+                        adopt_from: None,
+                    })
+                    .await?
+                {
+                    CreatedUser::Created { user, .. } => {
+                        tracing::info!(user = %user.id, name, "account made for a trusted proxy's user");
+                        user
+                    }
+                    // Made by a request beside this one.
+                    _ => self
+                        .store
+                        .user_by_name(name)
+                        .await?
+                        .ok_or(AuthError::WrongCredentials)?,
+                }
+            }
+        };
+        if user.disabled_at.is_some() {
+            return Err(AuthError::Disabled);
+        }
+        match admin {
+            Some(admin) if user.is_admin() != admin => {
+                self.store.set_user_role(&user.id, role(admin)).await?;
+                Ok(self.store.user_by_id(&user.id).await?.unwrap_or(user))
+            }
+            _ => Ok(user),
+        }
+    }
+
     pub async fn session(&self, token: &str) -> Result<Option<User>, AuthError> {
         let Some(id) = secret::session_id(token) else {
             return Ok(None);

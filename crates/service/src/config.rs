@@ -266,6 +266,15 @@ pub struct AuthSection {
     pub max_sessions_per_user: usize,
     /// Days the audit log keeps an entry (removed at start-up and daily after); 0: for ever.
     pub audit_keep_days: u64,
+    /// Behind an authenticating proxy (oauth2-proxy, Authelia, authentik): the request header
+    /// naming the signed-in user (e.g. `X-Forwarded-User`, `Remote-User`). Honoured only from
+    /// `server.trusted_proxies`; from anywhere else it is ignored and logged. The account is
+    /// made on first sight.
+    pub trusted_user_header: Option<String>,
+    /// The header listing the user's groups (comma-separated), when the proxy sends one.
+    pub trusted_groups_header: Option<String>,
+    /// The group whose members get the admin role (needs `trusted_groups_header`).
+    pub trusted_admin_group: Option<String>,
 }
 
 /// One server process among several on a shared database (see docs/ARCHITECTURE.md,
@@ -463,6 +472,9 @@ impl Default for AuthSection {
             max_api_keys_per_user: 50,
             max_sessions_per_user: 100,
             audit_keep_days: 365,
+            trusted_user_header: None,
+            trusted_groups_header: None,
+            trusted_admin_group: None,
         }
     }
 }
@@ -756,6 +768,30 @@ impl Config {
             }
             (None, None) => {}
         }
+        if a.trusted_user_header.is_some() && self.server.trusted_proxies.is_empty() {
+            return bad(
+                "auth.trusted_user_header is set but server.trusted_proxies is empty: the header \
+                 is honoured only from the authenticating proxy; list its address there"
+                    .into(),
+            );
+        }
+        if a.trusted_admin_group.is_some() && a.trusted_groups_header.is_none() {
+            return bad(
+                "auth.trusted_admin_group needs auth.trusted_groups_header (the header the \
+                 proxy lists the user's groups in)"
+                    .into(),
+            );
+        }
+        for (key, value) in [
+            ("auth.trusted_user_header", &a.trusted_user_header),
+            ("auth.trusted_groups_header", &a.trusted_groups_header),
+        ] {
+            if let Some(h) = value {
+                if !is_header_name(h) {
+                    return bad(format!("{key} {h:?} is not a header name"));
+                }
+            }
+        }
         if let Some(f) = self.model.yarn_factor {
             if !(f.is_finite() && f >= 1.0) {
                 return bad(format!("model.yarn_factor must be at least 1, got {f}"));
@@ -763,6 +799,14 @@ impl Config {
         }
         Ok(())
     }
+}
+
+/// Whether `name` is an HTTP header name (RFC 9110 token characters).
+fn is_header_name(name: &str) -> bool {
+    !name.is_empty()
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b))
 }
 
 #[cfg(test)]

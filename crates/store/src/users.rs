@@ -245,6 +245,16 @@ impl Store {
         row.map(UserRow::into_user).transpose()
     }
 
+    /// Sets account `id`'s role; false when there is no such account.
+    pub async fn set_user_role(&self, id: &str, role: UserRole) -> Result<bool, StoreError> {
+        let done = sqlx::query("UPDATE users SET role = $1 WHERE id = $2")
+            .bind(role.as_str())
+            .bind(id)
+            .execute(&self.pool)
+            .await?;
+        Ok(done.rows_affected() > 0)
+    }
+
     pub async fn user_by_id(&self, id: &str) -> Result<Option<User>, StoreError> {
         let row: Option<UserRow> = sqlx::query_as(concat!(
             "SELECT ",

@@ -212,6 +212,47 @@ pub async fn api_owner(
 /// the guest of the owner cookie (minting one, and setting its cookie on the response, when the
 /// request has no valid cookie). A session cookie that is no longer valid (signed out
 /// elsewhere, expired, password changed, account disabled) is dropped.
+/// The account `auth.trusted_user_header` names, when the request carries it through a trusted
+/// proxy (`server.trusted_proxies`, seen as [`Client::proxied`]). From anywhere else the header
+/// is ignored, and logged: someone tried to claim a name.
+async fn trusted_header_user(
+    req: &ServiceRequest,
+    state: &AppState,
+    client: &Client,
+) -> Result<Option<smolchat_service::records::User>, smolchat_auth::AuthError> {
+    let auth = &state.platform.config().auth;
+    let Some(header) = auth.trusted_user_header.as_deref() else {
+        return Ok(None);
+    };
+    let Some(value) = req.headers().get(header) else {
+        return Ok(None);
+    };
+    if !client.proxied {
+        tracing::warn!(peer = %client.address, header, "a trusted user header from an address outside server.trusted_proxies was ignored");
+        metrics::counter!("smolchat_untrusted_user_headers_total").increment(1);
+        return Ok(None);
+    }
+    let name = value.to_str().unwrap_or("").trim();
+    if name.is_empty() {
+        return Ok(None);
+    }
+    let admin = match (&auth.trusted_groups_header, &auth.trusted_admin_group) {
+        (Some(groups), Some(admin_group)) => Some(
+            req.headers()
+                .get(groups.as_str())
+                .and_then(|g| g.to_str().ok())
+                .is_some_and(|g| g.split(',').any(|x| x.trim() == admin_group)),
+        ),
+        _ => None,
+    };
+    state
+        .platform
+        .accounts()
+        .external_user(name, admin)
+        .await
+        .map(Some)
+}
+
 async fn attach_owner(
     req: ServiceRequest,
     next: Next<impl MessageBody>,
@@ -228,7 +269,13 @@ async fn attach_owner(
     let address = Some(client.address);
     let mut stale_session = false;
     let session_name = super::cookies::name(SESSION_COOKIE, client.https);
+    // An authenticating proxy's user header comes first: behind it, it is who signed in.
+    let vouched = match trusted_header_user(&req, &state, &client).await {
+        Ok(user) => user,
+        Err(e) => return Err(WebError::from(e).into()),
+    };
     let account = match req.cookie(&session_name) {
+        _ if vouched.is_some() => vouched.map(|user| (user, None)),
         Some(cookie) => match state.platform.accounts().session(cookie.value()).await {
             Ok(Some(user)) => Some((user, smolchat_auth::secret::session_id(cookie.value()))),
             Ok(None) => {

@@ -1,0 +1,125 @@
+//! Trusted-header sign-in behind nginx acting as the authenticating proxy (the role oauth2-proxy,
+//! Authelia or authentik play): the proxy sets `X-Remote-User` (and `X-Remote-Groups`), and the
+//! server, which lists the proxy in `server.trusted_proxies`, signs that user in — making the
+//! account on first sight, admin while the groups say so. The same header sent straight to the
+//! server from another address is ignored.
+
+mod common;
+
+use common::server::Server;
+use reqwest::StatusCode;
+use serde_json::{json, Value};
+
+async fn get(url: &str, headers: &[(&str, &str)]) -> (StatusCode, String) {
+    let client = reqwest::Client::builder()
+        .redirect(reqwest::redirect::Policy::none())
+        .build()
+        .expect("client");
+    let mut req = client.get(url);
+    for (k, v) in headers {
+        req = req.header(*k, *v);
+    }
+    let res = req.send().await.expect("request");
+    let status = res.status();
+    (status, res.text().await.unwrap_or_default())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_proxys_user_header_signs_in_and_nobody_elses_does() {
+    if common::nginx::missing() {
+        return;
+    }
+    let dir = tempfile::tempdir().expect("tempdir");
+    let server = Server::start(
+        dir.path(),
+        &[
+            ("SMOLCHAT_SERVER__TRUSTED_PROXIES", "[\"127.0.0.1\"]"),
+            ("SMOLCHAT_AUTH__TRUSTED_USER_HEADER", "X-Remote-User"),
+            ("SMOLCHAT_AUTH__TRUSTED_GROUPS_HEADER", "X-Remote-Groups"),
+            ("SMOLCHAT_AUTH__TRUSTED_ADMIN_GROUP", "chat-admins"),
+        ],
+    )
+    .await;
+    // The proxy authenticates (here: believes the test's X-Test-Login) and passes the user on;
+    // whatever the client sent as X-Remote-User is replaced.
+    let proxy = common::nginx::start_with(
+        dir.path(),
+        &[&server],
+        "proxy_set_header X-Remote-User $http_x_test_login;\n\
+         proxy_set_header X-Remote-Groups $http_x_test_groups;",
+    )
+    .await;
+    let via = |path: &str| format!("{}{path}", proxy.base);
+    let dana = [
+        ("X-Test-Login", "dana"),
+        ("X-Test-Groups", "staff, chat-admins"),
+    ];
+
+    // Through the proxy: dana is signed in (her account is made now), and an admin.
+    let (status, account) = get(&via("/account"), &dana).await;
+    assert_eq!(status, StatusCode::OK, "{account}");
+    assert!(account.contains("dana"), "{account}");
+    let (status, _) = get(&via("/admin"), &dana).await;
+    assert_eq!(status, StatusCode::OK, "admin by group");
+    let made = reqwest::Client::new()
+        .post(via("/api/conversations"))
+        .header("X-Test-Login", "dana")
+        .json(&json!({"title": "Dana's plan"}))
+        .send()
+        .await
+        .expect("create");
+    assert_eq!(made.status(), StatusCode::CREATED);
+    let (_, listed) = get(&via("/api/conversations"), &dana).await;
+    let listed: Value = serde_json::from_str(&listed).expect("json");
+    assert_eq!(listed["conversations"][0]["title"], "Dana's plan");
+
+    // Out of the admin group: no longer an admin, on the next request.
+    let (status, _) = get(
+        &via("/admin"),
+        &[("X-Test-Login", "dana"), ("X-Test-Groups", "staff")],
+    )
+    .await;
+    assert_ne!(status, StatusCode::OK, "the role follows the groups");
+
+    // Straight to the server from another address, the header is ignored: a guest, who sees
+    // none of dana's conversations.
+    let direct = reqwest::Client::builder()
+        .local_address(std::net::IpAddr::from([127, 0, 0, 2]))
+        .redirect(reqwest::redirect::Policy::none())
+        .build()
+        .expect("client");
+    let res = direct
+        .get(format!("{}/api/conversations", server.base))
+        .header("X-Remote-User", "dana")
+        .header("X-Remote-Groups", "chat-admins")
+        .send()
+        .await
+        .expect("direct");
+    let listed: Value = res.json().await.expect("json");
+    assert_eq!(listed["conversations"], json!([]), "{listed}");
+    let res = direct
+        .get(format!("{}/account", server.base))
+        .header("X-Remote-User", "dana")
+        .send()
+        .await
+        .expect("direct account");
+    let body = res.text().await.unwrap_or_default();
+    assert!(!body.contains(">dana<"), "{body}");
+    assert!(
+        server
+            .log_text()
+            .contains("outside server.trusted_proxies was ignored"),
+        "the attempt is logged"
+    );
+
+    // Through the proxy without a login: a guest too.
+    let (_, listed) = get(&via("/api/conversations"), &[]).await;
+    let listed: Value = serde_json::from_str(&listed).expect("json");
+    assert_eq!(listed["conversations"], json!([]));
+    // A password never signs the made account in (it has none).
+    let mut b = common::browser_client::Browser::at(&server, 4, "/signin").await;
+    let tried = b
+        .post_form("/signin", "name=dana&password=%21external")
+        .await;
+    assert_eq!(tried.status, StatusCode::UNAUTHORIZED, "{}", tried.text);
+}
