@@ -138,6 +138,72 @@ async fn actions_are_recorded_with_actor_target_and_address() {
         .await;
     assert_eq!(deleted.status, StatusCode::NO_CONTENT, "{}", deleted.text);
 
+    // Roles, and deleting carol with everything she owns (confirmed by her name).
+    let page = admin.get("/admin").await.text;
+    let row = page
+        .split("data-user=\"carol\"")
+        .nth(1)
+        .expect("carol's row");
+    let carol_id = row
+        .split("/admin/users/")
+        .nth(1)
+        .and_then(|r| r.split('/').next())
+        .expect("carol's id")
+        .to_string();
+    for action in ["make-admin", "make-user"] {
+        let r = admin
+            .call(
+                Method::POST,
+                &format!("/admin/users/{carol_id}/{action}"),
+                None,
+                &[],
+            )
+            .await;
+        assert_eq!(r.status, StatusCode::NO_CONTENT, "{action}: {}", r.text);
+    }
+    let wrong = admin
+        .call(
+            Method::POST,
+            &format!("/admin/users/{carol_id}/delete"),
+            None,
+            &[("HX-Prompt", "caro")],
+        )
+        .await;
+    assert_eq!(wrong.status, StatusCode::BAD_REQUEST, "{}", wrong.text);
+    assert!(
+        wrong.text.contains("confirm with their name"),
+        "{}",
+        wrong.text
+    );
+    let kept = new_conversation(&mut carol).await;
+    let gone = admin
+        .call(
+            Method::POST,
+            &format!("/admin/users/{carol_id}/delete"),
+            None,
+            &[("HX-Prompt", "carol")],
+        )
+        .await;
+    assert_eq!(gone.status, StatusCode::NO_CONTENT, "{}", gone.text);
+    // Her session is over, her conversation and her account are gone.
+    let r = carol
+        .json(Method::GET, &format!("/api/conversations/{kept}"), None)
+        .await;
+    assert_eq!(r.status, StatusCode::NOT_FOUND);
+    assert!(!admin
+        .get("/admin")
+        .await
+        .text
+        .contains("data-user=\"carol\""));
+    carol.get("/signin").await;
+    let again = carol
+        .post_form(
+            "/signin",
+            &form(&[("name", "carol"), ("password", "carol's new password")]),
+        )
+        .await;
+    assert_eq!(again.status, StatusCode::UNAUTHORIZED, "{}", again.text);
+
     let log = admin.get("/admin/audit.json").await;
     assert_eq!(log.status, StatusCode::OK, "{}", log.text);
     let log: Value = serde_json::from_str(&log.text).expect("json");
@@ -182,6 +248,8 @@ async fn actions_are_recorded_with_actor_target_and_address() {
             &format!("conversation:{doomed}"),
             "127.0.0.3",
         ),
+        ("admin", "admin.role_changed", "user:carol", "127.0.0.3"),
+        ("admin", "admin.delete_user", "user:carol", "127.0.0.3"),
     ] {
         assert!(
             has(actor, action, target, address),
@@ -190,7 +258,18 @@ async fn actions_are_recorded_with_actor_target_and_address() {
         );
     }
     // Newest first, the failed sign-in says why and never holds the password.
-    assert_eq!(entries[0]["action"], "admin.delete_conversation");
+    assert_eq!(
+        entries[0]["action"], "auth.sign_in_failed",
+        "the last attempt, newest first"
+    );
+    let deleted = entries
+        .iter()
+        .find(|e| e["action"] == "admin.delete_user")
+        .expect("the deletion");
+    assert_eq!(
+        deleted["detail"], "1 conversations, 1 API keys, 3 sessions",
+        "{deleted}"
+    );
     assert!(!entries
         .iter()
         .any(|e| e.to_string().contains("not it at all")));

@@ -2034,4 +2034,20 @@ async fn the_audit_log_pages_filters_and_purges(db) {
     // Nothing is old enough to purge yet.
     assert_eq!(store.purge_audit(1).await.unwrap(), 0);
 }
+
+async fn deleting_a_user_removes_everything_they_own(db) {
+    let (_dir, _url, store) = fresh(db).await;
+    let id = something_to_back_up(&store).await;
+    let other = store.create_conversation("someone-else", &settings()).await.unwrap();
+    let gone = store.delete_user("u-backup").await.unwrap().expect("deleted");
+    assert_eq!((gone.conversations, gone.api_keys), (1, 1));
+    assert!(store.get_conversation(id).await.unwrap().is_none());
+    assert!(store.messages(id).await.unwrap().is_empty());
+    assert!(store.files_of(id).await.unwrap().is_empty());
+    assert!(store.list_api_keys("u-backup").await.unwrap().is_empty());
+    assert!(store.folders("u-backup").await.unwrap().is_empty());
+    assert!(store.user_by_id("u-backup").await.unwrap().is_none());
+    assert!(store.get_conversation(other.id).await.unwrap().is_some(), "others keep theirs");
+    assert_eq!(store.delete_user("u-backup").await.unwrap(), None);
+}
 }

@@ -70,6 +70,10 @@ pub enum UserAction {
     Enable,
     /// Sign the user out everywhere.
     RevokeSessions,
+    /// Give the admin role.
+    MakeAdmin,
+    /// Take the admin role.
+    MakeUser,
 }
 
 impl FromStr for UserAction {
@@ -80,6 +84,8 @@ impl FromStr for UserAction {
             "disable" => Ok(Self::Disable),
             "enable" => Ok(Self::Enable),
             "revoke" => Ok(Self::RevokeSessions),
+            "make-admin" => Ok(Self::MakeAdmin),
+            "make-user" => Ok(Self::MakeUser),
             other => Err(ConversationError::NoSuch(format!(
                 "no user action {other:?}"
             ))),
@@ -185,17 +191,33 @@ impl Admin {
 
     /// `action` on the account `user_id`, by the admin `by`.
     pub async fn user_action(&self, by: &Caller, user_id: &str, action: UserAction) -> Result<()> {
-        if action == UserAction::Disable && !by.guest && by.owner == user_id {
+        if matches!(action, UserAction::Disable | UserAction::MakeUser)
+            && !by.guest
+            && by.owner == user_id
+        {
             // The last admin could otherwise lock everyone out of the page.
             return Err(ConversationError::Invalid {
                 field: None,
-                message: "you cannot disable your own account".into(),
+                message: "you cannot disable your own account or take your own admin role; \
+                          ask another admin"
+                    .into(),
             });
         }
         let found = match action {
             UserAction::Disable => self.accounts.set_disabled(user_id, true).await,
             UserAction::Enable => self.accounts.set_disabled(user_id, false).await,
             UserAction::RevokeSessions => self.accounts.revoke_all_sessions(user_id).await,
+            UserAction::MakeAdmin | UserAction::MakeUser => {
+                let role = if action == UserAction::MakeAdmin {
+                    smolchat_store::UserRole::Admin
+                } else {
+                    smolchat_store::UserRole::User
+                };
+                self.store
+                    .set_user_role(user_id, role)
+                    .await
+                    .map_err(smolchat_auth::AuthError::from)
+            }
         }
         .map_err(crate::conversations::from_auth)?;
         if !found {
@@ -210,9 +232,68 @@ impl Admin {
             UserAction::Disable => "admin.disable_user",
             UserAction::Enable => "admin.enable_user",
             UserAction::RevokeSessions => "admin.revoke_sessions",
+            UserAction::MakeAdmin => "admin.role_changed",
+            UserAction::MakeUser => "admin.role_changed",
+        };
+        let detail = match action {
+            UserAction::MakeAdmin => "to admin",
+            UserAction::MakeUser => "to user",
+            _ => "",
         };
         self.audit
-            .record_by(by, what, &format!("user:{name}"), "")
+            .record_by(by, what, &format!("user:{name}"), detail)
+            .await;
+        Ok(())
+    }
+
+    /// Deletes the account `user_id` with all it owns (conversations, their replies stopped
+    /// and caches dropped, folders, presets, keys, sessions), once `confirm` is its name.
+    pub async fn delete_user(&self, by: &Caller, user_id: &str, confirm: &str) -> Result<()> {
+        let user = self
+            .accounts
+            .user(user_id)
+            .await
+            .map_err(crate::conversations::from_auth)?
+            .ok_or_else(|| ConversationError::NoSuch("no such user".into()))?;
+        if confirm.trim() != user.name {
+            return Err(ConversationError::Invalid {
+                field: Some("confirm"),
+                message: format!(
+                    "to delete {:?} and everything they own, confirm with their name",
+                    user.name
+                ),
+            });
+        }
+        if !by.guest && by.owner == user_id {
+            return Err(ConversationError::Invalid {
+                field: None,
+                message: "you cannot delete your own account; ask another admin".into(),
+            });
+        }
+        // Running replies stop and caches go first (the sessions hold them), then one
+        // transaction removes the rest.
+        let owned = self.store.list_conversations(user_id, None).await?;
+        for c in &owned {
+            self.conversations.delete_any(c.id).await?;
+        }
+        let gone = self
+            .store
+            .delete_user(user_id)
+            .await?
+            .ok_or_else(|| ConversationError::NoSuch("no such user".into()))?;
+        tracing::info!(user = %user_id, "admin deleted a user");
+        self.audit
+            .record_by(
+                by,
+                "admin.delete_user",
+                &format!("user:{}", user.name),
+                &format!(
+                    "{} conversations, {} API keys, {} sessions",
+                    owned.len() as i64 + gone.conversations,
+                    gone.api_keys,
+                    gone.sessions
+                ),
+            )
             .await;
         Ok(())
     }

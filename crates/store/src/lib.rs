@@ -61,7 +61,9 @@ pub use types::{
     ImportedFile, ImportedMessage, ListFilter, ListPage, Message, MessageStatus, PageRequest, Role,
     SessionKind, SessionRecord, Timings, MAX_PAGE, TITLE_MAX_CHARS,
 };
-pub use users::{ApiKeyRecord, ApiUsage, CreatedUser, NewUser, User, UserOverview, UserRole};
+pub use users::{
+    ApiKeyRecord, ApiUsage, CreatedUser, DeletedUser, NewUser, User, UserOverview, UserRole,
+};
 
 /// How long a statement waits for another connection's write lock before failing.
 const BUSY_TIMEOUT: Duration = Duration::from_secs(10);

@@ -111,6 +111,14 @@ pub struct NewUser<'a> {
     pub adopt_from: Option<&'a str>,
 }
 
+/// What [`Store::delete_user`] removed.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DeletedUser {
+    pub conversations: i64,
+    pub api_keys: i64,
+    pub sessions: i64,
+}
+
 /// What [`Store::create_user`] did.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum CreatedUser {
@@ -243,6 +251,57 @@ impl Store {
         .fetch_optional(&self.pool)
         .await?;
         row.map(UserRow::into_user).transpose()
+    }
+
+    /// Deletes account `id` and everything it owns, in one transaction: its conversations
+    /// (their messages, shares, files and tags with them), folders, presets, API keys, sessions
+    /// and usage counts. `None` when there is no such account; else what went.
+    pub async fn delete_user(&self, id: &str) -> Result<Option<DeletedUser>, StoreError> {
+        let mut tx = WriteTx::begin(self).await?;
+        let found: Option<(String,)> = sqlx::query_as("SELECT id FROM users WHERE id = $1")
+            .bind(id)
+            .fetch_optional(&mut *tx)
+            .await?;
+        if found.is_none() {
+            tx.rollback().await?;
+            return Ok(None);
+        }
+        let count = |table: &'static str, column: &'static str| {
+            format!("SELECT CAST(COUNT(*) AS BIGINT) FROM {table} WHERE {column} = $1")
+        };
+        let mut counts = [0i64; 3];
+        for (n, (table, column)) in [
+            ("conversations", "owner"),
+            ("api_keys", "user_id"),
+            ("sessions", "subject"),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            // The table and column names are the constants above.
+            let (c,): (i64,) = sqlx::query_as(sqlx::AssertSqlSafe(count(table, column)))
+                .bind(id)
+                .fetch_one(&mut *tx)
+                .await?;
+            counts[n] = c;
+        }
+        for statement in [
+            "DELETE FROM conversations WHERE owner = $1",
+            "DELETE FROM folders WHERE owner = $1",
+            "DELETE FROM presets WHERE owner = $1",
+            "DELETE FROM api_keys WHERE user_id = $1",
+            "DELETE FROM sessions WHERE kind = 'user' AND subject = $1",
+            "DELETE FROM api_usage WHERE owner = $1",
+            "DELETE FROM users WHERE id = $1",
+        ] {
+            sqlx::query(statement).bind(id).execute(&mut *tx).await?;
+        }
+        tx.commit().await?;
+        Ok(Some(DeletedUser {
+            conversations: counts[0],
+            api_keys: counts[1],
+            sessions: counts[2],
+        }))
     }
 
     /// Sets account `id`'s role; false when there is no such account.

@@ -537,6 +537,44 @@ pub async fn user_action(
         .finish())
 }
 
+/// `POST /admin/users/{id}/delete`: deletes the account and all it owns, once confirmed with
+/// its name (htmx's `hx-prompt` answer in `HX-Prompt`, or a `confirm` form field).
+pub async fn delete_user(
+    state: web::Data<AppState>,
+    owner: Owner,
+    req: HttpRequest,
+    path: web::Path<String>,
+    payload: web::Payload,
+) -> Result<HttpResponse, PageError> {
+    let by = require_admin(&state, &owner, &req).await?;
+    let prompted = req
+        .headers()
+        .get("HX-Prompt")
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_string);
+    let confirm = match prompted {
+        Some(c) => c,
+        None => {
+            let form: ConfirmForm = read_form(&state, &req, payload).await?;
+            form.confirm
+        }
+    };
+    state
+        .platform
+        .admin()
+        .delete_user(&by, &path, &confirm)
+        .await?;
+    Ok(HttpResponse::NoContent()
+        .insert_header(("HX-Refresh", "true"))
+        .finish())
+}
+
+#[derive(Deserialize)]
+pub struct ConfirmForm {
+    #[serde(default)]
+    confirm: String,
+}
+
 /// `GET /admin/live?before=`
 pub async fn live(
     state: web::Data<AppState>,
