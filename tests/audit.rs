@@ -314,3 +314,122 @@ async fn actions_are_recorded_with_actor_target_and_address() {
         csv.text
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_admin_creates_users_and_invite_links_in_the_page() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let server = Server::start(
+        dir.path(),
+        &[
+            ("SMOLCHAT_SERVER__ADMIN_TOKEN", ADMIN_TOKEN),
+            ("SMOLCHAT_AUTH__SIGNUP", "invite"),
+        ],
+    )
+    .await;
+    let mut admin = Browser::at(&server, 3, "/admin").await;
+    let login = admin
+        .call(
+            Method::POST,
+            "/admin/login",
+            Some(&format!("token={ADMIN_TOKEN}")),
+            &[],
+        )
+        .await;
+    assert_eq!(login.status, StatusCode::NO_CONTENT, "{}", login.text);
+    admin.get("/admin").await;
+
+    // A user made by the admin signs in; a weak password is refused, saying why.
+    let weak = admin
+        .post_form(
+            "/admin/users",
+            &form(&[("name", "erin"), ("password", "short")]),
+        )
+        .await;
+    assert_eq!(weak.status, StatusCode::BAD_REQUEST, "{}", weak.text);
+    assert!(weak.text.contains("password"), "{}", weak.text);
+    let made = admin
+        .post_form(
+            "/admin/users",
+            &form(&[
+                ("name", "erin"),
+                ("password", "erin's password"),
+                ("admin", "on"),
+            ]),
+        )
+        .await;
+    assert_eq!(made.status, StatusCode::NO_CONTENT, "{}", made.text);
+    let page = admin.get("/admin").await.text;
+    assert!(page.contains("data-user=\"erin\""), "listed");
+    let mut erin = Browser::at(&server, 4, "/signin").await;
+    let signed = erin
+        .post_form(
+            "/signin",
+            &form(&[("name", "erin"), ("password", "erin's password")]),
+        )
+        .await;
+    assert_eq!(signed.status, StatusCode::NO_CONTENT, "{}", signed.text);
+    assert_eq!(
+        erin.get("/admin").await.status,
+        StatusCode::OK,
+        "made an admin"
+    );
+
+    // An invite link, shown once; the invited person signs up through it, once.
+    let invite = admin.post_form("/admin/invites", "days=7").await;
+    assert_eq!(invite.status, StatusCode::OK, "{}", invite.text);
+    let link = invite
+        .text
+        .split("value=\"")
+        .nth(1)
+        .and_then(|r| r.split('"').next())
+        .expect("the link")
+        .replace("&#x3d;", "=")
+        .replace("&#61;", "=");
+    assert!(link.contains("/signup?invite="), "{link}");
+    let code = link.split("invite=").nth(1).expect("code").to_string();
+    let mut fred = Browser::at(&server, 5, &format!("/signup?invite={code}")).await;
+    let up = fred
+        .post_form(
+            "/signup",
+            &form(&[
+                ("name", "fred"),
+                ("password", "fred's password"),
+                ("invite", &code),
+            ]),
+        )
+        .await;
+    assert_eq!(up.status, StatusCode::NO_CONTENT, "{}", up.text);
+    let mut gina = Browser::at(&server, 6, "/signup").await;
+    let again = gina
+        .post_form(
+            "/signup",
+            &form(&[
+                ("name", "gina"),
+                ("password", "gina's password"),
+                ("invite", &code),
+            ]),
+        )
+        .await;
+    assert_eq!(
+        again.status,
+        StatusCode::BAD_REQUEST,
+        "single use: {}",
+        again.text
+    );
+
+    let log = admin.get("/admin/audit.json").await;
+    let log: Value = serde_json::from_str(&log.text).expect("json");
+    let entries = log["entries"].as_array().cloned().unwrap_or_default();
+    for (actor, action, target) in [
+        ("admin", "admin.create_user", "user:erin"),
+        ("admin", "admin.create_invite", ""),
+        ("user:fred", "auth.sign_up", "user:fred"),
+    ] {
+        assert!(
+            entries
+                .iter()
+                .any(|e| e["actor"] == actor && e["action"] == action && e["target"] == target),
+            "{actor} {action} {target}: {entries:?}"
+        );
+    }
+}

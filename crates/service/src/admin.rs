@@ -246,6 +246,53 @@ impl Admin {
         Ok(())
     }
 
+    /// Makes an account (`admin`: with the admin role), as `smolchat user add` does.
+    pub async fn create_user(
+        &self,
+        by: &Caller,
+        name: &str,
+        password: &str,
+        admin: bool,
+    ) -> Result<()> {
+        let role = if admin {
+            smolchat_store::UserRole::Admin
+        } else {
+            smolchat_store::UserRole::User
+        };
+        let user = smolchat_auth::accounts::add_user(&self.store, name.trim(), password, role)
+            .await
+            .map_err(account_refusal)?;
+        self.audit
+            .record_by(
+                by,
+                "admin.create_user",
+                &format!("user:{}", user.name),
+                if admin { "admin" } else { "user" },
+            )
+            .await;
+        Ok(())
+    }
+
+    /// A single-use sign-up invite valid for `days`; its code (shown once).
+    pub async fn create_invite(&self, by: &Caller, days: u64) -> Result<String> {
+        if !(1..=90).contains(&days) {
+            return Err(ConversationError::Invalid {
+                field: Some("days"),
+                message: format!("an invite lasts 1 to 90 days, not {days}"),
+            });
+        }
+        let code = smolchat_auth::accounts::create_invite(
+            &self.store,
+            std::time::Duration::from_secs(days * 86_400),
+        )
+        .await
+        .map_err(crate::conversations::from_auth)?;
+        self.audit
+            .record_by(by, "admin.create_invite", "", &format!("valid {days} days"))
+            .await;
+        Ok(code)
+    }
+
     /// Deletes the account `user_id` with all it owns (conversations, their replies stopped
     /// and caches dropped, folders, presets, keys, sessions), once `confirm` is its name.
     pub async fn delete_user(&self, by: &Caller, user_id: &str, confirm: &str) -> Result<()> {
@@ -362,4 +409,20 @@ impl Admin {
 
 fn gone(e: actix::MailboxError) -> ConversationError {
     ConversationError::Unavailable(format!("the scheduler is not available ({e}); retry"))
+}
+
+/// An account the admin asked for, refused: what was wrong with it, as the field's error.
+fn account_refusal(e: smolchat_auth::AuthError) -> ConversationError {
+    use smolchat_auth::AuthError;
+    match e {
+        AuthError::BadName(_) | AuthError::NameTaken => ConversationError::Invalid {
+            field: Some("name"),
+            message: e.to_string(),
+        },
+        AuthError::BadPassword(_) => ConversationError::Invalid {
+            field: Some("password"),
+            message: e.to_string(),
+        },
+        other => crate::conversations::from_auth(other),
+    }
 }

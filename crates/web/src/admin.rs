@@ -537,6 +537,81 @@ pub async fn user_action(
         .finish())
 }
 
+#[derive(Deserialize)]
+pub struct NewUserForm {
+    #[serde(default)]
+    name: String,
+    #[serde(default)]
+    password: String,
+    /// A checkbox: present when the new account is an admin.
+    admin: Option<String>,
+}
+
+/// `POST /admin/users`: makes an account (name, password, admin checkbox).
+pub async fn create_user(
+    state: web::Data<AppState>,
+    owner: Owner,
+    req: HttpRequest,
+    payload: web::Payload,
+) -> Result<HttpResponse, PageError> {
+    let by = require_admin(&state, &owner, &req).await?;
+    let form: NewUserForm = read_form(&state, &req, payload).await?;
+    state
+        .platform
+        .admin()
+        .create_user(&by, &form.name, &form.password, form.admin.is_some())
+        .await?;
+    Ok(HttpResponse::NoContent()
+        .insert_header(("HX-Refresh", "true"))
+        .finish())
+}
+
+#[derive(Deserialize)]
+pub struct InviteForm {
+    #[serde(default = "seven")]
+    days: String,
+}
+
+fn seven() -> String {
+    "7".into()
+}
+
+#[derive(Template)]
+#[template(
+    source = "<p class=\"ok\" role=\"status\">Invite link, valid {{ days }} days and shown only now: <input type=\"text\" readonly id=\"invite-link\" aria-label=\"Invite link\" value=\"{{ link }}\"></p>",
+    ext = "html"
+)]
+struct InviteMade {
+    days: u64,
+    link: String,
+}
+
+/// `POST /admin/invites`: a single-use sign-up link, shown once.
+pub async fn create_invite(
+    state: web::Data<AppState>,
+    owner: Owner,
+    req: HttpRequest,
+    payload: web::Payload,
+) -> Result<HttpResponse, PageError> {
+    let by = require_admin(&state, &owner, &req).await?;
+    let form: InviteForm = read_form(&state, &req, payload).await?;
+    let days: u64 = form.days.trim().parse().map_err(|_| {
+        WebError::BadRequest(format!("`days`: {:?} is not a whole number", form.days))
+    })?;
+    let code = state.platform.admin().create_invite(&by, days).await?;
+    let info = req.connection_info();
+    let link = format!(
+        "{}://{}/signup?invite={code}",
+        if Client::of(&req).https {
+            "https"
+        } else {
+            info.scheme()
+        },
+        info.host()
+    );
+    html(&InviteMade { days, link })
+}
+
 /// `POST /admin/users/{id}/delete`: deletes the account and all it owns, once confirmed with
 /// its name (htmx's `hx-prompt` answer in `HX-Prompt`, or a `confirm` form field).
 pub async fn delete_user(

@@ -333,6 +333,8 @@ pub fn routes(cfg: &mut web::ServiceConfig, chat_limit: BodyLimit) {
             .route("/c/{id}/stop", web::post().to(admin::stop))
             .route("/c/{id}/evict", web::post().to(admin::evict))
             .route("/c/{id}", web::delete().to(admin::delete))
+            .route("/users", web::post().to(admin::create_user))
+            .route("/invites", web::post().to(admin::create_invite))
             // Before `/users/{id}/{action}`, which would take "delete" for an action.
             .route("/users/{id}/delete", web::post().to(admin::delete_user))
             .route("/users/{id}/{action}", web::post().to(admin::user_action))
