@@ -34,16 +34,24 @@ pub struct RestoreArgs {
     pub database_url: Option<String>,
 }
 
-pub fn restore(args: &RestoreArgs) -> Result<()> {
-    let url = match &args.database_url {
-        Some(url) => url.clone(),
-        None => Config::load(args.config.as_deref())?.database.url,
-    };
-    let runtime = tokio::runtime::Builder::new_current_thread()
+/// `--database-url`, else `database.url` of the configuration.
+fn database_url(config: Option<&std::path::Path>, database_url: Option<&str>) -> Result<String> {
+    Ok(match database_url {
+        Some(url) => url.to_string(),
+        None => Config::load(config)?.database.url,
+    })
+}
+
+fn runtime() -> Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
-        .context("starting the async runtime")?;
-    let report = runtime
+        .context("starting the async runtime")
+}
+
+pub fn restore(args: &RestoreArgs) -> Result<()> {
+    let url = database_url(args.config.as_deref(), args.database_url.as_deref())?;
+    let report = runtime()?
         .block_on(smolchat_store::restore(&args.path, &url))
         .with_context(|| format!("restoring {} into {url}", args.path.display()))?;
     println!(
@@ -58,15 +66,8 @@ pub fn restore(args: &RestoreArgs) -> Result<()> {
 }
 
 pub fn run(args: &BackupArgs) -> Result<()> {
-    let url = match &args.database_url {
-        Some(url) => url.clone(),
-        None => Config::load(args.config.as_deref())?.database.url,
-    };
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .context("starting the async runtime")?;
-    let report = runtime
+    let url = database_url(args.config.as_deref(), args.database_url.as_deref())?;
+    let report = runtime()?
         .block_on(smolchat_store::backup(&url, &args.path))
         .with_context(|| format!("backing up {url}"))?;
     println!(

@@ -72,18 +72,7 @@ impl Browser {
         form: Option<&str>,
         headers: &[(&str, &str)],
     ) -> Answer {
-        let mut req = self.http.request(method, format!("{}{path}", self.base));
-        if !self.cookies.is_empty() {
-            let jar: Vec<String> = self
-                .cookies
-                .iter()
-                .map(|(k, v)| format!("{k}={v}"))
-                .collect();
-            req = req.header(COOKIE, jar.join("; "));
-        }
-        if let Some(t) = &self.csrf {
-            req = req.header("X-CSRF-Token", t);
-        }
+        let mut req = self.request(method, path);
         for (k, v) in headers {
             req = req.header(*k, *v);
         }
@@ -102,6 +91,17 @@ impl Browser {
         path: &str,
         body: Option<&serde_json::Value>,
     ) -> Answer {
+        let mut req = self.request(method, path);
+        if let Some(body) = body {
+            req = req
+                .header(CONTENT_TYPE, "application/json")
+                .body(body.to_string());
+        }
+        self.finish(req).await
+    }
+
+    /// A request with this client's cookies and CSRF token.
+    fn request(&self, method: reqwest::Method, path: &str) -> reqwest::RequestBuilder {
         let mut req = self.http.request(method, format!("{}{path}", self.base));
         if !self.cookies.is_empty() {
             let jar: Vec<String> = self
@@ -114,12 +114,7 @@ impl Browser {
         if let Some(t) = &self.csrf {
             req = req.header("X-CSRF-Token", t);
         }
-        if let Some(body) = body {
-            req = req
-                .header(CONTENT_TYPE, "application/json")
-                .body(body.to_string());
-        }
-        self.finish(req).await
+        req
     }
 
     async fn finish(&mut self, req: reqwest::RequestBuilder) -> Answer {

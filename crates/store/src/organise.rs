@@ -93,6 +93,49 @@ fn preset_key(owner: Option<&str>) -> &str {
     owner.unwrap_or("")
 }
 
+/// The owner-named things whose names are unique per owner.
+#[derive(Clone, Copy)]
+enum Named {
+    Folder,
+    Preset,
+}
+
+impl Named {
+    fn taken(self, name: &str) -> StoreError {
+        StoreError::NameTaken {
+            what: match self {
+                Named::Folder => "folder",
+                Named::Preset => "preset",
+            },
+            name: name.to_string(),
+        }
+    }
+}
+
+/// Whether `owner` (a preset's `COALESCE(owner, '')`: `""` for the shared ones) has a `what`
+/// named `name`, other than `except`.
+async fn name_taken(
+    tx: &mut WriteTx,
+    what: Named,
+    owner: &str,
+    name: &str,
+    except: Option<Uuid>,
+) -> Result<bool, StoreError> {
+    let query = match what {
+        Named::Folder => "SELECT id FROM folders WHERE owner = $1 AND name = $2 AND id <> $3",
+        Named::Preset => {
+            "SELECT id FROM presets WHERE COALESCE(owner, '') = $1 AND name = $2 AND id <> $3"
+        }
+    };
+    let found: Option<(String,)> = sqlx::query_as(query)
+        .bind(owner)
+        .bind(name)
+        .bind(except.map(|id| id.to_string()).unwrap_or_default())
+        .fetch_optional(&mut **tx)
+        .await?;
+    Ok(found.is_some())
+}
+
 impl Store {
     /// `owner`'s folders by name, with how many conversations each holds.
     pub async fn folders(&self, owner: &str) -> Result<Vec<Folder>, StoreError> {
@@ -119,18 +162,9 @@ impl Store {
     /// A new folder of `owner`'s; [`StoreError::NameTaken`] when they have one by that name.
     pub async fn create_folder(&self, owner: &str, name: &str) -> Result<Folder, StoreError> {
         let mut tx = WriteTx::begin(self).await?;
-        let taken: Option<(String,)> =
-            sqlx::query_as("SELECT id FROM folders WHERE owner = $1 AND name = $2")
-                .bind(owner)
-                .bind(name)
-                .fetch_optional(&mut *tx)
-                .await?;
-        if taken.is_some() {
+        if name_taken(&mut tx, Named::Folder, owner, name, None).await? {
             tx.rollback().await?;
-            return Err(StoreError::NameTaken {
-                what: "folder",
-                name: name.to_string(),
-            });
+            return Err(Named::Folder.taken(name));
         }
         let id = Uuid::now_v7();
         let now = now_micros();
@@ -158,19 +192,9 @@ impl Store {
         name: &str,
     ) -> Result<bool, StoreError> {
         let mut tx = WriteTx::begin(self).await?;
-        let taken: Option<(String,)> =
-            sqlx::query_as("SELECT id FROM folders WHERE owner = $1 AND name = $2 AND id <> $3")
-                .bind(owner)
-                .bind(name)
-                .bind(id.to_string())
-                .fetch_optional(&mut *tx)
-                .await?;
-        if taken.is_some() {
+        if name_taken(&mut tx, Named::Folder, owner, name, Some(id)).await? {
             tx.rollback().await?;
-            return Err(StoreError::NameTaken {
-                what: "folder",
-                name: name.to_string(),
-            });
+            return Err(Named::Folder.taken(name));
         }
         let done = sqlx::query("UPDATE folders SET name = $1 WHERE id = $2 AND owner = $3")
             .bind(name)
@@ -349,18 +373,9 @@ impl Store {
         system_prompt: &str,
     ) -> Result<Preset, StoreError> {
         let mut tx = WriteTx::begin(self).await?;
-        let taken: Option<(String,)> =
-            sqlx::query_as("SELECT id FROM presets WHERE COALESCE(owner, '') = $1 AND name = $2")
-                .bind(preset_key(owner))
-                .bind(name)
-                .fetch_optional(&mut *tx)
-                .await?;
-        if taken.is_some() {
+        if name_taken(&mut tx, Named::Preset, preset_key(owner), name, None).await? {
             tx.rollback().await?;
-            return Err(StoreError::NameTaken {
-                what: "preset",
-                name: name.to_string(),
-            });
+            return Err(Named::Preset.taken(name));
         }
         let id = Uuid::now_v7();
         let now = now_micros();
@@ -408,20 +423,9 @@ impl Store {
         system_prompt: &str,
     ) -> Result<bool, StoreError> {
         let mut tx = WriteTx::begin(self).await?;
-        let taken: Option<(String,)> = sqlx::query_as(
-            "SELECT id FROM presets WHERE COALESCE(owner, '') = $1 AND name = $2 AND id <> $3",
-        )
-        .bind(preset_key(owner))
-        .bind(name)
-        .bind(id.to_string())
-        .fetch_optional(&mut *tx)
-        .await?;
-        if taken.is_some() {
+        if name_taken(&mut tx, Named::Preset, preset_key(owner), name, Some(id)).await? {
             tx.rollback().await?;
-            return Err(StoreError::NameTaken {
-                what: "preset",
-                name: name.to_string(),
-            });
+            return Err(Named::Preset.taken(name));
         }
         let done = sqlx::query(
             "UPDATE presets SET name = $1, system_prompt = $2, updated_at = $3 \
@@ -499,13 +503,7 @@ pub(crate) async fn reown_organisation(
         let mut candidate = name.clone();
         let mut n = 1;
         loop {
-            let taken: Option<(String,)> =
-                sqlx::query_as("SELECT id FROM presets WHERE owner = $1 AND name = $2")
-                    .bind(to)
-                    .bind(&candidate)
-                    .fetch_optional(&mut **tx)
-                    .await?;
-            if taken.is_none() {
+            if !name_taken(tx, Named::Preset, to, &candidate, None).await? {
                 break;
             }
             n += 1;

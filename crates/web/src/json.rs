@@ -118,25 +118,51 @@ async fn read_json<T: DeserializeOwned>(
 /// all. For bodies parsed elsewhere (off the event loop, or with limits of their own).
 pub async fn read_json_text(
     req: &HttpRequest,
-    mut payload: Payload,
+    payload: Payload,
 ) -> Result<Option<String>, WebError> {
     let limit = req.app_data::<BodyLimit>().copied().unwrap_or_default().0;
     let too_large =
         || WebError::PayloadTooLarge(format!("the request body is larger than {limit} bytes"));
-    let declared = req
-        .headers()
-        .get(header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<usize>().ok());
-    if declared.is_some_and(|n| n > limit) {
+    // A declared size over the limit is refused first, then a declared non-JSON type, both
+    // before reading anything.
+    if declared_length(req).is_some_and(|n| n > limit) {
         return Err(too_large());
     }
-    // A declared non-JSON type is refused before reading anything.
     let is_json = content_type_is_json(req);
     if is_json == Some(false) {
         return Err(WebError::UnsupportedMediaType(
             "the request body must be JSON (Content-Type: application/json)".into(),
         ));
+    }
+    let body = read_bytes(req, payload, limit, too_large).await?;
+    let text = String::from_utf8(body).map_err(|e| {
+        WebError::InvalidJson(format!(
+            "the request body is not valid UTF-8 (bad byte at offset {})",
+            e.utf8_error().valid_up_to()
+        ))
+    })?;
+    if text.trim().is_empty() {
+        return Ok(None);
+    }
+    if is_json.is_none() {
+        return Err(WebError::UnsupportedMediaType(
+            "the request body must be JSON (Content-Type: application/json)".into(),
+        ));
+    }
+    Ok(Some(text))
+}
+
+/// Reads a raw body of at most `limit` bytes (an upload, or a JSON body), under the body timeout; a longer
+/// body (declared or read) is `too_large`, refused before it is all read.
+pub async fn read_bytes(
+    req: &HttpRequest,
+    mut payload: Payload,
+    limit: usize,
+    too_large: impl Fn() -> WebError,
+) -> Result<Vec<u8>, WebError> {
+    let declared = declared_length(req);
+    if declared.is_some_and(|n| n > limit) {
+        return Err(too_large());
     }
     // Sized once from the declared length (bounded by the limit), so a large body is not
     // copied again and again as the buffer doubles.
@@ -155,54 +181,15 @@ pub async fn read_json_text(
     };
     within_body_timeout(req, read).await?;
     // Into a `Vec` without a copy: the buffer has one owner.
-    let text = String::from_utf8(Vec::from(body)).map_err(|e| {
-        WebError::InvalidJson(format!(
-            "the request body is not valid UTF-8 (bad byte at offset {})",
-            e.utf8_error().valid_up_to()
-        ))
-    })?;
-    if text.trim().is_empty() {
-        return Ok(None);
-    }
-    if is_json.is_none() {
-        return Err(WebError::UnsupportedMediaType(
-            "the request body must be JSON (Content-Type: application/json)".into(),
-        ));
-    }
-    Ok(Some(text))
+    Ok(Vec::from(body))
 }
 
-/// Reads a raw body of at most `limit` bytes (an upload), under the body timeout; a longer
-/// body (declared or read) is `too_large`, refused before it is all read.
-pub async fn read_bytes(
-    req: &HttpRequest,
-    mut payload: Payload,
-    limit: usize,
-    too_large: impl Fn() -> WebError,
-) -> Result<Vec<u8>, WebError> {
-    let declared = req
-        .headers()
+/// The body size the request declares (`Content-Length`), if any.
+fn declared_length(req: &HttpRequest) -> Option<usize> {
+    req.headers()
         .get(header::CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<usize>().ok());
-    if declared.is_some_and(|n| n > limit) {
-        return Err(too_large());
-    }
-    let mut body = BytesMut::with_capacity(declared.unwrap_or(0).min(limit));
-    let read = async {
-        while let Some(chunk) = payload.next().await {
-            let chunk: Bytes = chunk.map_err(|e| {
-                WebError::BadRequest(format!("the request body could not be read: {e}"))
-            })?;
-            if body.len() + chunk.len() > limit {
-                return Err(too_large());
-            }
-            body.extend_from_slice(&chunk);
-        }
-        Ok(())
-    };
-    within_body_timeout(req, read).await?;
-    Ok(Vec::from(body))
+        .and_then(|v| v.parse::<usize>().ok())
 }
 
 /// A JSON parse error as the client's fault, saying what was wrong.

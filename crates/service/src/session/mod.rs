@@ -627,22 +627,19 @@ impl Handler<SendMessage> for SessionActor {
                 _ => Vec::new(),
             };
             let taken = prompt::pending_files(&shared.store, id, &files).await?;
-            let attachments = Attachments {
-                raw: None,
-                pending: files,
-                keep_from: replacing
-                    .as_ref()
-                    .filter(|_| !regenerate && !kept.is_empty())
-                    .map(|m| m.id),
-            };
             let prompt_text = match &replacing {
                 // A regenerated reply answers the message as it was sent, files and all.
                 Some(m) if regenerate => m.raw.clone().unwrap_or_else(|| m.content.clone()),
                 _ => prompt::with_files(kept.iter().chain(taken.iter()), &content),
             };
+            // (A regenerated reply stores no user message: these go unused then.)
             let attachments = Attachments {
-                raw: (prompt_text != content && !regenerate).then(|| prompt_text.clone()),
-                ..attachments
+                raw: (prompt_text != content).then(|| prompt_text.clone()),
+                pending: files,
+                keep_from: replacing
+                    .as_ref()
+                    .filter(|_| !kept.is_empty())
+                    .map(|m| m.id),
             };
             if let Some(at) = at {
                 // The prompt is the branch before the replaced message.
