@@ -38,13 +38,33 @@ impl Server {
     /// Starts a server on `database_url` (e.g. a PostgreSQL database shared with other
     /// replicas), its log in `dir`.
     pub async fn start_on(dir: &Path, database_url: &str, env: &[(&str, &str)]) -> Server {
+        Server::start_for_port(dir, database_url, |_| {
+            env.iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect()
+        })
+        .await
+    }
+
+    /// [`Server::start_on`] with settings that depend on the port it will listen on (a URL of
+    /// the server itself, such as an OpenID Connect redirect URL).
+    pub async fn start_for_port(
+        dir: &Path,
+        database_url: &str,
+        env_for: impl Fn(u16) -> Vec<(String, String)>,
+    ) -> Server {
         let database_url = database_url.to_string();
         let mut last_log = String::new();
         // A port picked free can be taken by someone else before the server binds it; retry.
         for attempt in 0..3 {
             let port = free_port();
             let log = dir.join(format!("server-{port}.log"));
-            let child = spawn(port, &database_url, &log, env);
+            let env_owned = env_for(port);
+            let env: Vec<(&str, &str)> = env_owned
+                .iter()
+                .map(|(k, v)| (k.as_str(), v.as_str()))
+                .collect();
+            let child = spawn(port, &database_url, &log, &env);
             let mut server = Server {
                 child: Some(child),
                 port,

@@ -63,6 +63,29 @@ pub fn check_name(name: &str) -> Result<(), AuthError> {
     Ok(())
 }
 
+/// An account name made from what an identity provider calls someone: the part of an e-mail
+/// address before `@`, other characters than letters, digits, `.`, `_` and `-` as `_`, at most
+/// 64 characters; `user` when nothing is left.
+pub fn account_name_from(claim: &str) -> String {
+    let local = claim.split('@').next().unwrap_or(claim);
+    let name: String = local
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-') {
+                c
+            } else {
+                '_'
+            }
+        })
+        .take(MAX_NAME_CHARS)
+        .collect();
+    if name.trim_matches('_').is_empty() {
+        "user".to_string()
+    } else {
+        name
+    }
+}
+
 /// Checks a new password's length (8 characters to 1024 bytes).
 pub fn check_password(password: &str) -> Result<(), AuthError> {
     if password.chars().count() < MIN_PASSWORD_CHARS {
@@ -235,6 +258,10 @@ pub struct AccountsConfig {
     pub max_api_keys: usize,
     /// Live sessions one account may hold (a new one ends the oldest beyond it).
     pub max_sessions: usize,
+    /// Whether accounts may sign in (and sign up) with a password (`auth.password_login`).
+    pub password_login: bool,
+    /// OpenID Connect sign-in (`[auth.oidc]`), when configured.
+    pub oidc: Option<crate::oidc::OidcConfig>,
 }
 
 impl Default for AccountsConfig {
@@ -246,6 +273,8 @@ impl Default for AccountsConfig {
             signups_per_address: 10,
             max_api_keys: 50,
             max_sessions: 100,
+            password_login: true,
+            oidc: None,
         }
     }
 }
@@ -275,6 +304,7 @@ pub struct Accounts {
     signups: Mutex<LoginThrottle>,
     /// Verified against when the name is unknown, so unknown names cost the same time.
     dummy_hash: String,
+    oidc: Option<crate::oidc::Oidc>,
 }
 
 impl Accounts {
@@ -282,7 +312,12 @@ impl Accounts {
     pub fn new(store: Store, key: &[u8], config: AccountsConfig) -> Result<Accounts, AuthError> {
         let dummy: [u8; 16] = rand::random();
         let dummy_hash = hash_password(&secret::hex(&dummy))?;
+        let oidc = match &config.oidc {
+            Some(c) => Some(crate::oidc::Oidc::new(c.clone()).map_err(AuthError::Config)?),
+            None => None,
+        };
         Ok(Accounts {
+            oidc,
             store,
             key: key.to_vec(),
             throttle: Mutex::new(LoginThrottle::new(config.throttle.clone())),
@@ -296,7 +331,36 @@ impl Accounts {
     }
 
     pub fn signup_mode(&self) -> SignupMode {
-        self.config.signup
+        if self.config.password_login {
+            self.config.signup
+        } else {
+            // Sign-up makes a password account; with passwords off, accounts come from the
+            // identity provider (or an administrator).
+            SignupMode::Closed
+        }
+    }
+
+    /// Whether the password form is offered and accepted (`auth.password_login`).
+    pub fn password_login(&self) -> bool {
+        self.config.password_login
+    }
+
+    /// OpenID Connect sign-in, when `[auth.oidc]` is configured.
+    pub fn oidc(&self) -> Option<&crate::oidc::Oidc> {
+        self.oidc.as_ref()
+    }
+
+    /// Refused with a pointer to the other way in when passwords are off.
+    fn require_password_login(&self) -> Result<(), AuthError> {
+        if self.config.password_login {
+            return Ok(());
+        }
+        let other = self
+            .oidc
+            .as_ref()
+            .map(|o| o.config().label.clone())
+            .unwrap_or_else(|| "your organisation's sign-in".into());
+        Err(AuthError::PasswordLoginOff(other))
     }
 
     /// The store, for tests that set up or inspect what the service did.
@@ -359,6 +423,7 @@ impl Accounts {
         adopt_from: Option<&str>,
         client: IpAddr,
     ) -> Result<SignedIn, AuthError> {
+        self.require_password_login()?;
         let invite_id = match self.config.signup {
             SignupMode::Closed => return Err(AuthError::SignupClosed),
             SignupMode::Open => None,
@@ -417,6 +482,7 @@ impl Accounts {
         password: &str,
         client: IpAddr,
     ) -> Result<SignedIn, AuthError> {
+        self.require_password_login()?;
         let keys = [
             ThrottleKey::address(client),
             // Case-folded like the unique index, so "Alice" and "alice" share one counter.
@@ -511,6 +577,112 @@ impl Accounts {
             }
             _ => Ok(user),
         }
+    }
+
+    /// Signs in the person an OpenID Connect provider vouched for (checked by
+    /// [`crate::oidc::Oidc::finish`]): the account linked to their `(issuer, subject)`, or on the
+    /// first sign-in a new one named after the claim (made valid, and `-2`, `-3`… when the name
+    /// is taken: an existing local account is never taken over by name). The role follows the
+    /// admin group on every sign-in when `auth.oidc.admin_group` is set. `created` says whether
+    /// the account is new.
+    pub async fn oidc_sign_in(
+        &self,
+        who: &crate::oidc::Verified,
+    ) -> Result<(SignedIn, bool), AuthError> {
+        let role = |admin: bool| {
+            if admin {
+                UserRole::Admin
+            } else {
+                UserRole::User
+            }
+        };
+        let (mut user, created) = match self
+            .store
+            .user_by_identity(&who.issuer, &who.subject)
+            .await?
+        {
+            Some(user) => (user, false),
+            None => (
+                self.make_linked_user(who, role(who.admin.unwrap_or(false)))
+                    .await?,
+                true,
+            ),
+        };
+        if user.is_disabled() {
+            return Err(AuthError::Disabled);
+        }
+        if let Some(admin) = who.admin {
+            if user.is_admin() != admin {
+                self.store.set_user_role(&user.id, role(admin)).await?;
+                user.role = role(admin);
+            }
+        }
+        let session = self.new_session(&user).await?;
+        Ok((
+            SignedIn {
+                user,
+                session,
+                adopted: 0,
+            },
+            created,
+        ))
+    }
+
+    /// A new account linked to `who`'s identity, under the first free name made from theirs.
+    async fn make_linked_user(
+        &self,
+        who: &crate::oidc::Verified,
+        role: UserRole,
+    ) -> Result<User, AuthError> {
+        let base = account_name_from(&who.name);
+        // Nobody knows this password: only the provider signs the account in.
+        let secret: [u8; 32] = rand::random();
+        let hash = hash_password_async(secret::hex(&secret)).await?;
+        for n in 1..=50u32 {
+            let name = if n == 1 {
+                base.clone()
+            } else {
+                let suffix = format!("-{n}");
+                let keep = MAX_NAME_CHARS.saturating_sub(suffix.len());
+                format!("{}{suffix}", base.chars().take(keep).collect::<String>())
+            };
+            let id = uuid::Uuid::now_v7().to_string();
+            match self
+                .store
+                .create_user(&NewUser {
+                    id: &id,
+                    name: &name,
+                    password_hash: &hash,
+                    role,
+                    invite: None,
+                    adopt_from: None,
+                })
+                .await?
+            {
+                CreatedUser::Created { user, .. } => {
+                    if self
+                        .store
+                        .link_identity(&user.id, &who.issuer, &who.subject)
+                        .await?
+                    {
+                        tracing::info!(user = %user.id, name, "account made for an OpenID Connect sign-in");
+                        return Ok(user);
+                    }
+                    // A sign-in beside this one linked the identity first: use theirs.
+                    self.store.delete_user(&user.id).await?;
+                    return self
+                        .store
+                        .user_by_identity(&who.issuer, &who.subject)
+                        .await?
+                        .ok_or(AuthError::WrongCredentials);
+                }
+                CreatedUser::NameTaken => continue,
+                CreatedUser::InviteInvalid => return Err(AuthError::InviteInvalid),
+            }
+        }
+        Err(AuthError::BadName(format!(
+            "no free account name near {base:?} (50 tried)"
+        )))
     }
 
     pub async fn session(&self, token: &str) -> Result<Option<User>, AuthError> {

@@ -6,6 +6,7 @@
 //! - [`admin`]: the admin sign-in service (the token from `server.admin_token`, server-side
 //!   sessions in the store, throttled).
 //!
+//! - [`oidc`]: OpenID Connect sign-in (the code flow with PKCE through `openidconnect`);
 //! - [`accounts`]: user accounts (argon2id passwords, sessions of kind `user`, personal API
 //!   keys, invites), reusing all three.
 //!
@@ -13,6 +14,7 @@
 
 pub mod accounts;
 pub mod admin;
+pub mod oidc;
 pub mod secret;
 pub mod throttle;
 
@@ -20,6 +22,7 @@ use smolchat_store::StoreError;
 
 pub use accounts::{Accounts, AccountsConfig, NewApiKey, SignedIn, SignupMode};
 pub use admin::{AdminAuth, NewSession, ADMIN_SUBJECT};
+pub use oidc::{Oidc, OidcConfig, OidcError};
 pub use throttle::{BearerThrottle, LockedBy, Lockout, LoginThrottle, ThrottleKey, ThrottlePolicy};
 
 /// The one error type of the sign-in layer.
@@ -58,6 +61,15 @@ pub enum AuthError {
     KeyRefused,
     #[error("password hashing failed: {0}")]
     Hash(String),
+    /// An OpenID Connect sign-in failed (the reason is for the person signing in).
+    #[error(transparent)]
+    Oidc(#[from] OidcError),
+    /// A sign-in setting cannot be used (said at start-up).
+    #[error("{0}")]
+    Config(String),
+    /// Password sign-in is turned off (`auth.password_login = false`).
+    #[error("password sign-in is turned off on this server; sign in with {0}")]
+    PasswordLoginOff(String),
     #[error(transparent)]
     Store(#[from] StoreError),
 }

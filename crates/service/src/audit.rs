@@ -116,6 +116,10 @@ pub enum AuthEvent {
         why: &'static str,
     },
     SignUp,
+    /// Signed in through the identity provider (`how`: `oidc`, or `oidc, account made`).
+    ExternalSignIn {
+        how: String,
+    },
     SignOut,
     PasswordChanged,
     KeyCreated {
@@ -137,6 +141,7 @@ impl Audit {
                 ("auth.sign_in_failed", user.clone(), (*why).to_string())
             }
             AuthEvent::SignUp => ("auth.sign_up", user.clone(), String::new()),
+            AuthEvent::ExternalSignIn { how } => ("auth.sign_in", user.clone(), how.clone()),
             AuthEvent::SignOut => ("auth.sign_out", user.clone(), String::new()),
             AuthEvent::PasswordChanged => ("auth.password_changed", user.clone(), String::new()),
             AuthEvent::KeyCreated { prefix } => {

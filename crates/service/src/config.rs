@@ -8,7 +8,7 @@ use figment::providers::{Env, Format, Serialized, Toml};
 use figment::Figment;
 use serde::{Deserialize, Serialize};
 
-use smolchat_auth::SignupMode;
+use smolchat_auth::{OidcConfig, SignupMode};
 use smolchat_engine::cpu::{DecodePrefetch, Isa};
 use smolchat_engine::device::{DeviceRequest, GpuTier};
 use smolchat_engine::{CpuOptions, EngineOptions, KvOptions, KvType, Yarn};
@@ -275,6 +275,11 @@ pub struct AuthSection {
     pub trusted_groups_header: Option<String>,
     /// The group whose members get the admin role (needs `trusted_groups_header`).
     pub trusted_admin_group: Option<String>,
+    /// Whether accounts may sign in (and sign up) with a password. Off: only the identity
+    /// provider (`[auth.oidc]`), the trusted proxy header, or the admin token sign anyone in.
+    pub password_login: bool,
+    /// OpenID Connect sign-in (the company's identity provider); see [`OidcConfig`].
+    pub oidc: Option<OidcConfig>,
 }
 
 /// One server process among several on a shared database (see docs/ARCHITECTURE.md,
@@ -475,6 +480,8 @@ impl Default for AuthSection {
             trusted_user_header: None,
             trusted_groups_header: None,
             trusted_admin_group: None,
+            password_login: true,
+            oidc: None,
         }
     }
 }
@@ -774,6 +781,14 @@ impl Config {
                  is honoured only from the authenticating proxy; list its address there"
                     .into(),
             );
+        }
+        if let Some(oidc) = &a.oidc {
+            oidc.check().map_err(ConfigError::Invalid)?;
+        }
+        if !a.password_login && a.oidc.is_none() && a.trusted_user_header.is_none() {
+            return bad("auth.password_login is false but neither [auth.oidc] nor \
+                 auth.trusted_user_header is set: nobody could sign in to an account"
+                .into());
         }
         if a.trusted_admin_group.is_some() && a.trusted_groups_header.is_none() {
             return bad(

@@ -505,6 +505,8 @@ async fn accounts(config: &Config, store: &Store, key: &[u8]) -> Result<Accounts
             signups_per_address: a.signups_per_address,
             max_api_keys: a.max_api_keys_per_user,
             max_sessions: a.max_sessions_per_user,
+            password_login: a.password_login,
+            oidc: a.oidc.clone(),
         },
     )
     .map_err(PlatformError::Auth)

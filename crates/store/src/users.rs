@@ -55,6 +55,8 @@ pub struct User {
     pub disabled_at: Option<DateTime<Utc>>,
     pub created_at: DateTime<Utc>,
     pub last_seen_at: Option<DateTime<Utc>>,
+    /// An administrator reset the password: the next sign-in must choose a new one first.
+    pub must_change_password: bool,
 }
 
 impl User {
@@ -91,6 +93,14 @@ pub struct ApiKeyRecord {
 }
 
 /// `/v1` usage of one owner.
+/// An invite link not yet used (its code is never stored, only the code's SHA-256 `id`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct InviteRecord {
+    pub id: String,
+    pub created_at: DateTime<Utc>,
+    pub expires_at: DateTime<Utc>,
+}
+
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct ApiUsage {
     pub requests: i64,
@@ -135,12 +145,12 @@ pub enum CreatedUser {
 
 macro_rules! user_columns {
     () => {
-        "id, name, password_hash, role, disabled_at, created_at, last_seen_at"
+        "id, name, password_hash, role, disabled_at, created_at, last_seen_at, password_reset_at"
     };
 }
 macro_rules! user_columns_u {
     () => {
-        "u.id, u.name, u.password_hash, u.role, u.disabled_at, u.created_at, u.last_seen_at"
+        "u.id, u.name, u.password_hash, u.role, u.disabled_at, u.created_at, u.last_seen_at, u.password_reset_at"
     };
 }
 macro_rules! key_columns {
@@ -292,6 +302,7 @@ impl Store {
             "DELETE FROM api_keys WHERE user_id = $1",
             "DELETE FROM sessions WHERE kind = 'user' AND subject = $1",
             "DELETE FROM api_usage WHERE owner = $1",
+            "DELETE FROM user_identities WHERE user_id = $1",
             "DELETE FROM users WHERE id = $1",
         ] {
             sqlx::query(statement).bind(id).execute(&mut *tx).await?;
@@ -398,14 +409,28 @@ impl Store {
     /// Replaces the password hash and revokes every session of the account in the same
     /// transaction. `false` when there is no such user.
     pub async fn set_password(&self, id: &str, password_hash: &str) -> Result<bool, StoreError> {
+        self.replace_password(id, password_hash, false).await
+    }
+
+    /// [`Store::set_password`], and when `must_change` the account's next sign-in must choose a
+    /// new password before anything else (an administrator's reset); otherwise that demand ends.
+    pub async fn replace_password(
+        &self,
+        id: &str,
+        password_hash: &str,
+        must_change: bool,
+    ) -> Result<bool, StoreError> {
         let now = now_micros();
         let mut tx = WriteTx::begin(self).await?;
-        let changed = sqlx::query("UPDATE users SET password_hash = $1 WHERE id = $2")
-            .bind(password_hash)
-            .bind(id)
-            .execute(&mut *tx)
-            .await?
-            .rows_affected()
+        let changed = sqlx::query(
+            "UPDATE users SET password_hash = $1, password_reset_at = $3 WHERE id = $2",
+        )
+        .bind(password_hash)
+        .bind(id)
+        .bind(must_change.then_some(now))
+        .execute(&mut *tx)
+        .await?
+        .rows_affected()
             > 0;
         revoke_user_sessions(&mut tx, id, now).await?;
         tx.commit().await?;
@@ -578,6 +603,80 @@ impl Store {
         Ok(r.rows_affected() > 0)
     }
 
+    /// The account linked to an OpenID Connect provider's `(issuer, subject)`, if any.
+    pub async fn user_by_identity(
+        &self,
+        issuer: &str,
+        subject: &str,
+    ) -> Result<Option<User>, StoreError> {
+        let row: Option<UserRow> = sqlx::query_as(concat!(
+            "SELECT ",
+            user_columns_u!(),
+            " FROM user_identities i JOIN users u ON u.id = i.user_id \
+             WHERE i.issuer = $1 AND i.subject = $2"
+        ))
+        .bind(issuer)
+        .bind(subject)
+        .fetch_optional(&self.pool)
+        .await?;
+        row.map(UserRow::into_user).transpose()
+    }
+
+    /// Links account `user_id` to the provider's `(issuer, subject)`; `false` when that pair is
+    /// already linked (to this account or another).
+    pub async fn link_identity(
+        &self,
+        user_id: &str,
+        issuer: &str,
+        subject: &str,
+    ) -> Result<bool, StoreError> {
+        let done = sqlx::query(
+            "INSERT INTO user_identities (issuer, subject, user_id, created_at) \
+             VALUES ($1, $2, $3, $4) ON CONFLICT (issuer, subject) DO NOTHING",
+        )
+        .bind(issuer)
+        .bind(subject)
+        .bind(user_id)
+        .bind(now_micros())
+        .execute(&self.pool)
+        .await?;
+        Ok(done.rows_affected() > 0)
+    }
+
+    /// Invites neither used nor expired, newest first.
+    pub async fn live_invites(&self) -> Result<Vec<InviteRecord>, StoreError> {
+        let rows: Vec<(String, i64, i64)> = sqlx::query_as(
+            "SELECT id, created_at, expires_at FROM invites \
+             WHERE used_at IS NULL AND expires_at > $1 ORDER BY created_at DESC LIMIT 200",
+        )
+        .bind(now_micros())
+        .fetch_all(&self.pool)
+        .await?;
+        rows.into_iter()
+            .map(|(id, created, expires)| {
+                Ok(InviteRecord {
+                    created_at: parse_time("invites", &id, created)?,
+                    expires_at: parse_time("invites", &id, expires)?,
+                    id,
+                })
+            })
+            .collect()
+    }
+
+    /// Ends invite `id` before it is used (it expires now); `false` when it was already used,
+    /// expired or unknown.
+    pub async fn revoke_invite(&self, id: &str) -> Result<bool, StoreError> {
+        let now = now_micros();
+        let done = sqlx::query(
+            "UPDATE invites SET expires_at = $1 WHERE id = $2 AND used_at IS NULL AND expires_at > $1",
+        )
+        .bind(now)
+        .bind(id)
+        .execute(&self.pool)
+        .await?;
+        Ok(done.rows_affected() > 0)
+    }
+
     /// Stores an invite (`id` = SHA-256 of the code) valid for `ttl`.
     pub async fn create_invite(&self, id: &str, ttl: chrono::Duration) -> Result<(), StoreError> {
         let now = now_micros();
@@ -660,6 +759,7 @@ struct UserRow {
     disabled_at: Option<i64>,
     created_at: i64,
     last_seen_at: Option<i64>,
+    password_reset_at: Option<i64>,
 }
 
 #[derive(sqlx::FromRow)]
@@ -690,6 +790,7 @@ impl UserRow {
             disabled_at: self.disabled_at.map(time).transpose()?,
             created_at: time(self.created_at)?,
             last_seen_at: self.last_seen_at.map(time).transpose()?,
+            must_change_password: self.password_reset_at.is_some(),
             name: self.name,
             password_hash: self.password_hash,
             id: self.id,

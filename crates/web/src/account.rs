@@ -83,6 +83,9 @@ pub fn routes(cfg: &mut web::ServiceConfig) {
 struct SigninPage {
     csrf: String,
     signup_open: bool,
+    password_login: bool,
+    /// "Sign in with {label}" when OpenID Connect is configured.
+    oidc_label: Option<String>,
 }
 
 #[derive(Template)]
@@ -176,17 +179,30 @@ pub fn refusal(e: AuthError) -> PageError {
         | AuthError::NoSuchUser(_) => WebError::BadRequest(e.to_string()).into(),
         AuthError::NameTaken => WebError::Conflict(e.to_string()).into(),
         AuthError::Store(_) => WebError::from(e).into(),
-        AuthError::Hash(detail) => WebError::Internal(detail).into(),
+        AuthError::Hash(detail) | AuthError::Config(detail) => WebError::Internal(detail).into(),
+        AuthError::PasswordLoginOff(_) => PageError::Forbidden(e.to_string()),
+        AuthError::Oidc(o) => {
+            use smolchat_auth::OidcError;
+            let message = format!("Sign-in failed: {o}");
+            match o {
+                _ if o.is_provider_failure() => WebError::Unavailable(message).into(),
+                OidcError::NotAllowed { .. } => PageError::Forbidden(message),
+                OidcError::StateMissing | OidcError::StateMismatch | OidcError::NoName(_) => {
+                    WebError::BadRequest(message).into()
+                }
+                _ => PageError::Unauthorized(message),
+            }
+        }
     }
 }
 
 /// The client's address (the TCP peer, or what a trusted proxy says: see [`super::client`]).
-fn client(req: &HttpRequest) -> IpAddr {
+pub(crate) fn client(req: &HttpRequest) -> IpAddr {
     Client::of(req).address
 }
 
 /// The session cookie for `session`.
-fn session_cookie(req: &HttpRequest, session: NewSession) -> Cookie<'static> {
+pub(crate) fn session_cookie(req: &HttpRequest, session: NewSession) -> Cookie<'static> {
     let max_age = i64::try_from(session.lifetime.as_secs()).unwrap_or(i64::MAX);
     super::cookies::build(SESSION_COOKIE, session.token, Client::of(req).https, "/")
         .same_site(SameSite::Lax)
@@ -194,7 +210,7 @@ fn session_cookie(req: &HttpRequest, session: NewSession) -> Cookie<'static> {
         .finish()
 }
 
-fn removal(req: &HttpRequest, name: &'static str) -> Cookie<'static> {
+pub(crate) fn removal(req: &HttpRequest, name: &'static str) -> Cookie<'static> {
     super::cookies::removal(name, Client::of(req).https, "/")
 }
 
@@ -204,7 +220,7 @@ fn session_cookie_of(req: &HttpRequest) -> Option<Cookie<'static>> {
 }
 
 /// Revokes the session the request's cookie stands for, if any (rotation and sign-out).
-async fn revoke_current(state: &AppState, req: &HttpRequest) {
+pub(crate) async fn revoke_current(state: &AppState, req: &HttpRequest) {
     if let Some(old) = session_cookie_of(req) {
         if let Err(e) = state.platform.accounts().sign_out(old.value()).await {
             tracing::warn!("cannot revoke the replaced session: {e}");
@@ -240,6 +256,12 @@ pub async fn signin_page(
     html(&SigninPage {
         csrf: csrf::token_for(&state.cookie_key, &owner.csrf_subject()),
         signup_open: state.platform.accounts().signup_mode() != SignupMode::Closed,
+        password_login: state.platform.accounts().password_login(),
+        oidc_label: state
+            .platform
+            .accounts()
+            .oidc()
+            .map(|o| o.config().label.clone()),
     })
 }
 

@@ -40,6 +40,7 @@ pub mod embeddings;
 pub mod error;
 pub mod events;
 pub mod files;
+pub mod oidc;
 
 pub use events::{StreamCounter, StreamSlot};
 pub mod forward;
@@ -322,6 +323,8 @@ pub fn routes(cfg: &mut web::ServiceConfig, chat_limit: BodyLimit) {
     )
     // Accounts: sign-in, sign-up, sign-out, the account page.
     .configure(account::routes)
+    // OpenID Connect sign-in (the provider's redirects carry no CSRF token: state does that).
+    .configure(oidc::routes)
     .service(
         web::scope("/admin")
             .wrap(from_fn(csrf::require_token))
