@@ -2035,6 +2035,43 @@ async fn the_audit_log_pages_filters_and_purges(db) {
     assert_eq!(store.purge_audit(1).await.unwrap(), 0);
 }
 
+async fn usage_counters_add_up_per_window(db) {
+    use smolchat_store::{Period, Usage};
+    let (_dir, _url, s) = fresh(db).await;
+    let at = |t: &str| -> chrono::DateTime<chrono::Utc> { t.parse().unwrap() };
+    let t = at("2026-11-26T10:15:20Z");
+    s.add_usage("user:a", 100, 1, t).await.unwrap();
+    s.add_usage("user:a", 50, 1, t + chrono::Duration::seconds(30))
+        .await
+        .unwrap();
+    // The next minute, the same day and month.
+    let later = t + chrono::Duration::seconds(60);
+    s.add_usage("user:a", 7, 0, later).await.unwrap();
+    assert_eq!(
+        s.usage("user:a", Period::Minute, t).await.unwrap(),
+        Usage {
+            tokens: 150,
+            events: 2
+        }
+    );
+    assert_eq!(s.usage("user:a", Period::Minute, later).await.unwrap().tokens, 7);
+    assert_eq!(s.usage("user:a", Period::Day, t).await.unwrap().tokens, 157);
+    assert_eq!(s.usage("user:a", Period::Month, t).await.unwrap().tokens, 157);
+    assert_eq!(s.usage("user:b", Period::Day, t).await.unwrap(), Usage::default());
+    assert_eq!(s.count_event("conv:a", t).await.unwrap(), 1);
+    assert_eq!(s.count_event("conv:a", t).await.unwrap(), 2);
+    assert_eq!(s.count_event("conv:a", later).await.unwrap(), 1);
+    let days = s.usage_history("user:a", Period::Day, 10).await.unwrap();
+    assert_eq!(days.len(), 1);
+    assert_eq!(days[0].0, at("2026-11-26T00:00:00Z"));
+    // A day later the minutes are gone, the day stays.
+    let removed = s.trim_usage(t + chrono::Duration::days(2)).await.unwrap();
+    assert!(removed >= 3, "{removed}");
+    assert_eq!(s.usage("user:a", Period::Day, t).await.unwrap().tokens, 157);
+    s.forget_usage("user:a").await.unwrap();
+    assert_eq!(s.usage("user:a", Period::Day, t).await.unwrap().tokens, 0);
+}
+
 async fn deleting_a_user_removes_everything_they_own(db) {
     let (_dir, _url, store) = fresh(db).await;
     let id = something_to_back_up(&store).await;

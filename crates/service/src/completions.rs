@@ -14,6 +14,7 @@ use futures_util::Stream;
 use tokio::sync::mpsc;
 use uuid::Uuid;
 
+use crate::quotas::{QuotaSubjects, Quotas};
 use smolchat_serving::scheduler::{Cancel, SchedulerActor, Submit};
 use smolchat_serving::types::GenerationRequest;
 use smolchat_store::Store;
@@ -53,6 +54,8 @@ pub struct CompletionRequest {
     /// The account whose `/v1` usage the finished request adds to (`api_usage`); `None`: not
     /// recorded there (conversations store their counts with the reply).
     pub usage_owner: Option<String>,
+    /// The personal API key the request came with (its own quotas, `limits.*_per_key`).
+    pub key: Option<String>,
 }
 
 /// The completions service (see the module docs).
@@ -61,15 +64,28 @@ pub struct Completions {
     scheduler: Addr<SchedulerActor>,
     store: Store,
     context_window: usize,
+    /// The quotas counted across replicas (see [`crate::quotas`]).
+    quotas: Quotas,
 }
 
 impl Completions {
-    pub fn new(scheduler: Addr<SchedulerActor>, store: Store, context_window: usize) -> Self {
+    pub fn new(
+        scheduler: Addr<SchedulerActor>,
+        store: Store,
+        context_window: usize,
+        quotas: Quotas,
+    ) -> Self {
         Self {
             scheduler,
             store,
             context_window,
+            quotas,
         }
+    }
+
+    /// The quotas, for account pages.
+    pub fn quotas(&self) -> &Quotas {
+        &self.quotas
     }
 
     /// Queues `request`. The batcher refuses an empty prompt or one that fills the context window
@@ -84,6 +100,18 @@ impl Completions {
         request: CompletionRequest,
         embed: Option<Pooling>,
     ) -> Result<Completion, SubmitError> {
+        let subjects = QuotaSubjects {
+            user: request.user.clone(),
+            group: request.group.clone(),
+            key: request.key.clone(),
+        };
+        self.quotas
+            .check(&subjects)
+            .await
+            .map_err(|e| SubmitError::Quota {
+                retry_after_s: e.retry_after_s(),
+                message: e.to_string(),
+            })?;
         let mut params = request.params;
         // At least 1, so a prompt that fills the window is refused for that, not for its limit.
         params.max_new_tokens = request.max_tokens.unwrap_or_else(|| {
@@ -120,6 +148,7 @@ impl Completions {
             scheduler: self.scheduler.clone(),
             finished: false,
             usage: request.usage_owner.map(|owner| (self.store.clone(), owner)),
+            quota: Some((self.quotas.clone(), subjects)),
         })
     }
 }
@@ -187,6 +216,7 @@ impl Completions {
                 user: request.user.clone(),
                 group: None,
                 usage_owner: request.usage_owner.clone(),
+                key: None,
             };
             async move {
                 let mut completion = self
@@ -238,6 +268,8 @@ pub struct Completion {
     scheduler: Addr<SchedulerActor>,
     finished: bool,
     usage: Option<(Store, String)>,
+    /// Where the request's tokens count when it ends.
+    quota: Option<(Quotas, QuotaSubjects)>,
 }
 
 impl Completion {
@@ -248,6 +280,15 @@ impl Completion {
 
     fn on_finished(&mut self, summary: &GenSummary) {
         self.finished = true;
+        if let Some((quotas, subjects)) = self.quota.take() {
+            // The scheduler's measure: prompt tokens computed (not those from the cache) and
+            // those generated.
+            let tokens = summary
+                .prompt_tokens
+                .saturating_sub(summary.cached_tokens)
+                .saturating_add(summary.completion_tokens) as u64;
+            actix::spawn(async move { quotas.record(&subjects, tokens).await });
+        }
         if let Some((store, owner)) = self.usage.take() {
             // Off the response path: the answer does not wait for the write, and a database
             // that cannot take it only loses the statistic.

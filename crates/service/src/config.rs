@@ -191,6 +191,15 @@ pub struct LimitsConfig {
     /// The same for all guests of one client address together (guest owners cost nothing to
     /// mint, so each would otherwise bring a fresh quota); 0: no limit.
     pub tokens_per_minute_per_guest_address: u64,
+    /// Tokens one account may use per UTC day, on all replicas together; 0: no limit.
+    pub tokens_per_day_per_user: u64,
+    /// …per calendar month (UTC); 0: no limit.
+    pub tokens_per_month_per_user: u64,
+    /// Tokens one personal API key may use per UTC day (its account's quotas apply too); 0: no
+    /// limit.
+    pub tokens_per_day_per_key: u64,
+    /// …per calendar month; 0: no limit.
+    pub tokens_per_month_per_key: u64,
     /// Messages an imported conversation may hold at most.
     pub max_import_messages: usize,
     /// Open event streams from one client address (guests mint owners for free, so the
@@ -437,6 +446,10 @@ impl Default for LimitsConfig {
             max_conversations_per_user: 10_000,
             tokens_per_minute_per_user: 20_000,
             tokens_per_minute_per_guest_address: 80_000,
+            tokens_per_day_per_user: 0,
+            tokens_per_month_per_user: 0,
+            tokens_per_day_per_key: 0,
+            tokens_per_month_per_key: 0,
             max_import_messages: 2_000,
             max_streams_per_address: 64,
             stream_stall_timeout_s: 30,

@@ -149,7 +149,8 @@ impl From<SubmitError> for ConversationError {
             },
             SubmitError::UserLimit { retry_after_s, .. }
             | SubmitError::TokenLimit { retry_after_s, .. }
-            | SubmitError::GroupTokenLimit { retry_after_s, .. } => ConversationError::UserLimit {
+            | SubmitError::GroupTokenLimit { retry_after_s, .. }
+            | SubmitError::Quota { retry_after_s, .. } => ConversationError::UserLimit {
                 message: e.to_string(),
                 retry_after_s,
             },
@@ -859,6 +860,32 @@ impl Conversations {
                     ),
                     retry_after_s: wait,
                 });
+            }
+            drop(limiter);
+            // The same limit over every replica on this database: counted atomically there,
+            // per UTC minute. A store that cannot count lets the creation through (logged).
+            let now = chrono::Utc::now();
+            for key in &keys {
+                match self.store.count_event(&format!("conv:{key}"), now).await {
+                    Ok(n) if n > i64::from(per_minute) => {
+                        let wait = u64::try_from(
+                            (smolchat_store::Period::Minute.end(now) - now).num_seconds(),
+                        )
+                        .unwrap_or(60)
+                        .max(1);
+                        return Err(ConversationError::UserLimit {
+                            message: format!(
+                                "{} created {per_minute} conversations this minute on all \
+                                 replicas together (limits.conversations_per_minute); retry in \
+                                 {wait} s",
+                                Self::who(caller)
+                            ),
+                            retry_after_s: wait,
+                        });
+                    }
+                    Ok(_) => {}
+                    Err(e) => tracing::warn!("cannot count a conversation across replicas: {e}"),
+                }
             }
         }
         Ok(())

@@ -12,6 +12,7 @@ pub mod config;
 pub mod conversations;
 pub mod files;
 pub mod platform;
+pub mod quotas;
 pub mod records;
 pub mod reply;
 pub mod secrets;

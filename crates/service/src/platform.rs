@@ -223,8 +223,13 @@ impl Platform {
                     "old audit log entries removed"
                 );
             }
+            // Usage windows no quota or history needs any more go the same way.
+            let usage_store = store.clone();
             actix::spawn(async move {
                 loop {
+                    if let Err(e) = usage_store.trim_usage(chrono::Utc::now()).await {
+                        tracing::warn!("cannot trim old usage counters: {e}");
+                    }
                     tokio::time::sleep(std::time::Duration::from_secs(24 * 3600)).await;
                     audit.purge(keep).await;
                 }
@@ -256,7 +261,24 @@ impl Platform {
                     .then(|| Duration::from_secs(s.request_timeout_s)),
             },
         );
-        let completions = Completions::new(scheduler.clone(), store.clone(), model.context_window);
+        let l = &config.limits;
+        let quotas = crate::quotas::Quotas::new(
+            store.clone(),
+            crate::quotas::QuotaLimits {
+                per_minute_user: l.tokens_per_minute_per_user,
+                per_minute_group: l.tokens_per_minute_per_guest_address,
+                per_day_user: l.tokens_per_day_per_user,
+                per_month_user: l.tokens_per_month_per_user,
+                per_day_key: l.tokens_per_day_per_key,
+                per_month_key: l.tokens_per_month_per_key,
+            },
+        );
+        let completions = Completions::new(
+            scheduler.clone(),
+            store.clone(),
+            model.context_window,
+            quotas,
+        );
         let sessions = Sessions::new(SessionShared {
             store: store.clone(),
             scheduler: scheduler.clone(),

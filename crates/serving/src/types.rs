@@ -183,6 +183,10 @@ pub enum SubmitError {
         limit: u64,
         retry_after_s: u64,
     },
+    /// A quota counted in the database across every replica (which one, and when it resets,
+    /// is in the message).
+    #[error("{message}")]
+    Quota { message: String, retry_after_s: u64 },
 }
 
 /// What the GPU's memory holds and how decode graphs are used, as the scheduler reports them.

@@ -35,6 +35,7 @@ mod replicas;
 mod sessions;
 mod shares;
 mod types;
+mod usage;
 mod users;
 
 use std::path::Path;
@@ -61,8 +62,10 @@ pub use types::{
     ImportedFile, ImportedMessage, ListFilter, ListPage, Message, MessageStatus, PageRequest, Role,
     SessionKind, SessionRecord, Timings, MAX_PAGE, TITLE_MAX_CHARS,
 };
+pub use usage::{Period, Usage};
 pub use users::{
-    ApiKeyRecord, ApiUsage, CreatedUser, DeletedUser, NewUser, User, UserOverview, UserRole,
+    ApiKeyRecord, ApiUsage, CreatedUser, DeletedUser, InviteRecord, NewUser, User, UserOverview,
+    UserRole,
 };
 
 /// How long a statement waits for another connection's write lock before failing.

@@ -303,6 +303,7 @@ impl Store {
             "DELETE FROM sessions WHERE kind = 'user' AND subject = $1",
             "DELETE FROM api_usage WHERE owner = $1",
             "DELETE FROM user_identities WHERE user_id = $1",
+            "DELETE FROM usage_counters WHERE subject = 'user:' || $1",
             "DELETE FROM users WHERE id = $1",
         ] {
             sqlx::query(statement).bind(id).execute(&mut *tx).await?;

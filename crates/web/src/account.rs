@@ -115,6 +115,46 @@ struct AccountPage {
     admin: bool,
     keys: Vec<KeyView>,
     new_key: String,
+    /// Tokens used and left per quota window (counted on every replica).
+    usage: Vec<UsageView>,
+    /// An administrator reset the password: a new one must be chosen first.
+    must_change_password: bool,
+}
+
+pub struct UsageView {
+    pub what: &'static str,
+    pub used: i64,
+    /// "no limit" or the limit.
+    pub limit: String,
+    /// "—" or what is left.
+    pub left: String,
+    pub resets: String,
+}
+
+async fn usage_of(state: &AppState, user: &User) -> Vec<UsageView> {
+    state
+        .platform
+        .completions()
+        .quotas()
+        .of_account(&user.id)
+        .await
+        .into_iter()
+        .map(|q| UsageView {
+            what: q.what,
+            used: q.used,
+            limit: if q.limit == 0 {
+                "no limit".into()
+            } else {
+                q.limit.to_string()
+            },
+            left: if q.limit == 0 {
+                "—".into()
+            } else {
+                (q.limit as i64).saturating_sub(q.used).max(0).to_string()
+            },
+            resets: q.resets_at.format("%Y-%m-%d %H:%M UTC").to_string(),
+        })
+        .collect()
 }
 
 #[derive(Template)]
@@ -467,6 +507,8 @@ pub async fn account_page(
         csrf: csrf::token_for(&state.cookie_key, &owner.csrf_subject()),
         admin: user.is_admin(),
         keys: keys_of(&state, &user).await?,
+        usage: usage_of(&state, &user).await,
+        must_change_password: user.must_change_password,
         name: user.name,
         new_key: String::new(),
     })

@@ -376,7 +376,7 @@ async fn messages(
     let stream = req.common.stream;
     let input_tokens = prompt.tokens.len();
     let salt = openai::cache_salt(&http, &req.common);
-    let user = openai::client_identity(&http);
+    let user = openai::api_user(&http);
     let mut completion =
         openai::submit(&state, req.common, salt, user, prompt.tokens, "messages").await?;
     let id = format!("msg_{}", uuid::Uuid::now_v7().simple());

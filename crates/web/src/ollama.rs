@@ -889,7 +889,7 @@ async fn run(
     let model = listed_name(&state.platform);
     let stream = common.stream;
     let salt = openai::cache_salt(&http, &common);
-    let user = openai::client_identity(&http);
+    let user = openai::api_user(&http);
     let started = Instant::now();
     let mut completion = openai::submit(&state, common, salt, user, prompt, prompt_param).await?;
     if stream {

@@ -123,6 +123,8 @@ pub(crate) async fn method_not_allowed(req: HttpRequest) -> Result<HttpResponse,
 pub struct ApiAccount {
     pub id: String,
     pub admin: bool,
+    /// The key's id (SHA-256 of the key): its own quotas (`limits.*_per_key`).
+    pub key: Option<String>,
 }
 
 /// Set by [`require_api_key`] when the request presented the global `server.api_key`.
@@ -193,8 +195,12 @@ pub(crate) async fn require_api_key(
         match state.platform.accounts().api_key_user(&token).await {
             Ok(Some(user)) => {
                 let admin = user.is_admin();
-                req.extensions_mut()
-                    .insert(ApiAccount { id: user.id, admin });
+                let key = smolchat_auth::accounts::api_key_id(&token);
+                req.extensions_mut().insert(ApiAccount {
+                    id: user.id,
+                    admin,
+                    key,
+                });
                 return next.call(req).await;
             }
             Err(smolchat_auth::AuthError::KeyRefused) => {
@@ -361,7 +367,7 @@ async fn chat_completions(
     let starts_in_reasoning = prompt.starts_in_reasoning;
     let prompt = prompt.tokens;
     let salt = cache_salt(&http, &req.common);
-    let user = client_identity(&http);
+    let user = api_user(&http);
     generate(state, req.common, salt, user, prompt, "messages", || {
         ChatAssembler::new(starts_in_reasoning, parse_tool_calls)
     })
@@ -559,7 +565,7 @@ async fn completions(
         .max_tokens
         .or(Some(request::COMPLETION_DEFAULT_MAX_TOKENS));
     let salt = cache_salt(&http, &req.common);
-    let user = client_identity(&http);
+    let user = api_user(&http);
     generate(
         state,
         req.common,
@@ -646,13 +652,30 @@ pub(crate) fn client_identity(http: &HttpRequest) -> String {
     format!("api:{:016x}", process_hash(&("address", address)))
 }
 
+/// Who a generating request is for: [`client_identity`], and the personal API key it came with.
+#[derive(Clone, Debug)]
+pub(crate) struct ApiUser {
+    pub id: String,
+    pub key: Option<String>,
+}
+
+pub(crate) fn api_user(http: &HttpRequest) -> ApiUser {
+    ApiUser {
+        id: client_identity(http),
+        key: http
+            .extensions()
+            .get::<ApiAccount>()
+            .and_then(|a| a.key.clone()),
+    }
+}
+
 /// The owner a `/v1` caller's stored things (responses) belong to: the account of a personal
 /// API key, or the one owner `api:server-key` of whoever holds `server.api_key`. `None` for an
 /// anonymous caller, whose identity does not outlive the process (nothing is stored for it).
 pub(crate) fn api_owner(http: &HttpRequest) -> Option<smolchat_service::Caller> {
     let ext = http.extensions();
     let address = Some(super::client::Client::of(http).address);
-    if let Some(ApiAccount { id, admin }) = ext.get::<ApiAccount>() {
+    if let Some(ApiAccount { id, admin, .. }) = ext.get::<ApiAccount>() {
         return Some(smolchat_service::Caller {
             owner: id.clone(),
             admin: *admin,
@@ -675,7 +698,7 @@ pub(crate) async fn submit(
     state: &web::Data<AppState>,
     common: Common,
     cache_salt: String,
-    user: String,
+    user: ApiUser,
     prompt: Vec<u32>,
     prompt_param: &str,
 ) -> Result<Completion, ApiError> {
@@ -711,9 +734,10 @@ pub(crate) async fn submit(
             max_tokens: common.max_tokens,
             cache: CacheUse::Partition(cache_salt),
             // Anonymous callers are already their address (see `client_identity`).
-            user: Some(user.clone()),
+            user: Some(user.id.clone()),
             group: None,
-            usage_owner: Some(user),
+            usage_owner: Some(user.id),
+            key: user.key,
         })
         .await
         .map_err(|e| match e {
@@ -731,7 +755,7 @@ async fn generate<A: Assembler>(
     state: web::Data<AppState>,
     common: Common,
     cache_salt: String,
-    user: String,
+    user: ApiUser,
     prompt: Vec<u32>,
     prompt_param: &str,
     assembler: impl Fn() -> A,

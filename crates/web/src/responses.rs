@@ -567,7 +567,7 @@ async fn create(
     let stream = req.common.stream;
     let max_output_tokens = req.common.max_tokens;
     let salt = openai::cache_salt(&http, &req.common);
-    let user = openai::client_identity(&http);
+    let user = openai::api_user(&http);
     let mut completion =
         openai::submit(&state, req.common, salt, user, prompt.tokens, "input").await?;
     let conversation = state.platform.conversations().new_response_id();

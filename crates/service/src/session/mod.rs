@@ -664,6 +664,7 @@ impl Handler<SendMessage> for SessionActor {
                 user: Some(conversation.owner.clone()),
                 group,
                 usage_owner: None,
+                key: None,
             };
             // Ask the scheduler first: an overloaded server refuses before anything is stored.
             let completion = shared.completions.submit(request).await?;

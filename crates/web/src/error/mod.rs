@@ -218,7 +218,8 @@ impl From<SubmitError> for WebError {
             },
             SubmitError::UserLimit { retry_after_s, .. }
             | SubmitError::TokenLimit { retry_after_s, .. }
-            | SubmitError::GroupTokenLimit { retry_after_s, .. } => WebError::TooManyRequests {
+            | SubmitError::GroupTokenLimit { retry_after_s, .. }
+            | SubmitError::Quota { retry_after_s, .. } => WebError::TooManyRequests {
                 message: e.to_string(),
                 retry_after_s,
             },

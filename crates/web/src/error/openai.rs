@@ -238,7 +238,8 @@ impl From<SubmitError> for ApiError {
             SubmitError::Unavailable(_) => Self::unavailable(e.to_string()),
             SubmitError::UserLimit { retry_after_s, .. }
             | SubmitError::TokenLimit { retry_after_s, .. }
-            | SubmitError::GroupTokenLimit { retry_after_s, .. } => {
+            | SubmitError::GroupTokenLimit { retry_after_s, .. }
+            | SubmitError::Quota { retry_after_s, .. } => {
                 Self::rate_limited(e.to_string(), retry_after_s)
             }
         }
