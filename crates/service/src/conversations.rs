@@ -850,8 +850,12 @@ impl Conversations {
         let per_minute = self.cfg.conversations_per_minute;
         if per_minute > 0 {
             let keys = self.limit_keys(caller);
-            let mut limiter = self.creations.lock().unwrap_or_else(|p| p.into_inner());
-            if let Err(wait) = limiter.take(&keys, per_minute, Instant::now()) {
+            let taken = self
+                .creations
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .take(&keys, per_minute, Instant::now());
+            if let Err(wait) = taken {
                 return Err(ConversationError::UserLimit {
                     message: format!(
                         "{} created {per_minute} conversations in the last minute, the \
@@ -861,7 +865,6 @@ impl Conversations {
                     retry_after_s: wait,
                 });
             }
-            drop(limiter);
             // The same limit over every replica on this database: counted atomically there,
             // per UTC minute. A store that cannot count lets the creation through (logged).
             let now = chrono::Utc::now();
