@@ -676,6 +676,57 @@ async fn invite_and_closed_signup_and_the_cli() {
     );
     assert!(!ok && err.contains("nobody"), "{err}");
 
+    // `passwd --reset`: a random password, printed once; until frank chooses his own, only
+    // the account page opens to him.
+    let (ok, _, err) = smolchat(&["user", "enable", "frank"], &url, None);
+    assert!(ok, "{err}");
+    let (ok, out, err) = smolchat(&["user", "passwd", "frank", "--reset"], &url, None);
+    assert!(ok, "{err}");
+    let temporary = out.lines().next().unwrap_or_default().to_string();
+    assert_eq!(temporary.len(), 16, "{out}");
+    assert_eq!(
+        f.signin("frank", &temporary).await.status,
+        StatusCode::NO_CONTENT
+    );
+    let api = f.get("/api/conversations").await;
+    assert_eq!(api.status, StatusCode::FORBIDDEN, "{}", api.text);
+    assert!(
+        api.text.contains("choose a new one at /account"),
+        "{}",
+        api.text
+    );
+    let home = f.get("/").await;
+    assert_eq!(home.status, StatusCode::SEE_OTHER);
+    assert_eq!(home.headers["location"], "/account");
+    let admin_page = f.get("/admin").await;
+    assert_eq!(
+        admin_page.status,
+        StatusCode::SEE_OTHER,
+        "not even the admin page"
+    );
+    assert_eq!(f.get("/account").await.status, StatusCode::OK);
+    // Each CLI action is in the audit log, by the CLI.
+    let store = smolchat_store::Store::open(&url).await.expect("store");
+    let log = store
+        .audit_page(&smolchat_store::AuditFilter::default(), 200)
+        .await
+        .expect("audit");
+    for action in [
+        "admin.create_invite",
+        "admin.create_user",
+        "auth.password_changed",
+        "admin.disable_user",
+        "admin.enable_user",
+        "admin.reset_password",
+    ] {
+        assert!(
+            log.iter()
+                .any(|e| e.action == action && e.actor.starts_with("cli:")),
+            "{action}: {log:#?}"
+        );
+    }
+    store.close().await;
+
     // Closed: no sign-up at all, but accounts made by the CLI still sign in.
     drop(server);
     let server = Server::start(dir.path(), &[("SMOLCHAT_AUTH__SIGNUP", "closed")]).await;

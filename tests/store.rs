@@ -2076,7 +2076,27 @@ async fn deleting_a_user_removes_everything_they_own(db) {
     let (_dir, _url, store) = fresh(db).await;
     let id = something_to_back_up(&store).await;
     let other = store.create_conversation("someone-else", &settings()).await.unwrap();
+    // A linked sign-in and counted usage go with the account too.
+    assert!(store
+        .link_identity("u-backup", "https://id.example.com", "sub-1")
+        .await
+        .unwrap());
+    let now = chrono::Utc::now();
+    store.add_usage("user:u-backup", 42, 1, now).await.unwrap();
     let gone = store.delete_user("u-backup").await.unwrap().expect("deleted");
+    assert!(store
+        .user_by_identity("https://id.example.com", "sub-1")
+        .await
+        .unwrap()
+        .is_none());
+    assert_eq!(
+        store
+            .usage("user:u-backup", smolchat_store::Period::Day, now)
+            .await
+            .unwrap()
+            .tokens,
+        0
+    );
     assert_eq!((gone.conversations, gone.api_keys), (1, 1));
     assert!(store.get_conversation(id).await.unwrap().is_none());
     assert!(store.messages(id).await.unwrap().is_empty());

@@ -122,4 +122,32 @@ async fn the_proxys_user_header_signs_in_and_nobody_elses_does() {
         .post_form("/signin", "name=dana&password=%21external")
         .await;
     assert_eq!(tried.status, StatusCode::UNAUTHORIZED, "{}", tried.text);
+
+    // The audit log has the account made by the header and the role changes (not every
+    // request), with the address the proxy passed on.
+    let store = smolchat_store::Store::open(&server.database_url)
+        .await
+        .expect("store");
+    let log = store
+        .audit_page(&smolchat_store::AuditFilter::default(), 200)
+        .await
+        .expect("audit");
+    let details: Vec<&str> = log
+        .iter()
+        .filter(|e| e.action == "auth.sign_in" && e.actor == "user:dana")
+        .map(|e| e.detail.as_str())
+        .collect();
+    assert!(
+        details.contains(&"trusted header, account made")
+            && details.contains(&"trusted header, role changed to user"),
+        "{log:#?}"
+    );
+    // Seven requests carried the header; the account was made and its role changed three
+    // times (the groups differ between them).
+    assert_eq!(
+        details.len(),
+        4,
+        "one line per change, not per request: {details:?}"
+    );
+    store.close().await;
 }

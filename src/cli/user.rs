@@ -11,6 +11,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use clap::{Args, Subcommand};
+use smolchat_service::audit::Audit;
 
 use smolchat_auth::accounts;
 use smolchat_service::config::Config;
@@ -61,6 +62,10 @@ pub enum UserCommand {
         name: String,
         #[arg(long)]
         password_stdin: bool,
+        /// Instead: a new random password, printed once; the account must choose its own at
+        /// its next sign-in (as "Reset password" on the admin page).
+        #[arg(long, conflicts_with = "password_stdin")]
+        reset: bool,
     },
     /// List the accounts: name, role, disabled, created, last seen.
     List,
@@ -118,6 +123,14 @@ async fn user_named(store: &Store, name: &str) -> Result<smolchat_store::User> {
         .with_context(|| format!("no account is called {name:?}"))
 }
 
+/// Who the audit log names for a command run on the server: `cli:` and the system user.
+fn cli_actor() -> String {
+    let who = std::env::var("SUDO_USER")
+        .or_else(|_| std::env::var("USER"))
+        .unwrap_or_else(|_| "unknown".into());
+    format!("cli:{who}")
+}
+
 fn when(t: Option<chrono::DateTime<chrono::Utc>>) -> String {
     t.map_or_else(|| "-".into(), |t| t.format("%Y-%m-%d %H:%M:%S").to_string())
 }
@@ -126,6 +139,7 @@ pub fn run(args: &UserArgs) -> Result<()> {
     let url = args.db.url()?;
     // Before the runtime: the prompt must not run on an async worker.
     let password = match &args.command {
+        UserCommand::Passwd { reset: true, .. } => None,
         UserCommand::Add { password_stdin, .. } | UserCommand::Passwd { password_stdin, .. } => {
             Some(read_password(*password_stdin)?)
         }
@@ -135,6 +149,8 @@ pub fn run(args: &UserArgs) -> Result<()> {
         let store = Store::open_beside_server(&url)
             .await
             .with_context(|| format!("opening {url}"))?;
+        let audit = Audit::new(store.clone());
+        let actor = cli_actor();
         match &args.command {
             UserCommand::Add { name, admin, .. } => {
                 let role = if *admin {
@@ -146,14 +162,42 @@ pub fn run(args: &UserArgs) -> Result<()> {
                     accounts::add_user(&store, name, password.as_deref().unwrap_or(""), role)
                         .await?;
                 println!("created {} ({}) {}", user.name, role.as_str(), user.id);
+                let target = format!("user:{}", user.name);
+                audit
+                    .record(&actor, "admin.create_user", &target, None, role.as_str())
+                    .await;
             }
-            UserCommand::Passwd { name, .. } => {
+            UserCommand::Passwd { name, reset, .. } => {
                 let user = user_named(&store, name).await?;
-                accounts::set_password(&store, &user, password.as_deref().unwrap_or("")).await?;
-                println!(
-                    "password of {} changed; its sessions are signed out",
-                    user.name
-                );
+                let target = format!("user:{}", user.name);
+                if *reset {
+                    let new = accounts::reset_password(&store, &user).await?;
+                    println!("{new}");
+                    eprintln!(
+                        "password of {} reset (shown once, above); its sessions are signed out \
+                         and it must choose a new one at its next sign-in",
+                        user.name
+                    );
+                    audit
+                        .record(
+                            &actor,
+                            "admin.reset_password",
+                            &target,
+                            None,
+                            "must change at next sign-in",
+                        )
+                        .await;
+                } else {
+                    accounts::set_password(&store, &user, password.as_deref().unwrap_or(""))
+                        .await?;
+                    println!(
+                        "password of {} changed; its sessions are signed out",
+                        user.name
+                    );
+                    audit
+                        .record(&actor, "auth.password_changed", &target, None, "")
+                        .await;
+                }
             }
             UserCommand::List => {
                 println!(
@@ -184,6 +228,14 @@ pub fn run(args: &UserArgs) -> Result<()> {
                 let disable = matches!(args.command, UserCommand::Disable { .. });
                 let user = user_named(&store, name).await?;
                 store.set_disabled(&user.id, disable).await?;
+                let action = if disable {
+                    "admin.disable_user"
+                } else {
+                    "admin.enable_user"
+                };
+                audit
+                    .record(&actor, action, &format!("user:{}", user.name), None, "")
+                    .await;
                 println!(
                     "{} {}",
                     user.name,
@@ -207,6 +259,15 @@ pub fn invite(args: &InviteArgs) -> Result<()> {
             .await
             .with_context(|| format!("opening {url}"))?;
         let code = accounts::create_invite(&store, Duration::from_secs(hours * 3600)).await?;
+        Audit::new(store.clone())
+            .record(
+                &cli_actor(),
+                "admin.create_invite",
+                "",
+                None,
+                &format!("valid {hours} h"),
+            )
+            .await;
         store.close().await;
         println!("{code}");
         println!("/signup?invite={code}");

@@ -206,6 +206,21 @@ pub async fn set_password(store: &Store, user: &User, password: &str) -> Result<
     Ok(())
 }
 
+/// An administrator's password reset: a new random password (returned, to be handed to the
+/// user once), every session ended, and the next sign-in must choose a new password first.
+pub async fn reset_password(store: &Store, user: &User) -> Result<String, AuthError> {
+    // 16 characters from an alphabet without look-alikes (no 0/O, 1/l/I): ~92 bits.
+    const ALPHABET: &[u8] = b"abcdefghijkmnpqrstuvwxyzABCDEFGHJKLMNPQRSTUVWXYZ23456789";
+    let password: String = (0..16)
+        .map(|_| ALPHABET[rand::random_range(0..ALPHABET.len())] as char)
+        .collect();
+    let hash = hash_password_async(password.clone()).await?;
+    if !store.replace_password(&user.id, &hash, true).await? {
+        return Err(AuthError::NoSuchUser(user.name.clone()));
+    }
+    Ok(password)
+}
+
 /// Creates the configured first admin when no account exists; `true` when it did.
 pub async fn ensure_initial_admin(
     store: &Store,
@@ -522,7 +537,14 @@ impl Accounts {
     /// in). `admin` (from the proxy's groups header, when configured) sets the role on every
     /// request, so a change of groups at the identity provider takes effect at once. A disabled
     /// account stays disabled.
-    pub async fn external_user(&self, name: &str, admin: Option<bool>) -> Result<User, AuthError> {
+    ///
+    /// Besides the account, says what changed, for the audit log: `Some("account made")`,
+    /// `Some("role changed to admin")` / `Some("role changed to user")`, or `None`.
+    pub async fn external_user(
+        &self,
+        name: &str,
+        admin: Option<bool>,
+    ) -> Result<(User, Option<&'static str>), AuthError> {
         check_name(name)?;
         let role = |admin: bool| {
             if admin {
@@ -531,6 +553,7 @@ impl Accounts {
                 UserRole::User
             }
         };
+        let mut made = false;
         let user = match self.store.user_by_name(name).await? {
             Some(user) => user,
             None => {
@@ -556,6 +579,7 @@ impl Accounts {
                 {
                     CreatedUser::Created { user, .. } => {
                         tracing::info!(user = %user.id, name, "account made for a trusted proxy's user");
+                        made = true;
                         user
                     }
                     // Made by a request beside this one.
@@ -570,12 +594,21 @@ impl Accounts {
         if user.disabled_at.is_some() {
             return Err(AuthError::Disabled);
         }
+        let made = made.then_some("account made");
         match admin {
             Some(admin) if user.is_admin() != admin => {
                 self.store.set_user_role(&user.id, role(admin)).await?;
-                Ok(self.store.user_by_id(&user.id).await?.unwrap_or(user))
+                let changed = if admin {
+                    "role changed to admin"
+                } else {
+                    "role changed to user"
+                };
+                Ok((
+                    self.store.user_by_id(&user.id).await?.unwrap_or(user),
+                    made.or(Some(changed)),
+                ))
             }
-            _ => Ok(user),
+            _ => Ok((user, made)),
         }
     }
 

@@ -293,6 +293,81 @@ impl Admin {
         Ok(code)
     }
 
+    /// Resets account `user_id`'s password to a random one, returned to be handed over once:
+    /// their sessions end, and their next sign-in must choose a new password before anything
+    /// else (as `smolchat user passwd --reset` does).
+    /// Returns the account's name and the new password.
+    pub async fn reset_password(&self, by: &Caller, user_id: &str) -> Result<(String, String)> {
+        let user = self
+            .accounts
+            .user(user_id)
+            .await
+            .map_err(crate::conversations::from_auth)?
+            .ok_or_else(|| ConversationError::NoSuch("no such user".into()))?;
+        let password = smolchat_auth::accounts::reset_password(&self.store, &user)
+            .await
+            .map_err(account_refusal)?;
+        tracing::info!(user = %user_id, "admin reset a password");
+        self.audit
+            .record_by(
+                by,
+                "admin.reset_password",
+                &format!("user:{}", user.name),
+                "must change at next sign-in",
+            )
+            .await;
+        Ok((user.name, password))
+    }
+
+    /// Invite links not yet used or expired, newest first.
+    pub async fn invites(&self) -> Result<Vec<smolchat_store::InviteRecord>> {
+        Ok(self.store.live_invites().await?)
+    }
+
+    /// Ends invite `id` (the SHA-256 of its code) before anyone uses it.
+    pub async fn revoke_invite(&self, by: &Caller, id: &str) -> Result<()> {
+        if !self.store.revoke_invite(id).await? {
+            return Err(ConversationError::NoSuch(
+                "no such invite: it was used, expired or revoked already".into(),
+            ));
+        }
+        let short: String = id.chars().take(12).collect();
+        self.audit
+            .record_by(by, "admin.revoke_invite", &format!("invite:{short}"), "")
+            .await;
+        Ok(())
+    }
+
+    /// Account `user_id`'s tokens and requests per UTC day, newest first, at most `days`
+    /// (counted on every replica; see [`crate::quotas`]).
+    pub async fn usage_history(
+        &self,
+        user_id: &str,
+        days: usize,
+    ) -> Result<(
+        smolchat_store::User,
+        Vec<(chrono::DateTime<chrono::Utc>, i64, i64)>,
+    )> {
+        let user = self
+            .accounts
+            .user(user_id)
+            .await
+            .map_err(crate::conversations::from_auth)?
+            .ok_or_else(|| ConversationError::NoSuch("no such user".into()))?;
+        let days = self
+            .store
+            .usage_history(
+                &format!("user:{user_id}"),
+                smolchat_store::Period::Day,
+                days,
+            )
+            .await?
+            .into_iter()
+            .map(|(day, u)| (day, u.tokens, u.events))
+            .collect();
+        Ok((user, days))
+    }
+
     /// Deletes the account `user_id` with all it owns (conversations, their replies stopped
     /// and caches dropped, folders, presets, keys, sessions), once `confirm` is its name.
     pub async fn delete_user(&self, by: &Caller, user_id: &str, confirm: &str) -> Result<()> {

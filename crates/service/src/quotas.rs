@@ -247,21 +247,6 @@ impl Quotas {
         }
         lines
     }
-
-    /// An account's tokens per day, newest first (usage over time, for the admin page).
-    pub async fn daily_history(
-        &self,
-        user_id: &str,
-        days: usize,
-    ) -> Result<Vec<(DateTime<Utc>, i64, i64)>, smolchat_store::StoreError> {
-        Ok(self
-            .store
-            .usage_history(&format!("user:{user_id}"), Period::Day, days)
-            .await?
-            .into_iter()
-            .map(|(day, u)| (day, u.tokens, u.events))
-            .collect())
-    }
 }
 
 #[cfg(test)]
@@ -315,7 +300,6 @@ mod tests {
         let lines = q.of_account("alice").await;
         let daily = lines.iter().find(|l| l.what == "daily").unwrap();
         assert_eq!((daily.used, daily.limit), (100, 100));
-        assert_eq!(q.daily_history("alice", 7).await.unwrap().len(), 1);
     }
 
     #[tokio::test]

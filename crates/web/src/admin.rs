@@ -144,6 +144,8 @@ struct AdminPage {
     account: String,
     /// The per-user limits and sign-up rules in force, as (setting, value, meaning).
     limits: Vec<(&'static str, String, &'static str)>,
+    /// Invite links not yet used: (id, made, expires).
+    invites: Vec<(String, String, String)>,
 }
 
 /// The configured per-user limits and sign-up rules, for the admin page: an operator who sees a
@@ -175,6 +177,26 @@ fn limits_view(
             "limits.tokens_per_minute_per_user",
             or_none(l.tokens_per_minute_per_user),
             "generated tokens per user per minute (more: 429)",
+        ),
+        (
+            "limits.tokens_per_day_per_user",
+            or_none(l.tokens_per_day_per_user),
+            "tokens per account per UTC day, all replicas together (more: 429)",
+        ),
+        (
+            "limits.tokens_per_month_per_user",
+            or_none(l.tokens_per_month_per_user),
+            "tokens per account per calendar month (more: 429)",
+        ),
+        (
+            "limits.tokens_per_day_per_key",
+            or_none(l.tokens_per_day_per_key),
+            "tokens per personal API key per UTC day (more: 429)",
+        ),
+        (
+            "limits.tokens_per_month_per_key",
+            or_none(l.tokens_per_month_per_key),
+            "tokens per personal API key per calendar month (more: 429)",
         ),
         (
             "limits.conversations_per_minute",
@@ -517,6 +539,20 @@ async fn dashboard(
         users: users_view(state, query.page).await?,
         limits: limits_view(state.platform.config()),
         account: owner.name().unwrap_or_default().to_string(),
+        invites: state
+            .platform
+            .admin()
+            .invites()
+            .await?
+            .into_iter()
+            .map(|i| {
+                (
+                    i.id,
+                    i.created_at.format("%Y-%m-%d %H:%M UTC").to_string(),
+                    i.expires_at.format("%Y-%m-%d %H:%M UTC").to_string(),
+                )
+            })
+            .collect(),
     })
 }
 
@@ -610,6 +646,78 @@ pub async fn create_invite(
         info.host()
     );
     html(&InviteMade { days, link })
+}
+
+#[derive(Template)]
+#[template(
+    source = "<p class=\"ok\" role=\"status\">New password for {{ name }}, shown only now (they must choose their own at their next sign-in): <input type=\"text\" readonly id=\"reset-password\" aria-label=\"New password\" value=\"{{ password }}\"></p>",
+    ext = "html"
+)]
+struct PasswordReset {
+    name: String,
+    password: String,
+}
+
+/// `POST /admin/users/{id}/reset-password`: a new random password for the account, shown once
+/// here; its sessions end and its next sign-in must choose a new one.
+pub async fn reset_password(
+    state: web::Data<AppState>,
+    owner: Owner,
+    req: HttpRequest,
+    path: web::Path<String>,
+) -> Result<HttpResponse, PageError> {
+    let by = require_admin(&state, &owner, &req).await?;
+    let (name, password) = state.platform.admin().reset_password(&by, &path).await?;
+    html(&PasswordReset { name, password })
+}
+
+/// `POST /admin/invites/{id}/revoke`: ends an invite link before it is used.
+pub async fn revoke_invite(
+    state: web::Data<AppState>,
+    owner: Owner,
+    req: HttpRequest,
+    path: web::Path<String>,
+) -> Result<HttpResponse, PageError> {
+    let by = require_admin(&state, &owner, &req).await?;
+    state.platform.admin().revoke_invite(&by, &path).await?;
+    Ok(HttpResponse::NoContent()
+        .insert_header(("HX-Refresh", "true"))
+        .finish())
+}
+
+#[derive(Template)]
+#[template(path = "admin_usage.html")]
+struct UsagePage {
+    csrf: String,
+    name: String,
+    /// (day, tokens, requests), newest first.
+    days: Vec<(String, i64, i64)>,
+    total: i64,
+    /// The largest day's tokens, for the bars' scale.
+    most: i64,
+}
+
+/// `GET /admin/users/{id}/usage`: an account's tokens and requests per day, the last 90 days.
+pub async fn user_usage(
+    state: web::Data<AppState>,
+    owner: Owner,
+    req: HttpRequest,
+    path: web::Path<String>,
+) -> Result<HttpResponse, PageError> {
+    require_admin(&state, &owner, &req).await?;
+    let (user, days) = state.platform.admin().usage_history(&path, 90).await?;
+    let total = days.iter().map(|d| d.1).fold(0i64, i64::saturating_add);
+    let most = days.iter().map(|d| d.1).max().unwrap_or(0).max(1);
+    html(&UsagePage {
+        csrf: csrf::token_for(&state.cookie_key, &owner.csrf_subject()),
+        name: user.name,
+        days: days
+            .into_iter()
+            .map(|(day, tokens, requests)| (day.format("%Y-%m-%d").to_string(), tokens, requests))
+            .collect(),
+        total,
+        most,
+    })
 }
 
 /// `POST /admin/users/{id}/delete`: deletes the account and all it owns, once confirmed with

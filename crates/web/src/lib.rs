@@ -338,8 +338,14 @@ pub fn routes(cfg: &mut web::ServiceConfig, chat_limit: BodyLimit) {
             .route("/c/{id}", web::delete().to(admin::delete))
             .route("/users", web::post().to(admin::create_user))
             .route("/invites", web::post().to(admin::create_invite))
+            .route("/invites/{id}/revoke", web::post().to(admin::revoke_invite))
             // Before `/users/{id}/{action}`, which would take "delete" for an action.
             .route("/users/{id}/delete", web::post().to(admin::delete_user))
+            .route(
+                "/users/{id}/reset-password",
+                web::post().to(admin::reset_password),
+            )
+            .route("/users/{id}/usage", web::get().to(admin::user_usage))
             .route("/users/{id}/{action}", web::post().to(admin::user_action))
             .route("/audit", web::get().to(admin::audit))
             .route("/audit.{format}", web::get().to(admin::audit_export)),

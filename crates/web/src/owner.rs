@@ -168,6 +168,27 @@ fn guests_off(api: bool, htmx: bool) -> actix_web::HttpResponse {
         .finish()
 }
 
+/// The answer to a session whose password an administrator reset, anywhere but the account
+/// page: go there and choose a new one.
+fn password_change_first(api: bool, htmx: bool) -> actix_web::HttpResponse {
+    const WHY: &str =
+        "an administrator reset your password: choose a new one at /account before going on";
+    if htmx {
+        return actix_web::HttpResponse::Forbidden()
+            .insert_header(("HX-Redirect", "/account"))
+            .content_type("text/plain; charset=utf-8")
+            .body(WHY);
+    }
+    if api {
+        return actix_web::HttpResponse::Forbidden().json(serde_json::json!({
+            "error": { "message": WHY, "type": "password_change_required" }
+        }));
+    }
+    actix_web::HttpResponse::SeeOther()
+        .insert_header(("Location", "/account"))
+        .finish()
+}
+
 /// Which routes a middleware instance wraps, which decides what a guest gets where guests are
 /// off. The gate is chosen where the route is registered (in [`super::routes`]), so no spelling
 /// of a path (percent-encoding, a doubled slash) can move a request from one to the other.
@@ -245,12 +266,22 @@ async fn trusted_header_user(
         ),
         _ => None,
     };
-    state
-        .platform
-        .accounts()
-        .external_user(name, admin)
-        .await
-        .map(Some)
+    let (user, changed) = state.platform.accounts().external_user(name, admin).await?;
+    // Every request carries the header: only what changes is worth a line in the audit log.
+    if let Some(what) = changed {
+        state
+            .platform
+            .audit()
+            .auth(
+                smolchat_service::audit::AuthEvent::ExternalSignIn {
+                    how: format!("trusted header, {what}"),
+                },
+                &user.name,
+                Some(client.address),
+            )
+            .await;
+    }
+    Ok(Some(user))
 }
 
 async fn attach_owner(
@@ -286,6 +317,17 @@ async fn attach_owner(
         },
         None => None,
     };
+    // An administrator reset the password: until a new one is chosen, only the account page
+    // (and signing out) is open to this session.
+    if let Some((user, _)) = &account {
+        let admin_page = gate == Gate::Open && req.path().starts_with("/admin");
+        if user.must_change_password && (gate != Gate::Open || admin_page) {
+            let htmx = req.headers().contains_key("HX-Request");
+            return Ok(req
+                .into_response(password_change_first(gate == Gate::Api, htmx))
+                .map_into_right_body());
+        }
+    }
     let (owner, minted) = match account {
         Some((user, session)) => (Owner::account(&user, address, session), false),
         None => match verified_owner(&req, &state.cookie_key, address, client.https) {
