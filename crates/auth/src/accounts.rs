@@ -487,6 +487,58 @@ impl Accounts {
         })
     }
 
+    /// Failed sign-ins one key may have per UTC minute on all replicas together: twice the
+    /// free failures of one replica's throttle, about what its doubling lockouts let through
+    /// in a minute, so N replicas give a guesser one replica's pace rather than N times it.
+    fn shared_failure_cap(&self, key: &ThrottleKey) -> i64 {
+        let free = match key {
+            ThrottleKey::Address(_) => self.config.throttle.free_per_address,
+            ThrottleKey::Subject(_) => self.config.throttle.free_per_subject,
+        };
+        i64::from(free.max(1)) * 2
+    }
+
+    /// Refused when a key's failures this minute, counted in the store by every replica, reach
+    /// [`Accounts::shared_failure_cap`]. A store that cannot answer does not refuse (logged):
+    /// the in-memory throttle still holds.
+    async fn shared_lockout(&self, keys: &[ThrottleKey]) -> Result<(), AuthError> {
+        let now = chrono::Utc::now();
+        for key in keys {
+            let failures = match self
+                .store
+                .usage(&key.counter_name(), smolchat_store::Period::Minute, now)
+                .await
+            {
+                Ok(u) => u.events,
+                Err(e) => {
+                    tracing::warn!("cannot read the shared sign-in failures: {e}");
+                    continue;
+                }
+            };
+            if failures >= self.shared_failure_cap(key) {
+                let left = smolchat_store::Period::Minute.end(now) - now;
+                return Err(AuthError::Throttled(crate::throttle::Lockout {
+                    by: match key {
+                        ThrottleKey::Address(_) => crate::LockedBy::Address,
+                        ThrottleKey::Subject(_) => crate::LockedBy::Subject,
+                    },
+                    retry_after: left.to_std().unwrap_or(Duration::from_secs(1)),
+                }));
+            }
+        }
+        Ok(())
+    }
+
+    /// Counts a failed sign-in against each key, in the store every replica reads.
+    async fn count_shared_failure(&self, keys: &[ThrottleKey]) {
+        let now = chrono::Utc::now();
+        for key in keys {
+            if let Err(e) = self.store.count_event(&key.counter_name(), now).await {
+                tracing::warn!("cannot count a failed sign-in for the other replicas: {e}");
+            }
+        }
+    }
+
     /// Signs in: refused while the address or the name is locked (before any password is
     /// looked at); a wrong name or password is [`AuthError::WrongCredentials`] either way, and so
     /// is a disabled account, right password or not (the answer must not confirm a password),
@@ -506,7 +558,9 @@ impl Accounts {
         self.throttle()
             .attempt(&keys, Instant::now())
             .map_err(AuthError::Throttled)?;
+        self.shared_lockout(&keys).await?;
         if password.len() > MAX_PASSWORD_BYTES {
+            self.count_shared_failure(&keys).await;
             return Err(AuthError::WrongCredentials);
         }
         let user = if check_name(name).is_ok() {
@@ -519,6 +573,7 @@ impl Accounts {
             .map_or_else(|| self.dummy_hash.clone(), |u| u.password_hash.clone());
         let right = verify_async(password.to_string(), hash).await?;
         let Some(user) = user.filter(|u| right && !u.is_disabled()) else {
+            self.count_shared_failure(&keys).await;
             return Err(AuthError::WrongCredentials);
         };
         self.throttle().success(&keys, Instant::now());
@@ -928,6 +983,50 @@ mod tests {
         assert!(verify_password("correct horse", &a));
         assert!(!verify_password("correct horsE", &a));
         assert!(!verify_password("correct horse", "not a hash"));
+    }
+
+    #[tokio::test]
+    async fn failed_sign_ins_count_across_replicas_sharing_a_store() {
+        // Three replicas: three services (each with its own in-memory throttle) on one store.
+        let store = Store::open("sqlite::memory:").await.unwrap();
+        let config = AccountsConfig {
+            throttle: ThrottlePolicy {
+                free_per_address: 100,
+                free_per_subject: 3,
+                base_lockout: Duration::from_secs(600),
+                ..ThrottlePolicy::default()
+            },
+            ..AccountsConfig::default()
+        };
+        let a = Accounts::new(store.clone(), b"key", config.clone()).unwrap();
+        let b = Accounts::new(store.clone(), b"key", config.clone()).unwrap();
+        let c = Accounts::new(store.clone(), b"key", config).unwrap();
+        add_user(&store, "carol", "carol's password", UserRole::User)
+            .await
+            .unwrap();
+        let ip = |n| IpAddr::V4(Ipv4Addr::new(10, 0, 0, n));
+        // In turn, each replica sees only two failures: under its own limit of three free ones,
+        // but six in all, the shared cap (twice the free failures).
+        let minute_start = chrono::Utc::now().timestamp() % 60;
+        if minute_start > 50 {
+            tokio::time::sleep(Duration::from_secs(61 - minute_start as u64)).await;
+        }
+        for n in 0..6u8 {
+            let replica = [&a, &b, &c][usize::from(n % 3)];
+            let e = replica.sign_in("carol", "wrong", ip(n)).await.unwrap_err();
+            assert!(matches!(e, AuthError::WrongCredentials), "{n}: {e}");
+        }
+        for replica in [&a, &b, &c] {
+            let e = replica
+                .sign_in("carol", "carol's password", ip(99))
+                .await
+                .unwrap_err();
+            let AuthError::Throttled(lockout) = e else {
+                panic!("not throttled: {e}");
+            };
+            assert_eq!(lockout.by, LockedBy::Subject);
+            assert!(lockout.retry_after_s() <= 60);
+        }
     }
 
     #[tokio::test]

@@ -73,6 +73,14 @@ impl ThrottleKey {
     }
 
     /// The key of a subject: the first 16 bytes of the name's SHA-256.
+    /// The name its failures are counted under in the store (shared by the replicas).
+    pub fn counter_name(&self) -> String {
+        match self {
+            ThrottleKey::Address(ip) => format!("login:address:{ip}"),
+            ThrottleKey::Subject(digest) => format!("login:subject:{}", crate::secret::hex(digest)),
+        }
+    }
+
     pub fn subject(name: impl AsRef<str>) -> ThrottleKey {
         use sha2::Digest;
         let digest = sha2::Sha256::digest(name.as_ref().as_bytes());
