@@ -153,6 +153,18 @@ pub struct SchedulerSection {
     pub max_running_per_user: usize,
     /// Wall-clock limit per request, in seconds (0: none).
     pub request_timeout_s: u64,
+    /// Speculative decoding: each decode verifies draft tokens found by prompt lookup (an
+    /// n-gram of the reply's last tokens earlier in the conversation), in the same step as
+    /// everyone else's work. Exact: greedy and seeded replies are the same token for token.
+    pub speculative: bool,
+    /// Most draft tokens one sequence verifies in a step.
+    pub draft_max: usize,
+    /// The longest and shortest n-gram looked up.
+    pub draft_ngram_max: usize,
+    pub draft_ngram_min: usize,
+    /// Drafts only in steps with at most this many decoding sequences (beyond it the step is
+    /// busy enough that extra positions cost more than they save).
+    pub draft_max_batch: usize,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -425,6 +437,11 @@ impl Default for SchedulerSection {
             max_queued_per_user: 16,
             max_running_per_user: 8,
             request_timeout_s: 600,
+            speculative: false,
+            draft_max: 8,
+            draft_ngram_max: 4,
+            draft_ngram_min: 2,
+            draft_max_batch: 8,
         }
     }
 }

@@ -256,6 +256,13 @@ impl Platform {
                     // Set by the scheduler from the engine it starts.
                     kv_capacity_blocks: 0,
                 },
+                speculative: smolchat_serving::SpecConfig {
+                    enabled: s.speculative,
+                    max_draft: s.draft_max,
+                    max_ngram: s.draft_ngram_max,
+                    min_ngram: s.draft_ngram_min,
+                    max_batch: s.draft_max_batch,
+                },
                 max_new_tokens: config.limits.max_new_tokens,
                 request_timeout: (s.request_timeout_s > 0)
                     .then(|| Duration::from_secs(s.request_timeout_s)),

@@ -176,6 +176,9 @@ pub struct StepPlan {
     pub decode: Vec<RequestId>,
     /// Prefilling requests and the most prompt tokens each may process in this step.
     pub prefill: Vec<(RequestId, usize)>,
+    /// Positions of the step's token budget left over, which decoding requests may fill with
+    /// draft tokens to verify (speculative decoding).
+    pub draft_budget: usize,
 }
 
 impl StepPlan {
@@ -200,6 +203,9 @@ pub struct ItemReport {
     pub preempted: bool,
     /// The request ended (finished, cancelled, failed); its slot is free.
     pub finished: bool,
+    /// Tokens generated in the step beyond the one a decoding request makes (accepted draft
+    /// tokens of speculative decoding): counted in the user's token usage too.
+    pub extra_generated: usize,
 }
 
 #[derive(Debug)]
@@ -483,6 +489,7 @@ impl Batcher {
             self.running.push(e);
             self.note_admission(&user);
         }
+        plan.draft_budget = budget;
         (!plan.is_empty()).then_some(plan)
     }
 
@@ -499,7 +506,7 @@ impl Batcher {
             if let Some(e) = self.running.iter().find(|e| e.id == r.id) {
                 let generated = e.phase == Phase::Decoding
                     || (e.phase == Phase::Prefilling && r.remaining_prefill == 0);
-                let used = u64::from(generated) + r.prefilled as u64;
+                let used = u64::from(generated) + r.prefilled as u64 + r.extra_generated as u64;
                 for key in [e.user.as_deref(), e.group.as_deref()]
                     .into_iter()
                     .flatten()
@@ -661,6 +668,7 @@ mod tests {
             id,
             remaining_prefill: remaining,
             finished,
+            extra_generated: 0,
         }
     }
 
@@ -855,6 +863,7 @@ mod tests {
                 prefilled: 20,
                 preempted: false,
                 finished: false,
+                extra_generated: 0,
             }],
             now,
         );
@@ -870,6 +879,7 @@ mod tests {
                 prefilled: 10,
                 preempted: false,
                 finished: true,
+                extra_generated: 0,
             }],
             now,
         );
@@ -990,6 +1000,7 @@ mod tests {
                 prefilled: 10,
                 preempted: true,
                 finished: false,
+                extra_generated: 0,
             },
         ]);
         assert_eq!(b.running(), 2);

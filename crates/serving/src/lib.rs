@@ -7,8 +7,10 @@ pub mod batcher;
 pub mod load;
 pub mod model;
 pub mod scheduler;
+pub mod speculate;
 pub mod types;
 
 pub use load::{LoadError, LoadOptions, LoadedModel};
 pub use scheduler::{SchedulerActor, SchedulerConfig};
+pub use speculate::SpecConfig;
 pub use types::*;

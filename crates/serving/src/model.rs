@@ -12,6 +12,7 @@ use std::time::Instant;
 use tokio::sync::{mpsc, oneshot};
 
 use super::batcher::{ItemReport, StepPlan};
+use crate::speculate::{DraftControl, PromptLookup, Proposer, SpecConfig};
 use uuid::Uuid;
 
 use super::types::{
@@ -74,6 +75,11 @@ pub struct StepReport {
     pub device_memory: Option<DeviceMemory>,
     /// How decode graphs have been used, on a backend that replays them.
     pub graphs: Option<GraphStats>,
+    /// Speculative decoding in this step: draft tokens verified, accepted, and the sequences
+    /// that verified drafts.
+    pub drafted_tokens: u64,
+    pub accepted_tokens: u64,
+    pub verifying_sequences: u64,
     /// The `Finished` events of requests that ended in this step, held back until the
     /// scheduler has applied the report ([`StepReport::deliver_finished`]): a client that sends
     /// its next request as soon as one ends then meets the token quota with this step counted.
@@ -110,6 +116,8 @@ struct Active {
     resume: Option<Vec<u32>>,
     /// An embedding request's pooling so far.
     pool: Option<PoolState>,
+    /// Its speculative drafting (see [`crate::speculate`]).
+    draft: DraftControl,
 }
 
 /// What an embedding request has pooled of the hidden states computed so far.
@@ -186,6 +194,7 @@ impl Active {
             completion_tokens: 0,
             resume: None,
             pool,
+            draft: DraftControl::default(),
         }
     }
 }
@@ -226,6 +235,11 @@ pub struct ModelWorker {
     mask_overlap: Option<bool>,
     /// `Finished` events of this step, sent with its report (see [`StepReport::finished`]).
     finished: Vec<(mpsc::UnboundedSender<GenEvent>, GenSummary)>,
+    /// Speculative decoding (off unless configured).
+    spec: SpecConfig,
+    /// Draft tokens verified and accepted since start (tests and benchmarks).
+    spec_drafted: u64,
+    spec_accepted: u64,
 }
 
 impl ModelWorker {
@@ -244,12 +258,21 @@ impl ModelWorker {
             device_memory: None,
             mask_overlap: None,
             finished: Vec::new(),
+            spec: SpecConfig::default(),
+            spec_drafted: 0,
+            spec_accepted: 0,
         }
     }
 
     /// Draws every token on the host, from logits brought back, even where the backend draws
     /// on its device (which orders a seeded draw's candidates otherwise: see
     /// `Sampler::device_draw`). For comparisons across tiers.
+    /// Verifies draft tokens with every decode where it pays (see [`crate::speculate`]).
+    pub fn with_speculation(mut self, spec: SpecConfig) -> Self {
+        self.spec = spec;
+        self
+    }
+
     pub fn sample_on_host(mut self) -> Self {
         self.host_sampling = true;
         self
@@ -750,6 +773,7 @@ impl ModelWorker {
                 prefilled: 0,
                 remaining_prefill: 0,
                 finished: true,
+                extra_generated: 0,
             });
         }
         // Listeners that went away cancel their request now.
@@ -767,6 +791,7 @@ impl ModelWorker {
                 prefilled: 0,
                 remaining_prefill: 0,
                 finished: true,
+                extra_generated: 0,
             });
         }
         for &(id, _) in &plan.prefill {
@@ -780,13 +805,58 @@ impl ModelWorker {
 
         // Build the engine step. Token buffers are owned here so the step can borrow them.
         let mut work: Vec<(RequestId, SeqId, Vec<u32>, bool)> = Vec::new();
+        // Speculation: draft tokens only in steps without prompt work (a prefill already makes
+        // the step compute-bound) and with few decoding sequences, within the step's spare
+        // token budget and each sequence's window.
+        let window_now = self.context_window.min(self.kv_capacity_tokens());
+        let mut draft_budget = if self.spec.enabled
+            && plan.prefill.is_empty()
+            && plan.decode.len() <= self.spec.max_batch
+        {
+            plan.draft_budget
+        } else {
+            0
+        };
+        let lookup = PromptLookup {
+            max_ngram: self.spec.max_ngram,
+            min_ngram: self.spec.min_ngram,
+        };
+        let mut drafts: HashMap<RequestId, Vec<u32>> = HashMap::new();
         for &id in &plan.decode {
-            if let Some(a) = self.active.get(&id) {
-                if let (Some(seq), Some(tok)) = (a.seq, a.last_token) {
-                    work.push((id, seq, vec![tok], true));
+            let Some(a) = self.active.get_mut(&id) else {
+                continue;
+            };
+            let (Some(seq), Some(tok)) = (a.seq, a.last_token) else {
+                continue;
+            };
+            let mut tokens = vec![tok];
+            if draft_budget > 0 && a.pool.is_none() && a.generation.is_some() {
+                if let Ok(cached) = self.engine.cached_tokens(seq) {
+                    // Room in the window after this step's own token.
+                    let room = window_now.saturating_sub(cached.len() + 2);
+                    let most = room.min(draft_budget);
+                    let max = if most > 0 {
+                        a.draft.draft_len(self.spec.max_draft).min(most)
+                    } else {
+                        0
+                    };
+                    if max > 0 {
+                        let mut history = Vec::with_capacity(cached.len() + 1);
+                        history.extend_from_slice(cached);
+                        history.push(tok);
+                        let proposed = lookup.propose(&history, max);
+                        if !proposed.is_empty() {
+                            draft_budget -= proposed.len();
+                            tokens.extend_from_slice(&proposed);
+                            drafts.insert(id, proposed);
+                        }
+                    }
                 }
             }
+            work.push((id, seq, tokens, true));
         }
+        // Accepted draft tokens per request (beyond the one token a decode makes).
+        let mut extra: HashMap<RequestId, usize> = HashMap::new();
         // Prompt tokens each request computes in this step (charged to its user's usage).
         let mut prefilled: HashMap<RequestId, usize> = HashMap::new();
         for &(id, max) in &plan.prefill {
@@ -855,6 +925,7 @@ impl ModelWorker {
                             preempted: false,
                             remaining_prefill: 0,
                             finished: true,
+                            extra_generated: 0,
                         });
                     }
                     _ => failed.push((
@@ -876,6 +947,7 @@ impl ModelWorker {
                 preempted: true,
                 remaining_prefill: remaining,
                 finished: false,
+                extra_generated: 0,
             });
         }
         if !work.is_empty() {
@@ -895,22 +967,28 @@ impl ModelWorker {
                         return None;
                     }
                     let generation = self.active.get_mut(id)?.generation.as_mut()?;
-                    // Log-probabilities and grammars need the logits on the host.
-                    (on_device && *want && !generation.needs_host_logits())
-                        .then(|| device_sampling(generation.device_draw()))
+                    // Log-probabilities, grammars and draft verification need the logits on the
+                    // host.
+                    (on_device
+                        && *want
+                        && !generation.needs_host_logits()
+                        && !drafts.contains_key(id))
+                    .then(|| device_sampling(generation.device_draw()))
                 })
                 .collect();
             let steps: Vec<SeqStep<'_>> = work
                 .iter()
                 .zip(&draws)
                 .zip(&embeds)
-                .map(|(((_, seq, toks, want), draw), &embed)| SeqStep {
+                .map(|(((id, seq, toks, want), draw), &embed)| SeqStep {
                     seq: *seq,
                     tokens: toks,
                     logits: match (embed, want, draw) {
                         (true, ..) => LogitsMode::Hidden,
                         (false, false, _) => LogitsMode::None,
                         (false, true, Some(_)) => LogitsMode::Sample,
+                        // A decode with drafts: every position's logits, to verify them.
+                        (false, true, None) if drafts.contains_key(id) => LogitsMode::All,
                         (false, true, None) => LogitsMode::Last,
                     },
                 })
@@ -968,6 +1046,7 @@ impl ModelWorker {
                                     prefilled: prefilled.get(id).copied().unwrap_or(0),
                                     remaining_prefill: 0,
                                     finished: true,
+                                    extra_generated: 0,
                                 });
                             }
                         }
@@ -985,6 +1064,88 @@ impl ModelWorker {
                             continue;
                         };
                         let vocab = logits.vocab();
+                        if let Some(d) = drafts.get(id) {
+                            // Rows 0..=k, drawn in order as plain decoding would draw them; a
+                            // draft stands while the draw before it equals it.
+                            let k = d.len();
+                            let past = cached.saturating_sub(k + 1);
+                            let Some(rows) = logits.get_mut(i) else {
+                                continue;
+                            };
+                            let mut accepted = 0;
+                            let mut ended = None;
+                            for (j, row) in rows.chunks_mut(vocab.max(1)).take(k + 1).enumerate() {
+                                let Some(generation) = a.generation.as_mut() else {
+                                    break;
+                                };
+                                let outcome =
+                                    generation.next_token_within(row, past + 1 + j, window);
+                                if let Some(t) = generation.take_mask_time() {
+                                    metrics::histogram!("smolchat_grammar_mask_seconds")
+                                        .record(t.as_secs_f64());
+                                }
+                                match outcome {
+                                    Ok(outcome) => {
+                                        let token = outcome.token;
+                                        if let Some(reason) = deliver(a, outcome, &mut report) {
+                                            ended = Some(Ok(reason));
+                                            break;
+                                        }
+                                        if j < k && token == d[j] {
+                                            accepted += 1;
+                                        } else {
+                                            break;
+                                        }
+                                    }
+                                    Err(e) => {
+                                        ended = Some(Err(e.to_string()));
+                                        break;
+                                    }
+                                }
+                            }
+                            a.draft.record(k, accepted);
+                            self.spec_drafted += k as u64;
+                            self.spec_accepted += accepted as u64;
+                            report.drafted_tokens += k as u64;
+                            report.accepted_tokens += accepted as u64;
+                            report.verifying_sequences += 1;
+                            metrics::counter!("smolchat_spec_drafted_tokens_total")
+                                .increment(k as u64);
+                            metrics::counter!("smolchat_spec_accepted_tokens_total")
+                                .increment(accepted as u64);
+                            if accepted > 0 {
+                                extra.insert(*id, accepted);
+                            }
+                            match ended {
+                                Some(Ok(reason)) => {
+                                    let id = *id;
+                                    self.finish(id, reason);
+                                    report.items.push(ItemReport {
+                                        preempted: false,
+                                        id,
+                                        prefilled: 0,
+                                        remaining_prefill: 0,
+                                        finished: true,
+                                        extra_generated: 0,
+                                    });
+                                }
+                                Some(Err(e)) => failed.push((*id, e)),
+                                None => {
+                                    // The rejected drafts' positions go; the last drawn token is
+                                    // the next step's input.
+                                    let keep = past + 1 + accepted;
+                                    match self.engine.truncate(*seq, keep) {
+                                        Ok(kept) if kept == keep => {}
+                                        Ok(kept) => failed.push((
+                                            *id,
+                                            format!("the KV cache kept {kept} of {keep} positions after verifying drafts"),
+                                        )),
+                                        Err(e) => failed.push((*id, e.to_string())),
+                                    }
+                                }
+                            }
+                            continue;
+                        }
                         let outcome = match (draws[i].is_some(), logits.token(i)) {
                             (true, Some(NO_TOKEN)) | (true, None) => Err(
                                 "no token has a usable logit (all are NaN or -inf); the model \
@@ -1013,30 +1174,7 @@ impl ModelWorker {
                         };
                         match outcome {
                             Ok(outcome) => {
-                                a.first_token.get_or_insert_with(Instant::now);
-                                if outcome.finished
-                                    != Some(
-                                        smolchat_text::generation::FinishReason::EndOfGeneration,
-                                    )
-                                {
-                                    a.completion_tokens += 1;
-                                    report.generated_tokens += 1;
-                                }
-                                a.last_token = Some(outcome.token);
-                                let text = outcome.text;
-                                let finished = outcome.finished.map(StopReason::from);
-                                // An end-of-generation token is not output; only text it
-                                // flushed (a held-back character or stop-string prefix) is.
-                                let is_eog = finished == Some(StopReason::EndOfGeneration);
-                                if !is_eog || !text.is_empty() {
-                                    let _ = a.request.events.send(GenEvent::Token {
-                                        token: outcome.token,
-                                        text,
-                                        // The end-of-generation token is not output.
-                                        logprobs: outcome.logprobs.filter(|_| !is_eog),
-                                    });
-                                }
-                                if let Some(reason) = finished {
+                                if let Some(reason) = deliver(a, outcome, &mut report) {
                                     let id = *id;
                                     self.finish(id, reason);
                                     report.items.push(ItemReport {
@@ -1045,6 +1183,7 @@ impl ModelWorker {
                                         prefilled: prefilled.get(&id).copied().unwrap_or(0),
                                         remaining_prefill: 0,
                                         finished: true,
+                                        extra_generated: 0,
                                     });
                                 }
                             }
@@ -1079,6 +1218,7 @@ impl ModelWorker {
                     prefilled: prefilled.get(&id).copied().unwrap_or(0),
                     remaining_prefill: 0,
                     finished: true,
+                    extra_generated: 0,
                 });
             }
         }
@@ -1104,6 +1244,7 @@ impl ModelWorker {
                         None => a.resume.as_ref().map_or(a.request.prompt.len(), Vec::len),
                     },
                     finished: false,
+                    extra_generated: 0,
                 }),
                 None => report.items.push(ItemReport {
                     preempted: false,
@@ -1111,8 +1252,12 @@ impl ModelWorker {
                     prefilled: prefilled.get(&id).copied().unwrap_or(0),
                     remaining_prefill: 0,
                     finished: true,
+                    extra_generated: 0,
                 }),
             }
+        }
+        for item in &mut report.items {
+            item.extra_generated = extra.get(&item.id).copied().unwrap_or(0);
         }
         report.step_ms = start.elapsed().as_secs_f64() * 1e3;
         report.kv_bytes = self.engine.total_kv_bytes();
@@ -1139,6 +1284,34 @@ impl ModelWorker {
 
 /// The engine's form of a generation's device draw (the one place the two meet: the text crate
 /// knows no engine).
+/// Sends one drawn token's output to the request's listener and counts it; returns why the
+/// reply ended, if this token ended it. The one place a generated token leaves the worker.
+fn deliver(
+    a: &mut Active,
+    outcome: smolchat_text::generation::TokenOutcome,
+    report: &mut StepReport,
+) -> Option<StopReason> {
+    a.first_token.get_or_insert_with(Instant::now);
+    if outcome.finished != Some(smolchat_text::generation::FinishReason::EndOfGeneration) {
+        a.completion_tokens += 1;
+        report.generated_tokens += 1;
+    }
+    a.last_token = Some(outcome.token);
+    let text = outcome.text;
+    let finished = outcome.finished.map(StopReason::from);
+    // An end-of-generation token is not output; only text it flushed (a held-back character or
+    // stop-string prefix) is.
+    let is_eog = finished == Some(StopReason::EndOfGeneration);
+    if !is_eog || !text.is_empty() {
+        let _ = a.request.events.send(GenEvent::Token {
+            token: outcome.token,
+            text,
+            logprobs: outcome.logprobs.filter(|_| !is_eog),
+        });
+    }
+    finished
+}
+
 pub fn device_sampling(draw: DeviceDraw) -> DeviceSampling {
     DeviceSampling {
         row: SampleRow {
@@ -1951,6 +2124,142 @@ mod tests {
 
     /// A grammar's masks give the same reply whether they are computed during the forward
     /// pass (as on a GPU) or when each token is drawn, and the reply matches the grammar.
+    fn speculative(w: ModelWorker) -> ModelWorker {
+        w.with_speculation(SpecConfig {
+            enabled: true,
+            ..SpecConfig::default()
+        })
+    }
+
+    /// Prompts of eight conversations, some repeating themselves (lookups find drafts there),
+    /// some not.
+    fn mixed_prompts() -> Vec<(Vec<u32>, usize)> {
+        let mut prompts = Vec::new();
+        for i in 0..8u32 {
+            let prompt: Vec<u32> = if i % 2 == 0 {
+                // A phrase said three times: what follows is likely said again.
+                let phrase: Vec<u32> = (0..6).map(|t| 100 + 7 * i + t).collect();
+                phrase
+                    .iter()
+                    .chain(&phrase)
+                    .chain(&phrase)
+                    .copied()
+                    .collect()
+            } else {
+                (0..20).map(|t| 300 + 13 * i + 3 * t).collect()
+            };
+            prompts.push((prompt, 40 + 4 * i as usize));
+        }
+        prompts
+    }
+
+    #[test]
+    fn greedy_replies_are_the_same_with_speculation_and_drafts_are_accepted() {
+        let requests = mixed_prompts();
+        let greedy = SamplingParams::greedy();
+        let (plain, _) = drive_with(&mut worker(), &requests, &greedy);
+        let mut w = speculative(worker());
+        let (spec, _) = drive_with(&mut w, &requests, &greedy);
+        assert_eq!(plain, spec, "the same tokens, request by request");
+        println!(
+            "greedy, 8 conversations: {} drafted, {} accepted",
+            w.spec_drafted, w.spec_accepted
+        );
+        assert!(w.spec_drafted > 0, "drafts were verified");
+        assert!(
+            w.spec_accepted > 0,
+            "some drafts were accepted ({} drafted)",
+            w.spec_drafted
+        );
+        // One request alone too (the batch of one, where speculation pays most).
+        let (alone, _) = drive_with(&mut worker(), &requests[..1], &greedy);
+        let (alone_spec, _) = drive_with(&mut speculative(worker()), &requests[..1], &greedy);
+        assert_eq!(alone, alone_spec);
+    }
+
+    #[test]
+    fn sampling_with_speculation_keeps_the_distribution() {
+        // Many seeded draws of one repetitive prompt, with and without speculation. Drawing
+        // each row from the model's own distribution and keeping a draft only when the draw
+        // equals it is the rejection rule for a draft of probability 1, so the distribution is
+        // the model's, and seeded replies are even the same token for token.
+        let (prompt, _) = mixed_prompts()[0].clone();
+        let mut plain_hist: HashMap<(usize, u32), u32> = HashMap::new();
+        let mut spec_hist: HashMap<(usize, u32), u32> = HashMap::new();
+        let mut same = 0;
+        let mut total = 0;
+        let mut w_plain = worker();
+        // Single-token lookups too: sampled replies repeat themselves less than greedy ones.
+        let mut w_spec = worker().with_speculation(SpecConfig {
+            enabled: true,
+            min_ngram: 1,
+            ..SpecConfig::default()
+        });
+        for batch in 0..20u64 {
+            let params = SamplingParams {
+                temperature: 0.35,
+                top_k: 0,
+                top_p: 1.0,
+                seed: Some(1000 + batch),
+                ..SamplingParams::greedy()
+            };
+            let requests: Vec<(Vec<u32>, usize)> = (0..8u32)
+                .map(|i| {
+                    let mut p = prompt.clone();
+                    // A different last token per request, so the eight differ.
+                    p.push(500 + i);
+                    (p, 10)
+                })
+                .collect();
+            let (a, _) = drive_with(&mut w_plain, &requests, &params);
+            let (b, _) = drive_with(&mut w_spec, &requests, &params);
+            for ((ta, _), (tb, _)) in a.iter().zip(&b) {
+                total += 1;
+                same += u32::from(ta == tb);
+                for (pos, t) in ta.iter().enumerate() {
+                    *plain_hist.entry((pos, *t)).or_default() += 1;
+                }
+                for (pos, t) in tb.iter().enumerate() {
+                    *spec_hist.entry((pos, *t)).or_default() += 1;
+                }
+            }
+        }
+        assert!(
+            w_spec.spec_drafted > 0 && w_spec.spec_accepted > 0,
+            "drafts were verified ({}) and some accepted ({})",
+            w_spec.spec_drafted,
+            w_spec.spec_accepted
+        );
+        // Total variation distance per position, over the 160 draws.
+        for pos in 0..10 {
+            let keys: std::collections::HashSet<u32> = plain_hist
+                .keys()
+                .chain(spec_hist.keys())
+                .filter(|k| k.0 == pos)
+                .map(|k| k.1)
+                .collect();
+            let tv: f64 = keys
+                .iter()
+                .map(|t| {
+                    let a = f64::from(*plain_hist.get(&(pos, *t)).unwrap_or(&0));
+                    let b = f64::from(*spec_hist.get(&(pos, *t)).unwrap_or(&0));
+                    (a - b).abs()
+                })
+                .sum::<f64>()
+                / 2.0
+                / f64::from(total);
+            assert!(tv < 0.1, "position {pos}: total variation {tv}");
+        }
+        println!(
+            "sampled: {same} of {total} seeded replies equal; {} drafted, {} accepted",
+            w_spec.spec_drafted, w_spec.spec_accepted
+        );
+        assert!(
+            f64::from(same) / f64::from(total) > 0.95,
+            "{same} of {total} seeded replies equal"
+        );
+    }
+
     #[test]
     fn grammar_masks_computed_during_the_step_give_the_same_reply() {
         let reply = |overlap: bool| -> (String, Vec<StopReason>) {

@@ -26,6 +26,8 @@ pub struct SchedulerConfig {
     pub max_new_tokens: usize,
     /// Default wall-clock limit per request.
     pub request_timeout: Option<Duration>,
+    /// Speculative decoding (see [`crate::speculate`]).
+    pub speculative: crate::speculate::SpecConfig,
 }
 
 /// Clears its flag when dropped: held by the model thread for its whole life, so the flag says
@@ -63,9 +65,10 @@ impl SchedulerActor {
         cfg.batcher.kv_capacity_blocks = engine.kv_capacity_blocks();
         let kv_budget_bytes = engine.kv_capacity_blocks() * engine.kv_block_bytes();
         let window = cfg.batcher.context_window;
+        let spec = cfg.speculative;
         SchedulerActor::create(move |ctx| {
             let addr = ctx.address();
-            let worker = ModelWorker::new(engine, tokenizer, window);
+            let worker = ModelWorker::new(engine, tokenizer, window).with_speculation(spec);
             let model_alive = Arc::new(AtomicBool::new(true));
             let guard = AliveGuard(Arc::clone(&model_alive));
             let spawned = std::thread::Builder::new()
@@ -208,6 +211,9 @@ impl Handler<StepDone> for SchedulerActor {
         s.generated_tokens += r.generated_tokens;
         s.prefilled_tokens += r.prefilled_tokens;
         s.reused_tokens += r.reused_tokens;
+        s.drafted_tokens += r.drafted_tokens;
+        s.accepted_draft_tokens += r.accepted_tokens;
+        s.verifying_steps += r.verifying_sequences;
         s.kv_bytes = r.kv_bytes;
         s.cached_sequences = r.cached_sequences;
         s.evictions = r.evictions;

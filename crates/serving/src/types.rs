@@ -216,6 +216,11 @@ pub struct SchedulerStats {
     pub device_memory: Option<DeviceMemory>,
     /// How decode graphs have been used, when the backend replays them.
     pub graphs: Option<GraphStats>,
+    /// Speculative decoding since start: draft tokens verified and accepted, and the
+    /// (sequence, step) pairs that verified drafts.
+    pub drafted_tokens: u64,
+    pub accepted_draft_tokens: u64,
+    pub verifying_steps: u64,
 }
 
 /// What a cache key (a conversation) is doing right now, for the admin page.

@@ -73,6 +73,10 @@ pub struct EngineView {
     pub gpu_memory: String,
     /// How decode graphs have been used (empty without graphs).
     pub graphs: String,
+    /// Speculative decoding: acceptance and tokens per verifying step (empty when nothing was
+    /// drafted).
+    pub speculation: String,
+    pub speculation_sub: String,
 }
 
 pub struct AdminRow {
@@ -446,6 +450,24 @@ fn render_live(
             gpu_used_percent,
             gpu_memory,
             graphs: graphs_view(stats.graphs),
+            speculation: if stats.drafted_tokens > 0 {
+                format!(
+                    "{:.0}%",
+                    100.0 * stats.accepted_draft_tokens as f64 / stats.drafted_tokens as f64
+                )
+            } else {
+                String::new()
+            },
+            speculation_sub: if stats.verifying_steps > 0 {
+                format!(
+                    "accepted · {:.2} tokens per verifying step · {} drafted",
+                    (stats.accepted_draft_tokens + stats.verifying_steps) as f64
+                        / stats.verifying_steps as f64,
+                    stats.drafted_tokens
+                )
+            } else {
+                String::new()
+            },
         },
         replicas,
         rows,

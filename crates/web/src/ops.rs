@@ -62,6 +62,14 @@ fn describe() {
         "smolchat_prefilled_tokens_total",
         "Prompt tokens computed (cached prefixes excluded)"
     );
+    describe_counter!(
+        "smolchat_spec_drafted_tokens_total",
+        "Draft tokens verified by speculative decoding (scheduler.speculative)"
+    );
+    describe_counter!(
+        "smolchat_spec_accepted_tokens_total",
+        "Draft tokens the model confirmed (each one a token generated without a step of its own)"
+    );
     describe_gauge!("smolchat_kv_bytes", Unit::Bytes, "KV cache memory in use");
     describe_gauge!(
         "smolchat_kv_budget_bytes",

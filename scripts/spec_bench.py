@@ -1,0 +1,224 @@
+#!/usr/bin/env python3
+"""Speculative decoding, end to end through the server: decode speed with
+`scheduler.speculative` off and on, on three workloads, at 1 and 8 concurrent conversations.
+
+  rewrite   rewrite a given code file with one small change (the reply copies the file)
+  document  answer about a quoted document by quoting it
+  chat      free chat (little to copy)
+
+Each workload runs greedily (temperature 0) on a fresh server per setting, so the replies of
+both settings must be identical; the script checks that and reports completion tokens per
+second (all conversations together, wall time from the first request to the last reply) and
+the server's draft counters. Usage:
+
+  scripts/spec_bench.py --binary target/release/smolchat --model models/SmolLM2-135M-Instruct.Q4_1.gguf \
+      [--threads 2] [--clients 1,8] [--max-tokens 160] [--out bench.json]
+"""
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+
+CODE = '''import math
+
+
+def add(a, b):
+    """Returns the sum of a and b."""
+    return a + b
+
+
+def area_of_circle(radius):
+    """The area of a circle of the given radius."""
+    return math.pi * radius * radius
+
+
+def mean(values):
+    """The arithmetic mean of a non-empty list."""
+    total = 0
+    for v in values:
+        total = add(total, v)
+    return total / len(values)
+
+
+def clamp(x, low, high):
+    """x, kept between low and high."""
+    if x < low:
+        return low
+    if x > high:
+        return high
+    return x
+'''
+
+DOCUMENT = (
+    "The harbour of Port Ellis was built in 1871 to shelter the herring fleet. "
+    "Its breakwater, four hundred metres of granite, was paid for by a tax on every barrel landed. "
+    "In 1923 a storm broke the outer wall, and the town rebuilt it in concrete within two years. "
+    "Today the harbour holds pleasure boats, a lifeboat station and a small fish market on Saturdays. "
+    "The lighthouse at the end of the breakwater still works, though it has been automatic since 1981."
+)
+
+WORKLOADS = {
+    "rewrite": (
+        "Rewrite this Python file with the function `add` renamed to `plus` everywhere. "
+        "Change nothing else and answer with the whole file only.\n\n```python\n" + CODE + "```"
+    ),
+    "document": (
+        "Here is a document:\n\n" + DOCUMENT + "\n\nQuote, word for word, every sentence of the "
+        "document that mentions the breakwater or the harbour wall."
+    ),
+    "chat": "Tell me a short story about a cat who learns to sail.",
+}
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(binary, model, threads, speculative, workdir):
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SMOLCHAT_")}
+    env.update(
+        {
+            "SMOLCHAT_SCHEDULER__SPECULATIVE": "true" if speculative else "false",
+            "SMOLCHAT_MODEL__THREADS": str(threads),
+            "SMOLCHAT_LIMITS__TOKENS_PER_MINUTE_PER_USER": "0",
+            "SMOLCHAT_SCHEDULER__MAX_QUEUED_PER_USER": "0",
+            "SMOLCHAT_SCHEDULER__MAX_RUNNING_PER_USER": "0",
+            "SMOLCHAT_LOG": "warn",
+        }
+    )
+    db = os.path.join(workdir, f"db-{port}.sqlite")
+    log = open(os.path.join(workdir, f"server-{port}.log"), "w")
+    proc = subprocess.Popen(
+        [binary, "serve", "--bind", f"127.0.0.1:{port}", "--database-url", f"sqlite://{db}", "--model", model],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=log,
+    )
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        try:
+            with urllib.request.urlopen(base + "/readyz", timeout=2) as r:
+                if r.status == 200:
+                    return proc, base
+        except Exception:
+            time.sleep(0.2)
+    proc.kill()
+    sys.exit(f"the server did not start; see {log.name}")
+
+
+def ask(base, prompt, max_tokens, user):
+    body = json.dumps(
+        {
+            "messages": [{"role": "user", "content": prompt}],
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "user": user,
+        }
+    ).encode()
+    req = urllib.request.Request(
+        base + "/v1/chat/completions", data=body, headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=600) as r:
+        answer = json.load(r)
+    return answer["choices"][0]["message"]["content"], answer["usage"]["completion_tokens"]
+
+
+def metric(base, name):
+    with urllib.request.urlopen(base + "/metrics", timeout=10) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith(name + " ") or line.startswith(name + "{"):
+                return float(line.split()[-1])
+    return 0.0
+
+
+def run(base, prompt, clients, max_tokens):
+    results = [None] * clients
+
+    def one(i):
+        # A different first line per conversation, so none is served from another's cache.
+        results[i] = ask(base, f"(conversation {i})\n" + prompt, max_tokens, f"bench-{i}")
+
+    start = time.time()
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.time() - start
+    tokens = sum(r[1] for r in results)
+    return {"wall_s": round(wall, 3), "tokens": tokens, "tokens_per_s": round(tokens / wall, 1)}, [r[0] for r in results]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--binary", required=True)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--clients", default="1,8")
+    ap.add_argument("--max-tokens", type=int, default=160)
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    clients = [int(c) for c in args.clients.split(",")]
+    report = {"threads": args.threads, "max_tokens": args.max_tokens, "rows": []}
+    with tempfile.TemporaryDirectory() as work:
+        texts = {}
+        for speculative in (False, True):
+            proc, base = start(args.binary, args.model, args.threads, speculative, work)
+            try:
+                ask(base, "Hi", 4, "warm-up")
+                for name, prompt in WORKLOADS.items():
+                    for n in clients:
+                        before = (
+                            metric(base, "smolchat_spec_drafted_tokens_total"),
+                            metric(base, "smolchat_spec_accepted_tokens_total"),
+                        )
+                        row, replies = run(base, prompt, n, args.max_tokens)
+                        after = (
+                            metric(base, "smolchat_spec_drafted_tokens_total"),
+                            metric(base, "smolchat_spec_accepted_tokens_total"),
+                        )
+                        row.update(
+                            {
+                                "workload": name,
+                                "clients": n,
+                                "speculative": speculative,
+                                "drafted": int(after[0] - before[0]),
+                                "accepted": int(after[1] - before[1]),
+                            }
+                        )
+                        report["rows"].append(row)
+                        key = (name, n)
+                        if speculative:
+                            row["same_replies"] = texts.get(key) == replies
+                        else:
+                            texts[key] = replies
+                        print(json.dumps(row), flush=True)
+            finally:
+                proc.terminate()
+                proc.wait(timeout=30)
+    # Side by side.
+    for name in WORKLOADS:
+        for n in clients:
+            off = next(r for r in report["rows"] if r["workload"] == name and r["clients"] == n and not r["speculative"])
+            on = next(r for r in report["rows"] if r["workload"] == name and r["clients"] == n and r["speculative"])
+            ratio = on["tokens_per_s"] / off["tokens_per_s"] if off["tokens_per_s"] else 0
+            print(f"{name:9} {n:2} conv: off {off['tokens_per_s']:7.1f} tok/s, on {on['tokens_per_s']:7.1f} tok/s, "
+                  f"x{ratio:.2f}, accepted {on['accepted']}/{on['drafted']}, same replies: {on.get('same_replies')}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
