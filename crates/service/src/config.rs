@@ -441,7 +441,7 @@ impl Default for SchedulerSection {
             draft_max: 8,
             draft_ngram_max: 4,
             draft_ngram_min: 2,
-            draft_max_batch: 8,
+            draft_max_batch: 2,
         }
     }
 }

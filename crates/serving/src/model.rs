@@ -2124,9 +2124,11 @@ mod tests {
 
     /// A grammar's masks give the same reply whether they are computed during the forward
     /// pass (as on a GPU) or when each token is drawn, and the reply matches the grammar.
+    /// Speculation on, in batches of up to eight too (the default keeps it to small batches).
     fn speculative(w: ModelWorker) -> ModelWorker {
         w.with_speculation(SpecConfig {
             enabled: true,
+            max_batch: 8,
             ..SpecConfig::default()
         })
     }
@@ -2193,6 +2195,7 @@ mod tests {
         let mut w_spec = worker().with_speculation(SpecConfig {
             enabled: true,
             min_ngram: 1,
+            max_batch: 8,
             ..SpecConfig::default()
         });
         for batch in 0..20u64 {

@@ -41,7 +41,7 @@ impl Default for SpecConfig {
             max_draft: 8,
             max_ngram: 4,
             min_ngram: 2,
-            max_batch: 8,
+            max_batch: 2,
         }
     }
 }
