@@ -2180,6 +2180,25 @@ mod tests {
     }
 
     #[test]
+    fn the_fast_tier_verifies_drafts_with_the_same_replies() {
+        // The GPU's fast tier, run by its kernels' CPU twins: every position's logits of a
+        // decode with drafts, and the truncation after it, give the replies plain decoding
+        // gives.
+        let requests = mixed_prompts();
+        let greedy = SamplingParams::greedy();
+        let (plain, _) = drive_with(&mut fast_tier_worker(None), &requests, &greedy);
+        let mut w = speculative(fast_tier_worker(None));
+        let (spec, _) = drive_with(&mut w, &requests, &greedy);
+        assert_eq!(plain, spec);
+        assert!(
+            w.spec_drafted > 0 && w.spec_accepted > 0,
+            "{} / {}",
+            w.spec_accepted,
+            w.spec_drafted
+        );
+    }
+
+    #[test]
     fn sampling_with_speculation_keeps_the_distribution() {
         // Many seeded draws of one repetitive prompt, with and without speculation. Drawing
         // each row from the model's own distribution and keeping a draft only when the draw
