@@ -88,4 +88,29 @@ async fn replies_are_the_same_with_speculation_and_drafts_are_counted() {
         "{}",
         live.text
     );
+
+    // Per conversation: a conversation's turn that copies shows its acceptance in its row.
+    let c = on.client();
+    let id = c
+        .create(json!({"temperature": 0, "max_tokens": 96, "thinking": false}))
+        .await;
+    c.chat(&id, &rewrite).await;
+    let live = admin.get("/admin/live").await;
+    let row = live
+        .text
+        .split(&format!("data-id=\"{id}\""))
+        .nth(1)
+        .and_then(|r| r.split("</tr>").next())
+        .unwrap_or_default()
+        .to_string();
+    let drafts = row
+        .split("class=\"drafts\">")
+        .nth(1)
+        .and_then(|r| r.split('<').next())
+        .unwrap_or_default();
+    println!("the conversation's row: {drafts}");
+    assert!(
+        drafts.contains("% · ") && drafts.contains("tok/step"),
+        "{row}"
+    );
 }

@@ -38,6 +38,9 @@ pub struct LiveConversation {
     pub kv_bytes: Option<usize>,
     /// The live replica that holds its KV cache, by name.
     pub replica: Option<String>,
+    /// Speculative decoding on this replica since its cache was made: (drafted, accepted,
+    /// verifying steps); `None` when nothing was drafted.
+    pub speculation: Option<(u64, u64, u64)>,
 }
 
 /// The live part of the admin page: this replica's engine, every replica, one page of
@@ -127,13 +130,20 @@ impl Admin {
         let listed = self.store.list_all_conversations_page(page).await?;
         let ids: Vec<Uuid> = listed.items.iter().map(|c| c.id).collect();
         let states = self.scheduler.send(StatesOf(ids)).await.map_err(gone)?;
-        let caches: HashMap<Uuid, usize> = self
-            .scheduler
-            .send(GetCacheInfo)
-            .await
-            .map_err(gone)?
-            .into_iter()
+        let cache_info = self.scheduler.send(GetCacheInfo).await.map_err(gone)?;
+        let caches: HashMap<Uuid, usize> = cache_info
+            .iter()
             .filter_map(|c| Some((c.key.conversation()?, c.bytes)))
+            .collect();
+        let drafts: HashMap<Uuid, (u64, u64, u64)> = cache_info
+            .iter()
+            .filter(|c| c.drafted > 0)
+            .filter_map(|c| {
+                Some((
+                    c.key.conversation()?,
+                    (c.drafted, c.accepted, c.verify_steps),
+                ))
+            })
             .collect();
         let stats = self.scheduler.send(GetStats).await.map_err(gone)?;
         let mut owners: Vec<String> = listed.items.iter().map(|c| c.owner.clone()).collect();
@@ -158,6 +168,7 @@ impl Admin {
             .map(|(summary, state)| LiveConversation {
                 owner_name: names.get(&summary.owner).cloned(),
                 kv_bytes: caches.get(&summary.id).copied(),
+                speculation: drafts.get(&summary.id).copied(),
                 replica: holders.get(&summary.id).cloned(),
                 state,
                 summary,

@@ -53,6 +53,11 @@ pub struct CacheEntryInfo {
     pub key: CacheKey,
     pub tokens: usize,
     pub bytes: usize,
+    /// Speculative decoding in this conversation since its cache was made: draft tokens
+    /// verified, accepted, and the steps that verified drafts.
+    pub drafted: u64,
+    pub accepted: u64,
+    pub verify_steps: u64,
 }
 
 /// What the worker tells the scheduler after each step.
@@ -213,6 +218,10 @@ const MAX_ANONYMOUS_CACHES: usize = 16;
 struct CacheSlot {
     seq: SeqId,
     last_used: Instant,
+    /// Speculative decoding's counts for this cache's conversation (see [`CacheEntryInfo`]).
+    drafted: u64,
+    accepted: u64,
+    verify_steps: u64,
 }
 
 pub struct ModelWorker {
@@ -313,6 +322,9 @@ impl ModelWorker {
                             key: k.clone(),
                             tokens: self.engine.cached_tokens(slot.seq).map_or(0, |t| t.len()),
                             bytes: self.engine.kv_bytes(slot.seq).unwrap_or(0),
+                            drafted: slot.drafted,
+                            accepted: slot.accepted,
+                            verify_steps: slot.verify_steps,
                         })
                         .collect();
                     let _ = reply.send(info);
@@ -432,6 +444,9 @@ impl ModelWorker {
             CacheSlot {
                 seq,
                 last_used: now,
+                drafted: 0,
+                accepted: 0,
+                verify_steps: 0,
             },
         );
     }
@@ -477,6 +492,9 @@ impl ModelWorker {
                     CacheSlot {
                         seq,
                         last_used: Instant::now(),
+                        drafted: 0,
+                        accepted: 0,
+                        verify_steps: 0,
                     },
                 );
                 (seq, true)
@@ -1109,6 +1127,17 @@ impl ModelWorker {
                             report.drafted_tokens += k as u64;
                             report.accepted_tokens += accepted as u64;
                             report.verifying_sequences += 1;
+                            if a.keyed {
+                                if let Some(slot) = a
+                                    .request
+                                    .cache_key
+                                    .and_then(|c| self.caches.get_mut(&CacheKey::Conversation(c)))
+                                {
+                                    slot.drafted += k as u64;
+                                    slot.accepted += accepted as u64;
+                                    slot.verify_steps += 1;
+                                }
+                            }
                             metrics::counter!("smolchat_spec_drafted_tokens_total")
                                 .increment(k as u64);
                             metrics::counter!("smolchat_spec_accepted_tokens_total")

@@ -90,6 +90,8 @@ pub struct AdminRow {
     pub active: bool,
     /// The replica holding the conversation's KV cache ("—": none).
     pub replica: String,
+    /// Speculative decoding: acceptance and tokens per verifying step ("—": no drafts).
+    pub drafts: String,
 }
 
 /// One replica on the admin page.
@@ -400,6 +402,16 @@ fn render_live(
         .map(|c| AdminRow {
             id: c.summary.id.to_string(),
             kv: c.kv_bytes.map(mib).unwrap_or_else(|| "—".into()),
+            drafts: c.speculation.map_or_else(
+                || "—".into(),
+                |(drafted, accepted, steps)| {
+                    format!(
+                        "{:.0}% · {:.1} tok/step",
+                        100.0 * accepted as f64 / drafted.max(1) as f64,
+                        (accepted + steps) as f64 / steps.max(1) as f64
+                    )
+                },
+            ),
             replica: c.replica.unwrap_or_else(|| "—".into()),
             // The account's name, or enough of a guest's id to tell guests apart.
             owner: c.owner_name.unwrap_or_else(|| {
