@@ -83,7 +83,7 @@ def free_port():
         return s.getsockname()[1]
 
 
-def start(binary, model, threads, speculative, workdir):
+def start(binary, model, threads, speculative, workdir, extra_env=()):
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("SMOLCHAT_")}
     env.update(
@@ -96,6 +96,9 @@ def start(binary, model, threads, speculative, workdir):
             "SMOLCHAT_LOG": "warn",
         }
     )
+    for pair in extra_env:
+        key, _, value = pair.partition("=")
+        env[key] = value
     db = os.path.join(workdir, f"db-{port}.sqlite")
     log = open(os.path.join(workdir, f"server-{port}.log"), "w")
     proc = subprocess.Popen(
@@ -198,6 +201,7 @@ def main():
     ap.add_argument("--clients", default="1,8")
     ap.add_argument("--max-tokens", type=int, default=160)
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--env", action="append", default=[], help="KEY=VALUE for the server (repeatable)")
     ap.add_argument("--out")
     args = ap.parse_args()
     clients = [int(c) for c in args.clients.split(",")]
@@ -209,7 +213,7 @@ def main():
         # machine's speed drifts by several percent between minutes.
         for rep in range(args.repeat):
             for speculative in ((False, True) if rep % 2 == 0 else (True, False)):
-                proc, base = start(args.binary, args.model, args.threads, speculative, work)
+                proc, base = start(args.binary, args.model, args.threads, speculative, work, args.env)
                 try:
                     ask(base, "Hi", 4, "warm-up")
                     for name, prompt in WORKLOADS.items():
