@@ -165,6 +165,8 @@ pub struct SchedulerSection {
     /// Drafts only in steps with at most this many decoding sequences (beyond it the step is
     /// busy enough that extra positions cost more than they save).
     pub draft_max_batch: usize,
+    /// Speculate on a GPU too (off: on an H100 a verification step cost more than it saved).
+    pub draft_on_gpu: bool,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -442,6 +444,7 @@ impl Default for SchedulerSection {
             draft_ngram_max: 4,
             draft_ngram_min: 2,
             draft_max_batch: 2,
+            draft_on_gpu: false,
         }
     }
 }

@@ -262,6 +262,7 @@ impl Platform {
                     max_ngram: s.draft_ngram_max,
                     min_ngram: s.draft_ngram_min,
                     max_batch: s.draft_max_batch,
+                    on_gpu: s.draft_on_gpu,
                 },
                 max_new_tokens: config.limits.max_new_tokens,
                 request_timeout: (s.request_timeout_s > 0)

@@ -827,7 +827,9 @@ impl ModelWorker {
         // the step compute-bound) and with few decoding sequences, within the step's spare
         // token budget and each sequence's window.
         let window_now = self.context_window.min(self.kv_capacity_tokens());
+        let on_cpu = matches!(self.engine.device(), smolchat_engine::device::Device::Cpu);
         let mut draft_budget = if self.spec.enabled
+            && (on_cpu || self.spec.on_gpu)
             && plan.prefill.is_empty()
             && plan.decode.len() <= self.spec.max_batch
         {
@@ -2158,6 +2160,7 @@ mod tests {
         w.with_speculation(SpecConfig {
             enabled: true,
             max_batch: 8,
+            on_gpu: true,
             ..SpecConfig::default()
         })
     }
