@@ -26,54 +26,12 @@ import threading
 import time
 import urllib.request
 
-CODE = '''import math
-
-
-def add(a, b):
-    """Returns the sum of a and b."""
-    return a + b
-
-
-def area_of_circle(radius):
-    """The area of a circle of the given radius."""
-    return math.pi * radius * radius
-
-
-def mean(values):
-    """The arithmetic mean of a non-empty list."""
-    total = 0
-    for v in values:
-        total = add(total, v)
-    return total / len(values)
-
-
-def clamp(x, low, high):
-    """x, kept between low and high."""
-    if x < low:
-        return low
-    if x > high:
-        return high
-    return x
-'''
-
-DOCUMENT = (
-    "The harbour of Port Ellis was built in 1871 to shelter the herring fleet. "
-    "Its breakwater, four hundred metres of granite, was paid for by a tax on every barrel landed. "
-    "In 1923 a storm broke the outer wall, and the town rebuilt it in concrete within two years. "
-    "Today the harbour holds pleasure boats, a lifeboat station and a small fish market on Saturdays. "
-    "The lighthouse at the end of the breakwater still works, though it has been automatic since 1981."
-)
-
+# The workloads, in one place for every speculative-decoding benchmark.
 WORKLOADS = {
-    "rewrite": (
-        "Rewrite this Python file with the function `add` renamed to `plus` everywhere. "
-        "Change nothing else and answer with the whole file only.\n\n```python\n" + CODE + "```"
-    ),
-    "document": (
-        "Here is a document:\n\n" + DOCUMENT + "\n\nQuote, word for word, every sentence of the "
-        "document that mentions the breakwater or the harbour wall."
-    ),
-    "chat": "Tell me a short story about a cat who learns to sail.",
+    w["name"]: w["prompt"]
+    for w in json.load(
+        open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benches", "speculative_workloads.json"))
+    )["workloads"]
 }
 
 

@@ -300,3 +300,32 @@ fn model_commands_read_the_configuration_serve_reads() {
     assert!(!ok, "the configured tokenizer must be the one used");
     assert!(stderr.contains("/nonexistent/tokenizer.json"), "{stderr}");
 }
+
+/// `smolchat bench --speculative`: the three workloads decoded with drafts off and on, the same
+/// tokens both ways, the drafts counted.
+#[test]
+fn bench_speculative_decodes_the_workloads_the_same_both_ways() {
+    let model = common::smollm2_path();
+    let out = run_ok(smolchat().args([
+        "bench",
+        "--speculative",
+        "--gen-tokens",
+        "24",
+        "--model",
+        model.to_str().expect("path"),
+    ]));
+    let v: serde_json::Value = serde_json::from_str(&out).expect("json");
+    let rows = v["speculative"].as_array().expect("rows");
+    let names: Vec<&str> = rows.iter().filter_map(|r| r["workload"].as_str()).collect();
+    assert_eq!(names, ["rewrite", "document", "chat"]);
+    for r in rows {
+        assert_eq!(r["same_tokens"], true, "{r}");
+        assert_eq!(r["tokens"], 24, "{r}");
+        assert!(
+            r["decode_tokens_per_s_off"].as_f64().unwrap_or(0.0) > 0.0,
+            "{r}"
+        );
+    }
+    let drafted: u64 = rows.iter().filter_map(|r| r["drafted"].as_u64()).sum();
+    assert!(drafted > 0, "{v}");
+}

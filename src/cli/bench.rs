@@ -35,11 +35,20 @@ pub struct BenchArgs {
     /// Sequences decoding together for the batched measurement.
     #[arg(long, default_value_t = 8)]
     pub batch: usize,
+    /// Instead: speculative decoding's three workloads (benches/speculative_workloads.json:
+    /// rewriting a file, quoting a document, free chat), each decoded greedily alone with
+    /// drafts off and on, in this process; needs a real model (`--model`), since random
+    /// weights copy nothing.
+    #[arg(long, conflicts_with = "synthetic")]
+    pub speculative: bool,
     #[command(flatten)]
     pub device: super::DeviceArg,
 }
 
 pub fn run(args: &BenchArgs, globals: &super::Globals) -> Result<()> {
+    if args.speculative {
+        return speculative(args, globals);
+    }
     anyhow::ensure!(args.prompt_tokens > 0, "--prompt-tokens must be at least 1");
     anyhow::ensure!(args.gen_tokens > 0, "--gen-tokens must be at least 1");
     anyhow::ensure!(args.batch > 0, "--batch must be at least 1");
@@ -271,4 +280,87 @@ fn argmax(row: &[f32]) -> u32 {
         }
     }
     best as u32
+}
+
+/// The workloads every speculative-decoding benchmark runs (one file, read by the scripts too).
+const SPEC_WORKLOADS: &str = include_str!("../../benches/speculative_workloads.json");
+
+/// `smolchat bench --speculative`: each workload decoded greedily alone, drafts off then on,
+/// through the model worker's own step (no scheduler, no HTTP); `--gen-tokens` new tokens.
+fn speculative(args: &BenchArgs, globals: &super::Globals) -> Result<()> {
+    use smolchat_serving::model::ModelWorker;
+    use smolchat_serving::SpecConfig;
+    let config = args.model.config(args.device, globals)?;
+    super::init_threads(config.model.threads)?;
+    let options = config.load_options();
+    let path = config.model.existing_path()?;
+    let loaded = super::with_progress(|p| Ok(load::load(path, &options, p)?))?;
+    let workloads: serde_json::Value =
+        serde_json::from_str(SPEC_WORKLOADS).context("benches/speculative_workloads.json")?;
+    let mut prompts = Vec::new();
+    for w in workloads["workloads"].as_array().into_iter().flatten() {
+        let name = w["name"].as_str().unwrap_or("?").to_string();
+        let text = w["prompt"].as_str().unwrap_or_default();
+        let messages = [smolchat_text::template::ChatMessage::user(text)];
+        prompts.push((
+            name,
+            super::generate::chat_prompt(&loaded, &messages, Some(false))?,
+        ));
+    }
+    let window = loaded.engine.config().context_length;
+    let s = &config.scheduler;
+    let spec = SpecConfig {
+        enabled: true,
+        max_draft: s.draft_max,
+        max_ngram: s.draft_ngram_max,
+        min_ngram: s.draft_ngram_min,
+        max_batch: s.draft_max_batch.max(1),
+        on_gpu: true,
+    };
+    let device = loaded.engine.device().to_string();
+    let mut worker = ModelWorker::new(loaded.engine, std::sync::Arc::new(loaded.tokenizer), window);
+    let mut rows = Vec::new();
+    for (name, prompt) in &prompts {
+        // Untimed first: the prompt's prefix is then cached for both timed runs alike.
+        worker.generate_alone(prompt.clone(), 4);
+        let mut w = worker.with_speculation(SpecConfig {
+            enabled: false,
+            ..spec
+        });
+        let (plain, plain_s, plain_steps) = w.generate_alone(prompt.clone(), args.gen_tokens);
+        w = w.with_speculation(spec);
+        let before = w.speculation_counts();
+        let (drafted, drafted_s, drafted_steps) = w.generate_alone(prompt.clone(), args.gen_tokens);
+        let after = w.speculation_counts();
+        worker = w;
+        let speed = |tokens: &[u32], s: f64| {
+            if s > 0.0 {
+                (tokens.len().saturating_sub(1)) as f64 / s
+            } else {
+                0.0
+            }
+        };
+        let (off, on) = (speed(&plain, plain_s), speed(&drafted, drafted_s));
+        rows.push(json!({
+            "workload": name,
+            "prompt_tokens": prompt.len(),
+            "tokens": plain.len(),
+            "decode_tokens_per_s_off": off,
+            "decode_tokens_per_s_on": on,
+            "ratio": if off > 0.0 { on / off } else { 0.0 },
+            "steps_off": plain_steps,
+            "steps_on": drafted_steps,
+            "drafted": after.0 - before.0,
+            "accepted": after.1 - before.1,
+            "same_tokens": plain == drafted,
+        }));
+    }
+    let out = json!({
+        "model": path.display().to_string(),
+        "threads": rayon::current_num_threads(),
+        "device": device,
+        "speculative": rows,
+    });
+    println!("{}", serde_json::to_string_pretty(&out)?);
+    Ok(())
 }

@@ -282,6 +282,80 @@ impl ModelWorker {
         self
     }
 
+    /// Draft tokens verified and accepted since this worker started.
+    pub fn speculation_counts(&self) -> (u64, u64) {
+        (self.spec_drafted, self.spec_accepted)
+    }
+
+    /// Runs `prompt` alone to its end, greedily, at most `max_tokens` new tokens, outside any
+    /// scheduler (for `smolchat bench --speculative`): the tokens generated, the seconds from
+    /// the first generated token to the last, and the steps that took. Speculation applies as
+    /// configured, with the whole step budget left to drafts.
+    pub fn generate_alone(
+        &mut self,
+        prompt: Vec<u32>,
+        max_tokens: usize,
+    ) -> (Vec<u32>, f64, usize) {
+        let id = RequestId::MAX - self.active.len() as RequestId;
+        let (tx, mut rx) = mpsc::unbounded_channel();
+        let params = smolchat_text::sampling::SamplingParams {
+            max_new_tokens: max_tokens,
+            ignore_eos: true,
+            ..smolchat_text::sampling::SamplingParams::greedy()
+        };
+        let prompt_len = prompt.len();
+        self.active.insert(
+            id,
+            Active::new(
+                GenerationRequest {
+                    cache_key: None,
+                    user: None,
+                    group: None,
+                    cache_salt: None,
+                    prompt,
+                    params,
+                    max_time: None,
+                    events: tx,
+                    embed: None,
+                },
+                Instant::now(),
+            ),
+        );
+        let mut plan = StepPlan {
+            prefill: vec![(id, prompt_len.max(1))],
+            ..StepPlan::default()
+        };
+        let mut tokens = Vec::new();
+        let mut first: Option<Instant> = None;
+        let mut last = Instant::now();
+        let mut steps = 0;
+        // Every step generates at least one token once the prompt is in.
+        for _ in 0..max_tokens + 4 {
+            let report = self.step_held(plan);
+            // Nobody else waits on these.
+            self.finished.clear();
+            steps += 1;
+            while let Ok(event) = rx.try_recv() {
+                if let GenEvent::Token { token, .. } = event {
+                    let now = Instant::now();
+                    first.get_or_insert(now);
+                    last = now;
+                    tokens.push(token);
+                }
+            }
+            if report.items.iter().any(|r| r.id == id && r.finished) {
+                break;
+            }
+            plan = StepPlan {
+                decode: vec![id],
+                draft_budget: self.spec.max_draft,
+                ..StepPlan::default()
+            };
+        }
+        let seconds = first.map_or(0.0, |f| last.duration_since(f).as_secs_f64());
+        (tokens, seconds, steps)
+    }
+
     pub fn sample_on_host(mut self) -> Self {
         self.host_sampling = true;
         self
