@@ -122,17 +122,7 @@ async fn actions_are_recorded_with_actor_target_and_address() {
     assert_ne!(carol.get("/admin/audit.json").await.status, StatusCode::OK);
 
     // The admin, from 127.0.0.3 with the admin token, deletes one of carol's conversations.
-    let mut admin = Browser::at(&server, 3, "/admin").await;
-    let login = admin
-        .call(
-            Method::POST,
-            "/admin/login",
-            Some(&format!("token={ADMIN_TOKEN}")),
-            &[],
-        )
-        .await;
-    assert_eq!(login.status, StatusCode::NO_CONTENT, "{}", login.text);
-    admin.get("/admin").await;
+    let mut admin = Browser::admin(&server, 3, ADMIN_TOKEN).await;
     let deleted = admin
         .call(Method::DELETE, &format!("/admin/c/{doomed}"), None, &[])
         .await;
@@ -326,17 +316,7 @@ async fn an_admin_creates_users_and_invite_links_in_the_page() {
         ],
     )
     .await;
-    let mut admin = Browser::at(&server, 3, "/admin").await;
-    let login = admin
-        .call(
-            Method::POST,
-            "/admin/login",
-            Some(&format!("token={ADMIN_TOKEN}")),
-            &[],
-        )
-        .await;
-    assert_eq!(login.status, StatusCode::NO_CONTENT, "{}", login.text);
-    admin.get("/admin").await;
+    let mut admin = Browser::admin(&server, 3, ADMIN_TOKEN).await;
 
     // A user made by the admin signs in; a weak password is refused, saying why.
     let weak = admin

@@ -10,7 +10,7 @@ mod common;
 
 use common::chromium::*;
 use common::server::Server;
-use fantoccini::{Client, Locator};
+use fantoccini::Client;
 use serde_json::json;
 
 const ENV: &[(&str, &str)] = &[
@@ -19,22 +19,6 @@ const ENV: &[(&str, &str)] = &[
     ("SMOLCHAT_AUTH__INITIAL_ADMIN", "root"),
     ("SMOLCHAT_AUTH__INITIAL_ADMIN_PASSWORD", "root's password"),
 ];
-
-/// Types into the field `css` (after clearing it).
-async fn fill(c: &Client, css: &str, text: &str) {
-    let field = c
-        .wait()
-        .at_most(WAIT)
-        .for_element(Locator::Css(css))
-        .await
-        .unwrap_or_else(|e| panic!("{css}: {e}"));
-    field.clear().await.expect("clear");
-    field.send_keys(text).await.expect("type");
-}
-
-async fn wait_path(c: &Client, path: &str) {
-    wait_js(c, "return location.pathname", path, |v| v == &json!(path)).await;
-}
 
 /// The name in the sidebar's account box, or "" for a guest.
 async fn signed_in_as(c: &Client) -> String {

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use common::chromium::*;
 use common::server::Server;
-use fantoccini::{Client, Locator};
+use fantoccini::Client;
 use serde_json::{json, Value};
 
 const ENV: &[(&str, &str)] = &[
@@ -21,17 +21,6 @@ const ENV: &[(&str, &str)] = &[
     ("SMOLCHAT_AUTH__INITIAL_ADMIN", "root"),
     ("SMOLCHAT_AUTH__INITIAL_ADMIN_PASSWORD", "root's password"),
 ];
-
-async fn fill(c: &Client, css: &str, text: &str) {
-    let field = c
-        .wait()
-        .at_most(WAIT)
-        .for_element(Locator::Css(css))
-        .await
-        .unwrap_or_else(|e| panic!("{css}: {e}"));
-    field.clear().await.expect("clear");
-    field.send_keys(text).await.expect("type");
-}
 
 /// Waits for a dialog (confirm or prompt), checks its text, answers it.
 async fn answer_dialog(c: &Client, says: &str, typed: Option<&str>) {
@@ -57,10 +46,6 @@ async fn sign_in(c: &Client, base: &str, name: &str, password: &str) {
     click(c, "#signin-btn").await;
 }
 
-async fn path_is(c: &Client, path: &str) {
-    wait_js(c, "return location.pathname", path, |v| v == &json!(path)).await;
-}
-
 async fn admin_row(c: &Client, name: &str) -> bool {
     js(
         c,
@@ -80,7 +65,7 @@ async fn an_admin_manages_users_in_the_browser_and_the_log_has_every_step() {
     let frank = browser(&driver, &dir.path().join("frank"), DESKTOP).await;
 
     sign_in(&admin, &base, "root", "root's password").await;
-    path_is(&admin, "/").await;
+    wait_path(&admin, "/").await;
     admin.goto(&format!("{base}/admin")).await.expect("admin");
 
     // A user made in the page.
@@ -110,7 +95,7 @@ async fn an_admin_manages_users_in_the_browser_and_the_log_has_every_step() {
     fill(&frank, "#signup-name", "frank").await;
     fill(&frank, "#signup-password", "frank's own password").await;
     click(&frank, "#signup-btn").await;
-    path_is(&frank, "/").await;
+    wait_path(&frank, "/").await;
     send(&frank, "Hello!").await;
     watch_stream(&frank).await;
 
@@ -191,10 +176,10 @@ async fn an_admin_manages_users_in_the_browser_and_the_log_has_every_step() {
         .goto(&format!("{base}/account"))
         .await
         .expect("account");
-    path_is(&frank, "/signin").await;
+    wait_path(&frank, "/signin").await;
     // Signed in with it, only the account page opens, until he chooses his own.
     sign_in(&frank, &base, "frank", &temporary).await;
-    path_is(&frank, "/account").await;
+    wait_path(&frank, "/account").await;
     wait_js(
         &frank,
         "return document.getElementById('must-change') !== null",
@@ -203,7 +188,7 @@ async fn an_admin_manages_users_in_the_browser_and_the_log_has_every_step() {
     )
     .await;
     frank.goto(&format!("{base}/")).await.expect("home");
-    path_is(&frank, "/account").await;
+    wait_path(&frank, "/account").await;
     fill(&frank, "#password-form input[name=current]", &temporary).await;
     fill(
         &frank,
@@ -220,7 +205,7 @@ async fn an_admin_manages_users_in_the_browser_and_the_log_has_every_step() {
     )
     .await;
     frank.goto(&format!("{base}/")).await.expect("home");
-    path_is(&frank, "/").await;
+    wait_path(&frank, "/").await;
 
     // Delete frank, confirmed by typing his name.
     admin.goto(&format!("{base}/admin")).await.expect("admin");
@@ -239,7 +224,7 @@ async fn an_admin_manages_users_in_the_browser_and_the_log_has_every_step() {
         .goto(&format!("{base}/account"))
         .await
         .expect("account");
-    path_is(&frank, "/signin").await;
+    wait_path(&frank, "/signin").await;
 
     // The log, read as the page reads it.
     let log = js(

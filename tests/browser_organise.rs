@@ -11,7 +11,7 @@ use std::process::{Command, Stdio};
 use common::browser_client::Browser;
 use common::chromium::*;
 use common::server::Server;
-use fantoccini::{Client, Locator};
+use fantoccini::Client;
 use reqwest::{Method, StatusCode};
 use serde_json::{json, Value};
 
@@ -45,12 +45,6 @@ async fn choose_view(c: &Client, value: &str) {
         ),
     )
     .await;
-}
-
-async fn fill(c: &Client, css: &str, text: &str) {
-    let e = c.find(Locator::Css(css)).await.expect(css);
-    e.clear().await.expect("clear");
-    e.send_keys(text).await.expect("type");
 }
 
 async fn wait_listed(c: &Client, what: &str, want: &[&str]) {

@@ -274,16 +274,7 @@ async fn who(agent: &mut Agent, base: &str) -> String {
 }
 
 async fn audit(server: &Server) -> Vec<Value> {
-    let mut admin = Browser::at(server, 3, "/admin").await;
-    let login = admin
-        .call(
-            reqwest::Method::POST,
-            "/admin/login",
-            Some("token=admin-token-for-tests"),
-            &[],
-        )
-        .await;
-    assert_eq!(login.status, StatusCode::NO_CONTENT, "{}", login.text);
+    let mut admin = Browser::admin(server, 3, "admin-token-for-tests").await;
     let log = admin.get("/admin/audit.json").await;
     assert_eq!(log.status, StatusCode::OK, "{}", log.text);
     let v: Value = serde_json::from_str(&log.text).expect("json");

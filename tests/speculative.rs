@@ -65,21 +65,7 @@ async fn replies_are_the_same_with_speculation_and_drafts_are_counted() {
         "off means off"
     );
     // The admin page's speculation tile.
-    let mut admin = Browser::at(&on, 3, "/admin").await;
-    let login = admin
-        .call(
-            reqwest::Method::POST,
-            "/admin/login",
-            Some("token=speculation-admin-token"),
-            &[],
-        )
-        .await;
-    assert_eq!(
-        login.status,
-        reqwest::StatusCode::NO_CONTENT,
-        "{}",
-        login.text
-    );
+    let mut admin = Browser::admin(&on, 3, "speculation-admin-token").await;
     let live = admin.get("/admin/live").await;
     assert_eq!(live.status, reqwest::StatusCode::OK, "{}", live.text);
     assert!(live.text.contains("id=\"speculation\""), "{}", live.text);

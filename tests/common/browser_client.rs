@@ -45,6 +45,22 @@ impl Browser {
         Browser::at_base(&server.base, Ipv4Addr::new(127, 0, 0, last), first).await
     }
 
+    /// [`Browser::at`] `/admin`, then signed in there with the admin token `token`.
+    pub async fn admin(server: &Server, last: u8, token: &str) -> Browser {
+        let mut b = Browser::at(server, last, "/admin").await;
+        let login = b
+            .call(
+                reqwest::Method::POST,
+                "/admin/login",
+                Some(&format!("token={token}")),
+                &[],
+            )
+            .await;
+        assert_eq!(login.status, StatusCode::NO_CONTENT, "{}", login.text);
+        b.get("/admin").await;
+        b
+    }
+
     /// A client of the server (or proxy) at `base` whose connections come from `address` (a
     /// loopback address), after a GET of `first`.
     pub async fn at_base(base: &str, address: Ipv4Addr, first: &str) -> Browser {

@@ -151,6 +151,23 @@ pub async fn wait_js(c: &Client, script: &str, what: &str, ok: impl Fn(&Value) -
     }
 }
 
+/// Types into the field `css` once it is there (after clearing it).
+pub async fn fill(c: &Client, css: &str, text: &str) {
+    let field = c
+        .wait()
+        .at_most(WAIT)
+        .for_element(Locator::Css(css))
+        .await
+        .unwrap_or_else(|e| panic!("{css}: {e}"));
+    field.clear().await.expect("clear");
+    field.send_keys(text).await.expect("type");
+}
+
+/// Waits until the page's path is `path`.
+pub async fn wait_path(c: &Client, path: &str) {
+    wait_js(c, "return location.pathname", path, |v| v == &json!(path)).await;
+}
+
 /// Clicks the element `css` from script (a WebDriver click can be intercepted while the
 /// message list scrolls), after the script returns (so a dialog it opens does not fail it).
 pub async fn click(c: &Client, css: &str) {

@@ -23,8 +23,8 @@ use base64::Engine as _;
 use openidconnect::core::{CoreAuthenticationFlow, CoreClient, CoreProviderMetadata};
 use openidconnect::{
     AuthorizationCode, ClaimsVerificationError, ClientId, ClientSecret, CsrfToken, IssuerUrl,
-    Nonce, OAuth2TokenResponse, PkceCodeChallenge, PkceCodeVerifier, RedirectUrl,
-    RequestTokenError, Scope, SignatureVerificationError,
+    Nonce, PkceCodeChallenge, PkceCodeVerifier, RedirectUrl, RequestTokenError, Scope,
+    SignatureVerificationError,
 };
 use serde::{Deserialize, Serialize};
 use subtle::ConstantTimeEq;
@@ -403,7 +403,6 @@ impl Oidc {
             }
             other => OidcError::TokenEndpoint(error_chain(&other)),
         })?;
-        let _ = tokens.access_token();
         let id_token = tokens
             .extra_fields()
             .id_token()

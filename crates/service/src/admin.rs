@@ -309,12 +309,7 @@ impl Admin {
     /// else (as `smolchat user passwd --reset` does).
     /// Returns the account's name and the new password.
     pub async fn reset_password(&self, by: &Caller, user_id: &str) -> Result<(String, String)> {
-        let user = self
-            .accounts
-            .user(user_id)
-            .await
-            .map_err(crate::conversations::from_auth)?
-            .ok_or_else(|| ConversationError::NoSuch("no such user".into()))?;
+        let user = self.account(user_id).await?;
         let password = smolchat_auth::accounts::reset_password(&self.store, &user)
             .await
             .map_err(account_refusal)?;
@@ -359,12 +354,7 @@ impl Admin {
         smolchat_store::User,
         Vec<(chrono::DateTime<chrono::Utc>, i64, i64)>,
     )> {
-        let user = self
-            .accounts
-            .user(user_id)
-            .await
-            .map_err(crate::conversations::from_auth)?
-            .ok_or_else(|| ConversationError::NoSuch("no such user".into()))?;
+        let user = self.account(user_id).await?;
         let days = self
             .store
             .usage_history(
@@ -379,15 +369,19 @@ impl Admin {
         Ok((user, days))
     }
 
-    /// Deletes the account `user_id` with all it owns (conversations, their replies stopped
-    /// and caches dropped, folders, presets, keys, sessions), once `confirm` is its name.
-    pub async fn delete_user(&self, by: &Caller, user_id: &str, confirm: &str) -> Result<()> {
-        let user = self
-            .accounts
+    /// The account `user_id`, or `NoSuch`.
+    async fn account(&self, user_id: &str) -> Result<smolchat_store::User> {
+        self.accounts
             .user(user_id)
             .await
             .map_err(crate::conversations::from_auth)?
-            .ok_or_else(|| ConversationError::NoSuch("no such user".into()))?;
+            .ok_or_else(|| ConversationError::NoSuch("no such user".into()))
+    }
+
+    /// Deletes the account `user_id` with all it owns (conversations, their replies stopped
+    /// and caches dropped, folders, presets, keys, sessions), once `confirm` is its name.
+    pub async fn delete_user(&self, by: &Caller, user_id: &str, confirm: &str) -> Result<()> {
+        let user = self.account(user_id).await?;
         if confirm.trim() != user.name {
             return Err(ConversationError::Invalid {
                 field: Some("confirm"),

@@ -91,79 +91,68 @@ impl Quotas {
         Quotas { store, limits }
     }
 
-    pub fn limits(&self) -> QuotaLimits {
-        self.limits
-    }
-
+    /// Every quota that applies to `s`: one table of (whom, window, limit, name, setting).
     fn rules(&self, s: &QuotaSubjects) -> Vec<Rule> {
         let l = &self.limits;
-        let mut rules = Vec::new();
-        if let Some(user) = &s.user {
-            let subject = format!("user:{user}");
-            for (period, limit, what, setting) in [
-                (
-                    Period::Minute,
-                    l.per_minute_user,
-                    "per-minute",
-                    "limits.tokens_per_minute_per_user",
-                ),
-                (
-                    Period::Day,
-                    l.per_day_user,
-                    "daily",
-                    "limits.tokens_per_day_per_user",
-                ),
-                (
-                    Period::Month,
-                    l.per_month_user,
-                    "monthly",
-                    "limits.tokens_per_month_per_user",
-                ),
-            ] {
-                rules.push(Rule {
-                    subject: subject.clone(),
+        let user = s.user.as_ref().map(|u| format!("user:{u}"));
+        let group = s.group.as_ref().map(|g| format!("group:{g}"));
+        let key = s.key.as_ref().map(|k| format!("key:{k}"));
+        let table = [
+            (
+                &user,
+                Period::Minute,
+                l.per_minute_user,
+                "per-minute",
+                "limits.tokens_per_minute_per_user",
+            ),
+            (
+                &user,
+                Period::Day,
+                l.per_day_user,
+                "daily",
+                "limits.tokens_per_day_per_user",
+            ),
+            (
+                &user,
+                Period::Month,
+                l.per_month_user,
+                "monthly",
+                "limits.tokens_per_month_per_user",
+            ),
+            (
+                &group,
+                Period::Minute,
+                l.per_minute_group,
+                "guest (per address, per minute)",
+                "limits.tokens_per_minute_per_guest_address",
+            ),
+            (
+                &key,
+                Period::Day,
+                l.per_day_key,
+                "daily API key",
+                "limits.tokens_per_day_per_key",
+            ),
+            (
+                &key,
+                Period::Month,
+                l.per_month_key,
+                "monthly API key",
+                "limits.tokens_per_month_per_key",
+            ),
+        ];
+        table
+            .into_iter()
+            .filter_map(|(subject, period, limit, what, setting)| {
+                Some(Rule {
+                    subject: subject.clone()?,
                     period,
                     limit,
                     what,
                     setting,
-                });
-            }
-        }
-        if let Some(group) = &s.group {
-            rules.push(Rule {
-                subject: format!("group:{group}"),
-                period: Period::Minute,
-                limit: l.per_minute_group,
-                what: "guest (per address, per minute)",
-                setting: "limits.tokens_per_minute_per_guest_address",
-            });
-        }
-        if let Some(key) = &s.key {
-            let subject = format!("key:{key}");
-            for (period, limit, what, setting) in [
-                (
-                    Period::Day,
-                    l.per_day_key,
-                    "daily API key",
-                    "limits.tokens_per_day_per_key",
-                ),
-                (
-                    Period::Month,
-                    l.per_month_key,
-                    "monthly API key",
-                    "limits.tokens_per_month_per_key",
-                ),
-            ] {
-                rules.push(Rule {
-                    subject: subject.clone(),
-                    period,
-                    limit,
-                    what,
-                    setting,
-                });
-            }
-        }
-        rules
+                })
+            })
+            .collect()
     }
 
     /// Refuses when any quota of `subjects` is used up (on every replica together).

@@ -101,10 +101,6 @@ pub struct DraftControl {
     cooldown: u32,
     pub drafted: u64,
     pub accepted: u64,
-    /// Verification steps (steps with at least one draft).
-    pub verify_steps: u64,
-    /// Tokens output by verification steps (accepted drafts plus one per step).
-    pub verify_tokens: u64,
 }
 
 impl Default for DraftControl {
@@ -115,8 +111,6 @@ impl Default for DraftControl {
             cooldown: 0,
             drafted: 0,
             accepted: 0,
-            verify_steps: 0,
-            verify_tokens: 0,
         }
     }
 }
@@ -151,8 +145,6 @@ impl DraftControl {
         }
         self.drafted += drafted as u64;
         self.accepted += accepted as u64;
-        self.verify_steps += 1;
-        self.verify_tokens += accepted as u64 + 1;
         let rate = accepted as f32 / drafted as f32;
         self.acceptance = (1.0 - EMA) * self.acceptance + EMA * rate;
         if self.acceptance < MIN_ACCEPTANCE {
