@@ -307,6 +307,17 @@ fn speculative(args: &BenchArgs, globals: &super::Globals) -> Result<()> {
             super::generate::chat_prompt(&loaded, &messages, Some(false))?,
         ));
     }
+    let mut series_prompts = Vec::new();
+    for text in workloads["chat_series"].as_array().into_iter().flatten() {
+        let messages = [smolchat_text::template::ChatMessage::user(
+            text.as_str().unwrap_or_default(),
+        )];
+        series_prompts.push(super::generate::chat_prompt(
+            &loaded,
+            &messages,
+            Some(false),
+        )?);
+    }
     let window = loaded.engine.config().context_length;
     let s = &config.scheduler;
     let spec = SpecConfig {
@@ -315,6 +326,8 @@ fn speculative(args: &BenchArgs, globals: &super::Globals) -> Result<()> {
         max_ngram: s.draft_ngram_max,
         min_ngram: s.draft_ngram_min,
         max_batch: s.draft_max_batch.max(1),
+        fixed_break_even: None,
+        ngram_cache: s.draft_ngram_cache,
         on_gpu: true,
     };
     let device = loaded.engine.device().to_string();
@@ -355,11 +368,58 @@ fn speculative(args: &BenchArgs, globals: &super::Globals) -> Result<()> {
             "same_tokens": plain == drafted,
         }));
     }
+    // The chat series: one user's distinct questions in turn, drafts off, then prompt lookup
+    // alone, then with the n-gram cache of the replies before (which learns as the series goes).
+    let mut series = Vec::new();
+    let mut replies: Vec<Vec<Vec<u32>>> = Vec::new();
+    for (name, config) in [
+        (
+            "off",
+            SpecConfig {
+                enabled: false,
+                ..spec
+            },
+        ),
+        (
+            "lookup",
+            SpecConfig {
+                ngram_cache: false,
+                ..spec
+            },
+        ),
+        ("lookup+ngram_cache", spec),
+    ] {
+        let mut w = worker.with_speculation(config);
+        let before = w.speculation_counts();
+        let (mut tokens, mut seconds, mut steps) = (0usize, 0.0f64, 0usize);
+        let mut these = Vec::new();
+        for prompt in &series_prompts {
+            let (reply, s, n) = w.generate_alone(prompt.clone(), args.gen_tokens);
+            tokens += reply.len().saturating_sub(1);
+            seconds += s;
+            steps += n;
+            these.push(reply);
+        }
+        let after = w.speculation_counts();
+        worker = w;
+        replies.push(these);
+        series.push(json!({
+            "drafts": name,
+            "questions": series_prompts.len(),
+            "decode_tokens": tokens,
+            "decode_tokens_per_s": if seconds > 0.0 { tokens as f64 / seconds } else { 0.0 },
+            "steps": steps,
+            "drafted": after.0 - before.0,
+            "accepted": after.1 - before.1,
+        }));
+    }
+    let same_series = replies.windows(2).all(|w| w[0] == w[1]);
     let out = json!({
         "model": path.display().to_string(),
         "threads": rayon::current_num_threads(),
         "device": device,
         "speculative": rows,
+        "chat_series": { "runs": series, "same_tokens": same_series },
     });
     println!("{}", serde_json::to_string_pretty(&out)?);
     Ok(())

@@ -155,15 +155,21 @@ pub struct SchedulerSection {
     pub request_timeout_s: u64,
     /// Speculative decoding: each decode verifies draft tokens found by prompt lookup (an
     /// n-gram of the reply's last tokens earlier in the conversation), in the same step as
-    /// everyone else's work. Exact: greedy and seeded replies are the same token for token.
+    /// everyone else's work. Exact: greedy and seeded replies are the same token for token. On
+    /// by default: a draft position goes only where its measured cost pays (never slower beyond
+    /// noise on the CPU), and a GPU does not draft unless `draft_on_gpu`.
     pub speculative: bool,
     /// Most draft tokens one sequence verifies in a step.
     pub draft_max: usize,
     /// The longest and shortest n-gram looked up.
     pub draft_ngram_max: usize,
     pub draft_ngram_min: usize,
-    /// Drafts only in steps with at most this many decoding sequences (beyond it the step is
-    /// busy enough that extra positions cost more than they save).
+    /// Where prompt lookup finds nothing, draft what usually followed the reply's last tokens
+    /// in the same user's earlier replies (a bounded n-gram cache per user, in memory).
+    pub draft_ngram_cache: bool,
+    /// Drafts only in steps with at most this many decoding sequences: a hard cap on top of
+    /// the measured rule (a draft position goes only where its expected yield is worth the
+    /// seconds it adds, from the worker's own step timings).
     pub draft_max_batch: usize,
     /// Speculate on a GPU too (off: on an H100 a verification step cost more than it saved).
     pub draft_on_gpu: bool,
@@ -439,11 +445,12 @@ impl Default for SchedulerSection {
             max_queued_per_user: 16,
             max_running_per_user: 8,
             request_timeout_s: 600,
-            speculative: false,
+            speculative: true,
             draft_max: 8,
             draft_ngram_max: 4,
             draft_ngram_min: 2,
-            draft_max_batch: 2,
+            draft_ngram_cache: true,
+            draft_max_batch: 16,
             draft_on_gpu: false,
         }
     }

@@ -262,6 +262,8 @@ impl Platform {
                     max_ngram: s.draft_ngram_max,
                     min_ngram: s.draft_ngram_min,
                     max_batch: s.draft_max_batch,
+                    fixed_break_even: None,
+                    ngram_cache: s.draft_ngram_cache,
                     on_gpu: s.draft_on_gpu,
                 },
                 max_new_tokens: config.limits.max_new_tokens,

@@ -12,7 +12,7 @@ use std::time::Instant;
 use tokio::sync::{mpsc, oneshot};
 
 use super::batcher::{ItemReport, StepPlan};
-use crate::speculate::{DraftControl, PromptLookup, Proposer, SpecConfig};
+use crate::speculate::{DraftControl, PromptLookup, Proposer, SpecConfig, StepCost, UserNgrams};
 use uuid::Uuid;
 
 use super::types::{
@@ -215,6 +215,11 @@ enum Donor {
 /// At most this many stateless caches are kept.
 const MAX_ANONYMOUS_CACHES: usize = 16;
 
+/// Users whose replies' n-grams are kept for drafting (the least recently used go first), and
+/// n-grams per generation of each (two generations at most, about 1 MiB each at this size).
+const NGRAM_USERS: usize = 64;
+const NGRAM_CAPACITY: usize = 16_384;
+
 struct CacheSlot {
     seq: SeqId,
     last_used: Instant,
@@ -246,6 +251,10 @@ pub struct ModelWorker {
     finished: Vec<(mpsc::UnboundedSender<GenEvent>, GenSummary)>,
     /// Speculative decoding (off unless configured).
     spec: SpecConfig,
+    /// What a decode-only step costs on this machine, measured (drafts go where they pay).
+    step_cost: StepCost,
+    /// What followed short n-grams in each user's finished replies (a draft source).
+    ngrams: UserNgrams,
     /// Draft tokens verified and accepted since start (tests and benchmarks).
     spec_drafted: u64,
     spec_accepted: u64,
@@ -268,6 +277,8 @@ impl ModelWorker {
             mask_overlap: None,
             finished: Vec::new(),
             spec: SpecConfig::default(),
+            step_cost: StepCost::default(),
+            ngrams: UserNgrams::new(NGRAM_USERS, NGRAM_CAPACITY),
             spec_drafted: 0,
             spec_accepted: 0,
         }
@@ -715,6 +726,20 @@ impl ModelWorker {
             return;
         };
         let now = Instant::now();
+        if let (true, true, Some(seq), Some(last)) = (
+            self.spec.enabled && self.spec.ngram_cache,
+            a.pool.is_none() && a.completion_tokens >= 3,
+            a.seq,
+            a.last_token,
+        ) {
+            // The reply: its tokens in the cache, and the last one drawn (not stepped yet).
+            if let Ok(cached) = self.engine.cached_tokens(seq) {
+                let from = cached.len().saturating_sub(a.completion_tokens - 1);
+                let mut reply = cached[from..].to_vec();
+                reply.push(last);
+                self.ngrams.learn(a.request.user.as_deref(), &reply);
+            }
+        }
         if let (Some(seq), Some(_)) = (a.seq, &a.pool) {
             // An embedding's positions are of no use to later requests (and were never shared).
             self.engine.free_sequence(seq);
@@ -911,6 +936,16 @@ impl ModelWorker {
         } else {
             0
         };
+        // The acceptance a draft position needs to pay in this step (before the first step is
+        // measured: no drafts).
+        let break_even = match self.spec.fixed_break_even {
+            Some(fixed) => Some(fixed),
+            None => self.step_cost.break_even(plan.decode.len()),
+        };
+        if break_even.is_none() {
+            draft_budget = 0;
+        }
+        let break_even = break_even.unwrap_or(1.0);
         let lookup = PromptLookup {
             max_ngram: self.spec.max_ngram,
             min_ngram: self.spec.min_ngram,
@@ -930,7 +965,7 @@ impl ModelWorker {
                     let room = window_now.saturating_sub(cached.len() + 2);
                     let most = room.min(draft_budget);
                     let max = if most > 0 {
-                        a.draft.draft_len(self.spec.max_draft).min(most)
+                        a.draft.draft_len(self.spec.max_draft.min(most), break_even)
                     } else {
                         0
                     };
@@ -938,7 +973,12 @@ impl ModelWorker {
                         let mut history = Vec::with_capacity(cached.len() + 1);
                         history.extend_from_slice(cached);
                         history.push(tok);
-                        let proposed = lookup.propose(&history, max);
+                        let mut proposed = lookup.propose(&history, max);
+                        if proposed.is_empty() && self.spec.ngram_cache {
+                            if let Some(cache) = self.ngrams.get(a.request.user.as_deref()) {
+                                proposed = cache.propose(&history, max);
+                            }
+                        }
                         if !proposed.is_empty() {
                             draft_budget -= proposed.len();
                             tokens.extend_from_slice(&proposed);
@@ -1044,6 +1084,14 @@ impl ModelWorker {
                 extra_generated: 0,
             });
         }
+        // A decode-only step teaches the cost line: its positions and, at the end, its seconds.
+        let decode_positions = (plan.prefill.is_empty()
+            && !work.is_empty()
+            && work
+                .iter()
+                .all(|(id, ..)| self.active.get(id).is_some_and(|a| a.pool.is_none())))
+        .then(|| work.iter().map(|(_, _, toks, _)| toks.len()).sum::<usize>());
+        let mut stepped_ok = false;
         if !work.is_empty() {
             // A backend that draws tokens on its device gets each sampling row's draw (the
             // penalty window and the generator's uniform) and returns only token ids.
@@ -1130,6 +1178,7 @@ impl ModelWorker {
             };
             match stepped {
                 Ok(()) => {
+                    stepped_ok = true;
                     for (i, (id, _, _, last)) in work.iter().enumerate() {
                         if embeds[i] {
                             self.pool_hidden(*id, logits.hidden(i), logits.hidden_width(), *last);
@@ -1364,7 +1413,11 @@ impl ModelWorker {
         for item in &mut report.items {
             item.extra_generated = extra.get(&item.id).copied().unwrap_or(0);
         }
-        report.step_ms = start.elapsed().as_secs_f64() * 1e3;
+        let seconds = start.elapsed().as_secs_f64();
+        if let (true, Some(positions)) = (stepped_ok, decode_positions) {
+            self.step_cost.observe(positions, seconds);
+        }
+        report.step_ms = seconds * 1e3;
         report.kv_bytes = self.engine.total_kv_bytes();
         report.cached_sequences = self.caches.len();
         report.kv_free_blocks = self.kv_free_for_new_work();
@@ -1947,8 +2000,9 @@ mod tests {
         peak_blocks: usize,
     }
 
-    /// Requests through a real batcher, each `(prompt, tokens, cache salt)`, sampled with
-    /// `params` (end of generation ignored), until every one has finished.
+    /// Requests through a real batcher, each `(prompt, tokens, cache salt)` (the salt is the
+    /// request's user too), sampled with `params` (end of generation ignored), until every one
+    /// has finished.
     fn drive_all(
         w: &mut ModelWorker,
         requests: &[(Vec<u32>, usize, Option<&str>)],
@@ -1975,7 +2029,7 @@ mod tests {
                 Active::new(
                     GenerationRequest {
                         cache_key: None,
-                        user: None,
+                        user: salt.map(str::to_string),
                         group: None,
                         cache_salt: salt.map(str::to_string),
                         prompt: prompt.clone(),
@@ -2234,6 +2288,7 @@ mod tests {
         w.with_speculation(SpecConfig {
             enabled: true,
             max_batch: 8,
+            fixed_break_even: Some(0.0),
             on_gpu: true,
             ..SpecConfig::default()
         })
@@ -2259,6 +2314,40 @@ mod tests {
             prompts.push((prompt, 40 + 4 * i as usize));
         }
         prompts
+    }
+
+    #[test]
+    fn drafts_come_from_the_same_users_earlier_replies_only() {
+        // Prompt lookup off (no n-gram is ever looked up in the sequence's own tokens): every
+        // draft comes from the user's n-gram cache.
+        let mut w = worker().with_speculation(SpecConfig {
+            enabled: true,
+            max_ngram: 0,
+            min_ngram: 0,
+            fixed_break_even: Some(0.0),
+            on_gpu: true,
+            ..SpecConfig::default()
+        });
+        let prompt: Vec<u32> = (0..12).map(|t| 200 + 5 * t).collect();
+        let greedy = SamplingParams::greedy();
+        let reply = |w: &mut ModelWorker, user: &str| {
+            let driven = drive_all(w, &[(prompt.clone(), 40, Some(user))], &greedy);
+            driven.results[0].0.clone()
+        };
+        let plain = reply(&mut worker(), "alice");
+        assert_eq!(reply(&mut w, "alice"), plain);
+        assert_eq!(
+            w.spec_drafted, 0,
+            "nothing learned before the first reply ended"
+        );
+        assert_eq!(reply(&mut w, "bob"), plain);
+        assert_eq!(w.spec_drafted, 0, "nothing of alice's is drafted for bob");
+        assert_eq!(reply(&mut w, "alice"), plain, "the same reply with drafts");
+        println!(
+            "alice's second reply: {} drafted, {} accepted",
+            w.spec_drafted, w.spec_accepted
+        );
+        assert!(w.spec_accepted > 0, "drafted {}", w.spec_drafted);
     }
 
     #[test]
@@ -2321,6 +2410,7 @@ mod tests {
             enabled: true,
             min_ngram: 1,
             max_batch: 8,
+            fixed_break_even: Some(0.0),
             ..SpecConfig::default()
         });
         for batch in 0..20u64 {
