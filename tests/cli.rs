@@ -302,7 +302,7 @@ fn model_commands_read_the_configuration_serve_reads() {
 }
 
 /// `smolchat bench --speculative`: the three workloads decoded with drafts off and on, the same
-/// tokens both ways, the drafts counted.
+/// tokens both ways, the drafts counted; then the ten-question chat series three ways.
 #[test]
 fn bench_speculative_decodes_the_workloads_the_same_both_ways() {
     let model = common::smollm2_path();
@@ -328,4 +328,16 @@ fn bench_speculative_decodes_the_workloads_the_same_both_ways() {
     }
     let drafted: u64 = rows.iter().filter_map(|r| r["drafted"].as_u64()).sum();
     assert!(drafted > 0, "{v}");
+    // The chat series: off, prompt lookup alone, and with the n-gram cache; the same tokens.
+    let series = &v["chat_series"];
+    assert_eq!(series["same_tokens"], true, "{series}");
+    let runs: Vec<&str> = series["runs"]
+        .as_array()
+        .expect("runs")
+        .iter()
+        .filter_map(|r| r["drafts"].as_str())
+        .collect();
+    assert_eq!(runs, ["off", "lookup", "lookup+ngram_cache"]);
+    assert_eq!(series["runs"][0]["drafted"], 0, "{series}");
+    assert_eq!(series["runs"][0]["decode_tokens"], 10 * 23, "{series}");
 }

@@ -1,5 +1,5 @@
 //! Speculative decoding through the server, with the real SmolLM2: the same greedy replies with
-//! `scheduler.speculative` on and off (a reply that copies a given text, where prompt lookup
+//! `scheduler.speculative` on (the default) and off (a reply that copies a given text, where prompt lookup
 //! finds drafts, and free chat), the drafts counted in `/metrics`, and the admin page's tile.
 
 mod common;
@@ -34,7 +34,7 @@ async fn replies_are_the_same_with_speculation_and_drafts_are_counted() {
     let dir = tempfile::tempdir().expect("tempdir");
     let off_dir = dir.path().join("off");
     std::fs::create_dir_all(&off_dir).expect("dir");
-    let off = Server::start(&off_dir, &[]).await;
+    let off = Server::start(&off_dir, &[("SMOLCHAT_SCHEDULER__SPECULATIVE", "false")]).await;
     let on_dir = dir.path().join("on");
     std::fs::create_dir_all(&on_dir).expect("dir");
     let on = Server::start(

@@ -126,6 +126,7 @@ pub fn run(args: &BenchArgs, globals: &super::Globals) -> Result<()> {
         next = greedy_step(&mut engine, &[seq], &[[next]], on_device, &mut logits)?[0];
     }
     let decode_s = t.elapsed().as_secs_f64();
+    let verify = verify_cost(&mut engine, seq, next, cfg.vocab_size)?;
     engine.free_sequence(seq);
 
     // Batched decode: N sequences with short distinct prompts, then G steps of N decode tokens.
@@ -160,6 +161,7 @@ pub fn run(args: &BenchArgs, globals: &super::Globals) -> Result<()> {
             "tokens_per_s": args.gen_tokens as f64 / decode_s,
         },
         "batched_decode": batched,
+        "verify_steps": verify,
         "sampling": if engine.samples_on_device() { "device" } else { "host" },
         "graphs": engine.graph_stats(),
         "device_memory": engine.device_memory(),
@@ -218,6 +220,58 @@ fn batched_decode(
         "aggregate_tokens_per_s": (n * gen) as f64 / secs,
         "per_sequence_tokens_per_s": gen as f64 / secs,
     }))
+}
+
+/// What speculative decoding's verification costs on this model and machine: one sequence's
+/// decode step of 1, 2, 4 and 8 positions with every position's logits (as a step verifying 0,
+/// 1, 3 and 7 drafts asks), each rolled back after, timed over several repetitions. The ratio
+/// to one position is what a verifying step costs against the plain decode step it replaces.
+fn verify_cost(
+    engine: &mut Engine,
+    seq: u64,
+    last: u32,
+    vocab: usize,
+) -> Result<serde_json::Value> {
+    const REPEATS: usize = 8;
+    let kept = engine.cached_tokens(seq)?.len();
+    let mut logits = Logits::new();
+    let mut rows = Vec::new();
+    let mut one = 0.0;
+    for positions in [1usize, 2, 4, 8] {
+        let mut tokens = vec![last];
+        tokens.extend(pseudo_random_tokens(
+            positions - 1,
+            vocab,
+            7 + positions as u64,
+        ));
+        let mut run = |engine: &mut Engine| -> Result<()> {
+            engine.step_into(
+                &[SeqStep {
+                    seq,
+                    tokens: &tokens,
+                    logits: LogitsMode::All,
+                }],
+                &mut logits,
+            )?;
+            engine.truncate(seq, kept)?;
+            Ok(())
+        };
+        run(engine)?; // untimed: buffers sized, caches warm
+        let t = Instant::now();
+        for _ in 0..REPEATS {
+            run(engine)?;
+        }
+        let per_step = t.elapsed().as_secs_f64() / REPEATS as f64;
+        if positions == 1 {
+            one = per_step;
+        }
+        rows.push(json!({
+            "positions": positions,
+            "seconds_per_step": per_step,
+            "ratio_to_one": if one > 0.0 { per_step / one } else { 0.0 },
+        }));
+    }
+    Ok(serde_json::Value::Array(rows))
 }
 
 /// One greedy decode step of `seqs` fed `tokens`: the argmax drawn on the device when
