@@ -74,6 +74,16 @@ async fn replies_are_the_same_with_speculation_and_drafts_are_counted() {
         "{}",
         live.text
     );
+    // The measured step cost that decides where drafts pay, on the tile and in /metrics.
+    assert!(live.text.contains("a position costs"), "{}", live.text);
+    let per_position = metric(&metrics, "smolchat_step_position_seconds").unwrap_or(0.0);
+    let fixed = metric(&metrics, "smolchat_step_fixed_seconds").unwrap_or(0.0);
+    // (Their split is noisy on a shared machine; that they are measured and exported is what
+    // this checks.)
+    assert!(
+        per_position > 0.0 && fixed >= 0.0,
+        "a position {per_position} s, fixed {fixed} s"
+    );
 
     // Per conversation: a conversation's turn that copies shows its acceptance in its row.
     let c = on.client();

@@ -85,6 +85,9 @@ pub struct StepReport {
     pub drafted_tokens: u64,
     pub accepted_tokens: u64,
     pub verifying_sequences: u64,
+    /// The measured cost of a decode-only step, `(fixed, per_position)` in milliseconds (see
+    /// [`StepCost`]); `None` before the first such step.
+    pub step_cost_ms: Option<(f64, f64)>,
     /// The `Finished` events of requests that ended in this step, held back until the
     /// scheduler has applied the report ([`StepReport::deliver_finished`]): a client that sends
     /// its next request as soon as one ends then meets the token quota with this step counted.
@@ -1418,6 +1421,10 @@ impl ModelWorker {
             self.step_cost.observe(positions, seconds);
         }
         report.step_ms = seconds * 1e3;
+        report.step_cost_ms = self
+            .step_cost
+            .line()
+            .map(|(fixed, per)| (fixed * 1e3, per * 1e3));
         report.kv_bytes = self.engine.total_kv_bytes();
         report.cached_sequences = self.caches.len();
         report.kv_free_blocks = self.kv_free_for_new_work();

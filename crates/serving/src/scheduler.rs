@@ -214,6 +214,12 @@ impl Handler<StepDone> for SchedulerActor {
         s.drafted_tokens += r.drafted_tokens;
         s.accepted_draft_tokens += r.accepted_tokens;
         s.verifying_steps += r.verifying_sequences;
+        if let Some((fixed, per)) = r.step_cost_ms {
+            s.step_fixed_ms = fixed;
+            s.step_position_ms = per;
+            metrics::gauge!("smolchat_step_fixed_seconds").set(fixed / 1e3);
+            metrics::gauge!("smolchat_step_position_seconds").set(per / 1e3);
+        }
         s.kv_bytes = r.kv_bytes;
         s.cached_sequences = r.cached_sequences;
         s.evictions = r.evictions;

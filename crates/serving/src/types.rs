@@ -221,6 +221,10 @@ pub struct SchedulerStats {
     pub drafted_tokens: u64,
     pub accepted_draft_tokens: u64,
     pub verifying_steps: u64,
+    /// What a decode-only step costs as the model worker measures it (milliseconds): the fixed
+    /// part and each position's, which set where drafts pay (0 before it measured one).
+    pub step_fixed_ms: f64,
+    pub step_position_ms: f64,
 }
 
 /// What a cache key (a conversation) is doing right now, for the admin page.

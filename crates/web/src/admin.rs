@@ -471,12 +471,23 @@ fn render_live(
                 String::new()
             },
             speculation_sub: if stats.verifying_steps > 0 {
-                format!(
+                let mut sub = format!(
                     "accepted · {:.2} tokens per verifying step · {} drafted",
                     (stats.accepted_draft_tokens + stats.verifying_steps) as f64
                         / stats.verifying_steps as f64,
                     stats.drafted_tokens
-                )
+                );
+                if stats.step_position_ms > 0.0 {
+                    // The break-even acceptance of one conversation's step (see
+                    // `smolchat_serving::speculate::StepCost`).
+                    let per = stats.step_position_ms;
+                    sub.push_str(&format!(
+                        " · a position costs {per:.2} ms of a {:.1} ms step (drafts pay above {:.0}% acceptance)",
+                        stats.step_fixed_ms + per,
+                        100.0 * per / (stats.step_fixed_ms + per)
+                    ));
+                }
+                sub
             } else {
                 String::new()
             },

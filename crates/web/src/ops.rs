@@ -70,6 +70,16 @@ fn describe() {
         "smolchat_spec_accepted_tokens_total",
         "Draft tokens the model confirmed (each one a token generated without a step of its own)"
     );
+    describe_gauge!(
+        "smolchat_step_fixed_seconds",
+        Unit::Seconds,
+        "A decode-only step's fixed cost as measured (speculative drafts pay against it)"
+    );
+    describe_gauge!(
+        "smolchat_step_position_seconds",
+        Unit::Seconds,
+        "What each position adds to a decode-only step, as measured (a draft position's cost)"
+    );
     describe_gauge!("smolchat_kv_bytes", Unit::Bytes, "KV cache memory in use");
     describe_gauge!(
         "smolchat_kv_budget_bytes",
