@@ -219,8 +219,9 @@ enum Donor {
 const MAX_ANONYMOUS_CACHES: usize = 16;
 
 /// Users whose replies' n-grams are kept for drafting (the least recently used go first), and
-/// n-grams per generation of each (two generations at most, about 1 MiB each at this size).
-const NGRAM_USERS: usize = 64;
+/// n-grams per generation of each: two generations of about 0.8 MiB each at most, so 50 MiB for
+/// all users at the very most (replies of 8,000 tokens fill a generation).
+const NGRAM_USERS: usize = 32;
 const NGRAM_CAPACITY: usize = 16_384;
 
 struct CacheSlot {
