@@ -219,10 +219,11 @@ enum Donor {
 const MAX_ANONYMOUS_CACHES: usize = 16;
 
 /// Users whose replies' n-grams are kept for drafting (the least recently used go first), and
-/// n-grams per generation of each: two generations of about 0.8 MiB each at most, so 50 MiB for
-/// all users at the very most (replies of 8,000 tokens fill a generation).
+/// n-grams per generation of each: 14,000 keys stay within a table of 16,384 buckets of 41
+/// bytes (hashbrown's 7/8 load), about 0.66 MiB, so two generations are 1.3 MiB a user and
+/// 42 MiB for all users at the very most (replies of about 7,000 tokens fill a generation).
 const NGRAM_USERS: usize = 32;
-const NGRAM_CAPACITY: usize = 16_384;
+const NGRAM_CAPACITY: usize = 14_000;
 
 struct CacheSlot {
     seq: SeqId,
