@@ -1860,6 +1860,8 @@ mod tests {
             }
             plan = StepPlan {
                 decode: vec![id],
+                // Room for drafts, used only by a worker with speculation on.
+                draft_budget: 8,
                 ..StepPlan::default()
             };
         }
@@ -2371,41 +2373,8 @@ mod tests {
             ..SamplingParams::greedy()
         };
         let run = |w: &mut ModelWorker| {
-            let (tx, mut rx) = mpsc::unbounded_channel();
-            w.active.insert(
-                9,
-                Active::new(
-                    GenerationRequest {
-                        cache_key: None,
-                        user: None,
-                        group: None,
-                        cache_salt: None,
-                        prompt: prompt.clone(),
-                        params: params.clone(),
-                        max_time: None,
-                        events: tx,
-                        embed: None,
-                    },
-                    Instant::now(),
-                ),
-            );
-            let mut plan = StepPlan {
-                prefill: vec![(9, 1000)],
-                ..StepPlan::default()
-            };
-            for _ in 0..40 {
-                let report = w.step(plan);
-                if report.items.iter().any(|r| r.id == 9 && r.finished) {
-                    break;
-                }
-                plan = StepPlan {
-                    decode: vec![9],
-                    draft_budget: 8,
-                    ..StepPlan::default()
-                };
-            }
             let mut tokens = Vec::new();
-            while let Ok(e) = rx.try_recv() {
+            for e in run_with(w, 9, None, None, prompt.clone(), params.clone()) {
                 if let GenEvent::Token {
                     token, logprobs, ..
                 } = e
