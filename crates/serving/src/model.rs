@@ -88,9 +88,6 @@ pub struct StepReport {
     /// The measured cost of a decode-only step, `(fixed, per_position)` in milliseconds (see
     /// [`StepCost`]); `None` before the first such step.
     pub step_cost_ms: Option<(f64, f64)>,
-    /// The acceptance one conversation's first draft position must reach to pay, as measured
-    /// now ([`StepCost::break_even_at`]).
-    pub draft_break_even: Option<f32>,
     /// The `Finished` events of requests that ended in this step, held back until the
     /// scheduler has applied the report ([`StepReport::deliver_finished`]): a client that sends
     /// its next request as soon as one ends then meets the token quota with this step counted.
@@ -944,14 +941,16 @@ impl ModelWorker {
         } else {
             0
         };
-        // What a draft position must reach to pay in this step: measured from the step cost
-        // (no drafts before the first step is measured), or fixed by the configuration. Each
-        // draft position is priced at the step's position count when it is added.
-        let batch = plan.decode.len();
-        if self.spec.fixed_break_even.is_none() && self.step_cost.line().is_none() {
+        // The acceptance a draft position needs to pay in this step (before the first step is
+        // measured: no drafts).
+        let break_even = match self.spec.fixed_break_even {
+            Some(fixed) => Some(fixed),
+            None => self.step_cost.break_even(plan.decode.len()),
+        };
+        if break_even.is_none() {
             draft_budget = 0;
         }
-        let mut positions = batch;
+        let break_even = break_even.unwrap_or(1.0);
         let lookup = PromptLookup {
             max_ngram: self.spec.max_ngram,
             min_ngram: self.spec.min_ngram,
@@ -970,18 +969,11 @@ impl ModelWorker {
                     // Room in the window after this step's own token.
                     let room = window_now.saturating_sub(cached.len() + 2);
                     let most = room.min(draft_budget);
-                    let limit = self.spec.max_draft.min(most);
-                    let break_evens: Vec<f32> = match self.spec.fixed_break_even {
-                        Some(fixed) => vec![fixed; limit],
-                        None => (0..limit)
-                            .map(|i| {
-                                self.step_cost
-                                    .break_even_at(batch, positions + i)
-                                    .unwrap_or(1.0)
-                            })
-                            .collect(),
+                    let max = if most > 0 {
+                        a.draft.draft_len(self.spec.max_draft.min(most), break_even)
+                    } else {
+                        0
                     };
-                    let max = a.draft.draft_len_within(&break_evens);
                     if max > 0 {
                         let mut history = Vec::with_capacity(cached.len() + 1);
                         history.extend_from_slice(cached);
@@ -994,7 +986,6 @@ impl ModelWorker {
                         }
                         if !proposed.is_empty() {
                             draft_budget -= proposed.len();
-                            positions += proposed.len();
                             tokens.extend_from_slice(&proposed);
                             drafts.insert(id, proposed);
                         }
@@ -1436,7 +1427,6 @@ impl ModelWorker {
             .step_cost
             .line()
             .map(|(fixed, per)| (fixed * 1e3, per * 1e3));
-        report.draft_break_even = self.step_cost.break_even_at(1, 1);
         report.kv_bytes = self.engine.total_kv_bytes();
         report.cached_sequences = self.caches.len();
         report.kv_free_blocks = self.kv_free_for_new_work();

@@ -37,7 +37,7 @@ pub struct SpecConfig {
     /// The shortest.
     pub min_ngram: usize,
     /// Drafts only in steps with at most this many decoding sequences: a hard cap on top of
-    /// the measured rule ([`StepCost::break_even_at`]), which already stops drafting where a step
+    /// the measured rule ([`StepCost::break_even`]), which already stops drafting where a step
     /// is busy enough that extra positions cost more than they save.
     pub max_batch: usize,
     /// The acceptance a draft position needs, fixed instead of measured from the steps' cost
@@ -333,33 +333,18 @@ const HOPE: f32 = 0.01;
 /// A draft position must beat the break-even acceptance by this factor: measured costs are
 /// noisy, and a position that only breaks even is not worth the risk.
 const MARGIN: f32 = 1.1;
-/// Nor is a position that would be accepted less often than this, free as it may look.
-const MIN_REACH: f32 = 0.05;
 
 impl DraftControl {
     /// How many draft tokens are worth verifying now, at most `max` (0: do not draft this
-    /// step), at one break-even acceptance for every position (see [`StepCost::break_even_at`]).
+    /// step). `break_even` is the acceptance at which one more position pays for itself (see
+    /// [`StepCost::break_even`]): position `i` of a draft is accepted with probability about
+    /// `acceptance^i`, so the draft grows while that stays above it.
     pub fn draft_len(&mut self, max: usize, break_even: f32) -> usize {
-        self.draft_len_within(&vec![break_even; max])
-    }
-
-    /// How many draft tokens are worth verifying now: `break_evens[i]` is the acceptance at
-    /// which draft position `i + 1` pays for itself (see [`StepCost::break_even_at`]), and there
-    /// are at most that many. Position `i` of a draft is accepted with probability about
-    /// `acceptance^i`, so the draft grows while that stays above its break-even (and above
-    /// [`MIN_REACH`], even where a position costs nothing).
-    pub fn draft_len_within(&mut self, break_evens: &[f32]) -> usize {
-        if break_evens.is_empty() {
-            // No room for drafts in this step: nothing was decided.
-            return 0;
-        }
+        let need = break_even.max(0.0) * MARGIN;
         let a = self.acceptance.clamp(0.0, 0.98);
         let mut len = 0;
         let mut reach = a;
-        while let Some(&even) = break_evens.get(len) {
-            if reach <= (even.max(0.0) * MARGIN).max(MIN_REACH) {
-                break;
-            }
+        while len < max && reach > need {
             len += 1;
             reach *= a;
         }
@@ -399,12 +384,6 @@ impl DraftControl {
 /// compute-bound and drafts stop paying. A weighted least-squares line over the recent
 /// decode-only steps (older ones fade), anchored by a prior from the first step so that a
 /// worker that has only ever seen one batch size still has a slope.
-///
-/// The real curve is not a line: on a large model a second position is nearly free (the step
-/// streams the weights either way; measured on the SmolLM3-3B shape on 2 Zen 2 cores: 2
-/// positions cost 0.98× one, 4 cost 1.46×, 8 cost 2.53×). So each position count's own faded
-/// mean is kept too, and where two neighbouring counts are both measured, their difference is
-/// the marginal cost of the position between them; elsewhere the line's slope is.
 #[derive(Debug, Clone, Default)]
 pub struct StepCost {
     /// Exponentially faded sums over observed steps: weight, Σx, Σy, Σx², Σxy.
@@ -415,16 +394,7 @@ pub struct StepCost {
     sxy: f64,
     /// `(fixed, per_position)` guessed from the first step.
     prior: Option<(f64, f64)>,
-    /// Per position count (the index), the faded weight and sum of its steps' seconds.
-    by_positions: Vec<(f64, f64)>,
 }
-
-/// Position counts whose steps are kept one by one (beyond it, the line alone).
-const COUNTS_KEPT: usize = 64;
-/// A position count's mean is used once it has this much (faded) weight.
-const COUNT_MIN_WEIGHT: f64 = 3.0;
-/// Each new step of a position count fades that count's older ones by this factor.
-const COUNT_FADE: f64 = 0.9;
 
 /// Each new step fades the older ones by this factor (about the last 50 steps count).
 const COST_FADE: f64 = 0.98;
@@ -451,14 +421,6 @@ impl StepCost {
                 let fixed = per * (1.0 - PRIOR_POSITION_SHARE) / PRIOR_POSITION_SHARE;
                 self.prior = Some((fixed, per));
             }
-        }
-        if positions < COUNTS_KEPT {
-            if self.by_positions.len() <= positions {
-                self.by_positions.resize(positions + 1, (0.0, 0.0));
-            }
-            let (w, sum) = &mut self.by_positions[positions];
-            *w = *w * COUNT_FADE + 1.0;
-            *sum = *sum * COUNT_FADE + y;
         }
         self.w = self.w * COST_FADE + 1.0;
         self.sx = self.sx * COST_FADE + x;
@@ -489,42 +451,16 @@ impl StepCost {
         Some((fixed, per))
     }
 
-    /// A step of `positions` positions: its own count's mean where measured, else the line.
-    pub fn seconds(&self, positions: usize) -> Option<f64> {
-        if let Some(mean) = self.measured(positions) {
-            return Some(mean);
-        }
-        let (fixed, per) = self.line()?;
-        Some(fixed + per * positions as f64)
-    }
-
-    fn measured(&self, positions: usize) -> Option<f64> {
-        let &(w, sum) = self.by_positions.get(positions)?;
-        (w >= COUNT_MIN_WEIGHT).then(|| sum / w)
-    }
-
-    /// What the position after the first `positions` adds to a step: the difference of the two
-    /// counts' means where both are measured (never below nothing), else the line's slope.
-    pub fn marginal(&self, positions: usize) -> Option<f64> {
-        let (_, per) = self.line()?;
-        match (self.measured(positions), self.measured(positions + 1)) {
-            (Some(a), Some(b)) => Some((b - a).max(0.0)),
-            _ => Some(per),
-        }
-    }
-
-    /// The acceptance at which a draft position pays for itself when the step already holds
-    /// `positions` positions, `batch` of them decoding sequences' own: the position's marginal
-    /// cost against what a token costs without drafts (the step of `batch` over `batch`). `None`
+    /// The acceptance at which one more draft position pays for itself in a step of `batch`
+    /// decoding sequences: a position costs `per_position` seconds and yields its acceptance
+    /// in tokens, while without drafts a token costs the step's seconds over `batch`. So the
+    /// break-even is `per_position × batch / (fixed + per_position × batch)`: low for one
+    /// conversation on a memory-bound step, near 1 for a busy, compute-bound one. `None`
     /// before any step was measured.
-    pub fn break_even_at(&self, batch: usize, positions: usize) -> Option<f32> {
-        let batch = batch.max(1);
-        let base = self.seconds(batch)?;
-        let marginal = self.marginal(positions.max(batch))?;
-        if base <= 0.0 {
-            return None;
-        }
-        Some((marginal * batch as f64 / base) as f32)
+    pub fn break_even(&self, batch: usize) -> Option<f32> {
+        let (fixed, per) = self.line()?;
+        let busy = per * batch.max(1) as f64;
+        Some((busy / (fixed + busy)) as f32)
     }
 }
 
@@ -611,7 +547,7 @@ mod tests {
     #[test]
     fn the_step_cost_line_is_learned_and_sets_the_break_even() {
         let mut cost = StepCost::default();
-        assert_eq!(cost.break_even_at(1, 1), None);
+        assert_eq!(cost.break_even(1), None);
         // One batch size seen so far: the prior's slope.
         cost.observe(1, 0.010);
         let (fixed, per) = cost.line().expect("a line");
@@ -625,8 +561,8 @@ mod tests {
         let (fixed, per) = cost.line().expect("a line");
         assert!((fixed - 0.005).abs() < 3e-4, "{fixed}");
         assert!((per - 0.001).abs() < 1e-4, "{per}");
-        let one = cost.break_even_at(1, 1).expect("measured");
-        let eight = cost.break_even_at(8, 8).expect("measured");
+        let one = cost.break_even(1).expect("measured");
+        let eight = cost.break_even(8).expect("measured");
         assert!((one - 1.0 / 6.0).abs() < 0.02, "{one}");
         // (The prior, two points on a steeper line, still pulls a little.)
         assert!((eight - 8.0 / 13.0).abs() < 0.04, "{eight}");
@@ -639,49 +575,6 @@ mod tests {
         cost.observe(3, f64::NAN);
         cost.observe(3, -1.0);
         assert!(cost.line().is_some());
-    }
-
-    #[test]
-    fn a_free_second_position_is_drafted_even_at_low_acceptance() {
-        // The 3B shape's curve on two Zen 2 cores: two positions cost what one does, then
-        // 25 ms a position (96, 96, 121, 146, … ms).
-        let curve = |x: usize| 0.096 + 0.025 * x.saturating_sub(2) as f64;
-        let mut cost = StepCost::default();
-        for i in 0..300 {
-            let x = 1 + i % 8;
-            cost.observe(x, curve(x));
-        }
-        let free = cost.marginal(1).expect("measured");
-        assert!(free < 1e-6, "the second position is free: {free}");
-        let third = cost.marginal(2).expect("measured");
-        assert!((third - 0.025).abs() < 1e-6, "{third}");
-        // Beyond the counts measured, the line's slope.
-        let far = cost.marginal(40).expect("line");
-        let (_, per) = cost.line().expect("line");
-        assert_eq!(far, per);
-        // One conversation: the first draft pays at any acceptance worth having, the second at
-        // 25/96 (about 0.26).
-        let evens: Vec<f32> = (0..8)
-            .map(|i| cost.break_even_at(1, 1 + i).expect("measured"))
-            .collect();
-        assert!(evens[0] < 1e-5, "{evens:?}");
-        assert!((evens[1] - 0.26).abs() < 0.01, "{evens:?}");
-        // A sequence whose drafts are rarely accepted drafts the free position only…
-        let mut rarely = DraftControl::default();
-        for _ in 0..3 {
-            rarely.record(1, 0);
-        }
-        assert_eq!(rarely.draft_len_within(&evens), 1);
-        // …while one that copies drafts further, and a flat break-even of the line's rule would
-        // have given it no free position at all.
-        let mut copier = DraftControl::default();
-        for _ in 0..10 {
-            copier.record(4, 4);
-        }
-        assert!(copier.draft_len_within(&evens) >= 4);
-        assert_eq!(rarely.draft_len(8, 0.26), 0);
-        // No room in the step: no drafts, and nothing decided.
-        assert_eq!(rarely.draft_len_within(&[]), 0);
     }
 
     #[test]

@@ -225,9 +225,6 @@ pub struct SchedulerStats {
     /// part and each position's, which set where drafts pay (0 before it measured one).
     pub step_fixed_ms: f64,
     pub step_position_ms: f64,
-    /// The acceptance one conversation's first draft position must reach to pay (0 before a
-    /// step was measured).
-    pub draft_break_even: f64,
 }
 
 /// What a cache key (a conversation) is doing right now, for the admin page.
