@@ -969,11 +969,7 @@ impl ModelWorker {
                     // Room in the window after this step's own token.
                     let room = window_now.saturating_sub(cached.len() + 2);
                     let most = room.min(draft_budget);
-                    let max = if most > 0 {
-                        a.draft.draft_len(self.spec.max_draft.min(most), break_even)
-                    } else {
-                        0
-                    };
+                    let max = a.draft.draft_len(self.spec.max_draft.min(most), break_even);
                     if max > 0 {
                         let mut history = Vec::with_capacity(cached.len() + 1);
                         history.extend_from_slice(cached);

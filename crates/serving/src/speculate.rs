@@ -333,6 +333,8 @@ const HOPE: f32 = 0.01;
 /// A draft position must beat the break-even acceptance by this factor: measured costs are
 /// noisy, and a position that only breaks even is not worth the risk.
 const MARGIN: f32 = 1.1;
+/// Nor is a position that would be accepted less often than this, cheap as it may look.
+const MIN_REACH: f32 = 0.05;
 
 impl DraftControl {
     /// How many draft tokens are worth verifying now, at most `max` (0: do not draft this
@@ -340,7 +342,11 @@ impl DraftControl {
     /// [`StepCost::break_even`]): position `i` of a draft is accepted with probability about
     /// `acceptance^i`, so the draft grows while that stays above it.
     pub fn draft_len(&mut self, max: usize, break_even: f32) -> usize {
-        let need = break_even.max(0.0) * MARGIN;
+        if max == 0 {
+            // No room for drafts in this step: nothing was decided.
+            return 0;
+        }
+        let need = (break_even.max(0.0) * MARGIN).max(MIN_REACH);
         let a = self.acceptance.clamp(0.0, 0.98);
         let mut len = 0;
         let mut reach = a;
@@ -384,6 +390,13 @@ impl DraftControl {
 /// compute-bound and drafts stop paying. A weighted least-squares line over the recent
 /// decode-only steps (older ones fade), anchored by a prior from the first step so that a
 /// worker that has only ever seen one batch size still has a slope.
+///
+/// The real curve is not a line (on the SmolLM3-3B shape on 2 Zen 2 cores a second position is
+/// free: 2 positions cost 0.98× one, 4 cost 1.46×, 8 cost 2.53×). A faded mean per position
+/// count, with the difference of neighbouring counts as the marginal cost, was tried and not
+/// kept: steps of one count come from conversations of other lengths than steps of the next
+/// (attention grows with the context), and the differences priced drafts wrongly (free chat
+/// in `bench --speculative` fell from 1.14× to 0.98×).
 #[derive(Debug, Clone, Default)]
 pub struct StepCost {
     /// Exponentially faded sums over observed steps: weight, Σx, Σy, Σx², Σxy.
