@@ -68,6 +68,8 @@ impl Browser {
             http: reqwest::Client::builder()
                 .redirect(reqwest::redirect::Policy::none())
                 .local_address(IpAddr::V4(address))
+                // Shorter than the server's keep-alive (see `server::Client::new`).
+                .pool_idle_timeout(std::time::Duration::from_secs(2))
                 .build()
                 .expect("client"),
             base: base.to_string(),

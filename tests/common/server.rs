@@ -379,6 +379,10 @@ impl Client {
         Client {
             http: reqwest::Client::builder()
                 .pool_max_idle_per_host(4)
+                // Shorter than the server's keep-alive (`server.keep_alive_s`, 5 s): a pooled
+                // connection the server is closing at the moment it is reused fails the request
+                // with `IncompleteMessage` (hyperium/hyper#2136; seen once in tests/load.rs).
+                .pool_idle_timeout(Duration::from_secs(2))
                 .build()
                 .expect("http client"),
             base: base.to_string(),
