@@ -41,6 +41,9 @@ async fn replies_are_the_same_with_speculation_and_drafts_are_counted() {
         &on_dir,
         &[
             ("SMOLCHAT_SCHEDULER__SPECULATIVE", "true"),
+            // Draft whatever lookup finds: the measured break-even depends on this machine's
+            // timing (and a debug build's host work per position), and this test needs drafts.
+            ("SMOLCHAT_SCHEDULER__DRAFT_BREAK_EVEN", "0"),
             ("SMOLCHAT_SERVER__ADMIN_TOKEN", "speculation-admin-token"),
         ],
     )
@@ -108,5 +111,23 @@ async fn replies_are_the_same_with_speculation_and_drafts_are_counted() {
     assert!(
         drafts.contains("% · ") && drafts.contains("tok/step"),
         "{row}"
+    );
+    // The reply itself keeps its own counts: in the API's timings and under it on the page.
+    let messages = c.messages(&id).await;
+    let timings = &messages[1]["timings"];
+    let (drafted, accepted) = (
+        timings["drafted_tokens"].as_u64().unwrap_or(0),
+        timings["accepted_tokens"].as_u64().unwrap_or(0),
+    );
+    assert!(
+        drafted > 0 && accepted > 0 && accepted <= drafted,
+        "{timings}"
+    );
+    let page = c.get(&format!("/c/{id}")).await;
+    assert!(
+        page.text
+            .contains(&format!("{accepted} of {drafted} drafts accepted")),
+        "{}",
+        page.text
     );
 }

@@ -98,6 +98,8 @@ fn reply(status: MessageStatus) -> FinishedReply {
             ttft_ms: 22.0,
             generation_ms: 340.125,
             tokens_per_s: 50.0,
+            drafted_tokens: 24,
+            accepted_tokens: 15,
         },
     }
 }

@@ -173,6 +173,10 @@ pub struct SchedulerSection {
     pub draft_max_batch: usize,
     /// Speculate on a GPU too (off: on an H100 a verification step cost more than it saved).
     pub draft_on_gpu: bool,
+    /// The acceptance a draft position must reach, fixed (0 to 1; like llama-server's
+    /// `--draft-p-min`), instead of measured from this machine's step costs (unset, the
+    /// default). 0 drafts whatever prompt lookup finds.
+    pub draft_break_even: Option<f32>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -452,6 +456,7 @@ impl Default for SchedulerSection {
             draft_ngram_cache: true,
             draft_max_batch: 16,
             draft_on_gpu: false,
+            draft_break_even: None,
         }
     }
 }
@@ -656,6 +661,13 @@ impl Config {
         }
         if s.kv_budget_mib == Some(0) {
             return bad("scheduler.kv_budget_mib must be at least 1".into());
+        }
+        if let Some(even) = s.draft_break_even {
+            if !(0.0..=1.0).contains(&even) {
+                return bad(format!(
+                    "scheduler.draft_break_even must be between 0 and 1 (an acceptance rate), not {even}; leave it out to measure it"
+                ));
+            }
         }
         let sv = &self.server;
         for (name, value) in [
@@ -927,5 +939,22 @@ mod tests {
             l.tokens_per_minute_per_user = 0;
         })
         .is_ok());
+    }
+
+    #[test]
+    fn a_fixed_draft_break_even_is_an_acceptance_rate() {
+        let with = |even: Option<f32>| {
+            let mut c = Config::default();
+            c.scheduler.draft_break_even = even;
+            c.validate()
+        };
+        assert!(with(None).is_ok(), "measured by default");
+        assert!(with(Some(0.0)).is_ok() && with(Some(0.3)).is_ok() && with(Some(1.0)).is_ok());
+        let err = with(Some(1.5)).expect_err("above 1");
+        assert!(
+            err.to_string().contains("scheduler.draft_break_even"),
+            "{err}"
+        );
+        assert!(with(Some(-0.1)).is_err() && with(Some(f32::NAN)).is_err());
     }
 }

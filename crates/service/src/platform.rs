@@ -262,7 +262,7 @@ impl Platform {
                     max_ngram: s.draft_ngram_max,
                     min_ngram: s.draft_ngram_min,
                     max_batch: s.draft_max_batch,
-                    fixed_break_even: None,
+                    fixed_break_even: s.draft_break_even,
                     ngram_cache: s.draft_ngram_cache,
                     on_gpu: s.draft_on_gpu,
                 },

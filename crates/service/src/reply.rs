@@ -127,6 +127,8 @@ mod tests {
             prefill_ms: 1.0,
             ttft_ms: 1.0,
             generation_ms: 1.0,
+            drafted_tokens: 0,
+            accepted_tokens: 0,
         };
         let (user, reply) = (Uuid::now_v7(), Uuid::now_v7());
         let wire = ReplyEvent::<Uuid>::Done {

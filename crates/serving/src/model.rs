@@ -776,6 +776,8 @@ impl ModelWorker {
                 .first_token
                 .map_or(0.0, |f| ms(f.duration_since(a.submitted))),
             generation_ms: a.first_token.map_or(0.0, |f| ms(now.duration_since(f))),
+            drafted_tokens: a.draft.drafted,
+            accepted_tokens: a.draft.accepted,
         };
         // Held until the step's report is applied (see `StepReport::finished`).
         self.finished.push((a.request.events.clone(), summary));

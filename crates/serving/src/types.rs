@@ -147,6 +147,12 @@ pub struct GenSummary {
     pub ttft_ms: f64,
     /// From the first generated token to the end.
     pub generation_ms: f64,
+    /// Speculative decoding in this request: draft tokens verified, and those the model
+    /// confirmed (absent from replicas that predate them).
+    #[serde(default)]
+    pub drafted_tokens: u64,
+    #[serde(default)]
+    pub accepted_tokens: u64,
 }
 
 /// Why the scheduler refused a request.

@@ -301,6 +301,10 @@ pub struct Timings {
     pub ttft_ms: f64,
     pub generation_ms: f64,
     pub tokens_per_s: f64,
+    /// Speculative decoding in this reply: draft tokens verified, and those the model
+    /// confirmed (0 in rows written before they were counted).
+    pub drafted_tokens: u64,
+    pub accepted_tokens: u64,
 }
 
 impl Timings {
@@ -314,6 +318,8 @@ impl Timings {
             ttft_ms: f(self.ttft_ms),
             generation_ms: f(self.generation_ms),
             tokens_per_s: f(self.tokens_per_s),
+            drafted_tokens: self.drafted_tokens,
+            accepted_tokens: self.accepted_tokens,
         }
     }
 }

@@ -1095,6 +1095,8 @@ mod tests {
             prefill_ms: 2.0,
             ttft_ms: 2.5,
             generation_ms: 4.0,
+            drafted_tokens: 0,
+            accepted_tokens: 0,
         };
         let v = line(
             Shape::Chat,

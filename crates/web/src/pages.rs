@@ -184,6 +184,13 @@ impl MessageView {
             if let Some(t) = m.timings.as_ref().filter(|t| t.tokens_per_s > 0.0) {
                 stats.push(format!("{:.1} tok/s", t.tokens_per_s));
             }
+            if let Some(t) = m.timings.as_ref().filter(|t| t.drafted_tokens > 0) {
+                // Speculative decoding: tokens that came without a step of their own.
+                stats.push(format!(
+                    "{} of {} drafts accepted",
+                    t.accepted_tokens, t.drafted_tokens
+                ));
+            }
             if let Some(p) = m.prompt_tokens {
                 let cached = m.cached_tokens.unwrap_or(0);
                 stats.push(format!("prompt {p} ({cached} cached)"));

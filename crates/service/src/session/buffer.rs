@@ -167,6 +167,8 @@ impl ReplyBuffer {
                 ttft_ms: summary.ttft_ms,
                 generation_ms: summary.generation_ms,
                 tokens_per_s,
+                drafted_tokens: summary.drafted_tokens,
+                accepted_tokens: summary.accepted_tokens,
             },
         };
         (tail, finished)
@@ -187,6 +189,8 @@ mod tests {
             prefill_ms: 0.0,
             ttft_ms: 0.0,
             generation_ms: 0.0,
+            drafted_tokens: 0,
+            accepted_tokens: 0,
         }
     }
 

@@ -168,6 +168,8 @@ pub(super) fn summary_of_stored(message: &Message) -> GenSummary {
         prefill_ms: timings.prefill_ms,
         ttft_ms: timings.ttft_ms,
         generation_ms: timings.generation_ms,
+        drafted_tokens: timings.drafted_tokens,
+        accepted_tokens: timings.accepted_tokens,
     }
 }
 
