@@ -340,7 +340,8 @@ fn argmax(row: &[f32]) -> u32 {
 const SPEC_WORKLOADS: &str = include_str!("../../benches/speculative_workloads.json");
 
 /// `smolchat bench --speculative`: each workload decoded greedily alone, drafts off then on,
-/// through the model worker's own step (no scheduler, no HTTP); `--gen-tokens` new tokens.
+/// through the model worker's own step (no scheduler, no HTTP); `--gen-tokens` new tokens. The
+/// draft rule is the configuration's (`scheduler.draft_break_even`: measured unless fixed).
 fn speculative(args: &BenchArgs, globals: &super::Globals) -> Result<()> {
     use smolchat_serving::model::ModelWorker;
     use smolchat_serving::SpecConfig;
@@ -380,7 +381,7 @@ fn speculative(args: &BenchArgs, globals: &super::Globals) -> Result<()> {
         max_ngram: s.draft_ngram_max,
         min_ngram: s.draft_ngram_min,
         max_batch: s.draft_max_batch.max(1),
-        fixed_break_even: None,
+        fixed_break_even: s.draft_break_even,
         ngram_cache: s.draft_ngram_cache,
         on_gpu: true,
     };
