@@ -88,6 +88,9 @@ pub struct StepReport {
     /// The measured cost of a decode-only step, `(fixed, per_position)` in milliseconds (see
     /// [`StepCost`]); `None` before the first such step.
     pub step_cost_ms: Option<(f64, f64)>,
+    /// The acceptance one conversation's draft position must reach to pay, as measured now
+    /// ([`StepCost::break_even`]).
+    pub draft_break_even: Option<f32>,
     /// The `Finished` events of requests that ended in this step, held back until the
     /// scheduler has applied the report ([`StepReport::deliver_finished`]): a client that sends
     /// its next request as soon as one ends then meets the token quota with this step counted.
@@ -298,6 +301,14 @@ impl ModelWorker {
         self
     }
 
+    /// Whether this worker verifies drafts at all: speculation on, and on the CPU or allowed on
+    /// a GPU. (Nothing is learned for drafting where none will be made.)
+    fn drafts_here(&self) -> bool {
+        self.spec.enabled
+            && (self.spec.on_gpu
+                || matches!(self.engine.device(), smolchat_engine::device::Device::Cpu))
+    }
+
     /// Draft tokens verified and accepted since this worker started.
     pub fn speculation_counts(&self) -> (u64, u64) {
         (self.spec_drafted, self.spec_accepted)
@@ -323,17 +334,7 @@ impl ModelWorker {
         self.active.insert(
             id,
             Active::new(
-                GenerationRequest {
-                    cache_key: None,
-                    user: None,
-                    group: None,
-                    cache_salt: None,
-                    prompt,
-                    params,
-                    max_time: None,
-                    events: tx,
-                    embed: None,
-                },
+                GenerationRequest::anonymous(prompt, params, tx),
                 Instant::now(),
             ),
         );
@@ -732,7 +733,7 @@ impl ModelWorker {
         };
         let now = Instant::now();
         if let (true, true, Some(seq), Some(last)) = (
-            self.spec.enabled && self.spec.ngram_cache,
+            self.drafts_here() && self.spec.ngram_cache,
             a.pool.is_none() && a.completion_tokens >= 3,
             a.seq,
             a.last_token,
@@ -933,9 +934,7 @@ impl ModelWorker {
         // the step compute-bound) and with few decoding sequences, within the step's spare
         // token budget and each sequence's window.
         let window_now = self.context_window.min(self.kv_capacity_tokens());
-        let on_cpu = matches!(self.engine.device(), smolchat_engine::device::Device::Cpu);
-        let mut draft_budget = if self.spec.enabled
-            && (on_cpu || self.spec.on_gpu)
+        let mut draft_budget = if self.drafts_here()
             && plan.prefill.is_empty()
             && plan.decode.len() <= self.spec.max_batch
         {
@@ -1087,14 +1086,9 @@ impl ModelWorker {
                 extra_generated: 0,
             });
         }
-        // A decode-only step teaches the cost line: its positions and, at the end, its seconds.
-        let decode_positions = (plan.prefill.is_empty()
-            && !work.is_empty()
-            && work
-                .iter()
-                .all(|(id, ..)| self.active.get(id).is_some_and(|a| a.pool.is_none())))
-        .then(|| work.iter().map(|(_, _, toks, _)| toks.len()).sum::<usize>());
-        let mut stepped_ok = false;
+        // A decode-only step (no prompt work, no embedding) teaches the cost line: its positions
+        // and, at the end, its seconds.
+        let mut decode_positions = None;
         if !work.is_empty() {
             // A backend that draws tokens on its device gets each sampling row's draw (the
             // penalty window and the generator's uniform) and returns only token ids.
@@ -1104,6 +1098,9 @@ impl ModelWorker {
                 .iter()
                 .map(|(id, ..)| self.active.get(id).is_some_and(|a| a.pool.is_some()))
                 .collect();
+            if plan.prefill.is_empty() && !embeds.contains(&true) {
+                decode_positions = Some(work.iter().map(|(_, _, toks, _)| toks.len()).sum());
+            }
             let draws: Vec<Option<DeviceSampling>> = work
                 .iter()
                 .zip(&embeds)
@@ -1181,7 +1178,6 @@ impl ModelWorker {
             };
             match stepped {
                 Ok(()) => {
-                    stepped_ok = true;
                     for (i, (id, _, _, last)) in work.iter().enumerate() {
                         if embeds[i] {
                             self.pool_hidden(*id, logits.hidden(i), logits.hidden_width(), *last);
@@ -1349,6 +1345,8 @@ impl ModelWorker {
                     }
                 }
                 Err(e) => {
+                    // A failed step says nothing of what a step costs.
+                    decode_positions = None;
                     tracing::error!("engine step failed: {e}");
                     failed.extend(work.iter().map(|w| (w.0, e.to_string())));
                 }
@@ -1417,7 +1415,7 @@ impl ModelWorker {
             item.extra_generated = extra.get(&item.id).copied().unwrap_or(0);
         }
         let seconds = start.elapsed().as_secs_f64();
-        if let (true, Some(positions)) = (stepped_ok, decode_positions) {
+        if let Some(positions) = decode_positions {
             self.step_cost.observe(positions, seconds);
         }
         report.step_ms = seconds * 1e3;
@@ -1425,6 +1423,7 @@ impl ModelWorker {
             .step_cost
             .line()
             .map(|(fixed, per)| (fixed * 1e3, per * 1e3));
+        report.draft_break_even = self.step_cost.break_even(1);
         report.kv_bytes = self.engine.total_kv_bytes();
         report.cached_sequences = self.caches.len();
         report.kv_free_blocks = self.kv_free_for_new_work();
@@ -1834,14 +1833,8 @@ mod tests {
             Active::new(
                 GenerationRequest {
                     cache_key: key,
-                    user: None,
-                    group: None,
                     cache_salt: salt.map(str::to_string),
-                    prompt,
-                    params,
-                    max_time: None,
-                    events: tx,
-                    embed: None,
+                    ..GenerationRequest::anonymous(prompt, params, tx)
                 },
                 Instant::now(),
             ),
@@ -2037,19 +2030,17 @@ mod tests {
                 id,
                 Active::new(
                     GenerationRequest {
-                        cache_key: None,
                         user: salt.map(str::to_string),
-                        group: None,
                         cache_salt: salt.map(str::to_string),
-                        prompt: prompt.clone(),
-                        params: SamplingParams {
-                            max_new_tokens: *n,
-                            ignore_eos: true,
-                            ..params.clone()
-                        },
-                        max_time: None,
-                        events: tx,
-                        embed: None,
+                        ..GenerationRequest::anonymous(
+                            prompt.clone(),
+                            SamplingParams {
+                                max_new_tokens: *n,
+                                ignore_eos: true,
+                                ..params.clone()
+                            },
+                            tx,
+                        )
                     },
                     Instant::now(),
                 ),

@@ -220,6 +220,9 @@ impl Handler<StepDone> for SchedulerActor {
             metrics::gauge!("smolchat_step_fixed_seconds").set(fixed / 1e3);
             metrics::gauge!("smolchat_step_position_seconds").set(per / 1e3);
         }
+        if let Some(even) = r.draft_break_even {
+            s.draft_break_even = f64::from(even);
+        }
         s.kv_bytes = r.kv_bytes;
         s.cached_sequences = r.cached_sequences;
         s.evictions = r.evictions;

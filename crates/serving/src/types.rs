@@ -73,6 +73,28 @@ pub struct GenerationRequest {
     pub embed: Option<Pooling>,
 }
 
+impl GenerationRequest {
+    /// A reply to `prompt` for nobody in particular: no conversation, user, group or cache
+    /// partition, no time limit (tools, benchmarks, tests; set what differs with `..`).
+    pub fn anonymous(
+        prompt: Vec<u32>,
+        params: SamplingParams,
+        events: mpsc::UnboundedSender<GenEvent>,
+    ) -> Self {
+        GenerationRequest {
+            cache_key: None,
+            user: None,
+            group: None,
+            cache_salt: None,
+            prompt,
+            params,
+            max_time: None,
+            events,
+            embed: None,
+        }
+    }
+}
+
 /// How an embedding pools the final hidden states of its positions.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -231,6 +253,9 @@ pub struct SchedulerStats {
     /// part and each position's, which set where drafts pay (0 before it measured one).
     pub step_fixed_ms: f64,
     pub step_position_ms: f64,
+    /// The acceptance one conversation's draft position must reach to pay (0 before a step
+    /// was measured).
+    pub draft_break_even: f64,
 }
 
 /// What a cache key (a conversation) is doing right now, for the admin page.

@@ -478,13 +478,12 @@ fn render_live(
                     stats.drafted_tokens
                 );
                 if stats.step_position_ms > 0.0 {
-                    // The break-even acceptance of one conversation's step (see
-                    // `smolchat_serving::speculate::StepCost`).
+                    // As the model worker measured them (`smolchat_serving::speculate::StepCost`).
                     let per = stats.step_position_ms;
                     sub.push_str(&format!(
                         " · a position costs {per:.2} ms of a {:.1} ms step (drafts pay above {:.0}% acceptance)",
                         stats.step_fixed_ms + per,
-                        100.0 * per / (stats.step_fixed_ms + per)
+                        100.0 * stats.draft_break_even
                     ));
                 }
                 sub
