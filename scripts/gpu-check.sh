@@ -3,12 +3,13 @@
 # within 10 minutes, run on a machine with a GPU and the CUDA 13 libraries from the bundle
 # `make gpu-bundle` builds (see README, "GPU build and gpu-check"). No cargo, no network needed.
 #
-#   scripts/gpu-check.sh PHASE [options]      PHASE: env kernels sanitizer tiers http llama bench report all
+#   scripts/gpu-check.sh PHASE [options]      PHASE: env kernels sanitizer tiers http llama bench
+#                                             speculation report all
 #
 #   --bundle DIR     where the bundle's files are (default target/gpu-bundle)
 #   --out DIR        where results go (default $OUT when set, else target/gpu-check)
 #   --tarball FILE   llama.cpp source tarball for the `llama` phase (b9793, `make llama-tarball`)
-#   --device D       device for the http/bench phases (default cuda; `cpu` dry-runs them)
+#   --device D       device for the http/bench/speculation phases (default cuda; `cpu` dry-runs them)
 #
 # Each phase writes <out>/<phase>.json ({"phase", "status": passed|failed|skipped, "seconds",
 # "detail", ...}) and its log; `report` gathers them into <out>/gpu-check.json and a short
@@ -25,6 +26,9 @@
 #   llama      builds llama.cpp's llama-bench and llama-batched-bench with CUDA from --tarball
 #   bench      `smolchat bench --device cuda` on the SmolLM3-3B shape beside llama.cpp's figures,
 #              and the server at 1/8/32/64 concurrent conversations (scripts/http_bench.py)
+#   speculation `smolchat bench --speculative` on the fast tier: the three workloads and the chat
+#              series, drafts off and on (verified inside decode graphs, drawn on the GPU), on the
+#              SmolLM3-3B shape (with --device cpu: the tiny test file, few tokens)
 set -uo pipefail
 
 phase=${1:-}
@@ -128,7 +132,8 @@ case "$phase" in
   kernels)
     unpack
     run_phase kernels gpu_tests kernels_equal_their_twins graphs_replay_what_eager_computes \
-      cuda_qmatmul_matches_the_cpu_qmatrix device_selection_sees_the_gpu
+      verifying_steps_draw_as_decoding_does_in_graphs cuda_qmatmul_matches_the_cpu_qmatrix \
+      device_selection_sees_the_gpu
     ;;
   sanitizer)
     unpack
@@ -214,11 +219,33 @@ case "$phase" in
       record bench failed $((SECONDS - start)) "$log"
     fi
     ;;
+  speculation)
+    unpack
+    log="$out/speculation.log"; start=$SECONDS
+    bin="$bundle/smolchat"
+    [[ -x "$bin" ]] || bin=target/release/smolchat
+    if [[ "$device" == cuda* ]]; then
+      model="$out/smollm3-3b-synth.gguf"; tokens=96
+    else
+      model=tests/data/smollm3-tiny-q8_0.gguf; tokens=12
+    fi
+    speculation() {
+      [[ -f "$model" ]] || "$bin" bench --synthetic smollm3-3b --save-gguf "$model" || return 1
+      SMOLCHAT_MODEL__GPU_TIER=fast "$bin" bench --speculative --model "$model" --device "$device" \
+        --gen-tokens "$tokens"
+    }
+    if result=$(timeout 570 bash -c "$(declare -f speculation); model='$model' bin='$bin' device='$device' tokens='$tokens' speculation" 2>"$log"); then
+      record speculation passed $((SECONDS - start)) "$log" "$(python3 -c 'import json,sys; print(json.dumps(json.loads(sys.stdin.read())))' <<<"$result" 2>/dev/null || echo null)"
+    else
+      echo "$result" >>"$log"
+      record speculation failed $((SECONDS - start)) "$log"
+    fi
+    ;;
   report)
     python3 - "$out" <<'PY'
 import json, os, sys
 out = sys.argv[1]
-phases = ["env", "kernels", "sanitizer", "tiers", "http", "llama", "bench"]
+phases = ["env", "kernels", "sanitizer", "tiers", "http", "llama", "bench", "speculation"]
 recs = []
 for p in phases:
     path = os.path.join(out, p + ".json")
@@ -244,12 +271,25 @@ if bench:
     if server:
         lines += ["", "| conversations | aggregate tok/s | per stream tok/s | median TTFT ms |", "|---:|---:|---:|---:|"]
         lines += [f"| {r['clients']} | {r['aggregate_tokens_per_s']} | {r['per_stream_tokens_per_s']} | {r['ttft_ms_median']} |" for r in server]
+spec = next((r.get("result") for r in recs if r["phase"] == "speculation" and r.get("result")), None)
+if spec:
+    lines += ["", f"Speculative decoding ({spec.get('device')}, greedy, one sequence):", "",
+              "| workload | tok/s off | tok/s on | ratio | accepted / drafted | same tokens |",
+              "|---|---:|---:|---:|---:|---|"]
+    lines += [f"| {r['workload']} | {r['decode_tokens_per_s_off']:.1f} | {r['decode_tokens_per_s_on']:.1f} | "
+              f"{r['ratio']:.2f} | {r['accepted']} / {r['drafted']} | {r['same_tokens']} |"
+              for r in spec.get("speculative", [])]
+    series = spec.get("chat_series") or {}
+    runs = series.get("runs") or []
+    if runs:
+        lines += ["", "Chat series: " + ", ".join(f"{r['drafts']} {r['decode_tokens_per_s']:.1f} tok/s" for r in runs)
+                  + f" (same tokens: {series.get('same_tokens')})"]
 open(os.path.join(out, "gpu-check.md"), "w").write("\n".join(lines) + "\n")
 print("\n".join(lines))
 PY
     ;;
   all)
-    for p in env kernels sanitizer tiers http llama bench; do
+    for p in env kernels sanitizer tiers http llama bench speculation; do
       "$0" "$p" --bundle "$bundle" --out "$out" --device "$device" ${tarball:+--tarball "$tarball"}
     done
     "$0" report --out "$out"

@@ -359,7 +359,7 @@ mod fast_tier {
                     past: 0,
                     tokens: &long[..prompt - 1],
                     logits: LogitsMode::Last,
-                    sample: None,
+                    sample: &[],
                 }],
                 &format!("{name} prefill"),
             );
@@ -372,21 +372,21 @@ mod fast_tier {
                         past: prompt - 1,
                         tokens: &long[prompt - 1..],
                         logits: LogitsMode::Last,
-                        sample: None,
+                        sample: &[],
                     },
                     BatchItem {
                         blocks: &b_blocks,
                         past: 0,
                         tokens: &long[..short],
                         logits: LogitsMode::All,
-                        sample: None,
+                        sample: &[],
                     },
                     BatchItem {
                         blocks: &c_blocks,
                         past: 0,
                         tokens: &long[10..27],
                         logits: LogitsMode::None,
-                        sample: None,
+                        sample: &[],
                     },
                 ],
                 &format!("{name} mixed"),
@@ -401,7 +401,7 @@ mod fast_tier {
                     past: 0,
                     tokens: &long[i..i + 1],
                     logits: LogitsMode::Sample,
-                    sample: Some(s),
+                    sample: std::slice::from_ref(s),
                 })
                 .collect();
             step(&mut cpu, &mut gpu, &items, &format!("{name} sampled"));
@@ -612,6 +612,21 @@ mod fast_tier {
         assert_eq!(r.tier(), Tier::Reference);
     }
 
+    /// A decode with drafts, every position drawn on the GPU (`LogitsMode::SampleAll`), is one
+    /// replay of a decode graph and draws what plain decoding drew, greedy and sampled (the
+    /// check the CPU twins pass in `fast::verify`).
+    #[test]
+    #[ignore = "needs a CUDA GPU and a `--features cuda` build: run with --ignored there"]
+    fn verifying_steps_draw_as_decoding_does_in_graphs() {
+        cuda_required("verifying_steps_draw_as_decoding_does_in_graphs");
+        for sampled in [false, true] {
+            let mut e = engine(&data("smollm3-tiny-q8_0.gguf"), GpuTier::Fast);
+            assert!(e.graph_stats().is_some(), "the fast tier replays graphs");
+            smolchat_engine::fast::verify::verifying_steps_draw_as_decoding_does(&mut e, sampled)
+                .unwrap_or_else(|err| panic!("{err}"));
+        }
+    }
+
     /// CUDA graphs replay exactly what the same padded step computes eagerly (bit for bit: the
     /// same kernels with the same arguments), across buckets of 5 and 10 sequences (MMVQ and
     /// MMQ inside the capture), a block-table bucket change, and a recapture after the KV arena
@@ -653,7 +668,7 @@ mod fast_tier {
                     past: 0,
                     tokens: &prompts[s],
                     logits: LogitsMode::None,
-                    sample: None,
+                    sample: &[],
                 })
                 .collect();
             let tables = step_tables(&items);
@@ -688,7 +703,11 @@ mod fast_tier {
                         } else {
                             LogitsMode::Last
                         },
-                        sample: drawn.then(|| &sampling[(s + step) % sampling.len()]),
+                        sample: if drawn {
+                            std::slice::from_ref(&sampling[(s + step) % sampling.len()])
+                        } else {
+                            &[]
+                        },
                     })
                     .collect();
                 let tables = step_tables(&items);
@@ -876,7 +895,7 @@ mod fast_tier {
                 past: 0,
                 tokens: &prompt,
                 logits: LogitsMode::None,
-                sample: None,
+                sample: &[],
             }],
             &mut gpu,
         );
@@ -887,7 +906,7 @@ mod fast_tier {
                 past: 0,
                 tokens: &prompt,
                 logits: LogitsMode::None,
-                sample: None,
+                sample: &[],
             })
             .collect();
         for chunk in fill.chunks(8) {
@@ -906,7 +925,7 @@ mod fast_tier {
                     past: 512,
                     tokens: &next[s],
                     logits: LogitsMode::Sample,
-                    sample: Some(&greedy),
+                    sample: std::slice::from_ref(&greedy),
                 })
                 .collect();
             profile(&format!("decode {rows} rows at 512"), &items, &mut gpu);

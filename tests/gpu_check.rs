@@ -50,6 +50,21 @@ fn the_http_phase_and_the_report_run_against_a_cpu_server() {
         );
     }
     assert_eq!(http["result"]["tier"], "cpu");
+    // The speculation phase, dry-run on the tiny test file: the three workloads, drafts off and
+    // on, with the same tokens.
+    let said = run(&["speculation", "--device", "cpu"]);
+    let spec: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(out.join("speculation.json"))
+            .unwrap_or_else(|e| panic!("{e}: {said}")),
+    )
+    .expect("speculation.json");
+    assert_eq!(spec["status"], "passed", "{said}\n{spec}");
+    let rows = spec["result"]["speculative"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
+    assert_eq!(rows.len(), 3, "{spec}");
+    assert!(rows.iter().all(|r| r["same_tokens"] == true), "{spec}");
     // A phase with nothing to run says so, and the report gathers every phase.
     run(&["llama"]);
     let said = run(&["report"]);
@@ -67,4 +82,9 @@ fn the_http_phase_and_the_report_run_against_a_cpu_server() {
     assert_eq!(status("kernels"), Some("not run".into()), "{said}");
     let md = std::fs::read_to_string(out.join("gpu-check.md")).expect("md");
     assert!(md.contains("| http | passed |"), "{md}");
+    assert!(md.contains("| speculation | passed |"), "{md}");
+    assert!(
+        md.contains("| rewrite |") && md.contains("Chat series:"),
+        "{md}"
+    );
 }

@@ -300,7 +300,7 @@ fn greedy_step(
             },
         })
         .collect();
-    let sampling = vec![Some(&greedy); seqs.len()];
+    let sampling = vec![std::slice::from_ref(&greedy); seqs.len()];
     engine.step_sampled_into(&steps, if on_device { &sampling } else { &[] }, logits)?;
     (0..seqs.len())
         .map(|i| {

@@ -21,8 +21,9 @@ pub struct BatchItem<'a> {
     pub past: usize,
     pub tokens: &'a [u32],
     pub logits: LogitsMode,
-    /// How to draw the next token on the device ([`LogitsMode::Sample`] only).
-    pub sample: Option<&'a crate::logits::DeviceSampling>,
+    /// How to draw tokens on the device: one row for [`LogitsMode::Sample`], one per token for
+    /// [`LogitsMode::SampleAll`], none otherwise.
+    pub sample: &'a [crate::logits::DeviceSampling],
 }
 
 pub use crate::device::Suggested;
@@ -97,22 +98,21 @@ pub fn check_request(c: &ModelConfig, items: &[BatchItem<'_>]) -> Result<()> {
                 vocab: c.vocab_size,
             });
         }
-        match (item.logits, item.sample) {
-            (LogitsMode::Sample, None) => {
-                return Err(EngineError::InvalidStep(format!(
-                    "sequence #{i} of the step asks for a token drawn on the device but gives \
-                     no sampling parameters"
-                )))
+        let wanted = item.logits.drawn_rows(item.tokens.len());
+        if item.sample.len() != wanted {
+            return Err(EngineError::InvalidStep(format!(
+                "sequence #{i} of the step asks for {wanted} tokens drawn on the device but gives \
+                 {} rows of sampling parameters",
+                item.sample.len()
+            )));
+        }
+        for s in item.sample {
+            if let Some(&(id, _)) = s.penalties.iter().find(|p| p.0 as usize >= c.vocab_size) {
+                return Err(EngineError::BadToken {
+                    id,
+                    vocab: c.vocab_size,
+                });
             }
-            (LogitsMode::Sample, Some(s)) => {
-                if let Some(&(id, _)) = s.penalties.iter().find(|p| p.0 as usize >= c.vocab_size) {
-                    return Err(EngineError::BadToken {
-                        id,
-                        vocab: c.vocab_size,
-                    });
-                }
-            }
-            _ => {}
         }
         let needed = item.past + item.tokens.len();
         if needed > c.context_length {

@@ -16,6 +16,13 @@ pub enum LogitsMode {
     /// the item's [`DeviceSampling`], and only the token comes back ([`Logits::token`]). For a
     /// backend whose `samples_on_device()` is set.
     Sample,
+    /// No logits: the backend draws a token from every position of the chunk, each row with its
+    /// own [`DeviceSampling`], and only the tokens come back ([`Logits::tokens`]). Verifying
+    /// drafts: row `j` is drawn as a decode step at that position would draw it, so the drafts
+    /// stand while each draw equals the next draft. Each row runs as a decode row of its own
+    /// (it sees the positions before it, the step's earlier rows included), so the step fits a
+    /// decode graph.
+    SampleAll,
     /// No logits: the final hidden state (after the output norm, `hidden` floats) of every
     /// position of the chunk, for embeddings ([`Logits::hidden`]). The LM head is skipped.
     Hidden,
@@ -36,7 +43,7 @@ impl LogitsMode {
     /// Rows of logits that come back to the host for a chunk of `tokens` tokens.
     pub fn host_rows(self, tokens: usize) -> usize {
         match self {
-            LogitsMode::None | LogitsMode::Sample | LogitsMode::Hidden => 0,
+            LogitsMode::None | LogitsMode::Sample | LogitsMode::SampleAll | LogitsMode::Hidden => 0,
             LogitsMode::Last => 1,
             LogitsMode::All => tokens,
         }
@@ -47,9 +54,24 @@ impl LogitsMode {
     pub fn device_rows(self, tokens: usize) -> usize {
         match self {
             LogitsMode::Sample => 1,
-            LogitsMode::Hidden => tokens,
+            LogitsMode::SampleAll | LogitsMode::Hidden => tokens,
             other => other.host_rows(tokens),
         }
+    }
+
+    /// Tokens drawn on the device that come back to the host.
+    pub fn drawn_rows(self, tokens: usize) -> usize {
+        match self {
+            LogitsMode::Sample => 1,
+            LogitsMode::SampleAll => tokens,
+            _ => 0,
+        }
+    }
+
+    /// Whether the device draws this chunk's tokens ([`LogitsMode::Sample`],
+    /// [`LogitsMode::SampleAll`]).
+    pub fn samples(self) -> bool {
+        matches!(self, LogitsMode::Sample | LogitsMode::SampleAll)
     }
 
     /// Rows of final hidden states that come back to the host.
@@ -66,8 +88,11 @@ pub struct Logits {
     data: Vec<f32>,
     /// Per item of the step: its first row and how many rows it has (0: it asked for none).
     spans: Vec<(usize, usize)>,
-    /// Per item: the token drawn on the device ([`LogitsMode::Sample`]).
+    /// Tokens drawn on the device ([`LogitsMode::Sample`], [`LogitsMode::SampleAll`]), every
+    /// item's back to back (`None` until the backend sets them), and per item its first and
+    /// count.
     tokens: Vec<Option<u32>>,
+    token_spans: Vec<(usize, usize)>,
     vocab: usize,
     /// Final hidden states ([`LogitsMode::Hidden`]), `width` floats a row, and per item its
     /// first row and row count.
@@ -97,10 +122,25 @@ impl Logits {
         (rows > 0).then(|| &self.data[first * self.vocab..(first + rows) * self.vocab])
     }
 
-    /// The token drawn on the device for item `i` (it asked for [`LogitsMode::Sample`]);
-    /// [`NO_TOKEN`] when its logits had no usable value.
+    /// The token drawn on the device for item `i` (it asked for [`LogitsMode::Sample`]; the
+    /// first row's for [`LogitsMode::SampleAll`]); [`NO_TOKEN`] when its logits had no usable
+    /// value.
     pub fn token(&self, i: usize) -> Option<u32> {
-        self.tokens.get(i).copied().flatten()
+        let &(first, n) = self.token_spans.get(i)?;
+        if n == 0 {
+            return None;
+        }
+        self.tokens.get(first).copied().flatten()
+    }
+
+    /// The tokens drawn on the device for item `i`, one per row it asked to be drawn, in row
+    /// order; `None` when it asked for none or the backend did not set them all.
+    pub fn tokens(&self, i: usize) -> Option<Vec<u32>> {
+        let &(first, n) = self.token_spans.get(i)?;
+        if n == 0 {
+            return None;
+        }
+        self.tokens[first..first + n].iter().copied().collect()
     }
 
     /// `n` rows from row `first` of the buffer, to fill.
@@ -108,10 +148,12 @@ impl Logits {
         &mut self.data[first * self.vocab..(first + n) * self.vocab]
     }
 
-    /// Records the token drawn on the device for item `i`.
-    pub(crate) fn set_token(&mut self, i: usize, token: u32) {
-        if let Some(t) = self.tokens.get_mut(i) {
-            *t = Some(token);
+    /// Records the tokens drawn on the device for item `i` (as many as it asked for).
+    pub(crate) fn set_tokens(&mut self, i: usize, drawn: &[u32]) {
+        if let Some(&(first, n)) = self.token_spans.get(i) {
+            for (slot, &t) in self.tokens[first..first + n].iter_mut().zip(drawn) {
+                *slot = Some(t);
+            }
         }
     }
 
@@ -167,13 +209,16 @@ impl Logits {
         self.vocab = vocab;
         self.spans.clear();
         self.tokens.clear();
+        self.token_spans.clear();
         self.hidden_spans.clear();
         let mut rows = 0;
         let mut hidden_rows = 0;
         for (tokens, mode) in items {
             let n = mode.host_rows(tokens);
             self.spans.push((rows, n));
-            self.tokens.push(None);
+            let drawn = mode.drawn_rows(tokens);
+            self.token_spans.push((self.tokens.len(), drawn));
+            self.tokens.extend(std::iter::repeat_n(None, drawn));
             rows += n;
             let h = mode.hidden_rows(tokens);
             self.hidden_spans.push((hidden_rows, h));
@@ -202,6 +247,7 @@ impl Logits {
         self.data.clear();
         self.spans.clear();
         self.tokens.clear();
+        self.token_spans.clear();
         self.hidden.clear();
         self.hidden_spans.clear();
     }

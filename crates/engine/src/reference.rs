@@ -404,7 +404,7 @@ impl ReferenceBackend {
         for (item, &r0) in items.iter().zip(&row0) {
             let len = item.tokens.len();
             match item.logits {
-                LogitsMode::None | LogitsMode::Sample => {}
+                LogitsMode::None | LogitsMode::Sample | LogitsMode::SampleAll => {}
                 LogitsMode::Last => rows.push((r0 + len - 1) as u32),
                 LogitsMode::All => rows.extend((r0..r0 + len).map(|r| r as u32)),
                 LogitsMode::Hidden => hidden_rows.extend((r0..r0 + len).map(|r| r as u32)),

@@ -337,18 +337,18 @@ impl Engine {
         self.backend.samples_on_device()
     }
 
-    /// [`Self::step_into`], where `sampling[i]` says how to draw step `i`'s next token on the
-    /// device when it asks for [`LogitsMode::Sample`] (the token is then `out.token(i)`).
+    /// [`Self::step_into`], where `sampling[i]` says how to draw step `i`'s tokens on the
+    /// device when it asks for [`LogitsMode::Sample`] (one row; the token is then
+    /// `out.token(i)`) or [`LogitsMode::SampleAll`] (a row per token; `out.tokens(i)`).
     pub fn step_sampled_into(
         &mut self,
         steps: &[SeqStep<'_>],
-        sampling: &[Option<&DeviceSampling>],
+        sampling: &[&[DeviceSampling]],
         out: &mut Logits,
     ) -> Result<()> {
         out.clear();
-        let sample = |i: usize| sampling.get(i).copied().flatten();
-        if !self.backend.samples_on_device() && steps.iter().any(|s| s.logits == LogitsMode::Sample)
-        {
+        let sample = |i: usize| sampling.get(i).copied().unwrap_or(&[]);
+        if !self.backend.samples_on_device() && steps.iter().any(|s| s.logits.samples()) {
             return Err(EngineError::InvalidStep(format!(
                 "the {} backend draws no tokens on its device; ask for LogitsMode::Last and \
                  sample on the host",

@@ -1101,21 +1101,33 @@ impl ModelWorker {
             if plan.prefill.is_empty() && !embeds.contains(&true) {
                 decode_positions = Some(work.iter().map(|(_, _, toks, _)| toks.len()).sum());
             }
-            let draws: Vec<Option<DeviceSampling>> = work
+            // Each row's draw for the device: one for a plain decode, one per position for a
+            // decode verifying drafts (drawn as plain decoding would draw each, so the drafts
+            // are verified inside a decode graph and only token ids come back). Log-
+            // probabilities and grammars need the logits on the host.
+            let draws: Vec<Vec<DeviceSampling>> = work
                 .iter()
                 .zip(&embeds)
                 .map(|((id, _, _, want), &embed)| {
-                    if embed {
-                        return None;
+                    if embed || !on_device || !*want {
+                        return Vec::new();
                     }
-                    let generation = self.active.get_mut(id)?.generation.as_mut()?;
-                    // Log-probabilities, grammars and draft verification need the logits on the
-                    // host.
-                    (on_device
-                        && *want
-                        && !generation.needs_host_logits()
-                        && !drafts.contains_key(id))
-                    .then(|| device_sampling(generation.device_draw()))
+                    let Some(generation) =
+                        self.active.get_mut(id).and_then(|a| a.generation.as_mut())
+                    else {
+                        return Vec::new();
+                    };
+                    if generation.needs_host_logits() {
+                        return Vec::new();
+                    }
+                    match drafts.get(id) {
+                        Some(d) => generation
+                            .device_draws_ahead(d)
+                            .into_iter()
+                            .map(device_sampling)
+                            .collect(),
+                        None => vec![device_sampling(generation.device_draw())],
+                    }
                 })
                 .collect();
             let steps: Vec<SeqStep<'_>> = work
@@ -1125,17 +1137,19 @@ impl ModelWorker {
                 .map(|(((id, seq, toks, want), draw), &embed)| SeqStep {
                     seq: *seq,
                     tokens: toks,
-                    logits: match (embed, want, draw) {
+                    logits: match (embed, want, draw.is_empty(), drafts.contains_key(id)) {
                         (true, ..) => LogitsMode::Hidden,
-                        (false, false, _) => LogitsMode::None,
-                        (false, true, Some(_)) => LogitsMode::Sample,
-                        // A decode with drafts: every position's logits, to verify them.
-                        (false, true, None) if drafts.contains_key(id) => LogitsMode::All,
-                        (false, true, None) => LogitsMode::Last,
+                        (false, false, ..) => LogitsMode::None,
+                        // A decode with drafts: every position drawn (on the device) or every
+                        // position's logits (on the host), to verify them.
+                        (false, true, false, true) => LogitsMode::SampleAll,
+                        (false, true, true, true) => LogitsMode::All,
+                        (false, true, false, false) => LogitsMode::Sample,
+                        (false, true, true, false) => LogitsMode::Last,
                     },
                 })
                 .collect();
-            let sampling: Vec<Option<&DeviceSampling>> = draws.iter().map(Option::as_ref).collect();
+            let sampling: Vec<&[DeviceSampling]> = draws.iter().map(Vec::as_slice).collect();
             // The KV cache bounds a sequence like the context window does.
             let window = self.context_window.min(self.kv_capacity_tokens());
             // Out of `self` while rows of it are sampled, so `finish` can borrow the worker.
@@ -1211,21 +1225,46 @@ impl ModelWorker {
                             // draft stands while the draw before it equals it.
                             let k = d.len();
                             let past = cached.saturating_sub(k + 1);
-                            let Some(rows) = logits.get_mut(i) else {
-                                continue;
+                            // Drawn on the device: the rows' tokens; else the rows' logits.
+                            let on_device = !draws[i].is_empty();
+                            let drawn = if on_device {
+                                logits.tokens(i).unwrap_or_default()
+                            } else {
+                                Vec::new()
+                            };
+                            let mut host_rows = if on_device {
+                                None
+                            } else {
+                                match logits.get_mut(i) {
+                                    Some(rows) => Some(rows),
+                                    None => continue,
+                                }
                             };
                             let mut accepted = 0;
                             let mut ended = None;
-                            for (j, row) in rows.chunks_mut(vocab.max(1)).take(k + 1).enumerate() {
+                            for j in 0..=k {
                                 let Some(generation) = a.generation.as_mut() else {
                                     break;
                                 };
-                                let outcome =
-                                    generation.next_token_within(row, past + 1 + j, window);
-                                if let Some(t) = generation.take_mask_time() {
-                                    metrics::histogram!("smolchat_grammar_mask_seconds")
-                                        .record(t.as_secs_f64());
-                                }
+                                let at = past + 1 + j;
+                                let outcome = match host_rows.as_mut() {
+                                    Some(rows) => {
+                                        let Some(row) = rows.get_mut(j * vocab..(j + 1) * vocab)
+                                        else {
+                                            break;
+                                        };
+                                        let outcome = generation
+                                            .next_token_within(row, at, window)
+                                            .map_err(|e| e.to_string());
+                                        if let Some(t) = generation.take_mask_time() {
+                                            metrics::histogram!("smolchat_grammar_mask_seconds")
+                                                .record(t.as_secs_f64());
+                                        }
+                                        outcome
+                                    }
+                                    None => checked_draw(drawn.get(j).copied(), vocab)
+                                        .map(|t| generation.accept_drawn_within(t, at, window)),
+                                };
                                 match outcome {
                                     Ok(outcome) => {
                                         let token = outcome.token;
@@ -1233,14 +1272,14 @@ impl ModelWorker {
                                             ended = Some(Ok(reason));
                                             break;
                                         }
-                                        if j < k && token == d[j] {
+                                        if d.get(j) == Some(&token) {
                                             accepted += 1;
                                         } else {
                                             break;
                                         }
                                     }
                                     Err(e) => {
-                                        ended = Some(Err(e.to_string()));
+                                        ended = Some(Err(e));
                                         break;
                                     }
                                 }
@@ -1299,18 +1338,9 @@ impl ModelWorker {
                             }
                             continue;
                         }
-                        let outcome = match (draws[i].is_some(), logits.token(i)) {
-                            (true, Some(NO_TOKEN)) | (true, None) => Err(
-                                "no token has a usable logit (all are NaN or -inf); the model \
-                                 output is broken"
-                                    .to_string(),
-                            ),
-                            (true, Some(token)) if token as usize >= vocab => Err(format!(
-                                "the device drew token {token}, outside the vocabulary of {vocab}"
-                            )),
-                            (true, Some(token)) => {
-                                Ok(generation.accept_within(token, cached, window))
-                            }
+                        let outcome = match (!draws[i].is_empty(), logits.token(i)) {
+                            (true, token) => checked_draw(token, vocab)
+                                .map(|token| generation.accept_within(token, cached, window)),
                             (false, _) => match logits.last_row_mut(i) {
                                 Some(row) => {
                                     let outcome = generation
@@ -1474,6 +1504,20 @@ fn deliver(
         });
     }
     finished
+}
+
+/// A token the device drew, checked: an error when no token had a usable logit or the device
+/// drew one outside the vocabulary.
+fn checked_draw(token: Option<u32>, vocab: usize) -> Result<u32, String> {
+    match token {
+        None | Some(NO_TOKEN) => Err("no token has a usable logit (all are NaN or -inf); the \
+                                      model output is broken"
+            .to_string()),
+        Some(token) if token as usize >= vocab => Err(format!(
+            "the device drew token {token}, outside the vocabulary of {vocab}"
+        )),
+        Some(token) => Ok(token),
+    }
 }
 
 pub fn device_sampling(draw: DeviceDraw) -> DeviceSampling {
@@ -2436,6 +2480,53 @@ mod tests {
             "{} / {}",
             w.spec_accepted,
             w.spec_drafted
+        );
+    }
+
+    #[test]
+    fn the_fast_tier_verifies_drafts_on_the_device_with_the_same_seeded_replies() {
+        // On the fast tier (its kernels' CPU twins, graphs emulated) a decode with drafts is
+        // drawn on the device row by row (LogitsMode::SampleAll) inside a decode graph: each row
+        // takes the uniform plain decoding would take, and only for the tokens kept, so seeded
+        // replies with a repetition penalty are the same token for token.
+        let params = SamplingParams {
+            temperature: 0.35,
+            top_k: 0,
+            top_p: 1.0,
+            repetition_penalty: 1.05,
+            seed: Some(77),
+            ..SamplingParams::greedy()
+        };
+        let requests = mixed_prompts();
+        let mut plain_worker = fast_tier_worker(None);
+        let (plain, _) = drive_with(&mut plain_worker, &requests, &params);
+        let mut w = fast_tier_worker(None).with_speculation(SpecConfig {
+            enabled: true,
+            min_ngram: 1,
+            max_batch: 8,
+            fixed_break_even: Some(0.0),
+            on_gpu: true,
+            ..SpecConfig::default()
+        });
+        let (spec, _) = drive_with(&mut w, &requests, &params);
+        assert_eq!(plain, spec);
+        assert!(
+            w.spec_drafted > 0 && w.spec_accepted > 0,
+            "{} / {}",
+            w.spec_accepted,
+            w.spec_drafted
+        );
+        let stats = w.engine.graph_stats().unwrap_or_default();
+        let plain_stats = plain_worker.engine.graph_stats().unwrap_or_default();
+        // Each verifying step is one decode graph step in place of several (the engine's own
+        // test checks that such a step replays a decode graph). Graphs are recaptured a few
+        // times more than without drafts: a verifying step has more rows than any plain step,
+        // and the runner's buffers grow to the largest step seen.
+        assert!(
+            stats.replays > 0
+                && stats.replays + stats.captures + stats.warmups
+                    < plain_stats.replays + plain_stats.captures + plain_stats.warmups,
+            "fewer decode graph steps with drafts: {stats:?} against {plain_stats:?}"
         );
     }
 

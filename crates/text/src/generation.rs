@@ -166,6 +166,26 @@ impl Generation {
         self.sampler.device_draw(&self.recent)
     }
 
+    /// How a device should draw this generation's next `drafts.len() + 1` tokens when it
+    /// verifies `drafts` (see [`smolchat_engine::LogitsMode::SampleAll`]): row `j` as
+    /// [`Self::device_draw`] would draw it after the first `j` drafts. Nothing is taken from the
+    /// seeded generator until a row's token is kept ([`Self::accept_drawn_within`]).
+    pub fn device_draws_ahead(&mut self, drafts: &[u32]) -> Vec<DeviceDraw> {
+        self.sampler.peek_draws(&self.recent, drafts)
+    }
+
+    /// Keeps the token a device drew for the next row of [`Self::device_draws_ahead`]: takes
+    /// that row's uniform from the generator, then as [`Self::accept_within`].
+    pub fn accept_drawn_within(
+        &mut self,
+        token: u32,
+        cached: usize,
+        window: usize,
+    ) -> TokenOutcome {
+        self.sampler.take_draw();
+        self.accept_within(token, cached, window)
+    }
+
     /// [`Self::accept`] under the context-window rule of [`Self::next_token_within`].
     pub fn accept_within(&mut self, token: u32, cached: usize, window: usize) -> TokenOutcome {
         let mut outcome = self.accept(token);

@@ -388,6 +388,37 @@ impl Sampler {
         }
     }
 
+    /// The draws of `drafts.len() + 1` consecutive tokens after `recent`, as [`Self::device_draw`]
+    /// would make them if each draft were accepted in turn (row `j`'s penalty window holds the
+    /// first `j` drafts), without taking anything from this sampler's generator: the uniforms
+    /// are the next ones it would give. Verifying drafts on a device: only the rows whose tokens
+    /// are kept take their uniform, through [`Self::take_draw`], so a seeded reply is the same
+    /// with drafts and without.
+    pub fn peek_draws(&mut self, recent: &[u32], drafts: &[u32]) -> Vec<DeviceDraw> {
+        let mut ahead = self.rng.clone();
+        let mut history: Vec<u32> = recent.to_vec();
+        let mut draws = Vec::with_capacity(drafts.len() + 1);
+        for j in 0..=drafts.len() {
+            let real = std::mem::replace(&mut self.rng, ahead);
+            let draw = self.device_draw(&history);
+            ahead = std::mem::replace(&mut self.rng, real);
+            draws.push(draw);
+            if let Some(&d) = drafts.get(j) {
+                history.push(d);
+            }
+        }
+        draws
+    }
+
+    /// Takes the uniform of one draw from the generator, as [`Self::device_draw`] does (none for
+    /// greedy rows): the row of a peeked draw ([`Self::peek_draws`]) whose token is kept.
+    pub fn take_draw(&mut self) {
+        let p = &self.params;
+        if !(p.temperature == 0.0 || p.top_k == 1) {
+            let _: f64 = self.rng.random();
+        }
+    }
+
     fn sample_filtered(&mut self, logits: &[f32]) -> Result<u32> {
         let p = &self.params;
         let c = &mut self.candidates;
@@ -653,5 +684,60 @@ impl StopMatcher {
             return String::new();
         }
         std::mem::take(&mut self.held)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn peeked_draws_are_the_draws_decoding_would_make() {
+        let params = SamplingParams {
+            temperature: 0.7,
+            repetition_penalty: 1.2,
+            penalty_last_n: 4,
+            seed: Some(3),
+            ..SamplingParams::greedy()
+        };
+        let (mut plain, mut ahead) = (
+            Sampler::new(params.clone()).unwrap_or_else(|e| panic!("{e}")),
+            Sampler::new(params).unwrap_or_else(|e| panic!("{e}")),
+        );
+        let recent = [5u32, 6, 7];
+        let drafts = [8u32, 5, 9];
+        let peeked = ahead.peek_draws(&recent, &drafts);
+        assert_eq!(peeked.len(), 4);
+        // Peeking takes nothing: the same peek again is the same.
+        assert_eq!(ahead.peek_draws(&recent, &drafts), peeked);
+        // Row j is what decoding draws after the first j drafts were kept.
+        let mut history = recent.to_vec();
+        for (j, want) in peeked.iter().enumerate() {
+            assert_eq!(&plain.device_draw(&history), want, "row {j}");
+            if let Some(&d) = drafts.get(j) {
+                history.push(d);
+            }
+        }
+        // Two rows kept: the generator moves on by two draws, as decoding's did after two.
+        ahead.take_draw();
+        ahead.take_draw();
+        let mut after_two = Sampler::new(SamplingParams {
+            temperature: 0.7,
+            repetition_penalty: 1.2,
+            penalty_last_n: 4,
+            seed: Some(3),
+            ..SamplingParams::greedy()
+        })
+        .unwrap_or_else(|e| panic!("{e}"));
+        after_two.device_draw(&recent);
+        after_two.device_draw(&recent);
+        assert_eq!(
+            ahead.device_draw(&[1]).uniform,
+            after_two.device_draw(&[1]).uniform
+        );
+        assert_ne!(peeked[0].uniform, peeked[1].uniform);
+        // The penalty window (the last 4 tokens) slides over the drafts.
+        assert_eq!(peeked[1].penalties, vec![(5, 1), (6, 1), (7, 1), (8, 1)]);
+        assert_eq!(peeked[3].penalties, vec![(5, 1), (7, 1), (8, 1), (9, 1)]);
     }
 }

@@ -255,7 +255,7 @@ impl Model {
         let mut hidden_rows = Vec::new();
         for (si, item) in items.iter().enumerate() {
             match item.logits {
-                LogitsMode::None | LogitsMode::Sample => {}
+                LogitsMode::None | LogitsMode::Sample | LogitsMode::SampleAll => {}
                 LogitsMode::Last => rows.push(offsets[si + 1] - 1),
                 LogitsMode::All => rows.extend(offsets[si]..offsets[si + 1]),
                 LogitsMode::Hidden => hidden_rows.extend(offsets[si]..offsets[si + 1]),

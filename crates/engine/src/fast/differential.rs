@@ -187,7 +187,7 @@ mod tests {
             past: 0,
             tokens: &tokens,
             logits: LogitsMode::Last,
-            sample: None,
+            sample: &[],
         }];
         a.reserve_blocks(3).expect("blocks");
         b.reserve_blocks(3).expect("blocks");
@@ -232,14 +232,14 @@ mod tests {
                 past: 0,
                 tokens: &p,
                 logits: LogitsMode::Sample,
-                sample: Some(&sampling),
+                sample: std::slice::from_ref(&sampling),
             },
             BatchItem {
                 blocks: &other,
                 past: 0,
                 tokens: &q,
                 logits: LogitsMode::Sample,
-                sample: Some(&sampling),
+                sample: std::slice::from_ref(&sampling),
             },
         ];
         for r in [&mut a as &mut dyn Runner, &mut b] {

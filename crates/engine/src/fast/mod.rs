@@ -14,6 +14,7 @@ pub mod launch;
 pub mod layout;
 pub mod plan;
 pub mod twin;
+pub mod verify;
 pub mod weights;
 
 use crate::backend::{check_request, Backend, BatchItem, Suggested};
@@ -159,6 +160,11 @@ impl<R: Runner> FastBackend<R> {
 }
 
 /// The tables of a step of `items`.
+///
+/// An item drawing every position ([`LogitsMode::SampleAll`], verifying drafts) becomes one
+/// sequence of one row per position, each seeing the positions before it (the earlier rows' K/V
+/// are written before attention reads them, layer by layer): exactly a decode row at that
+/// position, so such a step is a decode step and fits a decode graph.
 pub fn step_tables(items: &[BatchItem<'_>]) -> StepTables {
     let max_blocks = items
         .iter()
@@ -170,33 +176,44 @@ pub fn step_tables(items: &[BatchItem<'_>]) -> StepTables {
         max_blocks,
         ..StepTables::default()
     };
-    for (index, item) in items.iter().enumerate() {
+    for item in items {
         let row0 = t.tokens.len();
-        t.seqs.push(SeqInfo {
-            row0: row0 as u32,
-            rows: item.tokens.len() as u32,
-            past: item.past as u32,
-            index: index as u32,
-        });
+        let n = item.tokens.len();
+        let last = item.blocks.last().copied().unwrap_or(0);
+        let split = item.logits == LogitsMode::SampleAll;
+        let seq_rows: Vec<(usize, usize)> = if split {
+            (0..n).map(|r| (r, 1)).collect()
+        } else {
+            vec![(0, n)]
+        };
+        for (first, rows) in seq_rows {
+            let index = t.seqs.len() as u32;
+            t.seqs.push(SeqInfo {
+                row0: (row0 + first) as u32,
+                rows: rows as u32,
+                past: (item.past + first) as u32,
+                index,
+            });
+            t.block_tables.extend_from_slice(item.blocks);
+            t.block_tables
+                .extend(std::iter::repeat_n(last, max_blocks - item.blocks.len()));
+            for _ in 0..rows {
+                t.row_seq.push(index);
+            }
+        }
         for (r, &token) in item.tokens.iter().enumerate() {
             let position = item.past + r;
             t.tokens.push(token);
             t.positions.push(position as u32);
             t.slots.push(slot_of(item.blocks, position));
-            t.row_seq.push(index as u32);
         }
-        let last = item.blocks.last().copied().unwrap_or(0);
-        t.block_tables.extend_from_slice(item.blocks);
-        t.block_tables
-            .extend(std::iter::repeat_n(last, max_blocks - item.blocks.len()));
-        let n = item.tokens.len();
         t.hidden |= item.logits == LogitsMode::Hidden;
         let first = row0 + n - item.logits.device_rows(n);
-        for row in first..row0 + n {
+        for (k, row) in (first..row0 + n).enumerate() {
             t.logit_rows.push(row as u32);
             let start = (t.penalties.len() / 2) as u32;
-            match (item.logits, item.sample) {
-                (LogitsMode::Sample, Some(s)) => {
+            match (item.logits.samples(), item.sample.get(k)) {
+                (true, Some(s)) => {
                     t.sample = true;
                     t.sampling.push(s.row);
                     t.penalties.extend(
@@ -317,12 +334,18 @@ impl<R: Runner> Backend for FastBackend<R> {
         if !hidden.is_empty() {
             self.run_part(items, &hidden, &host_row, out, false)?;
         }
+        // Decode rows: one-token items wanting their last logits or a draw, and verifying items
+        // (a draw at every position, each a decode row of its own).
         let (decode, rest): (Vec<usize>, Vec<usize>) = items_rest.iter().partition(|&&i| {
             self.runner.graphs()
-                && items[i].tokens.len() == 1
-                && matches!(items[i].logits, LogitsMode::Last | LogitsMode::Sample)
+                && match items[i].logits {
+                    LogitsMode::Last | LogitsMode::Sample => items[i].tokens.len() == 1,
+                    LogitsMode::SampleAll => true,
+                    _ => false,
+                }
         });
-        let graphed = !decode.is_empty() && graph::bucket_rows(decode.len()).is_some();
+        let decode_rows: usize = decode.iter().map(|&i| items[i].tokens.len()).sum();
+        let graphed = !decode.is_empty() && graph::bucket_rows(decode_rows).is_some();
         let (decode, rest) = if graphed {
             (decode, rest)
         } else {
@@ -356,7 +379,10 @@ impl<R: Runner> FastBackend<R> {
         let mut tables = step_tables(&sub);
         let key = if graphed {
             let key = graph::key_of(&tables).ok_or_else(|| {
-                EngineError::InvalidStep(format!("{} decode rows have no graph bucket", part.len()))
+                EngineError::InvalidStep(format!(
+                    "{} decode rows have no graph bucket",
+                    tables.rows()
+                ))
             })?;
             tables = graph::pad_decode(&tables, key)?;
             Some(key)
@@ -407,7 +433,9 @@ impl<R: Runner> FastBackend<R> {
                     let host = out.rows_mut(host_row[i], n);
                     host.copy_from_slice(&self.scratch[row * vocab..(row + n) * vocab]);
                 }
-                LogitsMode::Sample => out.set_token(i, self.tokens[row]),
+                LogitsMode::Sample | LogitsMode::SampleAll => {
+                    out.set_tokens(i, &self.tokens[row..row + n]);
+                }
                 LogitsMode::None | LogitsMode::Hidden => {}
             }
             row += n;

@@ -303,7 +303,7 @@ mod tests {
             past: 0,
             tokens: &tokens,
             logits,
-            sample: None,
+            sample: &[],
         };
         let hidden = Plan::for_step(&config, &step_tables(&[item(LogitsMode::Hidden)]));
         assert!(hidden.hidden && !hidden.sample);
