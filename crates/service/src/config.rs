@@ -171,7 +171,9 @@ pub struct SchedulerSection {
     /// the measured rule (a draft position goes only where its expected yield is worth the
     /// seconds it adds, from the worker's own step timings).
     pub draft_max_batch: usize,
-    /// Speculate on a GPU too (off: on an H100 a verification step cost more than it saved).
+    /// Speculate on a GPU too. Off until measured: on an H100 a verification step outside the
+    /// decode graphs cost more than it saved; verification now runs inside them, drawn on the
+    /// GPU (`make gpu-check`'s speculation phase measures it).
     pub draft_on_gpu: bool,
     /// The acceptance a draft position must reach, fixed (0 to 1; like llama-server's
     /// `--draft-p-min`), instead of measured from this machine's step costs (unset, the
