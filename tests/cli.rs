@@ -318,10 +318,23 @@ fn bench_speculative_decodes_the_workloads_the_same_both_ways() {
                 "24",
                 "--model",
                 model.to_str().expect("path"),
+                "--replay-shape",
+                "tiny",
             ]),
     );
     let v: serde_json::Value = serde_json::from_str(&out).expect("json");
     let rows = v["speculative"].as_array().expect("rows");
+    // Each workload's steps replayed on another shape: as many tokens both ways, as many steps
+    // and drafts as the real run verified.
+    let replay = v["replay"]["workloads"].as_array().expect("replay");
+    assert_eq!(replay.len(), 3, "{v}");
+    for (r, real) in replay.iter().zip(rows) {
+        assert_eq!(r["workload"], real["workload"], "{r}");
+        assert_eq!(r["drafted"], real["drafted"], "{r} {real}");
+        assert_eq!(r["accepted"], real["accepted"], "{r} {real}");
+        assert!(r["tokens"].as_u64().unwrap_or(0) >= 23, "{r}");
+        assert!(r["ratio"].as_f64().unwrap_or(0.0) > 0.0, "{r}");
+    }
     let names: Vec<&str> = rows.iter().filter_map(|r| r["workload"].as_str()).collect();
     assert_eq!(names, ["rewrite", "document", "chat"]);
     for r in rows {

@@ -41,6 +41,12 @@ pub struct BenchArgs {
     /// weights copy nothing.
     #[arg(long, conflicts_with = "synthetic")]
     pub speculative: bool,
+    /// With --speculative: replay each workload's steps on a random-weight model of this shape
+    /// (`smollm3-3b`), drafts off and on, verifying as many drafts per step as the real model's
+    /// run did and keeping as many as it accepted. The real model's acceptance at the shape's
+    /// step costs: a measurement of the mechanics, not of the shape's own acceptance.
+    #[arg(long, requires = "speculative")]
+    pub replay_shape: Option<String>,
     #[command(flatten)]
     pub device: super::DeviceArg,
 }
@@ -63,17 +69,7 @@ pub fn run(args: &BenchArgs, globals: &super::Globals) -> Result<()> {
                 args.model.model.is_none(),
                 "--synthetic measures a generated model: leave out --model (and SMOLCHAT_MODEL)"
             );
-            let spec = match name.as_str() {
-                "smollm3-3b" => SyntheticSpec::smollm3_3b(),
-                // The smallest shape with a NoPE layer, in a llama.cpp type mix: a smoke test.
-                "tiny" => SyntheticSpec::tiny("smollm3").with_type_mix(TypeMix::Q4KM),
-                other => {
-                    anyhow::bail!("unknown --synthetic shape `{other}`; known: smollm3-3b, tiny")
-                }
-            };
-            // A placeholder vocabulary, so the file loads like any other (and llama.cpp can
-            // load the saved copy); the text it would produce is meaningless.
-            let spec = spec.with_placeholder_tokenizer();
+            let spec = synthetic_shape(name)?;
             if let Some(path) = &args.save_gguf {
                 synthetic::write_gguf(&spec, path)?;
                 tracing::info!(path = %path.display(), "wrote the synthetic model");
@@ -169,6 +165,125 @@ pub fn run(args: &BenchArgs, globals: &super::Globals) -> Result<()> {
     });
     println!("{}", serde_json::to_string_pretty(&out)?);
     Ok(())
+}
+
+/// A random-weight model of a known shape, with a placeholder vocabulary so it loads like any
+/// file (and llama.cpp can load a saved copy); the text it would produce is meaningless.
+fn synthetic_shape(name: &str) -> Result<SyntheticSpec> {
+    let spec = match name {
+        "smollm3-3b" => SyntheticSpec::smollm3_3b(),
+        // The smallest shape with a NoPE layer, in a llama.cpp type mix: a smoke test.
+        "tiny" => SyntheticSpec::tiny("smollm3").with_type_mix(TypeMix::Q4KM),
+        other => anyhow::bail!("unknown synthetic shape `{other}`; known: smollm3-3b, tiny"),
+    };
+    Ok(spec.with_placeholder_tokenizer())
+}
+
+/// `bench --speculative --replay-shape`: each workload's decode steps (`traces`: name, prompt
+/// length, per step drafts verified and accepted) replayed on a random-weight model of `shape`,
+/// drafts off then on, twice each alternately (the faster of each kept), after a prompt of the
+/// workload's length.
+fn replay_on_shape(
+    shape: &str,
+    options: &load::LoadOptions,
+    traces: &[(String, usize, Vec<(usize, usize)>)],
+) -> Result<serde_json::Value> {
+    let src = synthetic::build(&synthetic_shape(shape)?)?;
+    let loaded = super::with_progress(|p| Ok(load::load_source(src, options, p)?))?;
+    let mut engine = loaded.engine;
+    let longest = traces.iter().map(|t| t.1).max().unwrap_or(1).max(1);
+    let seq = engine.create_sequence();
+    let mut logits = Logits::new();
+    let prompt = pseudo_random_tokens(longest, engine.config().vocab_size, 3);
+    engine.step_into(
+        &[SeqStep {
+            seq,
+            tokens: &prompt,
+            logits: LogitsMode::None,
+        }],
+        &mut logits,
+    )?;
+    let mut rows = Vec::new();
+    for (name, prompt_len, verified) in traces {
+        let (mut off, mut on) = (f64::INFINITY, f64::INFINITY);
+        let mut tokens = 0;
+        for _ in 0..2 {
+            let (s, n) = replay_steps(&mut engine, seq, *prompt_len, verified, false, &mut logits)?;
+            off = off.min(s);
+            tokens = n;
+            let (s, _) = replay_steps(&mut engine, seq, *prompt_len, verified, true, &mut logits)?;
+            on = on.min(s);
+        }
+        let speed = |s: f64| if s > 0.0 { tokens as f64 / s } else { 0.0 };
+        rows.push(json!({
+            "workload": name,
+            "prompt_tokens": prompt_len,
+            "tokens": tokens,
+            "steps_on": verified.len(),
+            "drafted": verified.iter().map(|v| v.0).sum::<usize>(),
+            "accepted": verified.iter().map(|v| v.1).sum::<usize>(),
+            "decode_tokens_per_s_off": speed(off),
+            "decode_tokens_per_s_on": speed(on),
+            "ratio": if on > 0.0 { off / on } else { 0.0 },
+        }));
+    }
+    Ok(json!({
+        "shape": shape,
+        "device": engine.device().to_string(),
+        "workloads": rows,
+    }))
+}
+
+/// Replays a speculative run's decode steps on `engine` after a cached prompt of `prompt_len`
+/// positions in `seq` (left as it was): `verified` is per step (drafts verified, accepted);
+/// without `drafts`, the same tokens one step each. Each step asks for what the CPU worker
+/// asks for (every position's logits when it verifies drafts) and draws the rows the worker
+/// draws (the accepted ones and the one after), greedily on the host; rejected positions are
+/// truncated. The seconds and the tokens generated.
+fn replay_steps(
+    engine: &mut Engine,
+    seq: u64,
+    prompt_len: usize,
+    verified: &[(usize, usize)],
+    drafts: bool,
+    logits: &mut Logits,
+) -> Result<(f64, usize)> {
+    engine.truncate(seq, prompt_len)?;
+    let vocab = engine.config().vocab_size;
+    let tokens: usize = verified.iter().map(|&(_, a)| a + 1).sum();
+    let steps: Vec<(usize, usize)> = if drafts {
+        verified.to_vec()
+    } else {
+        vec![(0, 0); tokens]
+    };
+    let mut next = 1u32;
+    let t = Instant::now();
+    for (i, &(k, a)) in steps.iter().enumerate() {
+        let input = pseudo_random_tokens(k, vocab, 7 + i as u64);
+        let input: Vec<u32> = std::iter::once(next).chain(input).collect();
+        let past = engine.cached_tokens(seq)?.len();
+        engine.step_into(
+            &[SeqStep {
+                seq,
+                tokens: &input,
+                logits: if k > 0 {
+                    LogitsMode::All
+                } else {
+                    LogitsMode::Last
+                },
+            }],
+            logits,
+        )?;
+        let rows = logits.get(0).context("no logits")?;
+        for row in rows.chunks(vocab).take(a + 1) {
+            next = argmax(row);
+        }
+        if k > a {
+            engine.truncate(seq, past + 1 + a)?;
+        }
+    }
+    engine.truncate(seq, prompt_len)?;
+    Ok((t.elapsed().as_secs_f64(), tokens))
 }
 
 fn batched_decode(
@@ -388,6 +503,7 @@ fn speculative(args: &BenchArgs, globals: &super::Globals) -> Result<()> {
     let device = loaded.engine.device().to_string();
     let mut worker = ModelWorker::new(loaded.engine, std::sync::Arc::new(loaded.tokenizer), window);
     let mut rows = Vec::new();
+    let mut traces = Vec::new();
     for (name, prompt) in &prompts {
         // Untimed first: the prompt's prefix is then cached for both timed runs alike.
         worker.generate_alone(prompt.clone(), 4);
@@ -395,12 +511,14 @@ fn speculative(args: &BenchArgs, globals: &super::Globals) -> Result<()> {
             enabled: false,
             ..spec
         });
-        let (plain, plain_s, plain_steps) = w.generate_alone(prompt.clone(), args.gen_tokens);
+        let off_run = w.generate_alone(prompt.clone(), args.gen_tokens);
         w = w.with_speculation(spec);
         let before = w.speculation_counts();
-        let (drafted, drafted_s, drafted_steps) = w.generate_alone(prompt.clone(), args.gen_tokens);
+        let on_run = w.generate_alone(prompt.clone(), args.gen_tokens);
         let after = w.speculation_counts();
         worker = w;
+        let (plain, plain_s, plain_steps) = (&off_run.tokens, off_run.seconds, off_run.steps);
+        let (drafted, drafted_s, drafted_steps) = (&on_run.tokens, on_run.seconds, on_run.steps);
         let speed = |tokens: &[u32], s: f64| {
             if s > 0.0 {
                 (tokens.len().saturating_sub(1)) as f64 / s
@@ -408,7 +526,7 @@ fn speculative(args: &BenchArgs, globals: &super::Globals) -> Result<()> {
                 0.0
             }
         };
-        let (off, on) = (speed(&plain, plain_s), speed(&drafted, drafted_s));
+        let (off, on) = (speed(plain, plain_s), speed(drafted, drafted_s));
         rows.push(json!({
             "workload": name,
             "prompt_tokens": prompt.len(),
@@ -422,6 +540,7 @@ fn speculative(args: &BenchArgs, globals: &super::Globals) -> Result<()> {
             "accepted": after.1 - before.1,
             "same_tokens": plain == drafted,
         }));
+        traces.push((name.clone(), prompt.len(), on_run.verified));
     }
     // The chat series: one user's distinct questions in turn, drafts off, then prompt lookup
     // alone, then with the n-gram cache of the replies before (which learns as the series goes).
@@ -449,11 +568,11 @@ fn speculative(args: &BenchArgs, globals: &super::Globals) -> Result<()> {
         let (mut tokens, mut seconds, mut steps) = (0usize, 0.0f64, 0usize);
         let mut these = Vec::new();
         for prompt in &series_prompts {
-            let (reply, s, n) = w.generate_alone(prompt.clone(), args.gen_tokens);
-            tokens += reply.len().saturating_sub(1);
-            seconds += s;
-            steps += n;
-            these.push(reply);
+            let run = w.generate_alone(prompt.clone(), args.gen_tokens);
+            tokens += run.tokens.len().saturating_sub(1);
+            seconds += run.seconds;
+            steps += run.steps;
+            these.push(run.tokens);
         }
         let after = w.speculation_counts();
         worker = w;
@@ -469,12 +588,18 @@ fn speculative(args: &BenchArgs, globals: &super::Globals) -> Result<()> {
         }));
     }
     let same_series = replies.windows(2).all(|w| w[0] == w[1]);
+    drop(worker);
+    let replay = match &args.replay_shape {
+        Some(shape) => Some(replay_on_shape(shape, &options, &traces)?),
+        None => None,
+    };
     let out = json!({
         "model": path.display().to_string(),
         "threads": rayon::current_num_threads(),
         "device": device,
         "speculative": rows,
         "chat_series": { "runs": series, "same_tokens": same_series },
+        "replay": replay,
     });
     println!("{}", serde_json::to_string_pretty(&out)?);
     Ok(())

@@ -60,6 +60,21 @@ pub struct CacheEntryInfo {
     pub verify_steps: u64,
 }
 
+/// One request run alone to its end ([`ModelWorker::generate_alone`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct AloneRun {
+    /// The tokens generated.
+    pub tokens: Vec<u32>,
+    /// From the first generated token to the last.
+    pub seconds: f64,
+    /// Engine steps, the prompt's included.
+    pub steps: usize,
+    /// Per decode step (the prompt's step left out): draft tokens verified and accepted, so
+    /// the run's steps can be replayed on another model's cost (`bench --speculative
+    /// --replay-shape`).
+    pub verified: Vec<(usize, usize)>,
+}
+
 /// What the worker tells the scheduler after each step.
 #[derive(Debug, Clone, Default)]
 pub struct StepReport {
@@ -315,14 +330,9 @@ impl ModelWorker {
     }
 
     /// Runs `prompt` alone to its end, greedily, at most `max_tokens` new tokens, outside any
-    /// scheduler (for `smolchat bench --speculative`): the tokens generated, the seconds from
-    /// the first generated token to the last, and the steps that took. Speculation applies as
-    /// configured, with the whole step budget left to drafts.
-    pub fn generate_alone(
-        &mut self,
-        prompt: Vec<u32>,
-        max_tokens: usize,
-    ) -> (Vec<u32>, f64, usize) {
+    /// scheduler (for `smolchat bench --speculative`). Speculation applies as configured, with
+    /// the whole step budget left to drafts.
+    pub fn generate_alone(&mut self, prompt: Vec<u32>, max_tokens: usize) -> AloneRun {
         let id = RequestId::MAX - self.active.len() as RequestId;
         let (tx, mut rx) = mpsc::unbounded_channel();
         let params = smolchat_text::sampling::SamplingParams {
@@ -346,12 +356,19 @@ impl ModelWorker {
         let mut first: Option<Instant> = None;
         let mut last = Instant::now();
         let mut steps = 0;
+        let mut verified = Vec::new();
         // Every step generates at least one token once the prompt is in.
         for _ in 0..max_tokens + 4 {
             let report = self.step_held(plan);
             // Nobody else waits on these.
             self.finished.clear();
             steps += 1;
+            if steps > 1 {
+                verified.push((
+                    report.drafted_tokens as usize,
+                    report.accepted_tokens as usize,
+                ));
+            }
             while let Ok(event) = rx.try_recv() {
                 if let GenEvent::Token { token, .. } = event {
                     let now = Instant::now();
@@ -370,7 +387,12 @@ impl ModelWorker {
             };
         }
         let seconds = first.map_or(0.0, |f| last.duration_since(f).as_secs_f64());
-        (tokens, seconds, steps)
+        AloneRun {
+            tokens,
+            seconds,
+            steps,
+            verified,
+        }
     }
 
     pub fn sample_on_host(mut self) -> Self {
