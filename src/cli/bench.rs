@@ -179,19 +179,31 @@ fn synthetic_shape(name: &str) -> Result<SyntheticSpec> {
     Ok(spec.with_placeholder_tokenizer())
 }
 
-/// `bench --speculative --replay-shape`: each workload's decode steps (`traces`: name, prompt
-/// length, per step drafts verified and accepted) replayed on a random-weight model of `shape`,
+/// A workload's speculative run as `--replay-shape` replays it.
+struct WorkloadTrace {
+    name: String,
+    prompt_len: usize,
+    /// Per decode step: drafts verified, accepted.
+    verified: Vec<(usize, usize)>,
+}
+
+/// `bench --speculative --replay-shape`: each workload's decode steps replayed on a random-weight model of `shape`,
 /// drafts off then on, twice each alternately (the faster of each kept), after a prompt of the
 /// workload's length.
 fn replay_on_shape(
     shape: &str,
     options: &load::LoadOptions,
-    traces: &[(String, usize, Vec<(usize, usize)>)],
+    traces: &[WorkloadTrace],
 ) -> Result<serde_json::Value> {
     let src = synthetic::build(&synthetic_shape(shape)?)?;
     let loaded = super::with_progress(|p| Ok(load::load_source(src, options, p)?))?;
     let mut engine = loaded.engine;
-    let longest = traces.iter().map(|t| t.1).max().unwrap_or(1).max(1);
+    let longest = traces
+        .iter()
+        .map(|t| t.prompt_len)
+        .max()
+        .unwrap_or(1)
+        .max(1);
     let seq = engine.create_sequence();
     let mut logits = Logits::new();
     let prompt = pseudo_random_tokens(longest, engine.config().vocab_size, 3);
@@ -204,7 +216,12 @@ fn replay_on_shape(
         &mut logits,
     )?;
     let mut rows = Vec::new();
-    for (name, prompt_len, verified) in traces {
+    for WorkloadTrace {
+        name,
+        prompt_len,
+        verified,
+    } in traces
+    {
         let (mut off, mut on) = (f64::INFINITY, f64::INFINITY);
         let mut tokens = 0;
         for _ in 0..2 {
@@ -540,7 +557,11 @@ fn speculative(args: &BenchArgs, globals: &super::Globals) -> Result<()> {
             "accepted": after.1 - before.1,
             "same_tokens": plain == drafted,
         }));
-        traces.push((name.clone(), prompt.len(), on_run.verified));
+        traces.push(WorkloadTrace {
+            name: name.clone(),
+            prompt_len: prompt.len(),
+            verified: on_run.verified,
+        });
     }
     // The chat series: one user's distinct questions in turn, drafts off, then prompt lookup
     // alone, then with the n-gram cache of the replies before (which learns as the series goes).
