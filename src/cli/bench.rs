@@ -222,27 +222,51 @@ fn replay_on_shape(
         verified,
     } in traces
     {
-        let (mut off, mut on) = (f64::INFINITY, f64::INFINITY);
-        let mut tokens = 0;
+        // The run's steps; the same with drafts cut to 2 and to 4 (what a shorter draft would
+        // have kept of each); and one plain step per token of the run.
+        let capped = |cap: usize| -> Vec<(usize, usize)> {
+            verified
+                .iter()
+                .map(|&(k, a)| (k.min(cap), a.min(cap)))
+                .collect()
+        };
+        let tokens: usize = verified.iter().map(|&(_, a)| a + 1).sum();
+        let runs = [
+            ("off", vec![(0, 0); tokens]),
+            ("on", verified.clone()),
+            ("on_max2", capped(2)),
+            ("on_max4", capped(4)),
+        ];
+        // Each way twice, alternately; the faster of the two kept.
+        let mut best = [f64::INFINITY; 4];
+        let mut made = [0usize; 4];
         for _ in 0..2 {
-            let (s, n) = replay_steps(&mut engine, seq, *prompt_len, verified, false, &mut logits)?;
-            off = off.min(s);
-            tokens = n;
-            let (s, _) = replay_steps(&mut engine, seq, *prompt_len, verified, true, &mut logits)?;
-            on = on.min(s);
+            for (i, (_, steps)) in runs.iter().enumerate() {
+                let (s, n) = replay_steps(&mut engine, seq, *prompt_len, steps, &mut logits)?;
+                best[i] = best[i].min(s);
+                made[i] = n;
+            }
         }
-        let speed = |s: f64| if s > 0.0 { tokens as f64 / s } else { 0.0 };
-        rows.push(json!({
+        let speed = |i: usize| {
+            if best[i] > 0.0 {
+                made[i] as f64 / best[i]
+            } else {
+                0.0
+            }
+        };
+        let mut row = json!({
             "workload": name,
             "prompt_tokens": prompt_len,
             "tokens": tokens,
             "steps_on": verified.len(),
             "drafted": verified.iter().map(|v| v.0).sum::<usize>(),
             "accepted": verified.iter().map(|v| v.1).sum::<usize>(),
-            "decode_tokens_per_s_off": speed(off),
-            "decode_tokens_per_s_on": speed(on),
-            "ratio": if on > 0.0 { off / on } else { 0.0 },
-        }));
+            "ratio": if speed(0) > 0.0 { speed(1) / speed(0) } else { 0.0 },
+        });
+        for (i, (way, _)) in runs.iter().enumerate() {
+            row[format!("decode_tokens_per_s_{way}")] = json!(speed(i));
+        }
+        rows.push(row);
     }
     Ok(json!({
         "shape": shape,
@@ -251,9 +275,9 @@ fn replay_on_shape(
     }))
 }
 
-/// Replays a speculative run's decode steps on `engine` after a cached prompt of `prompt_len`
-/// positions in `seq` (left as it was): `verified` is per step (drafts verified, accepted);
-/// without `drafts`, the same tokens one step each. Each step asks for what the CPU worker
+/// Replays decode steps on `engine` after a cached prompt of `prompt_len` positions in `seq`
+/// (left as it was): `steps` is per step (drafts verified, accepted); `(0, 0)` is a plain
+/// decode step. Each step asks for what the CPU worker
 /// asks for (every position's logits when it verifies drafts) and draws the rows the worker
 /// draws (the accepted ones and the one after), greedily on the host; rejected positions are
 /// truncated. The seconds and the tokens generated.
@@ -261,18 +285,12 @@ fn replay_steps(
     engine: &mut Engine,
     seq: u64,
     prompt_len: usize,
-    verified: &[(usize, usize)],
-    drafts: bool,
+    steps: &[(usize, usize)],
     logits: &mut Logits,
 ) -> Result<(f64, usize)> {
     engine.truncate(seq, prompt_len)?;
     let vocab = engine.config().vocab_size;
-    let tokens: usize = verified.iter().map(|&(_, a)| a + 1).sum();
-    let steps: Vec<(usize, usize)> = if drafts {
-        verified.to_vec()
-    } else {
-        vec![(0, 0); tokens]
-    };
+    let tokens: usize = steps.iter().map(|&(_, a)| a + 1).sum();
     let mut next = 1u32;
     let t = Instant::now();
     for (i, &(k, a)) in steps.iter().enumerate() {
