@@ -1275,14 +1275,7 @@ impl ModelWorker {
                                         else {
                                             break;
                                         };
-                                        let outcome = generation
-                                            .next_token_within(row, at, window)
-                                            .map_err(|e| e.to_string());
-                                        if let Some(t) = generation.take_mask_time() {
-                                            metrics::histogram!("smolchat_grammar_mask_seconds")
-                                                .record(t.as_secs_f64());
-                                        }
-                                        outcome
+                                        draw_on_host(generation, row, at, window)
                                     }
                                     None => checked_draw(drawn.get(j).copied(), vocab)
                                         .map(|t| generation.accept_drawn_within(t, at, window)),
@@ -1364,16 +1357,7 @@ impl ModelWorker {
                             (true, token) => checked_draw(token, vocab)
                                 .map(|token| generation.accept_within(token, cached, window)),
                             (false, _) => match logits.last_row_mut(i) {
-                                Some(row) => {
-                                    let outcome = generation
-                                        .next_token_within(row, cached, window)
-                                        .map_err(|e| e.to_string());
-                                    if let Some(t) = generation.take_mask_time() {
-                                        metrics::histogram!("smolchat_grammar_mask_seconds")
-                                            .record(t.as_secs_f64());
-                                    }
-                                    outcome
-                                }
+                                Some(row) => draw_on_host(generation, row, cached, window),
                                 None => continue,
                             },
                         };
@@ -1526,6 +1510,23 @@ fn deliver(
         });
     }
     finished
+}
+
+/// Draws a sequence's next token from its logits `row` on the host (the one decode rule,
+/// [`Generation::next_token_within`]), recording the grammar mask's time.
+fn draw_on_host(
+    generation: &mut Generation,
+    row: &mut [f32],
+    cached: usize,
+    window: usize,
+) -> Result<smolchat_text::generation::TokenOutcome, String> {
+    let outcome = generation
+        .next_token_within(row, cached, window)
+        .map_err(|e| e.to_string());
+    if let Some(t) = generation.take_mask_time() {
+        metrics::histogram!("smolchat_grammar_mask_seconds").record(t.as_secs_f64());
+    }
+    outcome
 }
 
 /// A token the device drew, checked: an error when no token had a usable logit or the device

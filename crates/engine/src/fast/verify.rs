@@ -157,14 +157,22 @@ mod tests {
     use smolchat_gguf::GgmlDType;
 
     fn engine() -> Engine {
+        engine_with(true)
+    }
+
+    /// The fast tier on its CPU twins, decode graphs emulated or not.
+    fn engine_with(graphs: bool) -> Engine {
         let spec = SyntheticSpec::tiny("smollm3").with_type_mix(TypeMix::Uniform(GgmlDType::Q8_0));
         let mut src = synthetic::build(&spec).unwrap_or_else(|e| panic!("{e}"));
         let config = ModelConfig::from_gguf(&src).unwrap_or_else(|e| panic!("{e}"));
         let weights =
             FastWeights::load(&mut src, config, &mut |_, _| {}).unwrap_or_else(|e| panic!("{e}"));
-        let backend = Box::new(FastBackend::new(
-            CpuRunner::new(weights).with_graph_emulation(),
-        ));
+        let runner = CpuRunner::new(weights);
+        let backend = Box::new(FastBackend::new(if graphs {
+            runner.with_graph_emulation()
+        } else {
+            runner
+        }));
         Engine::on_backend(
             backend,
             KvOptions {
@@ -176,11 +184,12 @@ mod tests {
     }
 
     #[test]
-    fn a_verifying_step_draws_each_position_as_decode_does_inside_a_decode_graph() {
-        for sampled in [false, true] {
-            let mut e = engine();
+    fn a_verifying_step_draws_each_position_as_decode_does_in_a_graph_or_not() {
+        for (sampled, graphs) in [(false, true), (true, true), (true, false)] {
+            let mut e = engine_with(graphs);
+            assert_eq!(e.graph_stats().is_some(), graphs);
             verifying_steps_draw_as_decoding_does(&mut e, sampled)
-                .unwrap_or_else(|err| panic!("{err}"));
+                .unwrap_or_else(|err| panic!("graphs {graphs}: {err}"));
         }
     }
 
