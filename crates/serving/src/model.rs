@@ -2520,7 +2520,8 @@ mod tests {
             seed: Some(77),
             ..SamplingParams::greedy()
         };
-        let requests = mixed_prompts();
+        // Four conversations (two repeating themselves) keep it quick in a debug build.
+        let requests: Vec<(Vec<u32>, usize)> = mixed_prompts().into_iter().take(4).collect();
         let mut plain_worker = fast_tier_worker(None);
         let (plain, _) = drive_with(&mut plain_worker, &requests, &params);
         let mut w = fast_tier_worker(None).with_speculation(SpecConfig {
