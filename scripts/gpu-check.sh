@@ -103,6 +103,21 @@ run_phase() {
   fi
 }
 
+# Runs the shell function `fn` for phase `name` under a 570 s limit: its stdout is the phase's
+# JSON result, its stderr the log. It reads bin, model, device, out and tokens.
+run_json_phase() {
+  local name=$1 fn=$2
+  local log="$out/$name.log" start=$SECONDS result
+  export -f "$fn"
+  export bin model device out tokens
+  if result=$(timeout 570 bash -c "$fn" 2>"$log"); then
+    record "$name" passed $((SECONDS - start)) "$log" "$(python3 -c 'import json,sys; print(json.dumps(json.loads(sys.stdin.read())))' <<<"$result" 2>/dev/null || echo null)"
+  else
+    echo "$result" >>"$log"
+    record "$name" failed $((SECONDS - start)) "$log"
+  fi
+}
+
 skip() {
   local name=$1 why=$2
   echo "$why" >"$out/$name.log"
@@ -185,7 +200,6 @@ case "$phase" in
     ;;
   bench)
     unpack
-    log="$out/bench.log"; start=$SECONDS
     bin="$bundle/smolchat"
     [[ -x "$bin" ]] || bin=target/release/smolchat
     model="$out/smollm3-3b-synth.gguf"
@@ -212,16 +226,10 @@ case "$phase" in
       fi
       echo '}'
     }
-    if result=$(timeout 570 bash -c "$(declare -f bench); model='$model' bin='$bin' device='$device' out='$out' bench" 2>"$log"); then
-      record bench passed $((SECONDS - start)) "$log" "$(python3 -c 'import json,sys; print(json.dumps(json.loads(sys.stdin.read())))' <<<"$result" 2>/dev/null || echo null)"
-    else
-      echo "$result" >>"$log"
-      record bench failed $((SECONDS - start)) "$log"
-    fi
+    run_json_phase bench bench
     ;;
   speculation)
     unpack
-    log="$out/speculation.log"; start=$SECONDS
     bin="$bundle/smolchat"
     [[ -x "$bin" ]] || bin=target/release/smolchat
     if [[ "$device" == cuda* ]]; then
@@ -234,12 +242,7 @@ case "$phase" in
       SMOLCHAT_MODEL__GPU_TIER=fast "$bin" bench --speculative --model "$model" --device "$device" \
         --gen-tokens "$tokens"
     }
-    if result=$(timeout 570 bash -c "$(declare -f speculation); model='$model' bin='$bin' device='$device' tokens='$tokens' speculation" 2>"$log"); then
-      record speculation passed $((SECONDS - start)) "$log" "$(python3 -c 'import json,sys; print(json.dumps(json.loads(sys.stdin.read())))' <<<"$result" 2>/dev/null || echo null)"
-    else
-      echo "$result" >>"$log"
-      record speculation failed $((SECONDS - start)) "$log"
-    fi
+    run_json_phase speculation speculation
     ;;
   report)
     python3 - "$out" <<'PY'

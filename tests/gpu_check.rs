@@ -28,12 +28,18 @@ fn the_http_phase_and_the_report_run_against_a_cpu_server() {
             .expect("gpu-check.sh runs");
         String::from_utf8_lossy(&o.stdout).into_owned() + &String::from_utf8_lossy(&o.stderr)
     };
-    let said = run(&["http", "--device", "cpu"]);
-    let http: serde_json::Value = serde_json::from_str(
-        &std::fs::read_to_string(out.join("http.json")).unwrap_or_else(|e| panic!("{e}: {said}")),
-    )
-    .expect("http.json");
-    assert_eq!(http["status"], "passed", "{said}\n{http}");
+    // Runs a phase dry (`--device cpu`) and reads its record, which must say it passed.
+    let passed = |phase: &str| -> serde_json::Value {
+        let said = run(&[phase, "--device", "cpu"]);
+        let path = out.join(format!("{phase}.json"));
+        let record: serde_json::Value = serde_json::from_str(
+            &std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{e}: {said}")),
+        )
+        .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+        assert_eq!(record["status"], "passed", "{said}\n{record}");
+        record
+    };
+    let http = passed("http");
     let checks = http["result"]["checks"]
         .as_array()
         .cloned()
@@ -52,13 +58,7 @@ fn the_http_phase_and_the_report_run_against_a_cpu_server() {
     assert_eq!(http["result"]["tier"], "cpu");
     // The speculation phase, dry-run on the tiny test file: the three workloads, drafts off and
     // on, with the same tokens.
-    let said = run(&["speculation", "--device", "cpu"]);
-    let spec: serde_json::Value = serde_json::from_str(
-        &std::fs::read_to_string(out.join("speculation.json"))
-            .unwrap_or_else(|e| panic!("{e}: {said}")),
-    )
-    .expect("speculation.json");
-    assert_eq!(spec["status"], "passed", "{said}\n{spec}");
+    let spec = passed("speculation");
     let rows = spec["result"]["speculative"]
         .as_array()
         .cloned()

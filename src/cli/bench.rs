@@ -179,12 +179,11 @@ fn synthetic_shape(name: &str) -> Result<SyntheticSpec> {
     Ok(spec.with_placeholder_tokenizer())
 }
 
-/// A workload's speculative run as `--replay-shape` replays it.
+/// A workload's speculative run, which `--replay-shape` replays step by step.
 struct WorkloadTrace {
     name: String,
     prompt_len: usize,
-    /// Per decode step: drafts verified, accepted.
-    verified: Vec<(usize, usize)>,
+    run: smolchat_serving::model::AloneRun,
 }
 
 /// `bench --speculative --replay-shape`: each workload's decode steps replayed on a random-weight model of `shape`,
@@ -219,9 +218,10 @@ fn replay_on_shape(
     for WorkloadTrace {
         name,
         prompt_len,
-        verified,
+        run,
     } in traces
     {
+        let verified = &run.verified;
         // The run's steps; the same with drafts cut to 2 and to 4 (what a shorter draft would
         // have kept of each); and one plain step per token of the run.
         let capped = |cap: usize| -> Vec<(usize, usize)> {
@@ -233,7 +233,7 @@ fn replay_on_shape(
         let tokens: usize = verified.iter().map(|&(_, a)| a + 1).sum();
         let runs = [
             ("off", vec![(0, 0); tokens]),
-            ("on", verified.clone()),
+            ("on", verified.to_vec()),
             ("on_max2", capped(2)),
             ("on_max4", capped(4)),
         ];
@@ -259,8 +259,8 @@ fn replay_on_shape(
             "prompt_tokens": prompt_len,
             "tokens": tokens,
             "steps_on": verified.len(),
-            "drafted": verified.iter().map(|v| v.0).sum::<usize>(),
-            "accepted": verified.iter().map(|v| v.1).sum::<usize>(),
+            "drafted": run.drafted(),
+            "accepted": run.accepted(),
             "ratio": if speed(0) > 0.0 { speed(1) / speed(0) } else { 0.0 },
         });
         for (i, (way, _)) in runs.iter().enumerate() {
@@ -548,37 +548,26 @@ fn speculative(args: &BenchArgs, globals: &super::Globals) -> Result<()> {
         });
         let off_run = w.generate_alone(prompt.clone(), args.gen_tokens);
         w = w.with_speculation(spec);
-        let before = w.speculation_counts();
         let on_run = w.generate_alone(prompt.clone(), args.gen_tokens);
-        let after = w.speculation_counts();
         worker = w;
-        let (plain, plain_s, plain_steps) = (&off_run.tokens, off_run.seconds, off_run.steps);
-        let (drafted, drafted_s, drafted_steps) = (&on_run.tokens, on_run.seconds, on_run.steps);
-        let speed = |tokens: &[u32], s: f64| {
-            if s > 0.0 {
-                (tokens.len().saturating_sub(1)) as f64 / s
-            } else {
-                0.0
-            }
-        };
-        let (off, on) = (speed(plain, plain_s), speed(drafted, drafted_s));
+        let (off, on) = (off_run.decode_tokens_per_s(), on_run.decode_tokens_per_s());
         rows.push(json!({
             "workload": name,
             "prompt_tokens": prompt.len(),
-            "tokens": plain.len(),
+            "tokens": off_run.tokens.len(),
             "decode_tokens_per_s_off": off,
             "decode_tokens_per_s_on": on,
             "ratio": if off > 0.0 { on / off } else { 0.0 },
-            "steps_off": plain_steps,
-            "steps_on": drafted_steps,
-            "drafted": after.0 - before.0,
-            "accepted": after.1 - before.1,
-            "same_tokens": plain == drafted,
+            "steps_off": off_run.steps,
+            "steps_on": on_run.steps,
+            "drafted": on_run.drafted(),
+            "accepted": on_run.accepted(),
+            "same_tokens": off_run.tokens == on_run.tokens,
         }));
         traces.push(WorkloadTrace {
             name: name.clone(),
             prompt_len: prompt.len(),
-            verified: on_run.verified,
+            run: on_run,
         });
     }
     // The chat series: one user's distinct questions in turn, drafts off, then prompt lookup
@@ -603,17 +592,18 @@ fn speculative(args: &BenchArgs, globals: &super::Globals) -> Result<()> {
         ("lookup+ngram_cache", spec),
     ] {
         let mut w = worker.with_speculation(config);
-        let before = w.speculation_counts();
         let (mut tokens, mut seconds, mut steps) = (0usize, 0.0f64, 0usize);
+        let (mut drafted, mut accepted) = (0usize, 0usize);
         let mut these = Vec::new();
         for prompt in &series_prompts {
             let run = w.generate_alone(prompt.clone(), args.gen_tokens);
             tokens += run.tokens.len().saturating_sub(1);
             seconds += run.seconds;
             steps += run.steps;
+            drafted += run.drafted();
+            accepted += run.accepted();
             these.push(run.tokens);
         }
-        let after = w.speculation_counts();
         worker = w;
         replies.push(these);
         series.push(json!({
@@ -622,8 +612,8 @@ fn speculative(args: &BenchArgs, globals: &super::Globals) -> Result<()> {
             "decode_tokens": tokens,
             "decode_tokens_per_s": if seconds > 0.0 { tokens as f64 / seconds } else { 0.0 },
             "steps": steps,
-            "drafted": after.0 - before.0,
-            "accepted": after.1 - before.1,
+            "drafted": drafted,
+            "accepted": accepted,
         }));
     }
     let same_series = replies.windows(2).all(|w| w[0] == w[1]);

@@ -126,21 +126,15 @@ impl Logits {
     /// first row's for [`LogitsMode::SampleAll`]); [`NO_TOKEN`] when its logits had no usable
     /// value.
     pub fn token(&self, i: usize) -> Option<u32> {
-        let &(first, n) = self.token_spans.get(i)?;
-        if n == 0 {
-            return None;
-        }
-        self.tokens.get(first).copied().flatten()
+        self.tokens(i).first().copied().flatten()
     }
 
     /// The tokens drawn on the device for item `i`, one per row it asked to be drawn, in row
-    /// order; `None` when it asked for none or the backend did not set them all.
-    pub fn tokens(&self, i: usize) -> Option<Vec<u32>> {
-        let &(first, n) = self.token_spans.get(i)?;
-        if n == 0 {
-            return None;
-        }
-        self.tokens[first..first + n].iter().copied().collect()
+    /// order (`None` where the backend set none); empty when it asked for none.
+    pub fn tokens(&self, i: usize) -> &[Option<u32>] {
+        self.token_spans
+            .get(i)
+            .map_or(&[], |&(first, n)| &self.tokens[first..first + n])
     }
 
     /// `n` rows from row `first` of the buffer, to fill.

@@ -75,6 +75,27 @@ pub struct AloneRun {
     pub verified: Vec<(usize, usize)>,
 }
 
+impl AloneRun {
+    /// Draft tokens verified over the run.
+    pub fn drafted(&self) -> usize {
+        self.verified.iter().map(|v| v.0).sum()
+    }
+
+    /// Draft tokens accepted over the run.
+    pub fn accepted(&self) -> usize {
+        self.verified.iter().map(|v| v.1).sum()
+    }
+
+    /// Tokens after the first (which the prompt's step drew) per second.
+    pub fn decode_tokens_per_s(&self) -> f64 {
+        if self.seconds > 0.0 {
+            self.tokens.len().saturating_sub(1) as f64 / self.seconds
+        } else {
+            0.0
+        }
+    }
+}
+
 /// What the worker tells the scheduler after each step.
 #[derive(Debug, Clone, Default)]
 pub struct StepReport {
@@ -322,11 +343,6 @@ impl ModelWorker {
         self.spec.enabled
             && (self.spec.on_gpu
                 || matches!(self.engine.device(), smolchat_engine::device::Device::Cpu))
-    }
-
-    /// Draft tokens verified and accepted since this worker started.
-    pub fn speculation_counts(&self) -> (u64, u64) {
-        (self.spec_drafted, self.spec_accepted)
     }
 
     /// Runs `prompt` alone to its end, greedily, at most `max_tokens` new tokens, outside any
@@ -1247,20 +1263,13 @@ impl ModelWorker {
                             // draft stands while the draw before it equals it.
                             let k = d.len();
                             let past = cached.saturating_sub(k + 1);
-                            // Drawn on the device: the rows' tokens; else the rows' logits.
-                            let on_device = !draws[i].is_empty();
-                            let drawn = if on_device {
-                                logits.tokens(i).unwrap_or_default()
-                            } else {
-                                Vec::new()
-                            };
-                            let mut host_rows = if on_device {
-                                None
-                            } else {
+                            let mut rows = if draws[i].is_empty() {
                                 match logits.get_mut(i) {
-                                    Some(rows) => Some(rows),
+                                    Some(rows) => VerifyRows::Logits(rows),
                                     None => continue,
                                 }
+                            } else {
+                                VerifyRows::Drawn(logits.tokens(i))
                             };
                             let mut accepted = 0;
                             let mut ended = None;
@@ -1269,16 +1278,18 @@ impl ModelWorker {
                                     break;
                                 };
                                 let at = past + 1 + j;
-                                let outcome = match host_rows.as_mut() {
-                                    Some(rows) => {
+                                let outcome = match &mut rows {
+                                    VerifyRows::Logits(rows) => {
                                         let Some(row) = rows.get_mut(j * vocab..(j + 1) * vocab)
                                         else {
                                             break;
                                         };
                                         draw_on_host(generation, row, at, window)
                                     }
-                                    None => checked_draw(drawn.get(j).copied(), vocab)
-                                        .map(|t| generation.accept_drawn_within(t, at, window)),
+                                    VerifyRows::Drawn(tokens) => {
+                                        checked_draw(tokens.get(j).copied().flatten(), vocab)
+                                            .map(|t| generation.accept_drawn_within(t, at, window))
+                                    }
                                 };
                                 match outcome {
                                     Ok(outcome) => {
@@ -1510,6 +1521,13 @@ fn deliver(
         });
     }
     finished
+}
+
+/// What a decode with drafts got back to verify them: every position's logits (drawn on the
+/// host) or every position's token drawn on the device.
+enum VerifyRows<'a> {
+    Logits(&'a mut [f32]),
+    Drawn(&'a [Option<u32>]),
 }
 
 /// Draws a sequence's next token from its logits `row` on the host (the one decode rule,
@@ -2351,13 +2369,17 @@ mod tests {
     /// Speculation on, drafting whatever a proposer finds (the break-even fixed at zero, not
     /// measured from this machine's timing), in batches of up to eight too.
     fn speculative(w: ModelWorker) -> ModelWorker {
-        w.with_speculation(SpecConfig {
+        w.with_speculation(speculation())
+    }
+
+    fn speculation() -> SpecConfig {
+        SpecConfig {
             enabled: true,
             max_batch: 8,
             fixed_break_even: Some(0.0),
             on_gpu: true,
             ..SpecConfig::default()
-        })
+        }
     }
 
     /// Prompts of eight conversations, some repeating themselves (lookups find drafts there),
@@ -2492,18 +2514,34 @@ mod tests {
         // The GPU's fast tier, run by its kernels' CPU twins: every position's logits of a
         // decode with drafts, and the truncation after it, give the replies plain decoding
         // gives.
-        let requests = mixed_prompts();
-        let greedy = SamplingParams::greedy();
-        let (plain, _) = drive_with(&mut fast_tier_worker(None), &requests, &greedy);
-        let mut w = speculative(fast_tier_worker(None));
-        let (spec, _) = drive_with(&mut w, &requests, &greedy);
-        assert_eq!(plain, spec);
+        same_with_speculation(
+            || fast_tier_worker(None),
+            speculation(),
+            &mixed_prompts(),
+            &SamplingParams::greedy(),
+        );
+    }
+
+    /// Drives `requests` on a worker from `make` with drafts off, then on (`spec`): the replies
+    /// must be the same and some drafts accepted. Both workers come back.
+    fn same_with_speculation(
+        make: impl Fn() -> ModelWorker,
+        spec: SpecConfig,
+        requests: &[(Vec<u32>, usize)],
+        params: &SamplingParams,
+    ) -> (ModelWorker, ModelWorker) {
+        let mut plain_worker = make();
+        let (plain, _) = drive_with(&mut plain_worker, requests, params);
+        let mut w = make().with_speculation(spec);
+        let (drafted, _) = drive_with(&mut w, requests, params);
+        assert_eq!(plain, drafted);
         assert!(
             w.spec_drafted > 0 && w.spec_accepted > 0,
             "{} / {}",
             w.spec_accepted,
             w.spec_drafted
         );
+        (plain_worker, w)
     }
 
     #[test]
@@ -2520,25 +2558,16 @@ mod tests {
             seed: Some(77),
             ..SamplingParams::greedy()
         };
-        // Four conversations (two repeating themselves) keep it quick in a debug build.
-        let requests: Vec<(Vec<u32>, usize)> = mixed_prompts().into_iter().take(4).collect();
-        let mut plain_worker = fast_tier_worker(None);
-        let (plain, _) = drive_with(&mut plain_worker, &requests, &params);
-        let mut w = fast_tier_worker(None).with_speculation(SpecConfig {
-            enabled: true,
-            min_ngram: 1,
-            max_batch: 8,
-            fixed_break_even: Some(0.0),
-            on_gpu: true,
-            ..SpecConfig::default()
-        });
-        let (spec, _) = drive_with(&mut w, &requests, &params);
-        assert_eq!(plain, spec);
-        assert!(
-            w.spec_drafted > 0 && w.spec_accepted > 0,
-            "{} / {}",
-            w.spec_accepted,
-            w.spec_drafted
+        // Four conversations (two repeating themselves) keep it quick in a debug build; single-
+        // token lookups too, as sampled replies repeat themselves less than greedy ones.
+        let (plain_worker, w) = same_with_speculation(
+            || fast_tier_worker(None),
+            SpecConfig {
+                min_ngram: 1,
+                ..speculation()
+            },
+            &mixed_prompts()[..4],
+            &params,
         );
         let stats = w.engine.graph_stats().unwrap_or_default();
         let plain_stats = plain_worker.engine.graph_stats().unwrap_or_default();
@@ -2568,11 +2597,8 @@ mod tests {
         let mut w_plain = worker();
         // Single-token lookups too: sampled replies repeat themselves less than greedy ones.
         let mut w_spec = worker().with_speculation(SpecConfig {
-            enabled: true,
             min_ngram: 1,
-            max_batch: 8,
-            fixed_break_even: Some(0.0),
-            ..SpecConfig::default()
+            ..speculation()
         });
         for batch in 0..20u64 {
             let params = SamplingParams {

@@ -284,7 +284,7 @@ impl Sampler {
         }
         self.sanitize(logits);
         self.apply_penalties(logits, recent_tokens)?;
-        if self.params.temperature == 0.0 || self.params.top_k == 1 {
+        if self.greedy() {
             return argmax(logits);
         }
         self.sample_filtered(logits)
@@ -359,9 +359,20 @@ impl Sampler {
     /// candidates by token id rather than by probability before the draw, so a seeded reply
     /// there is its own reproducible sequence, not the host's.
     pub fn device_draw(&mut self, recent: &[u32]) -> DeviceDraw {
+        let uniform = self.take_draw();
+        self.draw_with(recent, uniform)
+    }
+
+    /// Whether tokens are chosen by argmax (no uniform is drawn for them).
+    fn greedy(&self) -> bool {
+        self.params.temperature == 0.0 || self.params.top_k == 1
+    }
+
+    /// [`Self::device_draw`] with the uniform given.
+    fn draw_with(&mut self, recent: &[u32], uniform: f64) -> DeviceDraw {
         let penalties = self.window_counts(recent);
+        let greedy = self.greedy();
         let p = &self.params;
-        let greedy = p.temperature == 0.0 || p.top_k == 1;
         let (repetition_penalty, presence_penalty, frequency_penalty) = if penalties.is_empty() {
             (1.0, 0.0, 0.0)
         } else {
@@ -380,11 +391,7 @@ impl Sampler {
             presence_penalty,
             frequency_penalty,
             penalties,
-            uniform: if greedy {
-                0.0
-            } else {
-                self.rng.random::<f64>()
-            },
+            uniform,
         }
     }
 
@@ -395,14 +402,13 @@ impl Sampler {
     /// are kept take their uniform, through [`Self::take_draw`], so a seeded reply is the same
     /// with drafts and without.
     pub fn peek_draws(&mut self, recent: &[u32], drafts: &[u32]) -> Vec<DeviceDraw> {
+        let greedy = self.greedy();
         let mut ahead = self.rng.clone();
         let mut history: Vec<u32> = recent.to_vec();
         let mut draws = Vec::with_capacity(drafts.len() + 1);
         for j in 0..=drafts.len() {
-            let real = std::mem::replace(&mut self.rng, ahead);
-            let draw = self.device_draw(&history);
-            ahead = std::mem::replace(&mut self.rng, real);
-            draws.push(draw);
+            let uniform = if greedy { 0.0 } else { ahead.random() };
+            draws.push(self.draw_with(&history, uniform));
             if let Some(&d) = drafts.get(j) {
                 history.push(d);
             }
@@ -410,12 +416,14 @@ impl Sampler {
         draws
     }
 
-    /// Takes the uniform of one draw from the generator, as [`Self::device_draw`] does (none for
-    /// greedy rows): the row of a peeked draw ([`Self::peek_draws`]) whose token is kept.
-    pub fn take_draw(&mut self) {
-        let p = &self.params;
-        if !(p.temperature == 0.0 || p.top_k == 1) {
-            let _: f64 = self.rng.random();
+    /// Takes the uniform of one draw from the generator (0 for greedy rows, which take none): a
+    /// plain draw's ([`Self::device_draw`]) or a peeked row's whose token is kept
+    /// ([`Self::peek_draws`]).
+    pub fn take_draw(&mut self) -> f64 {
+        if self.greedy() {
+            0.0
+        } else {
+            self.rng.random()
         }
     }
 
@@ -700,10 +708,8 @@ mod tests {
             seed: Some(3),
             ..SamplingParams::greedy()
         };
-        let (mut plain, mut ahead) = (
-            Sampler::new(params.clone()).unwrap_or_else(|e| panic!("{e}")),
-            Sampler::new(params).unwrap_or_else(|e| panic!("{e}")),
-        );
+        let sampler = || Sampler::new(params.clone()).unwrap_or_else(|e| panic!("{e}"));
+        let (mut plain, mut ahead) = (sampler(), sampler());
         let recent = [5u32, 6, 7];
         let drafts = [8u32, 5, 9];
         let peeked = ahead.peek_draws(&recent, &drafts);
@@ -721,14 +727,7 @@ mod tests {
         // Two rows kept: the generator moves on by two draws, as decoding's did after two.
         ahead.take_draw();
         ahead.take_draw();
-        let mut after_two = Sampler::new(SamplingParams {
-            temperature: 0.7,
-            repetition_penalty: 1.2,
-            penalty_last_n: 4,
-            seed: Some(3),
-            ..SamplingParams::greedy()
-        })
-        .unwrap_or_else(|e| panic!("{e}"));
+        let mut after_two = sampler();
         after_two.device_draw(&recent);
         after_two.device_draw(&recent);
         assert_eq!(

@@ -180,13 +180,14 @@ pub fn step_tables(items: &[BatchItem<'_>]) -> StepTables {
         let row0 = t.tokens.len();
         let n = item.tokens.len();
         let last = item.blocks.last().copied().unwrap_or(0);
-        let split = item.logits == LogitsMode::SampleAll;
-        let seq_rows: Vec<(usize, usize)> = if split {
-            (0..n).map(|r| (r, 1)).collect()
+        // (sequences, rows each): a verifying item is `n` sequences of one row.
+        let (seqs, rows) = if item.logits == LogitsMode::SampleAll {
+            (n, 1)
         } else {
-            vec![(0, n)]
+            (1, n)
         };
-        for (first, rows) in seq_rows {
+        for s in 0..seqs {
+            let first = s * rows;
             let index = t.seqs.len() as u32;
             t.seqs.push(SeqInfo {
                 row0: (row0 + first) as u32,

@@ -64,17 +64,18 @@ pub fn verifying_steps_draw_as_decoding_does(e: &mut Engine, sampled: bool) -> R
     // 14 positions: the verified rows (positions 14 to 18) cross into the second KV block.
     let prompt: Vec<u32> = (0..14).map(|t| (40 + 37 * t) % vocab).collect();
     let mut out = Logits::new();
-    let plain = e.create_sequence();
-    step(
-        e,
-        SeqStep {
-            seq: plain,
+    // The prompt into a new sequence, its next token drawn greedily.
+    let prefilled = |e: &mut Engine, out: &mut Logits| -> Result<u64, String> {
+        let seq = e.create_sequence();
+        let first = SeqStep {
+            seq,
             tokens: &prompt,
             logits: LogitsMode::Sample,
-        },
-        &[draw(0, false, &[])],
-        &mut out,
-    )?;
+        };
+        step(e, first, &[draw(0, false, &[])], out)?;
+        Ok(seq)
+    };
+    let plain = prefilled(e, &mut out)?;
     let mut reply = vec![out.token(0).ok_or("the prompt's step drew no token")?];
     for j in 1..7 {
         let d = draw(j, sampled, &reply);
@@ -93,17 +94,7 @@ pub fn verifying_steps_draw_as_decoding_does(e: &mut Engine, sampled: bool) -> R
     }
     let graphs = e.graph_stats().is_some();
     for (attempt, wrong_from) in [(0, 9), (1, 2), (2, 9)] {
-        let seq = e.create_sequence();
-        step(
-            e,
-            SeqStep {
-                seq,
-                tokens: &prompt,
-                logits: LogitsMode::Sample,
-            },
-            &[draw(0, false, &[])],
-            &mut out,
-        )?;
+        let seq = prefilled(e, &mut out)?;
         // [last, d1..d4]: drafts of the reply's tokens 1..=4, wrong from `wrong_from` on.
         let mut input: Vec<u32> = reply[..5].to_vec();
         for (k, t) in input.iter_mut().enumerate().skip(1) {
@@ -130,7 +121,12 @@ pub fn verifying_steps_draw_as_decoding_does(e: &mut Engine, sampled: bool) -> R
                 "attempt {attempt}: the verifying step was not one step of a decode graph"
             ));
         }
-        let drawn = out.tokens(0).ok_or("the verifying step drew no tokens")?;
+        let drawn: Vec<u32> = out
+            .tokens(0)
+            .iter()
+            .copied()
+            .collect::<Option<_>>()
+            .ok_or("the verifying step left rows undrawn")?;
         // Rows up to and including the first wrong draft's are what decoding drew.
         let valid = wrong_from.min(input.len());
         if drawn.len() != input.len() || drawn[..valid] != reply[1..=valid] {
