@@ -150,9 +150,10 @@ fn tiny_smollm3_logits_with_q8_0_kv_stay_close() {
 /// K/V (f16, q8_0) may flip a near-tie, as it does inside llama.cpp (its KV-F16 path differs from
 /// its KV-F32 one by up to 1.5): then llama.cpp's token must be within 0.5 of our best logit (the
 /// greedy test's near-tie rule), and at most one of the 16 positions may differ. Measured: f16
-/// flips position 1 (llama.cpp's gap there is 0.10, ours 0.21), q8_0 none; on the AVX2 path
-/// (Q4_1 and Q8_0 rounded per block, `SMOLCHAT_ISA=avx2`) f16 and q8_0 flip one each, max |diff|
-/// 1.23 / 1.36 / 1.85 for f32 / f16 / q8_0 (AVX-512 path, llama.cpp's order: 1.24 / 1.39 / 1.62).
+/// flips position 1 (llama.cpp's gap there is 0.10, ours 0.21), q8_0 none, in llama.cpp's order
+/// (the scalar path; measured when the AVX-512 path still used it: max |diff| 1.24 / 1.39 / 1.62
+/// for f32 / f16 / q8_0). On the SIMD paths (Q4_1 and Q8_0 rounded per block; AVX2 and AVX-512
+/// compute the same products) f16 and q8_0 flip one each, max |diff| 1.23 / 1.36 / 1.85.
 #[test]
 fn smollm2_argmax_matches_llama_cpp_exactly_with_f32_kv_and_but_one_near_tie_with_f16_q8_0() {
     let meta = read_json(&reference("smollm2-135m-tokens.json"));

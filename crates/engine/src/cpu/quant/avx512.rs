@@ -7,6 +7,17 @@
 //! `T` tokens and prefill becomes compute-bound. Per lane, the operations and their order are those
 //! of [`super::scalar`], so results agree with it bit for bit.
 //!
+//! Q4_1 and Q8_0 round in [`FloatOrder::PerBlock`], as the AVX2 kernels do, not in llama.cpp's
+//! order: that order converts and accumulates each 4-value lane on its own (eight conversions and
+//! eight multiply-adds per `vpdpbusd` pair of a block instead of one and two), which left this path's
+//! SmolLM2 prefill behind its own AVX2 path on Zen 4 (931 against 967 tok/s) and behind
+//! ik_llama.cpp's `-march=native` build (1,091 against 1,251). So the x86 SIMD paths all compute
+//! the same Q4_1/Q8_0 products; only the scalar path keeps llama.cpp's order.
+//!
+//! These kernels are tested on every CPU: `build.rs` copies this file without its
+//! `#[target_feature]` lines and `kernel_tests.rs` runs that copy over emulated intrinsics
+//! (`emu512.rs`). Keep each such attribute and the `std::arch` import on a line of its own.
+//!
 //! Every function here is `unsafe` for two reasons stated once: the CPU must support
 //! AVX512F/BW/VL/VNNI (guaranteed by `Isa::available` before a kernel is handed out), and the
 //! pointer arithmetic relies on the [`super::kernel::Kernel`] contract (a whole packed group of
@@ -24,20 +35,20 @@ use super::layout::Format;
 use super::scalar::FloatOrder;
 
 pub fn kernel(format: Format) -> KernelChoice {
-    // Tiles: tokens per call (a multiple of the register tile of `tiled!` below). The K-quant
-    // kernels keep three registers per token: eight tokens fill the 32 registers (+20-27% prefill
-    // over four). The ggml-order kernels hold nine per token, so their register tile is two.
-    let (kernel, tile): (super::kernel::Kernel, usize) = match format {
-        Format::Q4_0 => (q4_0, 8),
-        Format::Q4_1 => (q4_1, 4),
-        Format::Q8_0 => (q8_0, 4),
-        Format::Q4K => (q4k, 8),
-        Format::Q6K => (q6k, 8),
+    // Tokens per call: eight, the register tile of `tiled!` below. The K-quant and Q4_0 kernels
+    // keep three registers per token, Q4_1 and Q8_0 two: eight tokens fit in the 32 registers
+    // (K-quants: +20-27% prefill over four).
+    let kernel: super::kernel::Kernel = match format {
+        Format::Q4_0 => q4_0,
+        Format::Q4_1 => q4_1,
+        Format::Q8_0 => q8_0,
+        Format::Q4K => q4k,
+        Format::Q6K => q6k,
     };
     KernelChoice {
         kernel,
-        tile,
-        order: FloatOrder::Llama,
+        tile: 8,
+        order: FloatOrder::PerBlock,
         unpacked: None,
     }
 }
@@ -62,8 +73,8 @@ macro_rules! tiled {
 }
 
 tiled!(q4_0, q4_0_tile, [1, 2, 3, 4, 5, 6, 7], 8);
-tiled!(q4_1, q4_1_tile, [1], 2);
-tiled!(q8_0, q8_0_tile, [1], 2);
+tiled!(q4_1, q4_1_tile, [1, 2, 3, 4, 5, 6, 7], 8);
+tiled!(q8_0, q8_0_tile, [1, 2, 3, 4, 5, 6, 7], 8);
 tiled!(q4k, q4k_tile, [1, 2, 3, 4, 5, 6, 7], 8);
 tiled!(q6k, q6k_tile, [1, 2, 3, 4, 5, 6, 7], 8);
 
@@ -99,18 +110,9 @@ unsafe fn load(p: *const u8) -> __m512i {
     _mm512_loadu_si512(p as *const __m512i)
 }
 
-/// ggml's `hsum_float_8` tree per lane: `((a0+a4)+(a2+a6)) + ((a1+a5)+(a3+a7))`.
-#[inline]
-#[target_feature(enable = "avx512f")]
-unsafe fn hsum8(a: &[__m512; 8]) -> __m512 {
-    let s04 = _mm512_add_ps(a[0], a[4]);
-    let s26 = _mm512_add_ps(a[2], a[6]);
-    let s15 = _mm512_add_ps(a[1], a[5]);
-    let s37 = _mm512_add_ps(a[3], a[7]);
-    _mm512_add_ps(_mm512_add_ps(s04, s26), _mm512_add_ps(s15, s37))
-}
-
-/// Q4_1 in ggml's float order (see [`super::scalar`]): one accumulator per 4-value lane.
+/// Q4_1 in [`FloatOrder::PerBlock`]: each row's 32-value block sum (low and high nibbles into one
+/// `vpdpbusd` accumulator) is converted once, then the block's `d_w·d_x` and `m·s` terms go into
+/// one running sum. Two registers per token, so eight tokens share every weight load.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
 unsafe fn q4_1_tile<const T: usize>(
     g: &[u8],
@@ -126,34 +128,31 @@ unsafe fn q4_1_tile<const T: usize>(
     let dx = acts.d.as_ptr().add(t0 * nblk);
     let sx = acts.s.as_ptr().add(t0 * nblk);
     let m4 = _mm512_set1_epi8(0x0F);
-    let zero = _mm512_setzero_si512();
-    let mut acc = [[_mm512_setzero_ps(); 8]; T];
-    let mut summs = [_mm512_setzero_ps(); T];
+    let mut f = [_mm512_setzero_ps(); T];
     for b in 0..nblk {
         let blk = gp.add(b * 320);
         prefetch(blk.wrapping_add(8 * 320), 5);
-        let dw = f16x16(blk.add(256));
-        let dd: [__m512; T] =
-            std::array::from_fn(|t| _mm512_mul_ps(dw, _mm512_set1_ps(*dx.add(t * nblk + b))));
+        let mut isum = [_mm512_setzero_si512(); T];
         for j in 0..4 {
             let p = load(blk.add(64 * j));
             let lo = _mm512_and_si512(p, m4);
             let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(p), m4);
             for t in 0..T {
                 let x = xq.add(t * cols + b * 32 + 4 * j);
-                let il = _mm512_dpbusd_epi32(zero, lo, bcast4(x));
-                let ih = _mm512_dpbusd_epi32(zero, hi, bcast4(x.add(16)));
-                acc[t][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(il), dd[t], acc[t][j]);
-                acc[t][j + 4] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ih), dd[t], acc[t][j + 4]);
+                isum[t] = _mm512_dpbusd_epi32(isum[t], lo, bcast4(x));
+                isum[t] = _mm512_dpbusd_epi32(isum[t], hi, bcast4(x.add(16)));
             }
         }
+        let dw = f16x16(blk.add(256));
         let mw = f16x16(blk.add(288));
-        for (t, s) in summs.iter_mut().enumerate() {
-            *s = _mm512_fmadd_ps(mw, _mm512_set1_ps(*sx.add(t * nblk + b)), *s);
+        for t in 0..T {
+            let dd = _mm512_mul_ps(dw, _mm512_set1_ps(*dx.add(t * nblk + b)));
+            f[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[t]), dd, f[t]);
+            f[t] = _mm512_fmadd_ps(mw, _mm512_set1_ps(*sx.add(t * nblk + b)), f[t]);
         }
     }
-    for t in 0..T {
-        _mm512_storeu_ps(out.add(t * stride), _mm512_add_ps(hsum8(&acc[t]), summs[t]));
+    for (t, f) in f.iter().enumerate() {
+        _mm512_storeu_ps(out.add(t * stride), *f);
     }
 }
 
@@ -203,8 +202,8 @@ unsafe fn q4_0_tile<const T: usize>(
     }
 }
 
-/// Q8_0 in ggml's float order (see [`super::scalar`]): one accumulator per 4-value lane, each lane
-/// sum starting from its own `-128·Σx` correction.
+/// Q8_0 in [`FloatOrder::PerBlock`]: each row's block sum starts from the block's eight
+/// `-128·Σx` corrections (summed as integers) and is converted once.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
 unsafe fn q8_0_tile<const T: usize>(
     g: &[u8],
@@ -219,24 +218,29 @@ unsafe fn q8_0_tile<const T: usize>(
     let xq = acts.qs.as_ptr().add(t0 * cols);
     let dx = acts.d.as_ptr().add(t0 * nblk);
     let bias = acts.bias.as_ptr().add(t0 * nblk * 8);
-    let mut acc = [[_mm512_setzero_ps(); 8]; T];
+    let mut f = [_mm512_setzero_ps(); T];
     for b in 0..nblk {
         let blk = gp.add(b * 544);
         prefetch(blk.wrapping_add(6 * 544), 9);
-        let dw = f16x16(blk.add(512));
-        let dd: [__m512; T] =
-            std::array::from_fn(|t| _mm512_mul_ps(dw, _mm512_set1_ps(*dx.add(t * nblk + b))));
+        let mut isum: [__m512i; T] = std::array::from_fn(|t| {
+            let c = bias.add((t * nblk + b) * 8);
+            _mm512_set1_epi32((0..8).map(|k| *c.add(k)).sum::<i32>())
+        });
         for k in 0..8 {
             let p = load(blk.add(64 * k));
             for t in 0..T {
-                let c = _mm512_set1_epi32(*bias.add((t * nblk + b) * 8 + k));
-                let i = _mm512_dpbusd_epi32(c, p, bcast4(xq.add(t * cols + b * 32 + 4 * k)));
-                acc[t][k] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i), dd[t], acc[t][k]);
+                let x = bcast4(xq.add(t * cols + b * 32 + 4 * k));
+                isum[t] = _mm512_dpbusd_epi32(isum[t], p, x);
             }
         }
+        let dw = f16x16(blk.add(512));
+        for t in 0..T {
+            let dd = _mm512_mul_ps(dw, _mm512_set1_ps(*dx.add(t * nblk + b)));
+            f[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[t]), dd, f[t]);
+        }
     }
-    for (t, acc) in acc.iter().enumerate() {
-        _mm512_storeu_ps(out.add(t * stride), hsum8(acc));
+    for (t, f) in f.iter().enumerate() {
+        _mm512_storeu_ps(out.add(t * stride), *f);
     }
 }
 

@@ -186,48 +186,68 @@ fn reference(format: Format, native: &[u8], rows: usize, acts: &Acts) -> Vec<(f6
     out
 }
 
-/// Every SIMD kernel *this CPU has* equals the scalar kernel of its float order. Kernels of
-/// instruction sets the CPU lacks cannot run here: they are named in the test's log, and the
-/// CPUs of this project's machines cover them between them (Zen 3: AVX2; Zen 4/5 and Intel:
-/// AVX-VNNI and AVX-512 VNNI too). At least one SIMD path must have been checked on x86-64.
-#[test]
-fn simd_kernels_this_cpu_has_equal_scalar_bit_for_bit() {
-    let mut rng = Rng(1);
-    let mut checked = std::collections::BTreeSet::new();
+/// Calls `each(format, packed, acts)` for every format on matrices of 37 rows (two full groups and
+/// a padded one) and token counts that hit every tile remainder, below and above the count from
+/// which kernels run on unpacked groups.
+fn for_each_kernel_case(seed: u64, mut each: impl FnMut(Format, &Packed, &Acts)) {
+    let mut rng = Rng(seed);
     for format in FORMATS {
-        // 37 rows: two full groups and a padded one; token counts hit every tile remainder, below
-        // and above the count from which kernels run on unpacked groups.
         let (rows, cols) = (37, 3 * format.block().max(128));
         let native = random_native(format, rows, cols, &mut rng);
         let p = Packed::from_native(format, rows, cols, &native);
         for n in [1, 2, 3, 4, 5, 6, 7, 8, 9, 17, 18, 19, 20] {
             let acts = random_acts(format.act_kind(), n, cols, &mut rng);
-            for isa in [Isa::Avx2, Isa::AvxVnni, Isa::Avx512Vnni] {
-                let Some(choice) = gemm::kernel(format, isa) else {
-                    // Logged to the test's output, so a run says what it skipped.
-                    if format == FORMATS[0] && n == 1 {
-                        crate::test_log::init();
-                        tracing::warn!("{isa:?} kernels: this CPU lacks them, skipped");
-                    }
-                    continue;
-                };
-                checked.insert(format!("{isa:?}"));
-                // The reference: the scalar kernel rounding in the SIMD kernel's float order.
-                let want = run_choice(&p, gemm::scalar_kernel(format, choice.order), &acts);
-                let got = run_choice(&p, choice, &acts);
-                for (i, (g, w)) in got.iter().zip(&want).enumerate() {
-                    assert_eq!(
-                        g.to_bits(),
-                        w.to_bits(),
-                        "{format:?} {isa:?} ({:?} order) n={n} token {} row {}: {g} vs {w}",
-                        choice.order,
-                        i / rows,
-                        i % rows
-                    );
-                }
-            }
+            each(format, &p, &acts);
         }
     }
+}
+
+/// `choice` (a SIMD kernel for `format`, named `what`) equals the scalar kernel of its float order
+/// bit for bit.
+fn assert_equals_scalar(
+    format: Format,
+    what: &str,
+    choice: super::kernel::KernelChoice,
+    p: &Packed,
+    acts: &Acts,
+) {
+    let want = run_choice(p, gemm::scalar_kernel(format, choice.order), acts);
+    let got = run_choice(p, choice, acts);
+    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+        assert_eq!(
+            g.to_bits(),
+            w.to_bits(),
+            "{format:?} {what} ({:?} order) n={} token {} row {}: {g} vs {w}",
+            choice.order,
+            acts.n_tokens,
+            i / p.rows,
+            i % p.rows
+        );
+    }
+}
+
+/// Every SIMD kernel *this CPU has* equals the scalar kernel of its float order. Kernels of
+/// instruction sets the CPU lacks cannot run here: they are named in the test's log, and the
+/// CPUs of this project's machines cover them between them (Zen 3: AVX2; Zen 4/5 and Intel:
+/// AVX-VNNI and AVX-512 VNNI too; the AVX-512 source is also checked everywhere over emulated
+/// intrinsics, below). At least one SIMD path must have been checked on x86-64.
+#[test]
+fn simd_kernels_this_cpu_has_equal_scalar_bit_for_bit() {
+    let mut checked = std::collections::BTreeSet::new();
+    for_each_kernel_case(1, |format, p, acts| {
+        for isa in [Isa::Avx2, Isa::AvxVnni, Isa::Avx512Vnni] {
+            let Some(choice) = gemm::kernel(format, isa) else {
+                // Logged to the test's output, so a run says what it skipped.
+                if format == FORMATS[0] && acts.n_tokens == 1 {
+                    crate::test_log::init();
+                    tracing::warn!("{isa:?} kernels: this CPU lacks them, skipped");
+                }
+                continue;
+            };
+            checked.insert(format!("{isa:?}"));
+            assert_equals_scalar(format, &format!("{isa:?}"), choice, p, acts);
+        }
+    });
     crate::test_log::init();
     tracing::info!("SIMD kernels checked on this CPU: {checked:?}");
     if cfg!(target_arch = "x86_64") {
@@ -239,6 +259,25 @@ fn simd_kernels_this_cpu_has_equal_scalar_bit_for_bit() {
             "no SIMD kernel ran: the test checked nothing"
         );
     }
+}
+
+/// The AVX-512 kernels' own source (`avx512.rs`, copied by `build.rs` without its
+/// `#[target_feature]` lines) over the emulated intrinsics of `emu512`.
+#[allow(clippy::needless_range_loop, dead_code)]
+mod avx512_emulated {
+    use super::super::emu512::*;
+    include!(concat!(env!("OUT_DIR"), "/avx512_emulable.rs"));
+}
+
+/// The AVX-512 kernels equal the scalar kernel of their float order bit for bit on any CPU: their
+/// source runs over emulated intrinsics, so a change to them is checked where no CPU has AVX-512
+/// (most of this project's machines and its CI).
+#[test]
+fn avx512_kernels_equal_scalar_bit_for_bit_over_emulated_intrinsics() {
+    for_each_kernel_case(5, |format, p, acts| {
+        let choice = avx512_emulated::kernel(format);
+        assert_equals_scalar(format, "emulated AVX-512", choice, p, acts);
+    });
 }
 
 /// Both float orders of the scalar kernels (they differ for Q4_1 and Q8_0) against GGML's

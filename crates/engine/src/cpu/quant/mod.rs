@@ -11,12 +11,13 @@
 //! and candle's `vec_dot` ([`generic`]).
 //!
 //! Q4_1 and Q8_0 products are bit-identical to llama.cpp's (same integer sums, same float order;
-//! see [`scalar`]) on the scalar and AVX-512 paths; activation re-quantization amplifies any
-//! rounding difference, so this keeps our logits on llama.cpp's side of near-ties. The AVX2 Q4_1
-//! and Q8_0 kernels round once per block instead ([`scalar::FloatOrder::PerBlock`]: llama.cpp's
-//! order is bound by the multiply ports on 256-bit registers); the logits tests hold on that path
-//! too. The K-quant kernels have exact integer parts and their own float order. Every SIMD kernel
-//! equals the scalar kernel in its float order bit for bit.
+//! see [`scalar`]) on the scalar path. The SIMD Q4_1 and Q8_0 kernels (AVX2 and AVX-512) round once
+//! per block instead ([`scalar::FloatOrder::PerBlock`]: llama.cpp's order converts and accumulates
+//! every 4-value lane on its own, which binds them to the multiply ports); the logits tests hold on
+//! those paths too, and the x86 SIMD paths agree with each other. The K-quant kernels have exact
+//! integer parts and their own float order. Every SIMD kernel equals the scalar kernel in its float
+//! order bit for bit; the AVX-512 kernels are checked on every CPU, over emulated intrinsics where
+//! the CPU lacks them (`emu512`).
 //!
 //! Threading ([`gemm::run`]): a product splits across the rayon pool when its work or its weight
 //! bytes are large enough to pay for the hand-off. Callers get the most from two threads when they
@@ -29,6 +30,8 @@ pub mod act;
 mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
+#[cfg(test)]
+mod emu512;
 pub mod gemm;
 pub mod generic;
 pub mod isa;

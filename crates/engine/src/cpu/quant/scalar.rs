@@ -12,10 +12,11 @@
 //! (activation re-quantization amplifies any rounding difference). The K-quant kernels use their
 //! own (cheaper) float order; their integer parts are exact.
 //!
-//! Q4_1 and Q8_0 have a second order, [`FloatOrder::PerBlock`], for the AVX2 kernels: llama.cpp's
-//! order costs a conversion and a multiply-add per 4-value lane, which on 256-bit registers without
-//! VNNI leaves the kernel bound by the multiply ports (52-58 against 88-94 GMAC/s on one Zen 4
-//! core, 64 tokens). Both orders are exact in their integer parts; they differ only in where the
+//! Q4_1 and Q8_0 have a second order, [`FloatOrder::PerBlock`], for the SIMD kernels (AVX2 and
+//! AVX-512): llama.cpp's order costs a conversion and a multiply-add per 4-value lane, which on
+//! 256-bit registers without VNNI leaves the kernel bound by the multiply ports (52-58 against
+//! 88-94 GMAC/s on one Zen 4 core, 64 tokens), and on AVX-512 costs eight conversions and eight
+//! multiply-adds where the per-block order needs one and two. Both orders are exact in their integer parts; they differ only in where the
 //! floats round.
 
 use half::f16;
