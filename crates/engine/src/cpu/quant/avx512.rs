@@ -35,9 +35,9 @@ use super::layout::Format;
 use super::scalar::FloatOrder;
 
 pub fn kernel(format: Format) -> KernelChoice {
-    // Tokens per call: eight, the register tile of `tiled!` below. The K-quant and Q4_0 kernels
-    // keep three registers per token, Q4_1 and Q8_0 two: eight tokens fit in the 32 registers
-    // (K-quants: +20-27% prefill over four).
+    // Tokens per call: eight, the register tile of `tiled!` below. Every kernel keeps three
+    // registers per token (two integer chains and a float sum, or the K-quants' three sums): eight
+    // tokens fit in the 32 registers (K-quants: +20-27% prefill over four).
     let kernel: super::kernel::Kernel = match format {
         Format::Q4_0 => q4_0,
         Format::Q4_1 => q4_1,
@@ -110,9 +110,9 @@ unsafe fn load(p: *const u8) -> __m512i {
     _mm512_loadu_si512(p as *const __m512i)
 }
 
-/// Q4_1 in [`FloatOrder::PerBlock`]: each row's 32-value block sum (low and high nibbles into one
-/// `vpdpbusd` accumulator) is converted once, then the block's `d_w·d_x` and `m·s` terms go into
-/// one running sum. Two registers per token, so eight tokens share every weight load.
+/// Q4_1 in [`FloatOrder::PerBlock`]: each row's 32-value block sum (its low and high nibbles'
+/// integer sums added) is converted once, then the block's `d_w·d_x` and `m·s` terms go into one running
+/// sum. Three registers per token, so eight tokens share every weight load.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
 unsafe fn q4_1_tile<const T: usize>(
     g: &[u8],
@@ -132,22 +132,25 @@ unsafe fn q4_1_tile<const T: usize>(
     for b in 0..nblk {
         let blk = gp.add(b * 320);
         prefetch(blk.wrapping_add(8 * 320), 5);
-        let mut isum = [_mm512_setzero_si512(); T];
+        // Low and high nibbles in two chains of four `vpdpbusd`, not one of eight.
+        let mut lo_sum = [_mm512_setzero_si512(); T];
+        let mut hi_sum = [_mm512_setzero_si512(); T];
         for j in 0..4 {
             let p = load(blk.add(64 * j));
             let lo = _mm512_and_si512(p, m4);
             let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(p), m4);
             for t in 0..T {
                 let x = xq.add(t * cols + b * 32 + 4 * j);
-                isum[t] = _mm512_dpbusd_epi32(isum[t], lo, bcast4(x));
-                isum[t] = _mm512_dpbusd_epi32(isum[t], hi, bcast4(x.add(16)));
+                lo_sum[t] = _mm512_dpbusd_epi32(lo_sum[t], lo, bcast4(x));
+                hi_sum[t] = _mm512_dpbusd_epi32(hi_sum[t], hi, bcast4(x.add(16)));
             }
         }
         let dw = f16x16(blk.add(256));
         let mw = f16x16(blk.add(288));
         for t in 0..T {
+            let isum = _mm512_add_epi32(lo_sum[t], hi_sum[t]);
             let dd = _mm512_mul_ps(dw, _mm512_set1_ps(*dx.add(t * nblk + b)));
-            f[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[t]), dd, f[t]);
+            f[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), dd, f[t]);
             f[t] = _mm512_fmadd_ps(mw, _mm512_set1_ps(*sx.add(t * nblk + b)), f[t]);
         }
     }
@@ -222,21 +225,24 @@ unsafe fn q8_0_tile<const T: usize>(
     for b in 0..nblk {
         let blk = gp.add(b * 544);
         prefetch(blk.wrapping_add(6 * 544), 9);
-        let mut isum: [__m512i; T] = std::array::from_fn(|t| {
+        // Even and odd chunks in two chains of four `vpdpbusd`, not one of eight.
+        let mut sums: [[__m512i; 2]; T] = std::array::from_fn(|t| {
             let c = bias.add((t * nblk + b) * 8);
-            _mm512_set1_epi32((0..8).map(|k| *c.add(k)).sum::<i32>())
+            let correction = (0..8).map(|k| *c.add(k)).sum::<i32>();
+            [_mm512_set1_epi32(correction), _mm512_setzero_si512()]
         });
         for k in 0..8 {
             let p = load(blk.add(64 * k));
             for t in 0..T {
                 let x = bcast4(xq.add(t * cols + b * 32 + 4 * k));
-                isum[t] = _mm512_dpbusd_epi32(isum[t], p, x);
+                sums[t][k % 2] = _mm512_dpbusd_epi32(sums[t][k % 2], p, x);
             }
         }
         let dw = f16x16(blk.add(512));
         for t in 0..T {
+            let isum = _mm512_add_epi32(sums[t][0], sums[t][1]);
             let dd = _mm512_mul_ps(dw, _mm512_set1_ps(*dx.add(t * nblk + b)));
-            f[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[t]), dd, f[t]);
+            f[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), dd, f[t]);
         }
     }
     for (t, f) in f.iter().enumerate() {
