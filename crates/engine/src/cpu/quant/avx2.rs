@@ -16,6 +16,9 @@
 //! With VNNI, `vpdpbusd` (VEX-encoded, emitted with inline assembly so that one generic body
 //! serves both variants) does it in one instruction.
 //!
+//! The VNNI kernels are also tested on CPUs without AVX-VNNI: the kernel tests set
+//! `EMULATE_VNNI`, and `dp` then computes `vpdpbusd` lane by lane.
+//!
 //! Every function here is `unsafe` for the reasons stated in [`super::avx512`]: the CPU must have
 //! AVX2, FMA and F16C (and AVX-VNNI for `VNNI = true`), checked by `Isa::available` before a
 //! kernel is handed out, and the pointer arithmetic relies on the [`super::kernel::Kernel`] contract.
@@ -152,6 +155,10 @@ tiled_k!(q8_0, q8_0_tile, q8_0_tile, three_in_one_pass: false);
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn dp<const VNNI: bool>(mut acc: __m256i, u: __m256i, s: __m256i) -> __m256i {
     if VNNI {
+        #[cfg(test)]
+        if EMULATE_VNNI.with(|e| e.get()) {
+            return vpdpbusd_emulated(acc, u, s);
+        }
         // SAFETY: `VNNI` kernels are only handed out when the CPU has AVX-VNNI; the instruction
         // reads and writes registers only.
         std::arch::asm!(
@@ -166,6 +173,36 @@ unsafe fn dp<const VNNI: bool>(mut acc: __m256i, u: __m256i, s: __m256i) -> __m2
         let p = _mm256_maddubs_epi16(u, s);
         _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(1)))
     }
+}
+
+#[cfg(test)]
+thread_local! {
+    /// Set by the kernel tests, on their own thread, to run the VNNI kernels on CPUs without
+    /// AVX-VNNI (Zen 2-4, and so most of this project's machines and its CI): `dp` then computes
+    /// `vpdpbusd` lane by lane instead of executing it. Only `dp` differs between the real and the
+    /// emulated runs.
+    pub static EMULATE_VNNI: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// `vpdpbusd` as Intel's reference defines it: per 32-bit lane, `acc` plus the four products of
+/// unsigned bytes of `u` and signed bytes of `s`, wrapping, not saturating.
+#[cfg(test)]
+fn vpdpbusd_emulated(acc: __m256i, u: __m256i, s: __m256i) -> __m256i {
+    // SAFETY: the three are plain 32-byte values; every bit pattern is a valid array of them.
+    let (a, u, s): ([i32; 8], [u8; 32], [i8; 32]) = unsafe {
+        (
+            std::mem::transmute::<__m256i, [i32; 8]>(acc),
+            std::mem::transmute::<__m256i, [u8; 32]>(u),
+            std::mem::transmute::<__m256i, [i8; 32]>(s),
+        )
+    };
+    let r: [i32; 8] = std::array::from_fn(|i| {
+        (0..4).fold(a[i], |acc, k| {
+            acc.wrapping_add(u[4 * i + k] as i32 * s[4 * i + k] as i32)
+        })
+    });
+    // SAFETY: as above.
+    unsafe { std::mem::transmute::<[i32; 8], __m256i>(r) }
 }
 
 #[inline]

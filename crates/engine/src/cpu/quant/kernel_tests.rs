@@ -227,10 +227,9 @@ fn assert_equals_scalar(
 }
 
 /// Every SIMD kernel *this CPU has* equals the scalar kernel of its float order. Kernels of
-/// instruction sets the CPU lacks cannot run here: they are named in the test's log, and the
-/// CPUs of this project's machines cover them between them (Zen 3: AVX2; Zen 4/5 and Intel:
-/// AVX-VNNI and AVX-512 VNNI too; the AVX-512 source is also checked everywhere over emulated
-/// intrinsics, below). At least one SIMD path must have been checked on x86-64.
+/// instruction sets the CPU lacks cannot run natively here: they are named in the test's log (the
+/// AVX-VNNI and AVX-512 kernels are also checked on every CPU with their missing instructions
+/// emulated, in the tests below). At least one SIMD path must have been checked on x86-64.
 #[test]
 fn simd_kernels_this_cpu_has_equal_scalar_bit_for_bit() {
     let mut checked = std::collections::BTreeSet::new();
@@ -259,6 +258,31 @@ fn simd_kernels_this_cpu_has_equal_scalar_bit_for_bit() {
             "no SIMD kernel ran: the test checked nothing"
         );
     }
+}
+
+/// The AVX-VNNI kernels equal the scalar kernel of their float order bit for bit on any CPU with
+/// AVX2: with `EMULATE_VNNI` set, their one AVX-VNNI instruction is computed lane by lane, so they
+/// are checked where the CPU lacks AVX-VNNI (Zen 2-4: most of this project's machines and CI).
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn avx_vnni_kernels_equal_scalar_bit_for_bit_with_vpdpbusd_emulated() {
+    if !Isa::Avx2.available() {
+        crate::test_log::init();
+        tracing::warn!("no AVX2 on this CPU: the AVX-VNNI kernels cannot run even emulated");
+        return;
+    }
+    // One worker thread, so that every kernel call of the products runs where the flag is set.
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(1)
+        .build()
+        .unwrap_or_else(|e| panic!("{e}"));
+    pool.install(|| {
+        super::avx2::EMULATE_VNNI.with(|e| e.set(true));
+        for_each_kernel_case(6, |format, p, acts| {
+            let choice = super::avx2::kernel(format, true);
+            assert_equals_scalar(format, "AVX-VNNI (vpdpbusd emulated)", choice, p, acts);
+        });
+    });
 }
 
 /// The AVX-512 kernels' own source (`avx512.rs`, copied by `build.rs` without its
