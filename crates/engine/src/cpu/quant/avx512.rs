@@ -132,23 +132,27 @@ unsafe fn q4_1_tile<const T: usize>(
     for b in 0..nblk {
         let blk = gp.add(b * 320);
         prefetch(blk.wrapping_add(8 * 320), 5);
-        // Low and high nibbles in two chains of four `vpdpbusd`, not one of eight.
-        let mut lo_sum = [_mm512_setzero_si512(); T];
-        let mut hi_sum = [_mm512_setzero_si512(); T];
+        // Independent `vpdpbusd` chains, low and high nibbles apart: four for one token (decode,
+        // whose short loop shows the chains' latency; even and odd chunks apart too), two
+        // otherwise (registers).
+        let pairs = if T == 1 { 2 } else { 1 };
+        let mut sums = [[_mm512_setzero_si512(); 4]; T];
         for j in 0..4 {
             let p = load(blk.add(64 * j));
             let lo = _mm512_and_si512(p, m4);
             let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(p), m4);
+            let c = 2 * (j % pairs);
             for t in 0..T {
                 let x = xq.add(t * cols + b * 32 + 4 * j);
-                lo_sum[t] = _mm512_dpbusd_epi32(lo_sum[t], lo, bcast4(x));
-                hi_sum[t] = _mm512_dpbusd_epi32(hi_sum[t], hi, bcast4(x.add(16)));
+                sums[t][c] = _mm512_dpbusd_epi32(sums[t][c], lo, bcast4(x));
+                sums[t][c + 1] = _mm512_dpbusd_epi32(sums[t][c + 1], hi, bcast4(x.add(16)));
             }
         }
         let dw = f16x16(blk.add(256));
         let mw = f16x16(blk.add(288));
         for t in 0..T {
-            let isum = _mm512_add_epi32(lo_sum[t], hi_sum[t]);
+            let [s0, s1, s2, s3] = sums[t];
+            let isum = _mm512_add_epi32(_mm512_add_epi32(s0, s1), _mm512_add_epi32(s2, s3));
             let dd = _mm512_mul_ps(dw, _mm512_set1_ps(*dx.add(t * nblk + b)));
             f[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), dd, f[t]);
             f[t] = _mm512_fmadd_ps(mw, _mm512_set1_ps(*sx.add(t * nblk + b)), f[t]);
@@ -225,22 +229,26 @@ unsafe fn q8_0_tile<const T: usize>(
     for b in 0..nblk {
         let blk = gp.add(b * 544);
         prefetch(blk.wrapping_add(6 * 544), 9);
-        // Even and odd chunks in two chains of four `vpdpbusd`, not one of eight.
-        let mut sums: [[__m512i; 2]; T] = std::array::from_fn(|t| {
+        // Independent `vpdpbusd` chains: four for one token (decode, whose short loop shows the
+        // chains' latency), two otherwise (registers).
+        let chains = if T == 1 { 4 } else { 2 };
+        let mut sums: [[__m512i; 4]; T] = std::array::from_fn(|t| {
             let c = bias.add((t * nblk + b) * 8);
             let correction = (0..8).map(|k| *c.add(k)).sum::<i32>();
-            [_mm512_set1_epi32(correction), _mm512_setzero_si512()]
+            let z = _mm512_setzero_si512();
+            [_mm512_set1_epi32(correction), z, z, z]
         });
         for k in 0..8 {
             let p = load(blk.add(64 * k));
             for t in 0..T {
                 let x = bcast4(xq.add(t * cols + b * 32 + 4 * k));
-                sums[t][k % 2] = _mm512_dpbusd_epi32(sums[t][k % 2], p, x);
+                sums[t][k % chains] = _mm512_dpbusd_epi32(sums[t][k % chains], p, x);
             }
         }
         let dw = f16x16(blk.add(512));
         for t in 0..T {
-            let isum = _mm512_add_epi32(sums[t][0], sums[t][1]);
+            let [s0, s1, s2, s3] = sums[t];
+            let isum = _mm512_add_epi32(_mm512_add_epi32(s0, s1), _mm512_add_epi32(s2, s3));
             let dd = _mm512_mul_ps(dw, _mm512_set1_ps(*dx.add(t * nblk + b)));
             f[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), dd, f[t]);
         }
