@@ -8,10 +8,10 @@
 //! of [`super::scalar`], so results agree with it bit for bit.
 //!
 //! Q4_1 and Q8_0 round in [`FloatOrder::PerBlock`], as the AVX2 kernels do, not in llama.cpp's
-//! order: that order converts and accumulates each 4-value lane on its own (eight conversions and
-//! eight multiply-adds per `vpdpbusd` pair of a block instead of one and two), which left this path's
-//! SmolLM2 prefill behind its own AVX2 path on Zen 4 (931 against 967 tok/s) and behind
-//! ik_llama.cpp's `-march=native` build (1,091 against 1,251). So the x86 SIMD paths all compute
+//! order: that order converts and accumulates each 4-value lane on its own (per token and block,
+//! eight conversions and eight multiply-adds beside the eight `vpdpbusd`, instead of one and two),
+//! which left this path's SmolLM2 prefill behind its own AVX2 path on Zen 4 (931 against 967
+//! tok/s) and behind ik_llama.cpp's `-march=native` build (1,091 against 1,251). So the x86 SIMD paths all compute
 //! the same Q4_1/Q8_0 products; only the scalar path keeps llama.cpp's order.
 //!
 //! These kernels are tested on every CPU: `build.rs` copies this file without its
@@ -111,8 +111,8 @@ unsafe fn load(p: *const u8) -> __m512i {
 }
 
 /// Q4_1 in [`FloatOrder::PerBlock`]: each row's 32-value block sum (its low and high nibbles'
-/// integer sums added) is converted once, then the block's `d_w·d_x` and `m·s` terms go into one running
-/// sum. Three registers per token, so eight tokens share every weight load.
+/// integer sums added) is converted once, then the block's `d_w·d_x` and `m·s` terms go into one
+/// running sum. Three registers per token, so eight tokens share every weight load.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
 unsafe fn q4_1_tile<const T: usize>(
     g: &[u8],
