@@ -110,6 +110,22 @@ unsafe fn load(p: *const u8) -> __m512i {
     _mm512_loadu_si512(p as *const __m512i)
 }
 
+/// The integer sum of a token's `vpdpbusd` chains (exact: the order does not matter).
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn sum_chains([c0, c1, c2, c3]: [__m512i; 4]) -> __m512i {
+    _mm512_add_epi32(_mm512_add_epi32(c0, c1), _mm512_add_epi32(c2, c3))
+}
+
+/// [`FloatOrder::PerBlock`]'s block term: `f + f32(Σ chains)·(d_w·d_x)`, rounded as the scalar
+/// kernel rounds it.
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn add_block(f: __m512, chains: [__m512i; 4], dw: __m512, dx: f32) -> __m512 {
+    let dd = _mm512_mul_ps(dw, _mm512_set1_ps(dx));
+    _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum_chains(chains)), dd, f)
+}
+
 /// Q4_1 in [`FloatOrder::PerBlock`]: each row's 32-value block sum (its low and high nibbles'
 /// integer sums added) is converted once, then the block's `d_w·d_x` and `m·s` terms go into one
 /// running sum. Three registers per token, so eight tokens share every weight load.
@@ -151,10 +167,7 @@ unsafe fn q4_1_tile<const T: usize>(
         let dw = f16x16(blk.add(256));
         let mw = f16x16(blk.add(288));
         for t in 0..T {
-            let [s0, s1, s2, s3] = sums[t];
-            let isum = _mm512_add_epi32(_mm512_add_epi32(s0, s1), _mm512_add_epi32(s2, s3));
-            let dd = _mm512_mul_ps(dw, _mm512_set1_ps(*dx.add(t * nblk + b)));
-            f[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), dd, f[t]);
+            f[t] = add_block(f[t], sums[t], dw, *dx.add(t * nblk + b));
             f[t] = _mm512_fmadd_ps(mw, _mm512_set1_ps(*sx.add(t * nblk + b)), f[t]);
         }
     }
@@ -247,10 +260,7 @@ unsafe fn q8_0_tile<const T: usize>(
         }
         let dw = f16x16(blk.add(512));
         for t in 0..T {
-            let [s0, s1, s2, s3] = sums[t];
-            let isum = _mm512_add_epi32(_mm512_add_epi32(s0, s1), _mm512_add_epi32(s2, s3));
-            let dd = _mm512_mul_ps(dw, _mm512_set1_ps(*dx.add(t * nblk + b)));
-            f[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), dd, f[t]);
+            f[t] = add_block(f[t], sums[t], dw, *dx.add(t * nblk + b));
         }
     }
     for (t, f) in f.iter().enumerate() {
@@ -296,8 +306,7 @@ unsafe fn q4k_tile<const T: usize>(g: &[u8], acts: &Acts, t0: usize, out: *mut f
                 }
             }
             for t in 0..T {
-                let [a0, a1, a2, a3] = acc[t];
-                let a = _mm512_add_epi32(_mm512_add_epi32(a0, a1), _mm512_add_epi32(a2, a3));
+                let a = sum_chains(acc[t]);
                 sup[t] = _mm512_add_epi32(sup[t], _mm512_mullo_epi32(a, scv));
             }
         }

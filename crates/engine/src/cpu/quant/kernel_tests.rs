@@ -287,7 +287,7 @@ fn avx_vnni_kernels_equal_scalar_bit_for_bit_with_vpdpbusd_emulated() {
 
 /// The AVX-512 kernels' own source (`avx512.rs`, copied by `build.rs` without its
 /// `#[target_feature]` lines) over the emulated intrinsics of `emu512`.
-#[allow(clippy::needless_range_loop, dead_code)]
+#[allow(clippy::needless_range_loop)]
 mod avx512_emulated {
     use super::super::emu512::*;
     include!(concat!(env!("OUT_DIR"), "/avx512_emulable.rs"));
