@@ -157,7 +157,7 @@ unsafe fn dp<const VNNI: bool>(mut acc: __m256i, u: __m256i, s: __m256i) -> __m2
     if VNNI {
         #[cfg(test)]
         if EMULATE_VNNI.with(|e| e.get()) {
-            return vpdpbusd_emulated(acc, u, s);
+            return super::emu512::dpbusd_avx_vnni(acc, u, s);
         }
         // SAFETY: `VNNI` kernels are only handed out when the CPU has AVX-VNNI; the instruction
         // reads and writes registers only.
@@ -182,27 +182,6 @@ thread_local! {
     /// `vpdpbusd` lane by lane instead of executing it. Only `dp` differs between the real and the
     /// emulated runs.
     pub static EMULATE_VNNI: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
-}
-
-/// `vpdpbusd` as Intel's reference defines it: per 32-bit lane, `acc` plus the four products of
-/// unsigned bytes of `u` and signed bytes of `s`, wrapping, not saturating.
-#[cfg(test)]
-fn vpdpbusd_emulated(acc: __m256i, u: __m256i, s: __m256i) -> __m256i {
-    // SAFETY: the three are plain 32-byte values; every bit pattern is a valid array of them.
-    let (a, u, s): ([i32; 8], [u8; 32], [i8; 32]) = unsafe {
-        (
-            std::mem::transmute::<__m256i, [i32; 8]>(acc),
-            std::mem::transmute::<__m256i, [u8; 32]>(u),
-            std::mem::transmute::<__m256i, [i8; 32]>(s),
-        )
-    };
-    let r: [i32; 8] = std::array::from_fn(|i| {
-        (0..4).fold(a[i], |acc, k| {
-            acc.wrapping_add(u[4 * i + k] as i32 * s[4 * i + k] as i32)
-        })
-    });
-    // SAFETY: as above.
-    unsafe { std::mem::transmute::<[i32; 8], __m256i>(r) }
 }
 
 #[inline]

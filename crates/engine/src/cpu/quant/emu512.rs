@@ -1,6 +1,6 @@
-//! The AVX-512 intrinsics our kernels use, emulated in plain Rust, lane by lane, as Intel's
-//! instruction reference defines them (wrapping integer sums, one rounding per fused
-//! multiply-add, round-to-nearest-even conversions).
+//! The AVX-512 intrinsics our kernels use (and AVX-VNNI's one instruction), emulated in plain
+//! Rust, lane by lane, as Intel's instruction reference defines them (wrapping integer sums, one
+//! rounding per fused multiply-add, round-to-nearest-even conversions).
 //!
 //! Why: most machines this project builds and tests on (the 2-core CI host among them) have no
 //! AVX-512, so [`super::avx512`] could only be tested where a CPU happened to have it. `build.rs`
@@ -185,14 +185,38 @@ pub unsafe fn _mm512_ternarylogic_epi32<const IMM8: i32>(
     }))
 }
 
-/// `src + Σ_{k<4} u8(a[4i+k])·i8(b[4i+k])` per 32-bit lane, wrapping (not saturating).
-pub unsafe fn _mm512_dpbusd_epi32(src: __m512i, a: __m512i, b: __m512i) -> __m512i {
-    let s = src.i32s();
-    __m512i::from_i32s(std::array::from_fn(|i| {
-        (0..4).fold(s[i], |acc, k| {
-            acc.wrapping_add(a.0[4 * i + k] as i32 * b.0[4 * i + k] as i8 as i32)
+/// `vpdpbusd`'s rule for lanes of any width: `src[i] + Σ_{k<4} u8(a[4i+k])·i8(b[4i+k])`,
+/// wrapping (not saturating).
+fn dpbusd_lanes<const N: usize>(src: [i32; N], a: &[u8], b: &[u8]) -> [i32; N] {
+    std::array::from_fn(|i| {
+        (0..4).fold(src[i], |acc, k| {
+            acc.wrapping_add(a[4 * i + k] as i32 * b[4 * i + k] as i8 as i32)
         })
-    }))
+    })
+}
+
+pub unsafe fn _mm512_dpbusd_epi32(src: __m512i, a: __m512i, b: __m512i) -> __m512i {
+    __m512i::from_i32s(dpbusd_lanes(src.i32s(), &a.0, &b.0))
+}
+
+/// AVX-VNNI's 256-bit `vpdpbusd` on the real `std::arch` type, for the AVX2 kernels' VNNI
+/// variants on CPUs without AVX-VNNI (see `avx2::EMULATE_VNNI`).
+#[cfg(target_arch = "x86_64")]
+pub fn dpbusd_avx_vnni(
+    src: std::arch::x86_64::__m256i,
+    a: std::arch::x86_64::__m256i,
+    b: std::arch::x86_64::__m256i,
+) -> std::arch::x86_64::__m256i {
+    use std::arch::x86_64::__m256i as Ymm;
+    // SAFETY: plain 32-byte values; every bit pattern is a valid array of integers and back.
+    unsafe {
+        let (src, a, b) = (
+            std::mem::transmute::<Ymm, [i32; 8]>(src),
+            std::mem::transmute::<Ymm, [u8; 32]>(a),
+            std::mem::transmute::<Ymm, [u8; 32]>(b),
+        );
+        std::mem::transmute::<[i32; 8], Ymm>(dpbusd_lanes(src, &a, &b))
+    }
 }
 
 /// `src + Σ_{k<2} i16(a[2i+k])·i16(b[2i+k])` per 32-bit lane, wrapping (not saturating).
@@ -247,6 +271,18 @@ mod tests {
             );
             // Lane 1: bytes 4..8 = 4, 5, 6, 7 against 1, 2, -1, 3.
             assert_eq!(r.i32s()[1], 4 + 10 - 6 + 21);
+            // AVX-VNNI's 256-bit form follows the same rule on the real register type.
+            #[cfg(target_arch = "x86_64")]
+            {
+                use std::arch::x86_64::__m256i as Ymm;
+                let u = std::mem::transmute::<[u8; 32], Ymm>(std::array::from_fn(|i| i as u8));
+                let x = std::mem::transmute::<[i8; 32], Ymm>(
+                    [1, 2, -1, 3].repeat(8).try_into().unwrap(),
+                );
+                let acc = std::mem::transmute::<[i32; 8], Ymm>([10; 8]);
+                let r = std::mem::transmute::<Ymm, [i32; 8]>(dpbusd_avx_vnni(acc, u, x));
+                assert_eq!(r[1], 10 + 4 + 10 - 6 + 21);
+            }
             // vpdpwssd: signed 16-bit pairs, wrapping past i32.
             let m = __m512i::from_u16s([0x8000; 32]);
             let r = _mm512_dpwssd_epi32(_mm512_setzero_si512(), m, m);
