@@ -3,6 +3,7 @@
 //! parallel region on the rayon pool.
 
 pub mod attention;
+mod awake;
 pub mod kv;
 pub mod model;
 pub mod quant;
@@ -98,17 +99,12 @@ impl Backend for CpuBackend {
     }
 
     fn forward(&mut self, items: &[BatchItem<'_>], out: &mut Logits) -> Result<()> {
-        // Run the pass on a worker of the compute pool: parallel regions started from inside the
-        // pool are much cheaper than ones injected from an outside thread.
+        // Run the pass on a worker of the compute pool (parallel regions started from inside the
+        // pool are much cheaper than ones injected from an outside thread), with the other
+        // workers kept awake between its regions (`awake`).
         let model = &self.model;
         let storage = &mut self.storage;
-        let mut result = None;
-        rayon::scope(|_| result = Some(model.forward(storage, items, out)));
-        result.unwrap_or_else(|| {
-            Err(EngineError::InvalidStep(
-                "the compute pool did not run the step".into(),
-            ))
-        })
+        awake::run_awake(|| model.forward(storage, items, out))
     }
 }
 

@@ -89,6 +89,16 @@ const SERIAL_MACS: usize = 1 << 19;
 /// worker (about 4 µs of streaming from memory on one core).
 const SERIAL_BYTES: usize = 48 << 10;
 
+/// Pieces per thread of a decode product (one to three tokens). One contiguous share per thread
+/// streams best when both threads keep pace; on a 2-vCPU AMD EPYC Zen 4 VM they do not, and
+/// eight pieces (with the pool's workers kept awake, `cpu::awake`) took 3B-shape decode from a
+/// median of 13.7 to 14.9 tok/s (six alternating runs; 4 pieces 13.7, 16 pieces 14.7).
+const DECODE_PIECES: usize = 8;
+
+/// Smallest decode piece: below this many weight bytes (about 10 µs of streaming) the hand-off
+/// costs more than the balance gains (SmolLM2's 576-wide products).
+const DECODE_PIECE_BYTES: usize = 256 << 10;
+
 /// Target bytes of weights a task walks per token tile (they stay in L2 while the tile's
 /// activations sit in L1).
 const CHUNK_BYTES: usize = 192 << 10;
@@ -168,9 +178,14 @@ pub fn run(jobs: &[Job<'_>]) {
         }
         return;
     }
-    // Decode streams weights once: one contiguous share per thread. Prefill is compute-bound and
-    // tasks finish unevenly (the other thread may be busy elsewhere), so cut finer.
-    let tasks = if max_tokens < 4 { threads } else { threads * 4 };
+    // Decode streams weights once, prefill is compute-bound; either way threads finish their
+    // shares unevenly (a vCPU shares its core with the hypervisor and its neighbours), so each
+    // thread's share is cut into pieces that an idle thread can steal.
+    let tasks = if max_tokens < 4 {
+        (threads * DECODE_PIECES).min(bytes / DECODE_PIECE_BYTES).max(threads)
+    } else {
+        threads * 4
+    };
     // Cut the concatenated row groups of all jobs into `tasks` runs of about equal cost.
     let share = total.div_ceil(tasks);
     let mut pieces: Vec<Vec<(usize, std::ops::Range<usize>)>> = vec![Vec::new(); tasks];
