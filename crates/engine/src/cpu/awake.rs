@@ -1,6 +1,6 @@
 //! Keeps the compute pool's other workers awake for the length of one forward pass.
 //!
-//! Why: a forward pass is hundreds of short parallel regions (decode of the 3B shape: about 250
+//! Why: a forward pass is hundreds of short parallel regions (decode of the 3B shape: about 180
 //! a token, each a few hundred microseconds) separated by serial steps on the thread that runs the
 //! pass (norms, RoPE, sampling's inputs). Between two regions an idle rayon worker spins for a
 //! few microseconds and then sleeps on a futex; the next region must wake it, and on a virtual
@@ -64,7 +64,7 @@ fn keep_awake(done: &AtomicBool, runner: Option<usize>) {
             // Nothing pending (or, impossibly here, not on a pool thread).
             _ => {
                 idle += 1;
-                if idle % POLLS_PER_OS_YIELD == 0 {
+                if idle.is_multiple_of(POLLS_PER_OS_YIELD) {
                     std::thread::yield_now();
                 } else {
                     std::hint::spin_loop();
@@ -94,16 +94,19 @@ mod tests {
     fn passes_finish_with_their_results_and_helpers_run_the_regions() {
         for threads in 1..=4 {
             let pool = pool(threads);
-            let seen = (0..threads).map(|_| AtomicUsize::new(0)).collect::<Vec<_>>();
+            let seen = (0..threads)
+                .map(|_| AtomicUsize::new(0))
+                .collect::<Vec<_>>();
             for pass in 0..50u64 {
                 let sum = pool.install(|| {
                     run_awake(|| {
                         let mut total = 0u64;
                         for region in 0..20u64 {
-                            total += (0..64u64)
+                            total += (0..64usize)
                                 .into_par_iter()
                                 .with_max_len(1)
                                 .map(|i| {
+                                    let i = i as u64;
                                     if let Some(t) = rayon::current_thread_index() {
                                         seen[t].fetch_add(1, Ordering::Relaxed);
                                     }

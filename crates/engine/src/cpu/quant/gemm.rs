@@ -91,8 +91,10 @@ const SERIAL_BYTES: usize = 48 << 10;
 
 /// Pieces per thread of a decode product (one to three tokens). One contiguous share per thread
 /// streams best when both threads keep pace; on a 2-vCPU AMD EPYC Zen 4 VM they do not, and
-/// eight pieces (with the pool's workers kept awake, `cpu::awake`) took 3B-shape decode from a
-/// median of 13.7 to 14.9 tok/s (six alternating runs; 4 pieces 13.7, 16 pieces 14.7).
+/// eight pieces of at least [`DECODE_PIECE_BYTES`] (with the pool's workers kept awake,
+/// `cpu::awake`) took 3B-shape decode from medians of 11.3 and 12.2 to 12.7 and 14.7 tok/s
+/// (alternating runs, docs/BENCHMARKS.md). Claiming small chunks in turn from a shared counter,
+/// as llama.cpp's threads do, was slower there (11.5): interleaved chunks stream worse.
 const DECODE_PIECES: usize = 8;
 
 /// Smallest decode piece: below this many weight bytes (about 10 µs of streaming) the hand-off
@@ -182,7 +184,9 @@ pub fn run(jobs: &[Job<'_>]) {
     // shares unevenly (a vCPU shares its core with the hypervisor and its neighbours), so each
     // thread's share is cut into pieces that an idle thread can steal.
     let tasks = if max_tokens < 4 {
-        (threads * DECODE_PIECES).min(bytes / DECODE_PIECE_BYTES).max(threads)
+        (threads * DECODE_PIECES)
+            .min(bytes / DECODE_PIECE_BYTES)
+            .max(threads)
     } else {
         threads * 4
     };
