@@ -11,15 +11,33 @@
 //!
 //! How: [`run_awake`] spawns one helper job per other worker into a `rayon::scope`. A helper
 //! loops on `rayon::yield_now`, which runs any job pending in the pool (the halves of the pass's
-//! parallel regions), and spins when there is none, until the pass ends. A helper that lands on
-//! the thread running the pass itself (that thread runs queued jobs while it waits in a `join`)
-//! returns at once: spinning there would wait on the pass it interrupts.
+//! parallel regions), and spins when there is none, until the pass ends.
+//!
+//! Why a helper also stops after [`IDLE_LIMIT`] without work: a helper is a job, and rayon may
+//! start it on a thread that is waiting in a `join` inside another job (of this pass, or of
+//! another pass on the same pool: tests, replicas). That job cannot resume until the helper
+//! returns; if the helper waited for the end of its pass, two such waits could wait on each
+//! other for ever. With the limit every helper returns once the pool has had nothing to run for
+//! a moment, so the worst case is a short delay, never a deadlock. A helper also returns at once
+//! on the thread running its pass, and on a thread already inside a helper.
 
+use std::cell::Cell;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
 
 /// Idle polls between two yields of the OS thread: a helper gives its CPU to other runnable
 /// threads (the server's, say) now and then, and otherwise never sleeps.
 const POLLS_PER_OS_YIELD: u32 = 256;
+
+/// How long a helper polls an empty pool before it gives up its thread (to rayon's own spin and
+/// sleep). Far longer than the serial steps between a decode pass's regions (tens of µs), far
+/// shorter than anything a user would notice.
+const IDLE_LIMIT: Duration = Duration::from_millis(2);
+
+thread_local! {
+    /// Whether this thread is running a helper (possibly further down its stack).
+    static IN_HELPER: Cell<bool> = const { Cell::new(false) };
+}
 
 /// Sets the flag when dropped, so the helpers stop even when the pass panics.
 struct Finish<'a>(&'a AtomicBool);
@@ -52,25 +70,44 @@ pub fn run_awake<R: Send>(pass: impl FnOnce() -> R + Send) -> R {
     }
 }
 
-/// One helper: runs the pool's pending jobs until `done`, unless it is on the runner's thread.
+/// One helper: runs the pool's pending jobs until `done`, or until the pool has had nothing to
+/// run for [`IDLE_LIMIT`]; returns at once on the runner's thread or inside another helper.
 fn keep_awake(done: &AtomicBool, runner: Option<usize>) {
-    if rayon::current_thread_index() == runner {
+    if rayon::current_thread_index() == runner || IN_HELPER.get() {
         return;
     }
+    IN_HELPER.set(true);
+    let _reset = ResetOnDrop;
     let mut idle = 0u32;
+    let mut idle_since = Instant::now();
     while !done.load(Ordering::Acquire) {
         match rayon::yield_now() {
             Some(rayon::Yield::Executed) => idle = 0,
             // Nothing pending (or, impossibly here, not on a pool thread).
             _ => {
+                if idle == 0 {
+                    idle_since = Instant::now();
+                }
                 idle += 1;
                 if idle.is_multiple_of(POLLS_PER_OS_YIELD) {
+                    if idle_since.elapsed() >= IDLE_LIMIT {
+                        break;
+                    }
                     std::thread::yield_now();
                 } else {
                     std::hint::spin_loop();
                 }
             }
         }
+    }
+}
+
+/// Clears [`IN_HELPER`] when a helper ends.
+struct ResetOnDrop;
+
+impl Drop for ResetOnDrop {
+    fn drop(&mut self) {
+        IN_HELPER.set(false);
     }
 }
 
@@ -128,6 +165,53 @@ mod tests {
                 .filter(|c| c.load(Ordering::Relaxed) > 0)
                 .count();
             assert_eq!(busy > 1, threads > 1, "{threads} threads: {busy} did work");
+        }
+    }
+
+    /// Passes from several OS threads at once on one pool (as cargo's test threads, or replicas,
+    /// run them), each with nested joins, so that helpers of one pass can land inside the waits
+    /// of another: every pass finishes, within a generous bound (a deadlock fails the test
+    /// instead of hanging it). A liveness guard: with the idle limit and the nesting check taken
+    /// out it still passed here (the interleaving that would deadlock is rare), so the module
+    /// doc's argument, not this test, is what shows the guards are needed.
+    #[test]
+    fn concurrent_passes_on_one_pool_finish() {
+        for threads in [2, 3] {
+            let pool = std::sync::Arc::new(pool(threads));
+            let (tx, rx) = std::sync::mpsc::channel();
+            for caller in 0..3u64 {
+                let (pool, tx) = (pool.clone(), tx.clone());
+                std::thread::spawn(move || {
+                    for pass in 0..40u64 {
+                        let got = pool.install(|| {
+                            run_awake(|| {
+                                (0..32usize)
+                                    .into_par_iter()
+                                    .with_max_len(1)
+                                    .map(|i| {
+                                        let (a, b) = rayon::join(
+                                            || (0..64u64).into_par_iter().sum::<u64>(),
+                                            || i as u64 + caller + pass,
+                                        );
+                                        a + b
+                                    })
+                                    .sum::<u64>()
+                            })
+                        });
+                        let want = 32 * 2016 + (0..32u64).sum::<u64>() + 32 * (caller + pass);
+                        assert_eq!(got, want);
+                    }
+                    let _ = tx.send(caller);
+                });
+            }
+            drop(tx);
+            for _ in 0..3 {
+                let finished = rx.recv_timeout(std::time::Duration::from_secs(120));
+                assert!(
+                    finished.is_ok(),
+                    "{threads} threads: a caller did not finish"
+                );
+            }
         }
     }
 
