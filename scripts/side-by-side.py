@@ -7,9 +7,11 @@ Usage: scripts/side-by-side.py ROUNDS OUTFILE SMOLCHAT_BIN [OLD_SMOLCHAT_BIN]
 Environment: LLAMA_BENCH, IK_BENCH (the anchors' llama-bench binaries, built as docs/BENCHMARKS.md
 says), M2 (SmolLM2 Q4_1 file), M3 (the 3B shape written by `smolchat bench --synthetic smollm3-3b
 --save-gguf FILE`); ONLY3B=1 runs the 3B rows only. OLD_SMOLCHAT_BIN adds prefill thread-scaling
-runs (1 and 2 threads) of an older binary beside the new one.
+runs (1 and 2 threads) of an older binary beside the new one. AB=1 (with OLD_SMOLCHAT_BIN) runs
+no anchors: the old and the new binary in turn on the SmolLM2 rows and the 3B decode, and prints
+each row's median per binary at the end (a change's before and after on a noisy machine).
 Every result is appended to OUTFILE as one JSON line: round, engine, flags, row, tokens/s, load."""
-import json, os, subprocess, sys, time
+import json, os, statistics, subprocess, sys, time
 
 ROUNDS = int(sys.argv[1])
 OUT = sys.argv[2]
@@ -140,6 +142,28 @@ def scaling_round(rnd):
         bench_smol(rnd, "smolchat-old", OLD, None, M3, "f16", 256, 1, [("3b prefill 256", "prefill")], t)
         bench_smol(rnd, "smolchat", SMOL, None, M3, "f16", 256, 1, [("3b prefill 256", "prefill")], t)
 
+
+def ab_round(rnd):
+    for name, exe in (("smolchat-old", OLD), ("smolchat", SMOL)):
+        bench_smol(rnd, name, exe, None, M2, "f16", 512, 64,
+                   [("smollm2 prefill 512", "prefill"), ("smollm2 decode @512", "decode")])
+        for isa in (None, "avx2"):
+            bench_smol(rnd, name, exe, isa, M2, "f16", 1, 64, [("smollm2 decode empty", "decode")])
+        bench_smol(rnd, name, exe, None, M3, "f16", 1, 48, [("3b decode 48", "decode")])
+
+
+if os.environ.get("AB"):
+    if not OLD:
+        sys.exit("AB=1 needs OLD_SMOLCHAT_BIN (the fourth argument)")
+    for rnd in range(1, ROUNDS + 1):
+        ab_round(rnd)
+    runs = {}
+    for line in open(OUT):
+        r = json.loads(line)
+        runs.setdefault((r["row"], r["flags"].split()[0], r["engine"]), []).append(r["tps"])
+    for key, v in sorted(runs.items()):
+        print(*key, "median", statistics.median(v), sorted(v))
+    sys.exit(0)
 
 for rnd in range(1, ROUNDS + 1):
     if not os.environ.get("ONLY3B"):

@@ -53,7 +53,6 @@ impl Drop for Finish<'_> {
 /// call on a pool worker.
 pub fn run_awake<R: Send>(pass: impl FnOnce() -> R + Send) -> R {
     let done = AtomicBool::new(false);
-    let mut result = None;
     rayon::scope(|s| {
         let runner = rayon::current_thread_index();
         for _ in 1..rayon::current_num_threads() {
@@ -61,13 +60,8 @@ pub fn run_awake<R: Send>(pass: impl FnOnce() -> R + Send) -> R {
             s.spawn(move |_| keep_awake(done, runner));
         }
         let _finish = Finish(&done);
-        result = Some(pass());
-    });
-    match result {
-        Some(r) => r,
-        // `rayon::scope` runs its closure to the end or propagates its panic.
-        None => unreachable!("rayon::scope returned without running the pass"),
-    }
+        pass()
+    })
 }
 
 /// One helper: runs the pool's pending jobs until `done`, or until the pool has had nothing to
