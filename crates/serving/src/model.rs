@@ -878,7 +878,8 @@ impl ModelWorker {
     /// Takes a running request's KV blocks back: its sequence (and conversation cache, if it
     /// has one) is dropped, and it keeps everything it had as tokens to recompute when it is
     /// admitted again: what was cached, this step's `chunk` (a prefill chunk, or the last
-    /// sampled token of a decode) and the prompt not yet fed. Returns how many tokens that is.
+    /// sampled token of a decode, never its drafts: the step drops those before it preempts) and the
+    /// prompt not yet fed. Returns how many tokens that is.
     fn preempt(&mut self, id: RequestId, seq: SeqId, chunk: Vec<u32>) -> usize {
         let mut tokens = self
             .engine
@@ -1064,6 +1065,17 @@ impl ModelWorker {
                 .sum();
             if self.make_room(needed) {
                 break;
+            }
+            // Drafts are optional work: drop them all before preempting anyone. Besides being
+            // cheaper, it keeps a preempted request from recomputing its unverified drafts as if
+            // they were accepted (its `chunk` must be only what it really had).
+            if !drafts.is_empty() {
+                for (id, _, tokens, _) in work.iter_mut() {
+                    if drafts.remove(id).is_some() {
+                        tokens.truncate(1);
+                    }
+                }
+                continue;
             }
             let youngest = work
                 .iter()
@@ -2257,6 +2269,37 @@ mod tests {
         }
         assert!(preemptions > 0, "the test never preempted anything");
         assert!(w.active.is_empty());
+    }
+
+    /// Speculating under KV pressure: a request preempted in a step that verifies its drafts
+    /// recomputes only what it had accepted (its last sampled token, not the drafts), so every
+    /// greedy reply is still token for token the one it gets alone without speculation.
+    #[test]
+    fn preempted_drafts_are_not_recomputed_as_accepted() {
+        let requests: Vec<(Vec<u32>, usize)> = mixed_prompts()
+            .into_iter()
+            .take(6)
+            .map(|(prompt, _)| (prompt, 30))
+            .collect();
+        let mut alone = Vec::new();
+        for req in &requests {
+            let (mut got, _) = drive(&mut worker(), std::slice::from_ref(req));
+            alone.push(got.remove(0));
+        }
+        let mut w = speculative(worker_with_kv(Some(6)));
+        let (pressed, preemptions) = drive(&mut w, &requests);
+        for (i, ((tokens, reason), (want, _))) in pressed.iter().zip(&alone).enumerate() {
+            assert!(
+                !matches!(reason, StopReason::Error(_)),
+                "request {i} failed: {reason:?}"
+            );
+            assert_eq!(
+                tokens, want,
+                "request {i}: the reply changed under pressure with drafts"
+            );
+        }
+        assert!(preemptions > 0, "the test never preempted anything");
+        assert!(w.spec_drafted > 0, "the test never drafted anything");
     }
 
     /// The same under the GPU's fast tier (its CPU runner): waits and preemptions change no reply.
