@@ -15,6 +15,9 @@
 //! sizes, and activation quantization can turn such a last-bit change into a visible one, so a
 //! sequence's logits alone and in a batch, or computed at once and in chunks, agree to the
 //! tolerances of the tests (`tests/reference_tier.rs`), not bit for bit as the CPU engine's do.
+//! On the CPU, candle 0.11 also picks its quantized kernels by the host (a Q8K-activation repack
+//! on AVX512-VNNI, AMX tiles where advertised); the tests keep its AVX2 kernels on every host
+//! (`MISTRALRS_FORCE_AVX2` in `.cargo/config.toml`) so the reference is the same everywhere.
 //! - Everything else is candle's operations: RMSNorm, RoPE from the shared table (`rope.rs`),
 //!   GQA attention with a causal mask and softmax in f32, SiLU.
 
