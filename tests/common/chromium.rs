@@ -207,7 +207,8 @@ pub const STREAM_LEN: &str = "const s = document.querySelector('.msg.assistant.s
 pub const IDLE: &str = "return document.querySelector('.msg.assistant.streaming') === null \
      && document.getElementById('stop-btn').hidden && document.querySelectorAll('.msg.assistant').length";
 
-/// Waits for the reply to stream (text growing over several looks) and to finish.
+/// Waits for the reply to stream (text growing over several looks) and to finish; returns the
+/// lengths seen (one, the final one, when the reply finished between two looks).
 pub async fn watch_stream(c: &Client) -> Vec<i64> {
     let mut seen: Vec<i64> = Vec::new();
     let deadline = Instant::now() + WAIT;
@@ -223,8 +224,26 @@ pub async fn watch_stream(c: &Client) -> Vec<i64> {
              document.getElementById('stop-btn').hidden",
         )
         .await;
-        if done == json!(true) && !seen.is_empty() {
-            return seen;
+        if done == json!(true) {
+            if seen.is_empty() {
+                // A short reply can stream and finish between two looks (a fast decode): then
+                // the finished reply's text is the one length seen.
+                let last = js(
+                    c,
+                    "const m = document.querySelectorAll('.msg.assistant .md'); \
+                     return m.length ? m[m.length - 1].textContent.length : -1;",
+                )
+                .await
+                .as_i64()
+                .unwrap_or(-1);
+                if last > 0 {
+                    eprintln!("the reply ({last} characters) finished between two looks");
+                    seen.push(last);
+                }
+            }
+            if !seen.is_empty() {
+                return seen;
+            }
         }
         assert!(
             Instant::now() < deadline,
