@@ -2239,24 +2239,20 @@ mod tests {
         assert_eq!(results[1].0, alone.0);
     }
 
-    /// Six requests that each fit a 6-block cache alone but not together: every one completes
-    /// (some after waiting, some after being preempted and recomputed), none with an error, and
-    /// each greedy reply is token for token the one it gets alone in a roomy cache.
-    #[test]
-    fn under_kv_pressure_requests_wait_or_are_preempted_and_replies_stay_the_same() {
-        let requests: Vec<(Vec<u32>, usize)> = (0..6u32)
-            .map(|r| ((100 + 40 * r..120 + 40 * r).collect(), 30))
+    /// Drives each of `requests` alone on a fresh worker from `alone`, then all of them together
+    /// on `pressed`: every reply completes without an error and is token for token the one it got
+    /// alone. Returns `pressed`, the replies and how many preemptions it made.
+    fn replies_hold_under_pressure(
+        alone: impl Fn() -> ModelWorker,
+        mut pressed: ModelWorker,
+        requests: &[(Vec<u32>, usize)],
+    ) -> (ModelWorker, Vec<(Vec<u32>, StopReason)>, u64) {
+        let want: Vec<Vec<u32>> = requests
+            .iter()
+            .map(|req| drive(&mut alone(), std::slice::from_ref(req)).0.remove(0).0)
             .collect();
-        let mut alone = Vec::new();
-        for req in &requests {
-            let (mut got, _) = drive(&mut worker(), std::slice::from_ref(req));
-            alone.push(got.remove(0));
-        }
-        // 20 prompt + 30 generated = 50 positions: 4 blocks each; 6 blocks hold one at a time
-        // at its end, but two fit at their start, so the second is preempted as they grow.
-        let mut w = worker_with_kv(Some(6));
-        let (pressed, preemptions) = drive(&mut w, &requests);
-        for (i, ((tokens, reason), (want, _))) in pressed.iter().zip(&alone).enumerate() {
+        let (got, preemptions) = drive(&mut pressed, requests);
+        for (i, ((tokens, reason), want)) in got.iter().zip(&want).enumerate() {
             assert!(
                 !matches!(reason, StopReason::Error(_)),
                 "request {i} failed: {reason:?}"
@@ -2265,9 +2261,26 @@ mod tests {
                 tokens, want,
                 "request {i}: the reply changed under pressure"
             );
-            assert_eq!(tokens.len(), 30, "request {i}");
         }
         assert!(preemptions > 0, "the test never preempted anything");
+        (pressed, got, preemptions)
+    }
+
+    /// Six requests that each fit a 6-block cache alone but not together: every one completes
+    /// (some after waiting, some after being preempted and recomputed), none with an error, and
+    /// each greedy reply is token for token the one it gets alone in a roomy cache.
+    #[test]
+    fn under_kv_pressure_requests_wait_or_are_preempted_and_replies_stay_the_same() {
+        let requests: Vec<(Vec<u32>, usize)> = (0..6u32)
+            .map(|r| ((100 + 40 * r..120 + 40 * r).collect(), 30))
+            .collect();
+        // 20 prompt + 30 generated = 50 positions: 4 blocks each; 6 blocks hold one at a time
+        // at its end, but two fit at their start, so the second is preempted as they grow.
+        let (w, replies, _) =
+            replies_hold_under_pressure(worker, worker_with_kv(Some(6)), &requests);
+        for (i, (tokens, _)) in replies.iter().enumerate() {
+            assert_eq!(tokens.len(), 30, "request {i}");
+        }
         assert!(w.active.is_empty());
     }
 
@@ -2281,24 +2294,8 @@ mod tests {
             .take(6)
             .map(|(prompt, _)| (prompt, 30))
             .collect();
-        let mut alone = Vec::new();
-        for req in &requests {
-            let (mut got, _) = drive(&mut worker(), std::slice::from_ref(req));
-            alone.push(got.remove(0));
-        }
-        let mut w = speculative(worker_with_kv(Some(6)));
-        let (pressed, preemptions) = drive(&mut w, &requests);
-        for (i, ((tokens, reason), (want, _))) in pressed.iter().zip(&alone).enumerate() {
-            assert!(
-                !matches!(reason, StopReason::Error(_)),
-                "request {i} failed: {reason:?}"
-            );
-            assert_eq!(
-                tokens, want,
-                "request {i}: the reply changed under pressure with drafts"
-            );
-        }
-        assert!(preemptions > 0, "the test never preempted anything");
+        let pressed = speculative(worker_with_kv(Some(6)));
+        let (w, _, _) = replies_hold_under_pressure(worker, pressed, &requests);
         assert!(w.spec_drafted > 0, "the test never drafted anything");
     }
 
@@ -2308,24 +2305,11 @@ mod tests {
         let requests: Vec<(Vec<u32>, usize)> = (0..4u32)
             .map(|r| ((100 + 40 * r..120 + 40 * r).collect(), 30))
             .collect();
-        let mut alone = Vec::new();
-        for req in &requests {
-            let (mut got, _) = drive(&mut fast_tier_worker(None), std::slice::from_ref(req));
-            alone.push(got.remove(0));
-        }
-        let mut w = fast_tier_worker(Some(6));
-        let (pressed, preemptions) = drive(&mut w, &requests);
-        for (i, ((tokens, reason), (want, _))) in pressed.iter().zip(&alone).enumerate() {
-            assert!(
-                !matches!(reason, StopReason::Error(_)),
-                "request {i}: {reason:?}"
-            );
-            assert_eq!(
-                tokens, want,
-                "request {i}: the reply changed under pressure"
-            );
-        }
-        assert!(preemptions > 0, "the test never preempted anything");
+        replies_hold_under_pressure(
+            || fast_tier_worker(None),
+            fast_tier_worker(Some(6)),
+            &requests,
+        );
     }
 
     /// The fast tier draws on its device: greedy replies equal the host's draw from the same
