@@ -14,24 +14,12 @@ use smolchat_engine::synthetic::{self, SyntheticSpec};
 use smolchat_engine::{Engine, KvOptions, KvType, LogitsMode, ModelConfig, SeqStep};
 use smolchat_gguf::GgufSource;
 
-/// candle picks its quantized CPU kernels by host unless told not to; `.cargo/config.toml` tells
-/// it for every process cargo starts, so a run outside cargo must set the variable itself.
-fn assert_candle_pinned() {
-    assert_eq!(
-        std::env::var("MISTRALRS_FORCE_AVX2").as_deref(),
-        Ok("1"),
-        "run through cargo (its config sets MISTRALRS_FORCE_AVX2=1) or set MISTRALRS_FORCE_AVX2=1: \
-         without it candle's CPU kernels, and so the reference tier's logits, depend on the host"
-    );
-}
-
 /// The reference tier on the CPU device over an f16 KV cache.
 fn reference_engine(src: GgufSource) -> Engine {
     reference_engine_kv(src, KvType::F16)
 }
 
 fn reference_engine_kv(mut src: GgufSource, kv_type: KvType) -> Engine {
-    assert_candle_pinned();
     let config = ModelConfig::from_gguf(&src).expect("config");
     let backend = ReferenceBackend::load(
         &mut src,

@@ -204,6 +204,9 @@ pub async fn send(c: &Client, text: &str) {
 
 pub const STREAM_LEN: &str = "const s = document.querySelector('.msg.assistant.streaming .md'); \
      return s ? s.textContent.length : -1;";
+/// The text length of the last assistant message, finished or not (-1 when there is none).
+const LAST_REPLY_LEN: &str = "const m = document.querySelectorAll('.msg.assistant .md'); \
+     return m.length ? m[m.length - 1].textContent.length : -1;";
 pub const IDLE: &str = "return document.querySelector('.msg.assistant.streaming') === null \
      && document.getElementById('stop-btn').hidden && document.querySelectorAll('.msg.assistant').length";
 
@@ -224,26 +227,17 @@ pub async fn watch_stream(c: &Client) -> Vec<i64> {
              document.getElementById('stop-btn').hidden",
         )
         .await;
-        if done == json!(true) {
-            if seen.is_empty() {
-                // A short reply can stream and finish between two looks (a fast decode): then
-                // the finished reply's text is the one length seen.
-                let last = js(
-                    c,
-                    "const m = document.querySelectorAll('.msg.assistant .md'); \
-                     return m.length ? m[m.length - 1].textContent.length : -1;",
-                )
-                .await
-                .as_i64()
-                .unwrap_or(-1);
-                if last > 0 {
-                    eprintln!("the reply ({last} characters) finished between two looks");
-                    seen.push(last);
-                }
+        if done == json!(true) && seen.is_empty() {
+            // A short reply can stream and finish between two looks (a fast decode): then the
+            // finished reply's text is the one length seen.
+            let last = js(c, LAST_REPLY_LEN).await.as_i64().unwrap_or(-1);
+            if last > 0 {
+                eprintln!("the reply ({last} characters) finished between two looks");
+                seen.push(last);
             }
-            if !seen.is_empty() {
-                return seen;
-            }
+        }
+        if done == json!(true) && !seen.is_empty() {
+            return seen;
         }
         assert!(
             Instant::now() < deadline,

@@ -16,8 +16,9 @@
 //! sequence's logits alone and in a batch, or computed at once and in chunks, agree to the
 //! tolerances of the tests (`tests/reference_tier.rs`), not bit for bit as the CPU engine's do.
 //! On the CPU, candle 0.11 also picks its quantized kernels by the host (a Q8K-activation repack
-//! on AVX512-VNNI, AMX tiles where advertised); the tests keep its AVX2 kernels on every host
-//! (`MISTRALRS_FORCE_AVX2` in `.cargo/config.toml`) so the reference is the same everywhere.
+//! on AVX512-VNNI, AMX tiles where advertised) unless [`PIN_CANDLE_CPU_KERNELS`] is set, so the
+//! tier loads on the CPU only with it set (`.cargo/config.toml` sets it for every process cargo
+//! starts): the reference is then the same on every host.
 //! - Everything else is candle's operations: RMSNorm, RoPE from the shared table (`rope.rs`),
 //!   GQA attention with a causal mask and softmax in f32, SiLU.
 
@@ -35,6 +36,10 @@ use crate::error::{EngineError, Result};
 use crate::kv::{KvType, BLOCK_POSITIONS};
 use crate::logits::{Logits, LogitsMode};
 use crate::rope::RopeTable;
+
+/// candle's switch that keeps its AVX2 quantized CPU kernels on every x86 host (the name is
+/// mistral.rs's).
+pub const PIN_CANDLE_CPU_KERNELS: &str = "MISTRALRS_FORCE_AVX2";
 
 struct Layer {
     attn_norm: Tensor,
@@ -86,6 +91,16 @@ impl ReferenceBackend {
             return Err(EngineError::KvConfig(format!(
                 "the reference tier stores the KV cache as f16 or f32, not {kv_type}; set model.kv_type = \"f16\""
             )));
+        }
+        if dev.is_cpu() && std::env::var(PIN_CANDLE_CPU_KERNELS).as_deref() != Ok("1") {
+            return Err(EngineError::BadDevice {
+                value: device.to_string(),
+                reason: format!(
+                    "the reference tier on the CPU needs {PIN_CANDLE_CPU_KERNELS}=1 (cargo sets it \
+                     from .cargo/config.toml): without it candle's quantized kernels, and so the \
+                     reference logits, depend on the host"
+                ),
+            });
         }
         let c = &config;
         let total: u64 = src.tensors.values().map(|t| t.n_bytes as u64).sum();
