@@ -67,6 +67,13 @@ pub trait Backend: Send {
     fn reserve_blocks(&mut self, blocks: usize, capacity: usize) -> Result<()>;
     /// Bytes of KV pages allocated so far.
     fn kv_resident_bytes(&self) -> usize;
+    /// The most rows a step of `rows` rows may grow to (by a decode's drafts) and still compute
+    /// each row's outputs bit for bit as the smaller step would (see
+    /// [`crate::fast::launch::rows_computed_alike`] for the CUDA kernels). The CPU kernels
+    /// compute every row alike whatever the step's size.
+    fn rows_computed_alike(&self, _rows: usize) -> usize {
+        usize::MAX
+    }
     /// Whether it can draw tokens on its device ([`LogitsMode::Sample`]).
     fn samples_on_device(&self) -> bool {
         false

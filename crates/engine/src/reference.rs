@@ -477,6 +477,14 @@ impl Backend for ReferenceBackend {
         crate::device::suggested_for(self.device)
     }
 
+    fn rows_computed_alike(&self, rows: usize) -> usize {
+        match self.device {
+            Device::Cpu => usize::MAX,
+            // candle's CUDA quantized matmul picks its kernels by the row count.
+            _ => rows,
+        }
+    }
+
     fn config(&self) -> &ModelConfig {
         &self.config
     }

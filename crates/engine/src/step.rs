@@ -332,6 +332,12 @@ impl Engine {
         self.step_sampled_into(steps, &[], out)
     }
 
+    /// The most rows a step of `rows` rows may grow to and still compute each row bit for bit
+    /// as before ([`Backend::rows_computed_alike`]): where verifying drafts keeps replies exact.
+    pub fn rows_computed_alike(&self, rows: usize) -> usize {
+        self.backend.rows_computed_alike(rows)
+    }
+
     /// Whether the backend draws tokens on its device ([`LogitsMode::Sample`]).
     pub fn samples_on_device(&self) -> bool {
         self.backend.samples_on_device()

@@ -990,6 +990,23 @@ impl ModelWorker {
         if break_even.is_none() {
             draft_budget = 0;
         }
+        // Drafts never change a reply: the step may grow only as far as the backend still
+        // computes every row bit for bit as without them (on a GPU, within the matmul kernels'
+        // class of the step's row count; on the CPU, as far as it likes).
+        let decode_rows = plan
+            .decode
+            .iter()
+            .filter(|id| {
+                self.active
+                    .get(id)
+                    .is_some_and(|a| a.seq.is_some() && a.last_token.is_some())
+            })
+            .count();
+        draft_budget = draft_budget.min(
+            self.engine
+                .rows_computed_alike(decode_rows)
+                .saturating_sub(decode_rows)
+        );
         let break_even = break_even.unwrap_or(1.0);
         let lookup = PromptLookup {
             max_ngram: self.spec.max_ngram,
@@ -2534,6 +2551,129 @@ mod tests {
         let (alone, _) = drive_with(&mut worker(), &requests[..1], &greedy);
         let (alone_spec, _) = drive_with(&mut speculative(worker()), &requests[..1], &greedy);
         assert_eq!(alone, alone_spec);
+    }
+
+    /// The CPU backend, but saying what the CUDA kernels say of their rows
+    /// (`launch::rows_computed_alike`: a step of 1-4 rows computes each row alike up to 4 rows,
+    /// 5-8 up to 8, more not at all), and recording each verifying step's (sequences, rows).
+    struct WarpClasses {
+        inner: Box<dyn smolchat_engine::Backend>,
+        verifying: Arc<std::sync::Mutex<Vec<(usize, usize)>>>,
+    }
+
+    impl smolchat_engine::Backend for WarpClasses {
+        fn device(&self) -> smolchat_engine::device::Device {
+            self.inner.device()
+        }
+        fn tier(&self) -> smolchat_engine::device::Tier {
+            self.inner.tier()
+        }
+        fn suggested(&self) -> smolchat_engine::device::Suggested {
+            self.inner.suggested()
+        }
+        fn config(&self) -> &smolchat_engine::ModelConfig {
+            self.inner.config()
+        }
+        fn weight_bytes(&self) -> usize {
+            self.inner.weight_bytes()
+        }
+        fn kv_type(&self) -> KvType {
+            self.inner.kv_type()
+        }
+        fn kv_bytes_per_position(&self) -> usize {
+            self.inner.kv_bytes_per_position()
+        }
+        fn kv_block_bytes(&self) -> usize {
+            self.inner.kv_block_bytes()
+        }
+        fn reserve_blocks(
+            &mut self,
+            blocks: usize,
+            capacity: usize,
+        ) -> smolchat_engine::Result<()> {
+            self.inner.reserve_blocks(blocks, capacity)
+        }
+        fn kv_resident_bytes(&self) -> usize {
+            self.inner.kv_resident_bytes()
+        }
+        fn rows_computed_alike(&self, rows: usize) -> usize {
+            smolchat_engine::fast::launch::rows_computed_alike(rows)
+        }
+        fn validate(
+            &self,
+            items: &[smolchat_engine::backend::BatchItem<'_>],
+        ) -> smolchat_engine::Result<()> {
+            self.inner.validate(items)
+        }
+        fn forward(
+            &mut self,
+            items: &[smolchat_engine::backend::BatchItem<'_>],
+            out: &mut smolchat_engine::Logits,
+        ) -> smolchat_engine::Result<()> {
+            // Only a decode verifying drafts asks for every position's logits here.
+            if items
+                .iter()
+                .any(|i| i.tokens.len() > 1 && matches!(i.logits, LogitsMode::All))
+            {
+                let rows = items.iter().map(|i| i.tokens.len()).sum();
+                if let Ok(mut v) = self.verifying.lock() {
+                    v.push((items.len(), rows));
+                }
+            }
+            self.inner.forward(items, out)
+        }
+    }
+
+    /// On a backend whose kernels compute a row alike only within a class of step sizes (the
+    /// GPU's), drafts never take a step out of its class: a lone conversation still drafts (up
+    /// to 3 positions), a step of 5-8 sequences grows to 8 rows at most, and the replies are the
+    /// ones plain decoding gives.
+    #[test]
+    fn drafts_keep_a_step_within_the_rows_its_kernels_compute_alike() {
+        let classes = || {
+            let (spec, tokenizer) = tiny_with_tokenizer();
+            let mut src = synthetic::build(&spec).expect("build");
+            let model = Model::load(&mut src, &mut |_, _| {}).expect("load");
+            let verifying = Arc::new(std::sync::Mutex::new(Vec::new()));
+            let backend = WarpClasses {
+                inner: Box::new(smolchat_engine::CpuBackend::f16(model)),
+                verifying: verifying.clone(),
+            };
+            let engine =
+                Engine::on_backend(Box::new(backend), KvOptions::default()).expect("engine");
+            (
+                ModelWorker::new(engine, Arc::new(tokenizer), 2048),
+                verifying,
+            )
+        };
+        let greedy = SamplingParams::greedy();
+        let requests = mixed_prompts();
+        for conversations in [1, 8] {
+            let requests = &requests[..conversations];
+            let (plain, _) = drive_with(&mut worker(), requests, &greedy);
+            let (w, verifying) = classes();
+            let mut w = speculative(w);
+            let (spec, _) = drive_with(&mut w, requests, &greedy);
+            assert_eq!(
+                plain, spec,
+                "{conversations} conversations: the same replies"
+            );
+            let steps = verifying.lock().map(|v| v.clone()).unwrap_or_default();
+            assert!(
+                !steps.is_empty() && w.spec_accepted > 0,
+                "{conversations} conversations: drafts verified in {} steps, {} accepted",
+                steps.len(),
+                w.spec_accepted
+            );
+            for &(sequences, rows) in &steps {
+                let most = smolchat_engine::fast::launch::rows_computed_alike(sequences);
+                assert!(
+                    sequences <= 8 && rows <= most,
+                    "{conversations} conversations: a step of {sequences} sequences verified \
+                     drafts in {rows} rows (at most {most} keep each row's arithmetic)"
+                );
+            }
+        }
     }
 
     #[test]

@@ -172,6 +172,20 @@ pub fn mmvq_pieces(rows: usize) -> Vec<std::ops::Range<usize>> {
         .collect()
 }
 
+/// The most rows a step of `rows` rows may grow to (a decode verifying drafts) with every row's
+/// matmul outputs still computed bit for bit as before, so that drafts never change a reply.
+/// MMVQ's per-row sums depend on its warps per block: 4 for launches of 1 to 4 rows, 2 for 5 to
+/// 8 (`mmvq_nwarps_for` in candle-kernels' `mmvq_gguf.cu`, llama.cpp's `calc_nwarps`); the
+/// graphs' buckets pad within those classes (1, 2, 4 and 8 rows). Above 8 rows MMQ's tiles are
+/// chosen by the row count, so no growth is known to keep its sums.
+pub fn rows_computed_alike(rows: usize) -> usize {
+    match rows {
+        0..=4 => 4,
+        5..=MMVQ_MAX_ROWS => MMVQ_MAX_ROWS,
+        _ => rows,
+    }
+}
+
 /// How a matmul over `rows` activation rows is launched.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum MatMulPath {
@@ -407,6 +421,19 @@ mod tests {
         assert!(attention_kernel(8, 8, 512).is_err(), "head dim 512");
         assert_eq!(max_splits(1), 1);
         assert_eq!(max_splits(64), 1);
+        // Drafts may grow a step within an MMVQ warp class only, and graph buckets stay in it.
+        assert_eq!(rows_computed_alike(1), 4);
+        assert_eq!(rows_computed_alike(4), 4);
+        assert_eq!(rows_computed_alike(5), 8);
+        assert_eq!(rows_computed_alike(9), 9);
+        for rows in 1..=8 {
+            let bucket = crate::fast::graph::bucket_rows(rows).expect("a bucket");
+            assert_eq!(
+                rows_computed_alike(bucket),
+                rows_computed_alike(rows),
+                "{rows}"
+            );
+        }
         assert_eq!(max_splits(65), 2);
         assert_eq!(max_splits(512), 8);
         assert_eq!(max_splits(131_072), 32);

@@ -39,6 +39,10 @@ pub trait Runner: Send {
     fn resident_blocks(&self) -> usize;
     /// The serving limits its device suits.
     fn suggested(&self) -> Suggested;
+    /// See [`Backend::rows_computed_alike`]. The CPU twins compute every row alike.
+    fn rows_computed_alike(&self, _rows: usize) -> usize {
+        usize::MAX
+    }
     /// Gets ready for `plan` over the step's `tables` (RoPE's cos/sin in `rope`): every buffer
     /// allocated, the tables uploaded. The operations read the tables from the runner's copy
     /// only, so a replayed graph sees the tables of the step it replays.
@@ -292,6 +296,10 @@ impl<R: Runner> Backend for FastBackend<R> {
 
     fn samples_on_device(&self) -> bool {
         true
+    }
+
+    fn rows_computed_alike(&self, rows: usize) -> usize {
+        self.runner.rows_computed_alike(rows)
     }
 
     fn validate(&self, items: &[BatchItem<'_>]) -> Result<()> {

@@ -841,6 +841,10 @@ impl Runner for CudaRunner {
         Device::Cuda(self.ordinal)
     }
 
+    fn rows_computed_alike(&self, rows: usize) -> usize {
+        launch::rows_computed_alike(rows)
+    }
+
     fn config(&self) -> &ModelConfig {
         &self.config
     }
