@@ -30,7 +30,7 @@ use std::arch::x86_64::*;
 
 use super::act::Acts;
 use super::kernel::{Kernel, KernelChoice, Unpacked};
-use super::layout::Format;
+use super::layout::{Format, Q4K_D, Q4K_DMIN, Q4K_MIN_LOW, Q4K_SCALES};
 use super::scalar::FloatOrder;
 
 /// Tokens per kernel call (the register tiles of `tiled!` below walk them).
@@ -412,6 +412,9 @@ unsafe fn q8_0_tile<const T: usize, const H: usize, const VNNI: bool>(
     store_halves(&f, h0, out, stride);
 }
 
+/// Bytes of a packed Q4_K group-block.
+const Q4K_BYTES: usize = 2304;
+
 /// Q4_K on `H` halves of the group from half `h0` (see [`q4k`] for which).
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn q4k_tile<const T: usize, const H: usize, const VNNI: bool>(
@@ -423,37 +426,53 @@ unsafe fn q4k_tile<const T: usize, const H: usize, const VNNI: bool>(
     stride: usize,
 ) {
     let (nblk, cols) = (acts.nblk, acts.cols);
-    debug_assert!(g.len() >= nblk * 2368 && t0 + T <= acts.n_tokens && h0 + H <= 2);
+    debug_assert!(g.len() >= nblk * Q4K_BYTES && t0 + T <= acts.n_tokens && h0 + H <= 2);
     let gp = g.as_ptr();
     let xq = acts.qs.as_ptr().add(t0 * cols);
     let dx = acts.d.as_ptr().add(t0 * nblk);
     let bsum = acts.bsum32.as_ptr().add(t0 * nblk * 8);
     let mut f = [[_mm256_setzero_ps(); H]; T];
     for b in 0..nblk {
-        let blk = gp.add(b * 2368);
+        let blk = gp.add(b * Q4K_BYTES);
         let mut sup = [[_mm256_setzero_si256(); H]; T];
         for sbp in 0..4 {
             q4k_sub_block::<T, H, VNNI, false>(blk, h0, xq, cols, b, 2 * sbp, &mut sup);
             q4k_sub_block::<T, H, VNNI, true>(blk, h0, xq, cols, b, 2 * sbp + 1, &mut sup);
         }
+        // Each row's mins: the low nibbles from its dword at Q4K_MIN_LOW (sub-block `sb`'s in bits
+        // 4sb..4sb+4), the high two bits from bits 6..8 of its scale bytes.
+        let m15 = _mm256_set1_epi32(0x0F);
+        let m48 = _mm256_set1_epi32(0x30);
+        let mut min_low: [__m256i; H] =
+            std::array::from_fn(|h| load(blk.add(Q4K_MIN_LOW + 32 * (h0 + h))));
         let mut min = [[_mm256_setzero_si256(); H]; T];
         for p in 0..4 {
             let pairs: [__m256i; T] = std::array::from_fn(|t| {
                 let at = bsum.add((t * nblk + b) * 8 + 2 * p) as *const i32;
                 _mm256_set1_epi32(at.read_unaligned())
             });
-            for h in 0..H {
-                let mv = _mm256_cvtepu8_epi16(_mm_loadu_si128(
-                    blk.add(2176 + 32 * p + 16 * (h0 + h)) as *const _,
-                ));
+            for (h, low) in min_low.iter_mut().enumerate() {
+                let high = |sb: usize| {
+                    let bytes =
+                        _mm_loadl_epi64(blk.add(Q4K_SCALES + 16 * sb + 8 * (h0 + h)) as *const _);
+                    _mm256_and_si256(_mm256_srli_epi32::<2>(_mm256_cvtepu8_epi32(bytes)), m48)
+                };
+                let even = _mm256_or_si256(_mm256_and_si256(*low, m15), high(2 * p));
+                let odd = _mm256_or_si256(
+                    _mm256_and_si256(_mm256_srli_epi32::<4>(*low), m15),
+                    high(2 * p + 1),
+                );
+                *low = _mm256_srli_epi32::<8>(*low);
+                // (m[2p], m[2p + 1]) as 16-bit halves of each row's lane.
+                let mv = _mm256_or_si256(even, _mm256_slli_epi32::<16>(odd));
                 for t in 0..T {
                     min[t][h] = _mm256_add_epi32(min[t][h], _mm256_madd_epi16(mv, pairs[t]));
                 }
             }
         }
         for h in 0..H {
-            let dw = f16x8(blk.add(2304 + 16 * (h0 + h)));
-            let dm = f16x8(blk.add(2336 + 16 * (h0 + h)));
+            let dw = f16x8(blk.add(Q4K_D + 16 * (h0 + h)));
+            let dm = f16x8(blk.add(Q4K_DMIN + 16 * (h0 + h)));
             for t in 0..T {
                 let d = _mm256_set1_ps(*dx.add(t * nblk + b));
                 let fs = _mm256_cvtepi32_ps(sup[t][h]);
@@ -482,11 +501,11 @@ unsafe fn q4k_sub_block<const T: usize, const H: usize, const VNNI: bool, const 
     sup: &mut [[__m256i; H]; T],
 ) {
     let m4 = _mm256_set1_epi8(0x0F);
-    prefetch(h0, blk.wrapping_add(2 * 2368 + 320 * sb), 5);
-    let scales: [__m128i; H] =
-        std::array::from_fn(
-            |h| _mm_loadl_epi64(blk.add(2048 + 16 * sb + 8 * (h0 + h)) as *const _),
-        );
+    // The block two ahead, 36 lines, in eight overlapping runs of five.
+    prefetch(h0, blk.wrapping_add(2 * Q4K_BYTES + 64 * (sb * 36 / 8)), 5);
+    let scales: [__m128i; H] = std::array::from_fn(|h| {
+        _mm_loadl_epi64(blk.add(Q4K_SCALES + 16 * sb + 8 * (h0 + h)) as *const _)
+    });
     let weight = |kg: usize, h: usize| {
         let p = load(blk.add(64 * (8 * (sb / 2) + kg) + 32 * (h0 + h)));
         if !ODD {
@@ -517,7 +536,8 @@ unsafe fn q4k_sub_block<const T: usize, const H: usize, const VNNI: bool, const 
         }
     }
     for h in 0..H {
-        let sc = _mm256_cvtepu8_epi32(scales[h]);
+        // The scale byte's top two bits belong to the sub-block's min.
+        let sc = _mm256_and_si256(_mm256_cvtepu8_epi32(scales[h]), _mm256_set1_epi32(63));
         let sc = if VNNI {
             sc
         } else {

@@ -31,7 +31,7 @@ use std::arch::x86_64::*;
 
 use super::act::Acts;
 use super::kernel::KernelChoice;
-use super::layout::Format;
+use super::layout::{Format, Q4K_D, Q4K_DMIN, Q4K_MIN_LOW, Q4K_SCALES};
 use super::scalar::FloatOrder;
 
 pub fn kernel(format: Format) -> KernelChoice {
@@ -268,22 +268,40 @@ unsafe fn q8_0_tile<const T: usize>(
     }
 }
 
+/// Q4_K: per sub-block `sb`, sixteen rows' scale bytes widened to dwords give the scales
+/// (`& 63`) and, with the mins' low nibbles (one dword a row, shifted four bits a sub-block), the
+/// mins; each pair of sub-blocks' mins goes into one `vpdpwssd` against the pair of activation
+/// sums (see the layout in [`super::layout`]).
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
 unsafe fn q4k_tile<const T: usize>(g: &[u8], acts: &Acts, t0: usize, out: *mut f32, stride: usize) {
+    const PB: usize = 2304;
     let (nblk, cols) = (acts.nblk, acts.cols);
-    debug_assert!(g.len() >= nblk * 2368 && t0 + T <= acts.n_tokens);
+    debug_assert!(g.len() >= nblk * PB && t0 + T <= acts.n_tokens);
     let gp = g.as_ptr();
     let xq = acts.qs.as_ptr().add(t0 * cols);
     let dx = acts.d.as_ptr().add(t0 * nblk);
     let bsum = acts.bsum32.as_ptr().add(t0 * nblk * 8);
     let m4 = _mm512_set1_epi8(0x0F);
+    let m15 = _mm512_set1_epi32(0x0F);
+    let m63 = _mm512_set1_epi32(63);
     let mut f = [_mm512_setzero_ps(); T];
     for b in 0..nblk {
-        let blk = gp.add(b * 2368);
+        let blk = gp.add(b * PB);
         let mut sup = [_mm512_setzero_si512(); T];
+        let mut min = [_mm512_setzero_si512(); T];
+        // Bits 0..4: the current sub-block's min, low nibble.
+        let mut min_low = load(blk.add(Q4K_MIN_LOW));
+        let mut even_min = _mm512_setzero_si512();
         for sb in 0..8 {
-            prefetch(blk.wrapping_add(2 * 2368 + 320 * sb), 5);
-            let scv = _mm512_cvtepu8_epi32(_mm_loadu_si128(blk.add(2048 + 16 * sb) as *const _));
+            // The block two ahead, 36 lines, in eight overlapping runs of five.
+            prefetch(blk.wrapping_add(2 * PB + 64 * (sb * 36 / 8)), 5);
+            let bytes =
+                _mm512_cvtepu8_epi32(_mm_loadu_si128(blk.add(Q4K_SCALES + 16 * sb) as *const _));
+            let scv = _mm512_and_si512(bytes, m63);
+            // min = (min_low & 15) | (bytes >> 2 & 0x30): `bytes >> 2` is at most 63, so bits
+            // 4..6 are the min's high bits and bits 0..4 are taken from `min_low` (0xCA: A ? B : C).
+            let mv = _mm512_ternarylogic_epi32::<0xCA>(m15, min_low, _mm512_srli_epi32::<2>(bytes));
+            min_low = _mm512_srli_epi32::<4>(min_low);
             // One token (decode) sums the eight chunks in four chains: its short loop shows the
             // latency of one chain of eight `vpdpbusd` (llvm-mca, one super-block: Zen 4 52 -> 40
             // cycles, Sapphire Rapids 139 -> 62).
@@ -309,17 +327,20 @@ unsafe fn q4k_tile<const T: usize>(g: &[u8], acts: &Acts, t0: usize, out: *mut f
                 let a = sum_chains(acc[t]);
                 sup[t] = _mm512_add_epi32(sup[t], _mm512_mullo_epi32(a, scv));
             }
-        }
-        let mut min = [_mm512_setzero_si512(); T];
-        for p in 0..4 {
-            let mv = _mm512_cvtepu8_epi16(_mm256_loadu_si256(blk.add(2176 + 32 * p) as *const _));
-            for (t, m) in min.iter_mut().enumerate() {
-                let pair = (bsum.add((t * nblk + b) * 8 + 2 * p) as *const i32).read_unaligned();
-                *m = _mm512_dpwssd_epi32(*m, mv, _mm512_set1_epi32(pair));
+            if sb % 2 == 0 {
+                even_min = mv;
+            } else {
+                // (m[sb - 1], m[sb]) as 16-bit halves of each row's lane.
+                let pair_mins = _mm512_or_si512(even_min, _mm512_slli_epi32::<16>(mv));
+                for (t, m) in min.iter_mut().enumerate() {
+                    let pair =
+                        (bsum.add((t * nblk + b) * 8 + sb - 1) as *const i32).read_unaligned();
+                    *m = _mm512_dpwssd_epi32(*m, pair_mins, _mm512_set1_epi32(pair));
+                }
             }
         }
-        let dw = f16x16(blk.add(2304));
-        let dm = f16x16(blk.add(2336));
+        let dw = f16x16(blk.add(Q4K_D));
+        let dm = f16x16(blk.add(Q4K_DMIN));
         for t in 0..T {
             let d = _mm512_set1_ps(*dx.add(t * nblk + b));
             f[t] = _mm512_fmadd_ps(_mm512_mul_ps(dw, d), _mm512_cvtepi32_ps(sup[t]), f[t]);

@@ -152,6 +152,15 @@ pub unsafe fn _mm512_and_si512(a: __m512i, b: __m512i) -> __m512i {
     __m512i(std::array::from_fn(|i| a.0[i] & b.0[i]))
 }
 
+pub unsafe fn _mm512_or_si512(a: __m512i, b: __m512i) -> __m512i {
+    __m512i(std::array::from_fn(|i| a.0[i] | b.0[i]))
+}
+
+/// Logical right shift of each 32-bit lane (a count above 31 clears it).
+pub unsafe fn _mm512_srli_epi32<const IMM8: u32>(a: __m512i) -> __m512i {
+    a.map_i32(|x| (x as u32).checked_shr(IMM8).unwrap_or(0) as i32)
+}
+
 /// Logical shift of each 16-bit lane (a count above 15 clears it).
 pub unsafe fn _mm512_srli_epi16<const IMM8: u32>(a: __m512i) -> __m512i {
     __m512i::from_u16s(a.u16s().map(|x| x.checked_shr(IMM8).unwrap_or(0)))
@@ -297,6 +306,11 @@ mod tests {
             assert_eq!(r.i32s()[2], -2);
             let r = _mm512_slli_epi32::<16>(_mm512_set1_epi32(0x1234_5678));
             assert_eq!(r.i32s()[0], 0x5678_0000);
+            // Logical, not arithmetic.
+            let r = _mm512_srli_epi32::<4>(_mm512_set1_epi32(-0x10));
+            assert_eq!(r.i32s()[5], 0x0FFF_FFFF);
+            let r = _mm512_or_si512(_mm512_set1_epi32(0x0F00), _mm512_set1_epi32(0x00F1));
+            assert_eq!(r.i32s()[15], 0x0FF1);
             // 0xF8 = a | (b & c).
             let r = _mm512_ternarylogic_epi32::<0xF8>(
                 _mm512_set1_epi8(0x0F),

@@ -5,8 +5,8 @@
 //! gives four consecutive quants of each of the sixteen rows: dword `lane` of a 64-byte chunk
 //! belongs to row `lane`, and `vpdpbusd` against four broadcast activation bytes yields sixteen
 //! row partial sums at once, with no horizontal reduction. (An AVX2 kernel takes each chunk as two
-//! 32-byte halves: rows 0-7 and 8-15.) Sizes equal GGML's (Q4_K is 2.8% larger because its 6-bit
-//! scales are stored as bytes), so decode streams the same number of bytes.
+//! 32-byte halves: rows 0-7 and 8-15.) Sizes equal GGML's, so decode streams the same number of
+//! bytes.
 //!
 //! Per 16-row group and block column (offsets in bytes, `l` = row within the group):
 //! - Q4_0 (288): quants `[j 0..4][l][4]` = the row's `qs[4j..4j+4]` (low nibbles: values
@@ -14,10 +14,13 @@
 //! - Q4_1 (320): as Q4_0, then `m` f16 `[l]` at 288.
 //! - Q8_0 (544): quants `[j 0..8][l][4]` = `qs[4j..4j+4] ^ 0x80` (stored unsigned: `q + 128`),
 //!   then `d` f16 `[l]` at 512.
-//! - Q4_K (2368): quants `[c 0..32][l][4]` = the row's `qs[4c..4c+4]` (low nibbles: sub-block
-//!   `2(c/8)`, high: `2(c/8)+1`, values `4(c%8)..` of the sub-block); 6-bit scales unpacked to bytes
-//!   `[sb 0..8][l]` at 2048; mins as byte pairs `[p 0..4][l][2]` = `(m[2p], m[2p+1])` at 2176;
-//!   `d` f16 `[l]` at 2304; `dmin` f16 `[l]` at 2336.
+//! - Q4_K (2304): quants `[c 0..32][l][4]` = the row's `qs[4c..4c+4]` (low nibbles: sub-block
+//!   `2(c/8)`, high: `2(c/8)+1`, values `4(c%8)..` of the sub-block); the 6-bit scales and mins
+//!   in GGML's 12 bytes a row, rearranged so that a kernel gets sixteen rows' scales with one
+//!   widening load and a mask: bytes `[sb 0..8][l]` = `sc[sb] | (m[sb] >> 4) << 6` at
+//!   [`Q4K_SCALES`], and per row a little-endian dword `[l]` whose nibble `sb` is `m[sb] & 15`
+//!   at [`Q4K_MIN_LOW`]; `d` f16 `[l]` at [`Q4K_D`]; `dmin` f16 `[l]` at [`Q4K_DMIN`]. (Until
+//!   the 2026-11-27 change the scales and mins took a byte each: 2368 bytes, 2.7% more to stream.)
 //! - Q6_K (3360): the unsigned 6-bit value `v` of element `e` (`e` in GGML's dequantized order) is
 //!   split: its low nibble goes to quants `[c 0..32][l][4]` like Q4_K (chunk `C = e/32` is nibble
 //!   half `C%2` of `c = 8(C/2) + (e%32)/4`, byte `e%4`); its high two bits go to `[D 0..16][l][4]`
@@ -32,6 +35,20 @@ use smolchat_gguf::AlignedBytes;
 
 /// Rows per interleaved group.
 pub const GROUP: usize = 16;
+
+/// Q4_K group-block offsets (see the module's comment): the scale bytes (each with two bits of
+/// its sub-block's min), the mins' low nibbles, `d` and `dmin`.
+pub const Q4K_SCALES: usize = 2048;
+pub const Q4K_MIN_LOW: usize = 2176;
+pub const Q4K_D: usize = 2240;
+pub const Q4K_DMIN: usize = 2272;
+
+/// The 6-bit scale and min of sub-block `sb` of row `l` in a packed Q4_K group-block.
+pub fn q4k_packed_scale_min(packed: &[u8], sb: usize, l: usize) -> (u8, u8) {
+    let byte = packed[Q4K_SCALES + 16 * sb + l];
+    let low = packed[Q4K_MIN_LOW + 4 * l + sb / 2] >> (4 * (sb % 2)) & 0xF;
+    (byte & 63, low | (byte >> 6) << 4)
+}
 
 /// The weight formats with SIMD kernels.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -80,7 +97,7 @@ impl Format {
             Self::Q4_0 => 288,
             Self::Q4_1 => 320,
             Self::Q8_0 => 544,
-            Self::Q4K => 2368,
+            Self::Q4K => 2304,
             Self::Q6K => 3360,
         }
     }
@@ -280,13 +297,13 @@ fn pack_block(format: Format, blocks: &[&[u8]; GROUP], out: &mut [u8]) {
         Format::Q4K => {
             interleave_dwords(blocks, 16, 32, 0, out);
             for (l, b) in blocks.iter().enumerate() {
-                for j in 0..8 {
-                    let (sc, m) = q4k_scale_min(j, &b[4..16]);
-                    out[2048 + 16 * j + l] = sc;
-                    out[2176 + 32 * (j / 2) + 2 * l + j % 2] = m;
+                for sb in 0..8 {
+                    let (sc, m) = q4k_scale_min(sb, &b[4..16]);
+                    out[Q4K_SCALES + 16 * sb + l] = sc | (m >> 4) << 6;
+                    out[Q4K_MIN_LOW + 4 * l + sb / 2] |= (m & 0xF) << (4 * (sb % 2));
                 }
-                out[2304 + 2 * l..2306 + 2 * l].copy_from_slice(&f16_bytes(b, 0));
-                out[2336 + 2 * l..2338 + 2 * l].copy_from_slice(&f16_bytes(b, 2));
+                out[Q4K_D + 2 * l..Q4K_D + 2 * l + 2].copy_from_slice(&f16_bytes(b, 0));
+                out[Q4K_DMIN + 2 * l..Q4K_DMIN + 2 * l + 2].copy_from_slice(&f16_bytes(b, 2));
             }
         }
         Format::Q6K => {
@@ -324,11 +341,10 @@ fn unpack_block(format: Format, packed: &[u8], l: usize, out: &mut [u8]) {
             deinterleave_dwords(packed, l, 8, 0x80, &mut out[2..34]);
         }
         Format::Q4K => {
-            out[..2].copy_from_slice(&f16_bytes(packed, 2304 + 2 * l));
-            out[2..4].copy_from_slice(&f16_bytes(packed, 2336 + 2 * l));
-            let sc: [u8; 8] = std::array::from_fn(|j| packed[2048 + 16 * j + l]);
-            let m: [u8; 8] = std::array::from_fn(|j| packed[2176 + 32 * (j / 2) + 2 * l + j % 2]);
-            q4k_encode_scales(&sc, &m, &mut out[4..16]);
+            out[..2].copy_from_slice(&f16_bytes(packed, Q4K_D + 2 * l));
+            out[2..4].copy_from_slice(&f16_bytes(packed, Q4K_DMIN + 2 * l));
+            let sm: [(u8, u8); 8] = std::array::from_fn(|sb| q4k_packed_scale_min(packed, sb, l));
+            q4k_encode_scales(&sm.map(|p| p.0), &sm.map(|p| p.1), &mut out[4..16]);
             deinterleave_dwords(packed, l, 32, 0, &mut out[16..144]);
         }
         Format::Q6K => {

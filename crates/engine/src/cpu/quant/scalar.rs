@@ -22,7 +22,7 @@
 use half::f16;
 
 use super::act::Acts;
-use super::layout::{Format, GROUP};
+use super::layout::{q4k_packed_scale_min, Format, GROUP, Q4K_D, Q4K_DMIN};
 
 #[inline]
 fn f16_at(b: &[u8], at: usize) -> f32 {
@@ -82,12 +82,11 @@ pub fn q4k_isums(blk: &[u8], l: usize, x: &[i8], bsum32: &[i16]) -> (i32, i32) {
             let c = &blk[64 * (8 * j + kg)..64 * (8 * j + kg) + 64];
             acc += dot4(c, l, shift, 0xF, &x[32 * sb + 4 * kg..]);
         }
-        sup += acc * blk[2048 + 16 * sb + l] as i32;
+        sup += acc * q4k_packed_scale_min(blk, sb, l).0 as i32;
     }
     let mut min = 0i32;
-    for sb in 0..8 {
-        let m = blk[2176 + 32 * (sb / 2) + 2 * l + sb % 2] as i32;
-        min += m * bsum32[sb] as i32;
+    for (sb, &bsum) in bsum32.iter().enumerate().take(8) {
+        min += q4k_packed_scale_min(blk, sb, l).1 as i32 * bsum as i32;
     }
     (sup, min)
 }
@@ -177,8 +176,8 @@ pub fn group(
                     }
                     Format::Q4K => {
                         let (sup, min) = q4k_isums(blk, l, xb, &acts.bsum32[ab * 8..ab * 8 + 8]);
-                        let dd = f16_at(blk, 2304 + 2 * l) * dx;
-                        let dm = f16_at(blk, 2336 + 2 * l) * dx;
+                        let dd = f16_at(blk, Q4K_D + 2 * l) * dx;
+                        let dm = f16_at(blk, Q4K_DMIN + 2 * l) * dx;
                         *f = dd.mul_add(sup as f32, *f);
                         *f = (-dm).mul_add(min as f32, *f);
                     }
