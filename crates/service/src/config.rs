@@ -157,7 +157,7 @@ pub struct SchedulerSection {
     /// n-gram of the reply's last tokens earlier in the conversation), in the same step as
     /// everyone else's work. Exact: greedy and seeded replies are the same token for token. On
     /// by default: a draft position goes only where its measured cost pays (never slower beyond
-    /// noise on the CPU), and a GPU does not draft unless `draft_on_gpu`.
+    /// noise on the CPU); on a GPU only with `draft_on_gpu`.
     pub speculative: bool,
     /// Most draft tokens one sequence verifies in a step.
     pub draft_max: usize,
@@ -171,9 +171,10 @@ pub struct SchedulerSection {
     /// the measured rule (a draft position goes only where its expected yield is worth the
     /// seconds it adds, from the worker's own step timings).
     pub draft_max_batch: usize,
-    /// Speculate on a GPU too. Off until measured: on an H100 a verification step outside the
-    /// decode graphs cost more than it saved; verification now runs inside them, drawn on the
-    /// GPU (`make gpu-check`'s speculation phase measures it).
+    /// Speculate on a GPU too (on: measured on an H100 with verification inside the decode
+    /// graphs, one conversation 1.4-1.7x on the repeating workloads, free chat and eight
+    /// conversations level; docs/BENCHMARKS.md). A GPU step grows by drafts only within the rows
+    /// its kernels compute alike, so replies stay the same token for token.
     pub draft_on_gpu: bool,
     /// The acceptance a draft position must reach, fixed (0 to 1; like llama-server's
     /// `--draft-p-min`), instead of measured from this machine's step costs (unset, the
@@ -457,7 +458,7 @@ impl Default for SchedulerSection {
             draft_ngram_min: 2,
             draft_ngram_cache: true,
             draft_max_batch: 16,
-            draft_on_gpu: false,
+            draft_on_gpu: true,
             draft_break_even: None,
         }
     }

@@ -337,6 +337,13 @@ impl ModelWorker {
         self
     }
 
+    /// Decode graphs warmed up and captured so far (0 without graphs).
+    fn graph_work(&self) -> u64 {
+        self.engine
+            .graph_stats()
+            .map_or(0, |g| g.warmups + g.captures)
+    }
+
     /// Whether this worker verifies drafts at all: speculation on, and on the CPU or allowed on
     /// a GPU. (Nothing is learned for drafting where none will be made.)
     fn drafts_here(&self) -> bool {
@@ -926,6 +933,7 @@ impl ModelWorker {
     /// A step; the `Finished` events of the requests it ended wait in `self.finished`.
     fn step_held(&mut self, plan: StepPlan) -> StepReport {
         let start = Instant::now();
+        let graph_work = self.graph_work();
         let mut report = StepReport::default();
         for &id in &plan.cancel {
             if self.active.contains_key(&id) {
@@ -1005,7 +1013,7 @@ impl ModelWorker {
         draft_budget = draft_budget.min(
             self.engine
                 .rows_computed_alike(decode_rows)
-                .saturating_sub(decode_rows)
+                .saturating_sub(decode_rows),
         );
         let break_even = break_even.unwrap_or(1.0);
         let lookup = PromptLookup {
@@ -1491,7 +1499,10 @@ impl ModelWorker {
             item.extra_generated = extra.get(&item.id).copied().unwrap_or(0);
         }
         let seconds = start.elapsed().as_secs_f64();
-        if let Some(positions) = decode_positions {
+        // A step that warmed up or captured a decode graph took many steps' time once: measured,
+        // it would make a position look dear and switch drafting off (seen on an H100: the
+        // first drafts' new buckets, 1.0 -> 0.91x for one conversation).
+        if let Some(positions) = decode_positions.filter(|_| self.graph_work() == graph_work) {
             self.step_cost.observe(positions, seconds);
         }
         report.step_ms = seconds * 1e3;
@@ -2551,6 +2562,30 @@ mod tests {
         let (alone, _) = drive_with(&mut worker(), &requests[..1], &greedy);
         let (alone_spec, _) = drive_with(&mut speculative(worker()), &requests[..1], &greedy);
         assert_eq!(alone, alone_spec);
+    }
+
+    /// A step that warmed up or captured a decode graph says nothing of what a step costs (a
+    /// capture takes many steps' time): only eager and replayed steps are measured.
+    #[test]
+    fn steps_that_make_decode_graphs_are_not_measured() {
+        let mut w = fast_tier_worker(None);
+        let prompt: Vec<u32> = (0..12).map(|t| 200 + 5 * t).collect();
+        // The prompt's step, then one decode: the one-row bucket's warm-up.
+        w.generate_alone(prompt.clone(), 2);
+        let g = w
+            .engine
+            .graph_stats()
+            .expect("the fast tier keeps graph statistics");
+        assert_eq!((g.warmups, g.replays), (1, 0), "{g:?}");
+        assert_eq!(w.step_cost.line(), None, "a warm-up step was measured");
+        // Its capture, then replays: those are measured.
+        w.generate_alone(prompt, 8);
+        let g = w.engine.graph_stats().expect("graph statistics");
+        assert!(g.captures >= 1 && g.replays >= 1, "{g:?}");
+        assert!(
+            w.step_cost.line().is_some(),
+            "replayed steps were not measured"
+        );
     }
 
     /// The CPU backend, but saying what the CUDA kernels say of their rows

@@ -93,10 +93,13 @@ pub fn verifying_steps_draw_as_decoding_does(e: &mut Engine, sampled: bool) -> R
         reply.push(out.token(0).ok_or("a decode step drew no token")?);
     }
     let graphs = e.graph_stats().is_some();
+    // [last, d1..d4], or fewer where the backend computes fewer rows alike (a GPU: 4, so that
+    // the verifying rows go through the same kernels as the one-row decode's).
+    let rows = e.rows_computed_alike(1).min(5);
     for (attempt, wrong_from) in [(0, 9), (1, 2), (2, 9)] {
         let seq = prefilled(e, &mut out)?;
-        // [last, d1..d4]: drafts of the reply's tokens 1..=4, wrong from `wrong_from` on.
-        let mut input: Vec<u32> = reply[..5].to_vec();
+        // Drafts of the reply's tokens 1.., wrong from `wrong_from` on.
+        let mut input: Vec<u32> = reply[..rows].to_vec();
         for (k, t) in input.iter_mut().enumerate().skip(1) {
             if k >= wrong_from {
                 *t = (*t + 1) % vocab;
