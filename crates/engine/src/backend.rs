@@ -85,6 +85,75 @@ pub trait Backend: Send {
     fn forward(&mut self, items: &[BatchItem<'_>], out: &mut Logits) -> Result<()>;
 }
 
+/// A backend that computes as `inner` does and tells `watch` what the engine asks of it (for
+/// tests, here and in the crates above, that check what reaches a backend): every reservation
+/// and every forward pass. `rows_alike` replaces `inner`'s
+/// [`Backend::rows_computed_alike`] when set (a CPU backend answering as a GPU's would).
+pub struct Watched {
+    pub inner: Box<dyn Backend>,
+    pub watch: Box<dyn FnMut(Asked<'_>) + Send>,
+    pub rows_alike: Option<fn(usize) -> usize>,
+}
+
+/// What the engine asked of a [`Watched`] backend.
+#[derive(Debug, Clone, Copy)]
+pub enum Asked<'a> {
+    /// Pages for every block id below this many.
+    Reserve(usize),
+    /// A forward pass over these items.
+    Forward(&'a [BatchItem<'a>]),
+}
+
+impl Backend for Watched {
+    fn device(&self) -> Device {
+        self.inner.device()
+    }
+    fn suggested(&self) -> Suggested {
+        self.inner.suggested()
+    }
+    fn tier(&self) -> Tier {
+        self.inner.tier()
+    }
+    fn config(&self) -> &ModelConfig {
+        self.inner.config()
+    }
+    fn weight_bytes(&self) -> usize {
+        self.inner.weight_bytes()
+    }
+    fn kv_type(&self) -> KvType {
+        self.inner.kv_type()
+    }
+    fn kv_bytes_per_position(&self) -> usize {
+        self.inner.kv_bytes_per_position()
+    }
+    fn kv_block_bytes(&self) -> usize {
+        self.inner.kv_block_bytes()
+    }
+    fn reserve_blocks(&mut self, blocks: usize, capacity: usize) -> Result<()> {
+        (self.watch)(Asked::Reserve(blocks));
+        self.inner.reserve_blocks(blocks, capacity)
+    }
+    fn kv_resident_bytes(&self) -> usize {
+        self.inner.kv_resident_bytes()
+    }
+    fn rows_computed_alike(&self, rows: usize) -> usize {
+        match self.rows_alike {
+            Some(rule) => rule(rows),
+            None => self.inner.rows_computed_alike(rows),
+        }
+    }
+    fn samples_on_device(&self) -> bool {
+        self.inner.samples_on_device()
+    }
+    fn validate(&self, items: &[BatchItem<'_>]) -> Result<()> {
+        self.inner.validate(items)
+    }
+    fn forward(&mut self, items: &[BatchItem<'_>], out: &mut Logits) -> Result<()> {
+        (self.watch)(Asked::Forward(items));
+        self.inner.forward(items, out)
+    }
+}
+
 /// The checks of a step that do not depend on KV blocks, the same on every backend: tokens
 /// present and in the vocabulary, and the context window respected.
 pub fn check_request(c: &ModelConfig, items: &[BatchItem<'_>]) -> Result<()> {

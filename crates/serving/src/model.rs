@@ -2588,77 +2588,6 @@ mod tests {
         );
     }
 
-    /// The CPU backend, but saying what the CUDA kernels say of their rows
-    /// (`launch::rows_computed_alike`: a step of 1-4 rows computes each row alike up to 4 rows,
-    /// 5-8 up to 8, more not at all), and recording each verifying step's (sequences, rows).
-    struct WarpClasses {
-        inner: Box<dyn smolchat_engine::Backend>,
-        verifying: Arc<std::sync::Mutex<Vec<(usize, usize)>>>,
-    }
-
-    impl smolchat_engine::Backend for WarpClasses {
-        fn device(&self) -> smolchat_engine::device::Device {
-            self.inner.device()
-        }
-        fn tier(&self) -> smolchat_engine::device::Tier {
-            self.inner.tier()
-        }
-        fn suggested(&self) -> smolchat_engine::device::Suggested {
-            self.inner.suggested()
-        }
-        fn config(&self) -> &smolchat_engine::ModelConfig {
-            self.inner.config()
-        }
-        fn weight_bytes(&self) -> usize {
-            self.inner.weight_bytes()
-        }
-        fn kv_type(&self) -> KvType {
-            self.inner.kv_type()
-        }
-        fn kv_bytes_per_position(&self) -> usize {
-            self.inner.kv_bytes_per_position()
-        }
-        fn kv_block_bytes(&self) -> usize {
-            self.inner.kv_block_bytes()
-        }
-        fn reserve_blocks(
-            &mut self,
-            blocks: usize,
-            capacity: usize,
-        ) -> smolchat_engine::Result<()> {
-            self.inner.reserve_blocks(blocks, capacity)
-        }
-        fn kv_resident_bytes(&self) -> usize {
-            self.inner.kv_resident_bytes()
-        }
-        fn rows_computed_alike(&self, rows: usize) -> usize {
-            smolchat_engine::fast::launch::rows_computed_alike(rows)
-        }
-        fn validate(
-            &self,
-            items: &[smolchat_engine::backend::BatchItem<'_>],
-        ) -> smolchat_engine::Result<()> {
-            self.inner.validate(items)
-        }
-        fn forward(
-            &mut self,
-            items: &[smolchat_engine::backend::BatchItem<'_>],
-            out: &mut smolchat_engine::Logits,
-        ) -> smolchat_engine::Result<()> {
-            // Only a decode verifying drafts asks for every position's logits here.
-            if items
-                .iter()
-                .any(|i| i.tokens.len() > 1 && matches!(i.logits, LogitsMode::All))
-            {
-                let rows = items.iter().map(|i| i.tokens.len()).sum();
-                if let Ok(mut v) = self.verifying.lock() {
-                    v.push((items.len(), rows));
-                }
-            }
-            self.inner.forward(items, out)
-        }
-    }
-
     /// On a backend whose kernels compute a row alike only within a class of step sizes (the
     /// GPU's), drafts never take a step out of its class: a lone conversation still drafts (up
     /// to 3 positions), a step of 5-8 sequences grows to 8 rows at most, and the replies are the
@@ -2669,10 +2598,27 @@ mod tests {
             let (spec, tokenizer) = tiny_with_tokenizer();
             let mut src = synthetic::build(&spec).expect("build");
             let model = Model::load(&mut src, &mut |_, _| {}).expect("load");
+            // The CPU backend, saying of its rows what the CUDA kernels say, and recording each
+            // verifying step's (sequences, rows): only a decode verifying drafts asks for
+            // every position's logits here.
             let verifying = Arc::new(std::sync::Mutex::new(Vec::new()));
-            let backend = WarpClasses {
+            let seen = verifying.clone();
+            let backend = smolchat_engine::backend::Watched {
                 inner: Box::new(smolchat_engine::CpuBackend::f16(model)),
-                verifying: verifying.clone(),
+                watch: Box::new(move |asked| {
+                    if let smolchat_engine::backend::Asked::Forward(items) = asked {
+                        let all = |i: &smolchat_engine::backend::BatchItem<'_>| {
+                            i.tokens.len() > 1 && matches!(i.logits, LogitsMode::All)
+                        };
+                        if items.iter().any(all) {
+                            let rows: usize = items.iter().map(|i| i.tokens.len()).sum();
+                            if let Ok(mut v) = seen.lock() {
+                                v.push((items.len(), rows));
+                            }
+                        }
+                    }
+                }),
+                rows_alike: Some(smolchat_engine::fast::launch::rows_computed_alike),
             };
             let engine =
                 Engine::on_backend(Box::new(backend), KvOptions::default()).expect("engine");

@@ -114,55 +114,6 @@ mod tests {
     use crate::synthetic::{self, SyntheticSpec};
     use crate::{Engine, KvOptions, LogitsMode, SeqStep};
 
-    /// A backend that passes everything to the CPU backend and records what the engine asked:
-    /// the engine needs nothing of a backend beyond the trait.
-    struct Recording {
-        inner: CpuBackend,
-        reserved: std::sync::Arc<std::sync::Mutex<Vec<usize>>>,
-        passes: std::sync::Arc<std::sync::Mutex<Vec<usize>>>,
-    }
-
-    impl Backend for Recording {
-        fn device(&self) -> Device {
-            self.inner.device()
-        }
-        fn tier(&self) -> Tier {
-            self.inner.tier()
-        }
-        fn suggested(&self) -> Suggested {
-            self.inner.suggested()
-        }
-        fn config(&self) -> &ModelConfig {
-            self.inner.config()
-        }
-        fn weight_bytes(&self) -> usize {
-            self.inner.weight_bytes()
-        }
-        fn kv_type(&self) -> KvType {
-            self.inner.kv_type()
-        }
-        fn kv_bytes_per_position(&self) -> usize {
-            self.inner.kv_bytes_per_position()
-        }
-        fn kv_block_bytes(&self) -> usize {
-            self.inner.kv_block_bytes()
-        }
-        fn reserve_blocks(&mut self, blocks: usize, capacity: usize) -> Result<()> {
-            self.reserved.lock().unwrap().push(blocks);
-            self.inner.reserve_blocks(blocks, capacity)
-        }
-        fn kv_resident_bytes(&self) -> usize {
-            self.inner.kv_resident_bytes()
-        }
-        fn validate(&self, items: &[BatchItem<'_>]) -> Result<()> {
-            self.inner.validate(items)
-        }
-        fn forward(&mut self, items: &[BatchItem<'_>], out: &mut Logits) -> Result<()> {
-            self.passes.lock().unwrap().push(items.len());
-            self.inner.forward(items, out)
-        }
-    }
-
     fn model() -> Model {
         let mut src = synthetic::build(&SyntheticSpec::tiny("smollm3")).expect("build");
         Model::load(&mut src, &mut |_, _| {}).expect("load")
@@ -170,12 +121,18 @@ mod tests {
 
     #[test]
     fn the_engine_runs_over_any_backend_with_the_same_results() {
-        let reserved = std::sync::Arc::default();
-        let passes = std::sync::Arc::default();
-        let backend = Recording {
-            inner: CpuBackend::new(model(), KvType::F16).expect("backend"),
-            reserved: std::sync::Arc::clone(&reserved),
-            passes: std::sync::Arc::clone(&passes),
+        // A backend that passes everything to the CPU backend and records what the engine
+        // asked: the engine needs nothing of a backend beyond the trait.
+        let reserved = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let passes = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let (r, p) = (reserved.clone(), passes.clone());
+        let backend = crate::backend::Watched {
+            inner: Box::new(CpuBackend::new(model(), KvType::F16).expect("backend")),
+            watch: Box::new(move |asked| match asked {
+                crate::backend::Asked::Reserve(blocks) => r.lock().unwrap().push(blocks),
+                crate::backend::Asked::Forward(items) => p.lock().unwrap().push(items.len()),
+            }),
+            rows_alike: None,
         };
         let mut through_trait =
             Engine::on_backend(Box::new(backend), KvOptions::default()).expect("engine");
