@@ -229,9 +229,10 @@ pub async fn watch_stream(c: &Client) -> Vec<i64> {
         .await;
         if done == json!(true) && seen.is_empty() {
             // A short reply can stream and finish between two looks (a fast decode): then the
-            // finished reply's text is the one length seen.
+            // finished reply's text is the one length seen. A sampled reply may also be empty
+            // (the model ends at once): it finished all the same, with length 0.
             let last = js(c, LAST_REPLY_LEN).await.as_i64().unwrap_or(-1);
-            if last > 0 {
+            if last >= 0 {
                 eprintln!("the reply ({last} characters) finished between two looks");
                 seen.push(last);
             }
@@ -239,10 +240,15 @@ pub async fn watch_stream(c: &Client) -> Vec<i64> {
         if done == json!(true) && !seen.is_empty() {
             return seen;
         }
-        assert!(
-            Instant::now() < deadline,
-            "the reply did not finish; lengths {seen:?}"
-        );
+        if Instant::now() >= deadline {
+            let last = js(
+                c,
+                "const m = document.querySelectorAll('.msg.assistant'); \
+                 return m.length ? m[m.length - 1].outerHTML.slice(0, 1500) : 'no assistant message';",
+            )
+            .await;
+            panic!("the reply did not finish; lengths {seen:?}; the last reply: {last}");
+        }
         tokio::time::sleep(Duration::from_millis(15)).await;
     }
 }
