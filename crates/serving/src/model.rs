@@ -1000,21 +1000,21 @@ impl ModelWorker {
         }
         // Drafts never change a reply: the step may grow only as far as the backend still
         // computes every row bit for bit as without them (on a GPU, within the matmul kernels'
-        // class of the step's row count; on the CPU, as far as it likes).
-        let decode_rows = plan
-            .decode
-            .iter()
-            .filter(|id| {
-                self.active
-                    .get(id)
-                    .is_some_and(|a| a.seq.is_some() && a.last_token.is_some())
-            })
-            .count();
-        draft_budget = draft_budget.min(
-            self.engine
-                .rows_computed_alike(decode_rows)
-                .saturating_sub(decode_rows),
-        );
+        // class of the step's row count; on the CPU, as far as it likes). Counted only in a
+        // step that may draft at all.
+        if draft_budget > 0 {
+            let decode_rows = plan
+                .decode
+                .iter()
+                .filter(|id| {
+                    self.active
+                        .get(id)
+                        .is_some_and(|a| a.seq.is_some() && a.last_token.is_some())
+                })
+                .count();
+            let alike = self.engine.rows_computed_alike(decode_rows);
+            draft_budget = draft_budget.min(alike.saturating_sub(decode_rows));
+        }
         let break_even = break_even.unwrap_or(1.0);
         let lookup = PromptLookup {
             max_ngram: self.spec.max_ngram,
