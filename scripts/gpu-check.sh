@@ -27,6 +27,7 @@
 #   bench      `smolchat bench --device cuda` on the SmolLM3-3B shape beside llama.cpp's figures,
 #              and the server at 1/8/32/64 concurrent conversations (scripts/http_bench.py)
 #   speculation `smolchat bench --speculative` on the fast tier: the three workloads and the chat
+#              (beside llama.cpp's `llama-lookup` on the same workloads when `llama` built it)
 #              series, drafts off and on (verified inside decode graphs, drawn on the GPU), on the
 #              SmolLM3-3B shape (with --device cpu: the tiny test file, few tokens)
 set -uo pipefail
@@ -193,7 +194,7 @@ case "$phase" in
         cmake -S "$out/llama.cpp" -B "$out/llama.cpp/build" -DGGML_CUDA=ON \
           -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF \
           -DLLAMA_BUILD_SERVER=OFF -DCMAKE_BUILD_TYPE=Release &&
-        cmake --build "$out/llama.cpp/build" -j "$(nproc)" --target llama-bench llama-batched-bench
+        cmake --build "$out/llama.cpp/build" -j "$(nproc)" --target llama-bench llama-batched-bench llama-lookup
       }
       run_phase llama build_llama
     fi
@@ -240,7 +241,15 @@ case "$phase" in
     speculation() {
       [[ -f "$model" ]] || "$bin" bench --synthetic smollm3-3b --save-gguf "$model" || return 1
       SMOLCHAT_MODEL__GPU_TIER=fast "$bin" bench --speculative --model "$model" --device "$device" \
-        --gen-tokens "$tokens"
+        --gen-tokens "$tokens" || return 1
+      # llama.cpp's own lookup decoding on the same file and workloads, when the `llama` phase
+      # built it: its figures go to <out>/llama_lookup.json, its lines to the log.
+      local lb="$out/llama.cpp/build/bin"
+      if [[ -x "$lb/llama-lookup" && "$device" == cuda* ]]; then
+        python3 scripts/llama_lookup_bench.py --llama-bin "$lb" --model "$model" --ngl 99 \
+          --max-tokens "$tokens" --draft 8 --repeat 1 --out "$out/llama_lookup.json" >&2 ||
+          echo "gpu-check: llama-lookup did not run through (see above); smolchat's figures stand" >&2
+      fi
     }
     run_json_phase speculation speculation
     ;;

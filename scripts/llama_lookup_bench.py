@@ -6,6 +6,7 @@ llama.cpp is built outside this repository (a `fetch`ed b9793 with GGML_NATIVE=O
 
   scripts/llama_lookup_bench.py --llama-bin /path/to/llama.cpp/build/bin \\
       --model models/SmolLM2-135M-Instruct.Q4_1.gguf [--threads 2] [--max-tokens 160] [--draft 8]
+      [--ngl 99 for a CUDA build]
 """
 
 import argparse
@@ -54,6 +55,7 @@ def main():
     ap.add_argument("--llama-bin", required=True)
     ap.add_argument("--model", required=True)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--ngl", type=int, default=0, help="layers on the GPU (-ngl), 99 for all")
     ap.add_argument("--max-tokens", type=int, default=160)
     ap.add_argument("--draft", type=int, default=8)
     ap.add_argument("--repeat", type=int, default=3)
@@ -72,6 +74,7 @@ def main():
                             "-m", args.model, "-p", prompt, "-n", str(args.max_tokens),
                             "-t", str(args.threads), "--temp", "0",
                             "--spec-draft-n-max", str(draft), "-c", "4096",
+                            "-ngl", str(args.ngl),
                         ]
                     )
                 )
