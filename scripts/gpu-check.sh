@@ -4,7 +4,7 @@
 # `make gpu-bundle` builds (see README, "GPU build and gpu-check"). No cargo, no network needed.
 #
 #   scripts/gpu-check.sh PHASE [options]      PHASE: env kernels sanitizer tiers http llama bench
-#                                             speculation report all
+#                                             speculation profile report all
 #
 #   --bundle DIR     where the bundle's files are (default target/gpu-bundle)
 #   --out DIR        where results go (default $OUT when set, else target/gpu-check)
@@ -26,6 +26,8 @@
 #   llama      builds llama.cpp's llama-bench and llama-batched-bench with CUDA from --tarball
 #   bench      `smolchat bench --device cuda` on the SmolLM3-3B shape beside llama.cpp's figures,
 #              and the server at 1/8/32/64 concurrent conversations (scripts/http_bench.py)
+#   profile    where a step's time goes: the op-by-op profile of the 3B shape, and Nsight Systems'
+#              kernel tables of `smolchat bench` and llama-bench when nsys is installed
 #   speculation `smolchat bench --speculative` on the fast tier: the three workloads and the chat
 #              (beside llama.cpp's `llama-lookup` on the same workloads when `llama` built it)
 #              series, drafts off and on (verified inside decode graphs, drawn on the GPU), on the
@@ -147,7 +149,8 @@ case "$phase" in
     ;;
   kernels)
     unpack
-    run_phase kernels gpu_tests kernels_equal_their_twins graphs_replay_what_eager_computes \
+    run_phase kernels gpu_tests kernels_equal_their_twins kernels_quantizing_in_place_write_the_twins_q8_1_rows \
+      graphs_replay_what_eager_computes \
       verifying_steps_draw_as_decoding_does_in_graphs cuda_qmatmul_matches_the_cpu_qmatrix \
       device_selection_sees_the_gpu
     ;;
@@ -229,6 +232,39 @@ case "$phase" in
     }
     run_json_phase bench bench
     ;;
+  profile)
+    # Where a step's time goes on this GPU: our op-by-op profile of the 3B shape (a synchronize
+    # after each op, so each carries its launch overhead), then, when Nsight Systems is
+    # installed, its kernel table for `smolchat bench` on the fast tier (decode replayed from
+    # graphs: the kernels as they really run), and the same for llama.cpp's llama-bench when
+    # the `llama` phase built it.
+    unpack
+    profile() {
+      gpu_tests fast_tier::profile_the_3b_shape || return 1
+      local nsys; nsys=$(command -v nsys || ls /opt/nvidia/nsight-systems/*/bin/nsys \
+        /usr/local/cuda/nsight-systems-*/bin/nsys 2>/dev/null | head -1)
+      if [[ -z "$nsys" ]]; then
+        echo "gpu-check: nsys is not installed here; the op-by-op profile above is all"
+        return 0
+      fi
+      local model="$out/smollm3-3b-synth.gguf"
+      [[ -f "$model" ]] || "$bundle/smolchat" bench --synthetic smollm3-3b --save-gguf "$model" || return 1
+      SMOLCHAT_MODEL__GPU_TIER=fast "$nsys" profile --force-overwrite true -o "$out/nsys-smolchat" \
+        --stats=true "$bundle/smolchat" bench --model "$model" --device cuda --prompt-tokens 512 \
+        --gen-tokens 64 --batch 1 || return 1
+      local lb="$out/llama.cpp/build/bin"
+      if [[ -x "$lb/llama-bench" ]]; then
+        "$nsys" profile --force-overwrite true -o "$out/nsys-llama" --stats=true \
+          "$lb/llama-bench" -m "$model" -ngl 99 -p 512 -n 64 -r 1 || return 1
+      fi
+      rm -f "$out"/nsys-*.nsys-rep "$out"/nsys-*.sqlite
+    }
+    if [[ "$device" == cuda* ]]; then
+      run_phase profile profile
+    else
+      skip profile "the profile needs a GPU"
+    fi
+    ;;
   speculation)
     unpack
     bin="$bundle/smolchat"
@@ -257,7 +293,7 @@ case "$phase" in
     python3 - "$out" <<'PY'
 import json, os, sys
 out = sys.argv[1]
-phases = ["env", "kernels", "sanitizer", "tiers", "http", "llama", "bench", "speculation"]
+phases = ["env", "kernels", "sanitizer", "tiers", "http", "llama", "bench", "speculation", "profile"]
 recs = []
 for p in phases:
     path = os.path.join(out, p + ".json")
@@ -301,7 +337,7 @@ print("\n".join(lines))
 PY
     ;;
   all)
-    for p in env kernels sanitizer tiers http llama bench speculation; do
+    for p in env kernels sanitizer tiers http llama bench speculation profile; do
       "$0" "$p" --bundle "$bundle" --out "$out" --device "$device" ${tarball:+--tarball "$tarball"}
     done
     "$0" report --out "$out"

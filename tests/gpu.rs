@@ -307,6 +307,71 @@ mod fast_tier {
         ]
     }
 
+    /// The kernels that quantize their output in place for the MMVQ matmuls after them
+    /// (`rms_norm` with a Q8_1 output, the residual add fused before it, and `silu_mul_q8_1`)
+    /// write the Q8_1 rows the twin makes of the values they wrote: scales and values bit for
+    /// bit, block sums within one f16 step (summed in another order). The differential check
+    /// cannot see these rows: it aligns each op's outputs, which makes the matmuls quantize
+    /// again.
+    #[test]
+    #[ignore = "needs a CUDA GPU and a `--features cuda` build: run with --ignored there"]
+    fn kernels_quantizing_in_place_write_the_twins_q8_1_rows() {
+        use smolchat_engine::fast::layout::padded_columns;
+        use smolchat_engine::fast::twin::q8_1::quantize_rows_q8_1;
+        cuda_required("kernels_quantizing_in_place_write_the_twins_q8_1_rows");
+        let mut spec = SyntheticSpec::smollm3_3b();
+        spec.n_layers = 2;
+        let mut gpu = CudaRunner::load(weights(&spec), 0, false).unwrap_or_else(|e| panic!("{e}"));
+        gpu.reserve_blocks(8).unwrap_or_else(|e| panic!("{e}"));
+        let config = gpu.config().clone();
+        let tokens = [5u32, 9, 14];
+        let blocks: Vec<[u32; 1]> = (0..3u32).map(|b| [b]).collect();
+        let items: Vec<BatchItem<'_>> = (0..3)
+            .map(|i| BatchItem {
+                blocks: &blocks[i],
+                past: 0,
+                tokens: &tokens[i..i + 1],
+                logits: LogitsMode::Last,
+                sample: &[],
+            })
+            .collect();
+        let tables = step_tables(&items);
+        let rope = RopeTable::new(&config, &[0, 0, 0]);
+        let plan = Plan::for_step(&config, &tables);
+        gpu.begin(&plan, &tables, &rope)
+            .unwrap_or_else(|e| panic!("{e}"));
+        let mut checked = 0;
+        for &op in &plan.ops {
+            gpu.run_op(&plan, op).unwrap_or_else(|e| panic!("{e}"));
+            if !matches!(op, Op::RmsNorm { .. } | Op::SiluMul) {
+                continue;
+            }
+            let Some((buf, got)) = gpu.quantized_rows(&plan).unwrap_or_else(|e| panic!("{e}"))
+            else {
+                panic!("{op:?} left no Q8_1 rows in a step of 3 rows");
+            };
+            let values = gpu.read(&plan, buf).unwrap_or_else(|e| panic!("{e}"));
+            let rows = plan.rows_of(buf);
+            let k = values.len() / rows;
+            let want = quantize_rows_q8_1(&values, rows, k, padded_columns(k));
+            assert_eq!(got.len(), want.len(), "{op:?}");
+            for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                assert_eq!(g.d.to_bits(), w.d.to_bits(), "{op:?}, block {i}: scale");
+                assert_eq!(g.qs, w.qs, "{op:?}, block {i}: values");
+                let step = (half::f16::from_bits(w.s.to_bits() + 1).to_f32() - w.s.to_f32()).abs();
+                assert!(
+                    (g.s.to_f32() - w.s.to_f32()).abs() <= step.max(1e-7),
+                    "{op:?}, block {i}: sum {} against the twin's {}",
+                    g.s,
+                    w.s
+                );
+            }
+            checked += 1;
+        }
+        // Per layer the attention norm, the FFN norm and SwiGLU; then the output norm.
+        assert_eq!(checked, 3 * spec.n_layers + 1);
+    }
+
     /// Every kernel over steps of many shapes: prefill across block boundaries, decode over
     /// context splits beside short prefills (MMQ: more than 8 rows), and eight one-token rows
     /// drawn on the device with as many sampling settings (MMVQ, penalties, sampling), for each

@@ -67,6 +67,7 @@ fn the_http_phase_and_the_report_run_against_a_cpu_server() {
     assert!(rows.iter().all(|r| r["same_tokens"] == true), "{spec}");
     // A phase with nothing to run says so, and the report gathers every phase.
     run(&["llama"]);
+    run(&["profile", "--device", "cpu"]);
     let said = run(&["report"]);
     let report: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(out.join("gpu-check.json")).expect("report"))
@@ -79,6 +80,7 @@ fn the_http_phase_and_the_report_run_against_a_cpu_server() {
     };
     assert_eq!(status("http"), Some("passed".into()), "{said}");
     assert_eq!(status("llama"), Some("skipped".into()), "{said}");
+    assert_eq!(status("profile"), Some("skipped".into()), "{said}");
     assert_eq!(status("kernels"), Some("not run".into()), "{said}");
     let md = std::fs::read_to_string(out.join("gpu-check.md")).expect("md");
     assert!(md.contains("| http | passed |"), "{md}");

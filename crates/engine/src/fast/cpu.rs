@@ -117,7 +117,19 @@ impl CpuRunner {
                 }
                 self.put(Buf::X, x);
             }
-            Op::RmsNorm { x, weight, out } => {
+            Op::RmsNorm {
+                x,
+                add,
+                weight,
+                out,
+            } => {
+                if let Some(y) = add {
+                    let mut a = self.take(x)?;
+                    let b = self.take(y)?;
+                    norm::add(&mut a, &b);
+                    self.put(x, a);
+                    self.put(y, b);
+                }
                 let input = self.take(x)?;
                 let mut output = self.buffer(plan, out)?;
                 norm::rms_norm(&input, self.weights.norm(weight)?, c.rms_eps, &mut output);

@@ -36,6 +36,12 @@ impl OpDiff {
 pub fn written(op: Op) -> Vec<Buf> {
     match op {
         Op::Embed => vec![Buf::X],
+        Op::RmsNorm {
+            x,
+            add: Some(_),
+            out,
+            ..
+        } => vec![x, out],
         Op::RmsNorm { out, .. } | Op::MatMul { out, .. } => vec![out],
         Op::RopeKvWrite { .. } => vec![Buf::Q, Buf::K],
         Op::Attention { .. } => vec![Buf::Attn],

@@ -51,6 +51,32 @@ pub fn elementwise(n: usize) -> Result<Launch> {
     })
 }
 
+/// `silu_mul_q8_1`: rows of `cols_padded` values (a multiple of [`ELEMENT_THREADS`], as
+/// [`crate::fast::layout::padded_columns`] makes them), one thread per value, one block per
+/// [`ELEMENT_THREADS`] values of a row, so each warp quantizes whole Q8_1 blocks.
+pub fn silu_mul_q8_1(rows: usize, cols_padded: usize) -> Result<Launch> {
+    if !cols_padded.is_multiple_of(ELEMENT_THREADS as usize) {
+        return Err(EngineError::InvalidStep(format!(
+            "silu_mul_q8_1 takes rows padded to a multiple of {ELEMENT_THREADS} values, not {cols_padded}"
+        )));
+    }
+    Ok(Launch {
+        grid: (
+            dim((cols_padded / ELEMENT_THREADS as usize).max(1), "values")?,
+            dim(rows, "rows")?,
+            1,
+        ),
+        block: (ELEMENT_THREADS, 1, 1),
+    })
+}
+
+/// Whether a step of `rows` rows quantizes a matmul's input in the kernel that writes it
+/// (`rms_norm` with a Q8_1 output, `silu_mul_q8_1`): when its matmuls take MMVQ, whose Q8_1
+/// rows those kernels write; MMQ reads another layout, quantized by its own launch.
+pub fn quantizes_in_place(rows: usize) -> bool {
+    rows <= MMVQ_MAX_ROWS
+}
+
 /// `rope`: one block per (row, head), one thread per rotated pair.
 pub fn rope(rows: usize, heads: usize, rope_dim: usize) -> Result<Launch> {
     if !rope_dim.is_multiple_of(2) || rope_dim / 2 > 1024 {
@@ -288,6 +314,7 @@ pub fn kernel_names() -> Vec<&'static str> {
         "rms_norm",
         "add_f32",
         "silu_mul",
+        "silu_mul_q8_1",
         "gather_rows",
         "rope",
         "kv_write",
@@ -446,6 +473,23 @@ mod tests {
         assert_eq!(l.grid, (64, 4, 256));
         assert_eq!(l.block, (ATTENTION_THREADS, 1, 1));
         assert_eq!(elementwise(1).map(|l| l.grid.0).ok(), Some(1));
+        // SmolLM3's FFN width 11008 pads to 11264: 44 blocks of 256 values a row.
+        let padded = crate::fast::layout::padded_columns(11008);
+        assert_eq!(
+            silu_mul_q8_1(3, padded).map(|l| (l.grid, l.block)).ok(),
+            Some(((44, 3, 1), (256, 1, 1)))
+        );
+        assert!(
+            silu_mul_q8_1(1, 11000).is_err(),
+            "not a multiple of the block"
+        );
+        assert!(quantizes_in_place(1) && quantizes_in_place(8) && !quantizes_in_place(9));
+        // rms_norm's quantizing loop runs whole padded rows in steps of its block.
+        let pad = crate::fast::layout::MATRIX_ROW_PADDING;
+        assert!(
+            pad.is_multiple_of(ROW_THREADS as usize)
+                && pad.is_multiple_of(ELEMENT_THREADS as usize)
+        );
         assert_eq!(elementwise(257).map(|l| l.grid.0).ok(), Some(2));
         assert_eq!(
             rope(3, 16, 128).map(|l| (l.grid, l.block)).ok(),

@@ -77,8 +77,14 @@ pub enum Norm {
 pub enum Op {
     /// `X[r] = embedding row of tokens[r]`.
     Embed,
-    /// `out[r] = x[r] / rms(x[r]) × weight`, over `rows` rows of `hidden`.
-    RmsNorm { x: Buf, weight: Norm, out: Buf },
+    /// `x += add` when `add` is set (the residual add, fused into the norm: one launch on a
+    /// GPU), then `out[r] = x[r] / rms(x[r]) × weight`, over `rows` rows of `hidden`.
+    RmsNorm {
+        x: Buf,
+        add: Option<Buf>,
+        weight: Norm,
+        out: Buf,
+    },
     /// `out = x · Wᵀ` (activations quantized to Q8_1, then the quantized dot products).
     MatMul { weight: Matrix, x: Buf, out: Buf },
     /// RoPE on `Q` and `K` (layers that use it), then `K`, `V` written into the arena at the rows'
@@ -156,9 +162,14 @@ impl Plan {
     ) -> Self {
         let mut ops = vec![Op::Embed];
         for layer in 0..config.n_layers {
+            // The residual adds ride on the norms that follow them (the previous layer's FFN
+            // output on this layer's attention norm, the attention output on the FFN norm);
+            // only the last layer's FFN output is added alone, before the logit rows.
+            let residual = (layer > 0).then_some(Buf::Proj);
             ops.extend([
                 Op::RmsNorm {
                     x: Buf::X,
+                    add: residual,
                     weight: Norm::Attn(layer),
                     out: Buf::H,
                 },
@@ -187,12 +198,9 @@ impl Plan {
                     x: Buf::Attn,
                     out: Buf::Proj,
                 },
-                Op::Add {
-                    x: Buf::X,
-                    y: Buf::Proj,
-                },
                 Op::RmsNorm {
                     x: Buf::X,
+                    add: Some(Buf::Proj),
                     weight: Norm::Ffn(layer),
                     out: Buf::H,
                 },
@@ -212,17 +220,20 @@ impl Plan {
                     x: Buf::Gate,
                     out: Buf::Proj,
                 },
-                Op::Add {
-                    x: Buf::X,
-                    y: Buf::Proj,
-                },
             ]);
+        }
+        if config.n_layers > 0 {
+            ops.push(Op::Add {
+                x: Buf::X,
+                y: Buf::Proj,
+            });
         }
         if logit_rows > 0 {
             ops.extend([
                 Op::GatherLogitRows,
                 Op::RmsNorm {
                     x: Buf::Sel,
+                    add: None,
                     weight: Norm::Output,
                     out: Buf::SelNorm,
                 },
@@ -312,6 +323,7 @@ mod tests {
             hidden.ops.last(),
             Some(&Op::RmsNorm {
                 x: Buf::Sel,
+                add: None,
                 weight: Norm::Output,
                 out: Buf::SelNorm,
             })
@@ -326,5 +338,44 @@ mod tests {
             })
         ));
         assert_eq!(logits.ops.len(), hidden.ops.len() + 1);
+    }
+
+    /// The residual adds ride on the norms after them: every norm but the first layer's
+    /// attention norm (after the embedding) and the output norm adds `Proj` into `X` first, and
+    /// one lone add is left, the last layer's, before the logit rows are gathered.
+    #[test]
+    fn residual_adds_ride_on_the_norms_after_them() {
+        let spec = SyntheticSpec::tiny("smollm3");
+        let src = crate::synthetic::build(&spec).unwrap_or_else(|e| panic!("{e}"));
+        let config = ModelConfig::from_gguf(&src).unwrap_or_else(|e| panic!("{e}"));
+        let plan = Plan::forward(&config, 3, 3, 1);
+        let norms: Vec<(Option<Buf>, Norm)> = plan
+            .ops
+            .iter()
+            .filter_map(|op| match *op {
+                Op::RmsNorm { add, weight, .. } => Some((add, weight)),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(norms.len(), 2 * config.n_layers + 1);
+        for (add, weight) in norms {
+            let expected = match weight {
+                Norm::Attn(0) | Norm::Output => None,
+                _ => Some(Buf::Proj),
+            };
+            assert_eq!(add, expected, "{weight:?}");
+        }
+        let adds: Vec<usize> = (0..plan.ops.len())
+            .filter(|&i| matches!(plan.ops[i], Op::Add { .. }))
+            .collect();
+        assert_eq!(adds.len(), 1);
+        assert!(matches!(
+            plan.ops[adds[0] - 1],
+            Op::MatMul {
+                weight: Matrix::Down(l),
+                ..
+            } if l == config.n_layers - 1
+        ));
+        assert_eq!(plan.ops[adds[0] + 1], Op::GatherLogitRows);
     }
 }

@@ -176,18 +176,68 @@ __device__ float block_sum(float x) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// RMSNorm (twin: fast::twin::norm::rms_norm). One block per row.
+// Q8_1 quantization fused into the kernel that produces a matmul's input (twin:
+// fast::twin::q8_1), for steps whose matmuls take MMVQ: one launch instead of two. Each warp
+// quantizes one block of 32 values exactly as candle-kernels' mmvq_gguf_quantize_q8_1_f32 does
+// (the same butterfly reductions, IEEE division, roundf), so the Q8_1 rows are bit for bit the
+// ones the separate launch would write.
 // ---------------------------------------------------------------------------------------------
 
-extern "C" __global__ void rms_norm(const float *__restrict__ x, const float *__restrict__ w,
-                                    float *__restrict__ out, int cols, float eps) {
+struct q8_1_block { half d; half s; int8_t qs[32]; };  // candle's block_q8_1: half2 ds, qs[32]
+
+__device__ __forceinline__ float warp_max(float x) {
+#pragma unroll
+    for (int m = 16; m > 0; m >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, m));
+    return x;
+}
+
+// Value `i` (row-major over rows of `cols_padded`) of a Q8_1 matrix; the whole warp calls it
+// for 32 consecutive, block-aligned values (zeros past a row's `cols`).
+__device__ __forceinline__ void quantize_q8_1(q8_1_block *__restrict__ q8, size_t i, float v) {
+    const float amax = warp_max(fabsf(v));
+    const float sum = warp_sum(v);
+    const float d = amax / 127.0f;
+    q8_1_block *b = q8 + i / 32;
+    b->qs[i % 32] = (amax == 0.0f) ? 0 : (int8_t)roundf(v / d);
+    if (i % 32 == 0) {
+        b->d = __float2half(d);
+        b->s = __float2half(sum);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// RMSNorm (twins: fast::twin::norm::{add, rms_norm}, fast::twin::q8_1). One block per row.
+// With `y`, the residual add `x += y` first (add_f32's arithmetic); with `q8`, the normed rows
+// also quantized to Q8_1 rows of `cols_padded` values (`cols_padded` a multiple of blockDim.x,
+// so every warp takes part in every block's reductions).
+// ---------------------------------------------------------------------------------------------
+
+extern "C" __global__ void rms_norm(float *__restrict__ x, const float *__restrict__ y,
+                                    const float *__restrict__ w, float *__restrict__ out,
+                                    q8_1_block *__restrict__ q8, int cols, int cols_padded,
+                                    float eps) {
     const size_t row = blockIdx.x;
-    const float *xr = x + row * cols;
+    float *xr = x + row * cols;
     float ss = 0.0f;
-    for (int c = threadIdx.x; c < cols; c += blockDim.x) ss += xr[c] * xr[c];
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) {
+        float v = xr[c];
+        if (y != nullptr) {
+            v += y[row * cols + c];
+            xr[c] = v;
+        }
+        ss += v * v;
+    }
     ss = block_sum(ss);
     const float scale = rsqrtf(ss / (float)cols + eps);
-    for (int c = threadIdx.x; c < cols; c += blockDim.x) out[row * cols + c] = xr[c] * scale * w[c];
+    const int end = q8 != nullptr ? cols_padded : cols;
+    for (int c = threadIdx.x; c < end; c += blockDim.x) {
+        float h = 0.0f;
+        if (c < cols) {
+            h = xr[c] * scale * w[c];
+            out[row * cols + c] = h;
+        }
+        if (q8 != nullptr) quantize_q8_1(q8, row * cols_padded + c, h);
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -205,6 +255,22 @@ extern "C" __global__ void silu_mul(float *__restrict__ gate, const float *__res
         const float g = gate[i];
         gate[i] = g / (1.0f + expf(-g)) * up[i];
     }
+}
+
+// silu_mul over rows of `cols`, then the rows quantized to Q8_1 rows of `cols_padded` values
+// (twins: fast::twin::norm::silu_mul, fast::twin::q8_1). Grid (cols_padded / blockDim.x, rows).
+extern "C" __global__ void silu_mul_q8_1(float *__restrict__ gate, const float *__restrict__ up,
+                                         q8_1_block *__restrict__ q8, int cols, int cols_padded) {
+    const int c = blockIdx.x * blockDim.x + threadIdx.x;
+    const size_t row = blockIdx.y;
+    float v = 0.0f;
+    if (c < cols) {
+        const size_t i = row * cols + c;
+        const float g = gate[i];
+        v = g / (1.0f + expf(-g)) * up[i];
+        gate[i] = v;
+    }
+    if (c < cols_padded) quantize_q8_1(q8, row * cols_padded + c, v);
 }
 
 // `out[i] = x[rows[i]]`, rows of `cols` values; one block per output row.

@@ -23,7 +23,7 @@ use smolchat_gguf::GgmlDType;
 use super::graph::{CaptureGuard, GraphAction, GraphCache, GraphKey, GraphStats};
 use super::launch::{self, Launch};
 use super::layout::{
-    padded_columns, sample_rows_bytes, KvArena, StepTables, BLOCK_Q8_1_BYTES, QK8_1,
+    padded_columns, sample_rows_bytes, BlockQ8_1, KvArena, StepTables, BLOCK_Q8_1_BYTES, QK8_1,
 };
 use super::plan::{matrix_shape, Buf, Matrix, Norm, Op, Plan, BUFFERS};
 use super::weights::{FastWeights, RawMatrix};
@@ -241,6 +241,43 @@ impl CudaRunner {
         })
     }
 
+    /// The buffer whose MMVQ Q8_1 rows the matmul scratch holds now, and those rows (for the
+    /// GPU tests: a kernel that quantizes its output in place against the twin); `None` when the
+    /// scratch holds none.
+    pub fn quantized_rows(&mut self, plan: &Plan) -> Result<Option<(Buf, Vec<BlockQ8_1>)>> {
+        let Some(Quantized::Mmvq(buf)) = self.quantized else {
+            return Ok(None);
+        };
+        let rows = plan.rows_of(buf);
+        let k = plan.len_of(&self.config, buf) / rows.max(1);
+        let blocks = rows * padded_columns(k) / QK8_1;
+        let q8 = self
+            .q8
+            .as_ref()
+            .ok_or_else(|| missing("the Q8_1 scratch"))?;
+        let mut bytes = vec![0u8; blocks * BLOCK_Q8_1_BYTES];
+        if !bytes.is_empty() {
+            let view = q8.slice(0..bytes.len());
+            self.stream.memcpy_dtoh(&view, &mut bytes).map_err(cuda)?;
+        }
+        self.stream.synchronize().map_err(cuda)?;
+        let parsed = bytes
+            .chunks_exact(BLOCK_Q8_1_BYTES)
+            .map(|b| {
+                let mut qs = [0i8; QK8_1];
+                for (q, &v) in qs.iter_mut().zip(&b[4..]) {
+                    *q = v as i8;
+                }
+                BlockQ8_1 {
+                    d: half::f16::from_le_bytes([b[0], b[1]]),
+                    s: half::f16::from_le_bytes([b[2], b[3]]),
+                    qs,
+                }
+            })
+            .collect();
+        Ok(Some((buf, parsed)))
+    }
+
     fn function(&self, name: &str) -> Result<&CudaFunction> {
         self.functions
             .get(name)
@@ -352,7 +389,12 @@ impl CudaRunner {
                 }
                 .map_err(cuda)?;
             }
-            Op::RmsNorm { x, weight, out } => {
+            Op::RmsNorm {
+                x,
+                add,
+                weight,
+                out,
+            } => {
                 let n = plan.rows_of(x);
                 let f = self.function("rms_norm")?;
                 let w = self
@@ -360,17 +402,47 @@ impl CudaRunner {
                     .get(&weight)
                     .ok_or_else(|| missing(&format!("{weight:?}")))?;
                 let (cols, eps) = (c.hidden as i32, c.rms_eps);
-                unsafe {
-                    self.stream
-                        .launch_builder(f)
-                        .arg(self.buffer(x)?)
-                        .arg(w)
-                        .arg(self.buffer(out)?)
-                        .arg(&cols)
-                        .arg(&eps)
-                        .launch(config_of(launch::per_row(n)?))
+                let cols_padded = padded_columns(c.hidden) as i32;
+                let quantize = launch::quantizes_in_place(n);
+                // The pointers' guards end with the block, before `quantized` changes.
+                {
+                    // The residual add and, for MMVQ steps, the matmuls' Q8_1 rows in the same
+                    // launch: null pointers leave either out.
+                    let (y_ptr, _y) = match add {
+                        Some(y) => {
+                            let (p, g) = self.buffer(y)?.device_ptr(&self.stream);
+                            (p, Some(g))
+                        }
+                        None => (0, None),
+                    };
+                    let (q8_ptr, _q) = if quantize {
+                        let q8 = self
+                            .q8
+                            .as_ref()
+                            .ok_or_else(|| missing("the Q8_1 scratch"))?;
+                        let (p, g) = q8.device_ptr(&self.stream);
+                        (p, Some(g))
+                    } else {
+                        (0, None)
+                    };
+                    unsafe {
+                        self.stream
+                            .launch_builder(f)
+                            .arg(self.buffer(x)?)
+                            .arg(&y_ptr)
+                            .arg(w)
+                            .arg(self.buffer(out)?)
+                            .arg(&q8_ptr)
+                            .arg(&cols)
+                            .arg(&cols_padded)
+                            .arg(&eps)
+                            .launch(config_of(launch::per_row(n)?))
+                    }
+                    .map_err(cuda)?;
                 }
-                .map_err(cuda)?;
+                if quantize {
+                    self.quantized = Some(Quantized::Mmvq(out));
+                }
             }
             Op::MatMul { weight, x, out } => self.matmul(plan, weight, x, out)?,
             Op::RopeKvWrite { layer, rope } => {
@@ -433,6 +505,28 @@ impl CudaRunner {
                         .launch(config_of(launch::elementwise(n)?))
                 }
                 .map_err(cuda)?;
+            }
+            Op::SiluMul if launch::quantizes_in_place(rows) => {
+                // The down projection's Q8_1 rows in the same launch.
+                let f = self.function("silu_mul_q8_1")?;
+                let cols_padded = padded_columns(c.ffn);
+                let q8 = self
+                    .q8
+                    .as_ref()
+                    .ok_or_else(|| missing("the Q8_1 scratch"))?;
+                let (cols, padded32) = (c.ffn as i32, cols_padded as i32);
+                unsafe {
+                    self.stream
+                        .launch_builder(f)
+                        .arg(self.buffer(Buf::Gate)?)
+                        .arg(self.buffer(Buf::Up)?)
+                        .arg(q8)
+                        .arg(&cols)
+                        .arg(&padded32)
+                        .launch(config_of(launch::silu_mul_q8_1(rows, cols_padded)?))
+                }
+                .map_err(cuda)?;
+                self.quantized = Some(Quantized::Mmvq(Buf::Gate));
             }
             Op::SiluMul => {
                 let f = self.function("silu_mul")?;
