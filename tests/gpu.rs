@@ -308,7 +308,8 @@ mod fast_tier {
     }
 
     /// The kernels that quantize their output in place for the MMVQ matmuls after them
-    /// (`rms_norm` with a Q8_1 output, the residual add fused before it, and `silu_mul_q8_1`)
+    /// (`rms_norm` with a Q8_1 output, the residual add fused before it, `attention_merge` and
+    /// `silu_mul_q8_1`)
     /// write the Q8_1 rows the twin makes of the values they wrote: scales and values bit for
     /// bit, block sums within one f16 step (summed in another order). The differential check
     /// cannot see these rows: it aligns each op's outputs, which makes the matmuls quantize
@@ -343,7 +344,7 @@ mod fast_tier {
         let mut checked = 0;
         for &op in &plan.ops {
             gpu.run_op(&plan, op).unwrap_or_else(|e| panic!("{e}"));
-            if !matches!(op, Op::RmsNorm { .. } | Op::SiluMul) {
+            if !matches!(op, Op::RmsNorm { .. } | Op::SiluMul | Op::Attention { .. }) {
                 continue;
             }
             let Some((buf, got)) = gpu.quantized_rows(&plan).unwrap_or_else(|e| panic!("{e}"))
@@ -368,8 +369,9 @@ mod fast_tier {
             }
             checked += 1;
         }
-        // Per layer the attention norm, the FFN norm and SwiGLU; then the output norm.
-        assert_eq!(checked, 3 * spec.n_layers + 1);
+        // Per layer the attention norm, the attention's merge, the FFN norm and SwiGLU; then the
+        // output norm.
+        assert_eq!(checked, 4 * spec.n_layers + 1);
     }
 
     /// Every kernel over steps of many shapes: prefill across block boundaries, decode over

@@ -77,19 +77,6 @@ pub fn quantizes_in_place(rows: usize) -> bool {
     rows <= MMVQ_MAX_ROWS
 }
 
-/// `rope`: one block per (row, head), one thread per rotated pair.
-pub fn rope(rows: usize, heads: usize, rope_dim: usize) -> Result<Launch> {
-    if !rope_dim.is_multiple_of(2) || rope_dim / 2 > 1024 {
-        return Err(EngineError::InvalidStep(format!(
-            "rope dimension {rope_dim} must be even and at most 2048"
-        )));
-    }
-    Ok(Launch {
-        grid: (dim(rows, "rows")?, dim(heads.min(MAX_GRID_YZ), "heads")?, 1),
-        block: (dim(rope_dim / 2, "rope pairs")?, 1, 1),
-    })
-}
-
 /// `kv_write`: one block per (row, KV head), one thread per dimension.
 pub fn kv_write(rows: usize, kv_heads: usize, head_dim: usize) -> Result<Launch> {
     if head_dim > 1024 {
@@ -99,6 +86,31 @@ pub fn kv_write(rows: usize, kv_heads: usize, head_dim: usize) -> Result<Launch>
     }
     Ok(Launch {
         grid: (dim(rows, "rows")?, dim(kv_heads, "KV heads")?, 1),
+        block: (dim(head_dim, "head dim")?, 1, 1),
+    })
+}
+
+/// `rope_kv_write`: one block per (row, query or KV head), one thread per dimension (the first
+/// `rope_dim / 2` rotate a pair each).
+pub fn rope_kv_write(
+    rows: usize,
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    rope_dim: usize,
+) -> Result<Launch> {
+    if head_dim > 1024
+        || !rope_dim.is_multiple_of(2)
+        || rope_dim > head_dim
+        || heads + kv_heads > MAX_GRID_YZ
+    {
+        return Err(EngineError::InvalidStep(format!(
+            "rope_kv_write takes an even rope dimension within a head of at most 1024 and at \
+             most {MAX_GRID_YZ} heads, not {rope_dim} of {head_dim} and {heads} + {kv_heads}"
+        )));
+    }
+    Ok(Launch {
+        grid: (dim(rows, "rows")?, dim(heads + kv_heads, "heads")?, 1),
         block: (dim(head_dim, "head dim")?, 1, 1),
     })
 }
@@ -316,8 +328,8 @@ pub fn kernel_names() -> Vec<&'static str> {
         "silu_mul",
         "silu_mul_q8_1",
         "gather_rows",
-        "rope",
         "kv_write",
+        "rope_kv_write",
         "attention_merge",
         "apply_penalties",
         "sample_rows",
@@ -491,12 +503,21 @@ mod tests {
                 && pad.is_multiple_of(ELEMENT_THREADS as usize)
         );
         assert_eq!(elementwise(257).map(|l| l.grid.0).ok(), Some(2));
-        assert_eq!(
-            rope(3, 16, 128).map(|l| (l.grid, l.block)).ok(),
-            Some(((3, 16, 1), (64, 1, 1)))
-        );
-        assert!(rope(1, 1, 127).is_err());
         assert_eq!(kv_write(5, 4, 128).map(|l| l.block.0).ok(), Some(128));
+        assert_eq!(
+            rope_kv_write(5, 16, 4, 128, 128)
+                .map(|l| (l.grid, l.block))
+                .ok(),
+            Some(((5, 20, 1), (128, 1, 1)))
+        );
+        assert!(
+            rope_kv_write(1, 16, 4, 64, 128).is_err(),
+            "rope wider than the head"
+        );
+        assert!(
+            rope_kv_write(1, 16, 4, 128, 127).is_err(),
+            "odd rope dimension"
+        );
         assert_eq!(mmvq_pieces(0), Vec::<std::ops::Range<usize>>::new());
         assert_eq!(mmvq_pieces(8), vec![0..8]);
         assert_eq!(mmvq_pieces(19), vec![0..8, 8..16, 16..19]);

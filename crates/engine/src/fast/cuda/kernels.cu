@@ -285,21 +285,6 @@ extern "C" __global__ void gather_rows(const float *__restrict__ x, const uint32
 // RoPE and the K/V write (twins: fast::twin::rope::{rotate, write_kv}).
 // ---------------------------------------------------------------------------------------------
 
-// Rotates adjacent pairs (2i, 2i+1), i < rope_dim / 2, of every head; cos/sin are
-// [rows][rope_dim / 2], computed on the host. Grid (rows, heads), block rope_dim / 2.
-extern "C" __global__ void rope(float *__restrict__ x, const float *__restrict__ cos_t,
-                                const float *__restrict__ sin_t, int heads, int head_dim,
-                                int rope_dim) {
-    const int row = blockIdx.x, head = blockIdx.y, i = threadIdx.x;
-    const int half_dim = rope_dim / 2;
-    if (i >= half_dim) return;
-    float *h = x + ((size_t)row * heads + head) * head_dim;
-    const float c = cos_t[row * half_dim + i], s = sin_t[row * half_dim + i];
-    const float a = h[2 * i], b = h[2 * i + 1];
-    h[2 * i] = a * c - b * s;
-    h[2 * i + 1] = a * s + b * c;
-}
-
 __device__ __forceinline__ size_t arena_index(uint32_t block, int layer, int kind, int head,
                                               int slot, int layers, int kv_heads, int head_dim) {
     const size_t page = (((size_t)block * layers + layer) * 2 + kind) * kv_heads + head;
@@ -319,6 +304,42 @@ extern "C" __global__ void kv_write(const float *__restrict__ k, const float *__
     const int at = slot % BLOCK_POSITIONS;
     arena[arena_index(block, layer, 0, head, at, layers, kv_heads, head_dim) + d] = __float2half(k[src]);
     arena[arena_index(block, layer, 1, head, at, layers, kv_heads, head_dim) + d] = __float2half(v[src]);
+}
+
+// RoPE on Q and K, then K and V into the arena, in one launch (twins: fast::twin::rope::{rotate,
+// write_kv}): `rope`'s arithmetic on every query and key head, then `kv_write`'s stores. Grid
+// (rows, heads + kv_heads), block head_dim (at least rope_dim / 2): a block y < heads rotates
+// query head y; the others rotate key head y - heads and store it with its value head. RoPE
+// turns adjacent pairs (2i, 2i+1), i < rope_dim / 2; cos/sin are [rows][rope_dim / 2], from the
+// host. Layers without RoPE store with kv_write alone.
+extern "C" __global__ void rope_kv_write(float *__restrict__ q, float *__restrict__ k,
+                                         const float *__restrict__ v,
+                                         const float *__restrict__ cos_t,
+                                         const float *__restrict__ sin_t,
+                                         const uint32_t *__restrict__ slots,
+                                         half *__restrict__ arena, int heads, int kv_heads,
+                                         int head_dim, int rope_dim, int layer, int layers) {
+    const int row = blockIdx.x, i = threadIdx.x;
+    const bool query = (int)blockIdx.y < heads;
+    const int head = query ? blockIdx.y : blockIdx.y - heads;
+    float *h = query ? q + ((size_t)row * heads + head) * head_dim
+                     : k + ((size_t)row * kv_heads + head) * head_dim;
+    const int half_dim = rope_dim / 2;
+    if (i < half_dim) {
+        const float c = cos_t[row * half_dim + i], s = sin_t[row * half_dim + i];
+        const float a = h[2 * i], b = h[2 * i + 1];
+        h[2 * i] = a * c - b * s;
+        h[2 * i + 1] = a * s + b * c;
+    }
+    if (query) return;  // the whole block: y is the block's
+    __syncthreads();    // the rotated key, written by pairs, is read by dimension below
+    const uint32_t slot = slots[row];
+    if (slot == SKIP_SLOT || i >= head_dim) return;
+    const size_t src = ((size_t)row * kv_heads + head) * head_dim + i;
+    const uint32_t block = slot / BLOCK_POSITIONS;
+    const int at = slot % BLOCK_POSITIONS;
+    arena[arena_index(block, layer, 0, head, at, layers, kv_heads, head_dim) + i] = __float2half(k[src]);
+    arena[arena_index(block, layer, 1, head, at, layers, kv_heads, head_dim) + i] = __float2half(v[src]);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -454,12 +475,15 @@ ATTENTION_PARTIAL(7)
 ATTENTION_PARTIAL(8)
 
 // Combines a row's splits per head, in split order (twin: fast::twin::attention::merge).
-// Grid (rows, heads), block head_dim.
+// Grid (rows, heads), block head_dim. With `q8`, the output rows also quantized to Q8_1 rows of
+// `cols_padded` values (twin: fast::twin::q8_1) for the MMVQ output projection: the caller
+// passes it only when heads × head_dim is its own padding and head_dim a multiple of 32, so
+// every warp quantizes one whole block.
 extern "C" __global__ void attention_merge(
     const uint32_t *__restrict__ row_seq, const SeqInfo *__restrict__ seqs,
     const float *__restrict__ part_max, const float *__restrict__ part_sum,
-    const float *__restrict__ part_out, float *__restrict__ out, int max_splits, int heads,
-    int head_dim) {
+    const float *__restrict__ part_out, float *__restrict__ out, q8_1_block *__restrict__ q8,
+    int cols_padded, int max_splits, int heads, int head_dim) {
     const int row = blockIdx.x, head = blockIdx.y, d = threadIdx.x;
     if (d >= head_dim) return;
     const SeqInfo seq = seqs[row_seq[row]];
@@ -475,7 +499,9 @@ extern "C" __global__ void attention_merge(
         sum += part_sum[base + s] * w;
         acc += part_out[(base + s) * head_dim + d] * w;
     }
-    out[((size_t)row * heads + head) * head_dim + d] = acc / sum;
+    const float o = acc / sum;
+    out[((size_t)row * heads + head) * head_dim + d] = o;
+    if (q8 != nullptr) quantize_q8_1(q8, (size_t)row * cols_padded + (size_t)head * head_dim + d, o);
 }
 
 // ---------------------------------------------------------------------------------------------

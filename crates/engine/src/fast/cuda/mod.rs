@@ -446,28 +446,6 @@ impl CudaRunner {
             }
             Op::MatMul { weight, x, out } => self.matmul(plan, weight, x, out)?,
             Op::RopeKvWrite { layer, rope } => {
-                if rope {
-                    let f = self.function("rope")?;
-                    let cos = self.tables.cos.as_ref().ok_or_else(|| missing("cos"))?;
-                    let sin = self.tables.sin.as_ref().ok_or_else(|| missing("sin"))?;
-                    let (hd, rope_dim) = (c.head_dim as i32, c.rope_dim as i32);
-                    for (buf, heads) in [(Buf::Q, c.n_heads), (Buf::K, c.n_kv_heads)] {
-                        let h = heads as i32;
-                        unsafe {
-                            self.stream
-                                .launch_builder(f)
-                                .arg(self.buffer(buf)?)
-                                .arg(cos)
-                                .arg(sin)
-                                .arg(&h)
-                                .arg(&hd)
-                                .arg(&rope_dim)
-                                .launch(config_of(launch::rope(rows, heads, c.rope_dim)?))
-                        }
-                        .map_err(cuda)?;
-                    }
-                }
-                let f = self.function("kv_write")?;
                 let slots = self.tables.slots.as_ref().ok_or_else(|| missing("slots"))?;
                 let arena = self.arena.as_ref().ok_or_else(|| missing("the KV arena"))?;
                 let (l, layers, kvh, hd) = (
@@ -476,22 +454,61 @@ impl CudaRunner {
                     c.n_kv_heads as i32,
                     c.head_dim as i32,
                 );
-                unsafe {
-                    self.stream
-                        .launch_builder(f)
-                        .arg(self.buffer(Buf::K)?)
-                        .arg(self.buffer(Buf::V)?)
-                        .arg(slots)
-                        .arg(arena)
-                        .arg(&l)
-                        .arg(&layers)
-                        .arg(&kvh)
-                        .arg(&hd)
-                        .launch(config_of(launch::kv_write(rows, c.n_kv_heads, c.head_dim)?))
+                if rope {
+                    // Both rotations and the K/V stores in one launch.
+                    let f = self.function("rope_kv_write")?;
+                    let cos = self.tables.cos.as_ref().ok_or_else(|| missing("cos"))?;
+                    let sin = self.tables.sin.as_ref().ok_or_else(|| missing("sin"))?;
+                    let (heads, rope_dim) = (c.n_heads as i32, c.rope_dim as i32);
+                    let launch = launch::rope_kv_write(
+                        rows,
+                        c.n_heads,
+                        c.n_kv_heads,
+                        c.head_dim,
+                        c.rope_dim,
+                    )?;
+                    unsafe {
+                        self.stream
+                            .launch_builder(f)
+                            .arg(self.buffer(Buf::Q)?)
+                            .arg(self.buffer(Buf::K)?)
+                            .arg(self.buffer(Buf::V)?)
+                            .arg(cos)
+                            .arg(sin)
+                            .arg(slots)
+                            .arg(arena)
+                            .arg(&heads)
+                            .arg(&kvh)
+                            .arg(&hd)
+                            .arg(&rope_dim)
+                            .arg(&l)
+                            .arg(&layers)
+                            .launch(config_of(launch))
+                    }
+                    .map_err(cuda)?;
+                } else {
+                    let f = self.function("kv_write")?;
+                    unsafe {
+                        self.stream
+                            .launch_builder(f)
+                            .arg(self.buffer(Buf::K)?)
+                            .arg(self.buffer(Buf::V)?)
+                            .arg(slots)
+                            .arg(arena)
+                            .arg(&l)
+                            .arg(&layers)
+                            .arg(&kvh)
+                            .arg(&hd)
+                            .launch(config_of(launch::kv_write(rows, c.n_kv_heads, c.head_dim)?))
+                    }
+                    .map_err(cuda)?;
                 }
-                .map_err(cuda)?;
             }
-            Op::Attention { layer } => self.attention(plan, layer)?,
+            Op::Attention { layer } => {
+                if self.attention(plan, layer)? {
+                    self.quantized = Some(Quantized::Mmvq(Buf::Attn));
+                }
+            }
             Op::Add { x, y } => {
                 let f = self.function("add_f32")?;
                 let n = plan.len_of(c, x);
@@ -734,7 +751,9 @@ impl CudaRunner {
         Ok(held)
     }
 
-    fn attention(&self, plan: &Plan, layer: usize) -> Result<()> {
+    /// Launches the attention of `layer` and the merge of its splits; whether the merge also
+    /// wrote `Attn`'s Q8_1 rows.
+    fn attention(&self, plan: &Plan, layer: usize) -> Result<bool> {
         let c = &self.config;
         let rows = plan.rows;
         let name = launch::attention_kernel(c.n_heads, c.n_kv_heads, c.head_dim)?;
@@ -785,6 +804,23 @@ impl CudaRunner {
                 )?))
         }
         .map_err(cuda)?;
+        // For MMVQ steps the merge also writes the output projection's Q8_1 rows, where
+        // every warp's 32 values are one whole block of them.
+        let q_dim = c.n_heads * c.head_dim;
+        let quantize = launch::quantizes_in_place(rows)
+            && padded_columns(q_dim) == q_dim
+            && c.head_dim.is_multiple_of(QK8_1);
+        let (q8_ptr, _q) = if quantize {
+            let q8 = self
+                .q8
+                .as_ref()
+                .ok_or_else(|| missing("the Q8_1 scratch"))?;
+            let (p, g) = q8.device_ptr(&self.stream);
+            (p, Some(g))
+        } else {
+            (0, None)
+        };
+        let cols_padded = q_dim as i32;
         let f = self.function("attention_merge")?;
         unsafe {
             self.stream
@@ -795,6 +831,8 @@ impl CudaRunner {
                 .arg(part_sum)
                 .arg(part_out)
                 .arg(self.buffer(Buf::Attn)?)
+                .arg(&q8_ptr)
+                .arg(&cols_padded)
                 .arg(&max_splits)
                 .arg(&heads)
                 .arg(&hd)
@@ -803,7 +841,7 @@ impl CudaRunner {
                 )?))
         }
         .map_err(cuda)?;
-        Ok(())
+        Ok(quantize)
     }
 }
 
