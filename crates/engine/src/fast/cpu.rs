@@ -96,6 +96,16 @@ impl CpuRunner {
         })
     }
 
+    /// `x += y` (the twin of `add_f32`, and of the add `rms_norm` does first).
+    fn add(&mut self, x: Buf, y: Buf) -> Result<()> {
+        let mut a = self.take(x)?;
+        let b = self.take(y)?;
+        norm::add(&mut a, &b);
+        self.put(x, a);
+        self.put(y, b);
+        Ok(())
+    }
+
     fn op(&mut self, plan: &Plan, op: Op) -> Result<()> {
         let tables = std::mem::take(&mut self.tables);
         let done = self.op_over(plan, op, &tables);
@@ -124,11 +134,7 @@ impl CpuRunner {
                 out,
             } => {
                 if let Some(y) = add {
-                    let mut a = self.take(x)?;
-                    let b = self.take(y)?;
-                    norm::add(&mut a, &b);
-                    self.put(x, a);
-                    self.put(y, b);
+                    self.add(x, y)?;
                 }
                 let input = self.take(x)?;
                 let mut output = self.buffer(plan, out)?;
@@ -182,13 +188,7 @@ impl CpuRunner {
                 self.put(Buf::Q, q);
                 self.put(Buf::Attn, out);
             }
-            Op::Add { x, y } => {
-                let mut a = self.take(x)?;
-                let b = self.take(y)?;
-                norm::add(&mut a, &b);
-                self.put(x, a);
-                self.put(y, b);
-            }
+            Op::Add { x, y } => self.add(x, y)?,
             Op::SiluMul => {
                 let mut gate = self.take(Buf::Gate)?;
                 let up = self.take(Buf::Up)?;

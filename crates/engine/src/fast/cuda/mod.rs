@@ -251,10 +251,7 @@ impl CudaRunner {
         let rows = plan.rows_of(buf);
         let k = plan.len_of(&self.config, buf) / rows.max(1);
         let blocks = rows * padded_columns(k) / QK8_1;
-        let q8 = self
-            .q8
-            .as_ref()
-            .ok_or_else(|| missing("the Q8_1 scratch"))?;
+        let q8 = self.q8_scratch()?;
         let mut bytes = vec![0u8; blocks * BLOCK_Q8_1_BYTES];
         if !bytes.is_empty() {
             let view = q8.slice(0..bytes.len());
@@ -276,6 +273,11 @@ impl CudaRunner {
             })
             .collect();
         Ok(Some((buf, parsed)))
+    }
+
+    /// The Q8_1 rows MMVQ reads (allocated by `begin` for every step).
+    fn q8_scratch(&self) -> Result<&CudaSlice<u8>> {
+        self.q8.as_ref().ok_or_else(|| missing("the Q8_1 scratch"))
     }
 
     fn function(&self, name: &str) -> Result<&CudaFunction> {
@@ -408,23 +410,10 @@ impl CudaRunner {
                 {
                     // The residual add and, for MMVQ steps, the matmuls' Q8_1 rows in the same
                     // launch: null pointers leave either out.
-                    let (y_ptr, _y) = match add {
-                        Some(y) => {
-                            let (p, g) = self.buffer(y)?.device_ptr(&self.stream);
-                            (p, Some(g))
-                        }
-                        None => (0, None),
-                    };
-                    let (q8_ptr, _q) = if quantize {
-                        let q8 = self
-                            .q8
-                            .as_ref()
-                            .ok_or_else(|| missing("the Q8_1 scratch"))?;
-                        let (p, g) = q8.device_ptr(&self.stream);
-                        (p, Some(g))
-                    } else {
-                        (0, None)
-                    };
+                    let y = add.map(|y| self.buffer(y)).transpose()?;
+                    let q8 = quantize.then(|| self.q8_scratch()).transpose()?;
+                    let (y_ptr, _y) = nullable(&self.stream, y);
+                    let (q8_ptr, _q) = nullable(&self.stream, q8);
                     unsafe {
                         self.stream
                             .launch_builder(f)
@@ -527,10 +516,7 @@ impl CudaRunner {
                 // The down projection's Q8_1 rows in the same launch.
                 let f = self.function("silu_mul_q8_1")?;
                 let cols_padded = padded_columns(c.ffn);
-                let q8 = self
-                    .q8
-                    .as_ref()
-                    .ok_or_else(|| missing("the Q8_1 scratch"))?;
+                let q8 = self.q8_scratch()?;
                 let (cols, padded32) = (c.ffn as i32, cols_padded as i32);
                 unsafe {
                     self.stream
@@ -713,10 +699,7 @@ impl CudaRunner {
                 return Ok(held);
             }
         };
-        let q8 = self
-            .q8
-            .as_ref()
-            .ok_or_else(|| missing("the Q8_1 scratch"))?;
+        let q8 = self.q8_scratch()?;
         let (q8_ptr, _q) = q8.device_ptr(&self.stream);
         let held = Quantized::Mmvq(x);
         if self.quantized != Some(held) {
@@ -810,16 +793,8 @@ impl CudaRunner {
         let quantize = launch::quantizes_in_place(rows)
             && padded_columns(q_dim) == q_dim
             && c.head_dim.is_multiple_of(QK8_1);
-        let (q8_ptr, _q) = if quantize {
-            let q8 = self
-                .q8
-                .as_ref()
-                .ok_or_else(|| missing("the Q8_1 scratch"))?;
-            let (p, g) = q8.device_ptr(&self.stream);
-            (p, Some(g))
-        } else {
-            (0, None)
-        };
+        let q8 = quantize.then(|| self.q8_scratch()).transpose()?;
+        let (q8_ptr, _q) = nullable(&self.stream, q8);
         let cols_padded = q_dim as i32;
         let f = self.function("attention_merge")?;
         unsafe {
@@ -842,6 +817,21 @@ impl CudaRunner {
         }
         .map_err(cuda)?;
         Ok(quantize)
+    }
+}
+
+/// `slice`'s device pointer, or null for a kernel argument the launch leaves out; the guard
+/// must live until the launch is queued.
+fn nullable<'a, T>(
+    stream: &'a Arc<CudaStream>,
+    slice: Option<&'a CudaSlice<T>>,
+) -> (sys::CUdeviceptr, Option<impl Drop + 'a>) {
+    match slice {
+        Some(s) => {
+            let (p, guard) = s.device_ptr(stream);
+            (p, Some(guard))
+        }
+        None => (0, None),
     }
 }
 
