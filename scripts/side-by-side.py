@@ -50,7 +50,12 @@ def bench_ggml(rnd, name, exe, model, args, rows):
         emit(rnd, name, " ".join(args) + f" FAILED {e}", "error", 0.0)
 
 
+SMOL_ISAS = os.environ.get("SMOL_ISAS", "avx2,native").split(",")
+
+
 def bench_smol(rnd, name, exe, isa, model, kv, prompt, gen, rows, threads=2):
+    if name == "smolchat" and (isa or "native") not in SMOL_ISAS:
+        return
     env = dict(os.environ)
     if isa:
         env["SMOLCHAT_ISA"] = isa

@@ -96,11 +96,36 @@ unsafe fn f16x16(p: *const u8) -> __m512 {
 /// `lines` cache lines starting at `p`, a few kilobytes ahead of the loads, so that the stream
 /// overlaps the arithmetic (cold Q4_K 11008x2048 with 8 tokens, one thread: 2.31 -> 1.32 ms). Addresses
 /// past the matrix are harmless: a prefetch never faults.
+///
+/// One token's tile (`T == 1`, decode) prefetches into L2 (`T1`), not L1: a prefetch into L1
+/// holds one of the core's few L1 miss buffers until its line arrives from DRAM, so the loop
+/// stalls on full buffers; L2 tracks many more misses and the L1's own prefetcher pulls the lines
+/// on from L2. Zen 4, 2 threads, interleaved runs: the 3B shape's decode median 12.9 -> 14.9
+/// tok/s (9 runs each, prefetching 3 blocks ahead), 13.8 -> 15.0 in a later ABBA sitting.
+/// Tiles of several tokens (prefill) keep `T0`: they are compute-bound and lost 9–27% of
+/// SmolLM2's prefill with `T1`. The AVX2 kernels keep `T0` too: there the same change left the
+/// 3B decode level and cost prefill (docs/BENCHMARKS.md, 2026-11-27, "prefetch into L2").
 #[inline]
 #[target_feature(enable = "avx512f")]
-unsafe fn prefetch(p: *const u8, lines: usize) {
+unsafe fn prefetch<const T: usize>(p: *const u8, lines: usize) {
     for k in 0..lines {
-        _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(64 * k) as *const i8);
+        let line = p.wrapping_add(64 * k) as *const i8;
+        if T == 1 {
+            _mm_prefetch::<_MM_HINT_T1>(line);
+        } else {
+            _mm_prefetch::<_MM_HINT_T0>(line);
+        }
+    }
+}
+
+/// How many K-quant super-blocks ahead [`q4k_tile`] and [`q6k_tile`] prefetch: 3 (7–10 KB) for
+/// one token's tile, which with the `T1` hint beat 2 and 4 in the same runs (medians 14.9, 14.7,
+/// 13.7 tok/s); 2 for prefill's tiles, as measured before.
+const fn kq_prefetch_blocks(tokens: usize) -> usize {
+    if tokens == 1 {
+        3
+    } else {
+        2
     }
 }
 
@@ -147,7 +172,7 @@ unsafe fn q4_1_tile<const T: usize>(
     let mut f = [_mm512_setzero_ps(); T];
     for b in 0..nblk {
         let blk = gp.add(b * 320);
-        prefetch(blk.wrapping_add(8 * 320), 5);
+        prefetch::<T>(blk.wrapping_add(8 * 320), 5);
         // Independent `vpdpbusd` chains, low and high nibbles apart: four for one token (decode,
         // whose short loop shows the chains' latency; even and odd chunks apart too), two
         // otherwise (registers).
@@ -194,7 +219,7 @@ unsafe fn q4_0_tile<const T: usize>(
     let mut f = [_mm512_setzero_ps(); T];
     for b in 0..nblk {
         let blk = gp.add(b * 288);
-        prefetch(blk.wrapping_add(8 * 288), 5);
+        prefetch::<T>(blk.wrapping_add(8 * 288), 5);
         let mut a0 = [_mm512_setzero_si512(); T];
         let mut a1 = [_mm512_setzero_si512(); T];
         for (t, a) in a0.iter_mut().enumerate() {
@@ -241,7 +266,7 @@ unsafe fn q8_0_tile<const T: usize>(
     let mut f = [_mm512_setzero_ps(); T];
     for b in 0..nblk {
         let blk = gp.add(b * 544);
-        prefetch(blk.wrapping_add(6 * 544), 9);
+        prefetch::<T>(blk.wrapping_add(6 * 544), 9);
         // Independent `vpdpbusd` chains: four for one token (decode, whose short loop shows the
         // chains' latency), two otherwise (registers).
         let chains = if T == 1 { 4 } else { 2 };
@@ -293,8 +318,11 @@ unsafe fn q4k_tile<const T: usize>(g: &[u8], acts: &Acts, t0: usize, out: *mut f
         let mut min_low = load(blk.add(Q4K_MIN_LOW));
         let mut even_min = _mm512_setzero_si512();
         for sb in 0..8 {
-            // The block two ahead, 36 lines, in eight overlapping runs of five.
-            prefetch(blk.wrapping_add(2 * PB + 64 * (sb * 36 / 8)), 5);
+            // The block `kq_prefetch_blocks(T)` ahead, 36 lines, in eight overlapping runs of five.
+            prefetch::<T>(
+                blk.wrapping_add(kq_prefetch_blocks(T) * PB + 64 * (sb * 36 / 8)),
+                5,
+            );
             let bytes =
                 _mm512_cvtepu8_epi32(_mm_loadu_si128(blk.add(Q4K_SCALES + 16 * sb) as *const _));
             let scv = _mm512_and_si512(bytes, m63);
@@ -367,7 +395,7 @@ unsafe fn q6k_tile<const T: usize>(g: &[u8], acts: &Acts, t0: usize, out: *mut f
         let blk = gp.add(b * 3360);
         let mut sup = [_mm512_setzero_si512(); T];
         for gi in 0..16 {
-            prefetch(blk.wrapping_add(2 * 3360 + 256 * gi), 4);
+            prefetch::<T>(blk.wrapping_add(kq_prefetch_blocks(T) * 3360 + 256 * gi), 4);
             let cc = gi / 2;
             let pairs =
                 _mm512_cvtepi8_epi16(_mm256_loadu_si256(blk.add(3072 + 32 * cc) as *const _));

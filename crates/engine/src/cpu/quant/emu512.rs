@@ -27,6 +27,7 @@ pub struct __m256i([u8; 32]);
 pub struct __m128i([u8; 16]);
 
 pub const _MM_HINT_T0: i32 = 3;
+pub const _MM_HINT_T1: i32 = 2;
 
 impl __m512i {
     fn i32s(self) -> [i32; 16] {
