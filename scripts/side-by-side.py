@@ -4,6 +4,7 @@ alternating inside each round, 2 threads, every run at `nice -n -5` (run as root
 machine).
 
 Usage: scripts/side-by-side.py ROUNDS OUTFILE SMOLCHAT_BIN [OLD_SMOLCHAT_BIN]
+       scripts/side-by-side.py --summary OUTFILE... (medians, bests and ratios of recorded runs)
 Environment: LLAMA_BENCH, IK_BENCH (the anchors' llama-bench binaries, built as docs/BENCHMARKS.md
 says), M2 (SmolLM2 Q4_1 file), M3 (the 3B shape written by `smolchat bench --synthetic smollm3-3b
 --save-gguf FILE`); ONLY3B=1 runs the 3B rows only. OLD_SMOLCHAT_BIN adds prefill thread-scaling
@@ -12,6 +13,37 @@ no anchors: the old and the new binary in turn on the SmolLM2 rows and the 3B de
 each row's median per binary at the end (a change's before and after on a noisy machine).
 Every result is appended to OUTFILE as one JSON line: round, engine, flags, row, tokens/s, load."""
 import json, os, statistics, subprocess, sys, time
+
+
+def summary(paths):
+    """`side-by-side.py --summary OUT...`: per row, every engine's runs, median and best, and each
+    smolchat path's ratio to the best anchor by best and by median (the figures
+    docs/BENCHMARKS.md quotes as "best (median)")."""
+    runs = {}
+    for path in paths:
+        for line in open(path):
+            r = json.loads(line)
+            if r["row"] == "error":
+                continue
+            flags = r["flags"].split(" t=")[0] if r["engine"].startswith("smolchat") else r["flags"]
+            runs.setdefault((r["row"], f'{r["engine"]} {flags}'), []).append(r["tps"])
+    for row in sorted({row for row, _ in runs}):
+        print(row)
+        anchors = [v for (rw, e), v in runs.items() if rw == row and not e.startswith("smolchat")]
+        best = max((max(v) for v in anchors), default=0)
+        median = max((statistics.median(v) for v in anchors), default=0)
+        for (rw, engine), v in sorted(runs.items()):
+            if rw != row:
+                continue
+            line = f"   {engine:50s} n={len(v)} median {statistics.median(v):9.2f} best {max(v):9.2f}"
+            if engine.startswith("smolchat") and best and median:
+                line += f"   ratio {max(v) / best:.2f} ({statistics.median(v) / median:.2f})"
+            print(line)
+
+
+if len(sys.argv) > 1 and sys.argv[1] == "--summary":
+    summary(sys.argv[2:])
+    sys.exit(0)
 
 ROUNDS = int(sys.argv[1])
 OUT = sys.argv[2]
