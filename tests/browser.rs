@@ -563,3 +563,42 @@ async fn chat_and_admin_in_a_real_browser() {
     }
     eprintln!("browser test took {:.1} s", started.elapsed().as_secs_f64());
 }
+
+/// Whether a live process's command line mentions `needle` (zombies have none).
+fn a_process_mentions(needle: &str) -> bool {
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return false;
+    };
+    entries.flatten().any(|e| {
+        std::fs::read(e.path().join("cmdline"))
+            .map(|c| String::from_utf8_lossy(&c).contains(needle))
+            .unwrap_or(false)
+    })
+}
+
+/// Dropping the driver stops the Chromium it started, even when the WebDriver session was never
+/// closed (a test that panicked): chromedriver runs in a process group of its own and the whole
+/// group is killed (`common::group`). Before, every `make test` left about a hundred Chromium
+/// processes running.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dropping_the_driver_stops_its_chromium() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let driver = start_driver(dir.path()).await;
+    let profile = dir.path().join("profile-that-must-not-outlive-the-driver");
+    let client = browser(&driver, &profile, DESKTOP).await;
+    let marker = profile.display().to_string();
+    assert!(
+        a_process_mentions(&marker),
+        "Chromium did not start with {marker}"
+    );
+    drop(client);
+    drop(driver);
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while a_process_mentions(&marker) && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(
+        !a_process_mentions(&marker),
+        "Chromium outlived its driver (profile {marker})"
+    );
+}

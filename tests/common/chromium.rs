@@ -13,7 +13,7 @@ pub const CHROMIUM: &str = "/usr/bin/chromium";
 pub const CHROMEDRIVER: &str = "/usr/bin/chromedriver";
 pub const WAIT: Duration = Duration::from_secs(90);
 
-/// `chromedriver --port=…`, killed on drop.
+/// `chromedriver --port=…`, killed on drop with the Chromium processes it started.
 pub struct Driver {
     child: Child,
     pub url: String,
@@ -21,8 +21,7 @@ pub struct Driver {
 
 impl Drop for Driver {
     fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        super::group::kill_group(&mut self.child);
     }
 }
 
@@ -46,7 +45,7 @@ pub async fn start_driver(dir: &Path) -> Driver {
         let port = free_port();
         let log_path = dir.join("chromedriver.log");
         let log = std::fs::File::create(&log_path).expect("log");
-        let child = Command::new(CHROMEDRIVER)
+        let child = super::group::own_group(&mut Command::new(CHROMEDRIVER))
             .arg(format!("--port={port}"))
             .stdout(Stdio::null())
             .stderr(log)

@@ -3,6 +3,7 @@
 
 pub mod browser_client;
 pub mod chromium;
+pub mod group;
 pub mod nginx;
 pub mod pg;
 pub mod server;

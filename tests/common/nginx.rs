@@ -18,8 +18,8 @@ pub struct Nginx {
 
 impl Drop for Nginx {
     fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        // The workers too: a killed master leaves them running.
+        super::group::kill_group(&mut self.child);
     }
 }
 
@@ -94,7 +94,7 @@ pub async fn start_with(dir: &Path, servers: &[&Server], directives: &str) -> Ng
         );
         let conf_path = dir.join("nginx.conf");
         std::fs::write(&conf_path, conf).expect("write nginx.conf");
-        let child = Command::new(nginx)
+        let child = super::group::own_group(&mut Command::new(nginx))
             .arg("-p")
             .arg(dir)
             .arg("-c")
