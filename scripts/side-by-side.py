@@ -9,8 +9,9 @@ Environment: LLAMA_BENCH, IK_BENCH (the anchors' llama-bench binaries, built as 
 says), M2 (SmolLM2 Q4_1 file), M3 (the 3B shape written by `smolchat bench --synthetic smollm3-3b
 --save-gguf FILE`); ONLY3B=1 runs the 3B rows only. OLD_SMOLCHAT_BIN adds prefill thread-scaling
 runs (1 and 2 threads) of an older binary beside the new one. AB=1 (with OLD_SMOLCHAT_BIN) runs
-no anchors: the old and the new binary in turn on the SmolLM2 rows and the 3B decode, and prints
-each row's median per binary at the end (a change's before and after on a noisy machine).
+no anchors: the old and the new binary in turn, in ABBA order, on the SmolLM2 rows and the 3B
+decode, on both paths (or those SMOL_ISAS names), and prints each row's median per binary at the
+end (a change's before and after on a noisy machine).
 Every result is appended to OUTFILE as one JSON line: round, engine, flags, row, tokens/s, load."""
 import json, os, statistics, subprocess, sys, time
 
@@ -86,7 +87,7 @@ SMOL_ISAS = os.environ.get("SMOL_ISAS", "avx2,native").split(",")
 
 
 def bench_smol(rnd, name, exe, isa, model, kv, prompt, gen, rows, threads=2):
-    if name == "smolchat" and (isa or "native") not in SMOL_ISAS:
+    if (isa or "native") not in SMOL_ISAS:
         return
     env = dict(os.environ)
     if isa:
@@ -181,12 +182,19 @@ def scaling_round(rnd):
 
 
 def ab_round(rnd):
-    for name, exe in (("smolchat-old", OLD), ("smolchat", SMOL)):
-        bench_smol(rnd, name, exe, None, M2, "f16", 512, 64,
-                   [("smollm2 prefill 512", "prefill"), ("smollm2 decode @512", "decode")])
-        for isa in (None, "avx2"):
+    """Each row on both paths, the two binaries one after the other, their order swapped every
+    round (ABBA), so that a drift of the machine's speed falls on both alike."""
+    pair = (("smolchat-old", OLD), ("smolchat", SMOL))
+    if rnd % 2 == 0:
+        pair = pair[::-1]
+    for isa in (None, "avx2"):
+        for name, exe in pair:
+            bench_smol(rnd, name, exe, isa, M2, "f16", 512, 64,
+                       [("smollm2 prefill 512", "prefill"), ("smollm2 decode @512", "decode")])
+        for name, exe in pair:
             bench_smol(rnd, name, exe, isa, M2, "f16", 1, 64, [("smollm2 decode empty", "decode")])
-        bench_smol(rnd, name, exe, None, M3, "f16", 1, 48, [("3b decode 48", "decode")])
+        for name, exe in pair:
+            bench_smol(rnd, name, exe, isa, M3, "f16", 1, 48, [("3b decode 48", "decode")])
 
 
 if os.environ.get("AB"):

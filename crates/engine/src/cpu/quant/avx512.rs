@@ -101,7 +101,8 @@ unsafe fn f16x16(p: *const u8) -> __m512 {
 /// holds one of the core's few L1 miss buffers until its line arrives from DRAM, so the loop
 /// stalls on full buffers; L2 tracks many more misses and the L1's own prefetcher pulls the lines
 /// on from L2. Zen 4, 2 threads, interleaved runs: the 3B shape's decode median 12.9 -> 14.9
-/// tok/s (9 runs each, prefetching 3 blocks ahead), 13.8 -> 15.0 in a later ABBA sitting.
+/// tok/s (9 runs each, prefetching 3 blocks ahead); in later ABBA sittings 13.8 -> 15.0 (4
+/// rounds) and 13.8 -> 16.0 (6 rounds).
 /// Tiles of several tokens (prefill) keep `T0`: they are compute-bound and lost 9–27% of
 /// SmolLM2's prefill with `T1`. The AVX2 kernels keep `T0` too: there the same change left the
 /// 3B decode level and cost prefill (docs/BENCHMARKS.md, 2026-11-27, "prefetch into L2").
