@@ -104,8 +104,8 @@ unsafe fn f16x16(p: *const u8) -> __m512 {
 /// tok/s (9 runs each, prefetching 3 blocks ahead); in later ABBA sittings 13.8 -> 15.0 (4
 /// rounds) and 13.8 -> 16.0 (6 rounds).
 /// Tiles of several tokens (prefill) keep `T0`: they are compute-bound and lost 9–27% of
-/// SmolLM2's prefill with `T1`. The AVX2 kernels keep `T0` too: there the same change left the
-/// 3B decode level and cost prefill (docs/BENCHMARKS.md, 2026-11-27, "prefetch into L2").
+/// SmolLM2's prefill with `T1`. The AVX2 kernels do the same for their K-quant one-token tiles
+/// (see `avx2::prefetch_kq`).
 #[inline]
 #[target_feature(enable = "avx512f")]
 unsafe fn prefetch<const T: usize>(p: *const u8, lines: usize) {
