@@ -29,7 +29,7 @@
 use std::arch::x86_64::*;
 
 use super::act::Acts;
-use super::kernel::{Kernel, KernelChoice, Unpacked};
+use super::kernel::{kq_prefetch_blocks, Kernel, KernelChoice, Unpacked};
 use super::layout::{Format, Q4K_D, Q4K_DMIN, Q4K_MIN_LOW, Q4K_SCALES};
 use super::scalar::FloatOrder;
 
@@ -196,17 +196,14 @@ unsafe fn f16x8(p: *const u8) -> __m256 {
     _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i))
 }
 
-/// Prefetches `lines` cache lines from `p` (see the AVX-512 kernels: it lets the weight stream of
-/// decode overlap the arithmetic; a prefetch never faults, so addresses past the matrix are fine).
-/// Both halves of a group share every cache line, so only the first half's pass prefetches.
+/// Prefetches `lines` cache lines from `p` into L1 (see the AVX-512 kernels: it lets the weight
+/// stream of decode overlap the arithmetic; a prefetch never faults, so addresses past the matrix
+/// are fine). Both halves of a group share every cache line, so only the first half's pass
+/// prefetches.
 #[inline]
 #[target_feature(enable = "avx2")]
 unsafe fn prefetch(half: usize, p: *const u8, lines: usize) {
-    if half == 0 {
-        for k in 0..lines {
-            _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(64 * k) as *const i8);
-        }
-    }
+    prefetch_hint::<_MM_HINT_T0>(half, p, lines);
 }
 
 /// [`prefetch`] for the K-quant tiles of `T` tokens: one token's tile (decode) prefetches into L2
@@ -220,23 +217,21 @@ unsafe fn prefetch(half: usize, p: *const u8, lines: usize) {
 #[inline]
 #[target_feature(enable = "avx2")]
 unsafe fn prefetch_kq<const T: usize>(half: usize, p: *const u8, lines: usize) {
-    if T != 1 {
-        return prefetch(half, p, lines);
-    }
-    if half == 0 {
-        for k in 0..lines {
-            _mm_prefetch::<_MM_HINT_T1>(p.wrapping_add(64 * k) as *const i8);
-        }
+    if T == 1 {
+        prefetch_hint::<_MM_HINT_T1>(half, p, lines);
+    } else {
+        prefetch_hint::<_MM_HINT_T0>(half, p, lines);
     }
 }
 
-/// How many K-quant super-blocks ahead [`prefetch_kq`] reads: three for one token (see there),
-/// two for tiles of several tokens.
-const fn kq_prefetch_blocks(tokens: usize) -> usize {
-    if tokens == 1 {
-        3
-    } else {
-        2
+/// [`prefetch`] with the cache-level hint `HINT`.
+#[inline]
+#[target_feature(enable = "avx2")]
+unsafe fn prefetch_hint<const HINT: i32>(half: usize, p: *const u8, lines: usize) {
+    if half == 0 {
+        for k in 0..lines {
+            _mm_prefetch::<HINT>(p.wrapping_add(64 * k) as *const i8);
+        }
     }
 }
 

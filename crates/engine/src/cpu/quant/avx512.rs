@@ -30,7 +30,7 @@
 use std::arch::x86_64::*;
 
 use super::act::Acts;
-use super::kernel::KernelChoice;
+use super::kernel::{kq_prefetch_blocks, KernelChoice};
 use super::layout::{Format, Q4K_D, Q4K_DMIN, Q4K_MIN_LOW, Q4K_SCALES};
 use super::scalar::FloatOrder;
 
@@ -116,17 +116,6 @@ unsafe fn prefetch<const T: usize>(p: *const u8, lines: usize) {
         } else {
             _mm_prefetch::<_MM_HINT_T0>(line);
         }
-    }
-}
-
-/// How many K-quant super-blocks ahead [`q4k_tile`] and [`q6k_tile`] prefetch: 3 (7–10 KB) for
-/// one token's tile, which with the `T1` hint beat 2 and 4 in the same runs (medians 14.9, 14.7,
-/// 13.7 tok/s); 2 for prefill's tiles, as measured before.
-const fn kq_prefetch_blocks(tokens: usize) -> usize {
-    if tokens == 1 {
-        3
-    } else {
-        2
     }
 }
 

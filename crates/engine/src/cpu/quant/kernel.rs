@@ -44,3 +44,16 @@ pub struct Unpacked {
     /// A [`Kernel`] whose `g` is an unpacked group.
     pub kernel: Kernel,
 }
+
+/// How many K-quant (Q4_K, Q6_K) super-blocks ahead of its loads a tile of `tokens` tokens
+/// prefetches its weights, on every SIMD path: 3 (7–10 KB) for one token's tile (decode, which
+/// prefetches into L2: with that hint 3 beat 2 and 4 on Zen 4, AVX-512 medians 14.9, 14.7 and
+/// 13.7 tok/s, AVX2 by 5.5% over 2 inside one process, docs/BENCHMARKS.md), 2 for tiles of
+/// several tokens, as measured before.
+pub const fn kq_prefetch_blocks(tokens: usize) -> usize {
+    if tokens == 1 {
+        3
+    } else {
+        2
+    }
+}
