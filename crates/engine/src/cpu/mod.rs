@@ -5,6 +5,7 @@
 pub mod attention;
 mod awake;
 pub mod kv;
+mod math;
 pub mod model;
 pub mod quant;
 

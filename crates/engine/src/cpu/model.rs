@@ -11,6 +11,7 @@ use tracing::trace_span;
 
 use super::attention::{attention, AttnShape, SeqAttn};
 use super::kv::CpuKvStorage;
+use super::math::exp;
 use super::quant::QMatrix;
 use crate::backend::{check_request, BatchItem};
 use crate::config::{Architecture, ModelConfig};
@@ -337,7 +338,7 @@ const PAR_CHUNK: usize = 1 << 12;
 fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
     let d = weight.len();
     let row = |(xr, or): (&[f32], &mut [f32])| {
-        let ss: f64 = xr.iter().map(|&v| (v as f64) * (v as f64)).sum();
+        let ss = sum_of_squares(xr);
         let scale = 1.0 / ((ss / d as f64) as f32 + eps).sqrt();
         for ((o, &v), &w) in or.iter_mut().zip(xr).zip(weight) {
             *o = v * scale * w;
@@ -348,6 +349,27 @@ fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
     } else {
         x.chunks(d).zip(out.chunks_mut(d)).for_each(row);
     }
+}
+
+/// `Σ x²` in f64 over eight interleaved partial sums, so the loop vectorises: one running sum
+/// is a chain of dependent f64 additions, about 2 ns a value (0.5% of the 3B shape's decode).
+/// Each square of an f32 is exact in f64, so the order changes only the f64 sum's last bits,
+/// far below the f32 the norm's scale is rounded to.
+fn sum_of_squares(x: &[f32]) -> f64 {
+    let mut lanes = [0f64; 8];
+    let chunks = x.chunks_exact(8);
+    let tail: f64 = chunks
+        .remainder()
+        .iter()
+        .map(|&v| (v as f64) * (v as f64))
+        .sum();
+    for c in chunks {
+        for (s, &v) in lanes.iter_mut().zip(c) {
+            *s += (v as f64) * (v as f64);
+        }
+    }
+    let [a, b, c, d, e, f, g, h] = lanes;
+    (((a + e) + (b + f)) + ((c + g) + (d + h))) + tail
 }
 
 /// Applies `f(a, b)` to every pair `(x[i], y[i])`, split across the pool when large.
@@ -370,14 +392,33 @@ fn add_in_place(x: &mut [f32], y: &[f32]) {
     zip_in_place(x, y, |a, b| *a += b);
 }
 
-/// `gate = silu(gate) * up`
+/// `gate = silu(gate) * up`, with [`exp`] so the loop vectorises: libm's `expf` per value took
+/// 2.3% of the 3B shape's decode (34 µs a layer on one thread, now 9). llama.cpp's CPU SiLU
+/// also uses a vector exponential of its own.
 fn swiglu_in_place(gate: &mut [f32], up: &[f32]) {
-    zip_in_place(gate, up, |g, u| *g = *g / (1.0 + (-*g).exp()) * u);
+    zip_in_place(gate, up, |g, u| *g = *g / (1.0 + exp(-*g)) * u);
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The eight-lane sum of squares is the plain running sum up to f64 rounding, at every length
+    /// (the tail included) and at the models' widths.
+    #[test]
+    fn sum_of_squares_equals_the_running_sum() {
+        for len in (0..40).chain([576, 2048, 2049]) {
+            let x: Vec<f32> = (0..len)
+                .map(|i| ((i * 7919) % 2003) as f32 / 37.0 - 27.0)
+                .collect();
+            let plain: f64 = x.iter().map(|&v| (v as f64) * (v as f64)).sum();
+            let got = sum_of_squares(&x);
+            assert!(
+                (got - plain).abs() <= plain * 1e-14,
+                "len {len}: {got} vs {plain}"
+            );
+        }
+    }
 
     /// The element-wise steps split across a pool give exactly the values of a plain loop, above
     /// and below the split threshold (so logits cannot depend on the thread count through them).
@@ -407,7 +448,7 @@ mod tests {
             });
             for r in 0..rows {
                 let xr = &x[r * d..(r + 1) * d];
-                let ss: f64 = xr.iter().map(|&v| (v as f64) * (v as f64)).sum();
+                let ss = sum_of_squares(xr);
                 let scale = 1.0 / ((ss / d as f64) as f32 + 1e-5).sqrt();
                 for (c, &wc) in w.iter().enumerate() {
                     let i = r * d + c;
@@ -416,7 +457,7 @@ mod tests {
             }
             for i in 0..n {
                 assert_eq!(sum[i].to_bits(), (x[i] + y[i]).to_bits(), "add {i}");
-                let g = x[i] / (1.0 + (-x[i]).exp()) * y[i];
+                let g = x[i] / (1.0 + exp(-x[i])) * y[i];
                 assert_eq!(glu[i].to_bits(), g.to_bits(), "swiglu {i}");
             }
         }
