@@ -7,7 +7,9 @@ Usage: scripts/side-by-side.py ROUNDS OUTFILE SMOLCHAT_BIN [OLD_SMOLCHAT_BIN]
        scripts/side-by-side.py --summary OUTFILE... (medians, bests and ratios of recorded runs)
 Environment: LLAMA_BENCH, IK_BENCH (the anchors' llama-bench binaries, built as docs/BENCHMARKS.md
 says), M2 (SmolLM2 Q4_1 file), M3 (the 3B shape written by `smolchat bench --synthetic smollm3-3b
---save-gguf FILE`); ONLY3B=1 runs the 3B rows only. OLD_SMOLCHAT_BIN adds prefill thread-scaling
+--save-gguf FILE`); ONLY3B=1 runs the 3B rows only; DECODE3B=1 runs only the 3B decode, smolchat
+and ik_llama.cpp `-fa 0 -rtr 1` in turn, their order swapped every round, and prints the per-round
+ratios. OLD_SMOLCHAT_BIN adds prefill thread-scaling
 runs (1 and 2 threads) of an older binary beside the new one. AB=1 (with OLD_SMOLCHAT_BIN) runs
 no anchors: the old and the new binary in turn, in ABBA order, on the SmolLM2 rows and the 3B
 decode, on both paths (or those SMOL_ISAS names), and prints each row's median per binary at the
@@ -196,6 +198,37 @@ def ab_round(rnd):
         for name, exe in pair:
             bench_smol(rnd, name, exe, isa, M3, "f16", 1, 48, [("3b decode 48", "decode")])
 
+
+def decode3b_round(rnd):
+    """The 3B decode alone, smolchat's default path against ik_llama.cpp `-fa 0 -rtr 1` (the best
+    anchor on that row in every sitting), one after the other, their order swapped every round: a
+    sitting runs each engine once a round, minutes apart, and on a VM whose speed swings within
+    minutes the row at the memory wall needs the two side by side."""
+    pair = [
+        lambda: bench_smol(rnd, "smolchat", SMOL, None, M3, "f16", 1, 32, [("3b decode 32", "decode")]),
+        lambda: bench_ggml(rnd, "ik_llama.cpp", IK, M3, ["-p", "0", "-n", "32", "-fa", "0", "-rtr", "1"],
+                           m3_rows),
+    ]
+    for run in pair if rnd % 2 else pair[::-1]:
+        run()
+
+
+if os.environ.get("DECODE3B"):
+    start = sum(1 for _ in open(OUT)) if os.path.exists(OUT) else 0
+    for rnd in range(1, ROUNDS + 1):
+        decode3b_round(rnd)
+    by_round = {}
+    for line in list(open(OUT))[start:]:
+        r = json.loads(line)
+        if r["row"] == "3b decode 32":
+            by_round.setdefault(r["round"], {})[r["engine"]] = r["tps"]
+    ratios = [d["smolchat"] / d["ik_llama.cpp"] for d in by_round.values() if len(d) == 2]
+    if ratios:
+        print(f"per round, smolchat / ik: median {statistics.median(ratios):.3f}, geometric mean "
+              f"{statistics.geometric_mean(ratios):.3f}, smolchat ahead in "
+              f"{sum(x > 1 for x in ratios)} of {len(ratios)} rounds")
+    summary([OUT])
+    sys.exit(0)
 
 if os.environ.get("AB"):
     if not OLD:
