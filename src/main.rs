@@ -10,6 +10,19 @@ fn main() {
 }
 
 fn run() -> Result<()> {
+    // The sandboxed document reader runs before anything else (no logger, no threads): the
+    // server starts it under tight limits, and it answers on stdout.
+    let mut argv = std::env::args();
+    if argv.nth(1).as_deref() == Some("extract") {
+        if let Some(Command::Extract(a)) = Cli::parse().command {
+            std::process::exit(smolchat_service::documents::child_main(
+                smolchat_service::files::PdfCaps {
+                    max_text_bytes: a.max_text_bytes,
+                    max_inflated_bytes: a.max_inflated_bytes,
+                },
+            ));
+        }
+    }
     let spec = std::env::var("SMOLCHAT_LOG").unwrap_or_else(|_| "warn,smolchat=info".into());
     let mut filter = tracing_subscriber::EnvFilter::try_new(&spec)
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn,smolchat=info"));
@@ -50,5 +63,11 @@ fn run() -> Result<()> {
         Command::Restore(a) => cli::backup::restore(a),
         Command::User(a) => cli::user::run(a),
         Command::Invite(a) => cli::user::invite(a),
+        Command::Extract(a) => std::process::exit(smolchat_service::documents::child_main(
+            smolchat_service::files::PdfCaps {
+                max_text_bytes: a.max_text_bytes,
+                max_inflated_bytes: a.max_inflated_bytes,
+            },
+        )),
     }
 }

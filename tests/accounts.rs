@@ -854,3 +854,55 @@ async fn accounts_are_isolated_from_each_other() {
     assert_eq!(after.status, StatusCode::OK);
     assert_eq!(after.text, before.text, "ann's conversation is unchanged");
 }
+
+/// An administrator's password reset is what one does to an account someone else may hold: its
+/// personal API keys stop working with it, and the admin page says so.
+#[tokio::test]
+async fn a_password_reset_revokes_the_accounts_api_keys() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let server = Server::start(
+        dir.path(),
+        &[
+            ("SMOLCHAT_AUTH__INITIAL_ADMIN", "root"),
+            ("SMOLCHAT_AUTH__INITIAL_ADMIN_PASSWORD", "root password"),
+        ],
+    )
+    .await;
+    let mut bob = Browser::at(&server, 1, "/").await;
+    assert_eq!(
+        bob.signup("bob", "bob's password").await.status,
+        StatusCode::NO_CONTENT
+    );
+    let made = bob
+        .post_form("/account/keys", &form(&[("name", "laptop")]))
+        .await;
+    let key = made
+        .text
+        .split("id=\"new-key-value\">")
+        .nth(1)
+        .and_then(|r| r.split('<').next())
+        .expect("the new key is shown")
+        .to_string();
+    assert_eq!(v1(&server, &key).await.status(), StatusCode::OK);
+    let mut root = Browser::at(&server, 2, "/").await;
+    assert_eq!(
+        root.signin("root", "root password").await.status,
+        StatusCode::NO_CONTENT
+    );
+    let page = root.get("/admin").await.text;
+    let (bob_id, _) = user_row(&page, "bob").expect("bob's row");
+    let reset = root
+        .post_form(&format!("/admin/users/{bob_id}/reset-password"), "")
+        .await;
+    assert_eq!(reset.status, StatusCode::OK, "{}", reset.text);
+    assert!(
+        reset.text.contains("Their 1 API key was revoked."),
+        "{}",
+        reset.text
+    );
+    assert_eq!(
+        v1(&server, &key).await.status(),
+        StatusCode::UNAUTHORIZED,
+        "the key outlived the reset"
+    );
+}

@@ -413,3 +413,88 @@ async fn an_admin_creates_users_and_invite_links_in_the_page() {
         );
     }
 }
+
+/// What an anonymous client sends cannot grow the audit log by more than a short row per
+/// request it is allowed: a 204,800-character name is cut to an account name's length, and once
+/// the address is throttled, one row a minute says so instead of one per request. Admin-token
+/// sign-ins, wrong and right, are recorded too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hostile_sign_ins_are_bounded_in_the_log_and_admin_token_sign_ins_recorded() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let server = Server::start(dir.path(), &[("SMOLCHAT_SERVER__ADMIN_TOKEN", ADMIN_TOKEN)]).await;
+    let huge = "n".repeat(204_800);
+    let mut mallory = Browser::at(&server, 7, "/signin").await;
+    let mut statuses = Vec::new();
+    for _ in 0..30 {
+        let r = mallory
+            .post_form("/signin", &form(&[("name", &huge), ("password", "guess")]))
+            .await;
+        statuses.push(r.status);
+    }
+    assert!(
+        statuses.contains(&StatusCode::TOO_MANY_REQUESTS),
+        "the address was throttled: {statuses:?}"
+    );
+    let wrong = statuses
+        .iter()
+        .filter(|s| **s == StatusCode::UNAUTHORIZED)
+        .count();
+    // Admin token: a wrong one, then the right one.
+    let mut admin = Browser::at(&server, 8, "/admin").await;
+    let bad = admin
+        .call(
+            Method::POST,
+            "/admin/login",
+            Some("token=not-the-token"),
+            &[],
+        )
+        .await;
+    assert_eq!(bad.status, StatusCode::UNAUTHORIZED, "{}", bad.text);
+    let mut admin = Browser::admin(&server, 8, ADMIN_TOKEN).await;
+
+    let csv = admin.get("/admin/audit.json").await;
+    assert_eq!(csv.status, StatusCode::OK, "{}", csv.text);
+    let entries: Value = serde_json::from_str(&csv.text).expect("json");
+    let entries = entries["entries"].as_array().expect("entries").clone();
+    let failed: Vec<&Value> = entries
+        .iter()
+        .filter(|e| e["action"] == "auth.sign_in_failed")
+        .collect();
+    let throttled = failed
+        .iter()
+        .filter(|e| e["detail"].as_str().unwrap_or("").starts_with("throttled"))
+        .count();
+    assert_eq!(throttled, 1, "one throttled row a minute: {failed:#?}");
+    assert_eq!(failed.len(), wrong + 1, "{failed:#?}");
+    for e in &entries {
+        for field in ["actor", "action", "target", "address", "detail"] {
+            let n = e[field].as_str().unwrap_or("").chars().count();
+            assert!(n <= 300, "{field} of {n} characters: {e}");
+        }
+    }
+    let target = failed[0]["target"].as_str().unwrap_or("");
+    assert!(
+        target.starts_with("user:nnnn") && target.ends_with('…') && target.chars().count() <= 80,
+        "{target}"
+    );
+    let admin_rows: Vec<(&str, &str)> = entries
+        .iter()
+        .filter(|e| {
+            e["action"]
+                .as_str()
+                .unwrap_or("")
+                .starts_with("auth.admin_sign_in")
+        })
+        .map(|e| {
+            (
+                e["action"].as_str().unwrap_or(""),
+                e["address"].as_str().unwrap_or(""),
+            )
+        })
+        .collect();
+    assert!(
+        admin_rows.contains(&("auth.admin_sign_in_failed", "127.0.0.8"))
+            && admin_rows.contains(&("auth.admin_sign_in", "127.0.0.8")),
+        "{admin_rows:?}"
+    );
+}

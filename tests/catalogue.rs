@@ -287,6 +287,69 @@ fn catalogue() -> Vec<Case> {
         case("", M::GET, "/api/conversations/nope/events", 400),
     );
     add(
+        "sse: after that is not a message id",
+        case(
+            "",
+            M::GET,
+            "/api/conversations/{mine}/events?after=nope",
+            400,
+        ),
+    );
+    add(
+        "sse: after a message of no conversation of ours",
+        case(
+            "",
+            M::GET,
+            "/api/conversations/{mine}/events?after=01a20000-0000-7000-8000-000000000000",
+            400,
+        ),
+    );
+    // ---- Files: hostile documents (each read by the sandboxed reader, refused with 400) ----
+    let upload = |name: &str, bytes: Vec<u8>| {
+        case(
+            "",
+            M::POST,
+            &format!("/api/conversations/{{mine}}/files?name={name}"),
+            400,
+        )
+        .raw("application/octet-stream", bytes)
+    };
+    add(
+        "api files: a PDF whose form draws itself",
+        upload("loop.pdf", common::pdf::self_drawing_form()),
+    );
+    add(
+        "api files: a PDF of arrays nested 200,000 deep",
+        upload("nested.pdf", common::pdf::nested_arrays(200_000)),
+    );
+    add(
+        "api files: a PDF that inflates to 8 MiB of text",
+        upload("bomb.pdf", common::pdf::inflating(8 << 20)),
+    );
+    add(
+        "api files: a truncated PDF",
+        upload("cut.pdf", common::pdf::text("cut short")[..120].to_vec()),
+    );
+    add(
+        "api files: a name with a right-to-left override",
+        upload("report%E2%80%AEfdp.txt", b"hello".to_vec()),
+    );
+    let file_part = |name: &str, bytes: &[u8]| {
+        use base64::Engine as _;
+        chat(json!({"messages": [{"role": "user", "content": [
+            {"type": "file", "file": {"filename": name,
+                "file_data": base64::engine::general_purpose::STANDARD.encode(bytes)}},
+            {"type": "text", "text": "Summarise"}]}]}))
+    };
+    add(
+        "v1 files: a PDF whose form draws itself",
+        file_part("loop.pdf", &common::pdf::self_drawing_form()),
+    );
+    add(
+        "v1 files: a PDF of arrays nested 200,000 deep",
+        file_part("nested.pdf", &common::pdf::nested_arrays(200_000)),
+    );
+    add(
         "api get: not an id",
         case("", M::GET, "/api/conversations/not-a-uuid", 400),
     );
@@ -655,6 +718,14 @@ fn catalogue() -> Vec<Case> {
         chat(json!({"messages": msgs(), "guided_regex": "(["})),
     );
     add(
+        "v1: a Lark grammar that can never end",
+        chat(json!({"messages": msgs(), "guided_grammar": "start: x\nx: \"ab\" x"})),
+    );
+    add(
+        "v1: a GBNF grammar that can never end",
+        chat(json!({"messages": msgs(), "grammar": "root ::= x\nx ::= \"ab\" x"})),
+    );
+    add(
         "v1: two grammar fields",
         chat(json!({"messages": msgs(), "guided_regex": "a+", "json_schema": {"type": "object"}})),
     );
@@ -947,6 +1018,13 @@ fn catalogue() -> Vec<Case> {
                 .header("sec-fetch-site", "cross-site"),
         );
     }
+    // A name far past any account name: refused like any wrong name (the audit row it leaves
+    // is cut to an account name's length: tests/audit.rs).
+    let huge_name = format!("name={}&password=guess", "n".repeat(204_800));
+    add(
+        "signin: a 200 KB name",
+        case("", M::POST, "/signin", 401).form(&huge_name),
+    );
     add("api patch: a form body", patch().form("title=x").tap(415));
     add(
         "api edit: text/plain",

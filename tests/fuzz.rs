@@ -479,3 +479,105 @@ proptest! {
         }
     }
 }
+
+/// The document reader as the server runs it: this binary's `smolchat extract` in a child
+/// process under its limits (a short deadline, so a case that only burns time ends quickly).
+fn document_reader() -> &'static (
+    tokio::runtime::Runtime,
+    std::sync::Arc<smolchat_service::documents::DocumentReader>,
+) {
+    static READER: OnceLock<(
+        tokio::runtime::Runtime,
+        std::sync::Arc<smolchat_service::documents::DocumentReader>,
+    )> = OnceLock::new();
+    READER.get_or_init(|| {
+        let limits = smolchat_service::config::LimitsConfig {
+            extract_timeout_s: 3,
+            ..Default::default()
+        };
+        let config = smolchat_service::documents::SandboxConfig::new(
+            env!("CARGO_BIN_EXE_smolchat").into(),
+            &limits,
+        );
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        (rt, smolchat_service::documents::DocumentReader::new(config))
+    })
+}
+
+/// A PDF from the pieces that break parsers: arrays and dictionaries nested deep, forms that
+/// draw themselves (directly or through another form), streams that inflate to much more than
+/// they are, a valid document cut short or with bytes changed, and noise after `%PDF-`.
+fn hostile_pdf() -> impl Strategy<Value = Vec<u8>> {
+    let valid = common::pdf::text("Fuzzed text");
+    let len = valid.len();
+    prop_oneof![
+        (1usize..300_000).prop_map(common::pdf::nested_arrays),
+        (1usize..50_000).prop_map(|d| {
+            let mut body = "<< /A ".repeat(d).into_bytes();
+            body.extend_from_slice(&b">> ".repeat(d));
+            common::pdf::document(&[body])
+        }),
+        Just(common::pdf::self_drawing_form()),
+        Just(common::pdf::one_page(
+            b"/X0 Do",
+            false,
+            "/XObject << /X0 6 0 R >>",
+            &[
+                common::pdf::stream(
+                    "/Type /XObject /Subtype /Form /BBox [0 0 1 1] /Resources << /XObject << /X1 7 0 R >> >>",
+                    b"/X1 Do",
+                ),
+                common::pdf::stream(
+                    "/Type /XObject /Subtype /Form /BBox [0 0 1 1] /Resources << /XObject << /X0 6 0 R >> >>",
+                    b"BT (again) Tj ET /X0 Do",
+                ),
+            ],
+        )),
+        (1usize..(40 << 20)).prop_map(common::pdf::inflating),
+        (0..len).prop_map(move |cut| common::pdf::text("Fuzzed text")[..cut].to_vec()),
+        proptest::collection::vec((0..len, any::<u8>()), 1..8).prop_map(move |edits| {
+            let mut b = common::pdf::text("Fuzzed text");
+            for (at, v) in edits {
+                b[at] = v;
+            }
+            b
+        }),
+        proptest::collection::vec(any::<u8>(), 0..4096)
+            .prop_map(|noise| [b"%PDF-1.7\n".to_vec(), noise].concat()),
+    ]
+}
+
+/// Cases of the document-reader property: each starts a process (and some run to the 3 s
+/// deadline), so a twentieth of `PROPTEST_CASES` (`make fuzz`: 1,000 of 20,000), at least 48.
+fn document_cases() -> u32 {
+    std::env::var("PROPTEST_CASES")
+        .ok()
+        .and_then(|v| v.parse::<u32>().ok())
+        .map_or(48, |n| (n / 20).max(48))
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(document_cases()))]
+
+    /// Whatever a PDF holds, the sandboxed reader answers: its text, or a refusal that names
+    /// the file and says what was wrong; never a fault of the reader itself, never a hang.
+    #[test]
+    fn the_document_reader_survives_hostile_pdfs(bytes in hostile_pdf()) {
+        let (rt, reader) = document_reader();
+        let started = std::time::Instant::now();
+        let got = rt.block_on(reader.read("fuzz", "fuzz.pdf", bytes, 10 << 20, 1 << 20));
+        // Hang guard, far above the reader's own 3 s deadline.
+        prop_assert!(started.elapsed() < std::time::Duration::from_secs(30), "{:?}", started.elapsed());
+        match got {
+            Ok(read) => prop_assert!(!read.text.trim().is_empty()),
+            Err(smolchat_service::documents::ReadError::File(e)) => {
+                let message = e.to_string();
+                prop_assert!(message.contains("fuzz.pdf"), "{}", message);
+            }
+            Err(other) => prop_assert!(false, "the reader itself failed: {}", other),
+        }
+    }
+}

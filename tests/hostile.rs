@@ -618,3 +618,59 @@ async fn streams_and_slow_bodies_are_bounded() {
     assert!(answer.starts_with("HTTP/1.1 408"), "{answer:?}");
     assert!(answer.contains("did not arrive within 1 s"), "{answer:?}");
 }
+
+/// A client that follows the README (post, then subscribe) can come after a fast reply has
+/// ended: with `?after=` (the posted message's id, or its reply's), the stream first says how
+/// that reply ended, instead of nothing but keep-alives.
+#[tokio::test]
+async fn a_late_subscriber_learns_at_once_how_the_reply_ended() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let server = server(dir.path()).await;
+    let client = server.client();
+    let id = client.create_greedy(4).await;
+    let r = client.send(&id, "Say hi").await;
+    assert_eq!(r.status, StatusCode::ACCEPTED, "{}", r.text);
+    let user = r.json["user_message"]["id"]
+        .as_str()
+        .expect("user id")
+        .to_string();
+    let reply = r.json["assistant_message_id"]
+        .as_str()
+        .expect("reply id")
+        .to_string();
+    // The reply ends (stored) before anyone subscribes.
+    let ended = common::server::eventually(Duration::from_secs(60), || async {
+        let messages = client.messages(&id).await;
+        let last = messages.last()?;
+        (last["id"] == reply.as_str() && last["status"] != "streaming").then_some(())
+    })
+    .await;
+    assert!(ended.is_some(), "the reply did not end");
+    for after in [&user, &reply] {
+        let mut events = client.events_with(&id, &format!("?after={after}")).await;
+        // Hang guard: without the replay only keep-alives would come.
+        let first = tokio::time::timeout(Duration::from_secs(10), events.next())
+            .await
+            .expect("an event at once, not only keep-alives")
+            .expect("the stream stays open");
+        assert_eq!(first.event, "done", "{first:?}");
+        assert_eq!(first.data["message"]["id"], reply.as_str(), "{first:?}");
+    }
+    let bad = client
+        .get(&format!("/api/conversations/{id}/events?after=nope"))
+        .await;
+    assert_refused(
+        &bad,
+        StatusCode::BAD_REQUEST,
+        &["`after` must be a message id"],
+    );
+    let other = uuid::Uuid::now_v7();
+    let bad = client
+        .get(&format!("/api/conversations/{id}/events?after={other}"))
+        .await;
+    assert_refused(
+        &bad,
+        StatusCode::BAD_REQUEST,
+        &["no message", "in this conversation"],
+    );
+}

@@ -810,3 +810,128 @@ async fn refusals_and_prompts_do_not_flood_the_log() {
         log.len()
     );
 }
+
+/// Makes a share link of conversation `id` with `X-Forwarded-Host: forwarded`; its URL.
+async fn share(b: &mut Browser, id: &str, forwarded: &str) -> String {
+    let path = format!("/api/conversations/{id}/shares");
+    let r = b
+        .call(
+            Method::POST,
+            &path,
+            None,
+            &[("x-forwarded-host", forwarded)],
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::CREATED, "{}", r.text);
+    let v: Value = serde_json::from_str(&r.text).expect("json");
+    v["url"].as_str().expect("url").to_string()
+}
+
+fn made_id(text: &str) -> String {
+    let v: Value = serde_json::from_str(text).expect("json");
+    v["id"].as_str().expect("id").to_string()
+}
+
+/// Share and invite links are built on `server.public_url`, else on the request's own `Host`; a
+/// forwarded host only counts from a trusted proxy and when `server.allowed_hosts` allows it. A
+/// client that sends `X-Forwarded-Host: evil.example` gets a link on this server.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn links_are_built_on_this_servers_own_address() {
+    let dir = tempdir();
+    let server = Server::start(
+        dir.path(),
+        &[
+            ("SMOLCHAT_SERVER__TRUSTED_PROXIES", "[\"127.0.0.1\"]"),
+            ("SMOLCHAT_SERVER__ADMIN_TOKEN", "links-admin-token"),
+        ],
+    )
+    .await;
+    let own = server.base.clone();
+    // From an untrusted address (127.0.0.2), the header is never read.
+    let mut client = Browser::at(&server, 2, "/").await;
+    let id = made_id(
+        &client
+            .json(Method::POST, "/api/conversations", Some(&json!({})))
+            .await
+            .text,
+    );
+    let url = share(&mut client, &id, "evil.example").await;
+    assert!(url.starts_with(&format!("{own}/s/")), "{url}");
+    // From the trusted proxy's address: a host the allow-list takes is used, another is not.
+    let mut proxied = Browser::at(&server, 1, "/").await;
+    let id = made_id(
+        &proxied
+            .json(Method::POST, "/api/conversations", Some(&json!({})))
+            .await
+            .text,
+    );
+    let url = share(&mut proxied, &id, "evil.example").await;
+    assert!(url.starts_with(&format!("{own}/s/")), "{url}");
+    let url = share(&mut proxied, &id, "localhost:9443").await;
+    assert!(url.starts_with("http://localhost:9443/s/"), "{url}");
+    // Invite links the same.
+    let mut admin = Browser::admin(&server, 2, "links-admin-token").await;
+    let invite = admin
+        .call(
+            Method::POST,
+            "/admin/invites",
+            Some("days=7"),
+            &[("x-forwarded-host", "evil.example")],
+        )
+        .await;
+    assert_eq!(invite.status, StatusCode::OK, "{}", invite.text);
+    assert!(!invite.text.contains("evil.example"), "{}", invite.text);
+    assert!(
+        invite.text.contains(&format!("{own}/signup?invite=")),
+        "{}",
+        invite.text
+    );
+
+    // With `server.public_url`, every link is on it; /readyz names the replica only to the
+    // bearer of the metrics token.
+    let dir = tempdir();
+    let server = Server::start(
+        dir.path(),
+        &[
+            (
+                "SMOLCHAT_SERVER__PUBLIC_URL",
+                "https://chat.example.com/team/",
+            ),
+            (
+                "SMOLCHAT_SERVER__METRICS_TOKEN",
+                "links-metrics-token-000000000000",
+            ),
+        ],
+    )
+    .await;
+    let mut client = Browser::at(&server, 2, "/").await;
+    let id = made_id(
+        &client
+            .json(Method::POST, "/api/conversations", Some(&json!({})))
+            .await
+            .text,
+    );
+    let url = share(&mut client, &id, "evil.example").await;
+    assert!(url.starts_with("https://chat.example.com/team/s/"), "{url}");
+    let ready: Value = reqwest::get(format!("{}/readyz", server.base))
+        .await
+        .expect("readyz")
+        .json()
+        .await
+        .expect("json");
+    assert_eq!(ready["status"], "ready", "{ready}");
+    assert!(
+        ready["replica"].is_null(),
+        "replica named to anyone: {ready}"
+    );
+    let ready: Value = reqwest::Client::new()
+        .get(format!("{}/readyz", server.base))
+        .bearer_auth("links-metrics-token-000000000000")
+        .send()
+        .await
+        .expect("readyz")
+        .json()
+        .await
+        .expect("json");
+    assert!(ready["replica"].is_string(), "{ready}");
+}

@@ -2085,7 +2085,38 @@ async fn deleting_a_user_removes_everything_they_own(db) {
         .unwrap());
     let now = chrono::Utc::now();
     store.add_usage("user:u-backup", 42, 1, now).await.unwrap();
+    // Counted under their key, their conversation creations and their /v1 use.
+    let keys = store.list_api_keys("u-backup").await.unwrap();
+    let key_subject = format!("key:{}", keys[0].id);
+    store.add_usage(&key_subject, 9, 1, now).await.unwrap();
+    store.count_event("conv:owner:u-backup", now).await.unwrap();
+    store.add_api_usage("u-backup", 10, 5).await.unwrap();
     let gone = store.delete_user("u-backup").await.unwrap().expect("deleted");
+    use smolchat_store::{Period, StoreError};
+    for subject in [key_subject.as_str(), "conv:owner:u-backup"] {
+        let left = store.usage(subject, Period::Minute, now).await.unwrap();
+        assert_eq!((left.tokens, left.events), (0, 0), "{subject} left behind");
+    }
+    assert_eq!(store.api_usage("u-backup").await.unwrap().requests, 0);
+    // A request that finishes just after the delete writes nothing back.
+    assert!(matches!(
+        store.add_api_usage("u-backup", 10, 5).await,
+        Err(StoreError::OwnerGone(_))
+    ));
+    for subject in ["user:u-backup", key_subject.as_str()] {
+        assert!(
+            matches!(
+                store.add_usage(subject, 1, 1, now).await,
+                Err(StoreError::OwnerGone(_))
+            ),
+            "{subject}"
+        );
+        assert_eq!(store.usage(subject, Period::Day, now).await.unwrap().tokens, 0);
+    }
+    assert_eq!(store.api_usage("u-backup").await.unwrap().requests, 0);
+    // Keyless callers' usage and guests' counters are not an account's.
+    store.add_api_usage("api:0123", 1, 1).await.unwrap();
+    store.add_usage("user:some-guest", 1, 1, now).await.unwrap();
     assert!(store
         .user_by_identity("https://id.example.com", "sub-1")
         .await

@@ -151,3 +151,84 @@ async fn the_proxys_user_header_signs_in_and_nobody_elses_does() {
     );
     store.close().await;
 }
+
+/// What the proxy's header holds is an identity, linked to one account the way OpenID Connect
+/// sign-ins are: e-mail addresses and other names a proxy sends (spaces, a tab, 65 characters,
+/// markup) sign in to an account named after them, never to an existing account of that name
+/// (a local password account is not taken over), and a disabled account is a 403 that says so.
+/// None of them is a 500.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_proxys_names_map_to_accounts_and_never_take_one_over() {
+    if common::nginx::missing() {
+        return;
+    }
+    let dir = tempfile::tempdir().expect("tempdir");
+    let server = Server::start(
+        dir.path(),
+        &[
+            ("SMOLCHAT_SERVER__TRUSTED_PROXIES", "[\"127.0.0.1\"]"),
+            ("SMOLCHAT_AUTH__TRUSTED_USER_HEADER", "X-Remote-User"),
+        ],
+    )
+    .await;
+    let proxy = common::nginx::start_with(
+        dir.path(),
+        &[&server],
+        "proxy_set_header X-Remote-User $http_x_test_login;",
+    )
+    .await;
+    // A local password account, made directly (not through the proxy).
+    let mut bob = common::browser_client::Browser::at(&server, 3, "/signup").await;
+    let up = bob
+        .post_form("/signup", "name=bob&password=bob%27s+password")
+        .await;
+    assert_eq!(up.status, StatusCode::NO_CONTENT, "{}", up.text);
+    let account_of = |login: &'static str| {
+        let url = format!("{}/account", proxy.base);
+        async move {
+            let (status, page) = get(&url, &[("X-Test-Login", login)]).await;
+            (status, page)
+        }
+    };
+    let long = "x".repeat(65);
+    let long: &'static str = Box::leak(long.into_boxed_str());
+    for (login, account) in [
+        ("alice@example.com", "alice"),
+        ("bob", "bob-2"),
+        ("a b", "a_b"),
+        ("tab\there", "tab_here"),
+        ("<script>", "_script_"),
+        (long, &long[..64]),
+    ] {
+        let (status, page) = account_of(login).await;
+        assert_eq!(status, StatusCode::OK, "{login:?}: {page}");
+        assert!(
+            page.contains(account),
+            "{login:?} should be signed in as {account:?}"
+        );
+    }
+    // The same value comes back to the same account.
+    let (_, page) = account_of("alice@example.com").await;
+    assert!(
+        page.contains("alice") && !page.contains("alice-2"),
+        "{page}"
+    );
+    let store = smolchat_store::Store::open(&server.database_url)
+        .await
+        .expect("store");
+    let alice = store
+        .user_by_name("alice")
+        .await
+        .expect("read")
+        .expect("alice");
+    store.set_disabled(&alice.id, true).await.expect("disable");
+    let (status, page) = account_of("alice@example.com").await;
+    assert_eq!(status, StatusCode::FORBIDDEN, "{page}");
+    assert!(page.contains("disabled"), "{page}");
+    store.close().await;
+    assert!(
+        !server.log_text().contains("request failed"),
+        "no 500 was logged:\n{}",
+        server.log_text()
+    );
+}

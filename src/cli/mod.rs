@@ -101,6 +101,21 @@ pub enum Command {
     User(user::UserArgs),
     /// Make a single-use sign-up invite code (for `auth.signup = "invite"`).
     Invite(user::InviteArgs),
+    /// Read a PDF's text from stdin, as the server's sandboxed document reader (one JSON object
+    /// on stdout). The server starts it itself, under resource limits.
+    #[command(hide = true)]
+    Extract(ExtractArgs),
+}
+
+/// `smolchat extract`: the bounds the server passes.
+#[derive(Args, Debug, Clone)]
+pub struct ExtractArgs {
+    /// Stop, refusing the file, when its text passes this many bytes.
+    #[arg(long, default_value_t = smolchat_service::documents::MAX_TEXT_BYTES)]
+    pub max_text_bytes: usize,
+    /// Refuse the file when its compressed streams inflate past this many bytes.
+    #[arg(long, default_value_t = smolchat_service::documents::MAX_INFLATED_BYTES)]
+    pub max_inflated_bytes: usize,
 }
 
 /// `--device` for the commands that load a model outside the server (the server's own

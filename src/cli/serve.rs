@@ -79,9 +79,12 @@ pub fn run(args: &ServeArgs, globals: &super::Globals) -> Result<()> {
         "smolchat: {} loaded in {:.1} s; starting the server on http://{}",
         info.id, info.load_s, config.server.bind
     );
+    // Attached PDFs are read by this same binary in a child process (`smolchat extract`).
+    let this = std::env::current_exe().context("finding this program for the document reader")?;
+    let sandbox = smolchat_service::documents::SandboxConfig::new(this, &config.limits);
     let system = actix_web::rt::System::new();
     system.block_on(async move {
-        let platform = Platform::start(config, engine, tokenizer, template, info)
+        let platform = Platform::start(config, engine, tokenizer, template, info, sandbox)
             .await
             .context("starting the platform")?;
         smolchat_web::run(platform).await.context("serving")?;

@@ -172,11 +172,12 @@ pub fn run(args: &UserArgs) -> Result<()> {
                 let target = format!("user:{}", user.name);
                 if *reset {
                     let new = accounts::reset_password(&store, &user).await?;
-                    println!("{new}");
+                    println!("{}", new.password);
                     eprintln!(
-                        "password of {} reset (shown once, above); its sessions are signed out \
-                         and it must choose a new one at its next sign-in",
-                        user.name
+                        "password of {} reset (shown once, above); its sessions are signed out, \
+                         its {} live API keys revoked, and it must choose a new one at its next \
+                         sign-in",
+                        user.name, new.keys_revoked
                     );
                     audit
                         .record(

@@ -5,6 +5,7 @@ pub mod browser_client;
 pub mod chromium;
 pub mod group;
 pub mod nginx;
+pub mod pdf;
 pub mod pg;
 pub mod server;
 

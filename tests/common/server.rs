@@ -516,8 +516,13 @@ impl Client {
 
     /// Opens the conversation's event stream (subscribed once this returns).
     pub async fn events(&self, id: &str) -> SseStream {
+        self.events_with(id, "").await
+    }
+
+    /// The conversation's event stream with a query (`?after=…`).
+    pub async fn events_with(&self, id: &str, query: &str) -> SseStream {
         let resp = self
-            .raw_stream(&format!("/api/conversations/{id}/events"))
+            .raw_stream(&format!("/api/conversations/{id}/events{query}"))
             .await;
         assert_eq!(resp.status(), StatusCode::OK);
         SseStream::new(resp)

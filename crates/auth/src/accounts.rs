@@ -37,6 +37,11 @@ pub const MIN_PASSWORD_CHARS: usize = 8;
 pub const MAX_PASSWORD_BYTES: usize = 1024;
 /// Longest account name, in characters.
 pub const MAX_NAME_CHARS: usize = 64;
+/// The issuer under which a trusted proxy's user header is linked to accounts
+/// (`user_identities`), as an OpenID Connect provider's identities are under its issuer URL.
+pub const TRUSTED_HEADER_ISSUER: &str = "trusted-header";
+/// The longest value of the trusted proxy's user header taken, in characters.
+pub const MAX_TRUSTED_VALUE_CHARS: usize = 256;
 /// What every personal API key starts with, so a key is recognisable (and secret scanners can
 /// find leaked ones).
 pub const API_KEY_PREFIX: &str = "sk-smol-";
@@ -206,9 +211,18 @@ pub async fn set_password(store: &Store, user: &User, password: &str) -> Result<
     Ok(())
 }
 
-/// An administrator's password reset: a new random password (returned, to be handed to the
-/// user once), every session ended, and the next sign-in must choose a new password first.
-pub async fn reset_password(store: &Store, user: &User) -> Result<String, AuthError> {
+/// A password reset's outcome: the new password (to be handed to the user once) and how many
+/// live API keys were revoked with it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PasswordReset {
+    pub password: String,
+    pub keys_revoked: u64,
+}
+
+/// An administrator's password reset: a new random password, every session ended, every live
+/// personal API key revoked (a reset is what one does to an account someone else may hold; a
+/// key would outlive it otherwise), and the next sign-in must choose a new password first.
+pub async fn reset_password(store: &Store, user: &User) -> Result<PasswordReset, AuthError> {
     // 16 characters from an alphabet without look-alikes (no 0/O, 1/l/I): ~92 bits.
     const ALPHABET: &[u8] = b"abcdefghijkmnpqrstuvwxyzABCDEFGHJKLMNPQRSTUVWXYZ23456789";
     let password: String = (0..16)
@@ -218,7 +232,11 @@ pub async fn reset_password(store: &Store, user: &User) -> Result<String, AuthEr
     if !store.replace_password(&user.id, &hash, true).await? {
         return Err(AuthError::NoSuchUser(user.name.clone()));
     }
-    Ok(password)
+    let keys_revoked = store.revoke_all_api_keys(&user.id).await?;
+    Ok(PasswordReset {
+        password,
+        keys_revoked,
+    })
 }
 
 /// Creates the configured first admin when no account exists; `true` when it did.
@@ -587,20 +605,34 @@ impl Accounts {
 
     /// The account a session cookie's `token` stands for, if the session is valid now: not
     /// revoked or expired, the account not disabled, and made under its current password.
-    /// The account a trusted authenticating proxy vouches for (`auth.trusted_user_header`):
-    /// found by name, or made on first sight with no usable password (only the proxy signs it
-    /// in). `admin` (from the proxy's groups header, when configured) sets the role on every
-    /// request, so a change of groups at the identity provider takes effect at once. A disabled
-    /// account stays disabled.
+    /// The account a trusted authenticating proxy vouches for (`auth.trusted_user_header`),
+    /// by the rule OpenID Connect sign-in has: the header's value is an identity (issuer
+    /// [`TRUSTED_HEADER_ISSUER`], subject the value exactly as sent), linked to one account. On
+    /// first sight an account is made for it, named after the value the way
+    /// [`account_name_from`] says (`alice@example.com` → `alice`; other characters than letters,
+    /// digits, `.`, `_` and `-` as `_`; at most 64 characters) and `-2`, `-3`… when that name is
+    /// taken: an existing account is never taken over by name. With `adopt_by_name`
+    /// (`auth.trusted_header_adopt_names`, for servers whose header-made accounts predate the
+    /// links) a value equal to an existing account's name, of an account no identity is linked
+    /// to yet, is linked to that account once instead.
     ///
-    /// Besides the account, says what changed, for the audit log: `Some("account made")`,
-    /// `Some("role changed to admin")` / `Some("role changed to user")`, or `None`.
+    /// `admin` (from the proxy's groups header, when configured) sets the role on every
+    /// request, so a change of groups at the identity provider takes effect at once. A disabled
+    /// account stays disabled ([`AuthError::Disabled`]). Besides the account, says what changed,
+    /// for the audit log: `Some("account made")`, `Some("linked by name")`, `Some("role changed
+    /// to admin")` / `Some("role changed to user")`, or `None`.
     pub async fn external_user(
         &self,
-        name: &str,
+        value: &str,
         admin: Option<bool>,
+        adopt_by_name: bool,
     ) -> Result<(User, Option<&'static str>), AuthError> {
-        check_name(name)?;
+        let value = value.trim();
+        if value.is_empty() || value.chars().count() > MAX_TRUSTED_VALUE_CHARS {
+            return Err(AuthError::BadName(format!(
+                "the proxy's user header must hold 1 to {MAX_TRUSTED_VALUE_CHARS} characters"
+            )));
+        }
         let role = |admin: bool| {
             if admin {
                 UserRole::Admin
@@ -608,62 +640,85 @@ impl Accounts {
                 UserRole::User
             }
         };
-        let mut made = false;
-        let user = match self.store.user_by_name(name).await? {
+        let mut changed = None;
+        let user = match self
+            .store
+            .user_by_identity(TRUSTED_HEADER_ISSUER, value)
+            .await?
+        {
             Some(user) => user,
             None => {
-                let id = uuid::Uuid::now_v7().to_string();
-                // The hash of 32 random bytes nobody is told: no password signs it in.
-                let secret: [u8; 32] = rand::random();
-                let unknown = secret
-                    .iter()
-                    .map(|b| format!("{b:02x}"))
-                    .collect::<String>();
-                let hash = hash_password_async(unknown).await?;
-                match self
-                    .store
-                    .create_user(&NewUser {
-                        id: &id,
-                        name,
-                        password_hash: &hash,
-                        role: role(admin.unwrap_or(false)),
-                        invite: None,
-                        adopt_from: None,
-                    })
-                    .await?
-                {
-                    CreatedUser::Created { user, .. } => {
-                        tracing::info!(user = %user.id, name, "account made for a trusted proxy's user");
-                        made = true;
+                let adopted = match adopt_by_name {
+                    true => self.adopt_by_name(value).await?,
+                    false => None,
+                };
+                match adopted {
+                    Some(user) => {
+                        changed = Some("linked by name");
                         user
                     }
-                    // Made by a request beside this one.
-                    _ => self
-                        .store
-                        .user_by_name(name)
-                        .await?
-                        .ok_or(AuthError::WrongCredentials)?,
+                    None => {
+                        let who = crate::oidc::Verified {
+                            issuer: TRUSTED_HEADER_ISSUER.to_string(),
+                            subject: value.to_string(),
+                            name: value.to_string(),
+                            email: None,
+                            groups: Vec::new(),
+                            admin,
+                        };
+                        let (user, made) = self
+                            .make_linked_user(&who, role(admin.unwrap_or(false)))
+                            .await?;
+                        if made {
+                            changed = Some("account made");
+                        }
+                        user
+                    }
                 }
             }
         };
         if user.disabled_at.is_some() {
             return Err(AuthError::Disabled);
         }
-        let made = made.then_some("account made");
         match admin {
             Some(admin) if user.is_admin() != admin => {
                 self.store.set_user_role(&user.id, role(admin)).await?;
-                let changed = if admin {
+                let role_change = if admin {
                     "role changed to admin"
                 } else {
                     "role changed to user"
                 };
                 Ok((
                     self.store.user_by_id(&user.id).await?.unwrap_or(user),
-                    made.or(Some(changed)),
+                    changed.or(Some(role_change)),
                 ))
             }
-            _ => Ok((user, made)),
+            _ => Ok((user, changed)),
+        }
+    }
+
+    /// The account named exactly `value`, linked to the trusted header's identity `value`, when
+    /// no identity is linked to it yet (see [`Accounts::external_user`]).
+    async fn adopt_by_name(&self, value: &str) -> Result<Option<User>, AuthError> {
+        let Some(user) = self.store.user_by_name(value).await? else {
+            return Ok(None);
+        };
+        if user.name != value || self.store.has_identities(&user.id).await? {
+            return Ok(None);
+        }
+        if self
+            .store
+            .link_identity(&user.id, TRUSTED_HEADER_ISSUER, value)
+            .await?
+        {
+            tracing::info!(user = %user.id, "an existing account linked to the trusted proxy's user of the same name");
+            Ok(Some(user))
+        } else {
+            // Linked beside this request: whoever won is the account.
+            Ok(self
+                .store
+                .user_by_identity(TRUSTED_HEADER_ISSUER, value)
+                .await?)
         }
     }
 
@@ -690,11 +745,10 @@ impl Accounts {
             .await?
         {
             Some(user) => (user, false),
-            None => (
+            None => {
                 self.make_linked_user(who, role(who.admin.unwrap_or(false)))
-                    .await?,
-                true,
-            ),
+                    .await?
+            }
         };
         if user.is_disabled() {
             return Err(AuthError::Disabled);
@@ -716,12 +770,14 @@ impl Accounts {
         ))
     }
 
-    /// A new account linked to `who`'s identity, under the first free name made from theirs.
+    /// A new account linked to `who`'s identity, under the first free name made from theirs;
+    /// `false` beside it when a request beside this one linked the identity first (its
+    /// account is returned).
     async fn make_linked_user(
         &self,
         who: &crate::oidc::Verified,
         role: UserRole,
-    ) -> Result<User, AuthError> {
+    ) -> Result<(User, bool), AuthError> {
         let base = account_name_from(&who.name);
         // Nobody knows this password: only the provider signs the account in.
         let secret: [u8; 32] = rand::random();
@@ -753,8 +809,8 @@ impl Accounts {
                         .link_identity(&user.id, &who.issuer, &who.subject)
                         .await?
                     {
-                        tracing::info!(user = %user.id, name, "account made for an OpenID Connect sign-in");
-                        return Ok(user);
+                        tracing::info!(user = %user.id, name, issuer = %who.issuer, "account made for an identity");
+                        return Ok((user, true));
                     }
                     // A sign-in beside this one linked the identity first: use theirs.
                     self.store.delete_user(&user.id).await?;
@@ -762,6 +818,7 @@ impl Accounts {
                         .store
                         .user_by_identity(&who.issuer, &who.subject)
                         .await?
+                        .map(|u| (u, false))
                         .ok_or(AuthError::WrongCredentials);
                 }
                 CreatedUser::NameTaken => continue,

@@ -307,10 +307,15 @@ impl Admin {
     /// Resets account `user_id`'s password to a random one, returned to be handed over once:
     /// their sessions end, and their next sign-in must choose a new password before anything
     /// else (as `smolchat user passwd --reset` does).
-    /// Returns the account's name and the new password.
-    pub async fn reset_password(&self, by: &Caller, user_id: &str) -> Result<(String, String)> {
+    /// Their live personal API keys are revoked too. Returns the account's name and the reset
+    /// (the new password, the keys revoked).
+    pub async fn reset_password(
+        &self,
+        by: &Caller,
+        user_id: &str,
+    ) -> Result<(String, smolchat_auth::accounts::PasswordReset)> {
         let user = self.account(user_id).await?;
-        let password = smolchat_auth::accounts::reset_password(&self.store, &user)
+        let reset = smolchat_auth::accounts::reset_password(&self.store, &user)
             .await
             .map_err(account_refusal)?;
         tracing::info!(user = %user_id, "admin reset a password");
@@ -319,10 +324,13 @@ impl Admin {
                 by,
                 "admin.reset_password",
                 &format!("user:{}", user.name),
-                "must change at next sign-in",
+                &format!(
+                    "must change at next sign-in; {} API keys revoked",
+                    reset.keys_revoked
+                ),
             )
             .await;
-        Ok((user.name, password))
+        Ok((user.name, reset))
     }
 
     /// Invite links not yet used or expired, newest first.

@@ -3,12 +3,18 @@
 //! happened, and refusing it afterwards would be worse than a missing line.
 //!
 //! Actions (`action` column): `auth.sign_in`, `auth.sign_in_failed`, `auth.sign_up`,
-//! `auth.sign_out`, `auth.password_changed`, `auth.key_created`, `auth.key_revoked`,
-//! `admin.disable_user`, `admin.enable_user`, `admin.revoke_sessions`, `admin.stop`,
+//! `auth.sign_out`, `auth.admin_sign_in`, `auth.admin_sign_in_failed`, `auth.password_changed`,
+//! `auth.key_created`, `auth.key_revoked`, `admin.disable_user`, `admin.enable_user`, `admin.revoke_sessions`, `admin.stop`,
 //! `admin.evict`, `admin.delete_conversation`, `conversation.delete`, `conversation.import`,
 //! `conversation.export`.
+//!
+//! Every field is bounded ([`bounded`]) and a throttled sign-in is recorded once per address a
+//! minute, so no client can grow the log faster than one short row per request it is allowed.
 
+use std::collections::HashMap;
 use std::net::IpAddr;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use smolchat_store::{AuditEntry, AuditFilter, NewAuditEntry, Store, StoreError};
 
@@ -17,10 +23,33 @@ use crate::caller::Caller;
 /// The most entries one page of the log holds.
 pub const MAX_AUDIT_PAGE: usize = 500;
 
-/// Records and reads the audit log.
+/// The longest actor and target (`user:` and an account name of at most 64 characters, with
+/// room to spare), action and address a row keeps, in characters.
+pub const MAX_NAME_FIELD_CHARS: usize = 80;
+/// The longest detail a row keeps, in characters.
+pub const MAX_DETAIL_CHARS: usize = 300;
+
+/// A throttled sign-in is recorded once per address in this long; the repeats, refused anyway,
+/// would only fill the log.
+pub const THROTTLED_RECORD_WINDOW: Duration = Duration::from_secs(60);
+/// Addresses remembered for that.
+const THROTTLED_REMEMBERED: usize = 10_000;
+
+/// Records and reads the audit log. Clones share what they remember (throttled addresses).
 #[derive(Clone)]
 pub struct Audit {
     store: Store,
+    throttled: Arc<Mutex<HashMap<Option<IpAddr>, Instant>>>,
+}
+
+/// `text` cut to at most `max` characters, the cut marked with an ellipsis.
+pub fn bounded(text: &str, max: usize) -> String {
+    if text.chars().count() <= max {
+        return text.to_string();
+    }
+    let mut out: String = text.chars().take(max.saturating_sub(1)).collect();
+    out.push('…');
+    out
 }
 
 /// Who did it, as the log names them.
@@ -40,10 +69,15 @@ fn address_text(address: Option<IpAddr>) -> String {
 
 impl Audit {
     pub fn new(store: Store) -> Self {
-        Self { store }
+        Self {
+            store,
+            throttled: Arc::default(),
+        }
     }
 
-    /// Adds an entry; a failure is logged, never returned.
+    /// Adds an entry, every field cut to its bound ([`MAX_NAME_FIELD_CHARS`],
+    /// [`MAX_DETAIL_CHARS`]): what a client sends (a name tried at sign-in) cannot grow the
+    /// log by more than a row's worth. A failure is logged, never returned.
     pub async fn record(
         &self,
         actor: &str,
@@ -53,11 +87,11 @@ impl Audit {
         detail: &str,
     ) {
         let entry = NewAuditEntry {
-            actor: actor.to_string(),
-            action: action.to_string(),
-            target: target.to_string(),
+            actor: bounded(actor, MAX_NAME_FIELD_CHARS),
+            action: bounded(action, MAX_NAME_FIELD_CHARS),
+            target: bounded(target, MAX_NAME_FIELD_CHARS),
             address: address_text(address),
-            detail: detail.to_string(),
+            detail: bounded(detail, MAX_DETAIL_CHARS),
         };
         if let Err(e) = self.store.record_audit(&entry).await {
             tracing::warn!(
@@ -121,6 +155,12 @@ pub enum AuthEvent {
         how: String,
     },
     SignOut,
+    /// Signed in to the admin page with `server.admin_token`.
+    AdminTokenSignIn,
+    /// A refused admin-token sign-in: `why` is `wrong` or `throttled` (never the token).
+    AdminTokenSignInFailed {
+        why: &'static str,
+    },
     PasswordChanged,
     KeyCreated {
         prefix: String,
@@ -131,18 +171,74 @@ pub enum AuthEvent {
 }
 
 impl Audit {
+    /// Whether a throttled sign-in from `address` goes in the log now: once per
+    /// [`THROTTLED_RECORD_WINDOW`] per address.
+    fn first_throttled_in_window(&self, address: Option<IpAddr>) -> bool {
+        let Ok(mut seen) = self.throttled.lock() else {
+            return true;
+        };
+        let now = Instant::now();
+        if seen
+            .get(&address)
+            .is_some_and(|t| now.duration_since(*t) < THROTTLED_RECORD_WINDOW)
+        {
+            return false;
+        }
+        if seen.len() >= THROTTLED_REMEMBERED {
+            seen.retain(|_, t| now.duration_since(*t) < THROTTLED_RECORD_WINDOW);
+            if seen.len() >= THROTTLED_REMEMBERED {
+                // Flooded from that many addresses at once: forget the oldest half.
+                let mut times: Vec<Instant> = seen.values().copied().collect();
+                times.sort_unstable();
+                let cut = times[times.len() / 2];
+                seen.retain(|_, t| *t > cut);
+            }
+        }
+        seen.insert(address, now);
+        true
+    }
+
     /// Records an account event of `name` (the account's name; for a failed sign-in, the name
-    /// that was tried) from `address`.
+    /// that was tried, cut to an account name's length) from `address`. A throttled attempt is
+    /// recorded once per address per [`THROTTLED_RECORD_WINDOW`].
     pub async fn auth(&self, event: AuthEvent, name: &str, address: Option<IpAddr>) {
+        let throttled = matches!(
+            event,
+            AuthEvent::SignInFailed { why: "throttled" }
+                | AuthEvent::AdminTokenSignInFailed { why: "throttled" }
+        );
+        if throttled && !self.first_throttled_in_window(address) {
+            return;
+        }
+        let name = bounded(name, smolchat_auth::accounts::MAX_NAME_CHARS);
         let user = format!("user:{name}");
         let (action, target, detail) = match &event {
             AuthEvent::SignIn => ("auth.sign_in", user.clone(), String::new()),
+            AuthEvent::SignInFailed { why } if *why == "throttled" => (
+                "auth.sign_in_failed",
+                user.clone(),
+                format!(
+                    "throttled (further throttled attempts from this address in the next {} s \
+                     are refused without a row)",
+                    THROTTLED_RECORD_WINDOW.as_secs()
+                ),
+            ),
             AuthEvent::SignInFailed { why } => {
                 ("auth.sign_in_failed", user.clone(), (*why).to_string())
             }
             AuthEvent::SignUp => ("auth.sign_up", user.clone(), String::new()),
             AuthEvent::ExternalSignIn { how } => ("auth.sign_in", user.clone(), how.clone()),
             AuthEvent::SignOut => ("auth.sign_out", user.clone(), String::new()),
+            AuthEvent::AdminTokenSignIn => (
+                "auth.admin_sign_in",
+                "admin".to_string(),
+                "admin token".into(),
+            ),
+            AuthEvent::AdminTokenSignInFailed { why } => (
+                "auth.admin_sign_in_failed",
+                "admin".to_string(),
+                format!("admin token {why}"),
+            ),
             AuthEvent::PasswordChanged => ("auth.password_changed", user.clone(), String::new()),
             AuthEvent::KeyCreated { prefix } => {
                 ("auth.key_created", format!("key:{prefix}"), String::new())
@@ -153,7 +249,10 @@ impl Audit {
         };
         // A failed sign-in has no actor yet: the address tried the name.
         let actor = match event {
-            AuthEvent::SignInFailed { .. } => "anonymous".to_string(),
+            AuthEvent::SignInFailed { .. } | AuthEvent::AdminTokenSignInFailed { .. } => {
+                "anonymous".to_string()
+            }
+            AuthEvent::AdminTokenSignIn => "admin".to_string(),
             _ => user,
         };
         self.record(&actor, action, &target, address, &detail).await
@@ -184,6 +283,16 @@ pub fn to_csv(entries: &[AuditEntry]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn fields_are_cut_with_an_ellipsis() {
+        assert_eq!(bounded("short", 10), "short");
+        let long = "x".repeat(204_800);
+        let cut = bounded(&long, MAX_NAME_FIELD_CHARS);
+        assert_eq!(cut.chars().count(), MAX_NAME_FIELD_CHARS);
+        assert!(cut.ends_with('…'));
+        assert_eq!(bounded("ééé", 2), "é…");
+    }
 
     #[test]
     fn csv_quotes_every_field() {

@@ -295,8 +295,11 @@ impl Completion {
             let prompt = i64::try_from(summary.prompt_tokens).unwrap_or(i64::MAX);
             let completion = i64::try_from(summary.completion_tokens).unwrap_or(i64::MAX);
             actix::spawn(async move {
-                if let Err(e) = store.add_api_usage(&owner, prompt, completion).await {
-                    tracing::warn!("cannot record API usage: {e}");
+                match store.add_api_usage(&owner, prompt, completion).await {
+                    Ok(()) => {}
+                    // The account was deleted while the request ran: nothing to record.
+                    Err(e @ smolchat_store::StoreError::OwnerGone(_)) => tracing::debug!("{e}"),
+                    Err(e) => tracing::warn!("cannot record API usage: {e}"),
                 }
             });
         }

@@ -102,6 +102,28 @@ pub struct ServerConfig {
     /// `.example.com` allows every subdomain, `["*"]` allows any. Unset: only `localhost` and IP
     /// literals when bound to a loopback address (stops DNS rebinding), any host otherwise.
     pub allowed_hosts: Option<Vec<String>>,
+    /// The address people reach this server at (`https://chat.example.com`, a path prefix
+    /// allowed): share and invite links are built on it. Unset: on the request's own `Host`
+    /// (after the `allowed_hosts` check), or a trusted proxy's `X-Forwarded-Host`.
+    pub public_url: Option<String>,
+}
+
+/// Checks `server.public_url`: an http(s) URL with a host, no query, fragment or spaces.
+pub fn check_public_url(u: &str) -> Result<(), String> {
+    let rest = u
+        .strip_prefix("https://")
+        .or_else(|| u.strip_prefix("http://"))
+        .ok_or("it must start with https:// or http://")?;
+    let host = rest.split('/').next().unwrap_or("");
+    if host.is_empty() {
+        return Err("it names no host".into());
+    }
+    if u.chars()
+        .any(|c| c.is_whitespace() || c.is_control() || c == '?' || c == '#')
+    {
+        return Err("it may hold no spaces, query or fragment".into());
+    }
+    Ok(())
 }
 
 /// `server.trusted_proxies` parsed: CIDRs (`10.0.0.0/8`, `fd00::/8`) and plain addresses (one
@@ -251,6 +273,17 @@ pub struct LimitsConfig {
     /// Files one owner may keep attached in all (their uploaded sizes), in MiB; more: 413
     /// (0: no limit).
     pub max_file_mib_per_user: u64,
+    /// Files read at once on the whole server (their text extracted and counted); more: 429
+    /// with `Retry-After`.
+    pub max_concurrent_extractions: usize,
+    /// Files one owner (or, on `/v1`, one caller) may have read at once; more: 429.
+    pub max_concurrent_extractions_per_owner: usize,
+    /// Seconds (of the clock, and of processor time) the child process reading a PDF may take
+    /// before it is killed and the file refused.
+    pub extract_timeout_s: u64,
+    /// The memory the child process reading a PDF may allocate, in MiB; a PDF that needs more
+    /// is refused.
+    pub extract_memory_mib: u64,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -304,9 +337,15 @@ pub struct AuthSection {
     pub audit_keep_days: u64,
     /// Behind an authenticating proxy (oauth2-proxy, Authelia, authentik): the request header
     /// naming the signed-in user (e.g. `X-Forwarded-User`, `Remote-User`). Honoured only from
-    /// `server.trusted_proxies`; from anywhere else it is ignored and logged. The account is
-    /// made on first sight.
+    /// `server.trusted_proxies`; from anywhere else it is ignored and logged. The value is an
+    /// identity linked to one account, made on first sight and named after it
+    /// (`alice@example.com` → `alice`, `alice-2` when taken): an existing account is never
+    /// taken over by name.
     pub trusted_user_header: Option<String>,
+    /// Links a header value equal to an existing account's name (with no identity linked yet)
+    /// to that account, once: for servers whose accounts the header made before values were
+    /// linked. Off by default (a local account of that name would be taken over).
+    pub trusted_header_adopt_names: bool,
     /// The header listing the user's groups (comma-separated), when the proxy sends one.
     pub trusted_groups_header: Option<String>,
     /// The group whose members get the admin role (needs `trusted_groups_header`).
@@ -427,6 +466,7 @@ impl Default for ServerConfig {
             admin_token: None,
             api_key: None,
             metrics_token: None,
+            public_url: None,
             cookie_secret: None,
             trusted_proxies: Vec::new(),
             allowed_hosts: None,
@@ -494,6 +534,10 @@ impl Default for LimitsConfig {
             max_file_mib: 10,
             max_files_per_message: 8,
             max_file_mib_per_user: 200,
+            max_concurrent_extractions: 4,
+            max_concurrent_extractions_per_owner: 2,
+            extract_timeout_s: 20,
+            extract_memory_mib: 512,
         }
     }
 }
@@ -526,6 +570,7 @@ impl Default for AuthSection {
             max_sessions_per_user: 100,
             audit_keep_days: 365,
             trusted_user_header: None,
+            trusted_header_adopt_names: false,
             trusted_groups_header: None,
             trusted_admin_group: None,
             password_login: true,
@@ -691,6 +736,11 @@ impl Config {
         if let Err(e) = parse_proxies(&sv.trusted_proxies) {
             return bad(e);
         }
+        if let Some(u) = sv.public_url.as_deref() {
+            if let Err(e) = check_public_url(u) {
+                return bad(format!("server.public_url {u:?}: {e}"));
+            }
+        }
         let l = &self.limits;
         if l.max_streams_per_address == 0 {
             return bad("limits.max_streams_per_address must be at least 1".into());
@@ -726,6 +776,27 @@ impl Config {
                 "limits.max_file_mib ({}) must be between 1 and 64 (a file is read whole into \
                  memory to extract its text)",
                 l.max_file_mib
+            ));
+        }
+        if !(1..=256).contains(&l.max_concurrent_extractions)
+            || !(1..=256).contains(&l.max_concurrent_extractions_per_owner)
+        {
+            return bad(format!(
+                "limits.max_concurrent_extractions ({}) and \
+                 limits.max_concurrent_extractions_per_owner ({}) must be between 1 and 256",
+                l.max_concurrent_extractions, l.max_concurrent_extractions_per_owner
+            ));
+        }
+        if !(1..=600).contains(&l.extract_timeout_s) {
+            return bad(format!(
+                "limits.extract_timeout_s ({}) must be between 1 and 600",
+                l.extract_timeout_s
+            ));
+        }
+        if !(128..=16384).contains(&l.extract_memory_mib) {
+            return bad(format!(
+                "limits.extract_memory_mib ({}) must be between 128 and 16384",
+                l.extract_memory_mib
             ));
         }
         if !(1..=64).contains(&l.max_files_per_message) {

@@ -33,6 +33,7 @@ mod files;
 mod organise;
 pub use organise::{MAX_FOLDERS, MAX_PRESETS, MAX_TAGS, NAME_MAX_CHARS, TAG_MAX_CHARS};
 
+use crate::reply::ReplyEvent;
 use smolchat_store::{
     Conversation, ConversationSettings, FileRecord, ImportedFile, ImportedMessage, ListFilter,
     ListPage, Message, MessageStatus, Organisation, PageRequest, Role, ShareRecord, Store,
@@ -696,6 +697,10 @@ pub struct Conversations {
     /// Imported bytes per client address in the last hour.
     imports: Mutex<ByteBudget>,
     audit: crate::audit::Audit,
+    /// Reads attached files (a PDF in a child process), so many at once.
+    documents: Arc<crate::documents::DocumentReader>,
+    /// The longest token's bytes: a text has at least its length over this many tokens.
+    longest_token_bytes: usize,
 }
 
 impl Conversations {
@@ -708,8 +713,16 @@ impl Conversations {
         template: Arc<ChatTemplate>,
         context_window: usize,
         cfg: ConversationsConfig,
+        documents: Arc<crate::documents::DocumentReader>,
     ) -> Self {
+        let longest_token_bytes = (0..tokenizer.vocab_size() as u32)
+            .map(|id| tokenizer.token_bytes(id).len())
+            .max()
+            .unwrap_or(1)
+            .max(1);
         Self {
+            documents,
+            longest_token_bytes,
             audit: crate::audit::Audit::new(store.clone()),
             store,
             sessions,
@@ -726,6 +739,12 @@ impl Conversations {
 
     pub fn config(&self) -> &ConversationsConfig {
         &self.cfg
+    }
+
+    /// The longest token of the vocabulary, in bytes: a text has at least its length over
+    /// this many tokens.
+    pub fn longest_token_bytes(&self) -> usize {
+        self.longest_token_bytes
     }
 
     /// The settings a new conversation gets (today's date pinned).
@@ -1226,11 +1245,68 @@ impl Conversations {
             .ok_or(ConversationError::NotFound)
     }
 
-    /// Joins the caller's conversation's live events.
-    pub async fn subscribe(&self, caller: &Caller, id: Uuid) -> Result<Subscription> {
+    /// Joins the caller's conversation's live events. With `after` (a message the caller
+    /// posted, or the reply the post answered with: the ids of the 202), a subscriber that
+    /// comes once that reply has ended learns how it ended at once: its `done` (or `error`)
+    /// is replayed from the stored row, since no live event for it will come any more.
+    pub async fn subscribe(
+        &self,
+        caller: &Caller,
+        id: Uuid,
+        after: Option<Uuid>,
+    ) -> Result<Subscription> {
         let c = self.owned(caller, id).await?;
         let session = self.sessions.get_or_start(c.id);
-        Ok(session.send(Subscribe).await?)
+        let mut subscription = session.send(Subscribe).await?;
+        if let Some(after) = after {
+            // A reply in progress here is replayed from the session's buffer, and its end comes
+            // live. Only when nothing is in progress can the reply asked about have ended.
+            let outcome = self.outcome_of_reply(c.id, after).await?;
+            if subscription.replay.is_empty() {
+                subscription.replay.extend(outcome);
+            }
+        }
+        Ok(subscription)
+    }
+
+    /// How the reply to (or of) message `after` ended, as the event that said so; `None` while
+    /// it is still being written (or not yet begun).
+    async fn outcome_of_reply(
+        &self,
+        conversation: Uuid,
+        after: Uuid,
+    ) -> Result<Option<ReplyEvent>> {
+        let messages = self.store.messages(conversation).await?;
+        let Some(asked) = messages.iter().find(|m| m.id == after) else {
+            return Err(invalid(
+                "after",
+                format!("`after`: no message {after} in this conversation (give the id of the message you posted, or of its reply)"),
+            ));
+        };
+        let reply = if asked.role == Role::Assistant {
+            Some(asked)
+        } else {
+            // The newest reply to it (a regenerated reply is a newer sibling).
+            messages
+                .iter()
+                .rev()
+                .find(|m| m.parent_id == Some(after) && m.role == Role::Assistant)
+        };
+        let Some(reply) = reply else {
+            return Ok(None);
+        };
+        Ok(match reply.status {
+            MessageStatus::Streaming => None,
+            MessageStatus::Interrupted => Some(ReplyEvent::Error {
+                message: "this reply was interrupted (the server stopped while writing it); \
+                          what it wrote is kept: send or regenerate"
+                    .to_string(),
+            }),
+            _ => Some(ReplyEvent::Done {
+                summary: crate::session::summary_of_stored(reply),
+                message: reply.clone(),
+            }),
+        })
     }
 
     /// The caller's conversation as a lossless export document.

@@ -237,6 +237,11 @@ pub struct Extracted {
     pub text: String,
 }
 
+/// The characters that change the direction text is shown in.
+fn is_bidi_control(c: char) -> bool {
+    matches!(c, '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}' | '\u{200e}' | '\u{200f}' | '\u{061c}')
+}
+
 /// Checks a file name: what the pages and the prompt show. Returns it trimmed.
 pub fn check_name(name: &str) -> Result<String, FileError> {
     let trimmed = name.trim();
@@ -255,6 +260,15 @@ pub fn check_name(name: &str) -> Result<String, FileError> {
             "it contains a control character or a double quote",
         ));
     }
+    // Bidirectional controls make a name read other than it is (`report\u{202e}fdp.exe` shows
+    // as `reportexe.pdf`).
+    if trimmed.chars().any(is_bidi_control) {
+        return Err(FileError::BadName(
+            trimmed.chars().filter(|c| !is_bidi_control(*c)).collect(),
+            "it contains a bidirectional text control (U+202A–U+202E, U+2066–U+2069, U+200E, \
+             U+200F or U+061C), which would make it display as another name; rename the file",
+        ));
+    }
     // A path's last part: browsers send bare names, other clients may send more.
     let base = trimmed
         .rsplit(['/', '\\'])
@@ -267,10 +281,18 @@ pub fn check_name(name: &str) -> Result<String, FileError> {
     Ok(base)
 }
 
-/// Checks and reads a file of `bytes` named `name` (at most `limit` bytes). CPU work (a PDF
-/// can take a while): call it off the event loop. A PDF the extractor panics on is refused as
-/// unreadable, never a crash.
-pub fn extract(name: &str, bytes: &[u8], limit: usize) -> Result<Extracted, FileError> {
+/// What a file's name and first bytes say, checked: its name (trimmed to the last part), kind
+/// and media type. Cheap; refuses before anything reads the file.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Checked {
+    pub name: String,
+    pub kind: FileKind,
+    pub media_type: &'static str,
+}
+
+/// Checks a file of `bytes` named `name` (at most `limit` bytes) before it is read: the name, the
+/// size, program formats and the accepted types.
+pub fn check(name: &str, bytes: &[u8], limit: usize) -> Result<Checked, FileError> {
     let name = check_name(name)?;
     if bytes.len() > limit {
         return Err(FileError::TooLarge {
@@ -289,57 +311,170 @@ pub fn extract(name: &str, bytes: &[u8], limit: usize) -> Result<Extracted, File
     if bytes.is_empty() {
         return Err(FileError::Empty { name });
     }
-    let unreadable = |reason: String| FileError::Unreadable {
-        name: name.clone(),
-        kind: kind.what(),
-        reason,
-    };
-    let text = match kind {
-        FileKind::Pdf => {
-            if !bytes.starts_with(b"%PDF-") {
-                return Err(unreadable("it does not start with %PDF-".into()));
-            }
-            let result = std::panic::catch_unwind(AssertUnwindSafe(|| {
-                pdf_extract::extract_text_from_mem(bytes)
-            }));
-            let text = match result {
-                Ok(Ok(text)) => text,
-                Ok(Err(e)) => return Err(unreadable(e.to_string())),
-                Err(_) => return Err(unreadable("its structure is damaged".into())),
-            };
-            let text = tidy_pdf_text(&text);
-            if text.trim().is_empty() {
-                return Err(unreadable(
-                    "it holds no text (a scanned image?); attach a PDF with a text layer".into(),
-                ));
-            }
-            text
-        }
-        _ => {
-            let text = std::str::from_utf8(bytes).map_err(|e| {
-                unreadable(format!(
-                    "byte {} is not UTF-8 (a binary file, or another encoding)",
-                    e.valid_up_to()
-                ))
-            })?;
-            if text.contains('\0') {
-                return Err(unreadable("it contains NUL bytes (a binary file)".into()));
-            }
-            if let Some(what) = crate::validation::not_text(text) {
-                return Err(unreadable(format!("it contains {what}")));
-            }
-            if kind == FileKind::Json && !name.to_ascii_lowercase().ends_with("l") {
-                serde_json::from_str::<serde::de::IgnoredAny>(text)
-                    .map_err(|e| unreadable(format!("it does not parse: {e}")))?;
-            }
-            text.strip_prefix('\u{feff}').unwrap_or(text).to_string()
-        }
-    };
-    Ok(Extracted {
+    if kind == FileKind::Pdf && !bytes.starts_with(b"%PDF-") {
+        return Err(FileError::Unreadable {
+            name,
+            kind: kind.what(),
+            reason: "it does not start with %PDF-".into(),
+        });
+    }
+    Ok(Checked {
+        name,
         kind,
         media_type,
-        text,
     })
+}
+
+impl Checked {
+    /// The error for this file when its contents cannot be read.
+    pub fn unreadable(&self, reason: impl Into<String>) -> FileError {
+        FileError::Unreadable {
+            name: self.name.clone(),
+            kind: self.kind.what(),
+            reason: reason.into(),
+        }
+    }
+}
+
+/// The text of a checked file of a text kind (everything but PDF): UTF-8 without NUL bytes or
+/// other binary content, JSON that parses. Linear in the file's size and bounded by it; a PDF
+/// is read by [`crate::documents::DocumentReader`] in a child process instead.
+pub fn read_text(file: &Checked, bytes: &[u8]) -> Result<String, FileError> {
+    debug_assert!(file.kind != FileKind::Pdf);
+    let text = std::str::from_utf8(bytes).map_err(|e| {
+        file.unreadable(format!(
+            "byte {} is not UTF-8 (a binary file, or another encoding)",
+            e.valid_up_to()
+        ))
+    })?;
+    if text.contains('\0') {
+        return Err(file.unreadable("it contains NUL bytes (a binary file)"));
+    }
+    if let Some(what) = crate::validation::not_text(text) {
+        return Err(file.unreadable(format!("it contains {what}")));
+    }
+    if file.kind == FileKind::Json && !file.name.to_ascii_lowercase().ends_with('l') {
+        serde_json::from_str::<serde::de::IgnoredAny>(text)
+            .map_err(|e| file.unreadable(format!("it does not parse: {e}")))?;
+    }
+    Ok(text.strip_prefix('\u{feff}').unwrap_or(text).to_string())
+}
+
+/// Bounds on reading one PDF: how many bytes its compressed streams may inflate to and how much
+/// text it may give. Reading stops at either.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PdfCaps {
+    pub max_inflated_bytes: usize,
+    pub max_text_bytes: usize,
+}
+
+/// Why a PDF's text could not be read (the reason a user is shown).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PdfRefusal {
+    #[error("its structure is damaged: {0}")]
+    Damaged(String),
+    #[error("its compressed streams inflate to more than {} MiB (a decompression bomb?)", .0 >> 20)]
+    Inflates(usize),
+    #[error("its text runs past {} KiB, more than the conversation can hold: attach a shorter part of it", .0 >> 10)]
+    TextTooLong(usize),
+    #[error("it holds no text (a scanned image?); attach a PDF with a text layer")]
+    NoText,
+    #[error("it is encrypted with a password; attach an unprotected copy")]
+    Encrypted,
+}
+
+/// Reads a PDF's text, in this process. Only the sandboxed child (`smolchat extract`) may call
+/// it: parsing a hostile PDF can recurse without bound (a stack overflow no `catch_unwind`
+/// catches) or allocate without bound; see [`crate::documents`].
+pub fn read_pdf(bytes: &[u8], caps: PdfCaps) -> Result<String, PdfRefusal> {
+    let mut doc = std::panic::catch_unwind(AssertUnwindSafe(|| lopdf::Document::load_mem(bytes)))
+        .map_err(|_| PdfRefusal::Damaged("the parser gave up".into()))?
+        .map_err(|e| PdfRefusal::Damaged(e.to_string()))?;
+    if doc.is_encrypted() && doc.decrypt("").is_err() {
+        return Err(PdfRefusal::Encrypted);
+    }
+    check_inflated_size(&doc, caps.max_inflated_bytes)?;
+    let mut out = CappedText {
+        text: Vec::new(),
+        cap: caps.max_text_bytes,
+        over: false,
+    };
+    let result = std::panic::catch_unwind(AssertUnwindSafe(|| {
+        let mut plain = pdf_extract::PlainTextOutput::new(&mut out as &mut dyn std::io::Write);
+        pdf_extract::output_doc(&doc, &mut plain)
+    }));
+    if out.over {
+        return Err(PdfRefusal::TextTooLong(caps.max_text_bytes));
+    }
+    match result {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => return Err(PdfRefusal::Damaged(e.to_string())),
+        Err(_) => {
+            return Err(PdfRefusal::Damaged(
+                "the text layer could not be followed".into(),
+            ))
+        }
+    }
+    let text = tidy_pdf_text(&String::from_utf8_lossy(&out.text));
+    if text.trim().is_empty() {
+        return Err(PdfRefusal::NoText);
+    }
+    Ok(text)
+}
+
+/// Refuses a document whose Flate streams, images aside (text extraction never decodes them),
+/// inflate to more than `cap` bytes in all, counting as it inflates and stopping at the cap.
+fn check_inflated_size(doc: &lopdf::Document, cap: usize) -> Result<(), PdfRefusal> {
+    use std::io::Read;
+    let mut total: usize = 0;
+    for object in doc.objects.values() {
+        let Ok(stream) = object.as_stream() else {
+            continue;
+        };
+        let is_image = stream
+            .dict
+            .get(b"Subtype")
+            .and_then(|s| s.as_name())
+            .is_ok_and(|s| s == b"Image");
+        let flate = stream
+            .filters()
+            .is_ok_and(|f| f.first().is_some_and(|f| *f == b"FlateDecode"));
+        if is_image || !flate {
+            continue;
+        }
+        let left = cap.saturating_sub(total);
+        let mut inflater =
+            flate2::read::ZlibDecoder::new(stream.content.as_slice()).take(left as u64 + 1);
+        // A stream that stops inflating early (damaged) counts what it gave.
+        let n = std::io::copy(&mut inflater, &mut std::io::sink()).unwrap_or(0) as usize;
+        total = total.saturating_add(n);
+        if total > cap {
+            return Err(PdfRefusal::Inflates(cap));
+        }
+    }
+    Ok(())
+}
+
+/// A writer that takes at most `cap` bytes, then fails (which stops the extractor) and says so.
+struct CappedText {
+    text: Vec<u8>,
+    cap: usize,
+    over: bool,
+}
+
+impl std::io::Write for CappedText {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        if self.text.len() + buf.len() > self.cap {
+            self.over = true;
+            return Err(std::io::Error::other("the text cap is reached"));
+        }
+        self.text.extend_from_slice(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
 }
 
 /// A PDF's extracted text without its runs of blank lines and trailing spaces.
@@ -360,6 +495,67 @@ fn tidy_pdf_text(text: &str) -> String {
         out.push('\n');
     }
     out.trim().to_string()
+}
+
+/// A token count that stopped early or ran through.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TokenCount {
+    /// The text's tokens, at most the room.
+    Within(usize),
+    /// The text has more tokens than the room: at least this many (counting stopped there).
+    Over { at_least: usize },
+}
+
+/// Bytes tokenized at a time by [`count_tokens_within`].
+const COUNT_CHUNK_BYTES: usize = 64 << 10;
+
+/// Counts `text`'s tokens, stopping as soon as the count passes `room`. First by bytes: no token
+/// is longer than `longest_token_bytes`, so a text of more than `room` times that many bytes is
+/// over without tokenizing at all. Then in chunks of about 64 KiB cut after a line break (or a
+/// space): memory stays bounded by the chunk, and a file far over the room costs one chunk past
+/// it. A cut between lines can only change how the pieces beside it merge, so the sum may
+/// differ from one whole tokenization by a token or two a chunk; the room keeps margin for that.
+pub fn count_tokens_within(
+    tokenizer: &smolchat_text::tokenizer::Tokenizer,
+    text: &str,
+    room: usize,
+    longest_token_bytes: usize,
+) -> Result<TokenCount, smolchat_text::TextError> {
+    let at_least = text.len().div_ceil(longest_token_bytes.max(1));
+    if at_least > room {
+        return Ok(TokenCount::Over { at_least });
+    }
+    let mut total = 0usize;
+    let mut rest = text;
+    while !rest.is_empty() {
+        let cut = chunk_end(rest, COUNT_CHUNK_BYTES);
+        let (chunk, tail) = rest.split_at(cut);
+        total += tokenizer.encode(chunk, false)?.len();
+        if total > room {
+            return Ok(TokenCount::Over { at_least: total });
+        }
+        rest = tail;
+    }
+    Ok(TokenCount::Within(total))
+}
+
+/// Where a chunk of about `max` bytes of `text` ends: after the last line break in it, else
+/// after the last space, else at a character boundary; all of `text` when it is short.
+fn chunk_end(text: &str, max: usize) -> usize {
+    if text.len() <= max {
+        return text.len();
+    }
+    let mut end = max;
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    let window = &text[..end];
+    let at = window
+        .rfind('\n')
+        .or_else(|| window.rfind(' '))
+        .map(|i| i + 1)
+        .filter(|&i| i > max / 2);
+    at.unwrap_or(end)
 }
 
 /// One file as the prompt shows it.
@@ -398,6 +594,26 @@ mod tests {
     use super::*;
 
     const MB: usize = 1 << 20;
+    const CAPS: PdfCaps = PdfCaps {
+        max_inflated_bytes: 4 * MB,
+        max_text_bytes: MB,
+    };
+
+    /// Checks and reads a file in this process, the way the server reads it (a PDF in its
+    /// child process: [`crate::documents`]).
+    fn extract(name: &str, bytes: &[u8], limit: usize) -> Result<Extracted, FileError> {
+        let c = check(name, bytes, limit)?;
+        let text = if c.kind == FileKind::Pdf {
+            read_pdf(bytes, CAPS).map_err(|r| c.unreadable(r.to_string()))?
+        } else {
+            read_text(&c, bytes)?
+        };
+        Ok(Extracted {
+            kind: c.kind,
+            media_type: c.media_type,
+            text,
+        })
+    }
 
     #[test]
     fn text_kinds_are_read_and_checked() {
@@ -466,6 +682,9 @@ mod tests {
         assert!(check_name("a\"b.txt").is_err());
         assert!(check_name("a\nb.txt").is_err());
         assert!(check_name("dir/").is_err());
+        let e = check_name("report\u{202e}fdp.exe").unwrap_err().to_string();
+        assert!(e.contains("bidirectional"), "{e}");
+        assert!(check_name("a\u{2067}b.txt").is_err());
         assert!(check_name("").is_err());
     }
 
@@ -518,5 +737,85 @@ mod tests {
              <file name=\"b.rs\" type=\"code\">\nfn f() {}\n</file>\n\nCompare them."
         );
         assert_eq!(message_with_files(&[], "Just text."), "Just text.");
+    }
+
+    /// A one-page PDF whose content stream is `content`, Flate-compressed, with a standard font.
+    pub(crate) fn pdf_with_content(content: &[u8]) -> Vec<u8> {
+        use std::io::Write;
+        let mut z = flate2::write::ZlibEncoder::new(Vec::new(), flate2::Compression::best());
+        z.write_all(content).unwrap();
+        let stream = z.finish().unwrap();
+        let mut out = b"%PDF-1.4\n".to_vec();
+        let mut offsets = Vec::new();
+        let objects: Vec<Vec<u8>> = vec![
+            b"<< /Type /Catalog /Pages 2 0 R >>".to_vec(),
+            b"<< /Type /Pages /Kids [3 0 R] /Count 1 >>".to_vec(),
+            b"<< /Type /Page /Parent 2 0 R /MediaBox [0 0 612 792] /Resources << /Font << /F1 5 0 R >> >> /Contents 4 0 R >>".to_vec(),
+            [format!("<< /Length {} /Filter /FlateDecode >>\nstream\n", stream.len()).into_bytes(), stream, b"\nendstream".to_vec()].concat(),
+            b"<< /Type /Font /Subtype /Type1 /BaseFont /Helvetica >>".to_vec(),
+        ];
+        for (i, o) in objects.iter().enumerate() {
+            offsets.push(out.len());
+            out.extend_from_slice(format!("{} 0 obj\n", i + 1).as_bytes());
+            out.extend_from_slice(o);
+            out.extend_from_slice(b"\nendobj\n");
+        }
+        let xref = out.len();
+        out.extend_from_slice(
+            format!("xref\n0 {}\n0000000000 65535 f \n", objects.len() + 1).as_bytes(),
+        );
+        for o in offsets {
+            out.extend_from_slice(format!("{o:010} 00000 n \n").as_bytes());
+        }
+        out.extend_from_slice(
+            format!(
+                "trailer << /Size {} /Root 1 0 R >>\nstartxref\n{xref}\n%%EOF\n",
+                objects.len() + 1
+            )
+            .as_bytes(),
+        );
+        out
+    }
+
+    #[test]
+    fn a_pdf_made_here_reads_and_its_caps_hold() {
+        let ok = pdf_with_content(b"BT /F1 12 Tf 72 720 Td (Hello sandbox) Tj ET");
+        assert_eq!(read_pdf(&ok, CAPS).unwrap(), "Hello sandbox");
+        // A stream that inflates past the cap is refused before any text is extracted.
+        let mut bomb = b"BT /F1 12 Tf 72 720 Td (x) Tj ET\n".to_vec();
+        bomb.resize(5 * MB, b' ');
+        let bomb = pdf_with_content(&bomb);
+        assert!(bomb.len() < 64 << 10, "{} bytes", bomb.len());
+        assert_eq!(read_pdf(&bomb, CAPS), Err(PdfRefusal::Inflates(4 * MB)));
+        // Text past its cap stops the extractor.
+        let long: Vec<u8> = (0..40_000)
+            .flat_map(|i| {
+                format!(
+                    "BT /F1 12 Tf 72 {} Td (line of words {i}) Tj ET\n",
+                    720 - i % 700
+                )
+                .into_bytes()
+            })
+            .collect();
+        let caps = PdfCaps {
+            max_inflated_bytes: 16 * MB,
+            max_text_bytes: 64 << 10,
+        };
+        assert_eq!(
+            read_pdf(&pdf_with_content(&long), caps),
+            Err(PdfRefusal::TextTooLong(64 << 10))
+        );
+    }
+
+    #[test]
+    fn chunks_end_after_a_line_or_a_space_on_a_character_boundary() {
+        assert_eq!(chunk_end("short", 10), 5);
+        assert_eq!(chunk_end("aaaa\nbbbbbbbbbb", 10), 5);
+        assert_eq!(chunk_end("aaaa bbbbbbbbbb", 10), 5);
+        assert_eq!(chunk_end("aaaaaaaaaaaaaaa", 10), 10);
+        // 'é' is two bytes: a cut inside it moves back.
+        let s = "ééééééééé";
+        let end = chunk_end(s, 9);
+        assert!(s.is_char_boundary(end) && end == 8, "{end}");
     }
 }

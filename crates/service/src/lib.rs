@@ -10,6 +10,7 @@ pub mod cluster;
 pub mod completions;
 pub mod config;
 pub mod conversations;
+pub mod documents;
 pub mod files;
 pub mod platform;
 pub mod quotas;

@@ -84,6 +84,9 @@ pub struct Platform {
     conversations: Arc<Conversations>,
     /// The completions service: every prompt any interface runs (conversations' turns and `/v1`).
     completions: Completions,
+    /// Reads attached files, a PDF in a bounded child process (shared with `conversations`).
+    documents: Arc<crate::documents::DocumentReader>,
+    audit: crate::audit::Audit,
     accounts: Arc<Accounts>,
     /// Admin sign-in with `server.admin_token`; `None` when no token is set.
     admin_auth: Option<AdminAuth>,
@@ -164,6 +167,7 @@ impl Platform {
         tokenizer: Tokenizer,
         template: ChatTemplate,
         model: ModelInfo,
+        sandbox: crate::documents::SandboxConfig,
     ) -> Result<Self, PlatformError> {
         let store =
             Store::open(&config.database.url)
@@ -305,6 +309,7 @@ impl Platform {
         });
         sessions.receive_from(&cluster);
         cluster.run(scheduler.clone());
+        let documents = crate::documents::DocumentReader::new(sandbox);
         let conversations = Arc::new(Conversations::new(
             store.clone(),
             Arc::clone(&sessions),
@@ -313,6 +318,7 @@ impl Platform {
             Arc::clone(&template),
             model.context_window,
             conversations_config(&config),
+            Arc::clone(&documents),
         ));
         let key = credential_key(&secret);
         let accounts = Arc::new(accounts(&config, &store, key).await?);
@@ -325,6 +331,7 @@ impl Platform {
             Arc::clone(&accounts),
         );
         spawn_session_purge(store.clone());
+        let audit = crate::audit::Audit::new(store.clone());
         Ok(Self {
             config,
             store,
@@ -333,6 +340,8 @@ impl Platform {
             cluster,
             conversations,
             completions,
+            documents,
+            audit,
             accounts,
             admin_auth,
             admin,
@@ -345,6 +354,38 @@ impl Platform {
     /// The configuration in force (the cookie secret filled in when it was generated).
     pub fn config(&self) -> &Config {
         &self.config
+    }
+
+    /// Reads a file a `/v1` request carries inline (a `file` content part) for the caller
+    /// `who` (an account, a key, an address): checked, its text extracted (a PDF in the
+    /// sandboxed reader) under `limits.max_file_mib` and the reading limits, the same rules as
+    /// an upload to a conversation.
+    pub async fn read_inline_file(
+        &self,
+        who: &str,
+        name: &str,
+        bytes: Vec<u8>,
+    ) -> Result<crate::files::Extracted, crate::documents::ReadError> {
+        let limit = usize::try_from(self.config.limits.max_file_mib.saturating_mul(1 << 20))
+            .unwrap_or(usize::MAX);
+        // The prompt it goes into is checked against the context window once it is built; a
+        // text of more bytes than the window's tokens can hold is refused before that (and
+        // before anything tokenizes it whole).
+        let window = self.model.context_window;
+        let longest = self.conversations.longest_token_bytes();
+        let max_text = window.saturating_add(1).saturating_mul(longest);
+        let read = self
+            .documents
+            .read(who, name, bytes, limit, max_text)
+            .await?;
+        let at_least = read.text.len().div_ceil(longest);
+        if at_least > window {
+            return Err(crate::documents::ReadError::DoesNotFit(format!(
+                "{name:?} is at least {at_least} tokens of text; the model's context window is \
+                 {window} tokens: attach a shorter part of it"
+            )));
+        }
+        Ok(read)
     }
 
     /// The conversation service every interface goes through.
@@ -372,9 +413,10 @@ impl Platform {
         &self.admin
     }
 
-    /// The audit log: what is recorded, and reading it (admins).
+    /// The audit log: what is recorded, and reading it (admins). One for the process, so what
+    /// it remembers (throttled addresses) holds across requests.
     pub fn audit(&self) -> crate::audit::Audit {
-        crate::audit::Audit::new(self.store.clone())
+        self.audit.clone()
     }
 
     /// This replica among those sharing the database (routing of turns to their cache).

@@ -14,7 +14,7 @@
 //! request through (logged): quotas must not turn a database hiccup into an outage.
 
 use chrono::{DateTime, Utc};
-use smolchat_store::{Period, Store};
+use smolchat_store::{Period, Store, StoreError};
 
 /// The quota settings (from `[limits]`); 0 turns one off.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -205,8 +205,13 @@ impl Quotas {
             if seen.contains(&rule.subject) {
                 continue;
             }
-            if let Err(e) = self.store.add_usage(&rule.subject, tokens, 1, now).await {
-                tracing::warn!(subject = %rule.subject, "cannot count tokens against a quota: {e}");
+            match self.store.add_usage(&rule.subject, tokens, 1, now).await {
+                Ok(()) => {}
+                // The account or key was deleted while this request ran.
+                Err(e @ StoreError::OwnerGone(_)) => tracing::debug!("{e}"),
+                Err(e) => {
+                    tracing::warn!(subject = %rule.subject, "cannot count tokens against a quota: {e}")
+                }
             }
             seen.push(rule.subject);
         }

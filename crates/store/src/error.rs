@@ -32,6 +32,11 @@ pub enum StoreError {
     #[error("conversation {0} does not exist")]
     ConversationNotFound(Uuid),
 
+    /// Usage for an account or key that was deleted (a request that finished just after the
+    /// delete): nothing is written for it.
+    #[error("{0} no longer exists; its usage is not recorded")]
+    OwnerGone(String),
+
     /// Another reply of the conversation is still `streaming` (perhaps on another replica).
     #[error("a reply is already being generated in conversation {0}")]
     ReplyInProgress(Uuid),

@@ -77,6 +77,25 @@ impl Store {
         at: DateTime<Utc>,
     ) -> Result<(), StoreError> {
         let mut tx = WriteTx::begin(self).await?;
+        // A deleted account's or key's counters are gone with it; a request that finishes just
+        // after the delete must not bring them back.
+        // (A `user:` subject may be a guest or an API caller, never an account: a deleted
+        // account is known by its tombstone. A `key:` is always an account's key.)
+        let gone = match subject.split_once(':') {
+            Some(("user", id)) => Some(("SELECT 1 FROM deleted_users WHERE id = $1", id, true)),
+            Some(("key", id)) => Some(("SELECT 1 FROM api_keys WHERE id = $1", id, false)),
+            _ => None,
+        };
+        if let Some((query, id, found_means_gone)) = gone {
+            let found: Option<(i32,)> = sqlx::query_as(query)
+                .bind(id)
+                .fetch_optional(&mut *tx)
+                .await?;
+            if found.is_some() == found_means_gone {
+                tx.rollback().await?;
+                return Err(StoreError::OwnerGone(subject.to_string()));
+            }
+        }
         for period in Period::ALL {
             sqlx::query(
                 "INSERT INTO usage_counters (subject, period, start, tokens, events) \

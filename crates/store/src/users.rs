@@ -299,15 +299,26 @@ impl Store {
             "DELETE FROM conversations WHERE owner = $1",
             "DELETE FROM folders WHERE owner = $1",
             "DELETE FROM presets WHERE owner = $1",
-            "DELETE FROM api_keys WHERE user_id = $1",
             "DELETE FROM sessions WHERE kind = 'user' AND subject = $1",
             "DELETE FROM api_usage WHERE owner = $1",
             "DELETE FROM user_identities WHERE user_id = $1",
+            // Everything counted under the user, their keys and their conversation creations.
             "DELETE FROM usage_counters WHERE subject = 'user:' || $1",
+            "DELETE FROM usage_counters WHERE subject = 'conv:owner:' || $1",
+            "DELETE FROM usage_counters WHERE subject IN \
+               (SELECT 'key:' || id FROM api_keys WHERE user_id = $1)",
+            "DELETE FROM api_keys WHERE user_id = $1",
             "DELETE FROM users WHERE id = $1",
         ] {
             sqlx::query(statement).bind(id).execute(&mut *tx).await?;
         }
+        sqlx::query(
+            "INSERT INTO deleted_users (id, deleted_at) VALUES ($1, $2) ON CONFLICT (id) DO NOTHING",
+        )
+        .bind(id)
+        .bind(now_micros())
+        .execute(&mut *tx)
+        .await?;
         tx.commit().await?;
         Ok(Some(DeletedUser {
             conversations: counts[0],
@@ -590,6 +601,18 @@ impl Store {
         rows.into_iter().map(KeyRow::into_key).collect()
     }
 
+    /// Revokes every live key of `user_id`; how many.
+    pub async fn revoke_all_api_keys(&self, user_id: &str) -> Result<u64, StoreError> {
+        let r = sqlx::query(
+            "UPDATE api_keys SET revoked_at = $1 WHERE user_id = $2 AND revoked_at IS NULL",
+        )
+        .bind(now_micros())
+        .bind(user_id)
+        .execute(&self.pool)
+        .await?;
+        Ok(r.rows_affected())
+    }
+
     /// Revokes `user_id`'s key `id`; `false` when it is not theirs or already revoked.
     pub async fn revoke_api_key(&self, user_id: &str, id: &str) -> Result<bool, StoreError> {
         let r = sqlx::query(
@@ -621,6 +644,17 @@ impl Store {
         .fetch_optional(&self.pool)
         .await?;
         row.map(UserRow::into_user).transpose()
+    }
+
+    /// Whether any identity (of a provider, or the trusted proxy's header) is linked to account
+    /// `user_id`.
+    pub async fn has_identities(&self, user_id: &str) -> Result<bool, StoreError> {
+        let found: Option<(String,)> =
+            sqlx::query_as("SELECT issuer FROM user_identities WHERE user_id = $1 LIMIT 1")
+                .bind(user_id)
+                .fetch_optional(&self.pool)
+                .await?;
+        Ok(found.is_some())
     }
 
     /// Links account `user_id` to the provider's `(issuer, subject)`; `false` when that pair is
@@ -697,9 +731,12 @@ impl Store {
         prompt_tokens: i64,
         completion_tokens: i64,
     ) -> Result<(), StoreError> {
-        sqlx::query(
+        // An account's row goes with the account: a request that finishes after the delete
+        // writes nothing (keyless clients' tags, `api:…`, have no account).
+        let written = sqlx::query(
             "INSERT INTO api_usage (owner, requests, prompt_tokens, completion_tokens, last_at) \
-             VALUES ($1, 1, $2, $3, $4) \
+             SELECT $1, 1, $2, $3, $4 \
+             WHERE $1 LIKE 'api:%' OR EXISTS (SELECT 1 FROM users WHERE id = $1) \
              ON CONFLICT (owner) DO UPDATE SET requests = api_usage.requests + 1, \
                prompt_tokens = api_usage.prompt_tokens + excluded.prompt_tokens, \
                completion_tokens = api_usage.completion_tokens + excluded.completion_tokens, \
@@ -711,6 +748,9 @@ impl Store {
         .bind(now_micros())
         .execute(&self.pool)
         .await?;
+        if written.rows_affected() == 0 {
+            return Err(StoreError::OwnerGone(format!("account {owner}")));
+        }
         Ok(())
     }
 

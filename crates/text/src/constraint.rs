@@ -171,6 +171,61 @@ pub fn check(tokenizer: &Tokenizer, grammar: &Grammar) -> Result<()> {
     Ok(())
 }
 
+/// Whether the compiled grammar has any complete derivation: its start symbol is productive,
+/// the least fixpoint of "a terminal (a lexeme, a nested grammar), nullable, or with a rule
+/// whose symbols are all productive". A grammar that fails this has no end state: the mask
+/// never allows end-of-generation, which would give anyone the effect of the admin-only
+/// `ignore_eos` (every reply runs to max_tokens). A grammar that can end but only after a long
+/// reply (a regex of 200 letters) is allowed: it ends where it says, and a reply past
+/// max_tokens stops there like any other, under the same limits and quotas.
+fn can_finish(g: &llguidance::earley::CGrammar) -> bool {
+    use llguidance::earley::CSymIdx;
+    use std::collections::HashSet;
+    let start = g.start();
+    // The symbols reachable from the start, in the order found.
+    let mut reachable = vec![start];
+    let mut seen = HashSet::from([start]);
+    let mut i = 0;
+    while i < reachable.len() {
+        let sym = reachable[i];
+        i += 1;
+        for &rule in &g.sym_data(sym).rules {
+            for &next in g.rule_rhs(rule).0 {
+                if next != CSymIdx::NULL && seen.insert(next) {
+                    reachable.push(next);
+                }
+            }
+        }
+    }
+    let mut productive: HashSet<CSymIdx> = HashSet::new();
+    loop {
+        let mut changed = false;
+        for &sym in &reachable {
+            if productive.contains(&sym) {
+                continue;
+            }
+            let d = g.sym_data(sym);
+            let ends = d.is_terminal
+                || d.is_nullable
+                || d.lexeme.is_some()
+                || d.gen_grammar.is_some()
+                || d.rules.iter().any(|&rule| {
+                    g.rule_rhs(rule)
+                        .0
+                        .iter()
+                        .all(|s| *s == CSymIdx::NULL || productive.contains(s))
+                });
+            if ends {
+                productive.insert(sym);
+                changed = true;
+            }
+        }
+        if !changed {
+            return productive.contains(&start);
+        }
+    }
+}
+
 impl Constraint {
     pub fn new(tokenizer: &Tokenizer, grammar: &Grammar) -> Result<Self> {
         let size = match grammar {
@@ -199,6 +254,18 @@ impl Constraint {
                 "the grammar or schema could not be compiled ({what}); simplify it"
             ))
         })?;
+        if parser
+            .as_ref()
+            .is_ok_and(|p| !can_finish(p.parser.grammar()))
+        {
+            return Err(TextError::Constraint(
+                "the grammar can never be complete: every way through its start rule refers to \
+                 itself again (e.g. `x: \"ab\" x` has no way out), so a reply under it could only \
+                 run until max_tokens; give each recursion an alternative that ends (`x: \"ab\" x \
+                 | \"ab\"`)"
+                    .into(),
+            ));
+        }
         let matcher = Matcher::new(parser);
         if let Some(e) = matcher.get_error() {
             return Err(TextError::Constraint(e));
@@ -303,5 +370,35 @@ mod tests {
             let (n, all) = accepted(&tok, &grammar, &call(bad));
             assert!(n < all, "refused: {bad}");
         }
+    }
+
+    #[test]
+    fn a_grammar_that_can_never_end_is_refused_and_one_that_can_is_not() {
+        let tok = tokenizer();
+        for never in [
+            "start: x\nx: \"ab\" x",
+            "start: x\nx: (\"ab\" | \"cd\") y\ny: \"e\" x",
+        ] {
+            let e = Constraint::new(&tok, &Grammar::Lark(never.into()))
+                .err()
+                .map(|e| e.to_string());
+            assert!(
+                e.as_deref()
+                    .is_some_and(|e| e.contains("never be complete")),
+                "{never}: {e:?}"
+            );
+        }
+        for ends in [
+            "start: x\nx: \"ab\" x | \"ab\"",
+            "start: x*\nx: \"ab\"",
+            "start: \"a\" y\ny: y \"b\" | \"c\"",
+        ] {
+            assert!(
+                Constraint::new(&tok, &Grammar::Lark(ends.into())).is_ok(),
+                "{ends}"
+            );
+        }
+        assert!(Constraint::new(&tok, &Grammar::Regex("[a-z]{200}".into())).is_ok());
+        assert!(Constraint::new(&tok, &Grammar::JsonObject).is_ok());
     }
 }

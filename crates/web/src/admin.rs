@@ -33,6 +33,7 @@ use super::owner::Owner;
 use super::AppState;
 use smolchat_auth::{AdminAuth, AuthError, LockedBy};
 use smolchat_service::admin::{LiveView as Live, UserAction, UsersPage};
+use smolchat_service::audit::AuthEvent;
 use smolchat_service::completions::{DeviceMemory, GraphStats, SequenceState};
 use smolchat_service::records::AuditFilter;
 
@@ -679,27 +680,22 @@ pub async fn create_invite(
         WebError::BadRequest(format!("`days`: {:?} is not a whole number", form.days))
     })?;
     let code = state.platform.admin().create_invite(&by, days).await?;
-    let info = req.connection_info();
     let link = format!(
-        "{}://{}/signup?invite={code}",
-        if Client::of(&req).https {
-            "https"
-        } else {
-            info.scheme()
-        },
-        info.host()
+        "{}/signup?invite={code}",
+        super::client::public_base(&state, &req)
     );
     html(&InviteMade { days, link })
 }
 
 #[derive(Template)]
 #[template(
-    source = "<p class=\"ok\" role=\"status\">New password for {{ name }}, shown only now (they must choose their own at their next sign-in): <input type=\"text\" readonly id=\"reset-password\" aria-label=\"New password\" value=\"{{ password }}\"></p>",
+    source = "<p class=\"ok\" role=\"status\">New password for {{ name }}, shown only now (they must choose their own at their next sign-in): <input type=\"text\" readonly id=\"reset-password\" aria-label=\"New password\" value=\"{{ password }}\"> {% if keys_revoked == 1 %}Their 1 API key was revoked.{% else if keys_revoked > 1 %}Their {{ keys_revoked }} API keys were revoked.{% else %}They had no API keys to revoke.{% endif %}</p>",
     ext = "html"
 )]
 struct PasswordReset {
     name: String,
     password: String,
+    keys_revoked: u64,
 }
 
 /// `POST /admin/users/{id}/reset-password`: a new random password for the account, shown once
@@ -711,8 +707,12 @@ pub async fn reset_password(
     path: web::Path<String>,
 ) -> Result<HttpResponse, PageError> {
     let by = require_admin(&state, &owner, &req).await?;
-    let (name, password) = state.platform.admin().reset_password(&by, &path).await?;
-    html(&PasswordReset { name, password })
+    let (name, reset) = state.platform.admin().reset_password(&by, &path).await?;
+    html(&PasswordReset {
+        name,
+        password: reset.password,
+        keys_revoked: reset.keys_revoked,
+    })
 }
 
 /// `POST /admin/invites/{id}/revoke`: ends an invite link before it is used.
@@ -848,10 +848,26 @@ pub async fn login(
                 _ => "error",
             };
             metrics::counter!("smolchat_admin_logins_total", "outcome" => outcome).increment(1);
+            if outcome != "error" {
+                state
+                    .platform
+                    .audit()
+                    .auth(
+                        AuthEvent::AdminTokenSignInFailed { why: outcome },
+                        "admin",
+                        Some(client),
+                    )
+                    .await;
+            }
             return Err(refusal(e));
         }
     };
     metrics::counter!("smolchat_admin_logins_total", "outcome" => "ok").increment(1);
+    state
+        .platform
+        .audit()
+        .auth(AuthEvent::AdminTokenSignIn, "admin", Some(client))
+        .await;
     // Signing in again replaces the browser's previous session rather than leaving it alive
     // beside the new one.
     if let Some(old) = admin_cookie(&req) {

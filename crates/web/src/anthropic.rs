@@ -371,7 +371,7 @@ async fn messages(
     let req = openai::checked_chat(&state, &http, &translated, Some("output_config.format"))?;
     let model = openai::model_name(&state.platform, &req.common);
     let parse_tool_calls = req.parse_tool_calls();
-    let prompt = openai::build_chat_prompt(&state, &req).await?;
+    let prompt = openai::build_chat_prompt(&state, &http, &req).await?;
     let mut assembler = ChatAssembler::new(prompt.starts_in_reasoning, parse_tool_calls);
     let stream = req.common.stream;
     let input_tokens = prompt.tokens.len();

@@ -578,7 +578,7 @@ pub async fn create_share(
         .await?;
     Ok(HttpResponse::Created().json(serde_json::json!({
         "share": made.share,
-        "url": share_url(&req, &made.token),
+        "url": share_url(&state, &req, &made.token),
     })))
 }
 
@@ -614,9 +614,7 @@ pub async fn revoke_share(
     Ok(HttpResponse::NoContent().finish())
 }
 
-/// The absolute URL of a share token, on the host the request came to (one `Host` of
-/// `server.allowed_hosts`: `client.rs` refuses the others).
-pub fn share_url(req: &actix_web::HttpRequest, token: &str) -> String {
-    let info = req.connection_info();
-    format!("{}://{}/s/{token}", info.scheme(), info.host())
+/// The absolute URL of a share token (see [`super::client::public_base`]).
+pub fn share_url(state: &AppState, req: &actix_web::HttpRequest, token: &str) -> String {
+    format!("{}/s/{token}", super::client::public_base(state, req))
 }

@@ -272,6 +272,52 @@ fn parse_node(node: &str) -> Option<IpAddr> {
     ip.parse().ok().map(canonical)
 }
 
+/// Where links to this server point (share and invite links): `server.public_url` when set;
+/// else the scheme the client used (a trusted proxy's `X-Forwarded-Proto` counts) and the host
+/// the request named: a trusted proxy's `X-Forwarded-Host`, else `Host` (which passed
+/// `server.allowed_hosts`). A forwarded host is read only from a trusted proxy and must pass
+/// the allow-list too, so no client can have a link built on a host of its choosing.
+pub fn public_base(state: &AppState, req: &HttpRequest) -> String {
+    if let Some(url) = state.platform.config().server.public_url.as_deref() {
+        return url.trim_end_matches('/').to_string();
+    }
+    let scheme = if Client::of(req).https {
+        "https"
+    } else {
+        "http"
+    };
+    let plain = |h: &&str| {
+        !h.is_empty()
+            && h.chars()
+                .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '-' | ':' | '[' | ']'))
+    };
+    let from_proxy = req
+        .peer_addr()
+        .is_some_and(|p| state.proxies.contains(canonical(p.ip())));
+    let forwarded = from_proxy
+        .then(|| {
+            req.headers()
+                .get("x-forwarded-host")
+                .and_then(|v| v.to_str().ok())
+                .and_then(|v| v.split(',').next())
+                .map(str::trim)
+        })
+        .flatten()
+        .filter(plain)
+        .filter(|h| state.hosts.allows(Some(h)));
+    let own = req
+        .headers()
+        .get(header::HOST)
+        .and_then(|v| v.to_str().ok())
+        .map(str::trim)
+        .filter(plain);
+    let host = forwarded
+        .or(own)
+        .map(str::to_string)
+        .unwrap_or_else(|| state.platform.config().server.bind.clone());
+    format!("{scheme}://{host}")
+}
+
 /// The request's `Host`: the header, else the URI's authority (HTTP/2).
 fn host_of(req: &ServiceRequest) -> Option<&str> {
     req.headers()

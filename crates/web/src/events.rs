@@ -49,11 +49,16 @@ const KEEP_ALIVE: Duration = Duration::from_secs(15);
 /// How soon a browser's EventSource reconnects after losing the stream.
 const RETRY: Duration = Duration::from_secs(3);
 
-/// `?render=html`: answers as live HTML too (see the module docs).
+/// `?render=html`: answers as live HTML too (see the module docs). `?after=<message id>`: the
+/// message the client posted (or its reply; both ids come in the post's 202): when that reply
+/// has already ended, its `done` (or `error`) comes first, so post-then-subscribe cannot miss
+/// the end of a fast reply.
 #[derive(Debug, serde::Deserialize)]
 pub struct EventsQuery {
     #[serde(default)]
     render: Option<String>,
+    #[serde(default)]
+    after: Option<String>,
 }
 
 pub async fn events(
@@ -64,6 +69,15 @@ pub async fn events(
     query: web::Query<EventsQuery>,
 ) -> Result<sse::Sse<EventStream>, WebError> {
     let id = parse_id(&path)?;
+    let after = match query.after.as_deref() {
+        None => None,
+        Some(a) => Some(uuid::Uuid::parse_str(a.trim()).map_err(|_| {
+            WebError::BadRequest(format!(
+                "`after` must be a message id (a UUID: the `id` of the posted message or the \
+                 `assistant_message_id` of the 202), got {a:?}"
+            ))
+        })?),
+    };
     let live = match query.render.as_deref() {
         None => None,
         Some("html") => Some(LiveMarkdown::default()),
@@ -83,7 +97,7 @@ pub async fn events(
     } = state
         .platform
         .conversations()
-        .subscribe(&owner.caller(), id)
+        .subscribe(&owner.caller(), id, after)
         .await?;
     tracing::debug!(conversation = %id, replayed = replay.len(), "events subscriber joined");
     let held = Arc::new(Mutex::new(Held {

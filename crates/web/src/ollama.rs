@@ -641,7 +641,7 @@ async fn generate_chat(
     shape: Shape,
 ) -> Result<HttpResponse, OllamaError> {
     let parse_tool_calls = req.parse_tool_calls();
-    let prompt = openai::build_chat_prompt(&state, &req).await?;
+    let prompt = openai::build_chat_prompt(&state, &http, &req).await?;
     let assembler = Reply::Chat(ChatAssembler::new(
         prompt.starts_in_reasoning,
         parse_tool_calls,

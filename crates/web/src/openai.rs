@@ -357,7 +357,7 @@ async fn chat_completions(
         .into());
     }
     let parse_tool_calls = req.parse_tool_calls();
-    let prompt = build_chat_prompt(&state, &req).await?;
+    let prompt = build_chat_prompt(&state, &http, &req).await?;
     // Sizes only: prompts are users' words and do not belong in logs.
     tracing::debug!(
         bytes = prompt.text.len(),
@@ -403,17 +403,19 @@ pub(crate) fn model_name(p: &Platform, common: &Common) -> String {
         .unwrap_or_else(|| p.model().id.clone())
 }
 
-/// A chat request's prompt from the one prompt builder. Rendering and tokenizing a long
-/// conversation takes a while, so it runs off the event loop.
+/// A chat request's prompt from the one prompt builder, its files read first (see
+/// [`read_files`]). Rendering and tokenizing a long conversation takes a while, so it runs off
+/// the event loop.
 pub(crate) async fn build_chat_prompt(
     state: &web::Data<AppState>,
+    http: &HttpRequest,
     req: &request::ChatRequest,
 ) -> Result<Prompt, ApiError> {
-    let state = state.clone();
     let mut render = req.clone();
+    read_files(state, &client_identity(http), &mut render).await?;
+    let state = state.clone();
     web::block(move || {
         let p = &state.platform;
-        read_files(&mut render, &p.config().limits)?;
         chat_prompt(
             p.prompt_builder(),
             p.template(),
@@ -426,34 +428,51 @@ pub(crate) async fn build_chat_prompt(
 }
 
 /// Places the files of `req`'s user messages (`file` content parts) into their text, in the one
-/// format every interface uses (`smolchat_service::files`): each checked and read (a PDF's text
-/// extracted), at most `limits.max_files_per_message` a message. CPU work: call it off the
-/// event loop.
-fn read_files(
+/// format every interface uses (`smolchat_service::files`): each checked and read by the
+/// platform's document reader (a PDF in its sandboxed child process, so many at once per
+/// caller `who`), at most `limits.max_files_per_message` a message.
+async fn read_files(
+    state: &web::Data<AppState>,
+    who: &str,
     req: &mut request::ChatRequest,
-    limits: &smolchat_service::config::LimitsConfig,
 ) -> Result<(), ApiError> {
+    use smolchat_service::documents::ReadError;
     use smolchat_service::files;
-    let limit = usize::try_from(limits.max_file_mib.saturating_mul(1 << 20)).unwrap_or(usize::MAX);
+    let p = &state.platform;
+    let max_files = p.config().limits.max_files_per_message;
     for (i, m) in req.messages.iter_mut().enumerate() {
         if m.files.is_empty() {
             continue;
         }
         let param = format!("messages[{i}].content");
-        if m.files.len() > limits.max_files_per_message {
+        if m.files.len() > max_files {
             return Err(ApiError::invalid(
                 &param,
                 format!(
-                    "a message may carry at most {} files (limits.max_files_per_message), got {}",
-                    limits.max_files_per_message,
+                    "a message may carry at most {max_files} files \
+                     (limits.max_files_per_message), got {}",
                     m.files.len()
                 ),
             ));
         }
         let mut read = Vec::with_capacity(m.files.len());
-        for f in &m.files {
-            let extracted = files::extract(&f.name, &f.data, limit)
-                .map_err(|e| ApiError::invalid(&param, e.to_string()))?;
+        for f in std::mem::take(&mut m.files) {
+            let extracted =
+                p.read_inline_file(who, &f.name, f.data)
+                    .await
+                    .map_err(|e| match e {
+                        ReadError::File(e) => ApiError::invalid(&param, e.to_string()),
+                        ReadError::DoesNotFit(m) => ApiError::invalid(&param, m),
+                        ReadError::Busy {
+                            message,
+                            retry_after_s,
+                        } => WebError::TooManyRequests {
+                            message,
+                            retry_after_s,
+                        }
+                        .into(),
+                        ReadError::Unavailable(m) => WebError::Unavailable(m).into(),
+                    })?;
             let name =
                 files::check_name(&f.name).map_err(|e| ApiError::invalid(&param, e.to_string()))?;
             read.push((name, extracted));
@@ -467,7 +486,6 @@ fn read_files(
             })
             .collect();
         m.content = files::message_with_files(&texts, &m.content);
-        m.files.clear();
     }
     Ok(())
 }

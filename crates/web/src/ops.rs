@@ -121,11 +121,15 @@ pub async fn healthz() -> HttpResponse {
 /// `GET /readyz`: 200 while the platform can take requests (the model loads before the server
 /// binds, so that is from the start until shutdown begins, as long as the model thread runs),
 /// else 503.
-pub async fn readyz(state: web::Data<AppState>) -> HttpResponse {
+///
+/// The replica's name (by default its bind address and port) is said only to whoever may read
+/// `/metrics` (this machine, or the bearer of `server.metrics_token`): anyone else learns
+/// whether the server is ready and nothing of where it listens.
+pub async fn readyz(state: web::Data<AppState>, req: HttpRequest) -> HttpResponse {
     let readiness = state.platform.readiness().await;
     let (model_alive, database) = (readiness.model_alive, readiness.database);
     let shutting_down = !state.ready.load(Ordering::Acquire);
-    let replica = &readiness.replica;
+    let replica = operator_may_read(&state, &req).then_some(&readiness.replica);
     if !shutting_down && model_alive && database.is_ok() {
         HttpResponse::Ok().json(json!({
             "status": "ready",
@@ -152,6 +156,23 @@ pub async fn readyz(state: web::Data<AppState>) -> HttpResponse {
             "replica": replica,
             "error": { "message": message, "type": "unavailable" },
         }))
+    }
+}
+
+/// Whether `req` comes from whoever may read operational detail: with `server.metrics_token`,
+/// its bearer; without one, this machine (a loopback address, not through a proxy).
+fn operator_may_read(state: &AppState, req: &HttpRequest) -> bool {
+    let client = super::client::Client::of(req);
+    match state.platform.config().server.metrics_token.as_deref() {
+        Some(token) if !token.is_empty() => req
+            .headers()
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .is_some_and(|given| {
+                smolchat_auth::secret::matches(given, &smolchat_auth::secret::digest(token))
+            }),
+        _ => client.address.is_loopback() && !client.proxied,
     }
 }
 

@@ -253,7 +253,10 @@ async fn trusted_header_user(
         metrics::counter!("smolchat_untrusted_user_headers_total").increment(1);
         return Ok(None);
     }
-    let name = value.to_str().unwrap_or("").trim();
+    // Any bytes: a value that is not visible ASCII (a tab, UTF-8) is still someone's name, and
+    // the account name is made from it.
+    let raw = String::from_utf8_lossy(value.as_bytes());
+    let name = raw.trim();
     if name.is_empty() {
         return Ok(None);
     }
@@ -266,7 +269,11 @@ async fn trusted_header_user(
         ),
         _ => None,
     };
-    let (user, changed) = state.platform.accounts().external_user(name, admin).await?;
+    let (user, changed) = state
+        .platform
+        .accounts()
+        .external_user(name, admin, auth.trusted_header_adopt_names)
+        .await?;
     // Every request carries the header: only what changes is worth a line in the audit log.
     if let Some(what) = changed {
         state
@@ -303,6 +310,21 @@ async fn attach_owner(
     // An authenticating proxy's user header comes first: behind it, it is who signed in.
     let vouched = match trusted_header_user(&req, &state, &client).await {
         Ok(user) => user,
+        // The proxy vouched for someone this server will not sign in: say why, never 500.
+        Err(smolchat_auth::AuthError::Disabled) => {
+            return Err(WebError::Forbidden(
+                "the account your sign-in proxy names is disabled on this server; ask an \
+                 administrator"
+                    .into(),
+            )
+            .into())
+        }
+        Err(smolchat_auth::AuthError::BadName(why)) => {
+            return Err(WebError::Unauthorized(format!(
+                "the user your sign-in proxy names cannot be used here: {why}"
+            ))
+            .into())
+        }
         Err(e) => return Err(WebError::from(e).into()),
     };
     let account = match req.cookie(&session_name) {

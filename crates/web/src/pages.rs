@@ -1138,7 +1138,7 @@ pub async fn share(
         .await?;
     Ok(HttpResponse::Created().json(serde_json::json!({
         "id": made.share.id,
-        "url": super::api::share_url(&req, &made.token),
+        "url": super::api::share_url(&state, &req, &made.token),
     })))
 }
 

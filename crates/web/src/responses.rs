@@ -562,7 +562,7 @@ async fn create(
     }
     let model = openai::model_name(&state.platform, &req.common);
     let parse_tool_calls = req.parse_tool_calls();
-    let prompt = openai::build_chat_prompt(&state, &req).await?;
+    let prompt = openai::build_chat_prompt(&state, &http, &req).await?;
     let assembler = ChatAssembler::new(prompt.starts_in_reasoning, parse_tool_calls);
     let stream = req.common.stream;
     let max_output_tokens = req.common.max_tokens;

@@ -6,6 +6,7 @@ use uuid::Uuid;
 
 use super::{invalid, Accepted, ConversationError, Conversations, Result};
 use crate::caller::Caller;
+use crate::documents::ReadError;
 use crate::files::{self, FileError, FileText};
 use crate::session::SendMessage;
 use smolchat_store::{FileRecord, NewFile};
@@ -16,6 +17,23 @@ const ROOM_FOR_THE_REST: usize = 256;
 
 fn mib(bytes: u64) -> String {
     format!("{:.1}", bytes as f64 / (1u64 << 20) as f64)
+}
+
+impl From<ReadError> for ConversationError {
+    fn from(e: ReadError) -> Self {
+        match e {
+            ReadError::File(e) => e.into(),
+            ReadError::Busy {
+                message,
+                retry_after_s,
+            } => ConversationError::UserLimit {
+                message,
+                retry_after_s,
+            },
+            ReadError::DoesNotFit(m) => ConversationError::ContextOverflow(m),
+            ReadError::Unavailable(m) => ConversationError::Unavailable(m),
+        }
+    }
 }
 
 impl From<FileError> for ConversationError {
@@ -63,33 +81,53 @@ impl Conversations {
                 )));
             }
         }
-        let name = name.to_string();
-        let tokenizer = std::sync::Arc::clone(&self.tokenizer);
-        // Reading a PDF and counting tokens are CPU work.
-        let (extracted, name, tokens) = tokio::task::spawn_blocking(move || {
-            let extracted = files::extract(&name, &bytes, limit)?;
-            let name = files::check_name(&name)?;
-            let block = files::file_block(FileText {
-                name: &name,
-                kind: extracted.kind.as_str(),
-                text: &extracted.text,
-            });
-            let tokens = tokenizer
-                .encode(&block, false)
-                .map(|t| t.len() + 2)
-                .map_err(|e| ConversationError::Internal(format!("tokenizer: {e}")))?;
-            Ok::<_, ConversationError>((extracted, name, tokens))
-        })
-        .await
-        .map_err(|e| ConversationError::Internal(format!("reading the file failed: {e}")))??;
         let room = self.context_window.saturating_sub(ROOM_FOR_THE_REST);
-        if tokens > room {
-            return Err(ConversationError::ContextOverflow(format!(
+        let longest = self.longest_token_bytes;
+        // No text of more bytes than this can fit the room (no token is longer than
+        // `longest`): a PDF's reading stops there.
+        let max_text = room.saturating_add(1).saturating_mul(longest);
+        let extracted = self
+            .documents
+            .read(&caller.owner, name, bytes, limit, max_text)
+            .await?;
+        let name = files::check_name(name)?;
+        let too_long = |tokens: String| {
+            ConversationError::ContextOverflow(format!(
                 "{name:?} is {tokens} tokens of text; the model's context window is {} tokens, \
                  and a file may take at most {room} of them (the rest is for your question and \
                  the reply): attach a shorter part of it",
                 self.context_window
-            )));
+            ))
+        };
+        // By bytes first: no copy of a text that cannot fit is made.
+        let at_least = extracted.text.len().div_ceil(longest);
+        if at_least > room {
+            return Err(too_long(format!("at least {at_least}")));
+        }
+        let block = files::file_block(FileText {
+            name: &name,
+            kind: extracted.kind.as_str(),
+            text: &extracted.text,
+        });
+        // Counting tokens is CPU work: off the event loop, and stopped as soon as the count
+        // passes the room (a long file is refused without being tokenized whole).
+        let tokenizer = std::sync::Arc::clone(&self.tokenizer);
+        let counted = tokio::task::spawn_blocking(move || {
+            files::count_tokens_within(&tokenizer, &block, room, longest)
+        })
+        .await
+        .map_err(|e| {
+            ConversationError::Internal(format!("counting the file's tokens failed: {e}"))
+        })?
+        .map_err(|e| ConversationError::Internal(format!("tokenizer: {e}")))?;
+        let tokens = match counted {
+            files::TokenCount::Within(n) => n + 2,
+            files::TokenCount::Over { at_least } => {
+                return Err(too_long(format!("at least {at_least}")))
+            }
+        };
+        if tokens > room {
+            return Err(too_long(tokens.to_string()));
         }
         let file = self
             .store

@@ -153,7 +153,7 @@ pub(super) fn snapshot_events(
 
 /// What a finished reply's row says of how it went, for a `Done` made from the row (its `Done`
 /// event was lost between replicas).
-pub(super) fn summary_of_stored(message: &Message) -> GenSummary {
+pub(crate) fn summary_of_stored(message: &Message) -> GenSummary {
     let timings = message.timings.clone().unwrap_or_default();
     GenSummary {
         reason: match message.status {

@@ -18,6 +18,7 @@ mod buffer;
 mod mirror;
 mod prompt;
 
+pub(crate) use mirror::summary_of_stored;
 pub use prompt::{check_message, conversation_prompt};
 
 use crate::cluster::{Cluster, Wire, WireBody};

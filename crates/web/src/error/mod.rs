@@ -43,6 +43,10 @@ pub enum WebError {
     /// The body did not arrive in time.
     #[error("{0}")]
     RequestTimeout(String),
+    /// Who the caller is could not be established (a sign-in proxy named a user this server
+    /// cannot take).
+    #[error("{0}")]
+    Unauthorized(String),
     /// Allowed to others, not to this caller (admin-only settings).
     #[error("{0}")]
     Forbidden(String),
@@ -86,6 +90,7 @@ impl WebError {
             WebError::UriTooLong(_) => "uri_too_long",
             WebError::MisdirectedHost(_) => "misdirected_request",
             WebError::RequestTimeout(_) => "request_timeout",
+            WebError::Unauthorized(_) => "unauthorized",
             WebError::Forbidden(_) => "forbidden",
             WebError::NotFound(_) => "not_found",
             WebError::MethodNotAllowed(_) => "method_not_allowed",
@@ -115,6 +120,7 @@ impl ResponseError for WebError {
             WebError::UriTooLong(_) => StatusCode::URI_TOO_LONG,
             WebError::MisdirectedHost(_) => StatusCode::MISDIRECTED_REQUEST,
             WebError::RequestTimeout(_) => StatusCode::REQUEST_TIMEOUT,
+            WebError::Unauthorized(_) => StatusCode::UNAUTHORIZED,
             WebError::Forbidden(_) => StatusCode::FORBIDDEN,
             WebError::NotFound(_) => StatusCode::NOT_FOUND,
             WebError::MethodNotAllowed(_) => StatusCode::METHOD_NOT_ALLOWED,
