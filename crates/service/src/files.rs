@@ -810,8 +810,10 @@ mod tests {
     #[test]
     fn chunks_end_after_a_line_or_a_space_on_a_character_boundary() {
         assert_eq!(chunk_end("short", 10), 5);
-        assert_eq!(chunk_end("aaaa\nbbbbbbbbbb", 10), 5);
-        assert_eq!(chunk_end("aaaa bbbbbbbbbb", 10), 5);
+        assert_eq!(chunk_end("aaaaaa\nbbbbbbbbbb", 10), 7);
+        assert_eq!(chunk_end("aaaaaa bbbbbbbbbb", 10), 7);
+        // A break in the window's first half would make small chunks: cut at the end instead.
+        assert_eq!(chunk_end("aa\nbbbbbbbbbbbbbb", 10), 10);
         assert_eq!(chunk_end("aaaaaaaaaaaaaaa", 10), 10);
         // 'é' is two bytes: a cut inside it moves back.
         let s = "ééééééééé";
