@@ -851,7 +851,11 @@ async fn links_are_built_on_this_servers_own_address() {
     let mut client = Browser::at(&server, 2, "/").await;
     let id = made_id(
         &client
-            .json(Method::POST, "/api/conversations", Some(&json!({})))
+            .json(
+                Method::POST,
+                "/api/conversations/import",
+                Some(&export_doc(vec![user("Hi"), assistant("Hello")])),
+            )
             .await
             .text,
     );
@@ -861,7 +865,11 @@ async fn links_are_built_on_this_servers_own_address() {
     let mut proxied = Browser::at(&server, 1, "/").await;
     let id = made_id(
         &proxied
-            .json(Method::POST, "/api/conversations", Some(&json!({})))
+            .json(
+                Method::POST,
+                "/api/conversations/import",
+                Some(&export_doc(vec![user("Hi"), assistant("Hello")])),
+            )
             .await
             .text,
     );
@@ -907,7 +915,11 @@ async fn links_are_built_on_this_servers_own_address() {
     let mut client = Browser::at(&server, 2, "/").await;
     let id = made_id(
         &client
-            .json(Method::POST, "/api/conversations", Some(&json!({})))
+            .json(
+                Method::POST,
+                "/api/conversations/import",
+                Some(&export_doc(vec![user("Hi"), assistant("Hello")])),
+            )
             .await
             .text,
     );

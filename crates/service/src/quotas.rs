@@ -257,6 +257,24 @@ mod tests {
     #[tokio::test]
     async fn a_used_up_quota_names_itself_and_its_reset() {
         let (_dir, store) = store().await;
+        // A key's usage is counted only for a key that exists (a deleted account's is gone).
+        let key = "a".repeat(64);
+        let made = store
+            .create_user(&smolchat_store::NewUser {
+                id: "alice",
+                name: "alice",
+                password_hash: "$argon2id$unused",
+                role: smolchat_store::UserRole::User,
+                invite: None,
+                adopt_from: None,
+            })
+            .await
+            .unwrap();
+        assert!(matches!(made, smolchat_store::CreatedUser::Created { .. }));
+        store
+            .create_api_key(&key, "alice", "laptop", "sk-smol-aaaaaa")
+            .await
+            .unwrap();
         let q = Quotas::new(
             store,
             QuotaLimits {
@@ -270,7 +288,7 @@ mod tests {
             ..QuotaSubjects::default()
         };
         let with_key = QuotaSubjects {
-            key: Some("k1".into()),
+            key: Some(key.clone()),
             ..alice.clone()
         };
         assert_eq!(q.check(&with_key).await, Ok(()));
