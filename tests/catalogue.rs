@@ -1835,8 +1835,8 @@ async fn every_hostile_request_gets_a_clear_refusal() {
     );
 }
 
-/// Conversations, messages, users and API keys stored now, with every conversation's title and
-/// settings (a refused rename or settings change must leave them as they were).
+/// Conversations, messages, users and API keys stored now, with every conversation's title,
+/// settings and number of files (a refused rename or settings change must leave them as they were).
 async fn stored(store: &smolchat_store::Store) -> (usize, usize, Vec<String>) {
     let all = store.list_all_conversations().await.expect("list");
     let mut messages = 0;
@@ -1848,8 +1848,10 @@ async fn stored(store: &smolchat_store::Store) -> (usize, usize, Vec<String>) {
             .await
             .expect("get")
             .expect("exists");
+        // Files too: a refused upload stores none.
+        let files = store.files_of(c.id).await.expect("files").len();
         described.push(format!(
-            "{} {} {}",
+            "{} {} {} files {files}",
             full.id,
             full.title,
             serde_json::to_string(&full.settings).expect("settings")
@@ -2197,4 +2199,55 @@ async fn slow_and_oversized_request_heads_are_cut_off() {
         "idle keep-alive connection closed after {:?} (limit 1 s)",
         idle_since.elapsed()
     );
+}
+
+/// Behind a trusted proxy (here: the test, from 127.0.0.1 with a forwarding header), what the
+/// proxy's user header may name: a value the server cannot use is 401, a disabled account 403,
+/// each with a message and nothing made; neither is a 500.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn trusted_header_names_get_their_own_refusals() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let server = Server::start(
+        dir.path(),
+        &[
+            ("SMOLCHAT_SERVER__TRUSTED_PROXIES", "[\"127.0.0.1\"]"),
+            ("SMOLCHAT_AUTH__TRUSTED_USER_HEADER", "X-Remote-User"),
+        ],
+    )
+    .await;
+    let http = reqwest::Client::new();
+    let as_user = |name: String| {
+        http.get(format!("{}/api/conversations", server.base))
+            .header("x-forwarded-for", "10.1.2.3")
+            .header("x-remote-user", name)
+            .send()
+    };
+    let r = as_user("carol@example.com".into()).await.expect("request");
+    assert_eq!(r.status(), StatusCode::OK);
+    let store = smolchat_store::Store::open_beside_server(&server.database_url)
+        .await
+        .expect("store");
+    let carol = store
+        .user_by_name("carol")
+        .await
+        .expect("read")
+        .expect("carol was made");
+    store.set_disabled(&carol.id, true).await.expect("disable");
+    let before = store.count_users().await.expect("count");
+    for (name, status, needle) in [
+        ("carol@example.com".to_string(), 403, "disabled"),
+        ("x".repeat(300), 401, "1 to 256 characters"),
+    ] {
+        let r = as_user(name.clone()).await.expect("request");
+        assert_eq!(r.status().as_u16(), status, "{name}");
+        let body: Value = r.json().await.expect("json");
+        let message = body["error"]["message"].as_str().unwrap_or_default();
+        assert!(message.contains(needle), "{name}: {message}");
+    }
+    assert_eq!(
+        store.count_users().await.expect("count"),
+        before,
+        "nothing made"
+    );
+    assert!(!server.log_text().contains("request failed"), "no 500");
 }
