@@ -592,7 +592,12 @@
   }
   let current = null;
 
-  const events = new EventSource("/api/conversations/" + convId + "/events?render=html");
+  // A reply this page shows as streaming may end before the stream below is open (a fast
+  // reply, a slow page load): `after` has the server say how it ended (its `done`) instead of
+  // leaving the page "Joining the reply…" for good.
+  const streamingReply = messages.querySelector("article.msg.assistant.streaming");
+  const after = streamingReply ? "&after=" + encodeURIComponent(streamingReply.dataset.id) : "";
+  const events = new EventSource("/api/conversations/" + convId + "/events?render=html" + after);
   function on(name, fn) {
     events.addEventListener(name, (e) => {
       let data;
@@ -650,6 +655,9 @@
   on("done", async (d) => {
     const m = d.message;
     const el = current || document.getElementById("msg-" + m.id);
+    // A `done` replayed for a reply already shown finished (the stream reconnected with its
+    // `after`): nothing to do.
+    if (!current && el && !el.classList.contains("streaming")) return;
     current = null;
     setBusy(false);
     if (m.prompt_tokens != null) ctxUsed.textContent = String((m.prompt_tokens || 0) + (m.completion_tokens || 0));
