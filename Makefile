@@ -87,13 +87,13 @@ test-deps:
 mount-check:
 	./scripts/check-mount.sh
 
-## Skips are failures here: PostgreSQL and nginx (SMOLTEST_REQUIRE_POSTGRES), tmpfs mounts for
+## Skips are failures here: PostgreSQL (SMOLTEST_REQUIRE_POSTGRES), nginx (SMOLTEST_REQUIRE_NGINX), tmpfs mounts for
 ## the storage faults (SMOLTEST_REQUIRE_MOUNT, checked before the build by scripts/check-mount.sh),
 ## and the CUDA compiler for the kernels' static checks (SMOLTEST_REQUIRE_NVCC; installed by
 ## lint-cuda's cuda-toolkit).
 test: mount-check setup test-deps lint lint-cuda
 	@url="$$(./scripts/test-postgres.sh start)" || exit 1; \
-	SMOLTEST_DATABASE_URL="$$url" SMOLTEST_REQUIRE_POSTGRES=1 SMOLTEST_REQUIRE_MOUNT=1 SMOLTEST_REQUIRE_NVCC=1 SMOLTEST_REQUIRE_SYSTEMD=1 $(CARGO) test --workspace; rc=$$?; \
+	SMOLTEST_DATABASE_URL="$$url" SMOLTEST_REQUIRE_POSTGRES=1 SMOLTEST_REQUIRE_NGINX=1 SMOLTEST_REQUIRE_MOUNT=1 SMOLTEST_REQUIRE_NVCC=1 SMOLTEST_REQUIRE_SYSTEMD=1 $(CARGO) test --workspace; rc=$$?; \
 	./scripts/test-postgres.sh stop; exit $$rc
 
 bench: setup

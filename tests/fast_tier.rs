@@ -24,32 +24,6 @@ fn fast_engine(mut src: GgufSource) -> Engine {
     .expect("engine")
 }
 
-fn cpu_engine(mut src: GgufSource) -> Engine {
-    let model = smolchat_engine::Model::load(&mut src, &mut |_, _| {}).expect("model");
-    Engine::with_kv(model, KvOptions::default()).expect("engine")
-}
-
-fn all_logits(engine: &mut Engine, tokens: &[u32]) -> Vec<f32> {
-    let seq = engine.create_sequence();
-    let out = engine
-        .step(&[SeqStep {
-            seq,
-            tokens,
-            logits: LogitsMode::All,
-        }])
-        .expect("step");
-    engine.free_sequence(seq);
-    out.into_iter().next().flatten().expect("logits")
-}
-
-fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len());
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0f32, f32::max)
-}
-
 /// Tiny SmolLM3 (Q8_0): within 0.05 of llama.cpp's logits and 0.03 of the CPU engine at every
 /// position, llama.cpp's KV-F16 argmax.
 #[test]
@@ -86,43 +60,6 @@ fn tiny_smollm3_matches_llama_cpp_and_the_cpu_engine() {
         );
         assert_eq!(argmax(g) as u32, expected_argmax[pos], "argmax at {pos}");
     }
-}
-
-fn greedy(engine: &mut Engine, prompt: &[u32], chunks: &[usize], n: usize) -> Vec<u32> {
-    let seq = engine.create_sequence();
-    let mut at = 0;
-    let mut last = Vec::new();
-    let mut sizes = chunks
-        .iter()
-        .copied()
-        .chain(std::iter::repeat(prompt.len()));
-    while at < prompt.len() {
-        let end = (at + sizes.next().unwrap_or(prompt.len())).min(prompt.len());
-        let out = engine
-            .step(&[SeqStep {
-                seq,
-                tokens: &prompt[at..end],
-                logits: LogitsMode::Last,
-            }])
-            .expect("prefill");
-        last = out.into_iter().next().flatten().expect("logits");
-        at = end;
-    }
-    let mut tokens = Vec::new();
-    for _ in 0..n {
-        let t = argmax(&last) as u32;
-        tokens.push(t);
-        let out = engine
-            .step(&[SeqStep {
-                seq,
-                tokens: &[t],
-                logits: LogitsMode::Last,
-            }])
-            .expect("decode");
-        last = out.into_iter().next().flatten().expect("logits");
-    }
-    engine.free_sequence(seq);
-    tokens
 }
 
 /// SmolLM2 (Q4_1 with a Q8_0 embedding, the real file): greedy replies equal the CPU engine's,

@@ -42,33 +42,6 @@ fn reference_engine_kv(mut src: GgufSource, kv_type: KvType) -> Engine {
 /// have a standard deviation of 0.32; the CPU engine, bit-stable, is held to 1e-4.
 const RESHAPE_TOLERANCE: f32 = 0.03;
 
-fn cpu_engine(src: GgufSource) -> Engine {
-    let mut src = src;
-    let model = smolchat_engine::Model::load(&mut src, &mut |_, _| {}).expect("model");
-    Engine::with_kv(model, KvOptions::default()).expect("engine")
-}
-
-fn all_logits(engine: &mut Engine, tokens: &[u32]) -> Vec<f32> {
-    let seq = engine.create_sequence();
-    let out = engine
-        .step(&[SeqStep {
-            seq,
-            tokens,
-            logits: LogitsMode::All,
-        }])
-        .expect("step");
-    engine.free_sequence(seq);
-    out.into_iter().next().flatten().expect("logits")
-}
-
-fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len());
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0f32, f32::max)
-}
-
 fn rows(logits: &[f32], vocab: usize) -> impl Iterator<Item = &[f32]> {
     logits.chunks(vocab)
 }
@@ -152,43 +125,6 @@ fn smollm2_picks_llama_cpps_tokens() {
         decided >= tokens.len() / 2,
         "only {decided} clear positions"
     );
-}
-
-/// Greedy decoding, prefilled in uneven chunks, gives the CPU engine's tokens.
-fn greedy(engine: &mut Engine, prompt: &[u32], chunks: &[usize], n: usize) -> Vec<u32> {
-    let seq = engine.create_sequence();
-    let mut at = 0;
-    let mut last = Vec::new();
-    for &size in chunks.iter().chain(std::iter::repeat(&prompt.len())) {
-        if at >= prompt.len() {
-            break;
-        }
-        let end = (at + size).min(prompt.len());
-        let out = engine
-            .step(&[SeqStep {
-                seq,
-                tokens: &prompt[at..end],
-                logits: LogitsMode::Last,
-            }])
-            .expect("prefill");
-        last = out.into_iter().next().flatten().expect("logits");
-        at = end;
-    }
-    let mut tokens = Vec::new();
-    for _ in 0..n {
-        let t = argmax(&last) as u32;
-        tokens.push(t);
-        let out = engine
-            .step(&[SeqStep {
-                seq,
-                tokens: &[t],
-                logits: LogitsMode::Last,
-            }])
-            .expect("decode");
-        last = out.into_iter().next().flatten().expect("logits");
-    }
-    engine.free_sequence(seq);
-    tokens
 }
 
 #[test]

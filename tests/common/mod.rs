@@ -11,7 +11,7 @@ pub mod server;
 
 use std::path::PathBuf;
 
-use smolchat_engine::{Engine, KvOptions, KvType, Model};
+use smolchat_engine::{Engine, KvOptions, KvType, LogitsMode, Model, SeqStep};
 use smolchat_gguf::GgufSource;
 
 pub fn crate_root() -> PathBuf {
@@ -52,6 +52,72 @@ pub fn load_engine_kv(path: &std::path::Path, kv_type: KvType) -> Engine {
         },
     )
     .expect("engine")
+}
+
+/// The CPU engine on `src`, the yardstick the other tiers are held to.
+pub fn cpu_engine(mut src: GgufSource) -> Engine {
+    let model = Model::load(&mut src, &mut |_, _| {}).expect("model");
+    Engine::with_kv(model, KvOptions::default()).expect("engine")
+}
+
+/// The logits of every position of `tokens`, prefilled at once in a fresh sequence.
+pub fn all_logits(engine: &mut Engine, tokens: &[u32]) -> Vec<f32> {
+    let seq = engine.create_sequence();
+    let out = engine
+        .step(&[SeqStep {
+            seq,
+            tokens,
+            logits: LogitsMode::All,
+        }])
+        .expect("step");
+    engine.free_sequence(seq);
+    out.into_iter().next().flatten().expect("logits")
+}
+
+/// `n` greedy tokens after `prompt`, prefilled in chunks of `chunks` (then the rest at once).
+pub fn greedy(engine: &mut Engine, prompt: &[u32], chunks: &[usize], n: usize) -> Vec<u32> {
+    let seq = engine.create_sequence();
+    let mut at = 0;
+    let mut last = Vec::new();
+    for &size in chunks.iter().chain(std::iter::repeat(&prompt.len())) {
+        if at >= prompt.len() {
+            break;
+        }
+        let end = (at + size).min(prompt.len());
+        let out = engine
+            .step(&[SeqStep {
+                seq,
+                tokens: &prompt[at..end],
+                logits: LogitsMode::Last,
+            }])
+            .expect("prefill");
+        last = out.into_iter().next().flatten().expect("logits");
+        at = end;
+    }
+    let mut tokens = Vec::new();
+    for _ in 0..n {
+        let t = argmax(&last) as u32;
+        tokens.push(t);
+        let out = engine
+            .step(&[SeqStep {
+                seq,
+                tokens: &[t],
+                logits: LogitsMode::Last,
+            }])
+            .expect("decode");
+        last = out.into_iter().next().flatten().expect("logits");
+    }
+    engine.free_sequence(seq);
+    tokens
+}
+
+/// The largest difference between two rows of logits of one length.
+pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0f32, f32::max)
 }
 
 pub fn read_json(path: &std::path::Path) -> serde_json::Value {

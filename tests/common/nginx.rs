@@ -29,15 +29,14 @@ pub fn binary() -> Option<&'static str> {
         .find(|p| Path::new(p).exists())
 }
 
-/// Whether nginx is missing where it is required (`SMOLTEST_REQUIRE_POSTGRES=1`, which `make
-/// test` sets: its install script installs both): panics then; otherwise prints the skip and
-/// returns true.
+/// Whether nginx is missing where it is required (`SMOLTEST_REQUIRE_NGINX=1`, which `make
+/// test` sets): panics then; otherwise prints the skip and returns true.
 pub fn missing() -> bool {
     if binary().is_some() {
         return false;
     }
-    if std::env::var("SMOLTEST_REQUIRE_POSTGRES").is_ok_and(|v| v == "1") {
-        panic!("nginx is required (SMOLTEST_REQUIRE_POSTGRES=1) but not installed");
+    if std::env::var("SMOLTEST_REQUIRE_NGINX").is_ok_and(|v| v == "1") {
+        panic!("nginx is required (SMOLTEST_REQUIRE_NGINX=1) but not installed");
     }
     eprintln!("skipped: nginx is not installed (scripts/install-test-deps.sh installs it)");
     true

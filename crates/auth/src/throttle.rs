@@ -43,6 +43,25 @@ pub const LOCKOUT_CAP: Duration = Duration::from_secs(7 * 24 * 3600);
 /// Addresses remembered per subject as having signed in to it (see the module documentation).
 pub const KNOWN_ADDRESSES: usize = 4;
 
+/// The scope one client address is counted by, everywhere something is limited per address
+/// (sign-in throttles, guest and import limits, stream caps, anonymous `/v1` identities): an
+/// IPv4-mapped IPv6 address is its IPv4 address; another IPv6 address is its /64 (the prefix,
+/// the rest zero), since one host usually holds a whole /64 and could otherwise take a new
+/// address per request.
+pub fn address_scope(ip: IpAddr) -> IpAddr {
+    match ip {
+        IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
+            Some(v4) => IpAddr::V4(v4),
+            None => {
+                let mut s = v6.segments();
+                s[4..].fill(0);
+                IpAddr::V6(s.into())
+            }
+        },
+        v4 => v4,
+    }
+}
+
 /// What an attempt is counted against.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub enum ThrottleKey {
@@ -58,18 +77,7 @@ impl ThrottleKey {
     /// The key of a client address: IPv4 (IPv4-mapped IPv6 included) as is, other IPv6
     /// addresses by their /64 prefix, since one host usually has a whole /64 to pick from.
     pub fn address(ip: IpAddr) -> ThrottleKey {
-        let ip = match ip {
-            IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
-                Some(v4) => IpAddr::V4(v4),
-                None => {
-                    let mut s = v6.segments();
-                    s[4..].fill(0);
-                    IpAddr::V6(s.into())
-                }
-            },
-            v4 => v4,
-        };
-        ThrottleKey::Address(ip)
+        ThrottleKey::Address(address_scope(ip))
     }
 
     /// The key of a subject: the first 16 bytes of the name's SHA-256.

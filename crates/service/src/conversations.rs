@@ -10,7 +10,7 @@
 //! (`limits.conversations_per_minute` per owner and, for guests, per client address;
 //! `limits.max_conversations_per_user` stored in total).
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 use std::net::IpAddr;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -29,6 +29,7 @@ use super::settings::{self, SettingsError, SettingsLimits};
 use crate::caller::Caller;
 use smolchat_serving::scheduler::{Evict, SchedulerActor};
 use smolchat_serving::types::SubmitError;
+use smolchat_serving::window::SlidingWindow;
 mod files;
 mod organise;
 pub use organise::{MAX_FOLDERS, MAX_PRESETS, MAX_TAGS, NAME_MAX_CHARS, TAG_MAX_CHARS};
@@ -560,106 +561,10 @@ fn rfc3339(t: &DateTime<Utc>) -> String {
     t.to_rfc3339_opts(chrono::SecondsFormat::AutoSi, true)
 }
 
-/// Sliding-window counts of creations per key (an owner, or a guest's address).
-#[derive(Debug, Default)]
-struct CreationLimiter {
-    keys: HashMap<String, VecDeque<Instant>>,
-}
-
-impl CreationLimiter {
-    /// Takes one creation for every key at `now`, or refuses with the seconds until the
-    /// fullest key has room again, taking nothing.
-    fn take(&mut self, keys: &[String], per_minute: u32, now: Instant) -> Result<(), u64> {
-        let per_minute = per_minute as usize;
-        let mut wait = 0u64;
-        for key in keys {
-            if let Some(times) = self.keys.get_mut(key) {
-                while times
-                    .front()
-                    .is_some_and(|t| now.saturating_duration_since(*t) >= CREATION_WINDOW)
-                {
-                    times.pop_front();
-                }
-                if times.len() >= per_minute {
-                    let oldest = times.front().copied().unwrap_or(now);
-                    let free = (oldest + CREATION_WINDOW).saturating_duration_since(now);
-                    wait = wait.max(free.as_secs_f64().ceil().max(1.0) as u64);
-                }
-            }
-        }
-        if wait > 0 {
-            return Err(wait);
-        }
-        if self.keys.len() + keys.len() > CREATION_KEYS {
-            self.keys.retain(|_, t| {
-                t.back()
-                    .is_some_and(|t| now.saturating_duration_since(*t) < CREATION_WINDOW)
-            });
-        }
-        for key in keys {
-            if !self.keys.contains_key(key) && self.keys.len() >= CREATION_KEYS {
-                // Still full of live keys: forget the one idle longest.
-                let oldest = self
-                    .keys
-                    .iter()
-                    .min_by_key(|(_, t)| t.back().copied())
-                    .map(|(k, _)| k.clone());
-                if let Some(k) = oldest {
-                    self.keys.remove(&k);
-                }
-            }
-            self.keys.entry(key.clone()).or_default().push_back(now);
-        }
-        Ok(())
-    }
-}
-
 /// How long imported bytes count against their address.
 const IMPORT_WINDOW: Duration = Duration::from_secs(3600);
 /// Addresses whose imports are remembered at most (bounded memory).
 const IMPORT_KEYS: usize = 100_000;
-
-/// Bytes per key over the last [`IMPORT_WINDOW`].
-#[derive(Debug, Default)]
-struct ByteBudget {
-    keys: HashMap<String, VecDeque<(Instant, u64)>>,
-}
-
-impl ByteBudget {
-    /// Takes `bytes` for `key` at `now` when the window has room for them under `limit`, or
-    /// refuses with the seconds until it has, taking nothing.
-    fn take(&mut self, key: &str, bytes: u64, limit: u64, now: Instant) -> Result<(), u64> {
-        let entries = self.keys.entry(key.to_string()).or_default();
-        while entries
-            .front()
-            .is_some_and(|(t, _)| now.saturating_duration_since(*t) >= IMPORT_WINDOW)
-        {
-            entries.pop_front();
-        }
-        let used: u64 = entries.iter().map(|(_, n)| n).sum();
-        if used.saturating_add(bytes) > limit {
-            // When enough of the window has passed for these bytes to fit (never, if they
-            // exceed the limit alone: then a full window).
-            let mut freed = 0u64;
-            for (t, n) in entries.iter() {
-                freed += n;
-                if used - freed + bytes <= limit {
-                    let at = (*t + IMPORT_WINDOW).saturating_duration_since(now);
-                    return Err(at.as_secs_f64().ceil().max(1.0) as u64);
-                }
-            }
-            return Err(IMPORT_WINDOW.as_secs());
-        }
-        entries.push_back((now, bytes));
-        if self.keys.len() > IMPORT_KEYS {
-            self.keys.retain(|_, e| {
-                e.back()
-                    .is_some_and(|(t, _)| now.saturating_duration_since(*t) < IMPORT_WINDOW)
-            });
-        }
-        Ok(())
-    }
-}
 
 /// Characters of prompt text an imported conversation may hold per token of the model's context
 /// window: more than any tokenizer packs into one token, so whatever could be continued within
@@ -671,14 +576,13 @@ fn mib(bytes: u64) -> String {
     format!("{:.1}", bytes as f64 / (1u64 << 20) as f64)
 }
 
-/// A client address as a limit key: IPv6 by /64 (one host usually holds a whole /64).
+/// A client address as a limit key: the address's scope as the sign-in throttle counts it (an
+/// IPv4-mapped IPv6 address is its IPv4 address, other IPv6 addresses their /64, which one host
+/// usually holds whole).
 fn address_key(ip: IpAddr) -> String {
-    match ip {
+    match smolchat_auth::throttle::address_scope(ip) {
         IpAddr::V4(v4) => format!("addr:{v4}"),
-        IpAddr::V6(v6) => {
-            let s = v6.segments();
-            format!("addr:{:x}:{:x}:{:x}:{:x}::/64", s[0], s[1], s[2], s[3])
-        }
+        IpAddr::V6(prefix) => format!("addr:{prefix}/64"),
     }
 }
 
@@ -691,11 +595,12 @@ pub struct Conversations {
     template: Arc<ChatTemplate>,
     context_window: usize,
     cfg: ConversationsConfig,
-    creations: Mutex<CreationLimiter>,
+    /// Creations per owner (and guest address) in the last minute.
+    creations: Mutex<SlidingWindow<String>>,
     /// Searches per owner (and guest address) in the last minute.
-    searches: Mutex<CreationLimiter>,
+    searches: Mutex<SlidingWindow<String>>,
     /// Imported bytes per client address in the last hour.
-    imports: Mutex<ByteBudget>,
+    imports: Mutex<SlidingWindow<String>>,
     audit: crate::audit::Audit,
     /// Reads attached files (a PDF in a child process), so many at once.
     documents: Arc<crate::documents::DocumentReader>,
@@ -731,9 +636,21 @@ impl Conversations {
             template,
             context_window,
             cfg,
-            creations: Mutex::new(CreationLimiter::default()),
-            searches: Mutex::new(CreationLimiter::default()),
-            imports: Mutex::new(ByteBudget::default()),
+            creations: Mutex::new(SlidingWindow::new(
+                CREATION_WINDOW,
+                Duration::ZERO,
+                CREATION_KEYS,
+            )),
+            searches: Mutex::new(SlidingWindow::new(
+                CREATION_WINDOW,
+                Duration::ZERO,
+                CREATION_KEYS,
+            )),
+            imports: Mutex::new(SlidingWindow::new(
+                IMPORT_WINDOW,
+                Duration::ZERO,
+                IMPORT_KEYS,
+            )),
         }
     }
 
@@ -873,7 +790,7 @@ impl Conversations {
                 .creations
                 .lock()
                 .unwrap_or_else(|p| p.into_inner())
-                .take(&keys, per_minute, Instant::now());
+                .take(&keys, 1, u64::from(per_minute), Instant::now());
             if let Err(wait) = taken {
                 return Err(ConversationError::UserLimit {
                     message: format!(
@@ -1058,7 +975,7 @@ impl Conversations {
         if searching && per_minute > 0 {
             let keys = self.limit_keys(caller);
             let mut limiter = self.searches.lock().unwrap_or_else(|p| p.into_inner());
-            if let Err(wait) = limiter.take(&keys, per_minute, Instant::now()) {
+            if let Err(wait) = limiter.take(&keys, 1, u64::from(per_minute), Instant::now()) {
                 return Err(ConversationError::UserLimit {
                     message: format!(
                         "{} searched {per_minute} times in the last minute, the limit; retry in \
@@ -1412,7 +1329,8 @@ impl Conversations {
         if per_hour > 0 {
             if let Some(ip) = caller.address {
                 let mut budget = self.imports.lock().unwrap_or_else(|p| p.into_inner());
-                if let Err(wait) = budget.take(&address_key(ip), bytes, per_hour, Instant::now()) {
+                if let Err(wait) = budget.take(&[address_key(ip)], bytes, per_hour, Instant::now())
+                {
                     return Err(ConversationError::UserLimit {
                         message: format!(
                             "your address imported close to {} MiB in the last hour, the limit \
@@ -1942,27 +1860,17 @@ mod tests {
     use super::*;
 
     #[test]
-    fn creation_limit_counts_every_key_and_frees_after_a_minute() {
-        let mut l = CreationLimiter::default();
-        let t0 = Instant::now();
-        let a = vec!["owner:a".to_string(), "addr:1.2.3.4".to_string()];
-        let b = vec!["owner:b".to_string(), "addr:1.2.3.4".to_string()];
-        assert!(l.take(&a, 2, t0).is_ok());
-        // Another owner from the same address shares the address's count.
-        assert!(l.take(&b, 2, t0 + Duration::from_secs(10)).is_ok());
-        assert_eq!(l.take(&a, 2, t0 + Duration::from_secs(20)), Err(40));
-        // A refusal takes nothing: after the first entry leaves the window there is room.
-        assert!(l.take(&a, 2, t0 + Duration::from_secs(61)).is_ok());
-        assert!(l.take(&["owner:c".to_string()], 2, t0).is_ok());
-    }
-
-    #[test]
     fn ipv6_addresses_share_their_64() {
         let a: IpAddr = "2001:db8:1:2::1".parse().unwrap();
         let b: IpAddr = "2001:db8:1:2:ffff::9".parse().unwrap();
         let c: IpAddr = "2001:db8:1:3::1".parse().unwrap();
         assert_eq!(address_key(a), address_key(b));
         assert_ne!(address_key(a), address_key(c));
+        // An IPv4-mapped address is its IPv4 address, as the sign-in throttle counts it.
+        let mapped: IpAddr = "::ffff:192.0.2.1".parse().unwrap();
+        let v4: IpAddr = "192.0.2.1".parse().unwrap();
+        assert_eq!(address_key(mapped), address_key(v4));
+        assert_eq!(address_key(v4), "addr:192.0.2.1");
     }
 
     #[test]

@@ -18,6 +18,7 @@ use std::time::{Duration, Instant};
 use uuid::Uuid;
 
 use super::types::{RequestId, SequenceState, SubmitError};
+use super::window::SlidingWindow;
 
 #[derive(Debug, Clone)]
 pub struct BatcherConfig {
@@ -55,94 +56,9 @@ const TOKEN_BUCKET: Duration = Duration::from_secs(1);
 /// memory against a flood of made-up users).
 const TOKEN_USERS: usize = 100_000;
 
-/// Generated tokens per user over the last minute, in one-second buckets. Time is passed in, so
-/// tests drive it.
-#[derive(Debug, Default)]
-pub struct TokenMeter {
-    users: HashMap<String, VecDeque<(Instant, u64)>>,
-}
-
-impl TokenMeter {
-    /// Counts `n` tokens generated for `user` at `now`.
-    pub fn record(&mut self, user: &str, n: u64, now: Instant) {
-        if n == 0 {
-            return;
-        }
-        if !self.users.contains_key(user) && self.users.len() >= TOKEN_USERS {
-            self.prune(now);
-            if self.users.len() >= TOKEN_USERS {
-                let oldest = self
-                    .users
-                    .iter()
-                    .min_by_key(|(_, b)| b.back().map(|(t, _)| *t))
-                    .map(|(u, _)| u.clone());
-                if let Some(u) = oldest {
-                    self.users.remove(&u);
-                }
-            }
-        }
-        // Called for every generated token: look up before `entry`, which would allocate the
-        // key each time.
-        if !self.users.contains_key(user) {
-            self.users.insert(user.to_string(), VecDeque::new());
-        }
-        let Some(buckets) = self.users.get_mut(user) else {
-            return;
-        };
-        match buckets.back_mut() {
-            Some((start, count)) if now.saturating_duration_since(*start) < TOKEN_BUCKET => {
-                *count += n
-            }
-            _ => buckets.push_back((now, n)),
-        }
-        while buckets
-            .front()
-            .is_some_and(|(t, _)| now.saturating_duration_since(*t) >= TOKEN_WINDOW)
-        {
-            buckets.pop_front();
-        }
-    }
-
-    /// Tokens generated for `user` in the minute before `now`.
-    pub fn used(&self, user: &str, now: Instant) -> u64 {
-        self.users.get(user).map_or(0, |b| {
-            b.iter()
-                .filter(|(t, _)| now.saturating_duration_since(*t) < TOKEN_WINDOW)
-                .map(|(_, n)| n)
-                .sum()
-        })
-    }
-
-    /// Whole seconds until `user`'s usage in the window falls below `limit` (at least 1).
-    pub fn retry_after_s(&self, user: &str, limit: u64, now: Instant) -> u64 {
-        let Some(buckets) = self.users.get(user) else {
-            return 1;
-        };
-        let mut used = self.used(user, now);
-        for (t, n) in buckets
-            .iter()
-            .filter(|(t, _)| now.saturating_duration_since(*t) < TOKEN_WINDOW)
-        {
-            used = used.saturating_sub(*n);
-            if used < limit {
-                let free_at = *t + TOKEN_WINDOW;
-                return free_at
-                    .saturating_duration_since(now)
-                    .as_secs_f64()
-                    .ceil()
-                    .max(1.0) as u64;
-            }
-        }
-        TOKEN_WINDOW.as_secs()
-    }
-
-    /// Forgets users with nothing in the window.
-    fn prune(&mut self, now: Instant) {
-        self.users.retain(|_, b| {
-            b.back()
-                .is_some_and(|(t, _)| now.saturating_duration_since(*t) < TOKEN_WINDOW)
-        });
-    }
+/// Tokens per user (and per group) over the last minute.
+fn token_meter() -> SlidingWindow<String> {
+    SlidingWindow::new(TOKEN_WINDOW, TOKEN_BUCKET, TOKEN_USERS)
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -217,7 +133,7 @@ pub struct Batcher {
     to_cancel: Vec<RequestId>,
     next_id: RequestId,
     /// Tokens generated per user over the last minute.
-    tokens: TokenMeter,
+    tokens: SlidingWindow<String>,
     /// When each user with waiting requests was last admitted (an admission counter), so that
     /// among users with equal running sequences the one served longest ago goes next: with a
     /// single free slot, users take turns instead of the oldest request's user going again.
@@ -246,7 +162,7 @@ impl Batcher {
             running: Vec::new(),
             to_cancel: Vec::new(),
             next_id: 1,
-            tokens: TokenMeter::default(),
+            tokens: token_meter(),
             last_admitted: HashMap::new(),
             admissions: 0,
             kv_free_blocks: None,
@@ -321,7 +237,7 @@ impl Batcher {
                 return Err(SubmitError::TokenLimit {
                     used,
                     limit,
-                    retry_after_s: self.tokens.retry_after_s(u, limit, now),
+                    retry_after_s: self.tokens.retry_after_s(u, 1, limit, now),
                 });
             }
             if let Some(g) = group.as_deref() {
@@ -331,7 +247,7 @@ impl Batcher {
                     return Err(SubmitError::GroupTokenLimit {
                         used,
                         limit,
-                        retry_after_s: self.tokens.retry_after_s(g, limit, now),
+                        retry_after_s: self.tokens.retry_after_s(g, 1, limit, now),
                     });
                 }
             }
@@ -511,7 +427,7 @@ impl Batcher {
                     .into_iter()
                     .flatten()
                 {
-                    self.tokens.record(key, used, now);
+                    self.tokens.add(key, used, now);
                 }
             }
             if r.finished {
@@ -827,20 +743,6 @@ mod tests {
             other => panic!("{other:?}"),
         }
         assert!(b.submit_for(user("b"), None, 5, None).is_ok());
-    }
-
-    #[test]
-    fn token_usage_leaves_the_window_after_a_minute() {
-        let mut m = TokenMeter::default();
-        let t0 = Instant::now();
-        m.record("a", 5, t0);
-        m.record("a", 5, t0 + Duration::from_secs(30));
-        assert_eq!(m.used("a", t0 + Duration::from_secs(31)), 10);
-        // Below 6 once the first bucket leaves the window, 29 s after t0 + 31 s.
-        assert_eq!(m.retry_after_s("a", 6, t0 + Duration::from_secs(31)), 29);
-        assert_eq!(m.used("a", t0 + Duration::from_secs(61)), 5);
-        assert_eq!(m.used("a", t0 + Duration::from_secs(91)), 0);
-        assert_eq!(m.used("nobody", t0), 0);
     }
 
     #[test]

@@ -9,6 +9,7 @@ pub mod model;
 pub mod scheduler;
 pub mod speculate;
 pub mod types;
+pub mod window;
 
 pub use load::{LoadError, LoadOptions, LoadedModel};
 pub use scheduler::{SchedulerActor, SchedulerConfig};
