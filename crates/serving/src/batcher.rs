@@ -124,6 +124,44 @@ pub struct ItemReport {
     pub extra_generated: usize,
 }
 
+impl ItemReport {
+    /// A request that ended in the step, having computed `prefilled` prompt tokens in it.
+    pub fn ended(id: RequestId, prefilled: usize) -> Self {
+        Self {
+            id,
+            remaining_prefill: 0,
+            prefilled,
+            preempted: false,
+            finished: true,
+            extra_generated: 0,
+        }
+    }
+
+    /// A request still running, with `remaining_prefill` prompt tokens to go.
+    pub fn running(id: RequestId, prefilled: usize, remaining_prefill: usize) -> Self {
+        Self {
+            id,
+            remaining_prefill,
+            prefilled,
+            preempted: false,
+            finished: false,
+            extra_generated: 0,
+        }
+    }
+
+    /// A request whose KV blocks were taken back: it recomputes `remaining_prefill` later.
+    pub fn preempted(id: RequestId, remaining_prefill: usize) -> Self {
+        Self {
+            id,
+            remaining_prefill,
+            prefilled: 0,
+            preempted: true,
+            finished: false,
+            extra_generated: 0,
+        }
+    }
+}
+
 #[derive(Debug)]
 pub struct Batcher {
     cfg: BatcherConfig,
