@@ -1,0 +1,231 @@
+//! The cache registry: which KV sequences are kept after their request (a conversation's, and
+//! up to [`MAX_ANONYMOUS_CACHES`] stateless prompts' per salt), which prefix a new request can
+//! fork from, and the room they leave (evicting idle caches when a step needs blocks).
+
+use super::*;
+
+/// What [`ModelWorker::prefix_donor`] found.
+pub(super) enum Donor {
+    /// Fork `positions` positions of `seq`.
+    Ready { seq: SeqId, positions: usize },
+    /// Wait: the shared prefix is being computed.
+    Computing,
+}
+
+/// At most this many stateless caches are kept.
+pub(super) const MAX_ANONYMOUS_CACHES: usize = 16;
+
+pub(super) struct CacheSlot {
+    pub(super) seq: SeqId,
+    pub(super) last_used: Instant,
+    /// Speculative decoding's counts for this cache's conversation (see [`CacheEntryInfo`]).
+    pub(super) drafted: u64,
+    pub(super) accepted: u64,
+    pub(super) verify_steps: u64,
+}
+
+impl ModelWorker {
+    /// Whether a running request uses the cache `key` (only conversations' caches are kept in
+    /// the map while in use; an anonymous one is taken out while its request runs).
+    pub(super) fn busy(&self, key: &CacheKey) -> bool {
+        let Some(conversation) = key.conversation() else {
+            return false;
+        };
+        self.active
+            .values()
+            .any(|a| a.keyed && a.request.cache_key == Some(conversation))
+    }
+
+    /// Drops a conversation's cache now, or when its running request ends. Returns whether a
+    /// cache was (or will be) dropped.
+    pub(super) fn forget_conversation(&mut self, conversation: Uuid) -> bool {
+        let key = CacheKey::Conversation(conversation);
+        if self.busy(&key) {
+            if !self.doomed.contains(&conversation) {
+                self.doomed.push(conversation);
+            }
+            return true;
+        }
+        self.evict_key(&key)
+    }
+
+    pub(super) fn evict_key(&mut self, key: &CacheKey) -> bool {
+        if self.busy(key) {
+            return false;
+        }
+        match self.caches.remove(key) {
+            Some(slot) => {
+                self.engine.free_sequence(slot.seq);
+                self.evictions += 1;
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Evicts least-recently-used idle caches until `blocks` more KV blocks are free in the
+    /// engine's allocator (the one KV budget). Returns whether they fit.
+    pub(super) fn make_room(&mut self, blocks: usize) -> bool {
+        loop {
+            if self.engine.kv_free_blocks() >= blocks {
+                return true;
+            }
+            let victim = self
+                .caches
+                .iter()
+                .filter(|(k, _)| !self.busy(k))
+                .min_by_key(|(_, s)| s.last_used)
+                .map(|(k, _)| k.clone());
+            match victim {
+                Some(k) => {
+                    tracing::debug!(cache_key = %k, "evicting idle KV cache");
+                    self.evict_key(&k);
+                }
+                None => return false,
+            }
+        }
+    }
+
+    /// A sequence for a request without a cache key: the kept anonymous cache sharing the longest
+    /// prefix with its prompt (a stateless API client resending its conversation), or a new one.
+    pub(super) fn adopt_anonymous(&mut self, id: RequestId) -> SeqId {
+        let Some(request) = self.active.get(&id).map(|a| &a.request) else {
+            return self.engine.create_sequence();
+        };
+        let prompt = &request.prompt;
+        // Only caches of the same partition: reuse across clients would let one probe another's
+        // prompts through `cached_tokens` and timing.
+        let partition = request.cache_salt.as_deref().unwrap_or("");
+        let best = self
+            .caches
+            .iter()
+            .filter(
+                |(k, _)| matches!(k, CacheKey::Anonymous { partition: p, .. } if p == partition),
+            )
+            .map(|(k, slot)| {
+                let shared = self.engine.common_prefix(slot.seq, prompt).unwrap_or(0);
+                (shared, k.clone())
+            })
+            .filter(|(shared, _)| *shared > 0)
+            .max_by_key(|(shared, _)| *shared);
+        match best.and_then(|(_, k)| self.caches.remove(&k)) {
+            Some(slot) => slot.seq,
+            None => self.engine.create_sequence(),
+        }
+    }
+
+    /// Keeps a finished anonymous sequence for reuse (bounded; oldest dropped first).
+    pub(super) fn keep_anonymous(&mut self, seq: SeqId, salt: Option<&str>, now: Instant) {
+        let anonymous: Vec<(CacheKey, Instant)> = self
+            .caches
+            .iter()
+            .filter(|(k, _)| matches!(k, CacheKey::Anonymous { .. }))
+            .map(|(k, s)| (k.clone(), s.last_used))
+            .collect();
+        if anonymous.len() >= MAX_ANONYMOUS_CACHES {
+            if let Some((oldest, _)) = anonymous.iter().min_by_key(|(_, t)| *t) {
+                self.evict_key(oldest);
+            }
+        }
+        self.caches.insert(
+            CacheKey::Anonymous {
+                partition: salt.unwrap_or("").to_string(),
+                seq,
+            },
+            CacheSlot {
+                seq,
+                last_used: now,
+                drafted: 0,
+                accepted: 0,
+                verify_steps: 0,
+            },
+        );
+    }
+
+    /// Another running request of the same cache partition whose prompt shares at least one
+    /// whole KV block with this request's and more than any idle cache does (the `n` choices of
+    /// one prompt, a client resending a conversation while its last turn runs): its blocks are
+    /// forked rather than computed again once it has computed them.
+    pub(super) fn prefix_donor(&self, id: RequestId) -> Option<Donor> {
+        let a = self.active.get(&id)?;
+        if a.pool.is_some() {
+            return None;
+        }
+        let prompt = &a.request.prompt;
+        // The last prompt token is always computed (its logits are needed).
+        let usable = prompt.len().saturating_sub(1);
+        let whole = |n: usize| n.min(usable) / BLOCK_POSITIONS * BLOCK_POSITIONS;
+        let idle = self
+            .caches
+            .iter()
+            .filter(|(k, _)| {
+                matches!(k, CacheKey::Anonymous { partition, .. }
+                    if Some(partition.as_str()) == a.request.cache_salt.as_deref())
+            })
+            .map(|(_, slot)| self.engine.common_prefix(slot.seq, prompt).unwrap_or(0))
+            .max()
+            .unwrap_or(0);
+        let (seq, will, now) = self
+            .active
+            .iter()
+            .filter(|(other, b)| {
+                **other != id
+                    && b.pool.is_none()
+                    && b.request.cache_salt.is_some()
+                    && b.request.cache_salt == a.request.cache_salt
+            })
+            .filter_map(|(_, b)| {
+                let seq = b.seq?;
+                let will = whole(
+                    b.request
+                        .prompt
+                        .iter()
+                        .zip(prompt)
+                        .take_while(|(x, y)| x == y)
+                        .count(),
+                );
+                let now = whole(self.engine.common_prefix(seq, prompt).unwrap_or(0));
+                Some((seq, will, now))
+            })
+            .max_by_key(|&(_, will, now)| (will, now))?;
+        if will == 0 || will <= idle {
+            return None;
+        }
+        Some(if now >= will {
+            Donor::Ready {
+                seq,
+                positions: now,
+            }
+        } else {
+            Donor::Computing
+        })
+    }
+
+    /// KV positions the budget holds in all (the allocator's blocks).
+    pub(super) fn kv_capacity_tokens(&self) -> usize {
+        self.kv_capacity_blocks() * BLOCK_POSITIONS
+    }
+
+    pub(super) fn kv_capacity_blocks(&self) -> usize {
+        self.engine.kv_capacity_blocks()
+    }
+
+    /// Blocks new work could have: those not held (within the budget), plus those held by idle
+    /// caches, which [`ModelWorker::make_room`] would evict.
+    pub(super) fn kv_free_for_new_work(&self) -> usize {
+        let held = self.engine.total_kv_bytes() / self.engine.kv_block_bytes().max(1);
+        let free = self
+            .kv_capacity_blocks()
+            .saturating_sub(held)
+            .min(self.engine.kv_free_blocks());
+        let idle: usize = self
+            .caches
+            .iter()
+            .filter(|(k, _)| !self.busy(k))
+            .map(|(_, slot)| {
+                self.engine.kv_bytes(slot.seq).unwrap_or(0) / self.engine.kv_block_bytes().max(1)
+            })
+            .sum();
+        free + idle
+    }
+}

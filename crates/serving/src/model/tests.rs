@@ -1,0 +1,1214 @@
+use super::*;
+
+/// A conversation id for the tests (a fixed one per number).
+fn conversation(n: u128) -> Option<Uuid> {
+    Some(Uuid::from_u128(n))
+}
+use smolchat_engine::synthetic::{self, SyntheticSpec};
+use smolchat_engine::{KvOptions, KvType, Model};
+use smolchat_gguf::GgufSource;
+use smolchat_text::sampling::SamplingParams;
+use tokio::sync::mpsc;
+
+fn worker() -> ModelWorker {
+    worker_with_kv(None)
+}
+
+/// Registers embedding requests and steps them together, each prompt fed in chunks of at
+/// most `chunk` tokens per step, beside `decoding` (a generation request id already
+/// prefilled, kept decoding in the same steps); returns each vector.
+fn embed_together(
+    w: &mut ModelWorker,
+    prompts: &[(RequestId, Vec<u32>, Pooling)],
+    chunk: usize,
+    decoding: Option<RequestId>,
+) -> Vec<Vec<f32>> {
+    let mut receivers = Vec::new();
+    for (id, prompt, pooling) in prompts {
+        let (tx, rx) = mpsc::unbounded_channel();
+        w.active.insert(
+            *id,
+            Active::new(
+                GenerationRequest {
+                    cache_key: None,
+                    user: None,
+                    group: None,
+                    cache_salt: None,
+                    prompt: prompt.clone(),
+                    params: SamplingParams::greedy(),
+                    max_time: None,
+                    events: tx,
+                    embed: Some(*pooling),
+                },
+                Instant::now(),
+            ),
+        );
+        receivers.push(rx);
+    }
+    let mut open: Vec<RequestId> = prompts.iter().map(|p| p.0).collect();
+    for _ in 0..100 {
+        if open.is_empty() {
+            break;
+        }
+        let plan = StepPlan {
+            prefill: open.iter().map(|&id| (id, chunk)).collect(),
+            decode: decoding.into_iter().collect(),
+            ..StepPlan::default()
+        };
+        let report = w.step(plan);
+        open.retain(|id| !report.items.iter().any(|r| r.id == *id && r.finished));
+    }
+    receivers
+        .into_iter()
+        .map(|mut rx| {
+            let mut vector = None;
+            let mut finished = None;
+            while let Ok(e) = rx.try_recv() {
+                match e {
+                    GenEvent::Embedding(v) => vector = Some(v),
+                    GenEvent::Finished(s) => finished = Some(s),
+                    GenEvent::Token { .. } => panic!("an embedding generates no token"),
+                    GenEvent::Admitted { cached_tokens, .. } => assert_eq!(cached_tokens, 0),
+                }
+            }
+            let summary = finished.expect("finished");
+            assert_eq!(summary.reason, StopReason::EndOfGeneration);
+            assert_eq!(summary.completion_tokens, 0);
+            vector.expect("an embedding comes before Finished")
+        })
+        .collect()
+}
+
+fn max_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
+}
+
+/// An embedding is the mean (or last) of the final hidden states the engine computes,
+/// L2-normalized; the same alone, beside other embeddings and a decoding reply, and fed in
+/// chunks; it leaves no cache behind and is not served from one.
+#[test]
+fn embeddings_pool_the_final_hidden_states_alone_batched_and_chunked() {
+    let mut w = worker();
+    let prompt: Vec<u32> = (200..237).collect();
+    let other: Vec<u32> = (400..420).collect();
+
+    // What the engine itself gives, pooled by hand.
+    let seq = w.engine.create_sequence();
+    let mut out = Logits::new();
+    w.engine
+        .step_into(
+            &[SeqStep {
+                seq,
+                tokens: &prompt,
+                logits: LogitsMode::Hidden,
+            }],
+            &mut out,
+        )
+        .expect("step");
+    w.engine.free_sequence(seq);
+    let width = out.hidden_width();
+    assert_eq!(width, w.engine.config().hidden);
+    let rows = out.hidden(0).expect("hidden rows");
+    assert_eq!(rows.len(), prompt.len() * width);
+    assert!(out.get(0).is_none(), "no logits for a hidden-state item");
+    let normalize = |v: Vec<f64>| {
+        let n = v.iter().map(|x| x * x).sum::<f64>().sqrt();
+        v.iter().map(|x| (x / n) as f32).collect::<Vec<f32>>()
+    };
+    let mean = normalize(
+        (0..width)
+            .map(|c| rows.chunks(width).map(|r| r[c] as f64).sum::<f64>() / prompt.len() as f64)
+            .collect(),
+    );
+    let last = normalize(
+        rows[rows.len() - width..]
+            .iter()
+            .map(|&x| x as f64)
+            .collect(),
+    );
+
+    let alone = embed_together(&mut w, &[(1, prompt.clone(), Pooling::Mean)], 1000, None);
+    assert!(
+        max_diff(&alone[0], &mean) < 1e-6,
+        "{}",
+        max_diff(&alone[0], &mean)
+    );
+    let norm: f32 = alone[0].iter().map(|x| x * x).sum::<f32>().sqrt();
+    assert!((norm - 1.0).abs() < 1e-5, "L2-normalized: {norm}");
+    let caches = w.caches.len();
+
+    // Beside a reply being decoded and another embedding, in chunks of 5.
+    let reply = run(&mut w, 2, None, (300..310).collect());
+    assert!(!reply.is_empty());
+    let (tx, _rx) = mpsc::unbounded_channel();
+    w.active.insert(
+        3,
+        Active::new(
+            GenerationRequest {
+                cache_key: None,
+                user: None,
+                group: None,
+                cache_salt: None,
+                prompt: (500..510).collect(),
+                params: SamplingParams {
+                    max_new_tokens: 50,
+                    ignore_eos: true,
+                    ..SamplingParams::greedy()
+                },
+                max_time: None,
+                events: tx,
+                embed: None,
+            },
+            Instant::now(),
+        ),
+    );
+    w.step(StepPlan {
+        prefill: vec![(3, 1000)],
+        ..StepPlan::default()
+    });
+    let together = embed_together(
+        &mut w,
+        &[
+            (4, other.clone(), Pooling::Mean),
+            (5, prompt.clone(), Pooling::Mean),
+            (6, prompt.clone(), Pooling::Last),
+        ],
+        5,
+        Some(3),
+    );
+    assert!(
+        max_diff(&together[1], &alone[0]) < 1e-5,
+        "{}",
+        max_diff(&together[1], &alone[0])
+    );
+    assert!(
+        max_diff(&together[2], &last) < 1e-5,
+        "{}",
+        max_diff(&together[2], &last)
+    );
+    assert!(
+        max_diff(&together[0], &alone[0]) > 1e-3,
+        "another text, another vector"
+    );
+    // The same prompt again is computed afresh (no cached prefix has hidden states), and
+    // no embedding left a cache to reuse.
+    let again = embed_together(&mut w, &[(7, prompt.clone(), Pooling::Mean)], 1000, None);
+    assert!(max_diff(&again[0], &alone[0]) < 1e-6);
+    assert!(
+        w.caches.len() <= caches + 1,
+        "only the reply's cache was kept"
+    );
+    assert!(w.caches.values().all(|slot| w.engine.contains(slot.seq)));
+}
+
+/// The GPU's fast tier (its CPU runner) gives the CPU engine's embedding, and no logits are
+/// computed for it (its plan stops at the output norm).
+#[test]
+fn the_fast_tier_embeds_like_the_cpu_engine() {
+    let (spec, tokenizer) = tiny_with_tokenizer();
+    let spec = spec.with_type_mix(smolchat_engine::synthetic::TypeMix::Uniform(
+        smolchat_gguf::GgmlDType::Q8_0,
+    ));
+    let mut src = synthetic::build(&spec).expect("build");
+    let model = Model::load(&mut src, &mut |_, _| {}).expect("load");
+    let mut cpu = ModelWorker::new(Engine::new(model), Arc::new(tokenizer), 2048);
+    let mut fast = fast_tier_worker(None);
+    let prompts = [
+        (1, (200..260).collect::<Vec<u32>>(), Pooling::Mean),
+        (2, (900..911).collect(), Pooling::Last),
+    ];
+    let a = embed_together(&mut cpu, &prompts, 16, None);
+    let b = embed_together(&mut fast, &prompts, 16, None);
+    for (x, y) in a.iter().zip(&b) {
+        // Unit vectors: their dot product is the cosine. The fast tier quantizes activations
+        // to Q8_1 where the CPU engine uses its own tiles, so they agree closely, not exactly.
+        let cosine: f32 = x.iter().zip(y).map(|(p, q)| p * q).sum();
+        assert!(cosine > 0.9999, "cosine {cosine}");
+        assert!(max_diff(x, y) < 5e-3, "{}", max_diff(x, y));
+    }
+}
+
+/// A worker on a tiny model; with `Some(n)`, an engine and budget of exactly `n` KV blocks.
+fn worker_with_kv(blocks: Option<usize>) -> ModelWorker {
+    let (spec, tokenizer) = tiny_with_tokenizer();
+    let mut src = synthetic::build(&spec).expect("build");
+    let model = Model::load(&mut src, &mut |_, _| {}).expect("load");
+    match blocks {
+        None => ModelWorker::new(Engine::new(model), Arc::new(tokenizer), 2048),
+        Some(n) => {
+            let kv = smolchat_engine::kv::KvLayout::new(&model.config, KvType::F16);
+            let budget = n * kv.bytes_per_block();
+            let options = KvOptions {
+                kv_type: KvType::F16,
+                budget_bytes: Some(budget),
+            };
+            let engine = Engine::with_kv(model, options).expect("engine");
+            ModelWorker::new(engine, Arc::new(tokenizer), 2048)
+        }
+    }
+}
+
+/// A tiny random model with SmolLM2's vocabulary, and that tokenizer.
+fn tiny_with_tokenizer() -> (SyntheticSpec, Tokenizer) {
+    // The repository's models/ folder, two levels above this crate.
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../models/SmolLM2-135M-Instruct.Q4_1.gguf");
+    let real = GgufSource::open(&path).expect("run ./scripts/fetch-model.sh");
+    let tokenizer = Tokenizer::from_gguf(&real).expect("tokenizer");
+    let spec = SyntheticSpec::tiny("llama")
+        .with_tokenizer_from(&real)
+        .expect("spec");
+    (spec, tokenizer)
+}
+
+/// A worker over the GPU's fast tier executed by its CPU runner (the kernels' twins), on a
+/// Q8_0 tiny model; with `Some(n)`, a cache of exactly `n` blocks.
+fn fast_tier_worker(blocks: Option<usize>) -> ModelWorker {
+    use smolchat_engine::fast::{cpu::CpuRunner, weights::FastWeights, FastBackend};
+    let (spec, tokenizer) = tiny_with_tokenizer();
+    let spec = spec.with_type_mix(smolchat_engine::synthetic::TypeMix::Uniform(
+        smolchat_gguf::GgmlDType::Q8_0,
+    ));
+    let mut src = synthetic::build(&spec).expect("build");
+    let config = smolchat_engine::ModelConfig::from_gguf(&src).expect("config");
+    let weights = FastWeights::load(&mut src, config, &mut |_, _| {}).expect("weights");
+    let backend = Box::new(FastBackend::new(
+        CpuRunner::new(weights).with_graph_emulation(),
+    ));
+    let budget = blocks.map(|n| n * smolchat_engine::Backend::kv_block_bytes(backend.as_ref()));
+    let engine = Engine::on_backend(
+        backend,
+        KvOptions {
+            kv_type: KvType::F16,
+            budget_bytes: budget,
+        },
+    )
+    .expect("engine");
+    ModelWorker::new(engine, Arc::new(tokenizer), 2048)
+}
+
+/// Runs one request to the end; returns its events.
+fn run(w: &mut ModelWorker, id: RequestId, key: Option<Uuid>, prompt: Vec<u32>) -> Vec<GenEvent> {
+    run_salted(w, id, key, None, prompt)
+}
+
+fn run_salted(
+    w: &mut ModelWorker,
+    id: RequestId,
+    key: Option<Uuid>,
+    salt: Option<&str>,
+    prompt: Vec<u32>,
+) -> Vec<GenEvent> {
+    let params = SamplingParams {
+        max_new_tokens: 3,
+        ignore_eos: true,
+        ..SamplingParams::greedy()
+    };
+    run_with(w, id, key, salt, prompt, params)
+}
+
+/// Runs one request with `params` to its end (prefill, then decode steps) and returns its
+/// events.
+fn run_with(
+    w: &mut ModelWorker,
+    id: RequestId,
+    key: Option<Uuid>,
+    salt: Option<&str>,
+    prompt: Vec<u32>,
+    params: SamplingParams,
+) -> Vec<GenEvent> {
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    w.active.insert(
+        id,
+        Active::new(
+            GenerationRequest {
+                cache_key: key,
+                cache_salt: salt.map(str::to_string),
+                ..GenerationRequest::anonymous(prompt, params, tx)
+            },
+            Instant::now(),
+        ),
+    );
+    let mut plan = StepPlan {
+        prefill: vec![(id, 1000)],
+        ..StepPlan::default()
+    };
+    // Ends by itself well before: the bound only stops a runaway test.
+    for _ in 0..30 {
+        let report = w.step(plan);
+        if report.items.iter().any(|r| r.id == id && r.finished) {
+            break;
+        }
+        plan = StepPlan {
+            decode: vec![id],
+            // Room for drafts, used only by a worker with speculation on.
+            draft_budget: 8,
+            ..StepPlan::default()
+        };
+    }
+    let mut events = Vec::new();
+    while let Ok(e) = rx.try_recv() {
+        events.push(e);
+    }
+    events
+}
+
+fn cached(events: &[GenEvent]) -> usize {
+    events
+        .iter()
+        .find_map(|e| match e {
+            GenEvent::Admitted { cached_tokens, .. } => Some(*cached_tokens),
+            _ => None,
+        })
+        .expect("admitted")
+}
+
+#[test]
+fn caches_are_kept_per_conversation_and_for_stateless_prefixes() {
+    let mut w = worker();
+    let prompt: Vec<u32> = (100..120).collect();
+    let first = run(&mut w, 1, None, prompt.clone());
+    assert_eq!(cached(&first), 0);
+    assert!(matches!(first.last(), Some(GenEvent::Finished(s)) if s.completion_tokens == 3));
+
+    // A stateless request resending the same conversation plus more reuses the kept prefix.
+    let mut longer = prompt.clone();
+    longer.extend(200..205);
+    assert_eq!(cached(&run(&mut w, 2, None, longer)), 20);
+
+    // A conversation's cache survives between its turns.
+    assert_eq!(cached(&run(&mut w, 3, conversation(1), prompt.clone())), 0);
+    let mut turn2 = prompt.clone();
+    turn2.extend(300..304);
+    assert_eq!(cached(&run(&mut w, 4, conversation(1), turn2)), 20);
+
+    // Evicting it forces a full prefill.
+    assert!(w.forget_conversation(Uuid::from_u128(1)));
+    assert_eq!(cached(&run(&mut w, 5, conversation(1), prompt)), 0);
+}
+
+#[test]
+fn stateless_caches_are_reused_only_within_their_salt() {
+    let mut w = worker();
+    let secret: Vec<u32> = (100..130).collect();
+    let first = run_salted(&mut w, 1, None, Some("alice"), secret.clone());
+    assert_eq!(cached(&first), 0);
+    let mut probe = secret.clone();
+    probe.push(7);
+    // Another client (another salt, or none) shares nothing with Alice's cache.
+    assert_eq!(
+        cached(&run_salted(&mut w, 2, None, Some("bob"), probe.clone())),
+        0
+    );
+    assert_eq!(cached(&run_salted(&mut w, 3, None, None, probe.clone())), 0);
+    // A salt that extends Alice's as a string is still another partition.
+    assert_eq!(
+        cached(&run_salted(&mut w, 4, None, Some("alice/"), probe.clone())),
+        0
+    );
+    // Alice herself reuses her prefix.
+    assert_eq!(
+        cached(&run_salted(&mut w, 5, None, Some("alice"), probe)),
+        30
+    );
+}
+
+/// With a budget of 3 KV blocks (48 positions): an idle conversation is evicted to make room
+/// for another, and a prompt larger than the whole budget (the batcher refuses those at
+/// submit; here the worker is driven directly) ends its request with a clear error instead of
+/// crashing the worker, which keeps serving afterwards.
+#[test]
+fn a_full_kv_cache_evicts_idle_caches_then_refuses_with_an_error() {
+    let mut w = worker_with_kv(Some(3));
+    assert_eq!(w.engine.kv_capacity_blocks(), 3);
+    let prompt_a: Vec<u32> = (100..120).collect(); // 20 + 3 generated: 2 blocks
+    let prompt_b: Vec<u32> = (200..220).collect();
+    let a = run(&mut w, 1, conversation(2), prompt_a.clone());
+    assert!(matches!(a.last(), Some(GenEvent::Finished(s)) if s.reason == StopReason::Length));
+    assert_eq!(w.engine.kv_free_blocks(), 1);
+    let b = run(&mut w, 2, conversation(3), prompt_b.clone());
+    assert!(matches!(b.last(), Some(GenEvent::Finished(s)) if s.reason == StopReason::Length));
+    assert_eq!(w.evictions, 1, "a's idle cache made room for b");
+    assert!(!w
+        .caches
+        .contains_key(&CacheKey::Conversation(Uuid::from_u128(2))));
+    // b's cache survived and is reused.
+    let mut b2 = prompt_b.clone();
+    b2.extend(300..304);
+    assert_eq!(cached(&run(&mut w, 3, conversation(3), b2)), 20);
+
+    // 60 prompt tokens need 4 blocks: more than the whole budget.
+    let huge: Vec<u32> = (0..60).collect();
+    let events = run(&mut w, 4, conversation(4), huge);
+    match events.last() {
+        Some(GenEvent::Finished(s)) => match &s.reason {
+            StopReason::Error(msg) => {
+                assert!(msg.contains("does not fit the KV cache"), "{msg}")
+            }
+            other => panic!("expected an error, got {other:?}"),
+        },
+        other => panic!("expected a finished event, got {other:?}"),
+    }
+    assert!(w.active.is_empty());
+    // The worker still serves.
+    let again = run(&mut w, 5, conversation(2), prompt_a);
+    assert!(matches!(again.last(), Some(GenEvent::Finished(s)) if s.completion_tokens == 3));
+}
+
+/// Drives `w` with the real batcher over `requests` (prompt, new tokens) submitted together,
+/// as the scheduler does; returns each request's generated tokens, its stop reason, and how
+/// many preemptions happened.
+fn drive(
+    w: &mut ModelWorker,
+    requests: &[(Vec<u32>, usize)],
+) -> (Vec<(Vec<u32>, StopReason)>, u64) {
+    drive_with(w, requests, &SamplingParams::greedy())
+}
+
+/// Runs `requests` (prompt, tokens to generate) through a batcher and `w` with `params`.
+fn drive_with(
+    w: &mut ModelWorker,
+    requests: &[(Vec<u32>, usize)],
+    params: &SamplingParams,
+) -> (Vec<(Vec<u32>, StopReason)>, u64) {
+    let requests: Vec<(Vec<u32>, usize, Option<&str>)> = requests
+        .iter()
+        .map(|(p, n)| (p.clone(), *n, None))
+        .collect();
+    let driven = drive_all(w, &requests, params);
+    let results = driven
+        .results
+        .into_iter()
+        .map(|(tokens, reason, _)| (tokens, reason))
+        .collect();
+    (results, driven.preemptions)
+}
+
+/// What [`drive_all`] saw: per request its tokens, why it stopped and how many prompt
+/// tokens came from a cache; the preemptions; the most KV blocks held at once.
+struct Driven {
+    results: Vec<(Vec<u32>, StopReason, usize)>,
+    preemptions: u64,
+    peak_blocks: usize,
+}
+
+/// Requests through a real batcher, each `(prompt, tokens, cache salt)` (the salt is the
+/// request's user too), sampled with `params` (end of generation ignored), until every one
+/// has finished.
+fn drive_all(
+    w: &mut ModelWorker,
+    requests: &[(Vec<u32>, usize, Option<&str>)],
+    params: &SamplingParams,
+) -> Driven {
+    use super::super::batcher::{Batcher, BatcherConfig};
+    let mut b = Batcher::new(BatcherConfig {
+        max_running: 8,
+        queue_capacity: 16,
+        step_token_budget: 64,
+        context_window: 2048,
+        max_queued_per_user: 0,
+        max_running_per_user: 0,
+        tokens_per_minute_per_user: 0,
+        tokens_per_minute_per_group: 0,
+        kv_capacity_blocks: w.kv_capacity_blocks(),
+    });
+    let mut receivers = Vec::new();
+    for (prompt, n, salt) in requests {
+        let id = b.submit(None, prompt.len(), None).expect("submit");
+        let (tx, rx) = mpsc::unbounded_channel();
+        w.active.insert(
+            id,
+            Active::new(
+                GenerationRequest {
+                    user: salt.map(str::to_string),
+                    cache_salt: salt.map(str::to_string),
+                    ..GenerationRequest::anonymous(
+                        prompt.clone(),
+                        SamplingParams {
+                            max_new_tokens: *n,
+                            ignore_eos: true,
+                            ..params.clone()
+                        },
+                        tx,
+                    )
+                },
+                Instant::now(),
+            ),
+        );
+        receivers.push(rx);
+    }
+    let (mut peak_blocks, mut preemptions) = (0, 0);
+    for _ in 0..10_000 {
+        let Some(plan) = b.plan() else { break };
+        let report = w.step(plan);
+        preemptions += report.preemptions;
+        peak_blocks = peak_blocks.max(w.engine.total_kv_bytes() / w.engine.kv_block_bytes());
+        b.apply(&report.items);
+        b.set_kv_free_blocks(report.kv_free_blocks);
+    }
+    let results = receivers
+        .into_iter()
+        .map(|mut rx| {
+            let (mut tokens, mut reason, mut cached) = (Vec::new(), None, 0);
+            while let Ok(e) = rx.try_recv() {
+                match e {
+                    GenEvent::Token { token, .. } => tokens.push(token),
+                    GenEvent::Finished(s) => reason = Some(s.reason),
+                    GenEvent::Admitted { cached_tokens, .. } => cached = cached_tokens,
+                    GenEvent::Embedding(_) => {}
+                }
+            }
+            (tokens, reason.expect("every request finishes"), cached)
+        })
+        .collect();
+    Driven {
+        results,
+        preemptions,
+        peak_blocks,
+    }
+}
+
+/// [`drive_all`], greedy: the results and the most KV blocks held at once.
+fn drive_shared(
+    w: &mut ModelWorker,
+    requests: &[(Vec<u32>, usize, Option<&str>)],
+) -> (Vec<(Vec<u32>, StopReason, usize)>, usize) {
+    let driven = drive_all(w, requests, &SamplingParams::greedy());
+    (driven.results, driven.peak_blocks)
+}
+
+/// Three requests of one prompt from one client (a request's `n` choices) compute its
+/// prefill once: the later two fork the first's whole blocks (held once), and every reply
+/// is token for token the one it gets alone. Another client's identical prompt shares
+/// nothing.
+#[test]
+fn requests_of_one_client_share_the_blocks_of_a_common_prompt() {
+    shared_prompt_case(worker);
+    // The GPU's fast tier (its CPU runner) reads shared blocks the same way.
+    shared_prompt_case(|| fast_tier_worker(None));
+}
+
+fn shared_prompt_case(worker: impl Fn() -> ModelWorker) {
+    let prompt: Vec<u32> = (1000..1100).collect();
+    let alone = {
+        let mut w = worker();
+        drive_shared(&mut w, &[(prompt.clone(), 12, Some("a"))])
+            .0
+            .remove(0)
+    };
+    assert_eq!(alone.2, 0);
+    let mut w = worker();
+    let (results, peak) = drive_shared(
+        &mut w,
+        &[
+            (prompt.clone(), 12, Some("a")),
+            (prompt.clone(), 12, Some("a")),
+            (prompt.clone(), 12, Some("a")),
+        ],
+    );
+    for (i, (tokens, reason, _)) in results.iter().enumerate() {
+        assert_eq!(tokens, &alone.0, "choice {i}");
+        assert_eq!(*reason, StopReason::Length);
+    }
+    assert_eq!(results[0].2, 0);
+    // 99 usable prompt positions: 96 in whole blocks.
+    assert_eq!((results[1].2, results[2].2), (96, 96));
+    // Alone: 112 positions = 7 blocks. Three sharing 6 prompt blocks: 6 + 3 × 2.
+    assert!(peak <= 12, "{peak} blocks at the peak");
+
+    let mut w = worker();
+    let (results, _) = drive_shared(
+        &mut w,
+        &[
+            (prompt.clone(), 12, Some("a")),
+            (prompt.clone(), 12, Some("b")),
+        ],
+    );
+    assert_eq!(
+        (results[0].2, results[1].2),
+        (0, 0),
+        "no sharing across clients"
+    );
+    assert_eq!(results[1].0, alone.0);
+}
+
+/// Drives each of `requests` alone on a fresh worker from `alone`, then all of them together
+/// on `pressed`: every reply completes without an error and is token for token the one it got
+/// alone. Returns `pressed`, the replies and how many preemptions it made.
+fn replies_hold_under_pressure(
+    alone: impl Fn() -> ModelWorker,
+    mut pressed: ModelWorker,
+    requests: &[(Vec<u32>, usize)],
+) -> (ModelWorker, Vec<(Vec<u32>, StopReason)>, u64) {
+    let want: Vec<Vec<u32>> = requests
+        .iter()
+        .map(|req| drive(&mut alone(), std::slice::from_ref(req)).0.remove(0).0)
+        .collect();
+    let (got, preemptions) = drive(&mut pressed, requests);
+    for (i, ((tokens, reason), want)) in got.iter().zip(&want).enumerate() {
+        assert!(
+            !matches!(reason, StopReason::Error(_)),
+            "request {i} failed: {reason:?}"
+        );
+        assert_eq!(
+            tokens, want,
+            "request {i}: the reply changed under pressure"
+        );
+    }
+    assert!(preemptions > 0, "the test never preempted anything");
+    (pressed, got, preemptions)
+}
+
+/// Six requests that each fit a 6-block cache alone but not together: every one completes
+/// (some after waiting, some after being preempted and recomputed), none with an error, and
+/// each greedy reply is token for token the one it gets alone in a roomy cache.
+#[test]
+fn under_kv_pressure_requests_wait_or_are_preempted_and_replies_stay_the_same() {
+    let requests: Vec<(Vec<u32>, usize)> = (0..6u32)
+        .map(|r| ((100 + 40 * r..120 + 40 * r).collect(), 30))
+        .collect();
+    // 20 prompt + 30 generated = 50 positions: 4 blocks each; 6 blocks hold one at a time
+    // at its end, but two fit at their start, so the second is preempted as they grow.
+    let (w, replies, _) = replies_hold_under_pressure(worker, worker_with_kv(Some(6)), &requests);
+    for (i, (tokens, _)) in replies.iter().enumerate() {
+        assert_eq!(tokens.len(), 30, "request {i}");
+    }
+    assert!(w.active.is_empty());
+}
+
+/// Speculating under KV pressure: a request preempted in a step that verifies its drafts
+/// recomputes only what it had accepted (its last sampled token, not the drafts), so every
+/// greedy reply is still token for token the one it gets alone without speculation.
+#[test]
+fn preempted_drafts_are_not_recomputed_as_accepted() {
+    let requests: Vec<(Vec<u32>, usize)> = mixed_prompts()
+        .into_iter()
+        .take(6)
+        .map(|(prompt, _)| (prompt, 30))
+        .collect();
+    let pressed = speculative(worker_with_kv(Some(6)));
+    let (w, _, _) = replies_hold_under_pressure(worker, pressed, &requests);
+    assert!(w.spec_drafted > 0, "the test never drafted anything");
+}
+
+/// The same under the GPU's fast tier (its CPU runner): waits and preemptions change no reply.
+#[test]
+fn the_fast_tier_preempts_under_kv_pressure_and_replies_stay_the_same() {
+    let requests: Vec<(Vec<u32>, usize)> = (0..4u32)
+        .map(|r| ((100 + 40 * r..120 + 40 * r).collect(), 30))
+        .collect();
+    replies_hold_under_pressure(
+        || fast_tier_worker(None),
+        fast_tier_worker(Some(6)),
+        &requests,
+    );
+}
+
+/// The fast tier draws on its device: greedy replies equal the host's draw from the same
+/// logits, a seeded reply is the same every time and another seed gives another, and
+/// penalties reach the device (a strong repetition penalty changes the greedy reply).
+#[test]
+fn the_fast_tier_draws_tokens_on_its_device() {
+    let requests: Vec<(Vec<u32>, usize)> = (0..3u32)
+        .map(|r| ((100 + 40 * r..120 + 40 * r).collect(), 12))
+        .collect();
+    let tokens = |w: &mut ModelWorker, p: &SamplingParams| -> Vec<Vec<u32>> {
+        let (got, _) = drive_with(w, &requests, p);
+        got.into_iter()
+            .map(|(t, reason)| {
+                assert_eq!(reason, StopReason::Length, "{t:?}");
+                t
+            })
+            .collect()
+    };
+    let greedy = SamplingParams::greedy();
+    assert!(fast_tier_worker(None).engine.samples_on_device());
+    let on_device = tokens(&mut fast_tier_worker(None), &greedy);
+    let on_host = tokens(&mut fast_tier_worker(None).sample_on_host(), &greedy);
+    assert_eq!(on_device, on_host);
+
+    let seeded = |seed| SamplingParams {
+        temperature: 1.2,
+        top_k: 0,
+        top_p: 1.0,
+        min_p: 0.0,
+        seed: Some(seed),
+        ..SamplingParams::default()
+    };
+    let a = tokens(&mut fast_tier_worker(None), &seeded(7));
+    let b = tokens(&mut fast_tier_worker(None), &seeded(7));
+    let c = tokens(&mut fast_tier_worker(None), &seeded(8));
+    assert_eq!(a, b, "a seeded reply changed");
+    assert_ne!(a, c, "two seeds drew the same replies");
+    assert_ne!(a, on_device, "temperature 1.2 drew the greedy replies");
+
+    let penalised = SamplingParams {
+        repetition_penalty: 50.0,
+        presence_penalty: 5.0,
+        penalty_last_n: 64,
+        ..SamplingParams::greedy()
+    };
+    let p_device = tokens(&mut fast_tier_worker(None), &penalised);
+    let p_host = tokens(&mut fast_tier_worker(None).sample_on_host(), &penalised);
+    assert_eq!(p_device, p_host, "penalties differ between device and host");
+    assert_ne!(p_device, on_device, "the penalties changed nothing");
+}
+
+/// Log-probabilities need the logits on the host: a backend that draws on its device brings
+/// them back for the requests that ask, and each output token carries its own.
+#[test]
+fn logprobs_come_back_from_a_backend_that_draws_on_its_device() {
+    let mut w = fast_tier_worker(None);
+    assert!(w.engine.samples_on_device());
+    let params = SamplingParams {
+        max_new_tokens: 5,
+        ignore_eos: true,
+        logprobs: Some(2),
+        ..SamplingParams::greedy()
+    };
+    let events = run_with(&mut w, 7, None, None, (100..120).collect(), params);
+    let mut tokens = 0;
+    for e in events {
+        if let GenEvent::Token {
+            token, logprobs, ..
+        } = e
+        {
+            let lp = logprobs.expect("every token has its log-probabilities");
+            assert_eq!(lp.token, token);
+            assert_eq!(lp.top.len(), 2);
+            // Greedy: the chosen token is the most likely one.
+            assert_eq!(lp.top[0].0, token);
+            assert!(lp.logprob <= 0.0 && (lp.logprob - lp.top[0].1).abs() < 1e-6);
+            tokens += 1;
+        }
+    }
+    assert_eq!(tokens, 5);
+}
+
+/// Speculation on, drafting whatever a proposer finds (the break-even fixed at zero, not
+/// measured from this machine's timing), in batches of up to eight too.
+fn speculative(w: ModelWorker) -> ModelWorker {
+    w.with_speculation(speculation())
+}
+
+fn speculation() -> SpecConfig {
+    SpecConfig {
+        enabled: true,
+        max_batch: 8,
+        fixed_break_even: Some(0.0),
+        on_gpu: true,
+        ..SpecConfig::default()
+    }
+}
+
+/// Prompts of eight conversations, some repeating themselves (lookups find drafts there),
+/// some not.
+fn mixed_prompts() -> Vec<(Vec<u32>, usize)> {
+    let mut prompts = Vec::new();
+    for i in 0..8u32 {
+        let prompt: Vec<u32> = if i % 2 == 0 {
+            // A phrase said three times: what follows is likely said again.
+            let phrase: Vec<u32> = (0..6).map(|t| 100 + 7 * i + t).collect();
+            phrase
+                .iter()
+                .chain(&phrase)
+                .chain(&phrase)
+                .copied()
+                .collect()
+        } else {
+            (0..20).map(|t| 300 + 13 * i + 3 * t).collect()
+        };
+        prompts.push((prompt, 40 + 4 * i as usize));
+    }
+    prompts
+}
+
+#[test]
+fn drafts_come_from_the_same_users_earlier_replies_only() {
+    // Prompt lookup off (no n-gram is ever looked up in the sequence's own tokens): every
+    // draft comes from the user's n-gram cache.
+    let mut w = worker().with_speculation(SpecConfig {
+        enabled: true,
+        max_ngram: 0,
+        min_ngram: 0,
+        fixed_break_even: Some(0.0),
+        on_gpu: true,
+        ..SpecConfig::default()
+    });
+    let prompt: Vec<u32> = (0..12).map(|t| 200 + 5 * t).collect();
+    let greedy = SamplingParams::greedy();
+    let reply = |w: &mut ModelWorker, user: &str| {
+        let driven = drive_all(w, &[(prompt.clone(), 40, Some(user))], &greedy);
+        driven.results[0].0.clone()
+    };
+    let plain = reply(&mut worker(), "alice");
+    assert_eq!(reply(&mut w, "alice"), plain);
+    assert_eq!(
+        w.spec_drafted, 0,
+        "nothing learned before the first reply ended"
+    );
+    assert_eq!(reply(&mut w, "bob"), plain);
+    assert_eq!(w.spec_drafted, 0, "nothing of alice's is drafted for bob");
+    assert_eq!(reply(&mut w, "alice"), plain, "the same reply with drafts");
+    println!(
+        "alice's second reply: {} drafted, {} accepted",
+        w.spec_drafted, w.spec_accepted
+    );
+    assert!(w.spec_accepted > 0, "drafted {}", w.spec_drafted);
+}
+
+/// A reply asked for its log-probabilities is the same with drafts verified: each token
+/// carries the log-probabilities of its own row of the verifying step, as plain decoding's.
+#[test]
+fn log_probabilities_are_the_same_with_speculation() {
+    let phrase: Vec<u32> = (0..6).map(|t| 140 + 3 * t).collect();
+    let prompt: Vec<u32> = phrase.iter().cycle().take(18).copied().collect();
+    let params = SamplingParams {
+        max_new_tokens: 24,
+        ignore_eos: true,
+        logprobs: Some(3),
+        ..SamplingParams::greedy()
+    };
+    let run = |w: &mut ModelWorker| {
+        let mut tokens = Vec::new();
+        for e in run_with(w, 9, None, None, prompt.clone(), params.clone()) {
+            if let GenEvent::Token {
+                token, logprobs, ..
+            } = e
+            {
+                let lp = logprobs.expect("every token has its log-probabilities");
+                assert_eq!(lp.token, token);
+                tokens.push((token, lp.logprob, lp.top));
+            }
+        }
+        tokens
+    };
+    let plain = run(&mut worker());
+    let mut w = speculative(worker());
+    let drafted = run(&mut w);
+    assert!(
+        w.spec_accepted > 0,
+        "drafts were accepted ({} drafted)",
+        w.spec_drafted
+    );
+    assert_eq!(plain.len(), 24);
+    assert_eq!(plain.len(), drafted.len());
+    for (i, (a, b)) in plain.iter().zip(&drafted).enumerate() {
+        assert_eq!(a.0, b.0, "token {i}");
+        assert!((a.1 - b.1).abs() < 1e-5, "token {i}: {} vs {}", a.1, b.1);
+        assert_eq!(a.2.len(), 3);
+        for (x, y) in a.2.iter().zip(&b.2) {
+            assert_eq!(x.0, y.0, "token {i}'s alternatives");
+            assert!((x.1 - y.1).abs() < 1e-5, "token {i}: {x:?} vs {y:?}");
+        }
+    }
+}
+
+#[test]
+fn greedy_replies_are_the_same_with_speculation_and_drafts_are_accepted() {
+    let requests = mixed_prompts();
+    let greedy = SamplingParams::greedy();
+    let (plain, _) = drive_with(&mut worker(), &requests, &greedy);
+    let mut w = speculative(worker());
+    let (spec, _) = drive_with(&mut w, &requests, &greedy);
+    assert_eq!(plain, spec, "the same tokens, request by request");
+    println!(
+        "greedy, 8 conversations: {} drafted, {} accepted",
+        w.spec_drafted, w.spec_accepted
+    );
+    assert!(w.spec_drafted > 0, "drafts were verified");
+    assert!(
+        w.spec_accepted > 0,
+        "some drafts were accepted ({} drafted)",
+        w.spec_drafted
+    );
+    // One request alone too (the batch of one, where speculation pays most).
+    let (alone, _) = drive_with(&mut worker(), &requests[..1], &greedy);
+    let (alone_spec, _) = drive_with(&mut speculative(worker()), &requests[..1], &greedy);
+    assert_eq!(alone, alone_spec);
+}
+
+/// A step that warmed up or captured a decode graph says nothing of what a step costs (a
+/// capture takes many steps' time): only eager and replayed steps are measured.
+#[test]
+fn steps_that_make_decode_graphs_are_not_measured() {
+    let mut w = fast_tier_worker(None);
+    let prompt: Vec<u32> = (0..12).map(|t| 200 + 5 * t).collect();
+    // The prompt's step, then one decode: the one-row bucket's warm-up.
+    w.generate_alone(prompt.clone(), 2);
+    let g = w
+        .engine
+        .graph_stats()
+        .expect("the fast tier keeps graph statistics");
+    assert_eq!((g.warmups, g.replays), (1, 0), "{g:?}");
+    assert_eq!(w.step_cost.line(), None, "a warm-up step was measured");
+    // Its capture, then replays: those are measured.
+    w.generate_alone(prompt, 8);
+    let g = w.engine.graph_stats().expect("graph statistics");
+    assert!(g.captures >= 1 && g.replays >= 1, "{g:?}");
+    assert!(
+        w.step_cost.line().is_some(),
+        "replayed steps were not measured"
+    );
+}
+
+/// On a backend whose kernels compute a row alike only within a class of step sizes (the
+/// GPU's), drafts never take a step out of its class: a lone conversation still drafts (up
+/// to 3 positions), a step of 5-8 sequences grows to 8 rows at most, and the replies are the
+/// ones plain decoding gives.
+#[test]
+fn drafts_keep_a_step_within_the_rows_its_kernels_compute_alike() {
+    let classes = || {
+        let (spec, tokenizer) = tiny_with_tokenizer();
+        let mut src = synthetic::build(&spec).expect("build");
+        let model = Model::load(&mut src, &mut |_, _| {}).expect("load");
+        // The CPU backend, saying of its rows what the CUDA kernels say, and recording each
+        // verifying step's (sequences, rows): only a decode verifying drafts asks for
+        // every position's logits here.
+        let verifying = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let seen = verifying.clone();
+        let backend = smolchat_engine::backend::Watched {
+            inner: Box::new(smolchat_engine::CpuBackend::f16(model)),
+            watch: Box::new(move |asked| {
+                if let smolchat_engine::backend::Asked::Forward(items) = asked {
+                    let all = |i: &smolchat_engine::backend::BatchItem<'_>| {
+                        i.tokens.len() > 1 && matches!(i.logits, LogitsMode::All)
+                    };
+                    if items.iter().any(all) {
+                        let rows: usize = items.iter().map(|i| i.tokens.len()).sum();
+                        if let Ok(mut v) = seen.lock() {
+                            v.push((items.len(), rows));
+                        }
+                    }
+                }
+            }),
+            rows_alike: Some(smolchat_engine::fast::launch::rows_computed_alike),
+        };
+        let engine = Engine::on_backend(Box::new(backend), KvOptions::default()).expect("engine");
+        (
+            ModelWorker::new(engine, Arc::new(tokenizer), 2048),
+            verifying,
+        )
+    };
+    let greedy = SamplingParams::greedy();
+    let requests = mixed_prompts();
+    for conversations in [1, 8] {
+        let requests = &requests[..conversations];
+        let (plain, _) = drive_with(&mut worker(), requests, &greedy);
+        let (w, verifying) = classes();
+        let mut w = speculative(w);
+        let (spec, _) = drive_with(&mut w, requests, &greedy);
+        assert_eq!(
+            plain, spec,
+            "{conversations} conversations: the same replies"
+        );
+        let steps = verifying.lock().map(|v| v.clone()).unwrap_or_default();
+        assert!(
+            !steps.is_empty() && w.spec_accepted > 0,
+            "{conversations} conversations: drafts verified in {} steps, {} accepted",
+            steps.len(),
+            w.spec_accepted
+        );
+        for &(sequences, rows) in &steps {
+            let most = smolchat_engine::fast::launch::rows_computed_alike(sequences);
+            assert!(
+                sequences <= 8 && rows <= most,
+                "{conversations} conversations: a step of {sequences} sequences verified \
+                 drafts in {rows} rows (at most {most} keep each row's arithmetic)"
+            );
+        }
+    }
+}
+
+#[test]
+fn the_fast_tier_verifies_drafts_with_the_same_replies() {
+    // The GPU's fast tier, run by its kernels' CPU twins: every position's logits of a
+    // decode with drafts, and the truncation after it, give the replies plain decoding
+    // gives.
+    same_with_speculation(
+        || fast_tier_worker(None),
+        speculation(),
+        &mixed_prompts(),
+        &SamplingParams::greedy(),
+    );
+}
+
+/// Drives `requests` on a worker from `make` with drafts off, then on (`spec`): the replies
+/// must be the same and some drafts accepted. Both workers come back.
+fn same_with_speculation(
+    make: impl Fn() -> ModelWorker,
+    spec: SpecConfig,
+    requests: &[(Vec<u32>, usize)],
+    params: &SamplingParams,
+) -> (ModelWorker, ModelWorker) {
+    let mut plain_worker = make();
+    let (plain, _) = drive_with(&mut plain_worker, requests, params);
+    let mut w = make().with_speculation(spec);
+    let (drafted, _) = drive_with(&mut w, requests, params);
+    assert_eq!(plain, drafted);
+    assert!(
+        w.spec_drafted > 0 && w.spec_accepted > 0,
+        "{} / {}",
+        w.spec_accepted,
+        w.spec_drafted
+    );
+    (plain_worker, w)
+}
+
+#[test]
+fn the_fast_tier_verifies_drafts_on_the_device_with_the_same_seeded_replies() {
+    // On the fast tier (its kernels' CPU twins, graphs emulated) a decode with drafts is
+    // drawn on the device row by row (LogitsMode::SampleAll) inside a decode graph: each row
+    // takes the uniform plain decoding would take, and only for the tokens kept, so seeded
+    // replies with a repetition penalty are the same token for token.
+    let params = SamplingParams {
+        temperature: 0.35,
+        top_k: 0,
+        top_p: 1.0,
+        repetition_penalty: 1.05,
+        seed: Some(77),
+        ..SamplingParams::greedy()
+    };
+    // Four conversations (two repeating themselves) keep it quick in a debug build; single-
+    // token lookups too, as sampled replies repeat themselves less than greedy ones.
+    let (plain_worker, w) = same_with_speculation(
+        || fast_tier_worker(None),
+        SpecConfig {
+            min_ngram: 1,
+            ..speculation()
+        },
+        &mixed_prompts()[..4],
+        &params,
+    );
+    let stats = w.engine.graph_stats().unwrap_or_default();
+    let plain_stats = plain_worker.engine.graph_stats().unwrap_or_default();
+    // Each verifying step is one decode graph step in place of several (the engine's own
+    // test checks that such a step replays a decode graph). Graphs are recaptured a few
+    // times more than without drafts: a verifying step has more rows than any plain step,
+    // and the runner's buffers grow to the largest step seen.
+    assert!(
+        stats.replays > 0
+            && stats.replays + stats.captures + stats.warmups
+                < plain_stats.replays + plain_stats.captures + plain_stats.warmups,
+        "fewer decode graph steps with drafts: {stats:?} against {plain_stats:?}"
+    );
+}
+
+#[test]
+fn sampling_with_speculation_keeps_the_distribution() {
+    // Many seeded draws of one repetitive prompt, with and without speculation. Drawing
+    // each row from the model's own distribution and keeping a draft only when the draw
+    // equals it is the rejection rule for a draft of probability 1, so the distribution is
+    // the model's, and seeded replies are even the same token for token.
+    let (prompt, _) = mixed_prompts()[0].clone();
+    let mut plain_hist: HashMap<(usize, u32), u32> = HashMap::new();
+    let mut spec_hist: HashMap<(usize, u32), u32> = HashMap::new();
+    let mut same = 0;
+    let mut total = 0;
+    let mut w_plain = worker();
+    // Single-token lookups too: sampled replies repeat themselves less than greedy ones.
+    let mut w_spec = worker().with_speculation(SpecConfig {
+        min_ngram: 1,
+        ..speculation()
+    });
+    for batch in 0..20u64 {
+        let params = SamplingParams {
+            temperature: 0.35,
+            top_k: 0,
+            top_p: 1.0,
+            seed: Some(1000 + batch),
+            ..SamplingParams::greedy()
+        };
+        let requests: Vec<(Vec<u32>, usize)> = (0..8u32)
+            .map(|i| {
+                let mut p = prompt.clone();
+                // A different last token per request, so the eight differ.
+                p.push(500 + i);
+                (p, 10)
+            })
+            .collect();
+        let (a, _) = drive_with(&mut w_plain, &requests, &params);
+        let (b, _) = drive_with(&mut w_spec, &requests, &params);
+        for ((ta, _), (tb, _)) in a.iter().zip(&b) {
+            total += 1;
+            same += u32::from(ta == tb);
+            for (pos, t) in ta.iter().enumerate() {
+                *plain_hist.entry((pos, *t)).or_default() += 1;
+            }
+            for (pos, t) in tb.iter().enumerate() {
+                *spec_hist.entry((pos, *t)).or_default() += 1;
+            }
+        }
+    }
+    assert!(
+        w_spec.spec_drafted > 0 && w_spec.spec_accepted > 0,
+        "drafts were verified ({}) and some accepted ({})",
+        w_spec.spec_drafted,
+        w_spec.spec_accepted
+    );
+    // Total variation distance per position, over the 160 draws.
+    for pos in 0..10 {
+        let keys: std::collections::HashSet<u32> = plain_hist
+            .keys()
+            .chain(spec_hist.keys())
+            .filter(|k| k.0 == pos)
+            .map(|k| k.1)
+            .collect();
+        let tv: f64 = keys
+            .iter()
+            .map(|t| {
+                let a = f64::from(*plain_hist.get(&(pos, *t)).unwrap_or(&0));
+                let b = f64::from(*spec_hist.get(&(pos, *t)).unwrap_or(&0));
+                (a - b).abs()
+            })
+            .sum::<f64>()
+            / 2.0
+            / f64::from(total);
+        assert!(tv < 0.1, "position {pos}: total variation {tv}");
+    }
+    println!(
+        "sampled: {same} of {total} seeded replies equal; {} drafted, {} accepted",
+        w_spec.spec_drafted, w_spec.spec_accepted
+    );
+    assert!(
+        f64::from(same) / f64::from(total) > 0.95,
+        "{same} of {total} seeded replies equal"
+    );
+}
+
+#[test]
+fn grammar_masks_computed_during_the_step_give_the_same_reply() {
+    let reply = |overlap: bool| -> (String, Vec<StopReason>) {
+        let mut w = fast_tier_worker(None).with_mask_overlap(overlap);
+        let params = SamplingParams {
+            max_new_tokens: 20,
+            grammar: Some(smolchat_text::constraint::Grammar::Regex(
+                "[a-z]{3,6}".into(),
+            )),
+            ..SamplingParams::greedy()
+        };
+        let mut text = String::new();
+        let mut reasons = Vec::new();
+        for e in run_with(&mut w, 9, None, None, (100..120).collect(), params) {
+            match e {
+                GenEvent::Token { text: t, .. } => text.push_str(&t),
+                GenEvent::Finished(s) => reasons.push(s.reason),
+                GenEvent::Admitted { .. } | GenEvent::Embedding(_) => {}
+            }
+        }
+        (text, reasons)
+    };
+    let (serial, serial_end) = reply(false);
+    let (overlapped, overlapped_end) = reply(true);
+    assert_eq!(serial, overlapped);
+    assert_eq!(serial_end, vec![StopReason::EndOfGeneration]);
+    assert_eq!(overlapped_end, serial_end);
+    assert!(
+        (3..=6).contains(&serial.len()) && serial.chars().all(|c| c.is_ascii_lowercase()),
+        "{serial:?}"
+    );
+}
