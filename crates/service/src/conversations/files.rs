@@ -4,7 +4,7 @@
 
 use uuid::Uuid;
 
-use super::{invalid, Accepted, ConversationError, Conversations, Result};
+use super::{invalid, mib, Accepted, ConversationError, Conversations, Result};
 use crate::caller::Caller;
 use crate::documents::ReadError;
 use crate::files::{self, FileError, FileText};
@@ -14,10 +14,6 @@ use smolchat_store::{FileRecord, NewFile};
 /// Tokens kept free of a file, for the question about it and the reply: a file that leaves
 /// less than this in the context window is refused at upload.
 const ROOM_FOR_THE_REST: usize = 256;
-
-fn mib(bytes: u64) -> String {
-    format!("{:.1}", bytes as f64 / (1u64 << 20) as f64)
-}
 
 impl From<ReadError> for ConversationError {
     fn from(e: ReadError) -> Self {
