@@ -54,15 +54,16 @@ pub mod organise;
 pub mod owner;
 pub mod pages;
 pub mod responses;
+mod state;
+
+pub use state::AppState;
 
 use std::io;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use actix_web::cookie::Key;
 use actix_web::middleware::from_fn;
 use actix_web::{web, App, HttpRequest, HttpResponse, HttpServer};
-use metrics_exporter_prometheus::PrometheusHandle;
 
 pub use error::WebError;
 use json::BodyLimit;
@@ -70,25 +71,6 @@ use smolchat_service::platform::Platform;
 
 /// How long a graceful shutdown waits for open connections after the replies are stored.
 const SHUTDOWN_TIMEOUT_S: u64 = 3;
-
-/// What every handler shares.
-pub struct AppState {
-    /// Open event streams (see [`StreamCounter`]).
-    pub streams: StreamCounter,
-    pub platform: Platform,
-    pub cookie_key: Key,
-    /// False once shutdown began (`/readyz` then answers 503).
-    pub ready: AtomicBool,
-    pub metrics: Option<PrometheusHandle>,
-    /// Forwards conversation turns to the replica holding their KV cache (see [`forward`]).
-    pub forward: reqwest::Client,
-    /// `server.trusted_proxies` (see [`client`]).
-    pub proxies: client::TrustedProxies,
-    /// `server.allowed_hosts` (see [`client`]).
-    pub hosts: client::HostPolicy,
-    /// Wrong `/v1` keys and `/metrics` tokens per client address.
-    pub bearers: smolchat_auth::BearerThrottle,
-}
 
 /// The largest body `POST /api/conversations/import` reads (an exported conversation).
 pub const IMPORT_BODY_LIMIT: usize = 32 << 20;

@@ -1,0 +1,366 @@
+//! The chat page's form actions: create, send, stop, regenerate, edit, select a version,
+//! rename, settings, thinking, delete, export. Each parses its form, calls the conversation
+//! service with the caller and answers what HTMX or `static/chat.js` expects.
+
+use super::*;
+
+#[derive(Deserialize)]
+pub struct ContentForm {
+    #[serde(default)]
+    content: String,
+    /// Waiting files the message carries, comma-separated ids (the page's chips).
+    #[serde(default)]
+    files: String,
+}
+
+/// The ids of a comma-separated list.
+pub(super) fn file_ids(list: &str) -> Result<Vec<Uuid>, WebError> {
+    list.split(',')
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .map(|s| parse_uuid(s, "file id"))
+        .collect()
+}
+
+/// `…/edit` and `…/regenerate`: the user message a new version is made of (the branch's last
+/// one when absent), and for an edit its new text.
+#[derive(Deserialize)]
+pub struct MessageForm {
+    #[serde(default)]
+    content: String,
+    #[serde(default)]
+    message: Option<String>,
+}
+
+#[derive(Deserialize)]
+pub struct SelectForm {
+    message: String,
+}
+
+/// An HTMX redirect (a full page load of `to`), with `Location` for other clients.
+pub(super) fn hx_redirect(status: StatusCode, to: &str) -> HttpResponse {
+    HttpResponse::build(status)
+        .insert_header(("HX-Redirect", to.to_string()))
+        .insert_header((header::LOCATION, to.to_string()))
+        .finish()
+}
+
+/// `POST /c`: a new conversation, with its first message if the form has one.
+pub async fn create(
+    state: web::Data<AppState>,
+    owner: Owner,
+    req: HttpRequest,
+    payload: web::Payload,
+) -> Result<HttpResponse, PageError> {
+    let form: ContentForm = read_form(&state, &req, payload).await?;
+    let created = state
+        .platform
+        .conversations()
+        .create(
+            &owner.caller(),
+            NewConversation {
+                first_message: Some(form.content),
+                ..NewConversation::default()
+            },
+        )
+        .await?;
+    Ok(hx_redirect(
+        StatusCode::CREATED,
+        &format!("/c/{}", created.conversation.id),
+    ))
+}
+
+/// `POST /c/{id}/messages`
+pub async fn send(
+    state: web::Data<AppState>,
+    owner: Owner,
+    path: web::Path<String>,
+    req: HttpRequest,
+    payload: web::Payload,
+) -> Result<HttpResponse, PageError> {
+    let id = parse_id(&path)?;
+    // Whose it is before what the body says: another owner's id is 404 whatever the form holds.
+    let caller = owner.caller();
+    state.platform.conversations().owned(&caller, id).await?;
+    let form: ContentForm = read_form(&state, &req, payload).await?;
+    let files = file_ids(&form.files)?;
+    state
+        .platform
+        .conversations()
+        .send_with_files(&caller, id, form.content, files)
+        .await?;
+    Ok(HttpResponse::Accepted().finish())
+}
+
+/// `POST /c/{id}/stop`
+pub async fn stop(
+    state: web::Data<AppState>,
+    owner: Owner,
+    path: web::Path<String>,
+) -> Result<HttpResponse, PageError> {
+    let id = parse_id(&path)?;
+    state
+        .platform
+        .conversations()
+        .stop(&owner.caller(), id)
+        .await?;
+    Ok(HttpResponse::NoContent().finish())
+}
+
+/// `POST /c/{id}/regenerate`
+pub async fn regenerate(
+    state: web::Data<AppState>,
+    owner: Owner,
+    path: web::Path<String>,
+    req: HttpRequest,
+    payload: web::Payload,
+) -> Result<HttpResponse, PageError> {
+    let id = parse_id(&path)?;
+    let caller = owner.caller();
+    state.platform.conversations().owned(&caller, id).await?;
+    // The user message to answer again (the branch's last one when absent).
+    let form: MessageForm = read_form(&state, &req, payload).await?;
+    let message = api::optional_message_id(form.message.as_deref())?;
+    state
+        .platform
+        .conversations()
+        .regenerate(&caller, id, message)
+        .await?;
+    Ok(HttpResponse::Accepted().finish())
+}
+
+/// `POST /c/{id}/edit`
+pub async fn edit(
+    state: web::Data<AppState>,
+    owner: Owner,
+    path: web::Path<String>,
+    req: HttpRequest,
+    payload: web::Payload,
+) -> Result<HttpResponse, PageError> {
+    let id = parse_id(&path)?;
+    // Whose it is before what the body says: another owner's id is 404 whatever the form holds.
+    let caller = owner.caller();
+    state.platform.conversations().owned(&caller, id).await?;
+    let form: MessageForm = read_form(&state, &req, payload).await?;
+    let message = api::optional_message_id(form.message.as_deref())?;
+    state
+        .platform
+        .conversations()
+        .edit(&caller, id, form.content, message)
+        .await?;
+    Ok(HttpResponse::Accepted().finish())
+}
+
+/// `POST /c/{id}/select`: shows the branch through a version (‹ › on a message); the page
+/// reloads the conversation.
+pub async fn select(
+    state: web::Data<AppState>,
+    owner: Owner,
+    path: web::Path<String>,
+    req: HttpRequest,
+    payload: web::Payload,
+) -> Result<HttpResponse, PageError> {
+    let id = parse_id(&path)?;
+    let caller = owner.caller();
+    state.platform.conversations().owned(&caller, id).await?;
+    let form: SelectForm = read_form(&state, &req, payload).await?;
+    let message = api::parse_uuid(&form.message, "message id")?;
+    state
+        .platform
+        .conversations()
+        .select(&caller, id, message)
+        .await?;
+    Ok(hx_redirect(StatusCode::SEE_OTHER, &format!("/c/{id}")))
+}
+
+#[derive(Deserialize)]
+pub struct TitleForm {
+    title: String,
+}
+
+/// `POST /c/{id}/rename`
+pub async fn rename(
+    state: web::Data<AppState>,
+    owner: Owner,
+    path: web::Path<String>,
+    req: HttpRequest,
+    payload: web::Payload,
+) -> Result<HttpResponse, PageError> {
+    let id = parse_id(&path)?;
+    // Whose it is before what the body says: another owner's id is 404 whatever the form holds.
+    let caller = owner.caller();
+    state.platform.conversations().owned(&caller, id).await?;
+    let form: TitleForm = read_form(&state, &req, payload).await?;
+    state
+        .platform
+        .conversations()
+        .rename(&caller, id, &form.title)
+        .await?;
+    Ok(HttpResponse::NoContent()
+        .insert_header(("HX-Refresh", "true"))
+        .finish())
+}
+
+/// The numbers arrive as text and are parsed here, so that a bad one is refused with its
+/// field's name (the form decoder's own error, "invalid digit found in string", names none).
+#[derive(Deserialize)]
+pub struct SettingsForm {
+    #[serde(default)]
+    system_prompt: String,
+    temperature: String,
+    top_p: String,
+    max_tokens: String,
+    /// A checkbox: present ("on") when checked.
+    thinking: Option<String>,
+    /// GBNF; empty (or left out) removes it.
+    #[serde(default)]
+    grammar: String,
+    /// Not in the page's form (admins' benchmarks); when a client sends it, it goes through the
+    /// same check as on the JSON API (admins only).
+    ignore_eos: Option<String>,
+}
+
+/// A checkbox field: browsers send `on` when it is checked and nothing when it is not.
+pub(super) fn checkbox(field: &str, value: Option<&str>) -> Result<bool, WebError> {
+    match value {
+        None => Ok(false),
+        Some("on" | "true" | "1") => Ok(true),
+        Some("off" | "false" | "0") => Ok(false),
+        Some(other) => Err(WebError::BadRequest(format!(
+            "`{field}`: {other:?} is not a checkbox value (on, or leave the field out)"
+        ))),
+    }
+}
+
+/// Parses one form field, naming it and what it must be when it is not that.
+pub(super) fn form_number<T: std::str::FromStr>(
+    field: &str,
+    value: &str,
+    what: &str,
+) -> Result<T, WebError> {
+    value
+        .trim()
+        .parse()
+        .map_err(|_| WebError::BadRequest(format!("`{field}`: {value:?} is not {what}")))
+}
+
+/// `POST /c/{id}/settings`: the settings panel (used from the next message on).
+pub async fn settings(
+    state: web::Data<AppState>,
+    owner: Owner,
+    path: web::Path<String>,
+    req: HttpRequest,
+    payload: web::Payload,
+) -> Result<HttpResponse, PageError> {
+    let id = parse_id(&path)?;
+    // Whose it is before what the body says: another owner's id is 404 whatever the form holds.
+    let caller = owner.caller();
+    state.platform.conversations().owned(&caller, id).await?;
+    let form: SettingsForm = read_form(&state, &req, payload).await?;
+    let patch = SettingsPatch {
+        // An empty prompt removes it.
+        system_prompt: Some(form.system_prompt),
+        max_tokens: Some(form_number(
+            "max_tokens",
+            &form.max_tokens,
+            "a whole number",
+        )?),
+        temperature: Some(form_number("temperature", &form.temperature, "a number")?),
+        top_p: Some(form_number("top_p", &form.top_p, "a number")?),
+        thinking: Some(checkbox("thinking", form.thinking.as_deref())?),
+        grammar: Some(form.grammar),
+        ignore_eos: form
+            .ignore_eos
+            .as_deref()
+            .map(|v| checkbox("ignore_eos", Some(v)))
+            .transpose()?,
+        ..SettingsPatch::default()
+    };
+    state
+        .platform
+        .conversations()
+        .update(&caller, id, None, &patch)
+        .await?;
+    Ok(HttpResponse::Ok()
+        .content_type("text/html; charset=utf-8")
+        .body("<span class=\"saved\">Saved</span>"))
+}
+
+#[derive(Deserialize)]
+pub struct ThinkingForm {
+    thinking: Option<String>,
+}
+
+/// `POST /c/{id}/thinking`: the quick switch in the header.
+pub async fn thinking(
+    state: web::Data<AppState>,
+    owner: Owner,
+    path: web::Path<String>,
+    req: HttpRequest,
+    payload: web::Payload,
+) -> Result<HttpResponse, PageError> {
+    let id = parse_id(&path)?;
+    // Whose it is before what the body says: another owner's id is 404 whatever the form holds.
+    let caller = owner.caller();
+    state.platform.conversations().owned(&caller, id).await?;
+    let form: ThinkingForm = read_form(&state, &req, payload).await?;
+    let patch = SettingsPatch {
+        thinking: Some(checkbox("thinking", form.thinking.as_deref())?),
+        ..SettingsPatch::default()
+    };
+    state
+        .platform
+        .conversations()
+        .update(&caller, id, None, &patch)
+        .await?;
+    Ok(HttpResponse::NoContent().finish())
+}
+
+/// `DELETE /c/{id}`
+pub async fn delete(
+    state: web::Data<AppState>,
+    owner: Owner,
+    path: web::Path<String>,
+) -> Result<HttpResponse, PageError> {
+    let id = parse_id(&path)?;
+    state
+        .platform
+        .conversations()
+        .delete(&owner.caller(), id)
+        .await?;
+    Ok(hx_redirect(StatusCode::OK, "/"))
+}
+
+/// The conversation as a download.
+pub(super) async fn export(
+    state: &AppState,
+    owner: &Owner,
+    id: &str,
+    format: ExportFormat,
+) -> Result<HttpResponse, PageError> {
+    let id = parse_id(id)?;
+    let doc = state
+        .platform
+        .conversations()
+        .export(&owner.caller(), id)
+        .await?;
+    Ok(export_response(&doc, format)?)
+}
+
+/// `GET /c/{id}/export.json`
+pub async fn export_json(
+    state: web::Data<AppState>,
+    owner: Owner,
+    path: web::Path<String>,
+) -> Result<HttpResponse, PageError> {
+    export(&state, &owner, &path, ExportFormat::Json).await
+}
+
+/// `GET /c/{id}/export.md`
+pub async fn export_md(
+    state: web::Data<AppState>,
+    owner: Owner,
+    path: web::Path<String>,
+) -> Result<HttpResponse, PageError> {
+    export(&state, &owner, &path, ExportFormat::Markdown).await
+}
