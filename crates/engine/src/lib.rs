@@ -41,6 +41,7 @@ pub mod logits;
 pub mod npy;
 pub mod reference;
 pub mod rope;
+pub mod seed;
 pub mod selfcheck;
 pub mod step;
 pub mod synthetic;
