@@ -19,11 +19,13 @@
 //! on AVX512-VNNI, AMX tiles where advertised) unless [`PIN_CANDLE_CPU_KERNELS`] is set, so the
 //! tier loads on the CPU only with it set (`.cargo/config.toml` sets it for every process cargo
 //! starts): the reference is then the same on every host.
-//! - Everything else is candle's operations: RMSNorm, RoPE from the shared table (`rope.rs`),
-//!   GQA attention with a causal mask and softmax in f32, SiLU.
+//! - Everything else is candle's operations, candle-nn's fused ones where it has them (one
+//!   kernel each on a GPU): `rms_norm`, RoPE by `rotary_emb::rope_i` (adjacent pairs) from the
+//!   shared table (`rope.rs`), GQA attention with a causal mask and `softmax_last_dim` in f32,
+//!   SiLU.
 
 use candle_core::quantized::{ggml_file::qtensor_from_ggml, QMatMul};
-use candle_core::{DType, Device as CandleDevice, Module, Tensor, D};
+use candle_core::{DType, Device as CandleDevice, Module, Tensor};
 use smolchat_gguf::{GgufSource, RawTensor};
 use tracing::trace_span;
 
@@ -312,9 +314,7 @@ impl ReferenceBackend {
         let scores = scores
             .reshape((n_kv, group, n, total))?
             .broadcast_add(&mask)?;
-        let max = scores.max_keepdim(D::Minus1)?;
-        let e = scores.broadcast_sub(&max)?.exp()?;
-        let probs = e.broadcast_div(&e.sum_keepdim(D::Minus1)?)?;
+        let probs = candle_nn::ops::softmax_last_dim(&scores.contiguous()?)?;
         let out = probs.reshape((n_kv, group * n, total))?.matmul(&v)?;
         Ok(out
             .reshape((n_kv, group, n, hd))?
@@ -324,32 +324,38 @@ impl ReferenceBackend {
     }
 
     /// Rotates the first `rope_dim` dimensions of every head of `x` (`[n, heads × head dim]`) by
-    /// `cos`/`sin` (`[n, 1, rope_dim / 2]`), adjacent pairs as the CPU engine does.
+    /// `cos`/`sin` (`[n, rope_dim / 2]`), adjacent pairs as the CPU engine does: candle-nn's
+    /// interleaved rotary embedding (`rope_i`), over the rows as one sequence of `n` positions
+    /// (each row's own angles are its row of `cos`/`sin`, so the rows may be of any sequences).
     fn rope(&self, x: &Tensor, heads: usize, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
         let hd = self.config.head_dim;
         let rope_dim = self.config.rope_dim;
         let n = x.dim(0)?;
         let x = x.reshape((n, heads, hd))?;
-        let rot = x
+        // [1, heads, n, rope_dim], contiguous, as rope_i takes it.
+        let part = x
             .narrow(2, 0, rope_dim)?
-            .reshape((n, heads, rope_dim / 2, 2))?;
-        let a = rot.narrow(3, 0, 1)?.squeeze(3)?;
-        let b = rot.narrow(3, 1, 1)?.squeeze(3)?;
-        let ra = (a.broadcast_mul(cos)? - b.broadcast_mul(sin)?)?;
-        let rb = (a.broadcast_mul(sin)? + b.broadcast_mul(cos)?)?;
-        let rotated = Tensor::stack(&[ra, rb], 3)?.reshape((n, heads, rope_dim))?;
+            .transpose(0, 1)?
+            .unsqueeze(0)?
+            .contiguous()?;
+        let rotated = candle_nn::rotary_emb::rope_i(&part, cos, sin)?
+            .squeeze(0)?
+            .transpose(0, 1)?;
         let whole = if rope_dim < hd {
             Tensor::cat(&[rotated, x.narrow(2, rope_dim, hd - rope_dim)?], 2)?
         } else {
-            rotated
+            rotated.contiguous()?
         };
         Ok(whole.reshape((n, heads * hd))?)
     }
 
+    /// candle-nn's fused RMS norm (one kernel on the GPU) over the rows of `x`.
     fn rms_norm(&self, x: &Tensor, weight: &Tensor) -> Result<Tensor> {
-        let eps = f64::from(self.config.rms_eps);
-        let scale = (x.sqr()?.mean_keepdim(D::Minus1)? + eps)?.sqrt()?.recip()?;
-        Ok(x.broadcast_mul(&scale)?.broadcast_mul(weight)?)
+        Ok(candle_nn::ops::rms_norm(
+            &x.contiguous()?,
+            weight,
+            self.config.rms_eps,
+        )?)
     }
 
     fn pass(&mut self, items: &[BatchItem<'_>], out: &mut Logits) -> Result<()> {
@@ -372,8 +378,8 @@ impl ReferenceBackend {
         let mut x = Tensor::from_vec(embedded, (n, c.hidden), &self.dev)?;
         let rope = RopeTable::new(&c, &positions);
         let half = rope.rope_dim() / 2;
-        let cos = Tensor::from_slice(rope.cos(), (n, 1, half), &self.dev)?;
-        let sin = Tensor::from_slice(rope.sin(), (n, 1, half), &self.dev)?;
+        let cos = Tensor::from_slice(rope.cos(), (n, half), &self.dev)?;
+        let sin = Tensor::from_slice(rope.sin(), (n, half), &self.dev)?;
         for li in 0..self.layers.len() {
             let _span = trace_span!("layer", li).entered();
             let layer = &self.layers[li];
