@@ -47,6 +47,11 @@ pub struct BenchArgs {
     /// step costs: a measurement of the mechanics, not of the shape's own acceptance.
     #[arg(long, requires = "speculative")]
     pub replay_shape: Option<String>,
+    /// Also measure the seeds' engine (candle-transformers' own quantized model, CPU) on the
+    /// same file, prompt and threads: its prefill and decode beside ours, and our lead as a
+    /// ratio (`seed_engine` in the JSON).
+    #[arg(long, conflicts_with = "speculative")]
+    pub seed_engine: bool,
     #[command(flatten)]
     pub device: super::DeviceArg,
 }
@@ -63,6 +68,8 @@ pub fn run(args: &BenchArgs, globals: &super::Globals) -> Result<()> {
     super::init_threads(config.model.threads)?;
     let options = config.load_options();
     let load_start = Instant::now();
+    // The file the seeds' engine loads: the model's own, or the synthetic shape written out.
+    let mut seed_file: Option<(PathBuf, Option<tempfile::TempDir>)> = None;
     let (mut engine, model_name) = match &args.synthetic {
         Some(name) => {
             anyhow::ensure!(
@@ -75,12 +82,21 @@ pub fn run(args: &BenchArgs, globals: &super::Globals) -> Result<()> {
                 tracing::info!(path = %path.display(), "wrote the synthetic model");
                 return Ok(());
             }
+            if args.seed_engine {
+                let dir = tempfile::tempdir().context("a folder for the synthetic model")?;
+                let path = dir.path().join("synthetic.gguf");
+                synthetic::write_gguf(&spec, &path)?;
+                seed_file = Some((path, Some(dir)));
+            }
             let src = synthetic::build(&spec)?;
             let loaded = super::with_progress(|p| Ok(load::load_source(src, &options, p)?))?;
             (loaded.engine, format!("synthetic:{name}"))
         }
         None => {
             let path = config.model.existing_path()?;
+            if args.seed_engine {
+                seed_file = Some((path.to_path_buf(), None));
+            }
             let loaded = super::with_progress(|p| Ok(load::load(path, &options, p)?))?;
             (loaded.engine, path.display().to_string())
         }
@@ -128,6 +144,19 @@ pub fn run(args: &BenchArgs, globals: &super::Globals) -> Result<()> {
     // Batched decode: N sequences with short distinct prompts, then G steps of N decode tokens.
     let batched = batched_decode(&mut engine, args.batch, args.gen_tokens, cfg.vocab_size)?;
 
+    let prefill_tps = args.prompt_tokens as f64 / prefill_s;
+    let decode_tps = args.gen_tokens as f64 / decode_s;
+    let seed_engine = match &seed_file {
+        Some((path, _)) => Some(seed_engine_row(
+            path,
+            &prompt,
+            args.gen_tokens,
+            prefill_tps,
+            decode_tps,
+        )?),
+        None => None,
+    };
+
     let out = json!({
         "model": model_name,
         "architecture": cfg.arch.gguf_name(),
@@ -149,13 +178,14 @@ pub fn run(args: &BenchArgs, globals: &super::Globals) -> Result<()> {
         "prefill": {
             "prompt_tokens": args.prompt_tokens,
             "seconds": prefill_s,
-            "tokens_per_s": args.prompt_tokens as f64 / prefill_s,
+            "tokens_per_s": prefill_tps,
         },
         "decode": {
             "tokens": args.gen_tokens,
             "seconds": decode_s,
-            "tokens_per_s": args.gen_tokens as f64 / decode_s,
+            "tokens_per_s": decode_tps,
         },
+        "seed_engine": seed_engine,
         "batched_decode": batched,
         "verify_steps": verify,
         "sampling": if engine.samples_on_device() { "device" } else { "host" },
@@ -165,6 +195,48 @@ pub fn run(args: &BenchArgs, globals: &super::Globals) -> Result<()> {
     });
     println!("{}", serde_json::to_string_pretty(&out)?);
     Ok(())
+}
+
+/// The seeds' engine (`smolchat_engine::seed`: candle-transformers' own quantized model, on the
+/// CPU with the same thread pool) measured as ours is: the prompt in one step, two untimed
+/// decode steps, then `gen_tokens` greedy ones; with our figures over its as ratios.
+fn seed_engine_row(
+    path: &std::path::Path,
+    prompt: &[u32],
+    gen_tokens: usize,
+    our_prefill_tps: f64,
+    our_decode_tps: f64,
+) -> Result<serde_json::Value> {
+    let t = Instant::now();
+    let mut seed = smolchat_engine::seed::SeedModel::load(path)?;
+    let load_s = t.elapsed().as_secs_f64();
+    let t = Instant::now();
+    let mut next = argmax(&seed.forward(prompt, 0)?);
+    let prefill_s = t.elapsed().as_secs_f64();
+    let mut past = prompt.len();
+    for _ in 0..2 {
+        next = argmax(&seed.forward(&[next], past)?);
+        past += 1;
+    }
+    let t = Instant::now();
+    for _ in 0..gen_tokens {
+        next = argmax(&seed.forward(&[next], past)?);
+        past += 1;
+    }
+    let decode_s = t.elapsed().as_secs_f64();
+    let prefill_tps = prompt.len() as f64 / prefill_s;
+    let decode_tps = gen_tokens as f64 / decode_s;
+    Ok(json!({
+        "engine": "candle-transformers 0.11.1 (quantized_llama / smol::quantized_smollm3)",
+        "device": "cpu",
+        "load_s": load_s,
+        "prefill": { "prompt_tokens": prompt.len(), "seconds": prefill_s, "tokens_per_s": prefill_tps },
+        "decode": { "tokens": gen_tokens, "seconds": decode_s, "tokens_per_s": decode_tps },
+        "ours_over_seed": {
+            "prefill": our_prefill_tps / prefill_tps,
+            "decode": our_decode_tps / decode_tps,
+        },
+    }))
 }
 
 /// A random-weight model of a known shape, with a placeholder vocabulary so it loads like any
