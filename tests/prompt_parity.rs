@@ -14,8 +14,8 @@ use smolchat_store::{Conversation, ConversationSettings, Message, MessageStatus,
 use smolchat_text::prompt::PromptBuilder;
 use smolchat_text::template::ChatTemplate;
 use smolchat_text::tokenizer::Tokenizer;
-use smolchat_web::openai::chat_prompt;
 use smolchat_web::openai::request::{parse_chat, Defaults};
+use smolchat_web::v1::chat_prompt;
 use uuid::Uuid;
 
 const SYSTEM: &str = "You are terse. Answer in one line.";

@@ -4,7 +4,7 @@
 //! A request is translated into the OpenAI chat request shape and parsed by the one parser
 //! (`openai::request`): system prompt, text blocks, `tool_use`/`tool_result` blocks, tools,
 //! `stop_sequences`, sampling and `thinking` get the same checks, limits and fair sharing as
-//! `/v1/chat/completions`, and generate through `openai::submit`. The answer is a `message` with
+//! `/v1/chat/completions`, and generate through `v1::submit`. The answer is a `message` with
 //! `thinking`, `text` and `tool_use` content blocks, streamed as Anthropic's named events
 //! (`message_start`, `content_block_start`/`_delta`/`_stop`, `message_delta`, `message_stop`).
 //! Refusals are `{"type": "error", "error": {"type", "message"}}`. Images, documents and forced
@@ -24,6 +24,7 @@ use serde_json::{json, Map, Value};
 
 use super::json::JsonBody;
 use super::openai::{self, Assembler, CallOut, ChatAssembler};
+use super::v1;
 use super::{AppState, WebError};
 use crate::error::reshape;
 use crate::error::ApiError;
@@ -34,7 +35,7 @@ use smolchat_service::completions::{Completion, GenEvent, GenSummary, StopReason
 pub fn routes(cfg: &mut web::ServiceConfig) {
     cfg.service(
         web::resource("/v1/messages")
-            .wrap(from_fn(openai::require_api_key))
+            .wrap(from_fn(v1::require_api_key))
             // Outside the key check, so its refusals come in Anthropic's shape too.
             .wrap(from_fn(reshape::reshape::<Anthropic>))
             .wrap(super::api_headers())
@@ -368,17 +369,17 @@ async fn messages(
 ) -> Result<HttpResponse, AnthropicError> {
     let JsonBody(body) = body?;
     let translated = translate(&body)?;
-    let req = openai::checked_chat(&state, &http, &translated, Some("output_config.format"))?;
-    let model = openai::model_name(&state.platform, &req.common);
+    let req = v1::checked_chat(&state, &http, &translated, Some("output_config.format"))?;
+    let model = v1::model_name(&state.platform, &req.common);
     let parse_tool_calls = req.parse_tool_calls();
-    let prompt = openai::build_chat_prompt(&state, &http, &req).await?;
+    let prompt = v1::build_chat_prompt(&state, &http, &req).await?;
     let mut assembler = ChatAssembler::new(prompt.starts_in_reasoning, parse_tool_calls);
     let stream = req.common.stream;
     let input_tokens = prompt.tokens.len();
-    let salt = openai::cache_salt(&http, &req.common);
-    let user = openai::api_user(&http);
+    let salt = v1::cache_salt(&http, &req.common);
+    let user = v1::api_user(&http);
     let mut completion =
-        openai::submit(&state, req.common, salt, user, prompt.tokens, "messages").await?;
+        v1::submit(&state, req.common, salt, user, prompt.tokens, "messages").await?;
     let id = format!("msg_{}", uuid::Uuid::now_v7().simple());
     if stream {
         let mut s = EventStream {
@@ -412,10 +413,10 @@ async fn messages(
             }
             GenEvent::Finished(summary) => {
                 if let StopReason::Error(e) = &summary.reason {
-                    return Err(openai::generation_failed(e).into());
+                    return Err(v1::generation_failed(e).into());
                 }
                 assembler.finish(&summary.reason);
-                openai::log_finished(completion.id(), &summary);
+                v1::log_finished(completion.id(), &summary);
                 let mut content = Vec::new();
                 if !assembler.reasoning().is_empty() {
                     content.push(
@@ -599,7 +600,7 @@ impl EventStream {
                     );
                     self.event("message_stop", json!({"type": "message_stop"}));
                 }
-                openai::log_finished(self.completion.id(), &summary);
+                v1::log_finished(self.completion.id(), &summary);
                 self.done = true;
             }
         }

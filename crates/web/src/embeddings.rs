@@ -14,6 +14,7 @@ use serde_json::{json, Value};
 
 use super::json::JsonBody;
 use super::openai;
+use super::v1;
 use super::{AppState, WebError};
 use crate::error::ApiError;
 use smolchat_service::completions::{
@@ -23,7 +24,7 @@ use smolchat_service::completions::{
 pub fn routes(cfg: &mut web::ServiceConfig) {
     cfg.service(
         web::resource("/v1/embeddings")
-            .wrap(actix_web::middleware::from_fn(openai::require_api_key))
+            .wrap(actix_web::middleware::from_fn(v1::require_api_key))
             .wrap(super::api_headers())
             .route(web::post().to(create))
             .default_service(web::to(openai::method_not_allowed)),
@@ -115,7 +116,7 @@ pub(crate) async fn embed(
         inputs
             .into_iter()
             .map(|input| match input {
-                Input::Text(text) => openai::encode(&state2.platform, &text),
+                Input::Text(text) => v1::encode(&state2.platform, &text),
                 Input::Tokens(ids) => Ok(ids),
             })
             .collect::<Result<Vec<Vec<u32>>, ApiError>>()
@@ -148,12 +149,12 @@ pub(crate) async fn embed(
         }
         prompts.push(ids);
     }
-    let user = openai::client_identity(http);
+    let user = v1::client_identity(http);
     let request = EmbeddingRequest {
         inputs: prompts,
         pooling,
         user: Some(user.clone()),
-        cache_salt: openai::cache_salt_of(http, ""),
+        cache_salt: v1::cache_salt_of(http, ""),
         usage_owner: Some(user),
     };
     p.completions()
@@ -178,7 +179,7 @@ fn embed_error(e: EmbedError, field: &str) -> ApiError {
         } => ApiError::invalid(format!("{field}[{index}]"), error.to_string()),
         EmbedError::Refused { error, .. } => ApiError::from(error),
         EmbedError::Empty | EmbedError::TooMany { .. } => ApiError::invalid(field, e.to_string()),
-        EmbedError::Failed { message, .. } => openai::generation_failed(&message),
+        EmbedError::Failed { message, .. } => v1::generation_failed(&message),
     }
 }
 

@@ -55,6 +55,7 @@ pub mod owner;
 pub mod pages;
 pub mod responses;
 mod state;
+pub mod v1;
 
 pub use state::AppState;
 

@@ -4,7 +4,7 @@
 //! `GET /api/ps`.
 //!
 //! A request is translated into the OpenAI request shape and parsed by the one parser
-//! (`openai::request`), then generated through `openai::submit`: its values get the same
+//! (`openai::request`), then generated through `v1::submit`: its values get the same
 //! settings check, the same limits, fair sharing and API keys as `/v1`. Only the shapes differ:
 //! Ollama's option names (`num_predict`, `repeat_penalty`, `repeat_last_n`, …), its answers
 //! (`message`/`response`, `done`, durations in nanoseconds) and its errors (`{"error": "…"}`).
@@ -28,6 +28,7 @@ use serde_json::{json, Map, Value};
 
 use super::json::JsonBody;
 use super::openai::{self, request, Assembler, ChatAssembler, TextAssembler};
+use super::v1;
 use super::{AppState, WebError};
 use crate::error::reshape;
 use crate::error::ApiError;
@@ -43,7 +44,7 @@ pub const OLLAMA_API_VERSION: &str = "0.9.0";
 pub fn routes(cfg: &mut web::ServiceConfig) {
     let resource = |path: &str| {
         web::resource(path)
-            .wrap(from_fn(openai::require_api_key))
+            .wrap(from_fn(v1::require_api_key))
             // Outside the key check, so its refusals come in Ollama's shape too.
             .wrap(from_fn(reshape::reshape::<Ollama>))
             .wrap(super::api_headers())
@@ -582,7 +583,7 @@ fn parse_chat(
     body: &Value,
     extras: &Extras,
 ) -> Result<request::ChatRequest, OllamaError> {
-    let mut req = request::parse_chat(body, &openai::defaults(p))?;
+    let mut req = request::parse_chat(body, &v1::defaults(p))?;
     apply_extras(&mut req.common, extras)?;
     Ok(req)
 }
@@ -620,7 +621,7 @@ async fn chat(
     let p = &state.platform;
     check_model(p, &model)?;
     let req = parse_chat(p, &Value::Object(out), &extras)?;
-    openai::check_admin_only(&state, &http, &req.common)?;
+    v1::check_admin_only(&state, &http, &req.common)?;
     // An empty message list loads the model in Ollama; here it is always loaded.
     generate_chat(http, state, req, Shape::Chat).await
 }
@@ -641,7 +642,7 @@ async fn generate_chat(
     shape: Shape,
 ) -> Result<HttpResponse, OllamaError> {
     let parse_tool_calls = req.parse_tool_calls();
-    let prompt = openai::build_chat_prompt(&state, &http, &req).await?;
+    let prompt = v1::build_chat_prompt(&state, &http, &req).await?;
     let assembler = Reply::Chat(ChatAssembler::new(
         prompt.starts_in_reasoning,
         parse_tool_calls,
@@ -730,11 +731,11 @@ async fn generate(
         }
         out.remove("chat_template_kwargs");
         out.insert("prompt".into(), json!(prompt));
-        let mut req = request::parse_completion(&Value::Object(out), &openai::defaults(p))?;
+        let mut req = request::parse_completion(&Value::Object(out), &v1::defaults(p))?;
         apply_extras(&mut req.common, &extras)?;
-        openai::check_admin_only(&state, &http, &req.common)?;
+        v1::check_admin_only(&state, &http, &req.common)?;
         let state2 = state.clone();
-        let tokens = web::block(move || openai::encode(&state2.platform, &prompt))
+        let tokens = web::block(move || v1::encode(&state2.platform, &prompt))
             .await
             .map_err(|e| ApiError::internal(format!("prompt task: {e}")))??;
         return run(
@@ -755,7 +756,7 @@ async fn generate(
     messages.push(json!({"role": "user", "content": prompt}));
     out.insert("messages".into(), Value::Array(messages));
     let req = parse_chat(p, &Value::Object(out), &extras)?;
-    openai::check_admin_only(&state, &http, &req.common)?;
+    v1::check_admin_only(&state, &http, &req.common)?;
     generate_chat(http, state, req, Shape::Generate).await
 }
 
@@ -888,10 +889,10 @@ async fn run(
 ) -> Result<HttpResponse, OllamaError> {
     let model = listed_name(&state.platform);
     let stream = common.stream;
-    let salt = openai::cache_salt(&http, &common);
-    let user = openai::api_user(&http);
+    let salt = v1::cache_salt(&http, &common);
+    let user = v1::api_user(&http);
     let started = Instant::now();
-    let mut completion = openai::submit(&state, common, salt, user, prompt, prompt_param).await?;
+    let mut completion = v1::submit(&state, common, salt, user, prompt, prompt_param).await?;
     if stream {
         return Ok(HttpResponse::Ok()
             .content_type("application/x-ndjson")
@@ -917,10 +918,10 @@ async fn run(
             }
             GenEvent::Finished(summary) => {
                 if let StopReason::Error(e) = &summary.reason {
-                    return Err(openai::generation_failed(e).into());
+                    return Err(v1::generation_failed(e).into());
                 }
                 reply.feed(None, Some(&summary.reason));
-                openai::log_finished(completion.id(), &summary);
+                v1::log_finished(completion.id(), &summary);
                 let total = started.elapsed().as_nanos() as u64;
                 return Ok(HttpResponse::Ok().json(line(
                     shape,
@@ -988,7 +989,7 @@ impl NdjsonStream {
                     );
                     self.push_line(&v);
                 }
-                openai::log_finished(self.completion.id(), &summary);
+                v1::log_finished(self.completion.id(), &summary);
                 self.done = true;
             }
         }

@@ -10,7 +10,7 @@
 //! API requests are stateless: each one is rendered, tokenized and submitted straight to the
 //! scheduler (no session actor, no cache key), so API and browser users are batched together.
 //! Cached prefixes are reused only within one partition (the client's address, the key it
-//! presents, its `user` and `cache_salt` fields): see [`cache_salt`].
+//! presents, its `user` and `cache_salt` fields): see [`crate::v1::cache_salt`].
 //!
 //! In chat requests the text of messages, tool schemas and `chat_template_kwargs` is always
 //! tokenized as text: `<|im_end|>` inside a message is a few ordinary tokens, never the control
@@ -32,33 +32,31 @@ pub mod request;
 use std::collections::VecDeque;
 use std::convert::Infallible;
 use std::pin::Pin;
-use std::sync::atomic::Ordering;
 use std::sync::OnceLock;
 use std::task::{Context, Poll};
 use std::time::Instant;
 
-use actix_web::body::MessageBody;
-use actix_web::dev::{ServiceRequest, ServiceResponse};
 use actix_web::http::header;
-use actix_web::middleware::{from_fn, Next};
+use actix_web::middleware::from_fn;
 use actix_web::web::{self, Bytes};
-use actix_web::{HttpMessage, HttpRequest, HttpResponse};
+use actix_web::{HttpRequest, HttpResponse};
 use futures_util::Stream;
 use serde_json::{json, Value};
 
 use crate::error::ApiError;
 pub use assemble::{Assembler, CallOut, ChatAssembler, TextAssembler};
-use request::{Common, Defaults, PromptIn};
+use request::{Common, PromptIn};
 
 use super::json::JsonBody;
+use super::v1::{
+    api_user, build_chat_prompt, cache_salt, check_admin_only, check_model, checked_chat, defaults,
+    encode, generation_failed, log_finished, require_api_key, submit, ApiUser,
+};
 use super::{AppState, WebError};
-use smolchat_service::completions::{CacheUse, Completion, CompletionRequest};
-use smolchat_service::completions::{GenEvent, GenSummary, RequestId, StopReason};
+use smolchat_service::completions::Completion;
+use smolchat_service::completions::{GenEvent, GenSummary, StopReason};
 use smolchat_service::platform::Platform;
-use smolchat_text::prompt::{Prompt, PromptBuilder};
 use smolchat_text::sampling::TokenLogprobs;
-use smolchat_text::template::{ChatMessage, ChatTemplate, RenderOptions};
-use smolchat_text::TextError;
 
 /// When the API started answering (`created` of the model object).
 static STARTED: OnceLock<u64> = OnceLock::new();
@@ -117,128 +115,6 @@ pub(crate) async fn method_not_allowed(req: HttpRequest) -> Result<HttpResponse,
     )))
 }
 
-/// The account a `/v1` request authenticated as with a personal API key (set by
-/// [`require_api_key`]); its requests are attributed to it (fair sharing, usage).
-#[derive(Clone, Debug)]
-pub struct ApiAccount {
-    pub id: String,
-    pub admin: bool,
-    /// The key's id (SHA-256 of the key): its own quotas (`limits.*_per_key`).
-    pub key: Option<String>,
-}
-
-/// Set by [`require_api_key`] when the request presented the global `server.api_key`.
-#[derive(Clone, Copy, Debug)]
-struct GlobalKey;
-
-/// Authenticates a `/v1` request. A bearer that equals `server.api_key` passes; one shaped like
-/// a personal key (`sk-smol-…`) must be live (401 when unknown, revoked or its account disabled)
-/// and attributes the request to its account. Without either, the request passes only when no
-/// `server.api_key` is configured and guests are allowed (`auth.guests`): it is then anonymous,
-/// counted by its client address whatever bearer it sends (an unknown bearer is not an
-/// identity, or every made-up string would be a fresh user for the per-user limits).
-///
-/// Wrong keys are throttled per address like wrong passwords (`auth.login_free_failures_*`):
-/// past the free failures, every bearer from that address gets 429 until the lockout ends.
-pub(crate) async fn require_api_key(
-    req: ServiceRequest,
-    next: Next<impl MessageBody>,
-) -> Result<ServiceResponse<impl MessageBody>, actix_web::Error> {
-    let Some(state) = req.app_data::<web::Data<AppState>>().cloned() else {
-        return Err(ApiError::internal("application state missing").into());
-    };
-    let client = super::client::Client::of(req.request());
-    let global = state
-        .platform
-        .config()
-        .server
-        .api_key
-        .as_deref()
-        .filter(|k| !k.is_empty());
-    let given: Option<String> = req
-        .headers()
-        .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| {
-            let (scheme, token) = v.trim().split_once(' ')?;
-            scheme
-                .eq_ignore_ascii_case("bearer")
-                .then(|| token.trim().to_string())
-        })
-        // Anthropic's clients send the key as `x-api-key`.
-        .or_else(|| {
-            req.headers()
-                .get("x-api-key")
-                .and_then(|v| v.to_str().ok())
-                .map(|v| v.trim().to_string())
-        });
-    let anonymous_allowed = global.is_none() && state.platform.config().auth.guests;
-    if let Some(token) = given {
-        if let Some(lockout) = state.bearers.locked(client.address) {
-            return Err(ApiError::rate_limited(
-                format!(
-                    "too many wrong API keys from this address; try again in {} s",
-                    lockout.retry_after_s()
-                ),
-                lockout.retry_after_s(),
-            )
-            .into());
-        }
-        // Compared as SHA-256 digests in constant time: timing says nothing about the key's
-        // length or how much of a guess was right.
-        if global.is_some_and(|key| {
-            smolchat_auth::secret::matches(&token, &smolchat_auth::secret::digest(key))
-        }) {
-            req.extensions_mut().insert(GlobalKey);
-            return next.call(req).await;
-        }
-        match state.platform.accounts().api_key_user(&token).await {
-            Ok(Some(user)) => {
-                let admin = user.is_admin();
-                let key = smolchat_auth::accounts::api_key_id(&token);
-                req.extensions_mut().insert(ApiAccount {
-                    id: user.id,
-                    admin,
-                    key,
-                });
-                return next.call(req).await;
-            }
-            Err(smolchat_auth::AuthError::KeyRefused) => {
-                state.bearers.failed(client.address);
-                return Err(ApiError::unauthorized(
-                    "this API key is unknown or revoked, or its account is disabled",
-                )
-                .into());
-            }
-            Err(e) => {
-                return Err(ApiError::unavailable(format!("cannot check the API key ({e})")).into())
-            }
-            Ok(None) if !anonymous_allowed => {
-                state.bearers.failed(client.address);
-                return Err(ApiError::unauthorized(if global.is_some() {
-                    "invalid API key"
-                } else {
-                    "this server has no guest access: send a personal API key (make one on \
-                     /account)"
-                })
-                .into());
-            }
-            // Anonymous use is allowed: the bearer is ignored (llama-server clients send a
-            // placeholder), and the request counts against its address.
-            Ok(None) => {}
-        }
-    } else if !anonymous_allowed {
-        return Err(ApiError::unauthorized(if global.is_some() {
-            "missing API key: send `Authorization: Bearer <key>` (or `x-api-key: <key>`)"
-        } else {
-            "this server has no guest access: send `Authorization: Bearer <key>` with a \
-             personal API key (make one on /account)"
-        })
-        .into());
-    }
-    next.call(req).await
-}
-
 fn model_object(p: &Platform) -> Value {
     let m = &p.model();
     json!({
@@ -285,55 +161,6 @@ async fn model(
     Ok(HttpResponse::Ok().json(model_object(p)))
 }
 
-pub(crate) fn defaults(p: &Platform) -> Defaults {
-    let s = &p.config().sampling;
-    Defaults {
-        temperature: s.temperature,
-        top_p: s.top_p,
-        top_k: s.top_k,
-    }
-}
-
-pub(crate) fn check_model(p: &Platform, common: &Common) -> Result<(), ApiError> {
-    match common.model.as_deref() {
-        // Lenient like llama-server: a missing or empty model means the loaded one.
-        None | Some("") => Ok(()),
-        Some(name) if is_served_model(p, name) => Ok(()),
-        Some(name) => Err(ApiError::model_not_found(name, &p.model().id)),
-    }
-}
-
-/// Whether a `/v1` request speaks for an admin: when it presented the global `server.api_key`,
-/// or the personal key of an account with the admin role. With no key configured and none
-/// presented, `/v1` is open to anyone and nobody is an admin. The one place that decides it.
-pub fn api_caller_is_admin(_state: &AppState, http: &HttpRequest) -> bool {
-    let ext = http.extensions();
-    ext.get::<GlobalKey>().is_some() || ext.get::<ApiAccount>().is_some_and(|a| a.admin)
-}
-
-/// Refuses what only admins may ask for (`ignore_eos`), through the one settings check.
-pub(crate) fn check_admin_only(
-    state: &AppState,
-    http: &HttpRequest,
-    common: &Common,
-) -> Result<(), ApiError> {
-    smolchat_service::settings::check_ignore_eos(
-        common.params.ignore_eos,
-        api_caller_is_admin(state, http),
-    )
-    .map_err(ApiError::from_settings)
-}
-
-/// A raw `/v1/completions` prompt: BOS when the tokenizer asks for it, special tokens written
-/// in the prompt parsed as llama-server does. The client writes the whole prompt, markup
-/// included, so there is no template text to tell apart from its own (chat requests, where
-/// there is, keep message text out of the control tokens: see [`chat_prompt`]).
-pub(crate) fn encode(p: &Platform, text: &str) -> Result<Vec<u32>, ApiError> {
-    p.tokenizer()
-        .encode_prompt(text)
-        .map_err(|e| ApiError::internal(format!("tokenizer: {e}")))
-}
-
 async fn chat_completions(
     http: HttpRequest,
     state: web::Data<AppState>,
@@ -372,181 +199,6 @@ async fn chat_completions(
         ChatAssembler::new(starts_in_reasoning, parse_tool_calls)
     })
     .await
-}
-
-/// A chat request in the OpenAI shape, parsed and checked as every chat-shaped API route does:
-/// the one parser, a forced tool call turned into its grammar, the model and the admin-only
-/// fields. `grammar_field` names the field a grammar came from in the client's API.
-pub(crate) fn checked_chat(
-    state: &web::Data<AppState>,
-    http: &HttpRequest,
-    body: &Value,
-    grammar_field: Option<&str>,
-) -> Result<request::ChatRequest, ApiError> {
-    let p = &state.platform;
-    let mut req = request::parse_chat(body, &defaults(p))?;
-    if let (Some(name), Some(_)) = (grammar_field, &req.common.grammar_field) {
-        req.common.grammar_field = Some(name.to_string());
-    }
-    force_tool_call(p, &mut req);
-    check_model(p, &req.common)?;
-    check_admin_only(state, http, &req.common)?;
-    Ok(req)
-}
-
-/// The request's `model`, or the served model's id when it names none.
-pub(crate) fn model_name(p: &Platform, common: &Common) -> String {
-    common
-        .model
-        .clone()
-        .filter(|m| !m.is_empty())
-        .unwrap_or_else(|| p.model().id.clone())
-}
-
-/// A chat request's prompt from the one prompt builder, its files read first (see
-/// [`read_files`]). Rendering and tokenizing a long conversation takes a while, so it runs off
-/// the event loop.
-pub(crate) async fn build_chat_prompt(
-    state: &web::Data<AppState>,
-    http: &HttpRequest,
-    req: &request::ChatRequest,
-) -> Result<Prompt, ApiError> {
-    let mut render = req.clone();
-    read_files(state, &client_identity(http), &mut render).await?;
-    let state = state.clone();
-    web::block(move || {
-        let p = &state.platform;
-        chat_prompt(
-            p.prompt_builder(),
-            p.template(),
-            &render,
-            chrono::Local::now().date_naive(),
-        )
-    })
-    .await
-    .map_err(|e| ApiError::internal(format!("prompt task: {e}")))?
-}
-
-/// Places the files of `req`'s user messages (`file` content parts) into their text, in the one
-/// format every interface uses (`smolchat_service::files`): each checked and read by the
-/// platform's document reader (a PDF in its sandboxed child process, so many at once per
-/// caller `who`), at most `limits.max_files_per_message` a message.
-async fn read_files(
-    state: &web::Data<AppState>,
-    who: &str,
-    req: &mut request::ChatRequest,
-) -> Result<(), ApiError> {
-    use smolchat_service::documents::ReadError;
-    use smolchat_service::files;
-    let p = &state.platform;
-    let max_files = p.config().limits.max_files_per_message;
-    for (i, m) in req.messages.iter_mut().enumerate() {
-        if m.files.is_empty() {
-            continue;
-        }
-        let param = format!("messages[{i}].content");
-        if m.files.len() > max_files {
-            return Err(ApiError::invalid(
-                &param,
-                format!(
-                    "a message may carry at most {max_files} files \
-                     (limits.max_files_per_message), got {}",
-                    m.files.len()
-                ),
-            ));
-        }
-        let mut read = Vec::with_capacity(m.files.len());
-        for f in std::mem::take(&mut m.files) {
-            let extracted =
-                p.read_inline_file(who, &f.name, f.data)
-                    .await
-                    .map_err(|e| match e {
-                        ReadError::File(e) => ApiError::invalid(&param, e.to_string()),
-                        ReadError::DoesNotFit(m) => ApiError::invalid(&param, m),
-                        ReadError::Busy {
-                            message,
-                            retry_after_s,
-                        } => WebError::TooManyRequests {
-                            message,
-                            retry_after_s,
-                        }
-                        .into(),
-                        ReadError::Unavailable(m) => WebError::Unavailable(m).into(),
-                    })?;
-            let name =
-                files::check_name(&f.name).map_err(|e| ApiError::invalid(&param, e.to_string()))?;
-            read.push((name, extracted));
-        }
-        let texts: Vec<files::FileText<'_>> = read
-            .iter()
-            .map(|(name, e)| files::FileText {
-                name,
-                kind: e.kind.as_str(),
-                text: &e.text,
-            })
-            .collect();
-        m.content = files::message_with_files(&texts, &m.content);
-    }
-    Ok(())
-}
-
-/// `tool_choice` `required` or named: constrains the reply to one call of the forced tools,
-/// with arguments that match their parameter schemas.
-pub(crate) fn force_tool_call(p: &Platform, req: &mut request::ChatRequest) {
-    if let Some(tools) = &req.forced_tools {
-        let calls: Vec<(String, Value)> = tools
-            .iter()
-            .map(|t| {
-                let f = &t["function"];
-                (
-                    f["name"].as_str().unwrap_or_default().to_string(),
-                    f.get("parameters")
-                        .cloned()
-                        .unwrap_or(json!({"type": "object"})),
-                )
-            })
-            .collect();
-        req.common.params.grammar = Some(smolchat_text::constraint::tool_call_grammar(
-            p.tokenizer(),
-            &calls,
-        ));
-        req.common.grammar_field = Some("tool_choice".into());
-    }
-}
-
-/// What a chat request asks the template to render: messages shaped for it (see
-/// [`request::template_messages`]), the thinking switch, the offered tools and any other
-/// `chat_template_kwargs`.
-pub fn chat_render_input(
-    template: &ChatTemplate,
-    req: &request::ChatRequest,
-    date: chrono::NaiveDate,
-) -> (Vec<ChatMessage>, RenderOptions) {
-    let reads_tool_calls = template.source().contains("tool_calls");
-    let messages = request::template_messages(&req.messages, reads_tool_calls);
-    let mut opts = RenderOptions::new(date);
-    opts.enable_thinking = req.enable_thinking;
-    opts.tools = req.tools.clone();
-    opts.extra = req.template_kwargs.clone();
-    (messages, opts)
-}
-
-/// A chat request's prompt, built by the one prompt builder. A template that refuses the
-/// messages (wrong role order, …) is the client's error.
-pub fn chat_prompt(
-    builder: PromptBuilder<'_>,
-    template: &ChatTemplate,
-    req: &request::ChatRequest,
-    date: chrono::NaiveDate,
-) -> Result<Prompt, ApiError> {
-    let (messages, opts) = chat_render_input(template, req, date);
-    builder.build(&messages, &opts).map_err(|e| match e {
-        TextError::Template(_) => ApiError::invalid(
-            "messages",
-            format!("the chat template refused the messages: {e}"),
-        ),
-        other => ApiError::internal(format!("prompt: {other}")),
-    })
 }
 
 async fn completions(
@@ -622,150 +274,6 @@ impl Envelope {
             "choices": choices,
         })
     }
-}
-
-/// The cache partition of a stateless request: the client's address, the key it presented and
-/// the names it gives itself (`user`, `cache_salt`). Requests reuse cached prefixes only within
-/// one partition, so one client cannot probe another's prompts through `cached_tokens` or the
-/// time to first token. Hashed with a key drawn at start-up, so that neither API keys nor
-/// names reach the model worker's cache keys (or its debug logs).
-pub(crate) fn cache_salt(http: &HttpRequest, common: &Common) -> String {
-    cache_salt_of(http, &common.cache_salt)
-}
-
-/// [`cache_salt`] for a request whose own salt is `name`.
-pub(crate) fn cache_salt_of(http: &HttpRequest, name: &str) -> String {
-    let ip = super::client::Client::of(http).address;
-    format!("{:016x}", process_hash(&(ip, bearer(http), name)))
-}
-
-/// The request's `Authorization` header, as sent.
-fn bearer(http: &HttpRequest) -> Option<Vec<u8>> {
-    http.headers()
-        .get(header::AUTHORIZATION)
-        .or_else(|| http.headers().get("x-api-key"))
-        .map(|v| v.as_bytes().to_vec())
-}
-
-/// A hash keyed with a random value drawn once per process, so the tags made from client
-/// identities (which may include an API key) reveal nothing outside this process.
-fn process_hash(value: &impl std::hash::Hash) -> u64 {
-    static KEY: OnceLock<std::hash::RandomState> = OnceLock::new();
-    std::hash::BuildHasher::hash_one(KEY.get_or_init(std::hash::RandomState::new), value)
-}
-
-/// Who a request is for, for fair sharing and per-user limits in the scheduler and for usage:
-/// the account of a personal API key, the holder of `server.api_key`, else the client's address
-/// (IPv6 by its /64, as the throttles count). Nothing the client writes (a made-up bearer, the
-/// body's `user`) changes it, so a client cannot escape its limits by naming itself anew.
-pub(crate) fn client_identity(http: &HttpRequest) -> String {
-    let ext = http.extensions();
-    if let Some(ApiAccount { id: user, .. }) = ext.get::<ApiAccount>() {
-        return user.clone();
-    }
-    if ext.get::<GlobalKey>().is_some() {
-        return "api:server-key".to_string();
-    }
-    let address = smolchat_auth::ThrottleKey::address(super::client::Client::of(http).address);
-    format!("api:{:016x}", process_hash(&("address", address)))
-}
-
-/// Who a generating request is for: [`client_identity`], and the personal API key it came with.
-#[derive(Clone, Debug)]
-pub(crate) struct ApiUser {
-    pub id: String,
-    pub key: Option<String>,
-}
-
-pub(crate) fn api_user(http: &HttpRequest) -> ApiUser {
-    ApiUser {
-        id: client_identity(http),
-        key: http
-            .extensions()
-            .get::<ApiAccount>()
-            .and_then(|a| a.key.clone()),
-    }
-}
-
-/// The owner a `/v1` caller's stored things (responses) belong to: the account of a personal
-/// API key, or the one owner `api:server-key` of whoever holds `server.api_key`. `None` for an
-/// anonymous caller, whose identity does not outlive the process (nothing is stored for it).
-pub(crate) fn api_owner(http: &HttpRequest) -> Option<smolchat_service::Caller> {
-    let ext = http.extensions();
-    let address = Some(super::client::Client::of(http).address);
-    if let Some(ApiAccount { id, admin, .. }) = ext.get::<ApiAccount>() {
-        return Some(smolchat_service::Caller {
-            owner: id.clone(),
-            admin: *admin,
-            guest: false,
-            address,
-        });
-    }
-    ext.get::<GlobalKey>().map(|_| smolchat_service::Caller {
-        owner: "api:server-key".to_string(),
-        admin: true,
-        guest: false,
-        address,
-    })
-}
-
-/// Checks the prompt against the context window and submits it through the one completions
-/// service, as the API caller `user` (see [`client_identity`]) in the cache partition
-/// `cache_salt`. Every API route of this server generates through here.
-pub(crate) async fn submit(
-    state: &web::Data<AppState>,
-    common: Common,
-    cache_salt: String,
-    user: ApiUser,
-    prompt: Vec<u32>,
-    prompt_param: &str,
-) -> Result<Completion, ApiError> {
-    let p = &state.platform;
-    if !state.ready.load(Ordering::Acquire) {
-        return Err(ApiError::unavailable("the server is shutting down"));
-    }
-    if prompt.is_empty() {
-        return Err(ApiError::invalid(
-            prompt_param,
-            format!("`{prompt_param}` is empty"),
-        ));
-    }
-    if let Some(grammar) = common.params.grammar.clone() {
-        // Compiled here, off the event loop, so a schema or grammar that cannot be followed is
-        // the client's 400 before anything is queued (the model thread compiles it again).
-        let field = common
-            .grammar_field
-            .clone()
-            .unwrap_or_else(|| "response_format".into());
-        let state2 = state.clone();
-        web::block(move || smolchat_text::constraint::check(state2.platform.tokenizer(), &grammar))
-            .await
-            .map_err(|e| ApiError::internal(format!("grammar task: {e}")))?
-            .map_err(|e| ApiError::invalid(&field, format!("`{field}`: {e}")))?;
-    }
-    let completion = p
-        .completions()
-        .submit(CompletionRequest {
-            prompt,
-            params: common.params,
-            // Without a limit, the reply may fill the context (the scheduler clamps to its own).
-            max_tokens: common.max_tokens,
-            cache: CacheUse::Partition(cache_salt),
-            // Anonymous callers are already their address (see `client_identity`).
-            user: Some(user.id.clone()),
-            group: None,
-            usage_owner: Some(user.id),
-            key: user.key,
-        })
-        .await
-        .map_err(|e| match e {
-            smolchat_service::completions::SubmitError::ContextOverflow {
-                prompt_tokens,
-                window,
-            } => ApiError::context_exceeded(prompt_tokens, window, prompt_param),
-            other => ApiError::from(other),
-        })?;
-    Ok(completion)
 }
 
 /// Checks the prompt against the context window, submits it and answers (streamed or whole).
@@ -927,32 +435,6 @@ async fn collect<A: Assembler>(
         }
     }
     Err(ApiError::unavailable(WORKER_GONE))
-}
-
-/// A generation that failed: a grammar the reply could not follow any further is the client's
-/// grammar's fault (400); anything else is the server's.
-pub(crate) fn generation_failed(e: &str) -> ApiError {
-    if e.starts_with("constraint:") {
-        ApiError::invalid(
-            "response_format",
-            format!("the grammar could not be followed: {e}"),
-        )
-    } else {
-        ApiError::internal(format!("generation failed: {e}"))
-    }
-}
-
-pub(crate) fn log_finished(id: RequestId, s: &GenSummary) {
-    tracing::info!(
-        request = id,
-        reason = ?s.reason,
-        prompt_tokens = s.prompt_tokens,
-        cached_tokens = s.cached_tokens,
-        completion_tokens = s.completion_tokens,
-        ttft_ms = s.ttft_ms,
-        generation_ms = s.generation_ms,
-        "API completion finished"
-    );
 }
 
 /// One `data:` event. With `include_usage`, every chunk has `"usage": null` as OpenAI's do.
@@ -1231,9 +713,12 @@ impl<A: Assembler> Stream for Choices<A> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::v1::chat_render_input;
+    use request::Defaults;
     use serde_json::json;
     use smolchat_text::guard::TextGuard;
     use smolchat_text::template::prompt_ends_in_open_think;
+    use smolchat_text::template::ChatTemplate;
 
     fn render(body: Value) -> String {
         let template = ChatTemplate::smollm3_default().unwrap();

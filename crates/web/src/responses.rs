@@ -5,7 +5,7 @@
 //! `function_call` and `function_call_output` items), function `tools`, `tool_choice`,
 //! `text.format` (JSON Schema / JSON object, by constrained decoding), sampling and
 //! `max_output_tokens` get the same checks, limits and fair sharing as `/v1/chat/completions`,
-//! and generate through `openai::submit`. The answer is a `response` whose `output` holds a
+//! and generate through `v1::submit`. The answer is a `response` whose `output` holds a
 //! `reasoning` item (the thinking split), a `message` with `output_text`, and `function_call`
 //! items; streamed, it is the Responses event sequence (`response.created`, `…output_item.added`,
 //! `…output_text.delta`, …, `response.completed`).
@@ -36,6 +36,7 @@ use serde_json::{json, Map, Value};
 
 use super::json::JsonBody;
 use super::openai::{self, Assembler, CallOut, ChatAssembler};
+use super::v1;
 use super::{AppState, WebError};
 use crate::error::ApiError;
 use smolchat_service::completions::{Completion, GenEvent, GenSummary, StopReason};
@@ -48,14 +49,14 @@ use uuid::Uuid;
 pub fn routes(cfg: &mut web::ServiceConfig) {
     cfg.service(
         web::resource("/v1/responses")
-            .wrap(actix_web::middleware::from_fn(openai::require_api_key))
+            .wrap(actix_web::middleware::from_fn(v1::require_api_key))
             .wrap(super::api_headers())
             .route(web::post().to(create))
             .default_service(web::to(openai::method_not_allowed)),
     )
     .service(
         web::resource("/v1/responses/{id}")
-            .wrap(actix_web::middleware::from_fn(openai::require_api_key))
+            .wrap(actix_web::middleware::from_fn(v1::require_api_key))
             .wrap(super::api_headers())
             .route(web::get().to(retrieve))
             .route(web::delete().to(delete))
@@ -89,7 +90,7 @@ async fn stored(
         )
     })?;
     let not_found = || ApiError::not_found(format!("there is no stored response `{id}`"));
-    let Some(owner) = openai::api_owner(http) else {
+    let Some(owner) = v1::api_owner(http) else {
         return Err(if field == "previous_response_id" {
             ApiError::invalid(
                 field,
@@ -549,9 +550,9 @@ async fn create(
     if let Some(messages) = translated["messages"].as_array_mut() {
         messages.splice(instructions..instructions, past);
     }
-    let req = openai::checked_chat(&state, &http, &translated, Some("text.format"))?;
+    let req = v1::checked_chat(&state, &http, &translated, Some("text.format"))?;
     // Stored unless `"store": false`, for callers with a lasting identity (an API key).
-    let owner = openai::api_owner(&http).filter(|_| body["store"].as_bool() != Some(false));
+    let owner = v1::api_owner(&http).filter(|_| body["store"].as_bool() != Some(false));
     if let Some(owner) = &owner {
         state
             .platform
@@ -560,16 +561,15 @@ async fn create(
             .await
             .map_err(|e| ApiError::from(WebError::from(e)))?;
     }
-    let model = openai::model_name(&state.platform, &req.common);
+    let model = v1::model_name(&state.platform, &req.common);
     let parse_tool_calls = req.parse_tool_calls();
-    let prompt = openai::build_chat_prompt(&state, &http, &req).await?;
+    let prompt = v1::build_chat_prompt(&state, &http, &req).await?;
     let assembler = ChatAssembler::new(prompt.starts_in_reasoning, parse_tool_calls);
     let stream = req.common.stream;
     let max_output_tokens = req.common.max_tokens;
-    let salt = openai::cache_salt(&http, &req.common);
-    let user = openai::api_user(&http);
-    let mut completion =
-        openai::submit(&state, req.common, salt, user, prompt.tokens, "input").await?;
+    let salt = v1::cache_salt(&http, &req.common);
+    let user = v1::api_user(&http);
+    let mut completion = v1::submit(&state, req.common, salt, user, prompt.tokens, "input").await?;
     let conversation = state.platform.conversations().new_response_id();
     let message = Uuid::now_v7();
     let keep = owner.map(|owner| {
@@ -638,10 +638,10 @@ async fn create(
             }
             GenEvent::Finished(summary) => {
                 if let StopReason::Error(e) = &summary.reason {
-                    return Err(openai::generation_failed(e));
+                    return Err(v1::generation_failed(e));
                 }
                 assembler.finish(&summary.reason);
-                openai::log_finished(completion.id(), &summary);
+                v1::log_finished(completion.id(), &summary);
                 // Stored before it is answered, so the client can chain on it at once.
                 if let Some(keep) = keep {
                     keep.save(reply_message(&assembler, &raw, &summary)).await;
@@ -1021,7 +1021,7 @@ impl EventStream {
             }
             GenEvent::Finished(summary) => {
                 if let StopReason::Error(e) = &summary.reason {
-                    let err = openai::generation_failed(e);
+                    let err = v1::generation_failed(e);
                     self.event(
                         "error",
                         json!({"code": err.code, "message": err.message, "param": err.param}),
@@ -1036,7 +1036,7 @@ impl EventStream {
                     }
                     self.finish(&summary);
                 }
-                openai::log_finished(self.completion.id(), &summary);
+                v1::log_finished(self.completion.id(), &summary);
                 self.done = true;
             }
         }

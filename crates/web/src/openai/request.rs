@@ -39,7 +39,7 @@ pub struct Common {
     pub n: usize,
     /// What the client says separates its cache partition from others': vLLM's `cache_salt`
     /// and OpenAI's `user` (an end-user id), joined. The web layer adds the client's address
-    /// and key; see `openai::cache_salt`.
+    /// and key; see `v1::cache_salt`.
     pub cache_salt: String,
 }
 

@@ -1,0 +1,293 @@
+//! The one pipeline every API dialect's request goes through once parsed: the model and
+//! admin-only checks, files read, the prompt built by the one prompt builder, and the request
+//! submitted to the completions service.
+
+use super::*;
+
+pub(crate) fn defaults(p: &Platform) -> Defaults {
+    let s = &p.config().sampling;
+    Defaults {
+        temperature: s.temperature,
+        top_p: s.top_p,
+        top_k: s.top_k,
+    }
+}
+
+pub(crate) fn check_model(p: &Platform, common: &Common) -> Result<(), ApiError> {
+    match common.model.as_deref() {
+        // Lenient like llama-server: a missing or empty model means the loaded one.
+        None | Some("") => Ok(()),
+        Some(name) if is_served_model(p, name) => Ok(()),
+        Some(name) => Err(ApiError::model_not_found(name, &p.model().id)),
+    }
+}
+
+/// A raw `/v1/completions` prompt: BOS when the tokenizer asks for it, special tokens written
+/// in the prompt parsed as llama-server does. The client writes the whole prompt, markup
+/// included, so there is no template text to tell apart from its own (chat requests, where
+/// there is, keep message text out of the control tokens: see [`chat_prompt`]).
+pub(crate) fn encode(p: &Platform, text: &str) -> Result<Vec<u32>, ApiError> {
+    p.tokenizer()
+        .encode_prompt(text)
+        .map_err(|e| ApiError::internal(format!("tokenizer: {e}")))
+}
+
+/// A chat request in the OpenAI shape, parsed and checked as every chat-shaped API route does:
+/// the one parser, a forced tool call turned into its grammar, the model and the admin-only
+/// fields. `grammar_field` names the field a grammar came from in the client's API.
+pub(crate) fn checked_chat(
+    state: &web::Data<AppState>,
+    http: &HttpRequest,
+    body: &Value,
+    grammar_field: Option<&str>,
+) -> Result<request::ChatRequest, ApiError> {
+    let p = &state.platform;
+    let mut req = request::parse_chat(body, &defaults(p))?;
+    if let (Some(name), Some(_)) = (grammar_field, &req.common.grammar_field) {
+        req.common.grammar_field = Some(name.to_string());
+    }
+    force_tool_call(p, &mut req);
+    check_model(p, &req.common)?;
+    check_admin_only(state, http, &req.common)?;
+    Ok(req)
+}
+
+/// The request's `model`, or the served model's id when it names none.
+pub(crate) fn model_name(p: &Platform, common: &Common) -> String {
+    common
+        .model
+        .clone()
+        .filter(|m| !m.is_empty())
+        .unwrap_or_else(|| p.model().id.clone())
+}
+
+/// A chat request's prompt from the one prompt builder, its files read first (see
+/// [`read_files`]). Rendering and tokenizing a long conversation takes a while, so it runs off
+/// the event loop.
+pub(crate) async fn build_chat_prompt(
+    state: &web::Data<AppState>,
+    http: &HttpRequest,
+    req: &request::ChatRequest,
+) -> Result<Prompt, ApiError> {
+    let mut render = req.clone();
+    read_files(state, &client_identity(http), &mut render).await?;
+    let state = state.clone();
+    web::block(move || {
+        let p = &state.platform;
+        chat_prompt(
+            p.prompt_builder(),
+            p.template(),
+            &render,
+            chrono::Local::now().date_naive(),
+        )
+    })
+    .await
+    .map_err(|e| ApiError::internal(format!("prompt task: {e}")))?
+}
+
+/// Places the files of `req`'s user messages (`file` content parts) into their text, in the one
+/// format every interface uses (`smolchat_service::files`): each checked and read by the
+/// platform's document reader (a PDF in its sandboxed child process, so many at once per
+/// caller `who`), at most `limits.max_files_per_message` a message.
+pub(crate) async fn read_files(
+    state: &web::Data<AppState>,
+    who: &str,
+    req: &mut request::ChatRequest,
+) -> Result<(), ApiError> {
+    use smolchat_service::documents::ReadError;
+    use smolchat_service::files;
+    let p = &state.platform;
+    let max_files = p.config().limits.max_files_per_message;
+    for (i, m) in req.messages.iter_mut().enumerate() {
+        if m.files.is_empty() {
+            continue;
+        }
+        let param = format!("messages[{i}].content");
+        if m.files.len() > max_files {
+            return Err(ApiError::invalid(
+                &param,
+                format!(
+                    "a message may carry at most {max_files} files \
+                     (limits.max_files_per_message), got {}",
+                    m.files.len()
+                ),
+            ));
+        }
+        let mut read = Vec::with_capacity(m.files.len());
+        for f in std::mem::take(&mut m.files) {
+            let extracted =
+                p.read_inline_file(who, &f.name, f.data)
+                    .await
+                    .map_err(|e| match e {
+                        ReadError::File(e) => ApiError::invalid(&param, e.to_string()),
+                        ReadError::DoesNotFit(m) => ApiError::invalid(&param, m),
+                        ReadError::Busy {
+                            message,
+                            retry_after_s,
+                        } => WebError::TooManyRequests {
+                            message,
+                            retry_after_s,
+                        }
+                        .into(),
+                        ReadError::Unavailable(m) => WebError::Unavailable(m).into(),
+                    })?;
+            let name =
+                files::check_name(&f.name).map_err(|e| ApiError::invalid(&param, e.to_string()))?;
+            read.push((name, extracted));
+        }
+        let texts: Vec<files::FileText<'_>> = read
+            .iter()
+            .map(|(name, e)| files::FileText {
+                name,
+                kind: e.kind.as_str(),
+                text: &e.text,
+            })
+            .collect();
+        m.content = files::message_with_files(&texts, &m.content);
+    }
+    Ok(())
+}
+
+/// `tool_choice` `required` or named: constrains the reply to one call of the forced tools,
+/// with arguments that match their parameter schemas.
+pub(crate) fn force_tool_call(p: &Platform, req: &mut request::ChatRequest) {
+    if let Some(tools) = &req.forced_tools {
+        let calls: Vec<(String, Value)> = tools
+            .iter()
+            .map(|t| {
+                let f = &t["function"];
+                (
+                    f["name"].as_str().unwrap_or_default().to_string(),
+                    f.get("parameters")
+                        .cloned()
+                        .unwrap_or(json!({"type": "object"})),
+                )
+            })
+            .collect();
+        req.common.params.grammar = Some(smolchat_text::constraint::tool_call_grammar(
+            p.tokenizer(),
+            &calls,
+        ));
+        req.common.grammar_field = Some("tool_choice".into());
+    }
+}
+
+/// What a chat request asks the template to render: messages shaped for it (see
+/// [`request::template_messages`]), the thinking switch, the offered tools and any other
+/// `chat_template_kwargs`.
+pub fn chat_render_input(
+    template: &ChatTemplate,
+    req: &request::ChatRequest,
+    date: chrono::NaiveDate,
+) -> (Vec<ChatMessage>, RenderOptions) {
+    let reads_tool_calls = template.source().contains("tool_calls");
+    let messages = request::template_messages(&req.messages, reads_tool_calls);
+    let mut opts = RenderOptions::new(date);
+    opts.enable_thinking = req.enable_thinking;
+    opts.tools = req.tools.clone();
+    opts.extra = req.template_kwargs.clone();
+    (messages, opts)
+}
+
+/// A chat request's prompt, built by the one prompt builder. A template that refuses the
+/// messages (wrong role order, …) is the client's error.
+pub fn chat_prompt(
+    builder: PromptBuilder<'_>,
+    template: &ChatTemplate,
+    req: &request::ChatRequest,
+    date: chrono::NaiveDate,
+) -> Result<Prompt, ApiError> {
+    let (messages, opts) = chat_render_input(template, req, date);
+    builder.build(&messages, &opts).map_err(|e| match e {
+        TextError::Template(_) => ApiError::invalid(
+            "messages",
+            format!("the chat template refused the messages: {e}"),
+        ),
+        other => ApiError::internal(format!("prompt: {other}")),
+    })
+}
+
+/// Checks the prompt against the context window and submits it through the one completions
+/// service, as the API caller `user` (see [`client_identity`]) in the cache partition
+/// `cache_salt`. Every API route of this server generates through here.
+pub(crate) async fn submit(
+    state: &web::Data<AppState>,
+    common: Common,
+    cache_salt: String,
+    user: ApiUser,
+    prompt: Vec<u32>,
+    prompt_param: &str,
+) -> Result<Completion, ApiError> {
+    let p = &state.platform;
+    if !state.ready.load(Ordering::Acquire) {
+        return Err(ApiError::unavailable("the server is shutting down"));
+    }
+    if prompt.is_empty() {
+        return Err(ApiError::invalid(
+            prompt_param,
+            format!("`{prompt_param}` is empty"),
+        ));
+    }
+    if let Some(grammar) = common.params.grammar.clone() {
+        // Compiled here, off the event loop, so a schema or grammar that cannot be followed is
+        // the client's 400 before anything is queued (the model thread compiles it again).
+        let field = common
+            .grammar_field
+            .clone()
+            .unwrap_or_else(|| "response_format".into());
+        let state2 = state.clone();
+        web::block(move || smolchat_text::constraint::check(state2.platform.tokenizer(), &grammar))
+            .await
+            .map_err(|e| ApiError::internal(format!("grammar task: {e}")))?
+            .map_err(|e| ApiError::invalid(&field, format!("`{field}`: {e}")))?;
+    }
+    let completion = p
+        .completions()
+        .submit(CompletionRequest {
+            prompt,
+            params: common.params,
+            // Without a limit, the reply may fill the context (the scheduler clamps to its own).
+            max_tokens: common.max_tokens,
+            cache: CacheUse::Partition(cache_salt),
+            // Anonymous callers are already their address (see `client_identity`).
+            user: Some(user.id.clone()),
+            group: None,
+            usage_owner: Some(user.id),
+            key: user.key,
+        })
+        .await
+        .map_err(|e| match e {
+            smolchat_service::completions::SubmitError::ContextOverflow {
+                prompt_tokens,
+                window,
+            } => ApiError::context_exceeded(prompt_tokens, window, prompt_param),
+            other => ApiError::from(other),
+        })?;
+    Ok(completion)
+}
+
+/// A generation that failed: a grammar the reply could not follow any further is the client's
+/// grammar's fault (400); anything else is the server's.
+pub(crate) fn generation_failed(e: &str) -> ApiError {
+    if e.starts_with("constraint:") {
+        ApiError::invalid(
+            "response_format",
+            format!("the grammar could not be followed: {e}"),
+        )
+    } else {
+        ApiError::internal(format!("generation failed: {e}"))
+    }
+}
+
+pub(crate) fn log_finished(id: RequestId, s: &GenSummary) {
+    tracing::info!(
+        request = id,
+        reason = ?s.reason,
+        prompt_tokens = s.prompt_tokens,
+        cached_tokens = s.cached_tokens,
+        completion_tokens = s.completion_tokens,
+        ttft_ms = s.ttft_ms,
+        generation_ms = s.generation_ms,
+        "API completion finished"
+    );
+}
