@@ -577,13 +577,23 @@ fn translate_messages(messages: Option<&Value>) -> Result<Value, OllamaError> {
     Ok(Value::Array(out))
 }
 
-/// Runs the one parser over a translated chat body and applies what it does not know.
-fn parse_chat(
-    p: &Platform,
-    body: &Value,
+/// A translated chat body through the one pipeline every chat-shaped API takes
+/// ([`v1::checked_chat`]: the one parser, the model and admin-only checks, a grammar named
+/// after Ollama's `format`), then what it does not know of Ollama's options applied.
+/// The model is checked by Ollama's own names (`smollm2:latest`, the listed name) and echoed as
+/// the client wrote it.
+fn checked_chat(
+    state: &web::Data<AppState>,
+    http: &HttpRequest,
+    mut body: Map<String, Value>,
     extras: &Extras,
 ) -> Result<request::ChatRequest, OllamaError> {
-    let mut req = request::parse_chat(body, &v1::defaults(p))?;
+    let model = body
+        .remove("model")
+        .and_then(|m| m.as_str().map(str::to_string));
+    check_model(&state.platform, model.as_deref().unwrap_or(""))?;
+    let mut req = v1::checked_chat(state, http, &Value::Object(body), Some("format"))?;
+    req.common.model = model;
     apply_extras(&mut req.common, extras)?;
     Ok(req)
 }
@@ -613,15 +623,7 @@ async fn chat(
     if let Some(tools) = obj.get("tools") {
         out.insert("tools".into(), tools.clone());
     }
-    let model = obj
-        .get("model")
-        .and_then(Value::as_str)
-        .unwrap_or("")
-        .to_string();
-    let p = &state.platform;
-    check_model(p, &model)?;
-    let req = parse_chat(p, &Value::Object(out), &extras)?;
-    v1::check_admin_only(&state, &http, &req.common)?;
+    let req = checked_chat(&state, &http, out, &extras)?;
     // An empty message list loads the model in Ollama; here it is always loaded.
     generate_chat(http, state, req, Shape::Chat).await
 }
@@ -755,8 +757,7 @@ async fn generate(
     }
     messages.push(json!({"role": "user", "content": prompt}));
     out.insert("messages".into(), Value::Array(messages));
-    let req = parse_chat(p, &Value::Object(out), &extras)?;
-    v1::check_admin_only(&state, &http, &req.common)?;
+    let req = checked_chat(&state, &http, out, &extras)?;
     generate_chat(http, state, req, Shape::Generate).await
 }
 
