@@ -378,8 +378,7 @@ async fn messages(
     let input_tokens = prompt.tokens.len();
     let salt = v1::cache_salt(&http, &req.common);
     let user = v1::api_user(&http);
-    let mut completion =
-        v1::submit(&state, req.common, salt, user, prompt.tokens, "messages").await?;
+    let completion = v1::submit(&state, req.common, salt, user, prompt.tokens, "messages").await?;
     let id = format!("msg_{}", uuid::Uuid::now_v7().simple());
     if stream {
         let mut s = EventStream {
@@ -403,41 +402,28 @@ async fn messages(
             .insert_header(("X-Accel-Buffering", "no"))
             .streaming(s));
     }
-    while let Some(event) = futures_util::StreamExt::next(&mut completion).await {
-        match event {
-            GenEvent::Admitted { .. } | GenEvent::Embedding(_) => {}
-            GenEvent::Token { text, .. } => {
-                if !text.is_empty() {
-                    assembler.push(&text);
-                }
-            }
-            GenEvent::Finished(summary) => {
-                if let StopReason::Error(e) = &summary.reason {
-                    return Err(v1::generation_failed(e).into());
-                }
-                assembler.finish(&summary.reason);
-                v1::log_finished(completion.id(), &summary);
-                let mut content = Vec::new();
-                if !assembler.reasoning().is_empty() {
-                    content.push(
-                        json!({"type": "thinking", "thinking": assembler.reasoning(),
-                        "signature": ""}),
-                    );
-                }
-                if !assembler.content().is_empty() || assembler.calls().is_empty() {
-                    content.push(json!({"type": "text", "text": assembler.content()}));
-                }
-                content.extend(assembler.calls().iter().map(tool_use));
-                let (stop_reason, stop_sequence) = stop(&summary, !assembler.calls().is_empty());
-                return Ok(HttpResponse::Ok().json(json!({
-                    "id": id, "type": "message", "role": "assistant", "model": model,
-                    "content": content, "stop_reason": stop_reason,
-                    "stop_sequence": stop_sequence, "usage": usage(&summary),
-                })));
-            }
+    let summary = v1::collect(completion, |text, _| {
+        if !text.is_empty() {
+            assembler.push(text);
         }
+    })
+    .await?;
+    assembler.finish(&summary.reason);
+    let mut content = Vec::new();
+    if !assembler.reasoning().is_empty() {
+        content
+            .push(json!({"type": "thinking", "thinking": assembler.reasoning(), "signature": ""}));
     }
-    Err(ApiError::unavailable(openai::WORKER_GONE).into())
+    if !assembler.content().is_empty() || assembler.calls().is_empty() {
+        content.push(json!({"type": "text", "text": assembler.content()}));
+    }
+    content.extend(assembler.calls().iter().map(tool_use));
+    let (stop_reason, stop_sequence) = stop(&summary, !assembler.calls().is_empty());
+    Ok(HttpResponse::Ok().json(json!({
+        "id": id, "type": "message", "role": "assistant", "model": model,
+        "content": content, "stop_reason": stop_reason,
+        "stop_sequence": stop_sequence, "usage": usage(&summary),
+    })))
 }
 
 fn tool_use(c: &CallOut) -> Value {
@@ -627,7 +613,7 @@ impl openai::EventStream for EventStream {
     fn on_worker_gone(&mut self) {
         self.event(
             "error",
-            json!({"type": "error", "error": {"type": "api_error", "message": openai::WORKER_GONE}}),
+            json!({"type": "error", "error": {"type": "api_error", "message": v1::WORKER_GONE}}),
         );
         self.done = true;
     }

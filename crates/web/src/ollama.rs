@@ -893,7 +893,7 @@ async fn run(
     let salt = v1::cache_salt(&http, &common);
     let user = v1::api_user(&http);
     let started = Instant::now();
-    let mut completion = v1::submit(&state, common, salt, user, prompt, prompt_param).await?;
+    let completion = v1::submit(&state, common, salt, user, prompt, prompt_param).await?;
     if stream {
         return Ok(HttpResponse::Ok()
             .content_type("application/x-ndjson")
@@ -909,31 +909,15 @@ async fn run(
                 started,
             }));
     }
-    while let Some(event) = futures_util::StreamExt::next(&mut completion).await {
-        match event {
-            GenEvent::Admitted { .. } | GenEvent::Embedding(_) => {}
-            GenEvent::Token { text, .. } => {
-                if !text.is_empty() {
-                    reply.feed(Some(&text), None);
-                }
-            }
-            GenEvent::Finished(summary) => {
-                if let StopReason::Error(e) = &summary.reason {
-                    return Err(v1::generation_failed(e).into());
-                }
-                reply.feed(None, Some(&summary.reason));
-                v1::log_finished(completion.id(), &summary);
-                let total = started.elapsed().as_nanos() as u64;
-                return Ok(HttpResponse::Ok().json(line(
-                    shape,
-                    &model,
-                    &reply.whole(),
-                    Some((&summary, total)),
-                )));
-            }
+    let summary = v1::collect(completion, |text, _| {
+        if !text.is_empty() {
+            reply.feed(Some(text), None);
         }
-    }
-    Err(ApiError::unavailable(openai::WORKER_GONE).into())
+    })
+    .await?;
+    reply.feed(None, Some(&summary.reason));
+    let total = started.elapsed().as_nanos() as u64;
+    Ok(HttpResponse::Ok().json(line(shape, &model, &reply.whole(), Some((&summary, total)))))
 }
 
 /// The streamed answer: one JSON object a line, the last with `"done": true`. Dropping it (the
@@ -1015,7 +999,7 @@ impl openai::EventStream for NdjsonStream {
     }
 
     fn on_worker_gone(&mut self) {
-        self.push_line(&json!({ "error": openai::WORKER_GONE }));
+        self.push_line(&json!({ "error": v1::WORKER_GONE }));
         self.done = true;
     }
 }

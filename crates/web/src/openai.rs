@@ -48,6 +48,7 @@ pub use assemble::{Assembler, CallOut, ChatAssembler, TextAssembler};
 use request::{Common, PromptIn};
 
 use super::json::JsonBody;
+use super::v1;
 use super::v1::{
     api_user, build_chat_prompt, cache_salt, check_admin_only, check_model, checked_chat, defaults,
     encode, generation_failed, log_finished, require_api_key, submit, ApiUser,
@@ -370,14 +371,22 @@ async fn generate<A: Assembler>(
             let mut logprobs = LogprobsOut::new(&state, A::OBJECT == "chat.completion");
             let assembler = assembler();
             async move {
-                let id = completion.id();
-                let (summary, assembler) = collect(completion, assembler, &mut logprobs).await?;
+                let mut assembler = assembler;
+                let summary = v1::collect(completion, |text, lp| {
+                    if let Some(lp) = lp {
+                        logprobs.push(lp);
+                    }
+                    if !text.is_empty() {
+                        assembler.push(text);
+                    }
+                })
+                .await?;
+                assembler.finish(&summary.reason);
                 let mut choice = assembler.choice();
                 choice["index"] = json!(index);
                 if let Some(lp) = logprobs.take() {
                     choice["logprobs"] = lp;
                 }
-                log_finished(id, &summary);
                 Ok::<_, ApiError>((choice, summary))
             }
         },
@@ -404,37 +413,6 @@ fn usage_of(summaries: &[GenSummary]) -> Value {
         "total_tokens": first.prompt_tokens + completion,
         "prompt_tokens_details": {"cached_tokens": first.cached_tokens},
     })
-}
-
-/// Reads a request's events to the end (non-streamed responses).
-async fn collect<A: Assembler>(
-    mut completion: Completion,
-    mut assembler: A,
-    logprobs: &mut LogprobsOut,
-) -> Result<(GenSummary, A), ApiError> {
-    while let Some(event) = futures_util::StreamExt::next(&mut completion).await {
-        match event {
-            GenEvent::Admitted { .. } | GenEvent::Embedding(_) => {}
-            GenEvent::Token {
-                text, logprobs: lp, ..
-            } => {
-                if let Some(lp) = lp {
-                    logprobs.push(lp);
-                }
-                if !text.is_empty() {
-                    assembler.push(&text);
-                }
-            }
-            GenEvent::Finished(summary) => {
-                if let StopReason::Error(e) = &summary.reason {
-                    return Err(generation_failed(e));
-                }
-                assembler.finish(&summary.reason);
-                return Ok((summary, assembler));
-            }
-        }
-    }
-    Err(ApiError::unavailable(WORKER_GONE))
 }
 
 /// One `data:` event. With `include_usage`, every chunk has `"usage": null` as OpenAI's do.
@@ -612,7 +590,7 @@ impl<A: Assembler> EventStream for ApiStream<A> {
     }
 
     fn on_worker_gone(&mut self) {
-        let err = ApiError::unavailable(WORKER_GONE);
+        let err = ApiError::unavailable(v1::WORKER_GONE);
         self.out
             .push_back(Bytes::from(format!("data: {}\n\n", err.body())));
         self.done = true;
@@ -660,9 +638,6 @@ pub(crate) fn poll_events<S: EventStream>(
         }
     }
 }
-
-/// The message every API sends when the worker stops before a reply is finished.
-pub(crate) const WORKER_GONE: &str = "the model worker stopped before the reply was finished";
 
 /// A request's streamed choices, interleaved as their chunks come, then the usage chunk (when
 /// asked) and `[DONE]` once all have ended.

@@ -569,7 +569,7 @@ async fn create(
     let max_output_tokens = req.common.max_tokens;
     let salt = v1::cache_salt(&http, &req.common);
     let user = v1::api_user(&http);
-    let mut completion = v1::submit(&state, req.common, salt, user, prompt.tokens, "input").await?;
+    let completion = v1::submit(&state, req.common, salt, user, prompt.tokens, "input").await?;
     let conversation = state.platform.conversations().new_response_id();
     let message = Uuid::now_v7();
     let keep = owner.map(|owner| {
@@ -627,35 +627,20 @@ async fn create(
     }
     let mut assembler = assembler;
     let mut raw = String::new();
-    while let Some(event) = futures_util::StreamExt::next(&mut completion).await {
-        match event {
-            GenEvent::Admitted { .. } | GenEvent::Embedding(_) => {}
-            GenEvent::Token { text, .. } => {
-                if !text.is_empty() {
-                    raw.push_str(&text);
-                    assembler.push(&text);
-                }
-            }
-            GenEvent::Finished(summary) => {
-                if let StopReason::Error(e) = &summary.reason {
-                    return Err(v1::generation_failed(e));
-                }
-                assembler.finish(&summary.reason);
-                v1::log_finished(completion.id(), &summary);
-                // Stored before it is answered, so the client can chain on it at once.
-                if let Some(keep) = keep {
-                    keep.save(reply_message(&assembler, &raw, &summary)).await;
-                }
-                let output = base.output(&assembler);
-                return Ok(HttpResponse::Ok().json(base.response(
-                    status(&summary),
-                    output,
-                    Some(&summary),
-                )));
-            }
+    let summary = v1::collect(completion, |text, _| {
+        if !text.is_empty() {
+            raw.push_str(text);
+            assembler.push(text);
         }
+    })
+    .await?;
+    assembler.finish(&summary.reason);
+    // Stored before it is answered, so the client can chain on it at once.
+    if let Some(keep) = keep {
+        keep.save(reply_message(&assembler, &raw, &summary)).await;
     }
-    Err(ApiError::unavailable(openai::WORKER_GONE))
+    let output = base.output(&assembler);
+    Ok(HttpResponse::Ok().json(base.response(status(&summary), output, Some(&summary))))
 }
 
 /// A stored message copied into a new conversation (its reply's status and counts kept).
@@ -1063,7 +1048,7 @@ impl openai::EventStream for EventStream {
     fn on_worker_gone(&mut self) {
         self.event(
             "error",
-            json!({"code": "server_error", "param": null, "message": openai::WORKER_GONE}),
+            json!({"code": "server_error", "param": null, "message": v1::WORKER_GONE}),
         );
         self.done = true;
     }

@@ -14,8 +14,8 @@ pub(crate) use identity::{
     api_owner, api_user, cache_salt, cache_salt_of, client_identity, ApiUser,
 };
 pub(crate) use pipeline::{
-    build_chat_prompt, check_model, checked_chat, defaults, encode, generation_failed,
-    log_finished, model_name, submit,
+    build_chat_prompt, check_model, checked_chat, collect, defaults, encode, generation_failed,
+    log_finished, model_name, submit, WORKER_GONE,
 };
 pub use pipeline::{chat_prompt, chat_render_input};
 

@@ -291,3 +291,30 @@ pub(crate) fn log_finished(id: RequestId, s: &GenSummary) {
         "API completion finished"
     );
 }
+
+/// What every dialect tells a client whose reply's worker stopped before the reply ended.
+pub(crate) const WORKER_GONE: &str = "the model worker stopped before the reply was finished";
+
+/// A completion run to its end for an answer given whole (every dialect's non-streamed path):
+/// each piece of text handed to `piece` with its log-probabilities (when asked), then how it
+/// ended. A reply that ended in error is the request's error; a finished one is logged.
+pub(crate) async fn collect(
+    mut completion: Completion,
+    mut piece: impl FnMut(&str, Option<smolchat_text::sampling::TokenLogprobs>),
+) -> Result<GenSummary, ApiError> {
+    use smolchat_service::completions::{GenEvent, StopReason};
+    while let Some(event) = futures_util::StreamExt::next(&mut completion).await {
+        match event {
+            GenEvent::Admitted { .. } | GenEvent::Embedding(_) => {}
+            GenEvent::Token { text, logprobs, .. } => piece(&text, logprobs),
+            GenEvent::Finished(summary) => {
+                if let StopReason::Error(e) = &summary.reason {
+                    return Err(generation_failed(e));
+                }
+                log_finished(completion.id(), &summary);
+                return Ok(summary);
+            }
+        }
+    }
+    Err(ApiError::unavailable(WORKER_GONE))
+}
