@@ -169,6 +169,10 @@ impl ApiStream {
             if let Some(end) = self.buffer.windows(2).position(|w| w == b"\n\n") {
                 let block: Vec<u8> = self.buffer.drain(..end + 2).collect();
                 let text = String::from_utf8(block).expect("utf-8");
+                // A comment (the server's keep-alive) is no event: SSE clients skip it.
+                if text.starts_with(':') {
+                    continue;
+                }
                 let data = text.trim().strip_prefix("data: ").expect("a data event");
                 if data == "[DONE]" {
                     return None;

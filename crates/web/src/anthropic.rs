@@ -15,19 +15,20 @@ use std::convert::Infallible;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
-use actix_web::http::{header, StatusCode};
+use actix_web::http::StatusCode;
 use actix_web::middleware::from_fn;
-use actix_web::web::{self, Bytes};
+use actix_web::web::{self};
 use actix_web::{HttpRequest, HttpResponse};
 use futures_util::Stream;
 use serde_json::{json, Map, Value};
 
 use super::json::JsonBody;
-use super::openai::{self, Assembler, CallOut, ChatAssembler};
+use super::openai::{Assembler, CallOut, ChatAssembler};
 use super::v1;
 use super::{AppState, WebError};
 use crate::error::reshape;
 use crate::error::ApiError;
+use actix_web_lab::sse;
 use smolchat_service::completions::{Completion, GenEvent, GenSummary, StopReason};
 
 /// Registers `/v1/messages` (before the `/v1` scope, which would take the path), behind the
@@ -396,11 +397,7 @@ async fn messages(
                 "usage": {"input_tokens": input_tokens, "output_tokens": 0},
             }}),
         );
-        return Ok(HttpResponse::Ok()
-            .content_type("text/event-stream")
-            .insert_header((header::CACHE_CONTROL, "no-cache"))
-            .insert_header(("X-Accel-Buffering", "no"))
-            .streaming(s));
+        return Ok(v1::stream::sse_response(&http, s));
     }
     let summary = v1::collect(completion, |text, _| {
         if !text.is_empty() {
@@ -464,14 +461,13 @@ struct EventStream {
     completion: Completion,
     assembler: ChatAssembler,
     blocks: Blocks,
-    out: VecDeque<Bytes>,
+    out: VecDeque<sse::Event>,
     done: bool,
 }
 
 impl EventStream {
     fn event(&mut self, name: &str, data: Value) {
-        self.out
-            .push_back(Bytes::from(format!("event: {name}\ndata: {data}\n\n")));
+        self.out.push_back(v1::stream::event(Some(name), data));
     }
 
     fn close_block(&mut self) {
@@ -593,12 +589,14 @@ impl EventStream {
     }
 }
 
-impl openai::EventStream for EventStream {
+impl v1::stream::EventStream for EventStream {
+    type Item = sse::Event;
+
     fn completion(&mut self) -> &mut Completion {
         &mut self.completion
     }
 
-    fn queued(&mut self) -> &mut VecDeque<Bytes> {
+    fn queued(&mut self) -> &mut VecDeque<sse::Event> {
         &mut self.out
     }
 
@@ -620,10 +618,10 @@ impl openai::EventStream for EventStream {
 }
 
 impl Stream for EventStream {
-    type Item = Result<Bytes, Infallible>;
+    type Item = Result<sse::Event, Infallible>;
 
     fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
-        openai::poll_events(self.get_mut(), cx)
+        v1::stream::poll_events(self.get_mut(), cx)
     }
 }
 

@@ -981,7 +981,9 @@ impl NdjsonStream {
     }
 }
 
-impl openai::EventStream for NdjsonStream {
+impl v1::stream::EventStream for NdjsonStream {
+    type Item = Bytes;
+
     fn completion(&mut self) -> &mut Completion {
         &mut self.completion
     }
@@ -1008,7 +1010,7 @@ impl Stream for NdjsonStream {
     type Item = Result<Bytes, Infallible>;
 
     fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
-        openai::poll_events(self.get_mut(), cx)
+        v1::stream::poll_events(self.get_mut(), cx)
     }
 }
 

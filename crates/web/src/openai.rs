@@ -36,9 +36,8 @@ use std::sync::OnceLock;
 use std::task::{Context, Poll};
 use std::time::Instant;
 
-use actix_web::http::header;
 use actix_web::middleware::from_fn;
-use actix_web::web::{self, Bytes};
+use actix_web::web::{self};
 use actix_web::{HttpRequest, HttpResponse};
 use futures_util::Stream;
 use serde_json::{json, Value};
@@ -54,10 +53,12 @@ use super::v1::{
     encode, generation_failed, log_finished, require_api_key, submit, ApiUser,
 };
 use super::{AppState, WebError};
+use actix_web_lab::sse;
 use smolchat_service::completions::Completion;
 use smolchat_service::completions::{GenEvent, GenSummary, StopReason};
 use smolchat_service::platform::Platform;
 use smolchat_text::sampling::TokenLogprobs;
+use v1::stream::{poll_events, EventStream};
 
 /// When the API started answering (`created` of the model object).
 static STARTED: OnceLock<u64> = OnceLock::new();
@@ -196,9 +197,16 @@ async fn chat_completions(
     let prompt = prompt.tokens;
     let salt = cache_salt(&http, &req.common);
     let user = api_user(&http);
-    generate(state, req.common, salt, user, prompt, "messages", || {
-        ChatAssembler::new(starts_in_reasoning, parse_tool_calls)
-    })
+    generate(
+        &http,
+        state,
+        req.common,
+        salt,
+        user,
+        prompt,
+        "messages",
+        || ChatAssembler::new(starts_in_reasoning, parse_tool_calls),
+    )
     .await
 }
 
@@ -238,6 +246,7 @@ async fn completions(
     let salt = cache_salt(&http, &req.common);
     let user = api_user(&http);
     generate(
+        &http,
         state,
         req.common,
         salt,
@@ -278,7 +287,9 @@ impl Envelope {
 }
 
 /// Checks the prompt against the context window, submits it and answers (streamed or whole).
+#[allow(clippy::too_many_arguments)]
 async fn generate<A: Assembler>(
+    http: &HttpRequest,
     state: web::Data<AppState>,
     common: Common,
     cache_salt: String,
@@ -353,17 +364,16 @@ async fn generate<A: Assembler>(
                 }
             })
             .collect();
-        return Ok(HttpResponse::Ok()
-            .content_type("text/event-stream")
-            .insert_header((header::CACHE_CONTROL, "no-cache"))
-            // Reverse proxies must not buffer the stream.
-            .insert_header(("X-Accel-Buffering", "no"))
-            .streaming(Choices {
+        return Ok(v1::stream::sse_response(
+            http,
+            Choices {
                 streams,
                 envelope,
                 include_usage: common.include_usage,
                 finished: false,
-            }));
+                tail: VecDeque::new(),
+            },
+        ));
     }
 
     let results = futures_util::future::join_all(completions.into_iter().enumerate().map(
@@ -416,15 +426,16 @@ fn usage_of(summaries: &[GenSummary]) -> Value {
 }
 
 /// One `data:` event. With `include_usage`, every chunk has `"usage": null` as OpenAI's do.
-fn sse(chunk: &Value, include_usage: bool) -> Bytes {
+fn sse(chunk: &Value, include_usage: bool) -> sse::Event {
     let mut chunk = chunk.clone();
     if include_usage {
         chunk["usage"] = Value::Null;
     }
-    Bytes::from(format!("data: {chunk}\n\n"))
+    v1::stream::event(None, chunk)
 }
 
-const DONE: &[u8] = b"data: [DONE]\n\n";
+/// The last event of every OpenAI stream.
+const DONE: &str = "[DONE]";
 
 /// The streamed response: owns the request's receiver and its cancel guard (see module docs).
 /// A reply's token log-probabilities in the endpoint's shape (chat: `logprobs.content`; text
@@ -514,7 +525,7 @@ struct ApiStream<A: Assembler> {
     assembler: A,
     envelope: Envelope,
     include_usage: bool,
-    out: VecDeque<Bytes>,
+    out: VecDeque<sse::Event>,
     done: bool,
     started: Instant,
     /// Its choice's `index` (a request with `n` choices streams them interleaved).
@@ -540,8 +551,7 @@ impl<A: Assembler> ApiStream<A> {
             GenEvent::Finished(summary) => {
                 if let StopReason::Error(e) = &summary.reason {
                     let err = generation_failed(e);
-                    self.out
-                        .push_back(Bytes::from(format!("data: {}\n\n", err.body())));
+                    self.out.push_back(v1::stream::event(None, err.body()));
                 } else {
                     let choices = self.assembler.finish(&summary.reason);
                     self.chunks(choices);
@@ -573,11 +583,13 @@ impl<A: Assembler> ApiStream<A> {
 }
 
 impl<A: Assembler> EventStream for ApiStream<A> {
+    type Item = sse::Event;
+
     fn completion(&mut self) -> &mut Completion {
         &mut self.completion
     }
 
-    fn queued(&mut self) -> &mut VecDeque<Bytes> {
+    fn queued(&mut self) -> &mut VecDeque<sse::Event> {
         &mut self.out
     }
 
@@ -591,51 +603,16 @@ impl<A: Assembler> EventStream for ApiStream<A> {
 
     fn on_worker_gone(&mut self) {
         let err = ApiError::unavailable(v1::WORKER_GONE);
-        self.out
-            .push_back(Bytes::from(format!("data: {}\n\n", err.body())));
+        self.out.push_back(v1::stream::event(None, err.body()));
         self.done = true;
     }
 }
 
 impl<A: Assembler> Stream for ApiStream<A> {
-    type Item = Result<Bytes, Infallible>;
+    type Item = Result<sse::Event, Infallible>;
 
     fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
         poll_events(self.get_mut(), cx)
-    }
-}
-
-/// A streamed answer of any API: the bytes it has queued, fed by its request's events. Every
-/// API's stream is polled by [`poll_events`], so draining, ending and the worker going away are
-/// handled once.
-pub(crate) trait EventStream: Unpin {
-    fn completion(&mut self) -> &mut Completion;
-    fn queued(&mut self) -> &mut VecDeque<Bytes>;
-    /// Whether the answer has ended (nothing more is read once the queue is empty).
-    fn ended(&self) -> bool;
-    fn on_event(&mut self, event: GenEvent);
-    /// The worker dropped the request without a summary (it stopped): queue the API's error
-    /// and end.
-    fn on_worker_gone(&mut self);
-}
-
-/// `Stream::poll_next` of an [`EventStream`].
-pub(crate) fn poll_events<S: EventStream>(
-    this: &mut S,
-    cx: &mut Context<'_>,
-) -> Poll<Option<Result<Bytes, Infallible>>> {
-    loop {
-        if let Some(bytes) = this.queued().pop_front() {
-            return Poll::Ready(Some(Ok(bytes)));
-        }
-        if this.ended() {
-            return Poll::Ready(None);
-        }
-        match Pin::new(this.completion()).poll_next(cx) {
-            Poll::Ready(Some(event)) => this.on_event(event),
-            Poll::Ready(None) => this.on_worker_gone(),
-            Poll::Pending => return Poll::Pending,
-        }
     }
 }
 
@@ -646,15 +623,17 @@ struct Choices<A: Assembler> {
     envelope: Envelope,
     include_usage: bool,
     finished: bool,
+    /// The usage chunk and `[DONE]`, once every choice has ended.
+    tail: VecDeque<sse::Event>,
 }
 
 impl<A: Assembler> Stream for Choices<A> {
-    type Item = Result<Bytes, Infallible>;
+    type Item = Result<sse::Event, Infallible>;
 
     fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
         let this = self.get_mut();
         if this.finished {
-            return Poll::Ready(None);
+            return Poll::Ready(this.tail.pop_front().map(Ok));
         }
         let mut pending = false;
         for s in &mut this.streams {
@@ -669,7 +648,6 @@ impl<A: Assembler> Stream for Choices<A> {
         }
         // Every choice has ended.
         this.finished = true;
-        let mut tail = String::new();
         if this.include_usage {
             let summaries: Vec<GenSummary> = this
                 .streams
@@ -678,10 +656,10 @@ impl<A: Assembler> Stream for Choices<A> {
                 .collect();
             let mut last = this.envelope.wrap(A::CHUNK_OBJECT, Vec::new());
             last["usage"] = usage_of(&summaries);
-            tail.push_str(&format!("data: {last}\n\n"));
+            this.tail.push_back(v1::stream::event(None, last));
         }
-        tail.push_str(std::str::from_utf8(DONE).unwrap_or("data: [DONE]\n\n"));
-        Poll::Ready(Some(Ok(Bytes::from(tail))))
+        this.tail.push_back(v1::stream::event(None, DONE));
+        Poll::Ready(this.tail.pop_front().map(Ok))
     }
 }
 

@@ -28,8 +28,7 @@ use std::future::Future;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
-use actix_web::http::header;
-use actix_web::web::{self, Bytes};
+use actix_web::web::{self};
 use actix_web::{HttpRequest, HttpResponse};
 use futures_util::Stream;
 use serde_json::{json, Map, Value};
@@ -39,6 +38,7 @@ use super::openai::{self, Assembler, CallOut, ChatAssembler};
 use super::v1;
 use super::{AppState, WebError};
 use crate::error::ApiError;
+use actix_web_lab::sse;
 use smolchat_service::completions::{Completion, GenEvent, GenSummary, StopReason};
 use smolchat_service::records::{ImportedMessage, Message, MessageStatus, Role, StoredRow};
 use smolchat_service::{Caller, ConversationError};
@@ -619,11 +619,7 @@ async fn create(
         let created = s.base.response("in_progress", Vec::new(), None);
         s.event("response.created", json!({"response": created}));
         s.event("response.in_progress", json!({"response": created}));
-        return Ok(HttpResponse::Ok()
-            .content_type("text/event-stream")
-            .insert_header((header::CACHE_CONTROL, "no-cache"))
-            .insert_header(("X-Accel-Buffering", "no"))
-            .streaming(s));
+        return Ok(v1::stream::sse_response(&http, s));
     }
     let mut assembler = assembler;
     let mut raw = String::new();
@@ -858,7 +854,7 @@ struct EventStream {
     completion: Completion,
     assembler: ChatAssembler,
     base: Base,
-    out: VecDeque<Bytes>,
+    out: VecDeque<sse::Event>,
     sequence: u64,
     /// The output index of the open message item and its text so far.
     text: Option<(usize, String)>,
@@ -871,7 +867,7 @@ struct EventStream {
     /// response as soon as it has it).
     saving: Option<Pin<Box<dyn Future<Output = ()>>>>,
     /// The last event, held until the write is done.
-    last: Option<Bytes>,
+    last: Option<sse::Event>,
 }
 
 impl EventStream {
@@ -879,8 +875,7 @@ impl EventStream {
         data["type"] = json!(kind);
         data["sequence_number"] = json!(self.sequence);
         self.sequence += 1;
-        self.out
-            .push_back(Bytes::from(format!("event: {kind}\ndata: {data}\n\n")));
+        self.out.push_back(v1::stream::event(Some(kind), data));
     }
 
     /// Output items emitted so far (the reasoning item counts once it is whole).
@@ -1028,12 +1023,14 @@ impl EventStream {
     }
 }
 
-impl openai::EventStream for EventStream {
+impl v1::stream::EventStream for EventStream {
+    type Item = sse::Event;
+
     fn completion(&mut self) -> &mut Completion {
         &mut self.completion
     }
 
-    fn queued(&mut self) -> &mut VecDeque<Bytes> {
+    fn queued(&mut self) -> &mut VecDeque<sse::Event> {
         &mut self.out
     }
 
@@ -1055,7 +1052,7 @@ impl openai::EventStream for EventStream {
 }
 
 impl Stream for EventStream {
-    type Item = Result<Bytes, Infallible>;
+    type Item = Result<sse::Event, Infallible>;
 
     fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
         let this = self.get_mut();
@@ -1072,7 +1069,7 @@ impl Stream for EventStream {
                 }
             }
         }
-        openai::poll_events(this, cx)
+        v1::stream::poll_events(this, cx)
     }
 }
 

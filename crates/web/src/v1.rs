@@ -6,6 +6,7 @@
 mod auth;
 mod identity;
 mod pipeline;
+pub(crate) mod stream;
 
 pub use auth::{api_caller_is_admin, ApiAccount};
 use auth::{bearer, GlobalKey};
