@@ -249,7 +249,7 @@ async fn create(
         _ => return Err(ApiError::invalid("model", "`model` must be a string")),
     };
     if let Some(name) = model.as_deref().filter(|m| !m.is_empty()) {
-        if !openai::is_served_model(p, name) {
+        if !v1::is_served_model(p, name) {
             return Err(ApiError::model_not_found(name, &p.model().id));
         }
     }

@@ -95,10 +95,10 @@ fn listed_name(p: &Platform) -> String {
 fn serves(p: &Platform, name: &str) -> bool {
     name.is_empty()
         || name == listed_name(p)
-        || openai::is_served_model(p, name)
+        || v1::is_served_model(p, name)
         || name
             .strip_suffix(":latest")
-            .is_some_and(|n| openai::is_served_model(p, n))
+            .is_some_and(|n| v1::is_served_model(p, n))
 }
 
 fn check_model(p: &Platform, name: &str) -> Result<(), OllamaError> {

@@ -135,17 +135,6 @@ fn model_object(p: &Platform) -> Value {
     })
 }
 
-/// Whether a request's `model` names the loaded model: its id, or its file name (what
-/// llama-server clients often send). Never the file's path: that would let a client test
-/// paths on the server's disk.
-pub(crate) fn is_served_model(p: &Platform, name: &str) -> bool {
-    let path = std::path::Path::new(&p.model().path);
-    name == p.model().id
-        || path
-            .file_name()
-            .is_some_and(|f| f.to_string_lossy() == name)
-}
-
 async fn models(state: web::Data<AppState>) -> HttpResponse {
     HttpResponse::Ok().json(json!({"object": "list", "data": [model_object(&state.platform)]}))
 }

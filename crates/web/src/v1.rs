@@ -16,7 +16,7 @@ pub(crate) use identity::{
 };
 pub(crate) use pipeline::{
     build_chat_prompt, check_model, checked_chat, collect, defaults, encode, generation_failed,
-    log_finished, model_name, submit, WORKER_GONE,
+    is_served_model, log_finished, model_name, submit, WORKER_GONE,
 };
 pub use pipeline::{chat_prompt, chat_render_input};
 
@@ -32,7 +32,6 @@ use actix_web::{HttpMessage, HttpRequest};
 use serde_json::{json, Value};
 
 use crate::error::ApiError;
-use crate::openai::is_served_model;
 use crate::openai::request::{self, Common, Defaults};
 use crate::{AppState, WebError};
 use smolchat_service::completions::{CacheUse, Completion, CompletionRequest};
