@@ -48,7 +48,7 @@ pub fn routes(cfg: &mut web::ServiceConfig) {
 /// Anthropic's error shape: `{"type": "error", "error": {"type", "message"}}`.
 pub struct Anthropic;
 
-impl reshape::Shape for Anthropic {
+impl reshape::ErrorShape for Anthropic {
     fn body(status: StatusCode, message: &str, kind: &str) -> Value {
         json!({"type": "error", "error": {"type": error_type(status, kind), "message": message}})
     }
@@ -382,7 +382,7 @@ async fn messages(
     let completion = v1::submit(&state, req.common, salt, user, prompt.tokens, "messages").await?;
     let id = format!("msg_{}", uuid::Uuid::now_v7().simple());
     if stream {
-        let mut s = EventStream {
+        let mut s = MessageStream {
             completion,
             assembler,
             blocks: Blocks::default(),
@@ -457,7 +457,7 @@ struct Blocks {
 
 /// The streamed answer: Anthropic's named SSE events. Dropping it (the client went away)
 /// cancels the request through its [`Completion`].
-struct EventStream {
+struct MessageStream {
     completion: Completion,
     assembler: ChatAssembler,
     blocks: Blocks,
@@ -465,7 +465,7 @@ struct EventStream {
     done: bool,
 }
 
-impl EventStream {
+impl MessageStream {
     fn event(&mut self, name: &str, data: Value) {
         self.out.push_back(v1::stream::event(Some(name), data));
     }
@@ -589,7 +589,7 @@ impl EventStream {
     }
 }
 
-impl v1::stream::EventStream for EventStream {
+impl v1::stream::AnswerStream for MessageStream {
     type Item = sse::Event;
 
     fn completion(&mut self) -> &mut Completion {
@@ -617,7 +617,7 @@ impl v1::stream::EventStream for EventStream {
     }
 }
 
-impl Stream for EventStream {
+impl Stream for MessageStream {
     type Item = Result<sse::Event, Infallible>;
 
     fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {

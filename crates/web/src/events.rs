@@ -67,7 +67,7 @@ pub async fn events(
     client: Client,
     path: web::Path<String>,
     query: web::Query<EventsQuery>,
-) -> Result<sse::Sse<EventStream>, WebError> {
+) -> Result<sse::Sse<ConversationStream>, WebError> {
     let id = parse_id(&path)?;
     let after = match query.after.as_deref() {
         None => None,
@@ -100,13 +100,13 @@ pub async fn events(
         .subscribe(&owner.caller(), id, after)
         .await?;
     tracing::debug!(conversation = %id, replayed = replay.len(), "events subscriber joined");
-    let held = Arc::new(Mutex::new(Held {
+    let held = Arc::new(Mutex::new(StreamResources {
         last_poll: Instant::now(),
         resources: Some((guard, slot)),
     }));
     let stall = Duration::from_secs(state.platform.config().limits.stream_stall_timeout_s);
     watch_for_stall(Arc::downgrade(&held), stall, id);
-    let stream = EventStream {
+    let stream = ConversationStream {
         replay: replay.into_iter(),
         events,
         held,
@@ -122,13 +122,17 @@ pub async fn events(
 
 /// What a stream holds until it ends or stalls: the subscription guard and its place under
 /// `limits.max_streams*`, and when actix last polled it.
-struct Held {
+struct StreamResources {
     last_poll: Instant,
     resources: Option<(SubscriptionGuard, StreamSlot)>,
 }
 
 /// Drops `held`'s resources once the stream goes `stall` without a poll; ends with the stream.
-fn watch_for_stall(held: std::sync::Weak<Mutex<Held>>, stall: Duration, conversation: uuid::Uuid) {
+fn watch_for_stall(
+    held: std::sync::Weak<Mutex<StreamResources>>,
+    stall: Duration,
+    conversation: uuid::Uuid,
+) {
     actix_web::rt::spawn(async move {
         let tick = (stall / 4).max(Duration::from_millis(100));
         loop {
@@ -155,15 +159,15 @@ fn watch_for_stall(held: std::sync::Weak<Mutex<Held>>, stall: Duration, conversa
 }
 
 /// The replayed events, then the live ones. Owns the subscription guard (see the module docs).
-pub struct EventStream {
+pub struct ConversationStream {
     replay: std::vec::IntoIter<ReplyEvent>,
     events: mpsc::Receiver<ReplyEvent>,
-    held: Arc<Mutex<Held>>,
+    held: Arc<Mutex<StreamResources>>,
     /// The reply rendered so far, when the subscriber asked for HTML.
     live: Option<LiveMarkdown>,
 }
 
-impl EventStream {
+impl ConversationStream {
     fn encode(&mut self, event: &ReplyEvent) -> sse::Event {
         let Some(live) = self.live.as_mut() else {
             return to_sse(event);
@@ -186,7 +190,7 @@ impl EventStream {
     }
 }
 
-impl Stream for EventStream {
+impl Stream for ConversationStream {
     type Item = Result<sse::Event, Infallible>;
 
     fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {

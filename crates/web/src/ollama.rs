@@ -71,7 +71,7 @@ pub fn routes(cfg: &mut web::ServiceConfig) {
 /// Ollama's error shape: `{"error": "…"}`, the message alone.
 pub struct Ollama;
 
-impl reshape::Shape for Ollama {
+impl reshape::ErrorShape for Ollama {
     fn body(_: StatusCode, message: &str, _: &str) -> Value {
         json!({ "error": message })
     }
@@ -598,7 +598,10 @@ fn checked_chat(
     Ok(req)
 }
 
-fn apply_extras(common: &mut request::Common, extras: &Extras) -> Result<(), OllamaError> {
+fn apply_extras(
+    common: &mut request::GenerationOptions,
+    extras: &Extras,
+) -> Result<(), OllamaError> {
     if common.grammar_field.is_some() {
         common.grammar_field = Some("format".into());
     }
@@ -625,12 +628,12 @@ async fn chat(
     }
     let req = checked_chat(&state, &http, out, &extras)?;
     // An empty message list loads the model in Ollama; here it is always loaded.
-    generate_chat(http, state, req, Shape::Chat).await
+    generate_chat(http, state, req, AnswerShape::Chat).await
 }
 
 /// Which answer shape a chat-templated generation takes.
 #[derive(Clone, Copy, PartialEq, Eq)]
-enum Shape {
+enum AnswerShape {
     /// `/api/chat`: `message: {role, content, thinking, tool_calls}`.
     Chat,
     /// `/api/generate`: `response` and `thinking`.
@@ -641,7 +644,7 @@ async fn generate_chat(
     http: HttpRequest,
     state: web::Data<AppState>,
     req: request::ChatRequest,
-    shape: Shape,
+    shape: AnswerShape,
 ) -> Result<HttpResponse, OllamaError> {
     let parse_tool_calls = req.parse_tool_calls();
     let prompt = v1::build_chat_prompt(&state, &http, &req).await?;
@@ -747,7 +750,7 @@ async fn generate(
             tokens,
             "prompt",
             Reply::Text(TextAssembler::new()),
-            Shape::Generate,
+            AnswerShape::Generate,
         )
         .await;
     }
@@ -758,7 +761,7 @@ async fn generate(
     messages.push(json!({"role": "user", "content": prompt}));
     out.insert("messages".into(), Value::Array(messages));
     let req = checked_chat(&state, &http, out, &extras)?;
-    generate_chat(http, state, req, Shape::Generate).await
+    generate_chat(http, state, req, AnswerShape::Generate).await
 }
 
 /// How the generated text is split: chat (reasoning, answer, tool calls) or raw text.
@@ -838,10 +841,10 @@ fn call_object(c: &openai::CallOut) -> Value {
 }
 
 /// One line (or the whole answer) in `shape`: the piece, and when `done`, the end's fields.
-fn line(shape: Shape, model: &str, piece: &Piece, done: Option<(&GenSummary, u64)>) -> Value {
+fn line(shape: AnswerShape, model: &str, piece: &Piece, done: Option<(&GenSummary, u64)>) -> Value {
     let mut v = json!({"model": model, "created_at": now_rfc3339()});
     match shape {
-        Shape::Chat => {
+        AnswerShape::Chat => {
             let mut message = json!({"role": "assistant", "content": piece.content});
             if !piece.thinking.is_empty() {
                 message["thinking"] = json!(piece.thinking);
@@ -851,7 +854,7 @@ fn line(shape: Shape, model: &str, piece: &Piece, done: Option<(&GenSummary, u64
             }
             v["message"] = message;
         }
-        Shape::Generate => {
+        AnswerShape::Generate => {
             v["response"] = json!(piece.content);
             if !piece.thinking.is_empty() {
                 v["thinking"] = json!(piece.thinking);
@@ -882,11 +885,11 @@ fn line(shape: Shape, model: &str, piece: &Piece, done: Option<(&GenSummary, u64
 async fn run(
     http: HttpRequest,
     state: web::Data<AppState>,
-    common: request::Common,
+    common: request::GenerationOptions,
     prompt: Vec<u32>,
     prompt_param: &str,
     mut reply: Reply,
-    shape: Shape,
+    shape: AnswerShape,
 ) -> Result<HttpResponse, OllamaError> {
     let model = listed_name(&state.platform);
     let stream = common.stream;
@@ -925,7 +928,7 @@ async fn run(
 struct NdjsonStream {
     completion: Completion,
     reply: Reply,
-    shape: Shape,
+    shape: AnswerShape,
     model: String,
     out: VecDeque<Bytes>,
     done: bool,
@@ -981,7 +984,7 @@ impl NdjsonStream {
     }
 }
 
-impl v1::stream::EventStream for NdjsonStream {
+impl v1::stream::AnswerStream for NdjsonStream {
     type Item = Bytes;
 
     fn completion(&mut self) -> &mut Completion {
@@ -1087,7 +1090,7 @@ mod tests {
             accepted_tokens: 0,
         };
         let v = line(
-            Shape::Chat,
+            AnswerShape::Chat,
             "m:latest",
             &Piece::default(),
             Some((&s, 9_000_000)),
@@ -1099,7 +1102,7 @@ mod tests {
         assert_eq!(v["eval_duration"], json!(4_000_000));
         assert_eq!(v["message"]["role"], json!("assistant"));
         let g = line(
-            Shape::Generate,
+            AnswerShape::Generate,
             "m",
             &Piece {
                 content: "hi".into(),

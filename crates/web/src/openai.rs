@@ -44,7 +44,7 @@ use serde_json::{json, Value};
 
 use crate::error::ApiError;
 pub use assemble::{Assembler, CallOut, ChatAssembler, TextAssembler};
-use request::{Common, PromptIn};
+use request::{GenerationOptions, PromptIn};
 
 use super::json::JsonBody;
 use super::v1;
@@ -58,7 +58,7 @@ use smolchat_service::completions::Completion;
 use smolchat_service::completions::{GenEvent, GenSummary, StopReason};
 use smolchat_service::platform::Platform;
 use smolchat_text::sampling::TokenLogprobs;
-use v1::stream::{poll_events, EventStream};
+use v1::stream::{poll_events, AnswerStream};
 
 /// When the API started answering (`created` of the model object).
 static STARTED: OnceLock<u64> = OnceLock::new();
@@ -280,7 +280,7 @@ impl Envelope {
 async fn generate<A: Assembler>(
     http: &HttpRequest,
     state: web::Data<AppState>,
-    common: Common,
+    common: GenerationOptions,
     cache_salt: String,
     user: ApiUser,
     prompt: Vec<u32>,
@@ -339,7 +339,7 @@ async fn generate<A: Assembler>(
                         common.include_usage,
                     ));
                 }
-                ApiStream {
+                ChoiceStream {
                     completion,
                     logprobs: LogprobsOut::new(&state, A::OBJECT == "chat.completion"),
                     assembler,
@@ -506,7 +506,7 @@ impl LogprobsOut {
     }
 }
 
-struct ApiStream<A: Assembler> {
+struct ChoiceStream<A: Assembler> {
     /// Log-probabilities waiting for the chunk that carries their tokens' text.
     logprobs: LogprobsOut,
     /// The request: cancelled if the stream is dropped (the client went away) before it ends.
@@ -523,7 +523,7 @@ struct ApiStream<A: Assembler> {
     summary: Option<GenSummary>,
 }
 
-impl<A: Assembler> ApiStream<A> {
+impl<A: Assembler> ChoiceStream<A> {
     fn on_event(&mut self, event: GenEvent) {
         match event {
             GenEvent::Admitted { .. } | GenEvent::Embedding(_) => {}
@@ -571,7 +571,7 @@ impl<A: Assembler> ApiStream<A> {
     }
 }
 
-impl<A: Assembler> EventStream for ApiStream<A> {
+impl<A: Assembler> AnswerStream for ChoiceStream<A> {
     type Item = sse::Event;
 
     fn completion(&mut self) -> &mut Completion {
@@ -597,7 +597,7 @@ impl<A: Assembler> EventStream for ApiStream<A> {
     }
 }
 
-impl<A: Assembler> Stream for ApiStream<A> {
+impl<A: Assembler> Stream for ChoiceStream<A> {
     type Item = Result<sse::Event, Infallible>;
 
     fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
@@ -608,7 +608,7 @@ impl<A: Assembler> Stream for ApiStream<A> {
 /// A request's streamed choices, interleaved as their chunks come, then the usage chunk (when
 /// asked) and `[DONE]` once all have ended.
 struct Choices<A: Assembler> {
-    streams: Vec<ApiStream<A>>,
+    streams: Vec<ChoiceStream<A>>,
     envelope: Envelope,
     include_usage: bool,
     finished: bool,

@@ -221,7 +221,7 @@ fn stored_message(
 
 /// What storing a response needs besides its reply: whose, under which ids, and the turns
 /// before the reply (earlier responses' and this request's input).
-struct Keep {
+struct ResponseToStore {
     state: web::Data<AppState>,
     owner: Caller,
     conversation: Uuid,
@@ -229,7 +229,7 @@ struct Keep {
     turns: Vec<(ImportedMessage, bool)>,
 }
 
-impl Keep {
+impl ResponseToStore {
     /// Stores the response with its reply; a failure is logged (the answer has been given).
     async fn save(self, reply: ImportedMessage) {
         let flags: Vec<bool> = self.turns.iter().map(|(_, imported)| *imported).collect();
@@ -579,7 +579,7 @@ async fn create(
         }
         let input = translate_input(body.get("input")).unwrap_or_default();
         turns.extend(input.iter().map(|m| (input_message(m), true)));
-        Keep {
+        ResponseToStore {
             state: state.clone(),
             owner,
             conversation,
@@ -595,7 +595,7 @@ async fn create(
             .as_ref()
             .map_or(Value::Null, |(_, id, _)| json!(response_id(*id))),
     );
-    let base = Base {
+    let base = ResponseHeader {
         id: response_id(conversation),
         message,
         created_at: openai::unix_now(),
@@ -603,7 +603,7 @@ async fn create(
         echo,
     };
     if stream {
-        let mut s = EventStream {
+        let mut s = ResponseStream {
             completion,
             assembler,
             base,
@@ -670,7 +670,7 @@ async fn retrieve(
             "there is no stored response `{id}`"
         )));
     };
-    let base = Base {
+    let base = ResponseHeader {
         id: response_id(conversation),
         message: reply.id,
         created_at: u64::try_from(reply.created_at.timestamp()).unwrap_or(0),
@@ -767,7 +767,7 @@ fn status(s: &GenSummary) -> &'static str {
 }
 
 /// The fields every form of this response shares.
-struct Base {
+struct ResponseHeader {
     id: String,
     /// The reply's message id (stored under it).
     message: Uuid,
@@ -776,7 +776,7 @@ struct Base {
     echo: Map<String, Value>,
 }
 
-impl Base {
+impl ResponseHeader {
     fn response(&self, status: &str, output: Vec<Value>, summary: Option<&GenSummary>) -> Value {
         let mut r = json!({
             "id": self.id, "object": "response", "created_at": self.created_at,
@@ -850,10 +850,10 @@ fn call_item(c: &CallOut) -> Value {
 
 /// The streamed response: the Responses event sequence. Dropping it (the client went away)
 /// cancels the request through its [`Completion`].
-struct EventStream {
+struct ResponseStream {
     completion: Completion,
     assembler: ChatAssembler,
-    base: Base,
+    base: ResponseHeader,
     out: VecDeque<sse::Event>,
     sequence: u64,
     /// The output index of the open message item and its text so far.
@@ -862,7 +862,7 @@ struct EventStream {
     /// Everything generated, as the model wrote it (stored with the reply).
     raw: String,
     /// Where the response is stored, when it is.
-    keep: Option<Keep>,
+    keep: Option<ResponseToStore>,
     /// The store's write, run before the last event goes out (so the client can chain on the
     /// response as soon as it has it).
     saving: Option<Pin<Box<dyn Future<Output = ()>>>>,
@@ -870,7 +870,7 @@ struct EventStream {
     last: Option<sse::Event>,
 }
 
-impl EventStream {
+impl ResponseStream {
     fn event(&mut self, kind: &str, mut data: Value) {
         data["type"] = json!(kind);
         data["sequence_number"] = json!(self.sequence);
@@ -1023,7 +1023,7 @@ impl EventStream {
     }
 }
 
-impl v1::stream::EventStream for EventStream {
+impl v1::stream::AnswerStream for ResponseStream {
     type Item = sse::Event;
 
     fn completion(&mut self) -> &mut Completion {
@@ -1051,7 +1051,7 @@ impl v1::stream::EventStream for EventStream {
     }
 }
 
-impl Stream for EventStream {
+impl Stream for ResponseStream {
     type Item = Result<sse::Event, Infallible>;
 
     fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {

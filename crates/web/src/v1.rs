@@ -32,7 +32,7 @@ use actix_web::{HttpMessage, HttpRequest};
 use serde_json::{json, Value};
 
 use crate::error::ApiError;
-use crate::openai::request::{self, Common, Defaults};
+use crate::openai::request::{self, Defaults, GenerationOptions};
 use crate::{AppState, WebError};
 use smolchat_service::completions::{CacheUse, Completion, CompletionRequest};
 use smolchat_service::completions::{GenSummary, RequestId};

@@ -5,7 +5,7 @@
 use super::*;
 
 /// What [`ModelWorker::prefix_donor`] found.
-pub(super) enum Donor {
+pub(super) enum PrefixDonor {
     /// Fork `positions` positions of `seq`.
     Ready { seq: SeqId, positions: usize },
     /// Wait: the shared prefix is being computed.
@@ -146,7 +146,7 @@ impl ModelWorker {
     /// whole KV block with this request's and more than any idle cache does (the `n` choices of
     /// one prompt, a client resending a conversation while its last turn runs): its blocks are
     /// forked rather than computed again once it has computed them.
-    pub(super) fn prefix_donor(&self, id: RequestId) -> Option<Donor> {
+    pub(super) fn prefix_donor(&self, id: RequestId) -> Option<PrefixDonor> {
         let a = self.active.get(&id)?;
         if a.pool.is_some() {
             return None;
@@ -192,12 +192,12 @@ impl ModelWorker {
             return None;
         }
         Some(if now >= will {
-            Donor::Ready {
+            PrefixDonor::Ready {
                 seq,
                 positions: now,
             }
         } else {
-            Donor::Computing
+            PrefixDonor::Computing
         })
     }
 

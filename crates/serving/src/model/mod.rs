@@ -34,7 +34,7 @@ mod step;
 #[cfg(test)]
 mod tests;
 
-use caches::{CacheSlot, Donor};
+use caches::{CacheSlot, PrefixDonor};
 use pool::PoolState;
 pub use step::device_sampling;
 
@@ -416,7 +416,7 @@ impl ModelWorker {
         }
         if a.request.cache_key.is_none() && a.resume.is_none() {
             match self.prefix_donor(id) {
-                Some(Donor::Ready { seq, positions }) => {
+                Some(PrefixDonor::Ready { seq, positions }) => {
                     // The prefix another request of the same client computed, shared.
                     match self.engine.fork(seq, positions) {
                         Ok((forked, _)) => {
@@ -427,7 +427,7 @@ impl ModelWorker {
                     }
                 }
                 // Admitted once the other request has computed what they share.
-                Some(Donor::Computing) => return,
+                Some(PrefixDonor::Computing) => return,
                 None => {}
             }
         }

@@ -14,45 +14,45 @@ use std::marker::PhantomData;
 use super::{ApiError, WebError};
 
 /// How an API writes its error bodies.
-pub trait Shape: 'static {
+pub trait ErrorShape: 'static {
     /// The body of a refusal from its status, message and OpenAI error `type`.
     fn body(status: StatusCode, message: &str, kind: &str) -> Value;
 }
 
 /// A refusal decided by [`ApiError`], answered in `S`'s shape (same status and retry headers).
-pub struct Shaped<S: Shape>(pub ApiError, PhantomData<S>);
+pub struct Shaped<S: ErrorShape>(pub ApiError, PhantomData<S>);
 
-impl<S: Shape> Shaped<S> {
+impl<S: ErrorShape> Shaped<S> {
     pub fn invalid(field: &str, message: impl Into<String>) -> Self {
         ApiError::invalid(field, message).into()
     }
 }
 
-impl<S: Shape> std::fmt::Debug for Shaped<S> {
+impl<S: ErrorShape> std::fmt::Debug for Shaped<S> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         self.0.fmt(f)
     }
 }
 
-impl<S: Shape> std::fmt::Display for Shaped<S> {
+impl<S: ErrorShape> std::fmt::Display for Shaped<S> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(&self.0.message)
     }
 }
 
-impl<S: Shape> From<ApiError> for Shaped<S> {
+impl<S: ErrorShape> From<ApiError> for Shaped<S> {
     fn from(e: ApiError) -> Self {
         Self(e, PhantomData)
     }
 }
 
-impl<S: Shape> From<WebError> for Shaped<S> {
+impl<S: ErrorShape> From<WebError> for Shaped<S> {
     fn from(e: WebError) -> Self {
         ApiError::from(e).into()
     }
 }
 
-impl<S: Shape> ResponseError for Shaped<S> {
+impl<S: ErrorShape> ResponseError for Shaped<S> {
     fn status_code(&self) -> StatusCode {
         self.0.status
     }
@@ -66,7 +66,9 @@ impl<S: Shape> ResponseError for Shaped<S> {
 }
 
 /// The default service of an API's routes: 405 in `S`'s shape.
-pub async fn method_not_allowed<S: Shape>(req: HttpRequest) -> Result<HttpResponse, Shaped<S>> {
+pub async fn method_not_allowed<S: ErrorShape>(
+    req: HttpRequest,
+) -> Result<HttpResponse, Shaped<S>> {
     Err(
         ApiError::method_not_allowed(format!("{} is not allowed on {}", req.method(), req.path()))
             .into(),
@@ -87,7 +89,7 @@ fn reshaped(response: &HttpResponse, body: Value) -> HttpResponse {
 
 /// Middleware (`from_fn(reshape::<S>)`): runs the request, and when the answer is an
 /// OpenAI-shaped JSON refusal, answers `S`'s body instead (same status and retry headers).
-pub async fn reshape<S: Shape>(
+pub async fn reshape<S: ErrorShape>(
     req: ServiceRequest,
     next: Next<impl MessageBody + 'static>,
 ) -> Result<ServiceResponse<BoxBody>, actix_web::Error> {

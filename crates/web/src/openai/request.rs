@@ -1,6 +1,6 @@
 //! Reading OpenAI request bodies. The body is taken as a JSON value and read field by field, so
 //! a wrong type is a 400 that names the field and says what it must be (serde's derive would
-//! only give a line and column). Fields smolchat has no use for (`user`, `metadata`,
+//! only give a line and column). JsonFields smolchat has no use for (`user`, `metadata`,
 //! `logit_bias`, …) are ignored, as llama-server ignores them; features it cannot honour
 //! (`n > 1`, forced tool choice, JSON mode) are refused rather than silently dropped.
 
@@ -25,11 +25,11 @@ pub struct Defaults {
 
 /// What chat and text completions share.
 #[derive(Debug, Clone)]
-pub struct Common {
+pub struct GenerationOptions {
     pub model: Option<String>,
     pub stream: bool,
     pub include_usage: bool,
-    /// `max_new_tokens` is a placeholder until [`Common::max_tokens`] (or the room left in the
+    /// `max_new_tokens` is a placeholder until [`GenerationOptions::max_tokens`] (or the room left in the
     /// context) is applied.
     pub params: SamplingParams,
     pub max_tokens: Option<usize>,
@@ -46,7 +46,7 @@ pub struct Common {
 /// A parsed `POST /v1/chat/completions`.
 #[derive(Debug, Clone)]
 pub struct ChatRequest {
-    pub common: Common,
+    pub common: GenerationOptions,
     pub messages: Vec<ApiMessage>,
     /// `chat_template_kwargs.enable_thinking`, else `/think` / `/no_think` in the system prompt.
     pub enable_thinking: Option<bool>,
@@ -97,8 +97,8 @@ pub struct CallIn {
 
 /// A parsed `POST /v1/completions`.
 #[derive(Debug, Clone)]
-pub struct CompletionRequest {
-    pub common: Common,
+pub struct TextCompletionRequest {
+    pub common: GenerationOptions,
     pub prompt: PromptIn,
 }
 
@@ -131,13 +131,13 @@ fn wrong_type(param: &str, want: &str, got: &Value) -> ApiError {
 
 /// Typed access to the fields of one JSON object; `null` reads as absent (OpenAI's clients send
 /// `null` for "not given").
-struct Fields<'a> {
+struct JsonFields<'a> {
     obj: &'a Map<String, Value>,
     /// Path prefix for error messages (`messages[2].`).
     prefix: String,
 }
 
-impl<'a> Fields<'a> {
+impl<'a> JsonFields<'a> {
     fn new(v: &'a Value, path: &str) -> Result<Self, ApiError> {
         match v {
             Value::Object(obj) => Ok(Self {
@@ -229,9 +229,9 @@ impl<'a> Fields<'a> {
         }
     }
 
-    fn object(&self, name: &str) -> Result<Option<Fields<'a>>, ApiError> {
+    fn object(&self, name: &str) -> Result<Option<JsonFields<'a>>, ApiError> {
         self.get(name)
-            .map(|v| Fields::new(v, &self.path(name)))
+            .map(|v| JsonFields::new(v, &self.path(name)))
             .transpose()
     }
 
@@ -247,8 +247,8 @@ impl<'a> Fields<'a> {
 /// The most choices one request may ask for (`n`).
 pub const MAX_CHOICES: usize = 8;
 
-/// Fields both endpoints take: model, stream, sampling and stopping.
-fn parse_common(f: &Fields<'_>, defaults: &Defaults) -> Result<Common, ApiError> {
+/// JsonFields both endpoints take: model, stream, sampling and stopping.
+fn parse_common(f: &JsonFields<'_>, defaults: &Defaults) -> Result<GenerationOptions, ApiError> {
     let model = f.str("model")?.map(str::to_string);
     let stream = f.bool("stream")?.unwrap_or(false);
     let include_usage = match f.object("stream_options")? {
@@ -396,7 +396,7 @@ fn parse_common(f: &Fields<'_>, defaults: &Defaults) -> Result<Common, ApiError>
             max_tokens = Some(n);
         }
     }
-    Ok(Common {
+    Ok(GenerationOptions {
         model,
         stream,
         include_usage,
@@ -411,7 +411,7 @@ fn parse_common(f: &Fields<'_>, defaults: &Defaults) -> Result<Common, ApiError>
 /// The grammar fields of llama-server (`json_schema`) and vLLM (`guided_json`, `guided_regex`,
 /// `guided_grammar` in llguidance's Lark dialect), and llama-server's GBNF `grammar`; at most
 /// one.
-fn parse_grammar_fields(f: &Fields<'_>) -> Result<(Option<Grammar>, Option<String>), ApiError> {
+fn parse_grammar_fields(f: &JsonFields<'_>) -> Result<(Option<Grammar>, Option<String>), ApiError> {
     let mut found: Vec<(Grammar, &str)> = Vec::new();
     for name in ["json_schema", "guided_json"] {
         match f.get(name) {
@@ -460,7 +460,7 @@ fn parse_grammar_fields(f: &Fields<'_>) -> Result<(Option<Grammar>, Option<Strin
 }
 
 /// `stop`: a string or an array of strings.
-fn parse_stop(f: &Fields<'_>) -> Result<Vec<String>, ApiError> {
+fn parse_stop(f: &JsonFields<'_>) -> Result<Vec<String>, ApiError> {
     const MAX_STOP: usize = 16;
     let stops = match f.get("stop") {
         None => Vec::new(),
@@ -495,7 +495,7 @@ fn parse_stop(f: &Fields<'_>) -> Result<Vec<String>, ApiError> {
 
 /// Parses a chat completion request.
 pub fn parse_chat(body: &Value, defaults: &Defaults) -> Result<ChatRequest, ApiError> {
-    let f = Fields::new(body, "")?;
+    let f = JsonFields::new(body, "")?;
     let mut common = parse_common(&f, defaults)?;
     let raw_messages = f
         .array("messages")?
@@ -679,7 +679,7 @@ fn thinking_switch(messages: &[ApiMessage]) -> Option<bool> {
 
 fn check_tool(i: usize, t: &Value) -> Result<(), ApiError> {
     let path = format!("tools[{i}]");
-    let f = Fields::new(t, &path)?;
+    let f = JsonFields::new(t, &path)?;
     match f.str("type")? {
         None | Some("function") => {}
         Some(other) => {
@@ -709,7 +709,7 @@ fn check_tool(i: usize, t: &Value) -> Result<(), ApiError> {
 /// `content`: a string, or an array of `{"type": "text", "text": …}` parts (joined by newlines)
 /// and, when `files` is allowed, `{"type": "file", …}` parts.
 fn parse_content(
-    f: &Fields<'_>,
+    f: &JsonFields<'_>,
     required: bool,
     files: Option<&mut Vec<InlineFile>>,
 ) -> Result<String, ApiError> {
@@ -725,7 +725,7 @@ fn parse_content(
 }
 
 /// A `file` content part's file: `filename` and `file_data` (base64, bare or as a `data:` URL).
-fn parse_file_part(p: &Fields<'_>) -> Result<InlineFile, ApiError> {
+fn parse_file_part(p: &JsonFields<'_>) -> Result<InlineFile, ApiError> {
     use base64::Engine as _;
     let file = p
         .object("file")?
@@ -776,7 +776,7 @@ fn parse_file_part(p: &Fields<'_>) -> Result<InlineFile, ApiError> {
 }
 
 fn parse_content_value(
-    f: &Fields<'_>,
+    f: &JsonFields<'_>,
     param: &str,
     required: bool,
     mut files: Option<&mut Vec<InlineFile>>,
@@ -789,7 +789,7 @@ fn parse_content_value(
         Some(Value::Array(parts)) => {
             let mut texts = Vec::new();
             for (j, part) in parts.iter().enumerate() {
-                let p = Fields::new(part, &format!("{param}[{j}]"))?;
+                let p = JsonFields::new(part, &format!("{param}[{j}]"))?;
                 match p.str("type")? {
                     Some("text") => texts.push(p.str("text")?.unwrap_or_default().to_string()),
                     Some("file") if files.is_some() => {
@@ -826,7 +826,7 @@ fn parse_content_value(
 
 fn parse_message(i: usize, v: &Value) -> Result<ApiMessage, ApiError> {
     let path = format!("messages[{i}]");
-    let f = Fields::new(v, &path)?;
+    let f = JsonFields::new(v, &path)?;
     let role = f
         .str("role")?
         .ok_or_else(|| ApiError::invalid(f.path("role"), format!("`{path}.role` is required")))?;
@@ -847,7 +847,7 @@ fn parse_message(i: usize, v: &Value) -> Result<ApiMessage, ApiError> {
     if role == "assistant" {
         for (j, c) in f.array("tool_calls")?.into_iter().flatten().enumerate() {
             let cp = format!("{path}.tool_calls[{j}]");
-            let cf = Fields::new(c, &cp)?;
+            let cf = JsonFields::new(c, &cp)?;
             let function = cf.object("function")?.ok_or_else(|| {
                 ApiError::invalid(format!("{cp}.function"), "a tool call needs `function`")
             })?;
@@ -894,8 +894,11 @@ fn parse_message(i: usize, v: &Value) -> Result<ApiMessage, ApiError> {
 }
 
 /// Parses a text completion request.
-pub fn parse_completion(body: &Value, defaults: &Defaults) -> Result<CompletionRequest, ApiError> {
-    let f = Fields::new(body, "")?;
+pub fn parse_completion(
+    body: &Value,
+    defaults: &Defaults,
+) -> Result<TextCompletionRequest, ApiError> {
+    let f = JsonFields::new(body, "")?;
     let common = parse_common(&f, defaults)?;
     if f.bool("echo")? == Some(true) {
         return Err(ApiError::unsupported(
@@ -921,7 +924,7 @@ pub fn parse_completion(body: &Value, defaults: &Defaults) -> Result<CompletionR
             ))
         }
     };
-    Ok(CompletionRequest { common, prompt })
+    Ok(TextCompletionRequest { common, prompt })
 }
 
 fn parse_prompt_array(items: &[Value]) -> Result<PromptIn, ApiError> {

@@ -145,7 +145,7 @@ pub fn api_caller_is_admin(_state: &AppState, http: &HttpRequest) -> bool {
 pub(crate) fn check_admin_only(
     state: &AppState,
     http: &HttpRequest,
-    common: &Common,
+    common: &GenerationOptions,
 ) -> Result<(), ApiError> {
     smolchat_service::settings::check_ignore_eos(
         common.params.ignore_eos,

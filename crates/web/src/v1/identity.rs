@@ -71,7 +71,7 @@ pub(crate) fn api_owner(http: &HttpRequest) -> Option<smolchat_service::Caller> 
 /// one partition, so one client cannot probe another's prompts through `cached_tokens` or the
 /// time to first token. Hashed with a key drawn at start-up, so that neither API keys nor
 /// names reach the model worker's cache keys (or its debug logs).
-pub(crate) fn cache_salt(http: &HttpRequest, common: &Common) -> String {
+pub(crate) fn cache_salt(http: &HttpRequest, common: &GenerationOptions) -> String {
     cache_salt_of(http, &common.cache_salt)
 }
 

@@ -24,7 +24,7 @@ pub(crate) fn defaults(p: &Platform) -> Defaults {
     }
 }
 
-pub(crate) fn check_model(p: &Platform, common: &Common) -> Result<(), ApiError> {
+pub(crate) fn check_model(p: &Platform, common: &GenerationOptions) -> Result<(), ApiError> {
     match common.model.as_deref() {
         // Lenient like llama-server: a missing or empty model means the loaded one.
         None | Some("") => Ok(()),
@@ -64,7 +64,7 @@ pub(crate) fn checked_chat(
 }
 
 /// The request's `model`, or the served model's id when it names none.
-pub(crate) fn model_name(p: &Platform, common: &Common) -> String {
+pub(crate) fn model_name(p: &Platform, common: &GenerationOptions) -> String {
     common
         .model
         .clone()
@@ -223,7 +223,7 @@ pub fn chat_prompt(
 /// `cache_salt`. Every API route of this server generates through here.
 pub(crate) async fn submit(
     state: &web::Data<AppState>,
-    common: Common,
+    common: GenerationOptions,
     cache_salt: String,
     user: ApiUser,
     prompt: Vec<u32>,

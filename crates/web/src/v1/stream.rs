@@ -1,4 +1,4 @@
-//! Every API's streamed answer: an [`EventStream`] queues what its request's events become in
+//! Every API's streamed answer: an [`AnswerStream`] queues what its request's events become in
 //! its API's shape, [`poll_events`] drains it (ending, and the worker going away, handled once),
 //! and [`sse_response`] frames the server-sent events with actix-web-lab, keep-alive comments
 //! included. (Ollama's answer is JSON lines, not events: its items are bytes.)
@@ -22,7 +22,7 @@ pub(crate) const KEEP_ALIVE: Duration = Duration::from_secs(15);
 /// A streamed answer of any API: what it has queued, fed by its request's events. Every API's
 /// stream is polled by [`poll_events`], so draining, ending and the worker going away are
 /// handled once.
-pub(crate) trait EventStream: Unpin {
+pub(crate) trait AnswerStream: Unpin {
     /// What it queues: server-sent events, or bytes for a JSON-lines answer.
     type Item;
     fn completion(&mut self) -> &mut Completion;
@@ -35,8 +35,8 @@ pub(crate) trait EventStream: Unpin {
     fn on_worker_gone(&mut self);
 }
 
-/// `Stream::poll_next` of an [`EventStream`].
-pub(crate) fn poll_events<S: EventStream>(
+/// `Stream::poll_next` of an [`AnswerStream`].
+pub(crate) fn poll_events<S: AnswerStream>(
     this: &mut S,
     cx: &mut Context<'_>,
 ) -> Poll<Option<Result<S::Item, Infallible>>> {
