@@ -827,8 +827,16 @@ async fn share(b: &mut Browser, id: &str, forwarded: &str) -> String {
     v["url"].as_str().expect("url").to_string()
 }
 
-fn made_id(text: &str) -> String {
-    let v: Value = serde_json::from_str(text).expect("json");
+/// A conversation of two messages imported by `b` (one that can be shared); its id.
+async fn imported(b: &mut Browser) -> String {
+    let made = b
+        .json(
+            Method::POST,
+            "/api/conversations/import",
+            Some(&export_doc(vec![user("Hi"), assistant("Hello")])),
+        )
+        .await;
+    let v: Value = serde_json::from_str(&made.text).expect("json");
     v["id"].as_str().expect("id").to_string()
 }
 
@@ -849,30 +857,12 @@ async fn links_are_built_on_this_servers_own_address() {
     let own = server.base.clone();
     // From an untrusted address (127.0.0.2), the header is never read.
     let mut client = Browser::at(&server, 2, "/").await;
-    let id = made_id(
-        &client
-            .json(
-                Method::POST,
-                "/api/conversations/import",
-                Some(&export_doc(vec![user("Hi"), assistant("Hello")])),
-            )
-            .await
-            .text,
-    );
+    let id = imported(&mut client).await;
     let url = share(&mut client, &id, "evil.example").await;
     assert!(url.starts_with(&format!("{own}/s/")), "{url}");
     // From the trusted proxy's address: a host the allow-list takes is used, another is not.
     let mut proxied = Browser::at(&server, 1, "/").await;
-    let id = made_id(
-        &proxied
-            .json(
-                Method::POST,
-                "/api/conversations/import",
-                Some(&export_doc(vec![user("Hi"), assistant("Hello")])),
-            )
-            .await
-            .text,
-    );
+    let id = imported(&mut proxied).await;
     let url = share(&mut proxied, &id, "evil.example").await;
     assert!(url.starts_with(&format!("{own}/s/")), "{url}");
     let url = share(&mut proxied, &id, "localhost:9443").await;
@@ -913,16 +903,7 @@ async fn links_are_built_on_this_servers_own_address() {
     )
     .await;
     let mut client = Browser::at(&server, 2, "/").await;
-    let id = made_id(
-        &client
-            .json(
-                Method::POST,
-                "/api/conversations/import",
-                Some(&export_doc(vec![user("Hi"), assistant("Hello")])),
-            )
-            .await
-            .text,
-    );
+    let id = imported(&mut client).await;
     let url = share(&mut client, &id, "evil.example").await;
     assert!(url.starts_with("https://chat.example.com/team/s/"), "{url}");
     let ready: Value = reqwest::get(format!("{}/readyz", server.base))

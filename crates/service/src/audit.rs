@@ -11,11 +11,11 @@
 //! Every field is bounded ([`bounded`]) and a throttled sign-in is recorded once per address a
 //! minute, so no client can grow the log faster than one short row per request it is allowed.
 
-use std::collections::HashMap;
 use std::net::IpAddr;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use smolchat_serving::window::SlidingWindow;
 use smolchat_store::{AuditEntry, AuditFilter, NewAuditEntry, Store, StoreError};
 
 use crate::caller::Caller;
@@ -39,7 +39,8 @@ const THROTTLED_REMEMBERED: usize = 10_000;
 #[derive(Clone)]
 pub struct Audit {
     store: Store,
-    throttled: Arc<Mutex<HashMap<Option<IpAddr>, Instant>>>,
+    /// Throttled sign-ins recorded per address in the last [`THROTTLED_RECORD_WINDOW`].
+    throttled: Arc<Mutex<SlidingWindow<Option<IpAddr>>>>,
 }
 
 /// `text` cut to at most `max` characters, the cut marked with an ellipsis.
@@ -71,7 +72,11 @@ impl Audit {
     pub fn new(store: Store) -> Self {
         Self {
             store,
-            throttled: Arc::default(),
+            throttled: Arc::new(Mutex::new(SlidingWindow::new(
+                THROTTLED_RECORD_WINDOW,
+                Duration::ZERO,
+                THROTTLED_REMEMBERED,
+            ))),
         }
     }
 
@@ -174,28 +179,10 @@ impl Audit {
     /// Whether a throttled sign-in from `address` goes in the log now: once per
     /// [`THROTTLED_RECORD_WINDOW`] per address.
     fn first_throttled_in_window(&self, address: Option<IpAddr>) -> bool {
-        let Ok(mut seen) = self.throttled.lock() else {
-            return true;
-        };
-        let now = Instant::now();
-        if seen
-            .get(&address)
-            .is_some_and(|t| now.duration_since(*t) < THROTTLED_RECORD_WINDOW)
-        {
-            return false;
+        match self.throttled.lock() {
+            Ok(mut seen) => seen.take(&[address], 1, 1, Instant::now()).is_ok(),
+            Err(_) => true,
         }
-        if seen.len() >= THROTTLED_REMEMBERED {
-            seen.retain(|_, t| now.duration_since(*t) < THROTTLED_RECORD_WINDOW);
-            if seen.len() >= THROTTLED_REMEMBERED {
-                // Flooded from that many addresses at once: forget the oldest half.
-                let mut times: Vec<Instant> = seen.values().copied().collect();
-                times.sort_unstable();
-                let cut = times[times.len() / 2];
-                seen.retain(|_, t| *t > cut);
-            }
-        }
-        seen.insert(address, now);
-        true
     }
 
     /// Records an account event of `name` (the account's name; for a failed sign-in, the name

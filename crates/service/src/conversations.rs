@@ -393,8 +393,6 @@ pub struct Conversations {
     audit: crate::audit::Audit,
     /// Reads attached files (a PDF in a child process), so many at once.
     documents: Arc<crate::documents::DocumentReader>,
-    /// The longest token's bytes: a text has at least its length over this many tokens.
-    longest_token_bytes: usize,
 }
 
 impl Conversations {
@@ -409,14 +407,8 @@ impl Conversations {
         cfg: ConversationsConfig,
         documents: Arc<crate::documents::DocumentReader>,
     ) -> Self {
-        let longest_token_bytes = (0..tokenizer.vocab_size() as u32)
-            .map(|id| tokenizer.token_bytes(id).len())
-            .max()
-            .unwrap_or(1)
-            .max(1);
         Self {
             documents,
-            longest_token_bytes,
             audit: crate::audit::Audit::new(store.clone()),
             store,
             sessions,
@@ -445,12 +437,6 @@ impl Conversations {
 
     pub fn config(&self) -> &ConversationsConfig {
         &self.cfg
-    }
-
-    /// The longest token of the vocabulary, in bytes: a text has at least its length over
-    /// this many tokens.
-    pub fn longest_token_bytes(&self) -> usize {
-        self.longest_token_bytes
     }
 
     /// The settings a new conversation gets (today's date pinned).
@@ -878,41 +864,47 @@ impl Conversations {
         after: Option<Uuid>,
     ) -> Result<Subscription> {
         let c = self.owned(caller, id).await?;
+        // A bad `after` is refused before anything is joined.
+        let asked = match after {
+            None => None,
+            Some(after) => match self.store.get_message(after).await? {
+                Some(m) if m.conversation_id == c.id => Some(m),
+                _ => {
+                    return Err(invalid(
+                        "after",
+                        format!(
+                            "`after`: no message {after} in this conversation (give the id of \
+                             the message you posted, or of its reply)"
+                        ),
+                    ))
+                }
+            },
+        };
         let session = self.sessions.get_or_start(c.id);
         let mut subscription = session.send(Subscribe).await?;
-        if let Some(after) = after {
-            // A reply in progress here is replayed from the session's buffer, and its end comes
-            // live. Only when nothing is in progress can the reply asked about have ended.
-            let outcome = self.outcome_of_reply(c.id, after).await?;
-            if subscription.replay.is_empty() {
-                subscription.replay.extend(outcome);
-            }
+        // A reply in progress here is replayed from the session's buffer, and its end comes
+        // live. Only when nothing is in progress can the reply asked about have ended.
+        if let (Some(asked), true) = (asked, subscription.replay.is_empty()) {
+            subscription
+                .replay
+                .extend(self.outcome_of_reply(asked).await?);
         }
         Ok(subscription)
     }
 
-    /// How the reply to (or of) message `after` ended, as the event that said so; `None` while
-    /// it is still being written (or not yet begun).
-    async fn outcome_of_reply(
-        &self,
-        conversation: Uuid,
-        after: Uuid,
-    ) -> Result<Option<ReplyEvent>> {
-        let messages = self.store.messages(conversation).await?;
-        let Some(asked) = messages.iter().find(|m| m.id == after) else {
-            return Err(invalid(
-                "after",
-                format!("`after`: no message {after} in this conversation (give the id of the message you posted, or of its reply)"),
-            ));
-        };
+    /// How the reply that is (or answers) message `asked` ended, as the event that said so;
+    /// `None` while it is still being written (or not yet begun).
+    async fn outcome_of_reply(&self, asked: Message) -> Result<Option<ReplyEvent>> {
         let reply = if asked.role == Role::Assistant {
             Some(asked)
         } else {
             // The newest reply to it (a regenerated reply is a newer sibling).
-            messages
-                .iter()
+            self.store
+                .messages(asked.conversation_id)
+                .await?
+                .into_iter()
                 .rev()
-                .find(|m| m.parent_id == Some(after) && m.role == Role::Assistant)
+                .find(|m| m.parent_id == Some(asked.id) && m.role == Role::Assistant)
         };
         let Some(reply) = reply else {
             return Ok(None);
@@ -925,15 +917,11 @@ impl Conversations {
                     .to_string(),
             }),
             _ => Some(ReplyEvent::Done {
-                summary: crate::session::summary_of_stored(reply),
-                message: reply.clone(),
+                summary: crate::session::summary_of_stored(&reply),
+                message: reply,
             }),
         })
     }
-
-    // ---- Read-only share links ----
-
-    // ---- Stored responses of the Responses API: each is a conversation of its caller ----
 }
 
 #[cfg(test)]

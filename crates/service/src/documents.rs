@@ -92,9 +92,10 @@ pub enum ReadError {
     /// Too many readings at once, for this owner or the server (429).
     #[error("{message}")]
     Busy { message: String, retry_after_s: u64 },
-    /// The file's text cannot fit where it is going (a 400 naming the context window).
-    #[error("{0}")]
-    DoesNotFit(String),
+    /// The file's text cannot fit the room it was read for: it has at least this many tokens
+    /// (a 400; the caller says what the room was).
+    #[error("the file's text is at least {at_least} tokens")]
+    DoesNotFit { at_least: usize },
     /// The reader could not be started (a fault on our side).
     #[error("documents cannot be read right now: {0}")]
     Unavailable(String),
@@ -104,7 +105,19 @@ pub enum ReadError {
 /// once (see the module documentation).
 pub struct DocumentReader {
     config: SandboxConfig,
+    /// The vocabulary's longest token, in bytes: a text of N bytes has at least N / this many
+    /// tokens.
+    longest_token_bytes: usize,
     running: Mutex<Running>,
+}
+
+/// The longest token of `tokenizer`'s vocabulary, in bytes (at least 1).
+pub fn longest_token_bytes(tokenizer: &smolchat_text::tokenizer::Tokenizer) -> usize {
+    (0..tokenizer.vocab_size() as u32)
+        .map(|id| tokenizer.token_bytes(id).len())
+        .max()
+        .unwrap_or(1)
+        .max(1)
 }
 
 #[derive(Default)]
@@ -137,15 +150,20 @@ impl Drop for Place {
 const RETRY_AFTER_S: u64 = 2;
 
 impl DocumentReader {
-    pub fn new(config: SandboxConfig) -> Arc<Self> {
+    pub fn new(config: SandboxConfig, longest_token_bytes: usize) -> Arc<Self> {
         Arc::new(Self {
             config,
+            longest_token_bytes: longest_token_bytes.max(1),
             running: Mutex::new(Running::default()),
         })
     }
 
     pub fn config(&self) -> &SandboxConfig {
         &self.config
+    }
+
+    pub fn longest_token_bytes(&self) -> usize {
+        self.longest_token_bytes
     }
 
     fn take_place(self: &Arc<Self>, owner: &str) -> Result<Place, ReadError> {
@@ -181,20 +199,24 @@ impl DocumentReader {
         })
     }
 
-    /// Checks and reads the file `name` of `bytes` (at most `limit` bytes) for `owner`. A PDF's
-    /// reading stops once its text passes `max_text_bytes` (more than where it is going can
-    /// hold: the caller knows how much that is), or [`MAX_TEXT_BYTES`].
+    /// Checks and reads the file `name` of `bytes` (at most `limit` bytes) for `owner`, for a
+    /// place that holds `room` tokens. Refused by bytes alone when no tokenization could fit it
+    /// ([`ReadError::DoesNotFit`]); a PDF's reading stops as soon as its text is that long (or
+    /// [`MAX_TEXT_BYTES`]). Nothing here tokenizes: the caller counts what fits.
     pub async fn read(
         self: &Arc<Self>,
         owner: &str,
         name: &str,
         bytes: Vec<u8>,
         limit: usize,
-        max_text_bytes: usize,
+        room: usize,
     ) -> Result<Extracted, ReadError> {
         let checked = files::check(name, &bytes, limit)?;
         let _place = self.take_place(owner)?;
         let text = if checked.kind == FileKind::Pdf {
+            let max_text_bytes = room
+                .saturating_add(1)
+                .saturating_mul(self.longest_token_bytes);
             let caps = PdfCaps {
                 max_text_bytes: max_text_bytes.clamp(1, self.config.caps.max_text_bytes),
                 ..self.config.caps
@@ -206,6 +228,10 @@ impl DocumentReader {
                 .await
                 .map_err(|e| ReadError::Unavailable(format!("the reading task failed: {e}")))??
         };
+        let at_least = text.len().div_ceil(self.longest_token_bytes);
+        if at_least > room {
+            return Err(ReadError::DoesNotFit { at_least });
+        }
         Ok(Extracted {
             kind: checked.kind,
             media_type: checked.media_type,
@@ -516,7 +542,7 @@ mod tests {
 
     #[test]
     fn places_are_bounded_per_owner_and_in_all_and_given_back() {
-        let reader = DocumentReader::new(shell("exit 0"));
+        let reader = DocumentReader::new(shell("exit 0"), 16);
         let a = reader.take_place("alice").ok();
         assert!(a.is_some());
         assert!(

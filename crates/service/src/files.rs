@@ -589,6 +589,12 @@ pub fn message_with_files(files: &[FileText<'_>], text: &str) -> String {
     out
 }
 
+/// The PDF writer the integration tests use too (`tests/common/pdf.rs`), one copy for both.
+#[cfg(test)]
+#[allow(dead_code)]
+#[path = "../../../tests/common/pdf.rs"]
+mod test_pdf;
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -739,42 +745,9 @@ mod tests {
         assert_eq!(message_with_files(&[], "Just text."), "Just text.");
     }
 
-    /// A one-page PDF whose content stream is `content`, Flate-compressed, with a standard font.
-    pub(crate) fn pdf_with_content(content: &[u8]) -> Vec<u8> {
-        use std::io::Write;
-        let mut z = flate2::write::ZlibEncoder::new(Vec::new(), flate2::Compression::best());
-        z.write_all(content).unwrap();
-        let stream = z.finish().unwrap();
-        let mut out = b"%PDF-1.4\n".to_vec();
-        let mut offsets = Vec::new();
-        let objects: Vec<Vec<u8>> = vec![
-            b"<< /Type /Catalog /Pages 2 0 R >>".to_vec(),
-            b"<< /Type /Pages /Kids [3 0 R] /Count 1 >>".to_vec(),
-            b"<< /Type /Page /Parent 2 0 R /MediaBox [0 0 612 792] /Resources << /Font << /F1 5 0 R >> >> /Contents 4 0 R >>".to_vec(),
-            [format!("<< /Length {} /Filter /FlateDecode >>\nstream\n", stream.len()).into_bytes(), stream, b"\nendstream".to_vec()].concat(),
-            b"<< /Type /Font /Subtype /Type1 /BaseFont /Helvetica >>".to_vec(),
-        ];
-        for (i, o) in objects.iter().enumerate() {
-            offsets.push(out.len());
-            out.extend_from_slice(format!("{} 0 obj\n", i + 1).as_bytes());
-            out.extend_from_slice(o);
-            out.extend_from_slice(b"\nendobj\n");
-        }
-        let xref = out.len();
-        out.extend_from_slice(
-            format!("xref\n0 {}\n0000000000 65535 f \n", objects.len() + 1).as_bytes(),
-        );
-        for o in offsets {
-            out.extend_from_slice(format!("{o:010} 00000 n \n").as_bytes());
-        }
-        out.extend_from_slice(
-            format!(
-                "trailer << /Size {} /Root 1 0 R >>\nstartxref\n{xref}\n%%EOF\n",
-                objects.len() + 1
-            )
-            .as_bytes(),
-        );
-        out
+    /// A one-page PDF whose content stream is `content`, Flate-compressed, Helvetica as `/F1`.
+    fn pdf_with_content(content: &[u8]) -> Vec<u8> {
+        test_pdf::one_page(content, true, "", &[])
     }
 
     #[test]

@@ -309,7 +309,10 @@ impl Platform {
         });
         sessions.receive_from(&cluster);
         cluster.run(scheduler.clone());
-        let documents = crate::documents::DocumentReader::new(sandbox);
+        let documents = crate::documents::DocumentReader::new(
+            sandbox,
+            crate::documents::longest_token_bytes(&tokenizer),
+        );
         let conversations = Arc::new(Conversations::new(
             store.clone(),
             Arc::clone(&sessions),
@@ -369,23 +372,11 @@ impl Platform {
         let limit = usize::try_from(self.config.limits.max_file_mib.saturating_mul(1 << 20))
             .unwrap_or(usize::MAX);
         // The prompt it goes into is checked against the context window once it is built; a
-        // text of more bytes than the window's tokens can hold is refused before that (and
-        // before anything tokenizes it whole).
-        let window = self.model.context_window;
-        let longest = self.conversations.longest_token_bytes();
-        let max_text = window.saturating_add(1).saturating_mul(longest);
-        let read = self
-            .documents
-            .read(who, name, bytes, limit, max_text)
-            .await?;
-        let at_least = read.text.len().div_ceil(longest);
-        if at_least > window {
-            return Err(crate::documents::ReadError::DoesNotFit(format!(
-                "{name:?} is at least {at_least} tokens of text; the model's context window is \
-                 {window} tokens: attach a shorter part of it"
-            )));
-        }
-        Ok(read)
+        // text that could not fit the window is refused before that (and before anything
+        // tokenizes it whole).
+        self.documents
+            .read(who, name, bytes, limit, self.model.context_window)
+            .await
     }
 
     /// The conversation service every interface goes through.

@@ -575,9 +575,6 @@ pub async fn message(
     html(&MessageFragment { m })
 }
 
-// ---------------------------------------------------------------------------------------------
-// Static files, compiled in.
-
 #[cfg(test)]
 mod tests {
     use super::*;

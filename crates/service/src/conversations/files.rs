@@ -26,7 +26,7 @@ impl From<ReadError> for ConversationError {
                 message,
                 retry_after_s,
             },
-            ReadError::DoesNotFit(m) => ConversationError::ContextOverflow(m),
+            ReadError::DoesNotFit { .. } => ConversationError::ContextOverflow(e.to_string()),
             ReadError::Unavailable(m) => ConversationError::Unavailable(m),
         }
     }
@@ -78,16 +78,7 @@ impl Conversations {
             }
         }
         let room = self.context_window.saturating_sub(ROOM_FOR_THE_REST);
-        let longest = self.longest_token_bytes;
-        // No text of more bytes than this can fit the room (no token is longer than
-        // `longest`): a PDF's reading stops there.
-        let max_text = room.saturating_add(1).saturating_mul(longest);
-        let extracted = self
-            .documents
-            .read(&caller.owner, name, bytes, limit, max_text)
-            .await?;
-        let name = files::check_name(name)?;
-        let too_long = |tokens: String| {
+        let too_long = |name: &str, tokens: String| {
             ConversationError::ContextOverflow(format!(
                 "{name:?} is {tokens} tokens of text; the model's context window is {} tokens, \
                  and a file may take at most {room} of them (the rest is for your question and \
@@ -95,11 +86,20 @@ impl Conversations {
                 self.context_window
             ))
         };
-        // By bytes first: no copy of a text that cannot fit is made.
-        let at_least = extracted.text.len().div_ceil(longest);
-        if at_least > room {
-            return Err(too_long(format!("at least {at_least}")));
-        }
+        let extracted = match self
+            .documents
+            .read(&caller.owner, name, bytes, limit, room)
+            .await
+        {
+            Ok(extracted) => extracted,
+            Err(ReadError::DoesNotFit { at_least }) => {
+                let name = files::check_name(name)?;
+                return Err(too_long(&name, format!("at least {at_least}")));
+            }
+            Err(e) => return Err(e.into()),
+        };
+        let name = files::check_name(name)?;
+        let too_long = |tokens: String| too_long(&name, tokens);
         let block = files::file_block(FileText {
             name: &name,
             kind: extracted.kind.as_str(),
@@ -108,6 +108,7 @@ impl Conversations {
         // Counting tokens is CPU work: off the event loop, and stopped as soon as the count
         // passes the room (a long file is refused without being tokenized whole).
         let tokenizer = std::sync::Arc::clone(&self.tokenizer);
+        let longest = self.documents.longest_token_bytes();
         let counted = tokio::task::spawn_blocking(move || {
             files::count_tokens_within(&tokenizer, &block, room, longest)
         })

@@ -31,7 +31,6 @@ use smolchat_text::tokenizer::Tokenizer;
 mod caches;
 mod pool;
 mod step;
-#[cfg(test)]
 mod tests;
 
 use caches::{CacheSlot, PrefixDonor};

@@ -562,7 +562,8 @@ impl ModelWorker {
             }
             // Unknown (it cannot be): as if at the window, so the reply ends.
             let cached = self.engine.cached_tokens(*seq).map_or(window, <[u32]>::len);
-            if let Some(d) = step.drafts.get(id).cloned() {
+            // Taken out: nothing reads a step's drafts after its rows are delivered.
+            if let Some(d) = step.drafts.remove(id) {
                 self.verify_drafts(*id, *seq, &d, cached, window, i, &draws[i], logits, step);
                 continue;
             }

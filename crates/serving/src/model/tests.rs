@@ -1,3 +1,8 @@
+//! The model worker's tests: caches per conversation and per salt, eviction and preemption under
+//! KV pressure, shared prompt prefixes, embeddings, drafts, on the CPU engine and the fast tier's
+//! CPU runner. Test code only (the module is compiled for tests alone).
+#![cfg(test)]
+
 use super::*;
 
 /// A conversation id for the tests (a fixed one per number).

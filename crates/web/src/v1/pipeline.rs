@@ -131,7 +131,15 @@ pub(crate) async fn read_files(
                     .await
                     .map_err(|e| match e {
                         ReadError::File(e) => ApiError::invalid(&param, e.to_string()),
-                        ReadError::DoesNotFit(m) => ApiError::invalid(&param, m),
+                        ReadError::DoesNotFit { at_least } => ApiError::invalid(
+                            &param,
+                            format!(
+                                "{:?} is at least {at_least} tokens of text; the model's context \
+                             window is {} tokens: attach a shorter part of it",
+                                f.name,
+                                p.model().context_window
+                            ),
+                        ),
                         ReadError::Busy {
                             message,
                             retry_after_s,
