@@ -504,7 +504,10 @@ fn document_reader() -> &'static (
             .build()
             .expect("runtime");
         // Tokens of at most 16 bytes: what fits is judged by bytes alone here.
-        (rt, smolchat_service::documents::DocumentReader::new(config, 16))
+        (
+            rt,
+            smolchat_service::documents::DocumentReader::new(config, 16),
+        )
     })
 }
 

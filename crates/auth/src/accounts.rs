@@ -640,41 +640,30 @@ impl Accounts {
                 UserRole::User
             }
         };
-        let mut changed = None;
-        let user = match self
+        let found = self
             .store
             .user_by_identity(TRUSTED_HEADER_ISSUER, value)
-            .await?
-        {
-            Some(user) => user,
-            None => {
-                let adopted = match adopt_by_name {
-                    true => self.adopt_by_name(value).await?,
-                    false => None,
+            .await?;
+        let adopted = match (&found, adopt_by_name) {
+            (None, true) => self.adopt_by_name(value).await?,
+            _ => None,
+        };
+        let (user, changed) = match (found, adopted) {
+            (Some(user), _) => (user, None),
+            (None, Some(user)) => (user, Some("linked by name")),
+            (None, None) => {
+                let who = crate::oidc::Verified {
+                    issuer: TRUSTED_HEADER_ISSUER.to_string(),
+                    subject: value.to_string(),
+                    name: value.to_string(),
+                    email: None,
+                    groups: Vec::new(),
+                    admin,
                 };
-                match adopted {
-                    Some(user) => {
-                        changed = Some("linked by name");
-                        user
-                    }
-                    None => {
-                        let who = crate::oidc::Verified {
-                            issuer: TRUSTED_HEADER_ISSUER.to_string(),
-                            subject: value.to_string(),
-                            name: value.to_string(),
-                            email: None,
-                            groups: Vec::new(),
-                            admin,
-                        };
-                        let (user, made) = self
-                            .make_linked_user(&who, role(admin.unwrap_or(false)))
-                            .await?;
-                        if made {
-                            changed = Some("account made");
-                        }
-                        user
-                    }
-                }
+                let (user, made) = self
+                    .make_linked_user(&who, role(admin.unwrap_or(false)))
+                    .await?;
+                (user, made.then_some("account made"))
             }
         };
         if user.disabled_at.is_some() {

@@ -158,10 +158,6 @@ impl DocumentReader {
         })
     }
 
-    pub fn config(&self) -> &SandboxConfig {
-        &self.config
-    }
-
     pub fn longest_token_bytes(&self) -> usize {
         self.longest_token_bytes
     }
@@ -212,6 +208,17 @@ impl DocumentReader {
         room: usize,
     ) -> Result<Extracted, ReadError> {
         let checked = files::check(name, &bytes, limit)?;
+        // A text kind's text is its bytes (a BOM aside): one too long for the room is refused
+        // before it is copied, and without taking a place.
+        if checked.kind != FileKind::Pdf {
+            let at_least = bytes
+                .len()
+                .saturating_sub(3)
+                .div_ceil(self.longest_token_bytes);
+            if at_least > room {
+                return Err(ReadError::DoesNotFit { at_least });
+            }
+        }
         let _place = self.take_place(owner)?;
         let text = if checked.kind == FileKind::Pdf {
             let max_text_bytes = room

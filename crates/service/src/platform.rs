@@ -369,8 +369,7 @@ impl Platform {
         name: &str,
         bytes: Vec<u8>,
     ) -> Result<crate::files::Extracted, crate::documents::ReadError> {
-        let limit = usize::try_from(self.config.limits.max_file_mib.saturating_mul(1 << 20))
-            .unwrap_or(usize::MAX);
+        let limit = self.conversations.config().max_file_bytes;
         // The prompt it goes into is checked against the context window once it is built; a
         // text that could not fit the window is refused before that (and before anything
         // tokenizes it whole).

@@ -66,6 +66,15 @@ pub struct Usage {
     pub events: i64,
 }
 
+/// Whether `query` (selecting by `$1`) finds a row.
+async fn row_exists(tx: &mut WriteTx, query: &'static str, id: &str) -> Result<bool, StoreError> {
+    let found: Option<(i32,)> = sqlx::query_as(query)
+        .bind(id)
+        .fetch_optional(&mut **tx)
+        .await?;
+    Ok(found.is_some())
+}
+
 impl Store {
     /// Adds `tokens` and `events` to `subject`'s minute, day and month at `at`, in one
     /// transaction.
@@ -79,22 +88,20 @@ impl Store {
         let mut tx = WriteTx::begin(self).await?;
         // A deleted account's or key's counters are gone with it; a request that finishes just
         // after the delete must not bring them back.
-        // (A `user:` subject may be a guest or an API caller, never an account: a deleted
-        // account is known by its tombstone. A `key:` is always an account's key.)
         let gone = match subject.split_once(':') {
-            Some(("user", id)) => Some(("SELECT 1 FROM deleted_users WHERE id = $1", id, true)),
-            Some(("key", id)) => Some(("SELECT 1 FROM api_keys WHERE id = $1", id, false)),
-            _ => None,
-        };
-        if let Some((query, id, found_means_gone)) = gone {
-            let found: Option<(i32,)> = sqlx::query_as(query)
-                .bind(id)
-                .fetch_optional(&mut *tx)
-                .await?;
-            if found.is_some() == found_means_gone {
-                tx.rollback().await?;
-                return Err(StoreError::OwnerGone(subject.to_string()));
+            // An account, a guest or an API caller: a deleted account has its tombstone.
+            Some(("user", id)) => {
+                row_exists(&mut tx, "SELECT 1 FROM deleted_users WHERE id = $1", id).await?
             }
+            // Always an account's key, whose row goes with the account.
+            Some(("key", id)) => {
+                !row_exists(&mut tx, "SELECT 1 FROM api_keys WHERE id = $1", id).await?
+            }
+            _ => false,
+        };
+        if gone {
+            tx.rollback().await?;
+            return Err(StoreError::OwnerGone(subject.to_string()));
         }
         for period in Period::ALL {
             sqlx::query(

@@ -732,11 +732,11 @@ impl Store {
         completion_tokens: i64,
     ) -> Result<(), StoreError> {
         // An account's row goes with the account: a request that finishes after the delete
-        // writes nothing (keyless clients' tags, `api:…`, have no account).
+        // writes nothing (the account's tombstone says so).
         let written = sqlx::query(
             "INSERT INTO api_usage (owner, requests, prompt_tokens, completion_tokens, last_at) \
              SELECT $1, 1, $2, $3, $4 \
-             WHERE $1 LIKE 'api:%' OR EXISTS (SELECT 1 FROM users WHERE id = $1) \
+             WHERE NOT EXISTS (SELECT 1 FROM deleted_users WHERE id = $1) \
              ON CONFLICT (owner) DO UPDATE SET requests = api_usage.requests + 1, \
                prompt_tokens = api_usage.prompt_tokens + excluded.prompt_tokens, \
                completion_tokens = api_usage.completion_tokens + excluded.completion_tokens, \

@@ -77,8 +77,9 @@ impl Conversations {
                 )));
             }
         }
+        let name = files::check_name(name)?;
         let room = self.context_window.saturating_sub(ROOM_FOR_THE_REST);
-        let too_long = |name: &str, tokens: String| {
+        let too_long = |tokens: String| {
             ConversationError::ContextOverflow(format!(
                 "{name:?} is {tokens} tokens of text; the model's context window is {} tokens, \
                  and a file may take at most {room} of them (the rest is for your question and \
@@ -88,18 +89,15 @@ impl Conversations {
         };
         let extracted = match self
             .documents
-            .read(&caller.owner, name, bytes, limit, room)
+            .read(&caller.owner, &name, bytes, limit, room)
             .await
         {
             Ok(extracted) => extracted,
             Err(ReadError::DoesNotFit { at_least }) => {
-                let name = files::check_name(name)?;
-                return Err(too_long(&name, format!("at least {at_least}")));
+                return Err(too_long(format!("at least {at_least}")))
             }
             Err(e) => return Err(e.into()),
         };
-        let name = files::check_name(name)?;
-        let too_long = |tokens: String| too_long(&name, tokens);
         let block = files::file_block(FileText {
             name: &name,
             kind: extracted.kind.as_str(),
