@@ -29,6 +29,10 @@
     return "request failed (" + status + ")";
   }
 
+  function streamReady() {
+    return Promise.race([streamOpen, new Promise((resolve) => setTimeout(resolve, 5000))]);
+  }
+
   async function post(url, fields, method) {
     const body = new URLSearchParams(fields || {});
     const res = await fetch(url, {
@@ -190,6 +194,8 @@
   // After a new version (regenerate, edit) the page reloads when the reply is done, so the
   // version arrows and the branch shown come from the server.
   let reloadWhenDone = false;
+  // Resolved once the reply stream (below) is open; a send waits for it (see there).
+  let streamOpen = Promise.resolve();
 
   function setBusy(b, text) {
     busy = b;
@@ -357,6 +363,7 @@
       const old = fromHere(reply);
       old.forEach((el) => (el.hidden = true));
       try {
+        await streamReady();
         await post("/c/" + convId + "/regenerate", { message: reply.dataset.parent || "" });
         old.forEach((el) => el.remove());
         reloadWhenDone = true;
@@ -475,6 +482,7 @@
         const old = fromHere(target);
         old.forEach((el) => (el.hidden = true));
         try {
+          await streamReady();
           await post("/c/" + convId + "/edit", { content: content, message: target.dataset.id });
         } catch (err) {
           old.forEach((el) => (el.hidden = false));
@@ -485,6 +493,7 @@
         reloadWhenDone = true;
       } else {
         const files = pendingIds();
+        await streamReady();
         await post("/c/" + convId + "/messages", { content: content, files: files.join(",") });
         if (files.length) {
           // The chips go with the message; the page shows them on it once the reply is done.
@@ -598,6 +607,16 @@
   const streamingReply = messages.querySelector("article.msg.assistant.streaming");
   const after = streamingReply ? "&after=" + encodeURIComponent(streamingReply.dataset.id) : "";
   const events = new EventSource("/api/conversations/" + convId + "/events?render=html" + after);
+  // The server subscribes before it answers the stream's request, so once the stream is open no
+  // event of a reply started later can be missed: sends and edits wait for it (at most 5 s, so
+  // a stream that cannot open does not block the composer), and again after it reconnects.
+  const waitForOpen = () => {
+    streamOpen = new Promise((resolve) => events.addEventListener("open", resolve, { once: true }));
+  };
+  waitForOpen();
+  events.addEventListener("error", () => {
+    if (events.readyState !== EventSource.OPEN) waitForOpen();
+  });
   function on(name, fn) {
     events.addEventListener(name, (e) => {
       let data;
