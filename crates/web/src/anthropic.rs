@@ -20,10 +20,13 @@ use actix_web::middleware::from_fn;
 use actix_web::web::{self};
 use actix_web::{HttpRequest, HttpResponse};
 use futures_util::Stream;
+use serde::Deserialize;
 use serde_json::{json, Map, Value};
 
 use super::json::JsonBody;
+use super::openai::body::{CallBody, ChatBody, GenerationBody, MessageBody, ToolChoice};
 use super::openai::{Assembler, CallOut, ChatAssembler};
+use super::typed::{self, Count, Number, Schema, Strings};
 use super::v1;
 use super::{AppState, WebError};
 use crate::error::reshape;
@@ -71,24 +74,171 @@ fn error_type(status: StatusCode, openai_kind: &str) -> &'static str {
     }
 }
 
-/// A message's `content`: a string, or blocks of which only text counts (for `system` and
-/// `tool_result`).
-fn text_of(value: &Value, field: &str) -> Result<String, AnthropicError> {
-    match value {
-        Value::String(s) => Ok(s.clone()),
-        Value::Array(blocks) => {
-            let mut text = String::new();
-            for (i, b) in blocks.iter().enumerate() {
-                match (b["type"].as_str(), b["text"].as_str()) {
-                    (Some("text"), Some(t)) => {
-                        if !text.is_empty() {
-                            text.push('\n');
-                        }
-                        text.push_str(t);
-                    }
+/// A `POST /v1/messages` body. Anthropic's server refuses fields it does not know, so this one
+/// does too (see [`KNOWN_FIELDS`]).
+#[derive(Debug, Default, Deserialize)]
+#[serde(default, expecting = "an object")]
+struct MessagesBody {
+    model: Option<String>,
+    stream: Option<bool>,
+    max_tokens: Option<Count>,
+    temperature: Option<Number>,
+    top_p: Option<Number>,
+    top_k: Option<Count>,
+    stop_sequences: Option<Strings>,
+    metadata: Option<Metadata>,
+    system: Option<ContentIn>,
+    messages: Option<Vec<MessageIn>>,
+    tools: Option<Vec<ToolIn>>,
+    tool_choice: Option<ToolChoiceIn>,
+    thinking: Option<ThinkingIn>,
+    output_config: Option<OutputConfig>,
+    container: Option<Value>,
+    mcp_servers: Option<Value>,
+}
+
+/// Every top-level field [`MessagesBody`] takes, and those accepted and meaningless here: one
+/// tier, one place, one speed, no prompt-cache pricing (prefix caching is automatic), no
+/// workspaces.
+const KNOWN_FIELDS: &[&str] = &[
+    "model",
+    "stream",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "stop_sequences",
+    "metadata",
+    "system",
+    "messages",
+    "tools",
+    "tool_choice",
+    "thinking",
+    "output_config",
+    "container",
+    "mcp_servers",
+    "service_tier",
+    "cache_control",
+    "inference_geo",
+    "speed",
+    "diagnostics",
+    "user_profile_id",
+    "workspace_id",
+];
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(default, expecting = "an object")]
+struct Metadata {
+    user_id: Option<String>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(default, expecting = "an object")]
+struct MessageIn {
+    role: Option<String>,
+    content: Option<ContentIn>,
+}
+
+/// A `content` (or `system`): a string, or an array of content blocks.
+#[derive(Debug)]
+enum ContentIn {
+    Text(String),
+    ContentIn(Vec<Block>),
+}
+
+impl<'de> Deserialize<'de> for ContentIn {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> serde::de::Visitor<'de> for V {
+            type Value = ContentIn;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a string or an array of content blocks")
+            }
+            fn visit_str<E: serde::de::Error>(self, s: &str) -> Result<ContentIn, E> {
+                Ok(ContentIn::Text(s.to_string()))
+            }
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(
+                self,
+                mut seq: A,
+            ) -> Result<ContentIn, A::Error> {
+                let mut blocks = Vec::new();
+                while let Some(b) = seq.next_element::<Block>()? {
+                    blocks.push(b);
+                }
+                Ok(ContentIn::ContentIn(blocks))
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
+/// One content block, of any type: which fields matter depends on `type`.
+#[derive(Debug, Default, Deserialize)]
+#[serde(default, expecting = "an object")]
+struct Block {
+    #[serde(rename = "type")]
+    kind: Option<String>,
+    text: Option<String>,
+    /// `tool_use`: the call's id, the tool's name and its input.
+    id: Option<String>,
+    name: Option<String>,
+    input: Option<Value>,
+    /// `tool_result`: the call it answers and what the tool said.
+    tool_use_id: Option<String>,
+    content: Option<ContentIn>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(default, expecting = "an object")]
+struct ToolIn {
+    #[serde(rename = "type")]
+    kind: Option<String>,
+    name: Option<String>,
+    description: Option<String>,
+    input_schema: Option<Value>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(default, expecting = "an object")]
+struct ToolChoiceIn {
+    #[serde(rename = "type")]
+    kind: Option<String>,
+    name: Option<String>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(default, expecting = "an object")]
+struct ThinkingIn {
+    #[serde(rename = "type")]
+    kind: Option<String>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(default, expecting = "an object")]
+struct OutputConfig {
+    format: Option<OutputFormat>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(default, expecting = "an object")]
+struct OutputFormat {
+    #[serde(rename = "type")]
+    kind: Option<String>,
+    schema: Option<Value>,
+}
+
+/// Text blocks joined by newlines (for `system` and `tool_result`, where only text counts).
+fn text_of(blocks: ContentIn, field: &str) -> Result<String, ApiError> {
+    match blocks {
+        ContentIn::Text(s) => Ok(s),
+        ContentIn::ContentIn(blocks) => {
+            let mut text = Vec::new();
+            for (i, b) in blocks.into_iter().enumerate() {
+                match (b.kind.as_deref(), b.text) {
+                    (Some("text"), Some(t)) => text.push(t),
                     (kind, _) => {
-                        return Err(AnthropicError::invalid(
-                            &format!("{field}[{i}]"),
+                        return Err(ApiError::invalid(
+                            format!("{field}[{i}]"),
                             format!(
                                 "only text blocks are accepted here, got {}",
                                 kind.unwrap_or("a block without a type")
@@ -97,87 +247,81 @@ fn text_of(value: &Value, field: &str) -> Result<String, AnthropicError> {
                     }
                 }
             }
-            Ok(text)
+            Ok(text.join("\n"))
         }
-        other => Err(AnthropicError::invalid(
-            field,
-            format!("`{field}` must be a string or an array of text blocks, got {other}"),
-        )),
     }
 }
 
-/// Anthropic's messages onto OpenAI's: text blocks joined, `tool_use` blocks as the assistant's
-/// `tool_calls`, `tool_result` blocks as `tool` messages, `thinking` blocks dropped (a past
-/// reply's reasoning is not replayed), images and documents refused.
-fn translate_messages(messages: Option<&Value>) -> Result<Vec<Value>, AnthropicError> {
-    let Some(messages) = messages.and_then(Value::as_array) else {
-        return Err(AnthropicError::invalid(
-            "messages",
-            "`messages` is required: an array of {role, content}",
-        ));
-    };
+/// Anthropic's messages onto the one request's: text blocks joined, `tool_use` blocks as the
+/// assistant's tool calls, `tool_result` blocks as `tool` messages, `thinking` blocks dropped (a
+/// past reply's reasoning is not replayed), images and documents refused.
+fn chat_messages(messages: Vec<MessageIn>) -> Result<Vec<MessageBody>, ApiError> {
     let mut out = Vec::new();
-    for (i, m) in messages.iter().enumerate() {
+    for (i, m) in messages.into_iter().enumerate() {
         let at = format!("messages[{i}]");
-        let role = match m["role"].as_str() {
+        let role = match m.role.as_deref() {
             Some(r @ ("user" | "assistant")) => r,
             _ => {
-                return Err(AnthropicError::invalid(
-                    &format!("{at}.role"),
+                return Err(ApiError::invalid(
+                    format!("{at}.role"),
                     "`role` must be \"user\" or \"assistant\"",
                 ))
             }
         };
-        let blocks = match &m["content"] {
-            Value::String(s) => vec![json!({"type": "text", "text": s})],
-            Value::Array(b) => b.clone(),
-            other => {
-                return Err(AnthropicError::invalid(
-                    &format!("{at}.content"),
-                    format!("`content` must be a string or an array of blocks, got {other}"),
+        let blocks = match m.content {
+            Some(ContentIn::Text(s)) => vec![Block {
+                kind: Some("text".into()),
+                text: Some(s),
+                ..Block::default()
+            }],
+            Some(ContentIn::ContentIn(b)) => b,
+            None => {
+                return Err(ApiError::invalid(
+                    format!("{at}.content"),
+                    "`content` is required: a string or an array of blocks",
                 ))
             }
         };
-        let mut text = String::new();
+        let mut text = Vec::new();
         let mut calls = Vec::new();
-        for (j, b) in blocks.iter().enumerate() {
+        for (j, b) in blocks.into_iter().enumerate() {
             let bat = format!("{at}.content[{j}]");
-            match b["type"].as_str() {
+            match b.kind.as_deref() {
                 Some("text") => {
-                    let Some(t) = b["text"].as_str() else {
-                        return Err(AnthropicError::invalid(&bat, "a text block needs `text`"));
+                    let Some(t) = b.text else {
+                        return Err(ApiError::invalid(&bat, "a text block needs `text`"));
                     };
-                    if !text.is_empty() {
-                        text.push('\n');
-                    }
-                    text.push_str(t);
+                    text.push(t);
                 }
                 Some("thinking" | "redacted_thinking") => {}
                 Some("tool_use") if role == "assistant" => {
-                    let (Some(id), Some(name)) = (b["id"].as_str(), b["name"].as_str()) else {
-                        return Err(AnthropicError::invalid(
+                    let (Some(id), Some(name)) = (b.id, b.name) else {
+                        return Err(ApiError::invalid(
                             &bat,
                             "a tool_use block needs `id` and `name`",
                         ));
                     };
-                    calls.push(json!({"id": id, "type": "function",
-                        "function": {"name": name, "arguments": b["input"].to_string()}}));
+                    let input = b.input.unwrap_or(Value::Null).to_string();
+                    calls.push(CallBody::new(Some(id), &name, input));
                 }
                 Some("tool_result") if role == "user" => {
-                    let Some(id) = b["tool_use_id"].as_str() else {
-                        return Err(AnthropicError::invalid(
+                    let Some(id) = b.tool_use_id else {
+                        return Err(ApiError::invalid(
                             &bat,
                             "a tool_result block needs `tool_use_id`",
                         ));
                     };
-                    let content = match &b["content"] {
-                        Value::Null => String::new(),
-                        v => text_of(v, &format!("{bat}.content"))?,
+                    let content = match b.content {
+                        None => String::new(),
+                        Some(c) => text_of(c, &format!("{bat}.content"))?,
                     };
-                    out.push(json!({"role": "tool", "tool_call_id": id, "content": content}));
+                    out.push(MessageBody {
+                        tool_call_id: Some(id),
+                        ..MessageBody::text("tool", content)
+                    });
                 }
                 Some(kind @ ("image" | "document" | "search_result")) => {
-                    return Err(AnthropicError::invalid(
+                    return Err(ApiError::invalid(
                         &bat,
                         format!(
                             "{kind} blocks are not supported: the served model reads text only"
@@ -185,182 +329,159 @@ fn translate_messages(messages: Option<&Value>) -> Result<Vec<Value>, AnthropicE
                     ))
                 }
                 Some(kind) => {
-                    return Err(AnthropicError::invalid(
+                    return Err(ApiError::invalid(
                         &bat,
                         format!("a {kind} block is not accepted in a {role} message"),
                     ))
                 }
-                None => {
-                    return Err(AnthropicError::invalid(
-                        &bat,
-                        "a content block needs a `type`",
-                    ))
-                }
+                None => return Err(ApiError::invalid(&bat, "a content block needs a `type`")),
             }
         }
+        let text = text.join("\n");
         if role == "assistant" {
-            let mut msg = json!({"role": "assistant", "content": text});
-            if !calls.is_empty() {
-                msg["tool_calls"] = Value::Array(calls);
-            }
-            out.push(msg);
+            out.push(MessageBody {
+                tool_calls: (!calls.is_empty()).then_some(calls),
+                ..MessageBody::text("assistant", text)
+            });
         } else if !text.is_empty() {
-            out.push(json!({"role": "user", "content": text}));
+            out.push(MessageBody::text("user", text));
         }
     }
     Ok(out)
 }
 
-/// The request in the OpenAI chat shape, or why it cannot be served.
-fn translate(body: &Value) -> Result<Value, AnthropicError> {
-    let Some(obj) = body.as_object() else {
-        return Err(ApiError::bad_body("the request body must be a JSON object").into());
-    };
-    let mut out = Map::new();
-    for (key, value) in obj {
-        match key.as_str() {
-            "model" | "stream" | "temperature" | "top_p" | "top_k" => {
-                out.insert(key.clone(), value.clone());
-            }
-            "max_tokens" => {
-                out.insert("max_tokens".into(), value.clone());
-            }
-            "stop_sequences" => {
-                out.insert("stop".into(), value.clone());
-            }
-            "metadata" => {
-                if let Some(user) = value["user_id"].as_str() {
-                    out.insert("user".into(), json!(user));
-                }
-            }
-            "system" | "messages" | "tools" | "tool_choice" | "thinking" => {}
-            // Accepted and meaningless here: one tier, one place, one speed, no prompt-cache
-            // pricing (prefix caching is automatic), no workspaces.
-            "service_tier" | "cache_control" | "inference_geo" | "speed" | "diagnostics"
-            | "user_profile_id" | "workspace_id" => {}
-            "output_config" => match value.get("format") {
-                None | Some(Value::Null) => {}
-                // Structured outputs, through the parser's grammar field.
-                Some(f) if f["type"] == "json_schema" && f["schema"].is_object() => {
-                    out.insert("json_schema".into(), f["schema"].clone());
-                }
-                Some(_) => return Err(AnthropicError::invalid(
-                    "output_config.format",
-                    "`output_config.format` must be {\"type\": \"json_schema\", \"schema\": {…}}",
-                )),
-            },
-            "container" if value.is_null() => {}
-            "container" | "mcp_servers" => {
-                return Err(AnthropicError::invalid(
-                    key,
-                    format!("`{key}` (server-side tools) is not supported by this server"),
-                ))
-            }
-            other => {
-                return Err(AnthropicError::invalid(
-                    other,
-                    format!("unknown field `{other}`"),
-                ))
-            }
-        }
-    }
-    if !obj.contains_key("max_tokens") {
-        return Err(AnthropicError::invalid(
-            "max_tokens",
-            "`max_tokens` is required",
-        ));
-    }
-    let mut messages = Vec::new();
-    if let Some(system) = obj.get("system") {
-        let text = text_of(system, "system")?;
-        if !text.is_empty() {
-            messages.push(json!({"role": "system", "content": text}));
-        }
-    }
-    messages.extend(translate_messages(obj.get("messages"))?);
-    out.insert("messages".into(), Value::Array(messages));
-    let choice = obj.get("tool_choice");
-    let openai_choice = match choice.map(|c| c["type"].as_str()) {
-        None | Some(Some("auto")) => json!("auto"),
-        Some(Some("none")) => json!("none"),
-        // A forced call: constrained to the tools' schemas.
-        Some(Some("any")) => json!("required"),
-        Some(Some("tool")) => match choice.and_then(|c| c["name"].as_str()) {
-            Some(name) => json!({"type": "function", "function": {"name": name}}),
-            None => {
-                return Err(AnthropicError::invalid(
-                    "tool_choice.name",
-                    "tool_choice `tool` needs the `name` of the tool to call",
-                ))
-            }
-        },
-        Some(_) => {
-            return Err(AnthropicError::invalid(
-                "tool_choice",
-                "`tool_choice.type` must be auto, any, tool or none",
-            ))
-        }
-    };
-    if let Some(tools) = obj.get("tools") {
-        out.insert("tools".into(), translate_tools(tools)?);
-    }
-    out.insert("tool_choice".into(), openai_choice);
-    match obj.get("thinking").map(|t| t["type"].as_str()) {
-        None => {}
-        Some(Some("enabled")) => {
-            out.insert(
-                "chat_template_kwargs".into(),
-                json!({"enable_thinking": true}),
-            );
-        }
-        Some(Some("disabled")) => {
-            out.insert(
-                "chat_template_kwargs".into(),
-                json!({"enable_thinking": false}),
-            );
-        }
-        Some(_) => {
-            return Err(AnthropicError::invalid(
-                "thinking",
-                "`thinking.type` must be enabled or disabled",
-            ))
-        }
-    }
-    Ok(Value::Object(out))
-}
-
-/// Anthropic's tools (`name`, `description`, `input_schema`) as OpenAI's functions.
-fn translate_tools(tools: &Value) -> Result<Value, AnthropicError> {
-    let Some(tools) = tools.as_array() else {
-        return Err(AnthropicError::invalid("tools", "`tools` must be an array"));
-    };
+/// Anthropic's tools (`name`, `description`, `input_schema`) as the one request's functions.
+fn chat_tools(tools: Vec<ToolIn>) -> Result<Vec<Value>, ApiError> {
     tools
-        .iter()
+        .into_iter()
         .enumerate()
         .map(|(i, t)| {
-            let Some(name) = t["name"].as_str() else {
-                return Err(AnthropicError::invalid(
-                    &format!("tools[{i}].name"),
+            let Some(name) = t.name else {
+                return Err(ApiError::invalid(
+                    format!("tools[{i}].name"),
                     "a tool needs a `name`",
                 ));
             };
-            if t.get("type")
-                .and_then(Value::as_str)
-                .is_some_and(|k| k != "custom")
-            {
-                return Err(AnthropicError::invalid(
-                    &format!("tools[{i}].type"),
+            if t.kind.as_deref().is_some_and(|k| k != "custom") {
+                return Err(ApiError::invalid(
+                    format!("tools[{i}].type"),
                     "only custom tools (name, description, input_schema) are supported",
                 ));
             }
             Ok(json!({"type": "function", "function": {
                 "name": name,
-                "description": t["description"].as_str().unwrap_or(""),
-                "parameters": t.get("input_schema").cloned().unwrap_or(json!({"type": "object"})),
+                "description": t.description.unwrap_or_default(),
+                "parameters": t.input_schema.unwrap_or_else(|| json!({"type": "object"})),
             }}))
         })
-        .collect::<Result<Vec<_>, _>>()
-        .map(Value::Array)
+        .collect()
+}
+
+/// The request as the one typed chat request, or why it cannot be served.
+fn translate(body: &Value) -> Result<(GenerationBody, ChatBody), ApiError> {
+    if let Value::Object(obj) = body {
+        typed::refuse_unknown(obj, "", KNOWN_FIELDS, "field")?;
+    }
+    let b: MessagesBody = typed::read(body, "")?;
+    for (key, value) in [("container", &b.container), ("mcp_servers", &b.mcp_servers)] {
+        if value.is_some() {
+            return Err(ApiError::invalid(
+                key,
+                format!("`{key}` (server-side tools) is not supported by this server"),
+            ));
+        }
+    }
+    if b.max_tokens.is_none() {
+        return Err(ApiError::invalid(
+            "max_tokens",
+            "`max_tokens` is required",
+        ));
+    }
+    // Structured outputs, through the one request's grammar field.
+    let json_schema = match b.output_config.and_then(|c| c.format) {
+        None => None,
+        Some(OutputFormat {
+            kind: Some(kind),
+            schema: Some(schema @ Value::Object(_)),
+        }) if kind == "json_schema" => Some(Schema(schema)),
+        Some(_) => {
+            return Err(ApiError::invalid(
+                "output_config.format",
+                "`output_config.format` must be {\"type\": \"json_schema\", \"schema\": {…}}",
+            ))
+        }
+    };
+    let mut messages = Vec::new();
+    if let Some(system) = b.system {
+        let text = text_of(system, "system")?;
+        if !text.is_empty() {
+            messages.push(MessageBody::text("system", text));
+        }
+    }
+    let Some(anthropic_messages) = b.messages else {
+        return Err(ApiError::invalid(
+            "messages",
+            "`messages` is required: an array of {role, content}",
+        ));
+    };
+    messages.extend(chat_messages(anthropic_messages)?);
+    let tool_choice = match b.tool_choice {
+        None => ToolChoice::Mode("auto".into()),
+        Some(c) => match (c.kind.as_deref(), c.name) {
+            (Some("auto"), _) => ToolChoice::Mode("auto".into()),
+            (Some("none"), _) => ToolChoice::Mode("none".into()),
+            // A forced call: constrained to the tools' schemas.
+            (Some("any"), _) => ToolChoice::Mode("required".into()),
+            (Some("tool"), Some(name)) => ToolChoice::Named(Some(name)),
+            (Some("tool"), None) => {
+                return Err(ApiError::invalid(
+                    "tool_choice.name",
+                    "tool_choice `tool` needs the `name` of the tool to call",
+                ))
+            }
+            _ => {
+                return Err(ApiError::invalid(
+                    "tool_choice",
+                    "`tool_choice.type` must be auto, any, tool or none",
+                ))
+            }
+        },
+    };
+    let enable_thinking = match b.thinking.map(|t| t.kind) {
+        None => None,
+        Some(Some(kind)) if kind == "enabled" => Some(true),
+        Some(Some(kind)) if kind == "disabled" => Some(false),
+        Some(_) => {
+            return Err(ApiError::invalid(
+                "thinking",
+                "`thinking.type` must be enabled or disabled",
+            ))
+        }
+    };
+    let generation = GenerationBody {
+        model: b.model,
+        stream: b.stream,
+        max_tokens: b.max_tokens,
+        temperature: b.temperature,
+        top_p: b.top_p,
+        top_k: b.top_k,
+        stop: b.stop_sequences,
+        user: b.metadata.and_then(|m| m.user_id),
+        json_schema,
+        ..GenerationBody::default()
+    };
+    let chat = ChatBody {
+        messages: Some(messages),
+        tools: b.tools.map(chat_tools).transpose()?,
+        tool_choice: Some(tool_choice),
+        chat_template_kwargs: enable_thinking.map(|on| {
+            let mut kwargs = Map::new();
+            kwargs.insert("enable_thinking".into(), Value::Bool(on));
+            kwargs
+        }),
+        ..ChatBody::default()
+    };
+    Ok((generation, chat))
 }
 
 async fn messages(
@@ -369,8 +490,8 @@ async fn messages(
     body: Result<JsonBody<Value>, WebError>,
 ) -> Result<HttpResponse, AnthropicError> {
     let JsonBody(body) = body?;
-    let translated = translate(&body)?;
-    let req = v1::checked_chat(&state, &http, &translated, Some("output_config.format"))?;
+    let (generation, chat) = translate(&body)?;
+    let req = v1::checked_chat(&state, &http, generation, chat, Some("output_config.format"))?;
     let model = v1::model_name(&state.platform, &req.common);
     let parse_tool_calls = req.parse_tool_calls();
     let prompt = v1::build_chat_prompt(&state, &http, &req).await?;
@@ -630,8 +751,8 @@ mod tests {
     use super::*;
 
     #[test]
-    fn blocks_translate_into_openai_messages() {
-        let t = translate(&json!({
+    fn blocks_translate_into_the_one_request() {
+        let (g, c) = translate(&json!({
             "model": "m", "max_tokens": 10, "system": [{"type": "text", "text": "Be brief."}],
             "stop_sequences": ["END"], "metadata": {"user_id": "u1"},
             "thinking": {"type": "enabled", "budget_tokens": 1024},
@@ -648,31 +769,54 @@ mod tests {
             ],
         }))
         .expect("translate");
-        let m = &t["messages"];
-        assert_eq!(m[0], json!({"role": "system", "content": "Be brief."}));
+        let m = c.messages.clone().expect("messages");
+        assert_eq!(m[0], MessageBody::text("system", "Be brief."));
         assert_eq!(
-            m[2]["tool_calls"][0]["function"]["arguments"],
-            json!("{\"a\":1}")
+            m[2].tool_calls,
+            Some(vec![CallBody::new(
+                Some("toolu_1".into()),
+                "f",
+                "{\"a\":1}".into()
+            )])
         );
-        assert_eq!(m[2]["content"], json!("Calling."));
+        assert_eq!(
+            m[2].content,
+            Some(crate::openai::body::Content::Text("Calling.".into()))
+        );
         assert_eq!(
             m[3],
-            json!({"role": "tool", "tool_call_id": "toolu_1", "content": "3"})
+            MessageBody {
+                tool_call_id: Some("toolu_1".into()),
+                ..MessageBody::text("tool", "3")
+            }
         );
-        assert_eq!(m[4], json!({"role": "user", "content": "Thanks"}));
-        assert_eq!(t["stop"], json!(["END"]));
-        assert_eq!(t["user"], json!("u1"));
-        assert_eq!(t["chat_template_kwargs"]["enable_thinking"], json!(true));
+        assert_eq!(m[4], MessageBody::text("user", "Thanks"));
+        assert_eq!(g.stop, Some(Strings(vec!["END".into()])));
+        assert_eq!(g.user.as_deref(), Some("u1"));
         assert_eq!(
-            t["tools"][0]["function"]["parameters"],
-            json!({"type": "object"})
+            c.chat_template_kwargs.as_ref().map(|k| k["enable_thinking"].clone()),
+            Some(json!(true))
         );
+        assert_eq!(
+            c.tools.as_ref().map(|t| t[0]["function"]["parameters"].clone()),
+            Some(json!({"type": "object"}))
+        );
+        // What the one request makes of it.
+        let defaults = crate::openai::request::Defaults {
+            temperature: 1.0,
+            top_p: 1.0,
+            top_k: 0,
+        };
+        let req = crate::openai::request::chat_request(g, c, &defaults).expect("checked");
+        assert_eq!(req.messages.len(), 5);
+        assert_eq!(req.enable_thinking, Some(true));
+        assert_eq!(req.common.max_tokens, Some(10));
     }
 
     #[test]
     fn what_cannot_be_served_is_named() {
         let base = || json!({"max_tokens": 5, "messages": [{"role": "user", "content": "x"}]});
-        let refused = |body: Value| translate(&body).err().map(|e| e.0.param);
+        let refused = |body: Value| translate(&body).err().map(|e| e.param);
         let mut b = base();
         b.as_object_mut().map(|o| o.remove("max_tokens"));
         assert_eq!(refused(b), Some(Some("max_tokens".into())));
@@ -688,6 +832,13 @@ mod tests {
         let mut b = base();
         b["messages"][0]["role"] = json!("system");
         assert_eq!(refused(b), Some(Some("messages[0].role".into())));
+        // Types are the body's own: named by Anthropic's field names.
+        let mut b = base();
+        b["stop_sequences"] = json!(["ok", 3]);
+        assert_eq!(refused(b), Some(Some("stop_sequences[1]".into())));
+        let mut b = base();
+        b["messages"][0]["content"] = json!(7);
+        assert_eq!(refused(b), Some(Some("messages[0].content".into())));
     }
 
     #[test]

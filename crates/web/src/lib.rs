@@ -54,6 +54,7 @@ pub mod organise;
 pub mod owner;
 pub mod pages;
 pub mod responses;
+pub mod typed;
 mod state;
 pub mod v1;
 

@@ -3,8 +3,8 @@
 //! object with `"stream": false`), `GET /api/tags`, `POST /api/show`, `GET /api/version` and
 //! `GET /api/ps`.
 //!
-//! A request is translated into the OpenAI request shape and parsed by the one parser
-//! (`openai::request`), then generated through `v1::submit`: its values get the same
+//! A request is read as Ollama's own types and becomes the one typed request ([`body`],
+//! checked by `openai::request`), then generated through `v1::submit`: its values get the same
 //! settings check, the same limits, fair sharing and API keys as `/v1`. Only the shapes differ:
 //! Ollama's option names (`num_predict`, `repeat_penalty`, `repeat_last_n`, …), its answers
 //! (`message`/`response`, `done`, durations in nanoseconds) and its errors (`{"error": "…"}`).
@@ -26,8 +26,14 @@ use actix_web::{HttpRequest, HttpResponse};
 use futures_util::Stream;
 use serde_json::{json, Map, Value};
 
+mod body;
+
+use body::{ChatIn, CommonIn, Extras, GenerateIn};
+
 use super::json::JsonBody;
+use super::openai::body::{ChatBody, CompletionBody, GenerationBody, MessageBody, Prompt};
 use super::openai::{self, request, Assembler, ChatAssembler, TextAssembler};
+use super::typed;
 use super::v1;
 use super::{AppState, WebError};
 use crate::error::reshape;
@@ -359,240 +365,26 @@ fn object(body: &Value) -> Result<&Map<String, Value>, OllamaError> {
     })
 }
 
-/// What an Ollama request asks beyond the OpenAI shape it is translated into.
-struct Extras {
-    /// `options.repeat_last_n`: the penalties' window (-1: the whole context).
-    repeat_last_n: Option<i64>,
-}
-
-/// `options`: Ollama's names onto the OpenAI request's, into `out`.
-fn translate_options(
-    options: Option<&Value>,
-    out: &mut Map<String, Value>,
-) -> Result<Extras, OllamaError> {
-    let mut extras = Extras {
-        repeat_last_n: None,
-    };
-    let Some(options) = options else {
-        return Ok(extras);
-    };
-    let Some(options) = options.as_object() else {
-        return Err(OllamaError::invalid(
-            "options",
-            "`options` must be an object",
-        ));
-    };
-    for (key, value) in options {
-        match key.as_str() {
-            "temperature" | "top_p" | "top_k" | "min_p" | "seed" | "stop" | "presence_penalty"
-            | "frequency_penalty" => {
-                out.insert(key.clone(), value.clone());
-            }
-            "repeat_penalty" => {
-                out.insert("repeat_penalty".into(), value.clone());
-            }
-            "num_predict" => match value.as_i64() {
-                // -1: until the model stops; -2: fill the context. Both are the default here
-                // (the reply may use the room left in the context window).
-                Some(-1) | Some(-2) => {}
-                Some(n) if n > 0 => {
-                    out.insert("max_tokens".into(), json!(n));
-                }
-                _ => {
-                    return Err(OllamaError::invalid(
-                        "options.num_predict",
-                        format!(
-                        "`options.num_predict` must be a positive integer, -1 or -2, got {value}"
-                    ),
-                    ))
-                }
-            },
-            "repeat_last_n" => match value.as_i64() {
-                Some(n) if n >= -1 => extras.repeat_last_n = Some(n),
-                _ => {
-                    return Err(OllamaError::invalid(
-                        "options.repeat_last_n",
-                        format!("`options.repeat_last_n` must be an integer >= -1, got {value}"),
-                    ))
-                }
-            },
-            // Sampling this server does not do: refused unless asked for as "off".
-            "mirostat" if value.as_i64() == Some(0) => {}
-            "typical_p" | "tfs_z" if value.as_f64() == Some(1.0) => {}
-            "mirostat" | "mirostat_tau" | "mirostat_eta" | "typical_p" | "tfs_z" => {
-                return Err(OllamaError::invalid(
-                    &format!("options.{key}"),
-                    format!(
-                        "`options.{key}` is not supported by this server (it samples with \
-                         temperature, top_k, top_p, min_p and the penalties); remove it"
-                    ),
-                ))
-            }
-            // How Ollama loads and runs a model: this server's model is loaded once, with its
-            // own configuration (the context window included), so these change nothing.
-            "num_ctx" | "num_batch" | "num_gpu" | "main_gpu" | "num_thread" | "num_keep"
-            | "use_mmap" | "use_mlock" | "numa" | "low_vram" | "f16_kv" | "vocab_only"
-            | "penalize_newline" | "logits_all" | "embedding_only" => {}
-            other => {
-                return Err(OllamaError::invalid(
-                    &format!("options.{other}"),
-                    format!("unknown option `{other}`"),
-                ))
-            }
-        }
-    }
-    Ok(extras)
-}
-
-/// The fields both generating routes share: `model`, `stream` (default true), `options`,
-/// `think`, and the refusals of what this server cannot do.
-fn translate_common(
-    obj: &Map<String, Value>,
-    out: &mut Map<String, Value>,
-) -> Result<Extras, OllamaError> {
-    match obj.get("model") {
-        None | Some(Value::String(_)) => {
-            out.insert(
-                "model".into(),
-                obj.get("model").cloned().unwrap_or(json!("")),
-            );
-        }
-        Some(other) => {
-            return Err(OllamaError::invalid(
-                "model",
-                format!("`model` must be a string, got {other}"),
-            ))
-        }
-    }
-    let stream = match obj.get("stream") {
-        None | Some(Value::Null) => true,
-        Some(Value::Bool(b)) => *b,
-        Some(other) => {
-            return Err(OllamaError::invalid(
-                "stream",
-                format!("`stream` must be true or false, got {other}"),
-            ))
-        }
-    };
-    out.insert("stream".into(), json!(stream));
-    // Structured outputs: "json" (any JSON object) or a JSON Schema, through the one grammar
-    // field of the parser (`json_schema`).
-    match obj.get("format") {
-        None | Some(Value::Null) => {}
-        Some(Value::String(s)) if s.is_empty() => {}
-        Some(Value::String(s)) if s == "json" => {
-            out.insert("json_schema".into(), json!({"type": "object"}));
-        }
-        Some(schema @ Value::Object(_)) => {
-            out.insert("json_schema".into(), schema.clone());
-        }
-        Some(other) => {
-            return Err(OllamaError::invalid(
-                "format",
-                format!("`format` must be \"json\" or a JSON Schema object, got {other}"),
-            ))
-        }
-    }
-    match obj.get("think") {
-        None | Some(Value::Null) => {}
-        Some(Value::Bool(b)) => {
-            out.insert("chat_template_kwargs".into(), json!({"enable_thinking": b}));
-        }
-        Some(other) => {
-            return Err(OllamaError::invalid(
-                "think",
-                format!("`think` must be true or false, got {other}"),
-            ))
-        }
-    }
-    // `keep_alive`: the model stays loaded for the server's lifetime whatever it says.
-    translate_options(obj.get("options"), out)
-}
-
-/// Ollama's chat messages onto OpenAI's: `images` refused, `tool_calls` with object arguments
-/// encoded as OpenAI's strings, `thinking` dropped (a past reply's reasoning is not replayed).
-fn translate_messages(messages: Option<&Value>) -> Result<Value, OllamaError> {
-    let Some(messages) = messages else {
-        return Err(OllamaError::invalid("messages", "`messages` is required"));
-    };
-    let Some(messages) = messages.as_array() else {
-        return Err(OllamaError::invalid(
-            "messages",
-            "`messages` must be an array",
-        ));
-    };
-    let mut out = Vec::with_capacity(messages.len());
-    for (i, m) in messages.iter().enumerate() {
-        let Some(m) = m.as_object() else {
-            return Err(OllamaError::invalid(
-                &format!("messages[{i}]"),
-                "each message must be an object",
-            ));
-        };
-        let mut o = Map::new();
-        for (key, value) in m {
-            match key.as_str() {
-                "role" | "content" | "tool_call_id" => {
-                    o.insert(key.clone(), value.clone());
-                }
-                "tool_name" => {
-                    o.insert("name".into(), value.clone());
-                }
-                "thinking" => {}
-                "images" if value.as_array().is_none_or(Vec::is_empty) => {}
-                "images" => {
-                    return Err(OllamaError::invalid(
-                        &format!("messages[{i}].images"),
-                        "images are not supported: the served model reads text only",
-                    ))
-                }
-                "tool_calls" => {
-                    let calls = value.as_array().cloned().unwrap_or_default();
-                    let calls: Vec<Value> = calls
-                        .into_iter()
-                        .enumerate()
-                        .map(|(j, c)| {
-                            let f = &c["function"];
-                            let arguments = match &f["arguments"] {
-                                Value::String(s) => s.clone(),
-                                Value::Null => "{}".to_string(),
-                                other => other.to_string(),
-                            };
-                            json!({"id": format!("call_{i}_{j}"), "type": "function",
-                                "function": {"name": f["name"], "arguments": arguments}})
-                        })
-                        .collect();
-                    o.insert("tool_calls".into(), Value::Array(calls));
-                }
-                other => {
-                    return Err(OllamaError::invalid(
-                        &format!("messages[{i}].{other}"),
-                        format!("unknown message field `{other}`"),
-                    ))
-                }
-            }
-        }
-        out.push(Value::Object(o));
-    }
-    Ok(Value::Array(out))
-}
-
-/// A translated chat body through the one pipeline every chat-shaped API takes
-/// ([`v1::checked_chat`]: the one parser, the model and admin-only checks, a grammar named
-/// after Ollama's `format`), then what it does not know of Ollama's options applied.
+/// An Ollama chat request through the one pipeline every chat-shaped API takes
+/// ([`v1::checked_chat`]: the one set of checks, the model and admin-only checks, a grammar
+/// named after Ollama's `format`), then what it does not know of Ollama's options applied.
 /// The model is checked by Ollama's own names (`smollm2:latest`, the listed name) and echoed as
 /// the client wrote it.
 fn checked_chat(
     state: &web::Data<AppState>,
     http: &HttpRequest,
-    mut body: Map<String, Value>,
+    model: Option<String>,
+    generation: GenerationBody,
+    mut chat: ChatBody,
     extras: &Extras,
 ) -> Result<request::ChatRequest, OllamaError> {
-    let model = body
-        .remove("model")
-        .and_then(|m| m.as_str().map(str::to_string));
     check_model(&state.platform, model.as_deref().unwrap_or(""))?;
-    let mut req = v1::checked_chat(state, http, &Value::Object(body), Some("format"))?;
+    if let Some(think) = extras.think {
+        let mut kwargs = Map::new();
+        kwargs.insert("enable_thinking".into(), Value::Bool(think));
+        chat.chat_template_kwargs = Some(kwargs);
+    }
+    let mut req = v1::checked_chat(state, http, generation, chat, Some("format"))?;
     req.common.model = model;
     apply_extras(&mut req.common, extras)?;
     Ok(req)
@@ -619,14 +411,16 @@ async fn chat(
     body: Result<JsonBody<Value>, WebError>,
 ) -> Result<HttpResponse, OllamaError> {
     let JsonBody(body) = body?;
-    let obj = object(&body)?;
-    let mut out = Map::new();
-    let extras = translate_common(obj, &mut out)?;
-    out.insert("messages".into(), translate_messages(obj.get("messages"))?);
-    if let Some(tools) = obj.get("tools") {
-        out.insert("tools".into(), tools.clone());
-    }
-    let req = checked_chat(&state, &http, out, &extras)?;
+    let common: CommonIn = typed::read(&body, "")?;
+    let model = common.model.clone();
+    let (generation, extras) = body::generation(common)?;
+    let chat_in: ChatIn = typed::read(&body, "")?;
+    let chat = ChatBody {
+        messages: Some(chat_in.messages()?),
+        tools: chat_in.tools,
+        ..ChatBody::default()
+    };
+    let req = checked_chat(&state, &http, model, generation, chat, &extras)?;
     // An empty message list loads the model in Ollama; here it is always loaded.
     generate_chat(http, state, req, AnswerShape::Chat).await
 }
@@ -670,56 +464,15 @@ async fn generate(
     body: Result<JsonBody<Value>, WebError>,
 ) -> Result<HttpResponse, OllamaError> {
     let JsonBody(body) = body?;
-    let obj = object(&body)?;
     let p = &state.platform;
-    let model = obj
-        .get("model")
-        .and_then(Value::as_str)
-        .unwrap_or("")
-        .to_string();
+    let common: CommonIn = typed::read(&body, "")?;
+    let model = common.model.clone().unwrap_or_default();
     check_model(p, &model)?;
-    for (field, what) in [
-        ("suffix", "fill-in-the-middle `suffix`"),
-        ("template", "a custom `template`"),
-        ("context", "`context` (the deprecated token history)"),
-        ("images", "`images`"),
-    ] {
-        let empty = match obj.get(field) {
-            None | Some(Value::Null) => true,
-            Some(Value::String(s)) => s.is_empty(),
-            Some(Value::Array(a)) => a.is_empty(),
-            Some(_) => false,
-        };
-        if !empty {
-            return Err(OllamaError::invalid(
-                field,
-                format!("{what} is not supported by this server; remove it"),
-            ));
-        }
-    }
-    let text = |field: &str| -> Result<String, OllamaError> {
-        match obj.get(field) {
-            None | Some(Value::Null) => Ok(String::new()),
-            Some(Value::String(s)) => Ok(s.clone()),
-            Some(other) => Err(OllamaError::invalid(
-                field,
-                format!("`{field}` must be a string, got {other}"),
-            )),
-        }
-    };
-    let (prompt, system) = (text("prompt")?, text("system")?);
-    let raw = match obj.get("raw") {
-        None | Some(Value::Null) => false,
-        Some(Value::Bool(b)) => *b,
-        Some(other) => {
-            return Err(OllamaError::invalid(
-                "raw",
-                format!("`raw` must be true or false, got {other}"),
-            ))
-        }
-    };
-    let mut out = Map::new();
-    let extras = translate_common(obj, &mut out)?;
+    let own: GenerateIn = typed::read(&body, "")?;
+    own.check_supported()?;
+    let prompt = own.prompt.unwrap_or_default();
+    let system = own.system.unwrap_or_default();
+    let (generation, extras) = body::generation(common)?;
     if prompt.is_empty() {
         // Ollama's way to load a model: answered at once, the model is always loaded here.
         return Ok(HttpResponse::Ok().json(json!({
@@ -727,16 +480,19 @@ async fn generate(
             "done": true, "done_reason": "load",
         })));
     }
-    if raw {
+    if own.raw == Some(true) {
         if !system.is_empty() {
             return Err(OllamaError::invalid(
                 "system",
                 "`system` has no place in a `raw` prompt; write it into the prompt",
             ));
         }
-        out.remove("chat_template_kwargs");
-        out.insert("prompt".into(), json!(prompt));
-        let mut req = request::parse_completion(&Value::Object(out), &v1::defaults(p))?;
+        let completion = CompletionBody {
+            prompt: Some(Prompt::Text(prompt.clone())),
+            ..CompletionBody::default()
+        };
+        let mut req = request::completion_request(generation, completion, &v1::defaults(p))?;
+        req.common.model = Some(model);
         apply_extras(&mut req.common, &extras)?;
         v1::check_admin_only(&state, &http, &req.common)?;
         let state2 = state.clone();
@@ -756,11 +512,14 @@ async fn generate(
     }
     let mut messages = Vec::new();
     if !system.is_empty() {
-        messages.push(json!({"role": "system", "content": system}));
+        messages.push(MessageBody::text("system", system));
     }
-    messages.push(json!({"role": "user", "content": prompt}));
-    out.insert("messages".into(), Value::Array(messages));
-    let req = checked_chat(&state, &http, out, &extras)?;
+    messages.push(MessageBody::text("user", prompt));
+    let chat = ChatBody {
+        messages: Some(messages),
+        ..ChatBody::default()
+    };
+    let req = checked_chat(&state, &http, Some(model), generation, chat, &extras)?;
     generate_chat(http, state, req, AnswerShape::Generate).await
 }
 
@@ -1020,60 +779,6 @@ impl Stream for NdjsonStream {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn options_map_onto_the_openai_names_and_refuse_what_cannot_be_honoured() {
-        let mut out = Map::new();
-        let extras = translate_options(
-            Some(
-                &json!({"temperature": 0.2, "num_predict": 12, "repeat_penalty": 1.1,
-                "repeat_last_n": 32, "num_ctx": 4096, "stop": ["x"], "mirostat": 0}),
-            ),
-            &mut out,
-        )
-        .expect("options");
-        assert_eq!(out["temperature"], json!(0.2));
-        assert_eq!(out["max_tokens"], json!(12));
-        assert_eq!(out["repeat_penalty"], json!(1.1));
-        assert_eq!(out["stop"], json!(["x"]));
-        assert!(!out.contains_key("num_ctx"));
-        assert_eq!(extras.repeat_last_n, Some(32));
-        let mut out = Map::new();
-        translate_options(Some(&json!({"num_predict": -1})), &mut out).expect("-1");
-        assert!(!out.contains_key("max_tokens"));
-        for (bad, field) in [
-            (json!({"mirostat": 2}), "options.mirostat"),
-            (json!({"num_predict": 0}), "options.num_predict"),
-            (json!({"bogus": 1}), "options.bogus"),
-            (json!({"repeat_last_n": -5}), "options.repeat_last_n"),
-        ] {
-            let e = translate_options(Some(&bad), &mut Map::new())
-                .err()
-                .unwrap_or_else(|| panic!("{bad} accepted"));
-            assert_eq!(e.0.param.as_deref(), Some(field), "{bad}");
-        }
-    }
-
-    #[test]
-    fn messages_translate_tool_calls_and_refuse_images() {
-        let m = translate_messages(Some(&json!([
-            {"role": "user", "content": "hi", "images": []},
-            {"role": "assistant", "content": "", "thinking": "hmm",
-             "tool_calls": [{"function": {"name": "f", "arguments": {"a": 1}}}]},
-            {"role": "tool", "content": "3", "tool_name": "f"},
-        ])))
-        .expect("messages");
-        assert_eq!(
-            m[1]["tool_calls"][0]["function"]["arguments"],
-            json!("{\"a\":1}")
-        );
-        assert!(m[1].get("thinking").is_none());
-        assert_eq!(m[2]["name"], json!("f"));
-        let e = translate_messages(Some(&json!([{"role": "user", "content": "x",
-            "images": ["aGk="]}])))
-        .expect_err("images refused");
-        assert_eq!(e.0.param.as_deref(), Some("messages[0].images"));
-    }
 
     #[test]
     fn the_last_line_carries_the_counts() {

@@ -27,6 +27,7 @@
 //! cancels the request at once (and the closed channel would stop it at the next step anyway).
 
 mod assemble;
+pub mod body;
 pub mod request;
 
 use std::collections::VecDeque;
@@ -47,6 +48,7 @@ pub use assemble::{Assembler, CallOut, ChatAssembler, TextAssembler};
 use request::{GenerationOptions, PromptIn};
 
 use super::json::JsonBody;
+use super::typed;
 use super::v1;
 use super::v1::{
     api_user, build_chat_prompt, cache_salt, check_admin_only, check_model, checked_chat, defaults,
@@ -158,7 +160,13 @@ async fn chat_completions(
     body: Result<JsonBody<Value>, WebError>,
 ) -> Result<HttpResponse, ApiError> {
     let JsonBody(body) = body?;
-    let req = checked_chat(&state, &http, &body, None)?;
+    let req = checked_chat(
+        &state,
+        &http,
+        typed::read(&body, "")?,
+        typed::read(&body, "")?,
+        None,
+    )?;
     // The body limit here leaves room for a file; a request without one keeps the limit of
     // every other JSON body.
     let text_limit = super::json_limit(state.platform.config().limits.max_message_chars);

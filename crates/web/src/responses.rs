@@ -1,7 +1,7 @@
 //! OpenAI's Responses API (`POST /v1/responses`), which newer SDKs and coding agents use.
 //!
-//! A request is translated into the chat request shape and parsed by the one parser
-//! (`openai::request`): `instructions`, `input` as text or items (messages with text parts,
+//! A request is read as its own types and becomes the one typed chat request ([`body`],
+//! checked by `openai::request`): `instructions`, `input` as text or items (messages with text parts,
 //! `function_call` and `function_call_output` items), function `tools`, `tool_choice`,
 //! `text.format` (JSON Schema / JSON object, by constrained decoding), sampling and
 //! `max_output_tokens` get the same checks, limits and fair sharing as `/v1/chat/completions`,
@@ -33,7 +33,10 @@ use actix_web::{HttpRequest, HttpResponse};
 use futures_util::Stream;
 use serde_json::{json, Map, Value};
 
+mod body;
+
 use super::json::JsonBody;
+use super::openai::body::{CallBody, Content, MessageBody};
 use super::openai::{self, Assembler, CallOut, ChatAssembler};
 use super::v1;
 use super::{AppState, WebError};
@@ -115,34 +118,28 @@ fn call_id(message: Uuid, k: usize) -> String {
 
 /// A stored conversation as chat messages: assistant messages with the tool calls their raw
 /// text holds (ids from [`call_id`]), tool results answering those calls in order.
-fn history_messages(messages: &[Message]) -> Vec<Value> {
+fn history_messages(messages: &[Message]) -> Vec<MessageBody> {
     let mut out = Vec::with_capacity(messages.len());
     let mut open_calls: VecDeque<String> = VecDeque::new();
     for m in messages {
         match m.role {
-            Role::System => out.push(json!({"role": "system", "content": m.content})),
-            Role::User => out.push(json!({"role": "user", "content": m.content})),
-            Role::Tool => {
-                let mut msg = json!({"role": "tool", "content": m.content});
-                if let Some(id) = open_calls.pop_front() {
-                    msg["tool_call_id"] = json!(id);
-                }
-                out.push(msg);
-            }
+            Role::System => out.push(MessageBody::text("system", m.content.as_str())),
+            Role::User => out.push(MessageBody::text("user", m.content.as_str())),
+            Role::Tool => out.push(MessageBody {
+                tool_call_id: open_calls.pop_front(),
+                ..MessageBody::text("tool", m.content.as_str())
+            }),
             Role::Assistant => {
                 let calls = stored_calls(m);
                 open_calls = calls.iter().map(|c| c.id.clone()).collect();
-                let mut msg = json!({"role": "assistant", "content": m.content});
-                if !calls.is_empty() {
-                    msg["tool_calls"] = calls
-                        .iter()
-                        .map(|c| {
-                            json!({"id": c.id, "type": "function",
-                                "function": {"name": c.name, "arguments": c.arguments}})
-                        })
-                        .collect();
-                }
-                out.push(msg);
+                let calls: Vec<CallBody> = calls
+                    .into_iter()
+                    .map(|c| CallBody::new(Some(c.id), &c.name, c.arguments))
+                    .collect();
+                out.push(MessageBody {
+                    tool_calls: (!calls.is_empty()).then_some(calls),
+                    ..MessageBody::text("assistant", m.content.as_str())
+                });
             }
         }
     }
@@ -170,25 +167,29 @@ fn stored_calls(m: &Message) -> Vec<CallOut> {
 /// A chat message of a request's input as a stored message (the client wrote it). An
 /// assistant message's calls go into its raw text as the model's markup, so the one splitter
 /// reads them back.
-fn input_message(m: &Value) -> ImportedMessage {
-    let role = match m["role"].as_str() {
+fn input_message(m: &MessageBody) -> ImportedMessage {
+    let role = match m.role.as_deref() {
         Some("system") => Role::System,
         Some("assistant") => Role::Assistant,
         Some("tool") => Role::Tool,
         _ => Role::User,
     };
-    let content = m["content"].as_str().unwrap_or_default().to_string();
-    let raw = m["tool_calls"].as_array().map(|calls| {
+    let content = match &m.content {
+        Some(Content::Text(s)) => s.clone(),
+        _ => String::new(),
+    };
+    let raw = m.tool_calls.as_ref().map(|calls| {
         let mut raw = content.clone();
         for c in calls {
-            let arguments = c["function"]["arguments"]
-                .as_str()
-                .and_then(|a| serde_json::from_str::<Value>(a).ok())
+            let function = c.function.clone().unwrap_or_default();
+            let arguments = function
+                .arguments
+                .and_then(|a| serde_json::from_str::<Value>(&a.0).ok())
                 .unwrap_or_else(|| json!({}));
             raw.push_str(&format!(
                 "{}{}{}",
                 smolchat_text::splitter::TOOL_CALL_OPEN,
-                json!({"name": c["function"]["name"], "arguments": arguments}),
+                json!({"name": function.name, "arguments": arguments}),
                 smolchat_text::splitter::TOOL_CALL_CLOSE
             ));
         }
@@ -273,286 +274,36 @@ fn reply_message(a: &ChatAssembler, raw: &str, summary: &GenSummary) -> Imported
     }
 }
 
-fn text_of(content: &Value, field: &str) -> Result<String, ApiError> {
-    match content {
-        Value::String(s) => Ok(s.clone()),
-        Value::Array(parts) => {
-            let mut text = String::new();
-            for (i, part) in parts.iter().enumerate() {
-                match (part["type"].as_str(), part["text"].as_str()) {
-                    (Some("input_text" | "output_text" | "text"), Some(t)) => {
-                        if !text.is_empty() {
-                            text.push('\n');
-                        }
-                        text.push_str(t);
-                    }
-                    (Some(kind @ ("input_image" | "input_file" | "input_audio")), _) => {
-                        return Err(ApiError::invalid(
-                            format!("{field}[{i}]"),
-                            format!(
-                                "{kind} parts are not supported: the served model reads text only"
-                            ),
-                        ))
-                    }
-                    _ => {
-                        return Err(ApiError::invalid(
-                            format!("{field}[{i}]"),
-                            "a content part must be {\"type\": \"input_text\", \"text\": …}",
-                        ))
-                    }
-                }
-            }
-            Ok(text)
-        }
-        other => Err(ApiError::invalid(
-            field,
-            format!("`{field}` must be a string or an array of text parts, got {other}"),
-        )),
-    }
-}
-
-/// `input` as chat messages.
-fn translate_input(input: Option<&Value>) -> Result<Vec<Value>, ApiError> {
-    match input {
-        None => Err(ApiError::invalid("input", "`input` is required")),
-        Some(Value::String(s)) => Ok(vec![json!({"role": "user", "content": s})]),
-        Some(Value::Array(items)) => {
-            let mut out: Vec<Value> = Vec::new();
-            for (i, item) in items.iter().enumerate() {
-                let at = format!("input[{i}]");
-                let kind = item["type"].as_str().unwrap_or("message");
-                match kind {
-                    "message" => {
-                        let role = match item["role"].as_str() {
-                            Some("developer") => "system",
-                            Some(r @ ("user" | "assistant" | "system")) => r,
-                            _ => {
-                                return Err(ApiError::invalid(
-                                    format!("{at}.role"),
-                                    "`role` must be user, assistant, system or developer",
-                                ))
-                            }
-                        };
-                        let content = text_of(&item["content"], &format!("{at}.content"))?;
-                        out.push(json!({"role": role, "content": content}));
-                    }
-                    "function_call" => {
-                        let (Some(call_id), Some(name)) =
-                            (item["call_id"].as_str(), item["name"].as_str())
-                        else {
-                            return Err(ApiError::invalid(
-                                &at,
-                                "a function_call item needs `call_id` and `name`",
-                            ));
-                        };
-                        let call = json!({"id": call_id, "type": "function", "function": {
-                            "name": name,
-                            "arguments": item["arguments"].as_str().unwrap_or("{}"),
-                        }});
-                        // Calls of one turn join the assistant message before them.
-                        match out.last_mut() {
-                            Some(last) if last["role"] == "assistant" => {
-                                if !last["tool_calls"].is_array() {
-                                    last["tool_calls"] = json!([]);
-                                }
-                                if let Some(calls) = last["tool_calls"].as_array_mut() {
-                                    calls.push(call);
-                                }
-                            }
-                            _ => out.push(
-                                json!({"role": "assistant", "content": "", "tool_calls": [call]}),
-                            ),
-                        }
-                    }
-                    "function_call_output" => {
-                        let Some(call_id) = item["call_id"].as_str() else {
-                            return Err(ApiError::invalid(
-                                &at,
-                                "a function_call_output item needs `call_id`",
-                            ));
-                        };
-                        let output = match &item["output"] {
-                            Value::String(s) => s.clone(),
-                            other => other.to_string(),
-                        };
-                        out.push(
-                            json!({"role": "tool", "tool_call_id": call_id, "content": output}),
-                        );
-                    }
-                    // A past reply's reasoning is not replayed.
-                    "reasoning" => {}
-                    other => {
-                        return Err(ApiError::invalid(
-                            &at,
-                            format!("input items of type `{other}` are not supported"),
-                        ))
-                    }
-                }
-            }
-            Ok(out)
-        }
-        Some(other) => Err(ApiError::invalid(
-            "input",
-            format!("`input` must be a string or an array of items, got {other}"),
-        )),
-    }
-}
-
-/// The request in the chat shape.
-fn translate(body: &Value) -> Result<Value, ApiError> {
-    let Some(obj) = body.as_object() else {
-        return Err(ApiError::bad_body("the request body must be a JSON object"));
-    };
-    let mut out = Map::new();
-    for (key, value) in obj {
-        match key.as_str() {
-            "model" | "stream" | "temperature" | "top_p" | "user" | "seed" | "top_logprobs" => {
-                out.insert(key.clone(), value.clone());
-            }
-            "max_output_tokens" => {
-                out.insert("max_tokens".into(), value.clone());
-            }
-            // Read by `create`.
-            "instructions"
-            | "input"
-            | "tools"
-            | "tool_choice"
-            | "text"
-            | "reasoning"
-            | "previous_response_id" => {}
-            "store" if !value.is_null() && !value.is_boolean() => {
-                return Err(ApiError::invalid("store", "`store` must be true or false"))
-            }
-            "conversation" if !value.is_null() => {
-                return Err(ApiError::invalid(
-                    key,
-                    "`conversation` objects are not supported; chain responses with \
-                     `previous_response_id`",
-                ))
-            }
-            // Accepted without effect: one tier, no truncation, no background runs.
-            "store"
-            | "metadata"
-            | "parallel_tool_calls"
-            | "truncation"
-            | "service_tier"
-            | "include"
-            | "background"
-            | "conversation"
-            | "prompt_cache_key"
-            | "safety_identifier" => {}
-            other => return Err(ApiError::invalid(other, format!("unknown field `{other}`"))),
-        }
-    }
-    let mut messages = Vec::new();
-    if let Some(instructions) = obj.get("instructions").filter(|v| !v.is_null()) {
-        messages.push(json!({"role": "system", "content": text_of(instructions, "instructions")?}));
-    }
-    messages.extend(translate_input(obj.get("input"))?);
-    out.insert("messages".into(), Value::Array(messages));
-    if let Some(tools) = obj.get("tools").and_then(Value::as_array) {
-        let mut chat_tools = Vec::new();
-        for (i, t) in tools.iter().enumerate() {
-            if t["type"].as_str() != Some("function") {
-                return Err(ApiError::invalid(
-                    format!("tools[{i}].type"),
-                    "only function tools are supported",
-                ));
-            }
-            chat_tools.push(json!({"type": "function", "function": {
-                "name": t["name"], "description": t["description"],
-                "parameters": t.get("parameters").cloned().unwrap_or(json!({"type": "object"})),
-            }}));
-        }
-        out.insert("tools".into(), Value::Array(chat_tools));
-    }
-    match obj.get("tool_choice") {
-        None | Some(Value::Null) => {}
-        Some(Value::String(s)) => {
-            out.insert("tool_choice".into(), json!(s));
-        }
-        Some(c) if c["type"] == "function" => {
-            out.insert(
-                "tool_choice".into(),
-                json!({"type": "function", "function": {"name": c["name"]}}),
-            );
-        }
-        Some(_) => return Err(ApiError::invalid(
-            "tool_choice",
-            "`tool_choice` must be auto, none, required or {\"type\": \"function\", \"name\": …}",
-        )),
-    }
-    if let Some(format) = obj
-        .get("text")
-        .map(|t| &t["format"])
-        .filter(|f| !f.is_null())
-    {
-        match format["type"].as_str() {
-            Some("text") => {}
-            Some("json_object") => {
-                out.insert("response_format".into(), json!({"type": "json_object"}));
-            }
-            Some("json_schema") => {
-                out.insert(
-                    "response_format".into(),
-                    json!({"type": "json_schema", "json_schema": {
-                        "name": format["name"], "schema": format["schema"], "strict": format["strict"],
-                    }}),
-                );
-            }
-            _ => {
-                return Err(ApiError::invalid(
-                    "text.format",
-                    "`text.format.type` must be text, json_object or json_schema",
-                ))
-            }
-        }
-    }
-    if let Some(effort) = obj
-        .get("reasoning")
-        .map(|r| &r["effort"])
-        .filter(|e| !e.is_null())
-    {
-        // No reasoning effort levels here: any effort turns thinking on, "minimal" off.
-        let think = effort.as_str() != Some("minimal") && effort.as_str() != Some("none");
-        out.insert(
-            "chat_template_kwargs".into(),
-            json!({"enable_thinking": think}),
-        );
-    }
-    Ok(Value::Object(out))
-}
-
 async fn create(
     http: HttpRequest,
     state: web::Data<AppState>,
     body: Result<JsonBody<Value>, WebError>,
 ) -> Result<HttpResponse, ApiError> {
     let JsonBody(body) = body?;
-    let mut translated = translate(&body)?;
+    let mut translated = body::translate(&body)?;
     // Earlier turns of a stored response go after the instructions (which are not carried
     // over, as in OpenAI's API) and before this request's input.
-    let history = match body.get("previous_response_id") {
-        None | Some(Value::Null) => None,
-        Some(Value::String(id)) => Some(stored(&state, &http, id, "previous_response_id").await?),
-        Some(_) => {
-            return Err(ApiError::invalid(
-                "previous_response_id",
-                "`previous_response_id` must be a string",
-            ))
-        }
+    let history = match &translated.previous_response_id {
+        None => None,
+        Some(id) => Some(stored(&state, &http, id, "previous_response_id").await?),
     };
     let past = history
         .as_ref()
         .map(|(_, _, m)| history_messages(m))
         .unwrap_or_default();
-    let instructions = usize::from(body.get("instructions").is_some_and(|v| !v.is_null()));
-    if let Some(messages) = translated["messages"].as_array_mut() {
+    let instructions = usize::from(translated.has_instructions);
+    if let Some(messages) = translated.chat.messages.as_mut() {
         messages.splice(instructions..instructions, past);
     }
-    let req = v1::checked_chat(&state, &http, &translated, Some("text.format"))?;
+    let req = v1::checked_chat(
+        &state,
+        &http,
+        translated.generation,
+        translated.chat,
+        Some("text.format"),
+    )?;
     // Stored unless `"store": false`, for callers with a lasting identity (an API key).
-    let owner = v1::api_owner(&http).filter(|_| body["store"].as_bool() != Some(false));
+    let owner = v1::api_owner(&http).filter(|_| translated.store != Some(false));
     if let Some(owner) = &owner {
         state
             .platform
@@ -577,8 +328,7 @@ async fn create(
         if let Some((_, _, earlier)) = &history {
             turns.extend(earlier.iter().map(|m| (copied(m), m.imported)));
         }
-        let input = translate_input(body.get("input")).unwrap_or_default();
-        turns.extend(input.iter().map(|m| (input_message(m), true)));
+        turns.extend(translated.input.iter().map(|m| (input_message(m), true)));
         ResponseToStore {
             state: state.clone(),
             owner,
@@ -1077,76 +827,19 @@ impl Stream for ResponseStream {
 mod tests {
     use super::*;
 
-    #[test]
-    fn items_translate_into_chat_messages() {
-        let t = translate(&json!({
-            "model": "m", "instructions": "Be brief.", "max_output_tokens": 20,
-            "input": [
-                {"role": "user", "content": [{"type": "input_text", "text": "Hi"}]},
-                {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{\"a\":1}"},
-                {"type": "function_call_output", "call_id": "c1", "output": "3"},
-                {"role": "developer", "content": "Use tools."},
-            ],
-            "tools": [{"type": "function", "name": "f", "parameters": {"type": "object"}}],
-            "text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "object"}}},
-        }))
-        .expect("translate");
-        let m = &t["messages"];
-        assert_eq!(m[0], json!({"role": "system", "content": "Be brief."}));
-        assert_eq!(m[1], json!({"role": "user", "content": "Hi"}));
-        assert_eq!(m[2]["tool_calls"][0]["function"]["name"], json!("f"));
-        assert_eq!(
-            m[3],
-            json!({"role": "tool", "tool_call_id": "c1", "content": "3"})
-        );
-        assert_eq!(m[4]["role"], json!("system"));
-        assert_eq!(t["max_tokens"], json!(20));
-        assert_eq!(t["tools"][0]["function"]["name"], json!("f"));
-        assert_eq!(t["response_format"]["type"], json!("json_schema"));
-    }
-
-    #[test]
-    fn what_is_not_supported_is_named() {
-        let refused = |body: Value| translate(&body).err().and_then(|e| e.param);
-        assert_eq!(
-            refused(json!({"input": "x", "conversation": "conv_1"})),
-            Some("conversation".into())
-        );
-        assert_eq!(
-            refused(json!({"input": "x", "store": "yes"})),
-            Some("store".into())
-        );
-        assert_eq!(
-            refused(json!({"input": "x", "previous_response_id": "r"})),
-            None
-        );
-        assert_eq!(
-            refused(json!({"input": [{"type": "input_image_call"}]})),
-            Some("input[0]".into())
-        );
-        assert_eq!(refused(json!({})), Some("input".into()));
-        assert_eq!(
-            refused(json!({"input": "x", "warp": 1})),
-            Some("warp".into())
-        );
-        assert_eq!(
-            refused(json!({"input": "x", "tools": [{"type": "web_search"}]})),
-            Some("tools[0].type".into())
-        );
-    }
-
     /// A stored reply's calls come back with the ids it was answered with, and the tool results
     /// after it answer them in order; the input's own calls are stored as the model's markup.
     #[test]
     fn stored_turns_read_back_as_chat_messages_with_stable_call_ids() {
-        let input = translate_input(Some(&json!([
+        let input = body::translate(&json!({"input": [
             {"role": "user", "content": "Weather in Paris and Rome?"},
             {"type": "function_call", "call_id": "c1", "name": "weather", "arguments": "{\"city\":\"Paris\"}"},
             {"type": "function_call", "call_id": "c2", "name": "weather", "arguments": "{\"city\":\"Rome\"}"},
             {"type": "function_call_output", "call_id": "c1", "output": "18 C"},
             {"type": "function_call_output", "call_id": "c2", "output": "25 C"},
-        ])))
-        .expect("input");
+        ]}))
+        .expect("input")
+        .input;
         let stored: Vec<Message> = input
             .iter()
             .enumerate()
@@ -1176,26 +869,23 @@ mod tests {
         assert_eq!(back.len(), 4, "{back:?}");
         assert_eq!(
             back[0],
-            json!({"role": "user", "content": "Weather in Paris and Rome?"})
+            MessageBody::text("user", "Weather in Paris and Rome?")
         );
-        let calls = back[1]["tool_calls"]
-            .as_array()
-            .cloned()
-            .unwrap_or_default();
+        let calls = back[1].tool_calls.clone().unwrap_or_default();
         assert_eq!(calls.len(), 2);
         let first = call_id(Uuid::from_u128(2), 0);
-        assert_eq!(calls[0]["id"], json!(first));
-        assert_eq!(calls[0]["function"]["name"], json!("weather"));
-        let args: Value =
-            serde_json::from_str(calls[1]["function"]["arguments"].as_str().unwrap_or(""))
-                .unwrap_or_default();
+        assert_eq!(calls[0].id.as_deref(), Some(first.as_str()));
+        let function = |k: usize| calls[k].function.clone().unwrap_or_default();
+        assert_eq!(function(0).name.as_deref(), Some("weather"));
+        let args: Value = serde_json::from_str(&function(1).arguments.unwrap_or_default().0)
+            .unwrap_or_default();
         assert_eq!(args, json!({"city": "Rome"}));
-        assert_eq!(back[2]["tool_call_id"], json!(first));
+        assert_eq!(back[2].tool_call_id.as_deref(), Some(first.as_str()));
         assert_eq!(
-            back[3]["tool_call_id"],
-            json!(call_id(Uuid::from_u128(2), 1))
+            back[3].tool_call_id,
+            Some(call_id(Uuid::from_u128(2), 1))
         );
-        assert_eq!(back[3]["content"], json!("25 C"));
+        assert_eq!(back[3].content, Some(Content::Text("25 C".into())));
         assert_eq!(
             parse_response_id(&response_id(Uuid::from_u128(7))),
             Some(Uuid::from_u128(7))

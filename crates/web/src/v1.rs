@@ -32,6 +32,7 @@ use actix_web::{HttpMessage, HttpRequest};
 use serde_json::{json, Value};
 
 use crate::error::ApiError;
+use crate::openai::body::{ChatBody, GenerationBody};
 use crate::openai::request::{self, Defaults, GenerationOptions};
 use crate::{AppState, WebError};
 use smolchat_service::completions::{CacheUse, Completion, CompletionRequest};

@@ -1,12 +1,18 @@
-//! Reading OpenAI request bodies. The body is taken as a JSON value and read field by field, so
-//! a wrong type is a 400 that names the field and says what it must be (serde's derive would
-//! only give a line and column). JsonFields smolchat has no use for (`user`, `metadata`,
-//! `logit_bias`, …) are ignored, as llama-server ignores them; features it cannot honour
-//! (`n > 1`, forced tool choice, JSON mode) are refused rather than silently dropped.
+//! Checking chat and text completion requests, once for every API dialect: the typed body
+//! ([`super::body`], read by serde with each wrong type named by its path) becomes a
+//! [`ChatRequest`] or [`TextCompletionRequest`] here, where the rules that are more than a type
+//! live: ranges, the one settings check, at most one grammar, the tools a `tool_choice` names,
+//! files decoded. Features smolchat cannot honour (`best_of`, `echo`, several prompts) are
+//! refused rather than silently dropped.
 
 use serde_json::{Map, Value};
 
+use super::body::{
+    ChatBody, CompletionBody, Content, FileBody, GenerationBody, Logprobs, MessageBody, Prompt,
+    ResponseFormat, ToolChoice, ToolSpec,
+};
 use crate::error::ApiError;
+use crate::typed::{self, Arguments, Count, Integer, Number, Schema, Strings};
 use smolchat_text::constraint::Grammar;
 use smolchat_text::sampling::{SamplingParams, MAX_TOP_LOGPROBS};
 use smolchat_text::template::ChatMessage;
@@ -111,165 +117,42 @@ pub enum PromptIn {
 /// OpenAI's default for `/v1/completions` (vLLM follows it); chat defaults to the room left.
 pub const COMPLETION_DEFAULT_MAX_TOKENS: usize = 16;
 
-fn kind_of(v: &Value) -> &'static str {
-    match v {
-        Value::Null => "null",
-        Value::Bool(_) => "a boolean",
-        Value::Number(_) => "a number",
-        Value::String(_) => "a string",
-        Value::Array(_) => "an array",
-        Value::Object(_) => "an object",
-    }
-}
-
-fn wrong_type(param: &str, want: &str, got: &Value) -> ApiError {
-    ApiError::invalid(
-        param,
-        format!("`{param}` must be {want}, not {}", kind_of(got)),
-    )
-}
-
-/// Typed access to the fields of one JSON object; `null` reads as absent (OpenAI's clients send
-/// `null` for "not given").
-struct JsonFields<'a> {
-    obj: &'a Map<String, Value>,
-    /// Path prefix for error messages (`messages[2].`).
-    prefix: String,
-}
-
-impl<'a> JsonFields<'a> {
-    fn new(v: &'a Value, path: &str) -> Result<Self, ApiError> {
-        match v {
-            Value::Object(obj) => Ok(Self {
-                obj,
-                prefix: if path.is_empty() {
-                    String::new()
-                } else {
-                    format!("{path}.")
-                },
-            }),
-            other if path.is_empty() => Err(ApiError::bad_body(format!(
-                "the request body must be a JSON object, not {}",
-                kind_of(other)
-            ))),
-            other => Err(wrong_type(path, "an object", other)),
-        }
-    }
-
-    fn path(&self, name: &str) -> String {
-        format!("{}{name}", self.prefix)
-    }
-
-    fn get(&self, name: &str) -> Option<&'a Value> {
-        self.obj.get(name).filter(|v| !v.is_null())
-    }
-
-    fn f32(&self, name: &str) -> Result<Option<f32>, ApiError> {
-        match self.get(name) {
-            None => Ok(None),
-            Some(Value::Number(n)) => match n.as_f64() {
-                Some(x) if x.is_finite() => Ok(Some(x as f32)),
-                _ => Err(ApiError::invalid(
-                    self.path(name),
-                    format!("`{}` must be a finite number", self.path(name)),
-                )),
-            },
-            Some(other) => Err(wrong_type(&self.path(name), "a number", other)),
-        }
-    }
-
-    /// An integer; a float with no fraction (`100.0`) is accepted, as Python clients may send it.
-    fn i64(&self, name: &str) -> Result<Option<i64>, ApiError> {
-        match self.get(name) {
-            None => Ok(None),
-            Some(Value::Number(n)) => {
-                if let Some(i) = n.as_i64() {
-                    return Ok(Some(i));
-                }
-                if let Some(u) = n.as_u64() {
-                    return Ok(Some(i64::try_from(u).unwrap_or(i64::MAX)));
-                }
-                match n.as_f64() {
-                    Some(x) if x.fract() == 0.0 && x.abs() < 9.0e15 => Ok(Some(x as i64)),
-                    _ => Err(ApiError::invalid(
-                        self.path(name),
-                        format!("`{}` must be an integer, not {n}", self.path(name)),
-                    )),
-                }
-            }
-            Some(other) => Err(wrong_type(&self.path(name), "an integer", other)),
-        }
-    }
-
-    /// A non-negative integer.
-    fn count(&self, name: &str) -> Result<Option<usize>, ApiError> {
-        match self.i64(name)? {
-            None => Ok(None),
-            Some(i) if i >= 0 => Ok(Some(usize::try_from(i).unwrap_or(usize::MAX))),
-            Some(i) => Err(ApiError::invalid(
-                self.path(name),
-                format!("`{}` must be >= 0, got {i}", self.path(name)),
-            )),
-        }
-    }
-
-    fn bool(&self, name: &str) -> Result<Option<bool>, ApiError> {
-        match self.get(name) {
-            None => Ok(None),
-            Some(Value::Bool(b)) => Ok(Some(*b)),
-            Some(other) => Err(wrong_type(&self.path(name), "a boolean", other)),
-        }
-    }
-
-    fn str(&self, name: &str) -> Result<Option<&'a str>, ApiError> {
-        match self.get(name) {
-            None => Ok(None),
-            Some(Value::String(s)) => Ok(Some(s)),
-            Some(other) => Err(wrong_type(&self.path(name), "a string", other)),
-        }
-    }
-
-    fn object(&self, name: &str) -> Result<Option<JsonFields<'a>>, ApiError> {
-        self.get(name)
-            .map(|v| JsonFields::new(v, &self.path(name)))
-            .transpose()
-    }
-
-    fn array(&self, name: &str) -> Result<Option<&'a Vec<Value>>, ApiError> {
-        match self.get(name) {
-            None => Ok(None),
-            Some(Value::Array(a)) => Ok(Some(a)),
-            Some(other) => Err(wrong_type(&self.path(name), "an array", other)),
-        }
-    }
-}
-
 /// The most choices one request may ask for (`n`).
 pub const MAX_CHOICES: usize = 8;
 
-/// JsonFields both endpoints take: model, stream, sampling and stopping.
-fn parse_common(f: &JsonFields<'_>, defaults: &Defaults) -> Result<GenerationOptions, ApiError> {
-    let model = f.str("model")?.map(str::to_string);
-    let stream = f.bool("stream")?.unwrap_or(false);
-    let include_usage = match f.object("stream_options")? {
-        Some(o) => o.bool("include_usage")?.unwrap_or(false),
-        None => false,
-    };
-    let n = match f.i64("n")? {
+/// Parses a chat completion request: the body read as its two typed parts, then checked.
+pub fn parse_chat(body: &Value, defaults: &Defaults) -> Result<ChatRequest, ApiError> {
+    chat_request(typed::read(body, "")?, typed::read(body, "")?, defaults)
+}
+
+/// Parses a text completion request.
+pub fn parse_completion(
+    body: &Value,
+    defaults: &Defaults,
+) -> Result<TextCompletionRequest, ApiError> {
+    completion_request(typed::read(body, "")?, typed::read(body, "")?, defaults)
+}
+
+/// Checks what both endpoints share, once for every dialect: sampling by the one settings
+/// check (so a value gets the same verdict and message as on a conversation), the grammar
+/// fields, output length, choices and log-probabilities.
+pub fn generation_options(
+    g: GenerationBody,
+    defaults: &Defaults,
+) -> Result<GenerationOptions, ApiError> {
+    let n = match g.n {
         None => 1,
-        Some(n) if (1..=MAX_CHOICES as i64).contains(&n) => n as usize,
-        Some(n) => {
+        Some(Integer(n)) if (1..=MAX_CHOICES as i64).contains(&n) => n as usize,
+        Some(Integer(n)) => {
             return Err(ApiError::invalid(
                 "n",
                 format!("`n` must be between 1 and {MAX_CHOICES}, got {n}"),
             ))
         }
     };
-    // Chat: `logprobs: true` and `top_logprobs` (0 to 20); the legacy completions API: a
-    // number of alternatives in `logprobs` itself.
-    let top_logprobs = f.count("top_logprobs")?;
-    let logprobs = match f.get("logprobs") {
-        None | Some(Value::Null) | Some(Value::Bool(false)) => {
+    let top_logprobs = g.top_logprobs.map(|Count(n)| n);
+    let logprobs = match g.logprobs {
+        None | Some(Logprobs::Flag(false)) => {
             if top_logprobs.is_some_and(|n| n > 0) {
                 return Err(ApiError::invalid(
                     "top_logprobs",
@@ -278,15 +161,8 @@ fn parse_common(f: &JsonFields<'_>, defaults: &Defaults) -> Result<GenerationOpt
             }
             None
         }
-        Some(Value::Bool(true)) => Some(top_logprobs.unwrap_or(0)),
-        Some(Value::Number(_)) => f.count("logprobs")?,
-        Some(other) => {
-            return Err(wrong_type(
-                "logprobs",
-                "true, false or a number of alternatives",
-                other,
-            ))
-        }
+        Some(Logprobs::Flag(true)) => Some(top_logprobs.unwrap_or(0)),
+        Some(Logprobs::Alternatives(n)) => Some(n),
     };
     if let Some(n) = logprobs.filter(|&n| n > MAX_TOP_LOGPROBS) {
         let param = if top_logprobs.is_some() {
@@ -299,107 +175,79 @@ fn parse_common(f: &JsonFields<'_>, defaults: &Defaults) -> Result<GenerationOpt
             format!("`{param}` must be between 0 and {MAX_TOP_LOGPROBS}, got {n}"),
         ));
     }
-    if let Some(best_of) = f.i64("best_of")? {
-        if best_of != 1 {
-            return Err(ApiError::unsupported(
-                "best_of",
-                format!("`best_of` must be 1, got {best_of}"),
+    if let Some(Integer(best_of)) = g.best_of.filter(|&Integer(b)| b != 1) {
+        return Err(ApiError::unsupported(
+            "best_of",
+            format!("`best_of` must be 1, got {best_of}"),
+        ));
+    }
+    // Ignored, but checked as OpenAI checks it: token ids to numbers between -100 and 100 (the
+    // values' range is their type's).
+    for token in g.logit_bias.iter().flat_map(|m| m.keys()) {
+        if token.parse::<u32>().is_err() {
+            return Err(ApiError::invalid(
+                format!("logit_bias.{token}"),
+                format!("`logit_bias` keys must be token ids, and {token:?} is not one"),
             ));
         }
     }
-    // Type checks for fields that are otherwise ignored, so a malformed request is still refused.
-    // Ignored, but checked as OpenAI checks it: token ids to numbers between -100 and 100.
-    if let Some(v) = f.get("logit_bias") {
-        let Some(map) = v.as_object() else {
-            return Err(wrong_type("logit_bias", "an object", v));
-        };
-        for (token, bias) in map {
-            let param = format!("logit_bias.{token}");
-            if token.parse::<u32>().is_err() {
-                return Err(ApiError::invalid(
-                    &param,
-                    format!("`logit_bias` keys must be token ids, and {token:?} is not one"),
-                ));
-            }
-            match bias.as_f64() {
-                Some(b) if (-100.0..=100.0).contains(&b) => {}
-                Some(b) => {
-                    return Err(ApiError::invalid(
-                        &param,
-                        format!("`{param}` must be between -100 and 100, got {b}"),
-                    ))
-                }
-                None => return Err(wrong_type(&param, "a number between -100 and 100", bias)),
-            }
-        }
-    }
-    let user = f.str("user")?.unwrap_or("");
-    let salt = f.str("cache_salt")?.unwrap_or("");
+    let user = g.user.unwrap_or_default();
+    let salt = g.cache_salt.unwrap_or_default();
     // Length-prefixed so that no two different (user, salt) pairs join to the same string.
     let cache_salt = format!("{}:{user}{}:{salt}", user.len(), salt.len());
 
+    let number = |n: Option<Number>, default: f32| n.map_or(default, |Number(x)| x);
     let mut params = SamplingParams {
-        temperature: defaults.temperature,
-        top_p: defaults.top_p,
-        top_k: defaults.top_k,
+        temperature: number(g.temperature, defaults.temperature),
+        top_p: number(g.top_p, defaults.top_p),
+        top_k: g.top_k.map_or(defaults.top_k, |Count(k)| k),
         ..SamplingParams::default()
     };
-    // Values are only read here; whether they are acceptable is decided by the one settings
-    // check below, so a value gets the same verdict and message as on a conversation.
-    if let Some(t) = f.f32("temperature")? {
-        params.temperature = t;
-    }
-    if let Some(p) = f.f32("top_p")? {
-        params.top_p = p;
-    }
-    if let Some(v) = f.f32("presence_penalty")? {
-        params.presence_penalty = v;
-    }
-    if let Some(v) = f.f32("frequency_penalty")? {
-        params.frequency_penalty = v;
-    }
-    // llama-server / vLLM extensions.
-    if let Some(k) = f.count("top_k")? {
-        params.top_k = k;
-    }
-    if let Some(m) = f.f32("min_p")? {
-        params.min_p = m;
-    }
-    for name in ["repetition_penalty", "repeat_penalty"] {
-        if let Some(r) = f.f32(name)? {
-            params.repetition_penalty = r;
-        }
-    }
-    if let Some(b) = f.bool("ignore_eos")? {
-        params.ignore_eos = b;
-    }
-    if let Some(seed) = f.i64("seed")? {
-        // Any integer is a valid seed; negative ones keep their bits.
-        params.seed = Some(seed as u64);
-    }
-    params.stop_strings = parse_stop(f)?;
+    params.presence_penalty = number(g.presence_penalty, params.presence_penalty);
+    params.frequency_penalty = number(g.frequency_penalty, params.frequency_penalty);
+    params.min_p = number(g.min_p, params.min_p);
+    params.repetition_penalty = number(
+        g.repeat_penalty.or(g.repetition_penalty),
+        params.repetition_penalty,
+    );
+    params.ignore_eos = g.ignore_eos.unwrap_or(params.ignore_eos);
+    // Any integer is a valid seed; negative ones keep their bits.
+    params.seed = g.seed.map(|Integer(seed)| seed as u64);
+    params.stop_strings = check_stop(g.stop.map(|Strings(s)| s).unwrap_or_default())?;
     params.logprobs = logprobs;
-    let (grammar, grammar_field) = parse_grammar_fields(f)?;
+    let (grammar, grammar_field) = grammar_fields(
+        g.json_schema,
+        g.guided_json,
+        g.guided_regex,
+        g.guided_grammar,
+        g.grammar,
+    )?;
     params.grammar = grammar;
     smolchat_service::settings::check_sampling(&params).map_err(ApiError::from_settings)?;
 
-    // `max_completion_tokens` replaced `max_tokens` in OpenAI's API; both are accepted.
     let mut max_tokens = None;
-    for name in ["max_tokens", "max_completion_tokens"] {
-        if let Some(n) = f.count(name)? {
-            if n == 0 {
+    for (name, value) in [
+        ("max_tokens", g.max_tokens),
+        ("max_completion_tokens", g.max_completion_tokens),
+    ] {
+        match value {
+            Some(Count(0)) => {
                 return Err(ApiError::invalid(
                     name,
                     format!("`{name}` must be at least 1"),
-                ));
+                ))
             }
-            max_tokens = Some(n);
+            Some(Count(n)) => max_tokens = Some(n),
+            None => {}
         }
     }
     Ok(GenerationOptions {
-        model,
-        stream,
-        include_usage,
+        model: g.model,
+        stream: g.stream.unwrap_or(false),
+        include_usage: g
+            .stream_options
+            .and_then(|o| o.include_usage)
+            .unwrap_or(false),
         params,
         max_tokens,
         grammar_field,
@@ -408,38 +256,31 @@ fn parse_common(f: &JsonFields<'_>, defaults: &Defaults) -> Result<GenerationOpt
     })
 }
 
-/// The grammar fields of llama-server (`json_schema`) and vLLM (`guided_json`, `guided_regex`,
-/// `guided_grammar` in llguidance's Lark dialect), and llama-server's GBNF `grammar`; at most
-/// one.
-fn parse_grammar_fields(f: &JsonFields<'_>) -> Result<(Option<Grammar>, Option<String>), ApiError> {
+/// The grammar fields of llama-server (`json_schema`, GBNF `grammar`) and vLLM (`guided_json`,
+/// `guided_regex`, `guided_grammar` in llguidance's Lark dialect); at most one.
+fn grammar_fields(
+    json_schema: Option<Schema>,
+    guided_json: Option<Schema>,
+    guided_regex: Option<String>,
+    guided_grammar: Option<String>,
+    gbnf: Option<String>,
+) -> Result<(Option<Grammar>, Option<String>), ApiError> {
     let mut found: Vec<(Grammar, &str)> = Vec::new();
-    for name in ["json_schema", "guided_json"] {
-        match f.get(name) {
-            None | Some(Value::Null) => {}
-            Some(schema @ Value::Object(_)) => {
-                found.push((Grammar::JsonSchema(schema.clone()), name))
-            }
-            Some(Value::String(text)) => match serde_json::from_str::<Value>(text) {
-                Ok(schema @ Value::Object(_)) => found.push((Grammar::JsonSchema(schema), name)),
-                _ => {
-                    return Err(ApiError::invalid(
-                        name,
-                        format!("`{name}` must be a JSON Schema object"),
-                    ))
-                }
-            },
-            Some(other) => return Err(wrong_type(name, "a JSON Schema object", other)),
-        }
+    if let Some(Schema(s)) = json_schema {
+        found.push((Grammar::JsonSchema(s), "json_schema"));
     }
-    if let Some(rx) = f.str("guided_regex")? {
-        found.push((Grammar::Regex(rx.to_string()), "guided_regex"));
+    if let Some(Schema(s)) = guided_json {
+        found.push((Grammar::JsonSchema(s), "guided_json"));
     }
-    if let Some(lark) = f.str("guided_grammar")? {
-        found.push((Grammar::Lark(lark.to_string()), "guided_grammar"));
+    if let Some(rx) = guided_regex {
+        found.push((Grammar::Regex(rx), "guided_regex"));
     }
-    if let Some(gbnf) = f.str("grammar")?.filter(|g| !g.is_empty()) {
+    if let Some(lark) = guided_grammar {
+        found.push((Grammar::Lark(lark), "guided_grammar"));
+    }
+    if let Some(gbnf) = gbnf.filter(|g| !g.is_empty()) {
         // llama-server's GBNF, translated into the Lark dialect the constraint compiles.
-        let lark = smolchat_text::gbnf::to_lark(gbnf)
+        let lark = smolchat_text::gbnf::to_lark(&gbnf)
             .map_err(|e| ApiError::invalid("grammar", format!("`grammar`: {e}")))?;
         found.push((Grammar::Lark(lark), "grammar"));
     }
@@ -459,22 +300,9 @@ fn parse_grammar_fields(f: &JsonFields<'_>) -> Result<(Option<Grammar>, Option<S
     })
 }
 
-/// `stop`: a string or an array of strings.
-fn parse_stop(f: &JsonFields<'_>) -> Result<Vec<String>, ApiError> {
+/// `stop`: at most [`MAX_STOP`] strings, none empty.
+fn check_stop(stops: Vec<String>) -> Result<Vec<String>, ApiError> {
     const MAX_STOP: usize = 16;
-    let stops = match f.get("stop") {
-        None => Vec::new(),
-        Some(Value::String(s)) => vec![s.clone()],
-        Some(Value::Array(items)) => items
-            .iter()
-            .enumerate()
-            .map(|(i, v)| match v {
-                Value::String(s) => Ok(s.clone()),
-                other => Err(wrong_type(&format!("stop[{i}]"), "a string", other)),
-            })
-            .collect::<Result<_, _>>()?,
-        Some(other) => return Err(wrong_type("stop", "a string or an array of strings", other)),
-    };
     if stops.len() > MAX_STOP {
         return Err(ApiError::invalid(
             "stop",
@@ -493,12 +321,16 @@ fn parse_stop(f: &JsonFields<'_>) -> Result<Vec<String>, ApiError> {
     Ok(stops)
 }
 
-/// Parses a chat completion request.
-pub fn parse_chat(body: &Value, defaults: &Defaults) -> Result<ChatRequest, ApiError> {
-    let f = JsonFields::new(body, "")?;
-    let mut common = parse_common(&f, defaults)?;
-    let raw_messages = f
-        .array("messages")?
+/// Checks a chat request (every dialect's, once built): its messages, tools and the choice
+/// among them, `response_format`, the template's variables.
+pub fn chat_request(
+    g: GenerationBody,
+    c: ChatBody,
+    defaults: &Defaults,
+) -> Result<ChatRequest, ApiError> {
+    let mut common = generation_options(g, defaults)?;
+    let raw_messages = c
+        .messages
         .ok_or_else(|| ApiError::invalid("messages", "`messages` is required"))?;
     if raw_messages.is_empty() {
         return Err(ApiError::invalid(
@@ -507,12 +339,12 @@ pub fn parse_chat(body: &Value, defaults: &Defaults) -> Result<ChatRequest, ApiE
         ));
     }
     let messages = raw_messages
-        .iter()
+        .into_iter()
         .enumerate()
-        .map(|(i, m)| parse_message(i, m))
+        .map(|(i, m)| check_message(i, m))
         .collect::<Result<Vec<_>, _>>()?;
 
-    let tools = match f.array("tools")? {
+    let tools = match c.tools {
         None => None,
         Some(list) => {
             if list.len() > MAX_TOOLS {
@@ -527,31 +359,14 @@ pub fn parse_chat(body: &Value, defaults: &Defaults) -> Result<ChatRequest, ApiE
             for (i, t) in list.iter().enumerate() {
                 check_tool(i, t)?;
             }
-            Some(list.clone())
+            Some(list)
         }
     };
     // `required` and a named function force a call: the reply is constrained to a tool call
-    // whose arguments match the tool's schema (the handler builds the grammar).
-    let named = |name: &str| -> Result<Vec<Value>, ApiError> {
-        let found: Vec<Value> = tools
-            .iter()
-            .flatten()
-            .filter(|t| t["function"]["name"].as_str() == Some(name))
-            .cloned()
-            .collect();
-        if found.is_empty() {
-            return Err(ApiError::invalid(
-                "tool_choice",
-                format!(
-                    "`tool_choice` names the function \"{name}\", which `tools` does not offer"
-                ),
-            ));
-        }
-        Ok(found)
-    };
-    let (tool_choice, forced_tools) = match f.get("tool_choice") {
+    // whose arguments match the tool's schema (the pipeline builds the grammar).
+    let (tool_choice, forced_tools) = match c.tool_choice {
         None => ("auto", None),
-        Some(Value::String(s)) => match s.as_str() {
+        Some(ToolChoice::Mode(mode)) => match mode.as_str() {
             "auto" => ("auto", None),
             "none" => ("none", None),
             "required" => match &tools {
@@ -573,77 +388,52 @@ pub fn parse_chat(body: &Value, defaults: &Defaults) -> Result<ChatRequest, ApiE
                 ))
             }
         },
-        Some(Value::Object(o)) => match o.get("function").and_then(|fun| fun["name"].as_str()) {
-            Some(name) => ("required", Some(named(name)?)),
-            None => return Err(ApiError::invalid(
-                "tool_choice.function.name",
-                "a named `tool_choice` is {\"type\": \"function\", \"function\": {\"name\": …}}",
-            )),
-        },
-        Some(other) => return Err(wrong_type("tool_choice", "a string or an object", other)),
-    };
-    f.bool("parallel_tool_calls")?;
-    if let Some(rf) = f.object("response_format")? {
-        let grammar = match rf.str("type")? {
-            None | Some("text") => None,
-            Some("json_object") => Some(Grammar::JsonObject),
-            Some("json_schema") => {
-                let Some(js) = rf.object("json_schema")? else {
-                    return Err(ApiError::invalid(
-                        "response_format.json_schema",
-                        "`response_format.json_schema` is required with type \"json_schema\"",
-                    ));
-                };
-                // OpenAI's `strict` asks for exactly what constrained decoding always gives.
-                js.bool("strict")?;
-                js.str("name")?;
-                match js.get("schema") {
-                    Some(schema @ Value::Object(_)) => Some(Grammar::JsonSchema(schema.clone())),
-                    Some(Value::Bool(true)) | None => Some(Grammar::JsonObject),
-                    Some(other) => {
-                        return Err(wrong_type(
-                            "response_format.json_schema.schema",
-                            "a JSON Schema object",
-                            other,
-                        ))
-                    }
-                }
-            }
-            Some(other) => {
+        Some(ToolChoice::Named(Some(name))) => {
+            let found: Vec<Value> = tools
+                .iter()
+                .flatten()
+                .filter(|t| t["function"]["name"].as_str() == Some(name.as_str()))
+                .cloned()
+                .collect();
+            if found.is_empty() {
                 return Err(ApiError::invalid(
-                    "response_format",
+                    "tool_choice",
                     format!(
-                        "`response_format.type` must be \"text\", \"json_object\" or \
-                         \"json_schema\", got \"{other}\""
+                        "`tool_choice` names the function \"{name}\", which `tools` does not \
+                         offer"
                     ),
-                ))
-            }
-        };
-        if let Some(g) = grammar {
-            if common.params.grammar.is_some() {
-                return Err(ApiError::invalid(
-                    "response_format",
-                    "`response_format` and a grammar field cannot be combined; send one",
                 ));
             }
-            common.params.grammar = Some(g);
-            common.grammar_field = Some("response_format".into());
+            ("required", Some(found))
         }
+        Some(ToolChoice::Named(None)) => {
+            return Err(ApiError::invalid(
+                "tool_choice.function.name",
+                "a named `tool_choice` is {\"type\": \"function\", \"function\": {\"name\": …}}",
+            ))
+        }
+    };
+    if let Some(grammar) = c.response_format.map(response_format).transpose()?.flatten() {
+        if common.params.grammar.is_some() {
+            return Err(ApiError::invalid(
+                "response_format",
+                "`response_format` and a grammar field cannot be combined; send one",
+            ));
+        }
+        common.params.grammar = Some(grammar);
+        common.grammar_field = Some("response_format".into());
     }
 
-    let mut template_kwargs = match f.object("chat_template_kwargs")? {
-        Some(k) => k.obj.clone(),
-        None => Map::new(),
-    };
+    let mut template_kwargs = c.chat_template_kwargs.unwrap_or_default();
     let enable_thinking = match template_kwargs.remove("enable_thinking") {
         None | Some(Value::Null) => thinking_switch(&messages),
         Some(Value::Bool(b)) => Some(b),
         Some(other) => {
-            return Err(wrong_type(
-                "chat_template_kwargs.enable_thinking",
-                "a boolean",
-                &other,
-            ))
+            let param = "chat_template_kwargs.enable_thinking";
+            return Err(ApiError::invalid(
+                param,
+                format!("`{param}` must be a boolean, not {}", typed::kind_of(&other)),
+            ));
         }
     };
     if forced_tools.is_some() && common.params.grammar.is_some() {
@@ -663,6 +453,43 @@ pub fn parse_chat(body: &Value, defaults: &Defaults) -> Result<ChatRequest, ApiE
     })
 }
 
+/// `response_format` as the grammar it asks for (`None` for plain text).
+fn response_format(rf: ResponseFormat) -> Result<Option<Grammar>, ApiError> {
+    match rf.kind.as_deref() {
+        None | Some("text") => Ok(None),
+        Some("json_object") => Ok(Some(Grammar::JsonObject)),
+        Some("json_schema") => {
+            let Some(js) = rf.json_schema else {
+                return Err(ApiError::invalid(
+                    "response_format.json_schema",
+                    "`response_format.json_schema` is required with type \"json_schema\"",
+                ));
+            };
+            match js.schema {
+                Some(schema @ Value::Object(_)) => Ok(Some(Grammar::JsonSchema(schema))),
+                Some(Value::Bool(true)) | Some(Value::Null) | None => Ok(Some(Grammar::JsonObject)),
+                Some(other) => {
+                    let param = "response_format.json_schema.schema";
+                    Err(ApiError::invalid(
+                        param,
+                        format!(
+                            "`{param}` must be a JSON Schema object, not {}",
+                            typed::kind_of(&other)
+                        ),
+                    ))
+                }
+            }
+        }
+        Some(other) => Err(ApiError::invalid(
+            "response_format",
+            format!(
+                "`response_format.type` must be \"text\", \"json_object\" or \"json_schema\", \
+                 got \"{other}\""
+            ),
+        )),
+    }
+}
+
 /// `/think` or `/no_think` in the system prompt (SmolLM3's switches; `/no_think` wins, as in
 /// its template). Passed on as `enable_thinking`, so templates that only read the variable
 /// follow the switch too.
@@ -679,8 +506,8 @@ fn thinking_switch(messages: &[ApiMessage]) -> Option<bool> {
 
 fn check_tool(i: usize, t: &Value) -> Result<(), ApiError> {
     let path = format!("tools[{i}]");
-    let f = JsonFields::new(t, &path)?;
-    match f.str("type")? {
+    let spec: ToolSpec = typed::read(t, &path)?;
+    match spec.kind.as_deref() {
         None | Some("function") => {}
         Some(other) => {
             return Err(ApiError::unsupported(
@@ -689,118 +516,86 @@ fn check_tool(i: usize, t: &Value) -> Result<(), ApiError> {
             ))
         }
     }
-    let function = f
-        .object("function")?
+    let function = spec
+        .function
         .ok_or_else(|| ApiError::invalid(format!("{path}.function"), "a tool needs `function`"))?;
-    match function.str("name")? {
-        Some(name) if !name.is_empty() => {}
-        _ => {
-            return Err(ApiError::invalid(
-                format!("{path}.function.name"),
-                "a tool function needs a non-empty `name`",
-            ))
-        }
+    if function.name.as_deref().is_none_or(str::is_empty) {
+        return Err(ApiError::invalid(
+            format!("{path}.function.name"),
+            "a tool function needs a non-empty `name`",
+        ));
     }
-    function.str("description")?;
-    function.object("parameters")?;
     Ok(())
 }
 
-/// `content`: a string, or an array of `{"type": "text", "text": …}` parts (joined by newlines)
-/// and, when `files` is allowed, `{"type": "file", …}` parts.
-fn parse_content(
-    f: &JsonFields<'_>,
-    required: bool,
-    files: Option<&mut Vec<InlineFile>>,
-) -> Result<String, ApiError> {
-    let param = f.path("content");
-    let content = parse_content_value(f, &param, required, files)?;
-    if let Some(what) = smolchat_service::validation::not_text(&content) {
-        return Err(ApiError::invalid(
-            &param,
-            format!("`{param}` contains {what}, which is not text; remove it"),
-        ));
-    }
-    Ok(content)
-}
-
-/// A `file` content part's file: `filename` and `file_data` (base64, bare or as a `data:` URL).
-fn parse_file_part(p: &JsonFields<'_>) -> Result<InlineFile, ApiError> {
+/// A `file` content part's file, decoded (`file_data` is base64, bare or as a `data:` URL).
+fn decode_file(part: &str, file: Option<FileBody>) -> Result<InlineFile, ApiError> {
     use base64::Engine as _;
-    let file = p
-        .object("file")?
-        .ok_or_else(|| ApiError::invalid(p.path("file"), "a file part needs `file`"))?;
-    if file.str("file_id")?.is_some() {
+    let at = format!("{part}.file");
+    let file = file.ok_or_else(|| ApiError::invalid(&at, "a file part needs `file`"))?;
+    if file.file_id.is_some() {
         return Err(ApiError::unsupported(
-            file.path("file_id"),
+            format!("{at}.file_id"),
             "`file_id` is not supported (smolchat has no /v1/files): send the file itself as \
              `file_data` (base64, or a data: URL) with its `filename`",
         ));
     }
     let name = file
-        .str("filename")?
+        .filename
         .filter(|n| !n.trim().is_empty())
         .ok_or_else(|| {
             ApiError::invalid(
-                file.path("filename"),
+                format!("{at}.filename"),
                 "a file part needs `filename` (its extension gives the file's type)",
             )
         })?;
-    let data = file.str("file_data")?.ok_or_else(|| {
-        ApiError::invalid(
-            file.path("file_data"),
-            "a file part needs `file_data` (base64)",
-        )
-    })?;
+    let data_param = format!("{at}.file_data");
+    let data = file
+        .file_data
+        .ok_or_else(|| ApiError::invalid(&data_param, "a file part needs `file_data` (base64)"))?;
     let b64 = match data.strip_prefix("data:") {
         Some(rest) => rest.split_once(";base64,").map(|(_, b)| b).ok_or_else(|| {
             ApiError::invalid(
-                file.path("file_data"),
+                &data_param,
                 "a data: URL in `file_data` must be base64 (data:<type>;base64,…)",
             )
         })?,
-        None => data,
+        None => data.as_str(),
     };
     let bytes = base64::engine::general_purpose::STANDARD
         .decode(b64.trim())
-        .map_err(|e| {
-            ApiError::invalid(
-                file.path("file_data"),
-                format!("`file_data` is not base64: {e}"),
-            )
-        })?;
-    Ok(InlineFile {
-        name: name.to_string(),
-        data: bytes,
-    })
+        .map_err(|e| ApiError::invalid(&data_param, format!("`file_data` is not base64: {e}")))?;
+    Ok(InlineFile { name, data: bytes })
 }
 
-fn parse_content_value(
-    f: &JsonFields<'_>,
-    param: &str,
+/// `content` as text: a string, or text parts joined by newlines; `file` parts, which only a
+/// user message may carry, go to `files`.
+fn content_text(
+    at: &str,
+    content: Option<Content>,
     required: bool,
     mut files: Option<&mut Vec<InlineFile>>,
 ) -> Result<String, ApiError> {
-    let param = param.to_string();
-    match f.get("content") {
-        None if required => Err(ApiError::invalid(&param, format!("`{param}` is required"))),
-        None => Ok(String::new()),
-        Some(Value::String(s)) => Ok(s.clone()),
-        Some(Value::Array(parts)) => {
+    let param = format!("{at}.content");
+    let text = match content {
+        None if required => return Err(ApiError::invalid(&param, format!("`{param}` is required"))),
+        None => String::new(),
+        Some(Content::Text(s)) => s,
+        Some(Content::Parts(parts)) => {
             let mut texts = Vec::new();
-            for (j, part) in parts.iter().enumerate() {
-                let p = JsonFields::new(part, &format!("{param}[{j}]"))?;
-                match p.str("type")? {
-                    Some("text") => texts.push(p.str("text")?.unwrap_or_default().to_string()),
+            for (j, part) in parts.into_iter().enumerate() {
+                let at = format!("{param}[{j}]");
+                match part.kind.as_deref() {
+                    Some("text") => texts.push(part.text.unwrap_or_default()),
                     Some("file") if files.is_some() => {
-                        let file = parse_file_part(&p)?;
+                        let file = decode_file(&at, part.file)?;
                         if let Some(files) = files.as_deref_mut() {
                             files.push(file);
                         }
                     }
                     other => {
                         return Err(ApiError::unsupported(
-                            p.path("type"),
+                            format!("{at}.type"),
                             format!(
                                 "content part type {} is not supported here; only \"text\"{}",
                                 other.map_or("(missing)".to_string(), |t| format!("\"{t}\"")),
@@ -814,71 +609,66 @@ fn parse_content_value(
                     }
                 }
             }
-            Ok(texts.join("\n"))
+            texts.join("\n")
         }
-        Some(other) => Err(wrong_type(
+    };
+    if let Some(what) = smolchat_service::validation::not_text(&text) {
+        return Err(ApiError::invalid(
             &param,
-            "a string or an array of text parts",
-            other,
-        )),
+            format!("`{param}` contains {what}, which is not text; remove it"),
+        ));
     }
+    Ok(text)
 }
 
-fn parse_message(i: usize, v: &Value) -> Result<ApiMessage, ApiError> {
-    let path = format!("messages[{i}]");
-    let f = JsonFields::new(v, &path)?;
-    let role = f
-        .str("role")?
-        .ok_or_else(|| ApiError::invalid(f.path("role"), format!("`{path}.role` is required")))?;
-    let role = match role {
-        // OpenAI's newer name for the system role.
-        "developer" => "system",
-        "system" | "user" | "assistant" | "tool" => role,
-        other => {
+fn check_message(i: usize, m: MessageBody) -> Result<ApiMessage, ApiError> {
+    let at = format!("messages[{i}]");
+    let role_param = format!("{at}.role");
+    let role = match m.role.as_deref() {
+        None => {
             return Err(ApiError::invalid(
-                f.path("role"),
+                &role_param,
+                format!("`{role_param}` is required"),
+            ))
+        }
+        // OpenAI's newer name for the system role.
+        Some("developer") => "system",
+        Some(role @ ("system" | "user" | "assistant" | "tool")) => role,
+        Some(other) => {
+            return Err(ApiError::invalid(
+                &role_param,
                 format!(
-                "`{path}.role` must be system, developer, user, assistant or tool, not \"{other}\""
-            ),
+                    "`{role_param}` must be system, developer, user, assistant or tool, not \
+                     \"{other}\""
+                ),
             ))
         }
     };
     let mut tool_calls = Vec::new();
     if role == "assistant" {
-        for (j, c) in f.array("tool_calls")?.into_iter().flatten().enumerate() {
-            let cp = format!("{path}.tool_calls[{j}]");
-            let cf = JsonFields::new(c, &cp)?;
-            let function = cf.object("function")?.ok_or_else(|| {
-                ApiError::invalid(format!("{cp}.function"), "a tool call needs `function`")
+        for (j, c) in m.tool_calls.into_iter().flatten().enumerate() {
+            let at = format!("{at}.tool_calls[{j}]");
+            let function = c.function.ok_or_else(|| {
+                ApiError::invalid(format!("{at}.function"), "a tool call needs `function`")
             })?;
-            let name = function.str("name")?.ok_or_else(|| {
-                ApiError::invalid(format!("{cp}.function.name"), "a tool call needs a `name`")
+            let name = function.name.ok_or_else(|| {
+                ApiError::invalid(format!("{at}.function.name"), "a tool call needs a `name`")
             })?;
-            let arguments = match function.get("arguments") {
-                None => "{}".to_string(),
-                Some(Value::String(s)) => s.clone(),
-                // Some clients send the object itself.
-                Some(obj @ Value::Object(_)) => obj.to_string(),
-                Some(other) => {
-                    return Err(wrong_type(
-                        &format!("{cp}.function.arguments"),
-                        "a string",
-                        other,
-                    ))
-                }
-            };
             tool_calls.push(CallIn {
-                id: cf.str("id")?.map(str::to_string),
-                name: name.to_string(),
-                arguments,
+                id: c.id,
+                name,
+                arguments: function
+                    .arguments
+                    .map_or_else(|| "{}".to_string(), |Arguments(a)| a),
             });
         }
     }
     // An assistant turn may be only tool calls; every other role has content. Only a user
     // message may carry files.
     let mut files = Vec::new();
-    let content = parse_content(
-        &f,
+    let content = content_text(
+        &at,
+        m.content,
         role != "assistant",
         (role == "user").then_some(&mut files),
     )?;
@@ -886,77 +676,44 @@ fn parse_message(i: usize, v: &Value) -> Result<ApiMessage, ApiError> {
         role: role.to_string(),
         content,
         files,
-        reasoning_content: f.str("reasoning_content")?.map(str::to_string),
+        reasoning_content: m.reasoning_content,
         tool_calls,
-        tool_call_id: f.str("tool_call_id")?.map(str::to_string),
-        name: f.str("name")?.map(str::to_string),
+        tool_call_id: m.tool_call_id,
+        name: m.name,
     })
 }
 
-/// Parses a text completion request.
-pub fn parse_completion(
-    body: &Value,
+/// Checks a text completion request.
+pub fn completion_request(
+    g: GenerationBody,
+    c: CompletionBody,
     defaults: &Defaults,
 ) -> Result<TextCompletionRequest, ApiError> {
-    let f = JsonFields::new(body, "")?;
-    let common = parse_common(&f, defaults)?;
-    if f.bool("echo")? == Some(true) {
+    let common = generation_options(g, defaults)?;
+    if c.echo == Some(true) {
         return Err(ApiError::unsupported(
             "echo",
             "`echo` is not supported by smolchat",
         ));
     }
-    if f.str("suffix")?.is_some_and(|s| !s.is_empty()) {
+    if c.suffix.is_some_and(|s| !s.is_empty()) {
         return Err(ApiError::unsupported(
             "suffix",
             "`suffix` is not supported by smolchat",
         ));
     }
-    let prompt = match f.get("prompt") {
+    let prompt = match c.prompt {
         None => return Err(ApiError::invalid("prompt", "`prompt` is required")),
-        Some(Value::String(s)) => PromptIn::Text(s.clone()),
-        Some(Value::Array(items)) => parse_prompt_array(items)?,
-        Some(other) => {
-            return Err(wrong_type(
+        Some(Prompt::Text(s)) => PromptIn::Text(s),
+        Some(Prompt::Tokens(ids)) => PromptIn::Tokens(ids),
+        Some(Prompt::Several(n)) => {
+            return Err(ApiError::unsupported(
                 "prompt",
-                "a string, an array of token ids, or an array of one string",
-                other,
+                format!("`prompt` holds {n} prompts; smolchat completes one prompt per request"),
             ))
         }
     };
     Ok(TextCompletionRequest { common, prompt })
-}
-
-fn parse_prompt_array(items: &[Value]) -> Result<PromptIn, ApiError> {
-    let one = "smolchat completes one prompt per request";
-    match items {
-        [Value::String(s)] => Ok(PromptIn::Text(s.clone())),
-        [Value::Array(ids)] => token_ids(ids, "prompt[0]"),
-        [] => Err(ApiError::invalid("prompt", "`prompt` is empty")),
-        _ if items.iter().all(Value::is_number) => token_ids(items, "prompt"),
-        _ => Err(ApiError::unsupported(
-            "prompt",
-            format!("`prompt` holds {} prompts; {one}", items.len()),
-        )),
-    }
-}
-
-fn token_ids(items: &[Value], param: &str) -> Result<PromptIn, ApiError> {
-    items
-        .iter()
-        .enumerate()
-        .map(|(i, v)| {
-            v.as_u64()
-                .and_then(|id| u32::try_from(id).ok())
-                .ok_or_else(|| {
-                    ApiError::invalid(
-                        param,
-                        format!("`{param}[{i}]` must be a token id (an integer >= 0), got {v}"),
-                    )
-                })
-        })
-        .collect::<Result<Vec<_>, _>>()
-        .map(PromptIn::Tokens)
 }
 
 /// Serializes like Python's `json.dumps` (`", "` and `": "` separators, non-ASCII kept), the form

@@ -43,17 +43,19 @@ pub(crate) fn encode(p: &Platform, text: &str) -> Result<Vec<u32>, ApiError> {
         .map_err(|e| ApiError::internal(format!("tokenizer: {e}")))
 }
 
-/// A chat request in the OpenAI shape, parsed and checked as every chat-shaped API route does:
-/// the one parser, a forced tool call turned into its grammar, the model and the admin-only
-/// fields. `grammar_field` names the field a grammar came from in the client's API.
+/// A chat request, as every chat-shaped API route's body becomes the one typed request
+/// ([`request::chat_request`]: one set of checks), with a forced tool call turned into its
+/// grammar, the model and the admin-only fields checked. `grammar_field` names the field a
+/// grammar came from in the client's API.
 pub(crate) fn checked_chat(
     state: &web::Data<AppState>,
     http: &HttpRequest,
-    body: &Value,
+    generation: GenerationBody,
+    chat: ChatBody,
     grammar_field: Option<&str>,
 ) -> Result<request::ChatRequest, ApiError> {
     let p = &state.platform;
-    let mut req = request::parse_chat(body, &defaults(p))?;
+    let mut req = request::chat_request(generation, chat, &defaults(p))?;
     if let (Some(name), Some(_)) = (grammar_field, &req.common.grammar_field) {
         req.common.grammar_field = Some(name.to_string());
     }
