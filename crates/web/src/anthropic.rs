@@ -11,15 +11,11 @@
 //! tool use (`tool_choice` `any`/`tool`, which needs constrained decoding) are refused clearly.
 
 use std::collections::VecDeque;
-use std::convert::Infallible;
-use std::pin::Pin;
-use std::task::{Context, Poll};
 
 use actix_web::http::StatusCode;
 use actix_web::middleware::from_fn;
 use actix_web::web::{self};
 use actix_web::{HttpRequest, HttpResponse};
-use futures_util::Stream;
 use serde::Deserialize;
 use serde_json::{json, Map, Value};
 
@@ -28,11 +24,12 @@ use super::openai::body::{CallBody, ChatBody, GenerationBody, MessageBody, ToolC
 use super::openai::{Assembler, CallOut, ChatAssembler};
 use super::typed::{self, Count, Number, Schema, Strings};
 use super::v1;
+use super::v1::stream::{EventStream, Render};
 use super::{AppState, WebError};
 use crate::error::reshape;
 use crate::error::ApiError;
 use actix_web_lab::sse;
-use smolchat_service::completions::{Completion, GenEvent, GenSummary, StopReason};
+use smolchat_service::completions::{GenSummary, StopReason};
 
 /// Registers `/v1/messages` (before the `/v1` scope, which would take the path), behind the
 /// same key check as `/v1`, with every refusal in Anthropic's shape.
@@ -392,10 +389,7 @@ fn translate(body: &Value) -> Result<(GenerationBody, ChatBody), ApiError> {
         }
     }
     if b.max_tokens.is_none() {
-        return Err(ApiError::invalid(
-            "max_tokens",
-            "`max_tokens` is required",
-        ));
+        return Err(ApiError::invalid("max_tokens", "`max_tokens` is required"));
     }
     // Structured outputs, through the one request's grammar field.
     let json_schema = match b.output_config.and_then(|c| c.format) {
@@ -491,7 +485,13 @@ async fn messages(
 ) -> Result<HttpResponse, AnthropicError> {
     let JsonBody(body) = body?;
     let (generation, chat) = translate(&body)?;
-    let req = v1::checked_chat(&state, &http, generation, chat, Some("output_config.format"))?;
+    let req = v1::checked_chat(
+        &state,
+        &http,
+        generation,
+        chat,
+        Some("output_config.format"),
+    )?;
     let model = v1::model_name(&state.platform, &req.common);
     let parse_tool_calls = req.parse_tool_calls();
     let prompt = v1::build_chat_prompt(&state, &http, &req).await?;
@@ -503,22 +503,20 @@ async fn messages(
     let completion = v1::submit(&state, req.common, salt, user, prompt.tokens, "messages").await?;
     let id = format!("msg_{}", uuid::Uuid::now_v7().simple());
     if stream {
-        let mut s = MessageStream {
-            completion,
+        let render = MessageRender {
             assembler,
             blocks: Blocks::default(),
-            out: VecDeque::new(),
-            done: false,
         };
-        s.event(
-            "message_start",
+        let start = v1::stream::event(
+            Some("message_start"),
             json!({"type": "message_start", "message": {
                 "id": id, "type": "message", "role": "assistant", "model": model,
                 "content": [], "stop_reason": null, "stop_sequence": null,
                 "usage": {"input_tokens": input_tokens, "output_tokens": 0},
             }}),
         );
-        return Ok(v1::stream::sse_response(&http, s));
+        let stream = EventStream::new(completion, render, vec![start]);
+        return Ok(v1::stream::sse_response(&http, stream));
     }
     let summary = v1::collect(completion, |text, _| {
         if !text.is_empty() {
@@ -576,25 +574,24 @@ struct Blocks {
     count: usize,
 }
 
-/// The streamed answer: Anthropic's named SSE events. Dropping it (the client went away)
-/// cancels the request through its [`Completion`].
-struct MessageStream {
-    completion: Completion,
+/// The streamed answer's events: Anthropic's named SSE events.
+struct MessageRender {
     assembler: ChatAssembler,
     blocks: Blocks,
-    out: VecDeque<sse::Event>,
-    done: bool,
 }
 
-impl MessageStream {
-    fn event(&mut self, name: &str, data: Value) {
-        self.out.push_back(v1::stream::event(Some(name), data));
-    }
+type Out = VecDeque<sse::Event>;
 
-    fn close_block(&mut self) {
+fn event(out: &mut Out, name: &str, data: Value) {
+    out.push_back(v1::stream::event(Some(name), data));
+}
+
+impl MessageRender {
+    fn close_block(&mut self, out: &mut Out) {
         if self.blocks.open.take().is_some() {
             let index = self.blocks.count - 1;
-            self.event(
+            event(
+                out,
                 "content_block_stop",
                 json!({"type": "content_block_stop", "index": index}),
             );
@@ -602,15 +599,16 @@ impl MessageStream {
     }
 
     /// Opens a block of `kind` unless one is open already.
-    fn ensure_block(&mut self, kind: &'static str) -> usize {
+    fn ensure_block(&mut self, kind: &'static str, out: &mut Out) -> usize {
         if self.blocks.open != Some(kind) {
-            self.close_block();
+            self.close_block(out);
             let index = self.blocks.count;
             let block = match kind {
                 "thinking" => json!({"type": "thinking", "thinking": "", "signature": ""}),
                 _ => json!({"type": "text", "text": ""}),
             };
-            self.event(
+            event(
+                out,
                 "content_block_start",
                 json!({"type": "content_block_start", "index": index, "content_block": block}),
             );
@@ -621,20 +619,22 @@ impl MessageStream {
     }
 
     /// Streams what the assembler's choices add.
-    fn deltas(&mut self, choices: Vec<Value>, calls_before: usize) {
+    fn deltas(&mut self, choices: Vec<Value>, calls_before: usize, out: &mut Out) {
         for c in choices {
             let d = &c["delta"];
             if let Some(t) = d["reasoning_content"].as_str().filter(|t| !t.is_empty()) {
-                let index = self.ensure_block("thinking");
-                self.event(
+                let index = self.ensure_block("thinking", out);
+                event(
+                    out,
                     "content_block_delta",
                     json!({"type": "content_block_delta", "index": index,
                         "delta": {"type": "thinking_delta", "thinking": t}}),
                 );
             }
             if let Some(t) = d["content"].as_str().filter(|t| !t.is_empty()) {
-                let index = self.ensure_block("text");
-                self.event(
+                let index = self.ensure_block("text", out);
+                event(
+                    out,
                     "content_block_delta",
                     json!({"type": "content_block_delta", "index": index,
                         "delta": {"type": "text_delta", "text": t}}),
@@ -643,106 +643,69 @@ impl MessageStream {
         }
         let new: Vec<CallOut> = self.assembler.calls()[calls_before..].to_vec();
         for call in new {
-            self.close_block();
+            self.close_block(out);
             let index = self.blocks.count;
             let block = tool_use(&call);
             let input = block["input"].to_string();
-            self.event(
+            event(
+                out,
                 "content_block_start",
                 json!({"type": "content_block_start", "index": index,
                     "content_block": {"type": "tool_use", "id": block["id"], "name": call.name,
                         "input": {}}}),
             );
-            self.event(
+            event(
+                out,
                 "content_block_delta",
                 json!({"type": "content_block_delta", "index": index,
                     "delta": {"type": "input_json_delta", "partial_json": input}}),
             );
-            self.event(
+            event(
+                out,
                 "content_block_stop",
                 json!({"type": "content_block_stop", "index": index}),
             );
             self.blocks.count += 1;
         }
     }
-
-    fn on_event(&mut self, event: GenEvent) {
-        match event {
-            GenEvent::Admitted { .. } | GenEvent::Embedding(_) => {}
-            GenEvent::Token { text, .. } => {
-                if text.is_empty() {
-                    return;
-                }
-                let before = self.assembler.calls().len();
-                let choices = self.assembler.push(&text);
-                self.deltas(choices, before);
-            }
-            GenEvent::Finished(summary) => {
-                if let StopReason::Error(e) = &summary.reason {
-                    self.event(
-                        "error",
-                        json!({"type": "error", "error": {"type": "api_error",
-                            "message": format!("generation failed: {e}")}}),
-                    );
-                } else {
-                    let before = self.assembler.calls().len();
-                    let choices = self.assembler.finish(&summary.reason);
-                    self.deltas(choices, before);
-                    if self.blocks.count == 0 {
-                        // An empty reply still has its (empty) text block.
-                        self.ensure_block("text");
-                    }
-                    self.close_block();
-                    let (stop_reason, stop_sequence) =
-                        stop(&summary, !self.assembler.calls().is_empty());
-                    self.event(
-                        "message_delta",
-                        json!({"type": "message_delta",
-                            "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
-                            "usage": usage(&summary)}),
-                    );
-                    self.event("message_stop", json!({"type": "message_stop"}));
-                }
-                v1::log_finished(self.completion.id(), &summary);
-                self.done = true;
-            }
-        }
-    }
 }
 
-impl v1::stream::AnswerStream for MessageStream {
+impl Render for MessageRender {
     type Item = sse::Event;
 
-    fn completion(&mut self) -> &mut Completion {
-        &mut self.completion
+    fn text(&mut self, text: &str, out: &mut Out) {
+        let before = self.assembler.calls().len();
+        let choices = self.assembler.push(text);
+        self.deltas(choices, before, out);
     }
 
-    fn queued(&mut self) -> &mut VecDeque<sse::Event> {
-        &mut self.out
-    }
-
-    fn ended(&self) -> bool {
-        self.done
-    }
-
-    fn on_event(&mut self, event: GenEvent) {
-        Self::on_event(self, event)
-    }
-
-    fn on_worker_gone(&mut self) {
-        self.event(
-            "error",
-            json!({"type": "error", "error": {"type": "api_error", "message": v1::WORKER_GONE}}),
+    fn finished(&mut self, summary: &GenSummary, out: &mut Out) {
+        let before = self.assembler.calls().len();
+        let choices = self.assembler.finish(&summary.reason);
+        self.deltas(choices, before, out);
+        if self.blocks.count == 0 {
+            // An empty reply still has its (empty) text block.
+            self.ensure_block("text", out);
+        }
+        self.close_block(out);
+        let (stop_reason, stop_sequence) = stop(summary, !self.assembler.calls().is_empty());
+        event(
+            out,
+            "message_delta",
+            json!({"type": "message_delta",
+                "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
+                "usage": usage(summary)}),
         );
-        self.done = true;
+        event(out, "message_stop", json!({"type": "message_stop"}));
     }
-}
 
-impl Stream for MessageStream {
-    type Item = Result<sse::Event, Infallible>;
-
-    fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
-        v1::stream::poll_events(self.get_mut(), cx)
+    fn failed(&mut self, error: &ApiError, out: &mut Out) {
+        event(
+            out,
+            "error",
+            json!({"type": "error", "error": {"type": error_type(error.status, error.kind),
+                "message": error.message}}),
+        );
     }
 }
 
@@ -794,11 +757,15 @@ mod tests {
         assert_eq!(g.stop, Some(Strings(vec!["END".into()])));
         assert_eq!(g.user.as_deref(), Some("u1"));
         assert_eq!(
-            c.chat_template_kwargs.as_ref().map(|k| k["enable_thinking"].clone()),
+            c.chat_template_kwargs
+                .as_ref()
+                .map(|k| k["enable_thinking"].clone()),
             Some(json!(true))
         );
         assert_eq!(
-            c.tools.as_ref().map(|t| t[0]["function"]["parameters"].clone()),
+            c.tools
+                .as_ref()
+                .map(|t| t[0]["function"]["parameters"].clone()),
             Some(json!({"type": "object"}))
         );
         // What the one request makes of it.

@@ -54,8 +54,8 @@ pub mod organise;
 pub mod owner;
 pub mod pages;
 pub mod responses;
-pub mod typed;
 mod state;
+pub mod typed;
 pub mod v1;
 
 pub use state::AppState;

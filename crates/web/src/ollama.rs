@@ -14,16 +14,12 @@
 //! and have no effect, since this server's model is loaded once with its own configuration.
 
 use std::collections::VecDeque;
-use std::convert::Infallible;
-use std::pin::Pin;
-use std::task::{Context, Poll};
 use std::time::Instant;
 
 use actix_web::http::{header, StatusCode};
 use actix_web::middleware::from_fn;
 use actix_web::web::{self, Bytes};
 use actix_web::{HttpRequest, HttpResponse};
-use futures_util::Stream;
 use serde_json::{json, Map, Value};
 
 mod body;
@@ -35,10 +31,11 @@ use super::openai::body::{ChatBody, CompletionBody, GenerationBody, MessageBody,
 use super::openai::{self, request, Assembler, ChatAssembler, TextAssembler};
 use super::typed;
 use super::v1;
+use super::v1::stream::{EventStream, Render};
 use super::{AppState, WebError};
 use crate::error::reshape;
 use crate::error::ApiError;
-use smolchat_service::completions::{Completion, GenEvent, GenSummary, StopReason};
+use smolchat_service::completions::{GenSummary, StopReason};
 use smolchat_service::platform::Platform;
 
 /// The Ollama API version this server answers as (`/api/version`): the release whose request
@@ -661,15 +658,16 @@ async fn run(
             .content_type("application/x-ndjson")
             .insert_header((header::CACHE_CONTROL, "no-cache"))
             .insert_header(("X-Accel-Buffering", "no"))
-            .streaming(NdjsonStream {
+            .streaming(EventStream::new(
                 completion,
-                reply,
-                shape,
-                model,
-                out: VecDeque::new(),
-                done: false,
-                started,
-            }));
+                LineRender {
+                    reply,
+                    shape,
+                    model,
+                    started,
+                },
+                Vec::new(),
+            )));
     }
     let summary = v1::collect(completion, |text, _| {
         if !text.is_empty() {
@@ -682,97 +680,50 @@ async fn run(
     Ok(HttpResponse::Ok().json(line(shape, &model, &reply.whole(), Some((&summary, total)))))
 }
 
-/// The streamed answer: one JSON object a line, the last with `"done": true`. Dropping it (the
-/// client went away) cancels the request through its [`Completion`].
-struct NdjsonStream {
-    completion: Completion,
+/// The streamed answer's lines: one JSON object a line, the last with `"done": true`.
+struct LineRender {
     reply: Reply,
     shape: AnswerShape,
     model: String,
-    out: VecDeque<Bytes>,
-    done: bool,
     started: Instant,
 }
 
-impl NdjsonStream {
-    fn push_line(&mut self, v: &Value) {
-        self.out.push_back(Bytes::from(format!("{v}\n")));
-    }
+fn push_line(out: &mut VecDeque<Bytes>, v: &Value) {
+    out.push_back(Bytes::from(format!("{v}\n")));
+}
 
-    fn on_event(&mut self, event: GenEvent) {
-        match event {
-            GenEvent::Admitted { .. } | GenEvent::Embedding(_) => {}
-            GenEvent::Token { text, .. } => {
-                if text.is_empty() {
-                    return;
-                }
-                let piece = self.reply.feed(Some(&text), None);
-                if !(piece.content.is_empty()
-                    && piece.thinking.is_empty()
-                    && piece.tool_calls.is_empty())
-                {
-                    let v = line(self.shape, &self.model, &piece, None);
-                    self.push_line(&v);
-                }
-            }
-            GenEvent::Finished(summary) => {
-                if let StopReason::Error(e) = &summary.reason {
-                    self.push_line(&json!({"error": format!("generation failed: {e}")}));
-                } else {
-                    let piece = self.reply.feed(None, Some(&summary.reason));
-                    if !(piece.content.is_empty()
-                        && piece.thinking.is_empty()
-                        && piece.tool_calls.is_empty())
-                    {
-                        let v = line(self.shape, &self.model, &piece, None);
-                        self.push_line(&v);
-                    }
-                    let total = self.started.elapsed().as_nanos() as u64;
-                    let v = line(
-                        self.shape,
-                        &self.model,
-                        &Piece::default(),
-                        Some((&summary, total)),
-                    );
-                    self.push_line(&v);
-                }
-                v1::log_finished(self.completion.id(), &summary);
-                self.done = true;
-            }
+impl LineRender {
+    /// A line for `piece`, unless it is empty.
+    fn piece(&self, piece: &Piece, out: &mut VecDeque<Bytes>) {
+        if !(piece.content.is_empty() && piece.thinking.is_empty() && piece.tool_calls.is_empty()) {
+            push_line(out, &line(self.shape, &self.model, piece, None));
         }
     }
 }
 
-impl v1::stream::AnswerStream for NdjsonStream {
+impl Render for LineRender {
     type Item = Bytes;
 
-    fn completion(&mut self) -> &mut Completion {
-        &mut self.completion
+    fn text(&mut self, text: &str, out: &mut VecDeque<Bytes>) {
+        let piece = self.reply.feed(Some(text), None);
+        self.piece(&piece, out);
     }
 
-    fn queued(&mut self) -> &mut VecDeque<Bytes> {
-        &mut self.out
+    fn finished(&mut self, summary: &GenSummary, out: &mut VecDeque<Bytes>) {
+        let piece = self.reply.feed(None, Some(&summary.reason));
+        self.piece(&piece, out);
+        let total = self.started.elapsed().as_nanos() as u64;
+        let last = line(
+            self.shape,
+            &self.model,
+            &Piece::default(),
+            Some((summary, total)),
+        );
+        push_line(out, &last);
     }
 
-    fn ended(&self) -> bool {
-        self.done
-    }
-
-    fn on_event(&mut self, event: GenEvent) {
-        Self::on_event(self, event)
-    }
-
-    fn on_worker_gone(&mut self) {
-        self.push_line(&json!({ "error": v1::WORKER_GONE }));
-        self.done = true;
-    }
-}
-
-impl Stream for NdjsonStream {
-    type Item = Result<Bytes, Infallible>;
-
-    fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
-        v1::stream::poll_events(self.get_mut(), cx)
+    fn failed(&mut self, error: &ApiError, out: &mut VecDeque<Bytes>) {
+        push_line(out, &json!({ "error": error.message }));
     }
 }
 

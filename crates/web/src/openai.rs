@@ -35,7 +35,6 @@ use std::convert::Infallible;
 use std::pin::Pin;
 use std::sync::OnceLock;
 use std::task::{Context, Poll};
-use std::time::Instant;
 
 use actix_web::middleware::from_fn;
 use actix_web::web::{self};
@@ -52,15 +51,15 @@ use super::typed;
 use super::v1;
 use super::v1::{
     api_user, build_chat_prompt, cache_salt, check_admin_only, check_model, checked_chat, defaults,
-    encode, generation_failed, log_finished, require_api_key, submit, ApiUser,
+    encode, require_api_key, submit, ApiUser,
 };
 use super::{AppState, WebError};
 use actix_web_lab::sse;
 use smolchat_service::completions::Completion;
-use smolchat_service::completions::{GenEvent, GenSummary, StopReason};
+use smolchat_service::completions::GenSummary;
 use smolchat_service::platform::Platform;
 use smolchat_text::sampling::TokenLogprobs;
-use v1::stream::{poll_events, AnswerStream};
+use v1::stream::{EventStream, Render};
 
 /// When the API started answering (`created` of the model object).
 static STARTED: OnceLock<u64> = OnceLock::new();
@@ -336,29 +335,25 @@ async fn generate<A: Assembler>(
             .enumerate()
             .map(|(index, completion)| {
                 let mut assembler = assembler();
-                let mut out = VecDeque::new();
-                let mut first = assembler.start();
-                for c in &mut first {
+                let mut opening = assembler.start();
+                for c in &mut opening {
                     c["index"] = json!(index);
                 }
-                if !first.is_empty() {
-                    out.push_back(sse(
-                        &envelope.wrap(A::CHUNK_OBJECT, first),
+                let first = (!opening.is_empty()).then(|| {
+                    sse(
+                        &envelope.wrap(A::CHUNK_OBJECT, opening),
                         common.include_usage,
-                    ));
-                }
-                ChoiceStream {
-                    completion,
+                    )
+                });
+                let render = ChoiceRender {
                     logprobs: LogprobsOut::new(&state, A::OBJECT == "chat.completion"),
                     assembler,
                     envelope: envelope.clone(),
                     include_usage: common.include_usage,
-                    out,
-                    done: false,
-                    started: Instant::now(),
                     index,
                     summary: None,
-                }
+                };
+                EventStream::new(completion, render, first.into_iter().collect())
             })
             .collect();
         return Ok(v1::stream::sse_response(
@@ -514,58 +509,21 @@ impl LogprobsOut {
     }
 }
 
-struct ChoiceStream<A: Assembler> {
+/// One choice's chunks.
+struct ChoiceRender<A: Assembler> {
     /// Log-probabilities waiting for the chunk that carries their tokens' text.
     logprobs: LogprobsOut,
-    /// The request: cancelled if the stream is dropped (the client went away) before it ends.
-    completion: Completion,
     assembler: A,
     envelope: Envelope,
     include_usage: bool,
-    out: VecDeque<sse::Event>,
-    done: bool,
-    started: Instant,
     /// Its choice's `index` (a request with `n` choices streams them interleaved).
     index: usize,
     /// How it ended, for the request's usage chunk.
     summary: Option<GenSummary>,
 }
 
-impl<A: Assembler> ChoiceStream<A> {
-    fn on_event(&mut self, event: GenEvent) {
-        match event {
-            GenEvent::Admitted { .. } | GenEvent::Embedding(_) => {}
-            GenEvent::Token { text, logprobs, .. } => {
-                if let Some(lp) = logprobs {
-                    self.logprobs.push(lp);
-                }
-                if text.is_empty() {
-                    return;
-                }
-                let choices = self.assembler.push(&text);
-                self.chunks(choices);
-            }
-            GenEvent::Finished(summary) => {
-                if let StopReason::Error(e) = &summary.reason {
-                    let err = generation_failed(e);
-                    self.out.push_back(v1::stream::event(None, err.body()));
-                } else {
-                    let choices = self.assembler.finish(&summary.reason);
-                    self.chunks(choices);
-                }
-                log_finished(self.completion.id(), &summary);
-                tracing::debug!(
-                    request = self.completion.id(),
-                    stream_s = self.started.elapsed().as_secs_f64(),
-                    "API stream finished"
-                );
-                self.summary = Some(summary);
-                self.done = true;
-            }
-        }
-    }
-
-    fn chunks(&mut self, mut choices: Vec<Value>) {
+impl<A: Assembler> ChoiceRender<A> {
+    fn chunks(&mut self, mut choices: Vec<Value>, out: &mut VecDeque<sse::Event>) {
         if let Some(first) = choices.first_mut() {
             if let Some(lp) = self.logprobs.take() {
                 first["logprobs"] = lp;
@@ -574,49 +532,38 @@ impl<A: Assembler> ChoiceStream<A> {
         for mut choice in choices {
             choice["index"] = json!(self.index);
             let chunk = self.envelope.wrap(A::CHUNK_OBJECT, vec![choice]);
-            self.out.push_back(sse(&chunk, self.include_usage));
+            out.push_back(sse(&chunk, self.include_usage));
         }
     }
 }
 
-impl<A: Assembler> AnswerStream for ChoiceStream<A> {
+impl<A: Assembler> Render for ChoiceRender<A> {
     type Item = sse::Event;
 
-    fn completion(&mut self) -> &mut Completion {
-        &mut self.completion
+    fn text(&mut self, text: &str, out: &mut VecDeque<sse::Event>) {
+        let choices = self.assembler.push(text);
+        self.chunks(choices, out);
     }
 
-    fn queued(&mut self) -> &mut VecDeque<sse::Event> {
-        &mut self.out
+    fn logprobs(&mut self, logprobs: TokenLogprobs) {
+        self.logprobs.push(logprobs);
     }
 
-    fn ended(&self) -> bool {
-        self.done
+    fn finished(&mut self, summary: &GenSummary, out: &mut VecDeque<sse::Event>) {
+        let choices = self.assembler.finish(&summary.reason);
+        self.chunks(choices, out);
+        self.summary = Some(summary.clone());
     }
 
-    fn on_event(&mut self, event: GenEvent) {
-        Self::on_event(self, event)
-    }
-
-    fn on_worker_gone(&mut self) {
-        let err = ApiError::unavailable(v1::WORKER_GONE);
-        self.out.push_back(v1::stream::event(None, err.body()));
-        self.done = true;
-    }
-}
-
-impl<A: Assembler> Stream for ChoiceStream<A> {
-    type Item = Result<sse::Event, Infallible>;
-
-    fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
-        poll_events(self.get_mut(), cx)
+    fn failed(&mut self, error: &ApiError, out: &mut VecDeque<sse::Event>) {
+        out.push_back(v1::stream::event(None, error.body()));
     }
 }
 
 /// A request's streamed choices, interleaved as their chunks come, then the usage chunk (when
 /// asked) and `[DONE]` once all have ended.
 struct Choices<A: Assembler> {
-    streams: Vec<ChoiceStream<A>>,
+    streams: Vec<EventStream<ChoiceRender<A>>>,
     envelope: Envelope,
     include_usage: bool,
     finished: bool,
@@ -649,7 +596,7 @@ impl<A: Assembler> Stream for Choices<A> {
             let summaries: Vec<GenSummary> = this
                 .streams
                 .iter()
-                .filter_map(|s| s.summary.clone())
+                .filter_map(|s| s.render().summary.clone())
                 .collect();
             let mut last = this.envelope.wrap(A::CHUNK_OBJECT, Vec::new());
             last["usage"] = usage_of(&summaries);

@@ -23,14 +23,9 @@
 //! missing one.
 
 use std::collections::VecDeque;
-use std::convert::Infallible;
-use std::future::Future;
-use std::pin::Pin;
-use std::task::{Context, Poll};
 
 use actix_web::web::{self};
 use actix_web::{HttpRequest, HttpResponse};
-use futures_util::Stream;
 use serde_json::{json, Map, Value};
 
 mod body;
@@ -39,10 +34,11 @@ use super::json::JsonBody;
 use super::openai::body::{CallBody, Content, MessageBody};
 use super::openai::{self, Assembler, CallOut, ChatAssembler};
 use super::v1;
+use super::v1::stream::{EventStream, Finishing, Render};
 use super::{AppState, WebError};
 use crate::error::ApiError;
 use actix_web_lab::sse;
-use smolchat_service::completions::{Completion, GenEvent, GenSummary, StopReason};
+use smolchat_service::completions::{GenSummary, StopReason};
 use smolchat_service::records::{ImportedMessage, Message, MessageStatus, Role, StoredRow};
 use smolchat_service::{Caller, ConversationError};
 use uuid::Uuid;
@@ -353,23 +349,25 @@ async fn create(
         echo,
     };
     if stream {
-        let mut s = ResponseStream {
-            completion,
+        let mut render = ResponseRender {
             assembler,
             base,
-            out: VecDeque::new(),
             sequence: 0,
             text: None,
-            done: false,
             raw: String::new(),
             keep,
-            saving: None,
-            last: None,
+            reply: None,
         };
-        let created = s.base.response("in_progress", Vec::new(), None);
-        s.event("response.created", json!({"response": created}));
-        s.event("response.in_progress", json!({"response": created}));
-        return Ok(v1::stream::sse_response(&http, s));
+        let created = render.base.response("in_progress", Vec::new(), None);
+        let mut first = VecDeque::new();
+        render.event(&mut first, "response.created", json!({"response": created}));
+        render.event(
+            &mut first,
+            "response.in_progress",
+            json!({"response": created}),
+        );
+        let stream = EventStream::new(completion, render, first.into());
+        return Ok(v1::stream::sse_response(&http, stream));
     }
     let mut assembler = assembler;
     let mut raw = String::new();
@@ -598,34 +596,29 @@ fn call_item(c: &CallOut) -> Value {
         "name": c.name, "arguments": c.arguments, "status": "completed"})
 }
 
-/// The streamed response: the Responses event sequence. Dropping it (the client went away)
-/// cancels the request through its [`Completion`].
-struct ResponseStream {
-    completion: Completion,
+/// The streamed response's events: the Responses event sequence.
+struct ResponseRender {
     assembler: ChatAssembler,
     base: ResponseHeader,
-    out: VecDeque<sse::Event>,
     sequence: u64,
     /// The output index of the open message item and its text so far.
     text: Option<(usize, String)>,
-    done: bool,
     /// Everything generated, as the model wrote it (stored with the reply).
     raw: String,
     /// Where the response is stored, when it is.
     keep: Option<ResponseToStore>,
-    /// The store's write, run before the last event goes out (so the client can chain on the
-    /// response as soon as it has it).
-    saving: Option<Pin<Box<dyn Future<Output = ()>>>>,
-    /// The last event, held until the write is done.
-    last: Option<sse::Event>,
+    /// The reply to store, once it has ended.
+    reply: Option<ImportedMessage>,
 }
 
-impl ResponseStream {
-    fn event(&mut self, kind: &str, mut data: Value) {
+type Out = VecDeque<sse::Event>;
+
+impl ResponseRender {
+    fn event(&mut self, out: &mut Out, kind: &str, mut data: Value) {
         data["type"] = json!(kind);
         data["sequence_number"] = json!(self.sequence);
         self.sequence += 1;
-        self.out.push_back(v1::stream::event(Some(kind), data));
+        out.push_back(v1::stream::event(Some(kind), data));
     }
 
     /// Output items emitted so far (the reasoning item counts once it is whole).
@@ -633,17 +626,19 @@ impl ResponseStream {
         self.text.as_ref().map_or(0, |(i, _)| *i + 1)
     }
 
-    fn open_message(&mut self) -> usize {
+    fn open_message(&mut self, out: &mut Out) -> usize {
         if let Some((index, _)) = &self.text {
             return *index;
         }
         let index = usize::from(!self.assembler.reasoning().is_empty());
         let item = self.base.message_item("", "in_progress");
         self.event(
+            out,
             "response.output_item.added",
             json!({"output_index": index, "item": item}),
         );
         self.event(
+            out,
             "response.content_part.added",
             json!({"item_id": self.base.message_id(), "output_index": index, "content_index": 0,
                 "part": {"type": "output_text", "text": "", "annotations": []}}),
@@ -652,48 +647,54 @@ impl ResponseStream {
         index
     }
 
-    fn text_delta(&mut self, t: &str) {
-        let index = self.open_message();
+    fn text_delta(&mut self, out: &mut Out, t: &str) {
+        let index = self.open_message(out);
         if let Some((_, text)) = self.text.as_mut() {
             text.push_str(t);
         }
         self.event(
+            out,
             "response.output_text.delta",
             json!({"item_id": self.base.message_id(), "output_index": index, "content_index": 0,
                 "delta": t}),
         );
     }
 
-    fn finish(&mut self, summary: &GenSummary) {
+    fn finish(&mut self, out: &mut Out, summary: &GenSummary) {
         let output = self.base.output(&self.assembler);
         // The reasoning item, whole (it is not streamed as deltas).
         if !self.assembler.reasoning().is_empty() {
             let item = self.base.reasoning_item(self.assembler.reasoning());
             self.event(
+                out,
                 "response.output_item.added",
                 json!({"output_index": 0, "item": item}),
             );
             self.event(
+                out,
                 "response.output_item.done",
                 json!({"output_index": 0, "item": item}),
             );
         }
         if self.text.is_none() && self.assembler.calls().is_empty() {
-            self.open_message();
+            self.open_message(out);
         }
         if let Some((index, text)) = self.text.clone() {
             let id = self.base.message_id();
             self.event(
+                out,
                 "response.output_text.done",
                 json!({"item_id": id, "output_index": index, "content_index": 0, "text": text}),
             );
             self.event(
+                out,
                 "response.content_part.done",
                 json!({"item_id": id, "output_index": index, "content_index": 0,
                     "part": {"type": "output_text", "text": text, "annotations": []}}),
             );
             let item = self.base.message_item(&text, "completed");
             self.event(
+                out,
                 "response.output_item.done",
                 json!({"output_index": index, "item": item}),
             );
@@ -705,15 +706,18 @@ impl ResponseStream {
         for (i, item) in calls.into_iter().enumerate() {
             let index = first_call + i;
             self.event(
+                out,
                 "response.output_item.added",
                 json!({"output_index": index, "item": item}),
             );
             self.event(
+                out,
                 "response.function_call_arguments.done",
                 json!({"item_id": item["id"], "output_index": index,
                     "arguments": item["arguments"]}),
             );
             self.event(
+                out,
                 "response.output_item.done",
                 json!({"output_index": index, "item": item}),
             );
@@ -725,101 +729,51 @@ impl ResponseStream {
         } else {
             "response.incomplete"
         };
-        self.event(kind, json!({"response": response}));
-        if let Some(keep) = self.keep.take() {
-            let reply = reply_message(&self.assembler, &self.raw, summary);
-            self.last = self.out.pop_back();
-            self.saving = Some(Box::pin(keep.save(reply)));
+        self.event(out, kind, json!({"response": response}));
+        if self.keep.is_some() {
+            self.reply = Some(reply_message(&self.assembler, &self.raw, summary));
         }
     }
 
-    fn on_event(&mut self, event: GenEvent) {
-        match event {
-            GenEvent::Admitted { .. } | GenEvent::Embedding(_) => {}
-            GenEvent::Token { text, .. } => {
-                if text.is_empty() {
-                    return;
-                }
-                self.raw.push_str(&text);
-                let choices = self.assembler.push(&text);
-                for c in choices {
-                    if let Some(t) = c["delta"]["content"].as_str().filter(|t| !t.is_empty()) {
-                        let t = t.to_string();
-                        self.text_delta(&t);
-                    }
-                }
-            }
-            GenEvent::Finished(summary) => {
-                if let StopReason::Error(e) = &summary.reason {
-                    let err = v1::generation_failed(e);
-                    self.event(
-                        "error",
-                        json!({"code": err.code, "message": err.message, "param": err.param}),
-                    );
-                } else {
-                    let choices = self.assembler.finish(&summary.reason);
-                    for c in choices {
-                        if let Some(t) = c["delta"]["content"].as_str().filter(|t| !t.is_empty()) {
-                            let t = t.to_string();
-                            self.text_delta(&t);
-                        }
-                    }
-                    self.finish(&summary);
-                }
-                v1::log_finished(self.completion.id(), &summary);
-                self.done = true;
+    /// The answer's text the assembler's choices add.
+    fn deltas(&mut self, out: &mut Out, choices: Vec<Value>) {
+        for c in choices {
+            if let Some(t) = c["delta"]["content"].as_str().filter(|t| !t.is_empty()) {
+                let t = t.to_string();
+                self.text_delta(out, &t);
             }
         }
     }
 }
 
-impl v1::stream::AnswerStream for ResponseStream {
+impl Render for ResponseRender {
     type Item = sse::Event;
 
-    fn completion(&mut self) -> &mut Completion {
-        &mut self.completion
+    fn text(&mut self, text: &str, out: &mut Out) {
+        self.raw.push_str(text);
+        let choices = self.assembler.push(text);
+        self.deltas(out, choices);
     }
 
-    fn queued(&mut self) -> &mut VecDeque<sse::Event> {
-        &mut self.out
+    fn finished(&mut self, summary: &GenSummary, out: &mut Out) {
+        let choices = self.assembler.finish(&summary.reason);
+        self.deltas(out, choices);
+        self.finish(out, summary);
     }
 
-    fn ended(&self) -> bool {
-        self.done
-    }
-
-    fn on_event(&mut self, event: GenEvent) {
-        Self::on_event(self, event)
-    }
-
-    fn on_worker_gone(&mut self) {
+    fn failed(&mut self, error: &ApiError, out: &mut Out) {
         self.event(
+            out,
             "error",
-            json!({"code": "server_error", "param": null, "message": v1::WORKER_GONE}),
+            json!({"code": error.code, "message": error.message, "param": error.param}),
         );
-        self.done = true;
     }
-}
 
-impl Stream for ResponseStream {
-    type Item = Result<sse::Event, Infallible>;
-
-    fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
-        let this = self.get_mut();
-        if let Some(saving) = this.saving.as_mut() {
-            // The events before the last go out while the response is being stored.
-            if let Some(bytes) = this.out.pop_front() {
-                return Poll::Ready(Some(Ok(bytes)));
-            }
-            match saving.as_mut().poll(cx) {
-                Poll::Pending => return Poll::Pending,
-                Poll::Ready(()) => {
-                    this.saving = None;
-                    this.out.extend(this.last.take());
-                }
-            }
-        }
-        v1::stream::poll_events(this, cx)
+    /// The store's write, run before the last event goes out (so the client can chain on the
+    /// response as soon as it has it).
+    fn finishing(&mut self) -> Option<Finishing> {
+        let (keep, reply) = (self.keep.take()?, self.reply.take()?);
+        Some(Box::pin(keep.save(reply)))
     }
 }
 
@@ -877,14 +831,11 @@ mod tests {
         assert_eq!(calls[0].id.as_deref(), Some(first.as_str()));
         let function = |k: usize| calls[k].function.clone().unwrap_or_default();
         assert_eq!(function(0).name.as_deref(), Some("weather"));
-        let args: Value = serde_json::from_str(&function(1).arguments.unwrap_or_default().0)
-            .unwrap_or_default();
+        let args: Value =
+            serde_json::from_str(&function(1).arguments.unwrap_or_default().0).unwrap_or_default();
         assert_eq!(args, json!({"city": "Rome"}));
         assert_eq!(back[2].tool_call_id.as_deref(), Some(first.as_str()));
-        assert_eq!(
-            back[3].tool_call_id,
-            Some(call_id(Uuid::from_u128(2), 1))
-        );
+        assert_eq!(back[3].tool_call_id, Some(call_id(Uuid::from_u128(2), 1)));
         assert_eq!(back[3].content, Some(Content::Text("25 C".into())));
         assert_eq!(
             parse_response_id(&response_id(Uuid::from_u128(7))),

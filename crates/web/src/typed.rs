@@ -283,7 +283,10 @@ mod tests {
         let e = read::<Body>(&json!({"n": 1.5}), "").unwrap_err();
         assert!(e.message.contains("must be an integer"), "{e:?}");
         let e = read::<Body>(&json!({"t": "hot"}), "").unwrap_err();
-        assert_eq!(e.message, "`t`: invalid type: string \"hot\", expected a number");
+        assert_eq!(
+            e.message,
+            "`t`: invalid type: string \"hot\", expected a number"
+        );
         let e = read::<Body>(&json!({"stop": ["a", 3]}), "").unwrap_err();
         assert_eq!(e.param.as_deref(), Some("stop[1]"));
         let e = read::<Body>(&json!({"list": [{}, {"flag": "no"}]}), "").unwrap_err();

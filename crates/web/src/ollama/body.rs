@@ -325,7 +325,11 @@ impl GenerateIn {
         let string = |s: &Option<String>| s.as_deref().is_some_and(|s| !s.is_empty());
         let list = |l: &Option<Vec<Value>>| l.as_ref().is_some_and(|l| !l.is_empty());
         for (field, what, given) in [
-            ("suffix", "fill-in-the-middle `suffix`", string(&self.suffix)),
+            (
+                "suffix",
+                "fill-in-the-middle `suffix`",
+                string(&self.suffix),
+            ),
             ("template", "a custom `template`", string(&self.template)),
             (
                 "context",

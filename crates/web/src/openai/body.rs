@@ -338,9 +338,9 @@ struct TokenId(u32);
 impl<'de> Deserialize<'de> for TokenId {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
         let Integer(i) = Integer::deserialize(d)?;
-        u32::try_from(i)
-            .map(TokenId)
-            .map_err(|_| de::Error::custom(format!("must be a token id (an integer >= 0), got {i}")))
+        u32::try_from(i).map(TokenId).map_err(|_| {
+            de::Error::custom(format!("must be a token id (an integer >= 0), got {i}"))
+        })
     }
 }
 

@@ -364,56 +364,60 @@ pub fn chat_request(
     };
     // `required` and a named function force a call: the reply is constrained to a tool call
     // whose arguments match the tool's schema (the pipeline builds the grammar).
-    let (tool_choice, forced_tools) = match c.tool_choice {
-        None => ("auto", None),
-        Some(ToolChoice::Mode(mode)) => match mode.as_str() {
-            "auto" => ("auto", None),
-            "none" => ("none", None),
-            "required" => match &tools {
-                Some(list) if !list.is_empty() => ("required", Some(list.clone())),
-                _ => {
+    let (tool_choice, forced_tools) =
+        match c.tool_choice {
+            None => ("auto", None),
+            Some(ToolChoice::Mode(mode)) => match mode.as_str() {
+                "auto" => ("auto", None),
+                "none" => ("none", None),
+                "required" => match &tools {
+                    Some(list) if !list.is_empty() => ("required", Some(list.clone())),
+                    _ => {
+                        return Err(ApiError::invalid(
+                            "tool_choice",
+                            "`tool_choice: \"required\"` needs `tools` to call",
+                        ))
+                    }
+                },
+                other => {
                     return Err(ApiError::invalid(
                         "tool_choice",
-                        "`tool_choice: \"required\"` needs `tools` to call",
+                        format!(
+                            "`tool_choice` must be \"auto\", \"none\", \"required\" or a named \
+                         function, got \"{other}\""
+                        ),
                     ))
                 }
             },
-            other => {
-                return Err(ApiError::invalid(
-                    "tool_choice",
-                    format!(
-                        "`tool_choice` must be \"auto\", \"none\", \"required\" or a named \
-                         function, got \"{other}\""
-                    ),
-                ))
-            }
-        },
-        Some(ToolChoice::Named(Some(name))) => {
-            let found: Vec<Value> = tools
-                .iter()
-                .flatten()
-                .filter(|t| t["function"]["name"].as_str() == Some(name.as_str()))
-                .cloned()
-                .collect();
-            if found.is_empty() {
-                return Err(ApiError::invalid(
-                    "tool_choice",
-                    format!(
-                        "`tool_choice` names the function \"{name}\", which `tools` does not \
+            Some(ToolChoice::Named(Some(name))) => {
+                let found: Vec<Value> = tools
+                    .iter()
+                    .flatten()
+                    .filter(|t| t["function"]["name"].as_str() == Some(name.as_str()))
+                    .cloned()
+                    .collect();
+                if found.is_empty() {
+                    return Err(ApiError::invalid(
+                        "tool_choice",
+                        format!(
+                            "`tool_choice` names the function \"{name}\", which `tools` does not \
                          offer"
-                    ),
-                ));
+                        ),
+                    ));
+                }
+                ("required", Some(found))
             }
-            ("required", Some(found))
-        }
-        Some(ToolChoice::Named(None)) => {
-            return Err(ApiError::invalid(
+            Some(ToolChoice::Named(None)) => return Err(ApiError::invalid(
                 "tool_choice.function.name",
                 "a named `tool_choice` is {\"type\": \"function\", \"function\": {\"name\": …}}",
-            ))
-        }
-    };
-    if let Some(grammar) = c.response_format.map(response_format).transpose()?.flatten() {
+            )),
+        };
+    if let Some(grammar) = c
+        .response_format
+        .map(response_format)
+        .transpose()?
+        .flatten()
+    {
         if common.params.grammar.is_some() {
             return Err(ApiError::invalid(
                 "response_format",
@@ -432,7 +436,10 @@ pub fn chat_request(
             let param = "chat_template_kwargs.enable_thinking";
             return Err(ApiError::invalid(
                 param,
-                format!("`{param}` must be a boolean, not {}", typed::kind_of(&other)),
+                format!(
+                    "`{param}` must be a boolean, not {}",
+                    typed::kind_of(&other)
+                ),
             ));
         }
     };
@@ -578,7 +585,9 @@ fn content_text(
 ) -> Result<String, ApiError> {
     let param = format!("{at}.content");
     let text = match content {
-        None if required => return Err(ApiError::invalid(&param, format!("`{param}` is required"))),
+        None if required => {
+            return Err(ApiError::invalid(&param, format!("`{param}` is required")))
+        }
         None => String::new(),
         Some(Content::Text(s)) => s,
         Some(Content::Parts(parts)) => {

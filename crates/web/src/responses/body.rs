@@ -135,7 +135,10 @@ impl<'de> Deserialize<'de> for Input {
 
 impl<'de> Deserialize<'de> for TextParts {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        let v = TextOrSeq(std::marker::PhantomData, "a string or an array of text parts");
+        let v = TextOrSeq(
+            std::marker::PhantomData,
+            "a string or an array of text parts",
+        );
         Ok(match d.deserialize_any(v)? {
             Ok(s) => TextParts::Text(s),
             Err(parts) => TextParts::Parts(parts),
@@ -531,7 +534,9 @@ mod tests {
             Some("tools[0].type".into())
         );
         assert_eq!(
-            refused(json!({"input": [{"role": "user", "content": [{"type": "input_text", "text": 3}]}]})),
+            refused(
+                json!({"input": [{"role": "user", "content": [{"type": "input_text", "text": 3}]}]})
+            ),
             Some("input[0].content[0].text".into())
         );
     }
