@@ -2,6 +2,14 @@
 //! rename, settings, thinking, delete, export. Each parses its form, calls the conversation
 //! service with the caller and answers what HTMX or `static/chat.js` expects.
 
+use std::future::Future;
+use std::pin::Pin;
+
+use actix_web::dev::Payload;
+use actix_web::FromRequest;
+use serde::de::DeserializeOwned;
+use smolchat_service::Caller;
+
 use super::*;
 
 #[derive(Deserialize)]
@@ -35,6 +43,40 @@ pub struct MessageForm {
 #[derive(Deserialize)]
 pub struct SelectForm {
     message: String,
+}
+
+/// A form action on one conversation: the caller, the conversation (from the path) checked as
+/// the caller's before the body is read, so another owner's id is 404 whatever the form holds,
+/// and the form.
+pub struct OwnedForm<T> {
+    caller: Caller,
+    id: Uuid,
+    form: T,
+}
+
+impl<T: DeserializeOwned + 'static> FromRequest for OwnedForm<T> {
+    type Error = PageError;
+    type Future = Pin<Box<dyn Future<Output = Result<Self, PageError>>>>;
+
+    fn from_request(req: &HttpRequest, payload: &mut Payload) -> Self::Future {
+        let req = req.clone();
+        let body = web::Payload::from_request(&req, payload);
+        Box::pin(async move {
+            let payload = body
+                .await
+                .map_err(|e| WebError::BadRequest(format!("the request body: {e}")))?;
+            let state = req
+                .app_data::<web::Data<AppState>>()
+                .cloned()
+                .ok_or_else(|| WebError::Internal("app state missing".into()))?;
+            let owner = Owner::extract(&req).await?;
+            let id = parse_id(req.match_info().get("id").unwrap_or_default())?;
+            let caller = owner.caller();
+            state.platform.conversations().owned(&caller, id).await?;
+            let form = read_form(&state, &req, payload).await?;
+            Ok(OwnedForm { caller, id, form })
+        })
+    }
 }
 
 /// An HTMX redirect (a full page load of `to`), with `Location` for other clients.
@@ -73,16 +115,9 @@ pub async fn create(
 /// `POST /c/{id}/messages`
 pub async fn send(
     state: web::Data<AppState>,
-    owner: Owner,
-    path: web::Path<String>,
-    req: HttpRequest,
-    payload: web::Payload,
+    action: OwnedForm<ContentForm>,
 ) -> Result<HttpResponse, PageError> {
-    let id = parse_id(&path)?;
-    // Whose it is before what the body says: another owner's id is 404 whatever the form holds.
-    let caller = owner.caller();
-    state.platform.conversations().owned(&caller, id).await?;
-    let form: ContentForm = read_form(&state, &req, payload).await?;
+    let OwnedForm { caller, id, form } = action;
     let files = file_ids(&form.files)?;
     state
         .platform
@@ -110,16 +145,10 @@ pub async fn stop(
 /// `POST /c/{id}/regenerate`
 pub async fn regenerate(
     state: web::Data<AppState>,
-    owner: Owner,
-    path: web::Path<String>,
-    req: HttpRequest,
-    payload: web::Payload,
+    action: OwnedForm<MessageForm>,
 ) -> Result<HttpResponse, PageError> {
-    let id = parse_id(&path)?;
-    let caller = owner.caller();
-    state.platform.conversations().owned(&caller, id).await?;
+    let OwnedForm { caller, id, form } = action;
     // The user message to answer again (the branch's last one when absent).
-    let form: MessageForm = read_form(&state, &req, payload).await?;
     let message = api::optional_message_id(form.message.as_deref())?;
     state
         .platform
@@ -132,16 +161,9 @@ pub async fn regenerate(
 /// `POST /c/{id}/edit`
 pub async fn edit(
     state: web::Data<AppState>,
-    owner: Owner,
-    path: web::Path<String>,
-    req: HttpRequest,
-    payload: web::Payload,
+    action: OwnedForm<MessageForm>,
 ) -> Result<HttpResponse, PageError> {
-    let id = parse_id(&path)?;
-    // Whose it is before what the body says: another owner's id is 404 whatever the form holds.
-    let caller = owner.caller();
-    state.platform.conversations().owned(&caller, id).await?;
-    let form: MessageForm = read_form(&state, &req, payload).await?;
+    let OwnedForm { caller, id, form } = action;
     let message = api::optional_message_id(form.message.as_deref())?;
     state
         .platform
@@ -155,15 +177,9 @@ pub async fn edit(
 /// reloads the conversation.
 pub async fn select(
     state: web::Data<AppState>,
-    owner: Owner,
-    path: web::Path<String>,
-    req: HttpRequest,
-    payload: web::Payload,
+    action: OwnedForm<SelectForm>,
 ) -> Result<HttpResponse, PageError> {
-    let id = parse_id(&path)?;
-    let caller = owner.caller();
-    state.platform.conversations().owned(&caller, id).await?;
-    let form: SelectForm = read_form(&state, &req, payload).await?;
+    let OwnedForm { caller, id, form } = action;
     let message = api::parse_uuid(&form.message, "message id")?;
     state
         .platform
@@ -181,16 +197,9 @@ pub struct TitleForm {
 /// `POST /c/{id}/rename`
 pub async fn rename(
     state: web::Data<AppState>,
-    owner: Owner,
-    path: web::Path<String>,
-    req: HttpRequest,
-    payload: web::Payload,
+    action: OwnedForm<TitleForm>,
 ) -> Result<HttpResponse, PageError> {
-    let id = parse_id(&path)?;
-    // Whose it is before what the body says: another owner's id is 404 whatever the form holds.
-    let caller = owner.caller();
-    state.platform.conversations().owned(&caller, id).await?;
-    let form: TitleForm = read_form(&state, &req, payload).await?;
+    let OwnedForm { caller, id, form } = action;
     state
         .platform
         .conversations()
@@ -247,16 +256,9 @@ pub(super) fn form_number<T: std::str::FromStr>(
 /// `POST /c/{id}/settings`: the settings panel (used from the next message on).
 pub async fn settings(
     state: web::Data<AppState>,
-    owner: Owner,
-    path: web::Path<String>,
-    req: HttpRequest,
-    payload: web::Payload,
+    action: OwnedForm<SettingsForm>,
 ) -> Result<HttpResponse, PageError> {
-    let id = parse_id(&path)?;
-    // Whose it is before what the body says: another owner's id is 404 whatever the form holds.
-    let caller = owner.caller();
-    state.platform.conversations().owned(&caller, id).await?;
-    let form: SettingsForm = read_form(&state, &req, payload).await?;
+    let OwnedForm { caller, id, form } = action;
     let patch = SettingsPatch {
         // An empty prompt removes it.
         system_prompt: Some(form.system_prompt),
@@ -294,16 +296,9 @@ pub struct ThinkingForm {
 /// `POST /c/{id}/thinking`: the quick switch in the header.
 pub async fn thinking(
     state: web::Data<AppState>,
-    owner: Owner,
-    path: web::Path<String>,
-    req: HttpRequest,
-    payload: web::Payload,
+    action: OwnedForm<ThinkingForm>,
 ) -> Result<HttpResponse, PageError> {
-    let id = parse_id(&path)?;
-    // Whose it is before what the body says: another owner's id is 404 whatever the form holds.
-    let caller = owner.caller();
-    state.platform.conversations().owned(&caller, id).await?;
-    let form: ThinkingForm = read_form(&state, &req, payload).await?;
+    let OwnedForm { caller, id, form } = action;
     let patch = SettingsPatch {
         thinking: Some(checkbox("thinking", form.thinking.as_deref())?),
         ..SettingsPatch::default()
