@@ -23,8 +23,8 @@ use smolchat_store::Store;
 /// stopped and why it was refused; and the scheduler's counters and per-conversation states
 /// the operator sees.
 pub use smolchat_serving::types::{
-    DeviceMemory, GenEvent, GenSummary, GraphStats, Pooling, RequestId, SchedulerStats,
-    SequenceState, StopReason, SubmitError,
+    DeviceMemory, Failure, GenEvent, GenSummary, GraphStats, ModelUnavailable, Pooling, RequestId,
+    SchedulerStats, SequenceState, StopReason, SubmitError,
 };
 use smolchat_text::sampling::SamplingParams;
 
@@ -139,9 +139,7 @@ impl Completions {
                 embed,
             }))
             .await
-            .map_err(|e| {
-                SubmitError::Unavailable(format!("the scheduler is not available ({e})"))
-            })??;
+            .map_err(|e| SubmitError::Unavailable(ModelUnavailable::Scheduler(e)))??;
         Ok(Completion {
             id,
             events,
@@ -188,8 +186,8 @@ pub enum EmbedError {
     Empty,
     #[error("input {index}: {error}")]
     Refused { index: usize, error: SubmitError },
-    #[error("input {index}: {message}")]
-    Failed { index: usize, message: String },
+    #[error("input {index}: {failure}")]
+    Failed { index: usize, failure: Failure },
 }
 
 impl Completions {
@@ -230,12 +228,14 @@ impl Completions {
                         GenEvent::Finished(summary) => {
                             return match (summary.reason, vector) {
                                 (StopReason::EndOfGeneration, Some(v)) => Ok(v),
-                                (StopReason::Error(message), _) => {
-                                    Err(EmbedError::Failed { index, message })
+                                (StopReason::Error(failure), _) => {
+                                    Err(EmbedError::Failed { index, failure })
                                 }
                                 (reason, _) => Err(EmbedError::Failed {
                                     index,
-                                    message: format!("the embedding ended early ({reason:?})"),
+                                    failure: Failure::Engine(format!(
+                                        "the embedding ended early ({reason:?})"
+                                    )),
                                 }),
                             };
                         }
@@ -244,7 +244,9 @@ impl Completions {
                 }
                 Err(EmbedError::Failed {
                     index,
-                    message: "the model worker stopped before the embedding was finished".into(),
+                    failure: Failure::Engine(
+                        "the model worker stopped before the embedding was finished".into(),
+                    ),
                 })
             }
         };

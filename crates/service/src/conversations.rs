@@ -137,11 +137,9 @@ impl From<SessionError> for ConversationError {
             SessionError::Store(detail) => {
                 ConversationError::Internal(format!("storage: {detail}"))
             }
-            SessionError::StoreUnavailable(message) => {
-                ConversationError::StorageUnavailable(message)
-            }
-            SessionError::Prompt(detail) => {
-                ConversationError::Internal(format!("prompt: {detail}"))
+            SessionError::StoreUnavailable => ConversationError::StorageUnavailable(e.to_string()),
+            SessionError::Prompt(_) | SessionError::PromptTask(_) => {
+                ConversationError::Internal(e.to_string())
             }
         }
     }

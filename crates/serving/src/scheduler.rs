@@ -167,7 +167,9 @@ impl Handler<Submit> for SchedulerActor {
             .is_err()
         {
             self.batcher.cancel(id);
-            return Err(SubmitError::Unavailable("the model thread stopped".into()));
+            return Err(SubmitError::Unavailable(
+                crate::types::ModelUnavailable::ModelStopped,
+            ));
         }
         metrics::counter!("smolchat_requests_total").increment(1);
         self.maybe_step();

@@ -141,8 +141,69 @@ pub enum StopReason {
     Cancelled,
     /// The request's wall-clock limit passed.
     TimeLimit,
-    /// The engine failed.
-    Error(String),
+    /// The request failed.
+    Error(Failure),
+}
+
+/// Why a request failed, by whose fault: the web layer answers a [`Failure::Constraint`] or a
+/// [`Failure::Request`] as the client's error and an [`Failure::Engine`] as the server's. Its
+/// text (`Display`) is what a stored reply's error says.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, serde::Deserialize, thiserror::Error)]
+#[serde(
+    rename_all = "snake_case",
+    tag = "kind",
+    content = "message",
+    from = "FailureWire"
+)]
+pub enum Failure {
+    /// The reply could not follow the request's grammar.
+    #[error("constraint: {0}")]
+    Constraint(String),
+    /// The request cannot be served as it was asked (its sampling parameters, a prompt the KV
+    /// cache cannot hold).
+    #[error("{0}")]
+    Request(String),
+    /// The engine, the device or the model thread failed.
+    #[error("{0}")]
+    Engine(String),
+}
+
+impl Failure {
+    /// The failure a stored reply's error text records (see `Display`).
+    pub fn from_stored(text: &str) -> Failure {
+        match text.strip_prefix("constraint: ") {
+            Some(rest) => Failure::Constraint(rest.to_string()),
+            None => Failure::Engine(text.to_string()),
+        }
+    }
+}
+
+/// A [`Failure`] as it arrives from another replica: typed, or the plain text that replicas
+/// from before it was typed send.
+#[derive(serde::Deserialize)]
+#[serde(untagged)]
+enum FailureWire {
+    Typed(TypedFailure),
+    Text(String),
+}
+
+#[derive(serde::Deserialize)]
+#[serde(rename_all = "snake_case", tag = "kind", content = "message")]
+enum TypedFailure {
+    Constraint(String),
+    Request(String),
+    Engine(String),
+}
+
+impl From<FailureWire> for Failure {
+    fn from(w: FailureWire) -> Failure {
+        match w {
+            FailureWire::Typed(TypedFailure::Constraint(m)) => Failure::Constraint(m),
+            FailureWire::Typed(TypedFailure::Request(m)) => Failure::Request(m),
+            FailureWire::Typed(TypedFailure::Engine(m)) => Failure::Engine(m),
+            FailureWire::Text(text) => Failure::from_stored(&text),
+        }
+    }
 }
 
 impl From<FinishReason> for StopReason {
@@ -177,6 +238,17 @@ pub struct GenSummary {
     pub accepted_tokens: u64,
 }
 
+/// Why the model cannot take requests.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum ModelUnavailable {
+    /// The model worker's thread has ended (the server is stopping, or it failed).
+    #[error("the model thread stopped")]
+    ModelStopped,
+    /// The scheduler actor did not take the request.
+    #[error("the scheduler is not available ({0})")]
+    Scheduler(actix::MailboxError),
+}
+
 /// Why the scheduler refused a request.
 #[derive(Debug, Clone, thiserror::Error, PartialEq, Eq)]
 pub enum SubmitError {
@@ -187,7 +259,7 @@ pub enum SubmitError {
     #[error("invalid request: {0}")]
     Invalid(String),
     #[error("the model is not available: {0}")]
-    Unavailable(String),
+    Unavailable(ModelUnavailable),
     #[error("you already have {queued} requests waiting (the limit per user is {limit}); retry in {retry_after_s} s")]
     UserLimit {
         queued: usize,
@@ -266,4 +338,36 @@ pub enum SequenceState {
     Queued,
     Prefilling,
     Generating,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A failure crosses replicas typed; one from a replica that sent plain text still reads,
+    /// and a stored reply's error text reads back as the failure it was.
+    #[test]
+    fn failures_read_back_typed_and_from_text() {
+        let failed = StopReason::Error(Failure::Constraint("no token fits".into()));
+        let text = serde_json::to_string(&failed).unwrap_or_default();
+        assert_eq!(
+            serde_json::from_str::<StopReason>(&text).ok(),
+            Some(failed.clone())
+        );
+        let old = r#"{"kind":"error","detail":"constraint: no token fits"}"#;
+        assert_eq!(serde_json::from_str::<StopReason>(old).ok(), Some(failed));
+        let old = r#"{"kind":"error","detail":"the engine step failed"}"#;
+        assert_eq!(
+            serde_json::from_str::<StopReason>(old).ok(),
+            Some(StopReason::Error(Failure::Engine(
+                "the engine step failed".into()
+            )))
+        );
+        let request = Failure::Request("invalid sampling parameters".into());
+        assert_eq!(request.to_string(), "invalid sampling parameters");
+        assert_eq!(
+            Failure::from_stored(&Failure::Constraint("x".into()).to_string()),
+            Failure::Constraint("x".into())
+        );
+    }
 }

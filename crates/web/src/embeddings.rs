@@ -179,7 +179,7 @@ fn embed_error(e: EmbedError, field: &str) -> ApiError {
         } => ApiError::invalid(format!("{field}[{index}]"), error.to_string()),
         EmbedError::Refused { error, .. } => ApiError::from(error),
         EmbedError::Empty | EmbedError::TooMany { .. } => ApiError::invalid(field, e.to_string()),
-        EmbedError::Failed { message, .. } => v1::generation_failed(&message),
+        EmbedError::Failed { failure, .. } => v1::generation_failed(&failure),
     }
 }
 

@@ -36,7 +36,7 @@ use crate::openai::body::{ChatBody, GenerationBody};
 use crate::openai::request::{self, Defaults, GenerationOptions};
 use crate::{AppState, WebError};
 use smolchat_service::completions::{CacheUse, Completion, CompletionRequest};
-use smolchat_service::completions::{GenSummary, RequestId};
+use smolchat_service::completions::{Failure, GenSummary, RequestId};
 use smolchat_service::platform::Platform;
 use smolchat_text::prompt::{Prompt, PromptBuilder};
 use smolchat_text::template::{ChatMessage, ChatTemplate, RenderOptions};

@@ -144,7 +144,7 @@ impl ReplyBuffer {
                 (MessageStatus::Complete, None)
             }
             StopReason::Cancelled | StopReason::TimeLimit => (MessageStatus::Stopped, None),
-            StopReason::Error(e) => (MessageStatus::Error, Some(e.clone())),
+            StopReason::Error(e) => (MessageStatus::Error, Some(e.to_string())),
         };
         // The first token comes with the prefill; speed is over the ones after it.
         let tokens_per_s = if summary.generation_ms > 0.0 {
@@ -275,7 +275,7 @@ mod tests {
             (StopReason::Cancelled, MessageStatus::Stopped, None),
             (StopReason::TimeLimit, MessageStatus::Stopped, None),
             (
-                StopReason::Error("boom".into()),
+                StopReason::Error(smolchat_serving::types::Failure::Engine("boom".into())),
                 MessageStatus::Error,
                 Some("boom".to_string()),
             ),

@@ -4,7 +4,7 @@
 
 use uuid::Uuid;
 
-use smolchat_serving::types::{GenSummary, StopReason};
+use smolchat_serving::types::{Failure, GenSummary, StopReason};
 use smolchat_store::{Message, MessageStatus};
 use smolchat_text::splitter::ToolCall;
 
@@ -158,7 +158,9 @@ pub(crate) fn summary_of_stored(message: &Message) -> GenSummary {
     GenSummary {
         reason: match message.status {
             MessageStatus::Stopped => StopReason::Cancelled,
-            MessageStatus::Error => StopReason::Error(message.error.clone().unwrap_or_default()),
+            MessageStatus::Error => {
+                StopReason::Error(Failure::from_stored(message.error.as_deref().unwrap_or("")))
+            }
             _ => StopReason::EndOfGeneration,
         },
         prompt_tokens: message.prompt_tokens.unwrap_or(0).max(0) as usize,
@@ -363,7 +365,7 @@ mod tests {
         let s = summary_of_stored(&row);
         assert_eq!(
             s.reason,
-            StopReason::Error("the model thread stopped".into())
+            StopReason::Error(Failure::Engine("the model thread stopped".into()))
         );
         assert_eq!((s.completion_tokens, s.generation_ms), (4, 30.0));
         row.status = MessageStatus::Stopped;

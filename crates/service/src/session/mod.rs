@@ -92,13 +92,17 @@ pub enum SessionError {
     NothingToResend,
     #[error(transparent)]
     Submit(#[from] SubmitError),
+    /// A fault of the store (shared: a session's error goes to every caller waiting on it).
     #[error("storage failed: {0}")]
-    Store(String),
+    Store(#[source] Arc<StoreError>),
     /// The store cannot be written right now (disk full, read-only, locked): nothing was saved.
-    #[error("{0}")]
-    StoreUnavailable(String),
+    #[error("{STORAGE_UNAVAILABLE}")]
+    StoreUnavailable,
     #[error("cannot build the prompt: {0}")]
-    Prompt(String),
+    Prompt(#[source] Arc<smolchat_text::TextError>),
+    /// The prompt builder's task ended without an answer (it panicked).
+    #[error("the prompt builder failed: {0}")]
+    PromptTask(String),
 }
 
 impl From<StoreError> for SessionError {
@@ -115,9 +119,9 @@ impl From<StoreError> for SessionError {
         }
         if e.is_unavailable() {
             tracing::warn!(error = %e, "storage unavailable");
-            SessionError::StoreUnavailable(STORAGE_UNAVAILABLE.to_string())
+            SessionError::StoreUnavailable
         } else {
-            SessionError::Store(e.to_string())
+            SessionError::Store(Arc::new(e))
         }
     }
 }
@@ -655,7 +659,7 @@ impl Handler<SendMessage> for SessionActor {
                         .map(|p| (p, conversation))
                 })
                 .await
-                .map_err(|e| SessionError::Prompt(format!("the prompt builder failed: {e}")))??
+                .map_err(|e| SessionError::PromptTask(e.to_string()))??
             };
             let request = CompletionRequest {
                 prompt: prepared.prompt.clone(),

@@ -122,7 +122,7 @@ pub fn conversation_prompt(
             &conversation_messages(conversation, history, new_user),
             &conversation_render_options(conversation),
         )
-        .map_err(|e| SessionError::Prompt(e.to_string()))
+        .map_err(|e| SessionError::Prompt(std::sync::Arc::new(e)))
 }
 
 /// Builds the conversation plus the new user message into prompt tokens and sampling settings.

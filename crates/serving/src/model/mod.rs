@@ -16,7 +16,7 @@ use crate::speculate::{DraftControl, PromptLookup, Proposer, SpecConfig, StepCos
 use uuid::Uuid;
 
 use crate::types::{
-    CacheKey, GenEvent, GenSummary, GenerationRequest, Pooling, RequestId, StopReason,
+    CacheKey, Failure, GenEvent, GenSummary, GenerationRequest, Pooling, RequestId, StopReason,
 };
 use smolchat_engine::device::DeviceMemory;
 use smolchat_engine::fast::graph::GraphStats;

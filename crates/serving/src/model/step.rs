@@ -20,7 +20,7 @@ pub(super) struct StepWork {
     /// Prompt tokens each request computes in this step (charged to its user's usage).
     pub(super) prefilled: HashMap<RequestId, usize>,
     /// Requests that fail, with why.
-    pub(super) failed: Vec<(RequestId, String)>,
+    pub(super) failed: Vec<(RequestId, Failure)>,
     /// The positions of a decode-only step, which teaches the cost line.
     pub(super) decode_positions: Option<usize>,
 }
@@ -69,10 +69,13 @@ pub(super) fn draw_on_host(
     row: &mut [f32],
     cached: usize,
     window: usize,
-) -> Result<smolchat_text::generation::TokenOutcome, String> {
+) -> Result<smolchat_text::generation::TokenOutcome, Failure> {
     let outcome = generation
         .next_token_within(row, cached, window)
-        .map_err(|e| e.to_string());
+        .map_err(|e| match e {
+            smolchat_text::TextError::Constraint(m) => Failure::Constraint(m),
+            other => Failure::Engine(other.to_string()),
+        });
     if let Some(t) = generation.take_mask_time() {
         metrics::histogram!("smolchat_grammar_mask_seconds").record(t.as_secs_f64());
     }
@@ -81,14 +84,14 @@ pub(super) fn draw_on_host(
 
 /// A token the device drew, checked: an error when no token had a usable logit or the device
 /// drew one outside the vocabulary.
-pub(super) fn checked_draw(token: Option<u32>, vocab: usize) -> Result<u32, String> {
+pub(super) fn checked_draw(token: Option<u32>, vocab: usize) -> Result<u32, Failure> {
     match token {
-        None | Some(NO_TOKEN) => Err("no token has a usable logit (all are NaN or -inf); the \
-                                      model output is broken"
-            .to_string()),
-        Some(token) if token as usize >= vocab => Err(format!(
-            "the device drew token {token}, outside the vocabulary of {vocab}"
+        None | Some(NO_TOKEN) => Err(Failure::Engine(
+            "no token has a usable logit (all are NaN or -inf); the model output is broken".into(),
         )),
+        Some(token) if token as usize >= vocab => Err(Failure::Engine(format!(
+            "the device drew token {token}, outside the vocabulary of {vocab}"
+        ))),
         Some(token) => Ok(token),
     }
 }
@@ -399,10 +402,10 @@ impl ModelWorker {
             }
             _ => step.failed.push((
                 id,
-                format!(
+                Failure::Request(format!(
                     "the prompt does not fit the KV cache ({capacity} tokens in all, \
                      scheduler.kv_budget_mib); shorten the conversation"
-                ),
+                )),
             )),
         }
     }
@@ -463,8 +466,11 @@ impl ModelWorker {
                 // A failed step says nothing of what a step costs.
                 step.decode_positions = None;
                 tracing::error!("engine step failed: {e}");
-                step.failed
-                    .extend(step.work.iter().map(|w| (w.0, e.to_string())));
+                step.failed.extend(
+                    step.work
+                        .iter()
+                        .map(|w| (w.0, Failure::Engine(e.to_string()))),
+                );
             }
         }
         self.logits = logits;
@@ -698,11 +704,11 @@ impl ModelWorker {
                     Ok(kept) if kept == keep => {}
                     Ok(kept) => step.failed.push((
                         id,
-                        format!(
+                        Failure::Engine(format!(
                             "the KV cache kept {kept} of {keep} positions after verifying drafts"
-                        ),
+                        )),
                     )),
-                    Err(e) => step.failed.push((id, e.to_string())),
+                    Err(e) => step.failed.push((id, Failure::Engine(e.to_string()))),
                 }
             }
         }
@@ -718,7 +724,8 @@ impl ModelWorker {
                 .get(&id)
                 .is_some_and(|a| a.seq.is_some() && a.generation.is_none())
             {
-                step.failed.push((id, "invalid sampling parameters".into()));
+                step.failed
+                    .push((id, Failure::Request("invalid sampling parameters".into())));
             }
         }
         for (id, msg) in std::mem::take(&mut step.failed) {

@@ -287,16 +287,16 @@ pub(crate) async fn submit(
     Ok(completion)
 }
 
-/// A generation that failed: a grammar the reply could not follow any further is the client's
-/// grammar's fault (400); anything else is the server's.
-pub(crate) fn generation_failed(e: &str) -> ApiError {
-    if e.starts_with("constraint:") {
-        ApiError::invalid(
+/// A generation that failed: a grammar the reply could not follow any further, or a request
+/// the model cannot serve as asked, is the client's fault (400); the engine's is the server's.
+pub(crate) fn generation_failed(failure: &Failure) -> ApiError {
+    match failure {
+        Failure::Constraint(_) => ApiError::invalid(
             "response_format",
-            format!("the grammar could not be followed: {e}"),
-        )
-    } else {
-        ApiError::internal(format!("generation failed: {e}"))
+            format!("the grammar could not be followed: {failure}"),
+        ),
+        Failure::Request(_) => ApiError::bad_body(format!("generation failed: {failure}")),
+        Failure::Engine(_) => ApiError::internal(format!("generation failed: {failure}")),
     }
 }
 
