@@ -47,6 +47,7 @@ pub mod step;
 pub mod synthetic;
 #[cfg(test)]
 pub(crate) mod test_log;
+pub mod weights;
 
 pub use backend::Backend;
 pub use config::{Architecture, ModelConfig};

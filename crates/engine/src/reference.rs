@@ -26,18 +26,20 @@
 
 use candle_core::quantized::{ggml_file::qtensor_from_ggml, QMatMul};
 use candle_core::{DType, Device as CandleDevice, Module, Tensor};
+use std::collections::HashMap;
+
 use smolchat_gguf::{GgufSource, RawTensor};
 use tracing::trace_span;
 
 use crate::backend::{check_request, Backend, BatchItem, Suggested};
 use crate::config::ModelConfig;
-use crate::cpu::model::norm_vector;
 use crate::cpu::quant::QMatrix;
 use crate::device::{Device, Tier};
 use crate::error::{EngineError, Result};
 use crate::kv::{KvType, BLOCK_POSITIONS};
 use crate::logits::{Logits, LogitsMode};
 use crate::rope::RopeTable;
+use crate::weights::{self, Matrix, Norm, WeightSink};
 
 /// candle's switch that keeps its AVX2 quantized CPU kernels on every x86 host (the name is
 /// mistral.rs's).
@@ -78,6 +80,47 @@ pub struct ReferenceBackend {
 /// Arenas grow by at least this many blocks at a time.
 const GROW_BLOCKS: usize = 16;
 
+/// The weights as [`weights::read`] hands them over: matrices uploaded to `dev` at once, the
+/// embedding kept on the host for row lookups (and uploaded as the LM head when it is `tied`).
+struct Held<'a> {
+    dev: &'a CandleDevice,
+    tied: bool,
+    embedding: Option<QMatrix>,
+    head: Option<QMatMul>,
+    matrices: HashMap<Matrix, QMatMul>,
+    norms: HashMap<Norm, Tensor>,
+    weight_bytes: usize,
+}
+
+impl WeightSink for Held<'_> {
+    fn embedding(&mut self, raw: RawTensor) -> Result<()> {
+        self.weight_bytes += raw.data.len();
+        if self.tied {
+            self.head = Some(matmul(&raw, self.dev)?);
+        }
+        self.embedding = Some(QMatrix::from_raw(raw)?);
+        Ok(())
+    }
+
+    fn matrix(&mut self, which: Matrix, raw: RawTensor) -> Result<()> {
+        self.weight_bytes += raw.data.len();
+        let uploaded = matmul(&raw, self.dev)?;
+        if which == Matrix::Head {
+            self.head = Some(uploaded);
+        } else {
+            self.matrices.insert(which, uploaded);
+        }
+        Ok(())
+    }
+
+    fn norm(&mut self, which: Norm, weight: Vec<f32>) -> Result<()> {
+        let len = weight.len();
+        self.norms
+            .insert(which, Tensor::from_vec(weight, len, self.dev)?);
+        Ok(())
+    }
+}
+
 impl ReferenceBackend {
     /// Loads `src` (whose config, YaRN applied, is `config`) onto `dev`, which is `device`, with
     /// its KV cache stored as `kv_type` (f16 or f32).
@@ -104,73 +147,43 @@ impl ReferenceBackend {
                 ),
             });
         }
-        let c = &config;
-        let total: u64 = src.tensors.values().map(|t| t.n_bytes as u64).sum();
-        let mut done = 0u64;
-        let mut weight_bytes = 0usize;
-        let q_dim = c.n_heads * c.head_dim;
-        let kv_dim = c.n_kv_heads * c.head_dim;
-        let mut take = |src: &mut GgufSource, name: &str, rows: usize, cols: usize| {
-            let raw = src.take_tensor(name)?;
-            done += raw.data.len() as u64;
-            progress(done, total);
-            if raw.dims != [rows, cols] {
-                return Err(EngineError::BadShape {
-                    name: name.to_string(),
-                    actual: raw.dims,
-                    expected: vec![rows, cols],
-                });
-            }
-            weight_bytes += raw.data.len();
-            Ok(raw)
+        let mut held = Held {
+            dev: &dev,
+            tied: !src.tensors.contains_key(&Matrix::Head.gguf_name()),
+            embedding: None,
+            head: None,
+            matrices: HashMap::new(),
+            norms: HashMap::new(),
+            weight_bytes: 0,
         };
-        let embd = take(src, "token_embd.weight", c.vocab_size, c.hidden)?;
-        let head = if src.tensors.contains_key("output.weight") {
-            matmul(&take(src, "output.weight", c.vocab_size, c.hidden)?, &dev)?
-        } else {
-            matmul(&embd, &dev)?
-        };
-        let embedding = QMatrix::from_raw(embd)?;
-        let mut layers = Vec::with_capacity(c.n_layers);
-        for i in 0..c.n_layers {
-            let n = |s: &str| format!("blk.{i}.{s}.weight");
-            let mut m = |name: &str, rows, cols| matmul(&take(src, &n(name), rows, cols)?, &dev);
-            let (wq, wk, wv) = (
-                m("attn_q", q_dim, c.hidden)?,
-                m("attn_k", kv_dim, c.hidden)?,
-                m("attn_v", kv_dim, c.hidden)?,
-            );
-            let wo = m("attn_output", c.hidden, q_dim)?;
-            let (w_gate, w_up) = (
-                m("ffn_gate", c.ffn, c.hidden)?,
-                m("ffn_up", c.ffn, c.hidden)?,
-            );
-            let w_down = m("ffn_down", c.hidden, c.ffn)?;
-            let vector = |src: &mut GgufSource, name: String| -> Result<Tensor> {
-                Ok(Tensor::from_vec(
-                    norm_vector(src, &name, c.hidden)?,
-                    c.hidden,
-                    &dev,
-                )?)
-            };
+        weights::read(src, &config, &mut held, progress)?;
+        let Held {
+            embedding,
+            head,
+            mut matrices,
+            mut norms,
+            weight_bytes,
+            ..
+        } = held;
+        let mut matrix = |m: Matrix| matrices.remove(&m).ok_or_else(|| weights::missing(m));
+        let mut norm = |n: Norm| norms.remove(&n).ok_or_else(|| weights::missing(n));
+        let mut layers = Vec::with_capacity(config.n_layers);
+        for i in 0..config.n_layers {
             layers.push(Layer {
-                attn_norm: vector(src, n("attn_norm"))?,
-                wq,
-                wk,
-                wv,
-                wo,
-                ffn_norm: vector(src, n("ffn_norm"))?,
-                w_gate,
-                w_up,
-                w_down,
+                attn_norm: norm(Norm::Attn(i))?,
+                wq: matrix(Matrix::Q(i))?,
+                wk: matrix(Matrix::K(i))?,
+                wv: matrix(Matrix::V(i))?,
+                wo: matrix(Matrix::O(i))?,
+                ffn_norm: norm(Norm::Ffn(i))?,
+                w_gate: matrix(Matrix::Gate(i))?,
+                w_up: matrix(Matrix::Up(i))?,
+                w_down: matrix(Matrix::Down(i))?,
             });
         }
-        let output_norm = Tensor::from_vec(
-            norm_vector(src, "output_norm.weight", c.hidden)?,
-            c.hidden,
-            &dev,
-        )?;
-        progress(total, total);
+        let output_norm = norm(Norm::Output)?;
+        let head = head.ok_or_else(|| weights::missing(Matrix::Head))?;
+        let embedding = embedding.ok_or_else(|| weights::missing(weights::EMBEDDING))?;
         Ok(Self {
             device,
             dev,
@@ -194,7 +207,6 @@ impl ReferenceBackend {
         device: Device,
         dev: CandleDevice,
     ) -> Result<Self> {
-        use crate::fast::plan::{Matrix, Norm};
         let c = weights.config.clone();
         let upload = |m: &crate::fast::weights::RawMatrix| -> Result<QMatMul> {
             let q = qtensor_from_ggml(m.dtype, m.bytes.as_slice(), vec![m.rows, m.cols], &dev)?;

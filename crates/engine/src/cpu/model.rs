@@ -19,7 +19,10 @@ use crate::error::{EngineError, Result};
 use crate::kv::{KvKind, BLOCK_POSITIONS};
 use crate::logits::{Logits, LogitsMode};
 use crate::rope::RopeTable;
-use smolchat_gguf::{GgmlDType, GgufSource};
+use smolchat_gguf::{GgufSource, RawTensor};
+use std::collections::HashMap;
+
+use crate::weights::{self, Matrix, Norm, WeightSink};
 
 struct Layer {
     attn_norm: Vec<f32>,
@@ -42,62 +45,68 @@ pub struct Model {
     layers: Vec<Layer>,
 }
 
+/// The weights as [`weights::read`] hands them over, each matrix repacked at once.
+#[derive(Default)]
+struct Held {
+    embedding: Option<QMatrix>,
+    matrices: HashMap<Matrix, QMatrix>,
+    norms: HashMap<Norm, Vec<f32>>,
+}
+
+impl WeightSink for Held {
+    fn embedding(&mut self, raw: RawTensor) -> Result<()> {
+        self.embedding = Some(QMatrix::from_raw(raw)?);
+        Ok(())
+    }
+
+    fn matrix(&mut self, which: Matrix, raw: RawTensor) -> Result<()> {
+        self.matrices.insert(which, QMatrix::from_raw(raw)?);
+        Ok(())
+    }
+
+    fn norm(&mut self, which: Norm, weight: Vec<f32>) -> Result<()> {
+        self.norms.insert(which, weight);
+        Ok(())
+    }
+}
+
 /// Progress of a load, in bytes of tensor data.
 pub type LoadProgress<'a> = &'a mut dyn FnMut(u64, u64);
 
 impl Model {
-    /// Builds the model from a GGUF source, reading one tensor at a time (weights stay quantized).
+    /// Builds the model from a GGUF source, reading one tensor at a time (weights stay quantized,
+    /// repacked for the CPU's kernels as they are read: [`weights::read`]).
     pub fn load(src: &mut GgufSource, progress: LoadProgress<'_>) -> Result<Self> {
         let config = ModelConfig::from_gguf(src)?;
-        let total: u64 = src.tensors.values().map(|t| t.n_bytes as u64).sum();
-        let mut done = 0u64;
-        let c = &config;
-        let q_dim = c.n_heads * c.head_dim;
-        let kv_dim = c.n_kv_heads * c.head_dim;
-
-        let mut matrix = |src: &mut GgufSource, name: &str, rows: usize, cols: usize| {
-            let raw = src.take_tensor(name)?;
-            done += raw.data.len() as u64;
-            progress(done, total);
-            if raw.dims != [rows, cols] {
-                return Err(EngineError::BadShape {
-                    name: name.to_string(),
-                    actual: raw.dims,
-                    expected: vec![rows, cols],
-                });
-            }
-            QMatrix::from_raw(raw)
-        };
-        let token_embd = matrix(src, "token_embd.weight", c.vocab_size, c.hidden)?;
-        let output = if src.tensors.contains_key("output.weight") {
-            Some(matrix(src, "output.weight", c.vocab_size, c.hidden)?)
-        } else {
-            None
-        };
-        let mut layers = Vec::with_capacity(c.n_layers);
-        for i in 0..c.n_layers {
-            let n = |s: &str| format!("blk.{i}.{s}.weight");
-            layers.push(Layer {
-                attn_norm: Vec::new(),
-                wq: matrix(src, &n("attn_q"), q_dim, c.hidden)?,
-                wk: matrix(src, &n("attn_k"), kv_dim, c.hidden)?,
-                wv: matrix(src, &n("attn_v"), kv_dim, c.hidden)?,
-                wo: matrix(src, &n("attn_output"), c.hidden, q_dim)?,
-                ffn_norm: Vec::new(),
-                w_gate: matrix(src, &n("ffn_gate"), c.ffn, c.hidden)?,
-                w_up: matrix(src, &n("ffn_up"), c.ffn, c.hidden)?,
-                w_down: matrix(src, &n("ffn_down"), c.hidden, c.ffn)?,
-            });
-        }
-        for (i, layer) in layers.iter_mut().enumerate() {
-            layer.attn_norm = norm_vector(src, &format!("blk.{i}.attn_norm.weight"), c.hidden)?;
-            layer.ffn_norm = norm_vector(src, &format!("blk.{i}.ffn_norm.weight"), c.hidden)?;
-        }
-        let output_norm = norm_vector(src, "output_norm.weight", c.hidden)?;
-        progress(total, total);
+        let mut held = Held::default();
+        weights::read(src, &config, &mut held, progress)?;
+        let Held {
+            embedding,
+            mut matrices,
+            mut norms,
+        } = held;
+        let output = matrices.remove(&Matrix::Head);
+        let mut matrix = |m: Matrix| matrices.remove(&m).ok_or_else(|| weights::missing(m));
+        let mut norm = |n: Norm| norms.remove(&n).ok_or_else(|| weights::missing(n));
+        let layers = (0..config.n_layers)
+            .map(|i| {
+                Ok(Layer {
+                    attn_norm: norm(Norm::Attn(i))?,
+                    wq: matrix(Matrix::Q(i))?,
+                    wk: matrix(Matrix::K(i))?,
+                    wv: matrix(Matrix::V(i))?,
+                    wo: matrix(Matrix::O(i))?,
+                    ffn_norm: norm(Norm::Ffn(i))?,
+                    w_gate: matrix(Matrix::Gate(i))?,
+                    w_up: matrix(Matrix::Up(i))?,
+                    w_down: matrix(Matrix::Down(i))?,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let output_norm = norm(Norm::Output)?;
         Ok(Self {
             config,
-            token_embd,
+            token_embd: embedding.ok_or_else(|| weights::missing(weights::EMBEDDING))?,
             output,
             output_norm,
             layers,
@@ -291,35 +300,6 @@ impl Model {
 
     pub fn architecture(&self) -> Architecture {
         self.config.arch
-    }
-}
-
-/// A norm weight vector of `len` values (F32 or F16 in the file).
-pub(crate) fn norm_vector(src: &mut GgufSource, name: &str, len: usize) -> Result<Vec<f32>> {
-    let raw = src.take_tensor(name)?;
-    if raw.dims.iter().product::<usize>() != len {
-        return Err(EngineError::BadShape {
-            name: name.to_string(),
-            actual: raw.dims,
-            expected: vec![len],
-        });
-    }
-    match raw.dtype {
-        GgmlDType::F32 | GgmlDType::F16 => {
-            let m = QMatrix::from_raw(smolchat_gguf::RawTensor {
-                dims: vec![1, len],
-                ..raw
-            })?;
-            let mut out = vec![0f32; len];
-            m.dequantize_row(0, &mut out)?;
-            Ok(out)
-        }
-        other => Err(EngineError::from(
-            smolchat_gguf::GgufError::UnsupportedTensorType {
-                name: name.to_string(),
-                dtype: format!("{other:?} (norm weights must be F32 or F16)"),
-            },
-        )),
     }
 }
 

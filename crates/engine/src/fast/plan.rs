@@ -6,6 +6,7 @@
 use crate::config::ModelConfig;
 use crate::fast::layout::StepTables;
 use crate::kv::BLOCK_POSITIONS;
+pub use crate::weights::{matrix_shape, Matrix, Norm};
 
 /// The working buffers of a step (f32 unless said otherwise), sized by [`Plan::rows`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -49,28 +50,6 @@ pub const BUFFERS: [Buf; 12] = [
     Buf::SelNorm,
     Buf::Logits,
 ];
-
-/// A weight matrix of the model.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Matrix {
-    Q(usize),
-    K(usize),
-    V(usize),
-    O(usize),
-    Gate(usize),
-    Up(usize),
-    Down(usize),
-    /// The LM head (`output.weight`, or the token embedding when tied).
-    Head,
-}
-
-/// A norm weight vector.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Norm {
-    Attn(usize),
-    Ffn(usize),
-    Output,
-}
 
 /// One operation. Shapes come from the model config and the step's tables.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -276,21 +255,6 @@ impl Plan {
             Buf::Sel | Buf::SelNorm | Buf::Logits => self.logit_rows,
             _ => self.rows,
         }
-    }
-}
-
-/// The shape of `matrix`: `(rows = outputs, cols = inputs)`.
-pub fn matrix_shape(config: &ModelConfig, matrix: Matrix) -> (usize, usize) {
-    let c = config;
-    let q_dim = c.n_heads * c.head_dim;
-    let kv_dim = c.n_kv_heads * c.head_dim;
-    match matrix {
-        Matrix::Q(_) => (q_dim, c.hidden),
-        Matrix::K(_) | Matrix::V(_) => (kv_dim, c.hidden),
-        Matrix::O(_) => (c.hidden, q_dim),
-        Matrix::Gate(_) | Matrix::Up(_) => (c.ffn, c.hidden),
-        Matrix::Down(_) => (c.hidden, c.ffn),
-        Matrix::Head => (c.vocab_size, c.hidden),
     }
 }
 

@@ -4,12 +4,12 @@
 
 use std::collections::HashMap;
 
-use smolchat_gguf::{AlignedBytes, GgmlDType, GgufSource};
+use smolchat_gguf::{AlignedBytes, GgmlDType, GgufSource, RawTensor};
 
-use super::plan::{matrix_shape, Matrix, Norm};
+use super::plan::{Matrix, Norm};
 use crate::config::ModelConfig;
-use crate::cpu::model::norm_vector;
 use crate::error::{EngineError, Result};
+use crate::weights::{self, WeightSink};
 
 /// One weight matrix: `rows` outputs of `cols` inputs, as `dtype` blocks, row after row.
 pub struct RawMatrix {
@@ -63,92 +63,79 @@ pub fn runs(src: &GgufSource) -> std::result::Result<(), String> {
     Ok(())
 }
 
+/// The weights as [`weights::read`] hands them over, kept as their blocks.
+#[derive(Default)]
+struct Held {
+    embedding: Option<RawMatrix>,
+    matrices: HashMap<Matrix, RawMatrix>,
+    norms: HashMap<Norm, Vec<f32>>,
+}
+
+/// A matrix as the kernels take it: its blocks, of a type they run.
+fn raw_matrix(raw: RawTensor) -> Result<RawMatrix> {
+    if !supported(raw.dtype) {
+        return Err(EngineError::from(
+            smolchat_gguf::GgufError::UnsupportedTensorType {
+                name: raw.name,
+                dtype: format!(
+                    "{:?} (the GPU fast tier runs quantized matrices only; the reference tier runs this file)",
+                    raw.dtype
+                ),
+            },
+        ));
+    }
+    let (rows, cols) = match raw.dims.as_slice() {
+        [rows, cols] => (*rows, *cols),
+        other => {
+            return Err(EngineError::BadShape {
+                name: raw.name,
+                actual: other.to_vec(),
+                expected: vec![0, 0],
+            })
+        }
+    };
+    Ok(RawMatrix {
+        dtype: raw.dtype,
+        rows,
+        cols,
+        bytes: raw.data,
+    })
+}
+
+impl WeightSink for Held {
+    fn embedding(&mut self, raw: RawTensor) -> Result<()> {
+        self.embedding = Some(raw_matrix(raw)?);
+        Ok(())
+    }
+
+    fn matrix(&mut self, which: Matrix, raw: RawTensor) -> Result<()> {
+        self.matrices.insert(which, raw_matrix(raw)?);
+        Ok(())
+    }
+
+    fn norm(&mut self, which: Norm, weight: Vec<f32>) -> Result<()> {
+        self.norms.insert(which, weight);
+        Ok(())
+    }
+}
+
 impl FastWeights {
-    /// Reads every weight of `src`, whose configuration (YaRN applied) is `config`.
+    /// Reads every weight of `src`, whose configuration (YaRN applied) is `config`
+    /// ([`weights::read`]), refusing a matrix type the kernels do not take.
     pub fn load(
         src: &mut GgufSource,
         config: ModelConfig,
         progress: &mut dyn FnMut(u64, u64),
     ) -> Result<Self> {
-        let total: u64 = src.tensors.values().map(|t| t.n_bytes as u64).sum();
-        let mut done = 0u64;
-        let mut take = |src: &mut GgufSource, name: &str, (rows, cols): (usize, usize)| {
-            let raw = src.take_tensor(name)?;
-            done += raw.data.len() as u64;
-            progress(done, total);
-            if raw.dims != [rows, cols] {
-                return Err(EngineError::BadShape {
-                    name: name.to_string(),
-                    actual: raw.dims,
-                    expected: vec![rows, cols],
-                });
-            }
-            if !supported(raw.dtype) {
-                return Err(EngineError::from(
-                    smolchat_gguf::GgufError::UnsupportedTensorType {
-                        name: name.to_string(),
-                        dtype: format!(
-                            "{:?} (the GPU fast tier runs quantized matrices only; the reference tier runs this file)",
-                            raw.dtype
-                        ),
-                    },
-                ));
-            }
-            Ok(RawMatrix {
-                dtype: raw.dtype,
-                rows,
-                cols,
-                bytes: raw.data,
-            })
-        };
-        let c = &config;
-        let embedding = take(src, "token_embd.weight", (c.vocab_size, c.hidden))?;
-        let mut matrices = HashMap::new();
-        if src.tensors.contains_key("output.weight") {
-            matrices.insert(
-                Matrix::Head,
-                take(src, "output.weight", matrix_shape(c, Matrix::Head))?,
-            );
-        }
-        for layer in 0..c.n_layers {
-            for (m, name) in [
-                (Matrix::Q(layer), "attn_q"),
-                (Matrix::K(layer), "attn_k"),
-                (Matrix::V(layer), "attn_v"),
-                (Matrix::O(layer), "attn_output"),
-                (Matrix::Gate(layer), "ffn_gate"),
-                (Matrix::Up(layer), "ffn_up"),
-                (Matrix::Down(layer), "ffn_down"),
-            ] {
-                let raw = take(
-                    src,
-                    &format!("blk.{layer}.{name}.weight"),
-                    matrix_shape(c, m),
-                )?;
-                matrices.insert(m, raw);
-            }
-        }
-        let mut norms = HashMap::new();
-        for layer in 0..c.n_layers {
-            norms.insert(
-                Norm::Attn(layer),
-                norm_vector(src, &format!("blk.{layer}.attn_norm.weight"), c.hidden)?,
-            );
-            norms.insert(
-                Norm::Ffn(layer),
-                norm_vector(src, &format!("blk.{layer}.ffn_norm.weight"), c.hidden)?,
-            );
-        }
-        norms.insert(
-            Norm::Output,
-            norm_vector(src, "output_norm.weight", c.hidden)?,
-        );
-        progress(total, total);
+        let mut held = Held::default();
+        weights::read(src, &config, &mut held, progress)?;
         Ok(Self {
             config,
-            embedding,
-            matrices,
-            norms,
+            embedding: held
+                .embedding
+                .ok_or_else(|| weights::missing(weights::EMBEDDING))?,
+            matrices: held.matrices,
+            norms: held.norms,
         })
     }
 
