@@ -82,7 +82,7 @@ const GROW_BLOCKS: usize = 16;
 
 /// The weights as [`weights::read`] hands them over: matrices uploaded to `dev` at once, the
 /// embedding kept on the host for row lookups (and uploaded as the LM head when it is `tied`).
-struct Held<'a> {
+struct UploadedWeights<'a> {
     dev: &'a CandleDevice,
     tied: bool,
     embedding: Option<QMatrix>,
@@ -92,7 +92,7 @@ struct Held<'a> {
     weight_bytes: usize,
 }
 
-impl WeightSink for Held<'_> {
+impl WeightSink for UploadedWeights<'_> {
     fn embedding(&mut self, raw: RawTensor) -> Result<()> {
         self.weight_bytes += raw.data.len();
         if self.tied {
@@ -147,7 +147,7 @@ impl ReferenceBackend {
                 ),
             });
         }
-        let mut held = Held {
+        let mut held = UploadedWeights {
             dev: &dev,
             tied: !src.tensors.contains_key(&Matrix::Head.gguf_name()),
             embedding: None,
@@ -157,7 +157,7 @@ impl ReferenceBackend {
             weight_bytes: 0,
         };
         weights::read(src, &config, &mut held, progress)?;
-        let Held {
+        let UploadedWeights {
             embedding,
             head,
             mut matrices,

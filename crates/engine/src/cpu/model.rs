@@ -47,13 +47,13 @@ pub struct Model {
 
 /// The weights as [`weights::read`] hands them over, each matrix repacked at once.
 #[derive(Default)]
-struct Held {
+struct RepackedWeights {
     embedding: Option<QMatrix>,
     matrices: HashMap<Matrix, QMatrix>,
     norms: HashMap<Norm, Vec<f32>>,
 }
 
-impl WeightSink for Held {
+impl WeightSink for RepackedWeights {
     fn embedding(&mut self, raw: RawTensor) -> Result<()> {
         self.embedding = Some(QMatrix::from_raw(raw)?);
         Ok(())
@@ -78,9 +78,9 @@ impl Model {
     /// repacked for the CPU's kernels as they are read: [`weights::read`]).
     pub fn load(src: &mut GgufSource, progress: LoadProgress<'_>) -> Result<Self> {
         let config = ModelConfig::from_gguf(src)?;
-        let mut held = Held::default();
+        let mut held = RepackedWeights::default();
         weights::read(src, &config, &mut held, progress)?;
-        let Held {
+        let RepackedWeights {
             embedding,
             mut matrices,
             mut norms,

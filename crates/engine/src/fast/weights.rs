@@ -65,7 +65,7 @@ pub fn runs(src: &GgufSource) -> std::result::Result<(), String> {
 
 /// The weights as [`weights::read`] hands them over, kept as their blocks.
 #[derive(Default)]
-struct Held {
+struct BlockWeights {
     embedding: Option<RawMatrix>,
     matrices: HashMap<Matrix, RawMatrix>,
     norms: HashMap<Norm, Vec<f32>>,
@@ -102,7 +102,7 @@ fn raw_matrix(raw: RawTensor) -> Result<RawMatrix> {
     })
 }
 
-impl WeightSink for Held {
+impl WeightSink for BlockWeights {
     fn embedding(&mut self, raw: RawTensor) -> Result<()> {
         self.embedding = Some(raw_matrix(raw)?);
         Ok(())
@@ -127,7 +127,7 @@ impl FastWeights {
         config: ModelConfig,
         progress: &mut dyn FnMut(u64, u64),
     ) -> Result<Self> {
-        let mut held = Held::default();
+        let mut held = BlockWeights::default();
         weights::read(src, &config, &mut held, progress)?;
         Ok(Self {
             config,
