@@ -14,9 +14,12 @@ use serde_json::{json, Value};
 
 use super::json::JsonBody;
 use super::openai;
+use super::openai::body::PromptItem;
+use super::typed::{self, Count};
 use super::v1;
 use super::{AppState, WebError};
 use crate::error::ApiError;
+use serde::Deserialize;
 use smolchat_service::completions::{
     EmbedError, EmbeddingRequest, Embeddings, Pooling, SubmitError, MAX_EMBEDDING_INPUTS,
 };
@@ -38,52 +41,72 @@ pub(crate) enum Input {
     Tokens(Vec<u32>),
 }
 
-/// The inputs of OpenAI's `input`: a string, an array of strings, an array of token ids or an
-/// array of arrays of token ids. `field` names it in errors.
-pub(crate) fn parse_inputs(value: &Value, field: &str) -> Result<Vec<Input>, ApiError> {
-    let shape = || {
-        ApiError::invalid(
-            field,
-            format!(
-                "`{field}` must be a string, an array of strings, an array of token ids or an \
-                 array of arrays of token ids"
-            ),
-        )
-    };
-    let tokens = |items: &[Value], at: &str| -> Result<Vec<u32>, ApiError> {
-        items
-            .iter()
-            .map(|t| {
-                t.as_u64()
-                    .and_then(|t| u32::try_from(t).ok())
-                    .ok_or_else(|| {
-                        ApiError::invalid(at, format!("`{at}` holds something not a token id"))
+/// OpenAI's `input`: a string, an array of strings, an array of token ids or an array of arrays
+/// of token ids.
+#[derive(Debug, Clone)]
+pub(crate) struct Inputs(pub Vec<Input>);
+
+impl<'de> Deserialize<'de> for Inputs {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        use serde::de::{self, SeqAccess, Visitor};
+        const SHAPES: &str = "a string, an array of strings, an array of token ids or an array of \
+                              arrays of token ids";
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = Inputs;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str(SHAPES)
+            }
+            fn visit_str<E: de::Error>(self, s: &str) -> Result<Inputs, E> {
+                Ok(Inputs(vec![Input::Text(s.to_string())]))
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Inputs, A::Error> {
+                let mut items = Vec::new();
+                while let Some(item) = seq.next_element::<PromptItem>()? {
+                    items.push(item);
+                }
+                if !items.is_empty() && items.iter().all(|i| matches!(i, PromptItem::Token(_))) {
+                    let ids = items
+                        .into_iter()
+                        .filter_map(|i| match i {
+                            PromptItem::Token(id) => Some(id),
+                            _ => None,
+                        })
+                        .collect();
+                    return Ok(Inputs(vec![Input::Tokens(ids)]));
+                }
+                items
+                    .into_iter()
+                    .map(|i| match i {
+                        PromptItem::Text(s) => Ok(Input::Text(s)),
+                        PromptItem::Tokens(ids) => Ok(Input::Tokens(ids)),
+                        PromptItem::Token(_) => {
+                            Err(de::Error::custom(format!("must be {SHAPES}, not a mix")))
+                        }
                     })
-            })
-            .collect()
-    };
-    let inputs = match value {
-        Value::String(s) => vec![Input::Text(s.clone())],
-        Value::Array(items) if items.is_empty() => {
-            return Err(ApiError::invalid(
-                field,
-                format!("`{field}` is empty: give at least one input"),
-            ))
+                    .collect::<Result<_, _>>()
+                    .map(Inputs)
+            }
         }
-        Value::Array(items) if items.iter().all(Value::is_number) => {
-            vec![Input::Tokens(tokens(items, field)?)]
-        }
-        Value::Array(items) => items
-            .iter()
-            .enumerate()
-            .map(|(i, item)| match item {
-                Value::String(s) => Ok(Input::Text(s.clone())),
-                Value::Array(ids) => Ok(Input::Tokens(tokens(ids, &format!("{field}[{i}]"))?)),
-                _ => Err(shape()),
-            })
-            .collect::<Result<_, _>>()?,
-        _ => return Err(shape()),
+        d.deserialize_any(V)
+    }
+}
+
+/// The inputs of one request, checked: at least one, at most [`MAX_EMBEDDING_INPUTS`]. `field`
+/// names them in errors.
+pub(crate) fn checked_inputs(
+    inputs: Option<Vec<Input>>,
+    field: &str,
+) -> Result<Vec<Input>, ApiError> {
+    let Some(inputs) = inputs else {
+        return Err(ApiError::invalid(field, format!("`{field}` is required")));
     };
+    if inputs.is_empty() {
+        return Err(ApiError::invalid(
+            field,
+            format!("`{field}` is empty: give at least one input"),
+        ));
+    }
     if inputs.len() > MAX_EMBEDDING_INPUTS {
         return Err(ApiError::invalid(
             field,
@@ -183,8 +206,9 @@ fn embed_error(e: EmbedError, field: &str) -> ApiError {
     }
 }
 
-/// How a vector is written in the answer.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// How a vector is written in the answer (`encoding_format`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
 enum Encoding {
     Float,
     /// Little-endian f32 bytes, base64 (what the `openai` client asks for by default).
@@ -201,36 +225,51 @@ fn encoded(vector: &[f32], encoding: Encoding) -> Value {
     }
 }
 
-/// The pooling a request names (`pooling`, this server's extension); mean when absent.
-pub(crate) fn parse_pooling(value: &Value) -> Result<Pooling, ApiError> {
-    match value {
-        Value::Null => Ok(Pooling::Mean),
-        Value::String(s) if s == "mean" => Ok(Pooling::Mean),
-        Value::String(s) if s == "last" => Ok(Pooling::Last),
-        _ => Err(ApiError::invalid(
-            "pooling",
-            "`pooling` must be \"mean\" (the default) or \"last\"",
-        )),
+/// The pooling a request names (`pooling`, this server's extension).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub(crate) enum PoolingIn {
+    Mean,
+    Last,
+}
+
+impl From<PoolingIn> for Pooling {
+    fn from(p: PoolingIn) -> Pooling {
+        match p {
+            PoolingIn::Mean => Pooling::Mean,
+            PoolingIn::Last => Pooling::Last,
+        }
     }
 }
 
 /// Refuses `dimensions` other than the model's own (`field` names it).
-pub(crate) fn check_dimensions(value: &Value, hidden: usize, field: &str) -> Result<(), ApiError> {
-    match value {
-        Value::Null => Ok(()),
-        v if v.as_u64() == Some(hidden as u64) => Ok(()),
-        v if v.as_u64().is_some() => Err(ApiError::unsupported(
+pub(crate) fn check_dimensions(
+    dimensions: Option<Count>,
+    hidden: usize,
+    field: &str,
+) -> Result<(), ApiError> {
+    match dimensions {
+        None => Ok(()),
+        Some(Count(n)) if n == hidden => Ok(()),
+        Some(_) => Err(ApiError::unsupported(
             field,
             format!(
                 "`{field}` cannot shorten this model's embeddings: they have {hidden} dimensions \
                  and the model was not trained for shorter ones; leave `{field}` out"
             ),
         )),
-        _ => Err(ApiError::invalid(
-            field,
-            format!("`{field}` must be a positive integer"),
-        )),
     }
+}
+
+/// A `POST /v1/embeddings` body.
+#[derive(Debug, Default, Deserialize)]
+#[serde(default, expecting = "an object")]
+struct EmbeddingsBody {
+    model: Option<String>,
+    encoding_format: Option<Encoding>,
+    dimensions: Option<Count>,
+    pooling: Option<PoolingIn>,
+    input: Option<Inputs>,
 }
 
 async fn create(
@@ -240,37 +279,17 @@ async fn create(
 ) -> Result<HttpResponse, ApiError> {
     let JsonBody(body) = body?;
     let p = &state.platform;
-    if !body.is_object() {
-        return Err(ApiError::bad_body("the body must be a JSON object"));
-    }
-    let model = match &body["model"] {
-        Value::Null => None,
-        Value::String(s) => Some(s.clone()),
-        _ => return Err(ApiError::invalid("model", "`model` must be a string")),
-    };
+    let body: EmbeddingsBody = typed::read(&body, "")?;
+    let model = body.model;
     if let Some(name) = model.as_deref().filter(|m| !m.is_empty()) {
         if !v1::is_served_model(p, name) {
             return Err(ApiError::model_not_found(name, &p.model().id));
         }
     }
-    let encoding = match &body["encoding_format"] {
-        Value::Null => Encoding::Float,
-        Value::String(s) if s == "float" => Encoding::Float,
-        Value::String(s) if s == "base64" => Encoding::Base64,
-        _ => {
-            return Err(ApiError::invalid(
-                "encoding_format",
-                "`encoding_format` must be \"float\" or \"base64\"",
-            ))
-        }
-    };
-    let hidden = p.model().hidden_size;
-    check_dimensions(&body["dimensions"], hidden, "dimensions")?;
-    let pooling = parse_pooling(&body["pooling"])?;
-    if body.get("input").is_none() {
-        return Err(ApiError::invalid("input", "`input` is required"));
-    }
-    let inputs = parse_inputs(&body["input"], "input")?;
+    let encoding = body.encoding_format.unwrap_or(Encoding::Float);
+    check_dimensions(body.dimensions, p.model().hidden_size, "dimensions")?;
+    let pooling = body.pooling.map_or(Pooling::Mean, Pooling::from);
+    let inputs = checked_inputs(body.input.map(|Inputs(i)| i), "input")?;
     let result = embed(&state, &http, inputs, pooling, false, "input").await?;
     let data: Vec<Value> = result
         .vectors
@@ -302,15 +321,18 @@ mod tests {
     #[test]
     fn inputs_come_in_four_shapes_and_anything_else_is_refused() {
         let kinds = |v: Value| {
-            parse_inputs(&v, "input").map(|inputs| {
-                inputs
-                    .iter()
-                    .map(|i| match i {
-                        Input::Text(t) => format!("text:{t}"),
-                        Input::Tokens(ids) => format!("ids:{ids:?}"),
-                    })
-                    .collect::<Vec<_>>()
-            })
+            let body = json!({ "input": v });
+            typed::read::<EmbeddingsBody>(&body, "")
+                .and_then(|b| checked_inputs(b.input.map(|Inputs(i)| i), "input"))
+                .map(|inputs| {
+                    inputs
+                        .iter()
+                        .map(|i| match i {
+                            Input::Text(t) => format!("text:{t}"),
+                            Input::Tokens(ids) => format!("ids:{ids:?}"),
+                        })
+                        .collect::<Vec<_>>()
+                })
         };
         assert_eq!(kinds(json!("hi")), Ok(vec!["text:hi".to_string()]));
         assert_eq!(
@@ -322,16 +344,17 @@ mod tests {
             kinds(json!([[1], [2, 3]])),
             Ok(vec!["ids:[1]".to_string(), "ids:[2, 3]".to_string()])
         );
-        for bad in [
-            json!([]),
-            json!(3),
-            json!({"a": 1}),
-            json!([1, "x"]),
-            json!([[-1]]),
+        for (bad, param) in [
+            (json!([]), "input"),
+            (json!(3), "input"),
+            (json!({"a": 1}), "input"),
+            (json!([1, "x"]), "input"),
+            (json!([[-1]]), "input[0][0]"),
+            (json!(null), "input"),
         ] {
             let e = kinds(bad.clone()).expect_err("refused");
             assert_eq!(e.status.as_u16(), 400, "{bad}");
-            assert!(e.param.as_deref().is_some_and(|p| p.starts_with("input")));
+            assert_eq!(e.param.as_deref(), Some(param), "{bad}: {e:?}");
         }
         let many = Value::Array(vec![json!("x"); MAX_EMBEDDING_INPUTS + 1]);
         assert!(kinds(many)
@@ -342,12 +365,13 @@ mod tests {
 
     #[test]
     fn dimensions_other_than_the_models_are_refused_and_base64_is_little_endian_f32() {
-        assert!(check_dimensions(&Value::Null, 576, "dimensions").is_ok());
-        assert!(check_dimensions(&json!(576), 576, "dimensions").is_ok());
-        let e = check_dimensions(&json!(256), 576, "dimensions").expect_err("refused");
+        assert!(check_dimensions(None, 576, "dimensions").is_ok());
+        assert!(check_dimensions(Some(Count(576)), 576, "dimensions").is_ok());
+        let e = check_dimensions(Some(Count(256)), 576, "dimensions").expect_err("refused");
         assert_eq!(e.code, Some("unsupported_parameter"));
         assert!(e.message.contains("576 dimensions"), "{}", e.message);
-        assert!(check_dimensions(&json!("x"), 576, "dimensions").is_err());
+        let e = typed::read::<EmbeddingsBody>(&json!({"dimensions": "x"}), "").expect_err("type");
+        assert_eq!(e.param.as_deref(), Some("dimensions"));
         let b64 = encoded(&[1.0, -2.5], Encoding::Base64);
         let bytes = base64::engine::general_purpose::STANDARD
             .decode(b64.as_str().unwrap_or_default())
@@ -356,7 +380,13 @@ mod tests {
             bytes,
             [1.0f32.to_le_bytes(), (-2.5f32).to_le_bytes()].concat()
         );
-        assert_eq!(parse_pooling(&json!("last")), Ok(Pooling::Last));
-        assert!(parse_pooling(&json!("cls")).is_err());
+        let pooling = |v: Value| {
+            typed::read::<EmbeddingsBody>(&json!({ "pooling": v }), "").map(|b| b.pooling)
+        };
+        assert_eq!(pooling(json!("last")), Ok(Some(PoolingIn::Last)));
+        assert_eq!(
+            pooling(json!("cls")).expect_err("cls").param.as_deref(),
+            Some("pooling")
+        );
     }
 }

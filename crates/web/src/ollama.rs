@@ -24,12 +24,13 @@ use serde_json::{json, Map, Value};
 
 mod body;
 
-use body::{ChatIn, CommonIn, Extras, GenerateIn};
+use body::{ChatIn, CommonIn, EmbedIn, EmbeddingsIn, Extras, GenerateIn, ModelIn};
 
+use super::embeddings::Input;
 use super::json::JsonBody;
 use super::openai::body::{ChatBody, CompletionBody, GenerationBody, MessageBody, Prompt};
 use super::openai::{self, request, Assembler, ChatAssembler, TextAssembler};
-use super::typed;
+use super::typed::{self, Strings};
 use super::v1;
 use super::v1::stream::{EventStream, Render};
 use super::{AppState, WebError};
@@ -213,14 +214,8 @@ async fn show(
 ) -> Result<HttpResponse, OllamaError> {
     let JsonBody(body) = body?;
     let p = &state.platform;
-    let obj = object(&body)?;
-    // `name` is the older spelling.
-    let name = match obj.get("model").or_else(|| obj.get("name")) {
-        Some(Value::String(s)) => s.as_str(),
-        None => "",
-        Some(_) => return Err(OllamaError::invalid("model", "`model` must be a string")),
-    };
-    check_model(p, name)?;
+    let body: ModelIn = typed::read(&body, "")?;
+    check_model(p, body.name())?;
     let m = p.model();
     let s = &p.config().sampling;
     let arch = &m.architecture;
@@ -258,57 +253,25 @@ async fn embed(
     let start = Instant::now();
     let JsonBody(body) = body?;
     let p = &state.platform;
-    let obj = object(&body)?;
-    let name = model_field(obj)?;
-    check_model(p, name)?;
-    let truncate = match obj.get("truncate") {
-        None | Some(Value::Null) => true,
-        Some(Value::Bool(b)) => *b,
-        Some(_) => {
-            return Err(OllamaError::invalid(
-                "truncate",
-                "`truncate` must be a boolean",
-            ))
-        }
-    };
-    crate::embeddings::check_dimensions(
-        obj.get("dimensions").unwrap_or(&Value::Null),
-        p.model().hidden_size,
-        "dimensions",
-    )?;
-    let input = match obj.get("input") {
-        Some(v @ (Value::String(_) | Value::Array(_))) => v,
-        None | Some(Value::Null) => {
-            return Err(OllamaError::invalid("input", "`input` is required"))
-        }
-        Some(_) => {
-            return Err(OllamaError::invalid(
-                "input",
-                "`input` must be a string or an array of strings",
-            ))
-        }
-    };
-    if input
-        .as_array()
-        .is_some_and(|a| a.iter().any(|i| !i.is_string()))
-    {
-        return Err(OllamaError::invalid(
-            "input",
-            "`input` must be a string or an array of strings",
-        ));
-    }
-    let inputs = crate::embeddings::parse_inputs(input, "input")?;
+    let body: EmbedIn = typed::read(&body, "")?;
+    let name = body.model_name().to_string();
+    check_model(p, &name)?;
+    crate::embeddings::check_dimensions(body.dimensions, p.model().hidden_size, "dimensions")?;
+    let inputs = body
+        .input
+        .map(|Strings(texts)| texts.into_iter().map(Input::Text).collect());
+    let inputs = crate::embeddings::checked_inputs(inputs, "input")?;
     let result = crate::embeddings::embed(
         &state,
         &http,
         inputs,
         smolchat_service::completions::Pooling::Mean,
-        truncate,
+        body.truncate.unwrap_or(true),
         "input",
     )
     .await?;
     Ok(HttpResponse::Ok().json(json!({
-        "model": if name.is_empty() { listed_name(p) } else { name.to_string() },
+        "model": if name.is_empty() { listed_name(p) } else { name },
         "embeddings": result.vectors,
         "total_duration": start.elapsed().as_nanos() as u64,
         "load_duration": 0,
@@ -325,14 +288,10 @@ async fn embeddings(
 ) -> Result<HttpResponse, OllamaError> {
     let JsonBody(body) = body?;
     let p = &state.platform;
-    let obj = object(&body)?;
-    check_model(p, model_field(obj)?)?;
-    let prompt = match obj.get("prompt") {
-        Some(Value::String(s)) => s.clone(),
-        None | Some(Value::Null) => {
-            return Err(OllamaError::invalid("prompt", "`prompt` is required"))
-        }
-        Some(_) => return Err(OllamaError::invalid("prompt", "`prompt` must be a string")),
+    let body: EmbeddingsIn = typed::read(&body, "")?;
+    check_model(p, body.model_name())?;
+    let Some(prompt) = body.prompt else {
+        return Err(OllamaError::invalid("prompt", "`prompt` is required"));
     };
     let result = crate::embeddings::embed(
         &state,
@@ -345,21 +304,6 @@ async fn embeddings(
     .await?;
     let vector = result.vectors.into_iter().next().unwrap_or_default();
     Ok(HttpResponse::Ok().json(json!({ "embedding": vector })))
-}
-
-/// A request's `model` (or its older spelling `name`); empty when absent.
-fn model_field(obj: &Map<String, Value>) -> Result<&str, OllamaError> {
-    match obj.get("model").or_else(|| obj.get("name")) {
-        Some(Value::String(s)) => Ok(s.as_str()),
-        None | Some(Value::Null) => Ok(""),
-        Some(_) => Err(OllamaError::invalid("model", "`model` must be a string")),
-    }
-}
-
-fn object(body: &Value) -> Result<&Map<String, Value>, OllamaError> {
-    body.as_object().ok_or_else(|| {
-        OllamaError::from(ApiError::bad_body("the request body must be a JSON object"))
-    })
 }
 
 /// An Ollama chat request through the one pipeline every chat-shaped API takes

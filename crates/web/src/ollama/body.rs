@@ -349,6 +349,59 @@ impl GenerateIn {
     }
 }
 
+/// A request's model: `model`, or its older spelling `name`.
+#[derive(Debug, Default, Deserialize)]
+#[serde(default, expecting = "an object")]
+pub(super) struct ModelIn {
+    model: Option<String>,
+    name: Option<String>,
+}
+
+impl ModelIn {
+    /// The model named, empty when none is.
+    pub(super) fn name(&self) -> &str {
+        model_name(&self.model, &self.name)
+    }
+}
+
+/// `model`, else `name`, else empty.
+fn model_name<'a>(model: &'a Option<String>, name: &'a Option<String>) -> &'a str {
+    model.as_deref().or(name.as_deref()).unwrap_or("")
+}
+
+/// `/api/embed`: `input` as a string or an array of strings, cut to the context window unless
+/// `"truncate": false`.
+#[derive(Debug, Default, Deserialize)]
+#[serde(default, expecting = "an object")]
+pub(super) struct EmbedIn {
+    model: Option<String>,
+    name: Option<String>,
+    pub truncate: Option<bool>,
+    pub dimensions: Option<Count>,
+    pub input: Option<Strings>,
+}
+
+impl EmbedIn {
+    pub(super) fn model_name(&self) -> &str {
+        model_name(&self.model, &self.name)
+    }
+}
+
+/// `/api/embeddings`, the older form: one `prompt`.
+#[derive(Debug, Default, Deserialize)]
+#[serde(default, expecting = "an object")]
+pub(super) struct EmbeddingsIn {
+    model: Option<String>,
+    name: Option<String>,
+    pub prompt: Option<String>,
+}
+
+impl EmbeddingsIn {
+    pub(super) fn model_name(&self) -> &str {
+        model_name(&self.model, &self.name)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -325,8 +325,8 @@ pub enum Prompt {
     Several(usize),
 }
 
-/// One element of a `prompt` array.
-enum PromptItem {
+/// One element of a `prompt` array (and of `/v1/embeddings`' `input`).
+pub(crate) enum PromptItem {
     Text(String),
     Token(u32),
     Tokens(Vec<u32>),
