@@ -21,6 +21,7 @@
 //! near 1.
 
 use super::error::{EngineError, Result};
+use crate::weights::{Dims, Matrix, Norm, EMBEDDING};
 use smolchat_gguf::{GgmlDType, Value};
 
 mod model;
@@ -169,26 +170,31 @@ impl SyntheticSpec {
     pub fn tensor_plan(&self) -> Result<Vec<TensorPlan>> {
         self.validate()?;
         let (h, hd, f) = (self.hidden, self.head_dim(), self.ffn);
+        // The names and shapes the loader reads (`weights`), in llama.cpp's writing order.
+        let dims = Dims {
+            vocab: self.vocab_size,
+            hidden: h,
+            q_dim: self.n_heads * hd,
+            kv_dim: self.n_kv_heads * hd,
+            ffn: f,
+        };
+        let matrix = |m: Matrix| {
+            let (rows, cols) = m.shape_in(dims);
+            (m.gguf_name(), vec![rows, cols])
+        };
+        let norm = |n: Norm| (n.gguf_name(), vec![h]);
         let mut shapes: Vec<(String, Vec<usize>)> = vec![
-            ("token_embd.weight".into(), vec![self.vocab_size, h]),
-            ("output_norm.weight".into(), vec![h]),
+            (EMBEDDING.into(), vec![self.vocab_size, h]),
+            norm(Norm::Output),
         ];
         if !self.tied_embeddings {
-            shapes.push(("output.weight".into(), vec![self.vocab_size, h]));
+            shapes.push(matrix(Matrix::Head));
         }
         for i in 0..self.n_layers {
-            let blk = |s: &str| format!("blk.{i}.{s}.weight");
-            shapes.extend([
-                (blk("attn_norm"), vec![h]),
-                (blk("attn_q"), vec![self.n_heads * hd, h]),
-                (blk("attn_k"), vec![self.n_kv_heads * hd, h]),
-                (blk("attn_v"), vec![self.n_kv_heads * hd, h]),
-                (blk("attn_output"), vec![h, self.n_heads * hd]),
-                (blk("ffn_norm"), vec![h]),
-                (blk("ffn_gate"), vec![f, h]),
-                (blk("ffn_up"), vec![f, h]),
-                (blk("ffn_down"), vec![h, f]),
-            ]);
+            shapes.push(norm(Norm::Attn(i)));
+            shapes.extend([Matrix::Q(i), Matrix::K(i), Matrix::V(i), Matrix::O(i)].map(matrix));
+            shapes.push(norm(Norm::Ffn(i)));
+            shapes.extend([Matrix::Gate(i), Matrix::Up(i), Matrix::Down(i)].map(matrix));
         }
         shapes
             .into_iter()

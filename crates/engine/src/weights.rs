@@ -58,16 +58,43 @@ impl Matrix {
 
     /// `(rows, cols)`: outputs by inputs.
     pub fn shape(self, config: &ModelConfig) -> (usize, usize) {
-        let c = config;
-        let q_dim = c.n_heads * c.head_dim;
-        let kv_dim = c.n_kv_heads * c.head_dim;
+        self.shape_in(Dims::of(config))
+    }
+
+    /// `(rows, cols)` in a model of sizes `d`.
+    pub fn shape_in(self, d: Dims) -> (usize, usize) {
         match self {
-            Matrix::Q(_) => (q_dim, c.hidden),
-            Matrix::K(_) | Matrix::V(_) => (kv_dim, c.hidden),
-            Matrix::O(_) => (c.hidden, q_dim),
-            Matrix::Gate(_) | Matrix::Up(_) => (c.ffn, c.hidden),
-            Matrix::Down(_) => (c.hidden, c.ffn),
-            Matrix::Head => (c.vocab_size, c.hidden),
+            Matrix::Q(_) => (d.q_dim, d.hidden),
+            Matrix::K(_) | Matrix::V(_) => (d.kv_dim, d.hidden),
+            Matrix::O(_) => (d.hidden, d.q_dim),
+            Matrix::Gate(_) | Matrix::Up(_) => (d.ffn, d.hidden),
+            Matrix::Down(_) => (d.hidden, d.ffn),
+            Matrix::Head => (d.vocab, d.hidden),
+        }
+    }
+}
+
+/// The sizes the weights' shapes follow from (a loaded file's config, or a model about to be
+/// written: `synthetic`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Dims {
+    pub vocab: usize,
+    pub hidden: usize,
+    /// Query heads × head size.
+    pub q_dim: usize,
+    /// Key/value heads × head size.
+    pub kv_dim: usize,
+    pub ffn: usize,
+}
+
+impl Dims {
+    pub fn of(c: &ModelConfig) -> Dims {
+        Dims {
+            vocab: c.vocab_size,
+            hidden: c.hidden,
+            q_dim: c.n_heads * c.head_dim,
+            kv_dim: c.n_kv_heads * c.head_dim,
+            ffn: c.ffn,
         }
     }
 }
