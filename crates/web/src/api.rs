@@ -10,7 +10,7 @@ use uuid::Uuid;
 
 use super::error::WebError;
 use super::json::{JsonBody, OptionalJsonBody};
-use super::owner::Owner;
+use super::owner::{OnConversation, Owner};
 use super::AppState;
 use smolchat_service::conversations::{
     to_markdown, ExportParseError, ExportedConversation, NewConversation, SettingsPatch,
@@ -299,30 +299,20 @@ pub async fn list(
 }
 
 /// `GET /api/conversations/{id}`
-pub async fn get(
-    state: web::Data<AppState>,
-    owner: Owner,
-    path: web::Path<String>,
-) -> Result<HttpResponse, WebError> {
-    let id = parse_id(&path)?;
-    let view = state
-        .platform
-        .conversations()
-        .get(&owner.caller(), id)
-        .await?;
+pub async fn get(state: web::Data<AppState>, on: OnConversation) -> Result<HttpResponse, WebError> {
+    let OnConversation { caller, id, .. } = on;
+    let view = state.platform.conversations().get(&caller, id).await?;
     Ok(HttpResponse::Ok().json(detail(&state, view)))
 }
 
 /// `PATCH /api/conversations/{id}`: title and/or settings (used from the next message on).
 pub async fn patch(
     state: web::Data<AppState>,
-    owner: Owner,
-    path: web::Path<String>,
+    on: OnConversation,
     body: JsonBody<ConversationInput>,
 ) -> Result<HttpResponse, WebError> {
-    let id = parse_id(&path)?;
     let input = body.0;
-    let caller = owner.caller();
+    let OnConversation { caller, id, .. } = on;
     let service = state.platform.conversations();
     let organise = input.organisation();
     let organisation = if organise == OrganisationPatch::default() {
@@ -343,15 +333,10 @@ pub async fn patch(
 /// frees its KV cache.
 pub async fn delete(
     state: web::Data<AppState>,
-    owner: Owner,
-    path: web::Path<String>,
+    on: OnConversation,
 ) -> Result<HttpResponse, WebError> {
-    let id = parse_id(&path)?;
-    state
-        .platform
-        .conversations()
-        .delete(&owner.caller(), id)
-        .await?;
+    let OnConversation { caller, id, .. } = on;
+    state.platform.conversations().delete(&caller, id).await?;
     Ok(HttpResponse::NoContent().finish())
 }
 
@@ -359,15 +344,14 @@ pub async fn delete(
 /// both happened. The reply streams on `/api/conversations/{id}/events`.
 pub async fn send_message(
     state: web::Data<AppState>,
-    owner: Owner,
-    path: web::Path<String>,
+    on: OnConversation,
     body: JsonBody<NewMessage>,
 ) -> Result<HttpResponse, WebError> {
-    let id = parse_id(&path)?;
+    let OnConversation { caller, id, .. } = on;
     let accepted = state
         .platform
         .conversations()
-        .send_with_files(&owner.caller(), id, body.0.content, body.0.files)
+        .send_with_files(&caller, id, body.0.content, body.0.files)
         .await?;
     Ok(HttpResponse::Accepted().json(json!({
         "user_message": accepted.user_message,
@@ -380,16 +364,15 @@ pub async fn send_message(
 /// (or that one) beside the replies it has, kept as versions (202, like a send).
 pub async fn regenerate(
     state: web::Data<AppState>,
-    owner: Owner,
-    path: web::Path<String>,
+    on: OnConversation,
     query: web::Query<RegenerateQuery>,
 ) -> Result<HttpResponse, WebError> {
-    let id = parse_id(&path)?;
+    let OnConversation { caller, id, .. } = on;
     let message = optional_message_id(query.message_id.as_deref())?;
     let accepted = state
         .platform
         .conversations()
-        .regenerate(&owner.caller(), id, message)
+        .regenerate(&caller, id, message)
         .await?;
     Ok(HttpResponse::Accepted().json(accepted))
 }
@@ -399,15 +382,14 @@ pub async fn regenerate(
 /// same point, the old one kept (202, like a send).
 pub async fn edit(
     state: web::Data<AppState>,
-    owner: Owner,
-    path: web::Path<String>,
+    on: OnConversation,
     body: JsonBody<EditMessage>,
 ) -> Result<HttpResponse, WebError> {
-    let id = parse_id(&path)?;
+    let OnConversation { caller, id, .. } = on;
     let accepted = state
         .platform
         .conversations()
-        .edit(&owner.caller(), id, body.0.content, body.0.message_id)
+        .edit(&caller, id, body.0.content, body.0.message_id)
         .await?;
     Ok(HttpResponse::Accepted().json(accepted))
 }
@@ -416,12 +398,10 @@ pub async fn edit(
 /// message (a version chosen among its siblings); answers the conversation as `GET` does.
 pub async fn select(
     state: web::Data<AppState>,
-    owner: Owner,
-    path: web::Path<String>,
+    on: OnConversation,
     body: JsonBody<SelectMessage>,
 ) -> Result<HttpResponse, WebError> {
-    let id = parse_id(&path)?;
-    let caller = owner.caller();
+    let OnConversation { caller, id, .. } = on;
     let conversations = state.platform.conversations();
     conversations.select(&caller, id, body.0.message_id).await?;
     let view = conversations.get(&caller, id).await?;
@@ -431,15 +411,10 @@ pub async fn select(
 /// `POST /api/conversations/{id}/stop`: stops the running reply (it is stored as `stopped`).
 pub async fn stop(
     state: web::Data<AppState>,
-    owner: Owner,
-    path: web::Path<String>,
+    on: OnConversation,
 ) -> Result<HttpResponse, WebError> {
-    let id = parse_id(&path)?;
-    let stopped = state
-        .platform
-        .conversations()
-        .stop(&owner.caller(), id)
-        .await?;
+    let OnConversation { caller, id, .. } = on;
+    let stopped = state.platform.conversations().stop(&caller, id).await?;
     Ok(HttpResponse::Ok().json(json!({ "stopped": stopped })))
 }
 
@@ -513,19 +488,14 @@ pub fn export_response(
 /// `GET /api/conversations/{id}/export?format=json|md`
 pub async fn export(
     state: web::Data<AppState>,
-    owner: Owner,
-    path: web::Path<String>,
+    on: OnConversation,
     req: HttpRequest,
 ) -> Result<HttpResponse, WebError> {
-    let id = parse_id(&path)?;
+    let OnConversation { caller, id, .. } = on;
     let query = web::Query::<ExportQuery>::from_query(req.query_string())
         .map_err(|e| WebError::BadRequest(format!("bad query string: {e}")))?;
     let format = ExportFormat::parse(query.format.as_deref())?;
-    let doc = state
-        .platform
-        .conversations()
-        .export(&owner.caller(), id)
-        .await?;
+    let doc = state.platform.conversations().export(&caller, id).await?;
     export_response(&doc, format)
 }
 
@@ -566,16 +536,11 @@ pub async fn import(
 /// `{share, url}` (the URL's token is shown this once).
 pub async fn create_share(
     state: web::Data<AppState>,
-    owner: Owner,
-    path: web::Path<String>,
+    on: OnConversation,
     req: actix_web::HttpRequest,
 ) -> Result<HttpResponse, WebError> {
-    let id = parse_id(&path)?;
-    let made = state
-        .platform
-        .conversations()
-        .share(&owner.caller(), id)
-        .await?;
+    let OnConversation { caller, id, .. } = on;
+    let made = state.platform.conversations().share(&caller, id).await?;
     Ok(HttpResponse::Created().json(serde_json::json!({
         "share": made.share,
         "url": share_url(&state, &req, &made.token),
@@ -585,15 +550,10 @@ pub async fn create_share(
 /// `GET /api/conversations/{id}/shares`: its share links (no tokens), newest first.
 pub async fn list_shares(
     state: web::Data<AppState>,
-    owner: Owner,
-    path: web::Path<String>,
+    on: OnConversation,
 ) -> Result<HttpResponse, WebError> {
-    let id = parse_id(&path)?;
-    let shares = state
-        .platform
-        .conversations()
-        .shares(&owner.caller(), id)
-        .await?;
+    let OnConversation { caller, id, .. } = on;
+    let shares = state.platform.conversations().shares(&caller, id).await?;
     Ok(HttpResponse::Ok().json(serde_json::json!({ "shares": shares })))
 }
 

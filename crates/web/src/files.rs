@@ -10,7 +10,7 @@ use serde_json::json;
 use super::api::{parse_id, parse_uuid};
 use super::error::WebError;
 use super::json::read_bytes;
-use super::owner::Owner;
+use super::owner::{OnConversation, Owner};
 use super::AppState;
 
 #[derive(Debug, Deserialize)]
@@ -23,12 +23,10 @@ pub struct UploadQuery {
 /// for the next message that names it in `files`.
 pub async fn upload(
     state: web::Data<AppState>,
-    owner: Owner,
-    path: web::Path<String>,
+    on: OnConversation,
     req: HttpRequest,
     payload: web::Payload,
 ) -> Result<HttpResponse, WebError> {
-    let id = parse_id(&path)?;
     let query = web::Query::<UploadQuery>::from_query(req.query_string())
         .map_err(|e| WebError::BadRequest(format!("bad query string: {e}")))?;
     let name = query
@@ -42,7 +40,7 @@ pub async fn upload(
             )
         })?;
     let service = state.platform.conversations();
-    let caller = owner.caller();
+    let OnConversation { caller, id, .. } = on;
     // Whose it is before reading the body: another owner's id is 404 whatever is sent.
     service.owned(&caller, id).await?;
     let limit = state.platform.config().limits.max_file_mib as usize * (1 << 20);
@@ -61,15 +59,10 @@ pub async fn upload(
 /// (`message_id`) and those waiting (`message_id: null`).
 pub async fn list(
     state: web::Data<AppState>,
-    owner: Owner,
-    path: web::Path<String>,
+    on: OnConversation,
 ) -> Result<HttpResponse, WebError> {
-    let id = parse_id(&path)?;
-    let files = state
-        .platform
-        .conversations()
-        .files(&owner.caller(), id)
-        .await?;
+    let OnConversation { caller, id, .. } = on;
+    let files = state.platform.conversations().files(&caller, id).await?;
     Ok(HttpResponse::Ok().json(json!({ "files": files })))
 }
 

@@ -2,6 +2,7 @@
 //! rename, settings, thinking, delete, export. Each parses its form, calls the conversation
 //! service with the caller and answers what HTMX or `static/chat.js` expects.
 
+use crate::owner::OnConversation;
 use std::future::Future;
 use std::pin::Pin;
 
@@ -130,15 +131,10 @@ pub async fn send(
 /// `POST /c/{id}/stop`
 pub async fn stop(
     state: web::Data<AppState>,
-    owner: Owner,
-    path: web::Path<String>,
+    on: OnConversation<PageError>,
 ) -> Result<HttpResponse, PageError> {
-    let id = parse_id(&path)?;
-    state
-        .platform
-        .conversations()
-        .stop(&owner.caller(), id)
-        .await?;
+    let OnConversation { caller, id, .. } = on;
+    state.platform.conversations().stop(&caller, id).await?;
     Ok(HttpResponse::NoContent().finish())
 }
 
@@ -314,15 +310,10 @@ pub async fn thinking(
 /// `DELETE /c/{id}`
 pub async fn delete(
     state: web::Data<AppState>,
-    owner: Owner,
-    path: web::Path<String>,
+    on: OnConversation<PageError>,
 ) -> Result<HttpResponse, PageError> {
-    let id = parse_id(&path)?;
-    state
-        .platform
-        .conversations()
-        .delete(&owner.caller(), id)
-        .await?;
+    let OnConversation { caller, id, .. } = on;
+    state.platform.conversations().delete(&caller, id).await?;
     Ok(hx_redirect(StatusCode::OK, "/"))
 }
 

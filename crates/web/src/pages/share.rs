@@ -2,6 +2,7 @@
 //! scopes), and making and revoking a conversation's links from its chat page.
 
 use super::*;
+use crate::owner::OnConversation;
 
 /// One message of a share page.
 pub struct SharedMessageView {
@@ -87,16 +88,11 @@ pub async fn shared(
 /// page's dialog (the token is shown this once).
 pub async fn share(
     state: web::Data<AppState>,
-    owner: Owner,
-    path: web::Path<String>,
+    on: OnConversation<PageError>,
     req: HttpRequest,
 ) -> Result<HttpResponse, PageError> {
-    let id = parse_id(&path)?;
-    let made = state
-        .platform
-        .conversations()
-        .share(&owner.caller(), id)
-        .await?;
+    let OnConversation { caller, id, .. } = on;
+    let made = state.platform.conversations().share(&caller, id).await?;
     Ok(HttpResponse::Created().json(serde_json::json!({
         "id": made.share.id,
         "url": super::api::share_url(&state, &req, &made.token),
