@@ -240,8 +240,6 @@ impl Tokenizer {
             .collect())
     }
 
-    /// Whether prompts should start with BOS (`tokenizer.ggml.add_bos_token`, else llama.cpp's
-    /// default for the pre-tokenizer). False for SmolLM2 and SmolLM3.
     /// Encodes a model prompt: BOS first when the model asks for it, special tokens parsed (a
     /// rendered chat template writes them as text). Every caller that feeds text to the model
     /// uses this, so the API, the sessions and the CLI tokenize prompts identically.
@@ -289,6 +287,8 @@ impl Tokenizer {
         &self.guard
     }
 
+    /// Whether prompts should start with BOS (`tokenizer.ggml.add_bos_token`, else llama.cpp's
+    /// default for the pre-tokenizer). False for SmolLM2 and SmolLM3.
     pub fn add_bos(&self) -> bool {
         self.add_bos
     }
