@@ -3,14 +3,17 @@
 //! in [`smolchat_service::conversations`]; the handlers here parse, call the service and answer.
 
 use actix_web::http::header;
-use actix_web::{web, HttpRequest, HttpResponse};
+use std::future::{ready, Ready};
+
+use actix_web::dev::Payload;
+use actix_web::{web, FromRequest, HttpMessage, HttpRequest, HttpResponse};
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 use uuid::Uuid;
 
 use super::error::WebError;
 use super::json::{JsonBody, OptionalJsonBody};
-use super::owner::{OnConversation, Owner};
+use super::owner::Owner;
 use super::AppState;
 use smolchat_service::conversations::{
     to_markdown, ExportParseError, ExportedConversation, NewConversation, SettingsPatch,
@@ -200,6 +203,41 @@ pub fn parse_id(raw: &str) -> Result<Uuid, WebError> {
             "{raw:?} is not a conversation id (expected a UUID such as 0190a5c4-1f2e-7c3d-9a8b-123456789abc)"
         ))
     })
+}
+
+/// A route on one conversation: the caller ([`Owner::caller`](super::owner::Owner::caller)) and the conversation its path
+/// names (`{id}`, a UUID; a malformed one is refused with the form expected). Whether the
+/// conversation is the caller's is the service's to say. `E` is the route's error face: the
+/// JSON API's [`WebError`], a page's `PageError`.
+pub struct OnConversation<E = WebError> {
+    pub caller: smolchat_service::Caller,
+    pub id: Uuid,
+    face: std::marker::PhantomData<E>,
+}
+
+impl<E> FromRequest for OnConversation<E>
+where
+    E: From<WebError> + actix_web::ResponseError + 'static,
+{
+    type Error = E;
+    type Future = Ready<Result<Self, E>>;
+
+    fn from_request(req: &HttpRequest, _: &mut Payload) -> Self::Future {
+        let found = || -> Result<Self, WebError> {
+            let owner = req
+                .extensions()
+                .get::<Owner>()
+                .cloned()
+                .ok_or_else(|| WebError::Internal("owner middleware not installed".into()))?;
+            let id = parse_id(req.match_info().get("id").unwrap_or_default())?;
+            Ok(OnConversation {
+                caller: owner.caller(),
+                id,
+                face: std::marker::PhantomData,
+            })
+        };
+        ready(found().map_err(E::from))
+    }
 }
 
 /// A message or share id from a request field: `what` names it in the refusal.

@@ -7,10 +7,11 @@ use actix_web::{web, HttpRequest, HttpResponse};
 use serde::Deserialize;
 use serde_json::json;
 
+use super::api::OnConversation;
 use super::api::{parse_id, parse_uuid};
 use super::error::WebError;
 use super::json::read_bytes;
-use super::owner::{OnConversation, Owner};
+use super::owner::Owner;
 use super::AppState;
 
 #[derive(Debug, Deserialize)]

@@ -410,38 +410,3 @@ impl FromRequest for Owner {
         )
     }
 }
-
-/// A route on one conversation: the caller ([`Owner::caller`]) and the conversation its path
-/// names (`{id}`, a UUID; a malformed one is refused with the form expected). Whether the
-/// conversation is the caller's is the service's to say. `E` is the route's error face: the
-/// JSON API's [`WebError`], a page's `PageError`.
-pub struct OnConversation<E = WebError> {
-    pub caller: smolchat_service::Caller,
-    pub id: Uuid,
-    face: std::marker::PhantomData<E>,
-}
-
-impl<E> FromRequest for OnConversation<E>
-where
-    E: From<WebError> + actix_web::ResponseError + 'static,
-{
-    type Error = E;
-    type Future = Ready<Result<Self, E>>;
-
-    fn from_request(req: &HttpRequest, _: &mut Payload) -> Self::Future {
-        let found = || -> Result<Self, WebError> {
-            let owner = req
-                .extensions()
-                .get::<Owner>()
-                .cloned()
-                .ok_or_else(|| WebError::Internal("owner middleware not installed".into()))?;
-            let id = super::api::parse_id(req.match_info().get("id").unwrap_or_default())?;
-            Ok(OnConversation {
-                caller: owner.caller(),
-                id,
-                face: std::marker::PhantomData,
-            })
-        };
-        ready(found().map_err(E::from))
-    }
-}

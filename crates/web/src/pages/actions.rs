@@ -2,7 +2,7 @@
 //! rename, settings, thinking, delete, export. Each parses its form, calls the conversation
 //! service with the caller and answers what HTMX or `static/chat.js` expects.
 
-use crate::owner::OnConversation;
+use crate::api::OnConversation;
 use std::future::Future;
 use std::pin::Pin;
 

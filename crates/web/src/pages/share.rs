@@ -2,7 +2,7 @@
 //! scopes), and making and revoking a conversation's links from its chat page.
 
 use super::*;
-use crate::owner::OnConversation;
+use crate::api::OnConversation;
 
 /// One message of a share page.
 pub struct SharedMessageView {
