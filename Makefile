@@ -5,7 +5,7 @@
 
 CARGO ?= cargo
 
-.PHONY: run test mount-check setup model lint lint-cuda bench bench-replicas test-deps cuda cuda-toolkit cuda-tests gpu-bundle llama-tarball gpu-check fuzz soak
+.PHONY: run test mount-check setup model lint lint-cuda bench bench-replicas test-deps cuda cuda-toolkit cuda-tests gpu-bundle llama-tarball gpu-check gpu-lease fuzz soak
 
 # The `cuda` feature builds in its own target directory: its candle-core, cudarc and
 # candle-kernels (nvcc) artifacts never replace the CPU build's, and the GPU binary can never be
@@ -57,6 +57,8 @@ gpu-bundle: cuda cuda-tests
 	cp $(CUDA_TARGET_DIR)/release/smolchat target/gpu-bundle/smolchat
 	strip target/gpu-bundle/smolchat target/gpu-bundle/gpu-tests
 	xz -9 -f -T0 target/gpu-bundle/smolchat target/gpu-bundle/gpu-tests
+	@c=$$(git rev-parse --short=12 HEAD 2>/dev/null || echo unknown); \
+	  git diff --quiet HEAD 2>/dev/null || c="$$c-dirty"; echo "$$c" > target/gpu-bundle/commit
 	@ls -l target/gpu-bundle
 
 ## A llama.cpp source tarball for gpu-check's `llama` phase, from a git directory holding b9793
@@ -69,9 +71,18 @@ llama-tarball:
 	git --git-dir=$(LLAMA_GIT) archive --format=tar.gz --prefix=llama.cpp/ -o target/gpu-bundle/llama.cpp.tar.gz $(LLAMA_REV)
 	@ls -l target/gpu-bundle/llama.cpp.tar.gz
 
-## On a machine with a GPU and the CUDA 13 libraries, from the bundle: every phase, then the
-## report in $${OUT:-target/gpu-check}/gpu-check.{json,md}. Phases one by one:
-## scripts/gpu-check.sh PHASE (each within 10 minutes).
+## One GPU lease in one call, on a machine with a GPU and the CUDA 13 libraries, from the
+## bundle: the phases in priority order within GPU_LEASE_BUDGET seconds (each skipped when the
+## budget left is below its estimate), the report rewritten after each phase into
+## $${OUT:-target/gpu-lease}/gpu-lease.{json,md} and raw.tar.xz; exit status 1 when a phase
+## failed, the first line saying why (README, "GPU build and gpu-check").
+GPU_LEASE_BUDGET ?= 480
+gpu-lease:
+	@scripts/gpu-check.sh lease --budget $(GPU_LEASE_BUDGET) $(if $(OUT),--out $(OUT))
+
+## Every phase back to back, then the report in $${OUT:-target/gpu-check}/gpu-check.{json,md};
+## exit status 1 when a phase failed. Phases one by one: scripts/gpu-check.sh PHASE (each
+## within 10 minutes).
 gpu-check:
 	scripts/gpu-check.sh all --tarball target/gpu-bundle/llama.cpp.tar.gz
 

@@ -1,20 +1,41 @@
 #!/usr/bin/env bash
-# `make gpu-check`: what only a GPU can prove about the CUDA tiers, in phases that each finish
-# within 10 minutes, run on a machine with a GPU and the CUDA 13 libraries from the bundle
-# `make gpu-bundle` builds (see README, "GPU build and gpu-check"). No cargo, no network needed.
+# What only a GPU can prove about the CUDA tiers, run on a machine with a GPU and the CUDA 13
+# libraries from the bundle `make gpu-bundle` builds (README, "GPU build and gpu-check"). No
+# cargo, no network needed. Two ways to run it:
 #
-#   scripts/gpu-check.sh PHASE [options]      PHASE: env kernels sanitizer tiers http llama bench
-#                                             speculation profile report all
+#   scripts/gpu-check.sh lease [--budget SECONDS] [options]     (`make gpu-lease`)
+#       One call for one GPU lease: the phases below in priority order (env, kernels, bench,
+#       tiers, profile, server, http, sanitizer; `llama` after kernels with --with-llama), each
+#       skipped with a line in the report when the budget left (default 480 s) is below its
+#       estimate, each under `timeout` of the budget left. <out>/gpu-lease.json and
+#       gpu-lease.md (first line: the verdict, and why when it failed) and <out>/raw.tar.xz (the
+#       phases' records, logs and figures, each clipped) are rewritten after every phase, so a
+#       run cut off still leaves what finished. Exit status 1 when a phase failed. Our bench
+#       figures are compared with llama.cpp's for this card from docs/bench-data/gpu-anchors.json
+#       (a card without an anchor or a figure missing fails the bench phase).
+#   scripts/gpu-check.sh PHASE [options]     PHASE: env kernels sanitizer tiers http llama bench
+#                                            server speculation profile report all
+#       One phase (each within 10 minutes) writing <out>/<phase>.json ({"phase", "status":
+#       passed|failed|skipped, "seconds", "reason", "detail", "result"}) and its log; `report`
+#       gathers them into <out>/gpu-check.json and .md; `all` (`make gpu-check`) runs every
+#       phase and the report. Exit status 1 when a phase failed.
 #
 #   --bundle DIR     where the bundle's files are (default target/gpu-bundle)
-#   --out DIR        where results go (default $OUT when set, else target/gpu-check)
+#   --out DIR        where results go (default $OUT when set, else target/gpu-lease for the
+#                    lease, target/gpu-check for phases)
+#   --work DIR       models, llama.cpp's build, the lease's logs (default
+#                    ${GPU_CHECK_WORK:-${TMPDIR:-/tmp}/smolchat-gpu-check}; kept between calls)
+#   --device D       cuda (default), or cpu: dry-runs bench, server, http and speculation on the
+#                    tiny test file; the phases that need a GPU are skipped in a lease
 #   --tarball FILE   llama.cpp source tarball for the `llama` phase (b9793, `make llama-tarball`)
-#   --device D       device for the http/bench/speculation phases (default cuda; `cpu` dry-runs them)
+#   --budget S       lease: seconds the whole call may take (default 480)
+#   --with-llama     lease: build llama.cpp from --tarball (once per machine: the build stays in
+#                    the work folder) and measure it beside us in the bench phase
+#   --card NAME      lease: compare with this card's anchor instead of nvidia-smi's name
+#   NVIDIA_SMI=PATH  the nvidia-smi to ask (a missing one means no GPU)
 #
-# Each phase writes <out>/<phase>.json ({"phase", "status": passed|failed|skipped, "seconds",
-# "detail", ...}) and its log; `report` gathers them into <out>/gpu-check.json and a short
-# <out>/gpu-check.md. Phases:
-#   env        the GPU, driver and libraries (nvidia-smi, ldd of the binaries)
+# Phases (estimates for the lease, in seconds, in `lease_plan` below):
+#   env        the GPU, driver and libraries (nvidia-smi, ldd of the binaries), the bundle unpacked
 #   kernels    every kernel of ours against its Rust twin, op by op over many step shapes (sampling
 #              included); decode graphs replaying what eager steps compute; candle's CUDA
 #              quantized matmul against the CPU; device selection (tests/gpu.rs)
@@ -23,35 +44,69 @@
 #              self-check keeping the fast tier
 #   http       the server with --device cuda: a conversation streamed over SSE and stored, /v1
 #              whole and streamed, /metrics naming the device and tier (scripts/gpu_http_check.py)
-#   llama      builds llama.cpp's llama-bench and llama-batched-bench with CUDA from --tarball
-#   bench      `smolchat bench --device cuda` on the SmolLM3-3B shape beside llama.cpp's figures,
-#              and the server at 1/8/32/64 concurrent conversations (scripts/http_bench.py)
-#   profile    where a step's time goes: the op-by-op profile of the 3B shape, and Nsight Systems'
-#              kernel tables of `smolchat bench` and llama-bench when nsys is installed
+#   llama      builds llama.cpp's llama-bench, llama-batched-bench and llama-lookup with CUDA
+#              from --tarball, in the work folder
+#   bench      `smolchat bench --device cuda` on the SmolLM3-3B shape (prefill 512, one sequence
+#              decoding, 64 sequences), beside llama-bench and llama-batched-bench when built
+#   server     the server at 1/8/32/64 concurrent conversations on the same file
+#              (scripts/http_bench.py): time to first token, per-stream and aggregate speed
+#   profile    where a step's time goes: the op-by-op profile of the 3B shape, and Nsight
+#              Compute's per-kernel table (`ncu --csv`) of one `smolchat bench` run (prefill
+#              512, then decode steps) when ncu is installed
 #   speculation `smolchat bench --speculative` on the fast tier: the three workloads and the chat
 #              (beside llama.cpp's `llama-lookup` on the same workloads when `llama` built it)
 #              series, drafts off and on (verified inside decode graphs, drawn on the GPU), on the
 #              SmolLM3-3B shape (with --device cpu: the tiny test file, few tokens)
+# The phases' functions run in a child bash through `timeout` (exported): no caller in sight.
+# shellcheck disable=SC2329
 set -uo pipefail
 
 phase=${1:-}
 shift || true
-bundle=target/gpu-bundle
-out=${OUT:-target/gpu-check}
+bundle=
+out=${OUT:-}
 tarball=
 device=cuda
+budget=480
+with_llama=
+card=
+work=${GPU_CHECK_WORK:-${TMPDIR:-/tmp}/smolchat-gpu-check}
+# Paths given on the command line are read from where the script was started.
+abs() { case "$1" in /*) echo "$1" ;; *) echo "$PWD/$1" ;; esac; }
 while [[ $# -gt 0 ]]; do
   case "$1" in
-    --bundle) bundle=$2; shift 2 ;;
-    --out) out=$2; shift 2 ;;
-    --tarball) tarball=$2; shift 2 ;;
+    --bundle) bundle=$(abs "$2"); shift 2 ;;
+    --out) out=$(abs "$2"); shift 2 ;;
+    --work) work=$(abs "$2"); shift 2 ;;
+    --tarball) tarball=$(abs "$2"); shift 2 ;;
     --device) device=$2; shift 2 ;;
+    --budget) budget=$2; shift 2 ;;
+    --with-llama) with_llama=1; shift ;;
+    --card) card=$2; shift 2 ;;
     *) echo "gpu-check: unknown option $1" >&2; exit 2 ;;
   esac
 done
-mkdir -p "$out"
+[[ "$budget" =~ ^[0-9]+$ ]] || { echo "gpu-check: --budget takes whole seconds" >&2; exit 2; }
+if [[ -n "$with_llama" && ( -z "$tarball" || ! -f "$tarball" ) ]]; then
+  echo "gpu-check: --with-llama needs --tarball FILE (a llama.cpp b9793 source tarball)" >&2
+  exit 2
+fi
 repo=$(cd "$(dirname "$0")/.." && pwd)
-cd "$repo"
+self="$repo/scripts/gpu-check.sh"
+cd "$repo" || exit 2
+bundle=${bundle:-$repo/target/gpu-bundle}
+if [[ -z "$out" ]]; then
+  [[ "$phase" == lease ]] && out=$repo/target/gpu-lease || out=$repo/target/gpu-check
+fi
+work=$(abs "$work")
+mkdir -p "$out" "$work"
+# Seconds a phase may run (the lease passes the budget left).
+limit=${GPU_CHECK_LIMIT:-570}
+# The synthetic SmolLM3-3B-shape file (1.9 GB), made here, outside the output folder.
+synth="$work/smollm3-3b-synth.gguf"
+# Set by record when the phase it records failed: the exit status.
+phase_failed=0
+export bundle repo out tarball device work limit synth
 
 # The CUDA 13 libraries: the GPU machine's PyTorch environment holds them.
 if [[ -z "${LD_LIBRARY_PATH:-}" ]]; then
@@ -60,7 +115,7 @@ if [[ -z "${LD_LIBRARY_PATH:-}" ]]; then
   done
 fi
 
-# compute-sanitizer ships with the toolkit, outside PATH on some machines.
+# compute-sanitizer and ncu ship with the toolkit, outside PATH on some machines.
 export PATH=$PATH:/usr/local/cuda/bin:/usr/local/cuda/compute-sanitizer
 
 # Unpacks the bundle's compressed binaries once.
@@ -72,48 +127,60 @@ unpack() {
   done
 }
 
-# Writes <out>/<phase>.json: phase, status, seconds, detail (the log's last lines), extra JSON.
+# Writes <out>/<phase>.json: phase, status, seconds, reason (failed or skipped: one line),
+# detail (the log's last lines), result (JSON).
 record() {
   local name=$1 status=$2 seconds=$3 log=$4 extra=${5:-null}
-  python3 - "$out/$name.json" "$name" "$status" "$seconds" "$log" "$extra" <<'PY'
-import json, sys
-path, name, status, seconds, log, extra = sys.argv[1:]
-try:
-    tail = open(log, errors="replace").read()[-6000:]
-except OSError:
-    tail = ""
-rec = {"phase": name, "status": status, "seconds": float(seconds), "detail": tail}
-if extra != "null":
-    rec["result"] = json.loads(extra)
-json.dump(rec, open(path, "w"), indent=2)
-print(f"gpu-check {name}: {status} ({seconds} s)")
-PY
+  python3 "$repo/scripts/gpu_check.py" record "$out/$name.json" "$name" "$status" "$seconds" "$log" "$extra"
+  [[ "$status" == failed ]] && phase_failed=1
+  return 0
 }
 
-# Runs `cmd...` for phase `name` under a 570 s limit and records the outcome.
+# Notes in a phase's log that its command ran out of time.
+note_timeout() {
+  local rc=$1 log=$2
+  if [[ $rc -eq 124 || $rc -eq 137 ]]; then
+    echo "gpu-check: timed out after $limit s" >>"$log"
+  fi
+}
+
+# Makes the synthetic 3B file once (atomically: a run cut off leaves no half file).
+make_model() {
+  [[ -f "$model" ]] && return 0
+  mkdir -p "$(dirname "$model")"
+  "$bin" bench --synthetic smollm3-3b --save-gguf "$model.part.gguf" && mv "$model.part.gguf" "$model"
+}
+
+# Runs `cmd...` for phase `name` under the phase limit and records the outcome.
 run_phase() {
   local name=$1; shift
-  local log="$out/$name.log" start=$SECONDS
+  local log="$out/$name.log" start=$SECONDS rc
   # `timeout` runs programs, not shell functions: the phase's function (and gpu_tests, which
   # they call) run in a child bash that gets them, and the variables they read, exported.
   export -f gpu_tests
+  # shellcheck disable=SC2163 # exports the function named by $1
   export -f "$1" 2>/dev/null || true
-  export bundle repo out tarball
-  if timeout 570 bash -c '"$@"' _ "$@" >"$log" 2>&1; then
+  timeout "$limit" bash -c '"$@"' _ "$@" >"$log" 2>&1
+  rc=$?
+  note_timeout $rc "$log"
+  if [[ $rc -eq 0 ]]; then
     record "$name" passed $((SECONDS - start)) "$log"
   else
     record "$name" failed $((SECONDS - start)) "$log"
   fi
 }
 
-# Runs the shell function `fn` for phase `name` under a 570 s limit: its stdout is the phase's
-# JSON result, its stderr the log. It reads bin, model, device, out and tokens.
+# Runs the shell function `fn` for phase `name` under the phase limit: its stdout is the
+# phase's JSON result, its stderr the log. It reads the variables exported before.
 run_json_phase() {
   local name=$1 fn=$2
-  local log="$out/$name.log" start=$SECONDS result
-  export -f "$fn"
-  export bin model device out tokens
-  if result=$(timeout 570 bash -c "$fn" 2>"$log"); then
+  local log="$out/$name.log" start=$SECONDS result rc
+  # shellcheck disable=SC2163 # exports the function named by $fn
+  export -f "$fn" make_model gpu_tests
+  result=$(timeout "$limit" bash -c "$fn" 2>"$log")
+  rc=$?
+  note_timeout $rc "$log"
+  if [[ $rc -eq 0 ]]; then
     record "$name" passed $((SECONDS - start)) "$log" "$(python3 -c 'import json,sys; print(json.dumps(json.loads(sys.stdin.read())))' <<<"$result" 2>/dev/null || echo null)"
   else
     echo "$result" >>"$log"
@@ -133,19 +200,18 @@ gpu_tests() {
   SMOLTEST_ROOT=$repo "$t" --ignored --test-threads 1 --nocapture "$@"
 }
 
+# The binary and file the engine phases run: the bundle's on the 3B shape, or with --device cpu
+# the tiny test file.
+bin="$bundle/smolchat"
+[[ -x "$bin" || -e "$bundle/smolchat.xz" ]] || bin=target/release/smolchat
+if [[ "$device" == cuda* ]]; then model=$synth; else model=$repo/tests/data/smollm3-tiny-q8_0.gguf; fi
+export bin model
+
 case "$phase" in
   env)
     unpack
-    {
-      nvidia-smi || true
-      echo; ldd "$bundle/smolchat" | grep -E "not found|cuda|cublas" || true
-      echo; "$bundle/smolchat" --version || true
-    } >"$out/env.log" 2>&1
-    if nvidia-smi -L >/dev/null 2>&1 && ! ldd "$bundle/smolchat" | grep -q "not found"; then
-      record env passed 0 "$out/env.log"
-    else
-      record env failed 0 "$out/env.log"
-    fi
+    python3 "$repo/scripts/gpu_check.py" env --out "$out" --bundle "$bundle" --device "$device" \
+      --smi "${NVIDIA_SMI:-nvidia-smi}" || phase_failed=1
     ;;
   kernels)
     unpack
@@ -176,11 +242,13 @@ case "$phase" in
   http)
     unpack
     log="$out/http.log"; start=$SECONDS
-    bin="$bundle/smolchat"
     [[ -x "$bin" ]] || bin=target/debug/smolchat
     expect=(); [[ "$device" == cuda* ]] && expect=(--expect-tier fast)
-    if result=$(timeout 570 python3 scripts/gpu_http_check.py --bin "$bin" --device "$device" \
-        --model tests/data/smollm3-tiny-q8_0.gguf "${expect[@]}" 2>"$log"); then
+    result=$(timeout "$limit" python3 scripts/gpu_http_check.py --bin "$bin" --device "$device" \
+        --model tests/data/smollm3-tiny-q8_0.gguf "${expect[@]}" 2>"$log")
+    rc=$?
+    note_timeout $rc "$log"
+    if [[ $rc -eq 0 ]]; then
       record http passed $((SECONDS - start)) "$log" "$result"
     else
       echo "$result" >>"$log"
@@ -191,24 +259,37 @@ case "$phase" in
     if [[ -z "$tarball" || ! -f "$tarball" ]]; then
       skip llama "no llama.cpp tarball given (--tarball FILE; make llama-tarball builds one)"
     else
+      # Built in the work folder, once per tarball: a later call on the same machine reuses it.
       build_llama() {
-        rm -rf "$out/llama.cpp" && mkdir -p "$out/llama.cpp" &&
-        tar -xf "$tarball" -C "$out/llama.cpp" --strip-components=1 &&
-        cmake -S "$out/llama.cpp" -B "$out/llama.cpp/build" -DGGML_CUDA=ON \
+        local src="$work/llama.cpp" stamp
+        stamp="$(basename "$tarball") $(stat -c '%s %Y' "$tarball")"
+        if [[ -x "$src/build/bin/llama-bench" && -x "$src/build/bin/llama-batched-bench" &&
+              "$(cat "$src/.tarball" 2>/dev/null)" == "$stamp" ]]; then
+          echo "gpu-check: llama.cpp already built from $stamp in $src"
+          return 0
+        fi
+        rm -rf "$src" && mkdir -p "$src" &&
+        tar -xf "$tarball" -C "$src" --strip-components=1 &&
+        cmake -S "$src" -B "$src/build" -DGGML_CUDA=ON \
           -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF \
           -DLLAMA_BUILD_SERVER=OFF -DCMAKE_BUILD_TYPE=Release &&
-        cmake --build "$out/llama.cpp/build" -j "$(nproc)" --target llama-bench llama-batched-bench llama-lookup
+        cmake --build "$src/build" -j "$(nproc)" --target llama-bench llama-batched-bench llama-lookup &&
+        echo "$stamp" >"$src/.tarball"
       }
       run_phase llama build_llama
     fi
     ;;
   bench)
     unpack
-    bin="$bundle/smolchat"
-    [[ -x "$bin" ]] || bin=target/release/smolchat
-    model="$out/smollm3-3b-synth.gguf"
+    # The 3B shape as llama.cpp is measured on it; with --device cpu a dry run on the tiny file.
+    if [[ "$device" == cuda* ]]; then
+      p1=512 gen=64 nb=64 pb=32
+    else
+      p1=32 gen=4 nb=4 pb=8
+    fi
+    export p1 gen nb pb
     bench() {
-      [[ -f "$model" ]] || "$bin" bench --synthetic smollm3-3b --save-gguf "$model" || return 1
+      make_model >&2 || return 1
       echo '{'
       # The tier `auto` keeps on this file (the self-check's verdict), then the figures on the
       # fast tier: the file's random blocks make a 36-layer net whose two tiers drift apart
@@ -216,12 +297,9 @@ case "$phase" in
       echo '"auto_tier": '; "$bin" bench --model "$model" --device "$device" --prompt-tokens 16 --gen-tokens 1 --batch 1 |
         python3 -c 'import json,sys; d=json.load(sys.stdin); print(json.dumps({"tier": d["tier"], "note": d["tier_note"]}))' || return 1
       export SMOLCHAT_MODEL__GPU_TIER=fast
-      echo ', "smolchat_1": '; "$bin" bench --model "$model" --device "$device" --prompt-tokens 512 --gen-tokens 64 --batch 1 || return 1
-      echo ', "smolchat_64": '; "$bin" bench --model "$model" --device "$device" --prompt-tokens 32 --gen-tokens 64 --batch 64 || return 1
-      # Through the server: time to first token and per-stream speed at 1/8/32/64 conversations.
-      echo ', "server": '; python3 scripts/http_bench.py --binary "$bin" --model "$model" --device "$device" \
-        --clients 1,8,32,64 --no-second-turn --env SMOLCHAT_MODEL__GPU_TIER=fast || return 1
-      local lb="$out/llama.cpp/build/bin"
+      echo ', "smolchat_1": '; "$bin" bench --model "$model" --device "$device" --prompt-tokens "$p1" --gen-tokens "$gen" --batch 1 || return 1
+      echo ', "smolchat_64": '; "$bin" bench --model "$model" --device "$device" --prompt-tokens "$pb" --gen-tokens "$gen" --batch "$nb" || return 1
+      local lb="$work/llama.cpp/build/bin"
       if [[ -x "$lb/llama-bench" && "$device" == cuda* ]]; then
         echo ', "llama_bench": '; "$lb/llama-bench" -m "$model" -ngl 99 -p 512 -n 64 -o json || return 1
         echo ', "llama_batched_text": '
@@ -232,55 +310,85 @@ case "$phase" in
     }
     run_json_phase bench bench
     ;;
+  server)
+    unpack
+    # Through the server: time to first token and per-stream speed at 1/8/32/64 conversations
+    # (with --device cpu: 1 and 2 on the tiny file, few tokens).
+    if [[ "$device" == cuda* ]]; then clients=1,8,32,64 tokens=128; else clients=1,2 tokens=8; fi
+    export clients tokens
+    server() {
+      make_model >&2 || return 1
+      python3 scripts/http_bench.py --binary "$bin" --model "$model" --device "$device" \
+        --clients "$clients" --new-tokens "$tokens" --no-second-turn --env SMOLCHAT_MODEL__GPU_TIER=fast
+    }
+    run_json_phase server server
+    ;;
   profile)
     # Where a step's time goes on this GPU: our op-by-op profile of the 3B shape (a synchronize
-    # after each op, so each carries its launch overhead), then, when Nsight Systems is
-    # installed, its kernel table for `smolchat bench` on the fast tier (decode replayed from
-    # graphs: the kernels as they really run), and the same for llama.cpp's llama-bench when
-    # the `llama` phase built it.
+    # after each op, so each carries its launch overhead), then Nsight Compute's per-kernel
+    # table of one `smolchat bench` run on the fast tier (prefill 512, then decode steps, the
+    # later ones replayed from graphs: the kernels as they really run), and of llama-bench when
+    # the `llama` phase built it. Nsight Systems is not looked for: the GPU machines lack it.
     unpack
+    # Kernel launches ncu profiles per program: the 3B shape's prefill (~500 launches) and its
+    # first decode steps; each launch is serialized, so this bounds the phase.
+    launches=${GPU_CHECK_NCU_LAUNCHES:-2000}
+    export launches
     profile() {
-      gpu_tests fast_tier::profile_the_3b_shape || return 1
-      local nsys; nsys=$(command -v nsys || ls /opt/nvidia/nsight-systems/*/bin/nsys \
-        /usr/local/cuda/nsight-systems-*/bin/nsys 2>/dev/null | head -1)
-      if [[ -z "$nsys" ]]; then
-        echo "gpu-check: nsys is not installed here; the op-by-op profile above is all"
+      local ncu ncu_json=null llama_json=null left
+      gpu_tests fast_tier::profile_the_3b_shape >&2 || return 1
+      ncu=$(command -v ncu)
+      for c in /usr/local/cuda-*/bin/ncu /opt/nvidia/nsight-compute/*/ncu; do
+        [[ -z "$ncu" && -x "$c" ]] && ncu=$c
+      done
+      if [[ -z "$ncu" ]]; then
+        echo "gpu-check: ncu (Nsight Compute) is not installed here: no per-kernel profile" >&2
+        echo '{"ncu": "absent: ncu (Nsight Compute) is not installed on this machine"}'
         return 0
       fi
-      local model="$out/smollm3-3b-synth.gguf"
-      [[ -f "$model" ]] || "$bundle/smolchat" bench --synthetic smollm3-3b --save-gguf "$model" || return 1
-      SMOLCHAT_MODEL__GPU_TIER=fast "$nsys" profile --force-overwrite true -o "$out/nsys-smolchat" \
-        --stats=true "$bundle/smolchat" bench --model "$model" --device cuda --prompt-tokens 512 \
-        --gen-tokens 64 --batch 1 || return 1
-      local lb="$out/llama.cpp/build/bin"
-      if [[ -x "$lb/llama-bench" ]]; then
-        "$nsys" profile --force-overwrite true -o "$out/nsys-llama" --stats=true \
-          "$lb/llama-bench" -m "$model" -ngl 99 -p 512 -n 64 -r 1 || return 1
+      make_model >&2 || return 1
+      left=$((limit - SECONDS - 10))
+      [[ $left -gt 10 ]] || { echo "gpu-check: no time left for ncu" >&2; return 1; }
+      local workload="smolchat bench --prompt-tokens 512 --gen-tokens 1 --batch 1 (fast tier): prefill 512, then decode steps"
+      echo "gpu-check: $ncu --csv, first $launches launches of $workload, within $left s" >&2
+      SMOLCHAT_MODEL__GPU_TIER=fast timeout "$left" "$ncu" --csv --page raw --metrics gpu__time_duration.sum \
+        --launch-count "$launches" --cache-control none --clock-control none \
+        "$bin" bench --model "$model" --device cuda --prompt-tokens 512 --gen-tokens 1 --batch 1 \
+        >"$out/ncu-smolchat.csv" 2>&1
+      echo "gpu-check: ncu exit status $?" >&2
+      ncu_json=$(python3 "$repo/scripts/gpu_check.py" ncu-summary "$out/ncu-smolchat.csv" "$workload") || {
+        grep -E "^==(ERROR|WARNING)==" "$out/ncu-smolchat.csv" | head -5 >&2
+        echo "gpu-check: ncu gave no per-kernel rows: $ncu_json" >&2
+        return 1
+      }
+      local lb="$work/llama.cpp/build/bin"
+      left=$((limit - SECONDS - 5))
+      if [[ -x "$lb/llama-bench" && $left -gt 20 ]]; then
+        timeout "$left" "$ncu" --csv --page raw --metrics gpu__time_duration.sum --launch-count "$launches" \
+          --cache-control none --clock-control none \
+          "$lb/llama-bench" -m "$model" -ngl 99 -p 512 -n 1 -r 1 >"$out/ncu-llama.csv" 2>&1
+        llama_json=$(python3 "$repo/scripts/gpu_check.py" ncu-summary "$out/ncu-llama.csv" \
+          "llama-bench -p 512 -n 1 -r 1") || llama_json=null
       fi
-      rm -f "$out"/nsys-*.nsys-rep "$out"/nsys-*.sqlite
+      echo "{\"ncu\": $ncu_json, \"ncu_llama\": $llama_json}"
     }
     if [[ "$device" == cuda* ]]; then
-      run_phase profile profile
+      run_json_phase profile profile
     else
-      skip profile "the profile needs a GPU"
+      skip profile "no GPU: the profile needs one (--device $device)"
     fi
     ;;
   speculation)
     unpack
-    bin="$bundle/smolchat"
-    [[ -x "$bin" ]] || bin=target/release/smolchat
-    if [[ "$device" == cuda* ]]; then
-      model="$out/smollm3-3b-synth.gguf"; tokens=96
-    else
-      model=tests/data/smollm3-tiny-q8_0.gguf; tokens=12
-    fi
+    if [[ "$device" == cuda* ]]; then tokens=96; else tokens=12; fi
+    export tokens
     speculation() {
-      [[ -f "$model" ]] || "$bin" bench --synthetic smollm3-3b --save-gguf "$model" || return 1
+      make_model >&2 || return 1
       SMOLCHAT_MODEL__GPU_TIER=fast "$bin" bench --speculative --model "$model" --device "$device" \
         --gen-tokens "$tokens" || return 1
       # llama.cpp's own lookup decoding on the same file and workloads, when the `llama` phase
       # built it: its figures go to <out>/llama_lookup.json, its lines to the log.
-      local lb="$out/llama.cpp/build/bin"
+      local lb="$work/llama.cpp/build/bin"
       if [[ -x "$lb/llama-lookup" && "$device" == cuda* ]]; then
         python3 scripts/llama_lookup_bench.py --llama-bin "$lb" --model "$model" --ngl 99 \
           --max-tokens "$tokens" --draft 8 --repeat 1 --out "$out/llama_lookup.json" >&2 ||
@@ -290,60 +398,77 @@ case "$phase" in
     run_json_phase speculation speculation
     ;;
   report)
-    python3 - "$out" <<'PY'
-import json, os, sys
-out = sys.argv[1]
-phases = ["env", "kernels", "sanitizer", "tiers", "http", "llama", "bench", "speculation", "profile"]
-recs = []
-for p in phases:
-    path = os.path.join(out, p + ".json")
-    recs.append(json.load(open(path)) if os.path.exists(path) else {"phase": p, "status": "not run", "seconds": 0})
-report = {"phases": recs, "passed": all(r["status"] in ("passed", "skipped") for r in recs)}
-json.dump(report, open(os.path.join(out, "gpu-check.json"), "w"), indent=2)
-lines = ["# gpu-check", "", "| phase | status | seconds |", "|---|---|---:|"]
-lines += [f"| {r['phase']} | {r['status']} | {r['seconds']:.0f} |" for r in recs]
-bench = next((r.get("result") for r in recs if r["phase"] == "bench" and r.get("result")), None)
-if bench:
-    def tps(b, k):
-        try:
-            return f"{b[k]['tokens_per_s']:.1f}"
-        except (KeyError, TypeError):
-            return "?"
-    s1, s64 = bench.get("smolchat_1", {}), bench.get("smolchat_64", {})
-    lines += ["", f"smolchat ({s1.get('device')}, {s1.get('tier')} tier): prefill 512 {tps(s1, 'prefill')} tok/s, "
-              f"decode {tps(s1, 'decode')} tok/s, 64 sequences "
-              f"{s64.get('batched_decode', {}).get('aggregate_tokens_per_s', 0):.1f} tok/s in all"]
-    auto = bench.get("auto_tier") or {}
-    lines += [f"`auto` kept the {auto.get('tier')} tier on this file" + (f" ({auto['note']})" if auto.get("note") else "")]
-    server = (bench.get("server") or {}).get("concurrency") or []
-    if server:
-        lines += ["", "| conversations | aggregate tok/s | per stream tok/s | median TTFT ms |", "|---:|---:|---:|---:|"]
-        lines += [f"| {r['clients']} | {r['aggregate_tokens_per_s']} | {r['per_stream_tokens_per_s']} | {r['ttft_ms_median']} |" for r in server]
-spec = next((r.get("result") for r in recs if r["phase"] == "speculation" and r.get("result")), None)
-if spec:
-    lines += ["", f"Speculative decoding ({spec.get('device')}, greedy, one sequence):", "",
-              "| workload | tok/s off | tok/s on | ratio | accepted / drafted | same tokens |",
-              "|---|---:|---:|---:|---:|---|"]
-    lines += [f"| {r['workload']} | {r['decode_tokens_per_s_off']:.1f} | {r['decode_tokens_per_s_on']:.1f} | "
-              f"{r['ratio']:.2f} | {r['accepted']} / {r['drafted']} | {r['same_tokens']} |"
-              for r in spec.get("speculative", [])]
-    series = spec.get("chat_series") or {}
-    runs = series.get("runs") or []
-    if runs:
-        lines += ["", "Chat series: " + ", ".join(f"{r['drafts']} {r['decode_tokens_per_s']:.1f} tok/s" for r in runs)
-                  + f" (same tokens: {series.get('same_tokens')})"]
-open(os.path.join(out, "gpu-check.md"), "w").write("\n".join(lines) + "\n")
-print("\n".join(lines))
-PY
+    python3 "$repo/scripts/gpu_check.py" report "$out" || phase_failed=1
     ;;
   all)
-    for p in env kernels sanitizer tiers http llama bench speculation profile; do
-      "$0" "$p" --bundle "$bundle" --out "$out" --device "$device" ${tarball:+--tarball "$tarball"}
+    failed=()
+    for p in env kernels sanitizer tiers http llama bench server speculation profile; do
+      "$self" "$p" --bundle "$bundle" --out "$out" --work "$work" --device "$device" \
+        ${tarball:+--tarball "$tarball"} || failed+=("$p")
     done
-    "$0" report --out "$out"
+    # The report's first line says which phase failed and why.
+    "$self" report --out "$out"
+    if [[ ${#failed[@]} -gt 0 ]]; then
+      echo "gpu-check: ${#failed[@]} phase(s) failed: ${failed[*]}" >&2
+      exit 1
+    fi
+    ;;
+  lease)
+    # One call for one GPU lease (see the top of this file). Phases in priority order with
+    # their estimated seconds: measured on an H100 and an H200 (docs/BENCHMARKS.md, "GPU"):
+    # kernels 65-74 s, sanitizer 38-56 s, bench and server together 20-24 s, llama.cpp's build
+    # 241-302 s; the rest guessed with room. A phase is skipped when the budget left is below
+    # its estimate, and runs under `timeout` of the budget left.
+    lease_plan=(env:15 kernels:90)
+    [[ -n "$with_llama" ]] && lease_plan+=(llama:330)
+    lease_plan+=(bench:60 tiers:60 profile:90 server:90 http:30 sanitizer:75)
+    lease_dir="$work/lease"
+    records="$lease_dir/records"
+    state="$lease_dir/state.json"
+    rm -rf "$lease_dir"
+    mkdir -p "$records"
+    py() { python3 "$repo/scripts/gpu_check.py" "$@"; }
+    # Sends TERM to a process and everything below it, children first listed then ended.
+    kill_tree() {
+      local c
+      for c in $(ps -o pid= --ppid "$1" 2>/dev/null); do kill_tree "$c"; done
+      kill -TERM "$1" 2>/dev/null
+    }
+    start=$SECONDS
+    echo "gpu-lease: budget $budget s, device $device, bundle $bundle, out $out (report and raw.tar.xz only), work $work" >&2
+    py lease-init "$state" --budget "$budget" --device "$device" --out "$out" --bundle "$bundle" \
+      --records "$records" --card "$card" --anchors "$repo/docs/bench-data/gpu-anchors.json" \
+      --with-llama "${with_llama:-0}" "${lease_plan[@]/:/=}" || exit 2
+    for item in "${lease_plan[@]}"; do
+      p=${item%%:*}
+      left=$((budget - (SECONDS - start)))
+      why=$(py lease-gate "$state" "$p" "$left")
+      if [[ -n "$why" ]]; then
+        py lease-skip "$state" "$p" "$why"
+        continue
+      fi
+      py lease-start "$state" "$p" "$left"
+      t0=$SECONDS
+      # The phase's own limit ends its command a little before the budget does, so its record
+      # and log are written; `timeout` of the budget left is the backstop.
+      GPU_CHECK_LIMIT=$((left > 15 ? left - 5 : left)) timeout -k 5 "$left" "$self" "$p" --out "$records" \
+        --bundle "$bundle" --work "$work" --device "$device" ${tarball:+--tarball "$tarball"} \
+        >>"$records/lease.log" 2>&1 &
+      child=$!
+      # Killed itself (the command's own time limit), the lease ends the phase's processes, the
+      # timeouts' process groups included, and leaves the report as it stands: "CUT OFF during".
+      trap 'kill_tree "$child"; exit 143' TERM INT HUP
+      wait "$child"
+      rc=$?
+      trap - TERM INT HUP
+      py lease-done "$state" "$p" "$rc" $((SECONDS - t0))
+    done
+    py lease-finish "$state"
+    exit $?
     ;;
   *)
-    sed -n '2,30p' "$0"
+    sed -n '2,59p' "$0"
     exit 2
     ;;
 esac
+exit "$phase_failed"

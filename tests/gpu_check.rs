@@ -1,10 +1,13 @@
-//! `make gpu-check`'s orchestration, tested where there is no GPU: its HTTP phase and its report,
-//! dry-run against a CPU server (`--device cpu`) with the binary under test standing in for the
-//! bundle's. On a GPU the same phase starts `serve --device cuda` and expects the fast tier.
+//! `make gpu-check`'s and `make gpu-lease`'s orchestration, tested where there is no GPU: the
+//! HTTP and speculation phases and the report dry-run against the CPU (`--device cpu`), and the
+//! lease end to end on the CPU, with the binary under test standing in for the bundle's. On a GPU
+//! the same phases start `serve --device cuda` and expect the fast tier.
 
 mod common;
 
+use std::path::Path;
 use std::process::Command;
+use std::time::Instant;
 
 #[test]
 fn the_http_phase_and_the_report_run_against_a_cpu_server() {
@@ -23,6 +26,8 @@ fn the_http_phase_and_the_report_run_against_a_cpu_server() {
             .arg(&bundle)
             .arg("--out")
             .arg(&out)
+            .arg("--work")
+            .arg(dir.path().join("work"))
             .current_dir(&root)
             .output()
             .expect("gpu-check.sh runs");
@@ -89,4 +94,212 @@ fn the_http_phase_and_the_report_run_against_a_cpu_server() {
         md.contains("| rewrite |") && md.contains("Chat series:"),
         "{md}"
     );
+}
+
+/// What a lease left and said: its exit status, stdout, stderr, gpu-lease.json.
+struct Lease {
+    code: Option<i32>,
+    stdout: String,
+    stderr: String,
+    report: serde_json::Value,
+}
+
+impl Lease {
+    fn phase(&self, name: &str) -> &serde_json::Value {
+        self.report["phases"]
+            .as_array()
+            .and_then(|a| a.iter().find(|p| p["phase"] == name))
+            .unwrap_or_else(|| panic!("no {name} in {}", self.report))
+    }
+
+    fn status(&self, name: &str) -> &str {
+        self.phase(name)["status"].as_str().unwrap_or_default()
+    }
+
+    fn reason(&self, name: &str) -> &str {
+        self.phase(name)["reason"].as_str().unwrap_or_default()
+    }
+}
+
+/// The lease's order of phases, without --with-llama.
+const LEASE_ORDER: [&str; 8] = [
+    "env",
+    "kernels",
+    "bench",
+    "tiers",
+    "profile",
+    "server",
+    "http",
+    "sanitizer",
+];
+
+#[test]
+fn the_lease_dry_runs_on_the_cpu_in_its_order_within_its_budget() {
+    let root = common::crate_root();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let bundle = dir.path().join("bundle");
+    std::fs::create_dir_all(&bundle).expect("mkdir");
+    std::os::unix::fs::symlink(env!("CARGO_BIN_EXE_smolchat"), bundle.join("smolchat"))
+        .expect("symlink");
+    let work = dir.path().join("work");
+    let lease = |out: &Path, budget: &str, extra: &[&str]| -> Lease {
+        let o = Command::new("bash")
+            .arg(root.join("scripts/gpu-check.sh"))
+            .args(["lease", "--device", "cpu", "--budget", budget])
+            .arg("--out")
+            .arg(out)
+            .arg("--bundle")
+            .arg(&bundle)
+            .arg("--work")
+            .arg(&work)
+            .args(extra)
+            // No GPU, even on a machine with one.
+            .env("NVIDIA_SMI", dir.path().join("no-nvidia-smi"))
+            .env_remove("OUT")
+            .current_dir(&root)
+            .output()
+            .expect("gpu-check.sh runs");
+        let stdout = String::from_utf8_lossy(&o.stdout).into_owned();
+        let stderr = String::from_utf8_lossy(&o.stderr).into_owned();
+        let report = serde_json::from_str(
+            &std::fs::read_to_string(out.join("gpu-lease.json"))
+                .unwrap_or_else(|e| panic!("{e}: {stdout}{stderr}")),
+        )
+        .expect("gpu-lease.json");
+        Lease {
+            code: o.status.code(),
+            stdout,
+            stderr,
+            report,
+        }
+    };
+
+    // With budget for every phase: the ones a CPU can dry-run run, the ones that need a GPU are
+    // skipped saying so, and no GPU fails the lease, said on the first line.
+    let started = Instant::now();
+    let out = dir.path().join("out");
+    let full = lease(&out, "480", &["--card", "NVIDIA H100 80GB HBM3"]);
+    let said = format!("{}\n{}", full.stdout, full.stderr);
+    let seconds = started.elapsed().as_secs_f64();
+    assert_eq!(full.code, Some(1), "{said}");
+    let first = full.stdout.lines().next().unwrap_or_default();
+    assert!(
+        first.starts_with("gpu-lease: FAILED — env: no GPU: ")
+            && first.contains("no-nvidia-smi is not installed"),
+        "{said}"
+    );
+    let order: Vec<&str> = full.report["phases"]
+        .as_array()
+        .expect("phases")
+        .iter()
+        .map(|p| p["phase"].as_str().unwrap_or_default())
+        .collect();
+    assert_eq!(order, LEASE_ORDER, "{said}");
+    assert_eq!(full.status("env"), "failed", "{said}");
+    for gpu_only in ["kernels", "tiers", "profile", "sanitizer"] {
+        assert_eq!(full.status(gpu_only), "skipped", "{gpu_only}: {said}");
+        assert!(
+            full.reason(gpu_only).starts_with("no GPU"),
+            "{gpu_only}: {said}"
+        );
+    }
+    for dry in ["bench", "server", "http"] {
+        assert_eq!(full.status(dry), "passed", "{dry}: {said}");
+    }
+    // Each phase in turn on stderr, the report rewritten after each one that ran.
+    let mut at = 0;
+    for p in LEASE_ORDER {
+        let line = format!("gpu-lease {p}: ");
+        at += full.stderr[at..]
+            .find(&line)
+            .unwrap_or_else(|| panic!("{p} out of order: {said}"));
+    }
+    assert_eq!(
+        full.stderr.matches("; report rewritten").count(),
+        4,
+        "env, bench, server, http: {said}"
+    );
+    // At the start, before and after each phase run, after each phase skipped, at the end.
+    assert_eq!(full.report["rewrites"], 1 + 2 * 4 + 4 + 1, "{said}");
+    // The bench figures over the H100's anchors, each with the card, driver, commit and depth.
+    let rows = full.report["comparison"]["rows"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
+    assert_eq!(rows.len(), 3, "{}", full.report);
+    for r in &rows {
+        assert!(r["ratio"].as_f64().is_some_and(|x| x > 0.0), "{r}");
+        assert_eq!(r["anchor_card"], "NVIDIA H100 80GB HBM3", "{r}");
+        assert!(
+            r["smolchat_context"]
+                .as_str()
+                .is_some_and(|c| c.contains('→')),
+            "{r}"
+        );
+        assert!(
+            r.get("commit").is_some() && r.get("driver").is_some(),
+            "{r}"
+        );
+    }
+    let md = std::fs::read_to_string(out.join("gpu-lease.md")).expect("md");
+    assert_eq!(md.lines().next(), Some(first), "{md}");
+    assert!(md.contains("| 3 | bench | passed |"), "{md}");
+    assert!(md.contains("DRY RUN"), "{md}");
+    // The output folder holds the report and one small archive, nothing more.
+    let mut names: Vec<String> = std::fs::read_dir(&out)
+        .expect("out")
+        .map(|e| {
+            let e = e.expect("entry");
+            let len = e.metadata().expect("metadata").len();
+            assert!(len < 1 << 20, "{:?}: {len} bytes", e.file_name());
+            e.file_name().to_string_lossy().into_owned()
+        })
+        .collect();
+    names.sort();
+    assert_eq!(names, ["gpu-lease.json", "gpu-lease.md", "raw.tar.xz"]);
+    let listed = Command::new("tar")
+        .arg("-tJf")
+        .arg(out.join("raw.tar.xz"))
+        .output()
+        .expect("tar");
+    let listed = String::from_utf8_lossy(&listed.stdout);
+    for f in [
+        "raw/env.log",
+        "raw/bench.json",
+        "raw/server.json",
+        "raw/lease.log",
+    ] {
+        assert!(listed.lines().any(|l| l == f), "{f}: {listed}");
+    }
+
+    // A small budget: what does not fit is skipped with a line saying so; a card with no
+    // anchor (none found, here) fails the bench phase instead of passing silently.
+    let out = dir.path().join("out-small");
+    let small = lease(&out, "85", &[]);
+    let said = format!("{}\n{}", small.stdout, small.stderr);
+    assert_eq!(small.code, Some(1), "{said}");
+    assert!(
+        small
+            .stdout
+            .starts_with("gpu-lease: FAILED — env: no GPU: "),
+        "{said}"
+    );
+    assert_eq!(small.status("bench"), "failed", "{said}");
+    assert!(
+        small
+            .reason("bench")
+            .starts_with("missing figure: no llama.cpp anchor"),
+        "{said}"
+    );
+    assert_eq!(small.status("server"), "skipped", "{said}");
+    assert!(
+        small.reason("server").starts_with("budget: ")
+            && small
+                .reason("server")
+                .ends_with("server is estimated at 90 s"),
+        "{said}"
+    );
+    let md = std::fs::read_to_string(out.join("gpu-lease.md")).expect("md");
+    assert!(md.contains("| 6 | server | skipped | 90 |"), "{md}");
+    eprintln!("the full dry run took {seconds:.1} s");
 }
