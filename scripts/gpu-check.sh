@@ -297,8 +297,11 @@ case "$phase" in
       echo '"auto_tier": '; "$bin" bench --model "$model" --device "$device" --prompt-tokens 16 --gen-tokens 1 --batch 1 |
         python3 -c 'import json,sys; d=json.load(sys.stdin); print(json.dumps({"tier": d["tier"], "note": d["tier_note"]}))' || return 1
       export SMOLCHAT_MODEL__GPU_TIER=fast
-      echo ', "smolchat_1": '; "$bin" bench --model "$model" --device "$device" --prompt-tokens "$p1" --gen-tokens "$gen" --batch 1 || return 1
-      echo ', "smolchat_64": '; "$bin" bench --model "$model" --device "$device" --prompt-tokens "$pb" --gen-tokens "$gen" --batch "$nb" || return 1
+      # Warm medians of 5 runs (llama-bench's repetitions), decode from an empty context as
+      # llama-bench's tg and after the prompt; 64 sequences of 32-token prompts as
+      # llama-batched-bench -npp 32 (the single-sequence part of that run once: unused).
+      echo ', "smolchat_1": '; "$bin" bench --model "$model" --device "$device" --prompt-tokens "$p1" --gen-tokens "$gen" --batch 1 --repeat 5 || return 1
+      echo ', "smolchat_64": '; "$bin" bench --model "$model" --device "$device" --prompt-tokens "$pb" --gen-tokens "$gen" --batch "$nb" --batch-prompt-tokens "$pb" --repeat 1 || return 1
       local lb="$work/llama.cpp/build/bin"
       if [[ -x "$lb/llama-bench" && "$device" == cuda* ]]; then
         echo ', "llama_bench": '; "$lb/llama-bench" -m "$model" -ngl 99 -p 512 -n 64 -o json || return 1

@@ -177,6 +177,23 @@ fn bench_command_reports_json() {
     assert!(v["prefill"]["tokens_per_s"].as_f64().expect("prefill") > 0.0);
     assert!(v["decode"]["tokens_per_s"].as_f64().expect("decode") > 0.0);
     assert_eq!(v["batched_decode"]["sequences"], 2);
+    // Warm medians as llama-bench gives them: 5 timed runs each (by default), decode from an
+    // empty context beside decode after the prompt, the batched prompts llama-batched-bench's 32.
+    assert_eq!(v["repeat"], 5);
+    for figure in ["prefill", "decode", "decode_depth0"] {
+        let runs = v[figure]["runs_tokens_per_s"].as_array().expect(figure);
+        assert_eq!(runs.len(), 5, "{figure}");
+        let mut sorted: Vec<f64> = runs.iter().filter_map(|r| r.as_f64()).collect();
+        sorted.sort_by(f64::total_cmp);
+        assert_eq!(
+            v[figure]["tokens_per_s"].as_f64(),
+            Some(sorted[2]),
+            "{figure}: the median"
+        );
+    }
+    assert_eq!(v["decode"]["depth"], 34);
+    assert_eq!(v["decode_depth0"]["depth"], 3);
+    assert_eq!(v["batched_decode"]["prompt_tokens"], 32);
 }
 
 /// `bench --synthetic` builds its model (on the compute pool) and loads it through the same

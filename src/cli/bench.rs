@@ -35,6 +35,14 @@ pub struct BenchArgs {
     /// Sequences decoding together for the batched measurement.
     #[arg(long, default_value_t = 8)]
     pub batch: usize,
+    /// Prompt length of each sequence of the batched measurement (llama-batched-bench's
+    /// `-npp`; 32 as in the figures llama.cpp is compared by).
+    #[arg(long, default_value_t = 32)]
+    pub batch_prompt_tokens: usize,
+    /// Timed runs of the prefill and of each single-sequence decode, after one untimed run:
+    /// the figures are their median (llama-bench's 5 repetitions, warm).
+    #[arg(long, default_value_t = 5)]
+    pub repeat: usize,
     /// Instead: speculative decoding's three workloads (benches/speculative_workloads.json:
     /// rewriting a file, quoting a document, free chat), each decoded greedily alone with
     /// drafts off and on, in this process; needs a real model (`--model`), since random
@@ -63,6 +71,11 @@ pub fn run(args: &BenchArgs, globals: &super::Globals) -> Result<()> {
     anyhow::ensure!(args.prompt_tokens > 0, "--prompt-tokens must be at least 1");
     anyhow::ensure!(args.gen_tokens > 0, "--gen-tokens must be at least 1");
     anyhow::ensure!(args.batch > 0, "--batch must be at least 1");
+    anyhow::ensure!(args.repeat > 0, "--repeat must be at least 1");
+    anyhow::ensure!(
+        args.batch_prompt_tokens > 0,
+        "--batch-prompt-tokens must be at least 1"
+    );
     let config = args.model.config(args.device, globals)?;
     // Before anything computes (building a synthetic model runs on the pool too).
     super::init_threads(config.model.threads)?;
@@ -104,48 +117,82 @@ pub fn run(args: &BenchArgs, globals: &super::Globals) -> Result<()> {
     let load_s = load_start.elapsed().as_secs_f64();
     let cfg = engine.config().clone();
     anyhow::ensure!(
-        args.prompt_tokens + args.gen_tokens + 2 <= cfg.context_length,
-        "--prompt-tokens + --gen-tokens + 2 (warm-up steps) exceed the model's context of {}",
+        args.prompt_tokens.max(args.batch_prompt_tokens) + args.gen_tokens + WARM_UP_STEPS
+            <= cfg.context_length,
+        "--prompt-tokens (or --batch-prompt-tokens) + --gen-tokens + {WARM_UP_STEPS} (warm-up \
+         steps) exceed the model's context of {}",
         cfg.context_length
     );
     let prompt = pseudo_random_tokens(args.prompt_tokens, cfg.vocab_size, 1);
 
-    // Prefill: the whole prompt in one step, logits for the last position only.
-    let seq = engine.create_sequence();
-    let t = Instant::now();
-    let mut logits = Logits::new();
-    engine.step_into(
-        &[SeqStep {
-            seq,
-            tokens: &prompt,
-            logits: LogitsMode::Last,
-        }],
-        &mut logits,
-    )?;
-    let prefill_s = t.elapsed().as_secs_f64();
-    let mut next = argmax(logits.get(0).context("no logits")?);
-
-    // Single-stream decode, greedy; drawn on the device where the backend can (as the server
-    // does), so only token ids come back.
+    // Warm figures, as llama-bench gives them: one untimed run, then `--repeat` timed runs of
+    // each measurement on a fresh sequence, and their median.
     let on_device = engine.samples_on_device();
-    // Two untimed steps first, as llama-bench warms up: on a GPU the first one warms the decode
-    // graph's bucket up and the second captures it.
-    for _ in 0..2 {
-        next = greedy_step(&mut engine, &[seq], &[[next]], on_device, &mut logits)?[0];
+    let mut prefill_runs = Vec::with_capacity(args.repeat);
+    let mut decode_runs = Vec::with_capacity(args.repeat);
+    let mut depth0_runs = Vec::with_capacity(args.repeat);
+    let mut verify = serde_json::Value::Null;
+    let mut logits = Logits::new();
+    for run in 0..=args.repeat {
+        // Prefill: the whole prompt in one step, logits for the last position only; then
+        // decode from that depth, greedy, drawn on the device where the backend can (as the
+        // server does), so only token ids come back.
+        let seq = engine.create_sequence();
+        let t = Instant::now();
+        engine.step_into(
+            &[SeqStep {
+                seq,
+                tokens: &prompt,
+                logits: LogitsMode::Last,
+            }],
+            &mut logits,
+        )?;
+        let prefill_s = t.elapsed().as_secs_f64();
+        let next = argmax(logits.get(0).context("no logits")?);
+        let (decode_s, next) = timed_decode(
+            &mut engine,
+            seq,
+            next,
+            args.gen_tokens,
+            on_device,
+            &mut logits,
+        )?;
+        if run == args.repeat {
+            verify = verify_cost(&mut engine, seq, next, cfg.vocab_size)?;
+        }
+        engine.free_sequence(seq);
+        // Decode from an empty context (llama-bench's `tg`): one token in, then the same.
+        let seq = engine.create_sequence();
+        let first = prompt.first().copied().unwrap_or(0);
+        let next = greedy_step(&mut engine, &[seq], &[[first]], on_device, &mut logits)?[0];
+        let (depth0_s, _) = timed_decode(
+            &mut engine,
+            seq,
+            next,
+            args.gen_tokens,
+            on_device,
+            &mut logits,
+        )?;
+        engine.free_sequence(seq);
+        if run > 0 {
+            prefill_runs.push(args.prompt_tokens as f64 / prefill_s);
+            decode_runs.push(args.gen_tokens as f64 / decode_s);
+            depth0_runs.push(args.gen_tokens as f64 / depth0_s);
+        }
     }
-    let t = Instant::now();
-    for _ in 0..args.gen_tokens {
-        next = greedy_step(&mut engine, &[seq], &[[next]], on_device, &mut logits)?[0];
-    }
-    let decode_s = t.elapsed().as_secs_f64();
-    let verify = verify_cost(&mut engine, seq, next, cfg.vocab_size)?;
-    engine.free_sequence(seq);
 
-    // Batched decode: N sequences with short distinct prompts, then G steps of N decode tokens.
-    let batched = batched_decode(&mut engine, args.batch, args.gen_tokens, cfg.vocab_size)?;
+    // Batched decode: N sequences with distinct prompts, then G steps of N decode tokens.
+    let batched = batched_decode(
+        &mut engine,
+        args.batch,
+        args.batch_prompt_tokens,
+        args.gen_tokens,
+        cfg.vocab_size,
+    )?;
 
-    let prefill_tps = args.prompt_tokens as f64 / prefill_s;
-    let decode_tps = args.gen_tokens as f64 / decode_s;
+    let prefill_tps = median(&prefill_runs);
+    let decode_tps = median(&decode_runs);
+    let depth0_tps = median(&depth0_runs);
     let seed_engine = match &seed_file {
         Some((path, _)) => Some(seed_engine_row(
             path,
@@ -175,15 +222,26 @@ pub fn run(args: &BenchArgs, globals: &super::Globals) -> Result<()> {
             "resident_bytes": engine.kv_resident_bytes(),
         },
         "load_s": load_s,
+        "repeat": args.repeat,
         "prefill": {
             "prompt_tokens": args.prompt_tokens,
-            "seconds": prefill_s,
+            "seconds": args.prompt_tokens as f64 / prefill_tps,
             "tokens_per_s": prefill_tps,
+            "runs_tokens_per_s": prefill_runs,
         },
         "decode": {
             "tokens": args.gen_tokens,
-            "seconds": decode_s,
+            "depth": args.prompt_tokens + WARM_UP_STEPS,
+            "seconds": args.gen_tokens as f64 / decode_tps,
             "tokens_per_s": decode_tps,
+            "runs_tokens_per_s": decode_runs,
+        },
+        "decode_depth0": {
+            "tokens": args.gen_tokens,
+            "depth": 1 + WARM_UP_STEPS,
+            "seconds": args.gen_tokens as f64 / depth0_tps,
+            "tokens_per_s": depth0_tps,
+            "runs_tokens_per_s": depth0_runs,
         },
         "seed_engine": seed_engine,
         "batched_decode": batched,
@@ -393,15 +451,51 @@ fn replay_steps(
     Ok((t.elapsed().as_secs_f64(), tokens))
 }
 
+/// Untimed decode steps before each timed decode, as llama-bench warms up: on a GPU the first
+/// one warms the decode graph's bucket up and the second captures it.
+const WARM_UP_STEPS: usize = 2;
+
+/// Decodes `gen` tokens of `seq` greedily after [`WARM_UP_STEPS`] untimed ones, from `next`:
+/// the seconds the timed ones took, and the last token.
+fn timed_decode(
+    engine: &mut Engine,
+    seq: u64,
+    mut next: u32,
+    gen: usize,
+    on_device: bool,
+    logits: &mut Logits,
+) -> Result<(f64, u32)> {
+    for _ in 0..WARM_UP_STEPS {
+        next = greedy_step(engine, &[seq], &[[next]], on_device, logits)?[0];
+    }
+    let t = Instant::now();
+    for _ in 0..gen {
+        next = greedy_step(engine, &[seq], &[[next]], on_device, logits)?[0];
+    }
+    Ok((t.elapsed().as_secs_f64(), next))
+}
+
+/// The median of `runs` (the mean of the middle two for an even count).
+fn median(runs: &[f64]) -> f64 {
+    let mut sorted = runs.to_vec();
+    sorted.sort_by(f64::total_cmp);
+    match sorted.len() {
+        0 => 0.0,
+        n if n % 2 == 1 => sorted[n / 2],
+        n => (sorted[n / 2 - 1] + sorted[n / 2]) / 2.0,
+    }
+}
+
 fn batched_decode(
     engine: &mut Engine,
     n: usize,
+    prompt_tokens: usize,
     gen: usize,
     vocab: usize,
 ) -> Result<serde_json::Value> {
     let seqs: Vec<u64> = (0..n).map(|_| engine.create_sequence()).collect();
     let prompts: Vec<Vec<u32>> = (0..n)
-        .map(|i| pseudo_random_tokens(16, vocab, 100 + i as u64))
+        .map(|i| pseudo_random_tokens(prompt_tokens, vocab, 100 + i as u64))
         .collect();
     let steps: Vec<SeqStep<'_>> = seqs
         .iter()
@@ -418,7 +512,7 @@ fn batched_decode(
         .map(|i| logits.get(i).map(|l| [argmax(l)]).context("no logits"))
         .collect::<Result<_>>()?;
     let on_device = engine.samples_on_device();
-    for _ in 0..2 {
+    for _ in 0..WARM_UP_STEPS {
         next = greedy_step(engine, &seqs, &next, on_device, &mut logits)?
             .into_iter()
             .map(|t| [t])
@@ -437,6 +531,7 @@ fn batched_decode(
     }
     Ok(json!({
         "sequences": n,
+        "prompt_tokens": prompt_tokens,
         "tokens_each": gen,
         "seconds": secs,
         "aggregate_tokens_per_s": (n * gen) as f64 / secs,
