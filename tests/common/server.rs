@@ -96,10 +96,15 @@ impl Server {
                     return Err(format!("the process exited with {status}"));
                 }
             }
-            let url = format!("{}/readyz", self.base);
-            if let Ok(r) = http.get(&url).timeout(Duration::from_secs(2)).send().await {
-                if r.status() == StatusCode::OK {
-                    return Ok(());
+            // Ready when this process says it listens and the port answers: a port picked free
+            // can be bound by another test's server first, whose /readyz would answer for it.
+            let listening = format!("is listening on http://127.0.0.1:{}", self.port);
+            if self.log_text().contains(&listening) {
+                let url = format!("{}/readyz", self.base);
+                if let Ok(r) = http.get(&url).timeout(Duration::from_secs(2)).send().await {
+                    if r.status() == StatusCode::OK {
+                        return Ok(());
+                    }
                 }
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
