@@ -44,12 +44,14 @@
 #              self-check keeping the fast tier
 #   http       the server with --device cuda: a conversation streamed over SSE and stored, /v1
 #              whole and streamed, /metrics naming the device and tier (scripts/gpu_http_check.py)
-#   llama      builds llama.cpp's llama-bench, llama-batched-bench and llama-lookup with CUDA
-#              from --tarball, in the work folder
+#   llama      builds llama.cpp's llama-bench, llama-batched-bench, llama-lookup and llama-server
+#              with CUDA from --tarball, in the work folder
 #   bench      `smolchat bench --device cuda` on the SmolLM3-3B shape (prefill 512, one sequence
 #              decoding, 64 sequences), beside llama-bench and llama-batched-bench when built
 #   server     the server at 1/8/32/64 concurrent conversations on the same file
-#              (scripts/http_bench.py): time to first token, per-stream and aggregate speed
+#              (scripts/http_bench.py): time to first token, per-stream and aggregate speed; then
+#              the same streams on /v1, and on llama-server (-np 64) when `llama` built it,
+#              through one client (scripts/openai_load.py)
 #   profile    where a step's time goes: the op-by-op profile of the 3B shape, and Nsight
 #              Compute's per-kernel table (`ncu --csv`) of one `smolchat bench` run (prefill
 #              512, then decode steps) when ncu is installed
@@ -272,8 +274,8 @@ case "$phase" in
         tar -xf "$tarball" -C "$src" --strip-components=1 &&
         cmake -S "$src" -B "$src/build" -DGGML_CUDA=ON \
           -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF \
-          -DLLAMA_BUILD_SERVER=OFF -DCMAKE_BUILD_TYPE=Release &&
-        cmake --build "$src/build" -j "$(nproc)" --target llama-bench llama-batched-bench llama-lookup &&
+          -DLLAMA_BUILD_SERVER=ON -DCMAKE_BUILD_TYPE=Release &&
+        cmake --build "$src/build" -j "$(nproc)" --target llama-bench llama-batched-bench llama-lookup llama-server &&
         echo "$stamp" >"$src/.tarball"
       }
       run_phase llama build_llama
@@ -321,8 +323,19 @@ case "$phase" in
     export clients tokens
     server() {
       make_model >&2 || return 1
-      python3 scripts/http_bench.py --binary "$bin" --model "$model" --device "$device" \
-        --clients "$clients" --new-tokens "$tokens" --no-second-turn --env SMOLCHAT_MODEL__GPU_TIER=fast
+      local conv v1 llama=null lb="$work/llama.cpp/build/bin"
+      conv=$(python3 scripts/http_bench.py --binary "$bin" --model "$model" --device "$device" \
+        --clients "$clients" --new-tokens "$tokens" --no-second-turn --env SMOLCHAT_MODEL__GPU_TIER=fast) || return 1
+      # The same streams on /v1 and, when built, on llama-server: one client for both.
+      v1=$(python3 scripts/openai_load.py --smolchat "$bin" --model "$model" --device "$device" \
+        --clients "$clients" --new-tokens "$tokens" --env SMOLCHAT_MODEL__GPU_TIER=fast) || return 1
+      if [[ -x "$lb/llama-server" && "$device" == cuda* ]]; then
+        llama=$(python3 scripts/openai_load.py --llama-server "$lb/llama-server" --model "$model" \
+          --ngl 99 --parallel 64 --clients "$clients" --new-tokens "$tokens") ||
+          { echo "gpu-check: llama-server did not run through; ours stands" >&2; llama=null; }
+      fi
+      python3 -c 'import json,sys; d=json.loads(sys.argv[1]); d["v1"]=json.loads(sys.argv[2]); d["llama_server"]=json.loads(sys.argv[3]); print(json.dumps(d))' \
+        "$conv" "$v1" "$llama"
     }
     run_json_phase server server
     ;;
@@ -424,7 +437,7 @@ case "$phase" in
     # its estimate, and runs under `timeout` of the budget left.
     lease_plan=(env:15 kernels:90)
     [[ -n "$with_llama" ]] && lease_plan+=(llama:330)
-    lease_plan+=(bench:60 tiers:60 profile:90 server:90 http:30 sanitizer:75)
+    lease_plan+=(bench:60 tiers:60 profile:90 server:120 http:30 sanitizer:75)
     lease_dir="$work/lease"
     records="$lease_dir/records"
     state="$lease_dir/state.json"

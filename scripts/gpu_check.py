@@ -437,6 +437,19 @@ def server_lines(server):
     lines = ["", "| conversations | aggregate tok/s | per stream tok/s | median TTFT ms |", "|---:|---:|---:|---:|"]
     lines += [f"| {r.get('clients')} | {r.get('aggregate_tokens_per_s')} | {r.get('per_stream_tokens_per_s')} | "
               f"{r.get('ttft_ms_median')} |" for r in rows]
+    ours = {r.get("clients"): r for r in dig(server, "v1", "concurrency") or []}
+    theirs = {r.get("clients"): r for r in dig(server, "llama_server", "concurrency") or []}
+    if ours:
+        lines += ["", "The same streams through one client (scripts/openai_load.py): smolchat /v1"
+                  + (" beside llama-server -np 64" if theirs else " (llama-server not built: --with-llama)"),
+                  "", "| streams | smolchat tok/s | TTFT ms | llama-server tok/s | TTFT ms | ratio |",
+                  "|---:|---:|---:|---:|---:|---:|"]
+        for n, r in sorted(ours.items()):
+            t = theirs.get(n) or {}
+            a, b = r.get("aggregate_tokens_per_s"), t.get("aggregate_tokens_per_s")
+            ratio = f"{a / b:.2f}" if a and b else "?"
+            lines.append(f"| {n} | {a} | {r.get('ttft_ms_median')} | {b if b is not None else '-'} | "
+                         f"{t.get('ttft_ms_median', '-')} | {ratio} |")
     return lines
 
 

@@ -206,6 +206,20 @@ fn the_lease_dry_runs_on_the_cpu_in_its_order_within_its_budget() {
     for dry in ["bench", "server", "http"] {
         assert_eq!(full.status(dry), "passed", "{dry}: {said}");
     }
+    // The server phase also ran the same streams through the one OpenAI client on /v1 (and on
+    // llama-server where `llama` built it: not here).
+    let v1 = full.phase("server")["result"]["v1"]["concurrency"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
+    assert_eq!(v1.len(), 2, "{}", full.phase("server"));
+    assert!(
+        v1.iter()
+            .all(|r| r["tokens"].as_u64().is_some_and(|t| t > 0)
+                && r["errors"] == serde_json::json!([])),
+        "{v1:?}"
+    );
+    assert!(full.phase("server")["result"]["llama_server"].is_null());
     // Each phase in turn on stderr, the report rewritten after each one that ran.
     let mut at = 0;
     for p in LEASE_ORDER {
@@ -296,10 +310,10 @@ fn the_lease_dry_runs_on_the_cpu_in_its_order_within_its_budget() {
         small.reason("server").starts_with("budget: ")
             && small
                 .reason("server")
-                .ends_with("server is estimated at 90 s"),
+                .ends_with("server is estimated at 120 s"),
         "{said}"
     );
     let md = std::fs::read_to_string(out.join("gpu-lease.md")).expect("md");
-    assert!(md.contains("| 6 | server | skipped | 90 |"), "{md}");
+    assert!(md.contains("| 6 | server | skipped | 120 |"), "{md}");
     eprintln!("the full dry run took {seconds:.1} s");
 }

@@ -9,9 +9,13 @@
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
 use actix::Addr;
 use futures_util::Stream;
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, Notify};
 use uuid::Uuid;
 
 use crate::quotas::{QuotaSubjects, Quotas};
@@ -66,6 +70,43 @@ pub struct Completions {
     context_window: usize,
     /// The quotas counted across replicas (see [`crate::quotas`]).
     quotas: Quotas,
+    /// The writes finished requests left running (their usage, their quota count).
+    writes: PendingWrites,
+}
+
+/// Writes a finished request leaves running after its answer has gone (its usage row, its
+/// quota count): shutdown waits for them ([`Completions::settle`]) instead of cutting them off
+/// with the runtime, which lost the row and panicked in the database pool's drop.
+#[derive(Clone, Default)]
+struct PendingWrites(Arc<(AtomicUsize, Notify)>);
+
+impl PendingWrites {
+    /// Runs `write` off the response path, counted until it is done.
+    fn spawn(&self, write: impl std::future::Future<Output = ()> + 'static) {
+        self.0 .0.fetch_add(1, Ordering::AcqRel);
+        let pending = self.clone();
+        actix::spawn(async move {
+            write.await;
+            if pending.0 .0.fetch_sub(1, Ordering::AcqRel) == 1 {
+                pending.0 .1.notify_waiters();
+            }
+        });
+    }
+
+    /// Waits until no write is left, at most `limit`; the writes still running then.
+    async fn settled(&self, limit: Duration) -> usize {
+        let deadline = tokio::time::Instant::now() + limit;
+        loop {
+            let done = self.0 .1.notified();
+            let left = self.0 .0.load(Ordering::Acquire);
+            if left == 0 {
+                return 0;
+            }
+            if tokio::time::timeout_at(deadline, done).await.is_err() {
+                return self.0 .0.load(Ordering::Acquire);
+            }
+        }
+    }
 }
 
 impl Completions {
@@ -80,7 +121,14 @@ impl Completions {
             store,
             context_window,
             quotas,
+            writes: PendingWrites::default(),
         }
+    }
+
+    /// Waits, at most `limit`, for the writes of finished requests still running (usage rows,
+    /// quota counts); at shutdown, after the replies have drained. The writes left then.
+    pub async fn settle(&self, limit: Duration) -> usize {
+        self.writes.settled(limit).await
     }
 
     /// The quotas, for account pages.
@@ -147,6 +195,7 @@ impl Completions {
             finished: false,
             usage: request.usage_owner.map(|owner| (self.store.clone(), owner)),
             quota: Some((self.quotas.clone(), subjects)),
+            writes: self.writes.clone(),
         })
     }
 }
@@ -272,6 +321,7 @@ pub struct Completion {
     usage: Option<(Store, String)>,
     /// Where the request's tokens count when it ends.
     quota: Option<(Quotas, QuotaSubjects)>,
+    writes: PendingWrites,
 }
 
 impl Completion {
@@ -289,14 +339,15 @@ impl Completion {
                 .prompt_tokens
                 .saturating_sub(summary.cached_tokens)
                 .saturating_add(summary.completion_tokens) as u64;
-            actix::spawn(async move { quotas.record(&subjects, tokens).await });
+            self.writes
+                .spawn(async move { quotas.record(&subjects, tokens).await });
         }
         if let Some((store, owner)) = self.usage.take() {
             // Off the response path: the answer does not wait for the write, and a database
             // that cannot take it only loses the statistic.
             let prompt = i64::try_from(summary.prompt_tokens).unwrap_or(i64::MAX);
             let completion = i64::try_from(summary.completion_tokens).unwrap_or(i64::MAX);
-            actix::spawn(async move {
+            self.writes.spawn(async move {
                 match store.add_api_usage(&owner, prompt, completion).await {
                     Ok(()) => {}
                     // The account was deleted while the request ran: nothing to record.

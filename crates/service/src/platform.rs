@@ -631,8 +631,19 @@ impl Platform {
         for (_, session) in &sessions {
             let _ = session.send(Shutdown).await;
         }
+        // The usage rows and quota counts of the requests that just ended.
+        let left = self.completions().settle(DRAIN_WRITES).await;
+        if left > 0 {
+            tracing::warn!(
+                writes = left,
+                "usage writes still running at shutdown are dropped"
+            );
+        }
     }
 }
+
+/// How long shutdown waits for finished requests' usage writes.
+const DRAIN_WRITES: Duration = Duration::from_secs(5);
 
 /// How long shutdown waits for stopped replies to be stored.
 const DRAIN_REPLIES: Duration = Duration::from_secs(5);
