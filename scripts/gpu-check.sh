@@ -146,11 +146,17 @@ note_timeout() {
   fi
 }
 
-# Makes the synthetic 3B file once (atomically: a run cut off leaves no half file).
+# Makes the synthetic 3B file once (atomically: a run cut off leaves no half file), with
+# SmolLM2's tokenizer (from the repository's tiny test file) padded to the shape's vocabulary,
+# so the server phases' prompts are real text of realistic lengths (the weights are the same as
+# with the placeholder vocabulary, which made one token a byte).
 make_model() {
   [[ -f "$model" ]] && return 0
   mkdir -p "$(dirname "$model")"
-  "$bin" bench --synthetic smollm3-3b --save-gguf "$model.part.gguf" && mv "$model.part.gguf" "$model"
+  local tokenizer="$repo/tests/data/smollm3-tiny-q8_0.gguf" with=()
+  [[ -f "$tokenizer" ]] && with=(--tokenizer-from "$tokenizer")
+  "$bin" bench --synthetic smollm3-3b --save-gguf "$model.part.gguf" "${with[@]}" &&
+    mv "$model.part.gguf" "$model"
 }
 
 # Runs `cmd...` for phase `name` under the phase limit and records the outcome.

@@ -630,3 +630,48 @@ fn smollm3_3b_preset_has_the_real_shapes_and_mix() {
     let (_, std) = mean_std(&logits);
     assert!(std > 0.05 && std < 50.0, "logit std {std}");
 }
+
+/// A shape larger than a real model's vocabulary takes that model's tokenizer padded with unused
+/// tokens: real text tokenizes as in the real model (prompts of realistic lengths, not a token
+/// a byte), the shape's vocabulary is kept, and a tokenizer larger than the shape is refused.
+#[test]
+fn a_larger_shape_takes_a_real_tokenizer_padded() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let real = GgufSource::open(&root.join("tests/data/smollm3-tiny-q8_0.gguf")).expect("open");
+    let real_tokens = smolchat_text::tokenizer::Tokenizer::from_gguf(&real).expect("real");
+    let mut spec = SyntheticSpec::tiny("smollm3");
+    spec.vocab_size = 50_000;
+    let spec = spec.with_tokenizer_padded_from(&real).expect("padded");
+    assert_eq!(spec.vocab_size, 50_000);
+    let src = synthetic::build(&spec).expect("build");
+    assert_eq!(
+        ModelConfig::from_gguf(&src).expect("config").vocab_size,
+        50_000
+    );
+    let tokens = smolchat_text::tokenizer::Tokenizer::from_gguf(&src).expect("tokenizer");
+    let text = "The lighthouse keeper climbed the stairs every evening at dusk.";
+    let ids = tokens.encode(text, false).expect("encode");
+    assert_eq!(ids, real_tokens.encode(text, false).expect("encode"));
+    assert!(
+        ids.len() * 3 < text.len(),
+        "{} tokens for {} bytes",
+        ids.len(),
+        text.len()
+    );
+    assert!(ids.iter().all(|&id| id < 49_152), "{ids:?}");
+    assert_eq!(tokens.decode(&ids), text);
+    match src.metadata.get("tokenizer.ggml.tokens") {
+        Some(Value::Array(all)) => {
+            assert_eq!(all.len(), 50_000);
+            let last = match all.last() {
+                Some(Value::String(t)) => t.as_str(),
+                _ => "",
+            };
+            assert_eq!(last, "<|synthetic_49999|>");
+        }
+        other => panic!("tokens: {other:?}"),
+    }
+    let mut small = SyntheticSpec::tiny("smollm3");
+    small.vocab_size = 1_000;
+    assert!(small.with_tokenizer_padded_from(&real).is_err());
+}

@@ -32,6 +32,13 @@ pub struct BenchArgs {
     /// llama.cpp can load it) and exit, to measure other engines on the same weights.
     #[arg(long, requires = "synthetic")]
     pub save_gguf: Option<PathBuf>,
+    /// With --synthetic: a real model's tokenizer for it (the GGUF file's `tokenizer.*` keys),
+    /// padded to the shape's vocabulary with unused tokens, so servers are driven with real
+    /// text in prompts of realistic lengths (the placeholder vocabulary makes one token a
+    /// byte). `tests/data/smollm3-tiny-q8_0.gguf` carries SmolLM2's tokenizer and SmolLM3's
+    /// chat template.
+    #[arg(long, requires = "synthetic")]
+    pub tokenizer_from: Option<PathBuf>,
     /// Sequences decoding together for the batched measurement.
     #[arg(long, default_value_t = 8)]
     pub batch: usize,
@@ -89,7 +96,12 @@ pub fn run(args: &BenchArgs, globals: &super::Globals) -> Result<()> {
                 args.model.model.is_none(),
                 "--synthetic measures a generated model: leave out --model (and SMOLCHAT_MODEL)"
             );
-            let spec = synthetic_shape(name)?;
+            let mut spec = synthetic_shape(name)?;
+            if let Some(file) = &args.tokenizer_from {
+                let src = smolchat_gguf::GgufSource::open(file)
+                    .with_context(|| format!("--tokenizer-from {}", file.display()))?;
+                spec = spec.with_tokenizer_padded_from(&src)?;
+            }
             if let Some(path) = &args.save_gguf {
                 synthetic::write_gguf(&spec, path)?;
                 tracing::info!(path = %path.display(), "wrote the synthetic model");

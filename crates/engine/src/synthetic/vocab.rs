@@ -45,6 +45,42 @@ impl SyntheticSpec {
         Ok(self)
     }
 
+    /// [`Self::with_tokenizer_from`], keeping this shape's vocabulary size: the real model's
+    /// tokens come first, the rest are `<|synthetic_N|>` tokens marked unused (no text maps to
+    /// them). A shape larger than the real vocabulary (the SmolLM3-3B shape's 128,256 beside
+    /// SmolLM2's 49,152) is then driven with real text, in prompts of realistic lengths, and
+    /// other engines load it as they load the real model.
+    pub fn with_tokenizer_padded_from(self, src: &GgufSource) -> Result<Self> {
+        let shape_vocab = self.vocab_size;
+        let mut spec = self.with_tokenizer_from(src)?;
+        let real = spec.vocab_size;
+        if real > shape_vocab {
+            return Err(EngineError::from(smolchat_gguf::GgufError::BadKey {
+                key: "tokenizer.ggml.tokens".to_string(),
+                detail: format!(
+                    "the tokenizer has {real} tokens, more than the shape's vocabulary of \
+                     {shape_vocab}"
+                ),
+            }));
+        }
+        let padding = real..shape_vocab;
+        for (key, value) in &mut spec.tokenizer.0 {
+            let Value::Array(items) = value else { continue };
+            // Each array keeps its own element type (GGUF arrays are of one type).
+            let filler = |i: usize| match (key.as_str(), items.first()) {
+                ("tokenizer.ggml.tokens", _) => Some(Value::String(format!("<|synthetic_{i}|>"))),
+                ("tokenizer.ggml.token_type", Some(Value::U32(_))) => Some(Value::U32(5)),
+                ("tokenizer.ggml.token_type", _) => Some(Value::I32(5)),
+                ("tokenizer.ggml.scores", _) => Some(Value::F32(0.0)),
+                _ => None,
+            };
+            let extra: Vec<Value> = padding.clone().filter_map(filler).collect();
+            items.extend(extra);
+        }
+        spec.vocab_size = shape_vocab;
+        Ok(spec)
+    }
+
     /// Gives the model a placeholder byte-level BPE vocabulary of `vocab_size` tokens (the 256
     /// byte tokens, then `<|synthetic_N|>` fillers; no merges) so other engines that insist on a
     /// tokenizer, such as llama.cpp, can load the file. Used to measure llama.cpp on the same
