@@ -270,6 +270,98 @@ mod tests {
         );
     }
 
+    /// The check's rows on a file of one's own (`SMOLTEST_SELFCHECK_FILE`), the fast tier run by
+    /// the CPU runner (the kernels' twins) against the reference tier on the CPU, with the
+    /// per-row statistics a principled rule would read: the largest difference against the
+    /// row's spread, the RMS difference against the row's RMS about its mean, and whether the
+    /// reference's top 5 are the fast tier's. Measurement, not a pass/fail: run with
+    /// `--ignored --nocapture` (release; the 3B shape takes minutes).
+    #[test]
+    #[ignore]
+    fn measure_the_check_on_a_file() {
+        let Ok(path) = std::env::var("SMOLTEST_SELFCHECK_FILE") else {
+            eprintln!("SMOLTEST_SELFCHECK_FILE is not set");
+            return;
+        };
+        let open = || smolchat_gguf::GgufSource::open(std::path::Path::new(&path)).expect("open");
+        let mut src = open();
+        let config = ModelConfig::from_gguf(&src).expect("config");
+        let weights = FastWeights::load(&mut src, config.clone(), &mut |_, _| {}).expect("weights");
+        let fast: Box<dyn Backend> = Box::new(FastBackend::new(CpuRunner::new(weights)));
+        let mut src = open();
+        let reference: Box<dyn Backend> = Box::new(
+            ReferenceBackend::load(
+                &mut src,
+                config,
+                Device::Cpu,
+                candle_core::Device::Cpu,
+                KvType::F16,
+                &mut |_, _| {},
+            )
+            .expect("reference"),
+        );
+        let t = std::time::Instant::now();
+        let got = run(fast).expect("fast").rows;
+        let fast_s = t.elapsed().as_secs_f64();
+        let want = run(reference).expect("reference").rows;
+        // The CPU tier as a third opinion: which of the two is it near?
+        let model = crate::cpu::model::Model::load(&mut open(), &mut |_, _| {}).expect("cpu");
+        let cpu: Box<dyn Backend> =
+            Box::new(crate::cpu::CpuBackend::new(model, KvType::F16).expect("cpu backend"));
+        let third = run(cpu).expect("cpu").rows;
+        let worst = |a: &[Vec<f32>], b: &[Vec<f32>]| {
+            a.iter()
+                .zip(b)
+                .map(|(x, y)| {
+                    let spread = y.iter().cloned().fold(f32::MIN, f32::max)
+                        - y.iter().cloned().fold(f32::MAX, f32::min);
+                    x.iter()
+                        .zip(y)
+                        .map(|(p, q)| (p - q).abs())
+                        .fold(0f32, f32::max)
+                        / spread
+                })
+                .fold(0f32, f32::max)
+        };
+        println!(
+            "largest difference over the spread: fast vs reference {:.4}, fast vs cpu {:.4}, reference vs cpu {:.4}",
+            worst(&got, &want),
+            worst(&got, &third),
+            worst(&want, &third)
+        );
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            let max = w.iter().cloned().fold(f32::MIN, f32::max);
+            let min = w.iter().cloned().fold(f32::MAX, f32::min);
+            let mean = w.iter().sum::<f32>() / w.len() as f32;
+            let rms =
+                (w.iter().map(|x| (x - mean) * (x - mean)).sum::<f32>() / w.len() as f32).sqrt();
+            let diff = g
+                .iter()
+                .zip(w)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0f32, f32::max);
+            let rms_diff = (g.iter().zip(w).map(|(a, b)| (a - b) * (a - b)).sum::<f32>()
+                / w.len() as f32)
+                .sqrt();
+            let top = |r: &[f32]| {
+                let mut idx: Vec<usize> = (0..r.len()).collect();
+                idx.sort_by(|&a, &b| r[b].total_cmp(&r[a]));
+                idx.truncate(5);
+                idx
+            };
+            let (tg, tw) = (top(g), top(w));
+            let shared = tw.iter().filter(|i| tg.contains(i)).count();
+            println!(
+                "row {i:2}: max diff {diff:.4} = {:.4} of spread {:.2}; rms diff {rms_diff:.5} = {:.5} of rms {rms:.3}; top-5 shared {shared}; argmax {}",
+                diff / (max - min),
+                max - min,
+                rms_diff / rms,
+                if tg[0] == tw[0] { "same" } else { "differs" }
+            );
+        }
+        println!("fast tier (CPU twins) took {fast_s:.1} s");
+    }
+
     #[test]
     fn a_wrong_logit_fails_the_check() {
         let check = compare(Box::new(Broken(fast())), reference())
