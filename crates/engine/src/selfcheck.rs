@@ -279,8 +279,9 @@ mod tests {
     #[test]
     #[ignore]
     fn measure_the_check_on_a_file() {
+        crate::test_log::init();
         let Ok(path) = std::env::var("SMOLTEST_SELFCHECK_FILE") else {
-            eprintln!("SMOLTEST_SELFCHECK_FILE is not set");
+            tracing::warn!("SMOLTEST_SELFCHECK_FILE is not set");
             return;
         };
         let open = || smolchat_gguf::GgufSource::open(std::path::Path::new(&path)).expect("open");
@@ -323,7 +324,7 @@ mod tests {
                 })
                 .fold(0f32, f32::max)
         };
-        println!(
+        tracing::info!(
             "largest difference over the spread: fast vs reference {:.4}, fast vs cpu {:.4}, reference vs cpu {:.4}",
             worst(&got, &want),
             worst(&got, &third),
@@ -351,7 +352,7 @@ mod tests {
             };
             let (tg, tw) = (top(g), top(w));
             let shared = tw.iter().filter(|i| tg.contains(i)).count();
-            println!(
+            tracing::info!(
                 "row {i:2}: max diff {diff:.4} = {:.4} of spread {:.2}; rms diff {rms_diff:.5} = {:.5} of rms {rms:.3}; top-5 shared {shared}; argmax {}",
                 diff / (max - min),
                 max - min,
@@ -359,7 +360,7 @@ mod tests {
                 if tg[0] == tw[0] { "same" } else { "differs" }
             );
         }
-        println!("fast tier (CPU twins) took {fast_s:.1} s");
+        tracing::info!("fast tier (CPU twins) took {fast_s:.1} s");
     }
 
     #[test]

@@ -31,6 +31,7 @@ use smolchat_text::tokenizer::Tokenizer;
 mod caches;
 mod pool;
 mod step;
+#[cfg(test)]
 mod tests;
 
 use caches::{CacheSlot, PrefixDonor};

@@ -860,9 +860,10 @@ fn drafts_come_from_the_same_users_earlier_replies_only() {
     assert_eq!(reply(&mut w, "bob"), plain);
     assert_eq!(w.spec_drafted, 0, "nothing of alice's is drafted for bob");
     assert_eq!(reply(&mut w, "alice"), plain, "the same reply with drafts");
-    println!(
+    tracing::info!(
         "alice's second reply: {} drafted, {} accepted",
-        w.spec_drafted, w.spec_accepted
+        w.spec_drafted,
+        w.spec_accepted
     );
     assert!(w.spec_accepted > 0, "drafted {}", w.spec_drafted);
 }
@@ -922,9 +923,10 @@ fn greedy_replies_are_the_same_with_speculation_and_drafts_are_accepted() {
     let mut w = speculative(worker());
     let (spec, _) = drive_with(&mut w, &requests, &greedy);
     assert_eq!(plain, spec, "the same tokens, request by request");
-    println!(
+    tracing::info!(
         "greedy, 8 conversations: {} drafted, {} accepted",
-        w.spec_drafted, w.spec_accepted
+        w.spec_drafted,
+        w.spec_accepted
     );
     assert!(w.spec_drafted > 0, "drafts were verified");
     assert!(
@@ -1176,9 +1178,10 @@ fn sampling_with_speculation_keeps_the_distribution() {
             / f64::from(total);
         assert!(tv < 0.1, "position {pos}: total variation {tv}");
     }
-    println!(
+    tracing::info!(
         "sampled: {same} of {total} seeded replies equal; {} drafted, {} accepted",
-        w_spec.spec_drafted, w_spec.spec_accepted
+        w_spec.spec_drafted,
+        w_spec.spec_accepted
     );
     assert!(
         f64::from(same) / f64::from(total) > 0.95,
