@@ -24,16 +24,10 @@ import tempfile
 import threading
 import time
 
-PROMPTS = [
-    "Write a long story about a lighthouse keeper.",
-    "Explain how a compiler works, step by step.",
-    "Describe the water cycle in detail.",
-    "List the planets and describe each one.",
-    "Tell me about the history of the bicycle.",
-    "How do bees make honey?",
-    "Explain photosynthesis to a child.",
-    "What makes a good cup of coffee?",
-]
+# The prompts of the conversation-API load (scripts/http_bench.py, beside this file), so both
+# loads ask the same questions.
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from http_bench import PROMPTS  # noqa: E402
 
 
 def free_port():

@@ -45,17 +45,7 @@ use crate::weights::{self, Matrix, Norm, WeightSink};
 /// mistral.rs's).
 pub const PIN_CANDLE_CPU_KERNELS: &str = "MISTRALRS_FORCE_AVX2";
 
-struct Layer {
-    attn_norm: Tensor,
-    wq: QMatMul,
-    wk: QMatMul,
-    wv: QMatMul,
-    wo: QMatMul,
-    ffn_norm: Tensor,
-    w_gate: QMatMul,
-    w_up: QMatMul,
-    w_down: QMatMul,
-}
+type Layer = weights::LayerWeights<QMatMul, Tensor>;
 
 /// The reference tier as an engine backend (see the module docs).
 pub struct ReferenceBackend {
@@ -165,23 +155,10 @@ impl ReferenceBackend {
             weight_bytes,
             ..
         } = held;
-        let mut matrix = |m: Matrix| matrices.remove(&m).ok_or_else(|| weights::missing(m));
-        let mut norm = |n: Norm| norms.remove(&n).ok_or_else(|| weights::missing(n));
-        let mut layers = Vec::with_capacity(config.n_layers);
-        for i in 0..config.n_layers {
-            layers.push(Layer {
-                attn_norm: norm(Norm::Attn(i))?,
-                wq: matrix(Matrix::Q(i))?,
-                wk: matrix(Matrix::K(i))?,
-                wv: matrix(Matrix::V(i))?,
-                wo: matrix(Matrix::O(i))?,
-                ffn_norm: norm(Norm::Ffn(i))?,
-                w_gate: matrix(Matrix::Gate(i))?,
-                w_up: matrix(Matrix::Up(i))?,
-                w_down: matrix(Matrix::Down(i))?,
-            });
-        }
-        let output_norm = norm(Norm::Output)?;
+        let layers = weights::take_layers(config.n_layers, &mut matrices, &mut norms)?;
+        let output_norm = norms
+            .remove(&Norm::Output)
+            .ok_or_else(|| weights::missing(Norm::Output))?;
         let head = head.ok_or_else(|| weights::missing(Matrix::Head))?;
         let embedding = embedding.ok_or_else(|| weights::missing(weights::EMBEDDING))?;
         Ok(Self {

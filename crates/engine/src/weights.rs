@@ -4,6 +4,8 @@
 //! the backend's [`WeightSink`] as it is read (the CPU tier repacks each matrix, the reference
 //! tier uploads it, the fast tier keeps its blocks), so no backend holds the whole file twice.
 
+use std::collections::HashMap;
+
 use smolchat_gguf::{GgmlDType, GgufSource, RawTensor};
 
 use crate::config::ModelConfig;
@@ -121,6 +123,44 @@ impl Norm {
             Norm::Output => "output_norm.weight".to_string(),
         }
     }
+}
+
+/// One layer's weights, as a backend keeps them (`M` a matrix, `N` a norm vector).
+pub(crate) struct LayerWeights<M, N> {
+    pub attn_norm: N,
+    pub wq: M,
+    pub wk: M,
+    pub wv: M,
+    pub wo: M,
+    pub ffn_norm: N,
+    pub w_gate: M,
+    pub w_up: M,
+    pub w_down: M,
+}
+
+/// Every layer's weights, taken by role out of what a [`WeightSink`] collected.
+pub(crate) fn take_layers<M, N>(
+    n_layers: usize,
+    matrices: &mut HashMap<Matrix, M>,
+    norms: &mut HashMap<Norm, N>,
+) -> Result<Vec<LayerWeights<M, N>>> {
+    let mut matrix = |m: Matrix| matrices.remove(&m).ok_or_else(|| missing(m));
+    let mut norm = |n: Norm| norms.remove(&n).ok_or_else(|| missing(n));
+    (0..n_layers)
+        .map(|i| {
+            Ok(LayerWeights {
+                attn_norm: norm(Norm::Attn(i))?,
+                wq: matrix(Matrix::Q(i))?,
+                wk: matrix(Matrix::K(i))?,
+                wv: matrix(Matrix::V(i))?,
+                wo: matrix(Matrix::O(i))?,
+                ffn_norm: norm(Norm::Ffn(i))?,
+                w_gate: matrix(Matrix::Gate(i))?,
+                w_up: matrix(Matrix::Up(i))?,
+                w_down: matrix(Matrix::Down(i))?,
+            })
+        })
+        .collect()
 }
 
 /// Where [`read`] puts each weight as it reads it: each backend builds its own holding.

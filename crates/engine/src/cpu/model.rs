@@ -24,17 +24,7 @@ use std::collections::HashMap;
 
 use crate::weights::{self, Matrix, Norm, WeightSink};
 
-struct Layer {
-    attn_norm: Vec<f32>,
-    wq: QMatrix,
-    wk: QMatrix,
-    wv: QMatrix,
-    wo: QMatrix,
-    ffn_norm: Vec<f32>,
-    w_gate: QMatrix,
-    w_up: QMatrix,
-    w_down: QMatrix,
-}
+type Layer = weights::LayerWeights<QMatrix, Vec<f32>>;
 
 pub struct Model {
     pub config: ModelConfig,
@@ -86,24 +76,10 @@ impl Model {
             mut norms,
         } = held;
         let output = matrices.remove(&Matrix::Head);
-        let mut matrix = |m: Matrix| matrices.remove(&m).ok_or_else(|| weights::missing(m));
-        let mut norm = |n: Norm| norms.remove(&n).ok_or_else(|| weights::missing(n));
-        let layers = (0..config.n_layers)
-            .map(|i| {
-                Ok(Layer {
-                    attn_norm: norm(Norm::Attn(i))?,
-                    wq: matrix(Matrix::Q(i))?,
-                    wk: matrix(Matrix::K(i))?,
-                    wv: matrix(Matrix::V(i))?,
-                    wo: matrix(Matrix::O(i))?,
-                    ffn_norm: norm(Norm::Ffn(i))?,
-                    w_gate: matrix(Matrix::Gate(i))?,
-                    w_up: matrix(Matrix::Up(i))?,
-                    w_down: matrix(Matrix::Down(i))?,
-                })
-            })
-            .collect::<Result<Vec<_>>>()?;
-        let output_norm = norm(Norm::Output)?;
+        let layers = weights::take_layers(config.n_layers, &mut matrices, &mut norms)?;
+        let output_norm = norms
+            .remove(&Norm::Output)
+            .ok_or_else(|| weights::missing(Norm::Output))?;
         Ok(Self {
             config,
             token_embd: embedding.ok_or_else(|| weights::missing(weights::EMBEDDING))?,
