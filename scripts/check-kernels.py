@@ -6,7 +6,10 @@ ptxas's resource report must show for every kernel:
 
 - no spill stores or loads and no stack frame (registers are enough);
 - registers within the launch bounds: at most 65536 / (threads x min blocks) per thread;
-- static shared memory within 48 KiB.
+- static shared memory within 48 KiB;
+- the tensor-core kernels (TENSOR_CORE_KERNELS) use tensor-core instructions in their SASS
+  (HMMA, read with nvdisasm from the toolkit): a kernel written for tensor cores that the
+  compiler turned into CUDA-core arithmetic would pass its twin's tests and still be slow.
 
     scripts/check-kernels.py [--source FILE]
 
@@ -24,6 +27,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 SOURCE = ROOT / "crates/engine/src/fast/cuda/kernels.cu"
 SMEM_LIMIT = 48 * 1024
+# Kernel name prefixes whose SASS must hold tensor-core MMA instructions.
+TENSOR_CORE_KERNELS = ("flash_prefill_d",)
 REGISTERS_PER_SM = 65536
 
 
@@ -34,6 +39,41 @@ def launch_bounds(source):
         threads, blocks, name = int(m.group(1)), int(m.group(2) or 1), m.group(3)
         bounds[name.replace("##G", "")] = (threads, blocks)
     return bounds
+
+
+def sass_sections(cubin):
+    """kernel name -> its SASS text, from nvdisasm; None when nvdisasm cannot run."""
+    try:
+        out = subprocess.run(["nvdisasm", str(cubin)], capture_output=True, text=True)
+    except FileNotFoundError:
+        return None
+    if out.returncode != 0:
+        return None
+    sections = {}
+    current = None
+    for line in out.stdout.splitlines():
+        m = re.match(r"\s*\.section\s+\.text\.(\w+),", line)
+        if m:
+            current = m.group(1)
+            sections[current] = []
+            continue
+        if current is not None:
+            sections[current].append(line)
+    return {k: "\n".join(v) for k, v in sections.items()}
+
+
+def tensor_core_problems(sections, names):
+    """One line per tensor-core kernel without an HMMA instruction in its SASS."""
+    if sections is None:
+        return ["nvdisasm not found or failed: the tensor-core check needs it (`make cuda-toolkit`)"]
+    problems = []
+    for name in sorted(names):
+        if not name.startswith(TENSOR_CORE_KERNELS):
+            continue
+        hmma = len(re.findall(r"\bHMMA\.", sections.get(name, "")))
+        if hmma == 0:
+            problems.append(f"{name}: no tensor-core (HMMA) instruction in its SASS")
+    return problems
 
 
 def main():
@@ -52,6 +92,7 @@ def main():
         except FileNotFoundError:
             print("check-kernels: nvcc not found; run `make cuda-toolkit` and `eval \"$(scripts/cuda-env.sh)\"`")
             return 1
+        sections = sass_sections(Path(tmp) / "kernels.cubin") if out.returncode == 0 else {}
     report = out.stdout + out.stderr
     problems = []
     if out.returncode != 0:
@@ -92,12 +133,18 @@ def main():
             )
         if info["smem"] > SMEM_LIMIT:
             problems.append(f"{name}: {info['smem']} bytes of shared memory, over {SMEM_LIMIT}")
+    if out.returncode == 0:
+        problems.extend(tensor_core_problems(sections, entries))
     for p in problems:
         print(p)
     if problems:
         print(f"check-kernels: {len(problems)} problem(s) in {args.source}")
         return 1
-    print(f"check-kernels: {len(entries)} kernels for sm_90, no spills, registers and shared memory within bounds")
+    tensor = sum(1 for n in entries if n.startswith(TENSOR_CORE_KERNELS))
+    print(
+        f"check-kernels: {len(entries)} kernels for sm_90, no spills, registers and shared memory "
+        f"within bounds, tensor cores in the {tensor} that must use them"
+    )
     return 0
 
 

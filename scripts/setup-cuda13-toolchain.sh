@@ -19,6 +19,9 @@ CU="$ROOT/nvidia/cu13"
 MARKER="$ROOT/.smolchat-toolchain-complete"
 
 # Pinned wheels (CUDA 13.0 components). Hashes are checked by pip (--require-hashes).
+# nvdisasm is the one exception to 13.0: PyPI has none older than 13.2.51, and it only reads the
+# cubins ptxas 13.0 writes (scripts/check-kernels.py looks for tensor-core instructions in them);
+# nothing it touches is loaded by the driver.
 REQS='nvidia-cuda-nvcc==13.0.88 --hash=sha256:56fe502eb77625a12f25172caa3cdddb4e4c8ba2c8c17dba44b164761b380f03
 nvidia-cuda-crt==13.0.88 --hash=sha256:2c8043c7c9e02492716426e9919fc78d2c5b3b2a7a768a88e952676b08aa55a4
 nvidia-nvvm==13.0.88 --hash=sha256:c5f41ffeb6466944a026dfa5317d7d85355c119bbec279205d22f1869d1054e0
@@ -26,7 +29,8 @@ nvidia-cuda-runtime==13.0.96 --hash=sha256:7f82250d7782aa23b6cfe765ecc7db554bd3c
 nvidia-cuda-cccl==13.0.85 --hash=sha256:e0da7ad981f3a8aff08241b5bfc1af868742a63e2762f53a5171c492ef242649
 nvidia-cuda-nvrtc==13.0.88 --hash=sha256:ad9b6d2ead2435f11cbb6868809d2adeeee302e9bb94bcf0539c7a40d80e8575
 nvidia-curand==10.4.0.35 --hash=sha256:1aee33a5da6e1db083fe2b90082def8915f30f3248d5896bcec36a579d941bfc
-nvidia-cublas==13.0.0.19 --hash=sha256:f6723af2e8e2600a11dc384037d90d9bf93070e346c24ef2e8f9001658c99896'
+nvidia-cublas==13.0.0.19 --hash=sha256:f6723af2e8e2600a11dc384037d90d9bf93070e346c24ef2e8f9001658c99896
+nvidia-cuda-nvdisasm==13.2.51 --hash=sha256:5a7acf77c55d6d2911ed6155d4d5bc156ffadf9df7a68a89b0c1155f4b13688c'
 
 # The link-time libcuda stub is generated from the cudarc version in Cargo.lock; a change of either
 # the wheels or cudarc makes the stamp differ and triggers a reinstall.

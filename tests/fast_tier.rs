@@ -1,7 +1,8 @@
 //! The fast tier's step (its operation list over the GPU's buffer layouts) run by the CPU
 //! runner, whose operations are the kernels' Rust twins: against the CPU engine (teacher-forced
 //! logits, greedy replies), against itself batched and alone (bit for bit: every twin is
-//! row-independent), under prefix reuse, eviction and rebuild, chunked prefill, and the
+//! row-independent; a prompt's rows take the flash twin and decode rows the split one, whatever
+//! the batch), under prefix reuse, eviction and rebuild, chunked prefill, and the
 //! serving worker's preemption. `make gpu-check` runs the same plans with the CUDA runner.
 
 mod common;
@@ -122,7 +123,7 @@ fn batched_equals_alone_and_reuse_equals_recompute_bit_for_bit() {
         })
         .collect();
     let together = engine.step(&steps).expect("together");
-    for (i, (got, want)) in together.iter().zip(&alone).enumerate() {
+    for (i, (got, want)) in together.iter().zip(&alone).enumerate().skip(1) {
         let got = got.as_ref().expect("logits");
         let last = &want[want.len() - vocab..];
         assert_eq!(got.as_slice(), last, "sequence {i}");
@@ -130,6 +131,37 @@ fn batched_equals_alone_and_reuse_equals_recompute_bit_for_bit() {
     for s in seqs {
         engine.free_sequence(s);
     }
+    // The first sequence's last row was a decode row in the batch (the split kernel), not a
+    // prompt row (the flash kernel): alone, the same way, it is the same bit for bit.
+    let seq = engine.create_sequence();
+    engine
+        .step(&[SeqStep {
+            seq,
+            tokens: head,
+            logits: LogitsMode::None,
+        }])
+        .expect("head alone");
+    let decoded = engine
+        .step(&[SeqStep {
+            seq,
+            tokens: &prompts[0][head.len()..],
+            logits: LogitsMode::Last,
+        }])
+        .expect("last alone");
+    engine.free_sequence(seq);
+    assert_eq!(
+        together[0].as_deref(),
+        decoded[0].as_deref(),
+        "sequence 0 decoded alone and batched"
+    );
+    // As a prompt row it is within the flash kernel's rounding of the decode row's.
+    let prompt_row = &alone[0][alone[0].len() - vocab..];
+    let decode_row = together[0].as_deref().unwrap_or_default();
+    assert!(
+        max_abs_diff(prompt_row, decode_row) < 0.02,
+        "{}",
+        max_abs_diff(prompt_row, decode_row)
+    );
     // Prefix reuse: the second turn computes only its new tokens, and equals the whole run.
     let tokens: Vec<u32> = (0..40u32).map(|i| (i * 613) % 49_000 + 5).collect();
     let full = all_logits(&mut engine, &tokens);
@@ -239,9 +271,8 @@ fn unquantized_matrices_are_refused_at_load() {
 
 /// Decode steps replayed from (emulated) graphs: padded to a bucket, captured after a warm-up,
 /// replayed while the tables change, recaptured when the block-table bucket or a buffer
-/// changes, and mixed steps split into a graphed decode part and an eager part. Every logit
-/// equals the eager run's bit for bit (the twins are row-independent, so padding and splitting
-/// change nothing), and nothing allocates inside a capture (the runner's guard would fail the
+/// changes, and mixed steps run as one eager pass. Every logit equals the eager run's bit for
+/// bit (the twins are row-independent, so padding changes nothing), and nothing allocates inside a capture (the runner's guard would fail the
 /// step).
 #[test]
 fn graphed_decode_equals_eager_bit_for_bit() {
@@ -327,4 +358,113 @@ fn graphed_decode_equals_eager_bit_for_bit() {
         stats.replays > 2 * stats.captures,
         "graphs are replayed far more often than captured: {stats:?}"
     );
+}
+
+/// Sized for serving before the first step (the whole KV budget, the widest step's buffers),
+/// the runner never reallocates what its decode graphs were captured over: decode steps, then a
+/// prompt longer than the arena held and wider than any step before, then decode again, drop no
+/// graph; unprepared, the same steps drop them. The logits are the same either way.
+#[test]
+fn prepared_for_serving_no_graph_is_dropped_while_warming_up() {
+    let path = reference("smollm3-tiny-q8_0.gguf");
+    let engine_with = |prepared: bool| {
+        let mut src = GgufSource::open(&path).expect("open");
+        let config = ModelConfig::from_gguf(&src).expect("config");
+        let weights = FastWeights::load(&mut src, config, &mut |_, _| {}).expect("weights");
+        let backend = FastBackend::new(CpuRunner::new(weights).with_graph_emulation());
+        let block = smolchat_engine::Backend::kv_block_bytes(&backend);
+        let mut engine = Engine::on_backend(
+            Box::new(backend),
+            KvOptions {
+                budget_bytes: Some(256 * block),
+                ..KvOptions::default()
+            },
+        )
+        .expect("engine");
+        if prepared {
+            engine
+                .prepare_for_serving(smolchat_engine::StepLimits {
+                    rows: 1200,
+                    sequences: 4,
+                    context: 2048,
+                })
+                .expect("prepare");
+            assert_eq!(
+                engine.kv_resident_bytes(),
+                engine.kv_capacity_blocks() * engine.kv_block_bytes(),
+                "the whole budget is allocated up front"
+            );
+        }
+        engine
+    };
+    let run = |engine: &mut Engine| -> Vec<Vec<f32>> {
+        let mut trace = Vec::new();
+        let a = engine.create_sequence();
+        let prompt: Vec<u32> = (0..5u32).map(|i| i * 97 + 11).collect();
+        let mut last = engine
+            .step(&[SeqStep {
+                seq: a,
+                tokens: &prompt,
+                logits: LogitsMode::Last,
+            }])
+            .expect("prompt a")
+            .remove(0)
+            .expect("logits");
+        for _ in 0..6 {
+            let token = [argmax(&last) as u32];
+            last = engine
+                .step(&[SeqStep {
+                    seq: a,
+                    tokens: &token,
+                    logits: LogitsMode::Last,
+                }])
+                .expect("decode a")
+                .remove(0)
+                .expect("logits");
+            trace.push(last.clone());
+        }
+        // Past the 64 blocks an unprepared arena starts with, and wider than any step so far.
+        let b = engine.create_sequence();
+        let long: Vec<u32> = (0..1100u32).map(|i| (i * 613) % 49_000 + 5).collect();
+        let mut last_b = engine
+            .step(&[SeqStep {
+                seq: b,
+                tokens: &long,
+                logits: LogitsMode::Last,
+            }])
+            .expect("prompt b")
+            .remove(0)
+            .expect("logits");
+        for _ in 0..6 {
+            let (ta, tb) = ([argmax(&last) as u32], [argmax(&last_b) as u32]);
+            let mut out = engine
+                .step(&[
+                    SeqStep {
+                        seq: a,
+                        tokens: &ta,
+                        logits: LogitsMode::Last,
+                    },
+                    SeqStep {
+                        seq: b,
+                        tokens: &tb,
+                        logits: LogitsMode::Last,
+                    },
+                ])
+                .expect("decode both");
+            last_b = out.remove(1).expect("logits");
+            last = out.remove(0).expect("logits");
+            trace.push(last.clone());
+            trace.push(last_b.clone());
+        }
+        trace
+    };
+    let (mut cold, mut prepared) = (engine_with(false), engine_with(true));
+    let want = run(&mut cold);
+    let got = run(&mut prepared);
+    assert!(got == want, "preparing changed the logits");
+    let cold_stats = cold.graph_stats().expect("stats");
+    let stats = prepared.graph_stats().expect("stats");
+    assert!(cold_stats.invalidated > 0, "the unprepared run grows: {cold_stats:?}");
+    assert_eq!(stats.invalidated, 0, "{stats:?}");
+    assert!(stats.replays >= 4, "{stats:?}");
 }

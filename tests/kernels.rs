@@ -1,6 +1,7 @@
 //! The static checks of the fast tier's CUDA kernels (`scripts/check-kernels.py`: nvcc for
 //! sm_90 with warnings as errors, ptxas's resource report) pass on the kernels as they are, and
-//! fail on a copy whose attention kernel spills and on one with a warning. They need the CUDA
+//! fail on a copy whose attention kernel spills, on one with a warning, and on one whose
+//! tensor-core kernel has no tensor-core instruction left. They need the CUDA
 //! 13.0 compiler `make cuda-toolkit` installs (no GPU): without it these tests say so and pass,
 //! unless `SMOLTEST_REQUIRE_NVCC=1` (as `make test` sets) makes that a failure.
 
@@ -86,4 +87,31 @@ fn a_spilling_kernel_and_a_warning_fail_the_check() {
     let (ok, text) = check(&warned);
     assert!(!ok, "{text}");
     assert!(text.contains("nvcc failed (warnings are errors)"), "{text}");
+}
+
+#[test]
+fn a_tensor_core_kernel_without_tensor_core_instructions_fails_the_check() {
+    if !nvcc_available() {
+        return;
+    }
+    let dir = tempfile::tempdir().expect("tempdir");
+    let source = kernels();
+    let mma = "asm volatile(\n        \"mma.sync.aligned.m16n8k16";
+    assert!(
+        source.contains(mma),
+        "the flash kernel's mma is where this test expects it"
+    );
+    // The products compiled away: the kernel still builds, without HMMA.
+    let scalar = dir.path().join("scalar.cu");
+    std::fs::write(
+        &scalar,
+        source.replace(mma, &format!("if (false) {}", &mma[..])),
+    )
+    .expect("write");
+    let (ok, text) = check(&scalar);
+    assert!(!ok, "{text}");
+    assert!(
+        text.contains("flash_prefill_d128: no tensor-core (HMMA) instruction"),
+        "{text}"
+    );
 }

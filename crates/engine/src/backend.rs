@@ -67,6 +67,14 @@ pub trait Backend: Send {
     fn reserve_blocks(&mut self, blocks: usize, capacity: usize) -> Result<()>;
     /// Bytes of KV pages allocated so far.
     fn kv_resident_bytes(&self) -> usize;
+    /// Sizes what grows with the steps (the KV pages, up to `kv_blocks`, the allocator's whole
+    /// budget; the step's buffers and tables, for steps within `limits`) before the first step,
+    /// where growing later costs more than holding: a GPU arena or buffer reallocated drops
+    /// every decode graph captured over it, so a server warming up would capture its graphs
+    /// again and again. Backends that grow cheaply do nothing.
+    fn prepare_for_serving(&mut self, _limits: StepLimits, _kv_blocks: usize) -> Result<()> {
+        Ok(())
+    }
     /// The most rows a step of `rows` rows may grow to (by a decode's drafts) and still compute
     /// each row's outputs bit for bit as the smaller step would (see
     /// [`crate::fast::launch::rows_computed_alike`] for the CUDA kernels). The CPU kernels
@@ -83,6 +91,17 @@ pub trait Backend: Send {
     /// One forward pass over `items`, whose blocks are reserved: writes their K/V and puts each
     /// item's logits as it asked ([`crate::LogitsMode`]) into `out`, reusing its buffer.
     fn forward(&mut self, items: &[BatchItem<'_>], out: &mut Logits) -> Result<()>;
+}
+
+/// The largest steps a server will run: what [`Backend::prepare_for_serving`] sizes for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StepLimits {
+    /// Rows (tokens) of one step: the scheduler's token budget plus its decode rows.
+    pub rows: usize,
+    /// Sequences of one step (the running requests, each draft a sequence of its own).
+    pub sequences: usize,
+    /// Positions one sequence may reach (the context window).
+    pub context: usize,
 }
 
 /// A backend that computes as `inner` does and tells `watch` what the engine asks of it (for
@@ -135,6 +154,9 @@ impl Backend for Watched {
     }
     fn kv_resident_bytes(&self) -> usize {
         self.inner.kv_resident_bytes()
+    }
+    fn prepare_for_serving(&mut self, limits: StepLimits, kv_blocks: usize) -> Result<()> {
+        self.inner.prepare_for_serving(limits, kv_blocks)
     }
     fn rows_computed_alike(&self, rows: usize) -> usize {
         match self.rows_alike {

@@ -49,7 +49,7 @@ pub mod synthetic;
 pub(crate) mod test_log;
 pub mod weights;
 
-pub use backend::Backend;
+pub use backend::{Backend, StepLimits};
 pub use config::{Architecture, ModelConfig};
 pub use cpu::model::Model;
 pub use cpu::CpuBackend;

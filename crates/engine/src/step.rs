@@ -179,6 +179,14 @@ impl Engine {
         self.alloc.capacity_blocks()
     }
 
+    /// Sizes the backend for the largest steps a server will run, before the first one (see
+    /// [`Backend::prepare_for_serving`]): on a GPU the whole KV budget and the step buffers
+    /// are allocated now, so no decode graph is dropped while the server warms up.
+    pub fn prepare_for_serving(&mut self, limits: crate::backend::StepLimits) -> Result<()> {
+        let blocks = self.alloc.capacity_blocks();
+        self.backend.prepare_for_serving(limits, blocks)
+    }
+
     /// Positions the budget holds, across all sequences.
     pub fn kv_capacity_tokens(&self) -> usize {
         self.alloc.capacity_positions()

@@ -16,7 +16,7 @@ use uuid::Uuid;
 use super::batcher::{Batcher, BatcherConfig, CancelOutcome};
 use super::model::{CacheEntryInfo, ModelWorker, StepReport, WorkerCommand};
 use super::types::{GenerationRequest, RequestId, SchedulerStats, SequenceState, SubmitError};
-use smolchat_engine::Engine;
+use smolchat_engine::{Engine, StepLimits};
 use smolchat_text::tokenizer::Tokenizer;
 
 #[derive(Debug, Clone)]
@@ -56,7 +56,7 @@ pub struct SchedulerActor {
 impl SchedulerActor {
     /// Starts the model worker thread and the scheduler actor (call inside an actix system).
     pub fn start(
-        engine: Engine,
+        mut engine: Engine,
         tokenizer: Arc<Tokenizer>,
         mut cfg: SchedulerConfig,
     ) -> Addr<Self> {
@@ -65,6 +65,17 @@ impl SchedulerActor {
         cfg.batcher.kv_capacity_blocks = engine.kv_capacity_blocks();
         let kv_budget_bytes = engine.kv_capacity_blocks() * engine.kv_block_bytes();
         let window = cfg.batcher.context_window;
+        // The largest step the batcher plans: its token budget (decode rows and prompt chunks
+        // together), at least a row for every running request.
+        let limits = StepLimits {
+            rows: cfg.batcher.step_token_budget.max(cfg.batcher.max_running),
+            sequences: cfg.batcher.max_running,
+            context: window,
+        };
+        if let Err(e) = engine.prepare_for_serving(limits) {
+            // Not fatal: the backend grows as steps come, as it did before.
+            tracing::warn!("could not size the model's buffers for {limits:?} ahead of time: {e}");
+        }
         let spec = cfg.speculative;
         SchedulerActor::create(move |ctx| {
             let addr = ctx.address();

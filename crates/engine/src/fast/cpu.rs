@@ -10,9 +10,10 @@ use candle_core::Device as CandleDevice;
 use half::f16;
 
 use super::graph::{CaptureGuard, GraphAction, GraphCache, GraphKey, GraphStats};
+use super::launch;
 use super::layout::{KvArena, StepTables};
 use super::plan::{Buf, Op, Plan, BUFFERS};
-use super::twin::{attention, mmvq, norm, rope, sample};
+use super::twin::{attention, flash, mmvq, norm, rope, sample};
 use super::weights::{FastWeights, RawMatrix};
 use super::{Runner, StepOut};
 use crate::backend::Suggested;
@@ -184,7 +185,34 @@ impl CpuRunner {
                     kv_heads: c.n_kv_heads,
                     head_dim: c.head_dim,
                 };
-                attention::attention(&self.arena, self.layout, layer, shape, tables, &q, &mut out);
+                // As the CUDA runner launches them: the flash kernel takes the multi-row
+                // sequences, the split kernel the rest.
+                let flash_rows = if launch::uses_flash(c.head_dim) {
+                    let tiles = flash::tiles(tables, c.n_heads / c.n_kv_heads);
+                    flash::flash_prefill(
+                        &self.arena,
+                        self.layout,
+                        layer,
+                        shape,
+                        tables,
+                        &tiles,
+                        &q,
+                        &mut out,
+                    );
+                    flash::MIN_ROWS
+                } else {
+                    usize::MAX
+                };
+                attention::attention(
+                    &self.arena,
+                    self.layout,
+                    layer,
+                    shape,
+                    tables,
+                    &q,
+                    &mut out,
+                    flash_rows,
+                );
                 self.put(Buf::Q, q);
                 self.put(Buf::Attn, out);
             }
@@ -290,6 +318,21 @@ impl Runner for CpuRunner {
 
     fn suggested(&self) -> Suggested {
         Suggested::CPU
+    }
+
+    fn reserve_steps(&mut self, plan: &Plan, _sequences: usize) -> Result<()> {
+        self.guard.forbid("reserving the step buffers")?;
+        // As `begin` sizes them (growth bumps the generation), but for the widest step; the
+        // tables are the step's own copy here, so only the buffers and the drawn tokens count.
+        for buf in BUFFERS {
+            let b = self.buffer(plan, buf)?;
+            self.put(buf, b);
+        }
+        if self.tokens.capacity() < plan.logit_rows {
+            self.generation += 1;
+            self.tokens.reserve(plan.logit_rows - self.tokens.len());
+        }
+        Ok(())
     }
 
     fn begin(&mut self, plan: &Plan, tables: &StepTables, rope: &RopeTable) -> Result<()> {

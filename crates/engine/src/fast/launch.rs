@@ -169,6 +169,41 @@ pub fn attention_partial(rows: usize, kv_heads: usize, splits: usize) -> Result<
     })
 }
 
+/// Threads per block of `flash_prefill_d*`: four warps, each 16 of the tile's (row, head)
+/// pairs (its `__launch_bounds__`).
+pub const FLASH_THREADS: u32 = 128;
+
+/// Whether multi-row sequences' attention runs on the tensor-core flash kernel: when the head
+/// dimension has an instance. It does not depend on the step's other rows, so a prompt's rows
+/// are computed alike alone or batched; one-row (decode) sequences, drafts' verifying rows
+/// included, always take the split kernel, so drafts never change a reply.
+pub fn uses_flash(head_dim: usize) -> bool {
+    flash_kernel(head_dim).is_some()
+}
+
+/// The flash kernel instance for `head_dim`, if there is one.
+pub fn flash_kernel(head_dim: usize) -> Option<&'static str> {
+    match head_dim {
+        64 => Some("flash_prefill_d64"),
+        128 => Some("flash_prefill_d128"),
+        _ => None,
+    }
+}
+
+/// `flash_prefill_d*`: one block per (tile, KV head); `tiles` from
+/// [`crate::fast::twin::flash::tiles`] (two values each).
+pub fn flash_prefill(tiles: usize, kv_heads: usize) -> Result<Launch> {
+    if kv_heads > MAX_GRID_YZ {
+        return Err(EngineError::InvalidStep(format!(
+            "{kv_heads} KV heads are over the grid's limit"
+        )));
+    }
+    Ok(Launch {
+        grid: (dim(tiles, "flash tiles")?, dim(kv_heads, "KV heads")?, 1),
+        block: (FLASH_THREADS, 1, 1),
+    })
+}
+
 /// `attention_merge`: one block per (row, head), one thread per dimension.
 pub fn attention_merge(rows: usize, heads: usize, head_dim: usize) -> Result<Launch> {
     Ok(Launch {
@@ -351,6 +386,9 @@ pub fn kernel_names() -> Vec<&'static str> {
     for group in 1..=MAX_GROUP {
         names.extend(attention_kernel(group, 1, 64));
     }
+    for head_dim in crate::fast::twin::flash::HEAD_DIMS {
+        names.extend(flash_kernel(head_dim));
+    }
     names
 }
 
@@ -369,6 +407,8 @@ mod tests {
                     source.contains(&format!("ATTENTION_PARTIAL({group})")),
                     "{name}"
                 );
+            } else if let Some(d) = name.strip_prefix("flash_prefill_d") {
+                assert!(source.contains(&format!("FLASH_PREFILL({d})")), "{name}");
             } else if let Some(kind) = name.strip_prefix("get_rows_") {
                 assert!(source.contains(&format!("GET_ROWS({kind}, ")), "{name}");
             } else {
@@ -402,6 +442,13 @@ mod tests {
             );
         }
         assert!(source.contains(&format!("__launch_bounds__({ATTENTION_THREADS}, 4)")));
+        {
+            use crate::fast::twin::flash::{CHUNK_KEYS, TILE_PAIRS};
+            assert_eq!(TILE_PAIRS, 16 * FLASH_THREADS as usize / 32);
+            assert!(source.contains(&format!("#define FLASH_THREADS {FLASH_THREADS}\n")));
+            assert!(source.contains(&format!("#define FLASH_KEYS {CHUNK_KEYS}\n")));
+            assert!(source.contains(&format!("__launch_bounds__({FLASH_THREADS}, 2)")));
+        }
         assert_eq!(crate::fast::graph::SKIP_SLOT, 0xffff_ffff);
         assert!(source.contains("#define SKIP_SLOT 0xffffffffu\n"));
         assert!(source.contains(&format!("#define SAMPLE_THREADS {SAMPLE_THREADS}\n")));

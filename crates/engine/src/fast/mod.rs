@@ -17,7 +17,7 @@ pub mod twin;
 pub mod verify;
 pub mod weights;
 
-use crate::backend::{check_request, Backend, BatchItem, Suggested};
+use crate::backend::{check_request, Backend, BatchItem, StepLimits, Suggested};
 use crate::config::ModelConfig;
 use crate::device::{Device, Tier};
 use crate::error::{EngineError, Result};
@@ -42,6 +42,12 @@ pub trait Runner: Send {
     /// See [`Backend::rows_computed_alike`]. The CPU twins compute every row alike.
     fn rows_computed_alike(&self, _rows: usize) -> usize {
         usize::MAX
+    }
+    /// Sizes every buffer and table for steps up to `plan` (its rows, logit rows, blocks per
+    /// sequence and splits) of up to `sequences` sequences, before the first step (see
+    /// [`Backend::prepare_for_serving`]). Runners without graphs need not.
+    fn reserve_steps(&mut self, _plan: &Plan, _sequences: usize) -> Result<()> {
+        Ok(())
     }
     /// Gets ready for `plan` over the step's `tables` (RoPE's cos/sin in `rope`): every buffer
     /// allocated, the tables uploaded. The operations read the tables from the runner's copy
@@ -294,6 +300,30 @@ impl<R: Runner> Backend for FastBackend<R> {
         self.runner.resident_blocks() * self.kv_block_bytes()
     }
 
+    /// With graphs, everything they are captured over is sized now: the whole arena, and the
+    /// buffers and tables of the widest step (every row, a logit row per sequence, a drawn
+    /// token each, the context's blocks per sequence). Without graphs nothing is lost by
+    /// growing as steps come.
+    fn prepare_for_serving(&mut self, limits: StepLimits, kv_blocks: usize) -> Result<()> {
+        if !self.runner.graphs() {
+            return Ok(());
+        }
+        self.runner.reserve_blocks(kv_blocks)?;
+        let sequences = limits.sequences.max(1);
+        let blocks_per_sequence = limits
+            .context
+            .div_ceil(BLOCK_POSITIONS)
+            .clamp(1, kv_blocks.max(1));
+        let mut plan = Plan::forward(
+            self.config(),
+            limits.rows.max(sequences),
+            sequences,
+            blocks_per_sequence,
+        );
+        plan.sample = true;
+        self.runner.reserve_steps(&plan, sequences)
+    }
+
     fn samples_on_device(&self) -> bool {
         true
     }
@@ -354,19 +384,14 @@ impl<R: Runner> Backend for FastBackend<R> {
                 }
         });
         let decode_rows: usize = decode.iter().map(|&i| items[i].tokens.len()).sum();
-        let graphed = !decode.is_empty() && graph::bucket_rows(decode_rows).is_some();
-        let (decode, rest) = if graphed {
-            (decode, rest)
-        } else {
-            (Vec::new(), items_rest)
-        };
-        // A mixed step is a graphed decode part and an eager part: sequences only read their own
-        // (or shared, read-only) KV blocks, so the two parts can run one after the other.
-        if !decode.is_empty() {
+        // Only a step of decode rows alone is replayed from a graph. A mixed step runs as one
+        // eager pass: its decode rows ride in the prefill's matmuls, so the weights are read
+        // once instead of once for a graphed decode part and again for an eager prefill part
+        // (issue 48: at 64 conversations the server reached 36% of the engine's decode rate).
+        if rest.is_empty() && graph::bucket_rows(decode_rows).is_some() {
             self.run_part(items, &decode, &host_row, out, true)?;
-        }
-        if !rest.is_empty() {
-            self.run_part(items, &rest, &host_row, out, false)?;
+        } else if !items_rest.is_empty() {
+            self.run_part(items, &items_rest, &host_row, out, false)?;
         }
         Ok(())
     }

@@ -372,11 +372,12 @@ __device__ void attention_partial_impl(
     const uint32_t *__restrict__ row_seq, const SeqInfo *__restrict__ seqs,
     const uint32_t *__restrict__ block_tables, int max_blocks, float *__restrict__ part_max,
     float *__restrict__ part_sum, float *__restrict__ part_out, int max_splits, int layer,
-    int layers, int heads, int kv_heads, int head_dim) {
+    int layers, int heads, int kv_heads, int head_dim, int flash_rows) {
     __shared__ float q_s[GROUP * MAX_HEAD_DIM];
     __shared__ float scores[GROUP * BLOCK_POSITIONS];
     const int row = blockIdx.x, kv_head = blockIdx.y, split = blockIdx.z;
     const SeqInfo seq = seqs[row_seq[row]];
+    if ((int64_t)seq.rows >= (int64_t)flash_rows) return;  // flash_prefill's row
     const int r = row - (int)seq.row0;
     const int visible = (int)seq.past + r + 1;
     const int per = split_positions(visible);
@@ -459,10 +460,10 @@ __device__ void attention_partial_impl(
         const uint32_t *__restrict__ row_seq, const SeqInfo *__restrict__ seqs,                  \
         const uint32_t *__restrict__ block_tables, int max_blocks, float *__restrict__ part_max, \
         float *__restrict__ part_sum, float *__restrict__ part_out, int max_splits, int layer,   \
-        int layers, int heads, int kv_heads, int head_dim) {                                     \
+        int layers, int heads, int kv_heads, int head_dim, int flash_rows) {                     \
         attention_partial_impl<G>(q, arena, row_seq, seqs, block_tables, max_blocks, part_max,   \
                                   part_sum, part_out, max_splits, layer, layers, heads,          \
-                                  kv_heads, head_dim);                                           \
+                                  kv_heads, head_dim, flash_rows);                               \
     }
 
 ATTENTION_PARTIAL(1)
@@ -474,6 +475,9 @@ ATTENTION_PARTIAL(6)
 ATTENTION_PARTIAL(7)
 ATTENTION_PARTIAL(8)
 
+// Rows of sequences of at least `flash_rows` rows are flash_prefill's: both kernels leave them
+// (INT_MAX: none are).
+
 // Combines a row's splits per head, in split order (twin: fast::twin::attention::merge).
 // Grid (rows, heads), block head_dim. With `q8`, the output rows also quantized to Q8_1 rows of
 // `cols_padded` values (twin: fast::twin::q8_1) for the MMVQ output projection: the caller
@@ -483,10 +487,11 @@ extern "C" __global__ void attention_merge(
     const uint32_t *__restrict__ row_seq, const SeqInfo *__restrict__ seqs,
     const float *__restrict__ part_max, const float *__restrict__ part_sum,
     const float *__restrict__ part_out, float *__restrict__ out, q8_1_block *__restrict__ q8,
-    int cols_padded, int max_splits, int heads, int head_dim) {
+    int cols_padded, int max_splits, int heads, int head_dim, int flash_rows) {
     const int row = blockIdx.x, head = blockIdx.y, d = threadIdx.x;
     if (d >= head_dim) return;
     const SeqInfo seq = seqs[row_seq[row]];
+    if ((int64_t)seq.rows >= (int64_t)flash_rows) return;  // flash_prefill's row
     const int visible = (int)seq.past + (row - (int)seq.row0) + 1;
     const int per = split_positions(visible);
     const int n_splits = seq.rows == 1 ? (visible + per - 1) / per : 1;
@@ -503,6 +508,213 @@ extern "C" __global__ void attention_merge(
     out[((size_t)row * heads + head) * head_dim + d] = o;
     if (q8 != nullptr) quantize_q8_1(q8, (size_t)row * cols_padded + (size_t)head * head_dim + d, o);
 }
+
+// ---------------------------------------------------------------------------------------------
+// Tensor-core prefill attention (twin: fast::twin::flash, which states the contract). One block
+// per (tile, KV head): a tile is FLASH_PAIRS consecutive (row, query head) pairs of one
+// sequence, pairs counted row x group + head, so a row's GQA heads sit side by side in the M
+// dimension; warp w holds pairs 16w..16w+15 as the rows of its m16n8k16 products. Keys and values
+// are staged FLASH_KEYS at a time (page by page through the block table) into shared memory;
+// S = Q K^T and O += P V are f16 mma.sync with f32 accumulators; the online softmax runs in the
+// accumulators' registers (a row's 16 keys of an n8 pair live in one quad of lanes). The block
+// stops at the last position its last row sees; a warp skips the products of a chunk all of its
+// rows are masked from.
+// Fragment layouts (PTX ISA, mma.m16n8k16 .f16): lane = 4 * gid + tig; A regs hold (row gid or
+// gid + 8, columns 2 tig + {0,1} or + 8); B regs (k = 2 tig + {0,1} or + 8, n = gid); C regs
+// (row gid or gid + 8, n = 2 tig + {0,1}). An S accumulator pair of n8 tiles is therefore
+// exactly the A fragment of P for the next product, converted to f16 in registers.
+// ---------------------------------------------------------------------------------------------
+
+#define FLASH_THREADS 128
+#define FLASH_PAIRS (16 * FLASH_THREADS / 32)
+#define FLASH_KEYS 64
+#define FLASH_PAD 8  // halves per shared row: 16-byte aligned rows, conflict-free fragment reads
+
+__device__ __forceinline__ uint32_t pack_half2(float lo, float hi) {
+    const __half2 h = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t *>(&h);
+}
+
+__device__ __forceinline__ void mma_f16_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                              uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+        "{%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// B fragments of V (k = key, n = dimension) from its row-major [key][dim] tile: ldmatrix with
+// .trans, lanes 0-15 giving the 16 keys' row addresses at column n0.
+__device__ __forceinline__ void ldmatrix_x2_trans(uint32_t &b0, uint32_t &b1, const half *row) {
+    const uint32_t at = (uint32_t)__cvta_generic_to_shared(row);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0, %1}, [%2];\n"
+                 : "=r"(b0), "=r"(b1)
+                 : "r"(at));
+}
+
+template <int HD>
+__device__ void flash_prefill_impl(const float *__restrict__ q, const half *__restrict__ arena,
+                                   const SeqInfo *__restrict__ seqs,
+                                   const uint32_t *__restrict__ block_tables, int max_blocks,
+                                   const uint32_t *__restrict__ tiles, float *__restrict__ out,
+                                   int layer, int layers, int heads, int kv_heads) {
+    __shared__ __align__(16) half k_s[FLASH_KEYS][HD + FLASH_PAD];
+    __shared__ __align__(16) half v_s[FLASH_KEYS][HD + FLASH_PAD];
+    const int kv_head = blockIdx.y;
+    const SeqInfo seq = seqs[tiles[2 * blockIdx.x]];
+    const int pair0 = (int)tiles[2 * blockIdx.x + 1];
+    const int group = heads / kv_heads;
+    const int pairs = (int)seq.rows * group;
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const int gid = lane / 4, tig = lane % 4;
+    const uint32_t *blocks = block_tables + (size_t)seq.index * max_blocks;
+
+    // The thread's two rows of the products: pairs warp*16 + gid and + 8. Pairs past the
+    // sequence compute as its last pair does and are not stored.
+    int position[2];
+    size_t at[2];
+    bool stored[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        const int pair = pair0 + warp * 16 + gid + 8 * i;
+        stored[i] = pair < pairs;
+        const int p = min(pair, pairs - 1);
+        const int r = p / group, h = p % group;
+        position[i] = (int)seq.past + r;
+        at[i] = ((size_t)(seq.row0 + r) * heads + kv_head * group + h) * HD;
+    }
+    const int last_pair = min(pair0 + FLASH_PAIRS, pairs) - 1;
+    const int end = (int)seq.past + last_pair / group + 1;  // keys the tile sees
+    const int warp_last = min(pair0 + warp * 16 + 15, pairs - 1);
+    const int warp_end = (int)seq.past + warp_last / group + 1;
+
+    // Q as A fragments, rounded to f16 once.
+    uint32_t qa[HD / 16][4];
+#pragma unroll
+    for (int kk = 0; kk < HD / 16; ++kk) {
+        const int c = kk * 16 + 2 * tig;
+        qa[kk][0] = pack_half2(q[at[0] + c], q[at[0] + c + 1]);
+        qa[kk][1] = pack_half2(q[at[1] + c], q[at[1] + c + 1]);
+        qa[kk][2] = pack_half2(q[at[0] + c + 8], q[at[0] + c + 9]);
+        qa[kk][3] = pack_half2(q[at[1] + c + 8], q[at[1] + c + 9]);
+    }
+    float o[HD / 8][4];
+#pragma unroll
+    for (int t = 0; t < HD / 8; ++t) o[t][0] = o[t][1] = o[t][2] = o[t][3] = 0.0f;
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+    const float scale_log2 = rsqrtf((float)HD) * 1.4426950408889634f;
+
+    for (int c0 = 0; c0 < end; c0 += FLASH_KEYS) {
+        const int n = min(FLASH_KEYS, end - c0);
+        __syncthreads();  // the previous chunk's readers are done
+        // Stage: 16-byte pieces, a key's row read whole by consecutive threads; keys past the
+        // tile's end are zeros (and masked below).
+        for (int i = threadIdx.x; i < FLASH_KEYS * (HD / 8); i += FLASH_THREADS) {
+            const int key = i / (HD / 8), d = (i % (HD / 8)) * 8;
+            uint4 kv = make_uint4(0, 0, 0, 0), vv = make_uint4(0, 0, 0, 0);
+            if (key < n) {
+                const int p = c0 + key;
+                const uint32_t block = blocks[p / BLOCK_POSITIONS];
+                const int slot = p % BLOCK_POSITIONS;
+                kv = *reinterpret_cast<const uint4 *>(
+                    arena + arena_index(block, layer, 0, kv_head, slot, layers, kv_heads, HD) + d);
+                vv = *reinterpret_cast<const uint4 *>(
+                    arena + arena_index(block, layer, 1, kv_head, slot, layers, kv_heads, HD) + d);
+            }
+            *reinterpret_cast<uint4 *>(&k_s[key][d]) = kv;
+            *reinterpret_cast<uint4 *>(&v_s[key][d]) = vv;
+        }
+        __syncthreads();
+        if (c0 >= warp_end) continue;  // warp-uniform: every row of the warp is masked here
+
+        float s[FLASH_KEYS / 8][4];
+#pragma unroll
+        for (int t = 0; t < FLASH_KEYS / 8; ++t) {
+            s[t][0] = s[t][1] = s[t][2] = s[t][3] = 0.0f;
+#pragma unroll
+            for (int kk = 0; kk < HD / 16; ++kk) {
+                const half *k = &k_s[t * 8 + gid][kk * 16 + 2 * tig];
+                mma_f16_16816(s[t], qa[kk], *reinterpret_cast<const uint32_t *>(k),
+                              *reinterpret_cast<const uint32_t *>(k + 8));
+            }
+        }
+        // Scale into the log2 domain, mask, and take each row's max over its quad.
+        float chunk_max[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+        for (int t = 0; t < FLASH_KEYS / 8; ++t) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int key = c0 + t * 8 + 2 * tig + (e & 1);
+                const float v = key <= position[e >> 1] ? s[t][e] * scale_log2 : -INFINITY;
+                s[t][e] = v;
+                chunk_max[e >> 1] = fmaxf(chunk_max[e >> 1], v);
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            chunk_max[i] = fmaxf(chunk_max[i], __shfl_xor_sync(0xffffffffu, chunk_max[i], 1));
+            chunk_max[i] = fmaxf(chunk_max[i], __shfl_xor_sync(0xffffffffu, chunk_max[i], 2));
+            const float new_max = fmaxf(m[i], chunk_max[i]);
+            const float alpha = exp2f(m[i] - new_max);
+            m[i] = new_max;
+            l[i] *= alpha;
+#pragma unroll
+            for (int t = 0; t < HD / 8; ++t) {
+                o[t][2 * i] *= alpha;
+                o[t][2 * i + 1] *= alpha;
+            }
+        }
+#pragma unroll
+        for (int t = 0; t < FLASH_KEYS / 8; ++t) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const float p = exp2f(s[t][e] - m[e >> 1]);
+                s[t][e] = p;
+                l[e >> 1] += p;
+            }
+        }
+        // O += P V, sixteen keys at a time.
+#pragma unroll
+        for (int kt = 0; kt < FLASH_KEYS / 16; ++kt) {
+            const uint32_t pa[4] = {
+                pack_half2(s[2 * kt][0], s[2 * kt][1]), pack_half2(s[2 * kt][2], s[2 * kt][3]),
+                pack_half2(s[2 * kt + 1][0], s[2 * kt + 1][1]),
+                pack_half2(s[2 * kt + 1][2], s[2 * kt + 1][3])};
+#pragma unroll
+            for (int t = 0; t < HD / 8; ++t) {
+                uint32_t b0, b1;
+                ldmatrix_x2_trans(b0, b1, &v_s[kt * 16 + lane % 16][t * 8]);
+                mma_f16_16816(o[t], pa, b0, b1);
+            }
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        l[i] += __shfl_xor_sync(0xffffffffu, l[i], 1);
+        l[i] += __shfl_xor_sync(0xffffffffu, l[i], 2);
+        if (!stored[i]) continue;
+        const float inv = 1.0f / l[i];
+#pragma unroll
+        for (int t = 0; t < HD / 8; ++t) {
+            float2 w = make_float2(o[t][2 * i] * inv, o[t][2 * i + 1] * inv);
+            *reinterpret_cast<float2 *>(out + at[i] + t * 8 + 2 * tig) = w;
+        }
+    }
+}
+
+#define FLASH_PREFILL(D)                                                                          \
+    extern "C" __global__ void __launch_bounds__(128, 2) flash_prefill_d##D(                        \
+        const float *__restrict__ q, const half *__restrict__ arena,                              \
+        const SeqInfo *__restrict__ seqs, const uint32_t *__restrict__ block_tables,              \
+        int max_blocks, const uint32_t *__restrict__ tiles, float *__restrict__ out, int layer,   \
+        int layers, int heads, int kv_heads) {                                                    \
+        flash_prefill_impl<D>(q, arena, seqs, block_tables, max_blocks, tiles, out, layer,        \
+                              layers, heads, kv_heads);                                           \
+    }
+
+FLASH_PREFILL(64)
+FLASH_PREFILL(128)
 
 // ---------------------------------------------------------------------------------------------
 // Sampling on the GPU (twin: fast::twin::sample, bit-exact): penalties, then one block of

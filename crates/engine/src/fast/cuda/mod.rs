@@ -26,6 +26,7 @@ use super::layout::{
     padded_columns, sample_rows_bytes, BlockQ8_1, KvArena, StepTables, BLOCK_Q8_1_BYTES, QK8_1,
 };
 use super::plan::{matrix_shape, Buf, Matrix, Norm, Op, Plan, BUFFERS};
+use super::twin::flash;
 use super::weights::{FastWeights, RawMatrix};
 use super::{Runner, StepOut};
 use crate::backend::Suggested;
@@ -66,6 +67,9 @@ struct Tables {
     sampling: Option<CudaSlice<u8>>,
     penalty_spans: Option<CudaSlice<u32>>,
     penalties: Option<CudaSlice<u32>>,
+    /// The flash kernel's tiles (`fast::twin::flash::tiles`), two values each, and how many.
+    flash_tiles: Option<CudaSlice<u32>>,
+    flash_tile_count: usize,
 }
 
 /// A captured decode graph. `CudaGraph` holds raw driver handles and so is not `Send`; the
@@ -307,6 +311,48 @@ impl CudaRunner {
             .forbid("preparing a step (allocating, uploading tables)")?;
         self.quantized = None;
         let c = self.config.clone();
+        let mut grew = self.allocate(plan)?;
+        let s = &self.stream;
+        let t = &mut self.tables;
+        grew |= upload(s, &mut t.tokens, &tables.tokens)?;
+        grew |= upload(s, &mut t.slots, &tables.slots)?;
+        grew |= upload(s, &mut t.row_seq, &tables.row_seq)?;
+        let seqs: Vec<u32> = tables
+            .seqs
+            .iter()
+            .flat_map(|s| [s.row0, s.rows, s.past, s.index])
+            .collect();
+        grew |= upload(s, &mut t.seqs, &seqs)?;
+        grew |= upload(s, &mut t.block_tables, &tables.block_tables)?;
+        grew |= upload(s, &mut t.logit_rows, &tables.logit_rows)?;
+        t.flash_tile_count = 0;
+        if launch::uses_flash(c.head_dim) {
+            let tiles = flash::tiles(tables, c.n_heads / c.n_kv_heads.max(1));
+            t.flash_tile_count = tiles.len() / 2;
+            // Not counted in `grew`: decode graphs (one row per sequence) have no tiles, so a
+            // prompt that needs a larger tile table leaves them valid.
+            if !tiles.is_empty() {
+                upload(s, &mut t.flash_tiles, &tiles)?;
+            }
+        }
+        grew |= upload(s, &mut t.cos, rope.cos())?;
+        grew |= upload(s, &mut t.sin, rope.sin())?;
+        if plan.sample {
+            grew |= upload(s, &mut t.sampling, &sample_rows_bytes(&tables.sampling))?;
+            grew |= upload(s, &mut t.penalty_spans, &tables.penalty_spans)?;
+            grew |= upload(s, &mut t.penalties, &tables.penalties)?;
+            grew |= ensure(s, &mut self.drawn, plan.logit_rows)?;
+        }
+        if grew {
+            self.generation += 1;
+        }
+        Ok(())
+    }
+
+    /// The step buffers, the matmuls' scratch and the attention partials sized for `plan`;
+    /// whether any was reallocated.
+    fn allocate(&mut self, plan: &Plan) -> Result<bool> {
+        let c = self.config.clone();
         let mut grew = false;
         for buf in BUFFERS {
             let len = plan.len_of(&c, buf).max(1);
@@ -341,30 +387,41 @@ impl CudaRunner {
         grew |= ensure(s, &mut self.part_max, partials)?;
         grew |= ensure(s, &mut self.part_sum, partials)?;
         grew |= ensure(s, &mut self.part_out, partials * c.head_dim)?;
+        Ok(grew)
+    }
+
+    /// Sizes every table a step of `plan` over `sequences` sequences uploads, so that no
+    /// upload within those limits reallocates; whether any was reallocated.
+    fn allocate_tables(&mut self, plan: &Plan, sequences: usize) -> Result<bool> {
+        let s = &self.stream;
         let t = &mut self.tables;
-        grew |= upload(s, &mut t.tokens, &tables.tokens)?;
-        grew |= upload(s, &mut t.slots, &tables.slots)?;
-        grew |= upload(s, &mut t.row_seq, &tables.row_seq)?;
-        let seqs: Vec<u32> = tables
-            .seqs
-            .iter()
-            .flat_map(|s| [s.row0, s.rows, s.past, s.index])
-            .collect();
-        grew |= upload(s, &mut t.seqs, &seqs)?;
-        grew |= upload(s, &mut t.block_tables, &tables.block_tables)?;
-        grew |= upload(s, &mut t.logit_rows, &tables.logit_rows)?;
-        grew |= upload(s, &mut t.cos, rope.cos())?;
-        grew |= upload(s, &mut t.sin, rope.sin())?;
-        if plan.sample {
-            grew |= upload(s, &mut t.sampling, &sample_rows_bytes(&tables.sampling))?;
-            grew |= upload(s, &mut t.penalty_spans, &tables.penalty_spans)?;
-            grew |= upload(s, &mut t.penalties, &tables.penalties)?;
-            grew |= ensure(s, &mut self.drawn, plan.logit_rows)?;
-        }
-        if grew {
-            self.generation += 1;
-        }
-        Ok(())
+        let rows = plan.rows;
+        // A penalty entry per distinct token of a row's window: a generous share for each row;
+        // a longer list still works, at the cost of one reallocation.
+        const PENALTY_ENTRIES_PER_ROW: usize = 1024;
+        let rope_values = rows * (self.config.rope_dim / 2);
+        let mut grew = false;
+        grew |= ensure(s, &mut t.tokens, rows)?;
+        grew |= ensure(s, &mut t.slots, rows)?;
+        grew |= ensure(s, &mut t.row_seq, rows)?;
+        grew |= ensure(s, &mut t.seqs, 4 * sequences)?;
+        grew |= ensure(s, &mut t.block_tables, sequences * plan.max_blocks)?;
+        grew |= ensure(s, &mut t.logit_rows, plan.logit_rows)?;
+        grew |= ensure(s, &mut t.cos, rope_values)?;
+        grew |= ensure(s, &mut t.sin, rope_values)?;
+        grew |= ensure(
+            s,
+            &mut t.sampling,
+            plan.logit_rows * std::mem::size_of::<crate::fast::twin::sample::SampleRow>(),
+        )?;
+        grew |= ensure(s, &mut t.penalty_spans, 2 * plan.logit_rows)?;
+        grew |= ensure(
+            s,
+            &mut t.penalties,
+            2 * PENALTY_ENTRIES_PER_ROW * plan.logit_rows,
+        )?;
+        grew |= ensure(s, &mut self.drawn, plan.logit_rows)?;
+        Ok(grew)
     }
 
     fn op(&mut self, plan: &Plan, op: Op) -> Result<()> {
@@ -645,6 +702,38 @@ impl CudaRunner {
             c.n_kv_heads as i32,
             c.head_dim as i32,
         );
+        // The multi-row sequences' tiles on the tensor cores first; the split kernel and the
+        // merge then leave those rows alone.
+        let flash_rows = match launch::flash_kernel(c.head_dim) {
+            Some(kernel) if t.flash_tile_count > 0 => {
+                let tiles = t
+                    .flash_tiles
+                    .as_ref()
+                    .ok_or_else(|| missing("flash tiles"))?;
+                unsafe {
+                    self.stream
+                        .launch_builder(self.function(kernel)?)
+                        .arg(self.buffer(Buf::Q)?)
+                        .arg(arena)
+                        .arg(seqs)
+                        .arg(block_tables)
+                        .arg(&max_blocks)
+                        .arg(tiles)
+                        .arg(self.buffer(Buf::Attn)?)
+                        .arg(&l)
+                        .arg(&layers)
+                        .arg(&heads)
+                        .arg(&kvh)
+                        .launch(config_of(launch::flash_prefill(
+                            t.flash_tile_count,
+                            c.n_kv_heads,
+                        )?))
+                }
+                .map_err(cuda)?;
+                flash::MIN_ROWS as i32
+            }
+            _ => i32::MAX,
+        };
         unsafe {
             self.stream
                 .launch_builder(f)
@@ -663,6 +752,7 @@ impl CudaRunner {
                 .arg(&heads)
                 .arg(&kvh)
                 .arg(&hd)
+                .arg(&flash_rows)
                 .launch(config_of(launch::attention_partial(
                     rows,
                     c.n_kv_heads,
@@ -671,9 +761,11 @@ impl CudaRunner {
         }
         .map_err(cuda)?;
         // For MMVQ steps the merge also writes the output projection's Q8_1 rows, where
-        // every warp's 32 values are one whole block of them.
+        // every warp's 32 values are one whole block of them; not when flash rows (which it
+        // leaves alone) are in the step: the matmul then quantizes all rows itself.
         let q_dim = c.n_heads * c.head_dim;
         let quantize = launch::quantizes_in_place(rows)
+            && flash_rows == i32::MAX
             && padded_columns(q_dim) == q_dim
             && c.head_dim.is_multiple_of(QK8_1);
         let q8 = quantize.then(|| self.q8_scratch()).transpose()?;
@@ -694,6 +786,7 @@ impl CudaRunner {
                 .arg(&max_splits)
                 .arg(&heads)
                 .arg(&hd)
+                .arg(&flash_rows)
                 .launch(config_of(launch::attention_merge(
                     rows, c.n_heads, c.head_dim,
                 )?))
@@ -781,6 +874,15 @@ impl Runner for CudaRunner {
             .context()
             .mem_get_info()
             .map_or(Suggested::CPU, |(free, _)| Suggested::gpu(free + held))
+    }
+
+    fn reserve_steps(&mut self, plan: &Plan, sequences: usize) -> Result<()> {
+        self.guard.forbid("reserving the step buffers")?;
+        let grew = self.allocate(plan)? | self.allocate_tables(plan, sequences)?;
+        if grew {
+            self.generation += 1;
+        }
+        Ok(())
     }
 
     fn begin(&mut self, plan: &Plan, tables: &StepTables, rope: &RopeTable) -> Result<()> {

@@ -143,6 +143,9 @@ pub fn merge(parts: &[Partial], out: &mut [f32]) {
 }
 
 /// Attention of every row of the step: `q` is `[rows][heads × head_dim]`, `out` the same.
+/// Sequences of at least `flash_rows` rows are left to the flash kernel
+/// ([`super::flash::is_flash`]; `usize::MAX` leaves none), their rows untouched.
+#[allow(clippy::too_many_arguments)]
 pub fn attention(
     arena: &[f16],
     layout: KvArena,
@@ -151,11 +154,15 @@ pub fn attention(
     tables: &StepTables,
     q: &[f32],
     out: &mut [f32],
+    flash_rows: usize,
 ) {
     let hd = shape.head_dim;
     let group = shape.heads / shape.kv_heads;
     let width = shape.heads * hd;
     for (s, seq) in tables.seqs.iter().enumerate() {
+        if super::flash::is_flash(seq, flash_rows) {
+            continue;
+        }
         let blocks = tables.blocks_of(s);
         for r in 0..seq.rows as usize {
             let row = seq.row0 as usize + r;
@@ -317,7 +324,16 @@ mod tests {
             ..StepTables::default()
         };
         let mut out = vec![0f32; rows * 32];
-        attention(&arena, layout, layer, shape, &tables, &q, &mut out);
+        attention(
+            &arena,
+            layout,
+            layer,
+            shape,
+            &tables,
+            &q,
+            &mut out,
+            usize::MAX,
+        );
         let check = |row: usize, kv: &[[Vec<f32>; 2]], visible: usize| {
             for h in 0..4 {
                 let kh = h / 2;
