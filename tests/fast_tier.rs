@@ -15,14 +15,57 @@ use smolchat_engine::synthetic::{self, SyntheticSpec, TypeMix};
 use smolchat_engine::{Engine, KvOptions, LogitsMode, ModelConfig, SeqStep};
 use smolchat_gguf::{GgmlDType, GgufSource};
 
-fn fast_engine(mut src: GgufSource) -> Engine {
+fn fast_engine(src: GgufSource) -> Engine {
+    fast_engine_with(src, false)
+}
+
+/// The fast tier on the CPU runner; with `f16`, its steps of more than 8 rows multiply f16
+/// weight copies, as a GPU with room for them does.
+fn fast_engine_with(mut src: GgufSource, f16: bool) -> Engine {
     let config = ModelConfig::from_gguf(&src).expect("config");
     let weights = FastWeights::load(&mut src, config, &mut |_, _| {}).expect("weights");
     Engine::on_backend(
-        Box::new(FastBackend::new(CpuRunner::new(weights))),
+        Box::new(FastBackend::new(
+            CpuRunner::new(weights).with_f16_matmuls(f16),
+        )),
         KvOptions::default(),
     )
     .expect("engine")
+}
+
+/// The f16 matmuls of wide steps (a GPU with room for the weights' f16 copies): the tiny
+/// SmolLM3's prompt (more than 8 rows, so every matmul of it takes the f16 path) stays within
+/// 0.05 of llama.cpp's logits with its argmax, and SmolLM2's greedy reply is the CPU engine's.
+#[test]
+fn f16_matmuls_of_wide_steps_match_llama_cpp_and_the_cpu_engine() {
+    let path = reference("smollm3-tiny-q8_0.gguf");
+    let meta = read_json(&reference("smollm3-tiny-q8_0-tokens.json"));
+    let tokens = ids(&meta["token_ids"]);
+    assert!(tokens.len() > 8, "the prompt must be a wide step");
+    let (shape, expected) = read_npy(&reference("smollm3-tiny-q8_0-logits-fa-off-kvf32.npy"));
+    let vocab = shape[1];
+    let expected_argmax = ids(&meta["argmax_per_position"]);
+    let got = all_logits(
+        &mut fast_engine_with(GgufSource::open(&path).expect("open"), true),
+        &tokens,
+    );
+    for (pos, (g, e)) in got.chunks(vocab).zip(expected.chunks(vocab)).enumerate() {
+        assert!(
+            max_abs_diff(g, e) <= 0.05,
+            "position {pos}: {}",
+            max_abs_diff(g, e)
+        );
+        assert_eq!(argmax(g) as u32, expected_argmax[pos], "argmax at {pos}");
+    }
+    let prompt: Vec<u32> = (0..45).map(|i| (i * 7919 + 13) % 49_000 + 100).collect();
+    let want = greedy(
+        &mut cpu_engine(GgufSource::open(&smollm2_path()).expect("open")),
+        &prompt,
+        &[prompt.len()],
+        12,
+    );
+    let mut fast = fast_engine_with(GgufSource::open(&smollm2_path()).expect("open"), true);
+    assert_eq!(greedy(&mut fast, &prompt, &[prompt.len()], 12), want);
 }
 
 /// Tiny SmolLM3 (Q8_0): within 0.05 of llama.cpp's logits and 0.03 of the CPU engine at every
@@ -435,6 +478,20 @@ fn prepared_for_serving_no_graph_is_dropped_while_warming_up() {
             .expect("prompt b")
             .remove(0)
             .expect("logits");
+        // The one-row graph again (stale, unprepared), then both sequences.
+        for _ in 0..3 {
+            let token = [argmax(&last) as u32];
+            last = engine
+                .step(&[SeqStep {
+                    seq: a,
+                    tokens: &token,
+                    logits: LogitsMode::Last,
+                }])
+                .expect("decode a again")
+                .remove(0)
+                .expect("logits");
+            trace.push(last.clone());
+        }
         for _ in 0..6 {
             let (ta, tb) = ([argmax(&last) as u32], [argmax(&last_b) as u32]);
             let mut out = engine
@@ -464,7 +521,10 @@ fn prepared_for_serving_no_graph_is_dropped_while_warming_up() {
     assert!(got == want, "preparing changed the logits");
     let cold_stats = cold.graph_stats().expect("stats");
     let stats = prepared.graph_stats().expect("stats");
-    assert!(cold_stats.invalidated > 0, "the unprepared run grows: {cold_stats:?}");
+    assert!(
+        cold_stats.invalidated > 0,
+        "the unprepared run grows: {cold_stats:?}"
+    );
     assert_eq!(stats.invalidated, 0, "{stats:?}");
     assert!(stats.replays >= 4, "{stats:?}");
 }

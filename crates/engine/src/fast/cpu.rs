@@ -12,8 +12,8 @@ use half::f16;
 use super::graph::{CaptureGuard, GraphAction, GraphCache, GraphKey, GraphStats};
 use super::launch;
 use super::layout::{KvArena, StepTables};
-use super::plan::{Buf, Op, Plan, BUFFERS};
-use super::twin::{attention, flash, mmvq, norm, rope, sample};
+use super::plan::{Buf, Matrix, Op, Plan, BUFFERS};
+use super::twin::{attention, f16mm, flash, mmvq, norm, rope, sample};
 use super::weights::{FastWeights, RawMatrix};
 use super::{Runner, StepOut};
 use crate::backend::Suggested;
@@ -42,6 +42,10 @@ pub struct CpuRunner {
     generation: u64,
     /// The tokens [`Op::Sample`] drew, one per logit row.
     tokens: Vec<u32>,
+    /// Whether steps of more than 8 rows take the f16 matmul (as a CUDA runner with f16
+    /// weight copies does), and those copies, made on first use.
+    f16: bool,
+    f16_weights: HashMap<Matrix, Vec<f16>>,
 }
 
 impl CpuRunner {
@@ -66,7 +70,38 @@ impl CpuRunner {
             guard: CaptureGuard::default(),
             generation: 0,
             tokens: Vec::new(),
+            f16: false,
+            f16_weights: HashMap::new(),
         }
+    }
+
+    /// Runs the matmuls of steps of more than 8 rows as f16 GEMMs (`twin::f16mm`), as a CUDA
+    /// runner with f16 weight copies does ([`launch::matmul_path`]).
+    pub fn with_f16_matmuls(mut self, f16: bool) -> Self {
+        self.f16 = f16;
+        self
+    }
+
+    /// `weight`'s f16 copy (the `dequantize_f16_*` twin), made on first use.
+    fn f16_weight(&mut self, weight: Matrix) -> Result<&[f16]> {
+        if !self.f16_weights.contains_key(&weight) {
+            let m = self.weights.matrix(weight)?;
+            let q = qtensor_from_ggml(
+                m.dtype,
+                m.bytes.as_slice(),
+                vec![m.rows, m.cols],
+                &CandleDevice::Cpu,
+            )?;
+            let values = q
+                .dequantize(&CandleDevice::Cpu)?
+                .flatten_all()?
+                .to_vec1::<f32>()?;
+            self.f16_weights.insert(weight, f16mm::round_row(&values));
+        }
+        self.f16_weights
+            .get(&weight)
+            .map(Vec::as_slice)
+            .ok_or_else(|| EngineError::InvalidStep(format!("{weight:?} has no f16 copy")))
     }
 
     /// Runs decode steps through emulated graphs (see the field's comment).
@@ -140,6 +175,20 @@ impl CpuRunner {
                 let input = self.take(x)?;
                 let mut output = self.buffer(plan, out)?;
                 norm::rms_norm(&input, self.weights.norm(weight)?, c.rms_eps, &mut output);
+                self.put(x, input);
+                self.put(out, output);
+            }
+            Op::MatMul { weight, x, out }
+                if launch::matmul_path(plan.rows_of(x), self.f16) == launch::MatMulPath::F16 =>
+            {
+                let input = self.take(x)?;
+                let mut output = self.buffer(plan, out)?;
+                let (rows, cols) = {
+                    let m = self.weights.matrix(weight)?;
+                    (m.rows, m.cols)
+                };
+                let w16 = self.f16_weight(weight)?;
+                f16mm::matmul(w16, rows, cols, &input, plan.rows_of(x), &mut output)?;
                 self.put(x, input);
                 self.put(out, output);
             }

@@ -266,15 +266,54 @@ pub enum MatMulPath {
     Mmvq(Vec<std::ops::Range<usize>>),
     /// MMQ: tiled, int8 tensor-core MMA, stream-k (Q8_1 activations in MMQ's layout).
     Mmq,
+    /// The weights' f16 copy times the activations rounded to f16, cuBLAS `GemmEx` with f32
+    /// accumulation (`fast::twin::f16mm`).
+    F16,
 }
 
-/// MMVQ up to [`MMVQ_MAX_ROWS`] rows, MMQ above, as llama.cpp's CUDA backend chooses.
-pub fn matmul_path(rows: usize) -> MatMulPath {
+/// MMVQ up to [`MMVQ_MAX_ROWS`] rows, as llama.cpp's CUDA backend chooses; above, the f16
+/// GEMM when the weights have an f16 copy on the device (`f16`), else MMQ. The f16 GEMM reads
+/// 2 bytes a weight instead of ~0.6 but runs on the tensor cores at their f16 rate, where MMQ
+/// is bound by its integer tiles and the activations' quantization from a few dozen rows up
+/// (issue 48: a 64-row step of the 3B shape took ~10 ms against a ~0.6 ms read floor).
+/// Steps of at most 8 rows (every step that may carry drafts) are untouched.
+pub fn matmul_path(rows: usize, f16: bool) -> MatMulPath {
     if rows <= MMVQ_MAX_ROWS {
         MatMulPath::Mmvq(mmvq_pieces(rows))
+    } else if f16 {
+        MatMulPath::F16
     } else {
         MatMulPath::Mmq
     }
+}
+
+/// Whether a model whose f16 weight copies take `f16_bytes` keeps them on a device with
+/// `free_bytes` free after its quantized weights: when they take at most a quarter of it, so
+/// the KV cache and the step buffers keep the rest (on an 80 GB H100 the 3B shape's 6.2 GB
+/// copy qualifies; on a 24 GB card it does not, and MMQ serves the wide steps).
+pub fn keeps_f16_weights(f16_bytes: usize, free_bytes: usize) -> bool {
+    f16_bytes <= free_bytes / 4
+}
+
+/// The kernel writing a `dtype` matrix's f16 copy.
+pub fn dequantize_f16_kernel(dtype: GgmlDType) -> Result<&'static str> {
+    Ok(match dtype {
+        GgmlDType::Q4_0 => "dequantize_f16_q4_0",
+        GgmlDType::Q4_1 => "dequantize_f16_q4_1",
+        GgmlDType::Q5_0 => "dequantize_f16_q5_0",
+        GgmlDType::Q5_1 => "dequantize_f16_q5_1",
+        GgmlDType::Q8_0 => "dequantize_f16_q8_0",
+        GgmlDType::Q2K => "dequantize_f16_q2_k",
+        GgmlDType::Q3K => "dequantize_f16_q3_k",
+        GgmlDType::Q4K => "dequantize_f16_q4_k",
+        GgmlDType::Q5K => "dequantize_f16_q5_k",
+        GgmlDType::Q6K => "dequantize_f16_q6_k",
+        other => {
+            return Err(EngineError::InvalidStep(format!(
+                "the fast tier has no f16 dequantization kernel for {other:?}"
+            )))
+        }
+    })
 }
 
 /// Bytes of one `block_q8_1_mmq` (128 values as int8 and 16 bytes of scales).
@@ -368,6 +407,7 @@ pub fn kernel_names() -> Vec<&'static str> {
         "attention_merge",
         "apply_penalties",
         "sample_rows",
+        "f32_to_f16",
     ];
     for dtype in [
         GgmlDType::Q4_0,
@@ -382,6 +422,7 @@ pub fn kernel_names() -> Vec<&'static str> {
         GgmlDType::Q6K,
     ] {
         names.extend(get_rows_kernel(dtype));
+        names.extend(dequantize_f16_kernel(dtype));
     }
     for group in 1..=MAX_GROUP {
         names.extend(attention_kernel(group, 1, 64));
@@ -409,6 +450,11 @@ mod tests {
                 );
             } else if let Some(d) = name.strip_prefix("flash_prefill_d") {
                 assert!(source.contains(&format!("FLASH_PREFILL({d})")), "{name}");
+            } else if let Some(kind) = name.strip_prefix("dequantize_f16_") {
+                assert!(
+                    source.contains(&format!("DEQUANTIZE_F16({kind}, ")),
+                    "{name}"
+                );
             } else if let Some(kind) = name.strip_prefix("get_rows_") {
                 assert!(source.contains(&format!("GET_ROWS({kind}, ")), "{name}");
             } else {
@@ -466,10 +512,17 @@ mod tests {
     #[test]
     fn matmuls_take_mmvq_up_to_eight_rows_and_mmq_above() {
         let single = |n: usize| MatMulPath::Mmvq(std::iter::once(0..n).collect());
-        assert_eq!(matmul_path(1), single(1));
-        assert_eq!(matmul_path(8), single(8));
-        assert_eq!(matmul_path(9), MatMulPath::Mmq);
-        assert_eq!(matmul_path(512), MatMulPath::Mmq);
+        for f16 in [false, true] {
+            assert_eq!(matmul_path(1, f16), single(1));
+            assert_eq!(matmul_path(8, f16), single(8));
+        }
+        assert_eq!(matmul_path(9, false), MatMulPath::Mmq);
+        assert_eq!(matmul_path(512, false), MatMulPath::Mmq);
+        assert_eq!(matmul_path(9, true), MatMulPath::F16);
+        assert_eq!(matmul_path(512, true), MatMulPath::F16);
+        // The 3B shape's 6.2 GB of f16 copies on an 80 GB card, not on a 24 GB one.
+        assert!(keeps_f16_weights(6_200 << 20, 76 << 30));
+        assert!(!keeps_f16_weights(6_200 << 20, 21 << 30));
         // SmolLM3's hidden size 2048: 16 MMQ blocks per row, plus 128 blocks of slack.
         assert_eq!(mmq_activation_bytes(10, 2048), (10 * 16 + 128) * 144);
         // 576 (SmolLM2) pads to 1024: 8 blocks per row.

@@ -148,6 +148,38 @@ GET_ROWS(q4_k, q4_k, 256)
 GET_ROWS(q5_k, q5_k, 256)
 GET_ROWS(q6_k, q6_k, 256)
 
+// Whole weight matrices dequantized to f16, for the f16 matmuls of wide steps (cuBLAS, f32
+// accumulation; twin: fast::twin::f16mm). Grid (rows), block 256; one value per thread a pass,
+// rounded to nearest.
+#define DEQUANTIZE_F16(name, block_t, qk)                                                        \
+    extern "C" __global__ void dequantize_f16_##name(const uint8_t *__restrict__ table,          \
+                                                     half *__restrict__ out, int cols) {         \
+        const int row = blockIdx.x;                                                              \
+        const size_t row_bytes = (size_t)(cols / qk) * sizeof(block_t);                          \
+        const uint8_t *src = table + (size_t)row * row_bytes;                                    \
+        for (int c = threadIdx.x; c < cols; c += blockDim.x) {                                   \
+            out[(size_t)row * cols + c] =                                                        \
+                __float2half_rn(dq_##name(src + (c / qk) * sizeof(block_t), c % qk));             \
+        }                                                                                        \
+    }
+
+DEQUANTIZE_F16(q4_0, q4_0, 32)
+DEQUANTIZE_F16(q4_1, q4_1, 32)
+DEQUANTIZE_F16(q5_0, q5_0, 32)
+DEQUANTIZE_F16(q5_1, q5_1, 32)
+DEQUANTIZE_F16(q8_0, q8_0, 32)
+DEQUANTIZE_F16(q2_k, q2_k, 256)
+DEQUANTIZE_F16(q3_k, q3_k, 256)
+DEQUANTIZE_F16(q4_k, q4_k, 256)
+DEQUANTIZE_F16(q5_k, q5_k, 256)
+DEQUANTIZE_F16(q6_k, q6_k, 256)
+
+// Activations rounded to f16 for the same matmuls (twin: fast::twin::f16mm).
+extern "C" __global__ void f32_to_f16(const float *__restrict__ x, half *__restrict__ y, int n) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) y[i] = __float2half_rn(x[i]);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Reductions.
 // ---------------------------------------------------------------------------------------------

@@ -134,7 +134,7 @@ impl CudaRunner {
         let result = self.matmul_from(plan, weight, x, out);
         self.quantized = match result {
             // `out` is never `x`; were it so, its quantized copy would be stale.
-            Ok(Quantized::Mmvq(b) | Quantized::Mmq(b, _)) if b == out => None,
+            Ok(Quantized::Mmvq(b) | Quantized::Mmq(b, _) | Quantized::F16(b)) if b == out => None,
             Ok(q) => Some(q),
             Err(_) => None,
         };
@@ -159,13 +159,20 @@ impl CudaRunner {
             )));
         }
         let rows = plan.rows_of(x);
+        let f16 = self.f16_weights.contains_key(&weight);
+        if launch::matmul_path(rows, f16) == launch::MatMulPath::F16 {
+            return self.matmul_f16(weight, x, out, rows, n, k);
+        }
         let k_padded = padded_columns(k);
         let stream = self.stream.cu_stream() as *mut c_void;
         let (x_ptr, _x) = self.buffer(x)?.device_ptr(&self.stream);
         let (w_ptr, _w) = m.data.device_ptr(&self.stream);
         let (out_ptr, _o) = self.buffer(out)?.device_ptr(&self.stream);
-        let pieces = match launch::matmul_path(rows) {
+        let pieces = match launch::matmul_path(rows, false) {
             launch::MatMulPath::Mmvq(pieces) => pieces,
+            launch::MatMulPath::F16 => {
+                return Err(EngineError::Cuda("the f16 path was not taken above".into()))
+            }
             launch::MatMulPath::Mmq => {
                 let y = self
                     .mmq_y
@@ -252,6 +259,81 @@ impl CudaRunner {
             );
             unsafe { mmvq(m.dtype, args)? };
         }
+        Ok(held)
+    }
+}
+
+impl CudaRunner {
+    /// `out = x · Wᵀ` with `W`'s f16 copy: `x` rounded to f16 (once for consecutive matmuls
+    /// reading it), then cuBLAS `GemmEx`, f16 operands, f32 accumulation and output (twin:
+    /// `fast::twin::f16mm`). Row-major `[rows][k]` times `[n][k]` is, in cuBLAS's column-major
+    /// terms, `Wᵀ` (op T on a k × n matrix) times `xᵀ` (k × rows), giving `outᵀ` (n × rows):
+    /// exactly `out` row-major.
+    fn matmul_f16(
+        &self,
+        weight: Matrix,
+        x: Buf,
+        out: Buf,
+        rows: usize,
+        n: usize,
+        k: usize,
+    ) -> Result<Quantized> {
+        use candle_core::cuda_backend::cudarc::cublas::{result, sys as blas_sys};
+        let w16 = self
+            .f16_weights
+            .get(&weight)
+            .ok_or_else(|| missing(&format!("{weight:?}'s f16 copy")))?;
+        let x16 = self
+            .x16
+            .as_ref()
+            .ok_or_else(|| missing("the f16 activations"))?;
+        let blas = self.blas.as_ref().ok_or_else(|| missing("cuBLAS"))?;
+        let held = Quantized::F16(x);
+        if self.quantized != Some(held) {
+            let f = self.function("f32_to_f16")?;
+            let count = (rows * k) as i32;
+            unsafe {
+                self.stream
+                    .launch_builder(f)
+                    .arg(self.buffer(x)?)
+                    .arg(x16)
+                    .arg(&count)
+                    .launch(config_of(launch::elementwise(rows * k)?))
+            }
+            .map_err(cuda)?;
+        }
+        let (w_ptr, _w) = w16.device_ptr(&self.stream);
+        let (x_ptr, _x) = x16.device_ptr(&self.stream);
+        let (o_ptr, _o) = self.buffer(out)?.device_ptr(&self.stream);
+        let (alpha, beta) = (1f32, 0f32);
+        let dim = |v: usize| {
+            i32::try_from(v)
+                .map_err(|_| EngineError::InvalidStep(format!("{v} is too large for cuBLAS")))
+        };
+        unsafe {
+            result::gemm_ex(
+                *blas.handle(),
+                blas_sys::cublasOperation_t::CUBLAS_OP_T,
+                blas_sys::cublasOperation_t::CUBLAS_OP_N,
+                dim(n)?,
+                dim(rows)?,
+                dim(k)?,
+                (&alpha as *const f32).cast(),
+                w_ptr as *const c_void,
+                blas_sys::cudaDataType::CUDA_R_16F,
+                dim(k)?,
+                x_ptr as *const c_void,
+                blas_sys::cudaDataType::CUDA_R_16F,
+                dim(k)?,
+                (&beta as *const f32).cast(),
+                o_ptr as *mut c_void,
+                blas_sys::cudaDataType::CUDA_R_32F,
+                dim(n)?,
+                blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        }
+        .map_err(|e| EngineError::Cuda(format!("cuBLAS GemmEx for {weight:?}: {e}")))?;
         Ok(held)
     }
 }

@@ -13,6 +13,7 @@ use std::collections::HashMap;
 use std::ffi::c_void;
 use std::sync::Arc;
 
+use candle_core::cuda_backend::cudarc::cublas::{self, CudaBlas};
 use candle_core::cuda_backend::cudarc::driver::{
     sys, CudaContext, CudaFunction, CudaGraph, CudaModule, CudaSlice, CudaStream, DevicePtr,
     DeviceRepr, DriverError, LaunchConfig, PushKernelArg, ValidAsZeroBits,
@@ -118,6 +119,15 @@ pub struct CudaRunner {
     /// Bumped whenever a buffer the kernels read or write is reallocated: graphs captured over
     /// the old pointers are stale.
     generation: u64,
+    /// The f16 copies of the matrices (and the LM head), when the device keeps them
+    /// ([`launch::keeps_f16_weights`]): steps of more than 8 rows multiply them with cuBLAS.
+    f16_weights: HashMap<Matrix, CudaSlice<u16>>,
+    /// The activations rounded to f16 for those products.
+    x16: Option<CudaSlice<u16>>,
+    /// cuBLAS on the runner's stream, with a workspace of its own so that its calls can be
+    /// captured in a graph (no allocation inside a capture).
+    blas: Option<CudaBlas>,
+    _blas_workspace: Option<CudaSlice<u8>>,
 }
 
 /// An activation buffer's quantized copy in the matmul scratch: MMVQ's Q8_1 rows, or MMQ's
@@ -126,6 +136,8 @@ pub struct CudaRunner {
 enum Quantized {
     Mmvq(Buf),
     Mmq(Buf, launch::MmqScales),
+    /// The f16 activations of the cuBLAS path (not quantized: rounded).
+    F16(Buf),
 }
 
 /// Copies `data` into `slot`, reallocating when it does not fit; whether it reallocated.
@@ -168,6 +180,84 @@ fn config_of(l: Launch) -> LaunchConfig {
 fn missing(what: &str) -> EngineError {
     EngineError::Cuda(format!("{what} is not allocated"))
 }
+
+/// The matrices' f16 copies (the LM head's too: the embedding when tied), cuBLAS on `stream`
+/// and its workspace, when the device has room for the copies
+/// ([`launch::keeps_f16_weights`]); none of them otherwise.
+#[allow(clippy::type_complexity)]
+fn f16_copies(
+    stream: &Arc<CudaStream>,
+    functions: &HashMap<&'static str, CudaFunction>,
+    matrices: &HashMap<Matrix, DeviceMatrix>,
+    embedding: &DeviceMatrix,
+) -> Result<(
+    HashMap<Matrix, CudaSlice<u16>>,
+    Option<CudaBlas>,
+    Option<CudaSlice<u8>>,
+)> {
+    let mut sources: Vec<(Matrix, &DeviceMatrix)> = matrices.iter().map(|(k, m)| (*k, m)).collect();
+    if !matrices.contains_key(&Matrix::Head) {
+        sources.push((Matrix::Head, embedding));
+    }
+    let bytes: usize = sources.iter().map(|(_, m)| m.rows * m.cols * 2).sum();
+    let (free, _total) = stream.context().mem_get_info().map_err(cuda)?;
+    if !launch::keeps_f16_weights(bytes + BLAS_WORKSPACE_BYTES, free) {
+        tracing::info!(
+            "f16 weight copies ({} MiB) do not fit a quarter of the GPU's {} MiB free: steps of \
+             more than 8 rows use MMQ",
+            bytes >> 20,
+            free >> 20
+        );
+        return Ok((HashMap::new(), None, None));
+    }
+    let blas =
+        CudaBlas::new(Arc::clone(stream)).map_err(|e| EngineError::Cuda(format!("cuBLAS: {e}")))?;
+    let workspace = stream
+        .alloc_zeros::<u8>(BLAS_WORKSPACE_BYTES)
+        .map_err(cuda)?;
+    {
+        let (ptr, _guard) = workspace.device_ptr(stream);
+        // SAFETY: the workspace lives in the runner beside the handle (dropped after it is no
+        // longer used: both belong to the runner, which owns the stream's work).
+        unsafe {
+            cublas::sys::cublasSetWorkspace_v2(
+                *blas.handle(),
+                ptr as *mut c_void,
+                BLAS_WORKSPACE_BYTES,
+            )
+            .result()
+        }
+        .map_err(|e| EngineError::Cuda(format!("cuBLAS workspace: {e}")))?;
+    }
+    let mut copies = HashMap::new();
+    for (key, m) in sources {
+        let name = launch::dequantize_f16_kernel(m.dtype)?;
+        let f = functions
+            .get(name)
+            .ok_or_else(|| EngineError::Cuda(format!("kernel {name} is not loaded")))?;
+        let out = stream.alloc_zeros::<u16>(m.rows * m.cols).map_err(cuda)?;
+        let cols = m.cols as i32;
+        unsafe {
+            stream
+                .launch_builder(f)
+                .arg(&m.data)
+                .arg(&out)
+                .arg(&cols)
+                .launch(config_of(launch::per_row(m.rows)?))
+        }
+        .map_err(cuda)?;
+        copies.insert(key, out);
+    }
+    stream.synchronize().map_err(cuda)?;
+    tracing::info!(
+        "f16 weight copies on the GPU: {} MiB; steps of more than 8 rows use cuBLAS",
+        bytes >> 20
+    );
+    Ok((copies, Some(blas), Some(workspace)))
+}
+
+/// cuBLAS's workspace: what it asks for on Hopper (32 MiB), owned by the runner.
+const BLAS_WORKSPACE_BYTES: usize = 32 << 20;
 
 impl CudaRunner {
     /// Uploads `weights` to GPU `ordinal` and loads the kernels; decode steps are replayed
@@ -218,6 +308,8 @@ impl CudaRunner {
         };
         launch::attention_kernel(c.n_heads, c.n_kv_heads, c.head_dim)?;
         stream.synchronize().map_err(cuda)?;
+        let (f16_weights, blas, blas_workspace) =
+            f16_copies(&stream, &functions, &matrices, &embedding)?;
         Ok(Self {
             ordinal,
             weight_bytes: weights.bytes(),
@@ -246,7 +338,17 @@ impl CudaRunner {
             graphs: GraphCache::default(),
             guard: CaptureGuard::default(),
             generation: 0,
+            f16_weights,
+            x16: None,
+            blas,
+            _blas_workspace: blas_workspace,
         })
+    }
+
+    /// Whether steps of more than 8 rows take the f16 cuBLAS path (the device kept the
+    /// weights' f16 copies); the CPU runner models it with `with_f16_matmuls`.
+    pub fn f16_matmuls(&self) -> bool {
+        !self.f16_weights.is_empty()
     }
 
     /// The buffer whose MMVQ Q8_1 rows the matmul scratch holds now, and those rows (for the
@@ -374,7 +476,11 @@ impl CudaRunner {
             plan.rows * widest / QK8_1 * BLOCK_Q8_1_BYTES,
         )?;
         let widest_rows = plan.rows.max(plan.logit_rows);
-        if matches!(launch::matmul_path(widest_rows), launch::MatMulPath::Mmq) {
+        let f16 = !self.f16_weights.is_empty();
+        if matches!(
+            launch::matmul_path(widest_rows, f16),
+            launch::MatMulPath::Mmq
+        ) {
             let widest_k = [c.hidden, c.n_heads * c.head_dim, c.ffn]
                 .into_iter()
                 .max()
@@ -382,6 +488,15 @@ impl CudaRunner {
             let bytes = launch::mmq_activation_bytes(widest_rows, widest_k);
             grew |= ensure(s, &mut self.mmq_y, bytes)?;
             grew |= ensure(s, &mut self.mmq_fixup, launch::MMQ_FIXUP_BYTES)?;
+        }
+        if !self.f16_weights.is_empty()
+            && launch::matmul_path(widest_rows, true) == launch::MatMulPath::F16
+        {
+            let widest_k = [c.hidden, c.n_heads * c.head_dim, c.ffn]
+                .into_iter()
+                .max()
+                .unwrap_or(0);
+            grew |= ensure(s, &mut self.x16, widest_rows * widest_k)?;
         }
         let partials = plan.rows * c.n_heads * plan.splits;
         grew |= ensure(s, &mut self.part_max, partials)?;

@@ -4,6 +4,7 @@
 //! tolerance (the kernels reduce in other orders). The CPU runner executes plans with them.
 
 pub mod attention;
+pub mod f16mm;
 pub mod flash;
 pub mod mmvq;
 pub mod norm;
