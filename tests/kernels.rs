@@ -103,11 +103,7 @@ fn a_tensor_core_kernel_without_tensor_core_instructions_fails_the_check() {
     );
     // The products compiled away: the kernel still builds, without HMMA.
     let scalar = dir.path().join("scalar.cu");
-    std::fs::write(
-        &scalar,
-        source.replace(mma, &format!("if (false) {}", &mma[..])),
-    )
-    .expect("write");
+    std::fs::write(&scalar, source.replace(mma, &format!("if (false) {mma}"))).expect("write");
     let (ok, text) = check(&scalar);
     assert!(!ok, "{text}");
     assert!(
