@@ -46,6 +46,9 @@ pub struct CpuRunner {
     /// weight copies does), and those copies, made on first use.
     f16: bool,
     f16_weights: HashMap<Matrix, Vec<f16>>,
+    /// A kernel broken on purpose (tests of the self-check, which must catch it).
+    #[cfg(test)]
+    fault: Option<fault::Fault>,
 }
 
 impl CpuRunner {
@@ -72,7 +75,16 @@ impl CpuRunner {
             tokens: Vec::new(),
             f16: false,
             f16_weights: HashMap::new(),
+            #[cfg(test)]
+            fault: None,
         }
+    }
+
+    /// Runs with one kernel twin broken on purpose (see [`fault::Fault`]).
+    #[cfg(test)]
+    pub fn with_fault(mut self, fault: fault::Fault) -> Self {
+        self.fault = Some(fault);
+        self
     }
 
     /// Runs the matmuls of steps of more than 8 rows as f16 GEMMs (`twin::f16mm`), as a CUDA
@@ -150,6 +162,12 @@ impl CpuRunner {
     }
 
     fn op_over(&mut self, plan: &Plan, op: Op, tables: &StepTables) -> Result<()> {
+        #[cfg(test)]
+        if let Some(fault) = self.fault {
+            if self.broken_op(plan, op, tables, fault)? {
+                return Ok(());
+            }
+        }
         let c = self.weights.config.clone();
         match op {
             Op::Embed => {
@@ -464,5 +482,139 @@ impl Runner for CpuRunner {
         b.copy_from_slice(values);
         self.put(buf, b);
         Ok(())
+    }
+}
+
+#[cfg(test)]
+pub mod fault {
+    //! Kernels broken on purpose, each the way a real kernel bug would break it (an index off by
+    //! one, a scale read wrong, a table missed), for the tests that show the start-up self-check
+    //! ([`crate::selfcheck`]) catches them. Test-only: no build of the server can run them.
+
+    use super::super::plan::{Matrix, Norm};
+    use super::*;
+    use crate::fast::layout::{padded_columns, QK8_1};
+    use crate::fast::twin::q8_1::quantize_rows_q8_1;
+
+    /// One broken kernel twin.
+    #[derive(Debug, Clone, Copy, PartialEq)]
+    pub enum Fault {
+        /// Decode rows' attention misses the newest key (its own): the visible count off by one
+        /// in the decode kernel. Prefill rows stay right.
+        AttentionDropsNewestKey,
+        /// Keys rotated at position + 1, queries right: every relative distance off by one.
+        RopeKeysOneAhead,
+        /// The first Q8_1 block of every activation row fed to this matrix with its scale `d`
+        /// doubled (the block sum `s` left as it was).
+        Q8_1ScaleDoubled(Matrix),
+        /// Every row's K/V written one slot late within its block (wrapping to the block's
+        /// first slot), so attention reads each position's neighbour.
+        KvSlotOffByOne,
+        /// This norm applied without its weight (as if the weight were all ones).
+        NormWithoutWeight(Norm),
+    }
+
+    impl CpuRunner {
+        /// Runs `op` the broken way when `fault` breaks it; `false` when `op` is not affected
+        /// (the caller then runs it right).
+        pub(super) fn broken_op(
+            &mut self,
+            plan: &Plan,
+            op: Op,
+            tables: &StepTables,
+            fault: Fault,
+        ) -> Result<bool> {
+            let c = self.weights.config.clone();
+            match (fault, op) {
+                (Fault::AttentionDropsNewestKey, Op::Attention { .. }) => {
+                    let mut short = tables.clone();
+                    for seq in &mut short.seqs {
+                        if seq.rows == 1 && seq.past > 0 {
+                            seq.past -= 1;
+                        }
+                    }
+                    self.op_correct(plan, op, &short)?;
+                }
+                (Fault::RopeKeysOneAhead, Op::RopeKvWrite { layer, rope: true }) => {
+                    let (mut q, mut k, v) =
+                        (self.take(Buf::Q)?, self.take(Buf::K)?, self.take(Buf::V)?);
+                    let shape = rope::RopeShape {
+                        heads: c.n_heads,
+                        kv_heads: c.n_kv_heads,
+                        head_dim: c.head_dim,
+                        rope_dim: c.rope_dim,
+                    };
+                    rope::rotate(&mut q, c.n_heads, shape, &self.cos, &self.sin);
+                    let ahead: Vec<usize> =
+                        tables.positions.iter().map(|&p| p as usize + 1).collect();
+                    let table = RopeTable::new(&c, &ahead);
+                    rope::rotate(&mut k, c.n_kv_heads, shape, table.cos(), table.sin());
+                    rope::write_kv(&mut self.arena, self.layout, layer, &k, &v, &tables.slots);
+                    self.put(Buf::Q, q);
+                    self.put(Buf::K, k);
+                    self.put(Buf::V, v);
+                }
+                // A bug of the Q8_1 path: steps that take the f16 matmul do not meet it.
+                (Fault::Q8_1ScaleDoubled(broken), Op::MatMul { weight, x, out })
+                    if weight == broken
+                        && launch::matmul_path(plan.rows_of(x), self.f16)
+                            != launch::MatMulPath::F16 =>
+                {
+                    let input = self.take(x)?;
+                    let mut output = self.buffer(plan, out)?;
+                    let m = self.weights.matrix(weight)?;
+                    let (rows, k) = (plan.rows_of(x), m.cols);
+                    let kp = padded_columns(k);
+                    let mut q = quantize_rows_q8_1(&input, rows, k, kp);
+                    let row_bytes = mmvq::row_bytes(m.dtype, k);
+                    for (r, y) in q.chunks_mut(kp / QK8_1).enumerate() {
+                        y[0].d = f16::from_f32(2.0 * y[0].d.to_f32());
+                        for j in 0..m.rows {
+                            let w = &m.bytes.as_slice()[j * row_bytes..(j + 1) * row_bytes];
+                            output[r * m.rows + j] = mmvq::dot_q8_1(m.dtype, w, y, k)?;
+                        }
+                    }
+                    self.put(x, input);
+                    self.put(out, output);
+                }
+                (Fault::KvSlotOffByOne, Op::RopeKvWrite { .. }) => {
+                    let mut late = tables.clone();
+                    for slot in &mut late.slots {
+                        if *slot != crate::fast::graph::SKIP_SLOT {
+                            *slot = *slot / 16 * 16 + (*slot % 16 + 1) % 16;
+                        }
+                    }
+                    self.op_correct(plan, op, &late)?;
+                }
+                (
+                    Fault::NormWithoutWeight(broken),
+                    Op::RmsNorm {
+                        x,
+                        add,
+                        weight,
+                        out,
+                    },
+                ) if weight == broken => {
+                    if let Some(y) = add {
+                        self.add(x, y)?;
+                    }
+                    let input = self.take(x)?;
+                    let mut output = self.buffer(plan, out)?;
+                    norm::rms_norm(&input, &vec![1.0; c.hidden], c.rms_eps, &mut output);
+                    self.put(x, input);
+                    self.put(out, output);
+                }
+                _ => return Ok(false),
+            }
+            Ok(true)
+        }
+
+        /// `op` run right over `tables` (a broken variant's altered copy).
+        fn op_correct(&mut self, plan: &Plan, op: Op, tables: &StepTables) -> Result<()> {
+            let fault = self.fault.take();
+            let done = self.op_over(plan, op, tables);
+            self.fault = fault;
+            done
+        }
     }
 }
