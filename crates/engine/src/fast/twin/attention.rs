@@ -12,7 +12,7 @@
 
 use half::f16;
 
-use crate::fast::layout::{KvArena, StepTables};
+use crate::fast::layout::{KvArena, SeqInfo, StepTables};
 use crate::kv::BLOCK_POSITIONS;
 
 /// The shortest split of a decode row.
@@ -142,9 +142,15 @@ pub fn merge(parts: &[Partial], out: &mut [f32]) {
     }
 }
 
+/// Whether this kernel leaves sequence `seq` to the flash prefill kernel (`super::flash`):
+/// `min_rows` is its `MIN_ROWS` in a step that uses it and `usize::MAX` otherwise.
+pub fn is_flash(seq: &SeqInfo, min_rows: usize) -> bool {
+    seq.rows as usize >= min_rows
+}
+
 /// Attention of every row of the step: `q` is `[rows][heads × head_dim]`, `out` the same.
-/// Sequences of at least `flash_rows` rows are left to the flash kernel
-/// ([`super::flash::is_flash`]; `usize::MAX` leaves none), their rows untouched.
+/// Sequences of at least `flash_rows` rows are left to the flash kernel ([`is_flash`];
+/// `usize::MAX` leaves none), their rows untouched.
 #[allow(clippy::too_many_arguments)]
 pub fn attention(
     arena: &[f16],
@@ -160,7 +166,7 @@ pub fn attention(
     let group = shape.heads / shape.kv_heads;
     let width = shape.heads * hd;
     for (s, seq) in tables.seqs.iter().enumerate() {
-        if super::flash::is_flash(seq, flash_rows) {
+        if is_flash(seq, flash_rows) {
             continue;
         }
         let blocks = tables.blocks_of(s);
@@ -201,7 +207,7 @@ pub fn attention(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::fast::layout::{slot_of, SeqInfo};
+    use crate::fast::layout::slot_of;
 
     #[test]
     fn splits_are_64_positions_then_at_most_32() {

@@ -22,7 +22,7 @@
 
 use half::f16;
 
-use crate::fast::layout::{KvArena, SeqInfo, StepTables};
+use crate::fast::layout::{KvArena, StepTables};
 use crate::kv::BLOCK_POSITIONS;
 
 use super::attention::AttnShape;
@@ -59,12 +59,6 @@ pub fn tiles(tables: &StepTables, group: usize) -> Vec<u32> {
         }
     }
     out
-}
-
-/// Whether the split kernel leaves sequence `seq` to the flash kernel: `min_rows` is
-/// [`MIN_ROWS`] in a step that uses it and `usize::MAX` otherwise.
-pub fn is_flash(seq: &SeqInfo, min_rows: usize) -> bool {
-    seq.rows as usize >= min_rows
 }
 
 /// The attention of every tile in `tiles`: `q` is `[rows][heads × head_dim]`, `out` the same;
@@ -164,7 +158,7 @@ fn one_pair(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::fast::layout::slot_of;
+    use crate::fast::layout::{slot_of, SeqInfo};
     use crate::fast::twin::attention;
 
     fn value(i: usize) -> f32 {
@@ -394,8 +388,8 @@ mod tests {
     fn only_sequences_of_several_rows_have_tiles() {
         let c = case(&[(5, 1), (0, 2), (9, 1)], 1, 8, 64);
         assert_eq!(tiles(&c.tables, 8), [1, 0]);
-        assert!(is_flash(&c.tables.seqs[1], MIN_ROWS));
-        assert!(!is_flash(&c.tables.seqs[0], MIN_ROWS));
-        assert!(!is_flash(&c.tables.seqs[1], usize::MAX));
+        assert!(attention::is_flash(&c.tables.seqs[1], MIN_ROWS));
+        assert!(!attention::is_flash(&c.tables.seqs[0], MIN_ROWS));
+        assert!(!attention::is_flash(&c.tables.seqs[1], usize::MAX));
     }
 }
