@@ -352,7 +352,10 @@ mod fast_tier {
         let mut checked = 0;
         for &op in &plan.ops {
             gpu.run_op(&plan, op).unwrap_or_else(|e| panic!("{e}"));
-            if !matches!(op, Op::RmsNorm { .. } | Op::SiluMul | Op::Attention { .. }) {
+            if !matches!(
+                op,
+                Op::RmsNorm { .. } | Op::SiluMul { .. } | Op::Attention { .. }
+            ) {
                 continue;
             }
             let Some((buf, got)) = gpu.quantized_rows(&plan).unwrap_or_else(|e| panic!("{e}"))

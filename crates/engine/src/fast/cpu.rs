@@ -284,12 +284,12 @@ impl CpuRunner {
                 self.put(Buf::Attn, out);
             }
             Op::Add { x, y } => self.add(x, y)?,
-            Op::SiluMul => {
-                let mut gate = self.take(Buf::Gate)?;
-                let up = self.take(Buf::Up)?;
+            Op::SiluMul { gate: g, up: u } => {
+                let mut gate = self.take(g)?;
+                let up = self.take(u)?;
                 norm::silu_mul(&mut gate, &up);
-                self.put(Buf::Gate, gate);
-                self.put(Buf::Up, up);
+                self.put(g, gate);
+                self.put(u, up);
             }
             Op::GatherLogitRows => {
                 let x = self.take(Buf::X)?;

@@ -46,7 +46,7 @@ pub fn written(op: Op) -> Vec<Buf> {
         Op::RopeKvWrite { .. } => vec![Buf::Q, Buf::K],
         Op::Attention { .. } => vec![Buf::Attn],
         Op::Add { x, .. } => vec![x],
-        Op::SiluMul => vec![Buf::Gate],
+        Op::SiluMul { gate, .. } => vec![gate],
         Op::GatherLogitRows => vec![Buf::Sel],
         Op::Penalties => vec![Buf::Logits],
         // Tokens, not a float buffer: `compare` counts the draws that differ.
@@ -160,10 +160,10 @@ mod tests {
         }
         fn run_op(&mut self, plan: &Plan, op: Op) -> Result<()> {
             self.0.run_op(plan, op)?;
-            if op == Op::SiluMul {
-                let mut g = self.0.read(plan, Buf::Gate)?;
+            if let Op::SiluMul { gate, .. } = op {
+                let mut g = self.0.read(plan, gate)?;
                 g[3] += 0.5;
-                self.0.write(plan, Buf::Gate, &g)?;
+                self.0.write(plan, gate, &g)?;
             }
             Ok(())
         }
@@ -211,7 +211,7 @@ mod tests {
         assert_eq!(wrong.len(), config.n_layers, "{wrong:?}");
         assert!(wrong
             .iter()
-            .all(|d| d.op == Op::SiluMul && (d.max_diff - 0.5).abs() < 1e-6));
+            .all(|d| matches!(d.op, Op::SiluMul { .. }) && (d.max_diff - 0.5).abs() < 1e-6));
     }
 
     #[test]

@@ -33,10 +33,15 @@ pub enum Buf {
     SelNorm,
     /// Logits, `[logit rows][vocab]`.
     Logits,
+    /// The last layer's FFN over the logit rows alone (when fewer rows want logits than the
+    /// step has): gate and up `[logit rows][ffn]`, the down projection `[logit rows][hidden]`.
+    SelGate,
+    SelUp,
+    SelProj,
 }
 
 /// Every working buffer.
-pub const BUFFERS: [Buf; 12] = [
+pub const BUFFERS: [Buf; 15] = [
     Buf::X,
     Buf::H,
     Buf::Q,
@@ -49,6 +54,9 @@ pub const BUFFERS: [Buf; 12] = [
     Buf::Sel,
     Buf::SelNorm,
     Buf::Logits,
+    Buf::SelGate,
+    Buf::SelUp,
+    Buf::SelProj,
 ];
 
 /// One operation. Shapes come from the model config and the step's tables.
@@ -73,8 +81,8 @@ pub enum Op {
     Attention { layer: usize },
     /// `x += y`.
     Add { x: Buf, y: Buf },
-    /// `gate = silu(gate) × up`.
-    SiluMul,
+    /// `gate = silu(gate) × up` (`Gate` and `Up`, or the logit rows' `SelGate` and `SelUp`).
+    SiluMul { gate: Buf, up: Buf },
     /// `Sel[i] = X[logit_rows[i]]`.
     GatherLogitRows,
     /// The penalties of each logit row, in place on `Logits`.
@@ -140,6 +148,9 @@ impl Plan {
         max_blocks: usize,
     ) -> Self {
         let mut ops = vec![Op::Embed];
+        // When fewer rows want logits than the step has (a prompt wanting its last row's), the
+        // last layer's FFN, which feeds only the logits, runs on the logit rows alone.
+        let prune_last_ffn = logit_rows > 0 && logit_rows < rows;
         for layer in 0..config.n_layers {
             // The residual adds ride on the norms that follow them (the previous layer's FFN
             // output on this layer's attention norm, the attention output on the FFN norm);
@@ -177,39 +188,80 @@ impl Plan {
                     x: Buf::Attn,
                     out: Buf::Proj,
                 },
+            ]);
+            let (x, add, normed, gate, up, proj) = if prune_last_ffn && layer + 1 == config.n_layers
+            {
+                // The attention output added to every row, then the logit rows gathered: the
+                // FFN below sees only them.
+                ops.extend([
+                    Op::Add {
+                        x: Buf::X,
+                        y: Buf::Proj,
+                    },
+                    Op::GatherLogitRows,
+                ]);
+                (
+                    Buf::Sel,
+                    None,
+                    Buf::SelNorm,
+                    Buf::SelGate,
+                    Buf::SelUp,
+                    Buf::SelProj,
+                )
+            } else {
+                (
+                    Buf::X,
+                    Some(Buf::Proj),
+                    Buf::H,
+                    Buf::Gate,
+                    Buf::Up,
+                    Buf::Proj,
+                )
+            };
+            ops.extend([
                 Op::RmsNorm {
-                    x: Buf::X,
-                    add: Some(Buf::Proj),
+                    x,
+                    add,
                     weight: Norm::Ffn(layer),
-                    out: Buf::H,
+                    out: normed,
                 },
                 Op::MatMul {
                     weight: Matrix::Gate(layer),
-                    x: Buf::H,
-                    out: Buf::Gate,
+                    x: normed,
+                    out: gate,
                 },
                 Op::MatMul {
                     weight: Matrix::Up(layer),
-                    x: Buf::H,
-                    out: Buf::Up,
+                    x: normed,
+                    out: up,
                 },
-                Op::SiluMul,
+                Op::SiluMul { gate, up },
                 Op::MatMul {
                     weight: Matrix::Down(layer),
-                    x: Buf::Gate,
-                    out: Buf::Proj,
+                    x: gate,
+                    out: proj,
                 },
             ]);
         }
         if config.n_layers > 0 {
-            ops.push(Op::Add {
-                x: Buf::X,
-                y: Buf::Proj,
+            // The last FFN's output, on every row or on the logit rows alone.
+            ops.push(if prune_last_ffn {
+                Op::Add {
+                    x: Buf::Sel,
+                    y: Buf::SelProj,
+                }
+            } else {
+                Op::Add {
+                    x: Buf::X,
+                    y: Buf::Proj,
+                }
             });
         }
         if logit_rows > 0 {
+            if !prune_last_ffn || config.n_layers == 0 {
+                ops.push(Op::GatherLogitRows);
+            }
             ops.extend([
-                Op::GatherLogitRows,
                 Op::RmsNorm {
                     x: Buf::Sel,
                     add: None,
@@ -244,7 +296,8 @@ impl Plan {
             Buf::Q | Buf::Attn => self.rows * q_dim,
             Buf::K | Buf::V => self.rows * kv_dim,
             Buf::Gate | Buf::Up => self.rows * c.ffn,
-            Buf::Sel | Buf::SelNorm => self.logit_rows * c.hidden,
+            Buf::Sel | Buf::SelNorm | Buf::SelProj => self.logit_rows * c.hidden,
+            Buf::SelGate | Buf::SelUp => self.logit_rows * c.ffn,
             Buf::Logits => self.logit_rows * c.vocab_size,
         }
     }
@@ -252,7 +305,9 @@ impl Plan {
     /// Rows of `buf` (the first dimension).
     pub fn rows_of(&self, buf: Buf) -> usize {
         match buf {
-            Buf::Sel | Buf::SelNorm | Buf::Logits => self.logit_rows,
+            Buf::Sel | Buf::SelNorm | Buf::Logits | Buf::SelGate | Buf::SelUp | Buf::SelProj => {
+                self.logit_rows
+            }
             _ => self.rows,
         }
     }
@@ -265,6 +320,75 @@ mod tests {
     use crate::fast::step_tables;
     use crate::synthetic::SyntheticSpec;
     use crate::LogitsMode;
+
+    /// A prompt wanting fewer logit rows than it has runs its last FFN on those rows alone:
+    /// every matmul of the last layer's FFN reads a logit-row buffer, and nothing after the
+    /// last attention reads the whole step's FFN buffers; a step whose every row wants logits
+    /// (decode, `LogitsMode::All`) keeps the whole-step FFN.
+    #[test]
+    fn the_last_ffn_runs_on_the_logit_rows_alone() {
+        let spec = SyntheticSpec::tiny("llama");
+        let src = crate::synthetic::build(&spec).unwrap_or_else(|e| panic!("{e}"));
+        let config = ModelConfig::from_gguf(&src).unwrap_or_else(|e| panic!("{e}"));
+        let last = config.n_layers - 1;
+        let pruned = Plan::forward(&config, 40, 1, 3);
+        let ffn_inputs: Vec<Buf> = pruned
+            .ops
+            .iter()
+            .filter_map(|op| match op {
+                Op::MatMul {
+                    weight: Matrix::Gate(l) | Matrix::Up(l) | Matrix::Down(l),
+                    x,
+                    ..
+                } if *l == last => Some(*x),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(ffn_inputs, [Buf::SelNorm, Buf::SelNorm, Buf::SelGate]);
+        assert_eq!(pruned.rows_of(Buf::SelGate), 1);
+        assert_eq!(pruned.len_of(&config, Buf::SelUp), config.ffn);
+        let gathered = pruned
+            .ops
+            .iter()
+            .position(|op| *op == Op::GatherLogitRows)
+            .unwrap_or_else(|| panic!("no gather"));
+        let last_attention = pruned
+            .ops
+            .iter()
+            .position(|op| *op == Op::Attention { layer: last })
+            .unwrap_or_else(|| panic!("no attention"));
+        assert!(gathered > last_attention);
+        assert!(pruned.ops[gathered..].iter().all(|op| !matches!(
+            op,
+            Op::MatMul {
+                x: Buf::H | Buf::Gate,
+                ..
+            } | Op::SiluMul {
+                gate: Buf::Gate,
+                ..
+            }
+        )));
+        for whole in [
+            Plan::forward(&config, 40, 40, 3),
+            Plan::forward(&config, 1, 1, 3),
+        ] {
+            assert!(!whole.ops.iter().any(|op| matches!(
+                op,
+                Op::SiluMul {
+                    gate: Buf::SelGate,
+                    ..
+                }
+            )));
+            assert_eq!(
+                whole
+                    .ops
+                    .iter()
+                    .filter(|op| **op == Op::GatherLogitRows)
+                    .count(),
+                1
+            );
+        }
+    }
 
     /// A step of hidden-state rows (embeddings) ends at the output norm: no LM head, no draw.
     #[test]

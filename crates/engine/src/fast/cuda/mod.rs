@@ -688,7 +688,7 @@ impl CudaRunner {
                 }
                 .map_err(cuda)?;
             }
-            Op::SiluMul if launch::quantizes_in_place(rows) => {
+            Op::SiluMul { gate, up } if launch::quantizes_in_place(plan.rows_of(gate)) => {
                 // The down projection's Q8_1 rows in the same launch.
                 let f = self.function("silu_mul_q8_1")?;
                 let cols_padded = padded_columns(c.ffn);
@@ -697,25 +697,28 @@ impl CudaRunner {
                 unsafe {
                     self.stream
                         .launch_builder(f)
-                        .arg(self.buffer(Buf::Gate)?)
-                        .arg(self.buffer(Buf::Up)?)
+                        .arg(self.buffer(gate)?)
+                        .arg(self.buffer(up)?)
                         .arg(q8)
                         .arg(&cols)
                         .arg(&padded32)
-                        .launch(config_of(launch::silu_mul_q8_1(rows, cols_padded)?))
+                        .launch(config_of(launch::silu_mul_q8_1(
+                            plan.rows_of(gate),
+                            cols_padded,
+                        )?))
                 }
                 .map_err(cuda)?;
-                self.quantized = Some(Quantized::Mmvq(Buf::Gate));
+                self.quantized = Some(Quantized::Mmvq(gate));
             }
-            Op::SiluMul => {
+            Op::SiluMul { gate, up } => {
                 let f = self.function("silu_mul")?;
-                let n = plan.len_of(c, Buf::Gate);
+                let n = plan.len_of(c, gate);
                 let n32 = n as i32;
                 unsafe {
                     self.stream
                         .launch_builder(f)
-                        .arg(self.buffer(Buf::Gate)?)
-                        .arg(self.buffer(Buf::Up)?)
+                        .arg(self.buffer(gate)?)
+                        .arg(self.buffer(up)?)
                         .arg(&n32)
                         .launch(config_of(launch::elementwise(n)?))
                 }
