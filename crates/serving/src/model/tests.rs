@@ -230,9 +230,13 @@ fn the_fast_tier_embeds_like_the_cpu_engine() {
     let b = embed_together(&mut fast, &prompts, 16, None);
     for (x, y) in a.iter().zip(&b) {
         // Unit vectors: their dot product is the cosine. The fast tier quantizes activations
-        // to Q8_1 where the CPU engine uses its own tiles, so they agree closely, not exactly.
+        // to Q8_1 where the CPU engine uses its own tiles, and its prefill attention rounds
+        // the queries and probabilities to f16 on the tensor cores (as llama.cpp's flash
+        // attention does), so they agree closely, not exactly: on this random tiny model the
+        // last-token prompt measured 0.99992 before the flash kernel and 0.99975 with it
+        // (max difference 0.0023 and 0.0043); a wrong mask or position is far below.
         let cosine: f32 = x.iter().zip(y).map(|(p, q)| p * q).sum();
-        assert!(cosine > 0.9999, "cosine {cosine}");
+        assert!(cosine > 0.9995, "cosine {cosine}");
         assert!(max_diff(x, y) < 5e-3, "{}", max_diff(x, y));
     }
 }
@@ -1073,8 +1077,11 @@ fn the_fast_tier_verifies_drafts_on_the_device_with_the_same_seeded_replies() {
     // drawn on the device row by row (LogitsMode::SampleAll) inside a decode graph: each row
     // takes the uniform plain decoding would take, and only for the tokens kept, so seeded
     // replies with a repetition penalty are the same token for token.
+    // Temperature 0.2: at 0.35 this random tiny model's seeded replies (since the flash
+    // prefill's f16 rounding moved its trajectories) no longer repeat their prompts' n-grams
+    // enough for drafts to be accepted, and the test would check nothing.
     let params = SamplingParams {
-        temperature: 0.35,
+        temperature: 0.2,
         top_k: 0,
         top_p: 1.0,
         repetition_penalty: 1.05,

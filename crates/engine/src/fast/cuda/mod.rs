@@ -308,8 +308,15 @@ impl CudaRunner {
         };
         launch::attention_kernel(c.n_heads, c.n_kv_heads, c.head_dim)?;
         stream.synchronize().map_err(cuda)?;
+        // The f16 copies are a speed-up: a device that cannot make them serves with MMQ.
         let (f16_weights, blas, blas_workspace) =
-            f16_copies(&stream, &functions, &matrices, &embedding)?;
+            match f16_copies(&stream, &functions, &matrices, &embedding) {
+                Ok(copies) => copies,
+                Err(e) => {
+                    tracing::warn!("no f16 weight copies ({e}): steps of more than 8 rows use MMQ");
+                    (HashMap::new(), None, None)
+                }
+            };
         Ok(Self {
             ordinal,
             weight_bytes: weights.bytes(),
