@@ -230,12 +230,7 @@ impl CpuRunner {
                 let (mut q, mut k, v) =
                     (self.take(Buf::Q)?, self.take(Buf::K)?, self.take(Buf::V)?);
                 if rope {
-                    let shape = rope::RopeShape {
-                        heads: c.n_heads,
-                        kv_heads: c.n_kv_heads,
-                        head_dim: c.head_dim,
-                        rope_dim: c.rope_dim,
-                    };
+                    let shape = rope_shape(&c);
                     rope::rotate(&mut q, c.n_heads, shape, &self.cos, &self.sin);
                     rope::rotate(&mut k, c.n_kv_heads, shape, &self.cos, &self.sin);
                 }
@@ -319,6 +314,16 @@ impl CpuRunner {
             }
         }
         Ok(())
+    }
+}
+
+/// The model's RoPE shape, as the twins of `rope_kv_write` take it.
+fn rope_shape(c: &crate::config::ModelConfig) -> rope::RopeShape {
+    rope::RopeShape {
+        heads: c.n_heads,
+        kv_heads: c.n_kv_heads,
+        head_dim: c.head_dim,
+        rope_dim: c.rope_dim,
     }
 }
 
@@ -538,12 +543,7 @@ pub mod fault {
                 (Fault::RopeKeysOneAhead, Op::RopeKvWrite { layer, rope: true }) => {
                     let (mut q, mut k, v) =
                         (self.take(Buf::Q)?, self.take(Buf::K)?, self.take(Buf::V)?);
-                    let shape = rope::RopeShape {
-                        heads: c.n_heads,
-                        kv_heads: c.n_kv_heads,
-                        head_dim: c.head_dim,
-                        rope_dim: c.rope_dim,
-                    };
+                    let shape = rope_shape(&c);
                     rope::rotate(&mut q, c.n_heads, shape, &self.cos, &self.sin);
                     let ahead: Vec<usize> =
                         tables.positions.iter().map(|&p| p as usize + 1).collect();

@@ -483,27 +483,20 @@ impl CudaRunner {
             plan.rows * widest / QK8_1 * BLOCK_Q8_1_BYTES,
         )?;
         let widest_rows = plan.rows.max(plan.logit_rows);
-        let f16 = !self.f16_weights.is_empty();
-        if matches!(
-            launch::matmul_path(widest_rows, f16),
-            launch::MatMulPath::Mmq
-        ) {
-            let widest_k = [c.hidden, c.n_heads * c.head_dim, c.ffn]
-                .into_iter()
-                .max()
-                .unwrap_or(0);
-            let bytes = launch::mmq_activation_bytes(widest_rows, widest_k);
-            grew |= ensure(s, &mut self.mmq_y, bytes)?;
-            grew |= ensure(s, &mut self.mmq_fixup, launch::MMQ_FIXUP_BYTES)?;
-        }
-        if !self.f16_weights.is_empty()
-            && launch::matmul_path(widest_rows, true) == launch::MatMulPath::F16
-        {
-            let widest_k = [c.hidden, c.n_heads * c.head_dim, c.ffn]
-                .into_iter()
-                .max()
-                .unwrap_or(0);
-            grew |= ensure(s, &mut self.x16, widest_rows * widest_k)?;
+        let widest_k = [c.hidden, c.n_heads * c.head_dim, c.ffn]
+            .into_iter()
+            .max()
+            .unwrap_or(0);
+        match launch::matmul_path(widest_rows, !self.f16_weights.is_empty()) {
+            launch::MatMulPath::Mmq => {
+                let bytes = launch::mmq_activation_bytes(widest_rows, widest_k);
+                grew |= ensure(s, &mut self.mmq_y, bytes)?;
+                grew |= ensure(s, &mut self.mmq_fixup, launch::MMQ_FIXUP_BYTES)?;
+            }
+            launch::MatMulPath::F16 => {
+                grew |= ensure(s, &mut self.x16, widest_rows * widest_k)?;
+            }
+            launch::MatMulPath::Mmvq(_) => {}
         }
         let partials = plan.rows * c.n_heads * plan.splits;
         grew |= ensure(s, &mut self.part_max, partials)?;
