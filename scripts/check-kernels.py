@@ -9,7 +9,10 @@ ptxas's resource report must show for every kernel:
 - static shared memory within 48 KiB;
 - the tensor-core kernels (TENSOR_CORE_KERNELS) use tensor-core instructions in their SASS
   (HMMA, read with nvdisasm from the toolkit): a kernel written for tensor cores that the
-  compiler turned into CUDA-core arithmetic would pass its twin's tests and still be slow.
+  compiler turned into CUDA-core arithmetic would pass its twin's tests and still be slow;
+- every kernel's PTX holds `griddepcontrol.wait` (programmatic dependent launch: the runner
+  launches them all with the attribute, so a kernel without the wait could read its inputs
+  before the kernel writing them has finished).
 
     scripts/check-kernels.py [--source FILE]
 
@@ -37,8 +40,40 @@ def launch_bounds(source):
     bounds = {}
     for m in re.finditer(r"__launch_bounds__\((\d+)(?:,\s*(\d+))?\)\s*(\w+)", source):
         threads, blocks, name = int(m.group(1)), int(m.group(2) or 1), m.group(3)
-        bounds[name.replace("##G", "")] = (threads, blocks)
+        # Macro instances (`attention_partial_g##G`, `matvec_##name`): the prefix.
+        bounds[name.split("##")[0]] = (threads, blocks)
     return bounds
+
+
+def bounds_of(bounds, name):
+    """The launch bounds of kernel `name`: its own, or the longest macro prefix's."""
+    if name in bounds:
+        return bounds[name]
+    prefixes = [p for p in bounds if p and name.startswith(p)]
+    return bounds[max(prefixes, key=len)] if prefixes else (1024, 1)
+
+
+def ptx_entries(ptx):
+    """kernel name -> its PTX body."""
+    entries = {}
+    parts = re.split(r"^\.visible \.entry (\w+)\(", ptx, flags=re.M)
+    for name, body in zip(parts[1::2], parts[2::2]):
+        entries[name] = body
+    return entries
+
+
+def grid_dependency_problems(ptx):
+    """One line per kernel whose PTX lacks griddepcontrol.wait."""
+    if ptx is None:
+        return []
+    entries = ptx_entries(ptx)
+    if not entries:
+        return ["the PTX has no kernel entries"]
+    return [
+        f"{name}: no griddepcontrol.wait in its PTX (every kernel starts with GRID_DEPENDENCY())"
+        for name, body in sorted(entries.items())
+        if "griddepcontrol.wait" not in body
+    ]
 
 
 def sass_sections(cubin):
@@ -82,6 +117,7 @@ def main():
     args = ap.parse_args()
     text = args.source.read_text(encoding="utf-8")
     bounds = launch_bounds(text)
+    problems = []
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [
             "nvcc", "-arch=sm_90", "-cubin", "-O3", "-Xptxas", "-v",
@@ -93,8 +129,15 @@ def main():
             print("check-kernels: nvcc not found; run `make cuda-toolkit` and `eval \"$(scripts/cuda-env.sh)\"`")
             return 1
         sections = sass_sections(Path(tmp) / "kernels.cubin") if out.returncode == 0 else {}
+        ptx = None
+        if out.returncode == 0:
+            ptx_path = Path(tmp) / "kernels.ptx"
+            ptx_cmd = ["nvcc", "-arch=sm_90", "--ptx", "-O3", "-o", str(ptx_path), str(args.source)]
+            if subprocess.run(ptx_cmd, capture_output=True, text=True).returncode == 0:
+                ptx = ptx_path.read_text(encoding="utf-8")
+            else:
+                problems.append("nvcc --ptx failed")
     report = out.stdout + out.stderr
-    problems = []
     if out.returncode != 0:
         errors = [l for l in report.splitlines() if "error" in l or "warning" in l]
         problems.append("nvcc failed (warnings are errors): " + " | ".join(errors[:8]))
@@ -124,8 +167,7 @@ def main():
             problems.append(f"{name}: spills ({info['spill_st']} bytes stored, {info['spill_ld']} loaded)")
         if info.get("stack", 0):
             problems.append(f"{name}: a {info['stack']}-byte stack frame (local memory)")
-        base = re.sub(r"\d+$", "", name)
-        threads, blocks = bounds.get(name, bounds.get(base, (1024, 1)))
+        threads, blocks = bounds_of(bounds, name)
         limit = min(255, REGISTERS_PER_SM // (threads * blocks))
         if info["registers"] > limit:
             problems.append(
@@ -135,6 +177,7 @@ def main():
             problems.append(f"{name}: {info['smem']} bytes of shared memory, over {SMEM_LIMIT}")
     if out.returncode == 0:
         problems.extend(tensor_core_problems(sections, entries))
+        problems.extend(grid_dependency_problems(ptx))
     for p in problems:
         print(p)
     if problems:
@@ -143,7 +186,8 @@ def main():
     tensor = sum(1 for n in entries if n.startswith(TENSOR_CORE_KERNELS))
     print(
         f"check-kernels: {len(entries)} kernels for sm_90, no spills, registers and shared memory "
-        f"within bounds, tensor cores in the {tensor} that must use them"
+        f"within bounds, tensor cores in the {tensor} that must use them, griddepcontrol.wait in "
+        f"every kernel's PTX"
     )
     return 0
 

@@ -12,6 +12,18 @@
 #include <cuda_fp16.h>
 #include <stdint.h>
 
+// Programmatic dependent launch (Hopper; the runner launches every kernel here with the
+// programmatic-stream-serialization attribute): a kernel first waits until the grids before it
+// in the stream have finished and their writes are visible, and reads nothing before that; then
+// it lets the next launch be scheduled at once, so the next kernel's blocks are resident and
+// waiting when this one ends instead of being launched then. Every kernel starts with it; without
+// the attribute both instructions are no-ops.
+#define GRID_DEPENDENCY()                                                                         \
+    do {                                                                                          \
+        asm volatile("griddepcontrol.wait;" ::: "memory");                                        \
+        asm volatile("griddepcontrol.launch_dependents;" ::: "memory");                           \
+    } while (0)
+
 #define BLOCK_POSITIONS 16
 #define MAX_GROUP 8
 #define MAX_HEAD_DIM 256
@@ -129,6 +141,7 @@ __device__ float dq_q6_k(const void *b, int i) {
     extern "C" __global__ void get_rows_##name(const uint8_t *__restrict__ table,                \
                                                const uint32_t *__restrict__ tokens,             \
                                                float *__restrict__ out, int cols) {              \
+        GRID_DEPENDENCY();                                                                       \
         const int row = blockIdx.x;                                                              \
         const size_t row_bytes = (size_t)(cols / qk) * sizeof(block_t);                          \
         const uint8_t *src = table + (size_t)tokens[row] * row_bytes;                            \
@@ -154,6 +167,7 @@ GET_ROWS(q6_k, q6_k, 256)
 #define DEQUANTIZE_F16(name, block_t, qk)                                                        \
     extern "C" __global__ void dequantize_f16_##name(const uint8_t *__restrict__ table,          \
                                                      half *__restrict__ out, int cols) {         \
+        GRID_DEPENDENCY();                                                                       \
         const int row = blockIdx.x;                                                              \
         const size_t row_bytes = (size_t)(cols / qk) * sizeof(block_t);                          \
         const uint8_t *src = table + (size_t)row * row_bytes;                                    \
@@ -176,6 +190,7 @@ DEQUANTIZE_F16(q6_k, q6_k, 256)
 
 // Activations rounded to f16 for the same matmuls (twin: fast::twin::f16mm).
 extern "C" __global__ void f32_to_f16(const float *__restrict__ x, half *__restrict__ y, int n) {
+    GRID_DEPENDENCY();
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) y[i] = __float2half_rn(x[i]);
 }
@@ -248,6 +263,7 @@ extern "C" __global__ void rms_norm(float *__restrict__ x, const float *__restri
                                     const float *__restrict__ w, float *__restrict__ out,
                                     q8_1_block *__restrict__ q8, int cols, int cols_padded,
                                     float eps) {
+    GRID_DEPENDENCY();
     const size_t row = blockIdx.x;
     float *xr = x + row * cols;
     float ss = 0.0f;
@@ -277,11 +293,13 @@ extern "C" __global__ void rms_norm(float *__restrict__ x, const float *__restri
 // ---------------------------------------------------------------------------------------------
 
 extern "C" __global__ void add_f32(float *__restrict__ x, const float *__restrict__ y, int n) {
+    GRID_DEPENDENCY();
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) x[i] += y[i];
 }
 
 extern "C" __global__ void silu_mul(float *__restrict__ gate, const float *__restrict__ up, int n) {
+    GRID_DEPENDENCY();
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) {
         const float g = gate[i];
@@ -293,6 +311,7 @@ extern "C" __global__ void silu_mul(float *__restrict__ gate, const float *__res
 // (twins: fast::twin::norm::silu_mul, fast::twin::q8_1). Grid (cols_padded / blockDim.x, rows).
 extern "C" __global__ void silu_mul_q8_1(float *__restrict__ gate, const float *__restrict__ up,
                                          q8_1_block *__restrict__ q8, int cols, int cols_padded) {
+    GRID_DEPENDENCY();
     const int c = blockIdx.x * blockDim.x + threadIdx.x;
     const size_t row = blockIdx.y;
     float v = 0.0f;
@@ -308,10 +327,377 @@ extern "C" __global__ void silu_mul_q8_1(float *__restrict__ gate, const float *
 // `out[i] = x[rows[i]]`, rows of `cols` values; one block per output row.
 extern "C" __global__ void gather_rows(const float *__restrict__ x, const uint32_t *__restrict__ rows,
                                        float *__restrict__ out, int cols) {
+    GRID_DEPENDENCY();
     const size_t i = blockIdx.x;
     const float *src = x + (size_t)rows[i] * cols;
     for (int c = threadIdx.x; c < cols; c += blockDim.x) out[i * cols + c] = src[c];
 }
+
+// ---------------------------------------------------------------------------------------------
+// Decode matrix-vector products of our own (twin: fast::twin::matvec), in place of candle's MMVQ
+// for steps of up to MATVEC_MAX_ROWS activation rows. One warp per weight row; the row's
+// nb x S units (block, slice), S the slices of llama.cpp's vec_dot_<type>_q8_1, are taken by
+// lane l as l, l + 32, ... in order; each unit's value is added to the lane's accumulator of
+// every activation row, and the lanes are summed in a butterfly (lane 0 writes). Every float
+// operation is spelled __fmul_rn/__fadd_rn/__fsub_rn, so nothing is contracted into an FMA and
+// the twin performs the same operations in the same order. A row's outputs do not depend on the
+// other rows of the launch nor on their number: one row class for 1 to 8 rows, so a decode
+// row verifying up to 7 drafts is summed as the lone decode row is.
+// ---------------------------------------------------------------------------------------------
+
+#define MATVEC_MAX_ROWS 8
+#define MATVEC_WARPS 4
+#define SWIGLU_WARPS 8
+
+// Little-endian int at p, for blocks aligned to 4 bytes (A4) or only to 2.
+template <bool A4>
+__device__ __forceinline__ int ld_int(const uint8_t *p) {
+    if (A4) return *(const int *)p;
+    const uint16_t *h = (const uint16_t *)p;
+    return (int)((uint32_t)h[0] | ((uint32_t)h[1] << 16));
+}
+
+// Int i (values 4i .. 4i + 3) of a Q8_1 block's quants.
+__device__ __forceinline__ int q8_int(const q8_1_block *y, int i) {
+    return *(const int *)(y->qs + 4 * i);
+}
+
+__device__ __forceinline__ float q8_d(const q8_1_block *y) { return __half2float(y->d); }
+__device__ __forceinline__ float q8_s(const q8_1_block *y) { return __half2float(y->s); }
+__device__ __forceinline__ float half_at(const uint8_t *p) {
+    return __half2float(*(const half *)p);
+}
+
+// The twin's `sums` step: sd += d8 * dot, sm += d8 * min, each rounded.
+__device__ __forceinline__ void add_group(float &sd, float &sm, float d8, int dot, int mn) {
+    sd = __fadd_rn(sd, __fmul_rn(d8, (float)dot));
+    sm = __fadd_rn(sm, __fmul_rn(d8, (float)mn));
+}
+
+// Slices of a Q4_0/Q4_1 block (2: iqs = 2s) and a Q5_0/Q5_1 block (2); integer sums.
+template <bool A4>
+__device__ __forceinline__ int sumi_q4(const uint8_t *qs, const q8_1_block *y, int s) {
+    const int iqs = 2 * s;
+    int sumi = 0;
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+        const int v = ld_int<A4>(qs + 4 * (iqs + i));
+        sumi = __dp4a(v & 0x0F0F0F0F, q8_int(y, iqs + i), sumi);
+        sumi = __dp4a((v >> 4) & 0x0F0F0F0F, q8_int(y, iqs + i + 4), sumi);
+    }
+    return sumi;
+}
+
+template <bool A4>
+__device__ __forceinline__ int sumi_q5(const uint8_t *qh, const uint8_t *qs, const q8_1_block *y,
+                                       int s) {
+    const int iqs = 2 * s;
+    int sumi = 0;
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+        const int vl = ld_int<A4>(qs + 4 * (iqs + i));
+        const int vh = ld_int<A4>(qh) >> (4 * (iqs + i));
+        int vi0 = vl & 0x0F0F0F0F;
+        vi0 |= (vh << 4) & 0x00000010;
+        vi0 |= (vh << 11) & 0x00001000;
+        vi0 |= (vh << 18) & 0x00100000;
+        vi0 |= (vh << 25) & 0x10000000;
+        sumi = __dp4a(vi0, q8_int(y, iqs + i), sumi);
+        int vi1 = (vl >> 4) & 0x0F0F0F0F;
+        vi1 |= (vh >> 12) & 0x00000010;
+        vi1 |= (vh >> 5) & 0x00001000;
+        vi1 |= (vh << 2) & 0x00100000;
+        vi1 |= (vh << 9) & 0x10000000;
+        sumi = __dp4a(vi1, q8_int(y, iqs + i + 4), sumi);
+    }
+    return sumi;
+}
+
+__device__ __forceinline__ float mv_q4_0(const uint8_t *b, const q8_1_block *y, int s) {
+    const float sumi = (float)sumi_q4<false>(b + 2, y, s);
+    return __fmul_rn(half_at(b), __fsub_rn(__fmul_rn(sumi, q8_d(y)), __fmul_rn(4.0f, q8_s(y))));
+}
+
+__device__ __forceinline__ float mv_q4_1(const uint8_t *b, const q8_1_block *y, int s) {
+    const float sumi = (float)sumi_q4<true>(b + 4, y, s);
+    return __fadd_rn(__fmul_rn(sumi, __fmul_rn(half_at(b), q8_d(y))),
+                     __fmul_rn(__fmul_rn(half_at(b + 2), q8_s(y)), 0.5f));
+}
+
+__device__ __forceinline__ float mv_q5_0(const uint8_t *b, const q8_1_block *y, int s) {
+    const float sumi = (float)sumi_q5<false>(b + 2, b + 6, y, s);
+    return __fmul_rn(half_at(b), __fsub_rn(__fmul_rn(sumi, q8_d(y)), __fmul_rn(8.0f, q8_s(y))));
+}
+
+__device__ __forceinline__ float mv_q5_1(const uint8_t *b, const q8_1_block *y, int s) {
+    const float sumi = (float)sumi_q5<true>(b + 4, b + 8, y, s);
+    return __fadd_rn(__fmul_rn(sumi, __fmul_rn(half_at(b), q8_d(y))),
+                     __fmul_rn(__fmul_rn(half_at(b + 2), q8_s(y)), 0.5f));
+}
+
+__device__ __forceinline__ float mv_q8_0(const uint8_t *b, const q8_1_block *y, int s) {
+    const int iqs = 2 * s;
+    int sumi = 0;
+#pragma unroll
+    for (int i = 0; i < 2; i++) sumi = __dp4a(ld_int<false>(b + 2 + 4 * (iqs + i)), q8_int(y, iqs + i), sumi);
+    return __fmul_rn((float)sumi, __fmul_rn(half_at(b), q8_d(y)));
+}
+
+__device__ __forceinline__ float mv_q2_k(const uint8_t *b, const q8_1_block *y, int iqs) {
+    const uint8_t *scales = b, *qs = b + 16;
+    const int bq8_offset = 4 * (iqs / 8);
+    const int scale_offset = iqs - iqs % 8 + (iqs % 8) / 4;
+    const int v = ld_int<true>(qs + 4 * iqs);
+    float sd = 0.0f, sm = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const q8_1_block *y8 = y + bq8_offset + i;
+        const int u = q8_int(y8, iqs % 8);
+        const int sc = scales[scale_offset + 2 * i];
+        const int vi = (v >> (2 * i)) & 0x03030303;
+        int m = sc >> 4;
+        m |= m << 8;
+        m |= m << 16;
+        add_group(sd, sm, q8_d(y8), __dp4a(vi, u, 0) * (sc & 0xF), __dp4a(m, u, 0));
+    }
+    return __fsub_rn(__fmul_rn(half_at(b + 80), sd), __fmul_rn(half_at(b + 82), sm));
+}
+
+__device__ __forceinline__ float mv_q3_k(const uint8_t *b, const q8_1_block *y, int iqs) {
+    const uint8_t *hmask = b, *qs = b + 32, *scales = b + 96;
+    const int bq8_offset = 4 * (iqs / 8);
+    const int scale_offset = iqs - iqs % 8 + (iqs % 8) / 4;
+    const int vl = ld_int<false>(qs + 4 * iqs);
+    const int vh = (~ld_int<false>(hmask + 4 * (iqs % 8))) >> bq8_offset;
+    float sd = 0.0f, sm = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const q8_1_block *y8 = y + bq8_offset + i;
+        const int u = q8_int(y8, iqs % 8);
+        const int isc = scale_offset + 2 * i;
+        const int sc_low = (scales[isc % 8] >> (4 * (isc / 8))) & 0xF;
+        const int sc_high = ((scales[8 + isc % 4] >> (2 * (isc / 4))) & 3) << 4;
+        const int sc = (sc_low | sc_high) - 32;
+        const int vil = (vl >> (2 * i)) & 0x03030303;
+        const int vih = ((vh >> i) << 2) & 0x04040404;
+        add_group(sd, sm, q8_d(y8), __dp4a((int)__vsubss4(vil, vih), u, 0) * sc, 0);
+    }
+    return __fmul_rn(half_at(b + 108), sd);
+}
+
+// get_scale_min_k4 for sub-blocks 2j, 2j + 1, on 16-bit words.
+__device__ __forceinline__ void scale_min_pair(const uint8_t *scales, int j, int sc[2], int m[2]) {
+    const uint16_t *s = (const uint16_t *)scales;
+    uint16_t aux0, aux1;
+    if (j < 2) {
+        aux0 = s[j] & 0x3f3f;
+        aux1 = s[j + 2] & 0x3f3f;
+    } else {
+        aux0 = (s[j + 2] & 0x0f0f) | ((s[j - 2] & 0xc0c0) >> 2);
+        aux1 = ((s[j + 2] >> 4) & 0x0f0f) | ((s[j] & 0xc0c0) >> 2);
+    }
+    sc[0] = aux0 & 0xff;
+    sc[1] = aux0 >> 8;
+    m[0] = aux1 & 0xff;
+    m[1] = aux1 >> 8;
+}
+
+__device__ __forceinline__ float mv_q4_k(const uint8_t *b, const q8_1_block *y, int s) {
+    const uint8_t *scales = b + 4, *qs = b + 16;
+    const int iqs = 2 * s;
+    const int bq8_offset = 2 * ((iqs / 2) / 4);
+    const int l = (iqs / 2) % 4;
+    const int q4 = 16 * bq8_offset + 4 * l;
+    const int v0 = ld_int<true>(qs + q4), v1 = ld_int<true>(qs + q4 + 16);
+    int sc[2], m[2];
+    scale_min_pair(scales, bq8_offset / 2, sc, m);
+    float sd = 0.0f, sm = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+        const q8_1_block *y8 = y + bq8_offset + i;
+        const int u0 = q8_int(y8, l), u1 = q8_int(y8, l + 4);
+        const int v0i = (v0 >> (4 * i)) & 0x0F0F0F0F;
+        const int v1i = (v1 >> (4 * i)) & 0x0F0F0F0F;
+        const int dot1 = __dp4a(v1i, u1, __dp4a(v0i, u0, 0));
+        const int dot2 = __dp4a(0x01010101, u1, __dp4a(0x01010101, u0, 0));
+        add_group(sd, sm, q8_d(y8), dot1 * sc[i], dot2 * m[i]);
+    }
+    return __fsub_rn(__fmul_rn(half_at(b), sd), __fmul_rn(half_at(b + 2), sm));
+}
+
+__device__ __forceinline__ float mv_q5_k(const uint8_t *b, const q8_1_block *y, int s) {
+    const uint8_t *scales = b + 4, *qh = b + 16, *qs = b + 48;
+    const int iqs = 2 * s;
+    const int bq8_offset = 2 * ((iqs / 2) / 4);
+    const int l = (iqs / 2) % 4;
+    const int ql = 16 * bq8_offset + 4 * l;
+    const int vl0 = ld_int<true>(qs + ql), vl1 = ld_int<true>(qs + ql + 16);
+    const int vh0 = ld_int<true>(qh + 4 * l) >> bq8_offset;
+    const int vh1 = ld_int<true>(qh + 4 * l + 16) >> bq8_offset;
+    int sc[2], m[2];
+    scale_min_pair(scales, bq8_offset / 2, sc, m);
+    float sd = 0.0f, sm = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+        const q8_1_block *y8 = y + bq8_offset + i;
+        const int u0 = q8_int(y8, l), u1 = q8_int(y8, l + 4);
+        const int v0i = ((vl0 >> (4 * i)) & 0x0F0F0F0F) | (((vh0 >> i) << 4) & 0x10101010);
+        const int v1i = ((vl1 >> (4 * i)) & 0x0F0F0F0F) | (((vh1 >> i) << 4) & 0x10101010);
+        const int dot1 = __dp4a(v0i, u0, __dp4a(v1i, u1, 0));
+        const int dot2 = __dp4a(0x01010101, u0, __dp4a(0x01010101, u1, 0));
+        add_group(sd, sm, q8_d(y8), dot1 * sc[i], dot2 * m[i]);
+    }
+    return __fsub_rn(__fmul_rn(half_at(b), sd), __fmul_rn(half_at(b + 2), sm));
+}
+
+__device__ __forceinline__ float mv_q6_k(const uint8_t *b, const q8_1_block *y, int iqs) {
+    const uint8_t *ql = b, *qh = b + 128;
+    const int8_t *scales = (const int8_t *)(b + 192);
+    const int bq8_offset = 4 * (iqs / 16) + (iqs % 16) / 8;
+    const int scale_offset = 8 * (iqs / 16) + (iqs % 16) / 4;
+    const int vh_shift = 2 * ((iqs % 16) / 8);
+    const int vl = ld_int<false>(ql + 4 * iqs);
+    const int vh = ld_int<false>(qh + 4 * (8 * (iqs / 16) + iqs % 8)) >> vh_shift;
+    float sd = 0.0f, sm = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+        const q8_1_block *y8 = y + bq8_offset + 2 * i;
+        const int sc = scales[scale_offset + 4 * i];
+        const int vil = (vl >> (4 * i)) & 0x0F0F0F0F;
+        const int vih = ((vh >> (4 * i)) << 4) & 0x30303030;
+        const int vi = (int)__vsubss4(vil | vih, 0x20202020);
+        add_group(sd, sm, q8_d(y8), __dp4a(vi, q8_int(y8, iqs % 8), 0) * sc, 0);
+    }
+    return __fmul_rn(half_at(b + 208), sd);
+}
+
+// One weight row (nb blocks) against `rows` Q8_1 activation rows `y_stride` blocks apart: the
+// butterfly-summed outputs in acc[0..rows) of every lane (lane 0's are the twin's).
+template <float (*SLICE)(const uint8_t *, const q8_1_block *, int), int TYPE_SIZE, int QK, int S>
+__device__ __forceinline__ void matvec_row(const uint8_t *__restrict__ row,
+                                           const q8_1_block *__restrict__ y, int y_stride, int nb,
+                                           int rows, float acc[MATVEC_MAX_ROWS]) {
+    const int lane = threadIdx.x % 32;
+#pragma unroll
+    for (int r = 0; r < MATVEC_MAX_ROWS; r++) acc[r] = 0.0f;
+    for (int unit = lane; unit < nb * S; unit += 32) {
+        const int blk = unit / S, s = unit % S;
+        const uint8_t *b = row + (size_t)blk * TYPE_SIZE;
+#pragma unroll
+        for (int r = 0; r < MATVEC_MAX_ROWS; r++) {
+            if (r < rows) {
+                acc[r] = __fadd_rn(acc[r], SLICE(b, y + (size_t)r * y_stride + blk * (QK / 32), s));
+            }
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < MATVEC_MAX_ROWS; r++) acc[r] = warp_sum(acc[r]);
+}
+
+// out_i[r][j] = W_i[j] . y[r] for up to three matrices of one type (Q, K and V of a layer in one
+// launch; a plain matmul is one): the grid's warps run over the rows of W_0, then W_1, then W_2.
+// Grid ceil((n0 + n1 + n2) / MATVEC_WARPS), block 32 * MATVEC_WARPS.
+template <float (*SLICE)(const uint8_t *, const q8_1_block *, int), int TYPE_SIZE, int QK, int S>
+__device__ __forceinline__ void matvec_impl(const uint8_t *w0, const uint8_t *w1, const uint8_t *w2,
+                                            float *o0, float *o1, float *o2, int n0, int n1, int n2,
+                                            const q8_1_block *__restrict__ y, int k, int y_stride,
+                                            int rows) {
+    int j = blockIdx.x * MATVEC_WARPS + threadIdx.x / 32;
+    const uint8_t *w = w0;
+    float *o = o0;
+    int n = n0;
+    if (j >= n0) {
+        j -= n0;
+        w = w1;
+        o = o1;
+        n = n1;
+        if (j >= n1) {
+            j -= n1;
+            w = w2;
+            o = o2;
+            n = n2;
+            if (j >= n2) return;
+        }
+    }
+    const int nb = k / QK;
+    float acc[MATVEC_MAX_ROWS];
+    matvec_row<SLICE, TYPE_SIZE, QK, S>(w + (size_t)j * nb * TYPE_SIZE, y, y_stride, nb, rows, acc);
+    if (threadIdx.x % 32 == 0) {
+#pragma unroll
+        for (int r = 0; r < MATVEC_MAX_ROWS; r++) {
+            if (r < rows) o[(size_t)r * n + j] = acc[r];
+        }
+    }
+}
+
+// gate[r][j] = silu(Wg[j] . y[r]) * (Wu[j] . y[r]) (silu_mul's arithmetic), and the rows also
+// quantized to Q8_1 rows of `cols_padded` values for the down projection (quantize_q8_1, as
+// silu_mul_q8_1 writes them). Grid cols_padded / 32, block 32 * SWIGLU_WARPS: a block's 32
+// outputs are one Q8_1 block of every row, each warp computing four of them.
+template <float (*SLICE)(const uint8_t *, const q8_1_block *, int), int TYPE_SIZE, int QK, int S>
+__device__ __forceinline__ void matvec_swiglu_impl(const uint8_t *__restrict__ wg,
+                                                   const uint8_t *__restrict__ wu,
+                                                   const q8_1_block *__restrict__ y,
+                                                   float *__restrict__ gate,
+                                                   q8_1_block *__restrict__ q8, int k, int y_stride,
+                                                   int n, int cols_padded, int rows) {
+    __shared__ float h[MATVEC_MAX_ROWS][32];
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int nb = k / QK;
+    for (int t = 0; t < 32 / SWIGLU_WARPS; t++) {
+        const int jl = (32 / SWIGLU_WARPS) * warp + t;
+        const int j = blockIdx.x * 32 + jl;
+        float g[MATVEC_MAX_ROWS], u[MATVEC_MAX_ROWS];
+        if (j < n) {
+            matvec_row<SLICE, TYPE_SIZE, QK, S>(wg + (size_t)j * nb * TYPE_SIZE, y, y_stride, nb,
+                                                rows, g);
+            matvec_row<SLICE, TYPE_SIZE, QK, S>(wu + (size_t)j * nb * TYPE_SIZE, y, y_stride, nb,
+                                                rows, u);
+        }
+        if (lane == 0) {
+#pragma unroll
+            for (int r = 0; r < MATVEC_MAX_ROWS; r++) {
+                h[r][jl] = (j < n && r < rows) ? g[r] / (1.0f + expf(-g[r])) * u[r] : 0.0f;
+            }
+        }
+    }
+    __syncthreads();
+    for (int r = warp; r < rows; r += SWIGLU_WARPS) {
+        const int j = blockIdx.x * 32 + lane;
+        const float v = h[r][lane];
+        if (j < n) gate[(size_t)r * n + j] = v;
+        if (j < cols_padded) quantize_q8_1(q8, (size_t)r * cols_padded + j, v);
+    }
+}
+
+#define MATVEC(name, type_size, qk, s)                                                            \
+    extern "C" __global__ void __launch_bounds__(128, 4) matvec_##name(                \
+        const uint8_t *w0, const uint8_t *w1, const uint8_t *w2, float *o0, float *o1, float *o2, \
+        int n0, int n1, int n2, const q8_1_block *__restrict__ y, int k, int y_stride,            \
+        int rows) {                                                                               \
+        GRID_DEPENDENCY();                                                                        \
+        matvec_impl<mv_##name, type_size, qk, s>(w0, w1, w2, o0, o1, o2, n0, n1, n2, y, k,        \
+                                                 y_stride, rows);                                 \
+    }                                                                                             \
+    extern "C" __global__ void __launch_bounds__(256, 2) matvec_swiglu_##name(         \
+        const uint8_t *__restrict__ wg, const uint8_t *__restrict__ wu,                           \
+        const q8_1_block *__restrict__ y, float *__restrict__ gate, q8_1_block *__restrict__ q8, \
+        int k, int y_stride, int n, int cols_padded, int rows) {                                  \
+        GRID_DEPENDENCY();                                                                        \
+        matvec_swiglu_impl<mv_##name, type_size, qk, s>(wg, wu, y, gate, q8, k, y_stride, n,      \
+                                                        cols_padded, rows);                       \
+    }
+
+MATVEC(q4_0, 18, 32, 2)
+MATVEC(q4_1, 20, 32, 2)
+MATVEC(q5_0, 22, 32, 2)
+MATVEC(q5_1, 24, 32, 2)
+MATVEC(q8_0, 34, 32, 4)
+MATVEC(q2_k, 84, 256, 16)
+MATVEC(q3_k, 110, 256, 16)
+MATVEC(q4_k, 144, 256, 16)
+MATVEC(q5_k, 176, 256, 16)
+MATVEC(q6_k, 210, 256, 32)
 
 // ---------------------------------------------------------------------------------------------
 // RoPE and the K/V write (twins: fast::twin::rope::{rotate, write_kv}).
@@ -327,6 +713,7 @@ __device__ __forceinline__ size_t arena_index(uint32_t block, int layer, int kin
 extern "C" __global__ void kv_write(const float *__restrict__ k, const float *__restrict__ v,
                                     const uint32_t *__restrict__ slots, half *__restrict__ arena,
                                     int layer, int layers, int kv_heads, int head_dim) {
+    GRID_DEPENDENCY();
     const int row = blockIdx.x, head = blockIdx.y, d = threadIdx.x;
     if (d >= head_dim) return;
     const uint32_t slot = slots[row];
@@ -351,6 +738,7 @@ extern "C" __global__ void rope_kv_write(float *__restrict__ q, float *__restric
                                          const uint32_t *__restrict__ slots,
                                          half *__restrict__ arena, int heads, int kv_heads,
                                          int head_dim, int rope_dim, int layer, int layers) {
+    GRID_DEPENDENCY();
     const int row = blockIdx.x, i = threadIdx.x;
     const bool query = (int)blockIdx.y < heads;
     const int head = query ? blockIdx.y : blockIdx.y - heads;
@@ -493,6 +881,7 @@ __device__ void attention_partial_impl(
         const uint32_t *__restrict__ block_tables, int max_blocks, float *__restrict__ part_max, \
         float *__restrict__ part_sum, float *__restrict__ part_out, int max_splits, int layer,   \
         int layers, int heads, int kv_heads, int head_dim, int flash_rows) {                     \
+        GRID_DEPENDENCY();                                                                       \
         attention_partial_impl<G>(q, arena, row_seq, seqs, block_tables, max_blocks, part_max,   \
                                   part_sum, part_out, max_splits, layer, layers, heads,          \
                                   kv_heads, head_dim, flash_rows);                               \
@@ -520,6 +909,7 @@ extern "C" __global__ void attention_merge(
     const float *__restrict__ part_max, const float *__restrict__ part_sum,
     const float *__restrict__ part_out, float *__restrict__ out, q8_1_block *__restrict__ q8,
     int cols_padded, int max_splits, int heads, int head_dim, int flash_rows) {
+    GRID_DEPENDENCY();
     const int row = blockIdx.x, head = blockIdx.y, d = threadIdx.x;
     if (d >= head_dim) return;
     const SeqInfo seq = seqs[row_seq[row]];
@@ -741,6 +1131,7 @@ __device__ void flash_prefill_impl(const float *__restrict__ q, const half *__re
         const SeqInfo *__restrict__ seqs, const uint32_t *__restrict__ block_tables,              \
         int max_blocks, const uint32_t *__restrict__ tiles, float *__restrict__ out, int layer,   \
         int layers, int heads, int kv_heads) {                                                    \
+        GRID_DEPENDENCY();                                                                        \
         flash_prefill_impl<D>(q, arena, seqs, block_tables, max_blocks, tiles, out, layer,        \
                               layers, heads, kv_heads);                                           \
     }
@@ -780,6 +1171,7 @@ extern "C" __global__ void apply_penalties(float *__restrict__ logits,
                                            const uint32_t *__restrict__ entries,
                                            const uint32_t *__restrict__ spans,
                                            const SampleRow *__restrict__ rows, int vocab) {
+    GRID_DEPENDENCY();
     const int row = blockIdx.x;
     const SampleRow p = rows[row];
     const uint32_t start = spans[2 * row], end = spans[2 * row + 1];
@@ -884,6 +1276,7 @@ __device__ uint32_t nth_in_id_order(Pick pick, int begin, int end, unsigned long
 extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_rows(
     const float *__restrict__ logits, const SampleRow *__restrict__ rows,
     uint32_t *__restrict__ out, int vocab) {
+    GRID_DEPENDENCY();
     __shared__ unsigned long long hist[256];
     __shared__ unsigned long long scratch[32];
     __shared__ float best_value[32];

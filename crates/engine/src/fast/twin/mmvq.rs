@@ -73,7 +73,7 @@ fn q8_int(y: &BlockQ8_1, i: usize) -> i32 {
     i32::from_le_bytes([q[0] as u8, q[1] as u8, q[2] as u8, q[3] as u8])
 }
 
-fn f16_at(bytes: &[u8], off: usize) -> f32 {
+pub(super) fn f16_at(bytes: &[u8], off: usize) -> f32 {
     f16::from_le_bytes([bytes[off], bytes[off + 1]]).to_f32()
 }
 
@@ -81,7 +81,7 @@ fn unsupported(dtype: GgmlDType) -> EngineError {
     EngineError::InvalidStep(format!("the fast tier has no MMVQ kernel for {dtype:?}"))
 }
 
-fn check_supported(dtype: GgmlDType) -> Result<()> {
+pub(super) fn check_supported(dtype: GgmlDType) -> Result<()> {
     match dtype {
         GgmlDType::Q4_0
         | GgmlDType::Q4_1
@@ -102,115 +102,145 @@ pub fn row_bytes(dtype: GgmlDType, k: usize) -> usize {
     k / dtype.block_size() * dtype.type_size()
 }
 
-/// `Σ q·q8` of a Q4_0/Q4_1 block (16 bytes of nibbles: value `j` is the low nibble of byte `j`,
-/// value `j + 16` the high one), as `vec_dot_q4_{0,1}_q8_1` forms it: QI = 4, VDR = 2, so two
-/// threads (`iqs` = 0, 2) each cover 16 values with four `dp4a`s; this is the sum of both.
-fn sumi_q4(qs: &[u8], y: &BlockQ8_1) -> i32 {
-    let mut total = 0;
-    for iqs in [0, 2] {
-        let mut sumi = 0;
-        for i in 0..2 {
-            let v = i32_at(qs, 4 * (iqs + i));
-            let u0 = q8_int(y, iqs + i);
-            let u1 = q8_int(y, iqs + i + 4); // + QI4_0
-            let vi0 = v & 0x0F0F_0F0F;
-            let vi1 = (v >> 4) & 0x0F0F_0F0F;
-            sumi = dp4a(vi0, u0, sumi);
-            sumi = dp4a(vi1, u1, sumi);
-        }
-        total += sumi;
-    }
-    total
+/// The integer parts one thread forms for its slice of a weight block: up to four contributions,
+/// each `(group, Q8_1 block, Σ q·q8 × scale, min × Σ q8)` (`min` is 0 for the types without
+/// mins). A block of `dtype` has [`slices`]`(dtype)` slices; the kernels give each to one thread
+/// (candle's MMVQ: `vec_dot_<type>_q8_1(…, iqs)`; ours, `matvec_*`, the same slices), and summing
+/// every slice's contributions per group gives the block's [`BlockInts`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct SliceInts {
+    /// Contributions in use (1, 2 or 4).
+    pub len: usize,
+    /// The scale group of each contribution (an index into [`BlockInts::dot`]).
+    pub group: [usize; 4],
+    /// The Q8_1 block (of the weight block's `block_size / 32`) each contribution reads.
+    pub q8: [usize; 4],
+    pub dot: [i32; 4],
+    pub min: [i32; 4],
 }
 
-/// `Σ q·q8` of a Q5_0/Q5_1 block (`qh`: 4 bytes of high bits, bit `j` for value `j`; `qs` as
-/// for Q4), as `vec_dot_q5_{0,1}_q8_1` forms it.
-fn sumi_q5(qh: &[u8], qs: &[u8], y: &BlockQ8_1) -> i32 {
-    let mut total = 0;
-    for iqs in [0, 2] {
-        let mut sumi = 0;
-        for i in 0..2 {
-            let vl = i32_at(qs, 4 * (iqs + i));
-            let vh = i32_at(qh, 0) >> (4 * (iqs + i));
-            let u0 = q8_int(y, iqs + i);
-            let u1 = q8_int(y, iqs + i + 4); // + QI5_0
-            let mut vi0 = vl & 0x0F0F_0F0F;
-            vi0 |= (vh << 4) & 0x0000_0010;
-            vi0 |= (vh << 11) & 0x0000_1000;
-            vi0 |= (vh << 18) & 0x0010_0000;
-            vi0 |= (vh << 25) & 0x1000_0000;
-            sumi = dp4a(vi0, u0, sumi);
-            let mut vi1 = (vl >> 4) & 0x0F0F_0F0F;
-            vi1 |= (vh >> 12) & 0x0000_0010;
-            vi1 |= (vh >> 5) & 0x0000_1000;
-            vi1 |= (vh << 2) & 0x0010_0000;
-            vi1 |= (vh << 9) & 0x1000_0000;
-            sumi = dp4a(vi1, u1, sumi);
-        }
-        total += sumi;
+impl SliceInts {
+    fn push(&mut self, group: usize, q8: usize, dot: i32, min: i32) {
+        let i = self.len;
+        self.group[i] = group;
+        self.q8[i] = q8;
+        self.dot[i] = dot;
+        self.min[i] = min;
+        self.len += 1;
     }
-    total
 }
 
-/// `Σ q·q8` of a Q8_0 block's 32 signed bytes: QI8_0 = 8, VDR = 2, four threads.
-fn sumi_q8_0(qs: &[u8], y: &BlockQ8_1) -> i32 {
-    let mut total = 0;
-    for iqs in [0, 2, 4, 6] {
-        let mut sumi = 0;
-        for i in 0..2 {
-            sumi = dp4a(i32_at(qs, 4 * (iqs + i)), q8_int(y, iqs + i), sumi);
-        }
-        total += sumi;
+/// Slices (threads) per weight block: `QI / VDR` of llama.cpp's `vec_dot_<type>_q8_1`.
+pub fn slices(dtype: GgmlDType) -> usize {
+    match dtype {
+        GgmlDType::Q4_0 | GgmlDType::Q4_1 | GgmlDType::Q5_0 | GgmlDType::Q5_1 => 2,
+        GgmlDType::Q8_0 => 4,
+        GgmlDType::Q2K | GgmlDType::Q3K | GgmlDType::Q4K | GgmlDType::Q5K => 16,
+        GgmlDType::Q6K => 32,
+        _ => 0,
     }
-    total
 }
 
-/// `vec_dot_q2_K_q8_1` over its 16 threads (QI2_K = 16, VDR = 1). Block: 16 scale bytes (low
-/// nibble scale, high nibble min), 64 bytes of 2-bit quants, f16 d, f16 dmin.
-fn ints_q2_k(b: &[u8], y: &[BlockQ8_1], dot: &mut [i32], min: &mut [i32]) {
+/// `Σ q·q8` of slice `s` (`iqs = 2 s`) of a Q4_0/Q4_1 block (16 bytes of nibbles: value `j` is
+/// the low nibble of byte `j`, value `j + 16` the high one): QI = 4, VDR = 2, so the two slices
+/// each cover 16 values with four `dp4a`s.
+fn slice_q4(qs: &[u8], y: &BlockQ8_1, s: usize) -> i32 {
+    let iqs = 2 * s;
+    let mut sumi = 0;
+    for i in 0..2 {
+        let v = i32_at(qs, 4 * (iqs + i));
+        let u0 = q8_int(y, iqs + i);
+        let u1 = q8_int(y, iqs + i + 4); // + QI4_0
+        let vi0 = v & 0x0F0F_0F0F;
+        let vi1 = (v >> 4) & 0x0F0F_0F0F;
+        sumi = dp4a(vi0, u0, sumi);
+        sumi = dp4a(vi1, u1, sumi);
+    }
+    sumi
+}
+
+/// `Σ q·q8` of slice `s` of a Q5_0/Q5_1 block (`qh`: 4 bytes of high bits, bit `j` for value
+/// `j`; `qs` as for Q4).
+fn slice_q5(qh: &[u8], qs: &[u8], y: &BlockQ8_1, s: usize) -> i32 {
+    let iqs = 2 * s;
+    let mut sumi = 0;
+    for i in 0..2 {
+        let vl = i32_at(qs, 4 * (iqs + i));
+        let vh = i32_at(qh, 0) >> (4 * (iqs + i));
+        let u0 = q8_int(y, iqs + i);
+        let u1 = q8_int(y, iqs + i + 4); // + QI5_0
+        let mut vi0 = vl & 0x0F0F_0F0F;
+        vi0 |= (vh << 4) & 0x0000_0010;
+        vi0 |= (vh << 11) & 0x0000_1000;
+        vi0 |= (vh << 18) & 0x0010_0000;
+        vi0 |= (vh << 25) & 0x1000_0000;
+        sumi = dp4a(vi0, u0, sumi);
+        let mut vi1 = (vl >> 4) & 0x0F0F_0F0F;
+        vi1 |= (vh >> 12) & 0x0000_0010;
+        vi1 |= (vh >> 5) & 0x0000_1000;
+        vi1 |= (vh << 2) & 0x0010_0000;
+        vi1 |= (vh << 9) & 0x1000_0000;
+        sumi = dp4a(vi1, u1, sumi);
+    }
+    sumi
+}
+
+/// `Σ q·q8` of slice `s` of a Q8_0 block's 32 signed bytes: QI8_0 = 8, VDR = 2, four slices.
+fn slice_q8_0(qs: &[u8], y: &BlockQ8_1, s: usize) -> i32 {
+    let iqs = 2 * s;
+    let mut sumi = 0;
+    for i in 0..2 {
+        sumi = dp4a(i32_at(qs, 4 * (iqs + i)), q8_int(y, iqs + i), sumi);
+    }
+    sumi
+}
+
+/// Slice `iqs` of `vec_dot_q2_K_q8_1` (QI2_K = 16, VDR = 1). Block: 16 scale bytes (low nibble
+/// scale, high nibble min), 64 bytes of 2-bit quants, f16 d, f16 dmin.
+fn slice_q2_k(b: &[u8], y: &[BlockQ8_1], iqs: usize, out: &mut SliceInts) {
     let (scales, qs) = (&b[0..16], &b[16..80]);
-    for iqs in 0..16 {
-        let bq8_offset = 4 * (iqs / 8); // QR2_K * (iqs / QI8_1)
-        let scale_offset = iqs - iqs % 8 + (iqs % 8) / 4;
-        let v = i32_at(qs, 4 * iqs);
-        for i in 0..4 {
-            let u = q8_int(&y[bq8_offset + i], iqs % 8);
-            let g = scale_offset + 2 * i;
-            let sc = i32::from(scales[g]);
-            let vi = (v >> (2 * i)) & 0x0303_0303;
-            dot[g] += dp4a(vi, u, 0) * (sc & 0xF);
-            let mut m = sc >> 4;
-            m |= m << 8;
-            m |= m << 16;
-            min[g] += dp4a(m, u, 0);
-        }
+    let bq8_offset = 4 * (iqs / 8); // QR2_K * (iqs / QI8_1)
+    let scale_offset = iqs - iqs % 8 + (iqs % 8) / 4;
+    let v = i32_at(qs, 4 * iqs);
+    for i in 0..4 {
+        let u = q8_int(&y[bq8_offset + i], iqs % 8);
+        let g = scale_offset + 2 * i;
+        let sc = i32::from(scales[g]);
+        let vi = (v >> (2 * i)) & 0x0303_0303;
+        let mut m = sc >> 4;
+        m |= m << 8;
+        m |= m << 16;
+        out.push(
+            g,
+            bq8_offset + i,
+            dp4a(vi, u, 0) * (sc & 0xF),
+            dp4a(m, u, 0),
+        );
     }
 }
 
-/// `vec_dot_q3_K_q8_1` over its 16 threads (QI3_K = 16, VDR = 1). Block: 32 bytes hmask, 64
-/// bytes of low 2 bits, 12 bytes of 6-bit scales (biased by 32), f16 d.
-fn ints_q3_k(b: &[u8], y: &[BlockQ8_1], dot: &mut [i32]) {
+/// Slice `iqs` of `vec_dot_q3_K_q8_1` (QI3_K = 16, VDR = 1). Block: 32 bytes hmask, 64 bytes of
+/// low 2 bits, 12 bytes of 6-bit scales (biased by 32), f16 d.
+fn slice_q3_k(b: &[u8], y: &[BlockQ8_1], iqs: usize, out: &mut SliceInts) {
     let (hmask, qs, scales) = (&b[0..32], &b[32..96], &b[96..108]);
-    for iqs in 0..16 {
-        let bq8_offset = 4 * (iqs / 8); // QR3_K * (iqs / (QI3_K / 2))
-        let scale_offset = iqs - iqs % 8 + (iqs % 8) / 4;
-        let vl = i32_at(qs, 4 * iqs);
-        let vh = (!i32_at(hmask, 4 * (iqs % 8))) >> bq8_offset;
-        for i in 0..4 {
-            let u = q8_int(&y[bq8_offset + i], iqs % 8);
-            let isc = scale_offset + 2 * i;
-            let isc_low = isc % 8; // QK_K / 32
-            let sc_shift_low = 4 * (isc / 8);
-            let sc_low = (i32::from(scales[isc_low]) >> sc_shift_low) & 0xF;
-            let isc_high = isc % 4; // QK_K / 64
-            let sc_shift_high = 2 * (isc / 4);
-            let sc_high = ((i32::from(scales[8 + isc_high]) >> sc_shift_high) & 3) << 4;
-            let sc = (sc_low | sc_high) - 32;
-            let vil = (vl >> (2 * i)) & 0x0303_0303;
-            let vih = ((vh >> i) << 2) & 0x0404_0404;
-            let vi = vsubss4(vil, vih);
-            dot[isc] += dp4a(vi, u, 0) * sc;
-        }
+    let bq8_offset = 4 * (iqs / 8); // QR3_K * (iqs / (QI3_K / 2))
+    let scale_offset = iqs - iqs % 8 + (iqs % 8) / 4;
+    let vl = i32_at(qs, 4 * iqs);
+    let vh = (!i32_at(hmask, 4 * (iqs % 8))) >> bq8_offset;
+    for i in 0..4 {
+        let u = q8_int(&y[bq8_offset + i], iqs % 8);
+        let isc = scale_offset + 2 * i;
+        let isc_low = isc % 8; // QK_K / 32
+        let sc_shift_low = 4 * (isc / 8);
+        let sc_low = (i32::from(scales[isc_low]) >> sc_shift_low) & 0xF;
+        let isc_high = isc % 4; // QK_K / 64
+        let sc_shift_high = 2 * (isc / 4);
+        let sc_high = ((i32::from(scales[8 + isc_high]) >> sc_shift_high) & 3) << 4;
+        let sc = (sc_low | sc_high) - 32;
+        let vil = (vl >> (2 * i)) & 0x0303_0303;
+        let vih = ((vh >> i) << 2) & 0x0404_0404;
+        let vi = vsubss4(vil, vih);
+        out.push(isc, bq8_offset + i, dp4a(vi, u, 0) * sc, 0);
     }
 }
 
@@ -229,116 +259,127 @@ fn scale_min_k4_pair(scales: &[u8], j: usize) -> ([u8; 2], [u8; 2]) {
     (aux0.to_le_bytes(), aux1.to_le_bytes())
 }
 
-/// `vec_dot_q4_K_q8_1` over its 16 threads (QI4_K = 32, VDR = 2). Block: f16 d, f16 dmin, 12
+/// Slice `iqs` (even) of `vec_dot_q4_K_q8_1` (QI4_K = 32, VDR = 2). Block: f16 d, f16 dmin, 12
 /// bytes of 6-bit scales and mins, 128 bytes of nibbles.
-fn ints_q4_k(b: &[u8], y: &[BlockQ8_1], dot: &mut [i32], min: &mut [i32]) {
+fn slice_q4_k(b: &[u8], y: &[BlockQ8_1], iqs: usize, out: &mut SliceInts) {
     let (scales, qs) = (&b[4..16], &b[16..144]);
-    for iqs in (0..32).step_by(2) {
-        let bq8_offset = 2 * ((iqs / 2) / 4); // QR4_K * ((iqs / 2) / (QI8_1 / 2))
-        let l = (iqs / 2) % 4;
-        let q4 = 16 * bq8_offset + 4 * l;
-        let v = [i32_at(qs, q4), i32_at(qs, q4 + 16)];
-        let (sc, m) = scale_min_k4_pair(scales, bq8_offset / 2);
-        for i in 0..2 {
-            let y8 = &y[bq8_offset + i];
-            let u = [q8_int(y8, l), q8_int(y8, l + 4)];
-            let v0i = (v[0] >> (4 * i)) & 0x0F0F_0F0F;
-            let v1i = (v[1] >> (4 * i)) & 0x0F0F_0F0F;
-            let dot1 = dp4a(v1i, u[1], dp4a(v0i, u[0], 0));
-            let dot2 = dp4a(0x0101_0101, u[1], dp4a(0x0101_0101, u[0], 0));
-            dot[bq8_offset + i] += dot1 * i32::from(sc[i]);
-            min[bq8_offset + i] += dot2 * i32::from(m[i]);
-        }
+    let bq8_offset = 2 * ((iqs / 2) / 4); // QR4_K * ((iqs / 2) / (QI8_1 / 2))
+    let l = (iqs / 2) % 4;
+    let q4 = 16 * bq8_offset + 4 * l;
+    let v = [i32_at(qs, q4), i32_at(qs, q4 + 16)];
+    let (sc, m) = scale_min_k4_pair(scales, bq8_offset / 2);
+    for i in 0..2 {
+        let y8 = &y[bq8_offset + i];
+        let u = [q8_int(y8, l), q8_int(y8, l + 4)];
+        let v0i = (v[0] >> (4 * i)) & 0x0F0F_0F0F;
+        let v1i = (v[1] >> (4 * i)) & 0x0F0F_0F0F;
+        let dot1 = dp4a(v1i, u[1], dp4a(v0i, u[0], 0));
+        let dot2 = dp4a(0x0101_0101, u[1], dp4a(0x0101_0101, u[0], 0));
+        out.push(
+            bq8_offset + i,
+            bq8_offset + i,
+            dot1 * i32::from(sc[i]),
+            dot2 * i32::from(m[i]),
+        );
     }
 }
 
-/// `vec_dot_q5_K_q8_1` over its 16 threads (QI5_K = 32, VDR = 2). Block: f16 d, f16 dmin, 12
+/// Slice `iqs` (even) of `vec_dot_q5_K_q8_1` (QI5_K = 32, VDR = 2). Block: f16 d, f16 dmin, 12
 /// bytes of scales and mins, 32 bytes of high bits, 128 bytes of nibbles.
-fn ints_q5_k(b: &[u8], y: &[BlockQ8_1], dot: &mut [i32], min: &mut [i32]) {
+fn slice_q5_k(b: &[u8], y: &[BlockQ8_1], iqs: usize, out: &mut SliceInts) {
     let (scales, qh, qs) = (&b[4..16], &b[16..48], &b[48..176]);
-    for iqs in (0..32).step_by(2) {
-        let bq8_offset = 2 * ((iqs / 2) / 4);
-        let l = (iqs / 2) % 4;
-        let ql = 16 * bq8_offset + 4 * l;
-        let vl = [i32_at(qs, ql), i32_at(qs, ql + 16)];
-        let vh = [
-            i32_at(qh, 4 * l) >> bq8_offset,
-            i32_at(qh, 4 * l + 16) >> bq8_offset,
-        ];
-        let (sc, m) = scale_min_k4_pair(scales, bq8_offset / 2);
-        for i in 0..2 {
-            let y8 = &y[bq8_offset + i];
-            let u = [q8_int(y8, l), q8_int(y8, l + 4)];
-            let vl0i = (vl[0] >> (4 * i)) & 0x0F0F_0F0F;
-            let vl1i = (vl[1] >> (4 * i)) & 0x0F0F_0F0F;
-            let vh0i = ((vh[0] >> i) << 4) & 0x1010_1010;
-            let vh1i = ((vh[1] >> i) << 4) & 0x1010_1010;
-            let v0i = vl0i | vh0i;
-            let v1i = vl1i | vh1i;
-            let dot1 = dp4a(v0i, u[0], dp4a(v1i, u[1], 0));
-            let dot2 = dp4a(0x0101_0101, u[0], dp4a(0x0101_0101, u[1], 0));
-            dot[bq8_offset + i] += dot1 * i32::from(sc[i]);
-            min[bq8_offset + i] += dot2 * i32::from(m[i]);
-        }
+    let bq8_offset = 2 * ((iqs / 2) / 4);
+    let l = (iqs / 2) % 4;
+    let ql = 16 * bq8_offset + 4 * l;
+    let vl = [i32_at(qs, ql), i32_at(qs, ql + 16)];
+    let vh = [
+        i32_at(qh, 4 * l) >> bq8_offset,
+        i32_at(qh, 4 * l + 16) >> bq8_offset,
+    ];
+    let (sc, m) = scale_min_k4_pair(scales, bq8_offset / 2);
+    for i in 0..2 {
+        let y8 = &y[bq8_offset + i];
+        let u = [q8_int(y8, l), q8_int(y8, l + 4)];
+        let vl0i = (vl[0] >> (4 * i)) & 0x0F0F_0F0F;
+        let vl1i = (vl[1] >> (4 * i)) & 0x0F0F_0F0F;
+        let vh0i = ((vh[0] >> i) << 4) & 0x1010_1010;
+        let vh1i = ((vh[1] >> i) << 4) & 0x1010_1010;
+        let v0i = vl0i | vh0i;
+        let v1i = vl1i | vh1i;
+        let dot1 = dp4a(v0i, u[0], dp4a(v1i, u[1], 0));
+        let dot2 = dp4a(0x0101_0101, u[0], dp4a(0x0101_0101, u[1], 0));
+        out.push(
+            bq8_offset + i,
+            bq8_offset + i,
+            dot1 * i32::from(sc[i]),
+            dot2 * i32::from(m[i]),
+        );
     }
 }
 
-/// `vec_dot_q6_K_q8_1` over its 32 threads (QI6_K = 32, VDR = 1). Block: 128 bytes of low
-/// nibbles, 64 bytes of high 2-bit pairs, 16 signed scales, f16 d.
-fn ints_q6_k(b: &[u8], y: &[BlockQ8_1], dot: &mut [i32]) {
+/// Slice `iqs` of `vec_dot_q6_K_q8_1` (QI6_K = 32, VDR = 1). Block: 128 bytes of low nibbles,
+/// 64 bytes of high 2-bit pairs, 16 signed scales, f16 d.
+fn slice_q6_k(b: &[u8], y: &[BlockQ8_1], iqs: usize, out: &mut SliceInts) {
     let (ql, qh, scales) = (&b[0..128], &b[128..192], &b[192..208]);
-    for iqs in 0..32 {
-        let bq8_offset = 4 * (iqs / 16) + (iqs % 16) / 8;
-        let scale_offset = 8 * (iqs / 16) + (iqs % 16) / 4;
-        let vh_shift = 2 * ((iqs % 16) / 8);
-        let vl = i32_at(ql, 4 * iqs);
-        let vh = i32_at(qh, 4 * (8 * (iqs / 16) + iqs % 8)) >> vh_shift;
-        for i in 0..2 {
-            let g = scale_offset + 4 * i;
-            let sc = i32::from(scales[g] as i8);
-            let u = q8_int(&y[bq8_offset + 2 * i], iqs % 8);
-            let vil = (vl >> (4 * i)) & 0x0F0F_0F0F;
-            let vih = ((vh >> (4 * i)) << 4) & 0x3030_3030;
-            let vi = vsubss4(vil | vih, 0x2020_2020);
-            dot[g] += dp4a(vi, u, 0) * sc;
-        }
+    let bq8_offset = 4 * (iqs / 16) + (iqs % 16) / 8;
+    let scale_offset = 8 * (iqs / 16) + (iqs % 16) / 4;
+    let vh_shift = 2 * ((iqs % 16) / 8);
+    let vl = i32_at(ql, 4 * iqs);
+    let vh = i32_at(qh, 4 * (8 * (iqs / 16) + iqs % 8)) >> vh_shift;
+    for i in 0..2 {
+        let g = scale_offset + 4 * i;
+        let sc = i32::from(scales[g] as i8);
+        let u = q8_int(&y[bq8_offset + 2 * i], iqs % 8);
+        let vil = (vl >> (4 * i)) & 0x0F0F_0F0F;
+        let vih = ((vh >> (4 * i)) << 4) & 0x3030_3030;
+        let vi = vsubss4(vil | vih, 0x2020_2020);
+        out.push(g, bq8_offset + 2 * i, dp4a(vi, u, 0) * sc, 0);
     }
 }
 
-/// Integer parts of one block whose length and dtype the caller has checked.
-fn ints_unchecked(dtype: GgmlDType, b: &[u8], y: &[BlockQ8_1]) -> BlockInts {
-    let mut dot = Vec::new();
-    let mut min = Vec::new();
+/// The integer parts of slice `s` (`0..slices(dtype)`) of one weight block whose length and
+/// dtype the caller has checked, against the block's Q8_1 blocks `y`.
+pub(crate) fn slice_ints(dtype: GgmlDType, b: &[u8], y: &[BlockQ8_1], s: usize) -> SliceInts {
+    let mut out = SliceInts::default();
     match dtype {
-        GgmlDType::Q4_0 => dot.push(sumi_q4(&b[2..18], &y[0])),
-        GgmlDType::Q4_1 => dot.push(sumi_q4(&b[4..20], &y[0])),
-        GgmlDType::Q5_0 => dot.push(sumi_q5(&b[2..6], &b[6..22], &y[0])),
-        GgmlDType::Q5_1 => dot.push(sumi_q5(&b[4..8], &b[8..24], &y[0])),
-        GgmlDType::Q8_0 => dot.push(sumi_q8_0(&b[2..34], &y[0])),
-        GgmlDType::Q2K => {
-            dot = vec![0; 16];
-            min = vec![0; 16];
-            ints_q2_k(b, y, &mut dot, &mut min);
-        }
-        GgmlDType::Q3K => {
-            dot = vec![0; 16];
-            ints_q3_k(b, y, &mut dot);
-        }
-        GgmlDType::Q4K => {
-            dot = vec![0; 8];
-            min = vec![0; 8];
-            ints_q4_k(b, y, &mut dot, &mut min);
-        }
-        GgmlDType::Q5K => {
-            dot = vec![0; 8];
-            min = vec![0; 8];
-            ints_q5_k(b, y, &mut dot, &mut min);
-        }
-        GgmlDType::Q6K => {
-            dot = vec![0; 16];
-            ints_q6_k(b, y, &mut dot);
-        }
+        GgmlDType::Q4_0 => out.push(0, 0, slice_q4(&b[2..18], &y[0], s), 0),
+        GgmlDType::Q4_1 => out.push(0, 0, slice_q4(&b[4..20], &y[0], s), 0),
+        GgmlDType::Q5_0 => out.push(0, 0, slice_q5(&b[2..6], &b[6..22], &y[0], s), 0),
+        GgmlDType::Q5_1 => out.push(0, 0, slice_q5(&b[4..8], &b[8..24], &y[0], s), 0),
+        GgmlDType::Q8_0 => out.push(0, 0, slice_q8_0(&b[2..34], &y[0], s), 0),
+        GgmlDType::Q2K => slice_q2_k(b, y, s, &mut out),
+        GgmlDType::Q3K => slice_q3_k(b, y, s, &mut out),
+        GgmlDType::Q4K => slice_q4_k(b, y, 2 * s, &mut out),
+        GgmlDType::Q5K => slice_q5_k(b, y, 2 * s, &mut out),
+        GgmlDType::Q6K => slice_q6_k(b, y, s, &mut out),
         _ => {}
+    }
+    out
+}
+
+/// Scale groups of a block: 1 for the legacy types, 16 for Q2_K/Q3_K/Q6_K, 8 for Q4_K/Q5_K.
+fn groups(dtype: GgmlDType) -> usize {
+    match dtype {
+        GgmlDType::Q2K | GgmlDType::Q3K | GgmlDType::Q6K => 16,
+        GgmlDType::Q4K | GgmlDType::Q5K => 8,
+        _ => 1,
+    }
+}
+
+/// Integer parts of one block whose length and dtype the caller has checked: every slice's
+/// contributions added per group.
+fn ints_unchecked(dtype: GgmlDType, b: &[u8], y: &[BlockQ8_1]) -> BlockInts {
+    let mut dot = vec![0; groups(dtype)];
+    let with_min = matches!(dtype, GgmlDType::Q2K | GgmlDType::Q4K | GgmlDType::Q5K);
+    let mut min = if with_min { vec![0; dot.len()] } else { Vec::new() };
+    for s in 0..slices(dtype) {
+        let part = slice_ints(dtype, b, y, s);
+        for c in 0..part.len {
+            dot[part.group[c]] += part.dot[c];
+            if with_min {
+                min[part.group[c]] += part.min[c];
+            }
+        }
     }
     BlockInts { dot, min }
 }

@@ -6,6 +6,7 @@
 pub mod attention;
 pub mod f16mm;
 pub mod flash;
+pub mod matvec;
 pub mod mmvq;
 pub mod norm;
 pub mod q8_1;
