@@ -237,7 +237,12 @@ mod fast_tier {
                 smolchat_engine::fast::twin::f16mm::TOLERANCE
             }
             Op::MatMul { out, .. } if plan.rows_of(out) > MMVQ_MAX_ROWS => 2e-2,
-            Op::MatMul { .. } => 1e-3,
+            // Our matvec kernels and their twin perform the same float operations in the same
+            // order (`fast::twin::matvec`; bit for bit on the same Q8_1 rows:
+            // `matvec_kernels_equal_their_twin_bit_for_bit`); here each side quantizes its own
+            // input, and the block sums (summed in another order) that the legacy types read
+            // may differ in a last bit.
+            Op::MatMul { .. } | Op::QkvMatVec { .. } | Op::SwiGluMatVec { .. } => 1e-3,
             // The flash kernel's contract (`fast::twin::flash::TOLERANCE`): its f16 operands
             // are the twin's, its f32 sums run in the tensor cores' order.
             Op::Attention { .. } => smolchat_engine::fast::twin::flash::TOLERANCE,
@@ -261,7 +266,15 @@ mod fast_tier {
             .collect();
         for d in diffs
             .iter()
-            .filter(|d| matches!(d.op, Op::Attention { .. } | Op::MatMul { .. }))
+            .filter(|d| {
+                matches!(
+                    d.op,
+                    Op::Attention { .. }
+                        | Op::MatMul { .. }
+                        | Op::QkvMatVec { .. }
+                        | Op::SwiGluMatVec { .. }
+                )
+            })
             .take(4)
         {
             eprintln!(
@@ -354,7 +367,10 @@ mod fast_tier {
             gpu.run_op(&plan, op).unwrap_or_else(|e| panic!("{e}"));
             if !matches!(
                 op,
-                Op::RmsNorm { .. } | Op::SiluMul { .. } | Op::Attention { .. }
+                Op::RmsNorm { .. }
+                    | Op::SiluMul { .. }
+                    | Op::SwiGluMatVec { .. }
+                    | Op::Attention { .. }
             ) {
                 continue;
             }
@@ -383,6 +399,149 @@ mod fast_tier {
         // Per layer the attention norm, the attention's merge, the FFN norm and SwiGLU; then the
         // output norm.
         assert_eq!(checked, 4 * spec.n_layers + 1);
+    }
+
+    /// Our matvec kernels equal their twin (`fast::twin::matvec`) bit for bit given the same
+    /// Q8_1 rows: the rows the kernels quantizing in place wrote are read back and fed to the
+    /// twin, for Q/K/V in one launch, the down projection over `matvec_swiglu`'s Q8_1 rows, and
+    /// (within `expf`'s last bits) the SwiGLU itself; every weight type family, steps of 1, 3
+    /// and 8 decode rows.
+    #[test]
+    #[ignore = "needs a CUDA GPU and a `--features cuda` build: run with --ignored there"]
+    fn matvec_kernels_equal_their_twin_bit_for_bit() {
+        use smolchat_engine::fast::plan::{Buf, Matrix};
+        use smolchat_engine::fast::twin::{matvec, norm};
+        cuda_required("matvec_kernels_equal_their_twin_bit_for_bit");
+        let mut three_b = SyntheticSpec::smollm3_3b();
+        three_b.n_layers = 1;
+        let mut specs = vec![("3B Q4_K_M", three_b)];
+        for dtype in [
+            GgmlDType::Q4_0,
+            GgmlDType::Q5_1,
+            GgmlDType::Q8_0,
+            GgmlDType::Q2K,
+        ] {
+            specs.push((
+                "tiny",
+                SyntheticSpec::tiny("smollm3").with_type_mix(TypeMix::Uniform(dtype)),
+            ));
+        }
+        for (name, spec) in specs {
+            let host = weights(&spec);
+            let mut gpu =
+                CudaRunner::load(weights(&spec), 0, false).unwrap_or_else(|e| panic!("{e}"));
+            gpu.reserve_blocks(8).unwrap_or_else(|e| panic!("{e}"));
+            let config = gpu.config().clone();
+            for n_rows in [1usize, 3, 8] {
+                let tokens: Vec<u32> = (0..n_rows as u32).map(|i| 5 + 7 * i).collect();
+                let blocks: Vec<[u32; 1]> = (0..n_rows as u32).map(|b| [b]).collect();
+                let items: Vec<BatchItem<'_>> = (0..n_rows)
+                    .map(|i| BatchItem {
+                        blocks: &blocks[i],
+                        past: 0,
+                        tokens: &tokens[i..i + 1],
+                        logits: LogitsMode::Last,
+                        sample: &[],
+                    })
+                    .collect();
+                let tables = step_tables(&items);
+                let rope = RopeTable::new(&config, &vec![0; n_rows]);
+                let plan = Plan::for_step(&config, &tables);
+                gpu.begin(&plan, &tables, &rope)
+                    .unwrap_or_else(|e| panic!("{e}"));
+                let mut held = None;
+                let mut checked = 0;
+                let what = format!(
+                    "{name} {:?}, {n_rows} rows",
+                    host.matrix(Matrix::Q(0)).map(|m| m.dtype)
+                );
+                for &op in &plan.ops {
+                    gpu.run_op(&plan, op).unwrap_or_else(|e| panic!("{e}"));
+                    let twin = |weight: Matrix, q8: &[smolchat_engine::fast::layout::BlockQ8_1]| {
+                        let m = host.matrix(weight).unwrap_or_else(|e| panic!("{e}"));
+                        let mut out = vec![0.0; n_rows * m.rows];
+                        matvec::matvec(
+                            m.dtype,
+                            m.bytes.as_slice(),
+                            m.rows,
+                            m.cols,
+                            q8,
+                            n_rows,
+                            &mut out,
+                        )
+                        .unwrap_or_else(|e| panic!("{e}"));
+                        out
+                    };
+                    match op {
+                        Op::QkvMatVec { layer } => {
+                            let (buf, q8) = held
+                                .take()
+                                .unwrap_or_else(|| panic!("{what}: no Q8_1 rows of H"));
+                            assert_eq!(buf, Buf::H);
+                            for (weight, out) in [
+                                (Matrix::Q(layer), Buf::Q),
+                                (Matrix::K(layer), Buf::K),
+                                (Matrix::V(layer), Buf::V),
+                            ] {
+                                let got = gpu.read(&plan, out).unwrap_or_else(|e| panic!("{e}"));
+                                let want = twin(weight, &q8);
+                                let differ = got
+                                    .iter()
+                                    .zip(&want)
+                                    .filter(|(a, b)| a.to_bits() != b.to_bits())
+                                    .count();
+                                assert_eq!(
+                                    differ, 0,
+                                    "{what}: {weight:?}: {differ} outputs differ from the twin's"
+                                );
+                            }
+                            checked += 1;
+                        }
+                        Op::SwiGluMatVec { layer, x, gate, .. } => {
+                            let (buf, q8) = held
+                                .take()
+                                .unwrap_or_else(|| panic!("{what}: no Q8_1 rows of {x:?}"));
+                            assert_eq!(buf, x);
+                            let mut g = twin(Matrix::Gate(layer), &q8);
+                            let u = twin(Matrix::Up(layer), &q8);
+                            norm::silu_mul(&mut g, &u);
+                            let got = gpu.read(&plan, gate).unwrap_or_else(|e| panic!("{e}"));
+                            for (i, (a, b)) in got.iter().zip(&g).enumerate() {
+                                assert!(
+                                    (a - b).abs() <= 1e-6 * b.abs().max(1e-3),
+                                    "{what}: SwiGLU {i}: {a} against {b}"
+                                );
+                            }
+                            checked += 1;
+                        }
+                        Op::MatMul {
+                            weight: weight @ Matrix::Down(_),
+                            out,
+                            ..
+                        } => {
+                            let (_, q8) = held
+                                .take()
+                                .unwrap_or_else(|| panic!("{what}: no Q8_1 rows of the SwiGLU"));
+                            let got = gpu.read(&plan, out).unwrap_or_else(|e| panic!("{e}"));
+                            let want = twin(weight, &q8);
+                            let differ = got
+                                .iter()
+                                .zip(&want)
+                                .filter(|(a, b)| a.to_bits() != b.to_bits())
+                                .count();
+                            assert_eq!(
+                                differ, 0,
+                                "{what}: {weight:?}: {differ} outputs differ from the twin's"
+                            );
+                            checked += 1;
+                        }
+                        _ => {}
+                    }
+                    held = gpu.quantized_rows(&plan).unwrap_or_else(|e| panic!("{e}"));
+                }
+                assert_eq!(checked, 3 * config.n_layers, "{what}");
+            }
+        }
     }
 
     /// Every kernel over steps of many shapes: prefill across block boundaries, decode over

@@ -111,3 +111,34 @@ fn a_tensor_core_kernel_without_tensor_core_instructions_fails_the_check() {
         "{text}"
     );
 }
+
+#[test]
+fn a_kernel_without_the_grid_dependency_wait_fails_the_check() {
+    if !nvcc_available() {
+        return;
+    }
+    let dir = tempfile::tempdir().expect("tempdir");
+    let source = kernels();
+    let head = "void add_f32(float *__restrict__ x, const float *__restrict__ y, int n) {\n    GRID_DEPENDENCY();\n";
+    assert!(
+        source.contains(head),
+        "add_f32 starts with GRID_DEPENDENCY() where this test expects it"
+    );
+    // Launched with programmatic dependence, it could read `y` before the kernel writing it
+    // has finished.
+    let racing = dir.path().join("racing.cu");
+    std::fs::write(
+        &racing,
+        source.replace(
+            head,
+            "void add_f32(float *__restrict__ x, const float *__restrict__ y, int n) {\n",
+        ),
+    )
+    .expect("write");
+    let (ok, text) = check(&racing);
+    assert!(!ok, "{text}");
+    assert!(
+        text.contains("add_f32: no griddepcontrol.wait in its PTX"),
+        "{text}"
+    );
+}

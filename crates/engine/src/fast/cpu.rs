@@ -13,7 +13,7 @@ use super::graph::{CaptureGuard, GraphAction, GraphCache, GraphKey, GraphStats};
 use super::launch;
 use super::layout::{KvArena, StepTables};
 use super::plan::{Buf, Matrix, Op, Plan, BUFFERS};
-use super::twin::{attention, f16mm, flash, mmvq, norm, rope, sample};
+use super::twin::{attention, f16mm, flash, matvec, mmvq, norm, rope, sample};
 use super::weights::{FastWeights, RawMatrix};
 use super::{Runner, StepOut};
 use crate::backend::Suggested;
@@ -154,6 +154,71 @@ impl CpuRunner {
         Ok(())
     }
 
+    /// `gate = silu(gate) × up` (the twin of `silu_mul`).
+    fn silu_mul(&mut self, g: Buf, u: Buf) -> Result<()> {
+        let mut gate = self.take(g)?;
+        let up = self.take(u)?;
+        norm::silu_mul(&mut gate, &up);
+        self.put(g, gate);
+        self.put(u, up);
+        Ok(())
+    }
+
+    /// `out = x · Wᵀ` by the kernel a GPU runs for `x`'s rows ([`launch::matmul_path`]): our
+    /// matvec up to 8 rows (`twin::matvec`), the f16 GEMM above when the runner has f16
+    /// copies, else MMQ, which the twins do not model (candle's MMVQ order stands in for it:
+    /// the same integer parts, within `tests/gpu.rs`'s MMQ tolerance).
+    fn matmul(&mut self, plan: &Plan, weight: Matrix, x: Buf, out: Buf) -> Result<()> {
+        let rows = plan.rows_of(x);
+        let path = launch::matmul_path(rows, self.f16);
+        #[cfg(test)]
+        if let Some(fault::Fault::Q8_1ScaleDoubled(broken)) = self.fault {
+            // A bug of the Q8_1 path: steps that take the f16 matmul do not meet it.
+            if broken == weight && path != launch::MatMulPath::F16 {
+                return self.broken_matmul(plan, weight, x, out);
+            }
+        }
+        let input = self.take(x)?;
+        let mut output = self.buffer(plan, out)?;
+        let done = match path {
+            launch::MatMulPath::F16 => {
+                let (n, k) = {
+                    let m = self.weights.matrix(weight)?;
+                    (m.rows, m.cols)
+                };
+                let w16 = self.f16_weight(weight)?;
+                f16mm::matmul(w16, n, k, &input, rows, &mut output)
+            }
+            launch::MatMulPath::Mmvq(_) => {
+                let m = self.weights.matrix(weight)?;
+                matvec::matmul(
+                    m.dtype,
+                    m.bytes.as_slice(),
+                    m.rows,
+                    m.cols,
+                    &input,
+                    rows,
+                    &mut output,
+                )
+            }
+            launch::MatMulPath::Mmq => {
+                let m = self.weights.matrix(weight)?;
+                mmvq::matmul_q8_1(
+                    m.dtype,
+                    m.bytes.as_slice(),
+                    m.rows,
+                    m.cols,
+                    &input,
+                    rows,
+                    &mut output,
+                )
+            }
+        };
+        self.put(x, input);
+        self.put(out, output);
+        done
+    }
+
     fn op(&mut self, plan: &Plan, op: Op) -> Result<()> {
         let tables = std::mem::take(&mut self.tables);
         let done = self.op_over(plan, op, &tables);
@@ -196,35 +261,20 @@ impl CpuRunner {
                 self.put(x, input);
                 self.put(out, output);
             }
-            Op::MatMul { weight, x, out }
-                if launch::matmul_path(plan.rows_of(x), self.f16) == launch::MatMulPath::F16 =>
-            {
-                let input = self.take(x)?;
-                let mut output = self.buffer(plan, out)?;
-                let (rows, cols) = {
-                    let m = self.weights.matrix(weight)?;
-                    (m.rows, m.cols)
-                };
-                let w16 = self.f16_weight(weight)?;
-                f16mm::matmul(w16, rows, cols, &input, plan.rows_of(x), &mut output)?;
-                self.put(x, input);
-                self.put(out, output);
+            Op::MatMul { weight, x, out } => self.matmul(plan, weight, x, out)?,
+            Op::QkvMatVec { layer } => {
+                for (weight, out) in [
+                    (Matrix::Q(layer), Buf::Q),
+                    (Matrix::K(layer), Buf::K),
+                    (Matrix::V(layer), Buf::V),
+                ] {
+                    self.matmul(plan, weight, Buf::H, out)?;
+                }
             }
-            Op::MatMul { weight, x, out } => {
-                let input = self.take(x)?;
-                let mut output = self.buffer(plan, out)?;
-                let m = self.weights.matrix(weight)?;
-                mmvq::matmul_q8_1(
-                    m.dtype,
-                    m.bytes.as_slice(),
-                    m.rows,
-                    m.cols,
-                    &input,
-                    plan.rows_of(x),
-                    &mut output,
-                )?;
-                self.put(x, input);
-                self.put(out, output);
+            Op::SwiGluMatVec { layer, x, gate, up } => {
+                self.matmul(plan, Matrix::Gate(layer), x, gate)?;
+                self.matmul(plan, Matrix::Up(layer), x, up)?;
+                self.silu_mul(gate, up)?;
             }
             Op::RopeKvWrite { layer, rope } => {
                 let (mut q, mut k, v) =
@@ -279,13 +329,7 @@ impl CpuRunner {
                 self.put(Buf::Attn, out);
             }
             Op::Add { x, y } => self.add(x, y)?,
-            Op::SiluMul { gate: g, up: u } => {
-                let mut gate = self.take(g)?;
-                let up = self.take(u)?;
-                norm::silu_mul(&mut gate, &up);
-                self.put(g, gate);
-                self.put(u, up);
-            }
+            Op::SiluMul { gate, up } => self.silu_mul(gate, up)?,
             Op::GatherLogitRows => {
                 let x = self.take(Buf::X)?;
                 let mut sel = self.buffer(plan, Buf::Sel)?;
@@ -520,6 +564,34 @@ pub mod fault {
     }
 
     impl CpuRunner {
+        /// The matmul of `weight` with the first Q8_1 block of every activation row's scale
+        /// doubled ([`Fault::Q8_1ScaleDoubled`]).
+        pub(super) fn broken_matmul(
+            &mut self,
+            plan: &Plan,
+            weight: Matrix,
+            x: Buf,
+            out: Buf,
+        ) -> Result<()> {
+            let input = self.take(x)?;
+            let mut output = self.buffer(plan, out)?;
+            let m = self.weights.matrix(weight)?;
+            let (rows, k) = (plan.rows_of(x), m.cols);
+            let kp = padded_columns(k);
+            let mut q = quantize_rows_q8_1(&input, rows, k, kp);
+            let row_bytes = mmvq::row_bytes(m.dtype, k);
+            for (r, y) in q.chunks_mut(kp / QK8_1).enumerate() {
+                y[0].d = f16::from_f32(2.0 * y[0].d.to_f32());
+                for j in 0..m.rows {
+                    let w = &m.bytes.as_slice()[j * row_bytes..(j + 1) * row_bytes];
+                    output[r * m.rows + j] = mmvq::dot_q8_1(m.dtype, w, y, k)?;
+                }
+            }
+            self.put(x, input);
+            self.put(out, output);
+            Ok(())
+        }
+
         /// Runs `op` the broken way when `fault` breaks it; `false` when `op` is not affected
         /// (the caller then runs it right).
         pub(super) fn broken_op(
@@ -553,29 +625,6 @@ pub mod fault {
                     self.put(Buf::Q, q);
                     self.put(Buf::K, k);
                     self.put(Buf::V, v);
-                }
-                // A bug of the Q8_1 path: steps that take the f16 matmul do not meet it.
-                (Fault::Q8_1ScaleDoubled(broken), Op::MatMul { weight, x, out })
-                    if weight == broken
-                        && launch::matmul_path(plan.rows_of(x), self.f16)
-                            != launch::MatMulPath::F16 =>
-                {
-                    let input = self.take(x)?;
-                    let mut output = self.buffer(plan, out)?;
-                    let m = self.weights.matrix(weight)?;
-                    let (rows, k) = (plan.rows_of(x), m.cols);
-                    let kp = padded_columns(k);
-                    let mut q = quantize_rows_q8_1(&input, rows, k, kp);
-                    let row_bytes = mmvq::row_bytes(m.dtype, k);
-                    for (r, y) in q.chunks_mut(kp / QK8_1).enumerate() {
-                        y[0].d = f16::from_f32(2.0 * y[0].d.to_f32());
-                        for j in 0..m.rows {
-                            let w = &m.bytes.as_slice()[j * row_bytes..(j + 1) * row_bytes];
-                            output[r * m.rows + j] = mmvq::dot_q8_1(m.dtype, w, y, k)?;
-                        }
-                    }
-                    self.put(x, input);
-                    self.put(out, output);
                 }
                 (Fault::KvSlotOffByOne, Op::RopeKvWrite { .. }) => {
                     let mut late = tables.clone();

@@ -43,6 +43,8 @@ pub fn written(op: Op) -> Vec<Buf> {
             ..
         } => vec![x, out],
         Op::RmsNorm { out, .. } | Op::MatMul { out, .. } => vec![out],
+        Op::QkvMatVec { .. } => vec![Buf::Q, Buf::K, Buf::V],
+        Op::SwiGluMatVec { gate, .. } => vec![gate],
         Op::RopeKvWrite { .. } => vec![Buf::Q, Buf::K],
         Op::Attention { .. } => vec![Buf::Attn],
         Op::Add { x, .. } => vec![x],
@@ -130,7 +132,8 @@ mod tests {
         CpuRunner::new(FastWeights::load(&mut src, config, &mut |_, _| {}).expect("weights"))
     }
 
-    /// A runner whose SiLU-mul is wrong: the check names that operation and no other.
+    /// A runner whose SiLU-mul is wrong (alone, or in the fused matvec of the last layer's FFN,
+    /// which runs on the one logit row): the check names that operation and no other.
     struct Miscomputes(CpuRunner);
 
     impl Runner for Miscomputes {
@@ -160,7 +163,7 @@ mod tests {
         }
         fn run_op(&mut self, plan: &Plan, op: Op) -> Result<()> {
             self.0.run_op(plan, op)?;
-            if let Op::SiluMul { gate, .. } = op {
+            if let Op::SiluMul { gate, .. } | Op::SwiGluMatVec { gate, .. } = op {
                 let mut g = self.0.read(plan, gate)?;
                 g[3] += 0.5;
                 self.0.write(plan, gate, &g)?;
@@ -209,9 +212,10 @@ mod tests {
         );
         let wrong: Vec<&OpDiff> = diffs.iter().filter(|d| d.max_diff > 0.0).collect();
         assert_eq!(wrong.len(), config.n_layers, "{wrong:?}");
-        assert!(wrong
-            .iter()
-            .all(|d| matches!(d.op, Op::SiluMul { .. }) && (d.max_diff - 0.5).abs() < 1e-6));
+        assert!(wrong.iter().all(
+            |d| matches!(d.op, Op::SiluMul { .. } | Op::SwiGluMatVec { .. })
+                && (d.max_diff - 0.5).abs() < 1e-6
+        ));
     }
 
     #[test]

@@ -51,7 +51,7 @@ pub fn elementwise(n: usize) -> Result<Launch> {
     })
 }
 
-/// `silu_mul_q8_1`: rows of `cols_padded` values (a multiple of [`ELEMENT_THREADS`], as
+/// `silu_mul_q8_1` and `quantize_rows_q8_1`: rows of `cols_padded` values (a multiple of [`ELEMENT_THREADS`], as
 /// [`crate::fast::layout::padded_columns`] makes them), one thread per value, one block per
 /// [`ELEMENT_THREADS`] values of a row, so each warp quantizes whole Q8_1 blocks.
 pub fn silu_mul_q8_1(rows: usize, cols_padded: usize) -> Result<Launch> {
@@ -247,15 +247,16 @@ pub fn mmvq_pieces(rows: usize) -> Vec<std::ops::Range<usize>> {
 
 /// The most rows a step of `rows` rows may grow to (a decode verifying drafts) with every row's
 /// matmul outputs still computed bit for bit as before, so that drafts never change a reply.
-/// MMVQ's per-row sums depend on its warps per block: 4 for launches of 1 to 4 rows, 2 for 5 to
-/// 8 (`mmvq_nwarps_for` in candle-kernels' `mmvq_gguf.cu`, llama.cpp's `calc_nwarps`); the
-/// graphs' buckets pad within those classes (1, 2, 4 and 8 rows). Above 8 rows MMQ's tiles are
-/// chosen by the row count, so no growth is known to keep its sums.
+/// Up to 8 rows the matmuls are our matvec kernels (`fast::twin::matvec`), which compute a row
+/// the same way whatever the other rows and their number: one class, 1 to 8 rows, so a lone
+/// conversation may verify 7 drafts. (candle's MMVQ, which they replace, had two: its warps per
+/// block changed between 4 and 5 rows.) Above 8 rows MMQ's tiles and the f16 GEMM's are chosen
+/// by the row count, so no growth is known to keep their sums.
 pub fn rows_computed_alike(rows: usize) -> usize {
-    match rows {
-        0..=4 => 4,
-        5..=MMVQ_MAX_ROWS => MMVQ_MAX_ROWS,
-        _ => rows,
+    if rows <= MMVQ_MAX_ROWS {
+        MMVQ_MAX_ROWS
+    } else {
+        rows
     }
 }
 
@@ -394,6 +395,64 @@ pub fn apply_penalties(rows: usize) -> Result<Launch> {
     })
 }
 
+/// Warps (weight rows) per block of `matvec_*` (`MATVEC_WARPS` in the kernels).
+pub const MATVEC_WARPS: usize = 4;
+/// Warps per block of `matvec_swiglu_*` (`SWIGLU_WARPS`): 32 outputs a block, one Q8_1 block
+/// of every row.
+pub const SWIGLU_WARPS: usize = 8;
+
+/// The matvec kernels for weights of `dtype`: (`matvec_<type>`, `matvec_swiglu_<type>`).
+pub fn matvec_kernel(dtype: GgmlDType) -> Result<(&'static str, &'static str)> {
+    Ok(match dtype {
+        GgmlDType::Q4_0 => ("matvec_q4_0", "matvec_swiglu_q4_0"),
+        GgmlDType::Q4_1 => ("matvec_q4_1", "matvec_swiglu_q4_1"),
+        GgmlDType::Q5_0 => ("matvec_q5_0", "matvec_swiglu_q5_0"),
+        GgmlDType::Q5_1 => ("matvec_q5_1", "matvec_swiglu_q5_1"),
+        GgmlDType::Q8_0 => ("matvec_q8_0", "matvec_swiglu_q8_0"),
+        GgmlDType::Q2K => ("matvec_q2_k", "matvec_swiglu_q2_k"),
+        GgmlDType::Q3K => ("matvec_q3_k", "matvec_swiglu_q3_k"),
+        GgmlDType::Q4K => ("matvec_q4_k", "matvec_swiglu_q4_k"),
+        GgmlDType::Q5K => ("matvec_q5_k", "matvec_swiglu_q5_k"),
+        GgmlDType::Q6K => ("matvec_q6_k", "matvec_swiglu_q6_k"),
+        other => {
+            return Err(EngineError::InvalidStep(format!(
+                "the fast tier has no matvec kernel for {other:?}"
+            )))
+        }
+    })
+}
+
+/// `matvec_*` over the rows of up to three matrices (`outputs` in all) and `rows` activation
+/// rows: one warp per output, [`MATVEC_WARPS`] a block.
+pub fn matvec(outputs: usize, rows: usize) -> Result<Launch> {
+    if rows == 0 || rows > MMVQ_MAX_ROWS {
+        return Err(EngineError::InvalidStep(format!(
+            "the matvec kernels take 1 to {MMVQ_MAX_ROWS} rows, not {rows}"
+        )));
+    }
+    Ok(Launch {
+        grid: (dim(outputs.div_ceil(MATVEC_WARPS).max(1), "outputs")?, 1, 1),
+        block: (32 * MATVEC_WARPS as u32, 1, 1),
+    })
+}
+
+/// `matvec_swiglu_*`: one block per 32 of the `cols_padded` outputs (a multiple of 32).
+pub fn matvec_swiglu(cols_padded: usize, rows: usize) -> Result<Launch> {
+    if rows == 0 || rows > MMVQ_MAX_ROWS || !cols_padded.is_multiple_of(QK8_1_VALUES) {
+        return Err(EngineError::InvalidStep(format!(
+            "matvec_swiglu takes 1 to {MMVQ_MAX_ROWS} rows padded to a multiple of 32 values, \
+             not {rows} rows of {cols_padded}"
+        )));
+    }
+    Ok(Launch {
+        grid: (dim((cols_padded / QK8_1_VALUES).max(1), "outputs")?, 1, 1),
+        block: (32 * SWIGLU_WARPS as u32, 1, 1),
+    })
+}
+
+/// Values of a Q8_1 block.
+const QK8_1_VALUES: usize = 32;
+
 /// Every kernel name `cuda/kernels.cu` must define.
 pub fn kernel_names() -> Vec<&'static str> {
     let mut names = vec![
@@ -401,6 +460,7 @@ pub fn kernel_names() -> Vec<&'static str> {
         "add_f32",
         "silu_mul",
         "silu_mul_q8_1",
+        "quantize_rows_q8_1",
         "gather_rows",
         "kv_write",
         "rope_kv_write",
@@ -423,6 +483,7 @@ pub fn kernel_names() -> Vec<&'static str> {
     ] {
         names.extend(get_rows_kernel(dtype));
         names.extend(dequantize_f16_kernel(dtype));
+        names.extend(matvec_kernel(dtype).into_iter().flat_map(|(a, b)| [a, b]));
     }
     for group in 1..=MAX_GROUP {
         names.extend(attention_kernel(group, 1, 64));
@@ -457,6 +518,11 @@ mod tests {
                 );
             } else if let Some(kind) = name.strip_prefix("get_rows_") {
                 assert!(source.contains(&format!("GET_ROWS({kind}, ")), "{name}");
+            } else if let Some(kind) = name
+                .strip_prefix("matvec_swiglu_")
+                .or_else(|| name.strip_prefix("matvec_"))
+            {
+                assert!(source.contains(&format!("MATVEC({kind}, ")), "{name}");
             } else {
                 // `void name(` or `void __launch_bounds__(…) name(`.
                 assert!(
@@ -560,9 +626,10 @@ mod tests {
         assert!(attention_kernel(8, 8, 512).is_err(), "head dim 512");
         assert_eq!(max_splits(1), 1);
         assert_eq!(max_splits(64), 1);
-        // Drafts may grow a step within an MMVQ warp class only, and graph buckets stay in it.
-        assert_eq!(rows_computed_alike(1), 4);
-        assert_eq!(rows_computed_alike(4), 4);
+        // Drafts may grow a step within the matvec kernels' one class (1 to 8 rows: a lone
+        // conversation verifies up to 7), and graph buckets stay in it.
+        assert_eq!(rows_computed_alike(1), 8);
+        assert_eq!(rows_computed_alike(4), 8);
         assert_eq!(rows_computed_alike(5), 8);
         assert_eq!(rows_computed_alike(9), 9);
         for rows in 1..=8 {
@@ -573,6 +640,20 @@ mod tests {
                 "{rows}"
             );
         }
+        assert_eq!(
+            matvec(2048 + 512 + 512, 1).map(|l| l.grid.0).ok(),
+            Some(768)
+        );
+        assert_eq!(
+            matvec(5, 8).map(|l| (l.grid.0, l.block.0)).ok(),
+            Some((2, 128))
+        );
+        assert!(matvec(5, 9).is_err() && matvec(5, 0).is_err());
+        assert_eq!(
+            matvec_swiglu(11008, 1).map(|l| (l.grid.0, l.block.0)).ok(),
+            Some((344, 256))
+        );
+        assert!(matvec_swiglu(11000, 1).is_err());
         assert_eq!(max_splits(65), 2);
         assert_eq!(max_splits(512), 8);
         assert_eq!(max_splits(131_072), 32);

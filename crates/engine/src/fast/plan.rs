@@ -74,6 +74,20 @@ pub enum Op {
     },
     /// `out = x · Wᵀ` (activations quantized to Q8_1, then the quantized dot products).
     MatMul { weight: Matrix, x: Buf, out: Buf },
+    /// `Q`, `K`, `V` = `H · W_Q,K,Vᵀ` of `layer`, as three [`Op::MatMul`]s compute them. Steps of
+    /// up to 8 rows ([`matvec_rows`]) only: one `matvec` launch where the three matrices share
+    /// a type.
+    QkvMatVec { layer: usize },
+    /// `gate = silu(x · W_gateᵀ) × (x · W_upᵀ)` of `layer` (`up` is scratch), as two
+    /// [`Op::MatMul`]s and an [`Op::SiluMul`] compute it. Steps of up to 8 rows only: one
+    /// `matvec_swiglu` launch, which also writes the down projection's Q8_1 rows, where gate and
+    /// up share a type.
+    SwiGluMatVec {
+        layer: usize,
+        x: Buf,
+        gate: Buf,
+        up: Buf,
+    },
     /// RoPE on `Q` and `K` (layers that use it), then `K`, `V` written into the arena at the rows'
     /// slots for `layer`.
     RopeKvWrite { layer: usize, rope: bool },
@@ -89,6 +103,13 @@ pub enum Op {
     Penalties,
     /// One token per logit row drawn from `Logits` ([`crate::fast::twin::sample`]).
     Sample,
+}
+
+/// Whether matmuls over `rows` activation rows run on our matvec kernels (`fast::twin::matvec`),
+/// and so are fused ([`Op::QkvMatVec`], [`Op::SwiGluMatVec`]): steps of up to 8 rows, decode and
+/// drafts' verification (wider steps take MMQ or the f16 GEMM).
+pub fn matvec_rows(rows: usize) -> bool {
+    rows <= crate::fast::launch::MMVQ_MAX_ROWS
 }
 
 /// The operations of one step.
@@ -156,28 +177,34 @@ impl Plan {
             // output on this layer's attention norm, the attention output on the FFN norm);
             // only the last layer's FFN output is added alone, before the logit rows.
             let residual = (layer > 0).then_some(Buf::Proj);
+            ops.push(Op::RmsNorm {
+                x: Buf::X,
+                add: residual,
+                weight: Norm::Attn(layer),
+                out: Buf::H,
+            });
+            if matvec_rows(rows) {
+                ops.push(Op::QkvMatVec { layer });
+            } else {
+                ops.extend([
+                    Op::MatMul {
+                        weight: Matrix::Q(layer),
+                        x: Buf::H,
+                        out: Buf::Q,
+                    },
+                    Op::MatMul {
+                        weight: Matrix::K(layer),
+                        x: Buf::H,
+                        out: Buf::K,
+                    },
+                    Op::MatMul {
+                        weight: Matrix::V(layer),
+                        x: Buf::H,
+                        out: Buf::V,
+                    },
+                ]);
+            }
             ops.extend([
-                Op::RmsNorm {
-                    x: Buf::X,
-                    add: residual,
-                    weight: Norm::Attn(layer),
-                    out: Buf::H,
-                },
-                Op::MatMul {
-                    weight: Matrix::Q(layer),
-                    x: Buf::H,
-                    out: Buf::Q,
-                },
-                Op::MatMul {
-                    weight: Matrix::K(layer),
-                    x: Buf::H,
-                    out: Buf::K,
-                },
-                Op::MatMul {
-                    weight: Matrix::V(layer),
-                    x: Buf::H,
-                    out: Buf::V,
-                },
                 Op::RopeKvWrite {
                     layer,
                     rope: config.uses_rope[layer],
@@ -218,30 +245,44 @@ impl Plan {
                     Buf::Proj,
                 )
             };
-            ops.extend([
-                Op::RmsNorm {
-                    x,
-                    add,
-                    weight: Norm::Ffn(layer),
-                    out: normed,
-                },
-                Op::MatMul {
-                    weight: Matrix::Gate(layer),
+            ops.push(Op::RmsNorm {
+                x,
+                add,
+                weight: Norm::Ffn(layer),
+                out: normed,
+            });
+            let ffn_rows = if normed == Buf::SelNorm {
+                logit_rows
+            } else {
+                rows
+            };
+            if matvec_rows(ffn_rows) {
+                ops.push(Op::SwiGluMatVec {
+                    layer,
                     x: normed,
-                    out: gate,
-                },
-                Op::MatMul {
-                    weight: Matrix::Up(layer),
-                    x: normed,
-                    out: up,
-                },
-                Op::SiluMul { gate, up },
-                Op::MatMul {
-                    weight: Matrix::Down(layer),
-                    x: gate,
-                    out: proj,
-                },
-            ]);
+                    gate,
+                    up,
+                });
+            } else {
+                ops.extend([
+                    Op::MatMul {
+                        weight: Matrix::Gate(layer),
+                        x: normed,
+                        out: gate,
+                    },
+                    Op::MatMul {
+                        weight: Matrix::Up(layer),
+                        x: normed,
+                        out: up,
+                    },
+                    Op::SiluMul { gate, up },
+                ]);
+            }
+            ops.push(Op::MatMul {
+                weight: Matrix::Down(layer),
+                x: gate,
+                out: proj,
+            });
         }
         if config.n_layers > 0 {
             // The last FFN's output, on every row or on the logit rows alone.
@@ -340,11 +381,17 @@ mod tests {
                     weight: Matrix::Gate(l) | Matrix::Up(l) | Matrix::Down(l),
                     x,
                     ..
-                } if *l == last => Some(*x),
+                }
+                | Op::SwiGluMatVec { layer: l, x, .. }
+                    if *l == last =>
+                {
+                    Some(*x)
+                }
                 _ => None,
             })
             .collect();
-        assert_eq!(ffn_inputs, [Buf::SelNorm, Buf::SelNorm, Buf::SelGate]);
+        // One logit row: gate, up and SwiGLU in one matvec op, then the down projection.
+        assert_eq!(ffn_inputs, [Buf::SelNorm, Buf::SelGate]);
         assert_eq!(pruned.rows_of(Buf::SelGate), 1);
         assert_eq!(pruned.len_of(&config, Buf::SelUp), config.ffn);
         let gathered = pruned
@@ -366,6 +413,9 @@ mod tests {
             } | Op::SiluMul {
                 gate: Buf::Gate,
                 ..
+            } | Op::SwiGluMatVec {
+                gate: Buf::Gate,
+                ..
             }
         )));
         for whole in [
@@ -375,6 +425,9 @@ mod tests {
             assert!(!whole.ops.iter().any(|op| matches!(
                 op,
                 Op::SiluMul {
+                    gate: Buf::SelGate,
+                    ..
+                } | Op::SwiGluMatVec {
                     gate: Buf::SelGate,
                     ..
                 }

@@ -324,6 +324,18 @@ extern "C" __global__ void silu_mul_q8_1(float *__restrict__ gate, const float *
     if (c < cols_padded) quantize_q8_1(q8, row * cols_padded + c, v);
 }
 
+// Rows of `cols` values quantized to Q8_1 rows of `cols_padded` (twin: fast::twin::q8_1), for a
+// matvec whose input no kernel quantized in place: candle's quantize_q8_1 arithmetic, in a
+// kernel that takes part in programmatic dependent launch. Grid (cols_padded / blockDim.x, rows).
+extern "C" __global__ void quantize_rows_q8_1(const float *__restrict__ x, q8_1_block *__restrict__ q8,
+                                              int cols, int cols_padded) {
+    GRID_DEPENDENCY();
+    const int c = blockIdx.x * blockDim.x + threadIdx.x;
+    const size_t row = blockIdx.y;
+    const float v = c < cols ? x[row * cols + c] : 0.0f;
+    if (c < cols_padded) quantize_q8_1(q8, row * cols_padded + c, v);
+}
+
 // `out[i] = x[rows[i]]`, rows of `cols` values; one block per output row.
 extern "C" __global__ void gather_rows(const float *__restrict__ x, const uint32_t *__restrict__ rows,
                                        float *__restrict__ out, int cols) {

@@ -1,6 +1,7 @@
-//! The runner's quantized matmuls: llama.cpp's MMVQ (up to 8 activation rows, quantized to
-//! Q8_1) and MMQ (more rows, MMQ's own Q8_1 layout) as candle-kernels exports them, with an input
-//! quantized once for consecutive matmuls that read it.
+//! The runner's quantized matmuls: our matvec kernels (up to 8 activation rows, quantized to
+//! Q8_1; `fast::twin::matvec`), fused for Q/K/V and for gate/up/SwiGLU, and MMQ (more rows,
+//! MMQ's own Q8_1 layout) as candle-kernels exports it, with an input quantized once for
+//! consecutive matmuls that read it.
 
 use super::*;
 
@@ -92,49 +93,22 @@ impl DeviceInfo {
     }
 }
 
-pub(super) type MmvqArgs = (
-    *const c_void,
-    *const c_void,
-    *mut c_void,
-    i32,
-    i32,
-    i32,
-    i32,
-    i32,
-    *mut c_void,
-);
-
-/// One MMVQ launch for a weight of `dtype` (up to 8 activation rows).
-///
-/// # Safety
-/// The pointers are device memory of the right sizes on the stream's context.
-unsafe fn mmvq(dtype: GgmlDType, a: MmvqArgs) -> Result<()> {
-    use candle_kernels::ffi;
-    let f = match dtype {
-        GgmlDType::Q4_0 => ffi::launch_mmvq_gguf_q4_0_f32_plain,
-        GgmlDType::Q4_1 => ffi::launch_mmvq_gguf_q4_1_f32_plain,
-        GgmlDType::Q5_0 => ffi::launch_mmvq_gguf_q5_0_f32_plain,
-        GgmlDType::Q5_1 => ffi::launch_mmvq_gguf_q5_1_f32_plain,
-        GgmlDType::Q8_0 => ffi::launch_mmvq_gguf_q8_0_f32_plain,
-        GgmlDType::Q2K => ffi::launch_mmvq_gguf_q2_k_f32_plain,
-        GgmlDType::Q3K => ffi::launch_mmvq_gguf_q3_k_f32_plain,
-        GgmlDType::Q4K => ffi::launch_mmvq_gguf_q4_k_f32_plain,
-        GgmlDType::Q5K => ffi::launch_mmvq_gguf_q5_k_f32_plain,
-        GgmlDType::Q6K => ffi::launch_mmvq_gguf_q6_k_f32_plain,
-        other => return Err(EngineError::Cuda(format!("no MMVQ kernel for {other:?}"))),
-    };
-    f(a.0, a.1, a.2, a.3, a.4, a.5, a.6, a.7, a.8);
-    Ok(())
-}
+/// One matrix of a matvec launch: its weights, its output and its rows.
+type Segment = (sys::CUdeviceptr, sys::CUdeviceptr, usize);
 
 impl CudaRunner {
-    /// `out = x · Wᵀ`: up to 8 rows, the rows quantized to Q8_1 and MMVQ; above, MMQ over the
-    /// rows quantized to MMQ's Q8_1 layout ([`launch::matmul_path`]).
+    /// `out = x · Wᵀ`: up to 8 rows, the rows quantized to Q8_1 and our matvec; above, MMQ
+    /// over the rows quantized to MMQ's Q8_1 layout, or the f16 GEMM ([`launch::matmul_path`]).
     pub(super) fn matmul(&mut self, plan: &Plan, weight: Matrix, x: Buf, out: Buf) -> Result<()> {
         let result = self.matmul_from(plan, weight, x, out);
         self.quantized = match result {
             // `out` is never `x`; were it so, its quantized copy would be stale.
-            Ok(Quantized::Mmvq(b) | Quantized::Mmq(b, _) | Quantized::F16(b)) if b == out => None,
+            Ok(
+                Quantized::Mmvq(b)
+                | Quantized::MmvqFfn(b)
+                | Quantized::Mmq(b, _)
+                | Quantized::F16(b),
+            ) if b == out => None,
             Ok(q) => Some(q),
             Err(_) => None,
         };
@@ -168,8 +142,8 @@ impl CudaRunner {
         let (x_ptr, _x) = self.buffer(x)?.device_ptr(&self.stream);
         let (w_ptr, _w) = m.data.device_ptr(&self.stream);
         let (out_ptr, _o) = self.buffer(out)?.device_ptr(&self.stream);
-        let pieces = match launch::matmul_path(rows, false) {
-            launch::MatMulPath::Mmvq(pieces) => pieces,
+        match launch::matmul_path(rows, false) {
+            launch::MatMulPath::Mmvq(_) => {}
             launch::MatMulPath::F16 => {
                 return Err(EngineError::Cuda("the f16 path was not taken above".into()))
             }
@@ -226,40 +200,159 @@ impl CudaRunner {
                 }
                 return Ok(held);
             }
-        };
-        let q8 = self.q8_scratch()?;
-        let (q8_ptr, _q) = q8.device_ptr(&self.stream);
-        let held = Quantized::Mmvq(x);
-        if self.quantized != Some(held) {
-            unsafe {
-                candle_kernels::ffi::launch_mmvq_gguf_quantize_q8_1_f32(
-                    x_ptr as *const c_void,
-                    q8_ptr as *mut c_void,
-                    k as i32,
-                    k_padded as i32,
-                    rows as i32,
-                    stream,
-                );
+        }
+        let (y, held) = self.q8_input(x, rows, k)?;
+        self.launch_matvec(m.dtype, &[(w_ptr, out_ptr, n)], y, k, rows)?;
+        Ok(held)
+    }
+
+    /// The Q8_1 rows of `x` (`rows` of `k` values) for the matvec kernels: where a kernel
+    /// quantizing in place left them, or quantized now into the scratch's first half.
+    fn q8_input(&self, x: Buf, rows: usize, k: usize) -> Result<(sys::CUdeviceptr, Quantized)> {
+        let (first, second) = self.q8_regions()?;
+        match self.quantized {
+            Some(Quantized::MmvqFfn(b)) if b == x => return Ok((second, Quantized::MmvqFfn(x))),
+            Some(Quantized::Mmvq(b)) if b == x => return Ok((first, Quantized::Mmvq(x))),
+            _ => {}
+        }
+        let k_padded = padded_columns(k);
+        let f = self.function("quantize_rows_q8_1")?;
+        unsafe {
+            pdl::launch(&self.stream, f)
+                .ptr(self.buffer(x)?)
+                .raw(first)
+                .i32(k as i32)
+                .i32(k_padded as i32)
+                .go(launch::silu_mul_q8_1(rows, k_padded)?)
+        }?;
+        Ok((first, Quantized::Mmvq(x)))
+    }
+
+    /// One `matvec_<dtype>` launch over up to three matrices of `dtype` (`(weights, output,
+    /// rows of the matrix)` each) and the Q8_1 rows at `y`.
+    fn launch_matvec(
+        &self,
+        dtype: GgmlDType,
+        segments: &[Segment],
+        y: sys::CUdeviceptr,
+        k: usize,
+        rows: usize,
+    ) -> Result<()> {
+        if segments.is_empty() || segments.len() > 3 {
+            return Err(EngineError::Cuda(format!(
+                "a matvec launch takes 1 to 3 matrices, not {}",
+                segments.len()
+            )));
+        }
+        let (name, _) = launch::matvec_kernel(dtype)?;
+        let f = self.function(name)?;
+        let seg = |i: usize| segments.get(i).copied().unwrap_or((0, 0, 0));
+        let outputs: usize = segments.iter().map(|s| s.2).sum();
+        let mut l = pdl::launch(&self.stream, f);
+        for i in 0..3 {
+            l.raw(seg(i).0);
+        }
+        for i in 0..3 {
+            l.raw(seg(i).1);
+        }
+        for i in 0..3 {
+            l.i32(seg(i).2 as i32);
+        }
+        l.raw(y)
+            .i32(k as i32)
+            .i32((padded_columns(k) / QK8_1) as i32)
+            .i32(rows as i32);
+        unsafe { l.go(launch::matvec(outputs, rows)?) }
+    }
+
+    /// `Q`, `K`, `V` of `layer` from `H`'s Q8_1 rows: one launch per weight type among the
+    /// three (one for the usual models).
+    pub(super) fn qkv_matvec(&mut self, plan: &Plan, layer: usize) -> Result<()> {
+        let rows = plan.rows_of(Buf::H);
+        let k = self.config.hidden;
+        let (y, held) = self.q8_input(Buf::H, rows, k)?;
+        self.quantized = Some(held);
+        let mut groups: Vec<(GgmlDType, Vec<Segment>)> = Vec::new();
+        let mut guards = Vec::new();
+        for (weight, out) in [
+            (Matrix::Q(layer), Buf::Q),
+            (Matrix::K(layer), Buf::K),
+            (Matrix::V(layer), Buf::V),
+        ] {
+            let m = self.matrix(weight);
+            let (n, cols) = matrix_shape(&self.config, weight);
+            if (m.rows, m.cols) != (n, cols) || cols != k {
+                return Err(EngineError::Cuda(format!(
+                    "{weight:?} is {}x{}, the plan expects {n}x{k}",
+                    m.rows, m.cols
+                )));
+            }
+            let (w_ptr, gw) = m.data.device_ptr(&self.stream);
+            let (o_ptr, go) = self.buffer(out)?.device_ptr(&self.stream);
+            guards.push((gw, go));
+            match groups.iter_mut().find(|(d, _)| *d == m.dtype) {
+                Some((_, segs)) => segs.push((w_ptr, o_ptr, n)),
+                None => groups.push((m.dtype, vec![(w_ptr, o_ptr, n)])),
             }
         }
-        let y_row_bytes = (k_padded / QK8_1 * BLOCK_Q8_1_BYTES) as u64;
-        for piece in pieces {
-            let y = q8_ptr + piece.start as u64 * y_row_bytes;
-            let dst = out_ptr + (piece.start * n * std::mem::size_of::<f32>()) as u64;
-            let args = (
-                w_ptr as *const c_void,
-                y as *const c_void,
-                dst as *mut c_void,
-                k as i32,
-                n as i32,
-                (k_padded / QK8_1) as i32,
-                n as i32,
-                piece.len() as i32,
-                stream,
-            );
-            unsafe { mmvq(m.dtype, args)? };
+        for (dtype, segments) in &groups {
+            self.launch_matvec(*dtype, segments, y, k, rows)?;
         }
-        Ok(held)
+        Ok(())
+    }
+
+    /// `gate = silu(x · W_gateᵀ) × (x · W_upᵀ)` of `layer` and its Q8_1 rows in one
+    /// `matvec_swiglu` launch; `false` (nothing launched) when gate and up differ in type.
+    pub(super) fn swiglu_matvec(
+        &mut self,
+        plan: &Plan,
+        layer: usize,
+        x: Buf,
+        gate: Buf,
+    ) -> Result<bool> {
+        let (wg, wu) = (
+            self.matrix(Matrix::Gate(layer)),
+            self.matrix(Matrix::Up(layer)),
+        );
+        if wg.dtype != wu.dtype {
+            return Ok(false);
+        }
+        let c = &self.config;
+        let (rows, k, n) = (plan.rows_of(x), c.hidden, c.ffn);
+        for m in [wg, wu] {
+            if (m.rows, m.cols) != (n, k) {
+                return Err(EngineError::Cuda(format!(
+                    "layer {layer}'s FFN matrix is {}x{}, the plan expects {n}x{k}",
+                    m.rows, m.cols
+                )));
+            }
+        }
+        let (_, name) = launch::matvec_kernel(wg.dtype)?;
+        let f = self.function(name)?;
+        let (y, _) = self.q8_input(x, rows, k)?;
+        let (first, second) = self.q8_regions()?;
+        if y != first {
+            return Err(EngineError::Cuda(
+                "matvec_swiglu's input must be in the Q8_1 scratch's first half".into(),
+            ));
+        }
+        let cols_padded = padded_columns(n);
+        unsafe {
+            pdl::launch(&self.stream, f)
+                .ptr(&wg.data)
+                .ptr(&wu.data)
+                .raw(y)
+                .ptr(self.buffer(gate)?)
+                .raw(second)
+                .i32(k as i32)
+                .i32((padded_columns(k) / QK8_1) as i32)
+                .i32(n as i32)
+                .i32(cols_padded as i32)
+                .i32(rows as i32)
+                .go(launch::matvec_swiglu(cols_padded, rows)?)
+        }?;
+        self.quantized = Some(Quantized::MmvqFfn(gate));
+        Ok(true)
     }
 }
 
@@ -293,14 +386,12 @@ impl CudaRunner {
             let f = self.function("f32_to_f16")?;
             let count = (rows * k) as i32;
             unsafe {
-                self.stream
-                    .launch_builder(f)
-                    .arg(self.buffer(x)?)
-                    .arg(x16)
-                    .arg(&count)
-                    .launch(config_of(launch::elementwise(rows * k)?))
-            }
-            .map_err(cuda)?;
+                pdl::launch(&self.stream, f)
+                    .ptr(self.buffer(x)?)
+                    .ptr(x16)
+                    .i32(count)
+                    .go(launch::elementwise(rows * k)?)
+            }?;
         }
         let (w_ptr, _w) = w16.device_ptr(&self.stream);
         let (x_ptr, _x) = x16.device_ptr(&self.stream);

@@ -37,6 +37,7 @@ use crate::error::{EngineError, Result};
 use crate::rope::RopeTable;
 
 mod matmul;
+mod pdl;
 
 use matmul::DeviceInfo;
 
@@ -134,7 +135,11 @@ pub struct CudaRunner {
 /// blocks in the layout of one scale kind.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Quantized {
+    /// Q8_1 rows in the scratch's first half (the matvec kernels' input).
     Mmvq(Buf),
+    /// Q8_1 rows `matvec_swiglu` wrote into the scratch's second half while it read its input
+    /// from the first.
+    MmvqFfn(Buf),
     Mmq(Buf, launch::MmqScales),
     /// The f16 activations of the cuBLAS path (not quantized: rounded).
     F16(Buf),
@@ -362,16 +367,23 @@ impl CudaRunner {
     /// GPU tests: a kernel that quantizes its output in place against the twin); `None` when the
     /// scratch holds none.
     pub fn quantized_rows(&mut self, plan: &Plan) -> Result<Option<(Buf, Vec<BlockQ8_1>)>> {
-        let Some(Quantized::Mmvq(buf)) = self.quantized else {
-            return Ok(None);
+        let (buf, second) = match self.quantized {
+            Some(Quantized::Mmvq(buf)) => (buf, false),
+            Some(Quantized::MmvqFfn(buf)) => (buf, true),
+            _ => return Ok(None),
         };
         let rows = plan.rows_of(buf);
         let k = plan.len_of(&self.config, buf) / rows.max(1);
         let blocks = rows * padded_columns(k) / QK8_1;
         let q8 = self.q8_scratch()?;
+        let start = if second {
+            (q8.len() / 2) / 256 * 256
+        } else {
+            0
+        };
         let mut bytes = vec![0u8; blocks * BLOCK_Q8_1_BYTES];
         if !bytes.is_empty() {
-            let view = q8.slice(0..bytes.len());
+            let view = q8.slice(start..start + bytes.len());
             self.stream.memcpy_dtoh(&view, &mut bytes).map_err(cuda)?;
         }
         self.stream.synchronize().map_err(cuda)?;
@@ -392,9 +404,20 @@ impl CudaRunner {
         Ok(Some((buf, parsed)))
     }
 
-    /// The Q8_1 rows MMVQ reads (allocated by `begin` for every step).
+    /// The Q8_1 rows the matvec kernels read (allocated by `begin` for every step): the
+    /// kernels that quantize in place write its first half.
     fn q8_scratch(&self) -> Result<&CudaSlice<u8>> {
         self.q8.as_ref().ok_or_else(|| missing("the Q8_1 scratch"))
+    }
+
+    /// The device addresses of the Q8_1 scratch's two halves: `matvec_swiglu` reads its input
+    /// from the first and writes the down projection's rows into the second (one launch both
+    /// reads and writes Q8_1 rows, so they cannot share memory).
+    fn q8_regions(&self) -> Result<(sys::CUdeviceptr, sys::CUdeviceptr)> {
+        let q8 = self.q8_scratch()?;
+        let (base, _guard) = q8.device_ptr(&self.stream);
+        let half = (q8.len() / 2) / 256 * 256;
+        Ok((base, base + half as u64))
     }
 
     fn function(&self, name: &str) -> Result<&CudaFunction> {
@@ -477,11 +500,9 @@ impl CudaRunner {
             .max()
             .unwrap_or(0);
         let s = &self.stream;
-        grew |= ensure(
-            s,
-            &mut self.q8,
-            plan.rows * widest / QK8_1 * BLOCK_Q8_1_BYTES,
-        )?;
+        // Two halves (see `q8_regions`), each rounded to 256 bytes.
+        let half = (plan.rows * widest / QK8_1 * BLOCK_Q8_1_BYTES).div_ceil(256) * 256;
+        grew |= ensure(s, &mut self.q8, 2 * half)?;
         let widest_rows = plan.rows.max(plan.logit_rows);
         let widest_k = [c.hidden, c.n_heads * c.head_dim, c.ffn]
             .into_iter()
@@ -540,7 +561,10 @@ impl CudaRunner {
     }
 
     fn op(&mut self, plan: &Plan, op: Op) -> Result<()> {
-        if !matches!(op, Op::MatMul { .. }) {
+        if !matches!(
+            op,
+            Op::MatMul { .. } | Op::QkvMatVec { .. } | Op::SwiGluMatVec { .. }
+        ) {
             // Any other operation may write the buffer last quantized.
             self.quantized = None;
         }
@@ -557,15 +581,13 @@ impl CudaRunner {
                 let x = self.buffer(Buf::X)?;
                 let cols = c.hidden as i32;
                 unsafe {
-                    self.stream
-                        .launch_builder(f)
-                        .arg(&self.embedding.data)
-                        .arg(tokens)
-                        .arg(x)
-                        .arg(&cols)
-                        .launch(config_of(launch::per_row(rows)?))
-                }
-                .map_err(cuda)?;
+                    pdl::launch(&self.stream, f)
+                        .ptr(&self.embedding.data)
+                        .ptr(tokens)
+                        .ptr(x)
+                        .i32(cols)
+                        .go(launch::per_row(rows)?)
+                }?;
             }
             Op::RmsNorm {
                 x,
@@ -591,25 +613,32 @@ impl CudaRunner {
                     let (y_ptr, _y) = nullable(&self.stream, y);
                     let (q8_ptr, _q) = nullable(&self.stream, q8);
                     unsafe {
-                        self.stream
-                            .launch_builder(f)
-                            .arg(self.buffer(x)?)
-                            .arg(&y_ptr)
-                            .arg(w)
-                            .arg(self.buffer(out)?)
-                            .arg(&q8_ptr)
-                            .arg(&cols)
-                            .arg(&cols_padded)
-                            .arg(&eps)
-                            .launch(config_of(launch::per_row(n)?))
-                    }
-                    .map_err(cuda)?;
+                        pdl::launch(&self.stream, f)
+                            .ptr(self.buffer(x)?)
+                            .raw(y_ptr)
+                            .ptr(w)
+                            .ptr(self.buffer(out)?)
+                            .raw(q8_ptr)
+                            .i32(cols)
+                            .i32(cols_padded)
+                            .f32(eps)
+                            .go(launch::per_row(n)?)
+                    }?;
                 }
                 if quantize {
                     self.quantized = Some(Quantized::Mmvq(out));
                 }
             }
             Op::MatMul { weight, x, out } => self.matmul(plan, weight, x, out)?,
+            Op::QkvMatVec { layer } => self.qkv_matvec(plan, layer)?,
+            Op::SwiGluMatVec { layer, x, gate, up } => {
+                if !self.swiglu_matvec(plan, layer, x, gate)? {
+                    // Gate and up of different types: two launches and the SwiGLU.
+                    self.matmul(plan, Matrix::Gate(layer), x, gate)?;
+                    self.matmul(plan, Matrix::Up(layer), x, up)?;
+                    self.op(plan, Op::SiluMul { gate, up })?;
+                }
+            }
             Op::RopeKvWrite { layer, rope } => {
                 let slots = self.tables.slots.as_ref().ok_or_else(|| missing("slots"))?;
                 let arena = self.arena.as_ref().ok_or_else(|| missing("the KV arena"))?;
@@ -633,40 +662,36 @@ impl CudaRunner {
                         c.rope_dim,
                     )?;
                     unsafe {
-                        self.stream
-                            .launch_builder(f)
-                            .arg(self.buffer(Buf::Q)?)
-                            .arg(self.buffer(Buf::K)?)
-                            .arg(self.buffer(Buf::V)?)
-                            .arg(cos)
-                            .arg(sin)
-                            .arg(slots)
-                            .arg(arena)
-                            .arg(&heads)
-                            .arg(&kvh)
-                            .arg(&hd)
-                            .arg(&rope_dim)
-                            .arg(&l)
-                            .arg(&layers)
-                            .launch(config_of(launch))
-                    }
-                    .map_err(cuda)?;
+                        pdl::launch(&self.stream, f)
+                            .ptr(self.buffer(Buf::Q)?)
+                            .ptr(self.buffer(Buf::K)?)
+                            .ptr(self.buffer(Buf::V)?)
+                            .ptr(cos)
+                            .ptr(sin)
+                            .ptr(slots)
+                            .ptr(arena)
+                            .i32(heads)
+                            .i32(kvh)
+                            .i32(hd)
+                            .i32(rope_dim)
+                            .i32(l)
+                            .i32(layers)
+                            .go(launch)
+                    }?;
                 } else {
                     let f = self.function("kv_write")?;
                     unsafe {
-                        self.stream
-                            .launch_builder(f)
-                            .arg(self.buffer(Buf::K)?)
-                            .arg(self.buffer(Buf::V)?)
-                            .arg(slots)
-                            .arg(arena)
-                            .arg(&l)
-                            .arg(&layers)
-                            .arg(&kvh)
-                            .arg(&hd)
-                            .launch(config_of(launch::kv_write(rows, c.n_kv_heads, c.head_dim)?))
-                    }
-                    .map_err(cuda)?;
+                        pdl::launch(&self.stream, f)
+                            .ptr(self.buffer(Buf::K)?)
+                            .ptr(self.buffer(Buf::V)?)
+                            .ptr(slots)
+                            .ptr(arena)
+                            .i32(l)
+                            .i32(layers)
+                            .i32(kvh)
+                            .i32(hd)
+                            .go(launch::kv_write(rows, c.n_kv_heads, c.head_dim)?)
+                    }?;
                 }
             }
             Op::Attention { layer } => {
@@ -679,14 +704,12 @@ impl CudaRunner {
                 let n = plan.len_of(c, x);
                 let n32 = n as i32;
                 unsafe {
-                    self.stream
-                        .launch_builder(f)
-                        .arg(self.buffer(x)?)
-                        .arg(self.buffer(y)?)
-                        .arg(&n32)
-                        .launch(config_of(launch::elementwise(n)?))
-                }
-                .map_err(cuda)?;
+                    pdl::launch(&self.stream, f)
+                        .ptr(self.buffer(x)?)
+                        .ptr(self.buffer(y)?)
+                        .i32(n32)
+                        .go(launch::elementwise(n)?)
+                }?;
             }
             Op::SiluMul { gate, up } if launch::quantizes_in_place(plan.rows_of(gate)) => {
                 // The down projection's Q8_1 rows in the same launch.
@@ -695,19 +718,14 @@ impl CudaRunner {
                 let q8 = self.q8_scratch()?;
                 let (cols, padded32) = (c.ffn as i32, cols_padded as i32);
                 unsafe {
-                    self.stream
-                        .launch_builder(f)
-                        .arg(self.buffer(gate)?)
-                        .arg(self.buffer(up)?)
-                        .arg(q8)
-                        .arg(&cols)
-                        .arg(&padded32)
-                        .launch(config_of(launch::silu_mul_q8_1(
-                            plan.rows_of(gate),
-                            cols_padded,
-                        )?))
-                }
-                .map_err(cuda)?;
+                    pdl::launch(&self.stream, f)
+                        .ptr(self.buffer(gate)?)
+                        .ptr(self.buffer(up)?)
+                        .ptr(q8)
+                        .i32(cols)
+                        .i32(padded32)
+                        .go(launch::silu_mul_q8_1(plan.rows_of(gate), cols_padded)?)
+                }?;
                 self.quantized = Some(Quantized::Mmvq(gate));
             }
             Op::SiluMul { gate, up } => {
@@ -715,14 +733,12 @@ impl CudaRunner {
                 let n = plan.len_of(c, gate);
                 let n32 = n as i32;
                 unsafe {
-                    self.stream
-                        .launch_builder(f)
-                        .arg(self.buffer(gate)?)
-                        .arg(self.buffer(up)?)
-                        .arg(&n32)
-                        .launch(config_of(launch::elementwise(n)?))
-                }
-                .map_err(cuda)?;
+                    pdl::launch(&self.stream, f)
+                        .ptr(self.buffer(gate)?)
+                        .ptr(self.buffer(up)?)
+                        .i32(n32)
+                        .go(launch::elementwise(n)?)
+                }?;
             }
             Op::Penalties => {
                 let f = self.function("apply_penalties")?;
@@ -738,16 +754,14 @@ impl CudaRunner {
                     .ok_or_else(|| missing("sampling rows"))?;
                 let vocab = c.vocab_size as i32;
                 unsafe {
-                    self.stream
-                        .launch_builder(f)
-                        .arg(self.buffer(Buf::Logits)?)
-                        .arg(entries)
-                        .arg(spans)
-                        .arg(rows)
-                        .arg(&vocab)
-                        .launch(config_of(launch::apply_penalties(plan.logit_rows)?))
-                }
-                .map_err(cuda)?;
+                    pdl::launch(&self.stream, f)
+                        .ptr(self.buffer(Buf::Logits)?)
+                        .ptr(entries)
+                        .ptr(spans)
+                        .ptr(rows)
+                        .i32(vocab)
+                        .go(launch::apply_penalties(plan.logit_rows)?)
+                }?;
             }
             Op::Sample => {
                 let f = self.function("sample_rows")?;
@@ -759,15 +773,13 @@ impl CudaRunner {
                 let drawn = self.drawn.as_ref().ok_or_else(|| missing("drawn tokens"))?;
                 let vocab = c.vocab_size as i32;
                 unsafe {
-                    self.stream
-                        .launch_builder(f)
-                        .arg(self.buffer(Buf::Logits)?)
-                        .arg(rows)
-                        .arg(drawn)
-                        .arg(&vocab)
-                        .launch(config_of(launch::sample_rows(plan.logit_rows)?))
-                }
-                .map_err(cuda)?;
+                    pdl::launch(&self.stream, f)
+                        .ptr(self.buffer(Buf::Logits)?)
+                        .ptr(rows)
+                        .ptr(drawn)
+                        .i32(vocab)
+                        .go(launch::sample_rows(plan.logit_rows)?)
+                }?;
             }
             Op::GatherLogitRows => {
                 let f = self.function("gather_rows")?;
@@ -778,15 +790,13 @@ impl CudaRunner {
                     .ok_or_else(|| missing("logit rows"))?;
                 let cols = c.hidden as i32;
                 unsafe {
-                    self.stream
-                        .launch_builder(f)
-                        .arg(self.buffer(Buf::X)?)
-                        .arg(picked)
-                        .arg(self.buffer(Buf::Sel)?)
-                        .arg(&cols)
-                        .launch(config_of(launch::per_row(plan.logit_rows)?))
-                }
-                .map_err(cuda)?;
+                    pdl::launch(&self.stream, f)
+                        .ptr(self.buffer(Buf::X)?)
+                        .ptr(picked)
+                        .ptr(self.buffer(Buf::Sel)?)
+                        .i32(cols)
+                        .go(launch::per_row(plan.logit_rows)?)
+                }?;
             }
         }
         Ok(())
@@ -829,55 +839,44 @@ impl CudaRunner {
                     .as_ref()
                     .ok_or_else(|| missing("flash tiles"))?;
                 unsafe {
-                    self.stream
-                        .launch_builder(self.function(kernel)?)
-                        .arg(self.buffer(Buf::Q)?)
-                        .arg(arena)
-                        .arg(seqs)
-                        .arg(block_tables)
-                        .arg(&max_blocks)
-                        .arg(tiles)
-                        .arg(self.buffer(Buf::Attn)?)
-                        .arg(&l)
-                        .arg(&layers)
-                        .arg(&heads)
-                        .arg(&kvh)
-                        .launch(config_of(launch::flash_prefill(
-                            t.flash_tile_count,
-                            c.n_kv_heads,
-                        )?))
-                }
-                .map_err(cuda)?;
+                    pdl::launch(&self.stream, self.function(kernel)?)
+                        .ptr(self.buffer(Buf::Q)?)
+                        .ptr(arena)
+                        .ptr(seqs)
+                        .ptr(block_tables)
+                        .i32(max_blocks)
+                        .ptr(tiles)
+                        .ptr(self.buffer(Buf::Attn)?)
+                        .i32(l)
+                        .i32(layers)
+                        .i32(heads)
+                        .i32(kvh)
+                        .go(launch::flash_prefill(t.flash_tile_count, c.n_kv_heads)?)
+                }?;
                 flash::MIN_ROWS as i32
             }
             _ => i32::MAX,
         };
         unsafe {
-            self.stream
-                .launch_builder(f)
-                .arg(self.buffer(Buf::Q)?)
-                .arg(arena)
-                .arg(row_seq)
-                .arg(seqs)
-                .arg(block_tables)
-                .arg(&max_blocks)
-                .arg(part_max)
-                .arg(part_sum)
-                .arg(part_out)
-                .arg(&max_splits)
-                .arg(&l)
-                .arg(&layers)
-                .arg(&heads)
-                .arg(&kvh)
-                .arg(&hd)
-                .arg(&flash_rows)
-                .launch(config_of(launch::attention_partial(
-                    rows,
-                    c.n_kv_heads,
-                    splits,
-                )?))
-        }
-        .map_err(cuda)?;
+            pdl::launch(&self.stream, f)
+                .ptr(self.buffer(Buf::Q)?)
+                .ptr(arena)
+                .ptr(row_seq)
+                .ptr(seqs)
+                .ptr(block_tables)
+                .i32(max_blocks)
+                .ptr(part_max)
+                .ptr(part_sum)
+                .ptr(part_out)
+                .i32(max_splits)
+                .i32(l)
+                .i32(layers)
+                .i32(heads)
+                .i32(kvh)
+                .i32(hd)
+                .i32(flash_rows)
+                .go(launch::attention_partial(rows, c.n_kv_heads, splits)?)
+        }?;
         // For MMVQ steps the merge also writes the output projection's Q8_1 rows, where
         // every warp's 32 values are one whole block of them; not when flash rows (which it
         // leaves alone) are in the step: the matmul then quantizes all rows itself.
@@ -891,25 +890,21 @@ impl CudaRunner {
         let cols_padded = q_dim as i32;
         let f = self.function("attention_merge")?;
         unsafe {
-            self.stream
-                .launch_builder(f)
-                .arg(row_seq)
-                .arg(seqs)
-                .arg(part_max)
-                .arg(part_sum)
-                .arg(part_out)
-                .arg(self.buffer(Buf::Attn)?)
-                .arg(&q8_ptr)
-                .arg(&cols_padded)
-                .arg(&max_splits)
-                .arg(&heads)
-                .arg(&hd)
-                .arg(&flash_rows)
-                .launch(config_of(launch::attention_merge(
-                    rows, c.n_heads, c.head_dim,
-                )?))
-        }
-        .map_err(cuda)?;
+            pdl::launch(&self.stream, f)
+                .ptr(row_seq)
+                .ptr(seqs)
+                .ptr(part_max)
+                .ptr(part_sum)
+                .ptr(part_out)
+                .ptr(self.buffer(Buf::Attn)?)
+                .raw(q8_ptr)
+                .i32(cols_padded)
+                .i32(max_splits)
+                .i32(heads)
+                .i32(hd)
+                .i32(flash_rows)
+                .go(launch::attention_merge(rows, c.n_heads, c.head_dim)?)
+        }?;
         Ok(quantize)
     }
 }

@@ -64,9 +64,7 @@ pub fn slice_value(dtype: GgmlDType, b: &[u8], y: &[BlockQ8_1], s: usize) -> f32
     match dtype {
         GgmlDType::Q4_0 => f16_at(b, 0) * (sumi * d8 - 4.0 * s8),
         GgmlDType::Q5_0 => f16_at(b, 0) * (sumi * d8 - 8.0 * s8),
-        GgmlDType::Q4_1 | GgmlDType::Q5_1 => {
-            sumi * (f16_at(b, 0) * d8) + f16_at(b, 2) * s8 * 0.5
-        }
+        GgmlDType::Q4_1 | GgmlDType::Q5_1 => sumi * (f16_at(b, 0) * d8) + f16_at(b, 2) * s8 * 0.5,
         GgmlDType::Q8_0 => sumi * (f16_at(b, 0) * d8),
         GgmlDType::Q2K => {
             let (sd, sm) = sums();

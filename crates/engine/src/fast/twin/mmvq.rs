@@ -371,7 +371,11 @@ fn groups(dtype: GgmlDType) -> usize {
 fn ints_unchecked(dtype: GgmlDType, b: &[u8], y: &[BlockQ8_1]) -> BlockInts {
     let mut dot = vec![0; groups(dtype)];
     let with_min = matches!(dtype, GgmlDType::Q2K | GgmlDType::Q4K | GgmlDType::Q5K);
-    let mut min = if with_min { vec![0; dot.len()] } else { Vec::new() };
+    let mut min = if with_min {
+        vec![0; dot.len()]
+    } else {
+        Vec::new()
+    };
     for s in 0..slices(dtype) {
         let part = slice_ints(dtype, b, y, s);
         for c in 0..part.len {
