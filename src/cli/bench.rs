@@ -67,6 +67,12 @@ pub struct BenchArgs {
     /// ratio (`seed_engine` in the JSON).
     #[arg(long, conflicts_with = "speculative")]
     pub seed_engine: bool,
+    /// Profile one decode step instead of benchmarking: prefill DEPTH tokens (DEPTH 0: one),
+    /// decode until the step is replayed from a decode graph, then decode one step inside the
+    /// backend's profiler range, which Nsight Compute run with `--profile-from-start off`
+    /// profiles alone (`scripts/gpu-check.sh profile`). Prints where the range was.
+    #[arg(long, value_name = "DEPTH", conflicts_with_all = ["speculative", "seed_engine"])]
+    pub profile_decode_at: Option<usize>,
     #[command(flatten)]
     pub device: super::DeviceArg,
 }
@@ -136,6 +142,9 @@ pub fn run(args: &BenchArgs, globals: &super::Globals) -> Result<()> {
         cfg.context_length
     );
     let prompt = pseudo_random_tokens(args.prompt_tokens, cfg.vocab_size, 1);
+    if let Some(depth) = args.profile_decode_at {
+        return profile_decode(&mut engine, depth, cfg.vocab_size, cfg.context_length);
+    }
 
     // Warm figures, as llama-bench gives them: one untimed run, then `--repeat` timed runs of
     // each measurement on a fresh sequence, and their median.
@@ -461,6 +470,50 @@ fn replay_steps(
     }
     engine.truncate(seq, prompt_len)?;
     Ok((t.elapsed().as_secs_f64(), tokens))
+}
+
+/// `--profile-decode-at`: one decode step at `depth` inside the profiler range, after
+/// [`WARM_UP_STEPS`] and two more (the graph warmed up, captured, then replayed once).
+fn profile_decode(engine: &mut Engine, depth: usize, vocab: usize, context: usize) -> Result<()> {
+    const BEFORE: usize = WARM_UP_STEPS + 2;
+    anyhow::ensure!(
+        depth.max(1) + BEFORE < context,
+        "--profile-decode-at {depth} and {} decode steps exceed the model's context of {context}",
+        BEFORE + 1
+    );
+    let on_device = engine.samples_on_device();
+    let mut logits = Logits::new();
+    let prompt = pseudo_random_tokens(depth.max(1), vocab, 1);
+    let seq = engine.create_sequence();
+    engine.step_into(
+        &[SeqStep {
+            seq,
+            tokens: &prompt,
+            logits: LogitsMode::Last,
+        }],
+        &mut logits,
+    )?;
+    let mut next = argmax(logits.get(0).context("no logits")?);
+    for _ in 0..BEFORE {
+        next = greedy_step(engine, &[seq], &[[next]], on_device, &mut logits)?[0];
+    }
+    engine.profiler_range(true)?;
+    let t = Instant::now();
+    let step = greedy_step(engine, &[seq], &[[next]], on_device, &mut logits);
+    let seconds = t.elapsed().as_secs_f64();
+    engine.profiler_range(false)?;
+    step?;
+    engine.free_sequence(seq);
+    println!(
+        "{}",
+        serde_json::json!({
+            "profiled": "one greedy decode step of one sequence",
+            "depth": depth.max(1) + BEFORE,
+            "steps_before": BEFORE,
+            "seconds": seconds,
+        })
+    );
+    Ok(())
 }
 
 /// Untimed decode steps before each timed decode, as llama-bench warms up: on a GPU the first

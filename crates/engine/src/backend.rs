@@ -86,6 +86,12 @@ pub trait Backend: Send {
     fn samples_on_device(&self) -> bool {
         false
     }
+    /// Opens (`on`) or closes a profiler range: on a GPU, what Nsight Compute run with
+    /// `--profile-from-start off` profiles (`smolchat bench --profile-decode-at`). Backends
+    /// without a profiler do nothing.
+    fn profiler_range(&mut self, _on: bool) -> Result<()> {
+        Ok(())
+    }
     /// Checks a step's items before any block is taken (token ids, lengths, the window).
     fn validate(&self, items: &[BatchItem<'_>]) -> Result<()>;
     /// One forward pass over `items`, whose blocks are reserved: writes their K/V and puts each

@@ -351,6 +351,11 @@ impl Engine {
         self.backend.samples_on_device()
     }
 
+    /// Opens or closes the backend's profiler range ([`Backend::profiler_range`]).
+    pub fn profiler_range(&mut self, on: bool) -> Result<()> {
+        self.backend.profiler_range(on)
+    }
+
     /// [`Self::step_into`], where `sampling[i]` says how to draw step `i`'s tokens on the
     /// device when it asks for [`LogitsMode::Sample`] (one row; the token is then
     /// `out.token(i)`) or [`LogitsMode::SampleAll`] (a row per token; `out.tokens(i)`).

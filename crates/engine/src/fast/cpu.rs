@@ -405,6 +405,12 @@ impl Runner for CpuRunner {
         Device::Cpu
     }
 
+    /// As the CUDA runner's: the twins run the GPU's matmul classes (our matvec up to 8 rows,
+    /// MMQ's stand-in or the f16 GEMM above), so a step may grow only within its class.
+    fn rows_computed_alike(&self, rows: usize) -> usize {
+        launch::rows_computed_alike(rows)
+    }
+
     fn config(&self) -> &crate::config::ModelConfig {
         &self.weights.config
     }

@@ -146,6 +146,9 @@ mod tests {
         fn weight_bytes(&self) -> usize {
             self.0.weight_bytes()
         }
+        fn rows_computed_alike(&self, rows: usize) -> usize {
+            self.0.rows_computed_alike(rows)
+        }
         fn arena(&self) -> crate::fast::layout::KvArena {
             self.0.arena()
         }

@@ -39,9 +39,11 @@ pub trait Runner: Send {
     fn resident_blocks(&self) -> usize;
     /// The serving limits its device suits.
     fn suggested(&self) -> Suggested;
-    /// See [`Backend::rows_computed_alike`]. The CPU twins compute every row alike.
-    fn rows_computed_alike(&self, _rows: usize) -> usize {
-        usize::MAX
+    /// See [`Backend::rows_computed_alike`].
+    fn rows_computed_alike(&self, rows: usize) -> usize;
+    /// See [`Backend::profiler_range`]; the CPU runner has no profiler.
+    fn profiler_range(&mut self, _on: bool) -> Result<()> {
+        Ok(())
     }
     /// Sizes every buffer and table for steps up to `plan` (its rows, logit rows, blocks per
     /// sequence and splits) of up to `sequences` sequences, before the first step (see
@@ -326,6 +328,10 @@ impl<R: Runner> Backend for FastBackend<R> {
 
     fn samples_on_device(&self) -> bool {
         true
+    }
+
+    fn profiler_range(&mut self, on: bool) -> Result<()> {
+        self.runner.profiler_range(on)
     }
 
     fn rows_computed_alike(&self, rows: usize) -> usize {

@@ -933,6 +933,22 @@ impl Runner for CudaRunner {
         launch::rows_computed_alike(rows)
     }
 
+    /// `cuProfilerStart`/`cuProfilerStop`, after the stream's work so far has finished (the
+    /// range then holds exactly the work queued inside it).
+    fn profiler_range(&mut self, on: bool) -> Result<()> {
+        self.stream.synchronize().map_err(cuda)?;
+        self.stream.context().bind_to_thread().map_err(cuda)?;
+        // SAFETY: plain driver calls on the bound context.
+        unsafe {
+            if on {
+                sys::cuProfilerStart().result()
+            } else {
+                sys::cuProfilerStop().result()
+            }
+        }
+        .map_err(cuda)
+    }
+
     fn config(&self) -> &ModelConfig {
         &self.config
     }
