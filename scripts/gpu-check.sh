@@ -348,16 +348,12 @@ case "$phase" in
   profile)
     # Where a step's time goes on this GPU: our op-by-op profile of the 3B shape (a synchronize
     # after each op, so each carries its launch overhead), then Nsight Compute's per-kernel
-    # table of one `smolchat bench` run on the fast tier (prefill 512, then decode steps, the
-    # later ones replayed from graphs: the kernels as they really run), and of llama-bench when
-    # the `llama` phase built it. Nsight Systems is not looked for: the GPU machines lack it.
+    # tables of one decode step at depth 0 and at 512, ours (a graph replay: the kernels as
+    # they really run) beside llama-bench's when the `llama` phase built it. Nsight Systems is
+    # not looked for: the GPU machines lack it.
     unpack
-    # Kernel launches ncu profiles per program: the 3B shape's prefill (~500 launches) and its
-    # first decode steps; each launch is serialized, so this bounds the phase.
-    launches=${GPU_CHECK_NCU_LAUNCHES:-2000}
-    export launches
     profile() {
-      local ncu ncu_json=null llama_json=null left
+      local ncu left
       gpu_tests fast_tier::profile_the_3b_shape >&2 || return 1
       ncu=$(command -v ncu)
       for c in /usr/local/cuda-*/bin/ncu /opt/nvidia/nsight-compute/*/ncu; do
@@ -369,30 +365,42 @@ case "$phase" in
         return 0
       fi
       make_model >&2 || return 1
-      left=$((limit - SECONDS - 10))
-      [[ $left -gt 10 ]] || { echo "gpu-check: no time left for ncu" >&2; return 1; }
-      local workload="smolchat bench --prompt-tokens 512 --gen-tokens 1 --batch 1 (fast tier): prefill 512, then decode steps"
-      echo "gpu-check: $ncu --csv, first $launches launches of $workload, within $left s" >&2
-      SMOLCHAT_MODEL__GPU_TIER=fast timeout "$left" "$ncu" --csv --page raw --metrics gpu__time_duration.sum \
-        --launch-count "$launches" --cache-control none --clock-control none \
-        "$bin" bench --model "$model" --device cuda --prompt-tokens 512 --gen-tokens 1 --batch 1 \
-        >"$out/ncu-smolchat.csv" 2>&1
-      echo "gpu-check: ncu exit status $?" >&2
-      ncu_json=$(python3 "$repo/scripts/gpu_check.py" ncu-summary "$out/ncu-smolchat.csv" "$workload") || {
-        grep -E "^==(ERROR|WARNING)==" "$out/ncu-smolchat.csv" | head -5 >&2
-        echo "gpu-check: ncu gave no per-kernel rows: $ncu_json" >&2
-        return 1
-      }
-      local lb="$work/llama.cpp/build/bin"
-      left=$((limit - SECONDS - 5))
-      if [[ -x "$lb/llama-bench" && $left -gt 20 ]]; then
-        timeout "$left" "$ncu" --csv --page raw --metrics gpu__time_duration.sum --launch-count "$launches" \
-          --cache-control none --clock-control none \
-          "$lb/llama-bench" -m "$model" -ngl 99 -p 512 -n 1 -r 1 >"$out/ncu-llama.csv" 2>&1
-        llama_json=$(python3 "$repo/scripts/gpu_check.py" ncu-summary "$out/ncu-llama.csv" \
-          "llama-bench -p 512 -n 1 -r 1") || llama_json=null
-      fi
-      echo "{\"ncu\": $ncu_json, \"ncu_llama\": $llama_json}"
+      # One decode step, ours and llama-bench's, at depth 0 and 512: ours is the step inside
+      # the profiler range `bench --profile-decode-at` opens (a graph replay), llama-bench's
+      # the last token of `-p 0 -n 1 -r 1` (its warm-up token and the measured one at depth
+      # 0 make the launches per token: half of that run's).
+      local depth ours theirs per_token=0 lb="$work/llama.cpp/build/bin" decode="{"
+      local metrics=(--csv --page raw --metrics gpu__time_duration.sum --cache-control none --clock-control none)
+      for depth in 0 512; do
+        left=$((limit - SECONDS - 10))
+        [[ $left -gt 10 ]] || { echo "gpu-check: no time left for ncu at depth $depth" >&2; break; }
+        echo "gpu-check: ncu of one decode step of ours at depth $depth, within $left s" >&2
+        SMOLCHAT_MODEL__GPU_TIER=fast timeout "$left" "$ncu" "${metrics[@]}" --profile-from-start off \
+          "$bin" bench --model "$model" --device cuda --profile-decode-at "$depth" \
+          >"$out/ncu-decode-$depth.csv" 2>&1
+        ours=$(python3 "$repo/scripts/gpu_check.py" ncu-summary "$out/ncu-decode-$depth.csv" \
+          "smolchat: one decode step at depth $depth (graph replay)") || {
+          grep -E "^==(ERROR|WARNING)==" "$out/ncu-decode-$depth.csv" | head -5 >&2
+          echo "gpu-check: ncu gave no per-kernel rows for our decode at depth $depth: $ours" >&2
+          return 1
+        }
+        theirs=null
+        left=$((limit - SECONDS - 5))
+        if [[ -x "$lb/llama-bench" && $left -gt 20 ]]; then
+          timeout "$left" "$ncu" "${metrics[@]}" \
+            "$lb/llama-bench" -m "$model" -ngl 99 -p 0 -n 1 -d "$depth" -r 1 >"$out/ncu-llama-$depth.csv" 2>&1
+          if [[ $depth == 0 ]]; then
+            per_token=$(python3 "$repo/scripts/gpu_check.py" ncu-summary "$out/ncu-llama-0.csv" |
+              python3 -c 'import json,sys; print(json.load(sys.stdin).get("launches", 0) // 2)') || per_token=0
+          fi
+          [[ $per_token -gt 0 ]] && theirs=$(python3 "$repo/scripts/gpu_check.py" ncu-summary \
+            "$out/ncu-llama-$depth.csv" "llama-bench: one decode token at depth $depth" --tail "$per_token") ||
+            theirs=null
+        fi
+        decode+="\"$depth\": {\"ours\": $ours, \"llama\": $theirs},"
+      done
+      decode="${decode%,}}"
+      echo "{\"decode\": $decode}"
     }
     if [[ "$device" == cuda* ]]; then
       run_json_phase profile profile

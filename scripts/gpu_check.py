@@ -243,9 +243,10 @@ def short_kernel(name):
     return name if len(name) <= 90 else name[:87] + "..."
 
 
-def ncu_summary(path, top=25):
+def ncu_summary(path, top=25, tail=None):
     """Per-kernel table from `ncu --csv --page raw --metrics gpu__time_duration.sum`'s output
-    (mixed with the program's own): launches, total and mean microseconds, share."""
+    (mixed with the program's own): launches, total and mean microseconds, share; of the last
+    `tail` launches only when given (one decode token of a longer run)."""
     try:
         text = open(path, errors="replace").read()
     except OSError:
@@ -261,7 +262,7 @@ def ncu_summary(path, top=25):
     if t is None:
         return {"launches": 0, "error": "ncu's output has no gpu__time_duration column"}
     scale = 1e-3  # ncu's base unit for durations: nanoseconds
-    kernels, launches = {}, 0
+    timed = []
     for r in rows[header + 1:]:
         if len(r) <= max(k, t):
             continue
@@ -269,11 +270,14 @@ def ncu_summary(path, top=25):
             scale = UNITS.get(r[t].strip(), scale)
             continue
         try:
-            us = float(r[t].replace(",", "")) * scale
+            timed.append((short_kernel(r[k]), float(r[t].replace(",", "")) * scale))
         except ValueError:
             continue
-        launches += 1
-        e = kernels.setdefault(short_kernel(r[k]), [0, 0.0])
+    if tail:
+        timed = timed[-tail:]
+    kernels, launches = {}, len(timed)
+    for name, us in timed:
+        e = kernels.setdefault(name, [0, 0.0])
         e[0] += 1
         e[1] += us
     total = sum(v[1] for v in kernels.values())
@@ -284,7 +288,12 @@ def ncu_summary(path, top=25):
 
 
 def cmd_ncu_summary(argv):
-    s = ncu_summary(argv[0])
+    tail = None
+    if "--tail" in argv:
+        i = argv.index("--tail")
+        tail = int(argv[i + 1])
+        argv = argv[:i] + argv[i + 2:]
+    s = ncu_summary(argv[0], tail=tail)
     if len(argv) > 1:
         s["workload"] = argv[1]
     print(json.dumps(s))
@@ -453,17 +462,28 @@ def server_lines(server):
     return lines
 
 
-def ncu_lines(profile, top=10):
-    ncu = (profile or {}).get("ncu")
-    if ncu is None:
-        return []
-    if isinstance(ncu, str):
-        return ["", f"Per-kernel profile: {ncu}"]
-    lines = ["", f"Per-kernel profile (Nsight Compute, {ncu.get('launches')} launches of "
-             f"{ncu.get('workload', 'smolchat bench')}; {fmt(ncu.get('total_us'), 0)} µs of kernel time):", "",
-             "| kernel | launches | total µs | mean µs | share |", "|---|---:|---:|---:|---:|"]
-    lines += [f"| `{r['kernel']}` | {r['launches']} | {fmt(r['total_us'])} | {fmt(r['mean_us'], 2)} | "
-              f"{100 * r['share']:.1f}% |" for r in (ncu.get("top") or [])[:top]]
+def ncu_table(ncu, top):
+    return ["| kernel | launches | total µs | mean µs | share |", "|---|---:|---:|---:|---:|"] + [
+        f"| `{r['kernel']}` | {r['launches']} | {fmt(r['total_us'])} | {fmt(r['mean_us'], 2)} | "
+        f"{100 * r['share']:.1f}% |" for r in (ncu.get("top") or [])[:top]]
+
+
+def ncu_lines(profile, top=12):
+    """The per-kernel tables of one decode step, ours and llama-bench's, at each depth."""
+    profile = profile or {}
+    if isinstance(profile.get("ncu"), str):
+        return ["", f"Per-kernel profile: {profile['ncu']}"]
+    lines = []
+    for depth, pair in sorted((profile.get("decode") or {}).items(), key=lambda kv: int(kv[0])):
+        ours, theirs = (pair or {}).get("ours") or {}, (pair or {}).get("llama") or {}
+        a, b = ours.get("total_us"), theirs.get("total_us")
+        ratio = f"; llama.cpp's ÷ ours: {b / a:.2f}" if a and b else ""
+        lines += ["", f"One decode step at depth {depth} (Nsight Compute, kernel time only): ours "
+                  f"{fmt(a, 0)} µs in {ours.get('launches')} launches, llama-bench's "
+                  f"{fmt(b, 0) if b else '-'} µs in {theirs.get('launches', '-')} launches{ratio}.", "",
+                  "Ours:", ""] + ncu_table(ours, top)
+        if theirs:
+            lines += ["", "llama.cpp's:", ""] + ncu_table(theirs, top)
     return lines
 
 

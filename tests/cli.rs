@@ -198,6 +198,35 @@ fn bench_command_reports_json() {
 
 /// `bench --synthetic` builds its model (on the compute pool) and loads it through the same
 /// loader; `tiny` is the small shape for this smoke test.
+/// `bench --profile-decode-at`: one decode step at the depth asked for (after the warm-up steps
+/// that capture and replay a decode graph on a GPU), inside the profiler range, and nothing
+/// else; a depth past the context is refused with what to change.
+#[test]
+fn bench_profiles_one_decode_step_at_a_depth() {
+    let stdout =
+        run_ok(smolchat().args(["bench", "--synthetic", "tiny", "--profile-decode-at", "12"]));
+    let v: serde_json::Value = serde_json::from_str(&stdout).expect("json");
+    assert_eq!(v["depth"], 12 + 4);
+    assert!(v["seconds"].as_f64().expect("seconds") > 0.0);
+    assert!(v.get("decode").is_none(), "no benchmark runs: {v}");
+    let o = smolchat()
+        .args([
+            "bench",
+            "--synthetic",
+            "tiny",
+            "--profile-decode-at",
+            "100000000",
+        ])
+        .output()
+        .expect("runs");
+    assert!(!o.status.success());
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("exceed the model's context"),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+}
+
 #[test]
 fn bench_measures_a_synthetic_model() {
     let stdout = run_ok(smolchat().args([

@@ -317,3 +317,67 @@ fn the_lease_dry_runs_on_the_cpu_in_its_order_within_its_budget() {
     assert!(md.contains("| 6 | server | skipped | 120 |"), "{md}");
     eprintln!("the full dry run took {seconds:.1} s");
 }
+
+/// The profile phase's summary of an Nsight Compute log: the per-kernel table, of the last
+/// `--tail` launches when one decode token of a longer run is wanted (llama-bench's), with the
+/// units ncu declares; and the report's tables of one decode step, ours beside llama.cpp's.
+#[test]
+fn ncu_logs_are_summed_per_kernel_and_the_report_sets_the_decode_steps_side_by_side() {
+    let root = common::crate_root();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let csv = dir.path().join("ncu.csv");
+    std::fs::write(
+        &csv,
+        "==PROF== Connected to process\n\
+         \"ID\",\"Process ID\",\"Kernel Name\",\"gpu__time_duration.sum\"\n\
+         \"\",\"\",\"\",\"usecond\"\n\
+         \"0\",\"1\",\"prefill_kernel(float*)\",\"100.0\"\n\
+         \"1\",\"1\",\"matvec_q4_k\",\"3.5\"\n\
+         \"2\",\"1\",\"rms_norm\",\"1.0\"\n\
+         \"3\",\"1\",\"matvec_q4_k\",\"4.5\"\n",
+    )
+    .expect("write");
+    let summary = |extra: &[&str]| -> serde_json::Value {
+        let o = Command::new("python3")
+            .arg(root.join("scripts/gpu_check.py"))
+            .arg("ncu-summary")
+            .arg(&csv)
+            .arg("a decode step")
+            .args(extra)
+            .output()
+            .expect("gpu_check.py runs");
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        serde_json::from_slice(&o.stdout).expect("JSON")
+    };
+    let all = summary(&[]);
+    assert_eq!(all["launches"], 4);
+    assert_eq!(all["top"][0]["kernel"], "prefill_kernel");
+    let tail = summary(&["--tail", "3"]);
+    assert_eq!(tail["launches"], 3);
+    assert_eq!(tail["workload"], "a decode step");
+    assert_eq!(tail["top"][0]["kernel"], "matvec_q4_k");
+    assert_eq!(tail["top"][0]["launches"], 2);
+    assert_eq!(tail["top"][0]["total_us"], 8.0);
+    assert_eq!(tail["total_us"], 9.0);
+    let o = Command::new("python3")
+        .arg("-c")
+        .arg(format!(
+            "import sys, json; sys.path.insert(0, {:?}); import gpu_check as g; \
+             t = json.loads(sys.argv[1]); \
+             print('\\n'.join(g.ncu_lines({{'decode': {{'0': {{'ours': t, 'llama': t}}}}}})))",
+            root.join("scripts").display().to_string()
+        ))
+        .arg(tail.to_string())
+        .output()
+        .expect("python3 runs");
+    let text = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(
+        text.contains("One decode step at depth 0") && text.contains("llama.cpp's ÷ ours: 1.00"),
+        "{text}"
+    );
+    assert!(
+        text.contains("| `matvec_q4_k` | 2 | 8.0 | 4.00 |"),
+        "{text}"
+    );
+}
