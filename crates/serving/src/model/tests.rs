@@ -969,9 +969,10 @@ fn steps_that_make_decode_graphs_are_not_measured() {
 }
 
 /// On a backend whose kernels compute a row alike only within a class of step sizes (the
-/// GPU's), drafts never take a step out of its class: a lone conversation still drafts (up
-/// to 3 positions), a step of 5-8 sequences grows to 8 rows at most, and the replies are the
-/// ones plain decoding gives.
+/// GPU's: our matvec kernels, one class of 1 to 8 rows), drafts never take a step out of its
+/// class: a lone conversation may verify up to 7 drafts a step (candle's MMVQ classes allowed
+/// 3), a step of up to 8 sequences grows to 8 rows at most, and the replies are the ones plain
+/// decoding gives.
 #[test]
 fn drafts_keep_a_step_within_the_rows_its_kernels_compute_alike() {
     let classes = || {
