@@ -145,6 +145,46 @@ pub fn attention_kernel(heads: usize, kv_heads: usize, head_dim: usize) -> Resul
     })
 }
 
+/// The decode attention kernel for one-row sequences (`attention_decode_d*_g*`: queries in
+/// registers, 16-byte K/V loads, the splits merged by the last block to finish), when the head
+/// dimension and group have an instance (64 or 128, 1 to 8 query heads per KV head); `None`
+/// otherwise (the split kernel and the merge then serve them).
+pub fn attention_decode_kernel(
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+) -> Option<&'static str> {
+    const D64: [&str; MAX_GROUP] = [
+        "attention_decode_d64_g1",
+        "attention_decode_d64_g2",
+        "attention_decode_d64_g3",
+        "attention_decode_d64_g4",
+        "attention_decode_d64_g5",
+        "attention_decode_d64_g6",
+        "attention_decode_d64_g7",
+        "attention_decode_d64_g8",
+    ];
+    const D128: [&str; MAX_GROUP] = [
+        "attention_decode_d128_g1",
+        "attention_decode_d128_g2",
+        "attention_decode_d128_g3",
+        "attention_decode_d128_g4",
+        "attention_decode_d128_g5",
+        "attention_decode_d128_g6",
+        "attention_decode_d128_g7",
+        "attention_decode_d128_g8",
+    ];
+    if kv_heads == 0 || !heads.is_multiple_of(kv_heads) {
+        return None;
+    }
+    let names = match head_dim {
+        64 => &D64,
+        128 => &D128,
+        _ => return None,
+    };
+    names.get((heads / kv_heads).wrapping_sub(1)).copied()
+}
+
 /// Context splits the partial buffers need room for: the most any decode row of the step can
 /// have (no row seeing more than `max_visible` positions).
 pub fn max_splits(max_visible: usize) -> usize {
@@ -487,6 +527,9 @@ pub fn kernel_names() -> Vec<&'static str> {
     }
     for group in 1..=MAX_GROUP {
         names.extend(attention_kernel(group, 1, 64));
+        for head_dim in [64, 128] {
+            names.extend(attention_decode_kernel(group, 1, head_dim));
+        }
     }
     for head_dim in crate::fast::twin::flash::HEAD_DIMS {
         names.extend(flash_kernel(head_dim));
@@ -507,6 +550,12 @@ mod tests {
             if let Some(group) = name.strip_prefix("attention_partial_g") {
                 assert!(
                     source.contains(&format!("ATTENTION_PARTIAL({group})")),
+                    "{name}"
+                );
+            } else if let Some(rest) = name.strip_prefix("attention_decode_d") {
+                let (d, g) = rest.split_once("_g").expect("d and g");
+                assert!(
+                    source.contains(&format!("ATTENTION_DECODE({d}, {g})")),
                     "{name}"
                 );
             } else if let Some(d) = name.strip_prefix("flash_prefill_d") {
@@ -624,6 +673,22 @@ mod tests {
         assert!(attention_kernel(32, 2, 128).is_err(), "16 per KV head");
         assert!(attention_kernel(16, 3, 128).is_err(), "uneven");
         assert!(attention_kernel(8, 8, 512).is_err(), "head dim 512");
+        assert_eq!(
+            attention_decode_kernel(16, 4, 128),
+            Some("attention_decode_d128_g4")
+        );
+        assert_eq!(
+            attention_decode_kernel(9, 3, 64),
+            Some("attention_decode_d64_g3")
+        );
+        assert_eq!(attention_decode_kernel(16, 4, 96), None, "no instance");
+        // The decode kernel leaves every sequence of two rows or more to the flash kernel,
+        // which must then have an instance for the same head dimensions.
+        assert_eq!(crate::fast::twin::flash::MIN_ROWS, 2);
+        for head_dim in [64, 128] {
+            assert!(attention_decode_kernel(8, 8, head_dim).is_some() && uses_flash(head_dim));
+        }
+        assert_eq!(attention_decode_kernel(32, 2, 128), None, "16 per KV head");
         assert_eq!(max_splits(1), 1);
         assert_eq!(max_splits(64), 1);
         // Drafts may grow a step within the matvec kernels' one class (1 to 8 rows: a lone

@@ -944,6 +944,238 @@ extern "C" __global__ void attention_merge(
 }
 
 // ---------------------------------------------------------------------------------------------
+// Decode attention (twin: fast::twin::attention, the contract of attention_partial and
+// attention_merge together): the rows of one-row sequences, head dimension D of 64 or 128.
+// One block per (row, KV head, split), 4 warps. Each lane holds 8 dimensions of the GROUP
+// queries in registers (scaled by 1 / sqrt(D)) and reads K and V 16 bytes at a time: D / 8 lanes
+// share a key, so a warp takes 32 / (D / 8) keys at once. Per block of 16 positions the scores go
+// to shared memory, then one thread per (head, key) takes the softmax's exponential and the
+// running max and sum move once per head, then the V rows are added with those weights. A row
+// over several splits writes its partials, and the last of its blocks to finish (a counter per
+// (row, KV head), which that block resets) merges them in split order as attention_merge does
+// and writes the row's output and, with `q8`, its Q8_1 rows: no merge launch. Rows of longer
+// sequences are flash_prefill's: this kernel leaves them.
+// ---------------------------------------------------------------------------------------------
+
+#define DECODE_WARPS 4
+
+template <int D, int GROUP>
+__device__ void attention_decode_impl(
+    const float *__restrict__ q, const half *__restrict__ arena,
+    const uint32_t *__restrict__ row_seq, const SeqInfo *__restrict__ seqs,
+    const uint32_t *__restrict__ block_tables, int max_blocks, float *__restrict__ part_max,
+    float *__restrict__ part_sum, float *__restrict__ part_out, uint32_t *__restrict__ counters,
+    float *__restrict__ out, q8_1_block *__restrict__ q8, int cols_padded, int max_splits,
+    int layer, int layers, int heads, int kv_heads) {
+    constexpr int L = D / 8;      // lanes sharing a key
+    constexpr int KPW = 32 / L;   // keys a warp takes at once
+    constexpr int STRIDE = DECODE_WARPS * KPW;
+    static_assert(BLOCK_POSITIONS % STRIDE == 0, "every lane takes as many keys");
+    __shared__ float scores[GROUP][BLOCK_POSITIONS];
+    __shared__ float probs[GROUP][BLOCK_POSITIONS];
+    __shared__ float factor_s[GROUP], run_max[GROUP], run_sum[GROUP];
+    __shared__ float o_s[DECODE_WARPS][GROUP][D];
+    __shared__ bool last_s;
+    const int row = blockIdx.x, kv_head = blockIdx.y, split = blockIdx.z;
+    const SeqInfo seq = seqs[row_seq[row]];
+    if (seq.rows != 1) return;  // flash_prefill's row
+    const int visible = (int)seq.past + 1;
+    const int per = split_positions(visible);
+    const int n_splits = (visible + per - 1) / per;
+    if (split >= n_splits) return;
+    const int from = split * per, to = min(from + per, visible);
+    const uint32_t *blocks = block_tables + (size_t)seq.index * max_blocks;
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const int sub = lane % L, slot = lane / L;
+    const float scale = rsqrtf((float)D);
+    float qr[GROUP][8], o[GROUP][8];
+#pragma unroll
+    for (int g = 0; g < GROUP; ++g) {
+        const float *qh = q + ((size_t)row * heads + kv_head * GROUP + g) * D + 8 * sub;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            qr[g][j] = qh[j] * scale;
+            o[g][j] = 0.0f;
+        }
+    }
+    if (threadIdx.x < GROUP) {
+        run_max[threadIdx.x] = -INFINITY;
+        run_sum[threadIdx.x] = 0.0f;
+    }
+    for (int pos = from; pos < to; pos += BLOCK_POSITIONS) {
+        const uint32_t block = blocks[pos / BLOCK_POSITIONS];
+        const int n = min(BLOCK_POSITIONS, to - pos);
+        const half *kb = arena + arena_index(block, layer, 0, kv_head, 0, layers, kv_heads, D);
+        const half *vb = arena + arena_index(block, layer, 1, kv_head, 0, layers, kv_heads, D);
+        // Scores: the D / 8 lanes of a key each take 8 dimensions, then add theirs up.
+#pragma unroll
+        for (int key = warp * KPW + slot; key < BLOCK_POSITIONS; key += STRIDE) {
+            const uint4 raw = *(const uint4 *)(kb + (size_t)key * D + 8 * sub);
+            const half2 *k2 = (const half2 *)&raw;
+            float kf[8];
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const float2 f = __half22float2(k2[j]);
+                kf[2 * j] = f.x;
+                kf[2 * j + 1] = f.y;
+            }
+#pragma unroll
+            for (int g = 0; g < GROUP; ++g) {
+                float s = 0.0f;
+#pragma unroll
+                for (int j = 0; j < 8; ++j) s += qr[g][j] * kf[j];
+#pragma unroll
+                for (int m = L / 2; m > 0; m >>= 1) s += __shfl_xor_sync(0xffffffff, s, m);
+                if (sub == 0) scores[g][key] = key < n ? s : -INFINITY;
+            }
+        }
+        __syncthreads();
+        // The softmax, once per (head, key): thread g * 16 + key; the running max and sum move
+        // once per head (its key 0's thread).
+        {
+            const int g = threadIdx.x / BLOCK_POSITIONS, key = threadIdx.x % BLOCK_POSITIONS;
+            const bool mine = g < GROUP;
+            const float s = mine ? scores[g][key] : -INFINITY;
+            const float old = mine ? run_max[g] : -INFINITY;
+            float top = s;
+#pragma unroll
+            for (int m = BLOCK_POSITIONS / 2; m > 0; m >>= 1) top = fmaxf(top, __shfl_xor_sync(0xffffffff, top, m));
+            const float new_max = fmaxf(old, top);
+            const float p = s == -INFINITY ? 0.0f : expf(s - new_max);
+            float sum = p;
+#pragma unroll
+            for (int m = BLOCK_POSITIONS / 2; m > 0; m >>= 1) sum += __shfl_xor_sync(0xffffffff, sum, m);
+            if (mine) {
+                probs[g][key] = p;
+                if (key == 0) {
+                    const float f = old == -INFINITY ? 0.0f : expf(old - new_max);
+                    factor_s[g] = f;
+                    run_sum[g] = run_sum[g] * f + sum;
+                    run_max[g] = new_max;
+                }
+            }
+        }
+        __syncthreads();
+        // The V rows with those weights, 16 bytes a lane.
+#pragma unroll
+        for (int g = 0; g < GROUP; ++g) {
+            const float f = factor_s[g];
+#pragma unroll
+            for (int j = 0; j < 8; ++j) o[g][j] *= f;
+        }
+        for (int key = warp * KPW + slot; key < n; key += STRIDE) {
+            const uint4 raw = *(const uint4 *)(vb + (size_t)key * D + 8 * sub);
+            const half2 *v2 = (const half2 *)&raw;
+            float vf[8];
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const float2 f = __half22float2(v2[j]);
+                vf[2 * j] = f.x;
+                vf[2 * j + 1] = f.y;
+            }
+#pragma unroll
+            for (int g = 0; g < GROUP; ++g) {
+                const float p = probs[g][key];
+#pragma unroll
+                for (int j = 0; j < 8; ++j) o[g][j] += p * vf[j];
+            }
+        }
+    }
+    // The lanes holding the same dimensions (a warp's key slots), then the warps.
+#pragma unroll
+    for (int g = 0; g < GROUP; ++g) {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+#pragma unroll
+            for (int m = L; m < 32; m <<= 1) o[g][j] += __shfl_xor_sync(0xffffffff, o[g][j], m);
+            if (slot == 0) o_s[warp][g][8 * sub + j] = o[g][j];
+        }
+    }
+    __syncthreads();
+    const size_t head0 = (size_t)row * heads + (size_t)kv_head * GROUP;
+    // Each warp takes 32 consecutive (head, dimension) values, one Q8_1 block when quantizing.
+    if (n_splits == 1) {
+        for (int i = threadIdx.x; i < GROUP * D; i += blockDim.x) {
+            const int g = i / D, d = i % D;
+            float acc = 0.0f;
+#pragma unroll
+            for (int w = 0; w < DECODE_WARPS; ++w) acc += o_s[w][g][d];
+            const float v = acc / run_sum[g];
+            out[(head0 + g) * D + d] = v;
+            if (q8 != nullptr) quantize_q8_1(q8, (size_t)row * cols_padded + (size_t)(kv_head * GROUP + g) * D + d, v);
+        }
+        return;
+    }
+    for (int i = threadIdx.x; i < GROUP * D; i += blockDim.x) {
+        const int g = i / D, d = i % D;
+        float acc = 0.0f;
+#pragma unroll
+        for (int w = 0; w < DECODE_WARPS; ++w) acc += o_s[w][g][d];
+        const size_t at = (head0 + g) * max_splits + split;
+        part_out[at * D + d] = acc;
+        if (d == 0) {
+            part_max[at] = run_max[g];
+            part_sum[at] = run_sum[g];
+        }
+    }
+    // The last block of the row's splits to finish merges them.
+    __threadfence();
+    __syncthreads();
+    uint32_t *counter = counters + (size_t)row * kv_heads + kv_head;
+    if (threadIdx.x == 0) last_s = atomicAdd(counter, 1u) == (uint32_t)(n_splits - 1);
+    __syncthreads();
+    if (!last_s) return;
+    __threadfence();
+    for (int i = threadIdx.x; i < GROUP * D; i += blockDim.x) {
+        const int g = i / D, d = i % D;
+        const size_t base = (head0 + g) * max_splits;
+        float max = -INFINITY;
+        for (int s = 0; s < n_splits; ++s) max = fmaxf(max, __ldcg(part_max + base + s));
+        float sum = 0.0f, acc = 0.0f;
+        for (int s = 0; s < n_splits; ++s) {
+            const float w = expf(__ldcg(part_max + base + s) - max);
+            sum += __ldcg(part_sum + base + s) * w;
+            acc += __ldcg(part_out + (base + s) * D + d) * w;
+        }
+        const float v = acc / sum;
+        out[(head0 + g) * D + d] = v;
+        if (q8 != nullptr) quantize_q8_1(q8, (size_t)row * cols_padded + (size_t)(kv_head * GROUP + g) * D + d, v);
+    }
+    if (threadIdx.x == 0) *counter = 0;
+}
+
+#define ATTENTION_DECODE(D, G)                                                                   \
+    extern "C" __global__ void __launch_bounds__(128, 2) attention_decode_d##D##_g##G(             \
+        const float *__restrict__ q, const half *__restrict__ arena,                             \
+        const uint32_t *__restrict__ row_seq, const SeqInfo *__restrict__ seqs,                  \
+        const uint32_t *__restrict__ block_tables, int max_blocks, float *__restrict__ part_max, \
+        float *__restrict__ part_sum, float *__restrict__ part_out,                              \
+        uint32_t *__restrict__ counters, float *__restrict__ out, q8_1_block *__restrict__ q8,   \
+        int cols_padded, int max_splits, int layer, int layers, int heads, int kv_heads) {       \
+        GRID_DEPENDENCY();                                                                       \
+        attention_decode_impl<D, G>(q, arena, row_seq, seqs, block_tables, max_blocks,          \
+                                    part_max, part_sum, part_out, counters, out, q8,             \
+                                    cols_padded, max_splits, layer, layers, heads, kv_heads);    \
+    }
+
+ATTENTION_DECODE(64, 1)
+ATTENTION_DECODE(64, 2)
+ATTENTION_DECODE(64, 3)
+ATTENTION_DECODE(64, 4)
+ATTENTION_DECODE(64, 5)
+ATTENTION_DECODE(64, 6)
+ATTENTION_DECODE(64, 7)
+ATTENTION_DECODE(64, 8)
+ATTENTION_DECODE(128, 1)
+ATTENTION_DECODE(128, 2)
+ATTENTION_DECODE(128, 3)
+ATTENTION_DECODE(128, 4)
+ATTENTION_DECODE(128, 5)
+ATTENTION_DECODE(128, 6)
+ATTENTION_DECODE(128, 7)
+ATTENTION_DECODE(128, 8)
+
+// ---------------------------------------------------------------------------------------------
 // Tensor-core prefill attention (twin: fast::twin::flash, which states the contract). One block
 // per (tile, KV head): a tile is FLASH_PAIRS consecutive (row, query head) pairs of one
 // sequence, pairs counted row x group + head, so a row's GQA heads sit side by side in the M

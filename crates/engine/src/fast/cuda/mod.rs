@@ -111,6 +111,9 @@ pub struct CudaRunner {
     part_max: Option<CudaSlice<f32>>,
     part_sum: Option<CudaSlice<f32>>,
     part_out: Option<CudaSlice<f32>>,
+    /// Per (row, KV head), the splits of `attention_decode_*` finished so far: zero between
+    /// launches (the block that merges resets its counter).
+    attn_counters: Option<CudaSlice<u32>>,
     tables: Tables,
     weight_bytes: usize,
     /// Whether decode steps are replayed from CUDA graphs.
@@ -344,6 +347,7 @@ impl CudaRunner {
             part_max: None,
             part_sum: None,
             part_out: None,
+            attn_counters: None,
             tables: Tables::default(),
             use_graphs: graphs,
             info,
@@ -523,6 +527,7 @@ impl CudaRunner {
         grew |= ensure(s, &mut self.part_max, partials)?;
         grew |= ensure(s, &mut self.part_sum, partials)?;
         grew |= ensure(s, &mut self.part_out, partials * c.head_dim)?;
+        grew |= ensure(s, &mut self.attn_counters, plan.rows * c.n_kv_heads)?;
         Ok(grew)
     }
 
@@ -857,6 +862,48 @@ impl CudaRunner {
             }
             _ => i32::MAX,
         };
+        // For MMVQ steps the merge also writes the output projection's Q8_1 rows, where
+        // every warp's 32 values are one whole block of them; not when flash rows (which it
+        // leaves alone) are in the step: the matmul then quantizes all rows itself.
+        let q_dim = c.n_heads * c.head_dim;
+        let quantize = launch::quantizes_in_place(rows)
+            && flash_rows == i32::MAX
+            && padded_columns(q_dim) == q_dim
+            && c.head_dim.is_multiple_of(QK8_1);
+        let q8 = quantize.then(|| self.q8_scratch()).transpose()?;
+        let (q8_ptr, _q) = nullable(&self.stream, q8);
+        let cols_padded = q_dim as i32;
+        if let Some(kernel) = launch::attention_decode_kernel(c.n_heads, c.n_kv_heads, c.head_dim) {
+            // One-row sequences on the decode kernel, which merges its own splits (the flash
+            // kernel took every longer sequence: its head dimensions are the decode kernel's).
+            let counters = self
+                .attn_counters
+                .as_ref()
+                .ok_or_else(|| missing("the attention counters"))?;
+            unsafe {
+                pdl::launch(&self.stream, self.function(kernel)?)
+                    .ptr(self.buffer(Buf::Q)?)
+                    .ptr(arena)
+                    .ptr(row_seq)
+                    .ptr(seqs)
+                    .ptr(block_tables)
+                    .i32(max_blocks)
+                    .ptr(part_max)
+                    .ptr(part_sum)
+                    .ptr(part_out)
+                    .ptr(counters)
+                    .ptr(self.buffer(Buf::Attn)?)
+                    .raw(q8_ptr)
+                    .i32(cols_padded)
+                    .i32(max_splits)
+                    .i32(l)
+                    .i32(layers)
+                    .i32(heads)
+                    .i32(kvh)
+                    .go(launch::attention_partial(rows, c.n_kv_heads, splits)?)
+            }?;
+            return Ok(quantize);
+        }
         unsafe {
             pdl::launch(&self.stream, f)
                 .ptr(self.buffer(Buf::Q)?)
@@ -877,17 +924,6 @@ impl CudaRunner {
                 .i32(flash_rows)
                 .go(launch::attention_partial(rows, c.n_kv_heads, splits)?)
         }?;
-        // For MMVQ steps the merge also writes the output projection's Q8_1 rows, where
-        // every warp's 32 values are one whole block of them; not when flash rows (which it
-        // leaves alone) are in the step: the matmul then quantizes all rows itself.
-        let q_dim = c.n_heads * c.head_dim;
-        let quantize = launch::quantizes_in_place(rows)
-            && flash_rows == i32::MAX
-            && padded_columns(q_dim) == q_dim
-            && c.head_dim.is_multiple_of(QK8_1);
-        let q8 = quantize.then(|| self.q8_scratch()).transpose()?;
-        let (q8_ptr, _q) = nullable(&self.stream, q8);
-        let cols_padded = q_dim as i32;
         let f = self.function("attention_merge")?;
         unsafe {
             pdl::launch(&self.stream, f)
