@@ -224,6 +224,7 @@ case "$phase" in
   kernels)
     unpack
     run_phase kernels gpu_tests kernels_equal_their_twins kernels_quantizing_in_place_write_the_twins_q8_1_rows \
+      matvec_kernels_equal_their_twin_bit_for_bit \
       graphs_replay_what_eager_computes \
       verifying_steps_draw_as_decoding_does_in_graphs cuda_qmatmul_matches_the_cpu_qmatrix \
       device_selection_sees_the_gpu

@@ -1045,6 +1045,8 @@ __device__ void attention_decode_impl(
             float sum = p;
 #pragma unroll
             for (int m = BLOCK_POSITIONS / 2; m > 0; m >>= 1) sum += __shfl_xor_sync(0xffffffff, sum, m);
+            // Every lane has read the old max and sum before key 0's lane replaces them.
+            __syncwarp();
             if (mine) {
                 probs[g][key] = p;
                 if (key == 0) {
