@@ -449,7 +449,7 @@ mod fast_tier {
                 let plan = Plan::for_step(&config, &tables);
                 gpu.begin(&plan, &tables, &rope)
                     .unwrap_or_else(|e| panic!("{e}"));
-                let mut held = None;
+                let mut held: Option<(Buf, Vec<smolchat_engine::fast::layout::BlockQ8_1>)> = None;
                 let mut checked = 0;
                 let what = format!(
                     "{name} {:?}, {n_rows} rows",
