@@ -109,7 +109,7 @@ pub enum Op {
 /// and so are fused ([`Op::QkvMatVec`], [`Op::SwiGluMatVec`]): steps of up to 8 rows, decode and
 /// drafts' verification (wider steps take MMQ or the f16 GEMM).
 pub fn matvec_rows(rows: usize) -> bool {
-    rows <= crate::fast::launch::MMVQ_MAX_ROWS
+    rows <= crate::fast::twin::matvec::MAX_ROWS
 }
 
 /// The operations of one step.
