@@ -944,7 +944,7 @@ extern "C" __global__ void attention_merge(
 }
 
 // ---------------------------------------------------------------------------------------------
-// Decode attention (twin: fast::twin::attention, the contract of attention_partial and
+// Decode attention (twin: fast::twin::attention::{decode_partial, merge}, the contract of attention_partial and
 // attention_merge together): the rows of one-row sequences, head dimension D of 64 or 128.
 // One block per (row, KV head, split), 4 warps. Each lane holds 8 dimensions of the GROUP
 // queries in registers (scaled by 1 / sqrt(D)) and reads K and V 16 bytes at a time: D / 8 lanes

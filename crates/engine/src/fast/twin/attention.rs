@@ -142,6 +142,85 @@ pub fn merge(parts: &[Partial], out: &mut [f32]) {
     }
 }
 
+/// The decode kernel's own order (`attention_decode_d*_g*`) for one query head over positions
+/// `from..to` (a split): the query pre-scaled by `1 / sqrt(head_dim)`, each key's dot product
+/// as `head_dim / 8` lanes of 8 dimensions added in a butterfly, 16 positions at a time with the
+/// chunk's exponentials taken once per key against the running max, and the running sum and
+/// output rescaled once per chunk. The same contract as [`partial`] (float order aside).
+#[allow(clippy::too_many_arguments)]
+pub fn decode_partial(
+    arena: &[f16],
+    layout: KvArena,
+    layer: usize,
+    kv_head: usize,
+    blocks: &[u32],
+    q: &[f32],
+    from: usize,
+    to: usize,
+) -> Partial {
+    let hd = layout.head_dim;
+    let scale = 1.0 / (hd as f32).sqrt();
+    let lanes = hd / 8;
+    let qs: Vec<f32> = q.iter().map(|v| v * scale).collect();
+    let mut part = Partial {
+        max: f32::NEG_INFINITY,
+        sum: 0.0,
+        out: vec![0.0; hd],
+    };
+    let mut position = from;
+    while position < to {
+        let block = blocks[position / BLOCK_POSITIONS];
+        let n = BLOCK_POSITIONS.min(to - position);
+        let mut scores = [f32::NEG_INFINITY; BLOCK_POSITIONS];
+        for (key, score) in scores.iter_mut().enumerate().take(n) {
+            let at = layout.index(block, layer, 0, kv_head, (position + key) % BLOCK_POSITIONS);
+            let k = &arena[at..at + hd];
+            let mut lane_sums: Vec<f32> = (0..lanes)
+                .map(|l| (0..8).fold(0.0f32, |s, j| s + qs[8 * l + j] * k[8 * l + j].to_f32()))
+                .collect();
+            let mut m = lanes / 2;
+            while m > 0 {
+                let old = lane_sums.clone();
+                for (i, v) in lane_sums.iter_mut().enumerate() {
+                    *v = old[i] + old[i ^ m];
+                }
+                m /= 2;
+            }
+            *score = lane_sums[0];
+        }
+        let top = scores.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+        let new_max = part.max.max(top);
+        let probs: Vec<f32> = scores
+            .iter()
+            .map(|&s| {
+                if s == f32::NEG_INFINITY {
+                    0.0
+                } else {
+                    (s - new_max).exp()
+                }
+            })
+            .collect();
+        let factor = if part.max == f32::NEG_INFINITY {
+            0.0
+        } else {
+            (part.max - new_max).exp()
+        };
+        part.sum = part.sum * factor + probs.iter().sum::<f32>();
+        for o in &mut part.out {
+            *o *= factor;
+        }
+        for (key, &p) in probs.iter().enumerate().take(n) {
+            let at = layout.index(block, layer, 1, kv_head, (position + key) % BLOCK_POSITIONS);
+            for (o, v) in part.out.iter_mut().zip(&arena[at..at + hd]) {
+                *o += p * v.to_f32();
+            }
+        }
+        part.max = new_max;
+        position += n;
+    }
+    part
+}
+
 /// Whether this kernel leaves sequence `seq` to the flash prefill kernel (`super::flash`):
 /// `min_rows` is its `MIN_ROWS` in a step that uses it and `usize::MAX` otherwise.
 pub fn is_flash(seq: &SeqInfo, min_rows: usize) -> bool {
@@ -365,6 +444,90 @@ mod tests {
         check(0, &decode_kv, decode_len);
         for r in 0..prefill_rows {
             check(1 + r, &prefill_kv, prefill_past + r + 1);
+        }
+    }
+
+    /// The decode kernel's order ([`decode_partial`]: pre-scaled query, 8-dimension lanes added
+    /// in a butterfly, one exponential per key against the chunk's running max) gives the split
+    /// kernel's partials: splits starting inside the context and ending inside a block, both
+    /// head dimensions of the kernel, and the merge of a row's splits equal to the plain
+    /// softmax.
+    #[test]
+    fn the_decode_kernels_order_gives_the_same_partials() {
+        for head_dim in [64usize, 128] {
+            let layout = KvArena {
+                layers: 1,
+                kv_heads: 1,
+                head_dim,
+            };
+            let visible = 300usize;
+            let blocks: Vec<u32> = (0..visible.div_ceil(16) as u32)
+                .map(|b| 2 * b + 1)
+                .collect();
+            let mut arena = vec![f16::ZERO; (2 * blocks.len() + 2) * layout.block_values()];
+            let mut keys = Vec::new();
+            let mut values = Vec::new();
+            for p in 0..visible {
+                let slot = slot_of(&blocks, p);
+                let mut pair = [Vec::new(), Vec::new()];
+                for (kind, row) in pair.iter_mut().enumerate() {
+                    let at = layout.index(slot / 16, 0, kind, 0, slot as usize % 16);
+                    for d in 0..head_dim {
+                        let v = f16::from_f32(value(p * 131 + kind * 17 + d * 3) * 3.0);
+                        arena[at + d] = v;
+                        row.push(v.to_f32());
+                    }
+                }
+                let [k, v] = pair;
+                keys.push(k);
+                values.push(v);
+            }
+            let q: Vec<f32> = (0..head_dim).map(|d| value(d * 29 + 11) * 2.0).collect();
+            for (from, to) in [
+                (0, 1),
+                (0, 15),
+                (0, 16),
+                (0, 17),
+                (0, 64),
+                (64, 100),
+                (128, 300),
+            ] {
+                let want = &partial(&arena, layout, 0, 0, &blocks, &q, 1, from, to)[0];
+                let got = decode_partial(&arena, layout, 0, 0, &blocks, &q, from, to);
+                assert!(
+                    (got.max - want.max).abs() <= 1e-5 * want.max.abs().max(1.0),
+                    "{from}..{to}"
+                );
+                let (mut a, mut b) = (vec![0.0; head_dim], vec![0.0; head_dim]);
+                merge(std::slice::from_ref(&got), &mut a);
+                merge(std::slice::from_ref(want), &mut b);
+                for (x, y) in a.iter().zip(&b) {
+                    assert!((x - y).abs() < 1e-5, "{head_dim} {from}..{to}: {x} vs {y}");
+                }
+            }
+            // A decode row's splits, merged in split order: the plain softmax.
+            let per = split_positions(visible);
+            let parts: Vec<Partial> = (0..splits(visible))
+                .map(|s| {
+                    decode_partial(
+                        &arena,
+                        layout,
+                        0,
+                        0,
+                        &blocks,
+                        &q,
+                        s * per,
+                        ((s + 1) * per).min(visible),
+                    )
+                })
+                .collect();
+            assert_eq!(parts.len(), 5);
+            let mut out = vec![0.0; head_dim];
+            merge(&parts, &mut out);
+            let want = naive(&q, &keys, &values);
+            for (x, y) in out.iter().zip(&want) {
+                assert!((x - y).abs() < 1e-5, "{head_dim}: {x} vs {y}");
+            }
         }
     }
 
