@@ -205,7 +205,7 @@ mod fast_tier {
     use smolchat_engine::fast::cuda::CudaRunner;
     use smolchat_engine::fast::differential::{self, OpDiff};
     use smolchat_engine::fast::graph::{self, GraphStats};
-    use smolchat_engine::fast::launch::MMVQ_MAX_ROWS;
+    use smolchat_engine::fast::launch::MATVEC_MAX_ROWS;
     use smolchat_engine::fast::plan::{Op, Plan};
     use smolchat_engine::fast::weights::FastWeights;
     use smolchat_engine::fast::StepOut;
@@ -233,10 +233,10 @@ mod fast_tier {
     /// f16 operands (`fast::twin::f16mm::TOLERANCE`: only the f32 sums' order differs).
     fn tolerance(d: &OpDiff, plan: &Plan, f16: bool) -> f32 {
         match d.op {
-            Op::MatMul { out, .. } if plan.rows_of(out) > MMVQ_MAX_ROWS && f16 => {
+            Op::MatMul { out, .. } if plan.rows_of(out) > MATVEC_MAX_ROWS && f16 => {
                 smolchat_engine::fast::twin::f16mm::TOLERANCE
             }
-            Op::MatMul { out, .. } if plan.rows_of(out) > MMVQ_MAX_ROWS => 2e-2,
+            Op::MatMul { out, .. } if plan.rows_of(out) > MATVEC_MAX_ROWS => 2e-2,
             // Our matvec kernels and their twin perform the same float operations in the same
             // order (`fast::twin::matvec`; bit for bit on the same Q8_1 rows:
             // `matvec_kernels_equal_their_twin_bit_for_bit`); here each side quantizes its own

@@ -189,7 +189,7 @@ impl CpuRunner {
                 let w16 = self.f16_weight(weight)?;
                 f16mm::matmul(w16, n, k, &input, rows, &mut output)
             }
-            launch::MatMulPath::Mmvq(_) => {
+            launch::MatMulPath::MatVec => {
                 let m = self.weights.matrix(weight)?;
                 matvec::matmul(
                     m.dtype,

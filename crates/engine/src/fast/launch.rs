@@ -71,10 +71,10 @@ pub fn silu_mul_q8_1(rows: usize, cols_padded: usize) -> Result<Launch> {
 }
 
 /// Whether a step of `rows` rows quantizes a matmul's input in the kernel that writes it
-/// (`rms_norm` with a Q8_1 output, `silu_mul_q8_1`): when its matmuls take MMVQ, whose Q8_1
+/// (`rms_norm` with a Q8_1 output, `silu_mul_q8_1`): when its matmuls take our matvec, whose Q8_1
 /// rows those kernels write; MMQ reads another layout, quantized by its own launch.
 pub fn quantizes_in_place(rows: usize) -> bool {
-    rows <= MMVQ_MAX_ROWS
+    rows <= MATVEC_MAX_ROWS
 }
 
 /// `kv_write`: one block per (row, KV head), one thread per dimension.
@@ -273,17 +273,9 @@ pub fn get_rows_kernel(dtype: GgmlDType) -> Result<&'static str> {
     })
 }
 
-/// Rows of activations one MMVQ launch takes (llama.cpp's `MMVQ_MAX_BATCH_SIZE`); larger steps
-/// are cut into pieces of this many rows.
-pub const MMVQ_MAX_ROWS: usize = 8;
-
-/// The row ranges a matmul over `rows` activation rows is launched as.
-pub fn mmvq_pieces(rows: usize) -> Vec<std::ops::Range<usize>> {
-    (0..rows)
-        .step_by(MMVQ_MAX_ROWS)
-        .map(|start| start..(start + MMVQ_MAX_ROWS).min(rows))
-        .collect()
-}
+/// Rows of activations one matvec launch takes (llama.cpp's `MMVQ_MAX_BATCH_SIZE` too): the
+/// steps of decode and drafts' verification; wider steps take MMQ or the f16 GEMM.
+pub const MATVEC_MAX_ROWS: usize = 8;
 
 /// The most rows a step of `rows` rows may grow to (a decode verifying drafts) with every row's
 /// matmul outputs still computed bit for bit as before, so that drafts never change a reply.
@@ -293,8 +285,8 @@ pub fn mmvq_pieces(rows: usize) -> Vec<std::ops::Range<usize>> {
 /// block changed between 4 and 5 rows.) Above 8 rows MMQ's tiles and the f16 GEMM's are chosen
 /// by the row count, so no growth is known to keep their sums.
 pub fn rows_computed_alike(rows: usize) -> usize {
-    if rows <= MMVQ_MAX_ROWS {
-        MMVQ_MAX_ROWS
+    if rows <= MATVEC_MAX_ROWS {
+        MATVEC_MAX_ROWS
     } else {
         rows
     }
@@ -303,8 +295,8 @@ pub fn rows_computed_alike(rows: usize) -> usize {
 /// How a matmul over `rows` activation rows is launched.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum MatMulPath {
-    /// MMVQ over pieces of at most [`MMVQ_MAX_ROWS`] rows (Q8_1 activations).
-    Mmvq(Vec<std::ops::Range<usize>>),
+    /// Our matvec kernels, one launch of at most [`MATVEC_MAX_ROWS`] rows (Q8_1 activations).
+    MatVec,
     /// MMQ: tiled, int8 tensor-core MMA, stream-k (Q8_1 activations in MMQ's layout).
     Mmq,
     /// The weights' f16 copy times the activations rounded to f16, cuBLAS `GemmEx` with f32
@@ -312,15 +304,16 @@ pub enum MatMulPath {
     F16,
 }
 
-/// MMVQ up to [`MMVQ_MAX_ROWS`] rows, as llama.cpp's CUDA backend chooses; above, the f16
+/// Our matvec kernels up to [`MATVEC_MAX_ROWS`] rows (where llama.cpp's CUDA backend takes
+/// MMVQ); above, the f16
 /// GEMM when the weights have an f16 copy on the device (`f16`), else MMQ. The f16 GEMM reads
 /// 2 bytes a weight instead of ~0.6 but runs on the tensor cores at their f16 rate, where MMQ
 /// is bound by its integer tiles and the activations' quantization from a few dozen rows up
 /// (issue 48: a 64-row step of the 3B shape took ~10 ms against a ~0.6 ms read floor).
 /// Steps of at most 8 rows (every step that may carry drafts) are untouched.
 pub fn matmul_path(rows: usize, f16: bool) -> MatMulPath {
-    if rows <= MMVQ_MAX_ROWS {
-        MatMulPath::Mmvq(mmvq_pieces(rows))
+    if rows <= MATVEC_MAX_ROWS {
+        MatMulPath::MatVec
     } else if f16 {
         MatMulPath::F16
     } else {
@@ -465,9 +458,9 @@ pub fn matvec_kernel(dtype: GgmlDType) -> Result<(&'static str, &'static str)> {
 /// `matvec_*` over the rows of up to three matrices (`outputs` in all) and `rows` activation
 /// rows: one warp per output, [`MATVEC_WARPS`] a block.
 pub fn matvec(outputs: usize, rows: usize) -> Result<Launch> {
-    if rows == 0 || rows > MMVQ_MAX_ROWS {
+    if rows == 0 || rows > MATVEC_MAX_ROWS {
         return Err(EngineError::InvalidStep(format!(
-            "the matvec kernels take 1 to {MMVQ_MAX_ROWS} rows, not {rows}"
+            "the matvec kernels take 1 to {MATVEC_MAX_ROWS} rows, not {rows}"
         )));
     }
     Ok(Launch {
@@ -478,9 +471,9 @@ pub fn matvec(outputs: usize, rows: usize) -> Result<Launch> {
 
 /// `matvec_swiglu_*`: one block per 32 of the `cols_padded` outputs (a multiple of 32).
 pub fn matvec_swiglu(cols_padded: usize, rows: usize) -> Result<Launch> {
-    if rows == 0 || rows > MMVQ_MAX_ROWS || !cols_padded.is_multiple_of(QK8_1_VALUES) {
+    if rows == 0 || rows > MATVEC_MAX_ROWS || !cols_padded.is_multiple_of(QK8_1_VALUES) {
         return Err(EngineError::InvalidStep(format!(
-            "matvec_swiglu takes 1 to {MMVQ_MAX_ROWS} rows padded to a multiple of 32 values, \
+            "matvec_swiglu takes 1 to {MATVEC_MAX_ROWS} rows padded to a multiple of 32 values, \
              not {rows} rows of {cols_padded}"
         )));
     }
@@ -625,11 +618,10 @@ mod tests {
     }
 
     #[test]
-    fn matmuls_take_mmvq_up_to_eight_rows_and_mmq_above() {
-        let single = |n: usize| MatMulPath::Mmvq(std::iter::once(0..n).collect());
+    fn matmuls_take_matvec_up_to_eight_rows_and_mmq_or_f16_above() {
         for f16 in [false, true] {
-            assert_eq!(matmul_path(1, f16), single(1));
-            assert_eq!(matmul_path(8, f16), single(8));
+            assert_eq!(matmul_path(1, f16), MatMulPath::MatVec);
+            assert_eq!(matmul_path(8, f16), MatMulPath::MatVec);
         }
         assert_eq!(matmul_path(9, false), MatMulPath::Mmq);
         assert_eq!(matmul_path(512, false), MatMulPath::Mmq);
@@ -764,9 +756,6 @@ mod tests {
             rope_kv_write(1, 16, 4, 128, 127).is_err(),
             "odd rope dimension"
         );
-        assert_eq!(mmvq_pieces(0), Vec::<std::ops::Range<usize>>::new());
-        assert_eq!(mmvq_pieces(8), vec![0..8]);
-        assert_eq!(mmvq_pieces(19), vec![0..8, 8..16, 16..19]);
         assert!(get_rows_kernel(GgmlDType::F32).is_err());
     }
 }

@@ -143,7 +143,7 @@ impl CudaRunner {
         let (w_ptr, _w) = m.data.device_ptr(&self.stream);
         let (out_ptr, _o) = self.buffer(out)?.device_ptr(&self.stream);
         match launch::matmul_path(rows, false) {
-            launch::MatMulPath::Mmvq(_) => {}
+            launch::MatMulPath::MatVec => {}
             launch::MatMulPath::F16 => {
                 return Err(EngineError::Cuda("the f16 path was not taken above".into()))
             }

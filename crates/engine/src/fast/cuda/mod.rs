@@ -1,6 +1,6 @@
-//! The CUDA runner: executes a [`Plan`] on one GPU. Quantized matmuls go through llama.cpp's
-//! MMVQ kernels as candle-kernels exports them (`candle_kernels::ffi`: Q8_1 quantization of the
-//! activations, then up to 8 rows per launch); everything else is our own kernels
+//! The CUDA runner: executes a [`Plan`] on one GPU. Quantized matmuls of up to 8 rows are our
+//! matvec kernels (Q8_1 activations), wider ones llama.cpp's MMQ as candle-kernels exports it
+//! (`candle_kernels::ffi`) or cuBLAS over f16 weight copies; everything else is our own kernels
 //! (`kernels.cu`, compiled to PTX for sm_90 by the build script), launched with the
 //! configurations of [`crate::fast::launch`]. One stream, no event tracking (the runner orders
 //! its work itself), every buffer allocated before the operations run: the step itself neither
@@ -134,7 +134,7 @@ pub struct CudaRunner {
     _blas_workspace: Option<CudaSlice<u8>>,
 }
 
-/// An activation buffer's quantized copy in the matmul scratch: MMVQ's Q8_1 rows, or MMQ's
+/// An activation buffer's quantized copy in the matmul scratch: the matvec kernels' Q8_1 rows, or MMQ's
 /// blocks in the layout of one scale kind.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Quantized {
@@ -367,7 +367,7 @@ impl CudaRunner {
         !self.f16_weights.is_empty()
     }
 
-    /// The buffer whose MMVQ Q8_1 rows the matmul scratch holds now, and those rows (for the
+    /// The buffer whose matvec Q8_1 rows the matmul scratch holds now, and those rows (for the
     /// GPU tests: a kernel that quantizes its output in place against the twin); `None` when the
     /// scratch holds none.
     pub fn quantized_rows(&mut self, plan: &Plan) -> Result<Option<(Buf, Vec<BlockQ8_1>)>> {
@@ -521,7 +521,7 @@ impl CudaRunner {
             launch::MatMulPath::F16 => {
                 grew |= ensure(s, &mut self.x16, widest_rows * widest_k)?;
             }
-            launch::MatMulPath::Mmvq(_) => {}
+            launch::MatMulPath::MatVec => {}
         }
         let partials = plan.rows * c.n_heads * plan.splits;
         grew |= ensure(s, &mut self.part_max, partials)?;
@@ -611,7 +611,7 @@ impl CudaRunner {
                 let quantize = launch::quantizes_in_place(n);
                 // The pointers' guards end with the block, before `quantized` changes.
                 {
-                    // The residual add and, for MMVQ steps, the matmuls' Q8_1 rows in the same
+                    // The residual add and, for matvec steps, the matmuls' Q8_1 rows in the same
                     // launch: null pointers leave either out.
                     let y = add.map(|y| self.buffer(y)).transpose()?;
                     let q8 = quantize.then(|| self.q8_scratch()).transpose()?;
@@ -862,7 +862,7 @@ impl CudaRunner {
             }
             _ => i32::MAX,
         };
-        // For MMVQ steps the merge also writes the output projection's Q8_1 rows, where
+        // For matvec steps the merge also writes the output projection's Q8_1 rows, where
         // every warp's 32 values are one whole block of them; not when flash rows (which it
         // leaves alone) are in the step: the matmul then quantizes all rows itself.
         let q_dim = c.n_heads * c.head_dim;
