@@ -443,9 +443,12 @@ def server_lines(server):
     rows = (server or {}).get("concurrency") or []
     if not rows:
         return []
-    lines = ["", "| conversations | aggregate tok/s | per stream tok/s | median TTFT ms |", "|---:|---:|---:|---:|"]
+    lines = ["", "| conversations | aggregate tok/s | per stream tok/s | median TTFT ms | step ms | "
+             "forward ms | worker host ms | hop ms |", "|---:|---:|---:|---:|---:|---:|---:|---:|"]
     lines += [f"| {r.get('clients')} | {r.get('aggregate_tokens_per_s')} | {r.get('per_stream_tokens_per_s')} | "
-              f"{r.get('ttft_ms_median')} |" for r in rows]
+              f"{r.get('ttft_ms_median')} | {fmt(r.get('engine_step_ms_mean'), 2)} | "
+              f"{fmt(r.get('forward_ms_mean'), 2)} | {fmt(r.get('worker_host_ms_mean'), 3)} | "
+              f"{fmt(r.get('hop_ms_mean'), 3)} |" for r in rows]
     ours = {r.get("clients"): r for r in dig(server, "v1", "concurrency") or []}
     theirs = {r.get("clients"): r for r in dig(server, "llama_server", "concurrency") or []}
     if ours:

@@ -133,19 +133,29 @@ def turn(server, conv, text):
                 raise RuntimeError(line)
 
 
+STEP_HISTOGRAMS = ("step", "step_engine", "step_host", "step_gap")
+
+
 def step_seconds(server):
-    """(sum, count) of the model worker's step-time histogram from /metrics."""
+    """{name: (sum, count)} of the model worker's step histograms from /metrics: the whole step,
+    its forward pass, the worker's host work, and the hop from a report to the next plan."""
     c = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
     c.request("GET", "/metrics")
     text = c.getresponse().read().decode()
     c.close()
-    total = count = 0.0
+    out = {name: [0.0, 0.0] for name in STEP_HISTOGRAMS}
     for line in text.splitlines():
-        if line.startswith("smolchat_step_seconds_sum"):
-            total = float(line.rsplit(" ", 1)[1])
-        elif line.startswith("smolchat_step_seconds_count"):
-            count = float(line.rsplit(" ", 1)[1])
-    return total, count
+        for name in STEP_HISTOGRAMS:
+            if line.startswith(f"smolchat_{name}_seconds_sum"):
+                out[name][0] = float(line.rsplit(" ", 1)[1])
+            elif line.startswith(f"smolchat_{name}_seconds_count"):
+                out[name][1] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def mean_ms(before, after, name):
+    count = after[name][1] - before[name][1]
+    return round((after[name][0] - before[name][0]) * 1e3 / count, 3) if count else None
 
 
 def concurrency(server, n, new_tokens):
@@ -170,7 +180,7 @@ def concurrency(server, n, new_tokens):
         t.join()
     wall = time.perf_counter() - t0
     steps_after = step_seconds(server)
-    steps = steps_after[1] - steps_before[1]
+    steps = steps_after["step"][1] - steps_before["step"][1]
     tokens = sum(r[2]["completion_tokens"] for r in results)
     ttfts = sorted(r[0] for r in results)
     return {
@@ -186,7 +196,12 @@ def concurrency(server, n, new_tokens):
         # The model worker's own step time (`smolchat_step_seconds`), to tell the engine's
         # share of a token's time from the serving path's.
         "engine_steps": steps,
-        "engine_step_ms_mean": round((steps_after[0] - steps_before[0]) * 1e3 / steps, 3) if steps else None,
+        "engine_step_ms_mean": mean_ms(steps_before, steps_after, "step"),
+        # Of it, the forward pass and the worker's host work; and the hop from a step's
+        # report through the scheduler to the next plan, between steps.
+        "forward_ms_mean": mean_ms(steps_before, steps_after, "step_engine"),
+        "worker_host_ms_mean": mean_ms(steps_before, steps_after, "step_host"),
+        "hop_ms_mean": mean_ms(steps_before, steps_after, "step_gap"),
     }
 
 

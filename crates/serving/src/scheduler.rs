@@ -271,6 +271,14 @@ impl Handler<StepDone> for SchedulerActor {
         metrics::gauge!("smolchat_kv_evictions").set(r.evictions as f64);
         metrics::gauge!("smolchat_tokens_per_second").set(s.tokens_per_s);
         metrics::histogram!("smolchat_step_seconds").record(r.step_ms / 1e3);
+        // Where a step's time goes besides the forward pass: the worker's host work, and the
+        // hop from its report to its next plan.
+        metrics::histogram!("smolchat_step_engine_seconds").record(r.engine_ms / 1e3);
+        metrics::histogram!("smolchat_step_host_seconds")
+            .record((r.step_ms - r.engine_ms).max(0.0) / 1e3);
+        if let Some(gap) = r.gap_ms {
+            metrics::histogram!("smolchat_step_gap_seconds").record(gap / 1e3);
+        }
         self.maybe_step();
     }
 }

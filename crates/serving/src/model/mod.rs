@@ -110,7 +110,14 @@ impl AloneRun {
 #[derive(Debug, Clone, Default)]
 pub struct StepReport {
     pub items: Vec<ItemReport>,
+    /// The step on the model thread, and the part of it spent in the engine's forward pass
+    /// (the rest is the worker's own host work: planning, drafting, delivering tokens).
     pub step_ms: f64,
+    pub engine_ms: f64,
+    /// How long the model thread waited for this step's plan after reporting the previous
+    /// one, when that one left requests running (the hop through the scheduler actor and
+    /// back); `None` after a step that left nothing running.
+    pub gap_ms: Option<f64>,
     pub generated_tokens: u64,
     pub prefilled_tokens: u64,
     pub reused_tokens: u64,
@@ -367,6 +374,8 @@ impl ModelWorker {
     /// Runs the command loop until every sender is gone. `report` carries step reports back to the
     /// scheduler.
     pub fn run(mut self, commands: std_mpsc::Receiver<WorkerCommand>, report: impl Fn(StepReport)) {
+        // When the last report left requests running: the gap to the next plan is the hop.
+        let mut reported_busy: Option<Instant> = None;
         while let Ok(cmd) = commands.recv() {
             match cmd {
                 WorkerCommand::Register {
@@ -377,9 +386,15 @@ impl ModelWorker {
                     self.active.insert(id, Active::new(*request, submitted));
                 }
                 WorkerCommand::Step(plan) => {
+                    let gap = reported_busy
+                        .take()
+                        .map(|t| t.elapsed().as_secs_f64() * 1e3);
                     let mut r = self.step_held(plan);
+                    r.gap_ms = gap;
                     r.finished = std::mem::take(&mut self.finished);
-                    report(r)
+                    let busy = r.items.iter().any(|i| !i.finished);
+                    report(r);
+                    reported_busy = busy.then(Instant::now);
                 }
                 WorkerCommand::Evict { conversation, done } => {
                     let _ = done.send(self.forget_conversation(conversation));

@@ -459,7 +459,9 @@ impl ModelWorker {
             .collect();
         // Out of `self` while rows of it are sampled, so `finish` can borrow the worker.
         let mut logits = std::mem::take(&mut self.logits);
+        let engine_start = Instant::now();
         let stepped = self.run_engine(step, &embeds, &draws, &mut logits);
+        step.report.engine_ms += engine_start.elapsed().as_secs_f64() * 1e3;
         match stepped {
             Ok(()) => self.deliver_rows(step, &embeds, &draws, &mut logits),
             Err(e) => {

@@ -1229,3 +1229,63 @@ fn grammar_masks_computed_during_the_step_give_the_same_reply() {
         "{serial:?}"
     );
 }
+
+/// The worker's run loop says where a step's time goes: the forward pass within the step, and
+/// the wait for the next plan after a report that left a request running (the hop through the
+/// scheduler); after a report that left nothing running there is no hop to measure.
+#[test]
+fn step_reports_split_the_engine_from_the_host_and_measure_the_hop() {
+    let w = worker();
+    let (commands, rx) = std_mpsc::channel();
+    let (reports_tx, reports) = std_mpsc::channel();
+    let thread = std::thread::spawn(move || w.run(rx, move |r| drop(reports_tx.send(r))));
+    let (tx, _events) = mpsc::unbounded_channel();
+    let params = SamplingParams {
+        max_new_tokens: 2,
+        ignore_eos: true,
+        ..SamplingParams::greedy()
+    };
+    let send = |cmd| commands.send(cmd).unwrap_or_else(|e| panic!("{e}"));
+    send(WorkerCommand::Register {
+        id: 1,
+        request: Box::new(GenerationRequest::anonymous(vec![5, 6, 7], params, tx)),
+        submitted: Instant::now(),
+    });
+    let recv = || {
+        reports
+            .recv_timeout(std::time::Duration::from_secs(60))
+            .unwrap_or_else(|e| panic!("{e}"))
+    };
+    send(WorkerCommand::Step(StepPlan {
+        prefill: vec![(1, 3)],
+        ..StepPlan::default()
+    }));
+    let first = recv();
+    assert_eq!(first.gap_ms, None, "no step before the first");
+    assert!(
+        first.engine_ms > 0.0 && first.engine_ms <= first.step_ms,
+        "{first:?}"
+    );
+    assert!(first.items.iter().any(|i| i.id == 1 && !i.finished));
+    std::thread::sleep(std::time::Duration::from_millis(30));
+    let decode = || {
+        WorkerCommand::Step(StepPlan {
+            decode: vec![1],
+            ..StepPlan::default()
+        })
+    };
+    send(decode());
+    let second = recv();
+    let gap = second
+        .gap_ms
+        .unwrap_or_else(|| panic!("no hop measured: {second:?}"));
+    assert!(gap >= 30.0, "the hop was {gap} ms");
+    assert!(second.items.iter().any(|i| i.id == 1 && i.finished));
+    // Nothing running after it: the next step's wait is idle time, not a hop.
+    send(decode());
+    assert_eq!(recv().gap_ms, None);
+    drop(commands);
+    thread
+        .join()
+        .unwrap_or_else(|_| panic!("the worker panicked"));
+}
