@@ -1,7 +1,8 @@
 //! The static checks of the fast tier's CUDA kernels (`scripts/check-kernels.py`: nvcc for
 //! sm_90 with warnings as errors, ptxas's resource report) pass on the kernels as they are, and
-//! fail on a copy whose attention kernel spills, on one with a warning, and on one whose
-//! tensor-core kernel has no tensor-core instruction left. They need the CUDA
+//! fail on a copy with a warning, and on one whose attention kernel spills, whose tensor-core
+//! kernel has no tensor-core instruction left and whose `add_f32` lacks the grid-dependency
+//! wait (one copy with the three faults: one compile, each named). They need the CUDA
 //! 13.0 compiler `make cuda-toolkit` installs (no GPU): without it these tests say so and pass,
 //! unless `SMOLTEST_REQUIRE_NVCC=1` (as `make test` sets) makes that a failure.
 
@@ -60,28 +61,18 @@ fn the_kernels_compile_clean_without_spills() {
 }
 
 #[test]
-fn a_spilling_kernel_and_a_warning_fail_the_check() {
+fn a_warning_fails_the_check() {
     if !nvcc_available() {
         return;
     }
     let dir = tempfile::tempdir().expect("tempdir");
-    // Without its launch bounds' minimum blocks, ptxas keeps the 8-head attention kernel under
-    // fewer registers and spills.
-    let spilling = dir.path().join("spilling.cu");
-    let source = kernels();
-    assert!(source.contains("__launch_bounds__(128, 4)"));
-    std::fs::write(
-        &spilling,
-        source.replace("__launch_bounds__(128, 4)", "__launch_bounds__(128)"),
-    )
-    .expect("write");
-    let (ok, text) = check(&spilling);
-    assert!(!ok, "{text}");
-    assert!(text.contains("attention_partial_g8: spills"), "{text}");
     let warned = dir.path().join("warned.cu");
     std::fs::write(
         &warned,
-        format!("{source}\nextern \"C\" __global__ void unused_variable(float *x) {{ int never_read = 3; }}\n"),
+        format!(
+            "{}\nextern \"C\" __global__ void unused_variable(float *x) {{ int never_read = 3; }}\n",
+            kernels()
+        ),
     )
     .expect("write");
     let (ok, text) = check(&warned);
@@ -89,56 +80,45 @@ fn a_spilling_kernel_and_a_warning_fail_the_check() {
     assert!(text.contains("nvcc failed (warnings are errors)"), "{text}");
 }
 
+/// One copy of the kernels with three faults, each of which the check names:
+/// - without its launch bounds' minimum blocks, ptxas keeps the 8-head attention kernel under
+///   fewer registers and it spills;
+/// - the flash kernel's products compiled away: it still builds, without HMMA;
+/// - `add_f32` without `GRID_DEPENDENCY()`: launched with programmatic dependence, it could read
+///   `y` before the kernel writing it has finished.
 #[test]
-fn a_tensor_core_kernel_without_tensor_core_instructions_fails_the_check() {
+fn a_spilling_kernel_a_scalar_tensor_core_kernel_and_a_missing_wait_fail_the_check() {
     if !nvcc_available() {
         return;
     }
     let dir = tempfile::tempdir().expect("tempdir");
-    let source = kernels();
+    let mut source = kernels();
+    assert!(source.contains("__launch_bounds__(128, 4)"));
+    source = source.replace("__launch_bounds__(128, 4)", "__launch_bounds__(128)");
     let mma = "asm volatile(\n        \"mma.sync.aligned.m16n8k16";
     assert!(
         source.contains(mma),
         "the flash kernel's mma is where this test expects it"
     );
-    // The products compiled away: the kernel still builds, without HMMA.
-    let scalar = dir.path().join("scalar.cu");
-    std::fs::write(&scalar, source.replace(mma, &format!("if (false) {mma}"))).expect("write");
-    let (ok, text) = check(&scalar);
-    assert!(!ok, "{text}");
-    assert!(
-        text.contains("flash_prefill_d128: no tensor-core (HMMA) instruction"),
-        "{text}"
-    );
-}
-
-#[test]
-fn a_kernel_without_the_grid_dependency_wait_fails_the_check() {
-    if !nvcc_available() {
-        return;
-    }
-    let dir = tempfile::tempdir().expect("tempdir");
-    let source = kernels();
+    source = source.replace(mma, &format!("if (false) {mma}"));
     let head = "void add_f32(float *__restrict__ x, const float *__restrict__ y, int n) {\n    GRID_DEPENDENCY();\n";
     assert!(
         source.contains(head),
         "add_f32 starts with GRID_DEPENDENCY() where this test expects it"
     );
-    // Launched with programmatic dependence, it could read `y` before the kernel writing it
-    // has finished.
-    let racing = dir.path().join("racing.cu");
-    std::fs::write(
-        &racing,
-        source.replace(
-            head,
-            "void add_f32(float *__restrict__ x, const float *__restrict__ y, int n) {\n",
-        ),
-    )
-    .expect("write");
-    let (ok, text) = check(&racing);
-    assert!(!ok, "{text}");
-    assert!(
-        text.contains("add_f32: no griddepcontrol.wait in its PTX"),
-        "{text}"
+    source = source.replace(
+        head,
+        "void add_f32(float *__restrict__ x, const float *__restrict__ y, int n) {\n",
     );
+    let broken = dir.path().join("broken.cu");
+    std::fs::write(&broken, source).expect("write");
+    let (ok, text) = check(&broken);
+    assert!(!ok, "{text}");
+    for problem in [
+        "attention_partial_g8: spills",
+        "flash_prefill_d128: no tensor-core (HMMA) instruction",
+        "add_f32: no griddepcontrol.wait in its PTX",
+    ] {
+        assert!(text.contains(problem), "{problem}: {text}");
+    }
 }
