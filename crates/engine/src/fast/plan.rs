@@ -443,6 +443,48 @@ mod tests {
         }
     }
 
+    /// Steps of up to 8 rows (decode, drafts' verification) run Q/K/V and gate/up/SwiGLU as one
+    /// matvec op each; a step of 9 rows keeps the separate matmuls, which MMQ or the f16 GEMM
+    /// run. The down and output projections and the LM head stay matmuls either way.
+    #[test]
+    fn steps_of_up_to_eight_rows_fuse_their_projections() {
+        let spec = SyntheticSpec::tiny("smollm3");
+        let src = crate::synthetic::build(&spec).unwrap_or_else(|e| panic!("{e}"));
+        let config = ModelConfig::from_gguf(&src).unwrap_or_else(|e| panic!("{e}"));
+        let count =
+            |plan: &Plan, f: &dyn Fn(&Op) -> bool| plan.ops.iter().filter(|op| f(op)).count();
+        let layers = config.n_layers;
+        for rows in [1, 8] {
+            let plan = Plan::forward(&config, rows, rows, 1);
+            assert_eq!(
+                count(&plan, &|op| matches!(op, Op::QkvMatVec { .. })),
+                layers
+            );
+            assert_eq!(
+                count(&plan, &|op| matches!(op, Op::SwiGluMatVec { .. })),
+                layers
+            );
+            assert_eq!(count(&plan, &|op| matches!(op, Op::SiluMul { .. })), 0);
+            // Per layer O and down, then the LM head.
+            assert_eq!(
+                count(&plan, &|op| matches!(op, Op::MatMul { .. })),
+                2 * layers + 1
+            );
+        }
+        let wide = Plan::forward(&config, 9, 9, 1);
+        assert_eq!(
+            count(&wide, &|op| matches!(
+                op,
+                Op::QkvMatVec { .. } | Op::SwiGluMatVec { .. }
+            )),
+            0
+        );
+        assert_eq!(
+            count(&wide, &|op| matches!(op, Op::MatMul { .. })),
+            7 * layers + 1
+        );
+    }
+
     /// A step of hidden-state rows (embeddings) ends at the output norm: no LM head, no draw.
     #[test]
     fn a_hidden_state_step_stops_at_the_output_norm() {
