@@ -455,6 +455,17 @@ mod fast_tier {
                     "{name} {:?}, {n_rows} rows",
                     host.matrix(Matrix::Q(0)).map(|m| m.dtype)
                 );
+                let same_bits = |weight: Matrix, got: &[f32], want: &[f32]| {
+                    let differ = got
+                        .iter()
+                        .zip(want)
+                        .filter(|(a, b)| a.to_bits() != b.to_bits())
+                        .count();
+                    assert_eq!(
+                        differ, 0,
+                        "{what}: {weight:?}: {differ} outputs differ from the twin's"
+                    );
+                };
                 for &op in &plan.ops {
                     gpu.run_op(&plan, op).unwrap_or_else(|e| panic!("{e}"));
                     let twin = |weight: Matrix, q8: &[smolchat_engine::fast::layout::BlockQ8_1]| {
@@ -485,15 +496,7 @@ mod fast_tier {
                             ] {
                                 let got = gpu.read(&plan, out).unwrap_or_else(|e| panic!("{e}"));
                                 let want = twin(weight, &q8);
-                                let differ = got
-                                    .iter()
-                                    .zip(&want)
-                                    .filter(|(a, b)| a.to_bits() != b.to_bits())
-                                    .count();
-                                assert_eq!(
-                                    differ, 0,
-                                    "{what}: {weight:?}: {differ} outputs differ from the twin's"
-                                );
+                                same_bits(weight, &got, &want);
                             }
                             checked += 1;
                         }
@@ -524,15 +527,7 @@ mod fast_tier {
                                 .unwrap_or_else(|| panic!("{what}: no Q8_1 rows of the SwiGLU"));
                             let got = gpu.read(&plan, out).unwrap_or_else(|e| panic!("{e}"));
                             let want = twin(weight, &q8);
-                            let differ = got
-                                .iter()
-                                .zip(&want)
-                                .filter(|(a, b)| a.to_bits() != b.to_bits())
-                                .count();
-                            assert_eq!(
-                                differ, 0,
-                                "{what}: {weight:?}: {differ} outputs differ from the twin's"
-                            );
+                            same_bits(weight, &got, &want);
                             checked += 1;
                         }
                         _ => {}

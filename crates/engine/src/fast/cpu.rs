@@ -189,29 +189,15 @@ impl CpuRunner {
                 let w16 = self.f16_weight(weight)?;
                 f16mm::matmul(w16, n, k, &input, rows, &mut output)
             }
-            launch::MatMulPath::MatVec => {
+            launch::MatMulPath::MatVec | launch::MatMulPath::Mmq => {
+                let quantized = if path == launch::MatMulPath::MatVec {
+                    matvec::matmul
+                } else {
+                    mmvq::matmul_q8_1
+                };
                 let m = self.weights.matrix(weight)?;
-                matvec::matmul(
-                    m.dtype,
-                    m.bytes.as_slice(),
-                    m.rows,
-                    m.cols,
-                    &input,
-                    rows,
-                    &mut output,
-                )
-            }
-            launch::MatMulPath::Mmq => {
-                let m = self.weights.matrix(weight)?;
-                mmvq::matmul_q8_1(
-                    m.dtype,
-                    m.bytes.as_slice(),
-                    m.rows,
-                    m.cols,
-                    &input,
-                    rows,
-                    &mut output,
-                )
+                let (bytes, n, k) = (m.bytes.as_slice(), m.rows, m.cols);
+                quantized(m.dtype, bytes, n, k, &input, rows, &mut output)
             }
         };
         self.put(x, input);

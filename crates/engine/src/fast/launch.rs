@@ -74,7 +74,7 @@ pub fn silu_mul_q8_1(rows: usize, cols_padded: usize) -> Result<Launch> {
 /// (`rms_norm` with a Q8_1 output, `silu_mul_q8_1`): when its matmuls take our matvec, whose Q8_1
 /// rows those kernels write; MMQ reads another layout, quantized by its own launch.
 pub fn quantizes_in_place(rows: usize) -> bool {
-    rows <= MATVEC_MAX_ROWS
+    crate::fast::plan::matvec_rows(rows)
 }
 
 /// `kv_write`: one block per (row, KV head), one thread per dimension.
@@ -275,7 +275,7 @@ pub fn get_rows_kernel(dtype: GgmlDType) -> Result<&'static str> {
 
 /// Rows of activations one matvec launch takes (llama.cpp's `MMVQ_MAX_BATCH_SIZE` too): the
 /// steps of decode and drafts' verification; wider steps take MMQ or the f16 GEMM.
-pub const MATVEC_MAX_ROWS: usize = 8;
+pub const MATVEC_MAX_ROWS: usize = crate::fast::twin::matvec::MAX_ROWS;
 
 /// The most rows a step of `rows` rows may grow to (a decode verifying drafts) with every row's
 /// matmul outputs still computed bit for bit as before, so that drafts never change a reply.
@@ -285,7 +285,7 @@ pub const MATVEC_MAX_ROWS: usize = 8;
 /// block changed between 4 and 5 rows.) Above 8 rows MMQ's tiles and the f16 GEMM's are chosen
 /// by the row count, so no growth is known to keep their sums.
 pub fn rows_computed_alike(rows: usize) -> usize {
-    if rows <= MATVEC_MAX_ROWS {
+    if crate::fast::plan::matvec_rows(rows) {
         MATVEC_MAX_ROWS
     } else {
         rows
@@ -312,7 +312,7 @@ pub enum MatMulPath {
 /// (issue 48: a 64-row step of the 3B shape took ~10 ms against a ~0.6 ms read floor).
 /// Steps of at most 8 rows (every step that may carry drafts) are untouched.
 pub fn matmul_path(rows: usize, f16: bool) -> MatMulPath {
-    if rows <= MATVEC_MAX_ROWS {
+    if crate::fast::plan::matvec_rows(rows) {
         MatMulPath::MatVec
     } else if f16 {
         MatMulPath::F16
@@ -502,25 +502,14 @@ pub fn kernel_names() -> Vec<&'static str> {
         "sample_rows",
         "f32_to_f16",
     ];
-    for dtype in [
-        GgmlDType::Q4_0,
-        GgmlDType::Q4_1,
-        GgmlDType::Q5_0,
-        GgmlDType::Q5_1,
-        GgmlDType::Q8_0,
-        GgmlDType::Q2K,
-        GgmlDType::Q3K,
-        GgmlDType::Q4K,
-        GgmlDType::Q5K,
-        GgmlDType::Q6K,
-    ] {
+    for dtype in crate::fast::weights::MATRIX_TYPES {
         names.extend(get_rows_kernel(dtype));
         names.extend(dequantize_f16_kernel(dtype));
         names.extend(matvec_kernel(dtype).into_iter().flat_map(|(a, b)| [a, b]));
     }
     for group in 1..=MAX_GROUP {
         names.extend(attention_kernel(group, 1, 64));
-        for head_dim in [64, 128] {
+        for head_dim in crate::fast::twin::flash::HEAD_DIMS {
             names.extend(attention_decode_kernel(group, 1, head_dim));
         }
     }

@@ -29,21 +29,23 @@ pub struct FastWeights {
     pub norms: HashMap<Norm, Vec<f32>>,
 }
 
-/// Matrix types the fast tier's matmul kernels take (llama.cpp's MMVQ/MMQ set).
+/// Matrix types the fast tier's matmul kernels take (llama.cpp's MMVQ/MMQ set, our matvec's).
+pub const MATRIX_TYPES: [GgmlDType; 10] = [
+    GgmlDType::Q4_0,
+    GgmlDType::Q4_1,
+    GgmlDType::Q5_0,
+    GgmlDType::Q5_1,
+    GgmlDType::Q8_0,
+    GgmlDType::Q2K,
+    GgmlDType::Q3K,
+    GgmlDType::Q4K,
+    GgmlDType::Q5K,
+    GgmlDType::Q6K,
+];
+
+/// Whether the fast tier's matmul kernels take `dtype` ([`MATRIX_TYPES`]).
 pub fn supported(dtype: GgmlDType) -> bool {
-    matches!(
-        dtype,
-        GgmlDType::Q4_0
-            | GgmlDType::Q4_1
-            | GgmlDType::Q5_0
-            | GgmlDType::Q5_1
-            | GgmlDType::Q8_0
-            | GgmlDType::Q2K
-            | GgmlDType::Q3K
-            | GgmlDType::Q4K
-            | GgmlDType::Q5K
-            | GgmlDType::Q6K
-    )
+    MATRIX_TYPES.contains(&dtype)
 }
 
 /// Whether every matrix of `src` is of a type the fast tier runs (read from the tensor

@@ -959,6 +959,27 @@ extern "C" __global__ void attention_merge(
 
 #define DECODE_WARPS 4
 
+// Eight f16 values (16 bytes, aligned) as floats.
+__device__ __forceinline__ void load8(const half *p, float f[8]) {
+    const uint4 raw = *(const uint4 *)p;
+    const half2 *h2 = (const half2 *)&raw;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        const float2 v = __half22float2(h2[j]);
+        f[2 * j] = v.x;
+        f[2 * j + 1] = v.y;
+    }
+}
+
+// Value `d` of query head `head` of `row`'s attention output, and with `q8` its Q8_1 rows (the
+// warp's 32 consecutive values one block).
+__device__ __forceinline__ void put_attention(float *__restrict__ out, q8_1_block *__restrict__ q8,
+                                              size_t row, int heads, int head, int D, int d,
+                                              int cols_padded, float v) {
+    out[((size_t)row * heads + head) * D + d] = v;
+    if (q8 != nullptr) quantize_q8_1(q8, row * cols_padded + (size_t)head * D + d, v);
+}
+
 template <int D, int GROUP>
 __device__ void attention_decode_impl(
     const float *__restrict__ q, const half *__restrict__ arena,
@@ -1010,15 +1031,8 @@ __device__ void attention_decode_impl(
         // Scores: the D / 8 lanes of a key each take 8 dimensions, then add theirs up.
 #pragma unroll
         for (int key = warp * KPW + slot; key < BLOCK_POSITIONS; key += STRIDE) {
-            const uint4 raw = *(const uint4 *)(kb + (size_t)key * D + 8 * sub);
-            const half2 *k2 = (const half2 *)&raw;
             float kf[8];
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                const float2 f = __half22float2(k2[j]);
-                kf[2 * j] = f.x;
-                kf[2 * j + 1] = f.y;
-            }
+            load8(kb + (size_t)key * D + 8 * sub, kf);
 #pragma unroll
             for (int g = 0; g < GROUP; ++g) {
                 float s = 0.0f;
@@ -1066,15 +1080,8 @@ __device__ void attention_decode_impl(
             for (int j = 0; j < 8; ++j) o[g][j] *= f;
         }
         for (int key = warp * KPW + slot; key < n; key += STRIDE) {
-            const uint4 raw = *(const uint4 *)(vb + (size_t)key * D + 8 * sub);
-            const half2 *v2 = (const half2 *)&raw;
             float vf[8];
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                const float2 f = __half22float2(v2[j]);
-                vf[2 * j] = f.x;
-                vf[2 * j + 1] = f.y;
-            }
+            load8(vb + (size_t)key * D + 8 * sub, vf);
 #pragma unroll
             for (int g = 0; g < GROUP; ++g) {
                 const float p = probs[g][key];
@@ -1102,9 +1109,7 @@ __device__ void attention_decode_impl(
             float acc = 0.0f;
 #pragma unroll
             for (int w = 0; w < DECODE_WARPS; ++w) acc += o_s[w][g][d];
-            const float v = acc / run_sum[g];
-            out[(head0 + g) * D + d] = v;
-            if (q8 != nullptr) quantize_q8_1(q8, (size_t)row * cols_padded + (size_t)(kv_head * GROUP + g) * D + d, v);
+            put_attention(out, q8, row, heads, kv_head * GROUP + g, D, d, cols_padded, acc / run_sum[g]);
         }
         return;
     }
@@ -1139,9 +1144,7 @@ __device__ void attention_decode_impl(
             sum += __ldcg(part_sum + base + s) * w;
             acc += __ldcg(part_out + (base + s) * D + d) * w;
         }
-        const float v = acc / sum;
-        out[(head0 + g) * D + d] = v;
-        if (q8 != nullptr) quantize_q8_1(q8, (size_t)row * cols_padded + (size_t)(kv_head * GROUP + g) * D + d, v);
+        put_attention(out, q8, row, heads, kv_head * GROUP + g, D, d, cols_padded, acc / sum);
     }
     if (threadIdx.x == 0) *counter = 0;
 }

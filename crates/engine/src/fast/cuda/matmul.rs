@@ -104,8 +104,8 @@ impl CudaRunner {
         self.quantized = match result {
             // `out` is never `x`; were it so, its quantized copy would be stale.
             Ok(
-                Quantized::Mmvq(b)
-                | Quantized::MmvqFfn(b)
+                Quantized::MatVec(b)
+                | Quantized::MatVecFfn(b)
                 | Quantized::Mmq(b, _)
                 | Quantized::F16(b),
             ) if b == out => None,
@@ -211,8 +211,10 @@ impl CudaRunner {
     fn q8_input(&self, x: Buf, rows: usize, k: usize) -> Result<(sys::CUdeviceptr, Quantized)> {
         let (first, second) = self.q8_regions()?;
         match self.quantized {
-            Some(Quantized::MmvqFfn(b)) if b == x => return Ok((second, Quantized::MmvqFfn(x))),
-            Some(Quantized::Mmvq(b)) if b == x => return Ok((first, Quantized::Mmvq(x))),
+            Some(Quantized::MatVecFfn(b)) if b == x => {
+                return Ok((second, Quantized::MatVecFfn(x)))
+            }
+            Some(Quantized::MatVec(b)) if b == x => return Ok((first, Quantized::MatVec(x))),
             _ => {}
         }
         let k_padded = padded_columns(k);
@@ -225,7 +227,7 @@ impl CudaRunner {
                 .i32(k_padded as i32)
                 .go(launch::silu_mul_q8_1(rows, k_padded)?)
         }?;
-        Ok((first, Quantized::Mmvq(x)))
+        Ok((first, Quantized::MatVec(x)))
     }
 
     /// One `matvec_<dtype>` launch over up to three matrices of `dtype` (`(weights, output,
@@ -351,7 +353,7 @@ impl CudaRunner {
                 .i32(rows as i32)
                 .go(launch::matvec_swiglu(cols_padded, rows)?)
         }?;
-        self.quantized = Some(Quantized::MmvqFfn(gate));
+        self.quantized = Some(Quantized::MatVecFfn(gate));
         Ok(true)
     }
 }

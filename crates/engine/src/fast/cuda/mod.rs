@@ -139,10 +139,10 @@ pub struct CudaRunner {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Quantized {
     /// Q8_1 rows in the scratch's first half (the matvec kernels' input).
-    Mmvq(Buf),
+    MatVec(Buf),
     /// Q8_1 rows `matvec_swiglu` wrote into the scratch's second half while it read its input
     /// from the first.
-    MmvqFfn(Buf),
+    MatVecFfn(Buf),
     Mmq(Buf, launch::MmqScales),
     /// The f16 activations of the cuBLAS path (not quantized: rounded).
     F16(Buf),
@@ -372,8 +372,8 @@ impl CudaRunner {
     /// scratch holds none.
     pub fn quantized_rows(&mut self, plan: &Plan) -> Result<Option<(Buf, Vec<BlockQ8_1>)>> {
         let (buf, second) = match self.quantized {
-            Some(Quantized::Mmvq(buf)) => (buf, false),
-            Some(Quantized::MmvqFfn(buf)) => (buf, true),
+            Some(Quantized::MatVec(buf)) => (buf, false),
+            Some(Quantized::MatVecFfn(buf)) => (buf, true),
             _ => return Ok(None),
         };
         let rows = plan.rows_of(buf);
@@ -631,7 +631,7 @@ impl CudaRunner {
                     }?;
                 }
                 if quantize {
-                    self.quantized = Some(Quantized::Mmvq(out));
+                    self.quantized = Some(Quantized::MatVec(out));
                 }
             }
             Op::MatMul { weight, x, out } => self.matmul(plan, weight, x, out)?,
@@ -701,7 +701,7 @@ impl CudaRunner {
             }
             Op::Attention { layer } => {
                 if self.attention(plan, layer)? {
-                    self.quantized = Some(Quantized::Mmvq(Buf::Attn));
+                    self.quantized = Some(Quantized::MatVec(Buf::Attn));
                 }
             }
             Op::Add { x, y } => {
@@ -731,7 +731,7 @@ impl CudaRunner {
                         .i32(padded32)
                         .go(launch::silu_mul_q8_1(plan.rows_of(gate), cols_padded)?)
                 }?;
-                self.quantized = Some(Quantized::Mmvq(gate));
+                self.quantized = Some(Quantized::MatVec(gate));
             }
             Op::SiluMul { gate, up } => {
                 let f = self.function("silu_mul")?;
@@ -812,8 +812,6 @@ impl CudaRunner {
     fn attention(&self, plan: &Plan, layer: usize) -> Result<bool> {
         let c = &self.config;
         let rows = plan.rows;
-        let name = launch::attention_kernel(c.n_heads, c.n_kv_heads, c.head_dim)?;
-        let f = self.function(name)?;
         let splits = plan.splits;
         let t = &self.tables;
         let row_seq = t.row_seq.as_ref().ok_or_else(|| missing("row sequences"))?;
@@ -904,8 +902,10 @@ impl CudaRunner {
             }?;
             return Ok(quantize);
         }
+        // Other head dimensions and groups: the split kernel, then the merge.
+        let name = launch::attention_kernel(c.n_heads, c.n_kv_heads, c.head_dim)?;
         unsafe {
-            pdl::launch(&self.stream, f)
+            pdl::launch(&self.stream, self.function(name)?)
                 .ptr(self.buffer(Buf::Q)?)
                 .ptr(arena)
                 .ptr(row_seq)

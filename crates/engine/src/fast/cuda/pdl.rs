@@ -19,12 +19,17 @@ use candle_core::cuda_backend::cudarc::driver::{
 use super::{cuda, Launch};
 use crate::error::{EngineError, Result};
 
+/// The most arguments a kernel of ours takes (`attention_decode_*` has 18).
+const MAX_ARGS: usize = 24;
+
 /// One kernel's arguments, each in a slot of 8 bytes (a scalar's bytes at its start: the
-/// kernel reads as many as its parameter's type has, little-endian).
+/// kernel reads as many as its parameter's type has, little-endian). Fixed arrays: a launch
+/// allocates nothing (eager steps make hundreds).
 pub(super) struct PdlLaunch<'a> {
     stream: &'a CudaStream,
     func: &'a CudaFunction,
-    slots: Vec<u64>,
+    slots: [u64; MAX_ARGS],
+    len: usize,
 }
 
 /// Starts a launch of `func` on `stream`.
@@ -32,7 +37,8 @@ pub(super) fn launch<'a>(stream: &'a CudaStream, func: &'a CudaFunction) -> PdlL
     PdlLaunch {
         stream,
         func,
-        slots: Vec::with_capacity(16),
+        slots: [0; MAX_ARGS],
+        len: 0,
     }
 }
 
@@ -40,23 +46,28 @@ impl PdlLaunch<'_> {
     /// A device buffer argument (its pointer).
     pub(super) fn ptr<T>(&mut self, slice: &CudaSlice<T>) -> &mut Self {
         let (p, _guard) = slice.device_ptr(self.stream);
-        self.slots.push(p);
-        self
+        self.push(p)
     }
 
     /// A raw device pointer argument (0 for a null pointer the kernel tests).
     pub(super) fn raw(&mut self, ptr: sys::CUdeviceptr) -> &mut Self {
-        self.slots.push(ptr);
-        self
+        self.push(ptr)
     }
 
     pub(super) fn i32(&mut self, v: i32) -> &mut Self {
-        self.slots.push(u64::from(v as u32));
-        self
+        self.push(u64::from(v as u32))
     }
 
     pub(super) fn f32(&mut self, v: f32) -> &mut Self {
-        self.slots.push(u64::from(v.to_bits()));
+        self.push(u64::from(v.to_bits()))
+    }
+
+    /// One more argument; past [`MAX_ARGS`] the count still grows, and `go` refuses.
+    fn push(&mut self, value: u64) -> &mut Self {
+        if let Some(slot) = self.slots.get_mut(self.len) {
+            *slot = value;
+        }
+        self.len += 1;
         self
     }
 
@@ -66,12 +77,17 @@ impl PdlLaunch<'_> {
     /// The arguments must be what the kernel's parameters are, in order, and every pointer
     /// device memory of the stream's context that outlives the kernel's run.
     pub(super) unsafe fn go(&mut self, l: Launch) -> Result<()> {
+        if self.len > MAX_ARGS {
+            return Err(EngineError::Cuda(format!(
+                "a launch of {} arguments, over the {MAX_ARGS} a launch holds",
+                self.len
+            )));
+        }
         self.stream.context().bind_to_thread().map_err(cuda)?;
-        let mut params: Vec<*mut c_void> = self
-            .slots
-            .iter_mut()
-            .map(|s| (s as *mut u64).cast::<c_void>())
-            .collect();
+        let mut params = [std::ptr::null_mut::<c_void>(); MAX_ARGS];
+        for (param, slot) in params.iter_mut().zip(&mut self.slots) {
+            *param = (slot as *mut u64).cast::<c_void>();
+        }
         let mut attr = sys::CUlaunchAttribute {
             id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
             pad: [0; 4],
