@@ -1,5 +1,5 @@
-// The fast tier's kernels of our own (the quantized matmuls are llama.cpp's, through
-// candle-kernels). Every kernel here has a Rust twin over the same memory layout in
+// The fast tier's kernels of our own (the matmuls of more than 8 rows are llama.cpp's MMQ,
+// through candle-kernels, or cuBLAS; up to 8 rows they are the matvec kernels here). Every kernel here has a Rust twin over the same memory layout in
 // crates/engine/src/fast/twin/ (named beside each kernel) and the contract stated there:
 // integer parts bit-exact, floats within the twin's tolerance. Launch configurations come from
 // crates/engine/src/fast/launch.rs, which is unit-tested on the CPU.
