@@ -97,6 +97,18 @@ pub trait Backend: Send {
     /// One forward pass over `items`, whose blocks are reserved: writes their K/V and puts each
     /// item's logits as it asked ([`crate::LogitsMode`]) into `out`, reusing its buffer.
     fn forward(&mut self, items: &[BatchItem<'_>], out: &mut Logits) -> Result<()>;
+    /// Starts [`Self::forward`] and returns before its results are on the host where the device
+    /// computes on its own (a GPU: the step's kernels are queued, its drawn tokens fetched by
+    /// [`Self::finish`]), so the host can deliver the step before while it runs. Backends that
+    /// compute on the host run it whole here (the default). `out` is prepared here and
+    /// completed by `finish`.
+    fn launch(&mut self, items: &[BatchItem<'_>], out: &mut Logits) -> Result<()> {
+        self.forward(items, out)
+    }
+    /// Waits for the pass [`Self::launch`] started and completes `out` with its results.
+    fn finish(&mut self, _out: &mut Logits) -> Result<()> {
+        Ok(())
+    }
 }
 
 /// The largest steps a server will run: what [`Backend::prepare_for_serving`] sizes for.
@@ -179,6 +191,13 @@ impl Backend for Watched {
     fn forward(&mut self, items: &[BatchItem<'_>], out: &mut Logits) -> Result<()> {
         (self.watch)(Asked::Forward(items));
         self.inner.forward(items, out)
+    }
+    fn launch(&mut self, items: &[BatchItem<'_>], out: &mut Logits) -> Result<()> {
+        (self.watch)(Asked::Forward(items));
+        self.inner.launch(items, out)
+    }
+    fn finish(&mut self, out: &mut Logits) -> Result<()> {
+        self.inner.finish(out)
     }
 }
 

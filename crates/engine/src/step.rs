@@ -52,6 +52,9 @@ pub struct Engine {
     stats: EngineStats,
     /// Why this tier computes when another was asked for (a failed self-check, say).
     note: Option<String>,
+    /// The step launched and not finished yet ([`Engine::launch_step`]): each sequence it
+    /// stepped and the positions it held before, to give back should the step fail.
+    in_flight: Option<Vec<(SeqId, usize)>>,
 }
 
 impl Engine {
@@ -105,6 +108,7 @@ impl Engine {
             next_id: 1,
             stats: EngineStats::default(),
             note: None,
+            in_flight: None,
         }
     }
 
@@ -365,6 +369,33 @@ impl Engine {
         sampling: &[&[DeviceSampling]],
         out: &mut Logits,
     ) -> Result<()> {
+        self.launch_step(steps, sampling, out)?;
+        self.finish_step(out)
+    }
+
+    /// Whether a step was launched and not finished yet.
+    pub fn in_flight(&self) -> bool {
+        self.in_flight.is_some()
+    }
+
+    /// The first half of [`Self::step_sampled_into`]: the step is checked, its blocks taken, its
+    /// tokens recorded and its work started on the device, and this returns before its results
+    /// are on the host where the backend computes on its own (a GPU); [`Self::finish_step`]
+    /// waits for them and completes `out` (the same buffer). Meanwhile the caller may do host
+    /// work, and truncate or free sequences (what the step writes past a truncated length is
+    /// never read; a block given back is written by a later step only after this one), but
+    /// launches no other step. On error no cache has changed and `out` holds nothing.
+    pub fn launch_step(
+        &mut self,
+        steps: &[SeqStep<'_>],
+        sampling: &[&[DeviceSampling]],
+        out: &mut Logits,
+    ) -> Result<()> {
+        if self.in_flight.is_some() {
+            return Err(EngineError::InvalidStep(
+                "a step is still in flight: finish it before launching another".into(),
+            ));
+        }
         out.clear();
         let sample = |i: usize| sampling.get(i).copied().unwrap_or(&[]);
         if !self.backend.samples_on_device() && steps.iter().any(|s| s.logits.samples()) {
@@ -445,7 +476,7 @@ impl Engine {
                         })
                     })
                     .collect();
-                self.backend.forward(&items, out)
+                self.backend.launch(&items, out)
             });
         for (s, &p) in steps.iter().zip(&past) {
             if let Some(q) = self.seqs.get_mut(&s.seq) {
@@ -470,6 +501,31 @@ impl Engine {
                 self.stats.prefill_tokens += s.tokens.len() as u64;
             }
         }
+        self.in_flight = Some(steps.iter().map(|s| s.seq).zip(past).collect());
         Ok(())
+    }
+
+    /// Waits for the step [`Self::launch_step`] started and completes `out` with its results.
+    /// Should the device fail it, each of its sequences is cut back to what it held before
+    /// (what it held then, or less if truncated meanwhile) and `out` holds nothing.
+    pub fn finish_step(&mut self, out: &mut Logits) -> Result<()> {
+        let Some(before) = self.in_flight.take() else {
+            return Err(EngineError::InvalidStep(
+                "no step is in flight: launch one before finishing it".into(),
+            ));
+        };
+        let finished = self.backend.finish(out);
+        if finished.is_err() {
+            out.clear();
+            for (seq, p) in before {
+                if let Some(q) = self.seqs.get_mut(&seq) {
+                    if p < q.tokens.len() {
+                        q.tokens.truncate(p);
+                        self.alloc.truncate(&mut q.table, p);
+                    }
+                }
+            }
+        }
+        finished
     }
 }

@@ -174,6 +174,19 @@ impl Generation {
         self.sampler.peek_draws(&self.recent, drafts)
     }
 
+    /// How a device should draw the token after `pending` tokens already drawn for this
+    /// generation and not yet accepted, when that draw depends on none of them (no penalties)
+    /// and the device's token is all the host needs (no grammar, no log-probabilities);
+    /// otherwise `None`. Nothing is taken from the seeded generator until the token is kept
+    /// ([`Self::accept_drawn_within`]), so a reply is the same whether its steps were launched
+    /// one ahead or not.
+    pub fn device_draw_after(&mut self, pending: usize) -> Option<DeviceDraw> {
+        if self.needs_host_logits() {
+            return None;
+        }
+        self.sampler.peek_draw_after(pending)
+    }
+
     /// Keeps the token a device drew for the next row of [`Self::device_draws_ahead`]: takes
     /// that row's uniform from the generator, then as [`Self::accept_within`].
     pub fn accept_drawn_within(

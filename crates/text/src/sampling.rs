@@ -416,6 +416,27 @@ impl Sampler {
         draws
     }
 
+    /// The draw of the token that follows `pending` tokens drawn and not yet kept (their
+    /// uniforms not yet taken), when it does not depend on them: `None` when penalties look
+    /// back at the tokens before it. Nothing is taken from the generator; the draw's uniform is
+    /// the one after the `pending` ones, taken when its token is kept ([`Self::take_draw`]).
+    /// What launching a decode step before the previous step's token is known needs.
+    pub fn peek_draw_after(&mut self, pending: usize) -> Option<DeviceDraw> {
+        if self.params.penalties_active() {
+            return None;
+        }
+        let uniform = if self.greedy() {
+            0.0
+        } else {
+            let mut ahead = self.rng.clone();
+            for _ in 0..pending {
+                let _: f64 = ahead.random();
+            }
+            ahead.random()
+        };
+        Some(self.draw_with(&[], uniform))
+    }
+
     /// Takes the uniform of one draw from the generator (0 for greedy rows, which take none): a
     /// plain draw's ([`Self::device_draw`]) or a peeked row's whose token is kept
     /// ([`Self::peek_draws`]).

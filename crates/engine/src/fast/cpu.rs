@@ -15,7 +15,7 @@ use super::layout::{KvArena, StepTables};
 use super::plan::{Buf, Matrix, Op, Plan, BUFFERS};
 use super::twin::{attention, f16mm, flash, matvec, mmvq, norm, rope, sample};
 use super::weights::{FastWeights, RawMatrix};
-use super::{Runner, StepOut};
+use super::Runner;
 use crate::backend::Suggested;
 use crate::device::Device;
 use crate::error::{EngineError, Result};
@@ -472,16 +472,15 @@ impl Runner for CpuRunner {
         self.emulate_graphs
     }
 
-    fn run_graph(
+    fn launch_graph(
         &mut self,
         key: GraphKey,
         plan: &Plan,
         tables: &StepTables,
         rope: &RopeTable,
-        out: StepOut<'_>,
     ) -> Result<()> {
         if !self.emulate_graphs {
-            return self.run(plan, tables, rope, out);
+            return self.launch(plan, tables, rope);
         }
         self.begin(plan, tables, rope)?;
         let ops = match self.graphs.action(key, self.generation) {
@@ -503,7 +502,7 @@ impl Runner for CpuRunner {
                 self.graphs.insert(key, ops, self.generation);
             }
         }
-        self.fetch(plan, out)
+        Ok(())
     }
 
     fn graph_stats(&self) -> GraphStats {

@@ -74,11 +74,18 @@ pub trait Runner: Send {
         rope: &RopeTable,
         out: StepOut<'_>,
     ) -> Result<()> {
+        self.launch(plan, tables, rope)?;
+        self.fetch(plan, out)
+    }
+
+    /// [`Runner::run`] without the fetch: the plan's operations are queued (on a GPU they
+    /// may still be running when this returns); [`Runner::fetch`] then waits for them.
+    fn launch(&mut self, plan: &Plan, tables: &StepTables, rope: &RopeTable) -> Result<()> {
         self.begin(plan, tables, rope)?;
         for &op in &plan.ops {
             self.run_op(plan, op)?;
         }
-        self.fetch(plan, out)
+        Ok(())
     }
 
     /// Copies what `out` asks for to the host (see [`Runner::run`]).
@@ -107,8 +114,20 @@ pub trait Runner: Send {
         rope: &RopeTable,
         out: StepOut<'_>,
     ) -> Result<()> {
+        self.launch_graph(key, plan, tables, rope)?;
+        self.fetch(plan, out)
+    }
+
+    /// [`Runner::run_graph`] without the fetch (see [`Runner::launch`]).
+    fn launch_graph(
+        &mut self,
+        key: GraphKey,
+        plan: &Plan,
+        tables: &StepTables,
+        rope: &RopeTable,
+    ) -> Result<()> {
         let _ = key;
-        self.run(plan, tables, rope, out)
+        self.launch(plan, tables, rope)
     }
 
     fn graph_stats(&self) -> GraphStats {
@@ -155,6 +174,15 @@ pub struct FastBackend<R: Runner> {
     /// to step.
     scratch: Vec<f32>,
     tokens: Vec<u32>,
+    /// The last part of a launched step whose drawn tokens are fetched by `finish`.
+    deferred: Option<Deferred>,
+}
+
+/// A part of a step launched and not fetched yet: its plan, and for each of its items (by
+/// index in the step) the first of its rows among the drawn tokens and how many it has.
+struct Deferred {
+    plan: Plan,
+    items: Vec<(usize, usize, usize)>,
 }
 
 impl<R: Runner> FastBackend<R> {
@@ -163,6 +191,7 @@ impl<R: Runner> FastBackend<R> {
             runner,
             scratch: Vec::new(),
             tokens: Vec::new(),
+            deferred: None,
         }
     }
 
@@ -343,6 +372,34 @@ impl<R: Runner> Backend for FastBackend<R> {
     }
 
     fn forward(&mut self, items: &[BatchItem<'_>], out: &mut Logits) -> Result<()> {
+        self.launch(items, out)?;
+        self.finish(out)
+    }
+
+    fn finish(&mut self, out: &mut Logits) -> Result<()> {
+        let Some(d) = self.deferred.take() else {
+            return Ok(());
+        };
+        self.tokens.resize(d.plan.logit_rows, 0);
+        let step_out = StepOut {
+            logits: &mut [],
+            tokens: &mut self.tokens,
+        };
+        self.runner.fetch(&d.plan, step_out)?;
+        for (i, row, n) in d.items {
+            out.set_tokens(i, &self.tokens[row..row + n]);
+        }
+        Ok(())
+    }
+
+    /// A step's parts run in turn; the last one's drawn tokens, when they are all it gives back,
+    /// are left on the device for [`Backend::finish`].
+    fn launch(&mut self, items: &[BatchItem<'_>], out: &mut Logits) -> Result<()> {
+        if self.deferred.is_some() {
+            return Err(EngineError::InvalidStep(
+                "the fast tier still has a step in flight".into(),
+            ));
+        }
         check_request(self.config(), items)?;
         for (i, item) in items.iter().enumerate() {
             let needed = item.past + item.tokens.len();
@@ -377,7 +434,7 @@ impl<R: Runner> Backend for FastBackend<R> {
         let (hidden, items_rest): (Vec<usize>, Vec<usize>) =
             (0..items.len()).partition(|&i| items[i].logits == LogitsMode::Hidden);
         if !hidden.is_empty() {
-            self.run_part(items, &hidden, &host_row, out, false)?;
+            self.run_part(items, &hidden, &host_row, out, false, false)?;
         }
         // Decode rows: one-token items wanting their last logits or a draw, and verifying items
         // (a draw at every position, each a decode row of its own).
@@ -395,9 +452,9 @@ impl<R: Runner> Backend for FastBackend<R> {
         // once instead of once for a graphed decode part and again for an eager prefill part
         // (issue 48: at 64 conversations the server reached 36% of the engine's decode rate).
         if rest.is_empty() && graph::bucket_rows(decode_rows).is_some() {
-            self.run_part(items, &decode, &host_row, out, true)?;
+            self.run_part(items, &decode, &host_row, out, true, true)?;
         } else if !items_rest.is_empty() {
-            self.run_part(items, &items_rest, &host_row, out, false)?;
+            self.run_part(items, &items_rest, &host_row, out, false, true)?;
         }
         Ok(())
     }
@@ -405,7 +462,9 @@ impl<R: Runner> Backend for FastBackend<R> {
 
 impl<R: Runner> FastBackend<R> {
     /// Runs the items `part` of `items` as one step (through a graph when `graphed`: a decode
-    /// part), and hands each item its logits rows (at `host_row`) or its drawn token.
+    /// part), and hands each item its logits rows (at `host_row`) or its drawn token; when
+    /// `may_defer` and drawn tokens are all the part gives back, they are fetched by
+    /// [`Backend::finish`] instead.
     fn run_part(
         &mut self,
         items: &[BatchItem<'_>],
@@ -413,6 +472,7 @@ impl<R: Runner> FastBackend<R> {
         host_row: &[usize],
         out: &mut Logits,
         graphed: bool,
+        may_defer: bool,
     ) -> Result<()> {
         let vocab = self.config().vocab_size;
         let sub: Vec<BatchItem<'_>> = part.iter().map(|&i| items[i]).collect();
@@ -440,6 +500,23 @@ impl<R: Runner> FastBackend<R> {
             .resize(if wants_logits { device_rows * vocab } else { 0 }, 0.0);
         self.tokens
             .resize(if plan.sample { device_rows } else { 0 }, 0);
+        if may_defer && plan.sample && !wants_logits && !plan.hidden {
+            match key {
+                Some(key) => self.runner.launch_graph(key, &plan, &tables, &rope)?,
+                None => self.runner.launch(&plan, &tables, &rope)?,
+            }
+            let mut row = 0;
+            let mut rows = Vec::with_capacity(part.len());
+            for (&i, item) in part.iter().zip(&sub) {
+                let n = item.logits.device_rows(item.tokens.len());
+                if item.logits.samples() {
+                    rows.push((i, row, n));
+                }
+                row += n;
+            }
+            self.deferred = Some(Deferred { plan, items: rows });
+            return Ok(());
+        }
         let step_out = StepOut {
             logits: &mut self.scratch,
             tokens: &mut self.tokens,

@@ -243,6 +243,16 @@ pub struct ModelWorker {
     /// Draft tokens verified and accepted since start (tests and benchmarks).
     spec_drafted: u64,
     spec_accepted: u64,
+    /// Whether a steady decode step's successor is launched before its tokens are delivered
+    /// (`None`: on a GPU only; see [`step::Ahead`]).
+    async_steps: Option<bool>,
+    /// The decode step launched ahead and not finished yet, and the buffer it fills.
+    ahead: Option<step::Ahead>,
+    ahead_logits: Logits,
+    /// Steps launched ahead, and their rows voided by a stop seen a step late, since start
+    /// (tests; `/metrics` counts them too).
+    ahead_launched: u64,
+    ahead_voided: u64,
 }
 
 impl ModelWorker {
@@ -266,7 +276,21 @@ impl ModelWorker {
             ngrams: UserNgrams::new(NGRAM_USERS, NGRAM_CAPACITY),
             spec_drafted: 0,
             spec_accepted: 0,
+            async_steps: None,
+            ahead: None,
+            ahead_logits: Logits::new(),
+            ahead_launched: 0,
+            ahead_voided: 0,
         }
+    }
+
+    /// Launches each steady decode step's successor before delivering its tokens (`true`), or
+    /// never (`false`); by default on a GPU only, whose steps run while the host delivers (on
+    /// the CPU the step would take the cores the delivery needs, and its tokens would come a
+    /// step later).
+    pub fn with_async_steps(mut self, on: bool) -> Self {
+        self.async_steps = Some(on);
+        self
     }
 
     /// Draws every token on the host, from logits brought back, even where the backend draws
@@ -514,6 +538,8 @@ impl ModelWorker {
 
     /// Ends a request: sends its summary, frees a temporary sequence, keeps a keyed one.
     fn finish(&mut self, id: RequestId, reason: StopReason) {
+        // A row launched ahead for it computes nothing it keeps (the stop is seen a step late).
+        self.void_ahead(id);
         let Some(a) = self.active.remove(&id) else {
             return;
         };

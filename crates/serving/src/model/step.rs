@@ -23,6 +23,35 @@ pub(super) struct StepWork {
     pub(super) failed: Vec<(RequestId, Failure)>,
     /// The positions of a decode-only step, which teaches the cost line.
     pub(super) decode_positions: Option<usize>,
+    /// Requests whose decode in this step was the step launched ahead ([`Ahead`]).
+    pub(super) claimed: Vec<RequestId>,
+    /// When the step began, and its seconds up to launching the next step ahead (what the
+    /// step itself cost: the cost line learns that, not the launch).
+    pub(super) started: Option<Instant>,
+    pub(super) seconds_before_ahead: Option<f64>,
+}
+
+/// A decode step launched before the tokens of the step it follows were delivered (vLLM's
+/// async scheduling): a steady decode step's rows go on with the tokens just drawn while the
+/// host sends those tokens, reports, and waits for the scheduler's next plan, so on a GPU the
+/// device does not sit idle through the host's part of each step. The next plan's decodes of
+/// the same requests are then this step's rows ([`ModelWorker::claim_ahead`]).
+///
+/// A stop is seen one step late: the row launched for a reply that ended (a stop string, the
+/// end of generation, its token limit, a cancel) computed a position the reply never had. It is
+/// voided: its sequence is cut back to what it held before, its token is never delivered and
+/// its draw's uniform never taken, so every reply and every conversation cache is what it would
+/// be without launching ahead.
+pub(super) struct Ahead {
+    rows: Vec<AheadRow>,
+}
+
+struct AheadRow {
+    id: RequestId,
+    seq: SeqId,
+    /// Positions the sequence held before the step.
+    past: usize,
+    void: bool,
 }
 
 /// The engine's form of a generation's device draw (the one place the two meet: the text crate
@@ -124,6 +153,7 @@ impl ModelWorker {
     /// sampled token of a decode, never its drafts: the step drops those before it preempts) and the
     /// prompt not yet fed. Returns how many tokens that is.
     pub(super) fn preempt(&mut self, id: RequestId, seq: SeqId, chunk: Vec<u32>) -> usize {
+        self.void_ahead(id);
         let mut tokens = self
             .engine
             .cached_tokens(seq)
@@ -171,19 +201,284 @@ impl ModelWorker {
     pub(super) fn step_held(&mut self, plan: StepPlan) -> StepReport {
         let start = Instant::now();
         let graph_work = self.graph_work();
-        let mut step = StepWork::default();
+        let mut step = StepWork {
+            started: Some(start),
+            ..StepWork::default()
+        };
+        let claimed = self.claim_ahead(&plan, &mut step);
+        step.claimed = claimed.iter().map(|c| c.0).collect();
         self.cancel_requests(&plan, &mut step);
         self.admit_planned(&plan, &mut step);
         let (draft_budget, break_even) = self.draft_budget(&plan);
         self.gather_decodes(&plan, draft_budget, break_even, &mut step);
         self.gather_prefills(&plan, &mut step);
         self.fit_in_kv(&mut step);
+        if !claimed.is_empty() {
+            if step.work.is_empty() {
+                // A steady step: the next one goes ahead before these tokens are delivered.
+                let launched = Instant::now();
+                self.launch_ahead(&claimed, 1);
+                step.report.engine_ms += launched.elapsed().as_secs_f64() * 1e3;
+            }
+            self.deliver_claimed(&claimed, &mut step);
+        }
         if !step.work.is_empty() {
-            self.run_and_deliver(&plan, &mut step);
+            self.run_and_deliver(&plan, &mut step, claimed.is_empty());
         }
         self.end_failed(&plan, &mut step);
         self.report_standing(&plan, &mut step);
         self.measure(step, start, graph_work)
+    }
+
+    /// Whether steady decode steps are launched one ahead here: asked for (by default on a GPU
+    /// only) and tokens drawn on the device. (A step whose replies would verify drafts next is
+    /// not: see [`Self::would_draft`].)
+    fn async_here(&self) -> bool {
+        self.async_steps.unwrap_or(!matches!(
+            self.engine.device(),
+            smolchat_engine::device::Device::Cpu
+        )) && self.engine.samples_on_device()
+            && !self.host_sampling
+    }
+
+    /// Positions of `seq` that `id`'s reply holds: those cached, less the one its row in the
+    /// step launched ahead is computing.
+    fn settled_len(&self, id: RequestId, seq: SeqId) -> Option<usize> {
+        let len = self.engine.cached_tokens(seq).ok()?.len();
+        let ahead = self
+            .ahead
+            .as_ref()
+            .is_some_and(|a| a.rows.iter().any(|r| r.id == id && !r.void));
+        Some(len - usize::from(ahead))
+    }
+
+    /// Voids `id`'s row in the step launched ahead, if it has one: its sequence is cut back to
+    /// what it held before that step (see [`Ahead`]).
+    pub(super) fn void_ahead(&mut self, id: RequestId) {
+        let Some(ahead) = self.ahead.as_mut() else {
+            return;
+        };
+        for row in ahead.rows.iter_mut().filter(|r| r.id == id && !r.void) {
+            row.void = true;
+            self.ahead_voided += 1;
+            metrics::counter!("smolchat_ahead_rows_voided_total").increment(1);
+            match self.engine.truncate(row.seq, row.past) {
+                Ok(kept) if kept == row.past => {}
+                Ok(kept) => tracing::debug!(
+                    seq = row.seq,
+                    kept,
+                    "a sequence cut back after a stop kept less than it had (a shared block)"
+                ),
+                Err(e) => tracing::warn!(seq = row.seq, "cutting a sequence back failed: {e}"),
+            }
+        }
+    }
+
+    /// Launches the next decode step of `rows` (each request, its sequence, and the token just
+    /// drawn for it and not yet delivered, of which `pending` draws are not yet taken from its
+    /// generator) before those tokens are delivered ([`Ahead`]); whether it did. Only when every
+    /// row may go: its draw does not depend on the tokens before it (no penalties, grammar or
+    /// log-probabilities), its token would not end the reply at the context window, and the KV
+    /// cache has the blocks free (a step that may be wasted evicts nothing).
+    pub(super) fn launch_ahead(
+        &mut self,
+        rows: &[(RequestId, SeqId, Option<u32>)],
+        pending: usize,
+    ) -> bool {
+        if rows.is_empty() || !self.async_here() || self.ahead.is_some() {
+            return false;
+        }
+        // A reply that would verify drafts next gains more from them than from going ahead.
+        for &(id, seq, token) in rows {
+            if token.is_some_and(|t| self.would_draft(id, seq, t, rows.len())) {
+                return false;
+            }
+        }
+        let window = self.context_window.min(self.kv_capacity_tokens());
+        let vocab = self.engine.config().vocab_size;
+        let mut tokens = Vec::with_capacity(rows.len());
+        let mut draws = Vec::with_capacity(rows.len());
+        let mut ahead = Vec::with_capacity(rows.len());
+        let mut blocks = 0;
+        for &(id, seq, token) in rows {
+            let Ok(token) = checked_draw(token, vocab) else {
+                return false;
+            };
+            let Some(a) = self.active.get_mut(&id) else {
+                return false;
+            };
+            let Some(generation) = a.generation.as_mut().filter(|_| a.pool.is_none()) else {
+                return false;
+            };
+            let Ok(past) = self.engine.cached_tokens(seq).map(<[u32]>::len) else {
+                return false;
+            };
+            if past + 2 >= window {
+                return false;
+            }
+            let Some(draw) = generation.device_draw_after(pending) else {
+                return false;
+            };
+            let Ok(needed) = self.engine.kv_blocks_needed(seq, 1) else {
+                return false;
+            };
+            blocks += needed;
+            tokens.push([token]);
+            draws.push([device_sampling(draw)]);
+            ahead.push(AheadRow {
+                id,
+                seq,
+                past,
+                void: false,
+            });
+        }
+        if blocks > self.engine.kv_free_blocks() {
+            return false;
+        }
+        let steps: Vec<SeqStep<'_>> = ahead
+            .iter()
+            .zip(&tokens)
+            .map(|(row, token)| SeqStep {
+                seq: row.seq,
+                tokens: token,
+                logits: LogitsMode::Sample,
+            })
+            .collect();
+        let sampling: Vec<&[DeviceSampling]> = draws.iter().map(|d| d.as_slice()).collect();
+        match self
+            .engine
+            .launch_step(&steps, &sampling, &mut self.ahead_logits)
+        {
+            Ok(()) => {
+                self.ahead = Some(Ahead { rows: ahead });
+                self.ahead_launched += 1;
+                metrics::counter!("smolchat_steps_launched_ahead_total").increment(1);
+                true
+            }
+            Err(e) => {
+                // Nothing changed: the step runs in its turn instead.
+                tracing::debug!("a decode step could not be launched ahead: {e}");
+                false
+            }
+        }
+    }
+
+    /// Whether `id`'s next decode, after `token`, would verify drafts (what a step launched
+    /// ahead cannot do: it is launched before the step's tokens are known on the host, so
+    /// nothing is looked up for it). Asked without changing the request's draft control.
+    fn would_draft(&mut self, id: RequestId, seq: SeqId, token: u32, rows: usize) -> bool {
+        if !self.drafts_here()
+            || rows > self.spec.max_batch
+            || self.engine.rows_computed_alike(rows) <= rows
+        {
+            return false;
+        }
+        let break_even = self
+            .spec
+            .fixed_break_even
+            .or_else(|| self.step_cost.break_even(rows));
+        let (Some(break_even), Some(a)) = (break_even, self.active.get(&id)) else {
+            return false;
+        };
+        if a.draft.clone().draft_len(self.spec.max_draft, break_even) == 0 {
+            return false;
+        }
+        let Ok(cached) = self.engine.cached_tokens(seq) else {
+            return false;
+        };
+        let mut history = Vec::with_capacity(cached.len() + 1);
+        history.extend_from_slice(cached);
+        history.push(token);
+        let lookup = PromptLookup {
+            max_ngram: self.spec.max_ngram,
+            min_ngram: self.spec.min_ngram,
+        };
+        if !lookup.propose(&history, 1).is_empty() {
+            return true;
+        }
+        let user = a.request.user.clone();
+        self.spec.ngram_cache
+            && self
+                .ngrams
+                .get(user.as_deref())
+                .is_some_and(|c| !c.propose(&history, 1).is_empty())
+    }
+
+    /// The step launched ahead, finished: its rows for requests this plan decodes again are
+    /// their decode in this step (returned: each request, its sequence and the token drawn),
+    /// and the others (requests stopped, cancelled, gone or not planned) are voided.
+    fn claim_ahead(
+        &mut self,
+        plan: &StepPlan,
+        step: &mut StepWork,
+    ) -> Vec<(RequestId, SeqId, Option<u32>)> {
+        let Some(ahead) = self.ahead.as_ref() else {
+            return Vec::new();
+        };
+        let rows: Vec<(usize, RequestId, SeqId)> = ahead
+            .rows
+            .iter()
+            .enumerate()
+            .filter(|(_, r)| !r.void)
+            .map(|(i, r)| (i, r.id, r.seq))
+            .collect();
+        let waited = Instant::now();
+        let mut logits = std::mem::take(&mut self.ahead_logits);
+        let finished = self.engine.finish_step(&mut logits);
+        step.report.engine_ms += waited.elapsed().as_secs_f64() * 1e3;
+        let mut claimed = Vec::with_capacity(rows.len());
+        for (i, id, seq) in rows {
+            let keep = finished.is_ok()
+                && plan.decode.contains(&id)
+                && !plan.cancel.contains(&id)
+                && self
+                    .active
+                    .get(&id)
+                    .is_some_and(|a| !a.request.events.is_closed());
+            if keep {
+                claimed.push((id, seq, logits.token(i)));
+                continue;
+            }
+            self.void_ahead(id);
+            if let Err(e) = &finished {
+                tracing::error!("engine step failed: {e}");
+                step.failed.push((id, Failure::Engine(e.to_string())));
+            }
+        }
+        self.ahead = None;
+        self.ahead_logits = logits;
+        claimed
+    }
+
+    /// Deliver the rows claimed from the step launched ahead: each token drawn, kept (taking
+    /// its draw's uniform) and sent, as [`Self::deliver_rows`] does for a step's own rows.
+    fn deliver_claimed(
+        &mut self,
+        claimed: &[(RequestId, SeqId, Option<u32>)],
+        step: &mut StepWork,
+    ) {
+        let window = self.context_window.min(self.kv_capacity_tokens());
+        let vocab = self.engine.config().vocab_size;
+        for &(id, seq, token) in claimed {
+            let cached = self.settled_len(id, seq).unwrap_or(window);
+            let Some(a) = self.active.get_mut(&id) else {
+                continue;
+            };
+            let Some(generation) = a.generation.as_mut() else {
+                continue;
+            };
+            match checked_draw(token, vocab)
+                .map(|t| generation.accept_drawn_within(t, cached, window))
+            {
+                Ok(outcome) => {
+                    if let Some(reason) = deliver(a, outcome, &mut step.report) {
+                        self.finish(id, reason);
+                        step.report.items.push(ItemReport::ended(id, 0));
+                    }
+                }
+                Err(e) => step.failed.push((id, e)),
+            }
+        }
     }
 
     /// Cancel: the requests the plan stops, and those whose listener went away.
@@ -274,6 +569,9 @@ impl ModelWorker {
             min_ngram: self.spec.min_ngram,
         };
         for &id in &plan.decode {
+            if step.claimed.contains(&id) {
+                continue;
+            }
             let Some(a) = self.active.get_mut(&id) else {
                 continue;
             };
@@ -413,7 +711,7 @@ impl ModelWorker {
     /// Run: one engine step over the gathered work (each row's logits mode and device draw
     /// chosen here), then each row delivered: hidden states pooled for embeddings, drafts
     /// verified, tokens drawn and sent.
-    fn run_and_deliver(&mut self, plan: &StepPlan, step: &mut StepWork) {
+    fn run_and_deliver(&mut self, plan: &StepPlan, step: &mut StepWork, may_go_ahead: bool) {
         // A backend that draws tokens on its device gets each sampling row's draw (the
         // penalty window and the generator's uniform) and returns only token ids.
         let on_device = self.engine.samples_on_device() && !self.host_sampling;
@@ -463,7 +761,34 @@ impl ModelWorker {
         let stepped = self.run_engine(step, &embeds, &draws, &mut logits);
         step.report.engine_ms += engine_start.elapsed().as_secs_f64() * 1e3;
         match stepped {
-            Ok(()) => self.deliver_rows(step, &embeds, &draws, &mut logits),
+            Ok(()) => {
+                // A steady decode step (every row a plain decode drawn on the device): the
+                // next one goes ahead before these tokens are delivered.
+                let steady = may_go_ahead
+                    && plan.prefill.is_empty()
+                    && step.drafts.is_empty()
+                    && !embeds.contains(&true)
+                    && step
+                        .work
+                        .iter()
+                        .zip(&draws)
+                        .all(|(w, d)| w.3 && w.2.len() == 1 && d.len() == 1);
+                if steady {
+                    let rows: Vec<(RequestId, SeqId, Option<u32>)> = step
+                        .work
+                        .iter()
+                        .enumerate()
+                        .map(|(i, w)| (w.0, w.1, logits.token(i)))
+                        .collect();
+                    let launched = Instant::now();
+                    step.seconds_before_ahead = step
+                        .started
+                        .map(|s| launched.duration_since(s).as_secs_f64());
+                    self.launch_ahead(&rows, 0);
+                    step.report.engine_ms += launched.elapsed().as_secs_f64() * 1e3;
+                }
+                self.deliver_rows(step, &embeds, &draws, &mut logits)
+            }
             Err(e) => {
                 // A failed step says nothing of what a step costs.
                 step.decode_positions = None;
@@ -569,7 +894,7 @@ impl ModelWorker {
                 continue;
             }
             // Unknown (it cannot be): as if at the window, so the reply ends.
-            let cached = self.engine.cached_tokens(*seq).map_or(window, <[u32]>::len);
+            let cached = self.settled_len(*id, *seq).unwrap_or(window);
             // Taken out: nothing reads a step's drafts after its rows are delivered.
             if let Some(d) = step.drafts.remove(id) {
                 self.verify_drafts(*id, *seq, &d, cached, window, i, &draws[i], logits, step);
@@ -776,7 +1101,9 @@ impl ModelWorker {
     /// of the caches and the device, into the report.
     fn measure(&mut self, step: StepWork, start: Instant, graph_work: u64) -> StepReport {
         let mut report = step.report;
-        let seconds = start.elapsed().as_secs_f64();
+        let seconds = step
+            .seconds_before_ahead
+            .unwrap_or_else(|| start.elapsed().as_secs_f64());
         // A step that warmed up or captured a decode graph took many steps' time once: measured,
         // it would make a position look dear and switch drafting off (seen on an H100: the
         // first drafts' new buckets, 1.0 -> 0.91x for one conversation).
@@ -786,7 +1113,7 @@ impl ModelWorker {
         {
             self.step_cost.observe(positions, seconds);
         }
-        report.step_ms = seconds * 1e3;
+        report.step_ms = start.elapsed().as_secs_f64() * 1e3;
         report.step_cost_ms = self
             .step_cost
             .line()

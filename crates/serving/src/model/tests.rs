@@ -1289,3 +1289,261 @@ fn step_reports_split_the_engine_from_the_host_and_measure_the_hop() {
         .join()
         .unwrap_or_else(|_| panic!("the worker panicked"));
 }
+
+/// What one request of [`drive_each`] got: each token with its text, and why it stopped.
+type Reply = (Vec<(u32, String)>, StopReason);
+
+/// Requests through a real batcher, each `(prompt, params, conversation)` as given (end of
+/// generation included unless its params ignore it), until every one has finished; each
+/// reply, and the tokens each conversation's cache holds afterwards.
+fn drive_each(
+    w: &mut ModelWorker,
+    requests: &[(Vec<u32>, SamplingParams, Option<Uuid>)],
+) -> (Vec<Reply>, Vec<Vec<u32>>) {
+    use super::super::batcher::{Batcher, BatcherConfig};
+    let mut b = Batcher::new(BatcherConfig {
+        max_running: 8,
+        queue_capacity: 16,
+        step_token_budget: 64,
+        context_window: 2048,
+        max_queued_per_user: 0,
+        max_running_per_user: 0,
+        tokens_per_minute_per_user: 0,
+        tokens_per_minute_per_group: 0,
+        kv_capacity_blocks: w.kv_capacity_blocks(),
+    });
+    let mut receivers = Vec::new();
+    for (prompt, params, key) in requests {
+        let id = b.submit(None, prompt.len(), None).expect("submit");
+        let (tx, rx) = mpsc::unbounded_channel();
+        w.active.insert(
+            id,
+            Active::new(
+                GenerationRequest {
+                    cache_key: *key,
+                    ..GenerationRequest::anonymous(prompt.clone(), params.clone(), tx)
+                },
+                Instant::now(),
+            ),
+        );
+        receivers.push(rx);
+    }
+    for _ in 0..10_000 {
+        let Some(plan) = b.plan() else { break };
+        let report = w.step(plan);
+        b.apply(&report.items);
+        b.set_kv_free_blocks(report.kv_free_blocks);
+    }
+    let replies = receivers
+        .into_iter()
+        .map(|mut rx| {
+            let (mut tokens, mut reason) = (Vec::new(), None);
+            while let Ok(e) = rx.try_recv() {
+                match e {
+                    GenEvent::Token { token, text, .. } => tokens.push((token, text)),
+                    GenEvent::Finished(s) => reason = Some(s.reason),
+                    GenEvent::Admitted { .. } | GenEvent::Embedding(_) => {}
+                }
+            }
+            (tokens, reason.expect("every request finishes"))
+        })
+        .collect();
+    let caches = requests
+        .iter()
+        .filter_map(|r| r.2)
+        .map(|key| {
+            let slot = w
+                .caches
+                .get(&CacheKey::Conversation(key))
+                .expect("the conversation's cache is kept");
+            w.engine.cached_tokens(slot.seq).expect("cached").to_vec()
+        })
+        .collect();
+    (replies, caches)
+}
+
+/// A fast-tier worker (its CPU runner) launching steady decode steps ahead, or not.
+fn ahead_worker(on: bool) -> ModelWorker {
+    fast_tier_worker(None).with_async_steps(on)
+}
+
+/// Steps launched one ahead of their tokens' delivery change no reply, greedy or seeded, with
+/// eight requests of different lengths coming and going through the batcher (mixed steps
+/// interrupt the chain; replies of every length end a step late), and leave the same caches.
+#[test]
+fn steps_launched_ahead_give_the_same_replies_and_caches() {
+    let seeded = SamplingParams {
+        temperature: 1.1,
+        top_k: 40,
+        top_p: 0.95,
+        min_p: 0.0,
+        seed: Some(11),
+        ..SamplingParams::default()
+    };
+    for (params, drafts) in [(SamplingParams::greedy(), true), (seeded, false)] {
+        // Five of the eight conversations (three repeating themselves), of 6 to 22 tokens.
+        let requests: Vec<(Vec<u32>, SamplingParams, Option<Uuid>)> = mixed_prompts()
+            .into_iter()
+            .take(5)
+            .enumerate()
+            .map(|(i, (prompt, _))| {
+                let params = SamplingParams {
+                    max_new_tokens: 6 + 4 * i,
+                    ignore_eos: true,
+                    ..params.clone()
+                };
+                (prompt, params, conversation(100 + i as u128))
+            })
+            .collect();
+        let mut sync = ahead_worker(false);
+        let mut ahead = ahead_worker(true);
+        let expected = drive_each(&mut sync, &requests);
+        let got = drive_each(&mut ahead, &requests);
+        assert_eq!(sync.ahead_launched, 0);
+        assert!(
+            ahead.ahead_launched > 10,
+            "{} launched",
+            ahead.ahead_launched
+        );
+        assert!(ahead.ahead_voided > 0, "no reply ended a step late");
+        assert_eq!(got.0, expected.0, "a reply changed");
+        assert_eq!(got.1, expected.1, "a conversation's cache changed");
+        assert!(!ahead.engine.in_flight() || ahead.ahead.is_some());
+
+        // With drafting on too: a step goes ahead only where no reply would verify drafts
+        // next, and replies are still the same. (The seeded replies find nothing to draft.)
+        let mut both = speculative(ahead_worker(true));
+        let got = drive_each(&mut both, &requests);
+        assert!(
+            both.ahead_launched > 0 && (both.spec_drafted > 0) == drafts,
+            "{} launched ahead, {} drafted",
+            both.ahead_launched,
+            both.spec_drafted
+        );
+        assert_eq!(
+            got.0, expected.0,
+            "a reply changed with drafts and steps ahead"
+        );
+    }
+}
+
+/// The one-step-late stop rule: a reply ended by the end of generation, a stop string or its
+/// token limit at every position of a short reply, beside another reply that goes on, is
+/// token for token (and text for text) the reply of steps run one at a time, no token past the
+/// stop is sent, and the conversation's cache holds the same tokens afterwards.
+#[test]
+fn a_stop_seen_a_step_late_sends_nothing_past_it() {
+    const N: usize = 8;
+    let prompt: Vec<u32> = (500..530).collect();
+    let other: Vec<u32> = (700..716).collect();
+    let open = SamplingParams {
+        max_new_tokens: N,
+        ignore_eos: true,
+        ..SamplingParams::greedy()
+    };
+    let (reference, _) = drive_each(
+        &mut ahead_worker(false),
+        &[(prompt.clone(), open.clone(), None)],
+    );
+    let reference = &reference[0].0;
+    assert_eq!(reference.len(), N);
+    let beside = SamplingParams {
+        max_new_tokens: N + 4,
+        ..open.clone()
+    };
+    let compare = |sync: &mut ModelWorker, ahead: &mut ModelWorker, params: SamplingParams| {
+        let requests = vec![
+            (prompt.clone(), params, conversation(1)),
+            (other.clone(), beside.clone(), conversation(2)),
+        ];
+        let expected = drive_each(sync, &requests);
+        let launched = ahead.ahead_launched;
+        let got = drive_each(ahead, &requests);
+        assert!(ahead.ahead_launched > launched);
+        assert_eq!(got, expected, "launching ahead changed a reply or a cache");
+        got.0[0].clone()
+    };
+    // One pair of workers for the limits and stop strings: each run after the first also
+    // resumes the conversations' caches as the last left them.
+    let (mut sync, mut ahead) = (ahead_worker(false), ahead_worker(true));
+    for k in 0..N {
+        // The token limit.
+        let limited = SamplingParams {
+            max_new_tokens: k + 1,
+            ..open.clone()
+        };
+        let (tokens, reason) = compare(&mut sync, &mut ahead, limited);
+        assert_eq!(tokens, reference[..=k], "limit {}", k + 1);
+        assert_eq!(reason, StopReason::Length);
+
+        // A stop string: the text of token k (the reply ends where it first appears).
+        let text = &reference[k].1;
+        if !text.trim().is_empty() {
+            let stopped = SamplingParams {
+                stop_strings: vec![text.clone()],
+                ..open.clone()
+            };
+            let (tokens, reason) = compare(&mut sync, &mut ahead, stopped);
+            assert!(
+                matches!(reason, StopReason::StopString(_)),
+                "stop string {text:?}: {reason:?}"
+            );
+            assert!(
+                tokens.len() <= k + 1,
+                "a token past the stop {text:?}: {tokens:?}"
+            );
+            let sent: String = tokens.iter().map(|t| t.1.as_str()).collect();
+            assert!(!sent.contains(text.as_str()), "the stop string was sent");
+        }
+
+        // The end of generation: token k is made the model's end-of-generation token.
+        let eos = reference[k].0;
+        let with_eos = |on: bool| eos_worker(eos).with_async_steps(on);
+        let until_eos = SamplingParams {
+            ignore_eos: false,
+            ..open.clone()
+        };
+        let (tokens, reason) = compare(&mut with_eos(false), &mut with_eos(true), until_eos);
+        let first = reference.iter().position(|t| t.0 == eos).unwrap_or(k);
+        assert_eq!(
+            reason,
+            StopReason::EndOfGeneration,
+            "end of generation at {k}"
+        );
+        let ids: Vec<u32> = tokens.iter().map(|t| t.0).collect();
+        let expected: Vec<u32> = reference[..first].iter().map(|t| t.0).collect();
+        assert_eq!(ids, expected, "end of generation at {k}");
+    }
+}
+
+/// [`fast_tier_worker`] whose tokenizer ends generation at `eos` (besides SmolLM2's own
+/// end-of-turn tokens): the same weights, so the same replies up to that token.
+fn eos_worker(eos: u32) -> ModelWorker {
+    use smolchat_engine::fast::{cpu::CpuRunner, weights::FastWeights, FastBackend};
+    let (mut spec, _) = tiny_with_tokenizer();
+    for (key, value) in &mut spec.tokenizer.0 {
+        if key == "tokenizer.ggml.eos_token_id" {
+            *value = smolchat_gguf::Value::U32(eos);
+        }
+    }
+    let spec = spec.with_type_mix(smolchat_engine::synthetic::TypeMix::Uniform(
+        smolchat_gguf::GgmlDType::Q8_0,
+    ));
+    let mut src = synthetic::build(&spec).expect("build");
+    let tokenizer = Tokenizer::from_gguf(&src).expect("tokenizer");
+    assert!(tokenizer.is_eog(eos));
+    let config = smolchat_engine::ModelConfig::from_gguf(&src).expect("config");
+    let weights = FastWeights::load(&mut src, config, &mut |_, _| {}).expect("weights");
+    let backend = Box::new(FastBackend::new(
+        CpuRunner::new(weights).with_graph_emulation(),
+    ));
+    let engine = Engine::on_backend(
+        backend,
+        KvOptions {
+            kv_type: KvType::F16,
+            budget_bytes: None,
+        },
+    )
+    .expect("engine");
+    ModelWorker::new(engine, Arc::new(tokenizer), 2048)
+}

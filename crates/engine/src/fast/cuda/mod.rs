@@ -1062,16 +1062,15 @@ impl Runner for CudaRunner {
         self.use_graphs
     }
 
-    fn run_graph(
+    fn launch_graph(
         &mut self,
         key: GraphKey,
         plan: &Plan,
         tables: &StepTables,
         rope: &RopeTable,
-        out: StepOut<'_>,
     ) -> Result<()> {
         if !self.use_graphs {
-            return self.run(plan, tables, rope, out);
+            return self.launch(plan, tables, rope);
         }
         self.prepare(plan, tables, rope)?;
         match self.graphs.action(key, self.generation) {
@@ -1106,7 +1105,7 @@ impl Runner for CudaRunner {
                 graph.0.launch().map_err(cuda)?;
             }
         }
-        self.fetch(plan, out)
+        Ok(())
     }
 
     fn graph_stats(&self) -> GraphStats {
