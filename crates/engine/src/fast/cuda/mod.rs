@@ -29,7 +29,7 @@ use super::layout::{
 use super::plan::{matrix_shape, Buf, Matrix, Norm, Op, Plan, BUFFERS};
 use super::twin::flash;
 use super::weights::{FastWeights, RawMatrix};
-use super::{Runner, StepOut};
+use super::Runner;
 use crate::backend::Suggested;
 use crate::config::ModelConfig;
 use crate::device::Device;
