@@ -198,6 +198,12 @@ pub struct SchedulerSection {
     /// conversations level; docs/BENCHMARKS.md). A GPU step grows by drafts only within the rows
     /// its kernels compute alike, so replies stay the same token for token.
     pub draft_on_gpu: bool,
+    /// Launch each steady decode step (every running reply decoding, tokens drawn on the
+    /// device) before the previous step's tokens are delivered, so the device computes while
+    /// the host sends tokens and plans the next step (vLLM's async scheduling). Replies are
+    /// the same: a stop is seen one step late and the step's row for that reply is dropped.
+    /// Unset: on a GPU only (on the CPU the step would take the cores the delivery needs).
+    pub async_steps: Option<bool>,
     /// The acceptance a draft position must reach, fixed (0 to 1; like llama-server's
     /// `--draft-p-min`), instead of measured from this machine's step costs (unset, the
     /// default). 0 drafts whatever prompt lookup finds.
@@ -500,6 +506,7 @@ impl Default for SchedulerSection {
             draft_max_batch: 16,
             draft_on_gpu: true,
             draft_break_even: None,
+            async_steps: None,
         }
     }
 }

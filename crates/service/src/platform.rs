@@ -270,6 +270,7 @@ impl Platform {
                     ngram_cache: s.draft_ngram_cache,
                     on_gpu: s.draft_on_gpu,
                 },
+                async_steps: s.async_steps,
                 max_new_tokens: config.limits.max_new_tokens,
                 request_timeout: (s.request_timeout_s > 0)
                     .then(|| Duration::from_secs(s.request_timeout_s)),

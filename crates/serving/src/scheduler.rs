@@ -28,6 +28,9 @@ pub struct SchedulerConfig {
     pub request_timeout: Option<Duration>,
     /// Speculative decoding (see [`crate::speculate`]).
     pub speculative: crate::speculate::SpecConfig,
+    /// Whether a steady decode step's successor is launched before its tokens are delivered
+    /// (`None`: on a GPU only; see [`crate::model::ModelWorker::with_async_steps`]).
+    pub async_steps: Option<bool>,
 }
 
 /// Clears its flag when dropped: held by the model thread for its whole life, so the flag says
@@ -77,9 +80,13 @@ impl SchedulerActor {
             tracing::warn!("could not size the model's buffers for {limits:?} ahead of time: {e}");
         }
         let spec = cfg.speculative;
+        let async_steps = cfg.async_steps;
         SchedulerActor::create(move |ctx| {
             let addr = ctx.address();
-            let worker = ModelWorker::new(engine, tokenizer, window).with_speculation(spec);
+            let mut worker = ModelWorker::new(engine, tokenizer, window).with_speculation(spec);
+            if let Some(on) = async_steps {
+                worker = worker.with_async_steps(on);
+            }
             let model_alive = Arc::new(AtomicBool::new(true));
             let guard = AliveGuard(Arc::clone(&model_alive));
             let spawned = std::thread::Builder::new()
