@@ -12,6 +12,7 @@ pub mod differential;
 pub mod graph;
 pub mod launch;
 pub mod layout;
+pub mod packed;
 pub mod plan;
 pub mod twin;
 pub mod verify;

@@ -15,17 +15,17 @@ use std::sync::Arc;
 
 use candle_core::cuda_backend::cudarc::cublas::{self, CudaBlas};
 use candle_core::cuda_backend::cudarc::driver::{
-    sys, CudaContext, CudaFunction, CudaGraph, CudaModule, CudaSlice, CudaStream, DevicePtr,
-    DeviceRepr, DriverError, LaunchConfig, PushKernelArg, ValidAsZeroBits,
+    result as driver_result, sys, CudaContext, CudaEvent, CudaFunction, CudaGraph, CudaModule,
+    CudaSlice, CudaStream, DevicePtr, DeviceRepr, DriverError, LaunchConfig, PinnedHostSlice,
+    PushKernelArg, ValidAsZeroBits,
 };
 use candle_core::cuda_backend::cudarc::nvrtc::Ptx;
 use smolchat_gguf::GgmlDType;
 
 use super::graph::{CaptureGuard, GraphAction, GraphCache, GraphKey, GraphStats};
 use super::launch::{self, Launch};
-use super::layout::{
-    padded_columns, sample_rows_bytes, BlockQ8_1, KvArena, StepTables, BLOCK_Q8_1_BYTES, QK8_1,
-};
+use super::layout::{padded_columns, BlockQ8_1, KvArena, StepTables, BLOCK_Q8_1_BYTES, QK8_1};
+use super::packed::{self, PackedLayout, Region};
 use super::plan::{matrix_shape, Buf, Matrix, Norm, Op, Plan, BUFFERS};
 use super::twin::flash;
 use super::weights::{FastWeights, RawMatrix};
@@ -54,21 +54,16 @@ struct DeviceMatrix {
     data: CudaSlice<u8>,
 }
 
-/// Device buffers of the step's tables.
+/// The step's tables: packed into one device buffer ([`packed`]), uploaded in one copy from
+/// one pinned host buffer, and the flash kernel's tiles (prompt steps only) on their own.
 #[derive(Default)]
 struct Tables {
-    tokens: Option<CudaSlice<u32>>,
-    slots: Option<CudaSlice<u32>>,
-    row_seq: Option<CudaSlice<u32>>,
-    seqs: Option<CudaSlice<u32>>,
-    block_tables: Option<CudaSlice<u32>>,
-    logit_rows: Option<CudaSlice<u32>>,
-    cos: Option<CudaSlice<f32>>,
-    sin: Option<CudaSlice<f32>>,
-    /// `SampleRow`s as bytes.
-    sampling: Option<CudaSlice<u8>>,
-    penalty_spans: Option<CudaSlice<u32>>,
-    penalties: Option<CudaSlice<u32>>,
+    layout: PackedLayout,
+    device: Option<CudaSlice<u8>>,
+    host: Option<PinnedHostSlice<u8>>,
+    /// Recorded after the last upload: the host buffer is written again only once it has
+    /// been copied.
+    uploaded: Option<CudaEvent>,
     /// The flash kernel's tiles (`fast::twin::flash::tiles`), two values each, and how many.
     flash_tiles: Option<CudaSlice<u32>>,
     flash_tile_count: usize,
@@ -448,19 +443,9 @@ impl CudaRunner {
         self.quantized = None;
         let c = self.config.clone();
         let mut grew = self.allocate(plan)?;
+        grew |= self.upload_tables(plan, tables, rope)?;
         let s = &self.stream;
         let t = &mut self.tables;
-        grew |= upload(s, &mut t.tokens, &tables.tokens)?;
-        grew |= upload(s, &mut t.slots, &tables.slots)?;
-        grew |= upload(s, &mut t.row_seq, &tables.row_seq)?;
-        let seqs: Vec<u32> = tables
-            .seqs
-            .iter()
-            .flat_map(|s| [s.row0, s.rows, s.past, s.index])
-            .collect();
-        grew |= upload(s, &mut t.seqs, &seqs)?;
-        grew |= upload(s, &mut t.block_tables, &tables.block_tables)?;
-        grew |= upload(s, &mut t.logit_rows, &tables.logit_rows)?;
         t.flash_tile_count = 0;
         if launch::uses_flash(c.head_dim) {
             let tiles = flash::tiles(tables, c.n_heads / c.n_kv_heads.max(1));
@@ -471,12 +456,7 @@ impl CudaRunner {
                 upload(s, &mut t.flash_tiles, &tiles)?;
             }
         }
-        grew |= upload(s, &mut t.cos, rope.cos())?;
-        grew |= upload(s, &mut t.sin, rope.sin())?;
         if plan.sample {
-            grew |= upload(s, &mut t.sampling, &sample_rows_bytes(&tables.sampling))?;
-            grew |= upload(s, &mut t.penalty_spans, &tables.penalty_spans)?;
-            grew |= upload(s, &mut t.penalties, &tables.penalties)?;
             grew |= ensure(s, &mut self.drawn, plan.logit_rows)?;
         }
         if grew {
@@ -534,35 +514,112 @@ impl CudaRunner {
     /// Sizes every table a step of `plan` over `sequences` sequences uploads, so that no
     /// upload within those limits reallocates; whether any was reallocated.
     fn allocate_tables(&mut self, plan: &Plan, sequences: usize) -> Result<bool> {
-        let s = &self.stream;
-        let t = &mut self.tables;
         let rows = plan.rows;
         // A penalty entry per distinct token of a row's window: a generous share for each row;
         // a longer list still works, at the cost of one reallocation.
         const PENALTY_ENTRIES_PER_ROW: usize = 1024;
+        let word = std::mem::size_of::<u32>();
         let rope_values = rows * (self.config.rope_dim / 2);
-        let mut grew = false;
-        grew |= ensure(s, &mut t.tokens, rows)?;
-        grew |= ensure(s, &mut t.slots, rows)?;
-        grew |= ensure(s, &mut t.row_seq, rows)?;
-        grew |= ensure(s, &mut t.seqs, 4 * sequences)?;
-        grew |= ensure(s, &mut t.block_tables, sequences * plan.max_blocks)?;
-        grew |= ensure(s, &mut t.logit_rows, plan.logit_rows)?;
-        grew |= ensure(s, &mut t.cos, rope_values)?;
-        grew |= ensure(s, &mut t.sin, rope_values)?;
-        grew |= ensure(
-            s,
-            &mut t.sampling,
-            plan.logit_rows * std::mem::size_of::<crate::fast::twin::sample::SampleRow>(),
-        )?;
-        grew |= ensure(s, &mut t.penalty_spans, 2 * plan.logit_rows)?;
-        grew |= ensure(
-            s,
-            &mut t.penalties,
-            2 * PENALTY_ENTRIES_PER_ROW * plan.logit_rows,
-        )?;
-        grew |= ensure(s, &mut self.drawn, plan.logit_rows)?;
+        let mut needs = [0; packed::REGIONS.len()];
+        for (region, bytes) in [
+            (Region::Tokens, rows * word),
+            (Region::Slots, rows * word),
+            (Region::RowSeq, rows * word),
+            (Region::Seqs, 4 * sequences * word),
+            (Region::LogitRows, plan.logit_rows * word),
+            (Region::BlockTables, sequences * plan.max_blocks * word),
+            (Region::Cos, rope_values * word),
+            (Region::Sin, rope_values * word),
+            (Region::Sampling, plan.logit_rows * packed::SAMPLE_ROW_BYTES),
+            (Region::PenaltySpans, 2 * plan.logit_rows * word),
+            (
+                Region::Penalties,
+                2 * PENALTY_ENTRIES_PER_ROW * plan.logit_rows * word,
+            ),
+        ] {
+            needs[region as usize] = bytes;
+        }
+        let grew = self.hold_tables(&needs)?;
+        Ok(grew | ensure(&self.stream, &mut self.drawn, plan.logit_rows)?)
+    }
+
+    /// Makes the packed tables hold `needs` bytes per region (moving every offset when one
+    /// must grow); whether they moved.
+    fn hold_tables(&mut self, needs: &packed::RegionBytes) -> Result<bool> {
+        let t = &mut self.tables;
+        if t.device.is_some() && t.layout.holds(needs) {
+            return Ok(false);
+        }
+        let layout = t.layout.grown(needs);
+        // The old host buffer may still be being copied from.
+        if let Some(event) = &t.uploaded {
+            event.synchronize().map_err(cuda)?;
+        }
+        t.device = Some(
+            self.stream
+                .alloc_zeros::<u8>(layout.total())
+                .map_err(cuda)?,
+        );
+        // SAFETY: the bytes are unset until `packed::pack` writes the ones a step uses, and
+        // only those are copied.
+        t.host = Some(
+            unsafe {
+                self.stream
+                    .context()
+                    .alloc_pinned_with_flags::<u8>(layout.total(), 0)
+            }
+            .map_err(cuda)?,
+        );
+        t.layout = layout;
+        Ok(true)
+    }
+
+    /// Packs the step's tables into the pinned host buffer and queues their one upload;
+    /// whether the packed buffer moved (it had to grow).
+    fn upload_tables(
+        &mut self,
+        plan: &Plan,
+        tables: &StepTables,
+        rope: &RopeTable,
+    ) -> Result<bool> {
+        let needs = packed::needs(tables, rope, plan.sample);
+        let grew = self.hold_tables(&needs)?;
+        let stream = Arc::clone(&self.stream);
+        let t = &mut self.tables;
+        if let Some(event) = &t.uploaded {
+            event.synchronize().map_err(cuda)?;
+        }
+        let (Some(host), Some(device)) = (t.host.as_mut(), t.device.as_ref()) else {
+            return Err(missing("the packed tables"));
+        };
+        let bytes = host.as_mut_slice().map_err(cuda)?;
+        let used = packed::pack(&t.layout, tables, rope, plan.sample, bytes);
+        if used > 0 {
+            let (dst, _guard) = device.device_ptr(&stream);
+            // SAFETY: `bytes[..used]` is pinned host memory that stays untouched until the
+            // event recorded below has passed (checked above before the next write), and
+            // `dst` holds `layout.total() >= used` bytes.
+            unsafe { driver_result::memcpy_htod_async(dst, &bytes[..used], stream.cu_stream()) }
+                .map_err(cuda)?;
+        }
+        let event = match t.uploaded.take() {
+            Some(event) => event,
+            None => stream.context().new_event(None).map_err(cuda)?,
+        };
+        event.record(&stream).map_err(cuda)?;
+        t.uploaded = Some(event);
         Ok(grew)
+    }
+
+    /// The device address of a region of the packed tables.
+    fn table(&self, region: Region) -> Result<sys::CUdeviceptr> {
+        let device = self
+            .tables
+            .device
+            .as_ref()
+            .ok_or_else(|| missing("the packed tables"))?;
+        let (base, _guard) = device.device_ptr(&self.stream);
+        Ok(base + self.tables.layout.offset(region) as u64)
     }
 
     fn op(&mut self, plan: &Plan, op: Op) -> Result<()> {
@@ -578,17 +635,13 @@ impl CudaRunner {
         match op {
             Op::Embed => {
                 let f = self.function(launch::get_rows_kernel(self.embedding.dtype)?)?;
-                let tokens = self
-                    .tables
-                    .tokens
-                    .as_ref()
-                    .ok_or_else(|| missing("tokens"))?;
+                let tokens = self.table(Region::Tokens)?;
                 let x = self.buffer(Buf::X)?;
                 let cols = c.hidden as i32;
                 unsafe {
                     pdl::launch(&self.stream, f)
                         .ptr(&self.embedding.data)
-                        .ptr(tokens)
+                        .raw(tokens)
                         .ptr(x)
                         .i32(cols)
                         .go(launch::per_row(rows)?)
@@ -645,7 +698,7 @@ impl CudaRunner {
                 }
             }
             Op::RopeKvWrite { layer, rope } => {
-                let slots = self.tables.slots.as_ref().ok_or_else(|| missing("slots"))?;
+                let slots = self.table(Region::Slots)?;
                 let arena = self.arena.as_ref().ok_or_else(|| missing("the KV arena"))?;
                 let (l, layers, kvh, hd) = (
                     layer as i32,
@@ -656,8 +709,8 @@ impl CudaRunner {
                 if rope {
                     // Both rotations and the K/V stores in one launch.
                     let f = self.function("rope_kv_write")?;
-                    let cos = self.tables.cos.as_ref().ok_or_else(|| missing("cos"))?;
-                    let sin = self.tables.sin.as_ref().ok_or_else(|| missing("sin"))?;
+                    let cos = self.table(Region::Cos)?;
+                    let sin = self.table(Region::Sin)?;
                     let (heads, rope_dim) = (c.n_heads as i32, c.rope_dim as i32);
                     let launch = launch::rope_kv_write(
                         rows,
@@ -671,9 +724,9 @@ impl CudaRunner {
                             .ptr(self.buffer(Buf::Q)?)
                             .ptr(self.buffer(Buf::K)?)
                             .ptr(self.buffer(Buf::V)?)
-                            .ptr(cos)
-                            .ptr(sin)
-                            .ptr(slots)
+                            .raw(cos)
+                            .raw(sin)
+                            .raw(slots)
                             .ptr(arena)
                             .i32(heads)
                             .i32(kvh)
@@ -689,7 +742,7 @@ impl CudaRunner {
                         pdl::launch(&self.stream, f)
                             .ptr(self.buffer(Buf::K)?)
                             .ptr(self.buffer(Buf::V)?)
-                            .ptr(slots)
+                            .raw(slots)
                             .ptr(arena)
                             .i32(l)
                             .i32(layers)
@@ -747,40 +800,29 @@ impl CudaRunner {
             }
             Op::Penalties => {
                 let f = self.function("apply_penalties")?;
-                let t = &self.tables;
-                let entries = t.penalties.as_ref().ok_or_else(|| missing("penalties"))?;
-                let spans = t
-                    .penalty_spans
-                    .as_ref()
-                    .ok_or_else(|| missing("penalty spans"))?;
-                let rows = t
-                    .sampling
-                    .as_ref()
-                    .ok_or_else(|| missing("sampling rows"))?;
+                let entries = self.table(Region::Penalties)?;
+                let spans = self.table(Region::PenaltySpans)?;
+                let sampling = self.table(Region::Sampling)?;
                 let vocab = c.vocab_size as i32;
                 unsafe {
                     pdl::launch(&self.stream, f)
                         .ptr(self.buffer(Buf::Logits)?)
-                        .ptr(entries)
-                        .ptr(spans)
-                        .ptr(rows)
+                        .raw(entries)
+                        .raw(spans)
+                        .raw(sampling)
                         .i32(vocab)
                         .go(launch::apply_penalties(plan.logit_rows)?)
                 }?;
             }
             Op::Sample => {
                 let f = self.function("sample_rows")?;
-                let rows = self
-                    .tables
-                    .sampling
-                    .as_ref()
-                    .ok_or_else(|| missing("sampling rows"))?;
+                let sampling = self.table(Region::Sampling)?;
                 let drawn = self.drawn.as_ref().ok_or_else(|| missing("drawn tokens"))?;
                 let vocab = c.vocab_size as i32;
                 unsafe {
                     pdl::launch(&self.stream, f)
                         .ptr(self.buffer(Buf::Logits)?)
-                        .ptr(rows)
+                        .raw(sampling)
                         .ptr(drawn)
                         .i32(vocab)
                         .go(launch::sample_rows(plan.logit_rows)?)
@@ -788,16 +830,12 @@ impl CudaRunner {
             }
             Op::GatherLogitRows => {
                 let f = self.function("gather_rows")?;
-                let picked = self
-                    .tables
-                    .logit_rows
-                    .as_ref()
-                    .ok_or_else(|| missing("logit rows"))?;
+                let picked = self.table(Region::LogitRows)?;
                 let cols = c.hidden as i32;
                 unsafe {
                     pdl::launch(&self.stream, f)
                         .ptr(self.buffer(Buf::X)?)
-                        .ptr(picked)
+                        .raw(picked)
                         .ptr(self.buffer(Buf::Sel)?)
                         .i32(cols)
                         .go(launch::per_row(plan.logit_rows)?)
@@ -814,12 +852,9 @@ impl CudaRunner {
         let rows = plan.rows;
         let splits = plan.splits;
         let t = &self.tables;
-        let row_seq = t.row_seq.as_ref().ok_or_else(|| missing("row sequences"))?;
-        let seqs = t.seqs.as_ref().ok_or_else(|| missing("sequences"))?;
-        let block_tables = t
-            .block_tables
-            .as_ref()
-            .ok_or_else(|| missing("block tables"))?;
+        let row_seq = self.table(Region::RowSeq)?;
+        let seqs = self.table(Region::Seqs)?;
+        let block_tables = self.table(Region::BlockTables)?;
         let arena = self.arena.as_ref().ok_or_else(|| missing("the KV arena"))?;
         let part_max = self.part_max.as_ref().ok_or_else(|| missing("partials"))?;
         let part_sum = self.part_sum.as_ref().ok_or_else(|| missing("partials"))?;
@@ -845,8 +880,8 @@ impl CudaRunner {
                     pdl::launch(&self.stream, self.function(kernel)?)
                         .ptr(self.buffer(Buf::Q)?)
                         .ptr(arena)
-                        .ptr(seqs)
-                        .ptr(block_tables)
+                        .raw(seqs)
+                        .raw(block_tables)
                         .i32(max_blocks)
                         .ptr(tiles)
                         .ptr(self.buffer(Buf::Attn)?)
@@ -882,9 +917,9 @@ impl CudaRunner {
                 pdl::launch(&self.stream, self.function(kernel)?)
                     .ptr(self.buffer(Buf::Q)?)
                     .ptr(arena)
-                    .ptr(row_seq)
-                    .ptr(seqs)
-                    .ptr(block_tables)
+                    .raw(row_seq)
+                    .raw(seqs)
+                    .raw(block_tables)
                     .i32(max_blocks)
                     .ptr(part_max)
                     .ptr(part_sum)
@@ -908,9 +943,9 @@ impl CudaRunner {
             pdl::launch(&self.stream, self.function(name)?)
                 .ptr(self.buffer(Buf::Q)?)
                 .ptr(arena)
-                .ptr(row_seq)
-                .ptr(seqs)
-                .ptr(block_tables)
+                .raw(row_seq)
+                .raw(seqs)
+                .raw(block_tables)
                 .i32(max_blocks)
                 .ptr(part_max)
                 .ptr(part_sum)
@@ -927,8 +962,8 @@ impl CudaRunner {
         let f = self.function("attention_merge")?;
         unsafe {
             pdl::launch(&self.stream, f)
-                .ptr(row_seq)
-                .ptr(seqs)
+                .raw(row_seq)
+                .raw(seqs)
                 .ptr(part_max)
                 .ptr(part_sum)
                 .ptr(part_out)
