@@ -114,9 +114,96 @@ impl YarnParams {
     }
 }
 
+/// The cos/sin rows of every position from 0 up, computed once (each position's row depends on
+/// that position alone, so a row copied from here is the row [`RopeTable::new`] computes): a
+/// step's table is then copies, not sines and cosines (for a 64-row decode step of the 3B shape,
+/// 8,192 of them), and a device holds the whole table and finds each row by position.
+#[derive(Default)]
+pub struct RopeCache {
+    /// Rows for positions `0..positions`.
+    table: Option<RopeTable>,
+    positions: usize,
+}
+
+/// The fewest positions a cache holds once it holds any.
+const ROPE_CACHE_MIN: usize = 1024;
+
+impl RopeCache {
+    /// Makes the cache hold every position below `positions` (growing to at least twice what it
+    /// held); whether it grew.
+    pub fn hold(&mut self, c: &ModelConfig, positions: usize) -> bool {
+        if positions <= self.positions && self.table.is_some() {
+            return false;
+        }
+        let n = positions.max(2 * self.positions).max(ROPE_CACHE_MIN);
+        let all: Vec<usize> = (0..n).collect();
+        self.table = Some(RopeTable::new(c, &all));
+        self.positions = n;
+        true
+    }
+
+    /// Positions held.
+    pub fn positions(&self) -> usize {
+        self.positions
+    }
+
+    /// The whole table, `[position][rope_dim / 2]` (empty before [`Self::hold`]).
+    pub fn cos(&self) -> &[f32] {
+        self.table.as_ref().map_or(&[], RopeTable::cos)
+    }
+
+    pub fn sin(&self) -> &[f32] {
+        self.table.as_ref().map_or(&[], RopeTable::sin)
+    }
+
+    /// The table of a step whose rows are at `positions`, copied from the cache (grown when a
+    /// position is past it): equal to `RopeTable::new(c, positions)` value for value.
+    pub fn rows(&mut self, c: &ModelConfig, positions: &[usize]) -> RopeTable {
+        let end = positions.iter().max().map_or(0, |&p| p + 1);
+        self.hold(c, end);
+        let half = c.rope_dim / 2;
+        let mut cos = Vec::with_capacity(positions.len() * half);
+        let mut sin = Vec::with_capacity(positions.len() * half);
+        for &p in positions {
+            cos.extend_from_slice(&self.cos()[p * half..(p + 1) * half]);
+            sin.extend_from_slice(&self.sin()[p * half..(p + 1) * half]);
+        }
+        RopeTable {
+            rope_dim: c.rope_dim,
+            cos,
+            sin,
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A step's rows copied from the cache are the rows computed for the step, bit for bit,
+    /// with YaRN and without, for positions in any order and past what the cache held.
+    #[test]
+    fn cached_rows_are_the_computed_rows() {
+        let src = crate::synthetic::build(&crate::synthetic::SyntheticSpec::tiny("llama"))
+            .expect("build");
+        let plain = ModelConfig::from_gguf(&src).expect("config");
+        let mut yarn = plain.clone();
+        yarn.yarn = Some(YarnScaling::new(4.0, 4096));
+        for c in [plain, yarn] {
+            let mut cache = RopeCache::default();
+            for positions in [vec![0, 5, 3, 1023], vec![7, 4000, 4000, 12]] {
+                let cached = cache.rows(&c, &positions);
+                let computed = RopeTable::new(&c, &positions);
+                assert_eq!(cached.cos(), computed.cos());
+                assert_eq!(cached.sin(), computed.sin());
+            }
+            assert_eq!(cache.positions(), 4001.max(2 * ROPE_CACHE_MIN));
+            assert!(
+                !cache.hold(&c, 100),
+                "a cache that holds the positions stays"
+            );
+        }
+    }
 
     /// YaRN keeps the fastest-turning pairs as they are (extrapolation), divides the slowest by
     /// the factor (interpolation), ramps in between, and scales every cos/sin by

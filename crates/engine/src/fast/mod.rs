@@ -177,6 +177,8 @@ pub struct FastBackend<R: Runner> {
     tokens: Vec<u32>,
     /// The last part of a launched step whose drawn tokens are fetched by `finish`.
     deferred: Option<Deferred>,
+    /// Every position's RoPE row so far: a step's table is copied from it.
+    rope: crate::rope::RopeCache,
 }
 
 /// A part of a step launched and not fetched yet: its plan, and for each of its items (by
@@ -193,6 +195,7 @@ impl<R: Runner> FastBackend<R> {
             scratch: Vec::new(),
             tokens: Vec::new(),
             deferred: None,
+            rope: crate::rope::RopeCache::default(),
         }
     }
 
@@ -491,7 +494,7 @@ impl<R: Runner> FastBackend<R> {
             None
         };
         let positions: Vec<usize> = tables.positions.iter().map(|&p| p as usize).collect();
-        let rope = RopeTable::new(self.config(), &positions);
+        let rope = self.rope.rows(self.runner.config(), &positions);
         let plan = Plan::for_step(self.config(), &tables);
         let wants_logits = sub
             .iter()

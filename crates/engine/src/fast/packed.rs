@@ -1,5 +1,6 @@
 //! A step's tables packed into one buffer, so the CUDA runner uploads them in one copy from
-//! pinned memory instead of eleven from pageable memory (each a driver call, and each a moment
+//! pinned memory instead of eleven from pageable memory (the RoPE rows, two of the eleven, are
+//! not uploaded at all: the runner holds every position's row, [`crate::rope::RopeCache`]) (each a driver call, and each a moment
 //! the GPU waits for between two steps launched back to back). Every table has a region at a
 //! fixed offset, sized ahead ([`PackedLayout::grown`]): a replayed decode graph reads the tables
 //! at the addresses it was captured with, so the offsets move only when a region must grow (the
@@ -8,7 +9,6 @@
 //! Plain Rust over bytes, so the packing is tested on machines without a GPU.
 
 use super::layout::{sample_rows_bytes, StepTables};
-use crate::rope::RopeTable;
 
 /// The tables of a step, in the order they lie in the buffer: what every step has first, the
 /// penalty entries (long, and only for steps that draw with penalties) last, so that a step's
@@ -16,29 +16,28 @@ use crate::rope::RopeTable;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Region {
     Tokens,
+    /// Each row's position (the kernels find its RoPE row in the runner's whole table).
+    Positions,
     Slots,
     RowSeq,
     /// `[row0, rows, past, index]` per sequence.
     Seqs,
     LogitRows,
     BlockTables,
-    Cos,
-    Sin,
     /// `SampleRow`s as the kernels read them ([`sample_rows_bytes`]).
     Sampling,
     PenaltySpans,
     Penalties,
 }
 
-pub const REGIONS: [Region; 11] = [
+pub const REGIONS: [Region; 10] = [
     Region::Tokens,
+    Region::Positions,
     Region::Slots,
     Region::RowSeq,
     Region::Seqs,
     Region::LogitRows,
     Region::BlockTables,
-    Region::Cos,
-    Region::Sin,
     Region::Sampling,
     Region::PenaltySpans,
     Region::Penalties,
@@ -105,7 +104,7 @@ impl PackedLayout {
 
 /// The bytes each region of a step's tables takes (the sampling ones only when the step draws
 /// on the device).
-pub fn needs(tables: &StepTables, rope: &RopeTable, sample: bool) -> RegionBytes {
+pub fn needs(tables: &StepTables, sample: bool) -> RegionBytes {
     let word = std::mem::size_of::<u32>();
     let sampling = if sample {
         [
@@ -118,13 +117,12 @@ pub fn needs(tables: &StepTables, rope: &RopeTable, sample: bool) -> RegionBytes
     };
     [
         tables.tokens.len() * word,
+        tables.positions.len() * word,
         tables.slots.len() * word,
         tables.row_seq.len() * word,
         tables.seqs.len() * 4 * word,
         tables.logit_rows.len() * word,
         tables.block_tables.len() * word,
-        rope.cos().len() * word,
-        rope.sin().len() * word,
         sampling[0],
         sampling[1],
         sampling[2],
@@ -137,13 +135,7 @@ pub const SAMPLE_ROW_BYTES: usize = std::mem::size_of::<crate::fast::twin::sampl
 /// Writes a step's tables into `dst` (at least `layout.total()` bytes) at the layout's offsets;
 /// returns how many leading bytes of `dst` the step uses (what the upload copies). `layout`
 /// must hold [`needs`] of the same arguments.
-pub fn pack(
-    layout: &PackedLayout,
-    tables: &StepTables,
-    rope: &RopeTable,
-    sample: bool,
-    dst: &mut [u8],
-) -> usize {
+pub fn pack(layout: &PackedLayout, tables: &StepTables, sample: bool, dst: &mut [u8]) -> usize {
     let mut end = 0;
     let mut put = |region: Region, bytes: &[u8]| {
         let at = layout.offset(region);
@@ -156,9 +148,8 @@ pub fn pack(
     };
     let words =
         |values: &[u32]| -> Vec<u8> { values.iter().flat_map(|v| v.to_le_bytes()).collect() };
-    let floats =
-        |values: &[f32]| -> Vec<u8> { values.iter().flat_map(|v| v.to_le_bytes()).collect() };
     put(Region::Tokens, &words(&tables.tokens));
+    put(Region::Positions, &words(&tables.positions));
     put(Region::Slots, &words(&tables.slots));
     put(Region::RowSeq, &words(&tables.row_seq));
     let seqs: Vec<u32> = tables
@@ -169,8 +160,6 @@ pub fn pack(
     put(Region::Seqs, &words(&seqs));
     put(Region::LogitRows, &words(&tables.logit_rows));
     put(Region::BlockTables, &words(&tables.block_tables));
-    put(Region::Cos, &floats(rope.cos()));
-    put(Region::Sin, &floats(rope.sin()));
     if sample {
         put(Region::Sampling, &sample_rows_bytes(&tables.sampling));
         put(Region::PenaltySpans, &words(&tables.penalty_spans));
@@ -197,9 +186,6 @@ mod tests {
     /// aligned, and the copy ends where the last table used ends.
     #[test]
     fn tables_pack_into_aligned_regions_and_unpack_unchanged() {
-        let src = crate::synthetic::build(&crate::synthetic::SyntheticSpec::tiny("llama"))
-            .expect("build");
-        let config = crate::config::ModelConfig::from_gguf(&src).expect("config");
         let blocks_a: Vec<u32> = vec![3, 7];
         let blocks_b: Vec<u32> = vec![1];
         let prompt: Vec<u32> = (10..30).collect();
@@ -235,9 +221,7 @@ mod tests {
             },
         ];
         let tables = step_tables(&items);
-        let positions: Vec<usize> = tables.positions.iter().map(|&p| p as usize).collect();
-        let rope = RopeTable::new(&config, &positions);
-        let need = needs(&tables, &rope, true);
+        let need = needs(&tables, true);
         let layout = PackedLayout::default().grown(&need);
         assert!(layout.holds(&need));
         for (i, r) in REGIONS.iter().enumerate() {
@@ -247,7 +231,7 @@ mod tests {
             }
         }
         let mut buf = vec![0xAAu8; layout.total()];
-        let end = pack(&layout, &tables, &rope, true, &mut buf);
+        let end = pack(&layout, &tables, true, &mut buf);
         let region = |r: Region| &buf[layout.offset(r)..layout.offset(r) + need[r as usize]];
         assert_eq!(read_words(region(Region::Tokens)), tables.tokens);
         assert_eq!(read_words(region(Region::Slots)), tables.slots);
@@ -257,11 +241,7 @@ mod tests {
         let seqs = read_words(region(Region::Seqs));
         assert_eq!(seqs.len(), 4 * tables.seqs.len());
         assert_eq!(seqs[4..8], [20, 1, 4, 1]);
-        let cos: Vec<f32> = read_words(region(Region::Cos))
-            .into_iter()
-            .map(f32::from_bits)
-            .collect();
-        assert_eq!(cos, rope.cos());
+        assert_eq!(read_words(region(Region::Positions)), tables.positions);
         assert_eq!(
             region(Region::Sampling),
             sample_rows_bytes(&tables.sampling)
@@ -272,10 +252,13 @@ mod tests {
             layout.offset(Region::Penalties) + need[Region::Penalties as usize]
         );
 
-        // Without a draw the copy stops at the sine table, and a larger step grows only the
+        // Without a draw the copy stops at the block tables, and a larger step grows only the
         // regions it must (at least doubling them).
-        let end = pack(&layout, &tables, &rope, false, &mut buf);
-        assert_eq!(end, layout.offset(Region::Sin) + need[Region::Sin as usize]);
+        let end = pack(&layout, &tables, false, &mut buf);
+        assert_eq!(
+            end,
+            layout.offset(Region::BlockTables) + need[Region::BlockTables as usize]
+        );
         let mut more = need;
         more[Region::Tokens as usize] += 4;
         let grown = layout.grown(&more);

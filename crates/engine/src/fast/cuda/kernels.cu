@@ -741,12 +741,14 @@ extern "C" __global__ void kv_write(const float *__restrict__ k, const float *__
 // write_kv}): `rope`'s arithmetic on every query and key head, then `kv_write`'s stores. Grid
 // (rows, heads + kv_heads), block head_dim (at least rope_dim / 2): a block y < heads rotates
 // query head y; the others rotate key head y - heads and store it with its value head. RoPE
-// turns adjacent pairs (2i, 2i+1), i < rope_dim / 2; cos/sin are [rows][rope_dim / 2], from the
-// host. Layers without RoPE store with kv_write alone.
+// turns adjacent pairs (2i, 2i+1), i < rope_dim / 2; cos/sin are the runner's whole table,
+// [position][rope_dim / 2] (crate::rope::RopeCache), indexed by each row's position. Layers
+// without RoPE store with kv_write alone.
 extern "C" __global__ void rope_kv_write(float *__restrict__ q, float *__restrict__ k,
                                          const float *__restrict__ v,
                                          const float *__restrict__ cos_t,
                                          const float *__restrict__ sin_t,
+                                         const uint32_t *__restrict__ positions,
                                          const uint32_t *__restrict__ slots,
                                          half *__restrict__ arena, int heads, int kv_heads,
                                          int head_dim, int rope_dim, int layer, int layers) {
@@ -758,7 +760,9 @@ extern "C" __global__ void rope_kv_write(float *__restrict__ q, float *__restric
                      : k + ((size_t)row * kv_heads + head) * head_dim;
     const int half_dim = rope_dim / 2;
     if (i < half_dim) {
-        const float c = cos_t[row * half_dim + i], s = sin_t[row * half_dim + i];
+        // The whole table, [position][half_dim]: the row's by its position.
+        const size_t at = (size_t)positions[row] * half_dim + i;
+        const float c = cos_t[at], s = sin_t[at];
         const float a = h[2 * i], b = h[2 * i + 1];
         h[2 * i] = a * c - b * s;
         h[2 * i + 1] = a * s + b * c;

@@ -67,6 +67,11 @@ struct Tables {
     /// The flash kernel's tiles (`fast::twin::flash::tiles`), two values each, and how many.
     flash_tiles: Option<CudaSlice<u32>>,
     flash_tile_count: usize,
+    /// Every position's RoPE row (`[position][rope_dim / 2]`), computed once on the host and
+    /// kept here: `rope_kv_write` finds a row's by its position, so a step uploads no RoPE.
+    rope: crate::rope::RopeCache,
+    rope_cos: Option<CudaSlice<f32>>,
+    rope_sin: Option<CudaSlice<f32>>,
 }
 
 /// A captured decode graph. `CudaGraph` holds raw driver handles and so is not `Send`; the
@@ -443,7 +448,10 @@ impl CudaRunner {
         self.quantized = None;
         let c = self.config.clone();
         let mut grew = self.allocate(plan)?;
-        grew |= self.upload_tables(plan, tables, rope)?;
+        let _ = rope; // the runner's own whole table serves (`Tables::rope`)
+        let end = tables.positions.iter().max().map_or(0, |&p| p as usize + 1);
+        grew |= self.hold_rope(end)?;
+        grew |= self.upload_tables(plan, tables)?;
         let s = &self.stream;
         let t = &mut self.tables;
         t.flash_tile_count = 0;
@@ -519,17 +527,15 @@ impl CudaRunner {
         // a longer list still works, at the cost of one reallocation.
         const PENALTY_ENTRIES_PER_ROW: usize = 1024;
         let word = std::mem::size_of::<u32>();
-        let rope_values = rows * (self.config.rope_dim / 2);
         let mut needs = [0; packed::REGIONS.len()];
         for (region, bytes) in [
             (Region::Tokens, rows * word),
+            (Region::Positions, rows * word),
             (Region::Slots, rows * word),
             (Region::RowSeq, rows * word),
             (Region::Seqs, 4 * sequences * word),
             (Region::LogitRows, plan.logit_rows * word),
             (Region::BlockTables, sequences * plan.max_blocks * word),
-            (Region::Cos, rope_values * word),
-            (Region::Sin, rope_values * word),
             (Region::Sampling, plan.logit_rows * packed::SAMPLE_ROW_BYTES),
             (Region::PenaltySpans, 2 * plan.logit_rows * word),
             (
@@ -539,7 +545,8 @@ impl CudaRunner {
         ] {
             needs[region as usize] = bytes;
         }
-        let grew = self.hold_tables(&needs)?;
+        let grew = self.hold_tables(&needs)?
+            | self.hold_rope(plan.max_blocks * crate::kv::BLOCK_POSITIONS)?;
         Ok(grew | ensure(&self.stream, &mut self.drawn, plan.logit_rows)?)
     }
 
@@ -576,13 +583,8 @@ impl CudaRunner {
 
     /// Packs the step's tables into the pinned host buffer and queues their one upload;
     /// whether the packed buffer moved (it had to grow).
-    fn upload_tables(
-        &mut self,
-        plan: &Plan,
-        tables: &StepTables,
-        rope: &RopeTable,
-    ) -> Result<bool> {
-        let needs = packed::needs(tables, rope, plan.sample);
+    fn upload_tables(&mut self, plan: &Plan, tables: &StepTables) -> Result<bool> {
+        let needs = packed::needs(tables, plan.sample);
         let grew = self.hold_tables(&needs)?;
         let stream = Arc::clone(&self.stream);
         let t = &mut self.tables;
@@ -593,7 +595,7 @@ impl CudaRunner {
             return Err(missing("the packed tables"));
         };
         let bytes = host.as_mut_slice().map_err(cuda)?;
-        let used = packed::pack(&t.layout, tables, rope, plan.sample, bytes);
+        let used = packed::pack(&t.layout, tables, plan.sample, bytes);
         if used > 0 {
             let (dst, _guard) = device.device_ptr(&stream);
             // SAFETY: `bytes[..used]` is pinned host memory that stays untouched until the
@@ -609,6 +611,18 @@ impl CudaRunner {
         event.record(&stream).map_err(cuda)?;
         t.uploaded = Some(event);
         Ok(grew)
+    }
+
+    /// Makes the device's RoPE table hold every position below `positions` (uploaded whole when
+    /// it grows, which moves it); whether it moved.
+    fn hold_rope(&mut self, positions: usize) -> Result<bool> {
+        let t = &mut self.tables;
+        if !t.rope.hold(&self.config, positions) && t.rope_cos.is_some() {
+            return Ok(false);
+        }
+        t.rope_cos = Some(self.stream.clone_htod(t.rope.cos()).map_err(cuda)?);
+        t.rope_sin = Some(self.stream.clone_htod(t.rope.sin()).map_err(cuda)?);
+        Ok(true)
     }
 
     /// The device address of a region of the packed tables.
@@ -709,8 +723,17 @@ impl CudaRunner {
                 if rope {
                     // Both rotations and the K/V stores in one launch.
                     let f = self.function("rope_kv_write")?;
-                    let cos = self.table(Region::Cos)?;
-                    let sin = self.table(Region::Sin)?;
+                    let cos = self
+                        .tables
+                        .rope_cos
+                        .as_ref()
+                        .ok_or_else(|| missing("cos"))?;
+                    let sin = self
+                        .tables
+                        .rope_sin
+                        .as_ref()
+                        .ok_or_else(|| missing("sin"))?;
+                    let positions = self.table(Region::Positions)?;
                     let (heads, rope_dim) = (c.n_heads as i32, c.rope_dim as i32);
                     let launch = launch::rope_kv_write(
                         rows,
@@ -724,8 +747,9 @@ impl CudaRunner {
                             .ptr(self.buffer(Buf::Q)?)
                             .ptr(self.buffer(Buf::K)?)
                             .ptr(self.buffer(Buf::V)?)
-                            .raw(cos)
-                            .raw(sin)
+                            .ptr(cos)
+                            .ptr(sin)
+                            .raw(positions)
                             .raw(slots)
                             .ptr(arena)
                             .i32(heads)
