@@ -341,8 +341,15 @@ case "$phase" in
           --ngl 99 --parallel 64 --clients "$clients" --new-tokens "$tokens") ||
           { echo "gpu-check: llama-server did not run through; ours stands" >&2; llama=null; }
       fi
-      python3 -c 'import json,sys; d=json.loads(sys.argv[1]); d["v1"]=json.loads(sys.argv[2]); d["llama_server"]=json.loads(sys.argv[3]); print(json.dumps(d))' \
-        "$conv" "$v1" "$llama"
+      # One conversation again with every step waited for before the next is launched
+      # (scheduler.async_steps = false): what launching the next step ahead gains.
+      local sync=null
+      sync=$(python3 scripts/http_bench.py --binary "$bin" --model "$model" --device "$device" \
+        --clients 1 --new-tokens "$tokens" --no-second-turn --env SMOLCHAT_MODEL__GPU_TIER=fast \
+        --env SMOLCHAT_SCHEDULER__ASYNC_STEPS=false) ||
+        { echo "gpu-check: the server without async steps did not run through" >&2; sync=null; }
+      python3 -c 'import json,sys; d=json.loads(sys.argv[1]); d["v1"]=json.loads(sys.argv[2]); d["llama_server"]=json.loads(sys.argv[3]); d["sync_steps"]=json.loads(sys.argv[4]); print(json.dumps(d))' \
+        "$conv" "$v1" "$llama" "$sync"
     }
     run_json_phase server server
     ;;

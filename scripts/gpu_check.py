@@ -449,6 +449,11 @@ def server_lines(server):
               f"{r.get('ttft_ms_median')} | {fmt(r.get('engine_step_ms_mean'), 2)} | "
               f"{fmt(r.get('forward_ms_mean'), 2)} | {fmt(r.get('worker_host_ms_mean'), 3)} | "
               f"{fmt(r.get('hop_ms_mean'), 3)} |" for r in rows]
+    sync = (dig(server, "sync_steps", "concurrency") or [None])[0]
+    if sync:
+        lines += ["", f"One conversation with every step waited for (scheduler.async_steps = false): "
+                  f"{sync.get('aggregate_tokens_per_s')} tok/s, step {fmt(sync.get('engine_step_ms_mean'), 2)} ms, "
+                  f"hop {fmt(sync.get('hop_ms_mean'), 3)} ms (the first row launches each steady step ahead)"]
     ours = {r.get("clients"): r for r in dig(server, "v1", "concurrency") or []}
     theirs = {r.get("clients"): r for r in dig(server, "llama_server", "concurrency") or []}
     if ours:
