@@ -558,3 +558,83 @@ fn prepared_for_serving_no_graph_is_dropped_while_warming_up() {
     assert_eq!(stats.invalidated, 0, "{stats:?}");
     assert!(stats.replays >= 4, "{stats:?}");
 }
+
+/// A step launched and finished later gives what a whole step gives: drawn tokens (the fast
+/// tier leaves them on the device until `finish_step`) and caches alike; meanwhile another
+/// sequence may be cut back, a second launch is refused without harm, and finishing with
+/// nothing in flight is an error.
+#[test]
+fn a_launched_step_finishes_as_a_whole_step() {
+    use smolchat_engine::{DeviceSampling, Logits, SampleRow};
+    let path = reference("smollm3-tiny-q8_0.gguf");
+    let engine = || {
+        let mut src = GgufSource::open(&path).expect("open");
+        let config = ModelConfig::from_gguf(&src).expect("config");
+        let weights = FastWeights::load(&mut src, config, &mut |_, _| {}).expect("weights");
+        let runner = CpuRunner::new(weights).with_graph_emulation();
+        Engine::on_backend(Box::new(FastBackend::new(runner)), KvOptions::default())
+            .expect("engine")
+    };
+    let greedy = [DeviceSampling {
+        row: SampleRow::GREEDY,
+        penalties: Vec::new(),
+    }];
+    let sampling: [&[DeviceSampling]; 2] = [&greedy, &greedy];
+    let prompts: [Vec<u32>; 2] = [(100..140).collect(), (700..709).collect()];
+    let run = |split: bool| -> (Vec<u32>, Vec<Vec<u32>>) {
+        let mut e = engine();
+        let seqs = [e.create_sequence(), e.create_sequence()];
+        let bystander = e.create_sequence();
+        let mut out = Logits::new();
+        let mut next: Vec<u32> = Vec::new();
+        let mut drawn = Vec::new();
+        for step in 0..6 {
+            let inputs: Vec<Vec<u32>> = if step == 0 {
+                prompts.to_vec()
+            } else {
+                next.iter().map(|&t| vec![t]).collect()
+            };
+            let steps: Vec<SeqStep<'_>> = seqs
+                .iter()
+                .zip(&inputs)
+                .map(|(&seq, tokens)| SeqStep {
+                    seq,
+                    tokens,
+                    logits: LogitsMode::Sample,
+                })
+                .collect();
+            if split {
+                e.step(&[SeqStep {
+                    seq: bystander,
+                    tokens: &[5, 6, 7],
+                    logits: LogitsMode::None,
+                }])
+                .expect("bystander");
+                e.launch_step(&steps, &sampling, &mut out).expect("launch");
+                assert!(e.in_flight());
+                assert!(
+                    e.launch_step(&steps, &sampling, &mut Logits::new())
+                        .is_err(),
+                    "a second step launched while one is in flight"
+                );
+                assert_eq!(e.truncate(bystander, 1).expect("truncate"), 1);
+                e.finish_step(&mut out).expect("finish");
+                assert!(!e.in_flight());
+                assert!(e.finish_step(&mut out).is_err(), "finished twice");
+            } else {
+                e.step_sampled_into(&steps, &sampling, &mut out)
+                    .expect("step");
+            }
+            next = (0..2)
+                .map(|i| out.token(i).expect("a drawn token"))
+                .collect();
+            drawn.extend(&next);
+        }
+        let cached = seqs
+            .iter()
+            .map(|&s| e.cached_tokens(s).expect("cached").to_vec())
+            .collect();
+        (drawn, cached)
+    };
+    assert_eq!(run(true), run(false));
+}

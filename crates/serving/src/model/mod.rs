@@ -374,6 +374,8 @@ impl ModelWorker {
                 ..StepPlan::default()
             };
         }
+        // A step launched ahead of the last token computes nothing anyone wants.
+        self.settle_ahead();
         let seconds = first.map_or(0.0, |f| last.duration_since(f).as_secs_f64());
         AloneRun {
             tokens,

@@ -404,6 +404,12 @@ impl ModelWorker {
                 .is_some_and(|c| !c.propose(&history, 1).is_empty())
     }
 
+    /// Finishes the step launched ahead, if any, and voids all its rows (nothing claims them).
+    pub(super) fn settle_ahead(&mut self) {
+        let mut step = StepWork::default();
+        self.claim_ahead(&StepPlan::default(), &mut step);
+    }
+
     /// The step launched ahead, finished: its rows for requests this plan decodes again are
     /// their decode in this step (returned: each request, its sequence and the token drawn),
     /// and the others (requests stopped, cancelled, gone or not planned) are voided.
