@@ -638,3 +638,37 @@ fn a_launched_step_finishes_as_a_whole_step() {
     };
     assert_eq!(run(true), run(false));
 }
+
+/// The fast tier saves and restores its arena's blocks too: a restored sequence's next logits
+/// are the original's bit for bit, and a CPU engine's blocks (another format) are refused.
+#[test]
+fn the_fast_tier_restores_saved_kv_bit_for_bit() {
+    let path = reference("smollm3-tiny-q8_0.gguf");
+    let open = || GgufSource::open(&path).expect("open");
+    let (mut a, mut b) = (fast_engine(open()), fast_engine(open()));
+    let seq = a.create_sequence();
+    let prompt: Vec<u32> = (0..21).map(|i| i * 97 % 40_000 + 7).collect();
+    a.step(&[SeqStep {
+        seq,
+        tokens: &prompt,
+        logits: LogitsMode::None,
+    }])
+    .expect("prefill");
+    let snapshot = a.save_kv(seq).expect("save");
+    assert_eq!(snapshot.format, "fast-arena-f16-v1");
+    let mut other = snapshot.clone();
+    other.format = "cpu-pages-f16-v1".into();
+    assert!(b.restore_kv(&other).is_err());
+    let restored = b.restore_kv(&snapshot).expect("restore");
+    let next = |e: &mut Engine, s| {
+        e.step(&[SeqStep {
+            seq: s,
+            tokens: &[99],
+            logits: LogitsMode::Last,
+        }])
+        .expect("decode")
+        .remove(0)
+        .expect("logits")
+    };
+    assert_eq!(next(&mut b, restored), next(&mut a, seq));
+}

@@ -92,6 +92,27 @@ pub trait Backend: Send {
     fn profiler_range(&mut self, _on: bool) -> Result<()> {
         Ok(())
     }
+    /// How this backend lays a KV block out in bytes ([`Self::read_kv_blocks`]), naming the
+    /// storage and its type: blocks saved by one backend are restored only by a backend of the
+    /// same format. `None`: this backend cannot save its blocks (they are then recomputed).
+    fn kv_block_format(&self) -> Option<String> {
+        None
+    }
+    /// Appends the bytes of `blocks` (each [`Self::kv_block_bytes`] long, in the backend's
+    /// format) to `out`.
+    fn read_kv_blocks(&mut self, _blocks: &[BlockId], _out: &mut Vec<u8>) -> Result<()> {
+        Err(EngineError::InvalidStep(format!(
+            "the {} tier cannot save its KV blocks",
+            self.tier()
+        )))
+    }
+    /// Writes `bytes` (as [`Self::read_kv_blocks`] gave them) into `blocks`, which have pages.
+    fn write_kv_blocks(&mut self, _blocks: &[BlockId], _bytes: &[u8]) -> Result<()> {
+        Err(EngineError::InvalidStep(format!(
+            "the {} tier cannot restore KV blocks",
+            self.tier()
+        )))
+    }
     /// Checks a step's items before any block is taken (token ids, lengths, the window).
     fn validate(&self, items: &[BatchItem<'_>]) -> Result<()>;
     /// One forward pass over `items`, whose blocks are reserved: writes their K/V and puts each
@@ -187,6 +208,15 @@ impl Backend for Watched {
     }
     fn validate(&self, items: &[BatchItem<'_>]) -> Result<()> {
         self.inner.validate(items)
+    }
+    fn kv_block_format(&self) -> Option<String> {
+        self.inner.kv_block_format()
+    }
+    fn read_kv_blocks(&mut self, blocks: &[BlockId], out: &mut Vec<u8>) -> Result<()> {
+        self.inner.read_kv_blocks(blocks, out)
+    }
+    fn write_kv_blocks(&mut self, blocks: &[BlockId], bytes: &[u8]) -> Result<()> {
+        self.inner.write_kv_blocks(blocks, bytes)
     }
     fn forward(&mut self, items: &[BatchItem<'_>], out: &mut Logits) -> Result<()> {
         (self.watch)(Asked::Forward(items));

@@ -56,4 +56,4 @@ pub use cpu::CpuBackend;
 pub use kv::{KvOptions, KvType};
 pub use load::{CpuOptions, EngineOptions, Yarn};
 pub use logits::{DeviceSampling, Logits, LogitsMode, SampleRow, NO_TOKEN};
-pub use step::{Engine, EngineStats, SeqId, SeqStep};
+pub use step::{Engine, EngineStats, KvSnapshot, SeqId, SeqStep};

@@ -25,6 +25,19 @@ pub struct SeqStep<'a> {
     pub logits: LogitsMode,
 }
 
+/// A sequence's K/V as bytes ([`Engine::save_kv`]): what a restored sequence needs to hold the
+/// same positions without computing them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KvSnapshot {
+    /// The tokens the positions were computed for.
+    pub tokens: Vec<u32>,
+    /// The backend's block format ([`Backend::kv_block_format`]): restored only by the same.
+    pub format: String,
+    /// The blocks holding the positions, each [`Engine::kv_block_bytes`] long (the last one
+    /// may be partly used).
+    pub bytes: Vec<u8>,
+}
+
 /// Counters for tests, metrics and benchmarks.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct EngineStats {
@@ -371,6 +384,109 @@ impl Engine {
     ) -> Result<()> {
         self.launch_step(steps, sampling, out)?;
         self.finish_step(out)
+    }
+
+    /// The K/V of every position `seq` holds, and the tokens they were computed for, as bytes a
+    /// backend of the same format restores ([`Self::restore_kv`]). Errors for a backend that
+    /// cannot save its blocks, or while a step is in flight.
+    pub fn save_kv(&mut self, seq: SeqId) -> Result<KvSnapshot> {
+        if self.in_flight.is_some() {
+            return Err(EngineError::InvalidStep(
+                "a step is in flight: finish it before saving a sequence".into(),
+            ));
+        }
+        let format = self.backend.kv_block_format().ok_or_else(|| {
+            EngineError::InvalidStep(format!(
+                "the {} tier cannot save its KV blocks",
+                self.backend.tier()
+            ))
+        })?;
+        let s = self.sequence(seq)?;
+        let tokens = s.tokens.clone();
+        let blocks = s.table.blocks()[..BlockAllocator::blocks_for(tokens.len())].to_vec();
+        let mut bytes = Vec::with_capacity(blocks.len() * self.backend.kv_block_bytes());
+        self.backend.read_kv_blocks(&blocks, &mut bytes)?;
+        Ok(KvSnapshot {
+            tokens,
+            format,
+            bytes,
+        })
+    }
+
+    /// A new sequence holding the positions of `snapshot` (made by [`Self::save_kv`] on a
+    /// backend of this format, for this model), none of them computed. Errors, changing
+    /// nothing, when the format or the sizes do not match, a token is outside the vocabulary,
+    /// the positions pass the context, or the KV cache lacks the blocks.
+    pub fn restore_kv(&mut self, snapshot: &KvSnapshot) -> Result<SeqId> {
+        if self.in_flight.is_some() {
+            return Err(EngineError::InvalidStep(
+                "a step is in flight: finish it before restoring a sequence".into(),
+            ));
+        }
+        let format = self.backend.kv_block_format();
+        if format.as_deref() != Some(snapshot.format.as_str()) {
+            return Err(EngineError::InvalidStep(format!(
+                "KV blocks saved as {} cannot be restored by a backend storing {}",
+                snapshot.format,
+                format.as_deref().unwrap_or("nothing it can restore")
+            )));
+        }
+        let c = self.backend.config();
+        if snapshot.tokens.len() > c.context_length {
+            return Err(EngineError::InvalidStep(format!(
+                "{} positions pass the context of {}",
+                snapshot.tokens.len(),
+                c.context_length
+            )));
+        }
+        if let Some(t) = snapshot
+            .tokens
+            .iter()
+            .find(|&&t| t as usize >= c.vocab_size)
+        {
+            return Err(EngineError::InvalidStep(format!(
+                "token {t} is outside the vocabulary of {}",
+                c.vocab_size
+            )));
+        }
+        let blocks = BlockAllocator::blocks_for(snapshot.tokens.len());
+        let expected = blocks * self.backend.kv_block_bytes();
+        if snapshot.bytes.len() != expected {
+            return Err(EngineError::InvalidStep(format!(
+                "{} bytes of KV blocks for {} positions, which take {expected}",
+                snapshot.bytes.len(),
+                snapshot.tokens.len()
+            )));
+        }
+        if blocks > self.alloc.free_blocks() {
+            return Err(EngineError::KvCacheFull {
+                needed_blocks: blocks,
+                free_blocks: self.alloc.free_blocks(),
+            });
+        }
+        let mut table = BlockTable::new();
+        self.alloc.grow(&mut table, snapshot.tokens.len())?;
+        let written = self
+            .backend
+            .reserve_blocks(self.alloc.high_water(), self.alloc.capacity_blocks())
+            .and_then(|()| {
+                self.backend
+                    .write_kv_blocks(table.blocks(), &snapshot.bytes)
+            });
+        if let Err(e) = written {
+            self.alloc.release(&mut table);
+            return Err(e);
+        }
+        let id = self.next_id;
+        self.next_id += 1;
+        self.seqs.insert(
+            id,
+            Sequence {
+                table,
+                tokens: snapshot.tokens.clone(),
+            },
+        );
+        Ok(id)
     }
 
     /// Whether a step was launched and not finished yet.

@@ -189,6 +189,72 @@ impl CpuKvStorage {
         (b / CHUNK_BLOCKS, at)
     }
 
+    /// Appends the bytes of `block`'s pages (every layer, KV head, K and V, in page order; f32
+    /// and f16 values little-endian, q8_0 pages as their scales then their quants) to `out`:
+    /// [`KvLayout::bytes_per_block`] bytes, what [`Self::import_block`] takes back. The block
+    /// must have pages.
+    pub fn export_block(&self, block: BlockId, out: &mut Vec<u8>) {
+        let n = self.page_units;
+        let b = block as usize;
+        let c = b / CHUNK_BLOCKS;
+        for page in 0..self.layout.pages_per_block() {
+            let at = (page * CHUNK_BLOCKS + b % CHUNK_BLOCKS) * n;
+            match &self.chunks {
+                Chunks::F32(p) => out.extend(p[c][at..at + n].iter().flat_map(|v| v.to_le_bytes())),
+                Chunks::F16(p) => out.extend(p[c][at..at + n].iter().flat_map(|v| v.to_le_bytes())),
+                Chunks::Q8 { scales, quants } => {
+                    out.extend(scales[c][at..at + n].iter().flat_map(|v| v.to_le_bytes()));
+                    out.extend(
+                        quants[c][at * Q8_0_BLOCK..(at + n) * Q8_0_BLOCK]
+                            .iter()
+                            .map(|&q| q as u8),
+                    );
+                }
+            }
+        }
+    }
+
+    /// Writes `bytes` (one block's, as [`Self::export_block`] made them) into `block`'s pages.
+    /// The block must have pages and `bytes` be [`KvLayout::bytes_per_block`] long.
+    pub fn import_block(&mut self, block: BlockId, bytes: &[u8]) {
+        let n = self.page_units;
+        let b = block as usize;
+        let c = b / CHUNK_BLOCKS;
+        let mut rest = bytes;
+        let mut take = |len: usize| -> &[u8] {
+            let (head, tail) = rest.split_at(len.min(rest.len()));
+            rest = tail;
+            head
+        };
+        for page in 0..self.layout.pages_per_block() {
+            let at = (page * CHUNK_BLOCKS + b % CHUNK_BLOCKS) * n;
+            match &mut self.chunks {
+                Chunks::F32(p) => {
+                    for (v, x) in p[c][at..at + n].iter_mut().zip(take(4 * n).chunks_exact(4)) {
+                        *v = f32::from_le_bytes([x[0], x[1], x[2], x[3]]);
+                    }
+                }
+                Chunks::F16(p) => {
+                    for (v, x) in p[c][at..at + n].iter_mut().zip(take(2 * n).chunks_exact(2)) {
+                        *v = u16::from_le_bytes([x[0], x[1]]);
+                    }
+                }
+                Chunks::Q8 { scales, quants } => {
+                    for (v, x) in scales[c][at..at + n]
+                        .iter_mut()
+                        .zip(take(2 * n).chunks_exact(2))
+                    {
+                        *v = u16::from_le_bytes([x[0], x[1]]);
+                    }
+                    let q = &mut quants[c][at * Q8_0_BLOCK..(at + n) * Q8_0_BLOCK];
+                    for (v, &x) in q.iter_mut().zip(take(n * Q8_0_BLOCK)) {
+                        *v = x as i8;
+                    }
+                }
+            }
+        }
+    }
+
     /// Stores one row (`head_dim` values) at `slot` of `block`. The block must have pages
     /// ([`Self::ensure`]).
     pub fn write(

@@ -17,7 +17,7 @@ use crate::backend::{Backend, Suggested};
 use crate::config::ModelConfig;
 use crate::device::{Device, Tier};
 use crate::error::{EngineError, Result};
-use crate::kv::{KvLayout, KvType};
+use crate::kv::{BlockId, KvLayout, KvType};
 use crate::logits::Logits;
 use kv::CpuKvStorage;
 use model::Model;
@@ -41,6 +41,19 @@ impl CpuBackend {
     /// The backend for `model` storing f16 KV rows, which fit every row shape.
     pub fn f16(model: Model) -> Self {
         Self::with_layout(model, KvType::F16)
+    }
+
+    /// Every block id in `blocks` has pages.
+    fn check_blocks(&self, blocks: &[BlockId]) -> Result<()> {
+        match blocks
+            .iter()
+            .find(|&&b| b as usize >= self.storage.blocks())
+        {
+            Some(b) => Err(EngineError::InvalidStep(format!(
+                "KV block {b} has no pages"
+            ))),
+            None => Ok(()),
+        }
     }
 
     /// The backend for `model` storing `kv_type` rows, checked or known to fit.
@@ -97,6 +110,34 @@ impl Backend for CpuBackend {
 
     fn validate(&self, items: &[BatchItem<'_>]) -> Result<()> {
         self.model.validate_request(items)
+    }
+
+    fn kv_block_format(&self) -> Option<String> {
+        Some(format!("cpu-pages-{}-v1", self.storage.layout().kv_type))
+    }
+
+    fn read_kv_blocks(&mut self, blocks: &[BlockId], out: &mut Vec<u8>) -> Result<()> {
+        self.check_blocks(blocks)?;
+        for &b in blocks {
+            self.storage.export_block(b, out);
+        }
+        Ok(())
+    }
+
+    fn write_kv_blocks(&mut self, blocks: &[BlockId], bytes: &[u8]) -> Result<()> {
+        self.check_blocks(blocks)?;
+        let size = self.storage.layout().bytes_per_block();
+        if bytes.len() != blocks.len() * size {
+            return Err(EngineError::InvalidStep(format!(
+                "{} bytes are not {} blocks of {size}",
+                bytes.len(),
+                blocks.len()
+            )));
+        }
+        for (&b, chunk) in blocks.iter().zip(bytes.chunks_exact(size)) {
+            self.storage.import_block(b, chunk);
+        }
+        Ok(())
     }
 
     fn forward(&mut self, items: &[BatchItem<'_>], out: &mut Logits) -> Result<()> {

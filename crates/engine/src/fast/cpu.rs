@@ -424,6 +424,32 @@ impl Runner for CpuRunner {
         self.blocks
     }
 
+    fn read_blocks(&mut self, blocks: &[u32], out: &mut Vec<u8>) -> Result<()> {
+        let n = self.layout.block_values();
+        for &b in blocks {
+            let at = b as usize * n;
+            let values = self.arena.get(at..at + n).ok_or_else(|| {
+                EngineError::InvalidStep(format!("KV block {b} is outside the arena"))
+            })?;
+            out.extend(values.iter().flat_map(|v| v.to_bits().to_le_bytes()));
+        }
+        Ok(())
+    }
+
+    fn write_blocks(&mut self, blocks: &[u32], bytes: &[u8]) -> Result<()> {
+        let n = self.layout.block_values();
+        for (&b, chunk) in blocks.iter().zip(bytes.chunks_exact(2 * n)) {
+            let at = b as usize * n;
+            let values = self.arena.get_mut(at..at + n).ok_or_else(|| {
+                EngineError::InvalidStep(format!("KV block {b} is outside the arena"))
+            })?;
+            for (v, x) in values.iter_mut().zip(chunk.chunks_exact(2)) {
+                *v = f16::from_bits(u16::from_le_bytes([x[0], x[1]]));
+            }
+        }
+        Ok(())
+    }
+
     fn suggested(&self) -> Suggested {
         Suggested::CPU
     }

@@ -158,6 +158,12 @@ mod tests {
         fn resident_blocks(&self) -> usize {
             self.0.resident_blocks()
         }
+        fn read_blocks(&mut self, blocks: &[u32], out: &mut Vec<u8>) -> Result<()> {
+            self.0.read_blocks(blocks, out)
+        }
+        fn write_blocks(&mut self, blocks: &[u32], bytes: &[u8]) -> Result<()> {
+            self.0.write_blocks(blocks, bytes)
+        }
         fn suggested(&self) -> crate::backend::Suggested {
             self.0.suggested()
         }

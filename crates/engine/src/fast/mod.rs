@@ -140,6 +140,12 @@ pub trait Runner: Send {
         None
     }
 
+    /// Appends the bytes of arena blocks `blocks` (each [`KvArena::block_bytes`], f16
+    /// little-endian in the arena's layout) to `out`, after every step queued before.
+    fn read_blocks(&mut self, blocks: &[u32], out: &mut Vec<u8>) -> Result<()>;
+    /// Writes `bytes` (as [`Runner::read_blocks`] gave them) into arena blocks `blocks`.
+    fn write_blocks(&mut self, blocks: &[u32], bytes: &[u8]) -> Result<()>;
+
     /// Waits until everything launched has finished (for profiles; a no-op on the host).
     fn synchronize(&mut self) -> Result<()> {
         Ok(())
@@ -367,6 +373,28 @@ impl<R: Runner> Backend for FastBackend<R> {
         self.runner.profiler_range(on)
     }
 
+    fn kv_block_format(&self) -> Option<String> {
+        Some("fast-arena-f16-v1".into())
+    }
+
+    fn read_kv_blocks(&mut self, blocks: &[u32], out: &mut Vec<u8>) -> Result<()> {
+        self.check_resident(blocks)?;
+        self.runner.read_blocks(blocks, out)
+    }
+
+    fn write_kv_blocks(&mut self, blocks: &[u32], bytes: &[u8]) -> Result<()> {
+        self.check_resident(blocks)?;
+        let size = self.runner.arena().block_bytes();
+        if bytes.len() != blocks.len() * size {
+            return Err(EngineError::InvalidStep(format!(
+                "{} bytes are not {} blocks of {size}",
+                bytes.len(),
+                blocks.len()
+            )));
+        }
+        self.runner.write_blocks(blocks, bytes)
+    }
+
     fn rows_computed_alike(&self, rows: usize) -> usize {
         self.runner.rows_computed_alike(rows)
     }
@@ -465,6 +493,17 @@ impl<R: Runner> Backend for FastBackend<R> {
 }
 
 impl<R: Runner> FastBackend<R> {
+    /// Every block id in `blocks` has pages in the arena.
+    fn check_resident(&self, blocks: &[u32]) -> Result<()> {
+        let resident = self.runner.resident_blocks();
+        match blocks.iter().find(|&&b| b as usize >= resident) {
+            Some(b) => Err(EngineError::InvalidStep(format!(
+                "KV block {b} has no pages in the arena"
+            ))),
+            None => Ok(()),
+        }
+    }
+
     /// Runs the items `part` of `items` as one step (through a graph when `graphed`: a decode
     /// part), and hands each item its logits rows (at `host_row`) or its drawn token; when
     /// `may_defer` and drawn tokens are all the part gives back, they are fetched by

@@ -1077,6 +1077,49 @@ impl Runner for CudaRunner {
         self.blocks
     }
 
+    fn read_blocks(&mut self, blocks: &[u32], out: &mut Vec<u8>) -> Result<()> {
+        self.guard.forbid("copying KV blocks to the host")?;
+        let arena = self.arena.as_ref().ok_or_else(|| missing("the KV arena"))?;
+        let n = self.layout.block_values();
+        let mut values = vec![0u16; n];
+        for &b in blocks {
+            let at = b as usize * n;
+            if at + n > arena.len() {
+                return Err(EngineError::InvalidStep(format!(
+                    "KV block {b} is outside the arena"
+                )));
+            }
+            self.stream
+                .memcpy_dtoh(&arena.slice(at..at + n), &mut values)
+                .map_err(cuda)?;
+            self.stream.synchronize().map_err(cuda)?;
+            out.extend(values.iter().flat_map(|v| v.to_le_bytes()));
+        }
+        Ok(())
+    }
+
+    fn write_blocks(&mut self, blocks: &[u32], bytes: &[u8]) -> Result<()> {
+        self.guard.forbid("copying KV blocks to the device")?;
+        let n = self.layout.block_values();
+        let arena = self.arena.as_mut().ok_or_else(|| missing("the KV arena"))?;
+        for (&b, chunk) in blocks.iter().zip(bytes.chunks_exact(2 * n)) {
+            let at = b as usize * n;
+            if at + n > arena.len() {
+                return Err(EngineError::InvalidStep(format!(
+                    "KV block {b} is outside the arena"
+                )));
+            }
+            let values: Vec<u16> = chunk
+                .chunks_exact(2)
+                .map(|x| u16::from_le_bytes([x[0], x[1]]))
+                .collect();
+            let mut view = arena.slice_mut(at..at + n);
+            self.stream.memcpy_htod(&values, &mut view).map_err(cuda)?;
+        }
+        // The host's values must outlive the copies (pageable: staged before the call returns).
+        self.stream.synchronize().map_err(cuda)
+    }
+
     fn synchronize(&mut self) -> Result<()> {
         self.stream.synchronize().map_err(cuda)
     }
