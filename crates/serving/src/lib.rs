@@ -8,6 +8,7 @@ pub mod load;
 pub mod model;
 pub mod scheduler;
 pub mod speculate;
+pub mod spill;
 pub mod types;
 pub mod window;
 

@@ -1,0 +1,397 @@
+//! The KV tier below the device: conversations' KV caches written to disk when they are evicted
+//! or go idle, and read back when the conversation returns, instead of computing its prompt
+//! again (a 4,000-token conversation costs about 40 s of prefill on two CPU cores for the 3B
+//! shape; reading its blocks back, a fraction of a second).
+//!
+//! One file per conversation (`<id>.kv`) in the replica's spill directory, written to a
+//! temporary name, synced and renamed, so a file is whole or absent. A file says what it holds
+//! (its header): the model file's identity and the backend's KV block format it was saved
+//! under, the tokens its positions were computed for, and a SHA-256 of the tokens and the
+//! compressed blocks. It is restored only into the same model and format, only as far as its
+//! tokens agree with the new prompt (an edited or branched history keeps the common prefix),
+//! and only when the hash holds: a torn, stale or foreign file falls back to computing, never to
+//! a wrong reply. The blocks are compressed with zstd (lossless: a restored cache is bit for
+//! bit the cache it was). The tier keeps within a budget in bytes, dropping the least recently
+//! used files first, and survives restarts: [`SpillTier::open`] scans the directory and drops
+//! what no longer matches.
+
+use std::collections::HashMap;
+use std::fs;
+use std::io::{self, Read, Write};
+use std::path::{Path, PathBuf};
+use std::time::SystemTime;
+
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+use smolchat_engine::KvSnapshot;
+use uuid::Uuid;
+
+/// The first bytes of every spill file (the version in its last character).
+const MAGIC: &[u8; 8] = b"SMOLKV1\n";
+/// zstd's fastest level: the tier is written on the model thread, and level 1 already takes
+/// most of what f16 K/V gives up (measured in `docs/BENCHMARKS.md`).
+const ZSTD_LEVEL: i32 = 1;
+/// The longest header a file may claim (a corrupt length is not believed).
+const MAX_HEADER: usize = 1 << 16;
+
+/// What a spill file's header says.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+struct Header {
+    /// The model file's identity ([`SpillTier::open`]'s `model`).
+    model: String,
+    /// The backend's KV block format.
+    format: String,
+    conversation: Uuid,
+    /// Tokens (their positions' K/V follow).
+    tokens: usize,
+    /// Bytes of the blocks, before and after compression.
+    raw_bytes: usize,
+    data_bytes: usize,
+    /// SHA-256 of the tokens' bytes and the compressed blocks, hex.
+    sha256: String,
+}
+
+/// Why a spill file was not used.
+#[derive(Debug, thiserror::Error)]
+pub enum SpillError {
+    #[error("reading or writing the KV spill file: {0}")]
+    Io(#[from] io::Error),
+    #[error("the KV spill file is not one (or is torn): {0}")]
+    Corrupt(String),
+    #[error("the KV spill file is for another model or KV format ({0})")]
+    Stale(String),
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Entry {
+    bytes: u64,
+    used: SystemTime,
+}
+
+/// What [`SpillTier::open`] found in the directory.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ScanReport {
+    pub kept: usize,
+    pub dropped: usize,
+    pub bytes: u64,
+}
+
+/// The spill files of one replica, within a budget.
+pub struct SpillTier {
+    dir: PathBuf,
+    budget: u64,
+    model: String,
+    entries: HashMap<Uuid, Entry>,
+    /// Files written and read back since start (tests, metrics).
+    pub writes: u64,
+    pub restores: u64,
+}
+
+impl SpillTier {
+    /// The tier in `dir` (created when missing) for the model whose identity is `model`,
+    /// holding at most `budget` bytes: files of another model, torn ones, leftovers of
+    /// interrupted writes and those past the budget (oldest first) are deleted.
+    pub fn open(dir: &Path, budget: u64, model: &str) -> io::Result<(Self, ScanReport)> {
+        fs::create_dir_all(dir)?;
+        let mut tier = Self {
+            dir: dir.to_path_buf(),
+            budget,
+            model: model.to_string(),
+            entries: HashMap::new(),
+            writes: 0,
+            restores: 0,
+        };
+        let mut report = ScanReport::default();
+        for entry in fs::read_dir(dir)? {
+            let entry = entry?;
+            let path = entry.path();
+            let name = entry.file_name().to_string_lossy().into_owned();
+            let id = name
+                .strip_suffix(".kv")
+                .and_then(|stem| Uuid::parse_str(stem).ok());
+            let meta = entry.metadata()?;
+            let kept = match id {
+                Some(id) if meta.is_file() => match read_header(&path) {
+                    Ok((h, _)) if h.model == tier.model && h.conversation == id => {
+                        let used = meta.modified().unwrap_or(SystemTime::UNIX_EPOCH);
+                        tier.entries.insert(
+                            id,
+                            Entry {
+                                bytes: meta.len(),
+                                used,
+                            },
+                        );
+                        true
+                    }
+                    _ => false,
+                },
+                // Not ours (or an interrupted write's temporary file): only our own names are
+                // removed.
+                _ => !(name.ends_with(".kv") || name.ends_with(".kv.tmp")),
+            };
+            if !kept {
+                let _ = fs::remove_file(&path);
+                report.dropped += 1;
+            }
+        }
+        tier.trim(0);
+        report.kept = tier.entries.len();
+        report.bytes = tier.bytes();
+        Ok((tier, report))
+    }
+
+    /// Bytes of the files held.
+    pub fn bytes(&self) -> u64 {
+        self.entries.values().map(|e| e.bytes).sum()
+    }
+
+    pub fn files(&self) -> usize {
+        self.entries.len()
+    }
+
+    pub fn contains(&self, conversation: Uuid) -> bool {
+        self.entries.contains_key(&conversation)
+    }
+
+    fn path(&self, conversation: Uuid) -> PathBuf {
+        self.dir.join(format!("{conversation}.kv"))
+    }
+
+    /// Writes `snapshot` as `conversation`'s file (replacing an older one); its size, or `None`
+    /// when even alone it would not fit the budget (nothing is written then, and an older file
+    /// is dropped: it would be older than the cache it stood for).
+    pub fn put(
+        &mut self,
+        conversation: Uuid,
+        snapshot: &KvSnapshot,
+    ) -> Result<Option<u64>, SpillError> {
+        let data = zstd::bulk::compress(&snapshot.bytes, ZSTD_LEVEL)?;
+        let tokens: Vec<u8> = snapshot
+            .tokens
+            .iter()
+            .flat_map(|t| t.to_le_bytes())
+            .collect();
+        let header = Header {
+            model: self.model.clone(),
+            format: snapshot.format.clone(),
+            conversation,
+            tokens: snapshot.tokens.len(),
+            raw_bytes: snapshot.bytes.len(),
+            data_bytes: data.len(),
+            sha256: digest(&tokens, &data),
+        };
+        let header = serde_json::to_vec(&header)
+            .map_err(|e| SpillError::Corrupt(format!("the header did not serialize: {e}")))?;
+        let size = (MAGIC.len() + 4 + header.len() + tokens.len() + data.len()) as u64;
+        if size > self.budget {
+            self.remove(conversation);
+            return Ok(None);
+        }
+        // The older file is replaced by the rename below.
+        self.entries.remove(&conversation);
+        self.trim(size);
+        let path = self.path(conversation);
+        let tmp = self.dir.join(format!("{conversation}.kv.tmp"));
+        let written = (|| -> io::Result<()> {
+            let mut f = fs::File::create(&tmp)?;
+            f.write_all(MAGIC)?;
+            f.write_all(&(header.len() as u32).to_le_bytes())?;
+            f.write_all(&header)?;
+            f.write_all(&tokens)?;
+            f.write_all(&data)?;
+            f.sync_all()?;
+            fs::rename(&tmp, &path)
+        })();
+        if let Err(e) = written {
+            let _ = fs::remove_file(&tmp);
+            return Err(e.into());
+        }
+        self.entries.insert(
+            conversation,
+            Entry {
+                bytes: size,
+                used: SystemTime::now(),
+            },
+        );
+        self.trim(0);
+        self.writes += 1;
+        Ok(Some(size))
+    }
+
+    /// `conversation`'s saved K/V, read and checked, the file removed (the cache it restores is
+    /// the one kept from then on). `Ok(None)` when there is none; an error (the file removed
+    /// too) when it is torn or for another model.
+    pub fn take(&mut self, conversation: Uuid) -> Result<Option<KvSnapshot>, SpillError> {
+        if self.entries.remove(&conversation).is_none() {
+            return Ok(None);
+        }
+        let path = self.path(conversation);
+        let read = read_file(&path, &self.model, conversation);
+        let _ = fs::remove_file(&path);
+        let snapshot = read?;
+        self.restores += 1;
+        Ok(Some(snapshot))
+    }
+
+    /// Deletes `conversation`'s file (its conversation was deleted, or its cache dropped).
+    pub fn remove(&mut self, conversation: Uuid) {
+        if self.entries.remove(&conversation).is_some() {
+            let _ = fs::remove_file(self.path(conversation));
+        }
+    }
+
+    /// Deletes the least recently used files until `room` more bytes fit the budget.
+    fn trim(&mut self, room: u64) {
+        while self.bytes() + room > self.budget {
+            let Some((&oldest, _)) = self.entries.iter().min_by_key(|(_, e)| e.used) else {
+                return;
+            };
+            self.remove(oldest);
+        }
+    }
+}
+
+fn digest(tokens: &[u8], data: &[u8]) -> String {
+    let mut h = Sha256::new();
+    h.update(tokens);
+    h.update(data);
+    h.finalize().iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// A file's header and the bytes after it.
+fn read_header(path: &Path) -> Result<(Header, usize), SpillError> {
+    let mut f = fs::File::open(path)?;
+    let mut head = [0u8; 12];
+    f.read_exact(&mut head)
+        .map_err(|_| SpillError::Corrupt("shorter than its header".into()))?;
+    if &head[..8] != MAGIC {
+        return Err(SpillError::Corrupt("no spill file magic".into()));
+    }
+    let len = u32::from_le_bytes([head[8], head[9], head[10], head[11]]) as usize;
+    if len > MAX_HEADER {
+        return Err(SpillError::Corrupt(format!("a header of {len} bytes")));
+    }
+    let mut header = vec![0u8; len];
+    f.read_exact(&mut header)
+        .map_err(|_| SpillError::Corrupt("the header is cut short".into()))?;
+    let header: Header = serde_json::from_slice(&header)
+        .map_err(|e| SpillError::Corrupt(format!("the header does not parse: {e}")))?;
+    Ok((header, 12 + len))
+}
+
+fn read_file(path: &Path, model: &str, conversation: Uuid) -> Result<KvSnapshot, SpillError> {
+    let (header, start) = read_header(path)?;
+    if header.model != model || header.conversation != conversation {
+        return Err(SpillError::Stale(format!(
+            "saved for {} of conversation {}",
+            header.model, header.conversation
+        )));
+    }
+    let bytes = fs::read(path)?;
+    let body = &bytes[start.min(bytes.len())..];
+    let token_bytes = header.tokens * 4;
+    if body.len() != token_bytes + header.data_bytes {
+        return Err(SpillError::Corrupt(format!(
+            "{} bytes after the header, {} expected",
+            body.len(),
+            token_bytes + header.data_bytes
+        )));
+    }
+    let (tokens, data) = body.split_at(token_bytes);
+    if digest(tokens, data) != header.sha256 {
+        return Err(SpillError::Corrupt("the hash does not hold".into()));
+    }
+    let raw = zstd::bulk::decompress(data, header.raw_bytes)?;
+    if raw.len() != header.raw_bytes {
+        return Err(SpillError::Corrupt(
+            "the blocks decompress to another size".into(),
+        ));
+    }
+    Ok(KvSnapshot {
+        tokens: tokens
+            .chunks_exact(4)
+            .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect(),
+        format: header.format,
+        bytes: raw,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn snapshot(n: u32, seed: u8) -> KvSnapshot {
+        KvSnapshot {
+            tokens: (0..n).collect(),
+            format: "cpu-pages-f16-v1".into(),
+            // Compressible like K/V: runs of similar bytes.
+            bytes: (0..4096u32)
+                .map(|i| seed.wrapping_add((i / 7) as u8))
+                .collect(),
+        }
+    }
+
+    /// A file read back is the snapshot written; the tier survives a reopen, drops files of
+    /// another model, torn ones and temporary leftovers, and keeps within its budget by
+    /// dropping the least recently used.
+    #[test]
+    fn files_round_trip_and_survive_only_when_they_match() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (a, b, c) = (Uuid::from_u128(1), Uuid::from_u128(2), Uuid::from_u128(3));
+        let (mut tier, report) = SpillTier::open(dir.path(), 1 << 20, "model-1").expect("open");
+        assert_eq!(report, ScanReport::default());
+        let size = tier.put(a, &snapshot(40, 1)).expect("put").expect("fits");
+        assert!(size < 4096, "zstd compressed {size} bytes");
+        tier.put(b, &snapshot(7, 2)).expect("put");
+        assert_eq!(tier.take(a).expect("take"), Some(snapshot(40, 1)));
+        assert!(!tier.contains(a) && tier.take(a).expect("again").is_none());
+
+        // A restart finds b; another model's tier drops it.
+        drop(tier);
+        fs::write(dir.path().join(format!("{c}.kv.tmp")), b"half written").expect("tmp");
+        fs::write(dir.path().join("notes.txt"), b"not ours").expect("other");
+        let (mut tier, report) = SpillTier::open(dir.path(), 1 << 20, "model-1").expect("reopen");
+        assert_eq!((report.kept, report.dropped), (1, 1));
+        assert!(
+            dir.path().join("notes.txt").exists(),
+            "a file not ours was deleted"
+        );
+        assert_eq!(tier.take(b).expect("take"), Some(snapshot(7, 2)));
+        tier.put(b, &snapshot(7, 2)).expect("put");
+        drop(tier);
+        let (tier, report) = SpillTier::open(dir.path(), 1 << 20, "model-2").expect("other model");
+        assert_eq!((report.kept, report.dropped), (0, 1));
+        assert_eq!(tier.files(), 0);
+
+        // Torn: a file cut short, or one byte flipped, is refused and removed.
+        let (mut tier, _) = SpillTier::open(dir.path(), 1 << 20, "model-1").expect("open");
+        tier.put(a, &snapshot(40, 1)).expect("put");
+        let path = dir.path().join(format!("{a}.kv"));
+        let mut bytes = fs::read(&path).expect("read");
+        let last = bytes.len() - 1;
+        bytes[last] ^= 0x40;
+        fs::write(&path, &bytes).expect("flip");
+        assert!(matches!(tier.take(a), Err(SpillError::Corrupt(_))));
+        assert!(!path.exists());
+        tier.put(a, &snapshot(40, 1)).expect("put");
+        let bytes = fs::read(&path).expect("read");
+        fs::write(&path, &bytes[..bytes.len() - 5]).expect("cut");
+        assert!(tier.take(a).is_err());
+
+        // The budget: room for two files; a third drops the least recently used.
+        let one = tier.put(a, &snapshot(40, 1)).expect("put").expect("fits");
+        let (mut tier, _) =
+            SpillTier::open(dir.path(), 2 * one + one / 2, "model-1").expect("open");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        tier.put(b, &snapshot(40, 2)).expect("put");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        tier.put(c, &snapshot(40, 3)).expect("put");
+        assert!(!tier.contains(a) && tier.contains(b) && tier.contains(c));
+        assert!(tier.bytes() <= 2 * one + one / 2);
+        // Too big for the whole budget: not written, and an older file of it dropped.
+        let (mut small, _) = SpillTier::open(dir.path(), one / 2, "model-1").expect("open");
+        assert_eq!(small.files(), 0);
+        assert_eq!(small.put(a, &snapshot(40, 1)).expect("put"), None);
+    }
+}
