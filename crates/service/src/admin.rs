@@ -465,7 +465,14 @@ impl Admin {
 
     /// Drops the conversation's KV cache on this replica; whether it had one.
     pub async fn evict(&self, by: &Caller, id: Uuid) -> Result<bool> {
-        let dropped = self.scheduler.send(Evict(id)).await.map_err(gone)?;
+        let dropped = self
+            .scheduler
+            .send(Evict {
+                conversation: id,
+                keep_on_disk: true,
+            })
+            .await
+            .map_err(gone)?;
         tracing::info!(conversation = %id, dropped, "admin evict");
         self.audit
             .record_by(by, "admin.evict", &format!("conversation:{id}"), "")

@@ -204,6 +204,15 @@ pub struct SchedulerSection {
     /// the same: a stop is seen one step late and the step's row for that reply is dropped.
     /// Unset: on a GPU only (on the CPU the step would take the cores the delivery needs).
     pub async_steps: Option<bool>,
+    /// The KV spill tier: conversations' KV caches written (zstd-compressed, lossless) to
+    /// `kv_spill_dir`/<replica name> when they are evicted or idle for `kv_spill_idle_s`, and
+    /// read back when the conversation returns instead of computing its prompt again; kept
+    /// within `kv_spill_mib` (least recently used files go first), across restarts of the same
+    /// model file and KV type. 0: off. `kv_spill_dir` unset: `kv-spill` beside a SQLite
+    /// database's file, `data/kv-spill` otherwise.
+    pub kv_spill_mib: u64,
+    pub kv_spill_dir: Option<String>,
+    pub kv_spill_idle_s: u64,
     /// The acceptance a draft position must reach, fixed (0 to 1; like llama-server's
     /// `--draft-p-min`), instead of measured from this machine's step costs (unset, the
     /// default). 0 drafts whatever prompt lookup finds.
@@ -507,6 +516,9 @@ impl Default for SchedulerSection {
             draft_on_gpu: true,
             draft_break_even: None,
             async_steps: None,
+            kv_spill_mib: 4096,
+            kv_spill_dir: None,
+            kv_spill_idle_s: 30,
         }
     }
 }

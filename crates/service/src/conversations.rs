@@ -806,7 +806,13 @@ impl Conversations {
         let cluster = self.cluster();
         cluster.publish(id, WireBody::Deleted);
         // The worker drops the cache now, or as soon as a cancelled reply releases it.
-        let _ = self.scheduler.send(Evict(id)).await;
+        let _ = self
+            .scheduler
+            .send(Evict {
+                conversation: id,
+                keep_on_disk: false,
+            })
+            .await;
         tracing::info!(conversation = %id, "conversation deleted");
         Ok(())
     }

@@ -71,6 +71,8 @@ pub struct ModelInfo {
     pub tier: String,
     /// Why that is not the tier asked for, when it is not (a failed GPU self-check, say).
     pub tier_note: Option<String>,
+    /// What a KV cache saved to disk is valid for (see `kv_identity`).
+    pub kv_identity: String,
 }
 
 pub struct Platform {
@@ -107,6 +109,64 @@ pub struct Readiness {
     pub database_backend: &'static str,
     /// This replica's name.
     pub replica: String,
+}
+
+/// `kv-spill` beside a SQLite database's file (the data folder), `data/kv-spill` otherwise.
+fn default_spill_dir(database_url: &str) -> std::path::PathBuf {
+    let file = database_url
+        .strip_prefix("sqlite://")
+        .or_else(|| database_url.strip_prefix("sqlite:"))
+        .filter(|f| !f.contains(":memory:") && !f.contains("mode=memory"))
+        .map(|f| f.split('?').next().unwrap_or(f));
+    match file.and_then(|f| std::path::Path::new(f).parent()) {
+        Some(dir) => dir.join("kv-spill"),
+        None => std::path::PathBuf::from("data/kv-spill"),
+    }
+}
+
+/// A name made safe as one path component (a replica's name has a colon and may have more).
+fn path_safe(name: &str) -> String {
+    name.chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '-' || c == '.' {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect()
+}
+
+/// What a saved KV cache is only valid for: the model file (its name, size, modification time
+/// and a hash of its first 4 MiB, which hold the metadata and the tokenizer) and the settings
+/// that change the K/V computed from it (RoPE's base and YaRN). The KV type and layout are in
+/// each file's block format.
+fn kv_identity(path: &std::path::Path, c: &smolchat_engine::ModelConfig) -> String {
+    use sha2::{Digest, Sha256};
+    use std::io::Read;
+    let meta = std::fs::metadata(path).ok();
+    let modified = meta
+        .as_ref()
+        .and_then(|m| m.modified().ok())
+        .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+        .map_or(0, |d| d.as_nanos());
+    let mut head = Vec::new();
+    if let Ok(f) = std::fs::File::open(path) {
+        let _ = f.take(4 << 20).read_to_end(&mut head);
+    }
+    let hash: String = Sha256::digest(&head)
+        .iter()
+        .take(16)
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    format!(
+        "{}|{}|{modified}|{hash}|theta {}|yarn {:?}",
+        path.file_name()
+            .map_or_else(String::new, |n| n.to_string_lossy().into_owned()),
+        meta.map_or(0, |m| m.len()),
+        c.rope_theta,
+        c.yarn
+    )
 }
 
 /// Loads the model with its tokenizer and chat template (blocking: call off the event loop),
@@ -153,6 +213,7 @@ pub fn load_model(
         device: engine.device().to_string(),
         tier: engine.tier().to_string(),
         tier_note: engine.note().map(str::to_string),
+        kv_identity: kv_identity(path, cfg),
     };
     tracing::info!(model = %info.id, arch = %info.architecture, window = context_window, load_s = info.load_s, kv_type = %options.engine.kv.kv_type, kv_capacity_tokens = engine.kv_capacity_tokens(), device = %engine.device(), tier = %engine.tier(), "model loaded");
     Ok((engine, loaded.tokenizer, template, info))
@@ -271,6 +332,21 @@ impl Platform {
                     on_gpu: s.draft_on_gpu,
                 },
                 async_steps: s.async_steps,
+                spill: (s.kv_spill_mib > 0).then(|| smolchat_serving::spill::SpillSettings {
+                    dir: s
+                        .kv_spill_dir
+                        .as_ref()
+                        .map_or_else(
+                            || default_spill_dir(&config.database.url),
+                            std::path::PathBuf::from,
+                        )
+                        .join(path_safe(
+                            &config.replica.name_or_default(&config.server.bind),
+                        )),
+                    budget_bytes: s.kv_spill_mib.saturating_mul(1 << 20),
+                    idle: Duration::from_secs(s.kv_spill_idle_s.max(1)),
+                    model: model.kv_identity.clone(),
+                }),
                 max_new_tokens: config.limits.max_new_tokens,
                 request_timeout: (s.request_timeout_s > 0)
                     .then(|| Duration::from_secs(s.request_timeout_s)),

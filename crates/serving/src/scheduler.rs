@@ -31,6 +31,8 @@ pub struct SchedulerConfig {
     /// Whether a steady decode step's successor is launched before its tokens are delivered
     /// (`None`: on a GPU only; see [`crate::model::ModelWorker::with_async_steps`]).
     pub async_steps: Option<bool>,
+    /// The KV spill tier (see [`crate::spill`]); `None`: off.
+    pub spill: Option<crate::spill::SpillSettings>,
 }
 
 /// Clears its flag when dropped: held by the model thread for its whole life, so the flag says
@@ -81,11 +83,26 @@ impl SchedulerActor {
         }
         let spec = cfg.speculative;
         let async_steps = cfg.async_steps;
+        let spill = cfg.spill.as_ref().and_then(|s| {
+            match crate::spill::SpillTier::open(&s.dir, s.budget_bytes, &s.model) {
+                Ok((tier, found)) => {
+                    tracing::info!(dir = %s.dir.display(), kept = found.kept, dropped = found.dropped, bytes = found.bytes, "KV spill tier opened");
+                    Some((tier, s.idle))
+                }
+                Err(e) => {
+                    tracing::warn!(dir = %s.dir.display(), "the KV spill tier is off: {e}");
+                    None
+                }
+            }
+        });
         SchedulerActor::create(move |ctx| {
             let addr = ctx.address();
             let mut worker = ModelWorker::new(engine, tokenizer, window).with_speculation(spec);
             if let Some(on) = async_steps {
                 worker = worker.with_async_steps(on);
+            }
+            if let Some((tier, idle)) = spill {
+                worker = worker.with_spill(tier, idle);
             }
             let model_alive = Arc::new(AtomicBool::new(true));
             let guard = AliveGuard(Arc::clone(&model_alive));
@@ -329,10 +346,16 @@ impl Handler<StatesOf> for SchedulerActor {
     }
 }
 
-/// Drop an idle conversation's KV cache. Resolves to whether one was dropped.
+/// Drop an idle conversation's KV cache from memory. Resolves to whether one was dropped.
 #[derive(Message)]
 #[rtype(result = "bool")]
-pub struct Evict(pub Uuid);
+pub struct Evict {
+    pub conversation: Uuid,
+    /// Keep it in the spill tier (an admin freeing memory: the conversation comes back without
+    /// computing its prompt again); otherwise it is forgotten there too (a deleted
+    /// conversation's cache is dropped, or dropped as soon as its running reply ends).
+    pub keep_on_disk: bool,
+}
 
 impl Handler<Evict> for SchedulerActor {
     type Result = ResponseFuture<bool>;
@@ -340,7 +363,8 @@ impl Handler<Evict> for SchedulerActor {
     fn handle(&mut self, msg: Evict, _: &mut Context<Self>) -> Self::Result {
         let (done, rx) = oneshot::channel();
         let sent = self.worker.send(WorkerCommand::Evict {
-            conversation: msg.0,
+            conversation: msg.conversation,
+            keep_on_disk: msg.keep_on_disk,
             done,
         });
         Box::pin(async move { sent.is_ok() && rx.await.unwrap_or(false) })

@@ -34,6 +34,19 @@ const ZSTD_LEVEL: i32 = 1;
 /// The longest header a file may claim (a corrupt length is not believed).
 const MAX_HEADER: usize = 1 << 16;
 
+/// Where and how much (`scheduler.kv_spill_*`), for the model whose identity is `model`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SpillSettings {
+    /// This replica's own directory.
+    pub dir: PathBuf,
+    pub budget_bytes: u64,
+    /// A conversation's cache idle this long is written (so a restart finds it).
+    pub idle: std::time::Duration,
+    /// The model file's identity (name, size, modification time, a hash of its head, and the
+    /// settings that change its K/V): files of another identity are dropped.
+    pub model: String,
+}
+
 /// What a spill file's header says.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 struct Header {

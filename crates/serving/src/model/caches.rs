@@ -18,6 +18,8 @@ pub(super) const MAX_ANONYMOUS_CACHES: usize = 16;
 pub(super) struct CacheSlot {
     pub(super) seq: SeqId,
     pub(super) last_used: Instant,
+    /// Whether the spill tier holds this cache as it is now (written while it was idle).
+    pub(super) spilled: bool,
     /// Speculative decoding's counts for this cache's conversation (see [`CacheEntryInfo`]).
     pub(super) drafted: u64,
     pub(super) accepted: u64,
@@ -40,12 +42,117 @@ impl ModelWorker {
     /// cache was (or will be) dropped.
     pub(super) fn forget_conversation(&mut self, conversation: Uuid) -> bool {
         let key = CacheKey::Conversation(conversation);
+        let spilled = self
+            .spill
+            .as_ref()
+            .is_some_and(|t| t.contains(conversation));
+        if let Some(tier) = self.spill.as_mut() {
+            tier.remove(conversation);
+        }
         if self.busy(&key) {
             if !self.doomed.contains(&conversation) {
                 self.doomed.push(conversation);
             }
             return true;
         }
+        self.evict_key(&key) || spilled
+    }
+
+    /// Writes a conversation's idle cache to the spill tier, unless it holds it as it is.
+    pub(super) fn spill_cache(&mut self, key: &CacheKey) {
+        let (Some(conversation), Some(tier)) = (key.conversation(), self.spill.as_mut()) else {
+            return;
+        };
+        let Some(slot) = self.caches.get_mut(key) else {
+            return;
+        };
+        if slot.spilled {
+            return;
+        }
+        let started = Instant::now();
+        let written = self
+            .engine
+            .save_kv(slot.seq)
+            .map_err(|e| e.to_string())
+            .and_then(|snapshot| tier.put(conversation, &snapshot).map_err(|e| e.to_string()));
+        match written {
+            Ok(Some(bytes)) => {
+                slot.spilled = true;
+                metrics::counter!("smolchat_kv_spill_writes_total").increment(1);
+                metrics::counter!("smolchat_kv_spill_written_bytes_total").increment(bytes);
+                metrics::histogram!("smolchat_kv_spill_write_seconds")
+                    .record(started.elapsed().as_secs_f64());
+            }
+            // Larger than the whole tier: it is computed again when it comes back.
+            Ok(None) => {}
+            Err(e) => {
+                tracing::warn!(%conversation, "writing a KV cache to the spill tier failed: {e}")
+            }
+        }
+    }
+
+    /// A returning conversation's cache read back from the spill tier into a new sequence,
+    /// when the tier holds one that this engine can restore (see [`crate::spill`]).
+    pub(super) fn restore_spilled(&mut self, conversation: Uuid) -> Option<SeqId> {
+        let tier = self.spill.as_mut()?;
+        let started = Instant::now();
+        let snapshot = match tier.take(conversation) {
+            Ok(Some(s)) => s,
+            Ok(None) => return None,
+            Err(e) => {
+                tracing::warn!(%conversation, "a spilled KV cache is not used (it is computed again): {e}");
+                return None;
+            }
+        };
+        // Room for it: idle caches go (to the tier themselves) first.
+        let blocks = snapshot.bytes.len() / self.engine.kv_block_bytes().max(1);
+        if !self.make_room(blocks) {
+            return None;
+        }
+        match self.engine.restore_kv(&snapshot) {
+            Ok(seq) => {
+                metrics::counter!("smolchat_kv_spill_restores_total").increment(1);
+                metrics::histogram!("smolchat_kv_spill_restore_seconds")
+                    .record(started.elapsed().as_secs_f64());
+                Some(seq)
+            }
+            Err(e) => {
+                tracing::warn!(%conversation, "a spilled KV cache could not be restored (it is computed again): {e}");
+                None
+            }
+        }
+    }
+
+    /// Writes every conversation cache idle for `after` or longer to the spill tier (once per
+    /// idle spell), so a restart finds it.
+    pub(super) fn spill_idle(&mut self, after: std::time::Duration) {
+        if self.spill.is_none() {
+            return;
+        }
+        let idle: Vec<CacheKey> = self
+            .caches
+            .iter()
+            .filter(|(k, s)| {
+                k.conversation().is_some()
+                    && !s.spilled
+                    && s.last_used.elapsed() >= after
+                    && !self.busy(k)
+            })
+            .map(|(k, _)| k.clone())
+            .collect();
+        for k in idle {
+            self.spill_cache(&k);
+        }
+    }
+
+    /// Drops an idle conversation's cache from memory, written to the spill tier first (when
+    /// there is one); whether it had one.
+    pub(super) fn evict_to_disk(&mut self, conversation: Uuid) -> bool {
+        let key = CacheKey::Conversation(conversation);
+        if self.busy(&key) {
+            return false;
+        }
+        self.spill_cache(&key);
         self.evict_key(&key)
     }
 
@@ -79,6 +186,7 @@ impl ModelWorker {
             match victim {
                 Some(k) => {
                     tracing::debug!(cache_key = %k, "evicting idle KV cache");
+                    self.spill_cache(&k);
                     self.evict_key(&k);
                 }
                 None => return false,
@@ -135,6 +243,7 @@ impl ModelWorker {
             CacheSlot {
                 seq,
                 last_used: now,
+                spilled: false,
                 drafted: 0,
                 accepted: 0,
                 verify_steps: 0,

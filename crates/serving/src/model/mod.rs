@@ -52,6 +52,9 @@ pub enum WorkerCommand {
     /// Drop an idle conversation's cache (admin "evict", or its conversation was deleted).
     Evict {
         conversation: Uuid,
+        /// Write it to the spill tier first (an admin freeing memory), rather than forget it
+        /// there too (its conversation was deleted).
+        keep_on_disk: bool,
         done: oneshot::Sender<bool>,
     },
     /// Per-conversation cache sizes.
@@ -253,6 +256,10 @@ pub struct ModelWorker {
     /// (tests; `/metrics` counts them too).
     ahead_launched: u64,
     ahead_voided: u64,
+    /// Conversations' KV caches on disk (see [`crate::spill`]); `None`: off.
+    spill: Option<crate::spill::SpillTier>,
+    /// How long a conversation's cache stays idle before it is written to the spill tier.
+    spill_idle: std::time::Duration,
 }
 
 impl ModelWorker {
@@ -281,7 +288,17 @@ impl ModelWorker {
             ahead_logits: Logits::new(),
             ahead_launched: 0,
             ahead_voided: 0,
+            spill: None,
+            spill_idle: std::time::Duration::from_secs(30),
         }
+    }
+
+    /// Keeps conversations' KV caches in `tier` when they are evicted or idle for `idle`, and
+    /// restores them from it when their conversation returns.
+    pub fn with_spill(mut self, tier: crate::spill::SpillTier, idle: std::time::Duration) -> Self {
+        self.spill = Some(tier);
+        self.spill_idle = idle;
+        self
     }
 
     /// Launches each steady decode step's successor before delivering its tokens (`true`), or
@@ -402,7 +419,22 @@ impl ModelWorker {
     pub fn run(mut self, commands: std_mpsc::Receiver<WorkerCommand>, report: impl Fn(StepReport)) {
         // When the last report left requests running: the gap to the next plan is the hop.
         let mut reported_busy: Option<Instant> = None;
-        while let Ok(cmd) = commands.recv() {
+        loop {
+            let cmd = if self.spill.is_some() {
+                match commands.recv_timeout(std::time::Duration::from_secs(1)) {
+                    Ok(cmd) => cmd,
+                    Err(std_mpsc::RecvTimeoutError::Timeout) => {
+                        self.spill_idle(self.spill_idle);
+                        continue;
+                    }
+                    Err(std_mpsc::RecvTimeoutError::Disconnected) => break,
+                }
+            } else {
+                match commands.recv() {
+                    Ok(cmd) => cmd,
+                    Err(_) => break,
+                }
+            };
             match cmd {
                 WorkerCommand::Register {
                     id,
@@ -422,8 +454,17 @@ impl ModelWorker {
                     report(r);
                     reported_busy = busy.then(Instant::now);
                 }
-                WorkerCommand::Evict { conversation, done } => {
-                    let _ = done.send(self.forget_conversation(conversation));
+                WorkerCommand::Evict {
+                    conversation,
+                    keep_on_disk,
+                    done,
+                } => {
+                    let dropped = if keep_on_disk {
+                        self.evict_to_disk(conversation)
+                    } else {
+                        self.forget_conversation(conversation)
+                    };
+                    let _ = done.send(dropped);
                 }
                 WorkerCommand::CacheInfo(reply) => {
                     let info = self
@@ -480,12 +521,16 @@ impl ModelWorker {
         let (seq, keyed) = match (reusable, key) {
             (Some(seq), Some(_)) => (seq, true),
             (None, Some(k)) if !self.busy(&k) => {
-                let seq = self.engine.create_sequence();
+                let seq = k
+                    .conversation()
+                    .and_then(|c| self.restore_spilled(c))
+                    .unwrap_or_else(|| self.engine.create_sequence());
                 self.caches.insert(
                     k,
                     CacheSlot {
                         seq,
                         last_used: Instant::now(),
+                        spilled: false,
                         drafted: 0,
                         accepted: 0,
                         verify_steps: 0,
@@ -571,6 +616,7 @@ impl ModelWorker {
                     .and_then(|k| self.caches.get_mut(&CacheKey::Conversation(k)))
                 {
                     slot.last_used = now;
+                    slot.spilled = false;
                 }
             } else {
                 self.keep_anonymous(seq, a.request.cache_salt.as_deref(), now);

@@ -1535,3 +1535,103 @@ fn tokenizer_ending_at(eos: u32) -> Arc<Tokenizer> {
     assert!(tokenizer.is_eog(eos));
     Arc::new(tokenizer)
 }
+
+/// A worker with `blocks` KV blocks keeping evicted and idle conversations in a spill tier in
+/// `dir` (for the model identity `model`).
+fn spilling_worker(blocks: usize, dir: &std::path::Path, model: &str) -> ModelWorker {
+    let (tier, _) = crate::spill::SpillTier::open(dir, 1 << 30, model).expect("spill tier");
+    worker_with_kv(Some(blocks)).with_spill(tier, std::time::Duration::from_secs(30))
+}
+
+/// The generated tokens of a run.
+fn tokens_of(events: &[GenEvent]) -> Vec<u32> {
+    events
+        .iter()
+        .filter_map(|e| match e {
+            GenEvent::Token { token, .. } => Some(*token),
+            _ => None,
+        })
+        .collect()
+}
+
+/// A conversation evicted to make room comes back from the spill tier: its next turn computes
+/// only what is new, and the reply is the one computed from nothing. An admin's eviction keeps
+/// it on disk too, an idle one is written before it is evicted, a restart finds the files of
+/// the same model (not another's), and deleting the conversation deletes its file.
+#[test]
+fn evicted_conversations_come_back_from_the_spill_tier() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut w = spilling_worker(3, dir.path(), "model-a");
+    let prompt_a: Vec<u32> = (100..120).collect();
+    let prompt_b: Vec<u32> = (200..220).collect();
+    let a = run(&mut w, 1, conversation(2), prompt_a.clone());
+    // B needs a's blocks: a's cache goes to the tier.
+    run(&mut w, 2, conversation(3), prompt_b.clone());
+    assert_eq!(w.evictions, 1);
+    let tier = w.spill.as_ref().expect("tier");
+    assert!(tier.contains(Uuid::from_u128(2)) && tier.writes == 1);
+
+    // A's next turn: its prompt, its reply, a new message.
+    let mut turn2 = prompt_a.clone();
+    turn2.extend(tokens_of(&a));
+    turn2.extend(300..304);
+    let again = run(&mut w, 3, conversation(2), turn2.clone());
+    assert_eq!(
+        cached(&again),
+        22,
+        "the first turn's 20 + 2 fed replies came back"
+    );
+    let fresh = run(&mut worker_with_kv(Some(3)), 9, None, turn2.clone());
+    assert_eq!(tokens_of(&again), tokens_of(&fresh));
+    assert_eq!(w.spill.as_ref().map(|t| t.restores), Some(1));
+
+    // An admin's eviction writes it; a restart (another worker over the same files) restores
+    // it.
+    assert!(w.evict_to_disk(Uuid::from_u128(2)));
+    drop(w);
+    let mut w = spilling_worker(3, dir.path(), "model-a");
+    let mut turn3 = turn2.clone();
+    turn3.extend(400..403);
+    let back = run(&mut w, 5, conversation(2), turn3.clone());
+    assert!(
+        cached(&back) > 20,
+        "restored after a restart: {}",
+        cached(&back)
+    );
+    let fresh = run(&mut worker_with_kv(Some(3)), 9, None, turn3);
+    assert_eq!(tokens_of(&back), tokens_of(&fresh));
+
+    // Deleting a conversation deletes its file.
+    run(&mut w, 6, conversation(4), (500..510).collect());
+    assert!(w.evict_to_disk(Uuid::from_u128(4)));
+    let file = |n: u128| dir.path().join(format!("{}.kv", Uuid::from_u128(n)));
+    assert!(file(4).exists());
+    assert!(w.forget_conversation(Uuid::from_u128(4)));
+    assert!(!file(4).exists());
+
+    // A torn file is not used: the turn computes its prompt, with the same reply.
+    run(&mut w, 7, conversation(5), (600..620).collect());
+    assert!(w.evict_to_disk(Uuid::from_u128(5)));
+    let mut bytes = std::fs::read(file(5)).expect("read");
+    let last = bytes.len() - 1;
+    bytes[last] ^= 1;
+    std::fs::write(file(5), bytes).expect("write");
+    let torn = run(&mut w, 8, conversation(5), (600..625).collect());
+    assert_eq!(cached(&torn), 0);
+    let fresh = run(&mut worker_with_kv(Some(3)), 9, None, (600..625).collect());
+    assert_eq!(tokens_of(&torn), tokens_of(&fresh));
+    assert!(!file(5).exists());
+
+    // Idle: written while still in memory, once.
+    w.spill_idle(std::time::Duration::ZERO);
+    let writes = w.spill.as_ref().map(|t| t.writes);
+    assert!(file(2).exists());
+    w.spill_idle(std::time::Duration::ZERO);
+    assert_eq!(w.spill.as_ref().map(|t| t.writes), writes, "written twice");
+
+    // Another model (or KV settings) at the next start: its files are dropped.
+    drop(w);
+    let other = spilling_worker(3, dir.path(), "model-b");
+    assert_eq!(other.spill.as_ref().map(|t| t.files()), Some(0));
+    assert!(!file(2).exists());
+}
