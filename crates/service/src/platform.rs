@@ -124,6 +124,17 @@ fn default_spill_dir(database_url: &str) -> std::path::PathBuf {
     }
 }
 
+/// The spill folder's name for this replica: `replica.name` when set; on a SQLite database (one
+/// server) `local`, so a restart on another port finds its files; otherwise the replica's
+/// default name (host and port), unique among replicas on one PostgreSQL database.
+fn spill_replica_name(config: &Config) -> String {
+    match config.replica.name.as_deref().map(str::trim) {
+        Some(name) if !name.is_empty() => name.to_string(),
+        _ if config.database.url.starts_with("sqlite:") => "local".to_string(),
+        _ => config.replica.name_or_default(&config.server.bind),
+    }
+}
+
 /// A name made safe as one path component (a replica's name has a colon and may have more).
 fn path_safe(name: &str) -> String {
     name.chars()
@@ -340,9 +351,7 @@ impl Platform {
                             || default_spill_dir(&config.database.url),
                             std::path::PathBuf::from,
                         )
-                        .join(path_safe(
-                            &config.replica.name_or_default(&config.server.bind),
-                        )),
+                        .join(path_safe(&spill_replica_name(&config))),
                     budget_bytes: s.kv_spill_mib.saturating_mul(1 << 20),
                     idle: Duration::from_secs(s.kv_spill_idle_s.max(1)),
                     model: model.kv_identity.clone(),
@@ -580,10 +589,23 @@ impl Platform {
 
     /// After the server stopped: leaves the cluster and closes the store.
     pub async fn close(&self) {
+        // Idle conversations' caches to disk, so the next start resumes them without computing
+        // their prompts (bounded: a stop is not held up for long).
+        let spilled = tokio::time::timeout(
+            SPILL_AT_STOP,
+            self.scheduler.send(smolchat_serving::scheduler::SpillAll),
+        )
+        .await;
+        if spilled.is_err() {
+            tracing::warn!("writing KV caches to the spill tier took too long; stopping anyway");
+        }
         self.cluster.leave().await;
         self.store.close().await;
     }
 }
+
+/// How long a stopping server spends writing idle KV caches to the spill tier.
+const SPILL_AT_STOP: Duration = Duration::from_secs(20);
 
 /// How long readiness waits for the database.
 pub const DATABASE_CHECK: Duration = Duration::from_secs(2);

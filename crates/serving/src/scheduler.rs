@@ -371,6 +371,26 @@ impl Handler<Evict> for SchedulerActor {
     }
 }
 
+/// Writes every idle conversation cache to the spill tier (when there is one) before the server
+/// stops; resolves when done.
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct SpillAll;
+
+impl Handler<SpillAll> for SchedulerActor {
+    type Result = ResponseFuture<()>;
+
+    fn handle(&mut self, _: SpillAll, _: &mut Context<Self>) -> Self::Result {
+        let (done, rx) = oneshot::channel();
+        let sent = self.worker.send(WorkerCommand::SpillAll(done));
+        Box::pin(async move {
+            if sent.is_ok() {
+                let _ = rx.await;
+            }
+        })
+    }
+}
+
 /// Sizes of every conversation cache the worker holds.
 #[derive(Message)]
 #[rtype(result = "Vec<CacheEntryInfo>")]

@@ -59,6 +59,9 @@ pub enum WorkerCommand {
     },
     /// Per-conversation cache sizes.
     CacheInfo(oneshot::Sender<Vec<CacheEntryInfo>>),
+    /// Write every idle conversation cache not yet in the spill tier (the server is stopping:
+    /// the next start finds them).
+    SpillAll(oneshot::Sender<()>),
 }
 
 #[derive(Debug, Clone)]
@@ -465,6 +468,10 @@ impl ModelWorker {
                         self.forget_conversation(conversation)
                     };
                     let _ = done.send(dropped);
+                }
+                WorkerCommand::SpillAll(done) => {
+                    self.spill_idle(std::time::Duration::ZERO);
+                    let _ = done.send(());
                 }
                 WorkerCommand::CacheInfo(reply) => {
                     let info = self
