@@ -781,3 +781,35 @@ pub fn conversations_config(config: &Config) -> ConversationsConfig {
         },
     }
 }
+
+#[cfg(test)]
+mod spill_tests {
+    use super::*;
+
+    /// The spill folder sits beside a SQLite database's file and is `local` there (a restart on
+    /// another port finds its files); on PostgreSQL each replica has its own.
+    #[test]
+    fn the_spill_folder_follows_the_database_and_the_replica() {
+        assert_eq!(
+            default_spill_dir("sqlite:///srv/smolchat/data/smolchat.db?mode=rwc"),
+            std::path::PathBuf::from("/srv/smolchat/data/kv-spill")
+        );
+        assert_eq!(
+            default_spill_dir("sqlite://data/smolchat.db"),
+            std::path::PathBuf::from("data/kv-spill")
+        );
+        assert_eq!(
+            default_spill_dir("postgres://db/smolchat"),
+            std::path::PathBuf::from("data/kv-spill")
+        );
+        let mut config = Config::default();
+        config.database.url = "sqlite://data/x.db".into();
+        assert_eq!(spill_replica_name(&config), "local");
+        config.database.url = "postgres://db/smolchat".into();
+        config.server.bind = "0.0.0.0:8080".into();
+        assert!(spill_replica_name(&config).ends_with(":8080"));
+        config.replica.name = Some(" east-1 ".into());
+        assert_eq!(spill_replica_name(&config), "east-1");
+        assert_eq!(path_safe("host:8080/x"), "host_8080_x");
+    }
+}
