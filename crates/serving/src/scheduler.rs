@@ -262,6 +262,11 @@ impl Handler<StepDone> for SchedulerActor {
         }
         s.kv_bytes = r.kv_bytes;
         s.cached_sequences = r.cached_sequences;
+        if let Some(spill) = r.spill {
+            s.spill = Some(spill);
+            metrics::gauge!("smolchat_kv_spill_bytes").set(spill.bytes as f64);
+            metrics::gauge!("smolchat_kv_spill_files").set(spill.files as f64);
+        }
         s.evictions = r.evictions;
         s.last_step_ms = r.step_ms;
         if r.device_memory.is_some() {

@@ -153,6 +153,10 @@ impl SpillTier {
         Ok((tier, report))
     }
 
+    pub fn budget(&self) -> u64 {
+        self.budget
+    }
+
     /// Bytes of the files held.
     pub fn bytes(&self) -> u64 {
         self.entries.values().map(|e| e.bytes).sum()

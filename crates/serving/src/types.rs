@@ -310,6 +310,8 @@ pub struct SchedulerStats {
     pub kv_bytes: usize,
     pub kv_budget_bytes: usize,
     pub cached_sequences: usize,
+    /// The KV spill tier, when it is on.
+    pub spill: Option<SpillStats>,
     pub evictions: u64,
     pub last_step_ms: f64,
     /// What the GPU's memory holds, when the model is on one.
@@ -370,4 +372,15 @@ mod tests {
             Failure::Constraint("x".into())
         );
     }
+}
+
+/// The KV spill tier as the worker last reported it ([`crate::spill`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct SpillStats {
+    pub files: usize,
+    pub bytes: u64,
+    pub budget_bytes: u64,
+    /// Caches written and read back since start.
+    pub writes: u64,
+    pub restores: u64,
 }

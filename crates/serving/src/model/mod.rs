@@ -150,6 +150,8 @@ pub struct StepReport {
     /// The acceptance one conversation's draft position must reach to pay, as measured now
     /// ([`StepCost::break_even`]).
     pub draft_break_even: Option<f32>,
+    /// The KV spill tier (files, bytes, writes and restores since start); `None`: off.
+    pub spill: Option<crate::types::SpillStats>,
     /// The `Finished` events of requests that ended in this step, held back until the
     /// scheduler has applied the report ([`StepReport::deliver_finished`]): a client that sends
     /// its next request as soon as one ends then meets the token quota with this step counted.

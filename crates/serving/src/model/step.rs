@@ -1126,6 +1126,13 @@ impl ModelWorker {
             .map(|(fixed, per)| (fixed * 1e3, per * 1e3));
         report.draft_break_even = self.step_cost.break_even(1);
         report.kv_bytes = self.engine.total_kv_bytes();
+        report.spill = self.spill.as_ref().map(|t| crate::types::SpillStats {
+            files: t.files(),
+            bytes: t.bytes(),
+            budget_bytes: t.budget(),
+            writes: t.writes,
+            restores: t.restores,
+        });
         report.cached_sequences = self.caches.len();
         report.kv_free_blocks = self.kv_free_for_new_work();
         report.evictions = self.evictions;

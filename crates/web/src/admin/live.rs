@@ -29,6 +29,9 @@ pub struct EngineView {
     pub kv_budget: String,
     pub kv_percent: String,
     pub cached_sequences: usize,
+    /// The KV spill tier (empty when off): percent of its budget, then what it holds.
+    pub spill_percent: String,
+    pub spill: String,
     pub evictions: u64,
     pub generated_tokens: u64,
     /// The GPU's memory (empty off a GPU): percent used, then what holds it.
@@ -235,6 +238,22 @@ fn render_live(
             kv_budget: mib(stats.kv_budget_bytes),
             kv_percent: format!("{percent:.0}"),
             cached_sequences: stats.cached_sequences,
+            spill_percent: stats.spill.map_or_else(String::new, |t| {
+                format!(
+                    "{:.0}",
+                    100.0 * t.bytes as f64 / t.budget_bytes.max(1) as f64
+                )
+            }),
+            spill: stats.spill.map_or_else(String::new, |t| {
+                format!(
+                    "{} of {} · {} conversations · {} written, {} restored",
+                    mib(t.bytes as usize),
+                    mib(t.budget_bytes as usize),
+                    t.files,
+                    t.writes,
+                    t.restores
+                )
+            }),
             evictions: stats.evictions,
             generated_tokens: stats.generated_tokens,
             gpu_used_percent,
