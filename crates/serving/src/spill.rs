@@ -7,7 +7,10 @@
 //! temporary name, synced and renamed, so a file is whole or absent. A file says what it holds
 //! (its header): the model file's identity and the backend's KV block format it was saved
 //! under, the tokens its positions were computed for, and a SHA-256 of the tokens and the
-//! compressed blocks. It is restored only into the same model and format, only as far as its
+//! compressed blocks. Files are compressed and written on a thread of their own (a 3B-shape
+//! conversation of 4,000 tokens is about 295 MB of f16 K/V, a second of work the running replies
+//! must not wait for); a conversation whose write is still under way comes back from the
+//! snapshot in memory. It is restored only into the same model and format, only as far as its
 //! tokens agree with the new prompt (an edited or branched history keeps the common prefix),
 //! and only when the hash holds: a torn, stale or foreign file falls back to computing, never to
 //! a wrong reply. The blocks are compressed with zstd (lossless: a restored cache is bit for
@@ -19,7 +22,8 @@ use std::collections::HashMap;
 use std::fs;
 use std::io::{self, Read, Write};
 use std::path::{Path, PathBuf};
-use std::time::SystemTime;
+use std::sync::{mpsc, Arc};
+use std::time::{Instant, SystemTime};
 
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
@@ -33,6 +37,9 @@ const MAGIC: &[u8; 8] = b"SMOLKV1\n";
 const ZSTD_LEVEL: i32 = 1;
 /// The longest header a file may claim (a corrupt length is not believed).
 const MAX_HEADER: usize = 1 << 16;
+/// Bytes of snapshots waiting for the writer thread beyond which a new write waits for it
+/// (evictions faster than the disk must not pile up memory).
+const MAX_PENDING_BYTES: usize = 1 << 30;
 
 /// Where and how much (`scheduler.kv_spill_*`), for the model whose identity is `model`.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -89,12 +96,37 @@ pub struct ScanReport {
     pub bytes: u64,
 }
 
+/// A write handed to the writer thread.
+struct Job {
+    conversation: Uuid,
+    generation: u64,
+    snapshot: Arc<KvSnapshot>,
+}
+
+/// What the writer thread did with a [`Job`]: the file's size (`None`: larger than the whole
+/// budget, not written), or why it failed; and how long it took.
+struct Report {
+    conversation: Uuid,
+    generation: u64,
+    result: Result<Option<u64>, String>,
+    seconds: f64,
+}
+
 /// The spill files of one replica, within a budget.
 pub struct SpillTier {
     dir: PathBuf,
     budget: u64,
     model: String,
+    /// Files on disk, whole.
     entries: HashMap<Uuid, Entry>,
+    /// The newest write handed to the writer and not reported, per conversation.
+    pending: HashMap<Uuid, (u64, Arc<KvSnapshot>)>,
+    next_generation: u64,
+    /// Jobs handed over and not reported yet (replaced ones included).
+    in_flight: usize,
+    jobs: Option<mpsc::Sender<Job>>,
+    reports: mpsc::Receiver<Report>,
+    writer: Option<std::thread::JoinHandle<()>>,
     /// Files written and read back since start (tests, metrics).
     pub writes: u64,
     pub restores: u64,
@@ -106,11 +138,44 @@ impl SpillTier {
     /// interrupted writes and those past the budget (oldest first) are deleted.
     pub fn open(dir: &Path, budget: u64, model: &str) -> io::Result<(Self, ScanReport)> {
         fs::create_dir_all(dir)?;
+        let (jobs, queue) = mpsc::channel::<Job>();
+        let (done, reports) = mpsc::channel::<Report>();
+        let (writer_dir, writer_model) = (dir.to_path_buf(), model.to_string());
+        let writer = std::thread::Builder::new()
+            .name("smolchat-kv-spill".into())
+            .spawn(move || {
+                for job in queue {
+                    let started = Instant::now();
+                    let result = write_file(
+                        &writer_dir,
+                        &writer_model,
+                        budget,
+                        job.conversation,
+                        &job.snapshot,
+                    )
+                    .map_err(|e| e.to_string());
+                    let report = Report {
+                        conversation: job.conversation,
+                        generation: job.generation,
+                        result,
+                        seconds: started.elapsed().as_secs_f64(),
+                    };
+                    if done.send(report).is_err() {
+                        return;
+                    }
+                }
+            })?;
         let mut tier = Self {
             dir: dir.to_path_buf(),
             budget,
             model: model.to_string(),
             entries: HashMap::new(),
+            pending: HashMap::new(),
+            next_generation: 0,
+            in_flight: 0,
+            jobs: Some(jobs),
+            reports,
+            writer: Some(writer),
             writes: 0,
             restores: 0,
         };
@@ -166,79 +231,137 @@ impl SpillTier {
         self.entries.len()
     }
 
+    /// Whether it holds `conversation`'s cache (on disk, or on its way there).
     pub fn contains(&self, conversation: Uuid) -> bool {
-        self.entries.contains_key(&conversation)
+        self.entries.contains_key(&conversation) || self.pending.contains_key(&conversation)
     }
 
     fn path(&self, conversation: Uuid) -> PathBuf {
         self.dir.join(format!("{conversation}.kv"))
     }
 
-    /// Writes `snapshot` as `conversation`'s file (replacing an older one); its size, or `None`
-    /// when even alone it would not fit the budget (nothing is written then, and an older file
-    /// is dropped: it would be older than the cache it stood for).
-    pub fn put(
-        &mut self,
-        conversation: Uuid,
-        snapshot: &KvSnapshot,
-    ) -> Result<Option<u64>, SpillError> {
-        let data = zstd::bulk::compress(&snapshot.bytes, ZSTD_LEVEL)?;
-        let tokens: Vec<u8> = snapshot
-            .tokens
-            .iter()
-            .flat_map(|t| t.to_le_bytes())
-            .collect();
-        let header = Header {
-            model: self.model.clone(),
-            format: snapshot.format.clone(),
-            conversation,
-            tokens: snapshot.tokens.len(),
-            raw_bytes: snapshot.bytes.len(),
-            data_bytes: data.len(),
-            sha256: digest(&tokens, &data),
-        };
-        let header = serde_json::to_vec(&header)
-            .map_err(|e| SpillError::Corrupt(format!("the header did not serialize: {e}")))?;
-        let size = (MAGIC.len() + 4 + header.len() + tokens.len() + data.len()) as u64;
-        if size > self.budget {
-            self.remove(conversation);
-            return Ok(None);
+    /// Hands `snapshot` to the writer thread as `conversation`'s file (replacing an older
+    /// one). A snapshot larger than the whole budget is not written (and an older file of it is
+    /// dropped: it would be older than the cache it stood for). Waits for the writer only when
+    /// more than [`MAX_PENDING_BYTES`] wait for it.
+    pub fn put(&mut self, conversation: Uuid, snapshot: KvSnapshot) -> Result<(), SpillError> {
+        self.collect();
+        let generation = self.next_generation;
+        self.next_generation += 1;
+        let snapshot = Arc::new(snapshot);
+        let sent = self.jobs.as_ref().map(|jobs| {
+            jobs.send(Job {
+                conversation,
+                generation,
+                snapshot: Arc::clone(&snapshot),
+            })
+        });
+        if !matches!(sent, Some(Ok(()))) {
+            return Err(SpillError::Io(io::Error::other(
+                "the spill writer has stopped",
+            )));
         }
-        // The older file is replaced by the rename below.
-        self.entries.remove(&conversation);
-        self.trim(size);
-        let path = self.path(conversation);
-        let tmp = self.dir.join(format!("{conversation}.kv.tmp"));
-        let written = (|| -> io::Result<()> {
-            let mut f = fs::File::create(&tmp)?;
-            f.write_all(MAGIC)?;
-            f.write_all(&(header.len() as u32).to_le_bytes())?;
-            f.write_all(&header)?;
-            f.write_all(&tokens)?;
-            f.write_all(&data)?;
-            f.sync_all()?;
-            fs::rename(&tmp, &path)
-        })();
-        if let Err(e) = written {
-            let _ = fs::remove_file(&tmp);
-            return Err(e.into());
+        self.in_flight += 1;
+        self.pending.insert(conversation, (generation, snapshot));
+        while self.pending_bytes() > MAX_PENDING_BYTES && self.wait_one() {}
+        Ok(())
+    }
+
+    fn pending_bytes(&self) -> usize {
+        self.pending.values().map(|(_, s)| s.bytes.len()).sum()
+    }
+
+    /// Applies the writer's reports so far, without waiting.
+    fn collect(&mut self) {
+        while let Ok(report) = self.reports.try_recv() {
+            self.apply(report);
         }
-        self.entries.insert(
-            conversation,
-            Entry {
-                bytes: size,
-                used: SystemTime::now(),
-            },
-        );
-        self.trim(0);
-        self.writes += 1;
-        Ok(Some(size))
+    }
+
+    /// Waits for the writer's next report; whether there was one to wait for.
+    fn wait_one(&mut self) -> bool {
+        if self.in_flight == 0 {
+            return false;
+        }
+        match self.reports.recv() {
+            Ok(report) => {
+                self.apply(report);
+                true
+            }
+            Err(_) => {
+                self.in_flight = 0;
+                false
+            }
+        }
+    }
+
+    /// Waits until every write handed over is on disk (or failed).
+    pub fn flush(&mut self) {
+        self.collect();
+        while self.wait_one() {}
+    }
+
+    fn apply(&mut self, report: Report) {
+        self.in_flight = self.in_flight.saturating_sub(1);
+        let conversation = report.conversation;
+        let latest = self.pending.get(&conversation).map(|p| p.0) == Some(report.generation);
+        if !latest {
+            // Replaced by a newer write (which renames over it), or given up: a conversation
+            // deleted or restored meanwhile must leave no file behind.
+            if !self.pending.contains_key(&conversation) && report.result.is_ok() {
+                self.entries.remove(&conversation);
+                let _ = fs::remove_file(self.path(conversation));
+            }
+            return;
+        }
+        self.pending.remove(&conversation);
+        match report.result {
+            Ok(Some(size)) => {
+                self.entries.insert(
+                    conversation,
+                    Entry {
+                        bytes: size,
+                        used: SystemTime::now(),
+                    },
+                );
+                self.writes += 1;
+                metrics::counter!("smolchat_kv_spill_writes_total").increment(1);
+                metrics::counter!("smolchat_kv_spill_written_bytes_total").increment(size);
+                metrics::histogram!("smolchat_kv_spill_write_seconds").record(report.seconds);
+                // Past the budget: the least recently used other files go.
+                while self.bytes() > self.budget {
+                    let Some((&oldest, _)) = self
+                        .entries
+                        .iter()
+                        .filter(|(&id, _)| id != conversation)
+                        .min_by_key(|(_, e)| e.used)
+                    else {
+                        break;
+                    };
+                    self.remove_file(oldest);
+                }
+            }
+            Ok(None) => self.remove_file(conversation),
+            Err(e) => {
+                tracing::warn!(%conversation, "writing a KV cache to the spill tier failed: {e}");
+            }
+        }
     }
 
     /// `conversation`'s saved K/V, read and checked, the file removed (the cache it restores is
     /// the one kept from then on). `Ok(None)` when there is none; an error (the file removed
     /// too) when it is torn or for another model.
     pub fn take(&mut self, conversation: Uuid) -> Result<Option<KvSnapshot>, SpillError> {
+        self.collect();
+        if let Some((_, snapshot)) = self.pending.remove(&conversation) {
+            // Still being written: the snapshot in memory serves, and the file goes when the
+            // writer reports it (with any older one now).
+            self.remove_file(conversation);
+            self.restores += 1;
+            return Ok(Some(
+                Arc::try_unwrap(snapshot).unwrap_or_else(|shared| (*shared).clone()),
+            ));
+        }
         if self.entries.remove(&conversation).is_none() {
             return Ok(None);
         }
@@ -250,8 +373,15 @@ impl SpillTier {
         Ok(Some(snapshot))
     }
 
-    /// Deletes `conversation`'s file (its conversation was deleted, or its cache dropped).
+    /// Deletes `conversation`'s file, and any write of it under way (its conversation was
+    /// deleted).
     pub fn remove(&mut self, conversation: Uuid) {
+        self.collect();
+        self.pending.remove(&conversation);
+        self.remove_file(conversation);
+    }
+
+    fn remove_file(&mut self, conversation: Uuid) {
         if self.entries.remove(&conversation).is_some() {
             let _ = fs::remove_file(self.path(conversation));
         }
@@ -263,9 +393,69 @@ impl SpillTier {
             let Some((&oldest, _)) = self.entries.iter().min_by_key(|(_, e)| e.used) else {
                 return;
             };
-            self.remove(oldest);
+            self.remove_file(oldest);
         }
     }
+}
+
+impl Drop for SpillTier {
+    /// Finishes the writes handed over (a stopping server keeps what it spilled).
+    fn drop(&mut self) {
+        self.flush();
+        self.jobs = None;
+        if let Some(writer) = self.writer.take() {
+            let _ = writer.join();
+        }
+    }
+}
+
+/// Compresses `snapshot` and writes it as `conversation`'s file in `dir` (a temporary name,
+/// synced, renamed); its size, or `None` when it would not fit `budget` at all.
+fn write_file(
+    dir: &Path,
+    model: &str,
+    budget: u64,
+    conversation: Uuid,
+    snapshot: &KvSnapshot,
+) -> Result<Option<u64>, SpillError> {
+    let data = zstd::bulk::compress(&snapshot.bytes, ZSTD_LEVEL)?;
+    let tokens: Vec<u8> = snapshot
+        .tokens
+        .iter()
+        .flat_map(|t| t.to_le_bytes())
+        .collect();
+    let header = Header {
+        model: model.to_string(),
+        format: snapshot.format.clone(),
+        conversation,
+        tokens: snapshot.tokens.len(),
+        raw_bytes: snapshot.bytes.len(),
+        data_bytes: data.len(),
+        sha256: digest(&tokens, &data),
+    };
+    let header = serde_json::to_vec(&header)
+        .map_err(|e| SpillError::Corrupt(format!("the header did not serialize: {e}")))?;
+    let size = (MAGIC.len() + 4 + header.len() + tokens.len() + data.len()) as u64;
+    if size > budget {
+        return Ok(None);
+    }
+    let path = dir.join(format!("{conversation}.kv"));
+    let tmp = dir.join(format!("{conversation}.kv.tmp"));
+    let written = (|| -> io::Result<()> {
+        let mut f = fs::File::create(&tmp)?;
+        f.write_all(MAGIC)?;
+        f.write_all(&(header.len() as u32).to_le_bytes())?;
+        f.write_all(&header)?;
+        f.write_all(&tokens)?;
+        f.write_all(&data)?;
+        f.sync_all()?;
+        fs::rename(&tmp, &path)
+    })();
+    if let Err(e) = written {
+        let _ = fs::remove_file(&tmp);
+        return Err(e.into());
+    }
+    Ok(Some(size))
 }
 
 fn digest(tokens: &[u8], data: &[u8]) -> String {
@@ -358,9 +548,16 @@ mod tests {
         let (a, b, c) = (Uuid::from_u128(1), Uuid::from_u128(2), Uuid::from_u128(3));
         let (mut tier, report) = SpillTier::open(dir.path(), 1 << 20, "model-1").expect("open");
         assert_eq!(report, ScanReport::default());
-        let size = tier.put(a, &snapshot(40, 1)).expect("put").expect("fits");
-        assert!(size < 4096, "zstd compressed {size} bytes");
-        tier.put(b, &snapshot(7, 2)).expect("put");
+        tier.put(a, snapshot(40, 1)).expect("put");
+        tier.put(b, snapshot(7, 2)).expect("put");
+        tier.flush();
+        assert_eq!(tier.writes, 2);
+        assert!(
+            tier.bytes() < 2 * 4096,
+            "zstd compressed to {} bytes",
+            tier.bytes()
+        );
+        // Read back from the file (the write is done).
         assert_eq!(tier.take(a).expect("take"), Some(snapshot(40, 1)));
         assert!(!tier.contains(a) && tier.take(a).expect("again").is_none());
 
@@ -375,40 +572,60 @@ mod tests {
             "a file not ours was deleted"
         );
         assert_eq!(tier.take(b).expect("take"), Some(snapshot(7, 2)));
-        tier.put(b, &snapshot(7, 2)).expect("put");
+        tier.put(b, snapshot(7, 2)).expect("put");
         drop(tier);
         let (tier, report) = SpillTier::open(dir.path(), 1 << 20, "model-2").expect("other model");
         assert_eq!((report.kept, report.dropped), (0, 1));
         assert_eq!(tier.files(), 0);
+        drop(tier);
 
         // Torn: a file cut short, or one byte flipped, is refused and removed.
         let (mut tier, _) = SpillTier::open(dir.path(), 1 << 20, "model-1").expect("open");
-        tier.put(a, &snapshot(40, 1)).expect("put");
         let path = dir.path().join(format!("{a}.kv"));
+        tier.put(a, snapshot(40, 1)).expect("put");
+        tier.flush();
         let mut bytes = fs::read(&path).expect("read");
         let last = bytes.len() - 1;
         bytes[last] ^= 0x40;
         fs::write(&path, &bytes).expect("flip");
         assert!(matches!(tier.take(a), Err(SpillError::Corrupt(_))));
         assert!(!path.exists());
-        tier.put(a, &snapshot(40, 1)).expect("put");
+        tier.put(a, snapshot(40, 1)).expect("put");
+        tier.flush();
         let bytes = fs::read(&path).expect("read");
         fs::write(&path, &bytes[..bytes.len() - 5]).expect("cut");
         assert!(tier.take(a).is_err());
 
+        // Taken or removed while still being written: served from memory, no file left.
+        tier.put(c, snapshot(40, 3)).expect("put");
+        assert_eq!(tier.take(c).expect("take"), Some(snapshot(40, 3)));
+        tier.put(b, snapshot(40, 2)).expect("put");
+        tier.remove(b);
+        tier.flush();
+        let name = |id: Uuid| dir.path().join(format!("{id}.kv"));
+        assert!(!name(b).exists() && !name(c).exists());
+
         // The budget: room for two files; a third drops the least recently used.
-        let one = tier.put(a, &snapshot(40, 1)).expect("put").expect("fits");
+        tier.put(a, snapshot(40, 1)).expect("put");
+        tier.flush();
+        let one = tier.bytes();
+        drop(tier);
         let (mut tier, _) =
             SpillTier::open(dir.path(), 2 * one + one / 2, "model-1").expect("open");
         std::thread::sleep(std::time::Duration::from_millis(20));
-        tier.put(b, &snapshot(40, 2)).expect("put");
+        tier.put(b, snapshot(40, 2)).expect("put");
+        tier.flush();
         std::thread::sleep(std::time::Duration::from_millis(20));
-        tier.put(c, &snapshot(40, 3)).expect("put");
+        tier.put(c, snapshot(40, 3)).expect("put");
+        tier.flush();
         assert!(!tier.contains(a) && tier.contains(b) && tier.contains(c));
         assert!(tier.bytes() <= 2 * one + one / 2);
+        drop(tier);
         // Too big for the whole budget: not written, and an older file of it dropped.
         let (mut small, _) = SpillTier::open(dir.path(), one / 2, "model-1").expect("open");
         assert_eq!(small.files(), 0);
-        assert_eq!(small.put(a, &snapshot(40, 1)).expect("put"), None);
+        small.put(a, snapshot(40, 1)).expect("put");
+        small.flush();
+        assert!(!small.contains(a) && !name(a).exists());
     }
 }

@@ -74,17 +74,14 @@ impl ModelWorker {
             .engine
             .save_kv(slot.seq)
             .map_err(|e| e.to_string())
-            .and_then(|snapshot| tier.put(conversation, &snapshot).map_err(|e| e.to_string()));
+            .and_then(|snapshot| tier.put(conversation, snapshot).map_err(|e| e.to_string()));
         match written {
-            Ok(Some(bytes)) => {
+            Ok(()) => {
+                // Copied out here; compressed and written on the tier's own thread.
                 slot.spilled = true;
-                metrics::counter!("smolchat_kv_spill_writes_total").increment(1);
-                metrics::counter!("smolchat_kv_spill_written_bytes_total").increment(bytes);
-                metrics::histogram!("smolchat_kv_spill_write_seconds")
+                metrics::histogram!("smolchat_kv_spill_save_seconds")
                     .record(started.elapsed().as_secs_f64());
             }
-            // Larger than the whole tier: it is computed again when it comes back.
-            Ok(None) => {}
             Err(e) => {
                 tracing::warn!(%conversation, "writing a KV cache to the spill tier failed: {e}")
             }

@@ -473,6 +473,9 @@ impl ModelWorker {
                 }
                 WorkerCommand::SpillAll(done) => {
                     self.spill_idle(std::time::Duration::ZERO);
+                    if let Some(tier) = self.spill.as_mut() {
+                        tier.flush();
+                    }
                     let _ = done.send(());
                 }
                 WorkerCommand::CacheInfo(reply) => {

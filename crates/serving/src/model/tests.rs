@@ -1568,6 +1568,7 @@ fn evicted_conversations_come_back_from_the_spill_tier() {
     // B needs a's blocks: a's cache goes to the tier.
     run(&mut w, 2, conversation(3), prompt_b.clone());
     assert_eq!(w.evictions, 1);
+    w.spill.as_mut().expect("tier").flush();
     let tier = w.spill.as_ref().expect("tier");
     assert!(tier.contains(Uuid::from_u128(2)) && tier.writes == 1);
 
@@ -1604,6 +1605,7 @@ fn evicted_conversations_come_back_from_the_spill_tier() {
     // Deleting a conversation deletes its file.
     run(&mut w, 6, conversation(4), (500..510).collect());
     assert!(w.evict_to_disk(Uuid::from_u128(4)));
+    w.spill.as_mut().expect("tier").flush();
     let file = |n: u128| dir.path().join(format!("{}.kv", Uuid::from_u128(n)));
     assert!(file(4).exists());
     assert!(w.forget_conversation(Uuid::from_u128(4)));
@@ -1612,6 +1614,7 @@ fn evicted_conversations_come_back_from_the_spill_tier() {
     // A torn file is not used: the turn computes its prompt, with the same reply.
     run(&mut w, 7, conversation(5), (600..620).collect());
     assert!(w.evict_to_disk(Uuid::from_u128(5)));
+    w.spill.as_mut().expect("tier").flush();
     let mut bytes = std::fs::read(file(5)).expect("read");
     let last = bytes.len() - 1;
     bytes[last] ^= 1;
@@ -1624,9 +1627,11 @@ fn evicted_conversations_come_back_from_the_spill_tier() {
 
     // Idle: written while still in memory, once.
     w.spill_idle(std::time::Duration::ZERO);
+    w.spill.as_mut().expect("tier").flush();
     let writes = w.spill.as_ref().map(|t| t.writes);
     assert!(file(2).exists());
     w.spill_idle(std::time::Duration::ZERO);
+    w.spill.as_mut().expect("tier").flush();
     assert_eq!(w.spill.as_ref().map(|t| t.writes), writes, "written twice");
 
     // Another model (or KV settings) at the next start: its files are dropped.
