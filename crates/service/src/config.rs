@@ -212,6 +212,10 @@ pub struct SchedulerSection {
     /// database's file, `data/kv-spill` otherwise.
     pub kv_spill_mib: u64,
     pub kv_spill_dir: Option<String>,
+    /// Of the spill tier, the most recently written caches also kept in host memory, in MiB
+    /// (the tier between a GPU's memory and the disk). Unset: 2048 on a GPU, 0 on the CPU
+    /// (whose KV cache is already in host memory).
+    pub kv_spill_ram_mib: Option<u64>,
     pub kv_spill_idle_s: u64,
     /// The acceptance a draft position must reach, fixed (0 to 1; like llama-server's
     /// `--draft-p-min`), instead of measured from this machine's step costs (unset, the
@@ -518,6 +522,7 @@ impl Default for SchedulerSection {
             async_steps: None,
             kv_spill_mib: 4096,
             kv_spill_dir: None,
+            kv_spill_ram_mib: None,
             kv_spill_idle_s: 30,
         }
     }

@@ -316,6 +316,7 @@ impl Platform {
         let s = &config.scheduler;
         // What the configuration leaves unset, the device decides.
         let suggested = engine.suggested();
+        let on_gpu = !matches!(engine.device(), smolchat_engine::device::Device::Cpu);
         let scheduler = SchedulerActor::start(
             engine,
             Arc::clone(&tokenizer),
@@ -355,6 +356,10 @@ impl Platform {
                     budget_bytes: s.kv_spill_mib.saturating_mul(1 << 20),
                     idle: Duration::from_secs(s.kv_spill_idle_s.max(1)),
                     model: model.kv_identity.clone(),
+                    ram_bytes: s
+                        .kv_spill_ram_mib
+                        .unwrap_or(if on_gpu { 2048 } else { 0 })
+                        .saturating_mul(1 << 20) as usize,
                 }),
                 max_new_tokens: config.limits.max_new_tokens,
                 request_timeout: (s.request_timeout_s > 0)

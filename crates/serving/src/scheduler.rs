@@ -86,6 +86,7 @@ impl SchedulerActor {
         let spill = cfg.spill.as_ref().and_then(|s| {
             match crate::spill::SpillTier::open(&s.dir, s.budget_bytes, &s.model) {
                 Ok((tier, found)) => {
+                    let tier = tier.with_ram(s.ram_bytes);
                     tracing::info!(dir = %s.dir.display(), kept = found.kept, dropped = found.dropped, bytes = found.bytes, "KV spill tier opened");
                     Some((tier, s.idle))
                 }

@@ -52,6 +52,9 @@ pub struct SpillSettings {
     /// The model file's identity (name, size, modification time, a hash of its head, and the
     /// settings that change its K/V): files of another identity are dropped.
     pub model: String,
+    /// Bytes of recently written snapshots also kept in host memory (a GPU's tier between VRAM
+    /// and disk; 0: none).
+    pub ram_bytes: usize,
 }
 
 /// What a spill file's header says.
@@ -124,6 +127,13 @@ pub struct SpillTier {
     next_generation: u64,
     /// Jobs handed over and not reported yet (replaced ones included).
     in_flight: usize,
+    /// The host-RAM tier above the files (on a GPU: between VRAM and disk): the snapshots of
+    /// the files most recently written, within `ram_budget` bytes, so a conversation that comes
+    /// back soon is copied from memory rather than read and decompressed.
+    ram: HashMap<Uuid, (Arc<KvSnapshot>, Instant)>,
+    ram_budget: usize,
+    /// Conversations restored from memory (the RAM tier or a write under way).
+    pub ram_restores: u64,
     jobs: Option<mpsc::Sender<Job>>,
     reports: mpsc::Receiver<Report>,
     writer: Option<std::thread::JoinHandle<()>>,
@@ -173,6 +183,9 @@ impl SpillTier {
             pending: HashMap::new(),
             next_generation: 0,
             in_flight: 0,
+            ram: HashMap::new(),
+            ram_budget: 0,
+            ram_restores: 0,
             jobs: Some(jobs),
             reports,
             writer: Some(writer),
@@ -220,6 +233,32 @@ impl SpillTier {
 
     pub fn budget(&self) -> u64 {
         self.budget
+    }
+
+    /// Keeps the snapshots of the most recently written files in memory too, within `bytes`
+    /// (0: none).
+    pub fn with_ram(mut self, bytes: usize) -> Self {
+        self.ram_budget = bytes;
+        self
+    }
+
+    /// Bytes of snapshots the RAM tier holds.
+    pub fn ram_bytes(&self) -> usize {
+        self.ram.values().map(|(s, _)| s.bytes.len()).sum()
+    }
+
+    /// Keeps `snapshot` in the RAM tier, dropping the least recently kept beyond its budget.
+    fn keep_in_ram(&mut self, conversation: Uuid, snapshot: Arc<KvSnapshot>) {
+        if snapshot.bytes.len() > self.ram_budget {
+            return;
+        }
+        self.ram.insert(conversation, (snapshot, Instant::now()));
+        while self.ram_bytes() > self.ram_budget {
+            let Some((&oldest, _)) = self.ram.iter().min_by_key(|(_, (_, at))| *at) else {
+                break;
+            };
+            self.ram.remove(&oldest);
+        }
     }
 
     /// Bytes of the files held.
@@ -314,9 +353,12 @@ impl SpillTier {
             }
             return;
         }
-        self.pending.remove(&conversation);
+        let written = self.pending.remove(&conversation).map(|(_, s)| s);
         match report.result {
             Ok(Some(size)) => {
+                if let Some(snapshot) = written {
+                    self.keep_in_ram(conversation, snapshot);
+                }
                 self.entries.insert(
                     conversation,
                     Entry {
@@ -358,6 +400,16 @@ impl SpillTier {
             // writer reports it (with any older one now).
             self.remove_file(conversation);
             self.restores += 1;
+            self.ram_restores += 1;
+            return Ok(Some(
+                Arc::try_unwrap(snapshot).unwrap_or_else(|shared| (*shared).clone()),
+            ));
+        }
+        if let Some((snapshot, _)) = self.ram.remove(&conversation) {
+            // Its file is the same blocks: it goes, as a read one would.
+            self.remove_file(conversation);
+            self.restores += 1;
+            self.ram_restores += 1;
             return Ok(Some(
                 Arc::try_unwrap(snapshot).unwrap_or_else(|shared| (*shared).clone()),
             ));
@@ -382,6 +434,7 @@ impl SpillTier {
     }
 
     fn remove_file(&mut self, conversation: Uuid) {
+        self.ram.remove(&conversation);
         if self.entries.remove(&conversation).is_some() {
             let _ = fs::remove_file(self.path(conversation));
         }
@@ -627,5 +680,22 @@ mod tests {
         small.put(a, snapshot(40, 1)).expect("put");
         small.flush();
         assert!(!small.contains(a) && !name(a).exists());
+
+        // The RAM tier: a written snapshot comes back from memory (its file goes too), within
+        // its budget.
+        let ram_dir = tempfile::tempdir().expect("tempdir");
+        let (tier, _) = SpillTier::open(ram_dir.path(), 1 << 20, "model-1").expect("open");
+        // Room for one 4,096-byte snapshot.
+        let mut ram = tier.with_ram(4096 + 100);
+        ram.put(b, snapshot(40, 2)).expect("put");
+        ram.put(c, snapshot(40, 3)).expect("put");
+        ram.flush();
+        assert_eq!(ram.ram_bytes(), 4096, "one of the two fits the RAM budget");
+        fs::remove_file(ram_dir.path().join(format!("{c}.kv"))).expect("remove by hand");
+        assert_eq!(ram.take(c).expect("from memory"), Some(snapshot(40, 3)));
+        assert_eq!(ram.ram_restores, 1);
+        assert_eq!(ram.take(b).expect("from the file"), Some(snapshot(40, 2)));
+        assert_eq!(ram.ram_restores, 1);
+        drop(ram);
     }
 }

@@ -380,6 +380,8 @@ pub struct SpillStats {
     pub files: usize,
     pub bytes: u64,
     pub budget_bytes: u64,
+    /// Bytes of snapshots also held in host memory.
+    pub ram_bytes: usize,
     /// Caches written and read back since start.
     pub writes: u64,
     pub restores: u64,

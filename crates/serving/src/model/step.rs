@@ -1130,6 +1130,7 @@ impl ModelWorker {
             files: t.files(),
             bytes: t.bytes(),
             budget_bytes: t.budget(),
+            ram_bytes: t.ram_bytes(),
             writes: t.writes,
             restores: t.restores,
         });

@@ -245,8 +245,13 @@ fn render_live(
                 )
             }),
             spill: stats.spill.map_or_else(String::new, |t| {
+                let ram = if t.ram_bytes > 0 {
+                    format!(" ({} in RAM)", mib(t.ram_bytes))
+                } else {
+                    String::new()
+                };
                 format!(
-                    "{} of {} · {} conversations · {} written, {} restored",
+                    "{} of {}{ram} · {} conversations · {} written, {} restored",
                     mib(t.bytes as usize),
                     mib(t.budget_bytes as usize),
                     t.files,
