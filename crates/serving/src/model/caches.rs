@@ -60,15 +60,20 @@ impl ModelWorker {
 
     /// Writes a conversation's idle cache to the spill tier, unless it holds it as it is.
     pub(super) fn spill_cache(&mut self, key: &CacheKey) {
-        let (Some(conversation), Some(tier)) = (key.conversation(), self.spill.as_mut()) else {
+        let Some(conversation) = key.conversation().filter(|_| self.spill.is_some()) else {
             return;
         };
-        let Some(slot) = self.caches.get_mut(key) else {
-            return;
-        };
-        if slot.spilled {
+        if self.caches.get(key).is_none_or(|s| s.spilled) {
             return;
         }
+        // A step launched ahead must finish before blocks are copied out (its rows are voided:
+        // the next plan runs them again).
+        if self.engine.in_flight() {
+            self.settle_ahead();
+        }
+        let (Some(tier), Some(slot)) = (self.spill.as_mut(), self.caches.get_mut(key)) else {
+            return;
+        };
         let started = Instant::now();
         let written = self
             .engine

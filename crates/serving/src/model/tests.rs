@@ -1640,3 +1640,37 @@ fn evicted_conversations_come_back_from_the_spill_tier() {
     assert_eq!(other.spill.as_ref().map(|t| t.files()), Some(0));
     assert!(!file(2).exists());
 }
+
+/// Spilling while a step launched ahead is still in flight (the last replies ended a step
+/// before it): the step is finished and voided first, the cache is written as the reply left
+/// it, and the conversation resumes from it with the same reply.
+#[test]
+fn a_cache_is_spilled_after_the_step_launched_ahead() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (tier, _) = crate::spill::SpillTier::open(dir.path(), 1 << 30, "m").expect("tier");
+    let mut w = ahead_worker(true).with_spill(tier, std::time::Duration::from_secs(30));
+    let prompt: Vec<u32> = (500..530).collect();
+    let params = SamplingParams {
+        max_new_tokens: 6,
+        ignore_eos: true,
+        ..SamplingParams::greedy()
+    };
+    let (replies, caches) =
+        drive_each(&mut w, &[(prompt.clone(), params.clone(), conversation(7))]);
+    assert!(w.ahead_launched > 0);
+    w.spill_idle(std::time::Duration::ZERO);
+    assert!(!w.engine.in_flight());
+    w.spill.as_mut().expect("tier").flush();
+    assert!(w
+        .spill
+        .as_ref()
+        .is_some_and(|t| t.contains(Uuid::from_u128(7))));
+    // The file holds what the cache held after the reply (the voided row cut back).
+    let snapshot = w
+        .spill
+        .as_mut()
+        .and_then(|t| t.take(Uuid::from_u128(7)).expect("take"))
+        .expect("a snapshot");
+    assert_eq!(snapshot.tokens, caches[0]);
+    assert_eq!(snapshot.tokens.len(), prompt.len() + replies[0].0.len() - 1);
+}
