@@ -35,6 +35,17 @@ pub fn grown_blocks(resident: usize, wanted: usize, capacity: usize, min_blocks:
     wanted.max((resident * 2).max(min_blocks).min(capacity))
 }
 
+/// Every block id in `blocks` has pages (ids below `resident`): the check of a backend's
+/// [`Backend::read_kv_blocks`] and [`Backend::write_kv_blocks`].
+pub fn check_resident(blocks: &[BlockId], resident: usize) -> Result<()> {
+    match blocks.iter().find(|&&b| b as usize >= resident) {
+        Some(b) => Err(EngineError::InvalidStep(format!(
+            "KV block {b} has no pages"
+        ))),
+        None => Ok(()),
+    }
+}
+
 /// One compute backend (see the module docs).
 pub trait Backend: Send {
     /// Where it computes.

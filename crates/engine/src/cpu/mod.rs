@@ -43,19 +43,6 @@ impl CpuBackend {
         Self::with_layout(model, KvType::F16)
     }
 
-    /// Every block id in `blocks` has pages.
-    fn check_blocks(&self, blocks: &[BlockId]) -> Result<()> {
-        match blocks
-            .iter()
-            .find(|&&b| b as usize >= self.storage.blocks())
-        {
-            Some(b) => Err(EngineError::InvalidStep(format!(
-                "KV block {b} has no pages"
-            ))),
-            None => Ok(()),
-        }
-    }
-
     /// The backend for `model` storing `kv_type` rows, checked or known to fit.
     fn with_layout(model: Model, kv_type: KvType) -> Self {
         Self {
@@ -117,7 +104,7 @@ impl Backend for CpuBackend {
     }
 
     fn read_kv_blocks(&mut self, blocks: &[BlockId], out: &mut Vec<u8>) -> Result<()> {
-        self.check_blocks(blocks)?;
+        crate::backend::check_resident(blocks, self.storage.blocks())?;
         for &b in blocks {
             self.storage.export_block(b, out);
         }
@@ -125,7 +112,7 @@ impl Backend for CpuBackend {
     }
 
     fn write_kv_blocks(&mut self, blocks: &[BlockId], bytes: &[u8]) -> Result<()> {
-        self.check_blocks(blocks)?;
+        crate::backend::check_resident(blocks, self.storage.blocks())?;
         let size = self.storage.layout().bytes_per_block();
         if bytes.len() != blocks.len() * size {
             return Err(EngineError::InvalidStep(format!(

@@ -378,12 +378,12 @@ impl<R: Runner> Backend for FastBackend<R> {
     }
 
     fn read_kv_blocks(&mut self, blocks: &[u32], out: &mut Vec<u8>) -> Result<()> {
-        self.check_resident(blocks)?;
+        crate::backend::check_resident(blocks, self.runner.resident_blocks())?;
         self.runner.read_blocks(blocks, out)
     }
 
     fn write_kv_blocks(&mut self, blocks: &[u32], bytes: &[u8]) -> Result<()> {
-        self.check_resident(blocks)?;
+        crate::backend::check_resident(blocks, self.runner.resident_blocks())?;
         let size = self.runner.arena().block_bytes();
         if bytes.len() != blocks.len() * size {
             return Err(EngineError::InvalidStep(format!(
@@ -493,17 +493,6 @@ impl<R: Runner> Backend for FastBackend<R> {
 }
 
 impl<R: Runner> FastBackend<R> {
-    /// Every block id in `blocks` has pages in the arena.
-    fn check_resident(&self, blocks: &[u32]) -> Result<()> {
-        let resident = self.runner.resident_blocks();
-        match blocks.iter().find(|&&b| b as usize >= resident) {
-            Some(b) => Err(EngineError::InvalidStep(format!(
-                "KV block {b} has no pages in the arena"
-            ))),
-            None => Ok(()),
-        }
-    }
-
     /// Runs the items `part` of `items` as one step (through a graph when `graphed`: a decode
     /// part), and hands each item its logits rows (at `host_row`) or its drawn token; when
     /// `may_defer` and drawn tokens are all the part gives back, they are fetched by

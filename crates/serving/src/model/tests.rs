@@ -514,18 +514,7 @@ fn drive_all(
     requests: &[(Vec<u32>, usize, Option<&str>)],
     params: &SamplingParams,
 ) -> Driven {
-    use super::super::batcher::{Batcher, BatcherConfig};
-    let mut b = Batcher::new(BatcherConfig {
-        max_running: 8,
-        queue_capacity: 16,
-        step_token_budget: 64,
-        context_window: 2048,
-        max_queued_per_user: 0,
-        max_running_per_user: 0,
-        tokens_per_minute_per_user: 0,
-        tokens_per_minute_per_group: 0,
-        kv_capacity_blocks: w.kv_capacity_blocks(),
-    });
+    let mut b = test_batcher(w);
     let mut receivers = Vec::new();
     for (prompt, n, salt) in requests {
         let id = b.submit(None, prompt.len(), None).expect("submit");
@@ -1290,6 +1279,23 @@ fn step_reports_split_the_engine_from_the_host_and_measure_the_hop() {
         .unwrap_or_else(|_| panic!("the worker panicked"));
 }
 
+/// The batcher the drive helpers plan with, as the scheduler would: 8 running, a 64-token
+/// step budget, no per-user limits, `w`'s KV capacity.
+fn test_batcher(w: &ModelWorker) -> super::super::batcher::Batcher {
+    use super::super::batcher::{Batcher, BatcherConfig};
+    Batcher::new(BatcherConfig {
+        max_running: 8,
+        queue_capacity: 16,
+        step_token_budget: 64,
+        context_window: 2048,
+        max_queued_per_user: 0,
+        max_running_per_user: 0,
+        tokens_per_minute_per_user: 0,
+        tokens_per_minute_per_group: 0,
+        kv_capacity_blocks: w.kv_capacity_blocks(),
+    })
+}
+
 /// What one request of [`drive_each`] got: each token with its text, and why it stopped.
 type Reply = (Vec<(u32, String)>, StopReason);
 
@@ -1300,18 +1306,7 @@ fn drive_each(
     w: &mut ModelWorker,
     requests: &[(Vec<u32>, SamplingParams, Option<Uuid>)],
 ) -> (Vec<Reply>, Vec<Vec<u32>>) {
-    use super::super::batcher::{Batcher, BatcherConfig};
-    let mut b = Batcher::new(BatcherConfig {
-        max_running: 8,
-        queue_capacity: 16,
-        step_token_budget: 64,
-        context_window: 2048,
-        max_queued_per_user: 0,
-        max_running_per_user: 0,
-        tokens_per_minute_per_user: 0,
-        tokens_per_minute_per_group: 0,
-        kv_capacity_blocks: w.kv_capacity_blocks(),
-    });
+    let mut b = test_batcher(w);
     let mut receivers = Vec::new();
     for (prompt, params, key) in requests {
         let id = b.submit(None, prompt.len(), None).expect("submit");
