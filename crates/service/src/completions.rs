@@ -147,6 +147,7 @@ impl Completions {
         &self,
         request: CompletionRequest,
         embed: Option<Pooling>,
+        warm: false,
     ) -> Result<Completion, SubmitError> {
         let subjects = QuotaSubjects {
             user: request.user.clone(),
@@ -185,6 +186,7 @@ impl Completions {
                 max_time: None,
                 events: tx,
                 embed,
+                warm: false,
             }))
             .await
             .map_err(|e| SubmitError::Unavailable(ModelUnavailable::Scheduler(e)))??;

@@ -217,6 +217,16 @@ pub struct SchedulerSection {
     /// (whose KV cache is already in host memory).
     pub kv_spill_ram_mib: Option<u64>,
     pub kv_spill_idle_s: u64,
+    /// Warm before send: the chat page sends the settled part of a message being typed (and
+    /// its attached files), and the prompt it would make is computed into the conversation's
+    /// KV cache in steps with nothing else to do, so that on send only the changed tail is
+    /// computed. It never delays a running reply; a reply that arrives waits at most one chunk
+    /// of `warm_chunk_tokens`. Each user has one draft at a time and at most
+    /// `warm_tokens_per_minute_per_user` tokens of drafts a minute (0: no cap); drafts count
+    /// against no quota.
+    pub warm_drafts: bool,
+    pub warm_chunk_tokens: usize,
+    pub warm_tokens_per_minute_per_user: u64,
     /// The acceptance a draft position must reach, fixed (0 to 1; like llama-server's
     /// `--draft-p-min`), instead of measured from this machine's step costs (unset, the
     /// default). 0 drafts whatever prompt lookup finds.
@@ -524,6 +534,9 @@ impl Default for SchedulerSection {
             kv_spill_dir: None,
             kv_spill_ram_mib: None,
             kv_spill_idle_s: 30,
+            warm_drafts: true,
+            warm_chunk_tokens: 64,
+            warm_tokens_per_minute_per_user: 16_384,
         }
     }
 }
@@ -733,6 +746,13 @@ impl Config {
         }
         if s.kv_budget_mib == Some(0) {
             return bad("scheduler.kv_budget_mib must be at least 1".into());
+        }
+        if s.warm_chunk_tokens == 0 {
+            return bad(
+                "scheduler.warm_chunk_tokens must be at least 1 (turn drafts off with \
+                 scheduler.warm_drafts = false)"
+                    .into(),
+            );
         }
         if let Some(even) = s.draft_break_even {
             if !(0.0..=1.0).contains(&even) {

@@ -332,6 +332,11 @@ impl Platform {
                     tokens_per_minute_per_group: config.limits.tokens_per_minute_per_guest_address,
                     // Set by the scheduler from the engine it starts.
                     kv_capacity_blocks: 0,
+                    warm: smolchat_serving::warm::WarmConfig {
+                        enabled: s.warm_drafts,
+                        chunk_tokens: s.warm_chunk_tokens.max(1),
+                        tokens_per_minute_per_user: s.warm_tokens_per_minute_per_user,
+                    },
                 },
                 speculative: smolchat_serving::SpecConfig {
                     enabled: s.speculative,

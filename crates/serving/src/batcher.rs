@@ -18,6 +18,7 @@ use std::time::{Duration, Instant};
 use uuid::Uuid;
 
 use super::types::{RequestId, SequenceState, SubmitError};
+use super::warm::{Draft, WarmConfig, WarmQueue, WarmRefused, WarmStats};
 use super::window::SlidingWindow;
 
 #[derive(Debug, Clone)]
@@ -43,6 +44,8 @@ pub struct BatcherConfig {
     /// unknown, no KV planning). A prompt that cannot fit even in an empty cache is refused at
     /// submit; others wait until their blocks are free.
     pub kv_capacity_blocks: usize,
+    /// Warming drafts in spare steps (see [`crate::warm`]).
+    pub warm: WarmConfig,
 }
 
 /// Positions per KV block (the engine's allocator unit).
@@ -95,6 +98,9 @@ pub struct StepPlan {
     /// Positions of the step's token budget left over, which decoding requests may fill with
     /// draft tokens to verify (speculative decoding).
     pub draft_budget: usize,
+    /// A typed draft to start warming in this step (its chunk is in `prefill`): the worker
+    /// makes its request (see [`crate::warm`]).
+    pub warm_start: Option<(RequestId, Draft)>,
 }
 
 impl StepPlan {
@@ -180,6 +186,8 @@ pub struct Batcher {
     /// KV blocks the worker could give new work after its last step (free blocks plus those of
     /// idle caches it may evict); `None` until the first report.
     kv_free_blocks: Option<usize>,
+    /// Typed drafts warmed in spare steps.
+    warm: WarmQueue,
 }
 
 /// What a cancellation did.
@@ -195,7 +203,6 @@ pub enum CancelOutcome {
 impl Batcher {
     pub fn new(cfg: BatcherConfig) -> Self {
         Self {
-            cfg,
             waiting: VecDeque::new(),
             running: Vec::new(),
             to_cancel: Vec::new(),
@@ -204,6 +211,8 @@ impl Batcher {
             last_admitted: HashMap::new(),
             admissions: 0,
             kv_free_blocks: None,
+            warm: WarmQueue::new(cfg.warm, cfg.context_window),
+            cfg,
         }
     }
 
@@ -308,6 +317,10 @@ impl Batcher {
                 queued: self.waiting.len(),
                 retry_after_s: retry_after_s(self.waiting.len()),
             });
+        }
+        if let Some(c) = cache_key {
+            // The message is being sent: its draft is moot.
+            self.warm.forget(c);
         }
         let id = self.next_id;
         self.next_id += 1;
@@ -444,7 +457,36 @@ impl Batcher {
             self.note_admission(&user);
         }
         plan.draft_budget = budget;
+        // Drafts: only in a step with nothing else to do (see `crate::warm`).
+        let busy = !self.running.is_empty() || !self.waiting.is_empty();
+        let kv_free = self
+            .kv_free_blocks
+            .filter(|_| self.cfg.kv_capacity_blocks > 0);
+        let next_id = &mut self.next_id;
+        let warm = self.warm.plan(
+            busy,
+            kv_free,
+            |tokens| tokens.div_ceil(BLOCK_POSITIONS),
+            || {
+                let id = *next_id;
+                *next_id += 1;
+                id
+            },
+        );
+        plan.cancel.extend(warm.cancel);
+        plan.prefill.extend(warm.prefill);
+        plan.warm_start = warm.start;
         (!plan.is_empty()).then_some(plan)
+    }
+
+    /// Takes a typed draft to warm in spare steps (see [`crate::warm`]).
+    pub fn offer_draft(&mut self, draft: Draft) -> Result<(), WarmRefused> {
+        self.warm.offer(draft, Instant::now())
+    }
+
+    /// What drafts are doing.
+    pub fn warm_stats(&self) -> WarmStats {
+        self.warm.stats()
     }
 
     /// Applies the worker's report of a step.
@@ -457,6 +499,17 @@ impl Batcher {
     /// the prompt tokens computed in the step are what per-user token usage counts.
     pub fn apply_at(&mut self, reports: &[ItemReport], now: Instant) {
         for r in reports {
+            if self.warm.owns(r.id) {
+                // A draft's tokens count against nothing but its own per-user cap.
+                self.warm.apply(
+                    r.id,
+                    r.prefilled,
+                    r.remaining_prefill,
+                    r.finished || r.preempted,
+                    now,
+                );
+                continue;
+            }
             if let Some(e) = self.running.iter().find(|e| e.id == r.id) {
                 let generated = e.phase == Phase::Decoding
                     || (e.phase == Phase::Prefilling && r.remaining_prefill == 0);
@@ -502,6 +555,7 @@ impl Batcher {
         self.running.len()
     }
 
+    /// Nothing queued, running or to cancel (drafts being warmed aside).
     pub fn is_idle(&self) -> bool {
         self.waiting.is_empty() && self.running.is_empty() && self.to_cancel.is_empty()
     }
@@ -517,6 +571,9 @@ impl Batcher {
         }
         if self.waiting.iter().any(|e| e.cache_key == key) {
             return SequenceState::Queued;
+        }
+        if self.warm.warming_conversation() == key {
+            return SequenceState::Warming;
         }
         SequenceState::Idle
     }
@@ -537,6 +594,7 @@ mod tests {
             tokens_per_minute_per_user: 0,
             tokens_per_minute_per_group: 0,
             kv_capacity_blocks: 0,
+            warm: crate::warm::WarmConfig::default(),
         })
     }
 
@@ -579,6 +637,7 @@ mod tests {
             tokens_per_minute_per_user: 0,
             tokens_per_minute_per_group: 0,
             kv_capacity_blocks: 0,
+            warm: crate::warm::WarmConfig::default(),
         });
         for _ in 0..3 {
             b.submit_for(user("a"), None, 5, None).unwrap();
@@ -760,6 +819,7 @@ mod tests {
             tokens_per_minute_per_user: 3,
             tokens_per_minute_per_group: 0,
             kv_capacity_blocks: 0,
+            warm: crate::warm::WarmConfig::default(),
         });
         let a = b.submit_for(user("a"), None, 5, None).unwrap();
         b.plan().unwrap();

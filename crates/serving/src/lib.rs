@@ -10,6 +10,7 @@ pub mod scheduler;
 pub mod speculate;
 pub mod spill;
 pub mod types;
+pub mod warm;
 pub mod window;
 
 pub use load::{LoadError, LoadOptions, LoadedModel};

@@ -151,6 +151,11 @@ impl SchedulerActor {
     fn publish(&mut self) {
         self.stats.queued = self.batcher.queued();
         self.stats.running = self.batcher.running();
+        let reused = self.stats.warm.reused_tokens;
+        self.stats.warm = crate::warm::WarmStats {
+            reused_tokens: reused,
+            ..self.batcher.warm_stats()
+        };
         metrics::gauge!("smolchat_queue_depth").set(self.stats.queued as f64);
         metrics::gauge!("smolchat_running_sequences").set(self.stats.running as f64);
     }
@@ -213,6 +218,25 @@ impl Handler<Submit> for SchedulerActor {
     }
 }
 
+/// Warm a typed draft's prompt into its conversation's cache in spare steps (see
+/// [`crate::warm`]); the user's previous draft is dropped.
+#[derive(Message)]
+#[rtype(result = "Result<(), crate::warm::WarmRefused>")]
+pub struct Warm(pub crate::warm::Draft);
+
+impl Handler<Warm> for SchedulerActor {
+    type Result = Result<(), crate::warm::WarmRefused>;
+
+    fn handle(&mut self, msg: Warm, _: &mut Context<Self>) -> Self::Result {
+        let tokens = msg.0.prompt.len();
+        self.batcher.offer_draft(msg.0)?;
+        metrics::counter!("smolchat_warm_drafts_total").increment(1);
+        tracing::debug!(tokens, "a typed draft to warm");
+        self.maybe_step();
+        Ok(())
+    }
+}
+
 /// Stop a request; it ends at the next step. Returns whether it was known.
 #[derive(Message)]
 #[rtype(result = "bool")]
@@ -249,6 +273,8 @@ impl Handler<StepDone> for SchedulerActor {
         s.generated_tokens += r.generated_tokens;
         s.prefilled_tokens += r.prefilled_tokens;
         s.reused_tokens += r.reused_tokens;
+        s.warm.reused_tokens += r.warm_reused_tokens;
+        metrics::counter!("smolchat_warm_reused_tokens_total").increment(r.warm_reused_tokens);
         s.drafted_tokens += r.drafted_tokens;
         s.accepted_draft_tokens += r.accepted_tokens;
         s.verifying_steps += r.verifying_sequences;

@@ -140,6 +140,10 @@ pub struct SpillTier {
     /// Files written and read back since start (tests, metrics).
     pub writes: u64,
     pub restores: u64,
+    /// Conversations that came back to the worker with no cache on the device and none here
+    /// (new conversations among them), and files found here but not usable (torn, stale).
+    pub misses: u64,
+    pub rejected: u64,
 }
 
 impl SpillTier {
@@ -191,6 +195,8 @@ impl SpillTier {
             writer: Some(writer),
             writes: 0,
             restores: 0,
+            misses: 0,
+            rejected: 0,
         };
         let mut report = ScanReport::default();
         for entry in fs::read_dir(dir)? {

@@ -71,6 +71,9 @@ pub struct GenerationRequest {
     /// reused or kept), the final hidden states are pooled and L2-normalized, and the request
     /// ends with [`GenEvent::Embedding`] then [`GenEvent::Finished`], generating nothing.
     pub embed: Option<Pooling>,
+    /// A typed draft's prompt, computed into the conversation's cache (`cache_key`) and
+    /// nothing generated: the request ends once its prompt is in (see [`crate::warm`]).
+    pub warm: bool,
 }
 
 impl GenerationRequest {
@@ -91,6 +94,7 @@ impl GenerationRequest {
             max_time: None,
             events,
             embed: None,
+            warm: false,
         }
     }
 }
@@ -236,6 +240,14 @@ pub struct GenSummary {
     pub drafted_tokens: u64,
     #[serde(default)]
     pub accepted_tokens: u64,
+    /// Of `cached_tokens`, those read back from the KV spill tier (disk or host memory) for
+    /// this request; the rest were on the device already.
+    #[serde(default)]
+    pub restored_tokens: usize,
+    /// Of `cached_tokens`, those computed while the user typed the message (see
+    /// [`crate::warm`]).
+    #[serde(default)]
+    pub warmed_tokens: usize,
 }
 
 /// Why the model cannot take requests.
@@ -330,6 +342,8 @@ pub struct SchedulerStats {
     /// The acceptance one conversation's draft position must reach to pay (0 before a step
     /// was measured).
     pub draft_break_even: f64,
+    /// Typed drafts warmed in spare steps.
+    pub warm: crate::warm::WarmStats,
 }
 
 /// What a cache key (a conversation) is doing right now, for the admin page.
@@ -340,6 +354,8 @@ pub enum SequenceState {
     Queued,
     Prefilling,
     Generating,
+    /// Its owner is typing: the draft's prompt is computed into the cache in spare steps.
+    Warming,
 }
 
 #[cfg(test)]
@@ -385,4 +401,8 @@ pub struct SpillStats {
     /// Caches written and read back since start.
     pub writes: u64,
     pub restores: u64,
+    /// Conversations whose cache was neither on the device nor in the tier (new ones
+    /// included), and files that could not be used (computed again instead).
+    pub misses: u64,
+    pub rejected: u64,
 }

@@ -24,6 +24,28 @@ pub(super) struct CacheSlot {
     pub(super) drafted: u64,
     pub(super) accepted: u64,
     pub(super) verify_steps: u64,
+    /// Leading positions read back from the spill tier and not yet counted in a reply's
+    /// `restored_tokens`.
+    pub(super) restored: usize,
+    /// Where the positions a typed draft computed begin (not yet counted in a reply's
+    /// `warmed_tokens`), if a draft computed any.
+    pub(super) warm_from: Option<usize>,
+}
+
+impl CacheSlot {
+    /// A slot for `seq`, used now.
+    pub(super) fn new(seq: SeqId, now: Instant) -> Self {
+        Self {
+            seq,
+            last_used: now,
+            spilled: false,
+            drafted: 0,
+            accepted: 0,
+            verify_steps: 0,
+            restored: 0,
+            warm_from: None,
+        }
+    }
 }
 
 impl ModelWorker {
@@ -100,8 +122,14 @@ impl ModelWorker {
         let started = Instant::now();
         let snapshot = match tier.take(conversation) {
             Ok(Some(s)) => s,
-            Ok(None) => return None,
+            Ok(None) => {
+                tier.misses += 1;
+                metrics::counter!("smolchat_kv_spill_misses_total").increment(1);
+                return None;
+            }
             Err(e) => {
+                tier.rejected += 1;
+                metrics::counter!("smolchat_kv_spill_rejected_total").increment(1);
                 tracing::warn!(%conversation, "a spilled KV cache is not used (it is computed again): {e}");
                 return None;
             }
@@ -242,14 +270,7 @@ impl ModelWorker {
                 partition: salt.unwrap_or("").to_string(),
                 seq,
             },
-            CacheSlot {
-                seq,
-                last_used: now,
-                spilled: false,
-                drafted: 0,
-                accepted: 0,
-                verify_steps: 0,
-            },
+            CacheSlot::new(seq, now),
         );
     }
 

@@ -127,6 +127,8 @@ pub struct StepReport {
     pub generated_tokens: u64,
     pub prefilled_tokens: u64,
     pub reused_tokens: u64,
+    /// Of `reused_tokens`, those typed drafts had computed (see [`crate::warm`]).
+    pub warm_reused_tokens: u64,
     pub kv_bytes: usize,
     pub cached_sequences: usize,
     pub evictions: u64,
@@ -190,6 +192,10 @@ struct Active {
     pool: Option<PoolState>,
     /// Its speculative drafting (see [`crate::speculate`]).
     draft: DraftControl,
+    /// Of `cached_tokens`, those read back from the spill tier and those a typed draft
+    /// computed (see [`GenSummary`]).
+    restored_tokens: usize,
+    warmed_tokens: usize,
 }
 
 impl Active {
@@ -211,6 +217,8 @@ impl Active {
             resume: None,
             pool,
             draft: DraftControl::default(),
+            restored_tokens: 0,
+            warmed_tokens: 0,
         }
     }
 }
@@ -265,6 +273,9 @@ pub struct ModelWorker {
     spill: Option<crate::spill::SpillTier>,
     /// How long a conversation's cache stays idle before it is written to the spill tier.
     spill_idle: std::time::Duration,
+    /// The listener of the typed draft being warmed (see [`crate::warm`]): kept open so the
+    /// request is not taken for abandoned; nobody reads it.
+    warm_listener: Option<mpsc::UnboundedReceiver<GenEvent>>,
 }
 
 impl ModelWorker {
@@ -295,6 +306,7 @@ impl ModelWorker {
             ahead_voided: 0,
             spill: None,
             spill_idle: std::time::Duration::from_secs(30),
+            warm_listener: None,
         }
     }
 
@@ -526,6 +538,7 @@ impl ModelWorker {
             }
         }
         let key = a.request.cache_key.map(CacheKey::Conversation);
+        let warm = a.request.warm;
         let reusable = key
             .as_ref()
             .filter(|k| !self.busy(k))
@@ -533,22 +546,19 @@ impl ModelWorker {
         let (seq, keyed) = match (reusable, key) {
             (Some(seq), Some(_)) => (seq, true),
             (None, Some(k)) if !self.busy(&k) => {
-                let seq = k
-                    .conversation()
-                    .and_then(|c| self.restore_spilled(c))
-                    .unwrap_or_else(|| self.engine.create_sequence());
-                self.caches.insert(
-                    k,
-                    CacheSlot {
-                        seq,
-                        last_used: Instant::now(),
-                        spilled: false,
-                        drafted: 0,
-                        accepted: 0,
-                        verify_steps: 0,
-                    },
-                );
+                let restored = k.conversation().and_then(|c| self.restore_spilled(c));
+                let seq = restored.unwrap_or_else(|| self.engine.create_sequence());
+                let mut slot = CacheSlot::new(seq, Instant::now());
+                if restored.is_some() {
+                    slot.restored = self.engine.cached_tokens(seq).map_or(0, <[u32]>::len);
+                }
+                self.caches.insert(k, slot);
                 (seq, true)
+            }
+            // A draft whose conversation's cache is in use has nothing to warm.
+            _ if warm => {
+                self.finish(id, StopReason::Cancelled);
+                return;
             }
             _ => (self.adopt_anonymous(id), false),
         };
@@ -584,6 +594,23 @@ impl ModelWorker {
         a.cached_tokens = reuse;
         a.pending_prompt = prompt[reuse..].to_vec();
         a.admitted = Some(Instant::now());
+        // Where the reused prefix came from: the spill tier, a typed draft, or a reply before.
+        let slot = a
+            .request
+            .cache_key
+            .filter(|_| keyed)
+            .and_then(|k| self.caches.get_mut(&CacheKey::Conversation(k)));
+        if let Some(slot) = slot {
+            if a.request.warm {
+                // The draft computes from `reuse` on.
+                slot.warm_from = Some(slot.warm_from.map_or(reuse, |w| w.min(reuse)));
+            } else {
+                a.restored_tokens = slot.restored.min(reuse);
+                a.warmed_tokens = slot.warm_from.map_or(0, |w| reuse.saturating_sub(w));
+                slot.restored = 0;
+                slot.warm_from = None;
+            }
+        }
         let generation = Generation::new(&self.tokenizer, a.request.params.clone(), prompt);
         match generation {
             Ok(g) => a.generation = Some(g),
@@ -651,6 +678,8 @@ impl ModelWorker {
             generation_ms: a.first_token.map_or(0.0, |f| ms(now.duration_since(f))),
             drafted_tokens: a.draft.drafted,
             accepted_tokens: a.draft.accepted,
+            restored_tokens: a.restored_tokens,
+            warmed_tokens: a.warmed_tokens,
         };
         // Held until the step's report is applied (see `StepReport::finished`).
         self.finished.push((a.request.events.clone(), summary));

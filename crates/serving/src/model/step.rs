@@ -198,8 +198,11 @@ impl ModelWorker {
 
     /// A step, in its phases; the `Finished` events of the requests it ended wait in
     /// `self.finished`.
-    pub(super) fn step_held(&mut self, plan: StepPlan) -> StepReport {
+    pub(super) fn step_held(&mut self, mut plan: StepPlan) -> StepReport {
         let start = Instant::now();
+        if let Some((id, draft)) = plan.warm_start.take() {
+            self.register_draft(id, draft, start);
+        }
         let graph_work = self.graph_work();
         let mut step = StepWork {
             started: Some(start),
@@ -226,6 +229,7 @@ impl ModelWorker {
             self.run_and_deliver(&plan, &mut step, claimed.is_empty());
         }
         self.end_failed(&plan, &mut step);
+        self.end_warmed(&plan, &mut step);
         self.report_standing(&plan, &mut step);
         self.measure(step, start, graph_work)
     }
@@ -514,6 +518,7 @@ impl ModelWorker {
                 self.admit(id);
                 if let Some(a) = self.active.get(&id) {
                     step.report.reused_tokens += a.cached_tokens as u64;
+                    step.report.warm_reused_tokens += a.warmed_tokens as u64;
                 }
             }
         }
@@ -626,7 +631,8 @@ impl ModelWorker {
                     continue;
                 }
                 let chunk: Vec<u32> = a.pending_prompt.drain(..n).collect();
-                let last = a.pending_prompt.is_empty();
+                // A typed draft wants no logits: nothing is drawn from it.
+                let last = a.pending_prompt.is_empty() && !a.request.warm;
                 step.report.prefilled_tokens += chunk.len() as u64;
                 step.prefilled.insert(id, chunk.len());
                 step.work.push((id, seq, chunk, last));
@@ -673,6 +679,16 @@ impl ModelWorker {
             };
             let (id, seq, chunk, _) = step.work.remove(i);
             step.prefilled.remove(&id);
+            if self.active.get(&id).is_some_and(|a| a.request.warm) {
+                // A typed draft is spare work: it ends (keeping what it computed), it never
+                // takes blocks from a reply or waits for them.
+                self.finish(id, StopReason::Cancelled);
+                step.report.items.push(ItemReport::ended(id, 0));
+                if step.work.is_empty() {
+                    return;
+                }
+                continue;
+            }
             if step.work.is_empty() {
                 self.end_too_big(id, step);
                 return;
@@ -1070,6 +1086,39 @@ impl ModelWorker {
         }
     }
 
+    /// Typed drafts whose prompt is all in their conversation's cache end (nothing is
+    /// generated for them; see [`crate::warm`]).
+    fn end_warmed(&mut self, plan: &StepPlan, step: &mut StepWork) {
+        for &(id, _) in &plan.prefill {
+            let done = self
+                .active
+                .get(&id)
+                .is_some_and(|a| a.request.warm && a.seq.is_some() && a.pending_prompt.is_empty());
+            if done && !step.report.items.iter().any(|r| r.id == id) {
+                self.finish(id, StopReason::Length);
+                let prefilled = step.prefilled.get(&id).copied().unwrap_or(0);
+                step.report.items.push(ItemReport::ended(id, prefilled));
+            }
+        }
+    }
+
+    /// Starts the typed draft `id` (the batcher planned its first chunk in this step): a
+    /// request that computes `draft`'s prompt into its conversation's cache and generates
+    /// nothing.
+    fn register_draft(&mut self, id: RequestId, draft: crate::warm::Draft, now: Instant) {
+        let (tx, rx) = mpsc::unbounded_channel();
+        self.warm_listener = Some(rx);
+        let params = smolchat_text::sampling::SamplingParams {
+            max_new_tokens: 1,
+            ..smolchat_text::sampling::SamplingParams::greedy()
+        };
+        let mut request = GenerationRequest::anonymous(draft.prompt, params, tx);
+        request.cache_key = Some(draft.conversation);
+        request.user = draft.user;
+        request.warm = true;
+        self.active.insert(id, Active::new(request, now));
+    }
+
     /// Report: everyone planned and not yet reported says where it stands; accepted drafts
     /// count as extra tokens generated.
     fn report_standing(&mut self, plan: &StepPlan, step: &mut StepWork) {
@@ -1133,6 +1182,8 @@ impl ModelWorker {
             ram_bytes: t.ram_bytes(),
             writes: t.writes,
             restores: t.restores,
+            misses: t.misses,
+            rejected: t.rejected,
         });
         report.cached_sequences = self.caches.len();
         report.kv_free_blocks = self.kv_free_for_new_work();

@@ -44,6 +44,7 @@ fn embed_together(
                     max_time: None,
                     events: tx,
                     embed: Some(*pooling),
+                    warm: false,
                 },
                 Instant::now(),
             ),
@@ -167,6 +168,7 @@ fn embeddings_pool_the_final_hidden_states_alone_batched_and_chunked() {
                 max_time: None,
                 events: tx,
                 embed: None,
+                warm: false,
             },
             Instant::now(),
         ),
@@ -1293,6 +1295,7 @@ fn test_batcher(w: &ModelWorker) -> super::super::batcher::Batcher {
         tokens_per_minute_per_user: 0,
         tokens_per_minute_per_group: 0,
         kv_capacity_blocks: w.kv_capacity_blocks(),
+        warm: crate::warm::WarmConfig::default(),
     })
 }
 
@@ -1668,4 +1671,287 @@ fn a_cache_is_spilled_after_the_step_launched_ahead() {
         .expect("a snapshot");
     assert_eq!(snapshot.tokens, caches[0]);
     assert_eq!(snapshot.tokens.len(), prompt.len() + replies[0].0.len() - 1);
+}
+
+/// The summary a request's events end with.
+fn summary(events: &[GenEvent]) -> GenSummary {
+    events
+        .iter()
+        .find_map(|e| match e {
+            GenEvent::Finished(s) => Some(s.clone()),
+            _ => None,
+        })
+        .expect("finished")
+}
+
+/// Registers a greedy request of `prompt` in `key` with the batcher and the worker, as the
+/// scheduler does; returns its id and events.
+fn submit_keyed(
+    w: &mut ModelWorker,
+    b: &mut super::super::batcher::Batcher,
+    key: Option<Uuid>,
+    prompt: Vec<u32>,
+) -> (RequestId, mpsc::UnboundedReceiver<GenEvent>) {
+    let id = b.submit(key, prompt.len(), None).expect("submit");
+    let (tx, rx) = mpsc::unbounded_channel();
+    let params = SamplingParams {
+        max_new_tokens: 4,
+        ignore_eos: true,
+        ..SamplingParams::greedy()
+    };
+    w.active.insert(
+        id,
+        Active::new(
+            GenerationRequest {
+                cache_key: key,
+                ..GenerationRequest::anonymous(prompt, params, tx)
+            },
+            Instant::now(),
+        ),
+    );
+    (id, rx)
+}
+
+/// Plans and runs steps until the batcher has nothing left (at most `max`); returns the plans.
+fn step_until_idle(
+    w: &mut ModelWorker,
+    b: &mut super::super::batcher::Batcher,
+    max: usize,
+) -> Vec<StepPlan> {
+    let mut plans = Vec::new();
+    while let Some(plan) = b.plan() {
+        plans.push(plan.clone());
+        let report = w.step(plan);
+        b.apply(&report.items);
+        b.set_kv_free_blocks(report.kv_free_blocks);
+        assert!(plans.len() <= max, "still busy after {max} steps");
+    }
+    plans
+}
+
+fn drain(rx: &mut mpsc::UnboundedReceiver<GenEvent>) -> Vec<GenEvent> {
+    let mut events = Vec::new();
+    while let Ok(e) = rx.try_recv() {
+        events.push(e);
+    }
+    events
+}
+
+fn draft(conversation: u128, prompt: &[u32]) -> crate::warm::Draft {
+    crate::warm::Draft {
+        conversation: Uuid::from_u128(conversation),
+        user: Some(format!("user-{conversation}")),
+        prompt: prompt.to_vec(),
+    }
+}
+
+/// Warm before send: a typed draft is computed into its conversation's cache in steps with
+/// nothing else (64-token chunks), generating nothing; the message sent afterwards computes
+/// only its changed tail, says so in its summary, and gets the reply computed from nothing.
+#[test]
+fn a_typed_draft_is_warmed_in_spare_steps_and_its_send_computes_only_the_tail() {
+    let mut w = worker();
+    let mut b = test_batcher(&w);
+    let typed: Vec<u32> = (100..250).collect();
+    b.offer_draft(draft(7, &typed)).expect("offered");
+    let plans = step_until_idle(&mut w, &mut b, 10);
+    // 150 tokens in chunks of 64: three steps, and no token drawn.
+    assert_eq!(plans.len(), 3, "{plans:?}");
+    assert!(plans.iter().all(|p| p.decode.is_empty()));
+    let slot = w.caches.get(&CacheKey::Conversation(Uuid::from_u128(7)));
+    let cached_now = slot.and_then(|s| w.engine.cached_tokens(s.seq).ok());
+    assert_eq!(cached_now, Some(&typed[..]));
+    assert!(w.active.is_empty());
+    let stats = b.warm_stats();
+    assert_eq!((stats.started, stats.completed, stats.tokens), (1, 1, 150));
+
+    // The message as sent: the last word changed.
+    let mut sent = typed[..140].to_vec();
+    sent.extend(300..306);
+    let (_, mut rx) = submit_keyed(&mut w, &mut b, conversation(7), sent.clone());
+    step_until_idle(&mut w, &mut b, 20);
+    let events = drain(&mut rx);
+    let s = summary(&events);
+    assert_eq!(
+        (s.cached_tokens, s.warmed_tokens, s.restored_tokens),
+        (140, 140, 0)
+    );
+    let fresh = run(&mut worker(), 1, None, sent);
+    assert_eq!(tokens_of(&events)[..3], tokens_of(&fresh)[..]);
+}
+
+/// A reply never waits behind a draft: a draft being computed when another user's request
+/// arrives is cancelled in the plan that admits it, keeping what it computed, and resumes
+/// when the worker is idle again; a send in the draft's own conversation takes the cache the
+/// draft filled so far.
+#[test]
+fn a_reply_interrupts_a_draft_and_a_send_takes_what_it_computed() {
+    let mut w = worker();
+    let mut b = test_batcher(&w);
+    let typed: Vec<u32> = (100..300).collect();
+    b.offer_draft(draft(8, &typed)).expect("offered");
+    let first = b.plan().expect("a draft step");
+    let warm_id = first.warm_start.as_ref().map(|s| s.0).expect("started");
+    let report = w.step(first);
+    b.apply(&report.items);
+
+    // Another user's request: the draft ends in the plan that admits it.
+    let other: Vec<u32> = (500..520).collect();
+    let (other_id, mut rx) = submit_keyed(&mut w, &mut b, conversation(9), other.clone());
+    let plan = b.plan().expect("a step");
+    assert_eq!(plan.cancel, vec![warm_id]);
+    assert_eq!(plan.prefill.first().map(|p| p.0), Some(other_id));
+    assert!(plan.prefill.iter().all(|p| p.0 != warm_id));
+    let report = w.step(plan);
+    b.apply(&report.items);
+    let kept = |w: &ModelWorker| {
+        w.caches
+            .get(&CacheKey::Conversation(Uuid::from_u128(8)))
+            .and_then(|s| w.engine.cached_tokens(s.seq).ok())
+            .map_or(0, <[u32]>::len)
+    };
+    assert_eq!(kept(&w), 64, "the draft keeps its first chunk");
+    // No draft work while the reply runs; then the draft resumes where it was.
+    let plans = step_until_idle(&mut w, &mut b, 30);
+    let reply_steps = plans
+        .iter()
+        .take_while(|p| p.decode.contains(&other_id))
+        .count();
+    assert!(plans[..reply_steps].iter().all(|p| p.prefill.is_empty()));
+    assert!(plans[reply_steps..].iter().all(|p| p.decode.is_empty()));
+    assert_eq!(kept(&w), 200);
+    let fresh = run(&mut worker(), 1, None, other);
+    assert_eq!(tokens_of(&drain(&mut rx))[..3], tokens_of(&fresh)[..]);
+    assert_eq!(b.warm_stats().interrupted, 1);
+
+    // The owner sends while a newer draft is half computed: the send takes its cache.
+    let mut longer = typed.clone();
+    longer.extend(600..700);
+    b.offer_draft(draft(8, &longer)).expect("offered");
+    let plan = b.plan().expect("a draft step");
+    let report = w.step(plan);
+    b.apply(&report.items);
+    assert_eq!(kept(&w), 264);
+    let mut sent = longer[..280].to_vec();
+    sent.push(900);
+    let (_, mut rx) = submit_keyed(&mut w, &mut b, conversation(8), sent.clone());
+    step_until_idle(&mut w, &mut b, 30);
+    let s = summary(&drain(&mut rx));
+    assert_eq!(s.cached_tokens, 264);
+    assert_eq!(s.warmed_tokens, 264);
+    // Moot after the send: not warmed again.
+    assert_eq!(b.warm_stats().waiting, 0);
+    assert_eq!(kept(&w), 281 + 4 - 1);
+}
+
+/// A conversation restored from the spill tier, for every KV type: the reply equals the one
+/// computed from nothing and says how many of its prompt tokens came from the tier; an edited
+/// history keeps only the common prefix, and a truncated file falls back to computing, with
+/// the reply unchanged either way.
+#[test]
+fn restored_conversations_reply_as_computed_from_nothing_for_every_kv_type() {
+    for kv_type in KvType::ALL {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (spec, tokenizer) = tiny_with_tokenizer();
+        let tokenizer = Arc::new(tokenizer);
+        let make = |dir: &std::path::Path| {
+            let mut src = synthetic::build(&spec).expect("build");
+            let model = Model::load(&mut src, &mut |_, _| {}).expect("load");
+            let kv = smolchat_engine::kv::KvLayout::new(&model.config, kv_type);
+            let options = KvOptions {
+                kv_type,
+                budget_bytes: Some(8 * kv.bytes_per_block()),
+            };
+            let engine = Engine::with_kv(model, options).expect("engine");
+            let (tier, _) =
+                crate::spill::SpillTier::open(dir, 1 << 30, &format!("m-{kv_type}")).expect("tier");
+            ModelWorker::new(engine, Arc::clone(&tokenizer), 2048)
+                .with_spill(tier, std::time::Duration::from_secs(30))
+        };
+        let fresh_reply = |prompt: Vec<u32>| {
+            let mut w = make(tempfile::tempdir().expect("tempdir").path());
+            tokens_of(&run(&mut w, 99, None, prompt))
+        };
+        let mut w = make(dir.path());
+        let prompt: Vec<u32> = (100..140).collect();
+        let first = run(&mut w, 1, conversation(2), prompt.clone());
+        let mut turn2 = prompt.clone();
+        turn2.extend(tokens_of(&first));
+        turn2.extend(300..305);
+        let warm = run(&mut w, 2, conversation(2), turn2.clone());
+        assert!(w.evict_to_disk(Uuid::from_u128(2)));
+        let restored = run(&mut w, 3, conversation(2), turn2.clone());
+        let s = summary(&restored);
+        // All but the last prompt token (computed for its logits), as on the device.
+        assert_eq!(s.cached_tokens, turn2.len() - 1, "{kv_type}");
+        assert_eq!(s.restored_tokens, s.cached_tokens, "{kv_type}");
+        assert_eq!(tokens_of(&restored), tokens_of(&warm), "{kv_type}");
+        assert_eq!(
+            tokens_of(&restored),
+            fresh_reply(turn2.clone()),
+            "{kv_type}"
+        );
+
+        // An edited history (its 10th token changed): only the first 10 positions are kept.
+        assert!(w.evict_to_disk(Uuid::from_u128(2)));
+        let mut edited = turn2.clone();
+        edited[10] = 777;
+        let back = run(&mut w, 4, conversation(2), edited.clone());
+        assert_eq!(cached(&back), 10, "{kv_type}");
+        assert_eq!(tokens_of(&back), fresh_reply(edited.clone()), "{kv_type}");
+
+        // A truncated file: computed again, same reply.
+        assert!(w.evict_to_disk(Uuid::from_u128(2)));
+        w.spill.as_mut().expect("tier").flush();
+        let file = dir.path().join(format!("{}.kv", Uuid::from_u128(2)));
+        let bytes = std::fs::read(&file).expect("read");
+        std::fs::write(&file, &bytes[..bytes.len() / 2]).expect("write");
+        let mut turn3 = edited;
+        turn3.extend(400..403);
+        let cut = run(&mut w, 5, conversation(2), turn3.clone());
+        assert_eq!(cached(&cut), 0, "{kv_type}");
+        assert_eq!(tokens_of(&cut), fresh_reply(turn3), "{kv_type}");
+    }
+}
+
+/// 64 conversations cycling through a KV cache that holds 4: the tier stays within its byte
+/// budget throughout, and each conversation that comes back replies as computed from nothing
+/// whether its file was still there or had been dropped for the budget.
+#[test]
+fn the_spill_budget_holds_under_64_conversations_cycling_through_4() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    // 4 conversations of 40 tokens (3 blocks each, and one more to grow) in 16 blocks.
+    let probe = spilling_worker(16, dir.path(), "m");
+    let block = probe.engine.kv_block_bytes() as u64;
+    drop(probe);
+    // Room for about 10 files of 3 blocks (compression only makes room for more).
+    let budget = 30 * block;
+    let (tier, _) = crate::spill::SpillTier::open(dir.path(), budget, "m").expect("tier");
+    let mut w = worker_with_kv(Some(16)).with_spill(tier, std::time::Duration::from_secs(30));
+    let prompt = |c: u32| -> Vec<u32> { (0..40).map(|i| 100 + (c * 41 + i) % 2000).collect() };
+    let mut id = 0;
+    for round in 0..2 {
+        for c in 0..64u32 {
+            id += 1;
+            let events = run(&mut w, id, conversation(1000 + u128::from(c)), prompt(c));
+            let tier = w.spill.as_mut().expect("tier");
+            tier.flush();
+            assert!(
+                tier.bytes() <= budget,
+                "round {round}, conversation {c}: {} bytes in a budget of {budget}",
+                tier.bytes()
+            );
+            if round == 1 && c % 16 == 0 {
+                let fresh = run(&mut worker_with_kv(Some(16)), 1, None, prompt(c));
+                assert_eq!(tokens_of(&events), tokens_of(&fresh), "conversation {c}");
+            }
+        }
+    }
+    let tier = w.spill.as_ref().expect("tier");
+    assert!(tier.writes >= 64, "{} written", tier.writes);
+    assert!(
+        tier.files() >= 2 && tier.files() < 64,
+        "{} files",
+        tier.files()
+    );
 }
