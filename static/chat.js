@@ -331,6 +331,45 @@
     input.style.height = Math.min(input.scrollHeight, window.innerHeight * 0.4) + "px";
   }
   input.addEventListener("input", autosize);
+
+  // Warm before send: while the user types, the settled part of the message (up to its last
+  // space, so the word being typed is left out) and its attached files go to the server, which
+  // computes the prompt they make in spare time; on send only what changed is computed.
+  // Throttled, only for a new message in an open conversation, and only when something new
+  // settled since the last draft.
+  // Read each time, so it can be switched off on a page already open.
+  const warmDrafts = () => form.dataset.warmDrafts === "1";
+  const DRAFT_INTERVAL_MS = 400;
+  const DRAFT_MIN_CHARS = 16;
+  let draftTimer = null;
+  let lastDraft = "";
+  function settledDraft() {
+    return input.value.replace(/\S*$/, "");
+  }
+  async function sendDraft() {
+    draftTimer = null;
+    if (!warmDrafts() || !convId || editing || busy) return;
+    const files = pendingIds();
+    const settled = settledDraft();
+    if (settled.trim().length < DRAFT_MIN_CHARS && !files.length) return;
+    const key = files.join(",") + "\n" + settled;
+    if (key === lastDraft) return;
+    lastDraft = key;
+    try {
+      const res = await post("/c/" + convId + "/draft", { content: settled, files: files.join(",") });
+      const out = await res.json();
+      document.body.dataset.lastDraft = JSON.stringify(out);
+    } catch (_) {
+      // Best effort: the message is sent as usual whatever happened to its draft.
+      lastDraft = "";
+    }
+  }
+  // At most one draft per DRAFT_INTERVAL_MS while the user types (a pause sends the last).
+  function draftSoon() {
+    if (!warmDrafts() || !convId || editing || draftTimer) return;
+    draftTimer = setTimeout(sendDraft, DRAFT_INTERVAL_MS);
+  }
+  input.addEventListener("input", draftSoon);
   input.addEventListener("keydown", (e) => {
     if (e.key === "Enter" && !e.shiftKey && !e.isComposing) {
       e.preventDefault();
@@ -449,6 +488,7 @@
           const f = await upload(conv, file);
           if (convId) addChip(f);
           announce("Attached " + f.name);
+          draftSoon();
         } catch (err) { toast(err.message); }
       }
       status.textContent = "";
@@ -470,6 +510,9 @@
     e.preventDefault();
     const content = input.value;
     if (!content.trim() || busy) return;
+    // The message goes now: no draft of it after this.
+    if (draftTimer) { clearTimeout(draftTimer); draftTimer = null; }
+    lastDraft = "";
     sendBtn.disabled = true;
     try {
       if (!convId) {

@@ -30,6 +30,7 @@ pub use smolchat_serving::types::{
     DeviceMemory, Failure, GenEvent, GenSummary, GraphStats, ModelUnavailable, Pooling, RequestId,
     SchedulerStats, SequenceState, StopReason, SubmitError,
 };
+pub use smolchat_serving::warm::{WarmRefused, WarmStats};
 use smolchat_text::sampling::SamplingParams;
 
 /// Which KV cache a request reuses and keeps.
@@ -147,7 +148,6 @@ impl Completions {
         &self,
         request: CompletionRequest,
         embed: Option<Pooling>,
-        warm: false,
     ) -> Result<Completion, SubmitError> {
         let subjects = QuotaSubjects {
             user: request.user.clone(),

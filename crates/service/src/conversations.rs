@@ -141,6 +141,10 @@ impl From<SessionError> for ConversationError {
             SessionError::Prompt(_) | SessionError::PromptTask(_) => {
                 ConversationError::Internal(e.to_string())
             }
+            SessionError::DraftLimit(_) => ConversationError::UserLimit {
+                message: e.to_string(),
+                retry_after_s: 60,
+            },
         }
     }
 }

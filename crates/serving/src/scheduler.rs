@@ -152,10 +152,14 @@ impl SchedulerActor {
         self.stats.queued = self.batcher.queued();
         self.stats.running = self.batcher.running();
         let reused = self.stats.warm.reused_tokens;
-        self.stats.warm = crate::warm::WarmStats {
+        let warm = crate::warm::WarmStats {
             reused_tokens: reused,
             ..self.batcher.warm_stats()
         };
+        self.stats.warm = warm;
+        metrics::gauge!("smolchat_warm_drafts_waiting").set(warm.waiting as f64);
+        metrics::counter!("smolchat_warm_tokens_total").absolute(warm.tokens);
+        metrics::counter!("smolchat_warm_interrupted_total").absolute(warm.interrupted);
         metrics::gauge!("smolchat_queue_depth").set(self.stats.queued as f64);
         metrics::gauge!("smolchat_running_sequences").set(self.stats.running as f64);
     }

@@ -94,6 +94,8 @@ pub enum WarmRefused {
 /// What the admin page and `/metrics` show of drafts being warmed.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
 pub struct WarmStats {
+    /// Whether drafts are warmed at all (`scheduler.warm_drafts`).
+    pub enabled: bool,
     /// Drafts waiting for a spare step.
     pub waiting: usize,
     /// Whether a draft is being computed now.
@@ -336,6 +338,7 @@ impl WarmQueue {
 
     pub fn stats(&self) -> WarmStats {
         WarmStats {
+            enabled: self.cfg.enabled,
             waiting: self.waiting.len(),
             warming: self.warming.as_ref().is_some_and(|w| !w.cancelled),
             ..self.stats

@@ -305,6 +305,10 @@ pub struct Timings {
     /// confirmed (0 in rows written before they were counted).
     pub drafted_tokens: u64,
     pub accepted_tokens: u64,
+    /// Of the cached prompt tokens, those read back from the KV spill tier (disk or host
+    /// memory) and those computed while the message was typed (0 in rows written before).
+    pub restored_tokens: u64,
+    pub warmed_tokens: u64,
 }
 
 impl Timings {
@@ -320,6 +324,8 @@ impl Timings {
             tokens_per_s: f(self.tokens_per_s),
             drafted_tokens: self.drafted_tokens,
             accepted_tokens: self.accepted_tokens,
+            restored_tokens: self.restored_tokens,
+            warmed_tokens: self.warmed_tokens,
         }
     }
 }

@@ -378,6 +378,24 @@ pub async fn delete(
     Ok(HttpResponse::NoContent().finish())
 }
 
+/// `POST /api/conversations/{id}/draft`: the message being typed (`{"content", "files"}`, as
+/// for `…/messages`), warmed into the conversation's KV cache in spare steps so that its send
+/// computes only what changed. 202 with `{"outcome": "offered", "prompt_tokens"}` or
+/// `{"outcome": "skipped", "reason"}`; nothing is stored.
+pub async fn warm_draft(
+    state: web::Data<AppState>,
+    on: OnConversation,
+    body: JsonBody<NewMessage>,
+) -> Result<HttpResponse, WebError> {
+    let OnConversation { caller, id, .. } = on;
+    let outcome = state
+        .platform
+        .conversations()
+        .warm_draft(&caller, id, body.0.content, body.0.files)
+        .await?;
+    Ok(HttpResponse::Accepted().json(outcome))
+}
+
 /// `POST /api/conversations/{id}/messages`: stores the message and queues the reply; 202 once
 /// both happened. The reply streams on `/api/conversations/{id}/events`.
 pub async fn send_message(

@@ -70,7 +70,7 @@ pub fn client() -> reqwest::Client {
 }
 
 /// The conversation whose turn this request is: POST to `/api/conversations/{id}/…` or
-/// `/c/{id}/…` ending in `messages`, `regenerate` or `edit`. `path` is the decoded path the
+/// `/c/{id}/…` ending in `messages`, `regenerate`, `edit` or `draft`. `path` is the decoded path the
 /// router matches (`req.match_info().as_str()`), so no spelling of it escapes routing.
 pub fn turn_of(method: &Method, path: &str) -> Option<Uuid> {
     if method != Method::POST {
@@ -80,7 +80,8 @@ pub fn turn_of(method: &Method, path: &str) -> Option<Uuid> {
         .strip_prefix("/api/conversations/")
         .or_else(|| path.strip_prefix("/c/"))?;
     let (id, action) = rest.split_once('/')?;
-    if !matches!(action, "messages" | "regenerate" | "edit") {
+    // A draft warms the cache where the turn will run.
+    if !matches!(action, "messages" | "regenerate" | "edit" | "draft") {
         return None;
     }
     Uuid::parse_str(id).ok()
@@ -237,6 +238,8 @@ mod tests {
             format!("/c/{id}/messages"),
             format!("/c/{id}/regenerate"),
             format!("/c/{id}/edit"),
+            format!("/c/{id}/draft"),
+            format!("/api/conversations/{id}/draft"),
         ] {
             assert_eq!(turn_of(&Method::POST, &path), Some(id), "{path}");
             assert_eq!(turn_of(&Method::GET, &path), None, "{path}");

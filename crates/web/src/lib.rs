@@ -12,6 +12,7 @@
 //! | `POST /api/conversations/{id}/messages` | send `{"content"}` → 202; the reply streams on… |
 //! | `POST /api/conversations/{id}/files?name=`, `GET …/files`, `DELETE …/files/{file}` | attach a file (the body; text, Markdown, code, CSV, JSON, PDF) to the next message (`"files": [ids]`), list, remove one not yet sent |
 //! | `GET /api/conversations/{id}/events` | …this SSE stream (see [`events`]) |
+//! | `POST /api/conversations/{id}/draft` | the message being typed, warmed in spare steps → 202 `{"outcome"}` |
 //! | `POST /api/conversations/{id}/stop` | stop the running reply → `{"stopped": bool}` |
 //! | `POST /api/conversations/{id}/regenerate`, `/edit` `{"content"}` | resend the last message (atomic) → 202 |
 //! | `GET /api/conversations/{id}/export?format=json\|md` | download (lossless JSON, or Markdown) |
@@ -178,6 +179,11 @@ pub fn routes(cfg: &mut web::ServiceConfig, chat_limit: BodyLimit) {
                     .default_service(web::to(method_not_allowed)),
             )
             .service(
+                web::resource("/conversations/{id}/draft")
+                    .route(web::post().to(api::warm_draft))
+                    .default_service(web::to(method_not_allowed)),
+            )
+            .service(
                 web::resource("/conversations/{id}/files")
                     .route(web::get().to(files::list))
                     .route(web::post().to(files::upload))
@@ -290,6 +296,7 @@ pub fn routes(cfg: &mut web::ServiceConfig, chat_limit: BodyLimit) {
             .route("/{id}", web::delete().to(pages::delete))
             .route("/{id}/m/{mid}", web::get().to(pages::message))
             .route("/{id}/messages", web::post().to(pages::send))
+            .route("/{id}/draft", web::post().to(pages::draft))
             .route("/{id}/stop", web::post().to(pages::stop))
             .route("/{id}/regenerate", web::post().to(pages::regenerate))
             .route("/{id}/edit", web::post().to(pages::edit))

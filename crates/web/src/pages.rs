@@ -46,8 +46,9 @@ mod assets;
 mod share;
 
 pub use actions::{
-    create, delete, edit, export_json, export_md, regenerate, rename, select, send, settings, stop,
-    thinking, ContentForm, MessageForm, SelectForm, SettingsForm, ThinkingForm, TitleForm,
+    create, delete, draft, edit, export_json, export_md, regenerate, rename, select, send,
+    settings, stop, thinking, ContentForm, MessageForm, SelectForm, SettingsForm, ThinkingForm,
+    TitleForm,
 };
 pub use assets::static_file;
 #[cfg(test)]
@@ -206,7 +207,21 @@ impl MessageView {
             }
             if let Some(p) = m.prompt_tokens {
                 let cached = m.cached_tokens.unwrap_or(0);
-                stats.push(format!("prompt {p} ({cached} cached)"));
+                // Where the cached part came from, when not all from the device.
+                let mut from = Vec::new();
+                if let Some(t) = m.timings.as_ref() {
+                    if t.restored_tokens > 0 {
+                        from.push(format!("{} from disk", t.restored_tokens));
+                    }
+                    if t.warmed_tokens > 0 {
+                        from.push(format!("{} while typing", t.warmed_tokens));
+                    }
+                }
+                if from.is_empty() {
+                    stats.push(format!("prompt {p} ({cached} cached)"));
+                } else {
+                    stats.push(format!("prompt {p} ({cached} cached: {})", from.join(", ")));
+                }
             }
             match m.status {
                 MessageStatus::Stopped => stats.push("stopped".into()),
@@ -278,6 +293,8 @@ pub struct ChatPage {
     pub pending: Vec<FileChip>,
     /// `limits.max_file_mib`, for the page's own early check.
     pub max_file_mib: u64,
+    /// Whether the page sends the message being typed to be warmed (`scheduler.warm_drafts`).
+    pub warm_drafts: bool,
 }
 
 #[derive(Template)]
@@ -495,6 +512,7 @@ async fn chat_page(
         organisation,
         pending,
         max_file_mib: config.limits.max_file_mib,
+        warm_drafts: config.scheduler.warm_drafts,
     };
     html(&page)
 }

@@ -8,7 +8,7 @@ use super::{invalid, mib, Accepted, ConversationError, Conversations, Result};
 use crate::caller::Caller;
 use crate::documents::ReadError;
 use crate::files::{self, FileError, FileText};
-use crate::session::SendMessage;
+use crate::session::{DraftOutcome, SendMessage, WarmDraft};
 use smolchat_store::{FileRecord, NewFile};
 
 /// Tokens kept free of a file, for the question about it and the reply: a file that leaves
@@ -161,6 +161,42 @@ impl Conversations {
                  stay with it)"
             )))
         }
+    }
+
+    /// Warms the message being typed in the caller's conversation `id` (its text so far and the
+    /// waiting files it will carry): the prompt it would make is computed into the
+    /// conversation's KV cache in spare steps, so its send computes only what changed (see
+    /// `smolchat_serving::warm`). Best effort: skipped, saying why, when a reply is running,
+    /// warming is off or nothing is new.
+    pub async fn warm_draft(
+        &self,
+        caller: &Caller,
+        id: Uuid,
+        content: String,
+        mut file_ids: Vec<Uuid>,
+    ) -> Result<DraftOutcome> {
+        let c = self.owned(caller, id).await?;
+        let mut seen = std::collections::HashSet::new();
+        file_ids.retain(|f| seen.insert(*f));
+        let max = self.cfg.max_files_per_message;
+        if file_ids.len() > max {
+            return Err(invalid(
+                "files",
+                format!(
+                    "a message may carry at most {max} files (limits.max_files_per_message), got {}",
+                    file_ids.len()
+                ),
+            ));
+        }
+        let session = self.sessions.get_or_start(c.id);
+        let outcome = session
+            .send(WarmDraft {
+                content,
+                files: file_ids,
+            })
+            .await??;
+        tracing::debug!(conversation = %c.id, ?outcome, "a typed draft");
+        Ok(outcome)
     }
 
     /// Sends a message carrying `files` (waiting files of this conversation, at most

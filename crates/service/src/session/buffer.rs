@@ -169,6 +169,8 @@ impl ReplyBuffer {
                 tokens_per_s,
                 drafted_tokens: summary.drafted_tokens,
                 accepted_tokens: summary.accepted_tokens,
+                restored_tokens: summary.restored_tokens as u64,
+                warmed_tokens: summary.warmed_tokens as u64,
             },
         };
         (tail, finished)

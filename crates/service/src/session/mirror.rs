@@ -172,6 +172,8 @@ pub(crate) fn summary_of_stored(message: &Message) -> GenSummary {
         generation_ms: timings.generation_ms,
         drafted_tokens: timings.drafted_tokens,
         accepted_tokens: timings.accepted_tokens,
+        restored_tokens: timings.restored_tokens as usize,
+        warmed_tokens: timings.warmed_tokens as usize,
     }
 }
 

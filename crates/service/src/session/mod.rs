@@ -103,6 +103,9 @@ pub enum SessionError {
     /// The prompt builder's task ended without an answer (it panicked).
     #[error("the prompt builder failed: {0}")]
     PromptTask(String),
+    /// The user's drafts took their share of spare time this minute.
+    #[error("{0}; the message will still be sent as usual")]
+    DraftLimit(smolchat_serving::warm::WarmRefused),
 }
 
 impl From<StoreError> for SessionError {
@@ -166,6 +169,8 @@ pub struct SessionActor {
     remote: Option<Mirror>,
     /// When another replica last said that viewers there follow this replica's reply.
     remote_watched_at: Option<Instant>,
+    /// The prompt of the draft offered last (a draft that adds nothing is not offered again).
+    last_draft: Option<Vec<u32>>,
 }
 
 impl SessionActor {
@@ -592,6 +597,8 @@ impl Handler<SendMessage> for SessionActor {
             return Box::pin(fut::ready(Err(e)));
         }
         self.sending = true;
+        // What is typed next is a new draft.
+        self.last_draft = None;
         self.last_activity = Instant::now();
         let shared = Arc::clone(&self.shared);
         let id = self.id;
@@ -709,6 +716,138 @@ impl Handler<SendMessage> for SessionActor {
             Ok(Accepted {
                 user_message: user,
                 assistant_message_id: assistant.id,
+            })
+        }))
+    }
+}
+
+/// Warm the message being typed (see `smolchat_serving::warm`): the prompt the draft would
+/// make, as far as more typing cannot change it, is offered to the scheduler, which computes it
+/// into this conversation's KV cache in spare steps. Resolves once offered; what it did.
+#[derive(Message)]
+#[rtype(result = "Result<DraftOutcome, SessionError>")]
+pub struct WarmDraft {
+    /// The draft as typed so far.
+    pub content: String,
+    /// The conversation's waiting files the message will carry (their text is in its prompt).
+    pub files: Vec<Uuid>,
+}
+
+/// What a [`WarmDraft`] did.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case", tag = "outcome")]
+pub enum DraftOutcome {
+    /// Offered: its prompt's tokens (computed as spare steps allow).
+    Offered { prompt_tokens: usize },
+    /// Not offered, and why (a reply is running, warming is off, nothing new, it is too long).
+    Skipped { reason: String },
+}
+
+impl DraftOutcome {
+    fn skipped(reason: impl Into<String>) -> Self {
+        DraftOutcome::Skipped {
+            reason: reason.into(),
+        }
+    }
+}
+
+/// The part of `drafted` that more typing cannot change: the tokens it shares with the same
+/// prompt one character longer (the last word's tokens, and the template's end of the message,
+/// are left out).
+fn settled_prefix(drafted: &[u32], longer: &[u32]) -> usize {
+    drafted
+        .iter()
+        .zip(longer)
+        .take_while(|(a, b)| a == b)
+        .count()
+}
+
+impl Handler<WarmDraft> for SessionActor {
+    type Result = ResponseActFuture<Self, Result<DraftOutcome, SessionError>>;
+
+    fn handle(&mut self, msg: WarmDraft, _: &mut Context<Self>) -> Self::Result {
+        if self.is_busy() || self.remote.is_some() {
+            return Box::pin(fut::ready(Ok(DraftOutcome::skipped(
+                "a reply is being generated in this conversation",
+            ))));
+        }
+        if msg.content.trim().is_empty() && msg.files.is_empty() {
+            return Box::pin(fut::ready(Ok(DraftOutcome::skipped("nothing typed yet"))));
+        }
+        if let Err(e) =
+            check_message(&msg.content, self.shared.cfg.max_message_chars).or_else(|e| match e {
+                // Files alone are worth warming; the send checks the text again.
+                SessionError::EmptyMessage => Ok(()),
+                e => Err(e),
+            })
+        {
+            return Box::pin(fut::ready(Err(e)));
+        }
+        self.last_activity = Instant::now();
+        let shared = Arc::clone(&self.shared);
+        let id = self.id;
+        let work = async move {
+            let conversation = shared
+                .store
+                .get_conversation(id)
+                .await?
+                .ok_or(SessionError::NotFound)?;
+            let history = shared.store.branch(id).await?;
+            let files = prompt::pending_files(&shared.store, id, &msg.files).await?;
+            let text = prompt::with_files(files.iter(), &msg.content);
+            let owner = conversation.owner.clone();
+            let prefix = {
+                let shared = Arc::clone(&shared);
+                tokio::task::spawn_blocking(move || {
+                    let drafted = prompt::prepare(&shared, &conversation, &history, &text)?;
+                    let longer =
+                        prompt::prepare(&shared, &conversation, &history, &format!("{text}x"))?;
+                    let n = settled_prefix(&drafted.prompt, &longer.prompt);
+                    let mut tokens = drafted.prompt;
+                    tokens.truncate(n);
+                    Ok::<_, SessionError>(tokens)
+                })
+                .await
+                .map_err(|e| SessionError::PromptTask(e.to_string()))??
+            };
+            Ok::<_, SessionError>((prefix, owner))
+        };
+        Box::pin(work.into_actor(self).then(move |result, act, _| {
+            const BUSY: &str = "a reply is being generated in this conversation";
+            let next = match result {
+                Err(e) => Err(e),
+                // A reply started meanwhile: its prompt is what counts now.
+                Ok(_) if act.is_busy() => Ok(None),
+                Ok((prompt, _)) if act.last_draft.as_ref() == Some(&prompt) => Ok(Some(None)),
+                Ok((prompt, owner)) => {
+                    act.last_draft = Some(prompt.clone());
+                    let draft = smolchat_serving::warm::Draft {
+                        conversation: act.id,
+                        user: Some(owner),
+                        prompt,
+                    };
+                    Ok(Some(Some((draft, act.shared.scheduler.clone()))))
+                }
+            };
+            fut::wrap_future(async move {
+                use smolchat_serving::warm::WarmRefused;
+                let (draft, scheduler) = match next? {
+                    None => return Ok(DraftOutcome::skipped(BUSY)),
+                    Some(None) => {
+                        return Ok(DraftOutcome::skipped("nothing new since the last draft"))
+                    }
+                    Some(Some(offer)) => offer,
+                };
+                let prompt_tokens = draft.prompt.len();
+                match scheduler
+                    .send(smolchat_serving::scheduler::Warm(draft))
+                    .await
+                {
+                    Ok(Ok(())) => Ok(DraftOutcome::Offered { prompt_tokens }),
+                    Ok(Err(e @ WarmRefused::UserLimit { .. })) => Err(SessionError::DraftLimit(e)),
+                    Ok(Err(e)) => Ok(DraftOutcome::skipped(e.to_string())),
+                    Err(_) => Ok(DraftOutcome::skipped("the scheduler is not available")),
+                }
             })
         }))
     }
@@ -967,6 +1106,7 @@ impl Sessions {
             last_activity: Instant::now(),
             remote: None,
             remote_watched_at: None,
+            last_draft: None,
         }
         .start();
         live.insert(id, addr.clone());

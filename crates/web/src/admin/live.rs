@@ -12,7 +12,7 @@ use crate::html::html;
 use crate::owner::Owner;
 use crate::AppState;
 use smolchat_service::admin::LiveView as Live;
-use smolchat_service::completions::{DeviceMemory, GraphStats, SequenceState};
+use smolchat_service::completions::{DeviceMemory, GraphStats, SequenceState, WarmStats};
 
 pub struct EngineView {
     /// Where and on which path the model computes (`cpu · cpu`, `cuda:0 · fast`).
@@ -32,6 +32,8 @@ pub struct EngineView {
     /// The KV spill tier (empty when off): percent of its budget, then what it holds.
     pub spill_percent: String,
     pub spill: String,
+    /// Typed drafts warmed in spare steps: the headline and its detail ("off" when off).
+    pub warm: (String, String),
     pub evictions: u64,
     pub generated_tokens: u64,
     /// The GPU's memory (empty off a GPU): percent used, then what holds it.
@@ -125,6 +127,26 @@ fn gpu_memory_view(memory: Option<DeviceMemory>) -> (String, String) {
     )
 }
 
+/// The "Warmed while typing" tile: prompt tokens of sent messages that drafts had computed,
+/// then what drafts cost.
+fn warm_view(w: WarmStats) -> (String, String) {
+    if !w.enabled {
+        return ("off".into(), "scheduler.warm_drafts = false".into());
+    }
+    let now = if w.warming {
+        " · one being computed".to_string()
+    } else {
+        String::new()
+    };
+    (
+        format!("{} tokens", w.reused_tokens),
+        format!(
+            "reused on send · {} drafts, {} tokens computed in spare steps · {} interrupted by replies · {} waiting{now}",
+            w.started, w.tokens, w.interrupted, w.waiting
+        ),
+    )
+}
+
 fn graphs_view(graphs: Option<GraphStats>) -> String {
     graphs.map_or_else(String::new, |g| {
         format!(
@@ -213,6 +235,7 @@ fn render_live(
                 SequenceState::Queued => "queued",
                 SequenceState::Prefilling => "prefilling",
                 SequenceState::Generating => "generating",
+                SequenceState::Warming => "warming (typing)",
             },
             active: !matches!(c.state, SequenceState::Idle),
         })
@@ -251,14 +274,17 @@ fn render_live(
                     String::new()
                 };
                 format!(
-                    "{} of {}{ram} · {} conversations · {} written, {} restored",
+                    "{} of {}{ram} · {} conversations · {} written, {} restored, {} not found, {} unusable",
                     mib(t.bytes as usize),
                     mib(t.budget_bytes as usize),
                     t.files,
                     t.writes,
-                    t.restores
+                    t.restores,
+                    t.misses,
+                    t.rejected
                 )
             }),
+            warm: warm_view(stats.warm),
             evictions: stats.evictions,
             generated_tokens: stats.generated_tokens,
             gpu_used_percent,

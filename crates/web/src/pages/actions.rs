@@ -128,6 +128,22 @@ pub async fn send(
     Ok(HttpResponse::Accepted().finish())
 }
 
+/// `POST /c/{id}/draft`: the message being typed, warmed while the user types (see
+/// `api::warm_draft`); answers what was done, as JSON.
+pub async fn draft(
+    state: web::Data<AppState>,
+    action: OwnedForm<ContentForm>,
+) -> Result<HttpResponse, PageError> {
+    let OwnedForm { caller, id, form } = action;
+    let files = file_ids(&form.files)?;
+    let outcome = state
+        .platform
+        .conversations()
+        .warm_draft(&caller, id, form.content, files)
+        .await?;
+    Ok(HttpResponse::Accepted().json(outcome))
+}
+
 /// `POST /c/{id}/stop`
 pub async fn stop(
     state: web::Data<AppState>,
