@@ -31,7 +31,10 @@ async fn cluster(dir: &Path, affinity: bool) -> Option<(String, Vec<Server>)> {
     }
     let url = common::pg::fresh_database().await?;
     let affinity = affinity.to_string();
+    // Each replica's KV spill tier is its own folder (named after the replica) in this one.
+    let spill = dir.join("kv-spill").display().to_string();
     let env = [
+        ("SMOLCHAT_SCHEDULER__KV_SPILL_DIR", spill.as_str()),
         ("SMOLCHAT_SERVER__COOKIE_SECRET", COOKIE_SECRET),
         ("SMOLCHAT_SERVER__ADMIN_TOKEN", ADMIN_TOKEN),
         ("SMOLCHAT_REPLICA__HEARTBEAT_MS", HEARTBEAT_MS),
@@ -406,6 +409,22 @@ async fn replies_follow_the_user_across_replicas_and_survive_a_killed_one() {
     let done = &got.last().unwrap().data;
     assert_eq!(done["message"]["status"], "complete", "{done}");
     assert_eq!(survivor.messages(&victim_id).await.len(), 4);
+    // The KV tier is per replica: the new owner has nothing of the conversation, in memory or
+    // on disk, so it computes the prompt (nothing restored from anywhere).
+    assert_eq!(done["summary"]["cached_tokens"], json!(0), "{done}");
+    assert_eq!(done["summary"]["restored_tokens"], json!(0), "{done}");
+    let mut folders: Vec<String> = std::fs::read_dir(dir.path().join("kv-spill"))
+        .expect("the spill folder")
+        .filter_map(|e| e.ok())
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    folders.sort();
+    folders.dedup();
+    assert_eq!(
+        folders.len(),
+        3,
+        "one spill folder per replica: {folders:?}"
+    );
     let _: Value = done.clone();
 }
 
