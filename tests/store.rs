@@ -100,6 +100,8 @@ fn reply(status: MessageStatus) -> FinishedReply {
             tokens_per_s: 50.0,
             drafted_tokens: 24,
             accepted_tokens: 15,
+            restored_tokens: 12,
+            warmed_tokens: 6,
         },
     }
 }

@@ -144,6 +144,9 @@ pub struct SpillTier {
     /// (new conversations among them), and files found here but not usable (torn, stale).
     pub misses: u64,
     pub rejected: u64,
+    /// Time spent restoring caches into the engine (reading, decompressing, copying in), in
+    /// microseconds, over `restores`.
+    pub restore_micros: u64,
 }
 
 impl SpillTier {
@@ -197,6 +200,7 @@ impl SpillTier {
             restores: 0,
             misses: 0,
             rejected: 0,
+            restore_micros: 0,
         };
         let mut report = ScanReport::default();
         for entry in fs::read_dir(dir)? {

@@ -405,4 +405,6 @@ pub struct SpillStats {
     /// included), and files that could not be used (computed again instead).
     pub misses: u64,
     pub rejected: u64,
+    /// Time spent restoring, in microseconds over `restores` (the mean restore time).
+    pub restore_micros: u64,
 }

@@ -141,6 +141,9 @@ impl ModelWorker {
         }
         match self.engine.restore_kv(&snapshot) {
             Ok(seq) => {
+                if let Some(tier) = self.spill.as_mut() {
+                    tier.restore_micros += started.elapsed().as_micros() as u64;
+                }
                 metrics::counter!("smolchat_kv_spill_restores_total").increment(1);
                 metrics::histogram!("smolchat_kv_spill_restore_seconds")
                     .record(started.elapsed().as_secs_f64());

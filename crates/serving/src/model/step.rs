@@ -1184,6 +1184,7 @@ impl ModelWorker {
             restores: t.restores,
             misses: t.misses,
             rejected: t.rejected,
+            restore_micros: t.restore_micros,
         });
         report.cached_sequences = self.caches.len();
         report.kv_free_blocks = self.kv_free_for_new_work();

@@ -273,8 +273,16 @@ fn render_live(
                 } else {
                     String::new()
                 };
+                let mean = if t.restores > 0 {
+                    format!(
+                        " (mean {:.1} ms)",
+                        t.restore_micros as f64 / 1e3 / t.restores as f64
+                    )
+                } else {
+                    String::new()
+                };
                 format!(
-                    "{} of {}{ram} · {} conversations · {} written, {} restored, {} not found, {} unusable",
+                    "{} of {}{ram} · {} conversations · {} written, {} restored{mean}, {} not found, {} unusable",
                     mib(t.bytes as usize),
                     mib(t.budget_bytes as usize),
                     t.files,
