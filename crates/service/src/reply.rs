@@ -129,6 +129,8 @@ mod tests {
             generation_ms: 1.0,
             drafted_tokens: 0,
             accepted_tokens: 0,
+            restored_tokens: 0,
+            warmed_tokens: 0,
         };
         let (user, reply) = (Uuid::now_v7(), Uuid::now_v7());
         let wire = ReplyEvent::<Uuid>::Done {

@@ -688,6 +688,8 @@ mod tests {
             generation_ms: 4.0,
             drafted_tokens: 0,
             accepted_tokens: 0,
+            restored_tokens: 0,
+            warmed_tokens: 0,
         };
         let v = line(
             AnswerShape::Chat,

@@ -193,6 +193,8 @@ mod tests {
             generation_ms: 0.0,
             drafted_tokens: 0,
             accepted_tokens: 0,
+            restored_tokens: 0,
+            warmed_tokens: 0,
         }
     }
 
