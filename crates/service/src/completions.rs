@@ -28,9 +28,9 @@ use smolchat_store::Store;
 /// the operator sees.
 pub use smolchat_serving::types::{
     DeviceMemory, Failure, GenEvent, GenSummary, GraphStats, ModelUnavailable, Pooling, RequestId,
-    SchedulerStats, SequenceState, StopReason, SubmitError,
+    SchedulerStats, SequenceState, StopReason, SubmitError, WarmStats,
 };
-pub use smolchat_serving::warm::{WarmRefused, WarmStats};
+pub use smolchat_serving::warm::WarmRefused;
 use smolchat_text::sampling::SamplingParams;
 
 /// Which KV cache a request reuses and keeps.

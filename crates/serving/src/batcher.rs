@@ -17,8 +17,9 @@ use std::time::{Duration, Instant};
 
 use uuid::Uuid;
 
+use super::types::WarmStats;
 use super::types::{RequestId, SequenceState, SubmitError};
-use super::warm::{Draft, WarmConfig, WarmQueue, WarmRefused, WarmStats};
+use super::warm::{Draft, WarmConfig, WarmQueue, WarmRefused};
 use super::window::SlidingWindow;
 
 #[derive(Debug, Clone)]

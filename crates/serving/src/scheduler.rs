@@ -152,7 +152,7 @@ impl SchedulerActor {
         self.stats.queued = self.batcher.queued();
         self.stats.running = self.batcher.running();
         let reused = self.stats.warm.reused_tokens;
-        let warm = crate::warm::WarmStats {
+        let warm = crate::types::WarmStats {
             reused_tokens: reused,
             ..self.batcher.warm_stats()
         };

@@ -343,7 +343,31 @@ pub struct SchedulerStats {
     /// was measured).
     pub draft_break_even: f64,
     /// Typed drafts warmed in spare steps.
-    pub warm: crate::warm::WarmStats,
+    pub warm: WarmStats,
+}
+
+/// What the admin page and `/metrics` show of typed drafts being warmed (see [`crate::warm`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct WarmStats {
+    /// Whether drafts are warmed at all (`scheduler.warm_drafts`).
+    pub enabled: bool,
+    /// Drafts waiting for a spare step.
+    pub waiting: usize,
+    /// Whether a draft is being computed now.
+    pub warming: bool,
+    /// Drafts offered since start (each replacing that user's previous one).
+    pub offered: u64,
+    /// Drafts started, and started ones whose prompt was computed to its end.
+    pub started: u64,
+    pub completed: u64,
+    /// Drafts cancelled because a reply arrived (each keeps what it had computed and starts
+    /// again at the next spare step, unless a send made it moot).
+    pub interrupted: u64,
+    /// Prompt tokens computed for drafts.
+    pub tokens: u64,
+    /// Prompt tokens of sent messages found in caches that drafts computed (the model
+    /// worker's count; set by the scheduler).
+    pub reused_tokens: u64,
 }
 
 /// What a cache key (a conversation) is doing right now, for the admin page.

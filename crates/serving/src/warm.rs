@@ -24,10 +24,9 @@
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
-use serde::Serialize;
 use uuid::Uuid;
 
-use super::types::RequestId;
+use super::types::{RequestId, WarmStats};
 use super::window::SlidingWindow;
 
 /// Drafts kept waiting at most (one per user); past it the oldest is dropped.
@@ -89,30 +88,6 @@ pub enum WarmRefused {
          (scheduler.warm_tokens_per_minute_per_user)"
     )]
     UserLimit { used: u64, limit: u64 },
-}
-
-/// What the admin page and `/metrics` show of drafts being warmed.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
-pub struct WarmStats {
-    /// Whether drafts are warmed at all (`scheduler.warm_drafts`).
-    pub enabled: bool,
-    /// Drafts waiting for a spare step.
-    pub waiting: usize,
-    /// Whether a draft is being computed now.
-    pub warming: bool,
-    /// Drafts offered since start (each replacing that user's previous one).
-    pub offered: u64,
-    /// Drafts started, and started ones whose prompt was computed to its end.
-    pub started: u64,
-    pub completed: u64,
-    /// Drafts cancelled because a reply arrived (each keeps what it had computed and starts
-    /// again at the next spare step, unless a send made it moot).
-    pub interrupted: u64,
-    /// Prompt tokens computed for drafts.
-    pub tokens: u64,
-    /// Prompt tokens of sent messages found in caches that drafts computed (the model
-    /// worker's count; set by the scheduler).
-    pub reused_tokens: u64,
 }
 
 /// The draft being computed: its request id, the draft (to requeue it when interrupted) and the
