@@ -1929,9 +1929,11 @@ fn the_spill_budget_holds_under_64_conversations_cycling_through_4() {
     let (tier, _) = crate::spill::SpillTier::open(dir.path(), budget, "m").expect("tier");
     let mut w = worker_with_kv(Some(16)).with_spill(tier, std::time::Duration::from_secs(30));
     let prompt = |c: u32| -> Vec<u32> { (0..40).map(|i| 100 + (c * 41 + i) % 2000).collect() };
+    let mut fresh = worker_with_kv(Some(16));
     let mut id = 0;
+    // All 64 once, then every eighth again (its file kept or dropped for the budget).
     for round in 0..2 {
-        for c in 0..64u32 {
+        for c in (0..64u32).filter(|c| round == 0 || c % 8 == 0) {
             id += 1;
             let events = run(&mut w, id, conversation(1000 + u128::from(c)), prompt(c));
             let tier = w.spill.as_mut().expect("tier");
@@ -1941,14 +1943,14 @@ fn the_spill_budget_holds_under_64_conversations_cycling_through_4() {
                 "round {round}, conversation {c}: {} bytes in a budget of {budget}",
                 tier.bytes()
             );
-            if round == 1 && c % 16 == 0 {
-                let fresh = run(&mut worker_with_kv(Some(16)), 1, None, prompt(c));
-                assert_eq!(tokens_of(&events), tokens_of(&fresh), "conversation {c}");
+            if round == 1 {
+                let from_nothing = run(&mut fresh, u64::from(c) + 1, None, prompt(c));
+                assert_eq!(tokens_of(&events), tokens_of(&from_nothing), "conversation {c}");
             }
         }
     }
     let tier = w.spill.as_ref().expect("tier");
-    assert!(tier.writes >= 64, "{} written", tier.writes);
+    assert!(tier.writes >= 60, "{} written", tier.writes);
     assert!(
         tier.files() >= 2 && tier.files() < 64,
         "{} files",
