@@ -1945,7 +1945,11 @@ fn the_spill_budget_holds_under_64_conversations_cycling_through_4() {
             );
             if round == 1 {
                 let from_nothing = run(&mut fresh, u64::from(c) + 1, None, prompt(c));
-                assert_eq!(tokens_of(&events), tokens_of(&from_nothing), "conversation {c}");
+                assert_eq!(
+                    tokens_of(&events),
+                    tokens_of(&from_nothing),
+                    "conversation {c}"
+                );
             }
         }
     }

@@ -12,6 +12,8 @@ use smolchat_engine::synthetic::{self, SyntheticSpec, TypeMix};
 use smolchat_engine::{DeviceSampling, Engine, Logits, LogitsMode, SampleRow, SeqStep};
 use smolchat_serving::load;
 
+mod spill;
+
 #[derive(Args, Debug)]
 pub struct BenchArgs {
     /// The model to measure (default: the embedded SmolLM2-135M-Instruct) and the configuration
@@ -73,6 +75,11 @@ pub struct BenchArgs {
     /// profiles alone (`scripts/gpu-check.sh profile`). Prints where the range was.
     #[arg(long, value_name = "DEPTH", conflicts_with_all = ["speculative", "seed_engine"])]
     pub profile_decode_at: Option<usize>,
+    /// Instead: the KV spill tier's formats on one sequence of `--prompt-tokens` (zstd, the
+    /// tier's lossless format, beside q8_0 pages and what they do to a greedy continuation of
+    /// `--gen-tokens`); prints one JSON object.
+    #[arg(long, conflicts_with_all = ["speculative", "seed_engine", "profile_decode_at"])]
+    pub spill_formats: bool,
     #[command(flatten)]
     pub device: super::DeviceArg,
 }
@@ -142,6 +149,9 @@ pub fn run(args: &BenchArgs, globals: &super::Globals) -> Result<()> {
         cfg.context_length
     );
     let prompt = pseudo_random_tokens(args.prompt_tokens, cfg.vocab_size, 1);
+    if args.spill_formats {
+        return spill::run(&mut engine, &model_name, &prompt, args.gen_tokens);
+    }
     if let Some(depth) = args.profile_decode_at {
         return profile_decode(&mut engine, depth, cfg.vocab_size, cfg.context_length);
     }
@@ -719,7 +729,7 @@ fn argmax(row: &[f32]) -> u32 {
 }
 
 /// The workloads every speculative-decoding benchmark runs (one file, read by the scripts too).
-const SPEC_WORKLOADS: &str = include_str!("../../benches/speculative_workloads.json");
+const SPEC_WORKLOADS: &str = include_str!("../../../benches/speculative_workloads.json");
 
 /// `smolchat bench --speculative`: each workload decoded greedily alone, drafts off then on,
 /// through the model worker's own step (no scheduler, no HTTP); `--gen-tokens` new tokens. The
