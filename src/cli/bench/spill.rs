@@ -111,7 +111,7 @@ pub fn run(engine: &mut Engine, model: &str, prompt: &[u32], gen: usize) -> Resu
         .map(|b| f16::from_le_bytes([b[0], b[1]]).to_f32())
         .collect();
     anyhow::ensure!(
-        values.len() % Q8_0_VALUES == 0,
+        values.len().is_multiple_of(Q8_0_VALUES),
         "the pages do not split into q8_0 blocks"
     );
     let t = Instant::now();
