@@ -46,7 +46,7 @@ def long_message(sentences=18):
 
 SHORT = "Name three colours that you can see in a sunset over the sea."
 HISTORY = "Hello! I would like to talk about a small fishing village."
-COUNT = "Count from 1 to 200, separated by commas."
+COUNT = "Write a long story about a lighthouse keeper and the ships he saw."
 
 
 def cpu_name():
