@@ -4,11 +4,14 @@ HTTP + SSE path.
 
 For each size N (prompt tokens of history: 500, 2000, 4000 by default) it builds conversations of
 about N tokens (one long, varied, unique first message; a reply of a few tokens) and measures the
-next turn's time to first token in four situations, side by side in one run:
+next turn's time to first token in five situations, side by side in one run:
 
   warm       the conversation's KV cache is still on the device (the next turn right away);
   evicted    after an admin eviction (`POST /admin/c/{id}/evict`): the KV spill tier writes the
              cache to `<spill dir>/<id>.kv` and reads it back when the conversation returns;
+  opened     the same, but the conversation is opened (`GET /api/conversations/{id}`, as its page
+             does) a second before the turn: the server reads the file ahead, off the model
+             thread, so the turn finds the cache in memory;
   restart    after the server is stopped (SIGTERM: it writes its idle caches to the spill
              directory) and started again on the same database;
   prefilled  with the spill tier off (`SMOLCHAT_SCHEDULER__KV_SPILL_MIB=0`), after an eviction:
@@ -355,6 +358,10 @@ def per_1k(info, cached):
             "compressed_over_raw": round(info["data_bytes"] / info["raw_bytes"], 4)}
 
 
+# How long after opening an evicted conversation its next message is sent ("opened").
+OPENED_DELAY_S = 1.0
+
+
 def one_round(sizes, tmp, builder, r):
     """One measurement of every situation at every size; {size: {situation: row}}."""
     out = {n: {} for n in sizes}
@@ -393,6 +400,17 @@ def one_round(sizes, tmp, builder, r):
         out[n]["evicted"] = row
         log(f"  evicted ttft {ttft * 1e3:.1f} ms, prompt {s['prompt_tokens']}, cached {s.get('cached_tokens')}, "
             f"file {info['file_bytes']} B for {info['tokens']} tokens")
+
+        log(f"round {r + 1}, N={n}: opened (building)")
+        conv, b = builder.build(server, n)
+        path, waited = evict_to_disk(server, db, conv)
+        # The user opens the conversation (its page, or the API's GET), which reads the spilled
+        # cache ahead, and sends a moment later.
+        server.request("GET", f"/api/conversations/{conv}")
+        time.sleep(OPENED_DELAY_S)
+        ttft, _, s = turn(server, conv, NEXT_TURN)
+        out[n]["opened"] = summary_row(ttft, s) | {"build": b, "evict_to_file_s": round(waited, 2)}
+        log(f"  opened ttft {ttft * 1e3:.1f} ms, prompt {s['prompt_tokens']}, cached {s.get('cached_tokens')}")
 
         log(f"round {r + 1}, N={n}: restart (building)")
         conv, b = builder.build(server, n)
@@ -518,10 +536,11 @@ def main():
     results = []
     for n in sizes:
         row = {"size": n}
-        for sit in ("warm", "evicted", "restart", "prefilled"):
+        for sit in ("warm", "evicted", "opened", "restart", "prefilled"):
             row[sit] = median_row([rd[n][sit] for rd in rounds])
         w, e, rs, pf = (row[s]["ttft_ms"] for s in ("warm", "evicted", "restart", "prefilled"))
         row["ratios"] = {"evicted_over_warm": ratio(e, w), "restart_over_warm": ratio(rs, w),
+                         "opened_over_warm": ratio(row["opened"]["ttft_ms"], w),
                          "prefill_over_evicted": ratio(pf, e), "prefill_over_restart": ratio(pf, rs),
                          "prefill_over_warm": ratio(pf, w)}
         f = row["evicted"].get("spill_file") or row["restart"].get("spill_file")

@@ -599,6 +599,11 @@ impl Conversations {
     /// The conversation with its messages.
     pub async fn get(&self, caller: &Caller, id: Uuid) -> Result<ConversationView> {
         let conversation = self.owned(caller, id).await?;
+        // Opened: its next message is likely; a cache in the spill tier is read ahead.
+        self.sessions
+            .shared()
+            .scheduler
+            .do_send(smolchat_serving::scheduler::Prefetch(id));
         let (all, messages) = self.store.messages_and_branch(id).await?;
         let versions = Versions::of(&all, &messages);
         let replying = self.replying(id).await;

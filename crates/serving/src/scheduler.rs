@@ -241,6 +241,20 @@ impl Handler<Warm> for SchedulerActor {
     }
 }
 
+/// A conversation may come back soon (its page opened, a message on its way): its spilled KV
+/// cache, if any, is read ahead off the model thread.
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct Prefetch(pub Uuid);
+
+impl Handler<Prefetch> for SchedulerActor {
+    type Result = ();
+
+    fn handle(&mut self, msg: Prefetch, _: &mut Context<Self>) {
+        let _ = self.worker.send(WorkerCommand::Prefetch(msg.0));
+    }
+}
+
 /// Stop a request; it ends at the next step. Returns whether it was known.
 #[derive(Message)]
 #[rtype(result = "bool")]

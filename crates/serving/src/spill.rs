@@ -115,6 +115,23 @@ struct Report {
     seconds: f64,
 }
 
+/// A file for the loader thread to read ahead ([`SpillTier::preload`]).
+struct LoadJob {
+    conversation: Uuid,
+    generation: u64,
+    path: PathBuf,
+}
+
+/// What the loader read: the snapshot, or why the file is not usable.
+struct LoadReport {
+    conversation: Uuid,
+    generation: u64,
+    result: Result<KvSnapshot, String>,
+}
+
+/// Snapshots read ahead and not taken yet are kept within this many bytes (the oldest go).
+const MAX_LOADED_BYTES: usize = 1 << 30;
+
 /// The spill files of one replica, within a budget.
 pub struct SpillTier {
     dir: PathBuf,
@@ -147,6 +164,15 @@ pub struct SpillTier {
     /// Time spent restoring caches into the engine (reading, decompressing, copying in), in
     /// microseconds, over `restores`.
     pub restore_micros: u64,
+    /// Files read ahead on the loader thread (see [`SpillTier::preload`]): those being read
+    /// (with the generation they were asked under), and those read and not taken yet.
+    loads: Option<mpsc::Sender<LoadJob>>,
+    loaded_reports: mpsc::Receiver<LoadReport>,
+    loader: Option<std::thread::JoinHandle<()>>,
+    loading: HashMap<Uuid, u64>,
+    loaded: HashMap<Uuid, (Result<KvSnapshot, String>, Instant)>,
+    /// Files read ahead since start.
+    pub preloads: u64,
 }
 
 impl SpillTier {
@@ -182,6 +208,25 @@ impl SpillTier {
                     }
                 }
             })?;
+        let (loads, load_queue) = mpsc::channel::<LoadJob>();
+        let (loaded_tx, loaded_reports) = mpsc::channel::<LoadReport>();
+        let loader_model = model.to_string();
+        let loader = std::thread::Builder::new()
+            .name("smolchat-kv-load".into())
+            .spawn(move || {
+                for job in load_queue {
+                    let result = read_file(&job.path, &loader_model, job.conversation)
+                        .map_err(|e| e.to_string());
+                    let report = LoadReport {
+                        conversation: job.conversation,
+                        generation: job.generation,
+                        result,
+                    };
+                    if loaded_tx.send(report).is_err() {
+                        return;
+                    }
+                }
+            })?;
         let mut tier = Self {
             dir: dir.to_path_buf(),
             budget,
@@ -201,6 +246,12 @@ impl SpillTier {
             misses: 0,
             rejected: 0,
             restore_micros: 0,
+            loads: Some(loads),
+            loaded_reports,
+            loader: Some(loader),
+            loading: HashMap::new(),
+            loaded: HashMap::new(),
+            preloads: 0,
         };
         let mut report = ScanReport::default();
         for entry in fs::read_dir(dir)? {
@@ -295,6 +346,7 @@ impl SpillTier {
     /// more than [`MAX_PENDING_BYTES`] wait for it.
     pub fn put(&mut self, conversation: Uuid, snapshot: KvSnapshot) -> Result<(), SpillError> {
         self.collect();
+        self.forget_load(conversation);
         let generation = self.next_generation;
         self.next_generation += 1;
         let snapshot = Arc::new(snapshot);
@@ -400,11 +452,105 @@ impl SpillTier {
         }
     }
 
+    /// Starts reading `conversation`'s file on the loader thread (read, checked and
+    /// decompressed there), so that [`Self::take`] finds it in memory: called when the
+    /// conversation shows signs of coming back (its page opened, a message on its way), so the
+    /// model thread neither reads the file nor waits for it. Whether a read was started (not
+    /// when there is no file, or it is in memory or being read already).
+    pub fn preload(&mut self, conversation: Uuid) -> bool {
+        self.collect();
+        self.collect_loads();
+        let present = self.entries.contains_key(&conversation);
+        let in_memory = self.pending.contains_key(&conversation)
+            || self.ram.contains_key(&conversation)
+            || self.loaded.contains_key(&conversation)
+            || self.loading.contains_key(&conversation);
+        if !present || in_memory {
+            return false;
+        }
+        let generation = self.next_generation;
+        self.next_generation += 1;
+        let sent = self.loads.as_ref().is_some_and(|loads| {
+            loads
+                .send(LoadJob {
+                    conversation,
+                    generation,
+                    path: self.path(conversation),
+                })
+                .is_ok()
+        });
+        if sent {
+            self.loading.insert(conversation, generation);
+            self.preloads += 1;
+            metrics::counter!("smolchat_kv_spill_preloads_total").increment(1);
+        }
+        sent
+    }
+
+    /// Whether `conversation`'s file is being read ahead right now.
+    pub fn is_loading(&mut self, conversation: Uuid) -> bool {
+        self.collect_loads();
+        self.loading.contains_key(&conversation)
+    }
+
+    /// Applies the loader's reports so far, without waiting; a read that was asked under an
+    /// older generation (its file rewritten or removed since) is dropped.
+    fn collect_loads(&mut self) {
+        while let Ok(report) = self.loaded_reports.try_recv() {
+            self.apply_load(report);
+        }
+    }
+
+    fn apply_load(&mut self, report: LoadReport) {
+        if self.loading.get(&report.conversation) != Some(&report.generation) {
+            return;
+        }
+        self.loading.remove(&report.conversation);
+        self.loaded
+            .insert(report.conversation, (report.result, Instant::now()));
+        let size = |r: &Result<KvSnapshot, String>| r.as_ref().map_or(0, |s| s.bytes.len());
+        while self.loaded.values().map(|(r, _)| size(r)).sum::<usize>() > MAX_LOADED_BYTES {
+            let Some((&oldest, _)) = self.loaded.iter().min_by_key(|(_, (_, at))| *at) else {
+                break;
+            };
+            self.loaded.remove(&oldest);
+        }
+    }
+
+    /// Waits for the read ahead of `conversation`, if one is under way.
+    fn wait_load(&mut self, conversation: Uuid) {
+        while self.loading.contains_key(&conversation) {
+            match self.loaded_reports.recv() {
+                Ok(report) => self.apply_load(report),
+                Err(_) => {
+                    self.loading.clear();
+                    return;
+                }
+            }
+        }
+    }
+
+    /// Forgets any read ahead of `conversation` (its file is rewritten or removed).
+    fn forget_load(&mut self, conversation: Uuid) {
+        self.loading.remove(&conversation);
+        self.loaded.remove(&conversation);
+    }
+
     /// `conversation`'s saved K/V, read and checked, the file removed (the cache it restores is
     /// the one kept from then on). `Ok(None)` when there is none; an error (the file removed
-    /// too) when it is torn or for another model.
+    /// too) when it is torn or for another model. A read ahead under way is waited for.
     pub fn take(&mut self, conversation: Uuid) -> Result<Option<KvSnapshot>, SpillError> {
         self.collect();
+        self.collect_loads();
+        self.wait_load(conversation);
+        if let Some((read, _)) = self.loaded.remove(&conversation) {
+            if self.entries.remove(&conversation).is_some() {
+                let _ = fs::remove_file(self.path(conversation));
+                let snapshot = read.map_err(SpillError::Corrupt)?;
+                self.restores += 1;
+                return Ok(Some(snapshot));
+            }
+        }
         if let Some((_, snapshot)) = self.pending.remove(&conversation) {
             // Still being written: the snapshot in memory serves, and the file goes when the
             // writer reports it (with any older one now).
@@ -445,6 +591,7 @@ impl SpillTier {
 
     fn remove_file(&mut self, conversation: Uuid) {
         self.ram.remove(&conversation);
+        self.forget_load(conversation);
         if self.entries.remove(&conversation).is_some() {
             let _ = fs::remove_file(self.path(conversation));
         }
@@ -466,6 +613,10 @@ impl Drop for SpillTier {
     fn drop(&mut self) {
         self.flush();
         self.jobs = None;
+        self.loads = None;
+        if let Some(loader) = self.loader.take() {
+            let _ = loader.join();
+        }
         if let Some(writer) = self.writer.take() {
             let _ = writer.join();
         }
@@ -707,5 +858,41 @@ mod tests {
         assert_eq!(ram.take(b).expect("from the file"), Some(snapshot(40, 2)));
         assert_eq!(ram.ram_restores, 1);
         drop(ram);
+    }
+
+    /// A file read ahead on the loader thread is taken from memory (the file removed as a read
+    /// would); a rewrite meanwhile makes the read stale and the newer blocks win; a corrupt
+    /// file read ahead is refused at take, like one read then; nothing to read starts nothing.
+    #[test]
+    fn files_read_ahead_are_taken_from_memory_and_never_stale() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (a, b, c) = (Uuid::from_u128(1), Uuid::from_u128(2), Uuid::from_u128(3));
+        let (mut tier, _) = SpillTier::open(dir.path(), 1 << 20, "model-1").expect("open");
+        assert!(!tier.preload(a), "no file: nothing to read");
+        tier.put(a, snapshot(40, 1)).expect("put");
+        tier.put(b, snapshot(30, 2)).expect("put");
+        tier.put(c, snapshot(20, 3)).expect("put");
+        tier.flush();
+        assert!(tier.preload(a));
+        assert!(!tier.preload(a), "already being read");
+        assert_eq!(tier.take(a).expect("take"), Some(snapshot(40, 1)));
+        assert!(!dir.path().join(format!("{a}.kv")).exists());
+        assert_eq!((tier.preloads, tier.restores), (1, 1));
+
+        // Read ahead, then written again (the cache came back and was evicted anew).
+        assert!(tier.preload(b));
+        tier.put(b, snapshot(31, 9)).expect("put");
+        tier.flush();
+        assert_eq!(tier.take(b).expect("take"), Some(snapshot(31, 9)));
+
+        // A byte flipped before the read ahead: refused when taken, the file gone.
+        let path = dir.path().join(format!("{c}.kv"));
+        let mut bytes = fs::read(&path).expect("read");
+        let last = bytes.len() - 1;
+        bytes[last] ^= 1;
+        fs::write(&path, bytes).expect("write");
+        assert!(tier.preload(c));
+        assert!(tier.take(c).is_err());
+        assert!(!path.exists() && !tier.contains(c));
     }
 }

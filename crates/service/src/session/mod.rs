@@ -597,6 +597,10 @@ impl Handler<SendMessage> for SessionActor {
             return Box::pin(fut::ready(Err(e)));
         }
         self.sending = true;
+        // Its cache, if spilled, is read while the message is stored and the prompt built.
+        self.shared
+            .scheduler
+            .do_send(smolchat_serving::scheduler::Prefetch(self.id));
         // What is typed next is a new draft.
         self.last_draft = None;
         self.last_activity = Instant::now();
@@ -784,6 +788,9 @@ impl Handler<WarmDraft> for SessionActor {
             return Box::pin(fut::ready(Err(e)));
         }
         self.last_activity = Instant::now();
+        self.shared
+            .scheduler
+            .do_send(smolchat_serving::scheduler::Prefetch(self.id));
         let shared = Arc::clone(&self.shared);
         let id = self.id;
         let work = async move {

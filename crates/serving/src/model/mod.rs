@@ -62,6 +62,10 @@ pub enum WorkerCommand {
     /// Write every idle conversation cache not yet in the spill tier (the server is stopping:
     /// the next start finds them).
     SpillAll(oneshot::Sender<()>),
+    /// A conversation may come back soon (its page was opened, a message is on its way): when
+    /// its cache is not on the device but in the spill tier, start reading it there, off this
+    /// thread (see [`crate::spill::SpillTier::preload`]).
+    Prefetch(Uuid),
 }
 
 #[derive(Debug, Clone)]
@@ -458,8 +462,12 @@ impl ModelWorker {
                     request,
                     submitted,
                 } => {
+                    if let Some(c) = request.cache_key {
+                        self.prefetch(c);
+                    }
                     self.active.insert(id, Active::new(*request, submitted));
                 }
+                WorkerCommand::Prefetch(conversation) => self.prefetch(conversation),
                 WorkerCommand::Step(plan) => {
                     let gap = reported_busy
                         .take()
@@ -508,6 +516,31 @@ impl ModelWorker {
             }
         }
         tracing::info!("model worker stopped");
+    }
+
+    /// Starts reading `conversation`'s spilled cache ahead when it is not on the device.
+    fn prefetch(&mut self, conversation: Uuid) {
+        if self
+            .caches
+            .contains_key(&CacheKey::Conversation(conversation))
+        {
+            return;
+        }
+        if let Some(tier) = self.spill.as_mut() {
+            tier.preload(conversation);
+        }
+    }
+
+    /// Whether `id`'s admission should wait for its conversation's spilled cache, still being
+    /// read ahead, because the step has other work that would wait with it (alone, it waits for
+    /// the read: nobody else is held up).
+    fn admission_waits_for_read(&mut self, id: RequestId, others: bool) -> bool {
+        let Some(c) = self.active.get(&id).and_then(|a| a.request.cache_key) else {
+            return false;
+        };
+        others
+            && !self.caches.contains_key(&CacheKey::Conversation(c))
+            && self.spill.as_mut().is_some_and(|t| t.is_loading(c))
     }
 
     /// First time a request is planned: find or make its sequence and work out what of the prompt

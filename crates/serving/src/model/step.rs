@@ -515,6 +515,15 @@ impl ModelWorker {
     fn admit_planned(&mut self, plan: &StepPlan, step: &mut StepWork) {
         for &(id, _) in &plan.prefill {
             if self.active.get(&id).is_some_and(|a| a.seq.is_none()) {
+                // A cache still being read from the spill tier: admitted in a later step rather
+                // than hold up the others' tokens (it is then in memory).
+                let others = !plan.decode.is_empty()
+                    || plan.prefill.iter().any(|p| {
+                        p.0 != id && self.active.get(&p.0).is_some_and(|a| a.seq.is_some())
+                    });
+                if self.admission_waits_for_read(id, others) {
+                    continue;
+                }
                 self.admit(id);
                 if let Some(a) = self.active.get(&id) {
                     step.report.reused_tokens += a.cached_tokens as u64;

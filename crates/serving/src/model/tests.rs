@@ -1880,6 +1880,10 @@ fn restored_conversations_reply_as_computed_from_nothing_for_every_kv_type() {
         turn2.extend(300..305);
         let warm = run(&mut w, 2, conversation(2), turn2.clone());
         assert!(w.evict_to_disk(Uuid::from_u128(2)));
+        // Its page is opened: the file is read ahead off the model thread.
+        w.spill.as_mut().expect("tier").flush();
+        w.prefetch(Uuid::from_u128(2));
+        assert_eq!(w.spill.as_ref().map(|t| t.preloads), Some(1), "{kv_type}");
         let restored = run(&mut w, 3, conversation(2), turn2.clone());
         let s = summary(&restored);
         // All but the last prompt token (computed for its logits), as on the device.
