@@ -1965,3 +1965,30 @@ fn the_spill_budget_holds_under_64_conversations_cycling_through_4() {
         tier.files()
     );
 }
+
+/// A typed draft takes only free KV blocks: with the cache full of another conversation's idle
+/// cache, it ends (keeping what it computed) rather than evict that cache.
+#[test]
+fn a_typed_draft_never_evicts_another_conversations_cache() {
+    // 8 blocks of 16 positions: the idle conversation holds 5 (70 tokens and its reply).
+    let mut w = worker_with_kv(Some(8));
+    let idle: Vec<u32> = (100..170).collect();
+    run(&mut w, 1, conversation(1), idle);
+    let held = |w: &ModelWorker, c: u128| {
+        w.caches
+            .get(&CacheKey::Conversation(Uuid::from_u128(c)))
+            .and_then(|s| w.engine.cached_tokens(s.seq).ok())
+            .map_or(0, <[u32]>::len)
+    };
+    assert_eq!(held(&w, 1), 72);
+    let mut b = test_batcher(&w);
+    b.set_kv_free_blocks(w.kv_free_for_new_work());
+    let typed: Vec<u32> = (300..400).collect();
+    b.offer_draft(draft(2, &typed)).expect("offered");
+    step_until_idle(&mut w, &mut b, 10);
+    assert_eq!(held(&w, 1), 72, "the idle conversation's cache was evicted");
+    assert_eq!(w.evictions, 0);
+    // The draft kept what fitted the free blocks (3 of them: 48 positions).
+    assert_eq!(held(&w, 2), 48);
+    assert!(w.active.is_empty());
+}
