@@ -423,6 +423,7 @@ async fn errors_limits_and_the_completions_endpoint() {
             ("SMOLCHAT_SERVER__API_KEY", KEY),
             ("SMOLCHAT_LIMITS__CONTEXT", "64"),
             ("SMOLCHAT_LIMITS__MAX_MESSAGE_CHARS", "100"),
+            ("SMOLCHAT_MODEL__ALIASES", "[\"gpt-4o-mini\", \"llama3\"]"),
         ],
     )
     .await;
@@ -445,13 +446,46 @@ async fn errors_limits_and_the_completions_endpoint() {
     let model = r.json["data"][0]["id"].as_str().unwrap().to_string();
     assert_eq!(r.json["data"][0]["context_length"], 64);
 
-    // Model names: the id and the file name are served; anything else is 404.
-    for name in [model.clone(), format!("{model}.gguf")] {
+    // The aliases are listed after the model, each naming it.
+    let listed: Vec<&str> = r.json["data"]
+        .as_array()
+        .map(|d| d.iter().filter_map(|m| m["id"].as_str()).collect())
+        .unwrap_or_default();
+    assert_eq!(listed, [model.as_str(), "gpt-4o-mini", "llama3"]);
+    assert_eq!(r.json["data"][1]["alias_of"], json!(model));
+    let r = api(&server, key, "/v1/models/llama3", None).await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.text);
+    assert_eq!(r.json["alias_of"], json!(model));
+
+    // Model names: the id, the file name and the aliases are served, here and on Ollama's and
+    // Anthropic's routes; anything else is 404.
+    for name in [
+        model.clone(),
+        format!("{model}.gguf"),
+        "gpt-4o-mini".into(),
+        "llama3".into(),
+    ] {
         let mut body = chat_body("Hi", 2, false);
         body["model"] = json!(name);
         let r = api(&server, key, chat, Some(&body)).await;
         assert_eq!(r.status, StatusCode::OK, "{name}: {}", r.text);
     }
+    let r = api(
+        &server,
+        key,
+        "/v1/messages",
+        Some(&json!({"model": "llama3", "max_tokens": 2, "messages": [{"role": "user", "content": "Hi"}]})),
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.text);
+    let r = api(
+        &server,
+        key,
+        "/v1/messages",
+        Some(&json!({"model": "claude-3-5-haiku", "max_tokens": 2, "messages": [{"role": "user", "content": "Hi"}]})),
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::NOT_FOUND, "{}", r.text);
     let mut body = chat_body("Hi", 2, false);
     body["model"] = json!("gpt-4o");
     let r = api(&server, key, chat, Some(&body)).await;

@@ -77,6 +77,12 @@ pub struct ModelConfig {
     /// On the fast tier: replay decode steps from CUDA graphs (turn off to compare, or to
     /// rule graphs out when chasing a bug).
     pub cuda_graphs: bool,
+    /// Other names clients may send for this model in `model` (`gpt-4o-mini`, `llama3`,
+    /// `claude-3-5-haiku`): every API answers them as the model's own id.
+    pub aliases: Vec<String>,
+    /// Answer requests that name a model this server does not have with this model, instead
+    /// of refusing them with 404 `model_not_found` (off by default).
+    pub answer_unknown_names: bool,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -484,6 +490,8 @@ impl Default for ModelConfig {
             decode_prefetch: None,
             gpu_tier: GpuTier::Auto,
             cuda_graphs: true,
+            aliases: Vec::new(),
+            answer_unknown_names: false,
         }
     }
 }
@@ -737,6 +745,22 @@ impl Config {
 
     pub fn validate(&self) -> Result<(), ConfigError> {
         let bad = |m: String| Err(ConfigError::Invalid(m));
+        for (i, alias) in self.model.aliases.iter().enumerate() {
+            let why = if alias.trim().is_empty() {
+                Some("is empty")
+            } else if alias.trim() != alias || alias.chars().any(char::is_control) {
+                Some("has leading or trailing spaces or control characters")
+            } else if alias.chars().count() > 200 {
+                Some("is longer than 200 characters")
+            } else if self.model.aliases[..i].contains(alias) {
+                Some("is listed twice")
+            } else {
+                None
+            };
+            if let Some(why) = why {
+                return bad(format!("model.aliases: the alias {alias:?} {why}"));
+            }
+        }
         let s = &self.scheduler;
         if s.max_running == Some(0) {
             return bad("scheduler.max_running must be at least 1".into());
@@ -1040,6 +1064,22 @@ mod tests {
             SignupMode::Closed
         );
         assert!(fig("[auth]\nsignup = \"sometimes\"").is_err());
+    }
+
+    #[test]
+    fn model_aliases_are_validated() {
+        let mut c = Config::default();
+        c.model.aliases = vec!["gpt-4o-mini".into(), "llama3".into()];
+        assert!(c.validate().is_ok());
+        for (aliases, says) in [
+            (vec!["a", "a"], "listed twice"),
+            (vec![""], "is empty"),
+            (vec![" a"], "spaces"),
+        ] {
+            c.model.aliases = aliases.into_iter().map(String::from).collect();
+            let e = c.validate().map(|_| ()).unwrap_err().to_string();
+            assert!(e.contains("model.aliases") && e.contains(says), "{e}");
+        }
     }
 
     #[test]

@@ -118,10 +118,12 @@ pub(crate) async fn method_not_allowed(req: HttpRequest) -> Result<HttpResponse,
     )))
 }
 
-fn model_object(p: &Platform) -> Value {
+/// The model as `/v1/models` lists it under `id` (its own id, or one of its aliases, with
+/// `alias_of` naming the model).
+fn model_object(p: &Platform, id: &str) -> Value {
     let m = &p.model();
-    json!({
-        "id": m.id,
+    let mut object = json!({
+        "id": id,
         "object": "model",
         "created": STARTED.get().copied().unwrap_or(0),
         "owned_by": "smolchat",
@@ -133,11 +135,23 @@ fn model_object(p: &Platform) -> Value {
             "vocab_size": m.vocab_size,
             "weight_bytes": m.weight_bytes,
         },
-    })
+    });
+    if id != m.id {
+        object["alias_of"] = json!(m.id);
+    }
+    object
 }
 
+/// The model, then each alias an admin gave it (clients that pick from the list see the names
+/// they send).
 async fn models(state: web::Data<AppState>) -> HttpResponse {
-    HttpResponse::Ok().json(json!({"object": "list", "data": [model_object(&state.platform)]}))
+    let p = &state.platform;
+    let m = p.model();
+    let data: Vec<Value> = std::iter::once(&m.id)
+        .chain(m.aliases.iter())
+        .map(|id| model_object(p, id))
+        .collect();
+    HttpResponse::Ok().json(json!({"object": "list", "data": data}))
 }
 
 async fn model(
@@ -145,12 +159,13 @@ async fn model(
     path: web::Path<String>,
 ) -> Result<HttpResponse, ApiError> {
     let p = &state.platform;
-    // Only the id that `/v1/models` lists: anything else is 404, so the route answers nothing
-    // about names or paths beyond what the listing already says.
-    if *path != p.model().id {
-        return Err(ApiError::model_not_found(&path, &p.model().id));
+    // Only the names `/v1/models` lists (the id and the aliases): anything else is 404, so the
+    // route answers nothing about names or paths beyond what the listing already says.
+    let m = p.model();
+    if *path != m.id && !m.aliases.iter().any(|a| *a == *path) {
+        return Err(ApiError::model_not_found(&path, &m.id));
     }
-    Ok(HttpResponse::Ok().json(model_object(p)))
+    Ok(HttpResponse::Ok().json(model_object(p, &path)))
 }
 
 async fn chat_completions(

@@ -4,15 +4,10 @@
 
 use super::*;
 
-/// Whether a request's `model` names the loaded model: its id, or its file name (what
-/// llama-server clients often send). Never the file's path: that would let a client test
-/// paths on the server's disk.
+/// Whether a request's `model` means the loaded model (`ModelInfo::answers_to`: its id, file
+/// name or an alias, or any name when it answers unknown ones).
 pub(crate) fn is_served_model(p: &Platform, name: &str) -> bool {
-    let path = std::path::Path::new(&p.model().path);
-    name == p.model().id
-        || path
-            .file_name()
-            .is_some_and(|f| f.to_string_lossy() == name)
+    p.model().answers_to(name)
 }
 
 pub(crate) fn defaults(p: &Platform) -> Defaults {
