@@ -162,7 +162,7 @@ async fn model(
     // Only the names `/v1/models` lists (the id and the aliases): anything else is 404, so the
     // route answers nothing about names or paths beyond what the listing already says.
     let m = p.model();
-    if *path != m.id && !m.aliases.iter().any(|a| *a == *path) {
+    if *path != m.id && !m.aliases.contains(&*path) {
         return Err(ApiError::model_not_found(&path, &m.id));
     }
     Ok(HttpResponse::Ok().json(model_object(p, &path)))
