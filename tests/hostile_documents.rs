@@ -107,9 +107,10 @@ async fn upload(client: &Client, conversation: &str, name: &str, bytes: Vec<u8>)
 fn assert_refused(r: &Reply, status: StatusCode, needles: &[&str], what: &str) {
     assert_eq!(r.status, status, "{what}: {}", r.text);
     let message = r.json["error"]["message"].as_str().unwrap_or_default();
+    // A needle may name alternatives, `a | b`: either must be in the message.
     for needle in needles {
         assert!(
-            message.contains(needle),
+            needle.split(" | ").any(|n| message.contains(n)),
             "{what}: {needle:?} not in {message:?}"
         );
     }
@@ -140,7 +141,13 @@ fn hostile_files() -> Vec<(&'static str, Vec<u8>, &'static [&'static str])> {
         (
             "bomb.pdf",
             bomb,
-            &["bomb.pdf", "more than the conversation can hold"][..],
+            // Refused for its size; or, when the machine is busy enough (seen on 2 Zen 4
+            // cores beside the other reading test) that inflating it outlasts the reader's time
+            // limit, for its time: either way refused, saying why, with the server up.
+            &[
+                "bomb.pdf",
+                "more than the conversation can hold | reading it took longer than",
+            ][..],
         ),
         (
             "busy.pdf",
