@@ -102,15 +102,16 @@ async fn a_message_typed_slowly_is_warmed_and_typing_never_slows_another_reply()
     let driver = start_driver(dir.path()).await;
     let alice = browser(&driver, &dir.path().join("alice"), DESKTOP).await;
     alice.goto(&server.base).await.expect("open");
+    // The conversation is made first and its page opened before anything streams (a reply
+    // already running when its page loads is another test's subject).
+    let (status, created) = fetch(&alice, "POST", "/api/conversations", Some(json!({}))).await;
+    assert_eq!(status, 201, "{created}");
+    let id = created["id"].as_str().expect("id").to_string();
+    alice
+        .goto(&format!("{}/c/{id}", server.base))
+        .await
+        .expect("open the conversation");
     send(&alice, "Hello there.").await;
-    wait_js(
-        &alice,
-        "return location.pathname",
-        "the conversation",
-        |v| v.as_str().is_some_and(|p| p.starts_with("/c/")),
-    )
-    .await;
-    let id = conversation_id(&alice).await;
     wait_js(&alice, IDLE, "the first reply", |v| v == &json!(1)).await;
     let warm_flag = js(
         &alice,
