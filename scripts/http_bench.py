@@ -105,16 +105,22 @@ class Server:
 
 
 def turn(server, conv, text):
-    """Sends one message and follows the SSE stream; returns (ttft_s, total_s, summary)."""
-    c = http.client.HTTPConnection("127.0.0.1", server.port, timeout=600)
-    c.request("GET", f"/api/conversations/{conv}/events", headers={"Cookie": server.cookie})
+    """Sends one message and follows the SSE stream; returns (ttft_s, total_s, summary). Only
+    events after this turn's `started` count (the stream may replay the previous reply's end).
+    `server` needs `port`, `cookie` (the Cookie header) and `request(method, path, body)`."""
+    timeout = getattr(server, "http_timeout_s", 600)
+    c = http.client.HTTPConnection("127.0.0.1", server.port, timeout=timeout)
+    c.request("GET", f"/api/conversations/{conv}/events", headers={"Cookie": server.cookie or ""})
     stream = c.getresponse()
+    if stream.status != 200:
+        raise RuntimeError(f"events: {stream.status}")
     t0 = time.perf_counter()
-    status, _ = server.request("POST", f"/api/conversations/{conv}/messages", {"content": text})
+    status, body = server.request("POST", f"/api/conversations/{conv}/messages", {"content": text})
     if status != 202:
-        raise RuntimeError(f"send failed: {status}")
+        raise RuntimeError(f"send failed: {status} {body}")
     ttft = None
     event = None
+    started = False
     while True:
         line = stream.fp.readline()
         if not line:
@@ -123,14 +129,19 @@ def turn(server, conv, text):
         if line.startswith("event:"):
             event = line[6:].strip()
         elif line.startswith("data:") and event:
-            if event in ("answer", "reasoning") and ttft is None:
+            if event == "started":
+                started = True
+            elif event in ("answer", "reasoning") and ttft is None and started:
                 ttft = time.perf_counter() - t0
-            if event == "done":
+            elif event == "done" and started:
+                total = time.perf_counter() - t0
                 data = json.loads(line[5:])
                 c.close()
-                return ttft or 0.0, time.perf_counter() - t0, data["summary"]
-            if event == "error":
+                # A reply with no token at all: its end is the first thing seen.
+                return (ttft if ttft is not None else total), total, data.get("summary", data)
+            elif event == "error":
                 raise RuntimeError(line)
+            event = None
 
 
 STEP_HISTOGRAMS = ("step", "step_engine", "step_host", "step_gap")

@@ -50,6 +50,9 @@ import tempfile
 import time
 import urllib.parse
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from http_bench import turn  # noqa: E402
+
 ADMIN_TOKEN = "resume-bench-admin-token-0123456789"
 HTTP_TIMEOUT_S = 3600
 T0 = time.time()
@@ -119,6 +122,13 @@ class Server:
 
     def cookie_header(self):
         return "; ".join(f"{k}={v}" for k, v in self.cookies.items())
+
+    http_timeout_s = HTTP_TIMEOUT_S
+
+    @property
+    def cookie(self):
+        """The Cookie header (what `http_bench.turn` sends)."""
+        return self.cookie_header()
 
     def request(self, method, path, body=None, form=None, headers=None, timeout=HTTP_TIMEOUT_S):
         c = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
@@ -193,45 +203,6 @@ class Server:
             raise RuntimeError(f"{self.label} did not stop within 900 s; see {self.log_path}")
         self.log_file.close()
         return time.perf_counter() - t
-
-
-def turn(server, conv, text):
-    """Sends one message and follows the SSE stream; returns (ttft_s, total_s, done summary)."""
-    c = http.client.HTTPConnection("127.0.0.1", server.port, timeout=HTTP_TIMEOUT_S)
-    c.request("GET", f"/api/conversations/{conv}/events",
-              headers={"Cookie": server.cookie_header()})
-    stream = c.getresponse()
-    if stream.status != 200:
-        raise RuntimeError(f"events: {stream.status}")
-    t0 = time.perf_counter()
-    status, body = server.request("POST", f"/api/conversations/{conv}/messages", {"content": text})
-    if status != 202:
-        raise RuntimeError(f"send failed: {status} {body}")
-    ttft = None
-    event = None
-    started = False
-    while True:
-        line = stream.fp.readline()
-        if not line:
-            raise RuntimeError("stream ended early")
-        line = line.decode().rstrip("\n")
-        if line.startswith("event:"):
-            event = line[6:].strip()
-        elif line.startswith("data:") and event:
-            if event == "started":
-                started = True
-            elif event in ("answer", "reasoning") and ttft is None and started:
-                ttft = time.perf_counter() - t0
-            elif event == "done" and started:
-                total = time.perf_counter() - t0
-                data = json.loads(line[5:])
-                c.close()
-                summary = data.get("summary", data)
-                # A reply with no token at all: its end is the first thing seen.
-                return (ttft if ttft is not None else total), total, summary
-            elif event == "error":
-                raise RuntimeError(line)
-            event = None
 
 
 SUBJECTS = ["The old harbour", "A quiet librarian", "The northern railway", "Our science club",

@@ -41,23 +41,6 @@ fn long_message() -> String {
 
 const SHORT: &str = "Name three colours that you can see in a sunset over the sea.";
 
-/// A JSON API call from the page (its cookie and CSRF token); `[status, body]`.
-async fn fetch(c: &Client, method: &str, path: &str, body: Option<Value>) -> (u64, Value) {
-    let got = c
-        .execute_async(
-            "const [method, path, body] = arguments; const done = arguments[arguments.length - 1]; \
-             const init = {method, credentials: 'same-origin', headers: {'x-csrf-token': document.body.dataset.csrf}}; \
-             if (body !== null) { init.headers['content-type'] = 'application/json'; init.body = JSON.stringify(body); } \
-             fetch(path, init).then(r => r.text().then(t => done([r.status, t]))).catch(e => done([0, String(e)]));",
-            vec![json!(method), json!(path), body.unwrap_or(Value::Null)],
-        )
-        .await
-        .expect("fetch");
-    let status = got[0].as_u64().unwrap_or(0);
-    let text = got[1].as_str().unwrap_or_default();
-    (status, serde_json::from_str(text).unwrap_or(json!(text)))
-}
-
 /// The last assistant message of conversation `id`, as stored.
 async fn last_reply(c: &Client, id: &str) -> Value {
     let (status, conv) = fetch(c, "GET", &format!("/api/conversations/{id}"), None).await;

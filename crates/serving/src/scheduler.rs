@@ -151,15 +151,17 @@ impl SchedulerActor {
     fn publish(&mut self) {
         self.stats.queued = self.batcher.queued();
         self.stats.running = self.batcher.running();
-        let reused = self.stats.warm.reused_tokens;
         let warm = crate::types::WarmStats {
-            reused_tokens: reused,
+            reused_tokens: self.stats.warm.reused_tokens,
             ..self.batcher.warm_stats()
         };
-        self.stats.warm = warm;
-        metrics::gauge!("smolchat_warm_drafts_waiting").set(warm.waiting as f64);
-        metrics::counter!("smolchat_warm_tokens_total").absolute(warm.tokens);
-        metrics::counter!("smolchat_warm_interrupted_total").absolute(warm.interrupted);
+        // Recorded only when drafts did something (most steps carry none).
+        if warm != self.stats.warm {
+            self.stats.warm = warm;
+            metrics::gauge!("smolchat_warm_drafts_waiting").set(warm.waiting as f64);
+            metrics::counter!("smolchat_warm_tokens_total").absolute(warm.tokens);
+            metrics::counter!("smolchat_warm_interrupted_total").absolute(warm.interrupted);
+        }
         metrics::gauge!("smolchat_queue_depth").set(self.stats.queued as f64);
         metrics::gauge!("smolchat_running_sequences").set(self.stats.running as f64);
     }

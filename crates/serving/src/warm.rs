@@ -74,6 +74,14 @@ pub struct Draft {
     pub prompt: Vec<u32>,
 }
 
+impl Draft {
+    /// Whether this draft makes `older` moot: the same conversation, or the same user (one
+    /// draft per user).
+    fn replaces(&self, older: &Draft) -> bool {
+        older.conversation == self.conversation || (older.user.is_some() && older.user == self.user)
+    }
+}
+
 /// Why a draft was not taken.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum WarmRefused {
@@ -99,6 +107,8 @@ struct Warming {
     remaining: usize,
     /// Cancelled in a plan (interrupted or replaced): its end is still to be reported.
     cancelled: bool,
+    /// A message was sent in its conversation: not warmed again when interrupted.
+    moot: bool,
 }
 
 /// What a plan does with drafts.
@@ -166,14 +176,11 @@ impl WarmQueue {
                 return Err(WarmRefused::UserLimit { used, limit });
             }
         }
-        let supersedes = |d: &Draft| {
-            d.conversation == draft.conversation || (d.user.is_some() && d.user == draft.user)
-        };
-        self.waiting.retain(|d| !supersedes(d));
+        self.waiting.retain(|d| !draft.replaces(d));
         if self
             .warming
             .as_ref()
-            .is_some_and(|w| !w.cancelled && supersedes(&w.draft))
+            .is_some_and(|w| !w.cancelled && draft.replaces(&w.draft))
         {
             self.cancel_warming();
         }
@@ -191,8 +198,7 @@ impl WarmQueue {
         self.waiting.retain(|d| d.conversation != conversation);
         if let Some(w) = self.warming.as_mut() {
             if w.draft.conversation == conversation {
-                // Not requeued when the plan interrupts it.
-                w.draft.prompt.clear();
+                w.moot = true;
             }
         }
     }
@@ -226,13 +232,9 @@ impl WarmQueue {
                 self.stats.interrupted += 1;
                 // Back to the front of the line, unless a send made it moot or a newer draft
                 // of its user or conversation is waiting.
-                let draft = w.draft.clone();
-                let newer = self.waiting.iter().any(|d| {
-                    d.conversation == draft.conversation
-                        || (d.user.is_some() && d.user == draft.user)
-                });
-                if !draft.prompt.is_empty() && !newer {
-                    self.waiting.push_front(draft);
+                let newer = self.waiting.iter().any(|d| d.replaces(&w.draft));
+                if !w.moot && !newer {
+                    self.waiting.push_front(w.draft.clone());
                 }
             }
             return plan;
@@ -243,7 +245,7 @@ impl WarmQueue {
             return plan;
         }
         if let Some(w) = self.warming.as_ref() {
-            plan.prefill = Some((w.id, w.remaining.clamp(1, self.cfg.chunk_tokens.max(1))));
+            plan.prefill = Some((w.id, self.chunk(w.remaining)));
             return plan;
         }
         let fits = |d: &Draft| kv_free.is_none_or(|free| blocks_for(d.prompt.len() + 1) <= free);
@@ -255,16 +257,22 @@ impl WarmQueue {
         };
         let id = next_id();
         let remaining = draft.prompt.len();
-        plan.prefill = Some((id, remaining.clamp(1, self.cfg.chunk_tokens.max(1))));
+        plan.prefill = Some((id, self.chunk(remaining)));
         plan.start = Some((id, draft.clone()));
         self.warming = Some(Warming {
             id,
             draft,
             remaining,
             cancelled: false,
+            moot: false,
         });
         self.stats.started += 1;
         plan
+    }
+
+    /// A draft chunk for `remaining` prompt tokens (at least one, at most `chunk_tokens`).
+    fn chunk(&self, remaining: usize) -> usize {
+        remaining.clamp(1, self.cfg.chunk_tokens.max(1))
     }
 
     /// Whether `id` is a draft request (the batcher leaves its reports to [`Self::apply`]).

@@ -163,19 +163,8 @@ impl Conversations {
         }
     }
 
-    /// Warms the message being typed in the caller's conversation `id` (its text so far and the
-    /// waiting files it will carry): the prompt it would make is computed into the
-    /// conversation's KV cache in spare steps, so its send computes only what changed (see
-    /// `smolchat_serving::warm`). Best effort: skipped, saying why, when a reply is running,
-    /// warming is off or nothing is new.
-    pub async fn warm_draft(
-        &self,
-        caller: &Caller,
-        id: Uuid,
-        content: String,
-        mut file_ids: Vec<Uuid>,
-    ) -> Result<DraftOutcome> {
-        let c = self.owned(caller, id).await?;
+    /// The files a message carries: each once, at most `limits.max_files_per_message`.
+    fn message_files(&self, mut file_ids: Vec<Uuid>) -> Result<Vec<Uuid>> {
         let mut seen = std::collections::HashSet::new();
         file_ids.retain(|f| seen.insert(*f));
         let max = self.cfg.max_files_per_message;
@@ -188,6 +177,23 @@ impl Conversations {
                 ),
             ));
         }
+        Ok(file_ids)
+    }
+
+    /// Warms the message being typed in the caller's conversation `id` (its text so far and the
+    /// waiting files it will carry): the prompt it would make is computed into the
+    /// conversation's KV cache in spare steps, so its send computes only what changed (see
+    /// `smolchat_serving::warm`). Best effort: skipped, saying why, when a reply is running,
+    /// warming is off or nothing is new.
+    pub async fn warm_draft(
+        &self,
+        caller: &Caller,
+        id: Uuid,
+        content: String,
+        file_ids: Vec<Uuid>,
+    ) -> Result<DraftOutcome> {
+        let c = self.owned(caller, id).await?;
+        let file_ids = self.message_files(file_ids)?;
         let session = self.sessions.get_or_start(c.id);
         let outcome = session
             .send(WarmDraft {
@@ -206,21 +212,10 @@ impl Conversations {
         caller: &Caller,
         id: Uuid,
         content: String,
-        mut file_ids: Vec<Uuid>,
+        file_ids: Vec<Uuid>,
     ) -> Result<Accepted> {
         let c = self.owned(caller, id).await?;
-        let mut seen = std::collections::HashSet::new();
-        file_ids.retain(|f| seen.insert(*f));
-        let max = self.cfg.max_files_per_message;
-        if file_ids.len() > max {
-            return Err(invalid(
-                "files",
-                format!(
-                    "a message may carry at most {max} files (limits.max_files_per_message), got {}",
-                    file_ids.len()
-                ),
-            ));
-        }
+        let file_ids = self.message_files(file_ids)?;
         let mut msg = SendMessage::new(content);
         msg.files = file_ids;
         let accepted = self.send_to(caller, c.id, msg).await?;

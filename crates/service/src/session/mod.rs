@@ -427,6 +427,14 @@ impl SessionActor {
         }
     }
 
+    /// Asks for this conversation's spilled KV cache, if any, to be read ahead (a message or a
+    /// draft is on its way).
+    fn prefetch(&self) {
+        self.shared
+            .scheduler
+            .do_send(smolchat_serving::scheduler::Prefetch(self.id));
+    }
+
     fn is_busy(&self) -> bool {
         self.sending || self.reply.is_some()
     }
@@ -598,21 +606,15 @@ impl Handler<SendMessage> for SessionActor {
         }
         self.sending = true;
         // Its cache, if spilled, is read while the message is stored and the prompt built.
-        self.shared
-            .scheduler
-            .do_send(smolchat_serving::scheduler::Prefetch(self.id));
+        self.prefetch();
         // What is typed next is a new draft.
         self.last_draft = None;
         self.last_activity = Instant::now();
         let shared = Arc::clone(&self.shared);
         let id = self.id;
         let work = async move {
-            let conversation = shared
-                .store
-                .get_conversation(id)
-                .await?
-                .ok_or(SessionError::NotFound)?;
-            let mut history = shared.store.branch(id).await?;
+            let (conversation, mut history) =
+                prompt::conversation_and_branch(&shared.store, id).await?;
             let at = match replacing {
                 Replacing::Nothing => None,
                 Replacing::Message(from) => Some(
@@ -725,6 +727,9 @@ impl Handler<SendMessage> for SessionActor {
     }
 }
 
+/// Why a draft is not offered while a reply runs in its conversation.
+const DRAFT_WHILE_REPLYING: &str = "a reply is being generated in this conversation";
+
 /// Warm the message being typed (see `smolchat_serving::warm`): the prompt the draft would
 /// make, as far as more typing cannot change it, is offered to the scheduler, which computes it
 /// into this conversation's KV cache in spare steps. Resolves once offered; what it did.
@@ -771,9 +776,7 @@ impl Handler<WarmDraft> for SessionActor {
 
     fn handle(&mut self, msg: WarmDraft, _: &mut Context<Self>) -> Self::Result {
         if self.is_busy() || self.remote.is_some() {
-            return Box::pin(fut::ready(Ok(DraftOutcome::skipped(
-                "a reply is being generated in this conversation",
-            ))));
+            return Box::pin(fut::ready(Ok(DraftOutcome::skipped(DRAFT_WHILE_REPLYING))));
         }
         if msg.content.trim().is_empty() && msg.files.is_empty() {
             return Box::pin(fut::ready(Ok(DraftOutcome::skipped("nothing typed yet"))));
@@ -788,18 +791,12 @@ impl Handler<WarmDraft> for SessionActor {
             return Box::pin(fut::ready(Err(e)));
         }
         self.last_activity = Instant::now();
-        self.shared
-            .scheduler
-            .do_send(smolchat_serving::scheduler::Prefetch(self.id));
+        self.prefetch();
         let shared = Arc::clone(&self.shared);
         let id = self.id;
         let work = async move {
-            let conversation = shared
-                .store
-                .get_conversation(id)
-                .await?
-                .ok_or(SessionError::NotFound)?;
-            let history = shared.store.branch(id).await?;
+            let (conversation, history) =
+                prompt::conversation_and_branch(&shared.store, id).await?;
             let files = prompt::pending_files(&shared.store, id, &msg.files).await?;
             let text = prompt::with_files(files.iter(), &msg.content);
             let owner = conversation.owner.clone();
@@ -820,12 +817,14 @@ impl Handler<WarmDraft> for SessionActor {
             Ok::<_, SessionError>((prefix, owner))
         };
         Box::pin(work.into_actor(self).then(move |result, act, _| {
-            const BUSY: &str = "a reply is being generated in this conversation";
-            let next = match result {
+            // Decided here, with the actor: skipped, or offered (to the scheduler, below).
+            let offer = match result {
                 Err(e) => Err(e),
                 // A reply started meanwhile: its prompt is what counts now.
-                Ok(_) if act.is_busy() => Ok(None),
-                Ok((prompt, _)) if act.last_draft.as_ref() == Some(&prompt) => Ok(Some(None)),
+                Ok(_) if act.is_busy() => Ok(Err(DraftOutcome::skipped(DRAFT_WHILE_REPLYING))),
+                Ok((prompt, _)) if act.last_draft.as_ref() == Some(&prompt) => Ok(Err(
+                    DraftOutcome::skipped("nothing new since the last draft"),
+                )),
                 Ok((prompt, owner)) => {
                     act.last_draft = Some(prompt.clone());
                     let draft = smolchat_serving::warm::Draft {
@@ -833,17 +832,14 @@ impl Handler<WarmDraft> for SessionActor {
                         user: Some(owner),
                         prompt,
                     };
-                    Ok(Some(Some((draft, act.shared.scheduler.clone()))))
+                    Ok(Ok((draft, act.shared.scheduler.clone())))
                 }
             };
             fut::wrap_future(async move {
                 use smolchat_serving::warm::WarmRefused;
-                let (draft, scheduler) = match next? {
-                    None => return Ok(DraftOutcome::skipped(BUSY)),
-                    Some(None) => {
-                        return Ok(DraftOutcome::skipped("nothing new since the last draft"))
-                    }
-                    Some(Some(offer)) => offer,
+                let (draft, scheduler) = match offer? {
+                    Err(skipped) => return Ok(skipped),
+                    Ok(offer) => offer,
                 };
                 let prompt_tokens = draft.prompt.len();
                 match scheduler

@@ -81,6 +81,19 @@ pub(super) fn with_files<'a>(files: impl Iterator<Item = &'a FileRecord>, conten
     crate::files::message_with_files(&texts, content)
 }
 
+/// The stored conversation and the branch it shows, what a turn's prompt is built from.
+pub(super) async fn conversation_and_branch(
+    store: &Store,
+    id: Uuid,
+) -> Result<(Conversation, Vec<Message>), SessionError> {
+    let conversation = store
+        .get_conversation(id)
+        .await?
+        .ok_or(SessionError::NotFound)?;
+    let history = store.branch(id).await?;
+    Ok((conversation, history))
+}
+
 /// The pending files `ids` of `conversation`, in the order given; an id that is not one is
 /// refused, naming it.
 pub(super) async fn pending_files(

@@ -663,43 +663,8 @@ impl ModelWorker {
                     self.engine.kv_blocks_needed(*seq, toks.len()).unwrap_or(0)
                 })
                 .sum();
-            // A typed draft takes only free blocks: it never evicts another conversation's
-            // cache. Its chunk shrinks to what fits; when nothing fits it ends (keeping what it
-            // computed).
-            let free = self.engine.kv_free_blocks();
-            if needed > free {
-                let draft = step
-                    .work
-                    .iter()
-                    .position(|(id, ..)| self.active.get(id).is_some_and(|a| a.request.warm));
-                if let Some(i) = draft {
-                    let (id, seq) = (step.work[i].0, step.work[i].1);
-                    let own = self
-                        .engine
-                        .kv_blocks_needed(seq, step.work[i].2.len())
-                        .unwrap_or(0);
-                    let room = free.saturating_sub(needed - own);
-                    let mut fit = step.work[i].2.len();
-                    while fit > 0
-                        && self.engine.kv_blocks_needed(seq, fit).unwrap_or(usize::MAX) > room
-                    {
-                        fit -= 1;
-                    }
-                    if fit > 0 {
-                        let rest: Vec<u32> = step.work[i].2.drain(fit..).collect();
-                        step.report.prefilled_tokens -= rest.len() as u64;
-                        if let Some(a) = self.active.get_mut(&id) {
-                            a.pending_prompt.splice(0..0, rest);
-                        }
-                        step.prefilled.insert(id, fit);
-                        continue;
-                    }
-                    step.work.remove(i);
-                    step.prefilled.remove(&id);
-                    self.finish(id, StopReason::Cancelled);
-                    step.report.items.push(ItemReport::ended(id, 0));
-                    continue;
-                }
+            if needed > self.engine.kv_free_blocks() && self.fit_draft(step, needed) {
+                continue;
             }
             if self.make_room(needed) {
                 return;
@@ -734,6 +699,44 @@ impl ModelWorker {
             step.report.preemptions += 1;
             step.report.items.push(ItemReport::preempted(id, remaining));
         }
+    }
+
+    /// A typed draft takes only free KV blocks: it never evicts another conversation's cache.
+    /// When the step (`needed` blocks) does not fit the free ones, the step's draft chunk shrinks
+    /// to what fits, or, when nothing does, the draft ends (keeping what it computed). Whether
+    /// the step had a draft to change.
+    fn fit_draft(&mut self, step: &mut StepWork, needed: usize) -> bool {
+        let Some(i) = step
+            .work
+            .iter()
+            .position(|(id, ..)| self.active.get(id).is_some_and(|a| a.request.warm))
+        else {
+            return false;
+        };
+        let (id, seq) = (step.work[i].0, step.work[i].1);
+        let own = self
+            .engine
+            .kv_blocks_needed(seq, step.work[i].2.len())
+            .unwrap_or(0);
+        let room = self.engine.kv_free_blocks().saturating_sub(needed - own);
+        let mut fit = step.work[i].2.len();
+        while fit > 0 && self.engine.kv_blocks_needed(seq, fit).unwrap_or(usize::MAX) > room {
+            fit -= 1;
+        }
+        if fit > 0 {
+            let rest: Vec<u32> = step.work[i].2.drain(fit..).collect();
+            step.report.prefilled_tokens -= rest.len() as u64;
+            if let Some(a) = self.active.get_mut(&id) {
+                a.pending_prompt.splice(0..0, rest);
+            }
+            step.prefilled.insert(id, fit);
+        } else {
+            step.work.remove(i);
+            step.prefilled.remove(&id);
+            self.finish(id, StopReason::Cancelled);
+            step.report.items.push(ItemReport::ended(id, 0));
+        }
+        true
     }
 
     /// A request alone and still too big for the whole KV cache: a reply under way ends as at
