@@ -8,10 +8,9 @@ use std::collections::HashMap;
 use std::str::FromStr;
 use std::sync::Arc;
 
-use actix::Addr;
 use smolchat_auth::Accounts;
-use smolchat_serving::scheduler::{Evict, GetCacheInfo, GetStats, StatesOf};
-use smolchat_serving::{SchedulerActor, SchedulerStats, SequenceState};
+use smolchat_serving::scheduler::{GetCacheInfo, GetStats, StatesOf};
+use smolchat_serving::{SchedulerStats, SequenceState};
 use smolchat_store::{
     ConversationSummary, Cursor, PageRequest, ReplicaRecord, Store, UserOverview,
 };
@@ -47,7 +46,10 @@ pub struct LiveConversation {
 /// conversations.
 #[derive(Debug, Clone)]
 pub struct LiveView {
+    /// The main model's scheduler.
     pub stats: SchedulerStats,
+    /// Every configured model, with its scheduler's counters while it is loaded.
+    pub models: Vec<ModelRow>,
     /// Every replica on the database, live or gone within the hour.
     pub replicas: Vec<ReplicaRecord>,
     /// This replica's id (to mark it among `replicas`).
@@ -55,6 +57,13 @@ pub struct LiveView {
     pub conversations: Vec<LiveConversation>,
     /// The next (older) page, if any.
     pub next: Option<Cursor>,
+}
+
+/// A model on the admin page.
+#[derive(Debug, Clone)]
+pub struct ModelRow {
+    pub status: crate::models::ModelStatus,
+    pub stats: Option<SchedulerStats>,
 }
 
 /// One page of the users table.
@@ -100,7 +109,7 @@ impl FromStr for UserAction {
 pub struct Admin {
     store: Store,
     audit: crate::audit::Audit,
-    scheduler: Addr<SchedulerActor>,
+    models: Arc<crate::models::Models>,
     cluster: Arc<Cluster>,
     conversations: Arc<Conversations>,
     accounts: Arc<Accounts>,
@@ -109,7 +118,7 @@ pub struct Admin {
 impl Admin {
     pub fn new(
         store: Store,
-        scheduler: Addr<SchedulerActor>,
+        models: Arc<crate::models::Models>,
         cluster: Arc<Cluster>,
         conversations: Arc<Conversations>,
         accounts: Arc<Accounts>,
@@ -117,7 +126,7 @@ impl Admin {
         Self {
             audit: crate::audit::Audit::new(store.clone()),
             store,
-            scheduler,
+            models,
             cluster,
             conversations,
             accounts,
@@ -129,12 +138,29 @@ impl Admin {
     pub async fn live(&self, page: &PageRequest) -> Result<LiveView> {
         let listed = self.store.list_all_conversations_page(page).await?;
         let ids: Vec<Uuid> = listed.items.iter().map(|c| c.id).collect();
-        let states = self.scheduler.send(StatesOf(ids)).await.map_err(gone)?;
-        let cache_info = self.scheduler.send(GetCacheInfo).await.map_err(gone)?;
-        let caches: HashMap<Uuid, usize> = cache_info
-            .iter()
-            .filter_map(|c| Some((c.key.conversation()?, c.bytes)))
-            .collect();
+        // A conversation's state and caches on every loaded model (a conversation that
+        // switched models may hold a cache on each).
+        let mut states = vec![SequenceState::Idle; ids.len()];
+        let mut cache_info = Vec::new();
+        for m in self.models.all_loaded() {
+            let on = m
+                .scheduler()
+                .send(StatesOf(ids.clone()))
+                .await
+                .map_err(gone)?;
+            for (kept, state) in states.iter_mut().zip(on) {
+                if *kept == SequenceState::Idle {
+                    *kept = state;
+                }
+            }
+            cache_info.extend(m.scheduler().send(GetCacheInfo).await.map_err(gone)?);
+        }
+        let mut caches: HashMap<Uuid, usize> = HashMap::new();
+        for c in &cache_info {
+            if let Some(id) = c.key.conversation() {
+                *caches.entry(id).or_default() += c.bytes;
+            }
+        }
         let drafts: HashMap<Uuid, (u64, u64, u64)> = cache_info
             .iter()
             .filter(|c| c.drafted > 0)
@@ -145,7 +171,14 @@ impl Admin {
                 ))
             })
             .collect();
-        let stats = self.scheduler.send(GetStats).await.map_err(gone)?;
+        let stats = self
+            .models
+            .main()
+            .scheduler()
+            .send(GetStats)
+            .await
+            .map_err(gone)?;
+        let models = self.models().await;
         let mut owners: Vec<String> = listed.items.iter().map(|c| c.owner.clone()).collect();
         owners.sort();
         owners.dedup();
@@ -176,11 +209,62 @@ impl Admin {
             .collect();
         Ok(LiveView {
             stats,
+            models,
             replicas,
             this_replica: self.cluster.me().id,
             conversations,
             next: listed.next,
         })
+    }
+
+    /// Every configured model, with its counters while loaded.
+    pub async fn models(&self) -> Vec<ModelRow> {
+        let mut rows = Vec::new();
+        for status in self.models.list() {
+            let stats = match self.models.peek(&status.id) {
+                Some(m) => m.stats().await,
+                None => None,
+            };
+            rows.push(ModelRow { status, stats });
+        }
+        rows
+    }
+
+    /// Loads a model now (an admin); recorded in the audit log.
+    pub async fn load_model(
+        &self,
+        by: &Caller,
+        id: &str,
+    ) -> std::result::Result<(), crate::models::ModelError> {
+        let id = self.models.find(id)?;
+        let result = self.models.load(&id).await.map(|_| ());
+        let detail = match &result {
+            Ok(()) => "loaded".to_string(),
+            Err(e) => e.to_string(),
+        };
+        self.audit
+            .record_by(by, "admin.model_load", &format!("model:{id}"), &detail)
+            .await;
+        result
+    }
+
+    /// Unloads a model now (an admin): refused for the main model and while it has requests.
+    pub async fn unload_model(
+        &self,
+        by: &Caller,
+        id: &str,
+    ) -> std::result::Result<bool, crate::models::ModelError> {
+        let id = self.models.find(id)?;
+        let result = self.models.unload(&id).await;
+        let detail = match &result {
+            Ok(true) => "unloaded".to_string(),
+            Ok(false) => "was not loaded".to_string(),
+            Err(e) => e.to_string(),
+        };
+        self.audit
+            .record_by(by, "admin.model_unload", &format!("model:{id}"), &detail)
+            .await;
+        result
     }
 
     /// Page `page` (from 1; out-of-range values are clamped) of the users table.
@@ -465,14 +549,7 @@ impl Admin {
 
     /// Drops the conversation's KV cache on this replica; whether it had one.
     pub async fn evict(&self, by: &Caller, id: Uuid) -> Result<bool> {
-        let dropped = self
-            .scheduler
-            .send(Evict {
-                conversation: id,
-                keep_on_disk: true,
-            })
-            .await
-            .map_err(gone)?;
+        let dropped = self.models.evict(id, true).await;
         tracing::info!(conversation = %id, dropped, "admin evict");
         self.audit
             .record_by(by, "admin.evict", &format!("conversation:{id}"), "")

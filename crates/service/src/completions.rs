@@ -126,6 +126,19 @@ impl Completions {
         }
     }
 
+    /// The same service (store, quotas, pending writes) over another model's scheduler.
+    pub(crate) fn for_scheduler(
+        &self,
+        scheduler: Addr<SchedulerActor>,
+        context_window: usize,
+    ) -> Self {
+        Self {
+            scheduler,
+            context_window,
+            ..self.clone()
+        }
+    }
+
     /// Waits, at most `limit`, for the writes of finished requests still running (usage rows,
     /// quota counts); at shutdown, after the replies have drained. The writes left then.
     pub async fn settle(&self, limit: Duration) -> usize {
@@ -198,6 +211,7 @@ impl Completions {
             usage: request.usage_owner.map(|owner| (self.store.clone(), owner)),
             quota: Some((self.quotas.clone(), subjects)),
             writes: self.writes.clone(),
+            _holds: None,
         })
     }
 }
@@ -324,9 +338,17 @@ pub struct Completion {
     /// Where the request's tokens count when it ends.
     quota: Option<(Quotas, QuotaSubjects)>,
     writes: PendingWrites,
+    /// What must outlive the request (its model: not unloaded while it runs).
+    _holds: Option<Arc<dyn std::any::Any + Send + Sync>>,
 }
 
 impl Completion {
+    /// The completion, keeping `hold` alive until it is dropped.
+    pub(crate) fn holding(mut self, hold: Arc<dyn std::any::Any + Send + Sync>) -> Self {
+        self._holds = Some(hold);
+        self
+    }
+
     /// The scheduler's id of the request (for logs and [`Cancel`]).
     pub fn id(&self) -> RequestId {
         self.id

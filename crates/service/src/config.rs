@@ -43,6 +43,65 @@ pub struct Config {
     pub replica: ReplicaSection,
     /// Defaults for new conversations.
     pub sampling: SamplingDefaults,
+    /// The models served besides `[model]`, and the memory they share.
+    pub models: ModelsSection,
+}
+
+/// `[models]`: more models than the main one (`[model]`), loaded when a request names them and
+/// unloaded when idle or to make room.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct ModelsSection {
+    /// What the loaded models may take together, in MiB: their weights and KV caches, in RAM on
+    /// the CPU and in VRAM on a GPU. The least recently used idle model is unloaded to make room
+    /// for one that is asked for; a model with a queued or running reply never is. 0: no budget.
+    pub memory_budget_mib: u64,
+    /// How long a model of `entries` stays loaded after its last request, in seconds (Ollama's
+    /// `keep_alive`); a negative value: until it is unloaded for room or by an admin. The main
+    /// model is always loaded.
+    pub keep_alive_s: i64,
+    /// The model new conversations use: the id of an entry, or empty for the main model.
+    pub default: String,
+    /// The models served besides the main one.
+    pub entries: Vec<ModelEntry>,
+}
+
+impl Default for ModelsSection {
+    fn default() -> Self {
+        Self {
+            memory_budget_mib: 0,
+            keep_alive_s: 300,
+            default: String::new(),
+            entries: Vec::new(),
+        }
+    }
+}
+
+/// One model of `[[models.entries]]`. What it leaves unset, `[model]` (and `[scheduler]`,
+/// `[limits]` for the KV budget and the context) says.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Default)]
+#[serde(default, deny_unknown_fields)]
+pub struct ModelEntry {
+    /// The name clients send in `model` and the chat shows.
+    pub id: String,
+    /// The GGUF file.
+    pub path: PathBuf,
+    /// Other names clients may send for it.
+    pub aliases: Vec<String>,
+    /// `auto`, `cpu`, `cuda` or `cuda:N`; unset: `model.device`.
+    pub device: Option<DeviceRequest>,
+    /// The KV cache's storage; unset: `model.kv_type`.
+    pub kv_type: Option<KvType>,
+    /// Its KV cache's budget in MiB; unset: `scheduler.kv_budget_mib`.
+    pub kv_budget_mib: Option<usize>,
+    /// Its context window in tokens (at most the file's); unset: `limits.context`.
+    pub context: Option<usize>,
+    /// Optional `tokenizer.json` overriding the GGUF's tokenizer.
+    pub tokenizer: Option<PathBuf>,
+    /// Seconds it stays loaded when idle; unset: `models.keep_alive_s`.
+    pub keep_alive_s: Option<i64>,
+    /// Load it when the server starts rather than at its first request.
+    pub preload: bool,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -496,6 +555,55 @@ impl Default for ModelConfig {
     }
 }
 
+/// Checks model names (ids, aliases) under `key`: not empty, no surrounding spaces or control
+/// characters, at most 200 characters, none twice.
+fn check_names(key: &str, names: &[String]) -> Result<(), ConfigError> {
+    for (i, name) in names.iter().enumerate() {
+        let why = if name.trim().is_empty() {
+            Some("is empty")
+        } else if name.trim() != name || name.chars().any(char::is_control) {
+            Some("has leading or trailing spaces or control characters")
+        } else if name.chars().count() > 200 {
+            Some("is longer than 200 characters")
+        } else if names[..i].contains(name) {
+            Some("is listed twice")
+        } else {
+            None
+        };
+        if let Some(why) = why {
+            return Err(ConfigError::Invalid(format!(
+                "{key}: the name {name:?} {why}"
+            )));
+        }
+    }
+    Ok(())
+}
+
+impl Config {
+    /// The configuration `entry` loads under: `[model]` with the entry's file, names, device and
+    /// KV type, `scheduler.kv_budget_mib` and `limits.context` with its own where it sets them.
+    pub fn for_entry(&self, entry: &ModelEntry) -> Config {
+        let mut c = self.clone();
+        c.model.path = entry.path.clone();
+        c.model.aliases = entry.aliases.clone();
+        c.model.tokenizer = entry.tokenizer.clone();
+        c.model.answer_unknown_names = false;
+        if let Some(d) = entry.device {
+            c.model.device = d;
+        }
+        if let Some(k) = entry.kv_type {
+            c.model.kv_type = k;
+        }
+        if entry.kv_budget_mib.is_some() {
+            c.scheduler.kv_budget_mib = entry.kv_budget_mib;
+        }
+        if entry.context.is_some() {
+            c.limits.context = entry.context;
+        }
+        c
+    }
+}
+
 impl Default for ServerConfig {
     fn default() -> Self {
         Self {
@@ -743,24 +851,67 @@ impl Config {
         }
     }
 
+    /// The main model's id: its file's name without `.gguf`.
+    pub fn main_model_id(&self) -> String {
+        self.model.path.file_stem().map_or_else(
+            || self.model.path.display().to_string(),
+            |s| s.to_string_lossy().into_owned(),
+        )
+    }
+
+    /// `[models]`: every entry has an id and a file, no name (id or alias) belongs to two
+    /// models, and `models.default` names one of them.
+    fn validate_models(&self) -> Result<(), ConfigError> {
+        let bad = |m: String| Err(ConfigError::Invalid(m));
+        let main = self.main_model_id();
+        let mut taken: Vec<(String, String)> = std::iter::once(main.clone())
+            .chain(self.model.aliases.iter().cloned())
+            .map(|n| (n, format!("the main model ({main})")))
+            .collect();
+        for (i, e) in self.models.entries.iter().enumerate() {
+            let key = format!("models.entries[{i}]");
+            check_names(&format!("{key}.id"), std::slice::from_ref(&e.id))?;
+            check_names(&format!("{key}.aliases"), &e.aliases)?;
+            if e.path.as_os_str().is_empty() {
+                return bad(format!(
+                    "{key}.path is empty: give the GGUF file model {:?} is loaded from",
+                    e.id
+                ));
+            }
+            if e.kv_budget_mib == Some(0) {
+                return bad(format!("{key}.kv_budget_mib must be at least 1"));
+            }
+            if e.context == Some(0) {
+                return bad(format!("{key}.context must be at least 1"));
+            }
+            for name in std::iter::once(&e.id).chain(&e.aliases) {
+                if let Some((_, owner)) = taken.iter().find(|(n, _)| n == name) {
+                    return bad(format!(
+                        "{key}: the name {name:?} already belongs to {owner}; every model id and \
+                         alias must be one model's"
+                    ));
+                }
+            }
+            taken.extend(
+                std::iter::once(&e.id)
+                    .chain(&e.aliases)
+                    .map(|n| (n.clone(), format!("models.entries[{i}] ({})", e.id))),
+            );
+        }
+        let d = &self.models.default;
+        if !d.is_empty() && *d != main && !self.models.entries.iter().any(|e| e.id == *d) {
+            return bad(format!(
+                "models.default is {d:?}, which is no model's id: use {main:?} (the main model), \
+                 one of models.entries' ids, or leave it empty"
+            ));
+        }
+        Ok(())
+    }
+
     pub fn validate(&self) -> Result<(), ConfigError> {
         let bad = |m: String| Err(ConfigError::Invalid(m));
-        for (i, alias) in self.model.aliases.iter().enumerate() {
-            let why = if alias.trim().is_empty() {
-                Some("is empty")
-            } else if alias.trim() != alias || alias.chars().any(char::is_control) {
-                Some("has leading or trailing spaces or control characters")
-            } else if alias.chars().count() > 200 {
-                Some("is longer than 200 characters")
-            } else if self.model.aliases[..i].contains(alias) {
-                Some("is listed twice")
-            } else {
-                None
-            };
-            if let Some(why) = why {
-                return bad(format!("model.aliases: the alias {alias:?} {why}"));
-            }
-        }
+        check_names("model.aliases", &self.model.aliases)?;
+        self.validate_models()?;
         let s = &self.scheduler;
         if s.max_running == Some(0) {
             return bad("scheduler.max_running must be at least 1".into());

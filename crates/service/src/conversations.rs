@@ -27,7 +27,6 @@ use super::session::{
 };
 use super::settings::{self, SettingsError, SettingsLimits};
 use crate::caller::Caller;
-use smolchat_serving::scheduler::{Evict, SchedulerActor};
 use smolchat_serving::types::SubmitError;
 use smolchat_serving::window::SlidingWindow;
 mod files;
@@ -145,6 +144,23 @@ impl From<SessionError> for ConversationError {
                 message: e.to_string(),
                 retry_after_s: 60,
             },
+            SessionError::Model(m) => m.into(),
+        }
+    }
+}
+
+impl From<crate::models::ModelError> for ConversationError {
+    fn from(e: crate::models::ModelError) -> Self {
+        use crate::models::ModelError;
+        match e {
+            ModelError::NotFound { .. } => invalid("model", e.to_string()),
+            ModelError::NoRoom { .. } | ModelError::Busy { .. } => ConversationError::Overloaded {
+                message: e.to_string(),
+                retry_after_s: 5,
+            },
+            ModelError::Load { .. } | ModelError::Pinned { .. } => {
+                ConversationError::Unavailable(e.to_string())
+            }
         }
     }
 }
@@ -381,7 +397,9 @@ fn mib(bytes: u64) -> String {
 pub struct Conversations {
     store: Store,
     sessions: Arc<Sessions>,
-    scheduler: Addr<SchedulerActor>,
+    /// The models (read-ahead and eviction go to each conversation's).
+    models: Arc<crate::models::Models>,
+    /// The main model's text side and window: the checks of system prompts and files.
     tokenizer: Arc<Tokenizer>,
     template: Arc<ChatTemplate>,
     context_window: usize,
@@ -402,10 +420,7 @@ impl Conversations {
     pub fn new(
         store: Store,
         sessions: Arc<Sessions>,
-        scheduler: Addr<SchedulerActor>,
-        tokenizer: Arc<Tokenizer>,
-        template: Arc<ChatTemplate>,
-        context_window: usize,
+        models: Arc<crate::models::Models>,
         cfg: ConversationsConfig,
         documents: Arc<crate::documents::DocumentReader>,
     ) -> Self {
@@ -414,10 +429,10 @@ impl Conversations {
             audit: crate::audit::Audit::new(store.clone()),
             store,
             sessions,
-            scheduler,
-            tokenizer,
-            template,
-            context_window,
+            tokenizer: models.main().tokenizer_arc(),
+            template: models.main().template_arc(),
+            context_window: models.main().info().context_window,
+            models,
             cfg,
             creations: Mutex::new(SlidingWindow::new(
                 CREATION_WINDOW,
@@ -600,10 +615,8 @@ impl Conversations {
     pub async fn get(&self, caller: &Caller, id: Uuid) -> Result<ConversationView> {
         let conversation = self.owned(caller, id).await?;
         // Opened: its next message is likely; a cache in the spill tier is read ahead.
-        self.sessions
-            .shared()
-            .scheduler
-            .do_send(smolchat_serving::scheduler::Prefetch(id));
+        self.models
+            .prefetch(id, conversation.settings.model.as_deref());
         let (all, messages) = self.store.messages_and_branch(id).await?;
         let versions = Versions::of(&all, &messages);
         let replying = self.replying(id).await;
@@ -815,13 +828,7 @@ impl Conversations {
         let cluster = self.cluster();
         cluster.publish(id, WireBody::Deleted);
         // The worker drops the cache now, or as soon as a cancelled reply releases it.
-        let _ = self
-            .scheduler
-            .send(Evict {
-                conversation: id,
-                keep_on_disk: false,
-            })
-            .await;
+        self.models.evict(id, false).await;
         tracing::info!(conversation = %id, "conversation deleted");
         Ok(())
     }

@@ -12,6 +12,7 @@ pub mod config;
 pub mod conversations;
 pub mod documents;
 pub mod files;
+pub mod models;
 pub mod platform;
 pub mod quotas;
 pub mod records;

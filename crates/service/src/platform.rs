@@ -6,9 +6,8 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use actix::Addr;
 use smolchat_auth::{Accounts, AccountsConfig, AdminAuth, AuthError, ThrottlePolicy};
-use smolchat_serving::scheduler::{GetStats, ModelAlive};
+use smolchat_serving::scheduler::ModelAlive;
 use smolchat_serving::SchedulerStats;
 use smolchat_text::prompt::PromptBuilder;
 
@@ -17,27 +16,21 @@ use crate::cluster::{Cluster, ClusterConfig};
 use crate::completions::Completions;
 use crate::config::Config;
 use crate::conversations::{Conversations, ConversationsConfig};
+use crate::models::load::{model_memory_bytes, start_scheduler};
+pub use crate::models::{load_model, LoadModelError, ModelInfo};
+use crate::models::{Models, ServedModel};
 use crate::session::{GetInfo, Shutdown, Stop};
 use crate::settings::SettingsLimits;
 use crate::{SessionConfig, SessionShared, Sessions};
-use smolchat_engine::{Engine, EngineError};
-use smolchat_serving::batcher::BatcherConfig;
-use smolchat_serving::load::{self, LoadError};
-use smolchat_serving::{SchedulerActor, SchedulerConfig};
+use smolchat_engine::Engine;
 use smolchat_store::{Store, StoreError};
 use smolchat_text::template::ChatTemplate;
 use smolchat_text::tokenizer::Tokenizer;
 
 #[derive(Debug, thiserror::Error)]
 pub enum PlatformError {
-    #[error("model {path}: {source}")]
-    Model {
-        path: String,
-        #[source]
-        source: LoadError,
-    },
-    #[error("{0}")]
-    MissingModel(String),
+    #[error(transparent)]
+    Model(#[from] LoadModelError),
     #[error("database {url}: {source}")]
     Store {
         url: String,
@@ -48,62 +41,15 @@ pub enum PlatformError {
     Secret(#[from] crate::secrets::SecretError),
     #[error("auth: {0}")]
     Auth(AuthError),
-    #[error("model.{0}")]
-    Device(EngineError),
-}
-
-/// Facts about the loaded model that the web layer shows.
-#[derive(Debug, Clone)]
-pub struct ModelInfo {
-    /// The model's id in the API (the GGUF's name, or the file stem).
-    pub id: String,
-    pub path: String,
-    pub architecture: String,
-    pub context_window: usize,
-    pub vocab_size: usize,
-    /// Entries of the model's hidden state (the length of its embeddings).
-    pub hidden_size: usize,
-    pub weight_bytes: usize,
-    pub load_s: f64,
-    /// Where the model computes (`cpu`, `cuda:0`).
-    pub device: String,
-    /// Which path computes there (`cpu`, `reference`, `fast`).
-    pub tier: String,
-    /// Why that is not the tier asked for, when it is not (a failed GPU self-check, say).
-    pub tier_note: Option<String>,
-    /// What a KV cache saved to disk is valid for (see `kv_identity`).
-    pub kv_identity: String,
-    /// Other names clients may send for it (`model.aliases`).
-    pub aliases: Vec<String>,
-    /// Whether it answers requests naming a model the server does not have
-    /// (`model.answer_unknown_names`).
-    pub answers_unknown_names: bool,
-}
-
-impl ModelInfo {
-    /// Whether a request's `model` means this model: none or an empty name (lenient, like
-    /// llama-server), its id, its file's name (what llama-server clients often send; never the
-    /// path, which would let a client probe the server's disk), one of its aliases, or any name
-    /// when it answers unknown names. The one rule every API dialect asks.
-    pub fn answers_to(&self, name: &str) -> bool {
-        name.is_empty() || self.is_named(name) || self.answers_unknown_names
-    }
-
-    /// Whether `name` is this model's id, one of its aliases (the names `/v1/models` lists) or
-    /// its file's name.
-    pub fn is_named(&self, name: &str) -> bool {
-        name == self.id
-            || self.aliases.iter().any(|a| a == name)
-            || std::path::Path::new(&self.path)
-                .file_name()
-                .is_some_and(|f| f.to_string_lossy() == name)
-    }
 }
 
 pub struct Platform {
     config: Config,
     store: Store,
-    scheduler: Addr<SchedulerActor>,
+    /// Every model served; the main one always loaded.
+    models: Arc<Models>,
+    /// The main model (`[model]`).
+    main: Arc<ServedModel>,
     sessions: Arc<Sessions>,
     /// This replica among those sharing the database.
     cluster: Arc<Cluster>,
@@ -118,9 +64,6 @@ pub struct Platform {
     /// Admin sign-in with `server.admin_token`; `None` when no token is set.
     admin_auth: Option<AdminAuth>,
     admin: Admin,
-    tokenizer: Arc<Tokenizer>,
-    template: Arc<ChatTemplate>,
-    model: ModelInfo,
 }
 
 /// Whether this replica can take requests (`/readyz`).
@@ -134,127 +77,6 @@ pub struct Readiness {
     pub database_backend: &'static str,
     /// This replica's name.
     pub replica: String,
-}
-
-/// `kv-spill` beside a SQLite database's file (the data folder), `data/kv-spill` otherwise.
-fn default_spill_dir(database_url: &str) -> std::path::PathBuf {
-    let file = database_url
-        .strip_prefix("sqlite://")
-        .or_else(|| database_url.strip_prefix("sqlite:"))
-        .filter(|f| !f.contains(":memory:") && !f.contains("mode=memory"))
-        .map(|f| f.split('?').next().unwrap_or(f));
-    match file.and_then(|f| std::path::Path::new(f).parent()) {
-        Some(dir) => dir.join("kv-spill"),
-        None => std::path::PathBuf::from("data/kv-spill"),
-    }
-}
-
-/// The spill folder's name for this replica: `replica.name` when set; on a SQLite database (one
-/// server) `local`, so a restart on another port finds its files; otherwise the replica's
-/// default name (host and port), unique among replicas on one PostgreSQL database.
-fn spill_replica_name(config: &Config) -> String {
-    match config.replica.name.as_deref().map(str::trim) {
-        Some(name) if !name.is_empty() => name.to_string(),
-        _ if config.database.url.starts_with("sqlite:") => "local".to_string(),
-        _ => config.replica.name_or_default(&config.server.bind),
-    }
-}
-
-/// A name made safe as one path component (a replica's name has a colon and may have more).
-fn path_safe(name: &str) -> String {
-    name.chars()
-        .map(|c| {
-            if c.is_ascii_alphanumeric() || c == '-' || c == '.' {
-                c
-            } else {
-                '_'
-            }
-        })
-        .collect()
-}
-
-/// What a saved KV cache is only valid for: the model file (its name, size, modification time
-/// and a hash of its first 4 MiB, which hold the metadata and the tokenizer) and the settings
-/// that change the K/V computed from it (RoPE's base and YaRN). The KV type and layout are in
-/// each file's block format.
-fn kv_identity(path: &std::path::Path, c: &smolchat_engine::ModelConfig) -> String {
-    use sha2::{Digest, Sha256};
-    use std::io::Read;
-    let meta = std::fs::metadata(path).ok();
-    let modified = meta
-        .as_ref()
-        .and_then(|m| m.modified().ok())
-        .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
-        .map_or(0, |d| d.as_nanos());
-    let mut head = Vec::new();
-    if let Ok(f) = std::fs::File::open(path) {
-        let _ = f.take(4 << 20).read_to_end(&mut head);
-    }
-    let hash: String = Sha256::digest(&head)
-        .iter()
-        .take(16)
-        .map(|b| format!("{b:02x}"))
-        .collect();
-    format!(
-        "{}|{}|{modified}|{hash}|theta {}|yarn {:?}",
-        path.file_name()
-            .map_or_else(String::new, |n| n.to_string_lossy().into_owned()),
-        meta.map_or(0, |m| m.len()),
-        c.rope_theta,
-        c.yarn
-    )
-}
-
-/// Loads the model with its tokenizer and chat template (blocking: call off the event loop),
-/// through the engine's one loader with the configuration's options.
-pub fn load_model(
-    config: &Config,
-) -> Result<(Engine, Tokenizer, ChatTemplate, ModelInfo), PlatformError> {
-    let path = config
-        .model
-        .existing_path()
-        .map_err(|e| PlatformError::MissingModel(e.to_string()))?;
-    let err = |source: LoadError| match source {
-        // A device that cannot be used is a configuration error: name the key.
-        LoadError::Engine(e @ (EngineError::Device(..) | EngineError::BadDevice { .. })) => {
-            PlatformError::Device(e)
-        }
-        source => PlatformError::Model {
-            path: path.display().to_string(),
-            source,
-        },
-    };
-    let options = config.load_options();
-    let loaded = load::load(path, &options, &mut |_, _| {}).map_err(err)?;
-    let template = loaded.template.map_err(|e| err(e.into()))?;
-    let engine = loaded.engine;
-    let cfg = &engine.config();
-    let id = path
-        .file_stem()
-        .map(|s| s.to_string_lossy().into_owned())
-        .unwrap_or_else(|| cfg.name.clone());
-    let context_window = config
-        .limits
-        .context
-        .map_or(cfg.context_length, |c| c.min(cfg.context_length));
-    let info = ModelInfo {
-        id,
-        path: path.display().to_string(),
-        architecture: cfg.arch.gguf_name().to_string(),
-        context_window,
-        vocab_size: cfg.vocab_size,
-        hidden_size: cfg.hidden,
-        weight_bytes: engine.weight_bytes(),
-        load_s: loaded.load_s,
-        device: engine.device().to_string(),
-        tier: engine.tier().to_string(),
-        tier_note: engine.note().map(str::to_string),
-        kv_identity: kv_identity(path, cfg),
-        aliases: config.model.aliases.clone(),
-        answers_unknown_names: config.model.answer_unknown_names,
-    };
-    tracing::info!(model = %info.id, arch = %info.architecture, window = context_window, load_s = info.load_s, kv_type = %options.engine.kv.kv_type, kv_capacity_tokens = engine.kv_capacity_tokens(), device = %engine.device(), tier = %engine.tier(), "model loaded");
-    Ok((engine, loaded.tokenizer, template, info))
 }
 
 impl Platform {
@@ -340,63 +162,15 @@ impl Platform {
         }
         let tokenizer = Arc::new(tokenizer);
         let template = Arc::new(template);
-        let s = &config.scheduler;
-        // What the configuration leaves unset, the device decides.
-        let suggested = engine.suggested();
-        let on_gpu = !matches!(engine.device(), smolchat_engine::device::Device::Cpu);
-        let scheduler = SchedulerActor::start(
+        let memory_bytes = model_memory_bytes(&engine);
+        let meter = smolchat_serving::batcher::TokenMeter::default();
+        let scheduler = start_scheduler(
+            &config,
             engine,
             Arc::clone(&tokenizer),
-            SchedulerConfig {
-                batcher: BatcherConfig {
-                    max_running: s.max_running.unwrap_or(suggested.max_running),
-                    queue_capacity: s.queue_size,
-                    step_token_budget: s.batch_token_budget.unwrap_or(suggested.batch_token_budget),
-                    context_window: model.context_window,
-                    max_queued_per_user: s.max_queued_per_user,
-                    max_running_per_user: s.max_running_per_user,
-                    tokens_per_minute_per_user: config.limits.tokens_per_minute_per_user,
-                    tokens_per_minute_per_group: config.limits.tokens_per_minute_per_guest_address,
-                    // Set by the scheduler from the engine it starts.
-                    kv_capacity_blocks: 0,
-                    warm: smolchat_serving::warm::WarmConfig {
-                        enabled: s.warm_drafts,
-                        chunk_tokens: s.warm_chunk_tokens.max(1),
-                        tokens_per_minute_per_user: s.warm_tokens_per_minute_per_user,
-                    },
-                },
-                speculative: smolchat_serving::SpecConfig {
-                    enabled: s.speculative,
-                    max_draft: s.draft_max,
-                    max_ngram: s.draft_ngram_max,
-                    min_ngram: s.draft_ngram_min,
-                    max_batch: s.draft_max_batch,
-                    fixed_break_even: s.draft_break_even,
-                    ngram_cache: s.draft_ngram_cache,
-                    on_gpu: s.draft_on_gpu,
-                },
-                async_steps: s.async_steps,
-                spill: (s.kv_spill_mib > 0).then(|| smolchat_serving::spill::SpillSettings {
-                    dir: s
-                        .kv_spill_dir
-                        .as_ref()
-                        .map_or_else(
-                            || default_spill_dir(&config.database.url),
-                            std::path::PathBuf::from,
-                        )
-                        .join(path_safe(&spill_replica_name(&config))),
-                    budget_bytes: s.kv_spill_mib.saturating_mul(1 << 20),
-                    idle: Duration::from_secs(s.kv_spill_idle_s.max(1)),
-                    model: model.kv_identity.clone(),
-                    ram_bytes: s
-                        .kv_spill_ram_mib
-                        .unwrap_or(if on_gpu { 2048 } else { 0 })
-                        .saturating_mul(1 << 20) as usize,
-                }),
-                max_new_tokens: config.limits.max_new_tokens,
-                request_timeout: (s.request_timeout_s > 0)
-                    .then(|| Duration::from_secs(s.request_timeout_s)),
-            },
+            &model,
+            &meter,
+            None,
         );
         let l = &config.limits;
         let quotas = crate::quotas::Quotas::new(
@@ -416,13 +190,18 @@ impl Platform {
             model.context_window,
             quotas,
         );
+        let main = Arc::new(ServedModel::new(
+            model,
+            Arc::clone(&tokenizer),
+            Arc::clone(&template),
+            scheduler.clone(),
+            completions.clone(),
+            memory_bytes,
+        ));
+        let models = Models::new(&config, Arc::clone(&main), meter, completions.clone());
         let sessions = Sessions::new(SessionShared {
             store: store.clone(),
-            scheduler: scheduler.clone(),
-            completions: completions.clone(),
-            tokenizer: Arc::clone(&tokenizer),
-            template: Arc::clone(&template),
-            context_window: model.context_window,
+            models: Arc::clone(&models),
             cfg: SessionConfig {
                 max_message_chars: config.limits.max_message_chars,
                 idle_timeout: Duration::from_secs(config.session.idle_timeout_s),
@@ -439,10 +218,7 @@ impl Platform {
         let conversations = Arc::new(Conversations::new(
             store.clone(),
             Arc::clone(&sessions),
-            scheduler.clone(),
-            Arc::clone(&tokenizer),
-            Arc::clone(&template),
-            model.context_window,
+            Arc::clone(&models),
             conversations_config(&config),
             Arc::clone(&documents),
         ));
@@ -451,7 +227,7 @@ impl Platform {
         let admin_auth = admin_auth(&config, &store, key);
         let admin = Admin::new(
             store.clone(),
-            scheduler.clone(),
+            Arc::clone(&models),
             Arc::clone(&cluster),
             Arc::clone(&conversations),
             Arc::clone(&accounts),
@@ -461,7 +237,8 @@ impl Platform {
         Ok(Self {
             config,
             store,
-            scheduler,
+            models,
+            main,
             sessions,
             cluster,
             conversations,
@@ -471,15 +248,17 @@ impl Platform {
             accounts,
             admin_auth,
             admin,
-            tokenizer,
-            template,
-            model,
         })
     }
 
     /// The configuration in force (the cookie secret filled in when it was generated).
     pub fn config(&self) -> &Config {
         &self.config
+    }
+
+    /// Every model served (the one rule for a request's model name, loading on demand).
+    pub fn models(&self) -> &Arc<Models> {
+        &self.models
     }
 
     /// Reads a file a `/v1` request carries inline (a `file` content part) for the caller
@@ -497,7 +276,7 @@ impl Platform {
         // text that could not fit the window is refused before that (and before anything
         // tokenizes it whole).
         self.documents
-            .read(who, name, bytes, limit, self.model.context_window)
+            .read(who, name, bytes, limit, self.main.info().context_window)
             .await
     }
 
@@ -539,27 +318,32 @@ impl Platform {
 
     /// Facts about the loaded model.
     pub fn model(&self) -> &ModelInfo {
-        &self.model
+        self.main.info()
     }
 
     pub fn tokenizer(&self) -> &Tokenizer {
-        &self.tokenizer
+        self.main.tokenizer()
     }
 
     pub fn template(&self) -> &ChatTemplate {
-        &self.template
+        self.main.template()
     }
 
     /// The one prompt builder over this model's template and tokenizer.
     pub fn prompt_builder(&self) -> PromptBuilder<'_> {
-        PromptBuilder::new(&self.template, &self.tokenizer)
+        self.main.prompt_builder()
     }
 
     /// Whether this replica can take requests: the model thread runs and the database answers
     /// within [`DATABASE_CHECK`].
     pub async fn readiness(&self) -> Readiness {
-        let model_alive =
-            self.scheduler.connected() && self.scheduler.send(ModelAlive).await.unwrap_or(false);
+        let model_alive = self.main.scheduler().connected()
+            && self
+                .main
+                .scheduler()
+                .send(ModelAlive)
+                .await
+                .unwrap_or(false);
         let database = match tokio::time::timeout(DATABASE_CHECK, self.store.ping()).await {
             Ok(Ok(())) => Ok(()),
             Ok(Err(e)) => Err(e.to_string()),
@@ -578,7 +362,7 @@ impl Platform {
 
     /// The scheduler's counters now; `None` once the model thread is gone.
     pub async fn stats(&self) -> Option<SchedulerStats> {
-        self.scheduler.send(GetStats).await.ok()
+        self.main.stats().await
     }
 
     /// Sets the gauges the scheduler updates only at its steps, so an idle server reports
@@ -613,7 +397,7 @@ impl Platform {
         metrics::gauge!("smolchat_live_sessions").set(self.sessions.all().len() as f64);
         // Which device and tier compute, as an info gauge (always 1), and whether the GPU's
         // fast tier was set aside (its self-check failed, or the file needs the reference tier).
-        let m = &self.model;
+        let m = self.main.info();
         metrics::gauge!("smolchat_engine_info", "device" => m.device.clone(), "tier" => m.tier.clone())
             .set(1.0);
         metrics::gauge!("smolchat_engine_tier_fallback").set(if m.tier_note.is_some() {
@@ -628,11 +412,7 @@ impl Platform {
     pub async fn close(&self) {
         // Idle conversations' caches to disk, so the next start resumes them without computing
         // their prompts (bounded: a stop is not held up for long).
-        let spilled = tokio::time::timeout(
-            SPILL_AT_STOP,
-            self.scheduler.send(smolchat_serving::scheduler::SpillAll),
-        )
-        .await;
+        let spilled = tokio::time::timeout(SPILL_AT_STOP, self.models.spill_all()).await;
         if spilled.is_err() {
             tracing::warn!("writing KV caches to the spill tier took too long; stopping anyway");
         }
@@ -816,78 +596,5 @@ pub fn conversations_config(config: &Config) -> ConversationsConfig {
             seed: None,
             ..smolchat_store::ConversationSettings::default()
         },
-    }
-}
-
-#[cfg(test)]
-mod spill_tests {
-    use super::*;
-
-    /// The one rule for a request's `model`: none, the id, the file's name and the aliases are
-    /// the model; the path never is; anything else only when it answers unknown names.
-    #[test]
-    fn a_model_answers_to_its_id_file_name_and_aliases() {
-        let mut m = ModelInfo {
-            id: "SmolLM2-135M-Instruct.Q4_1".into(),
-            path: "/srv/models/SmolLM2-135M-Instruct.Q4_1.gguf".into(),
-            architecture: "llama".into(),
-            context_window: 8192,
-            vocab_size: 49152,
-            hidden_size: 576,
-            weight_bytes: 0,
-            load_s: 0.0,
-            device: "cpu".into(),
-            tier: "cpu".into(),
-            tier_note: None,
-            kv_identity: String::new(),
-            aliases: vec!["gpt-4o-mini".into(), "llama3".into()],
-            answers_unknown_names: false,
-        };
-        for name in [
-            "",
-            "SmolLM2-135M-Instruct.Q4_1",
-            "SmolLM2-135M-Instruct.Q4_1.gguf",
-            "gpt-4o-mini",
-            "llama3",
-        ] {
-            assert!(m.answers_to(name), "{name}");
-        }
-        for name in [
-            "/srv/models/SmolLM2-135M-Instruct.Q4_1.gguf",
-            "gpt-4o",
-            "LLAMA3",
-        ] {
-            assert!(!m.answers_to(name), "{name}");
-        }
-        m.answers_unknown_names = true;
-        assert!(m.answers_to("gpt-4o"));
-        assert!(!m.is_named("gpt-4o"));
-    }
-
-    /// The spill folder sits beside a SQLite database's file and is `local` there (a restart on
-    /// another port finds its files); on PostgreSQL each replica has its own.
-    #[test]
-    fn the_spill_folder_follows_the_database_and_the_replica() {
-        assert_eq!(
-            default_spill_dir("sqlite:///srv/smolchat/data/smolchat.db?mode=rwc"),
-            std::path::PathBuf::from("/srv/smolchat/data/kv-spill")
-        );
-        assert_eq!(
-            default_spill_dir("sqlite://data/smolchat.db"),
-            std::path::PathBuf::from("data/kv-spill")
-        );
-        assert_eq!(
-            default_spill_dir("postgres://db/smolchat"),
-            std::path::PathBuf::from("data/kv-spill")
-        );
-        let mut config = Config::default();
-        config.database.url = "sqlite://data/x.db".into();
-        assert_eq!(spill_replica_name(&config), "local");
-        config.database.url = "postgres://db/smolchat".into();
-        config.server.bind = "0.0.0.0:8080".into();
-        assert!(spill_replica_name(&config).ends_with(":8080"));
-        config.replica.name = Some(" east-1 ".into());
-        assert_eq!(spill_replica_name(&config), "east-1");
-        assert_eq!(path_safe("host:8080/x"), "host_8080_x");
     }
 }

@@ -60,9 +60,45 @@ const TOKEN_BUCKET: Duration = Duration::from_secs(1);
 /// memory against a flood of made-up users).
 const TOKEN_USERS: usize = 100_000;
 
-/// Tokens per user (and per group) over the last minute.
-fn token_meter() -> SlidingWindow<String> {
-    SlidingWindow::new(TOKEN_WINDOW, TOKEN_BUCKET, TOKEN_USERS)
+/// Tokens per user (and per group) over the last minute, shared by the batchers of every model
+/// a server runs: a user's tokens count once against `limits.tokens_per_minute_per_user`,
+/// whatever model computed them. A clone is the same meter.
+#[derive(Clone)]
+pub struct TokenMeter(std::sync::Arc<std::sync::Mutex<SlidingWindow<String>>>);
+
+impl Default for TokenMeter {
+    fn default() -> Self {
+        Self(std::sync::Arc::new(std::sync::Mutex::new(
+            SlidingWindow::new(TOKEN_WINDOW, TOKEN_BUCKET, TOKEN_USERS),
+        )))
+    }
+}
+
+impl std::fmt::Debug for TokenMeter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("TokenMeter")
+    }
+}
+
+impl TokenMeter {
+    fn window(&self) -> std::sync::MutexGuard<'_, SlidingWindow<String>> {
+        // A panic elsewhere while it was held leaves counts that are still counts.
+        self.0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn used(&self, key: &str, now: Instant) -> u64 {
+        self.window().used(key, now)
+    }
+
+    fn retry_after_s(&self, key: &str, n: u64, limit: u64, now: Instant) -> u64 {
+        self.window().retry_after_s(key, n, limit, now)
+    }
+
+    fn add(&self, key: &str, n: u64, now: Instant) {
+        self.window().add(key, n, now)
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -177,8 +213,8 @@ pub struct Batcher {
     /// Running requests to cancel at the next step.
     to_cancel: Vec<RequestId>,
     next_id: RequestId,
-    /// Tokens generated per user over the last minute.
-    tokens: SlidingWindow<String>,
+    /// Tokens computed per user (and group) over the last minute, on every model.
+    tokens: TokenMeter,
     /// When each user with waiting requests was last admitted (an admission counter), so that
     /// among users with equal running sequences the one served longest ago goes next: with a
     /// single free slot, users take turns instead of the oldest request's user going again.
@@ -203,12 +239,17 @@ pub enum CancelOutcome {
 
 impl Batcher {
     pub fn new(cfg: BatcherConfig) -> Self {
+        Self::with_meter(cfg, TokenMeter::default())
+    }
+
+    /// A batcher counting users' tokens in `tokens`, which other models' batchers may share.
+    pub fn with_meter(cfg: BatcherConfig, tokens: TokenMeter) -> Self {
         Self {
             waiting: VecDeque::new(),
             running: Vec::new(),
             to_cancel: Vec::new(),
             next_id: 1,
-            tokens: token_meter(),
+            tokens,
             last_admitted: HashMap::new(),
             admissions: 0,
             kv_free_blocks: None,

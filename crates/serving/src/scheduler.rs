@@ -33,16 +33,42 @@ pub struct SchedulerConfig {
     pub async_steps: Option<bool>,
     /// The KV spill tier (see [`crate::spill`]); `None`: off.
     pub spill: Option<crate::spill::SpillSettings>,
+    /// Users' tokens over the last minute, shared with the other models' schedulers.
+    pub tokens: super::batcher::TokenMeter,
 }
 
 /// Clears its flag when dropped: held by the model thread for its whole life, so the flag says
-/// false once the thread has ended for any reason, a panic included.
-struct AliveGuard(Arc<AtomicBool>);
+/// false once the thread has ended for any reason, a panic included. `ended` tells whoever
+/// waits for the thread's memory to be freed ([`Retire`]).
+struct AliveGuard {
+    alive: Arc<AtomicBool>,
+    retired: Arc<AtomicBool>,
+    ended: Option<oneshot::Sender<()>>,
+}
+
+impl AliveGuard {
+    fn new(alive: Arc<AtomicBool>) -> Self {
+        Self {
+            alive,
+            retired: Arc::new(AtomicBool::new(false)),
+            ended: None,
+        }
+    }
+}
 
 impl Drop for AliveGuard {
     fn drop(&mut self) {
-        self.0.store(false, Ordering::Release);
-        tracing::error!("the model thread has ended; this server can no longer generate replies");
+        self.alive.store(false, Ordering::Release);
+        if self.retired.load(Ordering::Acquire) {
+            tracing::info!("the model thread has ended: the model is unloaded");
+        } else {
+            tracing::error!(
+                "the model thread has ended; this server can no longer generate replies"
+            );
+        }
+        if let Some(ended) = self.ended.take() {
+            let _ = ended.send(());
+        }
     }
 }
 
@@ -56,6 +82,10 @@ pub struct SchedulerActor {
     stats: SchedulerStats,
     /// (time, generated tokens) of recent steps, for tokens/s.
     recent: VecDeque<(Instant, u64)>,
+    /// Set by [`Retire`]: no more requests; the model thread is ending or has ended.
+    retired: Arc<AtomicBool>,
+    /// Resolves once the model thread has ended (its engine, weights and caches freed).
+    ended: Option<oneshot::Receiver<()>>,
 }
 
 impl SchedulerActor {
@@ -106,7 +136,10 @@ impl SchedulerActor {
                 worker = worker.with_spill(tier, idle);
             }
             let model_alive = Arc::new(AtomicBool::new(true));
-            let guard = AliveGuard(Arc::clone(&model_alive));
+            let mut guard = AliveGuard::new(Arc::clone(&model_alive));
+            let retired = Arc::clone(&guard.retired);
+            let (ended_tx, ended) = oneshot::channel();
+            guard.ended = Some(ended_tx);
             let spawned = std::thread::Builder::new()
                 .name("smolchat-model".into())
                 .spawn(move || {
@@ -125,11 +158,13 @@ impl SchedulerActor {
                     kv_budget_bytes,
                     ..SchedulerStats::default()
                 },
-                batcher: Batcher::new(cfg.batcher.clone()),
+                batcher: Batcher::with_meter(cfg.batcher.clone(), cfg.tokens.clone()),
                 cfg,
                 worker: tx,
                 step_in_flight: false,
                 recent: VecDeque::new(),
+                retired,
+                ended: Some(ended),
             }
         })
     }
@@ -189,6 +224,11 @@ impl Handler<Submit> for SchedulerActor {
     type Result = Result<RequestId, SubmitError>;
 
     fn handle(&mut self, msg: Submit, _: &mut Context<Self>) -> Self::Result {
+        if self.retired.load(Ordering::Acquire) {
+            return Err(SubmitError::Unavailable(
+                crate::types::ModelUnavailable::Unloaded,
+            ));
+        }
         let mut request = msg.0;
         request
             .params
@@ -234,6 +274,9 @@ impl Handler<Warm> for SchedulerActor {
     type Result = Result<(), crate::warm::WarmRefused>;
 
     fn handle(&mut self, msg: Warm, _: &mut Context<Self>) -> Self::Result {
+        if self.retired.load(Ordering::Acquire) {
+            return Ok(());
+        }
         let tokens = msg.0.prompt.len();
         self.batcher.offer_draft(msg.0)?;
         metrics::counter!("smolchat_warm_drafts_total").increment(1);
@@ -443,6 +486,39 @@ impl Handler<SpillAll> for SchedulerActor {
     }
 }
 
+/// Unload the model: refused (false) while any request is queued or running, so a model is
+/// never unloaded under a reply. Otherwise the scheduler takes no more requests
+/// ([`ModelUnavailable::Unloaded`](crate::types::ModelUnavailable::Unloaded)), the worker
+/// writes its idle conversation caches to the spill tier (when there is one) and ends, and this
+/// resolves to true once its thread has ended and the engine's memory is freed.
+#[derive(Message)]
+#[rtype(result = "bool")]
+pub struct Retire;
+
+impl Handler<Retire> for SchedulerActor {
+    type Result = ResponseFuture<bool>;
+
+    fn handle(&mut self, _: Retire, ctx: &mut Context<Self>) -> Self::Result {
+        if !self.batcher.is_idle() || self.retired.load(Ordering::Acquire) {
+            return Box::pin(async { false });
+        }
+        self.retired.store(true, Ordering::Release);
+        let (done, _) = oneshot::channel();
+        let _ = self.worker.send(WorkerCommand::SpillAll(done));
+        // Dropping the only sender ends the worker's loop once it has read what was sent.
+        let (dead, _) = std_mpsc::channel();
+        self.worker = dead;
+        ctx.stop();
+        let ended = self.ended.take();
+        Box::pin(async move {
+            if let Some(ended) = ended {
+                let _ = ended.await;
+            }
+            true
+        })
+    }
+}
+
 /// Sizes of every conversation cache the worker holds.
 #[derive(Message)]
 #[rtype(result = "Vec<CacheEntryInfo>")]
@@ -471,7 +547,7 @@ mod tests {
     fn the_alive_flag_clears_when_the_thread_ends_even_by_panic() {
         for panics in [false, true] {
             let flag = Arc::new(AtomicBool::new(true));
-            let guard = AliveGuard(Arc::clone(&flag));
+            let guard = AliveGuard::new(Arc::clone(&flag));
             let thread = std::thread::spawn(move || {
                 let _alive = guard;
                 assert!(!panics, "the model thread panicked (on purpose)");

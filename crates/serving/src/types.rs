@@ -256,6 +256,10 @@ pub enum ModelUnavailable {
     /// The model worker's thread has ended (the server is stopping, or it failed).
     #[error("the model thread stopped")]
     ModelStopped,
+    /// The model was unloaded (to make room for another, or by an admin) before the request
+    /// reached it.
+    #[error("the model was unloaded; send the request again to load it")]
+    Unloaded,
     /// The scheduler actor did not take the request.
     #[error("the scheduler is not available ({0})")]
     Scheduler(actix::MailboxError),

@@ -30,6 +30,10 @@ pub struct ConversationSettings {
     /// so a resumed conversation renders the same prompt prefix (and its cached KV stays valid).
     #[serde(with = "naive_date")]
     pub pinned_date: NaiveDate,
+    /// The model the conversation's replies come from (a model's id); `None`: the server's
+    /// default model.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model: Option<String>,
 }
 
 impl Default for ConversationSettings {
@@ -44,6 +48,7 @@ impl Default for ConversationSettings {
             seed: None,
             ignore_eos: false,
             grammar: None,
+            model: None,
             // Local, not UTC: Hugging Face's `strftime_now` renders the server's local date, and a
             // user expects "today" where the server runs.
             pinned_date: chrono::Local::now().date_naive(),

@@ -22,15 +22,12 @@ pub(crate) use mirror::summary_of_stored;
 pub use prompt::{check_message, conversation_prompt};
 
 use crate::cluster::{Cluster, Wire, WireBody};
-use crate::completions::{CacheUse, CompletionRequest, Completions};
+use crate::completions::{CacheUse, CompletionRequest};
 use crate::reply::ReplyEvent;
 use buffer::ReplyBuffer;
 use mirror::{Follow, Mirror};
-use smolchat_serving::scheduler::{Cancel, SchedulerActor};
 use smolchat_serving::types::{GenEvent, GenSummary, SubmitError};
 use smolchat_store::{Attachments, Message, MessageStatus, Role, Store, StoreError};
-use smolchat_text::template::ChatTemplate;
-use smolchat_text::tokenizer::Tokenizer;
 
 #[derive(Debug, Clone)]
 pub struct SessionConfig {
@@ -59,12 +56,8 @@ const PARTIAL_SAVE_INTERVAL: Duration = Duration::from_secs(1);
 /// What every session shares: the store, the scheduler and the model's text side.
 pub struct SessionShared {
     pub store: Store,
-    pub scheduler: Addr<SchedulerActor>,
-    /// Where every reply is submitted.
-    pub completions: Completions,
-    pub tokenizer: Arc<Tokenizer>,
-    pub template: Arc<ChatTemplate>,
-    pub context_window: usize,
+    /// The models: each turn runs on its conversation's (`settings.model`).
+    pub models: Arc<crate::models::Models>,
     pub cfg: SessionConfig,
     /// This replica among the others: replies are published to them, theirs relayed here.
     pub cluster: Arc<Cluster>,
@@ -90,6 +83,9 @@ pub enum SessionError {
     NoSuchFile(Uuid),
     #[error("there is no message to resend")]
     NothingToResend,
+    /// The conversation's model cannot be had (not loaded and no room, or its file is bad).
+    #[error(transparent)]
+    Model(#[from] crate::models::ModelError),
     #[error(transparent)]
     Submit(#[from] SubmitError),
     /// A fault of the store (shared: a session's error goes to every caller waiting on it).
@@ -171,6 +167,10 @@ pub struct SessionActor {
     remote_watched_at: Option<Instant>,
     /// The prompt of the draft offered last (a draft that adds nothing is not offered again).
     last_draft: Option<Vec<u32>>,
+    /// The model of the running reply (to stop it there).
+    reply_model: Option<Arc<crate::models::ServedModel>>,
+    /// The model this conversation's last turn ran on (read-ahead and drafts go there).
+    model_id: Option<String>,
 }
 
 impl SessionActor {
@@ -430,9 +430,17 @@ impl SessionActor {
     /// Asks for this conversation's spilled KV cache, if any, to be read ahead (a message or a
     /// draft is on its way).
     fn prefetch(&self) {
-        self.shared
-            .scheduler
-            .do_send(smolchat_serving::scheduler::Prefetch(self.id));
+        if let Some(m) = self.current_model() {
+            m.prefetch(self.id);
+        }
+    }
+
+    /// The loaded model this conversation's turns run on, if it is loaded (nothing is loaded
+    /// for a read-ahead or a draft).
+    fn current_model(&self) -> Option<Arc<crate::models::ServedModel>> {
+        let models = &self.shared.models;
+        let id = self.model_id.clone().unwrap_or_else(|| models.default_id());
+        models.peek(&id)
     }
 
     fn is_busy(&self) -> bool {
@@ -443,6 +451,7 @@ impl SessionActor {
         let Some(reply) = self.reply.take() else {
             return;
         };
+        self.reply_model = None;
         let id = reply.assistant_message_id;
         let (tail, finished) = reply.finish(&summary);
         for event in tail {
@@ -492,9 +501,9 @@ impl SessionActor {
     fn cancel_running(&mut self) -> bool {
         match self.reply.as_mut() {
             Some(reply) => {
-                match reply.request_id {
-                    Some(id) => self.shared.scheduler.do_send(Cancel(id)),
-                    None => reply.stop_requested = true,
+                match (reply.request_id, &self.reply_model) {
+                    (Some(id), Some(model)) => model.cancel(id),
+                    _ => reply.stop_requested = true,
                 }
                 true
             }
@@ -663,12 +672,17 @@ impl Handler<SendMessage> for SessionActor {
                 // The prompt is the branch before the replaced message.
                 history.truncate(at);
             }
+            // The conversation's model, loaded first when it is not (the send waits).
+            let model = shared
+                .models
+                .for_conversation(conversation.settings.model.as_deref())
+                .await?;
             // Rendering and tokenizing a long history is CPU work: on a blocking thread, not on
             // the event loop that runs this session and the requests beside it.
             let (prepared, conversation) = {
-                let shared = Arc::clone(&shared);
+                let model = Arc::clone(&model);
                 tokio::task::spawn_blocking(move || {
-                    prompt::prepare(&shared, &conversation, &history, &prompt_text)
+                    prompt::prepare(&model, &conversation, &history, &prompt_text)
                         .map(|p| (p, conversation))
                 })
                 .await
@@ -685,7 +699,7 @@ impl Handler<SendMessage> for SessionActor {
                 key: None,
             };
             // Ask the scheduler first: an overloaded server refuses before anything is stored.
-            let completion = shared.completions.submit(request).await?;
+            let completion = model.submit(request).await?;
             // Should the store refuse the exchange, dropping `completion` cancels the request.
             let (user, assistant) = match replacing {
                 Some(user) if regenerate => {
@@ -699,11 +713,13 @@ impl Handler<SendMessage> for SessionActor {
                         .await?
                 }
             };
-            Ok((completion, user, assistant, prepared))
+            Ok((completion, user, assistant, prepared, model))
         };
         Box::pin(work.into_actor(self).map(move |result, act, ctx| {
             act.sending = false;
-            let (completion, user, assistant, prepared) = result?;
+            let (completion, user, assistant, prepared, model) = result?;
+            act.model_id = Some(model.id().to_string());
+            act.reply_model = Some(model);
             let request_id = completion.id();
             act.replay.clear();
             act.remote = None;
@@ -800,12 +816,20 @@ impl Handler<WarmDraft> for SessionActor {
             let files = prompt::pending_files(&shared.store, id, &msg.files).await?;
             let text = prompt::with_files(files.iter(), &msg.content);
             let owner = conversation.owner.clone();
+            // Warmed only on the conversation's model when it is loaded: a draft loads nothing.
+            let model_id = shared
+                .models
+                .find(conversation.settings.model.as_deref().unwrap_or(""))
+                .unwrap_or_else(|_| shared.models.default_id());
+            let Some(model) = shared.models.peek(&model_id) else {
+                return Ok(None);
+            };
             let prefix = {
-                let shared = Arc::clone(&shared);
+                let model = Arc::clone(&model);
                 tokio::task::spawn_blocking(move || {
-                    let drafted = prompt::prepare(&shared, &conversation, &history, &text)?;
+                    let drafted = prompt::prepare(&model, &conversation, &history, &text)?;
                     let longer =
-                        prompt::prepare(&shared, &conversation, &history, &format!("{text}x"))?;
+                        prompt::prepare(&model, &conversation, &history, &format!("{text}x"))?;
                     let n = settled_prefix(&drafted.prompt, &longer.prompt);
                     let mut tokens = drafted.prompt;
                     tokens.truncate(n);
@@ -814,38 +838,39 @@ impl Handler<WarmDraft> for SessionActor {
                 .await
                 .map_err(|e| SessionError::PromptTask(e.to_string()))??
             };
-            Ok::<_, SessionError>((prefix, owner))
+            Ok::<_, SessionError>(Some((prefix, owner, model)))
         };
         Box::pin(work.into_actor(self).then(move |result, act, _| {
             // Decided here, with the actor: skipped, or offered (to the scheduler, below).
             let offer = match result {
                 Err(e) => Err(e),
+                Ok(None) => Ok(Err(DraftOutcome::skipped(
+                    "the conversation's model is not loaded; it loads when the message is sent",
+                ))),
                 // A reply started meanwhile: its prompt is what counts now.
                 Ok(_) if act.is_busy() => Ok(Err(DraftOutcome::skipped(DRAFT_WHILE_REPLYING))),
-                Ok((prompt, _)) if act.last_draft.as_ref() == Some(&prompt) => Ok(Err(
+                Ok(Some((prompt, _, _))) if act.last_draft.as_ref() == Some(&prompt) => Ok(Err(
                     DraftOutcome::skipped("nothing new since the last draft"),
                 )),
-                Ok((prompt, owner)) => {
+                Ok(Some((prompt, owner, model))) => {
                     act.last_draft = Some(prompt.clone());
+                    act.model_id = Some(model.id().to_string());
                     let draft = smolchat_serving::warm::Draft {
                         conversation: act.id,
                         user: Some(owner),
                         prompt,
                     };
-                    Ok(Ok((draft, act.shared.scheduler.clone())))
+                    Ok(Ok((draft, model)))
                 }
             };
             fut::wrap_future(async move {
                 use smolchat_serving::warm::WarmRefused;
-                let (draft, scheduler) = match offer? {
+                let (draft, model) = match offer? {
                     Err(skipped) => return Ok(skipped),
                     Ok(offer) => offer,
                 };
                 let prompt_tokens = draft.prompt.len();
-                match scheduler
-                    .send(smolchat_serving::scheduler::Warm(draft))
-                    .await
-                {
+                match model.warm(draft).await {
                     Ok(Ok(())) => Ok(DraftOutcome::Offered { prompt_tokens }),
                     Ok(Err(e @ WarmRefused::UserLimit { .. })) => Err(SessionError::DraftLimit(e)),
                     Ok(Err(e)) => Ok(DraftOutcome::skipped(e.to_string())),
@@ -1110,6 +1135,8 @@ impl Sessions {
             remote: None,
             remote_watched_at: None,
             last_draft: None,
+            reply_model: None,
+            model_id: None,
         }
         .start();
         live.insert(id, addr.clone());

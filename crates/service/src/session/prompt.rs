@@ -8,7 +8,7 @@ use smolchat_text::sampling::SamplingParams;
 use smolchat_text::template::{ChatMessage, RenderOptions};
 use uuid::Uuid;
 
-use super::{SessionError, SessionShared};
+use super::SessionError;
 use crate::validation::not_text;
 
 pub(super) struct Prepared {
@@ -140,13 +140,12 @@ pub fn conversation_prompt(
 
 /// Builds the conversation plus the new user message into prompt tokens and sampling settings.
 pub(super) fn prepare(
-    shared: &SessionShared,
+    model: &crate::models::ServedModel,
     conversation: &Conversation,
     history: &[Message],
     new_user: &str,
 ) -> Result<Prepared, SessionError> {
-    let builder = PromptBuilder::new(&shared.template, &shared.tokenizer);
-    let prompt = conversation_prompt(builder, conversation, history, new_user)?;
+    let prompt = conversation_prompt(model.prompt_builder(), conversation, history, new_user)?;
     Ok(Prepared {
         prompt: prompt.tokens,
         starts_in_reasoning: prompt.starts_in_reasoning,
