@@ -29,7 +29,10 @@ mod vocab;
 mod weights;
 mod writer;
 
-pub use model::{build, rename_architecture, write_gguf, write_source_as_gguf, SyntheticModel};
+pub use model::{
+    build, rename_architecture, requantize_as_gguf, write_gguf, write_source_as_gguf,
+    SyntheticModel,
+};
 pub use vocab::TokenizerMetadata;
 
 /// Which GGML type each tensor gets. Norm weights are always F32, as llama.cpp keeps them.

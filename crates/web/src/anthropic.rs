@@ -77,22 +77,32 @@ async fn messages(
 ) -> Result<HttpResponse, AnthropicError> {
     let JsonBody(body) = body?;
     let (generation, chat) = body::translate(&body)?;
-    let req = v1::checked_chat(
+    let (req, served) = v1::checked_chat(
         &state,
         &http,
         generation,
         chat,
         Some("output_config.format"),
-    )?;
-    let model = v1::model_name(&state.platform, &req.common);
+    )
+    .await?;
+    let model = v1::model_name(&served, &req.common);
     let parse_tool_calls = req.parse_tool_calls();
-    let prompt = v1::build_chat_prompt(&state, &http, &req).await?;
+    let prompt = v1::build_chat_prompt(&state, &http, &served, &req).await?;
     let mut assembler = ChatAssembler::new(prompt.starts_in_reasoning, parse_tool_calls);
     let stream = req.common.stream;
     let input_tokens = prompt.tokens.len();
     let salt = v1::cache_salt(&http, &req.common);
     let user = v1::api_user(&http);
-    let completion = v1::submit(&state, req.common, salt, user, prompt.tokens, "messages").await?;
+    let completion = v1::submit(
+        &state,
+        &served,
+        req.common,
+        salt,
+        user,
+        prompt.tokens,
+        "messages",
+    )
+    .await?;
     let id = format!("msg_{}", uuid::Uuid::now_v7().simple());
     if stream {
         let render = MessageRender {

@@ -125,30 +125,30 @@ pub(crate) fn checked_inputs(
 pub(crate) async fn embed(
     state: &web::Data<AppState>,
     http: &HttpRequest,
+    model: &std::sync::Arc<smolchat_service::models::ServedModel>,
     inputs: Vec<Input>,
     pooling: Pooling,
     truncate: bool,
     field: &str,
 ) -> Result<Embeddings, ApiError> {
-    let p = &state.platform;
     if !state.ready.load(std::sync::atomic::Ordering::Acquire) {
         return Err(ApiError::unavailable("the server is shutting down"));
     }
-    let state2 = state.clone();
+    let m = std::sync::Arc::clone(model);
     let tokenized = web::block(move || {
         inputs
             .into_iter()
             .map(|input| match input {
-                Input::Text(text) => v1::encode(&state2.platform, &text),
+                Input::Text(text) => v1::encode(&m, &text),
                 Input::Tokens(ids) => Ok(ids),
             })
             .collect::<Result<Vec<Vec<u32>>, ApiError>>()
     })
     .await
     .map_err(|e| ApiError::internal(format!("tokenizer task: {e}")))??;
-    let vocab = p.model().vocab_size;
+    let vocab = model.info().vocab_size;
     // The prompt must leave the window one position, as every request's must.
-    let window = p.model().context_window;
+    let window = model.info().context_window;
     let mut prompts = Vec::with_capacity(tokenized.len());
     for (i, mut ids) in tokenized.into_iter().enumerate() {
         let at = format!("{field}[{i}]");
@@ -180,7 +180,8 @@ pub(crate) async fn embed(
         cache_salt: v1::cache_salt_of(http, ""),
         usage_owner: Some(user),
     };
-    p.completions()
+    model
+        .completions()
         .embed(request)
         .await
         .map_err(|e| embed_error(e, field))
@@ -281,16 +282,12 @@ async fn create(
     let p = &state.platform;
     let body: EmbeddingsBody = typed::read(&body, "")?;
     let model = body.model;
-    if let Some(name) = model.as_deref().filter(|m| !m.is_empty()) {
-        if !v1::is_served_model(p, name) {
-            return Err(ApiError::model_not_found(name, &p.model().id));
-        }
-    }
+    let served = v1::resolve_model(p, model.as_deref().unwrap_or("")).await?;
     let encoding = body.encoding_format.unwrap_or(Encoding::Float);
-    check_dimensions(body.dimensions, p.model().hidden_size, "dimensions")?;
+    check_dimensions(body.dimensions, served.info().hidden_size, "dimensions")?;
     let pooling = body.pooling.map_or(Pooling::Mean, Pooling::from);
     let inputs = checked_inputs(body.input.map(|Inputs(i)| i), "input")?;
-    let result = embed(&state, &http, inputs, pooling, false, "input").await?;
+    let result = embed(&state, &http, &served, inputs, pooling, false, "input").await?;
     let data: Vec<Value> = result
         .vectors
         .iter()
@@ -306,7 +303,7 @@ async fn create(
     Ok(HttpResponse::Ok().json(json!({
         "object": "list",
         "data": data,
-        "model": model.filter(|m| !m.is_empty()).unwrap_or_else(|| p.model().id.clone()),
+        "model": model.filter(|m| !m.is_empty()).unwrap_or_else(|| served.id().to_string()),
         "usage": {
             "prompt_tokens": result.prompt_tokens,
             "total_tokens": result.prompt_tokens,

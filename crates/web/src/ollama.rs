@@ -37,7 +37,9 @@ use super::{AppState, WebError};
 use crate::error::reshape;
 use crate::error::ApiError;
 use smolchat_service::completions::{GenSummary, StopReason};
+use smolchat_service::models::{LoadState, ModelStatus, ServedModel};
 use smolchat_service::platform::Platform;
+use std::sync::Arc;
 
 /// The Ollama API version this server answers as (`/api/version`): the release whose request
 /// and answer shapes these routes follow (`think`, `thinking`, `tool_calls` as objects).
@@ -84,33 +86,46 @@ impl reshape::ErrorShape for Ollama {
 /// A refusal in Ollama's shape, decided by the one [`ApiError`].
 pub type OllamaError = reshape::Shaped<Ollama>;
 
-/// The name the model is listed under: its id with Ollama's `:latest` tag.
-fn listed_name(p: &Platform) -> String {
-    let id = &p.model().id;
+/// The name a model is listed under: its id with Ollama's `:latest` tag.
+fn listed_name(id: &str) -> String {
     if id.contains(':') {
-        id.clone()
+        id.to_string()
     } else {
         format!("{id}:latest")
     }
 }
 
-/// Whether an Ollama request's `model` names the loaded model: as listed, or any name `/v1`
-/// accepts. A missing or empty name means the loaded one (as on `/v1`).
-fn serves(p: &Platform, name: &str) -> bool {
-    name.is_empty()
-        || name == listed_name(p)
-        || v1::is_served_model(p, name)
-        || name
-            .strip_suffix(":latest")
-            .is_some_and(|n| v1::is_served_model(p, n))
+/// The model an Ollama request's `model` names: as listed (`id:latest`), or any name `/v1`
+/// accepts (`Models::find`); a missing or empty name is the default model (as on `/v1`).
+fn find_model(p: &Platform, name: &str) -> Result<String, OllamaError> {
+    let models = p.models();
+    models
+        .find(name)
+        .or_else(|e| {
+            name.strip_suffix(":latest")
+                .filter(|n| !n.is_empty())
+                .map_or(Err(e), |n| models.find(n))
+        })
+        .map_err(|e| v1::model_error(e).into())
 }
 
-fn check_model(p: &Platform, name: &str) -> Result<(), OllamaError> {
-    if serves(p, name) {
-        Ok(())
-    } else {
-        Err(ApiError::model_not_found(name, &listed_name(p)).into())
-    }
+/// The model an Ollama request names, loaded when it is not (the request waits).
+async fn check_model(p: &Platform, name: &str) -> Result<Arc<ServedModel>, OllamaError> {
+    let id = find_model(p, name)?;
+    p.models()
+        .load(&id)
+        .await
+        .map_err(|e| v1::model_error(e).into())
+}
+
+/// The configured model `name` means, loaded or not (for `/api/show`).
+fn status_of(p: &Platform, name: &str) -> Result<ModelStatus, OllamaError> {
+    let id = find_model(p, name)?;
+    p.models()
+        .list()
+        .into_iter()
+        .find(|m| m.id == id)
+        .ok_or_else(|| ApiError::model_not_found(name, &id).into())
 }
 
 /// RFC 3339 with Ollama's nanosecond precision.
@@ -119,8 +134,8 @@ fn now_rfc3339() -> String {
 }
 
 /// The quantization of most of the file's matrices, as Ollama's `details` names it.
-fn quantization(p: &Platform) -> String {
-    let stem = std::path::Path::new(&p.model().path)
+fn quantization(m: &ModelStatus) -> String {
+    let stem = std::path::Path::new(&m.path)
         .file_stem()
         .map(|s| s.to_string_lossy().into_owned())
         .unwrap_or_default();
@@ -135,28 +150,31 @@ fn quantization(p: &Platform) -> String {
         .unwrap_or_default()
 }
 
-fn details(p: &Platform) -> Value {
-    let arch = &p.model().architecture;
+fn details(m: &ModelStatus) -> Value {
+    // The architecture is known once the file is loaded.
+    let arch = m
+        .info
+        .as_ref()
+        .map_or_else(String::new, |i| i.architecture.clone());
     json!({
         "parent_model": "",
         "format": "gguf",
         "family": arch,
         "families": [arch],
         "parameter_size": "",
-        "quantization_level": quantization(p),
+        "quantization_level": quantization(m),
     })
 }
 
-/// A stable stand-in for Ollama's blob digest: this model's id, path and size, hashed.
-fn digest(p: &Platform) -> String {
+/// A stable stand-in for Ollama's blob digest: the model's id, path and file size, hashed.
+fn digest(m: &ModelStatus) -> String {
     use sha2::Digest;
-    let m = p.model();
-    let hash = sha2::Sha256::digest(format!("{}\n{}\n{}", m.id, m.path, m.weight_bytes));
+    let hash = sha2::Sha256::digest(format!("{}\n{}\n{}", m.id, m.path, file_size(m)));
     hash.iter().map(|b| format!("{b:02x}")).collect()
 }
 
-fn modified_at(p: &Platform) -> String {
-    std::fs::metadata(&p.model().path)
+fn modified_at(m: &ModelStatus) -> String {
+    std::fs::metadata(&m.path)
         .and_then(|m| m.modified())
         .map(|t| {
             chrono::DateTime::<chrono::Utc>::from(t)
@@ -165,40 +183,71 @@ fn modified_at(p: &Platform) -> String {
         .unwrap_or_else(|_| now_rfc3339())
 }
 
-fn file_size(p: &Platform) -> u64 {
-    std::fs::metadata(&p.model().path)
-        .map(|m| m.len())
-        .unwrap_or(p.model().weight_bytes as u64)
+fn file_size(m: &ModelStatus) -> u64 {
+    std::fs::metadata(&m.path).map_or(m.memory_bytes, |f| f.len())
 }
 
+/// Every configured model, loaded or not (the default one first).
 async fn tags(state: web::Data<AppState>) -> HttpResponse {
-    let p = &state.platform;
-    let name = listed_name(p);
-    HttpResponse::Ok().json(json!({"models": [{
-        "name": name,
-        "model": name,
-        "modified_at": modified_at(p),
-        "size": file_size(p),
-        "digest": digest(p),
-        "details": details(p),
-    }]}))
+    let mut listed = state.platform.models().list();
+    listed.sort_by_key(|m| !m.default);
+    let models: Vec<Value> = listed
+        .iter()
+        .map(|m| {
+            let name = listed_name(&m.id);
+            json!({
+                "name": name,
+                "model": name,
+                "modified_at": modified_at(m),
+                "size": file_size(m),
+                "digest": digest(m),
+                "details": details(m),
+            })
+        })
+        .collect();
+    HttpResponse::Ok().json(json!({ "models": models }))
 }
 
+/// The models loaded now, with when each would be unloaded if left idle.
 async fn ps(state: web::Data<AppState>) -> HttpResponse {
-    let p = &state.platform;
-    let name = listed_name(p);
-    let on_gpu = p.model().device.starts_with("cuda");
-    HttpResponse::Ok().json(json!({"models": [{
-        "name": name,
-        "model": name,
-        "size": p.model().weight_bytes,
-        "digest": digest(p),
-        "details": details(p),
-        // Loaded for the server's lifetime.
-        "expires_at": "2318-11-25T00:00:00Z",
-        "size_vram": if on_gpu { p.model().weight_bytes } else { 0 },
-        "context_length": p.model().context_window,
-    }]}))
+    let keep_alive = state.platform.config().models.keep_alive_s;
+    let entries = &state.platform.config().models.entries;
+    let models: Vec<Value> = state
+        .platform
+        .models()
+        .list()
+        .iter()
+        .filter(|m| m.state == LoadState::Loaded)
+        .map(|m| {
+            let name = listed_name(&m.id);
+            let on_gpu = m
+                .info
+                .as_ref()
+                .is_some_and(|i| i.device.starts_with("cuda"));
+            let keep = entries
+                .iter()
+                .find(|e| e.id == m.id)
+                .map(|e| e.keep_alive_s.unwrap_or(keep_alive));
+            // The main model, or one kept until unloaded: Ollama's far-future date.
+            let expires_at = match keep {
+                Some(k) if k >= 0 => (chrono::Utc::now() + chrono::Duration::seconds(k)
+                    - chrono::Duration::milliseconds((m.idle_s.unwrap_or(0.0) * 1e3) as i64))
+                .to_rfc3339_opts(chrono::SecondsFormat::Secs, true),
+                _ => "2318-11-25T00:00:00Z".to_string(),
+            };
+            json!({
+                "name": name,
+                "model": name,
+                "size": m.memory_bytes,
+                "digest": digest(m),
+                "details": details(m),
+                "expires_at": expires_at,
+                "size_vram": if on_gpu { m.memory_bytes } else { 0 },
+                "context_length": m.info.as_ref().map_or(0, |i| i.context_window),
+            })
+        })
+        .collect();
+    HttpResponse::Ok().json(json!({ "models": models }))
 }
 
 async fn version() -> HttpResponse {
@@ -215,12 +264,14 @@ async fn show(
     let JsonBody(body) = body?;
     let p = &state.platform;
     let body: ModelIn = typed::read(&body, "")?;
-    check_model(p, body.name())?;
-    let m = p.model();
+    let status = status_of(p, body.name())?;
+    // What `show` tells (the template, the context) is the loaded file's: loaded to answer.
+    let served = check_model(p, body.name()).await?;
+    let m = served.info();
     let s = &p.config().sampling;
     let arch = &m.architecture;
     let mut capabilities = vec!["completion", "embedding"];
-    let source = p.template().source();
+    let source = served.template().source();
     if source.contains("tools") {
         capabilities.push("tools");
     }
@@ -231,7 +282,7 @@ async fn show(
         "modelfile": format!("# Served by smolchat {}\nFROM {}\n", env!("CARGO_PKG_VERSION"), m.id),
         "parameters": format!("temperature {}\ntop_p {}\ntop_k {}", s.temperature, s.top_p, s.top_k),
         "template": source,
-        "details": details(p),
+        "details": details(&status),
         "model_info": {
             "general.architecture": arch,
             format!("{arch}.context_length"): m.context_window,
@@ -239,7 +290,7 @@ async fn show(
             format!("{arch}.embedding_length"): m.hidden_size,
         },
         "capabilities": capabilities,
-        "modified_at": modified_at(p),
+        "modified_at": modified_at(&status),
     })))
 }
 
@@ -255,8 +306,8 @@ async fn embed(
     let p = &state.platform;
     let body: EmbedIn = typed::read(&body, "")?;
     let name = body.model_name().to_string();
-    check_model(p, &name)?;
-    crate::embeddings::check_dimensions(body.dimensions, p.model().hidden_size, "dimensions")?;
+    let served = check_model(p, &name).await?;
+    crate::embeddings::check_dimensions(body.dimensions, served.info().hidden_size, "dimensions")?;
     let inputs = body
         .input
         .map(|Strings(texts)| texts.into_iter().map(Input::Text).collect());
@@ -264,6 +315,7 @@ async fn embed(
     let result = crate::embeddings::embed(
         &state,
         &http,
+        &served,
         inputs,
         smolchat_service::completions::Pooling::Mean,
         body.truncate.unwrap_or(true),
@@ -271,7 +323,7 @@ async fn embed(
     )
     .await?;
     Ok(HttpResponse::Ok().json(json!({
-        "model": if name.is_empty() { listed_name(p) } else { name },
+        "model": if name.is_empty() { listed_name(served.id()) } else { name },
         "embeddings": result.vectors,
         "total_duration": start.elapsed().as_nanos() as u64,
         "load_duration": 0,
@@ -289,13 +341,14 @@ async fn embeddings(
     let JsonBody(body) = body?;
     let p = &state.platform;
     let body: EmbeddingsIn = typed::read(&body, "")?;
-    check_model(p, body.model_name())?;
+    let served = check_model(p, body.model_name()).await?;
     let Some(prompt) = body.prompt else {
         return Err(OllamaError::invalid("prompt", "`prompt` is required"));
     };
     let result = crate::embeddings::embed(
         &state,
         &http,
+        &served,
         vec![crate::embeddings::Input::Text(prompt)],
         smolchat_service::completions::Pooling::Mean,
         true,
@@ -311,24 +364,26 @@ async fn embeddings(
 /// named after Ollama's `format`), then what it does not know of Ollama's options applied.
 /// The model is checked by Ollama's own names (`smollm2:latest`, the listed name) and echoed as
 /// the client wrote it.
-fn checked_chat(
+async fn checked_chat(
     state: &web::Data<AppState>,
     http: &HttpRequest,
     model: Option<String>,
-    generation: GenerationBody,
+    mut generation: GenerationBody,
     mut chat: ChatBody,
     extras: &Extras,
-) -> Result<request::ChatRequest, OllamaError> {
-    check_model(&state.platform, model.as_deref().unwrap_or(""))?;
+) -> Result<(request::ChatRequest, Arc<ServedModel>), OllamaError> {
+    // Ollama's own names (`smollm2:latest`) become the model's id for the one pipeline.
+    let id = find_model(&state.platform, model.as_deref().unwrap_or(""))?;
+    generation.model = Some(id);
     if let Some(think) = extras.think {
         let mut kwargs = Map::new();
         kwargs.insert("enable_thinking".into(), Value::Bool(think));
         chat.chat_template_kwargs = Some(kwargs);
     }
-    let mut req = v1::checked_chat(state, http, generation, chat, Some("format"))?;
+    let (mut req, served) = v1::checked_chat(state, http, generation, chat, Some("format")).await?;
     req.common.model = model;
     apply_extras(&mut req.common, extras)?;
-    Ok(req)
+    Ok((req, served))
 }
 
 fn apply_extras(
@@ -361,9 +416,8 @@ async fn chat(
         tools: chat_in.tools,
         ..ChatBody::default()
     };
-    let req = checked_chat(&state, &http, model, generation, chat, &extras)?;
-    // An empty message list loads the model in Ollama; here it is always loaded.
-    generate_chat(http, state, req, AnswerShape::Chat).await
+    let (req, served) = checked_chat(&state, &http, model, generation, chat, &extras).await?;
+    generate_chat(http, state, served, req, AnswerShape::Chat).await
 }
 
 /// Which answer shape a chat-templated generation takes.
@@ -378,11 +432,12 @@ enum AnswerShape {
 async fn generate_chat(
     http: HttpRequest,
     state: web::Data<AppState>,
+    served: Arc<ServedModel>,
     req: request::ChatRequest,
     shape: AnswerShape,
 ) -> Result<HttpResponse, OllamaError> {
     let parse_tool_calls = req.parse_tool_calls();
-    let prompt = v1::build_chat_prompt(&state, &http, &req).await?;
+    let prompt = v1::build_chat_prompt(&state, &http, &served, &req).await?;
     let assembler = Reply::Chat(ChatAssembler::new(
         prompt.starts_in_reasoning,
         parse_tool_calls,
@@ -390,6 +445,7 @@ async fn generate_chat(
     run(
         http,
         state,
+        &served,
         req.common,
         prompt.tokens,
         "messages",
@@ -408,14 +464,15 @@ async fn generate(
     let p = &state.platform;
     let common: CommonIn = typed::read(&body, "")?;
     let model = common.model.clone().unwrap_or_default();
-    check_model(p, &model)?;
+    // Loaded first when it is not (an empty prompt is Ollama's way to load a model).
+    let served = check_model(p, &model).await?;
     let own: GenerateIn = typed::read(&body, "")?;
     own.check_supported()?;
     let prompt = own.prompt.unwrap_or_default();
     let system = own.system.unwrap_or_default();
     let (generation, extras) = body::generation(common)?;
     if prompt.is_empty() {
-        // Ollama's way to load a model: answered at once, the model is always loaded here.
+        // Ollama's way to load a model: answered once it is loaded.
         return Ok(HttpResponse::Ok().json(json!({
             "model": model, "created_at": now_rfc3339(), "response": "",
             "done": true, "done_reason": "load",
@@ -436,13 +493,14 @@ async fn generate(
         req.common.model = Some(model);
         apply_extras(&mut req.common, &extras)?;
         v1::check_admin_only(&state, &http, &req.common)?;
-        let state2 = state.clone();
-        let tokens = web::block(move || v1::encode(&state2.platform, &prompt))
+        let m = Arc::clone(&served);
+        let tokens = web::block(move || v1::encode(&m, &prompt))
             .await
             .map_err(|e| ApiError::internal(format!("prompt task: {e}")))??;
         return run(
             http,
             state,
+            &served,
             req.common,
             tokens,
             "prompt",
@@ -460,8 +518,8 @@ async fn generate(
         messages: Some(messages),
         ..ChatBody::default()
     };
-    let req = checked_chat(&state, &http, Some(model), generation, chat, &extras)?;
-    generate_chat(http, state, req, AnswerShape::Generate).await
+    let (req, served) = checked_chat(&state, &http, Some(model), generation, chat, &extras).await?;
+    generate_chat(http, state, served, req, AnswerShape::Generate).await
 }
 
 /// How the generated text is split: chat (reasoning, answer, tool calls) or raw text.
@@ -582,21 +640,23 @@ fn line(shape: AnswerShape, model: &str, piece: &Piece, done: Option<(&GenSummar
 }
 
 /// Submits through the one completions path and answers in Ollama's shape.
+#[allow(clippy::too_many_arguments)]
 async fn run(
     http: HttpRequest,
     state: web::Data<AppState>,
+    served: &Arc<ServedModel>,
     common: request::GenerationOptions,
     prompt: Vec<u32>,
     prompt_param: &str,
     mut reply: Reply,
     shape: AnswerShape,
 ) -> Result<HttpResponse, OllamaError> {
-    let model = listed_name(&state.platform);
+    let model = listed_name(served.id());
     let stream = common.stream;
     let salt = v1::cache_salt(&http, &common);
     let user = v1::api_user(&http);
     let started = Instant::now();
-    let completion = v1::submit(&state, common, salt, user, prompt, prompt_param).await?;
+    let completion = v1::submit(&state, served, common, salt, user, prompt, prompt_param).await?;
     if stream {
         return Ok(HttpResponse::Ok()
             .content_type("application/x-ndjson")

@@ -33,7 +33,7 @@ pub mod request;
 use std::collections::VecDeque;
 use std::convert::Infallible;
 use std::pin::Pin;
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
 use std::task::{Context, Poll};
 
 use actix_web::middleware::from_fn;
@@ -57,7 +57,7 @@ use super::{AppState, WebError};
 use actix_web_lab::sse;
 use smolchat_service::completions::Completion;
 use smolchat_service::completions::GenSummary;
-use smolchat_service::platform::Platform;
+use smolchat_service::models::{ModelStatus, ServedModel};
 use smolchat_text::sampling::TokenLogprobs;
 use v1::stream::{EventStream, Render};
 
@@ -118,54 +118,91 @@ pub(crate) async fn method_not_allowed(req: HttpRequest) -> Result<HttpResponse,
     )))
 }
 
-/// The model as `/v1/models` lists it under `id` (its own id, or one of its aliases, with
-/// `alias_of` naming the model).
-fn model_object(p: &Platform, id: &str) -> Value {
-    let m = &p.model();
+/// A model as `/v1/models` lists it under `id` (its own id, or one of its aliases, with
+/// `alias_of` naming the model). What only loading tells (the context window, the
+/// architecture) is there while it is loaded; `status` says whether it is (llama-server's
+/// router mode says the same).
+fn model_object(m: &ModelStatus, id: &str) -> Value {
     let mut object = json!({
         "id": id,
         "object": "model",
         "created": STARTED.get().copied().unwrap_or(0),
         "owned_by": "smolchat",
-        // vLLM's name and llama-server/LM Studio's name for the same number.
-        "max_model_len": m.context_window,
-        "context_length": m.context_window,
-        "meta": {
-            "architecture": m.architecture,
-            "vocab_size": m.vocab_size,
-            "weight_bytes": m.weight_bytes,
-        },
+        // Anthropic's listing names the same model with these.
+        "type": "model",
+        "display_name": id,
+        "created_at": chrono::DateTime::<chrono::Utc>::from_timestamp(
+            STARTED.get().copied().unwrap_or(0) as i64,
+            0,
+        )
+        .unwrap_or_default()
+        .to_rfc3339_opts(chrono::SecondsFormat::Secs, true),
+        "status": {"value": if m.state == smolchat_service::models::LoadState::Loaded { "loaded" } else { "unloaded" }},
     });
+    if let Some(info) = &m.info {
+        // vLLM's name and llama-server/LM Studio's name for the same number.
+        object["max_model_len"] = json!(info.context_window);
+        object["context_length"] = json!(info.context_window);
+        object["meta"] = json!({
+            "architecture": info.architecture,
+            "vocab_size": info.vocab_size,
+            "weight_bytes": info.weight_bytes,
+        });
+    }
     if id != m.id {
         object["alias_of"] = json!(m.id);
     }
     object
 }
 
-/// The model, then each alias an admin gave it (clients that pick from the list see the names
-/// they send).
+/// Every model (the default one first), each followed by the aliases an admin gave it
+/// (clients that pick from the list see the names they send).
 async fn models(state: web::Data<AppState>) -> HttpResponse {
-    let p = &state.platform;
-    let m = p.model();
-    let data: Vec<Value> = std::iter::once(&m.id)
-        .chain(m.aliases.iter())
-        .map(|id| model_object(p, id))
+    let mut listed = state.platform.models().list();
+    listed.sort_by_key(|m| !m.default);
+    let data: Vec<Value> = listed
+        .iter()
+        .flat_map(|m| {
+            std::iter::once(&m.id)
+                .chain(m.aliases.iter())
+                .map(move |id| model_object(m, id))
+        })
         .collect();
-    HttpResponse::Ok().json(json!({"object": "list", "data": data}))
+    let (first, last) = (
+        data.first().map(|m| m["id"].clone()),
+        data.last().map(|m| m["id"].clone()),
+    );
+    HttpResponse::Ok().json(json!({
+        "object": "list",
+        "data": data,
+        // Anthropic's page fields: one page holds them all.
+        "has_more": false,
+        "first_id": first,
+        "last_id": last,
+    }))
 }
 
 async fn model(
     state: web::Data<AppState>,
     path: web::Path<String>,
 ) -> Result<HttpResponse, ApiError> {
-    let p = &state.platform;
-    // Only the names `/v1/models` lists (the id and the aliases): anything else is 404, so the
-    // route answers nothing about names or paths beyond what the listing already says.
-    let m = p.model();
-    if *path != m.id && !m.aliases.contains(&*path) {
-        return Err(ApiError::model_not_found(&path, &m.id));
+    // Only the names `/v1/models` lists (ids and aliases): anything else is 404, so the route
+    // answers nothing about names or paths beyond what the listing already says.
+    let listed = state.platform.models().list();
+    let found = listed
+        .iter()
+        .find(|m| m.id == *path || m.aliases.contains(&*path));
+    match found {
+        Some(m) => Ok(HttpResponse::Ok().json(model_object(m, &path))),
+        None => Err(ApiError::model_not_found(
+            &path,
+            &listed
+                .iter()
+                .map(|m| format!("`{}`", m.id))
+                .collect::<Vec<_>>()
+                .join(", "),
+        )),
     }
-    Ok(HttpResponse::Ok().json(model_object(p, &path)))
 }
 
 async fn chat_completions(
@@ -174,13 +211,14 @@ async fn chat_completions(
     body: Result<JsonBody<Value>, WebError>,
 ) -> Result<HttpResponse, ApiError> {
     let JsonBody(body) = body?;
-    let req = checked_chat(
+    let (req, served) = checked_chat(
         &state,
         &http,
         typed::read(&body, "")?,
         typed::read(&body, "")?,
         None,
-    )?;
+    )
+    .await?;
     // The body limit here leaves room for a file; a request without one keeps the limit of
     // every other JSON body.
     let text_limit = super::json_limit(state.platform.config().limits.max_message_chars);
@@ -197,7 +235,7 @@ async fn chat_completions(
         .into());
     }
     let parse_tool_calls = req.parse_tool_calls();
-    let prompt = build_chat_prompt(&state, &http, &req).await?;
+    let prompt = build_chat_prompt(&state, &http, &served, &req).await?;
     // Sizes only: prompts are users' words and do not belong in logs.
     tracing::debug!(
         bytes = prompt.text.len(),
@@ -211,6 +249,7 @@ async fn chat_completions(
     generate(
         &http,
         state,
+        &served,
         req.common,
         salt,
         user,
@@ -229,18 +268,18 @@ async fn completions(
     let JsonBody(body) = body?;
     let p = &state.platform;
     let mut req = request::parse_completion(&body, &defaults(p))?;
-    check_model(p, &req.common)?;
     check_admin_only(&state, &http, &req.common)?;
+    let served = check_model(p, &req.common).await?;
     let prompt = match &req.prompt {
         PromptIn::Text(text) => {
-            let state2 = state.clone();
+            let m = Arc::clone(&served);
             let text = text.clone();
-            web::block(move || encode(&state2.platform, &text))
+            web::block(move || encode(&m, &text))
                 .await
                 .map_err(|e| ApiError::internal(format!("prompt task: {e}")))??
         }
         PromptIn::Tokens(ids) => {
-            let vocab = p.model().vocab_size;
+            let vocab = served.info().vocab_size;
             if let Some(bad) = ids.iter().find(|&&id| id as usize >= vocab) {
                 return Err(ApiError::invalid(
                     "prompt",
@@ -259,6 +298,7 @@ async fn completions(
     generate(
         &http,
         state,
+        &served,
         req.common,
         salt,
         user,
@@ -302,6 +342,7 @@ impl Envelope {
 async fn generate<A: Assembler>(
     http: &HttpRequest,
     state: web::Data<AppState>,
+    served: &Arc<ServedModel>,
     common: GenerationOptions,
     cache_salt: String,
     user: ApiUser,
@@ -309,7 +350,6 @@ async fn generate<A: Assembler>(
     prompt_param: &str,
     assembler: impl Fn() -> A,
 ) -> Result<HttpResponse, ApiError> {
-    let p = &state.platform;
     let prompt_tokens = prompt.len();
     // `n` choices are `n` requests of the same prompt (choice `i` seeded with `seed + i`); if one
     // is refused, those already submitted are cancelled as they drop.
@@ -320,6 +360,7 @@ async fn generate<A: Assembler>(
         completions.push(
             submit(
                 &state,
+                served,
                 choice,
                 cache_salt.clone(),
                 user.clone(),
@@ -335,7 +376,7 @@ async fn generate<A: Assembler>(
         } else {
             "chatcmpl"
         },
-        &p.model().id,
+        served.id(),
     );
     tracing::debug!(
         requests = ?completions.iter().map(Completion::id).collect::<Vec<_>>(),

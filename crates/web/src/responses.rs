@@ -291,13 +291,14 @@ async fn create(
     if let Some(messages) = translated.chat.messages.as_mut() {
         messages.splice(instructions..instructions, past);
     }
-    let req = v1::checked_chat(
+    let (req, served) = v1::checked_chat(
         &state,
         &http,
         translated.generation,
         translated.chat,
         Some("text.format"),
-    )?;
+    )
+    .await?;
     // Stored unless `"store": false`, for callers with a lasting identity (an API key).
     let owner = v1::api_owner(&http).filter(|_| translated.store != Some(false));
     if let Some(owner) = &owner {
@@ -308,15 +309,24 @@ async fn create(
             .await
             .map_err(|e| ApiError::from(WebError::from(e)))?;
     }
-    let model = v1::model_name(&state.platform, &req.common);
+    let model = v1::model_name(&served, &req.common);
     let parse_tool_calls = req.parse_tool_calls();
-    let prompt = v1::build_chat_prompt(&state, &http, &req).await?;
+    let prompt = v1::build_chat_prompt(&state, &http, &served, &req).await?;
     let assembler = ChatAssembler::new(prompt.starts_in_reasoning, parse_tool_calls);
     let stream = req.common.stream;
     let max_output_tokens = req.common.max_tokens;
     let salt = v1::cache_salt(&http, &req.common);
     let user = v1::api_user(&http);
-    let completion = v1::submit(&state, req.common, salt, user, prompt.tokens, "input").await?;
+    let completion = v1::submit(
+        &state,
+        &served,
+        req.common,
+        salt,
+        user,
+        prompt.tokens,
+        "input",
+    )
+    .await?;
     let conversation = state.platform.conversations().new_response_id();
     let message = Uuid::now_v7();
     let keep = owner.map(|owner| {

@@ -98,6 +98,36 @@ pub fn write_gguf(spec: &SyntheticSpec, path: &Path) -> Result<()> {
 /// memory-backed source gives its tensors up in the process (that is how [`GgufSource`] hands
 /// out tensor bytes), so use it once; a file-backed one is only read.
 pub fn write_source_as_gguf(src: &mut GgufSource, path: &Path) -> Result<()> {
+    write_converted(src, path, None)
+}
+
+/// Writes `src` as a GGUF file with every block-quantized tensor re-quantized to `to`
+/// (dequantized to f32, then quantized by candle): a second quantization of a real model (the
+/// float tensors, the norms and biases, are kept). `to` must be a block type whose block
+/// divides every quantized tensor's rows (`q8_0` does for every GGUF block type).
+pub fn requantize_as_gguf(src: &mut GgufSource, path: &Path, to: GgmlDType) -> Result<()> {
+    write_converted(src, path, Some(to))
+}
+
+/// A tensor's type once written: `to` for block-quantized ones, its own otherwise.
+fn converted_type(dtype: GgmlDType, to: Option<GgmlDType>) -> GgmlDType {
+    match (dtype, to) {
+        (GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16, _) | (_, None) => dtype,
+        (_, Some(to)) => to,
+    }
+}
+
+/// One tensor's bytes re-quantized from `from` to `to` (a flat run of blocks either way: rows
+/// are whole blocks in both).
+fn requantize(data: &[u8], from: GgmlDType, to: GgmlDType, elems: usize) -> Result<Vec<u8>> {
+    use candle_core::quantized::{ggml_file::qtensor_from_ggml, QTensor};
+    let cpu = candle_core::Device::Cpu;
+    let q = qtensor_from_ggml(from, data, vec![elems], &cpu)?;
+    let floats = q.dequantize(&cpu)?;
+    Ok(QTensor::quantize(&floats, to)?.data()?.into_owned())
+}
+
+fn write_converted(src: &mut GgufSource, path: &Path, to: Option<GgmlDType>) -> Result<()> {
     let mut keys: Vec<&String> = src.metadata.keys().collect();
     // A stable order (general.* first, as llama.cpp writes) makes the file reproducible.
     keys.sort_by_key(|k| (!k.starts_with("general."), k.as_str()));
@@ -108,17 +138,25 @@ pub fn write_source_as_gguf(src: &mut GgufSource, path: &Path) -> Result<()> {
     let meta: Vec<(&str, &Value)> = meta_owned.iter().map(|(k, v)| (k.as_str(), v)).collect();
     let mut names: Vec<String> = src.tensors.keys().cloned().collect();
     names.sort_by_key(|n| tensor_order(n));
-    let entries: Vec<(String, GgmlDType, Vec<usize>, usize)> = names
+    // (name, type written, dims, bytes written, type read)
+    let entries: Vec<(String, GgmlDType, Vec<usize>, usize, GgmlDType)> = names
         .iter()
         .filter_map(|n| {
-            src.tensors
-                .get(n)
-                .map(|e| (n.clone(), e.dtype, e.dims.clone(), e.n_bytes))
+            src.tensors.get(n).map(|e| {
+                let dtype = converted_type(e.dtype, to);
+                let n_bytes = if dtype == e.dtype {
+                    e.n_bytes
+                } else {
+                    let elems: usize = e.dims.iter().product();
+                    elems / dtype.block_size() * dtype.type_size()
+                };
+                (n.clone(), dtype, e.dims.clone(), n_bytes, e.dtype)
+            })
         })
         .collect();
     let infos: Vec<TensorInfo> = entries
         .iter()
-        .map(|(name, dtype, dims, n_bytes)| TensorInfo {
+        .map(|(name, dtype, dims, n_bytes, _)| TensorInfo {
             name,
             dtype: *dtype,
             dims,
@@ -127,6 +165,12 @@ pub fn write_source_as_gguf(src: &mut GgufSource, path: &Path) -> Result<()> {
         .collect();
     write_gguf_file(path, &meta, &infos, |i, w| {
         let t = src.take_tensor(&entries[i].0)?;
+        let (dtype, from) = (entries[i].1, entries[i].4);
+        if dtype != from {
+            let elems: usize = t.dims.iter().product();
+            let data = requantize(t.data.as_slice(), from, dtype, elems)?;
+            return w.write_all(&data).map_err(|e| io_error(path, e));
+        }
         if t.data.len() != entries[i].3 {
             return Err(EngineError::InvalidStep(format!(
                 "tensor `{}` holds {} bytes but its directory entry says {}",

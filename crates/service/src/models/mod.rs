@@ -463,6 +463,7 @@ impl Models {
             return Ok(m);
         }
         let deadline = Instant::now() + ROOM_WAIT;
+        let mut told = false;
         loop {
             let changing = self.changing.lock().await;
             // Loaded while this request waited for the lock (by the request before it).
@@ -491,7 +492,10 @@ impl Models {
                 Ok(()) => {}
                 Err(busy) if Instant::now() < deadline => {
                     drop(changing);
-                    tracing::debug!(model = id, busy, "waiting for room to load a model");
+                    if !told {
+                        told = true;
+                        tracing::info!(model = id, busy, "a request waits for room in models.memory_budget_mib to load its model");
+                    }
                     tokio::time::sleep(Duration::from_millis(250)).await;
                     continue;
                 }

@@ -87,7 +87,7 @@ impl ApiError {
         Self::new(
             StatusCode::NOT_FOUND,
             "invalid_request_error",
-            format!("the model `{asked}` does not exist; this server serves `{served}`"),
+            format!("the model `{asked}` does not exist; this server serves {served}"),
         )
         .with_param("model")
         .with_code("model_not_found")

@@ -4,10 +4,24 @@
 
 use super::*;
 
-/// Whether a request's `model` means the loaded model (`ModelInfo::answers_to`: its id, file
-/// name or an alias, or any name when it answers unknown ones).
-pub(crate) fn is_served_model(p: &Platform, name: &str) -> bool {
-    p.model().answers_to(name)
+/// The model a request's `model` means, loaded first when it is not (the request waits while
+/// it loads). The one place every API dialect turns a model name into a model.
+pub(crate) async fn resolve_model(p: &Platform, name: &str) -> Result<Arc<ServedModel>, ApiError> {
+    p.models().resolve(name).await.map_err(model_error)
+}
+
+/// A model that cannot be had, as the API answers it: an unknown name is 404
+/// `model_not_found`, a model that cannot load now is 503.
+pub(crate) fn model_error(e: ModelError) -> ApiError {
+    match e {
+        ModelError::NotFound { name, available } => ApiError::model_not_found(&name, &available),
+        e @ (ModelError::NoRoom { .. } | ModelError::Busy { .. }) => WebError::TooManyRequests {
+            message: e.to_string(),
+            retry_after_s: 5,
+        }
+        .into(),
+        e => ApiError::unavailable(e.to_string()),
+    }
 }
 
 pub(crate) fn defaults(p: &Platform) -> Defaults {
@@ -19,54 +33,54 @@ pub(crate) fn defaults(p: &Platform) -> Defaults {
     }
 }
 
-pub(crate) fn check_model(p: &Platform, common: &GenerationOptions) -> Result<(), ApiError> {
-    match common.model.as_deref() {
-        // Lenient like llama-server: a missing or empty model means the loaded one.
-        None | Some("") => Ok(()),
-        Some(name) if is_served_model(p, name) => Ok(()),
-        Some(name) => Err(ApiError::model_not_found(name, &p.model().id)),
-    }
+/// The model a request names (lenient like llama-server: none or an empty name is the
+/// default model), loaded when it is not.
+pub(crate) async fn check_model(
+    p: &Platform,
+    common: &GenerationOptions,
+) -> Result<Arc<ServedModel>, ApiError> {
+    resolve_model(p, common.model.as_deref().unwrap_or("")).await
 }
 
 /// A raw `/v1/completions` prompt: BOS when the tokenizer asks for it, special tokens written
 /// in the prompt parsed as llama-server does. The client writes the whole prompt, markup
 /// included, so there is no template text to tell apart from its own (chat requests, where
 /// there is, keep message text out of the control tokens: see [`chat_prompt`]).
-pub(crate) fn encode(p: &Platform, text: &str) -> Result<Vec<u32>, ApiError> {
-    p.tokenizer()
+pub(crate) fn encode(m: &ServedModel, text: &str) -> Result<Vec<u32>, ApiError> {
+    m.tokenizer()
         .encode_prompt(text)
         .map_err(|e| ApiError::internal(format!("tokenizer: {e}")))
 }
 
 /// A chat request, as every chat-shaped API route's body becomes the one typed request
 /// ([`request::chat_request`]: one set of checks), with a forced tool call turned into its
-/// grammar, the model and the admin-only fields checked. `grammar_field` names the field a
-/// grammar came from in the client's API.
-pub(crate) fn checked_chat(
+/// grammar, the admin-only fields checked, and the model it names (loaded when it is not).
+/// `grammar_field` names the field a grammar came from in the client's API.
+pub(crate) async fn checked_chat(
     state: &web::Data<AppState>,
     http: &HttpRequest,
     generation: GenerationBody,
     chat: ChatBody,
     grammar_field: Option<&str>,
-) -> Result<request::ChatRequest, ApiError> {
+) -> Result<(request::ChatRequest, Arc<ServedModel>), ApiError> {
     let p = &state.platform;
     let mut req = request::chat_request(generation, chat, &defaults(p))?;
     if let (Some(name), Some(_)) = (grammar_field, &req.common.grammar_field) {
         req.common.grammar_field = Some(name.to_string());
     }
-    force_tool_call(p, &mut req);
-    check_model(p, &req.common)?;
     check_admin_only(state, http, &req.common)?;
-    Ok(req)
+    let model = check_model(p, &req.common).await?;
+    force_tool_call(&model, &mut req);
+    Ok((req, model))
 }
 
-/// The request's `model`, or the served model's id when it names none.
-pub(crate) fn model_name(p: &Platform, common: &GenerationOptions) -> String {
+/// The request's `model`, or the model's id when it names none.
+pub(crate) fn model_name(m: &ServedModel, common: &GenerationOptions) -> String {
     common
         .model
         .clone()
         .filter(|m| !m.is_empty())
-        .unwrap_or_else(|| p.model().id.clone())
+        .unwrap_or_else(|| m.id().to_string())
 }
 
 /// A chat request's prompt from the one prompt builder, its files read first (see
@@ -75,16 +89,16 @@ pub(crate) fn model_name(p: &Platform, common: &GenerationOptions) -> String {
 pub(crate) async fn build_chat_prompt(
     state: &web::Data<AppState>,
     http: &HttpRequest,
+    model: &Arc<ServedModel>,
     req: &request::ChatRequest,
 ) -> Result<Prompt, ApiError> {
     let mut render = req.clone();
-    read_files(state, &client_identity(http), &mut render).await?;
-    let state = state.clone();
+    read_files(state, model, &client_identity(http), &mut render).await?;
+    let model = Arc::clone(model);
     web::block(move || {
-        let p = &state.platform;
         chat_prompt(
-            p.prompt_builder(),
-            p.template(),
+            model.prompt_builder(),
+            model.template(),
             &render,
             chrono::Local::now().date_naive(),
         )
@@ -99,6 +113,7 @@ pub(crate) async fn build_chat_prompt(
 /// caller `who`), at most `limits.max_files_per_message` a message.
 pub(crate) async fn read_files(
     state: &web::Data<AppState>,
+    model: &ServedModel,
     who: &str,
     req: &mut request::ChatRequest,
 ) -> Result<(), ApiError> {
@@ -134,7 +149,7 @@ pub(crate) async fn read_files(
                                 "{:?} is at least {at_least} tokens of text; the model's context \
                              window is {} tokens: attach a shorter part of it",
                                 f.name,
-                                p.model().context_window
+                                model.info().context_window
                             ),
                         ),
                         ReadError::Busy {
@@ -166,7 +181,7 @@ pub(crate) async fn read_files(
 
 /// `tool_choice` `required` or named: constrains the reply to one call of the forced tools,
 /// with arguments that match their parameter schemas.
-pub(crate) fn force_tool_call(p: &Platform, req: &mut request::ChatRequest) {
+pub(crate) fn force_tool_call(m: &ServedModel, req: &mut request::ChatRequest) {
     if let Some(tools) = &req.forced_tools {
         let calls: Vec<(String, Value)> = tools
             .iter()
@@ -181,7 +196,7 @@ pub(crate) fn force_tool_call(p: &Platform, req: &mut request::ChatRequest) {
             })
             .collect();
         req.common.params.grammar = Some(smolchat_text::constraint::tool_call_grammar(
-            p.tokenizer(),
+            m.tokenizer(),
             &calls,
         ));
         req.common.grammar_field = Some("tool_choice".into());
@@ -228,13 +243,13 @@ pub fn chat_prompt(
 /// `cache_salt`. Every API route of this server generates through here.
 pub(crate) async fn submit(
     state: &web::Data<AppState>,
+    model: &Arc<ServedModel>,
     common: GenerationOptions,
     cache_salt: String,
     user: ApiUser,
     prompt: Vec<u32>,
     prompt_param: &str,
 ) -> Result<Completion, ApiError> {
-    let p = &state.platform;
     if !state.ready.load(Ordering::Acquire) {
         return Err(ApiError::unavailable("the server is shutting down"));
     }
@@ -251,14 +266,13 @@ pub(crate) async fn submit(
             .grammar_field
             .clone()
             .unwrap_or_else(|| "response_format".into());
-        let state2 = state.clone();
-        web::block(move || smolchat_text::constraint::check(state2.platform.tokenizer(), &grammar))
+        let model = Arc::clone(model);
+        web::block(move || smolchat_text::constraint::check(model.tokenizer(), &grammar))
             .await
             .map_err(|e| ApiError::internal(format!("grammar task: {e}")))?
             .map_err(|e| ApiError::invalid(&field, format!("`{field}`: {e}")))?;
     }
-    let completion = p
-        .completions()
+    let completion = model
         .submit(CompletionRequest {
             prompt,
             params: common.params,

@@ -1,0 +1,251 @@
+//! Several models in one server, end to end on the real `smolchat serve` binary: the real
+//! SmolLM2 file as the main model, a second quantization of it (q8_0, written here from the
+//! Q4_1 file) and the tiny SmolLM3 file as `[[models.entries]]`. Each is loaded at its first
+//! request; two served at once give the replies each gives alone (greedy, token for token);
+//! aliases route and unknown names are 404; under a memory budget that holds one extra model,
+//! requests that alternate between two load and unload them without a failed reply, and a model
+//! with a running reply is never unloaded under it.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use common::server::{Client, Reply, Server};
+use reqwest::StatusCode;
+use serde_json::{json, Value};
+
+static TURN: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+/// The KV budget of every model in these tests, MiB (small: the budget arithmetic stays about
+/// the weights).
+const KV_MIB: u64 = 16;
+
+/// SmolLM2 re-quantized to q8_0 under `dir` (a second quantization of the same model).
+fn second_quantization(dir: &Path, name: &str) -> PathBuf {
+    let path = dir.join(name);
+    let mut src = smolchat_gguf::GgufSource::open(&common::smollm2_path()).expect("open SmolLM2");
+    smolchat_engine::synthetic::requantize_as_gguf(&mut src, &path, smolchat_gguf::GgmlDType::Q8_0)
+        .expect("write the q8_0 file");
+    path
+}
+
+fn entry(id: &str, path: &Path, aliases: &[&str]) -> String {
+    let aliases: Vec<String> = aliases.iter().map(|a| format!("{a:?}")).collect();
+    format!(
+        "{{id = {id:?}, path = {:?}, aliases = [{}]}}",
+        path.display().to_string(),
+        aliases.join(", ")
+    )
+}
+
+/// A greedy chat completion on `model`: its status and body.
+async fn ask(client: &Client, model: &str, prompt: &str, max_tokens: usize) -> Reply {
+    client
+        .post(
+            "/v1/chat/completions",
+            &json!({
+                "model": model,
+                "messages": [{"role": "user", "content": prompt}],
+                "temperature": 0,
+                "max_tokens": max_tokens,
+            }),
+        )
+        .await
+}
+
+fn text_of(r: &Reply) -> String {
+    assert_eq!(r.status, StatusCode::OK, "{}", r.text);
+    r.json["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string()
+}
+
+fn loaded(ps: &Value) -> Vec<String> {
+    let mut names: Vec<String> = ps["models"]
+        .as_array()
+        .expect("models")
+        .iter()
+        .filter_map(|m| m["name"].as_str().map(str::to_string))
+        .collect();
+    names.sort();
+    names
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn models_load_on_demand_and_each_answers_as_it_does_alone() {
+    let _turn = TURN.lock().await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let q8 = second_quantization(dir.path(), "smollm2-q8_0.gguf");
+    let tiny = common::reference("smollm3-tiny-q8_0.gguf");
+    let entries = format!(
+        "[{}, {}]",
+        entry("smollm2-q8", &q8, &["gpt-4o-mini", "llama3"]),
+        entry("tiny3", &tiny, &[])
+    );
+    let kv = KV_MIB.to_string();
+    let server = Server::start(
+        dir.path(),
+        &[
+            ("SMOLCHAT_MODELS__ENTRIES", &entries),
+            ("SMOLCHAT_SCHEDULER__KV_BUDGET_MIB", &kv),
+        ],
+    )
+    .await;
+    let client = server.client();
+    let main = "SmolLM2-135M-Instruct.Q4_1";
+
+    // Every configured model is listed, loaded or not, with its aliases.
+    let listed = client.get("/v1/models").await;
+    assert_eq!(listed.status, StatusCode::OK, "{}", listed.text);
+    let ids: Vec<&str> = listed.json["data"]
+        .as_array()
+        .expect("data")
+        .iter()
+        .filter_map(|m| m["id"].as_str())
+        .collect();
+    assert_eq!(ids, [main, "smollm2-q8", "gpt-4o-mini", "llama3", "tiny3"]);
+    assert_eq!(listed.json["data"][1]["status"]["value"], "unloaded");
+    assert_eq!(listed.json["data"][2]["alias_of"], "smollm2-q8");
+    let tags = client.get("/api/tags").await;
+    assert_eq!(
+        tags.json["models"].as_array().map(Vec::len),
+        Some(3),
+        "{}",
+        tags.text
+    );
+    assert_eq!(
+        loaded(&client.get("/api/ps").await.json),
+        [format!("{main}:latest")]
+    );
+
+    // Alone, one after another: the first request of each entry loads it.
+    let prompt = "Name three colours.";
+    let alone_main = text_of(&ask(&client, main, prompt, 12).await);
+    let alone_q8 = ask(&client, "smollm2-q8", prompt, 12).await;
+    assert_eq!(alone_q8.json["model"], "smollm2-q8", "{}", alone_q8.text);
+    let alone_q8 = text_of(&alone_q8);
+    let alone_tiny = text_of(&ask(&client, "tiny3", prompt, 12).await);
+    assert!(!alone_main.is_empty() && !alone_q8.is_empty());
+    let listed = client.get("/v1/models").await;
+    assert_eq!(listed.json["data"][1]["status"]["value"], "loaded");
+    assert_eq!(
+        loaded(&client.get("/api/ps").await.json),
+        [
+            format!("{main}:latest"),
+            "smollm2-q8:latest".into(),
+            "tiny3:latest".into()
+        ]
+    );
+
+    // All three at once, twice: the same replies, token for token.
+    for _ in 0..2 {
+        let (a, b, c) = tokio::join!(
+            ask(&client, main, prompt, 12),
+            ask(&client, "smollm2-q8", prompt, 12),
+            ask(&client, "tiny3", prompt, 12),
+        );
+        assert_eq!(text_of(&a), alone_main);
+        assert_eq!(text_of(&b), alone_q8);
+        assert_eq!(text_of(&c), alone_tiny);
+    }
+
+    // An alias is its model; the answer names the model.
+    let by_alias = ask(&client, "gpt-4o-mini", prompt, 12).await;
+    assert_eq!(by_alias.json["model"], "smollm2-q8");
+    assert_eq!(text_of(&by_alias), alone_q8);
+    // Ollama's own name for it too.
+    let ollama = client
+        .post(
+            "/api/chat",
+            &json!({
+                "model": "smollm2-q8:latest",
+                "messages": [{"role": "user", "content": prompt}],
+                "stream": false,
+                "options": {"temperature": 0, "num_predict": 12},
+            }),
+        )
+        .await;
+    assert_eq!(ollama.status, StatusCode::OK, "{}", ollama.text);
+    assert_eq!(ollama.json["message"]["content"], alone_q8.as_str());
+
+    // An unknown name is 404 model_not_found, naming what is served.
+    let unknown = ask(&client, "gpt-4o", prompt, 4).await;
+    assert_eq!(unknown.status, StatusCode::NOT_FOUND, "{}", unknown.text);
+    assert_eq!(unknown.json["error"]["code"], "model_not_found");
+    assert!(unknown.text.contains("smollm2-q8"), "{}", unknown.text);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn under_a_budget_for_one_more_model_requests_take_turns_and_no_reply_fails() {
+    let _turn = TURN.lock().await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let a = second_quantization(dir.path(), "a.gguf");
+    let b = dir.path().join("b.gguf");
+    std::fs::copy(&a, &b).expect("copy");
+    let file = |p: &Path| std::fs::metadata(p).expect("size").len();
+    let (main_bytes, extra_bytes) = (file(&common::smollm2_path()), file(&a));
+    let kv = KV_MIB << 20;
+    // Room for the main model and one more, with slack for what loading adds to a file's size,
+    // but not for two more.
+    let budget_mib = (main_bytes * 6 / 5 + extra_bytes * 3 / 2 + 2 * kv) >> 20;
+    let entries = format!("[{}, {}]", entry("a", &a, &[]), entry("b", &b, &[]));
+    let (budget, kv_mib) = (budget_mib.to_string(), KV_MIB.to_string());
+    let server = Server::start(
+        dir.path(),
+        &[
+            ("SMOLCHAT_MODELS__ENTRIES", &entries),
+            ("SMOLCHAT_MODELS__MEMORY_BUDGET_MIB", &budget),
+            ("SMOLCHAT_SCHEDULER__KV_BUDGET_MIB", &kv_mib),
+        ],
+    )
+    .await;
+    let client = server.client();
+    let prompt = "Say hello.";
+    let main = "SmolLM2-135M-Instruct.Q4_1:latest";
+
+    // Alternating requests: each loads its model and unloads the other; none fails.
+    let mut answers = Vec::new();
+    for model in ["a", "b", "a", "b"] {
+        answers.push(text_of(&ask(&client, model, prompt, 8).await));
+        assert_eq!(
+            loaded(&client.get("/api/ps").await.json),
+            [main.to_string(), format!("{model}:latest")],
+            "after a request for {model}"
+        );
+    }
+    // The same file under two names: the same greedy reply every time.
+    assert!(answers.iter().all(|t| *t == answers[0]), "{answers:?}");
+
+    // A long reply on `b` holds it: a request for `a` waits for it, then loads `a`.
+    let long = {
+        let client = client.clone();
+        tokio::spawn(
+            async move { ask(&client, "b", "Write a long story about a river.", 120).await },
+        )
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let waiting = ask(&client, "a", prompt, 8).await;
+    let long = long.await.expect("join");
+    assert_eq!(long.status, StatusCode::OK, "{}", long.text);
+    assert_eq!(
+        long.json["usage"]["completion_tokens"], 120,
+        "the running reply ran to its end: {}",
+        long.text
+    );
+    assert_eq!(text_of(&waiting), answers[0]);
+    assert_eq!(
+        loaded(&client.get("/api/ps").await.json),
+        [main.to_string(), "a:latest".to_string()]
+    );
+    let log = server.log_text();
+    assert!(
+        log.contains("unloading the least recently used idle model"),
+        "{log}"
+    );
+    assert!(
+        log.contains("a request waits for room"),
+        "the request for `a` came while `b` was replying: {log}"
+    );
+}
