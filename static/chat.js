@@ -188,6 +188,28 @@
   const stopBtn = document.getElementById("stop-btn");
   const status = document.getElementById("live-status");
   const ctxUsed = document.getElementById("ctx-used");
+  // The model picker: a new chat is created on the model picked; in a conversation a change
+  // applies to its next reply (the prompt is rebuilt with that model's template).
+  const modelSelect = document.getElementById("model-select");
+  const pickedModel = () => (modelSelect ? modelSelect.value : "");
+  if (modelSelect && convId) {
+    let shown = modelSelect.value;
+    modelSelect.addEventListener("change", async () => {
+      try {
+        const res = await post("/c/" + convId + "/model", { model: modelSelect.value });
+        const done = await res.json();
+        shown = done.model;
+        const sw = document.getElementById("thinking-switch");
+        const field = document.getElementById("thinking-field");
+        if (sw) sw.hidden = !done.can_think;
+        if (field) field.hidden = !done.can_think;
+        toast("The next reply comes from " + done.model + ".", "ok");
+      } catch (err) {
+        modelSelect.value = shown;
+        explain(err);
+      }
+    });
+  }
   let busy = false;
   // The user message being edited (a new version of it is sent), or null.
   let editing = null;
@@ -480,7 +502,7 @@
       let conv = convId;
       try {
         // A new chat gets its conversation first; the page then opens it with the chips.
-        if (!conv) conv = (await api("POST", "/api/conversations", {})).id;
+        if (!conv) conv = (await api("POST", "/api/conversations", pickedModel() ? { model: pickedModel() } : {})).id;
       } catch (err) { explain(err); return; }
       status.textContent = "Reading " + chosen.length + (chosen.length === 1 ? " file…" : " files…");
       for (const file of chosen) {
@@ -516,7 +538,7 @@
     sendBtn.disabled = true;
     try {
       if (!convId) {
-        const res = await post("/c", { content: content });
+        const res = await post("/c", { content: content, model: pickedModel() });
         location.href = res.headers.get("HX-Redirect") || "/";
         return;
       }

@@ -277,6 +277,10 @@ pub struct SettingsPatch {
     pub ignore_eos: Option<bool>,
     /// An empty grammar removes it.
     pub grammar: Option<String>,
+    /// The model the replies come from: a model's id or alias; empty: the server's default.
+    /// Switching mid-conversation is allowed: the next prompt is built with the new model's
+    /// template (the old model's cache stays until it is evicted).
+    pub model: Option<String>,
 }
 
 impl SettingsPatch {
@@ -312,6 +316,9 @@ impl SettingsPatch {
         }
         if let Some(g) = &self.grammar {
             settings.grammar = (!g.trim().is_empty()).then(|| g.clone());
+        }
+        if let Some(m) = &self.model {
+            settings.model = (!m.trim().is_empty()).then(|| m.clone());
         }
         settings
     }
@@ -522,6 +529,54 @@ impl Conversations {
         self.check_system_prompt_fits(s)
     }
 
+    /// `patch` with its model named by the model's id (an alias or file name becomes the id),
+    /// or refused naming the models there are.
+    fn with_model_id(&self, patch: &SettingsPatch) -> Result<SettingsPatch> {
+        let mut patch = patch.clone();
+        if let Some(name) = patch
+            .model
+            .as_deref()
+            .map(str::trim)
+            .filter(|n| !n.is_empty())
+        {
+            if !self.models.is_named(name) {
+                return Err(invalid(
+                    "model",
+                    format!(
+                        "`model`: there is no model {name:?}; this server serves {}",
+                        self.models
+                            .list()
+                            .iter()
+                            .map(|m| format!("{:?}", m.id))
+                            .collect::<Vec<_>>()
+                            .join(", ")
+                    ),
+                ));
+            }
+            patch.model = Some(self.models.find(name)?);
+        }
+        Ok(patch)
+    }
+
+    /// The models a conversation may use (for pickers): every configured model's state.
+    pub fn models(&self) -> Vec<crate::models::ModelStatus> {
+        self.models.list()
+    }
+
+    /// Whether model `id` can think (its template has a thinking switch).
+    pub fn can_think(&self, id: &str) -> bool {
+        self.models.can_think(id)
+    }
+
+    /// The id of the model a conversation with these settings runs on.
+    pub fn model_of(&self, settings: &ConversationSettings) -> String {
+        settings
+            .model
+            .clone()
+            .filter(|m| self.models.list().iter().any(|s| s.id == *m))
+            .unwrap_or_else(|| self.models.default_id())
+    }
+
     /// Refuses settings whose system prompt leaves no room in the context window for a message
     /// and a reply: every message of such a conversation would fail, so say so when it is set.
     fn check_system_prompt_fits(&self, settings: &ConversationSettings) -> Result<()> {
@@ -562,7 +617,9 @@ impl Conversations {
     /// Everything is checked before anything is stored; a first message that is refused
     /// removes the conversation again, so a refusal leaves nothing behind.
     pub async fn create(&self, caller: &Caller, new: NewConversation) -> Result<Created> {
-        let settings = new.settings.apply(self.default_settings());
+        let settings = self
+            .with_model_id(&new.settings)?
+            .apply(self.default_settings());
         self.check_settings(caller, &settings)?;
         let title = new.title.as_deref().map(Self::clean_title).transpose()?;
         let first = new.first_message.filter(|m| !m.trim().is_empty());
@@ -850,6 +907,7 @@ impl Conversations {
     ) -> Result<Conversation> {
         let c = self.owned(caller, id).await?;
         let title = title.map(Self::clean_title).transpose()?;
+        let patch = self.with_model_id(patch)?;
         let settings = if patch.is_empty() {
             None
         } else {

@@ -314,6 +314,9 @@ pub struct Timings {
     /// memory) and those computed while the message was typed (0 in rows written before).
     pub restored_tokens: u64,
     pub warmed_tokens: u64,
+    /// The model that wrote the reply (its id; `None` in rows written before it was kept).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub model: Option<String>,
 }
 
 impl Timings {
@@ -330,6 +333,7 @@ impl Timings {
             drafted_tokens: self.drafted_tokens,
             accepted_tokens: self.accepted_tokens,
             restored_tokens: self.restored_tokens,
+            model: self.model.clone(),
             warmed_tokens: self.warmed_tokens,
         }
     }

@@ -45,6 +45,8 @@ pub struct ConversationInput {
     pub ignore_eos: Option<bool>,
     /// A GBNF grammar every reply must match; empty removes it.
     pub grammar: Option<String>,
+    /// The model replies come from (an id or alias of `GET /v1/models`); empty: the default.
+    pub model: Option<String>,
     /// Organising (PATCH only; see [`OrganisationPatch`]): `folder_id: null` takes the
     /// conversation out of its folder; `tags` replaces the set.
     pub pinned: Option<bool>,
@@ -84,6 +86,7 @@ impl ConversationInput {
             seed: self.seed,
             ignore_eos: self.ignore_eos,
             grammar: self.grammar.clone(),
+            model: self.model.clone(),
         }
     }
 }

@@ -309,6 +309,7 @@ pub fn routes(cfg: &mut web::ServiceConfig, chat_limit: BodyLimit) {
             .route("/{id}/rename", web::post().to(pages::rename))
             .route("/{id}/settings", web::post().to(pages::settings))
             .route("/{id}/thinking", web::post().to(pages::thinking))
+            .route("/{id}/model", web::post().to(pages::model))
             .route("/{id}/export.json", web::get().to(pages::export_json))
             .route("/{id}/export.md", web::get().to(pages::export_md)),
     )

@@ -46,7 +46,7 @@ mod assets;
 mod share;
 
 pub use actions::{
-    create, delete, draft, edit, export_json, export_md, regenerate, rename, select, send,
+    create, delete, draft, edit, export_json, export_md, model, regenerate, rename, select, send,
     settings, stop, thinking, ContentForm, MessageForm, SelectForm, SettingsForm, ThinkingForm,
     TitleForm,
 };
@@ -192,6 +192,9 @@ impl MessageView {
         let streaming = m.status == MessageStatus::Streaming && replying;
         let mut stats = Vec::new();
         if assistant && !streaming {
+            if let Some(model) = m.timings.as_ref().and_then(|t| t.model.as_ref()) {
+                stats.push(model.clone());
+            }
             if let Some(n) = m.completion_tokens {
                 stats.push(format!("{n} tokens"));
             }
@@ -255,6 +258,8 @@ impl MessageView {
 pub struct SettingsView {
     pub system_prompt: String,
     pub thinking: bool,
+    /// Whether the conversation's model can think (the switch is shown only then).
+    pub can_think: bool,
     pub temperature: String,
     pub top_p: String,
     pub max_tokens: usize,
@@ -295,6 +300,16 @@ pub struct ChatPage {
     pub max_file_mib: u64,
     /// Whether the page sends the message being typed to be warmed (`scheduler.warm_drafts`).
     pub warm_drafts: bool,
+    /// The models to pick from, and the one this conversation (or a new chat) uses.
+    pub models: Vec<ModelOption>,
+    pub model: String,
+}
+
+/// A model in the picker.
+pub struct ModelOption {
+    pub id: String,
+    /// "loaded", "loading" or "not loaded" (a first reply from it waits while it loads).
+    pub state: &'static str,
 }
 
 #[derive(Template)]
@@ -472,6 +487,15 @@ async fn chat_page(
         .as_ref()
         .map(|c| c.settings.clone())
         .unwrap_or_else(|| service.default_settings());
+    let model = service.model_of(&settings);
+    let models = service
+        .models()
+        .into_iter()
+        .map(|m| ModelOption {
+            id: m.id,
+            state: m.state.as_str(),
+        })
+        .collect();
     let page = ChatPage {
         csrf: csrf_token(state, owner),
         list: ConversationList::of(
@@ -497,6 +521,7 @@ async fn chat_page(
         settings: SettingsView {
             system_prompt: settings.system_prompt.clone().unwrap_or_default(),
             thinking: settings.thinking,
+            can_think: service.can_think(&model),
             temperature: format!("{}", settings.temperature),
             top_p: format!("{}", settings.top_p),
             max_tokens: settings.max_tokens,
@@ -513,6 +538,8 @@ async fn chat_page(
         pending,
         max_file_mib: config.limits.max_file_mib,
         warm_drafts: config.scheduler.warm_drafts,
+        models,
+        model,
     };
     html(&page)
 }

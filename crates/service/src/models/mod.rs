@@ -223,6 +223,8 @@ struct Slot {
     loads: u64,
     unloads: u64,
     last_error: Option<String>,
+    /// Whether its template can think, read from its file once (without loading it).
+    can_think: Option<bool>,
 }
 
 impl Slot {
@@ -282,6 +284,7 @@ impl Models {
             loads: 1,
             unloads: 0,
             last_error: None,
+            can_think: None,
         }];
         for e in &config.models.entries {
             slots.push(Slot {
@@ -296,6 +299,7 @@ impl Models {
                 loads: 0,
                 unloads: 0,
                 last_error: None,
+                can_think: None,
             });
         }
         let default = slots
@@ -411,6 +415,30 @@ impl Models {
             .filter(|m| self.slots().iter().any(|s| s.id == *m))
             .map_or_else(|| self.default_id(), str::to_string);
         self.load(&id).await
+    }
+
+    /// Whether model `id`'s chat template can switch thinking on and off: the loaded model's,
+    /// or read from its file's metadata (once; a file that cannot be read cannot think).
+    pub fn can_think(&self, id: &str) -> bool {
+        let (loaded, known, path) = {
+            let slots = self.slots();
+            let Some(s) = slots.iter().find(|s| s.id == id) else {
+                return false;
+            };
+            (s.loaded.clone(), s.can_think, s.path.clone())
+        };
+        if let Some(m) = loaded {
+            return m.can_think;
+        }
+        if let Some(known) = known {
+            return known;
+        }
+        let think = smolchat_gguf::GgufSource::open(&path)
+            .ok()
+            .and_then(|g| ChatTemplate::from_gguf(&g).ok())
+            .is_some_and(|t| template_can_think(t.source()));
+        self.set(id, |s| s.can_think = Some(think));
+        think
     }
 
     /// Every configured model's state.

@@ -171,6 +171,7 @@ impl ReplyBuffer {
                 accepted_tokens: summary.accepted_tokens,
                 restored_tokens: summary.restored_tokens as u64,
                 warmed_tokens: summary.warmed_tokens as u64,
+                model: None,
             },
         };
         (tail, finished)

@@ -451,9 +451,10 @@ impl SessionActor {
         let Some(reply) = self.reply.take() else {
             return;
         };
-        self.reply_model = None;
+        let model = self.reply_model.take().map(|m| m.id().to_string());
         let id = reply.assistant_message_id;
-        let (tail, finished) = reply.finish(&summary);
+        let (tail, mut finished) = reply.finish(&summary);
+        finished.timings.model = model;
         for event in tail {
             self.broadcast(event);
         }

@@ -20,6 +20,9 @@ pub struct ContentForm {
     /// Waiting files the message carries, comma-separated ids (the page's chips).
     #[serde(default)]
     files: String,
+    /// A new chat's model (the picker); empty or absent: the default.
+    #[serde(default)]
+    model: String,
 }
 
 /// The ids of a comma-separated list.
@@ -103,6 +106,10 @@ pub async fn create(
             &owner.caller(),
             NewConversation {
                 first_message: Some(form.content),
+                settings: SettingsPatch {
+                    model: (!form.model.is_empty()).then_some(form.model),
+                    ..SettingsPatch::default()
+                },
                 ..NewConversation::default()
             },
         )
@@ -321,6 +328,33 @@ pub async fn thinking(
         .update(&caller, id, None, &patch)
         .await?;
     Ok(HttpResponse::NoContent().finish())
+}
+
+#[derive(Deserialize)]
+pub struct ModelForm {
+    #[serde(default)]
+    model: String,
+}
+
+/// `POST /c/{id}/model`: the picker in the header. The next reply comes from that model,
+/// its prompt built with that model's template.
+pub async fn model(
+    state: web::Data<AppState>,
+    action: OwnedForm<ModelForm>,
+) -> Result<HttpResponse, PageError> {
+    let OwnedForm { caller, id, form } = action;
+    let patch = SettingsPatch {
+        model: Some(form.model),
+        ..SettingsPatch::default()
+    };
+    let service = state.platform.conversations();
+    let updated = service.update(&caller, id, None, &patch).await?;
+    let model = service.model_of(&updated.settings);
+    // The page shows the thinking switch only for a model that can think.
+    Ok(HttpResponse::Ok().json(serde_json::json!({
+        "model": model,
+        "can_think": service.can_think(&model),
+    })))
 }
 
 /// `DELETE /c/{id}`
