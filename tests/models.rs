@@ -249,3 +249,105 @@ async fn under_a_budget_for_one_more_model_requests_take_turns_and_no_reply_fail
         "the request for `a` came while `b` was replying: {log}"
     );
 }
+
+/// `smolchat model …` against the running server, with the admin token from the environment.
+fn cli(server: &Server, token: &str, args: &[&str]) -> (bool, String) {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_smolchat"))
+        .arg("model")
+        .args(args)
+        .args(["--url", &server.base])
+        .env("SMOLCHAT_SERVER__ADMIN_TOKEN", token)
+        .output()
+        .expect("run smolchat model");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.success(), text)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_admin_lists_loads_unloads_and_sets_the_default_from_the_command_line() {
+    let _turn = TURN.lock().await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let tiny = common::reference("smollm3-tiny-q8_0.gguf");
+    let entries = format!("[{}]", entry("tiny3", &tiny, &["small"]));
+    let token = "models-admin-token-0123456789";
+    let server = Server::start(
+        dir.path(),
+        &[
+            ("SMOLCHAT_MODELS__ENTRIES", &entries),
+            ("SMOLCHAT_SERVER__ADMIN_TOKEN", token),
+        ],
+    )
+    .await;
+    let main = "SmolLM2-135M-Instruct.Q4_1";
+
+    let (ok, list) = cli(&server, token, &["list"]);
+    assert!(ok, "{list}");
+    assert!(list.contains(&format!("{main} *")), "{list}");
+    assert!(
+        list.lines()
+            .any(|l| l.starts_with("tiny3") && l.contains("not loaded")),
+        "{list}"
+    );
+    // A wrong token is refused, and says what to send.
+    let (ok, refused) = cli(&server, "not-the-admin-token-at-all", &["list"]);
+    assert!(!ok && refused.contains("401"), "{refused}");
+
+    // Load by alias, then it is listed as loaded with its memory.
+    let (ok, loaded_out) = cli(&server, token, &["load", "small"]);
+    assert!(ok && loaded_out.contains("tiny3: loaded"), "{loaded_out}");
+    let client = server.client();
+    assert!(loaded(&client.get("/api/ps").await.json).contains(&"tiny3:latest".to_string()));
+    // `/metrics` by model.
+    let metrics = client.metrics().await;
+    assert!(
+        metrics.contains("smolchat_model_loaded{model=\"tiny3\"} 1"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains(&format!("smolchat_model_loaded{{model=\"{main}\"}} 1")),
+        "{metrics}"
+    );
+    // The main model cannot be unloaded; an unknown one is named as unknown.
+    let (ok, pinned) = cli(&server, token, &["unload", main]);
+    assert!(!ok && pinned.contains("409"), "{pinned}");
+    let (ok, unknown) = cli(&server, token, &["load", "nope"]);
+    assert!(!ok && unknown.contains("404"), "{unknown}");
+
+    // Made the default, it answers requests that name no model, and new conversations.
+    let (ok, out) = cli(&server, token, &["default", "tiny3"]);
+    assert!(ok && out.contains("tiny3: default"), "{out}");
+    let r = client
+        .post(
+            "/v1/chat/completions",
+            &json!({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}),
+        )
+        .await;
+    assert_eq!(r.json["model"], "tiny3", "{}", r.text);
+    let id = client.create(json!({})).await;
+    assert_eq!(client.conversation(&id).await["settings"]["model"], "tiny3");
+
+    // Unloaded, it is gone from /api/ps; a request loads it again.
+    cli(&server, token, &["default", main]);
+    let (ok, out) = cli(&server, token, &["unload", "tiny3"]);
+    assert!(ok && out.contains("tiny3: unloaded"), "{out}");
+    assert_eq!(
+        loaded(&client.get("/api/ps").await.json),
+        [format!("{main}:latest")]
+    );
+    text_of(&ask(&client, "tiny3", "Hi", 2).await);
+    let (_, list) = cli(&server, token, &["list"]);
+    assert!(
+        list.lines()
+            .any(|l| l.starts_with("tiny3") && l.contains(" loaded")),
+        "{list}"
+    );
+    let metrics = client.metrics().await;
+    assert!(
+        metrics.contains("smolchat_model_requests_total{model=\"tiny3\"}"),
+        "{metrics}"
+    );
+}

@@ -7,6 +7,7 @@ pub mod chat;
 pub mod generate;
 pub mod inspect;
 pub mod logits;
+pub mod model;
 pub mod serve;
 pub mod tokenize;
 pub mod user;
@@ -101,6 +102,9 @@ pub enum Command {
     User(user::UserArgs),
     /// Make a single-use sign-up invite code (for `auth.signup = "invite"`).
     Invite(user::InviteArgs),
+    /// The models of a running server: list, load, unload, make the default (with the admin
+    /// token).
+    Model(model::ModelArgs),
     /// Read a PDF's text from stdin, as the server's sandboxed document reader (one JSON object
     /// on stdout). The server starts it itself, under resource limits.
     #[command(hide = true)]

@@ -102,6 +102,23 @@ impl AdminAuth {
         })
     }
 
+    /// Checks `given` as the admin token sent as a bearer (the command line's `smolchat model`):
+    /// throttled like a sign-in, no session made.
+    pub fn check_bearer(&self, given: &str, client: IpAddr) -> Result<(), AuthError> {
+        let keys = [
+            ThrottleKey::address(client),
+            ThrottleKey::subject(ADMIN_SUBJECT),
+        ];
+        self.throttle()
+            .attempt(&keys, Instant::now())
+            .map_err(AuthError::Throttled)?;
+        if !secret::matches(given, &self.token_digest) {
+            return Err(AuthError::WrongCredentials);
+        }
+        self.throttle().success(&keys, Instant::now());
+        Ok(())
+    }
+
     /// The admin session `token` (a cookie value) stands for, if it is valid now.
     pub async fn session(&self, token: &str) -> Result<Option<SessionRecord>, AuthError> {
         let Some(id) = secret::session_id(token) else {

@@ -267,6 +267,20 @@ impl Admin {
         result
     }
 
+    /// Makes a model the default for new conversations and requests naming none (until the
+    /// server restarts); recorded in the audit log.
+    pub async fn set_default_model(
+        &self,
+        by: &Caller,
+        id: &str,
+    ) -> std::result::Result<String, crate::models::ModelError> {
+        let id = self.models.set_default(id)?;
+        self.audit
+            .record_by(by, "admin.model_default", &format!("model:{id}"), "")
+            .await;
+        Ok(id)
+    }
+
     /// Page `page` (from 1; out-of-range values are clamped) of the users table.
     pub async fn users(&self, page: i64) -> Result<UsersPage> {
         let page = page.clamp(1, i64::MAX / USERS_PER_PAGE);

@@ -617,9 +617,13 @@ impl Conversations {
     /// Everything is checked before anything is stored; a first message that is refused
     /// removes the conversation again, so a refusal leaves nothing behind.
     pub async fn create(&self, caller: &Caller, new: NewConversation) -> Result<Created> {
-        let settings = self
+        let mut settings = self
             .with_model_id(&new.settings)?
             .apply(self.default_settings());
+        // A conversation keeps the model it started on, whatever the default becomes.
+        if settings.model.is_none() {
+            settings.model = Some(self.models.default_id());
+        }
         self.check_settings(caller, &settings)?;
         let title = new.title.as_deref().map(Self::clean_title).transpose()?;
         let first = new.first_message.filter(|m| !m.trim().is_empty());

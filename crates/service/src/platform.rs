@@ -368,11 +368,50 @@ impl Platform {
     /// Sets the gauges the scheduler updates only at its steps, so an idle server reports
     /// current values too (called before `/metrics` renders).
     pub async fn refresh_gauges(&self) {
+        // Every model's, labelled, and their sums unlabelled (what one model reported before).
+        let mut sums = SchedulerStats::default();
+        for status in self.models.list() {
+            let label = status.id.clone();
+            let loaded = status.state == crate::models::LoadState::Loaded;
+            metrics::gauge!("smolchat_model_loaded", "model" => label.clone()).set(if loaded {
+                1.0
+            } else {
+                0.0
+            });
+            metrics::gauge!("smolchat_model_memory_bytes", "model" => label.clone()).set(
+                if loaded {
+                    status.memory_bytes as f64
+                } else {
+                    0.0
+                },
+            );
+            let stats = match self.models.peek(&status.id) {
+                Some(m) => m.stats().await,
+                None => None,
+            };
+            let s = stats.unwrap_or_default();
+            for (name, value) in [
+                ("smolchat_model_queue_depth", s.queued as f64),
+                ("smolchat_model_running_sequences", s.running as f64),
+                ("smolchat_model_tokens_per_second", s.tokens_per_s),
+                ("smolchat_model_kv_bytes", s.kv_bytes as f64),
+            ] {
+                metrics::gauge!(name, "model" => label.clone()).set(value);
+            }
+            sums.queued += s.queued;
+            sums.running += s.running;
+            sums.tokens_per_s += s.tokens_per_s;
+            sums.kv_bytes += s.kv_bytes;
+            sums.kv_budget_bytes += s.kv_budget_bytes;
+            sums.evictions += s.evictions;
+        }
+        metrics::gauge!("smolchat_queue_depth").set(sums.queued as f64);
+        metrics::gauge!("smolchat_running_sequences").set(sums.running as f64);
+        metrics::gauge!("smolchat_kv_bytes").set(sums.kv_bytes as f64);
+        metrics::gauge!("smolchat_kv_budget_bytes").set(sums.kv_budget_bytes as f64);
+        metrics::gauge!("smolchat_kv_evictions").set(sums.evictions as f64);
+        metrics::gauge!("smolchat_tokens_per_second").set(sums.tokens_per_s);
         if let Some(s) = self.stats().await {
-            metrics::gauge!("smolchat_kv_bytes").set(s.kv_bytes as f64);
-            metrics::gauge!("smolchat_kv_budget_bytes").set(s.kv_budget_bytes as f64);
-            metrics::gauge!("smolchat_kv_evictions").set(s.evictions as f64);
-            metrics::gauge!("smolchat_tokens_per_second").set(s.tokens_per_s);
             if let Some(m) = s.device_memory {
                 for (part, bytes) in [
                     ("weights", m.weights_bytes),

@@ -35,6 +35,8 @@ pub struct SchedulerConfig {
     pub spill: Option<crate::spill::SpillSettings>,
     /// Users' tokens over the last minute, shared with the other models' schedulers.
     pub tokens: super::batcher::TokenMeter,
+    /// The model's id: the `model` label of its per-model metrics.
+    pub model: String,
 }
 
 /// Clears its flag when dropped: held by the model thread for its whole life, so the flag says
@@ -259,6 +261,8 @@ impl Handler<Submit> for SchedulerActor {
             ));
         }
         metrics::counter!("smolchat_requests_total").increment(1);
+        metrics::counter!("smolchat_model_requests_total", "model" => self.cfg.model.clone())
+            .increment(1);
         self.maybe_step();
         Ok(id)
     }
@@ -383,6 +387,8 @@ impl Handler<StepDone> for SchedulerActor {
             0.0
         };
         metrics::counter!("smolchat_generated_tokens_total").increment(r.generated_tokens);
+        metrics::counter!("smolchat_model_generated_tokens_total", "model" => self.cfg.model.clone())
+            .increment(r.generated_tokens);
         metrics::counter!("smolchat_prefilled_tokens_total").increment(r.prefilled_tokens);
         metrics::counter!("smolchat_kv_preemptions_total").increment(r.preemptions);
         metrics::gauge!("smolchat_kv_bytes").set(r.kv_bytes as f64);

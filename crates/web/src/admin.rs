@@ -8,6 +8,8 @@
 //! | `POST /admin/logout` | revokes the session server-side and drops the cookie |
 //! | `GET /admin/live?before=` | the tables (fragment; 50 conversations a page), polled by HTMX every 2 s |
 //! | `POST /admin/c/{id}/stop`, `/evict`; `DELETE /admin/c/{id}` | actions |
+//! | `POST /admin/models/{id}/load`, `/unload`, `/default` | a model's actions |
+//! | `GET /ops/models`; `POST /ops/models/{id}/load`, `/unload`, `/default` | the same for the command line, the admin token as bearer |
 //!
 //! Sign-in, sessions and throttling live in [`smolchat_auth::admin`]; this module only moves
 //! cookies and renders. The session cookie carries a random token (the database keeps its
@@ -28,12 +30,15 @@ use super::AppState;
 
 mod audit;
 mod live;
+mod models;
 mod session;
 mod users;
 
 pub use audit::{audit, audit_export, AuditPage, AuditQuery, AuditRow};
 use live::live_view;
 pub use live::{delete, evict, live, stop, AdminRow, EngineView, LiveView, ReplicaView};
+pub use models::{load as load_model, make_default as default_model, ops_action, ops_list};
+pub use models::{unload as unload_model, ModelRowView};
 use session::logged_in;
 pub use session::{login, logout, LoginForm};
 use users::users_view;

@@ -6,6 +6,7 @@
 //! | route | |
 //! |---|---|
 //! | `GET /healthz`, `GET /readyz`, `GET /metrics` | operations (see [`ops`]) |
+//! | `GET /ops/models`, `POST /ops/models/{id}/{load,unload,default}` | the models, for `smolchat model` (admin token as bearer) |
 //! | `POST /api/conversations` | create (optional settings body) → 201 |
 //! | `GET /api/conversations?q=&limit=&before=` | a page of the caller's conversations, most recent first, and the `next` cursor |
 //! | `GET`, `PATCH`, `DELETE /api/conversations/{id}` | one conversation with its messages |
@@ -127,6 +128,8 @@ pub fn routes(cfg: &mut web::ServiceConfig, chat_limit: BodyLimit) {
             .route(web::head().to(ops::readyz))
             .default_service(web::to(method_not_allowed)),
     )
+    .service(web::resource("/ops/models").route(web::get().to(admin::ops_list)))
+    .service(web::resource("/ops/models/{id}/{action}").route(web::post().to(admin::ops_action)))
     .service(
         web::resource("/metrics")
             .route(web::get().to(ops::metrics))
@@ -328,6 +331,9 @@ pub fn routes(cfg: &mut web::ServiceConfig, chat_limit: BodyLimit) {
             .route("/c/{id}/stop", web::post().to(admin::stop))
             .route("/c/{id}/evict", web::post().to(admin::evict))
             .route("/c/{id}", web::delete().to(admin::delete))
+            .route("/models/{id}/load", web::post().to(admin::load_model))
+            .route("/models/{id}/unload", web::post().to(admin::unload_model))
+            .route("/models/{id}/default", web::post().to(admin::default_model))
             .route("/users", web::post().to(admin::create_user))
             .route("/invites", web::post().to(admin::create_invite))
             .route("/invites/{id}/revoke", web::post().to(admin::revoke_invite))

@@ -265,6 +265,7 @@ pub(crate) fn start_scheduler(
                     .saturating_mul(1 << 20) as usize,
             }),
             tokens: meter.clone(),
+            model: model.id.clone(),
             max_new_tokens: config.limits.max_new_tokens,
             request_timeout: (s.request_timeout_s > 0)
                 .then(|| Duration::from_secs(s.request_timeout_s)),

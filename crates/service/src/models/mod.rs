@@ -252,8 +252,9 @@ pub struct Models {
     changing: tokio::sync::Mutex<()>,
     budget_bytes: Option<u64>,
     answers_unknown_names: bool,
-    /// Index of the model new conversations use.
-    default: usize,
+    /// Index of the model new conversations (and requests naming none) use; an admin may
+    /// change it while the server runs.
+    default: std::sync::atomic::AtomicUsize,
     /// Shared by every model's scheduler (a user's tokens count once, whatever model).
     meter: TokenMeter,
     /// Where schedulers are started: the system's arbiter, so a model loaded by a request
@@ -313,7 +314,7 @@ impl Models {
             budget_bytes: (config.models.memory_budget_mib > 0)
                 .then(|| config.models.memory_budget_mib.saturating_mul(1 << 20)),
             answers_unknown_names: config.model.answer_unknown_names,
-            default,
+            default: std::sync::atomic::AtomicUsize::new(default),
             meter,
             arbiter: actix::System::current().arbiter().clone(),
             completions,
@@ -345,9 +346,30 @@ impl Models {
         }
     }
 
+    fn default_index(&self) -> usize {
+        self.default.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    /// Makes `name`'s model the default (until the server restarts: `models.default` says
+    /// which one it starts with).
+    pub fn set_default(&self, name: &str) -> Result<String, ModelError> {
+        let id = self.find(name)?;
+        let i = self
+            .slots()
+            .iter()
+            .position(|s| s.id == id)
+            .ok_or_else(|| ModelError::NotFound {
+                name: name.to_string(),
+                available: String::new(),
+            })?;
+        self.default.store(i, std::sync::atomic::Ordering::Release);
+        tracing::info!(model = %id, "the default model changed");
+        Ok(id)
+    }
+
     /// The id of the model new conversations use.
     pub fn default_id(&self) -> String {
-        self.slots()[self.default].id.clone()
+        self.slots()[self.default_index()].id.clone()
     }
 
     /// The id of the model `name` means, without loading it: none or an empty name is the
@@ -357,13 +379,13 @@ impl Models {
     pub fn find(&self, name: &str) -> Result<String, ModelError> {
         let slots = self.slots();
         if name.is_empty() {
-            return Ok(slots[self.default].id.clone());
+            return Ok(slots[self.default_index()].id.clone());
         }
         if let Some(s) = slots.iter().find(|s| s.is_named(name)) {
             return Ok(s.id.clone());
         }
         if self.answers_unknown_names {
-            return Ok(slots[self.default].id.clone());
+            return Ok(slots[self.default_index()].id.clone());
         }
         Err(ModelError::NotFound {
             name: name.to_string(),
@@ -452,7 +474,7 @@ impl Models {
                 aliases: s.aliases.clone(),
                 path: s.path.display().to_string(),
                 main: s.entry.is_none(),
-                default: i == self.default,
+                default: i == self.default_index(),
                 state: if s.loaded.is_some() {
                     LoadState::Loaded
                 } else if s.loading {

@@ -81,6 +81,8 @@ pub struct ReplicaView {
 
 pub struct LiveView {
     pub engine: EngineView,
+    /// Every configured model (a table shown when there is more than one).
+    pub models: Vec<super::ModelRowView>,
     /// Every replica on the database, live or gone within the hour.
     pub replicas: Vec<ReplicaView>,
     pub rows: Vec<AdminRow>,
@@ -199,6 +201,7 @@ fn render_live(
             held_count: r.load.held_count,
         })
         .collect();
+    let models = live.models.iter().map(super::ModelRowView::of).collect();
     let rows = live
         .conversations
         .into_iter()
@@ -248,6 +251,7 @@ fn render_live(
     };
     let (gpu_used_percent, gpu_memory) = gpu_memory_view(stats.device_memory);
     LiveView {
+        models,
         engine: EngineView {
             device: model.device.clone(),
             tier: model.tier.clone(),
