@@ -351,3 +351,28 @@ async fn an_admin_lists_loads_unloads_and_sets_the_default_from_the_command_line
         "{metrics}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_official_openai_anthropic_and_ollama_clients_list_and_use_every_model() {
+    let _turn = TURN.lock().await;
+    let python = common::openai_venv();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let tiny = common::reference("smollm3-tiny-q8_0.gguf");
+    let entries = format!("[{}]", entry("tiny3", &tiny, &[]));
+    let server = Server::start(dir.path(), &[("SMOLCHAT_MODELS__ENTRIES", &entries)]).await;
+    let script = common::crate_root().join("tests/models_clients.py");
+    let out = tokio::process::Command::new(python)
+        .arg(script)
+        .env("SMOLCHAT_BASE", &server.base)
+        .env("SMOLCHAT_MODELS", "SmolLM2-135M-Instruct.Q4_1,tiny3")
+        .output()
+        .await
+        .expect("run the clients");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(out.status.success(), "{text}\n{}", server.log_text());
+    assert!(text.contains("9 passed, 0 failed"), "{text}");
+}

@@ -34,48 +34,6 @@ fn tempdir() -> tempfile::TempDir {
     tempfile::tempdir().expect("tempdir")
 }
 
-/// `target/openai-venv` with the official `openai`, `ollama` and `anthropic` packages; created (and the
-/// packages installed from PyPI) only when importing them does not already work there.
-fn openai_venv() -> PathBuf {
-    let venv = common::crate_root().join("target/openai-venv");
-    let python = venv.join("bin/python");
-    let works = |python: &Path| {
-        Command::new(python)
-            .args(["-c", "import openai, ollama, anthropic, jsonschema"])
-            .status()
-            .is_ok_and(|s| s.success())
-    };
-    if !works(&python) {
-        let status = Command::new("python3")
-            .args(["-m", "venv"])
-            .arg(&venv)
-            .status()
-            .expect("run python3 -m venv");
-        assert!(status.success(), "python3 -m venv failed");
-        let status = Command::new(venv.join("bin/pip"))
-            .args([
-                "install",
-                "--quiet",
-                "--disable-pip-version-check",
-                "openai",
-                "ollama",
-                "anthropic",
-                "jsonschema",
-            ])
-            .status()
-            .expect("run pip");
-        assert!(
-            status.success(),
-            "pip install openai ollama anthropic failed"
-        );
-        assert!(
-            works(&python),
-            "openai, ollama or anthropic still not importable"
-        );
-    }
-    python
-}
-
 /// A raw API call with an optional bearer key.
 async fn api(server: &Server, key: Option<&str>, path: &str, body: Option<&Value>) -> Reply {
     let http = reqwest::Client::new();
@@ -254,7 +212,7 @@ fn chat_body(prompt: &str, max_tokens: usize, stream: bool) -> Value {
 /// `env`; the script prints `N passed, M failed` and exits non-zero when a check failed.
 async fn run_client_script(script: &str, env: &[(&str, String)]) {
     let _turn = TURN.lock().await;
-    let python = openai_venv();
+    let python = common::openai_venv();
     let dir = tempdir();
     let server = Server::start(dir.path(), &[("SMOLCHAT_SERVER__API_KEY", KEY)]).await;
     let t = Instant::now();

@@ -9,7 +9,8 @@ pub mod pdf;
 pub mod pg;
 pub mod server;
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
+use std::process::Command;
 
 use smolchat_engine::{Engine, KvOptions, KvType, LogitsMode, Model, SeqStep};
 use smolchat_gguf::GgufSource;
@@ -152,4 +153,46 @@ pub fn argmax(row: &[f32]) -> usize {
         }
     }
     best
+}
+
+/// `target/openai-venv` with the official `openai`, `ollama` and `anthropic` packages; created (and the
+/// packages installed from PyPI) only when importing them does not already work there.
+pub fn openai_venv() -> PathBuf {
+    let venv = crate_root().join("target/openai-venv");
+    let python = venv.join("bin/python");
+    let works = |python: &Path| {
+        Command::new(python)
+            .args(["-c", "import openai, ollama, anthropic, jsonschema"])
+            .status()
+            .is_ok_and(|s| s.success())
+    };
+    if !works(&python) {
+        let status = Command::new("python3")
+            .args(["-m", "venv"])
+            .arg(&venv)
+            .status()
+            .expect("run python3 -m venv");
+        assert!(status.success(), "python3 -m venv failed");
+        let status = Command::new(venv.join("bin/pip"))
+            .args([
+                "install",
+                "--quiet",
+                "--disable-pip-version-check",
+                "openai",
+                "ollama",
+                "anthropic",
+                "jsonschema",
+            ])
+            .status()
+            .expect("run pip");
+        assert!(
+            status.success(),
+            "pip install openai ollama anthropic failed"
+        );
+        assert!(
+            works(&python),
+            "openai, ollama or anthropic still not importable"
+        );
+    }
+    python
 }
