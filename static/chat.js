@@ -765,6 +765,15 @@
     if (d && d.message) toast(d.message);
     setBusy(false);
   });
+  // The task model titled the conversation after its first reply.
+  on("titled", (d) => {
+    const h = document.getElementById("conv-title");
+    if (h && d.title) h.textContent = d.title;
+    const rename = document.getElementById("rename-btn");
+    if (rename && d.title) rename.dataset.title = d.title;
+    if (d.title) document.title = d.title + " · smolchat";
+    refreshList();
+  });
 
   setBusy(app.dataset.replying === "true", app.dataset.replying === "true" ? "Joining the reply…" : "");
   messages.scrollTop = messages.scrollHeight;

@@ -138,3 +138,52 @@ async fn pick_a_model_for_a_new_chat_then_switch_mid_conversation() {
     );
     c.close().await.expect("close");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_task_model_titles_a_new_conversation_and_the_sidebar_shows_it() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let server = Server::start(
+        dir.path(),
+        &[
+            ("SMOLCHAT_MODELS__TASK", "SmolLM2-135M-Instruct.Q4_1"),
+            ("SMOLCHAT_SAMPLING__MAX_TOKENS", "24"),
+            ("SMOLCHAT_SAMPLING__TEMPERATURE", "0"),
+        ],
+    )
+    .await;
+    let driver = start_driver(dir.path()).await;
+    let c = browser(&driver, &dir.path().join("profile"), DESKTOP).await;
+    c.goto(&server.base).await.expect("open");
+    send(&c, "What are the colours of the rainbow?").await;
+    wait_js(&c, IDLE, "the first reply", |v| v == &json!(1)).await;
+    let id = conversation_id(&c).await;
+    // The heading and the sidebar take the title when the task model has written it.
+    let title = wait_js(
+        &c,
+        "const h = document.getElementById('conv-title').textContent; \
+         return h === 'New chat' ? '' : h",
+        "the title written by the task model",
+        |v| v.as_str().is_some_and(|t| !t.is_empty()),
+    )
+    .await;
+    let title = title.as_str().unwrap_or_default().to_string();
+    eprintln!("the task model's title: {title:?}");
+    wait_js(
+        &c,
+        &format!(
+            "return [...document.querySelectorAll('#conv-list a')].some(a => a.textContent.includes({}))",
+            serde_json::to_string(&title).unwrap_or_default()
+        ),
+        "the title in the sidebar",
+        |v| v == &json!(true),
+    )
+    .await;
+    let conv = conversation(&c, &id).await;
+    assert_eq!(conv["title"], title.as_str(), "{conv}");
+    // A second reply does not retitle it.
+    send(&c, "Thank you.").await;
+    wait_js(&c, IDLE, "the second reply", |v| v == &json!(2)).await;
+    tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    assert_eq!(conversation(&c, &id).await["title"], title.as_str());
+    c.close().await.expect("close");
+}

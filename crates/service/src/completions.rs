@@ -19,7 +19,7 @@ use tokio::sync::{mpsc, Notify};
 use uuid::Uuid;
 
 use crate::quotas::{QuotaSubjects, Quotas};
-use smolchat_serving::scheduler::{Cancel, SchedulerActor, Submit};
+use smolchat_serving::scheduler::{Cancel, SchedulerActor, Submit, SubmitBackground};
 use smolchat_serving::types::GenerationRequest;
 use smolchat_store::Store;
 
@@ -153,7 +153,16 @@ impl Completions {
     /// Queues `request`. The batcher refuses an empty prompt or one that fills the context window
     /// (`SubmitError::Invalid`, `SubmitError::ContextOverflow`): an interface maps one error type.
     pub async fn submit(&self, request: CompletionRequest) -> Result<Completion, SubmitError> {
-        self.submit_as(request, None).await
+        self.submit_as(request, None, false).await
+    }
+
+    /// [`Completions::submit`] for a chore (a title written by the task model): admitted only
+    /// when no other request waits, and never into the last free slot.
+    pub async fn submit_background(
+        &self,
+        request: CompletionRequest,
+    ) -> Result<Completion, SubmitError> {
+        self.submit_as(request, None, true).await
     }
 
     /// [`Completions::submit`], or an embedding of the prompt when `embed` is set.
@@ -161,6 +170,7 @@ impl Completions {
         &self,
         request: CompletionRequest,
         embed: Option<Pooling>,
+        background: bool,
     ) -> Result<Completion, SubmitError> {
         let subjects = QuotaSubjects {
             user: request.user.clone(),
@@ -187,22 +197,24 @@ impl Completions {
             CacheUse::Partition(salt) => (None, Some(salt)),
         };
         let (tx, events) = mpsc::unbounded_channel();
-        let id = self
-            .scheduler
-            .send(Submit(GenerationRequest {
-                cache_key,
-                user: request.user,
-                group: request.group,
-                cache_salt,
-                prompt: request.prompt,
-                params,
-                max_time: None,
-                events: tx,
-                embed,
-                warm: false,
-            }))
-            .await
-            .map_err(|e| SubmitError::Unavailable(ModelUnavailable::Scheduler(e)))??;
+        let generation = GenerationRequest {
+            cache_key,
+            user: request.user,
+            group: request.group,
+            cache_salt,
+            prompt: request.prompt,
+            params,
+            max_time: None,
+            events: tx,
+            embed,
+            warm: false,
+        };
+        let sent = if background {
+            self.scheduler.send(SubmitBackground(generation)).await
+        } else {
+            self.scheduler.send(Submit(generation)).await
+        };
+        let id = sent.map_err(|e| SubmitError::Unavailable(ModelUnavailable::Scheduler(e)))??;
         Ok(Completion {
             id,
             events,
@@ -283,7 +295,7 @@ impl Completions {
             };
             async move {
                 let mut completion = self
-                    .submit_as(req, Some(request.pooling))
+                    .submit_as(req, Some(request.pooling), false)
                     .await
                     .map_err(|error| EmbedError::Refused { index, error })?;
                 let mut vector = None;

@@ -64,6 +64,11 @@ pub struct ModelsSection {
     pub default: String,
     /// The models served besides the main one.
     pub entries: Vec<ModelEntry>,
+    /// The model that writes conversation titles after the first reply, as a chore (never
+    /// ahead of a user's reply): a model's id or alias; `auto` (the default): the embedded
+    /// SmolLM2-135M when the main model is another (served as a model of its own when its file
+    /// is there), none otherwise; `off` or empty: no titles are written.
+    pub task: String,
 }
 
 impl Default for ModelsSection {
@@ -73,6 +78,7 @@ impl Default for ModelsSection {
             keep_alive_s: 300,
             default: String::new(),
             entries: Vec::new(),
+            task: "auto".into(),
         }
     }
 }
@@ -897,6 +903,13 @@ impl Config {
                     .chain(&e.aliases)
                     .map(|n| (n.clone(), format!("models.entries[{i}] ({})", e.id))),
             );
+        }
+        let task = self.models.task.trim();
+        if !matches!(task, "" | "off" | "auto") && !taken.iter().any(|(n, _)| n == task) {
+            return bad(format!(
+                "models.task is {task:?}, which is no model's id or alias: name one, or use \
+                 \"auto\" (SmolLM2-135M when the main model is another) or \"off\""
+            ));
         }
         let d = &self.models.default;
         if !d.is_empty() && *d != main && !self.models.entries.iter().any(|e| e.id == *d) {

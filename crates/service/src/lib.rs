@@ -20,6 +20,7 @@ pub mod reply;
 pub mod secrets;
 pub mod session;
 pub mod settings;
+pub mod titles;
 pub mod validation;
 
 pub use caller::Caller;

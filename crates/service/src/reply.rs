@@ -46,6 +46,10 @@ pub enum ReplyEvent<M = Message> {
     Error {
         message: String,
     },
+    /// The task model wrote the conversation's title (after its first reply).
+    Titled {
+        title: String,
+    },
 }
 
 impl ReplyEvent {
@@ -75,6 +79,9 @@ impl ReplyEvent {
             },
             ReplyEvent::Error { message } => ReplyEvent::Error {
                 message: message.clone(),
+            },
+            ReplyEvent::Titled { title } => ReplyEvent::Titled {
+                title: title.clone(),
             },
         }
     }
@@ -107,6 +114,7 @@ impl<M> ReplyEvent<M> {
             ReplyEvent::Answer { text } => ReplyEvent::Answer { text },
             ReplyEvent::ToolCall { call } => ReplyEvent::ToolCall { call },
             ReplyEvent::Error { message } => ReplyEvent::Error { message },
+            ReplyEvent::Titled { title } => ReplyEvent::Titled { title },
         })
     }
 }

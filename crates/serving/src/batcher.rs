@@ -121,6 +121,9 @@ struct Entry {
     remaining_prefill: usize,
     phase: Phase,
     deadline: Option<Instant>,
+    /// Chores (a title written by the task model): admitted only when no other request waits,
+    /// and never into the last free slot.
+    background: bool,
 }
 
 /// The work of one step, as the scheduler decides it.
@@ -374,8 +377,16 @@ impl Batcher {
             remaining_prefill: prompt_len,
             phase: Phase::Waiting,
             deadline,
+            background: false,
         });
         Ok(id)
+    }
+
+    /// Makes a waiting request a chore (see `Entry::background`).
+    pub fn mark_background(&mut self, id: RequestId) {
+        if let Some(e) = self.waiting.iter_mut().find(|e| e.id == id) {
+            e.background = true;
+        }
     }
 
     /// The waiting request to admit next: the one whose user has the fewest running sequences,
@@ -383,20 +394,28 @@ impl Batcher {
     /// user, skipping users at their running cap.
     fn next_admission(&self) -> Option<usize> {
         let cap = self.cfg.max_running_per_user;
-        // (running of its user, when its user was last admitted, index): the smallest wins, so
-        // the oldest request of the least served user.
-        let mut best: Option<(usize, u64, usize)> = None;
+        // A chore never takes the last free slot (a user's request may come at any moment).
+        let chores_may_run =
+            self.cfg.max_running <= 1 || self.running.len() + 1 < self.cfg.max_running;
+        // (a chore, running of its user, when its user was last admitted, index): the smallest
+        // wins, so any user's request before a chore, then the oldest request of the least
+        // served user.
+        let mut best: Option<(bool, usize, u64, usize)> = None;
         for (i, e) in self.waiting.iter().enumerate() {
+            if e.background && !chores_may_run {
+                continue;
+            }
             let running = self.running.iter().filter(|r| r.user == e.user).count();
             if cap > 0 && e.user.is_some() && running >= cap {
                 continue;
             }
             let last = self.last_admitted.get(&e.user).copied().unwrap_or(0);
-            if best.is_none_or(|(r, l, _)| (running, last) < (r, l)) {
-                best = Some((running, last, i));
+            let key = (e.background, running, last);
+            if best.is_none_or(|(b, r, l, _)| key < (b, r, l)) {
+                best = Some((e.background, running, last, i));
             }
         }
-        best.map(|(_, _, i)| i)
+        best.map(|(_, _, _, i)| i)
     }
 
     /// Records that `user` was admitted now, forgetting users with nothing waiting or running
@@ -642,6 +661,27 @@ mod tests {
 
     fn user(name: &str) -> Option<String> {
         Some(name.to_string())
+    }
+
+    #[test]
+    fn a_chore_waits_for_every_users_request_and_leaves_the_last_slot_free() {
+        let mut b = batcher(2, 64, 512);
+        let chore = b.submit_for(user("task"), None, 5, None).unwrap();
+        b.mark_background(chore);
+        let a = b.submit_for(user("a"), None, 5, None).unwrap();
+        let bee = b.submit_for(user("b"), None, 5, None).unwrap();
+        // Both users' requests first, though the chore came first.
+        let plan = b.plan().unwrap();
+        assert_eq!(plan.prefill, vec![(a, 5), (bee, 5)]);
+        b.apply(&[report(a, 0, true), report(bee, 0, false)]);
+        // One slot free, and it is the last: the chore still waits.
+        assert!(b
+            .plan()
+            .is_some_and(|p| !p.prefill.iter().any(|(id, _)| *id == chore)));
+        b.apply(&[report(bee, 0, true)]);
+        // Nothing else waits and a slot stays free: the chore runs.
+        let plan = b.plan().unwrap();
+        assert_eq!(plan.prefill, vec![(chore, 5)]);
     }
 
     #[test]

@@ -171,6 +171,56 @@ impl SchedulerActor {
         })
     }
 
+    /// Queues a request (see [`Submit`]); a chore when `background` (see [`SubmitBackground`]).
+    fn submit(
+        &mut self,
+        request: GenerationRequest,
+        background: bool,
+    ) -> Result<RequestId, SubmitError> {
+        if self.retired.load(Ordering::Acquire) {
+            return Err(SubmitError::Unavailable(
+                crate::types::ModelUnavailable::Unloaded,
+            ));
+        }
+        let mut request = request;
+        request
+            .params
+            .validate()
+            .map_err(|e| SubmitError::Invalid(e.to_string()))?;
+        request.params.max_new_tokens = request.params.max_new_tokens.min(self.cfg.max_new_tokens);
+        let timeout = request.max_time.or(self.cfg.request_timeout);
+        let submitted = Instant::now();
+        let id = self.batcher.submit_grouped(
+            request.user.clone(),
+            request.group.clone(),
+            request.cache_key,
+            request.prompt.len(),
+            timeout.map(|t| submitted + t),
+        )?;
+        if self
+            .worker
+            .send(WorkerCommand::Register {
+                id,
+                request: Box::new(request),
+                submitted,
+            })
+            .is_err()
+        {
+            self.batcher.cancel(id);
+            return Err(SubmitError::Unavailable(
+                crate::types::ModelUnavailable::ModelStopped,
+            ));
+        }
+        if background {
+            self.batcher.mark_background(id);
+        }
+        metrics::counter!("smolchat_requests_total").increment(1);
+        metrics::counter!("smolchat_model_requests_total", "model" => self.cfg.model.clone())
+            .increment(1);
+        self.maybe_step();
+        Ok(id)
+    }
+
     fn maybe_step(&mut self) {
         if self.step_in_flight {
             return;
@@ -226,45 +276,21 @@ impl Handler<Submit> for SchedulerActor {
     type Result = Result<RequestId, SubmitError>;
 
     fn handle(&mut self, msg: Submit, _: &mut Context<Self>) -> Self::Result {
-        if self.retired.load(Ordering::Acquire) {
-            return Err(SubmitError::Unavailable(
-                crate::types::ModelUnavailable::Unloaded,
-            ));
-        }
-        let mut request = msg.0;
-        request
-            .params
-            .validate()
-            .map_err(|e| SubmitError::Invalid(e.to_string()))?;
-        request.params.max_new_tokens = request.params.max_new_tokens.min(self.cfg.max_new_tokens);
-        let timeout = request.max_time.or(self.cfg.request_timeout);
-        let submitted = Instant::now();
-        let id = self.batcher.submit_grouped(
-            request.user.clone(),
-            request.group.clone(),
-            request.cache_key,
-            request.prompt.len(),
-            timeout.map(|t| submitted + t),
-        )?;
-        if self
-            .worker
-            .send(WorkerCommand::Register {
-                id,
-                request: Box::new(request),
-                submitted,
-            })
-            .is_err()
-        {
-            self.batcher.cancel(id);
-            return Err(SubmitError::Unavailable(
-                crate::types::ModelUnavailable::ModelStopped,
-            ));
-        }
-        metrics::counter!("smolchat_requests_total").increment(1);
-        metrics::counter!("smolchat_model_requests_total", "model" => self.cfg.model.clone())
-            .increment(1);
-        self.maybe_step();
-        Ok(id)
+        self.submit(msg.0, false)
+    }
+}
+
+/// Queue a chore (a title for the task model): as [`Submit`], but admitted only when no other
+/// request waits, and never into the last free slot.
+#[derive(Message)]
+#[rtype(result = "Result<RequestId, SubmitError>")]
+pub struct SubmitBackground(pub GenerationRequest);
+
+impl Handler<SubmitBackground> for SchedulerActor {
+    type Result = Result<RequestId, SubmitError>;
+
+    fn handle(&mut self, msg: SubmitBackground, _: &mut Context<Self>) -> Self::Result {
+        self.submit(msg.0, true)
     }
 }
 

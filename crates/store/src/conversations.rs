@@ -466,6 +466,19 @@ impl Store {
         Ok(result.rows_affected() > 0)
     }
 
+    /// Sets the title only if the conversation has none (a title written for it must not
+    /// replace one its owner set meanwhile), leaving `updated_at` as it is (a title is not
+    /// activity). Whether it was set.
+    pub async fn title_if_untitled(&self, id: Uuid, title: &str) -> Result<bool, StoreError> {
+        let result =
+            sqlx::query("UPDATE conversations SET title = $1 WHERE id = $2 AND title = ''")
+                .bind(title)
+                .bind(id.to_string())
+                .execute(&self.pool)
+                .await?;
+        Ok(result.rows_affected() > 0)
+    }
+
     /// Replaces the settings. `false` when there is no such conversation.
     pub async fn update_settings(
         &self,

@@ -262,6 +262,27 @@ pub struct Models {
     arbiter: actix::ArbiterHandle,
     /// The completions service of the main model; others are its clones over their scheduler.
     completions: Completions,
+    /// The model that writes titles (`models.task`), if any.
+    task: Option<String>,
+}
+
+/// With `models.task = "auto"`: the embedded SmolLM2-135M as a model of its own, for the
+/// chores, when the main model is another file and SmolLM2's is there (and no entry serves it
+/// already).
+fn implicit_task_entry(config: &Config) -> Option<ModelEntry> {
+    let small = std::path::Path::new(crate::config::DEFAULT_MODEL);
+    let same_file = |p: &std::path::Path| p.file_name() == small.file_name();
+    let wanted = config.models.task.trim() == "auto"
+        && !same_file(&config.model.path)
+        && small.exists()
+        && !config.models.entries.iter().any(|e| same_file(&e.path));
+    wanted.then(|| ModelEntry {
+        id: small
+            .file_stem()
+            .map_or_else(String::new, |s| s.to_string_lossy().into_owned()),
+        path: small.to_path_buf(),
+        ..ModelEntry::default()
+    })
 }
 
 impl Models {
@@ -287,7 +308,11 @@ impl Models {
             last_error: None,
             can_think: None,
         }];
-        for e in &config.models.entries {
+        let mut entries = config.models.entries.clone();
+        if let Some(implicit) = implicit_task_entry(config) {
+            entries.push(implicit);
+        }
+        for e in &entries {
             slots.push(Slot {
                 id: e.id.clone(),
                 path: e.path.clone(),
@@ -307,6 +332,21 @@ impl Models {
             .iter()
             .position(|s| s.id == config.models.default)
             .unwrap_or(0);
+        let task = match config.models.task.trim() {
+            "" | "off" => None,
+            "auto" => slots
+                .iter()
+                .skip(1)
+                .find(|s| {
+                    s.path.file_name()
+                        == std::path::Path::new(crate::config::DEFAULT_MODEL).file_name()
+                })
+                .map(|s| s.id.clone()),
+            name => slots
+                .iter()
+                .find(|s| s.is_named(name))
+                .map(|s| s.id.clone()),
+        };
         let models = Arc::new(Self {
             config: config.clone(),
             slots: Mutex::new(slots),
@@ -317,6 +357,7 @@ impl Models {
             default: std::sync::atomic::AtomicUsize::new(default),
             meter,
             arbiter: actix::System::current().arbiter().clone(),
+            task,
             completions,
         });
         models.spawn_keep_alive();
@@ -365,6 +406,11 @@ impl Models {
         self.default.store(i, std::sync::atomic::Ordering::Release);
         tracing::info!(model = %id, "the default model changed");
         Ok(id)
+    }
+
+    /// The model that writes titles (`models.task`), if any.
+    pub fn task_id(&self) -> Option<String> {
+        self.task.clone()
     }
 
     /// The id of the model new conversations use.

@@ -443,6 +443,27 @@ impl SessionActor {
         models.peek(&id)
     }
 
+    /// After a complete reply: the task model titles an untitled conversation's first exchange
+    /// (a chore; see [`crate::titles`]), and the viewers are told.
+    fn write_title(&self, ctx: &mut Context<Self>) {
+        let models = &self.shared.models;
+        if models.task_id().is_none() {
+            return;
+        }
+        let (models, store, id) = (Arc::clone(models), self.shared.store.clone(), self.id);
+        async move { crate::titles::write_title(&models, &store, id).await }
+            .into_actor(self)
+            .map(move |result, act, _| match result {
+                Ok(Some(title)) => {
+                    tracing::debug!(conversation = %act.id, "the task model wrote the title");
+                    act.broadcast(ReplyEvent::Titled { title });
+                }
+                Ok(None) => {}
+                Err(e) => tracing::warn!(conversation = %act.id, "no title written: {e}"),
+            })
+            .spawn(ctx);
+    }
+
     fn is_busy(&self) -> bool {
         self.sending || self.reply.is_some()
     }
@@ -463,11 +484,17 @@ impl SessionActor {
         let store = self.shared.store.clone();
         async move { store.finish_assistant_message(id, &finished).await }
             .into_actor(self)
-            .map(move |result, act, _| {
+            .map(move |result, act, ctx| {
                 act.sending = false;
                 act.last_activity = Instant::now();
                 match result {
-                    Ok(message) => act.broadcast(ReplyEvent::Done { message, summary }),
+                    Ok(message) => {
+                        let complete = message.status == MessageStatus::Complete;
+                        act.broadcast(ReplyEvent::Done { message, summary });
+                        if complete {
+                            act.write_title(ctx);
+                        }
+                    }
                     Err(e) => {
                         tracing::error!(conversation = %act.id, "storing the reply failed: {e}");
                         act.broadcast(ReplyEvent::Error {
