@@ -102,6 +102,7 @@ fn reply(status: MessageStatus) -> FinishedReply {
             accepted_tokens: 15,
             restored_tokens: 12,
             warmed_tokens: 6,
+            model: Some("smollm3-3b".into()),
         },
     }
 }
@@ -293,6 +294,7 @@ async fn settings_round_trip(db) {
         ignore_eos: true,
         grammar: Some("root ::= \"ok\"".into()),
         pinned_date: NaiveDate::from_ymd_opt(2024, 2, 29).unwrap(),
+        model: Some("smollm2-q8".into()),
     };
     let c = store.create_conversation("u", &custom).await.unwrap();
     assert_eq!(c.settings, custom);
