@@ -192,6 +192,14 @@
   // applies to its next reply (the prompt is rebuilt with that model's template).
   const modelSelect = document.getElementById("model-select");
   const pickedModel = () => (modelSelect ? modelSelect.value : "");
+  // A send to a model that is not loaded waits while it loads: say so.
+  function sayIfLoading() {
+    if (!modelSelect) return;
+    const opt = modelSelect.options[modelSelect.selectedIndex];
+    if (opt && /\((not loaded|loading)\)$/.test(opt.textContent)) {
+      status.textContent = "Loading " + modelSelect.value + "… (its first reply waits while it loads)";
+    }
+  }
   if (modelSelect && convId) {
     let shown = modelSelect.value;
     modelSelect.addEventListener("change", async () => {
@@ -536,6 +544,7 @@
     if (draftTimer) { clearTimeout(draftTimer); draftTimer = null; }
     lastDraft = "";
     sendBtn.disabled = true;
+    sayIfLoading();
     try {
       if (!convId) {
         const res = await post("/c", { content: content, model: pickedModel() });
@@ -744,6 +753,8 @@
     if (!current && el && !el.classList.contains("streaming")) return;
     current = null;
     setBusy(false);
+    // The reply's model is loaded now.
+    if (modelSelect && modelSelect.selectedIndex >= 0) modelSelect.options[modelSelect.selectedIndex].textContent = modelSelect.value;
     if (m.prompt_tokens != null) ctxUsed.textContent = String((m.prompt_tokens || 0) + (m.completion_tokens || 0));
     if (m.status === "stopped") status.textContent = "Stopped.";
     announce("Reply" + (m.status === "stopped" ? " (stopped)" : "") + ": " + (m.content || "").slice(0, 400));
