@@ -5,11 +5,11 @@ Starts `smolchat serve` (release build) with the main model and a second one (`[
 by default a copy of the main file under another name: the same work, two model threads), then:
   * load on demand: the first request for the second model loads it (`load_s` as the server
     measured it, and that request's whole time);
-  * alone: `--streams` concurrent greedy requests of `--tokens` tokens each (`ignore_eos`, so
-    every reply has that length) on one model, then on the other: aggregate generated tokens/s;
-  * together: the same number of streams on each model at once: aggregate tokens/s of both.
-The ratio together / alone says what serving two models costs on cores they share (1.0: nothing;
-each model then runs at about half its alone speed). Prints one JSON object. Standard library only.
+  * alone: 2 x `--streams` concurrent greedy requests of `--tokens` tokens each (`ignore_eos`,
+    so every reply has that length) on one model, then on the other: aggregate tokens/s;
+  * together: `--streams` on each model at once (the same concurrency): aggregate tokens/s.
+The ratio together / alone says what splitting the same load over two models costs on the cores
+they share (1.0: nothing; below: the price of two model threads and two smaller batches). Prints one JSON object. Standard library only.
 
 usage: scripts/models_bench.py [--binary target/release/smolchat] [--threads 2]
                                [--model models/SmolLM2-135M-Instruct.Q4_1.gguf] [--second PATH]
@@ -132,8 +132,10 @@ def main():
         job = lambda m, i: (m, a.tokens, prompts[i % len(prompts)])  # noqa: E731
         rounds = []
         for _ in range(a.rounds):
-            alone_main = burst(port, [job(main_id, i) for i in range(a.streams)])
-            alone_second = burst(port, [job("second", i) for i in range(a.streams)])
+            # Alone with as many streams as both models get together: the same concurrency on
+            # the same cores, so the ratio is what splitting it over two models costs.
+            alone_main = burst(port, [job(main_id, i) for i in range(2 * a.streams)])
+            alone_second = burst(port, [job("second", i) for i in range(2 * a.streams)])
             both = burst(port, [job(m, i) for m in (main_id, "second") for i in range(a.streams)])
             rate = lambda r: r[0] / r[1]  # noqa: E731
             alone = (rate(alone_main) + rate(alone_second)) / 2
@@ -149,7 +151,8 @@ def main():
             "threads": a.threads,
             "model": os.path.basename(a.model),
             "second": os.path.basename(second),
-            "streams_per_model": a.streams,
+            "streams_per_model_together": a.streams,
+            "streams_alone": 2 * a.streams,
             "tokens_per_stream": a.tokens,
             "load_on_demand_s": round(load_s, 3),
             "first_request_with_load_s": round(first_request_s, 3),

@@ -301,6 +301,37 @@ async fn an_admin_lists_loads_unloads_and_sets_the_default_from_the_command_line
     assert!(ok && loaded_out.contains("tiny3: loaded"), "{loaded_out}");
     let client = server.client();
     assert!(loaded(&client.get("/api/ps").await.json).contains(&"tiny3:latest".to_string()));
+    // The file's SHA-256, recorded at its first load (hashed off the load's path).
+    let expected = String::from_utf8_lossy(
+        &std::process::Command::new("sha256sum")
+            .arg(&tiny)
+            .output()
+            .expect("sha256sum")
+            .stdout,
+    )
+    .split_whitespace()
+    .next()
+    .unwrap_or_default()
+    .to_string();
+    let recorded = common::server::eventually(Duration::from_secs(30), || async {
+        let listed: Value = reqwest::Client::new()
+            .get(format!("{}/ops/models", server.base))
+            .bearer_auth(token)
+            .send()
+            .await
+            .ok()?
+            .json()
+            .await
+            .ok()?;
+        listed["models"]
+            .as_array()?
+            .iter()
+            .find(|m| m["id"] == "tiny3")?["sha256"]
+            .as_str()
+            .map(str::to_string)
+    })
+    .await;
+    assert_eq!(recorded.as_deref(), Some(expected.as_str()));
     // `/metrics` by model.
     let metrics = client.metrics().await;
     assert!(
@@ -375,4 +406,94 @@ async fn the_official_openai_anthropic_and_ollama_clients_list_and_use_every_mod
     );
     assert!(out.status.success(), "{text}\n{}", server.log_text());
     assert!(text.contains("9 passed, 0 failed"), "{text}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_file_that_is_no_model_is_refused_naming_the_file_and_what_is_wrong() {
+    let _turn = TURN.lock().await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let bad = dir.path().join("notes.gguf");
+    std::fs::write(&bad, "these are notes, not a model\n").expect("write");
+    let entries = format!("[{}]", entry("broken", &bad, &[]));
+    let server = Server::start(dir.path(), &[("SMOLCHAT_MODELS__ENTRIES", &entries)]).await;
+    let client = server.client();
+    let r = ask(&client, "broken", "Hi", 2).await;
+    assert_eq!(r.status, StatusCode::SERVICE_UNAVAILABLE, "{}", r.text);
+    let message = r.json["error"]["message"].as_str().unwrap_or_default();
+    assert!(
+        message.contains(&bad.display().to_string()) && message.contains("not a GGUF file"),
+        "{message}"
+    );
+    // The other models still answer, and the listing says why it is not loaded.
+    text_of(&ask(&client, "", "Hi", 2).await);
+    let listed = client.get("/v1/models").await;
+    assert_eq!(listed.json["data"][1]["status"]["value"], "unloaded");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_account_chooses_the_model_its_new_chats_start_on() {
+    use common::browser_client::Browser;
+    let _turn = TURN.lock().await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let tiny = common::reference("smollm3-tiny-q8_0.gguf");
+    let entries = format!("[{}]", entry("tiny3", &tiny, &["small"]));
+    let server = Server::start(
+        dir.path(),
+        &[
+            ("SMOLCHAT_MODELS__ENTRIES", &entries),
+            ("SMOLCHAT_AUTH__SIGNUP", "open"),
+        ],
+    )
+    .await;
+    let main = "SmolLM2-135M-Instruct.Q4_1";
+    let form = |pairs: &[(&str, &str)]| {
+        pairs
+            .iter()
+            .map(|(k, v)| format!("{k}={}", common::server::form_encode(v)))
+            .collect::<Vec<_>>()
+            .join("&")
+    };
+    let mut ann = Browser::at(&server, 21, "/signup").await;
+    let a = ann
+        .post_form("/signup", &form(&[("name", "ann"), ("password", "correct horse battery")]))
+        .await;
+    assert_eq!(a.status, StatusCode::NO_CONTENT, "{}", a.text);
+    let page = ann.get("/account").await;
+    assert!(page.text.contains("id=\"default-model\""), "{}", page.text);
+    // By alias; the answer names the model.
+    let set = ann
+        .post_form("/account/default-model", &form(&[("model", "small")]))
+        .await;
+    assert_eq!(set.status, StatusCode::OK, "{}", set.text);
+    assert!(set.text.contains("New chats start on tiny3"), "{}", set.text);
+    let created = ann
+        .json(reqwest::Method::POST, "/api/conversations", Some(&json!({})))
+        .await;
+    let created: Value = serde_json::from_str(&created.text).expect("json");
+    assert_eq!(created["settings"]["model"], "tiny3", "{created}");
+    // The new-chat page picks it; another account's does not.
+    let home = ann.get("/").await;
+    assert!(
+        home.text.contains("<option value=\"tiny3\" selected>"),
+        "{}",
+        home.text
+    );
+    let mut bob = Browser::at(&server, 22, "/").await;
+    let home = bob.get("/").await;
+    assert!(
+        home.text.contains(&format!("<option value=\"{main}\" selected>")),
+        "{}",
+        home.text
+    );
+    // A model the server does not serve is refused, naming the ones it does.
+    let bad = ann
+        .post_form("/account/default-model", &form(&[("model", "gpt-9")]))
+        .await;
+    assert_eq!(bad.status, StatusCode::BAD_REQUEST, "{}", bad.text);
+    assert!(bad.text.contains("tiny3"), "{}", bad.text);
+    // Empty: back to the server's default.
+    let reset = ann
+        .post_form("/account/default-model", &form(&[("model", "")]))
+        .await;
+    assert!(reset.text.contains(&format!("New chats start on {main}")), "{}", reset.text);
 }

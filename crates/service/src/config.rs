@@ -108,6 +108,9 @@ pub struct ModelEntry {
     pub keep_alive_s: Option<i64>,
     /// Load it when the server starts rather than at its first request.
     pub preload: bool,
+    /// Whether it may think: `false` keeps thinking off (the chat hides the switch, requests
+    /// get `enable_thinking = false`); unset or `true`: as its chat template allows.
+    pub thinking: Option<bool>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -1244,6 +1247,57 @@ mod tests {
             let e = c.validate().map(|_| ()).unwrap_err().to_string();
             assert!(e.contains("model.aliases") && e.contains(says), "{e}");
         }
+    }
+
+    /// `[[models.entries]]` read from TOML, and every name (id or alias) one model's.
+    #[test]
+    fn model_entries_are_read_and_their_names_checked() {
+        let read = |s: &str| {
+            Figment::from(Serialized::defaults(Config::default()))
+                .merge(Toml::string(s))
+                .extract::<Config>()
+                .map_err(|e| e.to_string())
+        };
+        let c = read(
+            "[models]\nmemory_budget_mib = 4096\ndefault = \"b\"\n\
+             [[models.entries]]\nid = \"b\"\npath = \"b.gguf\"\naliases = [\"gpt-4o-mini\"]\n\
+             kv_type = \"q8_0\"\nkeep_alive_s = -1\n",
+        )
+        .unwrap();
+        assert!(c.validate().is_ok());
+        let e = &c.models.entries[0];
+        assert_eq!((e.id.as_str(), e.kv_type, e.keep_alive_s), ("b", Some(KvType::Q8_0), Some(-1)));
+        assert_eq!(c.for_entry(e).model.path, PathBuf::from("b.gguf"));
+        assert_eq!(c.for_entry(e).model.kv_type, KvType::Q8_0);
+        assert!(read("[[models.entries]]\nid = \"b\"\npath = \"b\"\nnope = 1").is_err());
+        let main = Config::default().main_model_id();
+        for (entries, says) in [
+            (vec![("", "x.gguf", vec![])], "is empty"),
+            (vec![("b", "", vec![])], "path is empty"),
+            (vec![(main.as_str(), "x.gguf", vec![])], "already belongs to the main model"),
+            (vec![("b", "x.gguf", vec![]), ("c", "y.gguf", vec!["b"])], "already belongs to models.entries[0]"),
+        ] {
+            let mut c = Config::default();
+            c.models.entries = entries
+                .into_iter()
+                .map(|(id, path, aliases)| ModelEntry {
+                    id: id.into(),
+                    path: path.into(),
+                    aliases: aliases.into_iter().map(String::from).collect(),
+                    ..ModelEntry::default()
+                })
+                .collect();
+            let e = c.validate().map(|_| ()).unwrap_err().to_string();
+            assert!(e.contains(says), "{e}");
+        }
+        let mut c = Config::default();
+        c.models.default = "nope".into();
+        assert!(c.validate().unwrap_err().to_string().contains("models.default"));
+        c.models.default = String::new();
+        c.models.task = "nope".into();
+        assert!(c.validate().unwrap_err().to_string().contains("models.task"));
+        c.models.task = main;
+        assert!(c.validate().is_ok());
     }
 
     #[test]

@@ -563,6 +563,38 @@ impl Conversations {
         self.models.list()
     }
 
+    /// The model the caller's new conversations start on: the account's choice while the
+    /// server still serves it, else the server's default.
+    pub async fn default_model_for(&self, caller: &Caller) -> String {
+        if !caller.guest {
+            match self.store.default_model(&caller.owner).await {
+                Ok(Some(m)) if self.models.list().iter().any(|s| s.id == m) => return m,
+                Ok(_) => {}
+                Err(e) => tracing::warn!("cannot read an account's default model: {e}"),
+            }
+        }
+        self.models.default_id()
+    }
+
+    /// Sets the model the caller's new conversations start on (an id or alias; empty: the
+    /// server's default). Accounts only: a guest has nowhere to keep it.
+    pub async fn set_default_model(&self, caller: &Caller, model: &str) -> Result<String> {
+        if caller.guest {
+            return Err(ConversationError::Forbidden(
+                "sign in to keep a default model: a guest's choice has nowhere to be kept".into(),
+            ));
+        }
+        let patch = self.with_model_id(&SettingsPatch {
+            model: Some(model.to_string()),
+            ..SettingsPatch::default()
+        })?;
+        let chosen = patch.model.filter(|m| !m.trim().is_empty());
+        self.store
+            .set_default_model(&caller.owner, chosen.as_deref())
+            .await?;
+        Ok(chosen.unwrap_or_else(|| self.models.default_id()))
+    }
+
     /// Whether model `id` can think (its template has a thinking switch).
     pub fn can_think(&self, id: &str) -> bool {
         self.models.can_think(id)
@@ -620,9 +652,10 @@ impl Conversations {
         let mut settings = self
             .with_model_id(&new.settings)?
             .apply(self.default_settings());
-        // A conversation keeps the model it started on, whatever the default becomes.
+        // A conversation keeps the model it started on (the caller's default, else the
+        // server's), whatever the default becomes.
         if settings.model.is_none() {
-            settings.model = Some(self.models.default_id());
+            settings.model = Some(self.default_model_for(caller).await);
         }
         self.check_settings(caller, &settings)?;
         let title = new.title.as_deref().map(Self::clean_title).transpose()?;

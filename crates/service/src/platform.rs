@@ -197,6 +197,7 @@ impl Platform {
             scheduler.clone(),
             completions.clone(),
             memory_bytes,
+            None,
         ));
         let models = Models::new(&config, Arc::clone(&main), meter, completions.clone());
         let sessions = Sessions::new(SessionShared {

@@ -178,6 +178,33 @@ macro_rules! capped {
 }
 
 impl Store {
+    /// The model an account's new conversations start on, if it chose one.
+    pub async fn default_model(&self, user: &str) -> Result<Option<String>, StoreError> {
+        let row: Option<(Option<String>,)> =
+            sqlx::query_as("SELECT default_model FROM user_preferences WHERE user_id = $1")
+                .bind(user)
+                .fetch_optional(&self.pool)
+                .await?;
+        Ok(row.and_then(|(m,)| m))
+    }
+
+    /// Sets (or, with `None`, clears) the model an account's new conversations start on.
+    pub async fn set_default_model(
+        &self,
+        user: &str,
+        model: Option<&str>,
+    ) -> Result<(), StoreError> {
+        sqlx::query(
+            "INSERT INTO user_preferences (user_id, default_model) VALUES ($1, $2) \
+             ON CONFLICT (user_id) DO UPDATE SET default_model = excluded.default_model",
+        )
+        .bind(user)
+        .bind(model)
+        .execute(&self.pool)
+        .await?;
+        Ok(())
+    }
+
     /// Creates an account in one transaction: consumes the invite (when given), inserts the user
     /// and moves `adopt_from`'s conversations to it. Refusals change nothing.
     pub async fn create_user(&self, new: &NewUser<'_>) -> Result<CreatedUser, StoreError> {
@@ -302,6 +329,7 @@ impl Store {
             "DELETE FROM sessions WHERE kind = 'user' AND subject = $1",
             "DELETE FROM api_usage WHERE owner = $1",
             "DELETE FROM user_identities WHERE user_id = $1",
+            "DELETE FROM user_preferences WHERE user_id = $1",
             // Everything counted under the user, their keys and their conversation creations.
             "DELETE FROM usage_counters WHERE subject = 'user:' || $1",
             "DELETE FROM usage_counters WHERE subject = 'conv:owner:' || $1",

@@ -8,7 +8,7 @@
 //! | `GET /signup[?invite=CODE]`, `POST /signup` (form `name`, `password`, `invite`) | creates the account under `auth.signup`, moves the guest's conversations into it, signs in |
 //! | `POST /signout` | revokes the session server-side and drops the cookie |
 //! | `GET /account` | password change, personal API keys, sign out everywhere |
-//! | `POST /account/password`, `/account/keys`, `/account/keys/{id}/revoke`, `/account/signout-all` | actions |
+//! | `POST /account/password`, `/account/keys`, `/account/keys/{id}/revoke`, `/account/signout-all`, `/account/default-model` (form `model`) | actions |
 //!
 //! The session cookie `smolchat_session` holds a random token (the database keeps its SHA-256):
 //! HttpOnly, SameSite=Lax (a link from elsewhere arrives signed in; cross-site POSTs carry no
@@ -53,6 +53,11 @@ pub fn routes(cfg: &mut web::ServiceConfig) {
         ("/signout", None, Some(web::post().to(signout))),
         ("/account", Some(web::get().to(account_page)), None),
         ("/account/password", None, Some(web::post().to(password))),
+        (
+            "/account/default-model",
+            None,
+            Some(web::post().to(default_model)),
+        ),
         ("/account/keys", None, Some(web::post().to(create_key))),
         (
             "/account/keys/{id}/revoke",
@@ -119,6 +124,10 @@ struct AccountPage {
     usage: Vec<UsageView>,
     /// An administrator reset the password: a new one must be chosen first.
     must_change_password: bool,
+    /// The models new conversations may start on (shown when there is more than one), and the
+    /// account's choice.
+    models: Vec<String>,
+    default_model: String,
 }
 
 pub struct UsageView {
@@ -503,6 +512,7 @@ pub async fn account_page(
     let Some(user) = account_of(&state, &owner).await? else {
         return Ok(to_signin());
     };
+    let service = state.platform.conversations();
     html(&AccountPage {
         csrf: csrf::token_for(&state.cookie_key, &owner.csrf_subject()),
         admin: user.is_admin(),
@@ -511,6 +521,8 @@ pub async fn account_page(
         must_change_password: user.must_change_password,
         name: user.name,
         new_key: String::new(),
+        models: service.models().into_iter().map(|m| m.id).collect(),
+        default_model: service.default_model_for(&owner.caller()).await,
     })
 }
 
@@ -560,6 +572,39 @@ pub async fn password(
 #[template(source = "<span class=\"ok\">{{ text }}</span>", ext = "html")]
 struct Status {
     text: &'static str,
+}
+
+#[derive(Deserialize)]
+pub struct DefaultModelForm {
+    #[serde(default)]
+    model: String,
+}
+
+/// `POST /account/default-model`: the model this account's new conversations start on.
+pub async fn default_model(
+    state: web::Data<AppState>,
+    owner: Owner,
+    req: HttpRequest,
+    payload: web::Payload,
+) -> Result<HttpResponse, PageError> {
+    let form: DefaultModelForm = read_form(&state, &req, payload).await?;
+    account_of(&state, &owner)
+        .await?
+        .ok_or_else(signed_in_only)?;
+    let chosen = state
+        .platform
+        .conversations()
+        .set_default_model(&owner.caller(), &form.model)
+        .await?;
+    html(&ModelStatus {
+        text: format!("New chats start on {chosen}."),
+    })
+}
+
+#[derive(Template)]
+#[template(source = "<span class=\"ok\">{{ text }}</span>", ext = "html")]
+struct ModelStatus {
+    text: String,
 }
 
 #[derive(Deserialize)]

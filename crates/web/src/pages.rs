@@ -487,7 +487,11 @@ async fn chat_page(
         .as_ref()
         .map(|c| c.settings.clone())
         .unwrap_or_else(|| service.default_settings());
-    let model = service.model_of(&settings);
+    // A conversation's own model; a new chat's is the caller's default.
+    let model = match &conversation {
+        Some(_) => service.model_of(&settings),
+        None => service.default_model_for(&caller).await,
+    };
     let models = service
         .models()
         .into_iter()

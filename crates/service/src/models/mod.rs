@@ -47,8 +47,10 @@ impl ServedModel {
         scheduler: Addr<SchedulerActor>,
         completions: Completions,
         memory_bytes: u64,
+        may_think: Option<bool>,
     ) -> Self {
-        let can_think = template_can_think(template.source());
+        // The template must have the switch; the configuration may keep it off.
+        let can_think = template_can_think(template.source()) && may_think != Some(false);
         Self {
             info,
             tokenizer,
@@ -190,6 +192,9 @@ pub struct ModelStatus {
     pub info: Option<ModelInfo>,
     /// Whether its template can think (known once loaded).
     pub can_think: Option<bool>,
+    /// The SHA-256 of its file as first loaded (hex; computed off the load's path, so absent
+    /// for a moment after the first load).
+    pub sha256: Option<String>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -225,6 +230,8 @@ struct Slot {
     last_error: Option<String>,
     /// Whether its template can think, read from its file once (without loading it).
     can_think: Option<bool>,
+    /// Its file's SHA-256 when it was first loaded (filled by a thread of its own).
+    sha256: Arc<std::sync::OnceLock<String>>,
 }
 
 impl Slot {
@@ -264,6 +271,53 @@ pub struct Models {
     completions: Completions,
     /// The model that writes titles (`models.task`), if any.
     task: Option<String>,
+}
+
+/// Hashes a model's file on a thread of its own (a large file takes seconds; the load does not
+/// wait): the first hash is recorded in `first`; a later one that differs is logged, since the
+/// file was replaced while the server ran (saved KV caches of it are already refused by their
+/// identity).
+fn record_sha256(id: &str, path: &std::path::Path, first: &Arc<std::sync::OnceLock<String>>) {
+    let (id, path, first) = (id.to_string(), path.to_path_buf(), Arc::clone(first));
+    let spawned = std::thread::Builder::new()
+        .name("smolchat-sha256".into())
+        .spawn(move || {
+            use sha2::{Digest, Sha256};
+            use std::io::Read;
+            let mut hasher = Sha256::new();
+            let Ok(mut file) = std::fs::File::open(&path) else {
+                return;
+            };
+            let mut buf = vec![0u8; 1 << 20];
+            loop {
+                match file.read(&mut buf) {
+                    Ok(0) => break,
+                    Ok(n) => hasher.update(&buf[..n]),
+                    Err(e) => {
+                        tracing::warn!(model = %id, path = %path.display(), "cannot hash the model's file: {e}");
+                        return;
+                    }
+                }
+            }
+            let hex: String = hasher.finalize().iter().map(|b| format!("{b:02x}")).collect();
+            match first.get() {
+                None => {
+                    tracing::info!(model = %id, sha256 = %hex, "model file hashed");
+                    let _ = first.set(hex);
+                }
+                Some(was) if *was != hex => tracing::warn!(
+                    model = %id,
+                    path = %path.display(),
+                    first = %was,
+                    now = %hex,
+                    "the model's file changed since it was first loaded"
+                ),
+                Some(_) => {}
+            }
+        });
+    if let Err(e) = spawned {
+        tracing::warn!("cannot start the hashing thread: {e}");
+    }
 }
 
 /// With `models.task = "auto"`: the embedded SmolLM2-135M as a model of its own, for the
@@ -307,7 +361,9 @@ impl Models {
             unloads: 0,
             last_error: None,
             can_think: None,
+            sha256: Arc::default(),
         }];
+        record_sha256(&slots[0].id, &slots[0].path, &slots[0].sha256);
         let mut entries = config.models.entries.clone();
         if let Some(implicit) = implicit_task_entry(config) {
             entries.push(implicit);
@@ -326,6 +382,7 @@ impl Models {
                 unloads: 0,
                 last_error: None,
                 can_think: None,
+                sha256: Arc::default(),
             });
         }
         let default = slots
@@ -488,12 +545,13 @@ impl Models {
     /// Whether model `id`'s chat template can switch thinking on and off: the loaded model's,
     /// or read from its file's metadata (once; a file that cannot be read cannot think).
     pub fn can_think(&self, id: &str) -> bool {
-        let (loaded, known, path) = {
+        let (loaded, known, path, may) = {
             let slots = self.slots();
             let Some(s) = slots.iter().find(|s| s.id == id) else {
                 return false;
             };
-            (s.loaded.clone(), s.can_think, s.path.clone())
+            let may = s.entry.as_ref().and_then(|e| e.thinking);
+            (s.loaded.clone(), s.can_think, s.path.clone(), may)
         };
         if let Some(m) = loaded {
             return m.can_think;
@@ -501,10 +559,11 @@ impl Models {
         if let Some(known) = known {
             return known;
         }
-        let think = smolchat_gguf::GgufSource::open(&path)
-            .ok()
-            .and_then(|g| ChatTemplate::from_gguf(&g).ok())
-            .is_some_and(|t| template_can_think(t.source()));
+        let think = may != Some(false)
+            && smolchat_gguf::GgufSource::open(&path)
+                .ok()
+                .and_then(|g| ChatTemplate::from_gguf(&g).ok())
+                .is_some_and(|t| template_can_think(t.source()));
         self.set(id, |s| s.can_think = Some(think));
         think
     }
@@ -539,6 +598,7 @@ impl Models {
                 last_error: s.last_error.clone(),
                 info: s.loaded.as_ref().map(|m| m.info.clone()),
                 can_think: s.loaded.as_ref().map(|m| m.can_think),
+                sha256: s.sha256.get().cloned(),
             })
             .collect()
     }
@@ -781,14 +841,20 @@ impl Models {
             scheduler,
             completions,
             memory_bytes,
+            entry.thinking,
         ));
+        let mut first = None;
         self.set(&id, |s| {
             s.loading = false;
             s.loaded = Some(Arc::clone(&model));
             s.last_used = Instant::now();
             s.load_s = Some(load_s);
             s.loads += 1;
+            first = Some((s.path.clone(), Arc::clone(&s.sha256)));
         });
+        if let Some((path, sha)) = first {
+            record_sha256(&id, &path, &sha);
+        }
         metrics::counter!("smolchat_model_loads_total", "model" => id.clone()).increment(1);
         metrics::histogram!("smolchat_model_load_seconds", "model" => id.clone()).record(load_s);
         tracing::info!(model = %id, load_s, memory_mib = memory_bytes >> 20, "model loaded on demand");

@@ -145,7 +145,14 @@ pub(super) fn prepare(
     history: &[Message],
     new_user: &str,
 ) -> Result<Prepared, SessionError> {
-    let prompt = conversation_prompt(model.prompt_builder(), conversation, history, new_user)?;
+    // A model that may not think gets `enable_thinking = false`, whatever the switch said.
+    let prompt = if model.can_think() || !conversation.settings.thinking {
+        conversation_prompt(model.prompt_builder(), conversation, history, new_user)?
+    } else {
+        let mut c = conversation.clone();
+        c.settings.thinking = false;
+        conversation_prompt(model.prompt_builder(), &c, history, new_user)?
+    };
     Ok(Prepared {
         prompt: prompt.tokens,
         starts_in_reasoning: prompt.starts_in_reasoning,

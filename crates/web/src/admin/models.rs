@@ -177,6 +177,7 @@ fn model_json(row: &ModelRow) -> Value {
         "loads": s.loads,
         "unloads": s.unloads,
         "last_error": s.last_error,
+        "sha256": s.sha256,
         "queued": row.stats.as_ref().map(|t| t.queued),
         "running": row.stats.as_ref().map(|t| t.running),
         "tokens_per_s": row.stats.as_ref().map(|t| t.tokens_per_s),
