@@ -39,8 +39,10 @@ async fn pick_a_model_for_a_new_chat_then_switch_mid_conversation() {
         .expect("write the q8_0 file");
     let tiny = common::reference("smollm3-tiny-q8_0.gguf");
     let entries = format!(
-        "[{{id = \"smollm2-q8\", path = {:?}}}, {{id = \"tiny3\", path = {:?}}}]",
+        "[{{id = \"smollm2-q8\", path = {:?}}}, {{id = \"tiny3\", path = {:?}}}, \
+         {{id = \"tiny3-quiet\", path = {:?}, thinking = false}}]",
         q8.display().to_string(),
+        tiny.display().to_string(),
         tiny.display().to_string()
     );
     let server = Server::start(
@@ -68,7 +70,8 @@ async fn pick_a_model_for_a_new_chat_then_switch_mid_conversation() {
         json!([
             "SmolLM2-135M-Instruct.Q4_1",
             "smollm2-q8 (not loaded)",
-            "tiny3 (not loaded)"
+            "tiny3 (not loaded)",
+            "tiny3-quiet (not loaded)"
         ])
     );
     js(
@@ -134,8 +137,24 @@ async fn pick_a_model_for_a_new_chat_then_switch_mid_conversation() {
     .await;
     assert_eq!(
         options,
-        json!(["SmolLM2-135M-Instruct.Q4_1", "smollm2-q8", "tiny3"])
+        json!([
+            "SmolLM2-135M-Instruct.Q4_1",
+            "smollm2-q8",
+            "tiny3",
+            "tiny3-quiet (not loaded)"
+        ])
     );
+    // The same SmolLM3 file configured not to think: no switch.
+    js(
+        &c,
+        "const s = document.getElementById('model-select'); s.value = 'tiny3-quiet'; \
+         s.dispatchEvent(new Event('change')); return true",
+    )
+    .await;
+    wait_js(&c, THINKING_SHOWN, "the thinking switch hidden", |v| {
+        v == &json!(false)
+    })
+    .await;
     c.close().await.expect("close");
 }
 

@@ -455,7 +455,10 @@ async fn an_account_chooses_the_model_its_new_chats_start_on() {
     };
     let mut ann = Browser::at(&server, 21, "/signup").await;
     let a = ann
-        .post_form("/signup", &form(&[("name", "ann"), ("password", "correct horse battery")]))
+        .post_form(
+            "/signup",
+            &form(&[("name", "ann"), ("password", "correct horse battery")]),
+        )
         .await;
     assert_eq!(a.status, StatusCode::NO_CONTENT, "{}", a.text);
     let page = ann.get("/account").await;
@@ -465,9 +468,17 @@ async fn an_account_chooses_the_model_its_new_chats_start_on() {
         .post_form("/account/default-model", &form(&[("model", "small")]))
         .await;
     assert_eq!(set.status, StatusCode::OK, "{}", set.text);
-    assert!(set.text.contains("New chats start on tiny3"), "{}", set.text);
+    assert!(
+        set.text.contains("New chats start on tiny3"),
+        "{}",
+        set.text
+    );
     let created = ann
-        .json(reqwest::Method::POST, "/api/conversations", Some(&json!({})))
+        .json(
+            reqwest::Method::POST,
+            "/api/conversations",
+            Some(&json!({})),
+        )
         .await;
     let created: Value = serde_json::from_str(&created.text).expect("json");
     assert_eq!(created["settings"]["model"], "tiny3", "{created}");
@@ -481,7 +492,8 @@ async fn an_account_chooses_the_model_its_new_chats_start_on() {
     let mut bob = Browser::at(&server, 22, "/").await;
     let home = bob.get("/").await;
     assert!(
-        home.text.contains(&format!("<option value=\"{main}\" selected>")),
+        home.text
+            .contains(&format!("<option value=\"{main}\" selected>")),
         "{}",
         home.text
     );
@@ -495,5 +507,9 @@ async fn an_account_chooses_the_model_its_new_chats_start_on() {
     let reset = ann
         .post_form("/account/default-model", &form(&[("model", "")]))
         .await;
-    assert!(reset.text.contains(&format!("New chats start on {main}")), "{}", reset.text);
+    assert!(
+        reset.text.contains(&format!("New chats start on {main}")),
+        "{}",
+        reset.text
+    );
 }

@@ -1266,7 +1266,10 @@ mod tests {
         .unwrap();
         assert!(c.validate().is_ok());
         let e = &c.models.entries[0];
-        assert_eq!((e.id.as_str(), e.kv_type, e.keep_alive_s), ("b", Some(KvType::Q8_0), Some(-1)));
+        assert_eq!(
+            (e.id.as_str(), e.kv_type, e.keep_alive_s),
+            ("b", Some(KvType::Q8_0), Some(-1))
+        );
         assert_eq!(c.for_entry(e).model.path, PathBuf::from("b.gguf"));
         assert_eq!(c.for_entry(e).model.kv_type, KvType::Q8_0);
         assert!(read("[[models.entries]]\nid = \"b\"\npath = \"b\"\nnope = 1").is_err());
@@ -1274,8 +1277,14 @@ mod tests {
         for (entries, says) in [
             (vec![("", "x.gguf", vec![])], "is empty"),
             (vec![("b", "", vec![])], "path is empty"),
-            (vec![(main.as_str(), "x.gguf", vec![])], "already belongs to the main model"),
-            (vec![("b", "x.gguf", vec![]), ("c", "y.gguf", vec!["b"])], "already belongs to models.entries[0]"),
+            (
+                vec![(main.as_str(), "x.gguf", vec![])],
+                "already belongs to the main model",
+            ),
+            (
+                vec![("b", "x.gguf", vec![]), ("c", "y.gguf", vec!["b"])],
+                "already belongs to models.entries[0]",
+            ),
         ] {
             let mut c = Config::default();
             c.models.entries = entries
@@ -1292,10 +1301,18 @@ mod tests {
         }
         let mut c = Config::default();
         c.models.default = "nope".into();
-        assert!(c.validate().unwrap_err().to_string().contains("models.default"));
+        assert!(c
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("models.default"));
         c.models.default = String::new();
         c.models.task = "nope".into();
-        assert!(c.validate().unwrap_err().to_string().contains("models.task"));
+        assert!(c
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("models.task"));
         c.models.task = main;
         assert!(c.validate().is_ok());
     }
