@@ -688,11 +688,39 @@
     streamOpen = new Promise((resolve) => events.addEventListener("open", resolve, { once: true }));
   };
   waitForOpen();
+  // When the stream was refused (an error status, which EventSource never retries) while the
+  // page shows a reply being written, nothing would ever tell it how the reply ends: load the
+  // page again (it subscribes anew and shows how the reply stands), a few times at most.
+  let heard = false;
+  function rejoin() {
+    const key = "smolchat-rejoin-" + convId;
+    const tries = Number(sessionStorage.getItem(key) || "0");
+    if (tries >= 3) {
+      status.textContent = "Lost the reply's stream; reload the page to see how it ended.";
+      return;
+    }
+    sessionStorage.setItem(key, String(tries + 1));
+    location.reload();
+  }
   events.addEventListener("error", () => {
-    if (events.readyState !== EventSource.OPEN) waitForOpen();
+    if (events.readyState === EventSource.CLOSED && busy) setTimeout(rejoin, 1500);
+    else if (events.readyState !== EventSource.OPEN) waitForOpen();
   });
+  // A page that joined a reply and hears nothing of it for long looks at the stored reply: if
+  // it has ended, the page is loaded again to show it.
+  if (app.dataset.replying === "true") {
+    setTimeout(async () => {
+      if (heard || !busy) return;
+      try {
+        const c = await api("GET", "/api/conversations/" + convId);
+        const last = (c.messages || []).filter((m) => m.role === "assistant").pop();
+        if (last && last.status !== "streaming") rejoin();
+      } catch (_) { /* the stream may still come */ }
+    }, 15000);
+  }
   function on(name, fn) {
     events.addEventListener(name, (e) => {
+      heard = true;
       let data;
       try { data = JSON.parse(e.data); } catch (_) { return; }
       fn(data);
@@ -746,6 +774,7 @@
     scrollDown();
   });
   on("done", async (d) => {
+    sessionStorage.removeItem("smolchat-rejoin-" + convId);
     const m = d.message;
     const el = current || document.getElementById("msg-" + m.id);
     // A `done` replayed for a reply already shown finished (the stream reconnected with its

@@ -27,6 +27,8 @@ fn replies_models(conv: &Value) -> Vec<String> {
         .collect()
 }
 
+const ADMIN_TOKEN: &str = "models-browser-admin-token";
+
 const THINKING_SHOWN: &str = "const s = document.getElementById('thinking-switch'); \
      return s !== null && !s.hidden && getComputedStyle(s).display !== 'none';";
 
@@ -52,6 +54,7 @@ async fn pick_a_model_for_a_new_chat_then_switch_mid_conversation() {
             ("SMOLCHAT_SAMPLING__MAX_TOKENS", "8"),
             ("SMOLCHAT_SAMPLING__TEMPERATURE", "0"),
             ("SMOLCHAT_SCHEDULER__KV_BUDGET_MIB", "16"),
+            ("SMOLCHAT_SERVER__ADMIN_TOKEN", ADMIN_TOKEN),
         ],
     )
     .await;
@@ -144,6 +147,50 @@ async fn pick_a_model_for_a_new_chat_then_switch_mid_conversation() {
             "tiny3-quiet (not loaded)"
         ])
     );
+    // The admin page lists the models; an admin unloads one and loads it again from there.
+    let admin = browser(&driver, &dir.path().join("admin"), DESKTOP).await;
+    admin
+        .goto(&format!("{}/admin", server.base))
+        .await
+        .expect("admin");
+    fill(&admin, "#admin-token", ADMIN_TOKEN).await;
+    click(&admin, "#login-btn").await;
+    let state_of = |id: &str| {
+        format!(
+            "const r = document.querySelector('#models tr[data-model=\"{id}\"]'); \
+             return r ? r.children[1].querySelector('.pill').textContent : ''"
+        )
+    };
+    wait_js(
+        &admin,
+        &state_of("smollm2-q8"),
+        "smollm2-q8 loaded on the admin page",
+        |v| v == &json!("loaded"),
+    )
+    .await;
+    // The table is swapped every 2 s: a click can land on a row just replaced, so each button
+    // is pressed again until its action shows.
+    for (button, after) in [("unload", "not loaded"), ("load", "loaded")] {
+        let mut shown = Value::Null;
+        for _ in 0..10 {
+            js(
+                &admin,
+                &format!(
+                    "const b = document.querySelector('#models tr[data-model=\"smollm2-q8\"] \
+                     button[hx-post$=\"/{button}\"]'); if (b) b.click(); return !!b"
+                ),
+            )
+            .await;
+            tokio::time::sleep(std::time::Duration::from_millis(1500)).await;
+            shown = js(&admin, &state_of("smollm2-q8")).await;
+            if shown == json!(after) {
+                break;
+            }
+        }
+        assert_eq!(shown, json!(after), "after pressing {button}");
+    }
+    admin.close().await.expect("close");
+
     // The same SmolLM3 file configured not to think: no switch.
     js(
         &c,

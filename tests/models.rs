@@ -415,7 +415,14 @@ async fn a_file_that_is_no_model_is_refused_naming_the_file_and_what_is_wrong() 
     let bad = dir.path().join("notes.gguf");
     std::fs::write(&bad, "these are notes, not a model\n").expect("write");
     let entries = format!("[{}]", entry("broken", &bad, &[]));
-    let server = Server::start(dir.path(), &[("SMOLCHAT_MODELS__ENTRIES", &entries)]).await;
+    let server = Server::start(
+        dir.path(),
+        &[
+            ("SMOLCHAT_MODELS__ENTRIES", &entries),
+            ("SMOLCHAT_MODEL__ANSWER_UNKNOWN_NAMES", "true"),
+        ],
+    )
+    .await;
     let client = server.client();
     let r = ask(&client, "broken", "Hi", 2).await;
     assert_eq!(r.status, StatusCode::SERVICE_UNAVAILABLE, "{}", r.text);
@@ -424,10 +431,22 @@ async fn a_file_that_is_no_model_is_refused_naming_the_file_and_what_is_wrong() 
         message.contains(&bad.display().to_string()) && message.contains("not a GGUF file"),
         "{message}"
     );
-    // The other models still answer, and the listing says why it is not loaded.
+    // The other models still answer, and the listing says it is not loaded.
     text_of(&ask(&client, "", "Hi", 2).await);
     let listed = client.get("/v1/models").await;
     assert_eq!(listed.json["data"][1]["status"]["value"], "unloaded");
+    // With `model.answer_unknown_names`, a name no model has is answered by the default model
+    // (a configured model that fails stays refused); the listing still knows only real names.
+    let unknown = ask(&client, "gpt-4o", "Hi", 2).await;
+    assert_eq!(
+        unknown.json["model"], "SmolLM2-135M-Instruct.Q4_1",
+        "{}",
+        unknown.text
+    );
+    assert_eq!(
+        client.get("/v1/models/gpt-4o").await.status,
+        StatusCode::NOT_FOUND
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

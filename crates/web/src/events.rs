@@ -98,7 +98,12 @@ pub async fn events(
         .platform
         .conversations()
         .subscribe(&owner.caller(), id, after)
-        .await?;
+        .await
+        .map_err(|e| {
+            // A browser's EventSource does not retry a refused stream: say why in the log.
+            tracing::info!(conversation = %id, "an event stream was refused: {e}");
+            WebError::from(e)
+        })?;
     tracing::debug!(conversation = %id, replayed = replay.len(), "events subscriber joined");
     let held = Arc::new(Mutex::new(StreamResources {
         last_poll: Instant::now(),
