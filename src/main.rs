@@ -39,6 +39,10 @@ fn run() -> Result<()> {
     tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
+        // A log line that cannot be written (stderr sent to a file on a full disk) is lost, not
+        // reported with `eprintln!`, which panics when stderr fails too and took the request
+        // being served down with it.
+        .log_internal_errors(false)
         .init();
     let args = Cli::parse();
     // The commands that compute size the thread pool once their configuration is read.

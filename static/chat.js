@@ -191,6 +191,16 @@
   // The model picker: a new chat is created on the model picked; in a conversation a change
   // applies to its next reply (the prompt is rebuilt with that model's template).
   const modelSelect = document.getElementById("model-select");
+  const followUps = document.getElementById("follow-ups");
+  if (followUps) {
+    followUps.addEventListener("click", (e) => {
+      const b = e.target.closest(".follow-up");
+      if (!b || busy) return;
+      input.value = b.textContent;
+      followUps.hidden = true;
+      form.requestSubmit();
+    });
+  }
   const pickedModel = () => (modelSelect ? modelSelect.value : "");
   // A send to a model that is not loaded waits while it loads: say so.
   function sayIfLoading() {
@@ -544,6 +554,7 @@
     if (draftTimer) { clearTimeout(draftTimer); draftTimer = null; }
     lastDraft = "";
     sendBtn.disabled = true;
+    if (followUps) followUps.hidden = true;
     sayIfLoading();
     try {
       if (!convId) {
@@ -806,6 +817,19 @@
     setBusy(false);
   });
   // The task model titled the conversation after its first reply.
+  // The task model's questions to ask next, under the last reply: a click sends one.
+  on("follow_ups", (d) => {
+    const last = [...messages.querySelectorAll("article.msg.assistant")].pop();
+    if (!followUps || !last || last.dataset.id !== d.message_id || busy) return;
+    followUps.replaceChildren(...d.questions.map((q) => {
+      const b = document.createElement("button");
+      b.type = "button";
+      b.className = "btn small follow-up";
+      b.textContent = q;
+      return b;
+    }));
+    followUps.hidden = d.questions.length === 0;
+  });
   on("titled", (d) => {
     const h = document.getElementById("conv-title");
     if (h && d.title) h.textContent = d.title;

@@ -212,7 +212,7 @@ async fn the_task_model_titles_a_new_conversation_and_the_sidebar_shows_it() {
         dir.path(),
         &[
             ("SMOLCHAT_MODELS__TASK", "SmolLM2-135M-Instruct.Q4_1"),
-            ("SMOLCHAT_SAMPLING__MAX_TOKENS", "24"),
+            ("SMOLCHAT_SAMPLING__MAX_TOKENS", "64"),
             ("SMOLCHAT_SAMPLING__TEMPERATURE", "0"),
         ],
     )
@@ -220,7 +220,7 @@ async fn the_task_model_titles_a_new_conversation_and_the_sidebar_shows_it() {
     let driver = start_driver(dir.path()).await;
     let c = browser(&driver, &dir.path().join("profile"), DESKTOP).await;
     c.goto(&server.base).await.expect("open");
-    send(&c, "What are the colours of the rainbow?").await;
+    send(&c, "What is the tallest mountain on Mars?").await;
     wait_js(&c, IDLE, "the first reply", |v| v == &json!(1)).await;
     let id = conversation_id(&c).await;
     // The heading and the sidebar take the title when the task model has written it.
@@ -246,9 +246,41 @@ async fn the_task_model_titles_a_new_conversation_and_the_sidebar_shows_it() {
     .await;
     let conv = conversation(&c, &id).await;
     assert_eq!(conv["title"], title.as_str(), "{conv}");
-    // A second reply does not retitle it.
-    send(&c, "Thank you.").await;
+    // The questions to ask next appear under the reply; one click sends one.
+    let questions = wait_js(
+        &c,
+        "const f = document.getElementById('follow-ups'); \
+         return f.hidden ? [] : [...f.querySelectorAll('.follow-up')].map(b => b.textContent)",
+        "the suggested questions",
+        |v| v.as_array().is_some_and(|a| !a.is_empty()),
+    )
+    .await;
+    eprintln!("the task model's questions: {questions}");
+    let first = questions[0].as_str().unwrap_or_default().to_string();
+    // Kept: a reload shows them again.
+    c.refresh().await.expect("reload");
+    wait_js(
+        &c,
+        "const f = document.getElementById('follow-ups'); return f.hidden ? '' : f.querySelector('.follow-up').textContent",
+        "the questions after a reload",
+        |v| v == &json!(first),
+    )
+    .await;
+    click(&c, "#follow-ups .follow-up").await;
     wait_js(&c, IDLE, "the second reply", |v| v == &json!(2)).await;
+    let conv = conversation(&c, &id).await;
+    let users: Vec<&str> = conv["messages"]
+        .as_array()
+        .expect("messages")
+        .iter()
+        .filter(|m| m["role"] == "user")
+        .filter_map(|m| m["content"].as_str())
+        .collect();
+    assert_eq!(
+        users,
+        ["What is the tallest mountain on Mars?", first.as_str()]
+    );
+    // A second reply does not retitle it.
     tokio::time::sleep(std::time::Duration::from_millis(500)).await;
     assert_eq!(conversation(&c, &id).await["title"], title.as_str());
     c.close().await.expect("close");

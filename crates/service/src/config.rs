@@ -69,6 +69,8 @@ pub struct ModelsSection {
     /// SmolLM2-135M when the main model is another (served as a model of its own when its file
     /// is there), none otherwise; `off` or empty: no titles are written.
     pub task: String,
+    /// Whether the task model also suggests questions to ask next after each complete reply.
+    pub follow_ups: bool,
 }
 
 impl Default for ModelsSection {
@@ -79,6 +81,7 @@ impl Default for ModelsSection {
             default: String::new(),
             entries: Vec::new(),
             task: "auto".into(),
+            follow_ups: true,
         }
     }
 }

@@ -595,6 +595,15 @@ impl Conversations {
         Ok(chosen.unwrap_or_else(|| self.models.default_id()))
     }
 
+    /// The questions the task model suggested after `reply` (none when it did not, or they
+    /// cannot be read: they are a help, never a failure).
+    pub async fn follow_ups(&self, reply: Uuid) -> Vec<String> {
+        self.store.follow_ups(reply).await.unwrap_or_else(|e| {
+            tracing::warn!("cannot read a reply's follow-ups: {e}");
+            Vec::new()
+        })
+    }
+
     /// Whether model `id` can think (its template has a thinking switch).
     pub fn can_think(&self, id: &str) -> bool {
         self.models.can_think(id)

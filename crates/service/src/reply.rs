@@ -50,6 +50,11 @@ pub enum ReplyEvent<M = Message> {
     Titled {
         title: String,
     },
+    /// The task model suggests questions to ask after reply `message_id`.
+    FollowUps {
+        message_id: Uuid,
+        questions: Vec<String>,
+    },
 }
 
 impl ReplyEvent {
@@ -83,6 +88,13 @@ impl ReplyEvent {
             ReplyEvent::Titled { title } => ReplyEvent::Titled {
                 title: title.clone(),
             },
+            ReplyEvent::FollowUps {
+                message_id,
+                questions,
+            } => ReplyEvent::FollowUps {
+                message_id: *message_id,
+                questions: questions.clone(),
+            },
         }
     }
 }
@@ -115,6 +127,13 @@ impl<M> ReplyEvent<M> {
             ReplyEvent::ToolCall { call } => ReplyEvent::ToolCall { call },
             ReplyEvent::Error { message } => ReplyEvent::Error { message },
             ReplyEvent::Titled { title } => ReplyEvent::Titled { title },
+            ReplyEvent::FollowUps {
+                message_id,
+                questions,
+            } => ReplyEvent::FollowUps {
+                message_id,
+                questions,
+            },
         })
     }
 }

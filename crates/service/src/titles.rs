@@ -1,7 +1,8 @@
-//! Titles written by the task model (`models.task`): after a conversation's first reply, when it
-//! has no title yet, the task model reads the first exchange and writes a short title. It is a
-//! chore: submitted as background work (admitted only when no user's request waits, never into
-//! the last free slot), greedy and short, and a title the user set meanwhile is never replaced.
+//! The task model's chores (`models.task`): after a conversation's first reply, when it has no
+//! title yet, the task model reads the first exchange and writes a short title; after every
+//! complete reply (with `models.follow_ups`), it suggests questions the user could ask next.
+//! Chores are submitted as background work (admitted only when no user's request waits, never
+//! into the last free slot), greedy and short; a title the user set meanwhile is never replaced.
 
 use std::sync::Arc;
 
@@ -40,6 +41,154 @@ pub enum TitleError {
     Empty,
 }
 
+/// The most questions suggested after a reply, their longest length in characters, and the
+/// tokens the task model may take to write them.
+const FOLLOW_UPS: usize = 3;
+const FOLLOW_UP_CHARS: usize = 120;
+const FOLLOW_UP_TOKENS: usize = 64;
+
+const FOLLOW_UP_INSTRUCTION: &str = "Here is a conversation. Write three follow-up questions the \
+    user might ask next. Write each question on its own line and end it with a question mark.";
+
+/// Runs `text` (one user message) through the task model as a chore; the generated text.
+async fn chore(
+    models: &Arc<Models>,
+    task: &str,
+    conversation: &smolchat_store::Conversation,
+    text: &str,
+    max_tokens: usize,
+) -> Result<String, TitleError> {
+    let model = models.load(task).await?;
+    let mut opts = RenderOptions::new(conversation.settings.pinned_date);
+    // A chore needs no reasoning.
+    opts.enable_thinking = model.can_think().then_some(false);
+    let prompt = model
+        .prompt_builder()
+        .build(&[ChatMessage::user(text)], &opts)?;
+    let mut completion = model
+        .completions()
+        .submit_background(CompletionRequest {
+            prompt: prompt.tokens,
+            params: SamplingParams::greedy(),
+            max_tokens: Some(max_tokens),
+            // Its own partition: a chore keeps no cache another request could reuse.
+            cache: CacheUse::Partition(format!("task:{}", conversation.id)),
+            user: Some("task:chores".into()),
+            group: None,
+            usage_owner: None,
+            key: None,
+        })
+        .await?;
+    let mut out = String::new();
+    use futures_util::StreamExt;
+    while let Some(event) = completion.next().await {
+        match event {
+            GenEvent::Token { text: piece, .. } => out.push_str(&piece),
+            GenEvent::Finished(summary) => {
+                if matches!(summary.reason, StopReason::Error(_) | StopReason::Cancelled) {
+                    return Err(TitleError::Empty);
+                }
+                break;
+            }
+            _ => {}
+        }
+    }
+    Ok(out)
+}
+
+/// Suggests the questions to ask after `reply` (the newest complete reply of `conversation`)
+/// and keeps them: `Ok(questions)`, empty when there was nothing to do or nothing usable.
+pub async fn write_follow_ups(
+    models: &Arc<Models>,
+    store: &Store,
+    conversation: Uuid,
+    reply: Uuid,
+) -> Result<Vec<String>, TitleError> {
+    let Some(task) = models.task_id().filter(|_| models.follow_ups()) else {
+        return Ok(Vec::new());
+    };
+    let Some(c) = store.get_conversation(conversation).await? else {
+        return Ok(Vec::new());
+    };
+    let branch = store.branch(conversation).await?;
+    let Some(at) = branch.iter().position(|m| m.id == reply) else {
+        return Ok(Vec::new());
+    };
+    // The reply and the user message it answers.
+    let answered = branch[..at].iter().rev().find(|m| m.role == Role::User);
+    let (Some(user), r) = (answered, &branch[at]) else {
+        return Ok(Vec::new());
+    };
+    if r.status != MessageStatus::Complete {
+        return Ok(Vec::new());
+    }
+    let excerpt = |t: &str| t.chars().take(EXCERPT_CHARS).collect::<String>();
+    let text = format!(
+        "{FOLLOW_UP_INSTRUCTION}\n\nUser: {}\n\nAssistant: {}",
+        excerpt(&user.content),
+        excerpt(&r.content)
+    );
+    let out = chore(models, &task, &c, &text, FOLLOW_UP_TOKENS).await?;
+    // Not the question just asked again (a small model often echoes it).
+    let asked = user.content.trim().to_lowercase();
+    let questions: Vec<String> = follow_ups_of(&out)
+        .into_iter()
+        .filter(|q| q.to_lowercase() != asked)
+        .collect();
+    tracing::debug!(conversation = %conversation, offered = questions.len(), written = out.len(), "follow-up questions");
+    if !questions.is_empty() {
+        store.set_follow_ups(reply, &questions).await?;
+    }
+    Ok(questions)
+}
+
+/// The task model's answer as questions: its lines that are questions (ending in `?`), without
+/// numbering, bullets, quotes or a `User:`/`Q:` label, each within [`FOLLOW_UP_CHARS`], none
+/// twice, at most [`FOLLOW_UPS`]. A small model also writes statements and whole made-up
+/// exchanges; only its questions are offered.
+pub fn follow_ups_of(text: &str) -> Vec<String> {
+    let text = match text.rfind("</think>") {
+        Some(i) => &text[i + "</think>".len()..],
+        None => text,
+    };
+    let mut out: Vec<String> = Vec::new();
+    // Questions may share a line ("1. What…? 2. How…?"): every piece ending in `?` is one,
+    // after any lead-in ("Here are three questions: What…?").
+    let pieces = text
+        .lines()
+        .flat_map(|line| line.split_inclusive('?'))
+        .map(|p| p.rsplit_once(": ").map_or(p, |(_, q)| q));
+    for piece in pieces {
+        let q = piece
+            .trim()
+            .trim_start_matches(|c: char| {
+                c.is_ascii_digit() || matches!(c, '.' | ')' | '-' | '*' | '•')
+            })
+            .trim();
+        let q = ["User:", "Q:", "Question:", "User :"]
+            .iter()
+            .find_map(|label| q.strip_prefix(label))
+            .unwrap_or(q)
+            .trim()
+            .trim_matches(|c: char| matches!(c, '"' | '“' | '”' | '*' | '`'))
+            .trim();
+        let chars = q.chars().count();
+        if chars < 3
+            || !q.ends_with('?')
+            || chars > FOLLOW_UP_CHARS
+            || crate::validation::not_text(q).is_some()
+            || out.iter().any(|o| o.eq_ignore_ascii_case(q))
+        {
+            continue;
+        }
+        out.push(q.to_string());
+        if out.len() == FOLLOW_UPS {
+            break;
+        }
+    }
+    out
+}
+
 /// Writes the title of `conversation` if it is untitled and has had exactly one complete reply:
 /// `Ok(Some(title))` once stored, `Ok(None)` when there was nothing to do.
 pub async fn write_title(
@@ -67,47 +216,13 @@ pub async fn write_title(
     if replies != 1 || reply.status != MessageStatus::Complete {
         return Ok(None);
     }
-    let model = models.load(&task).await?;
     let excerpt = |t: &str| t.chars().take(EXCERPT_CHARS).collect::<String>();
     let exchange = format!(
         "{INSTRUCTION}\n\nUser: {}\n\nAssistant: {}",
         excerpt(&user.content),
         excerpt(&reply.content)
     );
-    let mut opts = RenderOptions::new(c.settings.pinned_date);
-    // A title needs no reasoning.
-    opts.enable_thinking = model.can_think().then_some(false);
-    let prompt = model
-        .prompt_builder()
-        .build(&[ChatMessage::user(&exchange)], &opts)?;
-    let mut completion = model
-        .completions()
-        .submit_background(CompletionRequest {
-            prompt: prompt.tokens,
-            params: SamplingParams::greedy(),
-            max_tokens: Some(TITLE_TOKENS),
-            // Its own partition: the chore keeps no cache another request could reuse.
-            cache: CacheUse::Partition(format!("task:{conversation}")),
-            user: Some("task:titles".into()),
-            group: None,
-            usage_owner: None,
-            key: None,
-        })
-        .await?;
-    let mut text = String::new();
-    use futures_util::StreamExt;
-    while let Some(event) = completion.next().await {
-        match event {
-            GenEvent::Token { text: piece, .. } => text.push_str(&piece),
-            GenEvent::Finished(summary) => {
-                if matches!(summary.reason, StopReason::Error(_) | StopReason::Cancelled) {
-                    return Err(TitleError::Empty);
-                }
-                break;
-            }
-            _ => {}
-        }
-    }
+    let text = chore(models, &task, &c, &exchange, TITLE_TOKENS).await?;
     let title = clean(&text).ok_or(TitleError::Empty)?;
     // Only if still untitled: a title the user set meanwhile stays.
     if store.title_if_untitled(conversation, &title).await? {
@@ -167,6 +282,25 @@ pub fn clean(text: &str) -> Option<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_answer_becomes_questions() {
+        assert_eq!(
+            follow_ups_of("1. What is a hash map?\n2) \"How fast is it?\"\n\n- what is a hash map?\n* Why?\n- And then?\n- More?"),
+            vec!["What is a hash map?", "How fast is it?", "Why?"]
+        );
+        assert_eq!(
+            follow_ups_of("Here are three questions: 1. Is Mars cold? 2. Has it water? Then more"),
+            vec!["Is Mars cold?", "Has it water?"]
+        );
+        // Statements and the model's made-up answers are not offered; a `User:` label goes.
+        assert_eq!(
+            follow_ups_of("User: What is the capital of France?\n\nAssistant: Paris.\nThe rainbow is a phenomenon."),
+            vec!["What is the capital of France?"]
+        );
+        assert!(follow_ups_of("").is_empty());
+        assert_eq!(follow_ups_of(&"x".repeat(200)), Vec::<String>::new());
+    }
 
     #[test]
     fn an_answer_becomes_a_title() {

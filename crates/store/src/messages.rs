@@ -207,6 +207,39 @@ impl StoredRow {
 }
 
 impl Store {
+    /// Keeps the questions suggested after reply `message` (replacing any before).
+    pub async fn set_follow_ups(
+        &self,
+        message: Uuid,
+        questions: &[String],
+    ) -> Result<(), StoreError> {
+        let json = serde_json::to_string(questions)
+            .map_err(|e| StoreError::InvalidSettings(format!("follow-ups: {e}")))?;
+        sqlx::query(
+            "INSERT INTO follow_ups (message_id, questions) VALUES ($1, $2) \
+             ON CONFLICT (message_id) DO UPDATE SET questions = excluded.questions",
+        )
+        .bind(message.to_string())
+        .bind(json)
+        .execute(&self.pool)
+        .await?;
+        Ok(())
+    }
+
+    /// The questions suggested after reply `message` (none when there are none).
+    pub async fn follow_ups(&self, message: Uuid) -> Result<Vec<String>, StoreError> {
+        let row: Option<(String,)> =
+            sqlx::query_as("SELECT questions FROM follow_ups WHERE message_id = $1")
+                .bind(message.to_string())
+                .fetch_optional(&self.pool)
+                .await?;
+        match row {
+            None => Ok(Vec::new()),
+            Some((json,)) => serde_json::from_str(&json)
+                .map_err(|e| corrupt("follow_ups", &message.to_string(), e.to_string())),
+        }
+    }
+
     /// The messages of a conversation in order (empty for an unknown conversation).
     pub async fn messages(&self, conversation: Uuid) -> Result<Vec<Message>, StoreError> {
         let rows: Vec<MessageRow> = sqlx::query_as(concat!(

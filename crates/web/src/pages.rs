@@ -303,6 +303,8 @@ pub struct ChatPage {
     /// The models to pick from, and the one this conversation (or a new chat) uses.
     pub models: Vec<ModelOption>,
     pub model: String,
+    /// The questions the task model suggested after the last reply.
+    pub follow_ups: Vec<String>,
 }
 
 /// A model in the picker.
@@ -482,6 +484,15 @@ async fn chat_page(
         .filter(|f| f.message_id.is_none())
         .map(FileChip::of)
         .collect();
+    // The last reply's suggested questions, while it is the last message.
+    let last_reply = messages
+        .last()
+        .filter(|m| m.role == Role::Assistant && m.status == MessageStatus::Complete)
+        .map(|m| m.id);
+    let follow_ups = match last_reply {
+        Some(id) if !replying => service.follow_ups(id).await,
+        _ => Vec::new(),
+    };
     let views = message_views(messages, versions, files, replying).await?;
     let settings = conversation
         .as_ref()
@@ -544,6 +555,7 @@ async fn chat_page(
         warm_drafts: config.scheduler.warm_drafts,
         models,
         model,
+        follow_ups,
     };
     html(&page)
 }

@@ -470,6 +470,12 @@ impl Models {
         self.task.clone()
     }
 
+    /// Whether the task model suggests follow-up questions after each reply
+    /// (`models.follow_ups`).
+    pub fn follow_ups(&self) -> bool {
+        self.config.models.follow_ups
+    }
+
     /// The id of the model new conversations use.
     pub fn default_id(&self) -> String {
         self.slots()[self.default_index()].id.clone()

@@ -443,15 +443,20 @@ impl SessionActor {
         models.peek(&id)
     }
 
-    /// After a complete reply: the task model titles an untitled conversation's first exchange
-    /// (a chore; see [`crate::titles`]), and the viewers are told.
-    fn write_title(&self, ctx: &mut Context<Self>) {
+    /// After a complete reply: the task model's chores (see [`crate::titles`]): the title of an
+    /// untitled conversation's first exchange, then the questions to ask next; the viewers are
+    /// told of each.
+    fn run_chores(&self, reply: Uuid, ctx: &mut Context<Self>) {
         let models = &self.shared.models;
         if models.task_id().is_none() {
             return;
         }
         let (models, store, id) = (Arc::clone(models), self.shared.store.clone(), self.id);
-        async move { crate::titles::write_title(&models, &store, id).await }
+        let title = {
+            let (models, store) = (Arc::clone(&models), store.clone());
+            async move { crate::titles::write_title(&models, &store, id).await }
+        };
+        title
             .into_actor(self)
             .map(move |result, act, _| match result {
                 Ok(Some(title)) => {
@@ -460,6 +465,20 @@ impl SessionActor {
                 }
                 Ok(None) => {}
                 Err(e) => tracing::warn!(conversation = %act.id, "no title written: {e}"),
+            })
+            .then(move |_, act, _| {
+                async move { crate::titles::write_follow_ups(&models, &store, id, reply).await }
+                    .into_actor(act)
+            })
+            .map(move |result, act, _| match result {
+                Ok(questions) if !questions.is_empty() => {
+                    act.broadcast(ReplyEvent::FollowUps {
+                        message_id: reply,
+                        questions,
+                    });
+                }
+                Ok(_) => {}
+                Err(e) => tracing::warn!(conversation = %act.id, "no follow-ups written: {e}"),
             })
             .spawn(ctx);
     }
@@ -490,9 +509,10 @@ impl SessionActor {
                 match result {
                     Ok(message) => {
                         let complete = message.status == MessageStatus::Complete;
+                        let reply = message.id;
                         act.broadcast(ReplyEvent::Done { message, summary });
                         if complete {
-                            act.write_title(ctx);
+                            act.run_chores(reply, ctx);
                         }
                     }
                     Err(e) => {
