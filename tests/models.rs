@@ -455,7 +455,11 @@ async fn an_account_chooses_the_model_its_new_chats_start_on() {
     let _turn = TURN.lock().await;
     let dir = tempfile::tempdir().expect("tempdir");
     let tiny = common::reference("smollm3-tiny-q8_0.gguf");
-    let entries = format!("[{}]", entry("tiny3", &tiny, &["small"]));
+    // Its own default sampling, which its new conversations take.
+    let entries = format!(
+        "[{{id = \"tiny3\", path = {:?}, aliases = [\"small\"], temperature = 0.25, top_k = 7}}]",
+        tiny.display().to_string()
+    );
     let server = Server::start(
         dir.path(),
         &[
@@ -501,6 +505,19 @@ async fn an_account_chooses_the_model_its_new_chats_start_on() {
         .await;
     let created: Value = serde_json::from_str(&created.text).expect("json");
     assert_eq!(created["settings"]["model"], "tiny3", "{created}");
+    assert_eq!(created["settings"]["temperature"], 0.25, "{created}");
+    assert_eq!(created["settings"]["top_k"], 7, "{created}");
+    // A temperature the caller gives wins over the model's.
+    let chosen = ann
+        .json(
+            reqwest::Method::POST,
+            "/api/conversations",
+            Some(&json!({"temperature": 0.9})),
+        )
+        .await;
+    let chosen: Value = serde_json::from_str(&chosen.text).expect("json");
+    assert_eq!(chosen["settings"]["temperature"], 0.9, "{chosen}");
+    assert_eq!(chosen["settings"]["top_k"], 7, "{chosen}");
     // The new-chat page picks it; another account's does not.
     let home = ann.get("/").await;
     assert!(

@@ -114,6 +114,11 @@ pub struct ModelEntry {
     /// Whether it may think: `false` keeps thinking off (the chat hides the switch, requests
     /// get `enable_thinking = false`); unset or `true`: as its chat template allows.
     pub thinking: Option<bool>,
+    /// Its default sampling (new conversations on it, API requests that name it and set none);
+    /// unset: `[sampling]`'s.
+    pub temperature: Option<f32>,
+    pub top_p: Option<f32>,
+    pub top_k: Option<usize>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -895,6 +900,12 @@ impl Config {
             }
             if e.context == Some(0) {
                 return bad(format!("{key}.context must be at least 1"));
+            }
+            if e.temperature.is_some_and(|t| !(0.0..=2.0).contains(&t)) {
+                return bad(format!("{key}.temperature must be between 0 and 2"));
+            }
+            if e.top_p.is_some_and(|p| !(p > 0.0 && p <= 1.0)) {
+                return bad(format!("{key}.top_p must be above 0 and at most 1"));
             }
             for name in std::iter::once(&e.id).chain(&e.aliases) {
                 if let Some((_, owner)) = taken.iter().find(|(n, _)| n == name) {

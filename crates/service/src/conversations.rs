@@ -658,13 +658,25 @@ impl Conversations {
     /// Everything is checked before anything is stored; a first message that is refused
     /// removes the conversation again, so a refusal leaves nothing behind.
     pub async fn create(&self, caller: &Caller, new: NewConversation) -> Result<Created> {
-        let mut settings = self
-            .with_model_id(&new.settings)?
-            .apply(self.default_settings());
+        let patch = self.with_model_id(&new.settings)?;
+        let mut settings = patch.apply(self.default_settings());
         // A conversation keeps the model it started on (the caller's default, else the
         // server's), whatever the default becomes.
         if settings.model.is_none() {
             settings.model = Some(self.default_model_for(caller).await);
+        }
+        // The model's own default sampling, where the caller chose none.
+        let (temperature, top_p, top_k) = self
+            .models
+            .sampling_defaults(settings.model.as_deref().unwrap_or(""));
+        if patch.temperature.is_none() {
+            settings.temperature = temperature;
+        }
+        if patch.top_p.is_none() {
+            settings.top_p = top_p;
+        }
+        if patch.top_k.is_none() {
+            settings.top_k = top_k;
         }
         self.check_settings(caller, &settings)?;
         let title = new.title.as_deref().map(Self::clean_title).transpose()?;

@@ -489,7 +489,11 @@ async fn generate(
             prompt: Some(Prompt::Text(prompt.clone())),
             ..CompletionBody::default()
         };
-        let mut req = request::completion_request(generation, completion, &v1::defaults(p))?;
+        let mut req = request::completion_request(
+            generation,
+            completion,
+            &v1::defaults(p, Some(served.id())),
+        )?;
         req.common.model = Some(model);
         apply_extras(&mut req.common, &extras)?;
         v1::check_admin_only(&state, &http, &req.common)?;

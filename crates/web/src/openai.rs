@@ -267,7 +267,7 @@ async fn completions(
 ) -> Result<HttpResponse, ApiError> {
     let JsonBody(body) = body?;
     let p = &state.platform;
-    let mut req = request::parse_completion(&body, &defaults(p))?;
+    let mut req = request::parse_completion(&body, &defaults(p, body["model"].as_str()))?;
     check_admin_only(&state, &http, &req.common)?;
     let served = check_model(p, &req.common).await?;
     let prompt = match &req.prompt {

@@ -470,6 +470,29 @@ impl Models {
         self.task.clone()
     }
 
+    /// The default sampling of the model `name` means (temperature, top-p, top-k): its entry's
+    /// where it sets them, `[sampling]`'s otherwise (an unknown name: `[sampling]`'s).
+    pub fn sampling_defaults(&self, name: &str) -> (f32, f32, usize) {
+        let s = &self.config.sampling;
+        let base = (s.temperature, s.top_p, s.top_k);
+        let Ok(id) = self.find(name) else {
+            return base;
+        };
+        let slots = self.slots();
+        match slots
+            .iter()
+            .find(|s| s.id == id)
+            .and_then(|s| s.entry.as_ref())
+        {
+            Some(e) => (
+                e.temperature.unwrap_or(base.0),
+                e.top_p.unwrap_or(base.1),
+                e.top_k.unwrap_or(base.2),
+            ),
+            None => base,
+        }
+    }
+
     /// Whether the task model suggests follow-up questions after each reply
     /// (`models.follow_ups`).
     pub fn follow_ups(&self) -> bool {

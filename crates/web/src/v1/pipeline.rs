@@ -24,12 +24,14 @@ pub(crate) fn model_error(e: ModelError) -> ApiError {
     }
 }
 
-pub(crate) fn defaults(p: &Platform) -> Defaults {
-    let s = &p.config().sampling;
+/// The default sampling of a request naming `model`: the model's own where its entry sets
+/// it, `[sampling]`'s otherwise.
+pub(crate) fn defaults(p: &Platform, model: Option<&str>) -> Defaults {
+    let (temperature, top_p, top_k) = p.models().sampling_defaults(model.unwrap_or(""));
     Defaults {
-        temperature: s.temperature,
-        top_p: s.top_p,
-        top_k: s.top_k,
+        temperature,
+        top_p,
+        top_k,
     }
 }
 
@@ -64,7 +66,8 @@ pub(crate) async fn checked_chat(
     grammar_field: Option<&str>,
 ) -> Result<(request::ChatRequest, Arc<ServedModel>), ApiError> {
     let p = &state.platform;
-    let mut req = request::chat_request(generation, chat, &defaults(p))?;
+    let named = generation.model.clone();
+    let mut req = request::chat_request(generation, chat, &defaults(p, named.as_deref()))?;
     if let (Some(name), Some(_)) = (grammar_field, &req.common.grammar_field) {
         req.common.grammar_field = Some(name.to_string());
     }
