@@ -45,6 +45,36 @@ pub struct Config {
     pub sampling: SamplingDefaults,
     /// The models served besides `[model]`, and the memory they share.
     pub models: ModelsSection,
+    /// The tools the model may call.
+    pub tools: ToolsConfig,
+}
+
+/// `[tools]`: which built-in tools are offered and the limits every call runs under.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct ToolsConfig {
+    /// `calculator`: exact arithmetic.
+    pub calculator: bool,
+    /// `current_time`: the date and time in a time zone.
+    pub current_time: bool,
+    /// `search_conversations`: the caller's own conversations by title or text.
+    pub search_conversations: bool,
+    /// A call's longest result, in characters (longer ones are cut, with a note).
+    pub max_result_chars: usize,
+    /// A call's time limit, in seconds.
+    pub timeout_s: u64,
+}
+
+impl Default for ToolsConfig {
+    fn default() -> Self {
+        Self {
+            calculator: true,
+            current_time: true,
+            search_conversations: true,
+            max_result_chars: 8_000,
+            timeout_s: 10,
+        }
+    }
 }
 
 /// `[models]`: more models than the main one (`[model]`), loaded when a request names them and

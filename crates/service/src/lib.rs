@@ -21,6 +21,7 @@ pub mod secrets;
 pub mod session;
 pub mod settings;
 pub mod titles;
+pub mod tools;
 pub mod validation;
 
 pub use caller::Caller;

@@ -1,0 +1,468 @@
+//! Tools the model may call (issue 52), the built-in ones first: a calculator (exact arithmetic
+//! with `fend-core`: rationals, big integers, units), the current date and time in a time zone
+//! (`chrono-tz`), and search over the caller's own conversations. Each is on by a setting
+//! (`[tools]`). Every call runs under the one set of rules here, whichever tool: its arguments
+//! checked against what the tool takes, a time limit, and its result cut to
+//! `tools.max_result_chars` with a note saying so. A failing tool is an answer the model reads
+//! ("error: …"), never a failed reply.
+//!
+//! (The loop that runs them inside a chat reply, MCP servers and the approval flow are the rest
+//! of issue 52; they call [`Tools::call`].)
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+
+use crate::caller::Caller;
+pub use crate::config::ToolsConfig;
+use crate::conversations::Conversations;
+
+/// A tool as the model is told of it: OpenAI's function shape (`{"type": "function",
+/// "function": {name, description, parameters}}`), which the chat templates read.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ToolSpec {
+    pub name: &'static str,
+    pub description: &'static str,
+    /// A JSON Schema of its arguments.
+    pub parameters: Value,
+}
+
+impl ToolSpec {
+    pub fn to_openai(&self) -> Value {
+        json!({
+            "type": "function",
+            "function": {
+                "name": self.name,
+                "description": self.description,
+                "parameters": self.parameters,
+            }
+        })
+    }
+}
+
+/// A built-in tool.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Builtin {
+    Calculator,
+    CurrentTime,
+    SearchConversations,
+}
+
+/// The longest expression the calculator takes, in characters.
+const MAX_EXPRESSION_CHARS: usize = 1_000;
+/// Conversations a search returns at most.
+const MAX_SEARCH_RESULTS: usize = 10;
+
+impl Builtin {
+    pub const ALL: [Builtin; 3] = [
+        Builtin::Calculator,
+        Builtin::CurrentTime,
+        Builtin::SearchConversations,
+    ];
+
+    pub fn name(self) -> &'static str {
+        self.spec().name
+    }
+
+    pub fn spec(self) -> ToolSpec {
+        match self {
+            Builtin::Calculator => ToolSpec {
+                name: "calculator",
+                description: "Evaluates an arithmetic expression exactly (fractions, big \
+                              integers, powers, roots, percentages, unit conversions such as \
+                              `10 kg to lb`). Use it for any arithmetic.",
+                parameters: json!({
+                    "type": "object",
+                    "properties": {"expression": {"type": "string", "description": "e.g. (3 + 4) * 5 / 7"}},
+                    "required": ["expression"],
+                }),
+            },
+            Builtin::CurrentTime => ToolSpec {
+                name: "current_time",
+                description: "The current date, weekday and time in a time zone.",
+                parameters: json!({
+                    "type": "object",
+                    "properties": {"timezone": {"type": "string", "description": "An IANA zone such as Europe/Paris; UTC when left out"}},
+                }),
+            },
+            Builtin::SearchConversations => ToolSpec {
+                name: "search_conversations",
+                description: "Searches the user's own earlier conversations by title and \
+                              message text; returns their titles, dates and ids.",
+                parameters: json!({
+                    "type": "object",
+                    "properties": {"query": {"type": "string", "description": "at least 3 characters"}},
+                    "required": ["query"],
+                }),
+            },
+        }
+    }
+}
+
+/// Why a call gave no result (the model is told, as the call's result).
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum ToolError {
+    #[error("there is no tool {0:?} here")]
+    Unknown(String),
+    #[error("bad arguments: {0}")]
+    Arguments(String),
+    #[error("{0}")]
+    Failed(String),
+    #[error("it took longer than its limit of {0} s")]
+    TimedOut(u64),
+}
+
+/// A call's result as the model reads it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ToolResult {
+    pub text: String,
+    /// Cut to `tools.max_result_chars` (the text ends with a note saying so).
+    pub truncated: bool,
+    pub error: bool,
+    pub duration: Duration,
+}
+
+/// What a call may see of who made it.
+pub struct ToolContext<'a> {
+    pub caller: &'a Caller,
+    pub conversations: &'a Conversations,
+}
+
+/// The tools offered and the rules every call runs under.
+#[derive(Debug, Clone)]
+pub struct Tools {
+    cfg: ToolsConfig,
+}
+
+impl Tools {
+    pub fn new(cfg: ToolsConfig) -> Self {
+        Self { cfg }
+    }
+
+    /// The built-in tools that are on.
+    pub fn enabled(&self) -> Vec<Builtin> {
+        Builtin::ALL
+            .into_iter()
+            .filter(|t| match t {
+                Builtin::Calculator => self.cfg.calculator,
+                Builtin::CurrentTime => self.cfg.current_time,
+                Builtin::SearchConversations => self.cfg.search_conversations,
+            })
+            .collect()
+    }
+
+    /// The specs of the tools that are on.
+    pub fn specs(&self) -> Vec<ToolSpec> {
+        self.enabled().into_iter().map(Builtin::spec).collect()
+    }
+
+    /// Runs tool `name` with `arguments` (a JSON object, or its text as the model wrote it)
+    /// under the time limit, its result cut to the size limit. Never fails: a tool that
+    /// cannot answer gives an error result the model reads.
+    pub async fn call(&self, ctx: &ToolContext<'_>, name: &str, arguments: &Value) -> ToolResult {
+        let started = Instant::now();
+        let outcome = match self.enabled().into_iter().find(|t| t.name() == name) {
+            None => Err(ToolError::Unknown(name.to_string())),
+            Some(tool) => {
+                let limit = Duration::from_secs(self.cfg.timeout_s.max(1));
+                match parse_arguments(arguments) {
+                    Err(e) => Err(e),
+                    Ok(args) => {
+                        match tokio::time::timeout(limit, run(tool, ctx, &args, limit)).await {
+                            Ok(r) => r,
+                            Err(_) => Err(ToolError::TimedOut(limit.as_secs())),
+                        }
+                    }
+                }
+            }
+        };
+        let duration = started.elapsed();
+        let (text, error) = match outcome {
+            Ok(text) => (text, false),
+            Err(e) => (format!("error: {e}"), true),
+        };
+        metrics::counter!("smolchat_tool_calls_total", "tool" => name.to_string()).increment(1);
+        if error {
+            metrics::counter!("smolchat_tool_errors_total", "tool" => name.to_string())
+                .increment(1);
+        }
+        metrics::histogram!("smolchat_tool_seconds", "tool" => name.to_string())
+            .record(duration.as_secs_f64());
+        let (text, truncated) = cut(&text, self.cfg.max_result_chars);
+        ToolResult {
+            text,
+            truncated,
+            error,
+            duration,
+        }
+    }
+}
+
+/// The arguments as an object: models write them as JSON text or as an object.
+fn parse_arguments(arguments: &Value) -> Result<serde_json::Map<String, Value>, ToolError> {
+    let value = match arguments {
+        Value::String(s) if s.trim().is_empty() => Value::Object(Default::default()),
+        Value::String(s) => {
+            serde_json::from_str(s).map_err(|e| ToolError::Arguments(format!("not JSON ({e})")))?
+        }
+        Value::Null => Value::Object(Default::default()),
+        other => other.clone(),
+    };
+    match value {
+        Value::Object(map) => Ok(map),
+        other => Err(ToolError::Arguments(format!(
+            "expected an object of named arguments, got {other}"
+        ))),
+    }
+}
+
+fn string_arg<'a>(
+    args: &'a serde_json::Map<String, Value>,
+    name: &str,
+) -> Result<Option<&'a str>, ToolError> {
+    match args.get(name) {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(s)) => Ok(Some(s)),
+        Some(other) => Err(ToolError::Arguments(format!(
+            "`{name}` must be a string, got {other}"
+        ))),
+    }
+}
+
+async fn run(
+    tool: Builtin,
+    ctx: &ToolContext<'_>,
+    args: &serde_json::Map<String, Value>,
+    limit: Duration,
+) -> Result<String, ToolError> {
+    match tool {
+        Builtin::Calculator => {
+            let expression = string_arg(args, "expression")?
+                .ok_or_else(|| ToolError::Arguments("`expression` is required".into()))?
+                .to_string();
+            calculate(expression, limit).await
+        }
+        Builtin::CurrentTime => current_time(string_arg(args, "timezone")?, chrono::Utc::now()),
+        Builtin::SearchConversations => {
+            let query = string_arg(args, "query")?
+                .ok_or_else(|| ToolError::Arguments("`query` is required".into()))?;
+            search(ctx, query).await
+        }
+    }
+}
+
+/// Stops `fend-core` when its time is up (a `10^10^10` would otherwise run on).
+struct Deadline(Instant, Arc<AtomicBool>);
+
+impl fend_core::Interrupt for Deadline {
+    fn should_interrupt(&self) -> bool {
+        self.1.load(Ordering::Relaxed) || Instant::now() >= self.0
+    }
+}
+
+/// Evaluates `expression` exactly on a blocking thread, interrupted at `limit`.
+async fn calculate(expression: String, limit: Duration) -> Result<String, ToolError> {
+    let chars = expression.chars().count();
+    if chars > MAX_EXPRESSION_CHARS {
+        return Err(ToolError::Arguments(format!(
+            "the expression has {chars} characters; the limit is {MAX_EXPRESSION_CHARS}"
+        )));
+    }
+    let stop = Arc::new(AtomicBool::new(false));
+    let deadline = Deadline(Instant::now() + limit, Arc::clone(&stop));
+    let task = tokio::task::spawn_blocking(move || {
+        let mut context = fend_core::Context::new();
+        fend_core::evaluate_with_interrupt(&expression, &mut context, &deadline)
+            .map(|r| r.get_main_result().to_string())
+    });
+    // Dropped early (the call's own timeout): the interrupt stops the thread too.
+    let _guard = StopOnDrop(stop);
+    match task.await {
+        Ok(Ok(result)) if result.is_empty() => {
+            Err(ToolError::Failed("the expression has no value".into()))
+        }
+        Ok(Ok(result)) => Ok(result),
+        Ok(Err(e)) if e.to_string().contains("interrupt") => {
+            Err(ToolError::TimedOut(limit.as_secs()))
+        }
+        Ok(Err(e)) => Err(ToolError::Failed(format!("cannot evaluate it: {e}"))),
+        Err(e) => Err(ToolError::Failed(format!("the calculator failed: {e}"))),
+    }
+}
+
+struct StopOnDrop(Arc<AtomicBool>);
+
+impl Drop for StopOnDrop {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::Relaxed);
+    }
+}
+
+/// The date, weekday and time at `now` in `zone` (UTC when none).
+fn current_time(
+    zone: Option<&str>,
+    now: chrono::DateTime<chrono::Utc>,
+) -> Result<String, ToolError> {
+    let name = zone
+        .map(str::trim)
+        .filter(|z| !z.is_empty())
+        .unwrap_or("UTC");
+    let tz: chrono_tz::Tz = name.parse().map_err(|_| {
+        ToolError::Arguments(format!(
+            "unknown time zone {name:?}: give an IANA name such as Europe/Paris or America/New_York"
+        ))
+    })?;
+    let local = now.with_timezone(&tz);
+    Ok(format!(
+        "{} ({}), {} {}",
+        local.format("%Y-%m-%d"),
+        local.format("%A"),
+        local.format("%H:%M:%S"),
+        name
+    ))
+}
+
+/// The caller's conversations matching `query`, newest first.
+async fn search(ctx: &ToolContext<'_>, query: &str) -> Result<String, ToolError> {
+    let query = query.trim();
+    if query.chars().count() < 3 {
+        return Err(ToolError::Arguments(
+            "`query` needs at least 3 characters".into(),
+        ));
+    }
+    let filter = smolchat_store::ListFilter {
+        search: Some(query.to_string()),
+        ..Default::default()
+    };
+    let page = smolchat_store::PageRequest {
+        limit: MAX_SEARCH_RESULTS,
+        before: None,
+    };
+    let found = ctx
+        .conversations
+        .list(ctx.caller, &filter, &page)
+        .await
+        .map_err(|e| ToolError::Failed(e.to_string()))?;
+    if found.items.is_empty() {
+        return Ok(format!("no conversation matches {query:?}"));
+    }
+    Ok(found
+        .items
+        .iter()
+        .map(|c| {
+            format!(
+                "- {} ({}, {} messages, id {})",
+                if c.title.is_empty() {
+                    "untitled"
+                } else {
+                    &c.title
+                },
+                c.updated_at.format("%Y-%m-%d"),
+                c.message_count,
+                c.id
+            )
+        })
+        .collect::<Vec<_>>()
+        .join("\n"))
+}
+
+/// `text` within `max` characters; longer, cut there with a note saying how much was left out.
+fn cut(text: &str, max: usize) -> (String, bool) {
+    let chars = text.chars().count();
+    if chars <= max {
+        return (text.to_string(), false);
+    }
+    let kept: String = text.chars().take(max).collect();
+    (
+        format!("{kept}\n[… cut: the result had {chars} characters; the limit is {max}]"),
+        true,
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn the_calculator_is_exact_and_says_what_is_wrong() {
+        let limit = Duration::from_secs(5);
+        assert_eq!(calculate("1/3 + 1/6".into(), limit).await, Ok("0.5".into()));
+        assert_eq!(
+            calculate("2^100".into(), limit).await,
+            Ok("1267650600228229401496703205376".into())
+        );
+        assert_eq!(calculate("(3+4)*5/7".into(), limit).await, Ok("5".into()));
+        let bad = calculate("1 +".into(), limit).await.unwrap_err();
+        assert!(
+            matches!(bad, ToolError::Failed(ref m) if m.contains("cannot evaluate")),
+            "{bad}"
+        );
+        let long = calculate("1+".repeat(600), limit).await.unwrap_err();
+        assert!(matches!(long, ToolError::Arguments(_)), "{long}");
+    }
+
+    #[tokio::test]
+    async fn a_calculation_that_runs_on_is_stopped_at_its_limit() {
+        let started = Instant::now();
+        let r = calculate("10^10^10^10".into(), Duration::from_millis(300)).await;
+        assert!(
+            matches!(r, Err(ToolError::TimedOut(_)) | Err(ToolError::Failed(_))),
+            "{r:?}"
+        );
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "{:?}",
+            started.elapsed()
+        );
+    }
+
+    #[test]
+    fn the_time_is_told_in_the_zone_asked() {
+        let now = chrono::DateTime::parse_from_rfc3339("2026-11-29T23:30:00Z")
+            .unwrap()
+            .with_timezone(&chrono::Utc);
+        assert_eq!(
+            current_time(Some("Europe/Paris"), now),
+            Ok("2026-11-30 (Monday), 00:30:00 Europe/Paris".into())
+        );
+        assert_eq!(
+            current_time(None, now),
+            Ok("2026-11-29 (Sunday), 23:30:00 UTC".into())
+        );
+        assert!(matches!(
+            current_time(Some("Mars/Olympus"), now),
+            Err(ToolError::Arguments(_))
+        ));
+    }
+
+    #[test]
+    fn arguments_come_as_text_or_objects_and_results_are_cut_with_a_note() {
+        assert_eq!(
+            parse_arguments(&json!("{\"expression\": \"1+1\"}")).unwrap()["expression"],
+            "1+1"
+        );
+        assert!(parse_arguments(&json!({"query": "x"})).is_ok());
+        assert!(parse_arguments(&json!("[1, 2]")).is_err());
+        assert!(parse_arguments(&json!("{nope")).is_err());
+        let (text, cut_) = cut(&"é".repeat(20), 8);
+        assert!(
+            cut_ && text.starts_with("éééééééé\n[… cut: the result had 20 characters"),
+            "{text}"
+        );
+        assert_eq!(cut("short", 8), ("short".into(), false));
+    }
+
+    #[test]
+    fn only_the_tools_that_are_on_are_offered() {
+        let tools = Tools::new(ToolsConfig {
+            search_conversations: false,
+            ..ToolsConfig::default()
+        });
+        let names: Vec<&str> = tools.specs().iter().map(|s| s.name).collect();
+        assert_eq!(names, ["calculator", "current_time"]);
+        let spec = Builtin::Calculator.spec().to_openai();
+        assert_eq!(spec["function"]["parameters"]["required"][0], "expression");
+    }
+}
