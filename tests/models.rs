@@ -549,3 +549,45 @@ async fn an_account_chooses_the_model_its_new_chats_start_on() {
         reset.text
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_unloaded_models_spilled_cache_goes_with_its_deleted_conversation() {
+    let _turn = TURN.lock().await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let tiny = common::reference("smollm3-tiny-q8_0.gguf");
+    let entries = format!("[{}]", entry("tiny3", &tiny, &[]));
+    let token = "models-spill-admin-token-0123456789";
+    let server = Server::start(
+        dir.path(),
+        &[
+            ("SMOLCHAT_MODELS__ENTRIES", &entries),
+            ("SMOLCHAT_SERVER__ADMIN_TOKEN", token),
+        ],
+    )
+    .await;
+    let client = server.client();
+    let id = client
+        .create(json!({"model": "tiny3", "temperature": 0, "max_tokens": 4}))
+        .await;
+    let turn = client.chat(&id, "Hello there.").await;
+    assert_eq!(turn.message()["timings"]["model"], "tiny3", "{}", turn.done);
+    // Unloaded, the model writes the conversation's cache to its own spill folder.
+    let (ok, out) = cli(&server, token, &["unload", "tiny3"]);
+    assert!(ok, "{out}");
+    let file = dir
+        .path()
+        .join("kv-spill")
+        .join("local--tiny3")
+        .join(format!("{id}.kv"));
+    assert!(file.exists(), "{} is missing", file.display());
+    // Deleted while its model is not loaded: the file goes too.
+    let r = client
+        .send_json(
+            reqwest::Method::DELETE,
+            &format!("/api/conversations/{id}"),
+            &json!({}),
+        )
+        .await;
+    assert!(r.status.is_success(), "{}", r.text);
+    assert!(!file.exists(), "{} is still there", file.display());
+}

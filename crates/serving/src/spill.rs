@@ -176,6 +176,25 @@ pub struct SpillTier {
 }
 
 impl SpillTier {
+    /// Deletes `conversation`'s file (and a leftover of its write) in the folder of a tier that
+    /// is not open (its model is not loaded): a deleted conversation leaves nothing on disk.
+    pub fn forget_in(dir: &Path, conversation: Uuid) {
+        for name in [
+            format!("{conversation}.kv"),
+            format!("{conversation}.kv.tmp"),
+        ] {
+            match fs::remove_file(dir.join(&name)) {
+                Ok(()) => {
+                    tracing::debug!(%conversation, "a spilled cache of an unloaded model deleted")
+                }
+                Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+                Err(e) => {
+                    tracing::warn!(file = %dir.join(&name).display(), "cannot delete a spilled cache: {e}")
+                }
+            }
+        }
+    }
+
     /// The tier in `dir` (created when missing) for the model whose identity is `model`,
     /// holding at most `budget` bytes: files of another model, torn ones, leftovers of
     /// interrupted writes and those past the budget (oldest first) are deleted.

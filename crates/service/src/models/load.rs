@@ -247,22 +247,17 @@ pub(crate) fn start_scheduler(
                 on_gpu: s.draft_on_gpu,
             },
             async_steps: s.async_steps,
-            spill: (s.kv_spill_mib > 0).then(|| smolchat_serving::spill::SpillSettings {
-                dir: s
-                    .kv_spill_dir
-                    .as_ref()
-                    .map_or_else(
-                        || default_spill_dir(&config.database.url),
-                        std::path::PathBuf::from,
-                    )
-                    .join(spill_folder(config, spill_model)),
-                budget_bytes: s.kv_spill_mib.saturating_mul(1 << 20),
-                idle: Duration::from_secs(s.kv_spill_idle_s.max(1)),
-                model: model.kv_identity.clone(),
-                ram_bytes: s
-                    .kv_spill_ram_mib
-                    .unwrap_or(if on_gpu { 2048 } else { 0 })
-                    .saturating_mul(1 << 20) as usize,
+            spill: spill_dir(config, spill_model).map(|dir| {
+                smolchat_serving::spill::SpillSettings {
+                    dir,
+                    budget_bytes: s.kv_spill_mib.saturating_mul(1 << 20),
+                    idle: Duration::from_secs(s.kv_spill_idle_s.max(1)),
+                    model: model.kv_identity.clone(),
+                    ram_bytes: s
+                        .kv_spill_ram_mib
+                        .unwrap_or(if on_gpu { 2048 } else { 0 })
+                        .saturating_mul(1 << 20) as usize,
+                }
             }),
             tokens: meter.clone(),
             model: model.id.clone(),
@@ -278,6 +273,21 @@ pub(crate) fn model_memory_bytes(engine: &Engine) -> u64 {
     (engine.weight_bytes() as u64).saturating_add(
         (engine.kv_capacity_blocks() as u64).saturating_mul(engine.kv_block_bytes() as u64),
     )
+}
+
+/// This replica's spill folder for a model (`None`: the spill tier is off); see
+/// [`spill_folder`].
+pub(crate) fn spill_dir(config: &Config, spill_model: Option<&str>) -> Option<std::path::PathBuf> {
+    let s = &config.scheduler;
+    (s.kv_spill_mib > 0).then(|| {
+        s.kv_spill_dir
+            .as_ref()
+            .map_or_else(
+                || default_spill_dir(&config.database.url),
+                std::path::PathBuf::from,
+            )
+            .join(spill_folder(config, spill_model))
+    })
 }
 
 /// This replica's spill folder for a model: the replica's own for the main model, a sibling

@@ -948,6 +948,21 @@ impl Models {
     /// tier, an admin freeing memory; otherwise forgotten there too, a deleted conversation).
     /// Whether any model had one.
     pub async fn evict(&self, conversation: uuid::Uuid, keep_on_disk: bool) -> bool {
+        if !keep_on_disk {
+            // The models not loaded keep their spilled caches in folders of their own: a
+            // deleted conversation's file there goes too.
+            let unloaded: Vec<String> = self
+                .slots()
+                .iter()
+                .filter(|s| s.entry.is_some() && s.loaded.is_none() && !s.loading)
+                .map(|s| s.id.clone())
+                .collect();
+            for id in unloaded {
+                if let Some(dir) = load::spill_dir(&self.config, Some(&id)) {
+                    smolchat_serving::spill::SpillTier::forget_in(&dir, conversation);
+                }
+            }
+        }
         let mut any = false;
         for m in self.all_loaded() {
             any |= m
