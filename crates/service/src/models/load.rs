@@ -53,29 +53,6 @@ pub struct ModelInfo {
     pub kv_identity: String,
     /// Other names clients may send for it (`model.aliases`).
     pub aliases: Vec<String>,
-    /// Whether it answers requests naming a model the server does not have
-    /// (`model.answer_unknown_names`).
-    pub answers_unknown_names: bool,
-}
-
-impl ModelInfo {
-    /// Whether a request's `model` means this model: none or an empty name (lenient, like
-    /// llama-server), its id, its file's name (what llama-server clients often send; never the
-    /// path, which would let a client probe the server's disk), one of its aliases, or any name
-    /// when it answers unknown names. The one rule every API dialect asks.
-    pub fn answers_to(&self, name: &str) -> bool {
-        name.is_empty() || self.is_named(name) || self.answers_unknown_names
-    }
-
-    /// Whether `name` is this model's id, one of its aliases (the names `/v1/models` lists) or
-    /// its file's name.
-    pub fn is_named(&self, name: &str) -> bool {
-        name == self.id
-            || self.aliases.iter().any(|a| a == name)
-            || std::path::Path::new(&self.path)
-                .file_name()
-                .is_some_and(|f| f.to_string_lossy() == name)
-    }
 }
 
 /// `kv-spill` beside a SQLite database's file (the data folder), `data/kv-spill` otherwise.
@@ -193,7 +170,6 @@ pub fn load_model(
         tier_note: engine.note().map(str::to_string),
         kv_identity: kv_identity(path, cfg),
         aliases: config.model.aliases.clone(),
-        answers_unknown_names: config.model.answer_unknown_names,
     };
     tracing::info!(model = %info.id, arch = %info.architecture, window = context_window, load_s = info.load_s, kv_type = %options.engine.kv.kv_type, kv_capacity_tokens = engine.kv_capacity_tokens(), device = %engine.device(), tier = %engine.tier(), "model loaded");
     Ok((engine, loaded.tokenizer, template, info))
@@ -304,47 +280,6 @@ fn spill_folder(config: &Config, model: Option<&str>) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// The one rule for a request's `model`: none, the id, the file's name and the aliases are
-    /// the model; the path never is; anything else only when it answers unknown names.
-    #[test]
-    fn a_model_answers_to_its_id_file_name_and_aliases() {
-        let mut m = ModelInfo {
-            id: "SmolLM2-135M-Instruct.Q4_1".into(),
-            path: "/srv/models/SmolLM2-135M-Instruct.Q4_1.gguf".into(),
-            architecture: "llama".into(),
-            context_window: 8192,
-            vocab_size: 49152,
-            hidden_size: 576,
-            weight_bytes: 0,
-            load_s: 0.0,
-            device: "cpu".into(),
-            tier: "cpu".into(),
-            tier_note: None,
-            kv_identity: String::new(),
-            aliases: vec!["gpt-4o-mini".into(), "llama3".into()],
-            answers_unknown_names: false,
-        };
-        for name in [
-            "",
-            "SmolLM2-135M-Instruct.Q4_1",
-            "SmolLM2-135M-Instruct.Q4_1.gguf",
-            "gpt-4o-mini",
-            "llama3",
-        ] {
-            assert!(m.answers_to(name), "{name}");
-        }
-        for name in [
-            "/srv/models/SmolLM2-135M-Instruct.Q4_1.gguf",
-            "gpt-4o",
-            "LLAMA3",
-        ] {
-            assert!(!m.answers_to(name), "{name}");
-        }
-        m.answers_unknown_names = true;
-        assert!(m.answers_to("gpt-4o"));
-        assert!(!m.is_named("gpt-4o"));
-    }
 
     /// The spill folder sits beside a SQLite database's file and is `local` there (a restart on
     /// another port finds its files); on PostgreSQL each replica has its own.

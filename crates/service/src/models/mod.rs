@@ -273,6 +273,26 @@ pub struct Models {
     task: Option<String>,
 }
 
+/// See [`Models::estimate_bytes`].
+fn estimate_bytes(config: &Config, entry: &ModelEntry) -> u64 {
+    use smolchat_engine::device::{DeviceRequest, Suggested};
+    let file = std::fs::metadata(&entry.path).map_or(0, |m| m.len());
+    let on_gpu = matches!(
+        entry.device.unwrap_or(config.model.device),
+        DeviceRequest::Cuda(_)
+    );
+    let kv = entry
+        .kv_budget_mib
+        .or(config.scheduler.kv_budget_mib)
+        .map(|mib| (mib as u64) << 20)
+        .unwrap_or(if on_gpu {
+            0
+        } else {
+            Suggested::CPU.kv_budget_bytes as u64
+        });
+    file.saturating_add(kv)
+}
+
 /// Hashes a model's file on a thread of its own (a large file takes seconds; the load does not
 /// wait): the first hash is recorded in `first`; a later one that differs is logged, since the
 /// file was replaced while the server ran (saved KV caches of it are already refused by their
@@ -697,15 +717,11 @@ impl Models {
         }
     }
 
-    /// What loading `entry` will take: its file (the weights) and its KV budget when one is
-    /// set (otherwise the KV cache is counted once loaded).
+    /// What loading `entry` will take: its file (the weights) and its KV budget: the one set,
+    /// else the CPU's default (2 GiB) unless it goes to a GPU, whose default depends on the
+    /// memory free there and is counted once loaded.
     fn estimate_bytes(&self, entry: &ModelEntry) -> u64 {
-        let file = std::fs::metadata(&entry.path).map_or(0, |m| m.len());
-        let kv = entry
-            .kv_budget_mib
-            .or(self.config.scheduler.kv_budget_mib)
-            .map_or(0, |mib| (mib as u64) << 20);
-        file.saturating_add(kv)
+        estimate_bytes(&self.config, entry)
     }
 
     /// Unloads idle models, least recently used first, until `needed` more bytes fit the
@@ -811,11 +827,8 @@ impl Models {
         let config = self.config.for_entry(entry);
         let started = Instant::now();
         let loaded = tokio::task::spawn_blocking(move || {
-            load::load_model(&config).map(|(engine, tokenizer, template, mut info)| {
-                (engine, tokenizer, template, config, {
-                    info.answers_unknown_names = false;
-                    info
-                })
+            load::load_model(&config).map(|(engine, tokenizer, template, info)| {
+                (engine, tokenizer, template, config, info)
             })
         })
         .await;
@@ -995,5 +1008,96 @@ impl Models {
                 .send(smolchat_serving::scheduler::SpillAll)
                 .await;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn slot(id: &str, path: &str, aliases: &[&str]) -> Slot {
+        Slot {
+            id: id.into(),
+            path: path.into(),
+            aliases: aliases.iter().map(|a| a.to_string()).collect(),
+            entry: None,
+            loaded: None,
+            loading: false,
+            last_used: Instant::now(),
+            load_s: None,
+            loads: 0,
+            unloads: 0,
+            last_error: None,
+            can_think: None,
+            sha256: Arc::default(),
+        }
+    }
+
+    /// A model answers to its id, its aliases and its file's name, never to its path.
+    #[test]
+    fn a_model_is_named_by_its_id_aliases_and_file_name() {
+        let s = slot(
+            "smollm3",
+            "/srv/models/SmolLM3-Q4_K_M.gguf",
+            &["gpt-4o-mini"],
+        );
+        for name in ["smollm3", "gpt-4o-mini", "SmolLM3-Q4_K_M.gguf"] {
+            assert!(s.is_named(name), "{name}");
+        }
+        for name in ["/srv/models/SmolLM3-Q4_K_M.gguf", "SMOLLM3", "gpt-4o", ""] {
+            assert!(!s.is_named(name), "{name}");
+        }
+    }
+
+    /// `models.task = "auto"` adds the embedded SmolLM2 only when the main model is another
+    /// file, the file is there, and no entry serves it already.
+    #[test]
+    fn the_automatic_task_model_is_smollm2_beside_another_main_model() {
+        let mut c = Config::default();
+        // The main model is SmolLM2 itself: no task model.
+        assert!(implicit_task_entry(&c).is_none());
+        c.model.path = "models/SmolLM3-3B.gguf".into();
+        let small = std::path::Path::new(crate::config::DEFAULT_MODEL);
+        match implicit_task_entry(&c) {
+            Some(e) => {
+                assert!(small.exists());
+                assert_eq!(e.id, "SmolLM2-135M-Instruct.Q4_1");
+                assert_eq!(e.path, small);
+            }
+            None => assert!(!small.exists(), "the default model's file is there"),
+        }
+        c.models.entries.push(ModelEntry {
+            id: "small".into(),
+            path: small.to_path_buf(),
+            ..ModelEntry::default()
+        });
+        assert!(
+            implicit_task_entry(&c).is_none(),
+            "an entry serves it already"
+        );
+        c.models.entries.clear();
+        c.models.task = "off".into();
+        assert!(implicit_task_entry(&c).is_none());
+    }
+
+    /// Before loading, a model counts as its file and its KV budget: the one set, or the
+    /// CPU's default; on a GPU without one, only the file (the rest is counted once loaded).
+    #[test]
+    fn the_estimate_before_a_load_counts_the_file_and_the_kv_budget() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let file = dir.path().join("m.gguf");
+        std::fs::write(&file, vec![0u8; 1000]).expect("write");
+        let c = Config::default();
+        let mut e = ModelEntry {
+            id: "m".into(),
+            path: file,
+            ..ModelEntry::default()
+        };
+        assert_eq!(estimate_bytes(&c, &e), 1000 + (2048 << 20));
+        e.kv_budget_mib = Some(16);
+        assert_eq!(estimate_bytes(&c, &e), 1000 + (16 << 20));
+        e.kv_budget_mib = None;
+        e.device = Some(smolchat_engine::device::DeviceRequest::Cuda(0));
+        assert_eq!(estimate_bytes(&c, &e), 1000);
     }
 }
