@@ -271,6 +271,8 @@ pub struct Models {
     completions: Completions,
     /// The model that writes titles (`models.task`), if any.
     task: Option<String>,
+    /// The main model, also in the first slot (never unloaded).
+    main: Arc<ServedModel>,
 }
 
 /// See [`Models::estimate_bytes`].
@@ -368,6 +370,7 @@ impl Models {
         completions: Completions,
     ) -> Arc<Self> {
         let now = Instant::now();
+        let main_model = Arc::clone(&main);
         let mut slots = vec![Slot {
             id: main.info.id.clone(),
             path: std::path::PathBuf::from(&main.info.path),
@@ -435,6 +438,7 @@ impl Models {
             meter,
             arbiter: actix::System::current().arbiter().clone(),
             task,
+            main: main_model,
             completions,
         });
         models.spawn_keep_alive();
@@ -457,11 +461,7 @@ impl Models {
 
     /// The main model (always loaded).
     pub fn main(&self) -> Arc<ServedModel> {
-        match &self.slots()[0].loaded {
-            Some(m) => Arc::clone(m),
-            // The main model's slot is made loaded and never unloaded (`unload` refuses it).
-            None => unreachable!("the main model is always loaded"),
-        }
+        Arc::clone(&self.main)
     }
 
     fn default_index(&self) -> usize {
