@@ -68,17 +68,7 @@ impl AdminAuth {
     /// locked (without looking at `given`), [`AuthError::WrongCredentials`] for a wrong token,
     /// else a new session.
     pub async fn login(&self, given: &str, client: IpAddr) -> Result<NewSession, AuthError> {
-        let keys = [
-            ThrottleKey::address(client),
-            ThrottleKey::subject(ADMIN_SUBJECT),
-        ];
-        self.throttle()
-            .attempt(&keys, Instant::now())
-            .map_err(AuthError::Throttled)?;
-        if !secret::matches(given, &self.token_digest) {
-            return Err(AuthError::WrongCredentials);
-        }
-        self.throttle().success(&keys, Instant::now());
+        self.check_bearer(given, client)?;
         let (token, id) = secret::new_session();
         let lifetime = chrono::Duration::from_std(self.lifetime).unwrap_or(chrono::Duration::MAX);
         self.store
@@ -102,8 +92,9 @@ impl AdminAuth {
         })
     }
 
-    /// Checks `given` as the admin token sent as a bearer (the command line's `smolchat model`):
-    /// throttled like a sign-in, no session made.
+    /// Checks `given` as the admin token, throttled per address and for the admin subject:
+    /// refused while locked (without looking at `given`), [`AuthError::WrongCredentials`] for a
+    /// wrong token. A sign-in and a bearer (`smolchat model`, no session made) both pass here.
     pub fn check_bearer(&self, given: &str, client: IpAddr) -> Result<(), AuthError> {
         let keys = [
             ThrottleKey::address(client),

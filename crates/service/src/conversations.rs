@@ -539,21 +539,7 @@ impl Conversations {
             .map(str::trim)
             .filter(|n| !n.is_empty())
         {
-            if !self.models.is_named(name) {
-                return Err(invalid(
-                    "model",
-                    format!(
-                        "`model`: there is no model {name:?}; this server serves {}",
-                        self.models
-                            .list()
-                            .iter()
-                            .map(|m| format!("{:?}", m.id))
-                            .collect::<Vec<_>>()
-                            .join(", ")
-                    ),
-                ));
-            }
-            patch.model = Some(self.models.find(name)?);
+            patch.model = Some(self.models.find_named(name)?);
         }
         Ok(patch)
     }

@@ -6,6 +6,7 @@
 pub mod admin;
 pub mod audit;
 pub mod caller;
+pub mod chores;
 pub mod cluster;
 pub mod completions;
 pub mod config;
@@ -20,7 +21,6 @@ pub mod reply;
 pub mod secrets;
 pub mod session;
 pub mod settings;
-pub mod titles;
 pub mod tools;
 pub mod validation;
 

@@ -88,6 +88,23 @@ pub struct SchedulerActor {
     retired: Arc<AtomicBool>,
     /// Resolves once the model thread has ended (its engine, weights and caches freed).
     ended: Option<oneshot::Receiver<()>>,
+    /// This model's labelled counters, registered once (not looked up at every step).
+    per_model: PerModel,
+}
+
+/// The counters labelled with the model's id.
+struct PerModel {
+    requests: metrics::Counter,
+    generated: metrics::Counter,
+}
+
+impl PerModel {
+    fn new(model: &str) -> Self {
+        Self {
+            requests: metrics::counter!("smolchat_model_requests_total", "model" => model.to_string()),
+            generated: metrics::counter!("smolchat_model_generated_tokens_total", "model" => model.to_string()),
+        }
+    }
 }
 
 impl SchedulerActor {
@@ -161,6 +178,7 @@ impl SchedulerActor {
                     ..SchedulerStats::default()
                 },
                 batcher: Batcher::with_meter(cfg.batcher.clone(), cfg.tokens.clone()),
+                per_model: PerModel::new(&cfg.model),
                 cfg,
                 worker: tx,
                 step_in_flight: false,
@@ -215,8 +233,7 @@ impl SchedulerActor {
             self.batcher.mark_background(id);
         }
         metrics::counter!("smolchat_requests_total").increment(1);
-        metrics::counter!("smolchat_model_requests_total", "model" => self.cfg.model.clone())
-            .increment(1);
+        self.per_model.requests.increment(1);
         self.maybe_step();
         Ok(id)
     }
@@ -413,8 +430,7 @@ impl Handler<StepDone> for SchedulerActor {
             0.0
         };
         metrics::counter!("smolchat_generated_tokens_total").increment(r.generated_tokens);
-        metrics::counter!("smolchat_model_generated_tokens_total", "model" => self.cfg.model.clone())
-            .increment(r.generated_tokens);
+        self.per_model.generated.increment(r.generated_tokens);
         metrics::counter!("smolchat_prefilled_tokens_total").increment(r.prefilled_tokens);
         metrics::counter!("smolchat_kv_preemptions_total").increment(r.preemptions);
         metrics::gauge!("smolchat_kv_bytes").set(r.kv_bytes as f64);

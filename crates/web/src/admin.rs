@@ -8,7 +8,7 @@
 //! | `POST /admin/logout` | revokes the session server-side and drops the cookie |
 //! | `GET /admin/live?before=` | the tables (fragment; 50 conversations a page), polled by HTMX every 2 s |
 //! | `POST /admin/c/{id}/stop`, `/evict`; `DELETE /admin/c/{id}` | actions |
-//! | `POST /admin/models/{id}/load`, `/unload`, `/default` | a model's actions |
+//! | `POST /admin/models/{id}/{load,unload,default}` | a model's actions |
 //! | `GET /ops/models`; `POST /ops/models/{id}/load`, `/unload`, `/default` | the same for the command line, the admin token as bearer |
 //!
 //! Sign-in, sessions and throttling live in [`smolchat_auth::admin`]; this module only moves
@@ -37,8 +37,7 @@ mod users;
 pub use audit::{audit, audit_export, AuditPage, AuditQuery, AuditRow};
 use live::live_view;
 pub use live::{delete, evict, live, stop, AdminRow, EngineView, LiveView, ReplicaView};
-pub use models::{load as load_model, make_default as default_model, ops_action, ops_list};
-pub use models::{unload as unload_model, ModelRowView};
+pub use models::{action as model_action, ops_action, ops_list, ModelRowView};
 use session::logged_in;
 pub use session::{login, logout, LoginForm};
 use users::users_view;

@@ -210,8 +210,6 @@ async fn tags(state: web::Data<AppState>) -> HttpResponse {
 
 /// The models loaded now, with when each would be unloaded if left idle.
 async fn ps(state: web::Data<AppState>) -> HttpResponse {
-    let keep_alive = state.platform.config().models.keep_alive_s;
-    let entries = &state.platform.config().models.entries;
     let models: Vec<Value> = state
         .platform
         .models()
@@ -224,16 +222,14 @@ async fn ps(state: web::Data<AppState>) -> HttpResponse {
                 .info
                 .as_ref()
                 .is_some_and(|i| i.device.starts_with("cuda"));
-            let keep = entries
-                .iter()
-                .find(|e| e.id == m.id)
-                .map(|e| e.keep_alive_s.unwrap_or(keep_alive));
-            // The main model, or one kept until unloaded: Ollama's far-future date.
-            let expires_at = match keep {
-                Some(k) if k >= 0 => (chrono::Utc::now() + chrono::Duration::seconds(k)
+            // Kept until unloaded (the main model, a negative keep-alive): Ollama's far-future
+            // date.
+            let expires_at = match m.keep_alive {
+                Some(keep) => (chrono::Utc::now()
+                    + chrono::Duration::from_std(keep).unwrap_or_default()
                     - chrono::Duration::milliseconds((m.idle_s.unwrap_or(0.0) * 1e3) as i64))
                 .to_rfc3339_opts(chrono::SecondsFormat::Secs, true),
-                _ => "2318-11-25T00:00:00Z".to_string(),
+                None => "2318-11-25T00:00:00Z".to_string(),
             };
             json!({
                 "name": name,

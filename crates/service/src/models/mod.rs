@@ -49,8 +49,7 @@ impl ServedModel {
         memory_bytes: u64,
         may_think: Option<bool>,
     ) -> Self {
-        // The template must have the switch; the configuration may keep it off.
-        let can_think = template_can_think(template.source()) && may_think != Some(false);
+        let can_think = may_think_with(template.source(), may_think);
         Self {
             info,
             tokenizer,
@@ -83,9 +82,15 @@ impl ServedModel {
         PromptBuilder::new(&self.template, &self.tokenizer)
     }
 
-    /// Whether its chat template can switch thinking on and off.
+    /// Whether it may think: its chat template has the switch and its entry does not keep it off.
     pub fn can_think(&self) -> bool {
         self.can_think
+    }
+
+    /// Whether its template could think but its entry keeps it off (`thinking = false`): its
+    /// prompts then ask for `enable_thinking = false`, whatever a request says.
+    pub fn thinking_kept_off(&self) -> bool {
+        !self.can_think && template_can_think(self.template.source())
     }
 
     /// The completions service of this model (embeddings, and what needs no hold on it).
@@ -147,6 +152,12 @@ pub fn template_can_think(source: &str) -> bool {
     source.contains("enable_thinking")
 }
 
+/// Whether a model may think: its template has the switch and its entry's `thinking` is not
+/// `false`.
+fn may_think_with(template_source: &str, may_think: Option<bool>) -> bool {
+    may_think != Some(false) && template_can_think(template_source)
+}
+
 /// Why a model cannot be had.
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum ModelError {
@@ -182,6 +193,8 @@ pub struct ModelStatus {
     pub memory_bytes: u64,
     /// When it was last asked for (loaded or used).
     pub idle_s: Option<f64>,
+    /// How long it stays loaded when idle; `None`: until unloaded for room or by an admin.
+    pub keep_alive: Option<Duration>,
     /// Seconds its last load took.
     pub load_s: Option<f64>,
     pub loads: u64,
@@ -235,6 +248,30 @@ struct Slot {
 }
 
 impl Slot {
+    /// A model's slot, not loaded (`entry`: `None` for the main model).
+    fn new(
+        id: &str,
+        path: std::path::PathBuf,
+        aliases: &[String],
+        entry: Option<ModelEntry>,
+    ) -> Self {
+        Slot {
+            id: id.to_string(),
+            path,
+            aliases: aliases.to_vec(),
+            entry,
+            loaded: None,
+            loading: false,
+            last_used: Instant::now(),
+            load_s: None,
+            loads: 0,
+            unloads: 0,
+            last_error: None,
+            can_think: None,
+            sha256: Arc::default(),
+        }
+    }
+
     /// Whether `name` is this model: its id, an alias or its file's name (never the path,
     /// which would let a client probe the server's disk).
     fn is_named(&self, name: &str) -> bool {
@@ -369,44 +406,29 @@ impl Models {
         meter: TokenMeter,
         completions: Completions,
     ) -> Arc<Self> {
-        let now = Instant::now();
         let main_model = Arc::clone(&main);
-        let mut slots = vec![Slot {
-            id: main.info.id.clone(),
-            path: std::path::PathBuf::from(&main.info.path),
-            aliases: main.info.aliases.clone(),
-            entry: None,
-            load_s: Some(main.info.load_s),
-            loaded: Some(main),
-            loading: false,
-            last_used: now,
-            loads: 1,
-            unloads: 0,
-            last_error: None,
-            can_think: None,
-            sha256: Arc::default(),
-        }];
+        let mut first = Slot::new(
+            &main.info.id,
+            std::path::PathBuf::from(&main.info.path),
+            &main.info.aliases,
+            None,
+        );
+        first.load_s = Some(main.info.load_s);
+        first.loads = 1;
+        first.loaded = Some(main);
+        let mut slots = vec![first];
         record_sha256(&slots[0].id, &slots[0].path, &slots[0].sha256);
         let mut entries = config.models.entries.clone();
         if let Some(implicit) = implicit_task_entry(config) {
             entries.push(implicit);
         }
-        for e in &entries {
-            slots.push(Slot {
-                id: e.id.clone(),
-                path: e.path.clone(),
-                aliases: e.aliases.clone(),
-                entry: Some(e.clone()),
-                loaded: None,
-                loading: false,
-                last_used: now,
-                load_s: None,
-                loads: 0,
-                unloads: 0,
-                last_error: None,
-                can_think: None,
-                sha256: Arc::default(),
-            });
+        for e in entries {
+            slots.push(Slot::new(
+                &e.id,
+                e.path.clone(),
+                &e.aliases,
+                Some(e.clone()),
+            ));
         }
         let default = slots
             .iter()
@@ -529,30 +551,30 @@ impl Models {
     /// model; any other name is the default model when `model.answer_unknown_names` is set,
     /// and `NotFound` otherwise. The one rule for a request's model name.
     pub fn find(&self, name: &str) -> Result<String, ModelError> {
-        let slots = self.slots();
         if name.is_empty() {
-            return Ok(slots[self.default_index()].id.clone());
+            return Ok(self.default_id());
         }
-        if let Some(s) = slots.iter().find(|s| s.is_named(name)) {
-            return Ok(s.id.clone());
+        match self.find_named(name) {
+            Err(_) if self.answers_unknown_names => Ok(self.default_id()),
+            found => found,
         }
-        if self.answers_unknown_names {
-            return Ok(slots[self.default_index()].id.clone());
-        }
-        Err(ModelError::NotFound {
-            name: name.to_string(),
-            available: slots
-                .iter()
-                .map(|s| format!("{:?}", s.id))
-                .collect::<Vec<_>>()
-                .join(", "),
-        })
     }
 
-    /// Whether `name` is one of the models' own names (id, alias, file name): what a listing
-    /// answers for, unlike [`Models::find`], which may answer any name.
-    pub fn is_named(&self, name: &str) -> bool {
-        self.slots().iter().any(|s| s.is_named(name))
+    /// The id of the model whose own name (id, alias, file name) `name` is: what a setting
+    /// names, unlike [`Models::find`], which may answer any name.
+    pub fn find_named(&self, name: &str) -> Result<String, ModelError> {
+        let slots = self.slots();
+        match slots.iter().find(|s| s.is_named(name)) {
+            Some(s) => Ok(s.id.clone()),
+            None => Err(ModelError::NotFound {
+                name: name.to_string(),
+                available: slots
+                    .iter()
+                    .map(|s| format!("{:?}", s.id))
+                    .collect::<Vec<_>>()
+                    .join(", "),
+            }),
+        }
     }
 
     /// The model `name` means (see [`Models::find`]), loaded first when it is not: the
@@ -608,11 +630,10 @@ impl Models {
         if let Some(known) = known {
             return known;
         }
-        let think = may != Some(false)
-            && smolchat_gguf::GgufSource::open(&path)
-                .ok()
-                .and_then(|g| ChatTemplate::from_gguf(&g).ok())
-                .is_some_and(|t| template_can_think(t.source()));
+        let think = smolchat_gguf::GgufSource::open(&path)
+            .ok()
+            .and_then(|g| ChatTemplate::from_gguf(&g).ok())
+            .is_some_and(|t| may_think_with(t.source(), may));
         self.set(id, |s| s.can_think = Some(think));
         think
     }
@@ -641,6 +662,7 @@ impl Models {
                     |m| m.memory_bytes,
                 ),
                 idle_s: Some(s.last_used.elapsed().as_secs_f64()),
+                keep_alive: self.keep_alive(s),
                 load_s: s.load_s,
                 loads: s.loads,
                 unloads: s.unloads,
@@ -909,6 +931,25 @@ impl Models {
         }
     }
 
+    /// How long an entry stays loaded when idle (`keep_alive_s`, else `models.keep_alive_s`);
+    /// `None`: until unloaded for room or by an admin (the main model; a negative setting).
+    fn keep_alive(&self, slot: &Slot) -> Option<Duration> {
+        let keep = slot
+            .entry
+            .as_ref()?
+            .keep_alive_s
+            .unwrap_or(self.config.models.keep_alive_s);
+        u64::try_from(keep).ok().map(Duration::from_secs)
+    }
+
+    /// Whether a loaded entry has been idle past its keep-alive.
+    fn expired(&self, slot: &Slot) -> bool {
+        slot.loaded.is_some()
+            && self
+                .keep_alive(slot)
+                .is_some_and(|keep| slot.last_used.elapsed() >= keep)
+    }
+
     /// Unloads models idle past their keep-alive, every few seconds.
     fn spawn_keep_alive(self: &Arc<Self>) {
         let weak = Arc::downgrade(self);
@@ -917,35 +958,19 @@ impl Models {
             loop {
                 tick.tick().await;
                 let Some(models) = weak.upgrade() else { return };
-                let expired: Vec<String> = {
-                    let slots = models.slots();
-                    slots
-                        .iter()
-                        .filter(|s| s.loaded.is_some())
-                        .filter_map(|s| {
-                            let keep = s
-                                .entry
-                                .as_ref()?
-                                .keep_alive_s
-                                .unwrap_or(models.config.models.keep_alive_s);
-                            (keep >= 0 && s.last_used.elapsed() >= Duration::from_secs(keep as u64))
-                                .then(|| s.id.clone())
-                        })
-                        .collect()
-                };
+                let expired: Vec<String> = models
+                    .slots()
+                    .iter()
+                    .filter(|s| models.expired(s))
+                    .map(|s| s.id.clone())
+                    .collect();
                 for id in expired {
                     let _changing = models.changing.lock().await;
                     // Still idle past its keep-alive (a request may have come meanwhile)?
-                    let still = models.slots().iter().any(|s| {
-                        s.id == id && s.loaded.is_some() && {
-                            let keep = s
-                                .entry
-                                .as_ref()
-                                .and_then(|e| e.keep_alive_s)
-                                .unwrap_or(models.config.models.keep_alive_s);
-                            keep >= 0 && s.last_used.elapsed() >= Duration::from_secs(keep as u64)
-                        }
-                    });
+                    let still = models
+                        .slots()
+                        .iter()
+                        .any(|s| s.id == id && models.expired(s));
                     if still {
                         match models.retire(&id).await {
                             Ok(_) => tracing::info!(model = %id, "unloaded after its keep-alive"),
@@ -1016,21 +1041,8 @@ mod tests {
     use super::*;
 
     fn slot(id: &str, path: &str, aliases: &[&str]) -> Slot {
-        Slot {
-            id: id.into(),
-            path: path.into(),
-            aliases: aliases.iter().map(|a| a.to_string()).collect(),
-            entry: None,
-            loaded: None,
-            loading: false,
-            last_used: Instant::now(),
-            load_s: None,
-            loads: 0,
-            unloads: 0,
-            last_error: None,
-            can_think: None,
-            sha256: Arc::default(),
-        }
+        let aliases: Vec<String> = aliases.iter().map(|a| a.to_string()).collect();
+        Slot::new(id, path.into(), &aliases, None)
     }
 
     /// A model answers to its id, its aliases and its file's name, never to its path.

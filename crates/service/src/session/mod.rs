@@ -443,9 +443,9 @@ impl SessionActor {
         models.peek(&id)
     }
 
-    /// After a complete reply: the task model's chores (see [`crate::titles`]): the title of an
+    /// After a complete reply: the task model's chores (see [`crate::chores`]): the title of an
     /// untitled conversation's first exchange, then the questions to ask next; the viewers are
-    /// told of each.
+    /// told of each as it is written.
     fn run_chores(&self, reply: Uuid, ctx: &mut Context<Self>) {
         let models = &self.shared.models;
         if models.task_id().is_none() {
@@ -454,21 +454,39 @@ impl SessionActor {
         let (models, store, id) = (Arc::clone(models), self.shared.store.clone(), self.id);
         let title = {
             let (models, store) = (Arc::clone(&models), store.clone());
-            async move { crate::titles::write_title(&models, &store, id).await }
+            async move {
+                let ex = crate::chores::Exchange::load(&models, &store, id, reply).await?;
+                let title = match &ex {
+                    Some(ex) => crate::chores::write_title(&models, &store, ex).await,
+                    None => Ok(None),
+                };
+                Ok::<_, crate::chores::ChoreError>((ex, title))
+            }
         };
         title
             .into_actor(self)
-            .map(move |result, act, _| match result {
-                Ok(Some(title)) => {
-                    tracing::debug!(conversation = %act.id, "the task model wrote the title");
-                    act.broadcast(ReplyEvent::Titled { title });
+            .map(move |loaded, act, _| match loaded {
+                Ok((ex, title)) => {
+                    match title {
+                        Ok(Some(title)) => act.broadcast(ReplyEvent::Titled { title }),
+                        Ok(None) => {}
+                        Err(e) => tracing::warn!(conversation = %act.id, "no title written: {e}"),
+                    }
+                    ex
                 }
-                Ok(None) => {}
-                Err(e) => tracing::warn!(conversation = %act.id, "no title written: {e}"),
+                Err(e) => {
+                    tracing::warn!(conversation = %act.id, "no chores run: {e}");
+                    None
+                }
             })
-            .then(move |_, act, _| {
-                async move { crate::titles::write_follow_ups(&models, &store, id, reply).await }
-                    .into_actor(act)
+            .then(move |ex, act, _| {
+                async move {
+                    match ex {
+                        Some(ex) => crate::chores::write_follow_ups(&models, &store, &ex).await,
+                        None => Ok(Vec::new()),
+                    }
+                }
+                .into_actor(act)
             })
             .map(move |result, act, _| match result {
                 Ok(questions) if !questions.is_empty() => {

@@ -145,8 +145,8 @@ pub(super) fn prepare(
     history: &[Message],
     new_user: &str,
 ) -> Result<Prepared, SessionError> {
-    // A model that may not think gets `enable_thinking = false`, whatever the switch said.
-    let prompt = if model.can_think() || !conversation.settings.thinking {
+    // A model kept from thinking gets `enable_thinking = false`, whatever the switch said.
+    let prompt = if !model.thinking_kept_off() || !conversation.settings.thinking {
         conversation_prompt(model.prompt_builder(), conversation, history, new_user)?
     } else {
         let mut c = conversation.clone();

@@ -79,54 +79,44 @@ impl ModelRowView {
     }
 }
 
-/// `POST /admin/models/{id}/load`
-pub async fn load(
-    state: web::Data<AppState>,
-    owner: Owner,
-    req: HttpRequest,
-    path: web::Path<String>,
-) -> Result<HttpResponse, PageError> {
-    let by = require_admin(&state, &owner, &req).await?;
-    state
-        .platform
-        .admin()
-        .load_model(&by, &path)
-        .await
-        .map_err(model_web_error)?;
-    Ok(HttpResponse::NoContent().finish())
+/// Runs a model action (`load`, `unload` or `default`) for `by`: what it did, in words. The
+/// admin page and `/ops/models` both act through here.
+async fn act(
+    state: &AppState,
+    by: &smolchat_service::Caller,
+    id: &str,
+    action: &str,
+) -> Result<&'static str, WebError> {
+    let admin = state.platform.admin();
+    match action {
+        "load" => admin.load_model(by, id).await.map(|()| "loaded"),
+        "unload" => admin.unload_model(by, id).await.map(|unloaded| {
+            if unloaded {
+                "unloaded"
+            } else {
+                "was not loaded"
+            }
+        }),
+        "default" => admin.set_default_model(by, id).await.map(|_| "default"),
+        other => {
+            return Err(WebError::NotFound(format!(
+                "no action {other:?}: use load, unload or default"
+            )))
+        }
+    }
+    .map_err(model_web_error)
 }
 
-/// `POST /admin/models/{id}/unload`
-pub async fn unload(
+/// `POST /admin/models/{id}/{action}`: the models table's buttons (`load`, `unload`, `default`).
+pub async fn action(
     state: web::Data<AppState>,
     owner: Owner,
     req: HttpRequest,
-    path: web::Path<String>,
+    path: web::Path<(String, String)>,
 ) -> Result<HttpResponse, PageError> {
     let by = require_admin(&state, &owner, &req).await?;
-    state
-        .platform
-        .admin()
-        .unload_model(&by, &path)
-        .await
-        .map_err(model_web_error)?;
-    Ok(HttpResponse::NoContent().finish())
-}
-
-/// `POST /admin/models/{id}/default`
-pub async fn make_default(
-    state: web::Data<AppState>,
-    owner: Owner,
-    req: HttpRequest,
-    path: web::Path<String>,
-) -> Result<HttpResponse, PageError> {
-    let by = require_admin(&state, &owner, &req).await?;
-    state
-        .platform
-        .admin()
-        .set_default_model(&by, &path)
-        .await
-        .map_err(model_web_error)?;
+    let (id, action) = path.into_inner();
+    act(&state, &by, &id, &action).await?;
     Ok(HttpResponse::NoContent().finish())
 }
 
@@ -205,25 +195,8 @@ pub async fn ops_action(
 ) -> Result<HttpResponse, WebError> {
     let by = ops_caller(&state, &req)?;
     let (id, action) = path.into_inner();
-    let admin = state.platform.admin();
-    let outcome = match action.as_str() {
-        "load" => admin.load_model(&by, &id).await.map(|()| "loaded"),
-        "unload" => admin.unload_model(&by, &id).await.map(|unloaded| {
-            if unloaded {
-                "unloaded"
-            } else {
-                "was not loaded"
-            }
-        }),
-        "default" => admin.set_default_model(&by, &id).await.map(|_| "default"),
-        other => {
-            return Err(WebError::NotFound(format!(
-                "no action {other:?}: use load, unload or default"
-            )))
-        }
-    }
-    .map_err(model_web_error)?;
-    let rows = admin.models().await;
+    let outcome = act(&state, &by, &id, &action).await?;
+    let rows = state.platform.admin().models().await;
     let found = state.platform.models().find(&id).ok();
     let row = rows.iter().find(|r| Some(&r.status.id) == found.as_ref());
     Ok(HttpResponse::Ok().json(json!({

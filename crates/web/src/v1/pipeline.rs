@@ -97,7 +97,7 @@ pub(crate) async fn build_chat_prompt(
 ) -> Result<Prompt, ApiError> {
     let mut render = req.clone();
     // A model configured not to think is told so, whatever the request asked.
-    if !model.can_think() && model.template().source().contains("enable_thinking") {
+    if model.thinking_kept_off() {
         render.enable_thinking = Some(false);
     }
     read_files(state, model, &client_identity(http), &mut render).await?;

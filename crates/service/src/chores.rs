@@ -28,7 +28,7 @@ const INSTRUCTION: &str = "Write a short title (at most six words) for the conve
 
 /// Why no title was written (logged; a chore that fails costs nothing else).
 #[derive(Debug, thiserror::Error)]
-pub enum TitleError {
+pub enum ChoreError {
     #[error("storage: {0}")]
     Store(#[from] smolchat_store::StoreError),
     #[error("the task model: {0}")]
@@ -57,7 +57,7 @@ async fn chore(
     conversation: &smolchat_store::Conversation,
     text: &str,
     max_tokens: usize,
-) -> Result<String, TitleError> {
+) -> Result<String, ChoreError> {
     let model = models.load(task).await?;
     let mut opts = RenderOptions::new(conversation.settings.pinned_date);
     // A chore needs no reasoning.
@@ -86,7 +86,7 @@ async fn chore(
             GenEvent::Token { text: piece, .. } => out.push_str(&piece),
             GenEvent::Finished(summary) => {
                 if matches!(summary.reason, StopReason::Error(_) | StopReason::Cancelled) {
-                    return Err(TitleError::Empty);
+                    return Err(ChoreError::Empty);
                 }
                 break;
             }
@@ -96,48 +96,81 @@ async fn chore(
     Ok(out)
 }
 
-/// Suggests the questions to ask after `reply` (the newest complete reply of `conversation`)
-/// and keeps them: `Ok(questions)`, empty when there was nothing to do or nothing usable.
+/// A reply and the user message it answers, in their conversation: what the chores read.
+pub struct Exchange {
+    conversation: smolchat_store::Conversation,
+    user: smolchat_store::Message,
+    reply: smolchat_store::Message,
+    /// The reply is the conversation's first.
+    first: bool,
+}
+
+impl Exchange {
+    /// Reply `reply` of `conversation` with the user message it answers, read once for every
+    /// chore; `None` when there is no task model, or the reply is gone, not complete or not on
+    /// the branch shown.
+    pub async fn load(
+        models: &Models,
+        store: &Store,
+        conversation: Uuid,
+        reply: Uuid,
+    ) -> Result<Option<Exchange>, ChoreError> {
+        if models.task_id().is_none() {
+            return Ok(None);
+        }
+        let Some(c) = store.get_conversation(conversation).await? else {
+            return Ok(None);
+        };
+        let branch = store.branch(conversation).await?;
+        let Some(at) = branch.iter().position(|m| m.id == reply) else {
+            return Ok(None);
+        };
+        let Some(user) = branch[..at].iter().rev().find(|m| m.role == Role::User) else {
+            return Ok(None);
+        };
+        if branch[at].status != MessageStatus::Complete {
+            return Ok(None);
+        }
+        Ok(Some(Exchange {
+            first: !branch[..at].iter().any(|m| m.role == Role::Assistant),
+            user: user.clone(),
+            reply: branch[at].clone(),
+            conversation: c,
+        }))
+    }
+
+    /// The instruction, then the exchange (each side cut to [`EXCERPT_CHARS`]).
+    fn prompt(&self, instruction: &str) -> String {
+        let excerpt = |t: &str| t.chars().take(EXCERPT_CHARS).collect::<String>();
+        format!(
+            "{instruction}\n\nUser: {}\n\nAssistant: {}",
+            excerpt(&self.user.content),
+            excerpt(&self.reply.content)
+        )
+    }
+}
+
+/// Suggests the questions to ask after the exchange's reply and keeps them: `Ok(questions)`,
+/// empty when there was nothing to do or nothing usable.
 pub async fn write_follow_ups(
     models: &Arc<Models>,
     store: &Store,
-    conversation: Uuid,
-    reply: Uuid,
-) -> Result<Vec<String>, TitleError> {
+    ex: &Exchange,
+) -> Result<Vec<String>, ChoreError> {
     let Some(task) = models.task_id().filter(|_| models.follow_ups()) else {
         return Ok(Vec::new());
     };
-    let Some(c) = store.get_conversation(conversation).await? else {
-        return Ok(Vec::new());
-    };
-    let branch = store.branch(conversation).await?;
-    let Some(at) = branch.iter().position(|m| m.id == reply) else {
-        return Ok(Vec::new());
-    };
-    // The reply and the user message it answers.
-    let answered = branch[..at].iter().rev().find(|m| m.role == Role::User);
-    let (Some(user), r) = (answered, &branch[at]) else {
-        return Ok(Vec::new());
-    };
-    if r.status != MessageStatus::Complete {
-        return Ok(Vec::new());
-    }
-    let excerpt = |t: &str| t.chars().take(EXCERPT_CHARS).collect::<String>();
-    let text = format!(
-        "{FOLLOW_UP_INSTRUCTION}\n\nUser: {}\n\nAssistant: {}",
-        excerpt(&user.content),
-        excerpt(&r.content)
-    );
-    let out = chore(models, &task, &c, &text, FOLLOW_UP_TOKENS).await?;
+    let prompt = ex.prompt(FOLLOW_UP_INSTRUCTION);
+    let out = chore(models, &task, &ex.conversation, &prompt, FOLLOW_UP_TOKENS).await?;
     // Not the question just asked again (a small model often echoes it).
-    let asked = user.content.trim().to_lowercase();
+    let asked = ex.user.content.trim().to_lowercase();
     let questions: Vec<String> = follow_ups_of(&out)
         .into_iter()
         .filter(|q| q.to_lowercase() != asked)
         .collect();
-    tracing::debug!(conversation = %conversation, offered = questions.len(), written = out.len(), "follow-up questions");
+    tracing::debug!(conversation = %ex.conversation.id, offered = questions.len(), written = out.len(), "follow-up questions");
     if !questions.is_empty() {
-        store.set_follow_ups(reply, &questions).await?;
+        store.set_follow_ups(ex.reply.id, &questions).await?;
     }
     Ok(questions)
 }
@@ -189,43 +222,24 @@ pub fn follow_ups_of(text: &str) -> Vec<String> {
     out
 }
 
-/// Writes the title of `conversation` if it is untitled and has had exactly one complete reply:
-/// `Ok(Some(title))` once stored, `Ok(None)` when there was nothing to do.
+/// Writes the conversation's title after its first reply, if it is untitled: `Ok(Some(title))`
+/// once stored, `Ok(None)` when there was nothing to do.
 pub async fn write_title(
     models: &Arc<Models>,
     store: &Store,
-    conversation: Uuid,
-) -> Result<Option<String>, TitleError> {
+    ex: &Exchange,
+) -> Result<Option<String>, ChoreError> {
     let Some(task) = models.task_id() else {
         return Ok(None);
     };
-    let Some(c) = store.get_conversation(conversation).await? else {
-        return Ok(None);
-    };
-    if !c.title.trim().is_empty() {
+    if !ex.first || !ex.conversation.title.trim().is_empty() {
         return Ok(None);
     }
-    let branch = store.branch(conversation).await?;
-    let (Some(user), Some(reply)) = (
-        branch.iter().find(|m| m.role == Role::User),
-        branch.iter().find(|m| m.role == Role::Assistant),
-    ) else {
-        return Ok(None);
-    };
-    let replies = branch.iter().filter(|m| m.role == Role::Assistant).count();
-    if replies != 1 || reply.status != MessageStatus::Complete {
-        return Ok(None);
-    }
-    let excerpt = |t: &str| t.chars().take(EXCERPT_CHARS).collect::<String>();
-    let exchange = format!(
-        "{INSTRUCTION}\n\nUser: {}\n\nAssistant: {}",
-        excerpt(&user.content),
-        excerpt(&reply.content)
-    );
-    let text = chore(models, &task, &c, &exchange, TITLE_TOKENS).await?;
-    let title = clean(&text).ok_or(TitleError::Empty)?;
+    let prompt = ex.prompt(INSTRUCTION);
+    let text = chore(models, &task, &ex.conversation, &prompt, TITLE_TOKENS).await?;
+    let title = clean(&text).ok_or(ChoreError::Empty)?;
     // Only if still untitled: a title the user set meanwhile stays.
-    if store.title_if_untitled(conversation, &title).await? {
+    if store.title_if_untitled(ex.conversation.id, &title).await? {
         Ok(Some(title))
     } else {
         Ok(None)
