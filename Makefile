@@ -101,10 +101,14 @@ test-deps:
 mount-check:
 	./scripts/check-mount.sh
 
+## Incremental compilation is off (unless CARGO_INCREMENTAL is set): a fresh clone gains nothing
+## from it, and its caches for ~60 test crates took several GB more than a CI machine had free
+## (CI failed with "No space left on device" linking the tests).
 ## Skips are failures here: PostgreSQL (SMOLTEST_REQUIRE_POSTGRES), nginx (SMOLTEST_REQUIRE_NGINX), tmpfs mounts for
 ## the storage faults (SMOLTEST_REQUIRE_MOUNT, checked before the build by scripts/check-mount.sh),
 ## and the CUDA compiler for the kernels' static checks (SMOLTEST_REQUIRE_NVCC; installed by
 ## lint-cuda's cuda-toolkit).
+test: export CARGO_INCREMENTAL ?= 0
 test: mount-check setup test-deps lint lint-cuda
 	@url="$$(./scripts/test-postgres.sh start)" || exit 1; \
 	SMOLTEST_DATABASE_URL="$$url" SMOLTEST_REQUIRE_POSTGRES=1 SMOLTEST_REQUIRE_NGINX=1 SMOLTEST_REQUIRE_MOUNT=1 SMOLTEST_REQUIRE_NVCC=1 SMOLTEST_REQUIRE_SYSTEMD=1 $(CARGO) test --workspace; rc=$$?; \
