@@ -61,12 +61,16 @@ impl AliveGuard {
 impl Drop for AliveGuard {
     fn drop(&mut self) {
         self.alive.store(false, Ordering::Release);
-        if self.retired.load(Ordering::Acquire) {
-            tracing::info!("the model thread has ended: the model is unloaded");
-        } else {
+        // The worker's loop only returns when its scheduler is gone (unloaded, or the server
+        // stopping); a panic is the one way it ends while still needed.
+        if std::thread::panicking() {
             tracing::error!(
                 "the model thread has ended; this server can no longer generate replies"
             );
+        } else if self.retired.load(Ordering::Acquire) {
+            tracing::info!("the model thread has ended: the model is unloaded");
+        } else {
+            tracing::info!("the model thread has ended with its scheduler (the server is stopping)");
         }
         if let Some(ended) = self.ended.take() {
             let _ = ended.send(());
