@@ -6,7 +6,8 @@
 //! `auth.sign_out`, `auth.admin_sign_in`, `auth.admin_sign_in_failed`, `auth.password_changed`,
 //! `auth.key_created`, `auth.key_revoked`, `admin.disable_user`, `admin.enable_user`, `admin.revoke_sessions`, `admin.stop`,
 //! `admin.evict`, `admin.delete_conversation`, `conversation.delete`, `conversation.import`,
-//! `conversation.export`.
+//! `conversation.export`, `tool.call` (a reply called a tool: the conversation's owner is the
+//! actor, the detail names the tool and how the call ended), `tool.allow`, `tool.deny`.
 //!
 //! Every field is bounded ([`bounded`]) and a throttled sign-in is recorded once per address a
 //! minute, so no client can grow the log faster than one short row per request it is allowed.
@@ -105,6 +106,16 @@ impl Audit {
                 "the audit log could not record an action: {e}"
             );
         }
+    }
+
+    /// Adds an entry for what conversation owner `owner` did through the model (an account is
+    /// named by its name, anyone else as a guest).
+    pub async fn record_owner(&self, owner: &str, action: &str, target: &str, detail: &str) {
+        let actor = match self.store.user_by_id(owner).await {
+            Ok(Some(user)) => format!("user:{}", user.name),
+            _ => format!("guest:{owner}"),
+        };
+        self.record(&actor, action, target, None, detail).await
     }
 
     /// Adds an entry for what `caller` did (an account is named by its name).

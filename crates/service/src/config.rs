@@ -2,6 +2,7 @@
 //! then `SMOLCHAT_…` environment variables (sections split by `__`, e.g.
 //! `SMOLCHAT_SERVER__BIND=0.0.0.0:8080`), then command-line flags (applied by the CLI).
 
+pub use crate::tools::ToolsConfig;
 use std::path::{Path, PathBuf};
 
 use figment::providers::{Env, Format, Serialized, Toml};
@@ -47,34 +48,6 @@ pub struct Config {
     pub models: ModelsSection,
     /// The tools the model may call.
     pub tools: ToolsConfig,
-}
-
-/// `[tools]`: which built-in tools are offered and the limits every call runs under.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
-#[serde(default, deny_unknown_fields)]
-pub struct ToolsConfig {
-    /// `calculator`: exact arithmetic.
-    pub calculator: bool,
-    /// `current_time`: the date and time in a time zone.
-    pub current_time: bool,
-    /// `search_conversations`: the caller's own conversations by title or text.
-    pub search_conversations: bool,
-    /// A call's longest result, in characters (longer ones are cut, with a note).
-    pub max_result_chars: usize,
-    /// A call's time limit, in seconds.
-    pub timeout_s: u64,
-}
-
-impl Default for ToolsConfig {
-    fn default() -> Self {
-        Self {
-            calculator: true,
-            current_time: true,
-            search_conversations: true,
-            max_result_chars: 8_000,
-            timeout_s: 10,
-        }
-    }
 }
 
 /// `[models]`: more models than the main one (`[model]`), loaded when a request names them and
@@ -972,6 +945,26 @@ impl Config {
         let bad = |m: String| Err(ConfigError::Invalid(m));
         check_names("model.aliases", &self.model.aliases)?;
         self.validate_models()?;
+        let t = &self.tools;
+        if !(1..=32).contains(&t.max_rounds) {
+            return bad(format!(
+                "tools.max_rounds must be between 1 and 32, not {}",
+                t.max_rounds
+            ));
+        }
+        if t.max_result_chars == 0 || t.timeout_s == 0 {
+            return bad("tools.max_result_chars and tools.timeout_s must be at least 1".into());
+        }
+        if let Some(unknown) = t.require_approval.iter().find(|n| {
+            !crate::tools::Builtin::ALL
+                .iter()
+                .any(|b| b.name() == n.as_str())
+        }) {
+            return bad(format!(
+                "tools.require_approval names {unknown:?}, which is not a tool; the tools are {}",
+                crate::tools::Builtin::ALL.map(|b| b.name()).join(", ")
+            ));
+        }
         let s = &self.scheduler;
         if s.max_running == Some(0) {
             return bad("scheduler.max_running must be at least 1".into());

@@ -125,7 +125,9 @@ impl From<SessionError> for ConversationError {
                 invalid("content", e.to_string())
             }
             SessionError::MessageTooLong { .. } => ConversationError::TooLarge(e.to_string()),
-            SessionError::Busy => ConversationError::Busy(e.to_string()),
+            SessionError::Busy | SessionError::ToolStepNotWaiting { .. } => {
+                ConversationError::Busy(e.to_string())
+            }
             SessionError::NotFound => ConversationError::NotFound,
             SessionError::NothingToResend => ConversationError::Invalid {
                 field: None,
@@ -281,6 +283,10 @@ pub struct SettingsPatch {
     /// Switching mid-conversation is allowed: the next prompt is built with the new model's
     /// template (the old model's cache stays until it is evicted).
     pub model: Option<String>,
+    /// The tools the model may call (tool names; empty: none).
+    pub tools: Option<Vec<String>>,
+    /// `required`, a chosen tool's name, or `auto` / empty (the model decides).
+    pub tool_choice: Option<String>,
 }
 
 impl SettingsPatch {
@@ -320,6 +326,19 @@ impl SettingsPatch {
         if let Some(m) = &self.model {
             settings.model = (!m.trim().is_empty()).then(|| m.clone());
         }
+        if let Some(t) = &self.tools {
+            let mut names: Vec<String> = Vec::with_capacity(t.len());
+            for n in t.iter().map(|n| n.trim()).filter(|n| !n.is_empty()) {
+                if !names.iter().any(|m| m == n) {
+                    names.push(n.to_string());
+                }
+            }
+            settings.tools = names;
+        }
+        if let Some(c) = &self.tool_choice {
+            let c = c.trim();
+            settings.tool_choice = (!c.is_empty() && c != "auto").then(|| c.to_string());
+        }
         settings
     }
 }
@@ -353,6 +372,8 @@ pub struct ConversationView {
     pub organisation: Organisation,
     /// Its files: those its messages carry (`message_id`) and those waiting for the next one.
     pub files: Vec<FileRecord>,
+    /// The tool calls its replies made, by reply, each in order.
+    pub tool_steps: std::collections::HashMap<Uuid, Vec<smolchat_store::ToolStep>>,
 }
 
 /// Where a message stands among its versions (the messages with its parent: replies
@@ -529,6 +550,69 @@ impl Conversations {
         self.check_system_prompt_fits(s)
     }
 
+    /// The tools a patch chooses: tools that are on, and a `tool_choice` among them. Only when
+    /// the patch touches them: a conversation keeps a tool an admin turned off since (it is
+    /// simply no longer offered) without every other change being refused.
+    fn check_tools(&self, patch: &SettingsPatch, s: &ConversationSettings) -> Result<()> {
+        if patch.tools.is_none() && patch.tool_choice.is_none() {
+            return Ok(());
+        }
+        let field = if patch.tools.is_some() {
+            "tools"
+        } else {
+            "tool_choice"
+        };
+        self.sessions
+            .shared()
+            .tools
+            .check_choice(&s.tools, s.tool_choice.as_deref())
+            .map_err(|m| invalid(field, m))
+    }
+
+    /// The tools a conversation may offer: `(name, description)` of each that is on.
+    pub fn tools(&self) -> Vec<(&'static str, &'static str)> {
+        self.sessions
+            .shared()
+            .tools
+            .specs()
+            .into_iter()
+            .map(|t| (t.name, t.description))
+            .collect()
+    }
+
+    /// Allows or denies tool call `step` of reply `message`, which waits for the caller's
+    /// decision; the reply goes on (a denial is read by the model as a refusal).
+    pub async fn decide_tool(
+        &self,
+        caller: &Caller,
+        id: Uuid,
+        message: Uuid,
+        step: i64,
+        allow: bool,
+    ) -> Result<()> {
+        let c = self.owned(caller, id).await?;
+        let Some(session) = self.sessions.get(c.id) else {
+            return Err(SessionError::ToolStepNotWaiting { step }.into());
+        };
+        session
+            .send(crate::session::DecideTool {
+                message,
+                step,
+                allow,
+            })
+            .await??;
+        let action = if allow { "tool.allow" } else { "tool.deny" };
+        self.audit
+            .record_by(
+                caller,
+                action,
+                &format!("conversation:{}", c.id),
+                &format!("reply {message}, call {step}"),
+            )
+            .await;
+        Ok(())
+    }
+
     /// `patch` with its model named by the model's id (an alias or file name becomes the id),
     /// or refused naming the models there are.
     fn with_model_id(&self, patch: &SettingsPatch) -> Result<SettingsPatch> {
@@ -665,6 +749,7 @@ impl Conversations {
             settings.top_k = top_k;
         }
         self.check_settings(caller, &settings)?;
+        self.check_tools(&patch, &settings)?;
         let title = new.title.as_deref().map(Self::clean_title).transpose()?;
         let first = new.first_message.filter(|m| !m.trim().is_empty());
         if let Some(m) = &first {
@@ -723,6 +808,7 @@ impl Conversations {
         let replying = self.replying(id).await;
         let organisation = self.store.organisation(id).await?.unwrap_or_default();
         let files = self.store.files_of(id).await?;
+        let tool_steps = self.store.tool_steps_of(id).await?;
         Ok(ConversationView {
             conversation,
             messages,
@@ -730,6 +816,7 @@ impl Conversations {
             replying,
             organisation,
             files,
+            tool_steps,
         })
     }
 
@@ -957,6 +1044,7 @@ impl Conversations {
         } else {
             let s = patch.apply(c.settings.clone());
             self.check_settings(caller, &s)?;
+            self.check_tools(&patch, &s)?;
             Some(s)
         };
         let found = match &title {

@@ -209,6 +209,7 @@ impl Platform {
                 disconnect_grace: Duration::from_millis(config.session.disconnect_grace_ms),
             },
             cluster: Arc::clone(&cluster),
+            tools: Arc::new(crate::tools::Tools::new(config.tools.clone())),
         });
         sessions.receive_from(&cluster);
         cluster.run(scheduler.clone());

@@ -6,5 +6,5 @@ pub use smolchat_store::{
     ApiKeyRecord, AuditEntry, AuditFilter, Conversation, ConversationSettings, ConversationSummary,
     Cursor, FileRecord, Folder, ImportedMessage, ListFilter, ListPage, Message, MessageStatus,
     Organisation, OrganisationPatch, PageRequest, Preset, ReplicaRecord, Role, StoredRow, TagCount,
-    User, UserOverview, UserRole, MAX_PAGE,
+    ToolStep, ToolStepStatus, User, UserOverview, UserRole, MAX_PAGE,
 };

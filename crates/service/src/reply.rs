@@ -11,7 +11,7 @@ use serde::{Deserialize, Serialize};
 use uuid::Uuid;
 
 use smolchat_serving::types::GenSummary;
-use smolchat_store::Message;
+use smolchat_store::{Message, ToolStep};
 use smolchat_text::splitter::ToolCall;
 
 /// One event of a reply (see the module docs). Serialized with a `type` tag: the event stream's
@@ -37,6 +37,15 @@ pub enum ReplyEvent<M = Message> {
     },
     ToolCall {
         call: ToolCall,
+    },
+    /// A tool call the reply made, as it stands: made (waiting for approval, or running), then
+    /// ended with its result. Sent again at each change; the latest for a step is what counts.
+    ToolStep {
+        step: ToolStep,
+    },
+    /// The reply goes on after its tool calls' results (a new round of generation).
+    Continuing {
+        round: usize,
     },
     /// The reply ended and is stored.
     Done {
@@ -78,6 +87,8 @@ impl ReplyEvent {
             ReplyEvent::Reasoning { text } => ReplyEvent::Reasoning { text: text.clone() },
             ReplyEvent::Answer { text } => ReplyEvent::Answer { text: text.clone() },
             ReplyEvent::ToolCall { call } => ReplyEvent::ToolCall { call: call.clone() },
+            ReplyEvent::ToolStep { step } => ReplyEvent::ToolStep { step: step.clone() },
+            ReplyEvent::Continuing { round } => ReplyEvent::Continuing { round: *round },
             ReplyEvent::Done { message, summary } => ReplyEvent::Done {
                 message: message.id,
                 summary: summary.clone(),
@@ -125,6 +136,8 @@ impl<M> ReplyEvent<M> {
             ReplyEvent::Reasoning { text } => ReplyEvent::Reasoning { text },
             ReplyEvent::Answer { text } => ReplyEvent::Answer { text },
             ReplyEvent::ToolCall { call } => ReplyEvent::ToolCall { call },
+            ReplyEvent::ToolStep { step } => ReplyEvent::ToolStep { step },
+            ReplyEvent::Continuing { round } => ReplyEvent::Continuing { round },
             ReplyEvent::Error { message } => ReplyEvent::Error { message },
             ReplyEvent::Titled { title } => ReplyEvent::Titled { title },
             ReplyEvent::FollowUps {

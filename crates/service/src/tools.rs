@@ -6,18 +6,17 @@
 //! `tools.max_result_chars` with a note saying so. A failing tool is an answer the model reads
 //! ("error: …"), never a failed reply.
 //!
-//! (The loop that runs them inside a chat reply, MCP servers and the approval flow are the rest
-//! of issue 52; they call [`Tools::call`].)
+//! The loop that runs them inside a chat reply lives in the session actor
+//! ([`crate::session`]); it calls [`Tools::call`].
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
-use crate::caller::Caller;
-pub use crate::config::ToolsConfig;
-use crate::conversations::Conversations;
+use smolchat_store::Store;
 
 /// A tool as the model is told of it: OpenAI's function shape (`{"type": "function",
 /// "function": {name, description, parameters}}`), which the chat templates read.
@@ -124,10 +123,10 @@ pub struct ToolResult {
     pub duration: Duration,
 }
 
-/// What a call may see of who made it.
+/// What a call may see of who made it: the store, and the owner whose data it may read.
 pub struct ToolContext<'a> {
-    pub caller: &'a Caller,
-    pub conversations: &'a Conversations,
+    pub store: &'a Store,
+    pub owner: &'a str,
 }
 
 /// The tools offered and the rules every call runs under.
@@ -156,6 +155,54 @@ impl Tools {
     /// The specs of the tools that are on.
     pub fn specs(&self) -> Vec<ToolSpec> {
         self.enabled().into_iter().map(Builtin::spec).collect()
+    }
+
+    /// The specs of `names` that are on, in the order given (a name no longer on is left out:
+    /// a conversation keeps its choice when an admin turns a tool off).
+    pub fn offered(&self, names: &[String]) -> Vec<ToolSpec> {
+        let on = self.specs();
+        names
+            .iter()
+            .filter_map(|n| on.iter().find(|s| s.name == n.as_str()).cloned())
+            .collect()
+    }
+
+    /// Whether every call of `name` waits for the user's Allow.
+    pub fn needs_approval(&self, name: &str) -> bool {
+        self.cfg.require_approval.iter().any(|n| n == name)
+    }
+
+    /// The most rounds of calls one reply may make.
+    pub fn max_rounds(&self) -> usize {
+        self.cfg.max_rounds.max(1)
+    }
+
+    /// Checks a conversation's choice of tools: every name a tool that is on, `tool_choice`
+    /// `required`, `auto` or one of the chosen tools. The error says what to change.
+    pub fn check_choice(&self, names: &[String], choice: Option<&str>) -> Result<(), String> {
+        let on: Vec<&str> = self.enabled().into_iter().map(Builtin::name).collect();
+        if let Some(unknown) = names.iter().find(|n| !on.contains(&n.as_str())) {
+            return Err(format!(
+                "`tools`: {unknown:?} is not a tool offered here; the tools are: {}",
+                if on.is_empty() {
+                    "none".to_string()
+                } else {
+                    on.join(", ")
+                }
+            ));
+        }
+        match choice {
+            None | Some("auto") => Ok(()),
+            Some(_) if names.is_empty() => Err(
+                "`tool_choice` needs `tools`: choose the tools the model may call first".into(),
+            ),
+            Some("required") => Ok(()),
+            Some(name) if names.iter().any(|n| n == name) => Ok(()),
+            Some(other) => Err(format!(
+                "`tool_choice` must be auto, required or one of the chosen tools ({}), not {other:?}",
+                names.join(", ")
+            )),
+        }
     }
 
     /// Runs tool `name` with `arguments` (a JSON object, or its text as the model wrote it)
@@ -341,8 +388,8 @@ async fn search(ctx: &ToolContext<'_>, query: &str) -> Result<String, ToolError>
         before: None,
     };
     let found = ctx
-        .conversations
-        .list(ctx.caller, &filter, &page)
+        .store
+        .list_conversations_page(ctx.owner, &filter, &page)
         .await
         .map_err(|e| ToolError::Failed(e.to_string()))?;
     if found.items.is_empty() {
@@ -379,6 +426,41 @@ fn cut(text: &str, max: usize) -> (String, bool) {
         format!("{kept}\n[… cut: the result had {chars} characters; the limit is {max}]"),
         true,
     )
+}
+
+/// `[tools]`: which built-in tools are offered and the limits every call runs under.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct ToolsConfig {
+    /// `calculator`: exact arithmetic.
+    pub calculator: bool,
+    /// `current_time`: the date and time in a time zone.
+    pub current_time: bool,
+    /// `search_conversations`: the caller's own conversations by title or text.
+    pub search_conversations: bool,
+    /// A call's longest result, in characters (longer ones are cut, with a note).
+    pub max_result_chars: usize,
+    /// A call's time limit, in seconds.
+    pub timeout_s: u64,
+    /// The most rounds of tool calls one reply may make; the reply ends after the last one's
+    /// results are shown.
+    pub max_rounds: usize,
+    /// The tools whose every call waits for the user's Allow (tool names).
+    pub require_approval: Vec<String>,
+}
+
+impl Default for ToolsConfig {
+    fn default() -> Self {
+        Self {
+            calculator: true,
+            current_time: true,
+            search_conversations: true,
+            max_result_chars: 8_000,
+            timeout_s: 10,
+            max_rounds: 4,
+            require_approval: Vec::new(),
+        }
+    }
 }
 
 #[cfg(test)]
@@ -464,5 +546,27 @@ mod tests {
         assert_eq!(names, ["calculator", "current_time"]);
         let spec = Builtin::Calculator.spec().to_openai();
         assert_eq!(spec["function"]["parameters"]["required"][0], "expression");
+        // A conversation's choice: names of tools that are on, and a choice among them.
+        let chosen = vec!["calculator".to_string()];
+        assert!(tools.check_choice(&chosen, None).is_ok());
+        assert!(tools.check_choice(&chosen, Some("required")).is_ok());
+        assert!(tools.check_choice(&chosen, Some("calculator")).is_ok());
+        let off = tools
+            .check_choice(&["search_conversations".to_string()], None)
+            .unwrap_err();
+        assert!(off.contains("calculator, current_time"), "{off}");
+        assert!(tools.check_choice(&[], Some("required")).is_err());
+        assert!(tools
+            .check_choice(&chosen, Some("current_time"))
+            .unwrap_err()
+            .contains("one of the chosen tools"));
+        assert_eq!(
+            tools
+                .offered(&["current_time".into(), "search_conversations".into()])
+                .iter()
+                .map(|s| s.name)
+                .collect::<Vec<_>>(),
+            ["current_time"]
+        );
     }
 }

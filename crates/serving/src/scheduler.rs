@@ -70,7 +70,9 @@ impl Drop for AliveGuard {
         } else if self.retired.load(Ordering::Acquire) {
             tracing::info!("the model thread has ended: the model is unloaded");
         } else {
-            tracing::info!("the model thread has ended with its scheduler (the server is stopping)");
+            tracing::info!(
+                "the model thread has ended with its scheduler (the server is stopping)"
+            );
         }
         if let Some(ended) = self.ended.take() {
             let _ = ended.send(());

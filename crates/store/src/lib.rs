@@ -226,9 +226,11 @@ macro_rules! message_columns {
 // After the column macros, which they use.
 mod conversations;
 mod messages;
+mod tool_steps;
 
 use messages::set_leaf;
 pub use messages::{path_to, StoredRow};
+pub use tool_steps::{ToolStep, ToolStepStatus, INTERRUPTED_TOOL_RESULT};
 
 /// What [`backup`] wrote.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -394,6 +396,7 @@ impl Store {
         // those of replicas whose lease ran out ([`Store::register_replica`]).
         if recover && backend == Backend::Sqlite {
             store.interrupted_on_open = store.mark_streaming_interrupted().await?;
+            store.mark_open_tool_steps_interrupted().await?;
         }
         if store.interrupted_on_open > 0 {
             tracing::warn!(

@@ -34,6 +34,13 @@ pub struct ConversationSettings {
     /// default model.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub model: Option<String>,
+    /// The tools the model may call in this conversation (tool names; none: no tools).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tools: Vec<String>,
+    /// `required` or a tool's name: the first step of every reply must call a tool (that one);
+    /// `None`: the model decides (OpenAI's `tool_choice`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_choice: Option<String>,
 }
 
 impl Default for ConversationSettings {
@@ -49,6 +56,8 @@ impl Default for ConversationSettings {
             ignore_eos: false,
             grammar: None,
             model: None,
+            tools: Vec::new(),
+            tool_choice: None,
             // Local, not UTC: Hugging Face's `strftime_now` renders the server's local date, and a
             // user expects "today" where the server runs.
             pinned_date: chrono::Local::now().date_naive(),

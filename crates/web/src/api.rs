@@ -47,6 +47,10 @@ pub struct ConversationInput {
     pub grammar: Option<String>,
     /// The model replies come from (an id or alias of `GET /v1/models`); empty: the default.
     pub model: Option<String>,
+    /// The tools the model may call (names of `GET /api/tools`); `[]`: none.
+    pub tools: Option<Vec<String>>,
+    /// `required`, one of `tools`, or `auto` (the model decides).
+    pub tool_choice: Option<String>,
     /// Organising (PATCH only; see [`OrganisationPatch`]): `folder_id: null` takes the
     /// conversation out of its folder; `tags` replaces the set.
     pub pinned: Option<bool>,
@@ -87,6 +91,8 @@ impl ConversationInput {
             ignore_eos: self.ignore_eos,
             grammar: self.grammar.clone(),
             model: self.model.clone(),
+            tools: self.tools.clone(),
+            tool_choice: self.tool_choice.clone(),
         }
     }
 }
@@ -108,6 +114,16 @@ pub struct EditMessage {
     pub content: String,
     #[serde(default)]
     pub message_id: Option<Uuid>,
+}
+
+/// `POST …/tools/decide`: Allow (`allow: true`) or Deny a tool call that waits for it.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ToolDecision {
+    /// The reply that made the call.
+    pub message_id: Uuid,
+    pub step: i64,
+    pub allow: bool,
 }
 
 /// `POST …/regenerate?message_id=`: the user message to answer again (the branch's last one
@@ -197,6 +213,8 @@ pub struct ConversationDetail {
     pub replying: bool,
     /// The model's context window in tokens (the page shows usage against it).
     pub context_window: usize,
+    /// The tool calls the replies made, by reply id, each in order.
+    pub tool_steps: std::collections::HashMap<Uuid, Vec<smolchat_service::records::ToolStep>>,
 }
 
 /// Parses a conversation id from the path.
@@ -269,6 +287,7 @@ fn detail(
         versions: view.versions,
         replying: view.replying,
         context_window: state.platform.model().context_window,
+        tool_steps: view.tool_steps,
     }
 }
 
@@ -434,6 +453,36 @@ pub async fn regenerate(
         .regenerate(&caller, id, message)
         .await?;
     Ok(HttpResponse::Accepted().json(accepted))
+}
+
+/// `POST /api/conversations/{id}/tools/decide` `{"message_id", "step", "allow"}`: allows or
+/// denies a tool call of the running reply that waits for the user (204).
+pub async fn decide_tool(
+    state: web::Data<AppState>,
+    on: OnConversation,
+    body: JsonBody<ToolDecision>,
+) -> Result<HttpResponse, WebError> {
+    let OnConversation { caller, id, .. } = on;
+    let d = body.0;
+    state
+        .platform
+        .conversations()
+        .decide_tool(&caller, id, d.message_id, d.step, d.allow)
+        .await?;
+    Ok(HttpResponse::NoContent().finish())
+}
+
+/// `GET /api/tools`: the tools a conversation may offer (`name`, `description`), and the rules
+/// they run under.
+pub async fn tools(state: web::Data<AppState>) -> HttpResponse {
+    let tools: Vec<_> = state
+        .platform
+        .conversations()
+        .tools()
+        .into_iter()
+        .map(|(name, description)| json!({"name": name, "description": description}))
+        .collect();
+    HttpResponse::Ok().json(json!({ "tools": tools }))
 }
 
 /// `POST /api/conversations/{id}/edit` `{"content", "message_id"?}`: sends a new version of a

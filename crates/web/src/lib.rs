@@ -149,6 +149,11 @@ pub fn routes(cfg: &mut web::ServiceConfig, chat_limit: BodyLimit) {
             .wrap(from_fn(owner::api_owner))
             .wrap(api_headers())
             .service(
+                web::resource("/tools")
+                    .route(web::get().to(api::tools))
+                    .default_service(web::to(method_not_allowed)),
+            )
+            .service(
                 web::resource("/conversations")
                     .route(web::get().to(api::list))
                     .route(web::post().to(api::create))
@@ -200,6 +205,11 @@ pub fn routes(cfg: &mut web::ServiceConfig, chat_limit: BodyLimit) {
             .service(
                 web::resource("/conversations/{id}/stop")
                     .route(web::post().to(api::stop))
+                    .default_service(web::to(method_not_allowed)),
+            )
+            .service(
+                web::resource("/conversations/{id}/tools/decide")
+                    .route(web::post().to(api::decide_tool))
                     .default_service(web::to(method_not_allowed)),
             )
             .service(
@@ -301,6 +311,7 @@ pub fn routes(cfg: &mut web::ServiceConfig, chat_limit: BodyLimit) {
             .route("/{id}/messages", web::post().to(pages::send))
             .route("/{id}/draft", web::post().to(pages::draft))
             .route("/{id}/stop", web::post().to(pages::stop))
+            .route("/{id}/tools/decide", web::post().to(pages::decide_tool))
             .route("/{id}/regenerate", web::post().to(pages::regenerate))
             .route("/{id}/edit", web::post().to(pages::edit))
             .route("/{id}/select", web::post().to(pages::select))

@@ -46,9 +46,9 @@ mod assets;
 mod share;
 
 pub use actions::{
-    create, delete, draft, edit, export_json, export_md, model, regenerate, rename, select, send,
-    settings, stop, thinking, ContentForm, MessageForm, SelectForm, SettingsForm, ThinkingForm,
-    TitleForm,
+    create, decide_tool, delete, draft, edit, export_json, export_md, model, regenerate, rename,
+    select, send, settings, stop, thinking, ContentForm, MessageForm, SelectForm, SettingsForm,
+    ThinkingForm, TitleForm,
 };
 pub use assets::static_file;
 #[cfg(test)]

@@ -7,7 +7,7 @@ use std::future::Future;
 use uuid::Uuid;
 
 use smolchat_serving::types::{GenSummary, RequestId, StopReason};
-use smolchat_store::{FinishedReply, MessageStatus, Store, StoreError, Timings};
+use smolchat_store::{FinishedReply, MessageStatus, Store, StoreError, Timings, ToolStep};
 use smolchat_text::splitter::{SplitEvent, Splitter, ToolCall};
 
 use crate::cluster::WireBody;
@@ -34,6 +34,13 @@ pub(super) struct ReplyBuffer {
     pub stop_requested: bool,
     /// Length of `raw` at the last partial save.
     saved_len: usize,
+    /// Calls of `tool_calls` made in rounds before the current one.
+    round_start: usize,
+    /// The rounds before the current one, added up (a reply with tool calls is several
+    /// requests to the scheduler).
+    earlier: Option<GenSummary>,
+    /// The reply's tool calls as they stand (see [`crate::session`]'s tool loop).
+    pub steps: Vec<ToolStep>,
 }
 
 impl ReplyBuffer {
@@ -57,7 +64,61 @@ impl ReplyBuffer {
             cached_tokens: 0,
             stop_requested: false,
             saved_len: 0,
+            round_start: 0,
+            earlier: None,
+            steps: Vec::new(),
         }
+    }
+
+    /// Exactly what the model generated so far, every round's text.
+    pub fn raw(&self) -> &str {
+        &self.raw
+    }
+
+    /// The tool calls made in the current round.
+    pub fn round_calls(&self) -> &[ToolCall] {
+        &self.tool_calls[self.round_start.min(self.tool_calls.len())..]
+    }
+
+    /// How many rounds of generation the reply has had, the current one included.
+    pub fn rounds(&self) -> usize {
+        1 + self
+            .steps
+            .iter()
+            .map(|s| s.raw_offset)
+            .collect::<std::collections::BTreeSet<_>>()
+            .len()
+    }
+
+    /// Bytes of the raw text and of the answer so far (where a tool call made now sits).
+    pub fn offsets(&self) -> (usize, usize) {
+        (self.raw.len(), self.content.len())
+    }
+
+    /// Ends a round of generation that made tool calls: the text the splitter held, and the
+    /// round's figures kept for the reply's totals. Returns the events for the viewers.
+    pub fn end_round(&mut self, summary: &GenSummary) -> Vec<ReplyEvent> {
+        let held = self.splitter.finish();
+        let events = self.take(held);
+        self.earlier = Some(match self.earlier.take() {
+            None => summary.clone(),
+            Some(e) => add_rounds(e, summary),
+        });
+        events
+    }
+
+    /// Starts the next round: its request, and a splitter for its text (the prompt says
+    /// whether it opens in reasoning).
+    pub fn start_round(
+        &mut self,
+        request_id: RequestId,
+        starts_in_reasoning: bool,
+        prompt_tokens: usize,
+    ) {
+        self.round_start = self.tool_calls.len();
+        self.request_id = Some(request_id);
+        self.splitter = Splitter::new(starts_in_reasoning);
+        self.prompt_tokens = prompt_tokens;
     }
 
     /// Takes the text of generated tokens; returns the events it completes for the viewers.
@@ -137,6 +198,11 @@ impl ReplyBuffer {
 
     /// The end of the reply: the events the splitter still held, and the row to store.
     pub fn finish(mut self, summary: &GenSummary) -> (Vec<ReplyEvent>, FinishedReply) {
+        let total = match self.earlier.take() {
+            None => summary.clone(),
+            Some(e) => add_rounds(e, summary),
+        };
+        let summary = &total;
         let held = self.splitter.finish();
         let tail = self.take(held);
         let (status, error) = match &summary.reason {
@@ -175,6 +241,25 @@ impl ReplyBuffer {
             },
         };
         (tail, finished)
+    }
+}
+
+/// Two rounds of one reply as one: tokens and times added up, the first round's wait for its
+/// first token, the last round's reason and prompt.
+fn add_rounds(earlier: GenSummary, later: &GenSummary) -> GenSummary {
+    GenSummary {
+        reason: later.reason.clone(),
+        prompt_tokens: later.prompt_tokens,
+        cached_tokens: later.cached_tokens,
+        completion_tokens: earlier.completion_tokens + later.completion_tokens,
+        queue_ms: earlier.queue_ms + later.queue_ms,
+        prefill_ms: earlier.prefill_ms + later.prefill_ms,
+        ttft_ms: earlier.ttft_ms,
+        generation_ms: earlier.generation_ms + later.generation_ms,
+        drafted_tokens: earlier.drafted_tokens + later.drafted_tokens,
+        accepted_tokens: earlier.accepted_tokens + later.accepted_tokens,
+        restored_tokens: earlier.restored_tokens + later.restored_tokens,
+        warmed_tokens: earlier.warmed_tokens + later.warmed_tokens,
     }
 }
 

@@ -17,16 +17,18 @@ use uuid::Uuid;
 mod buffer;
 mod mirror;
 mod prompt;
+mod tool_loop;
 
 pub(crate) use mirror::summary_of_stored;
-pub use prompt::{check_message, conversation_prompt};
+pub use prompt::check_message;
+pub use tool_loop::{DecideTool, DENIED_RESULT};
 
 use crate::cluster::{Cluster, Wire, WireBody};
 use crate::completions::{CacheUse, CompletionRequest};
 use crate::reply::ReplyEvent;
 use buffer::ReplyBuffer;
 use mirror::{Follow, Mirror};
-use smolchat_serving::types::{GenEvent, GenSummary, SubmitError};
+use smolchat_serving::types::{GenEvent, GenSummary, StopReason, SubmitError};
 use smolchat_store::{Attachments, Message, MessageStatus, Role, Store, StoreError};
 
 #[derive(Debug, Clone)]
@@ -61,6 +63,8 @@ pub struct SessionShared {
     pub cfg: SessionConfig,
     /// This replica among the others: replies are published to them, theirs relayed here.
     pub cluster: Arc<Cluster>,
+    /// The tools replies may call (see [`ToolLoop`]).
+    pub tools: Arc<crate::tools::Tools>,
 }
 
 /// What a user is told when the store cannot be written (the detail is in the log).
@@ -102,6 +106,9 @@ pub enum SessionError {
     /// The user's drafts took their share of spare time this minute.
     #[error("{0}; the message will still be sent as usual")]
     DraftLimit(smolchat_serving::warm::WarmRefused),
+    /// Allow or Deny for a tool call that does not wait for one.
+    #[error("tool call {step} of this reply is not waiting for Allow or Deny (it was decided, or the reply ended); reload to see where it stands")]
+    ToolStepNotWaiting { step: i64 },
 }
 
 impl From<StoreError> for SessionError {
@@ -171,6 +178,30 @@ pub struct SessionActor {
     reply_model: Option<Arc<crate::models::ServedModel>>,
     /// The model this conversation's last turn ran on (read-ahead and drafts go there).
     model_id: Option<String>,
+    /// The running reply's tool loop, when its conversation offers tools.
+    tool_loop: Option<ToolLoop>,
+}
+
+/// What a reply that may call tools needs between its rounds: what its prompt is built from,
+/// and where its calls stand. The loop: a round of generation ends having made tool calls; each
+/// call is saved (`tool_steps`) and shown, waits for the user's Allow when its tool asks for
+/// one, runs under the tools' limits and its result is saved and shown; once every call of the
+/// round has ended, the prompt (the conversation, the reply so far and the results) is built
+/// again and the next round is submitted on the same conversation cache. At most
+/// `tools.max_rounds` rounds make calls; Stop ends the reply wherever the loop stands.
+struct ToolLoop {
+    conversation: smolchat_store::Conversation,
+    /// The branch before the user message the reply answers.
+    history: Vec<Message>,
+    /// The user message's prompt text (files included).
+    user_text: String,
+    tools: prompt::PromptTools,
+    /// The guest address group the reply's tokens also count against.
+    group: Option<String>,
+    /// Between rounds: the calls wait or run, no request is with the scheduler.
+    between_rounds: bool,
+    /// The call running now (to stop it).
+    running: Option<SpawnHandle>,
 }
 
 impl SessionActor {
@@ -237,7 +268,7 @@ impl SessionActor {
                 return;
             }
             tracing::debug!(conversation = %act.id, "every listener left; stopping the reply");
-            act.cancel_running();
+            act.cancel_running(ctx);
         });
     }
 
@@ -509,6 +540,7 @@ impl SessionActor {
         let Some(reply) = self.reply.take() else {
             return;
         };
+        self.tool_loop = None;
         let model = self.reply_model.take().map(|m| m.id().to_string());
         let id = reply.assistant_message_id;
         let (tail, mut finished) = reply.finish(&summary);
@@ -564,7 +596,15 @@ impl SessionActor {
         );
     }
 
-    fn cancel_running(&mut self) -> bool {
+    fn cancel_running(&mut self, ctx: &mut Context<Self>) -> bool {
+        if self.between_rounds() {
+            // No request with the scheduler: the loop ends here (see `tool_loop`).
+            if let Some(reply) = self.reply.as_mut() {
+                reply.stop_requested = true;
+            }
+            self.end_between_rounds(StopReason::Cancelled, ctx);
+            return true;
+        }
         match self.reply.as_mut() {
             Some(reply) => {
                 match (reply.request_id, &self.reply_model) {
@@ -743,17 +783,34 @@ impl Handler<SendMessage> for SessionActor {
                 .models
                 .for_conversation(conversation.settings.model.as_deref())
                 .await?;
+            let tools = prompt::prompt_tools(&shared.store, &shared.tools, &conversation).await?;
             // Rendering and tokenizing a long history is CPU work: on a blocking thread, not on
             // the event loop that runs this session and the requests beside it.
-            let (prepared, conversation) = {
+            let (prepared, conversation, history, prompt_text, tools) = {
                 let model = Arc::clone(&model);
                 tokio::task::spawn_blocking(move || {
-                    prompt::prepare(&model, &conversation, &history, &prompt_text)
-                        .map(|p| (p, conversation))
+                    prompt::prepare(
+                        &model,
+                        &conversation,
+                        &history,
+                        &tools,
+                        prompt::Turn::Message(&prompt_text),
+                    )
+                    .map(|p| (p, conversation, history, prompt_text, tools))
                 })
                 .await
                 .map_err(|e| SessionError::PromptTask(e.to_string()))??
             };
+            // A conversation that offers tools keeps what its next rounds are built from.
+            let tool_loop = (!tools.specs.is_empty()).then(|| ToolLoop {
+                conversation: conversation.clone(),
+                history,
+                user_text: prompt_text,
+                tools,
+                group: group.clone(),
+                between_rounds: false,
+                running: None,
+            });
             let request = CompletionRequest {
                 prompt: prepared.prompt.clone(),
                 params: prepared.params.clone(),
@@ -779,11 +836,12 @@ impl Handler<SendMessage> for SessionActor {
                         .await?
                 }
             };
-            Ok((completion, user, assistant, prepared, model))
+            Ok((completion, user, assistant, prepared, model, tool_loop))
         };
         Box::pin(work.into_actor(self).map(move |result, act, ctx| {
             act.sending = false;
-            let (completion, user, assistant, prepared, model) = result?;
+            let (completion, user, assistant, prepared, model, tool_loop) = result?;
+            act.tool_loop = tool_loop;
             act.model_id = Some(model.id().to_string());
             act.reply_model = Some(model);
             let request_id = completion.id();
@@ -881,6 +939,8 @@ impl Handler<WarmDraft> for SessionActor {
                 prompt::conversation_and_branch(&shared.store, id).await?;
             let files = prompt::pending_files(&shared.store, id, &msg.files).await?;
             let text = prompt::with_files(files.iter(), &msg.content);
+            // The same tools as the send's prompt, so the warmed prefix is the one it reuses.
+            let tools = prompt::prompt_tools(&shared.store, &shared.tools, &conversation).await?;
             let owner = conversation.owner.clone();
             // Warmed only on the conversation's model when it is loaded: a draft loads nothing.
             let model_id = shared
@@ -893,9 +953,21 @@ impl Handler<WarmDraft> for SessionActor {
             let prefix = {
                 let model = Arc::clone(&model);
                 tokio::task::spawn_blocking(move || {
-                    let drafted = prompt::prepare(&model, &conversation, &history, &text)?;
-                    let longer =
-                        prompt::prepare(&model, &conversation, &history, &format!("{text}x"))?;
+                    let longer_text = format!("{text}x");
+                    let drafted = prompt::prepare(
+                        &model,
+                        &conversation,
+                        &history,
+                        &tools,
+                        prompt::Turn::Message(&text),
+                    )?;
+                    let longer = prompt::prepare(
+                        &model,
+                        &conversation,
+                        &history,
+                        &tools,
+                        prompt::Turn::Message(&longer_text),
+                    )?;
                     let n = settled_prefix(&drafted.prompt, &longer.prompt);
                     let mut tokens = drafted.prompt;
                     tokens.truncate(n);
@@ -958,7 +1030,7 @@ impl StreamHandler<GenEvent> for SessionActor {
                 if let Some(r) = self.reply.as_mut() {
                     r.cached_tokens = cached_tokens;
                     if r.stop_requested {
-                        self.cancel_running();
+                        self.cancel_running(ctx);
                     }
                 }
                 self.broadcast(ReplyEvent::Prefilling {
@@ -976,6 +1048,9 @@ impl StreamHandler<GenEvent> for SessionActor {
                     self.broadcast(event);
                 }
             }
+            GenEvent::Finished(summary) if self.wants_tools(&summary) => {
+                self.start_tool_round(summary, ctx)
+            }
             GenEvent::Finished(summary) => self.finish_reply(summary, ctx),
         }
     }
@@ -992,8 +1067,8 @@ pub struct Stop;
 impl Handler<Stop> for SessionActor {
     type Result = bool;
 
-    fn handle(&mut self, _: Stop, _: &mut Context<Self>) -> bool {
-        self.cancel_running()
+    fn handle(&mut self, _: Stop, ctx: &mut Context<Self>) -> bool {
+        self.cancel_running(ctx)
     }
 }
 
@@ -1074,10 +1149,10 @@ impl Handler<RemoteControl> for SessionActor {
     fn handle(&mut self, msg: RemoteControl, ctx: &mut Context<Self>) {
         match msg {
             RemoteControl::Stop => {
-                self.cancel_running();
+                self.cancel_running(ctx);
             }
             RemoteControl::Deleted => {
-                self.cancel_running();
+                self.cancel_running(ctx);
                 ctx.stop();
             }
             RemoteControl::Sync(_) => {
@@ -1122,7 +1197,7 @@ impl Handler<Shutdown> for SessionActor {
     type Result = ();
 
     fn handle(&mut self, _: Shutdown, ctx: &mut Context<Self>) {
-        self.cancel_running();
+        self.cancel_running(ctx);
         ctx.stop();
     }
 }
@@ -1203,6 +1278,7 @@ impl Sessions {
             last_draft: None,
             reply_model: None,
             model_id: None,
+            tool_loop: None,
         }
         .start();
         live.insert(id, addr.clone());

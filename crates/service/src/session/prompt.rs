@@ -2,7 +2,10 @@
 //! template's messages, rendered and tokenized by the one prompt builder; and the checks every
 //! user message meets.
 
-use smolchat_store::{Conversation, FileRecord, Message, MessageStatus, Role, Store};
+use std::collections::HashMap;
+
+use serde_json::Value;
+use smolchat_store::{Conversation, FileRecord, Message, MessageStatus, Role, Store, ToolStep};
 use smolchat_text::prompt::{Prompt, PromptBuilder};
 use smolchat_text::sampling::SamplingParams;
 use smolchat_text::template::{ChatMessage, RenderOptions};
@@ -35,13 +38,72 @@ pub fn check_message(content: &str, max_chars: usize) -> Result<(), SessionError
     Ok(())
 }
 
-/// The messages a stored conversation plus a new user message stand for: the system prompt, the
-/// kept history (failed replies left out) and the new message. The one mapping from stored
-/// messages to the template's, used by every turn whichever interface sent it.
+/// What follows the stored history in a prompt.
+#[derive(Debug, Clone, Copy)]
+pub(super) enum Turn<'a> {
+    /// A new user message (its prompt text).
+    Message(&'a str),
+    /// The reply being generated goes on after its tool calls: the user message it answers
+    /// (prompt text), the reply's raw text so far and its calls, each with its result.
+    Continue {
+        user: &'a str,
+        raw: &'a str,
+        steps: &'a [ToolStep],
+    },
+}
+
+/// The tools of a turn's prompt: those offered, those the reply must call one of, and the calls
+/// the stored replies made.
+#[derive(Debug, Clone, Default)]
+pub(super) struct PromptTools {
+    /// The offered tools' specs (OpenAI's shape, as the templates read them); empty: none.
+    pub specs: Vec<Value>,
+    /// `(name, parameters)` of the tools the reply's first round must call one of (the
+    /// conversation's `tool_choice`); empty: the model decides.
+    pub forced: Vec<(String, Value)>,
+    /// The stored replies' tool calls, by reply.
+    pub steps: HashMap<Uuid, Vec<ToolStep>>,
+}
+
+/// A generated reply as the template's messages: its text up to each round of tool calls, the
+/// calls' results as `tool` messages, then the rest (`closed`: the reply ended; an open one is
+/// continued by the generation prompt).
+fn push_reply(out: &mut Vec<ChatMessage>, raw: &str, steps: &[ToolStep], closed: bool) {
+    let mut at = 0;
+    let mut i = 0;
+    while i < steps.len() {
+        // Offsets come from the store: kept inside the text, on a character, in order.
+        let mut cut = usize::try_from(steps[i].raw_offset)
+            .unwrap_or(usize::MAX)
+            .min(raw.len())
+            .max(at);
+        while !raw.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        out.push(ChatMessage::generated(&raw[at..cut]));
+        let round = steps[i].raw_offset;
+        while i < steps.len() && steps[i].raw_offset == round {
+            let mut result = ChatMessage::tool(steps[i].result_for_model());
+            result.name = Some(steps[i].name.clone());
+            out.push(result);
+            i += 1;
+        }
+        at = cut;
+    }
+    if steps.is_empty() || (closed && at < raw.len()) {
+        out.push(ChatMessage::generated(&raw[at..]));
+    }
+}
+
+/// The messages a stored conversation plus what follows (a new user message, or the reply going
+/// on after its tool calls) stand for: the system prompt, the kept history (failed replies left
+/// out) and the turn. The one mapping from stored messages to the template's, used by every
+/// turn whichever interface sent it.
 fn conversation_messages(
     conversation: &Conversation,
     history: &[Message],
-    new_user: &str,
+    steps: &HashMap<Uuid, Vec<ToolStep>>,
+    turn: Turn<'_>,
 ) -> Vec<ChatMessage> {
     let s = &conversation.settings;
     let mut messages = Vec::new();
@@ -57,15 +119,25 @@ fn conversation_messages(
             Role::Assistant if m.status != MessageStatus::Error && m.imported => {
                 messages.push(ChatMessage::assistant(&m.content))
             }
-            // The exact generated text, so the re-rendered prompt matches the cached tokens.
-            Role::Assistant if m.status != MessageStatus::Error => messages.push(
-                ChatMessage::generated(m.raw.as_deref().unwrap_or(&m.content)),
+            // The exact generated text, so the re-rendered prompt matches the cached tokens;
+            // with its tool calls' results where they were read.
+            Role::Assistant if m.status != MessageStatus::Error => push_reply(
+                &mut messages,
+                m.raw.as_deref().unwrap_or(&m.content),
+                steps.get(&m.id).map_or(&[][..], Vec::as_slice),
+                true,
             ),
             Role::System => messages.push(ChatMessage::system(&m.content)),
             _ => {}
         }
     }
-    messages.push(ChatMessage::user(new_user));
+    match turn {
+        Turn::Message(text) => messages.push(ChatMessage::user(text)),
+        Turn::Continue { user, raw, steps } => {
+            messages.push(ChatMessage::user(user));
+            push_reply(&mut messages, raw, steps, false);
+        }
+    }
     messages
 }
 
@@ -115,48 +187,85 @@ pub(super) async fn pending_files(
         .collect()
 }
 
-/// The render options of a conversation's turns: its pinned date and its thinking switch.
-fn conversation_render_options(conversation: &Conversation) -> RenderOptions {
+/// The render options of a conversation's turns: its pinned date, its thinking switch and the
+/// tools it offers.
+fn conversation_render_options(conversation: &Conversation, tools: &[Value]) -> RenderOptions {
     let s = &conversation.settings;
     let mut opts = RenderOptions::new(s.pinned_date);
     opts.enable_thinking = Some(s.thinking);
+    opts.tools = (!tools.is_empty()).then(|| tools.to_vec());
     opts
 }
 
 /// The prompt of a conversation's next turn, built by the one prompt builder.
-pub fn conversation_prompt(
+fn conversation_prompt(
     builder: PromptBuilder<'_>,
     conversation: &Conversation,
     history: &[Message],
-    new_user: &str,
+    tools: &PromptTools,
+    turn: Turn<'_>,
 ) -> Result<Prompt, SessionError> {
     builder
         .build(
-            &conversation_messages(conversation, history, new_user),
-            &conversation_render_options(conversation),
+            &conversation_messages(conversation, history, &tools.steps, turn),
+            &conversation_render_options(conversation, &tools.specs),
         )
         .map_err(|e| SessionError::Prompt(std::sync::Arc::new(e)))
 }
 
-/// Builds the conversation plus the new user message into prompt tokens and sampling settings.
+/// Builds the conversation plus what follows into prompt tokens and sampling settings. A reply
+/// whose first round must call a tool (`tools.forced`, a new message only) is held to one call
+/// by a grammar.
 pub(super) fn prepare(
     model: &crate::models::ServedModel,
     conversation: &Conversation,
     history: &[Message],
-    new_user: &str,
+    tools: &PromptTools,
+    turn: Turn<'_>,
 ) -> Result<Prepared, SessionError> {
     // A model kept from thinking gets `enable_thinking = false`, whatever the switch said.
     let prompt = if !model.thinking_kept_off() || !conversation.settings.thinking {
-        conversation_prompt(model.prompt_builder(), conversation, history, new_user)?
+        conversation_prompt(model.prompt_builder(), conversation, history, tools, turn)?
     } else {
         let mut c = conversation.clone();
         c.settings.thinking = false;
-        conversation_prompt(model.prompt_builder(), &c, history, new_user)?
+        conversation_prompt(model.prompt_builder(), &c, history, tools, turn)?
     };
+    let mut params = crate::settings::sampling_of(&conversation.settings);
+    if matches!(turn, Turn::Message(_)) && !tools.forced.is_empty() {
+        params.grammar = Some(smolchat_text::constraint::tool_call_grammar(
+            model.tokenizer(),
+            &tools.forced,
+        ));
+    }
     Ok(Prepared {
         prompt: prompt.tokens,
         starts_in_reasoning: prompt.starts_in_reasoning,
-        params: crate::settings::sampling_of(&conversation.settings),
+        params,
+    })
+}
+
+/// The tools of a conversation's prompts: the specs of those it offers (that are on), those its
+/// `tool_choice` forces, and its replies' stored calls.
+pub(super) async fn prompt_tools(
+    store: &Store,
+    tools: &crate::tools::Tools,
+    conversation: &Conversation,
+) -> Result<PromptTools, SessionError> {
+    let s = &conversation.settings;
+    let offered = tools.offered(&s.tools);
+    let forced = match s.tool_choice.as_deref() {
+        None | Some("auto") => Vec::new(),
+        Some("required") => offered.clone(),
+        Some(name) => offered.iter().filter(|t| t.name == name).cloned().collect(),
+    };
+    Ok(PromptTools {
+        specs: offered.iter().map(|t| t.to_openai()).collect(),
+        forced: forced
+            .into_iter()
+            .map(|t| (t.name.to_string(), t.parameters))
+            .collect(),
+        steps: store.tool_steps_of(conversation.id).await?,
     })
 }
 

@@ -161,6 +161,41 @@ pub async fn stop(
     Ok(HttpResponse::NoContent().finish())
 }
 
+/// `POST /c/{id}/tools/decide`: the Allow or Deny button of a tool call.
+#[derive(Deserialize)]
+pub struct DecideForm {
+    message: String,
+    step: String,
+    /// `allow` or `deny`.
+    decision: String,
+}
+
+pub async fn decide_tool(
+    state: web::Data<AppState>,
+    action: OwnedForm<DecideForm>,
+) -> Result<HttpResponse, PageError> {
+    let OwnedForm { caller, id, form } = action;
+    let message = api::optional_message_id(Some(&form.message))?
+        .ok_or_else(|| WebError::BadRequest("`message`: the reply's id is required".into()))?;
+    let step: i64 = form_number("step", &form.step, "a call's number")?;
+    let allow = match form.decision.as_str() {
+        "allow" => true,
+        "deny" => false,
+        other => {
+            return Err(WebError::BadRequest(format!(
+                "`decision`: {other:?} is neither allow nor deny"
+            ))
+            .into())
+        }
+    };
+    state
+        .platform
+        .conversations()
+        .decide_tool(&caller, id, message, step, allow)
+        .await?;
+    Ok(HttpResponse::NoContent().finish())
+}
+
 /// `POST /c/{id}/regenerate`
 pub async fn regenerate(
     state: web::Data<AppState>,
