@@ -432,6 +432,23 @@
   document.getElementById("cancel-edit").addEventListener("click", () => { setEditing(null); input.value = ""; autosize(); });
 
   messages.addEventListener("click", async (e) => {
+    // Allow or Deny a tool call that waits; the stream brings what happens next.
+    const decide = e.target.closest(".tool-allow, .tool-deny");
+    if (decide) {
+      const block = decide.closest(".tool-decide");
+      if (block) block.querySelectorAll("button").forEach((b) => (b.disabled = true));
+      try {
+        await post("/c/" + convId + "/tools/decide", {
+          message: decide.dataset.message,
+          step: decide.dataset.step,
+          decision: decide.classList.contains("tool-allow") ? "allow" : "deny",
+        });
+      } catch (err) {
+        if (block) block.querySelectorAll("button").forEach((b) => (b.disabled = false));
+        explain(err);
+      }
+      return;
+    }
     const regen = e.target.closest(".regen-btn");
     const edit = e.target.closest(".edit-btn");
     const ver = e.target.closest(".ver-btn");
@@ -783,6 +800,38 @@
     enhance(tail);
     status.textContent = "Writing…";
     scrollDown();
+  });
+  // A tool call of the reply, made or ended: the answer's open block is closed (`flush`), then
+  // the call's block (server-rendered) is added or replaced where the answer stands.
+  on("tool_step", (d) => {
+    if (!current) return;
+    const blocks = current.querySelector(".live-blocks");
+    const tail = current.querySelector(".live-tail");
+    if (!blocks) return;
+    if (d.flush) {
+      const holder = document.createElement("div");
+      holder.className = "live-block";
+      holder.innerHTML = d.flush;
+      blocks.appendChild(holder);
+      enhance(holder);
+    }
+    if (tail) tail.innerHTML = "";
+    const stream = current.querySelector(".stream");
+    if (stream) stream.textContent = "";
+    const tpl = document.createElement("template");
+    tpl.innerHTML = (d.html || "").trim();
+    const fresh = tpl.content.firstElementChild;
+    if (!fresh) return;
+    const old = document.getElementById(fresh.id);
+    if (old) old.replaceWith(fresh); else blocks.appendChild(fresh);
+    const s = d.step || {};
+    if (s.status === "awaiting_approval") setBusy(true, "Waiting for you to allow or deny " + s.name + "…");
+    else if (s.status === "running") setBusy(true, "Running " + s.name + "…");
+    else setBusy(true, "Tool " + s.name + ": " + s.status);
+    scrollDown();
+  });
+  on("continuing", () => {
+    setBusy(true, "Reading the tools' results…");
   });
   on("done", async (d) => {
     sessionStorage.removeItem("smolchat-rejoin-" + convId);

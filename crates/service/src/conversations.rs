@@ -839,7 +839,12 @@ impl Conversations {
     }
 
     /// One message of the caller's conversation, and whether a reply is running.
-    pub async fn message(&self, caller: &Caller, id: Uuid, mid: Uuid) -> Result<(Message, bool)> {
+    pub async fn message(
+        &self,
+        caller: &Caller,
+        id: Uuid,
+        mid: Uuid,
+    ) -> Result<(Message, bool, Vec<smolchat_store::ToolStep>)> {
         let c = self.owned(caller, id).await?;
         let m = self
             .store
@@ -847,7 +852,16 @@ impl Conversations {
             .await?
             .filter(|m| m.conversation_id == c.id)
             .ok_or(ConversationError::NotFound)?;
-        Ok((m, self.replying(c.id).await))
+        let steps = match m.role {
+            Role::Assistant => self
+                .store
+                .tool_steps_of(c.id)
+                .await?
+                .remove(&m.id)
+                .unwrap_or_default(),
+            _ => Vec::new(),
+        };
+        Ok((m, self.replying(c.id).await, steps))
     }
 
     /// One page of the caller's conversations, most recent first, filtered by `filter` (its
@@ -1190,6 +1204,7 @@ mod tests {
             organisation: None,
             messages: vec![
                 ExportedMessage {
+                    tool_calls: Vec::new(),
                     id: Some("u".into()),
                     parent: None,
                     role: Role::User,
@@ -1206,6 +1221,7 @@ mod tests {
                     files: Vec::new(),
                 },
                 ExportedMessage {
+                    tool_calls: Vec::new(),
                     id: Some("other".into()),
                     parent: Some("u".into()),
                     role: Role::Assistant,
@@ -1222,6 +1238,7 @@ mod tests {
                     files: Vec::new(),
                 },
                 ExportedMessage {
+                    tool_calls: Vec::new(),
                     id: Some("a".into()),
                     parent: Some("u".into()),
                     role: Role::Assistant,

@@ -179,6 +179,17 @@ impl ConversationStream {
         };
         match event {
             ReplyEvent::Started { .. } => *live = LiveMarkdown::default(),
+            // A call ends the answer's open block; the call's block follows it (rendered here,
+            // once for every page, with the Allow and Deny buttons while it waits).
+            ReplyEvent::ToolStep { step } => {
+                let body = serde_json::json!({
+                    "type": "tool_step",
+                    "step": step,
+                    "flush": live.flush(),
+                    "html": crate::tool_steps::block(step, true),
+                });
+                return sse::Data::new(body.to_string()).event("tool_step").into();
+            }
             ReplyEvent::Answer { text } => {
                 let update = live.push(text);
                 let body = serde_json::json!({

@@ -57,6 +57,7 @@ pub mod owner;
 pub mod pages;
 pub mod responses;
 mod state;
+pub mod tool_steps;
 pub mod typed;
 pub mod v1;
 

@@ -267,6 +267,18 @@ impl LiveMarkdown {
             tail: render(&self.text[self.done..]),
         }
     }
+
+    /// Ends the text so far (a tool call comes next): whatever was not yet a finished block
+    /// becomes one, and the next text starts a new one. The HTML of that last block.
+    pub fn flush(&mut self) -> String {
+        let html = if self.done < self.text.len() {
+            render(&self.text[self.done..])
+        } else {
+            String::new()
+        };
+        *self = LiveMarkdown::default();
+        html
+    }
 }
 
 #[cfg(test)]

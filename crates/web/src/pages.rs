@@ -158,6 +158,7 @@ pub async fn message_views(
     messages: Vec<Message>,
     versions: Vec<Versions>,
     files: Vec<FileRecord>,
+    steps: std::collections::HashMap<uuid::Uuid, Vec<smolchat_service::records::ToolStep>>,
     replying: bool,
 ) -> Result<Vec<MessageView>, WebError> {
     web::block(move || {
@@ -167,6 +168,9 @@ pub async fn message_views(
             .filter(|(_, m)| matches!(m.role, Role::User | Role::Assistant))
             .map(|(i, m)| {
                 let mut view = MessageView::from_message(m, replying);
+                if let Some(steps) = steps.get(&m.id).filter(|_| !view.streaming) {
+                    view.html = crate::tool_steps::answer_with_steps(&m.content, steps);
+                }
                 view.files = files
                     .iter()
                     .filter(|f| f.message_id == Some(m.id))
@@ -265,6 +269,16 @@ pub struct SettingsView {
     pub max_tokens: usize,
     pub max_tokens_limit: usize,
     pub grammar: String,
+    /// The tools the conversation may offer, each with whether it does.
+    pub tools: Vec<ToolOption>,
+    /// `auto`, `required` or a tool's name.
+    pub tool_choice: String,
+}
+
+pub struct ToolOption {
+    pub name: String,
+    pub description: String,
+    pub chosen: bool,
 }
 
 #[derive(Template)]
@@ -447,7 +461,8 @@ async fn chat_page(
     let first = page_request(None, None)?;
     let (pinned, list) = sidebar_page(state, owner, "", "", &first).await?;
     let caller = owner.caller();
-    let (conversation, messages, versions, replying, organisation, files) = match view {
+    let (conversation, messages, versions, replying, organisation, files, tool_steps) = match view
+    {
         Some(v) => (
             Some(v.conversation),
             v.messages,
@@ -455,6 +470,7 @@ async fn chat_page(
             v.replying,
             v.organisation,
             v.files,
+            v.tool_steps,
         ),
         None => (
             None,
@@ -463,6 +479,7 @@ async fn chat_page(
             false,
             Organisation::default(),
             Vec::new(),
+            Default::default(),
         ),
     };
     let folders = service.folders(&caller).await?;
@@ -493,7 +510,7 @@ async fn chat_page(
         Some(id) if !replying => service.follow_ups(id).await,
         _ => Vec::new(),
     };
-    let views = message_views(messages, versions, files, replying).await?;
+    let views = message_views(messages, versions, files, tool_steps, replying).await?;
     let settings = conversation
         .as_ref()
         .map(|c| c.settings.clone())
@@ -542,6 +559,19 @@ async fn chat_page(
             max_tokens: settings.max_tokens,
             max_tokens_limit: config.limits.max_new_tokens,
             grammar: settings.grammar.clone().unwrap_or_default(),
+            tools: service
+                .tools()
+                .into_iter()
+                .map(|(name, description)| ToolOption {
+                    chosen: settings.tools.iter().any(|t| t == name),
+                    name: name.to_string(),
+                    description: description.to_string(),
+                })
+                .collect(),
+            tool_choice: settings
+                .tool_choice
+                .clone()
+                .unwrap_or_else(|| "auto".into()),
         },
         user_name: owner.name().unwrap_or_default().to_string(),
         is_admin: caller.admin,
@@ -620,7 +650,7 @@ pub async fn message(
     let (cid, mid) = path.into_inner();
     let id = parse_id(&cid)?;
     let mid = parse_id(&mid)?;
-    let (m, replying) = state
+    let (m, replying, steps) = state
         .platform
         .conversations()
         .message(&owner.caller(), id, mid)
@@ -629,7 +659,8 @@ pub async fn message(
             ConversationError::NotFound => WebError::NotFound("message not found".into()),
             other => other.into(),
         })?;
-    let m = message_views(vec![m], Vec::new(), Vec::new(), replying)
+    let steps = std::collections::HashMap::from([(m.id, steps)]);
+    let m = message_views(vec![m], Vec::new(), Vec::new(), steps, replying)
         .await?
         .pop()
         .ok_or_else(|| WebError::NotFound("message not found".into()))?;

@@ -17,6 +17,9 @@ pub struct SharedMessage {
     pub content: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reasoning: Option<String>,
+    /// A reply's tool calls, each with its result (in the snapshot as they were).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tool_steps: Vec<smolchat_store::ToolStep>,
 }
 
 /// What a share link shows.
@@ -38,6 +41,7 @@ impl Conversations {
                 "a reply is being generated; share once it is done".into(),
             ));
         }
+        let mut steps = self.store.tool_steps_of(c.id).await?;
         let messages: Vec<SharedMessage> = self
             .store
             .branch(c.id)
@@ -46,6 +50,7 @@ impl Conversations {
             .filter(|m| matches!(m.role, Role::User | Role::Assistant))
             .map(|m| SharedMessage {
                 role: m.role,
+                tool_steps: steps.remove(&m.id).unwrap_or_default(),
                 content: m.content,
                 reasoning: m.reasoning.filter(|r| !r.is_empty()),
             })

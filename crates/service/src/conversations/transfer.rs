@@ -158,6 +158,28 @@ pub struct ExportedMessage {
     /// it is `raw`).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub files: Vec<ExportedFile>,
+    /// A reply's tool calls, in order, each with its result. (An import keeps the reply's text
+    /// only: the calls are shown in the export, not brought back.)
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tool_calls: Vec<ExportedToolCall>,
+}
+
+/// A tool call of an exported reply.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ExportedToolCall {
+    pub name: String,
+    /// As the model wrote them (JSON text).
+    pub arguments: String,
+    /// done, error, denied or interrupted (or awaiting_approval / running for a reply exported
+    /// while it ran).
+    pub status: String,
+    #[serde(default)]
+    pub result: Option<String>,
+    /// Bytes of the reply's `content` before the call.
+    #[serde(default)]
+    pub content_offset: i64,
+    #[serde(default)]
+    pub duration_ms: Option<f64>,
 }
 
 /// A file of an exported message.
@@ -189,6 +211,28 @@ pub(super) const IMPORT_CHARS_PER_CONTEXT_TOKEN: usize = 16;
 
 /// An export as readable Markdown: the title, the system prompt, then `## User` /
 /// `## Assistant` sections, reasoning folded in a `<details>` block.
+/// A tool call in a Markdown export: a folded block with its arguments and result as code (a
+/// fence longer than any backtick run inside, so nothing the tool wrote can end it).
+fn tool_call_markdown(call: &ExportedToolCall) -> String {
+    let fence = |text: &str| {
+        let longest = text
+            .split(|c| c != '`')
+            .map(str::len)
+            .max()
+            .unwrap_or(0);
+        "`".repeat(longest.max(2) + 1)
+    };
+    let result = call.result.as_deref().unwrap_or("");
+    let (fa, fr) = (fence(&call.arguments), fence(result));
+    format!(
+        "<details>\n<summary>Tool call: {} ({})</summary>\n\n{fa}json\n{}\n{fa}\n\n{fr}\n{}\n{fr}\n\n</details>\n\n",
+        call.name.replace(['<', '>'], ""),
+        call.status,
+        call.arguments,
+        result
+    )
+}
+
 pub fn to_markdown(doc: &ExportedConversation) -> String {
     let mut out = String::new();
     let title = if doc.title.trim().is_empty() {
@@ -217,7 +261,24 @@ pub fn to_markdown(doc: &ExportedConversation) -> String {
             out.push_str(r.trim_end());
             out.push_str("\n\n</details>\n\n");
         }
-        out.push_str(m.content.trim_end());
+        let mut at = 0;
+        for call in &m.tool_calls {
+            let mut cut = usize::try_from(call.content_offset)
+                .unwrap_or(usize::MAX)
+                .min(m.content.len())
+                .max(at);
+            while !m.content.is_char_boundary(cut) {
+                cut -= 1;
+            }
+            let before = m.content[at..cut].trim();
+            if !before.is_empty() {
+                out.push_str(before);
+                out.push_str("\n\n");
+            }
+            out.push_str(&tool_call_markdown(call));
+            at = cut;
+        }
+        out.push_str(m.content[at..].trim());
         out.push_str("\n\n");
         if !matches!(m.status, MessageStatus::Complete) {
             out.push_str(&format!("*({})*\n\n", m.status.as_str()));
@@ -247,6 +308,7 @@ impl Conversations {
             .map(|(i, m)| (m.id, format!("m{}", i + 1)))
             .collect();
         let current = branch.last().and_then(|m| name.get(&m.id).cloned());
+        let mut steps_of = self.store.tool_steps_of(c.id).await?;
         let mut files_of: HashMap<Uuid, Vec<ExportedFile>> = HashMap::new();
         for f in self.store.files_of(c.id).await? {
             if let Some(m) = f.message_id {
@@ -290,6 +352,19 @@ impl Conversations {
                 .into_iter()
                 .map(|m| ExportedMessage {
                     files: files_of.remove(&m.id).unwrap_or_default(),
+                    tool_calls: steps_of
+                        .remove(&m.id)
+                        .unwrap_or_default()
+                        .into_iter()
+                        .map(|s| ExportedToolCall {
+                            status: s.status.as_str().to_string(),
+                            name: s.name,
+                            arguments: s.arguments,
+                            result: s.result,
+                            content_offset: s.content_offset,
+                            duration_ms: s.duration_ms,
+                        })
+                        .collect(),
                     id: name.get(&m.id).cloned(),
                     parent: m.parent_id.and_then(|p| name.get(&p).cloned()),
                     role: m.role,

@@ -324,7 +324,12 @@ mod tests {
             message(Role::User, "Again?", MessageStatus::Complete),
             imported,
         ];
-        let messages = conversation_messages(&conversation(Some("Be brief.")), &history, "Thanks");
+        let messages = conversation_messages(
+            &conversation(Some("Be brief.")),
+            &history,
+            &HashMap::new(),
+            Turn::Message("Thanks"),
+        );
         let roles: Vec<(&str, &str, bool)> = messages
             .iter()
             .map(|m| (m.role.as_str(), m.content.as_str(), m.generated))
@@ -345,7 +350,12 @@ mod tests {
             ]
         );
         // A blank system prompt is no system message.
-        let none = conversation_messages(&conversation(Some("  ")), &[], "Hi");
+        let none = conversation_messages(
+            &conversation(Some("  ")),
+            &[],
+            &HashMap::new(),
+            Turn::Message("Hi"),
+        );
         assert_eq!(none.len(), 1);
     }
 
@@ -375,8 +385,107 @@ mod tests {
     fn a_conversations_date_and_thinking_switch_reach_the_template() {
         let mut c = conversation(None);
         c.settings.thinking = false;
-        let opts = conversation_render_options(&c);
+        let opts = conversation_render_options(&c, &[]);
         assert_eq!(opts.enable_thinking, Some(false));
         assert_eq!(opts.date, c.settings.pinned_date);
+        assert_eq!(opts.tools, None);
+        let spec = serde_json::json!({"type": "function", "function": {"name": "f"}});
+        let opts = conversation_render_options(&c, std::slice::from_ref(&spec));
+        assert_eq!(opts.tools, Some(vec![spec]));
+    }
+
+    fn step(reply: Uuid, n: i64, offset: i64, result: Option<&str>) -> ToolStep {
+        ToolStep {
+            message_id: reply,
+            step: n,
+            name: format!("tool{n}"),
+            arguments: "{}".into(),
+            status: smolchat_store::ToolStepStatus::Done,
+            result: result.map(str::to_string),
+            raw_offset: offset,
+            content_offset: 0,
+            duration_ms: None,
+        }
+    }
+
+    #[test]
+    fn a_reply_with_tool_calls_is_its_rounds_with_the_results_between() {
+        let raw = "<tool_call>a</tool_call><tool_call>b</tool_call>Four.";
+        let mut reply = message(Role::Assistant, "Four.", MessageStatus::Complete);
+        reply.raw = Some(raw.into());
+        let history = [
+            message(Role::User, "2+2?", MessageStatus::Complete),
+            reply.clone(),
+        ];
+        // Two calls in the first round (both at offset 24 would be one round); here one call
+        // a round, the second one interrupted (no result).
+        let steps = HashMap::from([(
+            reply.id,
+            vec![step(reply.id, 0, 24, Some("4")), step(reply.id, 1, 48, None)],
+        )]);
+        let shape = |ms: &[ChatMessage]| -> Vec<(String, String)> {
+            ms.iter()
+                .map(|m| (m.role.clone(), m.content.clone()))
+                .collect()
+        };
+        let messages = conversation_messages(
+            &conversation(None),
+            &history,
+            &steps,
+            Turn::Message("Thanks"),
+        );
+        let s = |a: &str, b: &str| (a.to_string(), b.to_string());
+        assert_eq!(
+            shape(&messages),
+            vec![
+                s("user", "2+2?"),
+                s("assistant", "<tool_call>a</tool_call>"),
+                s("tool", "4"),
+                s("assistant", "<tool_call>b</tool_call>"),
+                s("tool", smolchat_store::INTERRUPTED_TOOL_RESULT),
+                s("assistant", "Four."),
+                s("user", "Thanks"),
+            ]
+        );
+        assert_eq!(messages[2].name.as_deref(), Some("tool0"));
+        // The reply going on after its first call: its text so far and the result, and no
+        // closing turn (the generation prompt opens the next round).
+        let first = [step(reply.id, 0, 24, Some("4"))];
+        let going_on = conversation_messages(
+            &conversation(None),
+            &history[..0],
+            &HashMap::new(),
+            Turn::Continue {
+                user: "2+2?",
+                raw: &raw[..24],
+                steps: &first,
+            },
+        );
+        assert_eq!(
+            shape(&going_on),
+            vec![
+                s("user", "2+2?"),
+                s("assistant", "<tool_call>a</tool_call>"),
+                s("tool", "4"),
+            ]
+        );
+        // Two calls of one round share an offset: one assistant turn, two results.
+        let both = [step(reply.id, 0, 48, Some("x")), step(reply.id, 1, 48, Some("y"))];
+        let mut out = Vec::new();
+        push_reply(&mut out, raw, &both, true);
+        assert_eq!(
+            shape(&out),
+            vec![
+                s("assistant", &raw[..48]),
+                s("tool", "x"),
+                s("tool", "y"),
+                s("assistant", "Four.")
+            ]
+        );
+        // An offset beyond the text stays inside it.
+        let far = [step(reply.id, 0, 999, Some("x"))];
+        let mut out = Vec::new();
+        push_reply(&mut out, "ab", &far, true);
+        assert_eq!(shape(&out), vec![s("assistant", "ab"), s("tool", "x")]);
     }
 }

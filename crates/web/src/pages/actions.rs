@@ -281,6 +281,15 @@ pub struct SettingsForm {
     /// Not in the page's form (admins' benchmarks); when a client sends it, it goes through the
     /// same check as on the JSON API (admins only).
     ignore_eos: Option<String>,
+    /// Present when the form shows the tools (then a tool left unchecked is not offered).
+    tools_shown: Option<String>,
+    /// `auto`, `required` or a tool's name.
+    #[serde(default)]
+    tool_choice: String,
+    /// The tools' checkboxes, `tool:<name>` = `on` (one field a tool: the form decoder takes no
+    /// repeated field).
+    #[serde(flatten)]
+    checked: std::collections::HashMap<String, String>,
 }
 
 /// A checkbox field: browsers send `on` when it is checked and nothing when it is not.
@@ -330,6 +339,22 @@ pub async fn settings(
             .as_deref()
             .map(|v| checkbox("ignore_eos", Some(v)))
             .transpose()?,
+        tools: match form.tools_shown {
+            Some(_) => {
+                let mut chosen = Vec::new();
+                for (field, value) in &form.checked {
+                    if let Some(name) = field.strip_prefix("tool:") {
+                        if checkbox(field, Some(value))? {
+                            chosen.push(name.to_string());
+                        }
+                    }
+                }
+                chosen.sort();
+                Some(chosen)
+            }
+            None => None,
+        },
+        tool_choice: form.tools_shown.as_ref().map(|_| form.tool_choice.clone()),
         ..SettingsPatch::default()
     };
     state

@@ -50,7 +50,7 @@ pub async fn shared(
                 SharedMessageView {
                     role: if assistant { "assistant" } else { "user" },
                     html: if assistant {
-                        markdown::render(&m.content)
+                        crate::tool_steps::answer_with_steps(&m.content, &m.tool_steps)
                     } else {
                         String::new()
                     },
