@@ -74,8 +74,9 @@ impl Builtin {
                               `10 kg to lb`). Use it for any arithmetic.",
                 parameters: json!({
                     "type": "object",
-                    "properties": {"expression": {"type": "string", "description": "e.g. (3 + 4) * 5 / 7"}},
+                    "properties": {"expression": {"type": "string", "maxLength": 500, "description": "e.g. (3 + 4) * 5 / 7"}},
                     "required": ["expression"],
+                    "additionalProperties": false,
                 }),
             },
             Builtin::CurrentTime => ToolSpec {
@@ -83,7 +84,8 @@ impl Builtin {
                 description: "The current date, weekday and time in a time zone.",
                 parameters: json!({
                     "type": "object",
-                    "properties": {"timezone": {"type": "string", "description": "An IANA zone such as Europe/Paris; UTC when left out"}},
+                    "properties": {"timezone": {"type": "string", "maxLength": 64, "description": "An IANA zone such as Europe/Paris; UTC when left out"}},
+                    "additionalProperties": false,
                 }),
             },
             Builtin::SearchConversations => ToolSpec {
@@ -92,8 +94,9 @@ impl Builtin {
                               message text; returns their titles, dates and ids.",
                 parameters: json!({
                     "type": "object",
-                    "properties": {"query": {"type": "string", "description": "at least 3 characters"}},
+                    "properties": {"query": {"type": "string", "minLength": 3, "maxLength": 200, "description": "at least 3 characters"}},
                     "required": ["query"],
+                    "additionalProperties": false,
                 }),
             },
         }

@@ -461,8 +461,7 @@ async fn chat_page(
     let first = page_request(None, None)?;
     let (pinned, list) = sidebar_page(state, owner, "", "", &first).await?;
     let caller = owner.caller();
-    let (conversation, messages, versions, replying, organisation, files, tool_steps) = match view
-    {
+    let (conversation, messages, versions, replying, organisation, files, tool_steps) = match view {
         Some(v) => (
             Some(v.conversation),
             v.messages,

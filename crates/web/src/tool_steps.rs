@@ -125,9 +125,18 @@ mod tests {
         let call = html.find("tool-step").unwrap();
         assert!(html.find("Let me add.").unwrap() < call, "{html}");
         assert!(html.find("<strong>2</strong>").unwrap() > call, "{html}");
-        assert!(html.contains("2 &#60;script&#62;") || html.contains("2 &lt;script&gt;"), "{html}");
-        assert!(!html.contains("<script>") && !html.contains("<b>1+1"), "{html}");
-        assert!(html.contains("3 ms") && html.contains("status-done"), "{html}");
+        assert!(
+            html.contains("2 &#60;script&#62;") || html.contains("2 &lt;script&gt;"),
+            "{html}"
+        );
+        assert!(
+            !html.contains("<script>") && !html.contains("<b>1+1"),
+            "{html}"
+        );
+        assert!(
+            html.contains("3 ms") && html.contains("status-done"),
+            "{html}"
+        );
         // An offset past the text, or inside a character, stays inside it.
         let odd = answer_with_steps("é", &[step(0, 1, ToolStepStatus::Done, Some("x"))]);
         assert!(odd.contains("tool-step"), "{odd}");

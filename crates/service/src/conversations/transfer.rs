@@ -215,11 +215,7 @@ pub(super) const IMPORT_CHARS_PER_CONTEXT_TOKEN: usize = 16;
 /// fence longer than any backtick run inside, so nothing the tool wrote can end it).
 fn tool_call_markdown(call: &ExportedToolCall) -> String {
     let fence = |text: &str| {
-        let longest = text
-            .split(|c| c != '`')
-            .map(str::len)
-            .max()
-            .unwrap_or(0);
+        let longest = text.split(|c| c != '`').map(str::len).max().unwrap_or(0);
         "`".repeat(longest.max(2) + 1)
     };
     let result = call.result.as_deref().unwrap_or("");

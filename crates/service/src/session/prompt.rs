@@ -421,7 +421,10 @@ mod tests {
         // a round, the second one interrupted (no result).
         let steps = HashMap::from([(
             reply.id,
-            vec![step(reply.id, 0, 24, Some("4")), step(reply.id, 1, 48, None)],
+            vec![
+                step(reply.id, 0, 24, Some("4")),
+                step(reply.id, 1, 48, None),
+            ],
         )]);
         let shape = |ms: &[ChatMessage]| -> Vec<(String, String)> {
             ms.iter()
@@ -470,7 +473,10 @@ mod tests {
             ]
         );
         // Two calls of one round share an offset: one assistant turn, two results.
-        let both = [step(reply.id, 0, 48, Some("x")), step(reply.id, 1, 48, Some("y"))];
+        let both = [
+            step(reply.id, 0, 48, Some("x")),
+            step(reply.id, 1, 48, Some("y")),
+        ];
         let mut out = Vec::new();
         push_reply(&mut out, raw, &both, true);
         assert_eq!(

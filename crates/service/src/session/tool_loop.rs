@@ -64,7 +64,7 @@ impl SessionActor {
         let Some(reply) = self.reply.as_mut() else {
             return;
         };
-        let mut events = reply.end_round(&summary);
+        let events = reply.end_round(&summary);
         let (raw_offset, content_offset) = reply.offsets();
         let calls = reply.round_calls().to_vec();
         let mut made = Vec::with_capacity(calls.len());
@@ -91,16 +91,12 @@ impl SessionActor {
         if let Some(l) = self.tool_loop.as_mut() {
             l.between_rounds = true;
         }
-        events.extend(
-            made.iter()
-                .cloned()
-                .map(|step| ReplyEvent::ToolStep { step }),
-        );
         for event in events {
             self.broadcast(event);
         }
-        // Saved before anything runs: the reply's text so far, then the calls (in order, so a
-        // later update never lands before its row).
+        // Saved before they are shown or run: the reply's text so far, then the calls (in
+        // order, so a later update never lands before its row). A viewer never sees a call a
+        // crash could lose.
         let store = self.shared.store.clone();
         let save_text = self.reply.as_mut().map(|r| r.save_now(store.clone()));
         async move {
@@ -110,11 +106,16 @@ impl SessionActor {
             for step in &made {
                 store.save_tool_step(step).await?;
             }
-            Ok::<_, smolchat_store::StoreError>(())
+            Ok::<_, smolchat_store::StoreError>(made)
         }
         .into_actor(self)
         .map(|saved, act, ctx| match saved {
-            Ok(()) => act.run_next_step(ctx),
+            Ok(made) => {
+                for step in made {
+                    act.broadcast(ReplyEvent::ToolStep { step });
+                }
+                act.run_next_step(ctx)
+            }
             Err(e) => {
                 tracing::error!(conversation = %act.id, "cannot save a reply's tool calls: {e}");
                 act.end_between_rounds(
@@ -217,14 +218,15 @@ impl SessionActor {
         step.result = Some(result);
         step.duration_ms = duration_ms;
         let step = step.clone();
-        self.broadcast(ReplyEvent::ToolStep { step: step.clone() });
         let store = self.shared.store.clone();
-        async move { store.save_tool_step(&step).await }
+        // Saved, then shown (a failed save is logged: the reply goes on, and its end is saved).
+        async move { (store.save_tool_step(&step).await, step) }
             .into_actor(self)
-            .map(|saved, act, _| {
+            .map(|(saved, step), act, _| {
                 if let Err(e) = saved {
                     tracing::warn!(conversation = %act.id, "cannot save a tool call's result: {e}");
                 }
+                act.broadcast(ReplyEvent::ToolStep { step });
             })
             .wait(ctx);
     }
@@ -384,14 +386,14 @@ impl Handler<DecideTool> for SessionActor {
             };
             step.status = ToolStepStatus::Running;
             let step = step.clone();
-            self.broadcast(ReplyEvent::ToolStep { step: step.clone() });
             let store = self.shared.store.clone();
-            async move { store.save_tool_step(&step).await }
+            async move { (store.save_tool_step(&step).await, step) }
                 .into_actor(self)
-                .map(|saved, act, ctx| {
+                .map(|(saved, step), act, ctx| {
                     if let Err(e) = saved {
                         tracing::warn!(conversation = %act.id, "cannot save an allowed tool call: {e}");
                     }
+                    act.broadcast(ReplyEvent::ToolStep { step });
                     // Unless another call runs already (it goes on to this one when it ends).
                     if act.tool_loop.as_ref().is_some_and(|l| l.running.is_none()) {
                         act.run_next_step(ctx);
