@@ -11,11 +11,13 @@ use common::chromium::*;
 use common::server::Server;
 use serde_json::{json, Value};
 
-const WAITING: &str = "const b = document.querySelector('.tool-step.status-awaiting_approval .tool-allow'); \
+const WAITING: &str =
+    "const b = document.querySelector('.tool-step.status-awaiting_approval .tool-allow'); \
      return b !== null && !b.disabled;";
 
 /// The finished replies' tool blocks' statuses, in order.
-const BLOCKS: &str = "return [...document.querySelectorAll('.msg.assistant:not(.streaming) .tool-step')] \
+const BLOCKS: &str =
+    "return [...document.querySelectorAll('.msg.assistant:not(.streaming) .tool-step')] \
      .map(b => [...b.classList].find(c => c.startsWith('status-')));";
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -66,7 +68,10 @@ async fn allow_and_deny_calls_reload_mid_loop_and_stop_while_one_waits() {
 
     // A call waits with its buttons; reloaded meanwhile, the page shows it waiting still.
     send(&c, "What is 6 times 7?").await;
-    wait_js(&c, WAITING, "a call waiting for approval", |v| v == &json!(true)).await;
+    wait_js(&c, WAITING, "a call waiting for approval", |v| {
+        v == &json!(true)
+    })
+    .await;
     c.refresh().await.expect("reload");
     wait_js(&c, WAITING, "the call still waiting after a reload", |v| {
         v == &json!(true)
@@ -89,7 +94,9 @@ async fn allow_and_deny_calls_reload_mid_loop_and_stop_while_one_waits() {
     wait_js(&c, IDLE, "the second reply", |v| v == &json!(2)).await;
     let blocks = js(&c, BLOCKS).await;
     assert_eq!(blocks[1], json!("status-denied"), "{blocks}");
-    let conv: Value = fetch(&c, "GET", &format!("/api/conversations/{id}"), None).await.1;
+    let conv: Value = fetch(&c, "GET", &format!("/api/conversations/{id}"), None)
+        .await
+        .1;
     let replies: Vec<&Value> = conv["messages"]
         .as_array()
         .expect("messages")
@@ -103,7 +110,9 @@ async fn allow_and_deny_calls_reload_mid_loop_and_stop_while_one_waits() {
     wait_js(&c, WAITING, "the third call", |v| v == &json!(true)).await;
     click(&c, "#stop-btn").await;
     wait_js(&c, IDLE, "the stopped reply", |v| v == &json!(3)).await;
-    let conv: Value = fetch(&c, "GET", &format!("/api/conversations/{id}"), None).await.1;
+    let conv: Value = fetch(&c, "GET", &format!("/api/conversations/{id}"), None)
+        .await
+        .1;
     let last = conv["messages"]
         .as_array()
         .and_then(|m| m.last())

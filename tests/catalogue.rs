@@ -530,6 +530,41 @@ fn catalogue() -> Vec<Case> {
             .json(r#"{"content":"x","messageid":"y"}"#),
     );
     add(
+        "api tools decide: nothing waits for a decision",
+        case("", M::POST, "/api/conversations/{mine}/tools/decide", 409)
+            .json(r#"{"message_id":"0190f5c2-7d5e-7000-8000-000000000000","step":0,"allow":true}"#),
+    );
+    add(
+        "api tools decide: other owner's conversation",
+        case("", M::POST, "/api/conversations/{theirs}/tools/decide", 404)
+            .json(r#"{"message_id":"0190f5c2-7d5e-7000-8000-000000000000","step":0,"allow":true}"#),
+    );
+    add(
+        "api tools decide: allow is not a boolean",
+        case("", M::POST, "/api/conversations/{mine}/tools/decide", 400).json(
+            r#"{"message_id":"0190f5c2-7d5e-7000-8000-000000000000","step":0,"allow":"yes"}"#,
+        ),
+    );
+    add(
+        "page tools decide: neither allow nor deny",
+        case("", M::POST, "/c/{mine}/tools/decide", 400)
+            .form("message=0190f5c2-7d5e-7000-8000-000000000000&step=0&decision=maybe"),
+    );
+    add(
+        "page tools decide: step not a number",
+        case("", M::POST, "/c/{mine}/tools/decide", 400)
+            .form("message=0190f5c2-7d5e-7000-8000-000000000000&step=one&decision=allow"),
+    );
+    add(
+        "api patch: a tool that is not one",
+        case("", M::PATCH, "/api/conversations/{mine}", 400).json(r#"{"tools":["rm -rf"]}"#),
+    );
+    add(
+        "api patch: tool_choice among no tools",
+        case("", M::PATCH, "/api/conversations/{mine}", 400)
+            .json(r#"{"tools":[],"tool_choice":"calculator"}"#),
+    );
+    add(
         "api regenerate: message_id not a uuid",
         case(
             "",
@@ -1976,7 +2011,7 @@ async fn with_guests_off_no_spelling_of_a_path_gets_in() {
 #[test]
 fn bad_configuration_files_are_clear_start_up_errors() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let cases: [(&str, &str, &[&str]); 8] = [
+    let cases: [(&str, &str, &[&str]); 10] = [
         (
             "unknown key",
             "[server]\nbindd = \"127.0.0.1:0\"\n",
@@ -2012,6 +2047,16 @@ fn bad_configuration_files_are_clear_start_up_errors() {
             "short cookie secret",
             "[server]\ncookie_secret = \"short\"\n",
             &["cookie_secret", "64"],
+        ),
+        (
+            "approval for a tool that is not one",
+            "[tools]\nrequire_approval = [\"shell\"]\n",
+            &["tools.require_approval", "shell", "calculator"],
+        ),
+        (
+            "no rounds of tools",
+            "[tools]\nmax_rounds = 0\n",
+            &["tools.max_rounds"],
         ),
     ];
     for (name, text, needles) in cases {
