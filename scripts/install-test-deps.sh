@@ -4,13 +4,16 @@
 # starts a private server) and nginx (the load balancer in front of three replicas in
 # tests/replicas.rs) and systemd (`systemd-analyze verify` of packaging/smolchat.service in
 # tests/packaging.rs), and nodejs and npm when there is no `node` (the OpenID Connect provider in
-# tests/oidc); then tests/oidc's npm packages (`npm ci`, pinned by its package-lock.json) when they
-# are missing. Idempotent: does nothing when all are present. Runs from any directory. The apt
+# tests/oidc); then tests/oidc's and tests/mcp's npm packages (`npm ci`, pinned by their
+# package-lock.json: the OpenID provider, the MCP servers) when they are missing. Idempotent: does nothing when all are present. Runs from any directory. The apt
 # step needs root (CI runs as root) or sudo; under sudo, npm runs as the invoking user.
 set -eu
 
 REPO=$(CDPATH='' cd -- "$(dirname -- "$0")/.." && pwd)
 OIDC_DIR="$REPO/tests/oidc"
+# The MCP servers tests/mcp.rs starts (@modelcontextprotocol/server-everything and
+# server-filesystem, pinned by tests/mcp/package-lock.json).
+MCP_DIR="$REPO/tests/mcp"
 
 have_postgres() {
     ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1
@@ -99,4 +102,25 @@ fi
 
 if [ ! -d "$OIDC_DIR/node_modules/oidc-provider" ]; then
     install_oidc_packages
+fi
+
+install_mcp_packages() {
+    echo "install-test-deps: installing tests/mcp's npm packages (MCP servers) with npm ci" >&2
+    if [ "$(id -u)" -eq 0 ] && [ -n "${SUDO_USER:-}" ] && [ "$SUDO_USER" != root ] \
+        && command -v sudo >/dev/null 2>&1; then
+        sudo -u "$SUDO_USER" -- npm ci --prefix "$MCP_DIR" --no-audit --no-fund
+    else
+        npm ci --prefix "$MCP_DIR" --no-audit --no-fund
+    fi
+    for pkg in server-everything server-filesystem; do
+        if [ ! -d "$MCP_DIR/node_modules/@modelcontextprotocol/$pkg" ]; then
+            echo "install-test-deps: $MCP_DIR/node_modules/@modelcontextprotocol/$pkg is still missing after npm ci" >&2
+            exit 1
+        fi
+    done
+}
+
+if [ ! -d "$MCP_DIR/node_modules/@modelcontextprotocol/server-filesystem" ] \
+    || [ ! -d "$MCP_DIR/node_modules/@modelcontextprotocol/server-everything" ]; then
+    install_mcp_packages
 fi

@@ -945,26 +945,7 @@ impl Config {
         let bad = |m: String| Err(ConfigError::Invalid(m));
         check_names("model.aliases", &self.model.aliases)?;
         self.validate_models()?;
-        let t = &self.tools;
-        if !(1..=32).contains(&t.max_rounds) {
-            return bad(format!(
-                "tools.max_rounds must be between 1 and 32, not {}",
-                t.max_rounds
-            ));
-        }
-        if t.max_result_chars == 0 || t.timeout_s == 0 {
-            return bad("tools.max_result_chars and tools.timeout_s must be at least 1".into());
-        }
-        if let Some(unknown) = t.require_approval.iter().find(|n| {
-            !crate::tools::Builtin::ALL
-                .iter()
-                .any(|b| b.name() == n.as_str())
-        }) {
-            return bad(format!(
-                "tools.require_approval names {unknown:?}, which is not a tool; the tools are {}",
-                crate::tools::Builtin::ALL.map(|b| b.name()).join(", ")
-            ));
-        }
+        self.tools.check().map_err(ConfigError::Invalid)?;
         let s = &self.scheduler;
         if s.max_running == Some(0) {
             return bad("scheduler.max_running must be at least 1".into());

@@ -569,15 +569,61 @@ impl Conversations {
             .map_err(|m| invalid(field, m))
     }
 
-    /// The tools a conversation may offer: `(name, description)` of each that is on.
-    pub fn tools(&self) -> Vec<(&'static str, &'static str)> {
+    /// The tools the caller's conversations may offer now: `(name, description)` of each.
+    pub fn tools(&self, caller: &Caller) -> Vec<(String, String)> {
         self.sessions
             .shared()
             .tools
-            .specs()
+            .specs_for(caller.admin)
             .into_iter()
             .map(|t| (t.name, t.description))
             .collect()
+    }
+
+    /// The MCP servers and where each stands (the admin page, `/ops/tools`).
+    pub fn tool_servers(&self) -> Vec<crate::mcp::McpStatus> {
+        self.sessions
+            .shared()
+            .tools
+            .mcp()
+            .servers()
+            .iter()
+            .map(|s| s.status())
+            .collect()
+    }
+
+    /// Runs tool `name` once as the admin would (the admin's "try it", `POST /ops/tools/call`),
+    /// under the rules of every call; audited.
+    pub async fn try_tool(
+        &self,
+        caller: &Caller,
+        name: &str,
+        arguments: &serde_json::Value,
+    ) -> crate::tools::ToolResult {
+        let ctx = crate::tools::ToolContext {
+            store: &self.store,
+            owner: &caller.owner,
+            admin: true,
+        };
+        let result = self
+            .sessions
+            .shared()
+            .tools
+            .call(&ctx, name, arguments)
+            .await;
+        self.audit
+            .record_by(
+                caller,
+                "tool.call",
+                "admin",
+                &format!(
+                    "{name}: {} in {} ms",
+                    if result.error { "error" } else { "done" },
+                    result.duration.as_millis()
+                ),
+            )
+            .await;
+        result
     }
 
     /// Allows or denies tool call `step` of reply `message`, which waits for the caller's

@@ -209,7 +209,12 @@ impl Platform {
                 disconnect_grace: Duration::from_millis(config.session.disconnect_grace_ms),
             },
             cluster: Arc::clone(&cluster),
-            tools: Arc::new(crate::tools::Tools::new(config.tools.clone())),
+            tools: {
+                let tools = crate::tools::Tools::new(config.tools.clone());
+                // MCP servers connect in the background: none holds up the start.
+                tools.start();
+                Arc::new(tools)
+            },
         });
         sessions.receive_from(&cluster);
         cluster.run(scheduler.clone());

@@ -18,12 +18,14 @@ use serde_json::{json, Value};
 
 use smolchat_store::Store;
 
+use crate::mcp::{McpServerConfig, McpServers, OfferTo};
+
 /// A tool as the model is told of it: OpenAI's function shape (`{"type": "function",
 /// "function": {name, description, parameters}}`), which the chat templates read.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ToolSpec {
-    pub name: &'static str,
-    pub description: &'static str,
+    pub name: String,
+    pub description: String,
     /// A JSON Schema of its arguments.
     pub parameters: Value,
 }
@@ -62,16 +64,21 @@ impl Builtin {
     ];
 
     pub fn name(self) -> &'static str {
-        self.spec().name
+        match self {
+            Builtin::Calculator => "calculator",
+            Builtin::CurrentTime => "current_time",
+            Builtin::SearchConversations => "search_conversations",
+        }
     }
 
     pub fn spec(self) -> ToolSpec {
         match self {
             Builtin::Calculator => ToolSpec {
-                name: "calculator",
+                name: self.name().into(),
                 description: "Evaluates an arithmetic expression exactly (fractions, big \
                               integers, powers, roots, percentages, unit conversions such as \
-                              `10 kg to lb`). Use it for any arithmetic.",
+                              `10 kg to lb`). Use it for any arithmetic."
+                    .into(),
                 parameters: json!({
                     "type": "object",
                     "properties": {"expression": {"type": "string", "maxLength": 500, "description": "e.g. (3 + 4) * 5 / 7"}},
@@ -80,8 +87,8 @@ impl Builtin {
                 }),
             },
             Builtin::CurrentTime => ToolSpec {
-                name: "current_time",
-                description: "The current date, weekday and time in a time zone.",
+                name: self.name().into(),
+                description: "The current date, weekday and time in a time zone.".into(),
                 parameters: json!({
                     "type": "object",
                     "properties": {"timezone": {"type": "string", "maxLength": 64, "description": "An IANA zone such as Europe/Paris; UTC when left out"}},
@@ -89,9 +96,10 @@ impl Builtin {
                 }),
             },
             Builtin::SearchConversations => ToolSpec {
-                name: "search_conversations",
+                name: self.name().into(),
                 description: "Searches the user's own earlier conversations by title and \
-                              message text; returns their titles, dates and ids.",
+                              message text; returns their titles, dates and ids."
+                    .into(),
                 parameters: json!({
                     "type": "object",
                     "properties": {"query": {"type": "string", "minLength": 3, "maxLength": 200, "description": "at least 3 characters"}},
@@ -126,21 +134,48 @@ pub struct ToolResult {
     pub duration: Duration,
 }
 
-/// What a call may see of who made it: the store, and the owner whose data it may read.
+/// What a call may see of who made it: the store, the owner whose data it may read, and
+/// whether they are an admin (some servers' tools are for admins only).
 pub struct ToolContext<'a> {
     pub store: &'a Store,
     pub owner: &'a str,
+    pub admin: bool,
 }
 
-/// The tools offered and the rules every call runs under.
-#[derive(Debug, Clone)]
+/// The tools offered and the rules every call runs under: the built-in ones and the MCP
+/// servers' ([`crate::mcp`]).
+#[derive(Clone)]
 pub struct Tools {
     cfg: ToolsConfig,
+    mcp: Arc<McpServers>,
+}
+
+impl std::fmt::Debug for Tools {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Tools").field("cfg", &self.cfg).finish()
+    }
 }
 
 impl Tools {
     pub fn new(cfg: ToolsConfig) -> Self {
-        Self { cfg }
+        let mcp = Arc::new(McpServers::new(&cfg.mcp));
+        Self { cfg, mcp }
+    }
+
+    /// Connects the MCP servers in the background (needs a Tokio runtime).
+    pub fn start(&self) {
+        self.mcp.start();
+    }
+
+    /// The MCP servers, for the admin page and `/ops/tools`.
+    pub fn mcp(&self) -> &McpServers {
+        &self.mcp
+    }
+
+    /// Whether a name is one of the configured MCP servers' (`<server>__<tool>`), connected or
+    /// not.
+    fn is_mcp_name(&self, name: &str) -> bool {
+        self.mcp.route(name).is_some()
     }
 
     /// The built-in tools that are on.
@@ -155,24 +190,55 @@ impl Tools {
             .collect()
     }
 
-    /// The specs of the tools that are on.
-    pub fn specs(&self) -> Vec<ToolSpec> {
-        self.enabled().into_iter().map(Builtin::spec).collect()
+    /// The specs of the tools offered to everyone (`admin`: to admins) now: the built-in
+    /// ones that are on, then the connected MCP servers'.
+    pub fn specs_for(&self, admin: bool) -> Vec<ToolSpec> {
+        let mut specs: Vec<ToolSpec> = self.enabled().into_iter().map(Builtin::spec).collect();
+        for s in self.mcp.servers() {
+            if s.config().offer_to == OfferTo::Admins && !admin {
+                continue;
+            }
+            specs.extend(s.tools().into_iter().map(|t| ToolSpec {
+                name: t.name,
+                description: t.description,
+                parameters: t.schema,
+            }));
+        }
+        specs
     }
 
-    /// The specs of `names` that are on, in the order given (a name no longer on is left out:
-    /// a conversation keeps its choice when an admin turns a tool off).
-    pub fn offered(&self, names: &[String]) -> Vec<ToolSpec> {
-        let on = self.specs();
+    /// The specs of the tools offered to everyone now.
+    pub fn specs(&self) -> Vec<ToolSpec> {
+        self.specs_for(false)
+    }
+
+    /// The specs of `names` offered now (to an admin with `admin`), in the order given (a name
+    /// no longer on, or of a server not connected, is left out: a conversation keeps its
+    /// choice when a tool goes away).
+    pub fn offered(&self, names: &[String], admin: bool) -> Vec<ToolSpec> {
+        let on = self.specs_for(admin);
         names
             .iter()
-            .filter_map(|n| on.iter().find(|s| s.name == n.as_str()).cloned())
+            .filter_map(|n| on.iter().find(|s| s.name == *n).cloned())
             .collect()
     }
 
-    /// Whether every call of `name` waits for the user's Allow.
+    /// Whether any tool is for admins only (then who the owner is matters).
+    pub fn has_admin_only(&self) -> bool {
+        self.mcp
+            .servers()
+            .iter()
+            .any(|s| s.config().offer_to == OfferTo::Admins)
+    }
+
+    /// Whether every call of `name` waits for the user's Allow: named in
+    /// `tools.require_approval`, or a tool of a server that asks for it.
     pub fn needs_approval(&self, name: &str) -> bool {
         self.cfg.require_approval.iter().any(|n| n == name)
+            || self
+                .mcp
+                .route(name)
+                .is_some_and(|(s, _)| s.config().require_approval)
     }
 
     /// The most rounds of calls one reply may make.
@@ -183,8 +249,19 @@ impl Tools {
     /// Checks a conversation's choice of tools: every name a tool that is on, `tool_choice`
     /// `required`, `auto` or one of the chosen tools. The error says what to change.
     pub fn check_choice(&self, names: &[String], choice: Option<&str>) -> Result<(), String> {
-        let on: Vec<&str> = self.enabled().into_iter().map(Builtin::name).collect();
-        if let Some(unknown) = names.iter().find(|n| !on.contains(&n.as_str())) {
+        let mut on: Vec<String> = self
+            .enabled()
+            .into_iter()
+            .map(|b| b.name().to_string())
+            .collect();
+        on.extend(self.specs_for(true).into_iter().map(|s| s.name));
+        on.dedup();
+        // A tool of a configured server that is not connected right now is accepted: it is
+        // offered once the server is back.
+        if let Some(unknown) = names
+            .iter()
+            .find(|n| !on.contains(n) && !self.is_mcp_name(n))
+        {
             return Err(format!(
                 "`tools`: {unknown:?} is not a tool offered here; the tools are: {}",
                 if on.is_empty() {
@@ -213,18 +290,33 @@ impl Tools {
     /// cannot answer gives an error result the model reads.
     pub async fn call(&self, ctx: &ToolContext<'_>, name: &str, arguments: &Value) -> ToolResult {
         let started = Instant::now();
-        let outcome = match self.enabled().into_iter().find(|t| t.name() == name) {
-            None => Err(ToolError::Unknown(name.to_string())),
-            Some(tool) => {
-                let limit = Duration::from_secs(self.cfg.timeout_s.max(1));
-                match parse_arguments(arguments) {
-                    Err(e) => Err(e),
-                    Ok(args) => {
-                        match tokio::time::timeout(limit, run(tool, ctx, &args, limit)).await {
-                            Ok(r) => r,
-                            Err(_) => Err(ToolError::TimedOut(limit.as_secs())),
-                        }
-                    }
+        let limit = Duration::from_secs(self.cfg.timeout_s.max(1));
+        let builtin = self.enabled().into_iter().find(|t| t.name() == name);
+        let outcome = match (builtin, self.mcp.route(name), parse_arguments(arguments)) {
+            (None, None, _) => Err(ToolError::Unknown(name.to_string())),
+            (_, _, Err(e)) => Err(e),
+            (Some(tool), _, Ok(args)) => {
+                match tokio::time::timeout(limit, run(tool, ctx, &args, limit)).await {
+                    Ok(r) => r,
+                    Err(_) => Err(ToolError::TimedOut(limit.as_secs())),
+                }
+            }
+            (None, Some((server, _)), Ok(_))
+                if server.config().offer_to == OfferTo::Admins && !ctx.admin =>
+            {
+                Err(ToolError::Unknown(name.to_string()))
+            }
+            (None, Some((server, tool)), Ok(args)) => {
+                // A server that hangs or is slow to (re)connect ends the call here, never the
+                // reply.
+                let limit = server
+                    .config()
+                    .timeout_s
+                    .map_or(limit, |s| Duration::from_secs(s.max(1)));
+                match tokio::time::timeout(limit, server.call(tool, args)).await {
+                    Ok(Ok(text)) => Ok(text),
+                    Ok(Err(e)) => Err(ToolError::Failed(e.to_string())),
+                    Err(_) => Err(ToolError::TimedOut(limit.as_secs())),
                 }
             }
         };
@@ -448,8 +540,49 @@ pub struct ToolsConfig {
     /// The most rounds of tool calls one reply may make; the reply ends after the last one's
     /// results are shown.
     pub max_rounds: usize,
-    /// The tools whose every call waits for the user's Allow (tool names).
+    /// The tools whose every call waits for the user's Allow (tool names; an MCP server's
+    /// as `<server>__<tool>`, or all of a server's with its `require_approval`).
     pub require_approval: Vec<String>,
+    /// `[[tools.mcp]]`: MCP servers whose tools are offered ([`crate::mcp`]).
+    pub mcp: Vec<McpServerConfig>,
+}
+
+impl ToolsConfig {
+    /// The one check of `[tools]`; the error names the key.
+    pub fn check(&self) -> Result<(), String> {
+        if !(1..=32).contains(&self.max_rounds) {
+            return Err(format!(
+                "tools.max_rounds must be between 1 and 32, not {}",
+                self.max_rounds
+            ));
+        }
+        if self.max_result_chars == 0 || self.timeout_s == 0 {
+            return Err("tools.max_result_chars and tools.timeout_s must be at least 1".into());
+        }
+        let mut names: Vec<&str> = Vec::new();
+        for (i, s) in self.mcp.iter().enumerate() {
+            s.check(&format!("tools.mcp[{i}]"))?;
+            if names.contains(&s.name.as_str()) {
+                return Err(format!(
+                    "tools.mcp[{i}].name {:?} is taken by another server",
+                    s.name
+                ));
+            }
+            names.push(&s.name);
+        }
+        let known = |n: &str| {
+            Builtin::ALL.iter().any(|b| b.name() == n)
+                || n.split_once("__").is_some_and(|(s, _)| names.contains(&s))
+        };
+        if let Some(unknown) = self.require_approval.iter().find(|n| !known(n)) {
+            return Err(format!(
+                "tools.require_approval names {unknown:?}, which is not a tool; the tools are {} \
+                 and <server>__<tool> of the MCP servers configured",
+                Builtin::ALL.map(|b| b.name()).join(", ")
+            ));
+        }
+        Ok(())
+    }
 }
 
 impl Default for ToolsConfig {
@@ -462,6 +595,7 @@ impl Default for ToolsConfig {
             timeout_s: 10,
             max_rounds: 4,
             require_approval: Vec::new(),
+            mcp: Vec::new(),
         }
     }
 }

@@ -10,6 +10,7 @@
 //! | `POST /admin/c/{id}/stop`, `/evict`; `DELETE /admin/c/{id}` | actions |
 //! | `POST /admin/models/{id}/{load,unload,default}` | a model's actions |
 //! | `GET /ops/models`; `POST /ops/models/{id}/load`, `/unload`, `/default` | the same for the command line, the admin token as bearer |
+//! | `GET /ops/tools`; `POST /ops/tools/call` | the tools and MCP servers; one call of a tool (admin token as bearer) |
 //!
 //! Sign-in, sessions and throttling live in [`smolchat_auth::admin`]; this module only moves
 //! cookies and renders. The session cookie carries a random token (the database keeps its
@@ -32,6 +33,7 @@ mod audit;
 mod live;
 mod models;
 mod session;
+mod tools;
 mod users;
 
 pub use audit::{audit, audit_export, AuditPage, AuditQuery, AuditRow};
@@ -40,6 +42,7 @@ pub use live::{delete, evict, live, stop, AdminRow, EngineView, LiveView, Replic
 pub use models::{action as model_action, ops_action, ops_list, ModelRowView};
 use session::logged_in;
 pub use session::{login, logout, LoginForm};
+pub use tools::{ops_call as ops_tool_call, ops_list as ops_tools, McpServerView};
 use users::users_view;
 pub use users::{
     create_invite, create_user, delete_user, reset_password, revoke_invite, user_action,

@@ -474,11 +474,11 @@ pub async fn decide_tool(
 
 /// `GET /api/tools`: the tools a conversation may offer (`name`, `description`), and the rules
 /// they run under.
-pub async fn tools(state: web::Data<AppState>) -> HttpResponse {
+pub async fn tools(state: web::Data<AppState>, owner: Owner) -> HttpResponse {
     let tools: Vec<_> = state
         .platform
         .conversations()
-        .tools()
+        .tools(&owner.caller())
         .into_iter()
         .map(|(name, description)| json!({"name": name, "description": description}))
         .collect();

@@ -559,12 +559,12 @@ async fn chat_page(
             max_tokens_limit: config.limits.max_new_tokens,
             grammar: settings.grammar.clone().unwrap_or_default(),
             tools: service
-                .tools()
+                .tools(&caller)
                 .into_iter()
                 .map(|(name, description)| ToolOption {
-                    chosen: settings.tools.iter().any(|t| t == name),
-                    name: name.to_string(),
-                    description: description.to_string(),
+                    chosen: settings.tools.contains(&name),
+                    name,
+                    description,
                 })
                 .collect(),
             tool_choice: settings

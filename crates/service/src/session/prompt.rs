@@ -63,6 +63,8 @@ pub(super) struct PromptTools {
     pub forced: Vec<(String, Value)>,
     /// The stored replies' tool calls, by reply.
     pub steps: HashMap<Uuid, Vec<ToolStep>>,
+    /// Whether the conversation's owner is an admin (tools for admins only are theirs too).
+    pub owner_admin: bool,
 }
 
 /// A generated reply as the template's messages: its text up to each round of tool calls, the
@@ -245,6 +247,20 @@ pub(super) fn prepare(
     })
 }
 
+/// A forced call's argument schema with no arguments beyond those it names: an object schema
+/// that does not say (as many MCP servers' do not) gets `additionalProperties: false`, so a
+/// forced call cannot wander off inventing arguments until it runs out of tokens.
+fn closed(mut schema: Value) -> Value {
+    if let Some(o) = schema.as_object_mut() {
+        if o.get("type").and_then(Value::as_str) == Some("object")
+            && !o.contains_key("additionalProperties")
+        {
+            o.insert("additionalProperties".into(), Value::Bool(false));
+        }
+    }
+    schema
+}
+
 /// The tools of a conversation's prompts: the specs of those it offers (that are on), those its
 /// `tool_choice` forces, and its replies' stored calls.
 pub(super) async fn prompt_tools(
@@ -253,7 +269,14 @@ pub(super) async fn prompt_tools(
     conversation: &Conversation,
 ) -> Result<PromptTools, SessionError> {
     let s = &conversation.settings;
-    let offered = tools.offered(&s.tools);
+    // Who the owner is matters only when some tools are for admins only.
+    let owner_admin = !s.tools.is_empty()
+        && tools.has_admin_only()
+        && matches!(
+            store.user_by_id(&conversation.owner).await?,
+            Some(u) if u.role == smolchat_store::UserRole::Admin && u.disabled_at.is_none()
+        );
+    let offered = tools.offered(&s.tools, owner_admin);
     let forced = match s.tool_choice.as_deref() {
         None | Some("auto") => Vec::new(),
         Some("required") => offered.clone(),
@@ -263,9 +286,10 @@ pub(super) async fn prompt_tools(
         specs: offered.iter().map(|t| t.to_openai()).collect(),
         forced: forced
             .into_iter()
-            .map(|t| (t.name.to_string(), t.parameters))
+            .map(|t| (t.name, closed(t.parameters)))
             .collect(),
         steps: store.tool_steps_of(conversation.id).await?,
+        owner_admin,
     })
 }
 

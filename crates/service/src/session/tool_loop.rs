@@ -141,10 +141,10 @@ impl SessionActor {
             .cloned()
         {
             let (store, tools) = (self.shared.store.clone(), Arc::clone(&self.shared.tools));
-            let owner = self
+            let (owner, admin) = self
                 .tool_loop
                 .as_ref()
-                .map(|l| l.conversation.owner.clone())
+                .map(|l| (l.conversation.owner.clone(), l.tools.owner_admin))
                 .unwrap_or_default();
             let started = Instant::now();
             let id = self.id;
@@ -154,6 +154,7 @@ impl SessionActor {
                 let ctx = ToolContext {
                     store: &store,
                     owner: &owner,
+                    admin,
                 };
                 let result = tools.call(&ctx, &step.name, &arguments).await;
                 let how = if result.error { "error" } else { "done" };

@@ -83,6 +83,8 @@ pub struct LiveView {
     pub engine: EngineView,
     /// Every configured model (a table shown when there is more than one).
     pub models: Vec<super::ModelRowView>,
+    /// The MCP servers (a section shown when there are any).
+    pub mcp: Vec<super::McpServerView>,
     /// Every replica on the database, live or gone within the hour.
     pub replicas: Vec<ReplicaView>,
     pub rows: Vec<AdminRow>,
@@ -161,7 +163,15 @@ fn graphs_view(graphs: Option<GraphStats>) -> String {
 pub(super) async fn live_view(state: &AppState, before: &str) -> Result<LiveView, PageError> {
     let page = page_request(Some(ADMIN_PAGE), Some(before))?;
     let live = state.platform.admin().live(&page).await?;
-    Ok(render_live(live, &page, state.platform.model()))
+    let mut view = render_live(live, &page, state.platform.model());
+    view.mcp = state
+        .platform
+        .conversations()
+        .tool_servers()
+        .iter()
+        .map(super::McpServerView::of)
+        .collect();
+    Ok(view)
 }
 
 /// The operator's live view as the page shows it.
@@ -252,6 +262,7 @@ fn render_live(
     let (gpu_used_percent, gpu_memory) = gpu_memory_view(stats.device_memory);
     LiveView {
         models,
+        mcp: Vec::new(),
         engine: EngineView {
             device: model.device.clone(),
             tier: model.tier.clone(),

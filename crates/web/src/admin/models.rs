@@ -121,7 +121,10 @@ pub async fn action(
 }
 
 /// The admin token as a bearer, checked (and throttled) by the admin sign-in.
-fn ops_caller(state: &AppState, req: &HttpRequest) -> Result<smolchat_service::Caller, WebError> {
+pub(super) fn ops_caller(
+    state: &AppState,
+    req: &HttpRequest,
+) -> Result<smolchat_service::Caller, WebError> {
     let Some(admin) = state.platform.admin_auth() else {
         return Err(WebError::NotFound(
             "the admin API is off: set server.admin_token".into(),
