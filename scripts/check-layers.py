@@ -35,7 +35,10 @@ ALLOWED = {
     "smolchat-serving": {"smolchat-gguf", "smolchat-engine", "smolchat-text"},
     "smolchat-store": set(),
     "smolchat-auth": {"smolchat-store"},
+    # The client side of MCP (an outside system, like the database): no other workspace crate.
+    "smolchat-mcp": set(),
     "smolchat-service": {
+        "smolchat-mcp",
         "smolchat-gguf",
         "smolchat-engine",
         "smolchat-text",
@@ -53,6 +56,7 @@ ALLOWED = {
         "smolchat-serving",
         "smolchat-store",
         "smolchat-auth",
+        "smolchat-mcp",
         "smolchat-service",
         "smolchat-web",
     },
@@ -69,6 +73,8 @@ FORBIDDEN = {
     "smolchat-serving": WEB | {"sqlx"},
     "smolchat-store": WEB | {"actix", "candle-core"},
     "smolchat-auth": WEB | {"actix", "candle-core"},
+    # An HTTP client (reqwest, for Streamable HTTP), never a server framework.
+    "smolchat-mcp": {"actix", "actix-web", "actix-web-lab", "askama", "candle-core", "sqlx"},
     "smolchat-service": WEB | {"candle-core", "sqlx"},
     "smolchat-web": {"candle-core", "sqlx"},
     "smolchat": set(),

@@ -295,6 +295,8 @@ async fn settings_round_trip(db) {
         grammar: Some("root ::= \"ok\"".into()),
         pinned_date: NaiveDate::from_ymd_opt(2024, 2, 29).unwrap(),
         model: Some("smollm2-q8".into()),
+        tools: vec!["calculator".into(), "files__read_file".into()],
+        tool_choice: Some("required".into()),
     };
     let c = store.create_conversation("u", &custom).await.unwrap();
     assert_eq!(c.settings, custom);

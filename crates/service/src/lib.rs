@@ -13,7 +13,6 @@ pub mod config;
 pub mod conversations;
 pub mod documents;
 pub mod files;
-pub mod mcp;
 pub mod models;
 pub mod platform;
 pub mod quotas;
@@ -28,3 +27,6 @@ pub mod validation;
 pub use caller::Caller;
 pub use conversations::{ConversationError, Conversations};
 pub use session::{SessionActor, SessionConfig, SessionShared, Sessions};
+
+/// MCP servers' tools ([`smolchat_mcp`]), as the tools and the admin page name them.
+pub use smolchat_mcp as mcp;

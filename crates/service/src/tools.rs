@@ -679,7 +679,7 @@ mod tests {
             search_conversations: false,
             ..ToolsConfig::default()
         });
-        let names: Vec<&str> = tools.specs().iter().map(|s| s.name).collect();
+        let names: Vec<String> = tools.specs().into_iter().map(|s| s.name).collect();
         assert_eq!(names, ["calculator", "current_time"]);
         let spec = Builtin::Calculator.spec().to_openai();
         assert_eq!(spec["function"]["parameters"]["required"][0], "expression");
@@ -699,9 +699,9 @@ mod tests {
             .contains("one of the chosen tools"));
         assert_eq!(
             tools
-                .offered(&["current_time".into(), "search_conversations".into()])
+                .offered(&["current_time".into(), "search_conversations".into()], false)
                 .iter()
-                .map(|s| s.name)
+                .map(|s| s.name.as_str())
                 .collect::<Vec<_>>(),
             ["current_time"]
         );

@@ -20,7 +20,7 @@ mod prompt;
 mod tool_loop;
 
 pub(crate) use mirror::summary_of_stored;
-pub use prompt::check_message;
+pub use prompt::{check_message, conversation_prompt};
 pub use tool_loop::{DecideTool, DENIED_RESULT};
 
 use crate::cluster::{Cluster, Wire, WireBody};

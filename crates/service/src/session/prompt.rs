@@ -199,8 +199,25 @@ fn conversation_render_options(conversation: &Conversation, tools: &[Value]) -> 
     opts
 }
 
+/// The prompt of a conversation's next message when it offers no tools: what `/v1` builds from
+/// the same messages (`tests/prompt_parity.rs` holds them equal).
+pub fn conversation_prompt(
+    builder: PromptBuilder<'_>,
+    conversation: &Conversation,
+    history: &[Message],
+    new_user: &str,
+) -> Result<Prompt, SessionError> {
+    turn_prompt(
+        builder,
+        conversation,
+        history,
+        &PromptTools::default(),
+        Turn::Message(new_user),
+    )
+}
+
 /// The prompt of a conversation's next turn, built by the one prompt builder.
-fn conversation_prompt(
+fn turn_prompt(
     builder: PromptBuilder<'_>,
     conversation: &Conversation,
     history: &[Message],
@@ -227,11 +244,11 @@ pub(super) fn prepare(
 ) -> Result<Prepared, SessionError> {
     // A model kept from thinking gets `enable_thinking = false`, whatever the switch said.
     let prompt = if !model.thinking_kept_off() || !conversation.settings.thinking {
-        conversation_prompt(model.prompt_builder(), conversation, history, tools, turn)?
+        turn_prompt(model.prompt_builder(), conversation, history, tools, turn)?
     } else {
         let mut c = conversation.clone();
         c.settings.thinking = false;
-        conversation_prompt(model.prompt_builder(), &c, history, tools, turn)?
+        turn_prompt(model.prompt_builder(), &c, history, tools, turn)?
     };
     let mut params = crate::settings::sampling_of(&conversation.settings);
     if matches!(turn, Turn::Message(_)) && !tools.forced.is_empty() {

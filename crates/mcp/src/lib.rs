@@ -1,4 +1,4 @@
-//! MCP servers an admin connects (`[[tools.mcp]]`), through the official Rust SDK (`rmcp`,
+//! MCP servers an admin connects (`[[tools.mcp]]` of smolchat's configuration), through the official Rust SDK (`rmcp`,
 //! client side): a command whose stdio speaks MCP, or a Streamable HTTP URL. Each is connected
 //! in the background at start (a server that fails to start, or is slow to, never holds up the
 //! server or a reply), its tools listed, and offered to the model as `<server>__<tool>` with the
@@ -9,7 +9,7 @@
 //! What a server sends is bounded where it reaches us: tools whose schema is over
 //! [`MAX_SCHEMA_BYTES`] are left out (listed as skipped, with why), at most [`MAX_TOOLS`] tools
 //! a server, descriptions cut to [`MAX_DESCRIPTION_CHARS`]; a result's text is cut by the
-//! tools' rules ([`crate::tools::Tools::call`]). The child's stderr is kept (its last lines, for
+//! tools' rules (smolchat's `Tools::call`). The child's stderr is kept (its last lines, for
 //! the admin page) and never logged: a server may echo what the model sent it.
 
 use std::collections::{BTreeMap, VecDeque};
@@ -582,11 +582,7 @@ mod tests {
 
     #[test]
     fn results_are_text_and_other_content_is_named() {
-        let text = ContentBlock::Text(rmcp::model::TextContent {
-            text: "hello".into(),
-            meta: None,
-            annotations: None,
-        });
+        let text = ContentBlock::text("hello");
         assert_eq!(result_text(&[text.clone(), text], None), "hello\nhello");
         assert_eq!(
             result_text(&[], Some(&serde_json::json!({"sum": 3}))),
