@@ -699,7 +699,10 @@ mod tests {
             .contains("one of the chosen tools"));
         assert_eq!(
             tools
-                .offered(&["current_time".into(), "search_conversations".into()], false)
+                .offered(
+                    &["current_time".into(), "search_conversations".into()],
+                    false
+                )
                 .iter()
                 .map(|s| s.name.as_str())
                 .collect::<Vec<_>>(),
