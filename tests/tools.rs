@@ -791,6 +791,37 @@ mod mcp_servers {
             "{ended}"
         );
 
+        // Stop while that call runs: the reply ends stopped at once (before the call's time
+        // limit), the call with it.
+        let mut events = client.events(&id).await;
+        let sent = client.send(&id, "Again.").await;
+        assert_eq!(sent.status, StatusCode::ACCEPTED, "{}", sent.text);
+        let reply = sent.json["assistant_message_id"]
+            .as_str()
+            .expect("id")
+            .to_string();
+        super::until_step(&mut events, "running").await;
+        let asked = std::time::Instant::now();
+        let stopped = client
+            .post(&format!("/api/conversations/{id}/stop"), &json!({}))
+            .await;
+        assert_eq!(stopped.json["stopped"], true, "{}", stopped.text);
+        let rest = events.until("done").await;
+        assert!(
+            asked.elapsed() < Duration::from_secs(3),
+            "stopped before the call's limit: {:?}",
+            asked.elapsed()
+        );
+        let done = &rest.last().expect("done").data;
+        assert_eq!(done["message"]["status"], "stopped", "{done}");
+        let c = client.conversation(&id).await;
+        let step = &super::reply_steps(&c, &reply)[0];
+        assert_eq!(step["status"], "error", "{step}");
+        assert!(
+            step["result"].as_str().unwrap_or("").contains("stopped"),
+            "{step}"
+        );
+
         // A crash ends the server: shown failed; the call is an error result.
         let r = try_tool(&server, "hostile__crash", json!({})).await;
         assert_eq!(r["error"], true, "{r}");

@@ -180,8 +180,9 @@ impl SessionActor {
                         ToolStepStatus::Done
                     };
                     let ms = started.elapsed().as_secs_f64() * 1e3;
-                    act.end_step(n, status, result.text, Some(ms), ctx);
-                    act.run_next_step(ctx);
+                    act.end_steps(vec![(n, status, result.text, Some(ms))], ctx, |act, ctx| {
+                        act.run_next_step(ctx)
+                    });
                 },
             );
             let handle = ctx.spawn(call);
@@ -199,37 +200,49 @@ impl SessionActor {
         }
     }
 
-    /// Records how step `n` ended: in the reply, to the viewers, in the store.
-    fn end_step(
+    /// Records how the steps `ended` (`(step, status, result, duration)`) ended: in the reply,
+    /// in the store, to the viewers, in that order; then `then`. Everything after runs in
+    /// `then`: actix polls the futures a handler `wait`s on last first, so a second `wait` here
+    /// would run before this one.
+    fn end_steps(
         &mut self,
-        n: i64,
-        status: ToolStepStatus,
-        result: String,
-        duration_ms: Option<f64>,
+        ended: Vec<(i64, ToolStepStatus, String, Option<f64>)>,
         ctx: &mut Context<Self>,
+        then: impl FnOnce(&mut Self, &mut Context<Self>) + 'static,
     ) {
-        let Some(step) = self
-            .reply
-            .as_mut()
-            .and_then(|r| r.steps.iter_mut().find(|s| s.step == n))
-        else {
-            return;
-        };
-        step.status = status;
-        step.result = Some(result);
-        step.duration_ms = duration_ms;
-        let step = step.clone();
+        let mut changed = Vec::with_capacity(ended.len());
+        if let Some(reply) = self.reply.as_mut() {
+            for (n, status, result, duration_ms) in ended {
+                if let Some(step) = reply.steps.iter_mut().find(|s| s.step == n) {
+                    step.status = status;
+                    step.result = Some(result);
+                    step.duration_ms = duration_ms;
+                    changed.push(step.clone());
+                }
+            }
+        }
         let store = self.shared.store.clone();
         // Saved, then shown (a failed save is logged: the reply goes on, and its end is saved).
-        async move { (store.save_tool_step(&step).await, step) }
-            .into_actor(self)
-            .map(|(saved, step), act, _| {
-                if let Err(e) = saved {
-                    tracing::warn!(conversation = %act.id, "cannot save a tool call's result: {e}");
+        async move {
+            let mut failed = None;
+            for step in &changed {
+                if let Err(e) = store.save_tool_step(step).await {
+                    failed = Some(e);
                 }
+            }
+            (failed, changed)
+        }
+        .into_actor(self)
+        .map(move |(failed, changed), act, ctx| {
+            if let Some(e) = failed {
+                tracing::warn!(conversation = %act.id, "cannot save a tool call's result: {e}");
+            }
+            for step in changed {
                 act.broadcast(ReplyEvent::ToolStep { step });
-            })
-            .wait(ctx);
+            }
+            then(act, ctx);
+        })
+        .wait(ctx);
     }
 
     /// Every call of the round has ended: the prompt with their results is built again and the
@@ -341,10 +354,13 @@ impl SessionActor {
                     .collect()
             })
             .unwrap_or_default();
-        for n in open {
-            self.end_step(n, ToolStepStatus::Error, STOPPED_RESULT.into(), None, ctx);
-        }
-        self.finish_reply(between_rounds_summary(reason), ctx);
+        let ended = open
+            .into_iter()
+            .map(|n| (n, ToolStepStatus::Error, STOPPED_RESULT.to_string(), None))
+            .collect();
+        self.end_steps(ended, ctx, move |act, ctx| {
+            act.finish_reply(between_rounds_summary(reason), ctx)
+        });
     }
 
     /// Whether the reply is between rounds (its calls wait or run).
@@ -402,16 +418,16 @@ impl Handler<DecideTool> for SessionActor {
                 })
                 .wait(ctx);
         } else {
-            self.end_step(
-                msg.step,
-                ToolStepStatus::Denied,
-                DENIED_RESULT.into(),
-                None,
+            self.end_steps(
+                vec![(msg.step, ToolStepStatus::Denied, DENIED_RESULT.into(), None)],
                 ctx,
+                |act, ctx| {
+                    // Unless another call runs already (it goes on when that one ends).
+                    if act.tool_loop.as_ref().is_some_and(|l| l.running.is_none()) {
+                        act.run_next_step(ctx);
+                    }
+                },
             );
-            if self.tool_loop.as_ref().is_some_and(|l| l.running.is_none()) {
-                self.run_next_step(ctx);
-            }
         }
         Ok(())
     }
