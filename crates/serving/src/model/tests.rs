@@ -1,3 +1,4 @@
+#![cfg(test)]
 //! The model worker's tests: caches per conversation and per salt, eviction and preemption under
 //! KV pressure, shared prompt prefixes, embeddings, drafts, on the CPU engine and the fast tier's
 //! CPU runner. Test code only (the module is compiled for tests alone).
