@@ -76,6 +76,17 @@ install_debian_tools() {
     fi
 }
 
+# `npm ci` in DIR (pinned by its package-lock.json). Under sudo, as the invoking user:
+# node_modules in the checkout stays theirs.
+npm_ci() {
+    if [ "$(id -u)" -eq 0 ] && [ -n "${SUDO_USER:-}" ] && [ "$SUDO_USER" != root ] \
+        && command -v sudo >/dev/null 2>&1; then
+        sudo -u "$SUDO_USER" -- npm ci --prefix "$1" --no-audit --no-fund
+    else
+        npm ci --prefix "$1" --no-audit --no-fund
+    fi
+}
+
 install_oidc_packages() {
     if ! command -v npm >/dev/null 2>&1; then
         echo "install-test-deps: npm is missing; tests/oidc (the OpenID Connect provider) needs Node.js and npm;" >&2
@@ -83,13 +94,7 @@ install_oidc_packages() {
         exit 1
     fi
     echo "install-test-deps: installing tests/oidc's npm packages with npm ci" >&2
-    # Under sudo, as the invoking user: node_modules in the checkout stays theirs.
-    if [ "$(id -u)" -eq 0 ] && [ -n "${SUDO_USER:-}" ] && [ "$SUDO_USER" != root ] \
-        && command -v sudo >/dev/null 2>&1; then
-        sudo -u "$SUDO_USER" -- npm ci --prefix "$OIDC_DIR" --no-audit --no-fund
-    else
-        npm ci --prefix "$OIDC_DIR" --no-audit --no-fund
-    fi
+    npm_ci "$OIDC_DIR"
     if [ ! -d "$OIDC_DIR/node_modules/oidc-provider" ]; then
         echo "install-test-deps: $OIDC_DIR/node_modules/oidc-provider is still missing after npm ci" >&2
         exit 1
@@ -106,12 +111,7 @@ fi
 
 install_mcp_packages() {
     echo "install-test-deps: installing tests/mcp's npm packages (MCP servers) with npm ci" >&2
-    if [ "$(id -u)" -eq 0 ] && [ -n "${SUDO_USER:-}" ] && [ "$SUDO_USER" != root ] \
-        && command -v sudo >/dev/null 2>&1; then
-        sudo -u "$SUDO_USER" -- npm ci --prefix "$MCP_DIR" --no-audit --no-fund
-    else
-        npm ci --prefix "$MCP_DIR" --no-audit --no-fund
-    fi
+    npm_ci "$MCP_DIR"
     for pkg in server-everything server-filesystem; do
         if [ ! -d "$MCP_DIR/node_modules/@modelcontextprotocol/$pkg" ]; then
             echo "install-test-deps: $MCP_DIR/node_modules/@modelcontextprotocol/$pkg is still missing after npm ci" >&2

@@ -27,6 +27,14 @@ fn steps_seen(events: &[SseEvent]) -> Vec<Value> {
         .collect()
 }
 
+/// The first call of a turn that ended (its last `tool_step` is not `running`).
+fn ended_step(events: &[SseEvent]) -> Value {
+    steps_seen(events)
+        .into_iter()
+        .find(|s| s["status"] != "running")
+        .unwrap_or_else(|| panic!("an ended call: {events:?}"))
+}
+
 /// Reads until a `tool_step` whose status is `status`; returns every event read.
 async fn until_step(events: &mut SseStream, status: &str) -> Vec<SseEvent> {
     let mut seen = Vec::new();
@@ -647,13 +655,7 @@ mod mcp_servers {
             "{:?}",
             turn.events
         );
-        let ended = turn
-            .events
-            .iter()
-            .filter(|e| e.event == "tool_step")
-            .map(|e| e.data["step"].clone())
-            .find(|s| s["status"] != "running")
-            .unwrap_or_else(|| panic!("an ended call: {:?}", turn.events));
+        let ended = super::ended_step(&turn.events);
         let args: Value =
             serde_json::from_str(ended["arguments"].as_str().expect("arguments")).expect("JSON");
         let (a, b) = (
@@ -778,13 +780,7 @@ mod mcp_servers {
             "{:?}",
             turn.events
         );
-        let ended = turn
-            .events
-            .iter()
-            .filter(|e| e.event == "tool_step")
-            .map(|e| e.data["step"].clone())
-            .find(|s| s["status"] != "running")
-            .expect("an ended call");
+        let ended = super::ended_step(&turn.events);
         assert_eq!(ended["status"], "error");
         assert!(
             ended["result"].as_str().unwrap_or("").contains("limit"),

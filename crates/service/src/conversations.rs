@@ -899,12 +899,7 @@ impl Conversations {
             .filter(|m| m.conversation_id == c.id)
             .ok_or(ConversationError::NotFound)?;
         let steps = match m.role {
-            Role::Assistant => self
-                .store
-                .tool_steps_of(c.id)
-                .await?
-                .remove(&m.id)
-                .unwrap_or_default(),
+            Role::Assistant => self.store.tool_steps_of_reply(m.id).await?,
             _ => Vec::new(),
         };
         Ok((m, self.replying(c.id).await, steps))

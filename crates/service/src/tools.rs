@@ -249,13 +249,8 @@ impl Tools {
     /// Checks a conversation's choice of tools: every name a tool that is on, `tool_choice`
     /// `required`, `auto` or one of the chosen tools. The error says what to change.
     pub fn check_choice(&self, names: &[String], choice: Option<&str>) -> Result<(), String> {
-        let mut on: Vec<String> = self
-            .enabled()
-            .into_iter()
-            .map(|b| b.name().to_string())
-            .collect();
-        on.extend(self.specs_for(true).into_iter().map(|s| s.name));
-        on.dedup();
+        // Every tool offered to someone (the built-in ones are in it once).
+        let on: Vec<String> = self.specs_for(true).into_iter().map(|s| s.name).collect();
         // A tool of a configured server that is not connected right now is accepted: it is
         // offered once the server is back.
         if let Some(unknown) = names

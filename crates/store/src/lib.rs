@@ -230,7 +230,7 @@ mod tool_steps;
 
 use messages::set_leaf;
 pub use messages::{path_to, StoredRow};
-pub use tool_steps::{ToolStep, ToolStepStatus, INTERRUPTED_TOOL_RESULT};
+pub use tool_steps::{offset_in, ToolStep, ToolStepStatus, INTERRUPTED_TOOL_RESULT};
 
 /// What [`backup`] wrote.
 #[derive(Debug, Clone, PartialEq, Eq)]

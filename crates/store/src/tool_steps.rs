@@ -60,6 +60,20 @@ impl std::str::FromStr for ToolStepStatus {
     }
 }
 
+/// Where a stored byte `offset` into `text` falls: inside it, on a character, and not before
+/// `from` (offsets come from the database; a wrong one moves a call, it never panics a reader).
+/// The one reading of `raw_offset` and `content_offset` for the prompt, the page and exports.
+pub fn offset_in(text: &str, offset: i64, from: usize) -> usize {
+    let mut at = usize::try_from(offset)
+        .unwrap_or(usize::MAX)
+        .min(text.len())
+        .max(from.min(text.len()));
+    while !text.is_char_boundary(at) {
+        at -= 1;
+    }
+    at
+}
+
 /// The result the model reads for a call the server stopped during.
 pub const INTERRUPTED_TOOL_RESULT: &str =
     "error: the call was interrupted (the server stopped while it ran); it was not run again";
@@ -175,6 +189,20 @@ impl Store {
         Ok(by_reply)
     }
 
+    /// The tool calls of one reply, in order (read as [`Store::tool_steps_of`] reads them).
+    pub async fn tool_steps_of_reply(&self, reply: Uuid) -> Result<Vec<ToolStep>, StoreError> {
+        let rows: Vec<ToolStepRow> = sqlx::query_as(
+            "SELECT s.message_id, s.step, s.name, s.arguments, s.status, s.result, \
+               s.raw_offset, s.content_offset, s.duration_ms, m.status AS message_status \
+             FROM tool_steps s JOIN messages m ON m.id = s.message_id \
+             WHERE s.message_id = $1 ORDER BY s.step",
+        )
+        .bind(reply.to_string())
+        .fetch_all(&self.pool)
+        .await?;
+        rows.into_iter().map(ToolStepRow::into_step).collect()
+    }
+
     /// Marks the calls left waiting or running `interrupted` (their replies were marked so by
     /// [`Store::mark_streaming_interrupted`]); how many there were.
     pub(crate) async fn mark_open_tool_steps_interrupted(&self) -> Result<u64, StoreError> {
@@ -186,5 +214,20 @@ impl Store {
         .execute(&self.pool)
         .await?;
         Ok(result.rows_affected())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::offset_in;
+
+    #[test]
+    fn a_stored_offset_stays_inside_the_text_on_a_character() {
+        assert_eq!(offset_in("abc", 2, 0), 2);
+        assert_eq!(offset_in("abc", 99, 0), 3);
+        assert_eq!(offset_in("abc", -5, 0), 3, "negative reads as past the end");
+        assert_eq!(offset_in("abc", 1, 2), 2, "never before `from`");
+        assert_eq!(offset_in("é", 1, 0), 0, "inside a character: back to its start");
+        assert_eq!(offset_in("ab", 1, 9), 2, "`from` past the end");
     }
 }

@@ -78,13 +78,7 @@ pub fn answer_with_steps(content: &str, steps: &[ToolStep]) -> String {
     let mut out = String::new();
     let mut at = 0;
     for step in steps {
-        let mut cut = usize::try_from(step.content_offset)
-            .unwrap_or(usize::MAX)
-            .min(content.len())
-            .max(at);
-        while !content.is_char_boundary(cut) {
-            cut -= 1;
-        }
+        let cut = smolchat_service::records::offset_in(content, step.content_offset, at);
         if cut > at {
             out.push_str(&crate::markdown::render(&content[at..cut]));
         }

@@ -259,13 +259,7 @@ pub fn to_markdown(doc: &ExportedConversation) -> String {
         }
         let mut at = 0;
         for call in &m.tool_calls {
-            let mut cut = usize::try_from(call.content_offset)
-                .unwrap_or(usize::MAX)
-                .min(m.content.len())
-                .max(at);
-            while !m.content.is_char_boundary(cut) {
-                cut -= 1;
-            }
+            let cut = smolchat_store::offset_in(&m.content, call.content_offset, at);
             let before = m.content[at..cut].trim();
             if !before.is_empty() {
                 out.push_str(before);

@@ -36,6 +36,8 @@ pub(super) struct ReplyBuffer {
     saved_len: usize,
     /// Calls of `tool_calls` made in rounds before the current one.
     round_start: usize,
+    /// The current round of generation, from 1 (a reply with tool calls is several).
+    round: usize,
     /// The rounds before the current one, added up (a reply with tool calls is several
     /// requests to the scheduler).
     earlier: Option<GenSummary>,
@@ -65,6 +67,7 @@ impl ReplyBuffer {
             stop_requested: false,
             saved_len: 0,
             round_start: 0,
+            round: 1,
             earlier: None,
             steps: Vec::new(),
         }
@@ -80,14 +83,9 @@ impl ReplyBuffer {
         &self.tool_calls[self.round_start.min(self.tool_calls.len())..]
     }
 
-    /// How many rounds of generation the reply has had, the current one included.
-    pub fn rounds(&self) -> usize {
-        1 + self
-            .steps
-            .iter()
-            .map(|s| s.raw_offset)
-            .collect::<std::collections::BTreeSet<_>>()
-            .len()
+    /// The current round of generation, from 1.
+    pub fn round(&self) -> usize {
+        self.round
     }
 
     /// Bytes of the raw text and of the answer so far (where a tool call made now sits).
@@ -116,6 +114,7 @@ impl ReplyBuffer {
         prompt_tokens: usize,
     ) {
         self.round_start = self.tool_calls.len();
+        self.round += 1;
         self.request_id = Some(request_id);
         self.splitter = Splitter::new(starts_in_reasoning);
         self.prompt_tokens = prompt_tokens;

@@ -24,7 +24,6 @@ pub use prompt::{check_message, conversation_prompt};
 pub use tool_loop::{DecideTool, DENIED_RESULT};
 
 use crate::cluster::{Cluster, Wire, WireBody};
-use crate::completions::{CacheUse, CompletionRequest};
 use crate::reply::ReplyEvent;
 use buffer::ReplyBuffer;
 use mirror::{Follow, Mirror};
@@ -811,16 +810,7 @@ impl Handler<SendMessage> for SessionActor {
                 between_rounds: false,
                 running: None,
             });
-            let request = CompletionRequest {
-                prompt: prepared.prompt.clone(),
-                params: prepared.params.clone(),
-                max_tokens: Some(prepared.params.max_new_tokens),
-                cache: CacheUse::Conversation(id),
-                user: Some(conversation.owner.clone()),
-                group,
-                usage_owner: None,
-                key: None,
-            };
+            let request = prepared.request(id, conversation.owner.clone(), group);
             // Ask the scheduler first: an overloaded server refuses before anything is stored.
             let completion = model.submit(request).await?;
             // Should the store refuse the exchange, dropping `completion` cancels the request.

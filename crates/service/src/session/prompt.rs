@@ -20,6 +20,28 @@ pub(super) struct Prepared {
     pub params: SamplingParams,
 }
 
+impl Prepared {
+    /// The scheduler's request for this prompt: a turn of `conversation` (its cache) for
+    /// `owner`, counted against `group` too (a guest's address).
+    pub fn request(
+        &self,
+        conversation: Uuid,
+        owner: String,
+        group: Option<String>,
+    ) -> crate::completions::CompletionRequest {
+        crate::completions::CompletionRequest {
+            prompt: self.prompt.clone(),
+            params: self.params.clone(),
+            max_tokens: Some(self.params.max_new_tokens),
+            cache: crate::completions::CacheUse::Conversation(conversation),
+            user: Some(owner),
+            group,
+            usage_owner: None,
+            key: None,
+        }
+    }
+}
+
 /// The rules every user message meets: not empty, text, within the length limit.
 pub fn check_message(content: &str, max_chars: usize) -> Result<(), SessionError> {
     if content.trim().is_empty() {
@@ -74,14 +96,7 @@ fn push_reply(out: &mut Vec<ChatMessage>, raw: &str, steps: &[ToolStep], closed:
     let mut at = 0;
     let mut i = 0;
     while i < steps.len() {
-        // Offsets come from the store: kept inside the text, on a character, in order.
-        let mut cut = usize::try_from(steps[i].raw_offset)
-            .unwrap_or(usize::MAX)
-            .min(raw.len())
-            .max(at);
-        while !raw.is_char_boundary(cut) {
-            cut -= 1;
-        }
+        let cut = smolchat_store::offset_in(raw, steps[i].raw_offset, at);
         out.push(ChatMessage::generated(&raw[at..cut]));
         let round = steps[i].raw_offset;
         while i < steps.len() && steps[i].raw_offset == round {

@@ -11,7 +11,6 @@ use smolchat_store::{ToolStep, ToolStepStatus};
 use uuid::Uuid;
 
 use super::{prompt, SessionActor, SessionError};
-use crate::completions::{CacheUse, CompletionRequest};
 use crate::reply::ReplyEvent;
 use crate::tools::ToolContext;
 
@@ -54,7 +53,7 @@ impl SessionActor {
         ended_by_itself
             && !reply.stop_requested
             && !reply.round_calls().is_empty()
-            && reply.rounds() <= self.shared.tools.max_rounds()
+            && reply.round() <= self.shared.tools.max_rounds()
     }
 
     /// A round ended having called tools: each call becomes a saved, shown step, then they run
@@ -180,9 +179,11 @@ impl SessionActor {
                         ToolStepStatus::Done
                     };
                     let ms = started.elapsed().as_secs_f64() * 1e3;
-                    act.end_steps(vec![(n, status, result.text, Some(ms))], ctx, |act, ctx| {
-                        act.run_next_step(ctx)
-                    });
+                    act.set_steps(
+                        vec![(n, status, Some(result.text), Some(ms))],
+                        ctx,
+                        |act, ctx| act.run_next_step(ctx),
+                    );
                 },
             );
             let handle = ctx.spawn(call);
@@ -200,13 +201,13 @@ impl SessionActor {
         }
     }
 
-    /// Records how the steps `ended` (`(step, status, result, duration)`) ended: in the reply,
-    /// in the store, to the viewers, in that order; then `then`. Everything after runs in
-    /// `then`: actix polls the futures a handler `wait`s on last first, so a second `wait` here
-    /// would run before this one.
-    fn end_steps(
+    /// Records where steps stand now (`(step, status, result, duration)`): in the reply, in the
+    /// store, to the viewers, in that order; then `then`. Everything after runs in `then`:
+    /// actix polls the futures a handler `wait`s on last first, so a second `wait` here would
+    /// run before this one.
+    fn set_steps(
         &mut self,
-        ended: Vec<(i64, ToolStepStatus, String, Option<f64>)>,
+        ended: Vec<(i64, ToolStepStatus, Option<String>, Option<f64>)>,
         ctx: &mut Context<Self>,
         then: impl FnOnce(&mut Self, &mut Context<Self>) + 'static,
     ) {
@@ -215,7 +216,7 @@ impl SessionActor {
             for (n, status, result, duration_ms) in ended {
                 if let Some(step) = reply.steps.iter_mut().find(|s| s.step == n) {
                     step.status = status;
-                    step.result = Some(result);
+                    step.result = result;
                     step.duration_ms = duration_ms;
                     changed.push(step.clone());
                 }
@@ -261,7 +262,6 @@ impl SessionActor {
         }
         let raw = reply.raw().to_string();
         let steps = reply.steps.clone();
-        let round = reply.rounds() + 1;
         let (conversation, history, user_text, tools, group) = (
             l.conversation.clone(),
             l.history.clone(),
@@ -290,17 +290,7 @@ impl SessionActor {
                 .await
                 .map_err(|e| SessionError::PromptTask(e.to_string()))??
             };
-            let request = CompletionRequest {
-                prompt: prepared.prompt.clone(),
-                params: prepared.params.clone(),
-                max_tokens: Some(prepared.params.max_new_tokens),
-                cache: CacheUse::Conversation(id),
-                user: Some(owner),
-                group,
-                usage_owner: None,
-                key: None,
-            };
-            let completion = model.submit(request).await?;
+            let completion = model.submit(prepared.request(id, owner, group)).await?;
             Ok::<_, SessionError>((completion, prepared))
         };
         work.into_actor(self)
@@ -319,6 +309,7 @@ impl SessionActor {
                         l.between_rounds = false;
                     }
                     ctx.add_stream(completion);
+                    let round = reply.round();
                     act.broadcast(ReplyEvent::Continuing { round });
                     if stop {
                         act.cancel_running(ctx);
@@ -356,9 +347,16 @@ impl SessionActor {
             .unwrap_or_default();
         let ended = open
             .into_iter()
-            .map(|n| (n, ToolStepStatus::Error, STOPPED_RESULT.to_string(), None))
+            .map(|n| {
+                (
+                    n,
+                    ToolStepStatus::Error,
+                    Some(STOPPED_RESULT.to_string()),
+                    None,
+                )
+            })
             .collect();
-        self.end_steps(ended, ctx, move |act, ctx| {
+        self.set_steps(ended, ctx, move |act, ctx| {
             act.finish_reply(between_rounds_summary(reason), ctx)
         });
     }
@@ -393,42 +391,18 @@ impl Handler<DecideTool> for SessionActor {
             return Err(SessionError::ToolStepNotWaiting { step: msg.step });
         }
         self.last_activity = Instant::now();
-        if msg.allow {
-            let Some(step) = self
-                .reply
-                .as_mut()
-                .and_then(|r| r.steps.iter_mut().find(|s| s.step == msg.step))
-            else {
-                return Err(SessionError::ToolStepNotWaiting { step: msg.step });
-            };
-            step.status = ToolStepStatus::Running;
-            let step = step.clone();
-            let store = self.shared.store.clone();
-            async move { (store.save_tool_step(&step).await, step) }
-                .into_actor(self)
-                .map(|(saved, step), act, ctx| {
-                    if let Err(e) = saved {
-                        tracing::warn!(conversation = %act.id, "cannot save an allowed tool call: {e}");
-                    }
-                    act.broadcast(ReplyEvent::ToolStep { step });
-                    // Unless another call runs already (it goes on to this one when it ends).
-                    if act.tool_loop.as_ref().is_some_and(|l| l.running.is_none()) {
-                        act.run_next_step(ctx);
-                    }
-                })
-                .wait(ctx);
+        // Allowed, it runs; denied, the model reads a refusal.
+        let (status, result) = if msg.allow {
+            (ToolStepStatus::Running, None)
         } else {
-            self.end_steps(
-                vec![(msg.step, ToolStepStatus::Denied, DENIED_RESULT.into(), None)],
-                ctx,
-                |act, ctx| {
-                    // Unless another call runs already (it goes on when that one ends).
-                    if act.tool_loop.as_ref().is_some_and(|l| l.running.is_none()) {
-                        act.run_next_step(ctx);
-                    }
-                },
-            );
-        }
+            (ToolStepStatus::Denied, Some(DENIED_RESULT.to_string()))
+        };
+        self.set_steps(vec![(msg.step, status, result, None)], ctx, |act, ctx| {
+            // Unless a call runs already (the loop goes on when that one ends).
+            if act.tool_loop.as_ref().is_some_and(|l| l.running.is_none()) {
+                act.run_next_step(ctx);
+            }
+        });
         Ok(())
     }
 }
