@@ -227,7 +227,11 @@ mod tests {
         assert_eq!(offset_in("abc", 99, 0), 3);
         assert_eq!(offset_in("abc", -5, 0), 3, "negative reads as past the end");
         assert_eq!(offset_in("abc", 1, 2), 2, "never before `from`");
-        assert_eq!(offset_in("é", 1, 0), 0, "inside a character: back to its start");
+        assert_eq!(
+            offset_in("é", 1, 0),
+            0,
+            "inside a character: back to its start"
+        );
         assert_eq!(offset_in("ab", 1, 9), 2, "`from` past the end");
     }
 }
