@@ -962,3 +962,272 @@ mod browser {
         screenshot(&c, "tools").await;
     }
 }
+
+/// `server_tools` on `/v1/chat/completions`: the server runs the tools a caller's key may have,
+/// round by round, and answers with their calls and results; through the official `openai`
+/// Python client too, streamed and not.
+mod api {
+    use super::common;
+    use super::common::browser_client::Browser;
+    use super::common::server::{form_encode, Server};
+    use reqwest::StatusCode;
+    use serde_json::{json, Value};
+
+    const ADMIN_TOKEN: &str = "api-tools-admin-token";
+
+    async fn ask(base: &str, key: Option<&str>, body: Value) -> (StatusCode, Value) {
+        let mut req = reqwest::Client::new()
+            .post(format!("{base}/v1/chat/completions"))
+            .json(&body);
+        if let Some(key) = key {
+            req = req.bearer_auth(key);
+        }
+        let resp = req.send().await.expect("request");
+        let status = resp.status();
+        let text = resp.text().await.expect("body");
+        (
+            status,
+            serde_json::from_str(&text).unwrap_or(Value::String(text)),
+        )
+    }
+
+    fn forced(tool: &str, extra: Value) -> Value {
+        let mut body = json!({
+            "messages": [{"role": "user", "content": "What is 12 times 7?"}],
+            "temperature": 0,
+            "max_tokens": 96,
+            "tool_choice": {"type": "function", "function": {"name": tool}},
+        });
+        if let (Some(b), Some(e)) = (body.as_object_mut(), extra.as_object()) {
+            b.extend(e.clone());
+        }
+        body
+    }
+
+    /// The `openai` client's answers to a forced calculator call, whole and streamed.
+    const CLIENT: &str = r#"
+import json, os, openai
+c = openai.OpenAI(base_url=os.environ["BASE"] + "/v1", api_key=os.environ["KEY"])
+args = dict(model="", messages=[{"role": "user", "content": "What is 12 times 7?"}],
+            temperature=0, max_tokens=96,
+            tool_choice={"type": "function", "function": {"name": "calculator"}},
+            extra_body={"server_tools": ["calculator"]})
+r = c.chat.completions.create(**args)
+m = r.choices[0].message
+whole = {"content": m.content, "tool_calls": m.tool_calls, "finish": r.choices[0].finish_reason,
+         "steps": (m.model_extra or {}).get("server_tool_calls"), "usage": r.usage.model_dump()}
+content, steps, calls, finish = "", [], 0, None
+for chunk in c.chat.completions.create(stream=True, **args):
+    if not chunk.choices:
+        continue
+    d = chunk.choices[0].delta
+    content += d.content or ""
+    calls += len(d.tool_calls or [])
+    steps += (d.model_extra or {}).get("server_tool_calls") or []
+    finish = chunk.choices[0].finish_reason or finish
+print(json.dumps({"whole": whole, "streamed": {"content": content, "steps": steps,
+                  "tool_calls": calls, "finish": finish}}))
+"#;
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn api_callers_have_the_server_run_the_tools_their_key_may_use() {
+        // Off unless the admin turns it on: the refusal says how.
+        let dir = tempfile::tempdir().expect("tempdir");
+        let off = Server::start(
+            dir.path(),
+            &[("SMOLCHAT_SERVER__API_KEY", "sk-off-server-key")],
+        )
+        .await;
+        let (status, body) = ask(
+            &off.base,
+            Some("sk-off-server-key"),
+            forced("calculator", json!({"server_tools": ["calculator"]})),
+        )
+        .await;
+        assert_eq!(status, StatusCode::FORBIDDEN, "{body}");
+        assert!(body.to_string().contains("[tools] api = true"), "{body}");
+        drop(off);
+
+        let dir = tempfile::tempdir().expect("tempdir");
+        let server = Server::start(
+            dir.path(),
+            &[
+                ("SMOLCHAT_TOOLS__API", "true"),
+                ("SMOLCHAT_TOOLS__REQUIRE_APPROVAL", "[\"current_time\"]"),
+                ("SMOLCHAT_AUTH__INITIAL_ADMIN", "root"),
+                ("SMOLCHAT_AUTH__INITIAL_ADMIN_PASSWORD", "root password"),
+                ("SMOLCHAT_SERVER__ADMIN_TOKEN", ADMIN_TOKEN),
+            ],
+        )
+        .await;
+        // Bob's personal key.
+        let mut bob = Browser::at(&server, 1, "/").await;
+        bob.get("/signup").await;
+        let signed = bob
+            .post_form(
+                "/signup",
+                &format!(
+                    "name=bob&password={}&invite=",
+                    form_encode("bob's password")
+                ),
+            )
+            .await;
+        assert_eq!(signed.status, StatusCode::NO_CONTENT, "{}", signed.text);
+        bob.get("/").await;
+        let made = bob.post_form("/account/keys", "name=laptop").await;
+        let key = made
+            .text
+            .split("id=\"new-key-value\">")
+            .nth(1)
+            .and_then(|r| r.split('<').next())
+            .expect("the new key is shown")
+            .to_string();
+
+        // Without a key there is no account to run them for.
+        let (status, body) = ask(
+            &server.base,
+            None,
+            forced("calculator", json!({"server_tools": ["calculator"]})),
+        )
+        .await;
+        assert_eq!(status, StatusCode::FORBIDDEN, "{body}");
+        assert!(body.to_string().contains("API key"), "{body}");
+        // The tools this key may ask for: not the one that needs a user's Allow.
+        let listed: Value = reqwest::Client::new()
+            .get(format!("{}/v1/server_tools", server.base))
+            .bearer_auth(&key)
+            .send()
+            .await
+            .expect("list")
+            .json()
+            .await
+            .expect("json");
+        let names: Vec<&str> = listed["data"]
+            .as_array()
+            .expect("data")
+            .iter()
+            .filter_map(|t| t["function"]["name"].as_str())
+            .collect();
+        assert_eq!(names, ["calculator", "search_conversations"], "{listed}");
+        // Refusals name what is wrong.
+        for (extra, says) in [
+            (json!({"server_tools": ["current_time"]}), "Allow"),
+            (
+                json!({"server_tools": ["shell"]}),
+                "calculator, search_conversations",
+            ),
+            (json!({"server_tools": "calculator"}), "array of tool names"),
+            (
+                json!({"server_tools": ["calculator"], "tools": [{"type": "function",
+                    "function": {"name": "calculator", "parameters": {"type": "object"}}}]}),
+                "not both",
+            ),
+            (
+                json!({"server_tools": ["calculator"], "n": 2}),
+                "one choice",
+            ),
+        ] {
+            let (status, body) = ask(
+                &server.base,
+                Some(&key),
+                forced("calculator", extra.clone()),
+            )
+            .await;
+            assert_eq!(status, StatusCode::BAD_REQUEST, "{extra}: {body}");
+            assert_eq!(body["error"]["param"].is_string(), true, "{body}");
+            assert!(body.to_string().contains(says), "{extra}: {body}");
+        }
+
+        // A forced call: the server runs it and the reply goes on from its result.
+        let (status, body) = ask(
+            &server.base,
+            Some(&key),
+            forced("calculator", json!({"server_tools": ["calculator"]})),
+        )
+        .await;
+        assert_eq!(status, StatusCode::OK, "{body}");
+        let message = &body["choices"][0]["message"];
+        assert!(
+            message.get("tool_calls").is_none(),
+            "the server ran it: {body}"
+        );
+        let steps = message["server_tool_calls"].as_array().expect("steps");
+        let first = &steps[0];
+        assert_eq!(first["name"], "calculator", "{body}");
+        assert_eq!(first["round"], 1, "{body}");
+        assert!(
+            first["status"] == "done" || first["status"] == "error",
+            "{body}"
+        );
+        assert!(!first["result"].as_str().unwrap_or("").is_empty(), "{body}");
+        serde_json::from_str::<Value>(first["arguments"].as_str().expect("arguments"))
+            .expect("JSON arguments");
+        assert!(message["content"].is_string(), "{body}");
+        let finish = body["choices"][0]["finish_reason"]
+            .as_str()
+            .expect("finish");
+        assert!(["stop", "length"].contains(&finish), "{body}");
+        // Every round counted: the second round's prompt holds the first's and the result.
+        let usage = &body["usage"];
+        assert!(usage["prompt_tokens"].as_u64() > Some(60), "{body}");
+        assert!(
+            usage["completion_tokens"].as_u64() <= Some(96),
+            "max_tokens is the reply's: {body}"
+        );
+
+        // The same through the official client, whole and streamed.
+        let out = tokio::process::Command::new(common::openai_venv())
+            .args(["-c", CLIENT])
+            .env("BASE", &server.base)
+            .env("KEY", &key)
+            .output()
+            .await
+            .expect("run the client");
+        let text = String::from_utf8_lossy(&out.stdout).to_string();
+        assert!(
+            out.status.success(),
+            "{text}{}\n{}",
+            String::from_utf8_lossy(&out.stderr),
+            server.log_text()
+        );
+        let got: Value = serde_json::from_str(text.trim()).expect("the client's JSON");
+        let whole = &got["whole"];
+        assert_eq!(whole["tool_calls"], Value::Null, "{got}");
+        assert_eq!(whole["steps"][0]["name"], "calculator", "{got}");
+        // Greedy: the same reply as the request above.
+        assert_eq!(whole["content"], message["content"], "{got}");
+        assert_eq!(whole["steps"][0]["result"], first["result"], "{got}");
+        let streamed = &got["streamed"];
+        assert_eq!(streamed["tool_calls"], 0, "no call is the client's: {got}");
+        assert_eq!(streamed["content"], message["content"], "{got}");
+        let statuses: Vec<&str> = streamed["steps"]
+            .as_array()
+            .expect("steps")
+            .iter()
+            .filter_map(|s| s["status"].as_str())
+            .collect();
+        assert_eq!(statuses.first(), Some(&"running"), "{got}");
+        assert_eq!(statuses.get(1), first["status"].as_str().as_ref(), "{got}");
+        assert_eq!(
+            streamed["finish"], body["choices"][0]["finish_reason"],
+            "{got}"
+        );
+
+        // Each call is in the audit log as bob's, and counted.
+        let mut admin = Browser::admin(&server, 3, ADMIN_TOKEN).await;
+        let log = admin.get("/admin/audit.json?action=tool.call").await;
+        let log: Value = serde_json::from_str(&log.text).expect("audit json");
+        let calls = log["entries"]
+            .as_array()
+            .expect("entries")
+            .iter()
+            .filter(|e| e["actor"] == "user:bob" && e["target"] == "api")
+            .count();
+        assert!(calls >= 3, "three requests made a call each: {log}");
+        let metrics = server.client().metrics().await;
+        assert!(
+            metrics.contains("smolchat_tool_calls_total{tool=\"calculator\"}"),
+            "{metrics}"
+        );
+    }
+}

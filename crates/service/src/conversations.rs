@@ -600,10 +600,23 @@ impl Conversations {
         name: &str,
         arguments: &serde_json::Value,
     ) -> crate::tools::ToolResult {
+        self.run_tool(caller, true, "admin", name, arguments).await
+    }
+
+    /// Runs tool `name` for `caller` (as an admin with `admin`) under the rules of every call,
+    /// and records it in the audit log (`tool.call` on `target`).
+    async fn run_tool(
+        &self,
+        caller: &Caller,
+        admin: bool,
+        target: &str,
+        name: &str,
+        arguments: &serde_json::Value,
+    ) -> crate::tools::ToolResult {
         let ctx = crate::tools::ToolContext {
             store: &self.store,
             owner: &caller.owner,
-            admin: true,
+            admin,
         };
         let result = self
             .sessions
@@ -615,7 +628,7 @@ impl Conversations {
             .record_by(
                 caller,
                 "tool.call",
-                "admin",
+                target,
                 &format!(
                     "{name}: {} in {} ms",
                     if result.error { "error" } else { "done" },
@@ -624,6 +637,58 @@ impl Conversations {
             )
             .await;
         result
+    }
+
+    /// The tools a `/v1` caller asked the server to run for it (`server_tools`): the rules are
+    /// [`crate::tools::Tools::for_api`]'s, for the account of the caller's key (`None`: a caller
+    /// without one, refused).
+    pub fn api_tools(
+        &self,
+        caller: Option<&Caller>,
+        names: &[String],
+    ) -> Result<Vec<crate::tools::ToolSpec>> {
+        use crate::tools::ApiToolsRefused;
+        let tools = &self.sessions.shared().tools;
+        let refused = |e: ApiToolsRefused| match e {
+            ApiToolsRefused::Off | ApiToolsRefused::NoAccount => {
+                ConversationError::Forbidden(e.to_string())
+            }
+            other => invalid("server_tools", other.to_string()),
+        };
+        // Off says so before anything else: whoever asks learns how to turn it on.
+        let admin = match caller {
+            Some(c) => c.admin,
+            None if tools.api_specs(true).is_empty() => {
+                return Err(refused(ApiToolsRefused::Off));
+            }
+            None => return Err(refused(ApiToolsRefused::NoAccount)),
+        };
+        tools.for_api(names, admin).map_err(refused)
+    }
+
+    /// The most rounds of tool calls one reply may make (`tools.max_rounds`), in the chat and
+    /// through the API.
+    pub fn max_tool_rounds(&self) -> usize {
+        self.sessions.shared().tools.max_rounds()
+    }
+
+    /// The tools a `/v1` caller may ask for (`GET /v1/server_tools`); none without an account.
+    pub fn api_tool_specs(&self, caller: Option<&Caller>) -> Vec<crate::tools::ToolSpec> {
+        caller.map_or_else(Vec::new, |c| {
+            self.sessions.shared().tools.api_specs(c.admin)
+        })
+    }
+
+    /// Runs a call a `/v1` reply made of a tool the caller asked for, under the rules of every
+    /// call; audited as the caller's (`tool.call` on `api`).
+    pub async fn call_api_tool(
+        &self,
+        caller: &Caller,
+        name: &str,
+        arguments: &serde_json::Value,
+    ) -> crate::tools::ToolResult {
+        self.run_tool(caller, caller.admin, "api", name, arguments)
+            .await
     }
 
     /// Allows or denies tool call `step` of reply `message`, which waits for the caller's

@@ -124,6 +124,34 @@ pub enum ToolError {
     TimedOut(u64),
 }
 
+/// Why a `/v1` caller may not have the server-side tools it asked for.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum ApiToolsRefused {
+    #[error(
+        "server-side tools are off on this server; an admin turns them on with `[tools] api = true`"
+    )]
+    Off,
+    #[error(
+        "server-side tools run for an account: send the request with an API key \
+         (`Authorization: Bearer …`)"
+    )]
+    NoAccount,
+    #[error("`server_tools` names no tool; the tools offered to this key are: {offered}")]
+    Empty { offered: String },
+    #[error("`server_tools` names {0:?} twice")]
+    Twice(String),
+    #[error(
+        "`server_tools`: {0:?} needs a user's Allow before every call, which only the chat asks \
+         for; it is not offered through the API"
+    )]
+    NeedsApproval(String),
+    #[error(
+        "`server_tools`: {name:?} is not a tool offered to this key; the tools offered to it are: \
+         {offered}"
+    )]
+    NotOffered { name: String, offered: String },
+}
+
 /// A call's result as the model reads it.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ToolResult {
@@ -239,6 +267,66 @@ impl Tools {
                 .mcp
                 .route(name)
                 .is_some_and(|(s, _)| s.config().require_approval)
+    }
+
+    /// The tools `names` as a `/v1` caller asked for them (`server_tools`), `admin`: whether the
+    /// key's account is an admin. Each must be on and offered to that account, and run without
+    /// a user's Allow (an API call has nobody to ask); `tools.api` must be on. The error says
+    /// what to change.
+    pub fn for_api(&self, names: &[String], admin: bool) -> Result<Vec<ToolSpec>, ApiToolsRefused> {
+        if !self.cfg.api {
+            return Err(ApiToolsRefused::Off);
+        }
+        let offered: Vec<ToolSpec> = self
+            .specs_for(admin)
+            .into_iter()
+            .filter(|s| !self.needs_approval(&s.name))
+            .collect();
+        let list = || {
+            if offered.is_empty() {
+                "none".to_string()
+            } else {
+                offered
+                    .iter()
+                    .map(|s| s.name.as_str())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            }
+        };
+        if names.is_empty() {
+            return Err(ApiToolsRefused::Empty { offered: list() });
+        }
+        let mut specs: Vec<ToolSpec> = Vec::with_capacity(names.len());
+        for name in names {
+            if specs.iter().any(|s| s.name == *name) {
+                return Err(ApiToolsRefused::Twice(name.clone()));
+            }
+            match offered.iter().find(|s| s.name == *name) {
+                Some(spec) => specs.push(spec.clone()),
+                None if self.needs_approval(name) => {
+                    return Err(ApiToolsRefused::NeedsApproval(name.clone()))
+                }
+                None => {
+                    return Err(ApiToolsRefused::NotOffered {
+                        name: name.clone(),
+                        offered: list(),
+                    })
+                }
+            }
+        }
+        Ok(specs)
+    }
+
+    /// The tools a `/v1` caller may ask for (`admin`: its key's account is an admin); none when
+    /// `tools.api` is off.
+    pub fn api_specs(&self, admin: bool) -> Vec<ToolSpec> {
+        if !self.cfg.api {
+            return Vec::new();
+        }
+        self.specs_for(admin)
+            .into_iter()
+            .filter(|s| !self.needs_approval(&s.name))
+            .collect()
     }
 
     /// The most rounds of calls one reply may make.
@@ -540,6 +628,10 @@ pub struct ToolsConfig {
     pub require_approval: Vec<String>,
     /// `[[tools.mcp]]`: MCP servers whose tools are offered ([`crate::mcp`]).
     pub mcp: Vec<McpServerConfig>,
+    /// Whether `/v1/chat/completions` callers may ask the server to run these tools for them
+    /// (`server_tools`, an extension): off unless set. Each caller is offered what its key's
+    /// account is offered in the chat, less the tools that need a user's Allow.
+    pub api: bool,
 }
 
 impl ToolsConfig {
@@ -591,6 +683,7 @@ impl Default for ToolsConfig {
             max_rounds: 4,
             require_approval: Vec::new(),
             mcp: Vec::new(),
+            api: false,
         }
     }
 }
@@ -703,5 +796,47 @@ mod tests {
                 .collect::<Vec<_>>(),
             ["current_time"]
         );
+    }
+
+    #[test]
+    fn api_callers_get_the_tools_offered_to_their_account_that_need_no_allow() {
+        let names = |v: &[&str]| v.iter().map(|n| n.to_string()).collect::<Vec<_>>();
+        let off = Tools::new(ToolsConfig::default());
+        assert_eq!(
+            off.for_api(&names(&["calculator"]), true),
+            Err(ApiToolsRefused::Off)
+        );
+        assert!(off.api_specs(true).is_empty());
+        let tools = Tools::new(ToolsConfig {
+            api: true,
+            search_conversations: false,
+            require_approval: names(&["current_time"]),
+            ..ToolsConfig::default()
+        });
+        let got = tools.for_api(&names(&["calculator"]), false).unwrap();
+        assert_eq!(got.len(), 1);
+        assert_eq!(got[0].name, "calculator");
+        assert_eq!(
+            tools.for_api(&names(&["current_time"]), false),
+            Err(ApiToolsRefused::NeedsApproval("current_time".into()))
+        );
+        let missing = tools
+            .for_api(&names(&["search_conversations"]), false)
+            .unwrap_err();
+        assert_eq!(
+            missing.to_string(),
+            "`server_tools`: \"search_conversations\" is not a tool offered to this key; the \
+             tools offered to it are: calculator"
+        );
+        assert!(matches!(
+            tools.for_api(&[], false),
+            Err(ApiToolsRefused::Empty { .. })
+        ));
+        assert_eq!(
+            tools.for_api(&names(&["calculator", "calculator"]), false),
+            Err(ApiToolsRefused::Twice("calculator".into()))
+        );
+        let listed: Vec<String> = tools.api_specs(false).into_iter().map(|s| s.name).collect();
+        assert_eq!(listed, ["calculator"]);
     }
 }

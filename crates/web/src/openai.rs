@@ -6,6 +6,7 @@
 //! | `GET /v1/models`, `GET /v1/models/{id}` | the loaded model, with its context length |
 //! | `POST /v1/chat/completions` | chat (stream or not), `reasoning_content`, `tools` → `tool_calls` |
 //! | `POST /v1/completions` | raw prompt completion (stream or not) |
+//! | `GET /v1/server_tools` | the tools this key may ask the server to run (`server_tools`, an extension: [`server_tools`]) |
 //!
 //! API requests are stateless: each one is rendered, tokenized and submitted straight to the
 //! scheduler (no session actor, no cache key), so API and browser users are batched together.
@@ -29,6 +30,7 @@
 mod assemble;
 pub mod body;
 pub mod request;
+mod server_tools;
 
 use std::collections::VecDeque;
 use std::convert::Infallible;
@@ -96,6 +98,11 @@ pub fn routes(cfg: &mut web::ServiceConfig, chat_limit: super::json::BodyLimit) 
             .service(
                 web::resource("/completions")
                     .route(web::post().to(completions))
+                    .default_service(web::to(method_not_allowed)),
+            )
+            .service(
+                web::resource("/server_tools")
+                    .route(web::get().to(server_tools_offered))
                     .default_service(web::to(method_not_allowed)),
             )
             .default_service(web::to(not_found)),
@@ -205,6 +212,21 @@ async fn model(
     }
 }
 
+/// `GET /v1/server_tools` (an extension): the tools this key may ask the server to run
+/// (`server_tools` in a chat request), in OpenAI's function shape; none when `tools.api` is off
+/// or the caller has no key.
+async fn server_tools_offered(http: HttpRequest, state: web::Data<AppState>) -> HttpResponse {
+    let caller = v1::api_owner(&http);
+    let data: Vec<Value> = state
+        .platform
+        .conversations()
+        .api_tool_specs(caller.as_ref())
+        .iter()
+        .map(|s| s.to_openai())
+        .collect();
+    HttpResponse::Ok().json(json!({"object": "list", "data": data}))
+}
+
 async fn chat_completions(
     http: HttpRequest,
     state: web::Data<AppState>,
@@ -233,6 +255,10 @@ async fn chat_completions(
              `file` content parts)"
         ))
         .into());
+    }
+    if req.server_tools.is_some() {
+        let (salt, user) = (cache_salt(&http, &req.common), api_user(&http));
+        return server_tools::answer(http, state, served, req, salt, user).await;
     }
     let parse_tool_calls = req.parse_tool_calls();
     let prompt = build_chat_prompt(&state, &http, &served, &req).await?;
@@ -470,6 +496,20 @@ fn usage_of(summaries: &[GenSummary]) -> Value {
         "completion_tokens": completion,
         "total_tokens": first.prompt_tokens + completion,
         "prompt_tokens_details": {"cached_tokens": first.cached_tokens},
+    })
+}
+
+/// Usage over the rounds of one reply (`server_tools`): every round's prompt and completion
+/// counted, as each was processed.
+fn usage_of_rounds(rounds: &[GenSummary]) -> Value {
+    let prompt: usize = rounds.iter().map(|s| s.prompt_tokens).sum();
+    let completion: usize = rounds.iter().map(|s| s.completion_tokens).sum();
+    let cached: usize = rounds.iter().map(|s| s.cached_tokens).sum();
+    json!({
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
     })
 }
 

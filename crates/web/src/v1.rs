@@ -16,7 +16,7 @@ pub(crate) use identity::{
 };
 pub(crate) use pipeline::{
     build_chat_prompt, check_model, checked_chat, collect, defaults, encode, generation_failed,
-    log_finished, model_error, model_name, resolve_model, submit, WORKER_GONE,
+    log_finished, model_error, model_name, read_files, resolve_model, submit, WORKER_GONE,
 };
 pub use pipeline::{chat_prompt, chat_render_input};
 
@@ -37,6 +37,7 @@ use crate::openai::request::{self, Defaults, GenerationOptions};
 use crate::{AppState, WebError};
 use smolchat_service::completions::{CacheUse, Completion, CompletionRequest};
 use smolchat_service::completions::{Failure, GenSummary, RequestId};
+use smolchat_service::conversations::ConversationError;
 use smolchat_service::models::{ModelError, ServedModel};
 use smolchat_service::platform::Platform;
 use smolchat_text::prompt::{Prompt, PromptBuilder};

@@ -62,6 +62,9 @@ pub struct ChatRequest {
     pub template_kwargs: Map<String, Value>,
     /// `tool_choice` `required` or a named function: the tools one of which the reply must call.
     pub forced_tools: Option<Vec<Value>>,
+    /// `server_tools` (an extension): the tools the server runs itself when the reply calls
+    /// them (`tools` then holds their schemas); `None`: calls go back to the client.
+    pub server_tools: Option<Vec<String>>,
 }
 
 impl ChatRequest {
@@ -99,6 +102,49 @@ pub struct CallIn {
     pub name: String,
     /// As the client sent it: normally a JSON-encoded object.
     pub arguments: String,
+}
+
+/// What a request asks of `server_tools`.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ServerToolsAsk {
+    /// `true`: every tool offered to the caller's key.
+    All,
+    Named(Vec<String>),
+}
+
+/// The most tools one request may name in `server_tools`.
+const MAX_SERVER_TOOLS: usize = 64;
+
+/// `server_tools`: `true`, `false` (none), or an array of tool names; the error says which.
+pub fn server_tools(v: Option<&Value>) -> Result<Option<ServerToolsAsk>, ApiError> {
+    let bad = |m: String| ApiError::invalid("server_tools", m);
+    match v {
+        None | Some(Value::Null) | Some(Value::Bool(false)) => Ok(None),
+        Some(Value::Bool(true)) => Ok(Some(ServerToolsAsk::All)),
+        Some(Value::Array(items)) => {
+            if items.len() > MAX_SERVER_TOOLS {
+                return Err(bad(format!(
+                    "`server_tools` names {} tools; the limit is {MAX_SERVER_TOOLS}",
+                    items.len()
+                )));
+            }
+            items
+                .iter()
+                .enumerate()
+                .map(|(i, item)| match item {
+                    Value::String(name) => Ok(name.clone()),
+                    other => Err(bad(format!(
+                        "`server_tools[{i}]` must be a tool's name (a string), not {other}"
+                    ))),
+                })
+                .collect::<Result<Vec<_>, _>>()
+                .map(|names| Some(ServerToolsAsk::Named(names)))
+        }
+        Some(other) => Err(bad(format!(
+            "`server_tools` must be true (every tool offered to your key) or an array of tool \
+             names, not {other}"
+        ))),
+    }
 }
 
 /// A parsed `POST /v1/completions`.
@@ -457,6 +503,7 @@ pub fn chat_request(
         tools: tools.filter(|_| tool_choice != "none"),
         forced_tools,
         template_kwargs,
+        server_tools: None,
     })
 }
 

@@ -62,12 +62,30 @@ pub(crate) async fn checked_chat(
     state: &web::Data<AppState>,
     http: &HttpRequest,
     generation: GenerationBody,
-    chat: ChatBody,
+    mut chat: ChatBody,
     grammar_field: Option<&str>,
 ) -> Result<(request::ChatRequest, Arc<ServedModel>), ApiError> {
     let p = &state.platform;
     let named = generation.model.clone();
+    // Server-side tools become the request's tools (so `tool_choice` may name them) before the
+    // one set of checks.
+    let server_tools = match request::server_tools(chat.server_tools.take().as_ref())? {
+        None => None,
+        Some(_) if chat.tools.is_some() => {
+            return Err(ApiError::invalid(
+                "server_tools",
+                "send either `tools` (you run the calls) or `server_tools` (the server runs \
+                 them), not both",
+            ))
+        }
+        Some(ask) => {
+            let specs = resolve_server_tools(state, http, ask)?;
+            chat.tools = Some(specs.iter().map(|s| s.to_openai()).collect());
+            Some(specs.into_iter().map(|s| s.name).collect())
+        }
+    };
     let mut req = request::chat_request(generation, chat, &defaults(p, named.as_deref()))?;
+    req.server_tools = server_tools;
     if let (Some(name), Some(_)) = (grammar_field, &req.common.grammar_field) {
         req.common.grammar_field = Some(name.to_string());
     }
@@ -75,6 +93,33 @@ pub(crate) async fn checked_chat(
     let model = check_model(p, &req.common).await?;
     force_tool_call(&model, &mut req);
     Ok((req, model))
+}
+
+/// The tools a request's `server_tools` asks for, as the caller's key may have them.
+fn resolve_server_tools(
+    state: &AppState,
+    http: &HttpRequest,
+    ask: request::ServerToolsAsk,
+) -> Result<Vec<smolchat_service::tools::ToolSpec>, ApiError> {
+    let conversations = state.platform.conversations();
+    let caller = api_owner(http);
+    let names = match ask {
+        request::ServerToolsAsk::Named(names) => names,
+        request::ServerToolsAsk::All => conversations
+            .api_tool_specs(caller.as_ref())
+            .into_iter()
+            .map(|s| s.name)
+            .collect(),
+    };
+    conversations
+        .api_tools(caller.as_ref(), &names)
+        .map_err(|e| match e {
+            ConversationError::Forbidden(m) => ApiError::forbidden("server_tools", m),
+            ConversationError::Invalid { message, .. } => {
+                ApiError::invalid("server_tools", message)
+            }
+            other => ApiError::internal(other.to_string()),
+        })
 }
 
 /// The request's `model`, or the model's id when it names none.
