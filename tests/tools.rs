@@ -591,6 +591,9 @@ mod mcp_servers {
             &[
                 ("SMOLCHAT_TOOLS__MCP", servers.as_str()),
                 ("SMOLCHAT_SERVER__ADMIN_TOKEN", ADMIN_TOKEN),
+                ("SMOLCHAT_TOOLS__API", "true"),
+                ("SMOLCHAT_SERVER__API_KEY", "sk-mcp-api-key-for-tests"),
+                ("SMOLCHAT_TOOLS__REQUIRE_APPROVAL", "[\"fs__write_file\"]"),
             ],
         )
         .await;
@@ -669,6 +672,45 @@ mod mcp_servers {
             "{result} for {args}"
         );
         assert!(turn.events.iter().any(|e| e.event == "continuing"));
+
+        // The same tools for `/v1` callers who ask the server to run them (`server_tools`): an
+        // MCP server's whose calls need no Allow; one that needs it only in the chat.
+        let answer = reqwest::Client::new()
+            .post(format!("{}/v1/chat/completions", server.base))
+            .bearer_auth("sk-mcp-api-key-for-tests")
+            .json(&json!({
+                "messages": [{"role": "user", "content": "Say hello over HTTP."}],
+                "temperature": 0, "max_tokens": 64,
+                "server_tools": ["web__echo"], "tool_choice": "required",
+            }))
+            .send()
+            .await
+            .expect("request");
+        assert_eq!(answer.status(), StatusCode::OK);
+        let answer: Value = answer.json().await.expect("json");
+        let step = &answer["choices"][0]["message"]["server_tool_calls"][0];
+        assert_eq!(step["name"], "web__echo", "{answer}");
+        let args: Value =
+            serde_json::from_str(step["arguments"].as_str().expect("arguments")).expect("JSON");
+        if let Some(said) = args["message"].as_str() {
+            assert_eq!(step["status"], "done", "{answer}");
+            assert_eq!(step["result"], format!("Echo: {said}"), "{answer}");
+        } else {
+            assert_eq!(step["status"], "error", "{answer}");
+        }
+        let needs_allow = reqwest::Client::new()
+            .post(format!("{}/v1/chat/completions", server.base))
+            .bearer_auth("sk-mcp-api-key-for-tests")
+            .json(
+                &json!({"messages": [{"role": "user", "content": "Write a note."}],
+                "server_tools": ["fs__write_file"]}),
+            )
+            .send()
+            .await
+            .expect("request");
+        assert_eq!(needs_allow.status(), StatusCode::BAD_REQUEST);
+        let text = needs_allow.text().await.expect("text");
+        assert!(text.contains("Allow"), "{text}");
 
         // The admin page shows the servers, their tools and schemas.
         let mut admin = Browser::admin(&server, 3, ADMIN_TOKEN).await;
