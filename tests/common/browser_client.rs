@@ -118,6 +118,15 @@ impl Browser {
         self.finish(req).await
     }
 
+    /// A POST of `bytes` as the body (an upload), with this client's cookies and CSRF token.
+    pub async fn upload(&mut self, path: &str, bytes: Vec<u8>) -> Answer {
+        let req = self
+            .request(reqwest::Method::POST, path)
+            .header(CONTENT_TYPE, "application/octet-stream")
+            .body(bytes);
+        self.finish(req).await
+    }
+
     /// A request with this client's cookies and CSRF token.
     fn request(&self, method: reqwest::Method, path: &str) -> reqwest::RequestBuilder {
         let mut req = self.http.request(method, format!("{}{path}", self.base));

@@ -245,6 +245,9 @@ pub struct EmbeddingRequest {
     pub user: Option<String>,
     pub cache_salt: String,
     pub usage_owner: Option<String>,
+    /// At the scheduler's background priority: admitted only when no one else waits, never
+    /// into the last free slot (indexing documents; a caller waiting for the answer: false).
+    pub background: bool,
 }
 
 /// One vector per input, in order, and the tokens they took.
@@ -295,7 +298,7 @@ impl Completions {
             };
             async move {
                 let mut completion = self
-                    .submit_as(req, Some(request.pooling), false)
+                    .submit_as(req, Some(request.pooling), request.background)
                     .await
                     .map_err(|error| EmbedError::Refused { index, error })?;
                 let mut vector = None;

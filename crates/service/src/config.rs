@@ -2,6 +2,7 @@
 //! then `SMOLCHAT_…` environment variables (sections split by `__`, e.g.
 //! `SMOLCHAT_SERVER__BIND=0.0.0.0:8080`), then command-line flags (applied by the CLI).
 
+pub use crate::knowledge::KnowledgeConfig;
 pub use crate::tools::ToolsConfig;
 use std::path::{Path, PathBuf};
 
@@ -48,6 +49,8 @@ pub struct Config {
     pub models: ModelsSection,
     /// The tools the model may call.
     pub tools: ToolsConfig,
+    /// Collections of documents the chat can search.
+    pub knowledge: KnowledgeConfig,
 }
 
 /// `[models]`: more models than the main one (`[model]`), loaded when a request names them and
@@ -946,6 +949,7 @@ impl Config {
         check_names("model.aliases", &self.model.aliases)?;
         self.validate_models()?;
         self.tools.check().map_err(ConfigError::Invalid)?;
+        self.knowledge.check().map_err(ConfigError::Invalid)?;
         let s = &self.scheduler;
         if s.max_running == Some(0) {
             return bad("scheduler.max_running must be at least 1".into());

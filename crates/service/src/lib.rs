@@ -13,6 +13,7 @@ pub mod config;
 pub mod conversations;
 pub mod documents;
 pub mod files;
+pub mod knowledge;
 pub mod models;
 pub mod platform;
 pub mod quotas;

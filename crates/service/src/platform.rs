@@ -59,6 +59,8 @@ pub struct Platform {
     completions: Completions,
     /// Reads attached files, a PDF in a bounded child process (shared with `conversations`).
     documents: Arc<crate::documents::DocumentReader>,
+    /// Collections of documents the chat can search, and their indexer.
+    knowledge: Arc<crate::knowledge::Knowledge>,
     audit: crate::audit::Audit,
     accounts: Arc<Accounts>,
     /// Admin sign-in with `server.admin_token`; `None` when no token is set.
@@ -229,6 +231,18 @@ impl Platform {
             conversations_config(&config),
             Arc::clone(&documents),
         ));
+        let knowledge = crate::knowledge::Knowledge::new(
+            store.clone(),
+            Arc::clone(&models),
+            Arc::clone(&documents),
+            config.knowledge.clone(),
+            config
+                .limits
+                .max_stored_mib_per_user
+                .saturating_mul(1 << 20),
+        );
+        // Documents added (or cut off by a crash) and not indexed yet are taken up now.
+        knowledge.start();
         let key = credential_key(&secret);
         let accounts = Arc::new(accounts(&config, &store, key).await?);
         let admin_auth = admin_auth(&config, &store, key);
@@ -251,6 +265,7 @@ impl Platform {
             conversations,
             completions,
             documents,
+            knowledge,
             audit,
             accounts,
             admin_auth,
@@ -285,6 +300,11 @@ impl Platform {
         self.documents
             .read(who, name, bytes, limit, self.main.info().context_window)
             .await
+    }
+
+    /// Collections of documents, their indexing and search.
+    pub fn knowledge(&self) -> &crate::knowledge::Knowledge {
+        &self.knowledge
     }
 
     /// The conversation service every interface goes through.

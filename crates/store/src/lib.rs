@@ -30,6 +30,7 @@ mod backups;
 mod bus;
 mod error;
 mod files;
+mod knowledge;
 mod organise;
 mod replicas;
 mod sessions;
@@ -54,6 +55,10 @@ pub use backups::restore;
 pub use bus::{Bus, MAX_PAYLOAD as BUS_MAX_PAYLOAD};
 pub use error::StoreError;
 pub use files::{Attachments, FileRecord, NewFile};
+pub use knowledge::{
+    decode_vector, encode_vector, query_words, Chunk, Collection, Document, DocumentStatus,
+    NewChunk, NewDocument,
+};
 pub use organise::{Folder, Organisation, OrganisationPatch, Preset, TagCount};
 pub use replicas::{Registration, Replica, ReplicaLoad, ReplicaRecord};
 pub use shares::ShareRecord;

@@ -179,6 +179,7 @@ pub(crate) async fn embed(
         user: Some(user.clone()),
         cache_salt: v1::cache_salt_of(http, ""),
         usage_owner: Some(user),
+        background: false,
     };
     model
         .completions()

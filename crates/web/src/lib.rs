@@ -12,6 +12,7 @@
 //! | `GET /api/conversations?q=&limit=&before=` | a page of the caller's conversations, most recent first, and the `next` cursor |
 //! | `GET`, `PATCH`, `DELETE /api/conversations/{id}` | one conversation with its messages |
 //! | `POST /api/conversations/{id}/messages` | send `{"content"}` → 202; the reply streams on… |
+//! | `GET/POST /api/knowledge`, `GET/DELETE /api/knowledge/{id}`, `PUT …/sharing`, `POST …/documents?name=`, `DELETE …/documents/{doc}`, `POST /api/knowledge/search` | collections of documents, indexed in the background and searched by keywords and vectors (see [`knowledge`]) |
 //! | `POST /api/conversations/{id}/files?name=`, `GET …/files`, `DELETE …/files/{file}` | attach a file (the body; text, Markdown, code, CSV, JSON, PDF) to the next message (`"files": [ids]`), list, remove one not yet sent |
 //! | `GET /api/conversations/{id}/events` | …this SSE stream (see [`events`]) |
 //! | `POST /api/conversations/{id}/draft` | the message being typed, warmed in spare steps → 202 `{"outcome"}` |
@@ -49,6 +50,7 @@ pub use events::{StreamCounter, StreamSlot};
 pub mod forward;
 pub mod html;
 pub mod json;
+pub mod knowledge;
 pub mod markdown;
 pub mod ollama;
 pub mod openai;
@@ -157,6 +159,7 @@ pub fn routes(cfg: &mut web::ServiceConfig, chat_limit: BodyLimit) {
                     .route(web::get().to(api::tools))
                     .default_service(web::to(method_not_allowed)),
             )
+            .configure(knowledge::routes)
             .service(
                 web::resource("/conversations")
                     .route(web::get().to(api::list))

@@ -1,0 +1,235 @@
+//! Knowledge over HTTP (`/api/knowledge…`): collections, their documents and search. What is
+//! allowed and how documents are read, cut and searched is `smolchat_service::knowledge`.
+//!
+//! | route | |
+//! |---|---|
+//! | `GET /api/knowledge` | `{"collections": [...]}` the caller may search |
+//! | `POST /api/knowledge` `{"name", "description"?}` | 201, a new collection |
+//! | `GET /api/knowledge/{id}` | `{"collection", "documents"}` (each document's indexing state) |
+//! | `DELETE /api/knowledge/{id}` | 204: with its documents, passages and vectors |
+//! | `PUT /api/knowledge/{id}/sharing` `{"everyone", "accounts"?}` | admins: who may search it |
+//! | `POST /api/knowledge/{id}/documents?name=…` | 201: the file's bytes as the body, indexed in the background |
+//! | `DELETE /api/knowledge/{id}/documents/{doc}` | 204 |
+//! | `POST /api/knowledge/search` `{"collections", "query", "k"?, "mode"?}` | `{"passages": [...]}` best first |
+
+use actix_web::{web, HttpRequest, HttpResponse};
+use serde::Deserialize;
+use serde_json::json;
+use smolchat_service::knowledge::SearchMode;
+use uuid::Uuid;
+
+use super::api::parse_uuid;
+use super::error::WebError;
+use super::files::UploadQuery;
+use super::json::{read_bytes, JsonBody};
+use super::owner::Owner;
+use super::AppState;
+
+/// Registers the routes inside the `/api` scope.
+pub fn routes(cfg: &mut web::ServiceConfig) {
+    use super::method_not_allowed;
+    cfg.service(
+        web::resource("/knowledge")
+            .route(web::get().to(list))
+            .route(web::post().to(create))
+            .default_service(web::to(method_not_allowed)),
+    )
+    // Before `/knowledge/{id}`, which would take "search" for an id.
+    .service(
+        web::resource("/knowledge/search")
+            .route(web::post().to(search))
+            .default_service(web::to(method_not_allowed)),
+    )
+    .service(
+        web::resource("/knowledge/{id}")
+            .route(web::get().to(get))
+            .route(web::delete().to(delete))
+            .default_service(web::to(method_not_allowed)),
+    )
+    .service(
+        web::resource("/knowledge/{id}/sharing")
+            .route(web::put().to(share))
+            .default_service(web::to(method_not_allowed)),
+    )
+    .service(
+        web::resource("/knowledge/{id}/documents")
+            .route(web::post().to(add_document))
+            .default_service(web::to(method_not_allowed)),
+    )
+    .service(
+        web::resource("/knowledge/{id}/documents/{doc}")
+            .route(web::delete().to(delete_document))
+            .default_service(web::to(method_not_allowed)),
+    );
+}
+
+fn collection_id(raw: &str) -> Result<Uuid, WebError> {
+    parse_uuid(raw, "collection id")
+}
+
+async fn list(state: web::Data<AppState>, owner: Owner) -> Result<HttpResponse, WebError> {
+    let collections = state
+        .platform
+        .knowledge()
+        .collections(&owner.caller())
+        .await?;
+    Ok(HttpResponse::Ok().json(json!({ "collections": collections })))
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct NewCollectionBody {
+    name: String,
+    #[serde(default)]
+    description: String,
+}
+
+async fn create(
+    state: web::Data<AppState>,
+    owner: Owner,
+    body: JsonBody<NewCollectionBody>,
+) -> Result<HttpResponse, WebError> {
+    let c = state
+        .platform
+        .knowledge()
+        .create_collection(&owner.caller(), &body.0.name, &body.0.description)
+        .await?;
+    Ok(HttpResponse::Created()
+        .insert_header(("Location", format!("/api/knowledge/{}", c.id)))
+        .json(c))
+}
+
+async fn get(
+    state: web::Data<AppState>,
+    owner: Owner,
+    path: web::Path<String>,
+) -> Result<HttpResponse, WebError> {
+    let id = collection_id(&path)?;
+    let (collection, documents) = state
+        .platform
+        .knowledge()
+        .collection(&owner.caller(), id)
+        .await?;
+    Ok(HttpResponse::Ok().json(json!({ "collection": collection, "documents": documents })))
+}
+
+async fn delete(
+    state: web::Data<AppState>,
+    owner: Owner,
+    path: web::Path<String>,
+) -> Result<HttpResponse, WebError> {
+    let id = collection_id(&path)?;
+    state
+        .platform
+        .knowledge()
+        .delete_collection(&owner.caller(), id)
+        .await?;
+    Ok(HttpResponse::NoContent().finish())
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SharingBody {
+    everyone: bool,
+    /// Account names.
+    #[serde(default)]
+    accounts: Vec<String>,
+}
+
+async fn share(
+    state: web::Data<AppState>,
+    owner: Owner,
+    path: web::Path<String>,
+    body: JsonBody<SharingBody>,
+) -> Result<HttpResponse, WebError> {
+    let id = collection_id(&path)?;
+    let c = state
+        .platform
+        .knowledge()
+        .share(&owner.caller(), id, body.0.everyone, &body.0.accounts)
+        .await?;
+    Ok(HttpResponse::Ok().json(c))
+}
+
+async fn add_document(
+    state: web::Data<AppState>,
+    owner: Owner,
+    path: web::Path<String>,
+    req: HttpRequest,
+    payload: web::Payload,
+) -> Result<HttpResponse, WebError> {
+    let id = collection_id(&path)?;
+    let query = web::Query::<UploadQuery>::from_query(req.query_string())
+        .map_err(|e| WebError::BadRequest(format!("bad query string: {e}")))?;
+    let name = query
+        .name
+        .clone()
+        .filter(|n| !n.trim().is_empty())
+        .ok_or_else(|| {
+            WebError::BadRequest(
+                "say the document's name: POST …/documents?name=handbook.pdf (its extension \
+                 gives its type)"
+                    .into(),
+            )
+        })?;
+    let knowledge = state.platform.knowledge();
+    let caller = owner.caller();
+    // Whose it is before reading the body: another owner's id is 404 whatever is sent.
+    knowledge.collection(&caller, id).await?;
+    let limit = knowledge.max_document_bytes();
+    let too_large = || {
+        WebError::PayloadTooLarge(format!(
+            "{name:?} is larger than {} MiB, the most a document may be \
+             (knowledge.max_document_mib)",
+            limit >> 20
+        ))
+    };
+    let bytes = read_bytes(&req, payload.into_inner(), limit, too_large).await?;
+    let doc = knowledge.add_document(&caller, id, &name, bytes).await?;
+    Ok(HttpResponse::Created().json(doc))
+}
+
+async fn delete_document(
+    state: web::Data<AppState>,
+    owner: Owner,
+    path: web::Path<(String, String)>,
+) -> Result<HttpResponse, WebError> {
+    let (id, doc) = path.into_inner();
+    let id = collection_id(&id)?;
+    let doc = parse_uuid(&doc, "document id")?;
+    state
+        .platform
+        .knowledge()
+        .delete_document(&owner.caller(), id, doc)
+        .await?;
+    Ok(HttpResponse::NoContent().finish())
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SearchBody {
+    collections: Vec<String>,
+    query: String,
+    k: Option<usize>,
+    #[serde(default)]
+    mode: SearchMode,
+}
+
+async fn search(
+    state: web::Data<AppState>,
+    owner: Owner,
+    body: JsonBody<SearchBody>,
+) -> Result<HttpResponse, WebError> {
+    let b = body.0;
+    let ids = b
+        .collections
+        .iter()
+        .map(|c| collection_id(c))
+        .collect::<Result<Vec<_>, _>>()?;
+    let passages = state
+        .platform
+        .knowledge()
+        .search(&owner.caller(), &ids, &b.query, b.k, b.mode)
+        .await?;
+    Ok(HttpResponse::Ok().json(json!({ "passages": passages })))
+}
