@@ -213,7 +213,16 @@ fn split_at_level(
     // Each part a piece of its own (the passages pack them); one too long alone is cut finer.
     let mut from = 0;
     for cut in cuts {
-        split_at_level(text, start + from, start + cut, section, finer, max, count, out);
+        split_at_level(
+            text,
+            start + from,
+            start + cut,
+            section,
+            finer,
+            max,
+            count,
+            out,
+        );
         from = cut;
     }
 }

@@ -50,6 +50,31 @@ pub struct KnowledgeConfig {
     pub max_collections_per_user: usize,
     /// Passages a search returns unless asked otherwise.
     pub top_k: usize,
+    /// How a text's hidden states become its vector: `mean` (every position) or `last` (the
+    /// last position; pair it with templates that end in a question, such as PromptEOL's).
+    pub embedding_pooling: EmbeddingPooling,
+    /// The text a passage is embedded as (`{text}`: the passage, its headings first); and a
+    /// search's (`{text}`: the search text). Embedding models trained with prefixes (`query: `,
+    /// `passage: `) want them here. Changing these, the pooling or the model needs documents
+    /// added again.
+    pub document_template: String,
+    pub query_template: String,
+    /// The weight of the vector ranking in the fusion (reciprocal rank fusion weighs each
+    /// ranking's `1 / (60 + rank)` by it; the keyword ranking's weight is 1).
+    pub vector_weight: f64,
+}
+
+/// The default template of passages and searches: PromptEOL (Jiang et al., 2023), which makes
+/// a chat model's last position summarize the text.
+pub const PROMPT_EOL: &str = "This passage : \"{text}\" means in one word:\"";
+
+/// `knowledge.embedding_pooling`.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum EmbeddingPooling {
+    #[default]
+    Mean,
+    Last,
 }
 
 impl Default for KnowledgeConfig {
@@ -61,6 +86,15 @@ impl Default for KnowledgeConfig {
             max_document_mib: 32,
             max_collections_per_user: 100,
             top_k: 5,
+            // For a chat model (the default embeds with the main model): the last position
+            // after a prompt asking for the text's meaning in one word (PromptEOL) found more
+            // than the mean of every position on the evaluation set (recall@5 0.36 against
+            // 0.29 with SmolLM2-135M), and the fusion loses less when the vectors weigh half.
+            // An embedding model wants `mean` and its own prefixes.
+            embedding_pooling: EmbeddingPooling::Last,
+            document_template: PROMPT_EOL.into(),
+            query_template: PROMPT_EOL.into(),
+            vector_weight: 0.5,
         }
     }
 }
@@ -78,6 +112,23 @@ impl KnowledgeConfig {
             return Err(format!(
                 "knowledge.chunk_overlap_tokens ({}) must be at most half of knowledge.chunk_tokens ({})",
                 self.chunk_overlap_tokens, self.chunk_tokens
+            ));
+        }
+        for (key, t) in [
+            ("document_template", &self.document_template),
+            ("query_template", &self.query_template),
+        ] {
+            if !t.contains("{text}") || t.chars().count() > 1_000 {
+                return Err(format!(
+                    "knowledge.{key} must hold `{{text}}` (where the text goes) and be at most \
+                     1,000 characters"
+                ));
+            }
+        }
+        if !(0.0..=10.0).contains(&self.vector_weight) {
+            return Err(format!(
+                "knowledge.vector_weight must be between 0 and 10, not {}",
+                self.vector_weight
             ));
         }
         if self.max_document_mib == 0 || !(1..=50).contains(&self.top_k) {
@@ -475,7 +526,7 @@ impl Knowledge {
         } else {
             self.nearest(caller, collections, query, CANDIDATES).await?
         };
-        let fused = retrieve::fuse(&[&keyword, &vector]);
+        let fused = retrieve::fuse(&[(&keyword, 1.0), (&vector, self.cfg.vector_weight)]);
         let top: Vec<(i64, f64)> = fused.into_iter().take(k).collect();
         let ids: Vec<i64> = top.iter().map(|t| t.0).collect();
         let chunks = self.store.chunks(&ids).await?;
@@ -503,13 +554,9 @@ impl Knowledge {
         n: usize,
     ) -> Result<Vec<i64>> {
         let model = self.embedding_model().await?;
+        let text = self.cfg.query_template.replace("{text}", query);
         let mut vectors = self
-            .embed(
-                &model,
-                &[query.to_string()],
-                Some(caller.owner.clone()),
-                false,
-            )
+            .embed(&model, &[text], Some(caller.owner.clone()), false)
             .await?;
         let q = vectors.pop().unwrap_or_default();
         let mut found: Vec<(i64, f32)> = Vec::new();
@@ -589,7 +636,10 @@ impl Knowledge {
             .completions()
             .embed(EmbeddingRequest {
                 inputs,
-                pooling: Pooling::Mean,
+                pooling: match self.cfg.embedding_pooling {
+                    EmbeddingPooling::Mean => Pooling::Mean,
+                    EmbeddingPooling::Last => Pooling::Last,
+                },
                 user,
                 cache_salt: "knowledge".into(),
                 usage_owner: None,
@@ -687,11 +737,12 @@ impl Knowledge {
             let texts: Vec<String> = batch
                 .iter()
                 .map(|(_, heading, text)| {
-                    if heading.is_empty() {
+                    let passage = if heading.is_empty() {
                         text.clone()
                     } else {
                         format!("{heading}\n\n{text}")
-                    }
+                    };
+                    self.cfg.document_template.replace("{text}", &passage)
                 })
                 .collect();
             let vectors = self

@@ -73,13 +73,13 @@ fn normalize(v: &mut [f32]) {
 /// The constant of reciprocal rank fusion (Cormack et al.: 60).
 pub const RRF_K: f64 = 60.0;
 
-/// Fuses ranked lists (best first) by reciprocal rank: each id scores Σ 1 / (RRF_K + rank),
-/// rank from 1 in each list it is in; best first, ties by id.
-pub fn fuse(lists: &[&[i64]]) -> Vec<(i64, f64)> {
+/// Fuses ranked lists (best first), each with its weight, by reciprocal rank: each id scores
+/// Σ weight / (RRF_K + rank), rank from 1 in each list it is in; best first, ties by id.
+pub fn fuse(lists: &[(&[i64], f64)]) -> Vec<(i64, f64)> {
     let mut scores: HashMap<i64, f64> = HashMap::new();
-    for list in lists {
+    for (list, weight) in lists {
         for (rank, id) in list.iter().enumerate() {
-            *scores.entry(*id).or_default() += 1.0 / (RRF_K + rank as f64 + 1.0);
+            *scores.entry(*id).or_default() += weight / (RRF_K + rank as f64 + 1.0);
         }
     }
     let mut out: Vec<(i64, f64)> = scores.into_iter().collect();
@@ -110,7 +110,10 @@ mod tests {
     fn fusion_rewards_agreement() {
         let keyword = [10, 20, 30];
         let vector = [30, 40, 10];
-        let fused: Vec<i64> = fuse(&[&keyword, &vector]).iter().map(|f| f.0).collect();
+        let fused: Vec<i64> = fuse(&[(&keyword, 1.0), (&vector, 1.0)])
+            .iter()
+            .map(|f| f.0)
+            .collect();
         assert_eq!(fused[0], 10, "first and third beats first alone: {fused:?}");
         assert_eq!(fused[1], 30);
         assert_eq!(fused.len(), 4);
