@@ -134,6 +134,22 @@
   });
   enhance(document);
 
+  // A citation [n] opens the passage it names, under its reply's sources.
+  document.addEventListener("click", (e) => {
+    const a = e.target.closest("a.cite");
+    if (!a) return;
+    const item = document.getElementById(a.getAttribute("href").slice(1));
+    if (!item) return;
+    e.preventDefault();
+    const list = item.closest("details.sources");
+    if (list) list.open = true;
+    const one = item.querySelector("details.source");
+    if (one) one.open = true;
+    item.scrollIntoView({ block: "nearest" });
+    item.classList.add("flash");
+    setTimeout(() => item.classList.remove("flash"), 1500);
+  });
+
   // Times in the browser's own zone (the server writes them in UTC, saying so).
   function localTimes(root) {
     root.querySelectorAll("time[datetime]").forEach((t) => {

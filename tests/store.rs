@@ -284,6 +284,7 @@ async fn settings_round_trip(db) {
     assert_eq!(defaults.pinned_date, chrono::Local::now().date_naive());
 
     let custom = ConversationSettings {
+        knowledge: Vec::new(),
         system_prompt: Some("You are terse.\n/no_think".into()),
         thinking: false,
         temperature: 0.0,

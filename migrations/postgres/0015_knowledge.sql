@@ -57,3 +57,16 @@ CREATE TABLE knowledge_chunks (
 );
 CREATE INDEX knowledge_chunks_collection ON knowledge_chunks (collection_id);
 CREATE INDEX knowledge_chunks_words ON knowledge_chunks USING gin (words);
+
+-- The passages a user message was given (`settings.knowledge`), numbered as the model read them
+-- ([1], [2], …), kept with the message so its citations still open after the document goes.
+CREATE TABLE message_sources (
+    message_id    TEXT    NOT NULL REFERENCES messages (id) ON DELETE CASCADE,
+    n             BIGINT NOT NULL CHECK (n >= 1),
+    collection_id TEXT    NOT NULL,
+    document_id   TEXT    NOT NULL,
+    document_name TEXT    NOT NULL,
+    heading       TEXT    NOT NULL,
+    text          TEXT    NOT NULL,
+    PRIMARY KEY (message_id, n)
+);

@@ -78,3 +78,16 @@ CREATE TRIGGER knowledge_chunks_fts_delete AFTER DELETE ON knowledge_chunks BEGI
     INSERT INTO knowledge_chunks_fts (knowledge_chunks_fts, rowid, heading, text)
         VALUES ('delete', old.id, old.heading, old.text);
 END;
+
+-- The passages a user message was given (`settings.knowledge`), numbered as the model read them
+-- ([1], [2], …), kept with the message so its citations still open after the document goes.
+CREATE TABLE message_sources (
+    message_id    TEXT    NOT NULL REFERENCES messages (id) ON DELETE CASCADE,
+    n             INTEGER NOT NULL CHECK (n >= 1),
+    collection_id TEXT    NOT NULL,
+    document_id   TEXT    NOT NULL,
+    document_name TEXT    NOT NULL,
+    heading       TEXT    NOT NULL,
+    text          TEXT    NOT NULL,
+    PRIMARY KEY (message_id, n)
+) STRICT;

@@ -287,6 +287,8 @@ pub struct SettingsPatch {
     pub tools: Option<Vec<String>>,
     /// `required`, a chosen tool's name, or `auto` / empty (the model decides).
     pub tool_choice: Option<String>,
+    /// Knowledge collections each turn searches for passages (ids; empty: none).
+    pub knowledge: Option<Vec<Uuid>>,
 }
 
 impl SettingsPatch {
@@ -339,6 +341,15 @@ impl SettingsPatch {
             let c = c.trim();
             settings.tool_choice = (!c.is_empty() && c != "auto").then(|| c.to_string());
         }
+        if let Some(k) = &self.knowledge {
+            let mut ids: Vec<Uuid> = Vec::with_capacity(k.len());
+            for id in k {
+                if !ids.contains(id) {
+                    ids.push(*id);
+                }
+            }
+            settings.knowledge = ids;
+        }
         settings
     }
 }
@@ -374,6 +385,9 @@ pub struct ConversationView {
     pub files: Vec<FileRecord>,
     /// The tool calls its replies made, by reply, each in order.
     pub tool_steps: std::collections::HashMap<Uuid, Vec<smolchat_store::ToolStep>>,
+    /// The passages its user messages were given (`settings.knowledge`), by message, `[n]` in
+    /// order.
+    pub sources: std::collections::HashMap<Uuid, Vec<smolchat_store::MessageSource>>,
 }
 
 /// Where a message stands among its versions (the messages with its parent: replies
@@ -548,6 +562,22 @@ impl Conversations {
     fn check_settings(&self, caller: &Caller, s: &ConversationSettings) -> Result<()> {
         settings::check(s, self.cfg.settings_limits, caller.admin)?;
         self.check_system_prompt_fits(s)
+    }
+
+    /// The collections a patch gives a conversation: each one the caller may search. Only when
+    /// the patch touches them (a collection unshared since stays chosen, and is no longer
+    /// searched).
+    async fn check_knowledge(&self, caller: &Caller, patch: &SettingsPatch) -> Result<()> {
+        match &patch.knowledge {
+            None => Ok(()),
+            Some(ids) => {
+                self.sessions
+                    .shared()
+                    .knowledge
+                    .check_chosen(caller, ids)
+                    .await
+            }
+        }
     }
 
     /// The tools a patch chooses: tools that are on, and a `tool_choice` among them. Only when
@@ -861,6 +891,7 @@ impl Conversations {
         }
         self.check_settings(caller, &settings)?;
         self.check_tools(&patch, &settings)?;
+        self.check_knowledge(caller, &patch).await?;
         let title = new.title.as_deref().map(Self::clean_title).transpose()?;
         let first = new.first_message.filter(|m| !m.trim().is_empty());
         if let Some(m) = &first {
@@ -920,6 +951,7 @@ impl Conversations {
         let organisation = self.store.organisation(id).await?.unwrap_or_default();
         let files = self.store.files_of(id).await?;
         let tool_steps = self.store.tool_steps_of(id).await?;
+        let sources = self.store.sources_of(id).await?;
         Ok(ConversationView {
             conversation,
             messages,
@@ -928,6 +960,7 @@ impl Conversations {
             organisation,
             files,
             tool_steps,
+            sources,
         })
     }
 
@@ -955,7 +988,12 @@ impl Conversations {
         caller: &Caller,
         id: Uuid,
         mid: Uuid,
-    ) -> Result<(Message, bool, Vec<smolchat_store::ToolStep>)> {
+    ) -> Result<(
+        Message,
+        bool,
+        Vec<smolchat_store::ToolStep>,
+        Vec<smolchat_store::MessageSource>,
+    )> {
         let c = self.owned(caller, id).await?;
         let m = self
             .store
@@ -967,7 +1005,17 @@ impl Conversations {
             Role::Assistant => self.store.tool_steps_of_reply(m.id).await?,
             _ => Vec::new(),
         };
-        Ok((m, self.replying(c.id).await, steps))
+        // A reply shows the passages its user message was given.
+        let sources = match (m.role, m.parent_id) {
+            (Role::Assistant, Some(parent)) => self
+                .store
+                .sources_of(c.id)
+                .await?
+                .remove(&parent)
+                .unwrap_or_default(),
+            _ => Vec::new(),
+        };
+        Ok((m, self.replying(c.id).await, steps, sources))
     }
 
     /// One page of the caller's conversations, most recent first, filtered by `filter` (its
@@ -1165,6 +1213,7 @@ impl Conversations {
             let s = patch.apply(c.settings.clone());
             self.check_settings(caller, &s)?;
             self.check_tools(&patch, &s)?;
+            self.check_knowledge(caller, &patch).await?;
             Some(s)
         };
         let found = match &title {

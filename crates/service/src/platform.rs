@@ -202,35 +202,10 @@ impl Platform {
             None,
         ));
         let models = Models::new(&config, Arc::clone(&main), meter, completions.clone());
-        let sessions = Sessions::new(SessionShared {
-            store: store.clone(),
-            models: Arc::clone(&models),
-            cfg: SessionConfig {
-                max_message_chars: config.limits.max_message_chars,
-                idle_timeout: Duration::from_secs(config.session.idle_timeout_s),
-                disconnect_grace: Duration::from_millis(config.session.disconnect_grace_ms),
-            },
-            cluster: Arc::clone(&cluster),
-            tools: {
-                let tools = crate::tools::Tools::new(config.tools.clone());
-                // MCP servers connect in the background: none holds up the start.
-                tools.start();
-                Arc::new(tools)
-            },
-        });
-        sessions.receive_from(&cluster);
-        cluster.run(scheduler.clone());
         let documents = crate::documents::DocumentReader::new(
             sandbox,
             crate::documents::longest_token_bytes(&tokenizer),
         );
-        let conversations = Arc::new(Conversations::new(
-            store.clone(),
-            Arc::clone(&sessions),
-            Arc::clone(&models),
-            conversations_config(&config),
-            Arc::clone(&documents),
-        ));
         let knowledge = crate::knowledge::Knowledge::new(
             store.clone(),
             Arc::clone(&models),
@@ -243,6 +218,32 @@ impl Platform {
         );
         // Documents added (or cut off by a crash) and not indexed yet are taken up now.
         knowledge.start();
+        let sessions = Sessions::new(SessionShared {
+            store: store.clone(),
+            models: Arc::clone(&models),
+            cfg: SessionConfig {
+                max_message_chars: config.limits.max_message_chars,
+                idle_timeout: Duration::from_secs(config.session.idle_timeout_s),
+                disconnect_grace: Duration::from_millis(config.session.disconnect_grace_ms),
+            },
+            cluster: Arc::clone(&cluster),
+            knowledge: Arc::clone(&knowledge),
+            tools: {
+                let tools = crate::tools::Tools::new(config.tools.clone());
+                // MCP servers connect in the background: none holds up the start.
+                tools.start();
+                Arc::new(tools)
+            },
+        });
+        sessions.receive_from(&cluster);
+        cluster.run(scheduler.clone());
+        let conversations = Arc::new(Conversations::new(
+            store.clone(),
+            Arc::clone(&sessions),
+            Arc::clone(&models),
+            conversations_config(&config),
+            Arc::clone(&documents),
+        ));
         let key = credential_key(&secret);
         let accounts = Arc::new(accounts(&config, &store, key).await?);
         let admin_auth = admin_auth(&config, &store, key);

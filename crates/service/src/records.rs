@@ -3,8 +3,9 @@
 //! depends on the store, and none of these gives access to it.
 
 pub use smolchat_store::{
-    offset_in, ApiKeyRecord, AuditEntry, AuditFilter, Conversation, ConversationSettings,
-    ConversationSummary, Cursor, FileRecord, Folder, ImportedMessage, ListFilter, ListPage,
-    Message, MessageStatus, Organisation, OrganisationPatch, PageRequest, Preset, ReplicaRecord,
-    Role, StoredRow, TagCount, ToolStep, ToolStepStatus, User, UserOverview, UserRole, MAX_PAGE,
+    offset_in, ApiKeyRecord, AuditEntry, AuditFilter, Chunk, Collection, Conversation,
+    ConversationSettings, ConversationSummary, Cursor, Document, DocumentStatus, FileRecord,
+    Folder, ImportedMessage, ListFilter, ListPage, Message, MessageSource, MessageStatus,
+    Organisation, OrganisationPatch, PageRequest, Preset, ReplicaRecord, Role, StoredRow, TagCount,
+    ToolStep, ToolStepStatus, User, UserOverview, UserRole, MAX_PAGE,
 };

@@ -107,6 +107,17 @@ pub struct NewChunk {
     pub tokens: i64,
 }
 
+/// A passage a user message was given, as the model read it (`[n]`).
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct MessageSource {
+    pub n: i64,
+    pub collection_id: Uuid,
+    pub document_id: Uuid,
+    pub document_name: String,
+    pub heading: String,
+    pub text: String,
+}
+
 /// A stored chunk, with its document's name.
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
 pub struct Chunk {
@@ -693,5 +704,65 @@ impl Store {
         .fetch_one(&self.pool)
         .await?;
         Ok(n.max(0) as u64)
+    }
+
+    /// Records the passages user message `message` was given.
+    pub async fn save_message_sources(
+        &self,
+        message: Uuid,
+        sources: &[MessageSource],
+    ) -> Result<(), StoreError> {
+        if sources.is_empty() {
+            return Ok(());
+        }
+        let mut tx = WriteTx::begin(self).await?;
+        for src in sources {
+            sqlx::query(
+                "INSERT INTO message_sources (message_id, n, collection_id, document_id, \
+                 document_name, heading, text) VALUES ($1, $2, $3, $4, $5, $6, $7)",
+            )
+            .bind(message.to_string())
+            .bind(src.n)
+            .bind(src.collection_id.to_string())
+            .bind(src.document_id.to_string())
+            .bind(&src.document_name)
+            .bind(&src.heading)
+            .bind(&src.text)
+            .execute(&mut *tx)
+            .await?;
+        }
+        tx.commit().await
+    }
+
+    /// The passages the user messages of `conversation` were given, by message, in order.
+    pub async fn sources_of(
+        &self,
+        conversation: Uuid,
+    ) -> Result<std::collections::HashMap<Uuid, Vec<MessageSource>>, StoreError> {
+        #[allow(clippy::type_complexity)]
+        let rows: Vec<(String, i64, String, String, String, String, String)> = sqlx::query_as(
+            "SELECT s.message_id, s.n, s.collection_id, s.document_id, s.document_name, \
+             s.heading, s.text FROM message_sources s \
+             JOIN messages m ON m.id = s.message_id WHERE m.conversation_id = $1 \
+             ORDER BY s.message_id, s.n",
+        )
+        .bind(conversation.to_string())
+        .fetch_all(&self.pool)
+        .await?;
+        let mut out: std::collections::HashMap<Uuid, Vec<MessageSource>> = Default::default();
+        for (message, n, collection, document, document_name, heading, text) in rows {
+            const T: &str = "message_sources";
+            out.entry(parse_uuid(T, &message, &message)?)
+                .or_default()
+                .push(MessageSource {
+                    n,
+                    collection_id: parse_uuid(T, &message, &collection)?,
+                    document_id: parse_uuid(T, &message, &document)?,
+                    document_name,
+                    heading,
+                    text,
+                });
+        }
+        Ok(out)
     }
 }

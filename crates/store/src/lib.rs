@@ -57,7 +57,7 @@ pub use error::StoreError;
 pub use files::{Attachments, FileRecord, NewFile};
 pub use knowledge::{
     decode_vector, encode_vector, query_words, Chunk, Collection, Document, DocumentStatus,
-    NewChunk, NewDocument,
+    MessageSource, NewChunk, NewDocument,
 };
 pub use organise::{Folder, Organisation, OrganisationPatch, Preset, TagCount};
 pub use replicas::{Registration, Replica, ReplicaLoad, ReplicaRecord};

@@ -41,11 +41,15 @@ pub struct ConversationSettings {
     /// `None`: the model decides (OpenAI's `tool_choice`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tool_choice: Option<String>,
+    /// Knowledge collections whose passages each turn is given (ids; empty: none).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub knowledge: Vec<Uuid>,
 }
 
 impl Default for ConversationSettings {
     fn default() -> Self {
         Self {
+            knowledge: Vec::new(),
             system_prompt: None,
             thinking: true,
             temperature: 0.7,

@@ -51,6 +51,8 @@ pub struct ConversationInput {
     pub tools: Option<Vec<String>>,
     /// `required`, one of `tools`, or `auto` (the model decides).
     pub tool_choice: Option<String>,
+    /// Knowledge collections each turn searches (ids of `GET /api/knowledge`); `[]`: none.
+    pub knowledge: Option<Vec<Uuid>>,
     /// Organising (PATCH only; see [`OrganisationPatch`]): `folder_id: null` takes the
     /// conversation out of its folder; `tags` replaces the set.
     pub pinned: Option<bool>,
@@ -93,6 +95,7 @@ impl ConversationInput {
             model: self.model.clone(),
             tools: self.tools.clone(),
             tool_choice: self.tool_choice.clone(),
+            knowledge: self.knowledge.clone(),
         }
     }
 }
@@ -215,6 +218,8 @@ pub struct ConversationDetail {
     pub context_window: usize,
     /// The tool calls the replies made, by reply id, each in order.
     pub tool_steps: std::collections::HashMap<Uuid, Vec<smolchat_service::records::ToolStep>>,
+    /// The passages user messages were given (knowledge), by message id, `[n]` in order.
+    pub sources: std::collections::HashMap<Uuid, Vec<smolchat_service::records::MessageSource>>,
 }
 
 /// Parses a conversation id from the path.
@@ -288,6 +293,7 @@ fn detail(
         replying: view.replying,
         context_window: state.platform.model().context_window,
         tool_steps: view.tool_steps,
+        sources: view.sources,
     }
 }
 

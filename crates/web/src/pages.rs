@@ -141,6 +141,44 @@ pub struct MessageView {
     pub parent: String,
     /// ‹ index/count › when it has other versions.
     pub versions: Option<VersionNav>,
+    /// A reply's sources: the passages its user message was given (knowledge), `[n]` in order.
+    pub sources: Vec<SourceView>,
+}
+
+/// One passage a reply could cite.
+pub struct SourceView {
+    pub n: i64,
+    /// "handbook.pdf › Setup › Linux"
+    pub place: String,
+    pub text: String,
+}
+
+impl SourceView {
+    pub fn of(s: &smolchat_service::records::MessageSource) -> SourceView {
+        SourceView {
+            n: s.n,
+            place: if s.heading.is_empty() {
+                s.document_name.clone()
+            } else {
+                format!("{} › {}", s.document_name, s.heading)
+            },
+            text: s.text.clone(),
+        }
+    }
+}
+
+/// `html` with each citation `[n]` of a source turned into a link to it (`#src-{id}-{n}`).
+fn link_citations(html: &str, id: &str, sources: &[SourceView]) -> String {
+    let mut out = html.to_string();
+    for s in sources {
+        let cite = format!("[{}]", s.n);
+        let link = format!(
+            "<a class=\"cite\" href=\"#src-{id}-{}\" data-source=\"{}\">[{}]</a>",
+            s.n, s.n, s.n
+        );
+        out = out.replace(&cite, &link);
+    }
+    out
 }
 
 /// A message's place among its versions, for the ‹ › arrows (ids empty at either end).
@@ -159,6 +197,7 @@ pub async fn message_views(
     versions: Vec<Versions>,
     files: Vec<FileRecord>,
     steps: std::collections::HashMap<uuid::Uuid, Vec<smolchat_service::records::ToolStep>>,
+    sources: std::collections::HashMap<uuid::Uuid, Vec<smolchat_service::records::MessageSource>>,
     replying: bool,
 ) -> Result<Vec<MessageView>, WebError> {
     web::block(move || {
@@ -170,6 +209,18 @@ pub async fn message_views(
                 let mut view = MessageView::from_message(m, replying);
                 if let Some(steps) = steps.get(&m.id).filter(|_| !view.streaming) {
                     view.html = crate::tool_steps::answer_with_steps(&m.content, steps);
+                }
+                // A reply's sources are its user message's (or, alone, keyed by the reply).
+                let given = m
+                    .parent_id
+                    .filter(|_| m.role == Role::Assistant)
+                    .and_then(|p| sources.get(&p))
+                    .or_else(|| sources.get(&m.id).filter(|_| m.role == Role::Assistant));
+                if let Some(given) = given {
+                    view.sources = given.iter().map(SourceView::of).collect();
+                    if !view.streaming {
+                        view.html = link_citations(&view.html, &view.id, &view.sources);
+                    }
                 }
                 view.files = files
                     .iter()
@@ -238,6 +289,7 @@ impl MessageView {
             }
         }
         MessageView {
+            sources: Vec::new(),
             id: m.id.to_string(),
             files: Vec::new(),
             role: if assistant { "assistant" } else { "user" },
@@ -273,6 +325,9 @@ pub struct SettingsView {
     pub tools: Vec<ToolOption>,
     /// `auto`, `required` or a tool's name.
     pub tool_choice: String,
+    /// The knowledge collections the caller may search, each with whether this conversation
+    /// does (`name` is the collection's id).
+    pub collections: Vec<ToolOption>,
 }
 
 pub struct ToolOption {
@@ -461,26 +516,29 @@ async fn chat_page(
     let first = page_request(None, None)?;
     let (pinned, list) = sidebar_page(state, owner, "", "", &first).await?;
     let caller = owner.caller();
-    let (conversation, messages, versions, replying, organisation, files, tool_steps) = match view {
-        Some(v) => (
-            Some(v.conversation),
-            v.messages,
-            v.versions,
-            v.replying,
-            v.organisation,
-            v.files,
-            v.tool_steps,
-        ),
-        None => (
-            None,
-            Vec::new(),
-            Vec::new(),
-            false,
-            Organisation::default(),
-            Vec::new(),
-            Default::default(),
-        ),
-    };
+    let (conversation, messages, versions, replying, organisation, files, tool_steps, sources) =
+        match view {
+            Some(v) => (
+                Some(v.conversation),
+                v.messages,
+                v.versions,
+                v.replying,
+                v.organisation,
+                v.files,
+                v.tool_steps,
+                v.sources,
+            ),
+            None => (
+                None,
+                Vec::new(),
+                Vec::new(),
+                false,
+                Organisation::default(),
+                Vec::new(),
+                Default::default(),
+                Default::default(),
+            ),
+        };
     let folders = service.folders(&caller).await?;
     let tags = service.tags(&caller).await?;
     let presets = service.presets(&caller).await?;
@@ -509,7 +567,7 @@ async fn chat_page(
         Some(id) if !replying => service.follow_ups(id).await,
         _ => Vec::new(),
     };
-    let views = message_views(messages, versions, files, tool_steps, replying).await?;
+    let views = message_views(messages, versions, files, tool_steps, sources, replying).await?;
     let settings = conversation
         .as_ref()
         .map(|c| c.settings.clone())
@@ -571,6 +629,18 @@ async fn chat_page(
                 .tool_choice
                 .clone()
                 .unwrap_or_else(|| "auto".into()),
+            collections: state
+                .platform
+                .knowledge()
+                .collections(&caller)
+                .await?
+                .into_iter()
+                .map(|c| ToolOption {
+                    chosen: settings.knowledge.contains(&c.id),
+                    name: c.id.to_string(),
+                    description: c.name,
+                })
+                .collect(),
         },
         user_name: owner.name().unwrap_or_default().to_string(),
         is_admin: caller.admin,
@@ -649,7 +719,7 @@ pub async fn message(
     let (cid, mid) = path.into_inner();
     let id = parse_id(&cid)?;
     let mid = parse_id(&mid)?;
-    let (m, replying, steps) = state
+    let (m, replying, steps, given) = state
         .platform
         .conversations()
         .message(&owner.caller(), id, mid)
@@ -659,7 +729,8 @@ pub async fn message(
             other => other.into(),
         })?;
     let steps = std::collections::HashMap::from([(m.id, steps)]);
-    let m = message_views(vec![m], Vec::new(), Vec::new(), steps, replying)
+    let sources = std::collections::HashMap::from([(m.id, given)]);
+    let m = message_views(vec![m], Vec::new(), Vec::new(), steps, sources, replying)
         .await?
         .pop()
         .ok_or_else(|| WebError::NotFound("message not found".into()))?;
@@ -672,6 +743,7 @@ mod tests {
 
     fn view(role: &'static str, text: &str, html: &str, reasoning: &str) -> MessageView {
         MessageView {
+            sources: Vec::new(),
             id: "m1".into(),
             files: Vec::new(),
             role,

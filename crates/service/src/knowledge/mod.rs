@@ -175,6 +175,47 @@ const NAME_LIMIT: usize = 100;
 const DESCRIPTION_LIMIT: usize = 1_000;
 /// Longest search text, in characters.
 const QUERY_LIMIT: usize = 2_000;
+/// Collections one conversation may search.
+pub const MAX_CHOSEN: usize = 10;
+
+/// The passages a message was given, as the store records them (`[n]` from 1).
+pub fn sources_of(passages: &[Passage]) -> Vec<smolchat_store::MessageSource> {
+    passages
+        .iter()
+        .enumerate()
+        .map(|(i, p)| smolchat_store::MessageSource {
+            n: i as i64 + 1,
+            collection_id: p.chunk.collection_id,
+            document_id: p.chunk.document_id,
+            document_name: p.chunk.document_name.clone(),
+            heading: p.chunk.heading.clone(),
+            text: p.chunk.text.trim().to_string(),
+        })
+        .collect()
+}
+
+/// How a turn reads the passages found for it: numbered sources before the user's message,
+/// and how to cite them. The message's text follows unchanged.
+pub fn with_passages(passages: &[Passage], message: &str) -> String {
+    if passages.is_empty() {
+        return message.to_string();
+    }
+    let mut out = String::from(
+        "Sources found for this message (cite the ones you use as [1], [2], …; say so when \
+         they do not answer it):\n\n",
+    );
+    for (i, p) in passages.iter().enumerate() {
+        let place = if p.chunk.heading.is_empty() {
+            p.chunk.document_name.clone()
+        } else {
+            format!("{} › {}", p.chunk.document_name, p.chunk.heading)
+        };
+        out.push_str(&format!("[{}] {place}\n{}\n\n", i + 1, p.chunk.text.trim()));
+    }
+    out.push_str("Message: ");
+    out.push_str(message);
+    out
+}
 
 /// The knowledge service (see the module docs).
 pub struct Knowledge {
@@ -757,6 +798,65 @@ impl Knowledge {
                 batch.iter().map(|(id, _, _)| *id).zip(vectors).collect();
             self.store.set_chunk_embeddings(doc.id, &rows).await?;
         }
+    }
+
+    /// Checks a conversation's choice of collections: at most [`MAX_CHOSEN`], each one the
+    /// caller may search. The error names what to change.
+    pub async fn check_chosen(&self, caller: &Caller, ids: &[Uuid]) -> Result<()> {
+        if ids.len() > MAX_CHOSEN {
+            return Err(invalid(
+                "knowledge",
+                format!("a conversation searches at most {MAX_CHOSEN} collections"),
+            ));
+        }
+        let visible = self.store.collections_visible_to(&caller.owner).await?;
+        if let Some(missing) = ids.iter().find(|id| !visible.iter().any(|c| c.id == **id)) {
+            return Err(invalid(
+                "knowledge",
+                format!(
+                    "{missing} is not a collection you may search; yours are: {}",
+                    if visible.is_empty() {
+                        "none (make one on the knowledge page or with POST /api/knowledge)"
+                            .to_string()
+                    } else {
+                        visible
+                            .iter()
+                            .map(|c| format!("{} ({})", c.name, c.id))
+                            .collect::<Vec<_>>()
+                            .join(", ")
+                    }
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// The passages a turn of `owner`'s conversation is given for `text`: the best of the
+    /// chosen collections it may still search (one unshared since is skipped).
+    pub async fn passages_for_turn(
+        &self,
+        owner: &str,
+        chosen: &[Uuid],
+        text: &str,
+    ) -> Result<Vec<Passage>> {
+        let caller = Caller {
+            owner: owner.to_string(),
+            admin: false,
+            guest: false,
+            address: None,
+        };
+        let visible = self.store.collections_visible_to(owner).await?;
+        let ids: Vec<Uuid> = chosen
+            .iter()
+            .copied()
+            .filter(|id| visible.iter().any(|c| c.id == *id))
+            .collect();
+        let text: String = text.chars().take(QUERY_LIMIT).collect();
+        if ids.is_empty() || text.trim().is_empty() {
+            return Ok(Vec::new());
+        }
+        self.search(&caller, &ids, &text, None, SearchMode::Hybrid)
+            .await
     }
 
     /// Wakes the indexer (a document was added by another way than [`Knowledge::add_document`]).

@@ -64,6 +64,8 @@ pub struct SessionShared {
     pub cluster: Arc<Cluster>,
     /// The tools replies may call (see [`ToolLoop`]).
     pub tools: Arc<crate::tools::Tools>,
+    /// Collections whose passages a turn is given (`settings.knowledge`).
+    pub knowledge: Arc<crate::knowledge::Knowledge>,
 }
 
 /// What a user is told when the store cannot be written (the detail is in the log).
@@ -764,6 +766,32 @@ impl Handler<SendMessage> for SessionActor {
                 Some(m) if regenerate => m.raw.clone().unwrap_or_else(|| m.content.clone()),
                 _ => prompt::with_files(kept.iter().chain(taken.iter()), &content),
             };
+            // The conversation's collections: the passages found for the message go before it
+            // (in `raw`, so every later prompt reads the same), numbered for citing.
+            let mut sources = Vec::new();
+            let prompt_text = if !regenerate && !conversation.settings.knowledge.is_empty() {
+                let found = shared
+                    .knowledge
+                    .passages_for_turn(
+                        &conversation.owner,
+                        &conversation.settings.knowledge,
+                        &content,
+                    )
+                    .await;
+                match found {
+                    Ok(passages) => {
+                        sources = crate::knowledge::sources_of(&passages);
+                        crate::knowledge::with_passages(&passages, &prompt_text)
+                    }
+                    Err(e) => {
+                        // The message goes on without them; the reason is for the operator.
+                        tracing::warn!(conversation = %id, "no passages for a turn: {e}");
+                        prompt_text
+                    }
+                }
+            } else {
+                prompt_text
+            };
             // (A regenerated reply stores no user message: these go unused then.)
             let attachments = Attachments {
                 raw: (prompt_text != content).then(|| prompt_text.clone()),
@@ -820,10 +848,16 @@ impl Handler<SendMessage> for SessionActor {
                     (user, reply)
                 }
                 replacing => {
-                    shared
+                    let (user, reply) = shared
                         .store
                         .insert_exchange(id, &content, replacing.map(|m| m.id), &attachments)
-                        .await?
+                        .await?;
+                    // The message's prompt holds them already: a lost record only costs the
+                    // page its citations.
+                    if let Err(e) = shared.store.save_message_sources(user.id, &sources).await {
+                        tracing::warn!(conversation = %id, "cannot record a message's sources: {e}");
+                    }
+                    (user, reply)
                 }
             };
             Ok((completion, user, assistant, prepared, model, tool_loop))

@@ -286,6 +286,8 @@ pub struct SettingsForm {
     /// `auto`, `required` or a tool's name.
     #[serde(default)]
     tool_choice: String,
+    /// Present when the form shows the collections (`kb:<id>` checkboxes).
+    knowledge_shown: Option<String>,
     /// The tools' checkboxes, `tool:<name>` = `on` (one field a tool: the form decoder takes no
     /// repeated field).
     #[serde(flatten)]
@@ -355,6 +357,25 @@ pub async fn settings(
             None => None,
         },
         tool_choice: form.tools_shown.as_ref().map(|_| form.tool_choice.clone()),
+        knowledge: match form.knowledge_shown {
+            Some(_) => {
+                let mut chosen = Vec::new();
+                for (field, value) in &form.checked {
+                    if let Some(id) = field.strip_prefix("kb:") {
+                        if checkbox(field, Some(value))? {
+                            chosen.push(uuid::Uuid::parse_str(id).map_err(|_| {
+                                WebError::BadRequest(format!(
+                                    "`{field}`: {id:?} is not a collection id"
+                                ))
+                            })?);
+                        }
+                    }
+                }
+                chosen.sort();
+                Some(chosen)
+            }
+            None => None,
+        },
         ..SettingsPatch::default()
     };
     state
