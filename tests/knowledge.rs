@@ -499,3 +499,190 @@ async fn documents_count_in_the_stored_bytes_quota() {
         "{found}"
     );
 }
+
+/// In a real headless Chromium, the real SmolLM2 file: make a collection on the knowledge page,
+/// add a PDF and a Markdown file, watch their indexing end, choose the collection in a
+/// conversation's settings, ask what the PDF answers, see the sources under the reply and open
+/// the passage. Another user sees nothing of it.
+mod browser {
+    use super::common::chromium::*;
+    use super::common::server::Server;
+    use serde_json::{json, Value};
+
+    /// Adds `files` (name, bytes) to the collection through the page's file input.
+    async fn add_files(c: &fantoccini::Client, dir: &std::path::Path, files: &[(&str, Vec<u8>)]) {
+        let mut paths = Vec::new();
+        for (name, bytes) in files {
+            let p = dir.join(name);
+            std::fs::write(&p, bytes).expect("write");
+            paths.push(p.display().to_string());
+        }
+        let input = c
+            .find(fantoccini::Locator::Css("input.kb-upload"))
+            .await
+            .expect("the upload input");
+        input
+            .send_keys(&paths.join("\n"))
+            .await
+            .expect("choose the files");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_collection_made_on_its_page_answers_in_the_chat_with_sources() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let server = Server::start(dir.path(), &super::accounts_env()).await;
+        let driver = start_driver(dir.path()).await;
+        let c = browser(&driver, &dir.path().join("profile"), DESKTOP).await;
+        c.goto(&format!("{}/signup", server.base))
+            .await
+            .expect("open");
+        fill(&c, "#signup-name", "alice").await;
+        fill(&c, "#signup-password", "alice's password").await;
+        click(&c, "#signup-btn").await;
+        wait_path(&c, "/").await;
+
+        // The knowledge page: a collection, then a PDF and a Markdown file.
+        c.goto(&format!("{}/knowledge", server.base))
+            .await
+            .expect("knowledge");
+        fill(&c, "#new-collection input[name=name]", "Bakery").await;
+        click(&c, "#new-collection button[type=submit]").await;
+        wait_js(
+            &c,
+            "return document.querySelectorAll('section.collection').length",
+            "the collection",
+            |v| v == &json!(1),
+        )
+        .await;
+        let files = dir.path().join("upload");
+        std::fs::create_dir_all(&files).expect("dir");
+        let pdf = std::fs::read(super::common::crate_root().join("tests/data/files/report.pdf"))
+            .expect("pdf");
+        let md = b"# Opening hours\n\nThe bakery opens at seven and closes at six.\n".to_vec();
+        add_files(&c, &files, &[("report.pdf", pdf), ("hours.md", md)]).await;
+        // Each row says where its indexing stands, until both are ready.
+        wait_js(
+            &c,
+            "return [...document.querySelectorAll('tr[data-doc]')].map(r => r.dataset.status)",
+            "both documents indexed",
+            |v| v == &json!(["ready", "ready"]),
+        )
+        .await;
+        let rows = js(&c, "return [...document.querySelectorAll('tr[data-doc] td:first-child')].map(t => t.textContent)").await;
+        assert_eq!(rows, json!(["report.pdf", "hours.md"]));
+        let (_, listed) = fetch(&c, "GET", "/api/knowledge", None).await;
+        let id = listed["collections"][0]["id"]
+            .as_str()
+            .expect("id")
+            .to_string();
+
+        // A conversation searching it (chosen in its settings panel).
+        let (_, created) = fetch(
+            &c,
+            "POST",
+            "/api/conversations",
+            Some(json!({"temperature": 0, "max_tokens": 48})),
+        )
+        .await;
+        let conv = created["id"].as_str().expect("conversation").to_string();
+        c.goto(&format!("{}/c/{conv}", server.base))
+            .await
+            .expect("chat");
+        click(&c, "#settings-btn").await;
+        click(&c, &format!("input[name='kb:{id}']")).await;
+        click(&c, "form[hx-post$='/settings'] button[type=submit]").await;
+        wait_js(
+            &c,
+            "const s = document.querySelector('#settings-status'); return s ? s.textContent : ''",
+            "the settings saved",
+            |v| v.as_str().is_some_and(|t| t.contains("Saved")),
+        )
+        .await;
+        let (_, got) = fetch(&c, "GET", &format!("/api/conversations/{conv}"), None).await;
+        assert_eq!(
+            got["settings"]["knowledge"],
+            json!([id]),
+            "{got}"
+        );
+
+        send(&c, "How many loaves did the sourdough line sell?").await;
+        wait_js(&c, IDLE, "the reply", |v| v == &json!(1)).await;
+        // The sources under the reply: the PDF's passage first.
+        let places = js(
+            &c,
+            "return [...document.querySelectorAll('.msg.assistant details.source summary')].map(s => s.textContent)",
+        )
+        .await;
+        let places = places.as_array().expect("sources").clone();
+        assert!(!places.is_empty(), "the reply shows its sources");
+        assert!(
+            places[0].as_str().unwrap_or("").starts_with("report.pdf"),
+            "{places:?}"
+        );
+        // Opened (a citation link when the reply cites it; the list itself otherwise).
+        let cited = js(
+            &c,
+            "return document.querySelectorAll('.msg.assistant a.cite').length",
+        )
+        .await;
+        if cited.as_i64().unwrap_or(0) > 0 {
+            click(&c, ".msg.assistant a.cite").await;
+        } else {
+            click(&c, ".msg.assistant details.sources > summary").await;
+            click(&c, ".msg.assistant details.source > summary").await;
+        }
+        let shown = wait_js(
+            &c,
+            "const d = document.querySelector('.msg.assistant details.source[open] .source-text'); \
+             return d && d.offsetParent !== null ? d.textContent : null",
+            "an opened passage",
+            |v| v.is_string(),
+        )
+        .await;
+        assert!(
+            shown.as_str().unwrap_or("").contains("4200 loaves"),
+            "{shown}"
+        );
+        // What the model read: the passages before the question, in the stored prompt text.
+        let (_, got) = fetch(&c, "GET", &format!("/api/conversations/{conv}"), None).await;
+        let user = got["messages"]
+            .as_array()
+            .and_then(|m| m.iter().find(|m| m["role"] == "user"))
+            .cloned()
+            .unwrap_or(Value::Null);
+        let raw = user["raw"].as_str().unwrap_or("");
+        assert!(raw.starts_with("Sources found for this message"), "{raw}");
+        assert!(
+            raw.contains("[1] report.pdf") && raw.contains("4200 loaves"),
+            "{raw}"
+        );
+        assert!(
+            raw.ends_with("Message: How many loaves did the sourdough line sell?"),
+            "{raw}"
+        );
+        screenshot(&c, "knowledge").await;
+
+        // Another user: no collection, and the id is not found.
+        let other = browser(&driver, &dir.path().join("profile-bob"), DESKTOP).await;
+        other
+            .goto(&format!("{}/signup", server.base))
+            .await
+            .expect("open");
+        fill(&other, "#signup-name", "bob").await;
+        fill(&other, "#signup-password", "bob's password").await;
+        click(&other, "#signup-btn").await;
+        wait_path(&other, "/").await;
+        other
+            .goto(&format!("{}/knowledge", server.base))
+            .await
+            .expect("knowledge");
+        let sections = js(
+            &other,
+            "return document.querySelectorAll('section.collection').length",
+        )
+        .await;
+        assert_eq!(sections, json!(0));
+        let (status, _) = fetch(&other, "GET", &format!("/api/knowledge/{id}"), None).await;
+        assert_eq!(status, 404);
+    }
+}

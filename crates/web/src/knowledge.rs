@@ -11,19 +11,121 @@
 //! | `POST /api/knowledge/{id}/documents?name=…` | 201: the file's bytes as the body, indexed in the background |
 //! | `DELETE /api/knowledge/{id}/documents/{doc}` | 204 |
 //! | `POST /api/knowledge/search` `{"collections", "query", "k"?, "mode"?}` | `{"passages": [...]}` best first |
+//!
+//! `GET /knowledge` is the page: the caller's collections and documents, each document's
+//! indexing as it goes (`static/knowledge.js` calls the routes above).
 
+use actix_web::middleware::from_fn;
 use actix_web::{web, HttpRequest, HttpResponse};
+use askama::Template;
 use serde::Deserialize;
 use serde_json::json;
 use smolchat_service::knowledge::SearchMode;
 use uuid::Uuid;
 
 use super::api::parse_uuid;
-use super::error::WebError;
+use super::error::{PageError, WebError};
 use super::files::UploadQuery;
+use super::html::html;
 use super::json::{read_bytes, JsonBody};
 use super::owner::Owner;
 use super::AppState;
+
+/// Registers the page (outside the `/api` scope).
+pub fn page_routes(cfg: &mut web::ServiceConfig) {
+    cfg.service(
+        web::resource("/knowledge")
+            .wrap(from_fn(super::csrf::require_token))
+            .wrap(from_fn(super::owner::owner_cookie))
+            .route(web::get().to(page))
+            .default_service(web::to(super::method_not_allowed)),
+    );
+}
+
+#[derive(Template)]
+#[template(path = "knowledge.html")]
+struct KnowledgePage {
+    csrf: String,
+    collections: Vec<CollectionView>,
+}
+
+struct CollectionView {
+    id: String,
+    name: String,
+    /// "shared with everyone", "shared with you", … (empty: private).
+    sharing: String,
+    /// The caller may change it (its owner, or an admin).
+    mine: bool,
+    documents: Vec<DocumentView>,
+}
+
+struct DocumentView {
+    id: String,
+    name: String,
+    status: &'static str,
+    progress: String,
+    size: String,
+}
+
+fn size(bytes: i64) -> String {
+    let b = bytes.max(0) as f64;
+    if b >= (1 << 20) as f64 {
+        format!("{:.1} MB", b / (1 << 20) as f64)
+    } else if b >= 1024.0 {
+        format!("{:.1} KB", b / 1024.0)
+    } else {
+        format!("{b} B")
+    }
+}
+
+/// `GET /knowledge`
+async fn page(state: web::Data<AppState>, owner: Owner) -> Result<HttpResponse, PageError> {
+    use smolchat_service::records::DocumentStatus;
+    let caller = owner.caller();
+    let knowledge = state.platform.knowledge();
+    let mut collections = Vec::new();
+    for c in knowledge.collections(&caller).await? {
+        let (c, docs) = knowledge.collection(&caller, c.id).await?;
+        let mine = c.owner == caller.owner || caller.admin;
+        collections.push(CollectionView {
+            id: c.id.to_string(),
+            sharing: if c.shared {
+                "shared with everyone".into()
+            } else if c.owner != caller.owner {
+                "shared with you".into()
+            } else if !c.shared_with.is_empty() {
+                format!("shared with {} accounts", c.shared_with.len())
+            } else {
+                String::new()
+            },
+            name: c.name,
+            mine,
+            documents: docs
+                .into_iter()
+                .map(|d| DocumentView {
+                    id: d.id.to_string(),
+                    status: d.status.as_str(),
+                    progress: match d.status {
+                        DocumentStatus::Pending => "waiting".into(),
+                        DocumentStatus::Indexing => {
+                            format!("indexing: {} of {} passages", d.embedded, d.chunks)
+                        }
+                        DocumentStatus::Ready => format!("ready: {} passages", d.chunks),
+                        DocumentStatus::Failed => {
+                            format!("failed: {}", d.error.unwrap_or_default())
+                        }
+                    },
+                    size: size(d.size_bytes),
+                    name: d.name,
+                })
+                .collect(),
+        });
+    }
+    html(&KnowledgePage {
+        csrf: super::csrf::token_for(&state.cookie_key, &owner.csrf_subject()),
+        collections,
+    })
+}
 
 /// Registers the routes inside the `/api` scope.
 pub fn routes(cfg: &mut web::ServiceConfig) {

@@ -336,6 +336,7 @@ pub fn routes(cfg: &mut web::ServiceConfig, chat_limit: BodyLimit) {
     )
     // Accounts: sign-in, sign-up, sign-out, the account page.
     .configure(account::routes)
+    .configure(knowledge::page_routes)
     // OpenID Connect sign-in (the provider's redirects carry no CSRF token: state does that).
     .configure(oidc::routes)
     .service(

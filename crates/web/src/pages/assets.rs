@@ -57,6 +57,11 @@ pub(super) const STATIC_FILES: &[(&str, &str, &[u8])] = &[
         include_bytes!("../../../../static/chat.js"),
     ),
     (
+        "knowledge.js",
+        "text/javascript; charset=utf-8",
+        include_bytes!("../../../../static/knowledge.js"),
+    ),
+    (
         "vendor/htmx-2.0.11.min.js",
         "text/javascript; charset=utf-8",
         include_bytes!("../../../../static/vendor/htmx-2.0.11.min.js"),
