@@ -599,11 +599,7 @@ mod browser {
         )
         .await;
         let (_, got) = fetch(&c, "GET", &format!("/api/conversations/{conv}"), None).await;
-        assert_eq!(
-            got["settings"]["knowledge"],
-            json!([id]),
-            "{got}"
-        );
+        assert_eq!(got["settings"]["knowledge"], json!([id]), "{got}");
 
         send(&c, "How many loaves did the sourdough line sell?").await;
         wait_js(&c, IDLE, "the reply", |v| v == &json!(1)).await;

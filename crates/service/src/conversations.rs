@@ -220,6 +220,26 @@ pub(crate) fn from_auth(e: smolchat_auth::AuthError) -> ConversationError {
     }
 }
 
+impl From<crate::knowledge::KnowledgeError> for ConversationError {
+    fn from(e: crate::knowledge::KnowledgeError) -> Self {
+        use crate::knowledge::KnowledgeError as K;
+        match e {
+            K::NotFound(m) => ConversationError::NoSuch(m),
+            K::Invalid { field, message } => ConversationError::Invalid {
+                field: Some(field),
+                message,
+            },
+            K::TooLarge(m) => ConversationError::TooLarge(m),
+            K::Forbidden(m) => ConversationError::Forbidden(m),
+            K::Unavailable(m) => ConversationError::Unavailable(m),
+            K::Store(e) => e.into(),
+            K::Read(e) => e.into(),
+            K::File(e) => e.into(),
+            K::Internal(m) => ConversationError::Internal(m),
+        }
+    }
+}
+
 impl From<SettingsError> for ConversationError {
     fn from(e: SettingsError) -> Self {
         match e {
@@ -570,13 +590,13 @@ impl Conversations {
     async fn check_knowledge(&self, caller: &Caller, patch: &SettingsPatch) -> Result<()> {
         match &patch.knowledge {
             None => Ok(()),
-            Some(ids) => {
-                self.sessions
-                    .shared()
-                    .knowledge
-                    .check_chosen(caller, ids)
-                    .await
-            }
+            Some(ids) => self
+                .sessions
+                .shared()
+                .knowledge
+                .check_chosen(caller, ids)
+                .await
+                .map_err(ConversationError::from),
         }
     }
 

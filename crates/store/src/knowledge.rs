@@ -259,7 +259,7 @@ pub fn encode_vector(v: &[f32]) -> Vec<u8> {
 
 /// A stored embedding; `None` when its length is not a whole number of f32.
 pub fn decode_vector(bytes: &[u8]) -> Option<Vec<f32>> {
-    if bytes.len() % 4 != 0 {
+    if !bytes.len().is_multiple_of(4) {
         return None;
     }
     Some(

@@ -71,9 +71,12 @@ pub fn chunk(text: &str, shape: ChunkShape, count: &dyn Fn(&str) -> usize) -> Ve
     out
 }
 
-/// The text's blocks in order, `(start, end, section, is_code)`, and the heading path of each
-/// section (section 0: before any heading, "").
-fn blocks(text: &str) -> (Vec<(usize, usize, usize, bool)>, Vec<String>) {
+/// A block of the text: `(start, end, section, is_code)`.
+type Block = (usize, usize, usize, bool);
+
+/// The text's blocks in order, and the heading path of each section (section 0: before any
+/// heading, "").
+fn blocks(text: &str) -> (Vec<Block>, Vec<String>) {
     let mut out = Vec::new();
     let mut headings = vec![String::new()];
     let mut path: Vec<(usize, String)> = Vec::new();

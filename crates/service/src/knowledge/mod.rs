@@ -24,121 +24,47 @@ use uuid::Uuid;
 
 use crate::audit::Audit;
 use crate::completions::{EmbeddingRequest, Pooling};
-use crate::conversations::ConversationError;
+use crate::config::KnowledgeConfig;
+pub use crate::config::{EmbeddingPooling, PROMPT_EOL};
 use crate::documents::{DocumentReader, ReadError};
 use crate::models::{Models, ServedModel};
 use crate::Caller;
 use chunk::ChunkShape;
 use retrieve::VectorSet;
 
-type Result<T, E = ConversationError> = std::result::Result<T, E>;
+type Result<T, E = KnowledgeError> = std::result::Result<T, E>;
 
-/// `[knowledge]`.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
-#[serde(default, deny_unknown_fields)]
-pub struct KnowledgeConfig {
-    /// The model whose embeddings index and search documents (an id or alias of
-    /// `[[models.entries]]`; empty: the main model). Changing it needs documents added again.
-    pub embedding_model: String,
-    /// Most tokens in a passage.
-    pub chunk_tokens: usize,
-    /// Tokens two consecutive passages of a section share.
-    pub chunk_overlap_tokens: usize,
-    /// The largest document one may add, in MiB.
-    pub max_document_mib: u64,
-    /// Collections one account may own.
-    pub max_collections_per_user: usize,
-    /// Passages a search returns unless asked otherwise.
-    pub top_k: usize,
-    /// How a text's hidden states become its vector: `mean` (every position) or `last` (the
-    /// last position; pair it with templates that end in a question, such as PromptEOL's).
-    pub embedding_pooling: EmbeddingPooling,
-    /// The text a passage is embedded as (`{text}`: the passage, its headings first); and a
-    /// search's (`{text}`: the search text). Embedding models trained with prefixes (`query: `,
-    /// `passage: `) want them here. Changing these, the pooling or the model needs documents
-    /// added again.
-    pub document_template: String,
-    pub query_template: String,
-    /// The weight of the vector ranking in the fusion (reciprocal rank fusion weighs each
-    /// ranking's `1 / (60 + rank)` by it; the keyword ranking's weight is 1).
-    pub vector_weight: f64,
-}
-
-/// The default template of passages and searches: PromptEOL (Jiang et al., 2023), which makes
-/// a chat model's last position summarize the text.
-pub const PROMPT_EOL: &str = "This passage : \"{text}\" means in one word:\"";
-
-/// `knowledge.embedding_pooling`.
-#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq, Default)]
-#[serde(rename_all = "snake_case")]
-pub enum EmbeddingPooling {
-    #[default]
-    Mean,
-    Last,
-}
-
-impl Default for KnowledgeConfig {
-    fn default() -> Self {
-        Self {
-            embedding_model: String::new(),
-            chunk_tokens: 256,
-            chunk_overlap_tokens: 32,
-            max_document_mib: 32,
-            max_collections_per_user: 100,
-            top_k: 5,
-            // For a chat model (the default embeds with the main model): the last position
-            // after a prompt asking for the text's meaning in one word (PromptEOL) found more
-            // than the mean of every position on the evaluation set (recall@5 0.36 against
-            // 0.29 with SmolLM2-135M), and the fusion loses less when the vectors weigh half.
-            // An embedding model wants `mean` and its own prefixes.
-            embedding_pooling: EmbeddingPooling::Last,
-            document_template: PROMPT_EOL.into(),
-            query_template: PROMPT_EOL.into(),
-            vector_weight: 0.5,
-        }
-    }
-}
-
-impl KnowledgeConfig {
-    /// The one check of `[knowledge]`; the error names the key.
-    pub fn check(&self) -> Result<(), String> {
-        if !(32..=2048).contains(&self.chunk_tokens) {
-            return Err(format!(
-                "knowledge.chunk_tokens must be between 32 and 2048, not {}",
-                self.chunk_tokens
-            ));
-        }
-        if self.chunk_overlap_tokens * 2 > self.chunk_tokens {
-            return Err(format!(
-                "knowledge.chunk_overlap_tokens ({}) must be at most half of knowledge.chunk_tokens ({})",
-                self.chunk_overlap_tokens, self.chunk_tokens
-            ));
-        }
-        for (key, t) in [
-            ("document_template", &self.document_template),
-            ("query_template", &self.query_template),
-        ] {
-            if !t.contains("{text}") || t.chars().count() > 1_000 {
-                return Err(format!(
-                    "knowledge.{key} must hold `{{text}}` (where the text goes) and be at most \
-                     1,000 characters"
-                ));
-            }
-        }
-        if !(0.0..=10.0).contains(&self.vector_weight) {
-            return Err(format!(
-                "knowledge.vector_weight must be between 0 and 10, not {}",
-                self.vector_weight
-            ));
-        }
-        if self.max_document_mib == 0 || !(1..=50).contains(&self.top_k) {
-            return Err(
-                "knowledge.max_document_mib must be at least 1, and knowledge.top_k between 1 and 50"
-                    .into(),
-            );
-        }
-        Ok(())
-    }
+/// Why the knowledge service refused (the web layer maps each to one status code, through
+/// `ConversationError`'s).
+#[derive(Debug, thiserror::Error)]
+pub enum KnowledgeError {
+    /// No such collection or document (or not the caller's to see). 404.
+    #[error("{0}")]
+    NotFound(String),
+    /// A field is wrong; the message names it. 400.
+    #[error("{message}")]
+    Invalid {
+        field: &'static str,
+        message: String,
+    },
+    /// Over a size or count limit. 413.
+    #[error("{0}")]
+    TooLarge(String),
+    /// Not the caller's to change. 403.
+    #[error("{0}")]
+    Forbidden(String),
+    /// The embedding model cannot answer now. 503.
+    #[error("{0}")]
+    Unavailable(String),
+    #[error(transparent)]
+    Store(#[from] smolchat_store::StoreError),
+    #[error(transparent)]
+    Read(#[from] ReadError),
+    #[error(transparent)]
+    File(#[from] crate::files::FileError),
+    /// A fault on our side. 500.
+    #[error("{0}")]
+    Internal(String),
 }
 
 /// How a search ranks passages.
@@ -232,13 +158,13 @@ pub struct Knowledge {
     vectors: Mutex<HashMap<Uuid, Arc<VectorSet>>>,
 }
 
-fn not_found() -> ConversationError {
-    ConversationError::NoSuch("no such collection (or it is not shared with you)".into())
+fn not_found() -> KnowledgeError {
+    KnowledgeError::NotFound("no such collection (or it is not shared with you)".into())
 }
 
-fn invalid(field: &'static str, message: impl Into<String>) -> ConversationError {
-    ConversationError::Invalid {
-        field: Some(field),
+fn invalid(field: &'static str, message: impl Into<String>) -> KnowledgeError {
+    KnowledgeError::Invalid {
+        field,
         message: message.into(),
     }
 }
@@ -299,7 +225,7 @@ impl Knowledge {
     async fn changeable(&self, caller: &Caller, id: Uuid) -> Result<Collection> {
         let c = self.visible(caller, id).await?;
         if c.owner != caller.owner && !caller.admin {
-            return Err(ConversationError::Forbidden(format!(
+            return Err(KnowledgeError::Forbidden(format!(
                 "the collection {:?} is shared with you to search; only its owner or an admin \
                  may change it",
                 c.name
@@ -316,7 +242,7 @@ impl Knowledge {
         description: &str,
     ) -> Result<Collection> {
         if caller.guest {
-            return Err(ConversationError::Forbidden(
+            return Err(KnowledgeError::Forbidden(
                 "collections are for accounts: sign in or sign up to keep documents".into(),
             ));
         }
@@ -341,7 +267,7 @@ impl Knowledge {
             .filter(|c| c.owner == caller.owner)
             .count();
         if owned >= self.cfg.max_collections_per_user {
-            return Err(ConversationError::TooLarge(format!(
+            return Err(KnowledgeError::TooLarge(format!(
                 "you have {owned} collections, the most one account may have \
                  (knowledge.max_collections_per_user): delete one first"
             )));
@@ -382,7 +308,7 @@ impl Knowledge {
         with: &[String],
     ) -> Result<Collection> {
         if !caller.admin {
-            return Err(ConversationError::Forbidden(
+            return Err(KnowledgeError::Forbidden(
                 "only an admin shares collections".into(),
             ));
         }
@@ -437,7 +363,7 @@ impl Knowledge {
         {
             Ok(e) => e,
             Err(ReadError::DoesNotFit { at_least }) => {
-                return Err(ConversationError::TooLarge(format!(
+                return Err(KnowledgeError::TooLarge(format!(
                     "{name:?} is at least {at_least} tokens of text, more than a document may hold"
                 )))
             }
@@ -491,7 +417,7 @@ impl Knowledge {
         let kept = self.store.stored_text_bytes(owner).await?
             + self.store.stored_knowledge_bytes(owner).await?;
         if kept.saturating_add(adding) > max {
-            return Err(ConversationError::TooLarge(format!(
+            return Err(KnowledgeError::TooLarge(format!(
                 "you keep {} MiB of conversations and documents and this document adds {} MiB; \
                  the limit is {} MiB per user (limits.max_stored_mib_per_user): delete some first",
                 mib(kept),
@@ -507,7 +433,7 @@ impl Knowledge {
         self.changeable(caller, id).await?;
         match self.store.document(doc).await? {
             Some(d) if d.collection_id == id => {}
-            _ => return Err(ConversationError::NoSuch("no such document".into())),
+            _ => return Err(KnowledgeError::NotFound("no such document".into())),
         }
         self.store.delete_document(doc).await?;
         self.forget_vectors(id);
@@ -622,7 +548,7 @@ impl Knowledge {
             )
         })
         .await
-        .map_err(|e| ConversationError::Internal(format!("the vector task failed: {e}")))?;
+        .map_err(|e| KnowledgeError::Internal(format!("the vector task failed: {e}")))?;
         let set = Arc::new(set);
         if let Ok(mut cache) = self.vectors.lock() {
             cache.insert(id, Arc::clone(&set));
@@ -645,7 +571,7 @@ impl Knowledge {
         self.models
             .resolve(&self.cfg.embedding_model)
             .await
-            .map_err(|e| ConversationError::Unavailable(format!("the embedding model: {e}")))
+            .map_err(|e| KnowledgeError::Unavailable(format!("the embedding model: {e}")))
     }
 
     /// One vector per text (mean-pooled, as `/v1/embeddings` gives them), each text read as
@@ -668,7 +594,7 @@ impl Knowledge {
             ids.extend(
                 tokenizer
                     .encode(t, false)
-                    .map_err(|e| ConversationError::Internal(format!("tokenizer: {e}")))?,
+                    .map_err(|e| KnowledgeError::Internal(format!("tokenizer: {e}")))?,
             );
             ids.truncate(EMBED_MAX_TOKENS);
             inputs.push(ids);
@@ -687,7 +613,7 @@ impl Knowledge {
                 background,
             })
             .await
-            .map_err(|e| ConversationError::Unavailable(format!("embedding: {e}")))?;
+            .map_err(|e| KnowledgeError::Unavailable(format!("embedding: {e}")))?;
         Ok(embedded.vectors)
     }
 
@@ -725,9 +651,12 @@ impl Knowledge {
                 }
                 tracing::info!(document = %doc.id, chunks = doc.chunks, "knowledge: document indexed");
             }
-            Err(ConversationError::Unavailable(m))
-            | Err(ConversationError::StorageUnavailable(m)) => {
-                tracing::info!(document = %doc.id, "knowledge: indexing waits ({m})");
+            Err(e @ KnowledgeError::Unavailable(_)) => {
+                tracing::info!(document = %doc.id, "knowledge: indexing waits ({e})");
+                tokio::time::sleep(Duration::from_secs(5)).await;
+            }
+            Err(KnowledgeError::Store(e)) if e.is_unavailable() => {
+                tracing::info!(document = %doc.id, "knowledge: indexing waits ({e})");
                 tokio::time::sleep(Duration::from_secs(5)).await;
             }
             Err(e) => {
@@ -761,7 +690,7 @@ impl Knowledge {
                 chunk::chunk(&text, shape, &count)
             })
             .await
-            .map_err(|e| ConversationError::Internal(format!("the chunking task failed: {e}")))?;
+            .map_err(|e| KnowledgeError::Internal(format!("the chunking task failed: {e}")))?;
             if !self
                 .store
                 .set_document_chunks(doc.id, doc.collection_id, &chunks)

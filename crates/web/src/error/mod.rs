@@ -170,6 +170,13 @@ impl ResponseError for WebError {
     }
 }
 
+/// The knowledge service's refusals: as the conversation service's of the same kind.
+impl From<smolchat_service::knowledge::KnowledgeError> for WebError {
+    fn from(e: smolchat_service::knowledge::KnowledgeError) -> Self {
+        ConversationError::from(e).into()
+    }
+}
+
 /// The conversation service's refusals, one status code each.
 impl From<ConversationError> for WebError {
     fn from(e: ConversationError) -> Self {

@@ -36,6 +36,12 @@ impl From<WebError> for PageError {
     }
 }
 
+impl From<smolchat_service::knowledge::KnowledgeError> for PageError {
+    fn from(e: smolchat_service::knowledge::KnowledgeError) -> Self {
+        WebError::from(e).into()
+    }
+}
+
 impl From<ConversationError> for PageError {
     fn from(e: ConversationError) -> Self {
         PageError::Web(e.into())
