@@ -68,6 +68,7 @@ fn run() -> Result<()> {
         Command::User(a) => cli::user::run(a),
         Command::Invite(a) => cli::user::invite(a),
         Command::Model(a) => cli::model::run(a),
+        Command::Knowledge(a) => cli::knowledge::run(a),
         Command::Extract(a) => std::process::exit(smolchat_service::documents::child_main(
             smolchat_service::files::PdfCaps {
                 max_text_bytes: a.max_text_bytes,

@@ -682,3 +682,176 @@ mod browser {
         assert_eq!(status, 404);
     }
 }
+
+/// `smolchat knowledge …` against the running server, with the admin token from the
+/// environment (run on a blocking thread: it waits on the server this test's runtime serves).
+async fn cli(server: &Server, token: &str, args: &[&str]) -> (bool, String) {
+    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_smolchat"));
+    cmd.current_dir(common::crate_root())
+        .arg("knowledge")
+        .args(args)
+        .args(["--url", &server.base])
+        .env("SMOLCHAT_SERVER__ADMIN_TOKEN", token);
+    let out = tokio::task::spawn_blocking(move || cmd.output())
+        .await
+        .expect("join")
+        .expect("run smolchat knowledge");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.success(), text)
+}
+
+/// The admin makes a shared collection from the command line; a `/v1` caller names it in a chat
+/// request (`knowledge`, an extension) and the answer says which passages it was given; another
+/// account's private collection is not found, a caller without a key has none.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn v1_requests_name_collections_the_admin_made_from_the_command_line() {
+    const TOKEN: &str = "knowledge-cli-admin-token";
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut env = accounts_env();
+    env.push(("SMOLCHAT_SERVER__ADMIN_TOKEN", TOKEN));
+    let server = Server::start(dir.path(), &env).await;
+
+    let (ok, out) = cli(&server, TOKEN, &["create", "Handbook", "--everyone"]).await;
+    assert!(ok, "{out}");
+    let id = out.trim().to_string();
+    let file = dir.path().join("handbook.md");
+    std::fs::write(
+        &file,
+        "# Holidays\n\nEvery employee has twenty-seven days of paid leave a year.\n\n# Parking\n\nThe car park closes at nine.\n",
+    )
+    .expect("write");
+    let (ok, out) = cli(
+        &server,
+        TOKEN,
+        &["add", &id, file.to_str().expect("path"), "--wait"],
+    )
+    .await;
+    assert!(ok, "{out}");
+    assert!(out.contains("handbook.md: ready"), "{out}");
+    let (ok, out) = cli(&server, TOKEN, &["list"]).await;
+    assert!(
+        ok && out.contains("Handbook (shared with everyone)") && out.contains("handbook.md"),
+        "{out}"
+    );
+    let (ok, out) = cli(&server, "a-wrong-token-for-the-cli", &["list"]).await;
+    assert!(!ok && out.contains("401"), "{out}");
+
+    // Bob's key, and Alice's private collection.
+    let mut bob = account(&server, 1, "bob", "bob's password", true).await;
+    let made = bob.post_form("/account/keys", "name=laptop").await;
+    let key = made
+        .text
+        .split("id=\"new-key-value\">")
+        .nth(1)
+        .and_then(|r| r.split('<').next())
+        .expect("the new key")
+        .to_string();
+    let mut alice = account(&server, 2, "alice", "alice's password", true).await;
+    let (_, private) = json_of(
+        &mut alice,
+        reqwest::Method::POST,
+        "/api/knowledge",
+        Some(json!({"name": "Diary"})),
+    )
+    .await;
+    let private = private["id"].as_str().expect("id").to_string();
+
+    let ask = |knowledge: Value, stream: bool| {
+        json!({
+            "messages": [{"role": "user", "content": "How many days of paid leave do we get?"}],
+            "temperature": 0, "max_tokens": 24, "stream": stream,
+            "knowledge": knowledge,
+        })
+    };
+    let http = reqwest::Client::new();
+    let url = format!("{}/v1/chat/completions", server.base);
+    let answer = http
+        .post(&url)
+        .bearer_auth(&key)
+        .json(&ask(json!([id]), false))
+        .send()
+        .await
+        .expect("request");
+    assert_eq!(answer.status(), StatusCode::OK);
+    let answer: Value = answer.json().await.expect("json");
+    assert_eq!(
+        answer["sources"][0]["document_name"], "handbook.md",
+        "{answer}"
+    );
+    assert_eq!(answer["sources"][0]["heading"], "Holidays", "{answer}");
+    assert_eq!(answer["sources"][0]["n"], 1);
+    // The prompt held the passages: longer than the question alone.
+    let plain = http
+        .post(&url)
+        .bearer_auth(&key)
+        .json(&json!({"messages": [{"role": "user", "content": "How many days of paid leave do we get?"}], "max_tokens": 1}))
+        .send()
+        .await
+        .expect("request")
+        .json::<Value>()
+        .await
+        .expect("json");
+    assert!(
+        answer["usage"]["prompt_tokens"].as_u64() > plain["usage"]["prompt_tokens"].as_u64(),
+        "{answer} {plain}"
+    );
+    // Streamed: the sources come with the first chunk.
+    let streamed = http
+        .post(&url)
+        .bearer_auth(&key)
+        .json(&ask(json!({"collections": [id], "k": 1}), true))
+        .send()
+        .await
+        .expect("request")
+        .text()
+        .await
+        .expect("text");
+    let first: Value = serde_json::from_str(
+        streamed
+            .lines()
+            .find_map(|l| l.strip_prefix("data: "))
+            .expect("a chunk"),
+    )
+    .expect("json");
+    assert_eq!(
+        first["sources"].as_array().map(Vec::len),
+        Some(1),
+        "{first}"
+    );
+    // Refusals: another account's collection, no key, a wrong shape.
+    for (who, knowledge, status) in [
+        (Some(key.as_str()), json!([private]), StatusCode::NOT_FOUND),
+        (None, json!([id]), StatusCode::FORBIDDEN),
+        (
+            Some(key.as_str()),
+            json!("handbook"),
+            StatusCode::BAD_REQUEST,
+        ),
+        (
+            Some(key.as_str()),
+            json!({"collections": [id], "k": 0}),
+            StatusCode::BAD_REQUEST,
+        ),
+        (
+            Some(key.as_str()),
+            json!(["not-an-id"]),
+            StatusCode::BAD_REQUEST,
+        ),
+    ] {
+        let mut req = http.post(&url).json(&ask(knowledge.clone(), false));
+        if let Some(k) = who {
+            req = req.bearer_auth(k);
+        }
+        let got = req.send().await.expect("request");
+        assert_eq!(
+            got.status(),
+            status,
+            "{knowledge}: {}",
+            got.text().await.unwrap_or_default()
+        );
+    }
+}

@@ -6,6 +6,7 @@ pub mod bench;
 pub mod chat;
 pub mod generate;
 pub mod inspect;
+pub mod knowledge;
 pub mod logits;
 pub mod model;
 pub mod serve;
@@ -105,6 +106,9 @@ pub enum Command {
     /// The models of a running server: list, load, unload, make the default (with the admin
     /// token).
     Model(model::ModelArgs),
+    /// Knowledge collections of a running server: list, create, add documents, share, remove
+    /// (with the admin token).
+    Knowledge(knowledge::KnowledgeArgs),
     /// Read a PDF's text from stdin, as the server's sandboxed document reader (one JSON object
     /// on stdout). The server starts it itself, under resource limits.
     #[command(hide = true)]

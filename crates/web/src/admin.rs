@@ -32,6 +32,7 @@ use super::AppState;
 mod audit;
 mod live;
 mod models;
+pub(crate) use models::ops_caller;
 mod session;
 mod tools;
 mod users;

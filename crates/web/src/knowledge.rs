@@ -21,6 +21,7 @@ use askama::Template;
 use serde::Deserialize;
 use serde_json::json;
 use smolchat_service::knowledge::SearchMode;
+use smolchat_service::Caller;
 use uuid::Uuid;
 
 use super::api::parse_uuid;
@@ -30,6 +31,101 @@ use super::html::html;
 use super::json::{read_bytes, JsonBody};
 use super::owner::Owner;
 use super::AppState;
+
+/// Registers `/ops/knowledge…`: the same routes for the command line (`smolchat knowledge`),
+/// the admin token as the bearer; collections made there are the admin's (`admin`), and the
+/// list is every collection.
+pub fn ops_routes(cfg: &mut web::ServiceConfig) {
+    use super::method_not_allowed;
+    cfg.service(
+        web::resource("/ops/knowledge")
+            .route(web::get().to(ops_list))
+            .route(web::post().to(ops_create))
+            .default_service(web::to(method_not_allowed)),
+    )
+    .service(
+        web::resource("/ops/knowledge/{id}")
+            .route(web::get().to(ops_get))
+            .default_service(web::to(method_not_allowed)),
+    )
+    .service(
+        web::resource("/ops/knowledge/{id}/sharing")
+            .route(web::put().to(ops_share))
+            .default_service(web::to(method_not_allowed)),
+    )
+    .service(
+        web::resource("/ops/knowledge/{id}/documents")
+            .route(web::post().to(ops_add_document))
+            .default_service(web::to(method_not_allowed)),
+    )
+    .service(
+        web::resource("/ops/knowledge/{id}/documents/{doc}")
+            .route(web::delete().to(ops_delete_document))
+            .default_service(web::to(method_not_allowed)),
+    );
+}
+
+fn ops(state: &AppState, req: &HttpRequest) -> Result<Caller, WebError> {
+    super::admin::ops_caller(state, req)
+}
+
+async fn ops_list(state: web::Data<AppState>, req: HttpRequest) -> Result<HttpResponse, WebError> {
+    let caller = ops(&state, &req)?;
+    let knowledge = state.platform.knowledge();
+    let mut out = Vec::new();
+    for c in knowledge.all_collections(&caller).await? {
+        let (c, documents) = knowledge.collection(&caller, c.id).await?;
+        let mut v = serde_json::to_value(&c).unwrap_or_default();
+        v["documents"] = serde_json::to_value(&documents).unwrap_or_default();
+        out.push(v);
+    }
+    Ok(HttpResponse::Ok().json(json!({ "collections": out })))
+}
+
+async fn ops_create(
+    state: web::Data<AppState>,
+    req: HttpRequest,
+    body: JsonBody<NewCollectionBody>,
+) -> Result<HttpResponse, WebError> {
+    create_for(&state, ops(&state, &req)?, body.0).await
+}
+
+async fn ops_get(
+    state: web::Data<AppState>,
+    req: HttpRequest,
+    path: web::Path<String>,
+) -> Result<HttpResponse, WebError> {
+    get_for(&state, ops(&state, &req)?, &path).await
+}
+
+async fn ops_share(
+    state: web::Data<AppState>,
+    req: HttpRequest,
+    path: web::Path<String>,
+    body: JsonBody<SharingBody>,
+) -> Result<HttpResponse, WebError> {
+    share_for(&state, ops(&state, &req)?, &path, body.0).await
+}
+
+async fn ops_add_document(
+    state: web::Data<AppState>,
+    req: HttpRequest,
+    path: web::Path<String>,
+    payload: web::Payload,
+) -> Result<HttpResponse, WebError> {
+    let caller = ops(&state, &req)?;
+    add_document_for(&state, caller, &path, &req, payload).await
+}
+
+async fn ops_delete_document(
+    state: web::Data<AppState>,
+    req: HttpRequest,
+    path: web::Path<(String, String)>,
+) -> Result<HttpResponse, WebError> {
+    let caller = ops(&state, &req)?;
+    let (id, doc) = path.into_inner();
+    delete_document_for(&state, caller, &id, &doc).await
+}
 
 /// Registers the page (outside the `/api` scope).
 pub fn page_routes(cfg: &mut web::ServiceConfig) {
@@ -191,10 +287,18 @@ async fn create(
     owner: Owner,
     body: JsonBody<NewCollectionBody>,
 ) -> Result<HttpResponse, WebError> {
+    create_for(&state, owner.caller(), body.0).await
+}
+
+async fn create_for(
+    state: &AppState,
+    caller: Caller,
+    body: NewCollectionBody,
+) -> Result<HttpResponse, WebError> {
     let c = state
         .platform
         .knowledge()
-        .create_collection(&owner.caller(), &body.0.name, &body.0.description)
+        .create_collection(&caller, &body.name, &body.description)
         .await?;
     Ok(HttpResponse::Created()
         .insert_header(("Location", format!("/api/knowledge/{}", c.id)))
@@ -206,12 +310,12 @@ async fn get(
     owner: Owner,
     path: web::Path<String>,
 ) -> Result<HttpResponse, WebError> {
-    let id = collection_id(&path)?;
-    let (collection, documents) = state
-        .platform
-        .knowledge()
-        .collection(&owner.caller(), id)
-        .await?;
+    get_for(&state, owner.caller(), &path).await
+}
+
+async fn get_for(state: &AppState, caller: Caller, id: &str) -> Result<HttpResponse, WebError> {
+    let id = collection_id(id)?;
+    let (collection, documents) = state.platform.knowledge().collection(&caller, id).await?;
     Ok(HttpResponse::Ok().json(json!({ "collection": collection, "documents": documents })))
 }
 
@@ -244,11 +348,20 @@ async fn share(
     path: web::Path<String>,
     body: JsonBody<SharingBody>,
 ) -> Result<HttpResponse, WebError> {
-    let id = collection_id(&path)?;
+    share_for(&state, owner.caller(), &path, body.0).await
+}
+
+async fn share_for(
+    state: &AppState,
+    caller: Caller,
+    id: &str,
+    body: SharingBody,
+) -> Result<HttpResponse, WebError> {
+    let id = collection_id(id)?;
     let c = state
         .platform
         .knowledge()
-        .share(&owner.caller(), id, body.0.everyone, &body.0.accounts)
+        .share(&caller, id, body.everyone, &body.accounts)
         .await?;
     Ok(HttpResponse::Ok().json(c))
 }
@@ -260,7 +373,17 @@ async fn add_document(
     req: HttpRequest,
     payload: web::Payload,
 ) -> Result<HttpResponse, WebError> {
-    let id = collection_id(&path)?;
+    add_document_for(&state, owner.caller(), &path, &req, payload).await
+}
+
+async fn add_document_for(
+    state: &AppState,
+    caller: Caller,
+    id: &str,
+    req: &HttpRequest,
+    payload: web::Payload,
+) -> Result<HttpResponse, WebError> {
+    let id = collection_id(id)?;
     let query = web::Query::<UploadQuery>::from_query(req.query_string())
         .map_err(|e| WebError::BadRequest(format!("bad query string: {e}")))?;
     let name = query
@@ -275,7 +398,6 @@ async fn add_document(
             )
         })?;
     let knowledge = state.platform.knowledge();
-    let caller = owner.caller();
     // Whose it is before reading the body: another owner's id is 404 whatever is sent.
     knowledge.collection(&caller, id).await?;
     let limit = knowledge.max_document_bytes();
@@ -286,7 +408,7 @@ async fn add_document(
             limit >> 20
         ))
     };
-    let bytes = read_bytes(&req, payload.into_inner(), limit, too_large).await?;
+    let bytes = read_bytes(req, payload.into_inner(), limit, too_large).await?;
     let doc = knowledge.add_document(&caller, id, &name, bytes).await?;
     Ok(HttpResponse::Created().json(doc))
 }
@@ -297,12 +419,21 @@ async fn delete_document(
     path: web::Path<(String, String)>,
 ) -> Result<HttpResponse, WebError> {
     let (id, doc) = path.into_inner();
-    let id = collection_id(&id)?;
-    let doc = parse_uuid(&doc, "document id")?;
+    delete_document_for(&state, owner.caller(), &id, &doc).await
+}
+
+async fn delete_document_for(
+    state: &AppState,
+    caller: Caller,
+    id: &str,
+    doc: &str,
+) -> Result<HttpResponse, WebError> {
+    let id = collection_id(id)?;
+    let doc = parse_uuid(doc, "document id")?;
     state
         .platform
         .knowledge()
-        .delete_document(&owner.caller(), id, doc)
+        .delete_document(&caller, id, doc)
         .await?;
     Ok(HttpResponse::NoContent().finish())
 }

@@ -8,6 +8,7 @@
 //! | `GET /healthz`, `GET /readyz`, `GET /metrics` | operations (see [`ops`]) |
 //! | `GET /ops/models`, `POST /ops/models/{id}/{load,unload,default}` | the models, for `smolchat model` (admin token as bearer) |
 //! | `GET /ops/tools`, `POST /ops/tools/call` | the tools and MCP servers; one call of a tool (admin token as bearer) |
+//! | `GET/POST /ops/knowledge`, `GET /ops/knowledge/{id}`, `PUT …/sharing`, `POST …/documents?name=`, `DELETE …/documents/{doc}` | knowledge collections, for `smolchat knowledge` (admin token as bearer) |
 //! | `POST /api/conversations` | create (optional settings body) → 201 |
 //! | `GET /api/conversations?q=&limit=&before=` | a page of the caller's conversations, most recent first, and the `next` cursor |
 //! | `GET`, `PATCH`, `DELETE /api/conversations/{id}` | one conversation with its messages |
@@ -134,6 +135,7 @@ pub fn routes(cfg: &mut web::ServiceConfig, chat_limit: BodyLimit) {
     )
     .service(web::resource("/ops/models").route(web::get().to(admin::ops_list)))
     .service(web::resource("/ops/tools").route(web::get().to(admin::ops_tools)))
+    .configure(knowledge::ops_routes)
     .service(web::resource("/ops/tools/call").route(web::post().to(admin::ops_tool_call)))
     .service(web::resource("/ops/models/{id}/{action}").route(web::post().to(admin::ops_action)))
     .service(

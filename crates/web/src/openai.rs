@@ -233,14 +233,10 @@ async fn chat_completions(
     body: Result<JsonBody<Value>, WebError>,
 ) -> Result<HttpResponse, ApiError> {
     let JsonBody(body) = body?;
-    let (req, served) = checked_chat(
-        &state,
-        &http,
-        typed::read(&body, "")?,
-        typed::read(&body, "")?,
-        None,
-    )
-    .await?;
+    let chat: body::ChatBody = typed::read(&body, "")?;
+    let ask = request::knowledge(chat.knowledge.as_ref())?;
+    let (mut req, served) =
+        checked_chat(&state, &http, typed::read(&body, "")?, chat, None).await?;
     // The body limit here leaves room for a file; a request without one keeps the limit of
     // every other JSON body.
     let text_limit = super::json_limit(state.platform.config().limits.max_message_chars);
@@ -256,9 +252,13 @@ async fn chat_completions(
         ))
         .into());
     }
+    let sources = match ask {
+        Some(ask) => Some(with_knowledge(&state, &http, &mut req, ask).await?),
+        None => None,
+    };
     if req.server_tools.is_some() {
         let (salt, user) = (cache_salt(&http, &req.common), api_user(&http));
-        return server_tools::answer(http, state, served, req, salt, user).await;
+        return server_tools::answer(http, state, served, req, salt, user, sources).await;
     }
     let parse_tool_calls = req.parse_tool_calls();
     let prompt = build_chat_prompt(&state, &http, &served, &req).await?;
@@ -281,9 +281,57 @@ async fn chat_completions(
         user,
         prompt,
         "messages",
+        sources,
         || ChatAssembler::new(starts_in_reasoning, parse_tool_calls),
     )
     .await
+}
+
+/// `knowledge` (an extension): the passages of the named collections that best answer the last
+/// user message go before it, numbered for citing (the chat's one format,
+/// `knowledge::with_passages`); what they were, for the answer's `sources`. Collections are
+/// accounts': a caller without a key has none, and another account's is not found.
+async fn with_knowledge(
+    state: &AppState,
+    http: &HttpRequest,
+    req: &mut request::ChatRequest,
+    ask: request::KnowledgeAsk,
+) -> Result<Value, ApiError> {
+    use smolchat_service::knowledge::{self, KnowledgeError, SearchMode};
+    let Some(caller) = v1::api_owner(http) else {
+        return Err(ApiError::forbidden(
+            "knowledge",
+            "collections belong to accounts: send the request with an API key",
+        ));
+    };
+    let Some(at) = req.messages.iter().rposition(|m| m.role == "user") else {
+        return Err(ApiError::invalid(
+            "knowledge",
+            "`knowledge` searches for the last user message, and there is none",
+        ));
+    };
+    let passages = state
+        .platform
+        .knowledge()
+        .search(
+            &caller,
+            &ask.collections,
+            &req.messages[at].content,
+            ask.k,
+            SearchMode::Hybrid,
+        )
+        .await
+        .map_err(|e| match e {
+            KnowledgeError::NotFound(m) => ApiError::not_found(m),
+            KnowledgeError::Invalid { field, message } => {
+                ApiError::invalid(format!("knowledge.{field}"), message)
+            }
+            KnowledgeError::Forbidden(m) => ApiError::forbidden("knowledge", m),
+            other => ApiError::from(WebError::from(other)),
+        })?;
+    let m = &mut req.messages[at];
+    m.content = knowledge::with_passages(&passages, &m.content);
+    Ok(json!(knowledge::sources_of(&passages)))
 }
 
 async fn completions(
@@ -330,6 +378,7 @@ async fn completions(
         user,
         prompt,
         "prompt",
+        None,
         TextAssembler::new,
     )
     .await
@@ -374,6 +423,7 @@ async fn generate<A: Assembler>(
     user: ApiUser,
     prompt: Vec<u32>,
     prompt_param: &str,
+    sources: Option<Value>,
     assembler: impl Fn() -> A,
 ) -> Result<HttpResponse, ApiError> {
     let prompt_tokens = prompt.len();
@@ -422,10 +472,12 @@ async fn generate<A: Assembler>(
                     c["index"] = json!(index);
                 }
                 let first = (!opening.is_empty()).then(|| {
-                    sse(
-                        &envelope.wrap(A::CHUNK_OBJECT, opening),
-                        common.include_usage,
-                    )
+                    let mut chunk = envelope.wrap(A::CHUNK_OBJECT, opening);
+                    // The passages the reply was given (`knowledge`), once, with the first chunk.
+                    if let Some(s) = sources.as_ref().filter(|_| index == 0) {
+                        chunk["sources"] = s.clone();
+                    }
+                    sse(&chunk, common.include_usage)
                 });
                 let render = ChoiceRender {
                     logprobs: LogprobsOut::new(&state, A::OBJECT == "chat.completion"),
@@ -482,6 +534,9 @@ async fn generate<A: Assembler>(
     let choices = results.into_iter().map(|(c, _)| c).collect();
     let mut body = envelope.wrap(A::OBJECT, choices);
     body["usage"] = usage_of(&summaries);
+    if let Some(s) = sources {
+        body["sources"] = s;
+    }
     Ok(HttpResponse::Ok().json(body))
 }
 

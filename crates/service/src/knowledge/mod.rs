@@ -202,6 +202,16 @@ impl Knowledge {
         Ok(self.store.collections_visible_to(&caller.owner).await?)
     }
 
+    /// Every collection (admins: the command line's list).
+    pub async fn all_collections(&self, caller: &Caller) -> Result<Vec<Collection>> {
+        if !caller.admin {
+            return Err(KnowledgeError::Forbidden(
+                "only an admin lists every collection".into(),
+            ));
+        }
+        Ok(self.store.all_collections().await?)
+    }
+
     /// Collection `id` and its documents, if the caller may read it.
     pub async fn collection(
         &self,

@@ -121,7 +121,7 @@ pub async fn action(
 }
 
 /// The admin token as a bearer, checked (and throttled) by the admin sign-in.
-pub(super) fn ops_caller(
+pub(crate) fn ops_caller(
     state: &AppState,
     req: &HttpRequest,
 ) -> Result<smolchat_service::Caller, WebError> {

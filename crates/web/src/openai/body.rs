@@ -131,6 +131,10 @@ pub struct ChatBody {
     pub response_format: Option<ResponseFormat>,
     /// `enable_thinking`, and any other variables for the template.
     pub chat_template_kwargs: Option<Map<String, Value>>,
+    /// An extension of `/v1/chat/completions`: knowledge collections to search for the last
+    /// user message (ids, or `{"collections": [ids], "k": n}`). Read by
+    /// [`super::request::knowledge`].
+    pub knowledge: Option<Value>,
     /// An extension of `/v1/chat/completions`: tools the server runs for the caller (`true`:
     /// every tool offered to its key; or their names). Read by
     /// [`super::request::server_tools`].

@@ -104,6 +104,74 @@ pub struct CallIn {
     pub arguments: String,
 }
 
+/// What a request asks of `knowledge`: the collections, and how many passages (`None`: the
+/// server's `knowledge.top_k`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct KnowledgeAsk {
+    pub collections: Vec<uuid::Uuid>,
+    pub k: Option<usize>,
+}
+
+/// `knowledge`: an array of collection ids, or `{"collections": [ids], "k": n}`.
+pub fn knowledge(v: Option<&Value>) -> Result<Option<KnowledgeAsk>, ApiError> {
+    let ids = |list: &Vec<Value>, at: &str| -> Result<Vec<uuid::Uuid>, ApiError> {
+        list.iter()
+            .enumerate()
+            .map(|(i, v)| {
+                v.as_str()
+                    .and_then(|s| uuid::Uuid::parse_str(s).ok())
+                    .ok_or_else(|| {
+                        ApiError::invalid(
+                            format!("{at}[{i}]"),
+                            format!("`{at}[{i}]` must be a collection id (a UUID), not {v}"),
+                        )
+                    })
+            })
+            .collect()
+    };
+    match v {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::Array(list)) => Ok(Some(KnowledgeAsk {
+            collections: ids(list, "knowledge")?,
+            k: None,
+        })),
+        Some(Value::Object(o)) => {
+            if let Some(other) = o.keys().find(|k| *k != "collections" && *k != "k") {
+                return Err(ApiError::invalid(
+                    format!("knowledge.{other}"),
+                    format!("`knowledge` takes `collections` and `k`, not `{other}`"),
+                ));
+            }
+            let list = o
+                .get("collections")
+                .and_then(Value::as_array)
+                .ok_or_else(|| {
+                    ApiError::invalid(
+                        "knowledge.collections",
+                        "`knowledge.collections` must be an array of collection ids",
+                    )
+                })?;
+            let k = match o.get("k") {
+                None | Some(Value::Null) => None,
+                Some(v) => Some(v.as_u64().filter(|n| (1..=50).contains(n)).ok_or_else(|| {
+                    ApiError::invalid("knowledge.k", "`knowledge.k` must be 1 to 50")
+                })? as usize),
+            };
+            Ok(Some(KnowledgeAsk {
+                collections: ids(list, "knowledge.collections")?,
+                k,
+            }))
+        }
+        Some(other) => Err(ApiError::invalid(
+            "knowledge",
+            format!(
+                "`knowledge` must be an array of collection ids or {{\"collections\": [...], \
+                 \"k\": n}}, not {other}"
+            ),
+        )),
+    }
+}
+
 /// What a request asks of `server_tools`.
 #[derive(Debug, Clone, PartialEq)]
 pub enum ServerToolsAsk {

@@ -88,6 +88,7 @@ pub(super) async fn answer(
     mut req: ChatRequest,
     salt: String,
     user: ApiUser,
+    sources: Option<Value>,
 ) -> Result<HttpResponse, ApiError> {
     if req.common.n != 1 {
         return Err(ApiError::invalid(
@@ -134,6 +135,9 @@ pub(super) async fn answer(
             "finish_reason": outcome.finish_reason});
         let mut body = envelope.wrap("chat.completion", vec![choice]);
         body["usage"] = usage_of_rounds(&outcome.rounds);
+        if let Some(s) = sources {
+            body["sources"] = s;
+        }
         return Ok(HttpResponse::Ok().json(body));
     }
 
@@ -150,8 +154,12 @@ pub(super) async fn answer(
     let task = actix_web::rt::spawn(async move {
         let opening = json!({"index": 0, "delta": {"role": "assistant", "content": ""},
             "logprobs": null, "finish_reason": null});
+        let mut head = envelope.wrap("chat.completion.chunk", vec![opening]);
+        if let Some(s) = sources {
+            head["sources"] = s;
+        }
         // A send fails once the client has gone: the loop stops at its next piece.
-        let _ = tx.send(chunk(vec![opening]));
+        let _ = tx.send(super::sse(&head, include_usage));
         let mut emit = |p: Progress| {
             let choices = match p {
                 Progress::Deltas(d) => d,
