@@ -12,6 +12,7 @@ use smolchat_engine::synthetic::{self, SyntheticSpec, TypeMix};
 use smolchat_engine::{DeviceSampling, Engine, Logits, LogitsMode, SampleRow, SeqStep};
 use smolchat_serving::load;
 
+mod knowledge;
 mod spill;
 
 #[derive(Args, Debug)]
@@ -80,11 +81,22 @@ pub struct BenchArgs {
     /// `--gen-tokens`); prints one JSON object.
     #[arg(long, conflicts_with_all = ["speculative", "seed_engine", "profile_decode_at"])]
     pub spill_formats: bool,
+    /// Instead: what a knowledge search costs at this many passages (keyword ranking, vector
+    /// scan, reading the passages found), on `--database-url` (a temporary SQLite file when
+    /// none); needs no model. Prints one JSON object.
+    #[arg(long, value_name = "N", conflicts_with_all = ["speculative", "seed_engine", "profile_decode_at", "spill_formats"])]
+    pub knowledge_passages: Option<usize>,
+    /// The store `--knowledge-passages` writes to (e.g. a fresh PostgreSQL database).
+    #[arg(long, requires = "knowledge_passages")]
+    pub database_url: Option<String>,
     #[command(flatten)]
     pub device: super::DeviceArg,
 }
 
 pub fn run(args: &BenchArgs, globals: &super::Globals) -> Result<()> {
+    if let Some(n) = args.knowledge_passages {
+        return knowledge::run(n, args.database_url.as_deref());
+    }
     if args.speculative {
         return speculative(args, globals);
     }
