@@ -433,6 +433,110 @@
     }
   });
 
+  // `#` in the composer picks a knowledge collection: the conversation searches it for each
+  // message from then on (its settings' `knowledge`; a new chat is made with it).
+  const picker = document.getElementById("kb-picker");
+  const kbChips = document.getElementById("kb-chips");
+  let collections = null;
+  let pickAt = -1;
+  let picked = 0;
+  async function allCollections() {
+    if (collections === null) {
+      try { collections = (await api("GET", "/api/knowledge")).collections; } catch (_) { collections = []; }
+    }
+    return collections;
+  }
+  function closePicker() {
+    if (picker) { picker.hidden = true; picker.textContent = ""; }
+    pickAt = -1;
+  }
+  function chosenIds() {
+    return [...document.querySelectorAll("input[name^='kb:']")].filter((i) => i.checked).map((i) => i.name.slice(3));
+  }
+  async function choose(c) {
+    const before = input.value.slice(0, pickAt);
+    const after = input.value.slice(input.selectionStart);
+    input.value = before + after.replace(/^\S*/, "").replace(/^\s*/, before && !before.endsWith(" ") ? " " : "");
+    closePicker();
+    try {
+      if (!convId) {
+        const made = await api("POST", "/api/conversations", Object.assign({ knowledge: [c.id] }, pickedModel() ? { model: pickedModel() } : {}));
+        sessionStorage.setItem("smolchat-draft-" + made.id, input.value);
+        location.href = "/c/" + made.id;
+        return;
+      }
+      const ids = chosenIds();
+      if (!ids.includes(c.id)) ids.push(c.id);
+      await api("PATCH", "/api/conversations/" + convId, { knowledge: ids });
+      const box = document.querySelector("input[name='kb:" + c.id + "']");
+      if (box) box.checked = true;
+      if (kbChips && !kbChips.querySelector("[data-id='" + c.id + "']")) {
+        const li = document.createElement("li");
+        li.className = "kb-chip";
+        li.dataset.id = c.id;
+        const s = document.createElement("span");
+        s.className = "muted small";
+        s.textContent = "Searching";
+        li.append(s, " " + c.name);
+        kbChips.append(li);
+        kbChips.hidden = false;
+      }
+      announce("Searching " + c.name + " for each message");
+    } catch (err) { explain(err); }
+    input.focus();
+  }
+  function showPicker(list) {
+    picker.textContent = "";
+    list.forEach((c, i) => {
+      const li = document.createElement("li");
+      li.setAttribute("role", "option");
+      li.className = "kb-option";
+      li.id = "kb-option-" + i;
+      li.textContent = c.name;
+      li.setAttribute("aria-selected", i === picked ? "true" : "false");
+      li.addEventListener("mousedown", (e) => { e.preventDefault(); choose(c); });
+      picker.append(li);
+    });
+    picker.hidden = list.length === 0;
+  }
+  let matches = [];
+  if (picker) {
+    input.addEventListener("input", async () => {
+      const upto = input.value.slice(0, input.selectionStart);
+      const m = upto.match(/(^|\s)#([^\s#]*)$/);
+      if (!m) { closePicker(); return; }
+      pickAt = upto.length - m[2].length - 1;
+      const q = m[2].toLowerCase();
+      matches = (await allCollections()).filter((c) => c.name.toLowerCase().includes(q)).slice(0, 8);
+      picked = 0;
+      showPicker(matches);
+    });
+    // Before the composer's own Enter (capture): with the list open, keys move in it.
+    input.addEventListener("keydown", (e) => {
+      if (picker.hidden || !matches.length) return;
+      if (e.key === "ArrowDown" || e.key === "ArrowUp") {
+        picked = (picked + (e.key === "ArrowDown" ? 1 : matches.length - 1)) % matches.length;
+        showPicker(matches);
+      } else if (e.key === "Enter" || e.key === "Tab") {
+        choose(matches[picked]);
+      } else if (e.key === "Escape") {
+        closePicker();
+      } else {
+        return;
+      }
+      e.preventDefault();
+      e.stopImmediatePropagation();
+    }, true);
+    input.addEventListener("blur", () => setTimeout(closePicker, 150));
+  }
+  if (convId) {
+    const kept = sessionStorage.getItem("smolchat-draft-" + convId);
+    if (kept !== null) {
+      sessionStorage.removeItem("smolchat-draft-" + convId);
+      if (!input.value) input.value = kept;
+    }
+  }
+
   // `el` and every message after it: what a new version from `el` takes off the page (they
   // stay stored, as the other versions).
   function fromHere(el) {

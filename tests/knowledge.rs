@@ -658,6 +658,41 @@ mod browser {
         );
         screenshot(&c, "knowledge").await;
 
+        // `#` in the composer of another conversation picks the collection.
+        let (_, second) = fetch(&c, "POST", "/api/conversations", Some(json!({}))).await;
+        let second = second["id"].as_str().expect("conversation").to_string();
+        c.goto(&format!("{}/c/{second}", server.base))
+            .await
+            .expect("chat");
+        let input = c
+            .find(fantoccini::Locator::Css("#input"))
+            .await
+            .expect("the composer");
+        input.send_keys("Opening hours? #bak").await.expect("type");
+        wait_js(
+            &c,
+            "const p = document.getElementById('kb-picker');              return p && !p.hidden ? [...p.querySelectorAll('[role=option]')].map(o => o.textContent) : null",
+            "the collection offered",
+            |v| v == &json!(["Bakery"]),
+        )
+        .await;
+        input.send_keys("\u{E007}").await.expect("Enter");
+        wait_js(
+            &c,
+            "return [...document.querySelectorAll('#kb-chips .kb-chip')].map(c => c.dataset.id)",
+            "the chip",
+            |v| v == &json!([id]),
+        )
+        .await;
+        assert_eq!(
+            js(&c, "return document.getElementById('input').value").await,
+            json!("Opening hours? "),
+            "the #word is taken out, nothing is sent"
+        );
+        let (_, got) = fetch(&c, "GET", &format!("/api/conversations/{second}"), None).await;
+        assert_eq!(got["settings"]["knowledge"], json!([id]), "{got}");
+        assert_eq!(got["messages"], json!([]), "{got}");
+
         // Another user: no collection, and the id is not found.
         let other = browser(&driver, &dir.path().join("profile-bob"), DESKTOP).await;
         other

@@ -328,6 +328,8 @@ pub struct SettingsView {
     /// The knowledge collections the caller may search, each with whether this conversation
     /// does (`name` is the collection's id).
     pub collections: Vec<ToolOption>,
+    /// Whether any collection is chosen (the composer's chips show then).
+    pub knowledge_chosen: bool,
 }
 
 pub struct ToolOption {
@@ -641,6 +643,7 @@ async fn chat_page(
                     description: c.name,
                 })
                 .collect(),
+            knowledge_chosen: !settings.knowledge.is_empty(),
         },
         user_name: owner.name().unwrap_or_default().to_string(),
         is_admin: caller.admin,

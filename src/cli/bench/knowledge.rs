@@ -63,7 +63,8 @@ pub fn run(passages: usize, database_url: Option<&str>) -> Result<()> {
 }
 
 async fn bench(passages: usize, url: &str) -> Result<()> {
-    let readme = std::fs::read_to_string("README.md").context("README.md (run from the repository)")?;
+    let readme =
+        std::fs::read_to_string("README.md").context("README.md (run from the repository)")?;
     let vocabulary: Vec<&str> = readme
         .split(|c: char| !c.is_alphanumeric())
         .filter(|w| w.len() > 2)
@@ -119,8 +120,10 @@ async fn bench(passages: usize, url: &str) -> Result<()> {
             if batch.is_empty() {
                 break;
             }
-            let rows: Vec<(i64, Vec<f32>)> =
-                batch.iter().map(|(id, _, _)| (*id, unit(&mut rng))).collect();
+            let rows: Vec<(i64, Vec<f32>)> = batch
+                .iter()
+                .map(|(id, _, _)| (*id, unit(&mut rng)))
+                .collect();
             store.set_chunk_embeddings(doc.id, &rows).await?;
         }
         store.finish_document(doc.id, None).await?;
