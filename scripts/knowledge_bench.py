@@ -32,12 +32,12 @@ PAGE = 3000
 # Questions whose answers are in README.md / docs (the text holding the answer, for inlining).
 QUESTIONS = [
     ("How is a consistent copy of the live SQLite database made for a backup?", "VACUUM INTO"),
-    ("Which rating does systemd-analyze security give the service unit?", "rates it 1.4"),
-    ("What does the admin token do?", "admin_token"),
-    ("How many kills does make soak run?", "runs 40 kills"),
     ("Which tokenizer does the conversation search index use?", "trigram"),
     ("What does tools.max_rounds limit?", "max_rounds"),
-    ("How are personal API keys shown after they are made?", "sk-smol-"),
+    ("How do personal API keys start?", "sk-smol-"),
+    ("Why does the store close a connection whose transaction did not commit?", "WriteTx"),
+    ("Which kernel took 18% of a decode step on the H200?", "rms_norm"),
+    ("Where does the cookie secret come from when none is configured?", "cookie_secret"),
 ]
 
 
