@@ -118,6 +118,16 @@ impl Browser {
         self.finish(req).await
     }
 
+    /// This client's cookies as one `Cookie` header value (for another client of the same
+    /// account, such as [`super::server::Client::with_cookie`]).
+    pub fn cookie_header(&self) -> String {
+        self.cookies
+            .iter()
+            .map(|(k, v)| format!("{k}={v}"))
+            .collect::<Vec<_>>()
+            .join("; ")
+    }
+
     /// A POST of `bytes` as the body (an upload), with this client's cookies and CSRF token.
     pub async fn upload(&mut self, path: &str, bytes: Vec<u8>) -> Answer {
         let req = self
