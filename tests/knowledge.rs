@@ -330,6 +330,20 @@ async fn consistency_on(dir: &std::path::Path, url: &str) {
     // Shared to search, not to change.
     let (status, _) = upload(&mut bob, &id, "x.md", b"x".to_vec()).await;
     assert_eq!(status, StatusCode::FORBIDDEN);
+    // Shared with everyone means every account: a guest sees nothing of it.
+    let (status, _) = json_of(
+        &mut root,
+        reqwest::Method::PUT,
+        &format!("/api/knowledge/{id}/sharing"),
+        Some(json!({"everyone": true, "accounts": ["bob"]})),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK);
+    let mut guest = Browser::at(&server, 4, "/").await;
+    let (_, listed) = json_of(&mut guest, reqwest::Method::GET, "/api/knowledge", None).await;
+    assert_eq!(listed["collections"], json!([]), "{listed}");
+    let (status, _) = search(&mut guest, &[&id], "zanzibarite", "keyword").await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
 
     // A deleted document leaves no chunk, vector or keyword behind.
     let before = rows(url, &id).await;

@@ -199,6 +199,10 @@ impl Knowledge {
 
     /// The collections the caller may search: its own and those shared with it.
     pub async fn collections(&self, caller: &Caller) -> Result<Vec<Collection>> {
+        // "Shared with everyone" means every account: a guest (anyone with a browser) sees none.
+        if caller.guest {
+            return Ok(Vec::new());
+        }
         Ok(self.store.collections_visible_to(&caller.owner).await?)
     }
 
@@ -226,7 +230,7 @@ impl Knowledge {
     /// Collection `id` if the caller may read it (404 otherwise, whoever's it is).
     async fn visible(&self, caller: &Caller, id: Uuid) -> Result<Collection> {
         match self.store.collection(id).await? {
-            Some(c) if c.visible_to(&caller.owner) || caller.admin => Ok(c),
+            Some(c) if !caller.guest && (c.visible_to(&caller.owner) || caller.admin) => Ok(c),
             _ => Err(not_found()),
         }
     }
@@ -746,6 +750,12 @@ impl Knowledge {
             return Err(invalid(
                 "knowledge",
                 format!("a conversation searches at most {MAX_CHOSEN} collections"),
+            ));
+        }
+        if caller.guest && !ids.is_empty() {
+            return Err(invalid(
+                "knowledge",
+                "collections are for accounts: sign in or sign up to search them",
             ));
         }
         let visible = self.store.collections_visible_to(&caller.owner).await?;
