@@ -468,22 +468,24 @@
       const ids = chosenIds();
       if (!ids.includes(c.id)) ids.push(c.id);
       await api("PATCH", "/api/conversations/" + convId, { knowledge: ids });
-      const box = document.querySelector("input[name='kb:" + c.id + "']");
-      if (box) box.checked = true;
-      if (kbChips && !kbChips.querySelector("[data-id='" + c.id + "']")) {
-        const li = document.createElement("li");
-        li.className = "kb-chip";
-        li.dataset.id = c.id;
-        const s = document.createElement("span");
-        s.className = "muted small";
-        s.textContent = "Searching";
-        li.append(s, " " + c.name);
-        kbChips.append(li);
-        kbChips.hidden = false;
-      }
+      addKbChip(c.id, c.name);
       announce("Searching " + c.name + " for each message");
     } catch (err) { explain(err); }
     input.focus();
+  }
+  function addKbChip(id, name) {
+    const box = document.querySelector("input[name='kb:" + id + "']");
+    if (box) box.checked = true;
+    if (!kbChips || kbChips.querySelector("[data-id='" + id + "']")) return;
+    const li = document.createElement("li");
+    li.className = "kb-chip";
+    li.dataset.id = id;
+    const s = document.createElement("span");
+    s.className = "muted small";
+    s.textContent = "Searching";
+    li.append(s, " " + name);
+    kbChips.append(li);
+    kbChips.hidden = false;
   }
   function showPicker(list) {
     picker.textContent = "";
@@ -663,6 +665,13 @@
       for (const file of chosen) {
         try {
           const f = await upload(conv, file);
+          if (f.outcome === "searched") {
+            // Too long to read whole: the conversation searches it for each message instead.
+            toast(f.message, "info");
+            addKbChip(f.collection, f.collection_name);
+            announce(f.message);
+            continue;
+          }
           if (convId) addChip(f);
           announce("Attached " + f.name);
           draftSoon();

@@ -525,6 +525,82 @@ async fn passages_with_control_tokens_are_text_in_the_prompt() {
     );
 }
 
+/// A file too long to read whole, attached to an account's conversation, goes into the
+/// conversation's own collection and is searched for each message instead (the answer says
+/// so); a guest's is refused as before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_file_too_long_to_read_whole_is_searched_instead() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let server = Server::start(dir.path(), &accounts_env()).await;
+    let long = std::fs::read(common::crate_root().join("tests/data/knowledge/reliability.md"))
+        .expect("document");
+    // A guest: refused, saying why.
+    let guest = server.client();
+    let conv = guest.create(json!({})).await;
+    let refused = guest
+        .raw(
+            reqwest::Method::POST,
+            &format!("/api/conversations/{conv}/files?name=reliability.md"),
+            Some("text/markdown"),
+            Some(long.clone()),
+        )
+        .await;
+    assert_eq!(refused.status(), StatusCode::BAD_REQUEST);
+    let text = refused.text().await.expect("text");
+    assert!(text.contains("context window"), "{text}");
+
+    let alice = account(&server, 1, "alice", "alice's password", true).await;
+    let client = common::server::Client::with_cookie(&server.base, Some(alice.cookie_header()));
+    let conv = client
+        .create(json!({"temperature": 0, "max_tokens": 8, "title": "Reliability"}))
+        .await;
+    let up = client
+        .raw(
+            reqwest::Method::POST,
+            &format!("/api/conversations/{conv}/files?name=reliability.md"),
+            Some("text/markdown"),
+            Some(long),
+        )
+        .await;
+    assert_eq!(up.status(), StatusCode::CREATED);
+    let up: Value = up.json().await.expect("json");
+    assert_eq!(up["outcome"], "searched", "{up}");
+    assert!(
+        up["message"]
+            .as_str()
+            .unwrap_or("")
+            .contains("searched for each message"),
+        "{up}"
+    );
+    assert_eq!(up["collection_name"], "Files of Reliability", "{up}");
+    let collection = up["collection"].as_str().expect("collection").to_string();
+    let got = client.conversation(&conv).await;
+    assert_eq!(got["settings"]["knowledge"], json!([collection]), "{got}");
+    assert_eq!(
+        got["files"],
+        json!([]),
+        "nothing waits to be inlined: {got}"
+    );
+    let mut alice = alice;
+    indexed(&mut alice, &collection, Duration::from_secs(300)).await;
+    let turn = client
+        .chat(&conv, "How many hostile requests are in the catalogue?")
+        .await;
+    assert_eq!(
+        turn.done["message"]["status"], "complete",
+        "{:?}",
+        turn.events
+    );
+    let got = client.conversation(&conv).await;
+    let user = got["messages"][0]["id"].as_str().expect("id").to_string();
+    let sources = got["sources"][&user]
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
+    assert!(!sources.is_empty(), "{got}");
+    assert_eq!(sources[0]["document_name"], "reliability.md");
+}
+
 /// Documents count in the owner's stored bytes; one past the limit is refused, saying which
 /// limit, and nothing is stored.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

@@ -30,6 +30,7 @@ use crate::caller::Caller;
 use smolchat_serving::types::SubmitError;
 use smolchat_serving::window::SlidingWindow;
 mod files;
+pub use files::Uploaded;
 mod limits;
 mod organise;
 mod responses;

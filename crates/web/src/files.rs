@@ -13,6 +13,7 @@ use super::error::WebError;
 use super::json::read_bytes;
 use super::owner::Owner;
 use super::AppState;
+use smolchat_service::conversations::Uploaded;
 
 #[derive(Debug, Deserialize)]
 pub struct UploadQuery {
@@ -21,7 +22,10 @@ pub struct UploadQuery {
 }
 
 /// `POST /api/conversations/{id}/files?name=report.pdf` → 201 and the file (no text): it waits
-/// for the next message that names it in `files`.
+/// for the next message that names it in `files`. A file too long to read whole is, for an
+/// account, added to the conversation's own knowledge collection and searched for each message
+/// instead: 201 `{"outcome": "searched", "message", "collection", "collection_name",
+/// "document"}`.
 pub async fn upload(
     state: web::Data<AppState>,
     on: OnConversation,
@@ -52,8 +56,11 @@ pub async fn upload(
         ))
     };
     let bytes = read_bytes(&req, payload.into_inner(), limit, too_large).await?;
-    let file = service.upload_file(&caller, id, &name, bytes).await?;
-    Ok(HttpResponse::Created().json(file))
+    // A file too long to read whole is searched instead (for an account): the answer says so.
+    match service.upload_or_search(&caller, id, &name, bytes).await? {
+        Uploaded::Attached(file) => Ok(HttpResponse::Created().json(file)),
+        searched => Ok(HttpResponse::Created().json(searched)),
+    }
 }
 
 /// `GET /api/conversations/{id}/files`: `{"files": [...]}`, those messages carry

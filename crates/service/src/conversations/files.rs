@@ -9,7 +9,22 @@ use crate::caller::Caller;
 use crate::documents::ReadError;
 use crate::files::{self, FileError, FileText};
 use crate::session::{DraftOutcome, SendMessage, WarmDraft};
-use smolchat_store::{FileRecord, NewFile};
+use smolchat_store::{Document, FileRecord, NewFile};
+
+/// What became of an uploaded file.
+#[derive(Debug, Clone, serde::Serialize)]
+#[serde(tag = "outcome", rename_all = "snake_case")]
+pub enum Uploaded {
+    /// Waiting for the next message, whole.
+    Attached(FileRecord),
+    /// Too long to read whole: searched for each message, in the conversation's collection.
+    Searched {
+        message: String,
+        collection: Uuid,
+        collection_name: String,
+        document: Document,
+    },
+}
 
 /// Tokens kept free of a file, for the question about it and the reply: a file that leaves
 /// less than this in the context window is refused at upload.
@@ -141,6 +156,50 @@ impl Conversations {
             .await?;
         tracing::info!(conversation = %c.id, file = %file.id, kind = file.kind, bytes = size, tokens, "file attached");
         Ok(file)
+    }
+
+    /// [`Conversations::upload_file`], and for an account a file too long to read whole: it goes
+    /// into the conversation's own knowledge collection (made the first time, and chosen in
+    /// its settings) and is searched for each message instead; what happened says so.
+    pub async fn upload_or_search(
+        &self,
+        caller: &Caller,
+        id: Uuid,
+        name: &str,
+        bytes: Vec<u8>,
+    ) -> Result<Uploaded> {
+        // Kept only where a search could take the file instead.
+        let kept = (!caller.guest).then(|| bytes.clone());
+        let why = match self.upload_file(caller, id, name, bytes).await {
+            Ok(file) => return Ok(Uploaded::Attached(file)),
+            Err(ConversationError::ContextOverflow(why)) if kept.is_some() => why,
+            Err(e) => return Err(e),
+        };
+        let bytes = kept.unwrap_or_default();
+        let c = self.owned(caller, id).await?;
+        let knowledge = &self.sessions.shared().knowledge;
+        let collection = knowledge.files_collection(caller, &c.id, &c.title).await?;
+        let document = knowledge
+            .add_document(caller, collection.id, name, bytes)
+            .await?;
+        if !c.settings.knowledge.contains(&collection.id) {
+            let mut settings = c.settings.clone();
+            settings.knowledge.push(collection.id);
+            self.store.update_settings(c.id, &settings).await?;
+        }
+        tracing::info!(conversation = %c.id, document = %document.id, "a file too long to read whole is searched instead");
+        Ok(Uploaded::Searched {
+            message: format!(
+                "{:?} is too long to read whole ({}): it is searched for each message instead, \
+                 in the collection {:?}",
+                document.name,
+                why.split(';').next().unwrap_or(&why).trim(),
+                collection.name
+            ),
+            collection: collection.id,
+            collection_name: collection.name,
+            document,
+        })
     }
 
     /// The files of the caller's conversation `id`: those its messages carry and those waiting

@@ -301,6 +301,35 @@ impl Knowledge {
         Ok(c)
     }
 
+    /// The collection that holds a conversation's files too long to read whole: the caller's
+    /// own, found by its description (`conversation:<id>`), made the first time.
+    pub async fn files_collection(
+        &self,
+        caller: &Caller,
+        conversation: &Uuid,
+        title: &str,
+    ) -> Result<Collection> {
+        let marker = format!("conversation:{conversation}");
+        if let Some(c) = self
+            .collections(caller)
+            .await?
+            .into_iter()
+            .find(|c| c.owner == caller.owner && c.description == marker)
+        {
+            return Ok(c);
+        }
+        let title = title.trim();
+        let name: String = if title.is_empty() {
+            "Files of a conversation".to_string()
+        } else {
+            format!("Files of {title}")
+        }
+        .chars()
+        .take(NAME_LIMIT)
+        .collect();
+        self.create_collection(caller, &name, &marker).await
+    }
+
     /// Deletes a collection with its documents, passages and vectors.
     pub async fn delete_collection(&self, caller: &Caller, id: Uuid) -> Result<()> {
         self.changeable(caller, id).await?;
