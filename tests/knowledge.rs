@@ -1045,3 +1045,36 @@ async fn v1_requests_name_collections_the_admin_made_from_the_command_line() {
         );
     }
 }
+
+/// An embedding model the server does not serve fails each document, naming the setting to fix,
+/// instead of the indexer waiting for it for ever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_embedding_model_not_served_fails_documents_naming_the_setting() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut env = accounts_env();
+    env.push(("SMOLCHAT_KNOWLEDGE__EMBEDDING_MODEL", "no-such-model"));
+    let server = Server::start(dir.path(), &env).await;
+    let mut alice = account(&server, 1, "alice", "alice's password", true).await;
+    let (_, c) = json_of(
+        &mut alice,
+        reqwest::Method::POST,
+        "/api/knowledge",
+        Some(json!({"name": "Notes"})),
+    )
+    .await;
+    let id = c["id"].as_str().expect("id").to_string();
+    upload(
+        &mut alice,
+        &id,
+        "notes.md",
+        b"# Notes\n\nSome text.\n".to_vec(),
+    )
+    .await;
+    let docs = indexed(&mut alice, &id, Duration::from_secs(60)).await;
+    assert_eq!(docs[0]["status"], "failed", "{docs:?}");
+    let error = docs[0]["error"].as_str().unwrap_or("");
+    assert!(
+        error.contains("knowledge.embedding_model") && error.contains("no-such-model"),
+        "{error}"
+    );
+}

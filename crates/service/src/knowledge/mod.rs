@@ -614,7 +614,15 @@ impl Knowledge {
         self.models
             .resolve(&self.cfg.embedding_model)
             .await
-            .map_err(|e| KnowledgeError::Unavailable(format!("the embedding model: {e}")))
+            .map_err(|e| match e {
+                // A name that is not served will not become one by waiting: documents fail,
+                // saying which setting to fix, instead of the indexer trying again for ever.
+                e @ (crate::models::ModelError::NotFound { .. }
+                | crate::models::ModelError::Load { .. }) => {
+                    KnowledgeError::Internal(format!("knowledge.embedding_model: {e}"))
+                }
+                e => KnowledgeError::Unavailable(format!("the embedding model: {e}")),
+            })
     }
 
     /// One vector per text (mean-pooled, as `/v1/embeddings` gives them), each text read as
