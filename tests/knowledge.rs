@@ -932,14 +932,7 @@ async fn v1_requests_name_collections_the_admin_made_from_the_command_line() {
 
     // Bob's key, and Alice's private collection.
     let mut bob = account(&server, 1, "bob", "bob's password", true).await;
-    let made = bob.post_form("/account/keys", "name=laptop").await;
-    let key = made
-        .text
-        .split("id=\"new-key-value\">")
-        .nth(1)
-        .and_then(|r| r.split('<').next())
-        .expect("the new key")
-        .to_string();
+    let key = bob.new_api_key("laptop").await;
     let mut alice = account(&server, 2, "alice", "alice's password", true).await;
     let (_, private) = json_of(
         &mut alice,

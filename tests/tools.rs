@@ -1116,14 +1116,7 @@ print(json.dumps({"whole": whole, "streamed": {"content": content, "steps": step
             .await;
         assert_eq!(signed.status, StatusCode::NO_CONTENT, "{}", signed.text);
         bob.get("/").await;
-        let made = bob.post_form("/account/keys", "name=laptop").await;
-        let key = made
-            .text
-            .split("id=\"new-key-value\">")
-            .nth(1)
-            .and_then(|r| r.split('<').next())
-            .expect("the new key is shown")
-            .to_string();
+        let key = bob.new_api_key("laptop").await;
 
         // Without a key there is no account to run them for.
         let (status, body) = ask(

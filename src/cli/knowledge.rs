@@ -6,10 +6,11 @@
 
 use std::path::PathBuf;
 
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
 use clap::{Args, Subcommand};
 use serde_json::{json, Value};
-use smolchat_service::config::Config;
+
+use super::ops::{encode, OpsClient};
 
 #[derive(Args, Debug)]
 pub struct KnowledgeArgs {
@@ -60,53 +61,9 @@ pub enum KnowledgeAction {
 }
 
 pub fn run(args: &KnowledgeArgs) -> Result<()> {
-    let config = Config::load(args.config.as_deref())?;
-    let token = config
-        .server
-        .admin_token
-        .clone()
-        .filter(|t| !t.is_empty())
-        .context("server.admin_token is not set: `smolchat knowledge` needs it (in the configuration file or SMOLCHAT_SERVER__ADMIN_TOKEN)")?;
-    let base = args
-        .url
-        .clone()
-        .unwrap_or_else(|| format!("http://{}", config.server.bind));
-    let base = base.trim_end_matches('/').to_string();
-    let agent: ureq::Agent = ureq::Agent::config_builder()
-        .http_status_as_error(false)
-        .build()
-        .into();
-    let auth = format!("Bearer {token}");
-    let answer = |resp: Result<ureq::http::Response<ureq::Body>, ureq::Error>| -> Result<Value> {
-        let mut resp = resp
-            .with_context(|| format!("cannot reach the server at {base} (is it running? --url)"))?;
-        let status = resp.status();
-        let body = resp
-            .body_mut()
-            .read_to_string()
-            .context("reading the server's answer")?;
-        let json: Value = serde_json::from_str(&body).unwrap_or(Value::Null);
-        if !status.is_success() {
-            let message = json["error"]["message"]
-                .as_str()
-                .map_or(body.clone(), str::to_string);
-            bail!("{status}: {message}");
-        }
-        Ok(json)
-    };
-    let url = |path: &str| format!("{base}{path}");
-    let get = |path: &str| answer(agent.get(&url(path)).header("Authorization", &auth).call());
-    let send = |method: &str, path: &str, body: &Value| {
-        let req = match method {
-            "PUT" => agent.put(&url(path)),
-            _ => agent.post(&url(path)),
-        };
-        answer(
-            req.header("Authorization", &auth)
-                .header("Content-Type", "application/json")
-                .send(body.to_string()),
-        )
-    };
+    let ops = OpsClient::new(args.config.as_deref(), args.url.as_deref(), "knowledge")?;
+    let get = |path: &str| ops.call("GET", path, None, None);
+    let send = |method: &str, path: &str, body: &Value| ops.call(method, path, Some(body), None);
     match &args.action {
         KnowledgeAction::List => {
             let list = get("/ops/knowledge")?;
@@ -166,17 +123,17 @@ pub fn run(args: &KnowledgeArgs) -> Result<()> {
                     .file_name()
                     .and_then(|n| n.to_str())
                     .with_context(|| format!("{} has no file name", f.display()))?;
-                let doc = answer(
-                    agent
-                        .post(&url(&format!(
+                let doc = ops
+                    .call(
+                        "POST",
+                        &format!(
                             "/ops/knowledge/{collection}/documents?name={}",
                             encode(name)
-                        )))
-                        .header("Authorization", &auth)
-                        .header("Content-Type", "application/octet-stream")
-                        .send(&bytes[..]),
-                )
-                .with_context(|| format!("adding {}", f.display()))?;
+                        ),
+                        None,
+                        Some(&bytes),
+                    )
+                    .with_context(|| format!("adding {}", f.display()))?;
                 println!("{}  {name}", doc["id"].as_str().unwrap_or("?"));
                 added.push(doc["id"].as_str().unwrap_or_default().to_string());
             }
@@ -226,28 +183,14 @@ pub fn run(args: &KnowledgeArgs) -> Result<()> {
             collection,
             document,
         } => {
-            answer(
-                agent
-                    .delete(&url(&format!(
-                        "/ops/knowledge/{collection}/documents/{document}"
-                    )))
-                    .header("Authorization", &auth)
-                    .call(),
+            ops.call(
+                "DELETE",
+                &format!("/ops/knowledge/{collection}/documents/{document}"),
+                None,
+                None,
             )?;
             println!("removed");
         }
     }
     Ok(())
-}
-
-/// A name as one query value.
-fn encode(s: &str) -> String {
-    s.bytes()
-        .map(|b| match b {
-            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' => {
-                (b as char).to_string()
-            }
-            _ => format!("%{b:02X}"),
-        })
-        .collect()
 }

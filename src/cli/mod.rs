@@ -9,6 +9,7 @@ pub mod inspect;
 pub mod knowledge;
 pub mod logits;
 pub mod model;
+pub mod ops;
 pub mod serve;
 pub mod tokenize;
 pub mod user;

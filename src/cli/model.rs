@@ -4,10 +4,11 @@
 
 use std::path::PathBuf;
 
-use anyhow::{bail, Context, Result};
+use anyhow::Result;
 use clap::{Args, Subcommand};
 use serde_json::Value;
-use smolchat_service::config::Config;
+
+use super::ops::{encode, OpsClient};
 
 #[derive(Args, Debug)]
 pub struct ModelArgs {
@@ -36,44 +37,8 @@ pub enum ModelAction {
 }
 
 pub fn run(args: &ModelArgs) -> Result<()> {
-    let config = Config::load(args.config.as_deref())?;
-    let token = config
-        .server
-        .admin_token
-        .clone()
-        .filter(|t| !t.is_empty())
-        .context("server.admin_token is not set: `smolchat model` needs it (in the configuration file or SMOLCHAT_SERVER__ADMIN_TOKEN)")?;
-    let base = args
-        .url
-        .clone()
-        .unwrap_or_else(|| format!("http://{}", config.server.bind));
-    let base = base.trim_end_matches('/');
-    let agent: ureq::Agent = ureq::Agent::config_builder()
-        .http_status_as_error(false)
-        .build()
-        .into();
-    let call = |method: &str, path: &str| -> Result<Value> {
-        let url = format!("{base}{path}");
-        let auth = format!("Bearer {token}");
-        let mut resp = match method {
-            "GET" => agent.get(&url).header("Authorization", &auth).call(),
-            _ => agent.post(&url).header("Authorization", &auth).send_empty(),
-        }
-        .with_context(|| format!("cannot reach the server at {base} (is it running? --url)"))?;
-        let status = resp.status();
-        let body = resp
-            .body_mut()
-            .read_to_string()
-            .context("reading the server's answer")?;
-        let json: Value = serde_json::from_str(&body).unwrap_or(Value::Null);
-        if !status.is_success() {
-            let message = json["error"]["message"]
-                .as_str()
-                .map_or(body.clone(), str::to_string);
-            bail!("{status}: {message}");
-        }
-        Ok(json)
-    };
+    let ops = OpsClient::new(args.config.as_deref(), args.url.as_deref(), "model")?;
+    let call = |method: &str, path: &str| ops.call(method, path, None, None);
     let id_path = |id: &str, action: &str| format!("/ops/models/{}/{action}", encode(id));
     let answer = match &args.action {
         ModelAction::List => call("GET", "/ops/models")?,
@@ -115,16 +80,4 @@ pub fn run(args: &ModelArgs) -> Result<()> {
         ),
     }
     Ok(())
-}
-
-/// A model id as one path segment.
-fn encode(id: &str) -> String {
-    id.bytes()
-        .map(|b| match b {
-            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' => {
-                (b as char).to_string()
-            }
-            _ => format!("%{b:02X}"),
-        })
-        .collect()
 }

@@ -118,6 +118,20 @@ impl Browser {
         self.finish(req).await
     }
 
+    /// Makes a personal API key named `name` on `/account` (signed in) and returns it, as the
+    /// page shows it once.
+    pub async fn new_api_key(&mut self, name: &str) -> String {
+        let made = self
+            .post_form("/account/keys", &format!("name={name}"))
+            .await;
+        made.text
+            .split("id=\"new-key-value\">")
+            .nth(1)
+            .and_then(|r| r.split('<').next())
+            .unwrap_or_else(|| panic!("the new key is shown: {}", made.text))
+            .to_string()
+    }
+
     /// This client's cookies as one `Cookie` header value (for another client of the same
     /// account, such as [`super::server::Client::with_cookie`]).
     pub fn cookie_header(&self) -> String {

@@ -289,6 +289,17 @@ impl Store {
         })
     }
 
+    async fn collections_from(
+        &self,
+        rows: Vec<CollectionRow>,
+    ) -> Result<Vec<Collection>, StoreError> {
+        let mut out = Vec::with_capacity(rows.len());
+        for row in rows {
+            out.push(self.collection_from(row).await?);
+        }
+        Ok(out)
+    }
+
     /// Makes a collection of `owner`'s.
     pub async fn create_collection(
         &self,
@@ -339,11 +350,7 @@ impl Store {
         .bind(owner)
         .fetch_all(&self.pool)
         .await?;
-        let mut out = Vec::with_capacity(rows.len());
-        for row in rows {
-            out.push(self.collection_from(row).await?);
-        }
-        Ok(out)
+        self.collections_from(rows).await
     }
 
     /// Every collection (the admin's list), oldest first.
@@ -354,11 +361,7 @@ impl Store {
         )
         .fetch_all(&self.pool)
         .await?;
-        let mut out = Vec::with_capacity(rows.len());
-        for row in rows {
-            out.push(self.collection_from(row).await?);
-        }
-        Ok(out)
+        self.collections_from(rows).await
     }
 
     /// Shares collection `id` with everyone (`shared`) and with exactly `with` (accounts);

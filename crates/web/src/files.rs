@@ -21,6 +21,40 @@ pub struct UploadQuery {
     pub name: Option<String>,
 }
 
+/// The `name` an upload's query string gives (its extension says its type); `example` shows
+/// how to give it.
+pub fn upload_name(req: &HttpRequest, example: &str) -> Result<String, WebError> {
+    let query = web::Query::<UploadQuery>::from_query(req.query_string())
+        .map_err(|e| WebError::BadRequest(format!("bad query string: {e}")))?;
+    query
+        .name
+        .clone()
+        .filter(|n| !n.trim().is_empty())
+        .ok_or_else(|| {
+            WebError::BadRequest(format!(
+                "say the file's name: POST {example} (its extension gives its type)"
+            ))
+        })
+}
+
+/// An upload's body, at most `limit` bytes; more is 413 naming `what` and the `setting`.
+pub async fn upload_body(
+    req: &HttpRequest,
+    payload: web::Payload,
+    name: &str,
+    limit: usize,
+    what: &str,
+    setting: &str,
+) -> Result<Vec<u8>, WebError> {
+    let too_large = || {
+        WebError::PayloadTooLarge(format!(
+            "{name:?} is larger than {} MiB, the most {what} may be ({setting})",
+            limit >> 20
+        ))
+    };
+    read_bytes(req, payload.into_inner(), limit, too_large).await
+}
+
 /// `POST /api/conversations/{id}/files?name=report.pdf` → 201 and the file (no text): it waits
 /// for the next message that names it in `files`. A file too long to read whole is, for an
 /// account, added to the conversation's own knowledge collection and searched for each message
@@ -32,30 +66,13 @@ pub async fn upload(
     req: HttpRequest,
     payload: web::Payload,
 ) -> Result<HttpResponse, WebError> {
-    let query = web::Query::<UploadQuery>::from_query(req.query_string())
-        .map_err(|e| WebError::BadRequest(format!("bad query string: {e}")))?;
-    let name = query
-        .name
-        .clone()
-        .filter(|n| !n.trim().is_empty())
-        .ok_or_else(|| {
-            WebError::BadRequest(
-                "say the file's name: POST …/files?name=report.pdf (its extension gives its type)"
-                    .into(),
-            )
-        })?;
+    let name = upload_name(&req, "…/files?name=report.pdf")?;
     let service = state.platform.conversations();
     let OnConversation { caller, id, .. } = on;
     // Whose it is before reading the body: another owner's id is 404 whatever is sent.
     service.owned(&caller, id).await?;
     let limit = state.platform.config().limits.max_file_mib as usize * (1 << 20);
-    let too_large = || {
-        WebError::PayloadTooLarge(format!(
-            "{name:?} is larger than {} MiB, the most a file may be (limits.max_file_mib)",
-            limit >> 20
-        ))
-    };
-    let bytes = read_bytes(&req, payload.into_inner(), limit, too_large).await?;
+    let bytes = upload_body(&req, payload, &name, limit, "a file", "limits.max_file_mib").await?;
     // A file too long to read whole is searched instead (for an account): the answer says so.
     match service.upload_or_search(&caller, id, &name, bytes).await? {
         Uploaded::Attached(file) => Ok(HttpResponse::Created().json(file)),

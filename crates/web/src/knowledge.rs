@@ -26,9 +26,8 @@ use uuid::Uuid;
 
 use super::api::parse_uuid;
 use super::error::{PageError, WebError};
-use super::files::UploadQuery;
 use super::html::html;
-use super::json::{read_bytes, JsonBody};
+use super::json::JsonBody;
 use super::owner::Owner;
 use super::AppState;
 
@@ -163,17 +162,6 @@ struct DocumentView {
     size: String,
 }
 
-fn size(bytes: i64) -> String {
-    let b = bytes.max(0) as f64;
-    if b >= (1 << 20) as f64 {
-        format!("{:.1} MB", b / (1 << 20) as f64)
-    } else if b >= 1024.0 {
-        format!("{:.1} KB", b / 1024.0)
-    } else {
-        format!("{b} B")
-    }
-}
-
 /// `GET /knowledge`
 async fn page(state: web::Data<AppState>, owner: Owner) -> Result<HttpResponse, PageError> {
     use smolchat_service::records::DocumentStatus;
@@ -211,7 +199,7 @@ async fn page(state: web::Data<AppState>, owner: Owner) -> Result<HttpResponse, 
                             format!("failed: {}", d.error.unwrap_or_default())
                         }
                     },
-                    size: size(d.size_bytes),
+                    size: super::pages::human_size(d.size_bytes),
                     name: d.name,
                 })
                 .collect(),
@@ -384,31 +372,20 @@ async fn add_document_for(
     payload: web::Payload,
 ) -> Result<HttpResponse, WebError> {
     let id = collection_id(id)?;
-    let query = web::Query::<UploadQuery>::from_query(req.query_string())
-        .map_err(|e| WebError::BadRequest(format!("bad query string: {e}")))?;
-    let name = query
-        .name
-        .clone()
-        .filter(|n| !n.trim().is_empty())
-        .ok_or_else(|| {
-            WebError::BadRequest(
-                "say the document's name: POST …/documents?name=handbook.pdf (its extension \
-                 gives its type)"
-                    .into(),
-            )
-        })?;
+    let name = super::files::upload_name(req, "…/documents?name=handbook.pdf")?;
     let knowledge = state.platform.knowledge();
     // Whose it is before reading the body: another owner's id is 404 whatever is sent.
     knowledge.collection(&caller, id).await?;
     let limit = knowledge.max_document_bytes();
-    let too_large = || {
-        WebError::PayloadTooLarge(format!(
-            "{name:?} is larger than {} MiB, the most a document may be \
-             (knowledge.max_document_mib)",
-            limit >> 20
-        ))
-    };
-    let bytes = read_bytes(req, payload.into_inner(), limit, too_large).await?;
+    let bytes = super::files::upload_body(
+        req,
+        payload,
+        &name,
+        limit,
+        "a document",
+        "knowledge.max_document_mib",
+    )
+    .await?;
     let doc = knowledge.add_document(&caller, id, &name, bytes).await?;
     Ok(HttpResponse::Created().json(doc))
 }

@@ -103,16 +103,21 @@ pub struct FileChip {
     pub tokens: i64,
 }
 
+/// "12.3 KB": a file's size as the pages show it.
+pub fn human_size(bytes: i64) -> String {
+    let b = bytes.max(0) as f64;
+    if b >= (1 << 20) as f64 {
+        format!("{:.1} MB", b / (1 << 20) as f64)
+    } else if b >= 1024.0 {
+        format!("{:.1} KB", b / 1024.0)
+    } else {
+        format!("{b} B")
+    }
+}
+
 impl FileChip {
     pub fn of(f: &FileRecord) -> FileChip {
-        let b = f.size_bytes.max(0) as f64;
-        let size = if b >= (1 << 20) as f64 {
-            format!("{:.1} MB", b / (1 << 20) as f64)
-        } else if b >= 1024.0 {
-            format!("{:.1} KB", b / 1024.0)
-        } else {
-            format!("{b} B")
-        };
+        let size = human_size(f.size_bytes);
         FileChip {
             id: f.id.to_string(),
             name: f.name.clone(),

@@ -844,9 +844,4 @@ impl Knowledge {
         self.search(&caller, &ids, &text, None, SearchMode::Hybrid)
             .await
     }
-
-    /// Wakes the indexer (a document was added by another way than [`Knowledge::add_document`]).
-    pub fn wake(&self) {
-        self.wake.notify_one();
-    }
 }
